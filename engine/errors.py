@@ -1,0 +1,36 @@
+"""The engine's one exception family.
+
+Every error the engine raises on bad input derives from :class:`EngineError`, and its message
+names the file, key or tensor involved and what was expected, so the app can show it to a user
+as it is (see ../DESIGN.md, "Errors").
+"""
+
+from __future__ import annotations
+
+
+class EngineError(Exception):
+    """Base of every error the engine raises on purpose."""
+
+
+class ModelFormatError(EngineError):
+    """A model file is malformed: truncated, wrong magic, missing or mis-shaped tensor, absurd metadata."""
+
+
+class UnsupportedModelError(EngineError):
+    """A well-formed file the engine cannot run: unknown architecture or unsupported quant type."""
+
+
+class TokenizerError(EngineError):
+    """The tokenizer metadata or chat template in a model file is missing or unusable."""
+
+
+class TemplateError(TokenizerError):
+    """The chat template failed to render, or tried to leave its sandbox."""
+
+
+class ContextFullError(EngineError):
+    """A prompt (or prompt plus answer) does not fit the context window."""
+
+
+class GenerationCancelled(EngineError):
+    """Raised inside the engine when a cancel flag was set; the API turns it into a final event."""

@@ -1,0 +1,90 @@
+"""Plain dataclasses that :meth:`engine.api.Engine.chat` yields, one turn at a time.
+
+The app forwards them through Qt signals as they are; nothing here knows about Qt.
+Order within one turn: one :class:`PrefillStats`, then :class:`TokenEvent` per generated token,
+then exactly one :class:`TurnSummary` (also after a cancel, a context-full stop or an error).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+StopReason = Literal["eos", "max_tokens", "context_full", "cancelled", "error"]
+
+
+@dataclass(frozen=True)
+class PrefillStats:
+    """Emitted once, when the prompt has been read and the first token is about to be sampled.
+
+    Attributes:
+        prompt_tokens: tokens in the rendered prompt.
+        reused_tokens: tokens restored from the prefix cache (0 without a cache hit).
+        prefilled_tokens: tokens actually run through the model (prompt_tokens - reused_tokens).
+        prefill_ms: wall time of the prefill forward pass, ms.
+        restore_ms: wall time to restore a cached snapshot, ms (0 without a hit).
+        device: where prefill ran, "cpu" or "cuda".
+        ttft_ms: time from the call to chat() to the first sampled token, ms.
+    """
+
+    prompt_tokens: int
+    reused_tokens: int
+    prefilled_tokens: int
+    prefill_ms: float
+    restore_ms: float
+    device: str
+    ttft_ms: float
+
+    @property
+    def prefill_tok_s(self) -> float:
+        """Prefill throughput in tokens/s (0 when nothing was prefilled)."""
+        return self.prefilled_tokens / (self.prefill_ms / 1e3) if self.prefill_ms > 0 else 0.0
+
+
+@dataclass(frozen=True)
+class TokenEvent:
+    """One generated token.
+
+    Attributes:
+        token_id: the sampled token id.
+        text: the text this token completes; "" while a multi-byte UTF-8 character is still
+            incomplete (the bytes are emitted with the token that completes it).
+        ms: wall time spent on this token (forward + sampling), ms.
+        index: 0-based index of this token within the answer.
+    """
+
+    token_id: int
+    text: str
+    ms: float
+    index: int
+
+
+@dataclass(frozen=True)
+class TurnSummary:
+    """The last event of a turn.
+
+    Attributes:
+        stop_reason: why generation stopped.
+        message: plain-words explanation for stop reasons other than "eos" (e.g. the context
+            size when the context is full), else "".
+        prompt_tokens / reused_tokens / generated_tokens: token counts.
+        ttft_ms: time to first token, ms.
+        prefill_tok_s: prompt tokens/s of the prefill (prefilled tokens only).
+        decode_tok_s: generated tokens/s, excluding the first token's latency.
+        text: the full answer text.
+        token_ms: per-token latencies, ms, in order.
+    """
+
+    stop_reason: StopReason
+    message: str
+    prompt_tokens: int
+    reused_tokens: int
+    generated_tokens: int
+    ttft_ms: float
+    prefill_tok_s: float
+    decode_tok_s: float
+    text: str
+    token_ms: tuple[float, ...] = field(default_factory=tuple)
+
+
+Event = PrefillStats | TokenEvent | TurnSummary

@@ -1,0 +1,233 @@
+"""Typed, validated hyper-parameters of the Qwen3.5/3.6 hybrid text models.
+
+One frozen dataclass, built in one place (:func:`from_metadata`) from the GGUF keys listed in
+``../shared/spec/qwen35moe.md`` section 1 (llama.cpp ``src/llama-model.cpp``, arch ``qwen35moe`` /
+``qwen35``). The Mamba-style key names that llama.cpp borrows (``ssm.state_size``,
+``ssm.group_count``, ...) are renamed here to what they mean.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable
+
+from .errors import ModelFormatError, UnsupportedModelError
+
+ARCHITECTURES = ("qwen35moe", "qwen35")
+
+# Upper bounds that no real model reaches; they keep a hostile header from asking for
+# multi-GB allocations before any tensor is read.
+_LIMITS = {
+    "block_count": 1024,
+    "embedding_length": 65536,
+    "attention.head_count": 1024,
+    "attention.head_count_kv": 1024,
+    "attention.key_length": 4096,
+    "attention.value_length": 4096,
+    "expert_count": 65536,
+    "expert_used_count": 1024,
+    "expert_feed_forward_length": 1 << 20,
+    "expert_shared_feed_forward_length": 1 << 20,
+    "feed_forward_length": 1 << 20,
+    "ssm.conv_kernel": 64,
+    "ssm.state_size": 4096,
+    "ssm.group_count": 1024,
+    "ssm.time_step_rank": 1024,
+    "ssm.inner_size": 1 << 20,
+    "full_attention_interval": 1024,
+    "context_length": 1 << 24,
+    "rope.dimension_count": 4096,
+}
+
+
+@dataclass(frozen=True)
+class Qwen35HParams:
+    """Hyper-parameters of one ``qwen35moe`` (MoE) or ``qwen35`` (dense) text model.
+
+    Attribute names follow the GGUF keys without the arch prefix where the key says what it
+    means, and the meaning where it borrows a Mamba name (noted per field).
+    """
+
+    arch: str
+    n_layer: int                 # trunk layers run in decoding = block_count - nextn_predict_layers
+    nextn_predict_layers: int    # MTP blocks stored after the trunk (skipped)
+    n_embd: int                  # embedding_length
+    n_vocab: int                 # vocab_size, or len(tokenizer.ggml.tokens)
+    context_length: int
+    rms_eps: float               # attention.layer_norm_rms_epsilon (all RMSNorms and the L2 norm)
+    # gated full attention
+    n_head: int                  # attention.head_count
+    n_head_kv: int               # attention.head_count_kv
+    head_dim: int                # attention.key_length (== value_length)
+    rope_theta: float            # rope.freq_base
+    rope_dims: int               # rope.dimension_count: rotated dims per head
+    rope_sections: tuple[int, int, int, int]  # rope.dimension_sections, in rotation pairs
+    full_attention_interval: int
+    # Gated DeltaNet
+    conv_kernel: int             # ssm.conv_kernel
+    head_k_dim: int              # ssm.state_size
+    num_k_heads: int             # ssm.group_count
+    num_v_heads: int             # ssm.time_step_rank
+    head_v_dim: int              # ssm.inner_size / ssm.time_step_rank
+    # FFN: MoE (n_expert > 0) or dense SwiGLU (n_ff > 0)
+    n_expert: int = 0            # expert_count
+    n_expert_used: int = 0       # expert_used_count
+    n_ff_exp: int = 0            # expert_feed_forward_length
+    n_ff_shexp: int = 0          # expert_shared_feed_forward_length
+    n_ff: int = 0                # feed_forward_length (dense qwen35)
+
+    @property
+    def is_moe(self) -> bool:
+        """True for ``qwen35moe`` files (routed experts + shared expert)."""
+        return self.n_expert > 0
+
+    @property
+    def key_dim(self) -> int:
+        """GDN q/k width: num_k_heads * head_k_dim."""
+        return self.num_k_heads * self.head_k_dim
+
+    @property
+    def value_dim(self) -> int:
+        """GDN v width (ssm.inner_size): num_v_heads * head_v_dim."""
+        return self.num_v_heads * self.head_v_dim
+
+    @property
+    def conv_dim(self) -> int:
+        """Channels of the GDN causal conv: 2 * key_dim + value_dim."""
+        return 2 * self.key_dim + self.value_dim
+
+    def is_recurrent(self, il: int) -> bool:
+        """Layer ``il`` (0-based, trunk only) is Gated DeltaNet, else gated full attention.
+
+        Rule from llama.cpp: full attention iff ``(il + 1) % full_attention_interval == 0``.
+        """
+        return (il + 1) % self.full_attention_interval != 0
+
+
+def from_metadata(get: Callable[[str], Any], n_tokens: int | None, source: str) -> Qwen35HParams:
+    """Build and validate :class:`Qwen35HParams` from GGUF metadata.
+
+    Args:
+        get: returns the value of a full GGUF key (``general.architecture``,
+            ``qwen35moe.block_count``, ...) or ``None`` when the key is absent.
+        n_tokens: length of ``tokenizer.ggml.tokens`` (used when ``vocab_size`` is absent), or None.
+        source: file name used in error messages.
+
+    Raises:
+        UnsupportedModelError: the architecture is not ``qwen35moe`` / ``qwen35``.
+        ModelFormatError: a required key is missing, has the wrong type or an absurd value.
+    """
+    arch = get("general.architecture")
+    if not isinstance(arch, str):
+        raise ModelFormatError(f"{source}: key general.architecture is missing or not a string")
+    if arch not in ARCHITECTURES:
+        raise UnsupportedModelError(
+            f"{source}: architecture {arch!r} is not supported (expected one of {', '.join(ARCHITECTURES)})")
+
+    def key(name: str, kind: type = int, default: Any = None, required: bool = True) -> Any:
+        full = f"{arch}.{name}"
+        value = get(full)
+        if value is None:
+            if required and default is None:
+                raise ModelFormatError(f"{source}: required key {full} is missing")
+            return default
+        if kind is float:
+            if isinstance(value, bool) or not isinstance(value, (int, float)):
+                raise ModelFormatError(f"{source}: key {full} should be a number, got {value!r}")
+            return float(value)
+        if kind is int:
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise ModelFormatError(f"{source}: key {full} should be an integer, got {value!r}")
+            limit = _LIMITS.get(name)
+            if value < 0 or (limit is not None and value > limit):
+                raise ModelFormatError(
+                    f"{source}: key {full} = {value} is out of range (expected 0..{limit})")
+            return int(value)
+        return value
+
+    block_count = key("block_count")
+    nextn = key("nextn_predict_layers", default=0)
+    n_layer = block_count - nextn
+    if n_layer <= 0:
+        raise ModelFormatError(
+            f"{source}: {arch}.block_count = {block_count} leaves no trunk layer after "
+            f"{arch}.nextn_predict_layers = {nextn}")
+    n_vocab = key("vocab_size", default=0, required=False) or (n_tokens or 0)
+    if n_vocab <= 0:
+        raise ModelFormatError(f"{source}: neither {arch}.vocab_size nor tokenizer.ggml.tokens gives a vocabulary size")
+    sections = get(f"{arch}.rope.dimension_sections")
+    if sections is None:
+        raise ModelFormatError(f"{source}: required key {arch}.rope.dimension_sections is missing")
+    sections = tuple(int(s) for s in list(sections)[:4])
+    sections = sections + (0,) * (4 - len(sections))
+
+    head_dim = key("attention.key_length")
+    v_len = key("attention.value_length", default=head_dim)
+    if v_len != head_dim:
+        raise ModelFormatError(f"{source}: {arch}.attention.value_length = {v_len} differs from key_length = {head_dim}")
+    num_v_heads = key("ssm.time_step_rank")
+    inner = key("ssm.inner_size")
+    if num_v_heads == 0 or inner % num_v_heads:
+        raise ModelFormatError(
+            f"{source}: {arch}.ssm.inner_size = {inner} is not a multiple of ssm.time_step_rank = {num_v_heads}")
+
+    moe = arch == "qwen35moe"
+    hp = Qwen35HParams(
+        arch=arch,
+        n_layer=n_layer,
+        nextn_predict_layers=nextn,
+        n_embd=key("embedding_length"),
+        n_vocab=n_vocab,
+        context_length=key("context_length"),
+        rms_eps=key("attention.layer_norm_rms_epsilon", float),
+        n_head=key("attention.head_count"),
+        n_head_kv=key("attention.head_count_kv"),
+        head_dim=head_dim,
+        rope_theta=key("rope.freq_base", float),
+        rope_dims=key("rope.dimension_count"),
+        rope_sections=sections,  # type: ignore[arg-type]
+        full_attention_interval=key("full_attention_interval", default=4),
+        conv_kernel=key("ssm.conv_kernel"),
+        head_k_dim=key("ssm.state_size"),
+        num_k_heads=key("ssm.group_count"),
+        num_v_heads=num_v_heads,
+        head_v_dim=inner // num_v_heads,
+        n_expert=key("expert_count") if moe else 0,
+        n_expert_used=key("expert_used_count") if moe else 0,
+        n_ff_exp=key("expert_feed_forward_length") if moe else 0,
+        n_ff_shexp=key("expert_shared_feed_forward_length", default=0, required=False) if moe else 0,
+        n_ff=0 if moe else key("feed_forward_length"),
+    )
+    _check(hp, source)
+    return hp
+
+
+def _check(hp: Qwen35HParams, source: str) -> None:
+    """Cross-field rules; raises ModelFormatError naming the keys involved."""
+    a = hp.arch
+    rules = [
+        (hp.n_embd > 0, "embedding_length must be > 0"),
+        (hp.n_head > 0 and hp.n_head_kv > 0 and hp.n_head % hp.n_head_kv == 0,
+         "attention.head_count must be a positive multiple of attention.head_count_kv"),
+        (hp.head_dim > 0 and hp.head_dim % 2 == 0, "attention.key_length must be even and > 0"),
+        (0 < hp.rope_dims <= hp.head_dim and hp.rope_dims % 2 == 0,
+         "rope.dimension_count must be even and <= attention.key_length"),
+        (hp.num_k_heads > 0 and hp.num_v_heads % hp.num_k_heads == 0,
+         "ssm.time_step_rank must be a multiple of ssm.group_count"),
+        (hp.head_k_dim > 0 and hp.head_v_dim > 0, "ssm.state_size and ssm.inner_size must be > 0"),
+        (hp.conv_kernel >= 1, "ssm.conv_kernel must be >= 1"),
+        (hp.full_attention_interval >= 1, "full_attention_interval must be >= 1"),
+        (hp.rms_eps > 0, "attention.layer_norm_rms_epsilon must be > 0"),
+        (hp.rope_theta > 0, "rope.freq_base must be > 0"),
+    ]
+    if hp.is_moe:
+        rules += [
+            (hp.n_expert > 0 and 0 < hp.n_expert_used <= hp.n_expert,
+             "expert_used_count must be in 1..expert_count"),
+            (hp.n_ff_exp > 0, "expert_feed_forward_length must be > 0"),
+        ]
+    else:
+        rules.append((hp.n_ff > 0, "feed_forward_length must be > 0"))
+    for ok, what in rules:
+        if not ok:
+            raise ModelFormatError(f"{source}: {a} hyper-parameters are inconsistent: {what}")
