@@ -1,0 +1,191 @@
+"""Command line: ``python -m engine {info,generate,chat,synth}``.
+
+- ``info MODEL.gguf``: architecture, layers, quant mix, bytes read per decoded token.
+- ``generate [--model M] [--prompt P] [--max-tokens N] [--temp T] ...``: one answer streamed to
+  stdout, then a timing line (TTFT, prefill tok/s, decode tok/s).
+- ``chat [--model M]``: an interactive multi-turn chat on the terminal.
+- ``synth --preset tiny|small|dense-tiny|35b-a3b [--layers N] [--experts N] --quant Q -o FILE``:
+  a random-weight GGUF in the layout and metadata real files use.
+
+Errors from the engine are printed as one line on stderr with exit status 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Sequence
+
+from .errors import EngineError
+from .events import PrefillStats, TokenEvent, TurnSummary
+from .sampling import SamplingParams
+
+
+def _sampling(args: argparse.Namespace) -> SamplingParams:
+    return SamplingParams(temperature=args.temp, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,
+                          presence_penalty=args.presence_penalty,
+                          repetition_penalty=args.repeat_penalty, seed=args.seed,
+                          max_tokens=args.max_tokens)
+
+
+def _load(args: argparse.Namespace):
+    from .api import Engine, EngineOptions, default_model_path
+    path = args.model or default_model_path()
+    t0 = time.perf_counter()
+    engine = Engine.load(path, options=EngineOptions(context=args.context))
+    print(f"[loaded {Path(path).name} in {time.perf_counter() - t0:.2f} s]", file=sys.stderr)
+    return engine
+
+
+def _stream(events, out=sys.stdout) -> TurnSummary:
+    summary = None
+    for ev in events:
+        if isinstance(ev, TokenEvent):
+            out.write(ev.text)
+            out.flush()
+        elif isinstance(ev, PrefillStats):
+            pass
+        elif isinstance(ev, TurnSummary):
+            summary = ev
+    assert summary is not None
+    return summary
+
+
+def _timing(s: TurnSummary) -> str:
+    note = f" ({s.message})" if s.stop_reason not in ("eos", "max_tokens") else ""
+    return (f"[prompt {s.prompt_tokens} tok, {s.generated_tokens} generated, stop: {s.stop_reason}{note} | "
+            f"TTFT {s.ttft_ms:.0f} ms | prefill {s.prefill_tok_s:.1f} tok/s | decode {s.decode_tok_s:.2f} tok/s]")
+
+
+def cmd_info(args: argparse.Namespace) -> int:
+    from .gguf_file import GGUFFile
+    f = GGUFFile.open(args.model)
+    hp = f.hparams
+    kinds = "".join("D" if hp.is_recurrent(i) else "A" for i in range(hp.n_layer))
+    print(f"file           {f.path}")
+    print(f"architecture   {hp.arch}")
+    print(f"layers         {hp.n_layer} ({kinds.count('D')} Gated DeltaNet, {kinds.count('A')} full attention)"
+          + (f" + {hp.nextn_predict_layers} MTP (skipped)" if hp.nextn_predict_layers else ""))
+    print(f"hidden         {hp.n_embd}, vocab {hp.n_vocab}, context {hp.context_length}")
+    print(f"attention      {hp.n_head} Q heads / {hp.n_head_kv} KV heads x {hp.head_dim}, "
+          f"RoPE {hp.rope_dims} dims theta {hp.rope_theta:g} sections {list(hp.rope_sections)}")
+    print(f"delta-net      {hp.num_k_heads} q/k heads x {hp.head_k_dim}, {hp.num_v_heads} v heads x {hp.head_v_dim},"
+          f" conv {hp.conv_kernel}")
+    if hp.is_moe:
+        print(f"MoE            {hp.n_expert} experts, top-{hp.n_expert_used}, expert FFN {hp.n_ff_exp},"
+              f" shared expert FFN {hp.n_ff_shexp}")
+    else:
+        print(f"FFN            dense SwiGLU {hp.n_ff}")
+    total = sum(b for _, b in f.quant_mix().values())
+    print("quant mix      " + ", ".join(f"{name}: {n} tensors {b / 2**20:.1f} MiB"
+                                        for name, (n, b) in sorted(f.quant_mix().items())))
+    print(f"weights        {total / 2**30:.3f} GiB")
+    print(f"decode reads   {f.bytes_per_token() / 2**20:.1f} MiB of weights per token")
+    return 0
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    engine = _load(args)
+    messages = []
+    if args.system:
+        messages.append({"role": "system", "content": args.system})
+    messages.append({"role": "user", "content": args.prompt})
+    summary = _stream(engine.chat(messages, _sampling(args), enable_thinking=args.think))
+    print()
+    print(_timing(summary), file=sys.stderr)
+    return 0
+
+
+def cmd_chat(args: argparse.Namespace) -> int:
+    engine = _load(args)
+    messages: list[dict] = []
+    if args.system:
+        messages.append({"role": "system", "content": args.system})
+    print("Type a message; an empty line or Ctrl+D quits.", file=sys.stderr)
+    while True:
+        try:
+            line = input("> ")
+        except EOFError:
+            break
+        if not line.strip():
+            break
+        messages.append({"role": "user", "content": line})
+        cancel = threading.Event()
+        try:
+            summary = _stream(engine.chat(messages, _sampling(args), cancel, enable_thinking=args.think))
+        except KeyboardInterrupt:
+            cancel.set()
+            print("\n[stopped]", file=sys.stderr)
+            messages.pop()
+            continue
+        print()
+        print(_timing(summary), file=sys.stderr)
+        messages.append({"role": "assistant", "content": summary.text})
+    return 0
+
+
+def cmd_synth(args: argparse.Namespace) -> int:
+    from .synth import synth
+    t0 = time.perf_counter()
+    synth(args.output, args.preset, layers=args.layers, experts=args.experts, quant=args.quant,
+          seed=args.seed)
+    size = Path(args.output).stat().st_size
+    print(f"wrote {args.output}: {size / 2**20:.1f} MiB in {time.perf_counter() - t0:.1f} s", file=sys.stderr)
+    return 0
+
+
+def _add_sampling(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", "-m", help="GGUF text model (default: the bundled demo model)")
+    p.add_argument("--system", default="", help="system prompt")
+    p.add_argument("--max-tokens", "-n", type=int, default=256)
+    p.add_argument("--temp", type=float, default=0.7, help="temperature; 0 = greedy")
+    p.add_argument("--top-k", type=int, default=20)
+    p.add_argument("--top-p", type=float, default=0.8)
+    p.add_argument("--min-p", type=float, default=0.0)
+    p.add_argument("--presence-penalty", type=float, default=0.0)
+    p.add_argument("--repeat-penalty", type=float, default=1.0)
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--context", type=int, default=8192, help="context window, tokens")
+    p.add_argument("--think", action="store_true", help="let the model think before answering")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The ``python -m engine`` argument parser."""
+    ap = argparse.ArgumentParser(prog="python -m engine", description="DeltaDesk engine")
+    sub = ap.add_subparsers(dest="command", required=True)
+    p = sub.add_parser("info", help="summarise a GGUF model")
+    p.add_argument("model")
+    p.set_defaults(func=cmd_info)
+    p = sub.add_parser("generate", help="answer one prompt, streamed")
+    _add_sampling(p)
+    p.add_argument("--prompt", "-p", default="Hello! Who are you?")
+    p.set_defaults(func=cmd_generate)
+    p = sub.add_parser("chat", help="interactive chat on the terminal")
+    _add_sampling(p)
+    p.set_defaults(func=cmd_chat)
+    p = sub.add_parser("synth", help="write a random-weight GGUF")
+    p.add_argument("--preset", required=True, choices=["tiny", "small", "dense-tiny", "35b-a3b"])
+    p.add_argument("--layers", type=int, default=None)
+    p.add_argument("--experts", type=int, default=None)
+    p.add_argument("--quant", default="q4_0", choices=["q4_0", "q8_0", "f16", "f32"])
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--output", "-o", required=True)
+    p.set_defaults(func=cmd_synth)
+    return ap
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point; returns the process exit status (2 on an engine error)."""
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except EngineError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
