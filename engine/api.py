@@ -24,6 +24,7 @@ from .errors import EngineError, TemplateError, UnsupportedModelError
 from .events import Event
 from .gguf_file import GGUFFile
 from .models.qwen35 import Qwen35Model
+from .prefix_cache import PrefixCache
 from .runtime import Turn, run_turn
 from .sampling import SamplingParams
 from .tokenizer import Tokenizer
@@ -40,9 +41,21 @@ class EngineOptions:
     Attributes:
         context: context window in tokens (capped at the model's ``context_length``); the KV cache
             is preallocated for it: 2 * n_attn_layers * n_head_kv * head_dim * 4 bytes per token.
+        prefix_cache: keep prefix snapshots so a prompt sharing a prefix resumes instead of
+            re-prefilling (see :mod:`engine.prefix_cache`).
+        cache_ram_bytes: RAM budget of the snapshots, bytes.
+        cache_disk_dir: folder of the snapshots' disk tier; None = RAM only. The app passes
+            ``platformdirs.user_cache_dir("deltadesk")/snapshots``.
+        cache_disk_bytes: disk budget of the snapshots, bytes.
+        snapshot_interval: also snapshot every this many prompt tokens during prefill.
     """
 
     context: int = 8192
+    prefix_cache: bool = True
+    cache_ram_bytes: int = 2 << 30
+    cache_disk_dir: Path | None = None
+    cache_disk_bytes: int = 8 << 30
+    snapshot_interval: int = 512
 
 
 @dataclass(frozen=True)
@@ -86,6 +99,11 @@ class Engine:
         self.options = options
         hp = gguf.hparams
         self.context = min(options.context, hp.context_length)
+        self.cache = PrefixCache(hp, gguf.identity, options.cache_ram_bytes, options.cache_disk_dir,
+                                 options.cache_disk_bytes) if options.prefix_cache else None
+        im_start = tokenizer.token_id("<|im_start|>")
+        self._im_start = -1 if im_start is None else im_start
+        self._header = tokenizer.encode("<|im_start|>assistant\n", special=True)
 
     @classmethod
     def load(cls, model_path: str | Path, mmproj_path: str | Path | None = None,
@@ -137,9 +155,33 @@ class Engine:
         text = template.render(list(messages), add_generation_prompt=True, enable_thinking=enable_thinking)
         return self.tokenizer.encode(text, special=True)
 
+    def checkpoints(self, prompt: Sequence[int]) -> list[int]:
+        """Prompt positions worth a snapshot: the start of every message (so the system prompt and
+        every earlier message are a reusable prefix) and the end of the last assistant header
+        ``<|im_start|>assistant\\n``, before any ``<think>`` the template appends: the next turn
+        re-renders this answer without its thinking, so that is where the two prompts part.
+        """
+        starts = [i for i, t in enumerate(prompt) if t == self._im_start and i > 0]
+        points = list(starts)
+        h = len(self._header)
+        if starts and list(prompt[starts[-1]:starts[-1] + h]) == self._header:
+            points.append(starts[-1] + h)
+        return points
+
     def chat(self, messages: Sequence[Message], sampling: SamplingParams = SamplingParams(),
-             cancel: threading.Event | None = None, enable_thinking: bool = False) -> Iterator[Event]:
+             cancel: threading.Event | None = None, enable_thinking: bool = False,
+             conversation: str = "") -> Iterator[Event]:
         """Answer the conversation ``messages`` (the last one is usually the user's).
+
+        The prompt resumes from the deepest prefix snapshot it shares (see
+        :mod:`engine.prefix_cache`); ``PrefillStats.reused_tokens`` says how many tokens that saved.
+
+        Args:
+            messages: chat messages (see docs/interfaces.md for the format).
+            sampling: sampling settings.
+            cancel: set from any thread to stop within one token.
+            enable_thinking: let the model think (``<think>`` block) before answering.
+            conversation: an id recorded with the snapshots, for the app's snapshot list.
 
         Yields:
             :class:`~engine.events.PrefillStats`, then a :class:`~engine.events.TokenEvent` per
@@ -149,15 +191,20 @@ class Engine:
             TemplateError, UnsupportedModelError: see :meth:`render` (before any event).
         """
         prompt = self.render(messages, enable_thinking)
-        turn = Turn(model=self.model, tokenizer=self.tokenizer, prompt=prompt, context=self.context,
-                    sampling=sampling, cancel=cancel or threading.Event())
-        return run_turn(turn)
+        return self.generate(prompt, sampling, cancel, self.checkpoints(prompt), conversation)
 
     def generate(self, prompt_ids: Sequence[int], sampling: SamplingParams = SamplingParams(),
-                 cancel: threading.Event | None = None) -> Iterator[Event]:
-        """Continue raw token ids (no chat template); same events as :meth:`chat`."""
+                 cancel: threading.Event | None = None, checkpoints: Sequence[int] = (),
+                 conversation: str = "") -> Iterator[Event]:
+        """Continue raw token ids (no chat template); same events as :meth:`chat`.
+
+        Args:
+            checkpoints: extra prompt positions to snapshot at.
+        """
         turn = Turn(model=self.model, tokenizer=self.tokenizer, prompt=list(prompt_ids),
-                    context=self.context, sampling=sampling, cancel=cancel or threading.Event())
+                    context=self.context, sampling=sampling, cancel=cancel or threading.Event(),
+                    cache=self.cache, checkpoints=checkpoints,
+                    snapshot_interval=self.options.snapshot_interval, conversation=conversation)
         return run_turn(turn)
 
 

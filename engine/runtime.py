@@ -1,7 +1,10 @@
-"""One chat turn: prompt tokens -> prefill -> decode loop, as a stream of events.
+"""One chat turn: prompt tokens -> prefix-cache lookup -> prefill -> decode loop, as events.
 
-See ../DESIGN.md "One turn, as data". This is the CPU path everything else is checked against;
-the prefix cache (issue 5) and GPU prefill (issue 4) plug in before :func:`prefill`.
+See ../DESIGN.md "One turn, as data". Prefill resumes from the deepest cached snapshot of the
+prompt's prefix and checkpoints the state at the positions the caller names (message boundaries,
+the assistant header), every ``snapshot_interval`` tokens, where the prompt leaves the cached
+paths, and at the end of the prompt (with its logits, so a regenerate prefills nothing).
+GPU prefill (issue 4) plugs in at :func:`prefill`.
 """
 
 from __future__ import annotations
@@ -15,12 +18,13 @@ import numpy as np
 
 from .events import Event, PrefillStats, TokenEvent, TurnSummary
 from .models.qwen35 import Qwen35Model
+from .prefix_cache import PrefixCache, chain_keys
 from .sampling import Sampler, SamplingParams
 from .state import SequenceState
 from .tokenizer import Tokenizer
 
 # Prompt tokens per forward call during prefill: a cancel request is seen between pieces, and the
-# activations of one piece stay small. A multiple of the GDN chunk (64) so pieces split no chunk.
+# activations of one piece stay small. A multiple of the GDN chunk (64).
 PREFILL_PIECE = 256
 
 
@@ -35,6 +39,10 @@ class Turn:
         context: the context window in tokens (state capacity).
         sampling: sampling settings.
         cancel: set from any thread to stop within one token.
+        cache: the prefix snapshot cache, or None for none.
+        checkpoints: prompt positions to snapshot at (message boundaries, assistant header).
+        snapshot_interval: also snapshot every this many prompt tokens (0 = off).
+        conversation: conversation id recorded with the snapshots.
     """
 
     model: Qwen35Model
@@ -43,31 +51,42 @@ class Turn:
     context: int
     sampling: SamplingParams
     cancel: threading.Event
+    cache: PrefixCache | None = None
+    checkpoints: Sequence[int] = ()
+    snapshot_interval: int = 512
+    conversation: str = ""
 
 
 def _ms(t0: float) -> float:
     return (time.perf_counter() - t0) * 1e3
 
 
-def prefill(model: Qwen35Model, tokens: Sequence[int], state: SequenceState,
-            cancel: threading.Event) -> np.ndarray | None:
-    """Run ``tokens`` through the model in pieces of :data:`PREFILL_PIECE`.
+def prefill(model: Qwen35Model, tokens: Sequence[int], state: SequenceState, cancel: threading.Event,
+            stops: Sequence[int] = (), on_stop=None) -> np.ndarray | None:
+    """Run ``tokens[state.pos:]`` through the model, in pieces.
 
     Args:
         model: the text model.
-        tokens: (n,) token ids, n >= 1.
-        state: sequence state, advanced in place by n positions.
+        tokens: (n,) the whole prompt; the state has already read ``tokens[:state.pos]``.
+        state: sequence state, advanced in place to n.
         cancel: checked between pieces.
+        stops: positions where a piece must end (snapshot points), besides every PREFILL_PIECE.
+        on_stop: ``on_stop(pos, last_logits)`` called when the state reaches a position in ``stops``.
 
     Returns:
         (n_vocab,) float32 logits of the last token, or None when cancelled.
     """
+    n = len(tokens)
+    cuts = sorted({p for p in stops if state.pos < p < n} | set(range(state.pos + PREFILL_PIECE, n, PREFILL_PIECE)))
     logits = None
-    for start in range(0, len(tokens), PREFILL_PIECE):
+    stop_set = set(stops)
+    for end in cuts + [n]:
         if cancel.is_set():
             return None
-        piece = np.asarray(tokens[start:start + PREFILL_PIECE], dtype=np.int64)
+        piece = np.asarray(tokens[state.pos:end], dtype=np.int64)
         logits = model.forward(piece, state)[-1]
+        if on_stop is not None and end in stop_set and end < n:
+            on_stop(end, logits)
     return logits
 
 
@@ -88,19 +107,36 @@ def run_turn(turn: Turn) -> Iterator[Event]:
             f"The prompt is {n_prompt} tokens but the context window holds {turn.context}: "
             "start a new conversation or raise the context size."), **empty)
         return
-    state = SequenceState.new(turn.model.hp, turn.context)
+    cache = turn.cache
+    if cache is not None:
+        keys = chain_keys(cache.identity, turn.prompt)
+        hit = cache.lookup(turn.prompt, turn.context, keys=keys)
+        state, reused, logits, restore_ms = hit.state, hit.reused, hit.logits, hit.restore_ms
+        stops = set(turn.checkpoints) | {hit.diverge}
+        if turn.snapshot_interval:
+            stops |= set(range(turn.snapshot_interval, n_prompt, turn.snapshot_interval))
+
+        def snapshot(pos: int, last: np.ndarray | None) -> None:
+            cache.put(keys[pos], state, turn.prompt[:pos], last, conversation=turn.conversation)
+    else:
+        state = SequenceState.new(turn.model.hp, turn.context)
+        reused, logits, restore_ms, stops = 0, None, 0.0, set()
+        snapshot = None
     t0 = time.perf_counter()
-    logits = prefill(turn.model, turn.prompt, state, turn.cancel)
-    prefill_ms = _ms(t0)
     if logits is None:
-        yield TurnSummary(stop_reason="cancelled", message="Stopped during prefill.", **empty)
-        return
+        logits = prefill(turn.model, turn.prompt, state, turn.cancel, sorted(stops), snapshot)
+        if logits is None:
+            yield TurnSummary(stop_reason="cancelled", message="Stopped during prefill.", **empty)
+            return
+        if cache is not None:
+            cache.put(keys[n_prompt], state, turn.prompt, logits, conversation=turn.conversation)
+    prefill_ms = _ms(t0)
     sampler = Sampler(turn.sampling)
     history = list(turn.prompt)
     t_tok = time.perf_counter()
     token = sampler.sample(logits, history)
-    stats = PrefillStats(prompt_tokens=n_prompt, reused_tokens=0, prefilled_tokens=n_prompt,
-                         prefill_ms=prefill_ms, restore_ms=0.0, device="cpu", ttft_ms=_ms(t_start))
+    stats = PrefillStats(prompt_tokens=n_prompt, reused_tokens=reused, prefilled_tokens=n_prompt - reused,
+                         prefill_ms=prefill_ms, restore_ms=restore_ms, device="cpu", ttft_ms=_ms(t_start))
     yield stats
 
     stream = turn.tokenizer.stream()
@@ -111,6 +147,12 @@ def run_turn(turn: Turn) -> Iterator[Event]:
     for index in range(turn.sampling.max_tokens):
         if token in stop_ids:
             reason, message = "eos", ""
+            if cache is not None and state.pos < turn.context:
+                # The answer's end: the next turn re-renders it unchanged when thinking is off.
+                turn.model.forward(np.asarray([token], dtype=np.int64), state)
+                history.append(token)
+                cache.put(chain_keys(cache.identity, history)[-1], state, history, None,
+                          conversation=turn.conversation)
             break
         history.append(token)
         text = stream.push(token)
@@ -138,7 +180,7 @@ def run_turn(turn: Turn) -> Iterator[Event]:
         stop_reason=reason,  # type: ignore[arg-type]
         message=message,
         prompt_tokens=n_prompt,
-        reused_tokens=0,
+        reused_tokens=reused,
         generated_tokens=len(token_ms),
         ttft_ms=stats.ttft_ms,
         prefill_tok_s=stats.prefill_tok_s,
