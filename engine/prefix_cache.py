@@ -87,6 +87,8 @@ class Snapshot:
         created / last_used: ``time.time()`` seconds.
         hits: how many times it was restored.
         tier: "ram" or "disk".
+        nbytes: size of the arrays and tokens, bytes.
+        has_logits: whether ``arrays`` holds the last position's logits.
     """
 
     key: bytes
@@ -100,11 +102,7 @@ class Snapshot:
     hits: int = 0
     tier: str = "ram"
     nbytes: int = 0
-
-    @property
-    def logits(self) -> np.ndarray | None:
-        """(n_vocab,) float32 logits of the last prefix position, when stored."""
-        return None if self.arrays is None else self.arrays.get("logits")
+    has_logits: bool = False
 
 
 @dataclass(frozen=True)
@@ -234,7 +232,7 @@ class PrefixCache:
             snap = self._entries.get(keys[pos])
             if snap is None or snap.pos != pos:
                 continue
-            if pos == n and snap.logits is None:
+            if pos == n and not snap.has_logits:
                 continue
             arrays = self._load_arrays(snap)
             if arrays is None:
@@ -283,7 +281,7 @@ class PrefixCache:
             The new (or refreshed) snapshot.
         """
         old = self._entries.get(key)
-        if old is not None and old.tier == "ram" and (logits is None or old.logits is not None):
+        if old is not None and old.tier == "ram" and (logits is None or old.has_logits):
             old.last_used = time.time()
             self._entries.move_to_end(key)
             return old
@@ -293,7 +291,8 @@ class PrefixCache:
         snap = Snapshot(key=key, pos=state.pos, tokens=np.asarray(tokens, dtype=np.int32).copy(),
                         arrays=arrays, images={p: d for p, d in (images or {}).items() if p < state.pos},
                         conversation=conversation,
-                        nbytes=sum(a.nbytes for a in arrays.values()) + 4 * len(tokens))
+                        nbytes=sum(a.nbytes for a in arrays.values()) + 4 * len(tokens),
+                        has_logits=logits is not None)
         if old is not None and old.tier == "disk":
             self._remove_file(old)
         self._entries[key] = snap
@@ -442,7 +441,8 @@ class PrefixCache:
             self._entries[key] = Snapshot(
                 key=key, pos=int(meta["pos"]), tokens=tokens, arrays=None, images=images,
                 conversation=meta.get("conversation", ""), created=float(meta.get("created", 0.0)),
-                hits=int(meta.get("hits", 0)), tier="disk", nbytes=path.stat().st_size)
+                hits=int(meta.get("hits", 0)), tier="disk", nbytes=path.stat().st_size,
+                has_logits="logits" in meta["arrays"])
 
     def _load_arrays(self, snap: Snapshot) -> dict[str, np.ndarray] | None:
         if snap.arrays is not None:
