@@ -1,0 +1,164 @@
+"""The public Engine API end to end on synthetic models: events, stops, cancel, prefix reuse, CLI."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+
+from engine.__main__ import main
+from engine.api import Engine, EngineOptions
+from engine.events import PrefillStats, TokenEvent, TurnSummary
+from engine.sampling import SamplingParams
+
+GREEDY = SamplingParams.greedy(max_tokens=12)
+
+
+@pytest.fixture(scope="module")
+def tiny(synth_model):
+    return synth_model("tiny", "q8_0")
+
+
+def run(events):
+    events = list(events)
+    assert isinstance(events[0], (PrefillStats, TurnSummary))
+    assert isinstance(events[-1], TurnSummary)
+    return events[0], [e for e in events if isinstance(e, TokenEvent)], events[-1]
+
+
+def chat(engine, messages, sampling=GREEDY, **kw):
+    return run(engine.chat(messages, sampling, **kw))
+
+
+def test_events_and_summary(tiny) -> None:
+    engine = Engine.load(tiny, options=EngineOptions(prefix_cache=False))
+    stats, tokens, summary = chat(engine, [{"role": "user", "content": "Hello there"}])
+    assert stats.prompt_tokens == len(engine.render([{"role": "user", "content": "Hello there"}]))
+    assert stats.reused_tokens == 0 and stats.prefilled_tokens == stats.prompt_tokens
+    assert [t.index for t in tokens] == list(range(len(tokens)))
+    assert summary.generated_tokens == len(tokens)
+    assert summary.text.startswith("".join(t.text for t in tokens))
+    assert summary.stop_reason in ("eos", "max_tokens")
+    if summary.stop_reason == "max_tokens":
+        assert len(tokens) == GREEDY.max_tokens
+    assert summary.ttft_ms > 0 and all(t.ms > 0 for t in tokens)
+
+
+def test_cancel_takes_effect_within_one_token(tiny) -> None:
+    engine = Engine.load(tiny, options=EngineOptions(prefix_cache=False))
+    cancel = threading.Event()
+    seen = 0
+    for ev in engine.chat([{"role": "user", "content": "Count to ten"}], SamplingParams.greedy(200), cancel):
+        if isinstance(ev, TokenEvent):
+            seen += 1
+            if seen == 3:
+                cancel.set()
+        if isinstance(ev, TurnSummary):
+            summary = ev
+    assert summary.stop_reason == "cancelled" and summary.generated_tokens == 3
+
+
+def test_cancel_from_another_thread(tiny) -> None:
+    engine = Engine.load(tiny, options=EngineOptions(prefix_cache=False))
+    cancel = threading.Event()
+    stamps: list[float] = []
+    set_at: list[float] = []
+
+    def stopper() -> None:
+        while len(stamps) < 2:
+            time.sleep(0.001)
+        set_at.append(time.perf_counter())
+        cancel.set()
+
+    t = threading.Thread(target=stopper)
+    t.start()
+    for ev in engine.chat([{"role": "user", "content": "Go on"}], SamplingParams.greedy(500), cancel):
+        if isinstance(ev, TokenEvent):
+            stamps.append(time.perf_counter())
+        summary = ev
+    t.join()
+    assert summary.stop_reason == "cancelled"
+    assert sum(s > set_at[0] for s in stamps) <= 1     # at most the token in flight when cancel was set
+
+
+def test_context_full_is_a_clear_stop(tiny) -> None:
+    engine = Engine.load(tiny, options=EngineOptions(context=24, prefix_cache=False))
+    prompt = engine.render([{"role": "user", "content": "hi"}])
+    assert len(prompt) < 24
+    _, tokens, summary = chat(engine, [{"role": "user", "content": "hi"}], SamplingParams.greedy(100))
+    if summary.stop_reason != "eos":
+        assert summary.stop_reason == "context_full" and "24" in summary.message
+        assert len(prompt) + len(tokens) == 24
+    _, _, summary = chat(engine, [{"role": "user", "content": "word " * 40}])
+    assert summary.stop_reason == "context_full" and "24" in summary.message
+
+
+def test_turn_two_reuses_turn_one_and_matches_cold(tiny) -> None:
+    """Greedy tokens after a restore equal a cold prefill of the same prompt."""
+    warm = Engine.load(tiny)
+    cold = Engine.load(tiny, options=EngineOptions(prefix_cache=False))
+    sys_user = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Name a colour."}]
+    _, _, first = chat(warm, sys_user)
+    turn2 = sys_user + [{"role": "assistant", "content": first.text},
+                        {"role": "user", "content": "And a shape?"}]
+    stats, tokens, summary = chat(warm, turn2)
+    prompt2 = warm.render(turn2)
+    assert stats.reused_tokens > 0
+    # everything up to the previous assistant header is reused: at most the answer and the new message are read
+    header_end = warm.checkpoints(warm.render(sys_user))[-1]
+    assert stats.reused_tokens >= header_end
+    assert stats.prefilled_tokens == len(prompt2) - stats.reused_tokens
+    _, cold_tokens, cold_summary = chat(cold, turn2)
+    assert [t.token_id for t in tokens] == [t.token_id for t in cold_tokens]
+
+
+def test_regenerate_prefills_nothing(tiny) -> None:
+    engine = Engine.load(tiny)
+    msgs = [{"role": "user", "content": "Tell me something."}]
+    _, first, _ = chat(engine, msgs)
+    stats, again, _ = chat(engine, msgs)
+    assert stats.prefilled_tokens == 0 and stats.reused_tokens == stats.prompt_tokens
+    assert [t.token_id for t in again] == [t.token_id for t in first]
+
+
+def test_edit_reuses_only_up_to_the_edit(tiny) -> None:
+    engine = Engine.load(tiny)
+    base = [{"role": "system", "content": "Be kind."}, {"role": "user", "content": "first question"}]
+    chat(engine, base)
+    edited = [base[0], {"role": "user", "content": "first question, edited"}]
+    stats, _, _ = chat(engine, edited)
+    prompt_a, prompt_b = engine.render(base), engine.render(edited)
+    common = next(i for i, (a, b) in enumerate(zip(prompt_a, prompt_b)) if a != b)
+    assert 0 < stats.reused_tokens <= common
+
+
+def test_snapshots_survive_restart_from_disk(tiny, tmp_path) -> None:
+    opts = EngineOptions(cache_disk_dir=tmp_path)
+    msgs = [{"role": "user", "content": "Persist me."}]
+    first = Engine.load(tiny, options=opts)
+    _, tokens, _ = chat(first, msgs)
+    first.cache.persist()
+    second = Engine.load(tiny, options=opts)
+    stats, again, _ = chat(second, msgs)
+    assert stats.prefilled_tokens == 0
+    assert [t.token_id for t in again] == [t.token_id for t in tokens]
+
+
+def test_cli_synth_info_generate(tmp_path, capsys) -> None:
+    path = tmp_path / "t.gguf"
+    assert main(["synth", "--preset", "tiny", "--quant", "q8_0", "-o", str(path)]) == 0
+    assert main(["info", str(path)]) == 0
+    out = capsys.readouterr().out
+    assert "qwen35moe" in out and "MiB of weights per token" in out
+    assert main(["generate", "--model", str(path), "--prompt", "Hello", "-n", "8", "--temp", "0"]) == 0
+    err = capsys.readouterr().err
+    assert "TTFT" in err and "prefill" in err and "decode" in err and "tok/s" in err
+
+
+def test_cli_reports_bad_file_in_one_line(tmp_path, capsys) -> None:
+    bad = tmp_path / "bad.gguf"
+    bad.write_bytes(b"not a gguf file at all")
+    assert main(["info", str(bad)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "bad.gguf" in err[0]
