@@ -34,3 +34,7 @@ class ContextFullError(EngineError):
 
 class GenerationCancelled(EngineError):
     """Raised inside the engine when a cancel flag was set; the API turns it into a final event."""
+
+
+class ImageError(EngineError):
+    """An image file is unreadable, corrupt, too large to decode safely, or of an unusable shape."""
