@@ -1,0 +1,200 @@
+"""GGML block layouts, dequantization and (writer-side) quantization.
+
+Every GGUF tensor is stored row by row; a row of ``ne0`` values is ``ne0 / block_size`` blocks of
+``type_size`` bytes. The block structs below are those of llama.cpp ``ggml/src/ggml-common.h``
+(``block_q4_0``, ``block_q8_0``, ``block_q4_K``, ...; ``QK_K`` = 256, ``K_SCALE_SIZE`` = 12), written
+as packed numpy structured dtypes so a row of raw bytes can be viewed field by field
+(:func:`block_view`). Sizes agree with ``gguf.constants.GGML_QUANT_SIZES``.
+
+==========  =====  =====  =================================================================
+type        block  bytes  fields in storage order (f16 = ggml_half, little-endian)
+==========  =====  =====  =================================================================
+F32         1      4      value f32
+F16         1      2      value f16
+BF16        1      2      value bf16 (top half of an f32)
+Q4_0        32     18     d f16; qs u8[16]: x[j] = d*((qs[j]&15)-8), x[j+16] = d*((qs[j]>>4)-8)
+Q4_1        32     20     d f16, m f16; qs u8[16]: x = d*q + m, q as in Q4_0 without the -8
+Q5_0        32     22     d f16; qh u8[4] (bit j = 5th bit of x[j]); qs u8[16]; x = d*(q-16)
+Q5_1        32     24     d f16, m f16; qh u8[4]; qs u8[16]; x = d*q + m
+Q8_0        32     34     d f16; qs i8[32]: x[j] = d*qs[j]
+Q2_K        256    84     scales u8[16] (4-bit scale | 4-bit min), qs u8[64], d f16, dmin f16
+Q3_K        256    110    hmask u8[32], qs u8[64], scales u8[12] (16 packed 6-bit), d f16
+Q4_K        256    144    d f16, dmin f16, scales u8[12] (8 packed 6-bit scale/min pairs), qs u8[128]
+Q5_K        256    176    d f16, dmin f16, scales u8[12], qh u8[32], qs u8[128]
+Q6_K        256    210    ql u8[128], qh u8[64], scales i8[16], d f16
+==========  =====  =====  =================================================================
+
+Dequantization itself is delegated to ``gguf.quants`` (the reference implementation shipped with
+gguf-py); this module adds shape handling, the supported-type policy and typed errors.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+from gguf import quants as _gq
+
+from .errors import UnsupportedModelError
+
+Q = GGMLQuantizationType
+
+_F16 = "<f2"
+_K = 256  # QK_K
+
+BLOCK_DTYPES: dict[GGMLQuantizationType, np.dtype] = {
+    Q.F32: np.dtype([("x", "<f4")]),
+    Q.F16: np.dtype([("x", _F16)]),
+    Q.BF16: np.dtype([("x", "<u2")]),
+    Q.Q4_0: np.dtype([("d", _F16), ("qs", "u1", (16,))]),
+    Q.Q4_1: np.dtype([("d", _F16), ("m", _F16), ("qs", "u1", (16,))]),
+    Q.Q5_0: np.dtype([("d", _F16), ("qh", "u1", (4,)), ("qs", "u1", (16,))]),
+    Q.Q5_1: np.dtype([("d", _F16), ("m", _F16), ("qh", "u1", (4,)), ("qs", "u1", (16,))]),
+    Q.Q8_0: np.dtype([("d", _F16), ("qs", "i1", (32,))]),
+    Q.Q2_K: np.dtype([("scales", "u1", (_K // 16,)), ("qs", "u1", (_K // 4,)), ("d", _F16), ("dmin", _F16)]),
+    Q.Q3_K: np.dtype([("hmask", "u1", (_K // 8,)), ("qs", "u1", (_K // 4,)), ("scales", "u1", (12,)), ("d", _F16)]),
+    Q.Q4_K: np.dtype([("d", _F16), ("dmin", _F16), ("scales", "u1", (12,)), ("qs", "u1", (_K // 2,))]),
+    Q.Q5_K: np.dtype([("d", _F16), ("dmin", _F16), ("scales", "u1", (12,)), ("qh", "u1", (_K // 8,)),
+                      ("qs", "u1", (_K // 2,))]),
+    Q.Q6_K: np.dtype([("ql", "u1", (_K // 2,)), ("qh", "u1", (_K // 4,)), ("scales", "i1", (_K // 16,)),
+                      ("d", _F16)]),
+}
+"""Packed numpy record type of one block per supported type (ggml-common.h layouts, see module doc)."""
+
+SUPPORTED_TYPES: frozenset[GGMLQuantizationType] = frozenset(BLOCK_DTYPES)
+"""Types the engine can dequantize: F32, F16, BF16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K..Q6_K."""
+
+WRITABLE_TYPES: frozenset[GGMLQuantizationType] = frozenset(
+    {Q.F32, Q.F16, Q.BF16, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q8_0})
+"""Types :func:`quantize` can produce (those ``gguf.quants.quantize`` implements)."""
+
+
+def type_name(qtype: GGMLQuantizationType | int) -> str:
+    """GGML name of a type id (``"Q4_0"``, ``"F32"``, ...); ``"type 99"`` for an unknown id."""
+    try:
+        return Q(int(qtype)).name
+    except ValueError:
+        return f"type {int(qtype)}"
+
+
+def parse_type(name: str) -> GGMLQuantizationType:
+    """Type from a case-insensitive name such as ``"q4_0"`` or ``"F16"``.
+
+    Raises:
+        ValueError: the name is not a GGML type.
+    """
+    try:
+        return Q[name.upper()]
+    except KeyError:
+        raise ValueError(f"unknown GGML type name {name!r}") from None
+
+
+def block_size(qtype: GGMLQuantizationType) -> int:
+    """Values per block (1 for float types, 32 for Q4_0..Q8_0, 256 for K-quants)."""
+    return GGML_QUANT_SIZES[qtype][0]
+
+
+def type_size(qtype: GGMLQuantizationType) -> int:
+    """Bytes per block."""
+    return GGML_QUANT_SIZES[qtype][1]
+
+
+def row_bytes(qtype: GGMLQuantizationType, n: int) -> int:
+    """Bytes of one row of ``n`` values stored as ``qtype``.
+
+    Raises:
+        ValueError: ``n`` is not a multiple of the type's block size.
+    """
+    bs, ts = GGML_QUANT_SIZES[qtype]
+    if n % bs:
+        raise ValueError(f"a row of {n} values is not a whole number of {type_name(qtype)} blocks of {bs}")
+    return n // bs * ts
+
+
+def check_supported(qtype: GGMLQuantizationType | int, what: str) -> GGMLQuantizationType:
+    """Return ``qtype`` as an enum if the engine can dequantize it.
+
+    Args:
+        what: the tensor (and file) being checked, used in the message.
+
+    Raises:
+        UnsupportedModelError: naming ``what`` and the type.
+    """
+    try:
+        t = Q(int(qtype))
+    except ValueError:
+        t = None
+    if t not in SUPPORTED_TYPES:
+        names = ", ".join(sorted(type_name(s) for s in SUPPORTED_TYPES))
+        raise UnsupportedModelError(f"{what}: quant type {type_name(qtype)} is not supported (supported: {names})")
+    return t
+
+
+def block_view(raw: np.ndarray, qtype: GGMLQuantizationType) -> np.ndarray:
+    """View raw bytes as block records.
+
+    Args:
+        raw: ``(..., row_bytes)`` uint8, C-contiguous in its last axis.
+        qtype: a type of :data:`SUPPORTED_TYPES`.
+
+    Returns:
+        ``(..., row_bytes // type_size)`` array of :data:`BLOCK_DTYPES[qtype]` records sharing memory
+        with ``raw`` (``view["d"]`` is the scales, ``view["qs"]`` the packed quants, ...).
+
+    Raises:
+        UnsupportedModelError: unsupported type.
+    """
+    check_supported(qtype, "block_view")
+    return np.ascontiguousarray(raw).view(BLOCK_DTYPES[qtype])
+
+
+def dequantize(raw: np.ndarray, qtype: GGMLQuantizationType, shape: tuple[int, ...]) -> np.ndarray:
+    """Dequantize raw GGUF tensor bytes.
+
+    Args:
+        raw: uint8 array holding ``prod(shape[:-1])`` rows of ``row_bytes(qtype, shape[-1])`` bytes
+            (any shape, e.g. ``(rows, row_bytes)``; need not be contiguous).
+        qtype: storage type.
+        shape: math shape of the result (reversed GGUF ``ne``); ``shape[-1]`` = ``ne0``.
+
+    Returns:
+        float32 array of ``shape``, a new array (never a view of ``raw``).
+
+    Raises:
+        UnsupportedModelError: ``qtype`` is not in :data:`SUPPORTED_TYPES`.
+        ValueError: the byte count does not match ``shape``.
+    """
+    qtype = check_supported(qtype, "dequantize")
+    shape = tuple(int(s) for s in shape)
+    n_rows = int(np.prod(shape[:-1], dtype=np.int64))
+    rb = row_bytes(qtype, shape[-1])
+    if raw.size != n_rows * rb:
+        raise ValueError(f"{raw.size} bytes do not hold a {type_name(qtype)} tensor of shape {shape}")
+    rows = np.ascontiguousarray(raw, dtype=np.uint8).reshape(n_rows, rb)
+    out = _gq.dequantize(rows, qtype)
+    if qtype == Q.F32:
+        out = out.copy()
+    return out.reshape(shape)
+
+
+def quantize(x: np.ndarray, qtype: GGMLQuantizationType) -> np.ndarray:
+    """Quantize float values to GGUF block bytes (writer side, via ``gguf.quants.quantize``).
+
+    Args:
+        x: ``(..., ne0)`` float array (math shape); ``ne0`` must be a multiple of the block size.
+        qtype: one of :data:`WRITABLE_TYPES`.
+
+    Returns:
+        ``(..., row_bytes(qtype, ne0))`` uint8, C-contiguous.
+
+    Raises:
+        UnsupportedModelError: ``qtype`` cannot be written (e.g. K-quants: gguf-py only dequantizes them).
+        ValueError: ``ne0`` is not a multiple of the block size.
+    """
+    qtype = Q(int(qtype))
+    if qtype not in WRITABLE_TYPES:
+        names = ", ".join(sorted(type_name(s) for s in WRITABLE_TYPES))
+        raise UnsupportedModelError(f"quantize: cannot write {type_name(qtype)} (writable: {names})")
+    x = np.ascontiguousarray(x, dtype=np.float32)
+    rb = row_bytes(qtype, x.shape[-1])
+    out = _gq.quantize(x, qtype)
+    return np.ascontiguousarray(out).view(np.uint8).reshape(*x.shape[:-1], rb)
