@@ -1,0 +1,439 @@
+"""Qwen3.5/3.6 vision projector files ("mmproj" GGUF): validated loading and random-weight writing.
+
+The layout is the one llama.cpp's converter (``conversion/qwen3vl.py``, ``Qwen3VLVisionModel`` on top of
+``MmprojModel``) writes for ``Qwen3_5ForConditionalGeneration`` / ``Qwen3_5MoeForConditionalGeneration``;
+the facts are in ``shared/spec/vision.md`` A3 (keys) and A4 (tensors). Shapes below are math shapes
+(numpy order = PyTorch order = reversed GGUF ``ne``); ``D`` = ``n_embd``, ``F`` = ``n_ff``, ``P`` = patch
+size, ``G`` = position-grid side, ``M`` = merge, ``O`` = ``out_dim``:
+
+=============================================  ===============  =====================================
+tensor                                         shape            HF source (``model.visual.``)
+=============================================  ===============  =====================================
+``v.patch_embd.weight`` / ``.weight.1``        (D, 3, P, P)     ``patch_embed.proj.weight[:, :, t]``
+``v.patch_embd.bias``                          (D,)             ``patch_embed.proj.bias``
+``v.position_embd.weight``                     (G*G, D)         ``pos_embed.weight``
+``v.blk.N.ln1`` / ``ln2`` ``.{weight,bias}``   (D,)             ``blocks.N.norm1`` / ``norm2``
+``v.blk.N.attn_qkv.{weight,bias}``             (3D, D)          ``blocks.N.attn.qkv``
+``v.blk.N.attn_out.{weight,bias}``             (D, D)           ``blocks.N.attn.proj``
+``v.blk.N.ffn_up.{weight,bias}``               (F, D)           ``blocks.N.mlp.linear_fc1``
+``v.blk.N.ffn_down.{weight,bias}``             (D, F)           ``blocks.N.mlp.linear_fc2``
+``v.post_ln.{weight,bias}``                    (D,)             ``merger.norm``
+``mm.0.{weight,bias}``                         (M*M*D, M*M*D)   ``merger.linear_fc1``
+``mm.2.{weight,bias}``                         (O, M*M*D)       ``merger.linear_fc2``
+=============================================  ===============  =====================================
+
+Storage types follow the converter: 1-D tensors F32; the patch kernel (and here also the position
+table) F16 for an F16 file and F32 otherwise; other 2-D weights in the file type, falling back to F16
+when a row is not a whole number of Q8_0 blocks (``ffn_down`` at F = 4304). The reader accepts any
+type :mod:`engine.quant` can dequantize.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from gguf import GGMLQuantizationType, GGUFReader, GGUFType, GGUFWriter
+
+from . import quant
+from .errors import ModelFormatError, UnsupportedModelError
+
+Q = GGMLQuantizationType
+
+PROJECTOR_TYPE = "qwen3vl_merger"
+"""``clip.projector_type`` of Qwen3-VL-style towers (gguf ``VisionProjectorType.QWEN3VL``)."""
+
+WRITE_TYPES: dict[str, GGMLQuantizationType] = {"F32": Q.F32, "F16": Q.F16, "Q8_0": Q.Q8_0}
+"""File types :func:`write_mmproj` and :func:`synth_mmproj` accept, by name."""
+
+
+@dataclass(frozen=True)
+class VisionHParams:
+    """Hyper-parameters of a Qwen3.5/3.6 vision tower, named after their ``clip.vision.*`` keys.
+
+    ``temporal_patch``, ``in_channels`` and ``rope_theta`` are not stored in the file: they are fixed
+    by the architecture (HF ``Qwen3_5VisionConfig`` defaults; llama.cpp hard-codes them too).
+    """
+
+    n_embd: int                    # clip.vision.embedding_length (1152)
+    n_ff: int                      # clip.vision.feed_forward_length (4304)
+    n_layer: int                   # clip.vision.block_count (27)
+    n_head: int                    # clip.vision.attention.head_count (16)
+    patch_size: int                # clip.vision.patch_size (16), pixels
+    merge: int                     # clip.vision.spatial_merge_size (2)
+    out_dim: int                   # clip.vision.projection_dim = rows of mm.2.weight (LLM hidden)
+    pos_side: int                  # sqrt(rows of v.position_embd.weight) (48)
+    eps: float = 1e-6              # clip.vision.attention.layer_norm_epsilon
+    image_mean: tuple[float, float, float] = (0.5, 0.5, 0.5)   # clip.vision.image_mean
+    image_std: tuple[float, float, float] = (0.5, 0.5, 0.5)    # clip.vision.image_std
+    temporal_patch: int = 2
+    in_channels: int = 3
+    rope_theta: float = 10000.0
+
+    @property
+    def head_dim(self) -> int:
+        """Per-head width ``n_embd / n_head`` (72 for the real tower)."""
+        return self.n_embd // self.n_head
+
+    @property
+    def merged_dim(self) -> int:
+        """Width of one merged token before the projector: ``merge**2 * n_embd`` (4608)."""
+        return self.merge * self.merge * self.n_embd
+
+    @property
+    def factor(self) -> int:
+        """Pixels per LLM token side: ``patch_size * merge`` (32)."""
+        return self.patch_size * self.merge
+
+    @property
+    def patch_dim(self) -> int:
+        """Length of one preprocessed patch row: ``in_channels * temporal_patch * patch_size**2`` (1536)."""
+        return self.in_channels * self.temporal_patch * self.patch_size * self.patch_size
+
+
+PRESETS: dict[str, VisionHParams] = {
+    "tiny": VisionHParams(n_embd=64, n_ff=128, n_layer=2, n_head=4, patch_size=16, merge=2,
+                          out_dim=128, pos_side=8),
+    "real": VisionHParams(n_embd=1152, n_ff=4304, n_layer=27, n_head=16, patch_size=16, merge=2,
+                          out_dim=2048, pos_side=48),
+}
+"""Tower shapes for :func:`synth_mmproj`: ``tiny`` for tests, ``real`` = Qwen3.5/3.6-35B-A3B (spec A1)."""
+
+
+@dataclass(frozen=True)
+class Mmproj:
+    """A loaded projector file: hyper-parameters plus every tensor dequantized to float32.
+
+    Attributes:
+        path: the file read.
+        hparams: validated hyper-parameters.
+        weights: GGUF tensor name -> float32 array in math shape (see the module table).
+        qtypes: GGUF tensor name -> storage type name (``"F16"``, ``"Q8_0"``, ...).
+        identity: hex digest of the file size and its first and last MiB; two files with equal
+            identity hold the same weights (the key the embedding cache is scoped by).
+    """
+
+    path: Path
+    hparams: VisionHParams
+    weights: dict[str, np.ndarray]
+    qtypes: dict[str, str]
+    identity: str
+
+    def f32(self, name: str) -> np.ndarray:
+        """The float32 tensor ``name`` (math shape). Raises ``KeyError`` for an unknown name."""
+        return self.weights[name]
+
+
+def tensor_shapes(hp: VisionHParams) -> dict[str, tuple[int, ...]]:
+    """Every tensor a projector file of shape ``hp`` must hold, name -> math shape (module table)."""
+    d, f, p, c = hp.n_embd, hp.n_ff, hp.patch_size, hp.in_channels
+    shapes: dict[str, tuple[int, ...]] = {
+        "v.patch_embd.weight": (d, c, p, p),
+        "v.patch_embd.weight.1": (d, c, p, p),
+        "v.patch_embd.bias": (d,),
+        "v.position_embd.weight": (hp.pos_side * hp.pos_side, d),
+    }
+    for i in range(hp.n_layer):
+        b = f"v.blk.{i}"
+        shapes |= {
+            f"{b}.ln1.weight": (d,), f"{b}.ln1.bias": (d,),
+            f"{b}.attn_qkv.weight": (3 * d, d), f"{b}.attn_qkv.bias": (3 * d,),
+            f"{b}.attn_out.weight": (d, d), f"{b}.attn_out.bias": (d,),
+            f"{b}.ln2.weight": (d,), f"{b}.ln2.bias": (d,),
+            f"{b}.ffn_up.weight": (f, d), f"{b}.ffn_up.bias": (f,),
+            f"{b}.ffn_down.weight": (d, f), f"{b}.ffn_down.bias": (d,),
+        }
+    m = hp.merged_dim
+    shapes |= {
+        "v.post_ln.weight": (d,), "v.post_ln.bias": (d,),
+        "mm.0.weight": (m, m), "mm.0.bias": (m,),
+        "mm.2.weight": (hp.out_dim, m), "mm.2.bias": (hp.out_dim,),
+    }
+    return shapes
+
+
+# ----------------------------------------------------------------------------------------------- reading
+
+def _file_identity(path: Path) -> str:
+    size = path.stat().st_size
+    h = hashlib.sha256(str(size).encode())
+    span = 1 << 20
+    with open(path, "rb") as fh:
+        h.update(fh.read(span))
+        if size > span:
+            fh.seek(max(span, size - span))
+            h.update(fh.read(span))
+    return h.hexdigest()
+
+
+class _Meta:
+    """Typed access to a reader's metadata with errors that name the file and key."""
+
+    def __init__(self, reader: GGUFReader, source: str):
+        self._fields = reader.fields
+        self._source = source
+
+    def has(self, key: str) -> bool:
+        return key in self._fields
+
+    def get(self, key: str) -> Any:
+        if key not in self._fields:
+            raise ModelFormatError(f"{self._source}: missing metadata key {key!r}")
+        return self._fields[key].contents()
+
+    def string(self, key: str) -> str:
+        v = self.get(key)
+        if not isinstance(v, str):
+            raise ModelFormatError(f"{self._source}: key {key!r} should be a string, found {v!r}")
+        return v
+
+    def positive_int(self, key: str) -> int:
+        v = self.get(key)
+        if isinstance(v, (bool, np.bool_)) or not isinstance(v, (int, np.integer)) or v <= 0:
+            raise ModelFormatError(f"{self._source}: key {key!r} should be a positive integer, found {v!r}")
+        return int(v)
+
+    def floats(self, key: str, n: int) -> tuple[float, ...]:
+        v = self.get(key)
+        if not isinstance(v, list) or len(v) != n or not all(isinstance(x, (float, int)) for x in v):
+            raise ModelFormatError(f"{self._source}: key {key!r} should be {n} numbers, found {v!r}")
+        return tuple(float(x) for x in v)
+
+
+def _read_hparams(meta: _Meta, tensors: Mapping[str, Any], source: str) -> VisionHParams:
+    arch = meta.string("general.architecture")
+    if arch != "clip":
+        raise UnsupportedModelError(
+            f"{source}: general.architecture is {arch!r}; a projector (mmproj) file has 'clip'"
+            " (was a language-model GGUF given as the mmproj?)")
+    if meta.has("clip.has_vision_encoder") and not meta.get("clip.has_vision_encoder"):
+        raise UnsupportedModelError(f"{source}: clip.has_vision_encoder is false (an audio-only projector)")
+    key = "clip.projector_type" if meta.has("clip.projector_type") else "clip.vision.projector_type"
+    ptype = meta.string(key)
+    if ptype != PROJECTOR_TYPE:
+        raise UnsupportedModelError(
+            f"{source}: {key} is {ptype!r}; only {PROJECTOR_TYPE!r} (Qwen3.5/3.6 vision) is supported")
+    if meta.has("clip.vision.is_deepstack_layers"):
+        flags = meta.get("clip.vision.is_deepstack_layers")
+        if any(bool(x) for x in flags):
+            raise UnsupportedModelError(
+                f"{source}: clip.vision.is_deepstack_layers marks layers "
+                f"{[i for i, x in enumerate(flags) if x]}: that is a Qwen3-VL projector; Qwen3.5/3.6 has none")
+    pos = tensors.get("v.position_embd.weight")
+    if pos is None:
+        raise ModelFormatError(f"{source}: missing tensor 'v.position_embd.weight'")
+    n_pos = int(pos.shape[1]) if len(pos.shape) >= 2 else 0
+    side = math.isqrt(n_pos)
+    if side * side != n_pos or side < 2:
+        raise ModelFormatError(
+            f"{source}: tensor 'v.position_embd.weight' has {n_pos} rows; expected a square grid (e.g. 48*48)")
+    head = "clip.vision."
+    eps_key = head + "attention.layer_norm_epsilon"
+    hp = VisionHParams(
+        n_embd=meta.positive_int(head + "embedding_length"),
+        n_ff=meta.positive_int(head + "feed_forward_length"),
+        n_layer=meta.positive_int(head + "block_count"),
+        n_head=meta.positive_int(head + "attention.head_count"),
+        patch_size=meta.positive_int(head + "patch_size"),
+        merge=meta.positive_int(head + "spatial_merge_size"),
+        out_dim=meta.positive_int(head + "projection_dim"),
+        pos_side=side,
+        eps=float(meta.get(eps_key)) if meta.has(eps_key) else 1e-6,
+        image_mean=meta.floats(head + "image_mean", 3) if meta.has(head + "image_mean") else (0.5,) * 3,
+        image_std=meta.floats(head + "image_std", 3) if meta.has(head + "image_std") else (0.5,) * 3,
+    )
+    if hp.n_embd % hp.n_head or hp.head_dim % 4:
+        raise ModelFormatError(
+            f"{source}: {head}embedding_length {hp.n_embd} / attention.head_count {hp.n_head} must give a "
+            "head width divisible by 4 (2-D rotary embedding)")
+    if not 0.0 < hp.eps < 1e-2:
+        raise ModelFormatError(f"{source}: {eps_key} = {hp.eps} is not a plausible LayerNorm epsilon")
+    if any(s <= 0 for s in hp.image_std):
+        raise ModelFormatError(f"{source}: {head}image_std {hp.image_std} must be positive")
+    return hp
+
+
+def load_mmproj(path: str | os.PathLike[str]) -> Mmproj:
+    """Open and validate a Qwen3.5/3.6 projector GGUF and dequantize all of its tensors to float32.
+
+    Args:
+        path: the ``mmproj-*.gguf`` file (llama.cpp layout, spec A3/A4).
+
+    Returns:
+        :class:`Mmproj` with ``hparams`` and float32 ``weights`` (about 1.8 GB for the real tower).
+
+    Raises:
+        ModelFormatError: unreadable/truncated file, a missing or ill-typed key, a missing tensor or
+            one of the wrong shape; the message names the file and the key or tensor.
+        UnsupportedModelError: not a ``clip`` file, another projector type (Qwen2-VL, MiniCPM, ...),
+            a Qwen3-VL deepstack projector, or a storage type :mod:`engine.quant` cannot dequantize.
+    """
+    path = Path(path)
+    source = str(path)
+    try:
+        reader = GGUFReader(path)
+    except FileNotFoundError as e:
+        raise ModelFormatError(f"{source}: no such file") from e
+    except (ValueError, OSError, IndexError, KeyError) as e:
+        raise ModelFormatError(f"{source}: not a readable GGUF file ({e})") from e
+    meta = _Meta(reader, source)
+    tensors = {t.name: t for t in reader.tensors}
+    hp = _read_hparams(meta, tensors, source)
+    mm2 = tensors.get("mm.2.weight")
+    if mm2 is not None and int(mm2.shape[-1]) != hp.out_dim:
+        raise ModelFormatError(
+            f"{source}: clip.vision.projection_dim is {hp.out_dim} but tensor 'mm.2.weight' has "
+            f"{int(mm2.shape[-1])} rows (the LLM width)")
+    weights: dict[str, np.ndarray] = {}
+    qtypes: dict[str, str] = {}
+    for name, shape in tensor_shapes(hp).items():
+        t = tensors.get(name)
+        if t is None:
+            raise ModelFormatError(f"{source}: missing tensor {name!r} (expected shape {shape})")
+        found = tuple(int(x) for x in reversed(t.shape.tolist()))
+        while len(found) > len(shape) and found[0] == 1:
+            found = found[1:]
+        if found != shape:
+            raise ModelFormatError(f"{source}: tensor {name!r} has shape {found}, expected {shape}")
+        qtype = quant.check_supported(t.tensor_type, f"{source}: tensor {name!r}")
+        try:
+            weights[name] = quant.dequantize(np.asarray(t.data).view(np.uint8), qtype, shape)
+        except ValueError as e:
+            raise ModelFormatError(f"{source}: tensor {name!r}: {e}") from e
+        qtypes[name] = quant.type_name(qtype)
+    return Mmproj(path=path, hparams=hp, weights=weights, qtypes=qtypes, identity=_file_identity(path))
+
+
+# ----------------------------------------------------------------------------------------------- writing
+
+def _storage_type(name: str, shape: tuple[int, ...], ftype: GGMLQuantizationType) -> GGMLQuantizationType:
+    if len(shape) == 1:
+        return Q.F32
+    if name.startswith(("v.patch_embd.", "v.position_embd.")):
+        return Q.F16 if ftype == Q.F16 else Q.F32
+    if ftype == Q.Q8_0 and shape[-1] % quant.block_size(Q.Q8_0):
+        return Q.F16
+    return ftype
+
+
+def _add(writer: GGUFWriter, name: str, x: np.ndarray, qtype: GGMLQuantizationType) -> None:
+    if qtype == Q.F32:
+        writer.add_tensor(name, np.ascontiguousarray(x, dtype=np.float32))
+    elif qtype == Q.F16:
+        writer.add_tensor(name, np.ascontiguousarray(x, dtype=np.float16))
+    else:
+        writer.add_tensor(name, quant.quantize(x, qtype), raw_dtype=qtype)
+
+
+def write_mmproj(path: str | os.PathLike[str], hp: VisionHParams, weights: Mapping[str, np.ndarray],
+                 ftype: str = "F16") -> Path:
+    """Write a projector GGUF with llama.cpp's keys, tensor names and storage-type rules.
+
+    Args:
+        path: destination file (overwritten).
+        hp: hyper-parameters; ``hp.pos_side`` must match the rows of ``v.position_embd.weight``.
+        weights: every name of :func:`tensor_shapes` ``(hp)`` -> float array of that math shape.
+        ftype: ``"F32"``, ``"F16"`` or ``"Q8_0"`` (see the module doc for per-tensor types).
+
+    Returns:
+        ``Path(path)``.
+
+    Raises:
+        ValueError: unknown ``ftype``, or a missing / mis-shaped weight.
+    """
+    if ftype not in WRITE_TYPES:
+        raise ValueError(f"ftype {ftype!r} is not one of {sorted(WRITE_TYPES)}")
+    ft = WRITE_TYPES[ftype]
+    path = Path(path)
+    w = GGUFWriter(path, "clip")
+    w.add_type(GGUFType.MMPROJ)
+    w.add_file_type({Q.F32: 0, Q.F16: 1, Q.Q8_0: 7}[ft])
+    w.add_clip_has_vision_encoder(True)
+    w.add_clip_projector_type(PROJECTOR_TYPE)
+    w.add_vision_projection_dim(hp.out_dim)
+    w.add_vision_image_size(hp.pos_side * hp.patch_size)
+    w.add_vision_patch_size(hp.patch_size)
+    w.add_vision_embedding_length(hp.n_embd)
+    w.add_vision_feed_forward_length(hp.n_ff)
+    w.add_vision_block_count(hp.n_layer)
+    w.add_vision_head_count(hp.n_head)
+    w.add_vision_image_mean(list(hp.image_mean))
+    w.add_vision_image_std(list(hp.image_std))
+    w.add_vision_use_gelu(True)
+    w.add_vision_spatial_merge_size(hp.merge)
+    w.add_vision_attention_layernorm_eps(hp.eps)
+    w.add_array("clip.vision.is_deepstack_layers", [False] * hp.n_layer)
+    for name, shape in tensor_shapes(hp).items():
+        if name not in weights:
+            raise ValueError(f"write_mmproj: weight {name!r} missing")
+        x = np.asarray(weights[name], dtype=np.float32)
+        if x.shape != shape:
+            raise ValueError(f"write_mmproj: weight {name!r} has shape {x.shape}, expected {shape}")
+        _add(w, name, x, _storage_type(name, shape, ft))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
+class RandomWeights(Mapping[str, np.ndarray]):
+    """Random float32 weights for every tensor of ``hp``, made on access (so a writer converting one
+    tensor at a time never holds them all): matrices N(0, std), norm weights 1 + N(0, 0.1), biases
+    N(0, 0.02). Tensor ``i`` of :func:`tensor_shapes` is drawn from ``default_rng([seed, i])``, so the
+    values are deterministic and the same on every access."""
+
+    def __init__(self, hp: VisionHParams, seed: int = 0, std: float = 0.02):
+        self._shapes = tensor_shapes(hp)
+        self._index = {name: i for i, name in enumerate(self._shapes)}
+        self._seed, self._std = int(seed), float(std)
+
+    def __getitem__(self, name: str) -> np.ndarray:
+        shape = self._shapes[name]
+        rng = np.random.default_rng([self._seed, self._index[name]])
+        x = rng.standard_normal(shape, dtype=np.float32)
+        if name.endswith(".bias"):
+            return x * np.float32(0.02)
+        if len(shape) == 1:
+            return np.float32(1.0) + x * np.float32(0.1)
+        return x * np.float32(self._std)
+
+    def __iter__(self):
+        return iter(self._shapes)
+
+    def __len__(self) -> int:
+        return len(self._shapes)
+
+
+def synth_mmproj(path: str | os.PathLike[str], preset: str = "tiny", out_dim: int | None = None,
+                 seed: int = 0, ftype: str = "F16") -> Path:
+    """Write a random-weight projector file for a preset of :data:`PRESETS`.
+
+    Args:
+        path: destination file.
+        preset: ``"tiny"`` (2 x 64, 4 heads, ffn 128, 8x8 grid) or ``"real"`` (27 x 1152, 16 heads,
+            ffn 4304, 48x48 grid).
+        out_dim: LLM hidden size the merger projects to (default: the preset's, 128 / 2048).
+        seed: RNG seed.
+        ftype: ``"F32"``, ``"F16"`` or ``"Q8_0"``.
+
+    Returns:
+        ``Path(path)``. The real preset writes about 0.9 GB (F16) and needs about as much RAM.
+
+    Raises:
+        ValueError: unknown preset or ftype, or ``out_dim`` < 1.
+    """
+    if preset not in PRESETS:
+        raise ValueError(f"preset {preset!r} is not one of {sorted(PRESETS)}")
+    hp = PRESETS[preset]
+    if out_dim is not None:
+        if out_dim < 1:
+            raise ValueError(f"out_dim must be positive, got {out_dim}")
+        hp = VisionHParams(**{**hp.__dict__, "out_dim": int(out_dim)})
+    return write_mmproj(path, hp, RandomWeights(hp, seed), ftype)

@@ -1,0 +1,326 @@
+"""The Qwen3.5/3.6 vision tower and merger in numpy, image-token counts, M-RoPE positions, and an
+embedding cache. One image in, ``(n_tokens, out_dim)`` LLM-width embeddings out.
+
+Forward (``shared/spec/vision.md`` A5; ``shared/spec/reference.md`` section 5 "Vision tower"), S patches
+of one image in merge-window order, D = ``n_embd``::
+
+    h   = patches @ [W_t0 | W_t1]^T + b                       patch_embd   (S, D)
+    h  += bilinear_align_corners(pos_table)[rows, cols]       inp_embd     (S, D)
+    for each block:                                           (stage names carry the block index)
+        q, k, v = split(LN1(h) @ Wqkv^T + bqkv); rope_2d(q, k)
+        h += attention(q, k, v) @ Wo^T + bo                   attn_out
+        h += fc2(gelu_tanh(fc1(LN2(h))))                      layer_out
+    z   = LN_post(h).reshape(S/4, 4D)                         post_ln      (S/4, 4D)
+    out = mm.2(gelu_erf(mm.0(z)))                             merger_out   (S/4, out_dim)
+
+Output rows are the merged grid ``(gh/2) x (gw/2)`` in raster order, the order of the image-pad
+tokens in the prompt. Each image attends only to itself.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, replace
+
+import numpy as np
+
+from ..errors import GenerationCancelled
+from ..images import (MAX_INPUT_PIXELS, MAX_PIXELS, MIN_PIXELS, ImageSource, prepare_image, read_source,
+                      smart_resize)
+from ..mmproj import Mmproj, VisionHParams
+from ..ops import vision_reference as ops
+
+StageCallback = Callable[[str, int, np.ndarray], None]
+"""``cb(stage, il, x)``: sees each named intermediate; ``il`` is the block index or -1 outside blocks."""
+
+
+def image_token_count(height: int, width: int, *, patch_size: int = 16, merge: int = 2,
+                      min_pixels: int = MIN_PIXELS, max_pixels: int = MAX_PIXELS) -> int:
+    """Number of image-pad tokens (merger rows) an image of ``height x width`` pixels becomes.
+
+    ``(h/32) * (w/32)`` for the :func:`~engine.images.smart_resize` target (h, w) (spec A5.7), e.g.
+    448x448 -> 196, 1024x768 -> 768 with the HF bounds.
+
+    Raises:
+        ImageError: empty or too elongated image. ValueError: inconsistent bounds.
+    """
+    factor = patch_size * merge
+    h, w = smart_resize(height, width, factor, min_pixels, max_pixels)
+    return (h // factor) * (w // factor)
+
+
+class VisionTower:
+    """The tower of one projector file, float32 numpy, one image per call.
+
+    Args:
+        mm: a loaded :class:`~engine.mmproj.Mmproj` (its float32 weights are used in place).
+    """
+
+    def __init__(self, mm: Mmproj):
+        self.hp: VisionHParams = mm.hparams
+        self.identity = mm.identity
+        self._w = mm.weights
+        d = self.hp.n_embd
+        w0 = mm.f32("v.patch_embd.weight")
+        w1 = mm.f32("v.patch_embd.weight.1")
+        # Conv3d kernel (D, C, T, P, P) flattened like a patch row (c, t, ky, kx).
+        self._patch_w = np.ascontiguousarray(np.stack([w0, w1], axis=2).reshape(d, -1))
+
+    def token_count(self, height: int, width: int, min_pixels: int = MIN_PIXELS,
+                    max_pixels: int = MAX_PIXELS) -> int:
+        """:func:`image_token_count` with this tower's patch and merge sizes."""
+        return image_token_count(height, width, patch_size=self.hp.patch_size, merge=self.hp.merge,
+                                 min_pixels=min_pixels, max_pixels=max_pixels)
+
+    def encode(self, pixel_values: np.ndarray, grid: tuple[int, int], cb: StageCallback | None = None,
+               cancel: threading.Event | None = None) -> np.ndarray:
+        """Run the tower and merger on one image.
+
+        Args:
+            pixel_values: (gh*gw, 3*T*P*P) float32 patch rows in merge-window order
+                (:attr:`~engine.images.PreparedImage.pixel_values`, or HF ``pixel_values``).
+            grid: (gh, gw) patch grid, both multiples of ``merge``.
+            cb: optional stage callback (module doc lists the stage names).
+            cancel: checked between blocks; when set, :class:`~engine.errors.GenerationCancelled` is raised.
+
+        Returns:
+            (gh*gw/merge**2, out_dim) float32, merged tokens in raster order of the merged grid.
+
+        Raises:
+            ValueError: ``pixel_values`` does not match ``grid`` or the patch size.
+            GenerationCancelled: ``cancel`` was set.
+        """
+        hp, w = self.hp, self._w
+        gh, gw = int(grid[0]), int(grid[1])
+        s = gh * gw
+        if gh % hp.merge or gw % hp.merge or pixel_values.shape != (s, hp.patch_dim):
+            raise ValueError(f"pixel_values {pixel_values.shape} do not fit grid {gh}x{gw} "
+                             f"(expected ({s}, {hp.patch_dim}), sides multiples of {hp.merge})")
+        emit = cb or (lambda stage, il, x: None)
+        h = ops.linear(np.asarray(pixel_values, dtype=np.float32), self._patch_w, w["v.patch_embd.bias"])
+        emit("patch_embd", -1, h)
+        rows, cols = ops.merge_window_coords(gh, gw, hp.merge)
+        pos = ops.interpolate_pos_table(w["v.position_embd.weight"], hp.pos_side, gh, gw)
+        h += pos[rows, cols]
+        emit("inp_embd", -1, h)
+        cos, sin = ops.rope_2d_cos_sin(rows, cols, hp.head_dim, hp.rope_theta)
+        for il in range(hp.n_layer):
+            if cancel is not None and cancel.is_set():
+                raise GenerationCancelled("image encoding cancelled")
+            h = self._block(h, il, cos, sin, emit)
+        z = ops.layer_norm(h, w["v.post_ln.weight"], w["v.post_ln.bias"], hp.eps)
+        z = z.reshape(s // (hp.merge * hp.merge), hp.merged_dim)
+        emit("post_ln", -1, z)
+        y = ops.gelu_erf(ops.linear(z, w["mm.0.weight"], w["mm.0.bias"]))
+        out = ops.linear(y, w["mm.2.weight"], w["mm.2.bias"])
+        emit("merger_out", -1, out)
+        return out
+
+    def _block(self, h: np.ndarray, il: int, cos: np.ndarray, sin: np.ndarray, emit: StageCallback) -> np.ndarray:
+        hp, w, p = self.hp, self._w, f"v.blk.{il}."
+        s, d = h.shape
+        a = ops.layer_norm(h, w[p + "ln1.weight"], w[p + "ln1.bias"], hp.eps)
+        qkv = ops.linear(a, w[p + "attn_qkv.weight"], w[p + "attn_qkv.bias"]).reshape(s, 3, hp.n_head, hp.head_dim)
+        q = ops.apply_rope(qkv[:, 0], cos, sin)
+        k = ops.apply_rope(qkv[:, 1], cos, sin)
+        att = ops.attention(q, k, qkv[:, 2])
+        h = h + ops.linear(att, w[p + "attn_out.weight"], w[p + "attn_out.bias"])
+        emit("attn_out", il, h)
+        m = ops.layer_norm(h, w[p + "ln2.weight"], w[p + "ln2.bias"], hp.eps)
+        m = ops.gelu_tanh(ops.linear(m, w[p + "ffn_up.weight"], w[p + "ffn_up.bias"]))
+        h += ops.linear(m, w[p + "ffn_down.weight"], w[p + "ffn_down.bias"])
+        emit("layer_out", il, h)
+        return h
+
+
+def mrope_positions(token_ids: Sequence[int] | np.ndarray, image_grids: Sequence[tuple[int, int]],
+                    image_pad_id: int, vision_start_id: int, start: int = 0) -> np.ndarray:
+    """M-RoPE (t, h, w) positions of a token sequence holding whole images (HF ``get_rope_index``).
+
+    Text token: (p, p, p), p + 1 per token. An image whose first pad token would be at P, merged grid
+    H' x W' (row-major pads): token (i, j) at (P, P + i, P + j); the token after it gets
+    P + max(H', W') (spec A6, reference.md section 5 item 7). The next position after the sequence
+    (for decoding or the next chunk) is ``positions.max() + 1``.
+
+    Args:
+        token_ids: (n,) ints. Every run of ``image_pad_id`` must directly follow ``vision_start_id``
+            and hold exactly the tokens of its image.
+        image_grids: merged (rows, cols) per image, in order of appearance.
+        image_pad_id: ``<|image_pad|>`` (248056). vision_start_id: ``<|vision_start|>`` (248053).
+        start: position of the first token (the next position of the previous chunk).
+
+    Returns:
+        (3, n) int64: rows t, h, w.
+
+    Raises:
+        ValueError: a pad run without a preceding vision-start token, a run whose length is not
+            rows*cols of its grid, or a number of runs different from ``len(image_grids)``.
+    """
+    ids = np.asarray(token_ids, dtype=np.int64).reshape(-1)
+    n = ids.size
+    out = np.empty((3, n), dtype=np.int64)
+    is_pad = ids == image_pad_id
+    pos, i, img = int(start), 0, 0
+    while i < n:
+        if not is_pad[i]:
+            j = i
+            while j < n and not is_pad[j]:
+                j += 1
+            out[:, i:j] = pos + np.arange(j - i)
+            pos += j - i
+            i = j
+            continue
+        if i == 0 or ids[i - 1] != vision_start_id:
+            raise ValueError(f"image-pad token at index {i} does not follow a vision-start token")
+        if img >= len(image_grids):
+            raise ValueError(f"more image-pad runs than the {len(image_grids)} image grids given")
+        rows, cols = (int(x) for x in image_grids[img])
+        j = i + rows * cols
+        if j > n or not is_pad[i:j].all() or (j < n and is_pad[j]):
+            raise ValueError(f"image {img} (grid {rows}x{cols}) needs a run of exactly {rows * cols} "
+                             f"image-pad tokens at index {i}")
+        r, c = np.divmod(np.arange(rows * cols), cols)
+        out[0, i:j] = pos
+        out[1, i:j] = pos + r
+        out[2, i:j] = pos + c
+        pos += max(rows, cols)
+        img += 1
+        i = j
+    if img != len(image_grids):
+        raise ValueError(f"{len(image_grids)} image grids given but {img} image-pad runs found")
+    return out
+
+
+class EmbeddingCache:
+    """LRU cache of encoded images bounded by the bytes of their embeddings.
+
+    Keys are tuples (projector identity, content digest, min_pixels, max_pixels): an image's
+    embeddings are a function of exactly these. Not thread-safe; the engine thread owns it.
+
+    Args:
+        max_bytes: total embedding bytes kept; least recently used entries are dropped beyond it.
+    """
+
+    def __init__(self, max_bytes: int = 256 << 20):
+        self.max_bytes = int(max_bytes)
+        self._items: OrderedDict[tuple, EncodedImage] = OrderedDict()
+        self._bytes = 0
+        self.hits = 0
+        self.misses = 0
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+    @property
+    def nbytes(self) -> int:
+        """Embedding bytes held now."""
+        return self._bytes
+
+    def get(self, key: tuple) -> EncodedImage | None:
+        """The entry for ``key`` (marked most recently used), or None."""
+        item = self._items.get(key)
+        if item is None:
+            self.misses += 1
+            return None
+        self._items.move_to_end(key)
+        self.hits += 1
+        return item
+
+    def put(self, key: tuple, item: EncodedImage) -> None:
+        """Store ``item`` under ``key``; an item larger than ``max_bytes`` is not kept."""
+        if key in self._items:
+            self._bytes -= self._items.pop(key).embeddings.nbytes
+        if item.embeddings.nbytes > self.max_bytes:
+            return
+        self._items[key] = item
+        self._bytes += item.embeddings.nbytes
+        while self._bytes > self.max_bytes:
+            _, old = self._items.popitem(last=False)
+            self._bytes -= old.embeddings.nbytes
+
+
+@dataclass(frozen=True)
+class EncodedImage:
+    """One image encoded for the prompt.
+
+    Attributes:
+        embeddings: (n_tokens, out_dim) float32, read-only; row k replaces the k-th image-pad token.
+        grid: merged (rows, cols); ``rows * cols == n_tokens``; feed to :func:`mrope_positions`.
+        size: (height, width) pixels the tower saw (after the resize).
+        original_size: (height, width) pixels of the (EXIF-rotated) input.
+        digest: SHA-256 hex of the image content, for the prefix-cache key.
+        from_cache: True when the embeddings came from the cache (no decoding, no encoding).
+        seconds: wall time of the call that returned this.
+    """
+
+    embeddings: np.ndarray
+    grid: tuple[int, int]
+    size: tuple[int, int]
+    original_size: tuple[int, int]
+    digest: str
+    from_cache: bool
+    seconds: float
+
+    @property
+    def n_tokens(self) -> int:
+        """Number of image-pad tokens this image takes."""
+        return int(self.embeddings.shape[0])
+
+
+class ImageEncoder:
+    """Preprocess + tower + cache: what the runtime calls for each image of a prompt.
+
+    Args:
+        mm: the loaded projector.
+        min_pixels, max_pixels: default area bounds of the resized image (HF's by default; lower
+            ``max_pixels`` to bound CPU time: S = pixels / 256 patches, attention cost ~ S^2).
+        cache_bytes: embedding cache size.
+        max_input_pixels: decode guard (see :func:`engine.images.open_image`).
+    """
+
+    def __init__(self, mm: Mmproj, min_pixels: int = MIN_PIXELS, max_pixels: int = MAX_PIXELS,
+                 cache_bytes: int = 256 << 20, max_input_pixels: int = MAX_INPUT_PIXELS):
+        self.tower = VisionTower(mm)
+        self.min_pixels, self.max_pixels = int(min_pixels), int(max_pixels)
+        self.max_input_pixels = int(max_input_pixels)
+        self.cache = EmbeddingCache(cache_bytes)
+
+    def encode(self, source: ImageSource, max_pixels: int | None = None,
+               cancel: threading.Event | None = None) -> EncodedImage:
+        """Encode one image, from the cache when the same content was encoded with the same bounds.
+
+        Args:
+            source: file path, file bytes, :class:`~engine.images.ImageData` or Pillow image.
+            max_pixels: overrides the default area bound for this image (``min_pixels`` is lowered
+                to it when above).
+            cancel: checked between tower blocks.
+
+        Returns:
+            :class:`EncodedImage`.
+
+        Raises:
+            ImageError: bad image (see :func:`engine.images.prepare_image`).
+            GenerationCancelled: ``cancel`` was set.
+            ValueError: ``max_pixels`` below ``factor**2`` (1024).
+        """
+        t0 = time.perf_counter()
+        hp = self.tower.hp
+        max_px = self.max_pixels if max_pixels is None else int(max_pixels)
+        min_px = min(self.min_pixels, max_px)
+        src = read_source(source)
+        key = (self.tower.identity, src.digest, min_px, max_px)
+        hit = self.cache.get(key)
+        if hit is not None:
+            return replace(hit, from_cache=True, seconds=time.perf_counter() - t0)
+        prep = prepare_image(src, patch=hp.patch_size, merge=hp.merge, temporal=hp.temporal_patch,
+                             mean=hp.image_mean, std=hp.image_std, min_pixels=min_px, max_pixels=max_px,
+                             max_input_pixels=self.max_input_pixels)
+        emb = self.tower.encode(prep.pixel_values, prep.grid, cancel=cancel)
+        emb.flags.writeable = False
+        item = EncodedImage(emb, (prep.grid[0] // hp.merge, prep.grid[1] // hp.merge), prep.size,
+                            prep.original_size, prep.digest, False, time.perf_counter() - t0)
+        self.cache.put(key, item)
+        return item
