@@ -158,6 +158,10 @@ def from_metadata(get: Callable[[str], Any], n_tokens: int | None, source: str) 
     sections = get(f"{arch}.rope.dimension_sections")
     if sections is None:
         raise ModelFormatError(f"{source}: required key {arch}.rope.dimension_sections is missing")
+    if not isinstance(sections, (list, tuple)) or not all(
+            isinstance(s, int) and not isinstance(s, bool) for s in sections):
+        raise ModelFormatError(
+            f"{source}: key {arch}.rope.dimension_sections should be an integer array, got {type(sections).__name__}")
     sections = tuple(int(s) for s in list(sections)[:4])
     sections = sections + (0,) * (4 - len(sections))
 
