@@ -1,0 +1,263 @@
+"""The Qwen3.5/3.6 hybrid text model (GGUF arch ``qwen35moe`` and its dense sibling ``qwen35``).
+
+Reads top to bottom like llama.cpp ``src/models/qwen35moe.cpp``: embedding, then per layer
+``attn_norm -> (Gated DeltaNet | gated full attention) -> residual -> post_attention_norm ->
+(MoE | SwiGLU FFN) -> residual``, then ``output_norm`` and the LM head. The math is
+``shared/spec/qwen35moe.md`` section 3; every op is the numpy reference in
+:mod:`engine.ops.reference`.
+
+GGUF storage conventions, handled here and only here (the converter already applied them, so
+the model uses each tensor *as stored* and never redoes them):
+
+1. Zero-centred RMSNorm weights (``attn_norm``, ``post_attention_norm``, ``output_norm``,
+   ``attn_q_norm``, ``attn_k_norm``) are stored as ``1 + w``: used as plain RMSNorm weights.
+   ``ssm_norm`` is stored unshifted and is also used as stored.
+2. ``ssm_a`` is stored as ``-exp(A_log)``: the decay is ``g = ssm_a * softplus(alpha + ssm_dt.bias)``.
+3. GDN v-heads are stored *tiled*: v-head ``h`` uses q/k head ``h mod n_k`` (the reference ops do
+   the tiling; transformers' raw weights would need ``h // r`` instead).
+4. ``attn_q`` rows are per-head interleaved ``[q_0 | gate_0 | q_1 | gate_1 | ...]``, head_dim each.
+5. ``output.weight`` absent => the LM head is tied to ``token_embd.weight``.
+6. ``ssm_conv1d.weight`` is squeezed to ``(conv_dim, K)``, column 0 the oldest tap.
+
+Weights are fetched by GGUF tensor name from any object offering ``.f32(name)`` (math shape,
+float32), ``.has(name)``, ``.expert(name, e)`` and ``.row(name, i)`` (a ``GGUFFile`` does).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import numpy as np
+
+from ..errors import ContextFullError
+from ..hparams import Qwen35HParams
+from ..ops import reference as ops
+from ..state import SequenceState
+
+Callback = Callable[[str, int, np.ndarray], None]
+
+EXPERT_CACHE_LIMIT = 1 << 30
+"""Routed experts are kept as float32 after first use when all of them together are below this many bytes."""
+
+
+class Qwen35Model:
+    """Numpy forward pass of one ``qwen35moe`` / ``qwen35`` text model.
+
+    Non-expert weights are dequantized to float32 on first use and cached. Routed experts are
+    fetched one selected expert at a time (and cached when all experts fit in
+    :data:`EXPERT_CACHE_LIMIT`). The token embedding is read row by row unless the tied LM head
+    has already made it a cached float32 matrix.
+    """
+
+    def __init__(self, hp: Qwen35HParams, weights: Any) -> None:
+        self.hp = hp
+        self.weights = weights
+        self.output_name = "output.weight" if weights.has("output.weight") else "token_embd.weight"
+        expert_bytes = 4 * hp.n_layer * hp.n_expert * 3 * hp.n_ff_exp * hp.n_embd
+        self.cache_experts = hp.is_moe and expert_bytes < EXPERT_CACHE_LIMIT
+        self._w: dict[str, np.ndarray] = {}
+        self._experts: dict[tuple[int, int], tuple[np.ndarray, np.ndarray, np.ndarray]] = {}
+
+    # ---- weights -------------------------------------------------------------------------------
+
+    def w(self, name: str) -> np.ndarray:
+        """Tensor ``name`` as float32 in math shape, dequantized once and cached."""
+        t = self._w.get(name)
+        if t is None:
+            t = np.ascontiguousarray(self.weights.f32(name), dtype=np.float32)
+            self._w[name] = t
+        return t
+
+    def expert(self, il: int, e: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Routed expert ``e`` of layer ``il``: (gate (ff, d), up (ff, d), down (d, ff)) float32."""
+        mats = self._experts.get((il, e))
+        if mats is None:
+            mats = tuple(np.asarray(self.weights.expert(f"blk.{il}.ffn_{part}_exps.weight", e), dtype=np.float32)
+                         for part in ("gate", "up", "down"))
+            if self.cache_experts:
+                self._experts[(il, e)] = mats
+        return mats
+
+    def embed(self, tokens: np.ndarray) -> np.ndarray:
+        """Token embeddings ``E[tokens]``: (n, n_embd) float32, unscaled.
+
+        Raises ValueError for an id outside 0..n_vocab-1.
+        """
+        tokens = np.asarray(tokens, dtype=np.int64).reshape(-1)
+        bad = tokens[(tokens < 0) | (tokens >= self.hp.n_vocab)]
+        if bad.size:
+            raise ValueError(f"token id {int(bad[0])} is outside the vocabulary 0..{self.hp.n_vocab - 1}")
+        table = self._w.get("token_embd.weight")
+        if table is not None:
+            return table[tokens]
+        return np.stack([np.asarray(self.weights.row("token_embd.weight", int(t)), dtype=np.float32)
+                         for t in tokens])
+
+    # ---- the forward pass ----------------------------------------------------------------------
+
+    def forward(self, tokens: np.ndarray, state: SequenceState, embeddings: np.ndarray | None = None,
+                positions: np.ndarray | None = None, all_logits: bool = False,
+                cb: Callback | None = None) -> np.ndarray:
+        """Run n new positions through the model, updating ``state`` in place.
+
+        Args:
+            tokens: (n,) int token ids.
+            state: the sequence's state; ``state.pos`` is the cache index of ``tokens[0]`` and
+                advances by n.
+            embeddings: (n, n_embd) float32 input rows used instead of ``embed(tokens)`` (e.g.
+                token embeddings with image rows merged in); ``tokens`` must still have n entries.
+            positions: (3, n) int t/h/w M-RoPE positions; default ``state.pos + arange(n)`` for all three.
+            all_logits: return logits for every position, else for the last one only.
+            cb: called as ``cb(stage, il, x)`` with every named intermediate (il = -1 outside layers).
+        Returns:
+            (n or 1, n_vocab) float32 logits.
+        Raises:
+            ContextFullError: ``state.pos + n`` exceeds ``state.capacity``.
+            ValueError: n == 0, mismatched lengths, or a token id outside the vocabulary.
+        n > 1 uses the chunked GDN form and batched attention; n == 1 the recurrent GDN step.
+        """
+        hp = self.hp
+        tokens = np.asarray(tokens, dtype=np.int64).reshape(-1)
+        n = tokens.shape[0]
+        if n == 0:
+            raise ValueError("forward needs at least one token")
+        if state.pos + n > state.capacity:
+            raise ContextFullError(
+                f"{state.pos} + {n} positions do not fit the state's capacity of {state.capacity}")
+        if positions is None:
+            positions = np.broadcast_to(state.pos + np.arange(n), (3, n))
+        positions = np.asarray(positions)
+        if positions.shape != (3, n):
+            raise ValueError(f"positions must have shape (3, {n}), got {positions.shape}")
+        if embeddings is None:
+            h = self.embed(tokens)
+        else:
+            h = np.asarray(embeddings, dtype=np.float32)
+            if h.shape != (n, hp.n_embd):
+                raise ValueError(f"embeddings must have shape ({n}, {hp.n_embd}), got {h.shape}")
+        cb = cb or _no_cb
+        cb("inp_embd", -1, h)
+
+        for il in range(hp.n_layer):
+            x = ops.rmsnorm(h, self.w(f"blk.{il}.attn_norm.weight"), hp.rms_eps)
+            cb("attn_norm", il, x)
+            if hp.is_recurrent(il):
+                x = self.gated_delta_net(il, x, state, cb)
+                cb("linear_attn_out", il, x)
+            else:
+                x = self.gated_attention(il, x, state, positions, cb)
+                cb("attn_out", il, x)
+            h = h + x
+            cb("attn_residual", il, h)
+            y = ops.rmsnorm(h, self.w(f"blk.{il}.post_attention_norm.weight"), hp.rms_eps)
+            cb("attn_post_norm", il, y)
+            y = self.moe(il, y, cb) if hp.is_moe else self.ffn(il, y)
+            cb("ffn_out", il, y)
+            h = h + y
+            cb("l_out", il, h)
+
+        state.pos += n
+        if not all_logits:
+            h = h[-1:]
+        h = ops.rmsnorm(h, self.w("output_norm.weight"), hp.rms_eps)
+        cb("result_norm", -1, h)
+        logits = ops.linear(h, self.w(self.output_name))
+        cb("result_output", -1, logits)
+        return logits
+
+    # ---- mixers --------------------------------------------------------------------------------
+
+    def gated_delta_net(self, il: int, x: np.ndarray, state: SequenceState, cb: Callback) -> np.ndarray:
+        """Gated DeltaNet layer (spec 3.2): x (n, n_embd) -> (n, n_embd); updates conv/ssm state."""
+        hp = self.hp
+        p = f"blk.{il}."
+        n = x.shape[0]
+        nk, nv, dk, dv = hp.num_k_heads, hp.num_v_heads, hp.head_k_dim, hp.head_v_dim
+
+        mixed = ops.linear(x, self.w(p + "attn_qkv.weight"))            # (n, conv_dim), raw, pre-conv
+        cb("linear_attn_qkv_mixed", il, mixed)
+        z = ops.linear(x, self.w(p + "attn_gate.weight")).reshape(n, nv, dv)
+        beta = ops.sigmoid(ops.linear(x, self.w(p + "ssm_beta.weight")))  # (n, nv)
+        alpha = ops.linear(x, self.w(p + "ssm_alpha.weight")) + self.w(p + "ssm_dt.bias")
+        g = self.w(p + "ssm_a") * ops.softplus(alpha)                     # log-decay <= 0
+        cb("beta", il, beta)
+        cb("gate", il, g)
+
+        conv, new_conv = ops.causal_conv1d(mixed, self.w(p + "ssm_conv1d.weight"), state.conv[il])
+        state.conv[il][...] = new_conv
+        u = ops.silu(conv)
+        cb("conv_output_silu", il, u)
+        q = ops.l2norm(u[:, :nk * dk].reshape(n, nk, dk), hp.rms_eps) * np.float32(dk ** -0.5)
+        k = ops.l2norm(u[:, nk * dk:2 * nk * dk].reshape(n, nk, dk), hp.rms_eps)
+        v = u[:, 2 * nk * dk:].reshape(n, nv, dv)
+
+        if n == 1:
+            o, s = ops.gdn_step(q[0], k[0], v[0], g[0], beta[0], state.ssm[il])
+            o = o[None]
+        else:
+            o, s = ops.gdn_chunked(q, k, v, g, beta, state.ssm[il])
+        state.ssm[il][...] = s
+        cb("attn_output", il, o)
+
+        y = ops.gated_rmsnorm(o, self.w(p + "ssm_norm.weight"), z, hp.rms_eps).reshape(n, nv * dv)
+        cb("final_output", il, y)
+        return ops.linear(y, self.w(p + "ssm_out.weight"))
+
+    def gated_attention(self, il: int, x: np.ndarray, state: SequenceState, positions: np.ndarray,
+                        cb: Callback) -> np.ndarray:
+        """Gated full attention (spec 3.1): x (n, n_embd) -> (n, n_embd); appends K/V to the cache."""
+        hp = self.hp
+        p = f"blk.{il}."
+        n = x.shape[0]
+        hd = hp.head_dim
+
+        qg = ops.linear(x, self.w(p + "attn_q.weight")).reshape(n, hp.n_head, 2 * hd)  # per head [q | gate]
+        q, gate = qg[..., :hd], qg[..., hd:]
+        k = ops.linear(x, self.w(p + "attn_k.weight")).reshape(n, hp.n_head_kv, hd)
+        v = ops.linear(x, self.w(p + "attn_v.weight")).reshape(n, hp.n_head_kv, hd)
+        q = ops.rmsnorm(q, self.w(p + "attn_q_norm.weight"), hp.rms_eps)
+        k = ops.rmsnorm(k, self.w(p + "attn_k_norm.weight"), hp.rms_eps)
+        q = ops.rope_multi(q, positions, hp.rope_dims, hp.rope_theta, hp.rope_sections)
+        k = ops.rope_multi(k, positions, hp.rope_dims, hp.rope_theta, hp.rope_sections)
+        cb("Qcur", il, q)
+        cb("Kcur", il, k)
+        cb("Vcur", il, v)
+
+        end = state.pos + n
+        state.k[il][state.pos:end] = k
+        state.v[il][state.pos:end] = v
+        o = ops.gated_attention(q, gate, state.k[il][:end], state.v[il][:end])
+        cb("attn_gated", il, o)
+        return ops.linear(o, self.w(p + "attn_output.weight"))
+
+    # ---- feed-forward --------------------------------------------------------------------------
+
+    def moe(self, il: int, y: np.ndarray, cb: Callback) -> np.ndarray:
+        """Routed top-k experts plus the sigmoid-gated shared expert (spec 3.3): (n, d) -> (n, d)."""
+        p = f"blk.{il}."
+        logits = ops.linear(y, self.w(p + "ffn_gate_inp.weight"))
+        cb("ffn_moe_logits", il, logits)
+        idx, weights = ops.topk_route(logits, self.hp.n_expert_used)
+        cb("ffn_moe_topk", il, idx)
+        cb("ffn_moe_weights_norm", il, weights)
+        out = np.zeros_like(y)
+        for e in np.unique(idx):
+            rows, slot = np.nonzero(idx == e)
+            out[rows] += weights[rows, slot, None] * ops.swiglu(y[rows], *self.expert(il, int(e)))
+        cb("ffn_moe_out", il, out)
+        if self.weights.has(p + "ffn_gate_shexp.weight"):
+            sh = ops.shared_expert(y, self.w(p + "ffn_gate_shexp.weight"), self.w(p + "ffn_up_shexp.weight"),
+                                   self.w(p + "ffn_down_shexp.weight"), self.w(p + "ffn_gate_inp_shexp.weight"))
+            cb("ffn_shexp", il, sh)
+            out = out + sh
+        return out
+
+    def ffn(self, il: int, y: np.ndarray) -> np.ndarray:
+        """Dense SwiGLU FFN of ``qwen35`` files: (n, d) -> (n, d)."""
+        p = f"blk.{il}."
+        return ops.swiglu(y, self.w(p + "ffn_gate.weight"), self.w(p + "ffn_up.weight"),
+                          self.w(p + "ffn_down.weight"))
+
+
+def _no_cb(stage: str, il: int, x: np.ndarray) -> None:
+    """The default stage callback: ignores everything."""
