@@ -163,13 +163,17 @@ def _scale_to_u8(a: np.ndarray, mode: str) -> np.ndarray:
     return np.clip(np.nan_to_num(np.rint(scaled)), 0, 255).astype(np.uint8)
 
 
+_HIGH_DEPTH = ("I", "I;16", "I;16L", "I;16B", "I;16N", "F")
+
+
 def to_rgb(im: Image.Image, source: str = "<image>") -> Image.Image:
     """Convert a decoded image of any Pillow mode to RGB, compositing transparency on white.
 
     ``P`` with a transparency entry, ``PA``, ``LA``, ``La``, ``RGBA``, ``RGBa``: alpha-composited on white.
     ``I;16*`` (16-bit PNG/TIFF greyscale): value / 257. ``I`` (32-bit): / 257 when any value exceeds 255.
-    ``F``: x 255 when all values are <= 1, then clipped. ``CMYK``, ``YCbCr``, ``1``, ``L``, ``P``: Pillow's
-    conversion (an embedded ICC profile is not applied).
+    ``F``: x 255 when all values are <= 1, then clipped (a transparency key on these is ignored). ``LAB``: CIE L*a*b* -> sRGB through Pillow's
+    colour management (ImageCms). ``CMYK``, ``YCbCr``, ``HSV``, ``1``, ``L``, ``P``: Pillow's conversion
+    (an embedded ICC profile is not applied).
 
     Args:
         im: a decoded Pillow image. source: name used in error messages.
@@ -178,21 +182,27 @@ def to_rgb(im: Image.Image, source: str = "<image>") -> Image.Image:
         An RGB image (``im`` itself when already RGB).
 
     Raises:
-        ImageError: a mode Pillow cannot convert to RGB (e.g. ``LAB``, ``HSV``), naming ``source``.
+        ImageError: a mode Pillow cannot convert to RGB, naming ``source`` and the mode.
     """
     if im.mode == "RGB":
         return im
-    if "A" in im.getbands() or "a" in im.getbands() or im.info.get("transparency") is not None:
-        if im.mode in ("I", "I;16", "I;16L", "I;16B", "I;16N", "F"):
-            im = Image.fromarray(_scale_to_u8(np.asarray(im), im.mode), mode="L")
-        rgba = im.convert("RGBA")
-        white = Image.new("RGBA", rgba.size, (255, 255, 255, 255))
-        return Image.alpha_composite(white, rgba).convert("RGB")
-    if im.mode in ("I", "I;16", "I;16L", "I;16B", "I;16N", "F"):
-        return Image.fromarray(_scale_to_u8(np.asarray(im), im.mode), mode="L").convert("RGB")
     try:
+        if im.mode in _HIGH_DEPTH:
+            return Image.fromarray(_scale_to_u8(np.asarray(im), im.mode), mode="L").convert("RGB")
+        if im.mode == "LAB":
+            from PIL import ImageCms
+
+            lab_to_srgb = ImageCms.buildTransform(ImageCms.createProfile("LAB"), ImageCms.createProfile("sRGB"),
+                                                  "LAB", "RGB")
+            return ImageCms.applyTransform(im, lab_to_srgb)
+        if "A" in im.getbands() or "a" in im.getbands() or im.info.get("transparency") is not None:
+            if im.mode == "La":
+                im = im.convert("LA")
+            rgba = im.convert("RGBA")
+            white = Image.new("RGBA", rgba.size, (255, 255, 255, 255))
+            return Image.alpha_composite(white, rgba).convert("RGB")
         return im.convert("RGB")
-    except (ValueError, OSError) as e:
+    except (ValueError, OSError, ImportError) as e:
         raise ImageError(f"{source}: images of Pillow mode {im.mode!r} cannot be converted to RGB ({e})") from e
 
 
@@ -229,7 +239,8 @@ def _decode(data: bytes, name: str, max_input_pixels: int) -> Image.Image:
         try:
             im = Image.open(io.BytesIO(data))
         except Image.DecompressionBombError as e:
-            raise ImageError(f"{name}: refusing to decode an image this large ({e})") from e
+            raise ImageError(f"{name}: image exceeds the limit of {max_input_pixels:,} pixels; refusing to decode "
+                             f"it (possible decompression bomb; Pillow: {e}). Downscale it first.") from e
         except UnidentifiedImageError as e:
             suffix = Path(name).suffix.lower()
             named = f" despite its name ending in {suffix!r}" if suffix else ""

@@ -199,6 +199,12 @@ class _Meta:
             raise ModelFormatError(f"{self._source}: key {key!r} should be a positive integer, found {v!r}")
         return int(v)
 
+    def number(self, key: str) -> float:
+        v = self.get(key)
+        if isinstance(v, (bool, np.bool_)) or not isinstance(v, (int, float, np.integer, np.floating)):
+            raise ModelFormatError(f"{self._source}: key {key!r} should be a number, found {v!r}")
+        return float(str(np.float32(v)))  # stored as f32: its shortest decimal (1e-6, not 9.99999997e-07)
+
     def floats(self, key: str, n: int) -> tuple[float, ...]:
         v = self.get(key)
         if not isinstance(v, list) or len(v) != n or not all(isinstance(x, (float, int)) for x in v):
@@ -244,7 +250,7 @@ def _read_hparams(meta: _Meta, tensors: Mapping[str, Any], source: str) -> Visio
         merge=meta.positive_int(head + "spatial_merge_size"),
         out_dim=meta.positive_int(head + "projection_dim"),
         pos_side=side,
-        eps=float(meta.get(eps_key)) if meta.has(eps_key) else 1e-6,
+        eps=meta.number(eps_key) if meta.has(eps_key) else 1e-6,
         image_mean=meta.floats(head + "image_mean", 3) if meta.has(head + "image_mean") else (0.5,) * 3,
         image_std=meta.floats(head + "image_std", 3) if meta.has(head + "image_std") else (0.5,) * 3,
     )
