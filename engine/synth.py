@@ -33,7 +33,7 @@ from gguf import GGMLQuantizationType, LlamaFileType
 
 from .gguf_file import tensor_shapes
 from .hparams import Qwen35HParams
-from .quant import block_size, parse_type, quantize, row_bytes, type_name, type_size
+from .quant import WRITABLE_TYPES, block_size, parse_type, quantize, row_bytes, type_name, type_size
 
 Q = GGMLQuantizationType
 
@@ -146,8 +146,8 @@ def write_gguf(path: str | os.PathLike[str], hp: Qwen35HParams, tensors: Mapping
         quant_overrides: per-tensor types, see :func:`storage_type`.
 
     Raises:
-        ValueError: unknown type name, a quantized tensor whose ``ne0`` is not a multiple of the block
-            size, or a vocabulary whose size differs from ``hp.n_vocab``.
+        ValueError: unknown or unwritable type name (K-quants cannot be written), a quantized tensor whose
+            ``ne0`` is not a multiple of the block size, or a vocabulary whose size differs from ``hp.n_vocab``.
     """
     qfile = _file_type(quant)
     plan: list[_Plan] = []
@@ -258,6 +258,9 @@ def _write(path: str | os.PathLike[str], hp: Qwen35HParams, plan: Iterable[_Plan
     _add_metadata(w, hp, qfile, name)
     _add_vocab(w, hp, vocab, chat_template)
     for tname, shape, qtype, _ in plan:
+        if qtype not in WRITABLE_TYPES:
+            raise ValueError(f"tensor {tname}: cannot write {type_name(qtype)} (writable: "
+                             f"{', '.join(sorted(type_name(t).lower() for t in WRITABLE_TYPES))})")
         if shape[-1] % block_size(qtype):
             raise ValueError(f"tensor {tname}: ne0 = {shape[-1]} is not a multiple of the {type_name(qtype)} "
                              f"block size {block_size(qtype)}")

@@ -1,0 +1,148 @@
+"""engine.synth: presets, metadata, storage types, determinism and weight statistics.
+
+Statistical checks use generous bounds on thousands of samples (std within 15 % of the target,
+|mean| < 0.1 std); they hold for any seed.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+
+import numpy as np
+import pytest
+from gguf import GGMLQuantizationType as Q
+
+from engine.gguf_file import GGUFFile, tensor_shapes
+from engine.synth import QWEN35_N_VOCAB, preset_hparams, storage_type, synth, write_gguf
+
+VOCAB = [f"tok{i}" for i in range(256)]
+
+
+def digest(path):
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def test_35b_preset_is_the_real_model():
+    hp = preset_hparams("35b-a3b")
+    assert (hp.arch, hp.n_layer, hp.n_embd, hp.n_vocab) == ("qwen35moe", 40, 2048, 248320)
+    assert (hp.n_head, hp.n_head_kv, hp.head_dim, hp.rope_dims, hp.rope_sections) == (16, 2, 256, 64, (11, 11, 10, 0))
+    assert (hp.num_k_heads, hp.num_v_heads, hp.head_k_dim, hp.head_v_dim, hp.conv_dim) == (16, 32, 128, 128, 8192)
+    assert (hp.n_expert, hp.n_expert_used, hp.n_ff_exp, hp.n_ff_shexp) == (256, 8, 512, 512)
+    shapes = tensor_shapes(hp)
+    assert len(shapes) == 733  # spec table 2: 733 tensors without MTP
+    q4_bytes = sum(math.prod(ne[1:]) * (ne[0] // 32 * 18 if storage_type(n, ne, Q.Q4_0) == Q.Q4_0 else ne[0] * 4)
+                   for n, ne in shapes.items())
+    assert 19.4e9 < q4_bytes < 19.8e9  # spec section 4: Q4_0 computed ~19.6 GB
+    small = preset_hparams("35b-a3b", layers=4, experts=4)
+    assert (small.n_layer, small.n_expert, small.n_expert_used) == (4, 4, 4)
+    assert [small.is_recurrent(i) for i in range(4)] == [True, True, True, False]
+
+
+def test_preset_errors():
+    with pytest.raises(ValueError, match="preset"):
+        preset_hparams("70b")
+    with pytest.raises(ValueError):
+        preset_hparams("tiny", layers=0)
+    with pytest.raises(ValueError, match="dense-tiny"):
+        preset_hparams("dense-tiny", experts=4)
+
+
+def test_metadata_keys(tmp_path):
+    path = tmp_path / "t.gguf"
+    synth(path, "tiny", quant="q8_0", vocab=None)
+    f = GGUFFile.open(path)
+    a = "qwen35moe"
+    want = {
+        "block_count": 4, "nextn_predict_layers": 0, "context_length": 262144, "embedding_length": 64,
+        "attention.head_count": 4, "attention.head_count_kv": 2, "attention.key_length": 32,
+        "attention.value_length": 32, "rope.dimension_count": 8, "rope.dimension_sections": [2, 1, 1, 0],
+        "expert_count": 8, "expert_used_count": 2, "expert_feed_forward_length": 32,
+        "expert_shared_feed_forward_length": 32, "ssm.conv_kernel": 4, "ssm.state_size": 16,
+        "ssm.group_count": 2, "ssm.time_step_rank": 4, "ssm.inner_size": 64, "full_attention_interval": 4,
+        "vocab_size": QWEN35_N_VOCAB,
+    }
+    for key, value in want.items():
+        assert f.meta(f"{a}.{key}") == value, key
+    assert f.meta(f"{a}.attention.layer_norm_rms_epsilon") == pytest.approx(1e-6, rel=1e-6)
+    assert f.meta(f"{a}.rope.freq_base") == 1e7
+    assert f.meta("general.architecture") == a and f.meta("general.type") == "model"
+    assert f.meta("general.file_type") == 7 and f.meta("general.quantization_version") == 2
+    assert f.meta("tokenizer.ggml.tokens") is None
+    assert f.meta(f"{a}.feed_forward_length") is None
+
+    path = tmp_path / "d.gguf"
+    synth(path, "dense-tiny", quant="f16", vocab=VOCAB)
+    f = GGUFFile.open(path)
+    assert f.meta("qwen35.feed_forward_length") == 128 and f.meta("qwen35.expert_count") is None
+    assert f.meta("general.file_type") == 1 and f.meta("tokenizer.ggml.model") == "gpt2"
+    assert f.meta("tokenizer.ggml.tokens") == VOCAB and f.meta("qwen35.vocab_size") is None
+    assert f.hparams.n_vocab == len(VOCAB)
+
+
+def test_storage_types():
+    for name, ne in [("blk.0.attn_norm.weight", (64,)), ("blk.0.ssm_a", (4,)), ("blk.0.ssm_dt.bias", (4,)),
+                     ("blk.0.ssm_conv1d.weight", (4, 128)), ("blk.0.ffn_gate_inp.weight", (64, 8)),
+                     ("blk.0.ffn_gate_inp_shexp.weight", (64,)), ("blk.3.attn_q_norm.weight", (32,))]:
+        assert storage_type(name, ne, Q.Q4_0) == Q.F32, name
+    assert storage_type("blk.0.ssm_beta.weight", (64, 4), Q.Q4_0) == Q.Q4_0
+    over = {"output.weight": "q8_0", "blk.*.ssm_norm.weight": "f16"}
+    assert storage_type("output.weight", (64, 10), Q.Q4_0, over) == Q.Q8_0
+    assert storage_type("blk.2.ssm_norm.weight", (16,), Q.Q4_0, over) == Q.F16
+
+
+def test_deterministic_for_a_seed(tmp_path):
+    a, b, c = tmp_path / "a.gguf", tmp_path / "b.gguf", tmp_path / "c.gguf"
+    synth(a, "tiny", seed=5, vocab=VOCAB)
+    synth(b, "tiny", seed=5, vocab=VOCAB)
+    synth(c, "tiny", seed=6, vocab=VOCAB)
+    assert digest(a) == digest(b) != digest(c)
+
+
+@pytest.mark.parametrize("preset,q", [("35b-a3b", "q4_0"), ("35b-a3b", "q8_0"), ("small", "f16")])
+def test_weight_statistics(tmp_path, preset, q):
+    path = tmp_path / "s.gguf"
+    hp = synth(path, preset, layers=4, experts=2, quant=q, vocab=VOCAB)
+    f = GGUFFile.open(path)
+    for name in ("blk.0.attn_qkv.weight", "blk.3.attn_q.weight", "blk.1.ffn_gate_exps.weight",
+                 "blk.2.ffn_up_shexp.weight", "blk.0.ssm_alpha.weight"):
+        w = f.f32(name)
+        std = 1 / math.sqrt(w.shape[-1])
+        assert abs(w.std() / std - 1) < 0.15 and abs(w.mean()) < 0.1 * std, name
+        x = np.random.default_rng(0).standard_normal(w.shape[-1]).astype(np.float32)
+        y = w.reshape(-1, w.shape[-1]) @ x
+        assert 0.7 < np.sqrt(np.mean(y * y)) < 1.4, name  # unit-RMS input -> unit-RMS output
+    for name in ("blk.0.ssm_out.weight", "blk.3.attn_output.weight", "blk.1.ffn_down_exps.weight"):
+        w = f.f32(name)
+        std = 1 / math.sqrt(2 * hp.n_layer * w.shape[-1])
+        assert abs(w.std() / std - 1) < 0.15, name
+    assert abs(f.f32("token_embd.weight").std() - 1) < 0.15
+    for name in ("blk.0.attn_norm.weight", "blk.3.attn_k_norm.weight", "output_norm.weight", "blk.1.ssm_norm.weight"):
+        assert abs(f.f32(name).mean() - 1) < 0.05, name
+    for il in range(3):
+        assert np.all(f.f32(f"blk.{il}.ssm_a") < 0)
+        assert np.all(np.abs(f.f32(f"blk.{il}.ssm_dt.bias")) < 1)
+
+
+def test_write_gguf_errors(tmp_path):
+    hp = preset_hparams("tiny", n_vocab=8)
+    with pytest.raises(ValueError, match="blk.0.attn_gate.weight"):
+        write_gguf(tmp_path / "a.gguf", hp, {"blk.0.attn_gate.weight": np.zeros((4, 48), np.float32)}, "q4_0")
+    with pytest.raises(ValueError, match="tokens"):
+        write_gguf(tmp_path / "b.gguf", hp, {}, "f32", vocab=["a", "b"])
+    with pytest.raises(ValueError, match="q4_k"):
+        write_gguf(tmp_path / "c.gguf", hp, {}, "q4_k")
+    with pytest.raises(ValueError, match="Q6_K"):
+        write_gguf(tmp_path / "d.gguf", hp, {"output.weight": np.zeros((8, 256), np.float32)}, "q8_0",
+                   quant_overrides={"output.weight": "q6_k"})
+
+
+def test_real_vocabulary(tmp_path):
+    vocab = pytest.importorskip("engine.vocab")
+    path = tmp_path / "v.gguf"
+    synth(path, "tiny", quant="q8_0")
+    f = GGUFFile.open(path)
+    assert f.hparams.n_vocab == QWEN35_N_VOCAB == len(f.meta("tokenizer.ggml.tokens"))
+    assert f.meta("tokenizer.ggml.pre") == "qwen35"
+    assert f.meta("tokenizer.chat_template") == vocab.QWEN35_CHAT_TEMPLATE
+    assert f.meta("tokenizer.ggml.eos_token_id") == 248046
