@@ -1,0 +1,285 @@
+"""The composer: a multi-line editor, image attachments with thumbnails, Send / Stop.
+
+Enter sends, Shift+Enter starts a new line. Images arrive by drag-and-drop, paste or the attach
+dialog; each is copied into the :class:`~app.history.ImageStore` at once, so a message refers to a
+file that stays put.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from PySide6.QtCore import QBuffer, QByteArray, QIODevice, QMimeData, QSize, Qt, Signal
+from PySide6.QtGui import QImage, QImageReader, QKeyEvent, QPixmap
+from PySide6.QtWidgets import (QCheckBox, QFileDialog, QFrame, QHBoxLayout, QLabel, QPlainTextEdit,
+                               QPushButton, QToolButton, QVBoxLayout, QWidget)
+
+from .engine_worker import human_size
+from .history import ImageStore
+
+IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".webp", ".bmp", ".gif")
+THUMB_PX = 64
+
+
+@dataclass(frozen=True)
+class Attachment:
+    """An image attached to the message being written: its stored path, pixel size and bytes."""
+
+    path: str
+    width: int
+    height: int
+    nbytes: int
+
+    @classmethod
+    def of(cls, path: Path) -> "Attachment":
+        """Describe the stored image ``path`` (reads only its header)."""
+        size = QImageReader(str(path)).size()
+        return cls(str(path), size.width(), size.height(), path.stat().st_size)
+
+    @property
+    def caption(self) -> str:
+        """E.g. "1920\u00d71080 \u00b7 245.3 KB"."""
+        return f"{self.width}\u00d7{self.height} \u00b7 {human_size(self.nbytes)}"
+
+
+def image_files(mime: QMimeData) -> list[Path]:
+    """Local image files among the URLs of a drop or paste."""
+    return [Path(url.toLocalFile()) for url in mime.urls()
+            if url.isLocalFile() and Path(url.toLocalFile()).suffix.lower() in IMAGE_SUFFIXES]
+
+
+class ComposerEdit(QPlainTextEdit):
+    """The text box: Enter emits ``submit``; pasted or dropped images go to ``images_received``."""
+
+    submit = Signal()
+    images_received = Signal(object)
+
+    def keyPressEvent(self, event: QKeyEvent) -> None:
+        """Enter sends; Shift+Enter inserts a newline."""
+        if event.key() in (Qt.Key_Return, Qt.Key_Enter) and not event.modifiers() & Qt.ShiftModifier:
+            self.submit.emit()
+            return
+        super().keyPressEvent(event)
+
+    def canInsertFromMimeData(self, source: QMimeData) -> bool:
+        """Accept images and image files besides text."""
+        return source.hasImage() or bool(image_files(source)) or super().canInsertFromMimeData(source)
+
+    def insertFromMimeData(self, source: QMimeData) -> None:
+        """Route images to the attachment strip; insert anything else as text."""
+        files = image_files(source)
+        if files:
+            self.images_received.emit(files)
+        elif source.hasImage():
+            self.images_received.emit(QImage(source.imageData()))
+        else:
+            super().insertFromMimeData(source)
+
+
+class Composer(QFrame):
+    """Where the user writes the next message.
+
+    Signals:
+        send_requested(str, list): the text and the attached image paths.
+        stop_requested(): the Stop button was pressed while an answer streams.
+    """
+
+    send_requested = Signal(str, list)
+    stop_requested = Signal()
+
+    def __init__(self, images: ImageStore) -> None:
+        super().__init__()
+        self._images = images
+        self.attachments: list[Attachment] = []
+        self.editing_id: int | None = None
+        self.busy = False
+        self.has_vision = True
+        self.setAcceptDrops(True)
+        layout = QVBoxLayout(self)
+        layout.setContentsMargins(8, 6, 8, 8)
+        layout.setSpacing(4)
+
+        self.edit_banner = QLabel()
+        self.edit_banner.hide()
+        layout.addWidget(self.edit_banner)
+        self.warning = QLabel()
+        self.warning.setWordWrap(True)
+        self.warning.setObjectName("warning")
+        self.warning.hide()
+        layout.addWidget(self.warning)
+        self._strip = QHBoxLayout()
+        self._strip.addStretch(1)
+        layout.addLayout(self._strip)
+
+        row = QHBoxLayout()
+        self.editor = ComposerEdit()
+        self.editor.setPlaceholderText("Message (Enter sends, Shift+Enter new line)")
+        self.editor.setAccessibleName("Message")
+        self.editor.setFixedHeight(84)
+        self.editor.submit.connect(self.submit)
+        self.editor.images_received.connect(self._receive)
+        row.addWidget(self.editor, 1)
+        buttons = QVBoxLayout()
+        self.send_button = QPushButton("Send")
+        self.send_button.setAccessibleName("Send")
+        self.send_button.setDefault(True)
+        self.send_button.clicked.connect(self._send_or_stop)
+        self.attach_button = QPushButton("Attach\u2026")
+        self.attach_button.setAccessibleName("Attach images")
+        self.attach_button.clicked.connect(self.attach_dialog)
+        self.think_box = QCheckBox("Think")
+        self.think_box.setToolTip("Let the model reason before it answers")
+        self.think_box.setAccessibleName("Think before answering")
+        for w in (self.send_button, self.attach_button, self.think_box):
+            buttons.addWidget(w)
+        row.addLayout(buttons)
+        layout.addLayout(row)
+
+    # attachments
+
+    def _receive(self, what: object) -> None:
+        if isinstance(what, QImage):
+            self.add_image(what)
+        else:
+            for path in what:
+                self.add_file(path)
+
+    def add_file(self, path: str | Path) -> Attachment:
+        """Attach an image file (copied into the image store)."""
+        return self._attach(self._images.add_file(path))
+
+    def add_image(self, image: QImage) -> Attachment:
+        """Attach an image from the clipboard (stored as PNG)."""
+        data = QByteArray()
+        buffer = QBuffer(data)
+        buffer.open(QIODevice.WriteOnly)
+        image.save(buffer, "PNG")
+        return self._attach(self._images.add_bytes(bytes(data.data()), ".png"))
+
+    def _attach(self, stored: Path) -> Attachment:
+        attachment = Attachment.of(stored)
+        self.attachments.append(attachment)
+        self._strip.insertWidget(self._strip.count() - 1, self._thumb(attachment))
+        self._update_warning()
+        return attachment
+
+    def _thumb(self, attachment: Attachment) -> QWidget:
+        box = QFrame()
+        box.setFrameShape(QFrame.StyledPanel)
+        box.setAccessibleName(f"Attached image {attachment.caption}")
+        layout = QVBoxLayout(box)
+        layout.setContentsMargins(4, 4, 4, 4)
+        top = QHBoxLayout()
+        picture = QLabel()
+        reader = QImageReader(attachment.path)
+        reader.setScaledSize(QSize(attachment.width, attachment.height).scaled(THUMB_PX, THUMB_PX, Qt.KeepAspectRatio))
+        picture.setPixmap(QPixmap.fromImage(reader.read()))
+        top.addWidget(picture)
+        remove = QToolButton()
+        remove.setText("\u00d7")
+        remove.setAutoRaise(True)
+        remove.setToolTip("Remove image")
+        remove.setAccessibleName("Remove image")
+        remove.clicked.connect(lambda: self.remove_attachment(attachment, box))
+        top.addWidget(remove, 0, Qt.AlignTop)
+        layout.addLayout(top)
+        caption = QLabel(attachment.caption)
+        caption.setEnabled(False)
+        layout.addWidget(caption)
+        return box
+
+    def remove_attachment(self, attachment: Attachment, box: QWidget) -> None:
+        """Drop one attachment and its thumbnail."""
+        self.attachments.remove(attachment)
+        box.hide()
+        self._strip.removeWidget(box)
+        box.deleteLater()
+        self._update_warning()
+
+    def clear_attachments(self) -> None:
+        """Remove every attachment."""
+        while self._strip.count() > 1:
+            box = self._strip.takeAt(0).widget()
+            box.hide()
+            box.deleteLater()
+        self.attachments = []
+        self._update_warning()
+
+    def attach_dialog(self) -> None:
+        """Pick image files with a file dialog."""
+        paths, _ = QFileDialog.getOpenFileNames(self, "Attach images", "",
+                                                "Images (" + " ".join("*" + s for s in IMAGE_SUFFIXES) + ")")
+        for path in paths:
+            self.add_file(path)
+
+    def set_vision(self, has_vision: bool) -> None:
+        """Tell the composer whether the loaded model can see images."""
+        self.has_vision = has_vision
+        self._update_warning()
+
+    def _update_warning(self) -> None:
+        show = bool(self.attachments) and not self.has_vision
+        self.warning.setText("This model has no vision tower: images stay in the chat but the model "
+                             "will not see them.")
+        self.warning.setVisible(show)
+
+    # drag and drop on the whole composer
+
+    def dragEnterEvent(self, event) -> None:
+        """Accept image files and images dragged onto the composer."""
+        if image_files(event.mimeData()) or event.mimeData().hasImage():
+            event.acceptProposedAction()
+
+    def dropEvent(self, event) -> None:
+        """Attach what was dropped."""
+        self.editor.insertFromMimeData(event.mimeData())
+        event.acceptProposedAction()
+
+    # sending
+
+    def set_busy(self, busy: bool) -> None:
+        """While an answer streams the Send button becomes Stop."""
+        self.busy = busy
+        self.send_button.setText("Stop" if busy else "Send")
+        self.send_button.setAccessibleName("Stop answering" if busy else "Send")
+
+    def _send_or_stop(self) -> None:
+        if self.busy:
+            self.stop_requested.emit()
+        else:
+            self.submit()
+
+    def submit(self) -> None:
+        """Send the text and images, unless an answer is streaming or there is nothing to send."""
+        text = self.editor.toPlainText().strip()
+        if self.busy or not (text or self.attachments):
+            return
+        paths = [a.path for a in self.attachments]
+        self.editor.clear()
+        self.clear_attachments()
+        self.send_requested.emit(text, paths)
+
+    def begin_edit(self, message_id: int, text: str, images: tuple[str, ...]) -> None:
+        """Load a sent message for editing; sending it makes a new branch."""
+        self.editing_id = message_id
+        self.editor.setPlainText(text)
+        self.clear_attachments()
+        for path in images:
+            if Path(path).is_file():
+                self._attach(Path(path))
+        self.edit_banner.setText("Editing a message: Enter sends it as a new version, Esc cancels.")
+        self.edit_banner.show()
+        self.editor.setFocus()
+
+    def end_edit(self) -> None:
+        """Leave edit mode after the edited message was sent."""
+        self.editing_id = None
+        self.edit_banner.hide()
+
+    def cancel_edit(self) -> None:
+        """Abandon an edit: clear the text and images loaded for it."""
+        if self.editing_id is not None:
+            self.end_edit()
+            self.editor.clear()
+            self.clear_attachments()

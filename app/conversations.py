@@ -1,0 +1,278 @@
+"""The conversation list: a QAbstractListModel over the history store and the panel that shows it."""
+
+from __future__ import annotations
+
+import time
+
+from PySide6.QtCore import (QAbstractListModel, QModelIndex, QPersistentModelIndex, Qt, QTimer,
+                            Signal)
+from PySide6.QtGui import QKeySequence
+from PySide6.QtWidgets import (QAbstractItemView, QHBoxLayout, QLabel, QLineEdit, QListView,
+                               QPushButton, QVBoxLayout, QWidget)
+
+from .history import Conversation, HistoryStore
+
+ConversationIdRole = Qt.UserRole + 1
+UpdatedRole = Qt.UserRole + 2
+UNDO_SECONDS = 8
+
+
+def _when(timestamp: float) -> str:
+    age = time.time() - timestamp
+    if age < 86400:
+        return time.strftime("%H:%M", time.localtime(timestamp))
+    return time.strftime("%d %b %Y", time.localtime(timestamp))
+
+
+class ConversationListModel(QAbstractListModel):
+    """Live conversations, newest first, filtered by a search text; titles are editable (rename).
+
+    Deleting hides a conversation in the store; :meth:`undo_delete` brings back the last one until
+    :meth:`forget_deleted` purges them.
+    """
+
+    def __init__(self, store: HistoryStore) -> None:
+        super().__init__()
+        self._store = store
+        self._rows: list[Conversation] = []
+        self._query = ""
+        self.deleted: list[int] = []
+        self.reload()
+
+    @property
+    def query(self) -> str:
+        """The current search text."""
+        return self._query
+
+    def reload(self, query: str | None = None) -> None:
+        """Re-read the list from the store (optionally with a new search text)."""
+        if query is not None:
+            self._query = query
+        self.beginResetModel()
+        self._rows = self._store.conversations(self._query)
+        self.endResetModel()
+
+    def rowCount(self, parent: QModelIndex | QPersistentModelIndex = QModelIndex()) -> int:
+        """Number of conversations shown (0 under a valid parent: this is a flat list)."""
+        return 0 if parent.isValid() else len(self._rows)
+
+    def data(self, index: QModelIndex | QPersistentModelIndex, role: int = Qt.DisplayRole):
+        """Title (display, edit), id, update time and a tooltip for a row."""
+        if not index.isValid() or not 0 <= index.row() < len(self._rows):
+            return None
+        row = self._rows[index.row()]
+        if role in (Qt.DisplayRole, Qt.EditRole):
+            return row.title
+        if role == Qt.ToolTipRole:
+            return f"{row.title}\nlast message {_when(row.updated)}"
+        if role == Qt.AccessibleTextRole:
+            return f"Conversation {row.title}"
+        if role == ConversationIdRole:
+            return row.id
+        if role == UpdatedRole:
+            return row.updated
+        return None
+
+    def setData(self, index: QModelIndex | QPersistentModelIndex, value, role: int = Qt.EditRole) -> bool:
+        """Rename a conversation (empty titles are refused)."""
+        if role != Qt.EditRole or not index.isValid() or not str(value).strip():
+            return False
+        row = self._rows[index.row()]
+        title = str(value).strip()
+        self._store.rename_conversation(row.id, title)
+        self._rows[index.row()] = Conversation(row.id, title, row.created, row.updated)
+        self.dataChanged.emit(index, index, [Qt.DisplayRole, Qt.EditRole, Qt.ToolTipRole])
+        return True
+
+    def flags(self, index: QModelIndex | QPersistentModelIndex) -> Qt.ItemFlag:
+        """Rows are selectable and editable."""
+        if not index.isValid():
+            return Qt.NoItemFlags
+        return Qt.ItemIsEnabled | Qt.ItemIsSelectable | Qt.ItemIsEditable | Qt.ItemNeverHasChildren
+
+    def roleNames(self) -> dict[int, bytes]:
+        """Role names for QML-style access and model testers."""
+        return {**super().roleNames(), ConversationIdRole: b"conversationId", UpdatedRole: b"updated"}
+
+    def row_of(self, conversation_id: int) -> int:
+        """The row showing ``conversation_id``, or -1."""
+        return next((i for i, c in enumerate(self._rows) if c.id == conversation_id), -1)
+
+    def create(self, title: str = "New chat") -> int:
+        """Add a conversation at the top; returns its id."""
+        conversation_id = self._store.create_conversation(title)
+        if self._query:
+            self.reload("")
+        else:
+            self.beginInsertRows(QModelIndex(), 0, 0)
+            self._rows.insert(0, self._store.conversation(conversation_id))
+            self.endInsertRows()
+        return conversation_id
+
+    def delete(self, row: int) -> int:
+        """Hide the conversation at ``row`` (undoable); returns its id."""
+        conversation_id = self._rows[row].id
+        self._store.delete_conversation(conversation_id)
+        self.beginRemoveRows(QModelIndex(), row, row)
+        del self._rows[row]
+        self.endRemoveRows()
+        self.deleted.append(conversation_id)
+        return conversation_id
+
+    def undo_delete(self) -> int | None:
+        """Bring back the most recently deleted conversation; returns its id."""
+        if not self.deleted:
+            return None
+        conversation_id = self.deleted.pop()
+        self._store.restore_conversation(conversation_id)
+        self.reload()
+        return conversation_id
+
+    def forget_deleted(self) -> None:
+        """Purge deleted conversations for good; undo is no longer possible."""
+        self.deleted = []
+        self._store.purge_deleted()
+
+    def touch(self, conversation_id: int) -> None:
+        """Move a conversation whose content changed to its place (the top)."""
+        row = self.row_of(conversation_id)
+        fresh = self._store.conversation(conversation_id)
+        if row < 0 or fresh is None:
+            return
+        if row == 0:
+            self._rows[0] = fresh
+            self.dataChanged.emit(self.index(0), self.index(0))
+            return
+        self.beginMoveRows(QModelIndex(), row, row, QModelIndex(), 0)
+        del self._rows[row]
+        self._rows.insert(0, fresh)
+        self.endMoveRows()
+
+
+class ConversationPanel(QWidget):
+    """The left column: search box, the list, New / Rename / Delete and the undo bar.
+
+    Signals:
+        conversation_selected(int): the user picked a conversation (or one was created).
+        new_requested(): the user asked for a new conversation.
+    """
+
+    conversation_selected = Signal(int)
+    new_requested = Signal()
+
+    def __init__(self, model: ConversationListModel) -> None:
+        super().__init__()
+        self.model = model
+        self._shown_id: int | None = None
+        layout = QVBoxLayout(self)
+        layout.setContentsMargins(6, 6, 0, 6)
+        self.search = QLineEdit()
+        self.search.setPlaceholderText("Search chats (Ctrl+K)")
+        self.search.setAccessibleName("Search conversations")
+        self.search.setClearButtonEnabled(True)
+        self.search.textChanged.connect(self._search)
+        layout.addWidget(self.search)
+
+        self.view = QListView()
+        self.view.setModel(model)
+        self.view.setAccessibleName("Conversations")
+        self.view.setHorizontalScrollBarPolicy(Qt.ScrollBarAlwaysOff)
+        self.view.setTextElideMode(Qt.ElideRight)
+        self.view.setEditTriggers(QAbstractItemView.EditKeyPressed | QAbstractItemView.DoubleClicked)
+        self.view.selectionModel().currentChanged.connect(self._current_changed)
+        layout.addWidget(self.view, 1)
+
+        row = QHBoxLayout()
+        self.new_button = QPushButton("New")
+        self.new_button.setToolTip(f"New chat ({QKeySequence(QKeySequence.New).toString()})")
+        self.new_button.setAccessibleName("New conversation")
+        self.new_button.clicked.connect(self.new_requested)
+        self.rename_button = QPushButton("Rename")
+        self.rename_button.setAccessibleName("Rename conversation")
+        self.rename_button.clicked.connect(self.rename_current)
+        self.delete_button = QPushButton("Delete")
+        self.delete_button.setAccessibleName("Delete conversation")
+        self.delete_button.clicked.connect(self.delete_current)
+        for button in (self.new_button, self.rename_button, self.delete_button):
+            row.addWidget(button)
+        layout.addLayout(row)
+
+        self.undo_bar = QWidget()
+        undo_row = QHBoxLayout(self.undo_bar)
+        undo_row.setContentsMargins(0, 0, 0, 0)
+        self.undo_label = QLabel("Chat deleted.")
+        self.undo_button = QPushButton("Undo")
+        self.undo_button.setAccessibleName("Undo delete")
+        self.undo_button.clicked.connect(self.undo_delete)
+        undo_row.addWidget(self.undo_label, 1)
+        undo_row.addWidget(self.undo_button)
+        self.undo_bar.hide()
+        layout.addWidget(self.undo_bar)
+        self._undo_timer = QTimer(self)
+        self._undo_timer.setSingleShot(True)
+        self._undo_timer.setInterval(UNDO_SECONDS * 1000)
+        self._undo_timer.timeout.connect(self._undo_expired)
+
+    def _current_changed(self, current: QModelIndex, _previous: QModelIndex) -> None:
+        if current.isValid() and current.data(ConversationIdRole) != self._shown_id:
+            self._shown_id = current.data(ConversationIdRole)
+            self.conversation_selected.emit(self._shown_id)
+
+    def _search(self, text: str) -> None:
+        self.model.reload(text.strip())
+        row = self.model.row_of(self._shown_id) if self._shown_id is not None else -1
+        if row >= 0:
+            self.view.setCurrentIndex(self.model.index(row))
+
+    def current_id(self) -> int | None:
+        """The id of the selected conversation."""
+        index = self.view.currentIndex()
+        return index.data(ConversationIdRole) if index.isValid() else None
+
+    def select(self, conversation_id: int) -> None:
+        """Select ``conversation_id`` in the list, clearing a search that hides it."""
+        if self.model.row_of(conversation_id) < 0 and self.search.text():
+            self.search.clear()
+        row = self.model.row_of(conversation_id)
+        if row >= 0:
+            self.view.setCurrentIndex(self.model.index(row))
+
+    def focus_search(self) -> None:
+        """Ctrl+K: put the cursor in the search box."""
+        self.search.setFocus()
+        self.search.selectAll()
+
+    def rename_current(self) -> None:
+        """Start editing the selected title in place."""
+        index = self.view.currentIndex()
+        if index.isValid():
+            self.view.edit(index)
+
+    def delete_current(self) -> None:
+        """Delete the selected conversation, offering Undo for a few seconds."""
+        index = self.view.currentIndex()
+        if not index.isValid():
+            return
+        title = index.data(Qt.DisplayRole)
+        row = index.row()
+        self.model.delete(row)
+        self.undo_label.setText(f"Deleted \u201c{title}\u201d.")
+        self.undo_bar.show()
+        self._undo_timer.start()
+        if self.model.rowCount():
+            self.view.setCurrentIndex(self.model.index(min(row, self.model.rowCount() - 1)))
+        else:
+            self.new_requested.emit()
+
+    def undo_delete(self) -> None:
+        """Restore the last deleted conversation and select it."""
+        conversation_id = self.model.undo_delete()
+        if not self.model.deleted:
+            self.undo_bar.hide()
+            self._undo_timer.stop()
+        if conversation_id is not None:
+            self.select(conversation_id)
+
+    def _undo_expired(self) -> None:
+        self.undo_bar.hide()
+        self.model.forget_deleted()

@@ -1,0 +1,323 @@
+"""Chat history: conversations and their message trees in one SQLite file, images beside it.
+
+The database lives in the platformdirs user data dir. It runs in WAL mode with foreign keys on, so
+a process killed mid-write leaves the file readable with every committed transaction intact.
+Messages form a tree per conversation (``parent_id``); an edit or a regeneration adds a sibling, and
+the conversation's ``leaf_id`` marks the active branch: the path from the root to that leaf is what
+the chat view shows and what the model is asked about.
+
+The schema version is SQLite's ``user_version``; :data:`MIGRATIONS` moves it forward one numbered
+step at a time, each in its own transaction, after copying the file to ``<name>.v<N>.bak``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import sqlite3
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Iterable, Iterator
+
+MIGRATIONS: tuple[tuple[str, ...], ...] = (
+    # 1: conversations and the message tree.
+    (
+        """CREATE TABLE conversations (
+               id INTEGER PRIMARY KEY,
+               title TEXT NOT NULL,
+               created REAL NOT NULL,
+               updated REAL NOT NULL,
+               leaf_id INTEGER REFERENCES messages(id) ON DELETE SET NULL)""",
+        """CREATE TABLE messages (
+               id INTEGER PRIMARY KEY,
+               conversation_id INTEGER NOT NULL REFERENCES conversations(id) ON DELETE CASCADE,
+               parent_id INTEGER REFERENCES messages(id) ON DELETE CASCADE,
+               role TEXT NOT NULL CHECK (role IN ('system', 'user', 'assistant')),
+               content TEXT NOT NULL DEFAULT '',
+               created REAL NOT NULL)""",
+        "CREATE INDEX messages_by_parent ON messages(conversation_id, parent_id)",
+    ),
+    # 2: image paths, per-message stats, streaming state, and soft delete (for undo).
+    (
+        "ALTER TABLE messages ADD COLUMN images TEXT NOT NULL DEFAULT '[]'",
+        "ALTER TABLE messages ADD COLUMN stats TEXT NOT NULL DEFAULT '{}'",
+        "ALTER TABLE messages ADD COLUMN state TEXT NOT NULL DEFAULT 'complete'",
+        "ALTER TABLE conversations ADD COLUMN deleted REAL",
+    ),
+)
+SCHEMA_VERSION = len(MIGRATIONS)
+
+MESSAGE_STATES = ("complete", "streaming", "stopped", "error")
+
+
+class HistoryError(Exception):
+    """The history database cannot be opened or is newer than this program."""
+
+
+@dataclass(frozen=True)
+class Conversation:
+    """One row of the conversation list."""
+
+    id: int
+    title: str
+    created: float
+    updated: float
+
+
+@dataclass(frozen=True)
+class Message:
+    """One stored message.
+
+    Attributes:
+        content: the raw text; an assistant's may start with its thinking, closed by ``</think>``.
+        images: paths of the attached images (files in the :class:`ImageStore`).
+        stats: numbers of the turn that produced an assistant message (ttft_ms, decode_tok_s, ...).
+        state: "complete", "streaming" (being written, or interrupted by a crash), "stopped", "error".
+    """
+
+    id: int
+    conversation_id: int
+    parent_id: int | None
+    role: str
+    content: str
+    created: float
+    images: tuple[str, ...] = ()
+    stats: dict[str, Any] = field(default_factory=dict)
+    state: str = "complete"
+
+
+def _backup(conn: sqlite3.Connection, path: Path, version: int) -> Path:
+    target = path.with_name(f"{path.name}.v{version}.bak")
+    dest = sqlite3.connect(target)
+    try:
+        conn.backup(dest)
+    finally:
+        dest.close()
+    return target
+
+
+def migrate(conn: sqlite3.Connection, path: Path) -> list[Path]:
+    """Bring the schema of ``conn`` (the file ``path``) up to :data:`SCHEMA_VERSION`.
+
+    Returns:
+        The backup files written (none for a new, empty database).
+
+    Raises:
+        HistoryError: the file was written by a newer DeltaDesk.
+    """
+    version = conn.execute("PRAGMA user_version").fetchone()[0]
+    if version > SCHEMA_VERSION:
+        raise HistoryError(f"{path}: history schema version {version} is newer than this DeltaDesk "
+                           f"understands ({SCHEMA_VERSION}); update DeltaDesk")
+    backups = []
+    for number in range(version + 1, SCHEMA_VERSION + 1):
+        if number > 1:
+            backups.append(_backup(conn, path, number - 1))
+        conn.execute("BEGIN IMMEDIATE")
+        try:
+            for statement in MIGRATIONS[number - 1]:
+                conn.execute(statement)
+            conn.execute(f"PRAGMA user_version = {number}")
+            conn.execute("COMMIT")
+        except BaseException:
+            conn.execute("ROLLBACK")
+            raise
+    return backups
+
+
+_MESSAGE_COLUMNS = "id, conversation_id, parent_id, role, content, created, images, stats, state"
+
+
+def _message(row: tuple) -> Message:
+    return Message(id=row[0], conversation_id=row[1], parent_id=row[2], role=row[3], content=row[4],
+                   created=row[5], images=tuple(json.loads(row[6])), stats=json.loads(row[7]),
+                   state=row[8])
+
+
+class HistoryStore:
+    """Owns the history database; every method is one short transaction.
+
+    Build it with :meth:`open`. It is used from one thread (the UI thread: each call is a few
+    statements on an indexed table, well under a millisecond).
+    """
+
+    def __init__(self, conn: sqlite3.Connection, path: Path) -> None:
+        self._conn = conn
+        self.path = path
+
+    @classmethod
+    def open(cls, path: str | Path) -> "HistoryStore":
+        """Open (creating or migrating) the database at ``path`` and drop conversations left deleted.
+
+        Raises:
+            HistoryError: the file is not a readable SQLite database or is from a newer DeltaDesk.
+        """
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            conn = sqlite3.connect(path, isolation_level=None)
+            conn.execute("PRAGMA journal_mode = WAL")
+            conn.execute("PRAGMA synchronous = NORMAL")
+            conn.execute("PRAGMA foreign_keys = ON")
+            conn.execute("PRAGMA busy_timeout = 2000")
+            migrate(conn, path)
+        except sqlite3.DatabaseError as exc:
+            raise HistoryError(f"{path}: cannot open the history database: {exc}") from exc
+        store = cls(conn, path)
+        store.purge_deleted()
+        return store
+
+    def close(self) -> None:
+        """Checkpoint the write-ahead log and close the file."""
+        self._conn.execute("PRAGMA wal_checkpoint(TRUNCATE)")
+        self._conn.close()
+
+    @contextmanager
+    def _transaction(self) -> Iterator[sqlite3.Connection]:
+        self._conn.execute("BEGIN IMMEDIATE")
+        try:
+            yield self._conn
+        except BaseException:
+            self._conn.execute("ROLLBACK")
+            raise
+        self._conn.execute("COMMIT")
+
+    def _write(self, sql: str, params: Iterable[Any] = ()) -> sqlite3.Cursor:
+        with self._transaction() as conn:
+            return conn.execute(sql, tuple(params))
+
+    # conversations
+
+    def create_conversation(self, title: str = "New chat") -> int:
+        """Add an empty conversation; returns its id."""
+        now = time.time()
+        return self._write("INSERT INTO conversations (title, created, updated) VALUES (?, ?, ?)",
+                           (title, now, now)).lastrowid
+
+    def conversations(self, query: str = "") -> list[Conversation]:
+        """Live conversations, most recently updated first.
+
+        ``query`` (case-insensitive) keeps those whose title or any message contains it.
+        """
+        sql = "SELECT id, title, created, updated FROM conversations c WHERE deleted IS NULL"
+        params: tuple = ()
+        if query:
+            pattern = "%" + query.replace("\\", "\\\\").replace("%", "\\%").replace("_", "\\_") + "%"
+            sql += (" AND (title LIKE ? ESCAPE '\\' OR EXISTS (SELECT 1 FROM messages m"
+                    " WHERE m.conversation_id = c.id AND m.content LIKE ? ESCAPE '\\'))")
+            params = (pattern, pattern)
+        rows = self._conn.execute(sql + " ORDER BY updated DESC, id DESC", params).fetchall()
+        return [Conversation(*row) for row in rows]
+
+    def conversation(self, conversation_id: int) -> Conversation | None:
+        """One live conversation, or None when it does not exist or is deleted."""
+        row = self._conn.execute("SELECT id, title, created, updated FROM conversations"
+                                 " WHERE id = ? AND deleted IS NULL", (conversation_id,)).fetchone()
+        return Conversation(*row) if row else None
+
+    def rename_conversation(self, conversation_id: int, title: str) -> None:
+        """Set a conversation's title."""
+        self._write("UPDATE conversations SET title = ? WHERE id = ?", (title, conversation_id))
+
+    def delete_conversation(self, conversation_id: int) -> None:
+        """Hide a conversation; :meth:`restore_conversation` undoes it until :meth:`purge_deleted`."""
+        self._write("UPDATE conversations SET deleted = ? WHERE id = ?", (time.time(), conversation_id))
+
+    def restore_conversation(self, conversation_id: int) -> None:
+        """Undo :meth:`delete_conversation`."""
+        self._write("UPDATE conversations SET deleted = NULL WHERE id = ?", (conversation_id,))
+
+    def purge_deleted(self) -> int:
+        """Remove hidden conversations and their messages for good; returns how many."""
+        with self._transaction() as conn:
+            conn.execute("UPDATE conversations SET leaf_id = NULL WHERE deleted IS NOT NULL")
+            return conn.execute("DELETE FROM conversations WHERE deleted IS NOT NULL").rowcount
+
+    # messages
+
+    def add_message(self, conversation_id: int, parent_id: int | None, role: str, content: str = "",
+                    images: Iterable[str] = (), state: str = "complete") -> int:
+        """Append a message under ``parent_id`` and make it the conversation's active leaf."""
+        now = time.time()
+        with self._transaction() as conn:
+            msg_id = conn.execute(
+                "INSERT INTO messages (conversation_id, parent_id, role, content, created, images, state)"
+                " VALUES (?, ?, ?, ?, ?, ?, ?)",
+                (conversation_id, parent_id, role, content, now, json.dumps(list(images)), state)).lastrowid
+            conn.execute("UPDATE conversations SET leaf_id = ?, updated = ? WHERE id = ?",
+                               (msg_id, now, conversation_id))
+        return msg_id
+
+    def update_message(self, message_id: int, content: str, state: str | None = None,
+                       stats: dict[str, Any] | None = None) -> None:
+        """Replace a message's text (and optionally its state and stats)."""
+        sets, params = ["content = ?"], [content]
+        if state is not None:
+            sets.append("state = ?")
+            params.append(state)
+        if stats is not None:
+            sets.append("stats = ?")
+            params.append(json.dumps(stats))
+        self._write(f"UPDATE messages SET {', '.join(sets)} WHERE id = ?", (*params, message_id))
+
+    def message(self, message_id: int) -> Message | None:
+        """One message by id."""
+        row = self._conn.execute(f"SELECT {_MESSAGE_COLUMNS} FROM messages WHERE id = ?",
+                                 (message_id,)).fetchone()
+        return _message(row) if row else None
+
+    def active_path(self, conversation_id: int) -> list[Message]:
+        """The messages from the root to the active leaf, in order."""
+        rows = self._conn.execute(
+            f"""WITH RECURSIVE path(id, depth) AS (
+                    SELECT leaf_id, 0 FROM conversations WHERE id = ? AND leaf_id IS NOT NULL
+                    UNION ALL
+                    SELECT m.parent_id, depth + 1 FROM messages m JOIN path ON m.id = path.id
+                    WHERE m.parent_id IS NOT NULL)
+                SELECT {', '.join('m.' + c for c in _MESSAGE_COLUMNS.split(', '))}
+                FROM path JOIN messages m ON m.id = path.id ORDER BY depth DESC""",
+            (conversation_id,)).fetchall()
+        return [_message(row) for row in rows]
+
+    def siblings(self, message_id: int) -> list[int]:
+        """Ids of the messages sharing ``message_id``'s parent (itself included), oldest first."""
+        return [row[0] for row in self._conn.execute(
+            "SELECT s.id FROM messages s JOIN messages m ON s.conversation_id = m.conversation_id"
+            " AND s.parent_id IS m.parent_id WHERE m.id = ? ORDER BY s.id", (message_id,))]
+
+    def select_branch(self, message_id: int) -> None:
+        """Make the branch through ``message_id`` active, down its newest descendants."""
+        leaf = message_id
+        while (child := self._conn.execute("SELECT MAX(id) FROM messages WHERE parent_id = ?",
+                                           (leaf,)).fetchone()[0]) is not None:
+            leaf = child
+        self._write("UPDATE conversations SET leaf_id = ? WHERE id ="
+                    " (SELECT conversation_id FROM messages WHERE id = ?)", (leaf, message_id))
+
+    def set_leaf(self, conversation_id: int, message_id: int | None) -> None:
+        """Point the active branch at ``message_id`` (None: the conversation shows nothing)."""
+        self._write("UPDATE conversations SET leaf_id = ? WHERE id = ?", (message_id, conversation_id))
+
+
+class ImageStore:
+    """Image files kept once each, named by the SHA-256 of their bytes, in one folder."""
+
+    def __init__(self, folder: str | Path) -> None:
+        self.folder = Path(folder)
+
+    def add_bytes(self, data: bytes, suffix: str) -> Path:
+        """Store ``data`` (an encoded image; ``suffix`` like ".png") and return its path."""
+        self.folder.mkdir(parents=True, exist_ok=True)
+        path = self.folder / (hashlib.sha256(data).hexdigest()[:32] + suffix.lower())
+        if not path.exists():
+            tmp = path.with_name(path.name + ".tmp")
+            tmp.write_bytes(data)
+            tmp.replace(path)
+        return path
+
+    def add_file(self, source: str | Path) -> Path:
+        """Copy an image file into the store (once per content) and return the stored path."""
+        source = Path(source)
+        return self.add_bytes(source.read_bytes(), source.suffix or ".img")

@@ -1,0 +1,352 @@
+"""The hardware sidebar: small QPainter widgets fed by a sampler on its own thread.
+
+:class:`SystemMonitor` reads CPU and RAM (psutil) and, when a GPU telemetry provider is given,
+VRAM and PCIe throughput, once a second on a QThread, and emits a :class:`SystemSample`. Token
+latencies and turn stats come from the engine worker's signals; the sidebar repaints them on the
+sampler's tick, so while an answer streams the streaming message is the only widget redrawn at
+token rate.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+from typing import Protocol, Sequence
+
+import psutil
+from PySide6.QtCore import QObject, QPointF, QRectF, QSize, Qt, QThread, QTimer, Signal, Slot
+from PySide6.QtGui import QColor, QPainter, QPainterPath, QPalette, QPen
+from PySide6.QtWidgets import QLabel, QSizePolicy, QVBoxLayout, QWidget
+
+from engine.events import PrefillStats, TurnSummary
+
+from .engine_worker import human_size
+
+SAMPLE_MS = 1000
+SPARK_TOKENS = 120
+
+
+@dataclass(frozen=True)
+class GpuSample:
+    """What a GPU telemetry provider reports: VRAM in bytes and host-to-device throughput."""
+
+    name: str
+    vram_used: int
+    vram_budget: int
+    vram_total: int
+    h2d_gb_s: float
+
+
+class GpuTelemetry(Protocol):
+    """An optional source of :class:`GpuSample` (the engine's CUDA backend, NVML, a test fake)."""
+
+    def sample(self) -> GpuSample | None:
+        """The current reading, or None when the GPU is gone."""
+
+
+@dataclass(frozen=True)
+class SystemSample:
+    """One reading of the machine: CPU % (all cores), RAM used / total, our process's RSS, the GPU."""
+
+    cpu_percent: float
+    ram_used: int
+    ram_total: int
+    process_rss: int
+    gpu: GpuSample | None
+
+
+class SystemMonitor(QObject):
+    """Samples the machine every :data:`SAMPLE_MS` on the thread it is moved to."""
+
+    sampled = Signal(object)
+
+    def __init__(self, gpu: GpuTelemetry | None = None, interval_ms: int = SAMPLE_MS) -> None:
+        super().__init__()
+        self._gpu = gpu
+        self._interval = interval_ms
+        self._timer: QTimer | None = None
+        self._process = psutil.Process()
+
+    @Slot()
+    def start(self) -> None:
+        """Begin sampling (call on the monitor's thread, e.g. from ``QThread.started``)."""
+        psutil.cpu_percent(None)
+        self._timer = QTimer(self)
+        self._timer.timeout.connect(self.sample)
+        self._timer.start(self._interval)
+        self.sample()
+
+    @Slot()
+    def stop(self) -> None:
+        """Stop the timer (on the monitor's thread)."""
+        if self._timer is not None:
+            self._timer.stop()
+
+    @Slot()
+    def sample(self) -> None:
+        """Take one reading and emit it."""
+        memory = psutil.virtual_memory()
+        gpu = self._gpu.sample() if self._gpu is not None else None
+        self.sampled.emit(SystemSample(cpu_percent=psutil.cpu_percent(None), ram_used=memory.total - memory.available,
+                                       ram_total=memory.total, process_rss=self._process.memory_info().rss, gpu=gpu))
+
+
+class MonitorThread:
+    """A :class:`SystemMonitor` on its own QThread."""
+
+    def __init__(self, gpu: GpuTelemetry | None = None, interval_ms: int = SAMPLE_MS) -> None:
+        self.thread = QThread()
+        self.thread.setObjectName("system-monitor")
+        self.monitor = SystemMonitor(gpu, interval_ms)
+        self.monitor.moveToThread(self.thread)
+        self.thread.started.connect(self.monitor.start)
+        self.thread.finished.connect(self.monitor.stop)
+        self.thread.start()
+
+    def stop(self) -> None:
+        """Stop sampling and join the thread."""
+        self.thread.quit()
+        self.thread.wait()
+
+
+def _color(widget: QWidget, role: QPalette.ColorRole) -> QColor:
+    return widget.palette().color(role)
+
+
+class Meter(QWidget):
+    """A labelled horizontal bar: ``title``, a value text, and a fill fraction."""
+
+    def __init__(self, title: str) -> None:
+        super().__init__()
+        self.title = title
+        self.text = "\u2014"
+        self.fraction = 0.0
+        self.setAccessibleName(title)
+        self.setSizePolicy(QSizePolicy.Expanding, QSizePolicy.Fixed)
+
+    def sizeHint(self) -> QSize:
+        """One text line above a thin bar."""
+        return QSize(200, self.fontMetrics().height() + 12)
+
+    def set_value(self, fraction: float, text: str) -> None:
+        """Show ``text`` and fill ``fraction`` (clamped to 0..1) of the bar."""
+        self.fraction = min(max(fraction, 0.0), 1.0)
+        self.text = text
+        self.setAccessibleDescription(text)
+        self.update()
+
+    def paintEvent(self, _event) -> None:
+        """Title left, value right, bar under them."""
+        p = QPainter(self)
+        p.setRenderHint(QPainter.Antialiasing)
+        fm = self.fontMetrics()
+        width = self.width()
+        p.setPen(_color(self, QPalette.WindowText))
+        p.drawText(QRectF(0, 0, width, fm.height()), Qt.AlignLeft | Qt.AlignVCenter, self.title)
+        p.drawText(QRectF(0, 0, width, fm.height()), Qt.AlignRight | Qt.AlignVCenter, self.text)
+        bar = QRectF(0, fm.height() + 3, width, 6)
+        p.setPen(Qt.NoPen)
+        p.setBrush(_color(self, QPalette.Midlight))
+        p.drawRoundedRect(bar, 3, 3)
+        p.setBrush(_color(self, QPalette.Highlight))
+        p.drawRoundedRect(QRectF(bar.x(), bar.y(), bar.width() * self.fraction, bar.height()), 3, 3)
+
+
+class Sparkline(QWidget):
+    """Per-token latency (ms) of the recent tokens as a line, with its maximum."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.values: deque[float] = deque(maxlen=SPARK_TOKENS)
+        self.setAccessibleName("Per-token latency")
+        self.setMinimumHeight(48)
+        self.setSizePolicy(QSizePolicy.Expanding, QSizePolicy.Fixed)
+
+    def sizeHint(self) -> QSize:
+        """A short strip."""
+        return QSize(200, 56)
+
+    def paintEvent(self, _event) -> None:
+        """Draw the line scaled to the largest latency shown."""
+        p = QPainter(self)
+        p.setRenderHint(QPainter.Antialiasing)
+        rect = QRectF(self.rect()).adjusted(1, 1, -1, -1)
+        p.setPen(QPen(_color(self, QPalette.Mid), 1))
+        p.setBrush(Qt.NoBrush)
+        p.drawRect(rect)
+        if len(self.values) < 2:
+            p.setPen(_color(self, QPalette.PlaceholderText))
+            p.drawText(rect, Qt.AlignCenter, "no tokens yet")
+            return
+        top = max(self.values) or 1.0
+        step = rect.width() / (SPARK_TOKENS - 1)
+        start = rect.right() - step * (len(self.values) - 1)
+        path = QPainterPath()
+        for i, v in enumerate(self.values):
+            point = QPointF(start + i * step, rect.bottom() - (v / top) * (rect.height() - 4) - 2)
+            path.lineTo(point) if i else path.moveTo(point)
+        p.setPen(QPen(_color(self, QPalette.Highlight), 1.5))
+        p.drawPath(path)
+        p.setPen(_color(self, QPalette.PlaceholderText))
+        p.drawText(rect.adjusted(4, 2, -4, -2), Qt.AlignTop | Qt.AlignLeft, f"{top:.0f} ms")
+
+
+CONTEXT_PARTS = (("cached", "#3fa34d"), ("prefilled", "#3b7dd8"), ("generated", "#d9822b"))
+
+
+class ContextBar(QWidget):
+    """The context window split into cached / newly prefilled / generated / free tokens."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.context = 0
+        self.parts = (0, 0, 0)
+        self.setAccessibleName("Context window")
+        self.setSizePolicy(QSizePolicy.Expanding, QSizePolicy.Fixed)
+
+    def sizeHint(self) -> QSize:
+        """A bar plus a legend line."""
+        return QSize(200, 3 * self.fontMetrics().height() + 20)
+
+    def set_parts(self, context: int, cached: int, prefilled: int, generated: int) -> None:
+        """Set the window size and the three used parts, in tokens."""
+        self.context = context
+        self.parts = (cached, prefilled, generated)
+        used = sum(self.parts)
+        self.setAccessibleDescription(f"{used} of {context} tokens used")
+        self.update()
+
+    def paintEvent(self, _event) -> None:
+        """Title and use line, the stacked bar, then the legend."""
+        p = QPainter(self)
+        fm = self.fontMetrics()
+        width = self.width()
+        used = sum(self.parts)
+        p.setPen(_color(self, QPalette.WindowText))
+        line = QRectF(0, 0, width, fm.height())
+        p.drawText(line, Qt.AlignLeft | Qt.AlignVCenter, "Context")
+        p.drawText(line, Qt.AlignRight | Qt.AlignVCenter, f"{used} / {self.context or '?'} tokens")
+        bar = QRectF(0, fm.height() + 3, width, 8)
+        p.fillRect(bar, _color(self, QPalette.Midlight))
+        x = 0.0
+        for (name, color), n in zip(CONTEXT_PARTS, self.parts):
+            w = width * n / self.context if self.context else 0.0
+            p.fillRect(QRectF(x, bar.y(), min(w, width - x), bar.height()), QColor(color))
+            x += w
+        x, y = 0.0, bar.bottom() + 4
+        p.setPen(_color(self, QPalette.WindowText))
+        for (name, color), n in zip(CONTEXT_PARTS, self.parts):
+            label = f"{name} {n}"
+            item = 11 + fm.horizontalAdvance(label)
+            if x > 0 and x + item > width:
+                x, y = 0.0, y + fm.height() + 2
+            p.fillRect(QRectF(x, y + fm.height() / 2 - 4, 8, 8), QColor(color))
+            p.drawText(QPointF(x + 11, y + fm.ascent()), label)
+            x += item + 8
+
+
+def _heading(text: str) -> QLabel:
+    label = QLabel(f"<b>{text}</b>")
+    label.setContentsMargins(0, 6, 0, 0)
+    return label
+
+
+class Sidebar(QWidget):
+    """The right column: machine, GPU, generation speed, last turn and context."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.setAccessibleName("Hardware and speed")
+        self.setMinimumWidth(220)
+        layout = QVBoxLayout(self)
+        layout.setContentsMargins(6, 6, 8, 6)
+        layout.addWidget(_heading("Machine"))
+        self.cpu = Meter("CPU")
+        self.ram = Meter("RAM")
+        self.rss = QLabel()
+        self.rss.setEnabled(False)
+        for w in (self.cpu, self.ram, self.rss):
+            layout.addWidget(w)
+        layout.addWidget(_heading("GPU"))
+        self.gpu_label = QLabel("No NVIDIA GPU: CPU mode")
+        self.gpu_label.setWordWrap(True)
+        self.vram = Meter("VRAM")
+        self.pcie = Meter("PCIe H2D")
+        for w in (self.gpu_label, self.vram, self.pcie):
+            layout.addWidget(w)
+        self.vram.hide()
+        self.pcie.hide()
+        layout.addWidget(_heading("Generation"))
+        self.speed = QLabel("\u2014 tok/s")
+        self.spark = Sparkline()
+        self.last_turn = QLabel("TTFT \u2014 \u00b7 prefill \u2014")
+        self.last_turn.setWordWrap(True)
+        for w in (self.speed, self.spark, self.last_turn):
+            layout.addWidget(w)
+        self.context_bar = ContextBar()
+        layout.addWidget(self.context_bar)
+        layout.addStretch(1)
+        self._context = 0
+        self._prefill: PrefillStats | None = None
+        self._generated = 0
+        self._dirty = False
+
+    def set_context(self, context: int) -> None:
+        """The loaded model's context window, tokens."""
+        self._context = context
+        self.context_bar.set_parts(context, 0, 0, 0)
+
+    @Slot(object)
+    def on_system(self, sample: SystemSample) -> None:
+        """Show a machine reading and repaint what the last tokens changed."""
+        self.cpu.set_value(sample.cpu_percent / 100, f"{sample.cpu_percent:.0f} %")
+        self.ram.set_value(sample.ram_used / sample.ram_total if sample.ram_total else 0.0,
+                           f"{human_size(sample.ram_used)} / {human_size(sample.ram_total)}")
+        self.rss.setText(f"DeltaDesk uses {human_size(sample.process_rss)}")
+        gpu = sample.gpu
+        self.vram.setVisible(gpu is not None)
+        self.pcie.setVisible(gpu is not None)
+        if gpu is None:
+            self.gpu_label.setText("No NVIDIA GPU: CPU mode")
+        else:
+            self.gpu_label.setText(gpu.name)
+            self.vram.set_value(gpu.vram_used / gpu.vram_total if gpu.vram_total else 0.0,
+                                f"{human_size(gpu.vram_used)} / budget {human_size(gpu.vram_budget)}"
+                                f" / {human_size(gpu.vram_total)}")
+            self.pcie.set_value(gpu.h2d_gb_s / 32.0, f"{gpu.h2d_gb_s:.1f} GB/s")
+        if self._dirty:
+            self._repaint_generation()
+
+    @Slot(object)
+    def on_prefill(self, stats: PrefillStats) -> None:
+        """A new turn's prompt has been read."""
+        self._prefill = stats
+        self._generated = 0
+        self.last_turn.setText(f"TTFT {stats.ttft_ms:.0f} ms \u00b7 prefill {stats.prefill_tok_s:.0f} tok/s "
+                               f"({stats.prefilled_tokens} tokens on {stats.device}, {stats.reused_tokens} reused)")
+        self._dirty = True
+
+    @Slot(str, list)
+    def on_tokens(self, _text: str, token_ms: Sequence[float]) -> None:
+        """Record a batch of token latencies; drawn on the next sampler tick."""
+        self.spark.values.extend(token_ms)
+        self._generated += len(token_ms)
+        self._dirty = True
+
+    @Slot(object)
+    def on_summary(self, summary: TurnSummary) -> None:
+        """The turn ended: show its final numbers now."""
+        self._generated = summary.generated_tokens
+        self._repaint_generation(summary.decode_tok_s)
+
+    def _repaint_generation(self, decode_tok_s: float | None = None) -> None:
+        self._dirty = False
+        recent = list(self.spark.values)[-32:]
+        if decode_tok_s is None and recent:
+            decode_tok_s = 1000 * len(recent) / sum(recent) if sum(recent) else 0.0
+        if decode_tok_s is not None:
+            self.speed.setText(f"{decode_tok_s:.1f} tok/s")
+        self.spark.update()
+        p = self._prefill
+        if p is not None:
+            self.context_bar.set_parts(self._context, p.reused_tokens, p.prefilled_tokens, self._generated)

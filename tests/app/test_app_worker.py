@@ -1,0 +1,136 @@
+"""The engine worker on its QThread: loading, batching, cancel within one token, errors."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+from PySide6.QtCore import QObject, Signal
+
+from app.engine_worker import ChatRequest, WorkerThread, plain_error, summarize
+from engine.errors import ModelFormatError
+from fake_engine import FakeEngine, FakeInfo, failing_loader, loader_for
+
+
+class Driver(QObject):
+    """Sends queued requests to a worker, as the window and the controller do."""
+
+    load = Signal(object, object)
+    chat = Signal(object)
+
+
+@pytest.fixture
+def worker_thread():
+    threads = []
+
+    def make(loader):
+        t = WorkerThread(loader)
+        t.driver = Driver()
+        t.driver.load.connect(t.worker.load)
+        t.driver.chat.connect(t.worker.chat)
+        threads.append(t)
+        return t
+
+    yield make
+    for t in threads:
+        t.stop()
+
+
+def _load(qtbot, wt, signal):
+    with qtbot.waitSignal(signal, timeout=5000) as blocker:
+        wt.driver.load.emit(None, None)
+    return blocker.args
+
+
+def test_load_runs_off_the_ui_thread_and_summarizes(qtbot, worker_thread):
+    seen = {}
+
+    def loader(model, mmproj):
+        seen["thread"] = threading.current_thread()
+        return FakeEngine()
+
+    wt = worker_thread(loader)
+    (summary,) = _load(qtbot, wt, wt.worker.loaded)
+    assert seen["thread"] is not threading.main_thread()
+    assert summary.context == 4096 and not summary.has_vision
+    assert "qwen35moe" in summary.line and "Q8_0" in summary.line and "read per token" in summary.line
+
+
+def test_load_error_is_plain_words(qtbot, worker_thread):
+    wt = worker_thread(failing_loader("model.gguf: tensor blk.0.attn_q.weight is missing"))
+    (message,) = _load(qtbot, wt, wt.worker.load_failed)
+    assert message == "model.gguf: tensor blk.0.attn_q.weight is missing"
+
+
+def _run(qtbot, wt, request, on_tokens=None):
+    got = {"text": "", "batches": 0, "ms": []}
+
+    def tokens(text, ms):
+        got["text"] += text
+        got["batches"] += 1
+        got["ms"] += ms
+        if on_tokens:
+            on_tokens(got)
+
+    wt.worker.tokens.connect(tokens)
+    with qtbot.waitSignal(wt.worker.finished, timeout=10000) as blocker:
+        wt.driver.chat.emit(request)
+    return got, blocker.args[0]
+
+
+def test_tokens_arrive_in_batches(qtbot, worker_thread):
+    engine = FakeEngine(tokens=[f"t{i} " for i in range(200)], token_ms=2.0)
+    wt = worker_thread(loader_for(engine))
+    _load(qtbot, wt, wt.worker.loaded)
+    got, summary = _run(qtbot, wt, ChatRequest([{"role": "user", "content": "hi"}]))
+    assert summary.stop_reason == "eos"
+    assert got["text"] == summary.text == "".join(f"t{i} " for i in range(200))
+    assert len(got["ms"]) == 200
+    # 200 tokens at >= 2 ms each take >= 400 ms: ~40 ms batches, never one signal per token
+    assert 3 <= got["batches"] <= 40
+
+
+def test_cancel_takes_effect_within_one_token(qtbot, worker_thread):
+    engine = FakeEngine(tokens=["x"] * 1000, token_ms=5.0)
+    wt = worker_thread(loader_for(engine))
+    _load(qtbot, wt, wt.worker.loaded)
+    request = ChatRequest([{"role": "user", "content": "hi"}])
+    at_cancel = {}
+
+    def cancel_after_first_batch(got):
+        if not at_cancel:
+            request.cancel.set()
+            at_cancel["produced"] = engine.produced
+            at_cancel["time"] = time.monotonic()
+
+    got, summary = _run(qtbot, wt, request, cancel_after_first_batch)
+    assert summary.stop_reason == "cancelled"
+    assert engine.produced - at_cancel["produced"] <= 1
+    assert summary.generated_tokens <= at_cancel["produced"]
+    assert got["text"] == summary.text == "x" * summary.generated_tokens
+
+
+def test_error_mid_stream_ends_the_turn_with_a_message(qtbot, worker_thread):
+    engine = FakeEngine(tokens=["a"] * 10, fail_with=MemoryError())
+    wt = worker_thread(loader_for(engine))
+    _load(qtbot, wt, wt.worker.loaded)
+    got, summary = _run(qtbot, wt, ChatRequest([{"role": "user", "content": "hi"}]))
+    assert summary.stop_reason == "error"
+    assert summary.message.startswith("Out of memory while answering")
+    assert got["text"] == "aaaaa"
+
+
+def test_chat_without_a_model_says_why(qtbot, worker_thread):
+    wt = worker_thread(failing_loader("bad magic"))
+    _load(qtbot, wt, wt.worker.load_failed)
+    _, summary = _run(qtbot, wt, ChatRequest([{"role": "user", "content": "hi"}]))
+    assert summary.stop_reason == "error" and summary.message == "Cannot answer: bad magic"
+
+
+def test_plain_error_and_summary_texts():
+    assert plain_error(ModelFormatError("f.gguf: bad"), "loading") == "f.gguf: bad"
+    assert "File not found" in plain_error(FileNotFoundError(2, "nope", "m.gguf"), "loading")
+    assert plain_error(ValueError("x"), "answering") == "Unexpected error while answering: ValueError: x"
+    line = summarize(FakeInfo(has_vision=True)).line
+    assert line.startswith("fake-model.gguf: qwen35moe, 4 layers (1 attention)") and line.endswith("vision")
