@@ -7,10 +7,10 @@ attention at 3 and 7, 2 k-heads vs 4 v-heads, rope theta 1e7, partial rotary 0.2
 mrope [3, 3, 2]) converted to GGUF names and conventions. Errors are relative to the largest
 |logit| (about 5.6 MoE, 6.7 dense).
 
-Measured (numpy 2.4, float64-inside reference ops): prefill of 100 tokens vs HF 1.7e-5 (MoE) and
-7.0e-6 (dense); greedy-decode logits vs HF's cached decode 9.1e-6 / 9.0e-6; M-RoPE positions
-1.3e-5 (MoE); our decode vs our prefill 2.4e-6 / 1.9e-6. HF's own float32 rounding is about 1e-5
-at this scale, so HF_TOL = 1e-4 leaves a 6x margin; a convention bug gives 1e-1 or more.
+Measured (numpy 2.4, float32 projections, float64 inside the other ops): prefill of 100 tokens vs
+HF 1.7e-5 (MoE) and 6.4e-6 (dense); our decode vs our prefill up to 1.4e-5 (SELF_TOL 5e-5). HF's
+own float32 rounding is about 1e-5 at this scale, so HF_TOL = 1e-4 leaves a 6x margin; a
+convention bug gives 1e-1 or more.
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ from engine.state import SequenceState
 
 FIXTURES = Path(__file__).parent / "fixtures" / "reference"
 HF_TOL = 1e-4
-SELF_TOL = 1e-5
+SELF_TOL = 5e-5
 
 
 class NpzWeights:

@@ -1,9 +1,10 @@
 """Qwen35Model and SequenceState on small random models (dense and MoE, n_k != n_v).
 
 Consistency tolerances: decode token by token, prefill in pieces and one full pass agree within
-1e-5 relative to the largest logit (measured at most 2.3e-6 over 8 seeds: the reference ops round
-to float32 at op boundaries, and the state S is rounded after every decode step but only once per
-prefill call). State copy/restore is bit-exact.
+5e-5 relative to the largest logit (measured up to 1.4e-5: projections are float32 sgemm products
+whose summation order depends on the batch size, the other ops round to float32 at op boundaries,
+and the state S is rounded after every decode step but only once per prefill call). State
+copy/restore is bit-exact.
 """
 
 from __future__ import annotations
@@ -122,7 +123,7 @@ def test_decode_token_by_token_equals_one_pass(moe):
     steps = np.concatenate([model.forward(toks[i:i + 1], st) for i in range(len(toks))])
     assert full.shape == steps.shape == (80, hp.n_vocab) and full.dtype == np.float32
     assert st.pos == 80
-    assert rel_err(steps, full) < 1e-5
+    assert rel_err(steps, full) < 5e-5
 
 
 @pytest.mark.parametrize("moe", VARIANTS)
@@ -133,12 +134,12 @@ def test_prefill_in_pieces_equals_one_pass(moe):
     full = model.forward(toks, one, all_logits=True)
     st = SequenceState.new(hp, 128)
     parts = [model.forward(toks[a:b], st, all_logits=True) for a, b in ((0, 37), (37, 87), (87, 88))]
-    assert rel_err(np.concatenate(parts), full) < 1e-5
+    assert rel_err(np.concatenate(parts), full) < 5e-5
     for il in one.ssm:
-        assert rel_err(st.ssm[il], one.ssm[il]) < 1e-5
-        assert rel_err(st.conv[il], one.conv[il]) < 1e-5
+        assert rel_err(st.ssm[il], one.ssm[il]) < 5e-5
+        assert rel_err(st.conv[il], one.conv[il]) < 5e-5
     for il in one.k:
-        assert rel_err(st.k[il][:88], one.k[il][:88]) < 1e-5
+        assert rel_err(st.k[il][:88], one.k[il][:88]) < 5e-5
 
 
 @pytest.mark.parametrize("moe", VARIANTS)

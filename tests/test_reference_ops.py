@@ -237,4 +237,5 @@ def test_linear_matches_loop(rng):
                      for t in range(4)])
     got = ops.linear(x, w)
     assert got.dtype == np.float32 and rel_err(got, want) < 1e-6
-    np.testing.assert_array_equal(ops.linear(x[2:3], w), got[2:3])
+    # float32 BLAS: a one-row product may sum in another order than the batched one
+    assert rel_err(ops.linear(x[2:3], w), got[2:3]) < 1e-6

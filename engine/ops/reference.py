@@ -57,9 +57,11 @@ def linear(x: np.ndarray, w: np.ndarray) -> np.ndarray:
     """``y = x W^T``: x (n, in), w (out, in) in math shape (a GGUF ``ne={in,out}`` tensor) -> (n, out) float32.
 
     Every projection of the model goes through this op (the fast backends replace it with their
-    quantized matmuls).
+    quantized matmuls). It multiplies in float32 (BLAS sgemm, float32 accumulation): a float64
+    copy of every weight on every call would cost more than the product itself (a 248320 x 2048
+    LM head is 4 GB in float64). The other ops compute in float64 inside.
     """
-    return _f(_d(x) @ _d(w).T)
+    return np.asarray(x, np.float32) @ np.asarray(w, np.float32).T
 
 
 def sigmoid(x: np.ndarray) -> np.ndarray:
