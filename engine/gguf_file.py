@@ -183,7 +183,7 @@ class _HeaderReader:
     def __init__(self, data: np.ndarray, path: str):
         self._data = data
         self.size = int(data.size)
-        self.path = path
+        self.source = path
         self.buf = b""
         self.off = 0
 
@@ -298,9 +298,11 @@ def _parse_header(r: _HeaderReader) -> tuple[dict[str, Any], list[_Stored], int]
     n_kv = r.scalar(_U64, "the key/value count")
     left = r.size - r.off
     if n_kv * _MIN_KV > left:
-        raise r.fail(f"header claims {n_kv} metadata keys; the {left} bytes of the file cannot hold that many")
+        raise r.fail(f"header claims {n_kv} metadata keys; the {left} bytes of the file cannot hold that many "
+                     "(truncated or corrupt GGUF)")
     if n_tensors * _MIN_TENSOR > left:
-        raise r.fail(f"header claims {n_tensors} tensors; the {left} bytes of the file cannot hold that many")
+        raise r.fail(f"header claims {n_tensors} tensors; the {left} bytes of the file cannot hold that many "
+                     "(truncated or corrupt GGUF)")
 
     meta: dict[str, Any] = {}
     for i in range(n_kv):
