@@ -437,7 +437,7 @@ class GGUFFile:
 
         Raises:
             ModelFormatError: no such tensor in the file.
-            UnsupportedModelError: the tensor's type id is unknown to ggml.
+            UnsupportedModelError: the tensor's type id is unknown to ggml (its size is unknown).
         """
         return self._view(name).info
 
@@ -453,8 +453,12 @@ class GGUFFile:
         return self._slab_rows(v, 0, v.n_slabs).reshape(-1, v.row_bytes)
 
     def f32(self, name: str) -> np.ndarray:
-        """Dequantized copy of a tensor in math shape (reversed ne), float32."""
-        v = self._view(name)
+        """Dequantized copy of a tensor in math shape (reversed ne), float32.
+
+        Raises:
+            UnsupportedModelError: a type the engine cannot dequantize (also for :meth:`expert`, :meth:`row`).
+        """
+        v = self._decodable_view(name)
         return dequantize(self.raw(name), v.info.qtype, v.info.shape)
 
     def expert(self, name: str, e: int) -> np.ndarray:
@@ -466,7 +470,7 @@ class GGUFFile:
         Raises:
             ValueError: the tensor is not 3-D. IndexError: ``e`` outside ``0..ne2-1``.
         """
-        v = self._view(name)
+        v = self._decodable_view(name)
         if len(v.info.ne) != 3:
             raise ValueError(f"{self.source}: tensor {name} has ne={v.info.ne}, not an expert tensor (3-D)")
         if not 0 <= e < v.n_slabs:
@@ -482,7 +486,7 @@ class GGUFFile:
         Raises:
             ValueError: the tensor is not 2-D. IndexError: ``i`` outside ``0..ne1-1``.
         """
-        v = self._view(name)
+        v = self._decodable_view(name)
         if len(v.info.ne) != 2:
             raise ValueError(f"{self.source}: tensor {name} has ne={v.info.ne}, not a matrix")
         if not 0 <= i < v.rows:
@@ -531,8 +535,16 @@ class GGUFFile:
             self._views[name] = view
         return view
 
+    def _decodable_view(self, name: str) -> _View:
+        view = self._view(name)
+        check_supported(view.info.qtype, f"{self.source}: tensor {name}")
+        return view
+
     def _plain_view(self, t: _Stored) -> _View:
-        qtype = check_supported(t.type_id, f"{self.source}: tensor {t.name}")
+        if t.nbytes < 0:
+            raise UnsupportedModelError(f"{self.source}: tensor {t.name} has ggml type id {t.type_id}, "
+                                        "unknown to this version of gguf")
+        qtype = GGMLQuantizationType(t.type_id)
         ne = t.ne
         info = TensorInfo(t.name, qtype, ne, tuple(reversed(ne)), t.nbytes)
         slab_rows = ne[1] if len(ne) > 1 else 1

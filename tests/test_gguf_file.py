@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import struct
 
 import numpy as np
 import psutil
@@ -16,6 +17,7 @@ import pytest
 from gguf import GGMLQuantizationType as Q
 
 from engine import quant
+from engine.errors import UnsupportedModelError
 from engine.gguf_file import GGUFFile, tensor_shapes
 from engine.synth import preset_hparams, synth, write_gguf
 
@@ -180,9 +182,19 @@ def test_mtp_blocks_are_ignored(tmp_path, rng):
     t["blk.4.attn_q.weight"] = np.zeros((3, 32), np.float32)  # wrong shape, never checked
     path = tmp_path / "mtp.gguf"
     write_gguf(path, hp, t, "q4_0", vocab=None)
+    # store the MTP projection as IQ4_NL (same 32-value / 18-byte blocks as Q4_0): still opens
+    data = bytearray(path.read_bytes())
+    name = b"blk.4.nextn.eh_proj.weight"
+    type_at = data.index(struct.pack("<Q", len(name)) + name) + 8 + len(name) + 4 + 2 * 8
+    assert data[type_at] == Q.Q4_0
+    data[type_at] = Q.IQ4_NL
+    path.write_bytes(bytes(data))
     f = GGUFFile.open(path)
     assert f.hparams.n_layer == 4 and f.meta("qwen35moe.block_count") == 5
-    assert f.has("blk.4.nextn.eh_proj.weight")
+    assert f.info("blk.4.nextn.eh_proj.weight").qtype == Q.IQ4_NL
+    assert f.raw("blk.4.nextn.eh_proj.weight").shape == (64, 72)
+    with pytest.raises(UnsupportedModelError, match=r"mtp\.gguf: tensor blk\.4\.nextn\.eh_proj\.weight.*IQ4_NL"):
+        f.f32("blk.4.nextn.eh_proj.weight")
 
 
 @pytest.mark.slow
