@@ -81,7 +81,6 @@ class ChatController(QObject):
         self.request_chat.connect(worker.chat)
         worker.tokens.connect(self.on_tokens)
         worker.finished.connect(self.on_finished)
-        view.regenerate_requested.connect(self.regenerate)
         view.branch_requested.connect(self.select_branch)
         self._save_timer = QTimer(self)
         self._save_timer.setInterval(save_interval_ms)

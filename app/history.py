@@ -49,7 +49,6 @@ MIGRATIONS: tuple[tuple[str, ...], ...] = (
 )
 SCHEMA_VERSION = len(MIGRATIONS)
 
-MESSAGE_STATES = ("complete", "streaming", "stopped", "error")
 
 
 class HistoryError(Exception):

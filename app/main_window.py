@@ -79,6 +79,8 @@ class MainWindow(QMainWindow):
         self.composer.send_requested.connect(self._send)
         self.composer.stop_requested.connect(self.controller.stop)
         self.chat_view.edit_requested.connect(self._edit)
+        self.chat_view.regenerate_requested.connect(
+            lambda message_id: self.controller.regenerate(message_id, self.composer.think_box.isChecked()))
         worker.loaded.connect(self._loaded)
         worker.load_failed.connect(self._load_failed)
         worker.prefilled.connect(self.sidebar.on_prefill)

@@ -156,7 +156,9 @@ def test_images_reach_a_vision_model_and_can_be_removed(qtbot, make_window, tmp_
     send(qtbot, window, "describe")
     assert engine.calls[-1] == [{"role": "user", "content": [{"type": "image", "image": first.path},
                                                              {"type": "text", "text": "describe"}]}]
-    assert len(window.chat_view.widgets[0].findChildren(type(composer.warning))) >= 1
+    thumbs = [w for w in window.chat_view.widgets[0].findChildren(type(composer.warning))
+              if w.accessibleName() == "Attached image"]
+    assert len(thumbs) == 1 and not thumbs[0].pixmap().isNull()
 
 
 def test_load_error_is_shown_in_the_window(qtbot, make_window):
