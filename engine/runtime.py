@@ -154,6 +154,11 @@ def run_turn(turn: Turn) -> Iterator[Event]:
                 cache.put(chain_keys(cache.identity, history)[-1], state, history, None,
                           conversation=turn.conversation)
             break
+        if state.pos >= turn.context:
+            reason, message = "context_full", (
+                f"The context window of {turn.context} tokens is full: start a new conversation "
+                "or raise the context size.")
+            break
         history.append(token)
         text = stream.push(token)
         pieces.append(text)
@@ -162,11 +167,6 @@ def run_turn(turn: Turn) -> Iterator[Event]:
         yield TokenEvent(token_id=token, text=text, ms=ms, index=index)
         if turn.cancel.is_set():
             reason, message = "cancelled", "Stopped by the user."
-            break
-        if state.pos >= turn.context:
-            reason, message = "context_full", (
-                f"The context window of {turn.context} tokens is full: start a new conversation "
-                "or raise the context size.")
             break
         if index + 1 == turn.sampling.max_tokens:
             break

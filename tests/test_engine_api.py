@@ -20,6 +20,24 @@ def tiny(synth_model):
     return synth_model("tiny", "q8_0")
 
 
+@pytest.fixture(scope="module")
+def cold(tiny):
+    """An engine without a prefix cache: every turn prefills its whole prompt."""
+    return Engine.load(tiny, options=EngineOptions(prefix_cache=False))
+
+
+@pytest.fixture(scope="module")
+def _warm(tiny):
+    return Engine.load(tiny)
+
+
+@pytest.fixture
+def warm(_warm):
+    """An engine with an empty RAM prefix cache."""
+    _warm.cache.clear()
+    return _warm
+
+
 def run(events):
     events = list(events)
     assert isinstance(events[0], (PrefillStats, TurnSummary))
@@ -31,8 +49,8 @@ def chat(engine, messages, sampling=GREEDY, **kw):
     return run(engine.chat(messages, sampling, **kw))
 
 
-def test_events_and_summary(tiny) -> None:
-    engine = Engine.load(tiny, options=EngineOptions(prefix_cache=False))
+def test_events_and_summary(cold) -> None:
+    engine = cold
     stats, tokens, summary = chat(engine, [{"role": "user", "content": "Hello there"}])
     assert stats.prompt_tokens == len(engine.render([{"role": "user", "content": "Hello there"}]))
     assert stats.reused_tokens == 0 and stats.prefilled_tokens == stats.prompt_tokens
@@ -45,8 +63,8 @@ def test_events_and_summary(tiny) -> None:
     assert summary.ttft_ms > 0 and all(t.ms > 0 for t in tokens)
 
 
-def test_cancel_takes_effect_within_one_token(tiny) -> None:
-    engine = Engine.load(tiny, options=EngineOptions(prefix_cache=False))
+def test_cancel_takes_effect_within_one_token(cold) -> None:
+    engine = cold
     cancel = threading.Event()
     seen = 0
     for ev in engine.chat([{"role": "user", "content": "Count to ten"}], SamplingParams.greedy(200), cancel):
@@ -59,8 +77,8 @@ def test_cancel_takes_effect_within_one_token(tiny) -> None:
     assert summary.stop_reason == "cancelled" and summary.generated_tokens == 3
 
 
-def test_cancel_from_another_thread(tiny) -> None:
-    engine = Engine.load(tiny, options=EngineOptions(prefix_cache=False))
+def test_cancel_from_another_thread(cold) -> None:
+    engine = cold
     cancel = threading.Event()
     stamps: list[float] = []
     set_at: list[float] = []
@@ -94,10 +112,8 @@ def test_context_full_is_a_clear_stop(tiny) -> None:
     assert summary.stop_reason == "context_full" and "24" in summary.message
 
 
-def test_turn_two_reuses_turn_one_and_matches_cold(tiny) -> None:
+def test_turn_two_reuses_turn_one_and_matches_cold(warm, cold) -> None:
     """Greedy tokens after a restore equal a cold prefill of the same prompt."""
-    warm = Engine.load(tiny)
-    cold = Engine.load(tiny, options=EngineOptions(prefix_cache=False))
     sys_user = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Name a colour."}]
     _, _, first = chat(warm, sys_user)
     turn2 = sys_user + [{"role": "assistant", "content": first.text},
@@ -113,8 +129,8 @@ def test_turn_two_reuses_turn_one_and_matches_cold(tiny) -> None:
     assert [t.token_id for t in tokens] == [t.token_id for t in cold_tokens]
 
 
-def test_regenerate_prefills_nothing(tiny) -> None:
-    engine = Engine.load(tiny)
+def test_regenerate_prefills_nothing(warm) -> None:
+    engine = warm
     msgs = [{"role": "user", "content": "Tell me something."}]
     _, first, _ = chat(engine, msgs)
     stats, again, _ = chat(engine, msgs)
@@ -122,8 +138,8 @@ def test_regenerate_prefills_nothing(tiny) -> None:
     assert [t.token_id for t in again] == [t.token_id for t in first]
 
 
-def test_edit_reuses_only_up_to_the_edit(tiny) -> None:
-    engine = Engine.load(tiny)
+def test_edit_reuses_only_up_to_the_edit(warm) -> None:
+    engine = warm
     base = [{"role": "system", "content": "Be kind."}, {"role": "user", "content": "first question"}]
     chat(engine, base)
     edited = [base[0], {"role": "user", "content": "first question, edited"}]
