@@ -7,7 +7,8 @@ Two entry points:
 * :func:`synth` writes a whole random model from a preset (:data:`PRESETS`). Quantized Q4_0 / Q8_0
   weights are drawn directly as blocks (random quants, f16 scales with random sign) rather than by
   quantizing floats, and tensors are generated and written one at a time, so a full-size
-  ``35b-a3b`` (~20 GB in Q4_0) streams to disk in minutes with at most one tensor (<= 300 MB) in RAM.
+  ``35b-a3b`` (~20 GB in Q4_0) streams to disk in minutes holding one tensor at a time in RAM
+  (the largest, ``token_embd`` / ``output``, is 286 MB; peak ~0.5 GB with its scale arrays).
 
 Weight scales keep activations O(1) through many layers: projections have std 1/sqrt(fan_in),
 the projections that write into the residual stream (``ssm_out``, ``attn_output``, ``ffn_down*``)
