@@ -1,0 +1,393 @@
+"""CPU matrix kernels for decode: native SIMD W4A8 / W8A8 products, with numpy twins.
+
+Each kernel has a numpy twin of the same signature (``<name>_np``) that computes the same math;
+the tests run both. When the native extension (``engine._native_cpu``, built from native/cpu/ by
+``pip install``) is missing, the public names are the twins and one warning says so at import.
+
+Block layouts are ggml's (ggml/src/ggml-common.h), i.e. the raw bytes of a GGUF tensor:
+
+* ``block_q4_0``, 18 bytes per 32 values: f16 ``d``, then 16 bytes ``qs``; value ``j < 16`` is the
+  low nibble of ``qs[j]``, value ``j + 16`` its high nibble; value = (nibble - 8) * d.
+* ``block_q8_0``, 34 bytes per 32 values: f16 ``d``, then 32 int8 ``qs``; value = qs[j] * d.
+
+A weight matrix is its tensor's raw data as ``(rows, k // 32 * block_bytes)`` uint8 (what
+``GGUFFile.raw`` returns), row ``r`` holding the k weights of output ``r``. Products first quantize
+the float32 activations to Q8_0 (ggml's reference rounding: d = max|x| / 127, q = round half away
+from zero of x / d), then take the integer block dot products exactly and sum the scaled block
+results in float32. Results therefore differ from a float64 product of the dequantized weights and
+quantized activations only by float32 summation order (see tests/test_cpu_kernels.py for the bound),
+and are bit-identical for any thread count.
+
+ISA levels: ``scalar``, ``ssse3``, ``avx2`` (with FMA and F16C), ``avx512vnni`` (AVX-512 F/BW/VL +
+VNNI). The best one this CPU supports is used unless the environment variable ``DELTADESK_ISA``
+or :func:`set_isa` names another; ``numpy`` selects the twins.
+"""
+
+from __future__ import annotations
+
+import os
+import warnings
+from typing import NamedTuple
+
+import numpy as np
+
+from engine.errors import EngineError
+from engine.ops import reference
+
+try:
+    from engine import _native_cpu
+except ImportError as err:
+    _native_cpu = None
+    warnings.warn(f"DeltaDesk native CPU kernels unavailable ({err}); using the slow numpy fallback "
+                  "(reinstall with a C compiler present to build them).", RuntimeWarning, stacklevel=2)
+
+ISA_LEVELS = ("scalar", "ssse3", "avx2", "avx512vnni")
+"""Native levels in increasing order; the index is the C side's level number."""
+
+QK = 32
+Q4_0_BYTES = 18
+Q8_0_BYTES = 34
+_WTYPE = {Q4_0_BYTES: 0, Q8_0_BYTES: 1}
+_C_ERRORS = {-1: "ISA level not supported by this CPU", -2: "out of memory", -3: "invalid argument"}
+
+_active_isa: str | None = None
+_threads = 1
+
+
+def available() -> bool:
+    """True when the native extension is built and importable."""
+    return _native_cpu is not None
+
+
+def supported_isas() -> tuple[str, ...]:
+    """The native levels this CPU runs, lowest first; () without the extension."""
+    if _native_cpu is None:
+        return ()
+    return tuple(name for i, name in enumerate(ISA_LEVELS) if _native_cpu.lib.dd_isa_supported(i))
+
+
+def _resolve(name: str, source: str) -> str:
+    if name == "numpy":
+        return name
+    if name not in ISA_LEVELS:
+        raise EngineError(f"{source}={name!r}: expected one of {', '.join(ISA_LEVELS + ('numpy',))}")
+    if _native_cpu is None:
+        raise EngineError(f"{source}={name!r}: the native CPU kernels are not built (numpy fallback only)")
+    if name not in supported_isas():
+        raise EngineError(f"{source}={name!r}: this CPU does not support it "
+                          f"(supported: {', '.join(supported_isas())})")
+    return name
+
+
+def isa() -> str:
+    """The active level: set_isa's, else $DELTADESK_ISA's, else the best supported, else "numpy".
+
+    Raises EngineError if $DELTADESK_ISA names an unknown level or one this CPU lacks.
+    """
+    global _active_isa
+    if _active_isa is None:
+        forced = os.environ.get("DELTADESK_ISA", "").strip().lower()
+        if forced:
+            _active_isa = _resolve(forced, "DELTADESK_ISA")
+        else:
+            _active_isa = ISA_LEVELS[_native_cpu.lib.dd_isa_best()] if _native_cpu else "numpy"
+    return _active_isa
+
+
+def set_isa(name: str | None) -> str:
+    """Select a level by name ("numpy" = the twins); None goes back to the default. Returns the active one.
+
+    Raises EngineError for an unknown level or one this CPU (or this build) lacks.
+    """
+    global _active_isa
+    _active_isa = None if name is None else _resolve(name.strip().lower(), "isa")
+    return isa()
+
+
+def physical_cores() -> int:
+    """Physical cores this process may run on (hyper-thread siblings counted once), at least 1.
+
+    Linux: the affinity mask, deduplicated by (package, core id) from /sys topology; elsewhere
+    os.cpu_count().
+    """
+    if not hasattr(os, "sched_getaffinity"):
+        return os.cpu_count() or 1
+    cores = set()
+    for cpu in os.sched_getaffinity(0):
+        topo = f"/sys/devices/system/cpu/cpu{cpu}/topology"
+        try:
+            with open(f"{topo}/physical_package_id") as pkg, open(f"{topo}/core_id") as core:
+                cores.add((pkg.read().strip(), core.read().strip()))
+        except OSError:
+            cores.add(("cpu", str(cpu)))
+    return max(1, len(cores))
+
+
+def set_threads(n: int | None = None) -> int:
+    """Use n threads (the caller's included) in the native kernels; None = physical_cores(). Returns n.
+
+    Results do not depend on n. Without the extension this is recorded and has no effect.
+    """
+    global _threads
+    _threads = physical_cores() if n is None else max(1, int(n))
+    if _native_cpu is not None:
+        _native_cpu.lib.dd_set_threads(_threads)
+    return _threads
+
+
+def threads() -> int:
+    """The thread count set by set_threads."""
+    return _threads
+
+
+def _native_level() -> int | None:
+    level = isa()
+    return None if level == "numpy" else ISA_LEVELS.index(level)
+
+
+def _check(rc: int, what: str) -> None:
+    if rc != 0:
+        raise EngineError(f"{what} failed in the native CPU kernels: {_C_ERRORS.get(rc, rc)}")
+
+
+def _activations(x: np.ndarray) -> tuple[np.ndarray, bool]:
+    """x as C-contiguous (m, k) float32 with k % 32 == 0, and whether it came in 1-D."""
+    x = np.ascontiguousarray(x, dtype=np.float32)
+    vector = x.ndim == 1
+    x2 = x.reshape(1, -1) if vector else x
+    if x2.ndim != 2 or x2.shape[1] % QK != 0 or x2.shape[1] == 0:
+        raise ValueError(f"activations: expected (m, k) or (k,) with k a positive multiple of {QK}, got {x.shape}")
+    return x2, vector
+
+
+def _weights(raw: np.ndarray, k: int, block_bytes: int, what: str) -> np.ndarray:
+    if not isinstance(raw, np.ndarray) or raw.dtype != np.uint8 or raw.ndim != 2:
+        raise ValueError(f"{what}: expected raw block bytes as a 2-D uint8 array")
+    if raw.shape[1] != k // QK * block_bytes:
+        raise ValueError(f"{what}: rows of {raw.shape[1]} bytes do not hold k={k} values "
+                         f"({k // QK} blocks of {block_bytes} bytes)")
+    if not raw.flags.c_contiguous:
+        raise ValueError(f"{what}: raw weights must be C-contiguous (copying them would double their memory)")
+    return raw
+
+
+def _ptr(ffi, ctype: str, a: np.ndarray):
+    return ffi.cast(ctype, ffi.from_buffer(a))
+
+
+# --- Q8_0 activation quantization -------------------------------------------------------------
+
+def quantize_q8_0(x: np.ndarray) -> np.ndarray:
+    """Quantize float32 activations to ``block_q8_0`` bytes, bit-identical to ggml's reference.
+
+    Args: x (m, k) or (k,) float32, k a multiple of 32 (other float dtypes are converted).
+    Returns: (m, k // 32 * 34) or (k // 32 * 34,) uint8; per block f16 d = max|x| / 127, then
+    32 int8 round-half-away(x / d) (0 when d == 0).
+    Raises: ValueError for a bad shape.
+    """
+    level = _native_level()
+    if level is None:
+        return quantize_q8_0_np(x)
+    x2, vector = _activations(x)
+    out = np.empty((x2.shape[0], x2.shape[1] // QK * Q8_0_BYTES), dtype=np.uint8)
+    ffi, lib = _native_cpu.ffi, _native_cpu.lib
+    _check(lib.dd_quantize_q8_0(level, _ptr(ffi, "float *", x2), x2.shape[0], x2.shape[1],
+                                _ptr(ffi, "uint8_t *", out)), "quantize_q8_0")
+    return out[0] if vector else out
+
+
+def quantize_q8_0_np(x: np.ndarray) -> np.ndarray:
+    """numpy twin of :func:`quantize_q8_0` (same arguments, same bytes)."""
+    x2, vector = _activations(x)
+    blocks = x2.reshape(-1, QK)
+    d = np.abs(blocks).max(axis=1, keepdims=True) / np.float32(127)
+    with np.errstate(divide="ignore"):
+        inv = np.where(d == 0, np.float32(0), np.float32(1) / d).astype(np.float32)
+    t = np.abs(blocks * inv)
+    q = np.sign(blocks) * (np.floor(t) + (t - np.floor(t) >= 0.5))   # round half away from zero
+    out = np.concatenate([d.astype(np.float16).view(np.uint8), q.astype(np.int8).view(np.uint8)], axis=1)
+    out = out.reshape(x2.shape[0], -1)
+    return out[0] if vector else out
+
+
+def _dequantize(raw: np.ndarray, block_bytes: int) -> np.ndarray:
+    """(rows, nb * block_bytes) uint8 Q4_0/Q8_0 -> (rows, nb * 32) float32."""
+    blocks = raw.reshape(raw.shape[0], -1, block_bytes)
+    d = blocks[..., :2].copy().view(np.float16).astype(np.float32)
+    qs = blocks[..., 2:]
+    if block_bytes == Q4_0_BYTES:
+        vals = np.concatenate([qs & 0x0F, qs >> 4], axis=-1).astype(np.int8) - np.int8(8)
+    else:
+        vals = qs.view(np.int8)
+    return (vals.astype(np.float32) * d).reshape(raw.shape[0], -1)
+
+
+# --- W4A8 / W8A8 matrix products ----------------------------------------------------------------
+
+def _matmul(raw: np.ndarray, x: np.ndarray, block_bytes: int, name: str) -> np.ndarray:
+    level = _native_level()
+    if level is None:
+        return _matmul_np(raw, x, block_bytes, name)
+    x2, vector = _activations(x)
+    raw = _weights(raw, x2.shape[1], block_bytes, name)
+    y = np.empty((x2.shape[0], raw.shape[0]), dtype=np.float32)
+    ffi, lib = _native_cpu.ffi, _native_cpu.lib
+    _check(lib.dd_matmul(level, _WTYPE[block_bytes], _ptr(ffi, "uint8_t *", raw), raw.shape[0], x2.shape[1],
+                         _ptr(ffi, "float *", x2), x2.shape[0], _ptr(ffi, "float *", y)), name)
+    return y[0] if vector else y
+
+
+def _matmul_np(raw: np.ndarray, x: np.ndarray, block_bytes: int, name: str) -> np.ndarray:
+    x2, vector = _activations(x)
+    raw = _weights(raw, x2.shape[1], block_bytes, name)
+    xq = _dequantize(quantize_q8_0_np(x2), Q8_0_BYTES)
+    y = (xq @ _dequantize(raw, block_bytes).T).astype(np.float32)
+    return y[0] if vector else y
+
+
+def matmul_q4_0(raw: np.ndarray, x: np.ndarray) -> np.ndarray:
+    """W4A8 product ``y = x @ W.T`` with W in Q4_0 blocks and x quantized to Q8_0 on the way.
+
+    Args:
+        raw: (rows, k // 32 * 18) uint8, C-contiguous: the weight's block_q4_0 bytes, one row per output.
+        x: (m, k) or (k,) float32 activations (k a multiple of 32); m up to ~16 is the intended use.
+    Returns: (m, rows) or (rows,) float32.
+    Raises: ValueError when shapes or dtypes do not match; EngineError if the native call fails.
+    """
+    return _matmul(raw, x, Q4_0_BYTES, "matmul_q4_0")
+
+
+def matmul_q4_0_np(raw: np.ndarray, x: np.ndarray) -> np.ndarray:
+    """numpy twin of :func:`matmul_q4_0` (dequantized Q4_0 weights times dequantized Q8_0 activations)."""
+    return _matmul_np(raw, x, Q4_0_BYTES, "matmul_q4_0")
+
+
+def matmul_q8_0(raw: np.ndarray, x: np.ndarray) -> np.ndarray:
+    """W8A8 product ``y = x @ W.T`` with W in Q8_0 blocks; as :func:`matmul_q4_0` with rows of k // 32 * 34 bytes."""
+    return _matmul(raw, x, Q8_0_BYTES, "matmul_q8_0")
+
+
+def matmul_q8_0_np(raw: np.ndarray, x: np.ndarray) -> np.ndarray:
+    """numpy twin of :func:`matmul_q8_0`."""
+    return _matmul_np(raw, x, Q8_0_BYTES, "matmul_q8_0")
+
+
+# --- the MoE feed-forward of one token ------------------------------------------------------------
+
+class MoEWeights(NamedTuple):
+    """One layer's MoE tensors (spec 2: GGUF names in brackets), raw blocks as ``GGUFFile.raw`` gives them.
+
+    Q4_0 or Q8_0 each, told apart by row length. d = model width, ff / ff_sh = expert hidden widths,
+    all multiples of 32.
+    """
+
+    router: np.ndarray         # (n_expert, d) float32 [ffn_gate_inp]
+    gate: np.ndarray           # (n_expert * ff, d/32 * block bytes) uint8 [ffn_gate_exps]
+    up: np.ndarray             # (n_expert * ff, d/32 * block bytes) uint8 [ffn_up_exps]
+    down: np.ndarray           # (n_expert * d, ff/32 * block bytes) uint8 [ffn_down_exps]
+    n_used: int                # expert_used_count
+    sh_gate: np.ndarray | None = None      # (ff_sh, ...) uint8 [ffn_gate_shexp]; None: no shared expert
+    sh_up: np.ndarray | None = None        # (ff_sh, ...) uint8 [ffn_up_shexp]
+    sh_down: np.ndarray | None = None      # (d, ff_sh/32 * block bytes) uint8 [ffn_down_shexp]
+    sh_gate_inp: np.ndarray | None = None  # (d,) float32 [ffn_gate_inp_shexp]
+
+
+class MoEResult(NamedTuple):
+    out: np.ndarray            # (d,) float32
+    experts: np.ndarray        # (n_used,) int32, in descending router probability
+    weights: np.ndarray        # (n_used,) float32, renormalised to sum 1
+
+
+def _block_bytes(raw: np.ndarray, k: int, what: str) -> int:
+    for block_bytes in (Q4_0_BYTES, Q8_0_BYTES):
+        if raw.ndim == 2 and raw.shape[1] == k // QK * block_bytes:
+            return block_bytes
+    raise ValueError(f"{what}: rows of {raw.shape[1:]} bytes are neither Q4_0 nor Q8_0 blocks of k={k}")
+
+
+def _moe_layout(x: np.ndarray, w: MoEWeights) -> tuple[np.ndarray, dict[str, tuple[np.ndarray, int]], int, int]:
+    """Validate; return x as (d,) float32, {name: (raw, block bytes)}, ff, ff_sh."""
+    x = np.ascontiguousarray(x, dtype=np.float32).reshape(-1)
+    d = x.shape[0]
+    n_expert = w.router.shape[0]
+    if w.router.shape != (n_expert, d) or d % QK or not 1 <= w.n_used <= min(n_expert, 64):
+        raise ValueError(f"moe_ffn: router {w.router.shape} vs x ({d},), n_used={w.n_used}: "
+                         f"expected (n_expert, d), d % 32 == 0, 1 <= n_used <= min(n_expert, 64)")
+    if w.gate.shape[0] % n_expert or w.gate.shape[0] != w.up.shape[0] or w.down.shape[0] != n_expert * d:
+        raise ValueError(f"moe_ffn: gate {w.gate.shape}, up {w.up.shape}, down {w.down.shape} "
+                         f"do not stack {n_expert} experts of width d={d}")
+    ff = w.gate.shape[0] // n_expert
+    mats = {"gate": (w.gate, d), "up": (w.up, d), "down": (w.down, ff)}
+    ff_sh = 0
+    if w.sh_gate is not None:
+        ff_sh = w.sh_gate.shape[0]
+        mats |= {"sh_gate": (w.sh_gate, d), "sh_up": (w.sh_up, d), "sh_down": (w.sh_down, ff_sh)}
+        if w.sh_up is None or w.sh_down is None or w.sh_gate_inp is None or w.sh_down.shape[0] != d:
+            raise ValueError("moe_ffn: the shared expert needs sh_gate, sh_up, sh_down (d rows) and sh_gate_inp")
+    layout = {}
+    for name, (raw, k) in mats.items():
+        block_bytes = _block_bytes(raw, k, name)
+        layout[name] = (_weights(raw, k, block_bytes, name), block_bytes)
+    return x, layout, ff, ff_sh
+
+
+def moe_ffn(x: np.ndarray, w: MoEWeights) -> MoEResult:
+    """One token's MoE FFN in one native call (spec 3.3), shared expert included.
+
+    ``p = softmax(router x)``; the ``n_used`` largest (ties: lower index first), renormalised;
+    ``out = sum_e w_e down_e(silu(gate_e x) * up_e x) + sigmoid(sh_gate_inp . x) * shared(x)``,
+    each product W4A8/W8A8 as in :func:`matmul_q4_0` (x and the hidden vectors quantized to Q8_0).
+
+    Args: x (d,) float32; w: the layer's MoEWeights.
+    Returns: MoEResult(out (d,) float32, experts (n_used,) int32, weights (n_used,) float32).
+    Raises: ValueError on inconsistent shapes; EngineError if the native call fails.
+    """
+    level = _native_level()
+    if level is None:
+        return moe_ffn_np(x, w)
+    x, layout, ff, ff_sh = _moe_layout(x, w)
+    ffi, lib = _native_cpu.ffi, _native_cpu.lib
+    router = np.ascontiguousarray(w.router, dtype=np.float32)
+    keep = [router]
+    c = ffi.new("dd_moe_weights *")
+    c.d, c.n_expert, c.n_used, c.ff, c.ff_sh = x.shape[0], router.shape[0], w.n_used, ff, ff_sh
+    c.router = _ptr(ffi, "float *", router)
+    for name, (raw, block_bytes) in layout.items():
+        setattr(c, name, _ptr(ffi, "uint8_t *", raw))
+        setattr(c, f"{name}_type", _WTYPE[block_bytes])
+    if w.sh_gate is not None:
+        sh_gate_inp = np.ascontiguousarray(w.sh_gate_inp, dtype=np.float32).reshape(-1)
+        keep.append(sh_gate_inp)
+        c.sh_gate_inp = _ptr(ffi, "float *", sh_gate_inp)
+    out = np.empty_like(x)
+    experts = np.empty(w.n_used, dtype=np.int32)
+    weights = np.empty(w.n_used, dtype=np.float32)
+    _check(lib.dd_moe_ffn(level, c, _ptr(ffi, "float *", x), _ptr(ffi, "float *", out),
+                          _ptr(ffi, "int32_t *", experts), _ptr(ffi, "float *", weights)), "moe_ffn")
+    del keep
+    return MoEResult(out, experts, weights)
+
+
+def moe_ffn_np(x: np.ndarray, w: MoEWeights) -> MoEResult:
+    """numpy twin of :func:`moe_ffn`: the same steps through the numpy matmul twins and engine.ops.reference."""
+    x, _, ff, _ = _moe_layout(x, w)
+    d = x.shape[0]
+    idx, weights = reference.topk_route((np.asarray(w.router, dtype=np.float32) @ x)[None], w.n_used)
+
+    def product(raw: np.ndarray, v: np.ndarray) -> np.ndarray:
+        return _matmul_np(raw, v, _block_bytes(raw, v.shape[0], "moe_ffn"), "moe_ffn")
+
+    def swiglu(gate: np.ndarray, up: np.ndarray, down: np.ndarray) -> np.ndarray:
+        return product(down, reference.silu(product(gate, x)) * product(up, x))
+
+    out = np.zeros(d, dtype=np.float32)
+    for e, weight in zip(idx[0], weights[0]):
+        rows, down_rows = slice(e * ff, (e + 1) * ff), slice(e * d, (e + 1) * d)
+        out += weight * swiglu(w.gate[rows], w.up[rows], w.down[down_rows])
+    if w.sh_gate is not None:
+        gate = reference.sigmoid(np.dot(np.asarray(w.sh_gate_inp, dtype=np.float32).reshape(-1), x))
+        out += gate * swiglu(w.sh_gate, w.sh_up, w.sh_down)
+    return MoEResult(out, idx[0].astype(np.int32), weights[0])
+
+
+set_threads()

@@ -1,0 +1,87 @@
+"""cffi (API mode) build of the CPU kernels as ``engine._native_cpu``.
+
+``setup.py`` names ``ffibuilder`` in ``cffi_modules``; its ``build_ext`` also calls
+:func:`compile_isa_objects`, which compiles each ISA variant from its own file with its own flags
+(the flags must not leak into the dispatcher, which has to run on any x86-64 CPU), and links the
+objects into the extension. Runtime dispatch by CPUID happens in ``dispatch.c``.
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+
+import cffi
+
+MODULE_NAME = "engine._native_cpu"
+
+HERE = os.path.relpath(os.path.dirname(os.path.abspath(__file__)))
+
+COMMON_FLAGS = ["-O3", "-std=c11", "-D_GNU_SOURCE", "-ffp-contract=off", "-fno-math-errno", "-pthread"]
+"""Contraction off: a fused multiply-add changes rounding, so fusing must be an explicit intrinsic."""
+
+PORTABLE_SOURCES = ["dispatch.c", "pool.c", "moe.c", "kernels_scalar.c"]
+
+X86_ISA_SOURCES = {
+    "kernels_ssse3.c": ["-mssse3"],
+    "kernels_avx2.c": ["-mavx2", "-mfma", "-mf16c"],
+    "kernels_avx512vnni.c": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni"],
+}
+
+IS_X86 = platform.machine().lower() in {"x86_64", "amd64", "i386", "i686", "x86"}
+
+CDEF = """
+int dd_isa_supported(int isa);
+int dd_isa_best(void);
+void dd_set_threads(int n);
+int dd_get_threads(void);
+uint64_t dd_stream_read(const uint8_t *p, size_t n);
+int dd_quantize_q8_0(int isa, const float *x, size_t m, size_t k, uint8_t *out);
+int dd_matmul(int isa, int wtype, const uint8_t *w, size_t rows, size_t k,
+              const float *x, size_t m, float *y);
+typedef struct {
+    size_t d;
+    size_t n_expert, n_used;
+    size_t ff;
+    size_t ff_sh;
+    const float *router;
+    const uint8_t *gate, *up, *down;
+    int gate_type, up_type, down_type;
+    const uint8_t *sh_gate, *sh_up, *sh_down;
+    int sh_gate_type, sh_up_type, sh_down_type;
+    const float *sh_gate_inp;
+} dd_moe_weights;
+int dd_moe_ffn(int isa, const dd_moe_weights *w, const float *x, float *out,
+               int32_t *sel, float *weights);
+"""
+
+
+def compile_isa_objects(compiler, build_temp: str, debug: bool = False) -> list[str]:
+    """Compile the per-ISA kernel files, each with its own -m flags; return the object paths.
+
+    Args: compiler: a distutils/setuptools ``CCompiler`` (``build_ext.compiler``); build_temp:
+    the folder for the objects. Returns [] off x86, where only the scalar kernels exist.
+    Raises the compiler's ``CompileError`` if a file does not compile.
+    """
+    if not IS_X86:
+        return []
+    objects = []
+    for name, flags in X86_ISA_SOURCES.items():
+        objects += compiler.compile([os.path.join(HERE, name)], output_dir=build_temp, include_dirs=[HERE],
+                                    extra_postargs=COMMON_FLAGS + flags, debug=debug)
+    return objects
+
+
+ffibuilder = cffi.FFI()
+ffibuilder.cdef(CDEF)
+ffibuilder.set_source(
+    MODULE_NAME,
+    '#include "deltadesk_cpu.h"',
+    sources=[os.path.join(HERE, name) for name in PORTABLE_SOURCES],
+    include_dirs=[HERE],
+    extra_compile_args=COMMON_FLAGS,
+    extra_link_args=["-pthread"],
+    libraries=["m"],
+    define_macros=[("DD_X86_ISAS", "1")] if IS_X86 else [],
+    optional=True,
+)

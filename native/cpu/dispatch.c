@@ -1,0 +1,199 @@
+/* ISA detection and the public entry points: quantize, matmul (see deltadesk_cpu.h). */
+#include <stdatomic.h>
+#include <stdlib.h>
+
+#include "runtime.h"
+
+int dd_isa_supported(int isa)
+{
+    switch (isa) {
+    case DD_ISA_SCALAR:
+        return 1;
+#ifdef DD_X86_ISAS
+    case DD_ISA_SSSE3:
+        __builtin_cpu_init();
+        return __builtin_cpu_supports("ssse3") != 0;
+    case DD_ISA_AVX2:
+        __builtin_cpu_init();
+        return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
+    case DD_ISA_AVX512VNNI:
+        __builtin_cpu_init();
+        return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+               __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512vnni");
+#endif
+    default:
+        return 0;
+    }
+}
+
+int dd_isa_best(void)
+{
+    int best = DD_ISA_SCALAR;
+    for (int isa = DD_ISA_SCALAR + 1; isa < DD_ISA_COUNT; isa++)
+        if (dd_isa_supported(isa))
+            best = isa;
+    return best;
+}
+
+const dd_kernels *dd_kernels_for(int isa)
+{
+    if (!dd_isa_supported(isa))
+        return NULL;
+    switch (isa) {
+#ifdef DD_X86_ISAS
+    case DD_ISA_SSSE3:
+        return &dd_kernels_ssse3;
+    case DD_ISA_AVX2:
+        return &dd_kernels_avx2;
+    case DD_ISA_AVX512VNNI:
+        return &dd_kernels_avx512vnni;
+#endif
+    default:
+        return &dd_kernels_scalar;
+    }
+}
+
+int dd_quantize_q8_0(int isa, const float *x, size_t m, size_t k, uint8_t *out)
+{
+    const dd_kernels *kt = dd_kernels_for(isa);
+    if (kt == NULL)
+        return DD_ERR_ISA;
+    if (k % DD_QK != 0)
+        return DD_ERR_ARG;
+    for (size_t c = 0; c < m; c++)
+        kt->quantize_q8_0(x + c * k, k / DD_QK, out + c * (k / DD_QK) * DD_Q8_0_BYTES);
+    return DD_OK;
+}
+
+/* One allocation, 64-byte aligned: the Q8_0 blocks, then q, d and the bias arrays. */
+int dd_acts_new(const dd_kernels *kt, const float *x, size_t m, size_t k, dd_acts *a)
+{
+    const size_t nb = k / DD_QK, nbp = (nb + 1) & ~(size_t)1;
+    const size_t blocks_bytes = (m * nb * DD_Q8_0_BYTES + 63) & ~(size_t)63;
+    const size_t lanes = m * nbp * 8;
+    size_t total = blocks_bytes + m * nbp * DD_QK + lanes * sizeof(float);
+    for (int t = 0; t < DD_WTYPE_COUNT; t++)
+        if (kt->bias_mult[t] != 0)
+            total += lanes * sizeof(int32_t);
+    uint8_t *mem = aligned_alloc(64, (total + 63) & ~(size_t)63);
+    if (mem == NULL)
+        return DD_ERR_NOMEM;
+    uint8_t *blocks = mem;
+    int8_t *q = (int8_t *)(mem + blocks_bytes);
+    float *d = (float *)(q + m * nbp * DD_QK);
+    int32_t *bias_next = (int32_t *)(d + lanes);
+    int32_t *bias[DD_WTYPE_COUNT];
+    for (int t = 0; t < DD_WTYPE_COUNT; t++) {
+        bias[t] = kt->bias_mult[t] != 0 ? bias_next : NULL;
+        if (bias[t] != NULL)
+            bias_next += lanes;
+    }
+
+    for (size_t c = 0; c < m; c++) {
+        uint8_t *cb = blocks + c * nb * DD_Q8_0_BYTES;
+        kt->quantize_q8_0(x + c * k, nb, cb);
+        for (size_t b = 0; b < nbp; b++) {
+            const size_t qi = (c * nbp + b) * DD_QK, li = (c * nbp + b) * 8;
+            if (b < nb) {
+                const uint8_t *blk = cb + b * DD_Q8_0_BYTES;
+                memcpy(q + qi, blk + 2, DD_QK);
+                const float scale = dd_f16_to_f32(dd_load_u16(blk));
+                for (int l = 0; l < 8; l++)
+                    d[li + l] = scale;
+            } else {
+                memset(q + qi, 0, DD_QK);
+                for (int l = 0; l < 8; l++)
+                    d[li + l] = 0.0f;
+            }
+            for (int l = 0; l < 8; l++) {
+                const int32_t s = q[qi + 4 * l] + q[qi + 4 * l + 1] + q[qi + 4 * l + 2] + q[qi + 4 * l + 3];
+                for (int t = 0; t < DD_WTYPE_COUNT; t++)
+                    if (bias[t] != NULL)
+                        bias[t][li + l] = kt->bias_mult[t] * s;
+            }
+        }
+    }
+    a->nb = nb;
+    a->nbp = nbp;
+    a->m = m;
+    a->q = q;
+    a->d = d;
+    for (int t = 0; t < DD_WTYPE_COUNT; t++)
+        a->bias[t] = bias[t];
+    a->mem = mem;
+    return DD_OK;
+}
+
+void dd_acts_free(dd_acts *a)
+{
+    free(a->mem);
+    a->mem = NULL;
+}
+
+typedef struct {
+    dd_gemm_fn gemm;
+    const uint8_t *w;
+    size_t row_bytes, rows, chunk_rows;
+    const dd_acts *acts;
+    float *y;
+} matmul_job;
+
+static void matmul_chunk(void *ctx, size_t chunk)
+{
+    const matmul_job *j = ctx;
+    const size_t r0 = chunk * j->chunk_rows;
+    const size_t n = j->rows - r0 < j->chunk_rows ? j->rows - r0 : j->chunk_rows;
+    j->gemm(j->w + r0 * j->row_bytes, j->row_bytes, n, j->acts, j->y + r0, j->rows);
+}
+
+int dd_matmul(int isa, int wtype, const uint8_t *w, size_t rows, size_t k, const float *x, size_t m, float *y)
+{
+    const dd_kernels *kt = dd_kernels_for(isa);
+    if (kt == NULL)
+        return DD_ERR_ISA;
+    if (k % DD_QK != 0 || wtype < 0 || wtype >= DD_WTYPE_COUNT)
+        return DD_ERR_ARG;
+    if (rows == 0 || m == 0 || k == 0) {
+        for (size_t i = 0; i < rows * m; i++)
+            y[i] = 0.0f;
+        return DD_OK;
+    }
+    dd_acts acts;
+    int rc = dd_acts_new(kt, x, m, k, &acts);
+    if (rc != DD_OK)
+        return rc;
+    const size_t row_bytes = k / DD_QK * dd_block_bytes(wtype);
+    matmul_job job = {
+        .gemm = kt->gemm[wtype], .w = w, .row_bytes = row_bytes, .rows = rows,
+        .chunk_rows = dd_chunk_rows(row_bytes * m), .acts = &acts, .y = y,
+    };
+    dd_pool_for(matmul_chunk, &job, dd_div_up(rows, job.chunk_rows));
+    dd_acts_free(&acts);
+    return DD_OK;
+}
+
+#define READ_CHUNK_WORDS (1u << 17)
+
+typedef struct {
+    const uint64_t *words;
+    size_t n;
+    _Atomic uint64_t total;
+} read_job;
+
+static void read_chunk(void *ctx, size_t chunk)
+{
+    read_job *j = ctx;
+    const size_t i0 = chunk * READ_CHUNK_WORDS;
+    const size_t i1 = j->n - i0 < READ_CHUNK_WORDS ? j->n : i0 + READ_CHUNK_WORDS;
+    uint64_t s = 0;
+    for (size_t i = i0; i < i1; i++)
+        s += j->words[i];
+    atomic_fetch_add_explicit(&j->total, s, memory_order_relaxed);
+}
+
+uint64_t dd_stream_read(const uint8_t *p, size_t n)
+{
+    read_job job = { .words = (const uint64_t *)p, .n = n / 8 };
+    dd_pool_for(read_chunk, &job, dd_div_up(job.n, READ_CHUNK_WORDS));
+    return atomic_load(&job.total);
+}

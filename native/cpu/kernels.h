@@ -1,0 +1,106 @@
+/* Internal interface between the dispatcher and the per-ISA kernel files.
+ *
+ * Each kernels_<isa>.c is compiled with its own -m flags and defines one `dd_kernels` table.
+ * Activations reach the kernels in a prepared form (`dd_acts`) built once per matrix product
+ * from their Q8_0 blocks, so the inner loops only load what they need.
+ */
+#ifndef DELTADESK_KERNELS_H
+#define DELTADESK_KERNELS_H
+
+#include <stddef.h>
+#include <stdint.h>
+#include <string.h>
+
+#include "deltadesk_cpu.h"
+
+#define DD_QK 32
+#define DD_Q4_0_BYTES 18
+#define DD_Q8_0_BYTES 34
+
+/* Q8_0 activations of m columns, each of nb blocks, stored padded to nbp = nb rounded up to even
+ * (the padding block is all zero), 64-byte aligned:
+ *   q[c*nbp*32 + b*32 + j]   int8 value j of block b (natural order);
+ *   d[c*nbp*8 + b*8 + l]     the block's scale (f16 widened to f32), repeated for lanes l = 0..7;
+ *   bias[t][c*nbp*8 + b*8 + l]  bias_mult[t] * (q[4l] + q[4l+1] + q[4l+2] + q[4l+3]) of block b:
+ *                     the correction a kernel for weight type t adds when it multiplies unsigned
+ *                     weight bytes (nibble, or int8 + 128) by the signed activations; NULL when
+ *                     that kernel's bias_mult is 0. */
+typedef struct {
+    size_t nb, nbp, m;
+    const int8_t *q;
+    const float *d;
+    const int32_t *bias[DD_WTYPE_COUNT];
+    void *mem;              /* the allocation holding all of the above */
+} dd_acts;
+
+/* y[c*ldy + r] = row r of w (nrows rows, row_bytes apart) . column c of a, for r < nrows, c < a->m. */
+typedef void (*dd_gemm_fn)(const uint8_t *w, size_t row_bytes, size_t nrows, const dd_acts *a,
+                           float *y, size_t ldy);
+
+typedef struct {
+    /* nb blocks of 32 f32 -> nb block_q8_0, bit-identical to ggml's quantize_row_q8_0_ref. */
+    void (*quantize_q8_0)(const float *x, size_t nb, uint8_t *out);
+    dd_gemm_fn gemm[DD_WTYPE_COUNT];
+    int bias_mult[DD_WTYPE_COUNT];   /* 0: the kernel does not read acts.bias */
+    float (*dot_f32)(const float *a, const float *b, size_t n);
+} dd_kernels;
+
+extern const dd_kernels dd_kernels_scalar;
+#ifdef DD_X86_ISAS
+extern const dd_kernels dd_kernels_ssse3;
+extern const dd_kernels dd_kernels_avx2;
+extern const dd_kernels dd_kernels_avx512vnni;
+#endif
+
+/* IEEE half <-> single, round to nearest even (portable; used where F16C is not assumed). */
+static inline float dd_f16_to_f32(uint16_t h)
+{
+    uint32_t sign = (uint32_t)(h & 0x8000u) << 16;
+    uint32_t exp = (h >> 10) & 0x1fu, mant = h & 0x3ffu, bits;
+    float f;
+    if (exp == 0) {
+        f = (float)mant * 0x1p-24f;
+        memcpy(&bits, &f, 4);
+        bits |= sign;
+    } else if (exp == 31) {
+        bits = sign | 0x7f800000u | (mant << 13);
+    } else {
+        bits = sign | ((exp + 112u) << 23) | (mant << 13);
+    }
+    memcpy(&f, &bits, 4);
+    return f;
+}
+
+static inline uint16_t dd_f32_to_f16(float f)
+{
+    uint32_t x, sign;
+    memcpy(&x, &f, 4);
+    sign = (x >> 16) & 0x8000u;
+    x &= 0x7fffffffu;
+    if (x > 0x7f800000u)                 /* NaN: keep it quiet */
+        return (uint16_t)(sign | 0x7e00u);
+    if (x >= 0x477ff000u)                /* >= 65520 rounds to infinity */
+        return (uint16_t)(sign | 0x7c00u);
+    if (x < 0x38800000u) {               /* below 2^-14: a half subnormal (or zero) */
+        /* Adding 0.5 makes the FPU round |f| to a multiple of 2^-24 (nearest even);
+         * the low mantissa bits of the sum are then the half's 10-bit mantissa. */
+        float t, a;
+        uint32_t tb;
+        memcpy(&a, &x, 4);
+        t = a + 0.5f;
+        memcpy(&tb, &t, 4);
+        return (uint16_t)(sign | (tb - 0x3f000000u));
+    }
+    /* Normal: rebias the exponent and round the 13 dropped mantissa bits to nearest even. */
+    x += 0xfffu + ((x >> 13) & 1u);
+    return (uint16_t)(sign | ((x - 0x38000000u) >> 13));
+}
+
+static inline uint16_t dd_load_u16(const uint8_t *p)
+{
+    uint16_t v;
+    memcpy(&v, p, 2);
+    return v;
+}
+
+#endif

@@ -1,0 +1,129 @@
+/* AVX2 kernels (compiled with -mavx2 -mfma -mf16c).
+ *
+ * One ymm register holds one 32-value block. Q4_0: the 16 nibble bytes expand to the 32 values
+ * in order (low nibbles, then high) as unsigned bytes; `pmaddubsw` with the signed activations
+ * and `pmaddwd` with ones give 8 exact int32 lanes, to which the activation bias (-8 times the
+ * activation sums) is added. Q8_0: the sign trick (|w| times a with w's sign) keeps `pmaddubsw`
+ * from saturating. Lanes are scaled by d_w * d_a and summed in f32, reduced once per row.
+ */
+#include <immintrin.h>
+
+#include "gemm_tiles.h"
+#include "kernels.h"
+
+static void quantize_q8_0(const float *x, size_t nb, uint8_t *out)
+{
+    const __m256 sign = _mm256_set1_ps(-0.0f), half = _mm256_set1_ps(0.5f), one = _mm256_set1_ps(1.0f);
+    for (size_t b = 0; b < nb; b++, x += DD_QK, out += DD_Q8_0_BYTES) {
+        __m256 v[4];
+        __m256 m = _mm256_setzero_ps();
+        for (int h = 0; h < 4; h++) {
+            v[h] = _mm256_loadu_ps(x + 8 * h);
+            m = _mm256_max_ps(m, _mm256_andnot_ps(sign, v[h]));
+        }
+        __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
+        m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+        m4 = _mm_max_ss(m4, _mm_movehdup_ps(m4));
+        float d = _mm_cvtss_f32(m4) / 127.0f;
+        float id = d != 0.0f ? 1.0f / d : 0.0f;
+        uint16_t dh = dd_f32_to_f16(d);
+        memcpy(out, &dh, 2);
+        __m256i q[4];
+        for (int h = 0; h < 4; h++) {
+            /* roundf: truncate, then step away from zero when the dropped fraction is >= 0.5 */
+            __m256 t = _mm256_mul_ps(v[h], _mm256_set1_ps(id));
+            __m256 r = _mm256_round_ps(t, _MM_FROUND_TO_ZERO | _MM_FROUND_NO_EXC);
+            __m256 up = _mm256_cmp_ps(_mm256_andnot_ps(sign, _mm256_sub_ps(t, r)), half, _CMP_GE_OQ);
+            __m256 step = _mm256_or_ps(_mm256_and_ps(sign, t), one);
+            q[h] = _mm256_cvttps_epi32(_mm256_add_ps(r, _mm256_and_ps(up, step)));
+        }
+        /* pack 32 int32 -> 32 int8 in order (the packs work within 128-bit lanes; fix the order) */
+        __m256i w01 = _mm256_packs_epi32(q[0], q[1]), w23 = _mm256_packs_epi32(q[2], q[3]);
+        __m256i bytes = _mm256_packs_epi16(w01, w23);
+        bytes = _mm256_permutevar8x32_epi32(bytes, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+        _mm256_storeu_si256((__m256i *)(out + 2), bytes);
+    }
+}
+
+DD_INLINE __m256i q4_0_block(const uint8_t *blk)
+{
+    const __m128i qs = _mm_loadu_si128((const __m128i *)(blk + 2));
+    const __m256i both = _mm256_inserti128_si256(_mm256_castsi128_si256(qs), _mm_srli_epi16(qs, 4), 1);
+    return _mm256_and_si256(both, _mm256_set1_epi8(0x0f));
+}
+
+DD_INLINE void tile(const uint8_t *w, size_t rb, const dd_acts *a, int wtype, size_t c0, float *y,
+                    size_t ldy, const int R, const int C)
+{
+    const size_t bytes = wtype == DD_Q4_0 ? DD_Q4_0_BYTES : DD_Q8_0_BYTES;
+    const __m256i ones = _mm256_set1_epi16(1);
+    __m256 acc[4][4];
+    for (int r = 0; r < R; r++)
+        for (int c = 0; c < C; c++)
+            acc[r][c] = _mm256_setzero_ps();
+    for (size_t b = 0; b < a->nb; b++) {
+        __m256i wq[4], wabs[4];
+        __m256 dw[4];
+        for (int r = 0; r < R; r++) {
+            const uint8_t *blk = w + r * rb + b * bytes;
+            dw[r] = _mm256_set1_ps(_cvtsh_ss(dd_load_u16(blk)));
+            if (wtype == DD_Q4_0) {
+                wq[r] = q4_0_block(blk);
+            } else {
+                wq[r] = _mm256_loadu_si256((const __m256i *)(blk + 2));
+                wabs[r] = _mm256_sign_epi8(wq[r], wq[r]);
+            }
+        }
+        for (int c = 0; c < C; c++) {
+            const size_t col = (c0 + c) * a->nbp;
+            const __m256i aq = _mm256_load_si256((const __m256i *)(a->q + (col + b) * DD_QK));
+            const __m256 da = _mm256_load_ps(a->d + (col + b) * 8);
+            for (int r = 0; r < R; r++) {
+                __m256i dot;
+                if (wtype == DD_Q4_0) {
+                    dot = _mm256_madd_epi16(_mm256_maddubs_epi16(wq[r], aq), ones);
+                    dot = _mm256_add_epi32(dot, _mm256_load_si256((const __m256i *)(a->bias[DD_Q4_0] + (col + b) * 8)));
+                } else {
+                    dot = _mm256_madd_epi16(_mm256_maddubs_epi16(wabs[r], _mm256_sign_epi8(aq, wq[r])), ones);
+                }
+                acc[r][c] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_mul_ps(dw[r], da), acc[r][c]);
+            }
+        }
+    }
+    for (int r = 0; r < R; r++)
+        for (int c = 0; c < C; c++) {
+            __m128 s = _mm_add_ps(_mm256_castps256_ps128(acc[r][c]), _mm256_extractf128_ps(acc[r][c], 1));
+            s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+            s = _mm_add_ss(s, _mm_movehdup_ps(s));
+            y[(c0 + c) * ldy + r] = _mm_cvtss_f32(s);
+        }
+}
+
+#define TILE_Q4_0(w, rb, a, c0, y, ldy, R, C) tile(w, rb, a, DD_Q4_0, c0, y, ldy, R, C)
+#define TILE_Q8_0(w, rb, a, c0, y, ldy, R, C) tile(w, rb, a, DD_Q8_0, c0, y, ldy, R, C)
+DD_DEFINE_GEMM(gemm_q4_0, TILE_Q4_0)
+DD_DEFINE_GEMM(gemm_q8_0, TILE_Q8_0)
+
+static float dot_f32(const float *a, const float *b, size_t n)
+{
+    __m256 acc[4] = { _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps() };
+    size_t i = 0;
+    for (; i + 32 <= n; i += 32)
+        for (int u = 0; u < 4; u++)
+            acc[u] = _mm256_fmadd_ps(_mm256_loadu_ps(a + i + 8 * u), _mm256_loadu_ps(b + i + 8 * u), acc[u]);
+    __m256 t = _mm256_add_ps(_mm256_add_ps(acc[0], acc[1]), _mm256_add_ps(acc[2], acc[3]));
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(t), _mm256_extractf128_ps(t, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    float sum = _mm_cvtss_f32(s);
+    for (; i < n; i++)
+        sum += a[i] * b[i];
+    return sum;
+}
+
+const dd_kernels dd_kernels_avx2 = {
+    .quantize_q8_0 = quantize_q8_0,
+    .gemm = { gemm_q4_0, gemm_q8_0 },
+    .bias_mult = { -8, 0 },
+    .dot_f32 = dot_f32,
+};

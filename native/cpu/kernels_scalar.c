@@ -1,0 +1,89 @@
+/* Scalar C kernels: the portable level, and the plainest statement of what the SIMD files compute. */
+#include <math.h>
+
+#include "kernels.h"
+
+/* Round half away from zero, as C's roundf (ggml's reference quantizer uses roundf). */
+static int8_t round_away(float t)
+{
+    return (int8_t)roundf(t);
+}
+
+static void quantize_q8_0(const float *x, size_t nb, uint8_t *out)
+{
+    for (size_t b = 0; b < nb; b++, x += DD_QK, out += DD_Q8_0_BYTES) {
+        float amax = 0.0f;
+        for (int j = 0; j < DD_QK; j++)
+            amax = fmaxf(amax, fabsf(x[j]));
+        float d = amax / 127.0f;
+        float id = d != 0.0f ? 1.0f / d : 0.0f;
+        uint16_t dh = dd_f32_to_f16(d);
+        memcpy(out, &dh, 2);
+        for (int j = 0; j < DD_QK; j++)
+            out[2 + j] = (uint8_t)round_away(x[j] * id);
+    }
+}
+
+static int32_t dot_q4_0(const uint8_t *blk, const int8_t *a)
+{
+    int32_t s = 0;
+    for (int j = 0; j < 16; j++) {
+        s += ((blk[2 + j] & 0x0f) - 8) * a[j];
+        s += ((blk[2 + j] >> 4) - 8) * a[j + 16];
+    }
+    return s;
+}
+
+static int32_t dot_q8_0(const uint8_t *blk, const int8_t *a)
+{
+    int32_t s = 0;
+    for (int j = 0; j < DD_QK; j++)
+        s += (int8_t)blk[2 + j] * a[j];
+    return s;
+}
+
+static void gemm(const uint8_t *w, size_t row_bytes, size_t nrows, const dd_acts *a, float *y,
+                 size_t ldy, size_t block_bytes, int32_t (*dot)(const uint8_t *, const int8_t *))
+{
+    for (size_t r = 0; r < nrows; r++) {
+        const uint8_t *row = w + r * row_bytes;
+        for (size_t c = 0; c < a->m; c++) {
+            const int8_t *q = a->q + c * a->nbp * DD_QK;
+            const float *d = a->d + c * a->nbp * 8;
+            float acc = 0.0f;
+            for (size_t b = 0; b < a->nb; b++) {
+                const uint8_t *blk = row + b * block_bytes;
+                float scale = dd_f16_to_f32(dd_load_u16(blk)) * d[b * 8];
+                acc += (float)dot(blk, q + b * DD_QK) * scale;
+            }
+            y[c * ldy + r] = acc;
+        }
+    }
+}
+
+static void gemm_q4_0(const uint8_t *w, size_t row_bytes, size_t nrows, const dd_acts *a, float *y,
+                      size_t ldy)
+{
+    gemm(w, row_bytes, nrows, a, y, ldy, DD_Q4_0_BYTES, dot_q4_0);
+}
+
+static void gemm_q8_0(const uint8_t *w, size_t row_bytes, size_t nrows, const dd_acts *a, float *y,
+                      size_t ldy)
+{
+    gemm(w, row_bytes, nrows, a, y, ldy, DD_Q8_0_BYTES, dot_q8_0);
+}
+
+static float dot_f32(const float *a, const float *b, size_t n)
+{
+    float s = 0.0f;
+    for (size_t i = 0; i < n; i++)
+        s += a[i] * b[i];
+    return s;
+}
+
+const dd_kernels dd_kernels_scalar = {
+    .quantize_q8_0 = quantize_q8_0,
+    .gemm = { gemm_q4_0, gemm_q8_0 },
+    .bias_mult = { 0, 0 },
+    .dot_f32 = dot_f32,
+};

@@ -1,0 +1,129 @@
+/* SSSE3 kernels (compiled with -mssse3): the path for x86-64 CPUs without AVX.
+ *
+ * A 32-value block is two xmm halves. Q4_0: low nibbles (values 0-15) and high nibbles (16-31)
+ * as unsigned bytes times the signed activations through `pmaddubsw` + `pmaddwd`, plus the
+ * activation bias (-8 times the activation sums). Q8_0: the sign trick (|w| times a with w's
+ * sign). Block scales are widened from f16 in C (no F16C here).
+ */
+#include <tmmintrin.h>
+
+#include "gemm_tiles.h"
+#include "kernels.h"
+
+static void quantize_q8_0(const float *x, size_t nb, uint8_t *out)
+{
+    const __m128 sign = _mm_set1_ps(-0.0f), half = _mm_set1_ps(0.5f), one = _mm_set1_ps(1.0f);
+    for (size_t b = 0; b < nb; b++, x += DD_QK, out += DD_Q8_0_BYTES) {
+        __m128 v[8];
+        __m128 m = _mm_setzero_ps();
+        for (int h = 0; h < 8; h++) {
+            v[h] = _mm_loadu_ps(x + 4 * h);
+            m = _mm_max_ps(m, _mm_andnot_ps(sign, v[h]));
+        }
+        m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+        m = _mm_max_ss(m, _mm_movehdup_ps(m));
+        float d = _mm_cvtss_f32(m) / 127.0f;
+        float id = d != 0.0f ? 1.0f / d : 0.0f;
+        uint16_t dh = dd_f32_to_f16(d);
+        memcpy(out, &dh, 2);
+        __m128i q[8];
+        for (int h = 0; h < 8; h++) {
+            /* roundf: truncate, then step away from zero when the dropped fraction is >= 0.5 */
+            __m128 t = _mm_mul_ps(v[h], _mm_set1_ps(id));
+            __m128i ti = _mm_cvttps_epi32(t);
+            __m128 up = _mm_cmpge_ps(_mm_andnot_ps(sign, _mm_sub_ps(t, _mm_cvtepi32_ps(ti))), half);
+            __m128 step = _mm_or_ps(_mm_and_ps(sign, t), one);
+            q[h] = _mm_add_epi32(ti, _mm_cvttps_epi32(_mm_and_ps(up, step)));
+        }
+        for (int h = 0; h < 2; h++) {
+            __m128i w01 = _mm_packs_epi32(q[4 * h], q[4 * h + 1]), w23 = _mm_packs_epi32(q[4 * h + 2], q[4 * h + 3]);
+            _mm_storeu_si128((__m128i *)(out + 2 + 16 * h), _mm_packs_epi16(w01, w23));
+        }
+    }
+}
+
+DD_INLINE void tile(const uint8_t *w, size_t rb, const dd_acts *a, int wtype, size_t c0, float *y,
+                    size_t ldy, const int R, const int C)
+{
+    const size_t bytes = wtype == DD_Q4_0 ? DD_Q4_0_BYTES : DD_Q8_0_BYTES;
+    const __m128i ones = _mm_set1_epi16(1), low = _mm_set1_epi8(0x0f);
+    __m128 acc[4][4];
+    for (int r = 0; r < R; r++)
+        for (int c = 0; c < C; c++)
+            acc[r][c] = _mm_setzero_ps();
+    for (size_t b = 0; b < a->nb; b++) {
+        __m128i wq[4][2], wabs[4][2];
+        float dw[4];
+        for (int r = 0; r < R; r++) {
+            const uint8_t *blk = w + r * rb + b * bytes;
+            dw[r] = dd_f16_to_f32(dd_load_u16(blk));
+            if (wtype == DD_Q4_0) {
+                const __m128i qs = _mm_loadu_si128((const __m128i *)(blk + 2));
+                wq[r][0] = _mm_and_si128(qs, low);
+                wq[r][1] = _mm_and_si128(_mm_srli_epi16(qs, 4), low);
+            } else {
+                for (int h = 0; h < 2; h++) {
+                    wq[r][h] = _mm_loadu_si128((const __m128i *)(blk + 2 + 16 * h));
+                    wabs[r][h] = _mm_sign_epi8(wq[r][h], wq[r][h]);
+                }
+            }
+        }
+        for (int c = 0; c < C; c++) {
+            const size_t col = (c0 + c) * a->nbp;
+            const __m128i *aq = (const __m128i *)(a->q + (col + b) * DD_QK);
+            const float da = a->d[(col + b) * 8];
+            __m128i bias = _mm_setzero_si128();
+            if (wtype == DD_Q4_0) {
+                const __m128i *bp = (const __m128i *)(a->bias[DD_Q4_0] + (col + b) * 8);
+                bias = _mm_add_epi32(_mm_load_si128(bp), _mm_load_si128(bp + 1));
+            }
+            for (int r = 0; r < R; r++) {
+                __m128i p0, p1;
+                if (wtype == DD_Q4_0) {
+                    p0 = _mm_maddubs_epi16(wq[r][0], _mm_load_si128(aq));
+                    p1 = _mm_maddubs_epi16(wq[r][1], _mm_load_si128(aq + 1));
+                } else {
+                    p0 = _mm_maddubs_epi16(wabs[r][0], _mm_sign_epi8(_mm_load_si128(aq), wq[r][0]));
+                    p1 = _mm_maddubs_epi16(wabs[r][1], _mm_sign_epi8(_mm_load_si128(aq + 1), wq[r][1]));
+                }
+                __m128i dot = _mm_add_epi32(_mm_madd_epi16(p0, ones), _mm_madd_epi16(p1, ones));
+                dot = _mm_add_epi32(dot, bias);
+                acc[r][c] = _mm_add_ps(acc[r][c], _mm_mul_ps(_mm_cvtepi32_ps(dot), _mm_set1_ps(dw[r] * da)));
+            }
+        }
+    }
+    for (int r = 0; r < R; r++)
+        for (int c = 0; c < C; c++) {
+            __m128 s = _mm_add_ps(acc[r][c], _mm_movehl_ps(acc[r][c], acc[r][c]));
+            s = _mm_add_ss(s, _mm_movehdup_ps(s));
+            y[(c0 + c) * ldy + r] = _mm_cvtss_f32(s);
+        }
+}
+
+#define TILE_Q4_0(w, rb, a, c0, y, ldy, R, C) tile(w, rb, a, DD_Q4_0, c0, y, ldy, R, C)
+#define TILE_Q8_0(w, rb, a, c0, y, ldy, R, C) tile(w, rb, a, DD_Q8_0, c0, y, ldy, R, C)
+DD_DEFINE_GEMM(gemm_q4_0, TILE_Q4_0)
+DD_DEFINE_GEMM(gemm_q8_0, TILE_Q8_0)
+
+static float dot_f32(const float *a, const float *b, size_t n)
+{
+    __m128 acc[4] = { _mm_setzero_ps(), _mm_setzero_ps(), _mm_setzero_ps(), _mm_setzero_ps() };
+    size_t i = 0;
+    for (; i + 16 <= n; i += 16)
+        for (int u = 0; u < 4; u++)
+            acc[u] = _mm_add_ps(acc[u], _mm_mul_ps(_mm_loadu_ps(a + i + 4 * u), _mm_loadu_ps(b + i + 4 * u)));
+    __m128 s = _mm_add_ps(_mm_add_ps(acc[0], acc[1]), _mm_add_ps(acc[2], acc[3]));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    float sum = _mm_cvtss_f32(s);
+    for (; i < n; i++)
+        sum += a[i] * b[i];
+    return sum;
+}
+
+const dd_kernels dd_kernels_ssse3 = {
+    .quantize_q8_0 = quantize_q8_0,
+    .gemm = { gemm_q4_0, gemm_q8_0 },
+    .bias_mult = { -8, 0 },
+    .dot_f32 = dot_f32,
+};

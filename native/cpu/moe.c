@@ -1,0 +1,219 @@
+/* One token's MoE feed-forward in one call (spec 3.3; see dd_moe_ffn in deltadesk_cpu.h).
+ *
+ * Three parallel stages, each split into chunks of output rows; a chunk's result depends only on
+ * its rows, so every thread count gives the same bits:
+ *   1. router logits (f32 weights);            -> softmax, top-k, renormalise (caller thread)
+ *   2. a chunk of one expert's gate and up rows (chosen experts, then the shared one), then
+ *      SwiGLU on those rows;                   -> quantize each hidden vector (caller thread)
+ *   3. a chunk of output rows: those rows of every expert's down, then their weighted sum.
+ */
+#include <math.h>
+#include <stdlib.h>
+
+#include "runtime.h"
+
+#define MAX_USED 64
+
+typedef struct {
+    const uint8_t *gate, *up, *down;
+    int gate_type, up_type, down_type;
+    size_t ff;
+    float *g, *u, *h;      /* ff each */
+    float *y;              /* d: this expert's down output */
+    dd_acts acts;          /* h quantized */
+    float weight;          /* routing weight, or the shared expert's sigmoid gate */
+    size_t first_chunk;    /* of the gate/up stage */
+} expert;
+
+typedef struct {
+    const dd_kernels *kt;
+    const dd_moe_weights *mw;
+    const float *x;
+    const dd_acts *xacts;
+    float *logits;
+    expert ex[MAX_USED + 1];   /* the n_used routed experts, then the shared one */
+    size_t n_ex;
+    size_t router_rows, gate_up_rows, down_rows;   /* rows per chunk of each stage */
+    float *out;
+} moe_job;
+
+static size_t row_bytes(size_t k, int wtype)
+{
+    return k / DD_QK * dd_block_bytes(wtype);
+}
+
+static size_t min_size(size_t a, size_t b)
+{
+    return a < b ? a : b;
+}
+
+static void router_chunk(void *ctx, size_t chunk)
+{
+    moe_job *j = ctx;
+    const size_t r0 = chunk * j->router_rows, r1 = min_size(r0 + j->router_rows, j->mw->n_expert);
+    for (size_t e = r0; e < r1; e++)
+        j->logits[e] = j->kt->dot_f32(j->mw->router + e * j->mw->d, j->x, j->mw->d);
+}
+
+/* A chunk of one expert's gate and up rows, then SwiGLU on them. */
+static void gate_up_chunk(void *ctx, size_t chunk)
+{
+    moe_job *j = ctx;
+    const size_t d = j->mw->d;
+    size_t i = 0;
+    while (i + 1 < j->n_ex && j->ex[i + 1].first_chunk <= chunk)
+        i++;
+    expert *e = &j->ex[i];
+    const size_t r0 = (chunk - e->first_chunk) * j->gate_up_rows, r1 = min_size(r0 + j->gate_up_rows, e->ff);
+    const size_t rbg = row_bytes(d, e->gate_type), rbu = row_bytes(d, e->up_type);
+    j->kt->gemm[e->gate_type](e->gate + r0 * rbg, rbg, r1 - r0, j->xacts, e->g + r0, e->ff);
+    j->kt->gemm[e->up_type](e->up + r0 * rbu, rbu, r1 - r0, j->xacts, e->u + r0, e->ff);
+    for (size_t r = r0; r < r1; r++)
+        e->h[r] = e->g[r] / (1.0f + expf(-e->g[r])) * e->u[r];
+}
+
+/* A chunk of output rows: every expert's down rows, then their weighted sum. */
+static void down_chunk(void *ctx, size_t chunk)
+{
+    moe_job *j = ctx;
+    const size_t d = j->mw->d;
+    const size_t r0 = chunk * j->down_rows, r1 = min_size(r0 + j->down_rows, d);
+    for (size_t i = 0; i < j->n_ex; i++) {
+        expert *e = &j->ex[i];
+        const size_t rb = row_bytes(e->ff, e->down_type);
+        j->kt->gemm[e->down_type](e->down + r0 * rb, rb, r1 - r0, &e->acts, e->y + r0, d);
+    }
+    for (size_t r = r0; r < r1; r++) {
+        float s = 0.0f;
+        for (size_t i = 0; i < j->n_ex; i++)
+            s += j->ex[i].weight * j->ex[i].y[r];
+        j->out[r] = s;
+    }
+}
+
+/* Softmax over the logits, the n_used largest probabilities (ties: lower index first), their
+ * weights renormalised to sum 1 (the sum clamped at >= 2^-14 as llama.cpp does). */
+static void route(const float *logits, size_t n_expert, size_t n_used, int32_t *sel, float *weights, float *p)
+{
+    float mx = logits[0], sum = 0.0f, top = 0.0f;
+    for (size_t e = 1; e < n_expert; e++)
+        mx = fmaxf(mx, logits[e]);
+    for (size_t e = 0; e < n_expert; e++) {
+        p[e] = expf(logits[e] - mx);
+        sum += p[e];
+    }
+    for (size_t e = 0; e < n_expert; e++)
+        p[e] /= sum;
+    for (size_t i = 0; i < n_used; i++) {
+        size_t best = n_expert;
+        for (size_t e = 0; e < n_expert; e++)
+            if (p[e] >= 0.0f && (best == n_expert || p[e] > p[best]))
+                best = e;
+        sel[i] = (int32_t)best;
+        weights[i] = p[best];
+        top += p[best];
+        p[best] = -1.0f;
+    }
+    top = fmaxf(top, 6.103515625e-5f);
+    for (size_t i = 0; i < n_used; i++)
+        weights[i] /= top;
+}
+
+static int valid(const dd_moe_weights *w)
+{
+    const int types_ok = w->gate_type >= 0 && w->gate_type < DD_WTYPE_COUNT && w->up_type >= 0 &&
+                         w->up_type < DD_WTYPE_COUNT && w->down_type >= 0 && w->down_type < DD_WTYPE_COUNT;
+    const int shared_ok = w->sh_gate == NULL ||
+                          (w->sh_up != NULL && w->sh_down != NULL && w->sh_gate_inp != NULL && w->ff_sh > 0 &&
+                           w->ff_sh % DD_QK == 0 && w->sh_gate_type >= 0 && w->sh_gate_type < DD_WTYPE_COUNT &&
+                           w->sh_up_type >= 0 && w->sh_up_type < DD_WTYPE_COUNT && w->sh_down_type >= 0 &&
+                           w->sh_down_type < DD_WTYPE_COUNT);
+    return types_ok && shared_ok && w->d > 0 && w->d % DD_QK == 0 && w->ff > 0 && w->ff % DD_QK == 0 &&
+           w->n_used >= 1 && w->n_used <= w->n_expert && w->n_used <= MAX_USED;
+}
+
+int dd_moe_ffn(int isa, const dd_moe_weights *mw, const float *x, float *out, int32_t *sel_out, float *weights_out)
+{
+    const dd_kernels *kt = dd_kernels_for(isa);
+    if (kt == NULL)
+        return DD_ERR_ISA;
+    if (!valid(mw))
+        return DD_ERR_ARG;
+    const size_t d = mw->d, n_used = mw->n_used, has_sh = mw->sh_gate != NULL;
+    const size_t hidden = n_used * mw->ff + (has_sh ? mw->ff_sh : 0);
+    float *scratch = malloc((2 * mw->n_expert + 3 * hidden + (n_used + has_sh) * d) * sizeof(float));
+    if (scratch == NULL)
+        return DD_ERR_NOMEM;
+    moe_job j = { .kt = kt, .mw = mw, .x = x, .logits = scratch, .n_ex = n_used + has_sh, .out = out };
+    float *p = scratch + mw->n_expert, *g = p + mw->n_expert, *u = g + hidden, *h = u + hidden, *y = h + hidden;
+    int32_t sel[MAX_USED];
+    float weights[MAX_USED];
+    dd_acts xacts;
+    int rc = dd_acts_new(kt, x, 1, d, &xacts);
+    if (rc != DD_OK) {
+        free(scratch);
+        return rc;
+    }
+    j.xacts = &xacts;
+
+    j.router_rows = dd_chunk_rows(d * sizeof(float));
+    dd_pool_for(router_chunk, &j, dd_div_up(mw->n_expert, j.router_rows));
+    route(j.logits, mw->n_expert, n_used, sel, weights, p);
+
+    size_t off = 0, gate_up_row_bytes = 0, down_row_bytes = 0;
+    for (size_t i = 0; i < j.n_ex; i++) {
+        expert *e = &j.ex[i];
+        if (i < n_used) {
+            const size_t s = (size_t)sel[i];
+            *e = (expert){
+                .gate = mw->gate + s * mw->ff * row_bytes(d, mw->gate_type),
+                .up = mw->up + s * mw->ff * row_bytes(d, mw->up_type),
+                .down = mw->down + s * d * row_bytes(mw->ff, mw->down_type),
+                .gate_type = mw->gate_type, .up_type = mw->up_type, .down_type = mw->down_type,
+                .ff = mw->ff, .weight = weights[i],
+            };
+        } else {
+            *e = (expert){
+                .gate = mw->sh_gate, .up = mw->sh_up, .down = mw->sh_down, .gate_type = mw->sh_gate_type,
+                .up_type = mw->sh_up_type, .down_type = mw->sh_down_type, .ff = mw->ff_sh,
+                .weight = 1.0f / (1.0f + expf(-kt->dot_f32(mw->sh_gate_inp, x, d))),
+            };
+        }
+        e->g = g + off;
+        e->u = u + off;
+        e->h = h + off;
+        e->y = y + i * d;
+        off += e->ff;
+        gate_up_row_bytes = row_bytes(d, e->gate_type) + row_bytes(d, e->up_type) > gate_up_row_bytes
+                                ? row_bytes(d, e->gate_type) + row_bytes(d, e->up_type) : gate_up_row_bytes;
+        down_row_bytes += row_bytes(e->ff, e->down_type);
+    }
+    j.gate_up_rows = dd_chunk_rows(gate_up_row_bytes);
+    size_t chunks = 0;
+    for (size_t i = 0; i < j.n_ex; i++) {
+        j.ex[i].first_chunk = chunks;
+        chunks += dd_div_up(j.ex[i].ff, j.gate_up_rows);
+    }
+    dd_pool_for(gate_up_chunk, &j, chunks);
+
+    size_t made = 0;
+    while (made < j.n_ex && (rc = dd_acts_new(kt, j.ex[made].h, 1, j.ex[made].ff, &j.ex[made].acts)) == DD_OK)
+        made++;
+    if (rc == DD_OK) {
+        j.down_rows = dd_chunk_rows(down_row_bytes);
+        dd_pool_for(down_chunk, &j, dd_div_up(d, j.down_rows));
+    }
+    for (size_t i = 0; i < made; i++)
+        dd_acts_free(&j.ex[i].acts);
+    dd_acts_free(&xacts);
+    free(scratch);
+    if (rc == DD_OK) {
+        for (size_t i = 0; i < n_used; i++) {
+            if (sel_out != NULL)
+                sel_out[i] = sel[i];
+            if (weights_out != NULL)
+                weights_out[i] = weights[i];
+        }
+    }
+    return rc;
+}

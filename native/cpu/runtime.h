@@ -1,0 +1,38 @@
+/* Shared by dispatch.c, pool.c and moe.c: the thread pool, ISA tables and activation preparation. */
+#ifndef DELTADESK_RUNTIME_H
+#define DELTADESK_RUNTIME_H
+
+#include "kernels.h"
+
+/* Run fn(ctx, c) for every chunk c in [0, nchunks) on the pool's threads (the caller's included);
+ * returns when all are done. A chunk's work must depend only on c. Callers from several threads
+ * are served one at a time; nchunks <= 1 runs on the caller alone. */
+typedef void (*dd_chunk_fn)(void *ctx, size_t chunk);
+void dd_pool_for(dd_chunk_fn fn, void *ctx, size_t nchunks);
+
+/* Rows per chunk: a multiple of 4 (the GEMV tile) holding about 32 KiB of weights, so a decode-
+ * sized product splits into enough chunks to balance and a tiny one stays on the caller. */
+static inline size_t dd_chunk_rows(size_t row_bytes)
+{
+    size_t r = 32768 / (row_bytes ? row_bytes : 1) / 4 * 4;
+    return r < 4 ? 4 : r;
+}
+
+static inline size_t dd_div_up(size_t a, size_t b)
+{
+    return (a + b - 1) / b;
+}
+
+/* The kernel table of an ISA level, or NULL if the level is unknown or unsupported here. */
+const dd_kernels *dd_kernels_for(int isa);
+
+/* Quantize m columns of k f32 (k % 32 == 0) into prepared activations; free with dd_acts_free. */
+int dd_acts_new(const dd_kernels *kt, const float *x, size_t m, size_t k, dd_acts *a);
+void dd_acts_free(dd_acts *a);
+
+static inline size_t dd_block_bytes(int wtype)
+{
+    return wtype == DD_Q4_0 ? DD_Q4_0_BYTES : DD_Q8_0_BYTES;
+}
+
+#endif

@@ -1,0 +1,253 @@
+"""CPU decode kernels (engine.backends.cpu, native/cpu/): every ISA level this CPU runs, and the numpy twins.
+
+References are independent of the code under test: gguf.quants quantizes and dequantizes
+(ggml's reference layouts), and products are taken in float64.
+
+Tolerance of a product (per output element): the kernels take each 32-value block's integer dot
+product exactly and round once per block (scale multiply + accumulate), then sum lanes in a tree;
+the numpy twin rounds each element product and sums k of them. The standard float-summation
+bound then gives |y - y_ref| <= (n + 16) * 2^-24 * sum_i |w_i * a_i| with n = k // 32 blocks for
+the kernels and n = k for the twin. As a second, empirical check the error norm must stay within
+1e-5 of the reference norm (observed ~3e-7).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+
+import numpy as np
+import pytest
+from gguf import GGMLQuantizationType, quants
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from hypothesis.extra import numpy as hnp
+
+import engine
+from engine.backends import cpu
+from engine.errors import EngineError
+
+LEVELS = cpu.supported_isas()
+ALL = (*LEVELS, "numpy")
+Q4_0, Q8_0 = GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q8_0
+QTYPES = {"q4_0": (Q4_0, "matmul_q4_0"), "q8_0": (Q8_0, "matmul_q8_0")}
+
+
+@pytest.fixture
+def level(request):
+    """Activate an ISA level (parametrized by name) for one test; restore the default afterwards."""
+    cpu.set_isa(request.param)
+    yield request.param
+    cpu.set_isa(None)
+    cpu.set_threads()
+
+
+@pytest.fixture
+def rng():
+    """Fresh random inputs each run; the seed is printed on failure (pytest shows captured output)."""
+    seed = np.random.SeedSequence().entropy
+    print(f"seed {seed}")
+    return np.random.default_rng(seed)
+
+
+def random_weights(rng, rows: int, k: int, qtype) -> np.ndarray:
+    return quants.quantize((rng.standard_normal((rows, k)) * rng.uniform(0.01, 2)).astype(np.float32), qtype)
+
+
+def reference_product(raw: np.ndarray, x: np.ndarray, qtype) -> tuple[np.ndarray, np.ndarray]:
+    """(y, sum_i |w_i a_i|) in float64: dequantized weights times Q8_0-quantized activations."""
+    w = quants.dequantize(raw, qtype).astype(np.float64)
+    a = quants.dequantize(quants.quantize(x, Q8_0), Q8_0).astype(np.float64)
+    return a @ w.T, np.abs(a) @ np.abs(w).T
+
+
+def assert_close(y: np.ndarray, ref: np.ndarray, abs_sum: np.ndarray, n_terms: int) -> None:
+    assert y.dtype == np.float32 and y.shape == ref.shape
+    bound = (n_terms + 16) * 2.0**-24 * abs_sum
+    excess = np.abs(y - ref) - bound
+    assert excess.max() <= 0, f"error above the summation bound by {excess.max():.3g}"
+    assert np.linalg.norm(y - ref) <= 1e-5 * np.linalg.norm(ref) + 1e-30
+
+
+# --- quantization ------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("level", ALL, indirect=True)
+def test_quantize_q8_0_matches_ggml_reference(level, rng):
+    x = (rng.standard_normal((3, 32 * 37)) * 10.0 ** rng.uniform(-6, 4, size=(3, 1))).astype(np.float32)
+    x[0, :32] = 0.0                                          # d == 0 block
+    x[1, :32] = np.arange(-15.5, 16.5, dtype=np.float32)     # halves: x * (1/d) lands on k + 0.5
+    x[1, 31] = 127.0
+    x[2, :32] *= np.float32(1e-30)                           # d far below f16's smallest subnormal
+    assert np.array_equal(cpu.quantize_q8_0(x), quants.quantize(x, Q8_0))
+    assert np.array_equal(cpu.quantize_q8_0(x[1]), quants.quantize(x[1], Q8_0))
+
+
+@pytest.mark.parametrize("level", ALL, indirect=True)
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(x=hnp.arrays(np.float32, st.integers(1, 4).map(lambda nb: 32 * nb),
+                    elements=st.floats(-1e6, 1e6, width=32, allow_subnormal=True)))
+def test_quantize_q8_0_bit_exact_on_any_floats(level, x):
+    assert np.array_equal(cpu.quantize_q8_0(x), quants.quantize(x, Q8_0))
+
+
+# --- products ----------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("level", ALL, indirect=True)
+@pytest.mark.parametrize("qtype", QTYPES)
+@pytest.mark.parametrize("rows, k", [(1, 32), (5, 64), (3, 96), (130, 2048), (17, 4128), (9, 32 * 257)])
+@pytest.mark.parametrize("m", [1, 3, 16])
+def test_matmul_matches_float64_reference(level, qtype, rows, k, m, rng):
+    ggml_type, name = QTYPES[qtype]
+    raw = random_weights(rng, rows, k, ggml_type)
+    x = (rng.standard_normal((m, k)) * rng.uniform(0.1, 10)).astype(np.float32)
+    ref, abs_sum = reference_product(raw, x, ggml_type)
+    y = getattr(cpu, name)(raw, x)
+    assert_close(y, ref, abs_sum, k if level == "numpy" else k // 32)
+
+
+@pytest.mark.parametrize("level", ALL, indirect=True)
+@pytest.mark.parametrize("qtype", QTYPES)
+def test_matmul_vector_and_batched_columns_agree(level, qtype, rng):
+    """A (k,) input gives (rows,); for the native kernels each column of a batch is bit-identical to
+    the same vector alone (the GEMM tiles run the GEMV's per-element instruction sequence)."""
+    ggml_type, name = QTYPES[qtype]
+    raw = random_weights(rng, 37, 320, ggml_type)
+    x = rng.standard_normal((6, 320)).astype(np.float32)
+    batch = getattr(cpu, name)(raw, x)
+    single = np.stack([getattr(cpu, name)(raw, v) for v in x])
+    assert single.shape == batch.shape == (6, 37)
+    if level == "numpy":
+        np.testing.assert_allclose(single, batch, rtol=1e-5, atol=1e-5 * np.abs(batch).max())
+    else:
+        assert np.array_equal(single, batch)
+
+
+@pytest.mark.parametrize("level", LEVELS, indirect=True)
+@pytest.mark.parametrize("qtype", QTYPES)
+def test_matmul_bit_identical_for_any_thread_count(level, qtype, rng):
+    ggml_type, name = QTYPES[qtype]
+    raw = random_weights(rng, 301, 2048, ggml_type)          # many chunks, a ragged last one
+    x = rng.standard_normal((3, 2048)).astype(np.float32)
+    results = []
+    for n in (1, 2, 3):
+        cpu.set_threads(n)
+        results.append((getattr(cpu, name)(raw, x[0]), getattr(cpu, name)(raw, x)))
+    for vec, mat in results[1:]:
+        assert np.array_equal(vec, results[0][0]) and np.array_equal(mat, results[0][1])
+
+
+def test_matmul_rejects_bad_shapes():
+    raw = quants.quantize(np.ones((4, 64), np.float32), Q4_0)
+    with pytest.raises(ValueError, match="k=96"):
+        cpu.matmul_q4_0(raw, np.ones(96, np.float32))
+    with pytest.raises(ValueError, match="multiple of 32"):
+        cpu.matmul_q4_0(raw, np.ones(40, np.float32))
+    with pytest.raises(ValueError, match="C-contiguous"):
+        cpu.matmul_q8_0(np.zeros((4, 136), np.uint8)[:, ::2], np.ones(64, np.float32))
+    with pytest.raises(ValueError, match="uint8"):
+        cpu.matmul_q4_0(raw.view(np.int8), np.ones(64, np.float32))
+
+
+# --- the MoE feed-forward ------------------------------------------------------------------------
+
+def random_moe(rng, d=256, n_expert=16, ff=96, ff_sh=64, n_used=4, shared=True) -> cpu.MoEWeights:
+    def w(rows, k, qtype=Q4_0):
+        return random_weights(rng, rows, k, qtype)
+    router = rng.standard_normal((n_expert, d)).astype(np.float32) * 0.2
+    sh = dict(sh_gate=w(ff_sh, d), sh_up=w(ff_sh, d, Q8_0), sh_down=w(d, ff_sh),
+              sh_gate_inp=rng.standard_normal(d).astype(np.float32) * 0.1) if shared else {}
+    return cpu.MoEWeights(router=router, gate=w(n_expert * ff, d), up=w(n_expert * ff, d),
+                          down=w(n_expert * d, ff, Q8_0), n_used=n_used, **sh)
+
+
+def route_margin(x, w) -> float:
+    p = np.sort(w.router.astype(np.float64) @ x)[::-1]
+    return p[w.n_used - 1] - p[w.n_used]
+
+
+@pytest.mark.parametrize("level", LEVELS, indirect=True)
+@pytest.mark.parametrize("shared", [True, False])
+def test_moe_ffn_matches_numpy_composition(level, shared, rng):
+    """Native MoE vs the twin built from reference ops. The routing must agree exactly (inputs with
+    a near-tie at the k-th expert are redrawn); outputs within 1e-4 of the reference's max: the two
+    sides compute SiLU with different exp() roundings, so a hidden value can round to the
+    neighbouring Q8_0 step (one step of 1/127 of one block's scale; observed ~2e-7)."""
+    w = random_moe(rng, shared=shared)
+    x = rng.standard_normal(256).astype(np.float32)
+    while route_margin(x, w) < 1e-3:
+        x = rng.standard_normal(256).astype(np.float32)
+    got, ref = cpu.moe_ffn(x, w), cpu.moe_ffn_np(x, w)
+    assert np.array_equal(got.experts, ref.experts)
+    np.testing.assert_allclose(got.weights, ref.weights, rtol=1e-5)
+    np.testing.assert_allclose(np.sum(got.weights), 1.0, rtol=1e-6)
+    assert np.abs(got.out - ref.out).max() <= 1e-4 * np.abs(ref.out).max()
+
+
+@pytest.mark.parametrize("level", LEVELS, indirect=True)
+def test_moe_ffn_bit_identical_for_any_thread_count(level, rng):
+    w = random_moe(rng, d=512, n_expert=32, ff=256, ff_sh=128, n_used=8)
+    x = rng.standard_normal(512).astype(np.float32)
+    results = []
+    for n in (1, 2, 3):
+        cpu.set_threads(n)
+        results.append(cpu.moe_ffn(x, w))
+    for r in results[1:]:
+        assert all(np.array_equal(a, b) for a, b in zip(r, results[0]))
+
+
+def test_moe_ffn_rejects_inconsistent_shapes(rng):
+    w = random_moe(rng)
+    with pytest.raises(ValueError, match="router"):
+        cpu.moe_ffn(np.ones(128, np.float32), w)
+    with pytest.raises(ValueError, match="stack"):
+        cpu.moe_ffn(np.ones(256, np.float32), w._replace(down=w.down[:-1]))
+
+
+# --- ISA selection, fallback ---------------------------------------------------------------------
+
+def test_isa_selection(monkeypatch):
+    assert cpu.available(), "native kernels not built: pip install -e . (or python setup.py build_ext --inplace)"
+    assert cpu.isa() in LEVELS and LEVELS[0] == "scalar"
+    monkeypatch.setenv("DELTADESK_ISA", "scalar")
+    assert cpu.set_isa(None) == "scalar"
+    monkeypatch.setenv("DELTADESK_ISA", "avx9000")
+    with pytest.raises(EngineError, match="DELTADESK_ISA='avx9000'"):
+        cpu.set_isa(None)
+    monkeypatch.delenv("DELTADESK_ISA")
+    assert cpu.set_isa(None) == LEVELS[-1]
+    missing = [name for name in cpu.ISA_LEVELS if name not in LEVELS]
+    for name in missing:
+        with pytest.raises(EngineError, match="does not support"):
+            cpu.set_isa(name)
+    lib = cpu._native_cpu.lib
+    assert lib.dd_isa_supported(len(cpu.ISA_LEVELS)) == 0
+    assert lib.dd_matmul(len(cpu.ISA_LEVELS), 0, cpu._native_cpu.ffi.NULL, 0, 32,
+                         cpu._native_cpu.ffi.NULL, 0, cpu._native_cpu.ffi.NULL) == -1
+
+
+def test_physical_cores_and_threads():
+    assert 1 <= cpu.physical_cores() <= len(__import__("os").sched_getaffinity(0))
+    assert cpu.set_threads(3) == cpu.threads() == 3
+    assert cpu.set_threads() == cpu.physical_cores()
+
+
+def test_fallback_without_the_extension(monkeypatch, rng):
+    """With engine._native_cpu unimportable, a fresh copy of the module warns once and runs numpy."""
+    monkeypatch.setitem(sys.modules, "engine._native_cpu", None)
+    monkeypatch.delattr(engine, "_native_cpu", raising=False)
+    monkeypatch.delenv("DELTADESK_ISA", raising=False)
+    spec = importlib.util.spec_from_file_location("cpu_without_native", cpu.__file__)
+    fallback = importlib.util.module_from_spec(spec)
+    with pytest.warns(RuntimeWarning, match="numpy fallback") as caught:
+        spec.loader.exec_module(fallback)
+    assert len(caught) == 1 and "\n" not in str(caught[0].message)
+    assert not fallback.available() and fallback.isa() == "numpy" and fallback.supported_isas() == ()
+    with pytest.raises(EngineError, match="not built"):
+        fallback.set_isa("scalar")
+    raw = random_weights(rng, 7, 64, Q4_0)
+    x = rng.standard_normal((2, 64)).astype(np.float32)
+    assert np.array_equal(fallback.matmul_q4_0(raw, x), cpu.matmul_q4_0_np(raw, x))
+    assert np.array_equal(fallback.quantize_q8_0(x), quants.quantize(x, Q8_0))
+    w = random_moe(rng)
+    assert np.array_equal(fallback.moe_ffn(np.ones(256, np.float32), w).out,
+                          cpu.moe_ffn_np(np.ones(256, np.float32), w).out)
