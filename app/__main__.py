@@ -8,13 +8,12 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import platformdirs
-from PySide6.QtCore import QSettings, Qt
-from PySide6.QtGui import QGuiApplication, QPalette
+from PySide6.QtCore import QSettings
 from PySide6.QtWidgets import QApplication
 
 from .engine_worker import EngineLoader, WorkerThread, load_real_engine
 from .history import HistoryError, HistoryStore, ImageStore
-from .main_window import MainWindow
+from .main_window import MainWindow, follows_dark_scheme
 from .markdown_render import MarkdownRenderer
 from .sidebar import GpuTelemetry, MonitorThread
 
@@ -40,13 +39,6 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--model", help="GGUF model file (default: the bundled default model)")
     parser.add_argument("--mmproj", help="GGUF vision tower (mmproj) file")
     return parser.parse_args(argv)
-
-
-def follows_dark_scheme() -> bool:
-    """Whether the system colour scheme (hence the palette Qt picked) is dark."""
-    if QGuiApplication.styleHints().colorScheme() == Qt.ColorScheme.Dark:
-        return True
-    return QGuiApplication.palette().color(QPalette.Window).lightness() < 128
 
 
 def build_window(paths: AppPaths, loader: EngineLoader = load_real_engine,
@@ -79,7 +71,9 @@ def main(argv: list[str] | None = None) -> int:
     window = build_window(AppPaths.default())
     window.show()
     window.load_model(args.model, args.mmproj)
-    return app.exec()
+    status = app.exec()
+    window.store.close()
+    return status
 
 
 if __name__ == "__main__":

@@ -319,6 +319,11 @@ class ChatView(QScrollArea):
         self.empty_label.setVisible(not messages)
         self._follow = True
 
+    def set_renderer(self, renderer: MarkdownRenderer) -> None:
+        """Use another renderer (light/dark); drops the widgets so the next show renders afresh."""
+        self.renderer = renderer
+        self.show_messages([], lambda _id: [])
+
     def add_message(self, message: Message, siblings: list[int]) -> MessageWidget:
         """Append one message at the bottom and return its widget."""
         widget = MessageWidget(message, self.renderer, siblings)

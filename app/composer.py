@@ -105,7 +105,7 @@ class Composer(QFrame):
         layout.addWidget(self.edit_banner)
         self.warning = QLabel()
         self.warning.setWordWrap(True)
-        self.warning.setObjectName("warning")
+        self.warning.setStyleSheet("color: #b35c00;")
         self.warning.hide()
         layout.addWidget(self.warning)
         self._strip = QHBoxLayout()

@@ -48,6 +48,7 @@ MIGRATIONS: tuple[tuple[str, ...], ...] = (
     ),
 )
 SCHEMA_VERSION = len(MIGRATIONS)
+EXPORT_FORMAT = "deltadesk-conversation"
 
 
 
@@ -295,9 +296,69 @@ class HistoryStore:
         self._write("UPDATE conversations SET leaf_id = ? WHERE id ="
                     " (SELECT conversation_id FROM messages WHERE id = ?)", (leaf, message_id))
 
-    def set_leaf(self, conversation_id: int, message_id: int | None) -> None:
-        """Point the active branch at ``message_id`` (None: the conversation shows nothing)."""
-        self._write("UPDATE conversations SET leaf_id = ? WHERE id = ?", (message_id, conversation_id))
+    def all_messages(self, conversation_id: int) -> list[Message]:
+        """Every message of a conversation, every branch, oldest first (parents before children)."""
+        return [_message(row) for row in self._conn.execute(
+            f"SELECT {_MESSAGE_COLUMNS} FROM messages WHERE conversation_id = ? ORDER BY id", (conversation_id,))]
+
+    # export and import
+
+    def export_json(self, conversation_id: int) -> dict[str, Any]:
+        """The whole conversation (all branches) as a JSON-ready dict; images are referred to by path."""
+        conversation = self.conversation(conversation_id)
+        if conversation is None:
+            raise HistoryError(f"conversation {conversation_id} does not exist")
+        path = self.active_path(conversation_id)
+        return {"format": EXPORT_FORMAT, "version": 1, "title": conversation.title, "created": conversation.created,
+                "leaf": path[-1].id if path else None,
+                "messages": [{"id": m.id, "parent": m.parent_id, "role": m.role, "content": m.content,
+                              "images": list(m.images), "stats": m.stats, "state": m.state, "created": m.created}
+                             for m in self.all_messages(conversation_id)]}
+
+    def import_json(self, data: dict[str, Any]) -> int:
+        """Add a conversation written by :meth:`export_json`; returns the new conversation's id.
+
+        Raises:
+            HistoryError: ``data`` is not such an export (names the first bad field).
+        """
+        if not isinstance(data, dict) or data.get("format") != EXPORT_FORMAT:
+            raise HistoryError(f"not a DeltaDesk conversation export (\"format\" must be \"{EXPORT_FORMAT}\")")
+        messages = data.get("messages")
+        if not isinstance(messages, list):
+            raise HistoryError("conversation export: \"messages\" must be a list")
+        now = time.time()
+        new_ids: dict[Any, int] = {}
+        with self._transaction() as conn:
+            conversation_id = conn.execute(
+                "INSERT INTO conversations (title, created, updated) VALUES (?, ?, ?)",
+                (str(data.get("title") or "Imported chat"), float(data.get("created") or now), now)).lastrowid
+            for i, m in enumerate(messages):
+                if not isinstance(m, dict) or m.get("role") not in ("system", "user", "assistant"):
+                    raise HistoryError(f"conversation export: message {i} has no valid \"role\"")
+                if m.get("parent") is not None and m["parent"] not in new_ids:
+                    raise HistoryError(f"conversation export: message {i} names parent {m['parent']!r}"
+                                       " that does not come before it")
+                new_ids[m.get("id", i)] = conn.execute(
+                    "INSERT INTO messages (conversation_id, parent_id, role, content, created, images, stats, state)"
+                    " VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
+                    (conversation_id, new_ids.get(m.get("parent")), m["role"], str(m.get("content", "")),
+                     float(m.get("created") or now), json.dumps([str(p) for p in m.get("images", [])]),
+                     json.dumps(m.get("stats") or {}), str(m.get("state") or "complete"))).lastrowid
+            leaf = new_ids.get(data.get("leaf"), list(new_ids.values())[-1] if new_ids else None)
+            conn.execute("UPDATE conversations SET leaf_id = ? WHERE id = ?", (leaf, conversation_id))
+        return conversation_id
+
+    def export_markdown(self, conversation_id: int) -> str:
+        """The active branch as a Markdown document (answers without their thinking)."""
+        conversation = self.conversation(conversation_id)
+        title = conversation.title if conversation else "Conversation"
+        parts = [f"# {title}\n"]
+        for m in self.active_path(conversation_id):
+            text = m.content.partition("</think>")[2].lstrip() if "</think>" in m.content else m.content
+            parts.append(f"## {'You' if m.role == 'user' else m.role.capitalize()}\n")
+            parts.extend(f"![image]({Path(p).as_uri()})\n" for p in m.images)
+            parts.append(text.strip() + "\n")
+        return "\n".join(parts)
 
 
 class ImageStore:

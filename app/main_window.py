@@ -6,20 +6,29 @@ wires them together, owns the shortcuts and remembers its geometry.
 
 from __future__ import annotations
 
+import json
+import re
 from pathlib import Path
 
 from PySide6.QtCore import QSettings, Qt, Signal, Slot
-from PySide6.QtGui import QCloseEvent, QKeySequence, QShortcut
-from PySide6.QtWidgets import QLabel, QMainWindow, QSplitter, QVBoxLayout, QWidget
+from PySide6.QtGui import QCloseEvent, QGuiApplication, QKeySequence, QPalette, QShortcut
+from PySide6.QtWidgets import QFileDialog, QLabel, QMainWindow, QSplitter, QVBoxLayout, QWidget
 
 from .chat_view import ChatView
 from .composer import Composer
 from .controller import ChatController
 from .conversations import ConversationListModel, ConversationPanel
 from .engine_worker import ModelSummary, WorkerThread
-from .history import HistoryStore, ImageStore
+from .history import HistoryError, HistoryStore, ImageStore
 from .markdown_render import MarkdownRenderer
 from .sidebar import MonitorThread, Sidebar
+
+
+def follows_dark_scheme() -> bool:
+    """Whether the system colour scheme (hence the palette Qt picked) is dark."""
+    if QGuiApplication.styleHints().colorScheme() == Qt.ColorScheme.Dark:
+        return True
+    return QGuiApplication.palette().color(QPalette.Window).lightness() < 128
 
 
 class MainWindow(QMainWindow):
@@ -73,6 +82,7 @@ class MainWindow(QMainWindow):
         self.setCentralWidget(self.splitter)
 
         self.panel.conversation_selected.connect(self.controller.open)
+        self.panel.conversation_selected.connect(self.composer.cancel_edit)
         self.panel.new_requested.connect(self.new_conversation)
         self.controller.conversation_touched.connect(self.conversations.touch)
         self.controller.busy_changed.connect(self.composer.set_busy)
@@ -90,12 +100,24 @@ class MainWindow(QMainWindow):
             monitor.monitor.sampled.connect(self.sidebar.on_system)
         self.load_requested.connect(worker.load)
 
-        for keys, slot in ((QKeySequence("Ctrl+K"), self.panel.focus_search),
-                           (QKeySequence("Ctrl+B"), self.toggle_sidebar),
-                           (QKeySequence(QKeySequence.New), self.new_conversation),
-                           (QKeySequence(Qt.Key_Escape), self.escape)):
-            QShortcut(keys, self, slot)
+        QShortcut(QKeySequence(Qt.Key_Escape), self, self.escape)
+        QGuiApplication.styleHints().colorSchemeChanged.connect(self._scheme_changed)
+        self._build_menus()
         self._restore_state()
+
+    def _build_menus(self) -> None:
+        chat = self.menuBar().addMenu("&Chat")
+        chat.addAction("&New chat", QKeySequence.New, self.new_conversation)
+        chat.addAction("Open &model\u2026", QKeySequence.Open, self.open_model_dialog)
+        chat.addSeparator()
+        chat.addAction("Export as &Markdown\u2026", lambda: self.export_dialog("md"))
+        chat.addAction("Export as &JSON\u2026", lambda: self.export_dialog("json"))
+        chat.addAction("&Import JSON\u2026", self.import_dialog)
+        chat.addSeparator()
+        chat.addAction("&Quit", QKeySequence.Quit, self.close)
+        view = self.menuBar().addMenu("&View")
+        view.addAction("&Search chats", QKeySequence("Ctrl+K"), self.panel.focus_search)
+        view.addAction("Toggle &sidebar", QKeySequence("Ctrl+B"), self.toggle_sidebar)
 
     # model
 
@@ -148,9 +170,65 @@ class MainWindow(QMainWindow):
         else:
             self.composer.cancel_edit()
 
+    def _scheme_changed(self) -> None:
+        """The system switched light/dark: re-render the messages with matching code colours."""
+        self.chat_view.set_renderer(MarkdownRenderer(dark=follows_dark_scheme()))
+        if self.controller.conversation_id is not None:
+            self.controller.open(self.controller.conversation_id)
+
     def toggle_sidebar(self) -> None:
         """Ctrl+B: show or hide the sidebar."""
         self.sidebar.setVisible(not self.sidebar.isVisible())
+
+    # files
+
+    def open_model_dialog(self) -> None:
+        """Pick a GGUF model file and load it."""
+        path, _ = QFileDialog.getOpenFileName(self, "Open model", "", "GGUF models (*.gguf)")
+        if path:
+            self.load_model(path)
+
+    def export_current(self, path: Path, kind: str) -> None:
+        """Write the shown conversation to ``path``: "md" (active branch) or "json" (every branch)."""
+        conversation_id = self.controller.conversation_id
+        if conversation_id is None:
+            return
+        try:
+            if kind == "md":
+                path.write_text(self.store.export_markdown(conversation_id), encoding="utf-8")
+            else:
+                path.write_text(json.dumps(self.store.export_json(conversation_id), ensure_ascii=False, indent=1),
+                                encoding="utf-8")
+        except (OSError, HistoryError) as exc:
+            self.statusBar().showMessage(f"Export failed: {exc}")
+            return
+        self.statusBar().showMessage(f"Exported to {path}", 8000)
+
+    def import_file(self, path: Path) -> int | None:
+        """Add the conversation in a JSON export and show it; returns its id (None on failure)."""
+        try:
+            conversation_id = self.store.import_json(json.loads(path.read_text(encoding="utf-8")))
+        except (OSError, ValueError, HistoryError) as exc:
+            self.statusBar().showMessage(f"Import failed: {path.name}: {exc}")
+            return None
+        self.conversations.reload("")
+        self.panel.select(conversation_id)
+        self.statusBar().showMessage(f"Imported {path.name}", 8000)
+        return conversation_id
+
+    def export_dialog(self, kind: str) -> None:
+        """Ask where to export the shown conversation."""
+        name = re.sub(r"[^\w\- ]+", "", self.store.conversation(self.controller.conversation_id).title)[:60] or "chat"
+        pattern = "Markdown (*.md)" if kind == "md" else "JSON (*.json)"
+        path, _ = QFileDialog.getSaveFileName(self, "Export chat", f"{name}.{kind}", pattern)
+        if path:
+            self.export_current(Path(path), kind)
+
+    def import_dialog(self) -> None:
+        """Pick a JSON export to import."""
+        path, _ = QFileDialog.getOpenFileName(self, "Import chat", "", "JSON (*.json)")
+        if path:
+            self.import_file(Path(path))
 
     # drops of model files
 

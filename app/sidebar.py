@@ -159,12 +159,12 @@ class Sparkline(QWidget):
         super().__init__()
         self.values: deque[float] = deque(maxlen=SPARK_TOKENS)
         self.setAccessibleName("Per-token latency")
-        self.setMinimumHeight(48)
+        self.setMinimumHeight(56)
         self.setSizePolicy(QSizePolicy.Expanding, QSizePolicy.Fixed)
 
     def sizeHint(self) -> QSize:
         """A short strip."""
-        return QSize(200, 56)
+        return QSize(200, 64)
 
     def paintEvent(self, _event) -> None:
         """Draw the line scaled to the largest latency shown."""
@@ -179,17 +179,17 @@ class Sparkline(QWidget):
             p.drawText(rect, Qt.AlignCenter, "no tokens yet")
             return
         top = max(self.values) or 1.0
-        step = rect.width() / (SPARK_TOKENS - 1)
-        start = rect.right() - step * (len(self.values) - 1)
+        p.setPen(_color(self, QPalette.PlaceholderText))
+        p.drawText(rect.adjusted(4, 1, -4, 0), Qt.AlignTop | Qt.AlignLeft, f"max {top:.0f} ms")
+        plot = rect.adjusted(0, self.fontMetrics().height() + 2, 0, -2)
+        step = plot.width() / (SPARK_TOKENS - 1)
+        start = plot.right() - step * (len(self.values) - 1)
         path = QPainterPath()
         for i, v in enumerate(self.values):
-            point = QPointF(start + i * step, rect.bottom() - (v / top) * (rect.height() - 4) - 2)
+            point = QPointF(start + i * step, plot.bottom() - (v / top) * plot.height())
             path.lineTo(point) if i else path.moveTo(point)
         p.setPen(QPen(_color(self, QPalette.Highlight), 1.5))
         p.drawPath(path)
-        p.setPen(_color(self, QPalette.PlaceholderText))
-        p.drawText(rect.adjusted(4, 2, -4, -2), Qt.AlignTop | Qt.AlignLeft, f"{top:.0f} ms")
-
 
 CONTEXT_PARTS = (("cached", "#3fa34d"), ("prefilled", "#3b7dd8"), ("generated", "#d9822b"))
 

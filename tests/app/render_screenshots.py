@@ -3,7 +3,8 @@
 Usage: ``python tests/app/render_screenshots.py [OUT_DIR]`` (default: a new temp dir). Works on the
 offscreen platform or a real display (e.g. under Xvfb). Writes empty.png, streaming.png (an answer
 streaming under a message with an image), answer.png (rendered Markdown with code and thinking),
-search.png (history search) and sidebar.png.
+search.png (history search), sidebar.png and composer-no-vision.png (an attached image
+with the warning shown when the model has no vision tower).
 """
 
 from __future__ import annotations
@@ -86,6 +87,10 @@ def main() -> None:
     window.composer.think_box.setChecked(False)
     window.composer.add_file(sample_image(work / "gradient.png"))
     window.composer.editor.setPlainText("What is in this image?")
+    window.composer.set_vision(False)
+    pump(app, 0.2)
+    window.composer.grab().save(str(out / "composer-no-vision.png"))
+    window.composer.set_vision(True)
     window.composer.submit()
     pump(app, 1.5)
     window.grab().save(str(out / "streaming.png"))

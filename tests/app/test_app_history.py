@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import signal
 import sqlite3
 import subprocess
@@ -165,3 +166,32 @@ def test_image_store_names_by_content(tmp_path):
     assert a == b and a.suffix == ".png" and a.read_bytes() == b"\x89PNG same"
     assert c.parent == images.folder and c.suffix == ".jpg" and c != a
 
+
+
+def test_export_import_round_trip_keeps_branches(store, tmp_path):
+    c = store.create_conversation("Trip")
+    u = store.add_message(c, None, "user", "plan a trip", images=[str(tmp_path / "map.png")])
+    a1 = store.add_message(c, u, "assistant", "<think>hmm</think>Go north", state="complete")
+    store.add_message(c, u, "assistant", "Go south", state="stopped")
+    store.select_branch(a1)
+    data = json.loads(json.dumps(store.export_json(c)))
+    copy = store.import_json(data)
+    assert copy != c and store.conversation(copy).title == "Trip"
+    assert [(m.role, m.content, m.images, m.state) for m in store.active_path(copy)] == \
+        [(m.role, m.content, m.images, m.state) for m in store.active_path(c)]
+    assert len(store.all_messages(copy)) == 3
+    md = store.export_markdown(c)
+    assert md.startswith("# Trip\n") and "## You" in md and "Go north" in md and "hmm" not in md
+    assert "map.png" in md and "Go south" not in md
+
+
+@pytest.mark.parametrize("bad, message", [
+    ({"format": "other"}, "not a DeltaDesk"),
+    ({"format": "deltadesk-conversation", "messages": "x"}, "must be a list"),
+    ({"format": "deltadesk-conversation", "messages": [{"role": "robot"}]}, "message 0"),
+    ({"format": "deltadesk-conversation", "messages": [{"id": 1, "parent": 7, "role": "user"}]}, "parent 7"),
+])
+def test_import_rejects_bad_files_and_writes_nothing(store, bad, message):
+    with pytest.raises(HistoryError, match=message):
+        store.import_json(bad)
+    assert store.conversations() == []

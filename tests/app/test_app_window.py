@@ -268,3 +268,49 @@ def test_worst_frame_while_streaming_500_tokens(qtbot, make_window, record_prope
     print(f"\nworst UI frame while streaming 500 tokens: {worst_ms:.1f} ms over {len(gaps)} heartbeats")
     assert path_of(window)[-1].content.count("tok") == 500
     assert worst_ms < 50
+
+
+def test_closing_mid_answer_keeps_what_was_written(qtbot, make_window):
+    window = make_window(FakeEngine(tokens=["c"] * 3000, token_ms=2.0))
+    window.composer.editor.setPlainText("long")
+    qtbot.keyClick(window.composer.editor, Qt.Key_Return)
+    qtbot.waitUntil(lambda: len(window.controller.live.text) > 10)
+    answer_id = window.controller.live.message_id
+    window.close()
+    assert not window.engine.thread.isRunning() and not window.monitor.thread.isRunning()
+    answer = window.store.message(answer_id)
+    assert answer.state == "stopped" and 10 < len(answer.content) < 3000
+
+
+def test_switching_conversation_abandons_an_edit(qtbot, make_window):
+    window = make_window()
+    send(qtbot, window, "question")
+    user = path_of(window)[0]
+    window.chat_view.widget_for(user.id).action_button.click()
+    assert window.composer.editing_id == user.id
+    window.new_conversation()
+    assert window.composer.editing_id is None and window.composer.editor.toPlainText() == ""
+
+
+def test_export_and_import_from_the_window(qtbot, make_window, tmp_path):
+    window = make_window()
+    send(qtbot, window, "export me")
+    window.export_current(tmp_path / "c.md", "md")
+    window.export_current(tmp_path / "c.json", "json")
+    assert "export me" in (tmp_path / "c.md").read_text() and "Exported" in window.statusBar().currentMessage()
+    imported = window.import_file(tmp_path / "c.json")
+    assert window.controller.conversation_id == imported
+    assert [m.content for m in path_of(window)] == ["export me", "Hello, world."]
+    (tmp_path / "bad.json").write_text("{")
+    assert window.import_file(tmp_path / "bad.json") is None
+    assert window.statusBar().currentMessage().startswith("Import failed: bad.json")
+
+
+def test_a_colour_scheme_change_re_renders_the_messages(qtbot, make_window):
+    window = make_window(FakeEngine(tokens=["```py\n", "x = 1\n", "```"]))
+    send(qtbot, window, "code")
+    before = window.chat_view.widgets[-1]
+    window._scheme_changed()
+    after = window.chat_view.widgets[-1]
+    assert after is not before and after.message.id == before.message.id
+    assert "x = 1" in after.body.toPlainText()
