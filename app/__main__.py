@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import argparse
+import signal
 import sys
 from dataclasses import dataclass
 from pathlib import Path
 
 import platformdirs
-from PySide6.QtCore import QSettings
+from PySide6.QtCore import QSettings, QTimer
 from PySide6.QtWidgets import QApplication
 
 from .engine_worker import EngineLoader, WorkerThread, load_real_engine
@@ -71,6 +72,13 @@ def main(argv: list[str] | None = None) -> int:
     window = build_window(AppPaths.default())
     window.show()
     window.load_model(args.model, args.mmproj)
+    # Python runs signal handlers only between bytecodes; the timer lets it in so Ctrl+C or a
+    # SIGTERM closes the window (saving its state and the live answer) instead of being ignored.
+    for number in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(number, lambda *_: window.close())
+    wake = QTimer()
+    wake.timeout.connect(lambda: None)
+    wake.start(250)
     status = app.exec()
     window.store.close()
     return status

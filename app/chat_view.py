@@ -287,7 +287,7 @@ class ChatView(QScrollArea):
         self.empty_label = QLabel("Ask anything. Drop or paste an image to ask about it.")
         self.empty_label.setAlignment(Qt.AlignCenter)
         self.empty_label.setEnabled(False)
-        self._layout.addWidget(self.empty_label)
+        self._layout.addWidget(self.empty_label, 1)
         self._layout.addStretch(1)
         self.setWidget(self._content)
         self.widgets: list[MessageWidget] = []

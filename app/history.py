@@ -113,7 +113,7 @@ def migrate(conn: sqlite3.Connection, path: Path) -> list[Path]:
                            f"understands ({SCHEMA_VERSION}); update DeltaDesk")
     backups = []
     for number in range(version + 1, SCHEMA_VERSION + 1):
-        if number > 1:
+        if version > 0:
             backups.append(_backup(conn, path, number - 1))
         conn.execute("BEGIN IMMEDIATE")
         try:

@@ -195,3 +195,8 @@ def test_import_rejects_bad_files_and_writes_nothing(store, bad, message):
     with pytest.raises(HistoryError, match=message):
         store.import_json(bad)
     assert store.conversations() == []
+
+
+def test_a_new_database_needs_no_backup(tmp_path):
+    HistoryStore.open(tmp_path / "h.db").close()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["h.db"]
