@@ -171,9 +171,9 @@ def to_rgb(im: Image.Image, source: str = "<image>") -> Image.Image:
 
     ``P`` with a transparency entry, ``PA``, ``LA``, ``La``, ``RGBA``, ``RGBa``: alpha-composited on white.
     ``I;16*`` (16-bit PNG/TIFF greyscale): value / 257. ``I`` (32-bit): / 257 when any value exceeds 255.
-    ``F``: x 255 when all values are <= 1, then clipped (a transparency key on these is ignored). ``LAB``: CIE L*a*b* -> sRGB through Pillow's
-    colour management (ImageCms). ``CMYK``, ``YCbCr``, ``HSV``, ``1``, ``L``, ``P``: Pillow's conversion
-    (an embedded ICC profile is not applied).
+    ``F``: x 255 when all values are <= 1, then clipped (a transparency key on these is ignored).
+    ``LAB``: CIE L*a*b* -> sRGB through Pillow's colour management (ImageCms). ``CMYK``, ``YCbCr``,
+    ``HSV``, ``1``, ``L``, ``P``: Pillow's conversion (an embedded ICC profile is not applied).
 
     Args:
         im: a decoded Pillow image. source: name used in error messages.
@@ -188,7 +188,7 @@ def to_rgb(im: Image.Image, source: str = "<image>") -> Image.Image:
         return im
     try:
         if im.mode in _HIGH_DEPTH:
-            return Image.fromarray(_scale_to_u8(np.asarray(im), im.mode), mode="L").convert("RGB")
+            return Image.fromarray(_scale_to_u8(np.asarray(im), im.mode)).convert("RGB")
         if im.mode == "LAB":
             from PIL import ImageCms
 

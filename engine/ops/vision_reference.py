@@ -13,8 +13,8 @@ from __future__ import annotations
 
 import numpy as np
 
-ATTN_CHUNK_BYTES = 64 << 20
-"""Upper bound on the float32 score block one attention step materialises (heads x rows x keys x 4)."""
+ATTN_CHUNK_BYTES = 8 << 20
+"""Upper bound on the float32 score block one attention step materialises (rows x keys x 4 bytes)."""
 
 
 def layer_norm(x: np.ndarray, w: np.ndarray, b: np.ndarray, eps: float) -> np.ndarray:
@@ -172,7 +172,8 @@ def apply_rope(x: np.ndarray, cos: np.ndarray, sin: np.ndarray) -> np.ndarray:
 def attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, chunk_bytes: int = ATTN_CHUNK_BYTES) -> np.ndarray:
     """Non-causal multi-head attention over one image: ``softmax(q k^T / sqrt(d)) v`` per head.
 
-    Query rows are processed in blocks so that a block's scores take at most ``chunk_bytes``.
+    One head at a time, query rows in blocks whose score matrix takes at most ``chunk_bytes`` (so it
+    stays in cache); the softmax denominator divides the (rows, d) output rather than the scores.
 
     Args:
         q, k, v: (S, H, d) float32.
@@ -182,16 +183,19 @@ def attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, chunk_bytes: int = AT
     """
     s, n_head, d = q.shape
     qh = np.ascontiguousarray(q.transpose(1, 0, 2)) * np.float32(1.0 / np.sqrt(d))
-    kt = np.ascontiguousarray(k.transpose(1, 2, 0))       # (H, d, S)
-    vh = np.ascontiguousarray(v.transpose(1, 0, 2))       # (H, S, d)
+    kh = np.ascontiguousarray(k.transpose(1, 0, 2))
+    vh = np.ascontiguousarray(v.transpose(1, 0, 2))
     out = np.empty((s, n_head, d), dtype=np.float32)
-    step = max(1, chunk_bytes // (4 * n_head * s))
-    for i in range(0, s, step):
-        sc = np.matmul(qh[:, i:i + step], kt)             # (H, c, S)
-        sc -= sc.max(axis=-1, keepdims=True)
-        np.exp(sc, out=sc)
-        sc /= sc.sum(axis=-1, keepdims=True)
-        out[i:i + step] = np.matmul(sc, vh).transpose(1, 0, 2)
+    step = max(1, chunk_bytes // (4 * s))
+    for h in range(n_head):
+        k_t = kh[h].T
+        for i in range(0, s, step):
+            sc = qh[h, i:i + step] @ k_t                  # (rows, S)
+            sc -= sc.max(axis=1, keepdims=True)
+            np.exp(sc, out=sc)
+            o = sc @ vh[h]
+            o /= sc.sum(axis=1, keepdims=True)
+            out[i:i + step, h] = o
     return out.reshape(s, n_head * d)
 
 
