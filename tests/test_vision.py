@@ -1,7 +1,9 @@
 """Vision tower conformance against HF transformers goldens, token counts, M-RoPE positions, cache.
 
 Goldens: ``tests/fixtures/vision`` (made by ``make_fixtures.py`` with torch 2.13 / transformers 5.24).
-Relative error here is ``max |ours - HF| / max |HF|`` over the whole output (the issue's bound: 1e-4).
+Relative error here is ``max |ours - HF| / max |HF|`` over the whole output. The issue's bound is 1e-4;
+the tower assertions use ``TOL`` = 1e-5 (measured: about 1.5e-6), because a subtle mistake such as the
+tanh GELU in the merger (llama.cpp's choice) moves the error only to about 1.6e-4 with these weights.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from engine.ops import vision_reference as ops
 FIX = Path(__file__).parent / "fixtures" / "vision"
 IMAGE_PAD, VISION_START = 248056, 248053
 TOWER_CASES = ["64x64", "96x160", "224x128", "75x100"]
+TOL = 1e-5
 
 
 @pytest.fixture(scope="module")
@@ -43,7 +46,7 @@ def rel_err(a: np.ndarray, b: np.ndarray) -> float:
 def test_tower_on_hf_pixel_values(tower, gold):
     grid = gold["tower_64x64_grid"]
     out = tower.encode(gold["tower_64x64_pixel_values"], (int(grid[1]), int(grid[2])))
-    assert rel_err(out, gold["tower_64x64_merged"]) <= 1e-4
+    assert rel_err(out, gold["tower_64x64_merged"]) <= TOL
 
 
 @pytest.mark.parametrize("case", TOWER_CASES)
@@ -53,7 +56,7 @@ def test_tower_matches_hf(tower, gold, case):
     out = tower.encode(prep.pixel_values, prep.grid)
     ref = gold[f"tower_{case}_merged"]
     assert out.shape == ref.shape and out.dtype == np.float32
-    assert rel_err(out, ref) <= 1e-4, case
+    assert rel_err(out, ref) <= TOL, case
 
 
 def test_stages_match_hf(tower, gold):
@@ -64,7 +67,7 @@ def test_stages_match_hf(tower, gold):
                  cb=lambda stage, il, x: seen.__setitem__(stage if il < 0 else f"{stage}.{il}", x.copy()))
     for stage in ["patch_embd", "inp_embd", "layer_out.0", "layer_out.1", "post_ln"]:
         ref = gold[f"stage_{stage}"]
-        assert rel_err(seen[stage].reshape(ref.shape), ref) <= 1e-4, f"first divergence at stage {stage}"
+        assert rel_err(seen[stage].reshape(ref.shape), ref) <= TOL, f"first divergence at stage {stage}"
 
 
 def test_token_counts_match_hf(gold):
@@ -100,7 +103,7 @@ def test_encoder_counts_equal_tower_rows(tmp_path, gold):
         img = gold[f"tower_{case}_image"]
         e = enc.encode(Image.fromarray(img))
         assert e.n_tokens == e.grid[0] * e.grid[1] == image_token_count(*img.shape[:2], min_pixels=1024)
-        assert rel_err(e.embeddings, gold[f"tower_{case}_merged"]) <= 1e-4
+        assert rel_err(e.embeddings, gold[f"tower_{case}_merged"]) <= TOL
 
 
 def test_encoder_cache_by_content(tmp_path, gold):
