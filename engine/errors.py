@@ -38,3 +38,7 @@ class GenerationCancelled(EngineError):
 
 class ImageError(EngineError):
     """An image file is unreadable, corrupt, too large to decode safely, or of an unusable shape."""
+
+
+class DeviceError(EngineError):
+    """The GPU path cannot run: no GPU or pycuda, a driver or compile error, or out of GPU memory."""

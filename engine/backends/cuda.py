@@ -1,0 +1,558 @@
+"""GPU prefill for Qwen3.5/3.6 hybrid models, with routed experts streamed from pinned host RAM under a
+VRAM budget (issue 4); decode then continues on the CPU from the state this fills.
+
+:class:`CudaPrefill` loads once per model: it plans placement (:func:`engine.backends.cuda_plan.plan_placement`,
+``.plan.text()`` says it in words), uploads every non-expert weight in its stored type (types without a
+kernel are dequantized to F32 on the host), packs each layer's routed experts per expert
+(``[gate | up | down]``, :class:`~engine.backends.cuda_plan.ExpertLayout`) either into VRAM (resident layers)
+or into page-locked host memory (streamed layers), and builds the kernels of ``native/cuda`` with pycuda.
+
+``prefill(tokens, state)`` runs the whole prompt in one pass when its activations fit (else in passes of
+a multiple of 64 tokens), layer by layer on a compute stream, with the math of ``shared/spec/qwen35moe.md``
+section 3 and the same numerics as :class:`engine.models.qwen35.Qwen35Model` (float32 activations and
+state, float32 accumulation, the reference's float64 spots). Routed experts of streamed layers reach the
+GPU on a second stream: either whole layers, two buffers deep, so the copy of the next streamed layer
+overlaps the compute of the current one, or, for short prompts whose router picks few experts
+(:func:`~engine.backends.cuda_plan.use_selective`), only the experts each layer's router selected.
+Each MoE layer sorts its token-expert pairs by expert on the host (one small download per layer) and
+runs the expert GEMMs grouped over experts. The state (conv, delta-rule, KV rows) is copied back into
+the given :class:`~engine.state.SequenceState`, so CPU decode continues from it.
+
+Every failure of the device (no GPU or pycuda, driver or compile error, out of GPU or pinned memory)
+raises :class:`~engine.errors.DeviceError`, on which callers fall back to CPU prefill.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from typing import Any, Iterator
+
+import numpy as np
+
+from ..errors import ContextFullError, DeviceError
+from ..hparams import Qwen35HParams
+from ..quant import dequantize
+from ..state import SequenceState
+from .cuda_kernels import Kernels, load_driver
+from .cuda_plan import (ALIGN, ExpertLayout, LayerTelemetry, Matrix, Placement, PrefillTelemetry,
+                        activation_groups, copy_runs, expert_layout, gemm_matrix, layer_matrices, layer_vectors,
+                        pass_tokens, plan_placement, route_tables, use_selective)
+
+DEFAULT_MARGIN = 512 << 20
+"""Default budget = free VRAM at load minus max(this, 5% of the card)."""
+
+PLAN_TOKENS = 4096
+"""Prompt length whose activations and KV cache the placement reserves before giving VRAM to experts."""
+
+
+def _aligned(n: int) -> int:
+    return -(-n // ALIGN) * ALIGN
+
+
+class _Device:
+    """Device allocations of one engine, counted (bytes rounded to :data:`ALIGN`)."""
+
+    def __init__(self, drv: Any) -> None:
+        self.drv = drv
+        self.blocks: dict[int, Any] = {}
+        self.sizes: dict[int, int] = {}
+
+    def alloc(self, nbytes: int) -> int:
+        """Allocate ``nbytes`` (>= 1) and return the device pointer."""
+        block = self.drv.mem_alloc(max(_aligned(nbytes), ALIGN))
+        ptr = int(block)
+        self.blocks[ptr] = block
+        self.sizes[ptr] = max(_aligned(nbytes), ALIGN)
+        return ptr
+
+    def upload(self, array: np.ndarray) -> int:
+        """Allocate and copy a host array (synchronous); returns the device pointer."""
+        array = np.ascontiguousarray(array)
+        ptr = self.alloc(array.nbytes)
+        self.drv.memcpy_htod(ptr, array)
+        return ptr
+
+    def free(self, ptr: int) -> None:
+        """Free one allocation."""
+        self.blocks.pop(ptr).free()
+        self.sizes.pop(ptr)
+
+    def free_all(self) -> None:
+        """Free everything."""
+        for ptr in list(self.blocks):
+            self.free(ptr)
+
+    @property
+    def used(self) -> int:
+        """Bytes allocated."""
+        return sum(self.sizes.values())
+
+
+class _Activations:
+    """One allocation holding :func:`activation_groups` for ``capacity`` tokens; ``ptr[name]`` per buffer."""
+
+    def __init__(self, dev: _Device, hp: Qwen35HParams, capacity: int) -> None:
+        groups = activation_groups(hp, capacity)
+        offsets: dict[str, int] = {}
+        off = 0
+        for name, nbytes in groups["base"].items():
+            offsets[name] = off
+            off += _aligned(nbytes)
+        top = off
+        for group, bufs in groups.items():
+            if group == "base":
+                continue
+            o = off
+            for name, nbytes in bufs.items():
+                offsets[name] = o
+                o += _aligned(nbytes)
+            top = max(top, o)
+        self.capacity = capacity
+        self.base = dev.alloc(top)
+        self.ptr = {name: self.base + o for name, o in offsets.items()}
+
+
+class CudaPrefill:
+    """GPU prefill of one model file.
+
+    Args:
+        hp: the model's hyper-parameters (``gguf_file.hparams``).
+        gguf_file: an open :class:`engine.gguf_file.GGUFFile` (``.raw``, ``.f32``, ``.info``, ``.has``).
+        budget_bytes: VRAM budget; default free memory at load minus max(512 MiB, 5%).
+        plan_tokens: prompt length reserved for when deciding how many expert layers stay resident.
+
+    Attributes:
+        plan: the :class:`~engine.backends.cuda_plan.Placement` (``plan.text()`` for the log).
+        last_telemetry: :class:`~engine.backends.cuda_plan.PrefillTelemetry` of the last prefill, or None.
+
+    Raises:
+        DeviceError: no usable GPU, pycuda or nvcc, a kernel fails to build, the budget is too small for
+            the resident weights, or GPU / pinned host memory runs out while loading.
+    """
+
+    def __init__(self, hp: Qwen35HParams, gguf_file: Any, budget_bytes: int | None = None,
+                 plan_tokens: int = PLAN_TOKENS) -> None:
+        self.hp = hp
+        self.file = gguf_file
+        self.last_telemetry: PrefillTelemetry | None = None
+        self._drv = load_driver()
+        try:
+            self._ctx = self._drv.Device(0).retain_primary_context()
+        except self._drv.Error as e:
+            raise DeviceError(f"CUDA context creation failed: {e}") from e
+        self._dev = _Device(self._drv)
+        self._pinned: dict[int, np.ndarray] = {}
+        try:
+            with self._guard("loading the model onto the GPU"):
+                self._load(budget_bytes, plan_tokens)
+        except DeviceError:
+            self.close()
+            raise
+
+    # ---- lifetime --------------------------------------------------------------------------------
+
+    @contextlib.contextmanager
+    def _guard(self, what: str) -> Iterator[None]:
+        """Make the context current for the block and turn CUDA / host-memory failures into DeviceError."""
+        drv = self._drv
+        self._ctx.push()
+        try:
+            yield
+        except drv.MemoryError as e:
+            raise DeviceError(f"out of GPU memory while {what}: {e} (lower the VRAM budget or use CPU prefill)") from e
+        except drv.Error as e:
+            raise DeviceError(f"CUDA error while {what}: {e}") from e
+        except MemoryError as e:
+            raise DeviceError(f"out of host memory for pinned buffers while {what}") from e
+        finally:
+            drv.Context.pop()
+
+    def close(self) -> None:
+        """Free all device and pinned memory and release the context. The object is unusable afterwards."""
+        if getattr(self, "_ctx", None) is None:
+            return
+        self._ctx.push()
+        try:
+            self._dev.free_all()
+            self._pinned.clear()
+            getattr(self, "staging", {}).clear()
+        finally:
+            self._drv.Context.pop()
+            self._ctx.detach()
+            self._ctx = None
+
+    # ---- loading ---------------------------------------------------------------------------------
+
+    def _load(self, budget_bytes: int | None, plan_tokens: int) -> None:
+        drv, hp, f = self._drv, self.hp, self.file
+        free, total = drv.mem_get_info()
+        budget = budget_bytes if budget_bytes is not None else free - max(DEFAULT_MARGIN, total // 20)
+        head = "output.weight" if f.has("output.weight") else "token_embd.weight"
+        names = [n for il in range(hp.n_layer) for n in layer_matrices(hp, il)] + [head]
+        matrices = {n: gemm_matrix(n, f.info(n).qtype, f.info(n).shape) for n in names}
+        vectors = [n for il in range(hp.n_layer) for n in layer_vectors(hp, il)] + ["output_norm.weight"]
+        vector_bytes = sum(_aligned(int(np.prod(f.info(n).shape)) * 4) for n in vectors)
+        self.layouts: dict[int, ExpertLayout] = {}
+        if hp.is_moe:
+            for il in range(hp.n_layer):
+                p = f"blk.{il}.ffn_"
+                self.layouts[il] = expert_layout(hp, il, *(f.info(p + x + "_exps.weight").qtype
+                                                            for x in ("gate", "up", "down")))
+        layer_bytes = max((lay.nbytes for lay in self.layouts.values()), default=0)
+        self.plan: Placement = plan_placement(hp, budget, list(matrices.values()), vector_bytes, layer_bytes,
+                                              plan_tokens)
+        self.kernels = Kernels(drv)
+        self.head = matrices[head]
+        self.mat: dict[str, tuple[Matrix, int]] = {}
+        for name, m in matrices.items():
+            data = f.f32(name) if m.converted else f.raw(name)
+            self.mat[name] = (m, self._dev.upload(data))
+        self.vec = {n: self._dev.upload(np.asarray(f.f32(n), dtype=np.float32)) for n in vectors}
+        self.conv_state: dict[int, int] = {}
+        self.ssm_state: dict[int, int] = {}
+        for il in range(hp.n_layer):
+            if hp.is_recurrent(il):
+                self.conv_state[il] = self._dev.alloc((hp.conv_kernel - 1) * hp.conv_dim * 4)
+                self.ssm_state[il] = self._dev.alloc(hp.num_v_heads * hp.head_k_dim * hp.head_v_dim * 4)
+        self.experts: dict[int, int] = {}
+        for il in self.plan.resident_experts:
+            self.experts[il] = self._dev.upload(self._pack_experts(il, np.empty(self.layouts[il].nbytes, np.uint8)))
+        for il in self.plan.streamed_experts:
+            self._pinned[il] = self._pack_experts(il, drv.pagelocked_empty(self.layouts[il].nbytes, np.uint8))
+        self.slots = [self._dev.alloc(self.plan.slot_bytes) for _ in range(self.plan.n_slots)]
+        self.compute = drv.Stream()
+        self.copier = drv.Stream()
+        self.kv: dict[int, tuple[int, int]] = {}
+        self.kv_rows = 0
+        self.act: _Activations | None = None
+        self.staging: dict[str, np.ndarray] = {}
+
+    def _pack_experts(self, il: int, out: np.ndarray) -> np.ndarray:
+        """Fill ``out`` (nbytes,) uint8 with layer ``il``'s experts, each ``[gate rows | up rows | down rows]``."""
+        lay, f = self.layouts[il], self.file
+        view = out.reshape(lay.n_expert, lay.stride)
+        half = lay.n_ff * lay.gu_row_bytes
+        p = f"blk.{il}.ffn_"
+        view[:, :half] = f.raw(p + "gate_exps.weight").reshape(lay.n_expert, half)
+        view[:, half:2 * half] = f.raw(p + "up_exps.weight").reshape(lay.n_expert, half)
+        view[:, 2 * half:] = f.raw(p + "down_exps.weight").reshape(lay.n_expert, -1)
+        return out
+
+    # ---- prefill ---------------------------------------------------------------------------------
+
+    def prefill(self, tokens: np.ndarray, state: SequenceState, positions: np.ndarray | None = None) -> np.ndarray:
+        """Run ``tokens`` through the model on the GPU, continuing ``state`` (in place, like ``Qwen35Model.forward``).
+
+        Args:
+            tokens: (n,) int token ids, n >= 1.
+            state: the sequence state; ``state.pos`` is the cache row of ``tokens[0]`` and advances by n.
+                Its conv, delta-rule and KV rows ``[:pos]`` are uploaded first and the new values copied back.
+            positions: (3, n) int t/h/w M-RoPE positions; default ``state.pos + arange(n)`` for all three.
+
+        Returns:
+            (n_vocab,) float32 logits of the last token.
+
+        Raises:
+            ContextFullError: ``state.pos + n`` exceeds the state's capacity.
+            ValueError: empty prompt, a token id outside the vocabulary, or bad ``positions``.
+            DeviceError: a CUDA failure (out of memory included); ``state`` is then unchanged.
+        """
+        hp = self.hp
+        tokens = np.asarray(tokens, dtype=np.int64).reshape(-1)
+        n = tokens.shape[0]
+        if n == 0:
+            raise ValueError("prefill needs at least one token")
+        if state.pos + n > state.capacity:
+            raise ContextFullError(f"{state.pos} + {n} positions do not fit the state's capacity of {state.capacity}")
+        bad = tokens[(tokens < 0) | (tokens >= hp.n_vocab)]
+        if bad.size:
+            raise ValueError(f"token id {int(bad[0])} is outside the vocabulary 0..{hp.n_vocab - 1}")
+        if positions is None:
+            positions = np.broadcast_to(state.pos + np.arange(n), (3, n))
+        positions = np.asarray(positions)
+        if positions.shape != (3, n):
+            raise ValueError(f"positions must have shape (3, {n}), got {positions.shape}")
+        with self._guard(f"prefilling {n} tokens"):
+            return self._prefill(tokens, state, np.ascontiguousarray(positions, dtype=np.int32))
+
+    def _prefill(self, tokens: np.ndarray, state: SequenceState, positions: np.ndarray) -> np.ndarray:
+        drv, hp = self._drv, self.hp
+        t_wall = time.perf_counter()
+        n, p0 = tokens.shape[0], state.pos
+        end = p0 + n
+        room = self.plan.budget - self.plan.fixed_bytes
+        n_pass = pass_tokens(hp, n, end, room)
+        self._prepare(n_pass, end)
+        for il, (kp, vp) in self.kv.items():
+            if p0:
+                drv.memcpy_htod(kp, np.ascontiguousarray(state.k[il][:p0]))
+                drv.memcpy_htod(vp, np.ascontiguousarray(state.v[il][:p0]))
+        for il in self.conv_state:
+            drv.memcpy_htod(self.conv_state[il], np.ascontiguousarray(state.conv[il], dtype=np.float32))
+            drv.memcpy_htod(self.ssm_state[il], np.ascontiguousarray(state.ssm[il], dtype=np.float32))
+
+        streamed = bool(self.plan.streamed_experts)
+        mode = "resident" if not streamed else ("selective" if use_selective(hp, n_pass) else "streamed")
+        tel = PrefillTelemetry(n_tokens=n, passes=0, mode=mode, wall_ms=0.0, gpu_ms=0.0, h2d_bytes=0, h2d_ms=0.0,
+                               vram_budget=self.plan.budget, vram_used=0, vram_free=0,
+                               layers=[LayerTelemetry(il, "gdn" if hp.is_recurrent(il) else "attention",
+                                                      self._expert_mode(il, mode)) for il in range(hp.n_layer)])
+        self._events: list[tuple[int, str, Any, Any, int]] = []
+        self._slot_free: list[Any] = [None] * self.plan.n_slots
+        first = last = None
+        for a in range(0, n, n_pass):
+            b = min(n, a + n_pass)
+            e0, last = self._pass(tokens[a:b], positions[:, a:b], p0 + a, b == n, mode)
+            first = e0 if first is None else first
+            tel.passes += 1
+        self.compute.synchronize()
+        self.copier.synchronize()
+        logits = self.staging["logits"].copy()
+
+        for il, (kp, vp) in self.kv.items():
+            row = hp.n_head_kv * hp.head_dim * 4
+            drv.memcpy_dtoh(state.k[il][p0:end], kp + p0 * row)
+            drv.memcpy_dtoh(state.v[il][p0:end], vp + p0 * row)
+        for il in self.conv_state:
+            drv.memcpy_dtoh(state.conv[il], self.conv_state[il])
+            drv.memcpy_dtoh(state.ssm[il], self.ssm_state[il])
+        state.pos = end
+
+        for il, kind, ea, eb, nbytes in self._events:
+            lt = tel.layers[il]
+            ms = ea.time_till(eb)
+            if kind == "compute":
+                lt.compute_ms += ms
+            else:
+                lt.h2d_ms += ms
+                lt.h2d_bytes += nbytes
+                lt.experts_copied += nbytes // self.layouts[il].stride
+        tel.h2d_bytes = sum(lt.h2d_bytes for lt in tel.layers)
+        tel.h2d_ms = sum(lt.h2d_ms for lt in tel.layers)
+        tel.gpu_ms = first.time_till(last)
+        tel.vram_used = self._dev.used
+        tel.vram_free = drv.mem_get_info()[0]
+        tel.wall_ms = (time.perf_counter() - t_wall) * 1e3
+        self.last_telemetry = tel
+        return logits
+
+    def _expert_mode(self, il: int, mode: str) -> str:
+        if not self.hp.is_moe:
+            return "dense"
+        return "resident" if il in self.experts else mode
+
+    def _prepare(self, n_pass: int, end: int) -> None:
+        """Size the activation arena, the KV caches and the pinned staging buffers for this prefill."""
+        drv, hp = self._drv, self.hp
+        if self.act is None or self.act.capacity < n_pass:
+            if self.act is not None:
+                self._dev.free(self.act.base)
+                self.act = None
+            self.act = _Activations(self._dev, hp, n_pass)
+        if self.kv_rows < end:
+            for kp, vp in self.kv.values():
+                self._dev.free(kp)
+                self._dev.free(vp)
+            row = hp.n_head_kv * hp.head_dim * 4
+            self.kv = {il: (self._dev.alloc(end * row), self._dev.alloc(end * row))
+                       for il in range(hp.n_layer) if not hp.is_recurrent(il)}
+            self.kv_rows = end
+        nk = n_pass * hp.n_expert_used
+        sizes = {"emb": (n_pass * hp.n_embd, np.float32), "pos": (3 * n_pass, np.int32),
+                 "logits": (hp.n_vocab, np.float32), "tidx": (nk, np.int32), "tw": (nk, np.float32),
+                 "a_rows": (nk, np.int32), "row_w": (nk, np.float32), "inv": (nk, np.int32),
+                 "tiles": ((nk // 64 + hp.n_expert + 1) * 3, np.int64)}
+        for name, (count, dtype) in sizes.items():
+            have = self.staging.get(name)
+            if have is None or have.size < count:
+                self.staging[name] = drv.pagelocked_empty(max(count, 1), dtype)
+
+    def _upload_async(self, dst: int, name: str, values: np.ndarray) -> None:
+        """Copy ``values`` through pinned staging buffer ``name`` to ``dst`` on the compute stream."""
+        buf = self.staging[name][:values.size]
+        buf[...] = values.reshape(-1)
+        self._drv.memcpy_htod_async(dst, buf, self.compute)
+
+    def _record(self, stream: Any) -> Any:
+        ev = self._drv.Event()
+        ev.record(stream)
+        return ev
+
+    def _pass(self, tokens: np.ndarray, positions: np.ndarray, p0: int, last: bool, mode: str) -> tuple[Any, Any]:
+        """One pass over all layers for ``tokens`` at cache rows p0.. ; returns the first and last compute events."""
+        hp, k, cs = self.hp, self.kernels, self.compute
+        a, n, d = self.act.ptr, tokens.shape[0], hp.n_embd
+        emb_info = self.file.info("token_embd.weight")
+        emb = dequantize(self.file.raw("token_embd.weight")[tokens], emb_info.qtype, (n, d))
+        self._upload_async(a["h"], "emb", emb)
+        self._upload_async(a["pos"], "pos", positions)
+        start = self._record(cs)
+
+        order = [il for il in self.plan.streamed_experts]
+        self._slot_of: dict[int, int] = {}
+        self._copied: dict[int, Any] = {}
+        self._slot_turn = 0
+        if mode == "streamed":
+            self._slot_of = {il: j % len(self.slots) for j, il in enumerate(order)}
+            for il in order[:len(self.slots)]:
+                self._copy_layer(il)
+
+        for il in range(hp.n_layer):
+            p = f"blk.{il}."
+            ev0 = self._record(cs)
+            k.rmsnorm(cs, a["h"], d, self.vec[p + "attn_norm.weight"], a["x"], d, n, d, hp.rms_eps)
+            if hp.is_recurrent(il):
+                self._gated_delta_net(il, n)
+            else:
+                self._attention(il, n, p0)
+            k.rmsnorm(cs, a["h"], d, self.vec[p + "post_attention_norm.weight"], a["x"], d, n, d, hp.rms_eps)
+            if hp.is_moe:
+                self._moe(il, n, mode, order)
+            else:
+                self._ffn(il, n)
+            self._events.append((il, "compute", ev0, self._record(cs), 0))
+
+        if last:
+            k.rmsnorm(cs, a["h"] + (n - 1) * d * 4, d, self.vec["output_norm.weight"], a["last"], d, 1, d, hp.rms_eps)
+            m, ptr = self.mat[self.head.name]
+            k.gemm(cs, m, ptr, a["last"], d, a["logits"], m.rows, 1)
+            self._drv.memcpy_dtoh_async(self.staging["logits"][:hp.n_vocab], a["logits"], cs)
+        end = self._record(cs)
+        cs.synchronize()
+        return start, end
+
+    # ---- mixers ----------------------------------------------------------------------------------
+
+    def _gemm(self, name: str, a: int, lda: int, c: int, ldc: int, m: int, accumulate: bool = False) -> None:
+        w, ptr = self.mat[name]
+        self.kernels.gemm(self.compute, w, ptr, a, lda, c, ldc, m, accumulate=accumulate)
+
+    def _gated_delta_net(self, il: int, n: int) -> None:
+        """Spec 3.2: h += W_out gated_norm(delta_rule(conv(W_qkv x)), W_z x)."""
+        hp, k, cs, a = self.hp, self.kernels, self.compute, self.act.ptr
+        p, d, C, vd, nv = f"blk.{il}.", hp.n_embd, hp.conv_dim, hp.value_dim, hp.num_v_heads
+        self._gemm(p + "attn_qkv.weight", a["x"], d, a["mixed"], C, n)
+        self._gemm(p + "attn_gate.weight", a["x"], d, a["z"], vd, n)
+        self._gemm(p + "ssm_beta.weight", a["x"], d, a["braw"], nv, n)
+        self._gemm(p + "ssm_alpha.weight", a["x"], d, a["araw"], nv, n)
+        k.gdn_gates(cs, a["braw"], a["araw"], self.vec[p + "ssm_a"], self.vec[p + "ssm_dt.bias"], a["beta"], a["g"],
+                    n, nv)
+        k.conv1d_silu(cs, a["mixed"], self.conv_state[il], self.vec[p + "ssm_conv1d.weight"], a["u"], n, C,
+                      hp.conv_kernel)
+        k.conv_state_update(cs, a["mixed"], self.conv_state[il], a["conv_new"], n, C, hp.conv_kernel)
+        self._drv.memcpy_dtod_async(self.conv_state[il], a["conv_new"], (hp.conv_kernel - 1) * C * 4, cs)
+        k.l2norm_qk(cs, a["u"], n, C, hp.num_k_heads, hp.head_k_dim, hp.rms_eps, float(np.float32(hp.head_k_dim ** -0.5)))
+        k.gdn_chunked(cs, a["u"], a["beta"], a["g"], a["cw"], a["cu"], a["cp"], a["cg"], self.ssm_state[il], a["o"],
+                      n, C, hp.num_k_heads, nv, hp.head_k_dim, hp.head_v_dim)
+        k.gated_rmsnorm(cs, a["o"], self.vec[p + "ssm_norm.weight"], a["z"], a["y"], n * nv, hp.head_v_dim, hp.rms_eps)
+        self._gemm(p + "ssm_out.weight", a["y"], vd, a["h"], d, n, accumulate=True)
+
+    def _attention(self, il: int, n: int, p0: int) -> None:
+        """Spec 3.1: h += W_o (softmax(q k^T) v * sigmoid(gate)); K (normed, rotated) and V land in the cache."""
+        hp, k, cs, a = self.hp, self.kernels, self.compute, self.act.ptr
+        p, d, hd, nh, nkv = f"blk.{il}.", hp.n_embd, hp.head_dim, hp.n_head, hp.n_head_kv
+        kc, vc = self.kv[il]
+        row = nkv * hd
+        self._gemm(p + "attn_q.weight", a["x"], d, a["qg"], 2 * nh * hd, n)
+        self._gemm(p + "attn_k.weight", a["x"], d, a["kraw"], row, n)
+        self._gemm(p + "attn_v.weight", a["x"], d, vc + p0 * row * 4, row, n)
+        k.qk_norm_rope(cs, a["qg"], 2 * nh * hd, 2 * hd, self.vec[p + "attn_q_norm.weight"], a["pos"], n, nh, hd,
+                       hp.rope_dims, hp.rope_theta, hp.rope_sections, hp.rms_eps, a["q"], nh * hd, hd)
+        k.qk_norm_rope(cs, a["kraw"], row, hd, self.vec[p + "attn_k_norm.weight"], a["pos"], n, nkv, hd,
+                       hp.rope_dims, hp.rope_theta, hp.rope_sections, hp.rms_eps, kc + p0 * row * 4, row, hd)
+        k.flash_attention(cs, a["q"], a["qg"], kc, vc, a["att"], n, p0, nh, nkv, hd)
+        self._gemm(p + "attn_output.weight", a["att"], nh * hd, a["h"], d, n, accumulate=True)
+
+    # ---- feed-forward ----------------------------------------------------------------------------
+
+    def _ffn(self, il: int, n: int) -> None:
+        """Dense SwiGLU (qwen35): h += W_down(silu(W_gate x) * W_up x)."""
+        hp, a = self.hp, self.act.ptr
+        p, d, ff = f"blk.{il}.", hp.n_embd, hp.n_ff
+        self._gemm(p + "ffn_gate.weight", a["x"], d, a["hg"], 2 * ff, n)
+        self._gemm(p + "ffn_up.weight", a["x"], d, a["hg"] + ff * 4, 2 * ff, n)
+        self.kernels.swiglu(self.compute, a["hg"], a["act"], n, ff)
+        self._gemm(p + "ffn_down.weight", a["act"], ff, a["h"], d, n, accumulate=True)
+
+    def _copy_layer(self, il: int) -> None:
+        """Queue the copy of all of layer ``il``'s experts into its stream buffer (waits until the buffer is free)."""
+        slot = self._slot_of[il]
+        self._copy_runs(il, slot, [(0, self.hp.n_expert)])
+
+    def _copy_runs(self, il: int, slot: int, runs: list[tuple[int, int]]) -> None:
+        """Queue copies of expert runs (first, count) of layer ``il`` into buffer ``slot``, packed in order."""
+        drv, xs, stride = self._drv, self.copier, self.layouts[il].stride
+        if self._slot_free[slot] is not None:
+            xs.wait_for_event(self._slot_free[slot])
+        ev0 = self._record(xs)
+        host = self._pinned[il]
+        dst = self.slots[slot]
+        for first, count in runs:
+            drv.memcpy_htod_async(dst, host[first * stride:(first + count) * stride], xs)
+            dst += count * stride
+        ev1 = self._record(xs)
+        self._copied[il] = ev1
+        self._events.append((il, "copy", ev0, ev1, sum(c for _, c in runs) * stride))
+
+    def _moe(self, il: int, n: int, mode: str, order: list[int]) -> None:
+        """Spec 3.3: h += sum of the top-k routed experts (weighted) + the gated shared expert."""
+        hp, k, cs, a, drv = self.hp, self.kernels, self.compute, self.act.ptr, self._drv
+        p, d, E, top, ff = f"blk.{il}.", hp.n_embd, hp.n_expert, hp.n_expert_used, hp.n_ff_exp
+        lay = self.layouts[il]
+        nk = n * top
+        self._gemm(p + "ffn_gate_inp.weight", a["x"], d, a["rlog"], E, n)
+        k.router_topk(cs, a["rlog"], n, E, top, a["tidx"], a["tw"])
+        drv.memcpy_dtoh_async(self.staging["tidx"][:nk], a["tidx"], cs)
+        drv.memcpy_dtoh_async(self.staging["tw"][:nk], a["tw"], cs)
+        cs.synchronize()
+        idx = self.staging["tidx"][:nk].reshape(n, top)
+        weights = self.staging["tw"][:nk].reshape(n, top)
+
+        offsets = np.arange(E, dtype=np.int64) * lay.stride
+        slot = -1
+        if il in self.experts:
+            base = self.experts[il]
+        elif mode == "selective":
+            used = np.unique(idx)
+            offsets = np.zeros(E, dtype=np.int64)
+            offsets[used] = np.arange(used.size, dtype=np.int64) * lay.stride
+            slot = self._slot_turn % len(self.slots)
+            self._slot_turn += 1
+            self._copy_runs(il, slot, copy_runs(used))
+            base = self.slots[slot]
+        else:
+            slot = self._slot_of[il]
+            base = self.slots[slot]
+        tables = route_tables(idx, weights, E, offsets)
+        self._upload_async(a["a_rows"], "a_rows", tables.a_rows)
+        self._upload_async(a["row_w"], "row_w", tables.row_w)
+        self._upload_async(a["inv"], "inv", tables.inv)
+        self._upload_async(a["tiles"], "tiles", tables.tiles)
+
+        sh = 0
+        if hp.n_ff_shexp:
+            fs = hp.n_ff_shexp
+            self._gemm(p + "ffn_gate_shexp.weight", a["x"], d, a["hs"], 2 * fs, n)
+            self._gemm(p + "ffn_up_shexp.weight", a["x"], d, a["hs"] + fs * 4, 2 * fs, n)
+            k.swiglu(cs, a["hs"], a["acts"], n, fs)
+            self._gemm(p + "ffn_down_shexp.weight", a["acts"], fs, a["sh"], d, n)
+            sh = a["sh"]
+
+        if slot >= 0:
+            cs.wait_for_event(self._copied[il])
+        gu = Matrix(p + "ffn_gate_up_exps", lay.gu_qtype, 2 * ff, d, lay.gu_row_bytes, False)
+        down = Matrix(p + "ffn_down_exps", lay.down_qtype, d, ff, lay.down_row_bytes, False)
+        n_tiles = tables.tiles.shape[0]
+        k.gemm(cs, gu, base, a["x"], d, a["hg"], 2 * ff, nk, a_rows=a["a_rows"], tiles=a["tiles"], n_tiles=n_tiles)
+        k.swiglu(cs, a["hg"], a["act"], nk, ff)
+        k.gemm(cs, down, base + lay.gu_bytes, a["act"], ff, a["outs"], d, nk, tiles=a["tiles"], n_tiles=n_tiles,
+               row_scale=a["row_w"])
+        if slot >= 0:
+            self._slot_free[slot] = self._record(cs)
+            if mode == "streamed":
+                j = order.index(il) + len(self.slots)
+                if j < len(order):
+                    self._copy_layer(order[j])
+        k.moe_combine(cs, a["h"], a["outs"], a["inv"], n, top, sh, a["x"],
+                      self.vec[p + "ffn_gate_inp_shexp.weight"] if sh else 0, d)

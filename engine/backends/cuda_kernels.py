@@ -1,0 +1,232 @@
+"""The CUDA kernels of native/cuda/*.cu, built at run time by pycuda and launched through thin typed wrappers.
+
+Each wrapper takes device pointers as Python ints (0 = null), sizes as ints, and a pycuda stream,
+and queues one launch; shapes are those documented in the .cu sources. Builds are cached on disk
+by pycuda (keyed by source, options and GPU architecture) under the user cache directory, so only
+the first run on a machine pays nvcc's compile time.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+from typing import Any
+
+from gguf import GGMLQuantizationType
+
+from ..errors import DeviceError
+from .cuda_plan import TILE_ROWS, Matrix
+
+Q = GGMLQuantizationType
+
+SOURCES = ("gemm.cu", "rows.cu", "gdn.cu", "attention.cu")
+SOURCE_DIR = Path(__file__).resolve().parents[2] / "native" / "cuda"
+
+_GEMM_KERNELS = {Q.F32: "qgemm_f32", Q.F16: "qgemm_f16", Q.BF16: "qgemm_bf16", Q.Q4_0: "qgemm_q4_0",
+                 Q.Q4_1: "qgemm_q4_1", Q.Q8_0: "qgemm_q8_0"}
+_FLASH_DIMS = (32, 64, 128, 256)
+
+# kernel name -> pycuda argument format (struct codes: P pointer, i int32, q int64, f float32, d float64)
+_SIGNATURES = {
+    **{k: "PiPPqPPiPPiiii" for k in _GEMM_KERNELS.values()},
+    "rmsnorm_rows": "PiPPiif",
+    "qk_norm_rope": "PiiPPiiidiifPqi",
+    "conv1d_silu": "PPPPiii",
+    "conv_state_update": "PPPiii",
+    "l2norm_qk": "Piiiff",
+    "gdn_gates": "PPPPPPii",
+    "gated_rmsnorm": "PPPPif",
+    "swiglu_rows": "PPii",
+    "router_topk": "PiiPP",
+    "moe_combine": "PPPiPPPi",
+    "gdn_chunk_prep": "PPPPPPPiiiiiii",
+    "gdn_chunk_scan": "PPPPPPPiiiiiii",
+    **{f"flash_attn_{d}": "PPPPPiiiii" for d in _FLASH_DIMS},
+}
+
+
+def load_driver() -> Any:
+    """Import pycuda's driver module and initialise CUDA.
+
+    Returns:
+        the ``pycuda.driver`` module.
+
+    Raises:
+        DeviceError: pycuda missing or unloadable (no NVIDIA driver), CUDA init failure, or no GPU.
+    """
+    try:
+        import pycuda.driver as drv
+    except ImportError as e:
+        raise DeviceError(f"GPU prefill needs pycuda and an NVIDIA driver: {e}") from e
+    try:
+        drv.init()
+        count = drv.Device.count()
+    except drv.Error as e:
+        raise DeviceError(f"CUDA could not start: {e}") from e
+    if count == 0:
+        raise DeviceError("CUDA found no GPU")
+    return drv
+
+
+def find_nvcc() -> str:
+    """Path of nvcc (``$CUDA_HOME/bin``, PATH, then /usr/local/cuda/bin).
+
+    Raises:
+        DeviceError: not found (the kernels are compiled at run time and need the CUDA toolkit).
+    """
+    candidates = [os.path.join(os.environ["CUDA_HOME"], "bin", "nvcc")] if "CUDA_HOME" in os.environ else []
+    found = shutil.which("nvcc")
+    candidates += [found] if found else []
+    candidates.append("/usr/local/cuda/bin/nvcc")
+    for c in candidates:
+        if os.path.isfile(c) and os.access(c, os.X_OK):
+            return c
+    raise DeviceError("nvcc was not found (set CUDA_HOME or put the CUDA toolkit's bin on PATH): "
+                      "GPU prefill compiles its kernels at run time")
+
+
+def cache_dir() -> str:
+    """Directory of cached kernel builds (platformdirs user cache, ``deltadesk/cuda``)."""
+    import platformdirs
+
+    path = os.path.join(platformdirs.user_cache_dir("deltadesk"), "cuda")
+    os.makedirs(path, exist_ok=True)
+    return path
+
+
+def _grid(n: int, per: int) -> int:
+    return max(1, -(-n // per))
+
+
+class Kernels:
+    """Compiled kernels with one launch method each. Must be built with a CUDA context current."""
+
+    def __init__(self, drv: Any) -> None:
+        """Compile (or load from the cache) every source in :data:`SOURCES`.
+
+        Raises:
+            DeviceError: a source is missing or nvcc fails (the message carries nvcc's output).
+        """
+        from pycuda.compiler import SourceModule
+
+        nvcc = find_nvcc()
+        cache = cache_dir()
+        self._f: dict[str, Any] = {}
+        for name in SOURCES:
+            path = SOURCE_DIR / name
+            try:
+                source = path.read_text()
+            except OSError as e:
+                raise DeviceError(f"CUDA kernel source {path} cannot be read: {e}") from e
+            try:
+                module = SourceModule(source, nvcc=nvcc, options=["-O3"], no_extern_c=True, cache_dir=cache)
+            except drv.Error as e:
+                raise DeviceError(f"compiling {path} failed: {e}") from e
+            for kernel, fmt in _SIGNATURES.items():
+                try:
+                    fn = module.get_function(kernel)
+                except drv.Error:
+                    continue
+                fn.prepare(fmt)
+                self._f[kernel] = fn
+        missing = set(_SIGNATURES) - set(self._f)
+        if missing:
+            raise DeviceError(f"CUDA kernels missing from {SOURCE_DIR}: {', '.join(sorted(missing))}")
+
+    def _launch(self, name: str, grid: tuple[int, int], block: int, stream: Any, *args: Any) -> None:
+        self._f[name].prepared_async_call((grid[0], grid[1], 1), (block, 1, 1), stream, *args)
+
+    # ---- GEMM ----------------------------------------------------------------------------------
+
+    def gemm(self, stream: Any, w: Matrix, w_ptr: int, a: int, lda: int, c: int, ldc: int, m: int, *,
+             a_rows: int = 0, tiles: int = 0, n_tiles: int = 0, c_rows: int = 0, row_scale: int = 0,
+             accumulate: bool = False) -> None:
+        """``C[c_row(i), :w.rows] (+)= scale(i) * A[a_row(i), :w.cols] @ W^T`` for i < m (gemm.cu).
+
+        With ``tiles`` (device (n_tiles, 3) int64), the grouped form: one M tile per row, the weight
+        matrix of each tile at ``w_ptr`` + its byte offset. lda must be a multiple of 4 (float4 loads).
+        """
+        if lda % 4:
+            raise DeviceError(f"GEMM on {w.name}: A row stride {lda} is not a multiple of 4")
+        rows = n_tiles if tiles else _grid(m, TILE_ROWS)
+        if rows == 0 or m == 0:
+            return
+        self._launch(_GEMM_KERNELS[w.qtype], (_grid(w.rows, 128), rows), 256, stream,
+                     a, lda, a_rows, w_ptr, w.row_bytes, tiles, c, ldc, c_rows, row_scale, int(accumulate),
+                     m, w.rows, w.cols)
+
+    # ---- rows ----------------------------------------------------------------------------------
+
+    def rmsnorm(self, stream: Any, x: int, x_stride: int, w: int, y: int, y_stride: int, rows: int, d: int,
+                eps: float) -> None:
+        """``y[r] = rmsnorm(x[r]) * w`` for ``rows`` rows of ``d`` floats."""
+        self._launch("rmsnorm_rows", (rows, 1), 256, stream, x, x_stride, w, y, y_stride, d, eps)
+
+    def qk_norm_rope(self, stream: Any, x: int, x_row: int, x_head: int, w: int, pos: int, n: int, heads: int,
+                     hd: int, rope_dims: int, theta: float, sections: tuple[int, ...], eps: float, y: int,
+                     y_row: int, y_head: int) -> None:
+        """Per-head RMSNorm then M-RoPE of ``heads`` heads of ``n`` tokens (pos: (3, n) int32)."""
+        self._launch("qk_norm_rope", (n, heads), 128, stream, x, x_row, x_head, w, pos, n, hd, rope_dims,
+                     float(theta), int(sections[1]), int(sections[2]), eps, y, y_row, y_head)
+
+    def conv1d_silu(self, stream: Any, mixed: int, state_in: int, w: int, u: int, n: int, c: int, k: int) -> None:
+        """Causal depthwise conv of (n, c) raw projections with the (k-1, c) state, then SiLU, into u."""
+        self._launch("conv1d_silu", (_grid(c, 256), n), 256, stream, mixed, state_in, w, u, n, c, k)
+
+    def conv_state_update(self, stream: Any, mixed: int, state_in: int, state_out: int, n: int, c: int,
+                          k: int) -> None:
+        """state_out = last k-1 rows of [state_in; mixed]."""
+        self._launch("conv_state_update", (_grid(c, 256), k - 1), 256, stream, mixed, state_in, state_out, n, c, k)
+
+    def l2norm_qk(self, stream: Any, u: int, n: int, c: int, nk: int, dk: int, eps: float, q_scale: float) -> None:
+        """In-place L2 norm of the q and k heads of each (n, c) row; q also times q_scale."""
+        self._launch("l2norm_qk", (n, 2 * nk), 32, stream, u, c, nk, dk, eps, q_scale)
+
+    def gdn_gates(self, stream: Any, braw: int, araw: int, ssm_a: int, dt_bias: int, beta: int, g: int,
+                  n: int, nv: int) -> None:
+        """beta = sigmoid(braw); g = ssm_a * softplus(araw + dt_bias), (n, nv) each."""
+        self._launch("gdn_gates", (_grid(n * nv, 256), 1), 256, stream, braw, araw, ssm_a, dt_bias, beta, g,
+                     n * nv, nv)
+
+    def gated_rmsnorm(self, stream: Any, o: int, w: int, z: int, y: int, rows: int, dv: int, eps: float) -> None:
+        """y = rmsnorm(o) * w * silu(z) over ``rows`` rows of dv."""
+        self._launch("gated_rmsnorm", (rows, 1), 32, stream, o, w, z, y, dv, eps)
+
+    def swiglu(self, stream: Any, hg: int, act: int, rows: int, ff: int) -> None:
+        """act (rows, ff) = silu(hg[:, :ff]) * hg[:, ff:]."""
+        self._launch("swiglu_rows", (_grid(rows * ff, 256), 1), 256, stream, hg, act, rows, ff)
+
+    def router_topk(self, stream: Any, logits: int, n: int, e: int, k: int, idx: int, w: int) -> None:
+        """Softmax top-k routing of (n, e) logits into idx (n, k) int32 and weights (n, k)."""
+        if e > 1024:
+            raise DeviceError(f"router_topk handles up to 1024 experts, the model has {e}")
+        self._launch("router_topk", (n, 1), 256, stream, logits, e, k, idx, w)
+
+    def moe_combine(self, stream: Any, h: int, outs: int, inv: int, n: int, k: int, sh: int, y: int,
+                    w_shgate: int, d: int) -> None:
+        """h[t] += routed expert rows of t (+ gated shared expert when sh != 0)."""
+        self._launch("moe_combine", (n, 1), 256, stream, h, outs, inv, k, sh, y, w_shgate, d)
+
+    # ---- Gated DeltaNet and attention ----------------------------------------------------------
+
+    def gdn_chunked(self, stream: Any, u: int, beta: int, g: int, cw: int, cu: int, cp: int, cg: int,
+                    state: int, o: int, n: int, c: int, nk: int, nv: int, dk: int, dv: int) -> None:
+        """Chunked gated delta rule over n tokens (gdn.cu): o (n, nv, dv), state (nv, dk, dv) updated."""
+        if dk > 128:
+            raise DeviceError(f"the GPU delta-net kernels handle head_k_dim <= 128, the model has {dk}")
+        nc = _grid(n, 64)
+        args = (n, c, nk, nv, dk, dv, nc)
+        self._launch("gdn_chunk_prep", (nc, nv), 256, stream, u, beta, g, cw, cu, cp, cg, *args)
+        self._launch("gdn_chunk_scan", (_grid(dv, 32), nv), 256, stream, u, cw, cu, cp, cg, state, o, *args)
+
+    def flash_attention(self, stream: Any, q: int, qg: int, kc: int, vc: int, out: int, n: int, pos0: int,
+                        n_head: int, n_kv: int, hd: int) -> None:
+        """Gated causal GQA attention of n new tokens at cache rows pos0.. (attention.cu)."""
+        group = n_head // n_kv
+        if hd not in _FLASH_DIMS or group > 64:
+            raise DeviceError(f"the GPU attention kernel handles head_dim in {_FLASH_DIMS} and up to 64 q heads "
+                              f"per kv head, the model has {hd} and {group}")
+        tq = 64 // group
+        self._launch(f"flash_attn_{hd}", (_grid(n, tq), n_kv), 256, stream, q, qg, kc, vc, out, n, pos0,
+                     n_head, n_kv, group)

@@ -1,0 +1,783 @@
+"""GPU prefill (engine.backends.cuda) against the numpy reference.
+
+Two kinds of tests:
+
+* planning tests (no GPU): placement under a budget, pass sizes, routing tables, the DeviceError
+  a machine without pycuda gets;
+* GPU tests (skipped without pycuda and a CUDA device): every kernel against its numpy twin in
+  engine.ops.reference, then whole prefills of synth models (dense and MoE; prompts of 1, 63, 64,
+  65 and 1000 tokens; a budget that keeps everything resident and one that streams every expert
+  layer) against Qwen35Model.forward on the CPU: last logits and the whole final state.
+
+Tolerance: max |gpu - cpu| <= 2e-3 * max |cpu| for logits and every state array (float32 on both
+sides; the GEMMs sum in another order than numpy's sgemm, the rest rounds at the same op boundaries,
+so differences are ~1e-5 relative; a flipped top-k expert choice would show as ~1e-1).
+"""
+
+from __future__ import annotations
+
+import bisect
+
+import numpy as np
+import pytest
+
+from engine.errors import DeviceError
+from engine.backends.cuda_plan import (Matrix, activation_bytes, copy_runs, gemm_matrix, kv_bytes, pass_tokens,
+                                       plan_placement, route_tables, state_bytes, use_selective)
+from engine.synth import preset_hparams
+from gguf import GGMLQuantizationType as Q
+
+TOL = 2e-3
+
+
+def rel_err(got: np.ndarray, want: np.ndarray) -> float:
+    """max |got - want| / max |want| (NaN anywhere -> inf)."""
+    got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
+    if not np.all(np.isfinite(got)):
+        return float("inf")
+    scale = max(float(np.max(np.abs(want))), 1e-30)
+    return float(np.max(np.abs(got - want))) / scale
+
+
+# ---- planning (runs everywhere) -----------------------------------------------------------------
+
+def _plan(budget: int, plan_tokens: int = 256):
+    hp = preset_hparams("35b-a3b", n_vocab=1024, layers=8)
+    mats = [Matrix(f"m{i}", Q.Q4_0, 1024, 2048, 1152, False) for i in range(10)]
+    layer = 256 * 3 * 512 * 2048 * 18 // 32
+    return hp, layer, plan_placement(hp, budget, mats, 1 << 20, layer, plan_tokens)
+
+
+def test_everything_fits_when_budget_is_large():
+    hp, layer, p = _plan(64 << 30)
+    assert p.resident_experts == tuple(range(8)) and p.streamed_experts == () and p.n_slots == 0
+    assert "resident" in p.text() and "streamed" not in p.text()
+
+
+def test_small_budget_streams_the_later_layers_through_two_buffers():
+    hp, layer, p = _plan(2 << 30)
+    assert p.n_slots == 2 and p.slot_bytes >= layer
+    assert p.resident_experts == tuple(range(len(p.resident_experts)))
+    assert p.resident_experts + p.streamed_experts == tuple(range(8))
+    assert len(p.streamed_experts) >= 4
+    assert p.fixed_bytes + p.reserve <= p.budget
+    text = p.text()
+    assert "streamed" in text and "pinned host RAM" in text and "2 x" in text
+
+
+def test_budget_below_the_minimum_is_a_device_error():
+    with pytest.raises(DeviceError, match="VRAM budget"):
+        _plan(200 << 20)
+
+
+def test_pass_tokens_whole_prompt_or_multiples_of_64():
+    hp = preset_hparams("35b-a3b", n_vocab=1024, layers=4)
+    assert pass_tokens(hp, 947, 947, 8 << 30) == 947
+    room = activation_bytes(hp, 300) + kv_bytes(hp, 4000)
+    n = pass_tokens(hp, 4000, 4000, room)
+    assert n % 64 == 0 and 0 < n <= 300
+    with pytest.raises(DeviceError):
+        pass_tokens(hp, 4000, 4000, kv_bytes(hp, 4000))
+    assert state_bytes(hp) == 3 * (3 * 8192 * 4 + 32 * 128 * 128 * 4)
+
+
+def test_gemm_matrix_converts_types_without_kernel():
+    assert not gemm_matrix("w", Q.Q4_0, (64, 96)).converted
+    m = gemm_matrix("w", Q.Q6_K, (64, 256))
+    assert m.converted and m.qtype == Q.F32 and m.row_bytes == 1024
+    with pytest.raises(DeviceError, match="multiple of 32"):
+        gemm_matrix("w", Q.F32, (4, 40))
+
+
+def test_route_tables_sort_by_expert_and_cut_tiles():
+    rng = np.random.default_rng(1)
+    n, k, E = 300, 4, 16
+    idx = np.stack([rng.permutation(E)[:k] for _ in range(n)])
+    w = rng.random((n, k)).astype(np.float32)
+    off = np.arange(E, dtype=np.int64) * 1000
+    t = route_tables(idx, w, E, off)
+    flat = idx.reshape(-1)
+    sorted_e = flat[np.argsort(flat, kind="stable")]
+    assert np.all(np.diff(sorted_e) >= 0)
+    assert np.array_equal(t.a_rows, np.argsort(flat, kind="stable") // k)
+    assert np.array_equal(sorted_e[t.inv], flat)
+    assert np.array_equal(t.row_w[t.inv], w.reshape(-1))
+    assert t.tiles[:, 1].max() <= 64 and t.tiles[:, 1].sum() == n * k
+    for start, count, offset in t.tiles:
+        assert np.all(sorted_e[start:start + count] == offset // 1000)
+    assert np.array_equal(t.experts, np.unique(flat))
+
+
+def test_copy_runs_and_selective_rule():
+    assert copy_runs(np.array([0, 1, 2, 5, 7, 8])) == [(0, 3), (5, 1), (7, 2)]
+    hp = preset_hparams("35b-a3b", n_vocab=1024, layers=4)
+    assert use_selective(hp, 1) and use_selective(hp, 40) and not use_selective(hp, 947)
+
+
+def test_no_pycuda_is_a_device_error(tmp_path):
+    try:
+        import pycuda.driver  # noqa: F401
+    except ImportError:
+        pass
+    else:
+        pytest.skip("pycuda is importable here")
+    from engine.backends.cuda import CudaPrefill
+    from engine.gguf_file import GGUFFile
+    from engine.synth import synth
+
+    path = tmp_path / "tiny.gguf"
+    synth(path, "tiny", quant="q8_0", vocab=None)
+    f = GGUFFile.open(path)
+    with pytest.raises(DeviceError, match="pycuda"):
+        CudaPrefill(f.hparams, f)
+
+
+# ---- the host side of CudaPrefill on an emulated device (runs everywhere) ----------------------------
+#
+# A stand-in for pycuda.driver (device memory = numpy byte arrays behind integer addresses, bounds
+# checked; streams and events run eagerly) and for the Kernels class (each launch = the numpy twin
+# from engine.ops.reference on those arrays). It exercises everything CudaPrefill does on the host:
+# placement, buffer offsets, streaming bookkeeping, routing tables, passes and the state hand-off.
+
+class _FakeError(Exception):
+    pass
+
+
+class _FakeMemoryError(_FakeError):
+    pass
+
+
+class _FakeMem:
+    def __init__(self) -> None:
+        self.blocks: dict[int, np.ndarray] = {}
+        self.next = 1 << 20
+
+    def alloc(self, n: int) -> int:
+        base = self.next
+        self.next += -(-n // 4096) * 4096 + 4096
+        self.blocks[base] = np.full(n, 0xFF, np.uint8)  # poison: NaN as float32
+        return base
+
+    def view(self, ptr: int, nbytes: int) -> np.ndarray:
+        bases = sorted(self.blocks)
+        base = bases[bisect.bisect_right(bases, ptr) - 1]
+        off = ptr - base
+        block = self.blocks[base]
+        assert 0 <= off and off + nbytes <= block.size, f"device access {ptr:#x}+{nbytes} outside its allocation"
+        return block[off:off + nbytes]
+
+    def arr(self, ptr: int, shape, dtype=np.float32) -> np.ndarray:
+        dtype = np.dtype(dtype)
+        count = int(np.prod(shape))
+        return self.view(ptr, count * dtype.itemsize).view(dtype).reshape(shape)
+
+    def rows(self, ptr: int, index, stride: int, width: int) -> np.ndarray:
+        """Rows ``index`` of a (., stride) float32 matrix at ptr, first ``width`` columns (a view when consecutive)."""
+        index = np.asarray(index)
+        if index.size and np.all(np.diff(index) == 1):
+            n = index.size
+            return self.arr(ptr + int(index[0]) * stride * 4, ((n - 1) * stride + width,)).reshape(-1)[
+                np.arange(n)[:, None] * stride + np.arange(width)]
+        return np.stack([self.arr(ptr + int(i) * stride * 4, (width,)) for i in index])
+
+
+class _FakeAlloc:
+    def __init__(self, mem: _FakeMem, n: int) -> None:
+        self.mem, self.ptr = mem, mem.alloc(n)
+
+    def __int__(self) -> int:
+        return self.ptr
+
+    def free(self) -> None:
+        del self.mem.blocks[self.ptr]
+
+
+class _FakeEvent:
+    def record(self, stream=None) -> None:
+        pass
+
+    def time_till(self, other) -> float:
+        return 0.0
+
+
+class _FakeStream:
+    def synchronize(self) -> None:
+        pass
+
+    def wait_for_event(self, ev) -> None:
+        pass
+
+
+class _FakeContext:
+    stack: list = []
+
+    def push(self) -> None:
+        _FakeContext.stack.append(self)
+
+    @staticmethod
+    def pop() -> None:
+        _FakeContext.stack.pop()
+
+    def detach(self) -> None:
+        pass
+
+
+class FakeDriver:
+    """The subset of pycuda.driver that CudaPrefill uses."""
+
+    Error, MemoryError, Event, Stream, Context = _FakeError, _FakeMemoryError, _FakeEvent, _FakeStream, _FakeContext
+
+    def __init__(self, free: int = 8 << 30) -> None:
+        self.mem = _FakeMem()
+        self.free = free
+
+    class Device:
+        def __init__(self, i: int) -> None:
+            pass
+
+        def retain_primary_context(self):
+            return _FakeContext()
+
+    def mem_get_info(self):
+        return self.free, 16 << 30
+
+    def mem_alloc(self, n: int) -> _FakeAlloc:
+        assert _FakeContext.stack, "allocation without a current context"
+        return _FakeAlloc(self.mem, n)
+
+    def pagelocked_empty(self, shape, dtype):
+        return np.empty(shape, dtype)
+
+    def memcpy_htod(self, ptr, a) -> None:
+        a = np.ascontiguousarray(a)
+        self.mem.view(int(ptr), a.nbytes)[:] = a.reshape(-1).view(np.uint8)
+
+    def memcpy_dtoh(self, a, ptr) -> None:
+        a.reshape(-1).view(np.uint8)[:] = self.mem.view(int(ptr), a.nbytes)
+
+    def memcpy_htod_async(self, ptr, a, stream) -> None:
+        self.memcpy_htod(ptr, a)
+
+    def memcpy_dtoh_async(self, a, ptr, stream) -> None:
+        self.memcpy_dtoh(a, ptr)
+
+    def memcpy_dtod_async(self, dst, src, n, stream) -> None:
+        self.mem.view(int(dst), n)[:] = self.mem.view(int(src), n)
+
+
+class FakeKernels:
+    """engine.backends.cuda_kernels.Kernels with each kernel replaced by its numpy twin."""
+
+    def __init__(self, drv: FakeDriver) -> None:
+        self.m = drv.mem
+
+    def gemm(self, stream, w, w_ptr, a, lda, c, ldc, m, *, a_rows=0, tiles=0, n_tiles=0, c_rows=0, row_scale=0,
+             accumulate=False):
+        from engine.quant import dequantize
+
+        M = self.m
+        if tiles:
+            todo = M.arr(tiles, (n_tiles, 3), np.int64)
+        else:
+            todo = [(s, min(64, m - s), 0) for s in range(0, m, 64)]
+        for start, count, off in todo:
+            r = np.arange(start, start + count)
+            src = M.arr(a_rows, (m,), np.int32)[r] if a_rows else r
+            x = M.rows(a, src, lda, w.cols)
+            wd = dequantize(M.view(w_ptr + int(off), w.rows * w.row_bytes).reshape(w.rows, w.row_bytes), w.qtype,
+                            (w.rows, w.cols))
+            out = x @ wd.T
+            if row_scale:
+                out = out * M.arr(row_scale, (m,))[r][:, None]
+            dst = M.arr(c_rows, (m,), np.int32)[r] if c_rows else r
+            if accumulate:
+                out = out + M.rows(c, dst, ldc, w.rows)
+            for i, row in zip(dst, out):
+                M.arr(c + int(i) * ldc * 4, (w.rows,))[:] = row
+
+    def rmsnorm(self, stream, x, x_stride, w, y, y_stride, rows, d, eps):
+        from engine.ops import reference as ops
+
+        out = ops.rmsnorm(self.m.rows(x, range(rows), x_stride, d), self.m.arr(w, (d,)), eps)
+        for i in range(rows):
+            self.m.arr(y + i * y_stride * 4, (d,))[:] = out[i]
+
+    def qk_norm_rope(self, stream, x, x_row, x_head, w, pos, n, heads, hd, rope_dims, theta, sections, eps, y,
+                     y_row, y_head):
+        from engine.ops import reference as ops
+
+        xs = np.stack([self.m.rows(x + t * x_row * 4, range(heads), x_head, hd) for t in range(n)])
+        out = ops.rope_multi(ops.rmsnorm(xs, self.m.arr(w, (hd,)), eps), self.m.arr(pos, (3, n), np.int32),
+                             rope_dims, theta, sections)
+        for t in range(n):
+            for h in range(heads):
+                self.m.arr(y + (t * y_row + h * y_head) * 4, (hd,))[:] = out[t, h]
+
+    def conv1d_silu(self, stream, mixed, state_in, w, u, n, c, k):
+        from engine.ops import reference as ops
+
+        y, _ = ops.causal_conv1d(self.m.arr(mixed, (n, c)), self.m.arr(w, (c, k)), self.m.arr(state_in, (k - 1, c)))
+        self.m.arr(u, (n, c))[:] = ops.silu(y)
+
+    def conv_state_update(self, stream, mixed, state_in, state_out, n, c, k):
+        from engine.ops import reference as ops
+
+        _, s = ops.causal_conv1d(self.m.arr(mixed, (n, c)), np.zeros((c, k), np.float32),
+                                 self.m.arr(state_in, (k - 1, c)))
+        self.m.arr(state_out, (k - 1, c))[:] = s
+
+    def l2norm_qk(self, stream, u, n, c, nk, dk, eps, q_scale):
+        from engine.ops import reference as ops
+
+        x = self.m.arr(u, (n, c))
+        x[:, :nk * dk] = (ops.l2norm(x[:, :nk * dk].reshape(n, nk, dk), eps) * np.float32(q_scale)).reshape(n, -1)
+        x[:, nk * dk:2 * nk * dk] = ops.l2norm(x[:, nk * dk:2 * nk * dk].reshape(n, nk, dk), eps).reshape(n, -1)
+
+    def gdn_gates(self, stream, braw, araw, ssm_a, dt_bias, beta, g, n, nv):
+        from engine.ops import reference as ops
+
+        self.m.arr(beta, (n, nv))[:] = ops.sigmoid(self.m.arr(braw, (n, nv)))
+        alpha = self.m.arr(araw, (n, nv)) + self.m.arr(dt_bias, (nv,))
+        self.m.arr(g, (n, nv))[:] = self.m.arr(ssm_a, (nv,)) * ops.softplus(alpha)
+
+    def gated_rmsnorm(self, stream, o, w, z, y, rows, dv, eps):
+        from engine.ops import reference as ops
+
+        self.m.arr(y, (rows, dv))[:] = ops.gated_rmsnorm(self.m.arr(o, (rows, dv)), self.m.arr(w, (dv,)),
+                                                         self.m.arr(z, (rows, dv)), eps)
+
+    def swiglu(self, stream, hg, act, rows, ff):
+        from engine.ops import reference as ops
+
+        h = self.m.arr(hg, (rows, 2 * ff))
+        self.m.arr(act, (rows, ff))[:] = ops.silu(h[:, :ff]) * h[:, ff:]
+
+    def router_topk(self, stream, logits, n, e, k, idx, w):
+        from engine.ops import reference as ops
+
+        i, wt = ops.topk_route(self.m.arr(logits, (n, e)), k)
+        self.m.arr(idx, (n, k), np.int32)[:] = i
+        self.m.arr(w, (n, k))[:] = wt
+
+    def moe_combine(self, stream, h, outs, inv, n, k, sh, y, w_shgate, d):
+        from engine.ops import reference as ops
+
+        hh = self.m.arr(h, (n, d))
+        rows = np.sort(self.m.arr(inv, (n, k), np.int32), axis=1)
+        acc = np.zeros((n, d), np.float32)
+        for s in range(k):
+            acc += np.stack([self.m.arr(outs + int(r) * d * 4, (d,)) for r in rows[:, s]])
+        if sh:
+            gate = ops.sigmoid(self.m.arr(y, (n, d)) @ self.m.arr(w_shgate, (d,)))
+            acc = acc + self.m.arr(sh, (n, d)) * gate[:, None]
+        hh += acc
+
+    def gdn_chunked(self, stream, u, beta, g, cw, cu, cp, cg, state, o, n, c, nk, nv, dk, dv):
+        from engine.ops import reference as ops
+
+        x = self.m.arr(u, (n, c))
+        q = x[:, :nk * dk].reshape(n, nk, dk)
+        k = x[:, nk * dk:2 * nk * dk].reshape(n, nk, dk)
+        v = x[:, 2 * nk * dk:].reshape(n, nv, dv)
+        s = self.m.arr(state, (nv, dk, dv))
+        out, s[:] = ops.gdn_chunked(q, k, v, self.m.arr(g, (n, nv)), self.m.arr(beta, (n, nv)), s)
+        self.m.arr(o, (n, nv, dv))[:] = out
+
+    def flash_attention(self, stream, q, qg, kc, vc, out, n, pos0, n_head, n_kv, hd):
+        from engine.ops import reference as ops
+
+        end = pos0 + n
+        gate = self.m.arr(qg, (n, n_head, 2 * hd))[..., hd:]
+        self.m.arr(out, (n, n_head * hd))[:] = ops.gated_attention(
+            self.m.arr(q, (n, n_head, hd)), gate, self.m.arr(kc, (end, n_kv, hd)), self.m.arr(vc, (end, n_kv, hd)))
+
+
+@pytest.fixture
+def emulated(monkeypatch):
+    """CudaPrefill on the emulated device: returns make(path, **kwargs) -> CudaPrefill."""
+    import engine.backends.cuda as cuda
+
+    drv = FakeDriver()
+    monkeypatch.setattr(cuda, "load_driver", lambda: drv)
+    monkeypatch.setattr(cuda, "Kernels", FakeKernels)
+    made = []
+
+    def make(f, **kwargs):
+        eng = cuda.CudaPrefill(f.hparams, f, **kwargs)
+        made.append(eng)
+        return eng
+
+    yield make
+    for eng in made:
+        eng.close()
+    assert not drv.mem.blocks, "close() left device memory allocated"
+
+
+@pytest.fixture(scope="module")
+def tiny_files(tmp_path_factory):
+    from engine.gguf_file import GGUFFile
+    from engine.synth import synth
+
+    folder = tmp_path_factory.mktemp("emulated")
+    out = {}
+    for preset, quant in (("tiny", "q4_0"), ("dense-tiny", "q8_0")):
+        synth(folder / f"{preset}.gguf", preset, quant=quant, seed=3, vocab=[f"t{i}" for i in range(256)])
+        out[preset] = GGUFFile.open(folder / f"{preset}.gguf")
+    return out
+
+
+@pytest.mark.parametrize("preset", ["tiny", "dense-tiny"])
+def test_emulated_prefill_resident_streamed_selective_and_passes(emulated, tiny_files, preset):
+    from engine.models.qwen35 import Qwen35Model
+    from engine.state import SequenceState
+
+    f = tiny_files[preset]
+    hp = f.hparams
+    cpu = Qwen35Model(hp, f)
+    toks = np.random.default_rng(0).integers(0, hp.n_vocab, 130)
+    want_state = SequenceState.new(hp, 256)
+    want = cpu.forward(toks, want_state)[-1]
+    one_state = SequenceState.new(hp, 256)
+    want_one = cpu.forward(toks[:1], one_state)[-1]
+
+    full = emulated(f, plan_tokens=256)
+    engines = [full]
+    if hp.is_moe:
+        p = full.plan
+        assert p.resident_experts == tuple(range(hp.n_layer))
+        tight = p.resident_weights + p.state + 2 * p.expert_layer_bytes + p.reserve + 1024
+        stream = emulated(f, budget_bytes=tight, plan_tokens=256)
+        assert stream.plan.streamed_experts == tuple(range(hp.n_layer)) and "streamed" in stream.plan.text()
+        engines.append(stream)
+        passes = emulated(f, budget_bytes=tight - activation_bytes(hp, 256) + activation_bytes(hp, 64),
+                          plan_tokens=64)
+        engines.append(passes)
+    for eng in engines:
+        st = SequenceState.new(hp, 256)
+        assert rel_err(eng.prefill(toks, st), want) < 1e-4
+        _assert_state_close(st, want_state)
+        st1 = SequenceState.new(hp, 256)
+        assert rel_err(eng.prefill(toks[:1], st1), want_one) < 1e-4
+        _assert_state_close(st1, one_state)
+        st2 = SequenceState.new(hp, 256)
+        eng.prefill(toks[:70], st2)
+        assert rel_err(eng.prefill(toks[70:], st2), want) < 1e-4
+        _assert_state_close(st2, want_state)
+    if hp.is_moe:
+        st = SequenceState.new(hp, 256)
+        stream.prefill(toks, st)
+        tel = stream.last_telemetry
+        assert tel.mode == "streamed" and tel.passes == 1
+        assert tel.h2d_bytes == hp.n_layer * stream.layouts[0].nbytes
+        stream.prefill(toks[:1], SequenceState.new(hp, 256))
+        tel = stream.last_telemetry
+        assert tel.mode == "selective"
+        assert 0 < tel.h2d_bytes <= hp.n_layer * hp.n_expert_used * stream.layouts[0].stride
+        passes.prefill(toks, SequenceState.new(hp, 256))
+        assert passes.last_telemetry.passes == 3
+
+
+# ---- GPU ----------------------------------------------------------------------------------------
+
+def _gpu_available() -> bool:
+    try:
+        import pycuda.driver as drv
+        drv.init()
+        return drv.Device.count() > 0
+    except Exception:
+        return False
+
+
+gpu = pytest.mark.skipif(not _gpu_available(), reason="needs pycuda and an NVIDIA GPU")
+
+
+@pytest.fixture(scope="module")
+def cuda_ctx():
+    import pycuda.driver as drv
+
+    ctx = drv.Device(0).retain_primary_context()
+    ctx.push()
+    from engine.backends.cuda_kernels import Kernels
+
+    yield drv, Kernels(drv)
+    _KEEP.clear()
+    drv.Context.pop()
+    ctx.detach()
+
+
+_KEEP: list = []
+
+
+def _dev(drv, a: np.ndarray) -> "object":
+    return drv.to_device(np.ascontiguousarray(a))
+
+
+@gpu
+@pytest.mark.parametrize("qtype", [Q.F32, Q.F16, Q.BF16, Q.Q4_0, Q.Q4_1, Q.Q8_0])
+def test_gemm_kernel_matches_dequantized_matmul(cuda_ctx, qtype):
+    from engine.quant import dequantize, quantize
+
+    drv, k = cuda_ctx
+    rng = np.random.default_rng(int(qtype))
+    M, N, K = 150, 200, 96
+    w = rng.standard_normal((N, K)).astype(np.float32)
+    raw = quantize(w, qtype)
+    wd = dequantize(raw, qtype, (N, K))
+    a = rng.standard_normal((M, K)).astype(np.float32)
+    m = gemm_matrix("w", qtype, (N, K))
+    wg, ag = _dev(drv, raw), _dev(drv, a)
+    c = drv.mem_alloc(M * N * 4)
+    s = drv.Stream()
+    k.gemm(s, m, int(wg), int(ag), K, int(c), N, M)
+    s.synchronize()
+    assert rel_err(drv.from_device(c, (M, N), np.float32), a @ wd.T) < 1e-5
+
+    # gathered rows, row scale and accumulate into a wider C
+    rows = rng.integers(0, M, 70).astype(np.int32)
+    scale = rng.random(70).astype(np.float32)
+    base = rng.standard_normal((70, N + 8)).astype(np.float32)
+    cg = _dev(drv, base)
+    k.gemm(s, m, int(wg), int(ag), K, int(cg), N + 8, 70, a_rows=int(_keep(drv, rows)),
+           row_scale=int(_keep(drv, scale)), accumulate=True)
+    s.synchronize()
+    want = base.copy()
+    want[:, :N] += scale[:, None] * (a[rows] @ wd.T)
+    assert rel_err(drv.from_device(cg, (70, N + 8), np.float32), want) < 1e-5
+
+
+def _keep(drv, a: np.ndarray):
+    """Upload and keep the allocation alive until the module's context goes."""
+    g = _dev(drv, a)
+    _KEEP.append(g)
+    return g
+
+
+@gpu
+def test_grouped_gemm_over_experts(cuda_ctx):
+    from engine.quant import dequantize, quantize
+
+    drv, k = cuda_ctx
+    rng = np.random.default_rng(5)
+    E, N, K, n, top = 6, 64, 64, 90, 2
+    w = rng.standard_normal((E, N, K)).astype(np.float32)
+    raw = np.stack([quantize(w[e], Q.Q4_0) for e in range(E)])
+    wd = np.stack([dequantize(raw[e], Q.Q4_0, (N, K)) for e in range(E)])
+    idx = np.stack([rng.permutation(E)[:top] for _ in range(n)])
+    rw = rng.random((n, top)).astype(np.float32)
+    stride = raw[0].nbytes
+    t = route_tables(idx, rw, E, np.arange(E, dtype=np.int64) * stride)
+    x = rng.standard_normal((n, K)).astype(np.float32)
+    m = gemm_matrix("w", Q.Q4_0, (N, K))
+    out = drv.mem_alloc(n * top * N * 4)
+    s = drv.Stream()
+    k.gemm(s, m, int(_keep(drv, raw)), int(_keep(drv, x)), K, int(out), N, n * top,
+           a_rows=int(_keep(drv, t.a_rows)), tiles=int(_keep(drv, t.tiles)), n_tiles=len(t.tiles),
+           row_scale=int(_keep(drv, t.row_w)))
+    s.synchronize()
+    got = drv.from_device(out, (n * top, N), np.float32)
+    flat = idx.reshape(-1)
+    want = np.stack([rw.reshape(-1)[i] * (x[i // top] @ wd[flat[i]].T) for i in range(n * top)])
+    assert rel_err(got[t.inv], want) < 1e-5
+
+
+@gpu
+@pytest.mark.parametrize("dims", [(2, 4, 16, 16), (4, 8, 32, 32), (16, 32, 128, 128)])
+@pytest.mark.parametrize("n", [1, 63, 64, 65, 130])
+def test_gdn_chunked_kernel_matches_reference(cuda_ctx, dims, n):
+    from engine.ops import reference as ops
+
+    drv, k = cuda_ctx
+    nk, nv, dk, dv = dims
+    if dk == 128 and n not in (1, 130):
+        pytest.skip("large heads: two lengths are enough")
+    rng = np.random.default_rng(n + dk)
+    C = 2 * nk * dk + nv * dv
+    u = rng.standard_normal((n, C)).astype(np.float32)
+    q = ops.l2norm(u[:, :nk * dk].reshape(n, nk, dk), 1e-6) * np.float32(dk ** -0.5)
+    kk = ops.l2norm(u[:, nk * dk:2 * nk * dk].reshape(n, nk, dk), 1e-6)
+    u[:, :nk * dk] = q.reshape(n, -1)
+    u[:, nk * dk:2 * nk * dk] = kk.reshape(n, -1)
+    v = u[:, 2 * nk * dk:].reshape(n, nv, dv)
+    beta = ops.sigmoid(rng.standard_normal((n, nv)))
+    g = (-np.exp(rng.uniform(np.log(0.5), np.log(4), nv)) * ops.softplus(rng.standard_normal((n, nv)))).astype(np.float32)
+    s0 = (0.1 * rng.standard_normal((nv, dk, dv))).astype(np.float32)
+    o_ref, s_ref = ops.gdn_chunked(q, kk, v, g, beta, s0)
+
+    nc = -(-n // 64)
+    rows = nv * nc * 64
+    st = _dev(drv, s0)
+    o = drv.mem_alloc(n * nv * dv * 4)
+    scratch = [drv.mem_alloc(rows * x * 4) for x in (dk, dv, 64)] + [drv.mem_alloc(rows * 8)]
+    s = drv.Stream()
+    k.gdn_chunked(s, int(_keep(drv, u)), int(_keep(drv, beta)), int(_keep(drv, g)), *(int(x) for x in scratch),
+                  int(st), int(o), n, C, nk, nv, dk, dv)
+    s.synchronize()
+    assert rel_err(drv.from_device(o, (n, nv, dv), np.float32), o_ref) < 1e-4
+    assert rel_err(drv.from_device(st, (nv, dk, dv), np.float32), s_ref) < 1e-4
+
+
+@gpu
+@pytest.mark.parametrize("hd,n_head,n_kv", [(32, 4, 2), (64, 8, 2), (256, 16, 2)])
+@pytest.mark.parametrize("pos0,n", [(0, 1), (0, 130), (37, 70)])
+def test_flash_attention_matches_reference(cuda_ctx, hd, n_head, n_kv, pos0, n):
+    from engine.ops import reference as ops
+
+    drv, k = cuda_ctx
+    rng = np.random.default_rng(hd + n + pos0)
+    m = pos0 + n
+    q = rng.standard_normal((n, n_head, hd)).astype(np.float32)
+    qg = rng.standard_normal((n, n_head, 2 * hd)).astype(np.float32)
+    qg[..., :hd] = q
+    kc = rng.standard_normal((m, n_kv, hd)).astype(np.float32)
+    vc = rng.standard_normal((m, n_kv, hd)).astype(np.float32)
+    want = ops.gated_attention(q, qg[..., hd:], kc, vc)
+    out = drv.mem_alloc(n * n_head * hd * 4)
+    s = drv.Stream()
+    k.flash_attention(s, int(_keep(drv, q)), int(_keep(drv, qg)), int(_keep(drv, kc)), int(_keep(drv, vc)), int(out),
+                      n, pos0, n_head, n_kv, hd)
+    s.synchronize()
+    assert rel_err(drv.from_device(out, (n, n_head * hd), np.float32), want) < 1e-4
+
+
+@gpu
+def test_router_topk_matches_reference(cuda_ctx):
+    from engine.ops import reference as ops
+
+    drv, k = cuda_ctx
+    rng = np.random.default_rng(3)
+    n, E, top = 500, 256, 8
+    logits = rng.standard_normal((n, E)).astype(np.float32)
+    idx = drv.mem_alloc(n * top * 4)
+    w = drv.mem_alloc(n * top * 4)
+    s = drv.Stream()
+    k.router_topk(s, int(_keep(drv, logits)), n, E, top, int(idx), int(w))
+    s.synchronize()
+    ref_idx, ref_w = ops.topk_route(logits, top)
+    assert np.array_equal(drv.from_device(idx, (n, top), np.int32), ref_idx)
+    assert rel_err(drv.from_device(w, (n, top), np.float32), ref_w) < 1e-6
+
+
+# ---- whole prefills -------------------------------------------------------------------------------
+
+MODELS = [("tiny", "q4_0"), ("dense-tiny", "q8_0"), ("small", "q4_0")]
+LENGTHS = [1, 63, 64, 65, 1000]
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    """(preset, quant) -> (GGUFFile, CPU model, {budget name: CudaPrefill}, {length: (logits, state)})."""
+    from engine.backends.cuda import CudaPrefill
+    from engine.gguf_file import GGUFFile
+    from engine.models.qwen35 import Qwen35Model
+    from engine.synth import synth
+
+    folder = tmp_path_factory.mktemp("cuda-synth")
+    made = {}
+
+    def get(preset: str, quant: str):
+        if (preset, quant) not in made:
+            path = folder / f"{preset}-{quant}.gguf"
+            synth(path, preset, quant=quant, seed=7, vocab=None)
+            f = GGUFFile.open(path)
+            full = CudaPrefill(f.hparams, f, plan_tokens=1024)
+            stream = full
+            if f.hparams.is_moe:
+                p = full.plan
+                tight = p.resident_weights + p.state + 2 * p.expert_layer_bytes + p.reserve + (1 << 10)
+                stream = CudaPrefill(f.hparams, f, budget_bytes=tight, plan_tokens=1024)
+                assert stream.plan.resident_experts == () and stream.plan.n_slots == 2
+            made[preset, quant] = (f, Qwen35Model(f.hparams, f), {"fits": full, "stream": stream}, {})
+        return made[preset, quant]
+
+    yield get
+    for _, _, engines, _ in made.values():
+        for e in {id(x): x for x in engines.values()}.values():
+            e.close()
+
+
+def _tokens(hp, n: int, seed: int) -> np.ndarray:
+    return np.random.default_rng(seed).integers(0, hp.n_vocab, n)
+
+
+def _cpu(model_entry, n: int):
+    from engine.state import SequenceState
+
+    f, cpu, _, refs = model_entry
+    if n not in refs:
+        st = SequenceState.new(f.hparams, 2048)
+        logits = cpu.forward(_tokens(f.hparams, n, n), st)[-1]
+        refs[n] = (logits, st)
+    return refs[n]
+
+
+def _assert_state_close(got, want):
+    assert got.pos == want.pos
+    for name in ("conv", "ssm"):
+        for il, a in getattr(want, name).items():
+            assert rel_err(getattr(got, name)[il], a) < TOL, f"{name}[{il}]"
+    for name in ("k", "v"):
+        for il, a in getattr(want, name).items():
+            assert rel_err(getattr(got, name)[il][:want.pos], a[:want.pos]) < TOL, f"{name}[{il}]"
+
+
+@gpu
+@pytest.mark.parametrize("budget", ["fits", "stream"])
+@pytest.mark.parametrize("n", LENGTHS)
+@pytest.mark.parametrize("preset,quant", MODELS)
+def test_gpu_prefill_matches_cpu(models, preset, quant, n, budget):
+    from engine.state import SequenceState
+
+    entry = models(preset, quant)
+    f, cpu, engines, _ = entry
+    if budget == "stream" and not f.hparams.is_moe:
+        pytest.skip("a dense model has no routed experts to stream")
+    want_logits, want_state = _cpu(entry, n)
+    st = SequenceState.new(f.hparams, 2048)
+    eng = engines[budget]
+    logits = eng.prefill(_tokens(f.hparams, n, n), st)
+    assert rel_err(logits, want_logits) < TOL
+    _assert_state_close(st, want_state)
+    tel = eng.last_telemetry
+    assert tel.n_tokens == n and tel.passes == 1
+    if budget == "stream":
+        assert tel.mode in ("streamed", "selective") and tel.h2d_bytes > 0
+    # CPU decode continues from the GPU state exactly as from the CPU state
+    nxt = np.array([int(np.argmax(want_logits))])
+    a = cpu.forward(nxt, st)[-1]
+    b = cpu.forward(nxt, want_state.copy())[-1]
+    assert rel_err(a, b) < TOL
+
+
+@gpu
+@pytest.mark.parametrize("preset,quant", [("tiny", "q4_0"), ("small", "q4_0")])
+def test_gpu_prefill_continues_a_state_and_runs_in_passes(models, preset, quant):
+    from engine.backends.cuda import CudaPrefill
+    from engine.state import SequenceState
+
+    entry = models(preset, quant)
+    f, cpu, engines, _ = entry
+    hp = f.hparams
+    toks = _tokens(hp, 1000, 11)
+    want_state = SequenceState.new(hp, 2048)
+    want = cpu.forward(toks, want_state)[-1]
+
+    # 400 tokens, then 600 more from the GPU-filled state
+    st = SequenceState.new(hp, 2048)
+    engines["stream"].prefill(toks[:400], st)
+    got = engines["stream"].prefill(toks[400:], st)
+    assert rel_err(got, want) < TOL
+    _assert_state_close(st, want_state)
+
+    # a budget with room for ~128 tokens of activations: several passes
+    p = engines["fits"].plan
+    tight = (p.resident_weights + p.state + 2 * p.expert_layer_bytes + activation_bytes(hp, 128)
+             + kv_bytes(hp, 1000) + kv_bytes(hp, 128))
+    eng = CudaPrefill(hp, f, budget_bytes=tight, plan_tokens=128)
+    try:
+        st2 = SequenceState.new(hp, 2048)
+        got2 = eng.prefill(toks, st2)
+        assert eng.last_telemetry.passes > 1
+        assert rel_err(got2, want) < TOL
+        _assert_state_close(st2, want_state)
+    finally:
+        eng.close()
