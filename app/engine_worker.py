@@ -45,8 +45,10 @@ def load_real_engine(model_path: str | None, mmproj_path: str | None) -> ChatEng
     """
     from engine import api
 
-    path = model_path if model_path is not None else api.default_model_path()
-    return api.Engine.load(path, mmproj_path)
+    if model_path is None:
+        model_path, default_mmproj = api.default_model()
+        mmproj_path = mmproj_path or default_mmproj
+    return api.Engine.load(model_path, mmproj_path)
 
 
 @dataclass(frozen=True)

@@ -1,11 +1,12 @@
 """Command line: ``python -m engine {info,generate,chat,synth}``.
 
 - ``info MODEL.gguf``: architecture, layers, quant mix, bytes read per decoded token.
-- ``generate [--model M] [--prompt P] [--max-tokens N] [--temp T] ...``: one answer streamed to
-  stdout, then a timing line (TTFT, prefill tok/s, decode tok/s).
+- ``generate [--model M] [--mmproj V] [--image I ...] [--prompt P] [--max-tokens N] [--temp T] ...``:
+  one answer streamed to stdout, then a timing line (TTFT, prefill tok/s, decode tok/s).
 - ``chat [--model M]``: an interactive multi-turn chat on the terminal.
 - ``synth --preset tiny|small|dense-tiny|35b-a3b [--layers N] [--experts N] --quant Q -o FILE``:
-  a random-weight GGUF in the layout and metadata real files use.
+  a random-weight GGUF in the layout and metadata real files use, and beside it a matching
+  random vision tower ``FILE-mmproj.gguf`` (``--no-mmproj`` skips it).
 
 Errors from the engine are printed as one line on stderr with exit status 2.
 """
@@ -32,10 +33,11 @@ def _sampling(args: argparse.Namespace) -> SamplingParams:
 
 
 def _load(args: argparse.Namespace):
-    from .api import Engine, EngineOptions, default_model_path
-    path = args.model or default_model_path()
+    from .api import Engine, EngineOptions, default_model
+    path, mmproj = (args.model, args.mmproj) if args.model else default_model()
+    mmproj = args.mmproj or mmproj
     t0 = time.perf_counter()
-    engine = Engine.load(path, options=EngineOptions(context=args.context))
+    engine = Engine.load(path, mmproj, options=EngineOptions(context=args.context))
     print(f"[loaded {Path(path).name} in {time.perf_counter() - t0:.2f} s]", file=sys.stderr)
     return engine
 
@@ -92,7 +94,14 @@ def cmd_generate(args: argparse.Namespace) -> int:
     messages = []
     if args.system:
         messages.append({"role": "system", "content": args.system})
-    messages.append({"role": "user", "content": args.prompt})
+    if args.image:
+        content = [{"type": "image", "image": img} for img in args.image]
+        messages.append({"role": "user", "content": content + [{"type": "text", "text": args.prompt}]})
+        for img in args.image:
+            h, w = engine.image_size(img)
+            print(f"[image {img}: {w}x{h} px reach the vision tower]", file=sys.stderr)
+    else:
+        messages.append({"role": "user", "content": args.prompt})
     summary = _stream(engine.chat(messages, _sampling(args), enable_thinking=args.think))
     print()
     print(_timing(summary), file=sys.stderr)
@@ -134,11 +143,17 @@ def cmd_synth(args: argparse.Namespace) -> int:
           seed=args.seed)
     size = Path(args.output).stat().st_size
     print(f"wrote {args.output}: {size / 2**20:.1f} MiB in {time.perf_counter() - t0:.1f} s", file=sys.stderr)
+    if not args.no_mmproj:
+        from .synth import synth_mmproj_for
+        out = Path(args.output)
+        mmproj = synth_mmproj_for(out.with_name(out.stem + "-mmproj.gguf"), args.preset, seed=args.seed)
+        print(f"wrote {mmproj}: {mmproj.stat().st_size / 2**20:.1f} MiB", file=sys.stderr)
     return 0
 
 
 def _add_sampling(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", "-m", help="GGUF text model (default: the bundled demo model)")
+    p.add_argument("--mmproj", help="GGUF vision tower (mmproj) for image input")
     p.add_argument("--system", default="", help="system prompt")
     p.add_argument("--max-tokens", "-n", type=int, default=256)
     p.add_argument("--temp", type=float, default=0.7, help="temperature; 0 = greedy")
@@ -162,6 +177,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("generate", help="answer one prompt, streamed")
     _add_sampling(p)
     p.add_argument("--prompt", "-p", default="Hello! Who are you?")
+    p.add_argument("--image", action="append", default=[], help="an image to ask about (repeatable)")
     p.set_defaults(func=cmd_generate)
     p = sub.add_parser("chat", help="interactive chat on the terminal")
     _add_sampling(p)
@@ -173,6 +189,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--quant", default="q4_0", choices=["q4_0", "q8_0", "f16", "f32"])
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--output", "-o", required=True)
+    p.add_argument("--no-mmproj", action="store_true", help="do not write the matching vision tower")
     p.set_defaults(func=cmd_synth)
     return ap
 

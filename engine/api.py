@@ -20,16 +20,18 @@ from typing import Any, Iterator, Mapping, Sequence
 
 import platformdirs
 
-from .errors import EngineError, TemplateError, UnsupportedModelError
+from .errors import EngineError, ImageError, ModelFormatError, TemplateError, UnsupportedModelError
 from .events import Event
 from .gguf_file import GGUFFile
+from .mmproj import load_mmproj
 from .models.qwen35 import Qwen35Model
+from .models.vision import EncodedImage, ImageEncoder, mrope_positions
 from .prefix_cache import PrefixCache
 from .runtime import Turn, run_turn
 from .sampling import SamplingParams
 from .tokenizer import Tokenizer
 
-__all__ = ["Engine", "EngineOptions", "ModelInfo", "SamplingParams", "default_model_path"]
+__all__ = ["Engine", "EngineOptions", "ModelInfo", "Prompt", "SamplingParams", "default_model"]
 
 Message = Mapping[str, Any]
 
@@ -48,6 +50,8 @@ class EngineOptions:
             ``platformdirs.user_cache_dir("deltadesk")/snapshots``.
         cache_disk_bytes: disk budget of the snapshots, bytes.
         snapshot_interval: also snapshot every this many prompt tokens during prefill.
+        image_max_pixels: largest area an image is resized to before the vision tower, pixels
+            (every 1024 pixels = one image token; lower it to bound CPU time).
     """
 
     context: int = 8192
@@ -56,6 +60,7 @@ class EngineOptions:
     cache_disk_dir: Path | None = None
     cache_disk_bytes: int = 8 << 30
     snapshot_interval: int = 512
+    image_max_pixels: int = 1024 * 1024
 
 
 @dataclass(frozen=True)
@@ -92,8 +97,9 @@ class Engine:
     """
 
     def __init__(self, gguf: GGUFFile, tokenizer: Tokenizer, model: Qwen35Model,
-                 options: EngineOptions) -> None:
+                 options: EngineOptions, vision: ImageEncoder | None = None) -> None:
         self.gguf = gguf
+        self.vision = vision
         self.tokenizer = tokenizer
         self.model = model
         self.options = options
@@ -104,25 +110,33 @@ class Engine:
         im_start = tokenizer.token_id("<|im_start|>")
         self._im_start = -1 if im_start is None else im_start
         self._header = tokenizer.encode("<|im_start|>assistant\n", special=True)
+        self._image_pad = tokenizer.token_id("<|image_pad|>")
+        self._vision_start = tokenizer.token_id("<|vision_start|>")
 
     @classmethod
     def load(cls, model_path: str | Path, mmproj_path: str | Path | None = None,
              options: EngineOptions = EngineOptions()) -> "Engine":
-        """Open a Qwen3.5/3.6 GGUF text model (memory-mapped) and its tokenizer.
+        """Open a Qwen3.5/3.6 GGUF text model (memory-mapped), its tokenizer and optionally its
+        mmproj vision tower.
 
         Raises:
-            ModelFormatError: the file is malformed (names the file and the key or tensor).
-            UnsupportedModelError: wrong architecture, unsupported quant type, or an mmproj was
-                given (the vision tower is not implemented yet).
+            ModelFormatError: a file is malformed (names the file and the key or tensor), or the
+                mmproj's projection width differs from the text model's hidden size.
+            UnsupportedModelError: wrong architecture or unsupported quant type.
             TokenizerError: tokenizer metadata or chat template missing or unusable.
         """
-        if mmproj_path is not None:
-            raise UnsupportedModelError(
-                f"{mmproj_path}: vision towers (mmproj files) are not supported yet; load the text model alone")
         gguf = GGUFFile.open(model_path)
-        tokenizer = Tokenizer.from_gguf(gguf.meta, str(gguf.path))
+        tokenizer = Tokenizer.from_gguf(gguf.meta, gguf.source)
         model = Qwen35Model(gguf.hparams, gguf)
-        return cls(gguf, tokenizer, model, options)
+        vision = None
+        if mmproj_path is not None:
+            mm = load_mmproj(mmproj_path)
+            if mm.hparams.out_dim != gguf.hparams.n_embd:
+                raise ModelFormatError(
+                    f"{mmproj_path}: clip.vision.projection_dim = {mm.hparams.out_dim} does not match the text "
+                    f"model's embedding_length = {gguf.hparams.n_embd} ({gguf.source}): not its vision tower")
+            vision = ImageEncoder(mm, max_pixels=options.image_max_pixels)
+        return cls(gguf, tokenizer, model, options, vision)
 
     @property
     def info(self) -> ModelInfo:
@@ -132,28 +146,66 @@ class Engine:
         return ModelInfo(path=self.gguf.path, arch=hp.arch, n_layer=hp.n_layer, n_attn_layers=n_attn,
                          n_params=sum(math.prod(self.gguf.info(n).ne) for n in self.gguf.tensor_names), quant_mix=self.gguf.quant_mix(),
                          bytes_per_token=self.gguf.bytes_per_token(), context=self.context,
-                         has_vision=False)
+                         has_vision=self.vision is not None)
 
     def render(self, messages: Sequence[Message], enable_thinking: bool = False) -> list[int]:
         """Render ``messages`` with the model's chat template and tokenize the prompt.
+
+        Each image part stays a single ``<|image_pad|>``; :meth:`prepare` expands it.
 
         Returns:
             Prompt token ids, ending with the assistant generation header.
 
         Raises:
             TemplateError: the template failed or the file carries none.
-            UnsupportedModelError: a message has an image part but no vision tower is loaded.
         """
-        for m in messages:
-            content = m.get("content")
-            if isinstance(content, list) and any(p.get("type") == "image" for p in content):
-                raise UnsupportedModelError(
-                    f"{self.gguf.path.name}: this model has no vision tower loaded, so it cannot read images")
         template = self.tokenizer.chat_template
         if template is None:
-            raise TemplateError(f"{self.gguf.path}: key tokenizer.chat_template is missing")
+            raise TemplateError(f"{self.gguf.source}: key tokenizer.chat_template is missing")
         text = template.render(list(messages), add_generation_prompt=True, enable_thinking=enable_thinking)
         return self.tokenizer.encode(text, special=True)
+
+    def prepare(self, messages: Sequence[Message], enable_thinking: bool = False,
+                cancel: threading.Event | None = None) -> Prompt:
+        """Render, tokenize and encode the images of ``messages``: everything prefill needs.
+
+        Image parts are ``{"type": "image", "image": path | bytes | PIL.Image}``; each becomes
+        ``<|vision_start|>`` + one ``<|image_pad|>`` per image token + ``<|vision_end|>``, its
+        embeddings from the vision tower (cached by content digest), and M-RoPE positions.
+
+        Raises:
+            TemplateError: see :meth:`render`.
+            UnsupportedModelError: an image part but no vision tower loaded.
+            ImageError: an image could not be read (names the file and what was expected).
+        """
+        ids = self.render(messages, enable_thinking)
+        sources = [part.get("image") for m in messages if isinstance(m.get("content"), list)
+                   for part in m["content"] if isinstance(part, Mapping) and part.get("type") == "image"]
+        if not sources:
+            return Prompt(ids, None, [], [])
+        if self.vision is None:
+            raise UnsupportedModelError(
+                f"{self.gguf.path.name}: no vision tower (mmproj file) is loaded, so this model cannot read images")
+        if any(src is None for src in sources):
+            raise ImageError('an image part has no "image" (a path, bytes or a PIL image)')
+        encoded = [self.vision.encode(src, cancel=cancel) for src in sources]
+        tokens: list[int] = []
+        spans: list[tuple[int, Any, bytes]] = []
+        it = iter(encoded)
+        for t in ids:
+            if t != self._image_pad:
+                tokens.append(t)
+                continue
+            img = next(it, None)
+            if img is None:
+                raise TemplateError(f"{self.gguf.source}: the chat template wrote more image placeholders than images")
+            spans.append((len(tokens), img.embeddings, bytes.fromhex(img.digest)))
+            tokens.extend([self._image_pad] * img.n_tokens)
+        if len(spans) != len(encoded):
+            raise TemplateError(f"{self.gguf.source}: the chat template wrote {len(spans)} image placeholders "
+                                f"for {len(encoded)} images")
+        positions = mrope_positions(tokens, [img.grid for img in encoded], self._image_pad, self._vision_start)
+        return Prompt(tokens, positions, spans, encoded)
 
     def checkpoints(self, prompt: Sequence[int]) -> list[int]:
         """Prompt positions worth a snapshot: the start of every message (so the system prompt and
@@ -190,44 +242,81 @@ class Engine:
         Raises:
             TemplateError, UnsupportedModelError: see :meth:`render` (before any event).
         """
-        prompt = self.render(messages, enable_thinking)
-        return self.generate(prompt, sampling, cancel, self.checkpoints(prompt), conversation)
+        prompt = self.prepare(messages, enable_thinking, cancel)
+        return self.generate(prompt.tokens, sampling, cancel, self.checkpoints(prompt.tokens), conversation,
+                             prompt)
 
     def generate(self, prompt_ids: Sequence[int], sampling: SamplingParams = SamplingParams(),
                  cancel: threading.Event | None = None, checkpoints: Sequence[int] = (),
-                 conversation: str = "") -> Iterator[Event]:
+                 conversation: str = "", prompt: Prompt | None = None) -> Iterator[Event]:
         """Continue raw token ids (no chat template); same events as :meth:`chat`.
 
         Args:
             checkpoints: extra prompt positions to snapshot at.
+            prompt: the :meth:`prepare` result the ids come from (M-RoPE positions, images).
         """
         turn = Turn(model=self.model, tokenizer=self.tokenizer, prompt=list(prompt_ids),
                     context=self.context, sampling=sampling, cancel=cancel or threading.Event(),
                     cache=self.cache, checkpoints=checkpoints,
-                    snapshot_interval=self.options.snapshot_interval, conversation=conversation)
+                    snapshot_interval=self.options.snapshot_interval, conversation=conversation,
+                    positions=None if prompt is None else prompt.positions,
+                    images=() if prompt is None else prompt.images)
         return run_turn(turn)
 
+    def image_size(self, source: Any) -> tuple[int, int]:
+        """(height, width) in pixels an image will have when it reaches the vision tower.
 
-def default_model_path() -> Path:
-    """The model the app and ``python -m engine generate`` use when none is given.
+        Raises:
+            UnsupportedModelError: no vision tower loaded. ImageError: unreadable image.
+        """
+        if self.vision is None:
+            raise UnsupportedModelError(f"{self.gguf.path.name}: no vision tower (mmproj file) is loaded")
+        return self.vision.encode(source).size
 
-    Until the trained demo model ships under ``assets/`` (issue 8), this is the ``tiny`` synthetic
-    model (random weights, real vocabulary and template), written once to the user cache dir.
+
+@dataclass(frozen=True)
+class Prompt:
+    """A prepared prompt.
+
+    Attributes:
+        tokens: (n,) token ids, each image expanded to its image-pad tokens.
+        positions: (3, n) int64 M-RoPE positions, or None for text only (plain positions).
+        images: (first pad index, (k, n_embd) float32 embeddings, digest bytes) per image.
+        encoded: the vision tower's results (sizes used, timings, cache hits), one per image.
+    """
+
+    tokens: list[int]
+    positions: Any
+    images: list[tuple[int, Any, bytes]]
+    encoded: list[EncodedImage]
+
+
+def default_model() -> tuple[Path, Path | None]:
+    """The model (text GGUF, mmproj GGUF or None) the app and ``python -m engine`` use when none is given.
+
+    The bundled demo model under ``assets/models/`` when present (issue 8); else the ``tiny``
+    synthetic model and its tiny random vision tower (random weights, real vocabulary and
+    template: it exercises the whole pipeline but only babbles), written once to the user cache dir.
 
     Raises:
         EngineError: the cache dir is not writable.
     """
-    bundled = Path(__file__).resolve().parent.parent / "assets" / "models" / "deltadesk-demo.gguf"
+    assets = Path(__file__).resolve().parent.parent / "assets" / "models"
+    bundled = assets / "deltadesk-demo.gguf"
     if bundled.is_file():
-        return bundled
-    from .synth import synth
-    path = Path(platformdirs.user_cache_dir("deltadesk")) / "models" / "synth-tiny-q8_0.gguf"
-    if not path.is_file():
-        try:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            tmp = path.with_suffix(".tmp")
-            synth(tmp, "tiny", quant="q8_0", seed=0)
-            tmp.replace(path)
-        except OSError as exc:
-            raise EngineError(f"cannot write the default model to {path}: {exc}") from exc
-    return path
+        mmproj = assets / "deltadesk-demo-mmproj.gguf"
+        return bundled, mmproj if mmproj.is_file() else None
+    from .synth import synth, synth_mmproj_for
+    folder = Path(platformdirs.user_cache_dir("deltadesk")) / "models"
+    path, mmproj = folder / "synth-tiny-q8_0.gguf", folder / "synth-tiny-mmproj-f16.gguf"
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        for target, write in ((path, lambda p: synth(p, "tiny", quant="q8_0", seed=0)),
+                              (mmproj, lambda p: synth_mmproj_for(p, "tiny", seed=0))):
+            if not target.is_file():
+                tmp = target.with_suffix(".tmp")
+                write(tmp)
+                tmp.replace(target)
+    except OSError as exc:
+        raise EngineError(f"cannot write the default model to {folder}: {exc}") from exc
+    return path, mmproj

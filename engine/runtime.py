@@ -43,6 +43,10 @@ class Turn:
         checkpoints: prompt positions to snapshot at (message boundaries, assistant header).
         snapshot_interval: also snapshot every this many prompt tokens (0 = off).
         conversation: conversation id recorded with the snapshots.
+        positions: (3, n) int64 M-RoPE positions of the prompt (None = plain positions 0..n-1, as
+            for text only); decoding continues from ``positions.max() + 1``.
+        images: the prompt's images as (first image-pad index, (k, n_embd) float32 embeddings,
+            content digest bytes); their rows replace the token embeddings of the k pads.
     """
 
     model: Qwen35Model
@@ -55,14 +59,37 @@ class Turn:
     checkpoints: Sequence[int] = ()
     snapshot_interval: int = 512
     conversation: str = ""
+    positions: np.ndarray | None = None
+    images: Sequence[tuple[int, np.ndarray, bytes]] = ()
+
+    def image_digests(self) -> dict[int, bytes]:
+        """Prompt index -> content digest of the image whose embedding sits there (cache keys)."""
+        return {start + k: digest for start, emb, digest in self.images for k in range(len(emb))}
 
 
 def _ms(t0: float) -> float:
     return (time.perf_counter() - t0) * 1e3
 
 
+def _inputs(model: Qwen35Model, tokens: Sequence[int], a: int, b: int, positions: np.ndarray | None,
+            images: Sequence[tuple[int, np.ndarray, bytes]]) -> dict:
+    """forward() keyword arguments for prompt slice [a, b): M-RoPE positions, image rows spliced in."""
+    kw: dict = {}
+    if positions is not None:
+        kw["positions"] = positions[:, a:b]
+    spans = [(start, emb) for start, emb, _ in images if start < b and start + len(emb) > a]
+    if spans:
+        rows = model.embed(np.asarray(tokens[a:b], dtype=np.int64)).copy()
+        for start, emb in spans:
+            lo, hi = max(a, start), min(b, start + len(emb))
+            rows[lo - a:hi - a] = emb[lo - start:hi - start]
+        kw["embeddings"] = rows
+    return kw
+
+
 def prefill(model: Qwen35Model, tokens: Sequence[int], state: SequenceState, cancel: threading.Event,
-            stops: Sequence[int] = (), on_stop=None) -> np.ndarray | None:
+            stops: Sequence[int] = (), on_stop=None, positions: np.ndarray | None = None,
+            images: Sequence[tuple[int, np.ndarray, bytes]] = ()) -> np.ndarray | None:
     """Run ``tokens[state.pos:]`` through the model, in pieces.
 
     Args:
@@ -72,6 +99,8 @@ def prefill(model: Qwen35Model, tokens: Sequence[int], state: SequenceState, can
         cancel: checked between pieces.
         stops: positions where a piece must end (snapshot points), besides every PREFILL_PIECE.
         on_stop: ``on_stop(pos, last_logits)`` called when the state reaches a position in ``stops``.
+        positions: (3, n) M-RoPE positions of the whole prompt, or None for plain positions.
+        images: (first pad index, (k, n_embd) embeddings, digest) per image of the prompt.
 
     Returns:
         (n_vocab,) float32 logits of the last token, or None when cancelled.
@@ -83,8 +112,9 @@ def prefill(model: Qwen35Model, tokens: Sequence[int], state: SequenceState, can
     for end in cuts + [n]:
         if cancel.is_set():
             return None
-        piece = np.asarray(tokens[state.pos:end], dtype=np.int64)
-        logits = model.forward(piece, state)[-1]
+        start = state.pos
+        piece = np.asarray(tokens[start:end], dtype=np.int64)
+        logits = model.forward(piece, state, **_inputs(model, tokens, start, end, positions, images))[-1]
         if on_stop is not None and end in stop_set and end < n:
             on_stop(end, logits)
     return logits
@@ -109,27 +139,30 @@ def run_turn(turn: Turn) -> Iterator[Event]:
         return
     cache = turn.cache
     if cache is not None:
-        keys = chain_keys(cache.identity, turn.prompt)
-        hit = cache.lookup(turn.prompt, turn.context, keys=keys)
+        digests = turn.image_digests()
+        keys = chain_keys(cache.identity, turn.prompt, digests)
+        hit = cache.lookup(turn.prompt, turn.context, images=digests, keys=keys)
         state, reused, logits, restore_ms = hit.state, hit.reused, hit.logits, hit.restore_ms
         stops = set(turn.checkpoints) | {hit.diverge}
         if turn.snapshot_interval:
             stops |= set(range(turn.snapshot_interval, n_prompt, turn.snapshot_interval))
 
         def snapshot(pos: int, last: np.ndarray | None) -> None:
-            cache.put(keys[pos], state, turn.prompt[:pos], last, conversation=turn.conversation)
+            cache.put(keys[pos], state, turn.prompt[:pos], last, images=digests, conversation=turn.conversation)
     else:
         state = SequenceState.new(turn.model.hp, turn.context)
-        reused, logits, restore_ms, stops = 0, None, 0.0, set()
+        reused, logits, restore_ms, stops, digests = 0, None, 0.0, set(), {}
         snapshot = None
     t0 = time.perf_counter()
     if logits is None:
-        logits = prefill(turn.model, turn.prompt, state, turn.cancel, sorted(stops), snapshot)
+        logits = prefill(turn.model, turn.prompt, state, turn.cancel, sorted(stops), snapshot,
+                         turn.positions, turn.images)
         if logits is None:
             yield TurnSummary(stop_reason="cancelled", message="Stopped during prefill.", **empty)
             return
         if cache is not None:
-            cache.put(keys[n_prompt], state, turn.prompt, logits, conversation=turn.conversation)
+            cache.put(keys[n_prompt], state, turn.prompt, logits, images=digests,
+                      conversation=turn.conversation)
     prefill_ms = _ms(t0)
     sampler = Sampler(turn.sampling)
     history = list(turn.prompt)
@@ -138,6 +171,15 @@ def run_turn(turn: Turn) -> Iterator[Event]:
     stats = PrefillStats(prompt_tokens=n_prompt, reused_tokens=reused, prefilled_tokens=n_prompt - reused,
                          prefill_ms=prefill_ms, restore_ms=restore_ms, device="cpu", ttft_ms=_ms(t_start))
     yield stats
+
+    rope = n_prompt if turn.positions is None else int(turn.positions.max()) + 1
+
+    def step(token: int) -> np.ndarray:
+        """Decode one token at the next cache slot and M-RoPE position; returns its logits."""
+        nonlocal rope
+        pos = np.full((3, 1), rope, dtype=np.int64)
+        rope += 1
+        return turn.model.forward(np.asarray([token], dtype=np.int64), state, positions=pos)[-1]
 
     stream = turn.tokenizer.stream()
     stop_ids = turn.tokenizer.eos_ids
@@ -149,10 +191,10 @@ def run_turn(turn: Turn) -> Iterator[Event]:
             reason, message = "eos", ""
             if cache is not None and state.pos < turn.context:
                 # The answer's end: the next turn re-renders it unchanged when thinking is off.
-                turn.model.forward(np.asarray([token], dtype=np.int64), state)
+                step(token)
                 history.append(token)
-                cache.put(chain_keys(cache.identity, history)[-1], state, history, None,
-                          conversation=turn.conversation)
+                cache.put(chain_keys(cache.identity, history, digests)[-1], state, history, None,
+                          images=digests, conversation=turn.conversation)
             break
         if state.pos >= turn.context:
             reason, message = "context_full", (
@@ -171,7 +213,7 @@ def run_turn(turn: Turn) -> Iterator[Event]:
         if index + 1 == turn.sampling.max_tokens:
             break
         t_tok = time.perf_counter()
-        logits = turn.model.forward(np.asarray([token], dtype=np.int64), state)[-1]
+        logits = step(token)
         token = sampler.sample(logits, history)
     tail = stream.flush()
     pieces.append(tail)

@@ -26,6 +26,7 @@ import math
 import os
 import zlib
 from collections.abc import Callable, Iterable, Mapping, Sequence
+from pathlib import Path
 from typing import Any
 
 import gguf
@@ -194,6 +195,22 @@ def synth(path: str | os.PathLike[str], preset: str, layers: int | None = None, 
         plan.append((name, shape, qtype, lambda n=name, s=shape, q=qtype, r=rng: _random_tensor(n, s, q, hp, r)))
     _write(path, hp, plan, qfile, vocab, None, name=f"DeltaDesk synthetic {preset}")
     return hp
+
+
+def synth_mmproj_for(path: str | os.PathLike[str], preset: str, seed: int = 0) -> Path:
+    """Write a random vision tower (mmproj GGUF) that matches a text preset's hidden size.
+
+    ``35b-a3b`` gets the real Qwen3.5/3.6 tower shape (27 x 1152, Q8_0, ~0.5 GB), the other
+    presets the tiny test tower (F16); see :data:`engine.mmproj.PRESETS`.
+
+    Raises:
+        ValueError: unknown preset.
+    """
+    from .mmproj import synth_mmproj
+    n_embd = preset_hparams(preset, QWEN35_N_VOCAB, None, None).n_embd
+    if preset == "35b-a3b":
+        return synth_mmproj(path, "real", out_dim=n_embd, seed=seed, ftype="Q8_0")
+    return synth_mmproj(path, "tiny", out_dim=n_embd, seed=seed, ftype="F16")
 
 
 def _file_type(quant: str) -> GGMLQuantizationType:

@@ -178,3 +178,89 @@ def test_cli_reports_bad_file_in_one_line(tmp_path, capsys) -> None:
     assert main(["info", str(bad)]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "bad.gguf" in err[0]
+
+
+@pytest.fixture(scope="module")
+def vision_engine(tiny, tmp_path_factory):
+    from engine.synth import synth_mmproj_for
+    mmproj = synth_mmproj_for(tmp_path_factory.mktemp("mm") / "tiny-mmproj.gguf", "tiny", seed=0)
+    return Engine.load(tiny, mmproj)
+
+
+def shape_image(path, colour, size=(96, 64)):
+    from PIL import Image, ImageDraw
+    im = Image.new("RGB", size, (240, 240, 240))
+    ImageDraw.Draw(im).ellipse((10, 10, 50, 50), fill=colour)
+    im.save(path)
+    return path
+
+
+def test_image_prompt_expands_pads_and_positions(vision_engine, tmp_path) -> None:
+    eng = vision_engine
+    img = shape_image(tmp_path / "a.png", (200, 20, 20))
+    msgs = [{"role": "user", "content": [{"type": "image", "image": str(img)}, {"type": "text", "text": "Colour?"}]}]
+    prompt = eng.prepare(msgs)
+    pad = eng.tokenizer.token_id("<|image_pad|>")
+    [(start, emb, digest)] = prompt.images
+    [enc] = prompt.encoded
+    rows, cols = enc.grid
+    assert emb.shape == (rows * cols, eng.gguf.hparams.n_embd)
+    assert prompt.tokens[start - 1] == eng.tokenizer.token_id("<|vision_start|>")
+    assert prompt.tokens[start:start + rows * cols] == [pad] * (rows * cols)
+    assert prompt.tokens[start + rows * cols] == eng.tokenizer.token_id("<|vision_end|>")
+    pos = prompt.positions
+    assert pos.shape == (3, len(prompt.tokens))
+    assert (pos[0, start:start + rows * cols] == start).all()                  # t is constant over the image
+    assert pos[1, start + cols] == start + 1 and pos[2, start + 1] == start + 1  # h follows rows, w columns
+    assert pos[0, start + rows * cols] == start + max(rows, cols)                # text resumes after the image
+
+
+def test_image_turn_greedy_equal_cold_and_cache_keyed_by_image(vision_engine, tmp_path) -> None:
+    eng = vision_engine
+    red = shape_image(tmp_path / "red.png", (200, 20, 20))
+    blue = shape_image(tmp_path / "blue.png", (20, 20, 200))
+
+    def ask(path):
+        return [{"role": "user", "content": [{"type": "image", "image": str(path)},
+                                              {"type": "text", "text": "What colour is it?"}]}]
+
+    eng.cache.clear()
+    _, first, _ = chat(eng, ask(red))
+    stats, again, _ = chat(eng, ask(red))
+    assert stats.prefilled_tokens == 0 and [t.token_id for t in again] == [t.token_id for t in first]
+    stats, _, _ = chat(eng, ask(blue))
+    start = eng.prepare(ask(blue)).images[0][0]
+    assert stats.reused_tokens <= start          # same token ids, other image: no reuse past the image
+    cold = Engine(eng.gguf, eng.tokenizer, eng.model, EngineOptions(prefix_cache=False), eng.vision)
+    _, cold_tokens, _ = chat(cold, ask(red))
+    assert [t.token_id for t in cold_tokens] == [t.token_id for t in first]
+
+
+def test_image_without_vision_tower_is_a_clear_error(cold, tmp_path) -> None:
+    from engine.errors import UnsupportedModelError
+    img = shape_image(tmp_path / "x.png", (0, 200, 0))
+    with pytest.raises(UnsupportedModelError, match="vision tower"):
+        cold.prepare([{"role": "user", "content": [{"type": "image", "image": str(img)}]}])
+
+
+def test_mismatched_mmproj_is_refused(tiny, tmp_path) -> None:
+    from engine.errors import ModelFormatError
+    from engine.mmproj import synth_mmproj
+    wrong = synth_mmproj(tmp_path / "wrong.gguf", "tiny", out_dim=32)
+    with pytest.raises(ModelFormatError, match="projection_dim"):
+        Engine.load(tiny, wrong)
+
+
+def test_dense_model_restore_equals_cold(synth_model) -> None:
+    """The dense qwen35 variant: turn 2 after a restore, restored mid-answer-free, equals a cold run."""
+    path = synth_model("dense-tiny", "q8_0")
+    warm = Engine.load(path, options=EngineOptions(snapshot_interval=7))
+    cold = Engine.load(path, options=EngineOptions(prefix_cache=False))
+    msgs = [{"role": "user", "content": "Describe a triangle in one sentence, please."}]
+    _, first, _ = chat(warm, msgs)
+    turn2 = msgs + [{"role": "assistant", "content": "It has three sides."},
+                    {"role": "user", "content": "And a square?"}]
+    stats, tokens, _ = chat(warm, turn2)
+    assert stats.reused_tokens > 0
+    _, cold_tokens, _ = chat(cold, turn2)
+    assert [t.token_id for t in tokens] == [t.token_id for t in cold_tokens]

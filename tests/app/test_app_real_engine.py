@@ -20,7 +20,7 @@ def tiny_model(tmp_path_factory):
 def test_default_model_streams_and_stops(qtbot, make_window, tiny_model, monkeypatch):
     from engine import api
 
-    monkeypatch.setattr(api, "default_model_path", lambda: tiny_model)
+    monkeypatch.setattr(api, "default_model", lambda: (tiny_model, None))
     window = make_window(loader=load_real_engine, load=False)
     window.load_model(None)
     qtbot.waitUntil(lambda: window.model is not None, timeout=60000)
