@@ -26,12 +26,12 @@ from .gguf_file import GGUFFile
 from .mmproj import load_mmproj
 from .models.qwen35 import Qwen35Model
 from .models.vision import EncodedImage, ImageEncoder, mrope_positions
-from .prefix_cache import PrefixCache
+from .prefix_cache import PrefixCache, SnapshotInfo
 from .runtime import Turn, run_turn
 from .sampling import SamplingParams
 from .tokenizer import Tokenizer
 
-__all__ = ["Engine", "EngineOptions", "ModelInfo", "Prompt", "SamplingParams", "default_model"]
+__all__ = ["Engine", "EngineOptions", "ModelInfo", "Prompt", "SamplingParams", "SnapshotInfo", "default_model"]
 
 Message = Mapping[str, Any]
 
@@ -262,6 +262,20 @@ class Engine:
                     positions=None if prompt is None else prompt.positions,
                     images=() if prompt is None else prompt.images)
         return run_turn(turn)
+
+    def snapshots(self) -> list[SnapshotInfo]:
+        """The prefix snapshots held (RAM and disk), deepest first; [] without a prefix cache."""
+        return [] if self.cache is None else self.cache.snapshots()
+
+    def clear_snapshots(self, key: str | None = None) -> None:
+        """Drop one prefix snapshot (``SnapshotInfo.key``) or all of them, from RAM and disk."""
+        if self.cache is not None:
+            self.cache.clear(key)
+
+    def close(self) -> None:
+        """Write the RAM prefix snapshots to the disk tier (when configured) before the app exits."""
+        if self.cache is not None:
+            self.cache.persist()
 
     def image_size(self, source: Any) -> tuple[int, int]:
         """(height, width) in pixels an image will have when it reaches the vision tower.

@@ -264,3 +264,14 @@ def test_dense_model_restore_equals_cold(synth_model) -> None:
     assert stats.reused_tokens > 0
     _, cold_tokens, _ = chat(cold, turn2)
     assert [t.token_id for t in tokens] == [t.token_id for t in cold_tokens]
+
+
+def test_snapshot_list_and_clear_through_the_api(warm) -> None:
+    chat(warm, [{"role": "system", "content": "S."}, {"role": "user", "content": "Q?"}], conversation="conv-7")
+    snaps = warm.snapshots()
+    assert snaps and all(s.conversation == "conv-7" and s.tier == "ram" and s.nbytes > 0 for s in snaps)
+    assert [s.pos for s in snaps] == sorted((s.pos for s in snaps), reverse=True)
+    warm.clear_snapshots(snaps[0].key)
+    assert [s.key for s in warm.snapshots()] == [s.key for s in snaps[1:]]
+    warm.clear_snapshots()
+    assert warm.snapshots() == []
