@@ -11,10 +11,12 @@ expert FFN 512, Q4_0; ``--layers`` layers, vocab 248320 without tokenizer), then
    the length of the seed's prompt; random ids), median of ``--reps`` after one warm-up, with bytes
    streamed, achieved H2D GB/s, the PCIe bound (streamed bytes / pinned bandwidth), the compute bound
    (FLOPs / matrix rate) and time / max(bounds);
-3. prefill tok/s at ``--long`` lengths (2k, 8k, 16k) for the ``stream`` and ``unlimited`` budgets.
+3. prefill tok/s at ``--long`` lengths (2k, 8k, 16k) for the ``stream`` and ``unlimited`` budgets;
+4. with ``--profile``, GPU ms per kernel (and GEMM grid) of one ``--tokens`` prefill per budget, from
+   CUDA events around every launch.
 
 Usage: python tests/bench_gpu_prefill.py [--layers 4] [--tokens 947] [--long 2048,8192,16384]
-       [--model FILE] [--json OUT.json]
+       [--model FILE] [--json OUT.json] [--profile]
 """
 
 from __future__ import annotations
@@ -120,6 +122,34 @@ def run(eng: CudaPrefill, hp: Qwen35HParams, n: int, reps: int, seed: int = 0) -
     return statistics.median(times), eng.last_telemetry
 
 
+def profile(eng: CudaPrefill, hp: Qwen35HParams, n: int, top: int = 16) -> dict[str, float]:
+    """GPU ms per kernel of one n-token prefill (GEMMs keyed by grid too), largest first; prints the top."""
+    drv, kernels = eng._drv, eng.kernels
+    launches = []
+    launch = kernels._launch
+
+    def timed(name, grid, block, stream, *args):
+        a, b = drv.Event(), drv.Event()
+        a.record(stream)
+        launch(name, grid, block, stream, *args)
+        b.record(stream)
+        launches.append((f"{name} {grid}" if name.startswith("qgemm") else name, a, b))
+
+    kernels._launch = timed
+    try:
+        run(eng, hp, n, 1)
+    finally:
+        kernels._launch = launch
+    totals: dict[str, float] = {}
+    for key, a, b in launches:
+        totals[key] = totals.get(key, 0.0) + a.time_till(b)
+    ranked = dict(sorted(totals.items(), key=lambda kv: -kv[1]))
+    print(f"  profile: {len(launches)} launches, {sum(totals.values()):.1f} ms of kernels")
+    for key, ms in list(ranked.items())[:top]:
+        print(f"    {ms:8.3f} ms  {key}")
+    return ranked
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--layers", type=int, default=4)
@@ -130,6 +160,7 @@ def main() -> None:
     ap.add_argument("--long", default="2048,8192,16384")
     ap.add_argument("--model", help="use this GGUF instead of writing a synth slice")
     ap.add_argument("--json", help="write all figures here")
+    ap.add_argument("--profile", action="store_true", help="per-kernel GPU times of one --tokens prefill")
     args = ap.parse_args()
     long = [int(x) for x in args.long.split(",") if x]
 
@@ -171,6 +202,10 @@ def main() -> None:
         load_s = time.perf_counter() - t
         print(f"\n[{label}] load {load_s:.1f} s\n{eng.plan.text()}", flush=True)
         run(eng, hp, 64, 1)
+        if args.profile:
+            ctx.push()
+            out.setdefault("profile", {})[label] = profile(eng, hp, args.tokens)
+            drv.Context.pop()
         lengths = [args.tokens] + (long if label != "6 GiB" else [])
         for n in lengths:
             reps = args.reps if n == args.tokens else 1

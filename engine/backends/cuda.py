@@ -35,9 +35,9 @@ from ..hparams import Qwen35HParams
 from ..quant import dequantize
 from ..state import SequenceState
 from .cuda_kernels import Kernels, load_driver
-from .cuda_plan import (ALIGN, ExpertLayout, LayerTelemetry, Matrix, Placement, PrefillTelemetry,
-                        activation_groups, copy_runs, expert_layout, gemm_matrix, layer_matrices, layer_vectors,
-                        pass_tokens, plan_placement, route_tables, use_selective)
+from .cuda_plan import (ALIGN, GPU_TYPES, TILE_ROWS, ExpertLayout, LayerTelemetry, Matrix, Placement,
+                        PrefillTelemetry, activation_groups, copy_runs, expert_layout, gemm_matrix, layer_matrices,
+                        layer_vectors, pass_tokens, plan_placement, route_tables, use_selective)
 
 DEFAULT_MARGIN = 512 << 20
 """Default budget = free VRAM at load minus max(this, 5% of the card)."""
@@ -359,10 +359,10 @@ class CudaPrefill:
                        for il in range(hp.n_layer) if not hp.is_recurrent(il)}
             self.kv_rows = end
         nk = n_pass * hp.n_expert_used
-        sizes = {"emb": (n_pass * hp.n_embd, np.float32), "pos": (3 * n_pass, np.int32),
+        sizes = {"emb": (n_pass * hp.n_embd * 4, np.uint8), "pos": (3 * n_pass, np.int32),
                  "logits": (hp.n_vocab, np.float32), "tidx": (nk, np.int32), "tw": (nk, np.float32),
                  "a_rows": (nk, np.int32), "row_w": (nk, np.float32), "inv": (nk, np.int32),
-                 "tiles": ((nk // 64 + hp.n_expert + 1) * 3, np.int64)}
+                 "tiles": ((nk // TILE_ROWS + hp.n_expert + 1) * 3, np.int64)}
         for name, (count, dtype) in sizes.items():
             have = self.staging.get(name)
             if have is None or have.size < count:
@@ -370,9 +370,22 @@ class CudaPrefill:
 
     def _upload_async(self, dst: int, name: str, values: np.ndarray) -> None:
         """Copy ``values`` through pinned staging buffer ``name`` to ``dst`` on the compute stream."""
-        buf = self.staging[name][:values.size]
-        buf[...] = values.reshape(-1)
+        stage = self.staging[name]
+        buf = stage[:values.nbytes // stage.itemsize]
+        buf.view(np.uint8)[...] = np.ascontiguousarray(values).reshape(-1).view(np.uint8)
         self._drv.memcpy_htod_async(dst, buf, self.compute)
+
+    def _embed(self, tokens: np.ndarray) -> None:
+        """h = token embeddings: raw rows gathered on the host, dequantized by a kernel (types with one),
+        else dequantized on the host."""
+        info = self.file.info("token_embd.weight")
+        rows = self.file.raw("token_embd.weight")[tokens]
+        a, n, d = self.act.ptr, tokens.shape[0], self.hp.n_embd
+        if info.qtype in GPU_TYPES:
+            self._upload_async(a["emb"], "emb", rows)
+            self.kernels.embed(self.compute, info.qtype, a["emb"], rows.shape[1], a["h"], n, d)
+        else:
+            self._upload_async(a["h"], "emb", dequantize(rows, info.qtype, (n, d)))
 
     def _record(self, stream: Any) -> Any:
         ev = self._drv.Event()
@@ -383,9 +396,7 @@ class CudaPrefill:
         """One pass over all layers for ``tokens`` at cache rows p0.. ; returns the first and last compute events."""
         hp, k, cs = self.hp, self.kernels, self.compute
         a, n, d = self.act.ptr, tokens.shape[0], hp.n_embd
-        emb_info = self.file.info("token_embd.weight")
-        emb = dequantize(self.file.raw("token_embd.weight")[tokens], emb_info.qtype, (n, d))
-        self._upload_async(a["h"], "emb", emb)
+        self._embed(tokens)
         self._upload_async(a["pos"], "pos", positions)
         start = self._record(cs)
 
@@ -416,7 +427,7 @@ class CudaPrefill:
         if last:
             k.rmsnorm(cs, a["h"] + (n - 1) * d * 4, d, self.vec["output_norm.weight"], a["last"], d, 1, d, hp.rms_eps)
             m, ptr = self.mat[self.head.name]
-            k.gemm(cs, m, ptr, a["last"], d, a["logits"], m.rows, 1)
+            k.gemv(cs, m, ptr, a["last"], a["logits"])
             self._drv.memcpy_dtoh_async(self.staging["logits"][:hp.n_vocab], a["logits"], cs)
         end = self._record(cs)
         cs.synchronize()
@@ -505,7 +516,18 @@ class CudaPrefill:
         k.router_topk(cs, a["rlog"], n, E, top, a["tidx"], a["tw"])
         drv.memcpy_dtoh_async(self.staging["tidx"][:nk], a["tidx"], cs)
         drv.memcpy_dtoh_async(self.staging["tw"][:nk], a["tw"], cs)
-        cs.synchronize()
+        routed = self._record(cs)
+
+        sh = 0
+        if hp.n_ff_shexp:  # queued before the host waits for the routing, so the GPU stays busy meanwhile
+            fs = hp.n_ff_shexp
+            self._gemm(p + "ffn_gate_shexp.weight", a["x"], d, a["hs"], 2 * fs, n)
+            self._gemm(p + "ffn_up_shexp.weight", a["x"], d, a["hs"] + fs * 4, 2 * fs, n)
+            k.swiglu(cs, a["hs"], a["acts"], n, fs)
+            self._gemm(p + "ffn_down_shexp.weight", a["acts"], fs, a["sh"], d, n)
+            sh = a["sh"]
+
+        routed.synchronize()
         idx = self.staging["tidx"][:nk].reshape(n, top)
         weights = self.staging["tw"][:nk].reshape(n, top)
 
@@ -529,15 +551,6 @@ class CudaPrefill:
         self._upload_async(a["row_w"], "row_w", tables.row_w)
         self._upload_async(a["inv"], "inv", tables.inv)
         self._upload_async(a["tiles"], "tiles", tables.tiles)
-
-        sh = 0
-        if hp.n_ff_shexp:
-            fs = hp.n_ff_shexp
-            self._gemm(p + "ffn_gate_shexp.weight", a["x"], d, a["hs"], 2 * fs, n)
-            self._gemm(p + "ffn_up_shexp.weight", a["x"], d, a["hs"] + fs * 4, 2 * fs, n)
-            k.swiglu(cs, a["hs"], a["acts"], n, fs)
-            self._gemm(p + "ffn_down_shexp.weight", a["acts"], fs, a["sh"], d, n)
-            sh = a["sh"]
 
         if slot >= 0:
             cs.wait_for_event(self._copied[il])

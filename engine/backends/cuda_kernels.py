@@ -16,20 +16,23 @@ from typing import Any
 from gguf import GGMLQuantizationType
 
 from ..errors import DeviceError
-from .cuda_plan import TILE_ROWS, Matrix
+from .cuda_plan import Matrix
 
 Q = GGMLQuantizationType
 
 SOURCES = ("gemm.cu", "rows.cu", "gdn.cu", "attention.cu")
 SOURCE_DIR = Path(__file__).resolve().parents[2] / "native" / "cuda"
 
-_GEMM_KERNELS = {Q.F32: "qgemm_f32", Q.F16: "qgemm_f16", Q.BF16: "qgemm_bf16", Q.Q4_0: "qgemm_q4_0",
-                 Q.Q4_1: "qgemm_q4_1", Q.Q8_0: "qgemm_q8_0"}
+_TYPE_SUFFIX = {Q.F32: "f32", Q.F16: "f16", Q.BF16: "bf16", Q.Q4_0: "q4_0", Q.Q4_1: "q4_1", Q.Q8_0: "q8_0"}
+DENSE_TILE_ROWS = 64
+"""Rows of one M tile of the ungrouped GEMM (qgemm_*); the grouped one (qgemm32_*) uses TILE_ROWS = 32."""
 _FLASH_DIMS = (32, 64, 128, 256)
 
 # kernel name -> pycuda argument format (struct codes: P pointer, i int32, q int64, f float32, d float64)
 _SIGNATURES = {
-    **{k: "PiPPqPPiPPiiii" for k in _GEMM_KERNELS.values()},
+    **{f"{k}_{t}": "PiPPqPPiPPiiii" for k in ("qgemm", "qgemm32") for t in _TYPE_SUFFIX.values()},
+    **{f"embed_rows_{t}": "PqPi" for t in _TYPE_SUFFIX.values()},
+    **{f"gemv_{t}": "PPqPii" for t in _TYPE_SUFFIX.values()},
     "rmsnorm_rows": "PiPPiif",
     "qk_norm_rope": "PiiPPiiidiifPqi",
     "conv1d_silu": "PPPPiii",
@@ -144,17 +147,31 @@ class Kernels:
              accumulate: bool = False) -> None:
         """``C[c_row(i), :w.rows] (+)= scale(i) * A[a_row(i), :w.cols] @ W^T`` for i < m (gemm.cu).
 
-        With ``tiles`` (device (n_tiles, 3) int64), the grouped form: one M tile per row, the weight
-        matrix of each tile at ``w_ptr`` + its byte offset. lda must be a multiple of 4 (float4 loads).
+        With ``tiles`` (device (n_tiles, 3) int64), the grouped form: one M tile of at most
+        :data:`~engine.backends.cuda_plan.TILE_ROWS` rows per entry, the weight matrix of each tile at ``w_ptr`` + its byte offset.
+        lda must be a multiple of 4 (float4 loads).
         """
         if lda % 4:
             raise DeviceError(f"GEMM on {w.name}: A row stride {lda} is not a multiple of 4")
-        rows = n_tiles if tiles else _grid(m, TILE_ROWS)
+        rows = n_tiles if tiles else _grid(m, DENSE_TILE_ROWS)
         if rows == 0 or m == 0:
             return
-        self._launch(_GEMM_KERNELS[w.qtype], (_grid(w.rows, 128), rows), 256, stream,
+        name = f"qgemm32_{_TYPE_SUFFIX[w.qtype]}" if tiles else f"qgemm_{_TYPE_SUFFIX[w.qtype]}"
+        self._launch(name, (_grid(w.rows, 128), rows), 256, stream,
                      a, lda, a_rows, w_ptr, w.row_bytes, tiles, c, ldc, c_rows, row_scale, int(accumulate),
                      m, w.rows, w.cols)
+
+    def gemv(self, stream: Any, w: Matrix, w_ptr: int, x: int, y: int) -> None:
+        """y (w.rows,) = W @ x for one float32 row x (w.cols <= 8192): the last token's LM head."""
+        if w.cols > 8192:
+            raise DeviceError(f"GEMV on {w.name}: {w.cols} inputs exceed the kernel's 8192")
+        self._launch(f"gemv_{_TYPE_SUFFIX[w.qtype]}", (min(_grid(w.rows, 8), 2048), 1), 256, stream, x, w_ptr,
+                     w.row_bytes, y, w.rows, w.cols)
+
+    def embed(self, stream: Any, qtype: GGMLQuantizationType, rows: int, row_bytes: int, out: int, n: int,
+              k: int) -> None:
+        """out (n, k) float32 = the n raw weight rows at ``rows`` (``row_bytes`` each, type qtype) dequantized."""
+        self._launch(f"embed_rows_{_TYPE_SUFFIX[qtype]}", (n, 1), 256, stream, rows, row_bytes, out, k)
 
     # ---- rows ----------------------------------------------------------------------------------
 

@@ -31,8 +31,9 @@ dequantized to F32 on the host at load, and routed experts of other types are re
 ALIGN = 256
 """Every device buffer starts on this many bytes."""
 
-TILE_ROWS = 64
-"""Rows of one GEMM M tile (BM in gemm.cu): routed-expert row groups are cut into tiles of this size."""
+TILE_ROWS = 32
+"""Rows of one grouped-GEMM M tile (BM of qgemm32_* in gemm.cu): each expert's rows are cut into tiles
+of this size (a 947-token prompt gives 256 experts ~30 rows each, so 64-row tiles would be half empty)."""
 
 GDN_CHUNK = 64
 """Chunk length of the chunked Gated DeltaNet kernels (CH in gdn.cu)."""
@@ -171,11 +172,13 @@ def expert_layout(hp: Qwen35HParams, il: int, gate: GGMLQuantizationType, up: GG
 def activation_groups(hp: Qwen35HParams, n: int) -> dict[str, dict[str, int]]:
     """Device buffers for a pass of ``n`` tokens, by group, name -> bytes (float32 unless noted).
 
-    Group ``base`` lives for the whole pass; groups ``gdn``, ``attn`` and ``ffn`` are never live at
+    Group ``base`` lives for the whole pass (``emb`` holds the prompt's raw embedding rows, at most 4 bytes a
+    value); groups ``gdn``, ``attn`` and ``ffn`` are never live at
     the same time (each mixer writes its result into ``h`` before the FFN starts) and share memory.
     """
     d, f4 = hp.n_embd, 4
-    base = {"h": n * d * f4, "x": n * d * f4, "pos": 3 * n * 4, "last": d * f4, "logits": hp.n_vocab * f4}
+    base = {"h": n * d * f4, "x": n * d * f4, "emb": n * d * f4, "pos": 3 * n * 4, "last": d * f4,
+            "logits": hp.n_vocab * f4}
     groups = {"base": base}
     if any(hp.is_recurrent(il) for il in range(hp.n_layer)):
         nc = -(-n // GDN_CHUNK)
