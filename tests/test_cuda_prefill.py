@@ -277,13 +277,15 @@ class FakeKernels:
     def __init__(self, drv: FakeDriver) -> None:
         self.m = drv.mem
 
-    def gemm(self, stream, w, w_ptr, a, lda, c, ldc, m, *, a_rows=0, tiles=0, n_tiles=0, c_rows=0, row_scale=0,
-             accumulate=False):
+    def gemm(self, stream, w, w_ptr, a, lda, c, ldc, m, *, a_rows=0, tiles=0, n_tiles=0, n_tiles_dev=0, c_rows=0,
+             row_scale=0, accumulate=False):
         from engine.quant import dequantize
 
         M = self.m
         if tiles:
-            todo = M.arr(tiles, (n_tiles, 3), np.int64)
+            count = int(M.arr(n_tiles_dev, (1,), np.int32)[0]) if n_tiles_dev else n_tiles
+            assert count <= n_tiles
+            todo = M.arr(tiles, (count, 3), np.int64)
         else:
             todo = [(s, min(64, m - s), 0) for s in range(0, m, 64)]
         for start, count, off in todo:
@@ -376,6 +378,16 @@ class FakeKernels:
         i, wt = ops.topk_route(self.m.arr(logits, (n, e)), k)
         self.m.arr(idx, (n, k), np.int32)[:] = i
         self.m.arr(w, (n, k))[:] = wt
+
+    def route(self, stream, idx, w, n, k, e, stride, counts, cursor, tiles, n_tiles, a_rows, row_w, inv):
+        t = route_tables(self.m.arr(idx, (n, k), np.int32), self.m.arr(w, (n, k)), e,
+                         np.arange(e, dtype=np.int64) * stride)
+        self.m.arr(tiles, t.tiles.shape, np.int64)[:] = t.tiles
+        self.m.arr(n_tiles, (1,), np.int32)[:] = len(t.tiles)
+        self.m.arr(a_rows, (n * k,), np.int32)[:] = t.a_rows
+        self.m.arr(row_w, (n * k,))[:] = t.row_w
+        self.m.arr(inv, (n * k,), np.int32)[:] = t.inv
+        return n * k // TILE_ROWS + min(e, n * k)
 
     def moe_combine(self, stream, h, outs, inv, n, k, sh, y, w_shgate, d):
         from engine.ops import reference as ops
@@ -604,6 +616,29 @@ def test_grouped_gemm_over_experts(cuda_ctx):
     flat = idx.reshape(-1)
     want = np.stack([rw.reshape(-1)[i] * (x[i // top] @ wd[flat[i]].T) for i in range(n * top)])
     assert rel_err(got[t.inv], want, "grouped gemm q4_0") < 1e-5
+
+    # the same tables built on the GPU (rows of one expert in any order), the GEMM reading the tile count
+    nk = n * top
+    bufs = {name: drv.mem_alloc(size) for name, size in (("counts", E * 4), ("cursor", E * 4), ("n_tiles", 4),
+            ("tiles", (nk // TILE_ROWS + E + 1) * 24), ("a_rows", nk * 4), ("row_w", nk * 4), ("inv", nk * 4))}
+    b = {name: int(v) for name, v in bufs.items()}
+    most = k.route(s, int(_keep(drv, idx.astype(np.int32))), int(_keep(drv, rw)), n, top, E, stride, b["counts"],
+                   b["cursor"], b["tiles"], b["n_tiles"], b["a_rows"], b["row_w"], b["inv"])
+    k.gemm(s, m, int(_keep(drv, raw)), int(_keep(drv, x)), K, int(out), N, nk, a_rows=b["a_rows"], tiles=b["tiles"],
+           n_tiles=most, n_tiles_dev=b["n_tiles"], row_scale=b["row_w"])
+    s.synchronize()
+    n_tiles = int(drv.from_device(bufs["n_tiles"], (1,), np.int32)[0])
+    assert n_tiles == len(t.tiles) <= most
+    assert np.array_equal(drv.from_device(bufs["tiles"], (n_tiles, 3), np.int64), t.tiles)
+    inv = drv.from_device(bufs["inv"], (nk,), np.int32)
+    assert np.array_equal(np.sort(inv), np.arange(nk))
+    assert np.array_equal(drv.from_device(bufs["a_rows"], (nk,), np.int32)[inv], np.arange(nk) // top)
+    assert np.array_equal(drv.from_device(bufs["row_w"], (nk,), np.float32)[inv], rw.reshape(-1))
+    row_expert = np.empty(nk, np.int64)
+    row_expert[inv] = flat
+    assert np.all(np.diff(row_expert) >= 0)
+    got = drv.from_device(out, (nk, N), np.float32)
+    assert rel_err(got[inv], want, "grouped gemm q4_0, GPU routing") < 1e-5
 
 
 @gpu

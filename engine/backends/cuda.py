@@ -25,8 +25,10 @@ raises :class:`~engine.errors.DeviceError`, on which callers fall back to CPU pr
 from __future__ import annotations
 
 import contextlib
+import queue
+import threading
 import time
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import numpy as np
 
@@ -87,6 +89,60 @@ class _Device:
     def used(self) -> int:
         """Bytes allocated."""
         return sum(self.sizes.values())
+
+
+class _CopyTask:
+    """One queued host -> device copy job; ``queued`` is set once the worker has issued it (or failed)."""
+
+    def __init__(self, run: Callable[[], None]) -> None:
+        self.run = run
+        self.queued = threading.Event()
+        self.error: BaseException | None = None
+
+    def wait(self) -> None:
+        """Block until the copies are queued on the GPU; re-raise the worker's error."""
+        self.queued.wait()
+        if self.error is not None:
+            raise self.error
+
+
+class _Copier:
+    """Issues the expert copies from a thread of its own.
+
+    Measured on the H200 (docs/gpu-notes.md, run 2): a large copy from pinned memory into an idle copy
+    stream held the calling thread until it ended, which kept the compute stream unfed; from this
+    thread it holds nobody who has compute to queue.
+    """
+
+    def __init__(self, drv: Any, ctx: Any) -> None:
+        self._drv, self._ctx = drv, ctx
+        self._jobs: queue.Queue[_CopyTask | None] = queue.Queue()
+        self._thread = threading.Thread(target=self._work, name="deltadesk-h2d", daemon=True)
+        self._thread.start()
+
+    def _work(self) -> None:
+        self._ctx.push()
+        try:
+            while (task := self._jobs.get()) is not None:
+                try:
+                    task.run()
+                except BaseException as e:  # handed to the waiting thread
+                    task.error = e
+                finally:
+                    task.queued.set()
+        finally:
+            self._drv.Context.pop()
+
+    def submit(self, run: Callable[[], None]) -> _CopyTask:
+        """Queue ``run`` (which issues async copies) on the worker; returns its task."""
+        task = _CopyTask(run)
+        self._jobs.put(task)
+        return task
+
+    def close(self) -> None:
+        """Stop the worker after the queued jobs."""
+        self._jobs.put(None)
+        self._thread.join()
 
 
 class _Activations:
@@ -172,6 +228,9 @@ class CudaPrefill:
         """Free all device and pinned memory and release the context. The object is unusable afterwards."""
         if getattr(self, "_ctx", None) is None:
             return
+        if getattr(self, "_copier", None) is not None:
+            self._copier.close()
+            self._copier = None
         self._ctx.push()
         try:
             self._dev.free_all()
@@ -222,7 +281,8 @@ class CudaPrefill:
             self._pinned[il] = self._pack_experts(il, drv.pagelocked_empty(self.layouts[il].nbytes, np.uint8))
         self.slots = [self._dev.alloc(self.plan.slot_bytes) for _ in range(self.plan.n_slots)]
         self.compute = drv.Stream()
-        self.copier = drv.Stream()
+        self.copy_stream = drv.Stream()
+        self._copier = _Copier(drv, self._ctx)
         self.kv: dict[int, tuple[int, int]] = {}
         self.kv_rows = 0
         self.act: _Activations | None = None
@@ -299,6 +359,7 @@ class CudaPrefill:
                                layers=[LayerTelemetry(il, "gdn" if hp.is_recurrent(il) else "attention",
                                                       self._expert_mode(il, mode)) for il in range(hp.n_layer)])
         self._events: list[tuple[int, str, Any, Any, int]] = []
+        self._tasks: list[_CopyTask] = []
         self._slot_free: list[Any] = [None] * self.plan.n_slots
         first = last = None
         for a in range(0, n, n_pass):
@@ -306,8 +367,10 @@ class CudaPrefill:
             e0, last = self._pass(tokens[a:b], positions[:, a:b], p0 + a, b == n, mode)
             first = e0 if first is None else first
             tel.passes += 1
+        for task in self._tasks:
+            task.wait()
         self.compute.synchronize()
-        self.copier.synchronize()
+        self.copy_stream.synchronize()
         logits = self.staging["logits"].copy()
 
         for il, (kp, vp) in self.kv.items():
@@ -492,34 +555,48 @@ class CudaPrefill:
         self._copy_runs(il, slot, [(0, self.hp.n_expert)])
 
     def _copy_runs(self, il: int, slot: int, runs: list[tuple[int, int]]) -> None:
-        """Queue copies of expert runs (first, count) of layer ``il`` into buffer ``slot``, packed in order."""
-        drv, xs, stride = self._drv, self.copier, self.layouts[il].stride
-        if self._slot_free[slot] is not None:
-            xs.wait_for_event(self._slot_free[slot])
-        ev0 = self._record(xs)
-        host = self._pinned[il]
-        dst = self.slots[slot]
-        for first, count in runs:
-            drv.memcpy_htod_async(dst, host[first * stride:(first + count) * stride], xs)
-            dst += count * stride
-        ev1 = self._record(xs)
-        self._copied[il] = ev1
+        """Queue (on the copy worker) copies of expert runs (first, count) of layer ``il`` into buffer ``slot``,
+        packed in order, after the buffer's last reader is done."""
+        drv, xs, stride = self._drv, self.copy_stream, self.layouts[il].stride
+        free, host, dst = self._slot_free[slot], self._pinned[il], self.slots[slot]
+        ev0, ev1 = drv.Event(), drv.Event()
+
+        def issue() -> None:
+            if free is not None:
+                xs.wait_for_event(free)
+            ev0.record(xs)
+            at = dst
+            for first, count in runs:
+                drv.memcpy_htod_async(at, host[first * stride:(first + count) * stride], xs)
+                at += count * stride
+            ev1.record(xs)
+
+        task = self._copier.submit(issue)
+        self._tasks.append(task)
+        self._copied[il] = (task, ev1)
         self._events.append((il, "copy", ev0, ev1, sum(c for _, c in runs) * stride))
 
     def _moe(self, il: int, n: int, mode: str, order: list[int]) -> None:
-        """Spec 3.3: h += sum of the top-k routed experts (weighted) + the gated shared expert."""
+        """Spec 3.3: h += sum of the top-k routed experts (weighted) + the gated shared expert.
+
+        Routing tables are built on the GPU (no host round trip), except in selective mode, where the
+        host needs the selected experts to copy them and builds the tables itself.
+        """
         hp, k, cs, a, drv = self.hp, self.kernels, self.compute, self.act.ptr, self._drv
         p, d, E, top, ff = f"blk.{il}.", hp.n_embd, hp.n_expert, hp.n_expert_used, hp.n_ff_exp
         lay = self.layouts[il]
         nk = n * top
+        resident = il in self.experts
+        selective = mode == "selective" and not resident
         self._gemm(p + "ffn_gate_inp.weight", a["x"], d, a["rlog"], E, n)
         k.router_topk(cs, a["rlog"], n, E, top, a["tidx"], a["tw"])
-        drv.memcpy_dtoh_async(self.staging["tidx"][:nk], a["tidx"], cs)
-        drv.memcpy_dtoh_async(self.staging["tw"][:nk], a["tw"], cs)
-        routed = self._record(cs)
+        if selective:
+            drv.memcpy_dtoh_async(self.staging["tidx"][:nk], a["tidx"], cs)
+            drv.memcpy_dtoh_async(self.staging["tw"][:nk], a["tw"], cs)
+            routed = self._record(cs)
 
         sh = 0
-        if hp.n_ff_shexp:  # queued before the host waits for the routing, so the GPU stays busy meanwhile
+        if hp.n_ff_shexp:  # queued before the host waits for a selective routing, so the GPU stays busy
             fs = hp.n_ff_shexp
             self._gemm(p + "ffn_gate_shexp.weight", a["x"], d, a["hs"], 2 * fs, n)
             self._gemm(p + "ffn_up_shexp.weight", a["x"], d, a["hs"] + fs * 4, 2 * fs, n)
@@ -527,40 +604,41 @@ class CudaPrefill:
             self._gemm(p + "ffn_down_shexp.weight", a["acts"], fs, a["sh"], d, n)
             sh = a["sh"]
 
-        routed.synchronize()
-        idx = self.staging["tidx"][:nk].reshape(n, top)
-        weights = self.staging["tw"][:nk].reshape(n, top)
-
-        offsets = np.arange(E, dtype=np.int64) * lay.stride
-        slot = -1
-        if il in self.experts:
-            base = self.experts[il]
-        elif mode == "selective":
+        slot, n_tiles_dev = -1, 0
+        if selective:
+            routed.synchronize()
+            idx = self.staging["tidx"][:nk].reshape(n, top)
             used = np.unique(idx)
             offsets = np.zeros(E, dtype=np.int64)
             offsets[used] = np.arange(used.size, dtype=np.int64) * lay.stride
             slot = self._slot_turn % len(self.slots)
             self._slot_turn += 1
             self._copy_runs(il, slot, copy_runs(used))
-            base = self.slots[slot]
+            tables = route_tables(idx, self.staging["tw"][:nk].reshape(n, top), E, offsets)
+            self._upload_async(a["a_rows"], "a_rows", tables.a_rows)
+            self._upload_async(a["row_w"], "row_w", tables.row_w)
+            self._upload_async(a["inv"], "inv", tables.inv)
+            self._upload_async(a["tiles"], "tiles", tables.tiles)
+            n_tiles = tables.tiles.shape[0]
         else:
-            slot = self._slot_of[il]
-            base = self.slots[slot]
-        tables = route_tables(idx, weights, E, offsets)
-        self._upload_async(a["a_rows"], "a_rows", tables.a_rows)
-        self._upload_async(a["row_w"], "row_w", tables.row_w)
-        self._upload_async(a["inv"], "inv", tables.inv)
-        self._upload_async(a["tiles"], "tiles", tables.tiles)
+            if not resident:
+                slot = self._slot_of[il]
+            n_tiles = k.route(cs, a["tidx"], a["tw"], n, top, E, lay.stride, a["rcount"], a["rcursor"], a["tiles"],
+                              a["rntiles"], a["a_rows"], a["row_w"], a["inv"])
+            n_tiles_dev = a["rntiles"]
+        base = self.experts[il] if resident else self.slots[slot]
 
         if slot >= 0:
-            cs.wait_for_event(self._copied[il])
+            task, copied = self._copied[il]
+            task.wait()
+            cs.wait_for_event(copied)
         gu = Matrix(p + "ffn_gate_up_exps", lay.gu_qtype, 2 * ff, d, lay.gu_row_bytes, False)
         down = Matrix(p + "ffn_down_exps", lay.down_qtype, d, ff, lay.down_row_bytes, False)
-        n_tiles = tables.tiles.shape[0]
-        k.gemm(cs, gu, base, a["x"], d, a["hg"], 2 * ff, nk, a_rows=a["a_rows"], tiles=a["tiles"], n_tiles=n_tiles)
+        k.gemm(cs, gu, base, a["x"], d, a["hg"], 2 * ff, nk, a_rows=a["a_rows"], tiles=a["tiles"], n_tiles=n_tiles,
+               n_tiles_dev=n_tiles_dev)
         k.swiglu(cs, a["hg"], a["act"], nk, ff)
         k.gemm(cs, down, base + lay.gu_bytes, a["act"], ff, a["outs"], d, nk, tiles=a["tiles"], n_tiles=n_tiles,
-               row_scale=a["row_w"])
+               n_tiles_dev=n_tiles_dev, row_scale=a["row_w"])
         if slot >= 0:
             self._slot_free[slot] = self._record(cs)
             if mode == "streamed":

@@ -16,7 +16,7 @@ from typing import Any
 from gguf import GGMLQuantizationType
 
 from ..errors import DeviceError
-from .cuda_plan import Matrix
+from .cuda_plan import TILE_ROWS, Matrix
 
 Q = GGMLQuantizationType
 
@@ -30,7 +30,7 @@ _FLASH_DIMS = (32, 64, 128, 256)
 
 # kernel name -> pycuda argument format (struct codes: P pointer, i int32, q int64, f float32, d float64)
 _SIGNATURES = {
-    **{f"{k}_{t}": "PiPPqPPiPPiiii" for k in ("qgemm", "qgemm32") for t in _TYPE_SUFFIX.values()},
+    **{f"{k}_{t}": "PiPPqPPiPPiiiiP" for k in ("qgemm", "qgemm32") for t in _TYPE_SUFFIX.values()},
     **{f"embed_rows_{t}": "PqPi" for t in _TYPE_SUFFIX.values()},
     **{f"gemv_{t}": "PPqPii" for t in _TYPE_SUFFIX.values()},
     "rmsnorm_rows": "PiPPiif",
@@ -43,6 +43,9 @@ _SIGNATURES = {
     "swiglu_rows": "PPii",
     "router_topk": "PiiPP",
     "moe_combine": "PPPiPPPi",
+    "route_count": "PiP",
+    "route_plan": "PPiqiPP",
+    "route_scatter": "PPiiPPPP",
     "gdn_chunk_prep": "PPPPPPPiiiiiii",
     "gdn_chunk_scan": "PPPPPPPiiiiiii",
     **{f"flash_attn_{d}": "PPPPPiiiii" for d in _FLASH_DIMS},
@@ -113,6 +116,7 @@ class Kernels:
         """
         from pycuda.compiler import SourceModule
 
+        self._drv = drv
         nvcc = find_nvcc()
         cache = cache_dir()
         self._f: dict[str, Any] = {}
@@ -143,13 +147,14 @@ class Kernels:
     # ---- GEMM ----------------------------------------------------------------------------------
 
     def gemm(self, stream: Any, w: Matrix, w_ptr: int, a: int, lda: int, c: int, ldc: int, m: int, *,
-             a_rows: int = 0, tiles: int = 0, n_tiles: int = 0, c_rows: int = 0, row_scale: int = 0,
-             accumulate: bool = False) -> None:
+             a_rows: int = 0, tiles: int = 0, n_tiles: int = 0, n_tiles_dev: int = 0, c_rows: int = 0,
+             row_scale: int = 0, accumulate: bool = False) -> None:
         """``C[c_row(i), :w.rows] (+)= scale(i) * A[a_row(i), :w.cols] @ W^T`` for i < m (gemm.cu).
 
         With ``tiles`` (device (n_tiles, 3) int64), the grouped form: one M tile of at most
-        :data:`~engine.backends.cuda_plan.TILE_ROWS` rows per entry, the weight matrix of each tile at ``w_ptr`` + its byte offset.
-        lda must be a multiple of 4 (float4 loads).
+        :data:`~engine.backends.cuda_plan.TILE_ROWS` rows per entry, the weight matrix of each tile at
+        ``w_ptr`` + its byte offset; with ``n_tiles_dev`` (device int32), ``n_tiles`` is only an upper
+        bound and the kernel reads the real count there. lda must be a multiple of 4 (float4 loads).
         """
         if lda % 4:
             raise DeviceError(f"GEMM on {w.name}: A row stride {lda} is not a multiple of 4")
@@ -159,7 +164,7 @@ class Kernels:
         name = f"qgemm32_{_TYPE_SUFFIX[w.qtype]}" if tiles else f"qgemm_{_TYPE_SUFFIX[w.qtype]}"
         self._launch(name, (_grid(w.rows, 128), rows), 256, stream,
                      a, lda, a_rows, w_ptr, w.row_bytes, tiles, c, ldc, c_rows, row_scale, int(accumulate),
-                     m, w.rows, w.cols)
+                     m, w.rows, w.cols, n_tiles_dev)
 
     def gemv(self, stream: Any, w: Matrix, w_ptr: int, x: int, y: int) -> None:
         """y (w.rows,) = W @ x for one float32 row x (w.cols <= 8192): the last token's LM head."""
@@ -219,6 +224,23 @@ class Kernels:
         if e > 1024:
             raise DeviceError(f"router_topk handles up to 1024 experts, the model has {e}")
         self._launch("router_topk", (n, 1), 256, stream, logits, e, k, idx, w)
+
+    def route(self, stream: Any, idx: int, w: int, n: int, k: int, e: int, stride: int, counts: int, cursor: int,
+              tiles: int, n_tiles: int, a_rows: int, row_w: int, inv: int) -> int:
+        """Routing tables on the GPU (rows.cu route_*): the device form of cuda_plan.route_tables, expert e's
+        weights at byte offset e * stride. counts / cursor: (e,) int32 scratch; n_tiles: device int32.
+
+        Returns:
+            the most tiles the routing can need (the grid size to launch the grouped GEMM with).
+        """
+        if e > 1024:
+            raise DeviceError(f"GPU routing handles up to 1024 experts, the model has {e}")
+        nk = n * k
+        self._drv.memset_d32_async(counts, 0, e, stream)
+        self._launch("route_count", (_grid(nk, 256), 1), 256, stream, idx, nk, counts)
+        self._launch("route_plan", (1, 1), 1024, stream, counts, cursor, e, stride, TILE_ROWS, tiles, n_tiles)
+        self._launch("route_scatter", (_grid(nk, 256), 1), 256, stream, idx, w, nk, k, cursor, a_rows, row_w, inv)
+        return nk // TILE_ROWS + min(e, nk)
 
     def moe_combine(self, stream: Any, h: int, outs: int, inv: int, n: int, k: int, sh: int, y: int,
                     w_shgate: int, d: int) -> None:

@@ -199,7 +199,8 @@ def activation_groups(hp: Qwen35HParams, n: int) -> dict[str, dict[str, int]]:
     if hp.is_moe:
         nk = n * hp.n_expert_used
         ffn = {"rlog": n * hp.n_expert * f4, "tidx": nk * 4, "tw": nk * 4, "a_rows": nk * 4, "row_w": nk * 4,
-               "inv": nk * 4, "tiles": (nk // TILE_ROWS + hp.n_expert + 1) * 3 * 8,
+               "inv": nk * 4, "tiles": (nk // TILE_ROWS + hp.n_expert + 1) * 3 * 8, "rcount": hp.n_expert * 4,
+               "rcursor": hp.n_expert * 4, "rntiles": 4,
                "hg": nk * 2 * hp.n_ff_exp * f4, "act": nk * hp.n_ff_exp * f4, "outs": nk * d * f4}
         if hp.n_ff_shexp:
             ffn.update({"hs": n * 2 * hp.n_ff_shexp * f4, "acts": n * hp.n_ff_shexp * f4, "sh": n * d * f4})

@@ -9,7 +9,9 @@
 //
 // Grouped form (routed experts, tokens sorted by expert): `tiles` holds one (row_start, row_count,
 // w_byte_offset) triple per M tile; block y works on rows row_start .. row_start+row_count-1 against
-// the weight matrix at W + w_byte_offset. Without tiles, block y covers rows y*BM .. y*BM+BM-1.
+// the weight matrix at W + w_byte_offset; when n_tiles (device int) is given, blocks y >= *n_tiles exit
+// (the grid is sized for the most tiles a routing can need, the routing kernels write the real count).
+// Without tiles, block y covers rows y*BM .. y*BM+BM-1.
 //
 // Tile: BM (64, or 32 for the grouped expert GEMMs whose groups average ~30 rows) x BN=128 weight rows
 // x BK=32, 256 threads, (BM/16) x 8 outputs per thread (columns tn*4..tn*4+3 and 64+tn*4..64+tn*4+3,
@@ -137,7 +139,8 @@ __device__ __forceinline__ void qgemm_body(const float* __restrict__ A, int lda,
                                            const unsigned char* __restrict__ W, long long w_row_bytes,
                                            const long long* __restrict__ tiles, float* __restrict__ C, int ldc,
                                            const int* __restrict__ c_rows, const float* __restrict__ row_scale,
-                                           int accumulate, int M, int N, int K) {
+                                           int accumulate, int M, int N, int K, const int* __restrict__ n_tiles) {
+    if (n_tiles != nullptr && (int)blockIdx.y >= *n_tiles) return;
     constexpr int TM = BM / 16;      // rows per thread
     constexpr int LA = BM / 8;       // A values loaded per thread per k step
     constexpr int TPR = BK / LA;     // loader threads per A row
@@ -280,9 +283,10 @@ __device__ __forceinline__ void gemv_body(const float* __restrict__ x, const uns
     NAME(const float* __restrict__ A, int lda, const int* __restrict__ a_rows,                              \
          const unsigned char* __restrict__ W, long long w_row_bytes, const long long* __restrict__ tiles,  \
          float* __restrict__ C, int ldc, const int* __restrict__ c_rows,                                    \
-         const float* __restrict__ row_scale, int accumulate, int M, int N, int K) {                        \
+         const float* __restrict__ row_scale, int accumulate, int M, int N, int K,                          \
+         const int* __restrict__ n_tiles) {                                                                 \
         qgemm_body<QT, BM>(A, lda, a_rows, W, w_row_bytes, tiles, C, ldc, c_rows, row_scale, accumulate,   \
-                           M, N, K);                                                                        \
+                           M, N, K, n_tiles);                                                               \
     }
 
 #define EMBED_KERNEL(NAME, QT)                                                                              \

@@ -242,3 +242,59 @@ extern "C" __global__ void moe_combine(float* __restrict__ h, const float* __res
         h[(long long)t * d + c] += acc;
     }
 }
+
+// ---- routing tables on the GPU (engine.backends.cuda_plan.route_tables without the host round trip) ----
+// For nk = n*k token-expert pairs idx[i] (pair i = token i / k, slot i % k):
+//   route_count:   counts[e] = pairs choosing e (counts zeroed by the caller)
+//   route_plan:    one block of 1024 threads (E <= 1024): expert e's rows start at the exclusive prefix
+//                  sum of counts; its ceil(count / tile_rows) tiles (row_start, row_count, e * stride) are
+//                  written at the prefix sum of tile counts; *n_tiles = total; cursor[e] = row start
+//   route_scatter: pair i goes to row pos = cursor[e]++ (atomic): a_rows[pos] = i / k, row_w[pos] = w[i],
+//                  inv[i] = pos. Rows of one expert come in arbitrary order, which changes no result: each
+//                  row of the grouped GEMM is computed on its own and moe_combine sums a token's rows in
+//                  ascending row order, which is ascending expert order.
+extern "C" __global__ void route_count(const int* __restrict__ idx, int nk, int* __restrict__ counts) {
+    const int i = blockIdx.x * blockDim.x + threadIdx.x;
+    if (i < nk) atomicAdd(&counts[idx[i]], 1);
+}
+
+extern "C" __global__ void route_plan(const int* __restrict__ counts, int* __restrict__ cursor, int E,
+                                      long long stride, int tile_rows, long long* __restrict__ tiles,
+                                      int* __restrict__ n_tiles) {
+    __shared__ int rows[1024], ntl[1024];
+    const int e = threadIdx.x;
+    const int c = e < E ? counts[e] : 0;
+    const int nt = (c + tile_rows - 1) / tile_rows;
+    rows[e] = c;
+    ntl[e] = nt;
+    __syncthreads();
+    for (int off = 1; off < 1024; off <<= 1) {
+        const int a = e >= off ? rows[e - off] : 0, b = e >= off ? ntl[e - off] : 0;
+        __syncthreads();
+        rows[e] += a;
+        ntl[e] += b;
+        __syncthreads();
+    }
+    const int row0 = rows[e] - c, tile0 = ntl[e] - nt;
+    if (e < E) {
+        cursor[e] = row0;
+        for (int j = 0; j < nt; ++j) {
+            long long* tl = tiles + 3LL * (tile0 + j);
+            tl[0] = row0 + j * tile_rows;
+            tl[1] = min(tile_rows, c - j * tile_rows);
+            tl[2] = (long long)e * stride;
+        }
+    }
+    if (e == 1023) *n_tiles = ntl[1023];
+}
+
+extern "C" __global__ void route_scatter(const int* __restrict__ idx, const float* __restrict__ w, int nk, int k,
+                                         int* __restrict__ cursor, int* __restrict__ a_rows,
+                                         float* __restrict__ row_w, int* __restrict__ inv) {
+    const int i = blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= nk) return;
+    const int pos = atomicAdd(&cursor[idx[i]], 1);
+    a_rows[pos] = i / k;
+    row_w[pos] = w[i];
+    inv[i] = pos;
+}
