@@ -19,7 +19,7 @@ import sys
 import numpy as np
 import pytest
 from gguf import GGMLQuantizationType, quants
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
@@ -87,6 +87,10 @@ def test_quantize_q8_0_matches_ggml_reference(level, rng):
 @given(x=hnp.arrays(np.float32, st.integers(1, 4).map(lambda nb: 32 * nb),
                     elements=st.floats(-1e6, 1e6, width=32, allow_subnormal=True)))
 def test_quantize_q8_0_bit_exact_on_any_floats(level, x):
+    """Any finite floats, except blocks whose max |x| is below 2^-120 but not 0: there d = max / 127
+    is so small that 1 / d overflows to inf and ggml's reference itself is undefined (inf to int8)."""
+    block_max = np.abs(x.reshape(-1, 32)).max(axis=1)
+    assume(np.all((block_max == 0) | (block_max >= 2.0**-120)))
     assert np.array_equal(cpu.quantize_q8_0(x), quants.quantize(x, Q8_0))
 
 

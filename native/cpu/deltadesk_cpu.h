@@ -30,8 +30,9 @@ int dd_isa_best(void);
 void dd_set_threads(int n);
 int dd_get_threads(void);
 
-/* Read n bytes (n % 8 == 0, 8-byte aligned p) with all threads, as a memory-bandwidth probe;
- * returns the wrapping sum of the 64-bit words, so the reads cannot be optimised away. */
+/* Read n bytes (n % 8 == 0, 8-byte aligned p) with all threads, as a memory-bandwidth probe
+ * (sequential, with software prefetch 4 KiB ahead, which a single core needs to reach its share
+ * of DRAM bandwidth); returns the wrapping sum of the 64-bit words, so reads are not optimised away. */
 uint64_t dd_stream_read(const uint8_t *p, size_t n);
 
 /* x: m rows of k f32 (k % 32 == 0) -> out: m rows of k/32 block_q8_0. */

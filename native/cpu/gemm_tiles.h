@@ -1,10 +1,10 @@
 /* The row/column tiling shared by the SIMD kernel files.
  *
  * DD_DEFINE_GEMM(NAME, TILE) defines a dd_gemm_fn NAME that covers an nrows x m output with calls
- * TILE(w_row0, row_bytes, acts, c0, y_row0, ldy, R, C), each computing rows [0, R) x columns
- * [c0, c0 + C) with R and C compile-time constants (TILE is always-inline, so each shape gets
- * its own register-resident accumulators). GEMV (m == 1) uses 4-row tiles so the activation loads
- * are shared by 4 rows; small-M GEMM uses 2 x 4 tiles so each expanded weight register serves 4
+ * TILE(w_row0, prefetch_row0, row_bytes, acts, c0, y_row0, ldy, R, C), each computing rows [0, R)
+ * x columns [c0, c0 + C) with R and C compile-time constants (TILE is always-inline, so each shape
+ * gets its own register-resident accumulators) while prefetching R rows from prefetch_row0.
+ * GEMV (m == 1) uses 4-row tiles so the activation loads are shared by 4 rows; small-M GEMM uses 2 x 4 tiles so each expanded weight register serves 4
  * columns. Every output element is computed by the same instruction sequence whatever tile it
  * falls in, so results do not depend on where a thread's row range starts.
  */
@@ -13,35 +13,42 @@
 
 #define DD_INLINE static inline __attribute__((always_inline))
 
-#define DD_GEMM_COLUMNS(TILE, W, RB, A, Y, LDY, R)                      \
-    do {                                                                \
-        size_t c_ = 0;                                                  \
-        for (; c_ + 4 <= (A)->m; c_ += 4)                               \
-            TILE(W, RB, A, c_, Y, LDY, R, 4);                           \
-        switch ((A)->m - c_) {                                          \
-        case 3: TILE(W, RB, A, c_, Y, LDY, R, 3); break;                \
-        case 2: TILE(W, RB, A, c_, Y, LDY, R, 2); break;                \
-        case 1: TILE(W, RB, A, c_, Y, LDY, R, 1); break;                \
-        default: break;                                                 \
-        }                                                               \
+/* The rows DD_PREFETCH_ROWS below a tile's first row r, if all R of them exist, else the tile's own. */
+#define DD_PREFETCH_BASE(W, RB, R_, R, AVAIL) \
+    ((W) + ((R_) + DD_PREFETCH_ROWS + (R) <= (AVAIL) ? (R_) + DD_PREFETCH_ROWS : (R_)) * (RB))
+
+#define DD_GEMM_COLUMNS(TILE, W, RB, R_, AVAIL, A, Y, LDY, R)                                     \
+    do {                                                                                          \
+        const uint8_t *w_ = (W) + (R_) * (RB), *pf_ = DD_PREFETCH_BASE(W, RB, R_, R, AVAIL);       \
+        size_t c_ = 0;                                                                            \
+        for (; c_ + 4 <= (A)->m; c_ += 4)                                                         \
+            TILE(w_, pf_, RB, A, c_, (Y) + (R_), LDY, R, 4);                                      \
+        switch ((A)->m - c_) {                                                                    \
+        case 3: TILE(w_, pf_, RB, A, c_, (Y) + (R_), LDY, R, 3); break;                           \
+        case 2: TILE(w_, pf_, RB, A, c_, (Y) + (R_), LDY, R, 2); break;                           \
+        case 1: TILE(w_, pf_, RB, A, c_, (Y) + (R_), LDY, R, 1); break;                           \
+        default: break;                                                                           \
+        }                                                                                         \
     } while (0)
 
-#define DD_DEFINE_GEMM(NAME, TILE)                                                          \
-    static void NAME(const uint8_t *w, size_t row_bytes, size_t nrows, const dd_acts *a,    \
-                     float *y, size_t ldy)                                                  \
-    {                                                                                       \
-        size_t r = 0;                                                                       \
-        if (a->m == 1) {                                                                    \
-            for (; r + 4 <= nrows; r += 4)                                                  \
-                TILE(w + r * row_bytes, row_bytes, a, 0, y + r, ldy, 4, 1);                 \
-            for (; r < nrows; r++)                                                          \
-                TILE(w + r * row_bytes, row_bytes, a, 0, y + r, ldy, 1, 1);                 \
-            return;                                                                         \
-        }                                                                                   \
-        for (; r + 2 <= nrows; r += 2)                                                      \
-            DD_GEMM_COLUMNS(TILE, w + r * row_bytes, row_bytes, a, y + r, ldy, 2);          \
-        if (r < nrows)                                                                      \
-            DD_GEMM_COLUMNS(TILE, w + r * row_bytes, row_bytes, a, y + r, ldy, 1);          \
+#define DD_DEFINE_GEMM(NAME, TILE)                                                                \
+    static void NAME(const uint8_t *w, size_t row_bytes, size_t nrows, size_t rows_avail,         \
+                     const dd_acts *a, float *y, size_t ldy)                                      \
+    {                                                                                             \
+        size_t r = 0;                                                                             \
+        if (a->m == 1) {                                                                          \
+            for (; r + 4 <= nrows; r += 4)                                                        \
+                TILE(w + r * row_bytes, DD_PREFETCH_BASE(w, row_bytes, r, 4, rows_avail),         \
+                     row_bytes, a, 0, y + r, ldy, 4, 1);                                          \
+            for (; r < nrows; r++)                                                                \
+                TILE(w + r * row_bytes, DD_PREFETCH_BASE(w, row_bytes, r, 1, rows_avail),         \
+                     row_bytes, a, 0, y + r, ldy, 1, 1);                                          \
+            return;                                                                               \
+        }                                                                                         \
+        for (; r + 2 <= nrows; r += 2)                                                            \
+            DD_GEMM_COLUMNS(TILE, w, row_bytes, r, rows_avail, a, y, ldy, 2);                     \
+        if (r < nrows)                                                                            \
+            DD_GEMM_COLUMNS(TILE, w, row_bytes, r, rows_avail, a, y, ldy, 1);                     \
     }
 
 #endif

@@ -33,9 +33,16 @@ typedef struct {
     void *mem;              /* the allocation holding all of the above */
 } dd_acts;
 
-/* y[c*ldy + r] = row r of w (nrows rows, row_bytes apart) . column c of a, for r < nrows, c < a->m. */
-typedef void (*dd_gemm_fn)(const uint8_t *w, size_t row_bytes, size_t nrows, const dd_acts *a,
-                           float *y, size_t ldy);
+/* y[c*ldy + r] = row r of w (nrows rows, row_bytes apart) . column c of a, for r < nrows, c < a->m.
+ * Rows [nrows, rows_avail) follow in memory (the rest of the matrix): the kernel may prefetch them. */
+typedef void (*dd_gemm_fn)(const uint8_t *w, size_t row_bytes, size_t nrows, size_t rows_avail,
+                           const dd_acts *a, float *y, size_t ldy);
+
+/* How far ahead the SIMD kernels prefetch weights, in rows. A single core keeps too few cache
+ * misses in flight while it computes to stream from DRAM; asking for the row this many rows
+ * ahead doubles the single-thread GEMV rate (measured ~4.5 -> ~10.5 GB/s, 1 core of a Xeon with
+ * ~11-12 GB/s per-core streaming bandwidth). */
+#define DD_PREFETCH_ROWS 8
 
 typedef struct {
     /* nb blocks of 32 f32 -> nb block_q8_0, bit-identical to ggml's quantize_row_q8_0_ref. */

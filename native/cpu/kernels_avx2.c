@@ -52,8 +52,8 @@ DD_INLINE __m256i q4_0_block(const uint8_t *blk)
     return _mm256_and_si256(both, _mm256_set1_epi8(0x0f));
 }
 
-DD_INLINE void tile(const uint8_t *w, size_t rb, const dd_acts *a, int wtype, size_t c0, float *y,
-                    size_t ldy, const int R, const int C)
+DD_INLINE void tile(const uint8_t *w, const uint8_t *pf, size_t rb, const dd_acts *a, int wtype, size_t c0,
+                    float *y, size_t ldy, const int R, const int C)
 {
     const size_t bytes = wtype == DD_Q4_0 ? DD_Q4_0_BYTES : DD_Q8_0_BYTES;
     const __m256i ones = _mm256_set1_epi16(1);
@@ -66,6 +66,7 @@ DD_INLINE void tile(const uint8_t *w, size_t rb, const dd_acts *a, int wtype, si
         __m256 dw[4];
         for (int r = 0; r < R; r++) {
             const uint8_t *blk = w + r * rb + b * bytes;
+            _mm_prefetch((const char *)(pf + r * rb + b * bytes), _MM_HINT_T0);
             dw[r] = _mm256_set1_ps(_cvtsh_ss(dd_load_u16(blk)));
             if (wtype == DD_Q4_0) {
                 wq[r] = q4_0_block(blk);
@@ -99,8 +100,8 @@ DD_INLINE void tile(const uint8_t *w, size_t rb, const dd_acts *a, int wtype, si
         }
 }
 
-#define TILE_Q4_0(w, rb, a, c0, y, ldy, R, C) tile(w, rb, a, DD_Q4_0, c0, y, ldy, R, C)
-#define TILE_Q8_0(w, rb, a, c0, y, ldy, R, C) tile(w, rb, a, DD_Q8_0, c0, y, ldy, R, C)
+#define TILE_Q4_0(w, pf, rb, a, c0, y, ldy, R, C) tile(w, pf, rb, a, DD_Q4_0, c0, y, ldy, R, C)
+#define TILE_Q8_0(w, pf, rb, a, c0, y, ldy, R, C) tile(w, pf, rb, a, DD_Q8_0, c0, y, ldy, R, C)
 DD_DEFINE_GEMM(gemm_q4_0, TILE_Q4_0)
 DD_DEFINE_GEMM(gemm_q8_0, TILE_Q8_0)
 

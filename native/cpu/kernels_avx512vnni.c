@@ -67,16 +67,18 @@ DD_INLINE void q8_0_pair(const uint8_t *p, int full, __m512i *qu, __m512 *dw)
 }
 
 /* One block pair p of R rows x C columns: acc[r][c] += (bias + wq . aq) * (dw * da), per lane. */
-DD_INLINE void pair_step(const uint8_t *w, size_t rb, const dd_acts *a, int wtype, size_t c0,
-                         size_t p, int full, __m512 acc[4][4], const int R, const int C)
+DD_INLINE void pair_step(const uint8_t *w, const uint8_t *pf, size_t rb, const dd_acts *a, int wtype,
+                         size_t c0, size_t p, int full, __m512 acc[4][4], const int R, const int C)
 {
+    const size_t pair_bytes = 2 * (wtype == DD_Q4_0 ? DD_Q4_0_BYTES : DD_Q8_0_BYTES);
     __m512i wq[4];
     __m512 dw[4];
     for (int r = 0; r < R; r++) {
+        _mm_prefetch((const char *)(pf + r * rb + p * pair_bytes), _MM_HINT_T0);
         if (wtype == DD_Q4_0)
-            q4_0_pair(w + r * rb + p * 2 * DD_Q4_0_BYTES, full ? 0x3ffff : 0x1ff, &wq[r], &dw[r]);
+            q4_0_pair(w + r * rb + p * pair_bytes, full ? 0x3ffff : 0x1ff, &wq[r], &dw[r]);
         else
-            q8_0_pair(w + r * rb + p * 2 * DD_Q8_0_BYTES, full, &wq[r], &dw[r]);
+            q8_0_pair(w + r * rb + p * pair_bytes, full, &wq[r], &dw[r]);
     }
     for (int c = 0; c < C; c++) {
         const size_t col = (c0 + c) * a->nbp;
@@ -90,8 +92,8 @@ DD_INLINE void pair_step(const uint8_t *w, size_t rb, const dd_acts *a, int wtyp
     }
 }
 
-DD_INLINE void tile(const uint8_t *w, size_t rb, const dd_acts *a, int wtype, size_t c0, float *y,
-                    size_t ldy, const int R, const int C)
+DD_INLINE void tile(const uint8_t *w, const uint8_t *pf, size_t rb, const dd_acts *a, int wtype, size_t c0,
+                    float *y, size_t ldy, const int R, const int C)
 {
     __m512 acc[4][4];
     for (int r = 0; r < R; r++)
@@ -99,16 +101,16 @@ DD_INLINE void tile(const uint8_t *w, size_t rb, const dd_acts *a, int wtype, si
             acc[r][c] = _mm512_setzero_ps();
     const size_t full_pairs = a->nb / 2;
     for (size_t p = 0; p < full_pairs; p++)
-        pair_step(w, rb, a, wtype, c0, p, 1, acc, R, C);
+        pair_step(w, pf, rb, a, wtype, c0, p, 1, acc, R, C);
     if (a->nb & 1)
-        pair_step(w, rb, a, wtype, c0, full_pairs, 0, acc, R, C);
+        pair_step(w, pf, rb, a, wtype, c0, full_pairs, 0, acc, R, C);
     for (int r = 0; r < R; r++)
         for (int c = 0; c < C; c++)
             y[(c0 + c) * ldy + r] = _mm512_reduce_add_ps(acc[r][c]);
 }
 
-#define TILE_Q4_0(w, rb, a, c0, y, ldy, R, C) tile(w, rb, a, DD_Q4_0, c0, y, ldy, R, C)
-#define TILE_Q8_0(w, rb, a, c0, y, ldy, R, C) tile(w, rb, a, DD_Q8_0, c0, y, ldy, R, C)
+#define TILE_Q4_0(w, pf, rb, a, c0, y, ldy, R, C) tile(w, pf, rb, a, DD_Q4_0, c0, y, ldy, R, C)
+#define TILE_Q8_0(w, pf, rb, a, c0, y, ldy, R, C) tile(w, pf, rb, a, DD_Q8_0, c0, y, ldy, R, C)
 DD_DEFINE_GEMM(gemm_q4_0, TILE_Q4_0)
 DD_DEFINE_GEMM(gemm_q8_0, TILE_Q8_0)
 

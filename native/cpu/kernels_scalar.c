@@ -26,11 +26,14 @@ static void quantize_q8_0(const float *x, size_t nb, uint8_t *out)
 
 static int32_t dot_q4_0(const uint8_t *blk, const int8_t *a)
 {
+    int8_t v[DD_QK];
     int32_t s = 0;
     for (int j = 0; j < 16; j++) {
-        s += ((blk[2 + j] & 0x0f) - 8) * a[j];
-        s += ((blk[2 + j] >> 4) - 8) * a[j + 16];
+        v[j] = (int8_t)((blk[2 + j] & 0x0f) - 8);
+        v[j + 16] = (int8_t)((blk[2 + j] >> 4) - 8);
     }
+    for (int j = 0; j < DD_QK; j++)
+        s += v[j] * a[j];
     return s;
 }
 
@@ -42,7 +45,7 @@ static int32_t dot_q8_0(const uint8_t *blk, const int8_t *a)
     return s;
 }
 
-static void gemm(const uint8_t *w, size_t row_bytes, size_t nrows, const dd_acts *a, float *y,
+static inline __attribute__((always_inline)) void gemm(const uint8_t *w, size_t row_bytes, size_t nrows, const dd_acts *a, float *y,
                  size_t ldy, size_t block_bytes, int32_t (*dot)(const uint8_t *, const int8_t *))
 {
     for (size_t r = 0; r < nrows; r++) {
@@ -61,15 +64,17 @@ static void gemm(const uint8_t *w, size_t row_bytes, size_t nrows, const dd_acts
     }
 }
 
-static void gemm_q4_0(const uint8_t *w, size_t row_bytes, size_t nrows, const dd_acts *a, float *y,
-                      size_t ldy)
+static void gemm_q4_0(const uint8_t *w, size_t row_bytes, size_t nrows, size_t rows_avail, const dd_acts *a,
+                      float *y, size_t ldy)
 {
+    (void)rows_avail;
     gemm(w, row_bytes, nrows, a, y, ldy, DD_Q4_0_BYTES, dot_q4_0);
 }
 
-static void gemm_q8_0(const uint8_t *w, size_t row_bytes, size_t nrows, const dd_acts *a, float *y,
-                      size_t ldy)
+static void gemm_q8_0(const uint8_t *w, size_t row_bytes, size_t nrows, size_t rows_avail, const dd_acts *a,
+                      float *y, size_t ldy)
 {
+    (void)rows_avail;
     gemm(w, row_bytes, nrows, a, y, ldy, DD_Q8_0_BYTES, dot_q8_0);
 }
 

@@ -6,6 +6,7 @@
  * sign). Block scales are widened from f16 in C (no F16C here).
  */
 #include <tmmintrin.h>
+#include <xmmintrin.h>
 
 #include "gemm_tiles.h"
 #include "kernels.h"
@@ -42,8 +43,8 @@ static void quantize_q8_0(const float *x, size_t nb, uint8_t *out)
     }
 }
 
-DD_INLINE void tile(const uint8_t *w, size_t rb, const dd_acts *a, int wtype, size_t c0, float *y,
-                    size_t ldy, const int R, const int C)
+DD_INLINE void tile(const uint8_t *w, const uint8_t *pf, size_t rb, const dd_acts *a, int wtype, size_t c0,
+                    float *y, size_t ldy, const int R, const int C)
 {
     const size_t bytes = wtype == DD_Q4_0 ? DD_Q4_0_BYTES : DD_Q8_0_BYTES;
     const __m128i ones = _mm_set1_epi16(1), low = _mm_set1_epi8(0x0f);
@@ -56,6 +57,7 @@ DD_INLINE void tile(const uint8_t *w, size_t rb, const dd_acts *a, int wtype, si
         float dw[4];
         for (int r = 0; r < R; r++) {
             const uint8_t *blk = w + r * rb + b * bytes;
+            _mm_prefetch((const char *)(pf + r * rb + b * bytes), _MM_HINT_T0);
             dw[r] = dd_f16_to_f32(dd_load_u16(blk));
             if (wtype == DD_Q4_0) {
                 const __m128i qs = _mm_loadu_si128((const __m128i *)(blk + 2));
@@ -100,8 +102,8 @@ DD_INLINE void tile(const uint8_t *w, size_t rb, const dd_acts *a, int wtype, si
         }
 }
 
-#define TILE_Q4_0(w, rb, a, c0, y, ldy, R, C) tile(w, rb, a, DD_Q4_0, c0, y, ldy, R, C)
-#define TILE_Q8_0(w, rb, a, c0, y, ldy, R, C) tile(w, rb, a, DD_Q8_0, c0, y, ldy, R, C)
+#define TILE_Q4_0(w, pf, rb, a, c0, y, ldy, R, C) tile(w, pf, rb, a, DD_Q4_0, c0, y, ldy, R, C)
+#define TILE_Q8_0(w, pf, rb, a, c0, y, ldy, R, C) tile(w, pf, rb, a, DD_Q8_0, c0, y, ldy, R, C)
 DD_DEFINE_GEMM(gemm_q4_0, TILE_Q4_0)
 DD_DEFINE_GEMM(gemm_q8_0, TILE_Q8_0)
 

@@ -66,8 +66,8 @@ static void gate_up_chunk(void *ctx, size_t chunk)
     expert *e = &j->ex[i];
     const size_t r0 = (chunk - e->first_chunk) * j->gate_up_rows, r1 = min_size(r0 + j->gate_up_rows, e->ff);
     const size_t rbg = row_bytes(d, e->gate_type), rbu = row_bytes(d, e->up_type);
-    j->kt->gemm[e->gate_type](e->gate + r0 * rbg, rbg, r1 - r0, j->xacts, e->g + r0, e->ff);
-    j->kt->gemm[e->up_type](e->up + r0 * rbu, rbu, r1 - r0, j->xacts, e->u + r0, e->ff);
+    j->kt->gemm[e->gate_type](e->gate + r0 * rbg, rbg, r1 - r0, e->ff - r0, j->xacts, e->g + r0, e->ff);
+    j->kt->gemm[e->up_type](e->up + r0 * rbu, rbu, r1 - r0, e->ff - r0, j->xacts, e->u + r0, e->ff);
     for (size_t r = r0; r < r1; r++)
         e->h[r] = e->g[r] / (1.0f + expf(-e->g[r])) * e->u[r];
 }
@@ -81,7 +81,7 @@ static void down_chunk(void *ctx, size_t chunk)
     for (size_t i = 0; i < j->n_ex; i++) {
         expert *e = &j->ex[i];
         const size_t rb = row_bytes(e->ff, e->down_type);
-        j->kt->gemm[e->down_type](e->down + r0 * rb, rb, r1 - r0, &e->acts, e->y + r0, d);
+        j->kt->gemm[e->down_type](e->down + r0 * rb, rb, r1 - r0, d - r0, &e->acts, e->y + r0, d);
     }
     for (size_t r = r0; r < r1; r++) {
         float s = 0.0f;
