@@ -50,6 +50,9 @@ Q8_0_BYTES = 34
 _WTYPE = {Q4_0_BYTES: 0, Q8_0_BYTES: 1}
 _C_ERRORS = {-1: "ISA level not supported by this CPU", -2: "out of memory", -3: "invalid argument"}
 
+MAX_THREADS = 256
+"""The C pool's limit (DD_MAX_THREADS)."""
+
 _active_isa: str | None = None
 _threads = 1
 
@@ -124,12 +127,13 @@ def physical_cores() -> int:
 
 
 def set_threads(n: int | None = None) -> int:
-    """Use n threads (the caller's included) in the native kernels; None = physical_cores(). Returns n.
+    """Use n threads (the caller's included, 1..MAX_THREADS) in the native kernels; None = physical_cores().
+    Returns the count set.
 
     Results do not depend on n. Without the extension this is recorded and has no effect.
     """
     global _threads
-    _threads = physical_cores() if n is None else max(1, int(n))
+    _threads = min(MAX_THREADS, physical_cores() if n is None else max(1, int(n)))
     if _native_cpu is not None:
         _native_cpu.lib.dd_set_threads(_threads)
     return _threads

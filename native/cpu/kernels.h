@@ -49,7 +49,7 @@ typedef struct {
     void (*quantize_q8_0)(const float *x, size_t nb, uint8_t *out);
     dd_gemm_fn gemm[DD_WTYPE_COUNT];
     int bias_mult[DD_WTYPE_COUNT];   /* 0: the kernel does not read acts.bias */
-    float (*dot_f32)(const float *a, const float *b, size_t n);
+    float (*dot_f32)(const float *a, const float *b, size_t n);   /* a streamed (prefetched), b reused */
 } dd_kernels;
 
 extern const dd_kernels dd_kernels_scalar;

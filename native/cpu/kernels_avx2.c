@@ -109,9 +109,12 @@ static float dot_f32(const float *a, const float *b, size_t n)
 {
     __m256 acc[4] = { _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps() };
     size_t i = 0;
-    for (; i + 32 <= n; i += 32)
+    for (; i + 32 <= n; i += 32) {
+        _mm_prefetch((const char *)(a + i + 1024), _MM_HINT_T0);               /* a streams: 4 KiB ahead */
+        _mm_prefetch((const char *)(a + i + 1040), _MM_HINT_T0);
         for (int u = 0; u < 4; u++)
             acc[u] = _mm256_fmadd_ps(_mm256_loadu_ps(a + i + 8 * u), _mm256_loadu_ps(b + i + 8 * u), acc[u]);
+    }
     __m256 t = _mm256_add_ps(_mm256_add_ps(acc[0], acc[1]), _mm256_add_ps(acc[2], acc[3]));
     __m128 s = _mm_add_ps(_mm256_castps256_ps128(t), _mm256_extractf128_ps(t, 1));
     s = _mm_add_ps(s, _mm_movehl_ps(s, s));

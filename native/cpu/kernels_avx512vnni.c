@@ -119,8 +119,10 @@ static float dot_f32(const float *a, const float *b, size_t n)
     __m512 acc[4] = { _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps() };
     size_t i = 0;
     for (; i + 64 <= n; i += 64)
-        for (int u = 0; u < 4; u++)
+        for (int u = 0; u < 4; u++) {
+            _mm_prefetch((const char *)(a + i + 16 * u + 1024), _MM_HINT_T0);   /* a streams: 4 KiB ahead */
             acc[u] = _mm512_fmadd_ps(_mm512_loadu_ps(a + i + 16 * u), _mm512_loadu_ps(b + i + 16 * u), acc[u]);
+        }
     for (; i < n; i += 16) {
         __mmask16 m = n - i >= 16 ? 0xffff : (__mmask16)((1u << (n - i)) - 1);
         acc[0] = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(m, a + i), _mm512_maskz_loadu_ps(m, b + i), acc[0]);
