@@ -33,7 +33,10 @@ def format_stats(stats: dict[str, Any]) -> str:
     if "generated_tokens" in stats:
         parts.append(f"{stats['generated_tokens']} tokens")
     if "reused_tokens" in stats:
-        parts.append(f"{stats['reused_tokens']} of {stats.get('prompt_tokens', 0)} prompt tokens reused")
+        reused = f"{stats['reused_tokens']} of {stats.get('prompt_tokens', 0)} prompt tokens reused"
+        if "restore_ms" in stats:
+            reused += f" (restored in {stats['restore_ms']:.0f} ms)"
+        parts.append(reused)
     return " \u00b7 ".join(parts)
 
 
@@ -151,6 +154,7 @@ class MessageWidget(QFrame):
             layout.addLayout(row)
 
         self.stats_label = QLabel()
+        self.stats_label.setWordWrap(True)
         self.stats_label.setEnabled(False)
         self.stats_label.setAccessibleName("Answer statistics")
         layout.addWidget(self.stats_label)
@@ -205,7 +209,7 @@ class MessageWidget(QFrame):
         if still:
             self.thinking_button.setText("Thinking\u2026")
         elif seconds is not None:
-            self.thinking_button.setText(f"Thought for {seconds:.0f} s")
+            self.thinking_button.setText(f"Thought for {seconds:.{1 if seconds < 10 else 0}f} s")
         else:
             self.thinking_button.setText("Thoughts")
         self.thinking_label.set_plain(thinking)

@@ -2,7 +2,8 @@
 
 Enter sends, Shift+Enter starts a new line. Images arrive by drag-and-drop, paste or the attach
 dialog; each is copied into the :class:`~app.history.ImageStore` at once, so a message refers to a
-file that stays put.
+file that stays put. When the loaded model has a vision tower, each thumbnail also shows the size
+the image will have when it reaches the model (the engine worker measures it).
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from .history import ImageStore
 
 IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".webp", ".bmp", ".gif")
 THUMB_PX = 64
+PIXELS_PER_IMAGE_TOKEN = 32 * 32
 
 
 @dataclass(frozen=True)
@@ -41,6 +43,65 @@ class Attachment:
     def caption(self) -> str:
         """E.g. "1920\u00d71080 \u00b7 245.3 KB"."""
         return f"{self.width}\u00d7{self.height} \u00b7 {human_size(self.nbytes)}"
+
+
+def model_size_text(size: tuple[int, int]) -> str:
+    """E.g. "model sees 448\u00d7288 \u00b7 126 tokens" for ``size`` = (height, width)."""
+    height, width = size
+    return f"model sees {width}\u00d7{height} \u00b7 {height * width // PIXELS_PER_IMAGE_TOKEN} tokens"
+
+
+class Thumbnail(QFrame):
+    """One attached image: the picture, a remove button, its size and the size the model sees.
+
+    Signals:
+        remove_clicked(): the \u00d7 button was pressed.
+    """
+
+    remove_clicked = Signal()
+
+    def __init__(self, attachment: Attachment) -> None:
+        super().__init__()
+        self.attachment = attachment
+        self.setFrameShape(QFrame.StyledPanel)
+        self.setAccessibleName(f"Attached image {attachment.caption}")
+        layout = QVBoxLayout(self)
+        layout.setContentsMargins(4, 4, 4, 4)
+        layout.setSpacing(2)
+        top = QHBoxLayout()
+        picture = QLabel()
+        reader = QImageReader(attachment.path)
+        reader.setScaledSize(QSize(attachment.width, attachment.height).scaled(THUMB_PX, THUMB_PX, Qt.KeepAspectRatio))
+        picture.setPixmap(QPixmap.fromImage(reader.read()))
+        top.addWidget(picture)
+        remove = QToolButton()
+        remove.setText("\u00d7")
+        remove.setAutoRaise(True)
+        remove.setToolTip("Remove image")
+        remove.setAccessibleName("Remove image")
+        remove.clicked.connect(self.remove_clicked)
+        top.addWidget(remove, 0, Qt.AlignTop)
+        top.addStretch(1)
+        layout.addLayout(top)
+        caption = QLabel(attachment.caption)
+        caption.setEnabled(False)
+        layout.addWidget(caption)
+        self.model_size = QLabel()
+        self.model_size.setAccessibleName("Size the model sees")
+        self.model_size.hide()
+        layout.addWidget(self.model_size)
+
+    def set_model_size(self, size: tuple[int, int] | str | None) -> None:
+        """Show the (height, width) the model sees, a reason it cannot see the image, or nothing (None)."""
+        self.model_size.setVisible(size is not None)
+        if isinstance(size, str):
+            self.model_size.setText("model cannot read it")
+            self.model_size.setToolTip(size)
+            self.model_size.setStyleSheet("color: #b35c00;")
+        elif size is not None:
+            self.model_size.setText(model_size_text(size))
+            self.model_size.setToolTip("")
+            self.model_size.setStyleSheet("")
 
 
 def image_files(mime: QMimeData) -> list[Path]:
@@ -80,13 +141,18 @@ class ComposerEdit(QPlainTextEdit):
 class Composer(QFrame):
     """Where the user writes the next message.
 
+    Attributes:
+        has_vision: whether the loaded model can see images (None while no model is loaded).
+
     Signals:
         send_requested(str, list): the text and the attached image paths.
         stop_requested(): the Stop button was pressed while an answer streams.
+        measure_requested(str): an image path whose size for the model should be measured.
     """
 
     send_requested = Signal(str, list)
     stop_requested = Signal()
+    measure_requested = Signal(str)
 
     def __init__(self, images: ImageStore) -> None:
         super().__init__()
@@ -94,7 +160,7 @@ class Composer(QFrame):
         self.attachments: list[Attachment] = []
         self.editing_id: int | None = None
         self.busy = False
-        self.has_vision = True
+        self.has_vision: bool | None = None
         self.setAcceptDrops(True)
         layout = QVBoxLayout(self)
         layout.setContentsMargins(8, 6, 8, 8)
@@ -160,34 +226,24 @@ class Composer(QFrame):
     def _attach(self, stored: Path) -> Attachment:
         attachment = Attachment.of(stored)
         self.attachments.append(attachment)
-        self._strip.insertWidget(self._strip.count() - 1, self._thumb(attachment))
+        thumb = Thumbnail(attachment)
+        thumb.remove_clicked.connect(lambda: self.remove_attachment(attachment, thumb))
+        self._strip.insertWidget(self._strip.count() - 1, thumb)
         self._update_warning()
+        if self.has_vision:
+            self.measure_requested.emit(attachment.path)
         return attachment
 
-    def _thumb(self, attachment: Attachment) -> QWidget:
-        box = QFrame()
-        box.setFrameShape(QFrame.StyledPanel)
-        box.setAccessibleName(f"Attached image {attachment.caption}")
-        layout = QVBoxLayout(box)
-        layout.setContentsMargins(4, 4, 4, 4)
-        top = QHBoxLayout()
-        picture = QLabel()
-        reader = QImageReader(attachment.path)
-        reader.setScaledSize(QSize(attachment.width, attachment.height).scaled(THUMB_PX, THUMB_PX, Qt.KeepAspectRatio))
-        picture.setPixmap(QPixmap.fromImage(reader.read()))
-        top.addWidget(picture)
-        remove = QToolButton()
-        remove.setText("\u00d7")
-        remove.setAutoRaise(True)
-        remove.setToolTip("Remove image")
-        remove.setAccessibleName("Remove image")
-        remove.clicked.connect(lambda: self.remove_attachment(attachment, box))
-        top.addWidget(remove, 0, Qt.AlignTop)
-        layout.addLayout(top)
-        caption = QLabel(attachment.caption)
-        caption.setEnabled(False)
-        layout.addWidget(caption)
-        return box
+    def thumbnails(self) -> list[Thumbnail]:
+        """The thumbnails shown, in order."""
+        return [self._strip.itemAt(i).widget() for i in range(self._strip.count() - 1)]
+
+    def on_measured(self, path: str, size: tuple[int, int] | str) -> None:
+        """The engine worker measured ``path``: show what the model will see on its thumbnails."""
+        if self.has_vision:
+            for thumb in self.thumbnails():
+                if thumb.attachment.path == path:
+                    thumb.set_model_size(size)
 
     def remove_attachment(self, attachment: Attachment, box: QWidget) -> None:
         """Drop one attachment and its thumbnail."""
@@ -213,13 +269,21 @@ class Composer(QFrame):
         for path in paths:
             self.add_file(path)
 
-    def set_vision(self, has_vision: bool) -> None:
-        """Tell the composer whether the loaded model can see images."""
+    def set_vision(self, has_vision: bool | None) -> None:
+        """Tell the composer whether the loaded model can see images (None: no model loaded).
+
+        With a vision tower, the attached images are measured again (the new model may resize
+        them differently).
+        """
         self.has_vision = has_vision
         self._update_warning()
+        for thumb in self.thumbnails():
+            thumb.set_model_size(None)
+            if has_vision:
+                self.measure_requested.emit(thumb.attachment.path)
 
     def _update_warning(self) -> None:
-        show = bool(self.attachments) and not self.has_vision
+        show = bool(self.attachments) and self.has_vision is False
         self.warning.setText("This model has no vision tower: images stay in the chat but the model "
                              "will not see them.")
         self.warning.setVisible(show)

@@ -3,21 +3,28 @@
 It owns the one live turn (at most one runs at a time): the answer being streamed, its cancel
 flag, and the timer that saves its text every few seconds. The turn keeps running when the user
 switches to another conversation; switching back shows it still streaming.
+
+Every database call goes to the :class:`~app.history_thread.HistoryThread`; the controller acts on
+the results when they come back (a conversation is shown, a turn starts), so the UI thread never
+waits for SQLite.
 """
 
 from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
+from typing import Any, Callable
 
 from PySide6.QtCore import QObject, QTimer, Signal, Slot
 
-from engine.events import TurnSummary
+from engine.events import PrefillStats, TurnSummary
 
 from .chat_view import ChatView
 from .engine_worker import ChatRequest, EngineWorker
-from .history import HistoryStore, Message
+from .history import Branch, HistoryStore, Message, TurnStart
+from .history_thread import HistoryThread
 from .markdown_render import THINK_CLOSE, split_thinking
+from .settings import Settings
 
 SAVE_INTERVAL_MS = 3000
 TITLE_CHARS = 48
@@ -25,14 +32,14 @@ _STATE_OF_STOP = {"eos": "complete", "max_tokens": "complete", "cancelled": "sto
                   "context_full": "error", "error": "error"}
 
 
-def engine_messages(path: list[Message], has_vision: bool) -> list[dict]:
-    """The active branch in the engine's message format.
+def engine_messages(path: list[Message], has_vision: bool, system_prompt: str = "") -> list[dict]:
+    """The active branch in the engine's message format, after the system prompt if there is one.
 
     An assistant message is sent without its thinking. A user message with images becomes a list
     of parts, ``{"type": "image", "image": path}`` then ``{"type": "text", "text": ...}``, when the
     model has a vision tower; without one the images are left out (the window warns about it).
     """
-    out = []
+    out: list[dict] = [{"role": "system", "content": system_prompt}] if system_prompt else []
     for m in path:
         text = split_thinking(m.content, False)[1] if m.role == "assistant" else m.content
         if m.images and has_vision:
@@ -41,6 +48,12 @@ def engine_messages(path: list[Message], has_vision: bool) -> list[dict]:
         else:
             out.append({"role": m.role, "content": text})
     return out
+
+
+def title_for(text: str) -> str:
+    """A conversation title from its first message: the first words, at most :data:`TITLE_CHARS`."""
+    title = " ".join((text or "Image").split())
+    return title if len(title) <= TITLE_CHARS else title[:TITLE_CHARS - 1] + "\u2026"
 
 
 @dataclass
@@ -55,10 +68,15 @@ class LiveTurn:
     text: str = ""
     thought_s: float | None = None
     saved_len: int = 0
+    restore_ms: float = 0.0
 
 
 class ChatController(QObject):
-    """Connects the chat view, the history store and the engine worker.
+    """Connects the chat view, the history thread and the engine worker.
+
+    Attributes:
+        settings: sampling, system prompt and the rest, read when a turn starts.
+        has_vision: whether the loaded model can see images.
 
     Signals:
         request_chat(ChatRequest): connected (queued) to :meth:`EngineWorker.chat`.
@@ -70,15 +88,18 @@ class ChatController(QObject):
     busy_changed = Signal(bool)
     conversation_touched = Signal(int)
 
-    def __init__(self, store: HistoryStore, view: ChatView, worker: EngineWorker,
+    def __init__(self, history: HistoryThread, view: ChatView, worker: EngineWorker, settings: Settings,
                  save_interval_ms: int = SAVE_INTERVAL_MS) -> None:
         super().__init__()
-        self.store = store
+        self.history = history
         self.view = view
+        self.settings = settings
         self.has_vision = False
         self.conversation_id: int | None = None
         self.live: LiveTurn | None = None
+        self._starting = False
         self.request_chat.connect(worker.chat)
+        worker.prefilled.connect(self.on_prefilled)
         worker.tokens.connect(self.on_tokens)
         worker.finished.connect(self.on_finished)
         view.branch_requested.connect(self.select_branch)
@@ -88,15 +109,20 @@ class ChatController(QObject):
 
     @property
     def busy(self) -> bool:
-        """Whether an answer is being generated."""
-        return self.live is not None
+        """Whether an answer is being generated (or its rows are being added)."""
+        return self.live is not None or self._starting
 
     def open(self, conversation_id: int) -> None:
         """Show a conversation's active branch (re-attaching the live answer if it is this one)."""
         self.conversation_id = conversation_id
-        self.view.show_messages(self.store.active_path(conversation_id), self.store.siblings)
+        self.history.call(HistoryStore.branch, conversation_id, then=self._show)
+
+    def _show(self, branch: Branch) -> None:
+        if branch.conversation_id != self.conversation_id:
+            return
+        self.view.show_messages(branch.path, branch.siblings.__getitem__)
         live = self.live
-        if live is not None and live.conversation_id == conversation_id:
+        if live is not None and live.conversation_id == branch.conversation_id:
             widget = self.view.widget_for(live.message_id)
             if widget is not None:
                 widget.raw = ""
@@ -107,36 +133,26 @@ class ChatController(QObject):
         """Add a user message at the end of the active branch and answer it; False while busy."""
         if self.busy or self.conversation_id is None:
             return False
-        conversation_id = self.conversation_id
-        path = self.store.active_path(conversation_id)
-        user_id = self.store.add_message(conversation_id, path[-1].id if path else None, "user", text, images)
-        if not path:
-            title = " ".join((text or "Image").split())
-            self.store.rename_conversation(
-                conversation_id, title if len(title) <= TITLE_CHARS else title[:TITLE_CHARS - 1] + "\u2026")
-        self._start_turn(conversation_id, user_id, thinking)
+        self._begin(thinking, HistoryStore.reply, self.conversation_id, text, images, title_for(text))
         return True
 
     def edit_and_resend(self, message_id: int, text: str, images: list[str], thinking: bool = False) -> bool:
         """Add an edited copy of a user message as its sibling (a new branch) and answer it."""
-        original = self.store.message(message_id)
-        if self.busy or original is None or original.role != "user":
+        if self.busy:
             return False
-        user_id = self.store.add_message(original.conversation_id, original.parent_id, "user", text, images)
-        self._start_turn(original.conversation_id, user_id, thinking)
+        self._begin(thinking, HistoryStore.resend, message_id, text, images)
         return True
 
     def regenerate(self, message_id: int, thinking: bool = False) -> bool:
         """Answer again the user message above an assistant message (a new branch)."""
-        answer = self.store.message(message_id)
-        if self.busy or answer is None or answer.role != "assistant" or answer.parent_id is None:
+        if self.busy:
             return False
-        self._start_turn(answer.conversation_id, answer.parent_id, thinking)
+        self._begin(thinking, HistoryStore.regenerate, message_id)
         return True
 
     def select_branch(self, message_id: int) -> None:
         """Show the branch through ``message_id`` (a sibling version)."""
-        self.store.select_branch(message_id)
+        self.history.call(HistoryStore.select_branch, message_id)
         if self.conversation_id is not None:
             self.open(self.conversation_id)
 
@@ -145,17 +161,34 @@ class ChatController(QObject):
         if self.live is not None:
             self.live.request.cancel.set()
 
-    def _start_turn(self, conversation_id: int, user_id: int, thinking: bool) -> None:
-        answer_id = self.store.add_message(conversation_id, user_id, "assistant", "", state="streaming")
-        path = self.store.active_path(conversation_id)
-        request = ChatRequest(messages=engine_messages(path[:-1], self.has_vision), enable_thinking=thinking)
-        self.live = LiveTurn(conversation_id, answer_id, request, thinking)
-        self.conversation_touched.emit(conversation_id)
-        if conversation_id == self.conversation_id:
-            self.open(conversation_id)
-        self._save_timer.start()
+    def _begin(self, thinking: bool, add_rows: Callable[..., TurnStart], *args: Any) -> None:
+        self._starting = True
         self.busy_changed.emit(True)
+        self.history.call(add_rows, *args, then=lambda start: self._start_turn(start, thinking),
+                          on_error=self._not_started)
+
+    def _not_started(self, _error: Exception) -> None:
+        self._starting = False
+        self.busy_changed.emit(False)
+
+    def _start_turn(self, start: TurnStart, thinking: bool) -> None:
+        self._starting = False
+        branch = start.branch
+        settings = self.settings
+        request = ChatRequest(messages=engine_messages(branch.path[:-1], self.has_vision, settings.system_prompt),
+                              sampling=settings.sampling(), enable_thinking=thinking,
+                              conversation=str(branch.conversation_id))
+        self.live = LiveTurn(branch.conversation_id, start.answer_id, request, thinking)
+        self.conversation_touched.emit(branch.conversation_id)
+        self._show(branch)
+        self._save_timer.start()
         self.request_chat.emit(request)
+
+    @Slot(object)
+    def on_prefilled(self, stats: PrefillStats) -> None:
+        """The prompt has been read: remember how long restoring a cached prefix took."""
+        if self.live is not None:
+            self.live.restore_ms = stats.restore_ms
 
     @Slot(str, list)
     def on_tokens(self, text: str, _token_ms: list) -> None:
@@ -175,7 +208,7 @@ class ChatController(QObject):
         """Write the live answer's text so far (the timer calls this every few seconds)."""
         live = self.live
         if live is not None and len(live.text) != live.saved_len:
-            self.store.update_message(live.message_id, live.text)
+            self.history.call(HistoryStore.update_message, live.message_id, live.text)
             live.saved_len = len(live.text)
 
     @Slot(object)
@@ -191,9 +224,11 @@ class ChatController(QObject):
                  "decode_tok_s": summary.decode_tok_s, "prompt_tokens": summary.prompt_tokens,
                  "reused_tokens": summary.reused_tokens, "generated_tokens": summary.generated_tokens,
                  "stop_reason": summary.stop_reason, "message": summary.message}
+        if summary.reused_tokens:
+            stats["restore_ms"] = round(live.restore_ms, 1)
         if live.thought_s is not None:
             stats["thinking_s"] = round(live.thought_s, 1)
-        self.store.update_message(live.message_id, live.text, state, stats)
+        self.history.call(HistoryStore.update_message, live.message_id, live.text, state, stats)
         if live.conversation_id == self.conversation_id:
             widget = self.view.widget_for(live.message_id)
             if widget is not None:
@@ -206,6 +241,6 @@ class ChatController(QObject):
         live = self.live
         if live is not None:
             live.request.cancel.set()
-            self.store.update_message(live.message_id, live.text, "stopped")
+            self.history.call(HistoryStore.update_message, live.message_id, live.text, "stopped")
             self.live = None
             self._save_timer.stop()

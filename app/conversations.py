@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from typing import Callable
 
 from PySide6.QtCore import (QAbstractListModel, QModelIndex, QPersistentModelIndex, Qt, QTimer,
                             Signal)
@@ -11,6 +12,7 @@ from PySide6.QtWidgets import (QAbstractItemView, QHBoxLayout, QLabel, QLineEdit
                                QPushButton, QVBoxLayout, QWidget)
 
 from .history import Conversation, HistoryStore
+from .history_thread import HistoryThread
 
 ConversationIdRole = Qt.UserRole + 1
 UpdatedRole = Qt.UserRole + 2
@@ -24,33 +26,51 @@ def _when(timestamp: float) -> str:
     return time.strftime("%d %b %Y", time.localtime(timestamp))
 
 
+def _create(store: HistoryStore, title: str) -> Conversation | None:
+    return store.conversation(store.create_conversation(title))
+
+
 class ConversationListModel(QAbstractListModel):
     """Live conversations, newest first, filtered by a search text; titles are editable (rename).
 
-    Deleting hides a conversation in the store; :meth:`undo_delete` brings back the last one until
-    :meth:`forget_deleted` purges them.
+    Rows are read on the history thread: :meth:`reload` and :meth:`create` change the list when
+    the answer comes back (their ``then`` callbacks run after that). Renames and deletions change
+    the list at once and are written in the background. Deleting hides a conversation in the
+    store; :meth:`undo_delete` brings back the last one until :meth:`forget_deleted` purges them.
     """
 
-    def __init__(self, store: HistoryStore) -> None:
+    def __init__(self, history: HistoryThread) -> None:
         super().__init__()
-        self._store = store
+        self._history = history
         self._rows: list[Conversation] = []
+        self._titles: dict[int, str] = {}
         self._query = ""
         self.deleted: list[int] = []
-        self.reload()
 
     @property
     def query(self) -> str:
         """The current search text."""
         return self._query
 
-    def reload(self, query: str | None = None) -> None:
-        """Re-read the list from the store (optionally with a new search text)."""
+    def reload(self, query: str | None = None, then: Callable[[], None] | None = None) -> None:
+        """Re-read the list (optionally with a new search text); ``then()`` runs once it is shown.
+
+        A listing that arrives after a newer search was asked for is dropped.
+        """
         if query is not None:
             self._query = query
+        asked = self._query
+        self._history.call(HistoryStore.conversations, asked, then=lambda rows: self._listed(asked, rows, then))
+
+    def _listed(self, query: str, rows: list[Conversation], then: Callable[[], None] | None) -> None:
+        if query != self._query:
+            return
+        self._titles.update((c.id, c.title) for c in rows)
         self.beginResetModel()
-        self._rows = self._store.conversations(self._query)
+        self._rows = rows
         self.endResetModel()
+        if then is not None:
+            then()
 
     def rowCount(self, parent: QModelIndex | QPersistentModelIndex = QModelIndex()) -> int:
         """Number of conversations shown (0 under a valid parent: this is a flat list)."""
@@ -79,7 +99,8 @@ class ConversationListModel(QAbstractListModel):
             return False
         row = self._rows[index.row()]
         title = str(value).strip()
-        self._store.rename_conversation(row.id, title)
+        self._history.call(HistoryStore.rename_conversation, row.id, title)
+        self._titles[row.id] = title
         self._rows[index.row()] = Conversation(row.id, title, row.created, row.updated)
         self.dataChanged.emit(index, index, [Qt.DisplayRole, Qt.EditRole, Qt.ToolTipRole])
         return True
@@ -98,46 +119,60 @@ class ConversationListModel(QAbstractListModel):
         """The row showing ``conversation_id``, or -1."""
         return next((i for i, c in enumerate(self._rows) if c.id == conversation_id), -1)
 
-    def create(self, title: str = "New chat") -> int:
-        """Add a conversation at the top; returns its id."""
-        conversation_id = self._store.create_conversation(title)
-        if self._query:
-            self.reload("")
-        else:
+    def title(self, conversation_id: int) -> str | None:
+        """The title of a conversation listed at some point, even if a search hides it now (else None)."""
+        return self._titles.get(conversation_id)
+
+    def create(self, title: str = "New chat", then: Callable[[int], None] | None = None) -> None:
+        """Add a conversation at the top (clearing a search); ``then(id)`` runs once it is listed."""
+        def created(conversation: Conversation | None) -> None:
+            if conversation is None:
+                return
+            self._titles[conversation.id] = conversation.title
+            if self._query:
+                self.reload("", then=lambda: then(conversation.id) if then else None)
+                return
             self.beginInsertRows(QModelIndex(), 0, 0)
-            self._rows.insert(0, self._store.conversation(conversation_id))
+            self._rows.insert(0, conversation)
             self.endInsertRows()
-        return conversation_id
+            if then is not None:
+                then(conversation.id)
+
+        self._history.call(_create, title, then=created)
 
     def delete(self, row: int) -> int:
         """Hide the conversation at ``row`` (undoable); returns its id."""
         conversation_id = self._rows[row].id
-        self._store.delete_conversation(conversation_id)
+        self._history.call(HistoryStore.delete_conversation, conversation_id)
         self.beginRemoveRows(QModelIndex(), row, row)
         del self._rows[row]
         self.endRemoveRows()
         self.deleted.append(conversation_id)
         return conversation_id
 
-    def undo_delete(self) -> int | None:
-        """Bring back the most recently deleted conversation; returns its id."""
+    def undo_delete(self, then: Callable[[int], None] | None = None) -> int | None:
+        """Bring back the most recently deleted conversation; returns its id (``then(id)`` once listed)."""
         if not self.deleted:
             return None
         conversation_id = self.deleted.pop()
-        self._store.restore_conversation(conversation_id)
-        self.reload()
+        self._history.call(HistoryStore.restore_conversation, conversation_id)
+        self.reload(then=lambda: then(conversation_id) if then else None)
         return conversation_id
 
     def forget_deleted(self) -> None:
         """Purge deleted conversations for good; undo is no longer possible."""
         self.deleted = []
-        self._store.purge_deleted()
+        self._history.call(HistoryStore.purge_deleted)
 
     def touch(self, conversation_id: int) -> None:
-        """Move a conversation whose content changed to its place (the top)."""
-        row = self.row_of(conversation_id)
-        fresh = self._store.conversation(conversation_id)
-        if row < 0 or fresh is None:
+        """Move a conversation whose content changed to its place (the top), with its new title."""
+        self._history.call(HistoryStore.conversation, conversation_id, then=self._to_top)
+
+    def _to_top(self, fresh: Conversation | None) -> None:
+        if fresh is not None:
+            self._titles[fresh.id] = fresh.title
+        row = self.row_of(fresh.id) if fresh is not None else -1
+        if row < 0:
             return
         if row == 0:
             self._rows[0] = fresh
@@ -164,6 +199,7 @@ class ConversationPanel(QWidget):
         super().__init__()
         self.model = model
         self._shown_id: int | None = None
+        self._wanted: int | None = None
         layout = QVBoxLayout(self)
         layout.setContentsMargins(6, 6, 0, 6)
         self.search = QLineEdit()
@@ -180,6 +216,7 @@ class ConversationPanel(QWidget):
         self.view.setTextElideMode(Qt.ElideRight)
         self.view.setEditTriggers(QAbstractItemView.EditKeyPressed | QAbstractItemView.DoubleClicked)
         self.view.selectionModel().currentChanged.connect(self._current_changed)
+        model.modelReset.connect(self._reselect)
         layout.addWidget(self.view, 1)
 
         row = QHBoxLayout()
@@ -220,8 +257,13 @@ class ConversationPanel(QWidget):
 
     def _search(self, text: str) -> None:
         self.model.reload(text.strip())
-        row = self.model.row_of(self._shown_id) if self._shown_id is not None else -1
+
+    def _reselect(self) -> None:
+        """After the list was re-read: select the conversation asked for, else the one shown."""
+        wanted = self._wanted if self._wanted is not None else self._shown_id
+        row = self.model.row_of(wanted) if wanted is not None else -1
         if row >= 0:
+            self._wanted = None
             self.view.setCurrentIndex(self.model.index(row))
 
     def current_id(self) -> int | None:
@@ -230,12 +272,19 @@ class ConversationPanel(QWidget):
         return index.data(ConversationIdRole) if index.isValid() else None
 
     def select(self, conversation_id: int) -> None:
-        """Select ``conversation_id`` in the list, clearing a search that hides it."""
-        if self.model.row_of(conversation_id) < 0 and self.search.text():
-            self.search.clear()
+        """Select ``conversation_id`` in the list, clearing a search that hides it.
+
+        A conversation not listed yet is selected when the list has been read again.
+        """
         row = self.model.row_of(conversation_id)
         if row >= 0:
             self.view.setCurrentIndex(self.model.index(row))
+            return
+        self._wanted = conversation_id
+        if self.search.text():
+            self.search.clear()
+        else:
+            self.model.reload()
 
     def focus_search(self) -> None:
         """Ctrl+K: put the cursor in the search box."""
@@ -266,12 +315,10 @@ class ConversationPanel(QWidget):
 
     def undo_delete(self) -> None:
         """Restore the last deleted conversation and select it."""
-        conversation_id = self.model.undo_delete()
+        self.model.undo_delete(then=self.select)
         if not self.model.deleted:
             self.undo_bar.hide()
             self._undo_timer.stop()
-        if conversation_id is not None:
-            self.select(conversation_id)
 
     def _undo_expired(self) -> None:
         self.undo_bar.hide()

@@ -1,9 +1,13 @@
 """The engine worker: one QObject that owns the Engine and lives on its own QThread.
 
-The UI talks to it through queued signals (``load``, ``chat``) and cancels a running turn through
-the ``threading.Event`` inside the :class:`ChatRequest`, which the engine checks between tokens.
-Tokens are forwarded in batches at most every :data:`BATCH_SECONDS`, so the UI thread handles a
-few dozen small updates a second whatever the decode speed.
+The UI talks to it through queued signals (``load``, ``chat``, ...) and cancels a running turn
+through the ``threading.Event`` inside the :class:`ChatRequest`, which the engine checks between
+tokens. Tokens are forwarded in batches at most every :data:`BATCH_SECONDS`, so the UI thread
+handles a few dozen small updates a second whatever the decode speed.
+
+``Engine.load`` takes no cancel flag, and a 20 GB model takes a while to map and prepare, so each
+load runs on a daemon thread of its own: :meth:`EngineWorker.cancel_load` (or closing the window)
+abandons it at once, and its result is dropped when it arrives.
 """
 
 from __future__ import annotations
@@ -14,9 +18,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Generator, Protocol, Sequence
 
-from PySide6.QtCore import QObject, QThread, Signal, Slot
+from PySide6.QtCore import QMetaObject, QObject, Qt, QThread, Signal, Slot
 
-from engine.errors import EngineError
+from engine.errors import EngineError, GenerationCancelled
 from engine.events import Event, PrefillStats, TokenEvent, TurnSummary
 
 BATCH_SECONDS = 0.04
@@ -30,25 +34,64 @@ class ChatEngine(Protocol):
         """An :class:`engine.api.ModelInfo`."""
 
     def chat(self, messages: Sequence[dict], sampling: Any = ..., cancel: threading.Event | None = None,
-             enable_thinking: bool = False) -> Generator[Event, None, None]:
+             enable_thinking: bool = False, conversation: str = "") -> Generator[Event, None, None]:
         """Yield one turn's events."""
 
+    def snapshots(self) -> list[Any]:
+        """The prefix snapshots held (:class:`engine.api.SnapshotInfo`), deepest first."""
 
-EngineLoader = Callable[[str | None, str | None], ChatEngine]
+    def clear_snapshots(self, key: str | None = None) -> None:
+        """Drop one prefix snapshot or all of them."""
+
+    def image_size(self, source: Any) -> tuple[int, int]:
+        """(height, width) an image has when it reaches the vision tower."""
+
+    def close(self) -> None:
+        """Persist the prefix snapshots to disk."""
 
 
-def load_real_engine(model_path: str | None, mmproj_path: str | None) -> ChatEngine:
+@dataclass(frozen=True)
+class LoadRequest:
+    """A model to load and the options to load it with.
+
+    Attributes:
+        model_path: GGUF text model; None = the engine's default model (with its vision tower).
+        mmproj_path: GGUF vision tower, or None.
+        context: context window, tokens.
+        image_max_pixels: largest image area sent to the vision tower, pixels.
+        cache_dir: folder of the prefix snapshots kept across restarts, or None (RAM only).
+    """
+
+    model_path: str | None = None
+    mmproj_path: str | None = None
+    context: int = 8192
+    image_max_pixels: int = 1024 * 1024
+    cache_dir: Path | None = None
+
+    @property
+    def name(self) -> str:
+        """The model's file name, for messages."""
+        return Path(self.model_path).name if self.model_path else "the default model"
+
+
+EngineLoader = Callable[[LoadRequest], ChatEngine]
+
+
+def load_real_engine(request: LoadRequest) -> ChatEngine:
     """Open a model with :mod:`engine.api`; with no path, the engine's default model.
 
-    ``engine.api`` (numpy, gguf, tokenizers) is imported here, on the worker thread, so the window
+    ``engine.api`` (numpy, gguf, tokenizers) is imported here, off the UI thread, so the window
     appears before those heavy imports run.
     """
     from engine import api
 
+    model_path, mmproj_path = request.model_path, request.mmproj_path
     if model_path is None:
         model_path, default_mmproj = api.default_model()
         mmproj_path = mmproj_path or default_mmproj
-    return api.Engine.load(model_path, mmproj_path)
+    options = api.EngineOptions(context=request.context, image_max_pixels=request.image_max_pixels,
+                                cache_disk_dir=request.cache_dir)
+    return api.Engine.load(model_path, mmproj_path, options)
 
 
 @dataclass(frozen=True)
@@ -112,23 +155,29 @@ class ChatRequest:
         cancel: set it from any thread to stop the turn before its next token.
         sampling: an :class:`engine.sampling.SamplingParams`, or None for the engine's default.
         enable_thinking: let the model think before answering.
+        conversation: the conversation's id, recorded with the prefix snapshots the turn takes.
     """
 
     messages: list[dict]
     cancel: threading.Event = field(default_factory=threading.Event)
     sampling: Any = None
     enable_thinking: bool = False
+    conversation: str = ""
 
 
 class EngineWorker(QObject):
-    """Owns the engine; runs model loads and turns on the thread it was moved to.
+    """Owns the engine; runs turns, snapshot and image requests on the thread it was moved to.
 
     Signals:
-        loaded(ModelSummary), load_failed(str): the outcome of :meth:`load`.
+        loaded(ModelSummary), load_failed(str): the outcome of :meth:`load` (none after a cancel).
         prefilled(PrefillStats): the prompt has been read.
         tokens(str, list): a batch of answer text and the per-token latencies (ms) it holds.
         finished(TurnSummary): the turn is over (also after a cancel or an error; its ``message``
             then says what happened in plain words).
+        snapshots_listed(list): the engine's prefix snapshots (after a load, a turn, a clear).
+        image_measured(str, object): an image path and the (height, width) the model will see,
+            or a sentence saying why it cannot.
+        notice(str): something went wrong outside a turn; plain words for the status bar.
     """
 
     loaded = Signal(object)
@@ -136,26 +185,82 @@ class EngineWorker(QObject):
     prefilled = Signal(object)
     tokens = Signal(str, list)
     finished = Signal(object)
+    snapshots_listed = Signal(list)
+    image_measured = Signal(str, object)
+    notice = Signal(str)
+    _load_done = Signal(int, object, object)
 
     def __init__(self, loader: EngineLoader = load_real_engine) -> None:
         super().__init__()
         self._loader = loader
         self._engine: ChatEngine | None = None
         self._load_error = "No model is loaded yet."
+        self._lock = threading.Lock()
+        self._load_number = 0
+        self.closing = threading.Event()
+        self._load_done.connect(self._install)
 
-    @Slot(object, object)
-    def load(self, model_path: str | None, mmproj_path: str | None) -> None:
-        """Load a model (replacing the current one); emits ``loaded`` or ``load_failed``."""
-        self._engine = None
+    @Slot(object)
+    def load(self, request: LoadRequest) -> None:
+        """Drop the current model (saving its snapshots) and load another on a loader thread.
+
+        Emits ``loaded`` or ``load_failed`` later, unless :meth:`cancel_load` was called meanwhile.
+        """
+        self._close_engine()
+        with self._lock:
+            self._load_number += 1
+            number = self._load_number
+        self._load_error = "The model is still loading."
+        threading.Thread(target=self._load_in_background, args=(number, request), name=f"model-load-{number}",
+                         daemon=True).start()
+
+    def cancel_load(self) -> None:
+        """Abandon the load in progress; callable from any thread, returns at once.
+
+        The loader thread runs to its end in the background (the engine cannot interrupt a load)
+        and what it loaded is dropped.
+        """
+        with self._lock:
+            self._load_number += 1
+        self._load_error = "Loading the model was cancelled."
+
+    def _is_current(self, number: int) -> bool:
+        with self._lock:
+            return number == self._load_number
+
+    def _load_in_background(self, number: int, request: LoadRequest) -> None:
         try:
-            engine = self._loader(model_path, mmproj_path)
-            summary = summarize(engine.info)
-        except BaseException as exc:  # noqa: BLE001 - every failure becomes a message in the window
-            self._load_error = plain_error(exc, f"loading {model_path or 'the default model'}")
-            self.load_failed.emit(self._load_error)
+            engine: ChatEngine | None = self._loader(request)
+            outcome: Any = summarize(engine.info)
+        except Exception as exc:  # noqa: BLE001 - every failure becomes a message in the window
+            engine, outcome = None, plain_error(exc, f"loading {request.name}")
+        if self._is_current(number):
+            self._load_done.emit(number, engine, outcome)
+
+    @Slot(int, object, object)
+    def _install(self, number: int, engine: ChatEngine | None, outcome: Any) -> None:
+        if not self._is_current(number):
+            return
+        if engine is None:
+            self._load_error = outcome
+            self.load_failed.emit(outcome)
             return
         self._engine = engine
-        self.loaded.emit(summary)
+        self.loaded.emit(outcome)
+        self.list_snapshots()
+
+    def _close_engine(self) -> None:
+        engine, self._engine = self._engine, None
+        if engine is not None:
+            try:
+                engine.close()
+            except Exception as exc:  # noqa: BLE001 - every failure becomes a message in the window
+                self.notice.emit(plain_error(exc, "saving the prefix snapshots"))
+
+    @Slot()
+    def shutdown(self) -> None:
+        """Save the prefix snapshots to disk and drop the model (before the thread ends)."""
+        self._close_engine()
 
     @Slot(object)
     def chat(self, request: ChatRequest) -> None:
@@ -164,7 +269,11 @@ class EngineWorker(QObject):
         if self._engine is None:
             stream.fail(f"Cannot answer: {self._load_error}")
             return
-        kwargs: dict[str, Any] = {"cancel": request.cancel, "enable_thinking": request.enable_thinking}
+        if request.cancel.is_set():
+            stream.finish(stream.summary("cancelled", "Stopped."))
+            return
+        kwargs: dict[str, Any] = {"cancel": request.cancel, "enable_thinking": request.enable_thinking,
+                                  "conversation": request.conversation}
         if request.sampling is not None:
             kwargs["sampling"] = request.sampling
         try:
@@ -173,13 +282,50 @@ class EngineWorker(QObject):
                 if request.cancel.is_set() and not isinstance(event, TurnSummary):
                     events.close()
                     stream.finish(stream.summary("cancelled", "Stopped."))
-                    return
+                    break
                 stream.handle(event)
+        except GenerationCancelled:
+            stream.finish(stream.summary("cancelled", "Stopped."))
         except BaseException as exc:  # noqa: BLE001 - every failure becomes a message in the window
             stream.fail(plain_error(exc, "answering"))
-            return
         if not stream.done:
             stream.fail("The engine ended the turn without a summary.")
+        self.list_snapshots()
+
+    @Slot()
+    def list_snapshots(self) -> None:
+        """Emit ``snapshots_listed`` with the engine's prefix snapshots ([] without a model)."""
+        try:
+            listed = [] if self._engine is None else self._engine.snapshots()
+        except Exception as exc:  # noqa: BLE001 - every failure becomes a message in the window
+            self.notice.emit(plain_error(exc, "listing the prefix snapshots"))
+            return
+        self.snapshots_listed.emit(listed)
+
+    @Slot(object)
+    def clear_snapshots(self, key: str | None) -> None:
+        """Drop one prefix snapshot (its key) or, with None, all of them; then list what is left."""
+        if self._engine is not None:
+            try:
+                self._engine.clear_snapshots(key)
+            except Exception as exc:  # noqa: BLE001 - every failure becomes a message in the window
+                self.notice.emit(plain_error(exc, "clearing the prefix snapshots"))
+        self.list_snapshots()
+
+    @Slot(str)
+    def measure_image(self, path: str) -> None:
+        """Emit ``image_measured`` with the size ``path`` will have for the vision tower.
+
+        The engine encodes the image to know it (and keeps the encoding for the next turn); a
+        request that arrives while the window closes is skipped.
+        """
+        if self._engine is None or self.closing.is_set():
+            return
+        try:
+            size: Any = tuple(self._engine.image_size(path))
+        except Exception as exc:  # noqa: BLE001 - every failure becomes a message in the window
+            size = plain_error(exc, "reading the image")
+        self.image_measured.emit(path, size)
 
 
 class _TurnStream:
@@ -245,6 +391,12 @@ class WorkerThread:
         self.thread.start()
 
     def stop(self) -> None:
-        """Let the current job end and join the thread."""
-        self.thread.quit()
-        self.thread.wait()
+        """Let the current job end (cancel a live turn first), save the snapshots, join the thread.
+
+        A model load in progress is not waited for: cancel it with :meth:`EngineWorker.cancel_load`.
+        """
+        self.worker.closing.set()
+        if self.thread.isRunning():
+            QMetaObject.invokeMethod(self.worker, "shutdown", Qt.BlockingQueuedConnection)
+            self.thread.quit()
+            self.thread.wait()

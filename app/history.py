@@ -8,12 +8,20 @@ the chat view shows and what the model is asked about.
 
 The schema version is SQLite's ``user_version``; :data:`MIGRATIONS` moves it forward one numbered
 step at a time, each in its own transaction, after copying the file to ``<name>.v<N>.bak``.
+
+Search uses an FTS5 index of the messages (``messages_fts``, kept in step by triggers) when this
+SQLite has FTS5, else a LIKE scan. The index is derived data, not part of the numbered schema: it is
+created and filled when missing, and its triggers are dropped when a SQLite without FTS5 opens
+the file (they would make every write fail), so the next FTS5-capable open rebuilds it.
+
+A :class:`HistoryStore` is used from one thread: :class:`app.history_thread.HistoryThread` owns it.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import re
 import sqlite3
 import time
 from contextlib import contextmanager
@@ -50,6 +58,17 @@ MIGRATIONS: tuple[tuple[str, ...], ...] = (
 SCHEMA_VERSION = len(MIGRATIONS)
 EXPORT_FORMAT = "deltadesk-conversation"
 
+FTS_TABLE = ("CREATE VIRTUAL TABLE IF NOT EXISTS messages_fts"
+             " USING fts5(content, content='messages', content_rowid='id')")
+FTS_TRIGGERS = {
+    "messages_fts_insert": """CREATE TRIGGER messages_fts_insert AFTER INSERT ON messages BEGIN
+        INSERT INTO messages_fts(rowid, content) VALUES (new.id, new.content); END""",
+    "messages_fts_delete": """CREATE TRIGGER messages_fts_delete AFTER DELETE ON messages BEGIN
+        INSERT INTO messages_fts(messages_fts, rowid, content) VALUES ('delete', old.id, old.content); END""",
+    "messages_fts_update": """CREATE TRIGGER messages_fts_update AFTER UPDATE OF content ON messages BEGIN
+        INSERT INTO messages_fts(messages_fts, rowid, content) VALUES ('delete', old.id, old.content);
+        INSERT INTO messages_fts(rowid, content) VALUES (new.id, new.content); END""",
+}
 
 
 class HistoryError(Exception):
@@ -86,6 +105,29 @@ class Message:
     images: tuple[str, ...] = ()
     stats: dict[str, Any] = field(default_factory=dict)
     state: str = "complete"
+
+
+@dataclass(frozen=True)
+class Branch:
+    """A conversation's active branch as the chat view shows it.
+
+    Attributes:
+        conversation_id: the conversation.
+        path: the messages from the root to the active leaf.
+        siblings: for each message on the path, the ids of the versions sharing its parent, oldest first.
+    """
+
+    conversation_id: int
+    path: list[Message]
+    siblings: dict[int, list[int]]
+
+
+@dataclass(frozen=True)
+class TurnStart:
+    """A new, empty, streaming answer and the branch that ends with it."""
+
+    answer_id: int
+    branch: Branch
 
 
 def _backup(conn: sqlite3.Connection, path: Path, version: int) -> Path:
@@ -127,6 +169,41 @@ def migrate(conn: sqlite3.Connection, path: Path) -> list[Path]:
     return backups
 
 
+def ensure_search_index(conn: sqlite3.Connection) -> bool:
+    """Create and fill the FTS5 message index if it is missing; returns whether FTS5 can be used.
+
+    Without FTS5 the index's triggers are dropped, so writes keep working and a later FTS5-capable
+    open rebuilds the index from the messages.
+    """
+    try:
+        conn.execute("CREATE VIRTUAL TABLE temp.fts5_probe USING fts5(x)")
+        conn.execute("DROP TABLE temp.fts5_probe")
+    except sqlite3.OperationalError:
+        for name in FTS_TRIGGERS:
+            conn.execute(f"DROP TRIGGER IF EXISTS {name}")
+        return False
+    present = {row[0] for row in conn.execute("SELECT name FROM sqlite_master WHERE type IN ('table', 'trigger')")}
+    if {"messages_fts", *FTS_TRIGGERS} <= present:
+        return True
+    conn.execute("BEGIN IMMEDIATE")
+    try:
+        conn.execute(FTS_TABLE)
+        for name, sql in FTS_TRIGGERS.items():
+            if name not in present:
+                conn.execute(sql)
+        conn.execute("INSERT INTO messages_fts(messages_fts) VALUES ('rebuild')")
+        conn.execute("COMMIT")
+    except BaseException:
+        conn.execute("ROLLBACK")
+        raise
+    return True
+
+
+def fts_query(text: str) -> str:
+    """A user's search text as an FTS5 query: every word, as a prefix (``"pear"* "tart"*``)."""
+    return " ".join('"' + word.replace('"', '""') + '"*' for word in re.findall(r"\w+", text))
+
+
 _MESSAGE_COLUMNS = "id, conversation_id, parent_id, role, content, created, images, stats, state"
 
 
@@ -139,17 +216,23 @@ def _message(row: tuple) -> Message:
 class HistoryStore:
     """Owns the history database; every method is one short transaction.
 
-    Build it with :meth:`open`. It is used from one thread (the UI thread: each call is a few
-    statements on an indexed table, well under a millisecond).
+    Build it with :meth:`open`, on the thread that will use it (SQLite connections stay on the
+    thread that made them): :class:`app.history_thread.HistoryThread` does.
+
+    Attributes:
+        full_text: searches use the FTS5 index (else a LIKE scan).
     """
 
-    def __init__(self, conn: sqlite3.Connection, path: Path) -> None:
+    def __init__(self, conn: sqlite3.Connection, path: Path, full_text: bool = False) -> None:
         self._conn = conn
         self.path = path
+        self.full_text = full_text
 
     @classmethod
-    def open(cls, path: str | Path) -> "HistoryStore":
+    def open(cls, path: str | Path, full_text: bool = True) -> "HistoryStore":
         """Open (creating or migrating) the database at ``path`` and drop conversations left deleted.
+
+        ``full_text=False`` searches with LIKE even where SQLite has FTS5.
 
         Raises:
             HistoryError: the file is not a readable SQLite database or is from a newer DeltaDesk.
@@ -163,9 +246,10 @@ class HistoryStore:
             conn.execute("PRAGMA foreign_keys = ON")
             conn.execute("PRAGMA busy_timeout = 2000")
             migrate(conn, path)
+            has_fts = ensure_search_index(conn)
         except sqlite3.DatabaseError as exc:
             raise HistoryError(f"{path}: cannot open the history database: {exc}") from exc
-        store = cls(conn, path)
+        store = cls(conn, path, full_text and has_fts)
         store.purge_deleted()
         return store
 
@@ -199,15 +283,22 @@ class HistoryStore:
     def conversations(self, query: str = "") -> list[Conversation]:
         """Live conversations, most recently updated first.
 
-        ``query`` (case-insensitive) keeps those whose title or any message contains it.
+        ``query`` (case-insensitive) keeps those whose title contains it or, with FTS5, that have a
+        message holding each of its words (as word prefixes); without FTS5, a message containing it.
         """
         sql = "SELECT id, title, created, updated FROM conversations c WHERE deleted IS NULL"
         params: tuple = ()
         if query:
             pattern = "%" + query.replace("\\", "\\\\").replace("%", "\\%").replace("_", "\\_") + "%"
-            sql += (" AND (title LIKE ? ESCAPE '\\' OR EXISTS (SELECT 1 FROM messages m"
-                    " WHERE m.conversation_id = c.id AND m.content LIKE ? ESCAPE '\\'))")
-            params = (pattern, pattern)
+            match = fts_query(query) if self.full_text else ""
+            if match:
+                sql += (" AND (title LIKE ? ESCAPE '\\' OR id IN (SELECT m.conversation_id FROM messages_fts f"
+                        " JOIN messages m ON m.id = f.rowid WHERE messages_fts MATCH ?))")
+                params = (pattern, match)
+            else:
+                sql += (" AND (title LIKE ? ESCAPE '\\' OR EXISTS (SELECT 1 FROM messages m"
+                        " WHERE m.conversation_id = c.id AND m.content LIKE ? ESCAPE '\\'))")
+                params = (pattern, pattern)
         rows = self._conn.execute(sql + " ORDER BY updated DESC, id DESC", params).fetchall()
         return [Conversation(*row) for row in rows]
 
@@ -240,15 +331,57 @@ class HistoryStore:
     def add_message(self, conversation_id: int, parent_id: int | None, role: str, content: str = "",
                     images: Iterable[str] = (), state: str = "complete") -> int:
         """Append a message under ``parent_id`` and make it the conversation's active leaf."""
-        now = time.time()
         with self._transaction() as conn:
-            msg_id = conn.execute(
-                "INSERT INTO messages (conversation_id, parent_id, role, content, created, images, state)"
-                " VALUES (?, ?, ?, ?, ?, ?, ?)",
-                (conversation_id, parent_id, role, content, now, json.dumps(list(images)), state)).lastrowid
-            conn.execute("UPDATE conversations SET leaf_id = ?, updated = ? WHERE id = ?",
-                               (msg_id, now, conversation_id))
+            return self._insert(conn, conversation_id, parent_id, role, content, images, state)
+
+    @staticmethod
+    def _insert(conn: sqlite3.Connection, conversation_id: int, parent_id: int | None, role: str,
+                content: str = "", images: Iterable[str] = (), state: str = "complete") -> int:
+        now = time.time()
+        msg_id = conn.execute(
+            "INSERT INTO messages (conversation_id, parent_id, role, content, created, images, state)"
+            " VALUES (?, ?, ?, ?, ?, ?, ?)",
+            (conversation_id, parent_id, role, content, now, json.dumps(list(images)), state)).lastrowid
+        conn.execute("UPDATE conversations SET leaf_id = ?, updated = ? WHERE id = ?", (msg_id, now, conversation_id))
         return msg_id
+
+    # turns: one transaction each, so a crash never leaves a question without its answer row
+
+    def reply(self, conversation_id: int, text: str, images: Iterable[str], title: str) -> TurnStart:
+        """Add a user message at the end of the active branch and an empty streaming answer to it.
+
+        ``title`` becomes the conversation's title when this is its first message.
+        """
+        with self._transaction() as conn:
+            leaf = conn.execute("SELECT leaf_id FROM conversations WHERE id = ?", (conversation_id,)).fetchone()
+            if leaf is None:
+                raise HistoryError(f"conversation {conversation_id} does not exist")
+            if leaf[0] is None:
+                conn.execute("UPDATE conversations SET title = ? WHERE id = ?", (title, conversation_id))
+            question = self._insert(conn, conversation_id, leaf[0], "user", text, images)
+            answer = self._insert(conn, conversation_id, question, "assistant", state="streaming")
+        return TurnStart(answer, self.branch(conversation_id))
+
+    def resend(self, message_id: int, text: str, images: Iterable[str]) -> TurnStart:
+        """Add an edited version of user message ``message_id`` (its sibling) and an empty answer to it."""
+        original = self._existing(message_id, "user")
+        with self._transaction() as conn:
+            question = self._insert(conn, original.conversation_id, original.parent_id, "user", text, images)
+            answer = self._insert(conn, original.conversation_id, question, "assistant", state="streaming")
+        return TurnStart(answer, self.branch(original.conversation_id))
+
+    def regenerate(self, answer_id: int) -> TurnStart:
+        """Add an empty streaming answer beside assistant message ``answer_id`` (same question)."""
+        original = self._existing(answer_id, "assistant")
+        with self._transaction() as conn:
+            answer = self._insert(conn, original.conversation_id, original.parent_id, "assistant", state="streaming")
+        return TurnStart(answer, self.branch(original.conversation_id))
+
+    def _existing(self, message_id: int, role: str) -> Message:
+        message = self.message(message_id)
+        if message is None or message.role != role or (role == "assistant" and message.parent_id is None):
+            raise HistoryError(f"message {message_id} is not a stored {role} message")
+        return message
 
     def update_message(self, message_id: int, content: str, state: str | None = None,
                        stats: dict[str, Any] | None = None) -> None:
@@ -280,6 +413,11 @@ class HistoryStore:
                 FROM path JOIN messages m ON m.id = path.id ORDER BY depth DESC""",
             (conversation_id,)).fetchall()
         return [_message(row) for row in rows]
+
+    def branch(self, conversation_id: int) -> Branch:
+        """The active path of a conversation with the versions (siblings) of each of its messages."""
+        path = self.active_path(conversation_id)
+        return Branch(conversation_id, path, {m.id: self.siblings(m.id) for m in path})
 
     def siblings(self, message_id: int) -> list[int]:
         """Ids of the messages sharing ``message_id``'s parent (itself included), oldest first."""

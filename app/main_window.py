@@ -1,27 +1,34 @@
 """The main window: conversations on the left, the chat in the middle, the sidebar on the right.
 
 Every long-lived object is built by the caller (see :mod:`app.__main__`) and passed in; the window
-wires them together, owns the shortcuts and remembers its geometry.
+wires them together, owns the shortcuts, the settings and the model loads, and remembers its
+geometry.
 """
 
 from __future__ import annotations
 
 import json
 import re
+from dataclasses import replace
 from pathlib import Path
 
-from PySide6.QtCore import QSettings, Qt, Signal, Slot
+from PySide6.QtCore import QMimeData, QSettings, Qt, Signal, Slot
 from PySide6.QtGui import QCloseEvent, QGuiApplication, QKeySequence, QPalette, QShortcut
-from PySide6.QtWidgets import QFileDialog, QLabel, QMainWindow, QSplitter, QVBoxLayout, QWidget
+from PySide6.QtWidgets import (QDialog, QFileDialog, QHBoxLayout, QLabel, QMainWindow, QProgressBar, QPushButton,
+                               QSplitter, QVBoxLayout, QWidget)
 
 from .chat_view import ChatView
 from .composer import Composer
 from .controller import ChatController
-from .conversations import ConversationListModel, ConversationPanel
-from .engine_worker import ModelSummary, WorkerThread
-from .history import HistoryError, HistoryStore, ImageStore
+from .conversations import ConversationIdRole, ConversationListModel, ConversationPanel
+from .engine_worker import LoadRequest, ModelSummary, WorkerThread
+from .history import HistoryStore, ImageStore
+from .history_thread import HistoryThread
 from .markdown_render import MarkdownRenderer
+from .settings import Settings
+from .settings_dialog import SettingsDialog
 from .sidebar import MonitorThread, Sidebar
+from .snapshots import SnapshotListModel
 
 
 def follows_dark_scheme() -> bool:
@@ -31,45 +38,77 @@ def follows_dark_scheme() -> bool:
     return QGuiApplication.palette().color(QPalette.Window).lightness() < 128
 
 
+def gguf_files(mime: QMimeData) -> tuple[list[str], list[str]]:
+    """The local .gguf files of a drop, as (models, vision towers); a tower's name contains "mmproj"."""
+    files = [url.toLocalFile() for url in mime.urls()
+             if url.isLocalFile() and url.toLocalFile().lower().endswith(".gguf")]
+    towers = [f for f in files if "mmproj" in Path(f).name.lower()]
+    return [f for f in files if f not in towers], towers
+
+
+def _export(store: HistoryStore, conversation_id: int, path: Path, kind: str) -> None:
+    """Write a conversation to ``path``: "md" (active branch) or "json" (every branch)."""
+    if kind == "md":
+        path.write_text(store.export_markdown(conversation_id), encoding="utf-8")
+    else:
+        path.write_text(json.dumps(store.export_json(conversation_id), ensure_ascii=False, indent=1),
+                        encoding="utf-8")
+
+
+def _import(store: HistoryStore, path: Path) -> int:
+    """Add the conversation of a JSON export file; returns its id."""
+    return store.import_json(json.loads(path.read_text(encoding="utf-8")))
+
+
 class MainWindow(QMainWindow):
     """DeltaDesk's one window.
 
+    Args:
+        history: the history database's thread (started by the caller after building the window).
+        images: where attached images are kept.
+        engine: the engine worker and its thread.
+        monitor: the machine sampler, or None.
+        state: the settings file (window geometry, last conversation, :class:`Settings`).
+        renderer: Markdown renderer for answers.
+        snapshot_dir: where the engine keeps prefix snapshots across restarts (None: RAM only).
+
     Signals:
-        load_requested(object, object): model and mmproj paths (None: the default), queued to the
-            engine worker.
+        load_requested(LoadRequest): queued to the engine worker.
     """
 
-    load_requested = Signal(object, object)
+    load_requested = Signal(object)
 
-    def __init__(self, store: HistoryStore, images: ImageStore, engine: WorkerThread,
-                 monitor: MonitorThread | None, settings: QSettings, renderer: MarkdownRenderer) -> None:
+    def __init__(self, history: HistoryThread, images: ImageStore, engine: WorkerThread,
+                 monitor: MonitorThread | None, state: QSettings, renderer: MarkdownRenderer,
+                 snapshot_dir: Path | None = None) -> None:
         super().__init__()
         self.setWindowTitle("DeltaDesk")
         self.setAcceptDrops(True)
-        self.store = store
+        self.history = history
         self.engine = engine
         self.monitor = monitor
-        self.settings = settings
+        self.state = state
+        self.snapshot_dir = snapshot_dir
+        self.prefs = Settings.read(state)
         self.model: ModelSummary | None = None
+        self.loading: LoadRequest | None = None
+        self._remember_load = False
         worker = engine.worker
 
-        self.conversations = ConversationListModel(store)
+        self.conversations = ConversationListModel(history)
         self.panel = ConversationPanel(self.conversations)
         self.chat_view = ChatView(renderer)
         self.composer = Composer(images)
-        self.sidebar = Sidebar()
-        self.controller = ChatController(store, self.chat_view, worker)
+        self.composer.think_box.setChecked(self.prefs.thinking)
+        self.snapshots = SnapshotListModel(self._snapshot_title)
+        self.sidebar = Sidebar(self.snapshots)
+        self.controller = ChatController(history, self.chat_view, worker, self.prefs)
 
-        self.banner = QLabel("Loading the model\u2026")
-        self.banner.setWordWrap(True)
-        self.banner.setTextInteractionFlags(Qt.TextSelectableByMouse)
-        self.banner.setAccessibleName("Model status")
-        self.banner.setContentsMargins(10, 4, 10, 4)
         center = QWidget()
         column = QVBoxLayout(center)
         column.setContentsMargins(0, 0, 0, 0)
         column.setSpacing(0)
-        column.addWidget(self.banner)
+        column.addWidget(self._build_banner())
         column.addWidget(self.chat_view, 1)
         column.addWidget(self.composer)
 
@@ -88,14 +127,22 @@ class MainWindow(QMainWindow):
         self.controller.busy_changed.connect(self.composer.set_busy)
         self.composer.send_requested.connect(self._send)
         self.composer.stop_requested.connect(self.controller.stop)
+        self.composer.think_box.toggled.connect(lambda on: self.apply_settings(replace(self.prefs, thinking=on)))
+        self.composer.measure_requested.connect(worker.measure_image)
         self.chat_view.edit_requested.connect(self._edit)
         self.chat_view.regenerate_requested.connect(
             lambda message_id: self.controller.regenerate(message_id, self.composer.think_box.isChecked()))
+        self.sidebar.snapshots.clear_requested.connect(worker.clear_snapshots)
         worker.loaded.connect(self._loaded)
         worker.load_failed.connect(self._load_failed)
         worker.prefilled.connect(self.sidebar.on_prefill)
         worker.tokens.connect(self.sidebar.on_tokens)
         worker.finished.connect(self.sidebar.on_summary)
+        worker.snapshots_listed.connect(self.snapshots.set_snapshots)
+        worker.image_measured.connect(self.composer.on_measured)
+        worker.notice.connect(self.statusBar().showMessage)
+        history.failed.connect(self.statusBar().showMessage)
+        history.unavailable.connect(self._history_unavailable)
         if monitor is not None:
             monitor.monitor.sampled.connect(self.sidebar.on_system)
         self.load_requested.connect(worker.load)
@@ -105,10 +152,33 @@ class MainWindow(QMainWindow):
         self._build_menus()
         self._restore_state()
 
+    def _build_banner(self) -> QWidget:
+        bar = QWidget()
+        row = QHBoxLayout(bar)
+        row.setContentsMargins(10, 4, 10, 4)
+        self.banner = QLabel("No model is loaded.")
+        self.banner.setWordWrap(True)
+        self.banner.setTextInteractionFlags(Qt.TextSelectableByMouse)
+        self.banner.setAccessibleName("Model status")
+        self.load_progress = QProgressBar()
+        self.load_progress.setRange(0, 0)
+        self.load_progress.setMaximumWidth(120)
+        self.load_progress.setTextVisible(False)
+        self.load_progress.setAccessibleName("Loading the model")
+        self.cancel_load_button = QPushButton("Cancel")
+        self.cancel_load_button.setAccessibleName("Cancel loading the model")
+        self.cancel_load_button.clicked.connect(self.cancel_load)
+        row.addWidget(self.banner, 1)
+        row.addWidget(self.load_progress)
+        row.addWidget(self.cancel_load_button)
+        self._show_loading(False)
+        return bar
+
     def _build_menus(self) -> None:
         chat = self.menuBar().addMenu("&Chat")
         chat.addAction("&New chat", QKeySequence.New, self.new_conversation)
         chat.addAction("Open &model\u2026", QKeySequence.Open, self.open_model_dialog)
+        chat.addAction("&Settings\u2026", QKeySequence("Ctrl+,"), self.open_settings)
         chat.addSeparator()
         chat.addAction("Export as &Markdown\u2026", lambda: self.export_dialog("md"))
         chat.addAction("Export as &JSON\u2026", lambda: self.export_dialog("json"))
@@ -121,33 +191,95 @@ class MainWindow(QMainWindow):
 
     # model
 
-    def load_model(self, model_path: str | None, mmproj_path: str | None = None) -> None:
-        """Load a model on the worker thread (None: the engine's default model)."""
+    def load_model(self, model_path: str | None, mmproj_path: str | None = None, remember: bool = False) -> None:
+        """Load a model on the worker (None: the engine's default model) with the settings' options.
+
+        A live answer is stopped first. ``remember``: once loaded, the files become the
+        configured model (what the app starts on next time).
+        """
+        self.controller.stop()
+        request = LoadRequest(model_path, mmproj_path, self.prefs.context, self.prefs.image_max_pixels,
+                              self.snapshot_dir)
         self.model = None
-        self._set_banner(f"Loading {Path(model_path).name if model_path else 'the default model'}\u2026", False)
-        self.load_requested.emit(model_path, mmproj_path)
+        self.loading = request
+        self._remember_load = remember
+        self.composer.set_vision(None)
+        self._set_banner(f"Loading {request.name}\u2026", False)
+        self._show_loading(True)
+        self.load_requested.emit(request)
+
+    def load_configured(self, mmproj_path: str | None = None) -> None:
+        """Load the model the settings name (the default model when none), optionally with another tower."""
+        self.load_model(self.prefs.model_path or None, mmproj_path or self.prefs.mmproj_path or None)
+
+    def cancel_load(self) -> None:
+        """Abandon the model load in progress; the window is usable at once, with no model."""
+        if self.loading is None:
+            return
+        self.engine.worker.cancel_load()
+        self.loading = None
+        self._show_loading(False)
+        self._set_banner("Loading was cancelled; no model is loaded. Open one with Ctrl+O or in Settings.", False)
 
     @Slot(object)
     def _loaded(self, summary: ModelSummary) -> None:
+        request, self.loading = self.loading, None
         self.model = summary
+        self._show_loading(False)
         self._set_banner(summary.line, False)
         self.controller.has_vision = summary.has_vision
         self.composer.set_vision(summary.has_vision)
         self.sidebar.set_context(summary.context)
+        if request is not None and self._remember_load:
+            self.apply_settings(replace(self.prefs, model_path=request.model_path or "",
+                                        mmproj_path=request.mmproj_path or ""), reload=False)
 
     @Slot(str)
     def _load_failed(self, message: str) -> None:
+        self.loading = None
+        self._show_loading(False)
         self._set_banner(f"The model could not be loaded. {message}", True)
+
+    def _show_loading(self, shown: bool) -> None:
+        self.load_progress.setVisible(shown)
+        self.cancel_load_button.setVisible(shown)
 
     def _set_banner(self, text: str, error: bool) -> None:
         self.banner.setText(text)
         self.banner.setStyleSheet("color: #c01c28; font-weight: bold;" if error else "")
 
+    # settings
+
+    def open_settings(self) -> None:
+        """Show the settings dialog and apply what the user accepts."""
+        dialog = SettingsDialog(self.prefs, self)
+        if dialog.exec() == QDialog.Accepted:
+            self.apply_settings(dialog.settings())
+
+    def apply_settings(self, settings: Settings, reload: bool = True) -> None:
+        """Use and save ``settings``; with ``reload``, the model is loaded again when its files or
+        load options changed (sampling, system prompt and thinking apply from the next answer)."""
+        old, self.prefs = self.prefs, settings
+        if settings == old:
+            return
+        settings.write(self.state)
+        self.controller.settings = settings
+        self.composer.think_box.setChecked(settings.thinking)
+        if reload and settings.load_key() != old.load_key():
+            self.load_configured()
+
+    def _snapshot_title(self, conversation: str) -> str:
+        return (self.conversations.title(int(conversation)) or "") if conversation.isdigit() else ""
+
+    def _history_unavailable(self, message: str) -> None:
+        self.chat_view.empty_label.setText(message)
+        self.statusBar().showMessage(message)
+
     # conversations and messages
 
     def new_conversation(self) -> None:
         """Start an empty conversation and show it."""
-        self.panel.select(self.conversations.create())
+        self.conversations.create(then=self.panel.select)
         self.composer.editor.setFocus()
 
     def _send(self, text: str, images: list[str]) -> None:
@@ -159,9 +291,9 @@ class MainWindow(QMainWindow):
             self.controller.send(text, images, thinking)
 
     def _edit(self, message_id: int) -> None:
-        message = self.store.message(message_id)
-        if message is not None and not self.controller.busy:
-            self.composer.begin_edit(message_id, message.content, message.images)
+        widget = self.chat_view.widget_for(message_id)
+        if widget is not None and not self.controller.busy:
+            self.composer.begin_edit(message_id, widget.message.content, widget.message.images)
 
     def escape(self) -> None:
         """Esc: stop the answer being generated, else abandon an edit."""
@@ -183,42 +315,35 @@ class MainWindow(QMainWindow):
     # files
 
     def open_model_dialog(self) -> None:
-        """Pick a GGUF model file and load it."""
+        """Pick a GGUF model file, load it and make it the configured model."""
         path, _ = QFileDialog.getOpenFileName(self, "Open model", "", "GGUF models (*.gguf)")
         if path:
-            self.load_model(path)
+            self.load_model(path, remember=True)
 
     def export_current(self, path: Path, kind: str) -> None:
-        """Write the shown conversation to ``path``: "md" (active branch) or "json" (every branch)."""
+        """Write the shown conversation to ``path`` (on the history thread): "md" or "json"."""
         conversation_id = self.controller.conversation_id
         if conversation_id is None:
             return
-        try:
-            if kind == "md":
-                path.write_text(self.store.export_markdown(conversation_id), encoding="utf-8")
-            else:
-                path.write_text(json.dumps(self.store.export_json(conversation_id), ensure_ascii=False, indent=1),
-                                encoding="utf-8")
-        except (OSError, HistoryError) as exc:
-            self.statusBar().showMessage(f"Export failed: {exc}")
-            return
-        self.statusBar().showMessage(f"Exported to {path}", 8000)
+        self.history.call(_export, conversation_id, path, kind,
+                          then=lambda _: self.statusBar().showMessage(f"Exported to {path}", 8000),
+                          on_error=lambda exc: self.statusBar().showMessage(f"Export failed: {exc}"))
 
-    def import_file(self, path: Path) -> int | None:
-        """Add the conversation in a JSON export and show it; returns its id (None on failure)."""
-        try:
-            conversation_id = self.store.import_json(json.loads(path.read_text(encoding="utf-8")))
-        except (OSError, ValueError, HistoryError) as exc:
-            self.statusBar().showMessage(f"Import failed: {path.name}: {exc}")
-            return None
-        self.conversations.reload("")
-        self.panel.select(conversation_id)
-        self.statusBar().showMessage(f"Imported {path.name}", 8000)
-        return conversation_id
+    def import_file(self, path: Path) -> None:
+        """Add the conversation of a JSON export and show it (a failure is said in the status bar)."""
+        def imported(conversation_id: int) -> None:
+            self.panel.select(conversation_id)
+            self.statusBar().showMessage(f"Imported {path.name}", 8000)
+
+        self.history.call(_import, path, then=imported,
+                          on_error=lambda exc: self.statusBar().showMessage(f"Import failed: {path.name}: {exc}"))
 
     def export_dialog(self, kind: str) -> None:
         """Ask where to export the shown conversation."""
-        name = re.sub(r"[^\w\- ]+", "", self.store.conversation(self.controller.conversation_id).title)[:60] or "chat"
+        if self.controller.conversation_id is None:
+            return
+        title = self.conversations.title(self.controller.conversation_id) or ""
+        name = re.sub(r"[^\w\- ]+", "", title)[:60] or "chat"
         pattern = "Markdown (*.md)" if kind == "md" else "JSON (*.json)"
         path, _ = QFileDialog.getSaveFileName(self, "Export chat", f"{name}.{kind}", pattern)
         if path:
@@ -233,47 +358,63 @@ class MainWindow(QMainWindow):
     # drops of model files
 
     def dragEnterEvent(self, event) -> None:
-        """Accept a dropped .gguf file (it will be loaded)."""
-        if any(url.toLocalFile().lower().endswith(".gguf") for url in event.mimeData().urls()):
+        """Accept dropped .gguf files (they will be loaded)."""
+        if any(gguf_files(event.mimeData())):
             event.acceptProposedAction()
 
     def dropEvent(self, event) -> None:
-        """Load the dropped .gguf model."""
-        for url in event.mimeData().urls():
-            if url.toLocalFile().lower().endswith(".gguf"):
-                self.load_model(url.toLocalFile())
-                event.acceptProposedAction()
-                return
+        """Load a dropped model (with a dropped vision tower, if any: its name contains "mmproj").
+
+        A tower dropped alone is loaded with the configured model. What loads becomes the
+        configured model.
+        """
+        models, towers = gguf_files(event.mimeData())
+        if not models and not towers:
+            return
+        tower = towers[0] if towers else None
+        self.load_model(models[0] if models else self.prefs.model_path or None, tower, remember=True)
+        event.acceptProposedAction()
 
     # window state
 
     def _restore_state(self) -> None:
-        geometry = self.settings.value("window/geometry")
+        geometry = self.state.value("window/geometry")
         if geometry is not None:
             self.restoreGeometry(geometry)
         else:
             self.resize(1180, 760)
-        splitter = self.settings.value("window/splitter")
+        splitter = self.state.value("window/splitter")
         if splitter is not None:
             self.splitter.restoreState(splitter)
-        self.sidebar.setVisible(self.settings.value("window/sidebar", True, type=bool))
-        last = self.settings.value("history/last_conversation", 0, type=int)
-        if self.store.conversation(last) is None:
-            rows = self.store.conversations()
-            last = rows[0].id if rows else self.conversations.create()
-        self.panel.select(last)
+        self.sidebar.setVisible(self.state.value("window/sidebar", True, type=bool))
+        self.conversations.reload(then=self._select_initial)
+
+    def _select_initial(self) -> None:
+        """Show the conversation of the last session, else the newest, else a new one."""
+        last = self.state.value("history/last_conversation", 0, type=int)
+        if self.conversations.row_of(last) >= 0:
+            self.panel.select(last)
+        elif self.conversations.rowCount():
+            self.panel.select(self.conversations.index(0).data(ConversationIdRole))
+        else:
+            self.conversations.create(then=self.panel.select)
 
     def closeEvent(self, event: QCloseEvent) -> None:
-        """Remember the window, stop the live answer and the threads, close the history."""
-        self.settings.setValue("window/geometry", self.saveGeometry())
-        self.settings.setValue("window/splitter", self.splitter.saveState())
-        self.settings.setValue("window/sidebar", self.sidebar.isVisible())
+        """Remember the window, stop the live answer and the threads, write and close the history.
+
+        A model load in progress is abandoned, not waited for.
+        """
+        self.state.setValue("window/geometry", self.saveGeometry())
+        self.state.setValue("window/splitter", self.splitter.saveState())
+        self.state.setValue("window/sidebar", self.sidebar.isVisible())
         if self.controller.conversation_id is not None:
-            self.settings.setValue("history/last_conversation", self.controller.conversation_id)
-        self.settings.sync()
+            self.state.setValue("history/last_conversation", self.controller.conversation_id)
+        self.state.sync()
         self.controller.shutdown()
+        self.cancel_load()
         self.engine.stop()
         if self.monitor is not None:
             self.monitor.stop()
         self.conversations.forget_deleted()
+        self.history.stop()
         super().closeEvent(event)

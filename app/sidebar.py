@@ -21,6 +21,7 @@ from PySide6.QtWidgets import QLabel, QSizePolicy, QVBoxLayout, QWidget
 from engine.events import PrefillStats, TurnSummary
 
 from .engine_worker import human_size
+from .snapshots import SnapshotListModel, SnapshotPanel
 
 SAMPLE_MS = 1000
 SPARK_TOKENS = 120
@@ -252,9 +253,9 @@ def _heading(text: str) -> QLabel:
 
 
 class Sidebar(QWidget):
-    """The right column: machine, GPU, generation speed, last turn and context."""
+    """The right column: machine, GPU, generation speed, last turn, context and prefix snapshots."""
 
-    def __init__(self) -> None:
+    def __init__(self, snapshots: SnapshotListModel) -> None:
         super().__init__()
         self.setAccessibleName("Hardware and speed")
         self.setMinimumWidth(220)
@@ -285,7 +286,9 @@ class Sidebar(QWidget):
             layout.addWidget(w)
         self.context_bar = ContextBar()
         layout.addWidget(self.context_bar)
-        layout.addStretch(1)
+        layout.addWidget(_heading("Prefix snapshots"))
+        self.snapshots = SnapshotPanel(snapshots)
+        layout.addWidget(self.snapshots, 1)
         self._context = 0
         self._prefill: PrefillStats | None = None
         self._generated = 0
@@ -322,8 +325,10 @@ class Sidebar(QWidget):
         """A new turn's prompt has been read."""
         self._prefill = stats
         self._generated = 0
+        restored = f", restored in {stats.restore_ms:.0f} ms" if stats.reused_tokens else ""
         self.last_turn.setText(f"TTFT {stats.ttft_ms:.0f} ms \u00b7 prefill {stats.prefill_tok_s:.0f} tok/s "
-                               f"({stats.prefilled_tokens} tokens on {stats.device}, {stats.reused_tokens} reused)")
+                               f"({stats.prefilled_tokens} tokens on {stats.device}, {stats.reused_tokens} reused"
+                               f"{restored})")
         self._dirty = True
 
     @Slot(str, list)

@@ -9,18 +9,28 @@ os.environ.setdefault("QT_QPA_PLATFORM", "offscreen")
 import pytest  # noqa: E402
 
 from app.__main__ import AppPaths, build_window  # noqa: E402
+from app.history_thread import HistoryThread  # noqa: E402
 from fake_engine import FakeEngine, loader_for  # noqa: E402
 
 
 @pytest.fixture
 def paths(tmp_path):
-    """Data and config dirs inside the test's tmp dir."""
-    return AppPaths(tmp_path / "data", tmp_path / "config")
+    """Data, config and cache dirs inside the test's tmp dir."""
+    return AppPaths(tmp_path / "data", tmp_path / "config", tmp_path / "cache")
+
+
+@pytest.fixture
+def history(tmp_path):
+    """A started history thread on a database in the test's tmp dir."""
+    thread = HistoryThread(tmp_path / "h.db")
+    thread.start()
+    yield thread
+    thread.stop()
 
 
 @pytest.fixture
 def make_window(qtbot, paths):
-    """Build a shown main window on an engine (a FakeEngine by default), model loaded."""
+    """Build a shown main window on an engine (a FakeEngine by default), a conversation open, model loaded."""
     windows = []
 
     def make(engine=None, loader=None, gpu=None, load=True):
@@ -28,8 +38,9 @@ def make_window(qtbot, paths):
         window = build_window(paths, loader, gpu)
         windows.append(window)
         window.show()
+        qtbot.waitUntil(lambda: window.controller.conversation_id is not None, timeout=5000)
         if load:
-            window.load_model(None)
+            window.load_configured()
             qtbot.waitUntil(lambda: window.model is not None, timeout=5000)
         return window
 

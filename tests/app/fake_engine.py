@@ -8,6 +8,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterator, Sequence
 
+from PIL import Image
+
+from engine.api import SnapshotInfo
 from engine.errors import EngineError
 from engine.events import Event, PrefillStats, TokenEvent, TurnSummary
 
@@ -30,7 +33,9 @@ class FakeInfo:
 class FakeEngine:
     """Streams ``tokens`` (strings) one every ``token_ms``, honouring the cancel flag like the real one.
 
-    ``produced`` counts the tokens it has yielded; ``calls`` keeps each turn's messages.
+    ``produced`` counts the tokens it has yielded; ``calls`` keeps each turn's messages, ``samplings``
+    and ``conversations`` its other arguments, ``loads`` the LoadRequests that returned it. Each
+    turn leaves a prefix snapshot; images reach the "model" at half their size.
     """
 
     def __init__(self, tokens: Sequence[str] = ("Hello", ",", " world", "."), token_ms: float = 1.0,
@@ -43,19 +48,46 @@ class FakeEngine:
         self.produced = 0
         self.calls: list[list[dict]] = []
         self.thinking: list[bool] = []
+        self.samplings: list = []
+        self.conversations: list[str] = []
+        self.loads: list = []
+        self.snapshot_list: list[SnapshotInfo] = []
+        self.closed = 0
 
     def chat(self, messages, sampling=None, cancel: threading.Event | None = None,
-             enable_thinking: bool = False) -> Iterator[Event]:
+             enable_thinking: bool = False, conversation: str = "") -> Iterator[Event]:
         """One scripted turn."""
         self.calls.append(list(messages))
         self.thinking.append(enable_thinking)
+        self.samplings.append(sampling)
+        self.conversations.append(conversation)
+        self.snapshot_list.append(SnapshotInfo(key=f"{len(self.calls):04x}", conversation=conversation,
+                                                  pos=20 * len(self.calls), nbytes=3_000_000, age_s=5.0,
+                                                  hits=len(self.calls) - 1, tier="ram"))
         return self._turn(cancel or threading.Event())
+
+    def snapshots(self) -> list[SnapshotInfo]:
+        """The snapshots the turns left, deepest first (as the real engine lists them)."""
+        return sorted(self.snapshot_list, key=lambda s: -s.pos)
+
+    def clear_snapshots(self, key: str | None = None) -> None:
+        """Drop one snapshot or all."""
+        self.snapshot_list = [s for s in self.snapshot_list if key is not None and s.key != key]
+
+    def image_size(self, source) -> tuple[int, int]:
+        """Half the image's (height, width)."""
+        with Image.open(source) as image:
+            return image.height // 2, image.width // 2
+
+    def close(self) -> None:
+        """Count the calls (the real engine persists its snapshots here)."""
+        self.closed += 1
 
     def _turn(self, cancel: threading.Event) -> Iterator[Event]:
         t0 = time.perf_counter()
         time.sleep(self.prefill_ms / 1e3)
         yield PrefillStats(prompt_tokens=30, reused_tokens=10, prefilled_tokens=20, prefill_ms=self.prefill_ms,
-                           restore_ms=0.0, device="cpu", ttft_ms=(time.perf_counter() - t0) * 1e3)
+                           restore_ms=1.5, device="cpu", ttft_ms=(time.perf_counter() - t0) * 1e3)
         text = []
         for i, piece in enumerate(self.tokens):
             if cancel.is_set():
@@ -77,14 +109,38 @@ class FakeEngine:
 
 
 def loader_for(engine: FakeEngine):
-    """An EngineLoader that returns ``engine`` whatever the paths."""
-    def load(model_path, mmproj_path):
+    """An EngineLoader that returns ``engine`` whatever the request (recorded in ``engine.loads``)."""
+    def load(request):
+        engine.loads.append(request)
         return engine
     return load
 
 
 def failing_loader(message: str):
     """An EngineLoader that raises EngineError(message)."""
-    def load(model_path, mmproj_path):
+    def load(request):
         raise EngineError(message)
     return load
+
+
+class BlockingLoader:
+    """An EngineLoader that waits until :meth:`release` (a big model loading), then returns ``engine``."""
+
+    def __init__(self, engine: FakeEngine) -> None:
+        self.engine = engine
+        self.started = threading.Event()
+        self._release = threading.Event()
+        self.threads: list[threading.Thread] = []
+
+    def __call__(self, request):
+        self.threads.append(threading.current_thread())
+        self.started.set()
+        self._release.wait(10)
+        self.engine.loads.append(request)
+        return self.engine
+
+    def release(self) -> None:
+        """Let the load finish and wait for its thread."""
+        self._release.set()
+        for thread in self.threads:
+            thread.join(5)

@@ -2,100 +2,136 @@
 
 from __future__ import annotations
 
-import pytest
 from PySide6.QtCore import Qt
 
 from app.conversations import ConversationIdRole, ConversationListModel, ConversationPanel
 from app.history import HistoryStore
-
-
-@pytest.fixture
-def store(tmp_path):
-    s = HistoryStore.open(tmp_path / "h.db")
-    yield s
-    s.close()
+from app_helpers import settle, stored
 
 
 def titles(model):
     return [model.index(r).data() for r in range(model.rowCount())]
 
 
-def test_model_passes_qtmodeltester(qtmodeltester, store):
+def created(qtbot, model, title):
+    """Create a conversation through the model; its id once it is listed."""
+    ids = []
+    model.create(title, then=ids.append)
+    qtbot.waitUntil(lambda: bool(ids))
+    return ids[0]
+
+
+def reloaded(qtbot, model, query=None):
+    done = []
+    model.reload(query, then=lambda: done.append(True))
+    qtbot.waitUntil(lambda: bool(done))
+
+
+def test_model_passes_qtmodeltester(qtbot, qtmodeltester, history):
     for name in ("a", "b", "c"):
-        store.create_conversation(name)
-    model = ConversationListModel(store)
+        stored(history, HistoryStore.create_conversation, name)
+    model = ConversationListModel(history)
+    reloaded(qtbot, model)
     qtmodeltester.check(model, force_py=True)
-    model.create("d")
+    created(qtbot, model, "d")
     model.delete(1)
     model.undo_delete()
+    settle(qtbot, history)
     model.touch(model.index(2).data(ConversationIdRole))
-    model.reload("c")
+    reloaded(qtbot, model, "c")
     qtmodeltester.check(model, force_py=True)
 
 
-def test_create_rename_delete_undo_search(store):
-    model = ConversationListModel(store)
-    a = model.create("Alpha")
-    b = model.create("Beta")
+def test_create_rename_delete_undo_search(qtbot, history):
+    model = ConversationListModel(history)
+    a = created(qtbot, model, "Alpha")
+    b = created(qtbot, model, "Beta")
     assert titles(model) == ["Beta", "Alpha"]
     assert model.setData(model.index(1), "  Apples ") and titles(model) == ["Beta", "Apples"]
     assert not model.setData(model.index(1), "   ")
-    assert store.conversation(a).title == "Apples"
+    assert stored(history, HistoryStore.conversation, a).title == "Apples"
     assert model.flags(model.index(0)) & Qt.ItemIsEditable
 
     assert model.delete(0) == b and titles(model) == ["Apples"]
-    assert model.undo_delete() == b and titles(model) == ["Beta", "Apples"]
+    restored = []
+    assert model.undo_delete(then=restored.append) == b
+    qtbot.waitUntil(lambda: restored == [b])
+    assert titles(model) == ["Beta", "Apples"]
     model.delete(0)
     model.forget_deleted()
-    assert model.undo_delete() is None and store.conversation(b) is None
+    assert model.undo_delete() is None and stored(history, HistoryStore.conversation, b) is None
 
-    store.add_message(a, None, "user", "what about pears?")
-    model.reload("PEAR")
+    stored(history, HistoryStore.add_message, a, None, "user", "what about pears?")
+    reloaded(qtbot, model, "PEAR")
     assert titles(model) == ["Apples"]
-    model.reload("kiwi")
+    reloaded(qtbot, model, "kiwi")
     assert titles(model) == []
-    model.create("Kiwi")
+    created(qtbot, model, "Kiwi")
     assert model.query == "" and titles(model) == ["Kiwi", "Apples"]
 
 
-def test_touch_moves_a_conversation_to_the_top(store):
-    model = ConversationListModel(store)
-    a = model.create("a")
-    model.create("b")
-    store.add_message(a, None, "user", "new")
+def test_a_stale_search_result_is_dropped(qtbot, history):
+    model = ConversationListModel(history)
+    created(qtbot, model, "apples")
+    created(qtbot, model, "bananas")
+    model.reload("app")
+    reloaded(qtbot, model, "ban")
+    settle(qtbot, history)
+    assert titles(model) == ["bananas"]
+
+
+def test_touch_moves_a_conversation_to_the_top(qtbot, history):
+    model = ConversationListModel(history)
+    a = created(qtbot, model, "a")
+    created(qtbot, model, "b")
+    stored(history, HistoryStore.add_message, a, None, "user", "new")
     model.touch(a)
-    assert titles(model) == ["a", "b"]
+    qtbot.waitUntil(lambda: titles(model) == ["a", "b"])
 
 
-def test_panel_delete_undo_and_search_keep_the_selection(qtbot, store):
-    model = ConversationListModel(store)
+def test_panel_delete_undo_and_search_keep_the_selection(qtbot, history):
+    model = ConversationListModel(history)
     panel = ConversationPanel(model)
     qtbot.addWidget(panel)
     shown = []
     panel.conversation_selected.connect(shown.append)
-    a = model.create("apples")
-    b = model.create("bananas")
+    a = created(qtbot, model, "apples")
+    b = created(qtbot, model, "bananas")
     panel.select(b)
     assert shown == [b] and panel.current_id() == b
     panel.search.setText("app")
-    assert titles(model) == ["apples"]
+    qtbot.waitUntil(lambda: titles(model) == ["apples"])
     panel.search.clear()
-    assert panel.current_id() == b and shown == [b]
+    qtbot.waitUntil(lambda: panel.current_id() == b)
+    assert shown == [b]
 
     panel.delete_current()
     assert titles(model) == ["apples"] and panel.undo_bar.isVisibleTo(panel) and shown == [b, a]
     panel.undo_button.click()
-    assert titles(model) == ["bananas", "apples"] and shown == [b, a, b]
-    assert not panel.undo_bar.isVisibleTo(panel)
+    qtbot.waitUntil(lambda: shown == [b, a, b])
+    assert titles(model) == ["bananas", "apples"] and not panel.undo_bar.isVisibleTo(panel)
     panel.delete_current()
     panel._undo_timer.timeout.emit()
-    assert store.conversation(b) is None and not panel.undo_bar.isVisibleTo(panel)
+    assert stored(history, HistoryStore.conversation, b) is None and not panel.undo_bar.isVisibleTo(panel)
 
 
-def test_deleting_the_last_conversation_asks_for_a_new_one(qtbot, store):
-    model = ConversationListModel(store)
+def test_selecting_a_conversation_hidden_by_the_search_clears_it(qtbot, history):
+    model = ConversationListModel(history)
     panel = ConversationPanel(model)
     qtbot.addWidget(panel)
-    panel.select(model.create("only"))
+    a = created(qtbot, model, "apples")
+    created(qtbot, model, "bananas")
+    panel.search.setText("ban")
+    qtbot.waitUntil(lambda: titles(model) == ["bananas"])
+    panel.select(a)
+    qtbot.waitUntil(lambda: panel.current_id() == a)
+    assert panel.search.text() == "" and titles(model) == ["bananas", "apples"]
+
+
+def test_deleting_the_last_conversation_asks_for_a_new_one(qtbot, history):
+    model = ConversationListModel(history)
+    panel = ConversationPanel(model)
+    qtbot.addWidget(panel)
+    panel.select(created(qtbot, model, "only"))
     with qtbot.waitSignal(panel.new_requested, timeout=1000):
         panel.delete_current()

@@ -55,7 +55,7 @@ def test_message_widget_copy_thumbnails_and_code_link(qtbot, tmp_path):
     answer = MessageWidget(Message(2, 1, 1, "assistant", "<think>x</think>Run `ls`:\n\n```sh\nls -la\n```", 0.0,
                                    stats={"thinking_s": 3.2}), MarkdownRenderer(), [2])
     qtbot.addWidget(answer)
-    assert answer.thinking_button.text() == "Thought for 3 s"
+    assert answer.thinking_button.text() == "Thought for 3.2 s"
     answer.copy_button.click()
     assert QGuiApplication.clipboard().text() == "Run `ls`:\n\n```sh\nls -la\n```"
     answer.body.link_clicked.emit("copy-code:0")

@@ -6,6 +6,8 @@ import pytest
 from PySide6.QtCore import Qt
 
 from app.engine_worker import load_real_engine
+from app.history import HistoryStore
+from app_helpers import stored
 
 
 @pytest.fixture(scope="module")
@@ -17,7 +19,7 @@ def tiny_model(tmp_path_factory):
 
 
 @pytest.mark.slow
-def test_default_model_streams_and_stops(qtbot, make_window, tiny_model, monkeypatch):
+def test_default_model_streams_stops_and_keeps_its_snapshots(qtbot, make_window, tiny_model, monkeypatch, paths):
     from engine import api
 
     monkeypatch.setattr(api, "default_model", lambda: (tiny_model, None))
@@ -31,9 +33,14 @@ def test_default_model_streams_and_stops(qtbot, make_window, tiny_model, monkeyp
         qtbot.waitUntil(lambda: window.controller.live is not None and len(window.controller.live.text) > 0,
                         timeout=60000)
         qtbot.keyClick(window, Qt.Key_Escape)
-    answer = window.store.active_path(window.controller.conversation_id)[-1]
+    answer = stored(window.history, HistoryStore.active_path, window.controller.conversation_id)[-1]
     assert answer.state == "stopped" and answer.content
     assert answer.stats["generated_tokens"] >= 1 and answer.stats["prompt_tokens"] > 5
+    qtbot.waitUntil(lambda: window.snapshots.rowCount() > 0, timeout=10000)
+    # the snapshot names the conversation it was taken in, shown by its title
+    assert "\u201cHello\u201d" in window.snapshots.index(0).data(Qt.ToolTipRole)
+    window.close()
+    assert list((paths.cache / "snapshots").rglob("*.snap"))
 
 
 def test_a_bad_model_file_is_reported_in_plain_words(qtbot, make_window, tmp_path):

@@ -7,7 +7,9 @@ import time
 from PySide6.QtCore import QMimeData, Qt, QTimer, QUrl
 from PySide6.QtGui import QColor, QGuiApplication, QImage
 
+from app.history import HistoryStore
 from app.sidebar import GpuSample
+from app_helpers import stored
 from fake_engine import FakeEngine, failing_loader
 
 
@@ -21,11 +23,24 @@ def send(qtbot, window, text):
     window.composer.editor.setPlainText(text)
     with turn_done(qtbot, window):
         qtbot.keyClick(window.composer.editor, Qt.Key_Return)
-    return window.store.active_path(window.controller.conversation_id)[-1]
+    return path_of(window)[-1]
 
 
-def path_of(window):
-    return window.store.active_path(window.controller.conversation_id)
+def path_of(window, conversation_id=None):
+    """The stored active branch of the shown (or the given) conversation."""
+    return stored(window.history, HistoryStore.active_path, conversation_id or window.controller.conversation_id)
+
+
+def shown_ids(window):
+    return [w.message.id for w in window.chat_view.widgets]
+
+
+def new_conversation(qtbot, window):
+    """Create a conversation from the window and wait until it is the one shown."""
+    before = window.controller.conversation_id
+    window.new_conversation()
+    qtbot.waitUntil(lambda: window.controller.conversation_id != before)
+    return window.controller.conversation_id
 
 
 def test_send_streams_and_stores_the_answer(qtbot, make_window):
@@ -40,7 +55,7 @@ def test_send_streams_and_stores_the_answer(qtbot, make_window):
     assert widget.body.toPlainText() == "Bold and code"
     assert "font-weight" in widget.body.toHtml() and "monospace" in widget.body.toHtml()
     assert "TTFT" in widget.stats_label.text() and "decode" in widget.stats_label.text()
-    assert window.store.conversation(window.controller.conversation_id).title == "Hello there"
+    assert stored(window.history, HistoryStore.conversation, window.controller.conversation_id).title == "Hello there"
     assert not window.composer.busy and window.composer.editor.toPlainText() == ""
 
 
@@ -79,19 +94,21 @@ def test_regenerate_and_edit_make_branches(qtbot, make_window):
         widget.action_button.click()
     user2, answer2 = path_of(window)
     assert user2.id == user.id and answer2.id != answer.id
-    assert window.store.siblings(answer2.id) == [answer.id, answer2.id]
+    assert stored(window.history, HistoryStore.siblings, answer2.id) == [answer.id, answer2.id]
     assert window.chat_view.widget_for(answer2.id).branch_label.text() == "2/2"
 
     window.chat_view.widget_for(user.id).action_button.click()
     assert window.composer.editor.toPlainText() == "first" and window.composer.editing_id == user.id
     assert send(qtbot, window, "first, edited").stats["stop_reason"] == "eos"
     edited, _ = path_of(window)
-    assert edited.content == "first, edited" and window.store.siblings(edited.id) == [user.id, edited.id]
+    assert edited.content == "first, edited"
+    assert stored(window.history, HistoryStore.siblings, edited.id) == [user.id, edited.id]
     assert engine.calls[-1] == [{"role": "user", "content": "first, edited"}]
     assert window.composer.editing_id is None
 
     # back to the first version of the question, with its latest answer
     window.chat_view.widget_for(edited.id).branch_requested.emit(user.id)
+    qtbot.waitUntil(lambda: shown_ids(window) == [user.id, answer2.id])
     assert [m.id for m in path_of(window)] == [user.id, answer2.id]
 
 
@@ -150,8 +167,11 @@ def test_images_reach_a_vision_model_and_can_be_removed(qtbot, make_window, tmp_
     composer = window.composer
     first = composer.add_file(_png(tmp_path, "a.png", "red"))
     composer.add_file(_png(tmp_path, "b.png", "green"))
-    box = composer._strip.itemAt(1).widget()
-    composer.remove_attachment(composer.attachments[1], box)
+    thumbs = composer.thumbnails()
+    qtbot.waitUntil(lambda: all(t.model_size.isVisibleTo(t) for t in thumbs))
+    # the fake engine's tower sees 300x200 images at half size: 150x100 pixels, 14 tokens of 32x32
+    assert thumbs[0].model_size.text() == "model sees 150\u00d7100 \u00b7 14 tokens"
+    composer.remove_attachment(composer.attachments[1], thumbs[1])
     assert not composer.warning.isVisible()
     send(qtbot, window, "describe")
     assert engine.calls[-1] == [{"role": "user", "content": [{"type": "image", "image": first.path},
@@ -179,13 +199,14 @@ def test_switch_conversations_mid_stream(qtbot, make_window):
     with turn_done(qtbot, window):
         qtbot.keyClick(window.composer.editor, Qt.Key_Return)
         qtbot.waitUntil(lambda: window.controller.live is not None and len(window.controller.live.text) > 10)
-        window.new_conversation()
-        assert window.controller.conversation_id != first and window.chat_view.widgets == []
+        new_conversation(qtbot, window)
+        qtbot.waitUntil(lambda: window.chat_view.widgets == [])
         qtbot.wait(60)
         window.panel.select(first)
+        qtbot.waitUntil(lambda: len(window.chat_view.widgets) == 2)
         widget = window.chat_view.widgets[-1]
         assert widget.streaming and widget.raw == window.controller.live.text
-    assert window.store.active_path(first)[-1].content == "z" * 400
+    assert path_of(window, first)[-1].content == "z" * 400
     assert window.chat_view.widgets[-1].raw == "z" * 400
 
 
@@ -196,9 +217,11 @@ def test_partial_answer_is_saved_every_few_seconds(qtbot, make_window):
     window.composer.editor.setPlainText("save me")
     with turn_done(qtbot, window):
         qtbot.keyClick(window.composer.editor, Qt.Key_Return)
+        qtbot.waitUntil(lambda: window.controller.live is not None)
         answer_id = window.controller.live.message_id
-        qtbot.waitUntil(lambda: len(window.store.message(answer_id).content) > 0, timeout=3000)
-        assert window.store.message(answer_id).state == "streaming"
+        qtbot.waitUntil(lambda: len(stored(window.history, HistoryStore.message, answer_id).content) > 0,
+                        timeout=3000)
+        assert stored(window.history, HistoryStore.message, answer_id).state == "streaming"
 
 
 def test_history_survives_a_restart(qtbot, make_window):
@@ -210,14 +233,14 @@ def test_history_survives_a_restart(qtbot, make_window):
     again = make_window()
     assert again.controller.conversation_id == conversation
     assert [m.content for m in path_of(again)] == ["remember me", "Hello, world."]
-    assert [w.message.role for w in again.chat_view.widgets] == ["user", "assistant"]
+    qtbot.waitUntil(lambda: [w.message.role for w in again.chat_view.widgets] == ["user", "assistant"])
 
 
 def test_conversation_shortcuts_and_sidebar_toggle(qtbot, make_window):
     window = make_window()
     n = window.conversations.rowCount()
     qtbot.keyClick(window, Qt.Key_N, Qt.ControlModifier)
-    assert window.conversations.rowCount() == n + 1
+    qtbot.waitUntil(lambda: window.conversations.rowCount() == n + 1)
     qtbot.keyClick(window, Qt.Key_K, Qt.ControlModifier)
     assert window.panel.search.hasFocus() or QGuiApplication.focusObject() is window.panel.search
     visible = window.sidebar.isVisible()
@@ -270,15 +293,19 @@ def test_worst_frame_while_streaming_500_tokens(qtbot, make_window, record_prope
     assert worst_ms < 50
 
 
-def test_closing_mid_answer_keeps_what_was_written(qtbot, make_window):
-    window = make_window(FakeEngine(tokens=["c"] * 3000, token_ms=2.0))
+def test_closing_mid_answer_keeps_what_was_written(qtbot, make_window, paths):
+    engine = FakeEngine(tokens=["c"] * 3000, token_ms=2.0)
+    window = make_window(engine)
     window.composer.editor.setPlainText("long")
     qtbot.keyClick(window.composer.editor, Qt.Key_Return)
-    qtbot.waitUntil(lambda: len(window.controller.live.text) > 10)
+    qtbot.waitUntil(lambda: window.controller.live is not None and len(window.controller.live.text) > 10)
     answer_id = window.controller.live.message_id
     window.close()
     assert not window.engine.thread.isRunning() and not window.monitor.thread.isRunning()
-    answer = window.store.message(answer_id)
+    assert not window.history.isRunning() and engine.closed == 1
+    store = HistoryStore.open(paths.data / "history.db")
+    answer = store.message(answer_id)
+    store.close()
     assert answer.state == "stopped" and 10 < len(answer.content) < 3000
 
 
@@ -288,22 +315,25 @@ def test_switching_conversation_abandons_an_edit(qtbot, make_window):
     user = path_of(window)[0]
     window.chat_view.widget_for(user.id).action_button.click()
     assert window.composer.editing_id == user.id
-    window.new_conversation()
+    new_conversation(qtbot, window)
     assert window.composer.editing_id is None and window.composer.editor.toPlainText() == ""
 
 
 def test_export_and_import_from_the_window(qtbot, make_window, tmp_path):
     window = make_window()
     send(qtbot, window, "export me")
+    exported = window.controller.conversation_id
     window.export_current(tmp_path / "c.md", "md")
     window.export_current(tmp_path / "c.json", "json")
-    assert "export me" in (tmp_path / "c.md").read_text() and "Exported" in window.statusBar().currentMessage()
-    imported = window.import_file(tmp_path / "c.json")
-    assert window.controller.conversation_id == imported
+    qtbot.waitUntil(lambda: window.statusBar().currentMessage() == f"Exported to {tmp_path / 'c.json'}")
+    assert "export me" in (tmp_path / "c.md").read_text()
+    window.import_file(tmp_path / "c.json")
+    qtbot.waitUntil(lambda: window.controller.conversation_id != exported)
+    assert window.statusBar().currentMessage() == "Imported c.json"
     assert [m.content for m in path_of(window)] == ["export me", "Hello, world."]
     (tmp_path / "bad.json").write_text("{")
-    assert window.import_file(tmp_path / "bad.json") is None
-    assert window.statusBar().currentMessage().startswith("Import failed: bad.json")
+    window.import_file(tmp_path / "bad.json")
+    qtbot.waitUntil(lambda: window.statusBar().currentMessage().startswith("Import failed: bad.json"))
 
 
 def test_a_colour_scheme_change_re_renders_the_messages(qtbot, make_window):
@@ -311,6 +341,7 @@ def test_a_colour_scheme_change_re_renders_the_messages(qtbot, make_window):
     send(qtbot, window, "code")
     before = window.chat_view.widgets[-1]
     window._scheme_changed()
+    qtbot.waitUntil(lambda: len(window.chat_view.widgets) == 2)
     after = window.chat_view.widgets[-1]
     assert after is not before and after.message.id == before.message.id
     assert "x = 1" in after.body.toPlainText()

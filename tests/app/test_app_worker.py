@@ -8,16 +8,18 @@ import time
 import pytest
 from PySide6.QtCore import QObject, Signal
 
-from app.engine_worker import ChatRequest, WorkerThread, plain_error, summarize
+from app.engine_worker import ChatRequest, LoadRequest, WorkerThread, plain_error, summarize
 from engine.errors import ModelFormatError
-from fake_engine import FakeEngine, FakeInfo, failing_loader, loader_for
+from fake_engine import BlockingLoader, FakeEngine, FakeInfo, failing_loader, loader_for
 
 
 class Driver(QObject):
     """Sends queued requests to a worker, as the window and the controller do."""
 
-    load = Signal(object, object)
+    load = Signal(object)
     chat = Signal(object)
+    clear = Signal(object)
+    measure = Signal(str)
 
 
 @pytest.fixture
@@ -29,6 +31,8 @@ def worker_thread():
         t.driver = Driver()
         t.driver.load.connect(t.worker.load)
         t.driver.chat.connect(t.worker.chat)
+        t.driver.clear.connect(t.worker.clear_snapshots)
+        t.driver.measure.connect(t.worker.measure_image)
         threads.append(t)
         return t
 
@@ -37,22 +41,24 @@ def worker_thread():
         t.stop()
 
 
-def _load(qtbot, wt, signal):
+def _load(qtbot, wt, signal, request=LoadRequest()):
     with qtbot.waitSignal(signal, timeout=5000) as blocker:
-        wt.driver.load.emit(None, None)
+        wt.driver.load.emit(request)
     return blocker.args
 
 
-def test_load_runs_off_the_ui_thread_and_summarizes(qtbot, worker_thread):
+def test_load_runs_off_the_ui_thread_and_summarizes(qtbot, worker_thread, tmp_path):
     seen = {}
 
-    def loader(model, mmproj):
+    def loader(request):
         seen["thread"] = threading.current_thread()
+        seen["request"] = request
         return FakeEngine()
 
     wt = worker_thread(loader)
-    (summary,) = _load(qtbot, wt, wt.worker.loaded)
-    assert seen["thread"] is not threading.main_thread()
+    request = LoadRequest("m.gguf", "mmproj-m.gguf", context=2048, image_max_pixels=512 * 512, cache_dir=tmp_path)
+    (summary,) = _load(qtbot, wt, wt.worker.loaded, request)
+    assert seen["thread"] is not threading.main_thread() and seen["request"] == request
     assert summary.context == 4096 and not summary.has_vision
     assert "qwen35moe" in summary.line and "Q8_0" in summary.line and "read per token" in summary.line
 
@@ -134,3 +140,68 @@ def test_plain_error_and_summary_texts():
     assert plain_error(ValueError("x"), "answering") == "Unexpected error while answering: ValueError: x"
     line = summarize(FakeInfo(has_vision=True)).line
     assert line.startswith("fake-model.gguf: qwen35moe, 4 layers (1 attention)") and line.endswith("vision")
+
+
+def test_a_cancelled_load_returns_at_once_and_its_model_is_dropped(qtbot, worker_thread):
+    engine = FakeEngine()
+    loader = BlockingLoader(engine)
+    wt = worker_thread(loader)
+    failed = []
+    wt.worker.loaded.connect(failed.append)
+    wt.driver.load.emit(LoadRequest())
+    assert loader.started.wait(5)
+    wt.worker.cancel_load()
+    loader.release()
+    qtbot.wait(50)
+    assert failed == [] and engine.loads
+    _, summary = _run(qtbot, wt, ChatRequest([{"role": "user", "content": "hi"}]))
+    assert summary.message == "Cannot answer: Loading the model was cancelled."
+
+
+def test_a_newer_load_replaces_the_model_and_closes_the_old_one(qtbot, worker_thread):
+    engines = [FakeEngine(tokens=["one"]), FakeEngine(tokens=["two"])]
+    wt = worker_thread(lambda request: engines[int(request.model_path)])
+    _load(qtbot, wt, wt.worker.loaded, LoadRequest("0"))
+    _load(qtbot, wt, wt.worker.loaded, LoadRequest("1"))
+    assert engines[0].closed == 1
+    _, summary = _run(qtbot, wt, ChatRequest([{"role": "user", "content": "hi"}]))
+    assert summary.text == "two"
+
+
+def test_snapshots_are_listed_after_a_turn_and_cleared(qtbot, worker_thread):
+    engine = FakeEngine()
+    wt = worker_thread(loader_for(engine))
+    with qtbot.waitSignal(wt.worker.snapshots_listed, timeout=5000) as blocker:
+        wt.driver.load.emit(LoadRequest())
+    assert blocker.args == [[]]
+    with qtbot.waitSignal(wt.worker.snapshots_listed, timeout=5000) as blocker:
+        wt.driver.chat.emit(ChatRequest([{"role": "user", "content": "hi"}], conversation="7"))
+    (listed,) = blocker.args
+    assert [(s.conversation, s.pos, s.tier) for s in listed] == [("7", 20, "ram")]
+    assert engine.conversations == ["7"]
+    with qtbot.waitSignal(wt.worker.snapshots_listed, timeout=5000) as blocker:
+        wt.driver.clear.emit(listed[0].key)
+    assert blocker.args == [[]]
+
+
+def test_image_sizes_are_measured_by_the_engine(qtbot, worker_thread, tmp_path):
+    from PIL import Image
+
+    Image.new("RGB", (640, 480)).save(tmp_path / "a.png")
+    (tmp_path / "bad.png").write_bytes(b"not an image")
+    wt = worker_thread(loader_for(FakeEngine(has_vision=True)))
+    _load(qtbot, wt, wt.worker.loaded)
+    with qtbot.waitSignal(wt.worker.image_measured, timeout=5000) as blocker:
+        wt.driver.measure.emit(str(tmp_path / "a.png"))
+    assert blocker.args == [str(tmp_path / "a.png"), (240, 320)]
+    with qtbot.waitSignal(wt.worker.image_measured, timeout=5000) as blocker:
+        wt.driver.measure.emit(str(tmp_path / "bad.png"))
+    assert "cannot identify image file" in blocker.args[1] and blocker.args[1].endswith("bad.png'")
+
+
+def test_stop_saves_the_snapshots_of_the_model(qtbot, worker_thread):
+    engine = FakeEngine()
+    wt = worker_thread(loader_for(engine))
+    _load(qtbot, wt, wt.worker.loaded)
+    wt.stop()
+    assert engine.closed == 1 and not wt.thread.isRunning()

@@ -1,0 +1,184 @@
+"""The settings dialog: model files and load options, sampling, system prompt and thinking."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+from PySide6.QtWidgets import (QCheckBox, QComboBox, QDialog, QDialogButtonBox, QDoubleSpinBox, QFileDialog,
+                               QFormLayout, QHBoxLayout, QLabel, QLineEdit, QPlainTextEdit, QPushButton,
+                               QSpinBox, QTabWidget, QVBoxLayout, QWidget)
+
+from .settings import MIN_CONTEXT, Settings
+
+IMAGE_SIDES = (256, 384, 512, 768, 1024, 1280, 1536, 2048)
+
+
+def image_size_label(pixels: int) -> str:
+    """E.g. "1024 \u00d7 1024 (1024 tokens)" for an area bound of 1024\u00b2 pixels."""
+    side = round(pixels ** 0.5)
+    return f"{side} \u00d7 {side} ({pixels // 1024} tokens)"
+
+
+class PathField(QWidget):
+    """A file path: a line edit (its placeholder says what empty means) and a Browse button."""
+
+    def __init__(self, path: str, empty_means: str, title: str) -> None:
+        super().__init__()
+        row = QHBoxLayout(self)
+        row.setContentsMargins(0, 0, 0, 0)
+        self.edit = QLineEdit(path)
+        self.edit.setPlaceholderText(empty_means)
+        self.edit.setClearButtonEnabled(True)
+        self.edit.setAccessibleName(title)
+        browse = QPushButton("Browse\u2026")
+        browse.setAccessibleName(f"Browse for the {title.lower()}")
+        browse.clicked.connect(lambda: self._browse(title))
+        row.addWidget(self.edit, 1)
+        row.addWidget(browse)
+
+    def _browse(self, title: str) -> None:
+        path, _ = QFileDialog.getOpenFileName(self, title, self.edit.text(), "GGUF files (*.gguf)")
+        if path:
+            self.edit.setText(path)
+
+    def path(self) -> str:
+        """The path typed or picked, stripped ("" when empty)."""
+        return self.edit.text().strip()
+
+
+def _spin(low: int, high: int, value: int, name: str, step: int = 1) -> QSpinBox:
+    box = QSpinBox()
+    box.setRange(low, high)
+    box.setSingleStep(step)
+    box.setValue(value)
+    box.setAccessibleName(name)
+    return box
+
+
+def _real(low: float, high: float, value: float, name: str, step: float, decimals: int = 2) -> QDoubleSpinBox:
+    box = QDoubleSpinBox()
+    box.setDecimals(decimals)
+    box.setRange(low, high)
+    box.setSingleStep(step)
+    box.setValue(value)
+    box.setAccessibleName(name)
+    return box
+
+
+class SettingsDialog(QDialog):
+    """Edits a copy of the settings; :meth:`settings` returns what the user set.
+
+    Changing the model files, the context or the image size reloads the model when accepted (the
+    window does that); the other settings apply from the next answer.
+    """
+
+    def __init__(self, settings: Settings, parent: QWidget | None = None) -> None:
+        super().__init__(parent)
+        self.setWindowTitle("Settings")
+        self.setMinimumWidth(520)
+        self._base = settings
+        tabs = QTabWidget()
+        tabs.addTab(self._model_tab(settings), "Model")
+        tabs.addTab(self._sampling_tab(settings), "Sampling")
+        tabs.addTab(self._chat_tab(settings), "Chat")
+        buttons = QDialogButtonBox(QDialogButtonBox.Ok | QDialogButtonBox.Cancel | QDialogButtonBox.RestoreDefaults)
+        buttons.accepted.connect(self.accept)
+        buttons.rejected.connect(self.reject)
+        buttons.button(QDialogButtonBox.RestoreDefaults).clicked.connect(self.restore_defaults)
+        layout = QVBoxLayout(self)
+        layout.addWidget(tabs)
+        layout.addWidget(buttons)
+
+    def _model_tab(self, s: Settings) -> QWidget:
+        page = QWidget()
+        form = QFormLayout(page)
+        self.model = PathField(s.model_path, "the bundled default model", "Model file")
+        self.mmproj = PathField(s.mmproj_path, "none (the default model brings its own)", "Vision tower file")
+        self.context = _spin(MIN_CONTEXT, 262144, s.context, "Context length", 1024)
+        self.context.setSuffix(" tokens")
+        self.image_size = QComboBox()
+        self.image_size.setAccessibleName("Largest image size")
+        self._set_image_pixels(s.image_max_pixels)
+        form.addRow("Model (GGUF):", self.model)
+        form.addRow("Vision tower (mmproj):", self.mmproj)
+        form.addRow("Context length:", self.context)
+        form.addRow("Largest image:", self.image_size)
+        note = QLabel("Changing these reloads the model. Images larger than the largest size are scaled "
+                      "down before the model sees them; every 32 \u00d7 32 pixels cost one token.")
+        note.setWordWrap(True)
+        note.setEnabled(False)
+        form.addRow(note)
+        return page
+
+    def _set_image_pixels(self, pixels: int) -> None:
+        self.image_size.clear()
+        choices = sorted({side * side for side in IMAGE_SIDES} | {pixels})
+        for area in choices:
+            self.image_size.addItem(image_size_label(area), area)
+        self.image_size.setCurrentIndex(choices.index(pixels))
+
+    def _sampling_tab(self, s: Settings) -> QWidget:
+        page = QWidget()
+        form = QFormLayout(page)
+        self.temperature = _real(0.0, 2.0, s.temperature, "Temperature", 0.05)
+        self.temperature.setSpecialValueText("0 (greedy)")
+        self.top_k = _spin(0, 1000, s.top_k, "Top-k")
+        self.top_k.setSpecialValueText("off")
+        self.top_p = _real(0.01, 1.0, s.top_p, "Top-p", 0.05)
+        self.min_p = _real(0.0, 1.0, s.min_p, "Min-p", 0.01)
+        self.min_p.setSpecialValueText("off")
+        self.presence = _real(-2.0, 2.0, s.presence_penalty, "Presence penalty", 0.1)
+        self.repetition = _real(0.5, 2.0, s.repetition_penalty, "Repetition penalty", 0.05)
+        self.seed = _spin(-1, 2**31 - 1, s.seed, "Seed")
+        self.seed.setSpecialValueText("random")
+        self.max_tokens = _spin(1, 131072, s.max_tokens, "Longest answer", 256)
+        self.max_tokens.setSuffix(" tokens")
+        rows = (("Temperature:", self.temperature, "Randomness of each pick; 0 always takes the most likely token."),
+                ("Top-k:", self.top_k, "Pick among the k most likely tokens only."),
+                ("Top-p:", self.top_p, "Pick among the most likely tokens that together hold this probability."),
+                ("Min-p:", self.min_p, "Drop tokens less likely than this fraction of the most likely one."),
+                ("Presence penalty:", self.presence, "Discourage every token already written (positive values)."),
+                ("Repetition penalty:", self.repetition, "Above 1 makes tokens already written less likely."),
+                ("Seed:", self.seed, "A fixed seed repeats the same answer to the same prompt."),
+                ("Longest answer:", self.max_tokens, "Stop an answer after this many tokens."))
+        for label, widget, tip in rows:
+            widget.setToolTip(tip)
+            form.addRow(label, widget)
+        return page
+
+    def _chat_tab(self, s: Settings) -> QWidget:
+        page = QWidget()
+        column = QVBoxLayout(page)
+        column.addWidget(QLabel("System prompt (sent first in every conversation):"))
+        self.system_prompt = QPlainTextEdit(s.system_prompt)
+        self.system_prompt.setAccessibleName("System prompt")
+        self.system_prompt.setPlaceholderText("none")
+        column.addWidget(self.system_prompt, 1)
+        self.thinking = QCheckBox("Think before answering")
+        self.thinking.setChecked(s.thinking)
+        self.thinking.setAccessibleName("Think before answering")
+        column.addWidget(self.thinking)
+        return page
+
+    def settings(self) -> Settings:
+        """The settings as the dialog shows them."""
+        return replace(
+            self._base, model_path=self.model.path(), mmproj_path=self.mmproj.path(), context=self.context.value(),
+            image_max_pixels=int(self.image_size.currentData()), temperature=round(self.temperature.value(), 4),
+            top_k=self.top_k.value(), top_p=round(self.top_p.value(), 4), min_p=round(self.min_p.value(), 4),
+            presence_penalty=round(self.presence.value(), 4), repetition_penalty=round(self.repetition.value(), 4),
+            seed=self.seed.value(), max_tokens=self.max_tokens.value(),
+            system_prompt=self.system_prompt.toPlainText().strip(), thinking=self.thinking.isChecked())
+
+    def restore_defaults(self) -> None:
+        """Put every field but the model files back to its default."""
+        d = Settings()
+        self.context.setValue(d.context)
+        self._set_image_pixels(d.image_max_pixels)
+        for box, value in ((self.temperature, d.temperature), (self.top_k, d.top_k), (self.top_p, d.top_p),
+                           (self.min_p, d.min_p), (self.presence, d.presence_penalty),
+                           (self.repetition, d.repetition_penalty), (self.seed, d.seed),
+                           (self.max_tokens, d.max_tokens)):
+            box.setValue(value)
+        self.system_prompt.setPlainText(d.system_prompt)
+        self.thinking.setChecked(d.thinking)
