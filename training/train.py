@@ -26,7 +26,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from safetensors.torch import save_file
+from safetensors.torch import load_file, save_file
 from transformers import Qwen3_5MoeConfig, Qwen3_5MoeForConditionalGeneration
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -126,6 +126,8 @@ def main() -> None:
     ap.add_argument("--lr", type=float, default=1.5e-3)
     ap.add_argument("--workers", type=int, default=12)
     ap.add_argument("--threads", type=int, default=2, help="torch CPU threads")
+    ap.add_argument("--init", type=Path, default=None,
+                    help="continue from this run's weights; its log.json's samples are skipped in the data stream")
     args = ap.parse_args()
 
     torch.manual_seed(SEED)
@@ -133,14 +135,22 @@ def main() -> None:
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     vocab = data.load_vocab()
     cfg = model_config(vocab)
-    model = Qwen3_5MoeForConditionalGeneration(cfg).to(device).train()
+    model = Qwen3_5MoeForConditionalGeneration(cfg)
+    first = 0
+    if args.init is not None:
+        state = {}
+        for shard in sorted(args.init.glob("weights-*.safetensors")):
+            state |= load_file(str(shard))
+        model.load_state_dict({k: v.float() for k, v in state.items()})
+        first = json.loads((args.init / "log.json").read_text())["samples"]
+    model = model.to(device).train()
     n_params = sum(p.numel() for p in model.parameters())
     print(f"device {device}, {n_params / 1e6:.2f} M parameters", flush=True)
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "config.json").write_text(cfg.to_json_string())
 
     loader = torch.utils.data.DataLoader(
-        Stream(vocab), batch_size=args.batch, shuffle=False, num_workers=args.workers,
+        torch.utils.data.Subset(Stream(vocab), range(first, 1 << 40)), batch_size=args.batch, shuffle=False, num_workers=args.workers,
         collate_fn=functools.partial(collate, pad_id=vocab["pad_id"], image_pad_id=cfg.image_token_id),
         prefetch_factor=4 if args.workers else None,
         persistent_workers=bool(args.workers))
@@ -189,7 +199,7 @@ def main() -> None:
             print(json.dumps(rec), flush=True)
     seconds = time.time() - t0
     shards = save_shards(model, args.out)
-    log = {"seed": SEED, "steps": step, "batch": args.batch, "samples": step * args.batch, "seconds": round(seconds, 1),
+    log = {"seed": SEED, "init": str(args.init) if args.init else None, "first_sample": first, "steps": step, "batch": args.batch, "samples": first + step * args.batch, "seconds": round(seconds, 1),
            "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
            "torch": torch.__version__, "transformers": sys.modules["transformers"].__version__,
            "n_params": n_params, "final_loss": curve[-1]["loss"] if curve else None, "curve": curve, "shards": shards}
