@@ -98,7 +98,7 @@ def test_quantize_q8_0_bit_exact_on_any_floats(level, x):
 
 @pytest.mark.parametrize("level", ALL, indirect=True)
 @pytest.mark.parametrize("qtype", QTYPES)
-@pytest.mark.parametrize("rows, k", [(1, 32), (5, 64), (3, 96), (130, 2048), (17, 4128), (9, 32 * 257)])
+@pytest.mark.parametrize("rows, k", [(1, 32), (5, 64), (3, 96), (7, 32 * 47), (130, 2048), (17, 4128), (9, 32 * 257)])
 @pytest.mark.parametrize("m", [1, 3, 16])
 def test_matmul_matches_float64_reference(level, qtype, rows, k, m, rng):
     ggml_type, name = QTYPES[qtype]

@@ -65,62 +65,78 @@ int dd_quantize_q8_0(int isa, const float *x, size_t m, size_t k, uint8_t *out)
     return DD_OK;
 }
 
-/* One allocation, 64-byte aligned: the Q8_0 blocks, then q, d and the bias arrays. */
+static void *take(uint8_t **next, size_t bytes)
+{
+    void *p = *next;
+    *next += (bytes + 63) & ~(size_t)63;
+    return p;
+}
+
+/* Block b of column c in the group layout (see dd_acts), from its Q8_0 values and scale. */
+static void put_group_block(dd_acts *a, size_t c, size_t b, const int8_t *v, float scale)
+{
+    const size_t g = b / 16, i = b % 16, base = c * a->ng + g;
+    int8_t *gq = (int8_t *)a->gq + base * 8 * 64 + 4 * i;
+    int32_t sum = 0;
+    for (int n = 0; n < 4; n++) {
+        memcpy(gq + (2 * n) * 64, v + 4 * n, 4);
+        memcpy(gq + (2 * n + 1) * 64, v + 16 + 4 * n, 4);
+    }
+    for (int j = 0; j < DD_QK; j++)
+        sum += v[j];
+    ((int32_t *)a->gbias)[base * 16 + i] = -8 * sum;
+    ((float *)a->gd)[base * 16 + i] = scale;
+}
+
+/* One allocation, 64-byte aligned: the Q8_0 blocks, then the pair layout, then the groups. */
 int dd_acts_new(const dd_kernels *kt, const float *x, size_t m, size_t k, dd_acts *a)
 {
-    const size_t nb = k / DD_QK, nbp = (nb + 1) & ~(size_t)1;
-    const size_t blocks_bytes = (m * nb * DD_Q8_0_BYTES + 63) & ~(size_t)63;
-    const size_t lanes = m * nbp * 8;
-    size_t total = blocks_bytes + m * nbp * DD_QK + lanes * sizeof(float);
+    const size_t nb = k / DD_QK, nbp = (nb + 1) & ~(size_t)1, lanes = m * nbp * 8;
+    const size_t ng = kt->q4_0_groups ? (nb + 15) / 16 : 0;
+    const size_t pad = 63;
+    size_t total = ((m * nb * DD_Q8_0_BYTES + pad) & ~pad) + ((m * nbp * DD_QK + pad) & ~pad) + ((lanes * 4 + pad) & ~pad);
     for (int t = 0; t < DD_WTYPE_COUNT; t++)
         if (kt->bias_mult[t] != 0)
-            total += lanes * sizeof(int32_t);
-    uint8_t *mem = aligned_alloc(64, (total + 63) & ~(size_t)63);
+            total += (lanes * 4 + pad) & ~pad;
+    total += m * ng * (8 * 64 + 2 * 16 * 4);
+    uint8_t *mem = aligned_alloc(64, total), *next = mem;
     if (mem == NULL)
         return DD_ERR_NOMEM;
-    uint8_t *blocks = mem;
-    int8_t *q = (int8_t *)(mem + blocks_bytes);
-    float *d = (float *)(q + m * nbp * DD_QK);
-    int32_t *bias_next = (int32_t *)(d + lanes);
+    uint8_t *blocks = take(&next, m * nb * DD_Q8_0_BYTES);
+    int8_t *q = take(&next, m * nbp * DD_QK);
+    float *d = take(&next, lanes * 4);
     int32_t *bias[DD_WTYPE_COUNT];
-    for (int t = 0; t < DD_WTYPE_COUNT; t++) {
-        bias[t] = kt->bias_mult[t] != 0 ? bias_next : NULL;
-        if (bias[t] != NULL)
-            bias_next += lanes;
-    }
+    for (int t = 0; t < DD_WTYPE_COUNT; t++)
+        bias[t] = kt->bias_mult[t] != 0 ? take(&next, lanes * 4) : NULL;
+    *a = (dd_acts){ .nb = nb, .nbp = nbp, .m = m, .q = q, .d = d, .ng = ng, .mem = mem };
+    for (int t = 0; t < DD_WTYPE_COUNT; t++)
+        a->bias[t] = bias[t];
+    a->gq = take(&next, m * ng * 8 * 64);
+    a->gbias = take(&next, m * ng * 16 * 4);
+    a->gd = take(&next, m * ng * 16 * 4);
+    memset((void *)a->gq, 0, (size_t)(next - (uint8_t *)a->gq));
 
     for (size_t c = 0; c < m; c++) {
         uint8_t *cb = blocks + c * nb * DD_Q8_0_BYTES;
         kt->quantize_q8_0(x + c * k, nb, cb);
         for (size_t b = 0; b < nbp; b++) {
             const size_t qi = (c * nbp + b) * DD_QK, li = (c * nbp + b) * 8;
-            if (b < nb) {
-                const uint8_t *blk = cb + b * DD_Q8_0_BYTES;
-                memcpy(q + qi, blk + 2, DD_QK);
-                const float scale = dd_f16_to_f32(dd_load_u16(blk));
-                for (int l = 0; l < 8; l++)
-                    d[li + l] = scale;
-            } else {
+            const float scale = b < nb ? dd_f16_to_f32(dd_load_u16(cb + b * DD_Q8_0_BYTES)) : 0.0f;
+            if (b < nb)
+                memcpy(q + qi, cb + b * DD_Q8_0_BYTES + 2, DD_QK);
+            else
                 memset(q + qi, 0, DD_QK);
-                for (int l = 0; l < 8; l++)
-                    d[li + l] = 0.0f;
-            }
             for (int l = 0; l < 8; l++) {
                 const int32_t s = q[qi + 4 * l] + q[qi + 4 * l + 1] + q[qi + 4 * l + 2] + q[qi + 4 * l + 3];
+                d[li + l] = scale;
                 for (int t = 0; t < DD_WTYPE_COUNT; t++)
                     if (bias[t] != NULL)
                         bias[t][li + l] = kt->bias_mult[t] * s;
             }
+            if (ng > 0 && b < nb)
+                put_group_block(a, c, b, q + qi, scale);
         }
     }
-    a->nb = nb;
-    a->nbp = nbp;
-    a->m = m;
-    a->q = q;
-    a->d = d;
-    for (int t = 0; t < DD_WTYPE_COUNT; t++)
-        a->bias[t] = bias[t];
-    a->mem = mem;
     return DD_OK;
 }
 

@@ -17,19 +17,32 @@
 #define DD_Q4_0_BYTES 18
 #define DD_Q8_0_BYTES 34
 
-/* Q8_0 activations of m columns, each of nb blocks, stored padded to nbp = nb rounded up to even
- * (the padding block is all zero), 64-byte aligned:
+/* Q8_0 activations of m columns, each of nb blocks, 64-byte aligned, in two layouts.
+ *
+ * Pairs (every kernel but AVX-512's Q4_0): blocks padded to nbp = nb rounded up to even (the
+ * padding block is all zero):
  *   q[c*nbp*32 + b*32 + j]   int8 value j of block b (natural order);
  *   d[c*nbp*8 + b*8 + l]     the block's scale (f16 widened to f32), repeated for lanes l = 0..7;
  *   bias[t][c*nbp*8 + b*8 + l]  bias_mult[t] * (q[4l] + q[4l+1] + q[4l+2] + q[4l+3]) of block b:
  *                     the correction a kernel for weight type t adds when it multiplies unsigned
  *                     weight bytes (nibble, or int8 + 128) by the signed activations; NULL when
- *                     that kernel's bias_mult is 0. */
+ *                     that kernel's bias_mult is 0.
+ * Groups (when the table's q4_0_groups is set): ng = nb / 16 rounded up groups of 16 blocks, the
+ * padding blocks zero; int32 lane i of a vector belongs to block 16g + i:
+ *   gq[((c*ng + g)*8 + s)*64 + 4i + t]  value 4n + t of block 16g + i for step s = 2n, value
+ *                     16 + 4n + t for step s = 2n + 1 (n = 0..3: the Q4_0 nibble bytes 4n..4n+3,
+ *                     low then high nibbles);
+ *   gbias[(c*ng + g)*16 + i]  -8 * (sum of the block's 32 values);
+ *   gd[(c*ng + g)*16 + i]     the block's scale. */
 typedef struct {
     size_t nb, nbp, m;
     const int8_t *q;
     const float *d;
     const int32_t *bias[DD_WTYPE_COUNT];
+    size_t ng;
+    const int8_t *gq;
+    const int32_t *gbias;
+    const float *gd;
     void *mem;              /* the allocation holding all of the above */
 } dd_acts;
 
@@ -49,6 +62,7 @@ typedef struct {
     void (*quantize_q8_0)(const float *x, size_t nb, uint8_t *out);
     dd_gemm_fn gemm[DD_WTYPE_COUNT];
     int bias_mult[DD_WTYPE_COUNT];   /* 0: the kernel does not read acts.bias */
+    int q4_0_groups;                 /* 1: the Q4_0 kernel reads the group layout of dd_acts */
     float (*dot_f32)(const float *a, const float *b, size_t n);   /* a streamed (prefetched), b reused */
 } dd_kernels;
 

@@ -1,10 +1,10 @@
 /* AVX-512 VNNI kernels (compiled with -mavx512f -mavx512bw -mavx512vl -mavx512vnni).
  *
- * One zmm register holds two consecutive 32-value blocks. Weights enter `vpdpbusd` as unsigned
- * bytes (a Q4_0 nibble 0..15, or a Q8_0 int8 + 128) against the signed Q8_0 activations; the
- * activation-side bias (-8 or -128 times the activation sums, see dd_acts) seeds the integer
- * accumulator, so each int32 lane ends exact. Per block pair: lanes 0-7 belong to the first block,
- * 8-15 to the second; they are scaled by d_w * d_a and summed in f32 lanes, reduced once per row.
+ * Weights enter `vpdpbusd` as unsigned bytes (a Q4_0 nibble 0..15, or a Q8_0 int8 + 128) against
+ * the signed Q8_0 activations; the activation-side bias (-8 or -128 times the activation sums, see
+ * dd_acts) seeds the integer accumulator, so each int32 lane ends exact. Lanes are scaled by
+ * d_w * d_a and summed in f32 lanes, reduced once per row. Q4_0 puts one block in each lane
+ * (16-block groups), Q8_0 two consecutive blocks in each register (lanes 0-7, 8-15).
  */
 #include <immintrin.h>
 
@@ -35,24 +35,110 @@ static void quantize_q8_0(const float *x, size_t nb, uint8_t *out)
     }
 }
 
-static const uint16_t q4_qs_words[32] = {
-    1, 2, 3, 4, 5, 6, 7, 8, 1, 2, 3, 4, 5, 6, 7, 8,
-    10, 11, 12, 13, 14, 15, 16, 17, 10, 11, 12, 13, 14, 15, 16, 17,
+/* Q4_0 runs on 16-block groups with one int32 lane per block ("lanes = blocks"), so the int to
+ * float conversion and the scaling happen once per 16 blocks instead of once per 2. A group is
+ * 288 bytes = 144 16-bit words, block i at words 9i (scale) and 9i+1..9i+8 (16 nibble bytes).
+ * Word permutes gather nibble bytes 4n..4n+3 of all 16 blocks into one vector (step n), from three
+ * windows that each hold whole blocks: A = words 0..63 (blocks 0-6), B = words 63..126 (blocks
+ * 7-13), C = words 126..143 (blocks 14-15). */
+#define Q4_GROUP_BYTES (16 * DD_Q4_0_BYTES)
+#define LANES_A 0x00003fffu     /* words of dword lanes 0-6 */
+#define LANES_B 0x0fffc000u     /* lanes 7-13 */
+#define LANES_C 0xf0000000u     /* lanes 14-15 */
+
+/* word 2i + t of a step vector = word 9i + t of the group (plus the step's offset 1 + 2n) */
+static const uint16_t lane_words[32] = {
+    0, 1, 9, 10, 18, 19, 27, 28, 36, 37, 45, 46, 54, 55, 63, 64,
+    72, 73, 81, 82, 90, 91, 99, 100, 108, 109, 117, 118, 126, 127, 135, 136,
 };
-static const uint16_t q4_d_words[32] = {
-    0, 0, 0, 0, 0, 0, 0, 0, 9, 9, 9, 9, 9, 9, 9, 9,
+/* word i of the scale vector = word 9i of the group */
+static const uint16_t scale_words[32] = {
+    0, 9, 18, 27, 36, 45, 54, 63, 72, 81, 90, 99, 108, 117, 126, 135,
 };
 
-/* A Q4_0 block pair (36 bytes = 18 words, or 9 words for a lone last block) -> the 64 nibbles in
- * value order (low nibbles of block 0, its high nibbles, then block 1's), and the two scales. */
-DD_INLINE void q4_0_pair(const uint8_t *p, __mmask32 words, __m512i *nib, __m512 *dw)
+/* offsets that touch each cache line of a group, wherever it starts: 288 bytes span 5 or 6 lines */
+static const short q4_group_lines[6] = { 0, 64, 128, 192, 256, Q4_GROUP_BYTES - 1 };
+
+typedef struct {
+    __m512i step[3][4];   /* per window A, B, C and step n: word indices into that window */
+    __m512i scale[3];
+} q4_0_group_index;
+
+DD_INLINE q4_0_group_index q4_0_group_indices(void)
 {
-    const __m512i raw = _mm512_maskz_loadu_epi16(words, p);
-    const __m512i dup = _mm512_permutexvar_epi16(_mm512_loadu_si512(q4_qs_words), raw);
-    *nib = _mm512_and_si512(_mm512_srlv_epi64(dup, _mm512_set_epi64(4, 4, 0, 0, 4, 4, 0, 0)),
-                            _mm512_set1_epi8(0x0f));
-    *dw = _mm512_cvtph_ps(_mm512_castsi512_si256(
-        _mm512_permutexvar_epi16(_mm512_loadu_si512(q4_d_words), raw)));
+    static const short window_start[3] = { 0, 63, 126 };
+    const __m512i lw = _mm512_loadu_si512(lane_words), sw = _mm512_loadu_si512(scale_words);
+    q4_0_group_index ix;
+    for (int win = 0; win < 3; win++) {
+        for (int n = 0; n < 4; n++)
+            ix.step[win][n] = _mm512_add_epi16(lw, _mm512_set1_epi16((short)(1 + 2 * n - window_start[win])));
+        ix.scale[win] = _mm512_sub_epi16(sw, _mm512_set1_epi16(window_start[win]));
+    }
+    return ix;
+}
+
+/* One group of R rows (rows `rstride` bytes apart from grp) against C columns of group g. */
+DD_INLINE void q4_0_group_step(const uint8_t *grp, size_t rstride, const uint8_t *pf, size_t rb,
+                               const q4_0_group_index *ix, const dd_acts *a, size_t c0, size_t g,
+                               __m512 acc[4][4], const int R, const int C)
+{
+    const __m512i low = _mm512_set1_epi8(0x0f);
+    for (int r = 0; r < R; r++) {
+        const uint8_t *p = grp + r * rstride;
+        if (pf != NULL)
+            for (int l = 0; l < 6; l++)
+                _mm_prefetch((const char *)(pf + r * rb + g * Q4_GROUP_BYTES + q4_group_lines[l]), _MM_HINT_T0);
+        const __m512i a0 = _mm512_loadu_si512(p), a1 = _mm512_loadu_si512(p + 64);
+        const __m512i b0 = _mm512_loadu_si512(p + 126), b1 = _mm512_loadu_si512(p + 190);
+        const __m512i cw = _mm512_maskz_loadu_epi16(0x3ffff, p + 252);
+        __m512i dot[4];
+        for (int c = 0; c < C; c++)
+            dot[c] = _mm512_load_si512(a->gbias + ((c0 + c) * a->ng + g) * 16);
+        for (int n = 0; n < 4; n++) {
+            __m512i s = _mm512_or_si512(_mm512_maskz_permutex2var_epi16(LANES_A, a0, ix->step[0][n], a1),
+                                        _mm512_maskz_permutex2var_epi16(LANES_B, b0, ix->step[1][n], b1));
+            s = _mm512_mask_permutexvar_epi16(s, LANES_C, ix->step[2][n], cw);
+            const __m512i lo = _mm512_and_si512(s, low), hi = _mm512_and_si512(_mm512_srli_epi16(s, 4), low);
+            for (int c = 0; c < C; c++) {
+                const int8_t *q = a->gq + (((c0 + c) * a->ng + g) * 8 + 2 * n) * 64;
+                dot[c] = _mm512_dpbusd_epi32(dot[c], lo, _mm512_load_si512(q));
+                dot[c] = _mm512_dpbusd_epi32(dot[c], hi, _mm512_load_si512(q + 64));
+            }
+        }
+        __m512i d = _mm512_or_si512(_mm512_maskz_permutex2var_epi16(0x007f, a0, ix->scale[0], a1),
+                                    _mm512_maskz_permutex2var_epi16(0x3f80, b0, ix->scale[1], b1));
+        d = _mm512_mask_permutexvar_epi16(d, 0xc000, ix->scale[2], cw);
+        const __m512 dw = _mm512_cvtph_ps(_mm512_castsi512_si256(d));
+        for (int c = 0; c < C; c++) {
+            const __m512 da = _mm512_load_ps(a->gd + ((c0 + c) * a->ng + g) * 16);
+            acc[r][c] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot[c]), _mm512_mul_ps(dw, da), acc[r][c]);
+        }
+    }
+}
+
+DD_INLINE void tile_q4_0(const uint8_t *w, const uint8_t *pf, size_t rb, const dd_acts *a, size_t c0, float *y,
+                         size_t ldy, const int R, const int C)
+{
+    const q4_0_group_index ix = q4_0_group_indices();
+    const size_t full = a->nb / 16, rest = a->nb % 16;
+    __m512 acc[4][4];
+    for (int r = 0; r < R; r++)
+        for (int c = 0; c < C; c++)
+            acc[r][c] = _mm512_setzero_ps();
+    for (size_t g = 0; g < full; g++)
+        q4_0_group_step(w + g * Q4_GROUP_BYTES, rb, pf, rb, &ix, a, c0, g, acc, R, C);
+    if (rest) {
+        /* a short last group: copied into zeroed buffers (zero nibbles meet zero padding values) */
+        uint8_t tail[4][Q4_GROUP_BYTES];
+        for (int r = 0; r < R; r++) {
+            memset(tail[r], 0, Q4_GROUP_BYTES);
+            memcpy(tail[r], w + r * rb + full * Q4_GROUP_BYTES, rest * DD_Q4_0_BYTES);
+        }
+        q4_0_group_step(tail[0], Q4_GROUP_BYTES, NULL, rb, &ix, a, c0, full, acc, R, C);
+    }
+    for (int r = 0; r < R; r++)
+        for (int c = 0; c < C; c++)
+            y[(c0 + c) * ldy + r] = _mm512_reduce_add_ps(acc[r][c]);
 }
 
 /* A Q8_0 block pair (68 bytes, or 34 for a lone last block) -> 64 bytes int8 + 128, two scales. */
@@ -66,24 +152,22 @@ DD_INLINE void q8_0_pair(const uint8_t *p, int full, __m512i *qu, __m512 *dw)
     *dw = _mm512_cvtph_ps(_mm256_inserti128_si256(_mm256_castsi128_si256(d0), d1, 1));
 }
 
-/* One block pair p of R rows x C columns: acc[r][c] += (bias + wq . aq) * (dw * da), per lane. */
-DD_INLINE void pair_step(const uint8_t *w, const uint8_t *pf, size_t rb, const dd_acts *a, int wtype,
-                         size_t c0, size_t p, int full, __m512 acc[4][4], const int R, const int C)
+/* Q8_0 runs on block pairs: one Q8_0 block pair p of R rows x C columns,
+ * acc[r][c] += (bias + wq . aq) * (dw * da), per lane. */
+DD_INLINE void q8_0_pair_step(const uint8_t *w, const uint8_t *pf, size_t rb, const dd_acts *a,
+                              size_t c0, size_t p, int full, __m512 acc[4][4], const int R, const int C)
 {
-    const size_t pair_bytes = 2 * (wtype == DD_Q4_0 ? DD_Q4_0_BYTES : DD_Q8_0_BYTES);
+    const size_t pair_bytes = 2 * DD_Q8_0_BYTES;
     __m512i wq[4];
     __m512 dw[4];
     for (int r = 0; r < R; r++) {
         _mm_prefetch((const char *)(pf + r * rb + p * pair_bytes), _MM_HINT_T0);
-        if (wtype == DD_Q4_0)
-            q4_0_pair(w + r * rb + p * pair_bytes, full ? 0x3ffff : 0x1ff, &wq[r], &dw[r]);
-        else
-            q8_0_pair(w + r * rb + p * pair_bytes, full, &wq[r], &dw[r]);
+        q8_0_pair(w + r * rb + p * pair_bytes, full, &wq[r], &dw[r]);
     }
     for (int c = 0; c < C; c++) {
         const size_t col = (c0 + c) * a->nbp;
         const __m512i aq = _mm512_load_si512(a->q + col * DD_QK + p * 64);
-        const __m512i bias = _mm512_load_si512(a->bias[wtype] + col * 8 + p * 16);
+        const __m512i bias = _mm512_load_si512(a->bias[DD_Q8_0] + col * 8 + p * 16);
         const __m512 da = _mm512_load_ps(a->d + col * 8 + p * 16);
         for (int r = 0; r < R; r++) {
             __m512i dot = _mm512_dpbusd_epi32(bias, wq[r], aq);
@@ -92,8 +176,8 @@ DD_INLINE void pair_step(const uint8_t *w, const uint8_t *pf, size_t rb, const d
     }
 }
 
-DD_INLINE void tile(const uint8_t *w, const uint8_t *pf, size_t rb, const dd_acts *a, int wtype, size_t c0,
-                    float *y, size_t ldy, const int R, const int C)
+DD_INLINE void tile_q8_0(const uint8_t *w, const uint8_t *pf, size_t rb, const dd_acts *a, size_t c0, float *y,
+                         size_t ldy, const int R, const int C)
 {
     __m512 acc[4][4];
     for (int r = 0; r < R; r++)
@@ -101,18 +185,16 @@ DD_INLINE void tile(const uint8_t *w, const uint8_t *pf, size_t rb, const dd_act
             acc[r][c] = _mm512_setzero_ps();
     const size_t full_pairs = a->nb / 2;
     for (size_t p = 0; p < full_pairs; p++)
-        pair_step(w, pf, rb, a, wtype, c0, p, 1, acc, R, C);
+        q8_0_pair_step(w, pf, rb, a, c0, p, 1, acc, R, C);
     if (a->nb & 1)
-        pair_step(w, pf, rb, a, wtype, c0, full_pairs, 0, acc, R, C);
+        q8_0_pair_step(w, pf, rb, a, c0, full_pairs, 0, acc, R, C);
     for (int r = 0; r < R; r++)
         for (int c = 0; c < C; c++)
             y[(c0 + c) * ldy + r] = _mm512_reduce_add_ps(acc[r][c]);
 }
 
-#define TILE_Q4_0(w, pf, rb, a, c0, y, ldy, R, C) tile(w, pf, rb, a, DD_Q4_0, c0, y, ldy, R, C)
-#define TILE_Q8_0(w, pf, rb, a, c0, y, ldy, R, C) tile(w, pf, rb, a, DD_Q8_0, c0, y, ldy, R, C)
-DD_DEFINE_GEMM(gemm_q4_0, TILE_Q4_0)
-DD_DEFINE_GEMM(gemm_q8_0, TILE_Q8_0)
+DD_DEFINE_GEMM(gemm_q4_0, tile_q4_0)
+DD_DEFINE_GEMM(gemm_q8_0, tile_q8_0)
 
 static float dot_f32(const float *a, const float *b, size_t n)
 {
@@ -133,6 +215,7 @@ static float dot_f32(const float *a, const float *b, size_t n)
 const dd_kernels dd_kernels_avx512vnni = {
     .quantize_q8_0 = quantize_q8_0,
     .gemm = { gemm_q4_0, gemm_q8_0 },
-    .bias_mult = { -8, -128 },
+    .bias_mult = { 0, -128 },
+    .q4_0_groups = 1,
     .dot_f32 = dot_f32,
 };
