@@ -1,9 +1,11 @@
 """GPU prefill (engine.backends.cuda) against the numpy reference.
 
-Two kinds of tests:
+Three kinds of tests:
 
 * planning tests (no GPU): placement under a budget, pass sizes, routing tables, the DeviceError
   a machine without pycuda gets;
+* CudaPrefill's host side on an emulated device (no GPU): numpy stand-ins for pycuda.driver and the
+  kernels, against Qwen35Model on the CPU (resident, streamed, selective, several passes, continuation);
 * GPU tests (skipped without pycuda and a CUDA device): every kernel against its numpy twin in
   engine.ops.reference, then whole prefills of synth models (dense and MoE; prompts of 1, 63, 64,
   65 and 1000 tokens; a budget that keeps everything resident and one that streams every expert

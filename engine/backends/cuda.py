@@ -25,10 +25,8 @@ raises :class:`~engine.errors.DeviceError`, on which callers fall back to CPU pr
 from __future__ import annotations
 
 import contextlib
-import queue
-import threading
 import time
-from typing import Any, Callable, Iterator
+from typing import Any, Iterator
 
 import numpy as np
 
@@ -36,139 +34,17 @@ from ..errors import ContextFullError, DeviceError
 from ..hparams import Qwen35HParams
 from ..quant import dequantize
 from ..state import SequenceState
+from .cuda_buffers import Activations, Copier, CopyTask, Device
 from .cuda_kernels import Kernels, load_driver
-from .cuda_plan import (ALIGN, GPU_TYPES, TILE_ROWS, ExpertLayout, LayerTelemetry, Matrix, Placement,
-                        PrefillTelemetry, activation_groups, copy_runs, expert_layout, gemm_matrix, layer_matrices,
-                        layer_vectors, pass_tokens, plan_placement, route_tables, use_selective)
+from .cuda_plan import (GPU_TYPES, TILE_ROWS, ExpertLayout, LayerTelemetry, Matrix, Placement,
+                        PrefillTelemetry, copy_runs, expert_layout, gemm_matrix, layer_matrices, layer_vectors,
+                        aligned, pass_tokens, plan_placement, route_tables, use_selective)
 
 DEFAULT_MARGIN = 512 << 20
 """Default budget = free VRAM at load minus max(this, 5% of the card)."""
 
 PLAN_TOKENS = 4096
 """Prompt length whose activations and KV cache the placement reserves before giving VRAM to experts."""
-
-
-def _aligned(n: int) -> int:
-    return -(-n // ALIGN) * ALIGN
-
-
-class _Device:
-    """Device allocations of one engine, counted (bytes rounded to :data:`ALIGN`)."""
-
-    def __init__(self, drv: Any) -> None:
-        self.drv = drv
-        self.blocks: dict[int, Any] = {}
-        self.sizes: dict[int, int] = {}
-
-    def alloc(self, nbytes: int) -> int:
-        """Allocate ``nbytes`` (>= 1) and return the device pointer."""
-        block = self.drv.mem_alloc(max(_aligned(nbytes), ALIGN))
-        ptr = int(block)
-        self.blocks[ptr] = block
-        self.sizes[ptr] = max(_aligned(nbytes), ALIGN)
-        return ptr
-
-    def upload(self, array: np.ndarray) -> int:
-        """Allocate and copy a host array (synchronous); returns the device pointer."""
-        array = np.ascontiguousarray(array)
-        ptr = self.alloc(array.nbytes)
-        self.drv.memcpy_htod(ptr, array)
-        return ptr
-
-    def free(self, ptr: int) -> None:
-        """Free one allocation."""
-        self.blocks.pop(ptr).free()
-        self.sizes.pop(ptr)
-
-    def free_all(self) -> None:
-        """Free everything."""
-        for ptr in list(self.blocks):
-            self.free(ptr)
-
-    @property
-    def used(self) -> int:
-        """Bytes allocated."""
-        return sum(self.sizes.values())
-
-
-class _CopyTask:
-    """One queued host -> device copy job; ``queued`` is set once the worker has issued it (or failed)."""
-
-    def __init__(self, run: Callable[[], None]) -> None:
-        self.run = run
-        self.queued = threading.Event()
-        self.error: BaseException | None = None
-
-    def wait(self) -> None:
-        """Block until the copies are queued on the GPU; re-raise the worker's error."""
-        self.queued.wait()
-        if self.error is not None:
-            raise self.error
-
-
-class _Copier:
-    """Issues the expert copies from a thread of its own, so the thread that queues compute never waits in a
-    copy call (CUDA documents that any call, async copies included, may block on internal resources).
-
-    docs/gpu-notes.md, runs 2-3: with the copies on the main thread and the routing tables uploaded from
-    the host, streamed prefill stalled 16.7 ms before layer 0; with this worker and GPU-built tables the
-    stall is gone. An isolated 1 GiB async copy returned to its caller in 0.03 ms, so most of the stall
-    was the tables' uploads and host waits; this worker's own share was not measured separately.
-    """
-
-    def __init__(self, drv: Any, ctx: Any) -> None:
-        self._drv, self._ctx = drv, ctx
-        self._jobs: queue.Queue[_CopyTask | None] = queue.Queue()
-        self._thread = threading.Thread(target=self._work, name="deltadesk-h2d", daemon=True)
-        self._thread.start()
-
-    def _work(self) -> None:
-        self._ctx.push()
-        try:
-            while (task := self._jobs.get()) is not None:
-                try:
-                    task.run()
-                except BaseException as e:  # handed to the waiting thread
-                    task.error = e
-                finally:
-                    task.queued.set()
-        finally:
-            self._drv.Context.pop()
-
-    def submit(self, run: Callable[[], None]) -> _CopyTask:
-        """Queue ``run`` (which issues async copies) on the worker; returns its task."""
-        task = _CopyTask(run)
-        self._jobs.put(task)
-        return task
-
-    def close(self) -> None:
-        """Stop the worker after the queued jobs."""
-        self._jobs.put(None)
-        self._thread.join()
-
-
-class _Activations:
-    """One allocation holding :func:`activation_groups` for ``capacity`` tokens; ``ptr[name]`` per buffer."""
-
-    def __init__(self, dev: _Device, hp: Qwen35HParams, capacity: int) -> None:
-        groups = activation_groups(hp, capacity)
-        offsets: dict[str, int] = {}
-        off = 0
-        for name, nbytes in groups["base"].items():
-            offsets[name] = off
-            off += _aligned(nbytes)
-        top = off
-        for group, bufs in groups.items():
-            if group == "base":
-                continue
-            o = off
-            for name, nbytes in bufs.items():
-                offsets[name] = o
-                o += _aligned(nbytes)
-            top = max(top, o)
-        self.capacity = capacity
-        self.base = dev.alloc(top)
-        self.ptr = {name: self.base + o for name, o in offsets.items()}
 
 
 class CudaPrefill:
@@ -199,7 +75,7 @@ class CudaPrefill:
             self._ctx = self._drv.Device(0).retain_primary_context()
         except self._drv.Error as e:
             raise DeviceError(f"CUDA context creation failed: {e}") from e
-        self._dev = _Device(self._drv)
+        self._dev = Device(self._drv)
         self._pinned: dict[int, np.ndarray] = {}
         try:
             with self._guard("loading the model onto the GPU"):
@@ -253,7 +129,7 @@ class CudaPrefill:
         names = [n for il in range(hp.n_layer) for n in layer_matrices(hp, il)] + [head]
         matrices = {n: gemm_matrix(n, f.info(n).qtype, f.info(n).shape) for n in names}
         vectors = [n for il in range(hp.n_layer) for n in layer_vectors(hp, il)] + ["output_norm.weight"]
-        vector_bytes = sum(_aligned(int(np.prod(f.info(n).shape)) * 4) for n in vectors)
+        vector_bytes = sum(aligned(int(np.prod(f.info(n).shape)) * 4) for n in vectors)
         self.layouts: dict[int, ExpertLayout] = {}
         if hp.is_moe:
             for il in range(hp.n_layer):
@@ -284,10 +160,10 @@ class CudaPrefill:
         self.slots = [self._dev.alloc(self.plan.slot_bytes) for _ in range(self.plan.n_slots)]
         self.compute = drv.Stream()
         self.copy_stream = drv.Stream()
-        self._copier = _Copier(drv, self._ctx)
+        self._copier = Copier(drv, self._ctx)
         self.kv: dict[int, tuple[int, int]] = {}
         self.kv_rows = 0
-        self.act: _Activations | None = None
+        self.act: Activations | None = None
         self.staging: dict[str, np.ndarray] = {}
 
     def _pack_experts(self, il: int, out: np.ndarray) -> np.ndarray:
@@ -361,7 +237,7 @@ class CudaPrefill:
                                layers=[LayerTelemetry(il, "gdn" if hp.is_recurrent(il) else "attention",
                                                       self._expert_mode(il, mode)) for il in range(hp.n_layer)])
         self._events: list[tuple[int, str, Any, Any, int]] = []
-        self._tasks: list[_CopyTask] = []
+        self._tasks: list[CopyTask] = []
         self._slot_free: list[Any] = [None] * self.plan.n_slots
         first = last = None
         for a in range(0, n, n_pass):
@@ -414,7 +290,7 @@ class CudaPrefill:
             if self.act is not None:
                 self._dev.free(self.act.base)
                 self.act = None
-            self.act = _Activations(self._dev, hp, n_pass)
+            self.act = Activations(self._dev, hp, n_pass)
         if self.kv_rows < end:
             for kp, vp in self.kv.values():
                 self._dev.free(kp)

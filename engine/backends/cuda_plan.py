@@ -43,7 +43,8 @@ SELECTIVE_FRACTION = 0.85
 share of distinct experts a pass selects is at most this; else stream whole layers ahead of use."""
 
 
-def _aligned(n: int) -> int:
+def aligned(n: int) -> int:
+    """``n`` rounded up to a multiple of :data:`ALIGN` (the bytes a device buffer of n bytes occupies)."""
     return -(-n // ALIGN) * ALIGN
 
 
@@ -213,14 +214,14 @@ def activation_groups(hp: Qwen35HParams, n: int) -> dict[str, dict[str, int]]:
 def activation_bytes(hp: Qwen35HParams, n: int) -> int:
     """Device bytes of :func:`activation_groups` for ``n`` tokens, with the sharing and alignment applied."""
     groups = activation_groups(hp, n)
-    size = {g: sum(_aligned(b) for b in bufs.values()) for g, bufs in groups.items()}
+    size = {g: sum(aligned(b) for b in bufs.values()) for g, bufs in groups.items()}
     return size["base"] + max(v for g, v in size.items() if g != "base")
 
 
 def kv_bytes(hp: Qwen35HParams, positions: int) -> int:
     """Device bytes of the K and V caches of all attention layers for ``positions`` rows (float32)."""
     n_attn = sum(not hp.is_recurrent(il) for il in range(hp.n_layer))
-    return n_attn * 2 * _aligned(positions * hp.n_head_kv * hp.head_dim * 4)
+    return n_attn * 2 * aligned(positions * hp.n_head_kv * hp.head_dim * 4)
 
 
 def state_bytes(hp: Qwen35HParams) -> int:
@@ -228,7 +229,7 @@ def state_bytes(hp: Qwen35HParams) -> int:
     n_gdn = sum(hp.is_recurrent(il) for il in range(hp.n_layer))
     conv = (hp.conv_kernel - 1) * hp.conv_dim * 4
     ssm = hp.num_v_heads * hp.head_k_dim * hp.head_v_dim * 4
-    return n_gdn * (_aligned(conv) + _aligned(ssm))
+    return n_gdn * (aligned(conv) + aligned(ssm))
 
 
 def pass_tokens(hp: Qwen35HParams, n: int, positions: int, available: int) -> int:
@@ -340,18 +341,18 @@ def plan_placement(hp: Qwen35HParams, budget: int, matrices: list[Matrix], vecto
         DeviceError: the non-expert weights, state, two stream buffers and the reserve for 64 tokens
             do not fit the budget.
     """
-    weights = sum(_aligned(m.nbytes) for m in matrices) + vector_bytes
+    weights = sum(aligned(m.nbytes) for m in matrices) + vector_bytes
     state = state_bytes(hp)
     reserve = activation_bytes(hp, plan_tokens) + kv_bytes(hp, plan_tokens)
     layers = tuple(range(hp.n_layer)) if hp.is_moe else ()
-    all_experts = len(layers) * _aligned(expert_layer_bytes)
+    all_experts = len(layers) * aligned(expert_layer_bytes)
     fixed = weights + state
     common = dict(budget=budget, resident_weights=weights, n_matrices=len(matrices),
                   n_converted=sum(m.converted for m in matrices), state=state, plan_tokens=plan_tokens,
-                  reserve=reserve, expert_layer_bytes=_aligned(expert_layer_bytes))
+                  reserve=reserve, expert_layer_bytes=aligned(expert_layer_bytes))
     if fixed + reserve + all_experts <= budget:
         return Placement(resident_experts=layers, streamed_experts=(), slot_bytes=0, n_slots=0, **common)
-    slot = _aligned(expert_layer_bytes)
+    slot = aligned(expert_layer_bytes)
     room = budget - fixed - 2 * slot - reserve
     minimum = fixed + 2 * slot + activation_bytes(hp, GDN_CHUNK) + kv_bytes(hp, GDN_CHUNK)
     if budget < minimum:
