@@ -12,6 +12,7 @@ through a ``threading.Event``.
 
 from __future__ import annotations
 
+import logging
 import math
 import threading
 from dataclasses import dataclass
@@ -20,7 +21,7 @@ from typing import Any, Iterator, Mapping, Sequence
 
 import platformdirs
 
-from .errors import EngineError, ImageError, ModelFormatError, TemplateError, UnsupportedModelError
+from .errors import DeviceError, EngineError, ImageError, ModelFormatError, TemplateError, UnsupportedModelError
 from .events import Event
 from .gguf_file import GGUFFile
 from .mmproj import load_mmproj
@@ -30,6 +31,8 @@ from .prefix_cache import PrefixCache, SnapshotInfo
 from .runtime import Turn, run_turn
 from .sampling import SamplingParams
 from .tokenizer import Tokenizer
+
+log = logging.getLogger(__name__)
 
 __all__ = ["Engine", "EngineOptions", "ModelInfo", "Prompt", "SamplingParams", "SnapshotInfo", "default_model"]
 
@@ -52,6 +55,12 @@ class EngineOptions:
         snapshot_interval: also snapshot every this many prompt tokens during prefill.
         image_max_pixels: largest area an image is resized to before the vision tower, pixels
             (every 1024 pixels = one image token; lower it to bound CPU time).
+        device: where prefill runs: "auto" (the GPU when one works, else the CPU), "cuda" or "cpu".
+            Any GPU failure falls back to the CPU with a message (``ModelInfo.device_note``).
+        vram_budget: bytes of GPU memory prefill may use (None = free memory minus a margin);
+            routed experts that do not fit stream from pinned host RAM over PCIe.
+        gpu_min_tokens: shortest stretch of prompt sent to the GPU (each GPU pass streams every
+            routed expert once; a few tokens are faster on the CPU).
     """
 
     context: int = 8192
@@ -61,6 +70,9 @@ class EngineOptions:
     cache_disk_bytes: int = 8 << 30
     snapshot_interval: int = 512
     image_max_pixels: int = 1024 * 1024
+    device: str = "auto"
+    vram_budget: int | None = None
+    gpu_min_tokens: int = 32
 
 
 @dataclass(frozen=True)
@@ -76,6 +88,9 @@ class ModelInfo:
         bytes_per_token: weight bytes read per decoded token.
         context: the context window in use, tokens.
         has_vision: whether an mmproj vision tower is loaded.
+        device: where prefill runs, "cuda" or "cpu" (decode always runs on the CPU).
+        device_note: why prefill is on the CPU when a GPU was asked for or looked for, or "".
+        placement: the GPU placement plan in words (what stays in VRAM, what streams), or "".
     """
 
     path: Path
@@ -87,6 +102,9 @@ class ModelInfo:
     bytes_per_token: int
     context: int
     has_vision: bool
+    device: str = "cpu"
+    device_note: str = ""
+    placement: str = ""
 
 
 class Engine:
@@ -97,9 +115,12 @@ class Engine:
     """
 
     def __init__(self, gguf: GGUFFile, tokenizer: Tokenizer, model: Qwen35Model,
-                 options: EngineOptions, vision: ImageEncoder | None = None) -> None:
+                 options: EngineOptions, vision: ImageEncoder | None = None, gpu: Any = None,
+                 device_note: str = "") -> None:
         self.gguf = gguf
         self.vision = vision
+        self.gpu = gpu
+        self.device_note = device_note
         self.tokenizer = tokenizer
         self.model = model
         self.options = options
@@ -136,7 +157,8 @@ class Engine:
                     f"{mmproj_path}: clip.vision.projection_dim = {mm.hparams.out_dim} does not match the text "
                     f"model's embedding_length = {gguf.hparams.n_embd} ({gguf.source}): not its vision tower")
             vision = ImageEncoder(mm, max_pixels=options.image_max_pixels)
-        return cls(gguf, tokenizer, model, options, vision)
+        gpu, note = _open_gpu(gguf, options)
+        return cls(gguf, tokenizer, model, options, vision, gpu, note)
 
     @property
     def info(self) -> ModelInfo:
@@ -146,7 +168,21 @@ class Engine:
         return ModelInfo(path=self.gguf.path, arch=hp.arch, n_layer=hp.n_layer, n_attn_layers=n_attn,
                          n_params=sum(math.prod(self.gguf.info(n).ne) for n in self.gguf.tensor_names), quant_mix=self.gguf.quant_mix(),
                          bytes_per_token=self.gguf.bytes_per_token(), context=self.context,
-                         has_vision=self.vision is not None)
+                         has_vision=self.vision is not None, device="cuda" if self.gpu is not None else "cpu",
+                         device_note=self.device_note,
+                         placement=self.gpu.plan.text() if self.gpu is not None else "")
+
+    def telemetry(self) -> Any:
+        """The last GPU prefill's :class:`~engine.backends.cuda_plan.PrefillTelemetry` (H2D bytes and
+        GB/s, VRAM used/free/budget, per-layer ms), or None when prefill runs on the CPU."""
+        return None if self.gpu is None else self.gpu.last_telemetry
+
+    def _gpu_failed(self, message: str) -> None:
+        """A GPU prefill failed: free the GPU and prefill on the CPU from now on."""
+        self.device_note = f"GPU prefill failed, using the CPU: {message}"
+        log.warning(self.device_note)
+        gpu, self.gpu = self.gpu, None
+        gpu.close()
 
     def render(self, messages: Sequence[Message], enable_thinking: bool = False) -> list[int]:
         """Render ``messages`` with the model's chat template and tokenize the prompt.
@@ -260,7 +296,8 @@ class Engine:
                     cache=self.cache, checkpoints=checkpoints,
                     snapshot_interval=self.options.snapshot_interval, conversation=conversation,
                     positions=None if prompt is None else prompt.positions,
-                    images=() if prompt is None else prompt.images)
+                    images=() if prompt is None else prompt.images, gpu=self.gpu,
+                    gpu_min_tokens=self.options.gpu_min_tokens, on_device_error=self._gpu_failed)
         return run_turn(turn)
 
     def snapshots(self) -> list[SnapshotInfo]:
@@ -303,6 +340,28 @@ class Prompt:
     positions: Any
     images: list[tuple[int, Any, bytes]]
     encoded: list[EncodedImage]
+
+
+def _open_gpu(gguf: GGUFFile, options: EngineOptions) -> tuple[Any, str]:
+    """The GPU prefill backend and "", or None and why not; a device failure is never raised.
+
+    Raises:
+        EngineError: ``options.device`` is not "auto", "cuda" or "cpu".
+    """
+    if options.device not in ("auto", "cuda", "cpu"):
+        raise EngineError(f"device must be 'auto', 'cuda' or 'cpu', got {options.device!r}")
+    if options.device == "cpu":
+        return None, ""
+    from .backends.cuda import CudaPrefill
+    try:
+        gpu = CudaPrefill(gguf.hparams, gguf, options.vram_budget)
+    except DeviceError as exc:
+        note = f"No GPU prefill ({exc}): prefill runs on the CPU"
+        if options.device == "cuda":
+            log.warning(note)
+        return None, note
+    log.info("GPU prefill placement:\n%s", gpu.plan.text())
+    return gpu, ""
 
 
 def default_model() -> tuple[Path, Path | None]:

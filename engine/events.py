@@ -23,8 +23,9 @@ class PrefillStats:
         prefilled_tokens: tokens actually run through the model (prompt_tokens - reused_tokens).
         prefill_ms: wall time of the prefill forward pass, ms.
         restore_ms: wall time to restore a cached snapshot, ms (0 without a hit).
-        device: where prefill ran, "cpu" or "cuda".
+        device: where prefill ran, "cuda" when any part of it ran on the GPU, else "cpu".
         ttft_ms: time from the call to chat() to the first sampled token, ms.
+        note: a plain-words remark for the user (e.g. the GPU failed and the CPU took over), or "".
     """
 
     prompt_tokens: int
@@ -34,6 +35,7 @@ class PrefillStats:
     restore_ms: float
     device: str
     ttft_ms: float
+    note: str = ""
 
     @property
     def prefill_tok_s(self) -> float:

@@ -12,10 +12,11 @@ from __future__ import annotations
 import threading
 import time
 from dataclasses import dataclass
-from typing import Iterator, Sequence
+from typing import Any, Iterator, Sequence
 
 import numpy as np
 
+from .errors import DeviceError
 from .events import Event, PrefillStats, TokenEvent, TurnSummary
 from .models.qwen35 import Qwen35Model
 from .prefix_cache import PrefixCache, chain_keys
@@ -47,6 +48,9 @@ class Turn:
             for text only); decoding continues from ``positions.max() + 1``.
         images: the prompt's images as (first image-pad index, (k, n_embd) float32 embeddings,
             content digest bytes); their rows replace the token embeddings of the k pads.
+        gpu: the GPU prefill backend (see :func:`prefill`), or None for CPU prefill.
+        gpu_min_tokens: shortest stretch of prompt worth a GPU pass.
+        on_device_error: called with the message when the GPU fails (the turn goes on on the CPU).
     """
 
     model: Qwen35Model
@@ -61,6 +65,9 @@ class Turn:
     conversation: str = ""
     positions: np.ndarray | None = None
     images: Sequence[tuple[int, np.ndarray, bytes]] = ()
+    gpu: Any = None
+    gpu_min_tokens: int = 32
+    on_device_error: Any = None
 
     def image_digests(self) -> dict[int, bytes]:
         """Prompt index -> content digest of the image whose embedding sits there (cache keys)."""
@@ -89,34 +96,55 @@ def _inputs(model: Qwen35Model, tokens: Sequence[int], a: int, b: int, positions
 
 def prefill(model: Qwen35Model, tokens: Sequence[int], state: SequenceState, cancel: threading.Event,
             stops: Sequence[int] = (), on_stop=None, positions: np.ndarray | None = None,
-            images: Sequence[tuple[int, np.ndarray, bytes]] = ()) -> np.ndarray | None:
+            images: Sequence[tuple[int, np.ndarray, bytes]] = (), gpu: Any = None,
+            gpu_min_tokens: int = 32, devices: list[str] | None = None) -> np.ndarray | None:
     """Run ``tokens[state.pos:]`` through the model, in pieces.
 
     Args:
-        model: the text model.
+        model: the text model (the CPU path).
         tokens: (n,) the whole prompt; the state has already read ``tokens[:state.pos]``.
         state: sequence state, advanced in place to n.
         cancel: checked between pieces.
-        stops: positions where a piece must end (snapshot points), besides every PREFILL_PIECE.
+        stops: positions where a piece must end (snapshot points).
         on_stop: ``on_stop(pos, last_logits)`` called when the state reaches a position in ``stops``.
         positions: (3, n) M-RoPE positions of the whole prompt, or None for plain positions.
         images: (first pad index, (k, n_embd) embeddings, digest) per image of the prompt.
+        gpu: an object with ``prefill(tokens, state, positions) -> logits`` (a
+            :class:`engine.backends.cuda.CudaPrefill`), or None. Each stretch between stops of at
+            least ``gpu_min_tokens`` text tokens runs on it in one pass (each pass streams every
+            routed expert once, so it is not cut into pieces); shorter stretches and stretches
+            holding image rows run on the CPU in pieces of :data:`PREFILL_PIECE`.
+        devices: when given, "cuda" or "cpu" is appended for every piece run.
 
     Returns:
         (n_vocab,) float32 logits of the last token, or None when cancelled.
+
+    Raises:
+        DeviceError: the GPU failed; the state is left at the end of the last finished piece.
     """
     n = len(tokens)
-    cuts = sorted({p for p in stops if state.pos < p < n} | set(range(state.pos + PREFILL_PIECE, n, PREFILL_PIECE)))
     logits = None
     stop_set = set(stops)
-    for end in cuts + [n]:
-        if cancel.is_set():
-            return None
+    bounds = sorted({p for p in stop_set if state.pos < p < n}) + [n]
+    for stop in bounds:
         start = state.pos
-        piece = np.asarray(tokens[start:end], dtype=np.int64)
-        logits = model.forward(piece, state, **_inputs(model, tokens, start, end, positions, images))[-1]
-        if on_stop is not None and end in stop_set and end < n:
-            on_stop(end, logits)
+        on_gpu = (gpu is not None and stop - start >= gpu_min_tokens
+                  and not any(s < stop and s + len(e) > start for s, e, _ in images))
+        ends = [stop] if on_gpu else list(range(start + PREFILL_PIECE, stop, PREFILL_PIECE)) + [stop]
+        for end in ends:
+            if cancel.is_set():
+                return None
+            a = state.pos
+            piece = np.asarray(tokens[a:end], dtype=np.int64)
+            kw = _inputs(model, tokens, a, end, positions, images)
+            if on_gpu:
+                logits = gpu.prefill(piece, state, kw.get("positions"))
+            else:
+                logits = model.forward(piece, state, **kw)[-1]
+            if devices is not None:
+                devices.append("cuda" if on_gpu else "cpu")
+        if on_stop is not None and stop in stop_set and stop < n:
+            on_stop(stop, logits)
     return logits
 
 
@@ -144,7 +172,10 @@ def run_turn(turn: Turn) -> Iterator[Event]:
         hit = cache.lookup(turn.prompt, turn.context, images=digests, keys=keys)
         state, reused, logits, restore_ms = hit.state, hit.reused, hit.logits, hit.restore_ms
         stops = set(turn.checkpoints) | {hit.diverge}
-        if turn.snapshot_interval:
+        if turn.gpu is not None:
+            # one GPU pass streams every routed expert: cut only where the next turns resume
+            stops = {hit.diverge} | set(list(turn.checkpoints)[-1:])
+        elif turn.snapshot_interval:
             stops |= set(range(turn.snapshot_interval, n_prompt, turn.snapshot_interval))
 
         def snapshot(pos: int, last: np.ndarray | None) -> None:
@@ -154,9 +185,20 @@ def run_turn(turn: Turn) -> Iterator[Event]:
         reused, logits, restore_ms, stops, digests = 0, None, 0.0, set(), {}
         snapshot = None
     t0 = time.perf_counter()
+    devices: list[str] = []
+    note = ""
     if logits is None:
-        logits = prefill(turn.model, turn.prompt, state, turn.cancel, sorted(stops), snapshot,
-                         turn.positions, turn.images)
+        gpu = turn.gpu
+        while True:
+            try:
+                logits = prefill(turn.model, turn.prompt, state, turn.cancel, sorted(stops), snapshot,
+                                 turn.positions, turn.images, gpu, turn.gpu_min_tokens, devices)
+                break
+            except DeviceError as exc:
+                note = f"GPU prefill failed, continuing on the CPU: {exc}"
+                if turn.on_device_error is not None:
+                    turn.on_device_error(str(exc))
+                gpu = None
         if logits is None:
             yield TurnSummary(stop_reason="cancelled", message="Stopped during prefill.", **empty)
             return
@@ -169,7 +211,8 @@ def run_turn(turn: Turn) -> Iterator[Event]:
     t_tok = time.perf_counter()
     token = sampler.sample(logits, history)
     stats = PrefillStats(prompt_tokens=n_prompt, reused_tokens=reused, prefilled_tokens=n_prompt - reused,
-                         prefill_ms=prefill_ms, restore_ms=restore_ms, device="cpu", ttft_ms=_ms(t_start))
+                         prefill_ms=prefill_ms, restore_ms=restore_ms,
+                         device="cuda" if "cuda" in devices else "cpu", ttft_ms=_ms(t_start), note=note)
     yield stats
 
     rope = n_prompt if turn.positions is None else int(turn.positions.max()) + 1
