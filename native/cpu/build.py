@@ -22,6 +22,9 @@ COMMON_FLAGS = ["-O3", "-std=c11", "-D_GNU_SOURCE", "-ffp-contract=off", "-fno-m
 
 PORTABLE_SOURCES = ["dispatch.c", "pool.c", "moe.c", "kernels_scalar.c"]
 
+HEADERS = ["deltadesk_cpu.h", "kernels.h", "gemm_tiles.h", "runtime.h"]
+"""Listed as the extension's dependencies, so that editing one (or an ISA file) rebuilds it."""
+
 X86_ISA_SOURCES = {
     "kernels_ssse3.c": ["-mssse3"],
     "kernels_avx2.c": ["-mavx2", "-mfma", "-mf16c"],
@@ -78,6 +81,7 @@ ffibuilder.set_source(
     MODULE_NAME,
     '#include "deltadesk_cpu.h"',
     sources=[os.path.join(HERE, name) for name in PORTABLE_SOURCES],
+    depends=[os.path.join(HERE, name) for name in HEADERS + list(X86_ISA_SOURCES)],
     include_dirs=[HERE],
     extra_compile_args=COMMON_FLAGS,
     extra_link_args=["-pthread"],

@@ -11,7 +11,18 @@
 #ifndef DELTADESK_GEMM_TILES_H
 #define DELTADESK_GEMM_TILES_H
 
+#include <stddef.h>
+#include <stdint.h>
+
 #define DD_INLINE static inline __attribute__((always_inline))
+
+/* Prefetch the first rows of a range at once: the tiles prefetch DD_PREFETCH_ROWS ahead, so
+ * without this the first rows of every chunk a thread claims would arrive one miss at a time. */
+DD_INLINE void dd_prefetch_rows(const uint8_t *w, size_t row_bytes, size_t rows)
+{
+    for (size_t at = 0; at < rows * row_bytes; at += 64)
+        __builtin_prefetch(w + at, 0, 3);
+}
 
 /* The rows DD_PREFETCH_ROWS below a tile's first row r, if all R of them exist, else the tile's own. */
 #define DD_PREFETCH_BASE(W, RB, R_, R, AVAIL) \
@@ -36,6 +47,7 @@
                      const dd_acts *a, float *y, size_t ldy)                                      \
     {                                                                                             \
         size_t r = 0;                                                                             \
+        dd_prefetch_rows(w, row_bytes, nrows < DD_PREFETCH_ROWS ? nrows : DD_PREFETCH_ROWS);      \
         if (a->m == 1) {                                                                          \
             for (; r + 4 <= nrows; r += 4)                                                        \
                 TILE(w + r * row_bytes, DD_PREFETCH_BASE(w, row_bytes, r, 4, rows_avail),         \
