@@ -1,12 +1,16 @@
 """Micro-benchmark of the CPU decode kernels (a script, not a test).
 
 Prints, per thread count and ISA level, the Q4_0 GEMV weight-read rate in GB/s next to this
-machine's measured streaming-read bandwidth (all threads reading one buffer larger than the
-last-level cache), in two shapes:
+machine's measured streaming-read bandwidth (cpu.read_bandwidth: all threads reading a buffer of
+the same size, larger than the last-level cache), in two shapes:
   * "big": one (rows, 2048) matrix of --mib MiB, one call (the kernel's own streaming rate);
   * "expert": the same bytes as 512 x 2048 matrices (one MoE expert's gate), one call each, as
-    decode issues them (includes per-call overhead: Python, activation quantization, thread wake-up).
-Usage: python tests/bench_kernels.py [--mib 1024] [--repeats 5] [--threads 1 2]
+    decode issues them (includes per-call overhead: Python, activation quantization, thread wake-up);
+  * "moe": the fused one-token MoE FFN (cpu.moe_ffn) over --moe-layers layers shaped like the
+    35B-A3B slice of shared/spec/peers.md (d 2048, 64 experts of FFN 512, top-8, a shared expert,
+    Q4_0), one random token per layer in turn; GB/s counts the bytes a token touches (f32 router,
+    8 + 1 experts' gate/up/down).
+Usage: python tests/bench_kernels.py [--mib 1024] [--repeats 5] [--threads 1 2] [--moe-layers 8]
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ from engine.backends import cpu
 
 K = 2048
 EXPERT_ROWS = 512
+N_EXPERT, N_USED = 64, 8
 
 
 def best_seconds(fn, repeats: int) -> float:
@@ -32,20 +37,35 @@ def best_seconds(fn, repeats: int) -> float:
     return best
 
 
-def q4_0_weights(nbytes: int, rng: np.random.Generator) -> np.ndarray:
-    """Random Q4_0 rows of K values (nibbles random, scales a normal f16 so no float assists)."""
-    row_bytes = K // cpu.QK * cpu.Q4_0_BYTES
-    rows = nbytes // row_bytes // EXPERT_ROWS * EXPERT_ROWS
-    raw = rng.integers(0, 256, size=(rows, row_bytes), dtype=np.uint8)
-    blocks = raw.reshape(rows, -1, cpu.Q4_0_BYTES)
-    blocks[..., :2] = np.array([0.01], dtype=np.float16).view(np.uint8)
+def q4_0_weights_shaped(rows: int, k: int, rng: np.random.Generator) -> np.ndarray:
+    """Random Q4_0 rows of k values (nibbles random, scales a normal f16 so no float assists)."""
+    raw = rng.integers(0, 256, size=(rows, k // cpu.QK * cpu.Q4_0_BYTES), dtype=np.uint8)
+    raw.reshape(rows, -1, cpu.Q4_0_BYTES)[..., :2] = np.array([0.01], dtype=np.float16).view(np.uint8)
     return raw
 
 
-def stream_read_gbps(buf: np.ndarray, repeats: int) -> float:
-    lib, ffi = cpu._native_cpu.lib, cpu._native_cpu.ffi
-    ptr = ffi.cast("uint8_t *", ffi.from_buffer(buf))
-    return buf.nbytes / best_seconds(lambda: lib.dd_stream_read(ptr, buf.nbytes), repeats) / 1e9
+def q4_0_weights(nbytes: int, rng: np.random.Generator) -> np.ndarray:
+    """About nbytes of Q4_0 rows of K values, a whole number of expert-sized matrices."""
+    rows = nbytes // (K // cpu.QK * cpu.Q4_0_BYTES) // EXPERT_ROWS * EXPERT_ROWS
+    return q4_0_weights_shaped(rows, K, rng)
+
+
+def moe_layers(n: int, rng: np.random.Generator) -> list[cpu.MoEWeights]:
+    def q4(rows: int, k: int) -> np.ndarray:
+        return q4_0_weights_shaped(rows, k, rng)
+    return [cpu.MoEWeights(router=rng.standard_normal((N_EXPERT, K)).astype(np.float32) * 0.05,
+                           gate=q4(N_EXPERT * EXPERT_ROWS, K), up=q4(N_EXPERT * EXPERT_ROWS, K),
+                           down=q4(N_EXPERT * K, EXPERT_ROWS), n_used=N_USED,
+                           sh_gate=q4(EXPERT_ROWS, K), sh_up=q4(EXPERT_ROWS, K), sh_down=q4(K, EXPERT_ROWS),
+                           sh_gate_inp=rng.standard_normal(K).astype(np.float32) * 0.05) for _ in range(n)]
+
+
+def moe_token_seconds(layers: list[cpu.MoEWeights], tokens: np.ndarray) -> float:
+    """Mean seconds per layer-token, cycling through the layers so weights come from memory."""
+    start = time.perf_counter()
+    for t, x in enumerate(tokens):
+        cpu.moe_ffn(x, layers[t % len(layers)])
+    return (time.perf_counter() - start) / len(tokens)
 
 
 def main() -> None:
@@ -53,6 +73,7 @@ def main() -> None:
     ap.add_argument("--mib", type=int, default=1024, help="weight bytes streamed per measurement (> last-level cache)")
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--threads", type=int, nargs="+", default=sorted({1, cpu.physical_cores()}))
+    ap.add_argument("--moe-layers", type=int, default=8, help="0 skips the fused MoE measurement")
     args = ap.parse_args()
     if not cpu.available():
         raise SystemExit("native kernels not built: nothing to measure")
@@ -63,17 +84,28 @@ def main() -> None:
     experts = [raw[i:i + EXPERT_ROWS] for i in range(0, raw.shape[0], EXPERT_ROWS)]
     print(f"weights: {raw.nbytes / 2**20:.0f} MiB Q4_0, k={K}; {len(experts)} expert-sized matrices; "
           f"ISAs: {', '.join(cpu.supported_isas())}; physical cores: {cpu.physical_cores()}")
+    layers = moe_layers(args.moe_layers, rng)
+    tokens = rng.standard_normal((max(64, 8 * args.moe_layers), K)).astype(np.float32)
+    row = K // cpu.QK * cpu.Q4_0_BYTES
+    moe_bytes = N_EXPERT * K * 4 + (N_USED + 1) * 3 * EXPERT_ROWS * row
+    if layers:
+        total = sum(a.nbytes for w in layers for a in w if isinstance(a, np.ndarray))
+        print(f"moe: {args.moe_layers} layers, {total / 2**20:.0f} MiB; {moe_bytes / 2**20:.1f} MiB touched per layer-token")
     print(f"{'threads':>7} {'stream read':>12} {'isa':>11} {'big GB/s':>9} {'% stream':>8} "
-          f"{'expert GB/s':>11} {'% stream':>8}")
+          f"{'expert GB/s':>11} {'% stream':>8} {'moe us/layer':>12} {'GB/s':>6} {'% stream':>8}")
     for n in args.threads:
         cpu.set_threads(n)
-        bw = stream_read_gbps(raw, args.repeats)
+        bw = cpu.read_bandwidth(raw.nbytes, args.repeats)
         for level in cpu.supported_isas():
             cpu.set_isa(level)
             big = raw.nbytes / best_seconds(lambda: cpu.matmul_q4_0(raw, x), args.repeats) / 1e9
             each = raw.nbytes / best_seconds(lambda: [cpu.matmul_q4_0(w, x) for w in experts], args.repeats) / 1e9
-            print(f"{n:>7} {bw:>9.1f} GB/s {level:>11} {big:>9.1f} {100 * big / bw:>7.0f}% "
-                  f"{each:>11.1f} {100 * each / bw:>7.0f}%")
+            line = (f"{n:>7} {bw:>9.1f} GB/s {level:>11} {big:>9.1f} {100 * big / bw:>7.0f}% "
+                    f"{each:>11.1f} {100 * each / bw:>7.0f}%")
+            if layers:
+                moe = min(moe_token_seconds(layers, tokens) for _ in range(args.repeats))
+                line += f" {moe * 1e6:>12.0f} {moe_bytes / moe / 1e9:>6.1f} {100 * moe_bytes / moe / 1e9 / bw:>7.0f}%"
+            print(line)
     cpu.set_isa(None)
     cpu.set_threads()
 

@@ -229,6 +229,13 @@ def test_isa_selection(monkeypatch):
                          cpu._native_cpu.ffi.NULL, 0, cpu._native_cpu.ffi.NULL) == -1
 
 
+def test_read_bandwidth_is_measured():
+    for n in (1, 2):
+        cpu.set_threads(n)
+        assert 0.1 < cpu.read_bandwidth(8 << 20, repeats=1) < 10_000
+    cpu.set_threads()
+
+
 def test_physical_cores_and_threads():
     assert 1 <= cpu.physical_cores() <= len(__import__("os").sched_getaffinity(0))
     assert cpu.set_threads(3) == cpu.threads() == 3
@@ -252,6 +259,7 @@ def test_fallback_without_the_extension(monkeypatch, rng):
     x = rng.standard_normal((2, 64)).astype(np.float32)
     assert np.array_equal(fallback.matmul_q4_0(raw, x), cpu.matmul_q4_0_np(raw, x))
     assert np.array_equal(fallback.quantize_q8_0(x), quants.quantize(x, Q8_0))
+    assert fallback.read_bandwidth(1 << 20, repeats=1) > 0
     w = random_moe(rng)
     assert np.array_equal(fallback.moe_ffn(np.ones(256, np.float32), w).out,
                           cpu.moe_ffn_np(np.ones(256, np.float32), w).out)

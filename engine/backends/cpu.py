@@ -25,7 +25,9 @@ or :func:`set_isa` names another; ``numpy`` selects the twins.
 
 from __future__ import annotations
 
+import functools
 import os
+import time
 import warnings
 from typing import NamedTuple
 
@@ -274,6 +276,29 @@ def matmul_q8_0(raw: np.ndarray, x: np.ndarray) -> np.ndarray:
 def matmul_q8_0_np(raw: np.ndarray, x: np.ndarray) -> np.ndarray:
     """numpy twin of :func:`matmul_q8_0`."""
     return _matmul_np(raw, x, Q8_0_BYTES, "matmul_q8_0")
+
+
+# --- memory bandwidth ----------------------------------------------------------------------------
+
+def read_bandwidth(nbytes: int = 1 << 30, repeats: int = 3) -> float:
+    """Measured streaming-read bandwidth in GB/s (1e9 bytes/s): the best of `repeats` sequential
+    reads of an `nbytes` buffer (make it larger than the last-level cache) by set_threads' threads.
+
+    This is the roofline decode is compared with. Native: 64-bit loads with software prefetch;
+    numpy fallback: a numpy sum over the buffer (one thread).
+    """
+    buf = np.ones(max(64, nbytes) // 8, dtype=np.uint64)
+    if _native_cpu is not None:
+        read = functools.partial(_native_cpu.lib.dd_stream_read, _ptr(_native_cpu.ffi, "uint8_t *", buf), buf.nbytes)
+    else:
+        read = buf.sum
+    read()
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        read()
+        best = min(best, time.perf_counter() - start)
+    return buf.nbytes / best / 1e9
 
 
 # --- the MoE feed-forward of one token ------------------------------------------------------------
