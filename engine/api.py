@@ -279,17 +279,22 @@ class Engine:
             TemplateError, UnsupportedModelError: see :meth:`render` (before any event).
         """
         prompt = self.prepare(messages, enable_thinking, cancel)
+
+        def rerenders(answer: list[int]) -> bool:
+            return self.answer_rerenders(messages, prompt.tokens, answer, enable_thinking)
+
         return self.generate(prompt.tokens, sampling, cancel, self.checkpoints(prompt.tokens), conversation,
-                             prompt)
+                             prompt, rerenders)
 
     def generate(self, prompt_ids: Sequence[int], sampling: SamplingParams = SamplingParams(),
                  cancel: threading.Event | None = None, checkpoints: Sequence[int] = (),
-                 conversation: str = "", prompt: Prompt | None = None) -> Iterator[Event]:
+                 conversation: str = "", prompt: Prompt | None = None, rerenders: Any = None) -> Iterator[Event]:
         """Continue raw token ids (no chat template); same events as :meth:`chat`.
 
         Args:
             checkpoints: extra prompt positions to snapshot at.
             prompt: the :meth:`prepare` result the ids come from (M-RoPE positions, images).
+            rerenders: see :class:`engine.runtime.Turn` (snapshot the end of a finished answer).
         """
         turn = Turn(model=self.model, tokenizer=self.tokenizer, prompt=list(prompt_ids),
                     context=self.context, sampling=sampling, cancel=cancel or threading.Event(),
@@ -297,8 +302,25 @@ class Engine:
                     snapshot_interval=self.options.snapshot_interval, conversation=conversation,
                     positions=None if prompt is None else prompt.positions,
                     images=() if prompt is None else prompt.images, gpu=self.gpu,
-                    gpu_min_tokens=self.options.gpu_min_tokens, on_device_error=self._gpu_failed)
+                    gpu_min_tokens=self.options.gpu_min_tokens, on_device_error=self._gpu_failed,
+                    rerenders=rerenders)
         return run_turn(turn)
+
+    def answer_rerenders(self, messages: Sequence[Message], prompt: Sequence[int], answer: Sequence[int],
+                         enable_thinking: bool = False) -> bool:
+        """Whether the next turn's prompt starts with ``prompt + answer`` token for token.
+
+        ``answer`` ends with its stop token. Only then is the state after the answer worth a
+        snapshot. With the Qwen3.5/3.6 template it is False: the generation prompt opens a think
+        block (empty when thinking is off) that the next turn's rendering of the answer drops.
+        """
+        text = self.tokenizer.decode(list(answer[:-1]))
+        follow = list(messages) + [{"role": "assistant", "content": text}, {"role": "user", "content": "."}]
+        try:
+            nxt = self.prepare(follow, enable_thinking).tokens
+        except EngineError:
+            return False
+        return nxt[:len(prompt) + len(answer)] == list(prompt) + list(answer)
 
     def snapshots(self) -> list[SnapshotInfo]:
         """The prefix snapshots held (RAM and disk), deepest first; [] without a prefix cache."""

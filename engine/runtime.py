@@ -51,6 +51,9 @@ class Turn:
         gpu: the GPU prefill backend (see :func:`prefill`), or None for CPU prefill.
         gpu_min_tokens: shortest stretch of prompt worth a GPU pass.
         on_device_error: called with the message when the GPU fails (the turn goes on on the CPU).
+        rerenders: ``rerenders(answer_ids)`` tells whether the next turn's prompt will contain
+            ``prompt + answer_ids`` (answer ending with its stop token) unchanged; then the state
+            after the stop token is snapshotted. None = never.
     """
 
     model: Qwen35Model
@@ -68,6 +71,7 @@ class Turn:
     gpu: Any = None
     gpu_min_tokens: int = 32
     on_device_error: Any = None
+    rerenders: Any = None
 
     def image_digests(self) -> dict[int, bytes]:
         """Prompt index -> content digest of the image whose embedding sits there (cache keys)."""
@@ -232,8 +236,10 @@ def run_turn(turn: Turn) -> Iterator[Event]:
     for index in range(turn.sampling.max_tokens):
         if token in stop_ids:
             reason, message = "eos", ""
-            if cache is not None and state.pos < turn.context:
-                # The answer's end: the next turn re-renders it unchanged when thinking is off.
+            answer = history[n_prompt:] + [token]
+            if (cache is not None and state.pos < turn.context and turn.rerenders is not None
+                    and turn.rerenders(answer)):
+                # The next turn's prompt re-renders this answer token for token: keep its end.
                 step(token)
                 history.append(token)
                 cache.put(chain_keys(cache.identity, history, digests)[-1], state, history, None,

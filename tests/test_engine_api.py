@@ -275,3 +275,17 @@ def test_snapshot_list_and_clear_through_the_api(warm) -> None:
     assert [s.key for s in warm.snapshots()] == [s.key for s in snaps[1:]]
     warm.clear_snapshots()
     assert warm.snapshots() == []
+
+
+def test_answer_end_snapshot_only_when_the_answer_rerenders(tiny) -> None:
+    from engine.tokenizer import ChatTemplate
+    engine = Engine.load(tiny, options=EngineOptions(prefix_cache=False))
+    msgs = [{"role": "user", "content": "Name a shape."}]
+    answer = engine.tokenizer.encode("A circle.") + [engine.tokenizer.token_id("<|im_end|>")]
+    prompt = engine.render(msgs)
+    assert not engine.answer_rerenders(msgs, prompt, answer)          # Qwen drops the (empty) think block
+    chatml = ("{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
+              "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+    engine.tokenizer.chat_template = ChatTemplate(chatml)
+    prompt = engine.render(msgs)
+    assert engine.answer_rerenders(msgs, prompt, answer)              # plain ChatML re-renders it as generated
