@@ -61,6 +61,10 @@ class EngineOptions:
             routed experts that do not fit stream from pinned host RAM over PCIe.
         gpu_min_tokens: shortest stretch of prompt sent to the GPU (each GPU pass streams every
             routed expert once; a few tokens are faster on the CPU).
+        threads: CPU kernel threads (None = physical cores); process-wide.
+        kernels: "native" runs the CPU model on the SIMD kernels when the extension is built
+            (:class:`engine.backends.cpu_model.NativeQwen35Model`, W4A8: activations quantized to
+            8 bits inside Q4_0/Q8_0 products), else the numpy reference; "numpy" forces the reference.
     """
 
     context: int = 8192
@@ -73,6 +77,8 @@ class EngineOptions:
     device: str = "auto"
     vram_budget: int | None = None
     gpu_min_tokens: int = 32
+    threads: int | None = None
+    kernels: str = "native"
 
 
 @dataclass(frozen=True)
@@ -148,7 +154,7 @@ class Engine:
         """
         gguf = GGUFFile.open(model_path)
         tokenizer = Tokenizer.from_gguf(gguf.meta, gguf.source)
-        model = Qwen35Model(gguf.hparams, gguf)
+        model = _text_model(gguf, options)
         vision = None
         if mmproj_path is not None:
             mm = load_mmproj(mmproj_path)
@@ -362,6 +368,22 @@ class Prompt:
     positions: Any
     images: list[tuple[int, Any, bytes]]
     encoded: list[EncodedImage]
+
+
+def _text_model(gguf: GGUFFile, options: EngineOptions) -> Qwen35Model:
+    """The CPU text model ``options.kernels`` asks for (the numpy reference when the native kernels are not built).
+
+    Raises:
+        EngineError: ``options.kernels`` is not "native" or "numpy".
+    """
+    if options.kernels not in ("native", "numpy"):
+        raise EngineError(f"kernels must be 'native' or 'numpy', got {options.kernels!r}")
+    from .backends import cpu
+    cpu.set_threads(options.threads)
+    if options.kernels == "native" and cpu.available():
+        from .backends.cpu_model import NativeQwen35Model
+        return NativeQwen35Model(gguf.hparams, gguf)
+    return Qwen35Model(gguf.hparams, gguf)
 
 
 def _open_gpu(gguf: GGUFFile, options: EngineOptions) -> tuple[Any, str]:

@@ -13,10 +13,13 @@ Block layouts are ggml's (ggml/src/ggml-common.h), i.e. the raw bytes of a GGUF 
 A weight matrix is its tensor's raw data as ``(rows, k // 32 * block_bytes)`` uint8 (what
 ``GGUFFile.raw`` returns), row ``r`` holding the k weights of output ``r``. Products first quantize
 the float32 activations to Q8_0 (ggml's reference rounding: d = max|x| / 127, q = round half away
-from zero of x / d), then take the integer block dot products exactly and sum the scaled block
-results in float32. Results therefore differ from a float64 product of the dequantized weights and
-quantized activations only by float32 summation order (see tests/test_cpu_kernels.py for the bound),
-and are bit-identical for any thread count.
+from zero of x / d), then take the integer block dot products exactly, scale them by d_w * d_a
+(exact in float32: two f16 scales) into exact float64 products, sum those in float64 and round the
+sum to float32 once. Results therefore equal a float64 product of the dequantized weights and
+quantized activations up to float64 summation order, which is the only thing that differs between
+ISA levels: on real rows the float32 results are bit-identical at every level (whole-model logits
+are; tests/test_native_model.py) and for any thread count. The numpy twins compute in float64 too;
+the f32-weight router dot (``dot_f32``) likewise sums exact float64 products.
 
 ISA levels: ``scalar``, ``ssse3``, ``avx2`` (with FMA and F16C), ``avx512vnni`` (AVX-512 F/BW/VL +
 VNNI). The best one this CPU supports is used unless the environment variable ``DELTADESK_ISA``
@@ -246,8 +249,8 @@ def _matmul(raw: np.ndarray, x: np.ndarray, block_bytes: int, name: str) -> np.n
 def _matmul_np(raw: np.ndarray, x: np.ndarray, block_bytes: int, name: str) -> np.ndarray:
     x2, vector = _activations(x)
     raw = _weights(raw, x2.shape[1], block_bytes, name)
-    xq = _dequantize(quantize_q8_0_np(x2), Q8_0_BYTES)
-    y = (xq @ _dequantize(raw, block_bytes).T).astype(np.float32)
+    xq = _dequantize(quantize_q8_0_np(x2), Q8_0_BYTES).astype(np.float64)
+    y = (xq @ _dequantize(raw, block_bytes).T.astype(np.float64)).astype(np.float32)
     return y[0] if vector else y
 
 
@@ -276,6 +279,43 @@ def matmul_q8_0(raw: np.ndarray, x: np.ndarray) -> np.ndarray:
 def matmul_q8_0_np(raw: np.ndarray, x: np.ndarray) -> np.ndarray:
     """numpy twin of :func:`matmul_q8_0`."""
     return _matmul_np(raw, x, Q8_0_BYTES, "matmul_q8_0")
+
+
+class Matrix:
+    """A Q4_0 or Q8_0 weight matrix checked once, then multiplied many times (the decode hot path).
+
+    Args:
+        raw: (rows, k // 32 * block bytes) uint8, C-contiguous raw blocks (a ``GGUFFile.raw`` view
+            is kept as is: no copy).
+        k: input width (a multiple of 32); the block type follows from the row length.
+    Calling it is :func:`matmul_q4_0` / :func:`matmul_q8_0` (or their twins when the active level is
+    "numpy") without the per-call checks of the weights: x (m, k) float32 -> (m, rows) float32.
+    Raises ValueError at construction when raw is not Q4_0/Q8_0 rows of k values or not contiguous.
+    """
+
+    def __init__(self, raw: np.ndarray, k: int) -> None:
+        self.block_bytes = _block_bytes(raw, k, "Matrix")
+        self.raw = _weights(raw, k, self.block_bytes, "Matrix")
+        self.rows, self.k = raw.shape[0], k
+        self.qtype = "q4_0" if self.block_bytes == Q4_0_BYTES else "q8_0"
+        self._ptr = _ptr(_native_cpu.ffi, "uint8_t *", self.raw) if _native_cpu is not None else None
+
+    def rows_slice(self, r0: int, r1: int) -> "Matrix":
+        """Rows [r0, r1) as a Matrix (a view: e.g. one expert of a stacked expert tensor)."""
+        return Matrix(self.raw[r0:r1], self.k)
+
+    def __call__(self, x: np.ndarray) -> np.ndarray:
+        level = _native_level()
+        if level is None:
+            return _matmul_np(self.raw, x, self.block_bytes, self.qtype)
+        x = np.ascontiguousarray(x, dtype=np.float32)
+        if x.ndim != 2 or x.shape[1] != self.k:
+            raise ValueError(f"Matrix: expected x of shape (m, {self.k}), got {x.shape}")
+        y = np.empty((x.shape[0], self.rows), dtype=np.float32)
+        ffi, lib = _native_cpu.ffi, _native_cpu.lib
+        _check(lib.dd_matmul(level, _WTYPE[self.block_bytes], self._ptr, self.rows, self.k,
+                             _ptr(ffi, "float *", x), x.shape[0], _ptr(ffi, "float *", y)), "Matrix")
+        return y
 
 
 # --- memory bandwidth ----------------------------------------------------------------------------
@@ -360,40 +400,56 @@ def _moe_layout(x: np.ndarray, w: MoEWeights) -> tuple[np.ndarray, dict[str, tup
     return x, layout, ff, ff_sh
 
 
-def moe_ffn(x: np.ndarray, w: MoEWeights) -> MoEResult:
+class PreparedMoE:
+    """One layer's :class:`MoEWeights` checked and laid out for the native call once (decode calls
+    :func:`moe_ffn` on it every token). Raises ValueError as :func:`moe_ffn` does."""
+
+    def __init__(self, w: MoEWeights) -> None:
+        self.weights = w
+        self.d = w.router.shape[1]
+        _, layout, ff, ff_sh = _moe_layout(np.zeros(self.d, dtype=np.float32), w)
+        self._keep = [np.ascontiguousarray(w.router, dtype=np.float32)]
+        self._c = None
+        if _native_cpu is None:
+            return
+        ffi = _native_cpu.ffi
+        c = ffi.new("dd_moe_weights *")
+        c.d, c.n_expert, c.n_used, c.ff, c.ff_sh = self.d, w.router.shape[0], w.n_used, ff, ff_sh
+        c.router = _ptr(ffi, "float *", self._keep[0])
+        for name, (raw, block_bytes) in layout.items():
+            setattr(c, name, _ptr(ffi, "uint8_t *", raw))
+            setattr(c, f"{name}_type", _WTYPE[block_bytes])
+        if w.sh_gate is not None:
+            self._keep.append(np.ascontiguousarray(w.sh_gate_inp, dtype=np.float32).reshape(-1))
+            c.sh_gate_inp = _ptr(ffi, "float *", self._keep[1])
+        self._c = c
+
+
+def moe_ffn(x: np.ndarray, w: MoEWeights | PreparedMoE) -> MoEResult:
     """One token's MoE FFN in one native call (spec 3.3), shared expert included.
 
     ``p = softmax(router x)``; the ``n_used`` largest (ties: lower index first), renormalised;
     ``out = sum_e w_e down_e(silu(gate_e x) * up_e x) + sigmoid(sh_gate_inp . x) * shared(x)``,
     each product W4A8/W8A8 as in :func:`matmul_q4_0` (x and the hidden vectors quantized to Q8_0).
 
-    Args: x (d,) float32; w: the layer's MoEWeights.
+    Args: x (d,) float32; w: the layer's MoEWeights, or a PreparedMoE of them (no per-call checks).
     Returns: MoEResult(out (d,) float32, experts (n_used,) int32, weights (n_used,) float32).
     Raises: ValueError on inconsistent shapes; EngineError if the native call fails.
     """
+    prepared = w if isinstance(w, PreparedMoE) else PreparedMoE(w)
     level = _native_level()
     if level is None:
-        return moe_ffn_np(x, w)
-    x, layout, ff, ff_sh = _moe_layout(x, w)
+        return moe_ffn_np(x, prepared.weights)
+    x = np.ascontiguousarray(x, dtype=np.float32).reshape(-1)
+    if x.shape[0] != prepared.d:
+        raise ValueError(f"moe_ffn: x has {x.shape[0]} values, the router expects d={prepared.d}")
     ffi, lib = _native_cpu.ffi, _native_cpu.lib
-    router = np.ascontiguousarray(w.router, dtype=np.float32)
-    keep = [router]
-    c = ffi.new("dd_moe_weights *")
-    c.d, c.n_expert, c.n_used, c.ff, c.ff_sh = x.shape[0], router.shape[0], w.n_used, ff, ff_sh
-    c.router = _ptr(ffi, "float *", router)
-    for name, (raw, block_bytes) in layout.items():
-        setattr(c, name, _ptr(ffi, "uint8_t *", raw))
-        setattr(c, f"{name}_type", _WTYPE[block_bytes])
-    if w.sh_gate is not None:
-        sh_gate_inp = np.ascontiguousarray(w.sh_gate_inp, dtype=np.float32).reshape(-1)
-        keep.append(sh_gate_inp)
-        c.sh_gate_inp = _ptr(ffi, "float *", sh_gate_inp)
+    n_used = prepared.weights.n_used
     out = np.empty_like(x)
-    experts = np.empty(w.n_used, dtype=np.int32)
-    weights = np.empty(w.n_used, dtype=np.float32)
-    _check(lib.dd_moe_ffn(level, c, _ptr(ffi, "float *", x), _ptr(ffi, "float *", out),
+    experts = np.empty(n_used, dtype=np.int32)
+    weights = np.empty(n_used, dtype=np.float32)
+    _check(lib.dd_moe_ffn(level, prepared._c, _ptr(ffi, "float *", x), _ptr(ffi, "float *", out),
                           _ptr(ffi, "int32_t *", experts), _ptr(ffi, "float *", weights)), "moe_ffn")
-    del keep
     return MoEResult(out, experts, weights)
 
 
@@ -401,7 +457,8 @@ def moe_ffn_np(x: np.ndarray, w: MoEWeights) -> MoEResult:
     """numpy twin of :func:`moe_ffn`: the same steps through the numpy matmul twins and engine.ops.reference."""
     x, _, ff, _ = _moe_layout(x, w)
     d = x.shape[0]
-    idx, weights = reference.topk_route((np.asarray(w.router, dtype=np.float32) @ x)[None], w.n_used)
+    logits = (np.asarray(w.router, dtype=np.float64) @ x).astype(np.float32)
+    idx, weights = reference.topk_route(logits[None], w.n_used)
 
     def product(raw: np.ndarray, v: np.ndarray) -> np.ndarray:
         return _matmul_np(raw, v, _block_bytes(raw, v.shape[0], "moe_ffn"), "moe_ffn")
@@ -414,7 +471,7 @@ def moe_ffn_np(x: np.ndarray, w: MoEWeights) -> MoEResult:
         rows, down_rows = slice(e * ff, (e + 1) * ff), slice(e * d, (e + 1) * d)
         out += weight * swiglu(w.gate[rows], w.up[rows], w.down[down_rows])
     if w.sh_gate is not None:
-        gate = reference.sigmoid(np.dot(np.asarray(w.sh_gate_inp, dtype=np.float32).reshape(-1), x))
+        gate = reference.sigmoid(np.float32(np.dot(np.asarray(w.sh_gate_inp, dtype=np.float64).reshape(-1), x)))
         out += gate * swiglu(w.sh_gate, w.sh_up, w.sh_down)
     return MoEResult(out, idx[0].astype(np.int32), weights[0])
 

@@ -21,6 +21,12 @@ the model uses each tensor *as stored* and never redoes them):
 
 Weights are fetched by GGUF tensor name from any object offering ``.f32(name)`` (math shape,
 float32), ``.has(name)``, ``.expert(name, e)`` and ``.row(name, i)`` (a ``GGUFFile`` does).
+
+Fast paths subclass this model and override the hooks the forward pass goes through, so this file
+stays the one reference pass: :meth:`Qwen35Model.linear` (every projection),
+:meth:`~Qwen35Model.delta_rule` (the GDN recurrence between its projections),
+:meth:`~Qwen35Model.attend` (attention over the KV cache) and :meth:`~Qwen35Model.moe`
+(see :mod:`engine.backends.cpu_model`).
 """
 
 from __future__ import annotations
@@ -77,6 +83,10 @@ class Qwen35Model:
             if self.cache_experts:
                 self._experts[(il, e)] = mats
         return mats
+
+    def linear(self, x: np.ndarray, name: str) -> np.ndarray:
+        """Projection ``x W^T`` by weight ``name``: x (n, in) float32 -> (n, out) float32."""
+        return ops.linear(x, self.w(name))
 
     def embed(self, tokens: np.ndarray) -> np.ndarray:
         """Token embeddings ``E[tokens]``: (n, n_embd) float32, unscaled.
@@ -161,7 +171,7 @@ class Qwen35Model:
             h = h[-1:]
         h = ops.rmsnorm(h, self.w("output_norm.weight"), hp.rms_eps)
         cb("result_norm", -1, h)
-        logits = ops.linear(h, self.w(self.output_name))
+        logits = self.linear(h, self.output_name)
         cb("result_output", -1, logits)
         return logits
 
@@ -169,17 +179,30 @@ class Qwen35Model:
 
     def gated_delta_net(self, il: int, x: np.ndarray, state: SequenceState, cb: Callback) -> np.ndarray:
         """Gated DeltaNet layer (spec 3.2): x (n, n_embd) -> (n, n_embd); updates conv/ssm state."""
+        p = f"blk.{il}."
+        mixed = self.linear(x, p + "attn_qkv.weight")                   # (n, conv_dim), raw, pre-conv
+        cb("linear_attn_qkv_mixed", il, mixed)
+        z = self.linear(x, p + "attn_gate.weight")                      # (n, n_v * dv)
+        b = self.linear(x, p + "ssm_beta.weight")                       # (n, n_v)
+        a = self.linear(x, p + "ssm_alpha.weight")                      # (n, n_v)
+        y = self.delta_rule(il, mixed, z, b, a, state, cb)
+        cb("final_output", il, y)
+        return self.linear(y, p + "ssm_out.weight")
+
+    def delta_rule(self, il: int, mixed: np.ndarray, z: np.ndarray, b: np.ndarray, a: np.ndarray,
+                   state: SequenceState, cb: Callback) -> np.ndarray:
+        """GDN steps 2-6 from the raw projections: conv, SiLU, L2 norms, gated delta rule, gated norm.
+
+        mixed (n, conv_dim), z (n, n_v*dv), b and a (n, n_v) float32 -> (n, n_v*dv) float32;
+        updates ``state.conv[il]`` and ``state.ssm[il]``.
+        """
         hp = self.hp
         p = f"blk.{il}."
-        n = x.shape[0]
+        n = mixed.shape[0]
         nk, nv, dk, dv = hp.num_k_heads, hp.num_v_heads, hp.head_k_dim, hp.head_v_dim
-
-        mixed = ops.linear(x, self.w(p + "attn_qkv.weight"))            # (n, conv_dim), raw, pre-conv
-        cb("linear_attn_qkv_mixed", il, mixed)
-        z = ops.linear(x, self.w(p + "attn_gate.weight")).reshape(n, nv, dv)
-        beta = ops.sigmoid(ops.linear(x, self.w(p + "ssm_beta.weight")))  # (n, nv)
-        alpha = ops.linear(x, self.w(p + "ssm_alpha.weight")) + self.w(p + "ssm_dt.bias")
-        g = self.w(p + "ssm_a") * ops.softplus(alpha)                     # log-decay <= 0
+        z = z.reshape(n, nv, dv)
+        beta = ops.sigmoid(b)                                             # (n, nv)
+        g = self.w(p + "ssm_a") * ops.softplus(a + self.w(p + "ssm_dt.bias"))   # log-decay <= 0
         cb("beta", il, beta)
         cb("gate", il, g)
 
@@ -199,9 +222,7 @@ class Qwen35Model:
         state.ssm[il][...] = s
         cb("attn_output", il, o)
 
-        y = ops.gated_rmsnorm(o, self.w(p + "ssm_norm.weight"), z, hp.rms_eps).reshape(n, nv * dv)
-        cb("final_output", il, y)
-        return ops.linear(y, self.w(p + "ssm_out.weight"))
+        return ops.gated_rmsnorm(o, self.w(p + "ssm_norm.weight"), z, hp.rms_eps).reshape(n, nv * dv)
 
     def gated_attention(self, il: int, x: np.ndarray, state: SequenceState, positions: np.ndarray,
                         cb: Callback) -> np.ndarray:
@@ -211,10 +232,10 @@ class Qwen35Model:
         n = x.shape[0]
         hd = hp.head_dim
 
-        qg = ops.linear(x, self.w(p + "attn_q.weight")).reshape(n, hp.n_head, 2 * hd)  # per head [q | gate]
+        qg = self.linear(x, p + "attn_q.weight").reshape(n, hp.n_head, 2 * hd)     # per head [q | gate]
         q, gate = qg[..., :hd], qg[..., hd:]
-        k = ops.linear(x, self.w(p + "attn_k.weight")).reshape(n, hp.n_head_kv, hd)
-        v = ops.linear(x, self.w(p + "attn_v.weight")).reshape(n, hp.n_head_kv, hd)
+        k = self.linear(x, p + "attn_k.weight").reshape(n, hp.n_head_kv, hd)
+        v = self.linear(x, p + "attn_v.weight").reshape(n, hp.n_head_kv, hd)
         q = ops.rmsnorm(q, self.w(p + "attn_q_norm.weight"), hp.rms_eps)
         k = ops.rmsnorm(k, self.w(p + "attn_k_norm.weight"), hp.rms_eps)
         q = ops.rope_multi(q, positions, hp.rope_dims, hp.rope_theta, hp.rope_sections)
@@ -226,9 +247,13 @@ class Qwen35Model:
         end = state.pos + n
         state.k[il][state.pos:end] = k
         state.v[il][state.pos:end] = v
-        o = ops.gated_attention(q, gate, state.k[il][:end], state.v[il][:end])
+        o = self.attend(q, gate, state.k[il][:end], state.v[il][:end])
         cb("attn_gated", il, o)
-        return ops.linear(o, self.w(p + "attn_output.weight"))
+        return self.linear(o, p + "attn_output.weight")
+
+    def attend(self, q: np.ndarray, gate: np.ndarray, k: np.ndarray, v: np.ndarray) -> np.ndarray:
+        """Causal gated GQA attention of n queries over m cache rows (:func:`engine.ops.reference.gated_attention`)."""
+        return ops.gated_attention(q, gate, k, v)
 
     # ---- feed-forward --------------------------------------------------------------------------
 

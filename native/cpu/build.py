@@ -20,7 +20,7 @@ HERE = os.path.relpath(os.path.dirname(os.path.abspath(__file__)))
 COMMON_FLAGS = ["-O3", "-std=c11", "-D_GNU_SOURCE", "-ffp-contract=off", "-fno-math-errno", "-pthread"]
 """Contraction off: a fused multiply-add changes rounding, so fusing must be an explicit intrinsic."""
 
-PORTABLE_SOURCES = ["dispatch.c", "pool.c", "moe.c", "kernels_scalar.c"]
+PORTABLE_SOURCES = ["dispatch.c", "pool.c", "moe.c", "mixers.c", "kernels_scalar.c"]
 
 HEADERS = ["deltadesk_cpu.h", "kernels.h", "gemm_tiles.h", "runtime.h"]
 """Listed as the extension's dependencies, so that editing one (or an ISA file) rebuilds it."""
@@ -56,6 +56,18 @@ typedef struct {
 } dd_moe_weights;
 int dd_moe_ffn(int isa, const dd_moe_weights *w, const float *x, float *out,
                int32_t *sel, float *weights);
+typedef struct {
+    size_t n_k, n_v, dk, dv, conv_kernel;
+    const float *conv_w;
+    const float *dt_bias;
+    const float *ssm_a;
+    const float *norm_w;
+    double eps;
+} dd_gdn_layer;
+int dd_gdn_decode(const dd_gdn_layer *L, const float *mixed, const float *z, const float *b, const float *a,
+                  float *conv_state, float *ssm, float *y);
+int dd_attn_decode(size_t n_head, size_t n_kv, size_t hd, const float *q, const float *gate,
+                   const float *k, const float *v, size_t m, float *out);
 """
 
 

@@ -6,7 +6,9 @@
  *   block_q8_0 (34 bytes, 32 values): f16 d, then 32 int8 qs; value = qs[j] * d.
  * A weight matrix is `rows` rows of k/32 blocks each, rows contiguous (a GGUF tensor's raw data).
  * Matrix products quantize the f32 activations to Q8_0 first (ggml's reference rounding), then
- * take exact integer dot products per block and sum the scaled block results in f32.
+ * take exact integer dot products per block, scale them by d_w * d_a (exact in f32) into exact f64
+ * products, sum those in f64 and round once to f32: only the f64 summation order differs between
+ * ISA levels, so their f32 results agree bit for bit except in vanishingly rare roundings.
  *
  * ISA levels: 0 scalar C, 1 SSSE3, 2 AVX2 (+FMA, F16C), 3 AVX-512 VNNI (F, BW, VL, VNNI).
  * Functions that take an `isa` argument return DD_ERR_ISA if this CPU lacks that level.
@@ -64,5 +66,33 @@ typedef struct {
 
 int dd_moe_ffn(int isa, const dd_moe_weights *w, const float *x, float *out,
                int32_t *sel, float *weights);
+
+/* The Gated DeltaNet recurrent step of one token (spec 3.2 steps 2-6), from the layer's raw
+ * projections to the gated-normed output that `ssm_out` reads:
+ *   conv over [conv_state; mixed] with conv_w, SiLU -> q (n_k x dk), k (n_k x dk), v (n_v x dv);
+ *   q, k L2-normalised (eps), q scaled by 1/sqrt(dk); beta = sigmoid(b); g = ssm_a softplus(a + dt_bias);
+ *   per v-head h (q/k head h % n_k): S <- exp(g) S; d = beta (v - S^T k); S <- S + k d^T; o = S^T q;
+ *   y_h = rmsnorm(o_h, eps) * norm_w * silu(z_h).
+ * conv_state ((conv_kernel - 1) x conv_dim, oldest row first) and ssm (n_v x dk x dv, S[i][j] at
+ * i*dv + j) are updated in place. mixed: conv_dim = 2*n_k*dk + n_v*dv; z, y: n_v*dv; b, a: n_v. */
+#define DD_GDN_MAX_DV 1024
+typedef struct {
+    size_t n_k, n_v, dk, dv, conv_kernel;
+    const float *conv_w;   /* conv_dim x conv_kernel, column 0 the oldest tap */
+    const float *dt_bias;  /* n_v */
+    const float *ssm_a;    /* n_v, stored -exp(A_log) */
+    const float *norm_w;   /* dv */
+    double eps;
+} dd_gdn_layer;
+
+int dd_gdn_decode(const dd_gdn_layer *L, const float *mixed, const float *z, const float *b, const float *a,
+                  float *conv_state, float *ssm, float *y);
+
+/* Single-query causal GQA attention over the first m cache positions, gated (spec 3.1 steps 5-6):
+ *   out_n = softmax(q_n . k_t / sqrt(hd))_t . v_t  *  sigmoid(gate_n),  kv head n / (n_head / n_kv).
+ * q, gate, out: n_head x hd; k, v: m positions of n_kv x hd (the KV cache rows). hd % DD_ATTN_LANES == 0. */
+#define DD_ATTN_LANES 16
+int dd_attn_decode(size_t n_head, size_t n_kv, size_t hd, const float *q, const float *gate,
+                   const float *k, const float *v, size_t m, float *out);
 
 #endif

@@ -63,7 +63,7 @@ typedef struct {
     dd_gemm_fn gemm[DD_WTYPE_COUNT];
     int bias_mult[DD_WTYPE_COUNT];   /* 0: the kernel does not read acts.bias */
     int q4_0_groups;                 /* 1: the Q4_0 kernel reads the group layout of dd_acts */
-    float (*dot_f32)(const float *a, const float *b, size_t n);   /* a streamed (prefetched), b reused */
+    float (*dot_f32)(const float *a, const float *b, size_t n);   /* a streamed (prefetched), b reused; f64 sum */
 } dd_kernels;
 
 extern const dd_kernels dd_kernels_scalar;

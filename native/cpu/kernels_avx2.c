@@ -4,7 +4,8 @@
  * in order (low nibbles, then high) as unsigned bytes; `pmaddubsw` with the signed activations
  * and `pmaddwd` with ones give 8 exact int32 lanes, to which the activation bias (-8 times the
  * activation sums) is added. Q8_0: the sign trick (|w| times a with w's sign) keeps `pmaddubsw`
- * from saturating. Lanes are scaled by d_w * d_a and summed in f32, reduced once per row.
+ * from saturating. Lanes are folded to 4 per block, scaled by d_w * d_a into exact f64 products and
+ * summed in f64, reduced and rounded to f32 once per row.
  */
 #include <immintrin.h>
 
@@ -57,10 +58,10 @@ DD_INLINE void tile(const uint8_t *w, const uint8_t *pf, size_t rb, const dd_act
 {
     const size_t bytes = wtype == DD_Q4_0 ? DD_Q4_0_BYTES : DD_Q8_0_BYTES;
     const __m256i ones = _mm256_set1_epi16(1);
-    __m256 acc[4][4];
+    __m256d acc[4][4];
     for (int r = 0; r < R; r++)
         for (int c = 0; c < C; c++)
-            acc[r][c] = _mm256_setzero_ps();
+            acc[r][c] = _mm256_setzero_pd();
     for (size_t b = 0; b < a->nb; b++) {
         __m256i wq[4], wabs[4];
         __m256 dw[4];
@@ -87,16 +88,18 @@ DD_INLINE void tile(const uint8_t *w, const uint8_t *pf, size_t rb, const dd_act
                 } else {
                     dot = _mm256_madd_epi16(_mm256_maddubs_epi16(wabs[r], _mm256_sign_epi8(aq, wq[r])), ones);
                 }
-                acc[r][c] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_mul_ps(dw[r], da), acc[r][c]);
+                /* 8 lanes -> 4 (quarters of the block), exact in int32; scale exact in f32, products in f64 */
+                const __m128i dot4 = _mm_add_epi32(_mm256_castsi256_si128(dot), _mm256_extracti128_si256(dot, 1));
+                const __m256d scale = _mm256_cvtps_pd(_mm256_castps256_ps128(_mm256_mul_ps(dw[r], da)));
+                acc[r][c] = _mm256_fmadd_pd(_mm256_cvtepi32_pd(dot4), scale, acc[r][c]);
             }
         }
     }
     for (int r = 0; r < R; r++)
         for (int c = 0; c < C; c++) {
-            __m128 s = _mm_add_ps(_mm256_castps256_ps128(acc[r][c]), _mm256_extractf128_ps(acc[r][c], 1));
-            s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-            s = _mm_add_ss(s, _mm_movehdup_ps(s));
-            y[(c0 + c) * ldy + r] = _mm_cvtss_f32(s);
+            __m128d s = _mm_add_pd(_mm256_castpd256_pd128(acc[r][c]), _mm256_extractf128_pd(acc[r][c], 1));
+            s = _mm_add_sd(s, _mm_unpackhi_pd(s, s));
+            y[(c0 + c) * ldy + r] = (float)_mm_cvtsd_f64(s);
         }
 }
 
@@ -107,22 +110,20 @@ DD_DEFINE_GEMM(gemm_q8_0, TILE_Q8_0)
 
 static float dot_f32(const float *a, const float *b, size_t n)
 {
-    __m256 acc[4] = { _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps() };
+    __m256d acc[4] = { _mm256_setzero_pd(), _mm256_setzero_pd(), _mm256_setzero_pd(), _mm256_setzero_pd() };
     size_t i = 0;
-    for (; i + 32 <= n; i += 32) {
+    for (; i + 16 <= n; i += 16) {
         _mm_prefetch((const char *)(a + i + 1024), _MM_HINT_T0);               /* a streams: 4 KiB ahead */
-        _mm_prefetch((const char *)(a + i + 1040), _MM_HINT_T0);
-        for (int u = 0; u < 4; u++)
-            acc[u] = _mm256_fmadd_ps(_mm256_loadu_ps(a + i + 8 * u), _mm256_loadu_ps(b + i + 8 * u), acc[u]);
+        for (int u = 0; u < 4; u++)   /* f32 x f32 is exact in f64, so the fused add rounds as a plain one */
+            acc[u] = _mm256_fmadd_pd(_mm256_cvtps_pd(_mm_loadu_ps(a + i + 4 * u)),
+                                     _mm256_cvtps_pd(_mm_loadu_ps(b + i + 4 * u)), acc[u]);
     }
-    __m256 t = _mm256_add_ps(_mm256_add_ps(acc[0], acc[1]), _mm256_add_ps(acc[2], acc[3]));
-    __m128 s = _mm_add_ps(_mm256_castps256_ps128(t), _mm256_extractf128_ps(t, 1));
-    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-    s = _mm_add_ss(s, _mm_movehdup_ps(s));
-    float sum = _mm_cvtss_f32(s);
+    __m256d t = _mm256_add_pd(_mm256_add_pd(acc[0], acc[1]), _mm256_add_pd(acc[2], acc[3]));
+    __m128d s = _mm_add_pd(_mm256_castpd256_pd128(t), _mm256_extractf128_pd(t, 1));
+    double sum = _mm_cvtsd_f64(_mm_add_sd(s, _mm_unpackhi_pd(s, s)));
     for (; i < n; i++)
-        sum += a[i] * b[i];
-    return sum;
+        sum += (double)a[i] * b[i];
+    return (float)sum;
 }
 
 const dd_kernels dd_kernels_avx2 = {

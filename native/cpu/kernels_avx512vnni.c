@@ -3,7 +3,7 @@
  * Weights enter `vpdpbusd` as unsigned bytes (a Q4_0 nibble 0..15, or a Q8_0 int8 + 128) against
  * the signed Q8_0 activations; the activation-side bias (-8 or -128 times the activation sums, see
  * dd_acts) seeds the integer accumulator, so each int32 lane ends exact. Lanes are scaled by
- * d_w * d_a and summed in f32 lanes, reduced once per row. Q4_0 puts one block in each lane
+ * d_w * d_a into exact f64 products, summed in f64 lanes, reduced and rounded to f32 once per row. Q4_0 puts one block in each lane
  * (16-block groups), Q8_0 two consecutive blocks in each register (lanes 0-7, 8-15).
  */
 #include <immintrin.h>
@@ -77,10 +77,25 @@ DD_INLINE q4_0_group_index q4_0_group_indices(void)
     return ix;
 }
 
+/* acc[0..1] += dot * scale over 16 lanes in f64: int32 lanes times the f32 scales dw * da (exact,
+ * 11 x 11 bits), each product exact in f64, so the fused add rounds as a plain one would. */
+DD_INLINE void acc_f64(__m512d acc[2], __m512i dot, __m512 scale)
+{
+    const __m256 hi = _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(scale), 1));
+    acc[0] = _mm512_fmadd_pd(_mm512_cvtepi32_pd(_mm512_castsi512_si256(dot)),
+                             _mm512_cvtps_pd(_mm512_castps512_ps256(scale)), acc[0]);
+    acc[1] = _mm512_fmadd_pd(_mm512_cvtepi32_pd(_mm512_extracti64x4_epi64(dot, 1)), _mm512_cvtps_pd(hi), acc[1]);
+}
+
+DD_INLINE float reduce_f64(const __m512d acc[2])
+{
+    return (float)_mm512_reduce_add_pd(_mm512_add_pd(acc[0], acc[1]));
+}
+
 /* One group of R rows (rows `rstride` bytes apart from grp) against C columns of group g. */
 DD_INLINE void q4_0_group_step(const uint8_t *grp, size_t rstride, const uint8_t *pf, size_t rb,
                                const q4_0_group_index *ix, const dd_acts *a, size_t c0, size_t g,
-                               __m512 acc[4][4], const int R, const int C)
+                               __m512d acc[4][4][2], const int R, const int C)
 {
     const __m512i low = _mm512_set1_epi8(0x0f);
     for (int r = 0; r < R; r++) {
@@ -111,7 +126,7 @@ DD_INLINE void q4_0_group_step(const uint8_t *grp, size_t rstride, const uint8_t
         const __m512 dw = _mm512_cvtph_ps(_mm512_castsi512_si256(d));
         for (int c = 0; c < C; c++) {
             const __m512 da = _mm512_load_ps(a->gd + ((c0 + c) * a->ng + g) * 16);
-            acc[r][c] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot[c]), _mm512_mul_ps(dw, da), acc[r][c]);
+            acc_f64(acc[r][c], dot[c], _mm512_mul_ps(dw, da));
         }
     }
 }
@@ -121,10 +136,10 @@ DD_INLINE void tile_q4_0(const uint8_t *w, const uint8_t *pf, size_t rb, const d
 {
     const q4_0_group_index ix = q4_0_group_indices();
     const size_t full = a->nb / 16, rest = a->nb % 16;
-    __m512 acc[4][4];
+    __m512d acc[4][4][2];
     for (int r = 0; r < R; r++)
         for (int c = 0; c < C; c++)
-            acc[r][c] = _mm512_setzero_ps();
+            acc[r][c][0] = acc[r][c][1] = _mm512_setzero_pd();
     for (size_t g = 0; g < full; g++)
         q4_0_group_step(w + g * Q4_GROUP_BYTES, rb, pf, rb, &ix, a, c0, g, acc, R, C);
     if (rest) {
@@ -138,7 +153,7 @@ DD_INLINE void tile_q4_0(const uint8_t *w, const uint8_t *pf, size_t rb, const d
     }
     for (int r = 0; r < R; r++)
         for (int c = 0; c < C; c++)
-            y[(c0 + c) * ldy + r] = _mm512_reduce_add_ps(acc[r][c]);
+            y[(c0 + c) * ldy + r] = reduce_f64(acc[r][c]);
 }
 
 /* A Q8_0 block pair (68 bytes, or 34 for a lone last block) -> 64 bytes int8 + 128, two scales. */
@@ -155,7 +170,7 @@ DD_INLINE void q8_0_pair(const uint8_t *p, int full, __m512i *qu, __m512 *dw)
 /* Q8_0 runs on block pairs: one Q8_0 block pair p of R rows x C columns,
  * acc[r][c] += (bias + wq . aq) * (dw * da), per lane. */
 DD_INLINE void q8_0_pair_step(const uint8_t *w, const uint8_t *pf, size_t rb, const dd_acts *a,
-                              size_t c0, size_t p, int full, __m512 acc[4][4], const int R, const int C)
+                              size_t c0, size_t p, int full, __m512d acc[4][4][2], const int R, const int C)
 {
     const size_t pair_bytes = 2 * DD_Q8_0_BYTES;
     __m512i wq[4];
@@ -171,7 +186,7 @@ DD_INLINE void q8_0_pair_step(const uint8_t *w, const uint8_t *pf, size_t rb, co
         const __m512 da = _mm512_load_ps(a->d + col * 8 + p * 16);
         for (int r = 0; r < R; r++) {
             __m512i dot = _mm512_dpbusd_epi32(bias, wq[r], aq);
-            acc[r][c] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_mul_ps(dw[r], da), acc[r][c]);
+            acc_f64(acc[r][c], dot, _mm512_mul_ps(dw[r], da));
         }
     }
 }
@@ -179,10 +194,10 @@ DD_INLINE void q8_0_pair_step(const uint8_t *w, const uint8_t *pf, size_t rb, co
 DD_INLINE void tile_q8_0(const uint8_t *w, const uint8_t *pf, size_t rb, const dd_acts *a, size_t c0, float *y,
                          size_t ldy, const int R, const int C)
 {
-    __m512 acc[4][4];
+    __m512d acc[4][4][2];
     for (int r = 0; r < R; r++)
         for (int c = 0; c < C; c++)
-            acc[r][c] = _mm512_setzero_ps();
+            acc[r][c][0] = acc[r][c][1] = _mm512_setzero_pd();
     const size_t full_pairs = a->nb / 2;
     for (size_t p = 0; p < full_pairs; p++)
         q8_0_pair_step(w, pf, rb, a, c0, p, 1, acc, R, C);
@@ -190,7 +205,7 @@ DD_INLINE void tile_q8_0(const uint8_t *w, const uint8_t *pf, size_t rb, const d
         q8_0_pair_step(w, pf, rb, a, c0, full_pairs, 0, acc, R, C);
     for (int r = 0; r < R; r++)
         for (int c = 0; c < C; c++)
-            y[(c0 + c) * ldy + r] = _mm512_reduce_add_ps(acc[r][c]);
+            y[(c0 + c) * ldy + r] = reduce_f64(acc[r][c]);
 }
 
 DD_DEFINE_GEMM(gemm_q4_0, tile_q4_0)
@@ -198,18 +213,20 @@ DD_DEFINE_GEMM(gemm_q8_0, tile_q8_0)
 
 static float dot_f32(const float *a, const float *b, size_t n)
 {
-    __m512 acc[4] = { _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps() };
+    __m512d acc[4] = { _mm512_setzero_pd(), _mm512_setzero_pd(), _mm512_setzero_pd(), _mm512_setzero_pd() };
     size_t i = 0;
-    for (; i + 64 <= n; i += 64)
+    for (; i + 32 <= n; i += 32)   /* f32 x f32 is exact in f64, so the fused add rounds as a plain one */
         for (int u = 0; u < 4; u++) {
-            _mm_prefetch((const char *)(a + i + 16 * u + 1024), _MM_HINT_T0);   /* a streams: 4 KiB ahead */
-            acc[u] = _mm512_fmadd_ps(_mm512_loadu_ps(a + i + 16 * u), _mm512_loadu_ps(b + i + 16 * u), acc[u]);
+            _mm_prefetch((const char *)(a + i + 8 * u + 1024), _MM_HINT_T0);    /* a streams: 4 KiB ahead */
+            acc[u] = _mm512_fmadd_pd(_mm512_cvtps_pd(_mm256_loadu_ps(a + i + 8 * u)),
+                                     _mm512_cvtps_pd(_mm256_loadu_ps(b + i + 8 * u)), acc[u]);
         }
-    for (; i < n; i += 16) {
-        __mmask16 m = n - i >= 16 ? 0xffff : (__mmask16)((1u << (n - i)) - 1);
-        acc[0] = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(m, a + i), _mm512_maskz_loadu_ps(m, b + i), acc[0]);
+    for (; i < n; i += 8) {
+        __mmask8 m = n - i >= 8 ? 0xff : (__mmask8)((1u << (n - i)) - 1);
+        acc[0] = _mm512_fmadd_pd(_mm512_cvtps_pd(_mm256_maskz_loadu_ps(m, a + i)),
+                                 _mm512_cvtps_pd(_mm256_maskz_loadu_ps(m, b + i)), acc[0]);
     }
-    return _mm512_reduce_add_ps(_mm512_add_ps(_mm512_add_ps(acc[0], acc[1]), _mm512_add_ps(acc[2], acc[3])));
+    return (float)_mm512_reduce_add_pd(_mm512_add_pd(_mm512_add_pd(acc[0], acc[1]), _mm512_add_pd(acc[2], acc[3])));
 }
 
 const dd_kernels dd_kernels_avx512vnni = {

@@ -53,13 +53,13 @@ static inline __attribute__((always_inline)) void gemm(const uint8_t *w, size_t 
         for (size_t c = 0; c < a->m; c++) {
             const int8_t *q = a->q + c * a->nbp * DD_QK;
             const float *d = a->d + c * a->nbp * 8;
-            float acc = 0.0f;
+            double acc = 0.0;
             for (size_t b = 0; b < a->nb; b++) {
                 const uint8_t *blk = row + b * block_bytes;
-                float scale = dd_f16_to_f32(dd_load_u16(blk)) * d[b * 8];
-                acc += (float)dot(blk, q + b * DD_QK) * scale;
+                const float scale = dd_f16_to_f32(dd_load_u16(blk)) * d[b * 8];   /* exact: 11 x 11 bits */
+                acc += (double)dot(blk, q + b * DD_QK) * scale;                    /* exact product */
             }
-            y[c * ldy + r] = acc;
+            y[c * ldy + r] = (float)acc;
         }
     }
 }
@@ -80,10 +80,10 @@ static void gemm_q8_0(const uint8_t *w, size_t row_bytes, size_t nrows, size_t r
 
 static float dot_f32(const float *a, const float *b, size_t n)
 {
-    float s = 0.0f;
+    double s = 0.0;
     for (size_t i = 0; i < n; i++)
-        s += a[i] * b[i];
-    return s;
+        s += (double)a[i] * b[i];
+    return (float)s;
 }
 
 const dd_kernels dd_kernels_scalar = {

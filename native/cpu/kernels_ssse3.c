@@ -3,7 +3,8 @@
  * A 32-value block is two xmm halves. Q4_0: low nibbles (values 0-15) and high nibbles (16-31)
  * as unsigned bytes times the signed activations through `pmaddubsw` + `pmaddwd`, plus the
  * activation bias (-8 times the activation sums). Q8_0: the sign trick (|w| times a with w's
- * sign). Block scales are widened from f16 in C (no F16C here).
+ * sign). Block scales are widened from f16 in C (no F16C here). The 4 int32 lanes fold to 2, are
+ * scaled by d_w * d_a into exact f64 products and summed in f64, rounded to f32 once per row.
  */
 #include <tmmintrin.h>
 #include <xmmintrin.h>
@@ -48,10 +49,10 @@ DD_INLINE void tile(const uint8_t *w, const uint8_t *pf, size_t rb, const dd_act
 {
     const size_t bytes = wtype == DD_Q4_0 ? DD_Q4_0_BYTES : DD_Q8_0_BYTES;
     const __m128i ones = _mm_set1_epi16(1), low = _mm_set1_epi8(0x0f);
-    __m128 acc[4][4];
+    __m128d acc[4][4];
     for (int r = 0; r < R; r++)
         for (int c = 0; c < C; c++)
-            acc[r][c] = _mm_setzero_ps();
+            acc[r][c] = _mm_setzero_pd();
     for (size_t b = 0; b < a->nb; b++) {
         __m128i wq[4][2], wabs[4][2];
         float dw[4];
@@ -90,15 +91,15 @@ DD_INLINE void tile(const uint8_t *w, const uint8_t *pf, size_t rb, const dd_act
                 }
                 __m128i dot = _mm_add_epi32(_mm_madd_epi16(p0, ones), _mm_madd_epi16(p1, ones));
                 dot = _mm_add_epi32(dot, bias);
-                acc[r][c] = _mm_add_ps(acc[r][c], _mm_mul_ps(_mm_cvtepi32_ps(dot), _mm_set1_ps(dw[r] * da)));
+                dot = _mm_add_epi32(dot, _mm_shuffle_epi32(dot, 0x4e));   /* lanes 0, 1: halves of the block */
+                acc[r][c] = _mm_add_pd(acc[r][c], _mm_mul_pd(_mm_cvtepi32_pd(dot), _mm_set1_pd(dw[r] * da)));
             }
         }
     }
     for (int r = 0; r < R; r++)
         for (int c = 0; c < C; c++) {
-            __m128 s = _mm_add_ps(acc[r][c], _mm_movehl_ps(acc[r][c], acc[r][c]));
-            s = _mm_add_ss(s, _mm_movehdup_ps(s));
-            y[(c0 + c) * ldy + r] = _mm_cvtss_f32(s);
+            const __m128d s = _mm_add_sd(acc[r][c], _mm_unpackhi_pd(acc[r][c], acc[r][c]));
+            y[(c0 + c) * ldy + r] = (float)_mm_cvtsd_f64(s);
         }
 }
 
@@ -109,20 +110,22 @@ DD_DEFINE_GEMM(gemm_q8_0, TILE_Q8_0)
 
 static float dot_f32(const float *a, const float *b, size_t n)
 {
-    __m128 acc[4] = { _mm_setzero_ps(), _mm_setzero_ps(), _mm_setzero_ps(), _mm_setzero_ps() };
+    __m128d acc[4] = { _mm_setzero_pd(), _mm_setzero_pd(), _mm_setzero_pd(), _mm_setzero_pd() };
     size_t i = 0;
-    for (; i + 16 <= n; i += 16) {
+    for (; i + 8 <= n; i += 8) {
         _mm_prefetch((const char *)(a + i + 1024), _MM_HINT_T0);               /* a streams: 4 KiB ahead */
-        for (int u = 0; u < 4; u++)
-            acc[u] = _mm_add_ps(acc[u], _mm_mul_ps(_mm_loadu_ps(a + i + 4 * u), _mm_loadu_ps(b + i + 4 * u)));
+        for (int u = 0; u < 2; u++) {
+            const __m128 x = _mm_loadu_ps(a + i + 4 * u), z = _mm_loadu_ps(b + i + 4 * u);
+            acc[2 * u] = _mm_add_pd(acc[2 * u], _mm_mul_pd(_mm_cvtps_pd(x), _mm_cvtps_pd(z)));
+            acc[2 * u + 1] = _mm_add_pd(acc[2 * u + 1], _mm_mul_pd(_mm_cvtps_pd(_mm_movehl_ps(x, x)),
+                                                                   _mm_cvtps_pd(_mm_movehl_ps(z, z))));
+        }
     }
-    __m128 s = _mm_add_ps(_mm_add_ps(acc[0], acc[1]), _mm_add_ps(acc[2], acc[3]));
-    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-    s = _mm_add_ss(s, _mm_movehdup_ps(s));
-    float sum = _mm_cvtss_f32(s);
+    __m128d s = _mm_add_pd(_mm_add_pd(acc[0], acc[1]), _mm_add_pd(acc[2], acc[3]));
+    double sum = _mm_cvtsd_f64(_mm_add_sd(s, _mm_unpackhi_pd(s, s)));
     for (; i < n; i++)
-        sum += a[i] * b[i];
-    return sum;
+        sum += (double)a[i] * b[i];
+    return (float)sum;
 }
 
 const dd_kernels dd_kernels_ssse3 = {

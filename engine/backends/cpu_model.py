@@ -1,0 +1,250 @@
+"""The text model on the native CPU kernels: :class:`NativeQwen35Model`.
+
+Design. ``NativeQwen35Model`` subclasses the numpy reference :class:`~engine.models.qwen35.Qwen35Model`
+and overrides only its hooks: ``linear`` (every projection, LM head included), ``delta_rule`` (the
+GDN recurrence between its projections), ``attend`` (attention over the KV cache), ``moe`` and
+``ffn``. The forward pass itself (op order, residuals, norms, RoPE, KV writes, state updates, stage
+callbacks) is inherited, so there is one forward pass to read, the numpy model stays the reference
+the fast path is tested against, and a subclass needs no object threaded through every call (a
+``linear`` strategy object would need the same hook points plus that plumbing).
+
+What runs where:
+
+* projections: W4A8 / W8A8 GEMV (one token) or small-M GEMM (prefill) straight from the
+  memory-mapped Q4_0 / Q8_0 blocks (:class:`engine.backends.cpu.Matrix`);
+* one decoded token's MoE FFN: one fused native call (:func:`engine.backends.cpu.moe_ffn`); prefill
+  runs each routed expert's rows through the GEMM;
+* one decoded token's GDN recurrence and attention: :mod:`engine.backends.cpu_mixers` (C);
+  prefill keeps the reference's chunked GDN and batched attention (numpy, float64 inside);
+* norms, RoPE, residual adds: the reference numpy ops.
+
+The fused one-token paths report only the stages outside the fused calls to ``cb`` (no ``beta``,
+``gate``, ``conv_output_silu``, ``attn_output`` of GDN layers in decode; ``ffn_moe_logits`` neither).
+
+Weight formats, decided once at load, tensor by tensor (:func:`prepare_weight`; at most one
+tensor's float32 rows of 16 MiB exist at a time, the file stays mapped, not copied):
+
+========================================  ================================  =========================
+stored type of a projection weight        used as                           bytes held in RAM
+========================================  ================================  =========================
+Q4_0, Q8_0                                the file's blocks (memory map)    0 (page cache only)
+Q4_1, Q5_0, Q5_1, Q2_K..Q6_K              converted to Q8_0                 8.5 bits/weight
+F16, BF16, F32, ``float_weights="f32"``   float32, numpy BLAS GEMM          32 bits/weight
+F16, BF16, F32, ``float_weights="q8_0"``  converted to Q8_0 (user's choice) 8.5 bits/weight
+========================================  ================================  =========================
+
+Why Q8_0 for the other block types: requantizing to a 4-bit format would round a second time with
+about the original's step, while Q8_0's added rounding (at most max|x|/254 per 32 values) is about
+1/16 of a 4-bit step and 1/4 of a 6-bit one. The cost over the stored size: Q4_K 4.5 -> 8.5 bits
+(+89%), Q5_K 5.5 (+55%), Q6_K 6.5625 (+30%), Q4_1 5.0 (+70%), Q5_0 5.5 (+55%), Q5_1 6.0 (+42%);
+e.g. a 21.2 GB Q4_K_M 35B-A3B would need ~37 GB. Float weights stay exact by default because
+quantizing them changes the model; ``float_weights="q8_0"`` halves an F16 file's bytes read per
+token. Split views of a fused ``ffn_gate_up_exps`` are not contiguous and are copied once (their
+Q4_0/Q8_0 bytes). Repacking of Q4_0/Q8_0 rows is not done: the kernels read the GGUF layout.
+"""
+
+from __future__ import annotations
+
+import mmap
+from typing import Callable
+
+import numpy as np
+from gguf import GGMLQuantizationType
+
+from ..gguf_file import GGUFFile, tensor_shapes
+from ..hparams import Qwen35HParams
+from ..models.qwen35 import Callback, Qwen35Model
+from ..ops import reference as ops
+from ..quant import dequantize, type_name
+from ..state import SequenceState
+from . import cpu
+from .cpu_mixers import GDNLayer, attention_decode, gdn_decode
+
+Q = GGMLQuantizationType
+KERNEL_TYPES = frozenset({Q.Q4_0, Q.Q8_0})
+FLOAT_TYPES = frozenset({Q.F32, Q.F16, Q.BF16})
+FLOAT_WEIGHTS = ("f32", "q8_0")
+CONVERT_CHUNK_BYTES = 16 << 20
+"""float32 bytes dequantized at a time while converting a tensor."""
+
+
+class FloatMatrix:
+    """A float32 weight (rows, k) with the :class:`engine.backends.cpu.Matrix` call interface (numpy GEMM)."""
+
+    def __init__(self, w: np.ndarray) -> None:
+        self.w = np.ascontiguousarray(w, dtype=np.float32)
+        self.rows, self.k = self.w.shape
+        self.qtype = "f32"
+
+    def rows_slice(self, r0: int, r1: int) -> "FloatMatrix":
+        """Rows [r0, r1) (a view)."""
+        return FloatMatrix(self.w[r0:r1])
+
+    def __call__(self, x: np.ndarray) -> np.ndarray:
+        """x (m, k) float32 -> (m, rows) float32."""
+        return ops.linear(x, self.w)
+
+
+Weight = cpu.Matrix | FloatMatrix
+
+
+def to_q8_0(raw: np.ndarray, qtype: GGMLQuantizationType, k: int) -> np.ndarray:
+    """Convert raw rows of any supported type to Q8_0 blocks, a bounded number of rows at a time.
+
+    Args: raw (rows, row_bytes) uint8 of ``qtype``; k values per row (a multiple of 32).
+    Returns: (rows, k // 32 * 34) uint8, a new array.
+    Raises: UnsupportedModelError for a type :func:`engine.quant.dequantize` cannot read.
+    """
+    rows = raw.shape[0]
+    out = np.empty((rows, k // cpu.QK * cpu.Q8_0_BYTES), dtype=np.uint8)
+    step = max(1, CONVERT_CHUNK_BYTES // (4 * k))
+    for r0 in range(0, rows, step):
+        r1 = min(rows, r0 + step)
+        out[r0:r1] = cpu.quantize_q8_0(dequantize(raw[r0:r1], qtype, (r1 - r0, k)))
+    return out
+
+
+def prepare_weight(gguf: GGUFFile, name: str, float_weights: str = "f32") -> tuple[Weight, str]:
+    """A projection weight (2-D, or 3-D stacked experts as rows) in the form the kernels read.
+
+    Returns: (the weight, the rule applied, e.g. "Q4_0 mapped", "Q6_K -> Q8_0", "F16 -> f32");
+    see the module docstring for the rules and their bytes.
+    """
+    info = gguf.info(name)
+    k = info.ne[0]
+    raw = gguf.raw(name)
+    qtype = info.qtype
+    stored = type_name(qtype)
+    if qtype in KERNEL_TYPES:
+        mapped = raw.flags.c_contiguous and _in_file_map(raw)
+        return cpu.Matrix(np.ascontiguousarray(raw), k), f"{stored} {'mapped' if mapped else 'copied'}"
+    if qtype in FLOAT_TYPES and float_weights == "f32":
+        return FloatMatrix(dequantize(raw, qtype, (raw.shape[0], k))), f"{stored} -> f32"
+    return cpu.Matrix(to_q8_0(raw, qtype, k), k), f"{stored} -> Q8_0"
+
+
+def _in_file_map(a: np.ndarray) -> bool:
+    """True if ``a`` is a view into a memory-mapped file (not a copy)."""
+    base = a
+    while isinstance(base, np.ndarray) and not isinstance(base, np.memmap):
+        base = base.base
+    return isinstance(base, (np.memmap, mmap.mmap))
+
+
+def projection_names(hp: Qwen35HParams, gguf: GGUFFile) -> list[str]:
+    """Every weight the model multiplies by (projections, experts, LM head), in file order."""
+    skip = ("ssm_conv1d.weight", "ffn_gate_inp.weight", "token_embd.weight")
+    names = [n for n, ne in tensor_shapes(hp).items()
+             if len(ne) >= 2 and not n.endswith(skip) and gguf.has(n)]
+    if not gguf.has("output.weight"):
+        names.append("token_embd.weight")
+    return names
+
+
+class NativeQwen35Model(Qwen35Model):
+    """:class:`~engine.models.qwen35.Qwen35Model` with its projections, one-token mixers and MoE on the
+    native CPU kernels (see the module docstring). Same ``forward`` contract and state.
+
+    Args:
+        hp: hyper-parameters. gguf: the open file (its tensors are used in place where possible).
+        float_weights: "f32" (F16/BF16/F32 projections as float32, exact) or "q8_0" (converted).
+    Attributes:
+        weight_rules: rule -> (tensor count, bytes used by the kernels), e.g. {"Q4_0 mapped": (61, ...)}.
+    Raises:
+        ValueError: unknown ``float_weights``. UnsupportedModelError: a weight of an unsupported type.
+    The kernels' ISA level and thread count are process-wide (:func:`engine.backends.cpu.set_isa`,
+    :func:`~engine.backends.cpu.set_threads`); level "numpy" runs every kernel's numpy twin.
+    """
+
+    def __init__(self, hp: Qwen35HParams, gguf: GGUFFile, float_weights: str = "f32") -> None:
+        if float_weights not in FLOAT_WEIGHTS:
+            raise ValueError(f"float_weights must be one of {FLOAT_WEIGHTS}, got {float_weights!r}")
+        super().__init__(hp, gguf)
+        self.mats: dict[str, Weight] = {}
+        self.weight_rules: dict[str, tuple[int, int]] = {}
+        for name in projection_names(hp, gguf):
+            mat, rule = prepare_weight(gguf, name, float_weights)
+            self.mats[name] = mat
+            count, nbytes = self.weight_rules.get(rule, (0, 0))
+            self.weight_rules[rule] = (count + 1, nbytes + (mat.raw.nbytes if isinstance(mat, cpu.Matrix)
+                                                             else mat.w.nbytes))
+        self.gdn = {il: self._gdn_layer(il) for il in range(hp.n_layer) if hp.is_recurrent(il)}
+        self.fused_moe = {il: m for il in range(hp.n_layer) if hp.is_moe and (m := self._fused_moe(il))}
+
+    def _gdn_layer(self, il: int) -> GDNLayer:
+        hp, p = self.hp, f"blk.{il}."
+        return GDNLayer(hp.num_k_heads, hp.num_v_heads, hp.head_k_dim, hp.head_v_dim,
+                        self.w(p + "ssm_conv1d.weight"), self.w(p + "ssm_dt.bias"), self.w(p + "ssm_a"),
+                        self.w(p + "ssm_norm.weight"), hp.rms_eps)
+
+    def _fused_moe(self, il: int) -> cpu.PreparedMoE | None:
+        """The layer's fused one-token MoE, or None when an expert weight is float32."""
+        p = f"blk.{il}."
+        parts = ["gate_exps", "up_exps", "down_exps"]
+        shared = self.weights.has(p + "ffn_gate_shexp.weight")
+        mats = [self.mats[f"{p}ffn_{x}.weight"] for x in parts + (["gate_shexp", "up_shexp", "down_shexp"]
+                                                                    if shared else [])]
+        if not all(isinstance(m, cpu.Matrix) for m in mats):
+            return None
+        raws = [m.raw for m in mats] + [None] * (6 - len(mats))
+        return cpu.PreparedMoE(cpu.MoEWeights(
+            router=self.w(p + "ffn_gate_inp.weight"), gate=raws[0], up=raws[1], down=raws[2],
+            n_used=self.hp.n_expert_used, sh_gate=raws[3], sh_up=raws[4], sh_down=raws[5],
+            sh_gate_inp=self.w(p + "ffn_gate_inp_shexp.weight") if shared else None))
+
+    # ---- hooks of the reference forward pass ---------------------------------------------------
+
+    def linear(self, x: np.ndarray, name: str) -> np.ndarray:
+        """``x W^T`` on the kernels: x (n, in) float32 -> (n, out) float32."""
+        return self.mats[name](x)
+
+    def delta_rule(self, il: int, mixed: np.ndarray, z: np.ndarray, b: np.ndarray, a: np.ndarray,
+                   state: SequenceState, cb: Callback) -> np.ndarray:
+        """One token: the fused C step (:func:`~engine.backends.cpu_mixers.gdn_decode`); more: the reference."""
+        if mixed.shape[0] != 1:
+            return super().delta_rule(il, mixed, z, b, a, state, cb)
+        return gdn_decode(self.gdn[il], mixed[0], z[0], b[0], a[0], state.conv[il], state.ssm[il])[None]
+
+    def attend(self, q: np.ndarray, gate: np.ndarray, k: np.ndarray, v: np.ndarray) -> np.ndarray:
+        """One query: C attention over the cache (:func:`~engine.backends.cpu_mixers.attention_decode`)."""
+        if q.shape[0] != 1:
+            return super().attend(q, gate, k, v)
+        return attention_decode(q[0], gate[0], k, v)[None]
+
+    def moe(self, il: int, y: np.ndarray, cb: Callback) -> np.ndarray:
+        """Routed experts + shared expert: one fused call for one token, else expert-wise GEMMs."""
+        if y.shape[0] == 1 and il in self.fused_moe:
+            r = cpu.moe_ffn(y[0], self.fused_moe[il])
+            cb("ffn_moe_topk", il, r.experts[None])
+            cb("ffn_moe_weights_norm", il, r.weights[None])
+            return r.out[None]
+        p = f"blk.{il}."
+        idx, weights = ops.topk_route(ops.linear(y, self.w(p + "ffn_gate_inp.weight")), self.hp.n_expert_used)
+        cb("ffn_moe_topk", il, idx)
+        cb("ffn_moe_weights_norm", il, weights)
+        ff, d = self.hp.n_ff_exp, self.hp.n_embd
+        gate, up, down = (self.mats[f"{p}ffn_{x}_exps.weight"] for x in ("gate", "up", "down"))
+        out = np.zeros_like(y)
+        for e in np.unique(idx):
+            rows, slot = np.nonzero(idx == e)
+            e0, e1 = int(e) * ff, (int(e) + 1) * ff
+            h = _swiglu(y[rows], gate.rows_slice(e0, e1), up.rows_slice(e0, e1),
+                        down.rows_slice(int(e) * d, (int(e) + 1) * d))
+            out[rows] += weights[rows, slot, None] * h
+        cb("ffn_moe_out", il, out)
+        if self.weights.has(p + "ffn_gate_shexp.weight"):
+            sh = _swiglu(y, *(self.mats[f"{p}ffn_{x}_shexp.weight"] for x in ("gate", "up", "down")))
+            sh = sh * ops.sigmoid(y @ self.w(p + "ffn_gate_inp_shexp.weight"))[:, None]
+            cb("ffn_shexp", il, sh)
+            out = out + sh
+        return out
+
+    def ffn(self, il: int, y: np.ndarray) -> np.ndarray:
+        """Dense SwiGLU FFN of ``qwen35`` files on the kernels: (n, d) -> (n, d)."""
+        p = f"blk.{il}."
+        return _swiglu(y, *(self.mats[f"{p}ffn_{x}.weight"] for x in ("gate", "up", "down")))
+
+
+def _swiglu(x: np.ndarray, gate: Callable, up: Callable, down: Callable) -> np.ndarray:
+    """``down(silu(gate(x)) * up(x))`` for x (n, d) float32."""
+    return down(ops.silu(gate(x)) * up(x))
