@@ -1,4 +1,4 @@
-"""Command line: ``python -m engine {info,generate,chat,synth}``.
+"""Command line: ``python -m engine {info,generate,chat,synth,bench}``.
 
 - ``info MODEL.gguf``: architecture, layers, quant mix, bytes read per decoded token.
 - ``generate [--model M] [--mmproj V] [--image I ...] [--prompt P] [--max-tokens N] [--temp T] ...``:
@@ -7,6 +7,9 @@
 - ``synth --preset tiny|small|dense-tiny|35b-a3b [--layers N] [--experts N] --quant Q -o FILE``:
   a random-weight GGUF in the layout and metadata real files use, and beside it a matching
   random vision tower ``FILE-mmproj.gguf`` (``--no-mmproj`` skips it).
+- ``bench MODEL.gguf [--threads N ...] [--isa L ...] [--prompt N] [--gen N] [--llama-cpp [--llama-python PY]]``:
+  prompt and decode tok/s of the native CPU model per thread count and ISA level, the bandwidth
+  roofline fraction, and llama.cpp on the same file (see :mod:`engine.backends.cpu_bench`).
 
 Errors from the engine are printed as one line on stderr with exit status 2.
 """
@@ -151,6 +154,19 @@ def cmd_synth(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_bench(args: argparse.Namespace) -> int:
+    from .backends import cpu, cpu_bench
+    if not cpu.available():
+        print("error: the native CPU kernels are not built: nothing to benchmark", file=sys.stderr)
+        return 2
+    llama_python = None
+    if args.llama_cpp:
+        llama_python = args.llama_python or sys.executable
+    cpu_bench.run(args.model, args.threads or sorted({1, cpu.physical_cores()}),
+                  args.isa or list(cpu.supported_isas()), args.prompt, args.gen, llama_python)
+    return 0
+
+
 def _add_sampling(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", "-m", help="GGUF text model (default: the bundled demo model)")
     p.add_argument("--mmproj", help="GGUF vision tower (mmproj) for image input")
@@ -191,6 +207,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--output", "-o", required=True)
     p.add_argument("--no-mmproj", action="store_true", help="do not write the matching vision tower")
     p.set_defaults(func=cmd_synth)
+    p = sub.add_parser("bench", help="prompt and decode speed on the CPU (like llama-bench)")
+    p.add_argument("model")
+    p.add_argument("--threads", "-t", type=int, nargs="+", help="thread counts (default: 1 and the physical cores)")
+    p.add_argument("--isa", nargs="+", help="ISA levels (default: every level this CPU runs)")
+    p.add_argument("--prompt", "-p", type=int, default=128, help="prompt tokens (one forward)")
+    p.add_argument("--gen", "-n", type=int, default=32, help="decoded tokens")
+    p.add_argument("--llama-cpp", action="store_true", help="also run llama.cpp through llama-cpp-python")
+    p.add_argument("--llama-python", help="the interpreter that has llama-cpp-python (default: this one)")
+    p.set_defaults(func=cmd_bench)
     return ap
 
 
