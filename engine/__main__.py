@@ -161,7 +161,15 @@ def cmd_bench(args: argparse.Namespace) -> int:
         return 2
     llama_python = None
     if args.llama_cpp:
-        llama_python = args.llama_python or sys.executable
+        llama_python = args.llama_python
+        if llama_python is None:
+            import importlib.util
+
+            import platformdirs
+
+            from .backends.cpu_bench import llama_venv
+            llama_python = sys.executable if importlib.util.find_spec("llama_cpp") else llama_venv(
+                Path(platformdirs.user_cache_dir("deltadesk")) / "llama-cpp-venv", print)
     cpu_bench.run(args.model, args.threads or sorted({1, cpu.physical_cores()}),
                   args.isa or list(cpu.supported_isas()), args.prompt, args.gen, llama_python)
     return 0
@@ -214,7 +222,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--prompt", "-p", type=int, default=128, help="prompt tokens (one forward)")
     p.add_argument("--gen", "-n", type=int, default=32, help="decoded tokens")
     p.add_argument("--llama-cpp", action="store_true", help="also run llama.cpp through llama-cpp-python")
-    p.add_argument("--llama-python", help="the interpreter that has llama-cpp-python (default: this one)")
+    p.add_argument("--llama-python", help="the interpreter that has llama-cpp-python (default: this one if it "
+                   "has it, else a venv in the user cache dir, built on first use)")
     p.set_defaults(func=cmd_bench)
     return ap
 

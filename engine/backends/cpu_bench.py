@@ -13,7 +13,9 @@ through llama-cpp-python (:mod:`engine.backends.cpu_llama`, in that interpreter)
 from __future__ import annotations
 
 import json
+import os
 import subprocess
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -73,6 +75,37 @@ def measure(model: NativeQwen35Model, threads: int, isa: str, n_prompt: int, n_g
                                       model.output_name))
     return BenchRow("deltadesk", isa, threads, n_prompt / pp, 1 / tg, stream_gb_s, head * 1e3,
                     (tg - head) * 1e3 / hp.n_layer)
+
+
+LLAMA_CPP_VERSION = "0.3.36"
+LLAMA_CMAKE_ARGS = ("-DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON "
+                    "-DGGML_AVX512=ON -DGGML_AVX512_VNNI=ON -DGGML_AVX512_BF16=ON -DGGML_AMX_TILE=OFF "
+                    "-DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF -DLLAMA_CURL=OFF")
+"""Build flags of shared/spec/peers.md: a -march=native build dies in ggml's AMX code on these CPUs."""
+
+
+def llama_venv(folder: Path, out=print) -> str:
+    """The interpreter of a venv in ``folder`` holding llama-cpp-python, built there on first use.
+
+    The build compiles llama.cpp from source with :data:`LLAMA_CMAKE_ARGS` (about 5-15 minutes on
+    2 cores). Returns the venv's python path.
+
+    Raises:
+        RuntimeError: venv creation or the pip build failed (with pip's last lines).
+    """
+    python = folder / "bin" / "python"
+    probe = subprocess.run([str(python), "-c", "import llama_cpp"], capture_output=True) if python.exists() else None
+    if probe is not None and probe.returncode == 0:
+        return str(python)
+    out(f"building llama-cpp-python {LLAMA_CPP_VERSION} into {folder} (compiles llama.cpp: 5-15 minutes)")
+    steps = [[sys.executable, "-m", "venv", str(folder)],
+             [str(python), "-m", "pip", "install", "-q", f"llama-cpp-python=={LLAMA_CPP_VERSION}"]]
+    env = dict(os.environ, CMAKE_ARGS=LLAMA_CMAKE_ARGS)
+    for cmd in steps:
+        done = subprocess.run(cmd, capture_output=True, text=True, env=env)
+        if done.returncode != 0:
+            raise RuntimeError(f"{' '.join(cmd[:4])} failed: {done.stderr.strip().splitlines()[-3:]}")
+    return str(python)
 
 
 def llama_row(llama_python: str, path: Path, threads: int, n_prompt: int, n_gen: int) -> BenchRow:
