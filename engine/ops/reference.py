@@ -294,9 +294,13 @@ def gdn_chunked(q: np.ndarray, k: np.ndarray, v: np.ndarray, g: np.ndarray, beta
     pad = n_chunks * chunk - n
 
     def chunked(x: np.ndarray) -> np.ndarray:
-        """(n, n_v, ...) -> zero-padded (n_v, n_chunks, C, ...), float64."""
+        """(n, n_v, ...) -> zero-padded (n_v, n_chunks, C, ...), float64, C-contiguous.
+
+        Contiguous on purpose: numpy's batched matmul falls back to a naive loop (no BLAS) on
+        strided operands, which made this function ~50x slower.
+        """
         x = np.concatenate([_d(x), np.zeros((pad,) + x.shape[1:])])
-        return np.moveaxis(x.reshape((n_chunks, chunk) + x.shape[1:]), 2, 0)
+        return np.ascontiguousarray(np.moveaxis(x.reshape((n_chunks, chunk) + x.shape[1:]), 2, 0))
 
     qc, kc = chunked(_tile_heads(q, n_v)), chunked(_tile_heads(k, n_v))
     vc, bc, gcum = chunked(v), chunked(beta), np.cumsum(chunked(g), axis=-1)
@@ -306,10 +310,10 @@ def gdn_chunked(q: np.ndarray, k: np.ndarray, v: np.ndarray, g: np.ndarray, beta
     lower = np.tril(bc[..., :, None] * (kc @ kc.swapaxes(-1, -2)) * gam, -1)
     uw = _forward_substitute(lower, np.concatenate(
         [bc[..., None] * vc, (bc * np.exp(gcum))[..., None] * kc], axis=-1))
-    u, w = uw[..., :dv], uw[..., dv:]
+    u, w = np.ascontiguousarray(uw[..., :dv]), np.ascontiguousarray(uw[..., dv:])
     p = (qc @ kc.swapaxes(-1, -2)) * gam
     q_dec = qc * np.exp(gcum)[..., None]
-    k_dec = kc * np.exp(gcum[..., -1:] - gcum)[..., None]
+    k_dec_t = np.ascontiguousarray((kc * np.exp(gcum[..., -1:] - gcum)[..., None]).swapaxes(-1, -2))
     chunk_dec = np.exp(gcum[..., -1])                                                   # (n_v, nc)
 
     s = _d(state)
@@ -317,7 +321,7 @@ def gdn_chunked(q: np.ndarray, k: np.ndarray, v: np.ndarray, g: np.ndarray, beta
     for c in range(n_chunks):
         vn = u[:, c] - w[:, c] @ s
         out[:, c] = q_dec[:, c] @ s + p[:, c] @ vn
-        s = s * chunk_dec[:, c, None, None] + k_dec[:, c].swapaxes(-1, -2) @ vn
+        s = s * chunk_dec[:, c, None, None] + k_dec_t[:, c] @ vn
     o = np.moveaxis(out, 0, 2).reshape(n_chunks * chunk, n_v, dv)[:n]
     return _f(o), _f(s)
 
