@@ -17,7 +17,8 @@ from .history import ImageStore
 from .history_thread import HistoryThread
 from .main_window import MainWindow, follows_dark_scheme
 from .markdown_render import MarkdownRenderer
-from .sidebar import GpuTelemetry, MonitorThread
+from .gpu import GpuTelemetry, NvmlGpu
+from .sidebar import MonitorThread
 
 APP_NAME = "deltadesk"
 
@@ -49,6 +50,8 @@ def build_window(paths: AppPaths, loader: EngineLoader = load_real_engine,
                  gpu: GpuTelemetry | None = None) -> MainWindow:
     """Build the history thread, the engine worker, the monitor and the window, then start the history.
 
+    ``gpu``: the monitor's second source of GPU readings (NVML), or None.
+
     A QApplication must exist. A history database that cannot be opened is replaced by an
     in-memory one for this run, and the window says so.
     """
@@ -66,7 +69,7 @@ def main(argv: list[str] | None = None) -> int:
     app = QApplication(sys.argv[:1])
     app.setApplicationName("DeltaDesk")
     app.setStyle("Fusion")
-    window = build_window(AppPaths.default())
+    window = build_window(AppPaths.default(), gpu=NvmlGpu.open())
     window.show()
     if args.model:
         window.load_model(args.model, args.mmproj)

@@ -20,7 +20,7 @@ THUMB_PX = 96
 
 
 def format_stats(stats: dict[str, Any]) -> str:
-    """The stats line under an answer: TTFT, prefill and decode speed, tokens reused."""
+    """The stats line under an answer: TTFT, prefill and decode speed, tokens reused, the engine's note."""
     if not stats:
         return ""
     parts = []
@@ -37,7 +37,7 @@ def format_stats(stats: dict[str, Any]) -> str:
         if "restore_ms" in stats:
             reused += f" (restored in {stats['restore_ms']:.0f} ms)"
         parts.append(reused)
-    return " \u00b7 ".join(parts)
+    return " \u2014 ".join(p for p in (" \u00b7 ".join(parts), stats.get("note", "")) if p)
 
 
 def _tool_button(text: str, tip: str, slot: Callable[[], None]) -> QToolButton:

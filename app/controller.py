@@ -69,6 +69,7 @@ class LiveTurn:
     thought_s: float | None = None
     saved_len: int = 0
     restore_ms: float = 0.0
+    note: str = ""
 
 
 class ChatController(QObject):
@@ -186,9 +187,10 @@ class ChatController(QObject):
 
     @Slot(object)
     def on_prefilled(self, stats: PrefillStats) -> None:
-        """The prompt has been read: remember how long restoring a cached prefix took."""
+        """The prompt has been read: remember how long restoring a cached prefix took and the engine's note."""
         if self.live is not None:
             self.live.restore_ms = stats.restore_ms
+            self.live.note = stats.note
 
     @Slot(str, list)
     def on_tokens(self, text: str, _token_ms: list) -> None:
@@ -226,6 +228,8 @@ class ChatController(QObject):
                  "stop_reason": summary.stop_reason, "message": summary.message}
         if summary.reused_tokens:
             stats["restore_ms"] = round(live.restore_ms, 1)
+        if live.note:
+            stats["note"] = live.note
         if live.thought_s is not None:
             stats["thinking_s"] = round(live.thought_s, 1)
         self.history.call(HistoryStore.update_message, live.message_id, live.text, state, stats)

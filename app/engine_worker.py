@@ -23,6 +23,8 @@ from PySide6.QtCore import QMetaObject, QObject, Qt, QThread, Signal, Slot
 from engine.errors import EngineError, GenerationCancelled
 from engine.events import Event, PrefillStats, TokenEvent, TurnSummary
 
+from .gpu import gpu_report
+
 BATCH_SECONDS = 0.04
 
 
@@ -36,6 +38,9 @@ class ChatEngine(Protocol):
     def chat(self, messages: Sequence[dict], sampling: Any = ..., cancel: threading.Event | None = None,
              enable_thinking: bool = False, conversation: str = "") -> Generator[Event, None, None]:
         """Yield one turn's events."""
+
+    def telemetry(self) -> Any:
+        """The last GPU prefill's ``PrefillTelemetry``, or None."""
 
     def snapshots(self) -> list[Any]:
         """The prefix snapshots held (:class:`engine.api.SnapshotInfo`), deepest first."""
@@ -60,6 +65,9 @@ class LoadRequest:
         context: context window, tokens.
         image_max_pixels: largest image area sent to the vision tower, pixels.
         cache_dir: folder of the prefix snapshots kept across restarts, or None (RAM only).
+        threads: CPU kernel threads, or None for the engine's default (the physical cores).
+        device: where prefill runs: "auto", "cuda" or "cpu".
+        vram_budget: GPU memory prefill may use, bytes, or None to let the engine decide.
     """
 
     model_path: str | None = None
@@ -67,6 +75,9 @@ class LoadRequest:
     context: int = 8192
     image_max_pixels: int = 1024 * 1024
     cache_dir: Path | None = None
+    threads: int | None = None
+    device: str = "auto"
+    vram_budget: int | None = None
 
     @property
     def name(self) -> str:
@@ -90,7 +101,8 @@ def load_real_engine(request: LoadRequest) -> ChatEngine:
         model_path, default_mmproj = api.default_model()
         mmproj_path = mmproj_path or default_mmproj
     options = api.EngineOptions(context=request.context, image_max_pixels=request.image_max_pixels,
-                                cache_disk_dir=request.cache_dir)
+                                cache_disk_dir=request.cache_dir, threads=request.threads, device=request.device,
+                                vram_budget=request.vram_budget)
     return api.Engine.load(model_path, mmproj_path, options)
 
 
@@ -103,12 +115,18 @@ class ModelSummary:
         line: a one-line summary (arch, layers, quant mix, bytes read per token, context).
         context: the context window in tokens.
         has_vision: whether images can be sent to it.
+        device: where prefill runs, "cuda" or "cpu".
+        device_note: why prefill is on the CPU when a GPU was asked for or looked for, or "".
+        placement: the GPU placement plan in words, or "".
     """
 
     name: str
     line: str
     context: int
     has_vision: bool
+    device: str = "cpu"
+    device_note: str = ""
+    placement: str = ""
 
 
 def human_size(n: float) -> str:
@@ -129,8 +147,8 @@ def summarize(info: Any) -> ModelSummary:
     line = (f"{Path(info.path).name}: {info.arch}, {info.n_layer} layers ({info.n_attn_layers} attention), "
             f"{info.n_params / 1e6:.1f} M params, {quants}; {human_size(info.bytes_per_token)} read per token; "
             f"context {info.context} tokens; {'vision' if info.has_vision else 'text only'}")
-    return ModelSummary(name=Path(info.path).name, line=line, context=info.context,
-                        has_vision=info.has_vision)
+    return ModelSummary(name=Path(info.path).name, line=line, context=info.context, has_vision=info.has_vision,
+                        device=info.device, device_note=info.device_note, placement=info.placement)
 
 
 def plain_error(exc: BaseException, doing: str) -> str:
@@ -175,6 +193,7 @@ class EngineWorker(QObject):
         finished(TurnSummary): the turn is over (also after a cancel or an error; its ``message``
             then says what happened in plain words).
         snapshots_listed(list): the engine's prefix snapshots (after a load, a turn, a clear).
+        gpu_reported(GpuReport): where prefill runs and the last GPU prefill (after a load, a turn).
         image_measured(str, object): an image path and the (height, width) the model will see,
             or a sentence saying why it cannot.
         notice(str): something went wrong outside a turn; plain words for the status bar.
@@ -186,6 +205,7 @@ class EngineWorker(QObject):
     tokens = Signal(str, list)
     finished = Signal(object)
     snapshots_listed = Signal(list)
+    gpu_reported = Signal(object)
     image_measured = Signal(str, object)
     notice = Signal(str)
     _load_done = Signal(int, object, object)
@@ -247,6 +267,7 @@ class EngineWorker(QObject):
             return
         self._engine = engine
         self.loaded.emit(outcome)
+        self.report_gpu()
         self.list_snapshots()
 
     def _close_engine(self) -> None:
@@ -290,7 +311,20 @@ class EngineWorker(QObject):
             stream.fail(plain_error(exc, "answering"))
         if not stream.done:
             stream.fail("The engine ended the turn without a summary.")
+        self.report_gpu()
         self.list_snapshots()
+
+    @Slot()
+    def report_gpu(self) -> None:
+        """Emit ``gpu_reported`` with the engine's device, its note and its last GPU prefill."""
+        if self._engine is None:
+            return
+        try:
+            report = gpu_report(self._engine)
+        except Exception as exc:  # noqa: BLE001 - every failure becomes a message in the window
+            self.notice.emit(plain_error(exc, "reading the GPU telemetry"))
+            return
+        self.gpu_reported.emit(report)
 
     @Slot()
     def list_snapshots(self) -> None:

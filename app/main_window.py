@@ -22,6 +22,7 @@ from .composer import Composer
 from .controller import ChatController
 from .conversations import ConversationIdRole, ConversationListModel, ConversationPanel
 from .engine_worker import LoadRequest, ModelSummary, WorkerThread
+from .gpu import GpuReport, device_phrase
 from .history import HistoryStore, ImageStore
 from .history_thread import HistoryThread
 from .markdown_render import MarkdownRenderer
@@ -139,6 +140,7 @@ class MainWindow(QMainWindow):
         worker.tokens.connect(self.sidebar.on_tokens)
         worker.finished.connect(self.sidebar.on_summary)
         worker.snapshots_listed.connect(self.snapshots.set_snapshots)
+        worker.gpu_reported.connect(self._gpu_reported)
         worker.image_measured.connect(self.composer.on_measured)
         worker.notice.connect(self.statusBar().showMessage)
         history.failed.connect(self.statusBar().showMessage)
@@ -198,8 +200,9 @@ class MainWindow(QMainWindow):
         configured model (what the app starts on next time).
         """
         self.controller.stop()
-        request = LoadRequest(model_path, mmproj_path, self.prefs.context, self.prefs.image_max_pixels,
-                              self.snapshot_dir)
+        prefs = self.prefs
+        request = LoadRequest(model_path, mmproj_path, prefs.context, prefs.image_max_pixels, self.snapshot_dir,
+                              threads=prefs.threads or None, device=prefs.device, vram_budget=prefs.vram_budget)
         self.model = None
         self.loading = request
         self._remember_load = remember
@@ -226,13 +229,30 @@ class MainWindow(QMainWindow):
         request, self.loading = self.loading, None
         self.model = summary
         self._show_loading(False)
-        self._set_banner(summary.line, False)
+        self._show_model_line(summary.device, summary.device_note)
         self.controller.has_vision = summary.has_vision
         self.composer.set_vision(summary.has_vision)
         self.sidebar.set_context(summary.context)
         if request is not None and self._remember_load:
             self.apply_settings(replace(self.prefs, model_path=request.model_path or "",
                                         mmproj_path=request.mmproj_path or ""), reload=False)
+
+    def _show_model_line(self, device: str, note: str) -> None:
+        """The banner: the model summary and where prefill runs; the placement plan and the note as its tooltip."""
+        summary = self.model
+        if summary is None:
+            return
+        gpu = self.monitor.gpu if self.monitor is not None else None
+        phrase = device_phrase(device, summary.placement, gpu.name if gpu is not None else "")
+        self._set_banner(f"{summary.line}; {phrase}", False)
+        self.banner.setToolTip("\n\n".join(t for t in (summary.placement if device == "cuda" else "", note) if t))
+
+    @Slot(object)
+    def _gpu_reported(self, report: GpuReport) -> None:
+        """Feed the sidebar; when the GPU failed over to the CPU mid-session, say so in the banner."""
+        self.sidebar.on_gpu_report(report)
+        if self.model is not None and self.loading is None:
+            self._show_model_line(report.device, report.note)
 
     @Slot(str)
     def _load_failed(self, message: str) -> None:

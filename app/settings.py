@@ -1,4 +1,4 @@
-"""The user's settings: model files, load options, sampling, system prompt, thinking.
+"""The user's settings: model files, load and device options, sampling, system prompt, thinking.
 
 They live in the ``settings.ini`` of platformdirs' user config dir (a :class:`QSettings` in INI
 format, which also keeps the window's geometry). A missing or unreadable value falls back to its
@@ -19,6 +19,7 @@ from engine.sampling import SamplingParams
 GROUP = "preferences"
 MIN_CONTEXT = 512
 MIN_IMAGE_PIXELS = 32 * 32
+DEVICES = ("auto", "cuda", "cpu")
 SAMPLING_FIELDS = ("temperature", "top_k", "top_p", "min_p", "presence_penalty", "repetition_penalty", "seed",
                    "max_tokens")
 _DEFAULT_SAMPLING = SamplingParams()
@@ -36,6 +37,9 @@ class Settings:
         mmproj_path: GGUF vision tower (mmproj); "" = none (the default model brings its own).
         context: context window, tokens.
         image_max_pixels: largest image area sent to the vision tower, pixels (1024 pixels = 1 token).
+        threads: CPU threads of the engine's kernels; 0 = the physical cores.
+        device: where prefill runs: "auto" (the GPU when one works), "cuda" (the GPU) or "cpu".
+        vram_budget_gib: GPU memory prefill may use, GiB; 0 = automatic (free memory less a margin).
         temperature, top_k, top_p, min_p, presence_penalty, repetition_penalty, max_tokens: sampling
             (see :class:`engine.sampling.SamplingParams`).
         seed: fixed random seed, or -1 for fresh randomness each answer.
@@ -47,6 +51,9 @@ class Settings:
     mmproj_path: str = ""
     context: int = 8192
     image_max_pixels: int = 1024 * 1024
+    threads: int = 0
+    device: str = "auto"
+    vram_budget_gib: float = 0.0
     temperature: float = _DEFAULT_SAMPLING.temperature
     top_k: int = _DEFAULT_SAMPLING.top_k
     top_p: float = _DEFAULT_SAMPLING.top_p
@@ -66,7 +73,13 @@ class Settings:
 
     def load_key(self) -> tuple[Any, ...]:
         """The settings a model load depends on: when they change, the model is loaded again."""
-        return self.model_path, self.mmproj_path, self.context, self.image_max_pixels
+        return (self.model_path, self.mmproj_path, self.context, self.image_max_pixels, self.threads, self.device,
+                self.vram_budget_gib)
+
+    @property
+    def vram_budget(self) -> int | None:
+        """The VRAM budget in bytes, or None for automatic."""
+        return round(self.vram_budget_gib * (1 << 30)) if self.vram_budget_gib > 0 else None
 
     @classmethod
     def read(cls, store: QSettings) -> "Settings":
@@ -87,6 +100,12 @@ class Settings:
             settings = replace(settings, context=default.context)
         if settings.image_max_pixels < MIN_IMAGE_PIXELS:
             settings = replace(settings, image_max_pixels=default.image_max_pixels)
+        if settings.threads < 0:
+            settings = replace(settings, threads=default.threads)
+        if settings.device not in DEVICES:
+            settings = replace(settings, device=default.device)
+        if not settings.vram_budget_gib >= 0:
+            settings = replace(settings, vram_budget_gib=default.vram_budget_gib)
         try:
             settings.sampling()
         except EngineError:

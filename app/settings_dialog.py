@@ -1,9 +1,10 @@
-"""The settings dialog: model files and load options, sampling, system prompt and thinking."""
+"""The settings dialog: model files, load and device options, sampling, system prompt and thinking."""
 
 from __future__ import annotations
 
 from dataclasses import replace
 
+import psutil
 from PySide6.QtWidgets import (QCheckBox, QComboBox, QDialog, QDialogButtonBox, QDoubleSpinBox, QFileDialog,
                                QFormLayout, QHBoxLayout, QLabel, QLineEdit, QPlainTextEdit, QPushButton,
                                QSpinBox, QTabWidget, QVBoxLayout, QWidget)
@@ -11,6 +12,7 @@ from PySide6.QtWidgets import (QCheckBox, QComboBox, QDialog, QDialogButtonBox, 
 from .settings import MIN_CONTEXT, Settings
 
 IMAGE_SIDES = (256, 384, 512, 768, 1024, 1280, 1536, 2048)
+DEVICE_CHOICES = (("Auto (the GPU when one works)", "auto"), ("GPU", "cuda"), ("CPU", "cpu"))
 
 
 def image_size_label(pixels: int) -> str:
@@ -68,8 +70,9 @@ def _real(low: float, high: float, value: float, name: str, step: float, decimal
 class SettingsDialog(QDialog):
     """Edits a copy of the settings; :meth:`settings` returns what the user set.
 
-    Changing the model files, the context or the image size reloads the model when accepted (the
-    window does that); the other settings apply from the next answer.
+    Changing the model files, the context, the image size, the CPU threads, the device or the VRAM
+    budget reloads the model when accepted (the window does that); the other settings apply from
+    the next answer.
     """
 
     def __init__(self, settings: Settings, parent: QWidget | None = None) -> None:
@@ -103,6 +106,27 @@ class SettingsDialog(QDialog):
         form.addRow("Vision tower (mmproj):", self.mmproj)
         form.addRow("Context length:", self.context)
         form.addRow("Largest image:", self.image_size)
+        physical = psutil.cpu_count(logical=False) or 1
+        self.threads = _spin(0, psutil.cpu_count(logical=True) or physical, s.threads, "CPU threads")
+        self.threads.setSpecialValueText(f"physical cores ({physical})")
+        self.threads.setToolTip("Threads of the CPU kernels (decode always runs on the CPU).")
+        self.device = QComboBox()
+        self.device.setAccessibleName("Prefill device")
+        for label, value in DEVICE_CHOICES:
+            self.device.addItem(label, value)
+        self.device.setToolTip("Where the prompt is read. Answers are always written on the CPU; "
+                               "a GPU that fails hands over to the CPU.")
+        self.vram_budget = _real(0.0, 1024.0, s.vram_budget_gib, "VRAM budget", 0.5, 1)
+        self.vram_budget.setSuffix(" GiB")
+        self.vram_budget.setSpecialValueText("automatic")
+        self.vram_budget.setToolTip("GPU memory prefill may use; expert weights that do not fit stream "
+                                    "from RAM over PCIe. Automatic: the free memory less a margin.")
+        self.device.currentIndexChanged.connect(
+            lambda: self.vram_budget.setEnabled(self.device.currentData() != "cpu"))
+        self._set_device(s.device)
+        form.addRow("CPU threads:", self.threads)
+        form.addRow("Prefill on:", self.device)
+        form.addRow("VRAM budget:", self.vram_budget)
         note = QLabel("Changing these reloads the model. Images larger than the largest size are scaled "
                       "down before the model sees them; every 32 \u00d7 32 pixels cost one token.")
         note.setWordWrap(True)
@@ -116,6 +140,10 @@ class SettingsDialog(QDialog):
         for area in choices:
             self.image_size.addItem(image_size_label(area), area)
         self.image_size.setCurrentIndex(choices.index(pixels))
+
+    def _set_device(self, device: str) -> None:
+        self.device.setCurrentIndex(self.device.findData(device))
+        self.vram_budget.setEnabled(device != "cpu")
 
     def _sampling_tab(self, s: Settings) -> QWidget:
         page = QWidget()
@@ -164,7 +192,9 @@ class SettingsDialog(QDialog):
         """The settings as the dialog shows them."""
         return replace(
             self._base, model_path=self.model.path(), mmproj_path=self.mmproj.path(), context=self.context.value(),
-            image_max_pixels=int(self.image_size.currentData()), temperature=round(self.temperature.value(), 4),
+            image_max_pixels=int(self.image_size.currentData()), threads=self.threads.value(),
+            device=self.device.currentData(), vram_budget_gib=round(self.vram_budget.value(), 1),
+            temperature=round(self.temperature.value(), 4),
             top_k=self.top_k.value(), top_p=round(self.top_p.value(), 4), min_p=round(self.min_p.value(), 4),
             presence_penalty=round(self.presence.value(), 4), repetition_penalty=round(self.repetition.value(), 4),
             seed=self.seed.value(), max_tokens=self.max_tokens.value(),
@@ -175,6 +205,9 @@ class SettingsDialog(QDialog):
         d = Settings()
         self.context.setValue(d.context)
         self._set_image_pixels(d.image_max_pixels)
+        self.threads.setValue(d.threads)
+        self._set_device(d.device)
+        self.vram_budget.setValue(d.vram_budget_gib)
         for box, value in ((self.temperature, d.temperature), (self.top_k, d.top_k), (self.top_p, d.top_p),
                            (self.min_p, d.min_p), (self.presence, d.presence_penalty),
                            (self.repetition, d.repetition_penalty), (self.seed, d.seed),

@@ -1,17 +1,18 @@
 """The hardware sidebar: small QPainter widgets fed by a sampler on its own thread.
 
-:class:`SystemMonitor` reads CPU and RAM (psutil) and, when a GPU telemetry provider is given,
-VRAM and PCIe throughput, once a second on a QThread, and emits a :class:`SystemSample`. Token
-latencies and turn stats come from the engine worker's signals; the sidebar repaints them on the
-sampler's tick, so while an answer streams the streaming message is the only widget redrawn at
-token rate.
+:class:`SystemMonitor` reads CPU and RAM (psutil) and, when a GPU telemetry provider is given
+(NVML), the device's VRAM and PCIe throughput, once a second on a QThread, and emits a
+:class:`SystemSample`. Token latencies, turn stats and the engine's own GPU report (device, its
+note, the last GPU prefill's VRAM, host-to-device rate and per-layer times) come from the engine
+worker's signals; the sidebar repaints the token-rate ones on the sampler's tick, so while an
+answer streams the streaming message is the only widget redrawn at token rate.
 """
 
 from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass
-from typing import Protocol, Sequence
+from typing import Sequence
 
 import psutil
 from PySide6.QtCore import QObject, QPointF, QRectF, QSize, Qt, QThread, QTimer, Signal, Slot
@@ -21,33 +22,18 @@ from PySide6.QtWidgets import QLabel, QSizePolicy, QVBoxLayout, QWidget
 from engine.events import PrefillStats, TurnSummary
 
 from .engine_worker import human_size
+from .gpu import GpuReport, GpuSample, GpuTelemetry, PrefillReport
 from .snapshots import SnapshotListModel, SnapshotPanel
 
 SAMPLE_MS = 1000
 SPARK_TOKENS = 120
-
-
-@dataclass(frozen=True)
-class GpuSample:
-    """What a GPU telemetry provider reports: VRAM in bytes and host-to-device throughput."""
-
-    name: str
-    vram_used: int
-    vram_budget: int
-    vram_total: int
-    h2d_gb_s: float
-
-
-class GpuTelemetry(Protocol):
-    """An optional source of :class:`GpuSample` (the engine's CUDA backend, NVML, a test fake)."""
-
-    def sample(self) -> GpuSample | None:
-        """The current reading, or None when the GPU is gone."""
+PCIE_SCALE_GB_S = 32.0
+NO_GPU = "No NVIDIA GPU: CPU mode"
 
 
 @dataclass(frozen=True)
 class SystemSample:
-    """One reading of the machine: CPU % (all cores), RAM used / total, our process's RSS, the GPU."""
+    """One reading of the machine: CPU % (all cores), RAM used / total, our process's RSS, the GPU (NVML)."""
 
     cpu_percent: float
     ram_used: int
@@ -96,6 +82,7 @@ class MonitorThread:
     """A :class:`SystemMonitor` on its own QThread."""
 
     def __init__(self, gpu: GpuTelemetry | None = None, interval_ms: int = SAMPLE_MS) -> None:
+        self.gpu = gpu
         self.thread = QThread()
         self.thread.setObjectName("system-monitor")
         self.monitor = SystemMonitor(gpu, interval_ms)
@@ -154,12 +141,13 @@ class Meter(QWidget):
 
 
 class Sparkline(QWidget):
-    """Per-token latency (ms) of the recent tokens as a line, with its maximum."""
+    """Recent values in ms (token latencies, layer times) as a line, with its maximum."""
 
-    def __init__(self) -> None:
+    def __init__(self, name: str = "Per-token latency", empty: str = "no tokens yet", size: int = SPARK_TOKENS) -> None:
         super().__init__()
-        self.values: deque[float] = deque(maxlen=SPARK_TOKENS)
-        self.setAccessibleName("Per-token latency")
+        self.values: deque[float] = deque(maxlen=size)
+        self.empty = empty
+        self.setAccessibleName(name)
         self.setMinimumHeight(56)
         self.setSizePolicy(QSizePolicy.Expanding, QSizePolicy.Fixed)
 
@@ -177,13 +165,13 @@ class Sparkline(QWidget):
         p.drawRect(rect)
         if len(self.values) < 2:
             p.setPen(_color(self, QPalette.PlaceholderText))
-            p.drawText(rect, Qt.AlignCenter, "no tokens yet")
+            p.drawText(rect, Qt.AlignCenter, self.empty)
             return
         top = max(self.values) or 1.0
         p.setPen(_color(self, QPalette.PlaceholderText))
         p.drawText(rect.adjusted(4, 1, -4, 0), Qt.AlignTop | Qt.AlignLeft, f"max {top:.0f} ms")
         plot = rect.adjusted(0, self.fontMetrics().height() + 2, 0, -2)
-        step = plot.width() / (SPARK_TOKENS - 1)
+        step = plot.width() / (self.values.maxlen - 1)
         start = plot.right() - step * (len(self.values) - 1)
         path = QPainterPath()
         for i, v in enumerate(self.values):
@@ -269,14 +257,22 @@ class Sidebar(QWidget):
         for w in (self.cpu, self.ram, self.rss):
             layout.addWidget(w)
         layout.addWidget(_heading("GPU"))
-        self.gpu_label = QLabel("No NVIDIA GPU: CPU mode")
+        self.gpu_label = QLabel(NO_GPU)
         self.gpu_label.setWordWrap(True)
+        self.gpu_note = QLabel()
+        self.gpu_note.setWordWrap(True)
+        self.gpu_note.setEnabled(False)
         self.vram = Meter("VRAM")
         self.pcie = Meter("PCIe H2D")
-        for w in (self.gpu_label, self.vram, self.pcie):
+        self.gpu_prefill = QLabel()
+        self.gpu_prefill.setWordWrap(True)
+        self.layers = Sparkline("Prefill time per layer", "no GPU prefill yet", 64)
+        for w in (self.gpu_label, self.gpu_note, self.vram, self.pcie, self.gpu_prefill, self.layers):
             layout.addWidget(w)
-        self.vram.hide()
-        self.pcie.hide()
+            w.hide()
+        self.gpu_label.show()
+        self._gpu_report: GpuReport | None = None
+        self._nvml: GpuSample | None = None
         layout.addWidget(_heading("Generation"))
         self.speed = QLabel("\u2014 tok/s")
         self.spark = Sparkline()
@@ -306,19 +302,85 @@ class Sidebar(QWidget):
         self.ram.set_value(sample.ram_used / sample.ram_total if sample.ram_total else 0.0,
                            f"{human_size(sample.ram_used)} / {human_size(sample.ram_total)}")
         self.rss.setText(f"DeltaDesk uses {human_size(sample.process_rss)}")
-        gpu = sample.gpu
-        self.vram.setVisible(gpu is not None)
-        self.pcie.setVisible(gpu is not None)
-        if gpu is None:
-            self.gpu_label.setText("No NVIDIA GPU: CPU mode")
-        else:
-            self.gpu_label.setText(gpu.name)
-            self.vram.set_value(gpu.vram_used / gpu.vram_total if gpu.vram_total else 0.0,
-                                f"{human_size(gpu.vram_used)} / budget {human_size(gpu.vram_budget)}"
-                                f" / {human_size(gpu.vram_total)}")
-            self.pcie.set_value(gpu.h2d_gb_s / 32.0, f"{gpu.h2d_gb_s:.1f} GB/s")
+        self._nvml = sample.gpu
+        self._show_gpu()
         if self._dirty:
             self._repaint_generation()
+
+    @Slot(object)
+    def on_gpu_report(self, report: GpuReport) -> None:
+        """The engine's device, its note and its last GPU prefill (after a load or a turn)."""
+        self._gpu_report = report
+        prefill = report.prefill
+        if prefill is not None:
+            self.layers.values.clear()
+            self.layers.values.extend(prefill.layer_ms)
+            self.layers.update()
+        self._show_gpu()
+
+    def _show_gpu(self) -> None:
+        """Compose the GPU section from the engine's report (first) and the NVML reading (second)."""
+        report, nvml = self._gpu_report, self._nvml
+        on_gpu = report is not None and report.device == "cuda"
+        prefill = report.prefill if report is not None else None
+        if on_gpu:
+            self.gpu_label.setText(f"{nvml.name}: prefill on the GPU" if nvml else "Prefill on the GPU")
+        else:
+            self.gpu_label.setText(f"{nvml.name}: prefill on the CPU" if nvml else NO_GPU)
+        note = report.note if report is not None else ""
+        self.gpu_note.setText(note)
+        self.gpu_note.setVisible(bool(note))
+        self.gpu_label.setToolTip(note)
+        shown = on_gpu or nvml is not None
+        self.vram.setVisible(shown)
+        self.pcie.setVisible(shown)
+        self.gpu_prefill.setVisible(prefill is not None)
+        self.layers.setVisible(prefill is not None)
+        if not shown:
+            return
+        if prefill is None and nvml is None:
+            self.vram.set_value(0.0, "after the first GPU prefill")
+            self.pcie.set_value(0.0, "\u2014")
+            return
+        self._show_vram(prefill, nvml)
+        self._show_pcie(prefill, nvml)
+        if prefill is not None:
+            passes = f"{prefill.passes} pass{'es' if prefill.passes > 1 else ''}"
+            self.gpu_prefill.setText(f"Last GPU prefill: {prefill.n_tokens} tokens in {prefill.wall_ms:.0f} ms, "
+                                     f"experts {prefill.mode}, {passes}")
+
+    def _show_vram(self, prefill: PrefillReport | None, nvml: GpuSample | None) -> None:
+        """VRAM used / budget / total: DeltaDesk's buffers and budget from the engine, the total from NVML."""
+        used = prefill.vram_used if prefill is not None else nvml.vram_used
+        budget = prefill.vram_budget if prefill is not None else 0
+        total = nvml.vram_total if nvml is not None else 0
+        parts = [human_size(used)] + ([f"budget {human_size(budget)}"] if budget else []) + (
+            [human_size(total)] if total else [])
+        self.vram.set_value(used / (total or budget) if total or budget else 0.0, " / ".join(parts))
+        tips = []
+        if prefill is not None:
+            tips.append(f"DeltaDesk's GPU buffers after the last prefill: {human_size(prefill.vram_used)} of a "
+                        f"{human_size(prefill.vram_budget)} budget; "
+                        f"{human_size(prefill.vram_free)} free on the device.")
+        if nvml is not None:
+            tips.append(f"NVML: {human_size(nvml.vram_used)} used of {human_size(nvml.vram_total)} by all programs.")
+        self.vram.setToolTip("\n".join(tips))
+
+    def _show_pcie(self, prefill: PrefillReport | None, nvml: GpuSample | None) -> None:
+        """Host-to-device rate of the last prefill (engine counters), else NVML's live reading."""
+        if prefill is not None and prefill.h2d_bytes:
+            rate, tip = prefill.h2d_gb_s, (f"Last prefill copied {human_size(prefill.h2d_bytes)} of expert weights "
+                                           f"in {prefill.h2d_ms:.0f} ms (engine counters).")
+            text = f"{rate:.1f} GB/s"
+        elif prefill is not None:
+            rate, text, tip = 0.0, "none", "The last prefill found every expert in VRAM: nothing was copied."
+        else:
+            rate, tip = nvml.h2d_gb_s, "Live PCIe receive rate of the device (NVML)."
+            text = f"{rate:.1f} GB/s"
+        if nvml is not None and prefill is not None:
+            tip += f"\nNVML now: {nvml.h2d_gb_s:.1f} GB/s."
+        self.pcie.set_value(rate / PCIE_SCALE_GB_S, text)
+        self.pcie.setToolTip(tip)
 
     @Slot(object)
     def on_prefill(self, stats: PrefillStats) -> None:

@@ -28,23 +28,31 @@ class FakeInfo:
     bytes_per_token: int = 6_500_000
     context: int = 4096
     has_vision: bool = False
+    device: str = "cpu"
+    device_note: str = ""
+    placement: str = ""
 
 
 class FakeEngine:
     """Streams ``tokens`` (strings) one every ``token_ms``, honouring the cancel flag like the real one.
 
+    ``info`` is a :class:`FakeInfo` (its ``device`` goes into ``PrefillStats``), ``gpu_telemetry`` what
+    :meth:`telemetry` returns (None: prefill on the CPU), ``note`` the turns' ``PrefillStats.note``.
     ``produced`` counts the tokens it has yielded; ``calls`` keeps each turn's messages, ``samplings``
     and ``conversations`` its other arguments, ``loads`` the LoadRequests that returned it. Each
     turn leaves a prefix snapshot; images reach the "model" at half their size.
     """
 
     def __init__(self, tokens: Sequence[str] = ("Hello", ",", " world", "."), token_ms: float = 1.0,
-                 has_vision: bool = False, prefill_ms: float = 2.0, fail_with: Exception | None = None) -> None:
+                 has_vision: bool = False, prefill_ms: float = 2.0, fail_with: Exception | None = None,
+                 info: FakeInfo | None = None) -> None:
         self.tokens = list(tokens)
         self.token_ms = token_ms
         self.prefill_ms = prefill_ms
         self.fail_with = fail_with
-        self.info = FakeInfo(has_vision=has_vision)
+        self.info = info or FakeInfo(has_vision=has_vision)
+        self.gpu_telemetry = None
+        self.note = ""
         self.produced = 0
         self.calls: list[list[dict]] = []
         self.thinking: list[bool] = []
@@ -79,6 +87,10 @@ class FakeEngine:
         with Image.open(source) as image:
             return image.height // 2, image.width // 2
 
+    def telemetry(self):
+        """The scripted last GPU prefill (``gpu_telemetry``)."""
+        return self.gpu_telemetry
+
     def close(self) -> None:
         """Count the calls (the real engine persists its snapshots here)."""
         self.closed += 1
@@ -87,7 +99,8 @@ class FakeEngine:
         t0 = time.perf_counter()
         time.sleep(self.prefill_ms / 1e3)
         yield PrefillStats(prompt_tokens=30, reused_tokens=10, prefilled_tokens=20, prefill_ms=self.prefill_ms,
-                           restore_ms=1.5, device="cpu", ttft_ms=(time.perf_counter() - t0) * 1e3)
+                           restore_ms=1.5, device=self.info.device, ttft_ms=(time.perf_counter() - t0) * 1e3,
+                           note=self.note)
         text = []
         for i, piece in enumerate(self.tokens):
             if cancel.is_set():

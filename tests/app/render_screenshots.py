@@ -25,7 +25,7 @@ from PySide6.QtWidgets import QApplication  # noqa: E402
 from app.__main__ import AppPaths, build_window  # noqa: E402
 from app.history import HistoryStore  # noqa: E402
 from app.settings_dialog import SettingsDialog  # noqa: E402
-from app.sidebar import GpuSample  # noqa: E402
+from app.gpu import GpuSample  # noqa: E402
 from engine.api import SnapshotInfo  # noqa: E402
 from fake_engine import FakeEngine, loader_for  # noqa: E402
 
@@ -48,11 +48,12 @@ EARLIER_SNAPSHOTS = [SnapshotInfo("e1", "4", 3412, 61_400_000, 7200.0, 4, "disk"
 
 
 class FakeGpu:
-    """Telemetry of a made-up 8 GB card."""
+    """NVML readings of a made-up 8 GB card."""
+
+    name = "NVIDIA GeForce RTX 4060 (8 GB)"
 
     def sample(self) -> GpuSample:
-        return GpuSample("NVIDIA GeForce RTX 4060 (8 GB)", vram_used=5_900_000_000, vram_budget=6_400_000_000,
-                         vram_total=8_585_000_000, h2d_gb_s=12.4)
+        return GpuSample(self.name, vram_used=5_900_000_000, vram_total=8_585_000_000, h2d_gb_s=12.4)
 
 
 def seed_history(store: HistoryStore) -> None:

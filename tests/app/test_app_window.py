@@ -8,7 +8,6 @@ from PySide6.QtCore import QMimeData, Qt, QTimer, QUrl
 from PySide6.QtGui import QColor, QGuiApplication, QImage
 
 from app.history import HistoryStore
-from app.sidebar import GpuSample
 from app_helpers import stored
 from fake_engine import FakeEngine, failing_loader
 
@@ -258,18 +257,6 @@ def test_sidebar_without_gpu_and_with_fake_telemetry(qtbot, make_window):
     assert window.sidebar.context_bar.parts == (10, 20, 4)
     assert window.sidebar.speed.text().endswith("tok/s") and len(window.sidebar.spark.values) == 4
     assert "TTFT" in window.sidebar.last_turn.text()
-
-
-class FakeGpu:
-    def sample(self):
-        return GpuSample("NVIDIA Fake 8GB", vram_used=3 << 30, vram_budget=6 << 30, vram_total=8 << 30, h2d_gb_s=11.5)
-
-
-def test_sidebar_with_gpu_telemetry(qtbot, make_window):
-    window = make_window(gpu=FakeGpu())
-    qtbot.waitUntil(lambda: window.sidebar.gpu_label.text() == "NVIDIA Fake 8GB")
-    assert window.sidebar.vram.isVisible() and "budget 6.0 GB" in window.sidebar.vram.text
-    assert window.sidebar.pcie.text == "11.5 GB/s"
 
 
 def test_worst_frame_while_streaming_500_tokens(qtbot, make_window, record_property):

@@ -8,7 +8,7 @@ import time
 import pytest
 from PySide6.QtCore import QObject, Signal
 
-from app.engine_worker import ChatRequest, LoadRequest, WorkerThread, plain_error, summarize
+from app.engine_worker import ChatRequest, LoadRequest, WorkerThread, load_real_engine, plain_error, summarize
 from engine.errors import ModelFormatError
 from fake_engine import BlockingLoader, FakeEngine, FakeInfo, failing_loader, loader_for
 
@@ -61,6 +61,18 @@ def test_load_runs_off_the_ui_thread_and_summarizes(qtbot, worker_thread, tmp_pa
     assert seen["thread"] is not threading.main_thread() and seen["request"] == request
     assert summary.context == 4096 and not summary.has_vision
     assert "qwen35moe" in summary.line and "Q8_0" in summary.line and "read per token" in summary.line
+
+
+def test_the_real_loader_passes_threads_device_and_vram_budget(monkeypatch, tmp_path):
+    from engine import api
+
+    seen = {}
+    monkeypatch.setattr(api.Engine, "load", classmethod(lambda cls, model, mmproj, options: seen.update(
+        model=model, options=options)))
+    load_real_engine(LoadRequest("m.gguf", context=2048, cache_dir=tmp_path, threads=3, device="cuda",
+                                 vram_budget=6 << 30))
+    assert seen["model"] == "m.gguf" and seen["options"] == api.EngineOptions(
+        context=2048, cache_disk_dir=tmp_path, threads=3, device="cuda", vram_budget=6 << 30)
 
 
 def test_load_error_is_plain_words(qtbot, worker_thread):
