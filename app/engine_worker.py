@@ -118,6 +118,7 @@ class ModelSummary:
         device: where prefill runs, "cuda" or "cpu".
         device_note: why prefill is on the CPU when a GPU was asked for or looked for, or "".
         placement: the GPU placement plan in words, or "".
+        vram_budget: the GPU prefill's VRAM budget, bytes (0 on the CPU).
     """
 
     name: str
@@ -127,6 +128,7 @@ class ModelSummary:
     device: str = "cpu"
     device_note: str = ""
     placement: str = ""
+    vram_budget: int = 0
 
 
 def human_size(n: float) -> str:
@@ -148,7 +150,8 @@ def summarize(info: Any) -> ModelSummary:
             f"{info.n_params / 1e6:.1f} M params, {quants}; {human_size(info.bytes_per_token)} read per token; "
             f"context {info.context} tokens; {'vision' if info.has_vision else 'text only'}")
     return ModelSummary(name=Path(info.path).name, line=line, context=info.context, has_vision=info.has_vision,
-                        device=info.device, device_note=info.device_note, placement=info.placement)
+                        device=info.device, device_note=info.device_note, placement=info.placement,
+                        vram_budget=info.vram_budget)
 
 
 def plain_error(exc: BaseException, doing: str) -> str:

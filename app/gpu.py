@@ -9,7 +9,6 @@ device's name, total and used VRAM and live PCIe receive rate through :class:`Nv
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -19,7 +18,6 @@ except ImportError:
     pynvml = None
 
 GIB = 1 << 30
-_BUDGET = re.compile(r"VRAM budget ([0-9.]+) GiB")
 
 
 @dataclass(frozen=True)
@@ -132,17 +130,13 @@ def gpu_report(engine: Any) -> GpuReport:
                      prefill=None if telemetry is None else PrefillReport.of(telemetry))
 
 
-def placement_budget(placement: str) -> int | None:
-    """The VRAM budget, bytes, that the engine's placement plan text states, or None."""
-    found = _BUDGET.search(placement)
-    return round(float(found.group(1)) * GIB) if found else None
+def device_phrase(device: str, budget: int = 0, gpu_name: str = "") -> str:
+    """Where prefill runs, for the model summary: "prefill on GPU (H200, budget 6.0 GiB)" / "prefill on CPU".
 
-
-def device_phrase(device: str, placement: str = "", gpu_name: str = "") -> str:
-    """Where prefill runs, for the model summary: "prefill on GPU (H200, budget 6.0 GiB)" / "prefill on CPU"."""
+    ``budget`` is the engine's VRAM budget in bytes (``ModelInfo.vram_budget``; 0 = not shown).
+    """
     if device != "cuda":
         return "prefill on CPU"
-    budget = placement_budget(placement)
     details = [gpu_name.removeprefix("NVIDIA ").strip()] + ([f"budget {budget / GIB:.1f} GiB"] if budget else [])
     details = [d for d in details if d]
     return "prefill on GPU" + (f" ({', '.join(details)})" if details else "")

@@ -243,7 +243,7 @@ class MainWindow(QMainWindow):
         if summary is None:
             return
         gpu = self.monitor.gpu if self.monitor is not None else None
-        phrase = device_phrase(device, summary.placement, gpu.name if gpu is not None else "")
+        phrase = device_phrase(device, summary.vram_budget, gpu.name if gpu is not None else "")
         self._set_banner(f"{summary.line}; {phrase}", False)
         self.banner.setToolTip("\n\n".join(t for t in (summary.placement if device == "cuda" else "", note) if t))
 

@@ -97,6 +97,7 @@ class ModelInfo:
         device: where prefill runs, "cuda" or "cpu" (decode always runs on the CPU).
         device_note: why prefill is on the CPU when a GPU was asked for or looked for, or "".
         placement: the GPU placement plan in words (what stays in VRAM, what streams), or "".
+        vram_budget: the GPU prefill's VRAM budget, bytes (0 on the CPU).
     """
 
     path: Path
@@ -111,6 +112,7 @@ class ModelInfo:
     device: str = "cpu"
     device_note: str = ""
     placement: str = ""
+    vram_budget: int = 0
 
 
 class Engine:
@@ -176,7 +178,8 @@ class Engine:
                          bytes_per_token=self.gguf.bytes_per_token(), context=self.context,
                          has_vision=self.vision is not None, device="cuda" if self.gpu is not None else "cpu",
                          device_note=self.device_note,
-                         placement=self.gpu.plan.text() if self.gpu is not None else "")
+                         placement=self.gpu.plan.text() if self.gpu is not None else "",
+                         vram_budget=self.gpu.plan.budget if self.gpu is not None else 0)
 
     def telemetry(self) -> Any:
         """The last GPU prefill's :class:`~engine.backends.cuda_plan.PrefillTelemetry` (H2D bytes and

@@ -31,6 +31,7 @@ class FakeInfo:
     device: str = "cpu"
     device_note: str = ""
     placement: str = ""
+    vram_budget: int = 0
 
 
 class FakeEngine:

@@ -16,7 +16,7 @@ from engine.backends.cuda_plan import LayerTelemetry, PrefillTelemetry
 from fake_engine import FakeEngine, FakeInfo
 
 PLACEMENT = "GPU prefill placement, VRAM budget 6.00 GiB:\n  resident    0.010 GiB  attention + delta-net weights"
-GPU_INFO = FakeInfo(device="cuda", placement=PLACEMENT)
+GPU_INFO = FakeInfo(device="cuda", placement=PLACEMENT, vram_budget=6 * 2**30)
 
 
 class FakeGpu:
@@ -103,8 +103,8 @@ def test_cpu_mode_shows_the_device_note(qtbot, make_window):
 
 
 def test_summary_device_phrase_and_report():
-    assert device_phrase("cuda", PLACEMENT, "NVIDIA H200") == "prefill on GPU (H200, budget 6.0 GiB)"
-    assert device_phrase("cuda") == "prefill on GPU" and device_phrase("cpu", PLACEMENT) == "prefill on CPU"
+    assert device_phrase("cuda", 6 * 2**30, "NVIDIA H200") == "prefill on GPU (H200, budget 6.0 GiB)"
+    assert device_phrase("cuda") == "prefill on GPU" and device_phrase("cpu", 6 * 2**30) == "prefill on CPU"
     summary = summarize(GPU_INFO)
     assert (summary.device, summary.placement) == ("cuda", PLACEMENT)
     report = PrefillReport.of(telemetry())
