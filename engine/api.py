@@ -17,11 +17,11 @@ import math
 import threading
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator, Mapping, Sequence
+from typing import Any, Callable, Iterator, Mapping, Sequence
 
 import platformdirs
 
-from .errors import DeviceError, EngineError, ImageError, ModelFormatError, TemplateError, UnsupportedModelError
+from .errors import DeviceError, EngineError, GenerationCancelled, ImageError, ModelFormatError, TemplateError, UnsupportedModelError
 from .events import Event
 from .gguf_file import GGUFFile
 from .mmproj import load_mmproj
@@ -144,28 +144,52 @@ class Engine:
 
     @classmethod
     def load(cls, model_path: str | Path, mmproj_path: str | Path | None = None,
-             options: EngineOptions = EngineOptions()) -> "Engine":
+             options: EngineOptions = EngineOptions(), progress: Callable[[str], None] | None = None,
+             cancel: threading.Event | None = None) -> "Engine":
         """Open a Qwen3.5/3.6 GGUF text model (memory-mapped), its tokenizer and optionally its
-        mmproj vision tower.
+        mmproj vision tower, and place weights for GPU prefill when a GPU works.
+
+        Args:
+            progress: called with the name of each stage as it starts ("mapping tensors",
+                "building the tokenizer", "preparing weights", "loading the vision tower",
+                "placing weights on the GPU").
+            cancel: checked between stages.
 
         Raises:
             ModelFormatError: a file is malformed (names the file and the key or tensor), or the
                 mmproj's projection width differs from the text model's hidden size.
             UnsupportedModelError: wrong architecture or unsupported quant type.
             TokenizerError: tokenizer metadata or chat template missing or unusable.
+            GenerationCancelled: ``cancel`` was set (resources opened so far are released).
         """
+        def stage(name: str) -> None:
+            if cancel is not None and cancel.is_set():
+                raise GenerationCancelled(f"loading {Path(model_path).name} was cancelled")
+            if progress is not None:
+                progress(name)
+
+        stage("mapping tensors")
         gguf = GGUFFile.open(model_path)
+        stage("building the tokenizer")
         tokenizer = Tokenizer.from_gguf(gguf.meta, gguf.source)
+        stage("preparing weights")
         model = _text_model(gguf, options)
         vision = None
         if mmproj_path is not None:
+            stage("loading the vision tower")
             mm = load_mmproj(mmproj_path)
             if mm.hparams.out_dim != gguf.hparams.n_embd:
                 raise ModelFormatError(
                     f"{mmproj_path}: clip.vision.projection_dim = {mm.hparams.out_dim} does not match the text "
                     f"model's embedding_length = {gguf.hparams.n_embd} ({gguf.source}): not its vision tower")
             vision = ImageEncoder(mm, max_pixels=options.image_max_pixels)
+        if options.device != "cpu":
+            stage("placing weights on the GPU")
         gpu, note = _open_gpu(gguf, options)
+        if cancel is not None and cancel.is_set():
+            if gpu is not None:
+                gpu.close()
+            raise GenerationCancelled(f"loading {Path(model_path).name} was cancelled")
         return cls(gguf, tokenizer, model, options, vision, gpu, note)
 
     @property

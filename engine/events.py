@@ -1,7 +1,8 @@
 """Plain dataclasses that :meth:`engine.api.Engine.chat` yields, one turn at a time.
 
 The app forwards them through Qt signals as they are; nothing here knows about Qt.
-Order within one turn: one :class:`PrefillStats`, then :class:`TokenEvent` per generated token,
+Order within one turn: :class:`PrefillProgress` after each piece of the prompt read (none when
+nothing is prefilled), one :class:`PrefillStats`, then :class:`TokenEvent` per generated token,
 then exactly one :class:`TurnSummary` (also after a cancel, a context-full stop or an error).
 """
 
@@ -11,6 +12,21 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 StopReason = Literal["eos", "max_tokens", "context_full", "cancelled", "error"]
+
+
+@dataclass(frozen=True)
+class PrefillProgress:
+    """Emitted after each piece of the prompt has been read, for a progress bar.
+
+    Attributes:
+        done: prompt tokens read so far, reused ones included.
+        total: prompt tokens in all.
+        elapsed_ms: time since prefill started, ms.
+    """
+
+    done: int
+    total: int
+    elapsed_ms: float
 
 
 @dataclass(frozen=True)
@@ -89,4 +105,4 @@ class TurnSummary:
     token_ms: tuple[float, ...] = field(default_factory=tuple)
 
 
-Event = PrefillStats | TokenEvent | TurnSummary
+Event = PrefillProgress | PrefillStats | TokenEvent | TurnSummary

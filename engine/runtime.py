@@ -17,7 +17,7 @@ from typing import Any, Iterator, Sequence
 import numpy as np
 
 from .errors import DeviceError
-from .events import Event, PrefillStats, TokenEvent, TurnSummary
+from .events import Event, PrefillProgress, PrefillStats, TokenEvent, TurnSummary
 from .models.qwen35 import Qwen35Model
 from .prefix_cache import PrefixCache, chain_keys
 from .sampling import Sampler, SamplingParams
@@ -98,11 +98,14 @@ def _inputs(model: Qwen35Model, tokens: Sequence[int], a: int, b: int, positions
     return kw
 
 
-def prefill(model: Qwen35Model, tokens: Sequence[int], state: SequenceState, cancel: threading.Event,
+def prefill_pieces(model: Qwen35Model, tokens: Sequence[int], state: SequenceState, cancel: threading.Event,
             stops: Sequence[int] = (), on_stop=None, positions: np.ndarray | None = None,
             images: Sequence[tuple[int, np.ndarray, bytes]] = (), gpu: Any = None,
-            gpu_min_tokens: int = 32, devices: list[str] | None = None) -> np.ndarray | None:
-    """Run ``tokens[state.pos:]`` through the model, in pieces.
+            gpu_min_tokens: int = 32, devices: list[str] | None = None) -> Iterator[PrefillProgress]:
+    """Run ``tokens[state.pos:]`` through the model, in pieces; a generator.
+
+    Yields a :class:`PrefillProgress` after every piece; its return value (``logits = yield from
+    prefill_pieces(...)``) is what Returns says. :func:`prefill` is the same without progress.
 
     Args:
         model: the text model (the CPU path).
@@ -129,6 +132,7 @@ def prefill(model: Qwen35Model, tokens: Sequence[int], state: SequenceState, can
     n = len(tokens)
     logits = None
     stop_set = set(stops)
+    t0 = time.perf_counter()
     bounds = sorted({p for p in stop_set if state.pos < p < n}) + [n]
     for stop in bounds:
         start = state.pos
@@ -147,15 +151,28 @@ def prefill(model: Qwen35Model, tokens: Sequence[int], state: SequenceState, can
                 logits = model.forward(piece, state, **kw)[-1]
             if devices is not None:
                 devices.append("cuda" if on_gpu else "cpu")
+            yield PrefillProgress(done=state.pos, total=n, elapsed_ms=_ms(t0))
         if on_stop is not None and stop in stop_set and stop < n:
             on_stop(stop, logits)
     return logits
 
 
+def prefill(*args, **kwargs) -> np.ndarray | None:
+    """:func:`prefill_pieces` run to the end: the (n_vocab,) float32 logits of the last prompt
+    token, or None when cancelled. Same arguments."""
+    pieces = prefill_pieces(*args, **kwargs)
+    while True:
+        try:
+            next(pieces)
+        except StopIteration as done:
+            return done.value
+
+
 def run_turn(turn: Turn) -> Iterator[Event]:
     """Generate one answer for ``turn.prompt``.
 
-    Yields one :class:`PrefillStats`, a :class:`TokenEvent` per token, then one :class:`TurnSummary`.
+    Yields a :class:`PrefillProgress` per prompt piece read, one :class:`PrefillStats`, a
+    :class:`TokenEvent` per token, then one :class:`TurnSummary`.
     Generation stops at an end-of-generation token, ``sampling.max_tokens``, a full context
     (stop_reason "context_full" with the context size in the message) or a cancel (checked before
     every forward call, so it takes effect within one token).
@@ -195,8 +212,8 @@ def run_turn(turn: Turn) -> Iterator[Event]:
         gpu = turn.gpu
         while True:
             try:
-                logits = prefill(turn.model, turn.prompt, state, turn.cancel, sorted(stops), snapshot,
-                                 turn.positions, turn.images, gpu, turn.gpu_min_tokens, devices)
+                logits = yield from prefill_pieces(turn.model, turn.prompt, state, turn.cancel, sorted(stops), snapshot,
+                                            turn.positions, turn.images, gpu, turn.gpu_min_tokens, devices)
                 break
             except DeviceError as exc:
                 note = f"GPU prefill failed, continuing on the CPU: {exc}"

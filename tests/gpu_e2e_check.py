@@ -9,12 +9,12 @@ from __future__ import annotations
 import sys
 
 from engine.api import Engine, EngineOptions
-from engine.events import PrefillStats, TokenEvent
+from engine.events import PrefillProgress, PrefillStats, TokenEvent
 from engine.sampling import SamplingParams
 
 
 def run(engine: Engine, messages) -> tuple[PrefillStats, list[int]]:
-    events = list(engine.chat(messages, SamplingParams.greedy(16)))
+    events = [e for e in engine.chat(messages, SamplingParams.greedy(16)) if not isinstance(e, PrefillProgress)]
     return events[0], [e.token_id for e in events if isinstance(e, TokenEvent)]
 
 

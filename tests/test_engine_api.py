@@ -9,7 +9,7 @@ import pytest
 
 from engine.__main__ import main
 from engine.api import Engine, EngineOptions
-from engine.events import PrefillStats, TokenEvent, TurnSummary
+from engine.events import PrefillProgress, PrefillStats, TokenEvent, TurnSummary
 from engine.sampling import SamplingParams
 
 GREEDY = SamplingParams.greedy(max_tokens=12)
@@ -40,6 +40,7 @@ def warm(_warm):
 
 def run(events):
     events = list(events)
+    events = [e for e in events if not isinstance(e, PrefillProgress)]
     assert isinstance(events[0], (PrefillStats, TurnSummary))
     assert isinstance(events[-1], TurnSummary)
     return events[0], [e for e in events if isinstance(e, TokenEvent)], events[-1]
@@ -289,3 +290,31 @@ def test_answer_end_snapshot_only_when_the_answer_rerenders(tiny) -> None:
     engine.tokenizer.chat_template = ChatTemplate(chatml)
     prompt = engine.render(msgs)
     assert engine.answer_rerenders(msgs, prompt, answer)              # plain ChatML re-renders it as generated
+
+
+def test_prefill_progress_events(cold) -> None:
+    import engine.runtime as runtime
+    msgs = [{"role": "user", "content": "word " * 300}]
+    events = list(cold.chat(msgs, SamplingParams.greedy(2)))
+    progress = [e for e in events if isinstance(e, PrefillProgress)]
+    stats_at = next(i for i, e in enumerate(events) if isinstance(e, PrefillStats))
+    total = len(cold.render(msgs))
+    assert total > runtime.PREFILL_PIECE and len(progress) >= 2
+    assert all(isinstance(e, PrefillProgress) for e in events[:stats_at])
+    assert [p.done for p in progress] == sorted(p.done for p in progress) and progress[-1].done == total
+    assert all(p.total == total for p in progress)
+
+
+def test_load_reports_stages_and_can_be_cancelled(tiny) -> None:
+    from engine.errors import GenerationCancelled
+    stages: list[str] = []
+    Engine.load(tiny, options=EngineOptions(device="cpu"), progress=stages.append)
+    assert stages == ["mapping tensors", "building the tokenizer", "preparing weights"]
+    cancel = threading.Event()
+
+    def stop_after_mapping(stage: str) -> None:
+        if stage == "mapping tensors":
+            cancel.set()
+
+    with pytest.raises(GenerationCancelled, match="cancelled"):
+        Engine.load(tiny, options=EngineOptions(device="cpu"), progress=stop_after_mapping, cancel=cancel)

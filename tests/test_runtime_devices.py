@@ -12,7 +12,7 @@ import pytest
 
 from engine.api import Engine, EngineOptions
 from engine.errors import DeviceError
-from engine.events import PrefillStats, TokenEvent, TurnSummary
+from engine.events import PrefillProgress, PrefillStats, TokenEvent, TurnSummary
 from engine.sampling import SamplingParams
 
 
@@ -42,7 +42,7 @@ def tiny(synth_model):
 
 
 def turn(engine, messages):
-    events = list(engine.chat(messages, SamplingParams.greedy(6)))
+    events = [e for e in engine.chat(messages, SamplingParams.greedy(6)) if not isinstance(e, PrefillProgress)]
     return events[0], [e.token_id for e in events if isinstance(e, TokenEvent)], events[-1]
 
 
