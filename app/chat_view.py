@@ -249,6 +249,11 @@ class MessageWidget(QFrame):
         self._set_thinking("", thinking_first)
         self.body.set_plain("")
 
+    def show_prefill(self, done: int, total: int) -> None:
+        """Say how much of the prompt has been read, until the answer's first text replaces it."""
+        if self.streaming and not self.raw:
+            self.stats_label.setText(f"Reading the prompt: {done:,} / {total:,} tokens")
+
     def append(self, text: str) -> None:
         """Add streamed text; redraws this widget only, as plain text."""
         self.raw += text

@@ -17,9 +17,9 @@ from typing import Any, Callable
 
 from PySide6.QtCore import QObject, QTimer, Signal, Slot
 
-from engine.events import PrefillStats, TurnSummary
+from engine.events import PrefillProgress, PrefillStats, TurnSummary
 
-from .chat_view import ChatView
+from .chat_view import ChatView, MessageWidget
 from .engine_worker import ChatRequest, EngineWorker
 from .history import Branch, HistoryStore, Message, TurnStart
 from .history_thread import HistoryThread
@@ -58,7 +58,8 @@ def title_for(text: str) -> str:
 
 @dataclass
 class LiveTurn:
-    """The answer being generated: where it is stored and what has arrived so far."""
+    """The answer being generated: where it is stored and what has arrived so far (``progress``:
+    the last prefill progress, until the prompt has been read)."""
 
     conversation_id: int
     message_id: int
@@ -70,6 +71,7 @@ class LiveTurn:
     saved_len: int = 0
     restore_ms: float = 0.0
     note: str = ""
+    progress: PrefillProgress | None = None
 
 
 class ChatController(QObject):
@@ -100,6 +102,7 @@ class ChatController(QObject):
         self.live: LiveTurn | None = None
         self._starting = False
         self.request_chat.connect(worker.chat)
+        worker.prefill_progress.connect(self.on_prefill_progress)
         worker.prefilled.connect(self.on_prefilled)
         worker.tokens.connect(self.on_tokens)
         worker.finished.connect(self.on_finished)
@@ -128,7 +131,10 @@ class ChatController(QObject):
             if widget is not None:
                 widget.raw = ""
                 widget.start_streaming(live.thinking)
-                widget.append(live.text)
+                if live.text:
+                    widget.append(live.text)
+                elif live.progress is not None:
+                    widget.show_prefill(live.progress.done, live.progress.total)
 
     def send(self, text: str, images: list[str], thinking: bool = False) -> bool:
         """Add a user message at the end of the active branch and answer it; False while busy."""
@@ -185,10 +191,26 @@ class ChatController(QObject):
         self._save_timer.start()
         self.request_chat.emit(request)
 
+    def _shown_widget(self, live: LiveTurn) -> MessageWidget | None:
+        """The live answer's widget, when its conversation is the one shown."""
+        return self.view.widget_for(live.message_id) if live.conversation_id == self.conversation_id else None
+
+    @Slot(object)
+    def on_prefill_progress(self, progress: PrefillProgress) -> None:
+        """Part of the prompt has been read: show how much in the streaming message."""
+        live = self.live
+        if live is None:
+            return
+        live.progress = progress
+        widget = self._shown_widget(live)
+        if widget is not None:
+            widget.show_prefill(progress.done, progress.total)
+
     @Slot(object)
     def on_prefilled(self, stats: PrefillStats) -> None:
         """The prompt has been read: remember how long restoring a cached prefix took and the engine's note."""
         if self.live is not None:
+            self.live.progress = None
             self.live.restore_ms = stats.restore_ms
             self.live.note = stats.note
 
@@ -201,10 +223,9 @@ class ChatController(QObject):
         live.text += text
         if live.thinking and live.thought_s is None and THINK_CLOSE in live.text:
             live.thought_s = time.monotonic() - live.started
-        if live.conversation_id == self.conversation_id:
-            widget = self.view.widget_for(live.message_id)
-            if widget is not None:
-                widget.append(text)
+        widget = self._shown_widget(live)
+        if widget is not None:
+            widget.append(text)
 
     def save_partial(self) -> None:
         """Write the live answer's text so far (the timer calls this every few seconds)."""
@@ -233,10 +254,9 @@ class ChatController(QObject):
         if live.thought_s is not None:
             stats["thinking_s"] = round(live.thought_s, 1)
         self.history.call(HistoryStore.update_message, live.message_id, live.text, state, stats)
-        if live.conversation_id == self.conversation_id:
-            widget = self.view.widget_for(live.message_id)
-            if widget is not None:
-                widget.finish(live.text, state, stats)
+        widget = self._shown_widget(live)
+        if widget is not None:
+            widget.finish(live.text, state, stats)
         self.busy_changed.emit(False)
         self.conversation_touched.emit(live.conversation_id)
 

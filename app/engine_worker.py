@@ -2,12 +2,14 @@
 
 The UI talks to it through queued signals (``load``, ``chat``, ...) and cancels a running turn
 through the ``threading.Event`` inside the :class:`ChatRequest`, which the engine checks between
-tokens. Tokens are forwarded in batches at most every :data:`BATCH_SECONDS`, so the UI thread
-handles a few dozen small updates a second whatever the decode speed.
+prompt pieces and between tokens. Tokens and prefill progress are forwarded at most every
+:data:`BATCH_SECONDS`, so the UI thread handles a few dozen small updates a second whatever the
+prefill and decode speed.
 
-``Engine.load`` takes no cancel flag, and a 20 GB model takes a while to map and prepare, so each
-load runs on a daemon thread of its own: :meth:`EngineWorker.cancel_load` (or closing the window)
-abandons it at once, and its result is dropped when it arrives.
+A 20 GB model takes a while to map and prepare, so each load runs on a daemon thread of its own
+and reports the stage it is at. :meth:`EngineWorker.cancel_load` (or closing the window) sets the
+load's cancel flag, which ``Engine.load`` checks between stages, and abandons the load at once:
+whatever the loader thread still returns is dropped when it arrives.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ from typing import Any, Callable, Generator, Protocol, Sequence
 from PySide6.QtCore import QMetaObject, QObject, Qt, QThread, Signal, Slot
 
 from engine.errors import EngineError, GenerationCancelled
-from engine.events import Event, PrefillStats, TokenEvent, TurnSummary
+from engine.events import Event, PrefillProgress, PrefillStats, TokenEvent, TurnSummary
 
 from .gpu import gpu_report
 
@@ -85,14 +87,17 @@ class LoadRequest:
         return Path(self.model_path).name if self.model_path else "the default model"
 
 
-EngineLoader = Callable[[LoadRequest], ChatEngine]
+LoadProgress = Callable[[str], None]
+EngineLoader = Callable[[LoadRequest, LoadProgress, threading.Event], ChatEngine]
+"""Opens the model a request names; calls the progress callable with the name of each stage as it
+starts and stops early (raising :class:`~engine.errors.GenerationCancelled`) once the event is set."""
 
 
-def load_real_engine(request: LoadRequest) -> ChatEngine:
+def load_real_engine(request: LoadRequest, progress: LoadProgress, cancel: threading.Event) -> ChatEngine:
     """Open a model with :mod:`engine.api`; with no path, the engine's default model.
 
     ``engine.api`` (numpy, gguf, tokenizers) is imported here, off the UI thread, so the window
-    appears before those heavy imports run.
+    appears before those heavy imports run. ``progress`` and ``cancel`` go to ``Engine.load``.
     """
     from engine import api
 
@@ -103,7 +108,7 @@ def load_real_engine(request: LoadRequest) -> ChatEngine:
     options = api.EngineOptions(context=request.context, image_max_pixels=request.image_max_pixels,
                                 cache_disk_dir=request.cache_dir, threads=request.threads, device=request.device,
                                 vram_budget=request.vram_budget)
-    return api.Engine.load(model_path, mmproj_path, options)
+    return api.Engine.load(model_path, mmproj_path, options, progress=progress, cancel=cancel)
 
 
 @dataclass(frozen=True)
@@ -191,6 +196,8 @@ class EngineWorker(QObject):
 
     Signals:
         loaded(ModelSummary), load_failed(str): the outcome of :meth:`load` (none after a cancel).
+        load_stage(LoadRequest, str): the load of that request has begun a stage ("mapping tensors", ...).
+        prefill_progress(PrefillProgress): how much of the prompt has been read (at most one per batch).
         prefilled(PrefillStats): the prompt has been read.
         tokens(str, list): a batch of answer text and the per-token latencies (ms) it holds.
         finished(TurnSummary): the turn is over (also after a cancel or an error; its ``message``
@@ -204,6 +211,8 @@ class EngineWorker(QObject):
 
     loaded = Signal(object)
     load_failed = Signal(str)
+    load_stage = Signal(object, str)
+    prefill_progress = Signal(object)
     prefilled = Signal(object)
     tokens = Signal(str, list)
     finished = Signal(object)
@@ -220,6 +229,7 @@ class EngineWorker(QObject):
         self._load_error = "No model is loaded yet."
         self._lock = threading.Lock()
         self._load_number = 0
+        self._load_cancel = threading.Event()
         self.closing = threading.Event()
         self._load_done.connect(self._install)
 
@@ -227,23 +237,28 @@ class EngineWorker(QObject):
     def load(self, request: LoadRequest) -> None:
         """Drop the current model (saving its snapshots) and load another on a loader thread.
 
-        Emits ``loaded`` or ``load_failed`` later, unless :meth:`cancel_load` was called meanwhile.
+        A load still in progress is cancelled. Emits ``load_stage`` as the load goes, then
+        ``loaded`` or ``load_failed``, unless :meth:`cancel_load` was called meanwhile.
         """
         self._close_engine()
+        cancel = threading.Event()
         with self._lock:
+            self._load_cancel.set()
+            self._load_cancel = cancel
             self._load_number += 1
             number = self._load_number
         self._load_error = "The model is still loading."
-        threading.Thread(target=self._load_in_background, args=(number, request), name=f"model-load-{number}",
-                         daemon=True).start()
+        threading.Thread(target=self._load_in_background, args=(number, request, cancel),
+                         name=f"model-load-{number}", daemon=True).start()
 
     def cancel_load(self) -> None:
-        """Abandon the load in progress; callable from any thread, returns at once.
+        """Stop the load in progress; callable from any thread, returns at once.
 
-        The loader thread runs to its end in the background (the engine cannot interrupt a load)
-        and what it loaded is dropped.
+        The load's cancel flag is set, so the engine stops at its next stage; whatever the loader
+        thread still returns is dropped.
         """
         with self._lock:
+            self._load_cancel.set()
             self._load_number += 1
         self._load_error = "Loading the model was cancelled."
 
@@ -251,9 +266,13 @@ class EngineWorker(QObject):
         with self._lock:
             return number == self._load_number
 
-    def _load_in_background(self, number: int, request: LoadRequest) -> None:
+    def _load_in_background(self, number: int, request: LoadRequest, cancel: threading.Event) -> None:
+        def progress(stage: str) -> None:
+            if self._is_current(number):
+                self.load_stage.emit(request, stage)
+
         try:
-            engine: ChatEngine | None = self._loader(request)
+            engine: ChatEngine | None = self._loader(request, progress, cancel)
             outcome: Any = summarize(engine.info)
         except Exception as exc:  # noqa: BLE001 - every failure becomes a message in the window
             engine, outcome = None, plain_error(exc, f"loading {request.name}")
@@ -374,6 +393,7 @@ class _TurnStream:
         self.ms: list[float] = []
         self.pending: list[str] = []
         self.pending_ms: list[float] = []
+        self.pending_progress: PrefillProgress | None = None
         self.last_flush = time.monotonic()
         self.prefill: PrefillStats | None = None
         self.done = False
@@ -386,13 +406,21 @@ class _TurnStream:
             self.pending_ms.append(event.ms)
             if time.monotonic() - self.last_flush >= BATCH_SECONDS:
                 self.flush()
+        elif isinstance(event, PrefillProgress):
+            self.pending_progress = event
+            if time.monotonic() - self.last_flush >= BATCH_SECONDS:
+                self.flush()
         elif isinstance(event, PrefillStats):
+            self.pending_progress = None
             self.prefill = event
             self.worker.prefilled.emit(event)
         elif isinstance(event, TurnSummary):
             self.finish(event)
 
     def flush(self) -> None:
+        if self.pending_progress is not None:
+            self.worker.prefill_progress.emit(self.pending_progress)
+            self.pending_progress = None
         if self.pending_ms:
             self.worker.tokens.emit("".join(self.pending), self.pending_ms)
             self.pending, self.pending_ms = [], []

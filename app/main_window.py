@@ -136,6 +136,7 @@ class MainWindow(QMainWindow):
         self.sidebar.snapshots.clear_requested.connect(worker.clear_snapshots)
         worker.loaded.connect(self._loaded)
         worker.load_failed.connect(self._load_failed)
+        worker.load_stage.connect(self._load_stage)
         worker.prefilled.connect(self.sidebar.on_prefill)
         worker.tokens.connect(self.sidebar.on_tokens)
         worker.finished.connect(self.sidebar.on_summary)
@@ -216,13 +217,19 @@ class MainWindow(QMainWindow):
         self.load_model(self.prefs.model_path or None, mmproj_path or self.prefs.mmproj_path or None)
 
     def cancel_load(self) -> None:
-        """Abandon the model load in progress; the window is usable at once, with no model."""
+        """Stop the model load in progress; the window is usable at once, with no model."""
         if self.loading is None:
             return
         self.engine.worker.cancel_load()
         self.loading = None
         self._show_loading(False)
         self._set_banner("Loading was cancelled; no model is loaded. Open one with Ctrl+O or in Settings.", False)
+
+    @Slot(object, str)
+    def _load_stage(self, request: LoadRequest, stage: str) -> None:
+        """The banner names the stage the load in progress has reached (stages of an older load are ignored)."""
+        if request is self.loading:
+            self._set_banner(f"Loading {request.name}: {stage}\u2026", False)
 
     @Slot(object)
     def _loaded(self, summary: ModelSummary) -> None:
@@ -422,7 +429,7 @@ class MainWindow(QMainWindow):
     def closeEvent(self, event: QCloseEvent) -> None:
         """Remember the window, stop the live answer and the threads, write and close the history.
 
-        A model load in progress is abandoned, not waited for.
+        A model load in progress is cancelled, not waited for.
         """
         self.state.setValue("window/geometry", self.saveGeometry())
         self.state.setValue("window/splitter", self.splitter.saveState())

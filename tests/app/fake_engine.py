@@ -11,8 +11,8 @@ from typing import Iterator, Sequence
 from PIL import Image
 
 from engine.api import SnapshotInfo
-from engine.errors import EngineError
-from engine.events import Event, PrefillStats, TokenEvent, TurnSummary
+from engine.errors import EngineError, GenerationCancelled
+from engine.events import Event, PrefillProgress, PrefillStats, TokenEvent, TurnSummary
 
 
 @dataclass(frozen=True)
@@ -39,6 +39,9 @@ class FakeEngine:
 
     ``info`` is a :class:`FakeInfo` (its ``device`` goes into ``PrefillStats``), ``gpu_telemetry`` what
     :meth:`telemetry` returns (None: prefill on the CPU), ``note`` the turns' ``PrefillStats.note``.
+    With ``prompt_pieces`` the 20 prefilled tokens of a 30-token prompt (10 reused) are read in that
+    many pieces of ``piece_ms`` each, a ``PrefillProgress`` after each and the cancel flag checked
+    between them, as the real engine does; ``pieces_read`` counts them.
     ``produced`` counts the tokens it has yielded; ``calls`` keeps each turn's messages, ``samplings``
     and ``conversations`` its other arguments, ``loads`` the LoadRequests that returned it. Each
     turn leaves a prefix snapshot; images reach the "model" at half their size.
@@ -46,8 +49,11 @@ class FakeEngine:
 
     def __init__(self, tokens: Sequence[str] = ("Hello", ",", " world", "."), token_ms: float = 1.0,
                  has_vision: bool = False, prefill_ms: float = 2.0, fail_with: Exception | None = None,
-                 info: FakeInfo | None = None) -> None:
+                 info: FakeInfo | None = None, prompt_pieces: int = 0, piece_ms: float = 1.0) -> None:
         self.tokens = list(tokens)
+        self.prompt_pieces = prompt_pieces
+        self.piece_ms = piece_ms
+        self.pieces_read = 0
         self.token_ms = token_ms
         self.prefill_ms = prefill_ms
         self.fail_with = fail_with
@@ -98,6 +104,14 @@ class FakeEngine:
 
     def _turn(self, cancel: threading.Event) -> Iterator[Event]:
         t0 = time.perf_counter()
+        for piece in range(self.prompt_pieces):
+            if cancel.is_set():
+                yield self._summary("cancelled", "", 0)
+                return
+            time.sleep(self.piece_ms / 1e3)
+            self.pieces_read += 1
+            yield PrefillProgress(done=10 + 20 * (piece + 1) // self.prompt_pieces, total=30,
+                                  elapsed_ms=(time.perf_counter() - t0) * 1e3)
         time.sleep(self.prefill_ms / 1e3)
         yield PrefillStats(prompt_tokens=30, reused_tokens=10, prefilled_tokens=20, prefill_ms=self.prefill_ms,
                            restore_ms=1.5, device=self.info.device, ttft_ms=(time.perf_counter() - t0) * 1e3,
@@ -124,7 +138,7 @@ class FakeEngine:
 
 def loader_for(engine: FakeEngine):
     """An EngineLoader that returns ``engine`` whatever the request (recorded in ``engine.loads``)."""
-    def load(request):
+    def load(request, progress, cancel):
         engine.loads.append(request)
         return engine
     return load
@@ -132,13 +146,14 @@ def loader_for(engine: FakeEngine):
 
 def failing_loader(message: str):
     """An EngineLoader that raises EngineError(message)."""
-    def load(request):
+    def load(request, progress, cancel):
         raise EngineError(message)
     return load
 
 
 class BlockingLoader:
-    """An EngineLoader that waits until :meth:`release` (a big model loading), then returns ``engine``."""
+    """An EngineLoader that waits until :meth:`release` (a big model loading), then returns ``engine``;
+    it reports no stages and ignores the cancel flag (the worker must drop its late result)."""
 
     def __init__(self, engine: FakeEngine) -> None:
         self.engine = engine
@@ -146,7 +161,7 @@ class BlockingLoader:
         self._release = threading.Event()
         self.threads: list[threading.Thread] = []
 
-    def __call__(self, request):
+    def __call__(self, request, progress, cancel):
         self.threads.append(threading.current_thread())
         self.started.set()
         self._release.wait(10)
@@ -158,3 +173,41 @@ class BlockingLoader:
         self._release.set()
         for thread in self.threads:
             thread.join(5)
+
+
+class StagedLoader:
+    """An EngineLoader that goes through ``Engine.load``'s stages one :meth:`step` at a time.
+
+    Like the real load it calls ``progress`` with each stage's name as the stage starts and raises
+    GenerationCancelled at the next stage once the cancel flag is set; ``stages`` are the names
+    reported, ``cancelled`` is set when it stopped for the flag, ``finished`` when it has returned
+    or raised.
+    """
+
+    STAGES = ("mapping tensors", "building the tokenizer", "preparing weights", "loading the vision tower",
+              "placing weights on the GPU")
+
+    def __init__(self, engine: FakeEngine) -> None:
+        self.engine = engine
+        self.stages: list[str] = []
+        self.cancelled = threading.Event()
+        self.finished = threading.Event()
+        self._steps = threading.Semaphore(0)
+
+    def __call__(self, request, progress, cancel):
+        try:
+            for name in self.STAGES:
+                if cancel.is_set():
+                    self.cancelled.set()
+                    raise GenerationCancelled(f"loading {request.name} was cancelled")
+                self.stages.append(name)
+                progress(name)
+                self._steps.acquire(timeout=10)
+            self.engine.loads.append(request)
+            return self.engine
+        finally:
+            self.finished.set()
+
+    def step(self) -> None:
+        """Let the current stage end."""
+        self._steps.release()

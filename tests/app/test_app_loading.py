@@ -1,4 +1,5 @@
-"""Loading models: drop a .gguf on the window, cancel a slow load, close while one runs."""
+"""Loading models: drop a .gguf on the window, the load's stages in the banner, cancel a slow load,
+close while one runs."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ from PySide6.QtCore import QMimeData, QPoint, QPointF, Qt, QUrl
 from PySide6.QtGui import QDragEnterEvent, QDropEvent
 from PySide6.QtWidgets import QApplication
 
-from fake_engine import BlockingLoader, FakeEngine, loader_for
+from fake_engine import BlockingLoader, FakeEngine, StagedLoader, loader_for
 
 
 def _mime(*paths):
@@ -70,6 +71,34 @@ def test_a_slow_load_can_be_cancelled_and_its_model_is_dropped(qtbot, make_windo
     with qtbot.waitSignal(window.controller.busy_changed, check_params_cb=lambda busy: not busy, timeout=5000):
         qtbot.keyClick(window.composer.editor, Qt.Key_Return)
     assert "Cannot answer: Loading the model was cancelled." in window.chat_view.widgets[-1].stats_label.text()
+
+
+def test_the_banner_shows_the_load_stage_and_cancel_stops_the_load(qtbot, make_window):
+    loader = StagedLoader(FakeEngine())
+    window = make_window(loader=loader, load=False)
+    window.load_model("/models/huge.gguf")
+    qtbot.waitUntil(lambda: window.banner.text() == "Loading huge.gguf: mapping tensors\u2026")
+    loader.step()
+    qtbot.waitUntil(lambda: window.banner.text() == "Loading huge.gguf: building the tokenizer\u2026")
+    assert window.load_progress.isVisible()
+    qtbot.mouseClick(window.cancel_load_button, Qt.LeftButton)
+    assert "cancelled" in window.banner.text() and not window.cancel_load_button.isVisible()
+    loader.step()
+    assert loader.finished.wait(5) and loader.cancelled.is_set()
+    qtbot.wait(50)
+    assert window.model is None and "cancelled" in window.banner.text()
+    assert loader.stages == ["mapping tensors", "building the tokenizer"]
+
+
+def test_a_staged_load_runs_to_the_model_summary(qtbot, make_window):
+    loader = StagedLoader(FakeEngine())
+    window = make_window(loader=loader, load=False)
+    window.load_model("/models/small.gguf")
+    for _ in loader.STAGES:
+        loader.step()
+    qtbot.waitUntil(lambda: window.model is not None)
+    assert "qwen35moe" in window.banner.text() and not window.load_progress.isVisible()
+    assert loader.stages == list(loader.STAGES)
 
 
 def test_closing_while_a_model_loads_does_not_wait_for_it(qtbot, make_window):

@@ -1,4 +1,5 @@
-"""The engine worker on its QThread: loading, batching, cancel within one token, errors."""
+"""The engine worker on its QThread: loading (stages, cancel), batching, prefill progress, cancel
+within one token or one prompt piece, errors."""
 
 from __future__ import annotations
 
@@ -10,7 +11,8 @@ from PySide6.QtCore import QObject, Signal
 
 from app.engine_worker import ChatRequest, LoadRequest, WorkerThread, load_real_engine, plain_error, summarize
 from engine.errors import ModelFormatError
-from fake_engine import BlockingLoader, FakeEngine, FakeInfo, failing_loader, loader_for
+from engine.events import PrefillProgress, PrefillStats
+from fake_engine import BlockingLoader, FakeEngine, FakeInfo, StagedLoader, failing_loader, loader_for
 
 
 class Driver(QObject):
@@ -50,7 +52,7 @@ def _load(qtbot, wt, signal, request=LoadRequest()):
 def test_load_runs_off_the_ui_thread_and_summarizes(qtbot, worker_thread, tmp_path):
     seen = {}
 
-    def loader(request):
+    def loader(request, progress, cancel):
         seen["thread"] = threading.current_thread()
         seen["request"] = request
         return FakeEngine()
@@ -63,16 +65,20 @@ def test_load_runs_off_the_ui_thread_and_summarizes(qtbot, worker_thread, tmp_pa
     assert "qwen35moe" in summary.line and "Q8_0" in summary.line and "read per token" in summary.line
 
 
-def test_the_real_loader_passes_threads_device_and_vram_budget(monkeypatch, tmp_path):
+def test_the_real_loader_passes_options_progress_and_cancel(monkeypatch, tmp_path):
     from engine import api
 
     seen = {}
-    monkeypatch.setattr(api.Engine, "load", classmethod(lambda cls, model, mmproj, options: seen.update(
-        model=model, options=options)))
+    def load(cls, model, mmproj, options, progress, cancel):
+        seen.update(model=model, options=options, progress=progress, cancel=cancel)
+
+    monkeypatch.setattr(api.Engine, "load", classmethod(load))
+    stages, cancel = [], threading.Event()
     load_real_engine(LoadRequest("m.gguf", context=2048, cache_dir=tmp_path, threads=3, device="cuda",
-                                 vram_budget=6 << 30))
+                                 vram_budget=6 << 30), stages.append, cancel)
     assert seen["model"] == "m.gguf" and seen["options"] == api.EngineOptions(
         context=2048, cache_disk_dir=tmp_path, threads=3, device="cuda", vram_budget=6 << 30)
+    assert seen["progress"] == stages.append and seen["cancel"] is cancel
 
 
 def test_load_error_is_plain_words(qtbot, worker_thread):
@@ -129,6 +135,77 @@ def test_cancel_takes_effect_within_one_token(qtbot, worker_thread):
     assert got["text"] == summary.text == "x" * summary.generated_tokens
 
 
+def test_prefill_progress_arrives_in_batches_before_the_answer(qtbot, worker_thread):
+    engine = FakeEngine(tokens=["a", "b"], prompt_pieces=50, piece_ms=4.0)
+    wt = worker_thread(loader_for(engine))
+    _load(qtbot, wt, wt.worker.loaded)
+    order = []
+    wt.worker.prefill_progress.connect(order.append)
+    wt.worker.prefilled.connect(order.append)
+    wt.worker.tokens.connect(lambda text, ms: order.append(text))
+    _, summary = _run(qtbot, wt, ChatRequest([{"role": "user", "content": "hi"}]))
+    assert summary.stop_reason == "eos" and engine.pieces_read == 50
+    progress = [e for e in order if isinstance(e, PrefillProgress)]
+    # 50 pieces at >= 4 ms each take >= 200 ms: ~40 ms batches, never one signal per piece
+    assert 2 <= len(progress) <= 10
+    assert all(p.total == 30 for p in progress) and [p.done for p in progress] == sorted({p.done for p in progress})
+    first_stats = next(i for i, e in enumerate(order) if isinstance(e, PrefillStats))
+    assert all(isinstance(e, PrefillProgress) for e in order[:first_stats])
+    assert all(isinstance(e, str) for e in order[first_stats + 1:]) and "".join(order[first_stats + 1:]) == "ab"
+
+
+def test_cancel_during_prefill_takes_effect_within_one_piece(qtbot, worker_thread):
+    engine = FakeEngine(tokens=["never"], prompt_pieces=1000, piece_ms=5.0)
+    wt = worker_thread(loader_for(engine))
+    _load(qtbot, wt, wt.worker.loaded)
+    request = ChatRequest([{"role": "user", "content": "hi"}])
+    at_cancel = {}
+
+    def cancel(_progress):
+        if not at_cancel:
+            request.cancel.set()
+            at_cancel["read"] = engine.pieces_read
+
+    wt.worker.prefill_progress.connect(cancel)
+    got, summary = _run(qtbot, wt, request)
+    assert summary.stop_reason == "cancelled" and summary.message == "Stopped."
+    assert engine.pieces_read - at_cancel["read"] <= 1 and engine.produced == 0 and got["text"] == ""
+
+
+def test_load_reports_its_stages_and_cancel_stops_the_engine_load(qtbot, worker_thread):
+    loader = StagedLoader(FakeEngine())
+    wt = worker_thread(loader)
+    stages, outcomes = [], []
+    wt.worker.load_stage.connect(lambda request, stage: stages.append((request.model_path, stage)))
+    wt.worker.loaded.connect(outcomes.append)
+    wt.worker.load_failed.connect(outcomes.append)
+    wt.driver.load.emit(LoadRequest("big.gguf"))
+    qtbot.waitUntil(lambda: len(stages) == 1)
+    loader.step()
+    qtbot.waitUntil(lambda: len(stages) == 2)
+    assert stages == [("big.gguf", "mapping tensors"), ("big.gguf", "building the tokenizer")]
+    wt.worker.cancel_load()
+    loader.step()
+    assert loader.finished.wait(5) and loader.cancelled.is_set() and loader.engine.loads == []
+    qtbot.wait(50)
+    assert outcomes == [] and len(stages) == 2
+    _, summary = _run(qtbot, wt, ChatRequest([{"role": "user", "content": "hi"}]))
+    assert summary.message == "Cannot answer: Loading the model was cancelled."
+
+
+def test_a_new_load_cancels_the_one_in_progress(qtbot, worker_thread):
+    first = StagedLoader(FakeEngine())
+    wt = worker_thread(first)
+    wt.driver.load.emit(LoadRequest("first.gguf"))
+    qtbot.waitUntil(lambda: len(first.stages) == 1)
+    wt.worker._loader = loader_for(FakeEngine(tokens=["second"]))
+    (summary,) = _load(qtbot, wt, wt.worker.loaded, LoadRequest("second.gguf"))
+    first.step()
+    assert first.finished.wait(5) and first.cancelled.is_set()
+    _, turn = _run(qtbot, wt, ChatRequest([{"role": "user", "content": "hi"}]))
+    assert turn.text == "second"
+
+
 def test_error_mid_stream_ends_the_turn_with_a_message(qtbot, worker_thread):
     engine = FakeEngine(tokens=["a"] * 10, fail_with=MemoryError())
     wt = worker_thread(loader_for(engine))
@@ -172,7 +249,7 @@ def test_a_cancelled_load_returns_at_once_and_its_model_is_dropped(qtbot, worker
 
 def test_a_newer_load_replaces_the_model_and_closes_the_old_one(qtbot, worker_thread):
     engines = [FakeEngine(tokens=["one"]), FakeEngine(tokens=["two"])]
-    wt = worker_thread(lambda request: engines[int(request.model_path)])
+    wt = worker_thread(lambda request, progress, cancel: engines[int(request.model_path)])
     _load(qtbot, wt, wt.worker.loaded, LoadRequest("0"))
     _load(qtbot, wt, wt.worker.loaded, LoadRequest("1"))
     assert engines[0].closed == 1
