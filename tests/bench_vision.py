@@ -1,22 +1,39 @@
 """Benchmark (not a test): CPU encode time of the vision tower at the real Qwen3.5/3.6 dimensions.
 
     python tests/bench_vision.py [--ftype F16|Q8_0|F32] [--threads N] [--mmproj PATH] [--repeat N]
+                                 [--sizes 448x448,1024x768] [--profile]
 
 Writes a random ``real`` mmproj (27 x 1152, 16 heads, ffn 4304, 48x48 grid, out 2048; ~0.9 GB F16) to
 a temporary folder unless ``--mmproj`` names one, loads it (weights dequantized to float32, ~1.8 GB
-RAM), and times ``VisionTower.encode`` on random 448x448 (196 tokens) and 1024x768 (768 tokens)
-images, preprocessing excluded and reported apart. Prints seconds per image (best of ``--repeat``).
-``--threads`` sets the BLAS thread count (OPENBLAS/OMP/MKL variables, before numpy loads).
+RAM), and times ``VisionTower.encode`` on random images (default 448x448 = 196 tokens and 1024x768 =
+768 tokens), preprocessing excluded and reported apart. Prints the best and the median seconds of
+``--repeat`` runs after one warm-up run, with the 1-minute load average before and after (on a shared
+machine other processes' load changes the wall time several-fold; compare runs made side by side).
+
+``--threads N`` sets the tower's worker threads and the BLAS thread count (OPENBLAS/OMP/MKL variables,
+before numpy loads); default: the engine's CPU thread count. ``--profile`` adds the time per stage,
+summed over the 27 blocks, from the stage callback: ``attn_out`` = LN1 + qkv + RoPE + attention + output
+projection, ``layer_out`` = LN2 + FFN, ``post_ln`` / ``merger_out`` = the merger.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import statistics
 import sys
 import tempfile
 import time
+from collections import defaultdict
 from pathlib import Path
+
+
+def load_average() -> str:
+    """The 1-minute load average, or "?" where /proc is absent."""
+    try:
+        return Path("/proc/loadavg").read_text().split()[0]
+    except OSError:
+        return "?"
 
 
 def main() -> None:
@@ -24,7 +41,9 @@ def main() -> None:
     ap.add_argument("--ftype", default="F16", choices=["F32", "F16", "Q8_0"])
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--mmproj", type=Path, default=None)
-    ap.add_argument("--repeat", type=int, default=1)
+    ap.add_argument("--repeat", type=int, default=3)
+    ap.add_argument("--sizes", default="448x448,1024x768", help="comma-separated WIDTHxHEIGHT")
+    ap.add_argument("--profile", action="store_true")
     args = ap.parse_args()
     if args.threads:
         for var in ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS"):
@@ -47,21 +66,36 @@ def main() -> None:
                   f"{time.perf_counter() - t0:.1f} s")
         t0 = time.perf_counter()
         mm = load_mmproj(path)
-        tower = VisionTower(mm)
-        print(f"load + dequantize: {time.perf_counter() - t0:.1f} s; {mm.hparams}")
+        tower = VisionTower(mm, threads=args.threads)
+        print(f"load + dequantize: {time.perf_counter() - t0:.1f} s; {mm.hparams}; {tower.threads} threads")
         rng = np.random.default_rng(0)
-        for h, w in [(448, 448), (768, 1024)]:
+        for size in args.sizes.split(","):
+            w, h = (int(x) for x in size.split("x"))
             img = Image.fromarray(rng.integers(0, 256, (h, w, 3), dtype=np.uint8))
             t0 = time.perf_counter()
             prep = prepare_image(img, patch=mm.hparams.patch_size, merge=mm.hparams.merge)
             t_prep = time.perf_counter() - t0
-            best = float("inf")
-            for _ in range(max(1, args.repeat)):
-                t0 = time.perf_counter()
-                out = tower.encode(prep.pixel_values, prep.grid)
-                best = min(best, time.perf_counter() - t0)
-            print(f"{w}x{h}: {out.shape[0]} tokens, {prep.pixel_values.shape[0]} patches; "
-                  f"preprocess {t_prep:.3f} s, encode {best:.2f} s")
+            stages: dict[str, float] = defaultdict(float)
+            mark = [0.0]
+
+            def cb(stage: str, il: int, x) -> None:
+                now = time.perf_counter()
+                stages[stage] += now - mark[0]
+                mark[0] = now
+
+            load_before = load_average()
+            times = []
+            for _ in range(1 + max(1, args.repeat)):
+                stages.clear()
+                t0 = mark[0] = time.perf_counter()
+                out = tower.encode(prep.pixel_values, prep.grid, cb=cb if args.profile else None)
+                times.append(time.perf_counter() - t0)
+            times = times[1:]
+            print(f"{w}x{h}: {out.shape[0]} tokens, {prep.pixel_values.shape[0]} patches; preprocess {t_prep:.3f} s, "
+                  f"encode best {min(times):.2f} s, median {statistics.median(times):.2f} s of {len(times)} "
+                  f"(load average {load_before} -> {load_average()})")
+            if args.profile:
+                print("  last run by stage (s): " + ", ".join(f"{k} {v:.3f}" for k, v in stages.items()))
 
 
 if __name__ == "__main__":

@@ -29,9 +29,10 @@ from PIL import Image
 
 from engine.events import TokenEvent
 from engine.gguf_file import GGUFFile
+from engine.images import prepare_image
 from engine.mmproj import load_mmproj
 from engine.models.qwen35 import Qwen35Model
-from engine.models.vision import EncodedImage, ImageEncoder, mrope_positions
+from engine.models.vision import EncodedImage, ImageEncoder, VisionTower, mrope_positions
 from engine.runtime import Turn, prefill, run_turn
 from engine.sampling import SamplingParams
 from engine.state import SequenceState
@@ -172,3 +173,12 @@ def test_image_rows_decide_the_logits():
     so the comparisons above cannot pass by accident."""
     gold = loaded()[2]["wide_logits"]
     assert rel_err(prefill_rows("wide", [], with_images=False)[len(gold)], gold[-1]) > 0.5
+
+
+@pytest.mark.parametrize("threads", [1, 3])
+def test_tower_thread_count_keeps_hf_match(threads):
+    """The tower's split into tasks (projection columns, norm rows, heads) at other thread counts."""
+    gold = loaded()[2]
+    tower = VisionTower(load_mmproj(FIX / "tiny-mmproj-f16.gguf"), threads=threads)
+    prep = prepare_image(Image.fromarray(gold["image_wide"]), min_pixels=1024)
+    assert rel_err(tower.encode(prep.pixel_values, prep.grid), gold["wide_image_embeds"]) <= TOWER_TOL

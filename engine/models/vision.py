@@ -19,14 +19,20 @@ tokens in the prompt. Each image attends only to itself.
 
 from __future__ import annotations
 
+import ctypes
+import glob
+import itertools
+import os
 import threading
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
 
 import numpy as np
 
+from ..backends.cpu import threads as cpu_threads
 from ..errors import GenerationCancelled
 from ..images import (MAX_INPUT_PIXELS, MAX_PIXELS, MIN_PIXELS, ImageSource, prepare_image, read_source,
                       smart_resize)
@@ -34,7 +40,8 @@ from ..mmproj import Mmproj, VisionHParams
 from ..ops import vision_reference as ops
 
 StageCallback = Callable[[str, int, np.ndarray], None]
-"""``cb(stage, il, x)``: sees each named intermediate; ``il`` is the block index or -1 outside blocks."""
+"""``cb(stage, il, x)``: sees each named intermediate; ``il`` is the block index or -1 outside blocks.
+``x`` is a live buffer that later stages overwrite: copy it to keep it."""
 
 
 def image_token_count(height: int, width: int, *, patch_size: int = 16, merge: int = 2,
@@ -52,14 +59,116 @@ def image_token_count(height: int, width: int, *, patch_size: int = 16, merge: i
     return (h // factor) * (w // factor)
 
 
+def _blas_thread_setter() -> Callable[[int], int] | None:
+    """OpenBLAS's ``openblas_set_num_threads_local(n) -> previous``, which sets the BLAS thread count of
+    the calling thread only, from the OpenBLAS that numpy's wheels bundle (scipy-openblas >= 0.3.27,
+    under ``numpy.libs`` or ``numpy/.dylibs``; loading it again returns the instance numpy uses).
+    None when numpy uses another BLAS or an older OpenBLAS."""
+    base = os.path.dirname(os.path.abspath(np.__file__))
+    for path in sorted(glob.glob(os.path.join(base + ".libs", "*openblas*"))
+                       + glob.glob(os.path.join(base, ".dylibs", "*openblas*"))):
+        try:
+            fn = ctypes.CDLL(path).openblas_set_num_threads_local
+        except (OSError, AttributeError):
+            continue
+        fn.argtypes, fn.restype = [ctypes.c_int], ctypes.c_int
+        return fn
+    return None
+
+
+class _Workers:
+    """Runs independent tasks on the calling thread plus ``n - 1`` helper threads, each task once.
+
+    Tasks are pulled one at a time from a shared counter, so a core slowed by another process simply
+    takes fewer of them. Inside :meth:`run` every participating thread runs BLAS single-threaded
+    (``set_blas_threads``), so the parallelism is ours: many small GEMMs (attention) and the
+    elementwise numpy passes, which are single-threaded anyway, use every core. Without a BLAS
+    thread control there is one worker: the caller, with BLAS threaded as configured.
+
+    Args:
+        n: worker count wanted (the caller included), >= 1.
+        set_blas_threads: :func:`_blas_thread_setter`'s function, or None.
+    """
+
+    def __init__(self, n: int, set_blas_threads: Callable[[int], int] | None):
+        self.n = max(1, int(n)) if set_blas_threads is not None else 1
+        self._set_blas = set_blas_threads
+        self._pool = (ThreadPoolExecutor(self.n - 1, thread_name_prefix="vision",
+                                         initializer=set_blas_threads, initargs=(1,)) if self.n > 1 else None)
+
+    def run(self, task: Callable[[int], None], n_tasks: int) -> None:
+        """Call ``task(i)`` for every i in ``range(n_tasks)``, in parallel; returns when all are done.
+
+        Raises:
+            whatever a task raised (the first seen by the caller; the other workers finish first).
+        """
+        counter = itertools.count()
+
+        def drain() -> None:
+            i = next(counter)
+            while i < n_tasks:
+                task(i)
+                i = next(counter)
+
+        if self._pool is None or n_tasks == 1:
+            drain()
+            return
+        helpers = [self._pool.submit(drain) for _ in range(min(self.n, n_tasks) - 1)]
+        prev = self._set_blas(1)
+        try:
+            drain()
+        finally:
+            self._set_blas(prev)
+            errors = [f.exception() for f in helpers]
+        for err in errors:
+            if err is not None:
+                raise err
+
+
+class _Buffers:
+    """Per-call activation buffers of :meth:`VisionTower.encode`, reused by every block (no page
+    faults after the first block). S patches, D = n_embd, F = n_ff, H heads of d: all float32.
+
+    Attributes:
+        a: (S, D) norm output, then the attention / FFN projection output.
+        qkv: (S, 3D) fused projection. q, k: (S, H, d) rotated queries and keys.
+        att: (S, D) attention output. ffn: (S, F) FFN hidden.
+    """
+
+    def __init__(self, s: int, hp: VisionHParams):
+        d, f = hp.n_embd, hp.n_ff
+        self.a = np.empty((s, d), dtype=np.float32)
+        self.qkv = np.empty((s, 3 * d), dtype=np.float32)
+        self.q = np.empty((s, hp.n_head, hp.head_dim), dtype=np.float32)
+        self.k = np.empty((s, hp.n_head, hp.head_dim), dtype=np.float32)
+        self.att = np.empty((s, d), dtype=np.float32)
+        self.ffn = np.empty((s, f), dtype=np.float32)
+
+
 class VisionTower:
     """The tower of one projector file, float32 numpy, one image per call.
 
+    Every projection is float32 GEMMs on the file's dequantized weights (no copies). The work runs as
+    parallel tasks (:class:`_Workers`): projections split by output columns (each task reads its own
+    slice of the weight matrix once, then adds its bias and applies its activation or residual add
+    while the slice is hot), norms by row chunks, attention by head (RoPE of that head's q and k,
+    then the head). Elementwise ops run in cache-sized row blocks into buffers reused across blocks.
+    The position and RoPE tables of the last ``GRID_CACHE`` grids are kept. The result is deterministic
+    for a given thread count; thread counts differ only by float32 GEMM rounding (about 1e-6 relative).
+
     Args:
         mm: a loaded :class:`~engine.mmproj.Mmproj` (its float32 weights are used in place).
+        threads: worker threads; None = the engine's CPU thread count (:func:`engine.backends.cpu.threads`).
     """
 
-    def __init__(self, mm: Mmproj):
+    GRID_CACHE = 4
+    """Number of patch grids whose interpolated position rows and RoPE tables are kept (bytes: S*D*4 each)."""
+
+    COLS_PER_TASK = 768
+    """Target output columns of one projection task; at least two tasks per worker are made, so a
+    worker slowed by another process hands its share to the others."""
+
+    def __init__(self, mm: Mmproj, threads: int | None = None):
         self.hp: VisionHParams = mm.hparams
         self.identity = mm.identity
         self._w = mm.weights
@@ -68,12 +177,45 @@ class VisionTower:
         w1 = mm.f32("v.patch_embd.weight.1")
         # Conv3d kernel (D, C, T, P, P) flattened like a patch row (c, t, ky, kx).
         self._patch_w = np.ascontiguousarray(np.stack([w0, w1], axis=2).reshape(d, -1))
+        self._grids: OrderedDict[tuple[int, int], tuple[np.ndarray, np.ndarray, np.ndarray]] = OrderedDict()
+        self._grids_lock = threading.Lock()
+        self._workers = _Workers(cpu_threads() if threads is None else threads, _blas_thread_setter())
+
+    @property
+    def threads(self) -> int:
+        """Worker threads :meth:`encode` uses (1 when numpy's BLAS offers no per-thread control)."""
+        return self._workers.n
 
     def token_count(self, height: int, width: int, min_pixels: int = MIN_PIXELS,
                     max_pixels: int = MAX_PIXELS) -> int:
         """:func:`image_token_count` with this tower's patch and merge sizes."""
         return image_token_count(height, width, patch_size=self.hp.patch_size, merge=self.hp.merge,
                                  min_pixels=min_pixels, max_pixels=max_pixels)
+
+    def grid_tables(self, gh: int, gw: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Position rows and RoPE tables of a (gh, gw) patch grid, in merge-window order (cached).
+
+        Returns:
+            pos: (gh*gw, n_embd) float32, the interpolated learned table (spec A5.2).
+            cos, sin: (gh*gw, head_dim/2) float32 (spec A5.3).
+            All three are read-only.
+        """
+        with self._grids_lock:
+            hit = self._grids.get((gh, gw))
+            if hit is not None:
+                self._grids.move_to_end((gh, gw))
+                return hit
+        hp = self.hp
+        rows, cols = ops.merge_window_coords(gh, gw, hp.merge)
+        pos = ops.pos_embed_at(self._w["v.position_embd.weight"], hp.pos_side, gh, gw, rows, cols)
+        cos, sin = ops.rope_2d_cos_sin(rows, cols, hp.head_dim, hp.rope_theta)
+        for a in (pos, cos, sin):
+            a.flags.writeable = False
+        with self._grids_lock:
+            self._grids[(gh, gw)] = (pos, cos, sin)
+            while len(self._grids) > self.GRID_CACHE:
+                self._grids.popitem(last=False)
+        return pos, cos, sin
 
     def encode(self, pixel_values: np.ndarray, grid: tuple[int, int], cb: StageCallback | None = None,
                cancel: threading.Event | None = None) -> np.ndarray:
@@ -100,40 +242,85 @@ class VisionTower:
             raise ValueError(f"pixel_values {pixel_values.shape} do not fit grid {gh}x{gw} "
                              f"(expected ({s}, {hp.patch_dim}), sides multiples of {hp.merge})")
         emit = cb or (lambda stage, il, x: None)
-        h = ops.linear(np.asarray(pixel_values, dtype=np.float32), self._patch_w, w["v.patch_embd.bias"])
+        pos, cos, sin = self.grid_tables(gh, gw)
+        h = np.empty((s, hp.n_embd), dtype=np.float32)
+        self._linear(np.asarray(pixel_values, dtype=np.float32), self._patch_w, w["v.patch_embd.bias"], h)
         emit("patch_embd", -1, h)
-        rows, cols = ops.merge_window_coords(gh, gw, hp.merge)
-        pos = ops.interpolate_pos_table(w["v.position_embd.weight"], hp.pos_side, gh, gw)
-        h += pos[rows, cols]
+        h += pos
         emit("inp_embd", -1, h)
-        cos, sin = ops.rope_2d_cos_sin(rows, cols, hp.head_dim, hp.rope_theta)
+        buf = _Buffers(s, hp)
         for il in range(hp.n_layer):
             if cancel is not None and cancel.is_set():
                 raise GenerationCancelled("image encoding cancelled")
-            h = self._block(h, il, cos, sin, emit)
-        z = ops.layer_norm(h, w["v.post_ln.weight"], w["v.post_ln.bias"], hp.eps)
-        z = z.reshape(s // (hp.merge * hp.merge), hp.merged_dim)
+            self._block(h, il, cos, sin, buf, emit)
+        self._layer_norm(h, "v.post_ln", buf.a)
+        z = buf.a.reshape(s // (hp.merge * hp.merge), hp.merged_dim)
         emit("post_ln", -1, z)
-        y = ops.gelu_erf(ops.linear(z, w["mm.0.weight"], w["mm.0.bias"]))
-        out = ops.linear(y, w["mm.2.weight"], w["mm.2.bias"])
+        y = np.empty((len(z), w["mm.0.weight"].shape[0]), dtype=np.float32)
+        self._linear(z, w["mm.0.weight"], w["mm.0.bias"], y, lambda part, c: np.copyto(part, ops.gelu_erf(part)))
+        out = np.empty((len(z), hp.out_dim), dtype=np.float32)
+        self._linear(y, w["mm.2.weight"], w["mm.2.bias"], out)
         emit("merger_out", -1, out)
         return out
 
-    def _block(self, h: np.ndarray, il: int, cos: np.ndarray, sin: np.ndarray, emit: StageCallback) -> np.ndarray:
-        hp, w, p = self.hp, self._w, f"v.blk.{il}."
-        s, d = h.shape
-        a = ops.layer_norm(h, w[p + "ln1.weight"], w[p + "ln1.bias"], hp.eps)
-        qkv = ops.linear(a, w[p + "attn_qkv.weight"], w[p + "attn_qkv.bias"]).reshape(s, 3, hp.n_head, hp.head_dim)
-        q = ops.apply_rope(qkv[:, 0], cos, sin)
-        k = ops.apply_rope(qkv[:, 1], cos, sin)
-        att = ops.attention(q, k, qkv[:, 2])
-        h = h + ops.linear(att, w[p + "attn_out.weight"], w[p + "attn_out.bias"])
+    def _linear(self, x: np.ndarray, wt: np.ndarray, b: np.ndarray, out: np.ndarray,
+                epilogue: Callable[[np.ndarray, slice], object] | None = None) -> None:
+        """``out = x @ wt.T + b`` as tasks over column slices c of ``out``, each then calling
+        ``epilogue(out[:, c], c)`` (activation, residual add) while its slice is in cache.
+
+        Args:
+            x: (n, in) float32. wt: (out, in) float32. b: (out,) float32. out: (n, out) float32.
+        """
+        n_out = wt.shape[0]
+        workers = self._workers.n
+        n_tasks = 1 if workers == 1 else workers * max(2, round(n_out / (self.COLS_PER_TASK * workers)))
+        bounds = np.linspace(0, n_out, n_tasks + 1).astype(int)
+
+        def task(i: int) -> None:
+            c = slice(int(bounds[i]), int(bounds[i + 1]))
+            part = ops.linear(x, wt[c], b[c], out=out[:, c])
+            if epilogue is not None:
+                epilogue(part, c)
+
+        self._workers.run(task, n_tasks)
+
+    def _layer_norm(self, x: np.ndarray, name: str, out: np.ndarray) -> None:
+        """``out = LN(x)`` with the weights ``<name>.weight`` / ``<name>.bias``, as row-chunk tasks."""
+        w, n = self._w, len(x)
+        n_tasks = 1 if self._workers.n == 1 else 2 * self._workers.n
+        bounds = np.linspace(0, n, n_tasks + 1).astype(int)
+
+        def task(i: int) -> None:
+            r = slice(int(bounds[i]), int(bounds[i + 1]))
+            ops.layer_norm(x[r], w[name + ".weight"], w[name + ".bias"], self.hp.eps, out=out[r])
+
+        self._workers.run(task, n_tasks)
+
+    def _block(self, h: np.ndarray, il: int, cos: np.ndarray, sin: np.ndarray, buf: _Buffers,
+               emit: StageCallback) -> None:
+        """One pre-norm block (spec A5.4), updating the residual stream ``h`` (S, D) in place."""
+        hp, w, p, hd = self.hp, self._w, f"v.blk.{il}.", self.hp.head_dim
+        qkv = buf.qkv.reshape(-1, 3, hp.n_head, hd)
+
+        def residual(part: np.ndarray, c: slice) -> None:
+            np.add(h[:, c], part, out=h[:, c])
+
+        def attend(head: int) -> None:
+            c = slice(head, head + 1)
+            q = ops.apply_rope(qkv[:, 0, c], cos, sin, out=buf.q[:, c])
+            k = ops.apply_rope(qkv[:, 1, c], cos, sin, out=buf.k[:, c])
+            ops.attention(q, k, qkv[:, 2, c], out=buf.att[:, head * hd:(head + 1) * hd])
+
+        self._layer_norm(h, p + "ln1", buf.a)
+        self._linear(buf.a, w[p + "attn_qkv.weight"], w[p + "attn_qkv.bias"], buf.qkv)
+        self._workers.run(attend, hp.n_head)
+        self._linear(buf.att, w[p + "attn_out.weight"], w[p + "attn_out.bias"], buf.a, residual)
         emit("attn_out", il, h)
-        m = ops.layer_norm(h, w[p + "ln2.weight"], w[p + "ln2.bias"], hp.eps)
-        m = ops.gelu_tanh(ops.linear(m, w[p + "ffn_up.weight"], w[p + "ffn_up.bias"]))
-        h += ops.linear(m, w[p + "ffn_down.weight"], w[p + "ffn_down.bias"])
+        self._layer_norm(h, p + "ln2", buf.a)
+        self._linear(buf.a, w[p + "ffn_up.weight"], w[p + "ffn_up.bias"], buf.ffn,
+                     lambda part, c: ops.gelu_tanh(part, out=part))
+        self._linear(buf.ffn, w[p + "ffn_down.weight"], w[p + "ffn_down.bias"], buf.a, residual)
         emit("layer_out", il, h)
-        return h
 
 
 def mrope_positions(token_ids: Sequence[int] | np.ndarray, image_grids: Sequence[tuple[int, int]],

@@ -13,45 +13,85 @@ from __future__ import annotations
 
 import numpy as np
 
-ATTN_CHUNK_BYTES = 8 << 20
-"""Upper bound on the float32 score block one attention step materialises (rows x keys x 4 bytes)."""
+ATTN_CHUNK_BYTES = 2 << 20
+"""Upper bound on the float32 score block one attention step materialises (rows x keys x 4 bytes):
+small enough to stay in a core's L2 cache through the max / subtract / exp passes, large enough that
+the two GEMMs get 170+ query rows at 3072 keys (1 MB blocks cost 14% more there)."""
+
+ROW_CHUNK_BYTES = 1 << 20
+"""Elementwise ops (LayerNorm, GELU, RoPE) walk their input in row blocks of about this many bytes, so
+every pass after the first reads the block from cache rather than from memory."""
 
 
-def layer_norm(x: np.ndarray, w: np.ndarray, b: np.ndarray, eps: float) -> np.ndarray:
+def _row_blocks(n_rows: int, row_bytes: int, chunk_bytes: int = ROW_CHUNK_BYTES):
+    """Slices covering ``range(n_rows)`` in blocks of ``max(1, chunk_bytes // row_bytes)`` rows."""
+    step = max(1, chunk_bytes // max(1, row_bytes))
+    for i in range(0, n_rows, step):
+        yield slice(i, min(i + step, n_rows))
+
+
+def layer_norm(x: np.ndarray, w: np.ndarray, b: np.ndarray, eps: float, out: np.ndarray | None = None) -> np.ndarray:
     """LayerNorm over the last axis: ``(x - mean) / sqrt(var + eps) * w + b`` (biased variance).
 
     Args:
         x: (..., d) float32. w, b: (d,) float32. eps: 1e-6 for every vision norm (spec 0).
+        out: optional (..., d) float32 destination that does not overlap ``x``; 2-D with any strides,
+            or C-contiguous.
 
     Returns:
-        (..., d) float32, a new array.
+        (..., d) float32: ``out``, or a new array.
     """
     x = np.asarray(x, dtype=np.float32)
-    mu = x.mean(axis=-1, keepdims=True)
-    xc = x - mu
-    var = np.mean(xc * xc, axis=-1, keepdims=True)
-    xc *= 1.0 / np.sqrt(var + np.float32(eps))
-    xc *= w
-    xc += b
-    return xc
+    d = x.shape[-1]
+    out = np.empty(x.shape, dtype=np.float32) if out is None else out
+    x2, o2 = x.reshape(-1, d), out.reshape(-1, d)
+    sq = np.empty((min(len(x2), max(1, ROW_CHUNK_BYTES // (4 * d))), d), dtype=np.float32)
+    for sl in _row_blocks(len(x2), 4 * d):
+        xb, ob, tb = x2[sl], o2[sl], sq[:sl.stop - sl.start]
+        np.subtract(xb, xb.mean(axis=1, keepdims=True), out=ob)
+        np.multiply(ob, ob, out=tb)
+        rstd = tb.mean(axis=1, keepdims=True)
+        rstd += np.float32(eps)
+        np.sqrt(rstd, out=rstd)
+        np.divide(1.0, rstd, out=rstd)
+        ob *= rstd
+        ob *= w
+        ob += b
+    return out
 
 
-def gelu_tanh(x: np.ndarray) -> np.ndarray:
+def gelu_tanh(x: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
     """GELU, tanh form (HF ``gelu_pytorch_tanh``): ``0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3)))``.
 
-    Used in the ViT blocks' MLP (spec A1). x: any shape float32; returns float32.
+    Used in the ViT blocks' MLP (spec A1). Evaluated as ``x * (0.5 + 0.5 tanh(x (c0 + c1 x^2)))`` in row
+    blocks (float32 rounding differs from HF's order by about 1e-7 relative).
+
+    Args:
+        x: (..., d) float32. out: optional float32 destination of the same shape, may be ``x``; 2-D with
+            any strides (e.g. a column slice of a wider array), or C-contiguous.
+
+    Returns:
+        (..., d) float32: ``out``, or a new array.
     """
     x = np.asarray(x, dtype=np.float32)
-    inner = x * x
-    inner *= np.float32(0.044715)
-    inner += np.float32(1.0)
-    inner *= x
-    inner *= np.float32(np.sqrt(2.0 / np.pi))
-    np.tanh(inner, out=inner)
-    inner += np.float32(1.0)
-    inner *= x
-    inner *= np.float32(0.5)
-    return inner
+    d = x.shape[-1]
+    out = np.empty(x.shape, dtype=np.float32) if out is None else out
+    x2, o2 = x.reshape(-1, d), out.reshape(-1, d)
+    c0 = np.float32(np.sqrt(2.0 / np.pi))
+    c1 = np.float32(np.sqrt(2.0 / np.pi) * 0.044715)
+    half = np.float32(0.5)
+    tmp = np.empty((min(len(x2), max(1, ROW_CHUNK_BYTES // (4 * d))), d), dtype=np.float32)
+    for sl in _row_blocks(len(x2), 4 * d):
+        xb, tb = x2[sl], tmp[:sl.stop - sl.start]
+        np.multiply(xb, xb, out=tb)
+        tb *= c1
+        tb += c0
+        tb *= xb
+        np.tanh(tb, out=tb)
+        tb *= half
+        tb += half
+        np.multiply(tb, xb, out=o2[sl])
+    return out
 
 
 def erfc(x: np.ndarray) -> np.ndarray:
@@ -100,108 +140,148 @@ def merge_window_coords(gh: int, gw: int, merge: int) -> tuple[np.ndarray, np.nd
     return (bh * merge + dy).reshape(-1), (bw * merge + dx).reshape(-1)
 
 
-def _align_corners_matrix(n: int, side: int) -> np.ndarray:
-    """(n, side) float64 bilinear weights resampling ``side`` points to ``n`` with align_corners=True."""
+def _align_corners_taps(n: int, side: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Bilinear taps resampling ``side`` points to ``n`` with align_corners=True (spec A5.2).
+
+    Returns:
+        lo, hi: (n,) int64 source indices (``hi = min(lo + 1, side - 1)``); frac: (n,) float32 weight of ``hi``.
+    """
     src = np.arange(n, dtype=np.float64) * (side - 1) / max(n - 1, 1)
     lo = np.floor(src).astype(np.int64)
-    frac = src - lo
-    hi = np.minimum(lo + 1, side - 1)
-    m = np.zeros((n, side), dtype=np.float64)
-    np.add.at(m, (np.arange(n), lo), 1.0 - frac)
-    np.add.at(m, (np.arange(n), hi), frac)
-    return m
+    return lo, np.minimum(lo + 1, side - 1), (src - lo).astype(np.float32)
 
 
-def interpolate_pos_table(table: np.ndarray, side: int, gh: int, gw: int) -> np.ndarray:
-    """Learned position table resampled bilinearly, align_corners=True, to a (gh, gw) patch grid (spec A5.2).
+def pos_embed_at(table: np.ndarray, side: int, gh: int, gw: int, rows: np.ndarray, cols: np.ndarray) -> np.ndarray:
+    """Learned position table resampled bilinearly, align_corners=True, to a (gh, gw) patch grid, at
+    the given patch coordinates (spec A5.2; HF ``get_vision_interpolation_indices_and_weights``).
+
+    Each output row is the float32 sum of 4 weighted table rows, as HF computes it.
 
     Args:
         table: (side*side, d) float32, row ``r*side + c`` for grid point (r, c).
         gh, gw: target grid in patches.
+        rows, cols: (S,) int patch coordinates (e.g. :func:`merge_window_coords`).
 
     Returns:
-        (gh, gw, d) float32 in raster order (callers gather rows in merge-window order).
+        (S, d) float32.
     """
-    d = table.shape[-1]
-    grid = np.asarray(table, dtype=np.float64).reshape(side, side, d)
-    a_r = _align_corners_matrix(gh, side)
-    a_c = _align_corners_matrix(gw, side)
-    rows = np.tensordot(a_r, grid, axes=(1, 0))          # (gh, side, d)
-    out = np.einsum("cs,rsd->rcd", a_c, rows)             # (gh, gw, d)
-    return out.astype(np.float32)
+    table = np.asarray(table, dtype=np.float32)
+    r0, r1, a = _align_corners_taps(gh, side)
+    c0, c1, b = _align_corners_taps(gw, side)
+    r0, r1, a, c0, c1, b = r0[rows], r1[rows], a[rows], c0[cols], c1[cols], b[cols]
+    one = np.float32(1.0)
+    out = table[r0 * side + c0] * ((one - a) * (one - b))[:, None]
+    out += table[r0 * side + c1] * ((one - a) * b)[:, None]
+    out += table[r1 * side + c0] * (a * (one - b))[:, None]
+    out += table[r1 * side + c1] * (a * b)[:, None]
+    return out
+
+
+def interpolate_pos_table(table: np.ndarray, side: int, gh: int, gw: int) -> np.ndarray:
+    """:func:`pos_embed_at` on the whole grid in raster order: (gh, gw, d) float32."""
+    rows, cols = np.divmod(np.arange(gh * gw), gw)
+    return pos_embed_at(table, side, gh, gw, rows, cols).reshape(gh, gw, -1)
 
 
 def rope_2d_cos_sin(rows: np.ndarray, cols: np.ndarray, head_dim: int, theta: float) -> tuple[np.ndarray, np.ndarray]:
     """cos and sin tables of the 2-D vision RoPE (spec A5.3).
 
-    ``inv_j = theta^(-2j / (head_dim/2))`` for j < head_dim/4; angles ``[row*inv, col*inv]`` (head_dim/2),
-    repeated twice to cover the whole head for the half-split rotation.
+    ``inv_j = theta^(-2j / (head_dim/2))`` for j < head_dim/4; angles ``[row*inv, col*inv]``: one angle
+    per rotated pair (k, k + head_dim/2) of the half-split rotation.
 
     Args:
         rows, cols: (S,) int patch coordinates. head_dim: multiple of 4.
 
     Returns:
-        cos, sin: (S, head_dim) float32.
+        cos, sin: (S, head_dim/2) float32.
     """
     half = head_dim // 2
     inv = 1.0 / theta ** (np.arange(0, half, 2, dtype=np.float64) / half)
     ang = np.concatenate([np.outer(rows, inv), np.outer(cols, inv)], axis=1)
-    ang = np.concatenate([ang, ang], axis=1)
     return np.cos(ang).astype(np.float32), np.sin(ang).astype(np.float32)
 
 
-def apply_rope(x: np.ndarray, cos: np.ndarray, sin: np.ndarray) -> np.ndarray:
+def apply_rope(x: np.ndarray, cos: np.ndarray, sin: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
     """Half-split (NeoX, rotate_half) rotation: ``x*cos + rotate_half(x)*sin``, rotate_half(a) = [-a2, a1].
 
+    With h = d/2: ``out[:h] = x[:h] cos - x[h:] sin`` and ``out[h:] = x[h:] cos + x[:h] sin``, in row blocks.
+
     Args:
-        x: (S, H, d) float32. cos, sin: (S, d) float32 (shared by all heads).
+        x: (S, H, d) float32, any strides (e.g. the q slice of the fused qkv output).
+        cos, sin: (S, d/2) float32 (:func:`rope_2d_cos_sin`, shared by all heads).
+        out: optional (S, H, d) float32 destination that does not overlap ``x``.
 
     Returns:
-        (S, H, d) float32, a new array.
+        (S, H, d) float32: ``out``, or a new C-contiguous array.
     """
-    h = x.shape[-1] // 2
-    rot = np.empty_like(x)
-    rot[..., :h] = -x[..., h:]
-    rot[..., h:] = x[..., :h]
-    rot *= sin[:, None, :]
-    out = x * cos[:, None, :]
-    out += rot
+    s, n_head, d = x.shape
+    h = d // 2
+    out = np.empty((s, n_head, d), dtype=np.float32) if out is None else out
+    tmp = np.empty((min(s, max(1, ROW_CHUNK_BYTES // (4 * n_head * d))), n_head, h), dtype=np.float32)
+    for sl in _row_blocks(s, 4 * n_head * d):
+        x1, x2, tb = x[sl, :, :h], x[sl, :, h:], tmp[:sl.stop - sl.start]
+        c, sn = cos[sl, None, :], sin[sl, None, :]
+        o1, o2 = out[sl, :, :h], out[sl, :, h:]
+        np.multiply(x1, c, out=o1)
+        np.multiply(x2, sn, out=tb)
+        o1 -= tb
+        np.multiply(x2, c, out=o2)
+        np.multiply(x1, sn, out=tb)
+        o2 += tb
     return out
 
 
-def attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, chunk_bytes: int = ATTN_CHUNK_BYTES) -> np.ndarray:
+def attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, chunk_bytes: int = ATTN_CHUNK_BYTES,
+              out: np.ndarray | None = None) -> np.ndarray:
     """Non-causal multi-head attention over one image: ``softmax(q k^T / sqrt(d)) v`` per head.
 
     One head at a time, query rows in blocks whose score matrix takes at most ``chunk_bytes`` (so it
-    stays in cache); the softmax denominator divides the (rows, d) output rather than the scores.
+    stays in cache). Each block: scores by GEMM, minus the row max, exp in place, then one GEMM with
+    ``[v | 1]``, whose last column is the softmax denominator that divides the (rows, d) output.
 
     Args:
-        q, k, v: (S, H, d) float32.
+        q, k, v: (S, H, d) float32, any strides (e.g. slices of the fused qkv output).
+        out: optional (S, H*d) float32 destination, any strides (e.g. one head's columns of a wider array).
 
     Returns:
-        (S, H*d) float32, heads concatenated in order.
+        (S, H*d) float32, heads concatenated in order: ``out``, or a new array.
     """
     s, n_head, d = q.shape
-    qh = np.ascontiguousarray(q.transpose(1, 0, 2)) * np.float32(1.0 / np.sqrt(d))
-    kh = np.ascontiguousarray(k.transpose(1, 0, 2))
-    vh = np.ascontiguousarray(v.transpose(1, 0, 2))
-    out = np.empty((s, n_head, d), dtype=np.float32)
-    step = max(1, chunk_bytes // (4 * s))
+    out = np.empty((s, n_head * d), dtype=np.float32) if out is None else out
+    step = min(s, max(1, chunk_bytes // (4 * s)))
+    scale = np.float32(1.0 / np.sqrt(d))
+    scores = np.empty((step, s), dtype=np.float32)
+    q_blk = np.empty((step, d), dtype=np.float32)
+    o_blk = np.empty((step, d + 1), dtype=np.float32)
+    v_one = np.empty((s, d + 1), dtype=np.float32)
+    v_one[:, d] = 1.0
     for h in range(n_head):
-        k_t = kh[h].T
+        k_t = k[:, h].T
+        v_one[:, :d] = v[:, h]
         for i in range(0, s, step):
-            sc = qh[h, i:i + step] @ k_t                  # (rows, S)
+            r = min(step, s - i)
+            sc, qb, ob = scores[:r], q_blk[:r], o_blk[:r]
+            np.multiply(q[i:i + r, h], scale, out=qb)
+            np.matmul(qb, k_t, out=sc)
             sc -= sc.max(axis=1, keepdims=True)
             np.exp(sc, out=sc)
-            o = sc @ vh[h]
-            o /= sc.sum(axis=1, keepdims=True)
-            out[i:i + step, h] = o
-    return out.reshape(s, n_head * d)
+            np.matmul(sc, v_one, out=ob)
+            np.divide(ob[:, :d], ob[:, d:], out=out[i:i + r, h * d:(h + 1) * d])
+    return out
 
 
-def linear(x: np.ndarray, w: np.ndarray, b: np.ndarray | None = None) -> np.ndarray:
-    """``x @ w.T + b``. x: (n, in) float32; w: (out, in) float32 (GGUF math shape); b: (out,)."""
-    y = x @ w.T
+def linear(x: np.ndarray, w: np.ndarray, b: np.ndarray | None = None, out: np.ndarray | None = None) -> np.ndarray:
+    """``x @ w.T + b``: one float32 GEMM (``w.T`` is a transposed view, no copy), then the bias in place.
+
+    Args:
+        x: (n, in) float32. w: (out, in) float32 (GGUF math shape). b: (out,) float32 or None.
+        out: optional (n, out) float32 destination that does not overlap ``x``, any strides (numpy goes
+            through a temporary when BLAS cannot write it directly).
+
+    Returns:
+        (n, out) float32: ``out``, or a new array.
+    """
+    y = np.matmul(x, w.T, out=out)
     if b is not None:
         y += b
     return y
