@@ -278,10 +278,14 @@ class EngineWorker(QObject):
             engine, outcome = None, plain_error(exc, f"loading {request.name}")
         if self._is_current(number):
             self._load_done.emit(number, engine, outcome)
+        elif engine is not None:
+            engine.close()
 
     @Slot(int, object, object)
     def _install(self, number: int, engine: ChatEngine | None, outcome: Any) -> None:
         if not self._is_current(number):
+            if engine is not None:
+                engine.close()
             return
         if engine is None:
             self._load_error = outcome

@@ -12,9 +12,11 @@ through a ``threading.Event``.
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import math
 import threading
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterator, Mapping, Sequence
@@ -26,6 +28,7 @@ from .events import Event
 from .gguf_file import GGUFFile
 from .mmproj import load_mmproj
 from .models.qwen35 import Qwen35Model
+from .images import prepare_image
 from .models.vision import EncodedImage, ImageEncoder, mrope_positions
 from .prefix_cache import PrefixCache, SnapshotInfo
 from .runtime import Turn, run_turn
@@ -159,8 +162,10 @@ class Engine:
             ModelFormatError: a file is malformed (names the file and the key or tensor), or the
                 mmproj's projection width differs from the text model's hidden size.
             UnsupportedModelError: wrong architecture or unsupported quant type.
-            TokenizerError: tokenizer metadata or chat template missing or unusable.
-            GenerationCancelled: ``cancel`` was set (resources opened so far are released).
+            TokenizerError: tokenizer metadata missing or unusable (a missing chat template is
+                reported by :meth:`chat` as TemplateError; :meth:`generate` works without one).
+            GenerationCancelled: ``cancel`` was set (a GPU placement made so far is released; the
+                memory map is released with the objects).
         """
         def stage(name: str) -> None:
             if cancel is not None and cancel.is_set():
@@ -215,7 +220,10 @@ class Engine:
         self.device_note = f"GPU prefill failed, using the CPU: {message}"
         log.warning(self.device_note)
         gpu, self.gpu = self.gpu, None
-        gpu.close()
+        try:
+            gpu.close()
+        except Exception as exc:  # noqa: BLE001 - a broken CUDA context must not end the CPU fallback
+            log.warning("releasing the failed GPU: %s", exc)
 
     def render(self, messages: Sequence[Message], enable_thinking: bool = False) -> list[int]:
         """Render ``messages`` with the model's chat template and tokenize the prompt.
@@ -255,6 +263,9 @@ class Engine:
         if self.vision is None:
             raise UnsupportedModelError(
                 f"{self.gguf.path.name}: no vision tower (mmproj file) is loaded, so this model cannot read images")
+        if self._image_pad is None or self._vision_start is None:
+            raise UnsupportedModelError(
+                f"{self.gguf.source}: the vocabulary has no <|image_pad|> / <|vision_start|> token for images")
         if any(src is None for src in sources):
             raise ImageError('an image part has no "image" (a path, bytes or a PIL image)')
         encoded = [self.vision.encode(src, cancel=cancel) for src in sources]
@@ -268,12 +279,15 @@ class Engine:
             img = next(it, None)
             if img is None:
                 raise TemplateError(f"{self.gguf.source}: the chat template wrote more image placeholders than images")
-            spans.append((len(tokens), img.embeddings, bytes.fromhex(img.digest)))
+            spans.append((len(tokens), img.embeddings, self._image_key(img)))
             tokens.extend([self._image_pad] * img.n_tokens)
         if len(spans) != len(encoded):
             raise TemplateError(f"{self.gguf.source}: the chat template wrote {len(spans)} image placeholders "
                                 f"for {len(encoded)} images")
-        positions = mrope_positions(tokens, [img.grid for img in encoded], self._image_pad, self._vision_start)
+        try:
+            positions = mrope_positions(tokens, [img.grid for img in encoded], self._image_pad, self._vision_start)
+        except ValueError as exc:
+            raise TemplateError(f"{self.gguf.source}: the prompt's image tokens are malformed: {exc}") from exc
         return Prompt(tokens, positions, spans, encoded)
 
     def checkpoints(self, prompt: Sequence[int]) -> list[int]:
@@ -311,23 +325,28 @@ class Engine:
         Raises:
             TemplateError, UnsupportedModelError: see :meth:`render` (before any event).
         """
+        started = time.perf_counter()
         prompt = self.prepare(messages, enable_thinking, cancel)
 
         def rerenders(answer: list[int]) -> bool:
+            if prompt.images or (cancel is not None and cancel.is_set()):
+                return False  # re-rendering would re-encode every image; answers after images rarely re-render
             return self.answer_rerenders(messages, prompt.tokens, answer, enable_thinking)
 
         return self.generate(prompt.tokens, sampling, cancel, self.checkpoints(prompt.tokens), conversation,
-                             prompt, rerenders)
+                             prompt, rerenders, started)
 
     def generate(self, prompt_ids: Sequence[int], sampling: SamplingParams = SamplingParams(),
                  cancel: threading.Event | None = None, checkpoints: Sequence[int] = (),
-                 conversation: str = "", prompt: Prompt | None = None, rerenders: Any = None) -> Iterator[Event]:
+                 conversation: str = "", prompt: Prompt | None = None, rerenders: Any = None,
+                 started: float | None = None) -> Iterator[Event]:
         """Continue raw token ids (no chat template); same events as :meth:`chat`.
 
         Args:
             checkpoints: extra prompt positions to snapshot at.
             prompt: the :meth:`prepare` result the ids come from (M-RoPE positions, images).
             rerenders: see :class:`engine.runtime.Turn` (snapshot the end of a finished answer).
+            started: ``time.perf_counter()`` at the start of the turn (the origin of TTFT).
         """
         turn = Turn(model=self.model, tokenizer=self.tokenizer, prompt=list(prompt_ids),
                     context=self.context, sampling=sampling, cancel=cancel or threading.Event(),
@@ -336,7 +355,7 @@ class Engine:
                     positions=None if prompt is None else prompt.positions,
                     images=() if prompt is None else prompt.images, gpu=self.gpu,
                     gpu_min_tokens=self.options.gpu_min_tokens, on_device_error=self._gpu_failed,
-                    rerenders=rerenders)
+                    rerenders=rerenders, started=started)
         return run_turn(turn)
 
     def answer_rerenders(self, messages: Sequence[Message], prompt: Sequence[int], answer: Sequence[int],
@@ -355,6 +374,15 @@ class Engine:
             return False
         return nxt[:len(prompt) + len(answer)] == list(prompt) + list(answer)
 
+    def _image_key(self, img: EncodedImage) -> bytes:
+        """What an image contributes to the prefix-cache key: its content, the tower and the resize
+        bounds (the embeddings and the grid depend on all three)."""
+        assert self.vision is not None
+        h = hashlib.blake2b(digest_size=16)
+        for part in (self.vision.tower.identity, img.digest, self.vision.min_pixels, self.vision.max_pixels, img.grid):
+            h.update(repr(part).encode())
+        return h.digest()
+
     def snapshots(self) -> list[SnapshotInfo]:
         """The prefix snapshots held (RAM and disk), deepest first; [] without a prefix cache."""
         return [] if self.cache is None else self.cache.snapshots()
@@ -365,9 +393,13 @@ class Engine:
             self.cache.clear(key)
 
     def close(self) -> None:
-        """Write the RAM prefix snapshots to the disk tier (when configured) before the app exits."""
+        """Write the RAM prefix snapshots to the disk tier (when configured) and release the GPU
+        (device and pinned memory). Call it when the engine is dropped; it is not usable after."""
         if self.cache is not None:
             self.cache.persist()
+        if self.gpu is not None:
+            gpu, self.gpu = self.gpu, None
+            gpu.close()
 
     def image_size(self, source: Any) -> tuple[int, int]:
         """(height, width) in pixels an image will have when it reaches the vision tower.
@@ -377,7 +409,11 @@ class Engine:
         """
         if self.vision is None:
             raise UnsupportedModelError(f"{self.gguf.path.name}: no vision tower (mmproj file) is loaded")
-        return self.vision.encode(source).size
+        hp = self.vision.tower.hp
+        return prepare_image(source, patch=hp.patch_size, merge=hp.merge, temporal=hp.temporal_patch,
+                             mean=hp.image_mean, std=hp.image_std, min_pixels=min(self.vision.min_pixels,
+                             self.vision.max_pixels), max_pixels=self.vision.max_pixels,
+                             max_input_pixels=self.vision.max_input_pixels).size
 
 
 @dataclass(frozen=True)

@@ -3,7 +3,9 @@
 The app forwards them through Qt signals as they are; nothing here knows about Qt.
 Order within one turn: :class:`PrefillProgress` after each piece of the prompt read (none when
 nothing is prefilled), one :class:`PrefillStats`, then :class:`TokenEvent` per generated token,
-then exactly one :class:`TurnSummary` (also after a cancel, a context-full stop or an error).
+then exactly one :class:`TurnSummary` (also after a cancel or a context-full stop). A turn that
+stops before its first token (prompt larger than the context, cancel during prefill) yields no
+:class:`PrefillStats`. Errors are raised as ``engine.errors`` exceptions, not yielded.
 """
 
 from __future__ import annotations
@@ -37,10 +39,11 @@ class PrefillStats:
         prompt_tokens: tokens in the rendered prompt.
         reused_tokens: tokens restored from the prefix cache (0 without a cache hit).
         prefilled_tokens: tokens actually run through the model (prompt_tokens - reused_tokens).
-        prefill_ms: wall time of the prefill forward pass, ms.
+        prefill_ms: wall time of the prefill, ms (forward passes and snapshot writes).
         restore_ms: wall time to restore a cached snapshot, ms (0 without a hit).
         device: where prefill ran, "cuda" when any part of it ran on the GPU, else "cpu".
-        ttft_ms: time from the call to chat() to the first sampled token, ms.
+        ttft_ms: time from the call to chat() (template and image encoding included) to the first
+            sampled token, ms.
         note: a plain-words remark for the user (e.g. the GPU failed and the CPU took over), or "".
     """
 

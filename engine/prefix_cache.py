@@ -28,6 +28,7 @@ import logging
 import os
 import struct
 import tempfile
+import threading
 import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
@@ -194,6 +195,9 @@ class PrefixCache:
         ram_budget: bytes of snapshots kept in RAM (LRU beyond it).
         disk_dir: folder of the disk tier (None = RAM only); a subfolder per model identity.
         disk_budget: bytes of snapshot files kept on disk (oldest used removed beyond it).
+
+    Thread-safe: every public method holds one lock, so the app may list or clear snapshots
+    while a turn is running on another thread.
     """
 
     def __init__(self, hp: Qwen35HParams, identity: str, ram_budget: int = 2 << 30,
@@ -203,6 +207,7 @@ class PrefixCache:
         self.ram_budget = ram_budget
         self.disk_budget = disk_budget
         self._entries: "OrderedDict[bytes, Snapshot]" = OrderedDict()
+        self._lock = threading.RLock()
         self._disk: Path | None = None
         if disk_dir is not None:
             folder = hashlib.blake2b(identity.encode(), digest_size=8).hexdigest()
@@ -224,28 +229,29 @@ class PrefixCache:
         Returns:
             A :class:`Lookup`; on a miss ``reused`` is 0 and the state is fresh.
         """
-        t0 = time.perf_counter()
-        images = dict(images or {})
-        keys = keys or chain_keys(self.identity, tokens, images)
-        n = len(tokens)
-        for pos in range(n, 0, -1):
-            snap = self._entries.get(keys[pos])
-            if snap is None or snap.pos != pos:
-                continue
-            if pos == n and not snap.has_logits:
-                continue
-            arrays = self._load_arrays(snap)
-            if arrays is None:
-                continue
-            state = restore_state(self.hp, arrays, pos, capacity)
-            snap.hits += 1
-            snap.last_used = time.time()
-            self._entries.move_to_end(snap.key)
-            logits = arrays.get("logits") if pos == n else None
-            return Lookup(state, pos, None if logits is None else logits.copy(),
-                          (time.perf_counter() - t0) * 1e3, self._diverge(tokens, images, pos))
-        return Lookup(SequenceState.new(self.hp, capacity), 0, None, (time.perf_counter() - t0) * 1e3,
-                      self._diverge(tokens, images, 0))
+        with self._lock:
+            t0 = time.perf_counter()
+            images = dict(images or {})
+            keys = keys or chain_keys(self.identity, tokens, images)
+            n = len(tokens)
+            for pos in range(n, 0, -1):
+                snap = self._entries.get(keys[pos])
+                if snap is None or snap.pos != pos:
+                    continue
+                if pos == n and not snap.has_logits:
+                    continue
+                arrays = self._load_arrays(snap)
+                if arrays is None:
+                    continue
+                state = restore_state(self.hp, arrays, pos, capacity)
+                snap.hits += 1
+                snap.last_used = time.time()
+                self._entries.move_to_end(snap.key)
+                logits = arrays.get("logits") if pos == n else None
+                return Lookup(state, pos, None if logits is None else logits.copy(),
+                              (time.perf_counter() - t0) * 1e3, self._diverge(tokens, images, pos))
+            return Lookup(SequenceState.new(self.hp, capacity), 0, None, (time.perf_counter() - t0) * 1e3,
+                          self._diverge(tokens, images, 0))
 
     def _diverge(self, tokens: Sequence[int], images: Mapping[int, bytes], start: int) -> int:
         """Longest prefix of ``tokens`` (with ``images``) shared with any cached path, >= ``start``."""
@@ -280,25 +286,26 @@ class PrefixCache:
         Returns:
             The new (or refreshed) snapshot.
         """
-        old = self._entries.get(key)
-        if old is not None and old.tier == "ram" and (logits is None or old.has_logits):
-            old.last_used = time.time()
+        with self._lock:
+            old = self._entries.get(key)
+            if old is not None and old.tier == "ram" and (logits is None or old.has_logits):
+                old.last_used = time.time()
+                self._entries.move_to_end(key)
+                return old
+            arrays = state_arrays(state)
+            if logits is not None:
+                arrays["logits"] = np.asarray(logits, dtype=np.float32).copy()
+            snap = Snapshot(key=key, pos=state.pos, tokens=np.asarray(tokens, dtype=np.int32).copy(),
+                            arrays=arrays, images={p: d for p, d in (images or {}).items() if p < state.pos},
+                            conversation=conversation,
+                            nbytes=sum(a.nbytes for a in arrays.values()) + 4 * len(tokens),
+                            has_logits=logits is not None)
+            if old is not None and old.tier == "disk":
+                self._remove_file(old)
+            self._entries[key] = snap
             self._entries.move_to_end(key)
-            return old
-        arrays = state_arrays(state)
-        if logits is not None:
-            arrays["logits"] = np.asarray(logits, dtype=np.float32).copy()
-        snap = Snapshot(key=key, pos=state.pos, tokens=np.asarray(tokens, dtype=np.int32).copy(),
-                        arrays=arrays, images={p: d for p, d in (images or {}).items() if p < state.pos},
-                        conversation=conversation,
-                        nbytes=sum(a.nbytes for a in arrays.values()) + 4 * len(tokens),
-                        has_logits=logits is not None)
-        if old is not None and old.tier == "disk":
-            self._remove_file(old)
-        self._entries[key] = snap
-        self._entries.move_to_end(key)
-        self._evict()
-        return snap
+            self._evict()
+            return snap
 
     def _evict(self) -> None:
         ram = [s for s in self._entries.values() if s.tier == "ram"]
@@ -316,37 +323,41 @@ class PrefixCache:
 
     def persist(self) -> None:
         """Write every RAM snapshot to the disk tier too (e.g. when the app closes)."""
-        if self._disk is None:
-            return
-        for snap in list(self._entries.values()):
-            if snap.tier == "ram":
-                self._write(snap)
-        self._trim_disk()
+        with self._lock:
+            if self._disk is None:
+                return
+            for snap in list(self._entries.values()):
+                if snap.tier == "ram":
+                    self._write(snap)
+            self._trim_disk()
 
     # ---- the app's view -----------------------------------------------------------------
 
     def snapshots(self) -> list[SnapshotInfo]:
         """Every snapshot, deepest first."""
-        now = time.time()
-        return [SnapshotInfo(s.key.hex(), s.conversation, s.pos, s.nbytes, now - s.created, s.hits, s.tier)
-                for s in sorted(self._entries.values(), key=lambda s: -s.pos)]
+        with self._lock:
+            now = time.time()
+            return [SnapshotInfo(s.key.hex(), s.conversation, s.pos, s.nbytes, now - s.created, s.hits, s.tier)
+                    for s in sorted(self._entries.values(), key=lambda s: -s.pos)]
 
     def clear(self, key: str | None = None) -> None:
         """Drop one snapshot (hex key from :meth:`snapshots`) or all of them, RAM and disk."""
-        targets: Iterable[Snapshot]
-        if key is None:
-            targets = list(self._entries.values())
-        else:
-            snap = self._entries.get(bytes.fromhex(key))
-            targets = [snap] if snap is not None else []
-        for snap in targets:
-            self._remove_file(snap)
-            self._entries.pop(snap.key, None)
+        with self._lock:
+            targets: Iterable[Snapshot]
+            if key is None:
+                targets = list(self._entries.values())
+            else:
+                snap = self._entries.get(bytes.fromhex(key))
+                targets = [snap] if snap is not None else []
+            for snap in targets:
+                self._remove_file(snap)
+                self._entries.pop(snap.key, None)
 
     @property
     def ram_bytes(self) -> int:
         """Bytes of snapshots held in RAM."""
-        return sum(s.nbytes for s in self._entries.values() if s.tier == "ram")
+        with self._lock:
+            return sum(s.nbytes for s in self._entries.values() if s.tier == "ram")
 
     # ---- disk tier ----------------------------------------------------------------------
 

@@ -51,6 +51,8 @@ class Turn:
         gpu: the GPU prefill backend (see :func:`prefill`), or None for CPU prefill.
         gpu_min_tokens: shortest stretch of prompt worth a GPU pass.
         on_device_error: called with the message when the GPU fails (the turn goes on on the CPU).
+        started: ``time.perf_counter()`` when the caller began the turn (before rendering the
+            template and encoding images), the origin of TTFT; None = when :func:`run_turn` starts.
         rerenders: ``rerenders(answer_ids)`` tells whether the next turn's prompt will contain
             ``prompt + answer_ids`` (answer ending with its stop token) unchanged; then the state
             after the stop token is snapshotted. None = never.
@@ -72,6 +74,7 @@ class Turn:
     gpu_min_tokens: int = 32
     on_device_error: Any = None
     rerenders: Any = None
+    started: float | None = None
 
     def image_digests(self) -> dict[int, bytes]:
         """Prompt index -> content digest of the image whose embedding sits there (cache keys)."""
@@ -177,7 +180,7 @@ def run_turn(turn: Turn) -> Iterator[Event]:
     (stop_reason "context_full" with the context size in the message) or a cancel (checked before
     every forward call, so it takes effect within one token).
     """
-    t_start = time.perf_counter()
+    t_start = turn.started if turn.started is not None else time.perf_counter()
     n_prompt = len(turn.prompt)
     empty = dict(prompt_tokens=n_prompt, reused_tokens=0, generated_tokens=0, ttft_ms=0.0,
                  prefill_tok_s=0.0, decode_tok_s=0.0, text="")
@@ -221,7 +224,8 @@ def run_turn(turn: Turn) -> Iterator[Event]:
                     turn.on_device_error(str(exc))
                 gpu = None
         if logits is None:
-            yield TurnSummary(stop_reason="cancelled", message="Stopped during prefill.", **empty)
+            yield TurnSummary(stop_reason="cancelled", message="Stopped during prefill.",
+                              **{**empty, "reused_tokens": reused})
             return
         if cache is not None:
             cache.put(keys[n_prompt], state, turn.prompt, logits, images=digests,

@@ -9,6 +9,7 @@ every token already seen.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -50,6 +51,8 @@ class SamplingParams:
             (0 < self.top_p <= 1, "top_p must be in (0, 1]"),
             (0 <= self.min_p <= 1, "min_p must be in [0, 1]"),
             (self.repetition_penalty > 0, "repetition_penalty must be > 0"),
+            (math.isfinite(self.presence_penalty) and math.isfinite(self.temperature),
+             "presence_penalty and temperature must be finite"),
             (self.penalty_last_n >= 0, "penalty_last_n must be >= 0"),
             (self.max_tokens >= 1, "max_tokens must be >= 1"),
         ]
@@ -84,9 +87,14 @@ class Sampler:
         Returns:
             (ids, probs): (c,) int64 candidate ids, most likely first, and (c,) float64
             probabilities summing to 1. Greedy (temperature 0) gives one candidate with p = 1.
+
+        Raises:
+            EngineError: the logits hold a NaN or no finite value.
         """
         p = self.params
         x = np.asarray(logits, dtype=np.float64).copy()
+        if not np.isfinite(x).any() or np.isnan(x).any():
+            raise EngineError("the model produced NaN or no finite logits (a damaged or unsupported model file?)")
         recent = history[-p.penalty_last_n:] if p.penalty_last_n else history
         if len(recent) and (p.repetition_penalty != 1.0 or p.presence_penalty != 0.0):
             seen = np.unique(np.asarray(recent, dtype=np.int64))

@@ -318,3 +318,19 @@ def test_load_reports_stages_and_can_be_cancelled(tiny) -> None:
 
     with pytest.raises(GenerationCancelled, match="cancelled"):
         Engine.load(tiny, options=EngineOptions(device="cpu"), progress=stop_after_mapping, cancel=cancel)
+
+
+def test_image_key_depends_on_resize_bounds(vision_engine, tmp_path) -> None:
+    """The same image under another size limit gives other embeddings: no prefix reuse across it."""
+    from engine.mmproj import load_mmproj
+    from engine.models.vision import ImageEncoder
+    from engine.synth import synth_mmproj_for
+    img = shape_image(tmp_path / "k.png", (10, 160, 10), size=(320, 256))
+    msgs = [{"role": "user", "content": [{"type": "image", "image": str(img)}, {"type": "text", "text": "Hi"}]}]
+    key_a = vision_engine.prepare(msgs).images[0][2]
+    same_tower = load_mmproj(synth_mmproj_for(tmp_path / "same-mmproj.gguf", "tiny", seed=0))
+    assert same_tower.identity == vision_engine.vision.tower.identity
+    small = ImageEncoder(same_tower, min_pixels=1024, max_pixels=64 * 64)
+    other = Engine(vision_engine.gguf, vision_engine.tokenizer, vision_engine.model, EngineOptions(), small)
+    assert other.prepare(msgs).images[0][2] != key_a
+    assert vision_engine.image_size(str(img)) == vision_engine.prepare(msgs).encoded[0].size

@@ -96,3 +96,15 @@ def test_seed_reproducible() -> None:
 def test_bad_parameters_named(bad: dict) -> None:
     with pytest.raises(EngineError, match=next(iter(bad))):
         SamplingParams(**bad)
+
+
+@pytest.mark.parametrize("bad", [np.full(8, np.nan, np.float32), np.full(8, -np.inf, np.float32),
+                                 np.array([0.5, np.nan, 1.0, 2.0], np.float32)])
+def test_non_finite_logits_are_an_engine_error(bad) -> None:
+    with pytest.raises(EngineError, match="NaN or no finite"):
+        Sampler(SamplingParams(temperature=1.0)).sample(bad, [])
+
+
+def test_nan_penalty_is_refused() -> None:
+    with pytest.raises(EngineError, match="finite"):
+        SamplingParams(presence_penalty=float("nan"))

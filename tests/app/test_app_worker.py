@@ -243,6 +243,7 @@ def test_a_cancelled_load_returns_at_once_and_its_model_is_dropped(qtbot, worker
     loader.release()
     qtbot.wait(50)
     assert failed == [] and engine.loads
+    assert engine.closed == 1              # the engine that finished loading too late is released
     _, summary = _run(qtbot, wt, ChatRequest([{"role": "user", "content": "hi"}]))
     assert summary.message == "Cannot answer: Loading the model was cancelled."
 
