@@ -255,9 +255,15 @@ class CudaPrefill:
             row = hp.n_head_kv * hp.head_dim * 4
             drv.memcpy_dtoh(state.k[il][p0:end], kp + p0 * row)
             drv.memcpy_dtoh(state.v[il][p0:end], vp + p0 * row)
+        # recurrent state lands in temporaries first: a copy failing half way leaves ``state`` as it was
+        conv = {il: np.empty_like(state.conv[il]) for il in self.conv_state}
+        ssm = {il: np.empty_like(state.ssm[il]) for il in self.ssm_state}
         for il in self.conv_state:
-            drv.memcpy_dtoh(state.conv[il], self.conv_state[il])
-            drv.memcpy_dtoh(state.ssm[il], self.ssm_state[il])
+            drv.memcpy_dtoh(conv[il], self.conv_state[il])
+            drv.memcpy_dtoh(ssm[il], self.ssm_state[il])
+        for il in self.conv_state:
+            state.conv[il][...] = conv[il]
+            state.ssm[il][...] = ssm[il]
         state.pos = end
 
         for il, kind, ea, eb, nbytes in self._events:
