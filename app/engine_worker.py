@@ -116,24 +116,13 @@ class ModelSummary:
     """The loaded model as the window shows it.
 
     Attributes:
-        name: the file name.
         line: a one-line summary (arch, layers, quant mix, bytes read per token, context).
-        context: the context window in tokens.
-        has_vision: whether images can be sent to it.
-        device: where prefill runs, "cuda" or "cpu".
-        device_note: why prefill is on the CPU when a GPU was asked for or looked for, or "".
-        placement: the GPU placement plan in words, or "".
-        vram_budget: the GPU prefill's VRAM budget, bytes (0 on the CPU).
+        info: the engine's :class:`engine.api.ModelInfo` (context, has_vision, device, device_note,
+            placement, vram_budget, ...), passed on as it is.
     """
 
-    name: str
     line: str
-    context: int
-    has_vision: bool
-    device: str = "cpu"
-    device_note: str = ""
-    placement: str = ""
-    vram_budget: int = 0
+    info: Any
 
 
 def human_size(n: float) -> str:
@@ -154,9 +143,7 @@ def summarize(info: Any) -> ModelSummary:
     line = (f"{Path(info.path).name}: {info.arch}, {info.n_layer} layers ({info.n_attn_layers} attention), "
             f"{info.n_params / 1e6:.1f} M params, {quants}; {human_size(info.bytes_per_token)} read per token; "
             f"context {info.context} tokens; {'vision' if info.has_vision else 'text only'}")
-    return ModelSummary(name=Path(info.path).name, line=line, context=info.context, has_vision=info.has_vision,
-                        device=info.device, device_note=info.device_note, placement=info.placement,
-                        vram_budget=info.vram_budget)
+    return ModelSummary(line=line, info=info)
 
 
 def plain_error(exc: BaseException, doing: str) -> str:

@@ -236,10 +236,10 @@ class MainWindow(QMainWindow):
         request, self.loading = self.loading, None
         self.model = summary
         self._show_loading(False)
-        self._show_model_line(summary.device, summary.device_note)
-        self.controller.has_vision = summary.has_vision
-        self.composer.set_vision(summary.has_vision)
-        self.sidebar.set_context(summary.context)
+        self._show_model_line(summary.info.device, summary.info.device_note)
+        self.controller.has_vision = summary.info.has_vision
+        self.composer.set_vision(summary.info.has_vision)
+        self.sidebar.set_context(summary.info.context)
         if request is not None and self._remember_load:
             self.apply_settings(replace(self.prefs, model_path=request.model_path or "",
                                         mmproj_path=request.mmproj_path or ""), reload=False)
@@ -250,9 +250,9 @@ class MainWindow(QMainWindow):
         if summary is None:
             return
         gpu = self.monitor.gpu if self.monitor is not None else None
-        phrase = device_phrase(device, summary.vram_budget, gpu.name if gpu is not None else "")
+        phrase = device_phrase(device, summary.info.vram_budget, gpu.name if gpu is not None else "")
         self._set_banner(f"{summary.line}; {phrase}", False)
-        self.banner.setToolTip("\n\n".join(t for t in (summary.placement if device == "cuda" else "", note) if t))
+        self.banner.setToolTip("\n\n".join(t for t in (summary.info.placement if device == "cuda" else "", note) if t))
 
     @Slot(object)
     def _gpu_reported(self, report: GpuReport) -> None:

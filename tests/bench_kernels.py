@@ -27,16 +27,6 @@ EXPERT_ROWS = 512
 N_EXPERT, N_USED = 64, 8
 
 
-def best_seconds(fn, repeats: int) -> float:
-    fn()
-    best = float("inf")
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - t0)
-    return best
-
-
 def q4_0_weights_shaped(rows: int, k: int, rng: np.random.Generator) -> np.ndarray:
     """Random Q4_0 rows of k values (nibbles random, scales a normal f16 so no float assists)."""
     raw = rng.integers(0, 256, size=(rows, k // cpu.QK * cpu.Q4_0_BYTES), dtype=np.uint8)
@@ -98,8 +88,8 @@ def main() -> None:
         bw = cpu.read_bandwidth(raw.nbytes, args.repeats)
         for level in cpu.supported_isas():
             cpu.set_isa(level)
-            big = raw.nbytes / best_seconds(lambda: cpu.matmul_q4_0(raw, x), args.repeats) / 1e9
-            each = raw.nbytes / best_seconds(lambda: [cpu.matmul_q4_0(w, x) for w in experts], args.repeats) / 1e9
+            big = raw.nbytes / cpu.best_seconds(lambda: cpu.matmul_q4_0(raw, x), args.repeats) / 1e9
+            each = raw.nbytes / cpu.best_seconds(lambda: [cpu.matmul_q4_0(w, x) for w in experts], args.repeats) / 1e9
             line = (f"{n:>7} {bw:>9.1f} GB/s {level:>11} {big:>9.1f} {100 * big / bw:>7.0f}% "
                     f"{each:>11.1f} {100 * each / bw:>7.0f}%")
             if layers:

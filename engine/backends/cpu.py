@@ -32,7 +32,7 @@ import functools
 import os
 import time
 import warnings
-from typing import NamedTuple
+from typing import Callable, NamedTuple
 
 import numpy as np
 
@@ -320,6 +320,17 @@ class Matrix:
 
 # --- memory bandwidth ----------------------------------------------------------------------------
 
+def best_seconds(fn: Callable[[], object], repeats: int = 3) -> float:
+    """Best wall time of ``repeats`` calls of ``fn`` after one warm-up call, seconds."""
+    fn()
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - start)
+    return best
+
+
 def read_bandwidth(nbytes: int = 1 << 30, repeats: int = 3) -> float:
     """Measured streaming-read bandwidth in GB/s (1e9 bytes/s): the best of `repeats` sequential
     reads of an `nbytes` buffer (make it larger than the last-level cache) by set_threads' threads.
@@ -332,13 +343,7 @@ def read_bandwidth(nbytes: int = 1 << 30, repeats: int = 3) -> float:
         read = functools.partial(_native_cpu.lib.dd_stream_read, _ptr(_native_cpu.ffi, "uint8_t *", buf), buf.nbytes)
     else:
         read = buf.sum
-    read()
-    best = float("inf")
-    for _ in range(repeats):
-        start = time.perf_counter()
-        read()
-        best = min(best, time.perf_counter() - start)
-    return buf.nbytes / best / 1e9
+    return buf.nbytes / best_seconds(read, repeats) / 1e9
 
 
 # --- the MoE feed-forward of one token ------------------------------------------------------------

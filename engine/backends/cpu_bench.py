@@ -44,15 +44,6 @@ class BenchRow:
     layer_ms: float = 0.0  # mean time of one layer of one decoded token
 
 
-def _best(fn, repeats: int = 3) -> float:
-    best = float("inf")
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - t0)
-    return best
-
-
 def measure(model: NativeQwen35Model, threads: int, isa: str, n_prompt: int, n_gen: int,
             stream_gb_s: float, seed: int = 0) -> BenchRow:
     """One DeltaDesk row: prompt and decode speed with this thread count and ISA level."""
@@ -71,7 +62,7 @@ def measure(model: NativeQwen35Model, threads: int, isa: str, n_prompt: int, n_g
         model.forward(np.array([t]), state)
     tg = (time.perf_counter() - t0) / n_gen
     h = rng.standard_normal((1, hp.n_embd)).astype(np.float32)
-    head = _best(lambda: model.linear(ops.rmsnorm(h, model.w("output_norm.weight"), hp.rms_eps),
+    head = cpu.best_seconds(lambda: model.linear(ops.rmsnorm(h, model.w("output_norm.weight"), hp.rms_eps),
                                       model.output_name))
     return BenchRow("deltadesk", isa, threads, n_prompt / pp, 1 / tg, stream_gb_s, head * 1e3,
                     (tg - head) * 1e3 / hp.n_layer)

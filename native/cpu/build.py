@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import platform
+import re
 
 import cffi
 
@@ -33,42 +34,16 @@ X86_ISA_SOURCES = {
 
 IS_X86 = platform.machine().lower() in {"x86_64", "amd64", "i386", "i686", "x86"}
 
-CDEF = """
-int dd_isa_supported(int isa);
-int dd_isa_best(void);
-void dd_set_threads(int n);
-int dd_get_threads(void);
-uint64_t dd_stream_read(const uint8_t *p, size_t n);
-int dd_quantize_q8_0(int isa, const float *x, size_t m, size_t k, uint8_t *out);
-int dd_matmul(int isa, int wtype, const uint8_t *w, size_t rows, size_t k,
-              const float *x, size_t m, float *y);
-typedef struct {
-    size_t d;
-    size_t n_expert, n_used;
-    size_t ff;
-    size_t ff_sh;
-    const float *router;
-    const uint8_t *gate, *up, *down;
-    int gate_type, up_type, down_type;
-    const uint8_t *sh_gate, *sh_up, *sh_down;
-    int sh_gate_type, sh_up_type, sh_down_type;
-    const float *sh_gate_inp;
-} dd_moe_weights;
-int dd_moe_ffn(int isa, const dd_moe_weights *w, const float *x, float *out,
-               int32_t *sel, float *weights);
-typedef struct {
-    size_t n_k, n_v, dk, dv, conv_kernel;
-    const float *conv_w;
-    const float *dt_bias;
-    const float *ssm_a;
-    const float *norm_w;
-    double eps;
-} dd_gdn_layer;
-int dd_gdn_decode(const dd_gdn_layer *L, const float *mixed, const float *z, const float *b, const float *a,
-                  float *conv_state, float *ssm, float *y);
-int dd_attn_decode(size_t n_head, size_t n_kv, size_t hd, const float *q, const float *gate,
-                   const float *k, const float *v, size_t m, float *out);
-"""
+def cdef_from_header(path: str) -> str:
+    """The C declarations cffi needs, taken from the public header itself (one source of truth):
+    preprocessor lines are dropped except integer ``#define``s, which cffi's cdef understands."""
+    with open(path, encoding="utf-8") as f:
+        lines = f.read().splitlines()
+    keep = [ln for ln in lines if not ln.startswith("#") or re.fullmatch(r"#define \w+ \d+", ln.strip())]
+    return "\n".join(keep)
+
+
+CDEF = cdef_from_header(os.path.join(HERE, "deltadesk_cpu.h"))
 
 
 def compile_isa_objects(compiler, build_temp: str, debug: bool = False) -> list[str]:

@@ -106,7 +106,7 @@ def test_summary_device_phrase_and_report():
     assert device_phrase("cuda", 6 * 2**30, "NVIDIA H200") == "prefill on GPU (H200, budget 6.0 GiB)"
     assert device_phrase("cuda") == "prefill on GPU" and device_phrase("cpu", 6 * 2**30) == "prefill on CPU"
     summary = summarize(GPU_INFO)
-    assert (summary.device, summary.placement) == ("cuda", PLACEMENT)
+    assert (summary.info.device, summary.info.placement) == ("cuda", PLACEMENT)
     report = PrefillReport.of(telemetry())
     assert report.h2d_gb_s == 12.0 and report.layer_ms == (5.0, 6.0, 7.0, 8.0)
     engine = FakeEngine(info=GPU_INFO)

@@ -61,7 +61,7 @@ def test_load_runs_off_the_ui_thread_and_summarizes(qtbot, worker_thread, tmp_pa
     request = LoadRequest("m.gguf", "mmproj-m.gguf", context=2048, image_max_pixels=512 * 512, cache_dir=tmp_path)
     (summary,) = _load(qtbot, wt, wt.worker.loaded, request)
     assert seen["thread"] is not threading.main_thread() and seen["request"] == request
-    assert summary.context == 4096 and not summary.has_vision
+    assert summary.info.context == 4096 and not summary.info.has_vision
     assert "qwen35moe" in summary.line and "Q8_0" in summary.line and "read per token" in summary.line
 
 
