@@ -20,13 +20,18 @@ from .cuda_plan import TILE_ROWS, Matrix
 
 Q = GGMLQuantizationType
 
-SOURCES = ("gemm.cu", "rows.cu", "gdn.cu", "attention.cu")
+SOURCES = ("gemm.cu", "rows.cu", "gdn.cu", "attention.cu", "vision.cu")
 SOURCE_DIR = Path(__file__).resolve().parents[2] / "native" / "cuda"
 
 _TYPE_SUFFIX = {Q.F32: "f32", Q.F16: "f16", Q.BF16: "bf16", Q.Q4_0: "q4_0", Q.Q4_1: "q4_1", Q.Q8_0: "q8_0"}
 DENSE_TILE_ROWS = 64
 """Rows of one M tile of the ungrouped GEMM (qgemm_*); the grouped one (qgemm32_*) uses TILE_ROWS = 32."""
 _FLASH_DIMS = (32, 64, 128, 256)
+_VISION_DIMS = (16, 32, 48, 64, 80, 96, 112, 128)
+"""Padded head widths of the vision attention kernels (vis_attn_<HDP> in vision.cu)."""
+
+ACT_NONE, ACT_GELU_TANH, ACT_GELU_ERF = 0, 1, 2
+"""Activation codes of :meth:`Kernels.bias_act`."""
 
 # kernel name -> pycuda argument format (struct codes: P pointer, i int32, q int64, f float32, d float64)
 _SIGNATURES = {
@@ -49,6 +54,10 @@ _SIGNATURES = {
     "gdn_chunk_prep": "PPPPPPPiiiiiii",
     "gdn_chunk_scan": "PPPPPPPiiiiiii",
     **{f"flash_attn_{d}": "PPPPPiiiii" for d in _FLASH_DIMS},
+    "vis_layernorm": "PiPPPiiif",
+    "vis_bias_act": "PiPiii",
+    "vis_rope": "PiPPiii",
+    **{f"vis_attn_{d}": "PiPiiiif" for d in _VISION_DIMS},
 }
 
 
@@ -269,3 +278,38 @@ class Kernels:
         tq = 64 // group
         self._launch(f"flash_attn_{hd}", (_grid(n, tq), n_kv), 256, stream, q, qg, kc, vc, out, n, pos0,
                      n_head, n_kv, group)
+
+    # ---- vision tower (vision.cu) ----------------------------------------------------------------
+
+    def layer_norm(self, stream: Any, x: int, x_ld: int, w: int, b: int, y: int, y_group: int, y_ld: int,
+                   rows: int, d: int, eps: float) -> None:
+        """LayerNorm with weight and bias of ``rows`` rows of ``d`` floats (x row stride ``x_ld``); row r is
+        written at float offset ``(r // y_group) * y_ld + (r % y_group) * d`` of y (y_group = merge**2 builds
+        the merger's concatenated rows, 1 gives plain rows)."""
+        self._launch("vis_layernorm", (rows, 1), 256, stream, x, x_ld, w, b, y, y_group, y_ld, d, float(eps))
+
+    def bias_act(self, stream: Any, x: int, ld: int, b: int, rows: int, n: int, act: int) -> None:
+        """In place ``x[r, :n] = act(x[r, :n] + b)`` for r < rows (row stride ld); act is :data:`ACT_NONE`,
+        :data:`ACT_GELU_TANH` or :data:`ACT_GELU_ERF`."""
+        self._launch("vis_bias_act", (min(_grid(rows * n, 256), 8192), 1), 256, stream, x, ld, b, rows, n, act)
+
+    def rope_2d(self, stream: Any, qkv: int, ld: int, cos: int, sin: int, s: int, heads: int, hd: int) -> None:
+        """2-D vision RoPE in place on the q and k heads of ``s`` fused qkv rows (row stride ld);
+        cos, sin: (s, hd/2) float32."""
+        self._launch("vis_rope", (min(_grid(s * heads * hd, 256), 8192), 1), 256, stream, qkv, ld, cos, sin, s,
+                     heads, hd)
+
+    def vision_attention(self, stream: Any, qkv: int, ld: int, out: int, out_ld: int, s: int, heads: int, hd: int,
+                         scale: float) -> None:
+        """Non-causal attention over the ``s`` tokens of one image, q/k/v read from the fused qkv rows (row
+        stride ld, q at column 0, k at heads*hd, v at 2*heads*hd); out (s, heads*hd) with row stride out_ld.
+
+        Raises:
+            DeviceError: head width above 128 or not a multiple of 4.
+        """
+        if hd > _VISION_DIMS[-1] or hd % 4:
+            raise DeviceError(f"the GPU vision attention handles head widths up to {_VISION_DIMS[-1]} in steps "
+                              f"of 4, the tower has {hd}")
+        hdp = -(-hd // 16) * 16
+        self._launch(f"vis_attn_{hdp}", (_grid(s, 32), heads), 128, stream, qkv, ld, out, out_ld, s, heads, hd,
+                     float(scale))
