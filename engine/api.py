@@ -58,10 +58,13 @@ class EngineOptions:
         snapshot_interval: also snapshot every this many prompt tokens during prefill.
         image_max_pixels: largest area an image is resized to before the vision tower, pixels
             (every 1024 pixels = one image token; lower it to bound CPU time).
-        device: where prefill runs: "auto" (the GPU when one works, else the CPU), "cuda" or "cpu".
-            Any GPU failure falls back to the CPU with a message (``ModelInfo.device_note``).
-        vram_budget: bytes of GPU memory prefill may use (None = free memory minus a margin);
-            routed experts that do not fit stream from pinned host RAM over PCIe.
+        device: where prefill and the vision tower run: "auto" (the GPU when one works, else the
+            CPU), "cuda" or "cpu". Any GPU failure falls back to the CPU with a message
+            (``ModelInfo.device_note`` for prefill, ``ModelInfo.vision_note`` for images).
+        vram_budget: bytes of GPU memory the GPU may use (None = free memory minus a margin); the
+            vision tower's weights and its activation buffers for an ``image_max_pixels`` image come
+            out of it first (with None they are allocated before prefill measures free memory), the
+            rest goes to prefill, whose routed experts that do not fit stream from pinned host RAM.
         gpu_min_tokens: shortest stretch of prompt sent to the GPU (each GPU pass streams every
             routed expert once; a few tokens are faster on the CPU).
         threads: CPU kernel threads (None = physical cores); process-wide.
@@ -101,6 +104,8 @@ class ModelInfo:
         device_note: why prefill is on the CPU when a GPU was asked for or looked for, or "".
         placement: the GPU placement plan in words (what stays in VRAM, what streams), or "".
         vram_budget: the GPU prefill's VRAM budget, bytes (0 on the CPU).
+        vision_device: where images are encoded, "cuda" or "cpu" ("" without a vision tower).
+        vision_note: why images are encoded on the CPU when a GPU was asked for or looked for, or "".
     """
 
     path: Path
@@ -116,6 +121,8 @@ class ModelInfo:
     device_note: str = ""
     placement: str = ""
     vram_budget: int = 0
+    vision_device: str = ""
+    vision_note: str = ""
 
 
 class Engine:
@@ -173,6 +180,8 @@ class Engine:
             if progress is not None:
                 progress(name)
 
+        if options.device not in ("auto", "cuda", "cpu"):
+            raise EngineError(f"device must be 'auto', 'cuda' or 'cpu', got {options.device!r}")
         stage("mapping tensors")
         gguf = GGUFFile.open(model_path)
         stage("building the tokenizer")
@@ -187,14 +196,20 @@ class Engine:
                 raise ModelFormatError(
                     f"{mmproj_path}: clip.vision.projection_dim = {mm.hparams.out_dim} does not match the text "
                     f"model's embedding_length = {gguf.hparams.n_embd} ({gguf.source}): not its vision tower")
-            vision = ImageEncoder(mm, max_pixels=options.image_max_pixels)
-        if options.device != "cpu":
-            stage("placing weights on the GPU")
-        gpu, note = _open_gpu(gguf, options)
-        if cancel is not None and cancel.is_set():
-            if gpu is not None:
-                gpu.close()
-            raise GenerationCancelled(f"loading {Path(model_path).name} was cancelled")
+            tower, vision_note = _open_vision_gpu(mm, options)
+            vision = ImageEncoder(mm, max_pixels=options.image_max_pixels, gpu=tower, device_note=vision_note)
+        try:
+            if options.device != "cpu":
+                stage("placing weights on the GPU")
+            gpu, note = _open_gpu(gguf, options, vision.gpu.vram_bytes if vision is not None and vision.gpu else 0)
+            if cancel is not None and cancel.is_set():
+                if gpu is not None:
+                    gpu.close()
+                raise GenerationCancelled(f"loading {Path(model_path).name} was cancelled")
+        except GenerationCancelled:
+            if vision is not None:
+                vision.close()
+            raise
         return cls(gguf, tokenizer, model, options, vision, gpu, note)
 
     @property
@@ -208,7 +223,9 @@ class Engine:
                          has_vision=self.vision is not None, device="cuda" if self.gpu is not None else "cpu",
                          device_note=self.device_note,
                          placement=self.gpu.plan.text() if self.gpu is not None else "",
-                         vram_budget=self.gpu.plan.budget if self.gpu is not None else 0)
+                         vram_budget=self.gpu.plan.budget if self.gpu is not None else 0,
+                         vision_device=self.vision.device if self.vision is not None else "",
+                         vision_note=self.vision.device_note if self.vision is not None else "")
 
     def telemetry(self) -> Any:
         """The last GPU prefill's :class:`~engine.backends.cuda_plan.PrefillTelemetry` (H2D bytes and
@@ -394,9 +411,12 @@ class Engine:
 
     def close(self) -> None:
         """Write the RAM prefix snapshots to the disk tier (when configured) and release the GPU
-        (device and pinned memory). Call it when the engine is dropped; it is not usable after."""
+        (prefill and vision tower: device and pinned memory). Call it when the engine is dropped; it is
+        not usable after."""
         if self.cache is not None:
             self.cache.persist()
+        if self.vision is not None:
+            self.vision.close()
         if self.gpu is not None:
             gpu, self.gpu = self.gpu, None
             gpu.close()
@@ -449,19 +469,40 @@ def _text_model(gguf: GGUFFile, options: EngineOptions) -> Qwen35Model:
     return Qwen35Model(gguf.hparams, gguf)
 
 
-def _open_gpu(gguf: GGUFFile, options: EngineOptions) -> tuple[Any, str]:
+def _open_vision_gpu(mm: Any, options: EngineOptions) -> tuple[Any, str]:
+    """The GPU vision tower and "", or None and why not; a device failure is never raised.
+
+    The tower reserves activation buffers for an ``options.image_max_pixels`` image and must fit
+    ``options.vram_budget`` (weights included).
+    """
+    if options.device == "cpu":
+        return None, ""
+    from .backends.cuda_vision import CudaVisionTower
+    try:
+        tower = CudaVisionTower(mm, reserve_patches=options.image_max_pixels // mm.hparams.patch_size ** 2,
+                                budget_bytes=options.vram_budget)
+    except DeviceError as exc:
+        note = f"No GPU vision tower ({exc}): images are encoded on the CPU"
+        if options.device == "cuda":
+            log.warning(note)
+        return None, note
+    log.info("GPU vision tower: %.2f GiB of VRAM (weights %.2f GiB)", tower.vram_bytes / 2**30,
+             tower.weight_bytes / 2**30)
+    return tower, ""
+
+
+def _open_gpu(gguf: GGUFFile, options: EngineOptions, reserved: int = 0) -> tuple[Any, str]:
     """The GPU prefill backend and "", or None and why not; a device failure is never raised.
 
-    Raises:
-        EngineError: ``options.device`` is not "auto", "cuda" or "cpu".
+    Args:
+        reserved: bytes of ``options.vram_budget`` already taken (the GPU vision tower's).
     """
-    if options.device not in ("auto", "cuda", "cpu"):
-        raise EngineError(f"device must be 'auto', 'cuda' or 'cpu', got {options.device!r}")
     if options.device == "cpu":
         return None, ""
     from .backends.cuda import CudaPrefill
+    budget = None if options.vram_budget is None else options.vram_budget - reserved
     try:
-        gpu = CudaPrefill(gguf.hparams, gguf, options.vram_budget)
+        gpu = CudaPrefill(gguf.hparams, gguf, budget)
     except DeviceError as exc:
         note = f"No GPU prefill ({exc}): prefill runs on the CPU"
         if options.device == "cuda":

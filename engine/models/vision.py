@@ -22,6 +22,7 @@ from __future__ import annotations
 import ctypes
 import glob
 import itertools
+import logging
 import os
 import threading
 import time
@@ -29,15 +30,18 @@ from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
+from typing import Any
 
 import numpy as np
 
 from ..backends.cpu import threads as cpu_threads
-from ..errors import GenerationCancelled
+from ..errors import DeviceError, GenerationCancelled
 from ..images import (MAX_INPUT_PIXELS, MAX_PIXELS, MIN_PIXELS, ImageSource, prepare_image, read_source,
                       smart_resize)
 from ..mmproj import Mmproj, VisionHParams
 from ..ops import vision_reference as ops
+
+log = logging.getLogger(__name__)
 
 StageCallback = Callable[[str, int, np.ndarray], None]
 """``cb(stage, il, x)``: sees each named intermediate; ``il`` is the block index or -1 outside blocks.
@@ -460,20 +464,62 @@ class EncodedImage:
 class ImageEncoder:
     """Preprocess + tower + cache: what the runtime calls for each image of a prompt.
 
+    Images are encoded by ``gpu`` when one is given; the first :class:`~engine.errors.DeviceError` it
+    raises closes it, and that image and every later one are encoded by the CPU :class:`VisionTower`
+    (``device_note`` says why, and the failure is logged as a warning).
+
     Args:
         mm: the loaded projector.
         min_pixels, max_pixels: default area bounds of the resized image (HF's by default; lower
             ``max_pixels`` to bound CPU time: S = pixels / 256 patches, attention cost ~ S^2).
         cache_bytes: embedding cache size.
         max_input_pixels: decode guard (see :func:`engine.images.open_image`).
+        gpu: a GPU tower of the same projector with ``encode(pixel_values, grid) -> (n, out_dim) float32``
+            and ``close()`` (:class:`engine.backends.cuda_vision.CudaVisionTower`), or None for the CPU.
+        device_note: why images are encoded on the CPU although a GPU was looked for, or "".
     """
 
     def __init__(self, mm: Mmproj, min_pixels: int = MIN_PIXELS, max_pixels: int = MAX_PIXELS,
-                 cache_bytes: int = 256 << 20, max_input_pixels: int = MAX_INPUT_PIXELS):
+                 cache_bytes: int = 256 << 20, max_input_pixels: int = MAX_INPUT_PIXELS, gpu: Any = None,
+                 device_note: str = ""):
         self.tower = VisionTower(mm)
+        self.gpu = gpu
+        self.device_note = device_note
         self.min_pixels, self.max_pixels = int(min_pixels), int(max_pixels)
         self.max_input_pixels = int(max_input_pixels)
         self.cache = EmbeddingCache(cache_bytes)
+
+    @property
+    def device(self) -> str:
+        """Where the next image is encoded: "cuda" or "cpu"."""
+        return "cpu" if self.gpu is None else "cuda"
+
+    def close(self) -> None:
+        """Release the GPU tower (device and pinned memory); later images are encoded on the CPU."""
+        gpu, self.gpu = self.gpu, None
+        if gpu is not None:
+            gpu.close()
+
+    def _gpu_failed(self, message: str) -> None:
+        """The GPU tower failed: release it and encode on the CPU from now on."""
+        self.device_note = f"GPU vision tower failed, encoding images on the CPU: {message}"
+        log.warning(self.device_note)
+        try:
+            self.close()
+        except Exception as exc:  # noqa: BLE001 - a broken CUDA context must not end the CPU fallback
+            log.warning("releasing the failed GPU vision tower: %s", exc)
+
+    def _run_tower(self, pixel_values: np.ndarray, grid: tuple[int, int],
+                   cancel: threading.Event | None) -> np.ndarray:
+        """(n, out_dim) float32 embeddings from the GPU tower, or the CPU tower when there is none or it fails."""
+        if self.gpu is not None:
+            if cancel is not None and cancel.is_set():
+                raise GenerationCancelled("image encoding cancelled")
+            try:
+                return self.gpu.encode(pixel_values, grid)
+            except DeviceError as exc:
+                self._gpu_failed(str(exc))
+        return self.tower.encode(pixel_values, grid, cancel=cancel)
 
     def encode(self, source: ImageSource, max_pixels: int | None = None,
                cancel: threading.Event | None = None) -> EncodedImage:
@@ -483,7 +529,7 @@ class ImageEncoder:
             source: file path, file bytes, :class:`~engine.images.ImageData` or Pillow image.
             max_pixels: overrides the default area bound for this image (``min_pixels`` is lowered
                 to it when above).
-            cancel: checked between tower blocks.
+            cancel: checked between tower blocks on the CPU; on the GPU only before the image (one launch sequence).
 
         Returns:
             :class:`EncodedImage`.
@@ -505,7 +551,7 @@ class ImageEncoder:
         prep = prepare_image(src, patch=hp.patch_size, merge=hp.merge, temporal=hp.temporal_patch,
                              mean=hp.image_mean, std=hp.image_std, min_pixels=min_px, max_pixels=max_px,
                              max_input_pixels=self.max_input_pixels)
-        emb = self.tower.encode(prep.pixel_values, prep.grid, cancel=cancel)
+        emb = self._run_tower(prep.pixel_values, prep.grid, cancel)
         emb.flags.writeable = False
         item = EncodedImage(emb, (prep.grid[0] // hp.merge, prep.grid[1] // hp.merge), prep.size,
                             prep.original_size, prep.digest, False, time.perf_counter() - t0)
