@@ -1,7 +1,7 @@
-"""Benchmark (not a test): CPU encode time of the vision tower at the real Qwen3.5/3.6 dimensions.
+"""Benchmark (not a test): encode time of the vision tower at the real Qwen3.5/3.6 dimensions, CPU or GPU.
 
-    python tests/bench_vision.py [--ftype F16|Q8_0|F32] [--threads N] [--mmproj PATH] [--repeat N]
-                                 [--sizes 448x448,1024x768] [--profile]
+    python tests/bench_vision.py [--device cpu|cuda] [--ftype F16|Q8_0|F32] [--threads N] [--mmproj PATH]
+                                 [--repeat N] [--sizes 448x448,1024x768] [--profile]
 
 Writes a random ``real`` mmproj (27 x 1152, 16 heads, ffn 4304, 48x48 grid, out 2048; ~0.9 GB F16) to
 a temporary folder unless ``--mmproj`` names one, loads it (weights dequantized to float32, ~1.8 GB
@@ -13,7 +13,12 @@ machine other processes' load changes the wall time several-fold; compare runs m
 ``--threads N`` sets the tower's worker threads and the BLAS thread count (OPENBLAS/OMP/MKL variables,
 before numpy loads); default: the engine's CPU thread count. ``--profile`` adds the time per stage,
 summed over the 27 blocks, from the stage callback: ``attn_out`` = LN1 + qkv + RoPE + attention + output
-projection, ``layer_out`` = LN2 + FFN, ``post_ln`` / ``merger_out`` = the merger.
+projection, ``layer_out`` = LN2 + FFN, ``post_ln`` / ``merger_out`` = the merger (CPU only).
+
+``--device cuda`` times ``CudaVisionTower.encode`` instead (engine.backends.cuda_vision): each timed call
+includes the host -> device copy of the patches and tables and the copy of the result back; the first call
+(warm-up) also sizes the device buffers. The weight upload (file re-read, padding, copies; the kernel build
+excluded) is reported on its own line.
 """
 
 from __future__ import annotations
@@ -38,12 +43,14 @@ def load_average() -> str:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     ap.add_argument("--ftype", default="F16", choices=["F32", "F16", "Q8_0"])
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--mmproj", type=Path, default=None)
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--sizes", default="448x448,1024x768", help="comma-separated WIDTHxHEIGHT")
-    ap.add_argument("--profile", action="store_true")
+    ap.add_argument("--profile", action="store_true", help="CPU: time per stage")
+    ap.add_argument("--check", action="store_true", help="cuda: also print the max error against the CPU tower")
     args = ap.parse_args()
     if args.threads:
         for var in ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS"):
@@ -66,8 +73,17 @@ def main() -> None:
                   f"{time.perf_counter() - t0:.1f} s")
         t0 = time.perf_counter()
         mm = load_mmproj(path)
-        tower = VisionTower(mm, threads=args.threads)
-        print(f"load + dequantize: {time.perf_counter() - t0:.1f} s; {mm.hparams}; {tower.threads} threads")
+        print(f"load + dequantize: {time.perf_counter() - t0:.1f} s; {mm.hparams}")
+        if args.device == "cuda":
+            from engine.backends.cuda_vision import CudaVisionTower
+
+            t0 = time.perf_counter()
+            tower = CudaVisionTower(mm)
+            print(f"GPU tower: {time.perf_counter() - t0:.2f} s to build, of which weight upload "
+                  f"{tower.upload_seconds:.2f} s ({tower.weight_bytes / 2**30:.2f} GiB)")
+        else:
+            tower = VisionTower(mm, threads=args.threads)
+            print(f"CPU tower: {tower.threads} threads")
         rng = np.random.default_rng(0)
         for size in args.sizes.split(","):
             w, h = (int(x) for x in size.split("x"))
@@ -88,13 +104,20 @@ def main() -> None:
             for _ in range(1 + max(1, args.repeat)):
                 stages.clear()
                 t0 = mark[0] = time.perf_counter()
-                out = tower.encode(prep.pixel_values, prep.grid, cb=cb if args.profile else None)
+                if args.device == "cuda":
+                    out = tower.encode(prep.pixel_values, prep.grid)
+                else:
+                    out = tower.encode(prep.pixel_values, prep.grid, cb=cb if args.profile else None)
                 times.append(time.perf_counter() - t0)
             times = times[1:]
-            print(f"{w}x{h}: {out.shape[0]} tokens, {prep.pixel_values.shape[0]} patches; preprocess {t_prep:.3f} s, "
-                  f"encode best {min(times):.2f} s, median {statistics.median(times):.2f} s of {len(times)} "
-                  f"(load average {load_before} -> {load_average()})")
-            if args.profile:
+            print(f"{w}x{h} ({args.device}): {out.shape[0]} tokens, {prep.pixel_values.shape[0]} patches; "
+                  f"preprocess {t_prep:.3f} s, encode best {min(times):.3f} s, median {statistics.median(times):.3f} s "
+                  f"of {len(times)} (load average {load_before} -> {load_average()})")
+            if args.check and args.device == "cuda":
+                want = VisionTower(mm, threads=args.threads).encode(prep.pixel_values, prep.grid)
+                err = float(np.abs(out - want).max() / np.abs(want).max())
+                print(f"  max |gpu - cpu| / max |cpu| = {err:.2e}")
+            if args.profile and args.device == "cpu":
                 print("  last run by stage (s): " + ", ".join(f"{k} {v:.3f}" for k, v in stages.items()))
 
 

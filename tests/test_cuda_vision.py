@@ -1,0 +1,291 @@
+"""The vision tower on the GPU (engine.backends.cuda_vision) against the CPU VisionTower, and the CPU fallback.
+
+* GPU tests (skipped without pycuda and a CUDA device): CudaVisionTower.encode against VisionTower.encode on
+  random 2-block projectors written as F32, F16 and Q8_0 files, head widths 48 (D 192, ffn 200) and 72
+  (D 144, ffn 304: rows that are not whole 32-value blocks, padded on the GPU), grids of 2x2 to 20x34
+  patches (non-square, odd merged sides, one and several query / key tiles), growing and reserved
+  activation buffers, the VRAM budget check, close(); and an engine loaded with device="cuda" encodes
+  images to the same embeddings as one loaded with device="cpu".
+* CudaVisionTower's host side on an emulated device (runs everywhere): test_cuda_prefill's numpy stand-in
+  for pycuda.driver (allocations poisoned with NaN) plus the numpy twins of the vision kernels, so weight
+  padding, the patch-kernel interleave, buffer strides and the merger's row layout are checked without a GPU.
+* Fallback tests (run everywhere): a stand-in GPU tower that raises DeviceError -> the CPU result, a note,
+  the GPU tower closed, later images on the CPU; no pycuda -> DeviceError; the engine reports where images
+  are encoded.
+
+Tolerance: max |gpu - cpu| <= TOL * max |cpu| over the whole output, TOL = 1e-4 (float32 on both sides;
+the GEMMs and the softmax sum in another order than numpy, so the expected error is ~1e-6).
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import numpy as np
+import pytest
+from PIL import Image
+
+from engine.errors import DeviceError
+from engine.mmproj import RandomWeights, VisionHParams, load_mmproj, write_mmproj
+from engine.models.vision import ImageEncoder, VisionTower
+
+FIX = Path(__file__).parent / "fixtures" / "vision"
+TOL = 1e-4
+GRIDS = [(2, 2), (4, 6), (6, 10), (8, 8), (14, 10), (20, 34)]
+SHAPES = {"hd48": dict(n_embd=192, n_head=4, n_ff=200), "hd72": dict(n_embd=144, n_head=2, n_ff=304)}
+
+
+def rel_err(got: np.ndarray, want: np.ndarray) -> float:
+    """max |got - want| / max |want| (inf when got holds a NaN or an infinity)."""
+    got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
+    if not np.all(np.isfinite(got)):
+        return float("inf")
+    return float(np.max(np.abs(got - want)) / max(float(np.max(np.abs(want))), 1e-30))
+
+
+def _gpu_available() -> bool:
+    try:
+        import pycuda.driver as drv
+        drv.init()
+        return drv.Device.count() > 0
+    except Exception:
+        return False
+
+
+gpu = pytest.mark.skipif(not _gpu_available(), reason="needs pycuda and an NVIDIA GPU")
+
+
+def _image(seed: int, size: tuple[int, int]) -> Image.Image:
+    return Image.fromarray(np.random.default_rng(seed).integers(0, 256, (size[1], size[0], 3), dtype=np.uint8))
+
+
+# ---- GPU ----------------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def towers(tmp_path_factory):
+    """``get(shape, ftype) -> (hp, cpu VisionTower, CudaVisionTower)``, each made once; GPU towers closed at the end."""
+    from engine.backends.cuda_vision import CudaVisionTower
+
+    folder = tmp_path_factory.mktemp("cuda-vision")
+    made: dict[tuple[str, str], tuple] = {}
+
+    def get(shape: str, ftype: str):
+        if (shape, ftype) not in made:
+            hp = VisionHParams(n_layer=2, patch_size=16, merge=2, out_dim=96, pos_side=8, **SHAPES[shape])
+            mm = load_mmproj(write_mmproj(folder / f"{shape}-{ftype}.gguf", hp, RandomWeights(hp, seed=7), ftype))
+            made[(shape, ftype)] = (hp, VisionTower(mm, threads=1), CudaVisionTower(mm))
+        return made[(shape, ftype)]
+
+    yield get
+    for _, _, tower in made.values():
+        tower.close()
+
+
+@gpu
+@pytest.mark.parametrize("grid", GRIDS, ids=[f"{h}x{w}" for h, w in GRIDS])
+@pytest.mark.parametrize("ftype", ["F32", "F16", "Q8_0"])
+@pytest.mark.parametrize("shape", sorted(SHAPES))
+def test_gpu_tower_matches_cpu_tower(towers, shape, ftype, grid):
+    hp, cpu, tower = towers(shape, ftype)
+    s = grid[0] * grid[1]
+    pixels = np.random.default_rng(s).uniform(-1, 1, (s, hp.patch_dim)).astype(np.float32)
+    want = cpu.encode(pixels, grid)
+    got = tower.encode(pixels, grid)
+    assert got.shape == want.shape == (s // 4, hp.out_dim) and got.dtype == np.float32
+    err = rel_err(got, want)
+    print(f"[max rel err] {shape} {ftype} {grid}: {err:.2e}")
+    assert err <= TOL
+
+
+@gpu
+def test_gpu_tower_reserve_budget_and_close(tmp_path):
+    from engine.backends.cuda_vision import CudaVisionTower, activation_bytes
+
+    hp = VisionHParams(n_layer=1, patch_size=16, merge=2, out_dim=64, pos_side=8, **SHAPES["hd72"])
+    mm = load_mmproj(write_mmproj(tmp_path / "t.gguf", hp, RandomWeights(hp, seed=1), "F16"))
+    with pytest.raises(DeviceError, match="VRAM budget"):
+        CudaVisionTower(mm, budget_bytes=1 << 16)
+    tower = CudaVisionTower(mm, reserve_patches=256)
+    assert tower.vram_bytes >= tower.weight_bytes + activation_bytes(hp, 256)
+    pixels = np.random.default_rng(0).uniform(-1, 1, (4 * 6, hp.patch_dim)).astype(np.float32)
+    assert rel_err(tower.encode(pixels, (4, 6)), VisionTower(mm, threads=1).encode(pixels, (4, 6))) <= TOL
+    with pytest.raises(ValueError, match="grid"):
+        tower.encode(pixels, (4, 5))
+    tower.close()
+    assert tower.vram_bytes == 0
+    with pytest.raises(DeviceError, match="closed"):
+        tower.encode(pixels, (4, 6))
+
+
+@gpu
+def test_engine_on_cuda_encodes_images_like_the_cpu(synth_model, tmp_path):
+    from engine.api import Engine, EngineOptions
+    from engine.synth import synth_mmproj_for
+
+    model = synth_model("tiny", "q8_0")
+    mmproj = synth_mmproj_for(tmp_path / "tiny-mmproj.gguf", "tiny", seed=0)
+    cpu = Engine.load(model, mmproj, EngineOptions(device="cpu", prefix_cache=False))
+    eng = Engine.load(model, mmproj, EngineOptions(device="cuda", prefix_cache=False))
+    try:
+        assert eng.vision.device == "cuda" and eng.info.vision_device == "cuda" and eng.info.vision_note == ""
+        assert cpu.info.vision_device == "cpu"
+        for seed, size in ((0, (96, 64)), (1, (200, 130))):
+            img = _image(seed, size)
+            got, want = eng.vision.encode(img), cpu.vision.encode(img)
+            assert got.grid == want.grid
+            assert rel_err(got.embeddings, want.embeddings) <= TOL
+        assert eng.vision.device == "cuda"
+    finally:
+        eng.close()
+    assert eng.vision.gpu is None
+
+
+# ---- the host side on an emulated device (runs everywhere) ----------------------------------------
+
+def _emulated_device():
+    """(driver, kernels class): test_cuda_prefill's emulated device plus the vision kernels' numpy twins."""
+    from test_cuda_prefill import FakeDriver, FakeKernels
+
+    from engine.ops import vision_reference as ops
+
+    class Driver(FakeDriver):
+        def memset_d32(self, ptr, value, count):
+            self.mem.arr(int(ptr), (count,), np.uint32)[:] = value
+
+        def pagelocked_zeros(self, shape, dtype):
+            return np.zeros(shape, dtype)
+
+    class VisionKernels(FakeKernels):
+        def _put(self, ptr, ld, rows):
+            for r, row in enumerate(rows):
+                self.m.arr(ptr + r * ld * 4, (row.size,))[:] = row
+
+        def layer_norm(self, stream, x, x_ld, w, b, y, y_group, y_ld, rows, d, eps):
+            out = ops.layer_norm(self.m.rows(x, range(rows), x_ld, d), self.m.arr(w, (d,)), self.m.arr(b, (d,)), eps)
+            for r in range(rows):
+                self.m.arr(y + ((r // y_group) * y_ld + (r % y_group) * d) * 4, (d,))[:] = out[r]
+
+        def bias_act(self, stream, x, ld, b, rows, n, act):
+            v = self.m.rows(x, range(rows), ld, n) + self.m.arr(b, (n,))
+            self._put(x, ld, (v, ops.gelu_tanh(v), ops.gelu_erf(v))[act])
+
+        def rope_2d(self, stream, qkv, ld, cos, sin, s, heads, hd):
+            x = self.m.rows(qkv, range(s), ld, 2 * heads * hd).reshape(s, 2 * heads, hd)
+            out = ops.apply_rope(x, self.m.arr(cos, (s, hd // 2)), self.m.arr(sin, (s, hd // 2)))
+            self._put(qkv, ld, out.reshape(s, -1))
+
+        def vision_attention(self, stream, qkv, ld, out, out_ld, s, heads, hd, scale):
+            x = self.m.rows(qkv, range(s), ld, 3 * heads * hd).reshape(s, 3, heads, hd)
+            self._put(out, out_ld, ops.attention(x[:, 0], x[:, 1], x[:, 2]))
+
+    return Driver(), VisionKernels
+
+
+@pytest.mark.parametrize("ftype", ["F32", "Q8_0"])
+def test_emulated_gpu_tower_matches_cpu_tower(monkeypatch, tmp_path, ftype):
+    import engine.backends.cuda_vision as cuda_vision
+
+    drv, kernels = _emulated_device()
+    monkeypatch.setattr(cuda_vision, "load_driver", lambda: drv)
+    monkeypatch.setattr(cuda_vision, "Kernels", kernels)
+    hp = VisionHParams(n_layer=2, patch_size=16, merge=2, out_dim=40, pos_side=6, **SHAPES["hd72"])
+    mm = load_mmproj(write_mmproj(tmp_path / "t.gguf", hp, RandomWeights(hp, seed=2), ftype))
+    cpu = VisionTower(mm, threads=1)
+    tower = cuda_vision.CudaVisionTower(mm, reserve_patches=24)
+    assert tower.mat["v.blk.0.ffn_down.weight"][0].cols == 320 and tower.mat["v.blk.0.attn_qkv.weight"][0].cols == 160
+    for grid in ((4, 6), (2, 2), (6, 10)):
+        s = grid[0] * grid[1]
+        pixels = np.random.default_rng(s).uniform(-1, 1, (s, hp.patch_dim)).astype(np.float32)
+        assert rel_err(tower.encode(pixels, grid), cpu.encode(pixels, grid)) <= TOL, grid
+    tower.close()
+    assert not drv.mem.blocks, "close() left device memory allocated"
+
+
+# ---- fallback (runs everywhere) -------------------------------------------------------------------
+
+class StandInTower:
+    """``encode(pixel_values, grid)`` like CudaVisionTower, computed by the CPU tower, or failing with DeviceError."""
+
+    def __init__(self, cpu: VisionTower, fail: bool, close_fails: bool = False) -> None:
+        self.cpu, self.fail, self.close_fails = cpu, fail, close_fails
+        self.calls = 0
+        self.closed = False
+
+    def encode(self, pixel_values, grid):
+        self.calls += 1
+        if self.fail:
+            raise DeviceError("CUDA error while encoding (stand-in)")
+        return self.cpu.encode(pixel_values, grid) + np.float32(1.0)
+
+    def close(self) -> None:
+        self.closed = True
+        if self.close_fails:
+            raise RuntimeError("context is gone (stand-in)")
+
+
+@pytest.fixture(scope="module")
+def tiny_mm():
+    return load_mmproj(FIX / "tiny-mmproj-f16.gguf")
+
+
+def test_encoder_uses_the_gpu_tower_when_it_works(tiny_mm):
+    cpu = ImageEncoder(tiny_mm, min_pixels=1024)
+    stand = StandInTower(cpu.tower, fail=False)
+    enc = ImageEncoder(tiny_mm, min_pixels=1024, gpu=stand)
+    assert enc.device == "cuda"
+    img = _image(3, (64, 96))
+    assert np.array_equal(enc.encode(img).embeddings, cpu.encode(img).embeddings + np.float32(1.0))
+    assert stand.calls == 1 and enc.device_note == ""
+    enc.close()
+    assert stand.closed and enc.device == "cpu"
+
+
+@pytest.mark.parametrize("close_fails", [False, True])
+def test_gpu_tower_failure_falls_back_to_the_cpu_for_this_and_later_images(tiny_mm, caplog, close_fails):
+    cpu = ImageEncoder(tiny_mm, min_pixels=1024)
+    stand = StandInTower(cpu.tower, fail=True, close_fails=close_fails)
+    enc = ImageEncoder(tiny_mm, min_pixels=1024, gpu=stand)
+    first, second = _image(4, (64, 96)), _image(5, (128, 64))
+    with caplog.at_level(logging.WARNING, logger="engine.models.vision"):
+        got = enc.encode(first)
+    assert np.array_equal(got.embeddings, cpu.encode(first).embeddings)
+    assert enc.device == "cpu" and enc.gpu is None and stand.closed
+    assert "GPU vision tower failed" in enc.device_note and "stand-in" in enc.device_note
+    assert "GPU vision tower failed" in caplog.text
+    assert np.array_equal(enc.encode(second).embeddings, cpu.encode(second).embeddings)
+    assert stand.calls == 1
+
+
+def test_no_pycuda_is_a_device_error(tiny_mm):
+    try:
+        import pycuda.driver  # noqa: F401
+    except ImportError:
+        pass
+    else:
+        pytest.skip("pycuda is importable here")
+    from engine.backends.cuda_vision import CudaVisionTower
+
+    with pytest.raises(DeviceError, match="pycuda"):
+        CudaVisionTower(tiny_mm)
+
+
+def test_engine_reports_where_images_are_encoded(synth_model, tmp_path):
+    from engine.api import Engine, EngineOptions
+    from engine.synth import synth_mmproj_for
+
+    model = synth_model("tiny", "q8_0")
+    mmproj = synth_mmproj_for(tmp_path / "tiny-mmproj.gguf", "tiny", seed=0)
+    eng = Engine.load(model, mmproj, EngineOptions(device="cpu", prefix_cache=False))
+    assert eng.info.vision_device == "cpu" and eng.info.vision_note == ""
+    assert Engine.load(model, options=EngineOptions(device="cpu")).info.vision_device == ""
+    if not _gpu_available():
+        auto = Engine.load(model, mmproj, EngineOptions(device="auto", prefix_cache=False))
+        assert auto.info.vision_device == "cpu" and "No GPU vision tower" in auto.info.vision_note
+    eng.vision.gpu = StandInTower(eng.vision.tower, fail=True)
+    assert eng.info.vision_device == "cuda"
+    msgs = [{"role": "user", "content": [{"type": "image", "image": _image(6, (96, 64))},
+                                         {"type": "text", "text": "What is it?"}]}]
+    prompt = eng.prepare(msgs)
+    assert len(prompt.encoded) == 1
+    assert eng.info.vision_device == "cpu" and "GPU vision tower failed" in eng.info.vision_note
