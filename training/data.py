@@ -30,6 +30,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from engine.images import prepare_image  # noqa: E402
+from engine.models.vision import mrope_positions  # noqa: E402
 from engine.tokenizer import Tokenizer  # noqa: E402
 
 VOCAB_PATH = Path(__file__).resolve().parent / "vocab.json"
@@ -87,7 +88,7 @@ def scene(seed: int) -> Scene:
         pairs.add((rng.choice(SHAPES), rng.choice(colours)))
     shapes = []
     for cell, (kind, colour) in zip(cells, rng.sample(sorted(pairs), n)):
-        r = rng.uniform(0.055, 0.13)
+        r = rng.uniform(0.085, 0.14)
         slack = 1 / 6 - r
         x = (cell % 3 + 0.5) / 3 + rng.uniform(-slack, slack) * 0.6
         y = (cell // 3 + 0.5) / 3 + rng.uniform(-slack, slack) * 0.6
@@ -264,6 +265,7 @@ class Sample:
     labels: np.ndarray              # (n,) int64, -100 outside the answer
     pixel_values: np.ndarray | None  # (gh*gw, 1536) float32 in the engine's patch order
     grid: tuple[int, int] | None    # (gh, gw) patches
+    positions: np.ndarray           # (3, n) int64 M-RoPE (t, h, w) positions, as the engine computes them
 
 
 class Encoder:
@@ -275,6 +277,7 @@ class Encoder:
         self.tok = engine_tokenizer(vocab)
         self.pad = self.tok.token_id("<|image_pad|>")
         self.im_end = self.tok.token_id("<|im_end|>")
+        self.vision_start = self.tok.token_id("<|vision_start|>")
 
     def prompt(self, question: str, n_image_tokens: int = 0) -> list[int]:
         content: list[dict] | str = question
@@ -299,7 +302,8 @@ class Encoder:
         ids = np.array(prompt + target, dtype=np.int64)
         labels = np.full(len(ids), -100, dtype=np.int64)
         labels[len(prompt):] = target
-        return Sample(ids, labels, pixels, grid)
+        grids = [(grid[0] // 2, grid[1] // 2)] if grid else []
+        return Sample(ids, labels, pixels, grid, mrope_positions(ids, grids, self.pad, self.vision_start))
 
 
 def training_sample(enc: Encoder, index: int) -> Sample:

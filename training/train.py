@@ -11,7 +11,17 @@ non-determinism of the device's kernels. Without ``--steps`` the step count is c
 time of steps 10-30, to fill ``--minutes``; it is logged, and passing it as ``--steps`` repeats the run.
 
 Writes into ``--out``: ``config.json`` (the HF config), ``weights-<k>.safetensors`` (float16 shards of at
-most 15 MB, HF parameter names) and ``log.json`` (steps, time, loss and answer-token accuracy curve).
+most 15 MB, HF parameter names) and ``log.json`` (steps, time, loss, answer-token accuracy and held-out
+accuracy curve); the weights and log are also written every ``--save-minutes`` so a run cut short keeps
+its latest state.
+
+Held-out accuracy during training (``--eval-every``) is the teacher-forced exact match per question
+type on scenes of seeds ``data.EVAL_SEED_BASE + 5_000_000 + i`` (never trained on): a sample counts as
+right when the argmax at every answer position (the answer and its ``<|im_end|>``) is the reference
+token. That is exactly the condition for greedy decoding to produce the reference answer, so it
+predicts ``training/evaluate.py accuracy`` up to the engine's Q8_0 rounding.
+
+    python training/train.py --out runs/probe --probe 64,256,512   # ms/step per batch size, no training
 """
 
 from __future__ import annotations
@@ -24,10 +34,14 @@ import sys
 import time
 from pathlib import Path
 
+from collections import defaultdict
+
 import numpy as np
 import torch
+import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 from transformers import Qwen3_5MoeConfig, Qwen3_5MoeForConditionalGeneration
+from transformers.models.qwen3_5_moe import modeling_qwen3_5_moe as hf_qwen35moe
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
@@ -77,19 +91,192 @@ class Stream(torch.utils.data.Dataset):
 
 
 def collate(samples: list[data.Sample], pad_id: int, image_pad_id: int) -> dict[str, torch.Tensor]:
-    """Right-padded batch (padding only follows real tokens, so causal layers never see it)."""
+    """Right-padded batch (padding only follows real tokens, so causal layers never see it) with the
+    M-RoPE ``position_ids`` (3, B, n) precomputed (padding continues the text positions), so transformers
+    does not run its per-sample ``get_rope_index`` loop on the GPU."""
     n = max(len(s.ids) for s in samples)
     ids = torch.full((len(samples), n), pad_id, dtype=torch.long)
     labels = torch.full((len(samples), n), -100, dtype=torch.long)
+    positions = torch.empty((3, len(samples), n), dtype=torch.long)
     for b, s in enumerate(samples):
         ids[b, :len(s.ids)] = torch.from_numpy(s.ids)
         labels[b, :len(s.labels)] = torch.from_numpy(s.labels)
-    batch = {"input_ids": ids, "labels": labels, "mm_token_type_ids": (ids == image_pad_id).int()}
+        positions[:, b, :len(s.ids)] = torch.from_numpy(s.positions)
+        positions[:, b, len(s.ids):] = int(s.positions.max()) + 1 + torch.arange(n - len(s.ids))
+    batch = {"input_ids": ids, "labels": labels, "mm_token_type_ids": (ids == image_pad_id).int(),
+             "position_ids": positions}
     images = [s for s in samples if s.pixel_values is not None]
     if images:
         batch["pixel_values"] = torch.from_numpy(np.concatenate([s.pixel_values for s in images]))
         batch["image_grid_thw"] = torch.tensor([[1, *s.grid] for s in images], dtype=torch.long)
     return batch
+
+
+def grouped_vision_attention(self: hf_qwen35moe.Qwen3_5MoeVisionAttention, hidden_states: torch.Tensor,
+                             cu_seqlens: torch.Tensor, position_embeddings: tuple[torch.Tensor, torch.Tensor],
+                             **kwargs) -> torch.Tensor:
+    """``Qwen3_5MoeVisionAttention.forward`` with the same math (each image attends to itself only), but one
+    ``scaled_dot_product_attention`` call per distinct image length instead of one per image: the stock
+    non-flash path loops over the ~500 images of a batch, which dominated the step time on the GPU.
+
+    hidden_states: (S, D) patches of all images; cu_seqlens: (n_images + 1,) int32 patch offsets;
+    position_embeddings: (cos, sin), each (S, head_dim). Returns (S, D).
+    """
+    n = hidden_states.shape[0]
+    q, k, v = self.qkv(hidden_states).reshape(n, 3, self.num_heads, -1).permute(1, 0, 2, 3).unbind(0)
+    q, k = hf_qwen35moe.apply_rotary_pos_emb_vision(q, k, *position_embeddings)
+    bounds = cu_seqlens.tolist()
+    groups: dict[int, list[int]] = defaultdict(list)
+    for a, b in zip(bounds[:-1], bounds[1:]):
+        groups[b - a].append(a)
+    pieces, order = [], []
+    for length, starts in groups.items():
+        idx = (torch.tensor(starts, device=q.device)[:, None] + torch.arange(length, device=q.device)).reshape(-1)
+
+        def heads(t: torch.Tensor) -> torch.Tensor:
+            return t[idx].reshape(len(starts), length, self.num_heads, -1).transpose(1, 2)
+
+        o = F.scaled_dot_product_attention(heads(q), heads(k), heads(v).to(q.dtype), scale=self.scaling)
+        pieces.append(o.transpose(1, 2).reshape(len(starts) * length, -1))
+        order.append(idx)
+    perm = torch.cat(order)
+    inverse = torch.empty_like(perm)
+    inverse[perm] = torch.arange(n, device=perm.device)
+    return self.proj(torch.cat(pieces)[inverse].to(hidden_states.dtype))
+
+
+_GRID_POSITIONS: dict[tuple, torch.Tensor] = {}
+_stock_vision_position_ids = hf_qwen35moe.get_vision_position_ids
+
+
+def cached_vision_position_ids(grid_thw: torch.Tensor, spatial_merge_size: int, *args, **kwargs) -> torch.Tensor:
+    """transformers' ``get_vision_position_ids`` (rotary (row, col) per patch, merge-window order), computed
+    once per distinct grid and concatenated: the stock function builds them image by image on the GPU."""
+    if kwargs.get("kwargs") and "position_ids" in kwargs["kwargs"]:
+        return _stock_vision_position_ids(grid_thw, spatial_merge_size, *args, **kwargs)
+    parts = []
+    for thw in grid_thw.tolist():
+        key = (*thw, spatial_merge_size, grid_thw.device)
+        if key not in _GRID_POSITIONS:
+            _GRID_POSITIONS[key] = _stock_vision_position_ids(grid_thw.new_tensor([thw]), spatial_merge_size)
+        parts.append(_GRID_POSITIONS[key])
+    return torch.cat(parts)
+
+
+def use_fast_paths(model: torch.nn.Module, fast: bool = True) -> None:
+    """Route every vision attention module of ``model`` through :func:`grouped_vision_attention` and the
+    vision rotary positions through :func:`cached_vision_position_ids` (same values, fewer GPU launches);
+    ``fast=False`` restores transformers' own code."""
+    hf_qwen35moe.get_vision_position_ids = cached_vision_position_ids if fast else _stock_vision_position_ids
+    for mod in model.modules():
+        if isinstance(mod, hf_qwen35moe.Qwen3_5MoeVisionAttention):
+            if fast:
+                mod.forward = grouped_vision_attention.__get__(mod)
+            else:
+                mod.__dict__.pop("forward", None)
+
+
+def worker_init(_: int) -> None:
+    """One torch thread per data worker (they only run numpy and Pillow)."""
+    torch.set_num_threads(1)
+
+
+def make_loader(vocab: dict, cfg: Qwen3_5MoeConfig, first: int, batch: int, workers: int) -> torch.utils.data.DataLoader:
+    """Consecutive batches of the sample stream from sample index ``first``."""
+    return torch.utils.data.DataLoader(
+        torch.utils.data.Subset(Stream(vocab), range(first, 1 << 40)), batch_size=batch, shuffle=False,
+        num_workers=workers, worker_init_fn=worker_init if workers else None,
+        collate_fn=functools.partial(collate, pad_id=vocab["pad_id"], image_pad_id=cfg.image_token_id),
+        prefetch_factor=4 if workers else None, persistent_workers=bool(workers), pin_memory=torch.cuda.is_available())
+
+
+HELDOUT_SEED = data.EVAL_SEED_BASE + 5_000_000
+
+
+def heldout_batches(vocab: dict, cfg: Qwen3_5MoeConfig, n_scenes: int, batch: int = 128) -> list[tuple[list[str], dict]]:
+    """Every question of ``n_scenes`` held-out scenes as collated batches, with each sample's question type."""
+    enc = data.Encoder(vocab)
+    items = []
+    for i in range(n_scenes):
+        sc = data.scene(HELDOUT_SEED + i)
+        image = data.render(sc)
+        items += [(kind, enc.sample(q, a, image)) for kind, (q, a) in data.questions(sc).items()]
+    out = []
+    for j in range(0, len(items), batch):
+        part = items[j:j + batch]
+        out.append(([k for k, _ in part], collate([smp for _, smp in part], vocab["pad_id"], cfg.image_token_id)))
+    return out
+
+
+@torch.no_grad()
+def heldout_accuracy(model: torch.nn.Module, batches: list[tuple[list[str], dict]], device: torch.device) -> dict[str, float]:
+    """Teacher-forced exact match per question type (see the module docstring), in [0, 1]."""
+    model.eval()
+    right: dict[str, int] = {}
+    total: dict[str, int] = {}
+    for kinds, batch in batches:
+        batch = {k: v.to(device) for k, v in batch.items()}
+        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
+            logits = model(**{k: v for k, v in batch.items() if k != "labels"}).logits
+        tgt = batch["labels"][:, 1:]
+        ok = ((logits[:, :-1].argmax(-1) == tgt) | (tgt == -100)).all(-1).tolist()
+        for kind, good in zip(kinds, ok):
+            right[kind] = right.get(kind, 0) + good
+            total[kind] = total.get(kind, 0) + 1
+    model.train()
+    return {k: round(right[k] / total[k], 3) for k in data.QUESTION_TYPES if k in total}
+
+
+def train_step(model: torch.nn.Module, opt: torch.optim.Optimizer, batch: dict, device: torch.device) -> tuple[float, float, float]:
+    """One optimiser step; returns (loss, answer-token accuracy, router auxiliary loss)."""
+    batch = {k: v.to(device, non_blocking=True) for k, v in batch.items()}
+    with torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
+        out = model(**batch)
+    opt.zero_grad(set_to_none=True)
+    out.loss.backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+    opt.step()
+    with torch.no_grad():
+        pred = out.logits[:, :-1].argmax(-1)
+        tgt = batch["labels"][:, 1:]
+        mask = tgt != -100
+        acc = float(((pred == tgt) & mask).sum() / mask.sum())
+    return out.loss.item(), acc, out.aux_loss.item()
+
+
+def probe(model: torch.nn.Module, opt: torch.optim.Optimizer, vocab: dict, cfg: Qwen3_5MoeConfig,
+          batches: list[int], workers: int, device: torch.device) -> None:
+    """Print, for each batch size, the ms per step of steps 5-15 split into waiting for data and the GPU
+    step, with transformers' own vision loops and with :func:`use_fast_paths`, then a profile of one step (the weights
+    are trained on, then discarded)."""
+    def sync() -> None:
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+
+    for b in batches:
+        loader = iter(make_loader(vocab, cfg, 0, b, workers))
+        for fast in (False, True):
+            use_fast_paths(model, fast)
+            wait = work = 0.0
+            for step in range(15):
+                t = time.time()
+                batch = next(loader)
+                t1 = time.time()
+                train_step(model, opt, batch, device)
+                sync()
+                if step >= 5:
+                    wait += t1 - t
+                    work += time.time() - t1
+            print(json.dumps({"batch": b, "fast_paths": fast, "data_wait_ms": round(wait * 100),
+                              "step_ms": round(work * 100), "samples_per_s": round(b * 10 / (wait + work)),
+                              "max_gpu_gib": round(torch.cuda.max_memory_allocated() / 2 ** 30 if device.type == "cuda" else 0, 1)}),
+                  flush=True)
+    batch = next(loader)
+    with torch.profiler.profile() as prof:
+        train_step(model, opt, batch, device)
+        sync()
+    key = "self_cuda_time_total" if device.type == "cuda" else "self_cpu_time_total"
+    print(prof.key_averages().table(sort_by=key, row_limit=15), flush=True)
 
 
 def lr_at(step: int, steps: int, peak: float, warmup: int) -> float:
@@ -126,6 +313,13 @@ def main() -> None:
     ap.add_argument("--lr", type=float, default=1.5e-3)
     ap.add_argument("--workers", type=int, default=12)
     ap.add_argument("--threads", type=int, default=2, help="torch CPU threads")
+    ap.add_argument("--warmup", type=int, default=150, help="linear warm-up steps")
+    ap.add_argument("--eval-every", type=int, default=250, help="steps between held-out accuracy checks (0: off)")
+    ap.add_argument("--eval-scenes", type=int, default=100)
+    ap.add_argument("--save-minutes", type=float, default=2.0, help="minutes between saves of weights and log")
+    ap.add_argument("--stock-hf-paths", action="store_true",
+                    help="keep transformers' per-image vision loops (same math, slower; see use_fast_paths)")
+    ap.add_argument("--probe", default=None, help="comma-separated batch sizes: print ms/step for each and exit")
     ap.add_argument("--init", type=Path, default=None,
                     help="continue from this run's weights; its log.json's samples are skipped in the data stream")
     args = ap.parse_args()
@@ -144,44 +338,43 @@ def main() -> None:
         model.load_state_dict({k: v.float() for k, v in state.items()})
         first = json.loads((args.init / "log.json").read_text())["samples"]
     model = model.to(device).train()
+    use_fast_paths(model, not args.stock_hf_paths)
     n_params = sum(p.numel() for p in model.parameters())
     print(f"device {device}, {n_params / 1e6:.2f} M parameters", flush=True)
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "config.json").write_text(cfg.to_json_string())
-
-    loader = torch.utils.data.DataLoader(
-        torch.utils.data.Subset(Stream(vocab), range(first, 1 << 40)), batch_size=args.batch, shuffle=False, num_workers=args.workers,
-        collate_fn=functools.partial(collate, pad_id=vocab["pad_id"], image_pad_id=cfg.image_token_id),
-        prefetch_factor=4 if args.workers else None,
-        persistent_workers=bool(args.workers))
     decay = [p for n, p in model.named_parameters() if p.ndim >= 2 and "embed" not in n]
     rest = [p for n, p in model.named_parameters() if not (p.ndim >= 2 and "embed" not in n)]
     opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.05}, {"params": rest, "weight_decay": 0.0}],
                             lr=args.lr, betas=(0.9, 0.98), eps=1e-8)
-    steps, warmup = args.steps, 150
+    if args.probe:
+        probe(model, opt, vocab, cfg, [int(b) for b in args.probe.split(",")], args.workers, device)
+        return
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "config.json").write_text(cfg.to_json_string())
+    heldout = heldout_batches(vocab, cfg, args.eval_scenes) if args.eval_every else []
+    loader = make_loader(vocab, cfg, first, args.batch, args.workers)
+    steps = args.steps
     curve: list[dict] = []
-    t0 = time.time()
+    t0 = last_save = time.time()
     t10 = None
     run_loss = run_acc = 0.0
     step = 0
+
+    def save() -> None:
+        log = {"seed": SEED, "init": str(args.init) if args.init else None, "first_sample": first, "steps": step,
+               "batch": args.batch, "lr": args.lr, "samples": first + step * args.batch,
+               "seconds": round(time.time() - t0, 1),
+               "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
+               "torch": torch.__version__, "transformers": sys.modules["transformers"].__version__,
+               "n_params": n_params, "final_loss": curve[-1]["loss"] if curve else None, "curve": curve,
+               "shards": save_shards(model, args.out)}
+        (args.out / "log.json").write_text(json.dumps(log, indent=1) + "\n")
+
     for batch in loader:
         if steps is not None and step >= steps:
             break
-        batch = {k: v.to(device, non_blocking=True) for k, v in batch.items()}
         for g in opt.param_groups:
-            g["lr"] = lr_at(step, steps or 10 ** 9, args.lr, warmup)
-        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
-            out = model(**batch)
-        opt.zero_grad(set_to_none=True)
-        out.loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-        with torch.no_grad():
-            pred = out.logits[:, :-1].argmax(-1)
-            tgt = batch["labels"][:, 1:]
-            mask = tgt != -100
-            acc = float(((pred == tgt) & mask).sum() / mask.sum())
-        loss = out.loss.item()
+            g["lr"] = lr_at(step, steps or 10 ** 9, args.lr, args.warmup)
+        loss, acc, aux = train_step(model, opt, batch, device)
         run_loss = 0.98 * run_loss + 0.02 * loss if step else loss
         run_acc = 0.98 * run_acc + 0.02 * acc if step else acc
         step += 1
@@ -191,19 +384,20 @@ def main() -> None:
             per_step = (time.time() - t10) / 20
             steps = int(args.minutes * 60 / per_step)
             print(f"{per_step * 1000:.0f} ms/step -> {steps} steps", flush=True)
-        if step % 100 == 0 or step == steps:
+        evaluate = args.eval_every and (step % args.eval_every == 0 or step == steps)
+        if step % 100 == 0 or step == steps or evaluate:
             rec = {"step": step, "seconds": round(time.time() - t0, 1), "loss": round(run_loss, 4),
-                   "answer_token_acc": round(run_acc, 4), "aux_loss": round(out.aux_loss.item(), 4),
+                   "answer_token_acc": round(run_acc, 4), "aux_loss": round(aux, 4),
                    "lr": opt.param_groups[0]["lr"]}
+            if evaluate:
+                rec["heldout_exact"] = heldout_accuracy(model, heldout, device)
             curve.append(rec)
             print(json.dumps(rec), flush=True)
+        if time.time() - last_save > args.save_minutes * 60:
+            save()
+            last_save = time.time()
     seconds = time.time() - t0
-    shards = save_shards(model, args.out)
-    log = {"seed": SEED, "init": str(args.init) if args.init else None, "first_sample": first, "steps": step, "batch": args.batch, "samples": first + step * args.batch, "seconds": round(seconds, 1),
-           "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
-           "torch": torch.__version__, "transformers": sys.modules["transformers"].__version__,
-           "n_params": n_params, "final_loss": curve[-1]["loss"] if curve else None, "curve": curve, "shards": shards}
-    (args.out / "log.json").write_text(json.dumps(log, indent=1) + "\n")
+    save()
     print(f"done: {step} steps in {seconds:.0f} s", flush=True)
 
 
