@@ -24,7 +24,6 @@ pycuda, a compile error, out of GPU or pinned memory, a failed launch) raises
 from __future__ import annotations
 
 import contextlib
-import threading
 import time
 from collections import OrderedDict
 from typing import Any, Iterator
@@ -118,7 +117,6 @@ class CudaVisionTower:
         reserve = max(0, int(reserve_patches))
         reserve -= reserve % (hp.merge * hp.merge)
         self._grids: OrderedDict[tuple[int, int], tuple[np.ndarray, np.ndarray, np.ndarray]] = OrderedDict()
-        self._lock = threading.Lock()
         self._drv = load_driver()
         try:
             self._ctx = self._drv.Device(0).retain_primary_context()
@@ -270,20 +268,18 @@ class CudaVisionTower:
             h0: (gh*gw, n_embd) float32, the interpolated position rows plus the patch bias.
             cos, sin: (gh*gw, head_dim/2) float32 RoPE tables.
         """
-        with self._lock:
-            hit = self._grids.get((gh, gw))
-            if hit is not None:
-                self._grids.move_to_end((gh, gw))
-                return hit
+        hit = self._grids.get((gh, gw))
+        if hit is not None:
+            self._grids.move_to_end((gh, gw))
+            return hit
         hp, mm = self.hp, self._mm
         rows, cols = ops.merge_window_coords(gh, gw, hp.merge)
         h0 = ops.pos_embed_at(mm.f32("v.position_embd.weight"), hp.pos_side, gh, gw, rows, cols)
         h0 += mm.f32("v.patch_embd.bias")
         cos, sin = ops.rope_2d_cos_sin(rows, cols, hp.head_dim, hp.rope_theta)
-        with self._lock:
-            self._grids[(gh, gw)] = (h0, cos, sin)
-            while len(self._grids) > self.GRID_CACHE:
-                self._grids.popitem(last=False)
+        self._grids[(gh, gw)] = (h0, cos, sin)
+        while len(self._grids) > self.GRID_CACHE:
+            self._grids.popitem(last=False)
         return h0, cos, sin
 
     def encode(self, pixel_values: np.ndarray, grid: tuple[int, int]) -> np.ndarray:
