@@ -266,6 +266,7 @@ class Sample:
     pixel_values: np.ndarray | None  # (gh*gw, 1536) float32 in the engine's patch order
     grid: tuple[int, int] | None    # (gh, gw) patches
     positions: np.ndarray           # (3, n) int64 M-RoPE (t, h, w) positions, as the engine computes them
+    token_labels: np.ndarray | None = None  # (n_image_tokens, 3) int64 (kind, colour, cell): see token_labels()
 
 
 class Encoder:
@@ -306,6 +307,27 @@ class Encoder:
         return Sample(ids, labels, pixels, grid, mrope_positions(ids, grids, self.pad, self.vision_start))
 
 
+def token_labels(sc: Scene, grid: tuple[int, int]) -> np.ndarray:
+    """Per merged image token (raster order over the ``(gh/2, gw/2)`` merged grid of a ``grid`` of patches):
+    (shape kind index in :data:`SHAPES` or ``len(SHAPES)`` for background, colour index in :data:`COLOURS`
+    or ``len(COLOURS)``, 3x3 cell of the token's centre). A token belongs to a shape when its centre lies
+    within the shape's radius of its centre (the resize keeps relative coordinates).
+    Returns (n_tokens, 3) int64; used only as an auxiliary training target."""
+    rows, cols = grid[0] // 2, grid[1] // 2
+    h, w = sc.size
+    y = (np.arange(rows)[:, None] + 0.5) / rows + np.zeros((1, cols))
+    x = (np.arange(cols)[None, :] + 0.5) / cols + np.zeros((rows, 1))
+    kind = np.full((rows, cols), len(SHAPES))
+    colour = np.full((rows, cols), len(COLOURS))
+    names = list(COLOURS)
+    for sh in sc.shapes:
+        inside = np.hypot((x - sh.x) * w, (y - sh.y) * h) < sh.r * min(h, w)
+        kind[inside] = SHAPES.index(sh.kind)
+        colour[inside] = names.index(sh.colour)
+    cell = np.minimum((y * 3).astype(int), 2) * 3 + np.minimum((x * 3).astype(int), 2)
+    return np.stack([kind, colour, cell], -1).reshape(-1, 3).astype(np.int64)
+
+
 def training_sample(enc: Encoder, index: int) -> Sample:
     """Training sample ``index``: 1 in 12 a chat line without an image, else a random question type
     about the scene of seed ``TRAIN_SEED_BASE + index``."""
@@ -317,7 +339,8 @@ def training_sample(enc: Encoder, index: int) -> Sample:
     qs = questions(sc)
     kind = rng.choice(list(qs))
     q, a = qs[kind]
-    return enc.sample(q, a, render(sc))
+    smp = enc.sample(q, a, render(sc))
+    return dataclasses.replace(smp, token_labels=token_labels(sc, smp.grid))
 
 
 if __name__ == "__main__":

@@ -109,6 +109,8 @@ def collate(samples: list[data.Sample], pad_id: int, image_pad_id: int) -> dict[
     if images:
         batch["pixel_values"] = torch.from_numpy(np.concatenate([s.pixel_values for s in images]))
         batch["image_grid_thw"] = torch.tensor([[1, *s.grid] for s in images], dtype=torch.long)
+        if all(s.token_labels is not None for s in images):
+            batch["token_labels"] = torch.from_numpy(np.concatenate([s.token_labels for s in images]))
     return batch
 
 
@@ -217,7 +219,7 @@ def heldout_accuracy(model: torch.nn.Module, batches: list[tuple[list[str], dict
     for kinds, batch in batches:
         batch = {k: v.to(device) for k, v in batch.items()}
         with torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
-            logits = model(**{k: v for k, v in batch.items() if k != "labels"}).logits
+            logits = model(**{k: v for k, v in batch.items() if k not in ("labels", "token_labels")}).logits
         tgt = batch["labels"][:, 1:]
         ok = ((logits[:, :-1].argmax(-1) == tgt) | (tgt == -100)).all(-1).tolist()
         for kind, good in zip(kinds, ok):
@@ -227,13 +229,43 @@ def heldout_accuracy(model: torch.nn.Module, batches: list[tuple[list[str], dict
     return {k: round(right[k] / total[k], 3) for k in data.QUESTION_TYPES if k in total}
 
 
-def train_step(model: torch.nn.Module, opt: torch.optim.Optimizer, batch: dict, device: torch.device) -> tuple[float, float, float]:
-    """One optimiser step; returns (loss, answer-token accuracy, router auxiliary loss)."""
+class TokenProbe(torch.nn.Module):
+    """Auxiliary linear heads on the merger's output (the image embeddings the LLM reads) that predict each
+    image token's shape kind, colour and 3x3 cell (:func:`data.token_labels`). A training aid only: it is
+    not part of the exported model. It gives the vision tower a dense signal per token, where the
+    answer tokens give one sparse signal per image."""
+
+    SIZES = (len(data.SHAPES) + 1, len(data.COLOURS) + 1, 9)
+
+    def __init__(self, model: torch.nn.Module, width: int):
+        super().__init__()
+        self.head = torch.nn.Linear(width, sum(self.SIZES))
+        self.features: torch.Tensor | None = None
+        model.model.visual.register_forward_hook(self._keep)
+
+    def _keep(self, module: torch.nn.Module, args: tuple, output) -> None:
+        self.features = output.pooler_output
+
+    def loss(self, labels: torch.Tensor) -> torch.Tensor:
+        """Mean of the three cross-entropies over the tokens of the last vision forward; labels (n, 3) int64."""
+        logits = self.head(self.features.float()).split(self.SIZES, dim=-1)
+        self.features = None
+        return sum(F.cross_entropy(lg, labels[:, i]) for i, lg in enumerate(logits)) / 3
+
+
+def train_step(model: torch.nn.Module, opt: torch.optim.Optimizer, batch: dict, device: torch.device,
+               probe_heads: TokenProbe | None = None, probe_weight: float = 0.0) -> tuple[float, float, float]:
+    """One optimiser step; returns (loss, answer-token accuracy, router auxiliary loss). With
+    ``probe_heads``, ``probe_weight`` x its loss on the batch's token labels is added to the LM loss."""
     batch = {k: v.to(device, non_blocking=True) for k, v in batch.items()}
+    labels = batch.pop("token_labels", None)
     with torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
         out = model(**batch)
+    loss = out.loss
+    if probe_heads is not None and labels is not None and probe_weight:
+        loss = loss + probe_weight * probe_heads.loss(labels)
     opt.zero_grad(set_to_none=True)
-    out.loss.backward()
+    loss.backward()
     torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
     opt.step()
     with torch.no_grad():
@@ -317,6 +349,8 @@ def main() -> None:
     ap.add_argument("--eval-every", type=int, default=250, help="steps between held-out accuracy checks (0: off)")
     ap.add_argument("--eval-scenes", type=int, default=100)
     ap.add_argument("--save-minutes", type=float, default=2.0, help="minutes between saves of weights and log")
+    ap.add_argument("--token-probe", type=float, default=0.5,
+                    help="weight of the auxiliary per-image-token shape/colour/cell loss (0: off; see TokenProbe)")
     ap.add_argument("--stock-hf-paths", action="store_true",
                     help="keep transformers' per-image vision loops (same math, slower; see use_fast_paths)")
     ap.add_argument("--probe", default=None, help="comma-separated batch sizes: print ms/step for each and exit")
@@ -341,8 +375,10 @@ def main() -> None:
     use_fast_paths(model, not args.stock_hf_paths)
     n_params = sum(p.numel() for p in model.parameters())
     print(f"device {device}, {n_params / 1e6:.2f} M parameters", flush=True)
-    decay = [p for n, p in model.named_parameters() if p.ndim >= 2 and "embed" not in n]
-    rest = [p for n, p in model.named_parameters() if not (p.ndim >= 2 and "embed" not in n)]
+    probe_heads = TokenProbe(model, cfg.vision_config.out_hidden_size).to(device) if args.token_probe else None
+    params = list(model.named_parameters()) + (list(probe_heads.named_parameters()) if probe_heads else [])
+    decay = [p for n, p in params if p.ndim >= 2 and "embed" not in n]
+    rest = [p for n, p in params if not (p.ndim >= 2 and "embed" not in n)]
     opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.05}, {"params": rest, "weight_decay": 0.0}],
                             lr=args.lr, betas=(0.9, 0.98), eps=1e-8)
     if args.probe:
@@ -361,7 +397,7 @@ def main() -> None:
 
     def save() -> None:
         log = {"seed": SEED, "init": str(args.init) if args.init else None, "first_sample": first, "steps": step,
-               "batch": args.batch, "lr": args.lr, "samples": first + step * args.batch,
+               "batch": args.batch, "lr": args.lr, "token_probe": args.token_probe, "samples": first + step * args.batch,
                "seconds": round(time.time() - t0, 1),
                "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
                "torch": torch.__version__, "transformers": sys.modules["transformers"].__version__,
@@ -374,7 +410,7 @@ def main() -> None:
             break
         for g in opt.param_groups:
             g["lr"] = lr_at(step, steps or 10 ** 9, args.lr, args.warmup)
-        loss, acc, aux = train_step(model, opt, batch, device)
+        loss, acc, aux = train_step(model, opt, batch, device, probe_heads, args.token_probe)
         run_loss = 0.98 * run_loss + 0.02 * loss if step else loss
         run_acc = 0.98 * run_acc + 0.02 * acc if step else acc
         step += 1
