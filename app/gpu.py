@@ -140,3 +140,15 @@ def device_phrase(device: str, budget: int = 0, gpu_name: str = "") -> str:
     details = [gpu_name.removeprefix("NVIDIA ").strip()] + ([f"budget {budget / GIB:.1f} GiB"] if budget else [])
     details = [d for d in details if d]
     return "prefill on GPU" + (f" ({', '.join(details)})" if details else "")
+
+
+def vision_phrase(device: str, vision_device: str) -> str:
+    """Where images are encoded, for the model summary, when it is not where prefill runs: "images on
+    GPU" with GPU prefill is implied and "" is returned; "images on CPU" when prefill is on the GPU but
+    the vision tower is not, "images on GPU" the other way round; "" without a vision tower.
+
+    ``device`` and ``vision_device`` are ``ModelInfo.device`` and ``ModelInfo.vision_device``.
+    """
+    if not vision_device or vision_device == device:
+        return ""
+    return "images on GPU" if vision_device == "cuda" else "images on CPU"

@@ -22,7 +22,7 @@ from .composer import Composer
 from .controller import ChatController
 from .conversations import ConversationIdRole, ConversationListModel, ConversationPanel
 from .engine_worker import LoadRequest, ModelSummary, WorkerThread
-from .gpu import GpuReport, device_phrase
+from .gpu import GpuReport, device_phrase, vision_phrase
 from .history import HistoryStore, ImageStore
 from .history_thread import HistoryThread
 from .markdown_render import MarkdownRenderer
@@ -245,14 +245,17 @@ class MainWindow(QMainWindow):
                                         mmproj_path=request.mmproj_path or ""), reload=False)
 
     def _show_model_line(self, device: str, note: str) -> None:
-        """The banner: the model summary and where prefill runs; the placement plan and the note as its tooltip."""
+        """The banner: the model summary, where prefill runs and (when elsewhere) where images are encoded;
+        the placement plan and the notes as its tooltip."""
         summary = self.model
         if summary is None:
             return
         gpu = self.monitor.gpu if self.monitor is not None else None
         phrase = device_phrase(device, summary.info.vram_budget, gpu.name if gpu is not None else "")
-        self._set_banner(f"{summary.line}; {phrase}", False)
-        self.banner.setToolTip("\n\n".join(t for t in (summary.info.placement if device == "cuda" else "", note) if t))
+        images = vision_phrase(device, summary.info.vision_device)
+        self._set_banner(f"{summary.line}; {phrase}" + (f"; {images}" if images else ""), False)
+        self.banner.setToolTip("\n\n".join(t for t in (summary.info.placement if device == "cuda" else "", note,
+                                                       summary.info.vision_note) if t))
 
     @Slot(object)
     def _gpu_reported(self, report: GpuReport) -> None:

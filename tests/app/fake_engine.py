@@ -32,6 +32,8 @@ class FakeInfo:
     device_note: str = ""
     placement: str = ""
     vram_budget: int = 0
+    vision_device: str = ""
+    vision_note: str = ""
 
 
 class FakeEngine:

@@ -10,7 +10,7 @@ from PySide6.QtCore import Qt
 from app import gpu as gpu_module
 from app.engine_worker import summarize
 from app.history import HistoryStore
-from app.gpu import GpuReport, GpuSample, NvmlGpu, PrefillReport, device_phrase
+from app.gpu import GpuReport, GpuSample, NvmlGpu, PrefillReport, device_phrase, vision_phrase
 from app_helpers import stored
 from engine.backends.cuda_plan import LayerTelemetry, PrefillTelemetry
 from fake_engine import FakeEngine, FakeInfo
@@ -151,3 +151,12 @@ def test_nvml_source(monkeypatch):
     device = NvmlGpu.open()
     assert device.name == "NVIDIA H200"
     assert device.sample() == GpuSample("NVIDIA H200", 10 << 30, 141 << 30, 25_000_000 * 1024 / 1e9)
+
+
+def test_the_banner_says_where_images_are_encoded_when_not_where_prefill_runs(qtbot, make_window):
+    note = "No GPU vision tower (out of memory): images are encoded on the CPU"
+    window = make_window(FakeEngine(info=replace(GPU_INFO, has_vision=True, vision_device="cpu", vision_note=note)))
+    qtbot.waitUntil(lambda: window.banner.text().endswith("; images on CPU"))
+    assert "prefill on GPU" in window.banner.text() and note in window.banner.toolTip()
+    assert vision_phrase("cuda", "cuda") == "" and vision_phrase("cpu", "cpu") == "" and vision_phrase("cuda", "") == ""
+    assert vision_phrase("cpu", "cuda") == "images on GPU"
