@@ -1,13 +1,20 @@
-"""End to end: the window on the real engine with the tiny synthetic model (random weights)."""
+"""End to end: the window on the real engine, with the tiny synthetic model (random weights) and with
+the bundled demo model (a dropped scene image, a question, the streamed answer)."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+from pathlib import Path
+
 import pytest
-from PySide6.QtCore import Qt
+from PySide6.QtCore import QMimeData, QObject, Qt, QUrl, Slot
 
 from app.engine_worker import load_real_engine
 from app.history import HistoryStore
 from app_helpers import stored
+from test_app_loading import drop
+
+ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope="module")
@@ -51,3 +58,77 @@ def test_a_bad_model_file_is_reported_in_plain_words(qtbot, make_window, tmp_pat
     window.load_model(str(bad))
     qtbot.waitUntil(lambda: "could not be loaded" in window.banner.text(), timeout=30000)
     assert "broken.gguf" in window.banner.text() and "Traceback" not in window.banner.text()
+
+
+class _StreamSpy(QObject):
+    """Lives on the GUI thread; sees each token batch right after the controller has taken it in."""
+
+    def __init__(self, controller) -> None:
+        super().__init__()
+        self.controller = controller
+        self.live_texts: list[str] = []
+        self.tokens = 0
+
+    @Slot(str, list)
+    def on_tokens(self, _text: str, token_ms: list) -> None:
+        live = self.controller.live
+        self.live_texts.append(live.text if live is not None else "")
+        self.tokens += len(token_ms)
+
+
+@pytest.mark.slow
+def test_the_demo_model_counts_the_shapes_of_a_dropped_image(qtbot, make_window, tmp_path, monkeypatch):
+    from app import engine_worker
+    from engine import api
+
+    model, mmproj = api.default_model()
+    if model.name != "deltadesk-demo.gguf" or mmproj is None:
+        pytest.skip("the bundled demo model is absent")
+    monkeypatch.syspath_prepend(str(ROOT / "training"))
+    import data
+
+    # a held-out scene whose own count question is the one typed below
+    sc = data.scene(data.EVAL_SEED_BASE + 700_000 + 5)
+    question, want = data.questions(sc)["count"]
+    assert (question, want) == ("How many shapes are there?", "There are 4 shapes.")
+    png = tmp_path / "scene.png"
+    data.render(sc).save(png)
+
+    window = make_window(loader=load_real_engine, load=False)
+    # the default sampling, with a fixed seed so a rare unlucky draw cannot make the test flaky
+    window.apply_settings(replace(window.prefs, seed=1234))
+    window.load_model(None)
+    qtbot.waitUntil(lambda: window.model is not None, timeout=60000)
+    assert window.model.line.startswith("deltadesk-demo.gguf: qwen35moe") and window.controller.has_vision
+
+    mime = QMimeData()
+    mime.setUrls([QUrl.fromLocalFile(str(png))])
+    drop(window.composer, mime)
+    [attachment] = window.composer.attachments
+    assert (attachment.width, attachment.height) == data.render(sc).size
+    assert Path(attachment.path).read_bytes() == png.read_bytes()
+    [thumb] = window.composer.thumbnails()
+    qtbot.waitUntil(lambda: thumb.model_size.text().startswith("model sees"), timeout=10000)
+
+    # one token batch per token (the whole answer is shorter than one 40 ms batch), so the
+    # streaming can be seen piece by piece
+    monkeypatch.setattr(engine_worker, "BATCH_SECONDS", 0.0)
+    spy = _StreamSpy(window.controller)
+    window.engine.worker.tokens.connect(spy.on_tokens)
+    window.composer.editor.setPlainText(question)
+    with qtbot.waitSignal(window.controller.busy_changed, timeout=60000, check_params_cb=lambda busy: not busy):
+        qtbot.keyClick(window.composer.editor, Qt.Key_Return)
+    assert window.composer.attachments == [] and window.composer.editor.toPlainText() == ""
+
+    user, answer = stored(window.history, HistoryStore.active_path, window.controller.conversation_id)[-2:]
+    assert (user.role, user.content, user.images) == ("user", question, (attachment.path,))
+    assert answer.role == "assistant" and answer.content.strip() == want
+    assert answer.state == "complete" and answer.stats["stop_reason"] == "eos"
+    # streamed: the live answer grew piece by piece while the turn was still running
+    texts = spy.live_texts
+    assert len(texts) >= 3 and texts[0] and texts[0] != answer.content and texts[-1] == answer.content
+    assert all(later.startswith(earlier) for earlier, later in zip(texts, texts[1:]))
+    assert spy.tokens == answer.stats["generated_tokens"] > 1
+    # the image went through the vision tower: the prompt holds its tokens besides the question's
+    assert answer.stats["prompt_tokens"] > 64
+    assert window.chat_view.widgets[-1].raw == answer.content
