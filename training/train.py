@@ -2,13 +2,19 @@
 (Gated DeltaNet + gated attention 3:1, MoE 8 experts top-2 + shared expert, Qwen3.5 vision tower and
 merger) on the synthetic shape scenes of :mod:`training.data`.
 
-    python training/train.py --out runs/demo                  # CUDA if present, else CPU
+    python training/train.py --out runs/demo                  # CUDA if present, else CPU; fills --minutes
     python training/train.py --out runs/demo --steps 3000     # exactly 3000 steps
+
+The shipped model (MODEL_CARD.md) is these two stages on one H200:
+
+    python training/train.py --out runs/3 --steps 960 --stop-after 803 --workers 15
+    python training/train.py --out runs/4 --init runs/3 --steps 200 --warmup 10 --lr 2.5e-4 --workers 15
 
 Fixed seeds: sample ``i`` of the data stream is a pure function of ``i``, batches are consecutive
 indices, and torch is seeded, so a run with the same ``--steps`` reproduces the weights up to the
 non-determinism of the device's kernels. Without ``--steps`` the step count is chosen once, from the
-time of steps 10-30, to fill ``--minutes``; it is logged, and passing it as ``--steps`` repeats the run.
+time of steps 40-60 (earlier steps wait for the data workers to start), to fill ``--minutes``; it is
+logged, and passing it as ``--steps`` repeats the run.
 
 Writes into ``--out``: ``config.json`` (the HF config), ``weights-<k>.safetensors`` (float16 shards of at
 most 15 MB, HF parameter names) and ``log.json`` (steps, time, loss, answer-token accuracy and held-out
@@ -341,11 +347,13 @@ def main() -> None:
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--steps", type=int, default=None, help="total steps (default: fill --minutes)")
     ap.add_argument("--minutes", type=float, default=7.0)
-    ap.add_argument("--batch", type=int, default=64)
-    ap.add_argument("--lr", type=float, default=1.5e-3)
+    ap.add_argument("--stop-after", type=int, default=None,
+                    help="stop (and save) after this many steps, keeping the learning-rate schedule of --steps")
+    ap.add_argument("--batch", type=int, default=512)
+    ap.add_argument("--lr", type=float, default=2e-3)
     ap.add_argument("--workers", type=int, default=12)
     ap.add_argument("--threads", type=int, default=2, help="torch CPU threads")
-    ap.add_argument("--warmup", type=int, default=150, help="linear warm-up steps")
+    ap.add_argument("--warmup", type=int, default=100, help="linear warm-up steps")
     ap.add_argument("--eval-every", type=int, default=250, help="steps between held-out accuracy checks (0: off)")
     ap.add_argument("--eval-scenes", type=int, default=100)
     ap.add_argument("--save-minutes", type=float, default=2.0, help="minutes between saves of weights and log")
@@ -391,7 +399,7 @@ def main() -> None:
     steps = args.steps
     curve: list[dict] = []
     t0 = last_save = time.time()
-    t10 = None
+    t40 = None
     run_loss = run_acc = 0.0
     step = 0
 
@@ -406,7 +414,7 @@ def main() -> None:
         (args.out / "log.json").write_text(json.dumps(log, indent=1) + "\n")
 
     for batch in loader:
-        if steps is not None and step >= steps:
+        if (steps is not None and step >= steps) or step == args.stop_after:
             break
         for g in opt.param_groups:
             g["lr"] = lr_at(step, steps or 10 ** 9, args.lr, args.warmup)
@@ -414,10 +422,10 @@ def main() -> None:
         run_loss = 0.98 * run_loss + 0.02 * loss if step else loss
         run_acc = 0.98 * run_acc + 0.02 * acc if step else acc
         step += 1
-        if step == 10:
-            t10 = time.time()
-        if steps is None and step == 30:
-            per_step = (time.time() - t10) / 20
+        if step == 40:
+            t40 = time.time()
+        if steps is None and step == 60:
+            per_step = (time.time() - t40) / 20
             steps = int(args.minutes * 60 / per_step)
             print(f"{per_step * 1000:.0f} ms/step -> {steps} steps", flush=True)
         evaluate = args.eval_every and (step % args.eval_every == 0 or step == steps)
