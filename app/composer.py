@@ -1,9 +1,10 @@
 """The composer: a multi-line editor, image attachments with thumbnails, Send / Stop.
 
-Enter sends, Shift+Enter starts a new line. Images arrive by drag-and-drop, paste or the attach
-dialog; each is copied into the :class:`~app.history.ImageStore` at once, so a message refers to a
-file that stays put. When the loaded model has a vision tower, each thumbnail also shows the size
-the image will have when it reaches the model (the engine worker measures it).
+Enter sends, Shift+Enter starts a new line. Images arrive by drag-and-drop (on the composer, or
+anywhere on the main window, which hands them on), paste or the attach dialog; each is copied into
+the :class:`~app.history.ImageStore` at once, so a message refers to a file that stays put. When
+the loaded model has a vision tower, each thumbnail also shows the size the image will have when
+it reaches the model (the engine worker measures it).
 """
 
 from __future__ import annotations
@@ -288,16 +289,29 @@ class Composer(QFrame):
                              "will not see them.")
         self.warning.setVisible(show)
 
-    # drag and drop on the whole composer
+    # drag and drop on the whole composer (the main window hands on the image drops made elsewhere)
+
+    @staticmethod
+    def can_attach(mime: QMimeData) -> bool:
+        """Whether ``mime`` (a drop) holds local image files or an image, which :meth:`attach_dropped` takes."""
+        return bool(image_files(mime)) or mime.hasImage()
+
+    def attach_dropped(self, mime: QMimeData) -> None:
+        """Attach the image files (or else the image) of a drop, as a paste into the editor does.
+
+        Anything else in ``mime`` (other files, text) is left out; a drop without images does nothing.
+        """
+        if self.can_attach(mime):
+            self.editor.insertFromMimeData(mime)
 
     def dragEnterEvent(self, event) -> None:
         """Accept image files and images dragged onto the composer."""
-        if image_files(event.mimeData()) or event.mimeData().hasImage():
+        if self.can_attach(event.mimeData()):
             event.acceptProposedAction()
 
     def dropEvent(self, event) -> None:
         """Attach what was dropped."""
-        self.editor.insertFromMimeData(event.mimeData())
+        self.attach_dropped(event.mimeData())
         event.acceptProposedAction()
 
     # sending

@@ -385,24 +385,37 @@ class MainWindow(QMainWindow):
         if path:
             self.import_file(Path(path))
 
-    # drops of model files
+    # drops anywhere on the window: model files load, images go to the composer
 
     def dragEnterEvent(self, event) -> None:
-        """Accept dropped .gguf files (they will be loaded)."""
-        if any(gguf_files(event.mimeData())):
+        """Accept dropped .gguf files (they will be loaded) and images (they will be attached)."""
+        mime = event.mimeData()
+        if any(gguf_files(mime)) or self.composer.can_attach(mime):
             event.acceptProposedAction()
 
     def dropEvent(self, event) -> None:
-        """Load a dropped model (with a dropped vision tower, if any: its name contains "mmproj").
+        """Load a dropped model, or attach dropped images to the composer.
 
-        A tower dropped alone is loaded with the configured model. What loads becomes the
-        configured model.
+        Drops on the chat view and on every other part that takes none of its own end here (Qt
+        hands an ignored drag on to the parent widgets); the composer takes the drops made on it.
+
+        A model loads with a dropped vision tower, if any (its name contains "mmproj"); a tower
+        dropped alone is loaded with the configured model. What loads becomes the configured model.
+        Images are attached by :meth:`Composer.attach_dropped`, exactly as a drop on the composer:
+        the same thumbnails and measuring, the same warning when the model has no vision tower.
+        A drop holding both .gguf files and images loads the model and leaves the images out, as
+        the window always did; the same drop on the composer attaches the images and leaves the
+        .gguf files out (the composer takes image drops only).
         """
-        models, towers = gguf_files(event.mimeData())
-        if not models and not towers:
+        mime = event.mimeData()
+        models, towers = gguf_files(mime)
+        if models or towers:
+            tower = towers[0] if towers else None
+            self.load_model(models[0] if models else self.prefs.model_path or None, tower, remember=True)
+        elif self.composer.can_attach(mime):
+            self.composer.attach_dropped(mime)
+        else:
             return
-        tower = towers[0] if towers else None
-        self.load_model(models[0] if models else self.prefs.model_path or None, tower, remember=True)
         event.acceptProposedAction()
 
     # window state

@@ -1,15 +1,17 @@
 """Loading models: drop a .gguf on the window, the load's stages in the banner, cancel a slow load,
-close while one runs."""
+close while one runs. Images dropped on the window or the chat view go to the composer."""
 
 from __future__ import annotations
 
 import time
 
 from PySide6.QtCore import QMimeData, QPoint, QPointF, Qt, QUrl
-from PySide6.QtGui import QDragEnterEvent, QDropEvent
+import pytest
+from PySide6.QtGui import QDragEnterEvent, QDragLeaveEvent, QDropEvent
 from PySide6.QtWidgets import QApplication
 
 from fake_engine import BlockingLoader, FakeEngine, StagedLoader, loader_for
+from test_app_window import _png, send
 
 
 def _mime(*paths):
@@ -31,15 +33,40 @@ def drop(window, mime) -> None:
     QApplication.sendEvent(window, QDropEvent(QPointF(20, 20), Qt.CopyAction, mime, Qt.LeftButton, Qt.NoModifier))
 
 
+def drop_at(widget, mime) -> bool:
+    """Drag ``mime`` over the middle of ``widget`` and drop it there if the drag is taken; whether it was.
+
+    The events go to the window, as the platform sends them, so Qt itself picks the widget under
+    the cursor that takes the drop.
+    """
+    handle = widget.window().windowHandle()
+    pos = widget.mapTo(widget.window(), widget.rect().center())
+    enter = QDragEnterEvent(pos, Qt.CopyAction, mime, Qt.LeftButton, Qt.NoModifier)
+    enter.ignore()
+    QApplication.sendEvent(handle, enter)
+    if not enter.isAccepted():
+        QApplication.sendEvent(handle, QDragLeaveEvent())
+        return False
+    QApplication.sendEvent(handle, QDropEvent(QPointF(pos), Qt.CopyAction, mime, Qt.LeftButton, Qt.NoModifier))
+    return True
+
+
 def test_dropping_a_gguf_on_the_window_loads_it_and_remembers_it(qtbot, make_window, tmp_path):
     engine = FakeEngine(has_vision=True)
     window = make_window(engine)
     model, tower = tmp_path / "Qwen3.6-35B-A3B-Q4_K_M.gguf", tmp_path / "mmproj-Qwen3.6-F16.gguf"
-    photo = tmp_path / "a.png"
-    assert not drag_enter_accepted(window, _mime(photo))
-    assert drag_enter_accepted(window, _mime(photo, model))
+    photo = _png(tmp_path, "a.png")
+    assert not drag_enter_accepted(window, _mime(tmp_path / "notes.txt"))
+    # an image alone is attached to the composer, as a drop on the composer would do
+    drop(window, _mime(photo))
+    [thumb] = window.composer.thumbnails()
+    qtbot.waitUntil(lambda: thumb.model_size.isVisibleTo(thumb))
+    assert thumb.model_size.text() == "model sees 150\u00d7100 \u00b7 14 tokens"
+    window.composer.clear_attachments()
 
-    drop(window, _mime(tower, model))
+    # with a model in the drop, the model loads and the image is left out
+    drop(window, _mime(photo, tower, model))
+    assert window.composer.attachments == []
     assert window.banner.text() == f"Loading {model.name}\u2026" and window.load_progress.isVisible()
     qtbot.waitUntil(lambda: window.model is not None)
     assert (engine.loads[-1].model_path, engine.loads[-1].mmproj_path) == (str(model), str(tower))
@@ -53,6 +80,30 @@ def test_dropping_a_gguf_on_the_window_loads_it_and_remembers_it(qtbot, make_win
     drop(again, _mime(other))
     qtbot.waitUntil(lambda: again.model is not None and again.prefs.mmproj_path == str(other))
     assert (engine.loads[-1].model_path, engine.loads[-1].mmproj_path) == (str(model), str(other))
+
+
+@pytest.mark.parametrize("has_vision", [True, False])
+def test_an_image_dropped_on_the_chat_view_is_attached_to_the_composer(qtbot, make_window, tmp_path, has_vision):
+    window = make_window(FakeEngine(has_vision=has_vision))
+    composer = window.composer
+    assert window.chat_view.empty_label.isVisible()
+    assert drop_at(window.chat_view, _mime(_png(tmp_path, "a.png")))
+    [thumb] = composer.thumbnails()
+    assert thumb.attachment.caption.startswith("300\u00d7200")
+    if has_vision:
+        qtbot.waitUntil(lambda: thumb.model_size.isVisibleTo(thumb))
+        assert thumb.model_size.text() == "model sees 150\u00d7100 \u00b7 14 tokens"
+        assert not composer.warning.isVisible()
+    else:
+        assert composer.warning.isVisible() and "no vision tower" in composer.warning.text()
+    assert not drop_at(window.chat_view, _mime(tmp_path / "notes.txt"))
+
+    # over a shown message too (its read-only text refuses the drag; Qt hands it on to the window)
+    send(qtbot, window, "what is this?")
+    assert composer.attachments == []
+    assert drop_at(window.chat_view.widgets[-1].body, _mime(_png(tmp_path, "b.png", "green")))
+    assert [a.caption.split(" ")[0] for a in composer.attachments] == ["300\u00d7200"]
+    assert composer.warning.isVisible() == (not has_vision)
 
 
 def test_a_slow_load_can_be_cancelled_and_its_model_is_dropped(qtbot, make_window):
