@@ -17,7 +17,6 @@ import sys
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file
 from transformers import Qwen3_5MoeConfig, Qwen3_5MoeForConditionalGeneration
 
 HERE = Path(__file__).resolve().parent
@@ -27,6 +26,7 @@ sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(ROOT / "tests" / "fixtures"))
 
 import data  # noqa: E402
+import train  # noqa: E402
 from hf_to_gguf import text_to_gguf, vision_to_gguf  # noqa: E402
 
 from engine.hparams import Qwen35HParams  # noqa: E402
@@ -43,10 +43,7 @@ def load_run(run: Path) -> Qwen3_5MoeForConditionalGeneration:
     cfg = Qwen3_5MoeConfig.from_dict(json.loads((run / "config.json").read_text()))
     cfg.text_config._attn_implementation = "eager"
     model = Qwen3_5MoeForConditionalGeneration(cfg).float().eval()
-    state = {}
-    for shard in sorted(run.glob("weights-*.safetensors")):
-        state |= load_file(str(shard))
-    model.load_state_dict({k: v.float() for k, v in state.items()})
+    model.load_state_dict({k: v.float() for k, v in train.read_shards(run).items()})
     return model
 
 

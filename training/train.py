@@ -36,11 +36,11 @@ import argparse
 import functools
 import json
 import math
+import os
 import sys
 import time
-from pathlib import Path
-
 from collections import defaultdict
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -272,7 +272,7 @@ def train_step(model: torch.nn.Module, opt: torch.optim.Optimizer, batch: dict, 
         loss = loss + probe_weight * probe_heads.loss(labels)
     opt.zero_grad(set_to_none=True)
     loss.backward()
-    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+    torch.nn.utils.clip_grad_norm_([p for group in opt.param_groups for p in group["params"]], 1.0)
     opt.step()
     with torch.no_grad():
         pred = out.logits[:, :-1].argmax(-1)
@@ -295,6 +295,8 @@ def probe(model: torch.nn.Module, opt: torch.optim.Optimizer, vocab: dict, cfg: 
         loader = iter(make_loader(vocab, cfg, 0, b, workers))
         for fast in (False, True):
             use_fast_paths(model, fast)
+            if device.type == "cuda":
+                torch.cuda.reset_peak_memory_stats()
             wait = work = 0.0
             for step in range(15):
                 t = time.time()
@@ -325,7 +327,8 @@ def lr_at(step: int, steps: int, peak: float, warmup: int) -> float:
 
 
 def save_shards(model: torch.nn.Module, out: Path) -> list[str]:
-    """float16 state dict in safetensors shards of at most :data:`SHARD_BYTES`."""
+    """float16 state dict in safetensors shards of at most :data:`SHARD_BYTES`; returns the file names.
+    Each shard is written to a temporary name and renamed, so a kill leaves whole files."""
     shards: list[dict[str, torch.Tensor]] = [{}]
     size = 0
     for name, p in model.state_dict().items():
@@ -338,8 +341,25 @@ def save_shards(model: torch.nn.Module, out: Path) -> list[str]:
     names = []
     for k, shard in enumerate(shards):
         names.append(f"weights-{k}.safetensors")
-        save_file(shard, str(out / names[-1]))
+        tmp = out / (names[-1] + ".tmp")
+        save_file(shard, str(tmp))
+        os.replace(tmp, out / names[-1])
     return names
+
+
+def read_shards(run: Path) -> dict[str, torch.Tensor]:
+    """The float16 state dict of ``run``: the shards its ``log.json`` lists (every ``weights-*.safetensors``
+    when it has no log, as in a run folder written by hand).
+
+    Raises:
+        FileNotFoundError: a listed shard is missing.
+    """
+    log = run / "log.json"
+    names = json.loads(log.read_text())["shards"] if log.exists() else sorted(p.name for p in run.glob("weights-*.safetensors"))
+    state: dict[str, torch.Tensor] = {}
+    for name in names:
+        state |= load_file(str(run / name))
+    return state
 
 
 def main() -> None:
@@ -374,10 +394,7 @@ def main() -> None:
     model = Qwen3_5MoeForConditionalGeneration(cfg)
     first = 0
     if args.init is not None:
-        state = {}
-        for shard in sorted(args.init.glob("weights-*.safetensors")):
-            state |= load_file(str(shard))
-        model.load_state_dict({k: v.float() for k, v in state.items()})
+        model.load_state_dict({k: v.float() for k, v in read_shards(args.init).items()})
         first = json.loads((args.init / "log.json").read_text())["samples"]
     model = model.to(device).train()
     use_fast_paths(model, not args.stock_hf_paths)
@@ -411,7 +428,9 @@ def main() -> None:
                "torch": torch.__version__, "transformers": sys.modules["transformers"].__version__,
                "n_params": n_params, "final_loss": curve[-1]["loss"] if curve else None, "curve": curve,
                "shards": save_shards(model, args.out)}
-        (args.out / "log.json").write_text(json.dumps(log, indent=1) + "\n")
+        tmp = args.out / "log.json.tmp"
+        tmp.write_text(json.dumps(log, indent=1) + "\n")
+        os.replace(tmp, args.out / "log.json")
 
     for batch in loader:
         if (steps is not None and step >= steps) or step == args.stop_after:
@@ -437,7 +456,7 @@ def main() -> None:
                 rec["heldout_exact"] = heldout_accuracy(model, heldout, device)
             curve.append(rec)
             print(json.dumps(rec), flush=True)
-        if time.time() - last_save > args.save_minutes * 60:
+        if steps is not None and time.time() - last_save > args.save_minutes * 60:
             save()
             last_save = time.time()
     seconds = time.time() - t0
