@@ -190,7 +190,8 @@ class EngineWorker(QObject):
         finished(TurnSummary): the turn is over (also after a cancel or an error; its ``message``
             then says what happened in plain words).
         snapshots_listed(list): the engine's prefix snapshots (after a load, a turn, a clear).
-        gpu_reported(GpuReport): where prefill runs and the last GPU prefill (after a load, a turn).
+        gpu_reported(GpuReport): where prefill runs and images are encoded, and the last GPU prefill
+            (after a load, a turn).
         image_measured(str, object): an image path and the (height, width) the model will see,
             or a sentence saying why it cannot.
         notice(str): something went wrong outside a turn; plain words for the status bar.
@@ -329,7 +330,8 @@ class EngineWorker(QObject):
 
     @Slot()
     def report_gpu(self) -> None:
-        """Emit ``gpu_reported`` with the engine's device, its note and its last GPU prefill."""
+        """Emit ``gpu_reported`` with the engine's device, its note, its last GPU prefill and its vision
+        device and note."""
         if self._engine is None:
             return
         try:

@@ -1,10 +1,10 @@
 """What the window knows about the GPU, from two sources, as plain dataclasses.
 
 The engine is the first source: after a model load and after each turn the engine worker reads
-``Engine.info`` (where prefill runs and why) and ``Engine.telemetry()`` (the last GPU prefill:
-VRAM, host-to-device copies, per-layer times) on its own thread and sends a :class:`GpuReport`.
-NVML (the optional ``nvidia-ml-py`` package) is the second: the system monitor samples the
-device's name, total and used VRAM and live PCIe receive rate through :class:`NvmlGpu`.
+``Engine.info`` (where prefill runs and images are encoded, and why) and ``Engine.telemetry()``
+(the last GPU prefill: VRAM, host-to-device copies, per-layer times) on its own thread and sends a
+:class:`GpuReport`. NVML (the optional ``nvidia-ml-py`` package) is the second: the system monitor
+samples the device's name, total and used VRAM and live PCIe receive rate through :class:`NvmlGpu`.
 """
 
 from __future__ import annotations
@@ -109,25 +109,33 @@ class PrefillReport:
 
 @dataclass(frozen=True)
 class GpuReport:
-    """Where the engine prefills now and what its last GPU prefill did.
+    """Where the engine prefills and encodes images now, and what its last GPU prefill did.
 
     Attributes:
         device: "cuda" or "cpu".
         note: why prefill is on the CPU when a GPU was asked for or looked for (or failed), else "".
         prefill: the last GPU prefill, or None (none yet, or on the CPU).
+        vision_device: where images are encoded, "cuda" or "cpu" ("" without a vision tower); the
+            GPU tower can fail mid-session, moving images to the CPU.
+        vision_note: why images are encoded on the CPU when a GPU was asked for or looked for (or
+            failed), else "".
     """
 
     device: str
     note: str
     prefill: PrefillReport | None
+    vision_device: str = ""
+    vision_note: str = ""
 
 
 def gpu_report(engine: Any) -> GpuReport:
-    """Read an engine's device, device note and last GPU prefill (call it on the engine's thread)."""
+    """Read an engine's device, device note, last GPU prefill and vision device and note (call it on
+    the engine's thread)."""
     info = engine.info
     telemetry = engine.telemetry()
     return GpuReport(device=info.device, note=info.device_note,
-                     prefill=None if telemetry is None else PrefillReport.of(telemetry))
+                     prefill=None if telemetry is None else PrefillReport.of(telemetry),
+                     vision_device=info.vision_device, vision_note=info.vision_note)
 
 
 def device_phrase(device: str, budget: int = 0, gpu_name: str = "") -> str:

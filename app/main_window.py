@@ -236,7 +236,8 @@ class MainWindow(QMainWindow):
         request, self.loading = self.loading, None
         self.model = summary
         self._show_loading(False)
-        self._show_model_line(summary.info.device, summary.info.device_note)
+        info = summary.info
+        self._show_model_line(info.device, info.device_note, info.vision_device, info.vision_note)
         self.controller.has_vision = summary.info.has_vision
         self.composer.set_vision(summary.info.has_vision)
         self.sidebar.set_context(summary.info.context)
@@ -244,25 +245,30 @@ class MainWindow(QMainWindow):
             self.apply_settings(replace(self.prefs, model_path=request.model_path or "",
                                         mmproj_path=request.mmproj_path or ""), reload=False)
 
-    def _show_model_line(self, device: str, note: str) -> None:
+    def _show_model_line(self, device: str, note: str, vision_device: str, vision_note: str) -> None:
         """The banner: the model summary, where prefill runs and (when elsewhere) where images are encoded;
-        the placement plan and the notes as its tooltip."""
+        the placement plan and the notes as its tooltip.
+
+        ``device`` / ``note`` and ``vision_device`` / ``vision_note`` are where prefill runs and images
+        are encoded, and why not on the GPU: the loaded model's, then the engine's latest report's.
+        """
         summary = self.model
         if summary is None:
             return
         gpu = self.monitor.gpu if self.monitor is not None else None
         phrase = device_phrase(device, summary.info.vram_budget, gpu.name if gpu is not None else "")
-        images = vision_phrase(device, summary.info.vision_device)
+        images = vision_phrase(device, vision_device)
         self._set_banner(f"{summary.line}; {phrase}" + (f"; {images}" if images else ""), False)
         self.banner.setToolTip("\n\n".join(t for t in (summary.info.placement if device == "cuda" else "", note,
-                                                       summary.info.vision_note) if t))
+                                                       vision_note) if t))
 
     @Slot(object)
     def _gpu_reported(self, report: GpuReport) -> None:
-        """Feed the sidebar; when the GPU failed over to the CPU mid-session, say so in the banner."""
+        """Feed the sidebar; when the GPU (prefill or vision tower) failed over to the CPU mid-session,
+        say so in the banner."""
         self.sidebar.on_gpu_report(report)
         if self.model is not None and self.loading is None:
-            self._show_model_line(report.device, report.note)
+            self._show_model_line(report.device, report.note, report.vision_device, report.vision_note)
 
     @Slot(str)
     def _load_failed(self, message: str) -> None:

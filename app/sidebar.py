@@ -3,9 +3,10 @@
 :class:`SystemMonitor` reads CPU and RAM (psutil) and, when a GPU telemetry provider is given
 (NVML), the device's VRAM and PCIe throughput, once a second on a QThread, and emits a
 :class:`SystemSample`. Token latencies, turn stats and the engine's own GPU report (device, its
-note, the last GPU prefill's VRAM, host-to-device rate and per-layer times) come from the engine
-worker's signals; the sidebar repaints the token-rate ones on the sampler's tick, so while an
-answer streams the streaming message is the only widget redrawn at token rate.
+note, the vision tower's note, the last GPU prefill's VRAM, host-to-device rate and per-layer
+times) come from the engine worker's signals; the sidebar repaints the token-rate ones on the
+sampler's tick, so while an answer streams the streaming message is the only widget redrawn at
+token rate.
 """
 
 from __future__ import annotations
@@ -309,7 +310,7 @@ class Sidebar(QWidget):
 
     @Slot(object)
     def on_gpu_report(self, report: GpuReport) -> None:
-        """The engine's device, its note and its last GPU prefill (after a load or a turn)."""
+        """The engine's device, its note, its last GPU prefill and its vision note (after a load or a turn)."""
         self._gpu_report = report
         prefill = report.prefill
         if prefill is not None:
@@ -327,7 +328,8 @@ class Sidebar(QWidget):
             self.gpu_label.setText(f"{nvml.name}: prefill on the GPU" if nvml else "Prefill on the GPU")
         else:
             self.gpu_label.setText(f"{nvml.name}: prefill on the CPU" if nvml else NO_GPU)
-        note = report.note if report is not None else ""
+        notes = (report.note, report.vision_note) if report is not None else ()
+        note = "\n".join(n for n in notes if n)
         self.gpu_note.setText(note)
         self.gpu_note.setVisible(bool(note))
         self.gpu_label.setToolTip(note)

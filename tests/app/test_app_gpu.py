@@ -160,3 +160,26 @@ def test_the_banner_says_where_images_are_encoded_when_not_where_prefill_runs(qt
     assert "prefill on GPU" in window.banner.text() and note in window.banner.toolTip()
     assert vision_phrase("cuda", "cuda") == "" and vision_phrase("cpu", "cpu") == "" and vision_phrase("cuda", "") == ""
     assert vision_phrase("cpu", "cuda") == "images on GPU"
+
+
+def test_the_vision_tower_failing_mid_session_is_said_in_the_banner_and_sidebar(qtbot, make_window):
+    info = replace(GPU_INFO, has_vision=True, vision_device="cuda")
+    engine = FakeEngine(info=info)
+    window = make_window(engine)
+    qtbot.waitUntil(lambda: window.banner.text().endswith("; prefill on GPU (budget 6.0 GiB)"))
+    assert window.sidebar.gpu_note.isHidden()
+
+    note = "GPU vision tower failed, encoding images on the CPU: out of memory"
+    engine.info = replace(info, vision_device="cpu", vision_note=note)
+    send(qtbot, window, "what is in this picture?")
+    qtbot.waitUntil(lambda: window.banner.text().endswith("; prefill on GPU (budget 6.0 GiB); images on CPU"))
+    assert note in window.banner.toolTip() and PLACEMENT in window.banner.toolTip()
+    assert window.sidebar.gpu_note.text() == note and window.sidebar.gpu_note.isVisibleTo(window.sidebar)
+    assert window.sidebar.gpu_label.toolTip() == note
+
+    prefill_note = "GPU prefill failed, using the CPU: out of memory"
+    engine.info = replace(engine.info, device="cpu", device_note=prefill_note, placement="")
+    send(qtbot, window, "and now?")
+    qtbot.waitUntil(lambda: window.banner.text().endswith("; prefill on CPU"))
+    assert window.banner.toolTip() == f"{prefill_note}\n\n{note}"
+    assert window.sidebar.gpu_note.text() == f"{prefill_note}\n{note}"
