@@ -130,6 +130,34 @@ def smart_resize(height: int, width: int, factor: int = 32, min_pixels: int = MI
     return max(factor, h), max(factor, w)
 
 
+def max_resized_pixels(factor: int = 32, min_pixels: int = MIN_PIXELS, max_pixels: int = MAX_PIXELS) -> int:
+    """The largest area :func:`smart_resize` returns for these bounds over every accepted input, pixels.
+
+    It can exceed ``max_pixels``: a side below ``factor`` is raised to it after the scale-down, and the
+    scale-up (ceil on both sides) can overshoot. Both results depend only on the aspect ratio r = long / short
+    (1 <= r <= :data:`MAX_ASPECT`), and each is a product of a long-side step function (non-decreasing in r)
+    and a short-side one (non-increasing), so the maximum sits at the steps of the long side:
+    long = k*factor from r = (k*factor)^2 / max_pixels on (scale-down, short side floor(max_pixels /
+    (k*factor^2)) factors, at least 1), and (k+1)*factor just above r = (k*factor)^2 / min_pixels (scale-up,
+    short side ceil(min_pixels / (k*factor^2)) factors). Exact integer arithmetic; an upper bound that inputs
+    of the worst aspect ratio reach.
+
+    Args:
+        factor, min_pixels, max_pixels: as :func:`smart_resize` (``factor**2 <= min_pixels <= max_pixels``).
+
+    Returns:
+        The bound in pixels, a multiple of ``factor**2``.
+    """
+    best = max_pixels // factor ** 2
+    for k in range(1, math.isqrt(MAX_ASPECT * max_pixels) // factor + 1):
+        if (k * factor) ** 2 >= max_pixels:
+            best = max(best, k * max(1, max_pixels // (k * factor ** 2)))
+        if min_pixels <= (k * factor) ** 2 < MAX_ASPECT * min_pixels:
+            best = max(best, (k + 1) * -(-min_pixels // (k * factor ** 2)))
+    square = -(-(math.isqrt(min_pixels - 1) + 1) // factor)  # ceil(sqrt(min_pixels) / factor): r = 1, scale-up
+    return max(best, square * square) * factor ** 2
+
+
 def read_source(source: ImageSource) -> ImageData:
     """Read a source into memory once and compute its content digest; no decoding happens.
 

@@ -233,3 +233,25 @@ def test_too_elongated_image_named(tmp_path):
     Image.new("RGB", (3000, 10)).save(p)
     with pytest.raises(ImageError, match=r"strip\.png: .*aspect ratio 300:1"):
         prepare_image(p)
+
+
+@pytest.mark.parametrize("bounds", [(65536, 65536), (1024, 65536), (4096, 200_000), (1024, 1024), (65536, 1 << 20)])
+def test_max_resized_pixels_bounds_smart_resize_and_is_reached(bounds):
+    """No input gives more than the bound (a thin side raised to the factor, or the scale-up, can pass
+    max_pixels), and some input reaches it."""
+    import random
+
+    from engine.images import MAX_ASPECT, max_resized_pixels
+
+    lo, hi = bounds
+    bound = max_resized_pixels(32, lo, hi)
+    rng = random.Random(0)
+    seen = 0
+    for h in list(range(1, 40)) + [rng.randint(1, 20000) for _ in range(150)]:
+        for r in [1, 2, 10, 100, 199, 199.5, 199.9, MAX_ASPECT] + [rng.uniform(1, MAX_ASPECT) for _ in range(15)]:
+            w = int(h * r)
+            if w / h <= MAX_ASPECT:
+                y, x = smart_resize(h, w, 32, lo, hi)
+                seen = max(seen, y * x)
+    assert seen == bound
+    assert max_resized_pixels(32, 1024, 256 * 256) // 256 == 452  # e.g. 10000 x 50 pixels: 452 patches, not 256
