@@ -111,21 +111,23 @@ class SettingsDialog(QDialog):
         self.threads.setSpecialValueText(f"physical cores ({physical})")
         self.threads.setToolTip("Threads of the CPU kernels (decode always runs on the CPU).")
         self.device = QComboBox()
-        self.device.setAccessibleName("Prefill device")
+        self.device.setAccessibleName("Prefill and image device")
         for label, value in DEVICE_CHOICES:
             self.device.addItem(label, value)
-        self.device.setToolTip("Where the prompt is read. Answers are always written on the CPU; "
-                               "a GPU that fails hands over to the CPU.")
+        self.device.setToolTip("Where the prompt is read and images are encoded. Answers are always written "
+                               "on the CPU; a GPU that fails hands over to the CPU.")
         self.vram_budget = _real(0.0, 1024.0, s.vram_budget_gib, "VRAM budget", 0.5, 1)
         self.vram_budget.setSuffix(" GiB")
         self.vram_budget.setSpecialValueText("automatic")
-        self.vram_budget.setToolTip("GPU memory prefill may use; expert weights that do not fit stream "
-                                    "from RAM over PCIe. Automatic: the free memory less a margin.")
+        self.vram_budget.setToolTip("GPU memory prefill and image encoding may use together; the image "
+                                    "encoder takes its part first and is left on the CPU when prefill would "
+                                    "not fit the rest. Expert weights that do not fit stream from RAM over "
+                                    "PCIe. Automatic: the free memory less a margin.")
         self.device.currentIndexChanged.connect(
             lambda: self.vram_budget.setEnabled(self.device.currentData() != "cpu"))
         self._set_device(s.device)
         form.addRow("CPU threads:", self.threads)
-        form.addRow("Prefill on:", self.device)
+        form.addRow("Prefill and images on:", self.device)
         form.addRow("VRAM budget:", self.vram_budget)
         note = QLabel("Changing these reloads the model. Images larger than the largest size are scaled "
                       "down before the model sees them; every 32 \u00d7 32 pixels cost one token.")

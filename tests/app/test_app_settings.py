@@ -47,6 +47,7 @@ def test_the_dialog_edits_every_setting(qtbot):
     assert not dialog.vram_budget.isEnabled()
     dialog.device.setCurrentIndex(dialog.device.findData("cuda"))
     assert dialog.vram_budget.isEnabled()
+    assert "image" in dialog.device.toolTip() and "prefill and image encoding" in dialog.vram_budget.toolTip()
     dialog.vram_budget.setValue(6.0)
     dialog.image_size.setCurrentIndex(dialog.image_size.findData(512 * 512))
     dialog.temperature.setValue(0.0)
