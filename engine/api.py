@@ -23,12 +23,12 @@ from typing import Any, Callable, Iterator, Mapping, Sequence
 
 import platformdirs
 
-from .errors import DeviceError, EngineError, GenerationCancelled, ImageError, ModelFormatError, TemplateError, UnsupportedModelError
+from .errors import DeviceBudgetError, DeviceError, EngineError, GenerationCancelled, ImageError, ModelFormatError, TemplateError, UnsupportedModelError
 from .events import Event
 from .gguf_file import GGUFFile
 from .mmproj import load_mmproj
 from .models.qwen35 import Qwen35Model
-from .images import prepare_image
+from .images import MIN_PIXELS, max_resized_pixels, prepare_image
 from .models.vision import EncodedImage, ImageEncoder, mrope_positions
 from .prefix_cache import PrefixCache, SnapshotInfo
 from .runtime import Turn, run_turn
@@ -62,9 +62,11 @@ class EngineOptions:
             CPU), "cuda" or "cpu". Any GPU failure falls back to the CPU with a message
             (``ModelInfo.device_note`` for prefill, ``ModelInfo.vision_note`` for images).
         vram_budget: bytes of GPU memory the GPU may use (None = free memory minus a margin); the
-            vision tower's weights and its activation buffers for an ``image_max_pixels`` image come
-            out of it first (with None they are allocated before prefill measures free memory), the
-            rest goes to prefill, whose routed experts that do not fit stream from pinned host RAM.
+            vision tower's weights and its activation buffers for the largest ``image_max_pixels`` image
+            come out of it first (with None they are allocated before prefill measures free memory), the
+            rest goes to prefill, whose routed experts that do not fit stream from pinned host RAM. When
+            that rest is too small for GPU prefill, the tower is released and images are encoded on the
+            CPU (prefill gains more from the GPU).
         gpu_min_tokens: shortest stretch of prompt sent to the GPU (each GPU pass streams every
             routed expert once; a few tokens are faster on the CPU).
         threads: CPU kernel threads (None = physical cores); process-wide.
@@ -171,8 +173,10 @@ class Engine:
             UnsupportedModelError: wrong architecture or unsupported quant type.
             TokenizerError: tokenizer metadata missing or unusable (a missing chat template is
                 reported by :meth:`chat` as TemplateError; :meth:`generate` works without one).
-            GenerationCancelled: ``cancel`` was set (a GPU placement made so far is released; the
-                memory map is released with the objects).
+            GenerationCancelled: ``cancel`` was set.
+
+        On any exception (KeyboardInterrupt included) the GPU vision tower and GPU prefill made so far
+        are released first; the memory map is released with the objects.
         """
         def stage(name: str) -> None:
             if cancel is not None and cancel.is_set():
@@ -188,29 +192,27 @@ class Engine:
         tokenizer = Tokenizer.from_gguf(gguf.meta, gguf.source)
         stage("preparing weights")
         model = _text_model(gguf, options)
-        vision = None
-        if mmproj_path is not None:
-            stage("loading the vision tower")
-            mm = load_mmproj(mmproj_path)
-            if mm.hparams.out_dim != gguf.hparams.n_embd:
-                raise ModelFormatError(
-                    f"{mmproj_path}: clip.vision.projection_dim = {mm.hparams.out_dim} does not match the text "
-                    f"model's embedding_length = {gguf.hparams.n_embd} ({gguf.source}): not its vision tower")
-            tower, vision_note = _open_vision_gpu(mm, options)
-            vision = ImageEncoder(mm, max_pixels=options.image_max_pixels, gpu=tower, device_note=vision_note)
+        tower = gpu = None
         try:
+            vision = None
+            if mmproj_path is not None:
+                stage("loading the vision tower")
+                mm = load_mmproj(mmproj_path)
+                if mm.hparams.out_dim != gguf.hparams.n_embd:
+                    raise ModelFormatError(
+                        f"{mmproj_path}: clip.vision.projection_dim = {mm.hparams.out_dim} does not match the text "
+                        f"model's embedding_length = {gguf.hparams.n_embd} ({gguf.source}): not its vision tower")
+                tower, vision_note = _open_vision_gpu(mm, options)
+                vision = ImageEncoder(mm, max_pixels=options.image_max_pixels, gpu=tower, device_note=vision_note)
             if options.device != "cpu":
                 stage("placing weights on the GPU")
-            gpu, note = _open_gpu(gguf, options, vision.gpu.vram_bytes if vision is not None and vision.gpu else 0)
+            gpu, note = _open_gpu(gguf, options, vision)
             if cancel is not None and cancel.is_set():
-                if gpu is not None:
-                    gpu.close()
                 raise GenerationCancelled(f"loading {Path(model_path).name} was cancelled")
-        except GenerationCancelled:
-            if vision is not None:
-                vision.close()
+            return cls(gguf, tokenizer, model, options, vision, gpu, note)
+        except BaseException:
+            _release(gpu, tower)
             raise
-        return cls(gguf, tokenizer, model, options, vision, gpu, note)
 
     @property
     def info(self) -> ModelInfo:
@@ -412,14 +414,19 @@ class Engine:
     def close(self) -> None:
         """Write the RAM prefix snapshots to the disk tier (when configured) and release the GPU
         (prefill and vision tower: device and pinned memory). Call it when the engine is dropped; it is
-        not usable after."""
-        if self.cache is not None:
-            self.cache.persist()
-        if self.vision is not None:
-            self.vision.close()
-        if self.gpu is not None:
-            gpu, self.gpu = self.gpu, None
-            gpu.close()
+        not usable after. Each part is released even when an earlier one fails; the failure is then raised
+        (a vision tower that fails to release is only logged, see :meth:`ImageEncoder.close`)."""
+        try:
+            if self.cache is not None:
+                self.cache.persist()
+        finally:
+            try:
+                if self.vision is not None:
+                    self.vision.close()
+            finally:
+                if self.gpu is not None:
+                    gpu, self.gpu = self.gpu, None
+                    gpu.close()
 
     def image_size(self, source: Any) -> tuple[int, int]:
         """(height, width) in pixels an image will have when it reaches the vision tower.
@@ -472,15 +479,18 @@ def _text_model(gguf: GGUFFile, options: EngineOptions) -> Qwen35Model:
 def _open_vision_gpu(mm: Any, options: EngineOptions) -> tuple[Any, str]:
     """The GPU vision tower and "", or None and why not; a device failure is never raised.
 
-    The tower reserves activation buffers for an ``options.image_max_pixels`` image and must fit
-    ``options.vram_budget`` (weights included).
+    The tower reserves activation buffers for the most patches an image can have under
+    ``options.image_max_pixels`` (:func:`engine.images.max_resized_pixels`: a very elongated image can
+    exceed the area bound) and must fit ``options.vram_budget`` (weights included).
     """
     if options.device == "cpu":
         return None, ""
     from .backends.cuda_vision import CudaVisionTower
+    hp = mm.hparams
+    max_px = max(options.image_max_pixels, hp.factor ** 2)  # below factor**2 every encode fails anyway
+    reserve = max_resized_pixels(hp.factor, min(MIN_PIXELS, max_px), max_px) // hp.patch_size ** 2
     try:
-        tower = CudaVisionTower(mm, reserve_patches=options.image_max_pixels // mm.hparams.patch_size ** 2,
-                                budget_bytes=options.vram_budget)
+        tower = CudaVisionTower(mm, reserve_patches=reserve, budget_bytes=options.vram_budget)
     except DeviceError as exc:
         note = f"No GPU vision tower ({exc}): images are encoded on the CPU"
         if options.device == "cuda":
@@ -491,18 +501,31 @@ def _open_vision_gpu(mm: Any, options: EngineOptions) -> tuple[Any, str]:
     return tower, ""
 
 
-def _open_gpu(gguf: GGUFFile, options: EngineOptions, reserved: int = 0) -> tuple[Any, str]:
+def _open_gpu(gguf: GGUFFile, options: EngineOptions, vision: ImageEncoder | None) -> tuple[Any, str]:
     """The GPU prefill backend and "", or None and why not; a device failure is never raised.
 
-    Args:
-        reserved: bytes of ``options.vram_budget`` already taken (the GPU vision tower's).
+    The GPU vision tower of ``vision`` (when there is one) has taken its part of ``options.vram_budget``
+    (of the free memory when None) already. When what is left is too small for GPU prefill
+    (:class:`~engine.errors.DeviceBudgetError`), prefill wins: the tower is released, images go to the
+    CPU (``vision.device_note`` says why) and prefill is placed again with the whole budget.
     """
     if options.device == "cpu":
         return None, ""
     from .backends.cuda import CudaPrefill
+    tower = vision.gpu if vision is not None else None
+    reserved = tower.vram_bytes if tower is not None else 0
     budget = None if options.vram_budget is None else options.vram_budget - reserved
     try:
-        gpu = CudaPrefill(gguf.hparams, gguf, budget)
+        try:
+            gpu = CudaPrefill(gguf.hparams, gguf, budget)
+        except DeviceBudgetError as exc:
+            if tower is None:
+                raise
+            vision.close()
+            vision.device_note = (f"The GPU vision tower was released so that GPU prefill fits the VRAM budget "
+                                  f"({exc}): images are encoded on the CPU")
+            log.warning(vision.device_note)
+            gpu = CudaPrefill(gguf.hparams, gguf, options.vram_budget)
     except DeviceError as exc:
         note = f"No GPU prefill ({exc}): prefill runs on the CPU"
         if options.device == "cuda":
@@ -510,6 +533,18 @@ def _open_gpu(gguf: GGUFFile, options: EngineOptions, reserved: int = 0) -> tupl
         return None, note
     log.info("GPU prefill placement:\n%s", gpu.plan.text())
     return gpu, ""
+
+
+def _release(*parts: Any) -> None:
+    """Close each GPU backend in ``parts`` that is not None (closing twice is harmless), logging a failure
+    instead of raising it: used while another exception is on its way out."""
+    for part in parts:
+        if part is None:
+            continue
+        try:
+            part.close()
+        except Exception as exc:  # noqa: BLE001 - the original exception is the one to report
+            log.warning("releasing %s after a failed load: %s", type(part).__name__, exc)
 
 
 def default_model() -> tuple[Path, Path | None]:

@@ -42,3 +42,7 @@ class ImageError(EngineError):
 
 class DeviceError(EngineError):
     """The GPU path cannot run: no GPU or pycuda, a driver or compile error, or out of GPU memory."""
+
+
+class DeviceBudgetError(DeviceError):
+    """The work does not fit the GPU memory budget it was given; the GPU itself works (smaller work may fit)."""

@@ -160,7 +160,13 @@ def tensor_shapes(hp: VisionHParams) -> dict[str, tuple[int, ...]]:
 
 # ----------------------------------------------------------------------------------------------- reading
 
-def _file_identity(path: Path) -> str:
+def file_identity(path: Path) -> str:
+    """The :attr:`Mmproj.identity` of the file at ``path`` as it is now (hex digest of its size and its first
+    and last MiB).
+
+    Raises:
+        OSError: the file cannot be read.
+    """
     size = path.stat().st_size
     h = hashlib.sha256(str(size).encode())
     span = 1 << 20
@@ -313,7 +319,7 @@ def load_mmproj(path: str | os.PathLike[str]) -> Mmproj:
         except ValueError as e:
             raise ModelFormatError(f"{source}: tensor {name!r}: {e}") from e
         qtypes[name] = quant.type_name(qtype)
-    return Mmproj(path=path, hparams=hp, weights=weights, qtypes=qtypes, identity=_file_identity(path))
+    return Mmproj(path=path, hparams=hp, weights=weights, qtypes=qtypes, identity=file_identity(path))
 
 
 # ----------------------------------------------------------------------------------------------- writing

@@ -276,8 +276,9 @@ class FakeDriver:
 class FakeKernels:
     """engine.backends.cuda_kernels.Kernels with each kernel replaced by its numpy twin."""
 
-    def __init__(self, drv: FakeDriver) -> None:
+    def __init__(self, drv: FakeDriver, sources: tuple[str, ...]) -> None:
         self.m = drv.mem
+        self.sources = sources
 
     def gemm(self, stream, w, w_ptr, a, lda, c, ldc, m, *, a_rows=0, tiles=0, n_tiles=0, n_tiles_dev=0, c_rows=0,
              row_scale=0, accumulate=False):
@@ -428,9 +429,10 @@ class FakeKernels:
 def emulated(monkeypatch):
     """CudaPrefill on the emulated device: returns make(path, **kwargs) -> CudaPrefill."""
     import engine.backends.cuda as cuda
+    import engine.backends.cuda_context as cuda_context
 
     drv = FakeDriver()
-    monkeypatch.setattr(cuda, "load_driver", lambda: drv)
+    monkeypatch.setattr(cuda_context, "load_driver", lambda: drv)
     monkeypatch.setattr(cuda, "Kernels", FakeKernels)
     made = []
 
@@ -509,9 +511,48 @@ def test_emulated_prefill_resident_streamed_selective_and_passes(emulated, tiny_
         assert passes.last_telemetry.passes == 3
 
 
+def test_kernels_build_and_require_only_their_own_sources(monkeypatch, tmp_path):
+    """Kernels(drv, sources) compiles just those sources (with native/cuda on the include path) and checks
+    just their kernels: a broken vision.cu leaves GPU prefill's kernels intact."""
+    import sys
+    import types
+
+    import engine.backends.cuda_kernels as ck
+
+    class Error(Exception):
+        pass
+
+    compiled = []
+
+    class SourceModule:
+        def __init__(self, source, nvcc, options, no_extern_c, cache_dir, include_dirs):
+            name = next(n for n in ck._SIGNATURES if (ck.SOURCE_DIR / n).read_text() == source)
+            if name == "vision.cu":
+                raise Error("vision.cu: error (stand-in)")
+            assert include_dirs == [str(ck.SOURCE_DIR)]
+            compiled.append(name)
+            self.kernels = ck._SIGNATURES[name]
+
+        def get_function(self, kernel):
+            if kernel not in self.kernels:
+                raise Error(kernel)
+            return types.SimpleNamespace(prepare=lambda fmt: None)
+
+    monkeypatch.setitem(sys.modules, "pycuda.compiler", types.SimpleNamespace(SourceModule=SourceModule))
+    monkeypatch.setattr(ck, "find_nvcc", lambda: "nvcc")
+    monkeypatch.setattr(ck, "cache_dir", lambda: str(tmp_path))
+    drv = types.SimpleNamespace(Error=Error)
+    k = ck.Kernels(drv, ck.PREFILL_SOURCES)
+    assert compiled == list(ck.PREFILL_SOURCES)
+    assert set(k._f) == {n for s in ck.PREFILL_SOURCES for n in ck._SIGNATURES[s]}
+    with pytest.raises(DeviceError, match="compiling .*vision.cu failed"):
+        ck.Kernels(drv, ck.VISION_SOURCES)
+
+
 # ---- GPU ----------------------------------------------------------------------------------------
 
-def _gpu_available() -> bool:
+def gpu_available() -> bool:
+    """Whether pycuda imports and sees a CUDA device (the ``gpu`` mark skips without one)."""
     try:
         import pycuda.driver as drv
         drv.init()
@@ -520,7 +561,7 @@ def _gpu_available() -> bool:
         return False
 
 
-gpu = pytest.mark.skipif(not _gpu_available(), reason="needs pycuda and an NVIDIA GPU")
+gpu = pytest.mark.skipif(not gpu_available(), reason="needs pycuda and an NVIDIA GPU")
 
 
 @pytest.fixture(scope="module")
@@ -529,9 +570,9 @@ def cuda_ctx():
 
     ctx = drv.Device(0).retain_primary_context()
     ctx.push()
-    from engine.backends.cuda_kernels import Kernels
+    from engine.backends.cuda_kernels import PREFILL_SOURCES, Kernels
 
-    yield drv, Kernels(drv)
+    yield drv, Kernels(drv, PREFILL_SOURCES)
     _KEEP.clear()
     drv.Context.pop()
     ctx.detach()

@@ -29,6 +29,7 @@ from PIL import Image
 from engine.errors import DeviceError
 from engine.mmproj import RandomWeights, VisionHParams, load_mmproj, write_mmproj
 from engine.models.vision import ImageEncoder, VisionTower
+from test_cuda_prefill import gpu, gpu_available
 
 FIX = Path(__file__).parent / "fixtures" / "vision"
 TOL = 1e-4
@@ -44,16 +45,6 @@ def rel_err(got: np.ndarray, want: np.ndarray) -> float:
     return float(np.max(np.abs(got - want)) / max(float(np.max(np.abs(want))), 1e-30))
 
 
-def _gpu_available() -> bool:
-    try:
-        import pycuda.driver as drv
-        drv.init()
-        return drv.Device.count() > 0
-    except Exception:
-        return False
-
-
-gpu = pytest.mark.skipif(not _gpu_available(), reason="needs pycuda and an NVIDIA GPU")
 
 
 def _image(seed: int, size: tuple[int, int]) -> Image.Image:
@@ -184,10 +175,11 @@ def _emulated_device():
 
 @pytest.mark.parametrize("ftype", ["F32", "Q8_0"])
 def test_emulated_gpu_tower_matches_cpu_tower(monkeypatch, tmp_path, ftype):
+    import engine.backends.cuda_context as cuda_context
     import engine.backends.cuda_vision as cuda_vision
 
     drv, kernels = _emulated_device()
-    monkeypatch.setattr(cuda_vision, "load_driver", lambda: drv)
+    monkeypatch.setattr(cuda_context, "load_driver", lambda: drv)
     monkeypatch.setattr(cuda_vision, "Kernels", kernels)
     hp = VisionHParams(n_layer=2, patch_size=16, merge=2, out_dim=40, pos_side=6, **SHAPES["hd72"])
     mm = load_mmproj(write_mmproj(tmp_path / "t.gguf", hp, RandomWeights(hp, seed=2), ftype))
@@ -200,6 +192,94 @@ def test_emulated_gpu_tower_matches_cpu_tower(monkeypatch, tmp_path, ftype):
         assert rel_err(tower.encode(pixels, grid), cpu.encode(pixels, grid)) <= TOL, grid
     tower.close()
     assert not drv.mem.blocks, "close() left device memory allocated"
+
+
+def _emulated_tower(monkeypatch, tmp_path, **kwargs):
+    """(driver, module, mm, make(**kw) -> CudaVisionTower) on the emulated device; 1-block hd72 tower, F32."""
+    import engine.backends.cuda_context as cuda_context
+    import engine.backends.cuda_vision as cuda_vision
+
+    drv, kernels = _emulated_device()
+    monkeypatch.setattr(cuda_context, "load_driver", lambda: drv)
+    monkeypatch.setattr(cuda_vision, "Kernels", kernels)
+    hp = VisionHParams(n_layer=1, patch_size=16, merge=2, out_dim=40, pos_side=6, **SHAPES["hd72"])
+    mm = load_mmproj(write_mmproj(tmp_path / "t.gguf", hp, RandomWeights(hp, seed=2), "F32"))
+    return drv, cuda_vision, mm
+
+
+@pytest.mark.parametrize("error", [ValueError("cannot reshape (stand-in)"), KeyboardInterrupt()])
+def test_emulated_load_failure_frees_the_gpu(monkeypatch, tmp_path, error):
+    """Any exception while loading frees the device memory; an Exception becomes a DeviceError (CPU fallback),
+    a KeyboardInterrupt passes through."""
+    drv, cuda_vision, mm = _emulated_tower(monkeypatch, tmp_path)
+    calls, original = [], cuda_vision.CudaVisionTower._rows
+
+    def rows(self, m, tensors):
+        calls.append(m.name)
+        if len(calls) == 3:
+            raise error
+        return original(self, m, tensors)
+
+    monkeypatch.setattr(cuda_vision.CudaVisionTower, "_rows", rows)
+    if isinstance(error, ValueError):
+        with pytest.raises(DeviceError, match="ValueError: cannot reshape"):
+            cuda_vision.CudaVisionTower(mm, reserve_patches=24)
+    else:
+        with pytest.raises(KeyboardInterrupt):
+            cuda_vision.CudaVisionTower(mm, reserve_patches=24)
+    assert len(calls) == 3 and not drv.mem.blocks, "a failed load left device memory allocated"
+
+
+@pytest.mark.parametrize("head_dim", [66, 132])
+def test_unsupported_head_width_is_refused_before_the_gpu(monkeypatch, tiny_mm, head_dim):
+    """The attention kernel's head-width limits are checked at load, before any GPU memory is taken (the
+    projector reader refuses widths that are not multiples of 4 already; the tower does not rely on it)."""
+    import dataclasses
+
+    import engine.backends.cuda_context as cuda_context
+    from engine.backends.cuda_vision import CudaVisionTower
+
+    hp = dataclasses.replace(tiny_mm.hparams, n_embd=head_dim * tiny_mm.hparams.n_head)
+    monkeypatch.setattr(cuda_context, "load_driver", lambda: pytest.fail("the GPU was touched"))
+    with pytest.raises(DeviceError, match=f"steps of 4, the tower has {head_dim}"):
+        CudaVisionTower(dataclasses.replace(tiny_mm, hparams=hp))
+
+
+def test_emulated_projector_file_changed_since_load(monkeypatch, tmp_path):
+    drv, cuda_vision, mm = _emulated_tower(monkeypatch, tmp_path)
+    write_mmproj(mm.path, mm.hparams, RandomWeights(mm.hparams, seed=3), "F32")
+    with pytest.raises(DeviceError, match="changed since it was loaded"):
+        cuda_vision.CudaVisionTower(mm)
+    assert not drv.mem.blocks
+
+
+def test_emulated_budget_bounds_growth_and_keeps_the_tower(monkeypatch, tmp_path, caplog):
+    """An image whose activations would pass the budget raises DeviceBudgetError without touching the buffers
+    held; ImageEncoder encodes just that image on the CPU and keeps the GPU tower."""
+    from engine.backends.cuda_vision import activation_bytes
+    from engine.errors import DeviceBudgetError
+
+    drv, cuda_vision, mm = _emulated_tower(monkeypatch, tmp_path)
+    probe = cuda_vision.CudaVisionTower(mm)
+    budget = probe.weight_bytes + activation_bytes(mm.hparams, 24)
+    probe.close()
+    tower = cuda_vision.CudaVisionTower(mm, reserve_patches=24, budget_bytes=budget)
+    held = tower.vram_bytes
+    big = np.random.default_rng(1).uniform(-1, 1, (60, mm.hparams.patch_dim)).astype(np.float32)
+    with pytest.raises(DeviceBudgetError, match="activations for 60 patches"):
+        tower.encode(big, (6, 10))
+    assert tower.vram_bytes == held
+    small = big[:24]
+    cpu = VisionTower(mm, threads=1)
+    assert rel_err(tower.encode(small, (4, 6)), cpu.encode(small, (4, 6))) <= TOL
+    enc = ImageEncoder(mm, min_pixels=1024, gpu=tower)
+    img = _image(7, (160, 96))  # 10 x 6 patches: above the budget
+    with caplog.at_level(logging.WARNING, logger="engine.models.vision"):
+        got = enc.encode(img)
+    assert np.array_equal(got.embeddings, ImageEncoder(mm, min_pixels=1024).encode(img).embeddings)
+    assert enc.gpu is tower and enc.device_note == "" and "on the CPU" in caplog.text
+    enc.close()
+    assert not drv.mem.blocks
 
 
 # ---- fallback (runs everywhere) -------------------------------------------------------------------
@@ -217,6 +297,8 @@ class StandInTower:
         if self.fail:
             raise DeviceError("CUDA error while encoding (stand-in)")
         return self.cpu.encode(pixel_values, grid) + np.float32(1.0)
+
+    vram_bytes = 1 << 30
 
     def close(self) -> None:
         self.closed = True
@@ -279,7 +361,7 @@ def test_engine_reports_where_images_are_encoded(synth_model, tmp_path):
     eng = Engine.load(model, mmproj, EngineOptions(device="cpu", prefix_cache=False))
     assert eng.info.vision_device == "cpu" and eng.info.vision_note == ""
     assert Engine.load(model, options=EngineOptions(device="cpu")).info.vision_device == ""
-    if not _gpu_available():
+    if not gpu_available():
         auto = Engine.load(model, mmproj, EngineOptions(device="auto", prefix_cache=False))
         assert auto.info.vision_device == "cpu" and "No GPU vision tower" in auto.info.vision_note
     eng.vision.gpu = StandInTower(eng.vision.tower, fail=True)
@@ -289,3 +371,83 @@ def test_engine_reports_where_images_are_encoded(synth_model, tmp_path):
     prompt = eng.prepare(msgs)
     assert len(prompt.encoded) == 1
     assert eng.info.vision_device == "cpu" and "GPU vision tower failed" in eng.info.vision_note
+
+
+def test_encoder_close_logs_a_failing_gpu_close(tiny_mm, caplog):
+    stand = StandInTower(VisionTower(tiny_mm), fail=False, close_fails=True)
+    enc = ImageEncoder(tiny_mm, gpu=stand)
+    with caplog.at_level(logging.WARNING, logger="engine.models.vision"):
+        enc.close()
+    assert stand.closed and enc.gpu is None and "context is gone" in caplog.text
+
+
+class StandInPrefill:
+    """CudaPrefill's constructor contract: raises ``error(budget)`` when it returns one, else loads."""
+
+    made: list["StandInPrefill"] = []
+
+    def __init__(self, hp, gguf, budget, error=lambda budget: None) -> None:
+        self.budget, self.closed = budget, False
+        exc = error(budget)
+        if exc is not None:
+            raise exc
+        self.plan = type("Plan", (), {"text": lambda self: "stand-in plan", "budget": budget})()
+        StandInPrefill.made.append(self)
+
+    def close(self) -> None:
+        self.closed = True
+
+
+def _load_with_stand_ins(monkeypatch, synth_model, tmp_path, error, **options):
+    """Engine.load with a StandInTower as the GPU vision tower and StandInPrefill (raising ``error``) as prefill."""
+    import engine.api as api
+    import engine.backends.cuda as cuda
+    from engine.synth import synth_mmproj_for
+
+    towers = []
+
+    def open_tower(mm, opts):
+        towers.append(StandInTower(VisionTower(mm, threads=1), fail=False))
+        return towers[-1], ""
+
+    StandInPrefill.made = []
+    monkeypatch.setattr(api, "_open_vision_gpu", open_tower)
+    monkeypatch.setattr(cuda, "CudaPrefill", lambda hp, g, budget: StandInPrefill(hp, g, budget, error))
+    mmproj = synth_mmproj_for(tmp_path / "tiny-mmproj.gguf", "tiny", seed=0)
+    opts = api.EngineOptions(device="cuda", prefix_cache=False, **options)
+    return towers, lambda: api.Engine.load(synth_model("tiny", "q8_0"), mmproj, opts)
+
+
+@pytest.mark.parametrize("error", [RuntimeError("not a DeviceError (stand-in)"), KeyboardInterrupt()])
+def test_engine_load_releases_the_gpu_tower_on_any_exception(monkeypatch, synth_model, tmp_path, error):
+    towers, load = _load_with_stand_ins(monkeypatch, synth_model, tmp_path, lambda budget: error)
+    with pytest.raises(type(error)):
+        load()
+    assert len(towers) == 1 and towers[0].closed
+
+
+def test_tight_budget_gives_the_gpu_to_prefill(monkeypatch, synth_model, tmp_path):
+    """Prefill does not fit what the tower leaves of the budget: the tower goes, prefill gets the whole budget."""
+    from engine.errors import DeviceBudgetError
+
+    budget = 3 << 30
+    towers, load = _load_with_stand_ins(
+        monkeypatch, synth_model, tmp_path,
+        lambda b: DeviceBudgetError(f"VRAM budget {b} (stand-in)") if b < budget else None, vram_budget=budget)
+    eng = load()
+    assert towers[0].closed and eng.vision.gpu is None and eng.info.vision_device == "cpu"
+    assert "GPU prefill fits the VRAM budget" in eng.info.vision_note
+    assert eng.info.device == "cuda" and eng.gpu.budget == budget
+    eng.close()
+    assert eng.gpu is None and StandInPrefill.made[0].closed
+
+
+def test_engine_close_releases_every_part_when_one_fails(monkeypatch, synth_model, tmp_path):
+    towers, load = _load_with_stand_ins(monkeypatch, synth_model, tmp_path, lambda budget: None)
+    eng = load()
+    eng.cache = type("Cache", (), {"persist": lambda self: (_ for _ in ()).throw(OSError("disk full (stand-in)"))})()
+    towers[0].close_fails = True
+    with pytest.raises(OSError, match="disk full"):
+        eng.close()
+    assert towers[0].closed and eng.vision.gpu is None
+    assert eng.gpu is None and StandInPrefill.made[0].closed

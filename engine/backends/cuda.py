@@ -24,9 +24,8 @@ raises :class:`~engine.errors.DeviceError`, on which callers fall back to CPU pr
 
 from __future__ import annotations
 
-import contextlib
 import time
-from typing import Any, Iterator
+from typing import Any
 
 import numpy as np
 
@@ -34,8 +33,9 @@ from ..errors import ContextFullError, DeviceError
 from ..hparams import Qwen35HParams
 from ..quant import dequantize
 from ..state import SequenceState
-from .cuda_buffers import Activations, Copier, CopyTask, Device
-from .cuda_kernels import Kernels, load_driver
+from .cuda_buffers import Activations, Copier, CopyTask
+from .cuda_context import CudaBackend
+from .cuda_kernels import PREFILL_SOURCES, Kernels
 from .cuda_plan import (GPU_TYPES, TILE_ROWS, ExpertLayout, LayerTelemetry, Matrix, Placement,
                         PrefillTelemetry, copy_runs, expert_layout, gemm_matrix, layer_matrices, layer_vectors,
                         aligned, pass_tokens, plan_placement, route_tables, use_selective)
@@ -47,7 +47,7 @@ PLAN_TOKENS = 4096
 """Prompt length whose activations and KV cache the placement reserves before giving VRAM to experts."""
 
 
-class CudaPrefill:
+class CudaPrefill(CudaBackend):
     """GPU prefill of one model file.
 
     Args:
@@ -62,62 +62,29 @@ class CudaPrefill:
 
     Raises:
         DeviceError: no usable GPU, pycuda or nvcc, a kernel fails to build, the budget is too small for
-            the resident weights, or GPU / pinned host memory runs out while loading.
+            the resident weights (:class:`~engine.errors.DeviceBudgetError`), or GPU / pinned host memory runs
+            out while loading. The GPU and pinned memory taken so far is released before any exception
+            (KeyboardInterrupt included) leaves.
     """
+
+    OOM_HINT = " (lower the VRAM budget or use CPU prefill)"
 
     def __init__(self, hp: Qwen35HParams, gguf_file: Any, budget_bytes: int | None = None,
                  plan_tokens: int = PLAN_TOKENS) -> None:
+        super().__init__()
         self.hp = hp
         self.file = gguf_file
         self.last_telemetry: PrefillTelemetry | None = None
-        self._drv = load_driver()
-        try:
-            self._ctx = self._drv.Device(0).retain_primary_context()
-        except self._drv.Error as e:
-            raise DeviceError(f"CUDA context creation failed: {e}") from e
-        self._dev = Device(self._drv)
         self._pinned: dict[int, np.ndarray] = {}
-        try:
-            with self._guard("loading the model onto the GPU"):
-                self._load(budget_bytes, plan_tokens)
-        except DeviceError:
-            self.close()
-            raise
+        self._open("loading the model onto the GPU", lambda: self._load(budget_bytes, plan_tokens))
 
-    # ---- lifetime --------------------------------------------------------------------------------
-
-    @contextlib.contextmanager
-    def _guard(self, what: str) -> Iterator[None]:
-        """Make the context current for the block and turn CUDA / host-memory failures into DeviceError."""
-        drv = self._drv
-        self._ctx.push()
-        try:
-            yield
-        except drv.MemoryError as e:
-            raise DeviceError(f"out of GPU memory while {what}: {e} (lower the VRAM budget or use CPU prefill)") from e
-        except drv.Error as e:
-            raise DeviceError(f"CUDA error while {what}: {e}") from e
-        except MemoryError as e:
-            raise DeviceError(f"out of host memory for pinned buffers while {what}") from e
-        finally:
-            drv.Context.pop()
-
-    def close(self) -> None:
-        """Free all device and pinned memory and release the context. The object is unusable afterwards."""
-        if getattr(self, "_ctx", None) is None:
-            return
+    def _release(self) -> None:
+        """Stop the copy worker and drop the pinned expert and staging buffers."""
         if getattr(self, "_copier", None) is not None:
             self._copier.close()
             self._copier = None
-        self._ctx.push()
-        try:
-            self._dev.free_all()
-            self._pinned.clear()
-            getattr(self, "staging", {}).clear()
-        finally:
-            self._drv.Context.pop()
-            self._ctx.detach()
-            self._ctx = None
+        self._pinned.clear()
+        getattr(self, "staging", {}).clear()
 
     # ---- loading ---------------------------------------------------------------------------------
 
@@ -139,7 +106,7 @@ class CudaPrefill:
         layer_bytes = max((lay.nbytes for lay in self.layouts.values()), default=0)
         self.plan: Placement = plan_placement(hp, budget, list(matrices.values()), vector_bytes, layer_bytes,
                                               plan_tokens)
-        self.kernels = Kernels(drv)
+        self.kernels = Kernels(drv, PREFILL_SOURCES)
         self.head = matrices[head]
         self.mat: dict[str, tuple[Matrix, int]] = {}
         for name, m in matrices.items():

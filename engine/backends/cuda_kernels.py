@@ -20,8 +20,12 @@ from .cuda_plan import TILE_ROWS, Matrix
 
 Q = GGMLQuantizationType
 
-SOURCES = ("gemm.cu", "rows.cu", "gdn.cu", "attention.cu", "vision.cu")
 SOURCE_DIR = Path(__file__).resolve().parents[2] / "native" / "cuda"
+"""Folder of the .cu sources, also the include path of their shared header ``common.cuh``."""
+PREFILL_SOURCES = ("gemm.cu", "rows.cu", "gdn.cu", "attention.cu")
+"""The sources GPU prefill (:class:`engine.backends.cuda.CudaPrefill`) builds."""
+VISION_SOURCES = ("gemm.cu", "vision.cu")
+"""The sources the GPU vision tower (:class:`engine.backends.cuda_vision.CudaVisionTower`) builds."""
 
 _TYPE_SUFFIX = {Q.F32: "f32", Q.F16: "f16", Q.BF16: "bf16", Q.Q4_0: "q4_0", Q.Q4_1: "q4_1", Q.Q8_0: "q8_0"}
 DENSE_TILE_ROWS = 64
@@ -33,31 +37,36 @@ _VISION_DIMS = (16, 32, 48, 64, 80, 96, 112, 128)
 ACT_NONE, ACT_GELU_TANH, ACT_GELU_ERF = 0, 1, 2
 """Activation codes of :meth:`Kernels.bias_act`."""
 
-# kernel name -> pycuda argument format (struct codes: P pointer, i int32, q int64, f float32, d float64)
+# source -> {kernel name -> pycuda argument format} (struct codes: P pointer, i int32, q int64, f float32, d float64)
 _SIGNATURES = {
-    **{f"{k}_{t}": "PiPPqPPiPPiiiiP" for k in ("qgemm", "qgemm32") for t in _TYPE_SUFFIX.values()},
-    **{f"embed_rows_{t}": "PqPi" for t in _TYPE_SUFFIX.values()},
-    **{f"gemv_{t}": "PPqPii" for t in _TYPE_SUFFIX.values()},
-    "rmsnorm_rows": "PiPPiif",
-    "qk_norm_rope": "PiiPPiiidiifPqi",
-    "conv1d_silu": "PPPPiii",
-    "conv_state_update": "PPPiii",
-    "l2norm_qk": "Piiiff",
-    "gdn_gates": "PPPPPPii",
-    "gated_rmsnorm": "PPPPif",
-    "swiglu_rows": "PPii",
-    "router_topk": "PiiPP",
-    "moe_combine": "PPPiPPPi",
-    "route_count": "PiP",
-    "route_plan": "PPiqiPP",
-    "route_scatter": "PPiiPPPP",
-    "gdn_chunk_prep": "PPPPPPPiiiiiii",
-    "gdn_chunk_scan": "PPPPPPPiiiiiii",
-    **{f"flash_attn_{d}": "PPPPPiiiii" for d in _FLASH_DIMS},
-    "vis_layernorm": "PiPPPiiif",
-    "vis_bias_act": "PiPiii",
-    "vis_rope": "PiPPiii",
-    **{f"vis_attn_{d}": "PiPiiiif" for d in _VISION_DIMS},
+    "gemm.cu": {
+        **{f"{k}_{t}": "PiPPqPPiPPiiiiP" for k in ("qgemm", "qgemm32") for t in _TYPE_SUFFIX.values()},
+        **{f"embed_rows_{t}": "PqPi" for t in _TYPE_SUFFIX.values()},
+        **{f"gemv_{t}": "PPqPii" for t in _TYPE_SUFFIX.values()},
+    },
+    "rows.cu": {
+        "rmsnorm_rows": "PiPPiif",
+        "qk_norm_rope": "PiiPPiiidiifPqi",
+        "conv1d_silu": "PPPPiii",
+        "conv_state_update": "PPPiii",
+        "l2norm_qk": "Piiiff",
+        "gdn_gates": "PPPPPPii",
+        "gated_rmsnorm": "PPPPif",
+        "swiglu_rows": "PPii",
+        "router_topk": "PiiPP",
+        "moe_combine": "PPPiPPPi",
+        "route_count": "PiP",
+        "route_plan": "PPiqiPP",
+        "route_scatter": "PPiiPPPP",
+    },
+    "gdn.cu": {"gdn_chunk_prep": "PPPPPPPiiiiiii", "gdn_chunk_scan": "PPPPPPPiiiiiii"},
+    "attention.cu": {f"flash_attn_{d}": "PPPPPiiiii" for d in _FLASH_DIMS},
+    "vision.cu": {
+        "vis_layernorm": "PiPPPiiif",
+        "vis_bias_act": "PiPiii",
+        "vis_rope": "PiPPiii",
+        **{f"vis_attn_{d}": "PiPiiiif" for d in _VISION_DIMS},
+    },
 }
 
 
@@ -73,7 +82,7 @@ def load_driver() -> Any:
     try:
         import pycuda.driver as drv
     except ImportError as e:
-        raise DeviceError(f"GPU prefill needs pycuda and an NVIDIA driver: {e}") from e
+        raise DeviceError(f"the GPU path needs pycuda and an NVIDIA driver: {e}") from e
     try:
         drv.init()
         count = drv.Device.count()
@@ -98,7 +107,7 @@ def find_nvcc() -> str:
         if os.path.isfile(c) and os.access(c, os.X_OK):
             return c
     raise DeviceError("nvcc was not found (set CUDA_HOME or put the CUDA toolkit's bin on PATH): "
-                      "GPU prefill compiles its kernels at run time")
+                      "the GPU path compiles its kernels at run time")
 
 
 def cache_dir() -> str:
@@ -110,6 +119,17 @@ def cache_dir() -> str:
     return path
 
 
+def check_vision_head(hd: int) -> None:
+    """Check that :meth:`Kernels.vision_attention` has a kernel for head width ``hd``.
+
+    Raises:
+        DeviceError: ``hd`` above 128 or not a multiple of 4 (the kernel loads float4s).
+    """
+    if hd > _VISION_DIMS[-1] or hd % 4:
+        raise DeviceError(f"the GPU vision attention handles head widths up to {_VISION_DIMS[-1]} in steps "
+                          f"of 4, the tower has {hd}")
+
+
 def _grid(n: int, per: int) -> int:
     return max(1, -(-n // per))
 
@@ -117,11 +137,17 @@ def _grid(n: int, per: int) -> int:
 class Kernels:
     """Compiled kernels with one launch method each. Must be built with a CUDA context current."""
 
-    def __init__(self, drv: Any) -> None:
-        """Compile (or load from the cache) every source in :data:`SOURCES`.
+    def __init__(self, drv: Any, sources: tuple[str, ...]) -> None:
+        """Compile (or load from the cache) ``sources`` and look up the kernels each of them defines.
+
+        Args:
+            drv: the ``pycuda.driver`` module.
+            sources: file names under :data:`SOURCE_DIR` (:data:`PREFILL_SOURCES` or :data:`VISION_SOURCES`);
+                only their kernels can be launched, and only they are required to build.
 
         Raises:
-            DeviceError: a source is missing or nvcc fails (the message carries nvcc's output).
+            DeviceError: a source is missing, nvcc fails (the message carries nvcc's output) or a kernel
+                of these sources is missing.
         """
         from pycuda.compiler import SourceModule
 
@@ -129,26 +155,29 @@ class Kernels:
         nvcc = find_nvcc()
         cache = cache_dir()
         self._f: dict[str, Any] = {}
-        for name in SOURCES:
+        for name in sources:
             path = SOURCE_DIR / name
             try:
                 source = path.read_text()
             except OSError as e:
                 raise DeviceError(f"CUDA kernel source {path} cannot be read: {e}") from e
             try:
-                module = SourceModule(source, nvcc=nvcc, options=["-O3"], no_extern_c=True, cache_dir=cache)
+                # pycuda keys its build cache on the preprocessed source, so common.cuh edits rebuild too
+                module = SourceModule(source, nvcc=nvcc, options=["-O3"], no_extern_c=True, cache_dir=cache,
+                                      include_dirs=[str(SOURCE_DIR)])
             except drv.Error as e:
                 raise DeviceError(f"compiling {path} failed: {e}") from e
-            for kernel, fmt in _SIGNATURES.items():
+            missing = []
+            for kernel, fmt in _SIGNATURES[name].items():
                 try:
                     fn = module.get_function(kernel)
                 except drv.Error:
+                    missing.append(kernel)
                     continue
                 fn.prepare(fmt)
                 self._f[kernel] = fn
-        missing = set(_SIGNATURES) - set(self._f)
-        if missing:
-            raise DeviceError(f"CUDA kernels missing from {SOURCE_DIR}: {', '.join(sorted(missing))}")
+            if missing:
+                raise DeviceError(f"CUDA kernels missing from {path}: {', '.join(missing)}")
 
     def _launch(self, name: str, grid: tuple[int, int], block: int, stream: Any, *args: Any) -> None:
         self._f[name].prepared_async_call((grid[0], grid[1], 1), (block, 1, 1), stream, *args)
@@ -307,9 +336,7 @@ class Kernels:
         Raises:
             DeviceError: head width above 128 or not a multiple of 4.
         """
-        if hd > _VISION_DIMS[-1] or hd % 4:
-            raise DeviceError(f"the GPU vision attention handles head widths up to {_VISION_DIMS[-1]} in steps "
-                              f"of 4, the tower has {hd}")
+        check_vision_head(hd)
         hdp = -(-hd // 16) * 16
         self._launch(f"vis_attn_{hdp}", (_grid(s, 32), heads), 128, stream, qkv, ld, out, out_ld, s, heads, hd,
                      float(scale))

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 import numpy as np
 from gguf import GGMLQuantizationType
 
-from ..errors import DeviceError
+from ..errors import DeviceBudgetError, DeviceError
 from ..hparams import Qwen35HParams
 from ..quant import row_bytes, type_name
 
@@ -338,7 +338,7 @@ def plan_placement(hp: Qwen35HParams, budget: int, matrices: list[Matrix], vecto
         plan_tokens: prompt length whose activations and KV cache are reserved.
 
     Raises:
-        DeviceError: the non-expert weights, state, two stream buffers and the reserve for 64 tokens
+        DeviceBudgetError: the non-expert weights, state, two stream buffers and the reserve for 64 tokens
             do not fit the budget.
     """
     weights = sum(aligned(m.nbytes) for m in matrices) + vector_bytes
@@ -356,9 +356,9 @@ def plan_placement(hp: Qwen35HParams, budget: int, matrices: list[Matrix], vecto
     room = budget - fixed - 2 * slot - reserve
     minimum = fixed + 2 * slot + activation_bytes(hp, GDN_CHUNK) + kv_bytes(hp, GDN_CHUNK)
     if budget < minimum:
-        raise DeviceError(f"VRAM budget {budget / 2**30:.2f} GiB is below the {minimum / 2**30:.2f} GiB GPU prefill "
-                          f"needs (weights {weights / 2**30:.2f} GiB, two expert buffers of {slot / 2**20:.0f} MiB, "
-                          "state and activations)")
+        raise DeviceBudgetError(f"VRAM budget {budget / 2**30:.2f} GiB is below the {minimum / 2**30:.2f} GiB GPU "
+                                f"prefill needs (weights {weights / 2**30:.2f} GiB, two expert buffers of "
+                                f"{slot / 2**20:.0f} MiB, state and activations)")
     n_res = max(0, min(len(layers), room // slot)) if slot else 0
     return Placement(resident_experts=layers[:n_res], streamed_experts=layers[n_res:], slot_bytes=slot,
                      n_slots=2, **common)

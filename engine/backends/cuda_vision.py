@@ -18,25 +18,27 @@ Per image (S patches, D = n_embd, ``native/cuda/vision.cu`` for the non-GEMM ste
 The patches, the position rows and the RoPE tables go up through page-locked staging buffers, everything
 runs on one stream, and the (S/4, out_dim) result comes back the same way. Every CUDA failure (no GPU or
 pycuda, a compile error, out of GPU or pinned memory, a failed launch) raises
-:class:`~engine.errors.DeviceError`; :class:`engine.models.vision.ImageEncoder` then encodes on the CPU.
+:class:`~engine.errors.DeviceError`; :class:`engine.models.vision.ImageEncoder` then encodes on the CPU. An
+image whose activation buffers would not fit the VRAM budget raises :class:`~engine.errors.DeviceBudgetError`
+instead, and only that image is encoded on the CPU.
 """
 
 from __future__ import annotations
 
-import contextlib
 import time
 from collections import OrderedDict
-from typing import Any, Iterator
+from typing import Any
 
 import numpy as np
 from gguf import GGMLQuantizationType, GGUFReader
 
-from ..errors import DeviceError
-from ..mmproj import Mmproj, VisionHParams
+from ..errors import DeviceBudgetError, DeviceError
+from ..mmproj import Mmproj, VisionHParams, file_identity
 from ..ops import vision_reference as ops
 from ..quant import row_bytes, type_name
-from .cuda_buffers import Device
-from .cuda_kernels import ACT_GELU_ERF, ACT_GELU_TANH, ACT_NONE, Kernels, load_driver
+from .cuda_context import CudaBackend
+from .cuda_kernels import (ACT_GELU_ERF, ACT_GELU_TANH, ACT_NONE, VISION_SOURCES, Kernels,
+                           check_vision_head)
 from .cuda_plan import GPU_TYPES, Matrix, aligned
 
 Q = GGMLQuantizationType
@@ -84,15 +86,16 @@ def _vector_names(hp: VisionHParams) -> list[str]:
     return [*blocks, "v.post_ln.weight", "v.post_ln.bias", "mm.0.bias", "mm.2.bias"]
 
 
-class CudaVisionTower:
+class CudaVisionTower(CudaBackend):
     """The vision tower of one projector file on GPU 0. Not thread-safe: one :meth:`encode` at a time.
 
     Args:
         mm: the loaded projector (its file is read again for the stored weight bytes).
         reserve_patches: activation buffers for images of up to this many patches are allocated at load,
-            so they count in :attr:`vram_bytes` from the start (the engine passes its largest image's
-            patches); a larger image grows them when it comes.
-        budget_bytes: GPU memory the tower may take (weights + reserved activations); None = no limit.
+            so they count in :attr:`vram_bytes` from the start (the engine passes the most patches an image
+            can have); a larger image grows them when it comes, within ``budget_bytes``.
+        budget_bytes: GPU memory the tower may take (weights + activations), at load and when the
+            activation buffers grow; None = no limit.
 
     Attributes:
         hp: the tower's hyper-parameters. identity: the projector's identity (as :class:`~engine.models.vision.VisionTower`).
@@ -101,8 +104,11 @@ class CudaVisionTower:
 
     Raises:
         DeviceError: no usable GPU, pycuda or nvcc, a kernel fails to build, the projector file cannot be
-            read again or changed since it was loaded, the head width is above 128, the tower does not fit
-            ``budget_bytes``, or GPU / pinned host memory runs out while loading.
+            read again or changed since it was loaded, the head width is above 128 or not a multiple of 4
+            (checked before any GPU memory is taken), the tower does not fit ``budget_bytes``
+            (:class:`~engine.errors.DeviceBudgetError`), GPU / pinned host memory runs out while loading, or
+            any other exception while loading (a malformed file: the message names it); the GPU and pinned
+            memory taken so far is released first, also on KeyboardInterrupt, which passes through.
     """
 
     GRID_CACHE = 4
@@ -112,58 +118,29 @@ class CudaVisionTower:
         self.hp = hp = mm.hparams
         self.identity = mm.identity
         self._mm = mm
-        if hp.head_dim > 128:
-            raise DeviceError(f"the GPU vision tower handles head widths up to 128, {mm.path} has {hp.head_dim}")
+        check_vision_head(hp.head_dim)
         reserve = max(0, int(reserve_patches))
         reserve -= reserve % (hp.merge * hp.merge)
+        self._budget = budget_bytes
         self._grids: OrderedDict[tuple[int, int], tuple[np.ndarray, np.ndarray, np.ndarray]] = OrderedDict()
-        self._drv = load_driver()
-        try:
-            self._ctx = self._drv.Device(0).retain_primary_context()
-        except self._drv.Error as e:
-            raise DeviceError(f"CUDA context creation failed: {e}") from e
-        self._dev = Device(self._drv)
+        super().__init__()
         self._act: dict[str, int] = {}
         self._capacity = 0
         self._staging: dict[str, np.ndarray] = {}
         try:
-            with self._guard("loading the vision tower onto the GPU"):
-                self._load(reserve, budget_bytes)
+            self._open("loading the vision tower onto the GPU", lambda: self._load(reserve))
         except DeviceError:
-            self.close()
             raise
+        except Exception as e:  # a malformed or changed file, a bug: the CPU tower still works
+            raise DeviceError(f"loading the vision tower of {mm.path} onto the GPU failed: "
+                              f"{type(e).__name__}: {e}") from e
 
     # ---- lifetime --------------------------------------------------------------------------------
 
-    @contextlib.contextmanager
-    def _guard(self, what: str) -> Iterator[None]:
-        """Make the context current for the block and turn CUDA / host-memory failures into DeviceError."""
-        drv = self._drv
-        self._ctx.push()
-        try:
-            yield
-        except drv.MemoryError as e:
-            raise DeviceError(f"out of GPU memory while {what}: {e}") from e
-        except drv.Error as e:
-            raise DeviceError(f"CUDA error while {what}: {e}") from e
-        except MemoryError as e:
-            raise DeviceError(f"out of host memory for pinned buffers while {what}") from e
-        finally:
-            drv.Context.pop()
-
-    def close(self) -> None:
-        """Free all device and pinned memory and release the context. The object is unusable afterwards."""
-        if getattr(self, "_ctx", None) is None:
-            return
-        self._ctx.push()
-        try:
-            self._dev.free_all()
-            self._act.clear()
-            self._staging.clear()
-        finally:
-            self._drv.Context.pop()
-            self._ctx.detach()
-            self._ctx = None
+    def _release(self) -> None:
+        """Forget the activation buffers and drop the pinned staging buffers."""
+        self._act.clear()
+        self._staging.clear()
 
     @property
     def vram_bytes(self) -> int:
@@ -172,22 +149,21 @@ class CudaVisionTower:
 
     # ---- loading ---------------------------------------------------------------------------------
 
-    def _load(self, reserve: int, budget_bytes: int | None) -> None:
+    def _load(self, reserve: int) -> None:
         hp, mm = self.hp, self._mm
         try:
+            changed = file_identity(mm.path) != mm.identity
             tensors = {t.name: t for t in GGUFReader(mm.path).tensors}
         except (OSError, ValueError, KeyError, IndexError) as e:
             raise DeviceError(f"{mm.path}: the projector file cannot be read again for the GPU: {e}") from e
+        if changed:
+            raise DeviceError(f"{mm.path}: the projector file changed since it was loaded (reload the model)")
         layouts = {name: self._layout(name, tensors) for name in _gemm_names(hp)}
         vectors = _vector_names(hp)
         self.weight_bytes = (sum(aligned(m.nbytes) for m in layouts.values())
                              + sum(aligned(4 * mm.f32(n).size) for n in vectors))
-        need = self.weight_bytes + (activation_bytes(hp, reserve) if reserve else 0)
-        if budget_bytes is not None and need > budget_bytes:
-            raise DeviceError(f"the vision tower needs {need / 2**30:.2f} GiB of GPU memory (weights "
-                              f"{self.weight_bytes / 2**30:.2f} GiB, activations for {reserve} patches), "
-                              f"above the VRAM budget of {budget_bytes / 2**30:.2f} GiB")
-        self.kernels = Kernels(self._drv)
+        self._check_budget(reserve)
+        self.kernels = Kernels(self._drv, VISION_SOURCES)
         t0 = time.perf_counter()
         self.mat = {name: (m, self._dev.upload(self._rows(m, tensors))) for name, m in layouts.items()}
         self.vec = {n: self._dev.upload(np.ascontiguousarray(mm.f32(n), dtype=np.float32)) for n in vectors}
@@ -195,6 +171,14 @@ class CudaVisionTower:
         self.stream = self._drv.Stream()
         if reserve:
             self._ensure(reserve)
+
+    def _check_budget(self, s: int) -> None:
+        """Raise DeviceBudgetError when the weights plus activations for ``s`` patches exceed the budget."""
+        need = self.weight_bytes + (activation_bytes(self.hp, s) if s else 0)
+        if self._budget is not None and need > self._budget:
+            raise DeviceBudgetError(f"the vision tower needs {need / 2**30:.2f} GiB of GPU memory (weights "
+                                    f"{self.weight_bytes / 2**30:.2f} GiB, activations for {s} patches), above "
+                                    f"its VRAM budget of {self._budget / 2**30:.2f} GiB")
 
     def _stored(self, name: str, tensors: dict[str, Any]) -> np.ndarray:
         """(rows, row_bytes) uint8 view of tensor ``name`` as the file stores it (rows = first math axis)."""
@@ -240,9 +224,14 @@ class CudaVisionTower:
         return out
 
     def _ensure(self, s: int) -> None:
-        """Device activation buffers and pinned staging for images of up to ``s`` patches (grown, never shrunk)."""
+        """Device activation buffers and pinned staging for images of up to ``s`` patches (grown, never shrunk).
+
+        Raises:
+            DeviceBudgetError: growing them would exceed the budget (the buffers held are kept).
+        """
         if s <= self._capacity:
             return
+        self._check_budget(s)
         drv, hp = self._drv, self.hp
         for ptr in self._act.values():
             self._dev.free(ptr)
@@ -294,6 +283,8 @@ class CudaVisionTower:
 
         Raises:
             ValueError: ``pixel_values`` does not match ``grid`` or the patch size.
+            DeviceBudgetError: the image needs more activation memory than the budget leaves (the tower
+                stays usable for smaller images).
             DeviceError: the tower was closed, or a CUDA failure (out of GPU or pinned memory included).
         """
         hp = self.hp

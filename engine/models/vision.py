@@ -35,7 +35,7 @@ from typing import Any
 import numpy as np
 
 from ..backends.cpu import threads as cpu_threads
-from ..errors import DeviceError, GenerationCancelled
+from ..errors import DeviceBudgetError, DeviceError, GenerationCancelled
 from ..images import (MAX_INPUT_PIXELS, MAX_PIXELS, MIN_PIXELS, ImageSource, prepare_image, read_source,
                       smart_resize)
 from ..mmproj import Mmproj, VisionHParams
@@ -466,7 +466,9 @@ class ImageEncoder:
 
     Images are encoded by ``gpu`` when one is given; the first :class:`~engine.errors.DeviceError` it
     raises closes it, and that image and every later one are encoded by the CPU :class:`VisionTower`
-    (``device_note`` says why, and the failure is logged as a warning).
+    (``device_note`` says why, and the failure is logged as a warning). A
+    :class:`~engine.errors.DeviceBudgetError` (an image too large for the tower's VRAM budget) sends only
+    that image to the CPU, with a logged warning; the GPU tower stays.
 
     Args:
         mm: the loaded projector.
@@ -495,19 +497,21 @@ class ImageEncoder:
         return "cpu" if self.gpu is None else "cuda"
 
     def close(self) -> None:
-        """Release the GPU tower (device and pinned memory); later images are encoded on the CPU."""
+        """Release the GPU tower (device and pinned memory); later images are encoded on the CPU. A failure
+        to release it (a broken CUDA context) is logged, not raised."""
         gpu, self.gpu = self.gpu, None
-        if gpu is not None:
+        if gpu is None:
+            return
+        try:
             gpu.close()
+        except Exception as exc:  # noqa: BLE001 - a broken CUDA context must not end the CPU fallback
+            log.warning("releasing the GPU vision tower: %s", exc)
 
     def _gpu_failed(self, message: str) -> None:
         """The GPU tower failed: release it and encode on the CPU from now on."""
         self.device_note = f"GPU vision tower failed, encoding images on the CPU: {message}"
         log.warning(self.device_note)
-        try:
-            self.close()
-        except Exception as exc:  # noqa: BLE001 - a broken CUDA context must not end the CPU fallback
-            log.warning("releasing the failed GPU vision tower: %s", exc)
+        self.close()
 
     def _run_tower(self, pixel_values: np.ndarray, grid: tuple[int, int],
                    cancel: threading.Event | None) -> np.ndarray:
@@ -517,6 +521,8 @@ class ImageEncoder:
                 raise GenerationCancelled("image encoding cancelled")
             try:
                 return self.gpu.encode(pixel_values, grid)
+            except DeviceBudgetError as exc:
+                log.warning("encoding a %dx%d-patch image on the CPU: %s", grid[0], grid[1], exc)
             except DeviceError as exc:
                 self._gpu_failed(str(exc))
         return self.tower.encode(pixel_values, grid, cancel=cancel)

@@ -10,6 +10,8 @@
 //   qg:   (n, n_head, 2*HD) projection; the gate of head hq is qg[t][hq][HD:]
 //   out:  (n, n_head*HD) = softmax(q k^T / sqrt(HD)) v * sigmoid(gate)
 
+#include "common.cuh"
+
 #define QROWS 64
 #define KT 64
 
@@ -78,10 +80,7 @@ __device__ __forceinline__ void flash_body(const float* __restrict__ q, const fl
                 float qa[4], kb[4];
 #pragma unroll
                 for (int a = 0; a < 4; ++a) { qa[a] = Qs[ti * 4 + a][x]; kb[a] = Ks[tj * 4 + a][x]; }
-#pragma unroll
-                for (int a = 0; a < 4; ++a)
-#pragma unroll
-                    for (int b = 0; b < 4; ++b) s[a][b] = fmaf(qa[a], kb[b], s[a][b]);
+                fma_outer4(s, qa, kb);
             }
         }
 #pragma unroll
@@ -93,23 +92,8 @@ __device__ __forceinline__ void flash_body(const float* __restrict__ q, const fl
                 s[a][b] = (kj <= qpos[a] && kj < kv_end) ? s[a][b] / inv_sqrt : -INFINITY;
                 mx = fmaxf(mx, s[a][b]);
             }
-#pragma unroll
-            for (int o = 8; o > 0; o >>= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, o));
-            const float m_new = fmaxf(m[a], mx);
-            const float corr = expf(m[a] - m_new);
-            float sum = 0.f;
-#pragma unroll
-            for (int b = 0; b < 4; ++b) {
-                const float p = expf(s[a][b] - m_new);
-                Ps[ti * 4 + a][tj * 4 + b] = p;
-                sum += p;
-            }
-#pragma unroll
-            for (int o = 8; o > 0; o >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, o);
-            l[a] = l[a] * corr + sum;
-            m[a] = m_new;
-#pragma unroll
-            for (int j = 0; j < NQ; ++j) O[a][j] *= corr;
+            online_softmax_row<NQ>(s[a], mx, m[a], l[a], O[a],
+                                   [&](int b, float p) { Ps[ti * 4 + a][tj * 4 + b] = p; });
         }
         for (int js = 0; js < KT; js += 16) {
             __syncthreads();

@@ -3,26 +3,7 @@
 // the MoE router and the MoE combine. All activations float32, row-major. Each kernel mirrors the
 // numpy op of engine/ops/reference.py named in its comment, including where that op works in float64.
 
-#define WARP 32
-
-__device__ __forceinline__ float warp_sum(float v) {
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
-    return v;
-}
-
-// Sum over a block whose size is a multiple of 32 (<= 1024); every thread gets the result.
-__device__ float block_sum(float v) {
-    __shared__ float red[32];
-    v = warp_sum(v);
-    const int w = threadIdx.x / WARP, l = threadIdx.x % WARP;
-    __syncthreads();
-    if (l == 0) red[w] = v;
-    __syncthreads();
-    const int nw = blockDim.x / WARP;
-    v = (l < nw) ? red[l] : 0.f;
-    return warp_sum(v);
-}
+#include "common.cuh"
 
 // reference.sigmoid: float64 logistic, stable for large |x|.
 __device__ __forceinline__ float sigmoid_d(float x) {

@@ -7,26 +7,7 @@
 //   vis_rope        2-D vision RoPE in place on the q and k parts of the fused qkv rows (apply_rope)
 //   vis_attn_<HDP>  non-causal softmax attention over all S tokens of one image (attention), flash style
 
-#define WARP 32
-
-__device__ __forceinline__ float warp_sum(float v) {
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
-    return v;
-}
-
-// Sum over a block whose size is a multiple of 32 (<= 1024); every thread gets the result.
-__device__ float block_sum(float v) {
-    __shared__ float red[32];
-    v = warp_sum(v);
-    const int w = threadIdx.x / WARP, l = threadIdx.x % WARP;
-    __syncthreads();
-    if (l == 0) red[w] = v;
-    __syncthreads();
-    const int nw = blockDim.x / WARP;
-    v = (l < nw) ? red[l] : 0.f;
-    return warp_sum(v);
-}
+#include "common.cuh"
 
 // LayerNorm of row r (d floats at x + r*x_ld): y = (x - mean) / sqrt(var + eps) * w + b, biased variance.
 // Row r is written at y + (r / y_group) * y_ld + (r % y_group) * d: y_group = 1 gives plain rows of stride
@@ -174,10 +155,7 @@ __device__ __forceinline__ void vis_attn_body(const float* __restrict__ qkv, int
                 const float4 qa = *reinterpret_cast<const float4*>(&Qs[d0 + x][ti * 4]);
                 const float4 ka = *reinterpret_cast<const float4*>(&KVs[x * AK + tj * 4]);
                 const float qv[4] = {qa.x, qa.y, qa.z, qa.w}, kv[4] = {ka.x, ka.y, ka.z, ka.w};
-#pragma unroll
-                for (int a = 0; a < 4; ++a)
-#pragma unroll
-                    for (int c = 0; c < 4; ++c) s[a][c] = fmaf(qv[a], kv[c], s[a][c]);
+                fma_outer4(s, qv, kv);
             }
         }
 
@@ -190,22 +168,7 @@ __device__ __forceinline__ void vis_attn_body(const float* __restrict__ qkv, int
                 if (j0 + tj * 4 + c >= S) s[a][c] = -INFINITY;
                 mx = fmaxf(mx, s[a][c]);
             }
-#pragma unroll
-            for (int o = 8; o > 0; o >>= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, o));
-            const float m_new = fmaxf(m[a], mx);
-            const float corr = expf(m[a] - m_new);
-            float sum = 0.f;
-#pragma unroll
-            for (int c = 0; c < 4; ++c) {
-                s[a][c] = expf(s[a][c] - m_new);
-                sum += s[a][c];
-            }
-#pragma unroll
-            for (int o = 8; o > 0; o >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, o);
-            l[a] = l[a] * corr + sum;
-            m[a] = m_new;
-#pragma unroll
-            for (int j = 0; j < NQ; ++j) O[a][j] *= corr;
+            online_softmax_row<NQ>(s[a], mx, m[a], l[a], O[a], [](int, float) {});
         }
 #pragma unroll
         for (int c = 0; c < 4; ++c)
