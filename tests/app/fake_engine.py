@@ -4,42 +4,28 @@ from __future__ import annotations
 
 import threading
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterator, Sequence
 
 from PIL import Image
 
-from engine.api import SnapshotInfo
+from engine.api import ModelInfo, SnapshotInfo
 from engine.errors import EngineError, GenerationCancelled
 from engine.events import Event, PrefillProgress, PrefillStats, TokenEvent, TurnSummary
 
 
-@dataclass(frozen=True)
-class FakeInfo:
-    """Has the fields of engine.api.ModelInfo."""
-
-    path: Path = Path("fake-model.gguf")
-    arch: str = "qwen35moe"
-    n_layer: int = 4
-    n_attn_layers: int = 1
-    n_params: int = 12_000_000
-    quant_mix: dict = field(default_factory=lambda: {"Q8_0": (20, 9_000_000), "F32": (9, 40_000)})
-    bytes_per_token: int = 6_500_000
-    context: int = 4096
-    has_vision: bool = False
-    device: str = "cpu"
-    device_note: str = ""
-    placement: str = ""
-    vram_budget: int = 0
-    vision_device: str = ""
-    vision_note: str = ""
+def fake_info(**fields) -> ModelInfo:
+    """A real :class:`engine.api.ModelInfo` of a small made-up Q8_0 model on the CPU; ``fields`` override."""
+    base = dict(path=Path("fake-model.gguf"), arch="qwen35moe", n_layer=4, n_attn_layers=1, n_params=12_000_000,
+                quant_mix={"Q8_0": (20, 9_000_000), "F32": (9, 40_000)}, bytes_per_token=6_500_000, context=4096,
+                has_vision=False)
+    return ModelInfo(**(base | fields))
 
 
 class FakeEngine:
     """Streams ``tokens`` (strings) one every ``token_ms``, honouring the cancel flag like the real one.
 
-    ``info`` is a :class:`FakeInfo` (its ``device`` goes into ``PrefillStats``), ``gpu_telemetry`` what
+    ``info`` is a :class:`~engine.api.ModelInfo` (:func:`fake_info`) (its ``device`` goes into ``PrefillStats``), ``gpu_telemetry`` what
     :meth:`telemetry` returns (None: prefill on the CPU), ``note`` the turns' ``PrefillStats.note``.
     With ``prompt_pieces`` the 20 prefilled tokens of a 30-token prompt (10 reused) are read in that
     many pieces of ``piece_ms`` each, a ``PrefillProgress`` after each and the cancel flag checked
@@ -51,7 +37,7 @@ class FakeEngine:
 
     def __init__(self, tokens: Sequence[str] = ("Hello", ",", " world", "."), token_ms: float = 1.0,
                  has_vision: bool = False, prefill_ms: float = 2.0, fail_with: Exception | None = None,
-                 info: FakeInfo | None = None, prompt_pieces: int = 0, piece_ms: float = 1.0) -> None:
+                 info: ModelInfo | None = None, prompt_pieces: int = 0, piece_ms: float = 1.0) -> None:
         self.tokens = list(tokens)
         self.prompt_pieces = prompt_pieces
         self.piece_ms = piece_ms
@@ -59,7 +45,7 @@ class FakeEngine:
         self.token_ms = token_ms
         self.prefill_ms = prefill_ms
         self.fail_with = fail_with
-        self.info = info or FakeInfo(has_vision=has_vision)
+        self.info = info or fake_info(has_vision=has_vision)
         self.gpu_telemetry = None
         self.note = ""
         self.produced = 0

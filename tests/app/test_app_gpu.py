@@ -13,10 +13,10 @@ from app.history import HistoryStore
 from app.gpu import GpuReport, GpuSample, NvmlGpu, PrefillReport, device_phrase, vision_phrase
 from app_helpers import stored
 from engine.backends.cuda_plan import LayerTelemetry, PrefillTelemetry
-from fake_engine import FakeEngine, FakeInfo
+from fake_engine import FakeEngine, fake_info
 
 PLACEMENT = "GPU prefill placement, VRAM budget 6.00 GiB:\n  resident    0.010 GiB  attention + delta-net weights"
-GPU_INFO = FakeInfo(device="cuda", placement=PLACEMENT, vram_budget=6 * 2**30)
+GPU_INFO = fake_info(device="cuda", placement=PLACEMENT, vram_budget=6 * 2**30)
 
 
 class FakeGpu:
@@ -96,7 +96,7 @@ def test_the_gpu_failing_mid_turn_is_said_in_the_answer_sidebar_and_banner(qtbot
 
 def test_cpu_mode_shows_the_device_note(qtbot, make_window):
     note = "No GPU prefill (no CUDA driver): prefill runs on the CPU"
-    window = make_window(FakeEngine(info=FakeInfo(device_note=note)))
+    window = make_window(FakeEngine(info=fake_info(device_note=note)))
     qtbot.waitUntil(lambda: window.sidebar.gpu_note.text() == note)
     assert window.sidebar.gpu_label.text() == "No NVIDIA GPU: CPU mode" and window.sidebar.vram.isHidden()
     assert window.banner.text().endswith("; prefill on CPU")

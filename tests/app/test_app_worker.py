@@ -12,7 +12,7 @@ from PySide6.QtCore import QObject, Signal
 from app.engine_worker import ChatRequest, LoadRequest, WorkerThread, load_real_engine, plain_error, summarize
 from engine.errors import ModelFormatError
 from engine.events import PrefillProgress, PrefillStats
-from fake_engine import BlockingLoader, FakeEngine, FakeInfo, StagedLoader, failing_loader, loader_for
+from fake_engine import BlockingLoader, FakeEngine, StagedLoader, failing_loader, fake_info, loader_for
 
 
 class Driver(QObject):
@@ -227,7 +227,7 @@ def test_plain_error_and_summary_texts():
     assert plain_error(ModelFormatError("f.gguf: bad"), "loading") == "f.gguf: bad"
     assert "File not found" in plain_error(FileNotFoundError(2, "nope", "m.gguf"), "loading")
     assert plain_error(ValueError("x"), "answering") == "Unexpected error while answering: ValueError: x"
-    line = summarize(FakeInfo(has_vision=True)).line
+    line = summarize(fake_info(has_vision=True)).line
     assert line.startswith("fake-model.gguf: qwen35moe, 4 layers (1 attention)") and line.endswith("vision")
 
 
