@@ -63,4 +63,12 @@ DD_INLINE void dd_prefetch_rows(const uint8_t *w, size_t row_bytes, size_t rows)
             DD_GEMM_COLUMNS(TILE, w, row_bytes, r, rows_avail, a, y, ldy, 1);                     \
     }
 
+/* DD_DEFINE_TYPED_GEMMS() defines gemm_q4_0 and gemm_q8_0 in a kernel file whose one tile function
+ * tile(w, pf, rb, a, wtype, c0, y, ldy, R, C) takes the weight type (DD_Q4_0 or DD_Q8_0) as an argument. */
+#define DD_TILE_Q4_0(w, pf, rb, a, c0, y, ldy, R, C) tile(w, pf, rb, a, DD_Q4_0, c0, y, ldy, R, C)
+#define DD_TILE_Q8_0(w, pf, rb, a, c0, y, ldy, R, C) tile(w, pf, rb, a, DD_Q8_0, c0, y, ldy, R, C)
+#define DD_DEFINE_TYPED_GEMMS()              \
+    DD_DEFINE_GEMM(gemm_q4_0, DD_TILE_Q4_0) \
+    DD_DEFINE_GEMM(gemm_q8_0, DD_TILE_Q8_0)
+
 #endif

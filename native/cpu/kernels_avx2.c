@@ -103,10 +103,7 @@ DD_INLINE void tile(const uint8_t *w, const uint8_t *pf, size_t rb, const dd_act
         }
 }
 
-#define TILE_Q4_0(w, pf, rb, a, c0, y, ldy, R, C) tile(w, pf, rb, a, DD_Q4_0, c0, y, ldy, R, C)
-#define TILE_Q8_0(w, pf, rb, a, c0, y, ldy, R, C) tile(w, pf, rb, a, DD_Q8_0, c0, y, ldy, R, C)
-DD_DEFINE_GEMM(gemm_q4_0, TILE_Q4_0)
-DD_DEFINE_GEMM(gemm_q8_0, TILE_Q8_0)
+DD_DEFINE_TYPED_GEMMS()
 
 static float dot_f32(const float *a, const float *b, size_t n)
 {
