@@ -57,6 +57,37 @@ class SequenceState:
                 state.v[il] = np.zeros((capacity, hp.n_head_kv, hp.head_dim), np.float32)
         return state
 
+    def chunk_inputs(self, tokens: np.ndarray, positions: np.ndarray | None,
+                     n_vocab: int) -> tuple[np.ndarray, np.ndarray]:
+        """Check n new tokens to be appended at ``pos`` and return them with their M-RoPE positions.
+
+        Args:
+            tokens: n int token ids. positions: (3, n) int t/h/w positions, or None for
+                ``pos + arange(n)`` in all three rows. n_vocab: the model's vocabulary size.
+
+        Returns:
+            (tokens (n,) int64, positions (3, n)).
+
+        Raises:
+            ValueError: n == 0, a token id outside 0..n_vocab-1, or ``positions`` not of shape (3, n).
+            ContextFullError: ``pos + n`` exceeds ``capacity``.
+        """
+        tokens = np.asarray(tokens, dtype=np.int64).reshape(-1)
+        n = tokens.shape[0]
+        if n == 0:
+            raise ValueError("a model step needs at least one token")
+        if self.pos + n > self.capacity:
+            raise ContextFullError(f"{self.pos} + {n} positions do not fit the state's capacity of {self.capacity}")
+        bad = tokens[(tokens < 0) | (tokens >= n_vocab)]
+        if bad.size:
+            raise ValueError(f"token id {int(bad[0])} is outside the vocabulary 0..{n_vocab - 1}")
+        if positions is None:
+            positions = np.broadcast_to(self.pos + np.arange(n), (3, n))
+        positions = np.asarray(positions)
+        if positions.shape != (3, n):
+            raise ValueError(f"positions must have shape (3, {n}), got {positions.shape}")
+        return tokens, positions
+
     def copy(self) -> "SequenceState":
         """A deep, bit-exact copy: continuing from it gives exactly what continuing from self gives.
 

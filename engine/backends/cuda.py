@@ -29,7 +29,6 @@ from typing import Any
 
 import numpy as np
 
-from ..errors import ContextFullError, DeviceError
 from ..hparams import Qwen35HParams
 from ..quant import dequantize
 from ..state import SequenceState
@@ -163,21 +162,8 @@ class CudaPrefill(CudaBackend):
             ValueError: empty prompt, a token id outside the vocabulary, or bad ``positions``.
             DeviceError: a CUDA failure (out of memory included); ``state`` is then unchanged.
         """
-        hp = self.hp
-        tokens = np.asarray(tokens, dtype=np.int64).reshape(-1)
+        tokens, positions = state.chunk_inputs(tokens, positions, self.hp.n_vocab)
         n = tokens.shape[0]
-        if n == 0:
-            raise ValueError("prefill needs at least one token")
-        if state.pos + n > state.capacity:
-            raise ContextFullError(f"{state.pos} + {n} positions do not fit the state's capacity of {state.capacity}")
-        bad = tokens[(tokens < 0) | (tokens >= hp.n_vocab)]
-        if bad.size:
-            raise ValueError(f"token id {int(bad[0])} is outside the vocabulary 0..{hp.n_vocab - 1}")
-        if positions is None:
-            positions = np.broadcast_to(state.pos + np.arange(n), (3, n))
-        positions = np.asarray(positions)
-        if positions.shape != (3, n):
-            raise ValueError(f"positions must have shape (3, {n}), got {positions.shape}")
         with self._guard(f"prefilling {n} tokens"):
             return self._prefill(tokens, state, np.ascontiguousarray(positions, dtype=np.int32))
 

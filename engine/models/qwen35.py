@@ -35,7 +35,6 @@ from typing import Any, Callable
 
 import numpy as np
 
-from ..errors import ContextFullError
 from ..hparams import Qwen35HParams
 from ..ops import reference as ops
 from ..state import SequenceState
@@ -127,18 +126,8 @@ class Qwen35Model:
         n > 1 uses the chunked GDN form and batched attention; n == 1 the recurrent GDN step.
         """
         hp = self.hp
-        tokens = np.asarray(tokens, dtype=np.int64).reshape(-1)
+        tokens, positions = state.chunk_inputs(tokens, positions, hp.n_vocab)
         n = tokens.shape[0]
-        if n == 0:
-            raise ValueError("forward needs at least one token")
-        if state.pos + n > state.capacity:
-            raise ContextFullError(
-                f"{state.pos} + {n} positions do not fit the state's capacity of {state.capacity}")
-        if positions is None:
-            positions = np.broadcast_to(state.pos + np.arange(n), (3, n))
-        positions = np.asarray(positions)
-        if positions.shape != (3, n):
-            raise ValueError(f"positions must have shape (3, {n}), got {positions.shape}")
         if embeddings is None:
             h = self.embed(tokens)
         else:
