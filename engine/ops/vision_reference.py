@@ -30,6 +30,18 @@ def _row_blocks(n_rows: int, row_bytes: int, chunk_bytes: int = ROW_CHUNK_BYTES)
         yield slice(i, min(i + step, n_rows))
 
 
+def _float32_rows(x: np.ndarray, out: np.ndarray | None):
+    """``(out, x2, o2, scratch, blocks)`` for a row-wise op over the last axis of float32 ``x``: ``out``
+    (given or new), 2-D views of ``x`` and ``out``, one row block of float32 scratch, and the row-block
+    slices of :func:`_row_blocks`."""
+    x = np.asarray(x, dtype=np.float32)
+    d = x.shape[-1]
+    out = np.empty(x.shape, dtype=np.float32) if out is None else out
+    x2, o2 = x.reshape(-1, d), out.reshape(-1, d)
+    scratch = np.empty((min(len(x2), max(1, ROW_CHUNK_BYTES // (4 * d))), d), dtype=np.float32)
+    return out, x2, o2, scratch, _row_blocks(len(x2), 4 * d)
+
+
 def layer_norm(x: np.ndarray, w: np.ndarray, b: np.ndarray, eps: float, out: np.ndarray | None = None) -> np.ndarray:
     """LayerNorm over the last axis: ``(x - mean) / sqrt(var + eps) * w + b`` (biased variance).
 
@@ -41,12 +53,8 @@ def layer_norm(x: np.ndarray, w: np.ndarray, b: np.ndarray, eps: float, out: np.
     Returns:
         (..., d) float32: ``out``, or a new array.
     """
-    x = np.asarray(x, dtype=np.float32)
-    d = x.shape[-1]
-    out = np.empty(x.shape, dtype=np.float32) if out is None else out
-    x2, o2 = x.reshape(-1, d), out.reshape(-1, d)
-    sq = np.empty((min(len(x2), max(1, ROW_CHUNK_BYTES // (4 * d))), d), dtype=np.float32)
-    for sl in _row_blocks(len(x2), 4 * d):
+    out, x2, o2, sq, blocks = _float32_rows(x, out)
+    for sl in blocks:
         xb, ob, tb = x2[sl], o2[sl], sq[:sl.stop - sl.start]
         np.subtract(xb, xb.mean(axis=1, keepdims=True), out=ob)
         np.multiply(ob, ob, out=tb)
@@ -73,15 +81,11 @@ def gelu_tanh(x: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
     Returns:
         (..., d) float32: ``out``, or a new array.
     """
-    x = np.asarray(x, dtype=np.float32)
-    d = x.shape[-1]
-    out = np.empty(x.shape, dtype=np.float32) if out is None else out
-    x2, o2 = x.reshape(-1, d), out.reshape(-1, d)
+    out, x2, o2, tmp, blocks = _float32_rows(x, out)
     c0 = np.float32(np.sqrt(2.0 / np.pi))
     c1 = np.float32(np.sqrt(2.0 / np.pi) * 0.044715)
     half = np.float32(0.5)
-    tmp = np.empty((min(len(x2), max(1, ROW_CHUNK_BYTES // (4 * d))), d), dtype=np.float32)
-    for sl in _row_blocks(len(x2), 4 * d):
+    for sl in blocks:
         xb, tb = x2[sl], tmp[:sl.stop - sl.start]
         np.multiply(xb, xb, out=tb)
         tb *= c1
