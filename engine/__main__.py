@@ -11,7 +11,8 @@
   prompt and decode tok/s of the native CPU model per thread count and ISA level, the bandwidth
   roofline fraction, and llama.cpp on the same file (see :mod:`engine.backends.cpu_bench`).
 
-Errors from the engine are printed as one line on stderr with exit status 2.
+Errors from the engine, and inputs that cannot work (``--image`` without a vision tower), are
+printed as one line on stderr with exit status 2.
 """
 
 from __future__ import annotations
@@ -35,13 +36,44 @@ def _sampling(args: argparse.Namespace) -> SamplingParams:
                           max_tokens=args.max_tokens)
 
 
-def _load(args: argparse.Namespace):
-    from .api import Engine, EngineOptions, default_model
-    path, mmproj = (args.model, args.mmproj) if args.model else default_model()
-    mmproj = args.mmproj or mmproj
+def _model_paths(args: argparse.Namespace, images: bool = False) -> tuple[Path, Path | None]:
+    """The (text model, vision tower or None) files that ``--model`` / ``--mmproj`` name.
+
+    Without ``--model``: :func:`engine.api.default_model` and its tower. With ``--model`` the tower
+    is ``--mmproj``, except that the bundled demo model named by its own path still brings its own
+    tower when ``images`` are asked for and no ``--mmproj`` is given (any other model needs
+    ``--mmproj``). That check calls ``default_model()``, which writes the synthetic default model
+    to the user cache dir when the bundled demo is absent; hence only where the alternative is an
+    error.
+
+    Raises:
+        EngineError: ``default_model()`` could not write the synthetic default model.
+    """
+    from .api import default_model
+    if not args.model:
+        path, mmproj = default_model()
+        return path, Path(args.mmproj) if args.mmproj else mmproj
+    path = Path(args.model)
+    if args.mmproj:
+        return path, Path(args.mmproj)
+    if images and path.is_file():
+        bundled, bundled_mmproj = default_model()
+        if path.resolve() == bundled.resolve():
+            return path, bundled_mmproj
+    return path, None
+
+
+def _load(args: argparse.Namespace, path: Path, mmproj: Path | None):
+    """Load ``path`` (and the vision tower ``mmproj``) with the CLI's options; one line on stderr.
+
+    Raises:
+        EngineError: the files could not be loaded (see :meth:`engine.api.Engine.load`).
+    """
+    from .api import Engine, EngineOptions
     t0 = time.perf_counter()
     engine = Engine.load(path, mmproj, options=EngineOptions(context=args.context))
-    print(f"[loaded {Path(path).name} in {time.perf_counter() - t0:.2f} s]", file=sys.stderr)
+    tower = f" + {mmproj.name}" if mmproj is not None else ""
+    print(f"[loaded {path.name}{tower} in {time.perf_counter() - t0:.2f} s]", file=sys.stderr)
     return engine
 
 
@@ -93,7 +125,12 @@ def cmd_info(args: argparse.Namespace) -> int:
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
-    engine = _load(args)
+    path, mmproj = _model_paths(args, images=bool(args.image))
+    if args.image and mmproj is None and path.is_file():
+        print(f"error: {path.name}: no vision tower (mmproj file) is loaded, so it cannot read --image: "
+              "pass the model's vision tower with --mmproj FILE", file=sys.stderr)
+        return 2
+    engine = _load(args, path, mmproj)
     messages = []
     if args.system:
         messages.append({"role": "system", "content": args.system})
@@ -112,7 +149,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 
 def cmd_chat(args: argparse.Namespace) -> int:
-    engine = _load(args)
+    engine = _load(args, *_model_paths(args))
     messages: list[dict] = []
     if args.system:
         messages.append({"role": "system", "content": args.system})
@@ -177,7 +214,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
 def _add_sampling(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", "-m", help="GGUF text model (default: the bundled demo model)")
-    p.add_argument("--mmproj", help="GGUF vision tower (mmproj) for image input")
+    p.add_argument("--mmproj", help="GGUF vision tower (mmproj) for image input "
+                   "(the bundled demo model brings its own)")
     p.add_argument("--system", default="", help="system prompt")
     p.add_argument("--max-tokens", "-n", type=int, default=256)
     p.add_argument("--temp", type=float, default=0.7, help="temperature; 0 = greedy")

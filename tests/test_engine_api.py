@@ -182,10 +182,14 @@ def test_cli_reports_bad_file_in_one_line(tmp_path, capsys) -> None:
 
 
 @pytest.fixture(scope="module")
-def vision_engine(tiny, tmp_path_factory):
+def tiny_mmproj(tmp_path_factory):
     from engine.synth import synth_mmproj_for
-    mmproj = synth_mmproj_for(tmp_path_factory.mktemp("mm") / "tiny-mmproj.gguf", "tiny", seed=0)
-    return Engine.load(tiny, mmproj)
+    return synth_mmproj_for(tmp_path_factory.mktemp("mm") / "tiny-mmproj.gguf", "tiny", seed=0)
+
+
+@pytest.fixture(scope="module")
+def vision_engine(tiny, tiny_mmproj):
+    return Engine.load(tiny, tiny_mmproj)
 
 
 def shape_image(path, colour, size=(96, 64)):
@@ -242,6 +246,30 @@ def test_image_without_vision_tower_is_a_clear_error(cold, tmp_path) -> None:
     img = shape_image(tmp_path / "x.png", (0, 200, 0))
     with pytest.raises(UnsupportedModelError, match="vision tower"):
         cold.prepare([{"role": "user", "content": [{"type": "image", "image": str(img)}]}])
+
+
+def test_cli_image_without_mmproj_says_to_pass_one(tiny, tmp_path, capsys) -> None:
+    img = shape_image(tmp_path / "a.png", (200, 20, 20))
+    assert main(["generate", "--model", str(tiny), "--image", str(img), "-p", "Colour?"]) == 2
+    captured = capsys.readouterr()
+    err = captured.err.strip().splitlines()
+    assert captured.out == "" and len(err) == 1
+    assert err[0].startswith(f"error: {tiny.name}: no vision tower") and "--mmproj FILE" in err[0]
+
+
+def test_cli_bundled_model_named_explicitly_brings_its_tower(tiny, tiny_mmproj, tmp_path, capsys,
+                                                              monkeypatch) -> None:
+    """The default model named by its path pairs its own mmproj; another model does not."""
+    import engine.api
+    monkeypatch.setattr(engine.api, "default_model", lambda: (tiny, tiny_mmproj))
+    img = shape_image(tmp_path / "a.png", (200, 20, 20))
+    ask = ["--image", str(img), "-p", "Colour?", "-n", "2", "--temp", "0"]
+    assert main(["generate", "--model", str(tiny), *ask]) == 0
+    assert f"[loaded {tiny.name} + {tiny_mmproj.name} in" in capsys.readouterr().err
+    other = tmp_path / "other.gguf"
+    other.write_bytes(tiny.read_bytes())
+    assert main(["generate", "--model", str(other), *ask]) == 2
+    assert "--mmproj FILE" in capsys.readouterr().err
 
 
 def test_mismatched_mmproj_is_refused(tiny, tmp_path) -> None:
