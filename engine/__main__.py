@@ -11,8 +11,8 @@
   prompt and decode tok/s of the native CPU model per thread count and ISA level, the bandwidth
   roofline fraction, and llama.cpp on the same file (see :mod:`engine.backends.cpu_bench`).
 
-Errors from the engine, and inputs that cannot work (``--image`` without a vision tower), are
-printed as one line on stderr with exit status 2.
+Errors from the engine, and inputs that cannot work (``--image`` without a vision tower, a prompt
+larger than ``--context``), are printed as one line on stderr with exit status 2.
 """
 
 from __future__ import annotations
@@ -143,9 +143,23 @@ def cmd_generate(args: argparse.Namespace) -> int:
     else:
         messages.append({"role": "user", "content": args.prompt})
     summary = _stream(engine.chat(messages, _sampling(args), enable_thinking=args.think))
+    if summary.stop_reason == "context_full" and summary.generated_tokens == 0:
+        print(f"error: {_prompt_too_long(summary, engine.info.context, args.context)}", file=sys.stderr)
+        return 2
     print()
     print(_timing(summary), file=sys.stderr)
     return 0
+
+
+def _prompt_too_long(summary: TurnSummary, context: int, asked: int) -> str:
+    """The one-line reason a prompt of ``summary.prompt_tokens`` tokens did not fit, and the way out.
+
+    Args: context: the window in use, tokens; asked: the ``--context`` given, tokens (more than
+    ``context`` when the model's own ``context_length`` capped it).
+    """
+    fix = ("that is the model's own limit: shorten the prompt" if context < asked
+           else f"pass --context N with N above {summary.prompt_tokens} plus room for the answer")
+    return f"the prompt is {summary.prompt_tokens} tokens but the context window holds {context}: {fix}"
 
 
 def cmd_chat(args: argparse.Namespace) -> int:

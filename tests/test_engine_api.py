@@ -272,6 +272,14 @@ def test_cli_bundled_model_named_explicitly_brings_its_tower(tiny, tiny_mmproj, 
     assert "--mmproj FILE" in capsys.readouterr().err
 
 
+def test_cli_prompt_larger_than_context_is_an_error(tiny, capsys) -> None:
+    assert main(["generate", "--model", str(tiny), "--context", "24", "-p", "word " * 40]) == 2
+    captured = capsys.readouterr()
+    err = captured.err.strip().splitlines()
+    assert captured.out == "" and err[-1].startswith("error: the prompt is ")
+    assert "context window holds 24" in err[-1] and "--context N" in err[-1]
+
+
 def test_mismatched_mmproj_is_refused(tiny, tmp_path) -> None:
     from engine.errors import ModelFormatError
     from engine.mmproj import synth_mmproj
