@@ -137,11 +137,16 @@ def human_size(n: float) -> str:
 
 
 def summarize(info: Any) -> ModelSummary:
-    """Turn an :class:`engine.api.ModelInfo` into the window's :class:`ModelSummary`."""
+    """Turn an :class:`engine.api.ModelInfo` into the window's :class:`ModelSummary`.
+
+    The parameter count is the text model's (``info.n_params``, millions): a vision tower's
+    parameters are not in it, so the line says "(text model)".
+    """
     quants = ", ".join(f"{name} \u00d7{count}" for name, (count, _) in
                        sorted(info.quant_mix.items(), key=lambda kv: -kv[1][1]))
     line = (f"{Path(info.path).name}: {info.arch}, {info.n_layer} layers ({info.n_attn_layers} attention), "
-            f"{info.n_params / 1e6:.1f} M params, {quants}; {human_size(info.bytes_per_token)} read per token; "
+            f"{info.n_params / 1e6:.1f} M params (text model), {quants}; "
+            f"{human_size(info.bytes_per_token)} read per token; "
             f"context {info.context} tokens; {'vision' if info.has_vision else 'text only'}")
     return ModelSummary(line=line, info=info)
 

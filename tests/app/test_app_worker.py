@@ -231,6 +231,12 @@ def test_plain_error_and_summary_texts():
     assert line.startswith("fake-model.gguf: qwen35moe, 4 layers (1 attention)") and line.endswith("vision")
 
 
+def test_summary_says_whose_parameter_count_it_shows():
+    """n_params counts the text model only: the line must not read as the count with the vision tower."""
+    line = summarize(fake_info(n_params=16_696_096, has_vision=True)).line
+    assert "16.7 M params (text model)," in line
+
+
 def test_a_cancelled_load_returns_at_once_and_its_model_is_dropped(qtbot, worker_thread):
     engine = FakeEngine()
     loader = BlockingLoader(engine)
