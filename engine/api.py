@@ -26,7 +26,7 @@ import platformdirs
 from .errors import DeviceBudgetError, DeviceError, EngineError, GenerationCancelled, ImageError, ModelFormatError, TemplateError, UnsupportedModelError
 from .events import Event
 from .gguf_file import GGUFFile
-from .mmproj import load_mmproj
+from .mmproj import MAX_PIXELS_KEY, load_mmproj
 from .models.qwen35 import Qwen35Model
 from .images import MIN_PIXELS, max_resized_pixels, prepare_image
 from .models.vision import EncodedImage, ImageEncoder, mrope_positions
@@ -57,7 +57,9 @@ class EngineOptions:
         cache_disk_bytes: disk budget of the snapshots, bytes.
         snapshot_interval: also snapshot every this many prompt tokens during prefill.
         image_max_pixels: largest area an image is resized to before the vision tower, pixels
-            (every 1024 pixels = one image token; lower it to bound CPU time).
+            (every 1024 pixels = one image token; lower it to bound CPU time). A projector that stores
+            ``clip.vision.image_max_pixels`` (the bundled demo's: the sizes it was trained on) lowers it
+            further (:meth:`engine.mmproj.VisionHParams.pixel_bounds`).
         device: where prefill and the vision tower run: "auto" (the GPU when one works, else the
             CPU), "cuda" or "cpu". Any GPU failure falls back to the CPU with a message
             (``ModelInfo.device_note`` for prefill, ``ModelInfo.vision_note`` for images).
@@ -204,6 +206,9 @@ class Engine:
                         f"model's embedding_length = {gguf.hparams.n_embd} ({gguf.source}): not its vision tower")
                 tower, vision_note = _open_vision_gpu(mm, options)
                 vision = ImageEncoder(mm, max_pixels=options.image_max_pixels, gpu=tower, device_note=vision_note)
+                if vision.max_pixels < options.image_max_pixels:
+                    log.info("images are resized to at most %d pixels (%s: %s)", vision.max_pixels,
+                             Path(mmproj_path).name, MAX_PIXELS_KEY)
             if options.device != "cpu":
                 stage("placing weights on the GPU")
             gpu, note = _open_gpu(gguf, options, vision)
@@ -480,15 +485,17 @@ def _open_vision_gpu(mm: Any, options: EngineOptions) -> tuple[Any, str]:
     """The GPU vision tower and "", or None and why not; a device failure is never raised.
 
     The tower reserves activation buffers for the most patches an image can have under
-    ``options.image_max_pixels`` (:func:`engine.images.max_resized_pixels`: a very elongated image can
-    exceed the area bound) and must fit ``options.vram_budget`` (weights included).
+    ``options.image_max_pixels`` narrowed by the projector's own bound
+    (:meth:`engine.mmproj.VisionHParams.pixel_bounds`; :func:`engine.images.max_resized_pixels`: a very
+    elongated image can exceed the area bound) and must fit ``options.vram_budget`` (weights included).
     """
     if options.device == "cpu":
         return None, ""
     from .backends.cuda_vision import CudaVisionTower
     hp = mm.hparams
-    max_px = max(options.image_max_pixels, hp.factor ** 2)  # below factor**2 every encode fails anyway
-    reserve = max_resized_pixels(hp.factor, min(MIN_PIXELS, max_px), max_px) // hp.patch_size ** 2
+    # below factor**2 every encode fails anyway
+    min_px, max_px = hp.pixel_bounds(MIN_PIXELS, max(options.image_max_pixels, hp.factor ** 2))
+    reserve = max_resized_pixels(hp.factor, min_px, max_px) // hp.patch_size ** 2
     try:
         tower = CudaVisionTower(mm, reserve_patches=reserve, budget_bytes=options.vram_budget)
     except DeviceError as exc:

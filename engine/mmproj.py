@@ -39,7 +39,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from gguf import GGMLQuantizationType, GGUFReader, GGUFType, GGUFWriter
+from gguf import GGMLQuantizationType, GGUFReader, GGUFType, GGUFWriter, Keys
 
 from . import quant
 from .errors import ModelFormatError, UnsupportedModelError
@@ -48,6 +48,10 @@ Q = GGMLQuantizationType
 
 PROJECTOR_TYPE = "qwen3vl_merger"
 """``clip.projector_type`` of Qwen3-VL-style towers (gguf ``VisionProjectorType.QWEN3VL``)."""
+
+MIN_PIXELS_KEY = Keys.ClipVision.IMAGE_MIN_PIXELS
+MAX_PIXELS_KEY = Keys.ClipVision.IMAGE_MAX_PIXELS
+"""Optional keys (``clip.vision.image_min_pixels`` / ``image_max_pixels``): see :meth:`VisionHParams.pixel_bounds`."""
 
 WRITE_TYPES: dict[str, GGMLQuantizationType] = {"F32": Q.F32, "F16": Q.F16, "Q8_0": Q.Q8_0}
 """File types :func:`write_mmproj` and :func:`synth_mmproj` accept, by name."""
@@ -72,6 +76,8 @@ class VisionHParams:
     eps: float = 1e-6              # clip.vision.attention.layer_norm_epsilon
     image_mean: tuple[float, float, float] = (0.5, 0.5, 0.5)   # clip.vision.image_mean
     image_std: tuple[float, float, float] = (0.5, 0.5, 0.5)    # clip.vision.image_std
+    image_min_pixels: int | None = None    # clip.vision.image_min_pixels (absent in Qwen3.5/3.6 files)
+    image_max_pixels: int | None = None    # clip.vision.image_max_pixels (absent in Qwen3.5/3.6 files)
     temporal_patch: int = 2
     in_channels: int = 3
     rope_theta: float = 10000.0
@@ -95,6 +101,25 @@ class VisionHParams:
     def patch_dim(self) -> int:
         """Length of one preprocessed patch row: ``in_channels * temporal_patch * patch_size**2`` (1536)."""
         return self.in_channels * self.temporal_patch * self.patch_size * self.patch_size
+
+    def pixel_bounds(self, min_pixels: int, max_pixels: int) -> tuple[int, int]:
+        """The area bounds (pixels) to resize an image to: the caller's, narrowed by the file's own.
+
+        A projector may store the image areas its tower was trained for (``clip.vision.image_min_pixels``
+        / ``image_max_pixels``, the keys llama.cpp's ``clip-impl.h`` defines; Qwen3.5/3.6 files have
+        neither): the maximum becomes ``min(max_pixels, image_max_pixels)``, the minimum
+        ``image_min_pixels`` in place of ``min_pixels``, and the minimum is then lowered to the maximum
+        when above it, as :meth:`engine.models.vision.ImageEncoder.encode` does for a per-image bound.
+
+        Args:
+            min_pixels, max_pixels: the caller's bounds (engine options / user settings), pixels.
+
+        Returns:
+            (min_pixels, max_pixels) with ``min_pixels <= max_pixels``.
+        """
+        hi = int(max_pixels) if self.image_max_pixels is None else min(int(max_pixels), self.image_max_pixels)
+        lo = int(min_pixels) if self.image_min_pixels is None else self.image_min_pixels
+        return min(lo, hi), hi
 
 
 PRESETS: dict[str, VisionHParams] = {
@@ -259,6 +284,8 @@ def _read_hparams(meta: _Meta, tensors: Mapping[str, Any], source: str) -> Visio
         eps=meta.number(eps_key) if meta.has(eps_key) else 1e-6,
         image_mean=meta.floats(head + "image_mean", 3) if meta.has(head + "image_mean") else (0.5,) * 3,
         image_std=meta.floats(head + "image_std", 3) if meta.has(head + "image_std") else (0.5,) * 3,
+        image_min_pixels=meta.positive_int(MIN_PIXELS_KEY) if meta.has(MIN_PIXELS_KEY) else None,
+        image_max_pixels=meta.positive_int(MAX_PIXELS_KEY) if meta.has(MAX_PIXELS_KEY) else None,
     )
     if hp.n_embd % hp.n_head or hp.head_dim % 4:
         raise ModelFormatError(
@@ -268,6 +295,12 @@ def _read_hparams(meta: _Meta, tensors: Mapping[str, Any], source: str) -> Visio
         raise ModelFormatError(f"{source}: {eps_key} = {hp.eps} is not a plausible LayerNorm epsilon")
     if any(s <= 0 for s in hp.image_std):
         raise ModelFormatError(f"{source}: {head}image_std {hp.image_std} must be positive")
+    for key, value in ((MIN_PIXELS_KEY, hp.image_min_pixels), (MAX_PIXELS_KEY, hp.image_max_pixels)):
+        if value is not None and value < hp.factor ** 2:
+            raise ModelFormatError(f"{source}: {key} = {value} is below one image token ({hp.factor}^2 pixels)")
+    if None not in (hp.image_min_pixels, hp.image_max_pixels) and hp.image_min_pixels > hp.image_max_pixels:
+        raise ModelFormatError(f"{source}: {MIN_PIXELS_KEY} = {hp.image_min_pixels} exceeds "
+                               f"{MAX_PIXELS_KEY} = {hp.image_max_pixels}")
     return hp
 
 
@@ -381,6 +414,10 @@ def write_mmproj(path: str | os.PathLike[str], hp: VisionHParams, weights: Mappi
     w.add_vision_spatial_merge_size(hp.merge)
     w.add_vision_attention_layernorm_eps(hp.eps)
     w.add_array("clip.vision.is_deepstack_layers", [False] * hp.n_layer)
+    if hp.image_min_pixels is not None:
+        w.add_vision_min_pixels(hp.image_min_pixels)
+    if hp.image_max_pixels is not None:
+        w.add_vision_max_pixels(hp.image_max_pixels)
     for name, shape in tensor_shapes(hp).items():
         if name not in weights:
             raise ValueError(f"write_mmproj: weight {name!r} missing")

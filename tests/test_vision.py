@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 import threading
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -119,6 +120,20 @@ def test_encoder_cache_by_content(tmp_path, gold):
     smaller = enc.encode(a, max_pixels=32 * 32)
     assert not smaller.from_cache and smaller.n_tokens == 1 and smaller.size == (32, 32)
     assert enc.cache.hits == 1 and len(enc.cache) == 2
+
+
+def test_encoder_keeps_the_projectors_max_pixels(gold):
+    """An mmproj's clip.vision.image_max_pixels bounds every image, the per-image override included; the
+    bounded encode equals an encode asked for that bound directly."""
+    mm = load_mmproj(FIX / "tiny-mmproj-f16.gguf")
+    capped = ImageEncoder(replace(mm, hparams=replace(mm.hparams, image_max_pixels=64 * 96)), min_pixels=1024)
+    plain = ImageEncoder(mm, min_pixels=1024)
+    img = Image.fromarray(gold["tower_96x160_image"]).resize((320, 192))
+    assert plain.encode(img).size == (192, 320)
+    got = capped.encode(img)
+    assert got.size[0] * got.size[1] <= 64 * 96 and capped.encode(img, max_pixels=1 << 20).size == got.size
+    want = plain.encode(img, max_pixels=64 * 96)
+    assert got.size == want.size and np.array_equal(got.embeddings, want.embeddings)
 
 
 def test_embedding_cache_lru():

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -76,6 +77,30 @@ def test_metadata_as_llama_cpp_writes_it(base):
     assert get("clip.vision.is_deepstack_layers") == [False, False]
 
 
+def test_image_pixel_bounds_round_trip(tmp_path):
+    """The optional clip.vision.image_{min,max}_pixels keys are written only when set and read back."""
+    hp = replace(PRESETS["tiny"], image_min_pixels=2048, image_max_pixels=82944)
+    path = write_mmproj(tmp_path / "b.gguf", hp, RandomWeights(hp, 3), "F32")
+    fields = GGUFReader(path).fields
+    assert fields["clip.vision.image_min_pixels"].contents() == 2048
+    assert fields["clip.vision.image_max_pixels"].contents() == 82944
+    assert load_mmproj(path).hparams == hp
+    plain = write_mmproj(tmp_path / "p.gguf", PRESETS["tiny"], RandomWeights(PRESETS["tiny"], 3), "F32")
+    assert "clip.vision.image_max_pixels" not in GGUFReader(plain).fields
+
+
+@pytest.mark.parametrize("file_min, file_max, asked, expected", [
+    (None, None, (65536, 1 << 20), (65536, 1 << 20)),       # no keys (Qwen3.5/3.6 files): the caller's bounds
+    (None, 82944, (65536, 1 << 20), (65536, 82944)),        # the file's maximum narrows a larger one
+    (None, 82944, (65536, 40000), (40000, 40000)),          # a smaller maximum of the caller stays; min follows
+    (4096, None, (65536, 1 << 20), (4096, 1 << 20)),        # the file's minimum replaces the caller's
+    (4096, 82944, (1024, 2048), (2048, 2048)),              # min lowered to the max when above it
+])
+def test_pixel_bounds(file_min, file_max, asked, expected):
+    hp = replace(PRESETS["tiny"], image_min_pixels=file_min, image_max_pixels=file_max)
+    assert hp.pixel_bounds(*asked) == expected
+
+
 def test_committed_fixture_loads():
     mm = load_mmproj(FIX / "tiny-mmproj-f16.gguf")
     assert mm.hparams.pos_side == 8 and mm.hparams.out_dim == 128 and len(mm.identity) == 64
@@ -111,6 +136,15 @@ STR, U32, BOOL = GGUFValueType.STRING, GGUFValueType.UINT32, GGUFValueType.BOOL
     (dict(set_keys={"clip.vision.projection_dim": (64, U32, None)}), ModelFormatError, "'mm.2.weight' has 128 rows"),
     (dict(set_keys={"clip.vision.block_count": (3, U32, None)}), ModelFormatError,
      "missing tensor 'v.blk.2.ln1.weight'"),
+    (dict(set_keys={"clip.vision.image_max_pixels": (1000, U32, None)}), ModelFormatError,
+     r"clip.vision.image_max_pixels = 1000 is below one image token \(32\^2 pixels\)"),
+    (dict(set_keys={"clip.vision.image_min_pixels": (0, U32, None)}), ModelFormatError,
+     "'clip.vision.image_min_pixels' should be a positive integer"),
+    (dict(set_keys={"clip.vision.image_max_pixels": ("big", STR, None)}), ModelFormatError,
+     "'clip.vision.image_max_pixels' should be a positive integer"),
+    (dict(set_keys={"clip.vision.image_min_pixels": (8192, U32, None),
+                    "clip.vision.image_max_pixels": (4096, U32, None)}), ModelFormatError,
+     "clip.vision.image_min_pixels = 8192 exceeds clip.vision.image_max_pixels = 4096"),
     (dict(drop_tensors=["v.patch_embd.weight.1"]), ModelFormatError, "missing tensor 'v.patch_embd.weight.1'"),
     (dict(drop_tensors=["v.position_embd.weight"]), ModelFormatError, "missing tensor 'v.position_embd.weight'"),
     (dict(tensors={"v.position_embd.weight": np.zeros((60, 64), np.float32)}), ModelFormatError, "square grid"),

@@ -473,7 +473,8 @@ class ImageEncoder:
     Args:
         mm: the loaded projector.
         min_pixels, max_pixels: default area bounds of the resized image (HF's by default; lower
-            ``max_pixels`` to bound CPU time: S = pixels / 256 patches, attention cost ~ S^2).
+            ``max_pixels`` to bound CPU time: S = pixels / 256 patches, attention cost ~ S^2), narrowed
+            by the projector's own (:meth:`engine.mmproj.VisionHParams.pixel_bounds`).
         cache_bytes: embedding cache size.
         max_input_pixels: decode guard (see :func:`engine.images.open_image`).
         gpu: a GPU tower of the same projector with ``encode(pixel_values, grid) -> (n, out_dim) float32``
@@ -487,7 +488,7 @@ class ImageEncoder:
         self.tower = VisionTower(mm)
         self.gpu = gpu
         self.device_note = device_note
-        self.min_pixels, self.max_pixels = int(min_pixels), int(max_pixels)
+        self.min_pixels, self.max_pixels = mm.hparams.pixel_bounds(min_pixels, max_pixels)
         self.max_input_pixels = int(max_input_pixels)
         self.cache = EmbeddingCache(cache_bytes)
 
@@ -533,8 +534,8 @@ class ImageEncoder:
 
         Args:
             source: file path, file bytes, :class:`~engine.images.ImageData` or Pillow image.
-            max_pixels: overrides the default area bound for this image (``min_pixels`` is lowered
-                to it when above).
+            max_pixels: overrides the default area bound for this image, within the projector's own
+                (``min_pixels`` is lowered to it when above).
             cancel: checked between tower blocks on the CPU; on the GPU only before the image (one launch sequence).
 
         Returns:
@@ -547,8 +548,7 @@ class ImageEncoder:
         """
         t0 = time.perf_counter()
         hp = self.tower.hp
-        max_px = self.max_pixels if max_pixels is None else int(max_pixels)
-        min_px = min(self.min_pixels, max_px)
+        min_px, max_px = hp.pixel_bounds(self.min_pixels, self.max_pixels if max_pixels is None else max_pixels)
         src = read_source(source)
         key = (self.tower.identity, src.digest, min_px, max_px)
         hit = self.cache.get(key)
