@@ -40,26 +40,23 @@ def _model_paths(args: argparse.Namespace, images: bool = False) -> tuple[Path, 
     """The (text model, vision tower or None) files that ``--model`` / ``--mmproj`` name.
 
     Without ``--model``: :func:`engine.api.default_model` and its tower. With ``--model`` the tower
-    is ``--mmproj``, except that the bundled demo model named by its own path still brings its own
-    tower when ``images`` are asked for and no ``--mmproj`` is given (any other model needs
-    ``--mmproj``). That check calls ``default_model()``, which writes the synthetic default model
-    to the user cache dir when the bundled demo is absent; hence only where the alternative is an
-    error.
+    is ``--mmproj``, except that the bundled demo model (:func:`engine.api.bundled_model`) named by
+    its own path still brings its own tower when ``images`` are asked for and no ``--mmproj`` is
+    given (any other model needs ``--mmproj``).
 
     Raises:
         EngineError: ``default_model()`` could not write the synthetic default model.
     """
-    from .api import default_model
+    from .api import bundled_model, default_model
     if not args.model:
         path, mmproj = default_model()
         return path, Path(args.mmproj) if args.mmproj else mmproj
     path = Path(args.model)
     if args.mmproj:
         return path, Path(args.mmproj)
-    if images and path.is_file():
-        bundled, bundled_mmproj = default_model()
-        if path.resolve() == bundled.resolve():
-            return path, bundled_mmproj
+    bundled = bundled_model() if images and path.is_file() else None
+    if bundled is not None and path.resolve() == bundled[0].resolve():
+        return path, bundled[1]
     return path, None
 
 

@@ -554,21 +554,29 @@ def _release(*parts: Any) -> None:
             log.warning("releasing %s after a failed load: %s", type(part).__name__, exc)
 
 
+def bundled_model() -> tuple[Path, Path | None] | None:
+    """The bundled demo model under ``assets/models/`` (issue 8): (text GGUF, mmproj GGUF or None), or
+    None when its text GGUF is absent. Writes nothing."""
+    assets = Path(__file__).resolve().parent.parent / "assets" / "models"
+    text, mmproj = assets / "deltadesk-demo.gguf", assets / "deltadesk-demo-mmproj.gguf"
+    if not text.is_file():
+        return None
+    return text, mmproj if mmproj.is_file() else None
+
+
 def default_model() -> tuple[Path, Path | None]:
     """The model (text GGUF, mmproj GGUF or None) the app and ``python -m engine`` use when none is given.
 
-    The bundled demo model under ``assets/models/`` when present (issue 8); else the ``tiny``
-    synthetic model and its tiny random vision tower (random weights, real vocabulary and
-    template: it exercises the whole pipeline but only babbles), written once to the user cache dir.
+    The bundled demo model (:func:`bundled_model`) when present; else the ``tiny`` synthetic model
+    and its tiny random vision tower (random weights, real vocabulary and template: it exercises the
+    whole pipeline but only babbles), written once to the user cache dir.
 
     Raises:
         EngineError: the cache dir is not writable.
     """
-    assets = Path(__file__).resolve().parent.parent / "assets" / "models"
-    bundled = assets / "deltadesk-demo.gguf"
-    if bundled.is_file():
-        mmproj = assets / "deltadesk-demo-mmproj.gguf"
-        return bundled, mmproj if mmproj.is_file() else None
+    bundled = bundled_model()
+    if bundled is not None:
+        return bundled
     from .synth import synth, synth_mmproj_for
     folder = Path(platformdirs.user_cache_dir("deltadesk")) / "models"
     path, mmproj = folder / "synth-tiny-q8_0.gguf", folder / "synth-tiny-mmproj-f16.gguf"

@@ -259,9 +259,9 @@ def test_cli_image_without_mmproj_says_to_pass_one(tiny, tmp_path, capsys) -> No
 
 def test_cli_bundled_model_named_explicitly_brings_its_tower(tiny, tiny_mmproj, tmp_path, capsys,
                                                               monkeypatch) -> None:
-    """The default model named by its path pairs its own mmproj; another model does not."""
+    """The bundled model named by its path pairs its own mmproj; another model does not."""
     import engine.api
-    monkeypatch.setattr(engine.api, "default_model", lambda: (tiny, tiny_mmproj))
+    monkeypatch.setattr(engine.api, "bundled_model", lambda: (tiny, tiny_mmproj))
     img = shape_image(tmp_path / "a.png", (200, 20, 20))
     ask = ["--image", str(img), "-p", "Colour?", "-n", "2", "--temp", "0"]
     assert main(["generate", "--model", str(tiny), *ask]) == 0
