@@ -39,6 +39,9 @@ N_BPE = 1024
 TRAIN_SEED_BASE = 0
 EVAL_SEED_BASE = 10_000_000_000
 SIZES = [(256, 256), (256, 256), (256, 320), (320, 256), (288, 288)]
+MAX_IMAGE_PIXELS = max(w * h for w, h in SIZES)
+"""Largest image area in training, pixels (82,944 = 288x288, 81 image tokens). The exported mmproj stores it
+as ``clip.vision.image_max_pixels`` so the engine scales larger images down to what the tower has seen."""
 
 COLOURS: dict[str, tuple[int, int, int]] = {
     "red": (220, 30, 30), "orange": (245, 140, 20), "yellow": (240, 220, 30), "green": (40, 170, 60),

@@ -1,6 +1,6 @@
 """Evaluate the exported demo model through the engine (numpy/C), not torch.
 
-    python training/evaluate.py accuracy [--scenes 500]            # held-out exact-answer accuracy
+    python training/evaluate.py accuracy [--scenes 500] [--scale 2]  # held-out exact-answer accuracy
     python training/evaluate.py conformance runs/demo              # engine vs torch logits, 20 inputs
     python training/evaluate.py ask IMAGE "What do you see?"       # one greedy answer
 
@@ -18,6 +18,7 @@ import time
 from pathlib import Path
 
 import numpy as np
+from PIL import Image
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
@@ -44,8 +45,11 @@ def ask(engine: Engine, question: str, image=None) -> str:
                    if isinstance(ev, TokenEvent)).strip()
 
 
-def accuracy(engine: Engine, n_scenes: int, seed_base: int = data.EVAL_SEED_BASE) -> dict:
-    """Exact-answer accuracy per question type over ``n_scenes`` held-out scenes (every applicable type)."""
+def accuracy(engine: Engine, n_scenes: int, seed_base: int = data.EVAL_SEED_BASE, scale: float = 1.0) -> dict:
+    """Exact-answer accuracy per question type over ``n_scenes`` held-out scenes (every applicable type).
+
+    ``scale`` resizes each rendered scene (bicubic) before it is asked about, as a user's larger or smaller
+    picture of the same scene would be; the engine then applies its own area bounds."""
     right = {k: 0 for k in data.QUESTION_TYPES}
     total = {k: 0 for k in data.QUESTION_TYPES}
     wrong: list[dict] = []
@@ -53,13 +57,15 @@ def accuracy(engine: Engine, n_scenes: int, seed_base: int = data.EVAL_SEED_BASE
     for i in range(n_scenes):
         sc = data.scene(seed_base + i)
         image = data.render(sc)
+        if scale != 1.0:
+            image = image.resize((round(image.width * scale), round(image.height * scale)), Image.BICUBIC)
         for kind, (q, a) in data.questions(sc).items():
             got = ask(engine, q, image)
             total[kind] += 1
             right[kind] += got == a
             if got != a and len(wrong) < 25:
                 wrong.append({"seed": sc.seed, "q": q, "want": a, "got": got})
-    return {"scenes": n_scenes, "seconds": round(time.time() - t0, 1),
+    return {"scenes": n_scenes, "scale": scale, "seconds": round(time.time() - t0, 1),
             "accuracy": {k: round(right[k] / total[k], 4) for k in total if total[k]},
             "counts": total, "examples_wrong": wrong}
 
@@ -121,6 +127,7 @@ def main() -> None:
     sub = ap.add_subparsers(dest="cmd", required=True)
     a = sub.add_parser("accuracy")
     a.add_argument("--scenes", type=int, default=500)
+    a.add_argument("--scale", type=float, default=1.0, help="resize each scene by this factor first")
     c = sub.add_parser("conformance")
     c.add_argument("run", type=Path)
     c.add_argument("--f32", type=Path, help="folder with an f32 export of the same run, compared too")
@@ -129,7 +136,7 @@ def main() -> None:
     k.add_argument("question")
     args = ap.parse_args()
     if args.cmd == "accuracy":
-        print(json.dumps(accuracy(load(), args.scenes), indent=1))
+        print(json.dumps(accuracy(load(), args.scenes, scale=args.scale), indent=1))
     elif args.cmd == "conformance":
         engines = {"q8_0": load()}
         if args.f32:

@@ -64,10 +64,12 @@ def text_hparams(tc) -> Qwen35HParams:
 
 
 def vision_hparams(vc) -> VisionHParams:
+    """mmproj hyper-parameters of the HF vision config, with ``image_max_pixels`` =
+    ``data.MAX_IMAGE_PIXELS``: the engine scales larger images down to the sizes the tower was trained on."""
     side = int(round(vc.num_position_embeddings ** 0.5))
     return VisionHParams(n_embd=vc.hidden_size, n_ff=vc.intermediate_size, n_layer=vc.depth, n_head=vc.num_heads,
                          patch_size=vc.patch_size, merge=vc.spatial_merge_size, out_dim=vc.out_hidden_size,
-                         pos_side=side)
+                         pos_side=side, image_max_pixels=data.MAX_IMAGE_PIXELS)
 
 
 def export(model: Qwen3_5MoeForConditionalGeneration, out: Path, quant: str = "q8_0") -> tuple[Path, Path]:
