@@ -94,7 +94,8 @@ starts and stops early (raising :class:`~engine.errors.GenerationCancelled`) onc
 
 
 def load_real_engine(request: LoadRequest, progress: LoadProgress, cancel: threading.Event) -> ChatEngine:
-    """Open a model with :mod:`engine.api`; with no path, the engine's default model.
+    """Open a model with :mod:`engine.api`; with no path, the engine's default model. The bundled demo
+    named by its path without a tower gets its own (:func:`engine.api.bundled_mmproj_for`).
 
     ``engine.api`` (numpy, gguf, tokenizers) is imported here, off the UI thread, so the window
     appears before those heavy imports run. ``progress`` and ``cancel`` go to ``Engine.load``.
@@ -105,6 +106,8 @@ def load_real_engine(request: LoadRequest, progress: LoadProgress, cancel: threa
     if model_path is None:
         model_path, default_mmproj = api.default_model()
         mmproj_path = mmproj_path or default_mmproj
+    elif mmproj_path is None:
+        mmproj_path = api.bundled_mmproj_for(model_path)
     options = api.EngineOptions(context=request.context, image_max_pixels=request.image_max_pixels,
                                 cache_disk_dir=request.cache_dir, threads=request.threads, device=request.device,
                                 vram_budget=request.vram_budget)

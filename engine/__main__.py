@@ -36,28 +36,22 @@ def _sampling(args: argparse.Namespace) -> SamplingParams:
                           max_tokens=args.max_tokens)
 
 
-def _model_paths(args: argparse.Namespace, images: bool = False) -> tuple[Path, Path | None]:
+def _model_paths(args: argparse.Namespace) -> tuple[Path, Path | None]:
     """The (text model, vision tower or None) files that ``--model`` / ``--mmproj`` name.
 
     Without ``--model``: :func:`engine.api.default_model` and its tower. With ``--model`` the tower
-    is ``--mmproj``, except that the bundled demo model (:func:`engine.api.bundled_model`) named by
-    its own path still brings its own tower when ``images`` are asked for and no ``--mmproj`` is
-    given (any other model needs ``--mmproj``).
+    is ``--mmproj``, or the bundled demo's own when that is the model named
+    (:func:`engine.api.bundled_mmproj_for`); any other model needs ``--mmproj``.
 
     Raises:
         EngineError: ``default_model()`` could not write the synthetic default model.
     """
-    from .api import bundled_model, default_model
+    from .api import bundled_mmproj_for, default_model
     if not args.model:
         path, mmproj = default_model()
         return path, Path(args.mmproj) if args.mmproj else mmproj
     path = Path(args.model)
-    if args.mmproj:
-        return path, Path(args.mmproj)
-    bundled = bundled_model() if images and path.is_file() else None
-    if bundled is not None and path.resolve() == bundled[0].resolve():
-        return path, bundled[1]
-    return path, None
+    return path, Path(args.mmproj) if args.mmproj else bundled_mmproj_for(path)
 
 
 def _load(args: argparse.Namespace, path: Path, mmproj: Path | None):
@@ -122,7 +116,7 @@ def cmd_info(args: argparse.Namespace) -> int:
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
-    path, mmproj = _model_paths(args, images=bool(args.image))
+    path, mmproj = _model_paths(args)
     if args.image and mmproj is None and path.is_file():
         print(f"error: {path.name}: no vision tower (mmproj file) is loaded, so it cannot read --image: "
               "pass the model's vision tower with --mmproj FILE", file=sys.stderr)

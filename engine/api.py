@@ -564,6 +564,16 @@ def bundled_model() -> tuple[Path, Path | None] | None:
     return text, mmproj if mmproj.is_file() else None
 
 
+def bundled_mmproj_for(model_path: str | Path) -> Path | None:
+    """The bundled demo's vision tower when ``model_path`` is the bundled demo's text GGUF (same file
+    after resolving links), else None: a model named by its path without ``--mmproj`` still gets it,
+    as it does when no model is named. Any other model's tower must be given explicitly."""
+    bundled = bundled_model()
+    if bundled is None or not Path(model_path).is_file():
+        return None
+    return bundled[1] if Path(model_path).resolve() == bundled[0].resolve() else None
+
+
 def default_model() -> tuple[Path, Path | None]:
     """The model (text GGUF, mmproj GGUF or None) the app and ``python -m engine`` use when none is given.
 
