@@ -136,6 +136,17 @@ def test_encoder_keeps_the_projectors_max_pixels(gold):
     assert got.size == want.size and np.array_equal(got.embeddings, want.embeddings)
 
 
+def test_encoder_override_keeps_the_asked_minimum(gold):
+    """A per-image bound above a low default maximum gets the encoder's own minimum back (65,536 here),
+    not the default maximum it had been lowered to."""
+    enc = ImageEncoder(load_mmproj(FIX / "tiny-mmproj-f16.gguf"), max_pixels=64 * 64)
+    img = Image.fromarray(gold["tower_96x160_image"])
+    h, w = enc.encode(img).size
+    assert h * w <= 64 * 64
+    h, w = enc.encode(img, max_pixels=1 << 20).size
+    assert h * w >= 65536
+
+
 def test_embedding_cache_lru():
     def item(n: int) -> EncodedImage:
         return EncodedImage(np.zeros((n, 4), np.float32), (1, n), (32, 32 * n), (32, 32 * n), "d", False, 0.0)

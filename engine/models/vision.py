@@ -488,6 +488,7 @@ class ImageEncoder:
         self.tower = VisionTower(mm)
         self.gpu = gpu
         self.device_note = device_note
+        self._asked_min_pixels = int(min_pixels)
         self.min_pixels, self.max_pixels = mm.hparams.pixel_bounds(min_pixels, max_pixels)
         self.max_input_pixels = int(max_input_pixels)
         self.cache = EmbeddingCache(cache_bytes)
@@ -548,7 +549,8 @@ class ImageEncoder:
         """
         t0 = time.perf_counter()
         hp = self.tower.hp
-        min_px, max_px = hp.pixel_bounds(self.min_pixels, self.max_pixels if max_pixels is None else max_pixels)
+        min_px, max_px = hp.pixel_bounds(self._asked_min_pixels,
+                                         self.max_pixels if max_pixels is None else max_pixels)
         src = read_source(source)
         key = (self.tower.identity, src.digest, min_px, max_px)
         hit = self.cache.get(key)
