@@ -35,6 +35,7 @@ Tolerances (derived, not measured):
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 import sys
@@ -58,7 +59,7 @@ from hf_to_gguf import randomise, text_to_gguf, vision_to_gguf  # noqa: E402
 from transformers import Qwen3_5MoeConfig, Qwen3_5MoeForConditionalGeneration  # noqa: E402
 
 from engine.gguf_file import GGUFFile  # noqa: E402
-from engine.mmproj import load_mmproj  # noqa: E402
+from engine.mmproj import load_mmproj, write_mmproj  # noqa: E402
 from engine.synth import write_gguf  # noqa: E402
 from engine.vocab import GGUFVocab  # noqa: E402
 
@@ -210,6 +211,19 @@ def test_cli_writes_a_run_train_and_export_read(original, exported, tmp_path):
     back = export.load_run(run).state_dict()      # config.json + the float16 shards, as train.py --init reads them
     for name, w in exported("f32")[2].state_dict().items():
         assert torch.equal(back[name], w.half().float()), name
+
+
+def test_files_without_the_image_bound_import(original, exported, tmp_path):
+    """An mmproj written before ``clip.vision.image_max_pixels`` existed (the demo files up to commit
+    234077d) imports to the same model; re-exporting adds the key."""
+    text, mmproj, imported = exported("f32")
+    old = tmp_path / "old-mmproj.gguf"
+    hp = dataclasses.replace(export.vision_hparams(original.config.vision_config), image_max_pixels=None)
+    write_mmproj(old, hp, vision_to_gguf(original.model.visual), "F32")
+    again = import_gguf.load_gguf_run(text, old)
+    assert again.config.to_dict() == imported.config.to_dict()
+    for name, w in imported.state_dict().items():
+        assert torch.equal(again.state_dict()[name], w), name
 
 
 def test_unused_tensor_and_unfilled_parameter_are_named(original, exported, tmp_path):

@@ -187,10 +187,18 @@ def hf_config(hp: Qwen35HParams, vp: VisionHParams, tied: bool) -> Qwen3_5MoeCon
     return cfg
 
 
+NOT_IN_HF_CONFIG = frozenset({"image_min_pixels", "image_max_pixels"})
+"""mmproj fields that the HF config does not hold (``export.vision_hparams`` writes ``data.MAX_IMAGE_PIXELS``
+whatever the file had), so files written before the key existed import too."""
+
+
 def _differences(a, b) -> list[tuple[str, object, object]]:
-    """Fields of two dataclasses that differ (floats compared at float32, as GGUF stores them)."""
+    """Fields of two dataclasses that differ (floats compared at float32, as GGUF stores them), except
+    :data:`NOT_IN_HF_CONFIG`."""
     out = []
     for f in dataclasses.fields(a):
+        if f.name in NOT_IN_HF_CONFIG:
+            continue
         x, y = getattr(a, f.name), getattr(b, f.name)
         same = np.float32(x) == np.float32(y) if isinstance(x, float) else x == y
         if not same:
