@@ -5,15 +5,22 @@
 # (SPEC: "." or ".[dev]") for the current install-defining files; sets $venv to its path.
 # The editable install serves Python edits as they are made; only the files that define the
 # install (pyproject.toml, setup.py, native/cpu/: the cffi build script and the C sources and
-# headers it compiles) need a reinstall. A hash of those files is kept per SPEC in
-# $venv/deltadesk-install[-dev].sha256 after a successful install; an install runs when the venv
-# is new or that hash differs. A failed or interrupted install writes no stamp, so the next
-# launch installs again.
+# headers it compiles) need a reinstall. A hash of those files, of the venv's Python version and of
+# this checkout's path is kept per SPEC in $venv/deltadesk-install[-dev].sha256 after an install
+# that built the native CPU kernels (engine/_native_cpu*.so, built into the checkout). An install
+# runs when the venv is new (old stamps are dropped), the hash differs or the kernels are missing;
+# an install that fails, or builds no kernels (no C compiler: the engine then uses its numpy
+# fallback), writes no stamp, so the next launch installs again.
+
+deltadesk_native_built() {
+    compgen -G "engine/_native_cpu*.so" > /dev/null
+}
 
 deltadesk_venv() {
     local spec="$1"
     venv="${DELTADESK_VENV:-.venv}"
     if [ ! -x "$venv/bin/python" ]; then
+        rm -f "$venv"/deltadesk-install*.sha256
         python3 -m venv "$venv"
         "$venv/bin/python" -m pip install -q --upgrade pip
     fi
@@ -21,8 +28,8 @@ deltadesk_venv() {
     local stamp="$venv/deltadesk-install${tag:+-$tag}.sha256"
     local want
     want="$("$venv/bin/python" - <<'PY'
-import hashlib, pathlib
-h = hashlib.sha256()
+import hashlib, os, pathlib, sys
+h = hashlib.sha256(f"{sys.version}\0{os.getcwd()}\0".encode())
 native = pathlib.Path("native/cpu")
 for path in sorted([pathlib.Path("pyproject.toml"), pathlib.Path("setup.py"),
                     *native.glob("*.py"), *native.glob("*.c"), *native.glob("*.h")]):
@@ -30,8 +37,13 @@ for path in sorted([pathlib.Path("pyproject.toml"), pathlib.Path("setup.py"),
 print(h.hexdigest())
 PY
 )"
-    if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
+    if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ] || ! deltadesk_native_built; then
         "$venv/bin/python" -m pip install -q -e "$spec"
-        printf '%s\n' "$want" > "$stamp"
+        if deltadesk_native_built; then
+            printf '%s\n' "$want" > "$stamp"
+        else
+            echo "warning: the native CPU kernels were not built (is a C compiler installed?): the engine" \
+                 "uses its slower numpy fallback, and the next launch installs again" >&2
+        fi
     fi
 }
