@@ -567,7 +567,8 @@ def bundled_model() -> tuple[Path, Path | None] | None:
 def bundled_mmproj_for(model_path: str | Path) -> Path | None:
     """The bundled demo's vision tower when ``model_path`` is the bundled demo's text GGUF (same file
     after resolving links), else None: a model named by its path without ``--mmproj`` still gets it,
-    as it does when no model is named. Any other model's tower must be given explicitly."""
+    as it does when no model is named (so the demo always loads with its tower). Any other model's
+    tower must be given explicitly."""
     bundled = bundled_model()
     if bundled is None or not Path(model_path).is_file():
         return None

@@ -9,7 +9,7 @@ counts, 1 in 9 cells). Count (0.998) -> >= 7 of 8. Colour (0.985), shape (0.983)
 A scene drawn at 3x the training size must be scaled back by the mmproj's ``clip.vision.image_max_pixels``
 (``data.MAX_IMAGE_PIXELS``) and answered as well: the card measures count 1.00 at 3x with it (60 scenes)
 and 0.45 without, so >= 7 of 8 counts right holds with the bound and fails without it
-(P(>= 7 of 8) at 0.45 is 0.8 %).
+(P(>= 7 of 8) at 0.45 = 8 x 0.45^7 x 0.55 + 0.45^8 = 1.8 %).
 """
 
 from __future__ import annotations
