@@ -161,6 +161,7 @@ class Composer(QFrame):
         self.attachments: list[Attachment] = []
         self.editing_id: int | None = None
         self.busy = False
+        self.unavailable = ""
         self.has_vision: bool | None = None
         self.setAcceptDrops(True)
         layout = QVBoxLayout(self)
@@ -175,6 +176,11 @@ class Composer(QFrame):
         self.warning.setStyleSheet("color: #b35c00;")
         self.warning.hide()
         layout.addWidget(self.warning)
+        self.status = QLabel()
+        self.status.setWordWrap(True)
+        self.status.setAccessibleName("Why the message cannot be sent now")
+        self.status.hide()
+        layout.addWidget(self.status)
         self._strip = QHBoxLayout()
         self._strip.addStretch(1)
         layout.addLayout(self._strip)
@@ -202,6 +208,7 @@ class Composer(QFrame):
             buttons.addWidget(w)
         row.addLayout(buttons)
         layout.addLayout(row)
+        self._update_send()
 
     # attachments
 
@@ -319,8 +326,24 @@ class Composer(QFrame):
     def set_busy(self, busy: bool) -> None:
         """While an answer streams the Send button becomes Stop."""
         self.busy = busy
+        self._update_send()
+
+    def set_unavailable(self, reason: str) -> None:
+        """Refuse to send while ``reason`` (plain words, shown above the editor) holds; "" sends again.
+
+        E.g. no model is loaded: a message sent then could not be answered. Stop stays usable.
+        """
+        self.unavailable = reason
+        self.status.setText(reason)
+        self.status.setVisible(bool(reason))
+        self._update_send()
+
+    def _update_send(self) -> None:
+        busy = self.busy
         self.send_button.setText("Stop" if busy else "Send")
         self.send_button.setAccessibleName("Stop answering" if busy else "Send")
+        self.send_button.setToolTip("Stop the answer (Esc)" if busy else self.unavailable or "Send (Enter)")
+        self.send_button.setEnabled(busy or not self.unavailable)
 
     def _send_or_stop(self) -> None:
         if self.busy:
@@ -329,9 +352,10 @@ class Composer(QFrame):
             self.submit()
 
     def submit(self) -> None:
-        """Send the text and images, unless an answer is streaming or there is nothing to send."""
+        """Send the text and images, unless an answer is streaming, sending is refused
+        (:meth:`set_unavailable`) or there is nothing to send."""
         text = self.editor.toPlainText().strip()
-        if self.busy or not (text or self.attachments):
+        if self.busy or self.unavailable or not (text or self.attachments):
             return
         paths = [a.path for a in self.attachments]
         self.editor.clear()

@@ -80,6 +80,7 @@ class ChatController(QObject):
     Attributes:
         settings: sampling, system prompt and the rest, read when a turn starts.
         has_vision: whether the loaded model can see images.
+        unavailable: why no turn can start now (no model is loaded, ...), or "" when one can.
 
     Signals:
         request_chat(ChatRequest): connected (queued) to :meth:`EngineWorker.chat`.
@@ -98,6 +99,7 @@ class ChatController(QObject):
         self.view = view
         self.settings = settings
         self.has_vision = False
+        self.unavailable = "No model is loaded yet."
         self.conversation_id: int | None = None
         self.live: LiveTurn | None = None
         self._starting = False
@@ -137,22 +139,23 @@ class ChatController(QObject):
                     widget.show_prefill(live.progress.done, live.progress.total)
 
     def send(self, text: str, images: list[str], thinking: bool = False) -> bool:
-        """Add a user message at the end of the active branch and answer it; False while busy."""
-        if self.busy or self.conversation_id is None:
+        """Add a user message at the end of the active branch and answer it; False while busy or
+        :attr:`unavailable`."""
+        if self.busy or self.unavailable or self.conversation_id is None:
             return False
         self._begin(thinking, HistoryStore.reply, self.conversation_id, text, images, title_for(text))
         return True
 
     def edit_and_resend(self, message_id: int, text: str, images: list[str], thinking: bool = False) -> bool:
         """Add an edited copy of a user message as its sibling (a new branch) and answer it."""
-        if self.busy:
+        if self.busy or self.unavailable:
             return False
         self._begin(thinking, HistoryStore.resend, message_id, text, images)
         return True
 
     def regenerate(self, message_id: int, thinking: bool = False) -> bool:
         """Answer again the user message above an assistant message (a new branch)."""
-        if self.busy:
+        if self.busy or self.unavailable:
             return False
         self._begin(thinking, HistoryStore.regenerate, message_id)
         return True

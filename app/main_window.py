@@ -31,6 +31,8 @@ from .settings_dialog import SettingsDialog
 from .sidebar import MonitorThread, Sidebar
 from .snapshots import SnapshotListModel
 
+NO_MODEL = "No model is loaded: open one with Ctrl+O (Chat \u25b8 Open model) or choose it in Settings (Ctrl+,)."
+
 
 def follows_dark_scheme() -> bool:
     """Whether the system colour scheme (hence the palette Qt picked) is dark."""
@@ -207,6 +209,8 @@ class MainWindow(QMainWindow):
         self.model = None
         self.loading = request
         self._remember_load = remember
+        self._set_ready(f"Wait: {request.name} is loading.")
+        self.sidebar.clear_model()
         self.composer.set_vision(None)
         self._set_banner(f"Loading {request.name}\u2026", False)
         self._show_loading(True)
@@ -223,6 +227,7 @@ class MainWindow(QMainWindow):
         self.engine.worker.cancel_load()
         self.loading = None
         self._show_loading(False)
+        self._set_ready(NO_MODEL)
         self._set_banner("Loading was cancelled; no model is loaded. Open one with Ctrl+O or in Settings.", False)
 
     @Slot(object, str)
@@ -236,6 +241,7 @@ class MainWindow(QMainWindow):
         request, self.loading = self.loading, None
         self.model = summary
         self._show_loading(False)
+        self._set_ready("")
         info = summary.info
         self._show_model_line(info.device, info.device_note, info.vision_device, info.vision_note)
         self.controller.has_vision = summary.info.has_vision
@@ -274,7 +280,14 @@ class MainWindow(QMainWindow):
     def _load_failed(self, message: str) -> None:
         self.loading = None
         self._show_loading(False)
+        self._set_ready(NO_MODEL)
         self._set_banner(f"The model could not be loaded. {message}", True)
+
+    def _set_ready(self, reason: str) -> None:
+        """Whether a model can answer now ("") or why not: the composer and the controller refuse
+        new turns meanwhile (a message sent then would be saved with no answer)."""
+        self.controller.unavailable = reason
+        self.composer.set_unavailable(reason)
 
     def _show_loading(self, shown: bool) -> None:
         self.load_progress.setVisible(shown)

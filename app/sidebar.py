@@ -291,6 +291,19 @@ class Sidebar(QWidget):
         self._generated = 0
         self._dirty = False
 
+    def clear_model(self) -> None:
+        """Forget the figures of the model that was loaded (a new load began, or failed)."""
+        self._context = 0
+        self._prefill = None
+        self._generated = 0
+        self._gpu_report = None
+        self.spark.values.clear()
+        self.spark.update()
+        self.speed.setText("\u2014 tok/s")
+        self.last_turn.setText("TTFT \u2014 \u00b7 prefill \u2014")
+        self.context_bar.set_parts(0, 0, 0, 0)
+        self._show_gpu()
+
     def set_context(self, context: int) -> None:
         """The loaded model's context window, tokens."""
         self._context = context

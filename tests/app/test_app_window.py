@@ -8,8 +8,9 @@ from PySide6.QtCore import QMimeData, Qt, QTimer, QUrl
 from PySide6.QtGui import QColor, QGuiApplication, QImage
 
 from app.history import HistoryStore
-from app_helpers import stored
-from fake_engine import FakeEngine, failing_loader
+from app_helpers import settle, stored
+from engine.errors import EngineError
+from fake_engine import FakeEngine
 
 
 def turn_done(qtbot, window, timeout=10000):
@@ -217,14 +218,33 @@ def test_images_reach_a_vision_model_and_can_be_removed(qtbot, make_window, tmp_
     assert len(thumbs) == 1 and not thumbs[0].pixmap().isNull()
 
 
-def test_load_error_is_shown_in_the_window(qtbot, make_window):
-    window = make_window(loader=failing_loader("m.gguf: wrong magic b'GGUX', expected b'GGUF'"), load=False)
+def test_a_failed_load_refuses_to_send_and_clears_the_old_models_figures(qtbot, make_window):
+    engine = FakeEngine()
+
+    def loader(request, progress, cancel):
+        if request.model_path == "m.gguf":
+            raise EngineError("m.gguf: wrong magic b'GGUX', expected b'GGUF'")
+        return engine
+
+    window = make_window(loader=loader)
+    send(qtbot, window, "first")
+    assert window.sidebar.context_bar.context == 4096 and "TTFT \u2014" not in window.sidebar.last_turn.text()
     window.load_model("m.gguf")
     qtbot.waitUntil(lambda: "could not be loaded" in window.banner.text(), timeout=5000)
-    assert "could not be loaded" in window.banner.text() and "wrong magic" in window.banner.text()
-    answer = send(qtbot, window, "hello?")
-    assert answer.stats["stop_reason"] == "error" and answer.state == "error"
-    assert "Cannot answer" in window.chat_view.widget_for(answer.id).stats_label.text()
+    assert "wrong magic" in window.banner.text()
+    assert not window.composer.send_button.isEnabled()
+    assert "No model is loaded" in window.composer.status.text() and window.composer.status.isVisibleTo(window)
+    window.composer.editor.setPlainText("hello?")
+    qtbot.keyClick(window.composer.editor, Qt.Key_Return)
+    assert not window.controller.regenerate(path_of(window)[-1].id)
+    settle(qtbot, window.history)
+    assert [m.content for m in path_of(window)] == ["first", "Hello, world."]
+    assert window.composer.editor.toPlainText() == "hello?"
+    assert window.sidebar.context_bar.context == 0 and "TTFT \u2014" in window.sidebar.last_turn.text()
+    assert window.sidebar.speed.text() == "\u2014 tok/s"
+    window.load_configured()
+    qtbot.waitUntil(lambda: window.model is not None, timeout=5000)
+    assert window.composer.send_button.isEnabled() and not window.composer.status.isVisibleTo(window)
 
 
 def test_switch_conversations_mid_stream(qtbot, make_window):
