@@ -33,14 +33,21 @@ _STATE_OF_STOP = {"eos": "complete", "max_tokens": "complete", "cancelled": "sto
 
 
 def engine_messages(path: list[Message], has_vision: bool, system_prompt: str = "") -> list[dict]:
-    """The active branch in the engine's message format, after the system prompt if there is one.
+    """The active branch in the engine's message format, after one system message if there is any.
 
+    The chat templates of Qwen3.5/3.6 (and most others) take a system message only first: the
+    settings' system prompt and every system message of the branch (an imported chat may hold one
+    anywhere) are joined, in that order and separated by a blank line, into that one message.
     An assistant message is sent without its thinking. A user message with images becomes a list
     of parts, ``{"type": "image", "image": path}`` then ``{"type": "text", "text": ...}``, when the
     model has a vision tower; without one the images are left out (the window warns about it).
     """
-    out: list[dict] = [{"role": "system", "content": system_prompt}] if system_prompt else []
+    systems = [system_prompt] + [m.content for m in path if m.role == "system"]
+    system = "\n\n".join(t.strip() for t in systems if t.strip())
+    out: list[dict] = [{"role": "system", "content": system}] if system else []
     for m in path:
+        if m.role == "system":
+            continue
         text = split_thinking(m.content, False)[1] if m.role == "assistant" else m.content
         if m.images and has_vision:
             parts: list[dict] = [{"type": "image", "image": p} for p in m.images]

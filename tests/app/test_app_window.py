@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import time
 
 from PySide6.QtCore import QMimeData, Qt, QTimer, QUrl
@@ -391,3 +392,29 @@ def test_a_colour_scheme_change_re_renders_the_messages(qtbot, make_window):
     after = window.chat_view.widgets[-1]
     assert after is not before and after.message.id == before.message.id
     assert "x = 1" in after.body.toPlainText()
+
+
+def test_an_imported_mid_chat_system_message_and_the_system_prompt_reach_the_model_as_one(qtbot, make_window,
+                                                                                           tmp_path):
+    from dataclasses import replace
+
+    from engine.tokenizer import ChatTemplate
+    from engine.vocab import QWEN35_CHAT_TEMPLATE
+
+    engine = FakeEngine()
+    window = make_window(engine)
+    window.apply_settings(replace(window.prefs, system_prompt="Answer briefly."))
+    chat = {"format": "deltadesk-conversation", "version": 1, "title": "imported", "messages": [
+        {"id": 1, "parent": None, "role": "user", "content": "hi"},
+        {"id": 2, "parent": 1, "role": "assistant", "content": "hello"},
+        {"id": 3, "parent": 2, "role": "system", "content": "Speak French from now on."}]}
+    (tmp_path / "chat.json").write_text(json.dumps(chat))
+    window.import_file(tmp_path / "chat.json")
+    qtbot.waitUntil(lambda: window.statusBar().currentMessage() == "Imported chat.json")
+    qtbot.waitUntil(lambda: len(window.chat_view.widgets) == 3)
+    send(qtbot, window, "and now?")
+    sent = engine.calls[-1]
+    assert [m["role"] for m in sent] == ["system", "user", "assistant", "user"]
+    assert sent[0]["content"] == "Answer briefly.\n\nSpeak French from now on."
+    prompt = ChatTemplate(QWEN35_CHAT_TEMPLATE, origin="qwen35.jinja").render(sent)
+    assert prompt.startswith("<|im_start|>system\nAnswer briefly.\n\nSpeak French from now on.<|im_end|>\n")
