@@ -12,12 +12,13 @@ from __future__ import annotations
 import time
 from typing import Any, Callable, Sequence
 
-from PySide6.QtCore import QAbstractListModel, QModelIndex, QPersistentModelIndex, Qt, Signal
+from PySide6.QtCore import QAbstractListModel, QModelIndex, QPersistentModelIndex, Qt, QTimer, Signal
 from PySide6.QtWidgets import QAbstractItemView, QHBoxLayout, QLabel, QListView, QPushButton, QVBoxLayout, QWidget
 
 from .engine_worker import human_size
 
 SnapshotKeyRole = Qt.UserRole + 1
+AGE_REFRESH_MS = 5000
 
 
 def human_age(seconds: float) -> str:
@@ -31,6 +32,9 @@ def human_age(seconds: float) -> str:
 class SnapshotListModel(QAbstractListModel):
     """The engine's prefix snapshots, deepest first, as the worker last listed them.
 
+    Ages count on from the listing: while rows are shown, ``age_timer`` (every
+    :data:`AGE_REFRESH_MS`) emits ``dataChanged`` so the views draw the "N s ago" labels again.
+
     Args:
         title_of: the title of a conversation, given the id the snapshot records ("" if unknown).
     """
@@ -40,6 +44,14 @@ class SnapshotListModel(QAbstractListModel):
         self._rows: list[Any] = []
         self._listed_at = time.monotonic()
         self._title_of = title_of
+        self.age_timer = QTimer(self)
+        self.age_timer.setInterval(AGE_REFRESH_MS)
+        self.age_timer.timeout.connect(self._ages_changed)
+
+    def _ages_changed(self) -> None:
+        if self._rows:
+            self.dataChanged.emit(self.index(0), self.index(len(self._rows) - 1),
+                                  [Qt.DisplayRole, Qt.ToolTipRole])
 
     def set_snapshots(self, rows: Sequence[Any]) -> None:
         """Show a new listing (``SnapshotInfo`` rows)."""
@@ -47,6 +59,10 @@ class SnapshotListModel(QAbstractListModel):
         self._rows = list(rows)
         self._listed_at = time.monotonic()
         self.endResetModel()
+        if self._rows:
+            self.age_timer.start()
+        else:
+            self.age_timer.stop()
 
     def rowCount(self, parent: QModelIndex | QPersistentModelIndex = QModelIndex()) -> int:
         """Number of snapshots (0 under a valid parent: this is a flat list)."""

@@ -52,3 +52,15 @@ def test_the_sidebar_lists_removes_and_clears_snapshots(qtbot, make_window):
     panel.clear_button.click()
     qtbot.waitUntil(lambda: window.snapshots.rowCount() == 0)
     assert engine.snapshot_list == [] and panel.view.isHidden()
+
+
+def test_the_ages_are_drawn_again_as_time_passes(qtbot):
+    model = SnapshotListModel()
+    model.age_timer.setInterval(20)
+    model.set_snapshots([_snap("aa", 64), _snap("bb", 32)])
+    with qtbot.waitSignal(model.dataChanged, timeout=2000) as changed:
+        pass
+    top, bottom = changed.args[:2]
+    assert (top.row(), bottom.row()) == (0, 1) and Qt.DisplayRole in changed.args[2]
+    model.set_snapshots([])
+    assert not model.age_timer.isActive()
