@@ -8,6 +8,7 @@ geometry.
 from __future__ import annotations
 
 import json
+import os
 import re
 from dataclasses import replace
 from pathlib import Path
@@ -47,6 +48,25 @@ def gguf_files(mime: QMimeData) -> tuple[list[str], list[str]]:
              if url.isLocalFile() and url.toLocalFile().lower().endswith(".gguf")]
     towers = [f for f in files if "mmproj" in Path(f).name.lower()]
     return [f for f in files if f not in towers], towers
+
+
+def paired_mmproj(model_path: str) -> str | None:
+    """The vision tower lying next to a model: the one ``*mmproj*.gguf`` file in its folder, or of
+    several the one whose name shares the longest start with the model's (None: none, a tie, or
+    the folder cannot be read). llama.cpp's and the model hubs' releases ship the pair that way.
+    """
+    model = Path(model_path)
+    try:
+        towers = sorted(p for p in model.parent.glob("*.gguf") if "mmproj" in p.name.lower() and p != model)
+    except OSError:
+        return None
+    if len(towers) <= 1:
+        return str(towers[0]) if towers else None
+    def shared(p: Path) -> int:
+        return len(os.path.commonprefix([p.name.lower(), model.name.lower()]))
+    best = max(shared(p) for p in towers)
+    picks = [p for p in towers if shared(p) == best]
+    return str(picks[0]) if len(picks) == 1 and best > 0 else None
 
 
 def _export(store: HistoryStore, conversation_id: int, path: Path, kind: str) -> None:
@@ -124,6 +144,7 @@ class MainWindow(QMainWindow):
         self.setCentralWidget(self.splitter)
 
         self.panel.conversation_selected.connect(self.controller.open)
+        self.panel.conversation_selected.connect(self._remember_conversation)
         self.panel.conversation_selected.connect(self.composer.cancel_edit)
         self.panel.new_requested.connect(self.new_conversation)
         self.controller.conversation_touched.connect(self.conversations.touch)
@@ -182,7 +203,7 @@ class MainWindow(QMainWindow):
     def _build_menus(self) -> None:
         chat = self.menuBar().addMenu("&Chat")
         chat.addAction("&New chat", QKeySequence.New, self.new_conversation)
-        chat.addAction("Open &model\u2026", QKeySequence.Open, self.open_model_dialog)
+        chat.addAction("&Open model\u2026", QKeySequence.Open, self.open_model_dialog)
         chat.addAction("&Settings\u2026", QKeySequence("Ctrl+,"), self.open_settings)
         chat.addSeparator()
         chat.addAction("Export as &Markdown\u2026", lambda: self.export_dialog("md"))
@@ -192,16 +213,19 @@ class MainWindow(QMainWindow):
         chat.addAction("&Quit", QKeySequence.Quit, self.close)
         view = self.menuBar().addMenu("&View")
         view.addAction("&Search chats", QKeySequence("Ctrl+K"), self.panel.focus_search)
-        view.addAction("Toggle &sidebar", QKeySequence("Ctrl+B"), self.toggle_sidebar)
+        view.addAction("Toggle side&bar", QKeySequence("Ctrl+B"), self.toggle_sidebar)
 
     # model
 
     def load_model(self, model_path: str | None, mmproj_path: str | None = None, remember: bool = False) -> None:
         """Load a model on the worker (None: the engine's default model) with the settings' options.
 
-        A live answer is stopped first. ``remember``: once loaded, the files become the
-        configured model (what the app starts on next time).
+        A live answer is stopped first. Without ``mmproj_path``, a vision tower lying next to the
+        model is loaded with it (:func:`paired_mmproj`). ``remember``: once loaded, the files
+        become the configured model (what the app starts on next time).
         """
+        if model_path and not mmproj_path:
+            mmproj_path = paired_mmproj(model_path)
         self.controller.stop()
         prefs = self.prefs
         request = LoadRequest(model_path, mmproj_path, prefs.context, prefs.image_max_pixels, self.snapshot_dir,
@@ -325,6 +349,12 @@ class MainWindow(QMainWindow):
         self.statusBar().showMessage(message)
 
     # conversations and messages
+
+    def _remember_conversation(self, conversation_id: int) -> None:
+        """Write the shown conversation to the settings file at once, so the next start reopens it
+        even after a crash (closing the window is not the only way out)."""
+        self.state.setValue("history/last_conversation", conversation_id)
+        self.state.sync()
 
     def new_conversation(self) -> None:
         """Start an empty conversation and show it."""

@@ -175,3 +175,25 @@ def test_a_new_load_replaces_one_in_progress(qtbot, make_window):
     loader.release()
     qtbot.wait(50)
     assert window.engine.worker._engine.tokens == ["second"]
+
+
+def test_a_vision_tower_lying_next_to_the_model_is_loaded_with_it(qtbot, make_window, tmp_path):
+    engine = FakeEngine(has_vision=True)
+    window = make_window(engine)
+    folder = tmp_path / "models"
+    folder.mkdir()
+    model = folder / "Qwen3.6-35B-A3B-Q4_K_M.gguf"
+    for name in (model.name, "mmproj-Qwen3.6-35B-A3B-F16.gguf", "notes.txt"):
+        (folder / name).write_bytes(b"GGUF")
+    window.load_model(str(model))
+    qtbot.waitUntil(lambda: window.model is not None)
+    assert engine.loads[-1].mmproj_path == str(folder / "mmproj-Qwen3.6-35B-A3B-F16.gguf")
+    # of several towers the one named like the model; an explicit one wins
+    (folder / "Qwen3.6-35B-A3B-mmproj-BF16.gguf").write_bytes(b"GGUF")
+    (folder / "mmproj-other.gguf").write_bytes(b"GGUF")
+    window.load_model(str(model))
+    qtbot.waitUntil(lambda: window.model is not None)
+    assert engine.loads[-1].mmproj_path == str(folder / "Qwen3.6-35B-A3B-mmproj-BF16.gguf")
+    window.load_model(str(model), str(folder / "mmproj-other.gguf"))
+    qtbot.waitUntil(lambda: window.model is not None)
+    assert engine.loads[-1].mmproj_path == str(folder / "mmproj-other.gguf")

@@ -418,3 +418,30 @@ def test_an_imported_mid_chat_system_message_and_the_system_prompt_reach_the_mod
     assert sent[0]["content"] == "Answer briefly.\n\nSpeak French from now on."
     prompt = ChatTemplate(QWEN35_CHAT_TEMPLATE, origin="qwen35.jinja").render(sent)
     assert prompt.startswith("<|im_start|>system\nAnswer briefly.\n\nSpeak French from now on.<|im_end|>\n")
+
+
+def test_each_menu_gives_its_items_different_access_keys(qtbot, make_window):
+    window = make_window()
+    for menu_action in window.menuBar().actions():
+        texts = [a.text() for a in menu_action.menu().actions() if not a.isSeparator()]
+        keys = [t[t.index("&") + 1].lower() for t in texts if "&" in t]
+        assert len(keys) == len(texts) and len(set(keys)) == len(keys), (menu_action.text(), texts)
+
+
+def test_a_crash_while_the_prompt_is_read_reopens_that_chat(qtbot, make_window):
+    engine = FakeEngine(tokens=["never"], piece_ms=2.0)
+    window = make_window(engine)
+    send(qtbot, window, "a first chat")
+    window.close()
+    window = make_window(engine)
+    new_conversation(qtbot, window)
+    interrupted = window.controller.conversation_id
+    engine.prompt_pieces = 5000
+    window.composer.editor.setPlainText("a long prompt")
+    qtbot.keyClick(window.composer.editor, Qt.Key_Return)
+    qtbot.waitUntil(lambda: window.controller.live is not None and window.controller.live.progress is not None)
+    # the process dies here: no closeEvent; a new window starts on the same files
+    engine.prompt_pieces = 0
+    again = make_window(engine, load=False)
+    assert again.controller.conversation_id == interrupted
+    window.controller.stop()
