@@ -18,7 +18,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Generator, Protocol, Sequence
+from typing import TYPE_CHECKING, Any, Callable
 
 from PySide6.QtCore import QMetaObject, QObject, Qt, QThread, Signal, Slot
 
@@ -27,34 +27,10 @@ from engine.events import Event, PrefillProgress, PrefillStats, TokenEvent, Turn
 
 from .gpu import gpu_report
 
+if TYPE_CHECKING:  # engine.api imports numpy and the model code: loaded off the UI thread, at the first load
+    from engine.api import ChatEngine
+
 BATCH_SECONDS = 0.04
-
-
-class ChatEngine(Protocol):
-    """What the worker needs of an engine: :class:`engine.api.Engine` and the tests' fakes."""
-
-    @property
-    def info(self) -> Any:
-        """An :class:`engine.api.ModelInfo`."""
-
-    def chat(self, messages: Sequence[dict], sampling: Any = ..., cancel: threading.Event | None = None,
-             enable_thinking: bool = False, conversation: str = "") -> Generator[Event, None, None]:
-        """Yield one turn's events."""
-
-    def telemetry(self) -> Any:
-        """The last GPU prefill's ``PrefillTelemetry``, or None."""
-
-    def snapshots(self) -> list[Any]:
-        """The prefix snapshots held (:class:`engine.api.SnapshotInfo`), deepest first."""
-
-    def clear_snapshots(self, key: str | None = None) -> None:
-        """Drop one prefix snapshot or all of them."""
-
-    def image_size(self, source: Any) -> tuple[int, int]:
-        """(height, width) an image has when it reaches the vision tower."""
-
-    def close(self) -> None:
-        """Persist the prefix snapshots to disk."""
 
 
 @dataclass(frozen=True)
@@ -88,7 +64,7 @@ class LoadRequest:
 
 
 LoadProgress = Callable[[str], None]
-EngineLoader = Callable[[LoadRequest, LoadProgress, threading.Event], ChatEngine]
+EngineLoader = Callable[[LoadRequest, LoadProgress, threading.Event], "ChatEngine"]
 """Opens the model a request names; calls the progress callable with the name of each stage as it
 starts and stops early (raising :class:`~engine.errors.GenerationCancelled`) once the event is set."""
 
@@ -143,7 +119,8 @@ def summarize(info: Any) -> ModelSummary:
     """Turn an :class:`engine.api.ModelInfo` into the window's :class:`ModelSummary`.
 
     The parameter count is the text model's (``info.n_params``, millions): a vision tower's
-    parameters are not in it, so the line says "(text model)".
+    parameters are not in it, so the line says "(text model)". A model that chats in ChatML for want
+    of its own template says so at the end (``info.template_note``).
     """
     quants = ", ".join(f"{name} \u00d7{count}" for name, (count, _) in
                        sorted(info.quant_mix.items(), key=lambda kv: -kv[1][1]))
@@ -151,6 +128,8 @@ def summarize(info: Any) -> ModelSummary:
             f"{info.n_params / 1e6:.1f} M params (text model), {quants}; "
             f"{human_size(info.bytes_per_token)} read per token; "
             f"context {info.context} tokens; {'vision' if info.has_vision else 'text only'}")
+    if info.template_note:
+        line += f"; {info.template_note}"
     return ModelSummary(line=line, info=info)
 
 

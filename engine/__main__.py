@@ -2,7 +2,9 @@
 
 - ``info MODEL.gguf``: architecture, layers, quant mix, bytes read per decoded token.
 - ``generate [--model M] [--mmproj V] [--image I ...] [--prompt P] [--max-tokens N] [--temp T] ...``:
-  one answer streamed to stdout, then a timing line (TTFT, prefill tok/s, decode tok/s).
+  one answer streamed to stdout, then a timing line (TTFT, prefill tok/s, decode tok/s). ``--raw``
+  continues the prompt text itself (no chat template). A model without ``tokenizer.chat_template``
+  chats in ChatML, with a one-line note on stderr.
 - ``chat [--model M]``: an interactive multi-turn chat on the terminal.
 - ``synth --preset tiny|small|dense-tiny|35b-a3b [--layers N] [--experts N] --quant Q -o FILE``:
   a random-weight GGUF in the layout and metadata real files use, and beside it a matching
@@ -65,10 +67,15 @@ def _load(args: argparse.Namespace, path: Path, mmproj: Path | None):
     engine = Engine.load(path, mmproj, options=EngineOptions(context=args.context))
     tower = f" + {mmproj.name}" if mmproj is not None else ""
     print(f"[loaded {path.name}{tower} in {time.perf_counter() - t0:.2f} s]", file=sys.stderr)
+    note = engine.info.template_note
+    if note:
+        print(f"[note: {path.name}: {note}]", file=sys.stderr)
     return engine
 
 
-def _stream(events, out=sys.stdout) -> TurnSummary:
+def _stream(events, out=None) -> TurnSummary:
+    """Write each token's text to ``out`` (None: ``sys.stdout`` as it is at the call) and return the summary."""
+    out = out or sys.stdout
     summary = None
     for ev in events:
         if isinstance(ev, TokenEvent):
@@ -116,12 +123,20 @@ def cmd_info(args: argparse.Namespace) -> int:
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
+    if args.raw and (args.image or args.system or args.think):
+        print("error: --raw continues the prompt text as it is: --image, --system and --think need the chat "
+              "template, leave them out or drop --raw", file=sys.stderr)
+        return 2
     path, mmproj = _model_paths(args)
+    if args.raw:
+        mmproj = None
     if args.image and mmproj is None and path.is_file():
         print(f"error: {path.name}: no vision tower (mmproj file) is loaded, so it cannot read --image: "
               "pass the model's vision tower with --mmproj FILE", file=sys.stderr)
         return 2
     engine = _load(args, path, mmproj)
+    if args.raw:
+        return _finish(engine.complete(args.prompt, _sampling(args)), engine, args)
     messages = []
     if args.system:
         messages.append({"role": "system", "content": args.system})
@@ -133,7 +148,12 @@ def cmd_generate(args: argparse.Namespace) -> int:
             print(f"[image {img}: {w}x{h} px reach the vision tower]", file=sys.stderr)
     else:
         messages.append({"role": "user", "content": args.prompt})
-    summary = _stream(engine.chat(messages, _sampling(args), enable_thinking=args.think))
+    return _finish(engine.chat(messages, _sampling(args), enable_thinking=args.think), engine, args)
+
+
+def _finish(events, engine, args: argparse.Namespace) -> int:
+    """Stream a turn's answer to stdout, then its timing line (or why the prompt did not fit) to stderr."""
+    summary = _stream(events)
     if summary.stop_reason == "context_full" and summary.generated_tokens == 0:
         print(f"error: {_prompt_too_long(summary, engine.info.context, args.context)}", file=sys.stderr)
         return 2
@@ -245,6 +265,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_sampling(p)
     p.add_argument("--prompt", "-p", default="Hello! Who are you?")
     p.add_argument("--image", action="append", default=[], help="an image to ask about (repeatable)")
+    p.add_argument("--raw", action="store_true", help="continue the prompt text as it is (no chat template)")
     p.set_defaults(func=cmd_generate)
     p = sub.add_parser("chat", help="interactive chat on the terminal")
     _add_sampling(p)

@@ -12,14 +12,16 @@ through a ``threading.Event``.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import logging
 import math
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from importlib import resources
 from pathlib import Path
-from typing import Any, Callable, Iterator, Mapping, Sequence
+from typing import Any, Callable, Iterator, Mapping, Protocol, Sequence
 
 import platformdirs
 
@@ -33,13 +35,16 @@ from .models.vision import EncodedImage, ImageEncoder, mrope_positions
 from .prefix_cache import PrefixCache, SnapshotInfo
 from .runtime import Turn, run_turn
 from .sampling import SamplingParams
-from .tokenizer import Tokenizer
+from .tokenizer import ChatTemplate, Tokenizer
 
 log = logging.getLogger(__name__)
 
-__all__ = ["Engine", "EngineOptions", "ModelInfo", "Prompt", "SamplingParams", "SnapshotInfo", "default_model"]
+__all__ = ["ChatEngine", "Engine", "EngineOptions", "ModelInfo", "Prompt", "SamplingParams", "SnapshotInfo", "default_model"]
 
 Message = Mapping[str, Any]
+
+CHATML_NOTE = "the file has no tokenizer.chat_template, so chat uses ChatML (the Qwen format)"
+"""The one-line notice (:attr:`ModelInfo.template_note`) for a model whose chat falls back to ChatML."""
 
 
 @dataclass(frozen=True)
@@ -95,38 +100,84 @@ class EngineOptions:
 class ModelInfo:
     """What the app shows about a loaded model.
 
+    The fields from ``path`` to ``bytes_per_token`` describe a local GGUF file; an engine that runs
+    elsewhere (:class:`engine.remote.RemoteEngine`) leaves them at their defaults and fills ``name``
+    and ``remote`` instead.
+
     Attributes:
-        path: the GGUF file.
-        arch: "qwen35moe" or "qwen35".
-        n_layer: trunk layers; n_attn_layers of them are full attention.
-        n_params: parameters in the file (all tensors, MTP blocks included).
-        quant_mix: quant type name -> (tensor count, bytes).
-        bytes_per_token: weight bytes read per decoded token.
-        context: the context window in use, tokens.
-        has_vision: whether an mmproj vision tower is loaded.
-        device: where prefill runs, "cuda" or "cpu" (decode always runs on the CPU).
+        arch: "qwen35moe" or "qwen35" (a remote engine: "remote").
+        context: the context window in use, tokens (a remote engine: 0 when the server does not say).
+        has_vision: whether an mmproj vision tower is loaded (a remote engine: whether images are sent).
+        path: the GGUF file, or None for a remote engine.
+        n_layer: trunk layers; n_attn_layers of them are full attention (0 when unknown).
+        n_params: parameters in the file (all tensors, MTP blocks included; 0 when unknown).
+        quant_mix: quant type name -> (tensor count, bytes) ({} when unknown).
+        bytes_per_token: weight bytes read per decoded token (0 when unknown).
+        device: where prefill runs, "cuda" or "cpu" (decode always runs on the CPU); "remote" for a
+            remote engine.
         device_note: why prefill is on the CPU when a GPU was asked for or looked for, or "".
         placement: the GPU placement plan in words (what stays in VRAM, what streams), or "".
         vram_budget: the GPU prefill's VRAM budget, bytes (0 on the CPU).
         vision_device: where images are encoded, "cuda" or "cpu" ("" without a vision tower).
         vision_note: why images are encoded on the CPU when a GPU was asked for or looked for, or "".
+        template_note: one line when the file has no ``tokenizer.chat_template`` and chat falls back
+            to ChatML (:data:`CHATML_NOTE`), else "".
+        name: the model's name as a server lists it ("" for a local file: its file name says it).
+        remote: the base URL of the server that runs the model, or "" for an in-process engine.
     """
 
-    path: Path
     arch: str
-    n_layer: int
-    n_attn_layers: int
-    n_params: int
-    quant_mix: dict[str, tuple[int, int]]
-    bytes_per_token: int
     context: int
     has_vision: bool
+    path: Path | None = None
+    n_layer: int = 0
+    n_attn_layers: int = 0
+    n_params: int = 0
+    quant_mix: dict[str, tuple[int, int]] = field(default_factory=dict)
+    bytes_per_token: int = 0
     device: str = "cpu"
     device_note: str = ""
     placement: str = ""
     vram_budget: int = 0
     vision_device: str = ""
     vision_note: str = ""
+    template_note: str = ""
+    name: str = ""
+    remote: str = ""
+
+
+class ChatEngine(Protocol):
+    """What a chat front end (the app's engine worker, :mod:`engine.server`) needs of an engine:
+    :class:`Engine` (in process), :class:`engine.remote.RemoteEngine` (an OpenAI-compatible server)
+    and the tests' fakes."""
+
+    @property
+    def info(self) -> ModelInfo:
+        """What is loaded (:class:`ModelInfo`)."""
+
+    def chat(self, messages: Sequence[Message], sampling: SamplingParams = ..., cancel: threading.Event | None = None,
+             enable_thinking: bool = False, conversation: str = "") -> Iterator[Event]:
+        """Yield one turn's events (see :mod:`engine.events` for their order); set ``cancel`` to stop
+        within one token."""
+
+    def telemetry(self) -> Any:
+        """The last GPU prefill's ``PrefillTelemetry``, or None (CPU prefill, a remote engine)."""
+
+    def snapshots(self) -> list[SnapshotInfo]:
+        """The prefix snapshots held, deepest first ([] when the engine keeps none it can list)."""
+
+    def clear_snapshots(self, key: str | None = None) -> None:
+        """Drop one prefix snapshot or all of them."""
+
+    def image_size(self, source: Any) -> tuple[int, int]:
+        """(height, width) an image has when it reaches the vision tower.
+
+        Raises:
+            EngineError: the engine cannot tell (no vision tower, unreadable image, a remote engine).
+        """
+
+    def close(self) -> None:
+        """Release the engine (an in-process one persists its prefix snapshots first)."""
 
 
 class Engine:
@@ -173,8 +224,8 @@ class Engine:
             ModelFormatError: a file is malformed (names the file and the key or tensor), or the
                 mmproj's projection width differs from the text model's hidden size.
             UnsupportedModelError: wrong architecture or unsupported quant type.
-            TokenizerError: tokenizer metadata missing or unusable (a missing chat template is
-                reported by :meth:`chat` as TemplateError; :meth:`generate` works without one).
+            TokenizerError: tokenizer metadata missing or unusable (a file without a chat template
+                chats in ChatML, see :meth:`render`).
             GenerationCancelled: ``cancel`` was set.
 
         On any exception (KeyboardInterrupt included) the GPU vision tower and GPU prefill made so far
@@ -232,7 +283,8 @@ class Engine:
                          placement=self.gpu.plan.text() if self.gpu is not None else "",
                          vram_budget=self.gpu.plan.budget if self.gpu is not None else 0,
                          vision_device=self.vision.device if self.vision is not None else "",
-                         vision_note=self.vision.device_note if self.vision is not None else "")
+                         vision_note=self.vision.device_note if self.vision is not None else "",
+                         template_note=CHATML_NOTE if self.tokenizer.chat_template is None else "")
 
     def telemetry(self) -> Any:
         """The last GPU prefill's :class:`~engine.backends.cuda_plan.PrefillTelemetry` (H2D bytes and
@@ -252,17 +304,17 @@ class Engine:
     def render(self, messages: Sequence[Message], enable_thinking: bool = False) -> list[int]:
         """Render ``messages`` with the model's chat template and tokenize the prompt.
 
-        Each image part stays a single ``<|image_pad|>``; :meth:`prepare` expands it.
+        A file without ``tokenizer.chat_template`` is rendered as ChatML, the Qwen format
+        (``engine/templates/chatml.jinja``; :attr:`ModelInfo.template_note` says so). Each image part
+        stays a single ``<|image_pad|>``; :meth:`prepare` expands it.
 
         Returns:
             Prompt token ids, ending with the assistant generation header.
 
         Raises:
-            TemplateError: the template failed or the file carries none.
+            TemplateError: the template failed.
         """
-        template = self.tokenizer.chat_template
-        if template is None:
-            raise TemplateError(f"{self.gguf.source}: key tokenizer.chat_template is missing")
+        template = self.tokenizer.chat_template or _chatml()
         text = template.render(list(messages), add_generation_prompt=True, enable_thinking=enable_thinking)
         return self.tokenizer.encode(text, special=True)
 
@@ -382,6 +434,21 @@ class Engine:
                     rerenders=rerenders, started=started)
         return run_turn(turn)
 
+    def complete(self, text: str, sampling: SamplingParams = SamplingParams(),
+                 cancel: threading.Event | None = None) -> Iterator[Event]:
+        """Continue ``text`` as it is (raw completion: no chat template; special tokens written out in
+        it, such as ``<|im_start|>``, are read as those tokens). Same events as :meth:`chat`; the turn
+        stops at an end-of-generation token, ``sampling.max_tokens`` or the context's end.
+
+        Raises:
+            EngineError: ``text`` is empty (there is nothing to continue).
+        """
+        started = time.perf_counter()
+        ids = self.tokenizer.encode(text, special=True)
+        if not ids:
+            raise EngineError("raw completion needs a prompt: the text is empty")
+        return self.generate(ids, sampling, cancel, started=started)
+
     def answer_rerenders(self, messages: Sequence[Message], prompt: Sequence[int], answer: Sequence[int],
                          enable_thinking: bool = False) -> bool:
         """Whether the next turn's prompt starts with ``prompt + answer`` token for token.
@@ -463,6 +530,13 @@ class Prompt:
     positions: Any
     images: list[tuple[int, Any, bytes]]
     encoded: list[EncodedImage]
+
+
+@functools.cache
+def _chatml() -> ChatTemplate:
+    """The ChatML template of files without their own (compiled once)."""
+    source = (resources.files(__package__) / "templates" / "chatml.jinja").read_text(encoding="utf-8")
+    return ChatTemplate(source, origin="engine/templates/chatml.jinja (ChatML fallback)")
 
 
 def _text_model(gguf: GGUFFile, options: EngineOptions) -> Qwen35Model:

@@ -254,6 +254,11 @@ def test_summary_says_whose_parameter_count_it_shows():
     assert "16.7 M params (text model)," in line
 
 
+def test_summary_notes_the_chatml_fallback():
+    from engine.api import CHATML_NOTE
+    assert summarize(fake_info(template_note=CHATML_NOTE)).line.endswith(f"text only; {CHATML_NOTE}")
+
+
 def test_a_cancelled_load_returns_at_once_and_its_model_is_dropped(qtbot, worker_thread):
     engine = FakeEngine()
     loader = BlockingLoader(engine)
