@@ -19,6 +19,7 @@ from .main_window import MainWindow, follows_dark_scheme
 from .markdown_render import MarkdownRenderer
 from .gpu import GpuTelemetry, NvmlGpu
 from .sidebar import MonitorThread
+from .single_instance import SingleInstance
 
 APP_NAME = "deltadesk"
 
@@ -64,12 +65,21 @@ def build_window(paths: AppPaths, loader: EngineLoader = load_real_engine,
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Run the app until its window closes; returns the exit status."""
+    """Run the app until its window closes; returns the exit status.
+
+    A second launch for the same user (data dir) raises the running window and returns 0.
+    """
     args = parse_args(sys.argv[1:] if argv is None else argv)
     app = QApplication(sys.argv[:1])
     app.setApplicationName("DeltaDesk")
     app.setStyle("Fusion")
-    window = build_window(AppPaths.default(), gpu=NvmlGpu.open())
+    paths = AppPaths.default()
+    instance = SingleInstance(paths.data)
+    if not instance.acquire():
+        print(f"DeltaDesk is already running for this user ({paths.data}): its window was brought to the front.")
+        return 0
+    window = build_window(paths, gpu=NvmlGpu.open())
+    instance.raise_requested.connect(window.bring_to_front)
     window.show()
     if args.model:
         window.load_model(args.model, args.mmproj)
@@ -82,7 +92,10 @@ def main(argv: list[str] | None = None) -> int:
     wake = QTimer()
     wake.timeout.connect(lambda: None)
     wake.start(250)
-    return app.exec()
+    try:
+        return app.exec()
+    finally:
+        instance.release()
 
 
 if __name__ == "__main__":

@@ -387,6 +387,13 @@ class MainWindow(QMainWindow):
         if self.controller.conversation_id is not None:
             self.controller.open(self.controller.conversation_id)
 
+    def bring_to_front(self) -> None:
+        """Show the window un-minimized and ask the window manager to activate it (a second launch)."""
+        self.setWindowState(self.windowState() & ~Qt.WindowMinimized)
+        self.show()
+        self.raise_()
+        self.activateWindow()
+
     def toggle_sidebar(self) -> None:
         """Ctrl+B: show or hide the sidebar."""
         self.sidebar.setVisible(not self.sidebar.isVisible())
