@@ -46,7 +46,7 @@ def new_conversation(qtbot, window):
 
 def test_send_streams_and_stores_the_answer(qtbot, make_window):
     window = make_window(FakeEngine(tokens=["**Bold**", " and ", "`code`"]))
-    assert "qwen35moe" in window.banner.text()
+    assert "qwen35moe" in window.banner.toolTip()
     assert send(qtbot, window, "Hello there").stats["stop_reason"] == "eos"
     user, answer = path_of(window)
     assert (user.role, user.content) == ("user", "Hello there")
@@ -445,3 +445,17 @@ def test_a_crash_while_the_prompt_is_read_reopens_that_chat(qtbot, make_window):
     again = make_window(engine, load=False)
     assert again.controller.conversation_id == interrupted
     window.controller.stop()
+
+
+def test_the_banner_speaks_to_a_user_and_the_details_are_one_click_away(qtbot, make_window):
+    window = make_window(FakeEngine(has_vision=True))
+    assert window.banner.text() == ("fake-model \u00b7 12.0 M params \u00b7 Q8_0 \u00b7 text and images \u00b7 "
+                                    "prefill on CPU, decode on CPU")
+    details = window.banner.toolTip()
+    assert "4 layers (1 attention)" in details and "Q8_0 \u00d720, F32 \u00d79" in details
+    assert "6.2 MB read per token" in details and "context 4096 tokens" in details
+    assert window.details_button.isVisibleTo(window)
+    window.details_button.click()
+    qtbot.waitUntil(lambda: window.details_box.isVisible())
+    assert window.details_box.text() == details
+    window.details_box.close()
