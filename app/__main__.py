@@ -10,6 +10,7 @@ from pathlib import Path
 
 import platformdirs
 from PySide6.QtCore import QSettings, QTimer
+from PySide6.QtGui import QIcon
 from PySide6.QtWidgets import QApplication
 
 from .engine_worker import EngineLoader, WorkerThread, load_real_engine
@@ -20,8 +21,10 @@ from .markdown_render import MarkdownRenderer
 from .gpu import GpuTelemetry, NvmlGpu
 from .sidebar import MonitorThread
 from .single_instance import SingleInstance
+from .theme import apply_scheme, desktop_is_dark
 
 APP_NAME = "deltadesk"
+ICON = Path(__file__).resolve().parent / "resources" / "deltadesk.svg"
 
 
 @dataclass(frozen=True)
@@ -72,7 +75,10 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(sys.argv[1:] if argv is None else argv)
     app = QApplication(sys.argv[:1])
     app.setApplicationName("DeltaDesk")
+    app.setDesktopFileName("deltadesk")
+    app.setWindowIcon(QIcon(str(ICON)))
     app.setStyle("Fusion")
+    apply_scheme(app, desktop_is_dark())
     paths = AppPaths.default()
     instance = SingleInstance(paths.data)
     if not instance.acquire():

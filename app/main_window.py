@@ -15,8 +15,8 @@ from pathlib import Path
 
 from PySide6.QtCore import QMimeData, QSettings, Qt, Signal, Slot
 from PySide6.QtGui import QCloseEvent, QGuiApplication, QKeySequence, QPalette, QShortcut
-from PySide6.QtWidgets import (QDialog, QFileDialog, QHBoxLayout, QLabel, QMainWindow, QMessageBox, QProgressBar,
-                               QPushButton, QSplitter, QToolButton, QVBoxLayout, QWidget)
+from PySide6.QtWidgets import (QApplication, QDialog, QFileDialog, QHBoxLayout, QLabel, QMainWindow, QMessageBox,
+                               QProgressBar, QPushButton, QSplitter, QToolButton, QVBoxLayout, QWidget)
 
 from .chat_view import ChatView
 from .composer import Composer
@@ -31,6 +31,7 @@ from .settings import Settings
 from .settings_dialog import SettingsDialog
 from .sidebar import MonitorThread, Sidebar
 from .snapshots import SnapshotListModel
+from .theme import apply_scheme, scheme_is_dark
 
 NO_MODEL = "No model is loaded: open one with Ctrl+O (Chat \u25b8 Open model) or choose it in Settings (Ctrl+,)."
 
@@ -418,8 +419,12 @@ class MainWindow(QMainWindow):
         else:
             self.composer.cancel_edit()
 
-    def _scheme_changed(self) -> None:
-        """The system switched light/dark: re-render the messages with matching code colours."""
+    def _scheme_changed(self, scheme: Qt.ColorScheme | None = None) -> None:
+        """The desktop switched light/dark: take the matching palette (:func:`app.theme.apply_scheme`)
+        and re-render the messages with matching code colours."""
+        app = QApplication.instance()
+        if scheme is not None and isinstance(app, QApplication):
+            apply_scheme(app, scheme_is_dark(scheme))
         self.chat_view.set_renderer(MarkdownRenderer(dark=follows_dark_scheme()))
         if self.controller.conversation_id is not None:
             self.controller.open(self.controller.conversation_id)

@@ -459,3 +459,21 @@ def test_the_banner_speaks_to_a_user_and_the_details_are_one_click_away(qtbot, m
     qtbot.waitUntil(lambda: window.details_box.isVisible())
     assert window.details_box.text() == details
     window.details_box.close()
+
+
+def test_the_window_turns_dark_and_light_with_the_desktop(qtbot, make_window):
+    from PySide6.QtGui import QPalette
+    from PySide6.QtWidgets import QApplication
+
+    window = make_window(FakeEngine(tokens=["```py\n", "x = 1\n", "```"]))
+    send(qtbot, window, "code")
+    hints = QGuiApplication.styleHints()
+    try:
+        hints.colorSchemeChanged.emit(Qt.ColorScheme.Dark)
+        assert QApplication.palette().color(QPalette.Window).lightness() < 80
+        qtbot.waitUntil(lambda: window.chat_view.palette().color(QPalette.Base).lightness() < 80)
+        qtbot.waitUntil(lambda: len(window.chat_view.widgets) == 2)
+        assert window.chat_view.renderer.dark
+    finally:
+        hints.colorSchemeChanged.emit(Qt.ColorScheme.Light)
+    assert QApplication.palette().color(QPalette.Window).lightness() > 180 and not window.chat_view.renderer.dark
