@@ -10,6 +10,7 @@ from pathlib import Path
 
 import platformdirs
 from PySide6.QtCore import QSettings, QTimer
+from PySide6.QtGui import QIcon
 from PySide6.QtWidgets import QApplication
 
 from .engine_worker import EngineLoader, WorkerThread, load_real_engine
@@ -19,8 +20,11 @@ from .main_window import MainWindow, follows_dark_scheme
 from .markdown_render import MarkdownRenderer
 from .gpu import GpuTelemetry, NvmlGpu
 from .sidebar import MonitorThread
+from .single_instance import SingleInstance
+from .theme import apply_scheme, desktop_is_dark
 
 APP_NAME = "deltadesk"
+ICON = Path(__file__).resolve().parent / "resources" / "deltadesk.svg"
 
 
 @dataclass(frozen=True)
@@ -64,12 +68,24 @@ def build_window(paths: AppPaths, loader: EngineLoader = load_real_engine,
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Run the app until its window closes; returns the exit status."""
+    """Run the app until its window closes; returns the exit status.
+
+    A second launch for the same user (data dir) raises the running window and returns 0.
+    """
     args = parse_args(sys.argv[1:] if argv is None else argv)
     app = QApplication(sys.argv[:1])
     app.setApplicationName("DeltaDesk")
+    app.setDesktopFileName("deltadesk")
+    app.setWindowIcon(QIcon(str(ICON)))
     app.setStyle("Fusion")
-    window = build_window(AppPaths.default(), gpu=NvmlGpu.open())
+    apply_scheme(app, desktop_is_dark())
+    paths = AppPaths.default()
+    instance = SingleInstance(paths.data)
+    if not instance.acquire():
+        print(f"DeltaDesk is already running for this user ({paths.data}): its window was brought to the front.")
+        return 0
+    window = build_window(paths, gpu=NvmlGpu.open())
+    instance.raise_requested.connect(window.bring_to_front)
     window.show()
     if args.model:
         window.load_model(args.model, args.mmproj)
@@ -82,7 +98,10 @@ def main(argv: list[str] | None = None) -> int:
     wake = QTimer()
     wake.timeout.connect(lambda: None)
     wake.start(250)
-    return app.exec()
+    try:
+        return app.exec()
+    finally:
+        instance.release()
 
 
 if __name__ == "__main__":

@@ -15,8 +15,8 @@ from pathlib import Path
 
 from PySide6.QtCore import QMimeData, QSettings, Qt, Signal, Slot
 from PySide6.QtGui import QCloseEvent, QGuiApplication, QKeySequence, QPalette, QShortcut
-from PySide6.QtWidgets import (QDialog, QFileDialog, QHBoxLayout, QLabel, QMainWindow, QProgressBar, QPushButton,
-                               QSplitter, QVBoxLayout, QWidget)
+from PySide6.QtWidgets import (QApplication, QDialog, QFileDialog, QHBoxLayout, QLabel, QMainWindow, QMessageBox,
+                               QProgressBar, QPushButton, QSplitter, QToolButton, QVBoxLayout, QWidget)
 
 from .chat_view import ChatView
 from .composer import Composer
@@ -31,6 +31,7 @@ from .settings import Settings
 from .settings_dialog import SettingsDialog
 from .sidebar import MonitorThread, Sidebar
 from .snapshots import SnapshotListModel
+from .theme import apply_scheme, scheme_is_dark
 
 NO_MODEL = "No model is loaded: open one with Ctrl+O (Chat \u25b8 Open model) or choose it in Settings (Ctrl+,)."
 
@@ -67,6 +68,22 @@ def paired_mmproj(model_path: str) -> str | None:
     best = max(shared(p) for p in towers)
     picks = [p for p in towers if shared(p) == best]
     return str(picks[0]) if len(picks) == 1 and best > 0 else None
+
+
+def headline(info, prefill: str, images: str = "") -> str:
+    """The banner's line for a user: model name, size, main quant type, what it takes, where it runs.
+
+    E.g. "Qwen3.6-35B-A3B-Q4_K_M · 34.7 B params · Q4_K · text and images · prefill on GPU (H200),
+    decode on CPU". ``info`` is an :class:`engine.api.ModelInfo` (``n_params`` counts the text
+    model; the main quant type is the one holding the most bytes); ``prefill`` and ``images`` are
+    :func:`~app.gpu.device_phrase` and :func:`~app.gpu.vision_phrase`.
+    """
+    n = info.n_params
+    size = f"{n / 1e9:.1f} B" if n >= 1e9 else f"{n / 1e6:.1f} M"
+    quant = max(info.quant_mix.items(), key=lambda kv: kv[1][1])[0] if info.quant_mix else "?"
+    where = ", ".join(p for p in (prefill, "decode on CPU", images) if p)
+    takes = "text and images" if info.has_vision else "text only"
+    return " \u00b7 ".join((Path(info.path).stem, f"{size} params", quant, takes, where))
 
 
 def _export(store: HistoryStore, conversation_id: int, path: Path, kind: str) -> None:
@@ -194,7 +211,14 @@ class MainWindow(QMainWindow):
         self.cancel_load_button = QPushButton("Cancel")
         self.cancel_load_button.setAccessibleName("Cancel loading the model")
         self.cancel_load_button.clicked.connect(self.cancel_load)
+        self.details_button = QToolButton()
+        self.details_button.setText("Details")
+        self.details_button.setAccessibleName("Model details")
+        self.details_button.setAutoRaise(True)
+        self.details_button.clicked.connect(self.show_details)
+        self.details_button.hide()
         row.addWidget(self.banner, 1)
+        row.addWidget(self.details_button)
         row.addWidget(self.load_progress)
         row.addWidget(self.cancel_load_button)
         self._show_loading(False)
@@ -276,8 +300,9 @@ class MainWindow(QMainWindow):
                                         mmproj_path=request.mmproj_path or ""), reload=False)
 
     def _show_model_line(self, device: str, note: str, vision_device: str, vision_note: str) -> None:
-        """The banner: the model summary, where prefill runs and (when elsewhere) where images are encoded;
-        the placement plan and the notes as its tooltip.
+        """The banner: what a user asks about the model (:func:`headline`); the engineer's details
+        (arch, layers, quant mix, bytes per token, context, the placement plan, the notes) in its
+        tooltip and the Details button's window.
 
         ``device`` / ``note`` and ``vision_device`` / ``vision_note`` are where prefill runs and images
         are encoded, and why not on the GPU: the loaded model's, then the engine's latest report's.
@@ -287,10 +312,20 @@ class MainWindow(QMainWindow):
             return
         gpu = self.monitor.gpu if self.monitor is not None else None
         phrase = device_phrase(device, summary.info.vram_budget, gpu.name if gpu is not None else "")
-        images = vision_phrase(device, vision_device)
-        self._set_banner(f"{summary.line}; {phrase}" + (f"; {images}" if images else ""), False)
-        self.banner.setToolTip("\n\n".join(t for t in (summary.info.placement if device == "cuda" else "", note,
-                                                       vision_note) if t))
+        self._set_banner(headline(summary.info, phrase, vision_phrase(device, vision_device)), False)
+        details = "\n\n".join(t for t in (summary.line, summary.info.placement if device == "cuda" else "", note,
+                                           vision_note) if t)
+        self.banner.setToolTip(details)
+        self.details_button.setToolTip(details)
+        self.details_button.show()
+
+    def show_details(self) -> None:
+        """The Details button: the loaded model's engineering details in a window (selectable text)."""
+        box = QMessageBox(QMessageBox.Information, "Model details", self.banner.toolTip() or "No model is loaded.",
+                          QMessageBox.Close, self)
+        box.setTextInteractionFlags(Qt.TextSelectableByMouse)
+        box.open()
+        self.details_box = box
 
     @Slot(object)
     def _gpu_reported(self, report: GpuReport) -> None:
@@ -312,6 +347,9 @@ class MainWindow(QMainWindow):
         new turns meanwhile (a message sent then would be saved with no answer)."""
         self.controller.unavailable = reason
         self.composer.set_unavailable(reason)
+        if reason:
+            self.details_button.hide()
+            self.banner.setToolTip("")
 
     def _show_loading(self, shown: bool) -> None:
         self.load_progress.setVisible(shown)
@@ -381,11 +419,22 @@ class MainWindow(QMainWindow):
         else:
             self.composer.cancel_edit()
 
-    def _scheme_changed(self) -> None:
-        """The system switched light/dark: re-render the messages with matching code colours."""
+    def _scheme_changed(self, scheme: Qt.ColorScheme | None = None) -> None:
+        """The desktop switched light/dark: take the matching palette (:func:`app.theme.apply_scheme`)
+        and re-render the messages with matching code colours."""
+        app = QApplication.instance()
+        if scheme is not None and isinstance(app, QApplication):
+            apply_scheme(app, scheme_is_dark(scheme))
         self.chat_view.set_renderer(MarkdownRenderer(dark=follows_dark_scheme()))
         if self.controller.conversation_id is not None:
             self.controller.open(self.controller.conversation_id)
+
+    def bring_to_front(self) -> None:
+        """Show the window un-minimized and ask the window manager to activate it (a second launch)."""
+        self.setWindowState(self.windowState() & ~Qt.WindowMinimized)
+        self.show()
+        self.raise_()
+        self.activateWindow()
 
     def toggle_sidebar(self) -> None:
         """Ctrl+B: show or hide the sidebar."""

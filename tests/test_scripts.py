@@ -63,44 +63,44 @@ def launch(repo, script: str, status: int = 0, compiler: bool = True) -> tuple[i
 
 def test_run_installs_on_first_use_then_only_when_the_install_changes(repo) -> None:
     root = repo[0]
-    assert launch(repo, "run") == (0, ["-m pip install -q -e .", "-m app"])
-    assert launch(repo, "run") == (0, ["-m app"])
+    assert launch(repo, "run") == (0, ["-m pip install -q -e .", "-m app.platform_check", "-m app"])
+    assert launch(repo, "run") == (0, ["-m app.platform_check", "-m app"])
     with open(root / "engine/errors.py", "a") as f:       # editable install: Python edits need nothing
         f.write("# edited\n")
-    assert launch(repo, "run") == (0, ["-m app"])
+    assert launch(repo, "run") == (0, ["-m app.platform_check", "-m app"])
     for rel in ("native/cpu/pool.c", "native/cpu/kernels.h", "setup.py", "pyproject.toml"):
         with open(root / rel, "a") as f:
             f.write("\n")
-        assert launch(repo, "run") == (0, ["-m pip install -q -e .", "-m app"]), rel
-        assert launch(repo, "run") == (0, ["-m app"]), rel
+        assert launch(repo, "run") == (0, ["-m pip install -q -e .", "-m app.platform_check", "-m app"]), rel
+        assert launch(repo, "run") == (0, ["-m app.platform_check", "-m app"]), rel
 
 
 def test_failed_install_is_retried_next_launch(repo) -> None:
     status, calls = launch(repo, "run", status=1)
     assert status == 1 and calls == ["-m pip install -q -e ."]
-    assert launch(repo, "run") == (0, ["-m pip install -q -e .", "-m app"])
+    assert launch(repo, "run") == (0, ["-m pip install -q -e .", "-m app.platform_check", "-m app"])
 
 
 def test_test_script_keeps_its_own_stamp_for_the_dev_extra(repo) -> None:
-    assert launch(repo, "run") == (0, ["-m pip install -q -e .", "-m app"])
+    assert launch(repo, "run") == (0, ["-m pip install -q -e .", "-m app.platform_check", "-m app"])
     assert launch(repo, "test") == (0, ['-m pip install -q -e .[dev]', "-m pytest"])
     assert launch(repo, "test") == (0, ["-m pytest"])
-    assert launch(repo, "run") == (0, ["-m app"])
+    assert launch(repo, "run") == (0, ["-m app.platform_check", "-m app"])
 
 
 def test_missing_native_kernels_are_built_again(repo) -> None:
     """A stamp that matches does not hide a checkout without the kernels (git clean, another worktree)."""
     root = repo[0]
-    assert launch(repo, "run") == (0, ["-m pip install -q -e .", "-m app"])
+    assert launch(repo, "run") == (0, ["-m pip install -q -e .", "-m app.platform_check", "-m app"])
     (root / "engine/_native_cpu.abi3.so").unlink()
-    assert launch(repo, "run") == (0, ["-m pip install -q -e .", "-m app"])
-    assert launch(repo, "run") == (0, ["-m app"])
+    assert launch(repo, "run") == (0, ["-m pip install -q -e .", "-m app.platform_check", "-m app"])
+    assert launch(repo, "run") == (0, ["-m app.platform_check", "-m app"])
 
 
 def test_install_without_a_compiler_is_tried_again(repo) -> None:
     """pip succeeds without a C compiler (the extension is optional); no stamp is written, so the
     kernels are built by the first launch after a compiler is installed."""
-    assert launch(repo, "run", compiler=False) == (0, ["-m pip install -q -e .", "-m app"])
-    assert launch(repo, "run", compiler=False) == (0, ["-m pip install -q -e .", "-m app"])
-    assert launch(repo, "run") == (0, ["-m pip install -q -e .", "-m app"])
-    assert launch(repo, "run") == (0, ["-m app"])
+    assert launch(repo, "run", compiler=False) == (0, ["-m pip install -q -e .", "-m app.platform_check", "-m app"])
+    assert launch(repo, "run", compiler=False) == (0, ["-m pip install -q -e .", "-m app.platform_check", "-m app"])
+    assert launch(repo, "run") == (0, ["-m pip install -q -e .", "-m app.platform_check", "-m app"])
+    assert launch(repo, "run") == (0, ["-m app.platform_check", "-m app"])

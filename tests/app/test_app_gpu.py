@@ -49,7 +49,7 @@ def test_sidebar_shows_the_engine_telemetry_and_nvml(qtbot, make_window):
     qtbot.waitUntil(lambda: sidebar.gpu_label.text() == "NVIDIA Fake 8GB: prefill on the GPU")
     assert sidebar.vram.text == "3.0 GB / 8.0 GB" and sidebar.pcie.text == "11.5 GB/s"
     assert sidebar.gpu_prefill.isHidden() and sidebar.gpu_note.isHidden()
-    assert window.banner.text().endswith("; prefill on GPU (Fake 8GB, budget 6.0 GiB)")
+    assert window.banner.text().endswith(" \u00b7 prefill on GPU (Fake 8GB, budget 6.0 GiB), decode on CPU")
     assert PLACEMENT in window.banner.toolTip()
 
     engine.gpu_telemetry = telemetry()
@@ -71,7 +71,7 @@ def test_gpu_report_without_nvml(qtbot, make_window):
     sidebar = window.sidebar
     qtbot.waitUntil(lambda: sidebar.gpu_label.text() == "Prefill on the GPU")
     assert sidebar.vram.text == "after the first GPU prefill"
-    assert window.banner.text().endswith("; prefill on GPU (budget 6.0 GiB)")
+    assert window.banner.text().endswith(" \u00b7 prefill on GPU (budget 6.0 GiB), decode on CPU")
     engine.gpu_telemetry = telemetry()
     send(qtbot, window, "hi")
     qtbot.waitUntil(lambda: sidebar.vram.text == "2.0 GB / budget 6.0 GB")
@@ -91,7 +91,7 @@ def test_the_gpu_failing_mid_turn_is_said_in_the_answer_sidebar_and_banner(qtbot
     assert stats["note"] == engine.note and "TTFT" in answer.stats_label.text()
     qtbot.waitUntil(lambda: window.sidebar.gpu_note.text() == note)
     assert window.sidebar.gpu_label.text() == "No NVIDIA GPU: CPU mode" and window.sidebar.gpu_label.toolTip() == note
-    assert window.banner.text().endswith("; prefill on CPU") and note in window.banner.toolTip()
+    assert window.banner.text().endswith(" \u00b7 prefill on CPU, decode on CPU") and note in window.banner.toolTip()
 
 
 def test_cpu_mode_shows_the_device_note(qtbot, make_window):
@@ -99,7 +99,7 @@ def test_cpu_mode_shows_the_device_note(qtbot, make_window):
     window = make_window(FakeEngine(info=fake_info(device_note=note)))
     qtbot.waitUntil(lambda: window.sidebar.gpu_note.text() == note)
     assert window.sidebar.gpu_label.text() == "No NVIDIA GPU: CPU mode" and window.sidebar.vram.isHidden()
-    assert window.banner.text().endswith("; prefill on CPU")
+    assert window.banner.text().endswith(" \u00b7 prefill on CPU, decode on CPU")
 
 
 def test_summary_device_phrase_and_report():
@@ -156,7 +156,7 @@ def test_nvml_source(monkeypatch):
 def test_the_banner_says_where_images_are_encoded_when_not_where_prefill_runs(qtbot, make_window):
     note = "No GPU vision tower (out of memory): images are encoded on the CPU"
     window = make_window(FakeEngine(info=replace(GPU_INFO, has_vision=True, vision_device="cpu", vision_note=note)))
-    qtbot.waitUntil(lambda: window.banner.text().endswith("; images on CPU"))
+    qtbot.waitUntil(lambda: window.banner.text().endswith(", decode on CPU, images on CPU"))
     assert "prefill on GPU" in window.banner.text() and note in window.banner.toolTip()
     assert vision_phrase("cuda", "cuda") == "" and vision_phrase("cpu", "cpu") == "" and vision_phrase("cuda", "") == ""
     assert vision_phrase("cpu", "cuda") == "images on GPU"
@@ -166,13 +166,13 @@ def test_the_vision_tower_failing_mid_session_is_said_in_the_banner_and_sidebar(
     info = replace(GPU_INFO, has_vision=True, vision_device="cuda")
     engine = FakeEngine(info=info)
     window = make_window(engine)
-    qtbot.waitUntil(lambda: window.banner.text().endswith("; prefill on GPU (budget 6.0 GiB)"))
+    qtbot.waitUntil(lambda: window.banner.text().endswith(" \u00b7 prefill on GPU (budget 6.0 GiB), decode on CPU"))
     assert window.sidebar.gpu_note.isHidden()
 
     note = "GPU vision tower failed, encoding images on the CPU: out of memory"
     engine.info = replace(info, vision_device="cpu", vision_note=note)
     send(qtbot, window, "what is in this picture?")
-    qtbot.waitUntil(lambda: window.banner.text().endswith("; prefill on GPU (budget 6.0 GiB); images on CPU"))
+    qtbot.waitUntil(lambda: window.banner.text().endswith(" \u00b7 prefill on GPU (budget 6.0 GiB), decode on CPU, images on CPU"))
     assert note in window.banner.toolTip() and PLACEMENT in window.banner.toolTip()
     assert window.sidebar.gpu_note.text() == note and window.sidebar.gpu_note.isVisibleTo(window.sidebar)
     assert window.sidebar.gpu_label.toolTip() == note
@@ -180,6 +180,6 @@ def test_the_vision_tower_failing_mid_session_is_said_in_the_banner_and_sidebar(
     prefill_note = "GPU prefill failed, using the CPU: out of memory"
     engine.info = replace(engine.info, device="cpu", device_note=prefill_note, placement="")
     send(qtbot, window, "and now?")
-    qtbot.waitUntil(lambda: window.banner.text().endswith("; prefill on CPU"))
-    assert window.banner.toolTip() == f"{prefill_note}\n\n{note}"
+    qtbot.waitUntil(lambda: window.banner.text().endswith(" \u00b7 prefill on CPU, decode on CPU"))
+    assert window.banner.toolTip().endswith(f"\n\n{prefill_note}\n\n{note}")
     assert window.sidebar.gpu_note.text() == f"{prefill_note}\n{note}"

@@ -70,7 +70,7 @@ def test_dropping_a_gguf_on_the_window_loads_it_and_remembers_it(qtbot, make_win
     assert window.banner.text() == f"Loading {model.name}\u2026" and window.load_progress.isVisible()
     qtbot.waitUntil(lambda: window.model is not None)
     assert (engine.loads[-1].model_path, engine.loads[-1].mmproj_path) == (str(model), str(tower))
-    assert not window.load_progress.isVisible() and "qwen35moe" in window.banner.text()
+    assert not window.load_progress.isVisible() and "qwen35moe" in window.banner.toolTip()
     assert (window.prefs.model_path, window.prefs.mmproj_path) == (str(model), str(tower))
 
     window.close()
@@ -148,7 +148,7 @@ def test_a_staged_load_runs_to_the_model_summary(qtbot, make_window):
     for _ in loader.STAGES:
         loader.step()
     qtbot.waitUntil(lambda: window.model is not None)
-    assert "qwen35moe" in window.banner.text() and not window.load_progress.isVisible()
+    assert "qwen35moe" in window.banner.toolTip() and not window.load_progress.isVisible()
     assert loader.stages == list(loader.STAGES)
 
 

@@ -46,7 +46,7 @@ def new_conversation(qtbot, window):
 
 def test_send_streams_and_stores_the_answer(qtbot, make_window):
     window = make_window(FakeEngine(tokens=["**Bold**", " and ", "`code`"]))
-    assert "qwen35moe" in window.banner.text()
+    assert "qwen35moe" in window.banner.toolTip()
     assert send(qtbot, window, "Hello there").stats["stop_reason"] == "eos"
     user, answer = path_of(window)
     assert (user.role, user.content) == ("user", "Hello there")
@@ -445,3 +445,35 @@ def test_a_crash_while_the_prompt_is_read_reopens_that_chat(qtbot, make_window):
     again = make_window(engine, load=False)
     assert again.controller.conversation_id == interrupted
     window.controller.stop()
+
+
+def test_the_banner_speaks_to_a_user_and_the_details_are_one_click_away(qtbot, make_window):
+    window = make_window(FakeEngine(has_vision=True))
+    assert window.banner.text() == ("fake-model \u00b7 12.0 M params \u00b7 Q8_0 \u00b7 text and images \u00b7 "
+                                    "prefill on CPU, decode on CPU")
+    details = window.banner.toolTip()
+    assert "4 layers (1 attention)" in details and "Q8_0 \u00d720, F32 \u00d79" in details
+    assert "6.2 MB read per token" in details and "context 4096 tokens" in details
+    assert window.details_button.isVisibleTo(window)
+    window.details_button.click()
+    qtbot.waitUntil(lambda: window.details_box.isVisible())
+    assert window.details_box.text() == details
+    window.details_box.close()
+
+
+def test_the_window_turns_dark_and_light_with_the_desktop(qtbot, make_window):
+    from PySide6.QtGui import QPalette
+    from PySide6.QtWidgets import QApplication
+
+    window = make_window(FakeEngine(tokens=["```py\n", "x = 1\n", "```"]))
+    send(qtbot, window, "code")
+    hints = QGuiApplication.styleHints()
+    try:
+        hints.colorSchemeChanged.emit(Qt.ColorScheme.Dark)
+        assert QApplication.palette().color(QPalette.Window).lightness() < 80
+        qtbot.waitUntil(lambda: window.chat_view.palette().color(QPalette.Base).lightness() < 80)
+        qtbot.waitUntil(lambda: len(window.chat_view.widgets) == 2)
+        assert window.chat_view.renderer.dark
+    finally:
+        hints.colorSchemeChanged.emit(Qt.ColorScheme.Light)
+    assert QApplication.palette().color(QPalette.Window).lightness() > 180 and not window.chat_view.renderer.dark
