@@ -24,3 +24,21 @@ def synth_model(tmp_path_factory):
         return made[key]
 
     return make
+
+
+@pytest.fixture(scope="session")
+def served(synth_model):
+    """The tiny synth model (q8_0, context 512) behind ``engine serve`` on loopback, for the server, remote
+    engine and app tests: ``(engine, engine_lock, server)``; a test that runs the engine in process holds
+    ``engine_lock`` as the server does."""
+    import threading
+
+    from engine.api import Engine, EngineOptions
+    from engine.server import ServerConfig, ServerThread
+
+    engine = Engine.load(synth_model("tiny", "q8_0"), options=EngineOptions(context=512))
+    lock = threading.Lock()
+    server = ServerThread(engine, ServerConfig("tiny"), port=0, engine_lock=lock).start()
+    yield engine, lock, server
+    server.stop()
+    engine.close()

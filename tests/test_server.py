@@ -30,23 +30,19 @@ def tiny(synth_model):
 
 
 @pytest.fixture(scope="module")
-def engine(tiny):
-    eng = Engine.load(tiny, options=EngineOptions(context=CONTEXT))
-    yield eng
-    eng.close()
+def engine(served):
+    return served[0]
 
 
 @pytest.fixture(scope="module")
-def lock():
-    """The engine's turn lock: every server on the module's engine shares it, as the app does."""
-    return threading.Lock()
+def lock(served):
+    """The engine's turn lock: every server on the shared engine holds it, as the app does."""
+    return served[1]
 
 
 @pytest.fixture(scope="module")
-def server(engine, lock):
-    srv = ServerThread(engine, ServerConfig("tiny"), port=0, engine_lock=lock).start()
-    yield srv
-    srv.stop()
+def server(served):
+    return served[2]
 
 
 @pytest.fixture(scope="module")
