@@ -42,3 +42,20 @@ def served(synth_model):
     yield engine, lock, server
     server.stop()
     engine.close()
+
+
+@pytest.fixture(scope="session")
+def served_vision(synth_model, tmp_path_factory):
+    """The tiny synth model with its random vision tower (images bounded to 64 x 64 px, context 512) behind
+    ``engine serve`` as ``tiny-vl``: ``(server, engine)``."""
+    from engine.api import Engine, EngineOptions
+    from engine.server import ServerConfig, ServerThread
+    from engine.synth import synth_mmproj_for
+
+    mmproj = synth_mmproj_for(tmp_path_factory.mktemp("mm") / "tiny-mmproj.gguf", "tiny", seed=0)
+    engine = Engine.load(synth_model("tiny", "q8_0"), mmproj, options=EngineOptions(context=512,
+                                                                                  image_max_pixels=64 * 64))
+    server = ServerThread(engine, ServerConfig("tiny-vl"), port=0).start()
+    yield server, engine
+    server.stop()
+    engine.close()

@@ -14,6 +14,7 @@ from engine.events import PrefillStats, TokenEvent, TurnSummary
 from engine.remote import RemoteEngine, list_models
 from engine.sampling import SamplingParams
 from engine.server import ServerConfig, ServerThread
+from http_fakes import RawServer, delta, sse_head
 
 HI = [{"role": "user", "content": "Say hello."}]
 
@@ -87,6 +88,21 @@ def test_an_image_for_a_text_only_server_is_its_error(remote, tmp_path) -> None:
         remote.image_size(str(img))
 
 
+def test_images_reach_a_vision_server(served_vision, tmp_path) -> None:
+    server, engine = served_vision
+    from PIL import Image, ImageDraw
+    img = Image.new("RGB", (64, 48), (240, 240, 240))
+    ImageDraw.Draw(img).ellipse((8, 8, 40, 40), fill=(30, 30, 200))
+    path = tmp_path / "blue.png"
+    img.save(path)
+    remote = RemoteEngine.connect(server.url, "tiny-vl")
+    assert remote.info.has_vision
+    messages = [{"role": "user", "content": [{"type": "image", "image": str(path)}, {"type": "text", "text": "Colour?"}]}]
+    _, got = _turn(remote.chat(messages, SamplingParams.greedy(4)))
+    assert got.prompt_tokens == len(engine.prepare(messages).tokens) and got.generated_tokens == 4
+    remote.close()
+
+
 def test_a_wrong_key_is_refused_with_a_hint(served) -> None:
     srv = ServerThread(served[0], ServerConfig("tiny", api_key="k1"), port=0, engine_lock=served[1]).start()
     try:
@@ -111,47 +127,8 @@ def test_an_unreachable_server_is_a_clear_error() -> None:
         list(RemoteEngine(url, "tiny").chat(HI))
 
 
-class _RawServer:
-    """A one-shot HTTP server that answers each connection with ``reply`` bytes and then closes it (or,
-    with ``reply=None``, reads the request and says nothing)."""
-
-    def __init__(self, reply: bytes | None) -> None:
-        self.sock = socket.socket()
-        self.sock.bind(("127.0.0.1", 0))
-        self.sock.listen()
-        self.url = f"http://127.0.0.1:{self.sock.getsockname()[1]}/v1"
-        self.reply = reply
-        self.conns: list[socket.socket] = []
-        threading.Thread(target=self._serve, daemon=True).start()
-
-    def _serve(self) -> None:
-        while True:
-            try:
-                conn, _ = self.sock.accept()
-            except OSError:
-                return
-            self.conns.append(conn)
-            conn.recv(65536)
-            if self.reply is not None:
-                conn.sendall(self.reply)
-                conn.close()
-
-    def close(self) -> None:
-        self.sock.close()
-        for c in self.conns:
-            c.close()
-
-
-def _sse_head() -> bytes:
-    return b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\n\r\n"
-
-
-def _delta(text: str) -> bytes:
-    return b'data: {"choices": [{"index": 0, "delta": {"content": "%s"}, "finish_reason": null}]}\n\n' % text.encode()
-
-
 def test_a_connection_dropped_mid_answer_keeps_what_arrived() -> None:
-    srv = _RawServer(_sse_head() + _delta("Hel") + _delta("lo"))
+    srv = RawServer(sse_head() + delta("Hel") + delta("lo"))
     try:
         events = []
         with pytest.raises(RemoteError, match="without 'data: \\[DONE\\]' after 2 pieces.*partial answer is kept"):
@@ -163,7 +140,7 @@ def test_a_connection_dropped_mid_answer_keeps_what_arrived() -> None:
 
 
 def test_a_silent_server_times_out() -> None:
-    srv = _RawServer(None)
+    srv = RawServer(None)
     try:
         t0 = time.monotonic()
         with pytest.raises(RemoteError, match="no answer within 0.5 s"):
@@ -174,7 +151,7 @@ def test_a_silent_server_times_out() -> None:
 
 
 def test_an_error_event_in_the_stream_is_raised_after_the_text() -> None:
-    srv = _RawServer(_sse_head() + _delta("Par") + b'data: {"error": {"message": "GPU fell over"}}\n\n')
+    srv = RawServer(sse_head() + delta("Par") + b'data: {"error": {"message": "GPU fell over"}}\n\n')
     try:
         events = []
         with pytest.raises(RemoteError, match="reported an error mid-answer: GPU fell over"):
@@ -191,7 +168,7 @@ def test_reasoning_content_is_rewrapped_for_the_app() -> None:
               b'data: {"choices": [], "usage": {"prompt_tokens": 9, "completion_tokens": 4, '
               b'"prompt_tokens_details": {"cached_tokens": 6}}}\n\ndata: [DONE]\n\n')
     for thinking, text in ((True, "hmm</think>\n\nRed."), (False, "<think>hmm</think>\n\nRed.")):
-        srv = _RawServer(_sse_head() + chunks)
+        srv = RawServer(sse_head() + chunks)
         try:
             _, got = _turn(RemoteEngine(srv.url, "m", timeout=5).chat(HI, enable_thinking=thinking))
         finally:

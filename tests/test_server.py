@@ -318,14 +318,8 @@ def test_a_queued_client_that_disconnects_never_runs(engine, lock) -> None:
 
 
 @pytest.fixture(scope="module")
-def vision_server(tiny, tmp_path_factory):
-    from engine.synth import synth_mmproj_for
-    mmproj = synth_mmproj_for(tmp_path_factory.mktemp("mm") / "tiny-mmproj.gguf", "tiny", seed=0)
-    eng = Engine.load(tiny, mmproj, options=EngineOptions(context=CONTEXT, image_max_pixels=64 * 64))
-    srv = ServerThread(eng, ServerConfig("tiny-vl"), port=0).start()
-    yield srv, eng
-    srv.stop()
-    eng.close()
+def vision_server(served_vision):
+    return served_vision
 
 
 def _png(colour=(200, 30, 30)) -> bytes:
