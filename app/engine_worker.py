@@ -26,6 +26,7 @@ from engine.errors import EngineError, GenerationCancelled
 from engine.events import Event, PrefillProgress, PrefillStats, TokenEvent, TurnSummary
 
 from .gpu import gpu_report
+from .serving import LocalServer
 
 if TYPE_CHECKING:  # engine.api imports numpy and the model code: loaded off the UI thread, at the first load
     from engine.api import ChatEngine
@@ -46,6 +47,8 @@ class LoadRequest:
         threads: CPU kernel threads, or None for the engine's default (the physical cores).
         device: where prefill runs: "auto", "cuda" or "cpu".
         vram_budget: GPU memory prefill may use, bytes, or None to let the engine decide.
+        remote_url: base URL of an OpenAI-compatible server to use instead of a local model ("" = none);
+            remote_model: the model it serves; api_key: its key (from the keyring, never saved), or None.
     """
 
     model_path: str | None = None
@@ -56,10 +59,15 @@ class LoadRequest:
     threads: int | None = None
     device: str = "auto"
     vram_budget: int | None = None
+    remote_url: str = ""
+    remote_model: str = ""
+    api_key: str | None = field(default=None, repr=False)
 
     @property
     def name(self) -> str:
-        """The model's file name, for messages."""
+        """The model's file name (or remote name and server), for messages."""
+        if self.remote_url:
+            return f"{self.remote_model} at {self.remote_url}"
         return Path(self.model_path).name if self.model_path else "the default model"
 
 
@@ -75,8 +83,12 @@ def load_real_engine(request: LoadRequest, progress: LoadProgress, cancel: threa
 
     ``engine.api`` (numpy, gguf, tokenizers) is imported here, off the UI thread, so the window
     appears before those heavy imports run. ``progress`` and ``cancel`` go to ``Engine.load``.
+    A request with a ``remote_url`` connects to that server instead (:func:`engine.api.connect_remote`).
     """
     from engine import api
+    if request.remote_url:
+        progress("connecting to the server")
+        return api.connect_remote(request.remote_url, request.remote_model, request.api_key)
 
     model_path, mmproj_path = request.model_path, request.mmproj_path
     if model_path is None:
@@ -120,8 +132,13 @@ def summarize(info: Any) -> ModelSummary:
 
     The parameter count is the text model's (``info.n_params``, millions): a vision tower's
     parameters are not in it, so the line says "(text model)". A model that chats in ChatML for want
-    of its own template says so at the end (``info.template_note``).
+    of its own template says so at the end (``info.template_note``). A remote engine's line names the
+    model and the server instead (it has no file fields).
     """
+    if info.remote:
+        context = f"context {info.context} tokens" if info.context else "context as the server sets it"
+        return ModelSummary(line=f"{info.name} on {info.remote} (remote engine): {context}; "
+                                 f"{'images sent' if info.has_vision else 'text only'}", info=info)
     quants = ", ".join(f"{name} \u00d7{count}" for name, (count, _) in
                        sorted(info.quant_mix.items(), key=lambda kv: -kv[1][1]))
     line = (f"{Path(info.path).name}: {info.arch}, {info.n_layer} layers ({info.n_attn_layers} attention), "
@@ -182,6 +199,11 @@ class EngineWorker(QObject):
         image_measured(str, object): an image path and the (height, width) the model will see,
             or a sentence saying why it cannot.
         notice(str): something went wrong outside a turn; plain words for the status bar.
+        served(str): where "Serve on localhost" listens, or why it does not ("" when it is off).
+
+    Attributes:
+        turn_lock: held while a turn (or another use of the engine) runs; the local server holds it
+            around its requests' turns, so the two take turns on the one engine.
     """
 
     loaded = Signal(object)
@@ -195,6 +217,7 @@ class EngineWorker(QObject):
     gpu_reported = Signal(object)
     image_measured = Signal(str, object)
     notice = Signal(str)
+    served = Signal(str)
     _load_done = Signal(int, object, object)
 
     def __init__(self, loader: EngineLoader = load_real_engine) -> None:
@@ -206,6 +229,9 @@ class EngineWorker(QObject):
         self._load_number = 0
         self._load_cancel = threading.Event()
         self.closing = threading.Event()
+        self.turn_lock = threading.Lock()
+        self._server = LocalServer()
+        self._serve_port = 0
         self._load_done.connect(self._install)
 
     @Slot(object)
@@ -270,12 +296,35 @@ class EngineWorker(QObject):
         self.loaded.emit(outcome)
         self.report_gpu()
         self.list_snapshots()
+        if self._serve_port:
+            self._apply_serving()
+
+    @Slot(int)
+    def serve(self, port: int) -> None:
+        """Run the local server on ``port`` with the loaded engine (0: stop it); emits ``served``. It
+        follows later loads (started on each new engine) until it is turned off."""
+        self._serve_port = port
+        self._apply_serving()
+
+    def _apply_serving(self) -> None:
+        if not self._serve_port:
+            self._server.stop()
+            self.served.emit("")
+        elif self._engine is None:
+            self._server.stop()
+            self.served.emit("Not serving: no model is loaded")
+        else:
+            self.served.emit(self._server.start(self._engine, self._serve_port, self.turn_lock))
 
     def _close_engine(self) -> None:
+        if self._server.running:
+            self._server.stop()
+            self.served.emit("Not serving: the model is being replaced" if self._serve_port else "")
         engine, self._engine = self._engine, None
         if engine is not None:
             try:
-                engine.close()
+                with self.turn_lock:
+                    engine.close()
             except Exception as exc:  # noqa: BLE001 - every failure becomes a message in the window
                 self.notice.emit(plain_error(exc, "saving the prefix snapshots"))
 
@@ -299,13 +348,14 @@ class EngineWorker(QObject):
         if request.sampling is not None:
             kwargs["sampling"] = request.sampling
         try:
-            events = self._engine.chat(request.messages, **kwargs)
-            for event in events:
-                if request.cancel.is_set() and not isinstance(event, TurnSummary):
-                    events.close()
-                    stream.finish(stream.summary("cancelled", "Stopped."))
-                    break
-                stream.handle(event)
+            with self.turn_lock:
+                events = self._engine.chat(request.messages, **kwargs)
+                for event in events:
+                    if request.cancel.is_set() and not isinstance(event, TurnSummary):
+                        events.close()
+                        stream.finish(stream.summary("cancelled", "Stopped."))
+                        break
+                    stream.handle(event)
         except GenerationCancelled:
             stream.finish(stream.summary("cancelled", "Stopped."))
         except BaseException as exc:  # noqa: BLE001 - every failure becomes a message in the window
@@ -332,7 +382,8 @@ class EngineWorker(QObject):
     def list_snapshots(self) -> None:
         """Emit ``snapshots_listed`` with the engine's prefix snapshots ([] without a model)."""
         try:
-            listed = [] if self._engine is None else self._engine.snapshots()
+            with self.turn_lock:
+                listed = [] if self._engine is None else self._engine.snapshots()
         except Exception as exc:  # noqa: BLE001 - every failure becomes a message in the window
             self.notice.emit(plain_error(exc, "listing the prefix snapshots"))
             return
@@ -343,7 +394,8 @@ class EngineWorker(QObject):
         """Drop one prefix snapshot (its key) or, with None, all of them; then list what is left."""
         if self._engine is not None:
             try:
-                self._engine.clear_snapshots(key)
+                with self.turn_lock:
+                    self._engine.clear_snapshots(key)
             except Exception as exc:  # noqa: BLE001 - every failure becomes a message in the window
                 self.notice.emit(plain_error(exc, "clearing the prefix snapshots"))
         self.list_snapshots()
@@ -358,7 +410,8 @@ class EngineWorker(QObject):
         if self._engine is None or self.closing.is_set():
             return
         try:
-            size: Any = tuple(self._engine.image_size(path))
+            with self.turn_lock:
+                size: Any = tuple(self._engine.image_size(path))
         except Exception as exc:  # noqa: BLE001 - every failure becomes a message in the window
             size = plain_error(exc, "reading the image")
         self.image_measured.emit(path, size)

@@ -18,6 +18,8 @@ except ImportError:
     pynvml = None
 
 GIB = 1 << 30
+REMOTE_NOTE = ("The model runs on {url}: its VRAM, PCIe traffic and prefix snapshots are the server's and "
+               "not shown here; TTFT and tok/s are measured from the stream, cached tokens come from its usage.")
 
 
 @dataclass(frozen=True)
@@ -112,7 +114,7 @@ class GpuReport:
     """Where the engine prefills and encodes images now, and what its last GPU prefill did.
 
     Attributes:
-        device: "cuda" or "cpu".
+        device: "cuda", "cpu" or "remote" (a remote engine: then ``note`` says what is the server's).
         note: why prefill is on the CPU when a GPU was asked for or looked for (or failed), else "".
         prefill: the last GPU prefill, or None (none yet, or on the CPU).
         vision_device: where images are encoded, "cuda" or "cpu" ("" without a vision tower); the
@@ -133,16 +135,21 @@ def gpu_report(engine: Any) -> GpuReport:
     the engine's thread)."""
     info = engine.info
     telemetry = engine.telemetry()
+    if info.remote:
+        return GpuReport(device="remote", note=REMOTE_NOTE.format(url=info.remote), prefill=None)
     return GpuReport(device=info.device, note=info.device_note,
                      prefill=None if telemetry is None else PrefillReport.of(telemetry),
                      vision_device=info.vision_device, vision_note=info.vision_note)
 
 
 def device_phrase(device: str, budget: int = 0, gpu_name: str = "") -> str:
-    """Where prefill runs, for the model summary: "prefill on GPU (H200, budget 6.0 GiB)" / "prefill on CPU".
+    """Where prefill runs, for the model summary: "prefill on GPU (H200, budget 6.0 GiB)" / "prefill on CPU"
+    / "runs on the server" (a remote engine).
 
     ``budget`` is the engine's VRAM budget in bytes (``ModelInfo.vram_budget``; 0 = not shown).
     """
+    if device == "remote":
+        return "runs on the server"
     if device != "cuda":
         return "prefill on CPU"
     details = [gpu_name.removeprefix("NVIDIA ").strip()] + ([f"budget {budget / GIB:.1f} GiB"] if budget else [])

@@ -21,6 +21,7 @@ from PySide6.QtWidgets import (QApplication, QDialog, QFileDialog, QHBoxLayout, 
 from .chat_view import ChatView
 from .composer import Composer
 from .controller import ChatController
+from .connections import KeyStore
 from .conversations import ConversationIdRole, ConversationListModel, ConversationPanel
 from .engine_worker import LoadRequest, ModelSummary, WorkerThread
 from .gpu import GpuReport, device_phrase, vision_phrase
@@ -114,9 +115,11 @@ class MainWindow(QMainWindow):
 
     Signals:
         load_requested(LoadRequest): queued to the engine worker.
+        serve_requested(int): the local server's port, 0 = off; queued to the engine worker.
     """
 
     load_requested = Signal(object)
+    serve_requested = Signal(int)
 
     def __init__(self, history: HistoryThread, images: ImageStore, engine: WorkerThread,
                  monitor: MonitorThread | None, state: QSettings, renderer: MarkdownRenderer,
@@ -133,6 +136,7 @@ class MainWindow(QMainWindow):
         self.model: ModelSummary | None = None
         self.loading: LoadRequest | None = None
         self._remember_load = False
+        self.keys = KeyStore()
         worker = engine.worker
 
         self.conversations = ConversationListModel(history)
@@ -184,6 +188,13 @@ class MainWindow(QMainWindow):
         worker.gpu_reported.connect(self._gpu_reported)
         worker.image_measured.connect(self.composer.on_measured)
         worker.notice.connect(self.statusBar().showMessage)
+        self.serve_status = QLabel()
+        self.serve_status.setAccessibleName("Local server")
+        self.statusBar().addPermanentWidget(self.serve_status)
+        worker.served.connect(self.serve_status.setText)
+        self.serve_requested.connect(worker.serve)
+        if self.prefs.serve_local:
+            self.serve_requested.emit(self.prefs.serve_port)
         history.failed.connect(self.statusBar().showMessage)
         history.unavailable.connect(self._history_unavailable)
         if monitor is not None:
@@ -250,10 +261,14 @@ class MainWindow(QMainWindow):
         """
         if model_path and not mmproj_path:
             mmproj_path = paired_mmproj(model_path)
-        self.controller.stop()
         prefs = self.prefs
-        request = LoadRequest(model_path, mmproj_path, prefs.context, prefs.image_max_pixels, self.snapshot_dir,
-                              threads=prefs.threads or None, device=prefs.device, vram_budget=prefs.vram_budget)
+        self._start_load(LoadRequest(model_path, mmproj_path, prefs.context, prefs.image_max_pixels, self.snapshot_dir,
+                                     threads=prefs.threads or None, device=prefs.device,
+                                     vram_budget=prefs.vram_budget), remember)
+
+    def _start_load(self, request: LoadRequest, remember: bool = False) -> None:
+        """Stop a live answer, show the load as under way and send ``request`` to the worker."""
+        self.controller.stop()
         self.model = None
         self.loading = request
         self._remember_load = remember
@@ -265,7 +280,13 @@ class MainWindow(QMainWindow):
         self.load_requested.emit(request)
 
     def load_configured(self, mmproj_path: str | None = None) -> None:
-        """Load the model the settings name (the default model when none), optionally with another tower."""
+        """Load the model the settings name (the default model when none), optionally with another tower;
+        with a remote engine configured (and no other tower asked for), connect to it instead."""
+        prefs = self.prefs
+        if prefs.remote_url and mmproj_path is None:
+            self._start_load(LoadRequest(remote_url=prefs.remote_url, remote_model=prefs.remote_model,
+                                         api_key=self.keys.get(prefs.remote_url) or None))
+            return
         self.load_model(self.prefs.model_path or None, mmproj_path or self.prefs.mmproj_path or None)
 
     def cancel_load(self) -> None:
@@ -297,7 +318,8 @@ class MainWindow(QMainWindow):
         self.sidebar.set_context(summary.info.context)
         if request is not None and self._remember_load:
             self.apply_settings(replace(self.prefs, model_path=request.model_path or "",
-                                        mmproj_path=request.mmproj_path or ""), reload=False)
+                                        mmproj_path=request.mmproj_path or "", remote_url="", remote_model=""),
+                                reload=False)
 
     def _show_model_line(self, device: str, note: str, vision_device: str, vision_note: str) -> None:
         """The banner: what a user asks about the model (:func:`headline`); the engineer's details
@@ -363,7 +385,7 @@ class MainWindow(QMainWindow):
 
     def open_settings(self) -> None:
         """Show the settings dialog and apply what the user accepts."""
-        dialog = SettingsDialog(self.prefs, self)
+        dialog = SettingsDialog(self.prefs, self, self.keys)
         if dialog.exec() == QDialog.Accepted:
             self.apply_settings(dialog.settings())
 
@@ -376,6 +398,8 @@ class MainWindow(QMainWindow):
         settings.write(self.state)
         self.controller.settings = settings
         self.composer.think_box.setChecked(settings.thinking)
+        if (settings.serve_local, settings.serve_port) != (old.serve_local, old.serve_port):
+            self.serve_requested.emit(settings.serve_port if settings.serve_local else 0)
         if reload and settings.load_key() != old.load_key():
             self.load_configured()
 

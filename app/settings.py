@@ -45,6 +45,10 @@ class Settings:
         seed: fixed random seed, or -1 for fresh randomness each answer.
         system_prompt: sent first in every conversation ("" = none).
         thinking: let the model think before answering (the composer's Think box).
+        serve_local: run the OpenAI-compatible server on 127.0.0.1:``serve_port`` on the loaded model.
+        remote_url: base URL of an OpenAI-compatible server to chat with instead of a model loaded here
+            ("" = none); ``remote_model`` is the model it serves. Its API key is kept in the system
+            keyring (:class:`app.connections.KeyStore`), never here.
     """
 
     model_path: str = ""
@@ -64,6 +68,10 @@ class Settings:
     max_tokens: int = 2048
     system_prompt: str = ""
     thinking: bool = False
+    serve_local: bool = False
+    serve_port: int = 8080
+    remote_url: str = ""
+    remote_model: str = ""
 
     def sampling(self) -> SamplingParams:
         """These settings as the engine's sampling parameters."""
@@ -74,7 +82,7 @@ class Settings:
     def load_key(self) -> tuple[Any, ...]:
         """The settings a model load depends on: when they change, the model is loaded again."""
         return (self.model_path, self.mmproj_path, self.context, self.image_max_pixels, self.threads, self.device,
-                self.vram_budget_gib)
+                self.vram_budget_gib, self.remote_url, self.remote_model)
 
     @property
     def vram_budget(self) -> int | None:
@@ -106,6 +114,8 @@ class Settings:
             settings = replace(settings, device=default.device)
         if not settings.vram_budget_gib >= 0:
             settings = replace(settings, vram_budget_gib=default.vram_budget_gib)
+        if not 1 <= settings.serve_port <= 65535:
+            settings = replace(settings, serve_port=default.serve_port)
         try:
             settings.sampling()
         except EngineError:

@@ -9,6 +9,7 @@ from PySide6.QtWidgets import (QCheckBox, QComboBox, QDialog, QDialogButtonBox, 
                                QFormLayout, QHBoxLayout, QLabel, QLineEdit, QPlainTextEdit, QPushButton,
                                QSpinBox, QTabWidget, QVBoxLayout, QWidget)
 
+from .connections import ConnectionsTab, KeyStore
 from .settings import MIN_CONTEXT, Settings
 
 IMAGE_SIDES = (256, 384, 512, 768, 1024, 1280, 1536, 2048)
@@ -75,7 +76,7 @@ class SettingsDialog(QDialog):
     the next answer.
     """
 
-    def __init__(self, settings: Settings, parent: QWidget | None = None) -> None:
+    def __init__(self, settings: Settings, parent: QWidget | None = None, keys: KeyStore | None = None) -> None:
         super().__init__(parent)
         self.setWindowTitle("Settings")
         self.setMinimumWidth(520)
@@ -84,6 +85,8 @@ class SettingsDialog(QDialog):
         tabs.addTab(self._model_tab(settings), "Model")
         tabs.addTab(self._sampling_tab(settings), "Sampling")
         tabs.addTab(self._chat_tab(settings), "Chat")
+        self.connections = ConnectionsTab(settings, keys or KeyStore())
+        tabs.addTab(self.connections, "Connections")
         buttons = QDialogButtonBox(QDialogButtonBox.Ok | QDialogButtonBox.Cancel | QDialogButtonBox.RestoreDefaults)
         buttons.accepted.connect(self.accept)
         buttons.rejected.connect(self.reject)
@@ -200,10 +203,16 @@ class SettingsDialog(QDialog):
             top_k=self.top_k.value(), top_p=round(self.top_p.value(), 4), min_p=round(self.min_p.value(), 4),
             presence_penalty=round(self.presence.value(), 4), repetition_penalty=round(self.repetition.value(), 4),
             seed=self.seed.value(), max_tokens=self.max_tokens.value(),
-            system_prompt=self.system_prompt.toPlainText().strip(), thinking=self.thinking.isChecked())
+            system_prompt=self.system_prompt.toPlainText().strip(), thinking=self.thinking.isChecked(),
+            **self.connections.values())
+
+    def accept(self) -> None:
+        """Keep the remote engine's API key (in the keyring), then close."""
+        self.connections.save_key()
+        super().accept()
 
     def restore_defaults(self) -> None:
-        """Put every field but the model files back to its default."""
+        """Put every field but the model files and the connections back to its default."""
         d = Settings()
         self.context.setValue(d.context)
         self._set_image_pixels(d.image_max_pixels)

@@ -12,7 +12,7 @@ token rate.
 from __future__ import annotations
 
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Sequence
 
 import psutil
@@ -335,9 +335,13 @@ class Sidebar(QWidget):
     def _show_gpu(self) -> None:
         """Compose the GPU section from the engine's report (first) and the NVML reading (second)."""
         report, nvml = self._gpu_report, self._nvml
+        if report is not None and report.device == "remote":
+            nvml = None  # this machine's GPU is not the one answering
         on_gpu = report is not None and report.device == "cuda"
         prefill = report.prefill if report is not None else None
-        if on_gpu:
+        if report is not None and report.device == "remote":
+            self.gpu_label.setText("Remote engine")
+        elif on_gpu:
             self.gpu_label.setText(f"{nvml.name}: prefill on the GPU" if nvml else "Prefill on the GPU")
         else:
             self.gpu_label.setText(f"{nvml.name}: prefill on the CPU" if nvml else NO_GPU)
@@ -402,6 +406,10 @@ class Sidebar(QWidget):
         """A new turn's prompt has been read."""
         self._prefill = stats
         self._generated = 0
+        if stats.device == "remote":
+            self.last_turn.setText(f"TTFT {stats.ttft_ms:.0f} ms (measured here, the network included)")
+            self._dirty = True
+            return
         restored = f", restored in {stats.restore_ms:.0f} ms" if stats.reused_tokens else ""
         self.last_turn.setText(f"TTFT {stats.ttft_ms:.0f} ms \u00b7 prefill {stats.prefill_tok_s:.0f} tok/s "
                                f"({stats.prefilled_tokens} tokens on {stats.device}, {stats.reused_tokens} reused"
@@ -419,6 +427,12 @@ class Sidebar(QWidget):
     def on_summary(self, summary: TurnSummary) -> None:
         """The turn ended: show its final numbers now."""
         self._generated = summary.generated_tokens
+        p = self._prefill
+        if p is not None and p.device == "remote":  # the token counts come with the server's usage, at the end
+            self._prefill = replace(p, prompt_tokens=summary.prompt_tokens, reused_tokens=summary.reused_tokens,
+                                    prefilled_tokens=max(0, summary.prompt_tokens - summary.reused_tokens))
+            self.last_turn.setText(f"TTFT {summary.ttft_ms:.0f} ms (measured here) \u00b7 {summary.reused_tokens} of "
+                                   f"{summary.prompt_tokens} prompt tokens cached on the server")
         self._repaint_generation(summary.decode_tok_s)
 
     def _repaint_generation(self, decode_tok_s: float | None = None) -> None:

@@ -1,4 +1,4 @@
-"""Command line: ``python -m engine {info,generate,chat,synth,bench}``.
+"""Command line: ``python -m engine {info,generate,chat,serve,synth,bench}``.
 
 - ``info MODEL.gguf``: architecture, layers, quant mix, bytes read per decoded token.
 - ``generate [--model M] [--mmproj V] [--image I ...] [--prompt P] [--max-tokens N] [--temp T] ...``:
@@ -6,6 +6,8 @@
   continues the prompt text itself (no chat template). A model without ``tokenizer.chat_template``
   chats in ChatML, with a one-line note on stderr.
 - ``chat [--model M]``: an interactive multi-turn chat on the terminal.
+- ``serve [--model M] [--mmproj V] [--host 127.0.0.1] [--port 8080] [--api-key K]``: an
+  OpenAI-compatible HTTP server (:mod:`engine.server`); a non-loopback ``--host`` needs a key.
 - ``synth --preset tiny|small|dense-tiny|35b-a3b [--layers N] [--experts N] --quant Q -o FILE``:
   a random-weight GGUF in the layout and metadata real files use, and beside it a matching
   random vision tower ``FILE-mmproj.gguf`` (``--no-mmproj`` skips it).
@@ -20,6 +22,7 @@ larger than ``--context``), are printed as one line on stderr with exit status 2
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import threading
 import time
@@ -201,6 +204,23 @@ def cmd_chat(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_serve(args: argparse.Namespace) -> int:
+    from .server import ServerConfig, check_bind, serve
+    api_key = args.api_key or os.environ.get("DELTADESK_API_KEY") or None
+    check_bind(args.host, api_key)
+    path, mmproj = _model_paths(args)
+    engine = _load(args, path, mmproj)
+    name = args.model_name or path.stem
+    host = f"[{args.host}]" if ":" in args.host else args.host
+    print(f"[serving {name} on http://{host}:{args.port}/v1 (OpenAI API){'; API key required' if api_key else ''}"
+          "; Ctrl+C stops]", file=sys.stderr)
+    try:
+        serve(engine, ServerConfig(name, api_key), args.host, args.port)
+    finally:
+        engine.close()
+    return 0
+
+
 def cmd_synth(args: argparse.Namespace) -> int:
     from .synth import synth
     t0 = time.perf_counter()
@@ -270,6 +290,17 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("chat", help="interactive chat on the terminal")
     _add_sampling(p)
     p.set_defaults(func=cmd_chat)
+    p = sub.add_parser("serve", help="an OpenAI-compatible HTTP server on the model")
+    p.add_argument("--model", "-m", help="GGUF text model (default: the bundled demo model)")
+    p.add_argument("--mmproj", help="GGUF vision tower (mmproj) for image input")
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (default: loopback only; any "
+                   "other needs --api-key)")
+    p.add_argument("--port", type=int, default=8080)
+    p.add_argument("--api-key", help="key clients must send as 'Authorization: Bearer KEY' (or set "
+                   "DELTADESK_API_KEY)")
+    p.add_argument("--model-name", help="the model id clients name (default: the file name without .gguf)")
+    p.add_argument("--context", type=int, default=8192, help="context window, tokens")
+    p.set_defaults(func=cmd_serve)
     p = sub.add_parser("synth", help="write a random-weight GGUF")
     p.add_argument("--preset", required=True, choices=["tiny", "small", "dense-tiny", "35b-a3b"])
     p.add_argument("--layers", type=int, default=None)

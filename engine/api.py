@@ -628,6 +628,38 @@ def _release(*parts: Any) -> None:
             log.warning("releasing %s after a failed load: %s", type(part).__name__, exc)
 
 
+def connect_remote(base_url: str, model: str, api_key: str | None = None, timeout: float = 300.0) -> ChatEngine:
+    """A :class:`ChatEngine` on an OpenAI-compatible server (:meth:`engine.remote.RemoteEngine.connect`).
+
+    Raises:
+        RemoteError: unreachable, refused, or ``model`` is not listed.
+    """
+    from .remote import RemoteEngine
+    return RemoteEngine.connect(base_url, model, api_key, timeout)
+
+
+def list_remote_models(base_url: str, api_key: str | None = None, timeout: float = 10.0) -> list[str]:
+    """The model ids an OpenAI-compatible server lists (:func:`engine.remote.list_models`).
+
+    Raises:
+        RemoteError: unreachable, refused, or not an OpenAI model list.
+    """
+    from .remote import list_models
+    return [m["id"] for m in list_models(base_url, api_key, timeout)]
+
+
+def serve_in_background(engine: Engine, model_name: str, port: int, engine_lock: threading.Lock | None = None,
+                        host: str = "127.0.0.1", api_key: str | None = None) -> Any:
+    """Start ``engine serve`` for ``engine`` on a background thread (:class:`engine.server.ServerThread`;
+    port 0 picks a free one). Returns the running server: ``.url``, ``.port``, ``.stop()``.
+
+    Raises:
+        EngineError: the address cannot be bound, or a non-loopback ``host`` has no ``api_key``.
+    """
+    from .server import ServerConfig, ServerThread
+    return ServerThread(engine, ServerConfig(model_name, api_key), host, port, engine_lock).start()
+
+
 def bundled_model() -> tuple[Path, Path | None] | None:
     """The bundled demo model under ``assets/models/`` (issue 8): (text GGUF, mmproj GGUF or None), or
     None when its text GGUF is absent. Writes nothing."""

@@ -46,3 +46,8 @@ class DeviceError(EngineError):
 
 class DeviceBudgetError(DeviceError):
     """The work does not fit the GPU memory budget it was given; the GPU itself works (smaller work may fit)."""
+
+
+class RemoteError(EngineError):
+    """An OpenAI-compatible server could not be reached, refused a request, went silent past the timeout or
+    dropped the connection mid-answer (:mod:`engine.remote`); the message names the URL."""

@@ -1,0 +1,54 @@
+""""Serve on localhost": ``engine serve`` on 127.0.0.1 running the app's loaded engine (issue 17, item 2).
+
+The engine worker owns it and starts it on the engine it loaded, so the server shares that engine's
+weights, GPU placement and prefix-snapshot cache; each side holds the worker's turn lock while a turn
+runs, so the app's answers and the server's requests take turns on the one engine.
+"""
+
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+from typing import Any
+
+from engine.errors import EngineError
+
+LOOPBACK = "127.0.0.1"
+
+
+class LocalServer:
+    """The OpenAI-compatible server of the app (at most one, loopback only, no key: nothing beyond this
+    machine can reach it)."""
+
+    def __init__(self) -> None:
+        self._thread: Any = None
+
+    @property
+    def running(self) -> bool:
+        """Whether it listens."""
+        return self._thread is not None
+
+    def start(self, engine: Any, port: int, engine_lock: threading.Lock) -> str:
+        """Serve ``engine`` on ``http://127.0.0.1:port/v1`` (a running server is stopped first).
+
+        Returns:
+            One line for the status area: where it listens, or why it does not (a remote engine, a port
+            in use). Never raises.
+        """
+        self.stop()
+        info = engine.info
+        if info.remote:
+            return "Not serving: the model runs on a remote server (serve on localhost needs a model loaded here)"
+        from engine.api import serve_in_background
+        name = Path(info.path).stem if info.path is not None else "deltadesk"
+        try:
+            self._thread = serve_in_background(engine, name, port, engine_lock, LOOPBACK)
+        except EngineError as exc:
+            return f"Not serving: {exc}"
+        return f"Serving {name} on {self._thread.url}"
+
+    def stop(self) -> None:
+        """Stop listening (a request in progress is cut off); harmless when not running."""
+        thread, self._thread = self._thread, None
+        if thread is not None:
+            thread.stop()

@@ -1,0 +1,352 @@
+"""A :class:`engine.api.ChatEngine` that talks to an OpenAI-compatible server: vLLM, SGLang, llama.cpp's
+``llama-server``, or another DeltaDesk's ``engine serve``.
+
+Each turn is one streamed ``POST {base_url}/chat/completions`` (server-sent events, the OpenAI chunk
+format) read with ``httpx``. The events are the in-process engine's: a :class:`PrefillStats` when the
+first piece of the answer arrives (TTFT measured here, so it includes the network), a
+:class:`TokenEvent` per streamed chunk (servers send one per token; its ``ms`` is the gap since the
+previous one, so tokens/s is the stream's), then a :class:`TurnSummary` whose token counts and cached
+tokens come from the server's ``usage`` (``stream_options.include_usage``;
+``prompt_tokens_details.cached_tokens``). VRAM, PCIe and snapshots are the server's and not seen here.
+
+Thinking that a server returns as ``reasoning_content`` is put back into the text as the model wrote
+it (``<think>`` ... ``</think>``), which is what the app's chat view splits. Errors are
+:class:`~engine.errors.RemoteError` with the URL and what went wrong: unreachable, refused (the
+server's own error message), no data within the timeout, or the connection dropped mid-answer (the
+caller keeps what had arrived).
+"""
+
+from __future__ import annotations
+
+import base64
+import io
+import json
+import mimetypes
+import threading
+import time
+from pathlib import Path
+from typing import Any, Iterator, Mapping, Sequence
+
+import httpx
+
+from .api import Message, ModelInfo, SnapshotInfo
+from .errors import ImageError, RemoteError, UnsupportedModelError
+from .events import Event, PrefillStats, TokenEvent, TurnSummary
+from .sampling import SamplingParams
+
+THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
+_STOP = {"stop": "eos", "length": "max_tokens", "content_filter": "eos", "tool_calls": "eos"}
+
+
+def _timeout(seconds: float) -> httpx.Timeout:
+    """``seconds`` to connect and between two pieces of an answer (a long prefill sends nothing until its end)."""
+    return httpx.Timeout(seconds, connect=min(seconds, 10.0))
+
+
+def _headers(api_key: str | None) -> dict[str, str]:
+    return {"Authorization": f"Bearer {api_key}"} if api_key else {}
+
+
+def _refusal(url: str, response: httpx.Response) -> RemoteError:
+    """The error of a non-2xx response: the server's own message when it sent the OpenAI error shape."""
+    try:
+        raw = response.read()
+    except httpx.HTTPError:
+        raw = b""
+    try:
+        error = json.loads(raw)["error"]
+        detail = str(error["message"] if isinstance(error, Mapping) else error)
+    except (ValueError, KeyError, TypeError):
+        detail = raw[:200].decode("utf-8", "replace").strip()
+    hint = " (check the API key in the settings)" if response.status_code in (401, 403) else ""
+    return RemoteError(f"{url} answered {response.status_code}{hint}: {detail or response.reason_phrase}")
+
+
+def _unreachable(url: str, exc: httpx.HTTPError, timeout: float) -> RemoteError:
+    if isinstance(exc, httpx.TimeoutException):
+        return RemoteError(f"{url}: no answer within {timeout:g} s ({type(exc).__name__})")
+    return RemoteError(f"cannot reach {url}: {exc or type(exc).__name__} (is the server running, and the base URL right?)")
+
+
+def list_models(base_url: str, api_key: str | None = None, timeout: float = 10.0) -> list[dict[str, Any]]:
+    """The models a server lists at ``GET {base_url}/models`` (OpenAI shape: ``{"data": [{"id": ...}]}``).
+
+    Raises:
+        RemoteError: unreachable, refused, or not the OpenAI list shape.
+    """
+    url = base_url.rstrip("/") + "/models"
+    try:
+        response = httpx.get(url, headers=_headers(api_key), timeout=_timeout(timeout))
+    except httpx.HTTPError as exc:
+        raise _unreachable(url, exc, timeout) from exc
+    if response.status_code != 200:
+        raise _refusal(url, response)
+    try:
+        data = response.json()["data"]
+        if not all(isinstance(m, Mapping) and isinstance(m.get("id"), str) for m in data):
+            raise TypeError("an entry without an id")
+    except (ValueError, KeyError, TypeError) as exc:
+        raise RemoteError(f"{url}: not an OpenAI model list ({exc})") from exc
+    return list(data)
+
+
+def _image_url(source: Any) -> str:
+    """An engine image part's source (path, bytes or PIL image) as a ``data:`` URL.
+
+    Raises:
+        ImageError: the file cannot be read.
+    """
+    if isinstance(source, (bytes, bytearray)):
+        data, mime = bytes(source), "image/png"
+    elif isinstance(source, (str, Path)):
+        try:
+            data = Path(source).read_bytes()
+        except OSError as exc:
+            raise ImageError(f"{source}: cannot read the image: {exc.strerror or exc}") from exc
+        mime = mimetypes.guess_type(str(source))[0] or "image/png"
+    elif hasattr(source, "save"):
+        buffer = io.BytesIO()
+        source.save(buffer, format="PNG")
+        data, mime = buffer.getvalue(), "image/png"
+    else:
+        raise ImageError(f"an image part must be a path, bytes or a PIL image, got {type(source).__name__}")
+    return f"data:{mime};base64,{base64.b64encode(data).decode('ascii')}"
+
+
+def openai_messages(messages: Sequence[Message]) -> list[dict[str, Any]]:
+    """The engine's message format as OpenAI chat messages (image parts become ``image_url`` data URLs).
+
+    Raises:
+        ImageError: an image file cannot be read.
+    """
+    out = []
+    for m in messages:
+        content = m.get("content")
+        if isinstance(content, list):
+            content = [{"type": "image_url", "image_url": {"url": _image_url(p.get("image"))}}
+                       if p.get("type") == "image" else {"type": "text", "text": p.get("text", "")} for p in content]
+        out.append({"role": m["role"], "content": content})
+    return out
+
+
+class RemoteEngine:
+    """A model served elsewhere, behind the OpenAI chat API.
+
+    Build it with :meth:`connect`. Like :class:`engine.api.Engine`, one turn at a time.
+
+    Args:
+        base_url: the API root, e.g. ``http://127.0.0.1:8080/v1``.
+        model: the model id to ask for (one of :func:`list_models`).
+        api_key: sent as ``Authorization: Bearer``; None = none.
+        timeout: seconds to connect and, once asked, between two pieces of the answer.
+        context: the server's context window, tokens (0 = unknown).
+        has_vision: whether image parts are sent (False: the app leaves them out and says so).
+    """
+
+    def __init__(self, base_url: str, model: str, api_key: str | None = None, timeout: float = 300.0,
+                 context: int = 0, has_vision: bool = True) -> None:
+        self.base_url = base_url.rstrip("/")
+        self.model = model
+        self.timeout = timeout
+        self._info = ModelInfo(arch="remote", context=context, has_vision=has_vision, device="remote", name=model,
+                               remote=self.base_url)
+        self._client = httpx.Client(headers=_headers(api_key), timeout=_timeout(timeout))
+
+    @classmethod
+    def connect(cls, base_url: str, model: str, api_key: str | None = None, timeout: float = 300.0) -> "RemoteEngine":
+        """Check that the server lists ``model`` and read its context (``max_model_len``, as vLLM and
+        ``engine serve`` list it) and whether it reads images (``vision``, ``engine serve``'s; assumed yes).
+
+        Raises:
+            RemoteError: unreachable, refused, or the model is not listed (the message names those that are).
+        """
+        models = list_models(base_url, api_key, min(timeout, 30.0))
+        entry = next((m for m in models if m["id"] == model), None)
+        if entry is None:
+            names = ", ".join(m["id"] for m in models) or "none"
+            raise RemoteError(f"{base_url} does not serve a model named {model!r} (it lists: {names})")
+        context = entry.get("max_model_len")
+        vision = entry.get("vision")
+        return cls(base_url, model, api_key, timeout, context if isinstance(context, int) else 0,
+                   vision if isinstance(vision, bool) else True)
+
+    @property
+    def info(self) -> ModelInfo:
+        """The model as far as the server tells (see :class:`engine.api.ModelInfo`: no file fields)."""
+        return self._info
+
+    def body(self, messages: Sequence[Message], sampling: SamplingParams, enable_thinking: bool) -> dict[str, Any]:
+        """The request body of one turn: messages, sampling fields (``top_k``, ``min_p`` and
+        ``repetition_penalty`` are the vLLM / llama.cpp extensions), thinking, a streamed answer with usage."""
+        body: dict[str, Any] = {
+            "model": self.model, "messages": openai_messages(messages), "stream": True,
+            "stream_options": {"include_usage": True}, "max_tokens": sampling.max_tokens,
+            "temperature": sampling.temperature, "top_p": sampling.top_p, "top_k": sampling.top_k,
+            "min_p": sampling.min_p, "presence_penalty": sampling.presence_penalty,
+            "repetition_penalty": sampling.repetition_penalty,
+            "chat_template_kwargs": {"enable_thinking": enable_thinking}}
+        if sampling.seed is not None:
+            body["seed"] = sampling.seed
+        return body
+
+    def chat(self, messages: Sequence[Message], sampling: SamplingParams = SamplingParams(),
+             cancel: threading.Event | None = None, enable_thinking: bool = False,
+             conversation: str = "") -> Iterator[Event]:
+        """One turn on the server, as the in-process engine's events (see the module doc).
+
+        ``conversation`` is not sent (the server keeps its own cache). Setting ``cancel`` closes the
+        connection at the next chunk, which stops the turn on servers that watch for it
+        (``engine serve``, vLLM, llama-server), and ends with a "cancelled" summary.
+
+        Raises:
+            ImageError: an image file cannot be read (before anything is sent).
+            RemoteError: see the module doc; raised after the events of what had arrived.
+        """
+        return self._turn(self.body(messages, sampling, enable_thinking), cancel or threading.Event(), enable_thinking)
+
+    def _turn(self, body: dict[str, Any], cancel: threading.Event, thinking: bool) -> Iterator[Event]:
+        url = self.base_url + "/chat/completions"
+        started = time.perf_counter()
+        state = _StreamState(thinking)
+        try:
+            with self._client.stream("POST", url, json=body) as response:
+                if response.status_code != 200:
+                    raise _refusal(url, response)
+                for line in response.iter_lines():
+                    if cancel.is_set():
+                        break
+                    chunk = _chunk(line, url)
+                    if chunk is None:
+                        continue
+                    if chunk is _DONE:
+                        state.done = True
+                        break
+                    yield from state.take(chunk, started)
+        except httpx.HTTPError as exc:
+            if not state.texts:
+                raise _unreachable(url, exc, self.timeout) from exc
+            raise RemoteError(f"{url} dropped the connection mid-answer after {len(state.texts)} pieces "
+                              f"({type(exc).__name__}: {exc}); the partial answer is kept") from exc
+        if cancel.is_set():
+            yield state.summary("cancelled", "Stopped.", started)
+        elif not state.done:
+            raise RemoteError(f"{url} ended the answer without 'data: [DONE]' after {len(state.texts)} pieces (the "
+                              "server dropped the connection?); the partial answer is kept")
+        else:
+            yield state.summary(_STOP.get(state.finish or "stop", "eos"), "", started)
+
+    def telemetry(self) -> Any:
+        """None: GPU prefill telemetry is the server's."""
+        return None
+
+    def snapshots(self) -> list[SnapshotInfo]:
+        """[]: the prefix snapshots are the server's."""
+        return []
+
+    def clear_snapshots(self, key: str | None = None) -> None:
+        """Nothing to drop here: the snapshots are the server's."""
+
+    def image_size(self, source: Any) -> tuple[int, int]:
+        """Not known here.
+
+        Raises:
+            UnsupportedModelError: always: the server resizes images as its vision tower needs.
+        """
+        raise UnsupportedModelError(f"the server ({self.base_url}) decides the size an image reaches its model at")
+
+    def close(self) -> None:
+        """Close the HTTP connections."""
+        self._client.close()
+
+
+_DONE = object()
+
+
+def _chunk(line: str, url: str) -> Any:
+    """One SSE line: a chunk dict, ``_DONE``, or None (blank, comment, other field).
+
+    Raises:
+        RemoteError: the line is not JSON, or it carries the server's error.
+    """
+    if not line.startswith("data:"):
+        return None
+    data = line[5:].strip()
+    if data == "[DONE]":
+        return _DONE
+    try:
+        chunk = json.loads(data)
+    except ValueError as exc:
+        raise RemoteError(f"{url} sent a stream line that is not JSON: {data[:120]!r}") from exc
+    if not isinstance(chunk, dict):
+        raise RemoteError(f"{url} sent a stream line that is not a JSON object: {data[:120]!r}")
+    if "error" in chunk:
+        error = chunk["error"]
+        raise RemoteError(f"{url} reported an error mid-answer: "
+                          f"{error.get('message') if isinstance(error, Mapping) else error}")
+    return chunk
+
+
+class _StreamState:
+    """What one streamed answer has brought so far."""
+
+    def __init__(self, thinking: bool) -> None:
+        self.thinking = thinking
+        self.texts: list[str] = []
+        self.ms: list[float] = []
+        self.usage: Mapping[str, Any] = {}
+        self.finish: str | None = None
+        self.done = False
+        self.ttft_ms = 0.0
+        self._last = 0.0
+        self._in_reasoning = False
+
+    def take(self, chunk: Mapping[str, Any], started: float) -> Iterator[Event]:
+        if isinstance(chunk.get("usage"), Mapping):
+            self.usage = chunk["usage"]
+        choices = chunk.get("choices") or []
+        choice = choices[0] if isinstance(choices, list) and choices and isinstance(choices[0], Mapping) else {}
+        self.finish = choice.get("finish_reason") or self.finish
+        delta = choice.get("delta") if isinstance(choice.get("delta"), Mapping) else {}
+        text = self._text(delta.get("reasoning_content") or delta.get("reasoning"), delta.get("content"))
+        if not text:
+            return
+        now = time.perf_counter()
+        if not self.texts:
+            self.ttft_ms = (now - started) * 1e3
+            self._last = now
+            yield PrefillStats(prompt_tokens=0, reused_tokens=0, prefilled_tokens=0, prefill_ms=self.ttft_ms,
+                               restore_ms=0.0, device="remote", ttft_ms=self.ttft_ms)
+        ms = self.ttft_ms if not self.texts else (now - self._last) * 1e3
+        self._last = now
+        self.texts.append(text)
+        self.ms.append(ms)
+        yield TokenEvent(token_id=-1, text=text, ms=ms, index=len(self.texts) - 1)
+
+    def _text(self, reasoning: Any, content: Any) -> str:
+        """The piece as the model wrote it: reasoning inside ``<think>`` ... ``</think>``."""
+        out = ""
+        if isinstance(reasoning, str) and reasoning:
+            if not self._in_reasoning:
+                self._in_reasoning = True
+                out += "" if self.thinking and not self.texts else THINK_OPEN
+            out += reasoning
+        if isinstance(content, str) and content:
+            if self._in_reasoning:
+                self._in_reasoning = False
+                out += THINK_CLOSE + "\n\n"
+            out += content
+        return out
+
+    def summary(self, reason: str, message: str, started: float) -> TurnSummary:
+        details = self.usage.get("prompt_tokens_details")
+        cached = details.get("cached_tokens") if isinstance(details, Mapping) else None
+        prompt = self.usage.get("prompt_tokens")
+        generated = self.usage.get("completion_tokens")
+        decode_ms = sum(self.ms[1:])
+        return TurnSummary(
+            stop_reason=reason, message=message, prompt_tokens=prompt if isinstance(prompt, int) else 0,
+            reused_tokens=cached if isinstance(cached, int) else 0,
+            generated_tokens=generated if isinstance(generated, int) else len(self.texts),
+            ttft_ms=self.ttft_ms, prefill_tok_s=0.0,
+            decode_tok_s=(len(self.ms) - 1) / (decode_ms / 1e3) if decode_ms > 0 else 0.0,
+            text="".join(self.texts), token_ms=tuple(self.ms))

@@ -1,0 +1,111 @@
+"""``python -m engine serve``: the engine behind an OpenAI-compatible HTTP API (see :mod:`engine.server.app`).
+
+The HTTP stack is Starlette (routing, requests, streamed responses) on uvicorn (the ASGI server): both
+are small, widely used and maintained, and an event loop serves slow streaming clients without a
+thread each while the engine runs one turn at a time on a thread of its own.
+
+Security: the server binds to loopback unless told otherwise, and binding any other address needs an
+API key (:func:`check_bind`), which every ``/v1`` request must then present.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import threading
+import time
+from typing import Any
+
+from ..errors import EngineError
+from .app import DEFAULT_MAX_BODY, ServerConfig, create_app
+from .requests import APIError
+
+__all__ = ["APIError", "DEFAULT_MAX_BODY", "ServerConfig", "ServerThread", "check_bind", "create_app", "is_loopback",
+           "serve"]
+
+LOOPBACK = "127.0.0.1"
+
+
+def is_loopback(host: str) -> bool:
+    """Whether ``host`` (an address or ``localhost``) reaches this machine only."""
+    if host.lower() == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
+
+
+def check_bind(host: str, api_key: str | None) -> None:
+    """Refuse to serve beyond this machine without an API key.
+
+    Raises:
+        EngineError: ``host`` is not a loopback address and ``api_key`` is empty.
+    """
+    if not is_loopback(host) and not api_key:
+        raise EngineError(f"refusing to listen on {host} without an API key: anyone who can reach this machine "
+                          "could use the model; pass --api-key KEY (or bind to 127.0.0.1)")
+
+
+def _uvicorn_server(engine: Any, config: ServerConfig, host: str, port: int, engine_lock: threading.Lock | None):
+    import uvicorn
+    app = create_app(engine, config, engine_lock)
+    return uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="warning", access_log=False,
+                                         timeout_graceful_shutdown=2))
+
+
+def serve(engine: Any, config: ServerConfig, host: str = LOOPBACK, port: int = 8080) -> None:
+    """Serve ``engine`` until interrupted (Ctrl+C), in the calling thread.
+
+    Raises:
+        EngineError: see :func:`check_bind`.
+    """
+    check_bind(host, config.api_key)
+    _uvicorn_server(engine, config, host, port, None).run()
+
+
+class ServerThread:
+    """The server on a background thread (the app's "Serve on localhost", the tests).
+
+    Args:
+        engine: the engine to serve (see :func:`engine.server.app.create_app`).
+        config: model name, key, body limit.
+        host, port: where to listen; port 0 picks a free one (read :attr:`port` after :meth:`start`).
+        engine_lock: the lock the engine's other user holds around its turns.
+    """
+
+    def __init__(self, engine: Any, config: ServerConfig, host: str = LOOPBACK, port: int = 8080,
+                 engine_lock: threading.Lock | None = None) -> None:
+        check_bind(host, config.api_key)
+        self.host = host
+        self._server = _uvicorn_server(engine, config, host, port, engine_lock)
+        self._thread = threading.Thread(target=self._server.run, name="engine-server", daemon=True)
+        self.port = port
+
+    @property
+    def url(self) -> str:
+        """The base URL of the API (``http://host:port/v1``)."""
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        return f"http://{host}:{self.port}/v1"
+
+    def start(self, timeout: float = 10.0) -> "ServerThread":
+        """Start listening; returns once the socket is bound.
+
+        Raises:
+            EngineError: the address could not be bound (in use, not this machine's) within ``timeout`` s.
+        """
+        self._thread.start()
+        deadline = time.monotonic() + timeout
+        while not self._server.started:
+            if not self._thread.is_alive() or time.monotonic() > deadline:
+                self.stop()
+                raise EngineError(f"could not listen on {self.host}:{self.port} (in use, or not an address "
+                                  "of this machine?)")
+            time.sleep(0.01)
+        self.port = self._server.servers[0].sockets[0].getsockname()[1]
+        return self
+
+    def stop(self) -> None:
+        """Stop listening, end the running turn's stream and join the thread."""
+        self._server.should_exit = True
+        if self._thread.is_alive():
+            self._thread.join(timeout=10)

@@ -1,0 +1,46 @@
+"""Fake HTTP servers that misbehave (drop the connection mid-answer, stay silent, send an error event),
+for the remote engine's tests."""
+
+from __future__ import annotations
+
+import socket
+import threading
+
+
+class RawServer:
+    """A one-shot HTTP server that answers each connection with ``reply`` bytes and then closes it (or,
+    with ``reply=None``, reads the request and says nothing)."""
+
+    def __init__(self, reply: bytes | None) -> None:
+        self.sock = socket.socket()
+        self.sock.bind(("127.0.0.1", 0))
+        self.sock.listen()
+        self.url = f"http://127.0.0.1:{self.sock.getsockname()[1]}/v1"
+        self.reply = reply
+        self.conns: list[socket.socket] = []
+        threading.Thread(target=self._serve, daemon=True).start()
+
+    def _serve(self) -> None:
+        while True:
+            try:
+                conn, _ = self.sock.accept()
+            except OSError:
+                return
+            self.conns.append(conn)
+            conn.recv(65536)
+            if self.reply is not None:
+                conn.sendall(self.reply)
+                conn.close()
+
+    def close(self) -> None:
+        self.sock.close()
+        for c in self.conns:
+            c.close()
+
+
+def sse_head() -> bytes:
+    return b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\n\r\n"
+
+
+def delta(text: str) -> bytes:
+    return b'data: {"choices": [{"index": 0, "delta": {"content": "%s"}, "finish_reason": null}]}\n\n' % text.encode()

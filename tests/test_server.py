@@ -1,0 +1,368 @@
+"""``engine serve`` on loopback, driven by the official ``openai`` client and by raw HTTP (issue 17, items 1
+and 5): answers equal the in-process engine's, streams end with ``data: [DONE]``, usage counts the tokens
+resumed from a snapshot, and every bad request gets the OpenAI error shape with its status."""
+
+from __future__ import annotations
+
+import base64
+import io
+import threading
+import time
+
+import httpx
+import openai
+import pytest
+
+from engine.__main__ import main
+from engine.api import Engine, EngineOptions
+from engine.errors import EngineError
+from engine.events import PrefillStats, TurnSummary
+from engine.sampling import SamplingParams
+from engine.server import ServerConfig, ServerThread, check_bind, is_loopback
+
+CONTEXT = 512
+HI = [{"role": "user", "content": "Say hello."}]
+
+
+@pytest.fixture(scope="module")
+def tiny(synth_model):
+    return synth_model("tiny", "q8_0")
+
+
+@pytest.fixture(scope="module")
+def engine(served):
+    return served[0]
+
+
+@pytest.fixture(scope="module")
+def lock(served):
+    """The engine's turn lock: every server on the shared engine holds it, as the app does."""
+    return served[1]
+
+
+@pytest.fixture(scope="module")
+def server(served):
+    return served[2]
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=server.url, api_key="unused", max_retries=0, timeout=60)
+
+
+def _direct(engine, lock, messages=HI, n=8, **kw) -> TurnSummary:
+    """The in-process answer, the engine's lock held as the server holds it."""
+    with lock:
+        return [e for e in engine.chat(messages, SamplingParams.greedy(n), **kw) if isinstance(e, TurnSummary)][-1]
+
+
+def test_non_streaming_chat_equals_the_in_process_answer(client, engine, lock) -> None:
+    want = _direct(engine, lock)
+    assert "<think>" not in want.text and "</think>" not in want.text
+    got = client.chat.completions.create(model="tiny", messages=HI, max_tokens=8, temperature=0)
+    choice = got.choices[0]
+    assert choice.message.role == "assistant" and choice.message.content == want.text.lstrip()
+    assert choice.finish_reason == "length" and got.object == "chat.completion"
+    assert got.usage.prompt_tokens == want.prompt_tokens and got.usage.completion_tokens == 8
+    assert got.usage.total_tokens == want.prompt_tokens + 8
+
+
+def test_streaming_chat_matches_and_ends_with_usage(client) -> None:
+    whole = client.chat.completions.create(model="tiny", messages=HI, max_tokens=8, temperature=0)
+    chunks = list(client.chat.completions.create(model="tiny", messages=HI, max_tokens=8, temperature=0, stream=True,
+                                                 stream_options={"include_usage": True}))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == whole.choices[0].message.content
+    finishes = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+    assert finishes == ["length"]
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 8
+    assert all(c.usage is None for c in chunks[:-1])
+
+
+def test_sse_wire_format_ends_with_done(server) -> None:
+    body = {"model": "tiny", "messages": HI, "max_tokens": 3, "temperature": 0, "stream": True}
+    with httpx.stream("POST", server.url + "/chat/completions", json=body, timeout=60) as r:
+        assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
+        lines = [line for line in r.iter_lines() if line]
+    assert all(line.startswith("data: ") for line in lines)
+    assert lines[-1] == "data: [DONE]" and lines.count("data: [DONE]") == 1
+
+
+def test_cached_tokens_count_the_resumed_prefix(client, engine) -> None:
+    """A repeated prompt resumes whole from the end-of-prompt snapshot; the next turn resumes from the
+    deepest snapshot point (message boundary) the two prompts share."""
+    engine.clear_snapshots()
+    messages = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Name a fruit."}]
+    first = client.chat.completions.create(model="tiny", messages=messages, max_tokens=4, temperature=0)
+    assert first.usage.prompt_tokens_details.cached_tokens == 0
+    again = client.chat.completions.create(model="tiny", messages=messages, max_tokens=4, temperature=0)
+    assert again.usage.prompt_tokens_details.cached_tokens == again.usage.prompt_tokens
+    follow = messages + [{"role": "assistant", "content": first.choices[0].message.content},
+                         {"role": "user", "content": "Another."}]
+    old, new = engine.render(messages), engine.render(follow)
+    shared = next(i for i, (a, b) in enumerate(zip(old + [-1], new)) if a != b)
+    expected = max(p for p in engine.checkpoints(old) + [len(old)] if p <= shared)
+    third = client.chat.completions.create(model="tiny", messages=follow, max_tokens=4, temperature=0)
+    assert third.usage.prompt_tokens == len(new)
+    assert third.usage.prompt_tokens_details.cached_tokens == expected > 0
+
+
+def test_sampling_parameters_reach_the_engine(client) -> None:
+    def ask(**kw):
+        return client.chat.completions.create(model="tiny", messages=HI, max_tokens=6, **kw).choices[0].message.content
+
+    greedy = ask(temperature=0)
+    assert ask(temperature=1.0, extra_body={"top_k": 1}) == greedy          # top-k 1 is greedy at any temperature
+    assert ask(temperature=1.5, top_p=1.0, seed=7) == ask(temperature=1.5, top_p=1.0, seed=7)
+    draws = {ask(temperature=1.5, top_p=1.0, extra_body={"top_k": 0}, seed=s) for s in range(4)}
+    assert len(draws) > 1
+
+
+def test_stop_string_cuts_the_answer(client) -> None:
+    full = client.chat.completions.create(model="tiny", messages=HI, max_tokens=12, temperature=0)
+    text = full.choices[0].message.content
+    stop = text[len(text) // 2:len(text) // 2 + 2]
+    cut = client.chat.completions.create(model="tiny", messages=HI, max_tokens=12, temperature=0, stop=[stop])
+    assert cut.choices[0].message.content == text[:text.find(stop)]
+    assert cut.choices[0].finish_reason == "stop"
+    streamed = client.chat.completions.create(model="tiny", messages=HI, max_tokens=12, temperature=0, stop=stop,
+                                              stream=True)
+    assert "".join(c.choices[0].delta.content or "" for c in streamed if c.choices) == text[:text.find(stop)]
+
+
+def test_thinking_is_returned_as_reasoning_content(client, engine, lock) -> None:
+    want = _direct(engine, lock, n=6, enable_thinking=True)
+    got = client.chat.completions.create(model="tiny", messages=HI, max_tokens=6, temperature=0,
+                                         extra_body={"chat_template_kwargs": {"enable_thinking": True}})
+    message = got.choices[0].message
+    assert got.usage.prompt_tokens == want.prompt_tokens != len(engine.render(HI))
+    assert "</think>" not in want.text                  # this babbling model never closes its think block,
+    assert message.reasoning_content == want.text.strip() and message.content == ""   # so all of it is reasoning
+
+
+def test_raw_completion_equals_engine_complete(client, engine, lock) -> None:
+    with lock:
+        want = [e for e in engine.complete("Once upon a time", SamplingParams.greedy(6))
+                if isinstance(e, TurnSummary)][-1]
+    got = client.completions.create(model="tiny", prompt="Once upon a time", max_tokens=6, temperature=0)
+    assert got.choices[0].text == want.text and got.usage.prompt_tokens == want.prompt_tokens
+    streamed = client.completions.create(model="tiny", prompt="Once upon a time", max_tokens=6, temperature=0,
+                                         stream=True)
+    assert "".join(c.choices[0].text for c in streamed) == want.text
+
+
+def test_models_and_health(client, server) -> None:
+    listed = client.models.list().data
+    assert [m.id for m in listed] == ["tiny"] and listed[0].max_model_len == CONTEXT
+    assert httpx.get(server.url.removesuffix("/v1") + "/health").json() == {"status": "ok"}
+
+
+def _error(response: httpx.Response, status: int, code: str | None = None, param: str | None = None) -> str:
+    assert response.status_code == status, response.text
+    error = response.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"} and error["message"]
+    if code is not None:
+        assert error["code"] == code
+    if param is not None:
+        assert error["param"] == param
+    return error["message"]
+
+
+@pytest.mark.parametrize("body, status, code, param", [
+    (b"{not json", 400, "invalid_json", None),
+    (b'{"model": "tiny", "messages": [], "temperature": NaN}', 400, "invalid_json", None),
+    (b"[1, 2]", 400, None, None),
+    (b'{"model": "gpt-9", "messages": [{"role": "user", "content": "x"}]}', 404, "model_not_found", "model"),
+    (b'{"messages": [{"role": "user", "content": "x"}]}', 400, None, "model"),
+    (b'{"model": "tiny", "messages": []}', 400, None, "messages"),
+    (b'{"model": "tiny", "messages": [{"role": "wizard", "content": "x"}]}', 400, None, "messages[0].role"),
+    (b'{"model": "tiny", "messages": [{"role": "user", "content": "x"}], "temperature": "hot"}', 400, None,
+     "temperature"),
+    (b'{"model": "tiny", "messages": [{"role": "user", "content": "x"}], "max_tokens": 0}', 400, None, "max_tokens"),
+    (b'{"model": "tiny", "messages": [{"role": "user", "content": "x"}], "n": 2}', 400, "unsupported_parameter", "n"),
+    (b'{"model": "tiny", "messages": [{"role": "user", "content": [{"type": "audio"}]}]}', 400, None,
+     "messages[0].content[0]"),
+])
+def test_bad_requests_get_openai_errors(server, body, status, code, param) -> None:
+    r = httpx.post(server.url + "/chat/completions", content=body, headers={"content-type": "application/json"})
+    _error(r, status, code, param)
+
+
+def test_the_openai_client_raises_on_errors(client) -> None:
+    with pytest.raises(openai.NotFoundError):
+        client.chat.completions.create(model="other", messages=HI)
+    with pytest.raises(openai.BadRequestError, match="context window holds 512"):
+        client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "word " * 600}])
+    with pytest.raises(openai.BadRequestError, match="no vision tower"):
+        client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": [
+            {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}]}])
+
+
+def test_unknown_routes_and_methods(server) -> None:
+    _error(httpx.get(server.url + "/nothing"), 404)
+    _error(httpx.get(server.url + "/chat/completions"), 405)
+
+
+def test_prompt_over_the_context_is_400(server) -> None:
+    body = {"model": "tiny", "prompt": "word " * 600, "max_tokens": 2}
+    assert "context window holds 512" in _error(httpx.post(server.url + "/completions", json=body), 400,
+                                                "context_length_exceeded")
+
+
+def test_too_large_a_body_is_413(engine, lock) -> None:
+    srv = ServerThread(engine, ServerConfig("tiny", max_body_bytes=4096), port=0, engine_lock=lock).start()
+    try:
+        body = {"model": "tiny", "messages": [{"role": "user", "content": "x" * 5000}]}
+        _error(httpx.post(srv.url + "/chat/completions", json=body), 413, "request_too_large")
+    finally:
+        srv.stop()
+
+
+def test_api_key_is_required_when_set(engine, lock) -> None:
+    srv = ServerThread(engine, ServerConfig("tiny", api_key="s3cret"), port=0, engine_lock=lock).start()
+    try:
+        body = {"model": "tiny", "messages": HI, "max_tokens": 1}
+        _error(httpx.post(srv.url + "/chat/completions", json=body), 401, "invalid_api_key")
+        _error(httpx.post(srv.url + "/chat/completions", json=body, headers={"Authorization": "Bearer s3cre"}), 401)
+        _error(httpx.get(srv.url + "/models", headers={"Authorization": "Bearer wrong"}), 401)
+        ok = openai.OpenAI(base_url=srv.url, api_key="s3cret", max_retries=0)
+        assert ok.chat.completions.create(model="tiny", messages=HI, max_tokens=1).usage.completion_tokens == 1
+        with pytest.raises(openai.AuthenticationError):
+            openai.OpenAI(base_url=srv.url, api_key="nope", max_retries=0).models.list()
+        assert httpx.get(srv.url.removesuffix("/v1") + "/health").status_code == 200
+    finally:
+        srv.stop()
+
+
+def test_binding_beyond_loopback_needs_a_key(tiny, capsys) -> None:
+    assert is_loopback("127.0.0.1") and is_loopback("::1") and is_loopback("localhost")
+    assert not is_loopback("0.0.0.0") and not is_loopback("192.168.1.5") and not is_loopback("example.com")
+    check_bind("0.0.0.0", "k")
+    with pytest.raises(EngineError, match="without an API key"):
+        check_bind("0.0.0.0", None)
+    assert main(["serve", "--model", str(tiny), "--host", "0.0.0.0"]) == 2
+    assert "--api-key" in capsys.readouterr().err
+
+
+def test_requests_are_served_one_at_a_time_in_order(client) -> None:
+    spans: dict[int, tuple[float, float]] = {}
+
+    def ask(k: int) -> None:
+        stream = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": f"Count {k}."}],
+                                                max_tokens=10, temperature=0, stream=True)
+        times = [time.monotonic() for chunk in stream if chunk.choices and chunk.choices[0].delta.content]
+        spans[k] = (times[0], times[-1])
+
+    threads = [threading.Thread(target=ask, args=(k,)) for k in range(3)]
+    for t in threads:
+        t.start()
+        time.sleep(0.05)
+    for t in threads:
+        t.join()
+    order = sorted(spans.values())
+    assert all(a[1] <= b[0] for a, b in zip(order, order[1:]))     # no two answers interleave
+
+
+class _Recording:
+    """The served engine, recording each turn's summary (to see a cancelled turn end)."""
+
+    def __init__(self, engine) -> None:
+        self.engine, self.summaries, self.first_token = engine, [], threading.Event()
+
+    @property
+    def info(self):
+        return self.engine.info
+
+    def chat(self, *args, **kwargs):
+        for event in self.engine.chat(*args, **kwargs):
+            if isinstance(event, PrefillStats):
+                self.first_token.set()
+            if isinstance(event, TurnSummary):
+                self.summaries.append(event)
+            yield event
+
+
+def test_a_client_that_disconnects_stops_its_turn(engine, lock) -> None:
+    rec = _Recording(engine)
+    srv = ServerThread(rec, ServerConfig("tiny"), port=0, engine_lock=lock).start()
+    try:
+        body = {"model": "tiny", "messages": HI, "max_tokens": 400, "temperature": 0, "stream": True}
+        with httpx.stream("POST", srv.url + "/chat/completions", json=body, timeout=60) as r:
+            for n, _line in enumerate(r.iter_lines()):
+                if n >= 4:
+                    break
+        gone = time.monotonic()
+        while not rec.summaries and time.monotonic() - gone < 10:
+            time.sleep(0.01)
+        assert rec.summaries and rec.summaries[0].stop_reason == "cancelled"
+        assert rec.summaries[0].generated_tokens < 400
+        assert time.monotonic() - gone < 2.0
+    finally:
+        srv.stop()
+
+
+def test_a_queued_client_that_disconnects_never_runs(engine, lock) -> None:
+    rec = _Recording(engine)
+    srv = ServerThread(rec, ServerConfig("tiny"), port=0, engine_lock=lock).start()
+    try:
+        with lock:   # the engine is busy (as with the app's own turn): the request waits
+            with pytest.raises(httpx.ReadTimeout):
+                httpx.post(srv.url + "/chat/completions", json={"model": "tiny", "messages": HI, "max_tokens": 2},
+                           timeout=0.5)
+            time.sleep(0.2)
+        time.sleep(0.5)
+        assert rec.summaries == []
+    finally:
+        srv.stop()
+
+
+@pytest.fixture(scope="module")
+def vision_server(served_vision):
+    return served_vision
+
+
+def _png(colour=(200, 30, 30)) -> bytes:
+    from PIL import Image, ImageDraw
+    im = Image.new("RGB", (64, 48), (240, 240, 240))
+    ImageDraw.Draw(im).ellipse((8, 8, 40, 40), fill=colour)
+    buf = io.BytesIO()
+    im.save(buf, "PNG")
+    return buf.getvalue()
+
+
+def test_image_parts_as_data_and_file_urls(vision_server, tmp_path) -> None:
+    srv, eng = vision_server
+    client = openai.OpenAI(base_url=srv.url, api_key="unused", max_retries=0, timeout=60)
+    png = _png()
+    path = tmp_path / "red dot.png"
+    path.write_bytes(png)
+
+    def ask(url: str):
+        return client.chat.completions.create(model="tiny-vl", max_tokens=4, temperature=0, messages=[
+            {"role": "user", "content": [{"type": "image_url", "image_url": {"url": url}},
+                                         {"type": "text", "text": "Colour?"}]}])
+
+    by_data = ask("data:image/png;base64," + base64.b64encode(png).decode())
+    by_file = ask(path.as_uri())
+    direct = eng.prepare([{"role": "user", "content": [{"type": "image", "image": png},
+                                                       {"type": "text", "text": "Colour?"}]}])
+    assert by_data.usage.prompt_tokens == len(direct.tokens) == by_file.usage.prompt_tokens
+    assert len(direct.tokens) > len(eng.render([{"role": "user", "content": "Colour?"}])) + 2
+    assert by_data.choices[0].message.content == by_file.choices[0].message.content
+
+
+@pytest.mark.parametrize("url, status, fragment", [
+    ("data:image/png;base64," + base64.b64encode(b"not an image at all").decode(), 400, ""),
+    ("data:image/png;base64,@@@", 400, "base64"),
+    ("data:image/png,rawbytes", 400, "base64"),
+    ("https://example.com/cat.png", 400, "not fetched"),
+    ("file:///nonexistent/cat.png", 400, "cat.png"),
+    ("file://otherhost/cat.png", 400, "this machine"),
+])
+def test_unreadable_images_are_400(vision_server, url, status, fragment) -> None:
+    srv, _ = vision_server
+    body = {"model": "tiny-vl", "max_tokens": 2, "messages": [
+        {"role": "user", "content": [{"type": "image_url", "image_url": {"url": url}}]}]}
+    message = _error(httpx.post(srv.url + "/chat/completions", json=body, timeout=60), status, "invalid_image")
+    assert fragment in message
