@@ -30,6 +30,8 @@ gguf-py); this module adds shape handling, the supported-type policy and typed e
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numpy as np
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from gguf import quants as _gq
@@ -41,7 +43,7 @@ Q = GGMLQuantizationType
 _F16 = "<f2"
 _K = 256  # QK_K
 
-BLOCK_DTYPES: dict[GGMLQuantizationType, np.dtype] = {
+_BLOCK_DTYPES: dict[GGMLQuantizationType, np.dtype] = {
     Q.F32: np.dtype([("x", "<f4")]),
     Q.F16: np.dtype([("x", _F16)]),
     Q.BF16: np.dtype([("x", "<u2")]),
@@ -58,13 +60,64 @@ BLOCK_DTYPES: dict[GGMLQuantizationType, np.dtype] = {
     Q.Q6_K: np.dtype([("ql", "u1", (_K // 2,)), ("qh", "u1", (_K // 4,)), ("scales", "i1", (_K // 16,)),
                       ("d", _F16)]),
 }
+
+# Kernel ids of native/cpu/deltadesk_cpu.h (enum DD_Q4_0, ...); tests/test_cpu_kernels.py checks they agree.
+_CPU_KERNELS = {Q.Q4_0: 0, Q.Q8_0: 1}
+# Weight types native/cuda/gemm.cu has kernels for, by the suffix of their names (qgemm_<suffix>, ...).
+_CUDA_SUFFIXES = {Q.F32: "f32", Q.F16: "f16", Q.BF16: "bf16", Q.Q4_0: "q4_0", Q.Q4_1: "q4_1", Q.Q8_0: "q8_0"}
+# Types gguf.quants.quantize implements (it only dequantizes the K-quants).
+_WRITABLE = {Q.F32, Q.F16, Q.BF16, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q8_0}
+
+
+@dataclass(frozen=True)
+class QuantType:
+    """What every part of the engine needs to know about one storage type (one row of :data:`TYPES`).
+
+    Attributes:
+        qtype: the GGML type id.
+        block_values: values per block (1 for float types, 32 for Q4_0..Q8_0, 256 for K-quants).
+        block_bytes: bytes per block (``gguf.constants.GGML_QUANT_SIZES``).
+        block_dtype: packed numpy record of one block (ggml-common.h layout, see the module doc).
+        cpu_kernel: id of the native CPU kernel that reads these blocks as stored (the ``DD_*`` weight
+            type of native/cpu/deltadesk_cpu.h), or None: the CPU backend converts the tensor at load.
+        cuda_suffix: suffix of the GPU GEMM kernels that read these blocks (``qgemm_q4_0``, ...), or
+            None: GPU prefill dequantizes the tensor to F32 on the host.
+        writable: :func:`quantize` can produce the type (``gguf.quants.quantize`` implements it).
+    """
+
+    qtype: GGMLQuantizationType
+    block_values: int
+    block_bytes: int
+    block_dtype: np.dtype
+    cpu_kernel: int | None
+    cuda_suffix: str | None
+    writable: bool
+
+    @property
+    def name(self) -> str:
+        """GGML name (``"Q4_K"``)."""
+        return self.qtype.name
+
+    def dequantize(self, rows: np.ndarray) -> np.ndarray:
+        """``(n, row_bytes)`` uint8 rows -> ``(n, row_values)`` float32 (``gguf.quants.dequantize``)."""
+        return _gq.dequantize(rows, self.qtype)
+
+
+TYPES: dict[GGMLQuantizationType, QuantType] = {
+    t: QuantType(t, GGML_QUANT_SIZES[t][0], GGML_QUANT_SIZES[t][1], dtype, _CPU_KERNELS.get(t),
+                 _CUDA_SUFFIXES.get(t), t in _WRITABLE)
+    for t, dtype in _BLOCK_DTYPES.items()
+}
+"""The quant-type table: every storage type the engine reads, and its traits. Backends ask it (through
+:func:`traits`) instead of keeping their own lists."""
+
+BLOCK_DTYPES: dict[GGMLQuantizationType, np.dtype] = {t: q.block_dtype for t, q in TYPES.items()}
 """Packed numpy record type of one block per supported type (ggml-common.h layouts, see module doc)."""
 
-SUPPORTED_TYPES: frozenset[GGMLQuantizationType] = frozenset(BLOCK_DTYPES)
+SUPPORTED_TYPES: frozenset[GGMLQuantizationType] = frozenset(TYPES)
 """Types the engine can dequantize: F32, F16, BF16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K..Q6_K."""
 
-WRITABLE_TYPES: frozenset[GGMLQuantizationType] = frozenset(
-    {Q.F32, Q.F16, Q.BF16, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q8_0})
+WRITABLE_TYPES: frozenset[GGMLQuantizationType] = frozenset(t for t, q in TYPES.items() if q.writable)
 """Types :func:`quantize` can produce (those ``gguf.quants.quantize`` implements)."""
 
 
@@ -110,6 +163,22 @@ def row_bytes(qtype: GGMLQuantizationType, n: int) -> int:
     return n // bs * ts
 
 
+def traits(qtype: GGMLQuantizationType | int, what: str) -> QuantType:
+    """The :data:`TYPES` row of a type id.
+
+    Args:
+        what: the tensor (and file) being checked, used in the message.
+
+    Raises:
+        UnsupportedModelError: naming ``what`` and the type, when the engine cannot read it.
+    """
+    try:
+        return TYPES[Q(int(qtype))]
+    except (ValueError, KeyError):
+        names = ", ".join(sorted(type_name(s) for s in SUPPORTED_TYPES))
+        raise UnsupportedModelError(f"{what}: quant type {type_name(qtype)} is not supported (supported: {names})") from None
+
+
 def check_supported(qtype: GGMLQuantizationType | int, what: str) -> GGMLQuantizationType:
     """Return ``qtype`` as an enum if the engine can dequantize it.
 
@@ -119,14 +188,7 @@ def check_supported(qtype: GGMLQuantizationType | int, what: str) -> GGMLQuantiz
     Raises:
         UnsupportedModelError: naming ``what`` and the type.
     """
-    try:
-        t = Q(int(qtype))
-    except ValueError:
-        t = None
-    if t not in SUPPORTED_TYPES:
-        names = ", ".join(sorted(type_name(s) for s in SUPPORTED_TYPES))
-        raise UnsupportedModelError(f"{what}: quant type {type_name(qtype)} is not supported (supported: {names})")
-    return t
+    return traits(qtype, what).qtype
 
 
 def block_view(raw: np.ndarray, qtype: GGMLQuantizationType) -> np.ndarray:
@@ -163,14 +225,15 @@ def dequantize(raw: np.ndarray, qtype: GGMLQuantizationType, shape: tuple[int, .
         UnsupportedModelError: ``qtype`` is not in :data:`SUPPORTED_TYPES`.
         ValueError: the byte count does not match ``shape``.
     """
-    qtype = check_supported(qtype, "dequantize")
+    tq = traits(qtype, "dequantize")
+    qtype = tq.qtype
     shape = tuple(int(s) for s in shape)
     n_rows = int(np.prod(shape[:-1], dtype=np.int64))
     rb = row_bytes(qtype, shape[-1])
     if raw.size != n_rows * rb:
         raise ValueError(f"{raw.size} bytes do not hold a {type_name(qtype)} tensor of shape {shape}")
     rows = np.ascontiguousarray(raw, dtype=np.uint8).reshape(n_rows, rb)
-    out = _gq.dequantize(rows, qtype)
+    out = tq.dequantize(rows)
     if qtype == Q.F32:
         out = out.copy()
     return out.reshape(shape)
@@ -190,10 +253,10 @@ def quantize(x: np.ndarray, qtype: GGMLQuantizationType) -> np.ndarray:
         UnsupportedModelError: ``qtype`` cannot be written (e.g. K-quants: gguf-py only dequantizes them).
         ValueError: ``ne0`` is not a multiple of the block size.
     """
-    qtype = Q(int(qtype))
-    if qtype not in WRITABLE_TYPES:
+    if Q(int(qtype)) not in WRITABLE_TYPES:
         names = ", ".join(sorted(type_name(s) for s in WRITABLE_TYPES))
         raise UnsupportedModelError(f"quantize: cannot write {type_name(qtype)} (writable: {names})")
+    qtype = Q(int(qtype))
     x = np.ascontiguousarray(x, dtype=np.float32)
     rb = row_bytes(qtype, x.shape[-1])
     out = _gq.quantize(x, qtype)

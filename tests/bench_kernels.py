@@ -20,8 +20,13 @@ import time
 
 import numpy as np
 
+from gguf import GGMLQuantizationType
+
+from engine import quant
 from engine.backends import cpu
 
+Q4_0 = GGMLQuantizationType.Q4_0
+Q4_0_BYTES = quant.type_size(Q4_0)
 K = 2048
 EXPERT_ROWS = 512
 N_EXPERT, N_USED = 64, 8
@@ -29,14 +34,14 @@ N_EXPERT, N_USED = 64, 8
 
 def q4_0_weights_shaped(rows: int, k: int, rng: np.random.Generator) -> np.ndarray:
     """Random Q4_0 rows of k values (nibbles random, scales a normal f16 so no float assists)."""
-    raw = rng.integers(0, 256, size=(rows, k // cpu.QK * cpu.Q4_0_BYTES), dtype=np.uint8)
-    raw.reshape(rows, -1, cpu.Q4_0_BYTES)[..., :2] = np.array([0.01], dtype=np.float16).view(np.uint8)
+    raw = rng.integers(0, 256, size=(rows, k // cpu.QK * Q4_0_BYTES), dtype=np.uint8)
+    raw.reshape(rows, -1, Q4_0_BYTES)[..., :2] = np.array([0.01], dtype=np.float16).view(np.uint8)
     return raw
 
 
 def q4_0_weights(nbytes: int, rng: np.random.Generator) -> np.ndarray:
     """About nbytes of Q4_0 rows of K values, a whole number of expert-sized matrices."""
-    rows = nbytes // (K // cpu.QK * cpu.Q4_0_BYTES) // EXPERT_ROWS * EXPERT_ROWS
+    rows = nbytes // (K // cpu.QK * Q4_0_BYTES) // EXPERT_ROWS * EXPERT_ROWS
     return q4_0_weights_shaped(rows, K, rng)
 
 
@@ -45,7 +50,7 @@ def moe_layers(n: int, rng: np.random.Generator) -> list[cpu.MoEWeights]:
         return q4_0_weights_shaped(rows, k, rng)
     return [cpu.MoEWeights(router=rng.standard_normal((N_EXPERT, K)).astype(np.float32) * 0.05,
                            gate=q4(N_EXPERT * EXPERT_ROWS, K), up=q4(N_EXPERT * EXPERT_ROWS, K),
-                           down=q4(N_EXPERT * K, EXPERT_ROWS), n_used=N_USED,
+                           down=q4(N_EXPERT * K, EXPERT_ROWS), n_used=N_USED, qtypes=Q4_0,
                            sh_gate=q4(EXPERT_ROWS, K), sh_up=q4(EXPERT_ROWS, K), sh_down=q4(K, EXPERT_ROWS),
                            sh_gate_inp=rng.standard_normal(K).astype(np.float32) * 0.05) for _ in range(n)]
 
@@ -76,7 +81,7 @@ def main() -> None:
           f"ISAs: {', '.join(cpu.supported_isas())}; physical cores: {cpu.physical_cores()}")
     layers = moe_layers(args.moe_layers, rng)
     tokens = rng.standard_normal((max(64, 8 * args.moe_layers), K)).astype(np.float32)
-    row = K // cpu.QK * cpu.Q4_0_BYTES
+    row = K // cpu.QK * Q4_0_BYTES
     moe_bytes = N_EXPERT * K * 4 + (N_USED + 1) * 3 * EXPERT_ROWS * row
     if layers:
         total = sum(a.nbytes for w in layers for a in w if isinstance(a, np.ndarray))

@@ -152,6 +152,24 @@ def test_matmul_rejects_bad_shapes():
         cpu.matmul_q4_0(raw.view(np.int8), np.ones(64, np.float32))
 
 
+def test_matrix_takes_its_type_from_the_table_not_the_row_length():
+    """Rows of 256 values are 144 bytes in Q4_0 and in Q4_K alike: the type is always passed in."""
+    raw = quants.quantize(np.ones((3, 256), np.float32), Q4_0)
+    assert cpu.Matrix(raw, 256, Q4_0).qtype == Q4_0
+    with pytest.raises(ValueError, match="Q8_0 blocks"):
+        cpu.Matrix(raw, 256, Q8_0)
+    with pytest.raises(ValueError, match="no CPU kernel reads Q2_K"):
+        cpu.Matrix(raw, 256, GGMLQuantizationType.Q2_K)
+
+
+@pytest.mark.skipif(not cpu.available(), reason="native CPU kernels not built")
+def test_kernel_ids_of_the_quant_table_match_the_c_enum():
+    from engine import _native_cpu
+    for qtype in cpu.KERNEL_TYPES:
+        assert engine.quant.TYPES[qtype].cpu_kernel == getattr(_native_cpu.lib, f"DD_{qtype.name.upper()}")
+    assert len(cpu.KERNEL_TYPES) == _native_cpu.lib.DD_WTYPE_COUNT
+
+
 # --- the MoE feed-forward ------------------------------------------------------------------------
 
 def random_moe(rng, d=256, n_expert=16, ff=96, ff_sh=64, n_used=4, shared=True) -> cpu.MoEWeights:
@@ -160,8 +178,9 @@ def random_moe(rng, d=256, n_expert=16, ff=96, ff_sh=64, n_used=4, shared=True) 
     router = rng.standard_normal((n_expert, d)).astype(np.float32) * 0.2
     sh = dict(sh_gate=w(ff_sh, d), sh_up=w(ff_sh, d, Q8_0), sh_down=w(d, ff_sh),
               sh_gate_inp=rng.standard_normal(d).astype(np.float32) * 0.1) if shared else {}
+    qtypes = {"gate": Q4_0, "up": Q4_0, "down": Q8_0, "sh_gate": Q4_0, "sh_up": Q8_0, "sh_down": Q4_0}
     return cpu.MoEWeights(router=router, gate=w(n_expert * ff, d), up=w(n_expert * ff, d),
-                          down=w(n_expert * d, ff, Q8_0), n_used=n_used, **sh)
+                          down=w(n_expert * d, ff, Q8_0), n_used=n_used, qtypes=qtypes, **sh)
 
 
 def route_margin(x, w) -> float:

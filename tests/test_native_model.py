@@ -166,4 +166,4 @@ def test_weight_rules_name_what_each_projection_became(synth_model):
     f16 = GGUFFile.open(synth_model("tiny", "f16"))
     assert prepare_weight(f16, "blk.0.attn_qkv.weight")[1] == "F16 -> f32"
     mat, rule = prepare_weight(f16, "blk.0.attn_qkv.weight", float_weights="q8_0")
-    assert rule == "F16 -> Q8_0" and mat.qtype == "q8_0"
+    assert rule == "F16 -> Q8_0" and mat.qtype == GGMLQuantizationType.Q8_0

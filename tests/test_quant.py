@@ -47,6 +47,19 @@ def test_block_dtypes_have_ggml_sizes():
     assert quant.BLOCK_DTYPES[Q.Q5_K].fields["qs"][1] == 48
 
 
+def test_quant_type_table_rows_agree_with_gguf():
+    for qtype, row in quant.TYPES.items():
+        assert (row.qtype, row.name) == (qtype, qtype.name)
+        assert (row.block_values, row.block_bytes) == GGML_QUANT_SIZES[qtype]
+        assert row.block_dtype.itemsize == row.block_bytes
+    assert quant.traits(int(Q.Q4_0), "t") is quant.TYPES[Q.Q4_0]
+    assert quant.WRITABLE_TYPES == {t for t, row in quant.TYPES.items() if row.writable}
+    with pytest.raises(UnsupportedModelError, match="tensor x: quant type IQ2_XXS is not supported"):
+        quant.traits(Q.IQ2_XXS, "tensor x")
+    with pytest.raises(UnsupportedModelError, match="type 99"):
+        quant.traits(99, "tensor x")
+
+
 @pytest.mark.parametrize("qtype", sorted(quant.WRITABLE_TYPES, key=int), ids=lambda t: t.name)
 def test_quantize_matches_gguf_and_bounds_error(rng, qtype):
     x = (rng.standard_normal((5, 96)) * rng.uniform(0.01, 10)).astype(np.float32)

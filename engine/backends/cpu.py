@@ -32,10 +32,14 @@ import functools
 import os
 import time
 import warnings
+from collections.abc import Mapping
 from typing import Callable, NamedTuple
 
 import numpy as np
 
+from gguf import GGMLQuantizationType
+
+from engine import quant
 from engine.errors import EngineError
 from engine.ops import reference
 
@@ -49,10 +53,12 @@ except ImportError as err:
 ISA_LEVELS = ("scalar", "ssse3", "avx2", "avx512vnni")
 """Native levels in increasing order; the index is the C side's level number."""
 
+Q = GGMLQuantizationType
 QK = 32
-Q4_0_BYTES = 18
 Q8_0_BYTES = 34
-_WTYPE = {Q4_0_BYTES: 0, Q8_0_BYTES: 1}
+KERNEL_TYPES: frozenset[GGMLQuantizationType] = frozenset(
+    t for t, traits in quant.TYPES.items() if traits.cpu_kernel is not None)
+"""Weight types the kernels read as stored (the quant-type table's ``cpu_kernel``)."""
 _C_ERRORS = {-1: "ISA level not supported by this CPU", -2: "out of memory", -3: "invalid argument"}
 
 MAX_THREADS = 256
@@ -169,12 +175,24 @@ def _activations(x: np.ndarray) -> tuple[np.ndarray, bool]:
     return x2, vector
 
 
-def _weights(raw: np.ndarray, k: int, block_bytes: int, what: str) -> np.ndarray:
+def _kernel_type(qtype: GGMLQuantizationType | int, what: str) -> quant.QuantType:
+    """The quant-type table's row of a weight type the kernels read. Raises ValueError otherwise."""
+    try:
+        traits = quant.TYPES[Q(int(qtype))]
+    except (ValueError, KeyError):
+        traits = None
+    if traits is None or traits.cpu_kernel is None:
+        names = ", ".join(sorted(t.name for t in KERNEL_TYPES))
+        raise ValueError(f"{what}: no CPU kernel reads {quant.type_name(qtype)} blocks (kernels: {names})")
+    return traits
+
+
+def _weights(raw: np.ndarray, k: int, traits: quant.QuantType, what: str) -> np.ndarray:
     if not isinstance(raw, np.ndarray) or raw.dtype != np.uint8 or raw.ndim != 2:
         raise ValueError(f"{what}: expected raw block bytes as a 2-D uint8 array")
-    if raw.shape[1] != k // QK * block_bytes:
+    if k % traits.block_values or raw.shape[1] != k // traits.block_values * traits.block_bytes:
         raise ValueError(f"{what}: rows of {raw.shape[1]} bytes do not hold k={k} values "
-                         f"({k // QK} blocks of {block_bytes} bytes)")
+                         f"as {traits.name} blocks ({traits.block_values} values in {traits.block_bytes} bytes)")
     if not raw.flags.c_contiguous:
         raise ValueError(f"{what}: raw weights must be C-contiguous (copying them would double their memory)")
     return raw
@@ -219,12 +237,12 @@ def quantize_q8_0_np(x: np.ndarray) -> np.ndarray:
     return out[0] if vector else out
 
 
-def _dequantize(raw: np.ndarray, block_bytes: int) -> np.ndarray:
-    """(rows, nb * block_bytes) uint8 Q4_0/Q8_0 -> (rows, nb * 32) float32."""
-    blocks = raw.reshape(raw.shape[0], -1, block_bytes)
+def _dequantize(raw: np.ndarray, qtype: GGMLQuantizationType) -> np.ndarray:
+    """(rows, nb * block bytes) uint8 Q4_0/Q8_0 -> (rows, nb * 32) float32."""
+    blocks = raw.reshape(raw.shape[0], -1, quant.type_size(qtype))
     d = blocks[..., :2].copy().view(np.float16).astype(np.float32)
     qs = blocks[..., 2:]
-    if block_bytes == Q4_0_BYTES:
+    if qtype == Q.Q4_0:
         vals = np.concatenate([qs & 0x0F, qs >> 4], axis=-1).astype(np.int8) - np.int8(8)
     else:
         vals = qs.view(np.int8)
@@ -233,24 +251,40 @@ def _dequantize(raw: np.ndarray, block_bytes: int) -> np.ndarray:
 
 # --- W4A8 / W8A8 matrix products ----------------------------------------------------------------
 
-def _matmul(raw: np.ndarray, x: np.ndarray, block_bytes: int, name: str) -> np.ndarray:
+def matmul(raw: np.ndarray, x: np.ndarray, qtype: GGMLQuantizationType, name: str = "matmul") -> np.ndarray:
+    """``y = x @ W.T`` with W in the blocks of ``qtype`` (one of :data:`KERNEL_TYPES`), x quantized to Q8_0.
+
+    Args:
+        raw: (rows, row bytes) uint8, C-contiguous: the weight's blocks, one row of k values per output.
+        x: (m, k) or (k,) float32 activations; m up to ~16 is the intended use.
+        qtype: the weight's storage type (from the file's tensor table, never inferred from the bytes).
+        name: used in error messages.
+    Returns: (m, rows) or (rows,) float32.
+    Raises: ValueError when shapes, dtypes or the type do not fit; EngineError if the native call fails.
+    """
+    traits = _kernel_type(qtype, name)
     level = _native_level()
     if level is None:
-        return _matmul_np(raw, x, block_bytes, name)
+        return _matmul_np(raw, x, traits, name)
     x2, vector = _activations(x)
-    raw = _weights(raw, x2.shape[1], block_bytes, name)
+    raw = _weights(raw, x2.shape[1], traits, name)
     y = np.empty((x2.shape[0], raw.shape[0]), dtype=np.float32)
     ffi, lib = _native_cpu.ffi, _native_cpu.lib
-    _check(lib.dd_matmul(level, _WTYPE[block_bytes], _ptr(ffi, "uint8_t *", raw), raw.shape[0], x2.shape[1],
+    _check(lib.dd_matmul(level, traits.cpu_kernel, _ptr(ffi, "uint8_t *", raw), raw.shape[0], x2.shape[1],
                          _ptr(ffi, "float *", x2), x2.shape[0], _ptr(ffi, "float *", y)), name)
     return y[0] if vector else y
 
 
-def _matmul_np(raw: np.ndarray, x: np.ndarray, block_bytes: int, name: str) -> np.ndarray:
+def matmul_np(raw: np.ndarray, x: np.ndarray, qtype: GGMLQuantizationType, name: str = "matmul") -> np.ndarray:
+    """numpy twin of :func:`matmul` (same arguments, same math: see the module doc)."""
+    return _matmul_np(raw, x, _kernel_type(qtype, name), name)
+
+
+def _matmul_np(raw: np.ndarray, x: np.ndarray, traits: quant.QuantType, name: str) -> np.ndarray:
     x2, vector = _activations(x)
-    raw = _weights(raw, x2.shape[1], block_bytes, name)
-    xq = _dequantize(quantize_q8_0_np(x2), Q8_0_BYTES).astype(np.float64)
-    y = (xq @ _dequantize(raw, block_bytes).T.astype(np.float64)).astype(np.float32)
+    raw = _weights(raw, x2.shape[1], traits, name)
+    xq = _dequantize(quantize_q8_0_np(x2), Q.Q8_0).astype(np.float64)
+    y = (xq @ _dequantize(raw, traits.qtype).T.astype(np.float64)).astype(np.float32)
     return y[0] if vector else y
 
 
@@ -263,57 +297,61 @@ def matmul_q4_0(raw: np.ndarray, x: np.ndarray) -> np.ndarray:
     Returns: (m, rows) or (rows,) float32.
     Raises: ValueError when shapes or dtypes do not match; EngineError if the native call fails.
     """
-    return _matmul(raw, x, Q4_0_BYTES, "matmul_q4_0")
+    return matmul(raw, x, Q.Q4_0, "matmul_q4_0")
 
 
 def matmul_q4_0_np(raw: np.ndarray, x: np.ndarray) -> np.ndarray:
     """numpy twin of :func:`matmul_q4_0` (dequantized Q4_0 weights times dequantized Q8_0 activations)."""
-    return _matmul_np(raw, x, Q4_0_BYTES, "matmul_q4_0")
+    return matmul_np(raw, x, Q.Q4_0, "matmul_q4_0")
 
 
 def matmul_q8_0(raw: np.ndarray, x: np.ndarray) -> np.ndarray:
     """W8A8 product ``y = x @ W.T`` with W in Q8_0 blocks; as :func:`matmul_q4_0` with rows of k // 32 * 34 bytes."""
-    return _matmul(raw, x, Q8_0_BYTES, "matmul_q8_0")
+    return matmul(raw, x, Q.Q8_0, "matmul_q8_0")
 
 
 def matmul_q8_0_np(raw: np.ndarray, x: np.ndarray) -> np.ndarray:
     """numpy twin of :func:`matmul_q8_0`."""
-    return _matmul_np(raw, x, Q8_0_BYTES, "matmul_q8_0")
+    return matmul_np(raw, x, Q.Q8_0, "matmul_q8_0")
 
 
 class Matrix:
-    """A Q4_0 or Q8_0 weight matrix checked once, then multiplied many times (the decode hot path).
+    """A weight matrix of a :data:`KERNEL_TYPES` type checked once, then multiplied many times (the
+    decode hot path).
 
     Args:
-        raw: (rows, k // 32 * block bytes) uint8, C-contiguous raw blocks (a ``GGUFFile.raw`` view
-            is kept as is: no copy).
-        k: input width (a multiple of 32); the block type follows from the row length.
-    Calling it is :func:`matmul_q4_0` / :func:`matmul_q8_0` (or their twins when the active level is
-    "numpy") without the per-call checks of the weights: x (m, k) float32 -> (m, rows) float32.
-    Raises ValueError at construction when raw is not Q4_0/Q8_0 rows of k values or not contiguous.
+        raw: (rows, row bytes) uint8, C-contiguous raw blocks (a ``GGUFFile.raw`` view is kept as
+            is: no copy).
+        k: input width (a multiple of the type's block size).
+        qtype: the storage type, as the file's tensor table gives it (rows of Q4_0 and Q4_K, say,
+            can have the same length, so it is never inferred from the bytes).
+    Calling it is :func:`matmul` (or its twin when the active level is "numpy") without the per-call
+    checks of the weights: x (m, k) float32 -> (m, rows) float32.
+    Raises ValueError at construction when raw is not rows of k values of ``qtype``, not contiguous,
+    or ``qtype`` has no kernel.
     """
 
-    def __init__(self, raw: np.ndarray, k: int) -> None:
-        self.block_bytes = _block_bytes(raw, k, "Matrix")
-        self.raw = _weights(raw, k, self.block_bytes, "Matrix")
+    def __init__(self, raw: np.ndarray, k: int, qtype: GGMLQuantizationType) -> None:
+        self.traits = _kernel_type(qtype, "Matrix")
+        self.qtype = self.traits.qtype
+        self.raw = _weights(raw, k, self.traits, f"Matrix ({self.qtype.name})")
         self.rows, self.k = raw.shape[0], k
-        self.qtype = "q4_0" if self.block_bytes == Q4_0_BYTES else "q8_0"
         self._ptr = _ptr(_native_cpu.ffi, "uint8_t *", self.raw) if _native_cpu is not None else None
 
     def rows_slice(self, r0: int, r1: int) -> "Matrix":
         """Rows [r0, r1) as a Matrix (a view: e.g. one expert of a stacked expert tensor)."""
-        return Matrix(self.raw[r0:r1], self.k)
+        return Matrix(self.raw[r0:r1], self.k, self.qtype)
 
     def __call__(self, x: np.ndarray) -> np.ndarray:
         level = _native_level()
         if level is None:
-            return _matmul_np(self.raw, x, self.block_bytes, self.qtype)
+            return _matmul_np(self.raw, x, self.traits, self.qtype.name)
         x = np.ascontiguousarray(x, dtype=np.float32)
         if x.ndim != 2 or x.shape[1] != self.k:
             raise ValueError(f"Matrix: expected x of shape (m, {self.k}), got {x.shape}")
         y = np.empty((x.shape[0], self.rows), dtype=np.float32)
         ffi, lib = _native_cpu.ffi, _native_cpu.lib
-        _check(lib.dd_matmul(level, _WTYPE[self.block_bytes], self._ptr, self.rows, self.k,
+        _check(lib.dd_matmul(level, self.traits.cpu_kernel, self._ptr, self.rows, self.k,
                              _ptr(ffi, "float *", x), x.shape[0], _ptr(ffi, "float *", y)), "Matrix")
         return y
 
@@ -351,15 +389,17 @@ def read_bandwidth(nbytes: int = 1 << 30, repeats: int = 3) -> float:
 class MoEWeights(NamedTuple):
     """One layer's MoE tensors (spec 2: GGUF names in brackets), raw blocks as ``GGUFFile.raw`` gives them.
 
-    Q4_0 or Q8_0 each, told apart by row length. d = model width, ff / ff_sh = expert hidden widths,
-    all multiples of 32.
+    Each weight is of a :data:`KERNEL_TYPES` type named by ``qtypes``: one type for all of them, or a
+    mapping from the field name (``"gate"``, ``"up"``, ``"down"``, ``"sh_gate"``, ...) to its type.
+    d = model width, ff / ff_sh = expert hidden widths, multiples of their types' block sizes.
     """
 
     router: np.ndarray         # (n_expert, d) float32 [ffn_gate_inp]
-    gate: np.ndarray           # (n_expert * ff, d/32 * block bytes) uint8 [ffn_gate_exps]
-    up: np.ndarray             # (n_expert * ff, d/32 * block bytes) uint8 [ffn_up_exps]
-    down: np.ndarray           # (n_expert * d, ff/32 * block bytes) uint8 [ffn_down_exps]
+    gate: np.ndarray           # (n_expert * ff, row bytes of d values) uint8 [ffn_gate_exps]
+    up: np.ndarray             # (n_expert * ff, row bytes of d values) uint8 [ffn_up_exps]
+    down: np.ndarray           # (n_expert * d, row bytes of ff values) uint8 [ffn_down_exps]
     n_used: int                # expert_used_count
+    qtypes: GGMLQuantizationType | Mapping[str, GGMLQuantizationType]   # storage types, see above
     sh_gate: np.ndarray | None = None      # (ff_sh, ...) uint8 [ffn_gate_shexp]; None: no shared expert
     sh_up: np.ndarray | None = None        # (ff_sh, ...) uint8 [ffn_up_shexp]
     sh_down: np.ndarray | None = None      # (d, ff_sh/32 * block bytes) uint8 [ffn_down_shexp]
@@ -372,15 +412,16 @@ class MoEResult(NamedTuple):
     weights: np.ndarray        # (n_used,) float32, renormalised to sum 1
 
 
-def _block_bytes(raw: np.ndarray, k: int, what: str) -> int:
-    for block_bytes in (Q4_0_BYTES, Q8_0_BYTES):
-        if raw.ndim == 2 and raw.shape[1] == k // QK * block_bytes:
-            return block_bytes
-    raise ValueError(f"{what}: rows of {raw.shape[1:]} bytes are neither Q4_0 nor Q8_0 blocks of k={k}")
+def _moe_type(w: MoEWeights, name: str) -> quant.QuantType:
+    qtype = w.qtypes.get(name) if isinstance(w.qtypes, Mapping) else w.qtypes
+    if qtype is None:
+        raise ValueError(f"moe_ffn: qtypes names no storage type for {name}")
+    return _kernel_type(qtype, f"moe_ffn {name}")
 
 
-def _moe_layout(x: np.ndarray, w: MoEWeights) -> tuple[np.ndarray, dict[str, tuple[np.ndarray, int]], int, int]:
-    """Validate; return x as (d,) float32, {name: (raw, block bytes)}, ff, ff_sh."""
+def _moe_layout(x: np.ndarray, w: MoEWeights
+                ) -> tuple[np.ndarray, dict[str, tuple[np.ndarray, quant.QuantType]], int, int]:
+    """Validate; return x as (d,) float32, {name: (raw, type traits)}, ff, ff_sh."""
     x = np.ascontiguousarray(x, dtype=np.float32).reshape(-1)
     d = x.shape[0]
     n_expert = w.router.shape[0]
@@ -400,8 +441,8 @@ def _moe_layout(x: np.ndarray, w: MoEWeights) -> tuple[np.ndarray, dict[str, tup
             raise ValueError("moe_ffn: the shared expert needs sh_gate, sh_up, sh_down (d rows) and sh_gate_inp")
     layout = {}
     for name, (raw, k) in mats.items():
-        block_bytes = _block_bytes(raw, k, name)
-        layout[name] = (_weights(raw, k, block_bytes, name), block_bytes)
+        traits = _moe_type(w, name)
+        layout[name] = (_weights(raw, k, traits, f"moe_ffn {name}"), traits)
     return x, layout, ff, ff_sh
 
 
@@ -421,9 +462,9 @@ class PreparedMoE:
         c = ffi.new("dd_moe_weights *")
         c.d, c.n_expert, c.n_used, c.ff, c.ff_sh = self.d, w.router.shape[0], w.n_used, ff, ff_sh
         c.router = _ptr(ffi, "float *", self._keep[0])
-        for name, (raw, block_bytes) in layout.items():
+        for name, (raw, traits) in layout.items():
             setattr(c, name, _ptr(ffi, "uint8_t *", raw))
-            setattr(c, f"{name}_type", _WTYPE[block_bytes])
+            setattr(c, f"{name}_type", traits.cpu_kernel)
         if w.sh_gate is not None:
             self._keep.append(np.ascontiguousarray(w.sh_gate_inp, dtype=np.float32).reshape(-1))
             c.sh_gate_inp = _ptr(ffi, "float *", self._keep[1])
@@ -460,24 +501,25 @@ def moe_ffn(x: np.ndarray, w: MoEWeights | PreparedMoE) -> MoEResult:
 
 def moe_ffn_np(x: np.ndarray, w: MoEWeights) -> MoEResult:
     """numpy twin of :func:`moe_ffn`: the same steps through the numpy matmul twins and engine.ops.reference."""
-    x, _, ff, _ = _moe_layout(x, w)
+    x, layout, ff, _ = _moe_layout(x, w)
     d = x.shape[0]
     logits = (np.asarray(w.router, dtype=np.float64) @ x).astype(np.float32)
     idx, weights = reference.topk_route(logits[None], w.n_used)
 
-    def product(raw: np.ndarray, v: np.ndarray) -> np.ndarray:
-        return _matmul_np(raw, v, _block_bytes(raw, v.shape[0], "moe_ffn"), "moe_ffn")
+    def product(name: str, rows: slice, v: np.ndarray) -> np.ndarray:
+        raw, traits = layout[name]
+        return _matmul_np(raw[rows], v, traits, f"moe_ffn {name}")
 
-    def swiglu(gate: np.ndarray, up: np.ndarray, down: np.ndarray) -> np.ndarray:
-        return product(down, reference.silu(product(gate, x)) * product(up, x))
+    def swiglu(prefix: str, rows: slice, down_rows: slice) -> np.ndarray:
+        h = reference.silu(product(prefix + "gate", rows, x)) * product(prefix + "up", rows, x)
+        return product(prefix + "down", down_rows, h)
 
     out = np.zeros(d, dtype=np.float32)
     for e, weight in zip(idx[0], weights[0]):
-        rows, down_rows = slice(e * ff, (e + 1) * ff), slice(e * d, (e + 1) * d)
-        out += weight * swiglu(w.gate[rows], w.up[rows], w.down[down_rows])
+        out += weight * swiglu("", slice(e * ff, (e + 1) * ff), slice(e * d, (e + 1) * d))
     if w.sh_gate is not None:
         gate = reference.sigmoid(np.float32(np.dot(np.asarray(w.sh_gate_inp, dtype=np.float64).reshape(-1), x)))
-        out += gate * swiglu(w.sh_gate, w.sh_up, w.sh_down)
+        out += gate * swiglu("sh_", slice(None), slice(None))
     return MoEResult(out, idx[0].astype(np.int32), weights[0])
 
 

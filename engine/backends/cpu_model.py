@@ -62,7 +62,6 @@ from . import cpu
 from .cpu_mixers import GDNLayer, attention_decode, gdn_decode
 
 Q = GGMLQuantizationType
-KERNEL_TYPES = frozenset({Q.Q4_0, Q.Q8_0})
 FLOAT_TYPES = frozenset({Q.F32, Q.F16, Q.BF16})
 FLOAT_WEIGHTS = ("f32", "q8_0")
 CONVERT_CHUNK_BYTES = 16 << 20
@@ -75,7 +74,7 @@ class FloatMatrix:
     def __init__(self, w: np.ndarray) -> None:
         self.w = np.ascontiguousarray(w, dtype=np.float32)
         self.rows, self.k = self.w.shape
-        self.qtype = "f32"
+        self.qtype = Q.F32
 
     def rows_slice(self, r0: int, r1: int) -> "FloatMatrix":
         """Rows [r0, r1) (a view)."""
@@ -116,12 +115,12 @@ def prepare_weight(gguf: GGUFFile, name: str, float_weights: str = "f32") -> tup
     raw = gguf.raw(name)
     qtype = info.qtype
     stored = type_name(qtype)
-    if qtype in KERNEL_TYPES:
+    if qtype in cpu.KERNEL_TYPES:
         mapped = raw.flags.c_contiguous and _in_file_map(raw)
-        return cpu.Matrix(np.ascontiguousarray(raw), k), f"{stored} {'mapped' if mapped else 'copied'}"
+        return cpu.Matrix(np.ascontiguousarray(raw), k, qtype), f"{stored} {'mapped' if mapped else 'copied'}"
     if qtype in FLOAT_TYPES and float_weights == "f32":
         return FloatMatrix(dequantize(raw, qtype, (raw.shape[0], k))), f"{stored} -> f32"
-    return cpu.Matrix(to_q8_0(raw, qtype, k), k), f"{stored} -> Q8_0"
+    return cpu.Matrix(to_q8_0(raw, qtype, k), k, Q.Q8_0), f"{stored} -> Q8_0"
 
 
 def _in_file_map(a: np.ndarray) -> bool:
@@ -188,9 +187,10 @@ class NativeQwen35Model(Qwen35Model):
         if not all(isinstance(m, cpu.Matrix) for m in mats):
             return None
         raws = [m.raw for m in mats] + [None] * (6 - len(mats))
+        fields = ["gate", "up", "down", "sh_gate", "sh_up", "sh_down"]
         return cpu.PreparedMoE(cpu.MoEWeights(
             router=self.w(p + "ffn_gate_inp.weight"), gate=raws[0], up=raws[1], down=raws[2],
-            n_used=self.hp.n_expert_used, sh_gate=raws[3], sh_up=raws[4], sh_down=raws[5],
+            n_used=self.hp.n_expert_used, qtypes={f: m.qtype for f, m in zip(fields, mats)}, sh_gate=raws[3], sh_up=raws[4], sh_down=raws[5],
             sh_gate_inp=self.w(p + "ffn_gate_inp_shexp.weight") if shared else None))
 
     def forward(self, tokens: np.ndarray, state: SequenceState, *args, **kwargs) -> np.ndarray:

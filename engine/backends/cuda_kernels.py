@@ -16,9 +16,8 @@ from typing import Any
 from gguf import GGMLQuantizationType
 
 from ..errors import DeviceError
+from ..quant import TYPES
 from .cuda_plan import TILE_ROWS, Matrix
-
-Q = GGMLQuantizationType
 
 SOURCE_DIR = Path(__file__).resolve().parents[2] / "native" / "cuda"
 """Folder of the .cu sources, also the include path of their shared header ``common.cuh``."""
@@ -27,7 +26,7 @@ PREFILL_SOURCES = ("gemm.cu", "rows.cu", "gdn.cu", "attention.cu")
 VISION_SOURCES = ("gemm.cu", "vision.cu")
 """The sources the GPU vision tower (:class:`engine.backends.cuda_vision.CudaVisionTower`) builds."""
 
-_TYPE_SUFFIX = {Q.F32: "f32", Q.F16: "f16", Q.BF16: "bf16", Q.Q4_0: "q4_0", Q.Q4_1: "q4_1", Q.Q8_0: "q8_0"}
+_TYPE_SUFFIX = {t: traits.cuda_suffix for t, traits in TYPES.items() if traits.cuda_suffix is not None}
 DENSE_TILE_ROWS = 64
 """Rows of one M tile of the ungrouped GEMM (qgemm_*); the grouped one (qgemm32_*) uses TILE_ROWS = 32."""
 _FLASH_DIMS = (32, 64, 128, 256)

@@ -20,13 +20,14 @@ from gguf import GGMLQuantizationType
 
 from ..errors import DeviceBudgetError, DeviceError
 from ..hparams import Qwen35HParams
-from ..quant import row_bytes, type_name
+from ..quant import TYPES, row_bytes, type_name
 
 Q = GGMLQuantizationType
 
-GPU_TYPES = frozenset({Q.F32, Q.F16, Q.BF16, Q.Q4_0, Q.Q4_1, Q.Q8_0})
-"""Storage types the GEMM kernels (native/cuda/gemm.cu) read directly; other resident weights are
-dequantized to F32 on the host at load, and routed experts of other types are refused."""
+GPU_TYPES = frozenset(t for t, traits in TYPES.items() if traits.cuda_suffix is not None)
+"""Storage types the GEMM kernels (native/cuda/gemm.cu) read directly (the quant-type table's
+``cuda_suffix``); other resident weights are dequantized to F32 on the host at load, and routed
+experts of other types are refused."""
 
 ALIGN = 256
 """Every device buffer starts on this many bytes."""
