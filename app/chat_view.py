@@ -249,6 +249,12 @@ class MessageWidget(QFrame):
         self._set_thinking("", thinking_first)
         self.body.set_plain("")
 
+    def show_waiting(self) -> None:
+        """Say that this answer waits for the engine, which is answering another chat first."""
+        if self.streaming and not self.raw:
+            self.stats_label.setText("Waiting for the engine: it is answering another chat first "
+                                     "(Stop takes this message out of the queue).")
+
     def show_prefill(self, done: int, total: int) -> None:
         """Say how much of the prompt has been read, until the answer's first text replaces it."""
         if self.streaming and not self.raw:

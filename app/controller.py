@@ -1,8 +1,11 @@
 """The chat controller: turns the user's actions into history rows and engine turns.
 
-It owns the one live turn (at most one runs at a time): the answer being streamed, its cancel
+It owns the one live turn (the engine runs one at a time): the answer being streamed, its cancel
 flag, and the timer that saves its text every few seconds. The turn keeps running when the user
-switches to another conversation; switching back shows it still streaming.
+switches to another conversation; switching back shows it still streaming. Each conversation has
+at most one turn of its own: a message sent in another chat meanwhile is stored at once and its
+turn waits, its answer saying "Waiting for the engine", until the live one ends (first sent, first
+answered); Stop in that chat takes it out of the queue.
 
 Every database call goes to the :class:`~app.history_thread.HistoryThread`; the controller acts on
 the results when they come back (a conversation is shown, a turn starts), so the UI thread never
@@ -91,12 +94,14 @@ class ChatController(QObject):
 
     Signals:
         request_chat(ChatRequest): connected (queued) to :meth:`EngineWorker.chat`.
-        busy_changed(bool): a turn started or ended.
+        busy_changed(bool): a turn was asked for, started, queued or ended; whether any is left.
+        activity_changed(): which conversations have a turn changed (see :meth:`activity`).
         conversation_touched(int): a conversation got a new message or title.
     """
 
     request_chat = Signal(object)
     busy_changed = Signal(bool)
+    activity_changed = Signal()
     conversation_touched = Signal(int)
 
     def __init__(self, history: HistoryThread, view: ChatView, worker: EngineWorker, settings: Settings,
@@ -109,7 +114,8 @@ class ChatController(QObject):
         self.unavailable = "No model is loaded yet."
         self.conversation_id: int | None = None
         self.live: LiveTurn | None = None
-        self._starting = False
+        self.waiting: list[LiveTurn] = []
+        self._starting: set[int | None] = set()
         self.request_chat.connect(worker.chat)
         worker.prefill_progress.connect(self.on_prefill_progress)
         worker.prefilled.connect(self.on_prefilled)
@@ -122,8 +128,23 @@ class ChatController(QObject):
 
     @property
     def busy(self) -> bool:
-        """Whether an answer is being generated (or its rows are being added)."""
-        return self.live is not None or self._starting
+        """Whether any answer is being generated, waits for the engine, or has its rows being added."""
+        return self.live is not None or bool(self.waiting) or bool(self._starting)
+
+    def busy_in(self, conversation_id: int | None) -> bool:
+        """Whether ``conversation_id`` has a turn: answering, waiting, or its rows being added."""
+        return conversation_id in self.activity() or conversation_id in self._starting
+
+    def activity(self) -> dict[int, str]:
+        """Conversation id -> "answering" (the live turn) or "waiting" (queued for the engine)."""
+        out = {t.conversation_id: "waiting" for t in self.waiting}
+        if self.live is not None:
+            out[self.live.conversation_id] = "answering"
+        return out
+
+    def _changed(self) -> None:
+        self.activity_changed.emit()
+        self.busy_changed.emit(self.busy)
 
     def open(self, conversation_id: int) -> None:
         """Show a conversation's active branch (re-attaching the live answer if it is this one)."""
@@ -144,25 +165,30 @@ class ChatController(QObject):
                     widget.append(live.text)
                 elif live.progress is not None:
                     widget.show_prefill(live.progress.done, live.progress.total)
+        for turn in self.waiting:
+            widget = self.view.widget_for(turn.message_id) if turn.conversation_id == branch.conversation_id else None
+            if widget is not None:
+                widget.start_streaming(turn.thinking)
+                widget.show_waiting()
 
     def send(self, text: str, images: list[str], thinking: bool = False) -> bool:
-        """Add a user message at the end of the active branch and answer it; False while busy or
-        :attr:`unavailable`."""
-        if self.busy or self.unavailable or self.conversation_id is None:
+        """Add a user message at the end of the active branch and answer it (at once, or after
+        the turn of another chat); False while this chat has a turn or :attr:`unavailable`."""
+        if self.busy_in(self.conversation_id) or self.unavailable or self.conversation_id is None:
             return False
         self._begin(thinking, HistoryStore.reply, self.conversation_id, text, images, title_for(text))
         return True
 
     def edit_and_resend(self, message_id: int, text: str, images: list[str], thinking: bool = False) -> bool:
         """Add an edited copy of a user message as its sibling (a new branch) and answer it."""
-        if self.busy or self.unavailable:
+        if self.busy_in(self.conversation_id) or self.unavailable:
             return False
         self._begin(thinking, HistoryStore.resend, message_id, text, images)
         return True
 
     def regenerate(self, message_id: int, thinking: bool = False) -> bool:
         """Answer again the user message above an assistant message (a new branch)."""
-        if self.busy or self.unavailable:
+        if self.busy_in(self.conversation_id) or self.unavailable:
             return False
         self._begin(thinking, HistoryStore.regenerate, message_id)
         return True
@@ -174,32 +200,64 @@ class ChatController(QObject):
             self.open(self.conversation_id)
 
     def stop(self) -> None:
-        """Ask the live turn to stop; it ends within one token."""
+        """Stop the shown conversation's turn: the live one ends within one token, a waiting one
+        leaves the queue (stored as stopped)."""
+        live = self.live
+        if live is not None and live.conversation_id == self.conversation_id:
+            live.request.cancel.set()
+            return
+        for turn in [t for t in self.waiting if t.conversation_id == self.conversation_id]:
+            self._drop_waiting(turn)
+
+    def stop_all(self) -> None:
+        """Stop the live turn and empty the queue (another model is being loaded)."""
         if self.live is not None:
             self.live.request.cancel.set()
+        for turn in list(self.waiting):
+            self._drop_waiting(turn)
+
+    def _drop_waiting(self, turn: LiveTurn) -> None:
+        self.waiting.remove(turn)
+        stats = {"stop_reason": "cancelled", "message": "Stopped before the engine began."}
+        self.history.call(HistoryStore.update_message, turn.message_id, "", "stopped", stats)
+        widget = self._shown_widget(turn)
+        if widget is not None:
+            widget.finish("", "stopped", stats)
+        self._changed()
 
     def _begin(self, thinking: bool, add_rows: Callable[..., TurnStart], *args: Any) -> None:
-        self._starting = True
-        self.busy_changed.emit(True)
-        self.history.call(add_rows, *args, then=lambda start: self._start_turn(start, thinking),
-                          on_error=self._not_started)
+        conversation = self.conversation_id
+        self._starting.add(conversation)
+        self._changed()
+        self.history.call(add_rows, *args, then=lambda start: self._start_turn(conversation, start, thinking),
+                          on_error=lambda _error: self._not_started(conversation))
 
-    def _not_started(self, _error: Exception) -> None:
-        self._starting = False
-        self.busy_changed.emit(False)
+    def _not_started(self, conversation: int | None) -> None:
+        self._starting.discard(conversation)
+        self._changed()
 
-    def _start_turn(self, start: TurnStart, thinking: bool) -> None:
-        self._starting = False
+    def _start_turn(self, conversation: int | None, start: TurnStart, thinking: bool) -> None:
+        """The rows are stored: run the turn now, or queue it behind the live one."""
+        self._starting.discard(conversation)
         branch = start.branch
         settings = self.settings
         request = ChatRequest(messages=engine_messages(branch.path[:-1], self.has_vision, settings.system_prompt),
                               sampling=settings.sampling(), enable_thinking=thinking,
                               conversation=str(branch.conversation_id))
-        self.live = LiveTurn(branch.conversation_id, start.answer_id, request, thinking)
+        turn = LiveTurn(branch.conversation_id, start.answer_id, request, thinking)
         self.conversation_touched.emit(branch.conversation_id)
+        if self.live is None:
+            self._run(turn)
+        else:
+            self.waiting.append(turn)
         self._show(branch)
+        self._changed()
+
+    def _run(self, turn: LiveTurn) -> None:
+        turn.started = time.monotonic()
+        self.live = turn
         self._save_timer.start()
-        self.request_chat.emit(request)
+        self.request_chat.emit(turn.request)
 
     def _shown_widget(self, live: LiveTurn) -> MessageWidget | None:
         """The live answer's widget, when its conversation is the one shown."""
@@ -267,14 +325,24 @@ class ChatController(QObject):
         widget = self._shown_widget(live)
         if widget is not None:
             widget.finish(live.text, state, stats)
-        self.busy_changed.emit(False)
         self.conversation_touched.emit(live.conversation_id)
+        if self.waiting and not self.unavailable:
+            turn = self.waiting.pop(0)
+            self._run(turn)
+            widget = self._shown_widget(turn)
+            if widget is not None:
+                widget.start_streaming(turn.thinking)
+        self._changed()
 
     def shutdown(self) -> None:
-        """On quit: stop the live turn and store what it had written as stopped."""
+        """On quit: stop the live turn and store what it had written as stopped; the waiting ones
+        are stored as stopped, empty."""
         live = self.live
         if live is not None:
             live.request.cancel.set()
             self.history.call(HistoryStore.update_message, live.message_id, live.text, "stopped")
             self.live = None
             self._save_timer.stop()
+        for turn in self.waiting:
+            self.history.call(HistoryStore.update_message, turn.message_id, "", "stopped")
+        self.waiting = []

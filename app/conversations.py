@@ -7,7 +7,7 @@ from typing import Callable
 
 from PySide6.QtCore import (QAbstractListModel, QModelIndex, QPersistentModelIndex, Qt, QTimer,
                             Signal)
-from PySide6.QtGui import QKeySequence
+from PySide6.QtGui import QColor, QKeySequence, QPainter, QPixmap
 from PySide6.QtWidgets import (QAbstractItemView, QHBoxLayout, QLabel, QLineEdit, QListView,
                                QPushButton, QVBoxLayout, QWidget)
 
@@ -16,6 +16,9 @@ from .history_thread import HistoryThread
 
 ConversationIdRole = Qt.UserRole + 1
 UpdatedRole = Qt.UserRole + 2
+ActivityRole = Qt.UserRole + 3
+ACTIVITY_TEXT = {"answering": "answering\u2026", "waiting": "waiting for the engine"}
+ACTIVITY_COLOUR = {"answering": "#3b7dd8", "waiting": "#9a9a9a"}
 UNDO_SECONDS = 8
 
 
@@ -24,6 +27,19 @@ def _when(timestamp: float) -> str:
     if age < 86400:
         return time.strftime("%H:%M", time.localtime(timestamp))
     return time.strftime("%d %b %Y", time.localtime(timestamp))
+
+
+def _dot(colour: str, size: int = 10) -> QPixmap:
+    """A filled circle of ``colour``: the list's mark of a chat with a turn."""
+    pixmap = QPixmap(size, size)
+    pixmap.fill(Qt.transparent)
+    painter = QPainter(pixmap)
+    painter.setRenderHint(QPainter.Antialiasing)
+    painter.setPen(Qt.NoPen)
+    painter.setBrush(QColor(colour))
+    painter.drawEllipse(1, 1, size - 2, size - 2)
+    painter.end()
+    return pixmap
 
 
 def _create(store: HistoryStore, title: str) -> Conversation | None:
@@ -45,6 +61,8 @@ class ConversationListModel(QAbstractListModel):
         self._rows: list[Conversation] = []
         self._titles: dict[int, str] = {}
         self._query = ""
+        self._activity: dict[int, str] = {}
+        self._marks = {name: _dot(colour) for name, colour in ACTIVITY_COLOUR.items()}
         self.deleted: list[int] = []
 
     @property
@@ -77,21 +95,38 @@ class ConversationListModel(QAbstractListModel):
         return 0 if parent.isValid() else len(self._rows)
 
     def data(self, index: QModelIndex | QPersistentModelIndex, role: int = Qt.DisplayRole):
-        """Title (display, edit), id, update time and a tooltip for a row."""
+        """Title (display, edit), id, update time, a tooltip, and the chat's turn: "answering",
+        "waiting" or "" (:data:`ActivityRole`; a coloured dot as decoration)."""
         if not index.isValid() or not 0 <= index.row() < len(self._rows):
             return None
         row = self._rows[index.row()]
+        activity = self._activity.get(row.id, "")
         if role in (Qt.DisplayRole, Qt.EditRole):
             return row.title
+        if role == Qt.DecorationRole:
+            return self._marks.get(activity)
         if role == Qt.ToolTipRole:
-            return f"{row.title}\nlast message {_when(row.updated)}"
+            return f"{row.title}\nlast message {_when(row.updated)}" + (
+                f"\n{ACTIVITY_TEXT[activity]}" if activity else "")
         if role == Qt.AccessibleTextRole:
-            return f"Conversation {row.title}"
+            return f"Conversation {row.title}" + (f", {ACTIVITY_TEXT[activity]}" if activity else "")
+        if role == ActivityRole:
+            return activity
         if role == ConversationIdRole:
             return row.id
         if role == UpdatedRole:
             return row.updated
         return None
+
+    def set_activity(self, activity: dict[int, str]) -> None:
+        """Mark the conversations with a turn: id -> "answering" or "waiting" (the others are unmarked)."""
+        changed = set(activity.items()) ^ set(self._activity.items())
+        self._activity = dict(activity)
+        for conversation_id in {c for c, _ in changed}:
+            row = self.row_of(conversation_id)
+            if row >= 0:
+                self.dataChanged.emit(self.index(row), self.index(row),
+                                      [Qt.DecorationRole, Qt.ToolTipRole, Qt.AccessibleTextRole, ActivityRole])
 
     def setData(self, index: QModelIndex | QPersistentModelIndex, value, role: int = Qt.EditRole) -> bool:
         """Rename a conversation (empty titles are refused)."""
@@ -113,7 +148,8 @@ class ConversationListModel(QAbstractListModel):
 
     def roleNames(self) -> dict[int, bytes]:
         """Role names for QML-style access and model testers."""
-        return {**super().roleNames(), ConversationIdRole: b"conversationId", UpdatedRole: b"updated"}
+        return {**super().roleNames(), ConversationIdRole: b"conversationId", UpdatedRole: b"updated",
+                ActivityRole: b"activity"}
 
     def row_of(self, conversation_id: int) -> int:
         """The row showing ``conversation_id``, or -1."""

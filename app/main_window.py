@@ -169,7 +169,8 @@ class MainWindow(QMainWindow):
         self.panel.conversation_selected.connect(self.composer.cancel_edit)
         self.panel.new_requested.connect(self.new_conversation)
         self.controller.conversation_touched.connect(self.conversations.touch)
-        self.controller.busy_changed.connect(self.composer.set_busy)
+        self.controller.activity_changed.connect(self._activity_changed)
+        self.panel.conversation_selected.connect(self._activity_changed)
         self.composer.send_requested.connect(self._send)
         self.composer.stop_requested.connect(self.controller.stop)
         self.composer.think_box.toggled.connect(lambda on: self.apply_settings(replace(self.prefs, thinking=on)))
@@ -255,7 +256,7 @@ class MainWindow(QMainWindow):
     def load_model(self, model_path: str | None, mmproj_path: str | None = None, remember: bool = False) -> None:
         """Load a model on the worker (None: the engine's default model) with the settings' options.
 
-        A live answer is stopped first. Without ``mmproj_path``, a vision tower lying next to the
+        The live answer is stopped first and the waiting ones leave the queue. Without ``mmproj_path``, a vision tower lying next to the
         model is loaded with it (:func:`paired_mmproj`). ``remember``: once loaded, the files
         become the configured model (what the app starts on next time).
         """
@@ -267,8 +268,9 @@ class MainWindow(QMainWindow):
                                      vram_budget=prefs.vram_budget), remember)
 
     def _start_load(self, request: LoadRequest, remember: bool = False) -> None:
-        """Stop a live answer, show the load as under way and send ``request`` to the worker."""
-        self.controller.stop()
+        """Stop the live answer (and empty the queue), show the load as under way and send ``request``
+        to the worker."""
+        self.controller.stop_all()
         self.model = None
         self.loading = request
         self._remember_load = remember
@@ -433,12 +435,18 @@ class MainWindow(QMainWindow):
 
     def _edit(self, message_id: int) -> None:
         widget = self.chat_view.widget_for(message_id)
-        if widget is not None and not self.controller.busy:
+        if widget is not None and not self.controller.busy_in(self.controller.conversation_id):
             self.composer.begin_edit(message_id, widget.message.content, widget.message.images)
 
+    def _activity_changed(self, *_args) -> None:
+        """A turn started, was queued or ended, or another chat is shown: Send or Stop for the shown
+        chat, and the list's answering / waiting marks."""
+        self.composer.set_busy(self.controller.busy_in(self.controller.conversation_id))
+        self.conversations.set_activity(self.controller.activity())
+
     def escape(self) -> None:
-        """Esc: stop the answer being generated, else abandon an edit."""
-        if self.controller.busy:
+        """Esc: stop the shown chat's answer (or take it out of the queue), else abandon an edit."""
+        if self.controller.busy_in(self.controller.conversation_id):
             self.controller.stop()
         else:
             self.composer.cancel_edit()

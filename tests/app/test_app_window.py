@@ -477,3 +477,46 @@ def test_the_window_turns_dark_and_light_with_the_desktop(qtbot, make_window):
     finally:
         hints.colorSchemeChanged.emit(Qt.ColorScheme.Light)
     assert QApplication.palette().color(QPalette.Window).lightness() > 180 and not window.chat_view.renderer.dark
+
+
+def test_other_chats_stay_usable_while_one_answers_and_their_sends_wait_their_turn(qtbot, make_window):
+    from app.conversations import ActivityRole
+
+    engine = FakeEngine(tokens=["a "] * 3000, token_ms=2.0)
+    window = make_window(engine)
+    first = window.controller.conversation_id
+    window.composer.editor.setPlainText("long answer please")
+    qtbot.keyClick(window.composer.editor, Qt.Key_Return)
+    qtbot.waitUntil(lambda: window.controller.live is not None and len(window.controller.live.text) > 10)
+    second = new_conversation(qtbot, window)
+    assert window.composer.send_button.text() == "Send" and window.composer.send_button.isEnabled()
+    window.composer.editor.setPlainText("a question while the other chat answers")
+    qtbot.keyClick(window.composer.editor, Qt.Key_Return)
+    qtbot.waitUntil(lambda: len(window.chat_view.widgets) == 2)
+    assert window.composer.editor.toPlainText() == "" and window.composer.send_button.text() == "Stop"
+    waiting = window.chat_view.widgets[-1]
+    assert waiting.stats_label.text().startswith("Waiting for the engine")
+    assert window.controller.activity() == {first: "answering", second: "waiting"}
+    model = window.conversations
+    assert model.index(model.row_of(first)).data(ActivityRole) == "answering"
+    assert model.index(model.row_of(second)).data(ActivityRole) == "waiting"
+    assert model.index(model.row_of(second)).data(Qt.DecorationRole) is not None
+
+    third = new_conversation(qtbot, window)
+    window.composer.editor.setPlainText("and one more, taken back")
+    qtbot.keyClick(window.composer.editor, Qt.Key_Return)
+    qtbot.waitUntil(lambda: third in window.controller.activity())
+    qtbot.keyClick(window, Qt.Key_Escape)
+    assert third not in window.controller.activity() and first in window.controller.activity()
+    qtbot.waitUntil(lambda: path_of(window, third)[-1].state == "stopped")
+
+    window.panel.select(first)
+    qtbot.waitUntil(lambda: window.controller.conversation_id == first)
+    engine.tokens = ["second ", "answer"]
+    with turn_done(qtbot, window):
+        assert window.composer.send_button.text() == "Stop"
+        qtbot.keyClick(window, Qt.Key_Escape)
+    assert path_of(window, first)[-1].state == "stopped"
+    assert path_of(window, second)[-1].content == "second answer"
+    assert [m[-1]["content"] for m in engine.calls] == ["long answer please", "a question while the other chat answers"]
+    assert window.controller.activity() == {} and model.index(model.row_of(second)).data(ActivityRole) == ""
