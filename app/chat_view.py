@@ -6,10 +6,11 @@ out); when the turn ends the widget switches to rendered Markdown with highlight
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any, Callable
 
 from PySide6.QtCore import Qt, QUrl, Signal
-from PySide6.QtGui import QDesktopServices, QGuiApplication, QPalette, QPixmap, QTextCursor
+from PySide6.QtGui import QDesktopServices, QGuiApplication, QImageReader, QPalette, QPixmap, QTextCursor
 from PySide6.QtWidgets import (QFrame, QHBoxLayout, QLabel, QScrollArea, QSizePolicy, QTextBrowser,
                                QToolButton, QVBoxLayout, QWidget)
 
@@ -187,12 +188,20 @@ class MessageWidget(QFrame):
         return row
 
     def _thumbnail(self, path: str) -> QLabel:
+        """The image at thumbnail size, decoded at that size (a 50 MP photo is not decoded whole,
+        nor refused by Qt's allocation limit); a file that is gone or cannot be decoded says which."""
         label = QLabel()
-        pixmap = QPixmap(path)
-        if pixmap.isNull():
-            label.setText(f"[missing image {path}]")
+        reader = QImageReader(path)
+        size = reader.size()
+        if size.isValid():
+            reader.setScaledSize(size.scaled(THUMB_PX, THUMB_PX, Qt.KeepAspectRatio))
+        image = reader.read()
+        if not image.isNull():
+            label.setPixmap(QPixmap.fromImage(image))
+        elif not Path(path).is_file():
+            label.setText(f"[missing image {Path(path).name}]")
         else:
-            label.setPixmap(pixmap.scaled(THUMB_PX, THUMB_PX, Qt.KeepAspectRatio, Qt.SmoothTransformation))
+            label.setText(f"[cannot show {Path(path).name}: {reader.errorString()}]")
         label.setToolTip(path)
         label.setAccessibleName("Attached image")
         return label

@@ -90,10 +90,15 @@ class Thumbnail(QFrame):
         self.model_size = QLabel()
         self.model_size.setAccessibleName("Size the model sees")
         self.model_size.hide()
+        self.unreadable = ""
         layout.addWidget(self.model_size)
 
     def set_model_size(self, size: tuple[int, int] | str | None) -> None:
-        """Show the (height, width) the model sees, a reason it cannot see the image, or nothing (None)."""
+        """Show the (height, width) the model sees, a reason it cannot see the image, or nothing (None).
+
+        With a reason, :attr:`unreadable` holds it (the composer then refuses to send).
+        """
+        self.unreadable = size if isinstance(size, str) else ""
         self.model_size.setVisible(size is not None)
         if isinstance(size, str):
             self.model_size.setText("model cannot read it")
@@ -252,6 +257,7 @@ class Composer(QFrame):
             for thumb in self.thumbnails():
                 if thumb.attachment.path == path:
                     thumb.set_model_size(size)
+            self._update_warning()
 
     def remove_attachment(self, attachment: Attachment, box: QWidget) -> None:
         """Drop one attachment and its thumbnail."""
@@ -290,11 +296,22 @@ class Composer(QFrame):
             if has_vision:
                 self.measure_requested.emit(thumb.attachment.path)
 
+    def unreadable_images(self) -> list[str]:
+        """Why the model cannot read attached images, "image N: reason" per such image (N counts the
+        thumbnails from 1; empty: all readable)."""
+        return [f"image {i}: {t.unreadable}" for i, t in enumerate(self.thumbnails(), 1) if t.unreadable]
+
     def _update_warning(self) -> None:
-        show = bool(self.attachments) and self.has_vision is False
-        self.warning.setText("This model has no vision tower: images stay in the chat but the model "
-                             "will not see them.")
-        self.warning.setVisible(show)
+        unreadable = self.unreadable_images()
+        if unreadable:
+            text = ("The model cannot read an attached image; remove it (\u00d7) to send: "
+                    + " ".join(unreadable))
+        elif self.attachments and self.has_vision is False:
+            text = "This model has no vision tower: images stay in the chat but the model will not see them."
+        else:
+            text = ""
+        self.warning.setText(text)
+        self.warning.setVisible(bool(text))
 
     # drag and drop on the whole composer (the main window hands on the image drops made elsewhere)
 
@@ -353,9 +370,13 @@ class Composer(QFrame):
 
     def submit(self) -> None:
         """Send the text and images, unless an answer is streaming, sending is refused
-        (:meth:`set_unavailable`) or there is nothing to send."""
+        (:meth:`set_unavailable`), the model cannot read an attached image (the warning says which
+        and why) or there is nothing to send."""
         text = self.editor.toPlainText().strip()
         if self.busy or self.unavailable or not (text or self.attachments):
+            return
+        if self.unreadable_images():
+            self._update_warning()
             return
         paths = [a.path for a in self.attachments]
         self.editor.clear()

@@ -520,3 +520,35 @@ def test_other_chats_stay_usable_while_one_answers_and_their_sends_wait_their_tu
     assert path_of(window, second)[-1].content == "second answer"
     assert [m[-1]["content"] for m in engine.calls] == ["long answer please", "a question while the other chat answers"]
     assert window.controller.activity() == {} and model.index(model.row_of(second)).data(ActivityRole) == ""
+
+
+def test_an_image_the_model_cannot_read_is_not_sent(qtbot, make_window, tmp_path):
+    window = make_window(FakeEngine(has_vision=True))
+    broken = tmp_path / "broken.png"
+    broken.write_bytes(b"\x89PNG\r\n\x1a\n" + b"not really a picture" * 20)
+    composer = window.composer
+    composer.add_file(broken)
+    [thumb] = composer.thumbnails()
+    qtbot.waitUntil(lambda: thumb.model_size.text() == "model cannot read it")
+    composer.editor.setPlainText("what is this?")
+    qtbot.keyClick(composer.editor, Qt.Key_Return)
+    settle(qtbot, window.history)
+    assert path_of(window) == [] and composer.editor.toPlainText() == "what is this?"
+    assert composer.warning.isVisibleTo(window) and "cannot read" in composer.warning.text()
+    assert "image 1: " in composer.warning.text()
+    composer.remove_attachment(composer.attachments[0], thumb)
+    assert not composer.warning.isVisibleTo(window)
+    assert send(qtbot, window, "what is this?").state == "complete"
+
+
+def test_a_stored_image_that_cannot_be_decoded_says_so_in_the_bubble(qtbot, make_window, tmp_path):
+    from app.chat_view import MessageWidget
+    from app.history import Message
+    from app.markdown_render import MarkdownRenderer
+
+    broken = tmp_path / "broken.png"
+    broken.write_bytes(b"\x89PNG\r\n\x1a\n" + b"x" * 100)
+    message = Message(1, 1, None, "user", "look", 0.0, images=(str(broken), str(tmp_path / "gone.png")))
+    widget = MessageWidget(message, MarkdownRenderer(), [1])
+    texts = [w.text() for w in widget.findChildren(type(widget.stats_label)) if w.accessibleName() == "Attached image"]
+    assert texts[0].startswith("[cannot show broken.png: ") and texts[1] == "[missing image gone.png]"
