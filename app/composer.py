@@ -167,6 +167,7 @@ class Composer(QFrame):
         self.editing_id: int | None = None
         self.busy = False
         self.unavailable = ""
+        self.refusal = ""
         self.has_vision: bool | None = None
         self.setAcceptDrops(True)
         layout = QVBoxLayout(self)
@@ -301,9 +302,22 @@ class Composer(QFrame):
         thumbnails from 1; empty: all readable)."""
         return [f"image {i}: {t.unreadable}" for i, t in enumerate(self.thumbnails(), 1) if t.unreadable]
 
+    def refused(self, text: str, images: list[str], reason: str) -> None:
+        """A sent message was refused (it does not fit the context): show ``reason`` and, when the
+        editor is empty, put the message back to be shortened."""
+        self.refusal = reason
+        if not self.editor.toPlainText().strip() and not self.attachments:
+            self.editor.setPlainText(text)
+            for path in images:
+                if Path(path).is_file():
+                    self._attach(Path(path))
+        self._update_warning()
+
     def _update_warning(self) -> None:
         unreadable = self.unreadable_images()
-        if unreadable:
+        if self.refusal:
+            text = self.refusal
+        elif unreadable:
             text = ("The model cannot read an attached image; remove it (\u00d7) to send: "
                     + " ".join(unreadable))
         elif self.attachments and self.has_vision is False:
@@ -379,6 +393,7 @@ class Composer(QFrame):
             self._update_warning()
             return
         paths = [a.path for a in self.attachments]
+        self.refusal = ""
         self.editor.clear()
         self.clear_attachments()
         self.send_requested.emit(text, paths)

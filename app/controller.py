@@ -75,6 +75,8 @@ class LiveTurn:
     message_id: int
     request: ChatRequest
     thinking: bool
+    question: Message | None = None
+    """The user message this turn added (a new message or an edit; None for a regenerate)."""
     started: float = field(default_factory=time.monotonic)
     text: str = ""
     thought_s: float | None = None
@@ -91,17 +93,23 @@ class ChatController(QObject):
         settings: sampling, system prompt and the rest, read when a turn starts.
         has_vision: whether the loaded model can see images.
         unavailable: why no turn can start now (no model is loaded, ...), or "" when one can.
+        context: the loaded model's context window, tokens (the settings' size capped at the
+            model's own limit).
 
     Signals:
         request_chat(ChatRequest): connected (queued) to :meth:`EngineWorker.chat`.
         busy_changed(bool): a turn was asked for, started, queued or ended; whether any is left.
         activity_changed(): which conversations have a turn changed (see :meth:`activity`).
+        turn_refused(int, str, list, str): the engine refused a turn before reading it (the prompt
+            does not fit the context); its rows were removed. The conversation, the refused
+            message's text and images ("" and [] for a regenerate) and why, in words.
         conversation_touched(int): a conversation got a new message or title.
     """
 
     request_chat = Signal(object)
     busy_changed = Signal(bool)
     activity_changed = Signal()
+    turn_refused = Signal(int, str, list, str)
     conversation_touched = Signal(int)
 
     def __init__(self, history: HistoryThread, view: ChatView, worker: EngineWorker, settings: Settings,
@@ -112,6 +120,7 @@ class ChatController(QObject):
         self.settings = settings
         self.has_vision = False
         self.unavailable = "No model is loaded yet."
+        self.context = 0
         self.conversation_id: int | None = None
         self.live: LiveTurn | None = None
         self.waiting: list[LiveTurn] = []
@@ -244,7 +253,9 @@ class ChatController(QObject):
         request = ChatRequest(messages=engine_messages(branch.path[:-1], self.has_vision, settings.system_prompt),
                               sampling=settings.sampling(), enable_thinking=thinking,
                               conversation=str(branch.conversation_id))
-        turn = LiveTurn(branch.conversation_id, start.answer_id, request, thinking)
+        only_answer = branch.siblings.get(start.answer_id, []) == [start.answer_id]
+        asked = branch.path[-2] if len(branch.path) > 1 and branch.path[-2].role == "user" and only_answer else None
+        turn = LiveTurn(branch.conversation_id, start.answer_id, request, thinking, asked)
         self.conversation_touched.emit(branch.conversation_id)
         if self.live is None:
             self._run(turn)
@@ -310,6 +321,9 @@ class ChatController(QObject):
             return
         self.live = None
         self._save_timer.stop()
+        if summary.stop_reason == "context_full" and summary.generated_tokens == 0:
+            self._refused(live, summary)
+            return
         state = _STATE_OF_STOP.get(summary.stop_reason, "error")
         stats = {"ttft_ms": summary.ttft_ms, "prefill_tok_s": summary.prefill_tok_s,
                  "decode_tok_s": summary.decode_tok_s, "prompt_tokens": summary.prompt_tokens,
@@ -326,6 +340,33 @@ class ChatController(QObject):
         if widget is not None:
             widget.finish(live.text, state, stats)
         self.conversation_touched.emit(live.conversation_id)
+        self._next()
+
+    def _refused(self, live: LiveTurn, summary: TurnSummary) -> None:
+        """The prompt did not fit: remove the turn's rows (a message kept would make every later
+        send in the chat fail too) and hand the message back with the reason."""
+        self.history.call(HistoryStore.discard_turn, live.message_id, then=self._show)
+        question = live.question
+        self.turn_refused.emit(live.conversation_id, question.content if question else "",
+                               list(question.images) if question else [],
+                               self.refusal(summary.prompt_tokens))
+        self.conversation_touched.emit(live.conversation_id)
+        self._next()
+
+    def refusal(self, prompt_tokens: int) -> str:
+        """Why a prompt of ``prompt_tokens`` tokens cannot be answered, and what to do, in words."""
+        asked = self.settings.context
+        if asked > self.context:
+            limit = f"{self.context} tokens, the model's own limit (Settings asks for {asked})"
+            advice = "Shorten the message or start a new chat."
+        else:
+            limit = f"{self.context} tokens (Settings, Ctrl+,)"
+            advice = "Shorten the message, start a new chat, or raise the context size."
+        return (f"Not sent: with this message the prompt is {prompt_tokens:,} tokens, more than the model "
+                f"reads at once, {limit}. {advice}")
+
+    def _next(self) -> None:
+        """Start the oldest waiting turn, if any (and a model can answer)."""
         if self.waiting and not self.unavailable:
             turn = self.waiting.pop(0)
             self._run(turn)

@@ -377,6 +377,35 @@ class HistoryStore:
             answer = self._insert(conn, original.conversation_id, original.parent_id, "assistant", state="streaming")
         return TurnStart(answer, self.branch(original.conversation_id))
 
+    def discard_turn(self, answer_id: int) -> Branch:
+        """Undo a turn the engine refused before reading it (its prompt does not fit the context).
+
+        The empty answer is deleted, and its question too when no other answer hangs under it (a
+        new message or edit; a regenerate's question stays). The conversation's active branch
+        goes back to a remaining version beside the deleted message (the newest), else to its
+        parent. Returns the new active branch.
+
+        Raises:
+            HistoryError: ``answer_id`` is not a stored assistant message.
+        """
+        answer = self._existing(answer_id, "assistant")
+        with self._transaction() as conn:
+            conn.execute("DELETE FROM messages WHERE id = ?", (answer_id,))
+            gone, parent = answer.id, answer.parent_id
+            question = self.message(parent) if parent is not None else None
+            if question is not None and question.role == "user" and not conn.execute(
+                    "SELECT 1 FROM messages WHERE parent_id = ?", (question.id,)).fetchone():
+                conn.execute("DELETE FROM messages WHERE id = ?", (question.id,))
+                gone, parent = question.id, question.parent_id
+            sibling = conn.execute("SELECT MAX(id) FROM messages WHERE conversation_id = ? AND parent_id IS ?"
+                                   " AND id != ?", (answer.conversation_id, parent, gone)).fetchone()[0]
+            leaf = sibling if sibling is not None else parent
+            while leaf is not None and (child := conn.execute(
+                    "SELECT MAX(id) FROM messages WHERE parent_id = ?", (leaf,)).fetchone()[0]) is not None:
+                leaf = child
+            conn.execute("UPDATE conversations SET leaf_id = ? WHERE id = ?", (leaf, answer.conversation_id))
+        return self.branch(answer.conversation_id)
+
     def _existing(self, message_id: int, role: str) -> Message:
         message = self.message(message_id)
         if message is None or message.role != role or (role == "assistant" and message.parent_id is None):

@@ -170,6 +170,7 @@ class MainWindow(QMainWindow):
         self.panel.new_requested.connect(self.new_conversation)
         self.controller.conversation_touched.connect(self.conversations.touch)
         self.controller.activity_changed.connect(self._activity_changed)
+        self.controller.turn_refused.connect(self._turn_refused)
         self.panel.conversation_selected.connect(self._activity_changed)
         self.composer.send_requested.connect(self._send)
         self.composer.stop_requested.connect(self.controller.stop)
@@ -316,6 +317,7 @@ class MainWindow(QMainWindow):
         info = summary.info
         self._show_model_line(info.device, info.device_note, info.vision_device, info.vision_note)
         self.controller.has_vision = summary.info.has_vision
+        self.controller.context = summary.info.context
         self.composer.set_vision(summary.info.has_vision)
         self.sidebar.set_context(summary.info.context)
         if request is not None and self._remember_load:
@@ -443,6 +445,13 @@ class MainWindow(QMainWindow):
         chat, and the list's answering / waiting marks."""
         self.composer.set_busy(self.controller.busy_in(self.controller.conversation_id))
         self.conversations.set_activity(self.controller.activity())
+
+    def _turn_refused(self, conversation_id: int, text: str, images: list, reason: str) -> None:
+        """A message did not fit the context: it is back in the composer (when its chat is shown and
+        nothing new was typed) with the reason; the status bar says it too."""
+        self.statusBar().showMessage(reason, 15000)
+        if conversation_id == self.controller.conversation_id:
+            self.composer.refused(text, images, reason)
 
     def escape(self) -> None:
         """Esc: stop the shown chat's answer (or take it out of the queue), else abandon an edit."""

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 import time
 
 from PySide6.QtCore import QMimeData, Qt, QTimer, QUrl
@@ -396,8 +397,6 @@ def test_a_colour_scheme_change_re_renders_the_messages(qtbot, make_window):
 
 def test_an_imported_mid_chat_system_message_and_the_system_prompt_reach_the_model_as_one(qtbot, make_window,
                                                                                            tmp_path):
-    from dataclasses import replace
-
     from engine.tokenizer import ChatTemplate
     from engine.vocab import QWEN35_CHAT_TEMPLATE
 
@@ -552,3 +551,47 @@ def test_a_stored_image_that_cannot_be_decoded_says_so_in_the_bubble(qtbot, make
     widget = MessageWidget(message, MarkdownRenderer(), [1])
     texts = [w.text() for w in widget.findChildren(type(widget.stats_label)) if w.accessibleName() == "Attached image"]
     assert texts[0].startswith("[cannot show broken.png: ") and texts[1] == "[missing image gone.png]"
+
+
+class ContextEngine(FakeEngine):
+    """Refuses, as the engine does before reading it, a prompt whose messages hold over 1000 characters."""
+
+    def chat(self, messages, **kwargs):
+        size = sum(len(m["content"]) for m in messages if isinstance(m["content"], str))
+        if size <= 1000:
+            return super().chat(messages, **kwargs)
+        self.calls.append(list(messages))
+        from engine.events import TurnSummary
+
+        return iter([TurnSummary(stop_reason="context_full", message="raise the context size.", prompt_tokens=size,
+                                 reused_tokens=0, generated_tokens=0, ttft_ms=0.0, prefill_tok_s=0.0,
+                                 decode_tok_s=0.0, text="")])
+
+
+def test_a_message_over_the_context_is_handed_back_not_kept(qtbot, make_window):
+    engine = ContextEngine()
+    window = make_window(engine)
+    assert window.prefs.context == 8192 and window.controller.context == 4096
+    send(qtbot, window, "short one")
+    paste = "lorem ipsum " * 300
+    window.composer.editor.setPlainText(paste)
+    with turn_done(qtbot, window):
+        qtbot.keyClick(window.composer.editor, Qt.Key_Return)
+    qtbot.waitUntil(lambda: len(window.chat_view.widgets) == 2)
+    assert [m.content for m in path_of(window)] == ["short one", "Hello, world."]
+    assert window.composer.editor.toPlainText() == paste.strip()
+    warning = window.composer.warning.text()
+    assert "3,6" in warning and "4096 tokens, the model's own limit (Settings asks for 8192)" in warning
+    assert "raise the context" not in warning
+    window.composer.editor.setPlainText("and a short one")
+    answer = send(qtbot, window, "and a short one")
+    assert answer.state == "complete" and not window.composer.warning.isVisibleTo(window)
+    assert [m["content"] for m in engine.calls[-1]] == ["short one", "Hello, world.", "and a short one"]
+    # a regenerate that no longer fits keeps its question and the earlier answer
+    engine.calls.clear()
+    window.apply_settings(replace(window.prefs, system_prompt="x" * 990))
+    before = [m.id for m in path_of(window)]
+    with turn_done(qtbot, window):
+        window.controller.regenerate(before[-1])
+    qtbot.waitUntil(lambda: [m.id for m in path_of(window)] == before)
+    assert "Not sent" in window.composer.warning.text() and window.composer.editor.toPlainText() == ""
