@@ -77,13 +77,16 @@ def headline(info, prefill: str, images: str = "") -> str:
     E.g. "Qwen3.6-35B-A3B-Q4_K_M · 34.7 B params · Q4_K · text and images · prefill on GPU (H200),
     decode on CPU". ``info`` is an :class:`engine.api.ModelInfo` (``n_params`` counts the text
     model; the main quant type is the one holding the most bytes); ``prefill`` and ``images`` are
-    :func:`~app.gpu.device_phrase` and :func:`~app.gpu.vision_phrase`.
+    :func:`~app.gpu.device_phrase` and :func:`~app.gpu.vision_phrase`. A remote engine is named
+    with its server: "tiny on http://host:8000/v1 (remote engine) · text only · runs on the server".
     """
+    takes = "text and images" if info.has_vision else "text only"
+    if info.remote:
+        return " \u00b7 ".join((f"{info.name} on {info.remote} (remote engine)", takes, prefill))
     n = info.n_params
     size = f"{n / 1e9:.1f} B" if n >= 1e9 else f"{n / 1e6:.1f} M"
     quant = max(info.quant_mix.items(), key=lambda kv: kv[1][1])[0] if info.quant_mix else "?"
     where = ", ".join(p for p in (prefill, "decode on CPU", images) if p)
-    takes = "text and images" if info.has_vision else "text only"
     return " \u00b7 ".join((Path(info.path).stem, f"{size} params", quant, takes, where))
 
 
