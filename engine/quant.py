@@ -62,7 +62,7 @@ _BLOCK_DTYPES: dict[GGMLQuantizationType, np.dtype] = {
 }
 
 # Kernel ids of native/cpu/deltadesk_cpu.h (enum DD_Q4_0, ...); tests/test_cpu_kernels.py checks they agree.
-_CPU_KERNELS = {Q.Q4_0: 0, Q.Q8_0: 1}
+_CPU_KERNELS = {Q.Q4_0: 0, Q.Q8_0: 1, Q.Q4_K: 2, Q.Q5_K: 3, Q.Q6_K: 4}
 # Weight types native/cuda/gemm.cu has kernels for, by the suffix of their names (qgemm_<suffix>, ...).
 _CUDA_SUFFIXES = {Q.F32: "f32", Q.F16: "f16", Q.BF16: "bf16", Q.Q4_0: "q4_0", Q.Q4_1: "q4_1", Q.Q8_0: "q8_0"}
 # Types gguf.quants.quantize implements (it only dequantizes the K-quants).
@@ -237,6 +237,25 @@ def dequantize(raw: np.ndarray, qtype: GGMLQuantizationType, shape: tuple[int, .
     if qtype == Q.F32:
         out = out.copy()
     return out.reshape(shape)
+
+
+def pack_k_scales(sc: np.ndarray, mn: np.ndarray) -> np.ndarray:
+    """The 12 ``scales`` bytes of Q4_K / Q5_K super-blocks from their 8 six-bit scales and mins (writer side).
+
+    The inverse of ggml-quants.c ``get_scale_min_k4``: for j < 4, byte j = sc_j | (sc_{j+4} >> 4) << 6,
+    byte j + 4 = m_j | (m_{j+4} >> 4) << 6, byte j + 8 = (sc_{j+4} & 15) | (m_{j+4} & 15) << 4.
+
+    Args: sc, mn: (..., 8) integers in 0..63.
+    Returns: (..., 12) uint8.
+    Raises: ValueError for values outside 0..63 or a last axis other than 8.
+    """
+    sc, mn = np.asarray(sc, dtype=np.int64), np.asarray(mn, dtype=np.int64)
+    if sc.shape != mn.shape or sc.shape[-1:] != (8,) or sc.min(initial=0) < 0 or mn.min(initial=0) < 0 \
+            or sc.max(initial=0) > 63 or mn.max(initial=0) > 63:
+        raise ValueError(f"pack_k_scales: expected two (..., 8) arrays of 0..63, got {sc.shape} and {mn.shape}")
+    lo_sc, hi_sc, lo_m, hi_m = sc[..., :4], sc[..., 4:], mn[..., :4], mn[..., 4:]
+    return np.concatenate([lo_sc | (hi_sc >> 4) << 6, lo_m | (hi_m >> 4) << 6, (hi_sc & 15) | (hi_m & 15) << 4],
+                          axis=-1).astype(np.uint8)
 
 
 def quantize(x: np.ndarray, qtype: GGMLQuantizationType) -> np.ndarray:

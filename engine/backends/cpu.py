@@ -9,6 +9,10 @@ Block layouts are ggml's (ggml/src/ggml-common.h), i.e. the raw bytes of a GGUF 
 * ``block_q4_0``, 18 bytes per 32 values: f16 ``d``, then 16 bytes ``qs``; value ``j < 16`` is the
   low nibble of ``qs[j]``, value ``j + 16`` its high nibble; value = (nibble - 8) * d.
 * ``block_q8_0``, 34 bytes per 32 values: f16 ``d``, then 32 int8 ``qs``; value = qs[j] * d.
+* ``block_q4_K`` / ``block_q5_K`` / ``block_q6_K``, 144 / 176 / 210 bytes per 256 values (layouts in
+  native/cpu/kquants.h): read as stored by :data:`K_QUANTS` kernels, whose integer parts, scale
+  products and f64 order are fixed, so their results are bit-identical across ISA levels, thread
+  counts and the numpy twin (:func:`kquant_unpack` + the same order in numpy).
 
 A weight matrix is its tensor's raw data as ``(rows, k // 32 * block_bytes)`` uint8 (what
 ``GGUFFile.raw`` returns), row ``r`` holding the k weights of output ``r``. Products first quantize
@@ -249,6 +253,78 @@ def _dequantize(raw: np.ndarray, qtype: GGMLQuantizationType) -> np.ndarray:
     return (vals.astype(np.float32) * d).reshape(raw.shape[0], -1)
 
 
+# --- K-quant weights ------------------------------------------------------------------------------
+
+K_QUANTS = frozenset({Q.Q4_K, Q.Q5_K, Q.Q6_K})
+"""The K-quant types the kernels read (native/cpu/kquants.h); 256-value super-blocks."""
+_KQ_ROWS = 1024
+"""Weight rows the numpy twin takes at a time (bounds its int64 temporaries)."""
+
+
+def kquant_unpack(raw: np.ndarray, qtype: GGMLQuantizationType
+                  ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """Integer parts of Q4_K / Q5_K / Q6_K super-blocks (layouts in native/cpu/kquants.h, after
+    ggml-quants.c ``dequantize_row_q4_K`` / ``_q5_K`` / ``_q6_K``).
+
+    Args: raw (rows, nsb * block bytes) uint8; qtype one of :data:`K_QUANTS`.
+    Returns: q (rows, nsb, 256) int64 unsigned quants in value order; sc (rows, nsb, 16) int64 scale
+    of each 16 values; mn (rows, nsb, 8) int64 min of each 32 (zeros for Q6_K); d, dmin (rows, nsb)
+    float32 (dmin zeros for Q6_K). Value v of super-block s is ``d * sc[v // 16] * q[v] - dmin *
+    mn[v // 32]`` (Q4_K, Q5_K) or ``d * sc[v // 16] * (q[v] - 32)`` (Q6_K).
+    """
+    rows = raw.shape[0]
+    b = quant.block_view(raw, qtype)
+    nsb = b.shape[1]
+    if qtype == Q.Q6_K:
+        ql = b["ql"].reshape(rows, nsb, 2, 64).astype(np.int64)
+        qh = b["qh"].reshape(rows, nsb, 2, 32).astype(np.int64)
+        lo, hi = ql[..., :32], ql[..., 32:]
+        q = np.stack([(lo & 15) | ((qh & 3) << 4), (hi & 15) | (((qh >> 2) & 3) << 4),
+                      (lo >> 4) | (((qh >> 4) & 3) << 4), (hi >> 4) | (((qh >> 6) & 3) << 4)], axis=-2)
+        zeros = np.zeros((rows, nsb), dtype=np.float32)
+        return (q.reshape(rows, nsb, 256), b["scales"].astype(np.int64), np.zeros((rows, nsb, 8), np.int64),
+                b["d"].astype(np.float32), zeros)
+    qs = b["qs"].reshape(rows, nsb, 4, 1, 32).astype(np.int64)
+    q = np.concatenate([qs & 15, qs >> 4], axis=3)                         # (rows, nsb, chunk, half, 32)
+    if qtype == Q.Q5_K:
+        qh = b["qh"].astype(np.int64)[:, :, None, None, :]
+        q |= ((qh >> np.arange(8).reshape(4, 2, 1)) & 1) << 4               # bit 2j + half of qh[l]
+    s = b["scales"].astype(np.int64)                                       # get_scale_min_k4
+    sc = np.concatenate([s[..., 0:4] & 63, (s[..., 8:12] & 15) | ((s[..., 0:4] >> 6) << 4)], axis=-1)
+    mn = np.concatenate([s[..., 4:8] & 63, (s[..., 8:12] >> 4) | ((s[..., 4:8] >> 6) << 4)], axis=-1)
+    return (q.reshape(rows, nsb, 256), np.repeat(sc, 2, axis=-1), mn, b["d"].astype(np.float32),
+            b["dmin"].astype(np.float32))
+
+
+def _kquant_product_np(raw: np.ndarray, x2: np.ndarray, qtype: GGMLQuantizationType) -> np.ndarray:
+    """(m, rows) float32 = x2 (m, k) quantized to Q8_0 times the K-quant rows, in exactly the f64
+    operations and order of native/cpu/kquants.h (integer parts exact, f32 scale products exact,
+    lane b % 8 accumulated over super-blocks in order, lanes added in a fixed tree)."""
+    q, sc, mn, d, dmin = kquant_unpack(raw, qtype)
+    rows, nsb = d.shape
+    m = x2.shape[0]
+    blocks = quantize_q8_0_np(x2).reshape(m, nsb, 8, Q8_0_BYTES)
+    da = blocks[..., :2].copy().view(np.float16)[..., 0].astype(np.float32)          # (m, nsb, 8)
+    aq = blocks[..., 2:].view(np.int8).astype(np.int64).reshape(m, nsb, 8, 2, 16)
+    s16 = aq.sum(axis=-1)                                                           # (m, nsb, 8, 2)
+    sc2 = sc.reshape(rows, nsb, 8, 2)
+    halves = np.einsum("rsihj,csihj->crsih", q.reshape(rows, nsb, 8, 2, 16), aq)   # (m, rows, nsb, 8, 2)
+    dot = (halves * sc2).sum(axis=-1)
+    if qtype == Q.Q6_K:
+        dot = dot - 32 * (sc2[None] * s16[:, None]).sum(axis=-1)
+    scale = (d[None, :, :, None] * da[:, None]).astype(np.float64)                # exact f32 products
+    terms = scale * dot.astype(np.float64)
+    mins = (dmin[None, :, :, None] * da[:, None]).astype(np.float64) * (mn[None] * s16.sum(-1)[:, None])
+    acc = np.zeros((m, rows, 8))
+    for s in range(nsb):
+        acc += terms[:, :, s]
+        if qtype != Q.Q6_K:
+            acc -= mins[:, :, s]
+    a = acc
+    return ((((a[..., 0] + a[..., 1]) + (a[..., 2] + a[..., 3])) + ((a[..., 4] + a[..., 5]) + (a[..., 6] + a[..., 7])))
+            .astype(np.float32))
+
+
 # --- W4A8 / W8A8 matrix products ----------------------------------------------------------------
 
 def matmul(raw: np.ndarray, x: np.ndarray, qtype: GGMLQuantizationType, name: str = "matmul") -> np.ndarray:
@@ -283,6 +359,10 @@ def matmul_np(raw: np.ndarray, x: np.ndarray, qtype: GGMLQuantizationType, name:
 def _matmul_np(raw: np.ndarray, x: np.ndarray, traits: quant.QuantType, name: str) -> np.ndarray:
     x2, vector = _activations(x)
     raw = _weights(raw, x2.shape[1], traits, name)
+    if traits.qtype in K_QUANTS:
+        y = np.concatenate([_kquant_product_np(raw[r0:r0 + _KQ_ROWS], x2, traits.qtype)
+                            for r0 in range(0, raw.shape[0], _KQ_ROWS)], axis=1)
+        return y[0] if vector else y
     xq = _dequantize(quantize_q8_0_np(x2), Q.Q8_0).astype(np.float64)
     y = (xq @ _dequantize(raw, traits.qtype).T.astype(np.float64)).astype(np.float32)
     return y[0] if vector else y

@@ -11,7 +11,7 @@ the fast path is tested against, and a subclass needs no object threaded through
 What runs where:
 
 * projections: W4A8 / W8A8 GEMV (one token) or small-M GEMM (prefill) straight from the
-  memory-mapped Q4_0 / Q8_0 blocks (:class:`engine.backends.cpu.Matrix`);
+  memory-mapped Q4_0 / Q8_0 / Q4_K / Q5_K / Q6_K blocks (:class:`engine.backends.cpu.Matrix`);
 * one decoded token's MoE FFN: one fused native call (:func:`engine.backends.cpu.moe_ffn`); prefill
   runs each routed expert's rows through the GEMM;
 * one decoded token's GDN recurrence and attention: :mod:`engine.backends.cpu_mixers` (C);
@@ -27,17 +27,19 @@ tensor's float32 rows of 16 MiB exist at a time, the file stays mapped, not copi
 ========================================  ================================  =========================
 stored type of a projection weight        used as                           bytes held in RAM
 ========================================  ================================  =========================
-Q4_0, Q8_0                                the file's blocks (memory map)    0 (page cache only)
-Q4_1, Q5_0, Q5_1, Q2_K..Q6_K              converted to Q8_0                 8.5 bits/weight
+Q4_0, Q8_0, Q4_K, Q5_K, Q6_K              the file's blocks (memory map)    0 (page cache only)
+Q4_1, Q5_0, Q5_1, Q2_K, Q3_K              converted to Q8_0                 8.5 bits/weight
 F16, BF16, F32, ``float_weights="f32"``   float32, numpy BLAS GEMM          32 bits/weight
 F16, BF16, F32, ``float_weights="q8_0"``  converted to Q8_0 (user's choice) 8.5 bits/weight
 ========================================  ================================  =========================
 
 Why Q8_0 for the other block types: requantizing to a 4-bit format would round a second time with
 about the original's step, while Q8_0's added rounding (at most max|x|/254 per 32 values) is about
-1/16 of a 4-bit step and 1/4 of a 6-bit one. The cost over the stored size: Q4_K 4.5 -> 8.5 bits
-(+89%), Q5_K 5.5 (+55%), Q6_K 6.5625 (+30%), Q4_1 5.0 (+70%), Q5_0 5.5 (+55%), Q5_1 6.0 (+42%);
-e.g. a 21.2 GB Q4_K_M 35B-A3B would need ~37 GB. Float weights stay exact by default because
+1/16 of a 4-bit step and 1/4 of a 6-bit one. The cost over the stored size: Q4_1 5.0 -> 8.5 bits
+(+70%), Q5_0 5.5 (+55%), Q5_1 6.0 (+42%), Q3_K 3.4375 (+147%). The kernel types come from the
+quant-type table (:data:`engine.quant.TYPES`, ``cpu_kernel``): a Q4_K_M or UD-Q4_K_XL file (Q4_K,
+Q5_K, Q6_K, Q8_0 tensors) is read in place, so a 21.2 GB Q4_K_M 35B-A3B costs its file size in page
+cache instead of the ~37 GB its Q8_0 conversion took. Float weights stay exact by default because
 quantizing them changes the model; ``float_weights="q8_0"`` halves an F16 file's bytes read per
 token. Split views of a fused ``ffn_gate_up_exps`` are not contiguous and are copied once (their
 Q4_0/Q8_0 bytes). Repacking of Q4_0/Q8_0 rows is not done: the kernels read the GGUF layout.

@@ -98,7 +98,7 @@ int dd_acts_new(const dd_kernels *kt, const float *x, size_t m, size_t k, dd_act
     for (int t = 0; t < DD_WTYPE_COUNT; t++)
         if (kt->bias_mult[t] != 0)
             total += (lanes * 4 + pad) & ~pad;
-    total += m * ng * (8 * 64 + 2 * 16 * 4);
+    total += m * ng * (8 * 64 + 2 * 16 * 4) + 3 * ((m * nbp * 2 * 4 + pad) & ~pad);
     uint8_t *mem = aligned_alloc(64, total), *next = mem;
     if (mem == NULL)
         return DD_ERR_NOMEM;
@@ -115,6 +115,11 @@ int dd_acts_new(const dd_kernels *kt, const float *x, size_t m, size_t k, dd_act
     a->gbias = take(&next, m * ng * 16 * 4);
     a->gd = take(&next, m * ng * 16 * 4);
     memset((void *)a->gq, 0, (size_t)(next - (uint8_t *)a->gq));
+    float *bd = take(&next, m * nbp * 4);
+    int32_t *bs = take(&next, m * nbp * 4), *s16 = take(&next, m * nbp * 2 * 4);
+    a->bd = bd;
+    a->bs = bs;
+    a->s16 = s16;
 
     for (size_t c = 0; c < m; c++) {
         uint8_t *cb = blocks + c * nb * DD_Q8_0_BYTES;
@@ -126,13 +131,17 @@ int dd_acts_new(const dd_kernels *kt, const float *x, size_t m, size_t k, dd_act
                 memcpy(q + qi, cb + b * DD_Q8_0_BYTES + 2, DD_QK);
             else
                 memset(q + qi, 0, DD_QK);
+            s16[(c * nbp + b) * 2] = s16[(c * nbp + b) * 2 + 1] = 0;
             for (int l = 0; l < 8; l++) {
                 const int32_t s = q[qi + 4 * l] + q[qi + 4 * l + 1] + q[qi + 4 * l + 2] + q[qi + 4 * l + 3];
+                s16[(c * nbp + b) * 2 + l / 4] += s;
                 d[li + l] = scale;
                 for (int t = 0; t < DD_WTYPE_COUNT; t++)
                     if (bias[t] != NULL)
                         bias[t][li + l] = kt->bias_mult[t] * s;
             }
+            bd[c * nbp + b] = scale;
+            bs[c * nbp + b] = s16[(c * nbp + b) * 2] + s16[(c * nbp + b) * 2 + 1];
             if (ng > 0 && b < nb)
                 put_group_block(a, c, b, q + qi, scale);
         }
@@ -167,7 +176,7 @@ int dd_matmul(int isa, int wtype, const uint8_t *w, size_t rows, size_t k, const
     const dd_kernels *kt = dd_kernels_for(isa);
     if (kt == NULL)
         return DD_ERR_ISA;
-    if (k % DD_QK != 0 || wtype < 0 || wtype >= DD_WTYPE_COUNT)
+    if (k % DD_QK != 0 || !dd_wtype_fits(wtype, k))
         return DD_ERR_ARG;
     if (rows == 0 || m == 0 || k == 0) {
         for (size_t i = 0; i < rows * m; i++)
@@ -178,7 +187,7 @@ int dd_matmul(int isa, int wtype, const uint8_t *w, size_t rows, size_t k, const
     int rc = dd_acts_new(kt, x, m, k, &acts);
     if (rc != DD_OK)
         return rc;
-    const size_t row_bytes = k / DD_QK * dd_block_bytes(wtype);
+    const size_t row_bytes = dd_row_bytes(wtype, k);
     matmul_job job = {
         .gemm = kt->gemm[wtype], .w = w, .row_bytes = row_bytes, .rows = rows,
         .chunk_rows = dd_chunk_rows(row_bytes * m), .acts = &acts, .y = y,

@@ -16,6 +16,10 @@
 #define DD_QK 32
 #define DD_Q4_0_BYTES 18
 #define DD_Q8_0_BYTES 34
+#define DD_QK_K 256          /* values of a K-quant super-block */
+#define DD_Q4_K_BYTES 144
+#define DD_Q5_K_BYTES 176
+#define DD_Q6_K_BYTES 210
 
 /* Q8_0 activations of m columns, each of nb blocks, 64-byte aligned, in two layouts.
  *
@@ -33,7 +37,11 @@
  *                     16 + 4n + t for step s = 2n + 1 (n = 0..3: the Q4_0 nibble bytes 4n..4n+3,
  *                     low then high nibbles);
  *   gbias[(c*ng + g)*16 + i]  -8 * (sum of the block's 32 values);
- *   gd[(c*ng + g)*16 + i]     the block's scale. */
+ *   gd[(c*ng + g)*16 + i]     the block's scale.
+ * Compact (every level; the K-quant kernels read them), per block b of column c:
+ *   bd[c*nbp + b]     the block's scale;
+ *   bs[c*nbp + b]     the sum of its 32 values;
+ *   s16[(c*nbp + b)*2 + h]  the sum of values 16h .. 16h + 15. */
 typedef struct {
     size_t nb, nbp, m;
     const int8_t *q;
@@ -43,6 +51,8 @@ typedef struct {
     const int8_t *gq;
     const int32_t *gbias;
     const float *gd;
+    const float *bd;
+    const int32_t *bs, *s16;
     void *mem;              /* the allocation holding all of the above */
 } dd_acts;
 

@@ -12,6 +12,29 @@
 #include "gemm_tiles.h"
 #include "kernels.h"
 
+/* The K-quant dot product of kquants.h: one ymm per 32-value block, vpmaddubsw (unsigned weights x
+ * signed activations) then vpmaddwd by the two halves' scales; the 8 int32 lanes of each of the 8
+ * blocks are summed by a vphaddd tree. */
+DD_INLINE void kq_dot8(const uint8_t *w, const int8_t *a, const int16_t *sc, int32_t *out)
+{
+    __m256i v[8];
+    for (int i = 0; i < 8; i++) {
+        const __m256i scale = _mm256_inserti128_si256(_mm256_castsi128_si256(_mm_set1_epi16(sc[2 * i])),
+                                                      _mm_set1_epi16(sc[2 * i + 1]), 1);
+        const __m256i p = _mm256_maddubs_epi16(_mm256_loadu_si256((const __m256i *)(w + 32 * i)),
+                                               _mm256_loadu_si256((const __m256i *)(a + 32 * i)));
+        v[i] = _mm256_madd_epi16(p, scale);
+    }
+    const __m256i h01 = _mm256_hadd_epi32(v[0], v[1]), h23 = _mm256_hadd_epi32(v[2], v[3]);
+    const __m256i h45 = _mm256_hadd_epi32(v[4], v[5]), h67 = _mm256_hadd_epi32(v[6], v[7]);
+    const __m256i lo = _mm256_hadd_epi32(h01, h23), hi = _mm256_hadd_epi32(h45, h67);
+    /* lo: blocks 0-3 from the low 128-bit lanes, then from the high ones; hi likewise for 4-7 */
+    const __m256i sum = _mm256_add_epi32(_mm256_permute2x128_si256(lo, hi, 0x20), _mm256_permute2x128_si256(lo, hi, 0x31));
+    _mm256_storeu_si256((__m256i *)out, sum);
+}
+#define DD_KQ_DOT8 kq_dot8
+#include "kquants.h"
+
 static void quantize_q8_0(const float *x, size_t nb, uint8_t *out)
 {
     const __m256 sign = _mm256_set1_ps(-0.0f), half = _mm256_set1_ps(0.5f), one = _mm256_set1_ps(1.0f);
@@ -125,7 +148,7 @@ static float dot_f32(const float *a, const float *b, size_t n)
 
 const dd_kernels dd_kernels_avx2 = {
     .quantize_q8_0 = quantize_q8_0,
-    .gemm = { gemm_q4_0, gemm_q8_0 },
+    .gemm = { gemm_q4_0, gemm_q8_0, gemm_q4_K, gemm_q5_K, gemm_q6_K },
     .bias_mult = { -8, 0 },
     .dot_f32 = dot_f32,
 };

@@ -11,6 +11,39 @@
 #include "gemm_tiles.h"
 #include "kernels.h"
 
+/* The K-quant dot product of kquants.h: two blocks per zmm, vpmaddubsw (unsigned weights x signed
+ * activations) then vpmaddwd by each 16-value half's scale (int16 lane 2p, 2p + 1 of the scale
+ * vector: half p / 4), giving 16 int32 lanes, 8 per block; 4 such vectors are summed lane-group
+ * by lane-group with two-source permutes into the 8 block totals. */
+DD_INLINE void kq_dot8(const uint8_t *w, const int8_t *a, const int16_t *sc, int32_t *out)
+{
+    static const int16_t half_of_word[32] = { 0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1,
+                                              2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3, 3 };
+    static const int32_t pick_a[16] = { 0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27 };
+    static const int32_t pick_b[16] = { 4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30, 31 };
+    static const int32_t pair_a[16] = { 0, 1, 4, 5, 8, 9, 12, 13, 16, 17, 20, 21, 24, 25, 28, 29 };
+    static const int32_t pair_b[16] = { 2, 3, 6, 7, 10, 11, 14, 15, 18, 19, 22, 23, 26, 27, 30, 31 };
+    const __m512i scales = _mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)sc));
+    const __m512i halves = _mm512_loadu_si512(half_of_word);
+    __m512i v[4];
+    for (int t = 0; t < 4; t++) {
+        const __m512i scale = _mm512_permutexvar_epi16(_mm512_add_epi16(halves, _mm512_set1_epi16((short)(4 * t))), scales);
+        const __m512i p = _mm512_maddubs_epi16(_mm512_loadu_si512(w + 64 * t), _mm512_loadu_si512(a + 64 * t));
+        v[t] = _mm512_madd_epi16(p, scale);
+    }
+    /* 8 lanes a block -> 4 (v0, v1 -> blocks 0-3; v2, v3 -> 4-7) -> 2 -> 1 */
+    const __m512i ia = _mm512_loadu_si512(pick_a), ib = _mm512_loadu_si512(pick_b);
+    const __m512i q0 = _mm512_add_epi32(_mm512_permutex2var_epi32(v[0], ia, v[1]), _mm512_permutex2var_epi32(v[0], ib, v[1]));
+    const __m512i q1 = _mm512_add_epi32(_mm512_permutex2var_epi32(v[2], ia, v[3]), _mm512_permutex2var_epi32(v[2], ib, v[3]));
+    const __m512i pa = _mm512_loadu_si512(pair_a), pb = _mm512_loadu_si512(pair_b);
+    const __m512i d2 = _mm512_add_epi32(_mm512_permutex2var_epi32(q0, pa, q1), _mm512_permutex2var_epi32(q0, pb, q1));
+    const __m512i d1 = _mm512_add_epi32(d2, _mm512_shuffle_epi32(d2, _MM_PERM_CDAB));
+    const __m512i even = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 0, 0, 0, 0, 0, 0, 0, 0);
+    _mm256_storeu_si256((__m256i *)out, _mm512_castsi512_si256(_mm512_permutexvar_epi32(even, d1)));
+}
+#define DD_KQ_DOT8 kq_dot8
+#include "kquants.h"
+
 static void quantize_q8_0(const float *x, size_t nb, uint8_t *out)
 {
     const __m512 half = _mm512_set1_ps(0.5f), one = _mm512_set1_ps(1.0f);
@@ -231,7 +264,7 @@ static float dot_f32(const float *a, const float *b, size_t n)
 
 const dd_kernels dd_kernels_avx512vnni = {
     .quantize_q8_0 = quantize_q8_0,
-    .gemm = { gemm_q4_0, gemm_q8_0 },
+    .gemm = { gemm_q4_0, gemm_q8_0, gemm_q4_K, gemm_q5_K, gemm_q6_K },
     .bias_mult = { 0, -128 },
     .q4_0_groups = 1,
     .dot_f32 = dot_f32,

@@ -3,6 +3,19 @@
 
 #include "kernels.h"
 
+/* The K-quant dot product of kquants.h, element by element. */
+static inline void kq_dot8(const uint8_t *w, const int8_t *a, const int16_t *sc, int32_t *out)
+{
+    for (int i = 0; i < 8; i++) {
+        int32_t half[2] = { 0, 0 };
+        for (int j = 0; j < DD_QK; j++)
+            half[j / 16] += w[DD_QK * i + j] * a[DD_QK * i + j];
+        out[i] = sc[2 * i] * half[0] + sc[2 * i + 1] * half[1];
+    }
+}
+#define DD_KQ_DOT8 kq_dot8
+#include "kquants.h"
+
 /* Round half away from zero, as C's roundf (ggml's reference quantizer uses roundf). */
 static int8_t round_away(float t)
 {
@@ -88,7 +101,7 @@ static float dot_f32(const float *a, const float *b, size_t n)
 
 const dd_kernels dd_kernels_scalar = {
     .quantize_q8_0 = quantize_q8_0,
-    .gemm = { gemm_q4_0, gemm_q8_0 },
+    .gemm = { gemm_q4_0, gemm_q8_0, gemm_q4_K, gemm_q5_K, gemm_q6_K },
     .bias_mult = { 0, 0 },
     .dot_f32 = dot_f32,
 };

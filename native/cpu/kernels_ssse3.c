@@ -12,6 +12,29 @@
 #include "gemm_tiles.h"
 #include "kernels.h"
 
+/* The K-quant dot product of kquants.h: per 16-value half, pmaddubsw (unsigned weights x signed
+ * activations, pairs in int16) then pmaddwd by the half's scale; the 4 int32 lanes of each of the
+ * 8 blocks are summed by a phaddd tree. */
+DD_INLINE void kq_dot8(const uint8_t *w, const int8_t *a, const int16_t *sc, int32_t *out)
+{
+    __m128i v[8];
+    for (int i = 0; i < 8; i++) {
+        __m128i s = _mm_setzero_si128();
+        for (int h = 0; h < 2; h++) {
+            const __m128i p = _mm_maddubs_epi16(_mm_loadu_si128((const __m128i *)(w + 32 * i + 16 * h)),
+                                                _mm_loadu_si128((const __m128i *)(a + 32 * i + 16 * h)));
+            s = _mm_add_epi32(s, _mm_madd_epi16(p, _mm_set1_epi16(sc[2 * i + h])));
+        }
+        v[i] = s;
+    }
+    for (int q = 0; q < 2; q++) {
+        const __m128i h01 = _mm_hadd_epi32(v[4 * q], v[4 * q + 1]), h23 = _mm_hadd_epi32(v[4 * q + 2], v[4 * q + 3]);
+        _mm_storeu_si128((__m128i *)(out + 4 * q), _mm_hadd_epi32(h01, h23));
+    }
+}
+#define DD_KQ_DOT8 kq_dot8
+#include "kquants.h"
+
 static void quantize_q8_0(const float *x, size_t nb, uint8_t *out)
 {
     const __m128 sign = _mm_set1_ps(-0.0f), half = _mm_set1_ps(0.5f), one = _mm_set1_ps(1.0f);
@@ -127,7 +150,7 @@ static float dot_f32(const float *a, const float *b, size_t n)
 
 const dd_kernels dd_kernels_ssse3 = {
     .quantize_q8_0 = quantize_q8_0,
-    .gemm = { gemm_q4_0, gemm_q8_0 },
+    .gemm = { gemm_q4_0, gemm_q8_0, gemm_q4_K, gemm_q5_K, gemm_q6_K },
     .bias_mult = { -8, 0 },
     .dot_f32 = dot_f32,
 };

@@ -39,7 +39,7 @@ typedef struct {
 
 static size_t row_bytes(size_t k, int wtype)
 {
-    return k / DD_QK * dd_block_bytes(wtype);
+    return dd_row_bytes(wtype, k);
 }
 
 static size_t min_size(size_t a, size_t b)
@@ -121,15 +121,15 @@ static void route(const float *logits, size_t n_expert, size_t n_used, int32_t *
 
 static int valid(const dd_moe_weights *w)
 {
-    const int types_ok = w->gate_type >= 0 && w->gate_type < DD_WTYPE_COUNT && w->up_type >= 0 &&
-                         w->up_type < DD_WTYPE_COUNT && w->down_type >= 0 && w->down_type < DD_WTYPE_COUNT;
+    const int types_ok = dd_wtype_fits(w->gate_type, w->d) && dd_wtype_fits(w->up_type, w->d) &&
+                         dd_wtype_fits(w->down_type, w->ff);
     const int shared_ok = w->sh_gate == NULL ||
-                          (w->sh_up != NULL && w->sh_down != NULL && w->sh_gate_inp != NULL && w->ff_sh > 0 &&
-                           w->ff_sh % DD_QK == 0 && w->sh_gate_type >= 0 && w->sh_gate_type < DD_WTYPE_COUNT &&
-                           w->sh_up_type >= 0 && w->sh_up_type < DD_WTYPE_COUNT && w->sh_down_type >= 0 &&
-                           w->sh_down_type < DD_WTYPE_COUNT);
+                          (w->sh_up != NULL && w->sh_down != NULL && w->sh_gate_inp != NULL &&
+                           dd_wtype_fits(w->sh_gate_type, w->d) && dd_wtype_fits(w->sh_up_type, w->d) &&
+                           dd_wtype_fits(w->sh_down_type, w->ff_sh));
     return types_ok && shared_ok && w->d > 0 && w->d % DD_QK == 0 && w->ff > 0 && w->ff % DD_QK == 0 &&
-           w->n_used >= 1 && w->n_used <= w->n_expert && w->n_used <= MAX_USED;
+           (w->sh_gate == NULL || (w->ff_sh > 0 && w->ff_sh % DD_QK == 0)) && w->n_used >= 1 &&
+           w->n_used <= w->n_expert && w->n_used <= MAX_USED;
 }
 
 int dd_moe_ffn(int isa, const dd_moe_weights *mw, const float *x, float *out, int32_t *sel_out, float *weights_out)

@@ -30,9 +30,28 @@ const dd_kernels *dd_kernels_for(int isa);
 int dd_acts_new(const dd_kernels *kt, const float *x, size_t m, size_t k, dd_acts *a);
 void dd_acts_free(dd_acts *a);
 
+/* Values and bytes of one block of each weight type (ggml-common.h), indexed by DD_Q4_0... */
+static inline size_t dd_block_values(int wtype)
+{
+    return wtype == DD_Q4_0 || wtype == DD_Q8_0 ? DD_QK : DD_QK_K;
+}
+
 static inline size_t dd_block_bytes(int wtype)
 {
-    return wtype == DD_Q4_0 ? DD_Q4_0_BYTES : DD_Q8_0_BYTES;
+    static const size_t bytes[DD_WTYPE_COUNT] = { DD_Q4_0_BYTES, DD_Q8_0_BYTES, DD_Q4_K_BYTES, DD_Q5_K_BYTES,
+                                                  DD_Q6_K_BYTES };
+    return bytes[wtype];
+}
+
+/* 1 if wtype is a known weight type and k a whole number of its blocks. */
+static inline int dd_wtype_fits(int wtype, size_t k)
+{
+    return wtype >= 0 && wtype < DD_WTYPE_COUNT && k % dd_block_values(wtype) == 0;
+}
+
+static inline size_t dd_row_bytes(int wtype, size_t k)
+{
+    return k / dd_block_values(wtype) * dd_block_bytes(wtype);
 }
 
 #endif

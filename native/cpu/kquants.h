@@ -1,0 +1,173 @@
+/* K-quant weight kernels (Q4_K, Q5_K, Q6_K) that read the stored super-blocks directly, against
+ * Q8_0 activations: one definition, included by every kernel file after it defines its integer dot
+ * product DD_KQ_DOT8 (the only ISA-specific part), so the levels differ in that instruction choice only.
+ *
+ * Super-block layouts (ggml-common.h; values and scales as ggml-quants.c dequantize_row_q*_K):
+ *   block_q4_K (144 bytes, 256 values): f16 d, f16 dmin, scales[12], qs[128]. Sub-block i (32 values)
+ *     has 6-bit scale sc_i and min m_i packed in scales (get_scale_min_k4); chunk j = 0..3 of 64
+ *     values: value l < 32 is the low nibble of qs[32j + l] (sub-block 2j), value 32 + l its high
+ *     nibble (sub-block 2j + 1); x = d * sc_i * q - dmin * m_i.
+ *   block_q5_K (176 bytes): f16 d, f16 dmin, scales[12], qh[32], qs[128]; as Q4_K with a fifth bit:
+ *     bit 2j of qh[l] for value l of chunk j, bit 2j + 1 for value 32 + l.
+ *   block_q6_K (210 bytes): ql[128], qh[64], int8 scales[16], f16 d. Half n = 0, 1 of 128 values,
+ *     l < 32: q(l) = ql[l] low | qh[l] bits 0-1 << 4, q(32 + l) = ql[32 + l] low | bits 2-3,
+ *     q(64 + l) = ql[l] high | bits 4-5, q(96 + l) = ql[32 + l] high | bits 6-7 (ql += 64, qh += 32
+ *     per half); x = d * scales[v / 16] * (q - 32).
+ *
+ * Exactness. An activation block b (32 values a_j, scale da) meets sub-block b of the weights. Its
+ * integer part is exact in int32: Q4_K/Q5_K  I = sc * sum(q a) and M = m * sum(a); Q6_K
+ * I = sum over its two 16-value halves h of sc_h * (sum(q a) - 32 sum(a)). Each is scaled by an
+ * exact f32 product of two f16 scales (d * da, dmin * da: 11 x 11 bits) into an exact f64 product
+ * (at most 22 + 26 bits), which lane b % 8 of the (row, column) accumulator adds (then subtracts
+ * dmin da M). The 8 lanes are added in a fixed tree and rounded to f32 once. Every level runs these
+ * f64 operations in this order, so K-quant results are bit-identical across levels, thread counts
+ * and tiles (and equal engine.backends.cpu's numpy twin, which replays the same order).
+ */
+#ifndef DELTADESK_KQUANTS_H
+#define DELTADESK_KQUANTS_H
+
+#include "gemm_tiles.h"
+#include "kernels.h"
+
+/* What DD_KQ_DOT8(w, a, sc, out) must compute, for the 8 consecutive 32-value blocks of a super-block:
+ *   out[i] = sc[2i] * sum_{j<16} w[32i + j] a[32i + j] + sc[2i+1] * sum_{16<=j<32} w[32i + j] a[32i + j]
+ * with w unsigned (0..63), a signed int8, sc int16 in -128..127 (no int16 overflow: pairs of
+ * products stay within 2 * 63 * 128). */
+#ifndef DD_KQ_DOT8
+#error "define DD_KQ_DOT8 before including kquants.h"
+#endif
+
+/* 8 lanes, one per block of a super-block (GCC/clang vector extensions: each level's compiler flags
+ * pick the instructions; every operation stays lane-wise IEEE, so the results do not depend on it). */
+typedef int32_t dd_v8i __attribute__((vector_size(32)));
+typedef float dd_v8f __attribute__((vector_size(32)));
+typedef double dd_v8d __attribute__((vector_size(64)));
+
+/* One super-block of up to 4 rows unpacked: unsigned quants in value order, integer scales. */
+typedef struct {
+    uint8_t q[4][DD_QK_K];
+    int16_t sc[4][16];    /* per 16 values */
+    int32_t mn[4][8];     /* per 32 values (Q4_K, Q5_K) */
+    float d[4], dmin[4];
+} dd_kq_rows;
+
+/* Scale and min of sub-block j (0..7) of a Q4_K/Q5_K scales[12] (ggml-quants.c get_scale_min_k4). */
+DD_INLINE void dd_kq_scale_min(const uint8_t *s, int j, int16_t *sc, int32_t *m)
+{
+    if (j < 4) {
+        *sc = (int16_t)(s[j] & 63);
+        *m = s[j + 4] & 63;
+    } else {
+        *sc = (int16_t)((s[j + 4] & 0x0f) | ((s[j - 4] >> 6) << 4));
+        *m = (s[j + 4] >> 4) | ((s[j] >> 6) << 4);
+    }
+}
+
+DD_INLINE void dd_kq_unpack(const uint8_t *blk, int wtype, dd_kq_rows *u, int r)
+{
+    uint8_t *q = u->q[r];
+    if (wtype == DD_Q6_K) {
+        const uint8_t *ql = blk, *qh = blk + 128;
+        for (int n = 0; n < 2; n++, ql += 64, qh += 32, q += 128)
+            for (int l = 0; l < 32; l++) {
+                q[l] = (uint8_t)((ql[l] & 0x0f) | ((qh[l] & 3) << 4));
+                q[l + 32] = (uint8_t)((ql[l + 32] & 0x0f) | (((qh[l] >> 2) & 3) << 4));
+                q[l + 64] = (uint8_t)((ql[l] >> 4) | (((qh[l] >> 4) & 3) << 4));
+                q[l + 96] = (uint8_t)((ql[l + 32] >> 4) | (((qh[l] >> 6) & 3) << 4));
+            }
+        for (int i = 0; i < 16; i++)
+            u->sc[r][i] = (int8_t)blk[192 + i];
+        u->d[r] = dd_f16_to_f32(dd_load_u16(blk + 208));
+        u->dmin[r] = 0.0f;
+        return;
+    }
+    const uint8_t *qs = blk + (wtype == DD_Q5_K ? 48 : 16), *qh = blk + 16;
+    for (int j = 0; j < 4; j++, qs += 32, q += 64) {
+        for (int l = 0; l < 32; l++) {
+            q[l] = qs[l] & 0x0f;
+            q[l + 32] = qs[l] >> 4;
+        }
+        if (wtype == DD_Q5_K)
+            for (int l = 0; l < 32; l++) {
+                q[l] |= (uint8_t)(((qh[l] >> (2 * j)) & 1) << 4);
+                q[l + 32] |= (uint8_t)(((qh[l] >> (2 * j + 1)) & 1) << 4);
+            }
+    }
+    for (int i = 0; i < 8; i++) {
+        dd_kq_scale_min(blk + 4, i, &u->sc[r][2 * i], &u->mn[r][i]);
+        u->sc[r][2 * i + 1] = u->sc[r][2 * i];
+    }
+    u->d[r] = dd_f16_to_f32(dd_load_u16(blk));
+    u->dmin[r] = dd_f16_to_f32(dd_load_u16(blk + 2));
+}
+
+DD_INLINE size_t dd_kq_bytes(int wtype)
+{
+    return wtype == DD_Q4_K ? DD_Q4_K_BYTES : wtype == DD_Q5_K ? DD_Q5_K_BYTES : DD_Q6_K_BYTES;
+}
+
+/* Prefetch every cache line of a super-block of `bytes` wherever it starts. */
+DD_INLINE void dd_kq_prefetch(const uint8_t *p, size_t bytes)
+{
+    for (size_t at = 0; at < bytes; at += 64)
+        __builtin_prefetch(p + at, 0, 3);
+    __builtin_prefetch(p + bytes - 1, 0, 3);
+}
+
+DD_INLINE void dd_kq_tile(const uint8_t *w, const uint8_t *pf, size_t rb, const dd_acts *a, int wtype, size_t c0,
+                          float *y, size_t ldy, const int R, const int C)
+{
+    const size_t bytes = dd_kq_bytes(wtype), nsb = a->nb / 8;
+    dd_kq_rows u;
+    dd_v8d acc[4][4];
+    for (int r = 0; r < R; r++)
+        for (int c = 0; c < C; c++)
+            acc[r][c] = (dd_v8d){ 0 };
+    for (size_t sb = 0; sb < nsb; sb++) {
+        for (int r = 0; r < R; r++) {
+            dd_kq_prefetch(pf + r * rb + sb * bytes, bytes);
+            dd_kq_unpack(w + r * rb + sb * bytes, wtype, &u, r);
+        }
+        for (int c = 0; c < C; c++) {
+            const size_t b0 = (c0 + c) * a->nbp + 8 * sb;
+            const int32_t *s16 = a->s16 + 2 * b0;
+            dd_v8f da;
+            dd_v8i bs;
+            memcpy(&da, a->bd + b0, sizeof da);
+            memcpy(&bs, a->bs + b0, sizeof bs);
+            for (int r = 0; r < R; r++) {
+                int32_t d8[8];
+                DD_KQ_DOT8(u.q[r], a->q + b0 * DD_QK, u.sc[r], d8);
+                if (wtype == DD_Q6_K) {
+                    const int16_t *sc = u.sc[r];
+                    for (int i = 0; i < 8; i++)
+                        d8[i] -= 32 * (sc[2 * i] * s16[2 * i] + sc[2 * i + 1] * s16[2 * i + 1]);
+                }
+                dd_v8i dot;
+                memcpy(&dot, d8, sizeof dot);
+                /* lane i: (d da_i) I_i, exact in f64; then (Q4_K, Q5_K) minus (dmin da_i) M_i */
+                acc[r][c] += __builtin_convertvector(da * u.d[r], dd_v8d) * __builtin_convertvector(dot, dd_v8d);
+                if (wtype != DD_Q6_K) {
+                    dd_v8i mn;
+                    memcpy(&mn, u.mn[r], sizeof mn);
+                    acc[r][c] -= __builtin_convertvector(da * u.dmin[r], dd_v8d) * __builtin_convertvector(mn * bs, dd_v8d);
+                }
+            }
+        }
+    }
+    for (int r = 0; r < R; r++)
+        for (int c = 0; c < C; c++) {
+            const dd_v8d s = acc[r][c];
+            y[(c0 + c) * ldy + r] = (float)(((s[0] + s[1]) + (s[2] + s[3])) + ((s[4] + s[5]) + (s[6] + s[7])));
+        }
+}
+
+#define DD_KQ_TILE_Q4_K(w, pf, rb, a, c0, y, ldy, R, C) dd_kq_tile(w, pf, rb, a, DD_Q4_K, c0, y, ldy, R, C)
+#define DD_KQ_TILE_Q5_K(w, pf, rb, a, c0, y, ldy, R, C) dd_kq_tile(w, pf, rb, a, DD_Q5_K, c0, y, ldy, R, C)
+#define DD_KQ_TILE_Q6_K(w, pf, rb, a, c0, y, ldy, R, C) dd_kq_tile(w, pf, rb, a, DD_Q6_K, c0, y, ldy, R, C)
+
+DD_DEFINE_GEMM(gemm_q4_K, DD_KQ_TILE_Q4_K)
+DD_DEFINE_GEMM(gemm_q5_K, DD_KQ_TILE_Q5_K)
+DD_DEFINE_GEMM(gemm_q6_K, DD_KQ_TILE_Q6_K)
+
+#endif

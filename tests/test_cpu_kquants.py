@@ -1,0 +1,131 @@
+"""K-quant CPU kernels (Q4_K, Q5_K, Q6_K read as stored: native/cpu/kquants.h) at every ISA level.
+
+Weights are random super-blocks drawn byte by byte (no zero scales, odd row and super-block
+counts); the reference dequantizes them with gguf.quants (ggml's reference decoder, independent
+of the code under test) and multiplies in float64 by the Q8_0-quantized activations.
+
+Tolerances. Products: the summation bound of test_cpu_kernels (``(k // 32 + 16) 2^-24 sum|w a|``);
+the kernels' integer parts and scale products are exact and only f64 additions and the final f32
+rounding err (each of gguf's float32 weights is itself within 2^-24 |w|). Between levels, thread
+counts, tiles and the numpy twin the results must be bit-identical: all of them perform the same
+f64 operations in the same order (kquants.h).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from gguf import GGMLQuantizationType, quants
+from test_cpu_kernels import assert_close, level, reference_product, rng, route_margin  # noqa: F401 (fixtures)
+
+from engine import quant
+from engine.backends import cpu
+
+Q = GGMLQuantizationType
+LEVELS = cpu.supported_isas()
+ALL = (*LEVELS, "numpy")
+KQ = (Q.Q4_K, Q.Q5_K, Q.Q6_K)
+
+
+def random_kquant(rng: np.random.Generator, rows: int, k: int, qtype: GGMLQuantizationType) -> np.ndarray:
+    """(rows, k // 256 * block bytes) uint8: random quant bytes, nonzero 6-bit scales and mins
+    (Q4_K/Q5_K) or nonzero int8 scales (Q6_K), f16 d (and dmin) of random sign and size."""
+    raw = rng.integers(0, 256, size=(rows, quant.row_bytes(qtype, k)), dtype=np.uint8)
+    b = raw.view(quant.BLOCK_DTYPES[qtype])
+
+    def f16(shape):
+        return (rng.choice([-1, 1], shape) * rng.uniform(0.5, 1, shape) * 2.0 ** rng.integers(-14, -6, shape)
+                ).astype(np.float16)
+
+    b["d"] = f16(b.shape)
+    if qtype == Q.Q6_K:
+        s = rng.integers(1, 128, size=b["scales"].shape) * rng.choice([-1, 1], b["scales"].shape)
+        b["scales"] = s.astype(np.int8)
+    else:
+        b["dmin"] = f16(b.shape)
+        b["scales"] = quant.pack_k_scales(rng.integers(1, 64, (*b.shape, 8)), rng.integers(1, 64, (*b.shape, 8)))
+    return raw
+
+
+@pytest.mark.parametrize("qtype", KQ, ids=lambda t: t.name)
+def test_unpack_matches_gguf_dequantization(qtype, rng):
+    """The twin's integer decoding, recombined in float64, equals gguf's float32 values to 2^-24 relative."""
+    raw = random_kquant(rng, 7, 768, qtype)
+    q, sc, mn, d, dmin = cpu.kquant_unpack(raw, qtype)
+    q = q.reshape(7, 3, 16, 16).astype(np.float64)
+    w = d[..., None, None].astype(np.float64) * sc[..., None] * (q - 32 * (qtype == Q.Q6_K))
+    w -= (dmin[..., None].astype(np.float64) * mn).repeat(2, axis=-1)[..., None]
+    ref = quants.dequantize(raw, qtype).astype(np.float64)
+    assert np.all(np.abs(w.reshape(7, 768) - ref) <= 2.0**-24 * np.abs(ref))
+
+
+def test_pack_k_scales_round_trips_through_gguf(rng):
+    sc, mn = rng.integers(0, 64, (5, 8)), rng.integers(0, 64, (5, 8))
+    raw = np.zeros((5, 144), np.uint8)
+    b = raw.view(quant.BLOCK_DTYPES[Q.Q4_K])
+    b["d"], b["dmin"], b["scales"] = 1.0, 1.0, quant.pack_k_scales(sc, mn)[:, None]
+    b["qs"] = 0x11                                            # q = 1 everywhere: x = sc - m
+    x = quants.dequantize(raw, Q.Q4_K).reshape(5, 8, 32)
+    assert np.array_equal(x, np.broadcast_to((sc - mn)[..., None], x.shape).astype(np.float32))
+    with pytest.raises(ValueError, match="0..63"):
+        quant.pack_k_scales(np.full(8, 64), np.zeros(8))
+
+
+@pytest.mark.parametrize("level", ALL, indirect=True)
+@pytest.mark.parametrize("qtype", KQ, ids=lambda t: t.name)
+@pytest.mark.parametrize("rows, k", [(1, 256), (7, 768), (33, 2304), (130, 2048)])
+@pytest.mark.parametrize("m", [1, 3, 16])
+def test_kquant_matmul_matches_gguf_reference(level, qtype, rows, k, m, rng):
+    raw = random_kquant(rng, rows, k, qtype)
+    x = (rng.standard_normal((m, k)) * rng.uniform(0.1, 10)).astype(np.float32)
+    ref, abs_sum = reference_product(raw, x, qtype)
+    y = cpu.matmul(raw, x, qtype)
+    assert_close(y, ref, abs_sum, k // 32)
+
+
+@pytest.mark.parametrize("qtype", KQ, ids=lambda t: t.name)
+def test_kquant_results_bit_identical_across_levels_threads_and_tiles(qtype, rng):
+    """Every level, 1-3 threads, one column alone or in a batch, and the numpy twin: the same bits."""
+    raw = random_kquant(rng, 301, 2304, qtype)                # many thread chunks, a ragged last one
+    x = rng.standard_normal((5, 2304)).astype(np.float32)
+    mat = cpu.Matrix(raw, 2304, qtype)
+    want = cpu.matmul_np(raw, x, qtype)
+    try:
+        for name in LEVELS:
+            cpu.set_isa(name)
+            for n in (1, 2, 3):
+                cpu.set_threads(n)
+                assert np.array_equal(mat(x), want), (name, n)
+                assert np.array_equal(cpu.matmul(raw, x[3], qtype), want[3]), (name, n)
+    finally:
+        cpu.set_isa(None)
+        cpu.set_threads()
+
+
+@pytest.mark.parametrize("level", LEVELS, indirect=True)
+def test_moe_ffn_on_kquant_experts(level, rng):
+    """The fused MoE with a Q4_K_M-like mix (Q4_K gate/up, Q6_K down, Q5_K / Q8_0 shared expert)
+    against its twin: same routing, outputs within 1e-4 of the max (the SiLU rounding argument of
+    test_cpu_kernels.test_moe_ffn_matches_numpy_composition)."""
+    d, n_expert, ff, ff_sh = 512, 8, 256, 256
+    qtypes = {"gate": Q.Q4_K, "up": Q.Q4_K, "down": Q.Q6_K, "sh_gate": Q.Q5_K, "sh_up": Q.Q5_K, "sh_down": Q.Q8_0}
+    sh_down = quants.quantize(rng.standard_normal((d, ff_sh)).astype(np.float32) * 0.05, Q.Q8_0)
+    w = cpu.MoEWeights(router=rng.standard_normal((n_expert, d)).astype(np.float32) * 0.2,
+                       gate=random_kquant(rng, n_expert * ff, d, Q.Q4_K), up=random_kquant(rng, n_expert * ff, d, Q.Q4_K),
+                       down=random_kquant(rng, n_expert * d, ff, Q.Q6_K), n_used=3, qtypes=qtypes,
+                       sh_gate=random_kquant(rng, ff_sh, d, Q.Q5_K), sh_up=random_kquant(rng, ff_sh, d, Q.Q5_K),
+                       sh_down=sh_down, sh_gate_inp=rng.standard_normal(d).astype(np.float32) * 0.1)
+    x = rng.standard_normal(d).astype(np.float32)
+    while route_margin(x, w) < 1e-3:
+        x = rng.standard_normal(d).astype(np.float32)
+    got, ref = cpu.moe_ffn(x, w), cpu.moe_ffn_np(x, w)
+    assert np.array_equal(got.experts, ref.experts)
+    assert np.abs(got.out - ref.out).max() <= 1e-4 * np.abs(ref.out).max()
+
+
+def test_kquant_rows_must_be_whole_super_blocks(rng):
+    raw = random_kquant(rng, 2, 256, Q.Q4_K)
+    with pytest.raises(ValueError, match="Q4_K blocks"):
+        cpu.matmul(raw, np.ones(288, np.float32), Q.Q4_K)
+    with pytest.raises(ValueError, match="Q6_K blocks"):
+        cpu.Matrix(raw, 256, Q.Q6_K)
