@@ -5,8 +5,13 @@ the training samples are tokenized and patchified exactly as the engine does at 
 
 A scene is 1-5 shapes (:data:`SHAPES`) in named colours (:data:`COLOURS`), each in its own cell of a
 3x3 grid (so every position has one unambiguous name, :data:`POSITIONS`), on a plain or noisy
-background. A scene is a pure function of its seed: ``scene(seed)``. Training uses seeds from
-:data:`TRAIN_SEED_BASE` on, evaluation from :data:`EVAL_SEED_BASE` on (ranges that never meet).
+background. A scene is a pure function of its seed: ``scene(seed)`` (the plain scenes the first models
+were trained on, drawn by :func:`render`) or ``varied_scene(seed)`` (drawn by :func:`render_varied`
+with the variation of real pictures: colours anywhere in a named colour's region, light or dark
+backgrounds, aliased or smooth edges, outlines, shapes anywhere in their cell, a wider size range,
+repeated shapes, blur, noise and JPEG compression). Training uses seeds from :data:`TRAIN_SEED_BASE`
+on, evaluation from :data:`EVAL_SEED_BASE` on (ranges that never meet). A second, independent drawing
+routine (``training/second_scenes.py``) makes held-out scenes that training never sees.
 
 Run ``python training/data.py`` once to (re)build ``training/vocab.json``: a byte-level BPE of
 :data:`N_BPE` tokens trained with ``tokenizers`` on generated questions and answers, plus the 33
@@ -15,7 +20,9 @@ Qwen3.5/3.6 added tokens (``<|im_start|>``, ``<|image_pad|>``, ``<think>``, ...)
 
 from __future__ import annotations
 
+import colorsys
 import dataclasses
+import io
 import json
 import math
 import random
@@ -24,7 +31,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
-from PIL import Image, ImageDraw
+from PIL import Image, ImageDraw, ImageFilter
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -53,6 +60,21 @@ BACKGROUNDS: dict[str, tuple[int, int, int]] = {
 }
 CLASHES = {"white": {"white", "light gray", "beige"}, "black": {"dark gray"}, "brown": {"dark gray"},
            "yellow": {"beige"}}
+COLOUR_REGIONS: dict[str, tuple[float, float, float, float, float, float]] = {
+    "red": (-14, 8, 0.75, 1.0, 0.65, 1.0), "orange": (22, 40, 0.8, 1.0, 0.9, 1.0),
+    "yellow": (48, 62, 0.7, 1.0, 0.85, 1.0), "green": (95, 145, 0.55, 1.0, 0.45, 1.0),
+    "blue": (202, 242, 0.65, 1.0, 0.6, 1.0), "purple": (262, 302, 0.45, 1.0, 0.4, 0.9),
+    "pink": (318, 354, 0.2, 0.65, 0.9, 1.0), "brown": (14, 32, 0.5, 0.9, 0.35, 0.65),
+    "black": (0, 360, 0.0, 1.0, 0.0, 0.16), "white": (0, 360, 0.0, 0.05, 0.94, 1.0),
+}
+"""Where :func:`render_varied` draws each named colour: (hue from, hue to in degrees, saturation from, to,
+value from, to) in HSV (``colorsys``). The boxes do not meet: neighbouring hues are split by a hue gap
+(red/orange, orange/yellow) or by saturation and value (red/pink, purple/pink, orange/brown, red/brown),
+so every colour drawn keeps its name. Each box holds its plain colour in :data:`COLOURS`."""
+BACKGROUND_LEVELS: dict[str, tuple[int, int]] = {
+    "white": (236, 255), "light gray": (165, 228), "dark gray": (25, 100), "beige": (225, 248)}
+"""Grey level range of each named background in :func:`render_varied` (beige: its red level; green is
+0-15 and blue 18-45 below it)."""
 SHAPES = ("circle", "square", "triangle", "star", "diamond", "hexagon")
 POSITIONS = ("in the top left corner", "at the top", "in the top right corner", "on the left", "in the center",
              "on the right", "in the bottom left corner", "at the bottom", "in the bottom right corner")
@@ -68,6 +90,7 @@ class Shape:
     y: float
     r: float
     angle: float
+    stretch: float = 1.0  # diamonds and circles: height x stretch, width / stretch
 
 
 @dataclass(frozen=True)
@@ -77,6 +100,7 @@ class Scene:
     noisy: bool
     size: tuple[int, int]       # (height, width)
     seed: int
+    varied: bool = False        # drawn by render_varied
 
 
 def scene(seed: int) -> Scene:
@@ -99,10 +123,12 @@ def scene(seed: int) -> Scene:
     return Scene(tuple(shapes), background, rng.random() < 0.3, rng.choice(SIZES), seed)
 
 
-def _polygon(kind: str, cx: float, cy: float, r: float, angle: float) -> list[tuple[float, float]]:
-    """Vertices of a star, square, triangle, diamond or hexagon of radius ``r`` turned by ``angle``."""
+def _polygon(kind: str, cx: float, cy: float, r: float, angle: float, stretch: float = 1.0) -> list[tuple[float, float]]:
+    """Vertices of a star, square, triangle, diamond or hexagon of radius ``r`` turned by ``angle``
+    (a diamond is not turned: 1.25 r x ``stretch`` high, 0.8 r / ``stretch`` wide)."""
     if kind == "diamond":
-        return [(cx, cy - 1.25 * r), (cx + 0.8 * r, cy), (cx, cy + 1.25 * r), (cx - 0.8 * r, cy)]
+        hy, hx = 1.25 * r * stretch, 0.8 * r / stretch
+        return [(cx, cy - hy), (cx + hx, cy), (cx, cy + hy), (cx - hx, cy)]
     if kind == "star":
         radii = [r if i % 2 == 0 else 0.45 * r for i in range(10)]
         angles = [-math.pi / 2 + angle + i * math.pi / 5 for i in range(10)]
@@ -135,6 +161,115 @@ def render(sc: Scene) -> Image.Image:
     return im
 
 
+def varied_scene(seed: int) -> Scene:
+    """The varied scene of ``seed`` (drawn by :func:`render_varied`): 1-5 shapes in distinct cells, where
+    (shape, colour) pairs may repeat (3 scenes in 10 of 2+ shapes copy one), of radius 6-16.5 % of the
+    shorter side placed anywhere their bounding box fits inside the cell (touching its border
+    allowed), on an image of 160-480 px a side (aspect 0.7-1.45) that the engine resizes as any
+    picture. Its random stream is separate from :func:`scene`'s (a string seed)."""
+    rng = random.Random(f"varied-{seed}")
+    background = rng.choice(list(BACKGROUNDS))
+    n = rng.randint(1, 5)
+    colours = [c for c in COLOURS if background not in CLASHES.get(c, ())]
+    cells = sorted(rng.sample(range(9), n))
+    pairs = [(rng.choice(SHAPES), rng.choice(colours)) for _ in range(n)]
+    if n > 1 and rng.random() < 0.3:
+        pairs[rng.randrange(1, n)] = pairs[0]
+        rng.shuffle(pairs)
+    w = rng.randint(160, 480)
+    h = min(480, max(160, round(w * rng.uniform(0.7, 1.45))))
+    shapes = []
+    for cell, (kind, colour) in zip(cells, pairs):
+        stretch = rng.uniform(0.9, 1.12) if kind in ("diamond", "circle") else 1.0
+        angle = rng.uniform(-0.35, 0.35) if kind in ("square", "diamond") else rng.uniform(-0.5, 0.5)
+        r = rng.uniform(0.06, 0.165)
+        while True:
+            rp = r * min(h, w)
+            if kind == "circle":
+                xs, ys = [-rp / stretch, rp / stretch], [-rp * stretch, rp * stretch]
+            else:
+                xs, ys = zip(*_polygon(kind, 0.0, 0.0, rp, angle, stretch))
+            lo_x, hi_x = (cell % 3) * w / 3 - min(xs), (cell % 3 + 1) * w / 3 - max(xs)
+            lo_y, hi_y = (cell // 3) * h / 3 - min(ys), (cell // 3 + 1) * h / 3 - max(ys)
+            if lo_x <= hi_x and lo_y <= hi_y:
+                break
+            r *= 0.95
+        shapes.append(Shape(kind, colour, cell, rng.uniform(lo_x, hi_x) / w, rng.uniform(lo_y, hi_y) / h, r, angle,
+                            stretch))
+    return Scene(tuple(shapes), background, rng.random() < 0.25, (h, w), seed, varied=True)
+
+
+def varied_colour(name: str, rng: np.random.Generator) -> tuple[int, int, int]:
+    """A colour drawn uniformly from ``name``'s box in :data:`COLOUR_REGIONS` (HSV), as RGB 0-255."""
+    h0, h1, s0, s1, v0, v1 = COLOUR_REGIONS[name]
+    rgb = colorsys.hsv_to_rgb((rng.uniform(h0, h1) % 360) / 360, rng.uniform(s0, s1), rng.uniform(v0, v1))
+    return tuple(int(round(c * 255)) for c in rgb)
+
+
+def _background_rgb(name: str, rng: np.random.Generator) -> tuple[int, int, int]:
+    lo, hi = BACKGROUND_LEVELS[name]
+    g = int(rng.integers(lo, hi + 1))
+    if name == "beige":
+        return (g, g - int(rng.integers(0, 16)), g - int(rng.integers(18, 46)))
+    return tuple(int(np.clip(g + t, 0, 255)) for t in rng.integers(-3, 4, 3))
+
+
+def render_varied(sc: Scene) -> Image.Image:
+    """Draw a :func:`varied_scene` as an RGB image of ``sc.size``, with Pillow's ImageDraw.
+
+    Per scene: the background's level (:data:`BACKGROUND_LEVELS`), in 1 of 4 with a linear shading of
+    up to +-14 levels; edges aliased (drawn at 1x, 3 in 10) or smoothed (2x or 3x, then downsampled);
+    in 1 of 3 every shape has an outline (1-12 % of its radius wide, near-black, a darker shade of its
+    fill, or near-white); 1 in 6 is blurred (radius 0.4-1.2 px); the noisy ones get Gaussian noise of
+    sigma 10-30 levels, 3 in 10 of the others a faint one (1-4); 4 in 10 are JPEG-compressed (quality 20-92).
+    Per shape: a fill from :func:`varied_colour` at least 70 RGB levels from the background."""
+    rng = np.random.default_rng([sc.seed, 0x7A1])
+    h, w = sc.size
+    s = int(rng.choice([1, 2, 3], p=[0.3, 0.55, 0.15]))
+    bg = _background_rgb(sc.background, rng)
+    im = Image.new("RGB", (w * s, h * s), bg)
+    draw = ImageDraw.Draw(im)
+    outline = rng.choice(["none", "dark", "shade", "light"], p=[0.67, 0.15, 0.12, 0.06])
+    width_frac = rng.uniform(0.01, 0.12)
+    for sh in sc.shapes:
+        fill = varied_colour(sh.colour, rng)
+        for _ in range(30):
+            if math.dist(fill, bg) >= 70:
+                break
+            fill = varied_colour(sh.colour, rng)
+        cx, cy, r = sh.x * w * s, sh.y * h * s, sh.r * min(h, w) * s
+        line = {"none": None, "dark": tuple(int(v) for v in rng.integers(0, 50, 3)),
+                "shade": tuple(int(c * 0.55) for c in fill),
+                "light": tuple(int(v) for v in rng.integers(225, 256, 3))}[outline]
+        width = max(1, round(width_frac * r)) if line else 0
+        if sh.kind == "circle":
+            rx, ry = r / sh.stretch, r * sh.stretch
+            draw.ellipse((cx - rx, cy - ry, cx + rx, cy + ry), fill=fill, outline=line, width=width)
+        else:
+            draw.polygon(_polygon(sh.kind, cx, cy, r, sh.angle, sh.stretch), fill=fill, outline=line, width=width)
+    if s > 1:
+        im = im.resize((w, h), Image.Resampling.LANCZOS if rng.random() < 0.3 else Image.Resampling.BOX)
+    shade = rng.random() < 0.25
+    faint = not sc.noisy and rng.random() < 0.3
+    if shade or sc.noisy or faint:
+        a = np.asarray(im, dtype=np.float32)
+        if shade:
+            t = rng.uniform(0, 2 * math.pi)
+            ramp = (np.arange(w)[None, :] / w - 0.5) * math.cos(t) + (np.arange(h)[:, None] / h - 0.5) * math.sin(t)
+            a = a + (ramp * rng.uniform(-20, 20)).astype(np.float32)[:, :, None]
+        if sc.noisy or faint:
+            sigma = rng.uniform(10, 30) if sc.noisy else rng.uniform(1, 4)
+            a = a + rng.standard_normal((h, w, 1 if sc.noisy else 3), dtype=np.float32) * np.float32(sigma)
+        im = Image.fromarray(np.clip(a + 0.5, 0, 255).astype(np.uint8))
+    if rng.random() < 1 / 6:
+        im = im.filter(ImageFilter.GaussianBlur(rng.uniform(0.4, 1.2)))
+    if rng.random() < 0.4:
+        buf = io.BytesIO()
+        im.save(buf, format="JPEG", quality=int(rng.integers(20, 93)))
+        im = Image.open(io.BytesIO(buf.getvalue())).convert("RGB")
+    return im
+
+
 def _join(items: list[str]) -> str:
     return items[0] if len(items) == 1 else ", ".join(items[:-1]) + " and " + items[-1]
 
@@ -148,7 +283,7 @@ def questions(sc: Scene) -> dict[str, tuple[str, str]]:
 
     Question wording is chosen from a few paraphrases by the scene's seed (so it is deterministic).
     ``colour`` asks about a shape kind that occurs once, ``shape`` about a colour that occurs once,
-    ``position`` about one (colour, shape) object.
+    ``position`` about a (colour, shape) object that occurs once (none when every pair repeats).
     """
     rng = random.Random(sc.seed * 7 + 1)
     out: dict[str, tuple[str, str]] = {}
@@ -170,10 +305,12 @@ def questions(sc: Scene) -> dict[str, tuple[str, str]]:
     q = rng.choice(["How many shapes are there?", "How many objects are in the image?", "Count the shapes.",
                     "How many shapes do you see?"])
     out["count"] = (q, "There is 1 shape." if n == 1 else f"There are {n} shapes.")
-    s = rng.choice(sc.shapes)
+    s = rng.choice([s for s in sc.shapes if sum((t.colour, t.kind) == (s.colour, s.kind) for t in sc.shapes) == 1]
+                   or sc.shapes)
     q = rng.choice(["Where is the {c} {k}?", "Where is the {c} {k} in the image?",
                     "In which part of the picture is the {c} {k}?"]).format(c=s.colour, k=s.kind)
-    out["position"] = (q, f"The {s.colour} {s.kind} is {POSITIONS[s.cell]}.")
+    if sum((t.colour, t.kind) == (s.colour, s.kind) for t in sc.shapes) == 1:
+        out["position"] = (q, f"The {s.colour} {s.kind} is {POSITIONS[s.cell]}.")
     q = rng.choice(["Describe the image.", "What is in this picture?", "What do you see?",
                     "Describe this image in one sentence."])
     things = _join([f"{_article(s.colour)} {s.colour} {s.kind}" for s in sc.shapes])
@@ -275,7 +412,8 @@ class Sample:
 class Encoder:
     """Turns (image, question, answer) into token ids and labels the way the engine renders a turn:
     the model's chat template (thinking off), the single ``<|image_pad|>`` expanded to the image's
-    merged-token count, loss on the answer and the closing ``<|im_end|>``."""
+    merged-token count, loss on the answer and the closing ``<|im_end|>``. Images are resized as the engine
+    resizes them for the demo's mmproj (at most :data:`MAX_IMAGE_PIXELS`)."""
 
     def __init__(self, vocab: dict):
         self.tok = engine_tokenizer(vocab)
@@ -298,7 +436,7 @@ class Encoder:
     def sample(self, question: str, answer: str, image: Image.Image | None = None) -> Sample:
         pixels, grid, n_img = None, None, 0
         if image is not None:
-            prep = prepare_image(image)
+            prep = prepare_image(image, max_pixels=MAX_IMAGE_PIXELS)
             pixels, grid = prep.pixel_values, prep.grid
             n_img = grid[0] * grid[1] // 4
         prompt = self.prompt(question, n_img)
@@ -331,20 +469,30 @@ def token_labels(sc: Scene, grid: tuple[int, int]) -> np.ndarray:
     return np.stack([kind, colour, cell], -1).reshape(-1, 3).astype(np.int64)
 
 
+def draw(sc: Scene) -> Image.Image:
+    """``sc`` drawn by its own routine: :func:`render_varied` for a varied scene, else :func:`render`."""
+    return render_varied(sc) if sc.varied else render(sc)
+
+
+VARIED_SHARE = 0.65
+"""Share of the scene samples that are varied scenes (the rest are plain ones, which keeps their accuracy)."""
+
+
 def training_sample(enc: Encoder, index: int) -> Sample:
     """Training sample ``index``: 1 in 12 a chat line without an image, else a random question type
-    about the scene of seed ``TRAIN_SEED_BASE + index``."""
+    about the scene of seed ``TRAIN_SEED_BASE + index``: a :func:`varied_scene` with probability
+    :data:`VARIED_SHARE`, else a plain :func:`scene`."""
     rng = random.Random(index * 31 + 5)
     if rng.random() < 1 / 12:
         q, a = rng.choice(chat_pairs())
         return enc.sample(q, a)
-    sc = scene(TRAIN_SEED_BASE + index)
+    varied = rng.random() < VARIED_SHARE
+    sc = (varied_scene if varied else scene)(TRAIN_SEED_BASE + index)
     qs = questions(sc)
     kind = rng.choice(list(qs))
     q, a = qs[kind]
-    smp = enc.sample(q, a, render(sc))
+    smp = enc.sample(q, a, draw(sc))
     return dataclasses.replace(smp, token_labels=token_labels(sc, smp.grid))
-
 
 if __name__ == "__main__":
     VOCAB_PATH.write_text(json.dumps(build_vocab(), ensure_ascii=False) + "\n", encoding="utf-8")

@@ -1,11 +1,13 @@
 """Evaluate the exported demo model through the engine (numpy/C), not torch.
 
     python training/evaluate.py accuracy [--scenes 500] [--scale 2]  # held-out exact-answer accuracy
+    python training/evaluate.py accuracy --generator second        # on the second generator's scenes
     python training/evaluate.py conformance runs/demo              # engine vs torch logits, 20 inputs
     python training/evaluate.py ask IMAGE "What do you see?"       # one greedy answer
 
-Held-out scenes use seeds from ``data.EVAL_SEED_BASE`` (training uses seeds below 10**10, the
-tokenizer corpus 2 * 10**10 on). Answers are greedy (temperature 0) and must equal the reference
+Held-out scenes of the first generator (``data.scene`` / ``data.render``, the plain scenes) use seeds
+from ``data.EVAL_SEED_BASE`` (training uses seeds below 10**10, the tokenizer corpus 2 * 10**10 on);
+the second generator (``second_scenes``, never used in training) numbers its own scenes from 0. Answers are greedy (temperature 0) and must equal the reference
 answer string exactly. Results are printed as JSON.
 """
 
@@ -26,12 +28,16 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(HERE))
 
 import data  # noqa: E402
+import second_scenes  # noqa: E402
 from engine.api import Engine, EngineOptions, SamplingParams  # noqa: E402
 from engine.events import TokenEvent  # noqa: E402
 from engine.state import SequenceState  # noqa: E402
 
 MODELS = ROOT / "assets" / "models"
 GREEDY = SamplingParams(temperature=0.0, max_tokens=48)
+GENERATORS = {"first": (data.scene, data.render, data.EVAL_SEED_BASE),
+              "second": (second_scenes.scene, second_scenes.render, 0)}
+"""name -> (scene of a seed, its drawing, first held-out seed)."""
 
 
 def load(models: Path = MODELS) -> Engine:
@@ -45,18 +51,20 @@ def ask(engine: Engine, question: str, image=None) -> str:
                    if isinstance(ev, TokenEvent)).strip()
 
 
-def accuracy(engine: Engine, n_scenes: int, seed_base: int = data.EVAL_SEED_BASE, scale: float = 1.0) -> dict:
-    """Exact-answer accuracy per question type over ``n_scenes`` held-out scenes (every applicable type).
+def accuracy(engine: Engine, n_scenes: int, scale: float = 1.0, generator: str = "first") -> dict:
+    """Exact-answer accuracy per question type over ``n_scenes`` held-out scenes of ``generator`` (a key of
+    :data:`GENERATORS`), every applicable question type of each.
 
     ``scale`` resizes each rendered scene (bicubic) before it is asked about, as a user's larger or smaller
     picture of the same scene would be; the engine then applies its own area bounds."""
     right = {k: 0 for k in data.QUESTION_TYPES}
     total = {k: 0 for k in data.QUESTION_TYPES}
     wrong: list[dict] = []
+    make, draw, seed_base = GENERATORS[generator]
     t0 = time.time()
     for i in range(n_scenes):
-        sc = data.scene(seed_base + i)
-        image = data.render(sc)
+        sc = make(seed_base + i)
+        image = draw(sc)
         if scale != 1.0:
             image = image.resize((round(image.width * scale), round(image.height * scale)), Image.BICUBIC)
         for kind, (q, a) in data.questions(sc).items():
@@ -65,7 +73,7 @@ def accuracy(engine: Engine, n_scenes: int, seed_base: int = data.EVAL_SEED_BASE
             right[kind] += got == a
             if got != a and len(wrong) < 25:
                 wrong.append({"seed": sc.seed, "q": q, "want": a, "got": got})
-    return {"scenes": n_scenes, "scale": scale, "seconds": round(time.time() - t0, 1),
+    return {"generator": generator, "scenes": n_scenes, "scale": scale, "seconds": round(time.time() - t0, 1),
             "accuracy": {k: round(right[k] / total[k], 4) for k in total if total[k]},
             "counts": total, "examples_wrong": wrong}
 
@@ -128,6 +136,9 @@ def main() -> None:
     a = sub.add_parser("accuracy")
     a.add_argument("--scenes", type=int, default=500)
     a.add_argument("--scale", type=float, default=1.0, help="resize each scene by this factor first")
+    a.add_argument("--models", type=Path, default=MODELS, help="folder holding the two GGUF files")
+    a.add_argument("--generator", choices=sorted(GENERATORS), default="first",
+                   help="first: data.scene / data.render; second: second_scenes (held out from training)")
     c = sub.add_parser("conformance")
     c.add_argument("run", type=Path)
     c.add_argument("--f32", type=Path, help="folder with an f32 export of the same run, compared too")
@@ -136,7 +147,7 @@ def main() -> None:
     k.add_argument("question")
     args = ap.parse_args()
     if args.cmd == "accuracy":
-        print(json.dumps(accuracy(load(), args.scenes, scale=args.scale), indent=1))
+        print(json.dumps(accuracy(load(args.models), args.scenes, scale=args.scale, generator=args.generator), indent=1))
     elif args.cmd == "conformance":
         engines = {"q8_0": load()}
         if args.f32:

@@ -55,6 +55,7 @@ from transformers.models.qwen3_5_moe import modeling_qwen3_5_moe as hf_qwen35moe
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import data  # noqa: E402
+import second_scenes  # noqa: E402
 
 SEED = 20261129
 SHARD_BYTES = 15 << 20
@@ -204,13 +205,23 @@ def make_loader(vocab: dict, cfg: Qwen3_5MoeConfig, first: int, batch: int, work
 HELDOUT_SEED = data.EVAL_SEED_BASE + 5_000_000
 
 
-def heldout_batches(vocab: dict, cfg: Qwen3_5MoeConfig, n_scenes: int, batch: int = 128) -> list[tuple[list[str], dict]]:
-    """Every question of ``n_scenes`` held-out scenes as collated batches, with each sample's question type."""
+HELDOUT = {"heldout_exact": (data.scene, data.render, HELDOUT_SEED),
+           "heldout_second": (second_scenes.scene, second_scenes.render, 5_000_000)}
+"""Held-out curves: log key -> (scene of a seed, its drawing, first seed). ``heldout_second`` is the second
+generator (``second_scenes``), which training never draws from; its seeds are far from those
+``evaluate.py`` and the tests use."""
+
+
+def heldout_batches(vocab: dict, cfg: Qwen3_5MoeConfig, n_scenes: int, batch: int = 128,
+                    key: str = "heldout_exact") -> list[tuple[list[str], dict]]:
+    """Every question of ``n_scenes`` held-out scenes of ``HELDOUT[key]`` as collated batches, with each
+    sample's question type."""
+    make, draw, first = HELDOUT[key]
     enc = data.Encoder(vocab)
     items = []
     for i in range(n_scenes):
-        sc = data.scene(HELDOUT_SEED + i)
-        image = data.render(sc)
+        sc = make(first + i)
+        image = draw(sc)
         items += [(kind, enc.sample(q, a, image)) for kind, (q, a) in data.questions(sc).items()]
     out = []
     for j in range(0, len(items), batch):
@@ -414,7 +425,7 @@ def main() -> None:
         return
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "config.json").write_text(cfg.to_json_string())
-    heldout = heldout_batches(vocab, cfg, args.eval_scenes) if args.eval_every else []
+    heldout = {key: heldout_batches(vocab, cfg, args.eval_scenes, key=key) for key in HELDOUT} if args.eval_every else {}
     loader = make_loader(vocab, cfg, first, args.batch, args.workers)
     steps = args.steps
     curve: list[dict] = []
@@ -456,7 +467,7 @@ def main() -> None:
                    "answer_token_acc": round(run_acc, 4), "aux_loss": round(aux, 4),
                    "lr": opt.param_groups[0]["lr"]}
             if evaluate:
-                rec["heldout_exact"] = heldout_accuracy(model, heldout, device)
+                rec |= {key: heldout_accuracy(model, batches, device) for key, batches in heldout.items()}
             curve.append(rec)
             print(json.dumps(rec), flush=True)
         if steps is not None and time.time() - last_save > args.save_minutes * 60:
