@@ -305,7 +305,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--preset", required=True, choices=["tiny", "small", "dense-tiny", "35b-a3b"])
     p.add_argument("--layers", type=int, default=None)
     p.add_argument("--experts", type=int, default=None)
-    p.add_argument("--quant", default="q4_0", choices=["q4_0", "q8_0", "f16", "f32"])
+    p.add_argument("--quant", default="q4_0", choices=["q4_0", "q8_0", "f16", "f32", "q4_k_m"])
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--output", "-o", required=True)
     p.add_argument("--no-mmproj", action="store_true", help="do not write the matching vision tower")

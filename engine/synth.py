@@ -35,7 +35,9 @@ from gguf import GGMLQuantizationType, LlamaFileType
 
 from .gguf_file import tensor_shapes
 from .hparams import Qwen35HParams
-from .quant import WRITABLE_TYPES, block_size, parse_type, quantize, row_bytes, type_name, type_size
+from .quant import (BLOCK_DTYPES, WRITABLE_TYPES, block_size, pack_k_scales, parse_type, quantize, row_bytes,
+                    type_name, type_size)
+from .quant_mix import MIXES, mix_type
 
 Q = GGMLQuantizationType
 
@@ -55,6 +57,8 @@ _RESIDUAL_WRITERS = ("ssm_out.weight", "attn_output.weight", "ffn_down_exps.weig
                      "ffn_down.weight")
 # std of the dequantized quant value: uniform nibble q-8 in -8..7, uniform int8 in -128..127
 _QUANT_STD = {Q.Q4_0: math.sqrt((16 ** 2 - 1) / 12), Q.Q8_0: math.sqrt((256 ** 2 - 1) / 12)}
+# K-quants drawn directly: levels of the unsigned quant q (x = d sc (q - centre) with dmin m = d sc centre)
+_K_LEVELS = {Q.Q4_K: 16, Q.Q5_K: 32, Q.Q6_K: 64}
 
 _COMMON = dict(arch="qwen35moe", nextn_predict_layers=0, context_length=262144, rms_eps=1e-6,
                rope_theta=1e7, full_attention_interval=4, conv_kernel=4)
@@ -157,7 +161,7 @@ def write_gguf(path: str | os.PathLike[str], hp: Qwen35HParams, tensors: Mapping
         x = np.asarray(x, dtype=np.float32)
         qtype = storage_type(name, x.shape[::-1], qfile, quant_overrides)
         plan.append((name, x.shape, qtype, lambda x=x, qtype=qtype: quantize(x, qtype)))
-    _write(path, hp, plan, qfile, vocab, chat_template, name="DeltaDesk test model")
+    _write(path, hp, plan, FILE_TYPES[qfile], vocab, chat_template, name="DeltaDesk test model")
 
 
 def synth(path: str | os.PathLike[str], preset: str, layers: int | None = None, experts: int | None = None,
@@ -168,7 +172,9 @@ def synth(path: str | os.PathLike[str], preset: str, layers: int | None = None, 
         path: output file (overwritten).
         preset: ``tiny``, ``small``, ``dense-tiny`` or ``35b-a3b`` (:data:`PRESETS`).
         layers, experts: shrink the preset (:func:`preset_hparams`).
-        quant: file type: ``f32``, ``f16``, ``q8_0``, ``q4_0`` (also ``bf16``, ``q4_1``, ``q5_0``, ``q5_1``).
+        quant: file type: ``f32``, ``f16``, ``q8_0``, ``q4_0`` (also ``bf16``, ``q4_1``, ``q5_0``, ``q5_1``),
+            or a K-quant mix of :data:`engine.quant_mix.MIXES` (``q4_k_m``: llama-quantize's per-tensor
+            types, see :mod:`engine.quant_mix`; its Q4_K / Q5_K / Q6_K / Q8_0 blocks are drawn directly).
         seed: the weights are a deterministic function of (seed, tensor name, shape).
         vocab: ``"qwen35"`` for the real vocabulary and chat template (``engine.vocab``), ``None`` for
             no tokenizer metadata with ``vocab_size`` 248320, or a list of token strings.
@@ -179,7 +185,8 @@ def synth(path: str | os.PathLike[str], preset: str, layers: int | None = None, 
     Raises:
         ValueError: bad preset, sizes or type name.
     """
-    qfile = _file_type(quant)
+    mix = quant.lower() if quant.lower() in MIXES else None
+    qfile = Q.Q4_K if mix else _file_type(quant)
     if isinstance(vocab, str):
         if vocab != "qwen35":
             raise ValueError(f"vocab must be 'qwen35', None or a list of tokens, got {vocab!r}")
@@ -188,12 +195,14 @@ def synth(path: str | os.PathLike[str], preset: str, layers: int | None = None, 
     n_vocab = QWEN35_N_VOCAB if vocab is None else len(_tokens(vocab))
     hp = preset_hparams(preset, n_vocab, layers, experts)
     plan: list[_Plan] = []
-    for name, ne in tensor_shapes(hp).items():
+    shapes = tensor_shapes(hp)
+    for name, ne in shapes.items():
         shape = tuple(reversed(ne))
-        qtype = storage_type(name, ne, qfile)
+        qtype = mix_type(mix, name, ne, hp, "output.weight" in shapes) if mix else storage_type(name, ne, qfile)
         rng = np.random.default_rng([seed, zlib.crc32(name.encode()), *shape])
         plan.append((name, shape, qtype, lambda n=name, s=shape, q=qtype, r=rng: _random_tensor(n, s, q, hp, r)))
-    _write(path, hp, plan, qfile, vocab, None, name=f"DeltaDesk synthetic {preset}")
+    _write(path, hp, plan, MIXES[mix] if mix else FILE_TYPES[qfile], vocab, None,
+           name=f"DeltaDesk synthetic {preset}", drawn=_K_LEVELS.keys())
     return hp
 
 
@@ -214,10 +223,13 @@ def synth_mmproj_for(path: str | os.PathLike[str], preset: str, seed: int = 0) -
 
 
 def _file_type(quant: str) -> GGMLQuantizationType:
-    qtype = parse_type(quant)
+    try:
+        qtype = parse_type(quant)
+    except ValueError:
+        qtype = None
     if qtype not in FILE_TYPES:
         raise ValueError(f"cannot write a {quant!r} file (expected one of "
-                         f"{', '.join(type_name(t).lower() for t in FILE_TYPES)})")
+                         f"{', '.join(type_name(t).lower() for t in FILE_TYPES)}; synth also: {', '.join(MIXES)})")
     return qtype
 
 
@@ -245,6 +257,8 @@ def _random_tensor(name: str, shape: tuple[int, ...], qtype: GGMLQuantizationTyp
             std = 1.0 / math.sqrt(fan_in)
         if qtype in _QUANT_STD:
             return _random_blocks(shape, qtype, std, rng)
+        if qtype in _K_LEVELS:
+            return _random_kquant_blocks(shape, qtype, std, rng)
         x = std * rng.standard_normal(shape, dtype=np.float32)
     return quantize(x, qtype)
 
@@ -268,15 +282,53 @@ def _random_blocks(shape: tuple[int, ...], qtype: GGMLQuantizationType, std: flo
     return out.reshape(*shape[:-1], rb)
 
 
-def _write(path: str | os.PathLike[str], hp: Qwen35HParams, plan: Iterable[_Plan], qfile: GGMLQuantizationType,
-           vocab: Any, chat_template: str | None, name: str) -> None:
-    """Stream a GGUF: header, metadata and tensor table first, then each tensor produced and written in turn."""
+def _random_kquant_blocks(shape: tuple[int, ...], qtype: GGMLQuantizationType, std: float,
+                          rng: np.random.Generator) -> np.ndarray:
+    """Q4_K / Q5_K / Q6_K super-blocks drawn directly (layouts: engine.quant, ggml-common.h).
+
+    All bytes are drawn uniformly, so the quants q are uniform over their L levels (16, 32, 64); then
+    the scales are rewritten from the random bytes already there: Q4_K / Q5_K sub-block scale
+    sc = 32 + (byte & 31) with min m = sc and dmin = d (L - 1) / 2, so x = d sc (q - (L - 1) / 2) has
+    mean 0; Q6_K int8 scale of magnitude 64 + (byte & 63) and the byte's top bit as sign, x = d sc (q - 32)
+    (mean -d sc / 2, small against its std). ``|d|`` = std / (std(q) mean|sc|) * (0.8 + 0.4 r / 65535) from
+    d's own random 16 bits r, sign from bit 0 of r: the values have std ~``std``.
+    """
+    rb = row_bytes(qtype, shape[-1])
+    nbytes = math.prod(shape[:-1]) * rb
+    out = rng.bit_generator.random_raw(-(-nbytes // 8)).view(np.uint8)[:nbytes]
+    b = out.view(BLOCK_DTYPES[qtype])
+    levels = _K_LEVELS[qtype]
+    q_std = math.sqrt((levels ** 2 - 1) / 12)
+    if qtype == Q.Q6_K:
+        raw_scales = b["scales"].view(np.uint8)
+        magnitude = (64 + (raw_scales & 63)).astype(np.int16)
+        b["scales"] = np.where(raw_scales & 128, -magnitude, magnitude).astype(np.int8)
+        mean_sc = 95.5
+    else:
+        sc = (32 + (b["scales"][:, :8] & 31)).astype(np.int64)
+        b["scales"] = pack_k_scales(sc, sc)
+        mean_sc = 47.5
+    d_bits = b["d"].view("<u2")
+    r = d_bits.astype(np.float32)
+    d = np.float32(std / (q_std * mean_sc)) * (np.float32(0.8) + np.float32(0.4 / 65535) * r)
+    d = np.where(d_bits & 1, -d, d).astype(np.float32)
+    b["d"] = d.astype("<f2")
+    if qtype != Q.Q6_K:
+        b["dmin"] = (d * np.float32((levels - 1) / 2)).astype("<f2")
+    return out.reshape(*shape[:-1], rb)
+
+
+def _write(path: str | os.PathLike[str], hp: Qwen35HParams, plan: Iterable[_Plan], file_type: LlamaFileType,
+           vocab: Any, chat_template: str | None, name: str, drawn: Iterable[GGMLQuantizationType] = ()) -> None:
+    """Stream a GGUF: header, metadata and tensor table first, then each tensor produced and written in turn.
+    ``drawn``: types besides :data:`WRITABLE_TYPES` the plan's producers make (drawn as blocks)."""
     plan = list(plan)
+    producible = WRITABLE_TYPES | set(drawn)
     w = gguf.GGUFWriter(os.fspath(path), hp.arch)
-    _add_metadata(w, hp, qfile, name)
+    _add_metadata(w, hp, file_type, name)
     _add_vocab(w, hp, vocab, chat_template)
     for tname, shape, qtype, _ in plan:
-        if qtype not in WRITABLE_TYPES:
+        if qtype not in producible:
             raise ValueError(f"tensor {tname}: cannot write {type_name(qtype)} (writable: "
                              f"{', '.join(sorted(type_name(t).lower() for t in WRITABLE_TYPES))})")
         if shape[-1] % block_size(qtype):
@@ -292,12 +344,12 @@ def _write(path: str | os.PathLike[str], hp: Qwen35HParams, plan: Iterable[_Plan
     w.close()
 
 
-def _add_metadata(w: gguf.GGUFWriter, hp: Qwen35HParams, qfile: GGMLQuantizationType, name: str) -> None:
+def _add_metadata(w: gguf.GGUFWriter, hp: Qwen35HParams, file_type: LlamaFileType, name: str) -> None:
     """``general.*`` and every ``{arch}.*`` key of spec section 1, from ``hp``."""
     a = hp.arch
     w.add_type("model")
     w.add_name(name)
-    w.add_file_type(FILE_TYPES[qfile])
+    w.add_file_type(file_type)
     w.add_quantization_version(gguf.GGML_QUANT_VERSION)
     u32 = {
         "block_count": hp.n_layer + hp.nextn_predict_layers,

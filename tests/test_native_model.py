@@ -51,8 +51,11 @@ def run(model, n_decode: int, capacity: int = 64) -> tuple[np.ndarray, np.ndarra
     return pre, np.stack(steps)
 
 
-@pytest.mark.parametrize("quant", ["q4_0", "q8_0"])
-def test_logits_equal_the_emulation_at_every_isa_and_stay_near_numpy(synth_model, quant, isa_reset):
+@pytest.mark.parametrize("quant, near", [("q4_0", 0.05), ("q8_0", 0.05), ("q4_k_m", 0.1)])
+def test_logits_equal_the_emulation_at_every_isa_and_stay_near_numpy(synth_model, quant, near, isa_reset):
+    """``near``: the largest logit gap to the float reference, relative to the largest logit, over
+    18 x 248320 logits. The gap comes from the Q8_0 activations; its median is ~1.3 % of the median
+    logit for both the Q4_0 and the Q4_K_M file, its maximum 4.8 % and 6.9 % (seed 0)."""
     gguf = GGUFFile.open(synth_model("small", quant))
     native = NativeQwen35Model(gguf.hparams, gguf)
     cpu.set_isa("numpy")
@@ -64,7 +67,7 @@ def test_logits_equal_the_emulation_at_every_isa_and_stay_near_numpy(synth_model
             assert np.array_equal(a, b), f"{level}: max gap {np.abs(a - b).max()} to the numpy emulation"
     ref = run(Qwen35Model(gguf.hparams, gguf), 4)
     for a, b in zip(emulated, ref):
-        assert np.abs(a - b).max() <= 0.05 * np.abs(b).max()
+        assert np.abs(a - b).max() <= near * np.abs(b).max()
     assert int(emulated[0][-1].argmax()) == int(ref[0][-1].argmax())
 
 

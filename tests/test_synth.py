@@ -99,7 +99,7 @@ def test_deterministic_for_a_seed(tmp_path):
     assert digest(a) == digest(b) != digest(c)
 
 
-@pytest.mark.parametrize("preset,q", [("35b-a3b", "q4_0"), ("35b-a3b", "q8_0"), ("small", "f16")])
+@pytest.mark.parametrize("preset,q", [("35b-a3b", "q4_0"), ("35b-a3b", "q8_0"), ("small", "f16"), ("35b-a3b", "q4_k_m")])
 def test_weight_statistics(tmp_path, preset, q):
     path = tmp_path / "s.gguf"
     hp = synth(path, preset, layers=4, experts=2, quant=q, vocab=VOCAB)
@@ -122,6 +122,46 @@ def test_weight_statistics(tmp_path, preset, q):
     for il in range(3):
         assert np.all(f.f32(f"blk.{il}.ssm_a") < 0)
         assert np.all(np.abs(f.f32(f"blk.{il}.ssm_dt.bias")) < 1)
+
+
+def test_q4_k_m_mix_is_llama_quantizes(tmp_path):
+    """llama-quant.cpp's Q4_K_M rule (engine.quant_mix) for 8 layers: use_more_bits(i, 8) holds for
+    i < 1, i >= 7 and (i - 1) % 3 == 2, i.e. layers 0, 3, 6, 7; their attn_qkv / attn_v and
+    ffn_down* get Q6_K. Rows of ne0 = 128 (the small preset's expert width) are not whole 256-value
+    super-blocks: Q4_K falls back to Q5_0, Q6_K to Q8_0. The output is Q6_K, norms/routers stay F32."""
+    path = tmp_path / "m.gguf"
+    hp = synth(path, "small", quant="q4_k_m", vocab=VOCAB)
+    f = GGUFFile.open(path)
+    more = {0, 3, 6, 7}
+    for il in range(hp.n_layer):
+        v = f"blk.{il}.attn_qkv.weight" if hp.is_recurrent(il) else f"blk.{il}.attn_v.weight"
+        assert f.info(v).qtype == (Q.Q6_K if il in more else Q.Q4_K), v
+        assert f.info(f"blk.{il}.ffn_down_exps.weight").qtype == (Q.Q8_0 if il in more else Q.Q5_0)
+        assert f.info(f"blk.{il}.ffn_down_shexp.weight").qtype == (Q.Q8_0 if il in more else Q.Q5_0)
+        assert f.info(f"blk.{il}.ffn_gate_exps.weight").qtype == Q.Q4_K
+        assert f.info(f"blk.{il}.ffn_gate_inp.weight").qtype == Q.F32
+    assert f.info("blk.0.ssm_out.weight").qtype == Q.Q4_K and f.info("blk.3.attn_output.weight").qtype == Q.Q4_K
+    assert f.info("output.weight").qtype == Q.Q6_K and f.info("token_embd.weight").qtype == Q.Q4_K
+    assert f.info("blk.0.ssm_conv1d.weight").qtype == Q.F32 and f.info("output_norm.weight").qtype == Q.F32
+    assert f.meta("general.file_type") == 15                                   # LLAMA_FTYPE_MOSTLY_Q4_K_M
+
+
+def test_q4_k_m_mix_of_the_35b_layout():
+    """40 layers: use_more_bits(i, 40) for i < 5, i >= 35 and (i - 5) % 3 == 2 (7, 10, ..., 34):
+    20 of 40 layers; with 8 experts llama.cpp's n_expert == 8 branch gives attn_v Q8_0, attn_output Q5_K."""
+    from engine.quant_mix import mix_type
+    hp = preset_hparams("35b-a3b")
+    more = [il for il in range(40) if mix_type("q4_k_m", f"blk.{il}.ffn_down_exps.weight", (512, 2048, 256), hp)
+            == Q.Q6_K]
+    assert more == [0, 1, 2, 3, 4, *range(7, 35, 3), 35, 36, 37, 38, 39]
+    eight = preset_hparams("35b-a3b", experts=8)
+    assert mix_type("q4_k_m", "blk.3.attn_v.weight", (2048, 512), eight) == Q.Q8_0
+    assert mix_type("q4_k_m", "blk.3.attn_output.weight", (4096, 2048), eight) == Q.Q5_K
+    assert mix_type("q4_k_m", "blk.3.attn_output.weight", (4096, 2048), hp) == Q.Q4_K
+    assert mix_type("q4_k_m", "token_embd.weight", (2048, 248320), hp, has_output=False) == Q.Q6_K
+    assert mix_type("q4_k_m", "blk.0.attn_qkv.weight", (40, 8), hp) == Q.F16       # not even 32-value rows
+    with pytest.raises(ValueError, match="q5_k_s"):
+        mix_type("q5_k_s", "blk.0.attn_q.weight", (2048, 8192), hp)
 
 
 def test_write_gguf_errors(tmp_path):
