@@ -460,6 +460,35 @@ def tiny_files(tmp_path_factory):
     return out
 
 
+def test_emulated_prefill_of_a_k_quant_mix(emulated, tmp_path):
+    """A Q4_K_M file (Q4_K / Q6_K / Q8_0 / Q5_0 tensors): resident weights without a GPU kernel are
+    dequantized to F32, routed experts laid out and streamed as Q8_0 (converted on the host). Against
+    the float reference that reads the stored blocks, the only difference is that conversion's
+    rounding (about max|w| / 254 per 32 weights, ~1/16 of a 4-bit step)."""
+    from engine.backends.cuda_plan import expert_rows
+    from engine.gguf_file import GGUFFile
+    from engine.models.qwen35 import Qwen35Model
+    from engine.quant import dequantize
+    from engine.state import SequenceState
+    from engine.synth import synth
+
+    synth(tmp_path / "m.gguf", "small", layers=4, quant="q4_k_m", seed=5, vocab=[f"t{i}" for i in range(256)])
+    f = GGUFFile.open(tmp_path / "m.gguf")
+    hp = f.hparams
+    assert f.info("blk.0.ffn_gate_exps.weight").qtype == Q.Q4_K
+    eng = emulated(f, plan_tokens=64)
+    assert all(lay.gu_qtype == lay.down_qtype == Q.Q8_0 for lay in eng.layouts.values())
+    name = "blk.1.ffn_up_exps.weight"
+    w = dequantize(f.raw(name), Q.Q4_K, (f.raw(name).shape[0], hp.n_embd))
+    got = dequantize(expert_rows(f, name, Q.Q8_0), Q.Q8_0, w.shape)
+    step = np.abs(w.reshape(w.shape[0], -1, 32)).max(axis=-1, keepdims=True) / 127
+    # half a step, plus 127 steps times the f16 rounding of the step itself (2^-11 relative)
+    assert np.all(np.abs(got - w).reshape(step.shape[0], -1, 32) <= (0.5 + 127 * 2.0**-11) * step * (1 + 1e-6))
+    toks = np.random.default_rng(0).integers(0, hp.n_vocab, 40)
+    want = Qwen35Model(hp, f).forward(toks, SequenceState.new(hp, 64))[-1]
+    assert rel_err(eng.prefill(toks, SequenceState.new(hp, 64)), want) < 1e-2
+
+
 @pytest.mark.parametrize("preset", ["tiny", "dense-tiny"])
 def test_emulated_prefill_resident_streamed_selective_and_passes(emulated, tiny_files, preset):
     from engine.models.qwen35 import Qwen35Model

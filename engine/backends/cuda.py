@@ -36,8 +36,8 @@ from .cuda_buffers import Activations, Copier, CopyTask
 from .cuda_context import CudaBackend
 from .cuda_kernels import PREFILL_SOURCES, Kernels
 from .cuda_plan import (GPU_TYPES, TILE_ROWS, ExpertLayout, LayerTelemetry, Matrix, Placement,
-                        PrefillTelemetry, copy_runs, expert_layout, gemm_matrix, layer_matrices, layer_vectors,
-                        aligned, pass_tokens, plan_placement, route_tables, use_selective)
+                        PrefillTelemetry, copy_runs, expert_layout, expert_rows, gemm_matrix, layer_matrices,
+                        layer_vectors, aligned, pass_tokens, plan_placement, route_tables, use_selective)
 
 DEFAULT_MARGIN = 512 << 20
 """Default budget = free VRAM at load minus max(this, 5% of the card)."""
@@ -133,14 +133,15 @@ class CudaPrefill(CudaBackend):
         self.staging: dict[str, np.ndarray] = {}
 
     def _pack_experts(self, il: int, out: np.ndarray) -> np.ndarray:
-        """Fill ``out`` (nbytes,) uint8 with layer ``il``'s experts, each ``[gate rows | up rows | down rows]``."""
+        """Fill ``out`` (nbytes,) uint8 with layer ``il``'s experts, each ``[gate rows | up rows | down rows]``
+        (rows of a type the layout maps to Q8_0 converted on the way: :func:`expert_rows`)."""
         lay, f = self.layouts[il], self.file
         view = out.reshape(lay.n_expert, lay.stride)
         half = lay.n_ff * lay.gu_row_bytes
         p = f"blk.{il}.ffn_"
-        view[:, :half] = f.raw(p + "gate_exps.weight").reshape(lay.n_expert, half)
-        view[:, half:2 * half] = f.raw(p + "up_exps.weight").reshape(lay.n_expert, half)
-        view[:, 2 * half:] = f.raw(p + "down_exps.weight").reshape(lay.n_expert, -1)
+        view[:, :half] = expert_rows(f, p + "gate_exps.weight", lay.gu_qtype).reshape(lay.n_expert, half)
+        view[:, half:2 * half] = expert_rows(f, p + "up_exps.weight", lay.gu_qtype).reshape(lay.n_expert, half)
+        view[:, 2 * half:] = expert_rows(f, p + "down_exps.weight", lay.down_qtype).reshape(lay.n_expert, -1)
         return out
 
     # ---- prefill ---------------------------------------------------------------------------------

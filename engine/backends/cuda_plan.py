@@ -20,14 +20,17 @@ from gguf import GGMLQuantizationType
 
 from ..errors import DeviceBudgetError, DeviceError
 from ..hparams import Qwen35HParams
+from ..gguf_file import GGUFFile
 from ..quant import TYPES, row_bytes, type_name
+from .cpu_model import to_q8_0
 
 Q = GGMLQuantizationType
 
 GPU_TYPES = frozenset(t for t, traits in TYPES.items() if traits.cuda_suffix is not None)
 """Storage types the GEMM kernels (native/cuda/gemm.cu) read directly (the quant-type table's
 ``cuda_suffix``); other resident weights are dequantized to F32 on the host at load, and routed
-experts of other types are refused."""
+experts of other types (a Q4_K_M file's Q4_K / Q6_K) are converted to Q8_0 on the host at load
+(:func:`expert_layout`; F32 would quadruple what streams per layer)."""
 
 ALIGN = 256
 """Every device buffer starts on this many bytes."""
@@ -155,18 +158,34 @@ def expert_layout(hp: Qwen35HParams, il: int, gate: GGMLQuantizationType, up: GG
                   down: GGMLQuantizationType) -> ExpertLayout:
     """The :class:`ExpertLayout` of layer ``il`` given the storage types of its three expert tensors.
 
+    A stored type without a GPU kernel is laid out as Q8_0 (the host converts those rows at load).
+
     Raises:
-        DeviceError: a type without a GPU kernel, or gate and up stored in different types.
+        DeviceError: gate and up laid out in different types.
     """
-    for part, t in (("gate", gate), ("up", up), ("down", down)):
-        if t not in GPU_TYPES:
-            raise DeviceError(f"tensor blk.{il}.ffn_{part}_exps.weight is {type_name(t)}: the GPU kernels read "
-                              f"{', '.join(sorted(type_name(x) for x in GPU_TYPES))} routed experts")
+    gate, up, down = (t if t in GPU_TYPES else Q.Q8_0 for t in (gate, up, down))
     if gate != up:
         raise DeviceError(f"blk.{il}: ffn_gate_exps ({type_name(gate)}) and ffn_up_exps ({type_name(up)}) "
                           "differ in type; the GPU path multiplies them as one matrix")
     return ExpertLayout(gate, row_bytes(gate, hp.n_embd), down, row_bytes(down, hp.n_ff_exp),
                         hp.n_expert, hp.n_ff_exp, hp.n_embd)
+
+
+def expert_rows(gguf: GGUFFile, name: str, qtype: GGMLQuantizationType) -> np.ndarray:
+    """The (rows, row bytes) uint8 rows of stacked expert tensor ``name`` as :func:`expert_layout` lays
+    them out in ``qtype``: the file's bytes when stored so, else (stored without a GPU kernel) converted
+    to Q8_0 (:func:`engine.backends.cpu_model.to_q8_0`, a bounded number of rows at a time).
+
+    Raises:
+        ValueError: ``qtype`` is neither the stored type nor Q8_0.
+    """
+    info = gguf.info(name)
+    raw = gguf.raw(name)
+    if info.qtype == qtype:
+        return raw
+    if qtype != Q.Q8_0:
+        raise ValueError(f"tensor {name}: stored as {type_name(info.qtype)}, cannot be laid out as {type_name(qtype)}")
+    return to_q8_0(raw, info.qtype, info.ne[0])
 
 
 # ---- activations ---------------------------------------------------------------------------------
