@@ -1,15 +1,17 @@
-"""The conversation list: a QAbstractListModel over the history store and the panel that shows it."""
+"""The conversation list: a QAbstractListModel over the history store and the panel that shows it,
+newest first under date titles (Today, Yesterday, Last 7 days, ...) as in other chat programs."""
 
 from __future__ import annotations
 
+import datetime
 import time
 from typing import Callable
 
-from PySide6.QtCore import (QAbstractListModel, QModelIndex, QPersistentModelIndex, Qt, QTimer,
+from PySide6.QtCore import (QAbstractListModel, QModelIndex, QPersistentModelIndex, QPoint, QSize, Qt, QTimer,
                             Signal)
-from PySide6.QtGui import QColor, QKeySequence, QPainter, QPixmap
-from PySide6.QtWidgets import (QAbstractItemView, QHBoxLayout, QLabel, QLineEdit, QListView,
-                               QPushButton, QVBoxLayout, QWidget)
+from PySide6.QtGui import QColor, QFont, QKeySequence, QPainter, QPalette, QPixmap
+from PySide6.QtWidgets import (QAbstractItemView, QHBoxLayout, QLabel, QLineEdit, QListView, QPushButton,
+                               QStyledItemDelegate, QStyleOptionViewItem, QVBoxLayout, QWidget)
 
 from .history import Conversation, HistoryStore
 from .history_thread import HistoryThread
@@ -17,6 +19,7 @@ from .history_thread import HistoryThread
 ConversationIdRole = Qt.UserRole + 1
 UpdatedRole = Qt.UserRole + 2
 ActivityRole = Qt.UserRole + 3
+GroupRole = Qt.UserRole + 4
 ACTIVITY_TEXT = {"answering": "answering\u2026", "waiting": "waiting for the engine"}
 ACTIVITY_COLOUR = {"answering": "#3b7dd8", "waiting": "#9a9a9a"}
 UNDO_SECONDS = 8
@@ -27,6 +30,69 @@ def _when(timestamp: float) -> str:
     if age < 86400:
         return time.strftime("%H:%M", time.localtime(timestamp))
     return time.strftime("%d %b %Y", time.localtime(timestamp))
+
+
+def date_group(timestamp: float, now: float | None = None) -> str:
+    """The chat list's section for a last-message time: "Today", "Yesterday", "Last 7 days",
+    "Last 30 days" or "Older", by local calendar days before ``now`` (default: the current time)."""
+    today = datetime.date.fromtimestamp(time.time() if now is None else now)
+    days = (today - datetime.date.fromtimestamp(timestamp)).days
+    if days <= 0:
+        return "Today"
+    if days == 1:
+        return "Yesterday"
+    if days < 7:
+        return "Last 7 days"
+    return "Last 30 days" if days < 30 else "Older"
+
+
+class GroupedDelegate(QStyledItemDelegate):
+    """Draws a section title ("Today", "Yesterday", ...) above the first row of each date group
+    (:data:`GroupRole`); the rows themselves are drawn as usual below it."""
+
+    def _header(self, index: QModelIndex | QPersistentModelIndex) -> str:
+        group = index.data(GroupRole)
+        above = index.siblingAtRow(index.row() - 1) if index.row() > 0 else QModelIndex()
+        return group if group and (not above.isValid() or above.data(GroupRole) != group) else ""
+
+    def _header_height(self, option: QStyleOptionViewItem) -> int:
+        return option.fontMetrics.height() + 10
+
+    def sizeHint(self, option: QStyleOptionViewItem, index: QModelIndex | QPersistentModelIndex) -> QSize:
+        """The row's size, taller by a title line when a group starts at it."""
+        size = super().sizeHint(option, index)
+        if self._header(index):
+            size.setHeight(size.height() + self._header_height(option))
+        return size
+
+    def paint(self, painter: QPainter, option: QStyleOptionViewItem,
+              index: QModelIndex | QPersistentModelIndex) -> None:
+        """The group title (when one starts here) in small bold grey, then the row under it."""
+        header = self._header(index)
+        if not header:
+            super().paint(painter, option, index)
+            return
+        height = self._header_height(option)
+        painter.save()
+        font = QFont(option.font)
+        font.setBold(True)
+        font.setPointSizeF(font.pointSizeF() * 0.9)
+        painter.setFont(font)
+        painter.setPen(option.palette.color(QPalette.PlaceholderText))
+        painter.drawText(option.rect.adjusted(4, 4, -4, 0).topLeft() + QPoint(0, option.fontMetrics.ascent()),
+                         header)
+        painter.restore()
+        row = QStyleOptionViewItem(option)
+        row.rect = option.rect.adjusted(0, height, 0, 0)
+        super().paint(painter, row, index)
+
+    def updateEditorGeometry(self, editor: QWidget, option: QStyleOptionViewItem,
+                             index: QModelIndex | QPersistentModelIndex) -> None:
+        """Rename in place on the row, below its group title."""
+        row = QStyleOptionViewItem(option)
+        if self._header(index):
+            row.rect = option.rect.adjusted(0, self._header_height(option), 0, 0)
+        super().updateEditorGeometry(editor, row, index)
 
 
 def _dot(colour: str, size: int = 10) -> QPixmap:
@@ -95,8 +161,9 @@ class ConversationListModel(QAbstractListModel):
         return 0 if parent.isValid() else len(self._rows)
 
     def data(self, index: QModelIndex | QPersistentModelIndex, role: int = Qt.DisplayRole):
-        """Title (display, edit), id, update time, a tooltip, and the chat's turn: "answering",
-        "waiting" or "" (:data:`ActivityRole`; a coloured dot as decoration)."""
+        """Title (display, edit), id, update time, a tooltip, the chat's turn: "answering",
+        "waiting" or "" (:data:`ActivityRole`; a coloured dot as decoration), and its date group
+        (:data:`GroupRole`, :func:`date_group`)."""
         if not index.isValid() or not 0 <= index.row() < len(self._rows):
             return None
         row = self._rows[index.row()]
@@ -112,6 +179,8 @@ class ConversationListModel(QAbstractListModel):
             return f"Conversation {row.title}" + (f", {ACTIVITY_TEXT[activity]}" if activity else "")
         if role == ActivityRole:
             return activity
+        if role == GroupRole:
+            return date_group(row.updated)
         if role == ConversationIdRole:
             return row.id
         if role == UpdatedRole:
@@ -149,7 +218,7 @@ class ConversationListModel(QAbstractListModel):
     def roleNames(self) -> dict[int, bytes]:
         """Role names for QML-style access and model testers."""
         return {**super().roleNames(), ConversationIdRole: b"conversationId", UpdatedRole: b"updated",
-                ActivityRole: b"activity"}
+                ActivityRole: b"activity", GroupRole: b"group"}
 
     def row_of(self, conversation_id: int) -> int:
         """The row showing ``conversation_id``, or -1."""
@@ -247,6 +316,7 @@ class ConversationPanel(QWidget):
 
         self.view = QListView()
         self.view.setModel(model)
+        self.view.setItemDelegate(GroupedDelegate(self.view))
         self.view.setAccessibleName("Conversations")
         self.view.setHorizontalScrollBarPolicy(Qt.ScrollBarAlwaysOff)
         self.view.setTextElideMode(Qt.ElideRight)

@@ -135,3 +135,34 @@ def test_deleting_the_last_conversation_asks_for_a_new_one(qtbot, history):
     panel.select(created(qtbot, model, "only"))
     with qtbot.waitSignal(panel.new_requested, timeout=1000):
         panel.delete_current()
+
+
+def test_the_list_is_grouped_by_date_under_titles(qtbot, history):
+    import time
+
+    from app.conversations import GroupRole, date_group
+
+    now = time.time()
+    day = 86400.0
+    ages = {"today": 0.0, "yesterday": day, "three days": 3 * day, "two weeks": 14 * day, "last year": 300 * day}
+    for title, age in ages.items():
+        conversation_id = stored(history, HistoryStore.create_conversation, title)
+        stored(history, lambda store, c=conversation_id, t=now - age: store._write(
+            "UPDATE conversations SET updated = ? WHERE id = ?", (t, c)))
+    model = ConversationListModel(history)
+    panel = ConversationPanel(model)
+    qtbot.addWidget(panel)
+    reloaded(qtbot, model)
+    groups = [model.index(r).data(GroupRole) for r in range(model.rowCount())]
+    assert groups == [date_group(now - age, now) for age in ages.values()]
+    assert groups[:2] == ["Today", "Yesterday"] and groups[-1] == "Older"
+    panel.resize(260, 500)
+    panel.show()
+    heights = [panel.view.visualRect(model.index(r)).height() for r in range(model.rowCount())]
+    first = heights[0]
+    assert all(h == first for h in heights), heights   # each row starts a group here: each has a title
+    stored(history, HistoryStore.create_conversation, "also today")
+    reloaded(qtbot, model)
+    heights = [panel.view.visualRect(model.index(r)).height() for r in range(model.rowCount())]
+    assert heights[1] < heights[0] == heights[2], heights   # "today" sits under "also today"'s title
+    assert not panel.grab().isNull()

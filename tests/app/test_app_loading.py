@@ -59,6 +59,7 @@ def test_dropping_a_gguf_on_the_window_loads_it_and_remembers_it(qtbot, make_win
     assert not drag_enter_accepted(window, _mime(tmp_path / "notes.txt"))
     # an image alone is attached to the composer, as a drop on the composer would do
     drop(window, _mime(photo))
+    qtbot.waitUntil(lambda: len(window.composer.thumbnails()) == 1)
     [thumb] = window.composer.thumbnails()
     qtbot.waitUntil(lambda: thumb.model_size.isVisibleTo(thumb))
     assert thumb.model_size.text() == "model sees 150\u00d7100 \u00b7 14 tokens"
@@ -88,6 +89,7 @@ def test_an_image_dropped_on_the_chat_view_is_attached_to_the_composer(qtbot, ma
     composer = window.composer
     assert window.chat_view.empty_label.isVisible()
     assert drop_at(window.chat_view, _mime(_png(tmp_path, "a.png")))
+    qtbot.waitUntil(lambda: len(composer.thumbnails()) == 1)
     [thumb] = composer.thumbnails()
     assert thumb.attachment.caption.startswith("300\u00d7200")
     if has_vision:
@@ -102,6 +104,7 @@ def test_an_image_dropped_on_the_chat_view_is_attached_to_the_composer(qtbot, ma
     send(qtbot, window, "what is this?")
     assert composer.attachments == []
     assert drop_at(window.chat_view.widgets[-1].body, _mime(_png(tmp_path, "b.png", "green")))
+    qtbot.waitUntil(lambda: len(composer.attachments) == 1)
     assert [a.caption.split(" ")[0] for a in composer.attachments] == ["300\u00d7200"]
     assert composer.warning.isVisible() == (not has_vision)
 

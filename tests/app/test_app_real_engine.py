@@ -104,6 +104,7 @@ def test_the_demo_model_counts_the_shapes_of_a_dropped_image(qtbot, make_window,
     mime = QMimeData()
     mime.setUrls([QUrl.fromLocalFile(str(png))])
     drop(window.composer, mime)
+    qtbot.waitUntil(lambda: len(window.composer.attachments) == 1)
     [attachment] = window.composer.attachments
     assert (attachment.width, attachment.height) == data.render(sc).size
     assert Path(attachment.path).read_bytes() == png.read_bytes()

@@ -189,6 +189,7 @@ def test_drop_and_paste_images_with_no_vision_warning(qtbot, make_window, tmp_pa
     image.fill(QColor("blue"))
     pasted.setImageData(image)
     composer.editor.insertFromMimeData(pasted)
+    qtbot.waitUntil(lambda: len(composer.attachments) == 2)
     assert [a.caption.split(" ")[0] for a in composer.attachments] == ["300\u00d7200", "64\u00d732"]
     assert composer.warning.isVisible() and "no vision tower" in composer.warning.text()
     stored = [a.path for a in composer.attachments]
@@ -204,9 +205,10 @@ def test_images_reach_a_vision_model_and_can_be_removed(qtbot, make_window, tmp_
     engine = FakeEngine(has_vision=True)
     window = make_window(engine)
     composer = window.composer
-    first = composer.add_file(_png(tmp_path, "a.png", "red"))
+    composer.add_file(_png(tmp_path, "a.png", "red"))
     composer.add_file(_png(tmp_path, "b.png", "green"))
-    thumbs = composer.thumbnails()
+    qtbot.waitUntil(lambda: len(composer.thumbnails()) == 2)
+    first, thumbs = composer.attachments[0], composer.thumbnails()
     qtbot.waitUntil(lambda: all(t.model_size.isVisibleTo(t) for t in thumbs))
     # the fake engine's tower sees 300x200 images at half size: 150x100 pixels, 14 tokens of 32x32
     assert thumbs[0].model_size.text() == "model sees 150\u00d7100 \u00b7 14 tokens"
@@ -521,12 +523,26 @@ def test_other_chats_stay_usable_while_one_answers_and_their_sends_wait_their_tu
     assert window.controller.activity() == {} and model.index(model.row_of(second)).data(ActivityRole) == ""
 
 
+class PickyEngine(FakeEngine):
+    """A vision model whose reader refuses 300x200 pictures (as the real one refuses an image out of bounds)."""
+
+    def image_size(self, source):
+        size = super().image_size(source)
+        if size == (100, 150):
+            raise EngineError("image 300x200 is outside the vision tower's bounds")
+        return size
+
+
 def test_an_image_the_model_cannot_read_is_not_sent(qtbot, make_window, tmp_path):
-    window = make_window(FakeEngine(has_vision=True))
+    window = make_window(PickyEngine(has_vision=True))
     broken = tmp_path / "broken.png"
     broken.write_bytes(b"\x89PNG\r\n\x1a\n" + b"not really a picture" * 20)
     composer = window.composer
     composer.add_file(broken)
+    qtbot.waitUntil(lambda: composer.pending == 0)
+    assert composer.thumbnails() == [] and "Could not attach broken.png" in composer.warning.text()
+    composer.add_file(_png(tmp_path, "wide.png"))
+    qtbot.waitUntil(lambda: len(composer.thumbnails()) == 1)
     [thumb] = composer.thumbnails()
     qtbot.waitUntil(lambda: thumb.model_size.text() == "model cannot read it")
     composer.editor.setPlainText("what is this?")
@@ -595,3 +611,38 @@ def test_a_message_over_the_context_is_handed_back_not_kept(qtbot, make_window):
         window.controller.regenerate(before[-1])
     qtbot.waitUntil(lambda: [m.id for m in path_of(window)] == before)
     assert "Not sent" in window.composer.warning.text() and window.composer.editor.toPlainText() == ""
+
+
+def _heartbeat_gaps(qtbot, action, done, timeout=30000):
+    """Run ``action()``, then let the event loop spin until ``done()``, a 10 ms timer beating
+    meanwhile; returns the gaps between beats, ms."""
+    beats = [time.perf_counter()]
+    timer = QTimer()
+    timer.setInterval(10)
+    timer.timeout.connect(lambda: beats.append(time.perf_counter()))
+    timer.start()
+    qtbot.wait(50)
+    action()
+    qtbot.waitUntil(done, timeout=timeout)
+    qtbot.wait(50)
+    timer.stop()
+    return [1e3 * (b - a) for a, b in zip(beats, beats[1:])]
+
+
+def test_attaching_big_images_does_not_stall_the_window(qtbot, make_window, tmp_path, record_property):
+    import numpy as np
+    from PIL import Image
+
+    rng = np.random.default_rng(7)
+    png, jpeg = tmp_path / "noise.png", tmp_path / "photo.jpg"
+    Image.fromarray(rng.integers(0, 256, (2000, 2600, 3), dtype=np.uint8)).save(png)
+    Image.fromarray(rng.integers(0, 256, (4000, 6000, 3), dtype=np.uint8)).save(jpeg, quality=90)
+    assert png.stat().st_size > 15e6 and jpeg.stat().st_size > 15e6
+    window = make_window(FakeEngine(has_vision=True))
+    composer = window.composer
+    gaps = _heartbeat_gaps(qtbot, lambda: (composer.add_file(png), composer.add_file(jpeg)),
+                           lambda: len(composer.thumbnails()) == 2
+                           and all(t.model_size.isVisibleTo(t) for t in composer.thumbnails()))
+    assert [a.caption.split(" ")[0] for a in composer.attachments] == ["2600\u00d72000", "6000\u00d74000"]
+    record_property("worst_attach_gap_ms", round(max(gaps), 1))
+    assert max(gaps) < 50, f"worst heartbeat gap {max(gaps):.0f} ms"
