@@ -250,7 +250,8 @@ def _matmul_np(raw: np.ndarray, x: np.ndarray, block_bytes: int, name: str) -> n
     x2, vector = _activations(x)
     raw = _weights(raw, x2.shape[1], block_bytes, name)
     xq = _dequantize(quantize_q8_0_np(x2), Q8_0_BYTES).astype(np.float64)
-    y = (xq @ _dequantize(raw, block_bytes).T.astype(np.float64)).astype(np.float32)
+    wt = _dequantize(raw, block_bytes).T.astype(np.float64)
+    y = np.stack([(row @ wt).astype(np.float32) for row in xq])   # row by row, as the kernels: no batch effect
     return y[0] if vector else y
 
 
