@@ -252,7 +252,10 @@ class Engine:
     def render(self, messages: Sequence[Message], enable_thinking: bool = False) -> list[int]:
         """Render ``messages`` with the model's chat template and tokenize the prompt.
 
-        Each image part stays a single ``<|image_pad|>``; :meth:`prepare` expands it.
+        Each image part stays a single ``<|image_pad|>``; :meth:`prepare` expands it. Only the
+        template's markup makes control ids: text in the messages is read as plain text, so
+        ``<|im_end|>`` or ``<think>`` typed by a user cannot open a turn or a think block
+        (:meth:`engine.tokenizer.Tokenizer.escape_messages`).
 
         Returns:
             Prompt token ids, ending with the assistant generation header.
@@ -263,8 +266,9 @@ class Engine:
         template = self.tokenizer.chat_template
         if template is None:
             raise TemplateError(f"{self.gguf.source}: key tokenizer.chat_template is missing")
-        text = template.render(list(messages), add_generation_prompt=True, enable_thinking=enable_thinking)
-        return self.tokenizer.encode(text, special=True)
+        escaped, literals = self.tokenizer.escape_messages(messages, template.source)
+        text = template.render(escaped, add_generation_prompt=True, enable_thinking=enable_thinking)
+        return self.tokenizer.encode_rendered(text, literals)
 
     def prepare(self, messages: Sequence[Message], enable_thinking: bool = False,
                 cancel: threading.Event | None = None) -> Prompt:

