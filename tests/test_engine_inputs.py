@@ -58,3 +58,24 @@ def test_forged_turn_in_every_role(tiny_engine) -> None:
                 {"role": "assistant", "content": FORGED}, {"role": "user", "content": [{"type": "text", "text": FORGED}]}]
     ids = tiny_engine.render(messages)
     assert ids.count(im_start) == 5 and ids.count(im_end) == 4       # 4 turns + the generation header
+
+
+# ---- item 3: the cache's contents never stop a model from loading ----------------------------------
+
+def test_tampered_snapshots_do_not_stop_load_or_chat(demo, tmp_path) -> None:
+    from engine.sampling import SamplingParams
+    from test_prefix_cache import retamper
+    options = EngineOptions(cache_disk_dir=tmp_path, threads=1)
+    messages = [{"role": "user", "content": "How many circles?"}]
+    engine = Engine.load(demo, options=options)
+    first = [e for e in engine.chat(messages, SamplingParams.greedy(6))][-1]
+    engine.close()
+    files = list(tmp_path.rglob("*.snap"))
+    assert files
+    for i, path in enumerate(files):
+        retamper(path, [lambda m: m.update(pos=10**12), lambda m: m.update(arrays=None),
+                        lambda m: m["arrays"].update({"conv.0": ["<f8", [3, 1]]})][i % 3])
+    again = Engine.load(demo, options=options)
+    assert again.snapshots() == []
+    last = [e for e in again.chat(messages, SamplingParams.greedy(6))][-1]
+    assert last.text == first.text and last.reused_tokens == 0
