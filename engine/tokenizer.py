@@ -151,6 +151,8 @@ class Tokenizer:
             as end-of-generation (``<|im_end|>``, ``<|endoftext|>``, ``<|fim_pad|>``, ``<|repo_name|>``,
             ``<|file_sep|>``).
         chat_template: the file's ``tokenizer.chat_template``, or None when it carries none.
+        max_token_bytes: the most bytes one token stands for (so text of b bytes is at least
+            b / max_token_bytes tokens).
         source: the file name used in error messages.
         hf: the underlying ``tokenizers.Tokenizer`` (equivalent of an HF ``tokenizer.json``; its
             ``encode_special_tokens`` flag is managed by :meth:`encode`).
@@ -179,6 +181,7 @@ class Tokenizer:
         self.eos_ids = frozenset({eos_id} | {self._added[t] for t in _EOG_TEXTS
                                              if t in self._added and token_types[self._added[t]] == _CONTROL})
         self._pieces = _token_pieces(tokens, token_types, source)
+        self.max_token_bytes = max(1, max(map(len, self._pieces)))
         vocab = dict(zip(tokens, range(self.n_vocab)))
         for i, ty in enumerate(token_types):
             if ty == _UNUSED and vocab.get(tokens[i]) == i:
@@ -450,11 +453,13 @@ def _split_thinking(message: dict[str, Any]) -> dict[str, Any]:
 
 
 class _Budget:
-    """Work allowance of one render: loop iterations, calls, attribute/item lookups, operators."""
+    """Allowance of one render: work steps (loop iterations, calls, attribute/item lookups,
+    operators) and the size of any string or list it builds, characters / items."""
 
-    def __init__(self, steps: int, origin: str) -> None:
+    def __init__(self, steps: int, origin: str, max_size: int) -> None:
         self.left = steps
         self.origin = origin
+        self.max_size = max_size
 
     def spend(self) -> None:
         self.left -= 1
@@ -512,9 +517,13 @@ class _SandboxEnvironment(ImmutableSandboxedEnvironment):
         _spend()
         return super().getitem(obj, argument)
 
+    def _limit(self) -> int:
+        budget = _BUDGET.get()
+        return self.max_size if budget is None else budget.max_size
+
     def call_binop(self, context: Any, operator: str, left: Any, right: Any) -> Any:
         _spend()
-        limit = self.max_size
+        limit = self._limit()
         if operator == "*":
             for seq, count in ((left, right), (right, left)):
                 if isinstance(seq, (str, list, tuple)) and _is_int(count) and len(seq) * count > limit:
@@ -528,8 +537,9 @@ class _SandboxEnvironment(ImmutableSandboxedEnvironment):
 
     def _bound(self, value: Any) -> Any:
         """Pass ``value`` on, unless it is a string / list / tuple larger than the size limit."""
-        if isinstance(value, (str, list, tuple)) and len(value) > self.max_size:
-            raise SecurityError(f"a value of {len(value)} items exceeds the limit of {self.max_size}")
+        limit = self._limit()
+        if isinstance(value, (str, list, tuple)) and len(value) > limit:
+            raise SecurityError(f"a value of {len(value)} items exceeds the limit of {limit}")
         return value
 
     @staticmethod
@@ -605,7 +615,8 @@ class ChatTemplate:
         raise TemplateError(f"{self.origin}: the template refused the conversation: {message}")
 
     def render(self, messages: Sequence[dict[str, Any]], add_generation_prompt: bool = True,
-               enable_thinking: bool = True, tools: Sequence[dict[str, Any]] | None = None) -> str:
+               enable_thinking: bool = True, tools: Sequence[dict[str, Any]] | None = None,
+               room: int = 0) -> str:
         """Render a conversation to prompt text.
 
         Args:
@@ -615,6 +626,8 @@ class ChatTemplate:
             add_generation_prompt: end with the assistant header (Qwen: ``<|im_start|>assistant\\n<think>\\n``).
             enable_thinking: False makes Qwen's header close an empty think block.
             tools: JSON-schema function descriptions, or None.
+            room: characters of text in the messages; the size limits grow by twice this (a long
+                paste is the user's text, not a runaway template).
 
         Returns:
             The prompt text, special tokens written out (tokenize with ``special=True``).
@@ -623,7 +636,8 @@ class ChatTemplate:
             TemplateError: the template raised, failed, touched an unsafe attribute, ran past
                 ``max_steps`` or produced more than ``max_output`` characters.
         """
-        token = _BUDGET.set(_Budget(self.max_steps, self.origin))
+        max_output = self.max_output + 2 * max(0, room)
+        token = _BUDGET.set(_Budget(self.max_steps, self.origin, max_output))
         try:
             parts: list[str] = []
             size = 0
@@ -631,8 +645,8 @@ class ChatTemplate:
                                                  add_generation_prompt=add_generation_prompt,
                                                  enable_thinking=enable_thinking):
                 size += len(chunk)
-                if size > self.max_output:
-                    raise TemplateError(f"{self.origin}: output exceeds {self.max_output} characters; stopped")
+                if size > max_output:
+                    raise TemplateError(f"{self.origin}: output exceeds {max_output} characters; stopped")
                 parts.append(chunk)
             return "".join(parts)
         except TemplateError:

@@ -4,6 +4,8 @@ calls on one Engine are refused."""
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
 from engine.api import Engine, EngineOptions, bundled_model
@@ -79,3 +81,124 @@ def test_tampered_snapshots_do_not_stop_load_or_chat(demo, tmp_path) -> None:
     assert again.snapshots() == []
     last = [e for e in again.chat(messages, SamplingParams.greedy(6))][-1]
     assert last.text == first.text and last.reused_tokens == 0
+
+
+# ---- item 4: a hostile chat template fails the load --------------------------------------------------
+
+HOSTILE = {
+    "sandbox": "{{ ''.__class__.__mro__ }}",
+    "raises": "{{ raise_exception('no conversation is good enough') }}",
+    "endless": "{% for i in range(10**9) %}{% for j in range(10**9) %}x{% endfor %}{% endfor %}",
+    "huge": "{{ 'x' * 10**9 }}",
+    "undefined call": "{{ messages[0].content.nonexistent() }}",
+}
+
+
+@pytest.mark.parametrize("kind", sorted(HOSTILE))
+def test_hostile_chat_template_fails_the_load_naming_the_file(demo, monkeypatch, kind) -> None:
+    from engine.errors import TemplateError
+    from engine.gguf_file import GGUFFile
+    meta = GGUFFile.meta
+
+    def patched(self, key, default=None):
+        return HOSTILE[kind] if key == "tokenizer.chat_template" else meta(self, key, default)
+
+    monkeypatch.setattr(GGUFFile, "meta", patched)
+    with pytest.raises(TemplateError, match="deltadesk-demo.gguf: tokenizer.chat_template") as info:
+        Engine.load(demo, options=EngineOptions(prefix_cache=False))
+    assert "probe conversation" in str(info.value)
+
+
+# ---- item 5: over-long input is refused by its size ----------------------------------------------------
+
+@pytest.mark.parametrize("nbytes", [20_000, 300_000, 5 << 20])
+def test_over_long_input_is_refused_with_the_numbers(demo, nbytes) -> None:
+    from engine.errors import ContextFullError
+    from engine.events import TurnSummary
+    engine = Engine.load(demo, options=EngineOptions(prefix_cache=False))
+    paste = ("The quick brown fox jumps over the lazy dog. " * (nbytes // 45 + 1))[:nbytes]
+    try:
+        events = list(engine.chat([{"role": "user", "content": paste}]))
+    except ContextFullError as exc:         # refused by its byte size before tokenizing
+        message = str(exc)
+        counted = int(re.search(r"holds ([\d,]+) bytes", message).group(1).replace(",", ""))
+        assert nbytes <= counted <= nbytes + 16            # the text's bytes (and the role names')
+    else:                                   # or by its token count
+        summary = events[-1]
+        assert isinstance(summary, TurnSummary) and summary.stop_reason == "context_full"
+        message = summary.message
+        assert f"{summary.prompt_tokens} tokens" in message and summary.prompt_tokens > engine.context
+    assert f"{engine.context:,}" in message or str(engine.context) in message
+    assert "sandbox" not in message
+
+
+def test_a_paste_larger_than_the_template_limit_is_counted_in_tokens(synth_model) -> None:
+    """A context large enough that the bytes alone do not decide: the prompt is rendered (the template's
+    size limit grows with the messages' text) and refused by its token count."""
+    engine = Engine.load(synth_model("tiny", "q8_0"), options=EngineOptions(prefix_cache=False, context=65536))
+    paste = "0123456789 " * ((4 << 20) // 11 + 1000)           # > 4 MiB, ~ 2 tokens per 11 bytes
+    summary = list(engine.chat([{"role": "user", "content": paste}]))[-1]
+    assert summary.stop_reason == "context_full" and summary.prompt_tokens > 65536
+    assert f"The prompt is {summary.prompt_tokens} tokens but the context window holds 65536" in summary.message
+
+
+# ---- item 6: calls that must not overlap are refused ----------------------------------------------------
+
+def test_overlapping_calls_from_two_threads_are_refused(demo) -> None:
+    import threading
+    from engine.errors import EngineError
+    from engine.events import TokenEvent
+    from engine.sampling import SamplingParams
+    engine = Engine.load(demo, options=EngineOptions(prefix_cache=False))
+    messages = [{"role": "user", "content": "How many squares are there?"}]
+    started, release = threading.Event(), threading.Event()
+    outcome: dict = {}
+
+    def long_turn() -> None:
+        try:
+            for event in engine.chat(messages, SamplingParams(temperature=1.0, seed=1, max_tokens=40)):
+                if isinstance(event, TokenEvent) and not started.is_set():
+                    started.set()
+                    release.wait(30)
+            outcome["a"] = "done"
+        except BaseException as exc:  # noqa: BLE001 - the test reports it
+            outcome["a"] = exc
+
+    worker = threading.Thread(target=long_turn)
+    worker.start()
+    assert started.wait(60)
+    for call in (lambda: engine.chat(messages), lambda: engine.generate([1, 2, 3]), engine.close):
+        with pytest.raises(EngineError, match="still running"):
+            call()
+    release.set()
+    worker.join(60)
+    assert outcome["a"] == "done"
+    assert list(engine.chat(messages, SamplingParams.greedy(4)))            # free again afterwards
+    engine.close()
+    with pytest.raises(EngineError, match="closed"):
+        engine.chat(messages)
+
+
+def test_two_threads_racing_either_run_or_are_refused(demo) -> None:
+    import threading
+    from engine.errors import EngineError
+    from engine.sampling import SamplingParams
+    engine = Engine.load(demo, options=EngineOptions(prefix_cache=False))
+    results: list = []
+    messages = [{"role": "user", "content": "Where is the circle?"}]
+
+    def turns() -> None:
+        for _ in range(4):
+            try:
+                results.append(list(engine.chat(messages, SamplingParams.greedy(8)))[-1].text)
+            except EngineError as exc:
+                results.append(exc)
+
+    threads = [threading.Thread(target=turns) for _ in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    texts = [r for r in results if isinstance(r, str)]
+    assert len(results) == 8 and texts and len(set(texts)) == 1     # every finished turn gave the same answer
+    assert all(isinstance(r, str) or "still running" in str(r) for r in results)
