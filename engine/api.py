@@ -25,7 +25,8 @@ from typing import Any, Callable, Iterator, Mapping, Protocol, Sequence
 
 import platformdirs
 
-from .errors import DeviceBudgetError, DeviceError, EngineError, GenerationCancelled, ImageError, ModelFormatError, TemplateError, UnsupportedModelError
+from .errors import (ContextFullError, DeviceBudgetError, DeviceError, EngineError, GenerationCancelled, ImageError,
+                     ModelFormatError, TemplateError, UnsupportedModelError)
 from .events import Event
 from .gguf_file import GGUFFile
 from .mmproj import MAX_PIXELS_KEY, load_mmproj
@@ -45,6 +46,9 @@ Message = Mapping[str, Any]
 
 CHATML_NOTE = "the file has no tokenizer.chat_template, so chat uses ChatML (the Qwen format)"
 """The one-line notice (:attr:`ModelInfo.template_note`) for a model whose chat falls back to ChatML."""
+PROBE_CONVERSATION = ({"role": "user", "content": "Hello"}, {"role": "assistant", "content": "Hello! How can I help?"},
+                      {"role": "user", "content": "Say something."})
+"""The conversation every chat template is rendered on at load (:meth:`Engine.load`)."""
 
 
 @dataclass(frozen=True)
@@ -183,8 +187,9 @@ class ChatEngine(Protocol):
 class Engine:
     """A loaded model: GGUF file, tokenizer, chat template and text model.
 
-    Build it with :meth:`load`. One engine serves one conversation at a time; calls to
-    :meth:`chat` must not overlap.
+    Build it with :meth:`load`. One engine serves one turn at a time: :meth:`chat`,
+    :meth:`generate` and :meth:`close` while a turn is running (its events not all read, from any
+    thread) raise :class:`~engine.errors.EngineError` at once instead of running alongside it.
     """
 
     def __init__(self, gguf: GGUFFile, tokenizer: Tokenizer, model: Qwen35Model,
@@ -206,6 +211,8 @@ class Engine:
         self._header = tokenizer.encode("<|im_start|>assistant\n", special=True)
         self._image_pad = tokenizer.token_id("<|image_pad|>")
         self._vision_start = tokenizer.token_id("<|vision_start|>")
+        self._busy = threading.Lock()      # held while a turn runs (see the class docstring)
+        self._closed = False
 
     @classmethod
     def load(cls, model_path: str | Path, mmproj_path: str | Path | None = None,
@@ -226,6 +233,8 @@ class Engine:
             UnsupportedModelError: wrong architecture or unsupported quant type.
             TokenizerError: tokenizer metadata missing or unusable (a file without a chat template
                 chats in ChatML, see :meth:`render`).
+            TemplateError: the chat template fails on :data:`PROBE_CONVERSATION` (the sandbox blocks
+                it, it raises, it runs too long); the message names the file.
             GenerationCancelled: ``cancel`` was set.
 
         On any exception (KeyboardInterrupt included) the GPU vision tower and GPU prefill made so far
@@ -243,6 +252,11 @@ class Engine:
         gguf = GGUFFile.open(model_path)
         stage("building the tokenizer")
         tokenizer = Tokenizer.from_gguf(gguf.meta, gguf.source)
+        if tokenizer.chat_template is not None:
+            try:
+                tokenizer.chat_template.render(list(PROBE_CONVERSATION), enable_thinking=False)
+            except TemplateError as exc:
+                raise TemplateError(f"{exc} (the chat template was tried on a probe conversation at load)") from exc
         stage("preparing weights")
         model = _text_model(gguf, options)
         tower = gpu = None
@@ -306,17 +320,31 @@ class Engine:
 
         A file without ``tokenizer.chat_template`` is rendered as ChatML, the Qwen format
         (``engine/templates/chatml.jinja``; :attr:`ModelInfo.template_note` says so). Each image part
-        stays a single ``<|image_pad|>``; :meth:`prepare` expands it.
+        stays a single ``<|image_pad|>``; :meth:`prepare` expands it. Only the template's markup makes
+        control ids: text in the messages is read as plain text, so ``<|im_end|>`` or ``<think>``
+        typed by a user cannot open a turn or a think block
+        (:meth:`engine.tokenizer.Tokenizer.escape_messages`).
 
         Returns:
             Prompt token ids, ending with the assistant generation header.
 
         Raises:
             TemplateError: the template failed.
+            ContextFullError: the messages' text is too large for the context window whatever its
+                tokens (more bytes than ``context * Tokenizer.max_token_bytes``); a prompt that is
+                merely longer than the window in tokens ends its turn with stop reason "context_full".
         """
         template = self.tokenizer.chat_template or _chatml()
-        text = template.render(list(messages), add_generation_prompt=True, enable_thinking=enable_thinking)
-        return self.tokenizer.encode(text, special=True)
+        size = _text_bytes(messages)
+        per_token = self.tokenizer.max_token_bytes
+        if size > self.context * per_token:
+            raise ContextFullError(
+                f"The conversation holds {size:,} bytes of text, at least {-(-size // per_token):,} tokens "
+                f"(a token stands for at most {per_token} bytes), but the context window holds "
+                f"{self.context:,} tokens: shorten it or start a new conversation.")
+        escaped, literals = self.tokenizer.escape_messages(messages, template.source)
+        text = template.render(escaped, add_generation_prompt=True, enable_thinking=enable_thinking, room=size)
+        return self.tokenizer.encode_rendered(text, literals)
 
     def prepare(self, messages: Sequence[Message], enable_thinking: bool = False,
                 cancel: threading.Event | None = None) -> Prompt:
@@ -402,15 +430,20 @@ class Engine:
             TemplateError, UnsupportedModelError: see :meth:`render` (before any event).
         """
         started = time.perf_counter()
-        prompt = self.prepare(messages, enable_thinking, cancel)
+        self._hold("chat")
+        try:
+            prompt = self.prepare(messages, enable_thinking, cancel)
+        except BaseException:
+            self._busy.release()
+            raise
 
         def rerenders(answer: list[int]) -> bool:
             if prompt.images or (cancel is not None and cancel.is_set()):
                 return False  # re-rendering would re-encode every image; answers after images rarely re-render
             return self.answer_rerenders(messages, prompt.tokens, answer, enable_thinking)
 
-        return self.generate(prompt.tokens, sampling, cancel, self.checkpoints(prompt.tokens), conversation,
-                             prompt, rerenders, started)
+        return self._held(self._turn(prompt.tokens, sampling, cancel, self.checkpoints(prompt.tokens), conversation,
+                                     prompt, rerenders, started))
 
     def generate(self, prompt_ids: Sequence[int], sampling: SamplingParams = SamplingParams(),
                  cancel: threading.Event | None = None, checkpoints: Sequence[int] = (),
@@ -423,7 +456,44 @@ class Engine:
             prompt: the :meth:`prepare` result the ids come from (M-RoPE positions, images).
             rerenders: see :class:`engine.runtime.Turn` (snapshot the end of a finished answer).
             started: ``time.perf_counter()`` at the start of the turn (the origin of TTFT).
+
+        Raises:
+            EngineError: another turn is running on this engine, or it is closed.
         """
+        self._hold("generate")
+        return self._held(self._turn(prompt_ids, sampling, cancel, checkpoints, conversation, prompt, rerenders,
+                                     started))
+
+    def _hold(self, what: str) -> None:
+        """Take the turn lock or refuse at once (see the class docstring)."""
+        if not self._busy.acquire(blocking=False):
+            raise EngineError(f"{what}: another turn is still running on this engine; cancel it or read it "
+                              "to the end first (one turn at a time)")
+        if self._closed:
+            self._busy.release()
+            raise EngineError(f"{what}: the engine is closed")
+
+    def _held(self, events: Iterator[Event]) -> Iterator[Event]:
+        """``events`` as an iterator that releases the turn lock when it ends, is closed or is dropped.
+
+        The generator is started here (it waits at its first ``yield`` inside ``try``), so even one
+        that is never read releases the lock when it is garbage-collected.
+        """
+        def run() -> Iterator[Any]:
+            try:
+                yield None
+                yield from events
+            finally:
+                self._busy.release()
+
+        held = run()
+        next(held)
+        return held
+
+    def _turn(self, prompt_ids: Sequence[int], sampling: SamplingParams, cancel: threading.Event | None,
+              checkpoints: Sequence[int], conversation: str, prompt: Prompt | None, rerenders: Any,
+              started: float | None) -> Iterator[Event]:
+        """:meth:`generate` without the turn lock."""
         turn = Turn(model=self.model, tokenizer=self.tokenizer, prompt=list(prompt_ids),
                     context=self.context, sampling=sampling, cancel=cancel or threading.Event(),
                     cache=self.cache, checkpoints=checkpoints,
@@ -487,7 +557,14 @@ class Engine:
         """Write the RAM prefix snapshots to the disk tier (when configured) and release the GPU
         (prefill and vision tower: device and pinned memory). Call it when the engine is dropped; it is
         not usable after. Each part is released even when an earlier one fails; the failure is then raised
-        (a vision tower that fails to release is only logged, see :meth:`ImageEncoder.close`)."""
+        (a vision tower that fails to release is only logged, see :meth:`ImageEncoder.close`).
+
+        Raises:
+            EngineError: a turn is still running (cancel it and let it end first); nothing is released.
+        """
+        if not self._busy.acquire(blocking=False):
+            raise EngineError("close: a turn is still running on this engine; cancel it and let it end first")
+        self._closed = True
         try:
             if self.cache is not None:
                 self.cache.persist()
@@ -496,9 +573,12 @@ class Engine:
                 if self.vision is not None:
                     self.vision.close()
             finally:
-                if self.gpu is not None:
-                    gpu, self.gpu = self.gpu, None
-                    gpu.close()
+                try:
+                    if self.gpu is not None:
+                        gpu, self.gpu = self.gpu, None
+                        gpu.close()
+                finally:
+                    self._busy.release()
 
     def image_size(self, source: Any) -> tuple[int, int]:
         """(height, width) in pixels an image will have when it reaches the vision tower.
@@ -537,6 +617,17 @@ def _chatml() -> ChatTemplate:
     """The ChatML template of files without their own (compiled once)."""
     source = (resources.files(__package__) / "templates" / "chatml.jinja").read_text(encoding="utf-8")
     return ChatTemplate(source, origin="engine/templates/chatml.jinja (ChatML fallback)")
+
+
+def _text_bytes(value: Any) -> int:
+    """UTF-8 bytes of every string inside ``value`` (messages: contents, text parts, tool calls)."""
+    if isinstance(value, str):
+        return len(value.encode("utf-8", errors="surrogatepass"))
+    if isinstance(value, Mapping):
+        return sum(_text_bytes(v) for v in value.values())
+    if isinstance(value, (list, tuple)):
+        return sum(_text_bytes(v) for v in value)
+    return 0
 
 
 def _text_model(gguf: GGUFFile, options: EngineOptions) -> Qwen35Model:

@@ -16,7 +16,12 @@ model file, an edited message or a different image at the same position.
 Snapshots live in RAM under a byte budget with LRU eviction; evicted or explicitly persisted ones
 go to a disk tier (one file per snapshot, versioned, checksummed, written atomically) that
 survives a restart. A corrupt, partial, foreign-model or old-version file is ignored with a log
-line, never loaded.
+line, never loaded; so is one whose header was edited (its checksum recomputed): every file's
+header is validated against the loaded model (identity, position within the context, the exact set
+of array names of its layers, each array's dtype and shape, its size) before it is listed or
+restored (:func:`check_header`), so the cache's contents never stop a model from loading. A write
+that fails (disk full) removes its temporary file; temporary files left by a crash are swept when
+the cache opens its folder.
 """
 
 from __future__ import annotations
@@ -163,6 +168,69 @@ def state_arrays(state: SequenceState) -> dict[str, np.ndarray]:
     return out
 
 
+def expected_arrays(hp: Qwen35HParams, pos: int) -> dict[str, tuple[int, ...]]:
+    """Name -> shape of every float32 array a snapshot at ``pos`` holds for ``hp`` (``logits`` aside)."""
+    out: dict[str, tuple[int, ...]] = {}
+    for il in range(hp.n_layer):
+        if hp.is_recurrent(il):
+            out[f"conv.{il}"] = (hp.conv_kernel - 1, hp.conv_dim)
+            out[f"ssm.{il}"] = (hp.num_v_heads, hp.head_k_dim, hp.head_v_dim)
+        else:
+            out[f"k.{il}"] = out[f"v.{il}"] = (pos, hp.n_head_kv, hp.head_dim)
+    return out
+
+
+def check_header(hp: Qwen35HParams, identity: str, meta: object, payload_bytes: int) -> str | None:
+    """Why a snapshot file's parsed JSON header does not fit the loaded model, or None when it does.
+
+    Args:
+        hp: the loaded model's hyper-parameters. identity: its file identity.
+        meta: the parsed header (anything JSON gives).
+        payload_bytes: bytes between the header and the checksum (tokens and arrays).
+    Checks: version, identity, ``pos`` an int in 1..context_length, ``key`` a hex string, ``images``
+    position -> hex digest, ``arrays`` exactly :func:`expected_arrays` (plus an optional ``logits`` of
+    (n_vocab,)), every one ``<f4``, and the payload's size = 4 * pos + the arrays' bytes.
+    """
+    if not isinstance(meta, dict):
+        return "the header is not an object"
+    if meta.get("version") != FORMAT_VERSION:
+        return f"format version {meta.get('version')!r} (this build reads {FORMAT_VERSION})"
+    if meta.get("identity") != identity:
+        return "belongs to another model file"
+    pos = meta.get("pos")
+    if not isinstance(pos, int) or isinstance(pos, bool) or not 1 <= pos <= hp.context_length:
+        return f"pos {pos!r} is not a position within the context (1..{hp.context_length})"
+    if not isinstance(meta.get("key"), str):
+        return "no key"
+    images = meta.get("images", {})
+    if not isinstance(images, dict) or not all(isinstance(p, str) and p.isdigit() and int(p) < pos
+                                               and isinstance(d, str) for p, d in images.items()):
+        return "malformed image table"
+    arrays = meta.get("arrays")
+    if not isinstance(arrays, dict):
+        return "no array table"
+    want = expected_arrays(hp, pos)
+    extra = set(arrays) - set(want) - {"logits"}
+    if extra or set(want) - set(arrays):
+        return f"its arrays do not match the model's layers (unexpected {sorted(extra)[:3]}, " \
+               f"missing {sorted(set(want) - set(arrays))[:3]})"
+    want["logits"] = (hp.n_vocab,)
+    size = 4 * pos
+    for name, entry in arrays.items():
+        if not (isinstance(entry, list) and len(entry) == 2 and entry[0] == "<f4" and isinstance(entry[1], list)
+                and tuple(entry[1]) == want[name]):
+            return f"array {name} is {entry!r}, expected ['<f4', {list(want[name])}]"
+        size += 4 * int(np.prod(want[name]))
+    if size != payload_bytes:
+        return f"{payload_bytes} bytes of data where the header describes {size}"
+    for name in ("conversation",):
+        if not isinstance(meta.get(name, ""), str):
+            return f"{name} is not a string"
+    if not all(isinstance(meta.get(name, 0), (int, float)) for name in ("created", "hits")):
+        return "created / hits are not numbers"
+    return None
+
+
 def restore_state(hp: Qwen35HParams, arrays: Mapping[str, np.ndarray], pos: int, capacity: int) -> SequenceState:
     """A new :class:`SequenceState` of ``capacity`` tokens holding a snapshot's arrays at ``pos``.
 
@@ -240,6 +308,8 @@ class PrefixCache:
                     continue
                 if pos == n and not snap.has_logits:
                     continue
+                if pos >= capacity:
+                    continue       # taken with a larger context window than this state holds
                 arrays = self._load_arrays(snap)
                 if arrays is None:
                     continue
@@ -382,6 +452,7 @@ class PrefixCache:
         payload = body.getvalue()
         head = json.dumps(meta).encode()
         digest = hashlib.sha256(head + payload).digest()
+        tmp = None
         try:
             self._disk.mkdir(parents=True, exist_ok=True)
             fd, tmp = tempfile.mkstemp(dir=self._disk, suffix=".tmp")
@@ -392,6 +463,11 @@ class PrefixCache:
             os.replace(tmp, path)
         except OSError as exc:
             log.warning("prefix cache: cannot write %s: %s", path, exc)
+            if tmp is not None:
+                try:
+                    os.unlink(tmp)
+                except OSError:
+                    pass        # already gone (renamed, or never fully created)
             return False
         return True
 
@@ -417,43 +493,57 @@ class PrefixCache:
                 meta = json.loads(data[start:start + n_head])
             except ValueError:
                 fail = "unreadable header"
-        if fail is None and meta.get("version") != FORMAT_VERSION:
-            fail = f"format version {meta.get('version')} (this build reads {FORMAT_VERSION})"
-        if fail is None and meta.get("identity") != self.identity:
-            fail = "belongs to another model file"
+        if fail is None:
+            fail = check_header(self.hp, self.identity, meta, len(data) - 32 - start - n_head)
+        if fail is None:
+            offset = start + n_head
+            pos = meta["pos"]
+            tokens = np.frombuffer(data, dtype="<i4", count=pos, offset=offset).copy()
+            if tokens.size and (tokens.min() < 0 or tokens.max() >= self.hp.n_vocab):
+                fail = "a token id outside the vocabulary"
         if fail is not None:
             log.warning("prefix cache: ignoring %s: %s", path, fail)
             return None
-        offset = start + n_head
-        pos = int(meta["pos"])
-        tokens = np.frombuffer(data, dtype="<i4", count=pos, offset=offset).copy()
         offset += 4 * pos
         arrays = {}
-        for name, (dtype, shape) in meta["arrays"].items():
-            a = np.frombuffer(data, dtype=np.dtype(dtype), count=int(np.prod(shape)), offset=offset)
-            arrays[name] = a.reshape(shape).copy()
+        for name, (_, shape) in meta["arrays"].items():
+            a = np.frombuffer(data, dtype="<f4", count=int(np.prod(shape)), offset=offset)
+            arrays[name] = a.reshape(shape).astype(np.float32)
             offset += a.nbytes
         return meta, tokens, arrays
 
     def _scan_disk(self) -> None:
+        """List the valid snapshot files of the folder and sweep temporary files (a crashed write's).
+
+        Never raises: an unreadable folder or file is logged and skipped."""
         assert self._disk is not None
-        if not self._disk.is_dir():
+        try:
+            if not self._disk.is_dir():
+                return
+            for tmp in self._disk.glob("*.tmp"):
+                tmp.unlink(missing_ok=True)
+            paths = sorted(((p.stat().st_mtime, p) for p in self._disk.glob("*.snap")), key=lambda t: t[0])
+        except OSError as exc:
+            log.warning("prefix cache: cannot read the folder %s: %s", self._disk, exc)
             return
-        for path in sorted(self._disk.glob("*.snap"), key=lambda p: p.stat().st_mtime):
-            parsed = self._read(path)
-            if parsed is None:
-                continue
-            meta, tokens, _ = parsed
-            images = {int(p): bytes.fromhex(d) for p, d in meta.get("images", {}).items()}
-            key = chain_keys(self.identity, tokens.tolist(), images)[-1]
-            if path.stem != key.hex() or meta.get("key") != key.hex():
-                log.warning("prefix cache: ignoring %s: its key does not match its contents", path)
-                continue
-            self._entries[key] = Snapshot(
-                key=key, pos=int(meta["pos"]), tokens=tokens, arrays=None, images=images,
-                conversation=meta.get("conversation", ""), created=float(meta.get("created", 0.0)),
-                hits=int(meta.get("hits", 0)), tier="disk", nbytes=path.stat().st_size,
-                has_logits="logits" in meta["arrays"])
+        for _, path in paths:
+            try:
+                parsed = self._read(path)
+                if parsed is None:
+                    continue
+                meta, tokens, _ = parsed
+                images = {int(p): bytes.fromhex(d) for p, d in meta.get("images", {}).items()}
+                key = chain_keys(self.identity, tokens.tolist(), images)[-1]
+                if path.stem != key.hex() or meta.get("key") != key.hex():
+                    log.warning("prefix cache: ignoring %s: its key does not match its contents", path)
+                    continue
+                self._entries[key] = Snapshot(
+                    key=key, pos=meta["pos"], tokens=tokens, arrays=None, images=images,
+                    conversation=meta.get("conversation", ""), created=float(meta.get("created", 0.0)),
+                    hits=int(meta.get("hits", 0)), tier="disk", nbytes=path.stat().st_size,
+                    has_logits="logits" in meta["arrays"])
+            except (OSError, ValueError) as exc:   # a digest that is not hex, a file removed meanwhile
+                log.warning("prefix cache: ignoring %s: %s", path, exc)
 
     def _load_arrays(self, snap: Snapshot) -> dict[str, np.ndarray] | None:
         if snap.arrays is not None:

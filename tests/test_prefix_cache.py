@@ -176,3 +176,96 @@ def test_clear_one_and_all(tmp_path) -> None:
     cache.clear()
     assert cache.snapshots() == [] and list(tmp_path.rglob("*.snap")) == []
     assert PrefixCache(HP, "m", disk_dir=tmp_path).snapshots() == []
+
+
+def retamper(path, edit) -> None:
+    """Apply ``edit(meta)`` to a snapshot file's JSON header and recompute its checksum, as a hostile
+    user (or another build) could."""
+    import hashlib
+    import json
+    import struct
+    data = path.read_bytes()
+    start = len(FORMAT_MAGIC) + 8
+    (n_head,) = struct.unpack_from("<Q", data, len(FORMAT_MAGIC))
+    meta = json.loads(data[start:start + n_head])
+    edit(meta)
+    head = json.dumps(meta).encode()
+    payload = data[start + n_head:-32]
+    path.write_bytes(FORMAT_MAGIC + struct.pack("<Q", len(head)) + head + payload
+                     + hashlib.sha256(head + payload).digest())
+
+
+def _set(key, value):
+    def edit(meta):
+        meta[key] = value
+    return edit
+
+
+def _array(name, entry):
+    def edit(meta):
+        meta["arrays"][name] = entry
+    return edit
+
+
+def _drop(name):
+    def edit(meta):
+        del meta["arrays"][name]
+    return edit
+
+
+TAMPERS = {
+    "pos 10^12": _set("pos", 10**12), "pos 0": _set("pos", 0), "pos a string": _set("pos", "16"),
+    "pos shorter": _set("pos", 15), "arrays null": _set("arrays", None), "header a list": None,
+    "another dtype": _array("conv.0", ["<f8", [3, 16]]), "another shape": _array("ssm.0", ["<f4", [2, 4, 5]]),
+    "a layer missing": _drop("k.3"), "an extra array": _array("conv.3", ["<f4", [3, 16]]),
+    "images not hex": _set("images", {"2": "zz"}), "images a list": _set("images", [1]),
+}
+
+
+@pytest.mark.parametrize("tamper", sorted(TAMPERS))
+def test_tampered_header_with_a_valid_checksum_is_skipped(tmp_path, caplog, tamper) -> None:
+    rng = np.random.default_rng(8)
+    toks = rng.integers(0, 50, 16).tolist()
+    cache = PrefixCache(HP, "m", disk_dir=tmp_path)
+    cache.put(chain_keys("m", toks)[16], filled_state(rng, 16), toks, None)
+    cache.put(chain_keys("m", toks)[8], filled_state(rng, 8), toks[:8], None)
+    cache.persist()
+    [path] = [p for p in tmp_path.rglob("*.snap") if p.stem == chain_keys("m", toks)[16].hex()]
+    edit = TAMPERS[tamper]
+    if edit is None:
+        import hashlib
+        import struct
+        head = b"[1, 2]"
+        path.write_bytes(FORMAT_MAGIC + struct.pack("<Q", len(head)) + head + hashlib.sha256(head).digest())
+    else:
+        retamper(path, edit)
+    with caplog.at_level(logging.WARNING, logger="engine.prefix_cache"):
+        again = PrefixCache(HP, "m", disk_dir=tmp_path)
+    assert [s.pos for s in again.snapshots()] == [8]           # the tampered one is not listed
+    assert again.lookup(toks + [1], 64).reused == 8             # nor restored; the other one is
+    assert sum("ignoring" in r.getMessage() for r in caplog.records) == 1
+
+
+def test_a_failed_write_leaves_no_temporary_file(tmp_path, monkeypatch, caplog) -> None:
+    import os
+    rng = np.random.default_rng(9)
+    toks = rng.integers(0, 50, 12).tolist()
+    cache = PrefixCache(HP, "m", disk_dir=tmp_path)
+    cache.put(chain_keys("m", toks)[12], filled_state(rng, 12), toks, None)
+
+    def full(fd):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(os, "fsync", full)
+    with caplog.at_level(logging.WARNING, logger="engine.prefix_cache"):
+        cache.persist()
+    assert list(tmp_path.rglob("*.tmp")) == [] and list(tmp_path.rglob("*.snap")) == []
+    assert any("No space left" in r.getMessage() for r in caplog.records)
+
+
+def test_temporary_files_of_a_crashed_write_are_swept_at_start(tmp_path) -> None:
+    cache = PrefixCache(HP, "m", disk_dir=tmp_path)
+    cache._disk.mkdir(parents=True)
+    (cache._disk / "tmpabc123.tmp").write_bytes(b"partial")
+    PrefixCache(HP, "m", disk_dir=tmp_path)
+    assert list(tmp_path.rglob("*.tmp")) == []

@@ -364,7 +364,8 @@ def _matmul_np(raw: np.ndarray, x: np.ndarray, traits: quant.QuantType, name: st
                             for r0 in range(0, raw.shape[0], _KQ_ROWS)], axis=1)
         return y[0] if vector else y
     xq = _dequantize(quantize_q8_0_np(x2), Q.Q8_0).astype(np.float64)
-    y = (xq @ _dequantize(raw, traits.qtype).T.astype(np.float64)).astype(np.float32)
+    wt = _dequantize(raw, traits.qtype).T.astype(np.float64)
+    y = np.stack([(row @ wt).astype(np.float32) for row in xq])   # row by row, as the kernels: no batch effect
     return y[0] if vector else y
 
 

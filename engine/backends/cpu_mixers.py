@@ -6,7 +6,9 @@ Native code: native/cpu/mixers.c (``dd_gdn_decode``, ``dd_attn_decode``). Both a
 implementation for every ISA level (their hot loops are elementwise over a head row, which the
 compiler vectorises at the x86-64 baseline), so they give the same bits at every level and for
 every thread count (work is split by v-head, or by kv head x block of 256 cache positions).
-With :func:`engine.backends.cpu.isa` = "numpy" or without the extension the twins run.
+With :func:`engine.backends.cpu.isa` = "numpy" or without the extension the twins run. Prefill runs
+the same steps token by token (:func:`gdn_prefill`, :func:`attention_prefill`), so a position's result
+does not depend on the piece it is read in (:mod:`engine.models.qwen35`).
 
 Precision: the C code keeps the delta-rule state and its products in float32 and the reductions
 (norms, the conv taps, the softmax combination) in float64; the twins compute every op in float64
@@ -119,6 +121,28 @@ def gdn_decode_np(layer: GDNLayer, mixed: np.ndarray, z: np.ndarray, b: np.ndarr
     o, s = ops.gdn_step(q, k, u[2 * nk * dk:].reshape(nv, dv), g, ops.sigmoid(b), ssm_state)
     ssm_state[...] = s
     return ops.gated_rmsnorm(o, layer.norm_w, z.reshape(nv, dv), layer.eps).reshape(-1)
+
+
+def gdn_prefill(layer: GDNLayer, mixed: np.ndarray, z: np.ndarray, b: np.ndarray, a: np.ndarray,
+                conv_state: np.ndarray, ssm_state: np.ndarray) -> np.ndarray:
+    """n tokens of a Gated DeltaNet layer, one :func:`gdn_decode` step each (so a token's output and
+    the state it leaves do not depend on how many tokens share the call).
+
+    Args: mixed (n, conv_dim), z (n, n_v*dv), b and a (n, n_v) float32; the states as for :func:`gdn_decode`.
+    Returns: (n, n_v*dv) float32. Raises: as :func:`gdn_decode`.
+    """
+    return np.stack([gdn_decode(layer, mixed[t], z[t], b[t], a[t], conv_state, ssm_state)
+                     for t in range(mixed.shape[0])])
+
+
+def attention_prefill(q: np.ndarray, gate: np.ndarray, k: np.ndarray, v: np.ndarray) -> np.ndarray:
+    """n queries, the last n of the m cache rows, each by :func:`attention_decode` over the rows it sees.
+
+    Args: q, gate (n, n_head, hd) float32; k, v (m, n_kv, hd) float32 C-contiguous cache rows, m >= n
+    (query i sits at row m - n + i). Returns: (n, n_head * hd) float32. Raises: as :func:`attention_decode`.
+    """
+    n, m = q.shape[0], k.shape[0]
+    return np.stack([attention_decode(q[i], gate[i], k[:m - n + i + 1], v[:m - n + i + 1]) for i in range(n)])
 
 
 def _attn_args(q, gate, k, v):

@@ -12,14 +12,16 @@ What runs where:
 
 * projections: W4A8 / W8A8 GEMV (one token) or small-M GEMM (prefill) straight from the
   memory-mapped Q4_0 / Q8_0 / Q4_K / Q5_K / Q6_K blocks (:class:`engine.backends.cpu.Matrix`);
-* one decoded token's MoE FFN: one fused native call (:func:`engine.backends.cpu.moe_ffn`); prefill
-  runs each routed expert's rows through the GEMM;
-* one decoded token's GDN recurrence and attention: :mod:`engine.backends.cpu_mixers` (C);
-  prefill keeps the reference's chunked GDN and batched attention (numpy, float64 inside);
+* the MoE FFN: one fused native call per token (:func:`engine.backends.cpu.moe_ffn`), in prefill
+  too (a layer with float32 experts runs each expert's rows through the row-wise products);
+* the GDN recurrence and attention: :mod:`engine.backends.cpu_mixers` (C), token by token and query
+  by query in prefill too;
 * norms, RoPE, residual adds: the reference numpy ops.
 
-The fused one-token paths report only the stages outside the fused calls to ``cb`` (no ``beta``,
-``gate``, ``conv_output_silu``, ``attn_output`` of GDN layers in decode; ``ffn_moe_logits`` neither).
+Prefill is therefore split-invariant (:mod:`engine.models.qwen35`): a position's arithmetic is the
+same whatever piece it is read in, decode included. The fused paths report only the stages outside
+the fused calls to ``cb`` (no ``beta``, ``gate``, ``conv_output_silu``, ``attn_output`` of GDN
+layers; ``ffn_moe_logits`` neither).
 
 Weight formats, decided once at load, tensor by tensor (:func:`prepare_weight`; at most one
 tensor's float32 rows of 16 MiB exist at a time, the file stays mapped, not copied):
@@ -61,7 +63,7 @@ from ..ops import reference as ops
 from ..quant import dequantize, type_name
 from ..state import SequenceState
 from . import cpu
-from .cpu_mixers import GDNLayer, attention_decode, gdn_decode
+from .cpu_mixers import GDNLayer, attention_prefill, gdn_prefill
 
 Q = GGMLQuantizationType
 FLOAT_TYPES = frozenset({Q.F32, Q.F16, Q.BF16})
@@ -83,8 +85,8 @@ class FloatMatrix:
         return FloatMatrix(self.w[r0:r1])
 
     def __call__(self, x: np.ndarray) -> np.ndarray:
-        """x (m, k) float32 -> (m, rows) float32."""
-        return ops.linear(x, self.w)
+        """x (m, k) float32 -> (m, rows) float32, row by row (:func:`engine.ops.reference.linear_rows`)."""
+        return ops.linear_rows(x, self.w)
 
 
 Weight = cpu.Matrix | FloatMatrix
@@ -198,10 +200,10 @@ class NativeQwen35Model(Qwen35Model):
     def forward(self, tokens: np.ndarray, state: SequenceState, *args, **kwargs) -> np.ndarray:
         """:meth:`Qwen35Model.forward` with numpy's BLAS held to one thread.
 
-        Here BLAS only does the small per-head products of the chunked delta rule and of prefill
-        attention (the projections run on the native kernels with their own pool). Waking
-        OpenBLAS's threads for each of those small products cost ~15 ms apiece on a 2-core VM:
-        a 128-token prefill of the 35B-A3B slice took 15.4 s with BLAS threads and 2.2 s without.
+        Here BLAS only does small products (float32 weights, row by row; the projections run on the
+        native kernels with their own pool). Waking OpenBLAS's threads for each small product cost
+        ~15 ms apiece on a 2-core VM: a 128-token prefill of the 35B-A3B slice took 15.4 s with BLAS
+        threads and 2.2 s without.
         """
         with threadpool_limits(1, user_api="blas"):
             return super().forward(tokens, state, *args, **kwargs)
@@ -214,26 +216,22 @@ class NativeQwen35Model(Qwen35Model):
 
     def delta_rule(self, il: int, mixed: np.ndarray, z: np.ndarray, b: np.ndarray, a: np.ndarray,
                    state: SequenceState, cb: Callback) -> np.ndarray:
-        """One token: the fused C step (:func:`~engine.backends.cpu_mixers.gdn_decode`); more: the reference."""
-        if mixed.shape[0] != 1:
-            return super().delta_rule(il, mixed, z, b, a, state, cb)
-        return gdn_decode(self.gdn[il], mixed[0], z[0], b[0], a[0], state.conv[il], state.ssm[il])[None]
+        """The fused C step (:func:`~engine.backends.cpu_mixers.gdn_decode`), token by token."""
+        return gdn_prefill(self.gdn[il], mixed, z, b, a, state.conv[il], state.ssm[il])
 
     def attend(self, q: np.ndarray, gate: np.ndarray, k: np.ndarray, v: np.ndarray) -> np.ndarray:
-        """One query: C attention over the cache (:func:`~engine.backends.cpu_mixers.attention_decode`)."""
-        if q.shape[0] != 1:
-            return super().attend(q, gate, k, v)
-        return attention_decode(q[0], gate[0], k, v)[None]
+        """C attention over the cache (:func:`~engine.backends.cpu_mixers.attention_decode`), query by query."""
+        return attention_prefill(q, gate, k, v)
 
     def moe(self, il: int, y: np.ndarray, cb: Callback) -> np.ndarray:
-        """Routed experts + shared expert: one fused call for one token, else expert-wise GEMMs."""
-        if y.shape[0] == 1 and il in self.fused_moe:
-            r = cpu.moe_ffn(y[0], self.fused_moe[il])
-            cb("ffn_moe_topk", il, r.experts[None])
-            cb("ffn_moe_weights_norm", il, r.weights[None])
-            return r.out[None]
+        """Routed experts + shared expert: the fused call token by token, else expert-wise products."""
+        if il in self.fused_moe:
+            results = [cpu.moe_ffn(row, self.fused_moe[il]) for row in y]
+            cb("ffn_moe_topk", il, np.stack([r.experts for r in results]))
+            cb("ffn_moe_weights_norm", il, np.stack([r.weights for r in results]))
+            return np.stack([r.out for r in results])
         p = f"blk.{il}."
-        idx, weights = ops.topk_route(ops.linear(y, self.w(p + "ffn_gate_inp.weight")), self.hp.n_expert_used)
+        idx, weights = ops.topk_route(ops.linear_rows(y, self.w(p + "ffn_gate_inp.weight")), self.hp.n_expert_used)
         cb("ffn_moe_topk", il, idx)
         cb("ffn_moe_weights_norm", il, weights)
         ff, d = self.hp.n_ff_exp, self.hp.n_embd
@@ -248,7 +246,7 @@ class NativeQwen35Model(Qwen35Model):
         cb("ffn_moe_out", il, out)
         if self.weights.has(p + "ffn_gate_shexp.weight"):
             sh = _swiglu(y, *(self.mats[f"{p}ffn_{x}_shexp.weight"] for x in ("gate", "up", "down")))
-            sh = sh * ops.sigmoid(y @ self.w(p + "ffn_gate_inp_shexp.weight"))[:, None]
+            sh = sh * ops.sigmoid(ops.linear_rows(y, self.w(p + "ffn_gate_inp_shexp.weight")[None]))
             cb("ffn_shexp", il, sh)
             out = out + sh
         return out

@@ -22,6 +22,33 @@ the model uses each tensor *as stored* and never redoes them):
 Weights are fetched by GGUF tensor name from any object offering ``.f32(name)`` (math shape,
 float32), ``.has(name)``, ``.expert(name, e)`` and ``.row(name, i)`` (a ``GGUFFile`` does).
 
+Split invariance (issue 13). The same prompt gives bit-identical logits and state whatever pieces
+it is read in: one pass, the prefix cache's checkpoint pieces, a resume from any snapshot, any piece
+size, one token at a time (decode is a one-token piece). So a prompt resumed from a snapshot computes
+exactly what a cold prefill computes, and the cache never changes an answer. The mechanism: every
+position is computed by arithmetic that depends only on its own inputs and on the state the
+positions before it left, never on which other positions share its :meth:`Qwen35Model.forward` call.
+
+* Row-wise ops: norms, RoPE, gates, routing and the elementwise functions work on each row alone
+  (:mod:`engine.ops.reference`, row rule); projections are taken row by row
+  (:func:`~engine.ops.reference.linear_rows`: BLAS sums a batch's rows in other orders than a single
+  row's); the native GEMM computes every output element by the same instruction sequence for any
+  number of rows and any thread split (native/cpu/gemm_tiles.h), and the fused one-token MoE runs
+  once per row.
+* Token mixers run position by position: the Gated DeltaNet layers take the recurrent step per token
+  and round the state to float32 after every token, as decode does (the chunked form would round it
+  at chunk ends that move with the piece start, and its intra-chunk products depend on the chunk's
+  other tokens); attention takes one query at a time over exactly the cache rows it sees (a batched
+  softmax over masked rows sums other rows' zeros in a blocking that changes with the batch).
+* Nothing is carried between pieces except the state itself (float32, restored exactly by the
+  cache), and the KV rows a piece writes are the same rows a one-pass prefill writes.
+
+The cost is the chunked form's parallelism in the delta rule and the batched attention products:
+prefill does the same work as decode in the mixers (they are a small part of a layer's time next to
+the projections, which stay batched on the native kernels). Other ways considered: cutting prefill
+only at canonical positions that depend on the prompt alone would still differ from decode (a
+regenerate or the snapshot after an answer) and from any resume that is not at such a position.
+
 Fast paths subclass this model and override the hooks the forward pass goes through, so this file
 stays the one reference pass: :meth:`Qwen35Model.linear` (every projection),
 :meth:`~Qwen35Model.delta_rule` (the GDN recurrence between its projections),
@@ -84,8 +111,9 @@ class Qwen35Model:
         return mats
 
     def linear(self, x: np.ndarray, name: str) -> np.ndarray:
-        """Projection ``x W^T`` by weight ``name``: x (n, in) float32 -> (n, out) float32."""
-        return ops.linear(x, self.w(name))
+        """Projection ``x W^T`` by weight ``name``: x (n, in) float32 -> (n, out) float32, one row
+        at a time (:func:`engine.ops.reference.linear_rows`)."""
+        return ops.linear_rows(x, self.w(name))
 
     def embed(self, tokens: np.ndarray) -> np.ndarray:
         """Token embeddings ``E[tokens]``: (n, n_embd) float32, unscaled.
@@ -123,7 +151,8 @@ class Qwen35Model:
         Raises:
             ContextFullError: ``state.pos + n`` exceeds ``state.capacity``.
             ValueError: n == 0, mismatched lengths, or a token id outside the vocabulary.
-        n > 1 uses the chunked GDN form and batched attention; n == 1 the recurrent GDN step.
+        Split-invariant (module docstring): ``forward(a + b)`` leaves the same state and gives the
+        same last logits as ``forward(a)`` then ``forward(b)``, bit for bit.
         """
         hp = self.hp
         tokens, positions = state.chunk_inputs(tokens, positions, hp.n_vocab)
@@ -203,11 +232,10 @@ class Qwen35Model:
         k = ops.l2norm(u[:, nk * dk:2 * nk * dk].reshape(n, nk, dk), hp.rms_eps)
         v = u[:, 2 * nk * dk:].reshape(n, nv, dv)
 
-        if n == 1:
-            o, s = ops.gdn_step(q[0], k[0], v[0], g[0], beta[0], state.ssm[il])
-            o = o[None]
-        else:
-            o, s = ops.gdn_chunked(q, k, v, g, beta, state.ssm[il])
+        o = np.empty((n, nv, dv), dtype=np.float32)
+        s = state.ssm[il]
+        for t in range(n):        # the recurrent step, token by token: the state is rounded as decode rounds it
+            o[t], s = ops.gdn_step(q[t], k[t], v[t], g[t], beta[t], s)
         state.ssm[il][...] = s
         cb("attn_output", il, o)
 
@@ -249,7 +277,7 @@ class Qwen35Model:
     def moe(self, il: int, y: np.ndarray, cb: Callback) -> np.ndarray:
         """Routed top-k experts plus the sigmoid-gated shared expert (spec 3.3): (n, d) -> (n, d)."""
         p = f"blk.{il}."
-        logits = ops.linear(y, self.w(p + "ffn_gate_inp.weight"))
+        logits = ops.linear_rows(y, self.w(p + "ffn_gate_inp.weight"))
         cb("ffn_moe_logits", il, logits)
         idx, weights = ops.topk_route(logits, self.hp.n_expert_used)
         cb("ffn_moe_topk", il, idx)

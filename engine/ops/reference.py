@@ -4,10 +4,18 @@ Each function is written to be read next to ``shared/spec/qwen35moe.md`` (sectio
 and is what the fast CPU/CUDA kernels are tested against.
 
 Precision rule: every op takes float32 (or any real) arrays, computes in **float64** and returns
-**float32**. Rounding therefore happens only at op boundaries, and an op gives the same float32
-bits for a row whether it is called on one token or on a batch; this is what makes a model built
-from these ops agree between token-by-token decode and batched prefill to about 1e-6, while
-transformers' float32 reference itself carries about 1e-5 of rounding.
+**float32**. Rounding therefore happens only at op boundaries, and transformers' float32 reference
+itself carries about 1e-5 of rounding.
+
+Row rule: the ops the model applies to a batch of positions (norms, RoPE, :func:`linear_rows`,
+:func:`swiglu`, :func:`shared_expert`, :func:`gated_attention`, :func:`topk_route`, the elementwise
+functions) give the same float32 bits for a row whether it is called on one position or inside a
+batch. Reductions run along a row's own contiguous axis; products that BLAS would block
+differently for another batch size (its vector-matrix and matrix-matrix kernels sum in different
+orders, and a row's place in a block changes its kernel) are taken one row at a time with the same
+vector-matrix call whatever the batch. That is what makes the model's prefill independent of how
+a prompt is cut into pieces (:mod:`engine.models.qwen35`). :func:`linear` (BLAS on the whole batch)
+and :func:`gdn_chunked` do not follow it; the vision tower and the GPU's reference use them.
 
 Head layouts are those of the GGUF files (llama.cpp ``convert_hf_to_gguf.py``): in particular the
 Gated DeltaNet v-heads are *tiled*, so v-head ``h`` reads q/k head ``h mod n_k`` (spec 2, item 3).
@@ -62,6 +70,22 @@ def linear(x: np.ndarray, w: np.ndarray) -> np.ndarray:
     LM head is 4 GB in float64). The other ops compute in float64 inside.
     """
     return np.asarray(x, np.float32) @ np.asarray(w, np.float32).T
+
+
+def linear_rows(x: np.ndarray, w: np.ndarray) -> np.ndarray:
+    """:func:`linear` one row at a time: x (n, in), w (out, in) -> (n, out) float32, row i equal to
+    the product of ``x[i]`` alone (one float32 vector-matrix BLAS call per row, whatever n).
+
+    The model's projections use it so that a position's result does not depend on the batch it is
+    in (module docstring, row rule); it reads ``w`` once per row, so batched prefill on the numpy
+    path costs about what decoding the same tokens costs in the projections.
+    """
+    x = np.asarray(x, np.float32)
+    wt = np.asarray(w, np.float32).T
+    out = np.empty((x.shape[0], wt.shape[1]), dtype=np.float32)
+    for i in range(x.shape[0]):
+        out[i] = x[i] @ wt
+    return out
 
 
 def sigmoid(x: np.ndarray) -> np.ndarray:
@@ -178,13 +202,15 @@ def gated_attention(q: np.ndarray, gate: np.ndarray, k: np.ndarray, v: np.ndarra
     n, n_head, hd = q.shape
     m, n_kv, _ = k.shape
     group = n_head // n_kv
-    qh = _d(q).reshape(n, n_kv, group, hd).transpose(1, 2, 0, 3)       # (n_kv, group, n, hd)
-    kh, vh = _d(k).transpose(1, 0, 2)[:, None], _d(v).transpose(1, 0, 2)[:, None]
-    scores = (qh @ kh.swapaxes(-1, -2)) / np.sqrt(hd)                     # (n_kv, group, n, m)
-    allowed = np.arange(m)[None, :] <= (m - n + np.arange(n))[:, None]
-    o = _softmax(np.where(allowed, scores, -np.inf)) @ vh
-    o = o.transpose(2, 0, 1, 3).reshape(n, n_head * hd)
-    return _f(o * _sigmoid(_d(gate).reshape(n, n_head * hd)))
+    kh, vh = _d(k).transpose(1, 0, 2)[:, None], _d(v).transpose(1, 0, 2)[:, None]   # (n_kv, 1, m, hd)
+    out = np.empty((n, n_head * hd), dtype=np.float32)
+    for i in range(n):            # one query at a time over exactly the rows it sees (row rule)
+        end = m - n + i + 1
+        qh = _d(q[i]).reshape(n_kv, group, 1, hd)
+        scores = (qh @ kh[:, :, :end].swapaxes(-1, -2)) / np.sqrt(hd)   # (n_kv, group, 1, end)
+        o = (_softmax(scores) @ vh[:, :, :end]).reshape(n_head * hd)
+        out[i] = _f(o * _sigmoid(_d(gate[i]).reshape(n_head * hd)))
+    return out
 
 
 def causal_conv1d(x: np.ndarray, w: np.ndarray, state: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -353,8 +379,13 @@ def swiglu(x: np.ndarray, w_gate: np.ndarray, w_up: np.ndarray, w_down: np.ndarr
 
 
 def _swiglu(x, w_gate, w_up, w_down):
-    a = x @ _d(w_gate).T
-    return (a * _sigmoid(a) * (x @ _d(w_up).T)) @ _d(w_down).T
+    """float64 SwiGLU of each row of x (n, d) on its own (row rule): (n, d) float64."""
+    gate_t, up_t, down_t = _d(w_gate).T, _d(w_up).T, _d(w_down).T
+    out = np.empty((x.shape[0], down_t.shape[1]))
+    for i in range(x.shape[0]):
+        a = x[i] @ gate_t
+        out[i] = (a * _sigmoid(a) * (x[i] @ up_t)) @ down_t
+    return out
 
 
 def shared_expert(x: np.ndarray, w_gate: np.ndarray, w_up: np.ndarray, w_down: np.ndarray,
@@ -365,4 +396,6 @@ def shared_expert(x: np.ndarray, w_gate: np.ndarray, w_up: np.ndarray, w_down: n
     Returns: (n, d) float32.  Source: transformers Qwen3_5MoeSparseMoeBlock (shared_expert_gate).
     """
     x = _d(x)
-    return _f(_swiglu(x, w_gate, w_up, w_down) * _sigmoid(x @ _d(w_shgate).reshape(-1))[:, None])
+    w_shgate = _d(w_shgate).reshape(-1)
+    gate = np.array([row @ w_shgate for row in x])
+    return _f(_swiglu(x, w_gate, w_up, w_down) * _sigmoid(gate)[:, None])
