@@ -6,6 +6,12 @@ prompt pieces and between tokens. Tokens and prefill progress are forwarded at m
 :data:`BATCH_SECONDS`, so the UI thread handles a few dozen small updates a second whatever the
 prefill and decode speed.
 
+After a finished turn the worker reads ahead: on a background thread the engine prefills the
+conversation as the next turn will render it, answer included, and snapshots it
+(``Engine.prefill_ahead``), so the follow-up reads only its new message. Any next job of the worker (a
+send, an edit's new turn, a model switch, an image measurement, closing) cancels it first and waits
+for its current piece (32 tokens).
+
 A 20 GB model takes a while to map and prepare, so each load runs on a daemon thread of its own
 and reports the stage it is at. :meth:`EngineWorker.cancel_load` (or closing the window) sets the
 load's cancel flag, which ``Engine.load`` checks between stages, and abandons the load at once:
@@ -14,6 +20,7 @@ whatever the loader thread still returns is dropped when it arrives.
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from dataclasses import dataclass, field
@@ -30,6 +37,8 @@ from .serving import LocalServer
 
 if TYPE_CHECKING:  # engine.api imports numpy and the model code: loaded off the UI thread, at the first load
     from engine.api import ChatEngine
+
+log = logging.getLogger(__name__)
 
 BATCH_SECONDS = 0.04
 
@@ -232,6 +241,7 @@ class EngineWorker(QObject):
         self.turn_lock = threading.Lock()
         self._server = LocalServer()
         self._serve_port = 0
+        self._ahead: tuple[threading.Thread, threading.Event] | None = None
         self._load_done.connect(self._install)
 
     @Slot(object)
@@ -316,7 +326,44 @@ class EngineWorker(QObject):
         else:
             self.served.emit(self._server.start(self._engine, self._serve_port, self.turn_lock))
 
+    def _read_ahead(self, request: ChatRequest, answer: str) -> None:
+        """Start ``Engine.prefill_ahead`` of ``request``'s conversation plus ``answer`` on a background
+        thread, holding :attr:`turn_lock` (a local-server turn waits for it, at most one answer's prefill;
+        one already running makes it skip); the snapshot list is emitted again when it has read something."""
+        read = getattr(self._engine, "prefill_ahead", None)    # an in-process Engine; a remote one cannot
+        if read is None:
+            return
+        cancel = threading.Event()
+        messages = list(request.messages) + [{"role": "assistant", "content": answer}]
+
+        def run() -> None:
+            if not self.turn_lock.acquire(blocking=False):
+                return             # the local server is running a turn: nothing to read ahead for now
+            try:
+                stats = read(messages, enable_thinking=request.enable_thinking, cancel=cancel,
+                             conversation=request.conversation)
+            except Exception as exc:  # noqa: BLE001 - reading ahead is an optimisation; the next turn reads itself
+                log.warning("reading the next turn ahead failed: %s", exc)
+                return
+            finally:
+                self.turn_lock.release()
+            if stats is not None and stats.prefilled_tokens and not cancel.is_set():
+                self.list_snapshots()
+
+        thread = threading.Thread(target=run, name="prefill-ahead", daemon=True)
+        self._ahead = (thread, cancel)
+        thread.start()
+
+    def _stop_ahead(self) -> None:
+        """Cancel the reading ahead, if any, and wait for its current piece to end."""
+        if self._ahead is not None:
+            thread, cancel = self._ahead
+            self._ahead = None
+            cancel.set()
+            thread.join()
+
     def _close_engine(self) -> None:
+        self._stop_ahead()
         if self._server.running:
             self._server.stop()
             self.served.emit("Not serving: the model is being replaced" if self._serve_port else "")
@@ -335,7 +382,9 @@ class EngineWorker(QObject):
 
     @Slot(object)
     def chat(self, request: ChatRequest) -> None:
-        """Run one turn, streaming its events as signals; always ends with ``finished``."""
+        """Run one turn, streaming its events as signals; always ends with ``finished``. A turn that
+        ends with an answer (end of text or the token limit) starts reading the next turn ahead."""
+        self._stop_ahead()
         stream = _TurnStream(self)
         if self._engine is None:
             stream.fail(f"Cannot answer: {self._load_error}")
@@ -347,6 +396,7 @@ class EngineWorker(QObject):
                                   "conversation": request.conversation}
         if request.sampling is not None:
             kwargs["sampling"] = request.sampling
+        answer: TurnSummary | None = None
         try:
             with self.turn_lock:
                 events = self._engine.chat(request.messages, **kwargs)
@@ -356,6 +406,8 @@ class EngineWorker(QObject):
                         stream.finish(stream.summary("cancelled", "Stopped."))
                         break
                     stream.handle(event)
+                    if isinstance(event, TurnSummary) and event.stop_reason in ("eos", "max_tokens"):
+                        answer = event
         except GenerationCancelled:
             stream.finish(stream.summary("cancelled", "Stopped."))
         except BaseException as exc:  # noqa: BLE001 - every failure becomes a message in the window
@@ -364,6 +416,8 @@ class EngineWorker(QObject):
             stream.fail("The engine ended the turn without a summary.")
         self.report_gpu()
         self.list_snapshots()
+        if answer is not None and not self.closing.is_set():
+            self._read_ahead(request, answer.text)
 
     @Slot()
     def report_gpu(self) -> None:
@@ -409,6 +463,7 @@ class EngineWorker(QObject):
         """
         if self._engine is None or self.closing.is_set():
             return
+        self._stop_ahead()
         try:
             with self.turn_lock:
                 size: Any = tuple(self._engine.image_size(path))

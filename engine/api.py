@@ -34,7 +34,8 @@ from .models.qwen35 import Qwen35Model
 from .images import MIN_PIXELS, max_resized_pixels, prepare_image
 from .models.vision import EncodedImage, ImageEncoder, mrope_positions
 from .prefix_cache import PrefixCache, SnapshotInfo
-from .runtime import Turn, run_turn
+from .events import PrefillStats
+from .runtime import Turn, read_ahead, run_turn
 from .sampling import SamplingParams
 from .tokenizer import ChatTemplate, Tokenizer
 
@@ -518,6 +519,56 @@ class Engine:
         if not ids:
             raise EngineError("raw completion needs a prompt: the text is empty")
         return self.generate(ids, sampling, cancel, started=started)
+
+    def prefill_ahead(self, messages: Sequence[Message], enable_thinking: bool = False,
+                      cancel: threading.Event | None = None, conversation: str = "") -> PrefillStats | None:
+        """Read the conversation as the next turn will render it, up to the end of its last message, and
+        snapshot it, so that the next :meth:`chat` prefills only its new message.
+
+        Call it after a turn with the answer appended (``messages`` ending with that assistant message),
+        while the user reads and types; set ``cancel`` to stop it within one piece
+        (:data:`engine.runtime.AHEAD_PIECE` tokens). The next turn renders an earlier answer
+        differently from the prompt it was generated after (Qwen's template drops the think scaffold of
+        old turns), which is why the answer must be read again at all. The answer a later turn gives is
+        the same with or without this call (prefill is split-invariant).
+
+        Args:
+            messages: the conversation so far (see :meth:`chat`).
+            enable_thinking: as the next turn will pass it.
+            cancel: set from any thread to stop between pieces.
+            conversation: recorded with the snapshots.
+
+        Returns:
+            :class:`~engine.events.PrefillStats` of the work (``prompt_tokens``: the prefix read,
+            ``reused_tokens``: restored from a snapshot), or None when cancelled, without a prefix
+            cache, or when the template renders earlier messages differently depending on the next one.
+
+        Raises:
+            EngineError: a turn is running on this engine, or it is closed. TemplateError, ImageError:
+            as :meth:`prepare`.
+        """
+        self._hold("prefill_ahead")
+        try:
+            if self.cache is None:
+                return None
+            follow = self.prepare(list(messages) + [{"role": "user", "content": "."}], enable_thinking, cancel)
+            starts = [i for i, t in enumerate(follow.tokens) if t == self._im_start]
+            if len(starts) < 2:
+                return None
+            cut = starts[-2]       # where the next user message will begin
+            other = self.render(list(messages) + [{"role": "user", "content": "?\n\n"}], enable_thinking)
+            if other[:cut] != follow.tokens[:cut]:
+                return None
+            turn = Turn(model=self.model, tokenizer=self.tokenizer, prompt=follow.tokens[:cut], context=self.context,
+                        sampling=SamplingParams(), cancel=cancel or threading.Event(), cache=self.cache,
+                        checkpoints=[p for p in self.checkpoints(follow.tokens) if p < cut],
+                        conversation=conversation,
+                        positions=None if follow.positions is None else follow.positions[:, :cut],
+                        images=[img for img in follow.images if img[0] < cut], gpu=self.gpu,
+                        gpu_min_tokens=self.options.gpu_min_tokens, on_device_error=self._gpu_failed)
+            return read_ahead(turn)
+        finally:
+            self._busy.release()
 
     def answer_rerenders(self, messages: Sequence[Message], prompt: Sequence[int], answer: Sequence[int],
                          enable_thinking: bool = False) -> bool:

@@ -323,6 +323,11 @@ class PrefixCache:
             return Lookup(SequenceState.new(self.hp, capacity), 0, None, (time.perf_counter() - t0) * 1e3,
                           self._diverge(tokens, images, 0))
 
+    def contains(self, key: bytes) -> bool:
+        """Whether a snapshot is held (RAM or disk) under chain key ``key``."""
+        with self._lock:
+            return key in self._entries
+
     def _diverge(self, tokens: Sequence[int], images: Mapping[int, bytes], start: int) -> int:
         """Longest prefix of ``tokens`` (with ``images``) shared with any cached path, >= ``start``."""
         best = start

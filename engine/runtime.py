@@ -105,7 +105,8 @@ def _inputs(model: Qwen35Model, tokens: Sequence[int], a: int, b: int, positions
 def prefill_pieces(model: Qwen35Model, tokens: Sequence[int], state: SequenceState, cancel: threading.Event,
             stops: Sequence[int] = (), on_stop=None, positions: np.ndarray | None = None,
             images: Sequence[tuple[int, np.ndarray, bytes]] = (), gpu: Any = None,
-            gpu_min_tokens: int = 32, devices: list[str] | None = None) -> Iterator[PrefillProgress]:
+            gpu_min_tokens: int = 32, devices: list[str] | None = None,
+            piece_tokens: int = PREFILL_PIECE) -> Iterator[PrefillProgress]:
     """Run ``tokens[state.pos:]`` through the model, in pieces; a generator.
 
     Yields a :class:`PrefillProgress` after every piece; its return value (``logits = yield from
@@ -124,8 +125,9 @@ def prefill_pieces(model: Qwen35Model, tokens: Sequence[int], state: SequenceSta
             :class:`engine.backends.cuda.CudaPrefill`), or None. Each stretch between stops of at
             least ``gpu_min_tokens`` text tokens runs on it in one pass (each pass streams every
             routed expert once, so it is not cut into pieces); shorter stretches and stretches
-            holding image rows run on the CPU in pieces of :data:`PREFILL_PIECE`.
+            holding image rows run on the CPU in pieces of ``piece_tokens``.
         devices: when given, "cuda" or "cpu" is appended for every piece run.
+        piece_tokens: CPU piece length (the cancel is checked between pieces; results do not depend on it).
 
     Returns:
         (n_vocab,) float32 logits of the last token, or None when cancelled.
@@ -142,7 +144,7 @@ def prefill_pieces(model: Qwen35Model, tokens: Sequence[int], state: SequenceSta
         start = state.pos
         on_gpu = (gpu is not None and stop - start >= gpu_min_tokens
                   and not any(s < stop and s + len(e) > start for s, e, _ in images))
-        ends = [stop] if on_gpu else list(range(start + PREFILL_PIECE, stop, PREFILL_PIECE)) + [stop]
+        ends = [stop] if on_gpu else list(range(start + piece_tokens, stop, piece_tokens)) + [stop]
         for end in ends:
             if cancel.is_set():
                 return None
@@ -164,12 +166,73 @@ def prefill_pieces(model: Qwen35Model, tokens: Sequence[int], state: SequenceSta
 def prefill(*args, **kwargs) -> np.ndarray | None:
     """:func:`prefill_pieces` run to the end: the (n_vocab,) float32 logits of the last prompt
     token, or None when cancelled. Same arguments."""
-    pieces = prefill_pieces(*args, **kwargs)
+    return _drain(prefill_pieces(*args, **kwargs))
+
+
+def _drain(pieces: Iterator[PrefillProgress]) -> np.ndarray | None:
+    """Run a :func:`prefill_pieces` generator to its end and return its value."""
     while True:
         try:
             next(pieces)
         except StopIteration as done:
             return done.value
+
+
+AHEAD_PIECE = 32
+"""CPU piece length of :func:`read_ahead`: a send that cancels it waits at most one such piece."""
+
+
+def read_ahead(turn: Turn) -> PrefillStats | None:
+    """Prefill ``turn.prompt``, a prefix the next turn's prompt will start with, into the prefix cache.
+
+    Resumes from the deepest snapshot of the prefix, reads the rest in pieces of
+    :data:`AHEAD_PIECE` (checking ``turn.cancel`` between them), snapshots at ``turn.checkpoints``
+    and at the end of the prefix (without logits: a turn continues from there). Sampling settings
+    are not used. The snapshot equals what the next turn would compute itself (prefill is
+    split-invariant, :mod:`engine.models.qwen35`), so reading ahead changes no answer.
+
+    Returns:
+        PrefillStats of the work (``prompt_tokens`` = the prefix length, ``ttft_ms`` 0), or None when
+        cancelled, without a cache, or for an empty prefix or one that does not fit the context.
+
+    Raises:
+        DeviceError is not raised: a GPU failure is reported to ``turn.on_device_error`` and the
+        prefill goes on on the CPU.
+    """
+    cache, n = turn.cache, len(turn.prompt)
+    if cache is None or n == 0 or n >= turn.context:
+        return None
+    digests = turn.image_digests()
+    keys = chain_keys(cache.identity, turn.prompt, digests)
+    if cache.contains(keys[n]):
+        return PrefillStats(prompt_tokens=n, reused_tokens=n, prefilled_tokens=0, prefill_ms=0.0, restore_ms=0.0,
+                            device="cpu", ttft_ms=0.0)
+    hit = cache.lookup(turn.prompt, turn.context, images=digests, keys=keys)
+    state = hit.state
+
+    def snapshot(pos: int, last: np.ndarray | None) -> None:
+        cache.put(keys[pos], state, turn.prompt[:pos], None, images=digests, conversation=turn.conversation)
+
+    t0 = time.perf_counter()
+    devices: list[str] = []
+    gpu = turn.gpu
+    while True:
+        try:
+            pieces = prefill_pieces(turn.model, turn.prompt, state, turn.cancel, sorted(set(turn.checkpoints)),
+                                    snapshot, turn.positions, turn.images, gpu, turn.gpu_min_tokens, devices,
+                                    piece_tokens=AHEAD_PIECE)
+            logits = _drain(pieces)
+            break
+        except DeviceError as exc:
+            if turn.on_device_error is not None:
+                turn.on_device_error(str(exc))
+            gpu = None
+    if logits is None:
+        return None
+    cache.put(keys[n], state, turn.prompt, None, images=digests, conversation=turn.conversation)
+    return PrefillStats(prompt_tokens=n, reused_tokens=hit.reused, prefilled_tokens=n - hit.reused,
+                        prefill_ms=_ms(t0), restore_ms=hit.restore_ms,
+                        device="cuda" if "cuda" in devices else "cpu", ttft_ms=0.0)
 
 
 def run_turn(turn: Turn) -> Iterator[Event]:

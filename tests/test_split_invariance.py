@@ -167,3 +167,44 @@ def test_b18_session_is_the_same_with_the_cache_on_and_off(kernels, seed) -> Non
     assert len(logits_on) == len(logits_off)
     assert all(np.array_equal(a, b) for a, b in zip(logits_on, logits_off))
     assert on.snapshots(), "the cache was used"
+
+
+# ---- item 7: turn N+1 reads only the new message -----------------------------------------------------
+
+def test_reading_ahead_leaves_only_the_new_message_to_read_and_changes_no_answer() -> None:
+    bundled = bundled_model()
+    if bundled is None:
+        pytest.skip("the bundled demo model is absent")
+    plain = Engine.load(bundled[0], options=EngineOptions(threads=2))
+    ahead = Engine.load(bundled[0], options=EngineOptions(threads=2))
+    tok = ahead.tokenizer
+    histories: dict[str, list[dict]] = {"plain": [], "ahead": []}
+    for i, user in enumerate(USERS + ["Is there anything on the left?"]):
+        answers = {}
+        for name, engine in (("plain", plain), ("ahead", ahead)):
+            messages = histories[name]
+            messages.append({"role": "user", "content": user})
+            summary = list(engine.chat(messages, SamplingParams.greedy(24)))[-1]
+            answers[name] = summary.text
+            messages.append({"role": "assistant", "content": summary.text})
+            if name == "ahead":
+                new = tok.encode_rendered(f"<|im_start|>user\n{user}<|im_end|>\n<|im_start|>assistant\n<think>\n\n</think>\n\n")
+                if i > 0:
+                    assert summary.prompt_tokens - summary.reused_tokens == len(new)
+                stats = engine.prefill_ahead(messages)
+                assert stats is not None and stats.prefilled_tokens > 0
+                again = engine.prefill_ahead(messages)          # already read: nothing to do
+                assert again.prefilled_tokens == 0
+        assert answers["plain"] == answers["ahead"]
+
+
+def test_reading_ahead_is_cancelled_between_pieces() -> None:
+    bundled = bundled_model()
+    if bundled is None:
+        pytest.skip("the bundled demo model is absent")
+    engine = Engine.load(bundled[0], options=EngineOptions(threads=2))
+    messages = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "word " * 200}]
+    cancel = threading.Event()
+    cancel.set()
+    assert engine.prefill_ahead(messages, cancel=cancel) is None
+    assert engine.prefill_ahead(messages) is not None        # the engine is free again

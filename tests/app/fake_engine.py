@@ -30,6 +30,7 @@ class FakeEngine:
     With ``prompt_pieces`` the 20 prefilled tokens of a 30-token prompt (10 reused) are read in that
     many pieces of ``piece_ms`` each, a ``PrefillProgress`` after each and the cancel flag checked
     between them, as the real engine does; ``pieces_read`` counts them.
+    ``prefill_ahead`` takes ``ahead_pieces`` pieces of ``piece_ms`` and records each call in ``aheads``.
     ``produced`` counts the tokens it has yielded; ``calls`` keeps each turn's messages, ``samplings``
     and ``conversations`` its other arguments, ``loads`` the LoadRequests that returned it. Each
     turn leaves a prefix snapshot; images reach the "model" at half their size.
@@ -56,6 +57,8 @@ class FakeEngine:
         self.loads: list = []
         self.snapshot_list: list[SnapshotInfo] = []
         self.closed = 0
+        self.ahead_pieces = 0
+        self.aheads: list[tuple[list[dict], str]] = []   # (messages, "done" | "cancelled") per read-ahead
 
     def chat(self, messages, sampling=None, cancel: threading.Event | None = None,
              enable_thinking: bool = False, conversation: str = "") -> Iterator[Event]:
@@ -68,6 +71,18 @@ class FakeEngine:
                                                   pos=20 * len(self.calls), nbytes=3_000_000, age_s=5.0,
                                                   hits=len(self.calls) - 1, tier="ram"))
         return self._turn(cancel or threading.Event())
+
+    def prefill_ahead(self, messages, enable_thinking: bool = False, cancel: threading.Event | None = None,
+                      conversation: str = ""):
+        """Read ahead in ``ahead_pieces`` pieces of ``piece_ms``, checking the cancel flag between them."""
+        cancel = cancel or threading.Event()
+        for _ in range(self.ahead_pieces):
+            if cancel.is_set():
+                self.aheads.append((list(messages), "cancelled"))
+                return None
+            time.sleep(self.piece_ms / 1e3)
+        self.aheads.append((list(messages), "done"))
+        return None
 
     def snapshots(self) -> list[SnapshotInfo]:
         """The snapshots the turns left, deepest first (as the real engine lists them)."""

@@ -323,3 +323,36 @@ def test_stop_saves_the_snapshots_of_the_model(qtbot, worker_thread):
     _load(qtbot, wt, wt.worker.loaded)
     wt.stop()
     assert engine.closed == 1 and not wt.thread.isRunning()
+
+
+def test_a_finished_turn_reads_the_next_one_ahead(qtbot, worker_thread):
+    engine = FakeEngine(tokens=["Hi", "!"])
+    wt = worker_thread(loader_for(engine))
+    _load(qtbot, wt, wt.worker.loaded)
+    _, summary = _run(qtbot, wt, ChatRequest([{"role": "user", "content": "hi"}], conversation="3"))
+    qtbot.waitUntil(lambda: bool(engine.aheads), timeout=5000)
+    assert engine.aheads == [([{"role": "user", "content": "hi"}, {"role": "assistant", "content": "Hi!"}], "done")]
+
+
+def test_a_send_cancels_the_read_ahead_at_once(qtbot, worker_thread):
+    engine = FakeEngine(tokens=["a"], piece_ms=5.0)
+    engine.ahead_pieces = 100_000                     # ~10 minutes unless cancelled
+    wt = worker_thread(loader_for(engine))
+    _load(qtbot, wt, wt.worker.loaded)
+    _run(qtbot, wt, ChatRequest([{"role": "user", "content": "one"}]))
+    time.sleep(0.05)                                  # the read-ahead is running
+    t0 = time.perf_counter()
+    _, summary = _run(qtbot, wt, ChatRequest([{"role": "user", "content": "two"}]))
+    assert time.perf_counter() - t0 < 2.0 and summary.stop_reason == "eos"
+    assert engine.aheads[0][1] == "cancelled" and len(engine.calls) == 2
+
+
+def test_a_stopped_turn_reads_nothing_ahead(qtbot, worker_thread):
+    engine = FakeEngine(tokens=["x"] * 1000, token_ms=5.0)
+    wt = worker_thread(loader_for(engine))
+    _load(qtbot, wt, wt.worker.loaded)
+    request = ChatRequest([{"role": "user", "content": "hi"}])
+    _, summary = _run(qtbot, wt, request, on_tokens=lambda got: request.cancel.set())
+    assert summary.stop_reason == "cancelled"
+    time.sleep(0.1)
+    assert engine.aheads == []
