@@ -170,3 +170,18 @@ def test_weight_rules_name_what_each_projection_became(synth_model):
     assert prepare_weight(f16, "blk.0.attn_qkv.weight")[1] == "F16 -> f32"
     mat, rule = prepare_weight(f16, "blk.0.attn_qkv.weight", float_weights="q8_0")
     assert rule == "F16 -> Q8_0" and mat.qtype == GGMLQuantizationType.Q8_0
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_gdn_prefill_is_gdn_decode_token_by_token_bit_for_bit(threads, isa_reset):
+    cpu.set_threads(threads)
+    rng = np.random.default_rng(4)
+    layer, conv, ssm = gdn_inputs(rng, nk=2, nv=4, dk=16, dv=16, taps=4)
+    n = 9
+    mixed = rng.standard_normal((n, layer.conv_dim)).astype(np.float32)
+    z = rng.standard_normal((n, layer.n_v * layer.dv)).astype(np.float32)
+    b, a = rng.standard_normal((2, n, layer.n_v)).astype(np.float32)
+    conv2, ssm2 = conv.copy(), ssm.copy()
+    y = cpu_mixers.gdn_prefill(layer, mixed, z, b, a, conv, ssm)
+    steps = np.stack([cpu_mixers.gdn_decode(layer, mixed[t], z[t], b[t], a[t], conv2, ssm2) for t in range(n)])
+    assert np.array_equal(y, steps) and np.array_equal(ssm, ssm2) and np.array_equal(conv, conv2)

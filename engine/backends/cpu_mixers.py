@@ -125,14 +125,27 @@ def gdn_decode_np(layer: GDNLayer, mixed: np.ndarray, z: np.ndarray, b: np.ndarr
 
 def gdn_prefill(layer: GDNLayer, mixed: np.ndarray, z: np.ndarray, b: np.ndarray, a: np.ndarray,
                 conv_state: np.ndarray, ssm_state: np.ndarray) -> np.ndarray:
-    """n tokens of a Gated DeltaNet layer, one :func:`gdn_decode` step each (so a token's output and
-    the state it leaves do not depend on how many tokens share the call).
+    """n tokens of a Gated DeltaNet layer, each by the arithmetic of one :func:`gdn_decode` step (so a
+    token's output and the state it leaves do not depend on how many tokens share the call): native
+    ``dd_gdn_prefill`` runs the tokens' conv inputs in order, then each v-head through all n tokens on
+    the thread pool (one dispatch, not one per token); the twin loops :func:`gdn_decode_np`.
 
     Args: mixed (n, conv_dim), z (n, n_v*dv), b and a (n, n_v) float32; the states as for :func:`gdn_decode`.
     Returns: (n, n_v*dv) float32. Raises: as :func:`gdn_decode`.
     """
-    return np.stack([gdn_decode(layer, mixed[t], z[t], b[t], a[t], conv_state, ssm_state)
-                     for t in range(mixed.shape[0])])
+    n = mixed.shape[0]
+    if cpu.isa() == "numpy":
+        return np.stack([gdn_decode_np(layer, mixed[t], z[t], b[t], a[t], conv_state, ssm_state) for t in range(n)])
+    nvd = layer.n_v * layer.dv
+    mixed, z = _f32(mixed, (n, layer.conv_dim), "mixed"), _f32(z, (n, nvd), "z")
+    b, a = _f32(b, (n, layer.n_v), "b"), _f32(a, (n, layer.n_v), "a")
+    conv_state = _state(conv_state, (layer.conv_w.shape[1] - 1, layer.conv_dim), "conv_state")
+    ssm_state = _state(ssm_state, (layer.n_v, layer.dk, layer.dv), "ssm_state")
+    ffi, lib = cpu._native_cpu.ffi, cpu._native_cpu.lib
+    y = np.empty((n, nvd), dtype=np.float32)
+    ptrs = [ffi.cast("float *", ffi.from_buffer(t)) for t in (mixed, z, b, a, conv_state, ssm_state, y)]
+    cpu._check(lib.dd_gdn_prefill(layer._c, n, *ptrs), "gdn_prefill")
+    return y
 
 
 def attention_prefill(q: np.ndarray, gate: np.ndarray, k: np.ndarray, v: np.ndarray) -> np.ndarray:

@@ -89,6 +89,13 @@ typedef struct {
 int dd_gdn_decode(const dd_gdn_layer *L, const float *mixed, const float *z, const float *b, const float *a,
                   float *conv_state, float *ssm, float *y);
 
+/* n tokens in order (mixed: n x conv_dim, z and y: n x n_v*dv, b and a: n x n_v, row t token t), each
+ * by exactly the arithmetic of dd_gdn_decode (which is the n = 1 case): the conv inputs token by
+ * token, then every v-head through the n tokens on the pool, so splitting the tokens over calls
+ * changes no bit. */
+int dd_gdn_prefill(const dd_gdn_layer *L, size_t n, const float *mixed, const float *z, const float *b,
+                   const float *a, float *conv_state, float *ssm, float *y);
+
 /* Single-query causal GQA attention over the first m cache positions, gated (spec 3.1 steps 5-6):
  *   out_n = softmax(q_n . k_t / sqrt(hd))_t . v_t  *  sigmoid(gate_n),  kv head n / (n_head / n_kv).
  * q, gate, out: n_head x hd; k, v: m positions of n_kv x hd (the KV cache rows). hd % DD_ATTN_LANES == 0. */

@@ -92,19 +92,18 @@ static void l2norm(float *x, size_t n, double eps, float scale)
         x[i] = (float)(x[i] * inv) * scale;
 }
 
-int dd_gdn_decode(const dd_gdn_layer *L, const float *mixed, const float *z, const float *b, const float *a,
-                  float *conv_state, float *ssm, float *y)
+static int gdn_layer_ok(const dd_gdn_layer *L)
 {
-    if (L->dv == 0 || L->dv > DD_GDN_MAX_DV || L->dk == 0 || L->n_k == 0 || L->n_v % L->n_k != 0 ||
-        L->conv_kernel < 1)
-        return DD_ERR_ARG;
-    const size_t C = 2 * L->n_k * L->dk + L->n_v * L->dv, K = L->conv_kernel;
-    float *u = malloc(C * sizeof(float) + L->n_v * (sizeof(float) + sizeof(double)));
-    if (u == NULL)
-        return DD_ERR_NOMEM;
-    float *beta = u + C;
-    double *decay = (double *)(beta + L->n_v);
+    return !(L->dv == 0 || L->dv > DD_GDN_MAX_DV || L->dk == 0 || L->n_k == 0 || L->n_v % L->n_k != 0 ||
+             L->conv_kernel < 1);
+}
 
+/* One token's inputs of the delta rule: the conv over [state; mixed], SiLU, the q/k L2 norms into u
+ * (conv_dim), beta and the decay (n_v each); the conv state shifts by one row. */
+static void gdn_inputs(const dd_gdn_layer *L, const float *mixed, const float *b, const float *a,
+                       float *conv_state, float *u, float *beta, double *decay)
+{
+    const size_t C = 2 * L->n_k * L->dk + L->n_v * L->dv, K = L->conv_kernel;
     /* causal conv over [state; mixed] (K taps, column K-1 the current token), SiLU; shift the state */
     for (size_t c = 0; c < C; c++) {
         const float *w = L->conv_w + c * K;
@@ -129,9 +128,50 @@ int dd_gdn_decode(const dd_gdn_layer *L, const float *mixed, const float *z, con
         const float g = L->ssm_a[h] * (float)softplus(a[h] + L->dt_bias[h]);
         decay[h] = exp((double)g);
     }
-    gdn_job job = { .L = L, .u = u, .z = z, .beta = beta, .decay = decay, .ssm = ssm, .y = y };
-    dd_pool_for(gdn_head, &job, L->n_v);
-    free(u);
+}
+
+int dd_gdn_decode(const dd_gdn_layer *L, const float *mixed, const float *z, const float *b, const float *a,
+                  float *conv_state, float *ssm, float *y)
+{
+    return dd_gdn_prefill(L, 1, mixed, z, b, a, conv_state, ssm, y);
+}
+
+typedef struct {
+    gdn_job *tokens;   /* one job per token, in order */
+    size_t n;
+} gdn_run;
+
+/* v-head h through every token in order: the same gdn_head step a one-token call makes. */
+static void gdn_head_run(void *ctx, size_t h)
+{
+    const gdn_run *r = ctx;
+    for (size_t t = 0; t < r->n; t++)
+        gdn_head(&r->tokens[t], h);
+}
+
+int dd_gdn_prefill(const dd_gdn_layer *L, size_t n, const float *mixed, const float *z, const float *b,
+                   const float *a, float *conv_state, float *ssm, float *y)
+{
+    if (!gdn_layer_ok(L) || n == 0)
+        return DD_ERR_ARG;
+    const size_t C = 2 * L->n_k * L->dk + L->n_v * L->dv, nv = L->n_v, nvd = L->n_v * L->dv;
+    double *decay = malloc(n * (nv * sizeof(double) + (C + nv) * sizeof(float)));
+    gdn_job *jobs = malloc(n * sizeof(gdn_job));
+    if (decay == NULL || jobs == NULL) {
+        free(decay);
+        free(jobs);
+        return DD_ERR_NOMEM;
+    }
+    float *u = (float *)(decay + n * nv), *beta = u + n * C;
+    for (size_t t = 0; t < n; t++) {
+        gdn_inputs(L, mixed + t * C, b + t * nv, a + t * nv, conv_state, u + t * C, beta + t * nv, decay + t * nv);
+        jobs[t] = (gdn_job){ .L = L, .u = u + t * C, .z = z + t * nvd, .beta = beta + t * nv,
+                             .decay = decay + t * nv, .ssm = ssm, .y = y + t * nvd };
+    }
+    gdn_run run = { .tokens = jobs, .n = n };
+    dd_pool_for(gdn_head_run, &run, nv);
+    free(decay);
+    free(jobs);
     return DD_OK;
 }
 
