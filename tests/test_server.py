@@ -366,3 +366,8 @@ def test_unreadable_images_are_400(vision_server, url, status, fragment) -> None
         {"role": "user", "content": [{"type": "image_url", "image_url": {"url": url}}]}]}
     message = _error(httpx.post(srv.url + "/chat/completions", json=body, timeout=60), status, "invalid_image")
     assert fragment in message
+
+
+def test_a_port_in_use_is_a_clear_error(engine, lock, server) -> None:
+    with pytest.raises(EngineError, match=f"could not listen on 127.0.0.1:{server.port}: Address already in use"):
+        ServerThread(engine, ServerConfig("tiny"), port=server.port, engine_lock=lock).start(timeout=5)
