@@ -79,6 +79,7 @@ def headline(info, prefill: str, images: str = "") -> str:
     model; the main quant type is the one holding the most bytes); ``prefill`` and ``images`` are
     :func:`~app.gpu.device_phrase` and :func:`~app.gpu.vision_phrase`. A remote engine is named
     with its server: "tiny on http://host:8000/v1 (remote engine) · text only · runs on the server".
+    A file that chats in ChatML for want of a template ends with that notice (``info.template_note``).
     """
     takes = "text and images" if info.has_vision else "text only"
     if info.remote:
@@ -87,7 +88,9 @@ def headline(info, prefill: str, images: str = "") -> str:
     size = f"{n / 1e9:.1f} B" if n >= 1e9 else f"{n / 1e6:.1f} M"
     quant = max(info.quant_mix.items(), key=lambda kv: kv[1][1])[0] if info.quant_mix else "?"
     where = ", ".join(p for p in (prefill, "decode on CPU", images) if p)
-    return " \u00b7 ".join((Path(info.path).stem, f"{size} params", quant, takes, where))
+    parts = (Path(info.path).stem, f"{size} params", quant, takes, where) + ((info.template_note,) if
+                                                                            info.template_note else ())
+    return " \u00b7 ".join(parts)
 
 
 def _export(store: HistoryStore, conversation_id: int, path: Path, kind: str) -> None:

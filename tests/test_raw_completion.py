@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from engine.__main__ import main
-from engine.api import CHATML_NOTE, Engine, EngineOptions
+from engine.api import CHATML_NOTE
 from engine.errors import EngineError
 from engine.events import TurnSummary
 from engine.sampling import SamplingParams
@@ -18,17 +18,15 @@ def tiny(synth_model):
     return synth_model("tiny", "q8_0")
 
 
-@pytest.fixture(scope="module")
-def _engine(tiny):
-    return Engine.load(tiny, options=EngineOptions(prefix_cache=False))
-
-
 @pytest.fixture
-def engine(_engine):
-    """The module's engine with the file's own chat template (a test may drop it)."""
-    template = _engine.tokenizer.chat_template
-    yield _engine
-    _engine.tokenizer.chat_template = template
+def engine(served):
+    """The shared served engine, its turn lock held (no request runs meanwhile), with the file's own chat
+    template restored after the test (a test may drop it)."""
+    eng, lock, _ = served
+    with lock:
+        template = eng.tokenizer.chat_template
+        yield eng
+        eng.tokenizer.chat_template = template
 
 
 def _summary(events) -> TurnSummary:

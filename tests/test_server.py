@@ -16,7 +16,7 @@ import pytest
 from engine.__main__ import main
 from engine.api import Engine, EngineOptions
 from engine.errors import EngineError
-from engine.events import PrefillStats, TurnSummary
+from engine.events import TurnSummary
 from engine.sampling import SamplingParams
 from engine.server import ServerConfig, ServerThread, check_bind, is_loopback
 
@@ -245,42 +245,44 @@ def test_binding_beyond_loopback_needs_a_key(tiny, capsys) -> None:
     assert "--api-key" in capsys.readouterr().err
 
 
-def test_requests_are_served_one_at_a_time_in_order(client) -> None:
-    spans: dict[int, tuple[float, float]] = {}
-
-    def ask(k: int) -> None:
-        stream = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": f"Count {k}."}],
-                                                max_tokens=10, temperature=0, stream=True)
-        times = [time.monotonic() for chunk in stream if chunk.choices and chunk.choices[0].delta.content]
-        spans[k] = (times[0], times[-1])
-
-    threads = [threading.Thread(target=ask, args=(k,)) for k in range(3)]
-    for t in threads:
-        t.start()
-        time.sleep(0.05)
-    for t in threads:
-        t.join()
-    order = sorted(spans.values())
-    assert all(a[1] <= b[0] for a, b in zip(order, order[1:]))     # no two answers interleave
-
-
 class _Recording:
-    """The served engine, recording each turn's summary (to see a cancelled turn end)."""
+    """The served engine, recording each turn's summary and when each turn ran (on the engine's thread)."""
 
     def __init__(self, engine) -> None:
-        self.engine, self.summaries, self.first_token = engine, [], threading.Event()
+        self.engine, self.summaries, self.spans = engine, [], []
 
     @property
     def info(self):
         return self.engine.info
 
     def chat(self, *args, **kwargs):
+        start = time.monotonic()
         for event in self.engine.chat(*args, **kwargs):
-            if isinstance(event, PrefillStats):
-                self.first_token.set()
             if isinstance(event, TurnSummary):
                 self.summaries.append(event)
+                self.spans.append((start, time.monotonic()))
             yield event
+
+
+def test_requests_are_served_one_at_a_time(engine, lock) -> None:
+    rec = _Recording(engine)
+    srv = ServerThread(rec, ServerConfig("tiny"), port=0, engine_lock=lock).start()
+    client = openai.OpenAI(base_url=srv.url, api_key="unused", max_retries=0, timeout=60)
+
+    def ask(k: int) -> None:
+        list(client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": f"Count {k}."}],
+                                            max_tokens=10, temperature=0, stream=True))
+
+    try:
+        threads = [threading.Thread(target=ask, args=(k,)) for k in range(3)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    finally:
+        srv.stop()
+    spans = sorted(rec.spans)
+    assert len(spans) == 3 and all(a[1] <= b[0] for a, b in zip(spans, spans[1:]))    # no two turns overlap
 
 
 def test_a_client_that_disconnects_stops_its_turn(engine, lock) -> None:
@@ -366,3 +368,8 @@ def test_unreadable_images_are_400(vision_server, url, status, fragment) -> None
         {"role": "user", "content": [{"type": "image_url", "image_url": {"url": url}}]}]}
     message = _error(httpx.post(srv.url + "/chat/completions", json=body, timeout=60), status, "invalid_image")
     assert fragment in message
+
+
+def test_a_port_in_use_is_a_clear_error(engine, lock, server) -> None:
+    with pytest.raises(EngineError, match=f"could not listen on 127.0.0.1:{server.port}: Address already in use"):
+        ServerThread(engine, ServerConfig("tiny"), port=server.port, engine_lock=lock).start(timeout=5)

@@ -11,6 +11,7 @@ API key (:func:`check_bind`), which every ``/v1`` request must then present.
 from __future__ import annotations
 
 import ipaddress
+import socket
 import threading
 import time
 from typing import Any
@@ -46,6 +47,23 @@ def check_bind(host: str, api_key: str | None) -> None:
                           "could use the model; pass --api-key KEY (or bind to 127.0.0.1)")
 
 
+def _bind(host: str, port: int) -> socket.socket:
+    """A TCP socket bound to ``host:port`` (port 0: a free one), for uvicorn to listen on.
+
+    Raises:
+        EngineError: the address is in use or not this machine's.
+    """
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host.strip("[]"), port))
+    except OSError as exc:
+        sock.close()
+        raise EngineError(f"could not listen on {host}:{port}: {exc.strerror or exc}") from exc
+    return sock
+
+
 def _uvicorn_server(engine: Any, config: ServerConfig, host: str, port: int, engine_lock: threading.Lock | None):
     import uvicorn
     app = create_app(engine, config, engine_lock)
@@ -60,7 +78,8 @@ def serve(engine: Any, config: ServerConfig, host: str = LOOPBACK, port: int = 8
         EngineError: see :func:`check_bind`.
     """
     check_bind(host, config.api_key)
-    _uvicorn_server(engine, config, host, port, None).run()
+    sock = _bind(host, port)
+    _uvicorn_server(engine, config, host, port, None).run(sockets=[sock])
 
 
 class ServerThread:
@@ -77,9 +96,9 @@ class ServerThread:
                  engine_lock: threading.Lock | None = None) -> None:
         check_bind(host, config.api_key)
         self.host = host
-        self._server = _uvicorn_server(engine, config, host, port, engine_lock)
-        self._thread = threading.Thread(target=self._server.run, name="engine-server", daemon=True)
         self.port = port
+        self._server = _uvicorn_server(engine, config, host, port, engine_lock)
+        self._thread: threading.Thread | None = None
 
     @property
     def url(self) -> str:
@@ -88,24 +107,28 @@ class ServerThread:
         return f"http://{host}:{self.port}/v1"
 
     def start(self, timeout: float = 10.0) -> "ServerThread":
-        """Start listening; returns once the socket is bound.
+        """Bind the address and start serving; returns once uvicorn listens.
 
         Raises:
-            EngineError: the address could not be bound (in use, not this machine's) within ``timeout`` s.
+            EngineError: the address could not be bound (in use, not this machine's), or the server did not
+                start within ``timeout`` s.
         """
+        sock = _bind(self.host, self.port)
+        self.port = sock.getsockname()[1]
+        self._thread = threading.Thread(target=self._server.run, kwargs={"sockets": [sock]}, name="engine-server",
+                                        daemon=True)
         self._thread.start()
         deadline = time.monotonic() + timeout
-        while not self._server.started:
-            if not self._thread.is_alive() or time.monotonic() > deadline:
-                self.stop()
-                raise EngineError(f"could not listen on {self.host}:{self.port} (in use, or not an address "
-                                  "of this machine?)")
+        while not self._server.started and self._thread.is_alive() and time.monotonic() < deadline:
             time.sleep(0.01)
-        self.port = self._server.servers[0].sockets[0].getsockname()[1]
+        if not self._server.started:
+            self.stop()
+            sock.close()
+            raise EngineError(f"the server on {self.host}:{self.port} did not start")
         return self
 
     def stop(self) -> None:
         """Stop listening, end the running turn's stream and join the thread."""
         self._server.should_exit = True
-        if self._thread.is_alive():
+        if self._thread is not None and self._thread.is_alive():
             self._thread.join(timeout=10)

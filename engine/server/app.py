@@ -235,6 +235,7 @@ def create_app(engine: Any, config: ServerConfig, engine_lock: threading.Lock | 
     """
     info = engine.info
     context, has_vision = info.context, info.has_vision
+    created = int(time.time())
     lock = engine_lock or threading.Lock()
     order = asyncio.Lock()
     key = config.api_key.encode() if config.api_key else None
@@ -332,7 +333,6 @@ def create_app(engine: Any, config: ServerConfig, engine_lock: threading.Lock | 
                 else str(exc.detail))
         return JSONResponse(APIError(exc.status_code, what).body(), status_code=exc.status_code)
 
-    created = int(time.time())
     routes = [Route("/v1/chat/completions", chat_completions, methods=["POST"]),
               Route("/v1/completions", completions, methods=["POST"]),
               Route("/v1/models", models, methods=["GET"]),

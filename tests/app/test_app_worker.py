@@ -254,9 +254,13 @@ def test_summary_says_whose_parameter_count_it_shows():
     assert "16.7 M params (text model)," in line
 
 
-def test_summary_notes_the_chatml_fallback():
+def test_summary_and_banner_note_the_chatml_fallback():
+    from app.main_window import headline
     from engine.api import CHATML_NOTE
-    assert summarize(fake_info(template_note=CHATML_NOTE)).line.endswith(f"text only; {CHATML_NOTE}")
+    info = fake_info(template_note=CHATML_NOTE)
+    assert summarize(info).line.endswith(f"text only; {CHATML_NOTE}")
+    assert headline(info, "prefill on CPU").endswith(f"decode on CPU \u00b7 {CHATML_NOTE}")
+    assert CHATML_NOTE not in headline(fake_info(), "prefill on CPU")
 
 
 def test_a_cancelled_load_returns_at_once_and_its_model_is_dropped(qtbot, worker_thread):
