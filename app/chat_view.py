@@ -292,11 +292,13 @@ class ChatView(QScrollArea):
 
     Signals:
         regenerate_requested(int), edit_requested(int), branch_requested(int): from a message.
+        shown(): another set of messages is shown.
     """
 
     regenerate_requested = Signal(int)
     edit_requested = Signal(int)
     branch_requested = Signal(int)
+    shown = Signal()
 
     def __init__(self, renderer: MarkdownRenderer) -> None:
         super().__init__()
@@ -342,6 +344,7 @@ class ChatView(QScrollArea):
             self.add_message(message, siblings(message.id))
         self.empty_label.setVisible(not messages)
         self._follow = True
+        self.shown.emit()
 
     def set_renderer(self, renderer: MarkdownRenderer) -> None:
         """Use another renderer (light/dark); drops the widgets so the next show renders afresh."""

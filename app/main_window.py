@@ -14,9 +14,10 @@ from dataclasses import replace
 from pathlib import Path
 
 from PySide6.QtCore import QMimeData, QSettings, Qt, Signal, Slot
-from PySide6.QtGui import QCloseEvent, QGuiApplication, QKeySequence, QPalette, QShortcut
+from PySide6.QtGui import QAction, QCloseEvent, QGuiApplication, QIcon, QKeySequence, QPalette, QShortcut
 from PySide6.QtWidgets import (QApplication, QDialog, QFileDialog, QHBoxLayout, QLabel, QMainWindow, QMessageBox,
-                               QProgressBar, QPushButton, QSplitter, QToolButton, QVBoxLayout, QWidget)
+                               QProgressBar, QPushButton, QScrollArea, QSplitter, QStyle, QToolButton, QVBoxLayout,
+                               QWidget)
 
 from .chat_view import ChatView
 from .composer import Composer
@@ -165,7 +166,13 @@ class MainWindow(QMainWindow):
         self.splitter = QSplitter(Qt.Horizontal)
         self.splitter.addWidget(self.panel)
         self.splitter.addWidget(center)
-        self.splitter.addWidget(self.sidebar)
+        self.sidebar_area = QScrollArea()
+        self.sidebar_area.setWidget(self.sidebar)
+        self.sidebar_area.setWidgetResizable(True)
+        self.sidebar_area.setFrameShape(QScrollArea.NoFrame)
+        self.sidebar_area.setHorizontalScrollBarPolicy(Qt.ScrollBarAlwaysOff)
+        self.sidebar_area.setMinimumWidth(self.sidebar.minimumWidth())
+        self.splitter.addWidget(self.sidebar_area)
         self.splitter.setStretchFactor(1, 1)
         self.splitter.setSizes([220, 640, 260])
         self.setCentralWidget(self.splitter)
@@ -209,8 +216,9 @@ class MainWindow(QMainWindow):
             monitor.monitor.sampled.connect(self.sidebar.on_system)
         self.load_requested.connect(worker.load)
 
-        QShortcut(QKeySequence(Qt.Key_Escape), self, self.escape)
         QGuiApplication.styleHints().colorSchemeChanged.connect(self._scheme_changed)
+        QShortcut(QKeySequence(Qt.Key_Escape), self, self.escape)
+        self.chat_view.shown.connect(self._update_actions)
         self._build_menus()
         self._restore_state()
 
@@ -244,10 +252,31 @@ class MainWindow(QMainWindow):
         return bar
 
     def _build_menus(self) -> None:
+        """The menus, and a toolbar with the actions a newcomer looks for first (new chat, search,
+        attach, stop, regenerate, open model, settings), each named in words with its shortcut."""
+        icon = self.style().standardIcon
+        self.new_action = self._action("&New chat", QKeySequence.New, self.new_conversation,
+                                       icon(QStyle.SP_FileDialogNewFolder))
+        self.search_action = self._action("&Search chats", QKeySequence("Ctrl+K"), self.panel.focus_search,
+                                          icon(QStyle.SP_FileDialogContentsView))
+        self.attach_action = self._action("&Attach image\u2026", QKeySequence("Ctrl+Shift+A"),
+                                          self.composer.attach_dialog, icon(QStyle.SP_DialogOpenButton))
+        self.stop_action = self._action("Sto&p answer", QKeySequence(Qt.Key_Escape), self.controller.stop,
+                                        icon(QStyle.SP_MediaStop), bind=False)
+        self.regenerate_action = self._action("&Regenerate answer", QKeySequence("Ctrl+R"), self.regenerate_last,
+                                              icon(QStyle.SP_BrowserReload))
+        self.open_action = self._action("&Open model\u2026", QKeySequence.Open, self.open_model_dialog,
+                                        icon(QStyle.SP_DirOpenIcon))
+        self.settings_action = self._action("&Settings\u2026", QKeySequence("Ctrl+,"), self.open_settings,
+                                            icon(QStyle.SP_FileDialogDetailedView))
+        self.stop_action.setEnabled(False)
+        self.regenerate_action.setEnabled(False)
         chat = self.menuBar().addMenu("&Chat")
-        chat.addAction("&New chat", QKeySequence.New, self.new_conversation)
-        chat.addAction("&Open model\u2026", QKeySequence.Open, self.open_model_dialog)
-        chat.addAction("&Settings\u2026", QKeySequence("Ctrl+,"), self.open_settings)
+        for action in (self.new_action, self.attach_action, self.stop_action, self.regenerate_action):
+            chat.addAction(action)
+        chat.addSeparator()
+        chat.addAction(self.open_action)
+        chat.addAction(self.settings_action)
         chat.addSeparator()
         chat.addAction("Export as &Markdown\u2026", lambda: self.export_dialog("md"))
         chat.addAction("Export as &JSON\u2026", lambda: self.export_dialog("json"))
@@ -255,8 +284,42 @@ class MainWindow(QMainWindow):
         chat.addSeparator()
         chat.addAction("&Quit", QKeySequence.Quit, self.close)
         view = self.menuBar().addMenu("&View")
-        view.addAction("&Search chats", QKeySequence("Ctrl+K"), self.panel.focus_search)
+        view.addAction(self.search_action)
         view.addAction("Toggle side&bar", QKeySequence("Ctrl+B"), self.toggle_sidebar)
+        self.toolbar = self.addToolBar("Main")
+        self.toolbar.setObjectName("mainToolbar")
+        self.toolbar.setMovable(False)
+        self.toolbar.setToolButtonStyle(Qt.ToolButtonTextBesideIcon)
+        for action in (self.new_action, self.search_action, self.attach_action, self.stop_action,
+                       self.regenerate_action, self.open_action, self.settings_action):
+            self.toolbar.addAction(action)
+
+    def _action(self, text: str, shortcut: QKeySequence | QKeySequence.StandardKey, slot, icon: QIcon,
+                bind: bool = True) -> QAction:
+        """A menu and toolbar action; ``bind=False``: the shortcut is only named (Esc has its own
+        QShortcut, which also abandons an edit)."""
+        action = QAction(icon, text, self)
+        shortcut = QKeySequence(shortcut)
+        if bind:
+            action.setShortcut(shortcut)
+            action.setShortcutContext(Qt.WindowShortcut)
+        action.setToolTip(f"{text.replace('&', '').rstrip(chr(0x2026))} ({shortcut.toString(QKeySequence.NativeText)})")
+        action.triggered.connect(slot)
+        return action
+
+    def regenerate_last(self) -> None:
+        """Ctrl+R / the toolbar: answer the shown chat's last question again (a new version)."""
+        widgets = self.chat_view.widgets
+        if widgets and widgets[-1].message.role == "assistant":
+            self.controller.regenerate(widgets[-1].message.id, self.composer.think_box.isChecked())
+
+    def _update_actions(self) -> None:
+        """Stop while the shown chat has a turn; Regenerate when it ends with an answer and can start one."""
+        busy = self.controller.busy_in(self.controller.conversation_id)
+        widgets = self.chat_view.widgets
+        self.stop_action.setEnabled(busy)
+        self.regenerate_action.setEnabled(not busy and not self.controller.unavailable and bool(widgets)
+                                          and widgets[-1].message.role == "assistant")
 
     # model
 
@@ -379,6 +442,7 @@ class MainWindow(QMainWindow):
         new turns meanwhile (a message sent then would be saved with no answer)."""
         self.controller.unavailable = reason
         self.composer.set_unavailable(reason)
+        self._update_actions()
         if reason:
             self.details_button.hide()
             self.banner.setToolTip("")
@@ -451,6 +515,7 @@ class MainWindow(QMainWindow):
         chat, and the list's answering / waiting marks."""
         self.composer.set_busy(self.controller.busy_in(self.controller.conversation_id))
         self.conversations.set_activity(self.controller.activity())
+        self._update_actions()
 
     def _turn_refused(self, conversation_id: int, text: str, images: list, reason: str) -> None:
         """A message did not fit the context: it is back in the composer (when its chat is shown and
@@ -485,7 +550,7 @@ class MainWindow(QMainWindow):
 
     def toggle_sidebar(self) -> None:
         """Ctrl+B: show or hide the sidebar."""
-        self.sidebar.setVisible(not self.sidebar.isVisible())
+        self.sidebar_area.setVisible(not self.sidebar_area.isVisible())
 
     # files
 
@@ -574,7 +639,7 @@ class MainWindow(QMainWindow):
         splitter = self.state.value("window/splitter")
         if splitter is not None:
             self.splitter.restoreState(splitter)
-        self.sidebar.setVisible(self.state.value("window/sidebar", True, type=bool))
+        self.sidebar_area.setVisible(self.state.value("window/sidebar", True, type=bool))
         self.conversations.reload(then=self._select_initial)
 
     def _select_initial(self) -> None:
@@ -594,7 +659,7 @@ class MainWindow(QMainWindow):
         """
         self.state.setValue("window/geometry", self.saveGeometry())
         self.state.setValue("window/splitter", self.splitter.saveState())
-        self.state.setValue("window/sidebar", self.sidebar.isVisible())
+        self.state.setValue("window/sidebar", self.sidebar_area.isVisible())
         if self.controller.conversation_id is not None:
             self.state.setValue("history/last_conversation", self.controller.conversation_id)
         self.state.sync()

@@ -113,6 +113,7 @@ class SnapshotPanel(QWidget):
         layout.setContentsMargins(0, 0, 0, 0)
         layout.setSpacing(4)
         self.summary = QLabel()
+        self.summary.setWordWrap(True)
         self.summary.setEnabled(False)
         layout.addWidget(self.summary)
         self.view = QListView()
