@@ -705,3 +705,22 @@ def test_at_800_by_550_nothing_overlaps_and_the_snapshot_hint_is_whole(qtbot, ma
 
     assert not box(panel.view).intersects(box(panel.remove_button))
     assert panel.view.height() >= panel.view.minimumHeight()
+
+
+def test_sending_an_80_kb_paste_does_not_stall_the_window(qtbot, make_window):
+    from app.chat_view import FOLD_CHARS
+
+    window = make_window(FakeEngine(tokens=["ok "] * 20, token_ms=5.0, prompt_pieces=20, piece_ms=10.0))
+    send(qtbot, window, "a short one first")  # the first message widget's one-time set-up is not measured
+    paste = ("lorem ipsum dolor sit amet " * 3 + "\n") * 1000
+    assert len(paste) > 80_000
+    window.composer.editor.setPlainText(paste)
+    qtbot.wait(100)
+    gaps = _heartbeat_gaps(qtbot, window.composer.submit, lambda: not window.controller.busy
+                           and len(window.chat_view.widgets) == 4)
+    assert max(gaps) < 50, f"worst heartbeat gap {max(gaps):.0f} ms"
+    user = window.chat_view.widgets[2]
+    assert len(user.body.toPlainText()) == FOLD_CHARS + 1 and user.unfold_button.isVisibleTo(window)
+    assert path_of(window)[2].content == paste.strip()
+    user.unfold_button.click()
+    assert user.body.toPlainText() == paste.strip() and not user.unfold_button.isVisibleTo(window)
