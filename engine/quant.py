@@ -25,7 +25,10 @@ Q6_K        256    210    ql u8[128], qh u8[64], scales i8[16], d f16
 ==========  =====  =====  =================================================================
 
 Dequantization itself is delegated to ``gguf.quants`` (the reference implementation shipped with
-gguf-py); this module adds shape handling, the supported-type policy and typed errors.
+gguf-py); this module adds shape handling, the supported-type policy and typed errors, and holds
+the quant-type table (:data:`TYPES`: per type its block size and bytes, block record, the native CPU
+kernel that reads it as stored, the GPU kernel suffix, whether it can be written), which the backends
+ask instead of keeping their own lists.
 """
 
 from __future__ import annotations

@@ -320,9 +320,9 @@ def _kquant_product_np(raw: np.ndarray, x2: np.ndarray, qtype: GGMLQuantizationT
         acc += terms[:, :, s]
         if qtype != Q.Q6_K:
             acc -= mins[:, :, s]
-    a = acc
-    return ((((a[..., 0] + a[..., 1]) + (a[..., 2] + a[..., 3])) + ((a[..., 4] + a[..., 5]) + (a[..., 6] + a[..., 7])))
-            .astype(np.float32))
+    lanes = [acc[..., i] for i in range(8)]
+    pairs = [lanes[i] + lanes[i + 1] for i in range(0, 8, 2)]
+    return ((pairs[0] + pairs[1]) + (pairs[2] + pairs[3])).astype(np.float32)
 
 
 # --- W4A8 / W8A8 matrix products ----------------------------------------------------------------
