@@ -173,6 +173,8 @@ def _error(response: httpx.Response, status: int, code: str | None = None, param
     (b"{not json", 400, "invalid_json", None),
     (b'{"model": "tiny", "messages": [], "temperature": NaN}', 400, "invalid_json", None),
     (b"[1, 2]", 400, None, None),
+    (b"[" * 100_000, 400, "invalid_json", None),                       # nesting deeper than the parser goes
+    (b'{"model": "tiny", "messages": "\xff\xfe"}', 400, "invalid_json", None),   # not UTF-8
     (b'{"model": "gpt-9", "messages": [{"role": "user", "content": "x"}]}', 404, "model_not_found", "model"),
     (b'{"messages": [{"role": "user", "content": "x"}]}', 400, None, "model"),
     (b'{"model": "tiny", "messages": []}', 400, None, "messages"),
