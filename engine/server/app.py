@@ -155,9 +155,9 @@ def _error_of(exc: BaseException) -> APIError:
     if isinstance(exc, APIError):
         return exc
     if isinstance(exc, ImageError):
-        return APIError(400, str(exc), code="invalid_image")
+        return APIError(400, str(exc), param="messages", code="invalid_image")
     if isinstance(exc, (TemplateError, UnsupportedModelError)):
-        return APIError(400, str(exc))
+        return APIError(400, str(exc), param="messages")
     if isinstance(exc, EngineError):
         return APIError(500, str(exc), type="server_error")
     log.error("turn failed", exc_info=exc)
