@@ -626,6 +626,11 @@ class GGUFFile:
             row0 += rows
 
     def _check_shape(self, t: _Stored, ne: tuple[int, ...]) -> None:
+        moe_tensor = "_exps." in t.name or t.name.endswith(".ffn_gate_inp.weight")
+        if moe_tensor and len(t.ne) == len(ne) and t.ne[:-1] == ne[:-1] and t.ne[-1] != ne[-1]:
+            raise UnsupportedModelError(
+                f"{self.source}: tensor {t.name} holds {t.ne[-1]} experts but {self.hparams.arch}.expert_count = "
+                f"{ne[-1]}; per-layer expert counts are not supported (every layer needs the same count)")
         if t.ne != ne:
             raise ModelFormatError(f"{self.source}: tensor {t.name} has ne={t.ne}, expected ne={ne} "
                                    f"for {self.hparams.arch} with these hyper-parameters")

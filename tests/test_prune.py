@@ -14,8 +14,9 @@ import json
 
 import numpy as np
 import pytest
+from gguf import GGUFValueType
 
-from engine import prune
+from engine import gguf_write, prune
 from engine.__main__ import main
 from engine.errors import ModelFormatError, UnsupportedModelError
 from engine.gguf_file import GGUFFile
@@ -257,6 +258,35 @@ def test_calibration_file(tmp_path):
         prune.calibration_set(bad)
     with pytest.raises(ModelFormatError, match="folder"):
         prune.calibration_set(None, tmp_path / "nope")
+
+
+def test_per_layer_expert_counts_are_unsupported(tmp_path, q4_model):
+    g = GGUFFile.open(q4_model)
+    hp = g.hparams
+    counts = [8, 8, 6, 8]
+    recs = [gguf_write.kv_record("qwen35moe.expert_count", counts, GGUFValueType.ARRAY, GGUFValueType.UINT32)
+            if k == "qwen35moe.expert_count" else g.kv_record(k) for k in g.meta_keys]
+    tensors = [gguf_write.TensorOut(n, g.info(n).ne, int(g.info(n).qtype), g.info(n).nbytes,
+                                    lambda n=n: (g.raw(n).reshape(-1),)) for n in g.tensor_names]
+    path = tmp_path / "nonuniform.gguf"
+    gguf_write.write(path, recs, tensors, g.alignment)
+    with pytest.raises(UnsupportedModelError, match=r"nonuniform\.gguf.*per-layer expert counts \[6, 8\]"):
+        GGUFFile.open(path)
+    # a uniform per-layer array is one count
+    recs[list(g.meta_keys).index("qwen35moe.expert_count")] = gguf_write.kv_record(
+        "qwen35moe.expert_count", [8] * 4, GGUFValueType.ARRAY, GGUFValueType.UINT32)
+    gguf_write.write(path, recs, tensors, g.alignment)
+    assert GGUFFile.open(path).hparams == hp
+    # one layer stores fewer experts than expert_count says
+    small = prune.prune_file(g, tmp_path / "six.gguf", [list(range(6))] * 4, {})
+    assert small > 0
+    six = GGUFFile.open(tmp_path / "six.gguf")
+    mixed = [t if not t.name.startswith("blk.1.") else gguf_write.TensorOut(
+        t.name, six.info(t.name).ne, t.type_id, six.info(t.name).nbytes,
+        lambda n=t.name: (six.raw(n).reshape(-1),)) for t in tensors]
+    gguf_write.write(path, [g.kv_record(k) for k in g.meta_keys], mixed, g.alignment)
+    with pytest.raises(UnsupportedModelError, match=r"blk\.1\.ffn_gate_inp\.weight holds 6 experts"):
+        GGUFFile.open(path)
 
 
 def test_cli_prune_calibrates_once_and_reuses_the_statistics(synth_model, tmp_path, capsys):
