@@ -121,8 +121,10 @@ def cmd_info(args: argparse.Namespace) -> int:
     print(f"delta-net      {hp.num_k_heads} q/k heads x {hp.head_k_dim}, {hp.num_v_heads} v heads x {hp.head_v_dim},"
           f" conv {hp.conv_kernel}")
     if hp.is_moe:
+        from .prune import pruning_summary
+        pruned = pruning_summary(f)
         print(f"MoE            {hp.n_expert} experts, top-{hp.n_expert_used}, expert FFN {hp.n_ff_exp},"
-              f" shared expert FFN {hp.n_ff_shexp}")
+              f" shared expert FFN {hp.n_ff_shexp}" + (f" ({pruned})" if pruned else ""))
     else:
         print(f"FFN            dense SwiGLU {hp.n_ff}")
     total = sum(b for _, b in f.quant_mix().values())

@@ -309,7 +309,8 @@ def test_cli_prune_calibrates_once_and_reuses_the_statistics(synth_model, tmp_pa
     assert "[calibrating]" not in err and f"expert statistics from {stats}" in err
     assert prune.pruning_note(GGUFFile.open(out4))["kept"] == st.kept_experts(4, "frequency")
     assert main(["info", str(out4)]) == 0
-    assert "4 experts, top-2" in capsys.readouterr().out
+    assert "4 experts, top-2, expert FFN 32, shared expert FFN 32 (4 of 8 experts kept (frequency))" in \
+        capsys.readouterr().out
     assert prune.pruning_summary(GGUFFile.open(out4)) == "4 of 8 experts kept (frequency)"
 
     for keep, msg in (("8", "not below"), ("1", "top-2")):
