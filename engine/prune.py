@@ -173,6 +173,12 @@ class ExpertStats:
         """(n_layer, n_expert) float64 REAP score ``S_j``: mean of ``g * ||f||`` over routed tokens, 0 if never routed."""
         return self.reap_sum / np.maximum(self.frequency, 1)
 
+    @property
+    def usage(self) -> np.ndarray:
+        """(n_layer, n_expert) float64 share of a layer's tokens routed to each expert (rows sum to top-k):
+        the chance an expert is needed per token, e.g. for choosing the experts to keep resident in VRAM."""
+        return self.frequency / np.maximum(self.tokens, 1)[:, None]
+
     def scores(self, method: str) -> np.ndarray:
         """(n_layer, n_expert) float64 saliency of ``method`` ("reap" or "frequency"); lower is pruned first.
 

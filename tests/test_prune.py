@@ -221,6 +221,7 @@ def test_stats_selection_and_json(tmp_path, f32_model):
         for il, k in enumerate(kept):
             dropped = sorted(set(range(8)) - set(k))
             assert len(k) == 5 and k == sorted(k) and s[il, dropped].max() <= s[il, k].min()
+    np.testing.assert_allclose(st.usage.sum(1), 2.0)
     path = tmp_path / "s.json"
     st.save(path)
     back = prune.ExpertStats.load(path)
