@@ -9,17 +9,6 @@ from gguf import GGUFValueType
 
 from engine import gguf_write
 from engine.gguf_file import GGUFFile
-from engine.synth import synth
-
-VOCAB = [f"tok{i}" for i in range(64)]
-
-
-@pytest.fixture(scope="module")
-def q4_model(tmp_path_factory):
-    path = tmp_path_factory.mktemp("write") / "tiny-q4.gguf"
-    synth(path, "tiny", quant="q4_0", vocab=VOCAB, seed=4)
-    return path
-
 
 def test_kv_record_round_trips_through_gguf_reader(tmp_path):
     recs = [gguf_write.kv_record("a.u32", 7, GGUFValueType.UINT32),
@@ -45,11 +34,13 @@ def test_kv_record_round_trips_through_gguf_reader(tmp_path):
     assert not (tmp_path / "s.gguf").exists() and not (tmp_path / "s.gguf.part").exists()
 
 
-def test_full_copy_is_byte_identical(q4_model, tmp_path):
-    """Copying every record and tensor through the writer reproduces the file written by gguf.GGUFWriter."""
-    g = GGUFFile.open(q4_model)
+def test_full_copy_is_byte_identical(synth_model, tmp_path):
+    """Copying every record (the real vocabulary's too) and tensor through the writer reproduces the file
+    gguf.GGUFWriter wrote."""
+    source = synth_model("tiny", "q8_0")
+    g = GGUFFile.open(source)
     tensors = [gguf_write.TensorOut(n, g.info(n).ne, int(g.info(n).qtype), g.info(n).nbytes,
                                     lambda n=n: (g.raw(n).reshape(-1),)) for n in g.tensor_names]
     out = tmp_path / "copy.gguf"
     gguf_write.write(out, [g.kv_record(k) for k in g.meta_keys], tensors, g.alignment)
-    assert out.read_bytes() == q4_model.read_bytes()
+    assert out.read_bytes() == source.read_bytes()
