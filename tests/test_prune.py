@@ -14,6 +14,7 @@ import json
 
 import numpy as np
 import pytest
+from PIL import Image
 from gguf import GGUFValueType
 
 from engine import gguf_write, prune
@@ -23,7 +24,7 @@ from engine.gguf_file import GGUFFile
 from engine.models.qwen35 import Qwen35Model
 from engine.ops import reference as ops
 from engine.state import SequenceState
-from engine.synth import preset_hparams, synth, write_gguf
+from engine.synth import preset_hparams, synth, synth_mmproj_for, write_gguf
 
 VOCAB = [f"tok{i}" for i in range(64)]
 
@@ -292,15 +293,20 @@ def test_per_layer_expert_counts_are_unsupported(tmp_path, q4_model):
 
 def test_cli_prune_calibrates_once_and_reuses_the_statistics(synth_model, tmp_path, capsys):
     model = synth_model("tiny", "q8_0")
+    mmproj = synth_mmproj_for(tmp_path / "tiny-mmproj.gguf", "tiny")
+    images = tmp_path / "images"
+    images.mkdir()
+    Image.fromarray(np.random.default_rng(0).integers(0, 255, (64, 96, 3), dtype=np.uint8)).save(images / "a.png")
     stats = tmp_path / "tiny.stats.json"
     out = tmp_path / "p6.gguf"
-    assert main(["prune", str(model), "--keep", "6", "-o", str(out), "--stats", str(stats),
-                 "--max-tokens", "48"]) == 0
+    assert main(["prune", str(model), "--keep", "6", "-o", str(out), "--stats", str(stats), "--images", str(images),
+                 "--mmproj", str(mmproj), "--max-tokens", "96"]) == 0
     err = capsys.readouterr().err
     assert "[calibrating]" in err and f"saved to {stats}" in err and "8 -> 6 experts" in err
     st = prune.ExpertStats.load(stats)
-    assert st.calibration["samples"] == len(prune.BUILTIN_CALIBRATION) and 0 < st.calibration["tokens"]
-    assert st.calibration["tokens"] <= 48 * len(prune.BUILTIN_CALIBRATION)
+    assert st.calibration["samples"] == len(prune.BUILTIN_CALIBRATION) + 1 and 0 < st.calibration["tokens"]
+    assert st.calibration["tokens"] <= 96 * (len(prune.BUILTIN_CALIBRATION) + 1)
+    assert (st.tokens == st.calibration["tokens"]).all()
     assert st.kept_experts(6, "reap") == prune.pruning_note(GGUFFile.open(out))["kept"]
 
     out4 = tmp_path / "p4.gguf"
