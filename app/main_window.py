@@ -81,6 +81,8 @@ def headline(info, prefill: str, images: str = "") -> str:
     :func:`~app.gpu.device_phrase` and :func:`~app.gpu.vision_phrase`. A remote engine is named
     with its server: "tiny on http://host:8000/v1 (remote engine) · text only · runs on the server".
     A file that chats in ChatML for want of a template ends with that notice (``info.template_note``).
+    A pruned file says how many experts it kept after its size ("128 of 256 experts kept (REAP)",
+    ``info.pruning``).
     """
     takes = "text and images" if info.has_vision else "text only"
     if info.remote:
@@ -89,9 +91,8 @@ def headline(info, prefill: str, images: str = "") -> str:
     size = f"{n / 1e9:.1f} B" if n >= 1e9 else f"{n / 1e6:.1f} M"
     quant = max(info.quant_mix.items(), key=lambda kv: kv[1][1])[0] if info.quant_mix else "?"
     where = ", ".join(p for p in (prefill, "decode on CPU", images) if p)
-    parts = (Path(info.path).stem, f"{size} params", quant, takes, where) + ((info.template_note,) if
-                                                                            info.template_note else ())
-    return " \u00b7 ".join(parts)
+    parts = (Path(info.path).stem, f"{size} params", info.pruning, quant, takes, where, info.template_note)
+    return " \u00b7 ".join(p for p in parts if p)
 
 
 def _export(store: HistoryStore, conversation_id: int, path: Path, kind: str) -> None:

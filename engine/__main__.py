@@ -1,4 +1,4 @@
-"""Command line: ``python -m engine {info,generate,chat,serve,synth,bench}``.
+"""Command line: ``python -m engine {info,generate,chat,serve,synth,bench,prune}``.
 
 - ``info MODEL.gguf``: architecture, layers, quant mix, bytes read per decoded token.
 - ``generate [--model M] [--mmproj V] [--image I ...] [--prompt P] [--max-tokens N] [--temp T] ...``:
@@ -14,6 +14,10 @@
 - ``bench MODEL.gguf [--threads N ...] [--isa L ...] [--prompt N] [--gen N] [--llama-cpp [--llama-python PY]]``:
   prompt and decode tok/s of the native CPU model per thread count and ISA level, the bandwidth
   roofline fraction, and llama.cpp on the same file (see :mod:`engine.backends.cpu_bench`).
+- ``prune MODEL.gguf --keep N -o OUT.gguf [--method reap|frequency] [--calib FILE.jsonl] [--images DIR]
+  [--max-tokens T] [--stats FILE.json] [--mmproj V]``: REAP (or frequency) expert pruning to N experts per
+  layer (:mod:`engine.prune`); the calibration statistics are saved to and reused from ``--stats``
+  (default ``MODEL.expert-stats.json``).
 
 Errors from the engine, and inputs that cannot work (``--image`` without a vision tower, a prompt
 larger than ``--context``), are printed as one line on stderr with exit status 2.
@@ -27,11 +31,15 @@ import sys
 import threading
 import time
 from pathlib import Path
-from typing import Sequence
+from typing import TYPE_CHECKING, Callable, Sequence
 
 from .errors import EngineError
 from .events import PrefillStats, TokenEvent, TurnSummary
 from .sampling import SamplingParams
+
+if TYPE_CHECKING:
+    from .gguf_file import GGUFFile
+    from .prune import ExpertStats
 
 
 def _sampling(args: argparse.Namespace) -> SamplingParams:
@@ -113,8 +121,10 @@ def cmd_info(args: argparse.Namespace) -> int:
     print(f"delta-net      {hp.num_k_heads} q/k heads x {hp.head_k_dim}, {hp.num_v_heads} v heads x {hp.head_v_dim},"
           f" conv {hp.conv_kernel}")
     if hp.is_moe:
+        from .prune import pruning_summary
+        pruned = pruning_summary(f)
         print(f"MoE            {hp.n_expert} experts, top-{hp.n_expert_used}, expert FFN {hp.n_ff_exp},"
-              f" shared expert FFN {hp.n_ff_shexp}")
+              f" shared expert FFN {hp.n_ff_shexp}" + (f" ({pruned})" if pruned else ""))
     else:
         print(f"FFN            dense SwiGLU {hp.n_ff}")
     total = sum(b for _, b in f.quant_mix().values())
@@ -257,6 +267,93 @@ def cmd_bench(args: argparse.Namespace) -> int:
     return 0
 
 
+def _progress(what: str, unit: str = "") -> Callable[[int, int], None]:
+    """A one-line progress bar on stderr: ``progress(done, total)``, redrawn at most 5 times a second;
+    a newline once done == total."""
+    t0 = time.perf_counter()
+    last = [0.0]
+
+    def show(done: int, total: int) -> None:
+        now = time.perf_counter()
+        if done < total and now - last[0] < 0.2:
+            return
+        last[0] = now
+        frac = done / total if total else 1.0
+        bar = "#" * int(24 * frac)
+        scale, name = (2**20, " MiB") if unit == "bytes" else (1, "")
+        print(f"\r[{what}] [{bar:<24}] {done / scale:.0f}/{total / scale:.0f}{name} "
+              f"{now - t0:.1f} s", end="\n" if done >= total else "", file=sys.stderr, flush=True)
+    return show
+
+
+def cmd_prune(args: argparse.Namespace) -> int:
+    from . import prune
+    from .gguf_file import GGUFFile
+    src = GGUFFile.open(args.model)
+    hp = src.hparams
+    if not hp.is_moe:
+        print(f"error: {src.path.name} is a dense {hp.arch} model: it has no experts to prune", file=sys.stderr)
+        return 2
+    try:
+        prune.check_keep(args.keep, hp.n_expert, hp.n_expert_used)
+    except ValueError as exc:
+        print(f"error: {src.path.name}: {exc}", file=sys.stderr)
+        return 2
+    stats_path = Path(args.stats) if args.stats else prune.default_stats_path(args.model)
+    stats = None
+    if not (args.calib or args.images) and stats_path.is_file():
+        stats = prune.ExpertStats.load(stats_path)
+        try:
+            stats.check_model(src, str(stats_path))
+            print(f"[expert statistics from {stats_path}: {stats.calibration.get('samples', '?')} samples, "
+                  f"{stats.calibration.get('tokens', '?')} tokens]", file=sys.stderr)
+        except EngineError as exc:
+            if args.stats:
+                raise
+            print(f"[{exc}: calibrating again]", file=sys.stderr)
+            stats = None
+    if stats is None:
+        stats = _calibrate(args, src)
+        try:
+            stats.save(stats_path)
+            print(f"[expert statistics saved to {stats_path}]", file=sys.stderr)
+        except OSError as exc:
+            print(f"[could not save the expert statistics to {stats_path}: {exc.strerror or exc}]", file=sys.stderr)
+    kept = stats.kept_experts(args.keep, args.method)
+    print(f"[{prune.describe_kept(stats, kept, args.method)}]", file=sys.stderr)
+    note = {"method": args.method, "calibration_samples": stats.calibration.get("samples"),
+            "calibration_tokens": stats.calibration.get("tokens"),
+            "calibration": stats.calibration.get("source")}
+    size = prune.prune_file(src, args.output, kept, note, _progress("writing", "bytes"))
+    out = GGUFFile.open(args.output)
+    print(f"wrote {args.output}: {size / 2**20:.1f} MiB (was {src.path.stat().st_size / 2**20:.1f} MiB), "
+          f"{hp.n_expert} -> {args.keep} experts per layer, top-{hp.n_expert_used}; decode reads "
+          f"{out.bytes_per_token() / 2**20:.2f} MiB per token (was {src.bytes_per_token() / 2**20:.2f})",
+          file=sys.stderr)
+    return 0
+
+
+def _calibrate(args: argparse.Namespace, src: GGUFFile) -> ExpertStats:
+    """Gather :class:`engine.prune.ExpertStats` for ``args.model`` on the calibration set the flags name."""
+    from . import prune
+    from .api import Engine, EngineOptions, bundled_mmproj_for
+    convs = prune.calibration_set(args.calib, args.images)
+    has_images = any(isinstance(m.get("content"), list) and any(
+        isinstance(p, dict) and p.get("type") == "image" for p in m["content"]) for c in convs for m in c)
+    mmproj = Path(args.mmproj) if args.mmproj else bundled_mmproj_for(args.model)
+    if has_images and mmproj is None:
+        raise EngineError(f"{src.path.name}: the calibration set has images but no vision tower is loaded: "
+                          "pass the model's vision tower with --mmproj FILE")
+    engine = Engine.load(args.model, mmproj if has_images else None,
+                         EngineOptions(device="cpu", prefix_cache=False))
+    source = str(args.calib) if args.calib else "built-in chat set" + (f" + images of {args.images}" if args.images else "")
+    bar = _progress("calibrating")
+    try:
+        return prune.calibrate(engine, convs, args.max_tokens, lambda d, t, _: bar(d, t), {"source": source})
+    finally:
+        engine.close()
+
+
 def _add_sampling(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", "-m", help="GGUF text model (default: the bundled demo model)")
     p.add_argument("--mmproj", help="GGUF vision tower (mmproj) for image input "
@@ -320,6 +417,19 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--llama-python", help="the interpreter that has llama-cpp-python (default: this one if it "
                    "has it, else a venv in the user cache dir, built on first use)")
     p.set_defaults(func=cmd_bench)
+    p = sub.add_parser("prune", help="remove experts (REAP or frequency) to make a MoE file smaller")
+    p.add_argument("model")
+    p.add_argument("--keep", type=int, required=True, help="experts kept per layer (top-k <= N < expert count)")
+    p.add_argument("--output", "-o", required=True)
+    p.add_argument("--method", choices=["reap", "frequency"], default="reap")
+    p.add_argument("--calib", help="calibration conversations, one JSON per line (default: a built-in chat set)")
+    p.add_argument("--images", help="folder the --calib image paths are relative to; without --calib, each "
+                   "image in it is added to the built-in set as an image prompt")
+    p.add_argument("--mmproj", help="the model's vision tower, for image prompts (the bundled demo brings its own)")
+    p.add_argument("--max-tokens", type=int, default=1024, help="longest calibration prompt used, tokens")
+    p.add_argument("--stats", help="expert statistics JSON: read when it exists and no --calib/--images is "
+                   "given, else written (default MODEL.expert-stats.json beside the model)")
+    p.set_defaults(func=cmd_prune)
     return ap
 
 

@@ -35,6 +35,7 @@ from .images import MIN_PIXELS, max_resized_pixels, prepare_image
 from .models.vision import EncodedImage, ImageEncoder, mrope_positions
 from .prefix_cache import PrefixCache, SnapshotInfo
 from .events import PrefillStats
+from .prune import pruning_summary
 from .runtime import Turn, read_ahead, run_turn
 from .sampling import SamplingParams
 from .tokenizer import ChatTemplate, Tokenizer
@@ -129,6 +130,8 @@ class ModelInfo:
             to ChatML (:data:`CHATML_NOTE`), else "".
         name: the model's name as a server lists it ("" for a local file: its file name says it).
         remote: the base URL of the server that runs the model, or "" for an in-process engine.
+        pruning: "128 of 256 experts kept (REAP)" for a file written by ``python -m engine prune``
+            (its ``general.pruning`` note, :func:`engine.prune.pruning_summary`), else "".
     """
 
     arch: str
@@ -149,6 +152,7 @@ class ModelInfo:
     template_note: str = ""
     name: str = ""
     remote: str = ""
+    pruning: str = ""
 
 
 class ChatEngine(Protocol):
@@ -299,7 +303,8 @@ class Engine:
                          vram_budget=self.gpu.plan.budget if self.gpu is not None else 0,
                          vision_device=self.vision.device if self.vision is not None else "",
                          vision_note=self.vision.device_note if self.vision is not None else "",
-                         template_note=CHATML_NOTE if self.tokenizer.chat_template is None else "")
+                         template_note=CHATML_NOTE if self.tokenizer.chat_template is None else "",
+                         pruning=pruning_summary(self.gguf))
 
     def telemetry(self) -> Any:
         """The last GPU prefill's :class:`~engine.backends.cuda_plan.PrefillTelemetry` (H2D bytes and

@@ -279,11 +279,12 @@ class _HeaderReader:
         return arr.astype(bool) if itype == GGUFValueType.BOOL else arr
 
 
-def _parse_header(r: _HeaderReader) -> tuple[dict[str, Any], list[_Stored], int]:
+def _parse_header(r: _HeaderReader) -> tuple[dict[str, Any], dict[str, tuple[int, int]], list[_Stored], int]:
     """Parse magic, version, metadata and tensor table.
 
     Returns:
-        (metadata key -> value, tensor table in file order, absolute offset of the data section).
+        (metadata key -> value, key -> byte range ``[start, end)`` of its whole record (key, type,
+        value) in the file, tensor table in file order, absolute offset of the data section).
     """
     r.need(24, "the GGUF header (magic, version, tensor and key counts)")
     magic = r.buf[:4]
@@ -305,12 +306,15 @@ def _parse_header(r: _HeaderReader) -> tuple[dict[str, Any], list[_Stored], int]
                      "(truncated or corrupt GGUF)")
 
     meta: dict[str, Any] = {}
+    records: dict[str, tuple[int, int]] = {}
     for i in range(n_kv):
+        start = r.off
         key = r.string(f"metadata key #{i}")
         vtype = r.scalar(_U32, f"the value type of key {key}")
         if key in meta:
             raise r.fail(f"metadata key {key} appears twice")
         meta[key] = r.value(vtype, f"key {key}")
+        records[key] = (start, r.off)
 
     alignment = meta.get("general.alignment", 32)
     if not isinstance(alignment, int) or alignment <= 0 or alignment & (alignment - 1):
@@ -349,7 +353,7 @@ def _parse_header(r: _HeaderReader) -> tuple[dict[str, Any], list[_Stored], int]
                 raise r.fail(f"tensor {name} data [{data_start + rel}, {end}) extends past the end of the file "
                              f"({r.size} bytes): truncated download?")
         tensors.append(_Stored(name, type_id, ne, data_start + rel, nbytes))
-    return meta, tensors, data_start
+    return meta, records, tensors, data_start
 
 
 class GGUFFile:
@@ -382,7 +386,7 @@ class GGUFFile:
             raise ModelFormatError(f"{self.source}: cannot open: {e.strerror or e}") from e
         reader = _HeaderReader(self._data, self.source)
         try:
-            self._meta, stored, self._data_start = _parse_header(reader)
+            self._meta, self._records, stored, self._data_start = _parse_header(reader)
         except (ValueError, OverflowError, struct.error, MemoryError) as e:
             raise ModelFormatError(f"{self.source}: malformed GGUF header near offset {reader.off}: {e}") from e
         self._header_digest = hashlib.sha256(reader.buf[:reader.off])
@@ -427,6 +431,28 @@ class GGUFFile:
         if isinstance(value, list):
             return list(value)
         return value
+
+    @property
+    def meta_keys(self) -> tuple[str, ...]:
+        """Every metadata key, in file order."""
+        return tuple(self._records)
+
+    @property
+    def alignment(self) -> int:
+        """``general.alignment``: tensor data offsets are multiples of it, bytes (default 32)."""
+        return self._meta.get("general.alignment", 32)
+
+    def kv_record(self, key: str) -> bytes:
+        """The stored bytes of one metadata record: u64-length key, u32 value type, value.
+
+        Copying these records keeps every value byte for byte, with its exact type (a writer
+        re-encoding python values could turn a u64 into a u32, or drop an empty array).
+
+        Raises:
+            KeyError: no such key.
+        """
+        start, end = self._records[key]
+        return bytes(self._data[start:end])
 
     def has(self, name: str) -> bool:
         """True if ``name`` is readable (a stored tensor or a split name of a fused one)."""
@@ -600,6 +626,11 @@ class GGUFFile:
             row0 += rows
 
     def _check_shape(self, t: _Stored, ne: tuple[int, ...]) -> None:
+        moe_tensor = "_exps." in t.name or t.name.endswith(".ffn_gate_inp.weight")
+        if moe_tensor and len(t.ne) == len(ne) and t.ne[:-1] == ne[:-1] and t.ne[-1] != ne[-1]:
+            raise UnsupportedModelError(
+                f"{self.source}: tensor {t.name} holds {t.ne[-1]} experts but {self.hparams.arch}.expert_count = "
+                f"{ne[-1]}; per-layer expert counts are not supported (every layer needs the same count)")
         if t.ne != ne:
             raise ModelFormatError(f"{self.source}: tensor {t.name} has ne={t.ne}, expected ne={ne} "
                                    f"for {self.hparams.arch} with these hyper-parameters")

@@ -196,7 +196,7 @@ def from_metadata(get: Callable[[str], Any], n_tokens: int | None, source: str) 
         num_k_heads=key("ssm.group_count"),
         num_v_heads=num_v_heads,
         head_v_dim=inner // num_v_heads,
-        n_expert=key("expert_count") if moe else 0,
+        n_expert=_expert_count(get, key, arch, source) if moe else 0,
         n_expert_used=key("expert_used_count") if moe else 0,
         n_ff_exp=key("expert_feed_forward_length") if moe else 0,
         n_ff_shexp=key("expert_shared_feed_forward_length", default=0, required=False) if moe else 0,
@@ -204,6 +204,30 @@ def from_metadata(get: Callable[[str], Any], n_tokens: int | None, source: str) 
     )
     _check(hp, source)
     return hp
+
+
+def _expert_count(get: Callable[[str], Any], key: Callable[..., Any], arch: str, source: str) -> int:
+    """``{arch}.expert_count``: an integer, or a per-layer array whose entries are all equal.
+
+    Pruned files (``engine.prune``, REAP GGUFs) keep one count for every layer; a file whose layers
+    have different counts cannot run here (every MoE layer is built for one expert count).
+
+    Raises:
+        UnsupportedModelError: a per-layer array with different counts.
+        ModelFormatError: missing, or not an integer (array) in range.
+    """
+    full = f"{arch}.expert_count"
+    counts = get(full)
+    if not isinstance(counts, (list, tuple)):
+        return key("expert_count")
+    if not counts or not all(isinstance(c, int) and not isinstance(c, bool) and 0 < c <= _LIMITS["expert_count"]
+                             for c in counts):
+        raise ModelFormatError(f"{source}: key {full} should be a positive integer or an array of them, got {counts!r}")
+    if len(set(counts)) > 1:
+        raise UnsupportedModelError(
+            f"{source}: key {full} gives per-layer expert counts {sorted(set(counts))}; only one expert count "
+            "for every layer is supported (prune every layer to the same count)")
+    return int(counts[0])
 
 
 def _check(hp: Qwen35HParams, source: str) -> None:

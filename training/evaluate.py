@@ -1,6 +1,6 @@
 """Evaluate the exported demo model through the engine (numpy/C), not torch.
 
-    python training/evaluate.py accuracy [--scenes 500] [--scale 2]  # held-out exact-answer accuracy
+    python training/evaluate.py accuracy [--scenes 500] [--scale 2] [--model FILE]  # held-out exact-answer accuracy
     python training/evaluate.py accuracy --generator second        # on the second generator's scenes
     python training/evaluate.py conformance runs/demo              # engine vs torch logits, 20 inputs
     python training/evaluate.py ask IMAGE "What do you see?"       # one greedy answer
@@ -40,8 +40,9 @@ GENERATORS = {"first": (data.scene, data.render, data.EVAL_SEED_BASE),
 """name -> (scene of a seed, its drawing, first held-out seed)."""
 
 
-def load(models: Path = MODELS) -> Engine:
-    return Engine.load(models / "deltadesk-demo.gguf", models / "deltadesk-demo-mmproj.gguf",
+def load(models: Path = MODELS, text: Path | None = None) -> Engine:
+    """The demo pair in folder ``models``; ``text`` replaces its text GGUF (e.g. a pruned copy)."""
+    return Engine.load(text or models / "deltadesk-demo.gguf", models / "deltadesk-demo-mmproj.gguf",
                        EngineOptions(context=1024, prefix_cache=False))
 
 
@@ -139,6 +140,7 @@ def main() -> None:
     a.add_argument("--models", type=Path, default=MODELS, help="folder holding the two GGUF files")
     a.add_argument("--generator", choices=sorted(GENERATORS), default="first",
                    help="first: data.scene / data.render; second: second_scenes (held out from training)")
+    a.add_argument("--model", type=Path, help="text GGUF to evaluate instead of the bundled one (same vision tower)")
     c = sub.add_parser("conformance")
     c.add_argument("run", type=Path)
     c.add_argument("--f32", type=Path, help="folder with an f32 export of the same run, compared too")
@@ -147,7 +149,7 @@ def main() -> None:
     k.add_argument("question")
     args = ap.parse_args()
     if args.cmd == "accuracy":
-        print(json.dumps(accuracy(load(args.models), args.scenes, scale=args.scale, generator=args.generator), indent=1))
+        print(json.dumps(accuracy(load(args.models, text=args.model), args.scenes, scale=args.scale, generator=args.generator), indent=1))
     elif args.cmd == "conformance":
         engines = {"q8_0": load()}
         if args.f32:

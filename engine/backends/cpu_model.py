@@ -224,25 +224,32 @@ class NativeQwen35Model(Qwen35Model):
         return attention_prefill(q, gate, k, v)
 
     def moe(self, il: int, y: np.ndarray, cb: Callback) -> np.ndarray:
-        """Routed experts + shared expert: the fused call token by token, else expert-wise products."""
-        if il in self.fused_moe:
+        """Routed experts + shared expert: the fused call token by token, else expert-wise products
+        (also while an expert observer is attached: the fused call forms no per-expert outputs)."""
+        if il in self.fused_moe and self.observer is None:
             results = [cpu.moe_ffn(row, self.fused_moe[il]) for row in y]
             cb("ffn_moe_topk", il, np.stack([r.experts for r in results]))
             cb("ffn_moe_weights_norm", il, np.stack([r.weights for r in results]))
             return np.stack([r.out for r in results])
         p = f"blk.{il}."
-        idx, weights = ops.topk_route(ops.linear_rows(y, self.w(p + "ffn_gate_inp.weight")), self.hp.n_expert_used)
+        logits = ops.linear_rows(y, self.w(p + "ffn_gate_inp.weight"))
+        idx, weights = ops.topk_route(logits, self.hp.n_expert_used)
         cb("ffn_moe_topk", il, idx)
         cb("ffn_moe_weights_norm", il, weights)
         ff, d = self.hp.n_ff_exp, self.hp.n_embd
         gate, up, down = (self.mats[f"{p}ffn_{x}_exps.weight"] for x in ("gate", "up", "down"))
         out = np.zeros_like(y)
+        norms = np.zeros(idx.shape) if self.observer is not None else None
         for e in np.unique(idx):
             rows, slot = np.nonzero(idx == e)
             e0, e1 = int(e) * ff, (int(e) + 1) * ff
             h = _swiglu(y[rows], gate.rows_slice(e0, e1), up.rows_slice(e0, e1),
                         down.rows_slice(int(e) * d, (int(e) + 1) * d))
+            if norms is not None:
+                norms[rows, slot] = np.linalg.norm(h.astype(np.float64), axis=-1)
             out[rows] += weights[rows, slot, None] * h
+        if self.observer is not None:
+            self.observer.routed(il, logits, idx, norms)
         cb("ffn_moe_out", il, out)
         if self.weights.has(p + "ffn_gate_shexp.weight"):
             sh = _swiglu(y, *(self.mats[f"{p}ffn_{x}_shexp.weight"] for x in ("gate", "up", "down")))

@@ -58,7 +58,7 @@ stays the one reference pass: :meth:`Qwen35Model.linear` (every projection),
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Any, Callable, Protocol
 
 import numpy as np
 
@@ -67,6 +67,21 @@ from ..ops import reference as ops
 from ..state import SequenceState
 
 Callback = Callable[[str, int, np.ndarray], None]
+
+
+class ExpertObserver(Protocol):
+    """Receives each MoE layer's routing and routed expert output norms (see :attr:`Qwen35Model.observer`)."""
+
+    def routed(self, il: int, logits: np.ndarray, idx: np.ndarray, norms: np.ndarray) -> None:
+        """One MoE layer of one forward call.
+
+        Args:
+            il: layer index.
+            logits: (n, n_expert) float32 router logits.
+            idx: (n, k) int64 experts chosen per token (:func:`engine.ops.reference.topk_route`).
+            norms: (n, k) float64 L2 norm of each chosen expert's own output ``f_e(x)`` (before the
+                gate weight), same order as ``idx``.
+        """
 
 EXPERT_CACHE_LIMIT = 1 << 30
 """Routed experts are kept as float32 after first use when all of them together are below this many bytes."""
@@ -89,6 +104,7 @@ class Qwen35Model:
         self.cache_experts = hp.is_moe and expert_bytes < EXPERT_CACHE_LIMIT
         self._w: dict[str, np.ndarray] = {}
         self._experts: dict[tuple[int, int], tuple[np.ndarray, np.ndarray, np.ndarray]] = {}
+        self.observer: ExpertObserver | None = None
 
     # ---- weights -------------------------------------------------------------------------------
 
@@ -283,9 +299,15 @@ class Qwen35Model:
         cb("ffn_moe_topk", il, idx)
         cb("ffn_moe_weights_norm", il, weights)
         out = np.zeros_like(y)
+        norms = np.zeros(idx.shape) if self.observer is not None else None
         for e in np.unique(idx):
             rows, slot = np.nonzero(idx == e)
-            out[rows] += weights[rows, slot, None] * ops.swiglu(y[rows], *self.expert(il, int(e)))
+            h = ops.swiglu(y[rows], *self.expert(il, int(e)))
+            if norms is not None:
+                norms[rows, slot] = np.linalg.norm(h.astype(np.float64), axis=-1)
+            out[rows] += weights[rows, slot, None] * h
+        if self.observer is not None:
+            self.observer.routed(il, logits, idx, norms)
         cb("ffn_moe_out", il, out)
         if self.weights.has(p + "ffn_gate_shexp.weight"):
             sh = ops.shared_expert(y, self.w(p + "ffn_gate_shexp.weight"), self.w(p + "ffn_up_shexp.weight"),

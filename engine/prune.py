@@ -1,0 +1,530 @@
+"""Expert pruning of MoE GGUF files: REAP (and expert frequency) statistics, selection and a streamed rewrite.
+
+Method: REAP, Router-weighted Expert Activation Pruning (Lasby et al., "REAP the Experts: Why Pruning
+Prevails for One-Shot MoE Compression", arXiv 2510.13999; reference code CerebrasResearch/reap,
+``update_pruning_state()`` in ``src/reap/pruning_metrics.py`` and ``prune()`` in ``src/reap/prune.py``).
+Per MoE layer and calibration token t, the router's softmax over all experts is renormalised over the
+token's top-k (the reference's ``renormalize_router_weights``, its default since 2026-03; it equals the
+gate this model applies, :func:`engine.ops.reference.topk_route`), giving ``g_j(t)`` for the k routed
+experts j. With ``f_j(t)`` expert j's own output (before the gate), over the tokens routed to j::
+
+    S_j = mean_t  g_j(t) * ||f_j(t)||_2          (the reference's "reap"; 0 for an expert never routed)
+
+and the frequency baseline is the number of tokens routed to j (the reference's ``expert_frequency``,
+``--prune-method frequency``). Pruning removes the same number of lowest-scoring experts in every layer
+(``torch.topk(score, n, largest=False)`` in the reference; here a stable sort, so among equal scores the
+lower expert index goes first), slices their rows out of the router ``ffn_gate_inp`` and their slabs out
+of the expert tensors, and sets ``expert_count``; ``expert_used_count`` (top-k) stays. Shared experts are
+not touched.
+
+Statistics come from running calibration prompts through the engine's own CPU model
+(:attr:`engine.models.qwen35.Qwen35Model.observer`) and are saved as JSON (:meth:`ExpertStats.save`; the
+format is in ``docs/pruning.md``) so another ``keep`` needs no second calibration, and so the GPU plan
+can rank experts by how often they are routed.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import time
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from gguf import GGUFValueType
+
+from . import gguf_write
+from .errors import ModelFormatError, UnsupportedModelError
+from .gguf_file import GGUFFile
+
+STATS_FORMAT = "deltadesk.expert_stats"
+STATS_VERSION = 1
+METHODS = ("reap", "frequency")
+PRUNING_KEY = "general.pruning"
+"""Metadata key of the note a pruned file carries: a JSON object (see :func:`prune_file`)."""
+
+_EXPERT_TENSOR_SUFFIXES = ("_exps.weight", "_exps.bias", "_exps.scale")
+_EPS32 = float(np.finfo(np.float32).eps)
+
+BUILTIN_CALIBRATION: tuple[tuple[str, str], ...] = (
+    ("Write a Python function that returns the n-th Fibonacci number iteratively.",
+     "def fib(n):\n    a, b = 0, 1\n    for _ in range(n):\n        a, b = b, a + b\n    return a"),
+    ("Explain the difference between a list and a tuple in Python.",
+     "A list is mutable: you can append, remove or change items. A tuple is immutable, so it can be a "
+     "dictionary key and signals a fixed record."),
+    ("What is 17 * 23? Show your steps.", "17 * 23 = 17 * 20 + 17 * 3 = 340 + 51 = 391."),
+    ("Solve for x: 3x + 7 = 22.", "Subtract 7 from both sides: 3x = 15. Divide by 3: x = 5."),
+    ("Summarise the causes of the French Revolution in three sentences.",
+     "Royal debt and an unfair tax system strained the state. Enlightenment ideas questioned absolute "
+     "monarchy and privilege. Bad harvests and bread prices turned discontent into revolt in 1789."),
+    ("Write a haiku about autumn rain.", "Cold rain on maples\nred leaves slide down the window\nthe kettle begins"),
+    ("Translate into French: 'The library opens at nine tomorrow.'",
+     "La bibliothèque ouvre à neuf heures demain."),
+    ("Übersetze ins Englische: 'Ich habe heute keine Zeit, aber morgen gern.'",
+     "I have no time today, but gladly tomorrow."),
+    ("用一句话解释什么是机器学习。", "机器学习是让计算机从数据中自动学习规律并据此做出预测的方法。"),
+    ("How does HTTPS keep a connection private?",
+     "The client and server agree on keys with a TLS handshake, the server proves its identity with a "
+     "certificate, and the traffic is then encrypted and authenticated with those keys."),
+    ("Give me a SQL query that counts orders per customer, largest first.",
+     "SELECT customer_id, COUNT(*) AS n FROM orders GROUP BY customer_id ORDER BY n DESC;"),
+    ("My bash script fails with 'permission denied'. What should I check?",
+     "Check that the file is executable (chmod +x script.sh), that its folder is not mounted noexec, and "
+     "that the first line names an interpreter that exists, such as #!/usr/bin/env bash."),
+    ("Is a tomato a fruit or a vegetable?",
+     "Botanically it is a fruit, a berry grown from the flower's ovary; in cooking it is treated as a vegetable."),
+    ("Plan a three-day trip to Kyoto on a budget.",
+     "Day 1: Fushimi Inari at dawn and Gion in the evening. Day 2: Arashiyama bamboo grove and a temple "
+     "pass. Day 3: Nishiki market and the Philosopher's Path; stay in a guesthouse and use a bus pass."),
+    ("Write a short, polite email asking a colleague to review my pull request.",
+     "Hi Sam, could you take a look at my pull request on the parser when you have a moment? It is small "
+     "and has tests. Thanks a lot!"),
+    ("What is the derivative of x^3 * sin(x)?", "By the product rule: 3x^2 sin(x) + x^3 cos(x)."),
+    ("Name three sorting algorithms and their average time complexity.",
+     "Merge sort O(n log n), quicksort O(n log n), insertion sort O(n^2)."),
+    ("Explain recursion to a ten-year-old.",
+     "Recursion is when you solve a big puzzle by solving a smaller copy of the same puzzle, until the "
+     "copy is so small the answer is obvious."),
+    ("Write a JavaScript function that debounces another function.",
+     "function debounce(fn, ms) {\n  let t;\n  return (...args) => {\n    clearTimeout(t);\n"
+     "    t = setTimeout(() => fn(...args), ms);\n  };\n}"),
+    ("What are the health benefits of regular walking?",
+     "It strengthens the heart, helps control weight and blood sugar, improves mood and sleep, and keeps "
+     "joints and bones healthier."),
+    ("If all bloops are razzies and all razzies are lazzies, are all bloops lazzies?",
+     "Yes. Every bloop is a razzie, and every razzie is a lazzie, so every bloop is a lazzie."),
+    ("Describe the water cycle.",
+     "Water evaporates, condenses into clouds, falls as precipitation, and flows back to seas and "
+     "groundwater, where the cycle repeats."),
+    ("Write a limerick about a cat who codes.",
+     "A cat with a laptop named Lou\ncompiled all her code before two;\nshe chased every bug\nacross the "
+     "warm rug,\nthen napped while the unit tests grew."),
+    ("¿Cuál es la capital de Australia y por qué no es Sídney?",
+     "Es Canberra: se construyó como un punto intermedio entre Sídney y Melbourne, que rivalizaban por serlo."),
+)
+"""The default calibration set: (user, assistant) pairs of varied chat (code, maths, reasoning, writing,
+facts, several languages), rendered with the model's chat template."""
+
+IMAGE_QUESTIONS = ("Describe this image.", "What objects are in this picture, and where are they?")
+"""Questions asked about each image of ``images_dir`` (:func:`calibration_set`)."""
+
+IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".webp", ".bmp", ".gif")
+
+Message = Mapping[str, Any]
+
+
+class ExpertStats:
+    """Per-layer, per-expert routing statistics of a calibration run; an observer for the model.
+
+    Arrays are (n_layer, n_expert): ``frequency`` int64 tokens routed to each expert; ``reap_sum``,
+    ``ean_sum`` and ``gate_sum`` float64 sums over those tokens of ``g * ||f||``, ``||f||`` and ``g``
+    (``g`` the renormalised gate, ``f`` the expert's output; see the module doc). ``tokens`` (n_layer,)
+    int64 tokens seen per layer.
+
+    Attributes:
+        n_layer, n_expert, n_expert_used: the model's shape.
+        model: ``{"file", "identity"}`` of the model the statistics are for.
+        calibration: free-form description of the calibration set (samples, tokens, source).
+    """
+
+    def __init__(self, n_layer: int, n_expert: int, n_expert_used: int, model: Mapping[str, Any] | None = None,
+                 calibration: Mapping[str, Any] | None = None) -> None:
+        self.n_layer, self.n_expert, self.n_expert_used = n_layer, n_expert, n_expert_used
+        self.model = dict(model or {})
+        self.calibration = dict(calibration or {})
+        self.tokens = np.zeros(n_layer, np.int64)
+        self.frequency = np.zeros((n_layer, n_expert), np.int64)
+        self.reap_sum = np.zeros((n_layer, n_expert))
+        self.ean_sum = np.zeros((n_layer, n_expert))
+        self.gate_sum = np.zeros((n_layer, n_expert))
+
+    @classmethod
+    def for_model(cls, gguf: GGUFFile, calibration: Mapping[str, Any] | None = None) -> "ExpertStats":
+        """Empty statistics shaped for ``gguf`` (a MoE file)."""
+        hp = gguf.hparams
+        return cls(hp.n_layer, hp.n_expert, hp.n_expert_used, {"file": gguf.path.name, "identity": gguf.identity},
+                   calibration)
+
+    def routed(self, il: int, logits: np.ndarray, idx: np.ndarray, norms: np.ndarray) -> None:
+        """Accumulate one MoE layer of one forward call (:class:`engine.models.qwen35.ExpertObserver`).
+
+        Args: logits (n, n_expert) float32; idx (n, k) int chosen experts; norms (n, k) float64 ``||f||``.
+        The gate is ``softmax(logits)`` renormalised over the token's chosen experts, clamped at float32
+        eps (``update_pruning_state``); per expert the sums run over the tokens routed to it.
+        """
+        z = logits.astype(np.float64)
+        p = np.exp(z - z.max(axis=-1, keepdims=True))
+        p /= p.sum(axis=-1, keepdims=True)
+        top = np.take_along_axis(p, idx, axis=-1)
+        g = np.maximum(top / top.sum(axis=-1, keepdims=True), _EPS32)
+        flat = idx.reshape(-1)
+        self.tokens[il] += idx.shape[0]
+        self.frequency[il] += np.bincount(flat, minlength=self.n_expert)
+        self.reap_sum[il] += np.bincount(flat, (g * norms).reshape(-1), self.n_expert)
+        self.ean_sum[il] += np.bincount(flat, norms.reshape(-1), self.n_expert)
+        self.gate_sum[il] += np.bincount(flat, g.reshape(-1), self.n_expert)
+
+    @property
+    def reap(self) -> np.ndarray:
+        """(n_layer, n_expert) float64 REAP score ``S_j``: mean of ``g * ||f||`` over routed tokens, 0 if never routed."""
+        return self.reap_sum / np.maximum(self.frequency, 1)
+
+    @property
+    def usage(self) -> np.ndarray:
+        """(n_layer, n_expert) float64 share of a layer's tokens routed to each expert (rows sum to top-k):
+        the chance an expert is needed per token, e.g. for choosing the experts to keep resident in VRAM."""
+        return self.frequency / np.maximum(self.tokens, 1)[:, None]
+
+    def scores(self, method: str) -> np.ndarray:
+        """(n_layer, n_expert) float64 saliency of ``method`` ("reap" or "frequency"); lower is pruned first.
+
+        Raises: ValueError for another method.
+        """
+        if method == "reap":
+            return self.reap
+        if method == "frequency":
+            return self.frequency.astype(np.float64)
+        raise ValueError(f"unknown pruning method {method!r} (expected one of {', '.join(METHODS)})")
+
+    def kept_experts(self, keep: int, method: str) -> list[list[int]]:
+        """The ``keep`` highest-scoring experts of every layer, each list in ascending index order.
+
+        Raises: ValueError: ``keep`` outside ``n_expert_used .. n_expert - 1`` (see :func:`check_keep`),
+        or an unknown method.
+        """
+        check_keep(keep, self.n_expert, self.n_expert_used)
+        s = self.scores(method)
+        drop = self.n_expert - keep
+        return [sorted(int(e) for e in np.argsort(row, kind="stable")[drop:]) for row in s]
+
+    # ---- JSON ------------------------------------------------------------------------------------
+
+    def to_json(self) -> dict[str, Any]:
+        """The statistics as a JSON-able dict (format in ``docs/pruning.md``)."""
+        layers = [{"layer": il, "tokens": int(self.tokens[il]), "frequency": self.frequency[il].tolist(),
+                   "reap": self.reap[il].tolist(), "reap_sum": self.reap_sum[il].tolist(),
+                   "ean_sum": self.ean_sum[il].tolist(), "gate_sum": self.gate_sum[il].tolist()}
+                  for il in range(self.n_layer)]
+        return {"format": STATS_FORMAT, "version": STATS_VERSION, "model": self.model,
+                "n_layer": self.n_layer, "n_expert": self.n_expert, "n_expert_used": self.n_expert_used,
+                "calibration": self.calibration, "layers": layers}
+
+    def save(self, path: str | os.PathLike[str]) -> None:
+        """Write :meth:`to_json` to ``path`` (via a temporary file, then renamed)."""
+        path = Path(path)
+        tmp = path.with_name(path.name + ".part")
+        tmp.write_text(json.dumps(self.to_json(), indent=1) + "\n", encoding="utf-8")
+        os.replace(tmp, path)
+
+    @classmethod
+    def load(cls, path: str | os.PathLike[str]) -> "ExpertStats":
+        """Read statistics written by :meth:`save`.
+
+        Raises:
+            ModelFormatError: unreadable file, not this format, or inconsistent arrays (names the file and field).
+        """
+        src = str(path)
+        try:
+            d = json.loads(Path(path).read_text(encoding="utf-8"))
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+            raise ModelFormatError(f"{src}: cannot read expert statistics: {exc}") from exc
+        if not isinstance(d, dict) or d.get("format") != STATS_FORMAT or d.get("version") != STATS_VERSION:
+            raise ModelFormatError(f"{src}: not a {STATS_FORMAT} version {STATS_VERSION} file")
+        try:
+            n_layer, n_expert, k = (int(d[key]) for key in ("n_layer", "n_expert", "n_expert_used"))
+            st = cls(n_layer, n_expert, k, d.get("model") or {}, d.get("calibration") or {})
+            layers = d["layers"]
+            if not isinstance(layers, list) or len(layers) != n_layer:
+                raise ValueError(f"layers has {len(layers) if isinstance(layers, list) else 'no'} entries, "
+                                 f"expected n_layer = {n_layer}")
+            for il, layer in enumerate(layers):
+                st.tokens[il] = int(layer["tokens"])
+                for name in ("frequency", "reap_sum", "ean_sum", "gate_sum"):
+                    row = np.asarray(layer[name], dtype=np.float64)
+                    if row.shape != (n_expert,) or not np.isfinite(row).all() or (row < 0).any():
+                        raise ValueError(f"layers[{il}].{name} must be {n_expert} finite numbers >= 0")
+                    getattr(st, name)[il] = row
+        except (KeyError, TypeError, ValueError) as exc:
+            raise ModelFormatError(f"{src}: malformed expert statistics: {exc}") from exc
+        return st
+
+    def check_model(self, gguf: GGUFFile, source: str) -> None:
+        """Raise ModelFormatError unless these statistics were gathered on ``gguf`` (same file identity)."""
+        if self.model.get("identity") != gguf.identity:
+            raise ModelFormatError(
+                f"{source}: these expert statistics are for {self.model.get('file', '?')} "
+                f"({self.model.get('identity', 'no identity')}), not {gguf.path.name} ({gguf.identity})")
+
+
+def check_keep(keep: int, n_expert: int, n_expert_used: int) -> None:
+    """Raise ValueError unless ``n_expert_used <= keep < n_expert`` (a prune must remove something, and
+    every token still needs its top-k distinct experts)."""
+    if keep >= n_expert:
+        raise ValueError(f"--keep {keep} is not below the model's {n_expert} experts per layer: nothing to prune")
+    if keep < n_expert_used:
+        raise ValueError(f"--keep {keep} is below the model's top-{n_expert_used} routing "
+                         f"(expert_used_count = {n_expert_used}): keep at least {n_expert_used} experts")
+
+
+# ---- calibration ---------------------------------------------------------------------------------
+
+def calibration_set(jsonl: str | os.PathLike[str] | None = None,
+                    images_dir: str | os.PathLike[str] | None = None) -> list[list[dict]]:
+    """The calibration conversations: from ``jsonl``, else :data:`BUILTIN_CALIBRATION`; plus image prompts.
+
+    Args:
+        jsonl: one conversation per line: ``{"messages": [...]}`` or a bare message list, messages as
+            :meth:`engine.api.Engine.chat` takes them; an image part's relative path is resolved against
+            ``images_dir`` (default: the JSONL's folder).
+        images_dir: without ``jsonl``, each image file in it (sorted by name) adds one user prompt per
+            question of :data:`IMAGE_QUESTIONS`, cycling, to the built-in set.
+
+    Raises:
+        ModelFormatError: unreadable file, a line that is not JSON or not a list of role/content messages
+            (names file and line), or an image folder that does not exist.
+    """
+    if jsonl is None:
+        convs = [[{"role": "user", "content": q}, {"role": "assistant", "content": a}] for q, a in BUILTIN_CALIBRATION]
+        if images_dir is not None:
+            folder = Path(images_dir)
+            if not folder.is_dir():
+                raise ModelFormatError(f"{folder}: --images must be a folder of images")
+            files = sorted(p for p in folder.iterdir() if p.suffix.lower() in IMAGE_SUFFIXES)
+            if not files:
+                raise ModelFormatError(f"{folder}: no image files ({', '.join(IMAGE_SUFFIXES)})")
+            for i, f in enumerate(files):
+                q = IMAGE_QUESTIONS[i % len(IMAGE_QUESTIONS)]
+                convs.append([{"role": "user", "content": [{"type": "image", "image": str(f)},
+                                                          {"type": "text", "text": q}]}])
+        return convs
+    path = Path(jsonl)
+    base = Path(images_dir) if images_dir is not None else path.parent
+    try:
+        lines = path.read_text(encoding="utf-8").splitlines()
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ModelFormatError(f"{path}: cannot read the calibration file: {exc}") from exc
+    convs = []
+    for n, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            item = json.loads(line)
+        except json.JSONDecodeError as exc:
+            raise ModelFormatError(f"{path}:{n}: not JSON: {exc}") from exc
+        messages = item.get("messages") if isinstance(item, dict) else item
+        if not isinstance(messages, list) or not messages or not all(
+                isinstance(m, dict) and isinstance(m.get("role"), str) and "content" in m for m in messages):
+            raise ModelFormatError(f"{path}:{n}: expected {{\"messages\": [...]}} or a list of "
+                                   "{\"role\", \"content\"} messages")
+        for m in messages:
+            if isinstance(m["content"], list):
+                for part in m["content"]:
+                    if isinstance(part, dict) and part.get("type") == "image" and isinstance(part.get("image"), str):
+                        img = Path(part["image"])
+                        part["image"] = str(img if img.is_absolute() else base / img)
+        convs.append(messages)
+    if not convs:
+        raise ModelFormatError(f"{path}: the calibration file has no conversations")
+    return convs
+
+
+def calibrate(engine: Any, conversations: Sequence[Sequence[Message]], max_tokens: int = 1024,
+              progress: Callable[[int, int, int], None] | None = None,
+              calibration: Mapping[str, Any] | None = None) -> ExpertStats:
+    """Run ``conversations`` through ``engine``'s CPU text model (prefill only) and gather :class:`ExpertStats`.
+
+    Each conversation is rendered with the chat template and its images encoded
+    (:meth:`engine.api.Engine.prepare`), cut to ``max_tokens`` tokens (before an image that would
+    straddle the cut), and run as one forward pass with the statistics observer attached.
+
+    Args:
+        engine: an :class:`engine.api.Engine` of a MoE model.
+        max_tokens: longest prompt used, tokens (>= 1).
+        progress: called as ``progress(done, total, tokens_so_far)`` after each conversation.
+        calibration: extra fields for :attr:`ExpertStats.calibration`.
+
+    Raises:
+        UnsupportedModelError: a dense model. ValueError: ``max_tokens`` < 1.
+        EngineError: from rendering or image encoding (names the file).
+    """
+    from .state import SequenceState
+    gguf = engine.gguf
+    if not gguf.hparams.is_moe:
+        raise UnsupportedModelError(f"{gguf.source}: {gguf.hparams.arch} is a dense model: it has no experts to prune")
+    if max_tokens < 1:
+        raise ValueError(f"--max-tokens must be >= 1, got {max_tokens}")
+    stats = ExpertStats.for_model(gguf)
+    model = engine.model
+    total = 0
+    t0 = time.perf_counter()
+    model.observer = stats
+    try:
+        for i, messages in enumerate(conversations):
+            prompt = engine.prepare(messages)
+            n = min(len(prompt.tokens), max_tokens)
+            for start, emb, _ in prompt.images:
+                if start < n < start + len(emb):
+                    n = start
+            if n == 0:
+                continue
+            tokens = np.asarray(prompt.tokens[:n], dtype=np.int64)
+            rows = model.embed(tokens).copy()
+            for start, emb, _ in prompt.images:
+                if start + len(emb) <= n:
+                    rows[start:start + len(emb)] = emb
+            positions = None if prompt.positions is None else np.asarray(prompt.positions)[:, :n]
+            model.forward(tokens, SequenceState.new(gguf.hparams, n), embeddings=rows, positions=positions)
+            total += n
+            if progress is not None:
+                progress(i + 1, len(conversations), total)
+    finally:
+        model.observer = None
+    stats.calibration = {"samples": len(conversations), "tokens": total, "max_tokens": max_tokens,
+                         "seconds": round(time.perf_counter() - t0, 1), **(calibration or {})}
+    return stats
+
+
+# ---- the pruned file -----------------------------------------------------------------------------
+
+def _layer_of(name: str) -> int | None:
+    if not name.startswith("blk."):
+        return None
+    head = name.split(".", 2)[1]
+    return int(head) if head.isdigit() else None
+
+
+def is_expert_tensor(name: str) -> bool:
+    """Whether ``name`` is indexed by routed expert along its last dim: the router ``ffn_gate_inp`` and
+    the routed expert tensors ``ffn_*_exps`` (shared-expert tensors ``*_shexp`` are not)."""
+    base = name.split(".", 2)[2] if _layer_of(name) is not None else name
+    return base == "ffn_gate_inp.weight" or base.endswith(_EXPERT_TENSOR_SUFFIXES)
+
+
+def pruning_note(gguf: GGUFFile) -> dict[str, Any] | None:
+    """The ``general.pruning`` note of a file written by :func:`prune_file` as a dict, or None.
+
+    A note that is not a JSON object is returned as ``{"note": text}``.
+    """
+    raw = gguf.meta(PRUNING_KEY)
+    if raw is None:
+        return None
+    try:
+        note = json.loads(raw) if isinstance(raw, str) else None
+    except json.JSONDecodeError:
+        note = None
+    return note if isinstance(note, dict) else {"note": str(raw)}
+
+
+def pruning_summary(gguf: GGUFFile) -> str:
+    """One line for a banner: ``"128 of 256 experts kept (REAP)"``, or "" for a file without the note."""
+    note = pruning_note(gguf)
+    if note is None:
+        return ""
+    before, method = note.get("experts_before"), note.get("method")
+    if isinstance(before, int) and gguf.hparams.is_moe:
+        how = f" ({str(method).upper() if method == 'reap' else method})" if method else ""
+        return f"{gguf.hparams.n_expert} of {before} experts kept{how}"
+    return "experts pruned"
+
+
+def prune_file(gguf: GGUFFile, out: str | os.PathLike[str], kept: Sequence[Sequence[int]],
+               note: Mapping[str, Any], progress: Callable[[int, int], None] | None = None) -> int:
+    """Write ``gguf`` with only the experts ``kept`` of each layer, streaming tensor by tensor.
+
+    Every tensor that is not indexed by routed expert (:func:`is_expert_tensor`) is copied byte for byte
+    in its stored type; the router ``ffn_gate_inp`` keeps the rows and each routed expert tensor the
+    slabs (last GGUF dim) of the kept experts, in ascending order, in their stored quant type. Metadata
+    records are copied verbatim except ``{arch}.expert_count`` (the kept count) and the new
+    ``general.pruning`` JSON note (``note`` plus ``experts_before``, ``experts_kept`` and the kept indices
+    per layer). MTP blocks (layers ``>= n_layer``), for which no statistics exist, are dropped with
+    ``nextn_predict_layers`` set to 0, so the file keeps one expert count throughout.
+
+    Args:
+        kept: per trunk layer, the expert indices to keep; every layer the same count.
+        note: method, calibration size and similar, recorded in ``general.pruning``.
+        progress: ``progress(bytes_done, bytes_total)`` while writing.
+
+    Returns: the size of the written file, bytes.
+
+    Raises:
+        ValueError: ``kept`` has the wrong number of layers, unequal counts, repeated or out-of-range indices.
+        ModelFormatError: ``out`` is the source file, or an expert tensor whose last dim is not expert_count.
+        UnsupportedModelError: a dense model, or a tensor of a type unknown to ggml (its size is unknown).
+        OSError: the output cannot be written (see :func:`engine.gguf_write.write`).
+    """
+    hp = gguf.hparams
+    if not hp.is_moe:
+        raise UnsupportedModelError(f"{gguf.source}: {hp.arch} is a dense model: it has no experts to prune")
+    if len(kept) != hp.n_layer:
+        raise ValueError(f"kept lists {len(kept)} layers, the model has {hp.n_layer}")
+    counts = {len(k) for k in kept}
+    if len(counts) != 1:
+        raise ValueError(f"every layer must keep the same number of experts, got {sorted(counts)}")
+    n_keep = counts.pop()
+    check_keep(n_keep, hp.n_expert, hp.n_expert_used)
+    for il, k in enumerate(kept):
+        if len(set(k)) != len(k) or not all(0 <= e < hp.n_expert for e in k):
+            raise ValueError(f"layer {il}: kept experts {list(k)} must be distinct indices in 0..{hp.n_expert - 1}")
+    out = Path(out)
+    if out.exists() and out.resolve() == gguf.path.resolve():
+        raise ModelFormatError(f"{out}: the output must not be the model being pruned")
+
+    a = hp.arch
+    replaced = {
+        f"{a}.expert_count": gguf_write.kv_record(f"{a}.expert_count", n_keep, GGUFValueType.UINT32),
+        PRUNING_KEY: gguf_write.kv_record(PRUNING_KEY, json.dumps(
+            {**note, "experts_before": hp.n_expert, "experts_kept": n_keep,
+             "kept": [sorted(int(e) for e in k) for k in kept]}, separators=(",", ":")), GGUFValueType.STRING),
+    }
+    if hp.nextn_predict_layers:
+        replaced[f"{a}.block_count"] = gguf_write.kv_record(f"{a}.block_count", hp.n_layer, GGUFValueType.UINT32)
+        replaced[f"{a}.nextn_predict_layers"] = gguf_write.kv_record(f"{a}.nextn_predict_layers", 0,
+                                                                     GGUFValueType.UINT32)
+    records = [replaced.pop(key, None) or gguf.kv_record(key) for key in gguf.meta_keys]
+    records += list(replaced.values())
+
+    tensors = []
+    for name in gguf.tensor_names:
+        il = _layer_of(name)
+        if il is not None and il >= hp.n_layer:
+            continue
+        info = gguf.info(name)
+        if il is not None and is_expert_tensor(name):
+            if info.ne[-1] != hp.n_expert:
+                raise ModelFormatError(f"{gguf.source}: tensor {name} has ne={info.ne}; its last dim should be "
+                                       f"expert_count = {hp.n_expert}")
+            ne = (*info.ne[:-1], n_keep)
+            tensors.append(gguf_write.TensorOut(name, ne, int(info.qtype), info.nbytes // hp.n_expert * n_keep,
+                                                lambda n=name, k=kept[il]: _expert_slabs(gguf, n, k)))
+        else:
+            tensors.append(gguf_write.TensorOut(name, info.ne, int(info.qtype), info.nbytes,
+                                                lambda n=name: (gguf.raw(n).reshape(-1),)))
+    return gguf_write.write(out, records, tensors, gguf.alignment, progress)
+
+
+def _expert_slabs(gguf: GGUFFile, name: str, kept: Sequence[int]) -> Iterable[np.ndarray]:
+    """The stored bytes of experts ``kept`` of tensor ``name``, one expert (a view of the map) at a time."""
+    slabs = gguf.raw(name).reshape(gguf.hparams.n_expert, -1)
+    for e in sorted(kept):
+        yield slabs[e]
+
+
+def default_stats_path(model: str | os.PathLike[str]) -> Path:
+    """Where ``prune`` keeps a model's statistics by default: ``MODEL.expert-stats.json`` beside it."""
+    p = Path(model)
+    return p.with_name(p.stem + ".expert-stats.json")
+
+
+def describe_kept(stats: ExpertStats, kept: Sequence[Sequence[int]], method: str) -> str:
+    """One line: the share of routed tokens (frequency) and of REAP mass the kept experts had in calibration."""
+    freq = stats.frequency.astype(np.float64)
+    reap = stats.reap
+    f_share = np.mean([freq[il, k].sum() / max(freq[il].sum(), 1) for il, k in enumerate(kept)])
+    r_share = np.mean([reap[il, k].sum() / max(reap[il].sum(), math.ulp(1.0)) for il, k in enumerate(kept)])
+    return (f"{method}: kept experts took {100 * f_share:.1f} % of routed tokens and hold {100 * r_share:.1f} % "
+            "of the REAP score (mean over layers)")
+
