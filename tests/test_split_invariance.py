@@ -28,17 +28,24 @@ from engine.state import SequenceState
 CAPACITY = 96
 
 
+QUANTS = ("q8_0", "q4_k_m")
+
+
 @pytest.fixture(scope="module")
 def models(tmp_path_factory):
-    """The tiny synth model (Q8_0) on the numpy path and, when built, on the native kernels."""
+    """The tiny synth model (Q8_0, and the Q4_K_M mix for the native K-quant kernels) on the numpy
+    path and, when built, on the native kernels: {(path, quant): model}."""
     from engine.synth import synth
-    path = tmp_path_factory.mktemp("split") / "tiny-q8_0.gguf"
-    synth(path, "tiny", quant="q8_0", seed=3)
-    gguf = GGUFFile.open(path)
-    out = {"numpy": Qwen35Model(gguf.hparams, gguf)}
-    if cpu.available():
-        from engine.backends.cpu_model import NativeQwen35Model
-        out["native"] = NativeQwen35Model(gguf.hparams, gguf)
+    out = {}
+    for quant in QUANTS:
+        path = tmp_path_factory.mktemp("split") / f"tiny-{quant}.gguf"
+        synth(path, "tiny", quant=quant, seed=3)
+        gguf = GGUFFile.open(path)
+        if quant == "q8_0":
+            out[("numpy", quant)] = Qwen35Model(gguf.hparams, gguf)
+        if cpu.available():
+            from engine.backends.cpu_model import NativeQwen35Model
+            out[("native", quant)] = NativeQwen35Model(gguf.hparams, gguf)
     yield out
     cpu.set_isa(None)
     cpu.set_threads()
@@ -63,10 +70,10 @@ def assert_same_state(a: SequenceState, b: SequenceState) -> None:
             assert np.array_equal(ta[il][:a.pos], tb[il][:b.pos]), f"layer {il} KV"
 
 
-def paths() -> list[tuple[str, str | None, int]]:
-    """(model, ISA level, threads) combinations: the numpy model, every native level at 1 and 2 threads."""
-    out: list[tuple[str, str | None, int]] = [("numpy", None, 1)]
-    out += [("native", isa, t) for isa in cpu.supported_isas() for t in (1, 2)]
+def paths() -> list[tuple[tuple[str, str], str | None, int]]:
+    """((model, quant), ISA level, threads): the numpy model, every native level at 1 and 2 threads."""
+    out: list[tuple[tuple[str, str], str | None, int]] = [(("numpy", "q8_0"), None, 1)]
+    out += [(("native", q), isa, t) for q in QUANTS for isa in cpu.supported_isas() for t in (1, 2)]
     return out
 
 
@@ -78,7 +85,7 @@ def prompts_and_cuts(draw):
     return tokens, cuts, draw(st.sampled_from(paths()))
 
 
-@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(case=prompts_and_cuts())
 def test_any_split_gives_the_same_bits(models, case) -> None:
     tokens, cuts, (name, isa, threads) = case
@@ -95,11 +102,12 @@ def test_any_split_gives_the_same_bits(models, case) -> None:
 @pytest.mark.parametrize("name", ["numpy", "native"])
 def test_one_token_at_a_time_equals_one_pass(models, name) -> None:
     """Decode is a one-token piece: reading a prompt token by token is the same computation."""
-    if name not in models:
+    if (name, "q8_0") not in models:
         pytest.skip("native CPU kernels not built")
+    model = models[(name, "q8_0")]
     tokens = np.random.default_rng(5).integers(0, 248320, 40)
-    whole, whole_state = read(models[name], tokens, [])
-    logits, state = read(models[name], tokens, list(range(1, 40)))
+    whole, whole_state = read(model, tokens, [])
+    logits, state = read(model, tokens, list(range(1, 40)))
     assert np.array_equal(logits, whole)
     assert_same_state(state, whole_state)
 
