@@ -644,7 +644,9 @@ class MainWindow(QMainWindow):
         self.conversations.reload(then=self._select_initial)
 
     def _select_initial(self) -> None:
-        """Show the conversation of the last session, else the newest, else a new one."""
+        """Show the conversation of the last session, else the newest, else a new one; the keyboard
+        goes to the message box (Qt would give it to the first field, the chat search)."""
+        self.composer.editor.setFocus()
         last = self.state.value("history/last_conversation", 0, type=int)
         if self.conversations.row_of(last) >= 0:
             self.panel.select(last)

@@ -724,3 +724,8 @@ def test_sending_an_80_kb_paste_does_not_stall_the_window(qtbot, make_window):
     assert path_of(window)[2].content == paste.strip()
     user.unfold_button.click()
     assert user.body.toPlainText() == paste.strip() and not user.unfold_button.isVisibleTo(window)
+
+
+def test_the_keyboard_starts_in_the_message_box(qtbot, make_window):
+    window = make_window(load=False)
+    assert window.focusWidget() is window.composer.editor
