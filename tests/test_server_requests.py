@@ -70,3 +70,29 @@ def test_a_server_beyond_loopback_refuses_file_urls(tmp_path) -> None:
     finally:
         server.stop()
     assert r.status_code == 400 and "does not read its own files" in r.json()["error"]["message"]
+
+
+@pytest.mark.parametrize("host, reads", [("127.0.0.1:8080", True), ("localhost", True), ("[::1]:80", True),
+                                         ("evil.example:8080", False), ("127.0.0.1.evil.example", False),
+                                         ("", False)])
+def test_file_urls_need_a_loopback_host_header(tmp_path, host, reads) -> None:
+    """A loopback server reached through a rebound domain (Host: that domain) does not read files."""
+    import types
+
+    import httpx
+
+    from engine.server import ServerConfig, ServerThread
+    picture = tmp_path / "a.png"
+    picture.write_bytes(b"\x89PNG")
+    engine = types.SimpleNamespace(info=types.SimpleNamespace(context=512, has_vision=False))
+    server = ServerThread(engine, ServerConfig("m"), port=0).start()
+    try:
+        r = httpx.post(f"http://127.0.0.1:{server.port}/v1/chat/completions", headers={"Host": host},
+                       json={"model": "m", "messages": [{"role": "user", "content": [
+                           {"type": "image_url", "image_url": {"url": picture.as_uri()}}]}]})
+    finally:
+        server.stop()
+    message = r.json()["error"]["message"]
+    assert r.status_code == 400
+    # a file URL that is read reaches the (absent) vision tower's check; a refused one never gets there
+    assert ("no vision tower" in message) == reads and ("does not read its own files" in message) != reads

@@ -196,8 +196,9 @@ def image_source(url: Any, param: str, file_urls: bool = True) -> bytes | Path:
             raise _bad(f"{param}: a file URL must name a file on this machine, not on {parts.netloc!r}", param,
                        "invalid_image")
         if not file_urls:
-            raise _bad(f"{param}: this server does not read its own files for clients (it listens beyond "
-                       "this machine); send the image as a data: URL (base64)", param, "invalid_image")
+            raise _bad(f"{param}: this server does not read its own files for this request (it listens beyond "
+                       "this machine, or the request's Host is not this machine); send the image as a data: URL "
+                       "(base64)", param, "invalid_image")
         path = Path(urllib.request.url2pathname(parts.path))
         if not path.is_file():
             raise _bad(f"{param}: {path} is not a regular file (missing, a folder or a device)", param,
