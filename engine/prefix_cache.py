@@ -189,7 +189,8 @@ def check_header(hp: Qwen35HParams, identity: str, meta: object, payload_bytes: 
         payload_bytes: bytes between the header and the checksum (tokens and arrays).
     Checks: version, identity, ``pos`` an int in 1..context_length, ``key`` a hex string, ``images``
     position -> hex digest, ``arrays`` exactly :func:`expected_arrays` (plus an optional ``logits`` of
-    (n_vocab,)), every one ``<f4``, and the payload's size = 4 * pos + the arrays' bytes.
+    (n_vocab,)), every one ``<f4``, the payload's size = 4 * pos + the arrays' bytes, ``conversation`` a
+    string, ``created`` and ``hits`` numbers within +-1e18 (not NaN or infinite).
     """
     if not isinstance(meta, dict):
         return "the header is not an object"
@@ -226,8 +227,10 @@ def check_header(hp: Qwen35HParams, identity: str, meta: object, payload_bytes: 
     for name in ("conversation",):
         if not isinstance(meta.get(name, ""), str):
             return f"{name} is not a string"
-    if not all(isinstance(meta.get(name, 0), (int, float)) for name in ("created", "hits")):
-        return "created / hits are not numbers"
+    for name in ("created", "hits"):
+        value = meta.get(name, 0)
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not -1e18 < value < 1e18:
+            return f"{name} is not a number within +-1e18 (got {str(value)[:20]})"
     return None
 
 
@@ -496,7 +499,7 @@ class PrefixCache:
         if fail is None:
             try:
                 meta = json.loads(data[start:start + n_head])
-            except ValueError:
+            except (ValueError, RecursionError):    # not JSON, or nested too deep to parse
                 fail = "unreadable header"
         if fail is None:
             fail = check_header(self.hp, self.identity, meta, len(data) - 32 - start - n_head)

@@ -215,7 +215,9 @@ def _drop(name):
 
 TAMPERS = {
     "pos 10^12": _set("pos", 10**12), "pos 0": _set("pos", 0), "pos a string": _set("pos", "16"),
-    "pos shorter": _set("pos", 15), "arrays null": _set("arrays", None), "header a list": None,
+    "pos shorter": _set("pos", 15), "arrays null": _set("arrays", None), "header a list": b"[1, 2]",
+    "header nested 10^5 deep": b"[" * 100_000 + b"]" * 100_000, "hits infinite": _set("hits", float("inf")),
+    "created 10^400": _set("created", 10**400),
     "another dtype": _array("conv.0", ["<f8", [3, 16]]), "another shape": _array("ssm.0", ["<f4", [2, 4, 5]]),
     "a layer missing": _drop("k.3"), "an extra array": _array("conv.3", ["<f4", [3, 16]]),
     "images not hex": _set("images", {"2": "zz"}), "images a list": _set("images", [1]),
@@ -232,10 +234,10 @@ def test_tampered_header_with_a_valid_checksum_is_skipped(tmp_path, caplog, tamp
     cache.persist()
     [path] = [p for p in tmp_path.rglob("*.snap") if p.stem == chain_keys("m", toks)[16].hex()]
     edit = TAMPERS[tamper]
-    if edit is None:
+    if isinstance(edit, bytes):
         import hashlib
         import struct
-        head = b"[1, 2]"
+        head = edit
         path.write_bytes(FORMAT_MAGIC + struct.pack("<Q", len(head)) + head + hashlib.sha256(head).digest())
     else:
         retamper(path, edit)

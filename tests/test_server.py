@@ -212,6 +212,13 @@ def test_prompt_over_the_context_is_400(server) -> None:
                                                 "context_length_exceeded")
 
 
+def test_text_too_large_for_the_context_whatever_its_tokens_is_400(server, engine) -> None:
+    text = "x" * (CONTEXT * engine.tokenizer.max_token_bytes + 1)    # Engine.render refuses it before tokenizing
+    body = {"model": "tiny", "messages": [{"role": "user", "content": text}], "max_tokens": 2}
+    assert "context window holds 512" in _error(httpx.post(server.url + "/chat/completions", json=body), 400,
+                                                "context_length_exceeded", "messages")
+
+
 def test_too_large_a_body_is_413(engine, lock) -> None:
     srv = ServerThread(engine, ServerConfig("tiny", max_body_bytes=4096), port=0, engine_lock=lock).start()
     try:

@@ -5,11 +5,13 @@ are small, widely used and maintained, and an event loop serves slow streaming c
 thread each while the engine runs one turn at a time on a thread of its own.
 
 Security: the server binds to loopback unless told otherwise, and binding any other address needs an
-API key (:func:`check_bind`), which every ``/v1`` request must then present.
+API key (:func:`check_bind`), which every ``/v1`` request must then present; such a server also refuses
+``file:`` image URLs (``ServerConfig.file_urls``), which would read its own disk for remote clients.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import ipaddress
 import socket
 import threading
@@ -66,6 +68,8 @@ def _bind(host: str, port: int) -> socket.socket:
 
 def _uvicorn_server(engine: Any, config: ServerConfig, host: str, port: int, engine_lock: threading.Lock | None):
     import uvicorn
+    if not is_loopback(host):
+        config = dataclasses.replace(config, file_urls=False)
     app = create_app(engine, config, engine_lock)
     return uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="warning", access_log=False,
                                          timeout_graceful_shutdown=2))

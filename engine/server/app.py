@@ -30,7 +30,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from ..errors import EngineError, ImageError, TemplateError, UnsupportedModelError
+from ..errors import ContextFullError, EngineError, ImageError, TemplateError, UnsupportedModelError
 from ..events import Event, PrefillStats, TokenEvent, TurnSummary
 from .answer import AnswerSplitter
 from .requests import APIError, TurnRequest, chat_request, completion_request
@@ -53,11 +53,18 @@ class ServerConfig:
         api_key: when set, every ``/v1`` request must carry ``Authorization: Bearer <api_key>``
             (compared in constant time, ``hmac.compare_digest``); ``/health`` stays open.
         max_body_bytes: larger request bodies are refused with 413.
+        file_urls: whether ``file:`` image URLs are read from this machine's disk; :func:`engine.server.serve`
+            and :class:`engine.server.ServerThread` turn it off when listening beyond loopback, so that a
+            remote client cannot have the server's own files read. Even when on, a request whose
+            ``Host`` header is not a loopback name or address is refused them: a web page whose domain
+            was re-pointed at 127.0.0.1 (DNS rebinding) reaches a loopback server with its own domain
+            as the host, and could otherwise read the answers about the user's image files.
     """
 
     model_name: str
     api_key: str | None = None
     max_body_bytes: int = DEFAULT_MAX_BODY
+    file_urls: bool = True
 
 
 class _ClientGone(Exception):
@@ -156,12 +163,25 @@ def _error_of(exc: BaseException) -> APIError:
         return exc
     if isinstance(exc, ImageError):
         return APIError(400, str(exc), param="messages", code="invalid_image")
+    if isinstance(exc, ContextFullError):
+        return APIError(400, str(exc), param="messages", code="context_length_exceeded")
     if isinstance(exc, (TemplateError, UnsupportedModelError)):
         return APIError(400, str(exc), param="messages")
     if isinstance(exc, EngineError):
         return APIError(500, str(exc), type="server_error")
     log.error("turn failed", exc_info=exc)
     return APIError(500, f"internal error: {type(exc).__name__}: {exc}", type="server_error")
+
+
+def _loopback_host(header: str) -> bool:
+    """Whether an HTTP ``Host`` header (``name``, ``name:port``, ``[v6]:port``) names this machine only."""
+    from . import is_loopback
+    host = header.strip()
+    if host.startswith("["):
+        host = host[:host.find("]") + 1]
+    elif host.count(":") == 1:
+        host = host.split(":")[0]
+    return bool(host) and is_loopback(host)
 
 
 def _usage(summary: TurnSummary) -> dict[str, Any]:
@@ -301,7 +321,8 @@ def create_app(engine: Any, config: ServerConfig, engine_lock: threading.Lock | 
 
     async def chat_completions(request: Request) -> Response:
         authorize(request)
-        req = chat_request(await read_json(request), config.model_name, context)
+        req = chat_request(await read_json(request), config.model_name, context,
+                           config.file_urls and _loopback_host(request.headers.get("host", "")))
         if not has_vision and any(isinstance(m["content"], list) and any(p["type"] == "image" for p in m["content"])
                                   for m in req.messages or ()):
             raise APIError(400, f"{config.model_name} has no vision tower (serve it with --mmproj FILE), so it "

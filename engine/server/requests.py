@@ -85,6 +85,8 @@ def _number(body: Mapping[str, Any], name: str, low: float | None = None, high: 
         return None
     if isinstance(value, bool) or not isinstance(value, (int, float)) or (integer and not isinstance(value, int)):
         raise _bad(f"{name} must be {'an integer' if integer else 'a number'}, got {value!r}", name)
+    if isinstance(value, int) and abs(value) > 2 ** 63:  # JSON integers are unbounded; floats overflow
+        raise _bad(f"{name} must be at most 2^63 in magnitude, got an integer of {len(str(abs(value)))} digits", name)
     if not math.isfinite(value) or (low is not None and value < low) or (high is not None and value > high):
         bounds = f"[{low if low is not None else '-inf'}, {high if high is not None else 'inf'}]"
         raise _bad(f"{name} must be in {bounds}, got {value!r}", name)
@@ -142,11 +144,11 @@ def sampling_of(body: Mapping[str, Any], context: int, default_max_tokens: int |
     values = {
         "temperature": _number(body, "temperature", 0.0, 2.0),
         "top_p": _number(body, "top_p", 0.0, 1.0),
-        "top_k": _number(body, "top_k", 0, integer=True),
+        "top_k": _number(body, "top_k", -1, integer=True),
         "min_p": _number(body, "min_p", 0.0, 1.0),
         "presence_penalty": _number(body, "presence_penalty", -2.0, 2.0),
         "repetition_penalty": _number(body, "repetition_penalty", 0.0),
-        "seed": _number(body, "seed", integer=True),
+        "seed": _number(body, "seed", 0, integer=True),
     }
     if values["top_k"] == -1:
         values["top_k"] = 0  # vLLM's "off"
@@ -164,12 +166,18 @@ def sampling_of(body: Mapping[str, Any], context: int, default_max_tokens: int |
         raise _bad(str(exc)) from exc
 
 
-def image_source(url: Any, param: str) -> bytes | Path:
+def image_source(url: Any, param: str, file_urls: bool = True) -> bytes | Path:
     """An ``image_url`` part's URL as what the engine reads: the bytes of a ``data:`` URL (base64) or the
-    path of a local ``file:`` URL. Web URLs are not fetched (the server makes no outgoing requests).
+    path of a local ``file:`` URL naming a regular file (not a device such as ``/dev/zero`` or a pipe,
+    which would never end). Web URLs are not fetched (the server makes no outgoing requests).
+
+    Args:
+        file_urls: whether ``file:`` URLs are read at all (False on a server reachable from other
+            machines, whose clients must not read the server's files).
 
     Raises:
-        APIError: not a string, not base64, not a local file URL, or an http(s) URL (400).
+        APIError: not a string, not base64, not a local regular file, a file URL when ``file_urls`` is
+            False, or an http(s) URL (400).
     """
     if not isinstance(url, str) or not url:
         raise _bad(f"{param} must be a data: or file: URL string", param)
@@ -187,13 +195,22 @@ def image_source(url: Any, param: str) -> bytes | Path:
         if parts.netloc not in ("", "localhost"):
             raise _bad(f"{param}: a file URL must name a file on this machine, not on {parts.netloc!r}", param,
                        "invalid_image")
-        return Path(urllib.request.url2pathname(parts.path))
+        if not file_urls:
+            raise _bad(f"{param}: this server does not read its own files for this request (it listens beyond "
+                       "this machine, or the request's Host is not this machine); send the image as a data: URL "
+                       "(base64)", param, "invalid_image")
+        path = Path(urllib.request.url2pathname(parts.path))
+        if not path.is_file():
+            raise _bad(f"{param}: {path} is not a regular file (missing, a folder or a device)", param,
+                       "invalid_image")
+        return path
     raise _bad(f"{param}: {scheme}: URLs are not fetched; send the image as a data: URL (base64) or a file: URL",
                param, "invalid_image")
 
 
-def _content(content: Any, param: str) -> str | list[dict]:
-    """A message's ``content`` in the engine's format: a string, or parts (text and images)."""
+def _content(content: Any, param: str, file_urls: bool) -> str | list[dict]:
+    """A message's ``content`` in the engine's format: a string, or parts (text and images; ``file_urls``
+    as :func:`image_source` takes it)."""
     if content is None or isinstance(content, str):
         return content or ""
     if not isinstance(content, list):
@@ -209,15 +226,15 @@ def _content(content: Any, param: str) -> str | list[dict]:
         elif kind == "image_url":
             image = part.get("image_url")
             url = image.get("url") if isinstance(image, Mapping) else image
-            parts.append({"type": "image", "image": image_source(url, where + ".image_url.url")})
+            parts.append({"type": "image", "image": image_source(url, where + ".image_url.url", file_urls)})
         else:
             raise _bad(f"{where}: part type {kind!r} is not supported (expected 'text' or 'image_url')", where)
     return parts
 
 
-def messages_of(value: Any) -> list[dict]:
+def messages_of(value: Any, file_urls: bool = True) -> list[dict]:
     """The request's ``messages`` in the engine's format (roles, text, image parts; an assistant's
-    ``reasoning_content`` passed on for the template).
+    ``reasoning_content`` passed on for the template); ``file_urls`` as :func:`image_source` takes it.
 
     Raises:
         APIError: not a non-empty list of ``{"role", "content"}`` objects with a known role (400).
@@ -232,7 +249,7 @@ def messages_of(value: Any) -> list[dict]:
         role = ROLES.get(m.get("role")) if isinstance(m.get("role"), str) else None
         if role is None:
             raise _bad(f"{where}.role must be one of {', '.join(ROLES)}, got {m.get('role')!r}", where + ".role")
-        message: dict[str, Any] = {"role": role, "content": _content(m.get("content"), where + ".content")}
+        message: dict[str, Any] = {"role": role, "content": _content(m.get("content"), where + ".content", file_urls)}
         if role == "assistant" and isinstance(m.get("reasoning_content"), str):
             message["reasoning_content"] = m["reasoning_content"]
         out.append(message)
@@ -256,11 +273,12 @@ def _common(body: Any, served: str) -> tuple[str, bool, bool]:
     return model, stream, _flag(options, "include_usage", "stream_options.")
 
 
-def chat_request(body: Any, served: str, context: int) -> TurnRequest:
+def chat_request(body: Any, served: str, context: int, file_urls: bool = True) -> TurnRequest:
     """A ``POST /v1/chat/completions`` body, checked (see the module doc for the fields).
 
     Args:
         served: the model name the server answers to. context: the context window, tokens.
+        file_urls: whether ``file:`` image URLs are read (see :func:`image_source`).
 
     Raises:
         APIError: the body names another model (404) or a field is bad (400).
@@ -270,7 +288,7 @@ def chat_request(body: Any, served: str, context: int) -> TurnRequest:
                    "frequency_penalty": 0, "logit_bias": {}, "response_format": {"type": "text"}})
     kwargs = _object(body, "chat_template_kwargs")
     thinking = _flag(kwargs, "enable_thinking", "chat_template_kwargs.")
-    return TurnRequest(model, messages_of(body.get("messages")), None, sampling_of(body, context), thinking,
+    return TurnRequest(model, messages_of(body.get("messages"), file_urls), None, sampling_of(body, context), thinking,
                        _stop(body), stream, usage)
 
 
