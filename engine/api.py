@@ -342,12 +342,7 @@ class Engine:
         """
         template = self.tokenizer.chat_template or _chatml()
         size = _text_bytes(messages)
-        per_token = self.tokenizer.max_token_bytes
-        if size > self.context * per_token:
-            raise ContextFullError(
-                f"The conversation holds {size:,} bytes of text, at least {-(-size // per_token):,} tokens "
-                f"(a token stands for at most {per_token} bytes), but the context window holds "
-                f"{self.context:,} tokens: shorten it or start a new conversation.")
+        self._check_text_fits(size, "The conversation", "shorten it or start a new conversation")
         escaped, literals = self.tokenizer.escape_messages(messages, template.source)
         text = template.render(escaped, add_generation_prompt=True, enable_thinking=enable_thinking, room=size)
         return self.tokenizer.encode_rendered(text, literals)
@@ -518,12 +513,29 @@ class Engine:
 
         Raises:
             EngineError: ``text`` is empty (there is nothing to continue).
+            ContextFullError: ``text`` is too large for the context window whatever its tokens (as in
+                :meth:`render`); one merely longer in tokens ends its turn with stop reason "context_full".
         """
         started = time.perf_counter()
+        self._check_text_fits(_text_bytes(text), "The prompt", "shorten it")
         ids = self.tokenizer.encode(text, special=True)
         if not ids:
             raise EngineError("raw completion needs a prompt: the text is empty")
         return self.generate(ids, sampling, cancel, started=started)
+
+    def _check_text_fits(self, size: int, what: str, advice: str) -> None:
+        """Refuse text of ``size`` UTF-8 bytes that is more tokens than the context holds whatever its
+        tokens (each stands for at most ``Tokenizer.max_token_bytes``), before tokenizing it.
+
+        Raises:
+            ContextFullError: naming ``what``, its size, the context window and ``advice``.
+        """
+        per_token = self.tokenizer.max_token_bytes
+        if size > self.context * per_token:
+            raise ContextFullError(
+                f"{what} holds {size:,} bytes of text, at least {-(-size // per_token):,} tokens "
+                f"(a token stands for at most {per_token} bytes), but the context window holds "
+                f"{self.context:,} tokens: {advice}.")
 
     def prefill_ahead(self, messages: Sequence[Message], enable_thinking: bool = False,
                       cancel: threading.Event | None = None, conversation: str = "") -> PrefillStats | None:

@@ -219,6 +219,13 @@ def test_text_too_large_for_the_context_whatever_its_tokens_is_400(server, engin
                                                 "context_length_exceeded", "messages")
 
 
+def test_a_raw_prompt_too_large_for_the_context_whatever_its_tokens_is_400(server, engine) -> None:
+    text = "x" * (CONTEXT * engine.tokenizer.max_token_bytes + 1)    # refused before tokenizing
+    body = {"model": "tiny", "prompt": text, "max_tokens": 2}
+    message = _error(httpx.post(server.url + "/completions", json=body), 400, "context_length_exceeded")
+    assert "context window holds 512" in message and f"{len(text):,} bytes of text" in message
+
+
 def test_too_large_a_body_is_413(engine, lock) -> None:
     srv = ServerThread(engine, ServerConfig("tiny", max_body_bytes=4096), port=0, engine_lock=lock).start()
     try:
