@@ -286,6 +286,11 @@ def _chunk(line: str, url: str) -> Any:
     return chunk
 
 
+def _count(value: Any) -> int | None:
+    """A server's token count when it is one (a non-negative integer, not a bool), else None."""
+    return value if isinstance(value, int) and not isinstance(value, bool) and value >= 0 else None
+
+
 class _StreamState:
     """What one streamed answer has brought so far."""
 
@@ -305,7 +310,8 @@ class _StreamState:
             self.usage = chunk["usage"]
         choices = chunk.get("choices") or []
         choice = choices[0] if isinstance(choices, list) and choices and isinstance(choices[0], Mapping) else {}
-        self.finish = choice.get("finish_reason") or self.finish
+        finish = choice.get("finish_reason")
+        self.finish = finish if isinstance(finish, str) and finish else self.finish
         delta = choice.get("delta") if isinstance(choice.get("delta"), Mapping) else {}
         text = self._text(delta.get("reasoning_content") or delta.get("reasoning"), delta.get("content"))
         if not text:
@@ -339,14 +345,14 @@ class _StreamState:
 
     def summary(self, reason: str, message: str, started: float) -> TurnSummary:
         details = self.usage.get("prompt_tokens_details")
-        cached = details.get("cached_tokens") if isinstance(details, Mapping) else None
-        prompt = self.usage.get("prompt_tokens")
-        generated = self.usage.get("completion_tokens")
+        cached = _count(details.get("cached_tokens")) if isinstance(details, Mapping) else None
+        prompt = _count(self.usage.get("prompt_tokens"))
+        generated = _count(self.usage.get("completion_tokens"))
         decode_ms = sum(self.ms[1:])
         return TurnSummary(
-            stop_reason=reason, message=message, prompt_tokens=prompt if isinstance(prompt, int) else 0,
-            reused_tokens=cached if isinstance(cached, int) else 0,
-            generated_tokens=generated if isinstance(generated, int) else len(self.texts),
+            stop_reason=reason, message=message, prompt_tokens=prompt if prompt is not None else 0,
+            reused_tokens=cached if cached is not None else 0,
+            generated_tokens=generated if generated is not None else len(self.texts),
             ttft_ms=self.ttft_ms, prefill_tok_s=0.0,
             decode_tok_s=(len(self.ms) - 1) / (decode_ms / 1e3) if decode_ms > 0 else 0.0,
             text="".join(self.texts), token_ms=tuple(self.ms))

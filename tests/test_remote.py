@@ -175,3 +175,18 @@ def test_reasoning_content_is_rewrapped_for_the_app() -> None:
             srv.close()
         assert got.text == text and got.stop_reason == "eos"
         assert (got.prompt_tokens, got.reused_tokens, got.generated_tokens) == (9, 6, 4)
+
+
+def test_hostile_finish_reason_and_usage_values_are_ignored() -> None:
+    """A server's odd finish_reason (a list) or usage counts (negative, true, text) are not trusted:
+    the turn still ends with a summary, counting what arrived."""
+    chunks = (delta("Hi") + b'data: {"choices": [{"delta": {}, "finish_reason": ["stop"]}]}\n\n'
+              b'data: {"choices": [], "usage": {"prompt_tokens": -9, "completion_tokens": true, '
+              b'"prompt_tokens_details": {"cached_tokens": "6"}}}\n\ndata: [DONE]\n\n')
+    srv = RawServer(sse_head() + chunks)
+    try:
+        _, got = _turn(RemoteEngine(srv.url, "m", timeout=5).chat(HI))
+    finally:
+        srv.close()
+    assert got.text == "Hi" and got.stop_reason == "eos"
+    assert (got.prompt_tokens, got.reused_tokens, got.generated_tokens) == (0, 0, 1)
