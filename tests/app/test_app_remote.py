@@ -47,11 +47,14 @@ def test_the_window_chats_with_a_remote_engine(qtbot, make_window, served) -> No
     with lock:
         want = [e for e in engine.chat([{"role": "user", "content": "Say hello."}], SamplingParams.greedy(6))
                 if isinstance(e, TurnSummary)][-1]
+    qtbot.waitUntil(lambda: _answers(window)[-1].state == "complete", timeout=10000)   # stored on the history thread
     first = _answers(window)[-1]
-    assert first.state == "complete" and first.content == want.text.lstrip()
+    assert first.content == want.text.lstrip()
     assert first.stats["prompt_tokens"] == want.prompt_tokens and first.stats["generated_tokens"] == 6
     with qtbot.waitSignal(window.controller.busy_changed, timeout=60000, check_params_cb=lambda busy: not busy):
         assert window.controller.regenerate(first.id)          # the same prompt: resumed whole on the server
+    qtbot.waitUntil(lambda: _answers(window)[-1].id != first.id and _answers(window)[-1].state == "complete",
+                    timeout=10000)
     again = _answers(window)[-1]
     assert again.id != first.id
     assert again.content == first.content and again.stats["reused_tokens"] == want.prompt_tokens
