@@ -5,13 +5,16 @@ merger) on the synthetic shape scenes of :mod:`training.data`.
     python training/train.py --out runs/demo                  # CUDA if present, else CPU; fills --minutes
     python training/train.py --out runs/demo --steps 3000     # exactly 3000 steps
 
-The shipped model (MODEL_CARD.md) is four stages on one H200; between stages 2, 3 and 4 the run went
-through the shipped Q8_0 files (``export.py``, then ``import_gguf.py``, see the card):
+The shipped model (MODEL_CARD.md) is six stages on one H200; between stages 2, 3, 4 and 5 the run went
+through the shipped Q8_0 files (``export.py``, then ``import_gguf.py``, see the card; stages 1-4 were
+trained before ``data.training_sample`` mixed in varied scenes, stages 5-6 with them):
 
     python training/train.py --out runs/3 --steps 960 --stop-after 803 --workers 15
     python training/train.py --out runs/4 --init runs/3 --steps 200 --warmup 10 --lr 2.5e-4 --workers 15
     python training/train.py --out runs/5 --init runs/4q --steps 850 --stop-after 564 --warmup 20 --lr 3e-4 --workers 14
     python training/train.py --out runs/6 --init runs/5q --steps 800 --warmup 20 --lr 1.5e-4 --workers 15
+    python training/train.py --out runs/7 --init runs/0q --steps 539 --warmup 20 --lr 3e-4 --workers 15
+    python training/train.py --out runs/8 --init runs/7 --steps 334 --stop-after 249 --warmup 10 --lr 1.5e-4 --workers 15
 
 Fixed seeds: sample ``i`` of the data stream is a pure function of ``i``, batches are consecutive
 indices, and torch is seeded, so a run with the same ``--steps`` reproduces the weights up to the
