@@ -27,7 +27,7 @@ class RawServer:
             except OSError:
                 return
             self.conns.append(conn)
-            conn.recv(65536)
+            _read_request(conn)
             if self.reply is not None:
                 conn.sendall(self.reply)
                 conn.close()
@@ -36,6 +36,25 @@ class RawServer:
         self.sock.close()
         for c in self.conns:
             c.close()
+
+
+def _read_request(conn: socket.socket) -> None:
+    """Read one whole request (headers, then Content-Length bytes of body): a socket closed with unread
+    bytes sends a reset instead of an orderly end of stream, which the client then reports as one."""
+    data = b""
+    while b"\r\n\r\n" not in data:
+        chunk = conn.recv(65536)
+        if not chunk:
+            return
+        data += chunk
+    head, body = data.split(b"\r\n\r\n", 1)
+    length = next((int(line.split(b":", 1)[1]) for line in head.split(b"\r\n")[1:]
+                   if line.lower().startswith(b"content-length:")), 0)
+    while len(body) < length:
+        chunk = conn.recv(65536)
+        if not chunk:
+            return
+        body += chunk
 
 
 def sse_head() -> bytes:
