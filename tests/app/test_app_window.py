@@ -483,7 +483,7 @@ def test_the_window_turns_dark_and_light_with_the_desktop(qtbot, make_window):
 def test_other_chats_stay_usable_while_one_answers_and_their_sends_wait_their_turn(qtbot, make_window):
     from app.conversations import ActivityRole
 
-    engine = FakeEngine(tokens=["a "] * 3000, token_ms=2.0)
+    engine = FakeEngine(tokens=["a "] * 3000, token_ms=5.0)       # 15 s: still answering when the test stops it
     window = make_window(engine)
     first = window.controller.conversation_id
     window.composer.editor.setPlainText("long answer please")
@@ -496,7 +496,7 @@ def test_other_chats_stay_usable_while_one_answers_and_their_sends_wait_their_tu
     qtbot.waitUntil(lambda: len(window.chat_view.widgets) == 2)
     assert window.composer.editor.toPlainText() == "" and window.composer.send_button.text() == "Stop"
     waiting = window.chat_view.widgets[-1]
-    assert waiting.stats_label.text().startswith("Waiting for the engine")
+    qtbot.waitUntil(lambda: waiting.stats_label.text().startswith("Waiting for the engine"))
     assert window.controller.activity() == {first: "answering", second: "waiting"}
     model = window.conversations
     assert model.index(model.row_of(first)).data(ActivityRole) == "answering"
