@@ -38,10 +38,11 @@ def shown_ids(window):
 
 
 def new_conversation(qtbot, window):
-    """Create a conversation from the window and wait until it is the one shown."""
+    """Create a conversation from the window and wait until it is the one shown (the view is
+    emptied when its branch arrives from the history thread, which can be after the id changes)."""
     before = window.controller.conversation_id
     window.new_conversation()
-    qtbot.waitUntil(lambda: window.controller.conversation_id != before)
+    qtbot.waitUntil(lambda: window.controller.conversation_id != before and not window.chat_view.widgets)
     return window.controller.conversation_id
 
 
@@ -252,7 +253,7 @@ def test_a_failed_load_refuses_to_send_and_clears_the_old_models_figures(qtbot, 
 
 
 def test_switch_conversations_mid_stream(qtbot, make_window):
-    engine = FakeEngine(tokens=["z"] * 400, token_ms=2.0)
+    engine = FakeEngine(tokens=["z"] * 1500, token_ms=2.0)      # 3 s: still streaming when switched back
     window = make_window(engine)
     first = window.controller.conversation_id
     window.composer.editor.setPlainText("long one")
@@ -266,8 +267,8 @@ def test_switch_conversations_mid_stream(qtbot, make_window):
         qtbot.waitUntil(lambda: len(window.chat_view.widgets) == 2)
         widget = window.chat_view.widgets[-1]
         assert widget.streaming and widget.raw == window.controller.live.text
-    assert path_of(window, first)[-1].content == "z" * 400
-    assert window.chat_view.widgets[-1].raw == "z" * 400
+    assert path_of(window, first)[-1].content == "z" * 1500
+    assert window.chat_view.widgets[-1].raw == "z" * 1500
 
 
 def test_partial_answer_is_saved_every_few_seconds(qtbot, make_window):
@@ -493,10 +494,10 @@ def test_other_chats_stay_usable_while_one_answers_and_their_sends_wait_their_tu
     assert window.composer.send_button.text() == "Send" and window.composer.send_button.isEnabled()
     window.composer.editor.setPlainText("a question while the other chat answers")
     qtbot.keyClick(window.composer.editor, Qt.Key_Return)
-    qtbot.waitUntil(lambda: len(window.chat_view.widgets) == 2)
+    qtbot.waitUntil(lambda: [w.message.role for w in window.chat_view.widgets] == ["user", "assistant"]
+                    and window.chat_view.widgets[0].message.content.startswith("a question"))
     assert window.composer.editor.toPlainText() == "" and window.composer.send_button.text() == "Stop"
-    waiting = window.chat_view.widgets[-1]
-    qtbot.waitUntil(lambda: waiting.stats_label.text().startswith("Waiting for the engine"))
+    qtbot.waitUntil(lambda: window.chat_view.widgets[-1].stats_label.text().startswith("Waiting for the engine"))
     assert window.controller.activity() == {first: "answering", second: "waiting"}
     model = window.conversations
     assert model.index(model.row_of(first)).data(ActivityRole) == "answering"
