@@ -2,7 +2,7 @@
 
 The kernels are a cffi API-mode extension (``engine._native_cpu``, see native/cpu/build.py),
 declared optional: a failed build (no C compiler, an old one) does not fail the install, setuptools
-warns "building extension ... failed" and ``engine.backends.cpu`` runs its numpy fallback.
+warns "building extension ... failed" and ``engine.kernels.cpu`` runs its numpy fallback.
 The per-ISA kernel files are compiled here with their own flags and linked into the extension.
 """
 

@@ -13,7 +13,7 @@
   random vision tower ``FILE-mmproj.gguf`` (``--no-mmproj`` skips it).
 - ``bench MODEL.gguf [--threads N ...] [--isa L ...] [--prompt N] [--gen N] [--llama-cpp [--llama-python PY]]``:
   prompt and decode tok/s of the native CPU model per thread count and ISA level, the bandwidth
-  roofline fraction, and llama.cpp on the same file (see :mod:`engine.backends.cpu_bench`).
+  roofline fraction, and llama.cpp on the same file (see :mod:`engine.tools.cpu_bench`).
 - ``prune MODEL.gguf --keep N -o OUT.gguf [--method reap|frequency] [--calib FILE.jsonl] [--images DIR]
   [--max-tokens T] [--stats FILE.json] [--mmproj V]``: REAP (or frequency) expert pruning to N experts per
   layer (:mod:`engine.prune`); the calibration statistics are saved to and reused from ``--stats``
@@ -232,14 +232,14 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 
 def cmd_synth(args: argparse.Namespace) -> int:
-    from .synth import synth
+    from .arch.qwen35.synth import synth
     t0 = time.perf_counter()
     synth(args.output, args.preset, layers=args.layers, experts=args.experts, quant=args.quant,
           seed=args.seed)
     size = Path(args.output).stat().st_size
     print(f"wrote {args.output}: {size / 2**20:.1f} MiB in {time.perf_counter() - t0:.1f} s", file=sys.stderr)
     if not args.no_mmproj:
-        from .synth import synth_mmproj_for
+        from .tools.synth import synth_mmproj_for
         out = Path(args.output)
         mmproj = synth_mmproj_for(out.with_name(out.stem + "-mmproj.gguf"), args.preset, seed=args.seed)
         print(f"wrote {mmproj}: {mmproj.stat().st_size / 2**20:.1f} MiB", file=sys.stderr)
@@ -247,7 +247,8 @@ def cmd_synth(args: argparse.Namespace) -> int:
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
-    from .backends import cpu, cpu_bench
+    from .kernels import cpu
+    from .tools import cpu_bench
     if not cpu.available():
         print("error: the native CPU kernels are not built: nothing to benchmark", file=sys.stderr)
         return 2
@@ -259,7 +260,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
             import platformdirs
 
-            from .backends.cpu_bench import llama_venv
+            from .tools.cpu_bench import llama_venv
             llama_python = sys.executable if importlib.util.find_spec("llama_cpp") else llama_venv(
                 Path(platformdirs.user_cache_dir("deltadesk")) / "llama-cpp-venv", print)
     cpu_bench.run(args.model, args.threads or sorted({1, cpu.physical_cores()}),

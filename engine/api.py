@@ -29,10 +29,9 @@ from .errors import (ContextFullError, DeviceBudgetError, DeviceError, EngineErr
                      ModelFormatError, TemplateError, UnsupportedModelError)
 from .events import Event
 from .gguf_file import GGUFFile
-from .mmproj import MAX_PIXELS_KEY, load_mmproj
-from .models.qwen35 import Qwen35Model
-from .images import MIN_PIXELS, max_resized_pixels, prepare_image
-from .models.vision import EncodedImage, ImageEncoder, mrope_positions
+from .images import ImageSource
+from .registry import GpuPrefill, TextModel, vision_arch
+from .vision import EncodedImage, ImageEncoder, load_projector
 from .prefix_cache import PrefixCache, SnapshotInfo
 from .events import PrefillStats
 from .prune import pruning_summary
@@ -70,7 +69,7 @@ class EngineOptions:
         image_max_pixels: largest area an image is resized to before the vision tower, pixels
             (every 1024 pixels = one image token; lower it to bound CPU time). A projector that stores
             ``clip.vision.image_max_pixels`` (the bundled demo's: the sizes it was trained on) lowers it
-            further (:meth:`engine.mmproj.VisionHParams.pixel_bounds`).
+            further (:meth:`engine.arch.qwen3vl.mmproj.VisionHParams.pixel_bounds`).
         device: where prefill and the vision tower run: "auto" (the GPU when one works, else the
             CPU), "cuda" or "cpu". Any GPU failure falls back to the CPU with a message
             (``ModelInfo.device_note`` for prefill, ``ModelInfo.vision_note`` for images).
@@ -84,7 +83,7 @@ class EngineOptions:
             routed expert once; a few tokens are faster on the CPU).
         threads: CPU kernel threads (None = physical cores); process-wide.
         kernels: "native" runs the CPU model on the SIMD kernels when the extension is built
-            (:class:`engine.backends.cpu_model.NativeQwen35Model`, W4A8: activations quantized to
+            (:class:`engine.arch.qwen35.cpu.NativeQwen35Model`, W4A8: activations quantized to
             8 bits inside Q4_0/Q8_0 products), else the numpy reference; "numpy" forces the reference.
     """
 
@@ -178,7 +177,7 @@ class ChatEngine(Protocol):
     def clear_snapshots(self, key: str | None = None) -> None:
         """Drop one prefix snapshot or all of them."""
 
-    def image_size(self, source: Any) -> tuple[int, int]:
+    def image_size(self, source: ImageSource) -> tuple[int, int]:
         """(height, width) an image has when it reaches the vision tower.
 
         Raises:
@@ -197,8 +196,8 @@ class Engine:
     thread) raise :class:`~engine.errors.EngineError` at once instead of running alongside it.
     """
 
-    def __init__(self, gguf: GGUFFile, tokenizer: Tokenizer, model: Qwen35Model,
-                 options: EngineOptions, vision: ImageEncoder | None = None, gpu: Any = None,
+    def __init__(self, gguf: GGUFFile, tokenizer: Tokenizer, model: TextModel,
+                 options: EngineOptions, vision: ImageEncoder | None = None, gpu: GpuPrefill | None = None,
                  device_note: str = "") -> None:
         self.gguf = gguf
         self.vision = vision
@@ -269,7 +268,7 @@ class Engine:
             vision = None
             if mmproj_path is not None:
                 stage("loading the vision tower")
-                mm = load_mmproj(mmproj_path)
+                _, mm = load_projector(mmproj_path)
                 if mm.hparams.out_dim != gguf.hparams.n_embd:
                     raise ModelFormatError(
                         f"{mmproj_path}: clip.vision.projection_dim = {mm.hparams.out_dim} does not match the text "
@@ -277,8 +276,8 @@ class Engine:
                 tower, vision_note = _open_vision_gpu(mm, options)
                 vision = ImageEncoder(mm, max_pixels=options.image_max_pixels, gpu=tower, device_note=vision_note)
                 if vision.max_pixels < options.image_max_pixels:
-                    log.info("images are resized to at most %d pixels (%s: %s)", vision.max_pixels,
-                             Path(mmproj_path).name, MAX_PIXELS_KEY)
+                    log.info("images are resized to at most %d pixels (the bound %s stores)", vision.max_pixels,
+                             Path(mmproj_path).name)
             if options.device != "cpu":
                 stage("placing weights on the GPU")
             gpu, note = _open_gpu(gguf, options, vision)
@@ -307,7 +306,7 @@ class Engine:
                          pruning=pruning_summary(self.gguf))
 
     def telemetry(self) -> Any:
-        """The last GPU prefill's :class:`~engine.backends.cuda_plan.PrefillTelemetry` (H2D bytes and
+        """The last GPU prefill's :class:`~engine.arch.qwen35.cuda_plan.PrefillTelemetry` (H2D bytes and
         GB/s, VRAM used/free/budget, per-layer ms), or None when prefill runs on the CPU."""
         return None if self.gpu is None else self.gpu.last_telemetry
 
@@ -390,7 +389,8 @@ class Engine:
             raise TemplateError(f"{self.gguf.source}: the chat template wrote {len(spans)} image placeholders "
                                 f"for {len(encoded)} images")
         try:
-            positions = mrope_positions(tokens, [img.grid for img in encoded], self._image_pad, self._vision_start)
+            positions = self.vision.arch.positions(tokens, [img.grid for img in encoded], self._image_pad,
+                                                   self._vision_start)
         except ValueError as exc:
             raise TemplateError(f"{self.gguf.source}: the prompt's image tokens are malformed: {exc}") from exc
         return Prompt(tokens, positions, spans, encoded)
@@ -648,7 +648,7 @@ class Engine:
                 finally:
                     self._busy.release()
 
-    def image_size(self, source: Any) -> tuple[int, int]:
+    def image_size(self, source: ImageSource) -> tuple[int, int]:
         """(height, width) in pixels an image will have when it reaches the vision tower.
 
         Raises:
@@ -656,11 +656,7 @@ class Engine:
         """
         if self.vision is None:
             raise UnsupportedModelError(f"{self.gguf.path.name}: no vision tower (mmproj file) is loaded")
-        hp = self.vision.tower.hp
-        return prepare_image(source, patch=hp.patch_size, merge=hp.merge, temporal=hp.temporal_patch,
-                             mean=hp.image_mean, std=hp.image_std, min_pixels=min(self.vision.min_pixels,
-                             self.vision.max_pixels), max_pixels=self.vision.max_pixels,
-                             max_input_pixels=self.vision.max_input_pixels).size
+        return self.vision.image_size(source)
 
 
 @dataclass(frozen=True)
@@ -698,7 +694,7 @@ def _text_bytes(value: Any) -> int:
     return 0
 
 
-def _text_model(gguf: GGUFFile, options: EngineOptions) -> Qwen35Model:
+def _text_model(gguf: GGUFFile, options: EngineOptions) -> TextModel:
     """The CPU text model ``options.kernels`` asks for (the numpy reference when the native kernels are not built).
 
     Raises:
@@ -706,31 +702,24 @@ def _text_model(gguf: GGUFFile, options: EngineOptions) -> Qwen35Model:
     """
     if options.kernels not in ("native", "numpy"):
         raise EngineError(f"kernels must be 'native' or 'numpy', got {options.kernels!r}")
-    from .backends import cpu
+    from .kernels import cpu
     cpu.set_threads(options.threads)
     if options.kernels == "native" and cpu.available():
-        from .backends.cpu_model import NativeQwen35Model
-        return NativeQwen35Model(gguf.hparams, gguf)
-    return Qwen35Model(gguf.hparams, gguf)
+        return gguf.text_arch.native_model(gguf.hparams, gguf)
+    return gguf.text_arch.reference_model(gguf.hparams, gguf)
 
 
 def _open_vision_gpu(mm: Any, options: EngineOptions) -> tuple[Any, str]:
     """The GPU vision tower and "", or None and why not; a device failure is never raised.
 
-    The tower reserves activation buffers for the most patches an image can have under
-    ``options.image_max_pixels`` narrowed by the projector's own bound
-    (:meth:`engine.mmproj.VisionHParams.pixel_bounds`; :func:`engine.images.max_resized_pixels`: a very
-    elongated image can exceed the area bound) and must fit ``options.vram_budget`` (weights included).
+    The tower (its architecture's ``cuda_tower``) reserves activation buffers for the largest image
+    ``options.image_max_pixels`` allows and must fit ``options.vram_budget`` (weights included).
     """
     if options.device == "cpu":
         return None, ""
-    from .backends.cuda_vision import CudaVisionTower
-    hp = mm.hparams
-    # below factor**2 every encode fails anyway
-    min_px, max_px = hp.pixel_bounds(MIN_PIXELS, max(options.image_max_pixels, hp.factor ** 2))
-    reserve = max_resized_pixels(hp.factor, min_px, max_px) // hp.patch_size ** 2
+    arch = vision_arch(mm.projector_type, str(mm.path))
     try:
-        tower = CudaVisionTower(mm, reserve_patches=reserve, budget_bytes=options.vram_budget)
+        tower = arch.cuda_tower(mm, options.image_max_pixels, options.vram_budget)
     except DeviceError as exc:
         note = f"No GPU vision tower ({exc}): images are encoded on the CPU"
         if options.device == "cuda":
@@ -751,13 +740,12 @@ def _open_gpu(gguf: GGUFFile, options: EngineOptions, vision: ImageEncoder | Non
     """
     if options.device == "cpu":
         return None, ""
-    from .backends.cuda import CudaPrefill
     tower = vision.gpu if vision is not None else None
     reserved = tower.vram_bytes if tower is not None else 0
     budget = None if options.vram_budget is None else options.vram_budget - reserved
     try:
         try:
-            gpu = CudaPrefill(gguf.hparams, gguf, budget)
+            gpu = gguf.text_arch.cuda_prefill(gguf.hparams, gguf, budget)
         except DeviceBudgetError as exc:
             if tower is None:
                 raise
@@ -765,7 +753,7 @@ def _open_gpu(gguf: GGUFFile, options: EngineOptions, vision: ImageEncoder | Non
             vision.device_note = (f"The GPU vision tower was released so that GPU prefill fits the VRAM budget "
                                   f"({exc}): images are encoded on the CPU")
             log.warning(vision.device_note)
-            gpu = CudaPrefill(gguf.hparams, gguf, options.vram_budget)
+            gpu = gguf.text_arch.cuda_prefill(gguf.hparams, gguf, options.vram_budget)
     except DeviceError as exc:
         note = f"No GPU prefill ({exc}): prefill runs on the CPU"
         if options.device == "cuda":
@@ -853,7 +841,7 @@ def default_model() -> tuple[Path, Path | None]:
     bundled = bundled_model()
     if bundled is not None:
         return bundled
-    from .synth import synth, synth_mmproj_for
+    from .arch.qwen35.synth import synth, synth_mmproj_for
     folder = Path(platformdirs.user_cache_dir("deltadesk")) / "models"
     path, mmproj = folder / "synth-tiny-q8_0.gguf", folder / "synth-tiny-mmproj-f16.gguf"
     try:

@@ -14,7 +14,8 @@ length is checked against the bytes left in the file *before* anything is alloca
 failure is a :class:`~engine.errors.ModelFormatError` naming the file and the key or tensor.
 Tensor data stays in a read-only ``numpy.memmap``: opening touches only the header pages.
 
-Expected tensors and shapes come from ``../shared/spec/qwen35moe.md`` table 2 (:func:`tensor_shapes`).
+Which tensors and shapes a file must hold comes from its architecture (:func:`engine.registry.text_arch`
+of ``general.architecture``; for Qwen3.5/3.6 :func:`engine.arch.qwen35.tensors.tensor_shapes`).
 """
 
 from __future__ import annotations
@@ -29,9 +30,9 @@ from typing import Any
 import numpy as np
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFValueType
 
-from . import hparams as _hparams
 from .errors import ModelFormatError, UnsupportedModelError
 from .quant import check_supported, dequantize, row_bytes, type_name
+from .registry import TextArch, text_arch
 
 _MAX_HEADER = 1 << 30        # metadata + tensor table; real files have ~10 MB
 _MAX_STRING = 64 << 20       # one metadata string (chat templates are ~20 KB)
@@ -111,66 +112,6 @@ class _View:
     def rows(self) -> int:
         """Rows per slab (ne1 of the view; 1 for a 1-D tensor)."""
         return self.info.ne[1] if len(self.info.ne) > 1 else 1
-
-
-def tensor_shapes(hp: _hparams.Qwen35HParams) -> dict[str, tuple[int, ...]]:
-    """Every trunk tensor the architecture reads, under its split name, with its GGUF ``ne``.
-
-    From spec table 2 (llama.cpp ``llama-model.cpp``, ``LLM_ARCH_QWEN35MOE`` / ``LLM_ARCH_QWEN35``):
-    all layers have ``attn_norm`` and ``post_attention_norm``; Gated DeltaNet layers
-    ``attn_qkv, attn_gate, ssm_beta, ssm_alpha, ssm_conv1d, ssm_dt.bias, ssm_a, ssm_norm, ssm_out``;
-    full-attention layers ``attn_q`` (q and gate per head), ``attn_k, attn_v, attn_output,
-    attn_q_norm, attn_k_norm``; MoE layers the router, routed experts (``ne2`` = expert) and, when
-    ``n_ff_shexp`` > 0, the shared expert; dense layers ``ffn_gate, ffn_up, ffn_down``. MTP blocks
-    (``il >= n_layer``) are not listed. ``output.weight`` is listed but optional (absent = tied).
-
-    Returns:
-        name -> ne tuple, in file order (token_embd, blocks, output_norm, output).
-    """
-    d, hd = hp.n_embd, hp.head_dim
-    t: dict[str, tuple[int, ...]] = {"token_embd.weight": (d, hp.n_vocab)}
-    for il in range(hp.n_layer):
-        p = f"blk.{il}."
-        t[p + "attn_norm.weight"] = (d,)
-        t[p + "post_attention_norm.weight"] = (d,)
-        if hp.is_recurrent(il):
-            t[p + "attn_qkv.weight"] = (d, hp.conv_dim)
-            t[p + "attn_gate.weight"] = (d, hp.value_dim)
-            t[p + "ssm_beta.weight"] = (d, hp.num_v_heads)
-            t[p + "ssm_alpha.weight"] = (d, hp.num_v_heads)
-            t[p + "ssm_conv1d.weight"] = (hp.conv_kernel, hp.conv_dim)
-            t[p + "ssm_dt.bias"] = (hp.num_v_heads,)
-            t[p + "ssm_a"] = (hp.num_v_heads,)
-            t[p + "ssm_norm.weight"] = (hp.head_v_dim,)
-            t[p + "ssm_out.weight"] = (hp.value_dim, d)
-        else:
-            t[p + "attn_q.weight"] = (d, 2 * hp.n_head * hd)
-            t[p + "attn_k.weight"] = (d, hp.n_head_kv * hd)
-            t[p + "attn_v.weight"] = (d, hp.n_head_kv * hd)
-            t[p + "attn_output.weight"] = (hp.n_head * hd, d)
-            t[p + "attn_q_norm.weight"] = (hd,)
-            t[p + "attn_k_norm.weight"] = (hd,)
-        if hp.is_moe:
-            t[p + "ffn_gate_inp.weight"] = (d, hp.n_expert)
-            t[p + "ffn_gate_exps.weight"] = (d, hp.n_ff_exp, hp.n_expert)
-            t[p + "ffn_up_exps.weight"] = (d, hp.n_ff_exp, hp.n_expert)
-            t[p + "ffn_down_exps.weight"] = (hp.n_ff_exp, d, hp.n_expert)
-            if hp.n_ff_shexp > 0:
-                t[p + "ffn_gate_inp_shexp.weight"] = (d,)
-                t[p + "ffn_gate_shexp.weight"] = (d, hp.n_ff_shexp)
-                t[p + "ffn_up_shexp.weight"] = (d, hp.n_ff_shexp)
-                t[p + "ffn_down_shexp.weight"] = (hp.n_ff_shexp, d)
-        else:
-            t[p + "ffn_gate.weight"] = (d, hp.n_ff)
-            t[p + "ffn_up.weight"] = (d, hp.n_ff)
-            t[p + "ffn_down.weight"] = (hp.n_ff, d)
-    t["output_norm.weight"] = (d,)
-    t["output.weight"] = (d, hp.n_vocab)
-    return t
-
-
-OPTIONAL_TENSORS = frozenset({"output.weight"})
-"""Tensors of :func:`tensor_shapes` a file may omit (``output.weight`` absent = tied to ``token_embd``)."""
 
 
 class _HeaderReader:
@@ -356,6 +297,55 @@ def _parse_header(r: _HeaderReader) -> tuple[dict[str, Any], dict[str, tuple[int
     return meta, records, tensors, data_start
 
 
+def _map(source: str) -> tuple[np.ndarray, _HeaderReader]:
+    """Memory-map ``source`` read-only; the map and a header reader over it.
+
+    Raises:
+        ModelFormatError: the file cannot be opened or is shorter than a GGUF header.
+    """
+    try:
+        size = os.path.getsize(source)
+        if size < 24:
+            raise ModelFormatError(f"{source}: file is {size} bytes, too short for a GGUF header (24 bytes)")
+        data = np.asarray(np.memmap(source, dtype=np.uint8, mode="r"))
+    except OSError as e:
+        raise ModelFormatError(f"{source}: cannot open: {e.strerror or e}") from e
+    return data, _HeaderReader(data, source)
+
+
+def _parse(reader: _HeaderReader) -> tuple[dict[str, Any], dict[str, tuple[int, int]], list[_Stored], int]:
+    """:func:`_parse_header` with every low-level failure turned into a ModelFormatError naming the offset."""
+    try:
+        return _parse_header(reader)
+    except (ValueError, OverflowError, struct.error, MemoryError) as e:
+        raise ModelFormatError(f"{reader.source}: malformed GGUF header near offset {reader.off}: {e}") from e
+
+
+def _python(value: Any) -> Any:
+    """A metadata value as python data (numpy arrays and lists become new lists)."""
+    if isinstance(value, np.ndarray):
+        return value.tolist()
+    if isinstance(value, list):
+        return list(value)
+    return value
+
+
+def read_metadata(path: str | os.PathLike[str]) -> dict[str, Any]:
+    """The metadata of any GGUF file (a model, a projector), bounds-checked like :meth:`GGUFFile.open`
+    but without any architecture check; only the header pages are read.
+
+    Returns:
+        key -> value as python data (str, int, float, bool, or list), in file order.
+
+    Raises:
+        ModelFormatError: unreadable, truncated or malformed header; the message names the file.
+    """
+    source = str(path)
+    _, reader = _map(source)
+    meta = _parse(reader)[0]
+    return {key: _python(value) for key, value in meta.items()}
+
+
 class GGUFFile:
     """One opened, validated GGUF model file (see ``docs/interfaces.md``, ``engine.gguf_file``).
 
@@ -366,7 +356,8 @@ class GGUFFile:
         path: the file path (``pathlib.Path``).
         source: ``str(path)``, the file name used in error messages.
         arch: ``general.architecture`` (``"qwen35moe"`` or ``"qwen35"``).
-        hparams: validated :class:`engine.hparams.Qwen35HParams`.
+        text_arch: the :class:`engine.registry.TextArch` that runs it.
+        hparams: its validated hyper-parameters (:class:`engine.arch.qwen35.hparams.Qwen35HParams`).
         identity: stable id of the file contents (see :meth:`open`).
         tensor_names: the tensors stored in the file, in file order (the split names of a fused
             tensor are readable, see :meth:`has`, but not listed, so sums over this list count each
@@ -377,24 +368,18 @@ class GGUFFile:
         """Parse and validate; prefer :meth:`open`."""
         self.path = Path(path)
         self.source = str(path)
-        try:
-            size = os.path.getsize(self.source)
-            if size < 24:
-                raise ModelFormatError(f"{self.source}: file is {size} bytes, too short for a GGUF header (24 bytes)")
-            self._data = np.asarray(np.memmap(self.source, dtype=np.uint8, mode="r"))
-        except OSError as e:
-            raise ModelFormatError(f"{self.source}: cannot open: {e.strerror or e}") from e
-        reader = _HeaderReader(self._data, self.source)
-        try:
-            self._meta, self._records, stored, self._data_start = _parse_header(reader)
-        except (ValueError, OverflowError, struct.error, MemoryError) as e:
-            raise ModelFormatError(f"{self.source}: malformed GGUF header near offset {reader.off}: {e}") from e
+        self._data, reader = _map(self.source)
+        self._meta, self._records, stored, self._data_start = _parse(reader)
         self._header_digest = hashlib.sha256(reader.buf[:reader.off])
         self._stored = {t.name: t for t in stored}
         tokens = self._meta.get("tokenizer.ggml.tokens")
-        self.hparams = _hparams.from_metadata(self.meta, len(tokens) if isinstance(tokens, list) else None,
+        arch = self._meta.get("general.architecture")
+        if not isinstance(arch, str):
+            raise ModelFormatError(f"{self.source}: key general.architecture is missing or not a string")
+        self.text_arch: TextArch = text_arch(arch, self.source)
+        self.hparams = self.text_arch.hparams(self.meta, len(tokens) if isinstance(tokens, list) else None,
                                               self.source)
-        self.arch = self.hparams.arch
+        self.arch = arch
         self._views: dict[str, _View] = {}
         self._validate()
         self.tensor_names = tuple(self._stored)
@@ -409,7 +394,7 @@ class GGUFFile:
 
         Checks the magic, version, every count and length in the header against the file size,
         the tensor data extents, the architecture, the hyper-parameters
-        (:func:`engine.hparams.from_metadata`) and every tensor of :func:`tensor_shapes` (exact ``ne``,
+        (``text_arch.hparams``) and every tensor of ``text_arch.tensor_shapes`` (exact ``ne``,
         supported type). Fused ``attn_qkv`` on full-attention layers and ``ffn_gate_up_exps`` are
         accepted and exposed under the split names. Tensors of MTP blocks and unknown extras are kept
         but not checked.
@@ -425,12 +410,7 @@ class GGUFFile:
         """Value of a metadata key as python data (str, int, float, bool, or list), ``default`` if absent."""
         if key not in self._meta:
             return default
-        value = self._meta[key]
-        if isinstance(value, np.ndarray):
-            return value.tolist()
-        if isinstance(value, list):
-            return list(value)
-        return value
+        return _python(self._meta[key])
 
     @property
     def meta_keys(self) -> tuple[str, ...]:
@@ -533,12 +513,12 @@ class GGUFFile:
     def bytes_per_token(self) -> int:
         """Weight bytes read to decode one token, in bytes.
 
-        Every trunk tensor of :func:`tensor_shapes` in full, except: routed expert tensors count
+        Every trunk tensor of ``text_arch.tensor_shapes`` in full, except: routed expert tensors count
         ``n_expert_used`` experts, and ``token_embd`` counts one row when ``output.weight`` exists
         (it is then only a lookup; without it, it is also the LM head and counts in full).
         """
         total = 0
-        for name in tensor_shapes(self.hparams):
+        for name in self.text_arch.tensor_shapes(self.hparams):
             if not self.has(name):
                 continue
             v = self._view(name)
@@ -588,27 +568,20 @@ class GGUFFile:
         return block[:, v.row0:v.row0 + v.rows, :]
 
     def _validate(self) -> None:
-        """Check every tensor of :func:`tensor_shapes`; register split views of fused tensors."""
-        hp = self.hparams
-        expected = tensor_shapes(hp)
-        for il in range(hp.n_layer):
-            p = f"blk.{il}."
-            if not hp.is_recurrent(il) and p + "attn_q.weight" not in self._stored:
-                q, kv = 2 * hp.n_head * hp.head_dim, hp.n_head_kv * hp.head_dim
-                self._fused(p + "attn_qkv.weight", (hp.n_embd, q + 2 * kv),
-                            [(p + "attn_q.weight", q), (p + "attn_k.weight", kv), (p + "attn_v.weight", kv)])
-            if hp.is_moe and p + "ffn_gate_exps.weight" not in self._stored:
-                self._fused(p + "ffn_gate_up_exps.weight", (hp.n_embd, 2 * hp.n_ff_exp, hp.n_expert),
-                            [(p + "ffn_gate_exps.weight", hp.n_ff_exp), (p + "ffn_up_exps.weight", hp.n_ff_exp)])
-        for name, ne in expected.items():
+        """Check every tensor of the architecture's tensor table; register split views of fused tensors."""
+        hp, arch = self.hparams, self.text_arch
+        for fused, ne, parts in arch.fused_tensors(hp):
+            if parts[0][0] not in self._stored:
+                self._fused(fused, ne, parts)
+        for name, ne in arch.tensor_shapes(hp).items():
             if name in self._views:
                 continue
             t = self._stored.get(name)
             if t is None:
-                if name in OPTIONAL_TENSORS:
+                if name in arch.optional_tensors:
                     continue
                 raise ModelFormatError(f"{self.source}: required tensor {name} (ne={ne}) is missing "
-                                       f"for {hp.arch} with {hp.n_layer} layers")
+                                       f"for {self.arch} with {hp.n_layer} layers")
             self._check_shape(t, ne)
             self._views[name] = self._plain_view(t)
 

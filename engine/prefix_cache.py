@@ -42,7 +42,7 @@ from typing import Iterable, Mapping, Sequence
 
 import numpy as np
 
-from .hparams import Qwen35HParams
+from .arch.qwen35.hparams import Qwen35HParams
 from .state import SequenceState
 
 log = logging.getLogger(__name__)

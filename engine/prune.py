@@ -18,7 +18,7 @@ of the expert tensors, and sets ``expert_count``; ``expert_used_count`` (top-k) 
 not touched.
 
 Statistics come from running calibration prompts through the engine's own CPU model
-(:attr:`engine.models.qwen35.Qwen35Model.observer`) and are saved as JSON (:meth:`ExpertStats.save`; the
+(:attr:`engine.arch.qwen35.model.Qwen35Model.observer`) and are saved as JSON (:meth:`ExpertStats.save`; the
 format is in ``docs/pruning.md``) so another ``keep`` needs no second calibration, and so the GPU plan
 can rank experts by how often they are routed.
 """
@@ -150,7 +150,7 @@ class ExpertStats:
                    calibration)
 
     def routed(self, il: int, logits: np.ndarray, idx: np.ndarray, norms: np.ndarray) -> None:
-        """Accumulate one MoE layer of one forward call (:class:`engine.models.qwen35.ExpertObserver`).
+        """Accumulate one MoE layer of one forward call (:class:`engine.arch.qwen35.model.ExpertObserver`).
 
         Args: logits (n, n_expert) float32; idx (n, k) int chosen experts; norms (n, k) float64 ``||f||``.
         The gate is ``softmax(logits)`` renormalised over the token's chosen experts, clamped at float32

@@ -12,21 +12,21 @@ from __future__ import annotations
 import threading
 import time
 from dataclasses import dataclass
-from typing import Any, Iterator, Sequence
+from typing import Callable, Iterator, Sequence
 
 import numpy as np
 
 from .errors import DeviceError
 from .events import Event, PrefillProgress, PrefillStats, TokenEvent, TurnSummary
-from .models.qwen35 import Qwen35Model
 from .prefix_cache import PrefixCache, chain_keys
+from .registry import GpuPrefill, TextModel
 from .sampling import Sampler, SamplingParams
 from .state import SequenceState
 from .tokenizer import Tokenizer
 
 # Prompt tokens per forward call during prefill: a cancel request is seen between pieces, and the
 # activations of one piece stay small. Where the pieces are cut changes no result (the model is
-# split-invariant, engine.models.qwen35).
+# split-invariant: engine.registry.TextModel).
 PREFILL_PIECE = 256
 
 
@@ -59,7 +59,7 @@ class Turn:
             after the stop token is snapshotted. None = never.
     """
 
-    model: Qwen35Model
+    model: TextModel
     tokenizer: Tokenizer
     prompt: Sequence[int]
     context: int
@@ -71,10 +71,10 @@ class Turn:
     conversation: str = ""
     positions: np.ndarray | None = None
     images: Sequence[tuple[int, np.ndarray, bytes]] = ()
-    gpu: Any = None
+    gpu: GpuPrefill | None = None
     gpu_min_tokens: int = 32
-    on_device_error: Any = None
-    rerenders: Any = None
+    on_device_error: Callable[[str], None] | None = None
+    rerenders: Callable[[Sequence[int]], bool] | None = None
     started: float | None = None
 
     def image_digests(self) -> dict[int, bytes]:
@@ -86,7 +86,7 @@ def _ms(t0: float) -> float:
     return (time.perf_counter() - t0) * 1e3
 
 
-def _inputs(model: Qwen35Model, tokens: Sequence[int], a: int, b: int, positions: np.ndarray | None,
+def _inputs(model: TextModel, tokens: Sequence[int], a: int, b: int, positions: np.ndarray | None,
             images: Sequence[tuple[int, np.ndarray, bytes]]) -> dict:
     """forward() keyword arguments for prompt slice [a, b): M-RoPE positions, image rows spliced in."""
     kw: dict = {}
@@ -102,9 +102,9 @@ def _inputs(model: Qwen35Model, tokens: Sequence[int], a: int, b: int, positions
     return kw
 
 
-def prefill_pieces(model: Qwen35Model, tokens: Sequence[int], state: SequenceState, cancel: threading.Event,
+def prefill_pieces(model: TextModel, tokens: Sequence[int], state: SequenceState, cancel: threading.Event,
             stops: Sequence[int] = (), on_stop=None, positions: np.ndarray | None = None,
-            images: Sequence[tuple[int, np.ndarray, bytes]] = (), gpu: Any = None,
+            images: Sequence[tuple[int, np.ndarray, bytes]] = (), gpu: GpuPrefill | None = None,
             gpu_min_tokens: int = 32, devices: list[str] | None = None,
             piece_tokens: int = PREFILL_PIECE) -> Iterator[PrefillProgress]:
     """Run ``tokens[state.pos:]`` through the model, in pieces; a generator.
@@ -122,7 +122,7 @@ def prefill_pieces(model: Qwen35Model, tokens: Sequence[int], state: SequenceSta
         positions: (3, n) M-RoPE positions of the whole prompt, or None for plain positions.
         images: (first pad index, (k, n_embd) embeddings, digest) per image of the prompt.
         gpu: an object with ``prefill(tokens, state, positions) -> logits`` (a
-            :class:`engine.backends.cuda.CudaPrefill`), or None. Each stretch between stops of at
+            :class:`engine.arch.qwen35.cuda.CudaPrefill`), or None. Each stretch between stops of at
             least ``gpu_min_tokens`` text tokens runs on it in one pass (each pass streams every
             routed expert once, so it is not cut into pieces); shorter stretches and stretches
             holding image rows run on the CPU in pieces of ``piece_tokens``.
@@ -189,7 +189,7 @@ def read_ahead(turn: Turn) -> PrefillStats | None:
     :data:`AHEAD_PIECE` (checking ``turn.cancel`` between them), snapshots at ``turn.checkpoints``
     and at the end of the prefix (without logits: a turn continues from there). Sampling settings
     are not used. The snapshot equals what the next turn would compute itself (prefill is
-    split-invariant, :mod:`engine.models.qwen35`), so reading ahead changes no answer.
+    split-invariant, :mod:`engine.arch.qwen35.model`), so reading ahead changes no answer.
 
     Returns:
         PrefillStats of the work (``prompt_tokens`` = the prefix length, ``ttft_ms`` 0), or None when

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from .errors import ContextFullError
-from .hparams import Qwen35HParams
+from .arch.qwen35.hparams import Qwen35HParams
 
 
 @dataclass

@@ -33,12 +33,12 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from engine.backends.cuda import CudaPrefill  # noqa: E402
-from engine.backends.cuda_kernels import load_driver  # noqa: E402
+from engine.arch.qwen35.cuda import CudaPrefill  # noqa: E402
+from engine.kernels.cuda_kernels import load_driver  # noqa: E402
 from engine.gguf_file import GGUFFile  # noqa: E402
-from engine.hparams import Qwen35HParams  # noqa: E402
+from engine.arch.qwen35.hparams import Qwen35HParams  # noqa: E402
 from engine.state import SequenceState  # noqa: E402
-from engine.synth import synth  # noqa: E402
+from engine.arch.qwen35.synth import synth  # noqa: E402
 
 DATASHEET_FP32 = 67e12
 """H200 SXM float32 (non-tensor) rate by NVIDIA's datasheet, FLOP/s; used when torch is not installed."""

@@ -23,7 +23,7 @@ import numpy as np
 from gguf import GGMLQuantizationType
 
 from engine import quant
-from engine.backends import cpu
+from engine.kernels import cpu
 
 Q4_0 = GGMLQuantizationType.Q4_0
 Q4_0_BYTES = quant.type_size(Q4_0)

@@ -16,9 +16,9 @@ from pathlib import Path
 
 from engine.api import Engine, EngineOptions
 from engine.events import PrefillStats
-from engine.hparams import Qwen35HParams
+from engine.arch.qwen35.hparams import Qwen35HParams
 from engine.sampling import SamplingParams
-from engine.synth import synth
+from engine.arch.qwen35.synth import synth
 
 WORDS = ("delta net state snapshot prefix cache expert router token prefill decode gated "
          "attention window memory bandwidth kernel vector block scale quant").split()

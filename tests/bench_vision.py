@@ -15,7 +15,7 @@ before numpy loads); default: the engine's CPU thread count. ``--profile`` adds 
 summed over the 27 blocks, from the stage callback: ``attn_out`` = LN1 + qkv + RoPE + attention + output
 projection, ``layer_out`` = LN2 + FFN, ``post_ln`` / ``merger_out`` = the merger (CPU only).
 
-``--device cuda`` times ``CudaVisionTower.encode`` instead (engine.backends.cuda_vision): each timed call
+``--device cuda`` times ``CudaVisionTower.encode`` instead (engine.arch.qwen3vl.cuda): each timed call
 includes the host -> device copy of the patches and tables and the copy of the result back; the first call
 (warm-up) also sizes the device buffers. The weight upload (file re-read, padding, copies; the kernel build
 excluded) is reported on its own line.
@@ -61,8 +61,8 @@ def main() -> None:
     from PIL import Image
 
     from engine.images import prepare_image
-    from engine.mmproj import load_mmproj, synth_mmproj
-    from engine.models.vision import VisionTower
+    from engine.arch.qwen3vl.mmproj import load_mmproj, synth_mmproj
+    from engine.arch.qwen3vl.tower import VisionTower
 
     with tempfile.TemporaryDirectory() as tmp:
         path = args.mmproj
@@ -75,7 +75,7 @@ def main() -> None:
         mm = load_mmproj(path)
         print(f"load + dequantize: {time.perf_counter() - t0:.1f} s; {mm.hparams}")
         if args.device == "cuda":
-            from engine.backends.cuda_vision import CudaVisionTower
+            from engine.arch.qwen3vl.cuda import CudaVisionTower
 
             t0 = time.perf_counter()
             tower = CudaVisionTower(mm)

@@ -1,6 +1,6 @@
 """By hand, not CI: the ``openai`` client checks of ``tests/test_server.py`` against ``engine serve`` and
 against llama.cpp's server (``llama-cpp-python[server]``, built as ``engine bench --llama-cpp`` builds its
-peer: :func:`engine.backends.cpu_bench.llama_venv`) on the same f32 synth file, and the greedy texts of the two
+peer: :func:`engine.tools.cpu_bench.llama_venv`) on the same f32 synth file, and the greedy texts of the two
 compared.
 
 Usage::
@@ -50,7 +50,7 @@ def _llama_python(given: str | None) -> str:
         return given
     import platformdirs
 
-    from engine.backends.cpu_bench import LLAMA_CMAKE_ARGS, LLAMA_CPP_VERSION, llama_venv
+    from engine.tools.cpu_bench import LLAMA_CMAKE_ARGS, LLAMA_CPP_VERSION, llama_venv
     python = llama_venv(Path(platformdirs.user_cache_dir("deltadesk")) / "llama-cpp-venv", print)
     if subprocess.run([python, "-c", "import llama_cpp.server.app"], capture_output=True).returncode != 0:
         subprocess.run([python, "-m", "pip", "install", "-q", f"llama-cpp-python[server]=={LLAMA_CPP_VERSION}"],
@@ -147,7 +147,7 @@ def main() -> None:
     folder = Path(tempfile.mkdtemp(prefix="compare-llama-"))
     path = args.file
     if path is None:
-        from engine.synth import synth
+        from engine.arch.qwen35.synth import synth
         path = folder / "tiny-f32.gguf"
         synth(path, "tiny", quant="f32", seed=0)
     python = _llama_python(args.llama_python)

@@ -24,7 +24,7 @@ import pytest
 
 from engine.errors import TemplateError
 from engine.tokenizer import ChatTemplate
-from engine.vocab import QWEN35_CHAT_TEMPLATE
+from engine.arch.qwen35.vocab import QWEN35_CHAT_TEMPLATE
 
 TOOLS_INSTRUCTIONS = (
     "If you choose to call a function ONLY reply in the following format with NO suffix:\n\n"

@@ -1,4 +1,4 @@
-"""CPU decode kernels (engine.backends.cpu, native/cpu/): every ISA level this CPU runs, and the numpy twins.
+"""CPU decode kernels (engine.kernels.cpu, native/cpu/): every ISA level this CPU runs, and the numpy twins.
 
 References are independent of the code under test: gguf.quants quantizes and dequantizes
 (ggml's reference layouts), and products are taken in float64.
@@ -24,7 +24,7 @@ from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
 import engine
-from engine.backends import cpu
+from engine.kernels import cpu
 from engine.errors import EngineError
 
 LEVELS = cpu.supported_isas()

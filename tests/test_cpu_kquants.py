@@ -19,7 +19,7 @@ from gguf import GGMLQuantizationType, quants
 from test_cpu_kernels import assert_close, level, reference_product, rng, route_margin  # noqa: F401 (fixtures)
 
 from engine import quant
-from engine.backends import cpu
+from engine.kernels import cpu
 
 Q = GGMLQuantizationType
 LEVELS = cpu.supported_isas()

@@ -1,4 +1,4 @@
-"""GPU prefill (engine.backends.cuda) against the numpy reference.
+"""GPU prefill (engine.arch.qwen35.cuda) against the numpy reference.
 
 Three kinds of tests:
 
@@ -23,10 +23,11 @@ import bisect
 import numpy as np
 import pytest
 
+from engine.arch.qwen35.cuda_plan import (activation_bytes, copy_runs, kv_bytes, pass_tokens, plan_placement, route_tables,
+                                       state_bytes, use_selective)
+from engine.arch.qwen35.synth import preset_hparams
 from engine.errors import DeviceError
-from engine.backends.cuda_plan import (TILE_ROWS, Matrix, activation_bytes, copy_runs, gemm_matrix, kv_bytes,
-                                       pass_tokens, plan_placement, route_tables, state_bytes, use_selective)
-from engine.synth import preset_hparams
+from engine.kernels.cuda_layout import TILE_ROWS, Matrix, gemm_matrix
 from gguf import GGMLQuantizationType as Q
 
 TOL = 2e-3
@@ -126,9 +127,9 @@ def test_no_pycuda_is_a_device_error(tmp_path):
         pass
     else:
         pytest.skip("pycuda is importable here")
-    from engine.backends.cuda import CudaPrefill
+    from engine.arch.qwen35.cuda import CudaPrefill
     from engine.gguf_file import GGUFFile
-    from engine.synth import synth
+    from engine.arch.qwen35.synth import synth
 
     path = tmp_path / "tiny.gguf"
     synth(path, "tiny", quant="q8_0", vocab=None)
@@ -274,7 +275,7 @@ class FakeDriver:
 
 
 class FakeKernels:
-    """engine.backends.cuda_kernels.Kernels with each kernel replaced by its numpy twin."""
+    """engine.kernels.cuda_kernels.Kernels with each kernel replaced by its numpy twin."""
 
     def __init__(self, drv: FakeDriver, sources: tuple[str, ...]) -> None:
         self.m = drv.mem
@@ -428,8 +429,8 @@ class FakeKernels:
 @pytest.fixture
 def emulated(monkeypatch):
     """CudaPrefill on the emulated device: returns make(path, **kwargs) -> CudaPrefill."""
-    import engine.backends.cuda as cuda
-    import engine.backends.cuda_context as cuda_context
+    import engine.arch.qwen35.cuda as cuda
+    import engine.kernels.cuda_context as cuda_context
 
     drv = FakeDriver()
     monkeypatch.setattr(cuda_context, "load_driver", lambda: drv)
@@ -450,7 +451,7 @@ def emulated(monkeypatch):
 @pytest.fixture(scope="module")
 def tiny_files(tmp_path_factory):
     from engine.gguf_file import GGUFFile
-    from engine.synth import synth
+    from engine.arch.qwen35.synth import synth
 
     folder = tmp_path_factory.mktemp("emulated")
     out = {}
@@ -465,12 +466,12 @@ def test_emulated_prefill_of_a_k_quant_mix(emulated, tmp_path):
     dequantized to F32, routed experts laid out and streamed as Q8_0 (converted on the host). Against
     the float reference that reads the stored blocks, the only difference is that conversion's
     rounding (about max|w| / 254 per 32 weights, ~1/16 of a 4-bit step)."""
-    from engine.backends.cuda_plan import expert_rows
+    from engine.arch.qwen35.cuda_plan import expert_rows
     from engine.gguf_file import GGUFFile
-    from engine.models.qwen35 import Qwen35Model
+    from engine.arch.qwen35.model import Qwen35Model
     from engine.quant import dequantize
     from engine.state import SequenceState
-    from engine.synth import synth
+    from engine.arch.qwen35.synth import synth
 
     synth(tmp_path / "m.gguf", "small", layers=4, quant="q4_k_m", seed=5, vocab=[f"t{i}" for i in range(256)])
     f = GGUFFile.open(tmp_path / "m.gguf")
@@ -491,7 +492,7 @@ def test_emulated_prefill_of_a_k_quant_mix(emulated, tmp_path):
 
 @pytest.mark.parametrize("preset", ["tiny", "dense-tiny"])
 def test_emulated_prefill_resident_streamed_selective_and_passes(emulated, tiny_files, preset):
-    from engine.models.qwen35 import Qwen35Model
+    from engine.arch.qwen35.model import Qwen35Model
     from engine.state import SequenceState
 
     f = tiny_files[preset]
@@ -546,7 +547,7 @@ def test_kernels_build_and_require_only_their_own_sources(monkeypatch, tmp_path)
     import sys
     import types
 
-    import engine.backends.cuda_kernels as ck
+    import engine.kernels.cuda_kernels as ck
 
     class Error(Exception):
         pass
@@ -599,7 +600,7 @@ def cuda_ctx():
 
     ctx = drv.Device(0).retain_primary_context()
     ctx.push()
-    from engine.backends.cuda_kernels import PREFILL_SOURCES, Kernels
+    from engine.kernels.cuda_kernels import PREFILL_SOURCES, Kernels
 
     yield drv, Kernels(drv, PREFILL_SOURCES)
     _KEEP.clear()
@@ -798,10 +799,10 @@ LENGTHS = [1, 63, 64, 65, 1000]
 @pytest.fixture(scope="module")
 def models(tmp_path_factory):
     """(preset, quant) -> (GGUFFile, CPU model, {budget name: CudaPrefill}, {length: (logits, state)})."""
-    from engine.backends.cuda import CudaPrefill
+    from engine.arch.qwen35.cuda import CudaPrefill
     from engine.gguf_file import GGUFFile
-    from engine.models.qwen35 import Qwen35Model
-    from engine.synth import synth
+    from engine.arch.qwen35.model import Qwen35Model
+    from engine.arch.qwen35.synth import synth
 
     folder = tmp_path_factory.mktemp("cuda-synth")
     made = {}
@@ -888,7 +889,7 @@ def test_gpu_prefill_matches_cpu(models, preset, quant, n, budget):
 @gpu
 @pytest.mark.parametrize("preset,quant", [("tiny", "q4_0"), ("small", "q4_0")])
 def test_gpu_prefill_continues_a_state_and_runs_in_passes(models, preset, quant):
-    from engine.backends.cuda import CudaPrefill
+    from engine.arch.qwen35.cuda import CudaPrefill
     from engine.state import SequenceState
 
     entry = models(preset, quant)

@@ -1,4 +1,4 @@
-"""The vision tower on the GPU (engine.backends.cuda_vision) against the CPU VisionTower, and the CPU fallback.
+"""The vision tower on the GPU (engine.arch.qwen3vl.cuda) against the CPU VisionTower, and the CPU fallback.
 
 * GPU tests (skipped without pycuda and a CUDA device): CudaVisionTower.encode against VisionTower.encode on
   random 2-block projectors written as F32, F16 and Q8_0 files, head widths 48 (D 192, ffn 200) and 72
@@ -27,8 +27,9 @@ import pytest
 from PIL import Image
 
 from engine.errors import DeviceError
-from engine.mmproj import RandomWeights, VisionHParams, load_mmproj, write_mmproj
-from engine.models.vision import ImageEncoder, VisionTower
+from engine.arch.qwen3vl.mmproj import RandomWeights, VisionHParams, load_mmproj, write_mmproj
+from engine.arch.qwen3vl.tower import VisionTower
+from engine.vision import ImageEncoder
 from test_cuda_prefill import gpu, gpu_available
 
 FIX = Path(__file__).parent / "fixtures" / "vision"
@@ -56,7 +57,7 @@ def _image(seed: int, size: tuple[int, int]) -> Image.Image:
 @pytest.fixture(scope="module")
 def towers(tmp_path_factory):
     """``get(shape, ftype) -> (hp, cpu VisionTower, CudaVisionTower)``, each made once; GPU towers closed at the end."""
-    from engine.backends.cuda_vision import CudaVisionTower
+    from engine.arch.qwen3vl.cuda import CudaVisionTower
 
     folder = tmp_path_factory.mktemp("cuda-vision")
     made: dict[tuple[str, str], tuple] = {}
@@ -91,7 +92,7 @@ def test_gpu_tower_matches_cpu_tower(towers, shape, ftype, grid):
 
 @gpu
 def test_gpu_tower_reserve_budget_and_close(tmp_path):
-    from engine.backends.cuda_vision import CudaVisionTower, activation_bytes
+    from engine.arch.qwen3vl.cuda import CudaVisionTower, activation_bytes
 
     hp = VisionHParams(n_layer=1, patch_size=16, merge=2, out_dim=64, pos_side=8, **SHAPES["hd72"])
     mm = load_mmproj(write_mmproj(tmp_path / "t.gguf", hp, RandomWeights(hp, seed=1), "F16"))
@@ -112,7 +113,7 @@ def test_gpu_tower_reserve_budget_and_close(tmp_path):
 @gpu
 def test_engine_on_cuda_encodes_images_like_the_cpu(synth_model, tmp_path):
     from engine.api import Engine, EngineOptions
-    from engine.synth import synth_mmproj_for
+    from engine.tools.synth import synth_mmproj_for
 
     model = synth_model("tiny", "q8_0")
     mmproj = synth_mmproj_for(tmp_path / "tiny-mmproj.gguf", "tiny", seed=0)
@@ -175,8 +176,8 @@ def _emulated_device():
 
 @pytest.mark.parametrize("ftype", ["F32", "Q8_0"])
 def test_emulated_gpu_tower_matches_cpu_tower(monkeypatch, tmp_path, ftype):
-    import engine.backends.cuda_context as cuda_context
-    import engine.backends.cuda_vision as cuda_vision
+    import engine.kernels.cuda_context as cuda_context
+    import engine.arch.qwen3vl.cuda as cuda_vision
 
     drv, kernels = _emulated_device()
     monkeypatch.setattr(cuda_context, "load_driver", lambda: drv)
@@ -196,8 +197,8 @@ def test_emulated_gpu_tower_matches_cpu_tower(monkeypatch, tmp_path, ftype):
 
 def _emulated_tower(monkeypatch, tmp_path, **kwargs):
     """(driver, module, mm, make(**kw) -> CudaVisionTower) on the emulated device; 1-block hd72 tower, F32."""
-    import engine.backends.cuda_context as cuda_context
-    import engine.backends.cuda_vision as cuda_vision
+    import engine.kernels.cuda_context as cuda_context
+    import engine.arch.qwen3vl.cuda as cuda_vision
 
     drv, kernels = _emulated_device()
     monkeypatch.setattr(cuda_context, "load_driver", lambda: drv)
@@ -236,8 +237,8 @@ def test_unsupported_head_width_is_refused_before_the_gpu(monkeypatch, tiny_mm, 
     projector reader refuses widths that are not multiples of 4 already; the tower does not rely on it)."""
     import dataclasses
 
-    import engine.backends.cuda_context as cuda_context
-    from engine.backends.cuda_vision import CudaVisionTower
+    import engine.kernels.cuda_context as cuda_context
+    from engine.arch.qwen3vl.cuda import CudaVisionTower
 
     hp = dataclasses.replace(tiny_mm.hparams, n_embd=head_dim * tiny_mm.hparams.n_head)
     monkeypatch.setattr(cuda_context, "load_driver", lambda: pytest.fail("the GPU was touched"))
@@ -256,7 +257,7 @@ def test_emulated_projector_file_changed_since_load(monkeypatch, tmp_path):
 def test_emulated_budget_bounds_growth_and_keeps_the_tower(monkeypatch, tmp_path, caplog):
     """An image whose activations would pass the budget raises DeviceBudgetError without touching the buffers
     held; ImageEncoder encodes just that image on the CPU and keeps the GPU tower."""
-    from engine.backends.cuda_vision import activation_bytes
+    from engine.arch.qwen3vl.cuda import activation_bytes
     from engine.errors import DeviceBudgetError
 
     drv, cuda_vision, mm = _emulated_tower(monkeypatch, tmp_path)
@@ -274,7 +275,7 @@ def test_emulated_budget_bounds_growth_and_keeps_the_tower(monkeypatch, tmp_path
     assert rel_err(tower.encode(small, (4, 6)), cpu.encode(small, (4, 6))) <= TOL
     enc = ImageEncoder(mm, min_pixels=1024, gpu=tower)
     img = _image(7, (160, 96))  # 10 x 6 patches: above the budget
-    with caplog.at_level(logging.WARNING, logger="engine.models.vision"):
+    with caplog.at_level(logging.WARNING, logger="engine.vision"):
         got = enc.encode(img)
     assert np.array_equal(got.embeddings, ImageEncoder(mm, min_pixels=1024).encode(img).embeddings)
     assert enc.gpu is tower and enc.device_note == "" and "on the CPU" in caplog.text
@@ -329,7 +330,7 @@ def test_gpu_tower_failure_falls_back_to_the_cpu_for_this_and_later_images(tiny_
     stand = StandInTower(cpu.tower, fail=True, close_fails=close_fails)
     enc = ImageEncoder(tiny_mm, min_pixels=1024, gpu=stand)
     first, second = _image(4, (64, 96)), _image(5, (128, 64))
-    with caplog.at_level(logging.WARNING, logger="engine.models.vision"):
+    with caplog.at_level(logging.WARNING, logger="engine.vision"):
         got = enc.encode(first)
     assert np.array_equal(got.embeddings, cpu.encode(first).embeddings)
     assert enc.device == "cpu" and enc.gpu is None and stand.closed
@@ -346,7 +347,7 @@ def test_no_pycuda_is_a_device_error(tiny_mm):
         pass
     else:
         pytest.skip("pycuda is importable here")
-    from engine.backends.cuda_vision import CudaVisionTower
+    from engine.arch.qwen3vl.cuda import CudaVisionTower
 
     with pytest.raises(DeviceError, match="pycuda"):
         CudaVisionTower(tiny_mm)
@@ -354,7 +355,7 @@ def test_no_pycuda_is_a_device_error(tiny_mm):
 
 def test_engine_reports_where_images_are_encoded(synth_model, tmp_path):
     from engine.api import Engine, EngineOptions
-    from engine.synth import synth_mmproj_for
+    from engine.tools.synth import synth_mmproj_for
 
     model = synth_model("tiny", "q8_0")
     mmproj = synth_mmproj_for(tmp_path / "tiny-mmproj.gguf", "tiny", seed=0)
@@ -376,7 +377,7 @@ def test_engine_reports_where_images_are_encoded(synth_model, tmp_path):
 def test_encoder_close_logs_a_failing_gpu_close(tiny_mm, caplog):
     stand = StandInTower(VisionTower(tiny_mm), fail=False, close_fails=True)
     enc = ImageEncoder(tiny_mm, gpu=stand)
-    with caplog.at_level(logging.WARNING, logger="engine.models.vision"):
+    with caplog.at_level(logging.WARNING, logger="engine.vision"):
         enc.close()
     assert stand.closed and enc.gpu is None and "context is gone" in caplog.text
 
@@ -401,8 +402,8 @@ class StandInPrefill:
 def _load_with_stand_ins(monkeypatch, synth_model, tmp_path, error, **options):
     """Engine.load with a StandInTower as the GPU vision tower and StandInPrefill (raising ``error``) as prefill."""
     import engine.api as api
-    import engine.backends.cuda as cuda
-    from engine.synth import synth_mmproj_for
+    import engine.arch.qwen35.cuda as cuda
+    from engine.tools.synth import synth_mmproj_for
 
     towers = []
 

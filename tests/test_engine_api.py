@@ -183,7 +183,7 @@ def test_cli_reports_bad_file_in_one_line(tmp_path, capsys) -> None:
 
 @pytest.fixture(scope="module")
 def tiny_mmproj(tmp_path_factory):
-    from engine.synth import synth_mmproj_for
+    from engine.tools.synth import synth_mmproj_for
     return synth_mmproj_for(tmp_path_factory.mktemp("mm") / "tiny-mmproj.gguf", "tiny", seed=0)
 
 
@@ -282,7 +282,7 @@ def test_cli_prompt_larger_than_context_is_an_error(tiny, capsys) -> None:
 
 def test_mismatched_mmproj_is_refused(tiny, tmp_path) -> None:
     from engine.errors import ModelFormatError
-    from engine.mmproj import synth_mmproj
+    from engine.arch.qwen3vl.mmproj import synth_mmproj
     wrong = synth_mmproj(tmp_path / "wrong.gguf", "tiny", out_dim=32)
     with pytest.raises(ModelFormatError, match="projection_dim"):
         Engine.load(tiny, wrong)
@@ -358,9 +358,9 @@ def test_load_reports_stages_and_can_be_cancelled(tiny) -> None:
 
 def test_image_key_depends_on_resize_bounds(vision_engine, tmp_path) -> None:
     """The same image under another size limit gives other embeddings: no prefix reuse across it."""
-    from engine.mmproj import load_mmproj
-    from engine.models.vision import ImageEncoder
-    from engine.synth import synth_mmproj_for
+    from engine.arch.qwen3vl.mmproj import load_mmproj
+    from engine.vision import ImageEncoder
+    from engine.tools.synth import synth_mmproj_for
     img = shape_image(tmp_path / "k.png", (10, 160, 10), size=(320, 256))
     msgs = [{"role": "user", "content": [{"type": "image", "image": str(img)}, {"type": "text", "text": "Hi"}]}]
     key_a = vision_engine.prepare(msgs).images[0][2]

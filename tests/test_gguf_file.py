@@ -18,8 +18,9 @@ from gguf import GGMLQuantizationType as Q
 
 from engine import quant
 from engine.errors import UnsupportedModelError
-from engine.gguf_file import GGUFFile, tensor_shapes
-from engine.synth import preset_hparams, synth, write_gguf
+from engine.gguf_file import GGUFFile
+from engine.arch.qwen35.tensors import tensor_shapes
+from engine.arch.qwen35.synth import preset_hparams, synth, write_gguf
 
 VOCAB = [f"tok{i}" for i in range(320)]
 

@@ -22,9 +22,9 @@ import numpy as np
 import pytest
 
 from engine.gguf_file import GGUFFile
-from engine.models.qwen35 import Qwen35Model
+from engine.arch.qwen35.model import Qwen35Model
 from engine.state import SequenceState
-from engine.synth import synth
+from engine.arch.qwen35.synth import synth
 from engine.tokenizer import Tokenizer
 
 FIXTURES = Path(__file__).parent / "fixtures" / "gguf_reader"
@@ -37,7 +37,7 @@ def test_transformers_reading_our_file_agrees(quant, tmp_path) -> None:
     path = tmp_path / f"tiny-{quant}.gguf"
     synth(path, "tiny", quant=quant, seed=0)
     digest = hashlib.sha256(path.read_bytes()).hexdigest()
-    assert digest == str(gold["sha256"]), "engine.synth output changed: regenerate the gguf_reader goldens"
+    assert digest == str(gold["sha256"]), "engine.arch.qwen35.synth output changed: regenerate the gguf_reader goldens"
     f = GGUFFile.open(path)
     tok = Tokenizer.from_gguf(f.meta, f.source)
     prompt = tok.encode(str(gold["text"]), special=True)

@@ -22,8 +22,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from engine.hparams import from_metadata
-from engine.models.qwen35 import Qwen35Model
+from engine.arch.qwen35.hparams import from_metadata
+from engine.arch.qwen35.model import Qwen35Model
 from engine.state import SequenceState
 
 FIXTURES = Path(__file__).parent / "fixtures" / "reference"
@@ -56,7 +56,7 @@ def rel_err(a: np.ndarray, b: np.ndarray) -> float:
 
 @functools.cache
 def load(arch: str):
-    """(hparams, model, goldens) of one fixture; hparams built by engine.hparams from its GGUF keys."""
+    """(hparams, model, goldens) of one fixture; hparams built by engine.arch.qwen35.hparams from its GGUF keys."""
     z = np.load(FIXTURES / f"{arch}_tiny.npz")
     meta = json.loads(str(z["meta"]))
     hp = from_metadata(meta.get, None, f"{arch}_tiny.npz")

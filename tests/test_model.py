@@ -15,8 +15,8 @@ import numpy as np
 import pytest
 
 from engine.errors import ContextFullError
-from engine.hparams import Qwen35HParams
-from engine.models.qwen35 import Qwen35Model
+from engine.arch.qwen35.hparams import Qwen35HParams
+from engine.arch.qwen35.model import Qwen35Model
 from engine.state import SequenceState
 
 

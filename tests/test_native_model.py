@@ -1,4 +1,4 @@
-"""The text model on the native CPU kernels (engine.backends.cpu_model, cpu_mixers) vs the numpy paths.
+"""The text model on the native CPU kernels (engine.arch.qwen35.cpu, cpu_mixers) vs the numpy paths.
 
 Three references, from tightest to loosest:
 
@@ -21,10 +21,11 @@ import numpy as np
 import pytest
 from gguf import GGMLQuantizationType
 
-from engine.backends import cpu, cpu_mixers
-from engine.backends.cpu_model import NativeQwen35Model, prepare_weight, to_q8_0
+from engine.arch.qwen35 import cpu_mixers
+from engine.kernels import cpu
+from engine.arch.qwen35.cpu import NativeQwen35Model, prepare_weight, to_q8_0
 from engine.gguf_file import GGUFFile
-from engine.models.qwen35 import Qwen35Model
+from engine.arch.qwen35.model import Qwen35Model
 from engine.quant import dequantize, quantize
 from engine.state import SequenceState
 

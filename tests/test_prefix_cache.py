@@ -10,7 +10,7 @@ import logging
 import numpy as np
 import pytest
 
-from engine.hparams import Qwen35HParams
+from engine.arch.qwen35.hparams import Qwen35HParams
 from engine.prefix_cache import FORMAT_MAGIC, PrefixCache, chain_keys
 from engine.state import SequenceState
 

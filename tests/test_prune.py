@@ -21,10 +21,11 @@ from engine import gguf_write, prune
 from engine.__main__ import main
 from engine.errors import ModelFormatError, UnsupportedModelError
 from engine.gguf_file import GGUFFile
-from engine.models.qwen35 import Qwen35Model
+from engine.arch.qwen35.model import Qwen35Model
 from engine.ops import reference as ops
 from engine.state import SequenceState
-from engine.synth import preset_hparams, synth, synth_mmproj_for, write_gguf
+from engine.arch.qwen35.synth import preset_hparams, synth, write_gguf
+from engine.tools.synth import synth_mmproj_for
 
 VOCAB = [f"tok{i}" for i in range(64)]
 
@@ -45,9 +46,9 @@ def q4_model(tmp_path_factory):
 
 def _models(gguf_file):
     yield Qwen35Model(gguf_file.hparams, gguf_file)
-    from engine.backends import cpu
+    from engine.kernels import cpu
     if cpu.available():
-        from engine.backends.cpu_model import NativeQwen35Model
+        from engine.arch.qwen35.cpu import NativeQwen35Model
         yield NativeQwen35Model(gguf_file.hparams, gguf_file)
 
 

@@ -1,6 +1,6 @@
 """How a turn splits prefill between a GPU backend and the CPU, and falls back when the GPU fails.
 
-The GPU backend is a stand-in that runs the CPU model (the real one, engine.backends.cuda, is
+The GPU backend is a stand-in that runs the CPU model (the real one, engine.arch.qwen35.cuda, is
 tested against the CPU reference in tests/test_cuda_prefill.py on a GPU machine): these tests
 check the runtime's routing, not GPU numerics.
 """

@@ -1,6 +1,6 @@
 """The answer never depends on the cache: prefill is split-invariant (issue 13, item 1).
 
-The mechanism is argued in :mod:`engine.models.qwen35`; these tests check the property it promises:
+The mechanism is argued in :mod:`engine.arch.qwen35.model`; these tests check the property it promises:
 the same prompt gives bit-identical logits and state whatever pieces it is read in (one pass, random
 cuts, one token at a time = decode), on the numpy model and on the native kernels at every ISA level
 this CPU runs and at 1 and 2 threads, and a chat session gives the same logits at every sampled
@@ -18,10 +18,10 @@ from hypothesis import strategies as st
 
 from engine import sampling
 from engine.api import Engine, EngineOptions, bundled_model
-from engine.backends import cpu
+from engine.kernels import cpu
 from engine.events import TokenEvent, TurnSummary
 from engine.gguf_file import GGUFFile
-from engine.models.qwen35 import Qwen35Model
+from engine.arch.qwen35.model import Qwen35Model
 from engine.sampling import SamplingParams
 from engine.state import SequenceState
 
@@ -35,7 +35,7 @@ QUANTS = ("q8_0", "q4_k_m")
 def models(tmp_path_factory):
     """The tiny synth model (Q8_0, and the Q4_K_M mix for the native K-quant kernels) on the numpy
     path and, when built, on the native kernels: {(path, quant): model}."""
-    from engine.synth import synth
+    from engine.arch.qwen35.synth import synth
     out = {}
     for quant in QUANTS:
         path = tmp_path_factory.mktemp("split") / f"tiny-{quant}.gguf"
@@ -44,7 +44,7 @@ def models(tmp_path_factory):
         if quant == "q8_0":
             out[("numpy", quant)] = Qwen35Model(gguf.hparams, gguf)
         if cpu.available():
-            from engine.backends.cpu_model import NativeQwen35Model
+            from engine.arch.qwen35.cpu import NativeQwen35Model
             out[("native", quant)] = NativeQwen35Model(gguf.hparams, gguf)
     yield out
     cpu.set_isa(None)

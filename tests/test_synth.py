@@ -1,4 +1,4 @@
-"""engine.synth: presets, metadata, storage types, determinism and weight statistics.
+"""engine.arch.qwen35.synth: presets, metadata, storage types, determinism and weight statistics.
 
 Statistical checks use generous bounds on thousands of samples (std within 15 % of the target,
 |mean| < 0.1 std); they hold for any seed.
@@ -13,8 +13,9 @@ import numpy as np
 import pytest
 from gguf import GGMLQuantizationType as Q
 
-from engine.gguf_file import GGUFFile, tensor_shapes
-from engine.synth import QWEN35_N_VOCAB, preset_hparams, storage_type, synth, write_gguf
+from engine.gguf_file import GGUFFile
+from engine.arch.qwen35.tensors import tensor_shapes
+from engine.arch.qwen35.synth import QWEN35_N_VOCAB, preset_hparams, storage_type, synth, write_gguf
 
 VOCAB = [f"tok{i}" for i in range(256)]
 
@@ -125,7 +126,7 @@ def test_weight_statistics(tmp_path, preset, q):
 
 
 def test_q4_k_m_mix_is_llama_quantizes(tmp_path):
-    """llama-quant.cpp's Q4_K_M rule (engine.quant_mix) for 8 layers: use_more_bits(i, 8) holds for
+    """llama-quant.cpp's Q4_K_M rule (engine.arch.qwen35.quant_mix) for 8 layers: use_more_bits(i, 8) holds for
     i < 1, i >= 7 and (i - 1) % 3 == 2, i.e. layers 0, 3, 6, 7; their attn_qkv / attn_v and
     ffn_down* get Q6_K. Rows of ne0 = 128 (the small preset's expert width) are not whole 256-value
     super-blocks: Q4_K falls back to Q5_0, Q6_K to Q8_0. The output is Q6_K, norms/routers stay F32."""
@@ -149,7 +150,7 @@ def test_q4_k_m_mix_is_llama_quantizes(tmp_path):
 def test_q4_k_m_mix_of_the_35b_layout():
     """40 layers: use_more_bits(i, 40) for i < 5, i >= 35 and (i - 5) % 3 == 2 (7, 10, ..., 34):
     20 of 40 layers; with 8 experts llama.cpp's n_expert == 8 branch gives attn_v Q8_0, attn_output Q5_K."""
-    from engine.quant_mix import mix_type
+    from engine.arch.qwen35.quant_mix import mix_type
     hp = preset_hparams("35b-a3b")
     more = [il for il in range(40) if mix_type("q4_k_m", f"blk.{il}.ffn_down_exps.weight", (512, 2048, 256), hp)
             == Q.Q6_K]
@@ -178,7 +179,7 @@ def test_write_gguf_errors(tmp_path):
 
 
 def test_real_vocabulary(tmp_path):
-    vocab = pytest.importorskip("engine.vocab")
+    vocab = pytest.importorskip("engine.arch.qwen35.vocab")
     path = tmp_path / "v.gguf"
     synth(path, "tiny", quant="q8_0")
     f = GGUFFile.open(path)

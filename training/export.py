@@ -1,6 +1,6 @@
 """Export a run of :mod:`training.train` to the engine's files: a ``qwen35moe`` text GGUF (written by
-``engine.synth.write_gguf`` with the demo vocabulary and the Qwen3.5 chat template) and a Qwen3.5
-``mmproj`` GGUF (``engine.mmproj.write_mmproj``), both Q8_0 by default.
+``engine.arch.qwen35.synth.write_gguf`` with the demo vocabulary and the Qwen3.5 chat template) and a Qwen3.5
+``mmproj`` GGUF (``engine.arch.qwen3vl.mmproj.write_mmproj``), both Q8_0 by default.
 
     python training/export.py runs/demo --out assets/models
 
@@ -29,10 +29,10 @@ import data  # noqa: E402
 import train  # noqa: E402
 from hf_to_gguf import text_to_gguf, vision_to_gguf  # noqa: E402
 
-from engine.hparams import Qwen35HParams  # noqa: E402
-from engine.mmproj import VisionHParams, write_mmproj  # noqa: E402
-from engine.synth import write_gguf  # noqa: E402
-from engine.vocab import GGUFVocab  # noqa: E402
+from engine.arch.qwen35.hparams import Qwen35HParams  # noqa: E402
+from engine.arch.qwen3vl.mmproj import VisionHParams, write_mmproj  # noqa: E402
+from engine.arch.qwen35.synth import write_gguf  # noqa: E402
+from engine.arch.qwen35.vocab import GGUFVocab  # noqa: E402
 
 TEXT_NAME = "deltadesk-demo.gguf"
 MMPROJ_NAME = "deltadesk-demo-mmproj.gguf"

@@ -14,7 +14,7 @@ batch. Reductions run along a row's own contiguous axis; products that BLAS woul
 differently for another batch size (its vector-matrix and matrix-matrix kernels sum in different
 orders, and a row's place in a block changes its kernel) are taken one row at a time with the same
 vector-matrix call whatever the batch. That is what makes the model's prefill independent of how
-a prompt is cut into pieces (:mod:`engine.models.qwen35`). :func:`linear` (BLAS on the whole batch)
+a prompt is cut into pieces (:mod:`engine.arch.qwen35.model`). :func:`linear` (BLAS on the whole batch)
 and :func:`gdn_chunked` do not follow it; the vision tower and the GPU's reference use them.
 
 Head layouts are those of the GGUF files (llama.cpp ``convert_hf_to_gguf.py``): in particular the

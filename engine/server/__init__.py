@@ -18,7 +18,7 @@ import threading
 import time
 from typing import Any
 
-from ..errors import EngineError
+from engine.errors import EngineError
 from .app import DEFAULT_MAX_BODY, ServerConfig, create_app
 from .requests import APIError
 

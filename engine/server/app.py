@@ -30,8 +30,8 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from ..errors import ContextFullError, EngineError, ImageError, TemplateError, UnsupportedModelError
-from ..events import Event, PrefillStats, TokenEvent, TurnSummary
+from engine.errors import ContextFullError, EngineError, ImageError, TemplateError, UnsupportedModelError
+from engine.events import Event, PrefillStats, TokenEvent, TurnSummary
 from .answer import AnswerSplitter
 from .requests import APIError, TurnRequest, chat_request, completion_request
 

@@ -19,8 +19,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Mapping
 
-from ..errors import EngineError
-from ..sampling import SamplingParams
+from engine.errors import EngineError
+from engine.sampling import SamplingParams
 
 MAX_STOP_STRINGS = 16
 ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant", "tool": "tool"}

@@ -12,7 +12,7 @@ from app.engine_worker import summarize
 from app.history import HistoryStore
 from app.gpu import GpuReport, GpuSample, NvmlGpu, PrefillReport, device_phrase, vision_phrase
 from app_helpers import stored
-from engine.backends.cuda_plan import LayerTelemetry, PrefillTelemetry
+from engine.arch.qwen35.cuda_plan import LayerTelemetry, PrefillTelemetry
 from fake_engine import FakeEngine, fake_info
 
 PLACEMENT = "GPU prefill placement, VRAM budget 6.00 GiB:\n  resident    0.010 GiB  attention + delta-net weights"

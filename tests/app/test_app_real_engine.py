@@ -19,7 +19,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 @pytest.fixture(scope="module")
 def tiny_model(tmp_path_factory):
-    synth = pytest.importorskip("engine.synth")
+    synth = pytest.importorskip("engine.arch.qwen35.synth")
     path = tmp_path_factory.mktemp("model") / "tiny.gguf"
     synth.synth(path, "tiny", quant="q8_0", seed=0)
     return path

@@ -1,19 +1,19 @@
 """GPU prefill for Qwen3.5/3.6 hybrid models, with routed experts streamed from pinned host RAM under a
 VRAM budget (issue 4); decode then continues on the CPU from the state this fills.
 
-:class:`CudaPrefill` loads once per model: it plans placement (:func:`engine.backends.cuda_plan.plan_placement`,
+:class:`CudaPrefill` loads once per model: it plans placement (:func:`engine.arch.qwen35.cuda_plan.plan_placement`,
 ``.plan.text()`` says it in words), uploads every non-expert weight in its stored type (types without a
 kernel are dequantized to F32 on the host), packs each layer's routed experts per expert
-(``[gate | up | down]``, :class:`~engine.backends.cuda_plan.ExpertLayout`) either into VRAM (resident layers)
+(``[gate | up | down]``, :class:`~engine.arch.qwen35.cuda_plan.ExpertLayout`) either into VRAM (resident layers)
 or into page-locked host memory (streamed layers), and builds the kernels of ``native/cuda`` with pycuda.
 
 ``prefill(tokens, state)`` runs the whole prompt in one pass when its activations fit (else in passes of
 a multiple of 64 tokens), layer by layer on a compute stream, with the math of ``shared/spec/qwen35moe.md``
-section 3 and the same numerics as :class:`engine.models.qwen35.Qwen35Model` (float32 activations and
+section 3 and the same numerics as :class:`engine.arch.qwen35.model.Qwen35Model` (float32 activations and
 state, float32 accumulation, the reference's float64 spots). Routed experts of streamed layers reach the
 GPU on a second stream: either whole layers, two buffers deep, so the copy of the next streamed layer
 overlaps the compute of the current one, or, for short prompts whose router picks few experts
-(:func:`~engine.backends.cuda_plan.use_selective`), only the experts each layer's router selected.
+(:func:`~engine.arch.qwen35.cuda_plan.use_selective`), only the experts each layer's router selected.
 Each MoE layer sorts its token-expert pairs by expert on the host (one small download per layer) and
 runs the expert GEMMs grouped over experts. The state (conv, delta-rule, KV rows) is copied back into
 the given :class:`~engine.state.SequenceState`, so CPU decode continues from it.
@@ -29,15 +29,17 @@ from typing import Any
 
 import numpy as np
 
-from ..hparams import Qwen35HParams
-from ..quant import dequantize
-from ..state import SequenceState
-from .cuda_buffers import Activations, Copier, CopyTask
-from .cuda_context import CudaBackend
-from .cuda_kernels import PREFILL_SOURCES, Kernels
-from .cuda_plan import (GPU_TYPES, TILE_ROWS, ExpertLayout, LayerTelemetry, Matrix, Placement,
-                        PrefillTelemetry, copy_runs, expert_layout, expert_rows, gemm_matrix, layer_matrices,
-                        layer_vectors, aligned, pass_tokens, plan_placement, route_tables, use_selective)
+from engine.kernels.cuda_buffers import Activations, Copier, CopyTask
+from engine.kernels.cuda_context import CudaBackend
+from engine.kernels.cuda_kernels import PREFILL_SOURCES, Kernels
+from engine.kernels.cuda_layout import GPU_TYPES, TILE_ROWS, Matrix, aligned, gemm_matrix
+from engine.quant import dequantize
+from engine.state import SequenceState
+
+from .cuda_plan import (ExpertLayout, LayerTelemetry, Placement, PrefillTelemetry, activation_groups, copy_runs,
+                        expert_layout, expert_rows, layer_matrices, layer_vectors, pass_tokens, plan_placement,
+                        route_tables, use_selective)
+from .hparams import Qwen35HParams
 
 DEFAULT_MARGIN = 512 << 20
 """Default budget = free VRAM at load minus max(this, 5% of the card)."""
@@ -56,8 +58,8 @@ class CudaPrefill(CudaBackend):
         plan_tokens: prompt length reserved for when deciding how many expert layers stay resident.
 
     Attributes:
-        plan: the :class:`~engine.backends.cuda_plan.Placement` (``plan.text()`` for the log).
-        last_telemetry: :class:`~engine.backends.cuda_plan.PrefillTelemetry` of the last prefill, or None.
+        plan: the :class:`~engine.arch.qwen35.cuda_plan.Placement` (``plan.text()`` for the log).
+        last_telemetry: :class:`~engine.arch.qwen35.cuda_plan.PrefillTelemetry` of the last prefill, or None.
 
     Raises:
         DeviceError: no usable GPU, pycuda or nvcc, a kernel fails to build, the budget is too small for
@@ -250,7 +252,7 @@ class CudaPrefill(CudaBackend):
             if self.act is not None:
                 self._dev.free(self.act.base)
                 self.act = None
-            self.act = Activations(self._dev, hp, n_pass)
+            self.act = Activations(self._dev, activation_groups(hp, n_pass), n_pass)
         if self.kv_rows < end:
             for kp, vp in self.kv.values():
                 self._dev.free(kp)

@@ -1,4 +1,4 @@
-"""The Qwen3.5/3.6 vision tower on the GPU (pycuda): the forward of :class:`engine.models.vision.VisionTower`,
+"""The Qwen3.5/3.6 vision tower on the GPU (pycuda): the forward of :class:`engine.arch.qwen3vl.tower.VisionTower`,
 one image per call, with the same inputs, outputs and numerics (float32 activations, float32 accumulation).
 
 Weights are uploaded once, in their stored GGML type, as rows the GEMM of ``native/cuda/gemm.cu`` reads
@@ -18,7 +18,7 @@ Per image (S patches, D = n_embd, ``native/cuda/vision.cu`` for the non-GEMM ste
 The patches, the position rows and the RoPE tables go up through page-locked staging buffers, everything
 runs on one stream, and the (S/4, out_dim) result comes back the same way. Every CUDA failure (no GPU or
 pycuda, a compile error, out of GPU or pinned memory, a failed launch) raises
-:class:`~engine.errors.DeviceError`; :class:`engine.models.vision.ImageEncoder` then encodes on the CPU. An
+:class:`~engine.errors.DeviceError`; :class:`engine.arch.qwen3vl.tower.ImageEncoder` then encodes on the CPU. An
 image whose activation buffers would not fit the VRAM budget raises :class:`~engine.errors.DeviceBudgetError`
 instead, and only that image is encoded on the CPU.
 """
@@ -32,14 +32,15 @@ from typing import Any
 import numpy as np
 from gguf import GGMLQuantizationType, GGUFReader
 
-from ..errors import DeviceBudgetError, DeviceError
-from ..mmproj import Mmproj, VisionHParams, file_identity
-from ..ops import vision_reference as ops
-from ..quant import row_bytes, type_name
-from .cuda_context import CudaBackend
-from .cuda_kernels import (ACT_GELU_ERF, ACT_GELU_TANH, ACT_NONE, VISION_SOURCES, Kernels,
+from engine.errors import DeviceBudgetError, DeviceError
+from engine.kernels.cuda_context import CudaBackend
+from engine.kernels.cuda_kernels import (ACT_GELU_ERF, ACT_GELU_TANH, ACT_NONE, VISION_SOURCES, Kernels,
                            check_vision_head)
-from .cuda_plan import GPU_TYPES, Matrix, aligned
+from engine.kernels.cuda_layout import GPU_TYPES, Matrix, aligned
+from engine.ops import vision_reference as ops
+from engine.quant import row_bytes, type_name
+
+from .mmproj import Mmproj, VisionHParams, file_identity
 
 Q = GGMLQuantizationType
 
@@ -98,7 +99,7 @@ class CudaVisionTower(CudaBackend):
             activation buffers grow; None = no limit.
 
     Attributes:
-        hp: the tower's hyper-parameters. identity: the projector's identity (as :class:`~engine.models.vision.VisionTower`).
+        hp: the tower's hyper-parameters. identity: the projector's identity (as :class:`~engine.arch.qwen3vl.tower.VisionTower`).
         weight_bytes: device bytes of the weights (GEMM rows and float32 vectors).
         upload_seconds: wall time of reading, padding and copying the weights to the GPU (kernel build excluded).
 
@@ -272,7 +273,7 @@ class CudaVisionTower(CudaBackend):
         return h0, cos, sin
 
     def encode(self, pixel_values: np.ndarray, grid: tuple[int, int]) -> np.ndarray:
-        """Run the tower and merger on one image (the contract of :meth:`engine.models.vision.VisionTower.encode`).
+        """Run the tower and merger on one image (the contract of :meth:`engine.arch.qwen3vl.tower.VisionTower.encode`).
 
         Args:
             pixel_values: (gh*gw, 3*T*P*P) float32 patch rows in merge-window order.

@@ -53,7 +53,7 @@ Fast paths subclass this model and override the hooks the forward pass goes thro
 stays the one reference pass: :meth:`Qwen35Model.linear` (every projection),
 :meth:`~Qwen35Model.delta_rule` (the GDN recurrence between its projections),
 :meth:`~Qwen35Model.attend` (attention over the KV cache) and :meth:`~Qwen35Model.moe`
-(see :mod:`engine.backends.cpu_model`).
+(see :mod:`engine.arch.qwen35.cpu`).
 """
 
 from __future__ import annotations
@@ -62,9 +62,10 @@ from typing import Any, Callable, Protocol
 
 import numpy as np
 
-from ..hparams import Qwen35HParams
-from ..ops import reference as ops
-from ..state import SequenceState
+from engine.ops import reference as ops
+from engine.state import SequenceState
+
+from .hparams import Qwen35HParams
 
 Callback = Callable[[str, int, np.ndarray], None]
 

@@ -1,4 +1,4 @@
-"""Device-side plumbing of GPU prefill (engine.backends.cuda): counted device allocations, the activation
+"""Device-side plumbing of GPU prefill: counted device allocations, the activation
 arena of one pass, and the worker thread that issues the expert copies.
 """
 
@@ -10,8 +10,7 @@ from typing import Any, Callable
 
 import numpy as np
 
-from ..hparams import Qwen35HParams
-from .cuda_plan import ALIGN, activation_groups, aligned
+from .cuda_layout import ALIGN, aligned
 
 
 class Device:
@@ -110,10 +109,17 @@ class Copier:
 
 
 class Activations:
-    """One allocation holding :func:`activation_groups` for ``capacity`` tokens; ``ptr[name]`` per buffer."""
+    """One allocation holding an architecture's activation buffers for ``capacity`` tokens; ``ptr[name]`` per buffer.
 
-    def __init__(self, dev: Device, hp: Qwen35HParams, capacity: int) -> None:
-        groups = activation_groups(hp, capacity)
+    Args:
+        dev: the device to allocate on.
+        groups: group -> buffer name -> bytes (e.g. :func:`engine.arch.qwen35.cuda_plan.activation_groups`):
+            the ``"base"`` group is live throughout a layer; the other groups are live one at a time,
+            so they share the space after it.
+        capacity: tokens per pass the sizes were computed for.
+    """
+
+    def __init__(self, dev: Device, groups: dict[str, dict[str, int]], capacity: int) -> None:
         offsets: dict[str, int] = {}
         off = 0
         for name, nbytes in groups["base"].items():

@@ -6,9 +6,9 @@ Native code: native/cpu/mixers.c (``dd_gdn_decode``, ``dd_attn_decode``). Both a
 implementation for every ISA level (their hot loops are elementwise over a head row, which the
 compiler vectorises at the x86-64 baseline), so they give the same bits at every level and for
 every thread count (work is split by v-head, or by kv head x block of 256 cache positions).
-With :func:`engine.backends.cpu.isa` = "numpy" or without the extension the twins run. Prefill runs
+With :func:`engine.kernels.cpu.isa` = "numpy" or without the extension the twins run. Prefill runs
 the same steps token by token (:func:`gdn_prefill`, :func:`attention_prefill`), so a position's result
-does not depend on the piece it is read in (:mod:`engine.models.qwen35`).
+does not depend on the piece it is read in (:mod:`engine.arch.qwen35.model`).
 
 Precision: the C code keeps the delta-rule state and its products in float32 and the reductions
 (norms, the conv taps, the softmax combination) in float64; the twins compute every op in float64
@@ -20,9 +20,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from engine.kernels import cpu
 from engine.ops import reference as ops
-
-from . import cpu
 
 
 class GDNLayer:

@@ -41,8 +41,8 @@ from typing import Any
 import numpy as np
 from gguf import GGMLQuantizationType, GGUFReader, GGUFType, GGUFWriter, Keys
 
-from . import quant
-from .errors import ModelFormatError, UnsupportedModelError
+from engine import quant
+from engine.errors import ModelFormatError, UnsupportedModelError
 
 Q = GGMLQuantizationType
 
@@ -109,7 +109,7 @@ class VisionHParams:
         / ``image_max_pixels``, the keys llama.cpp's ``clip-impl.h`` defines; Qwen3.5/3.6 files have
         neither): the maximum becomes ``min(max_pixels, image_max_pixels)``, the minimum
         ``image_min_pixels`` in place of ``min_pixels``, and the minimum is then lowered to the maximum
-        when above it, as :meth:`engine.models.vision.ImageEncoder.encode` does for a per-image bound.
+        when above it, as :meth:`engine.arch.qwen3vl.tower.ImageEncoder.encode` does for a per-image bound.
 
         Args:
             min_pixels, max_pixels: the caller's bounds (engine options / user settings), pixels.
@@ -142,6 +142,8 @@ class Mmproj:
         qtypes: GGUF tensor name -> storage type name (``"F16"``, ``"Q8_0"``, ...).
         identity: hex digest of the file size and its first and last MiB; two files with equal
             identity hold the same weights (the key the embedding cache is scoped by).
+        projector_type: ``clip.projector_type`` (:data:`PROJECTOR_TYPE`), the key :mod:`engine.registry`
+            picks the tower by.
     """
 
     path: Path
@@ -149,6 +151,7 @@ class Mmproj:
     weights: dict[str, np.ndarray]
     qtypes: dict[str, str]
     identity: str
+    projector_type: str = PROJECTOR_TYPE
 
     def f32(self, name: str) -> np.ndarray:
         """The float32 tensor ``name`` (math shape). Raises ``KeyError`` for an unknown name."""

@@ -4,10 +4,10 @@ For each thread count and ISA level: prompt processing (one forward of ``n_promp
 and decode (``n_gen`` one-token forwards after it) in tokens/s, and the bandwidth roofline: weight
 bytes read per decoded token (``GGUFFile.bytes_per_token``) times decode tok/s, as a fraction of
 the streaming-read bandwidth measured with the same thread count
-(:func:`engine.backends.cpu.read_bandwidth`). The LM head is also timed alone, so the table splits
+(:func:`engine.kernels.cpu.read_bandwidth`). The LM head is also timed alone, so the table splits
 a token into the LM head and the mean layer (a 248k-token vocabulary makes the head a large share
 of small slices). With ``llama_python`` set, llama.cpp runs on the same file and thread count
-through llama-cpp-python (:mod:`engine.backends.cpu_llama`, in that interpreter).
+through llama-cpp-python (:mod:`engine.tools.cpu_llama`, in that interpreter).
 """
 
 from __future__ import annotations
@@ -23,11 +23,11 @@ from typing import Sequence
 
 import numpy as np
 
-from ..gguf_file import GGUFFile
-from ..ops import reference as ops
-from ..state import SequenceState
-from . import cpu
-from .cpu_model import NativeQwen35Model
+from engine.arch.qwen35.cpu import NativeQwen35Model
+from engine.gguf_file import GGUFFile
+from engine.kernels import cpu
+from engine.ops import reference as ops
+from engine.state import SequenceState
 
 
 @dataclass(frozen=True)

@@ -4,7 +4,7 @@ Imports nothing of the engine (only the standard library and ``llama_cpp``), so 
 script under another interpreter, e.g. a separate venv that holds llama-cpp-python built with
 the flags of ``shared/spec/peers.md``::
 
-    /work/venv-llama/bin/python engine/backends/cpu_llama.py MODEL.gguf THREADS N_PROMPT N_GEN
+    /work/venv-llama/bin/python engine/tools/cpu_llama.py MODEL.gguf THREADS N_PROMPT N_GEN
 
 prints one JSON object ``{"pp_tok_s": ..., "tg_tok_s": ..., "version": ...}``. Timing is done as
 llama-bench does it: one ``llama_decode`` of the whole prompt (batch = prompt), then N_GEN

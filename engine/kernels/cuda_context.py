@@ -8,13 +8,14 @@ from __future__ import annotations
 import contextlib
 from typing import Callable, Iterator
 
-from ..errors import DeviceError
+from engine.errors import DeviceError
+
 from .cuda_buffers import Device
 from .cuda_kernels import load_driver
 
 
 class CudaBackend:
-    """Base of a GPU backend: holds GPU 0's primary context and a :class:`~engine.backends.cuda_buffers.Device`.
+    """Base of a GPU backend: holds GPU 0's primary context and a :class:`~engine.kernels.cuda_buffers.Device`.
 
     A subclass sets up its own attributes, then loads through :meth:`_open`, and frees what it holds
     besides device memory in :meth:`_release`.

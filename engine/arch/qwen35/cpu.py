@@ -1,6 +1,6 @@
 """The text model on the native CPU kernels: :class:`NativeQwen35Model`.
 
-Design. ``NativeQwen35Model`` subclasses the numpy reference :class:`~engine.models.qwen35.Qwen35Model`
+Design. ``NativeQwen35Model`` subclasses the numpy reference :class:`~engine.arch.qwen35.model.Qwen35Model`
 and overrides only its hooks: ``linear`` (every projection, LM head included), ``delta_rule`` (the
 GDN recurrence between its projections), ``attend`` (attention over the KV cache), ``moe`` and
 ``ffn``. The forward pass itself (op order, residuals, norms, RoPE, KV writes, state updates, stage
@@ -11,14 +11,14 @@ the fast path is tested against, and a subclass needs no object threaded through
 What runs where:
 
 * projections: W4A8 / W8A8 GEMV (one token) or small-M GEMM (prefill) straight from the
-  memory-mapped Q4_0 / Q8_0 / Q4_K / Q5_K / Q6_K blocks (:class:`engine.backends.cpu.Matrix`);
-* the MoE FFN: one fused native call per token (:func:`engine.backends.cpu.moe_ffn`), in prefill
+  memory-mapped Q4_0 / Q8_0 / Q4_K / Q5_K / Q6_K blocks (:class:`engine.kernels.cpu.Matrix`);
+* the MoE FFN: one fused native call per token (:func:`engine.kernels.cpu.moe_ffn`), in prefill
   too (a layer with float32 experts runs each expert's rows through the row-wise products);
-* the GDN recurrence and attention: :mod:`engine.backends.cpu_mixers` (C), token by token and query
+* the GDN recurrence and attention: :mod:`engine.arch.qwen35.cpu_mixers` (C), token by token and query
   by query in prefill too;
 * norms, RoPE, residual adds: the reference numpy ops.
 
-Prefill is therefore split-invariant (:mod:`engine.models.qwen35`): a position's arithmetic is the
+Prefill is therefore split-invariant (:mod:`engine.arch.qwen35.model`): a position's arithmetic is the
 same whatever piece it is read in, decode included. The fused paths report only the stages outside
 the fused calls to ``cb`` (no ``beta``, ``gate``, ``conv_output_silu``, ``attn_output`` of GDN
 layers; ``ffn_moe_logits`` neither).
@@ -56,14 +56,16 @@ import numpy as np
 from gguf import GGMLQuantizationType
 from threadpoolctl import threadpool_limits
 
-from ..gguf_file import GGUFFile, tensor_shapes
-from ..hparams import Qwen35HParams
-from ..models.qwen35 import Callback, Qwen35Model
-from ..ops import reference as ops
-from ..quant import dequantize, type_name
-from ..state import SequenceState
-from . import cpu
+from engine.gguf_file import GGUFFile
+from engine.kernels import cpu
+from engine.ops import reference as ops
+from engine.quant import dequantize, type_name
+from engine.state import SequenceState
+
 from .cpu_mixers import GDNLayer, attention_prefill, gdn_prefill
+from .hparams import Qwen35HParams
+from .model import Callback, Qwen35Model
+from .tensors import tensor_shapes
 
 Q = GGMLQuantizationType
 FLOAT_TYPES = frozenset({Q.F32, Q.F16, Q.BF16})
@@ -73,7 +75,7 @@ CONVERT_CHUNK_BYTES = 16 << 20
 
 
 class FloatMatrix:
-    """A float32 weight (rows, k) with the :class:`engine.backends.cpu.Matrix` call interface (numpy GEMM)."""
+    """A float32 weight (rows, k) with the :class:`engine.kernels.cpu.Matrix` call interface (numpy GEMM)."""
 
     def __init__(self, w: np.ndarray) -> None:
         self.w = np.ascontiguousarray(w, dtype=np.float32)
@@ -146,7 +148,7 @@ def projection_names(hp: Qwen35HParams, gguf: GGUFFile) -> list[str]:
 
 
 class NativeQwen35Model(Qwen35Model):
-    """:class:`~engine.models.qwen35.Qwen35Model` with its projections, one-token mixers and MoE on the
+    """:class:`~engine.arch.qwen35.model.Qwen35Model` with its projections, one-token mixers and MoE on the
     native CPU kernels (see the module docstring). Same ``forward`` contract and state.
 
     Args:
@@ -156,8 +158,8 @@ class NativeQwen35Model(Qwen35Model):
         weight_rules: rule -> (tensor count, bytes used by the kernels), e.g. {"Q4_0 mapped": (61, ...)}.
     Raises:
         ValueError: unknown ``float_weights``. UnsupportedModelError: a weight of an unsupported type.
-    The kernels' ISA level and thread count are process-wide (:func:`engine.backends.cpu.set_isa`,
-    :func:`~engine.backends.cpu.set_threads`); level "numpy" runs every kernel's numpy twin.
+    The kernels' ISA level and thread count are process-wide (:func:`engine.kernels.cpu.set_isa`,
+    :func:`~engine.kernels.cpu.set_threads`); level "numpy" runs every kernel's numpy twin.
     """
 
     def __init__(self, hp: Qwen35HParams, gguf: GGUFFile, float_weights: str = "f32") -> None:
@@ -216,11 +218,11 @@ class NativeQwen35Model(Qwen35Model):
 
     def delta_rule(self, il: int, mixed: np.ndarray, z: np.ndarray, b: np.ndarray, a: np.ndarray,
                    state: SequenceState, cb: Callback) -> np.ndarray:
-        """The fused C step (:func:`~engine.backends.cpu_mixers.gdn_decode`), token by token."""
+        """The fused C step (:func:`~engine.arch.qwen35.cpu_mixers.gdn_decode`), token by token."""
         return gdn_prefill(self.gdn[il], mixed, z, b, a, state.conv[il], state.ssm[il])
 
     def attend(self, q: np.ndarray, gate: np.ndarray, k: np.ndarray, v: np.ndarray) -> np.ndarray:
-        """C attention over the cache (:func:`~engine.backends.cpu_mixers.attention_decode`), query by query."""
+        """C attention over the cache (:func:`~engine.arch.qwen35.cpu_mixers.attention_decode`), query by query."""
         return attention_prefill(q, gate, k, v)
 
     def moe(self, il: int, y: np.ndarray, cb: Callback) -> np.ndarray:

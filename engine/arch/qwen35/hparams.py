@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from .errors import ModelFormatError, UnsupportedModelError
+from engine.errors import ModelFormatError, UnsupportedModelError
 
 ARCHITECTURES = ("qwen35moe", "qwen35")
 

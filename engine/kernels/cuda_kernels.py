@@ -15,16 +15,17 @@ from typing import Any
 
 from gguf import GGMLQuantizationType
 
-from ..errors import DeviceError
-from ..quant import TYPES
-from .cuda_plan import TILE_ROWS, Matrix
+from engine.errors import DeviceError
+from engine.quant import TYPES
+
+from .cuda_layout import TILE_ROWS, Matrix
 
 SOURCE_DIR = Path(__file__).resolve().parents[2] / "native" / "cuda"
 """Folder of the .cu sources, also the include path of their shared header ``common.cuh``."""
 PREFILL_SOURCES = ("gemm.cu", "rows.cu", "gdn.cu", "attention.cu")
-"""The sources GPU prefill (:class:`engine.backends.cuda.CudaPrefill`) builds."""
+"""The sources GPU prefill (:class:`engine.arch.qwen35.cuda.CudaPrefill`) builds."""
 VISION_SOURCES = ("gemm.cu", "vision.cu")
-"""The sources the GPU vision tower (:class:`engine.backends.cuda_vision.CudaVisionTower`) builds."""
+"""The sources the GPU vision tower (:class:`engine.arch.qwen3vl.cuda.CudaVisionTower`) builds."""
 
 _TYPE_SUFFIX = {t: traits.cuda_suffix for t, traits in TYPES.items() if traits.cuda_suffix is not None}
 DENSE_TILE_ROWS = 64
@@ -189,7 +190,7 @@ class Kernels:
         """``C[c_row(i), :w.rows] (+)= scale(i) * A[a_row(i), :w.cols] @ W^T`` for i < m (gemm.cu).
 
         With ``tiles`` (device (n_tiles, 3) int64), the grouped form: one M tile of at most
-        :data:`~engine.backends.cuda_plan.TILE_ROWS` rows per entry, the weight matrix of each tile at
+        :data:`~engine.kernels.cuda_layout.TILE_ROWS` rows per entry, the weight matrix of each tile at
         ``w_ptr`` + its byte offset; with ``n_tiles_dev`` (device int32), ``n_tiles`` is only an upper
         bound and the kernel reads the real count there. lda must be a multiple of 4 (float4 loads).
         """

@@ -1,7 +1,7 @@
 """Planning for GPU prefill, free of CUDA: weight placement under a VRAM budget, activation sizes,
 MoE routing tables and the telemetry records.
 
-Kept apart from :mod:`engine.backends.cuda` so it can be tested on any machine. Sizes are bytes.
+Kept apart from :mod:`engine.arch.qwen35.cuda` so it can be tested on any machine. Sizes are bytes.
 
 Placement rule (issue 4): attention and delta-net weights, norms, routers, shared experts, the LM
 head and the delta-net state always live on the GPU; activations and the KV cache for a prompt of
@@ -18,26 +18,15 @@ from dataclasses import dataclass, field
 import numpy as np
 from gguf import GGMLQuantizationType
 
-from ..errors import DeviceBudgetError, DeviceError
-from ..hparams import Qwen35HParams
-from ..gguf_file import GGUFFile
-from ..quant import TYPES, row_bytes, type_name
-from .cpu_model import to_q8_0
+from engine.errors import DeviceBudgetError, DeviceError
+from engine.gguf_file import GGUFFile
+from engine.kernels.cuda_layout import GPU_TYPES, TILE_ROWS, Matrix, aligned
+from engine.quant import row_bytes, type_name
+
+from .cpu import to_q8_0
+from .hparams import Qwen35HParams
 
 Q = GGMLQuantizationType
-
-GPU_TYPES = frozenset(t for t, traits in TYPES.items() if traits.cuda_suffix is not None)
-"""Storage types the GEMM kernels (native/cuda/gemm.cu) read directly (the quant-type table's
-``cuda_suffix``); other resident weights are dequantized to F32 on the host at load, and routed
-experts of other types (a Q4_K_M file's Q4_K / Q6_K) are converted to Q8_0 on the host at load
-(:func:`expert_layout`; F32 would quadruple what streams per layer)."""
-
-ALIGN = 256
-"""Every device buffer starts on this many bytes."""
-
-TILE_ROWS = 32
-"""Rows of one grouped-GEMM M tile (BM of qgemm32_* in gemm.cu): each expert's rows are cut into tiles
-of this size (a 947-token prompt gives 256 experts ~30 rows each, so 64-row tiles would be half empty)."""
 
 GDN_CHUNK = 64
 """Chunk length of the chunked Gated DeltaNet kernels (CH in gdn.cu)."""
@@ -45,50 +34,6 @@ GDN_CHUNK = 64
 SELECTIVE_FRACTION = 0.85
 """Stream only the selected experts (after each layer's router, without prefetch) when the expected
 share of distinct experts a pass selects is at most this; else stream whole layers ahead of use."""
-
-
-def aligned(n: int) -> int:
-    """``n`` rounded up to a multiple of :data:`ALIGN` (the bytes a device buffer of n bytes occupies)."""
-    return -(-n // ALIGN) * ALIGN
-
-
-@dataclass(frozen=True)
-class Matrix:
-    """A GEMM weight as it will live on the GPU.
-
-    Attributes:
-        name: GGUF tensor name.
-        qtype: storage type on the GPU (the file's type, or F32 when converted on the host).
-        rows, cols: math shape (OUT, IN).
-        row_bytes: bytes of one stored row.
-        converted: True when the file's type has no kernel and the host dequantizes it to F32.
-    """
-
-    name: str
-    qtype: GGMLQuantizationType
-    rows: int
-    cols: int
-    row_bytes: int
-    converted: bool
-
-    @property
-    def nbytes(self) -> int:
-        """Bytes on the GPU."""
-        return self.rows * self.row_bytes
-
-
-def gemm_matrix(name: str, qtype: GGMLQuantizationType, shape: tuple[int, ...]) -> Matrix:
-    """The :class:`Matrix` for a 2-D tensor of ``shape`` (OUT, IN) stored as ``qtype``.
-
-    Raises:
-        DeviceError: IN is not a multiple of 32 (the kernels read whole 32-value blocks).
-    """
-    rows, cols = int(shape[0]), int(shape[-1])
-    if cols % 32:
-        raise DeviceError(f"tensor {name}: {cols} input columns are not a multiple of 32, which the GPU GEMM needs")
-    if qtype in GPU_TYPES:
-        return Matrix(name, qtype, rows, cols, row_bytes(qtype, cols), False)
-    return Matrix(name, Q.F32, rows, cols, 4 * cols, True)
 
 
 def layer_matrices(hp: Qwen35HParams, il: int) -> list[str]:
@@ -174,7 +119,7 @@ def expert_layout(hp: Qwen35HParams, il: int, gate: GGMLQuantizationType, up: GG
 def expert_rows(gguf: GGUFFile, name: str, qtype: GGMLQuantizationType) -> np.ndarray:
     """The (rows, row bytes) uint8 rows of stacked expert tensor ``name`` as :func:`expert_layout` lays
     them out in ``qtype``: the file's bytes when stored so, else (stored without a GPU kernel) converted
-    to Q8_0 (:func:`engine.backends.cpu_model.to_q8_0`, a bounded number of rows at a time).
+    to Q8_0 (:func:`engine.arch.qwen35.cpu.to_q8_0`, a bounded number of rows at a time).
 
     Raises:
         ValueError: ``qtype`` is neither the stored type nor Q8_0.

@@ -3,7 +3,7 @@
 Two entry points:
 
 * :func:`write_gguf` writes given float32 tensors (math shape, GGUF names) with the metadata of a
-  :class:`~engine.hparams.Qwen35HParams`, quantizing them like llama-quantize would.
+  :class:`~engine.arch.qwen35.hparams.Qwen35HParams`, quantizing them like llama-quantize would.
 * :func:`synth` writes a whole random model from a preset (:data:`PRESETS`). Quantized Q4_0 / Q8_0
   weights are drawn directly as blocks (random quants, f16 scales with random sign) rather than by
   quantizing floats, and tensors are generated and written one at a time, so a full-size
@@ -26,18 +26,18 @@ import math
 import os
 import zlib
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from pathlib import Path
 from typing import Any
 
 import gguf
 import numpy as np
 from gguf import GGMLQuantizationType, LlamaFileType
 
-from .gguf_file import tensor_shapes
-from .hparams import Qwen35HParams
-from .quant import (BLOCK_DTYPES, WRITABLE_TYPES, block_size, pack_k_scales, parse_type, quantize, row_bytes,
+from engine.quant import (BLOCK_DTYPES, WRITABLE_TYPES, block_size, pack_k_scales, parse_type, quantize, row_bytes,
                     type_name, type_size)
+
+from .hparams import Qwen35HParams
 from .quant_mix import MIXES, mix_type
+from .tensors import tensor_shapes
 
 Q = GGMLQuantizationType
 
@@ -147,7 +147,7 @@ def write_gguf(path: str | os.PathLike[str], hp: Qwen35HParams, tensors: Mapping
             write a deliberately broken file.
         quant: file type name: ``f32``, ``f16``, ``bf16``, ``q8_0``, ``q4_0``, ``q4_1``, ``q5_0``, ``q5_1``.
         vocab: ``None`` (no tokenizer metadata; ``{arch}.vocab_size`` = ``hp.n_vocab`` is written), a list
-            of token strings (minimal ``gpt2`` tokenizer metadata), or an ``engine.vocab.GGUFVocab``.
+            of token strings (minimal ``gpt2`` tokenizer metadata), or an ``engine.arch.qwen35.vocab.GGUFVocab``.
         chat_template: ``tokenizer.chat_template``; for a GGUFVocab, defaults to the Qwen3.5 template.
         quant_overrides: per-tensor types, see :func:`storage_type`.
 
@@ -173,10 +173,10 @@ def synth(path: str | os.PathLike[str], preset: str, layers: int | None = None, 
         preset: ``tiny``, ``small``, ``dense-tiny`` or ``35b-a3b`` (:data:`PRESETS`).
         layers, experts: shrink the preset (:func:`preset_hparams`).
         quant: file type: ``f32``, ``f16``, ``q8_0``, ``q4_0`` (also ``bf16``, ``q4_1``, ``q5_0``, ``q5_1``),
-            or a K-quant mix of :data:`engine.quant_mix.MIXES` (``q4_k_m``: llama-quantize's per-tensor
-            types, see :mod:`engine.quant_mix`; its Q4_K / Q5_K / Q6_K / Q8_0 blocks are drawn directly).
+            or a K-quant mix of :data:`engine.arch.qwen35.quant_mix.MIXES` (``q4_k_m``: llama-quantize's per-tensor
+            types, see :mod:`engine.arch.qwen35.quant_mix`; its Q4_K / Q5_K / Q6_K / Q8_0 blocks are drawn directly).
         seed: the weights are a deterministic function of (seed, tensor name, shape).
-        vocab: ``"qwen35"`` for the real vocabulary and chat template (``engine.vocab``), ``None`` for
+        vocab: ``"qwen35"`` for the real vocabulary and chat template (``engine.arch.qwen35.vocab``), ``None`` for
             no tokenizer metadata with ``vocab_size`` 248320, or a list of token strings.
 
     Returns:
@@ -204,22 +204,6 @@ def synth(path: str | os.PathLike[str], preset: str, layers: int | None = None, 
     _write(path, hp, plan, MIXES[mix] if mix else FILE_TYPES[qfile], vocab, None,
            name=f"DeltaDesk synthetic {preset}", drawn=_K_LEVELS.keys())
     return hp
-
-
-def synth_mmproj_for(path: str | os.PathLike[str], preset: str, seed: int = 0) -> Path:
-    """Write a random vision tower (mmproj GGUF) that matches a text preset's hidden size.
-
-    ``35b-a3b`` gets the real Qwen3.5/3.6 tower shape (27 x 1152, Q8_0, ~0.5 GB), the other
-    presets the tiny test tower (F16); see :data:`engine.mmproj.PRESETS`.
-
-    Raises:
-        ValueError: unknown preset.
-    """
-    from .mmproj import synth_mmproj
-    n_embd = preset_hparams(preset, QWEN35_N_VOCAB, None, None).n_embd
-    if preset == "35b-a3b":
-        return synth_mmproj(path, "real", out_dim=n_embd, seed=seed, ftype="Q8_0")
-    return synth_mmproj(path, "tiny", out_dim=n_embd, seed=seed, ftype="F16")
 
 
 def _file_type(quant: str) -> GGMLQuantizationType:

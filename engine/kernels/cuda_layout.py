@@ -1,0 +1,74 @@
+"""What a weight and a device buffer look like to the CUDA kernels, whatever the architecture: the storage
+types the GEMM kernels read, buffer alignment, the grouped-GEMM tile height and :class:`Matrix`.
+
+Free of CUDA, so the planning that uses it is testable on any machine. Sizes are bytes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from gguf import GGMLQuantizationType
+
+from engine.errors import DeviceError
+from engine.quant import TYPES, row_bytes
+
+Q = GGMLQuantizationType
+
+GPU_TYPES = frozenset(t for t, traits in TYPES.items() if traits.cuda_suffix is not None)
+"""Storage types the GEMM kernels (native/cuda/gemm.cu) read directly (the quant-type table's
+``cuda_suffix``); other resident weights are dequantized to F32 on the host at load, and routed
+experts of other types (a Q4_K_M file's Q4_K / Q6_K) are converted to Q8_0 on the host at load
+(:func:`expert_layout`; F32 would quadruple what streams per layer)."""
+
+ALIGN = 256
+"""Every device buffer starts on this many bytes."""
+
+TILE_ROWS = 32
+"""Rows of one grouped-GEMM M tile (BM of qgemm32_* in gemm.cu): each expert's rows are cut into tiles
+of this size (a 947-token prompt gives 256 experts ~30 rows each, so 64-row tiles would be half empty)."""
+
+
+def aligned(n: int) -> int:
+    """``n`` rounded up to a multiple of :data:`ALIGN` (the bytes a device buffer of n bytes occupies)."""
+    return -(-n // ALIGN) * ALIGN
+
+
+@dataclass(frozen=True)
+class Matrix:
+    """A GEMM weight as it will live on the GPU.
+
+    Attributes:
+        name: GGUF tensor name.
+        qtype: storage type on the GPU (the file's type, or F32 when converted on the host).
+        rows, cols: math shape (OUT, IN).
+        row_bytes: bytes of one stored row.
+        converted: True when the file's type has no kernel and the host dequantizes it to F32.
+    """
+
+    name: str
+    qtype: GGMLQuantizationType
+    rows: int
+    cols: int
+    row_bytes: int
+    converted: bool
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes on the GPU."""
+        return self.rows * self.row_bytes
+
+
+def gemm_matrix(name: str, qtype: GGMLQuantizationType, shape: tuple[int, ...]) -> Matrix:
+    """The :class:`Matrix` for a 2-D tensor of ``shape`` (OUT, IN) stored as ``qtype``.
+
+    Raises:
+        DeviceError: IN is not a multiple of 32 (the kernels read whole 32-value blocks).
+    """
+    rows, cols = int(shape[0]), int(shape[-1])
+    if cols % 32:
+        raise DeviceError(f"tensor {name}: {cols} input columns are not a multiple of 32, which the GPU GEMM needs")
+    if qtype in GPU_TYPES:
+        return Matrix(name, qtype, rows, cols, row_bytes(qtype, cols), False)
+    return Matrix(name, Q.F32, rows, cols, 4 * cols, True)
+
