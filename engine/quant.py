@@ -123,6 +123,9 @@ SUPPORTED_TYPES: frozenset[GGMLQuantizationType] = frozenset(TYPES)
 WRITABLE_TYPES: frozenset[GGMLQuantizationType] = frozenset(t for t, q in TYPES.items() if q.writable)
 """Types :func:`quantize` can produce (those ``gguf.quants.quantize`` implements)."""
 
+FLOAT_TYPES: frozenset[GGMLQuantizationType] = frozenset(t for t, q in TYPES.items() if q.block_values == 1)
+"""Unquantized types (one value per block): F32, F16, BF16."""
+
 
 def type_name(qtype: GGMLQuantizationType | int) -> str:
     """GGML name of a type id (``"Q4_0"``, ``"F32"``, ...); ``"type 99"`` for an unknown id."""

@@ -59,7 +59,7 @@ from threadpoolctl import threadpool_limits
 from engine.gguf_file import GGUFFile
 from engine.kernels import cpu
 from engine.ops import reference as ops
-from engine.quant import dequantize, type_name
+from engine.quant import FLOAT_TYPES, dequantize, type_name
 from engine.state import SequenceState
 
 from .cpu_mixers import GDNLayer, attention_prefill, gdn_prefill
@@ -68,7 +68,6 @@ from .model import Callback, Qwen35Model
 from .tensors import tensor_shapes
 
 Q = GGMLQuantizationType
-FLOAT_TYPES = frozenset({Q.F32, Q.F16, Q.BF16})
 FLOAT_WEIGHTS = ("f32", "q8_0")
 CONVERT_CHUNK_BYTES = 16 << 20
 """float32 bytes dequantized at a time while converting a tensor."""
