@@ -1,18 +1,8 @@
-"""A validated, memory-mapped view of one Qwen3.5/3.6 GGUF model file.
+"""A validated, memory-mapped view of one GGUF text-model file.
 
-Layout of a GGUF file (ggml ``docs/gguf.md``, gguf-py ``gguf_reader.py``; all little-endian):
-``"GGUF"`` magic, u32 version (2 or 3), u64 tensor count, u64 key/value count, the key/value pairs
-(u64-length UTF-8 key, u32 value type, value), the tensor table (name, u32 n_dims, u64 ne[n_dims]
-fastest first, u32 ggml type, u64 offset relative to the data section), padding to
-``general.alignment`` (default 32), then the tensor data.
-
-The header is parsed here rather than with ``gguf.GGUFReader`` for two reasons measured on this
-project: GGUFReader builds one numpy view per array element, so a file with the real 248320-token
-vocabulary takes ~20 s to open (this parser: ~0.3 s), and it trusts the counts and lengths it reads,
-so a hostile header makes it loop for hours or fail with a bare ``IndexError``. Every count and
-length is checked against the bytes left in the file *before* anything is allocated, and every
-failure is a :class:`~engine.errors.ModelFormatError` naming the file and the key or tensor.
-Tensor data stays in a read-only ``numpy.memmap``: opening touches only the header pages.
+The header is read by :mod:`engine.gguf_header` (bounds-checked: a hostile or truncated file is a
+:class:`~engine.errors.ModelFormatError` naming the file and the key or tensor; opening touches only
+the header pages). Tensor data stays in the read-only memory map.
 
 Which tensors and shapes a file must hold comes from its architecture (:func:`engine.registry.text_arch`
 of ``general.architecture``; for Qwen3.5/3.6 :func:`engine.arch.qwen35.tensors.tensor_shapes`).
@@ -22,45 +12,20 @@ from __future__ import annotations
 
 import hashlib
 import os
-import struct
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
-from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFValueType
+from gguf import GGMLQuantizationType
 
 from .errors import ModelFormatError, UnsupportedModelError
+from .gguf_header import StoredTensor, read_header
 from .quant import check_supported, dequantize, row_bytes, type_name
 from .registry import TextArch, text_arch
 
-_MAX_HEADER = 1 << 30        # metadata + tensor table; real files have ~10 MB
-_MAX_STRING = 64 << 20       # one metadata string (chat templates are ~20 KB)
-_MAX_ARRAY_DEPTH = 3
-_MAX_DIMS = 4                # GGML_MAX_DIMS
 _SAMPLES = 16                # data samples hashed into GGUFFile.identity
 _SAMPLE_BYTES = 4096
-
-_U32 = struct.Struct("<I")
-_U64 = struct.Struct("<Q")
-_SCALARS = {
-    GGUFValueType.UINT8: struct.Struct("<B"), GGUFValueType.INT8: struct.Struct("<b"),
-    GGUFValueType.UINT16: struct.Struct("<H"), GGUFValueType.INT16: struct.Struct("<h"),
-    GGUFValueType.UINT32: _U32, GGUFValueType.INT32: struct.Struct("<i"),
-    GGUFValueType.FLOAT32: struct.Struct("<f"), GGUFValueType.BOOL: struct.Struct("<B"),
-    GGUFValueType.UINT64: _U64, GGUFValueType.INT64: struct.Struct("<q"),
-    GGUFValueType.FLOAT64: struct.Struct("<d"),
-}
-_ARRAY_DTYPES = {
-    GGUFValueType.UINT8: "u1", GGUFValueType.INT8: "i1", GGUFValueType.UINT16: "<u2",
-    GGUFValueType.INT16: "<i2", GGUFValueType.UINT32: "<u4", GGUFValueType.INT32: "<i4",
-    GGUFValueType.FLOAT32: "<f4", GGUFValueType.BOOL: "u1", GGUFValueType.UINT64: "<u8",
-    GGUFValueType.INT64: "<i8", GGUFValueType.FLOAT64: "<f8",
-}
-# smallest encoding of one array element: used to bound an array length before reading it
-_MIN_ELEMENT = {**{t: s.size for t, s in _SCALARS.items()}, GGUFValueType.STRING: 8, GGUFValueType.ARRAY: 12}
-_MIN_KV = 8 + 4 + 1          # empty key, type, one-byte value
-_MIN_TENSOR = 8 + 4 + 8 + 4 + 8  # empty name, n_dims, one dim, type, offset
 
 
 @dataclass(frozen=True)
@@ -79,17 +44,6 @@ class TensorInfo:
     qtype: GGMLQuantizationType
     ne: tuple[int, ...]
     shape: tuple[int, ...]
-    nbytes: int
-
-
-@dataclass(frozen=True)
-class _Stored:
-    """A tensor table entry: ``type_id`` may be unknown to ggml (then ``nbytes`` is -1)."""
-
-    name: str
-    type_id: int
-    ne: tuple[int, ...]
-    offset: int      # absolute file offset of the data
     nbytes: int
 
 
@@ -114,238 +68,6 @@ class _View:
         return self.info.ne[1] if len(self.info.ne) > 1 else 1
 
 
-class _HeaderReader:
-    """Bounds-checked sequential reader over the header bytes of a memory-mapped file.
-
-    Header bytes are copied from the map into ``buf`` on demand (growing by doubling), so a
-    header of a few MB costs a few MB, and no read ever goes past the file end or ``_MAX_HEADER``.
-    """
-
-    def __init__(self, data: np.ndarray, path: str):
-        self._data = data
-        self.size = int(data.size)
-        self.source = path
-        self.buf = b""
-        self.off = 0
-
-    def fail(self, what: str) -> ModelFormatError:
-        """A ModelFormatError about this file."""
-        return ModelFormatError(f"{self.source}: {what}")
-
-    def need(self, n: int, what: str) -> None:
-        """Make ``buf`` cover ``n`` more bytes at ``off``; raises ModelFormatError past EOF / header limit."""
-        end = self.off + n
-        if end > self.size:
-            raise self.fail(f"{what} needs {n} bytes at offset {self.off} but the file ends at byte "
-                            f"{self.size} (truncated or corrupt GGUF)")
-        if end > _MAX_HEADER:
-            raise self.fail(f"{what} would make the GGUF header larger than {_MAX_HEADER >> 20} MiB")
-        if end > len(self.buf):
-            self.buf = bytes(self._data[:min(self.size, _MAX_HEADER, max(end, 2 * len(self.buf), 1 << 16))])
-
-    def scalar(self, fmt: struct.Struct, what: str) -> Any:
-        """One little-endian scalar."""
-        self.need(fmt.size, what)
-        value = fmt.unpack_from(self.buf, self.off)[0]
-        self.off += fmt.size
-        return value
-
-    def string(self, what: str) -> str:
-        """A u64-length-prefixed UTF-8 string."""
-        n = self.scalar(_U64, f"the length of {what}")
-        if n > _MAX_STRING:
-            raise self.fail(f"{what} claims a length of {n} bytes (limit {_MAX_STRING})")
-        self.need(n, what)
-        try:
-            s = self.buf[self.off:self.off + n].decode("utf-8")
-        except UnicodeDecodeError:
-            raise self.fail(f"{what} is not valid UTF-8") from None
-        self.off += n
-        return s
-
-    def strings(self, count: int, what: str) -> list[str]:
-        """``count`` strings, walked with local variables (the 248320-token vocabulary takes ~0.2 s)."""
-        out: list[str] = []
-        append, unpack = out.append, _U64.unpack_from
-        buf, off = self.buf, self.off
-        end = len(buf)
-        for i in range(count):
-            if off + 8 > end:
-                self.off = off
-                self.need(8, f"the length of {what}[{i}]")
-                buf, end = self.buf, len(self.buf)
-            n = unpack(buf, off)[0]
-            off += 8
-            if off + n > end:
-                if n > _MAX_STRING:
-                    raise self.fail(f"{what}[{i}] claims a length of {n} bytes (limit {_MAX_STRING})")
-                self.off = off
-                self.need(n, f"{what}[{i}]")
-                buf, end = self.buf, len(self.buf)
-            try:
-                append(buf[off:off + n].decode("utf-8"))
-            except UnicodeDecodeError:
-                raise self.fail(f"{what}[{i}] is not valid UTF-8") from None
-            off += n
-        self.off = off
-        return out
-
-    def value(self, vtype: int, what: str, depth: int = 0) -> Any:
-        """One metadata value: python scalar, str, list of str / values, or numpy array of numbers."""
-        if vtype == GGUFValueType.STRING:
-            return self.string(what)
-        if vtype == GGUFValueType.BOOL:
-            return bool(self.scalar(_SCALARS[vtype], what))
-        if vtype in _SCALARS:
-            return self.scalar(_SCALARS[vtype], what)
-        if vtype != GGUFValueType.ARRAY:
-            raise self.fail(f"{what} has unknown value type {vtype} (expected 0..12)")
-        if depth >= _MAX_ARRAY_DEPTH:
-            raise self.fail(f"{what} nests arrays deeper than {_MAX_ARRAY_DEPTH} levels")
-        itype = self.scalar(_U32, f"the element type of {what}")
-        count = self.scalar(_U64, f"the length of {what}")
-        if itype not in _MIN_ELEMENT:
-            raise self.fail(f"{what} has unknown element type {itype} (expected 0..12)")
-        if count * _MIN_ELEMENT[itype] > self.size - self.off:
-            raise self.fail(f"{what} claims {count} elements of type {GGUFValueType(itype).name}, more than "
-                            f"the {self.size - self.off} bytes left in the file can hold")
-        if itype == GGUFValueType.STRING:
-            return self.strings(count, what)
-        if itype == GGUFValueType.ARRAY:
-            return [self.value(itype, f"{what}[{i}]", depth + 1) for i in range(count)]
-        dtype = np.dtype(_ARRAY_DTYPES[itype])
-        self.need(count * dtype.itemsize, what)
-        arr = np.frombuffer(self.buf, dtype, count, self.off).copy()
-        self.off += count * dtype.itemsize
-        return arr.astype(bool) if itype == GGUFValueType.BOOL else arr
-
-
-def _parse_header(r: _HeaderReader) -> tuple[dict[str, Any], dict[str, tuple[int, int]], list[_Stored], int]:
-    """Parse magic, version, metadata and tensor table.
-
-    Returns:
-        (metadata key -> value, key -> byte range ``[start, end)`` of its whole record (key, type,
-        value) in the file, tensor table in file order, absolute offset of the data section).
-    """
-    r.need(24, "the GGUF header (magic, version, tensor and key counts)")
-    magic = r.buf[:4]
-    if magic != b"GGUF":
-        raise r.fail(f"not a GGUF file: magic is {magic!r}, expected b'GGUF'")
-    r.off = 4
-    version = r.scalar(_U32, "the GGUF version")
-    if version not in (2, 3):
-        hint = " (a big-endian file?)" if version and not version & 0xFFFF else ""
-        raise r.fail(f"GGUF version {version} is not supported (expected 2 or 3){hint}")
-    n_tensors = r.scalar(_U64, "the tensor count")
-    n_kv = r.scalar(_U64, "the key/value count")
-    left = r.size - r.off
-    if n_kv * _MIN_KV > left:
-        raise r.fail(f"header claims {n_kv} metadata keys; the {left} bytes of the file cannot hold that many "
-                     "(truncated or corrupt GGUF)")
-    if n_tensors * _MIN_TENSOR > left:
-        raise r.fail(f"header claims {n_tensors} tensors; the {left} bytes of the file cannot hold that many "
-                     "(truncated or corrupt GGUF)")
-
-    meta: dict[str, Any] = {}
-    records: dict[str, tuple[int, int]] = {}
-    for i in range(n_kv):
-        start = r.off
-        key = r.string(f"metadata key #{i}")
-        vtype = r.scalar(_U32, f"the value type of key {key}")
-        if key in meta:
-            raise r.fail(f"metadata key {key} appears twice")
-        meta[key] = r.value(vtype, f"key {key}")
-        records[key] = (start, r.off)
-
-    alignment = meta.get("general.alignment", 32)
-    if not isinstance(alignment, int) or alignment <= 0 or alignment & (alignment - 1):
-        raise r.fail(f"key general.alignment = {alignment!r} is not a power of two")
-
-    table: list[tuple[str, int, tuple[int, ...], int]] = []
-    for i in range(n_tensors):
-        name = r.string(f"the name of tensor #{i}")
-        n_dims = r.scalar(_U32, f"n_dims of tensor {name}")
-        if not 1 <= n_dims <= _MAX_DIMS:
-            raise r.fail(f"tensor {name} has {n_dims} dimensions (expected 1..{_MAX_DIMS})")
-        ne = tuple(r.scalar(_U64, f"ne[{j}] of tensor {name}") for j in range(n_dims))
-        type_id = r.scalar(_U32, f"the type of tensor {name}")
-        table.append((name, type_id, ne, r.scalar(_U64, f"the data offset of tensor {name}")))
-    data_start = -(-r.off // alignment) * alignment
-
-    tensors, seen = [], set()
-    for name, type_id, ne, rel in table:
-        if name in seen:
-            raise r.fail(f"tensor {name} appears twice in the tensor table")
-        seen.add(name)
-        if rel % alignment:
-            raise r.fail(f"tensor {name} data offset {rel} is not a multiple of the alignment {alignment}")
-        n_elem = 1
-        for n in ne:
-            n_elem *= n
-        nbytes = -1
-        if type_id in GGML_QUANT_SIZES.keys():
-            bs, ts = GGML_QUANT_SIZES[GGMLQuantizationType(type_id)]
-            if ne[0] % bs:
-                raise r.fail(f"tensor {name} has ne0 = {ne[0]}, not a multiple of the {type_name(type_id)} "
-                             f"block size {bs}")
-            nbytes = n_elem // bs * ts
-            end = data_start + rel + nbytes
-            if end > r.size:
-                raise r.fail(f"tensor {name} data [{data_start + rel}, {end}) extends past the end of the file "
-                             f"({r.size} bytes): truncated download?")
-        tensors.append(_Stored(name, type_id, ne, data_start + rel, nbytes))
-    return meta, records, tensors, data_start
-
-
-def _map(source: str) -> tuple[np.ndarray, _HeaderReader]:
-    """Memory-map ``source`` read-only; the map and a header reader over it.
-
-    Raises:
-        ModelFormatError: the file cannot be opened or is shorter than a GGUF header.
-    """
-    try:
-        size = os.path.getsize(source)
-        if size < 24:
-            raise ModelFormatError(f"{source}: file is {size} bytes, too short for a GGUF header (24 bytes)")
-        data = np.asarray(np.memmap(source, dtype=np.uint8, mode="r"))
-    except OSError as e:
-        raise ModelFormatError(f"{source}: cannot open: {e.strerror or e}") from e
-    return data, _HeaderReader(data, source)
-
-
-def _parse(reader: _HeaderReader) -> tuple[dict[str, Any], dict[str, tuple[int, int]], list[_Stored], int]:
-    """:func:`_parse_header` with every low-level failure turned into a ModelFormatError naming the offset."""
-    try:
-        return _parse_header(reader)
-    except (ValueError, OverflowError, struct.error, MemoryError) as e:
-        raise ModelFormatError(f"{reader.source}: malformed GGUF header near offset {reader.off}: {e}") from e
-
-
-def _python(value: Any) -> Any:
-    """A metadata value as python data (numpy arrays and lists become new lists)."""
-    if isinstance(value, np.ndarray):
-        return value.tolist()
-    if isinstance(value, list):
-        return list(value)
-    return value
-
-
-def read_metadata(path: str | os.PathLike[str]) -> dict[str, Any]:
-    """The metadata of any GGUF file (a model, a projector), bounds-checked like :meth:`GGUFFile.open`
-    but without any architecture check; only the header pages are read.
-
-    Returns:
-        key -> value as python data (str, int, float, bool, or list), in file order.
-
-    Raises:
-        ModelFormatError: unreadable, truncated or malformed header; the message names the file.
-    """
-    source = str(path)
-    _, reader = _map(source)
-    meta = _parse(reader)[0]
-    return {key: _python(value) for key, value in meta.items()}
-
-
 class GGUFFile:
     """One opened, validated GGUF model file (see ``docs/interfaces.md``, ``engine.gguf_file``).
 
@@ -368,10 +90,12 @@ class GGUFFile:
         """Parse and validate; prefer :meth:`open`."""
         self.path = Path(path)
         self.source = str(path)
-        self._data, reader = _map(self.source)
-        self._meta, self._records, stored, self._data_start = _parse(reader)
-        self._header_digest = hashlib.sha256(reader.buf[:reader.off])
-        self._stored = {t.name: t for t in stored}
+        header = read_header(self.source)
+        self._header = header
+        self._data, self._meta, self._records = header.data, header.meta, header.records
+        self._data_start = header.data_start
+        self._header_digest = hashlib.sha256(header.header_bytes)
+        self._stored = header.tensors
         tokens = self._meta.get("tokenizer.ggml.tokens")
         arch = self._meta.get("general.architecture")
         if not isinstance(arch, str):
@@ -408,9 +132,7 @@ class GGUFFile:
     # ---------------------------------------------------------------- metadata
     def meta(self, key: str, default: Any = None) -> Any:
         """Value of a metadata key as python data (str, int, float, bool, or list), ``default`` if absent."""
-        if key not in self._meta:
-            return default
-        return _python(self._meta[key])
+        return self._header.value(key, default)
 
     @property
     def meta_keys(self) -> tuple[str, ...]:
@@ -546,7 +268,7 @@ class GGUFFile:
         check_supported(view.info.qtype, f"{self.source}: tensor {name}")
         return view
 
-    def _plain_view(self, t: _Stored) -> _View:
+    def _plain_view(self, t: StoredTensor) -> _View:
         if t.nbytes < 0:
             raise UnsupportedModelError(f"{self.source}: tensor {t.name} has ggml type id {t.type_id}, "
                                         "unknown to this version of gguf")
@@ -598,7 +320,7 @@ class GGUFFile:
             self._views[part] = self._split_view(base, part, row0, rows)
             row0 += rows
 
-    def _check_shape(self, t: _Stored, ne: tuple[int, ...]) -> None:
+    def _check_shape(self, t: StoredTensor, ne: tuple[int, ...]) -> None:
         moe_tensor = "_exps." in t.name or t.name.endswith(".ffn_gate_inp.weight")
         if moe_tensor and len(t.ne) == len(ne) and t.ne[:-1] == ne[:-1] and t.ne[-1] != ne[-1]:
             raise UnsupportedModelError(

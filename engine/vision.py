@@ -19,7 +19,7 @@ from typing import Any
 import numpy as np
 
 from .errors import DeviceBudgetError, DeviceError, GenerationCancelled, UnsupportedModelError
-from .gguf_file import read_metadata
+from .gguf_header import read_metadata
 from .images import MAX_INPUT_PIXELS, MAX_PIXELS, MIN_PIXELS, ImageSource, read_source
 from .registry import VisionArch, VisionTower, vision_arch
 

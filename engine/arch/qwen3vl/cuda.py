@@ -27,18 +27,18 @@ from __future__ import annotations
 
 import time
 from collections import OrderedDict
-from typing import Any
 
 import numpy as np
-from gguf import GGMLQuantizationType, GGUFReader
+from gguf import GGMLQuantizationType
 
-from engine.errors import DeviceBudgetError, DeviceError
+from engine.errors import DeviceBudgetError, DeviceError, ModelFormatError
+from engine.gguf_header import Header, read_header
 from engine.kernels.cuda_context import CudaBackend
 from engine.kernels.cuda_kernels import (ACT_GELU_ERF, ACT_GELU_TANH, ACT_NONE, VISION_SOURCES, Kernels,
                            check_vision_head)
 from engine.kernels.cuda_layout import GPU_TYPES, Matrix, aligned
 from engine.ops import vision_reference as ops
-from engine.quant import row_bytes, type_name
+from engine.quant import FLOAT_TYPES, row_bytes, type_name
 
 from .mmproj import Mmproj, VisionHParams, file_identity
 
@@ -46,8 +46,6 @@ Q = GGMLQuantizationType
 
 PATCH = "v.patch_embd.weight"
 """Name under which the interleaved patch kernel (``v.patch_embd.weight`` + ``.weight.1``) is kept."""
-
-_FLOAT_TYPES = frozenset({Q.F32, Q.F16, Q.BF16})
 
 
 def padded(n: int) -> int:
@@ -154,19 +152,19 @@ class CudaVisionTower(CudaBackend):
         hp, mm = self.hp, self._mm
         try:
             changed = file_identity(mm.path) != mm.identity
-            tensors = {t.name: t for t in GGUFReader(mm.path).tensors}
-        except (OSError, ValueError, KeyError, IndexError) as e:
+            header = read_header(mm.path)
+        except (OSError, ModelFormatError) as e:
             raise DeviceError(f"{mm.path}: the projector file cannot be read again for the GPU: {e}") from e
         if changed:
             raise DeviceError(f"{mm.path}: the projector file changed since it was loaded (reload the model)")
-        layouts = {name: self._layout(name, tensors) for name in _gemm_names(hp)}
+        layouts = {name: self._layout(name, header) for name in _gemm_names(hp)}
         vectors = _vector_names(hp)
         self.weight_bytes = (sum(aligned(m.nbytes) for m in layouts.values())
                              + sum(aligned(4 * mm.f32(n).size) for n in vectors))
         self._check_budget(reserve)
         self.kernels = Kernels(self._drv, VISION_SOURCES)
         t0 = time.perf_counter()
-        self.mat = {name: (m, self._dev.upload(self._rows(m, tensors))) for name, m in layouts.items()}
+        self.mat = {name: (m, self._dev.upload(self._rows(m, header))) for name, m in layouts.items()}
         self.vec = {n: self._dev.upload(np.ascontiguousarray(mm.f32(n), dtype=np.float32)) for n in vectors}
         self.upload_seconds = time.perf_counter() - t0
         self.stream = self._drv.Stream()
@@ -181,23 +179,23 @@ class CudaVisionTower(CudaBackend):
                                     f"{self.weight_bytes / 2**30:.2f} GiB, activations for {s} patches), above "
                                     f"its VRAM budget of {self._budget / 2**30:.2f} GiB")
 
-    def _stored(self, name: str, tensors: dict[str, Any]) -> np.ndarray:
+    def _stored(self, name: str, header: Header) -> np.ndarray:
         """(rows, row_bytes) uint8 view of tensor ``name`` as the file stores it (rows = first math axis)."""
-        t = tensors.get(name)
+        t = header.tensors.get(name)
         want = self._mm.qtypes[name]
-        if t is None or type_name(t.tensor_type) != want:
+        if t is None or type_name(t.type_id) != want:
             raise DeviceError(f"{self._mm.path}: tensor {name!r} is no longer stored as {want}: the file changed "
                               "since it was loaded")
-        return np.asarray(t.data).view(np.uint8).reshape(self._mm.f32(name).shape[0], -1)
+        return header.tensor_bytes(t).reshape(self._mm.f32(name).shape[0], -1)
 
-    def _layout(self, name: str, tensors: dict[str, Any]) -> Matrix:
+    def _layout(self, name: str, header: Header) -> Matrix:
         """How GEMM weight ``name`` lives on the GPU: stored type (or F32 when the GEMM has no kernel for it,
         or the two patch halves differ in type or are quantized), inputs padded to a multiple of 32."""
         mm = self._mm
         if name == PATCH:
             rows, cols = self.hp.n_embd, self.hp.patch_dim
             stored = Q[mm.qtypes[PATCH]]
-            keep = stored in _FLOAT_TYPES and mm.qtypes[PATCH + ".1"] == mm.qtypes[PATCH]
+            keep = stored in FLOAT_TYPES and mm.qtypes[PATCH + ".1"] == mm.qtypes[PATCH]
         else:
             rows, cols = mm.f32(name).shape
             stored = Q[mm.qtypes[name]]
@@ -205,19 +203,19 @@ class CudaVisionTower(CudaBackend):
         qtype = stored if keep else Q.F32
         return Matrix(name, qtype, rows, padded(cols), row_bytes(qtype, padded(cols)), not keep)
 
-    def _rows(self, m: Matrix, tensors: dict[str, Any]) -> np.ndarray:
+    def _rows(self, m: Matrix, header: Header) -> np.ndarray:
         """The (rows, row_bytes) uint8 bytes of :meth:`_layout` ``m``, zero-padded past the true inputs."""
         mm, hp = self._mm, self.hp
         if m.name == PATCH:
             if m.converted:
                 raw = np.stack([mm.f32(PATCH), mm.f32(PATCH + ".1")], axis=2).reshape(m.rows, -1).view(np.uint8)
             else:
-                halves = [self._stored(n, tensors).reshape(m.rows, hp.in_channels, -1) for n in (PATCH, PATCH + ".1")]
+                halves = [self._stored(n, header).reshape(m.rows, hp.in_channels, -1) for n in (PATCH, PATCH + ".1")]
                 raw = np.stack(halves, axis=2).reshape(m.rows, -1)
         elif m.converted:
             raw = np.ascontiguousarray(mm.f32(m.name), dtype=np.float32).view(np.uint8)
         else:
-            raw = self._stored(m.name, tensors)
+            raw = self._stored(m.name, header)
         if raw.shape[1] == m.row_bytes:
             return raw
         out = np.zeros((m.rows, m.row_bytes), dtype=np.uint8)

@@ -39,10 +39,11 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from gguf import GGMLQuantizationType, GGUFReader, GGUFType, GGUFWriter, Keys
+from gguf import GGMLQuantizationType, GGUFType, GGUFWriter, Keys
 
 from engine import quant
 from engine.errors import ModelFormatError, UnsupportedModelError
+from engine.gguf_header import Header, StoredTensor, read_header
 
 Q = GGMLQuantizationType
 
@@ -207,19 +208,19 @@ def file_identity(path: Path) -> str:
 
 
 class _Meta:
-    """Typed access to a reader's metadata with errors that name the file and key."""
+    """Typed access to a header's metadata with errors that name the file and key."""
 
-    def __init__(self, reader: GGUFReader, source: str):
-        self._fields = reader.fields
+    def __init__(self, header: Header, source: str):
+        self._header = header
         self._source = source
 
     def has(self, key: str) -> bool:
-        return key in self._fields
+        return key in self._header.meta
 
     def get(self, key: str) -> Any:
-        if key not in self._fields:
+        if key not in self._header.meta:
             raise ModelFormatError(f"{self._source}: missing metadata key {key!r}")
-        return self._fields[key].contents()
+        return self._header.value(key)
 
     def string(self, key: str) -> str:
         v = self.get(key)
@@ -246,7 +247,7 @@ class _Meta:
         return tuple(float(x) for x in v)
 
 
-def _read_hparams(meta: _Meta, tensors: Mapping[str, Any], source: str) -> VisionHParams:
+def _read_hparams(meta: _Meta, tensors: Mapping[str, StoredTensor], source: str) -> VisionHParams:
     arch = meta.string("general.architecture")
     if arch != "clip":
         raise UnsupportedModelError(
@@ -268,7 +269,7 @@ def _read_hparams(meta: _Meta, tensors: Mapping[str, Any], source: str) -> Visio
     pos = tensors.get("v.position_embd.weight")
     if pos is None:
         raise ModelFormatError(f"{source}: missing tensor 'v.position_embd.weight'")
-    n_pos = int(pos.shape[1]) if len(pos.shape) >= 2 else 0
+    n_pos = pos.ne[1] if len(pos.ne) >= 2 else 0
     side = math.isqrt(n_pos)
     if side * side != n_pos or side < 2:
         raise ModelFormatError(
@@ -324,34 +325,34 @@ def load_mmproj(path: str | os.PathLike[str]) -> Mmproj:
     """
     path = Path(path)
     source = str(path)
+    if not path.is_file():
+        raise ModelFormatError(f"{source}: no such file")
     try:
-        reader = GGUFReader(path)
-    except FileNotFoundError as e:
-        raise ModelFormatError(f"{source}: no such file") from e
-    except (ValueError, OSError, IndexError, KeyError) as e:
-        raise ModelFormatError(f"{source}: not a readable GGUF file ({e})") from e
-    meta = _Meta(reader, source)
-    tensors = {t.name: t for t in reader.tensors}
+        header = read_header(path)
+    except ModelFormatError as e:
+        raise ModelFormatError(f"{source}: not a readable GGUF file: {str(e).removeprefix(source + ': ')}") from e
+    meta = _Meta(header, source)
+    tensors = header.tensors
     hp = _read_hparams(meta, tensors, source)
     mm2 = tensors.get("mm.2.weight")
-    if mm2 is not None and int(mm2.shape[-1]) != hp.out_dim:
+    if mm2 is not None and mm2.ne[-1] != hp.out_dim:
         raise ModelFormatError(
             f"{source}: clip.vision.projection_dim is {hp.out_dim} but tensor 'mm.2.weight' has "
-            f"{int(mm2.shape[-1])} rows (the LLM width)")
+            f"{mm2.ne[-1]} rows (the LLM width)")
     weights: dict[str, np.ndarray] = {}
     qtypes: dict[str, str] = {}
     for name, shape in tensor_shapes(hp).items():
         t = tensors.get(name)
         if t is None:
             raise ModelFormatError(f"{source}: missing tensor {name!r} (expected shape {shape})")
-        found = tuple(int(x) for x in reversed(t.shape.tolist()))
+        found = tuple(reversed(t.ne))
         while len(found) > len(shape) and found[0] == 1:
             found = found[1:]
         if found != shape:
             raise ModelFormatError(f"{source}: tensor {name!r} has shape {found}, expected {shape}")
-        qtype = quant.check_supported(t.tensor_type, f"{source}: tensor {name!r}")
+        qtype = quant.check_supported(t.type_id, f"{source}: tensor {name!r}")
         try:
-            weights[name] = quant.dequantize(np.asarray(t.data).view(np.uint8), qtype, shape)
+            weights[name] = quant.dequantize(header.tensor_bytes(t), qtype, shape)
         except ValueError as e:
             raise ModelFormatError(f"{source}: tensor {name!r}: {e}") from e
         qtypes[name] = quant.type_name(qtype)
