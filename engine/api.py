@@ -12,38 +12,33 @@ through a ``threading.Event``.
 
 from __future__ import annotations
 
-import functools
-import hashlib
 import logging
 import math
 import threading
 import time
 from dataclasses import dataclass, field
-from importlib import resources
 from pathlib import Path
-from typing import Any, Callable, Iterator, Mapping, Protocol, Sequence
+from typing import Any, Callable, Iterator, Protocol, Sequence
 
 import platformdirs
 
-from .errors import (ContextFullError, DeviceBudgetError, DeviceError, EngineError, GenerationCancelled, ImageError,
-                     ModelFormatError, TemplateError, UnsupportedModelError)
-from .events import Event
+from . import placement
+from .errors import EngineError, GenerationCancelled, TemplateError, UnsupportedModelError
+from .events import Event, PrefillStats
 from .gguf_file import GGUFFile
 from .images import ImageSource
-from .registry import GpuPrefill, TextModel, vision_arch
-from .vision import EncodedImage, ImageEncoder, load_projector
 from .prefix_cache import PrefixCache, SnapshotInfo
-from .events import PrefillStats
+from .prompt import Message, Prompt, PromptBuilder, text_bytes
 from .prune import pruning_summary
+from .registry import GpuPrefill, TextModel
 from .runtime import Turn, read_ahead, run_turn
 from .sampling import SamplingParams
-from .tokenizer import ChatTemplate, Tokenizer
+from .tokenizer import Tokenizer
+from .vision import ImageEncoder
 
 log = logging.getLogger(__name__)
 
 __all__ = ["ChatEngine", "Engine", "EngineOptions", "ModelInfo", "Prompt", "SamplingParams", "SnapshotInfo", "default_model"]
-
-Message = Mapping[str, Any]
 
 CHATML_NOTE = "the file has no tokenizer.chat_template, so chat uses ChatML (the Qwen format)"
 """The one-line notice (:attr:`ModelInfo.template_note`) for a model whose chat falls back to ChatML."""
@@ -210,11 +205,7 @@ class Engine:
         self.context = min(options.context, hp.context_length)
         self.cache = PrefixCache(hp, gguf.identity, options.cache_ram_bytes, options.cache_disk_dir,
                                  options.cache_disk_bytes) if options.prefix_cache else None
-        im_start = tokenizer.token_id("<|im_start|>")
-        self._im_start = -1 if im_start is None else im_start
-        self._header = tokenizer.encode("<|im_start|>assistant\n", special=True)
-        self._image_pad = tokenizer.token_id("<|image_pad|>")
-        self._vision_start = tokenizer.token_id("<|vision_start|>")
+        self.prompts = PromptBuilder(tokenizer, vision, gguf.source, gguf.path.name, self.context)
         self._busy = threading.Lock()      # held while a turn runs (see the class docstring)
         self._closed = False
 
@@ -262,30 +253,20 @@ class Engine:
             except TemplateError as exc:
                 raise TemplateError(f"{exc} (the chat template was tried on a probe conversation at load)") from exc
         stage("preparing weights")
-        model = _text_model(gguf, options)
-        tower = gpu = None
+        model = placement.text_model(gguf, options)
+        vision = gpu = None
         try:
-            vision = None
             if mmproj_path is not None:
                 stage("loading the vision tower")
-                _, mm = load_projector(mmproj_path)
-                if mm.hparams.out_dim != gguf.hparams.n_embd:
-                    raise ModelFormatError(
-                        f"{mmproj_path}: clip.vision.projection_dim = {mm.hparams.out_dim} does not match the text "
-                        f"model's embedding_length = {gguf.hparams.n_embd} ({gguf.source}): not its vision tower")
-                tower, vision_note = _open_vision_gpu(mm, options)
-                vision = ImageEncoder(mm, max_pixels=options.image_max_pixels, gpu=tower, device_note=vision_note)
-                if vision.max_pixels < options.image_max_pixels:
-                    log.info("images are resized to at most %d pixels (the bound %s stores)", vision.max_pixels,
-                             Path(mmproj_path).name)
+                vision = placement.open_vision(mmproj_path, gguf, options)
             if options.device != "cpu":
                 stage("placing weights on the GPU")
-            gpu, note = _open_gpu(gguf, options, vision)
+            gpu, note = placement.open_gpu(gguf, options, vision)
             if cancel is not None and cancel.is_set():
                 raise GenerationCancelled(f"loading {Path(model_path).name} was cancelled")
             return cls(gguf, tokenizer, model, options, vision, gpu, note)
         except BaseException:
-            _release(gpu, tower)
+            placement.release(gpu, vision.gpu if vision is not None else None)
             raise
 
     @property
@@ -339,12 +320,7 @@ class Engine:
                 tokens (more bytes than ``context * Tokenizer.max_token_bytes``); a prompt that is
                 merely longer than the window in tokens ends its turn with stop reason "context_full".
         """
-        template = self.tokenizer.chat_template or _chatml()
-        size = _text_bytes(messages)
-        self._check_text_fits(size, "The conversation", "shorten it or start a new conversation")
-        escaped, literals = self.tokenizer.escape_messages(messages, template.source)
-        text = template.render(escaped, add_generation_prompt=True, enable_thinking=enable_thinking, room=size)
-        return self.tokenizer.encode_rendered(text, literals)
+        return self.prompts.render(messages, enable_thinking)
 
     def prepare(self, messages: Sequence[Message], enable_thinking: bool = False,
                 cancel: threading.Event | None = None) -> Prompt:
@@ -359,41 +335,7 @@ class Engine:
             UnsupportedModelError: an image part but no vision tower loaded.
             ImageError: an image could not be read (names the file and what was expected).
         """
-        ids = self.render(messages, enable_thinking)
-        sources = [part.get("image") for m in messages if isinstance(m.get("content"), list)
-                   for part in m["content"] if isinstance(part, Mapping) and part.get("type") == "image"]
-        if not sources:
-            return Prompt(ids, None, [], [])
-        if self.vision is None:
-            raise UnsupportedModelError(
-                f"{self.gguf.path.name}: no vision tower (mmproj file) is loaded, so this model cannot read images")
-        if self._image_pad is None or self._vision_start is None:
-            raise UnsupportedModelError(
-                f"{self.gguf.source}: the vocabulary has no <|image_pad|> / <|vision_start|> token for images")
-        if any(src is None for src in sources):
-            raise ImageError('an image part has no "image" (a path, bytes or a PIL image)')
-        encoded = [self.vision.encode(src, cancel=cancel) for src in sources]
-        tokens: list[int] = []
-        spans: list[tuple[int, Any, bytes]] = []
-        it = iter(encoded)
-        for t in ids:
-            if t != self._image_pad:
-                tokens.append(t)
-                continue
-            img = next(it, None)
-            if img is None:
-                raise TemplateError(f"{self.gguf.source}: the chat template wrote more image placeholders than images")
-            spans.append((len(tokens), img.embeddings, self._image_key(img)))
-            tokens.extend([self._image_pad] * img.n_tokens)
-        if len(spans) != len(encoded):
-            raise TemplateError(f"{self.gguf.source}: the chat template wrote {len(spans)} image placeholders "
-                                f"for {len(encoded)} images")
-        try:
-            positions = self.vision.arch.positions(tokens, [img.grid for img in encoded], self._image_pad,
-                                                   self._vision_start)
-        except ValueError as exc:
-            raise TemplateError(f"{self.gguf.source}: the prompt's image tokens are malformed: {exc}") from exc
-        return Prompt(tokens, positions, spans, encoded)
+        return self.prompts.prepare(messages, enable_thinking, cancel)
 
     def checkpoints(self, prompt: Sequence[int]) -> list[int]:
         """Prompt positions worth a snapshot: the start of every message (so the system prompt and
@@ -401,12 +343,7 @@ class Engine:
         ``<|im_start|>assistant\\n``, before any ``<think>`` the template appends: the next turn
         re-renders this answer without its thinking, so that is where the two prompts part.
         """
-        starts = [i for i, t in enumerate(prompt) if t == self._im_start and i > 0]
-        points = list(starts)
-        h = len(self._header)
-        if starts and list(prompt[starts[-1]:starts[-1] + h]) == self._header:
-            points.append(starts[-1] + h)
-        return points
+        return self.prompts.checkpoints(prompt)
 
     def chat(self, messages: Sequence[Message], sampling: SamplingParams = SamplingParams(),
              cancel: threading.Event | None = None, enable_thinking: bool = False,
@@ -517,25 +454,11 @@ class Engine:
                 :meth:`render`); one merely longer in tokens ends its turn with stop reason "context_full".
         """
         started = time.perf_counter()
-        self._check_text_fits(_text_bytes(text), "The prompt", "shorten it")
+        self.prompts.check_text_fits(text_bytes(text), "The prompt", "shorten it")
         ids = self.tokenizer.encode(text, special=True)
         if not ids:
             raise EngineError("raw completion needs a prompt: the text is empty")
         return self.generate(ids, sampling, cancel, started=started)
-
-    def _check_text_fits(self, size: int, what: str, advice: str) -> None:
-        """Refuse text of ``size`` UTF-8 bytes that is more tokens than the context holds whatever its
-        tokens (each stands for at most ``Tokenizer.max_token_bytes``), before tokenizing it.
-
-        Raises:
-            ContextFullError: naming ``what``, its size, the context window and ``advice``.
-        """
-        per_token = self.tokenizer.max_token_bytes
-        if size > self.context * per_token:
-            raise ContextFullError(
-                f"{what} holds {size:,} bytes of text, at least {-(-size // per_token):,} tokens "
-                f"(a token stands for at most {per_token} bytes), but the context window holds "
-                f"{self.context:,} tokens: {advice}.")
 
     def prefill_ahead(self, messages: Sequence[Message], enable_thinking: bool = False,
                       cancel: threading.Event | None = None, conversation: str = "") -> PrefillStats | None:
@@ -568,14 +491,10 @@ class Engine:
         try:
             if self.cache is None:
                 return None
-            follow = self.prepare(list(messages) + [{"role": "user", "content": "."}], enable_thinking, cancel)
-            starts = [i for i, t in enumerate(follow.tokens) if t == self._im_start]
-            if len(starts) < 2:
+            ahead = self.prompts.ahead(messages, enable_thinking, cancel)
+            if ahead is None:
                 return None
-            cut = starts[-2]       # where the next user message will begin
-            other = self.render(list(messages) + [{"role": "user", "content": "?\n\n"}], enable_thinking)
-            if other[:cut] != follow.tokens[:cut]:
-                return None
+            follow, cut = ahead
             turn = Turn(model=self.model, tokenizer=self.tokenizer, prompt=follow.tokens[:cut], context=self.context,
                         sampling=SamplingParams(), cancel=cancel or threading.Event(), cache=self.cache,
                         checkpoints=[p for p in self.checkpoints(follow.tokens) if p < cut],
@@ -602,15 +521,6 @@ class Engine:
         except EngineError:
             return False
         return nxt[:len(prompt) + len(answer)] == list(prompt) + list(answer)
-
-    def _image_key(self, img: EncodedImage) -> bytes:
-        """What an image contributes to the prefix-cache key: its content, the tower and the resize
-        bounds (the embeddings and the grid depend on all three)."""
-        assert self.vision is not None
-        h = hashlib.blake2b(digest_size=16)
-        for part in (self.vision.tower.identity, img.digest, self.vision.min_pixels, self.vision.max_pixels, img.grid):
-            h.update(repr(part).encode())
-        return h.digest()
 
     def snapshots(self) -> list[SnapshotInfo]:
         """The prefix snapshots held (RAM and disk), deepest first; [] without a prefix cache."""
@@ -657,122 +567,6 @@ class Engine:
         if self.vision is None:
             raise UnsupportedModelError(f"{self.gguf.path.name}: no vision tower (mmproj file) is loaded")
         return self.vision.image_size(source)
-
-
-@dataclass(frozen=True)
-class Prompt:
-    """A prepared prompt.
-
-    Attributes:
-        tokens: (n,) token ids, each image expanded to its image-pad tokens.
-        positions: (3, n) int64 M-RoPE positions, or None for text only (plain positions).
-        images: (first pad index, (k, n_embd) float32 embeddings, digest bytes) per image.
-        encoded: the vision tower's results (sizes used, timings, cache hits), one per image.
-    """
-
-    tokens: list[int]
-    positions: Any
-    images: list[tuple[int, Any, bytes]]
-    encoded: list[EncodedImage]
-
-
-@functools.cache
-def _chatml() -> ChatTemplate:
-    """The ChatML template of files without their own (compiled once)."""
-    source = (resources.files(__package__) / "templates" / "chatml.jinja").read_text(encoding="utf-8")
-    return ChatTemplate(source, origin="engine/templates/chatml.jinja (ChatML fallback)")
-
-
-def _text_bytes(value: Any) -> int:
-    """UTF-8 bytes of every string inside ``value`` (messages: contents, text parts, tool calls)."""
-    if isinstance(value, str):
-        return len(value.encode("utf-8", errors="surrogatepass"))
-    if isinstance(value, Mapping):
-        return sum(_text_bytes(v) for v in value.values())
-    if isinstance(value, (list, tuple)):
-        return sum(_text_bytes(v) for v in value)
-    return 0
-
-
-def _text_model(gguf: GGUFFile, options: EngineOptions) -> TextModel:
-    """The CPU text model ``options.kernels`` asks for (the numpy reference when the native kernels are not built).
-
-    Raises:
-        EngineError: ``options.kernels`` is not "native" or "numpy".
-    """
-    if options.kernels not in ("native", "numpy"):
-        raise EngineError(f"kernels must be 'native' or 'numpy', got {options.kernels!r}")
-    from .kernels import cpu
-    cpu.set_threads(options.threads)
-    if options.kernels == "native" and cpu.available():
-        return gguf.text_arch.native_model(gguf.hparams, gguf)
-    return gguf.text_arch.reference_model(gguf.hparams, gguf)
-
-
-def _open_vision_gpu(mm: Any, options: EngineOptions) -> tuple[Any, str]:
-    """The GPU vision tower and "", or None and why not; a device failure is never raised.
-
-    The tower (its architecture's ``cuda_tower``) reserves activation buffers for the largest image
-    ``options.image_max_pixels`` allows and must fit ``options.vram_budget`` (weights included).
-    """
-    if options.device == "cpu":
-        return None, ""
-    arch = vision_arch(mm.projector_type, str(mm.path))
-    try:
-        tower = arch.cuda_tower(mm, options.image_max_pixels, options.vram_budget)
-    except DeviceError as exc:
-        note = f"No GPU vision tower ({exc}): images are encoded on the CPU"
-        if options.device == "cuda":
-            log.warning(note)
-        return None, note
-    log.info("GPU vision tower: %.2f GiB of VRAM (weights %.2f GiB)", tower.vram_bytes / 2**30,
-             tower.weight_bytes / 2**30)
-    return tower, ""
-
-
-def _open_gpu(gguf: GGUFFile, options: EngineOptions, vision: ImageEncoder | None) -> tuple[Any, str]:
-    """The GPU prefill backend and "", or None and why not; a device failure is never raised.
-
-    The GPU vision tower of ``vision`` (when there is one) has taken its part of ``options.vram_budget``
-    (of the free memory when None) already. When what is left is too small for GPU prefill
-    (:class:`~engine.errors.DeviceBudgetError`), prefill wins: the tower is released, images go to the
-    CPU (``vision.device_note`` says why) and prefill is placed again with the whole budget.
-    """
-    if options.device == "cpu":
-        return None, ""
-    tower = vision.gpu if vision is not None else None
-    reserved = tower.vram_bytes if tower is not None else 0
-    budget = None if options.vram_budget is None else options.vram_budget - reserved
-    try:
-        try:
-            gpu = gguf.text_arch.cuda_prefill(gguf.hparams, gguf, budget)
-        except DeviceBudgetError as exc:
-            if tower is None:
-                raise
-            vision.close()
-            vision.device_note = (f"The GPU vision tower was released so that GPU prefill fits the VRAM budget "
-                                  f"({exc}): images are encoded on the CPU")
-            log.warning(vision.device_note)
-            gpu = gguf.text_arch.cuda_prefill(gguf.hparams, gguf, options.vram_budget)
-    except DeviceError as exc:
-        note = f"No GPU prefill ({exc}): prefill runs on the CPU"
-        if options.device == "cuda":
-            log.warning(note)
-        return None, note
-    log.info("GPU prefill placement:\n%s", gpu.plan.text())
-    return gpu, ""
-
-
-def _release(*parts: Any) -> None:
-    """Close each GPU backend in ``parts`` that is not None (closing twice is harmless), logging a failure
-    instead of raising it: used while another exception is on its way out."""
-    for part in parts:
-        if part is None:
-            continue
-        try:
-            part.close()
-        except Exception as exc:  # noqa: BLE001 - the original exception is the one to report
-            log.warning("releasing %s after a failed load: %s", type(part).__name__, exc)
 
 
 def connect_remote(base_url: str, model: str, api_key: str | None = None, timeout: float = 300.0) -> ChatEngine:

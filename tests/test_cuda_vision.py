@@ -403,6 +403,7 @@ def _load_with_stand_ins(monkeypatch, synth_model, tmp_path, error, **options):
     """Engine.load with a StandInTower as the GPU vision tower and StandInPrefill (raising ``error``) as prefill."""
     import engine.api as api
     import engine.arch.qwen35.cuda as cuda
+    import engine.placement as placement
     from engine.tools.synth import synth_mmproj_for
 
     towers = []
@@ -412,7 +413,7 @@ def _load_with_stand_ins(monkeypatch, synth_model, tmp_path, error, **options):
         return towers[-1], ""
 
     StandInPrefill.made = []
-    monkeypatch.setattr(api, "_open_vision_gpu", open_tower)
+    monkeypatch.setattr(placement, "open_vision_gpu", open_tower)
     monkeypatch.setattr(cuda, "CudaPrefill", lambda hp, g, budget: StandInPrefill(hp, g, budget, error))
     mmproj = synth_mmproj_for(tmp_path / "tiny-mmproj.gguf", "tiny", seed=0)
     opts = api.EngineOptions(device="cuda", prefix_cache=False, **options)

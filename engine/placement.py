@@ -1,0 +1,125 @@
+"""Where a model runs: the CPU text model, the GPU vision tower and GPU prefill under one VRAM budget,
+and their release when loading fails. A device failure is never raised from here: the part runs on
+the CPU and a note says why.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from .errors import DeviceBudgetError, DeviceError, EngineError, ModelFormatError
+from .gguf_file import GGUFFile
+from .registry import GpuPrefill, TextModel, vision_arch
+from .vision import ImageEncoder, load_projector
+
+if TYPE_CHECKING:
+    from .api import EngineOptions
+
+log = logging.getLogger(__name__)
+
+
+def text_model(gguf: GGUFFile, options: EngineOptions) -> TextModel:
+    """The CPU text model ``options.kernels`` asks for (the numpy reference when the native kernels are not built).
+
+    Raises:
+        EngineError: ``options.kernels`` is not "native" or "numpy".
+    """
+    if options.kernels not in ("native", "numpy"):
+        raise EngineError(f"kernels must be 'native' or 'numpy', got {options.kernels!r}")
+    from .kernels import cpu
+    cpu.set_threads(options.threads)
+    if options.kernels == "native" and cpu.available():
+        return gguf.text_arch.native_model(gguf.hparams, gguf)
+    return gguf.text_arch.reference_model(gguf.hparams, gguf)
+
+
+def open_vision(mmproj_path: str | Path, gguf: GGUFFile, options: EngineOptions) -> ImageEncoder:
+    """Load the projector, check it fits the text model, and put its tower on the GPU when one works.
+
+    Raises:
+        ModelFormatError: malformed projector, or its projection width is not the text model's hidden size.
+        UnsupportedModelError: a projector type no architecture folder runs.
+    """
+    _, mm = load_projector(mmproj_path)
+    if mm.hparams.out_dim != gguf.hparams.n_embd:
+        raise ModelFormatError(
+            f"{mmproj_path}: clip.vision.projection_dim = {mm.hparams.out_dim} does not match the text "
+            f"model's embedding_length = {gguf.hparams.n_embd} ({gguf.source}): not its vision tower")
+    tower, note = open_vision_gpu(mm, options)
+    try:
+        vision = ImageEncoder(mm, max_pixels=options.image_max_pixels, gpu=tower, device_note=note)
+    except BaseException:
+        release(tower)
+        raise
+    if vision.max_pixels < options.image_max_pixels:
+        log.info("images are resized to at most %d pixels (the bound %s stores)", vision.max_pixels,
+                 Path(mmproj_path).name)
+    return vision
+
+
+def open_vision_gpu(mm: Any, options: EngineOptions) -> tuple[Any, str]:
+    """The GPU vision tower and "", or None and why not; a device failure is never raised.
+
+    The tower (its architecture's ``cuda_tower``) reserves activation buffers for the largest image
+    ``options.image_max_pixels`` allows and must fit ``options.vram_budget`` (weights included).
+    """
+    if options.device == "cpu":
+        return None, ""
+    arch = vision_arch(mm.projector_type, str(mm.path))
+    try:
+        tower = arch.cuda_tower(mm, options.image_max_pixels, options.vram_budget)
+    except DeviceError as exc:
+        note = f"No GPU vision tower ({exc}): images are encoded on the CPU"
+        if options.device == "cuda":
+            log.warning(note)
+        return None, note
+    log.info("GPU vision tower: %.2f GiB of VRAM (weights %.2f GiB)", tower.vram_bytes / 2**30,
+             tower.weight_bytes / 2**30)
+    return tower, ""
+
+
+def open_gpu(gguf: GGUFFile, options: EngineOptions, vision: ImageEncoder | None) -> tuple[GpuPrefill | None, str]:
+    """The GPU prefill backend and "", or None and why not; a device failure is never raised.
+
+    The GPU vision tower of ``vision`` (when there is one) has taken its part of ``options.vram_budget``
+    (of the free memory when None) already. When what is left is too small for GPU prefill
+    (:class:`~engine.errors.DeviceBudgetError`), prefill wins: the tower is released, images go to the
+    CPU (``vision.device_note`` says why) and prefill is placed again with the whole budget.
+    """
+    if options.device == "cpu":
+        return None, ""
+    tower = vision.gpu if vision is not None else None
+    reserved = tower.vram_bytes if tower is not None else 0
+    budget = None if options.vram_budget is None else options.vram_budget - reserved
+    try:
+        try:
+            gpu = gguf.text_arch.cuda_prefill(gguf.hparams, gguf, budget)
+        except DeviceBudgetError as exc:
+            if tower is None:
+                raise
+            vision.close()
+            vision.device_note = (f"The GPU vision tower was released so that GPU prefill fits the VRAM budget "
+                                  f"({exc}): images are encoded on the CPU")
+            log.warning(vision.device_note)
+            gpu = gguf.text_arch.cuda_prefill(gguf.hparams, gguf, options.vram_budget)
+    except DeviceError as exc:
+        note = f"No GPU prefill ({exc}): prefill runs on the CPU"
+        if options.device == "cuda":
+            log.warning(note)
+        return None, note
+    log.info("GPU prefill placement:\n%s", gpu.plan.text())
+    return gpu, ""
+
+
+def release(*parts: Any) -> None:
+    """Close each GPU backend in ``parts`` that is not None (closing twice is harmless), logging a failure
+    instead of raising it: used while another exception is on its way out."""
+    for part in parts:
+        if part is None:
+            continue
+        try:
+            part.close()
+        except Exception as exc:  # noqa: BLE001 - the original exception is the one to report
+            log.warning("releasing %s after a failed load: %s", type(part).__name__, exc)
