@@ -12,7 +12,7 @@ from __future__ import annotations
 import threading
 import time
 from dataclasses import dataclass
-from typing import Callable, Iterator, Sequence
+from typing import Callable, Generator, Iterator, Sequence
 
 import numpy as np
 
@@ -189,7 +189,7 @@ def read_ahead(turn: Turn) -> PrefillStats | None:
     :data:`AHEAD_PIECE` (checking ``turn.cancel`` between them), snapshots at ``turn.checkpoints``
     and at the end of the prefix (without logits: a turn continues from there). Sampling settings
     are not used. The snapshot equals what the next turn would compute itself (prefill is
-    split-invariant, :mod:`engine.arch.qwen35.model`), so reading ahead changes no answer.
+    split-invariant, :class:`engine.registry.TextModel`), so reading ahead changes no answer.
 
     Returns:
         PrefillStats of the work (``prompt_tokens`` = the prefix length, ``ttft_ms`` 0), or None when
@@ -215,24 +215,90 @@ def read_ahead(turn: Turn) -> PrefillStats | None:
 
     t0 = time.perf_counter()
     devices: list[str] = []
-    gpu = turn.gpu
-    while True:
-        try:
-            pieces = prefill_pieces(turn.model, turn.prompt, state, turn.cancel, sorted(set(turn.checkpoints)),
-                                    snapshot, turn.positions, turn.images, gpu, turn.gpu_min_tokens, devices,
-                                    piece_tokens=AHEAD_PIECE)
-            logits = _drain(pieces)
-            break
-        except DeviceError as exc:
-            if turn.on_device_error is not None:
-                turn.on_device_error(str(exc))
-            gpu = None
+    logits, _ = _drain(_prefill(turn, state, set(turn.checkpoints), snapshot, devices, AHEAD_PIECE))
     if logits is None:
         return None
     cache.put(keys[n], state, turn.prompt, None, images=digests, conversation=turn.conversation)
     return PrefillStats(prompt_tokens=n, reused_tokens=hit.reused, prefilled_tokens=n - hit.reused,
                         prefill_ms=_ms(t0), restore_ms=hit.restore_ms,
                         device="cuda" if "cuda" in devices else "cpu", ttft_ms=0.0)
+
+
+Snapshot = Callable[[int, "np.ndarray | None"], None]
+"""``snapshot(pos, logits)``: store the state after prompt position ``pos`` (logits: of that position, or None)."""
+
+
+def _prefill(turn: Turn, state: SequenceState, stops: set[int], snapshot: Snapshot | None, devices: list[str],
+             piece_tokens: int = PREFILL_PIECE) -> Generator[PrefillProgress, None, tuple[np.ndarray | None, str]]:
+    """:func:`prefill_pieces` of the turn's prompt on its GPU, going on on the CPU when the GPU fails.
+
+    Returns (through ``yield from``): the last prompt token's logits (None when cancelled) and a note
+    naming the GPU failure ("" without one).
+    """
+    gpu, note = turn.gpu, ""
+    while True:
+        try:
+            logits = yield from prefill_pieces(turn.model, turn.prompt, state, turn.cancel, sorted(stops), snapshot,
+                                               turn.positions, turn.images, gpu, turn.gpu_min_tokens, devices,
+                                               piece_tokens=piece_tokens)
+            return logits, note
+        except DeviceError as exc:
+            note = f"GPU prefill failed, continuing on the CPU: {exc}"
+            if turn.on_device_error is not None:
+                turn.on_device_error(str(exc))
+            gpu = None
+
+
+@dataclass
+class _Resumed:
+    """Where a turn starts: the state restored from the deepest cached prefix (or a fresh one).
+
+    Attributes:
+        state: the sequence state, at ``reused`` positions.
+        reused: prompt tokens restored. restore_ms: time the restore took.
+        logits: the last prompt token's logits when the whole prompt was cached, else None.
+        stops: prompt positions to cut prefill at (and snapshot after).
+        digests: image digests by prompt index (cache keys). keys: the prompt's chain keys, or None without a cache.
+        snapshot: stores the state after a prompt position, or None without a cache.
+    """
+
+    state: SequenceState
+    reused: int
+    restore_ms: float
+    logits: np.ndarray | None
+    stops: set[int]
+    digests: dict[int, bytes]
+    keys: list[bytes] | None
+    snapshot: Snapshot | None
+
+
+def _resume(turn: Turn) -> _Resumed:
+    """Look the prompt up in the prefix cache and pick the snapshot positions of its prefill."""
+    cache, n = turn.cache, len(turn.prompt)
+    if cache is None:
+        return _Resumed(SequenceState.new(turn.model.hp, turn.context), 0, 0.0, None, set(), {}, None, None)
+    digests = turn.image_digests()
+    keys = chain_keys(cache.identity, turn.prompt, digests)
+    hit = cache.lookup(turn.prompt, turn.context, images=digests, keys=keys)
+    stops = set(turn.checkpoints) | {hit.diverge}
+    if turn.gpu is not None:
+        # one GPU pass streams every routed expert: cut only where the next turns resume
+        stops = {hit.diverge} | set(list(turn.checkpoints)[-1:])
+    elif turn.snapshot_interval:
+        stops |= set(range(turn.snapshot_interval, n, turn.snapshot_interval))
+
+    def snapshot(pos: int, last: np.ndarray | None) -> None:
+        cache.put(keys[pos], hit.state, turn.prompt[:pos], last, images=digests, conversation=turn.conversation)
+
+    return _Resumed(hit.state, hit.reused, hit.restore_ms, hit.logits, stops, digests, keys, snapshot)
+
+
+def _summary(turn: Turn, reused: int, stop_reason: str, message: str, **fields: object) -> TurnSummary:
+    """A :class:`TurnSummary` of ``turn``; ``fields`` override the empty-turn defaults."""
+    values: dict = dict(prompt_tokens=len(turn.prompt), reused_tokens=reused, generated_tokens=0, ttft_ms=0.0,
+                        prefill_tok_s=0.0, decode_tok_s=0.0, text="")
+    values.update(fields)
+    return TurnSummary(stop_reason=stop_reason, message=message, **values)  # type: ignore[arg-type]
 
 
 def run_turn(turn: Turn) -> Iterator[Event]:
@@ -246,91 +312,77 @@ def run_turn(turn: Turn) -> Iterator[Event]:
     """
     t_start = turn.started if turn.started is not None else time.perf_counter()
     n_prompt = len(turn.prompt)
-    empty = dict(prompt_tokens=n_prompt, reused_tokens=0, generated_tokens=0, ttft_ms=0.0,
-                 prefill_tok_s=0.0, decode_tok_s=0.0, text="")
     if n_prompt >= turn.context:
-        yield TurnSummary(stop_reason="context_full", message=(
-            f"The prompt is {n_prompt} tokens but the context window holds {turn.context}: "
-            "start a new conversation or raise the context size."), **empty)
+        yield _summary(turn, 0, "context_full",
+                       f"The prompt is {n_prompt} tokens but the context window holds {turn.context}: "
+                       "start a new conversation or raise the context size.")
         return
-    cache = turn.cache
-    if cache is not None:
-        digests = turn.image_digests()
-        keys = chain_keys(cache.identity, turn.prompt, digests)
-        hit = cache.lookup(turn.prompt, turn.context, images=digests, keys=keys)
-        state, reused, logits, restore_ms = hit.state, hit.reused, hit.logits, hit.restore_ms
-        stops = set(turn.checkpoints) | {hit.diverge}
-        if turn.gpu is not None:
-            # one GPU pass streams every routed expert: cut only where the next turns resume
-            stops = {hit.diverge} | set(list(turn.checkpoints)[-1:])
-        elif turn.snapshot_interval:
-            stops |= set(range(turn.snapshot_interval, n_prompt, turn.snapshot_interval))
-
-        def snapshot(pos: int, last: np.ndarray | None) -> None:
-            cache.put(keys[pos], state, turn.prompt[:pos], last, images=digests, conversation=turn.conversation)
-    else:
-        state = SequenceState.new(turn.model.hp, turn.context)
-        reused, logits, restore_ms, stops, digests = 0, None, 0.0, set(), {}
-        snapshot = None
+    resumed = _resume(turn)
     t0 = time.perf_counter()
     devices: list[str] = []
-    note = ""
+    logits, note = resumed.logits, ""
     if logits is None:
-        gpu = turn.gpu
-        while True:
-            try:
-                logits = yield from prefill_pieces(turn.model, turn.prompt, state, turn.cancel, sorted(stops), snapshot,
-                                            turn.positions, turn.images, gpu, turn.gpu_min_tokens, devices)
-                break
-            except DeviceError as exc:
-                note = f"GPU prefill failed, continuing on the CPU: {exc}"
-                if turn.on_device_error is not None:
-                    turn.on_device_error(str(exc))
-                gpu = None
+        logits, note = yield from _prefill(turn, resumed.state, resumed.stops, resumed.snapshot, devices)
         if logits is None:
-            yield TurnSummary(stop_reason="cancelled", message="Stopped during prefill.",
-                              **{**empty, "reused_tokens": reused})
+            yield _summary(turn, resumed.reused, "cancelled", "Stopped during prefill.")
             return
-        if cache is not None:
-            cache.put(keys[n_prompt], state, turn.prompt, logits, images=digests,
-                      conversation=turn.conversation)
+        if turn.cache is not None:
+            turn.cache.put(resumed.keys[n_prompt], resumed.state, turn.prompt, logits, images=resumed.digests,
+                           conversation=turn.conversation)
     prefill_ms = _ms(t0)
-    sampler = Sampler(turn.sampling)
-    history = list(turn.prompt)
+    sampler, history = Sampler(turn.sampling), list(turn.prompt)
     t_tok = time.perf_counter()
     token = sampler.sample(logits, history)
-    stats = PrefillStats(prompt_tokens=n_prompt, reused_tokens=reused, prefilled_tokens=n_prompt - reused,
-                         prefill_ms=prefill_ms, restore_ms=restore_ms,
+    stats = PrefillStats(prompt_tokens=n_prompt, reused_tokens=resumed.reused, prefilled_tokens=n_prompt - resumed.reused,
+                         prefill_ms=prefill_ms, restore_ms=resumed.restore_ms,
                          device="cuda" if "cuda" in devices else "cpu", ttft_ms=_ms(t_start), note=note)
     yield stats
+    yield from _decode(turn, resumed, sampler, history, token, t_tok, stats)
 
-    rope = n_prompt if turn.positions is None else int(turn.positions.max()) + 1
 
-    def step(token: int) -> np.ndarray:
-        """Decode one token at the next cache slot and M-RoPE position; returns its logits."""
-        nonlocal rope
-        pos = np.full((3, 1), rope, dtype=np.int64)
-        rope += 1
-        return turn.model.forward(np.asarray([token], dtype=np.int64), state, positions=pos)[-1]
+class _Stepper:
+    """Decodes one token at a time at the next cache slot and M-RoPE position (text positions after the prompt:
+    one past its largest position, the same on all three rows)."""
 
-    stream = turn.tokenizer.stream()
-    stop_ids = turn.tokenizer.eos_ids
+    def __init__(self, turn: Turn, state: SequenceState) -> None:
+        self.model, self.state = turn.model, state
+        self.rope = len(turn.prompt) if turn.positions is None else int(turn.positions.max()) + 1
+
+    def __call__(self, token: int) -> np.ndarray:
+        """(n_vocab,) float32 logits after ``token``."""
+        pos = np.full((3, 1), self.rope, dtype=np.int64)
+        self.rope += 1
+        return self.model.forward(np.asarray([token], dtype=np.int64), self.state, positions=pos)[-1]
+
+
+def _keep_answer_end(turn: Turn, resumed: _Resumed, step: _Stepper, history: list[int], token: int) -> None:
+    """Snapshot the state after an answer's stop token when the next turn's prompt re-renders the answer
+    token for token (``turn.rerenders``), so that turn resumes after it."""
+    cache, state = turn.cache, resumed.state
+    answer = history[len(turn.prompt):] + [token]
+    if cache is None or state.pos >= turn.context or turn.rerenders is None or not turn.rerenders(answer):
+        return
+    step(token)
+    history.append(token)
+    cache.put(chain_keys(cache.identity, history, resumed.digests)[-1], state, history, None,
+              images=resumed.digests, conversation=turn.conversation)
+
+
+def _decode(turn: Turn, resumed: _Resumed, sampler: Sampler, history: list[int], token: int, t_tok: float,
+            stats: PrefillStats) -> Iterator[Event]:
+    """Emit ``token`` (sampled from the prompt's logits at ``t_tok``), then decode and sample token by token
+    until a stop (:func:`run_turn` lists them); ends with the :class:`TurnSummary`."""
+    step = _Stepper(turn, resumed.state)
+    stream, stop_ids = turn.tokenizer.stream(), turn.tokenizer.eos_ids
     pieces: list[str] = []
     token_ms: list[float] = []
     reason, message = "max_tokens", f"Reached the limit of {turn.sampling.max_tokens} tokens."
     for index in range(turn.sampling.max_tokens):
         if token in stop_ids:
             reason, message = "eos", ""
-            answer = history[n_prompt:] + [token]
-            if (cache is not None and state.pos < turn.context and turn.rerenders is not None
-                    and turn.rerenders(answer)):
-                # The next turn's prompt re-renders this answer token for token: keep its end.
-                step(token)
-                history.append(token)
-                cache.put(chain_keys(cache.identity, history, digests)[-1], state, history, None,
-                          images=digests, conversation=turn.conversation)
+            _keep_answer_end(turn, resumed, step, history, token)
             break
-        if state.pos >= turn.context:
+        if resumed.state.pos >= turn.context:
             reason, message = "context_full", (
                 f"The context window of {turn.context} tokens is full: start a new conversation "
                 "or raise the context size.")
@@ -338,29 +390,18 @@ def run_turn(turn: Turn) -> Iterator[Event]:
         history.append(token)
         text = stream.push(token)
         pieces.append(text)
-        ms = _ms(t_tok)
-        token_ms.append(ms)
-        yield TokenEvent(token_id=token, text=text, ms=ms, index=index)
+        token_ms.append(_ms(t_tok))
+        yield TokenEvent(token_id=token, text=text, ms=token_ms[-1], index=index)
         if turn.cancel.is_set():
             reason, message = "cancelled", "Stopped by the user."
             break
         if index + 1 == turn.sampling.max_tokens:
             break
         t_tok = time.perf_counter()
-        logits = step(token)
-        token = sampler.sample(logits, history)
-    tail = stream.flush()
-    pieces.append(tail)
+        token = sampler.sample(step(token), history)
+    pieces.append(stream.flush())
     decode_s = sum(token_ms[1:]) / 1e3
-    yield TurnSummary(
-        stop_reason=reason,  # type: ignore[arg-type]
-        message=message,
-        prompt_tokens=n_prompt,
-        reused_tokens=reused,
-        generated_tokens=len(token_ms),
-        ttft_ms=stats.ttft_ms,
-        prefill_tok_s=stats.prefill_tok_s,
-        decode_tok_s=(len(token_ms) - 1) / decode_s if decode_s > 0 else 0.0,
-        text="".join(pieces),
-        token_ms=tuple(token_ms),
-    )
+    yield _summary(turn, resumed.reused, reason, message, generated_tokens=len(token_ms), ttft_ms=stats.ttft_ms,
+                   prefill_tok_s=stats.prefill_tok_s,
+                   decode_tok_s=(len(token_ms) - 1) / decode_s if decode_s > 0 else 0.0,
+                   text="".join(pieces), token_ms=tuple(token_ms))
