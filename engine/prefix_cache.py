@@ -42,8 +42,7 @@ from typing import Iterable, Mapping, Sequence
 
 import numpy as np
 
-from .arch.qwen35.hparams import Qwen35HParams
-from .state import SequenceState
+from .state import HasStateLayout, SequenceState
 
 log = logging.getLogger(__name__)
 
@@ -168,19 +167,13 @@ def state_arrays(state: SequenceState) -> dict[str, np.ndarray]:
     return out
 
 
-def expected_arrays(hp: Qwen35HParams, pos: int) -> dict[str, tuple[int, ...]]:
-    """Name -> shape of every float32 array a snapshot at ``pos`` holds for ``hp`` (``logits`` aside)."""
-    out: dict[str, tuple[int, ...]] = {}
-    for il in range(hp.n_layer):
-        if hp.is_recurrent(il):
-            out[f"conv.{il}"] = (hp.conv_kernel - 1, hp.conv_dim)
-            out[f"ssm.{il}"] = (hp.num_v_heads, hp.head_k_dim, hp.head_v_dim)
-        else:
-            out[f"k.{il}"] = out[f"v.{il}"] = (pos, hp.n_head_kv, hp.head_dim)
-    return out
+def expected_arrays(hp: HasStateLayout, pos: int) -> dict[str, tuple[int, ...]]:
+    """Name -> shape of every float32 array a snapshot at ``pos`` holds for ``hp`` (``logits`` aside):
+    :meth:`engine.state.StateLayout.arrays`."""
+    return hp.state_layout().arrays(pos)
 
 
-def check_header(hp: Qwen35HParams, identity: str, meta: object, payload_bytes: int) -> str | None:
+def check_header(hp: HasStateLayout, identity: str, meta: object, payload_bytes: int) -> str | None:
     """Why a snapshot file's parsed JSON header does not fit the loaded model, or None when it does.
 
     Args:
@@ -198,9 +191,10 @@ def check_header(hp: Qwen35HParams, identity: str, meta: object, payload_bytes: 
         return f"format version {meta.get('version')!r} (this build reads {FORMAT_VERSION})"
     if meta.get("identity") != identity:
         return "belongs to another model file"
+    layout = hp.state_layout()
     pos = meta.get("pos")
-    if not isinstance(pos, int) or isinstance(pos, bool) or not 1 <= pos <= hp.context_length:
-        return f"pos {pos!r} is not a position within the context (1..{hp.context_length})"
+    if not isinstance(pos, int) or isinstance(pos, bool) or not 1 <= pos <= layout.context_length:
+        return f"pos {pos!r} is not a position within the context (1..{layout.context_length})"
     if not isinstance(meta.get("key"), str):
         return "no key"
     images = meta.get("images", {})
@@ -210,12 +204,12 @@ def check_header(hp: Qwen35HParams, identity: str, meta: object, payload_bytes: 
     arrays = meta.get("arrays")
     if not isinstance(arrays, dict):
         return "no array table"
-    want = expected_arrays(hp, pos)
+    want = layout.arrays(pos)
     extra = set(arrays) - set(want) - {"logits"}
     if extra or set(want) - set(arrays):
         return f"its arrays do not match the model's layers (unexpected {sorted(extra)[:3]}, " \
                f"missing {sorted(set(want) - set(arrays))[:3]})"
-    want["logits"] = (hp.n_vocab,)
+    want["logits"] = (layout.n_vocab,)
     size = 4 * pos
     for name, entry in arrays.items():
         if not (isinstance(entry, list) and len(entry) == 2 and entry[0] == "<f4" and isinstance(entry[1], list)
@@ -234,7 +228,7 @@ def check_header(hp: Qwen35HParams, identity: str, meta: object, payload_bytes: 
     return None
 
 
-def restore_state(hp: Qwen35HParams, arrays: Mapping[str, np.ndarray], pos: int, capacity: int) -> SequenceState:
+def restore_state(hp: HasStateLayout, arrays: Mapping[str, np.ndarray], pos: int, capacity: int) -> SequenceState:
     """A new :class:`SequenceState` of ``capacity`` tokens holding a snapshot's arrays at ``pos``.
 
     Raises:
@@ -271,9 +265,10 @@ class PrefixCache:
     while a turn is running on another thread.
     """
 
-    def __init__(self, hp: Qwen35HParams, identity: str, ram_budget: int = 2 << 30,
+    def __init__(self, hp: HasStateLayout, identity: str, ram_budget: int = 2 << 30,
                  disk_dir: Path | None = None, disk_budget: int = 8 << 30) -> None:
         self.hp = hp
+        self._n_vocab = hp.state_layout().n_vocab
         self.identity = identity
         self.ram_budget = ram_budget
         self.disk_budget = disk_budget
@@ -507,7 +502,7 @@ class PrefixCache:
             offset = start + n_head
             pos = meta["pos"]
             tokens = np.frombuffer(data, dtype="<i4", count=pos, offset=offset).copy()
-            if tokens.size and (tokens.min() < 0 or tokens.max() >= self.hp.n_vocab):
+            if tokens.size and (tokens.min() < 0 or tokens.max() >= self._n_vocab):
                 fail = "a token id outside the vocabulary"
         if fail is not None:
             log.warning("prefix cache: ignoring %s: %s", path, fail)

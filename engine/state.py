@@ -1,26 +1,68 @@
-"""Per-sequence state of the hybrid model: what a prefix snapshot must hold to resume decoding.
+"""Per-sequence state of a hybrid recurrent/attention model: what a prefix snapshot must hold to resume.
 
-One :class:`SequenceState` per sequence (spec 3.2 "Recurrent state to snapshot"):
+One :class:`SequenceState` per sequence, shaped by the model's :class:`StateLayout`:
 
-* every Gated DeltaNet layer ``il`` keeps ``conv[il]``: the last K-1 *raw* projections ``W_qkv x``
-  (pre-conv, pre-SiLU), oldest first, ``(K-1, conv_dim)`` float32, and ``ssm[il]``: the delta-rule
-  state S, ``(n_v, head_k_dim, head_v_dim)`` float32 in the transformers layout (S^T is llama.cpp's);
-* every full-attention layer keeps ``k[il]`` / ``v[il]``: ``(capacity, n_head_kv, head_dim)`` float32,
-  preallocated, K after its RMSNorm and RoPE; only rows ``[:pos]`` are valid;
+* every recurrent layer ``il`` keeps ``conv[il]`` (its causal-conv window) and ``ssm[il]`` (its state
+  matrix), fixed size; for Qwen3.5/3.6's Gated DeltaNet the last K-1 *raw* projections ``W_qkv x``
+  (pre-conv, pre-SiLU), oldest first, ``(K-1, conv_dim)``, and the delta-rule state S,
+  ``(n_v, head_k_dim, head_v_dim)`` in the transformers layout (S^T is llama.cpp's);
+* every attention layer keeps ``k[il]`` / ``v[il]``: ``(capacity, *row)`` preallocated (Qwen3.5/3.6:
+  ``(capacity, n_head_kv, head_dim)``, K after its RMSNorm and RoPE); only rows ``[:pos]`` are valid;
 * ``pos``: the number of positions already processed (the next token's cache index).
 
 A recurrent state cannot be rolled back: to resume at an earlier position, keep a :meth:`copy`
-taken exactly there. Everything is float32 (a bf16/f16 state drifts; spec pitfall 4).
+taken exactly there. Everything is float32: a bf16/f16 recurrent state drifts from the reference
+over a long prompt, since every token's rounding error is carried into all later ones.
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import numpy as np
 
 from .errors import ContextFullError
-from .arch.qwen35.hparams import Qwen35HParams
+
+
+@dataclass(frozen=True)
+class StateLayout:
+    """What one sequence's state holds, layer by layer; a text architecture's hyper-parameters give it
+    (:meth:`HasStateLayout.state_layout`), so the state and the prefix cache need no architecture.
+
+    Attributes:
+        conv: layer -> shape of its recurrent conv window (float32, fixed size).
+        ssm: layer -> shape of its recurrent state matrix (float32, fixed size); the same layers as ``conv``.
+        kv: layer -> shape of one position's K row (and V row) of an attention layer; the cache holds
+            ``capacity`` of them.
+        context_length: the most positions a state may hold. n_vocab: logits per position.
+    """
+
+    conv: Mapping[int, tuple[int, ...]]
+    ssm: Mapping[int, tuple[int, ...]]
+    kv: Mapping[int, tuple[int, ...]]
+    context_length: int
+    n_vocab: int
+
+    def arrays(self, pos: int) -> dict[str, tuple[int, ...]]:
+        """Name -> shape of every array a snapshot at ``pos`` holds (``conv.IL``, ``ssm.IL``, ``k.IL``,
+        ``v.IL``; KV with ``pos`` rows), in layer order."""
+        out: dict[str, tuple[int, ...]] = {}
+        for il in sorted({*self.conv, *self.kv}):
+            if il in self.conv:
+                out[f"conv.{il}"] = tuple(self.conv[il])
+                out[f"ssm.{il}"] = tuple(self.ssm[il])
+            else:
+                out[f"k.{il}"] = out[f"v.{il}"] = (pos, *self.kv[il])
+        return out
+
+
+class HasStateLayout(Protocol):
+    """Hyper-parameters that know their model's :class:`StateLayout` (e.g. ``Qwen35HParams``)."""
+
+    def state_layout(self) -> StateLayout:
+        """The per-layer state of this model."""
 
 
 @dataclass
@@ -38,23 +80,24 @@ class SequenceState:
     v: dict[int, np.ndarray] = field(default_factory=dict)
 
     @classmethod
-    def new(cls, hp: Qwen35HParams, capacity: int) -> "SequenceState":
-        """A fresh (all-zero, pos 0) state for ``hp`` holding up to ``capacity`` positions.
+    def new(cls, hp: HasStateLayout, capacity: int) -> "SequenceState":
+        """A fresh (all-zero, pos 0) state of ``hp.state_layout()`` holding up to ``capacity`` positions.
 
         Raises:
             ContextFullError: ``capacity`` is < 1 or larger than the model's context_length.
         """
-        if not 1 <= capacity <= hp.context_length:
+        layout = hp.state_layout()
+        if not 1 <= capacity <= layout.context_length:
             raise ContextFullError(
-                f"state capacity {capacity} is outside 1..{hp.context_length} (the model's context_length)")
+                f"state capacity {capacity} is outside 1..{layout.context_length} (the model's context_length)")
         state = cls(capacity=capacity)
-        for il in range(hp.n_layer):
-            if hp.is_recurrent(il):
-                state.conv[il] = np.zeros((hp.conv_kernel - 1, hp.conv_dim), np.float32)
-                state.ssm[il] = np.zeros((hp.num_v_heads, hp.head_k_dim, hp.head_v_dim), np.float32)
+        for il in sorted({*layout.conv, *layout.kv}):
+            if il in layout.conv:
+                state.conv[il] = np.zeros(layout.conv[il], np.float32)
+                state.ssm[il] = np.zeros(layout.ssm[il], np.float32)
             else:
-                state.k[il] = np.zeros((capacity, hp.n_head_kv, hp.head_dim), np.float32)
-                state.v[il] = np.zeros((capacity, hp.n_head_kv, hp.head_dim), np.float32)
+                state.k[il] = np.zeros((capacity, *layout.kv[il]), np.float32)
+                state.v[il] = np.zeros((capacity, *layout.kv[il]), np.float32)
         return state
 
     def chunk_inputs(self, tokens: np.ndarray, positions: np.ndarray | None,

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 from engine.errors import ModelFormatError, UnsupportedModelError
+from engine.state import StateLayout
 
 ARCHITECTURES = ("qwen35moe", "qwen35")
 
@@ -102,6 +103,18 @@ class Qwen35HParams:
         Rule from llama.cpp: full attention iff ``(il + 1) % full_attention_interval == 0``.
         """
         return (il + 1) % self.full_attention_interval != 0
+
+    def state_layout(self) -> StateLayout:
+        """The per-layer sequence state (:class:`engine.state.StateLayout`): a Gated DeltaNet layer keeps
+        its last ``conv_kernel - 1`` raw ``attn_qkv`` projections ``(K-1, conv_dim)`` and the delta-rule
+        state S ``(num_v_heads, head_k_dim, head_v_dim)``; a full-attention layer one K and one V row
+        ``(n_head_kv, head_dim)`` per position."""
+        recurrent = [il for il in range(self.n_layer) if self.is_recurrent(il)]
+        attention = [il for il in range(self.n_layer) if not self.is_recurrent(il)]
+        return StateLayout(conv={il: (self.conv_kernel - 1, self.conv_dim) for il in recurrent},
+                           ssm={il: (self.num_v_heads, self.head_k_dim, self.head_v_dim) for il in recurrent},
+                           kv={il: (self.n_head_kv, self.head_dim) for il in attention},
+                           context_length=self.context_length, n_vocab=self.n_vocab)
 
 
 def from_metadata(get: Callable[[str], Any], n_tokens: int | None, source: str) -> Qwen35HParams:
