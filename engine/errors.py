@@ -2,7 +2,7 @@
 
 Every error the engine raises on bad input derives from :class:`EngineError`, and its message
 names the file, key or tensor involved and what was expected, so the app can show it to a user
-as it is (see ../DESIGN.md, "Errors").
+as it is.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """Image loading and preprocessing for the Qwen3.5/3.6 vision tower (Pillow + numpy).
 
 The steps are those of HF ``Qwen2VLImageProcessorPil`` (the processor Qwen3.5/3.6 checkpoints name),
-spec ``shared/spec/vision.md`` A2:
+``docs/spec/qwen3vl.md`` section 2:
 
 1. decode safely: the pixel count is checked from the header before any pixel is decoded
    (decompression bombs), truncated or unreadable files become :class:`~engine.errors.ImageError`;
@@ -93,7 +93,7 @@ def smart_resize(height: int, width: int, factor: int = 32, min_pixels: int = MI
                  max_pixels: int = MAX_PIXELS) -> tuple[int, int]:
     """Target (height, width): multiples of ``factor`` near the input aspect ratio, area in range.
 
-    HF ``smart_resize`` (spec A2.1): round each side to a multiple of ``factor`` (Python ``round``, ties
+    HF ``smart_resize`` (section 2.1): round each side to a multiple of ``factor`` (Python ``round``, ties
     to even); if the area exceeds ``max_pixels`` scale down with floor, if below ``min_pixels`` scale up
     with ceil. A side is never below ``factor`` (HF could return 0 only for ``min_pixels`` <= 0).
 
@@ -293,7 +293,7 @@ def _decode(data: bytes, name: str, max_input_pixels: int) -> Image.Image:
 
 def patchify(rgb: np.ndarray, patch: int, merge: int, temporal: int,
              mean: tuple[float, ...], std: tuple[float, ...]) -> np.ndarray:
-    """Normalise an RGB image and cut it into patch rows in merge-window order (spec A2.2-A2.5).
+    """Normalise an RGB image and cut it into patch rows in merge-window order (section 2.2-2.5).
 
     Args:
         rgb: (h, w, 3) uint8 with h, w multiples of ``patch * merge``.

@@ -1,6 +1,6 @@
 """One chat turn: prompt tokens -> prefix-cache lookup -> prefill -> decode loop, as events.
 
-See ../DESIGN.md "One turn, as data". Prefill resumes from the deepest cached snapshot of the
+Prefill resumes from the deepest cached snapshot of the
 prompt's prefix and checkpoints the state at the positions the caller names (message boundaries,
 the assistant header), every ``snapshot_interval`` tokens, where the prompt leaves the cached
 paths, and at the end of the prompt (with its logits, so a regenerate prefills nothing).

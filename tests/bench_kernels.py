@@ -7,7 +7,7 @@ the same size, larger than the last-level cache), in two shapes:
   * "expert": the same bytes as 512 x 2048 matrices (one MoE expert's gate), one call each, as
     decode issues them (includes per-call overhead: Python, activation quantization, thread wake-up);
   * "moe": the fused one-token MoE FFN (cpu.moe_ffn) over --moe-layers layers shaped like the
-    35B-A3B slice of shared/spec/peers.md (d 2048, 64 experts of FFN 512, top-8, a shared expert,
+    35B-A3B slice llama.cpp was measured on in docs/cpu-notes.md (d 2048, 64 experts of FFN 512, top-8, a shared expert,
     Q4_0), one random token per layer in turn; GB/s counts the bytes a token touches (f32 router,
     8 + 1 experts' gate/up/down).
 Usage: python tests/bench_kernels.py [--mib 1024] [--repeats 5] [--threads 1 2] [--moe-layers 8]

@@ -1,7 +1,7 @@
 """engine.templates/qwen35.jinja rendered by engine.tokenizer.ChatTemplate, and the sandbox.
 
-Expected prompts are written out by hand from ../shared/spec/qwen35moe.md section 5 ("Chat template
-(ChatML + thinking), rendered text"):
+Expected prompts are written out by hand from the Qwen3.5/3.6 chat template's rendered text
+(docs/spec/qwen35.md section 5):
   * every turn is ``<|im_start|>{role}\\n{content}<|im_end|>\\n``; the system prompt comes first;
   * the generation prompt is ``<|im_start|>assistant\\n<think>\\n`` (thinking on, the default) or
     ``<|im_start|>assistant\\n<think>\\n\\n</think>\\n\\n`` (``enable_thinking=False``);

@@ -87,7 +87,7 @@ def rope_complex(x: np.ndarray, pos: np.ndarray, rope_dims: int, theta: float, w
     # spec 3.1: with [11,11,10] pair i takes t, h, w for i % 3 == 0, 1, 2 (all 32 pairs)
     ((11, 11, 10, 0), [i % 3 for i in range(32)]),
     ((3, 3, 2, 0), [0, 1, 2, 0, 1, 2, 0, 1]),
-    # shorter h/w sections: pairs past 3*s_h (h) or 3*s_w (w) fall back to t (reference.md section 5)
+    # shorter h/w sections: pairs past 3*s_h (h) or 3*s_w (w) fall back to t (transformers' interleaved M-RoPE)
     ((5, 2, 1, 0), [0, 1, 2, 0, 1, 0, 0, 0]),
 ])
 def test_rope_multi_matches_complex_form(rng, sections, which):

@@ -468,7 +468,7 @@ def read_bandwidth(nbytes: int = 1 << 30, repeats: int = 3) -> float:
 # --- the MoE feed-forward of one token ------------------------------------------------------------
 
 class MoEWeights(NamedTuple):
-    """One layer's MoE tensors (spec 2: GGUF names in brackets), raw blocks as ``GGUFFile.raw`` gives them.
+    """One layer's MoE tensors (docs/spec/qwen35.md section 2: GGUF names in brackets), raw blocks as ``GGUFFile.raw`` gives them.
 
     Each weight is of a :data:`KERNEL_TYPES` type named by ``qtypes``: one type for all of them, or a
     mapping from the field name (``"gate"``, ``"up"``, ``"down"``, ``"sh_gate"``, ...) to its type.
@@ -553,7 +553,7 @@ class PreparedMoE:
 
 
 def moe_ffn(x: np.ndarray, w: MoEWeights | PreparedMoE) -> MoEResult:
-    """One token's MoE FFN in one native call (spec 3.3), shared expert included.
+    """One token's MoE FFN in one native call (docs/spec/qwen35.md 3.3), shared expert included.
 
     ``p = softmax(router x)``; the ``n_used`` largest (ties: lower index first), renormalised;
     ``out = sum_e w_e down_e(silu(gate_e x) * up_e x) + sigmoid(sh_gate_inp . x) * shared(x)``,

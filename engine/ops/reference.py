@@ -1,6 +1,6 @@
 """Plain numpy versions of every op of the Qwen3.5/3.6 text model: the executable spec.
 
-Each function is written to be read next to ``shared/spec/qwen35moe.md`` (section numbers below)
+Each function is written to be read next to ``docs/spec/qwen35.md`` (section numbers below)
 and is what the fast CPU/CUDA kernels are tested against.
 
 Precision rule: every op takes float32 (or any real) arrays, computes in **float64** and returns
@@ -18,7 +18,7 @@ a prompt is cut into pieces (:mod:`engine.arch.qwen35.model`). :func:`linear` (B
 and :func:`gdn_chunked` do not follow it; the vision tower and the GPU's reference use them.
 
 Head layouts are those of the GGUF files (llama.cpp ``convert_hf_to_gguf.py``): in particular the
-Gated DeltaNet v-heads are *tiled*, so v-head ``h`` reads q/k head ``h mod n_k`` (spec 2, item 3).
+Gated DeltaNet v-heads are *tiled*, so v-head ``h`` reads q/k head ``h mod n_k`` (docs/spec/qwen35.md section 2, item 3).
 
 Sources, per op: S. Yang, J. Kautz, A. Hatamizadeh, "Gated Delta Networks: Improving Mamba2 with
 Delta Rule" (2024) for the delta rule and its chunked (WY/UT) form; llama.cpp ``src/models/qwen35moe.cpp``,
@@ -116,7 +116,7 @@ def rmsnorm(x: np.ndarray, w: np.ndarray | None, eps: float) -> np.ndarray:
     Args:
         x: (..., d) float32.
         w: (d,) float32 weight *as stored in the GGUF* (already ``1 + w_hf`` for the zero-centred
-            norms, spec 2 item 1), or None for no weight.
+            norms, docs/spec/qwen35.md section 2 item 1), or None for no weight.
         eps: attention.layer_norm_rms_epsilon (1e-6).
     Returns: (..., d) float32.
     Source: transformers Qwen3_5MoeRMSNorm; llama.cpp build_norm(LLM_NORM_RMS).
@@ -136,7 +136,7 @@ def l2norm(x: np.ndarray, eps: float) -> np.ndarray:
 
 
 def gated_rmsnorm(o: np.ndarray, w: np.ndarray, z: np.ndarray, eps: float) -> np.ndarray:
-    """The GDN output norm (spec 3.2 step 6): ``rmsnorm(o, eps) * w * silu(z)`` per v-head.
+    """The GDN output norm (section 3.2 step 6): ``rmsnorm(o, eps) * w * silu(z)`` per v-head.
 
     Args:
         o: (..., dv) float32 delta-rule outputs; z: (..., dv) float32 gate (``attn_gate`` projection).
@@ -150,7 +150,7 @@ def gated_rmsnorm(o: np.ndarray, w: np.ndarray, z: np.ndarray, eps: float) -> np
 
 def rope_multi(x: np.ndarray, positions: np.ndarray, rope_dims: int, theta: float,
                sections: tuple[int, ...]) -> np.ndarray:
-    """Partial NEOX (rotate-half) RoPE with interleaved M-RoPE positions (spec 3.1 step 4).
+    """Partial NEOX (rotate-half) RoPE with interleaved M-RoPE positions (section 3.1 step 4).
 
     Only the first ``rope_dims`` values of each head rotate; the rest pass through. Inside that
     slice, pair ``i`` (i < rope_dims/2) couples dims ``i`` and ``i + rope_dims/2`` and turns by
@@ -186,7 +186,7 @@ def rope_multi(x: np.ndarray, positions: np.ndarray, rope_dims: int, theta: floa
 
 
 def gated_attention(q: np.ndarray, gate: np.ndarray, k: np.ndarray, v: np.ndarray) -> np.ndarray:
-    """Causal GQA softmax attention over a KV cache, gated by sigmoid (spec 3.1 steps 5-6).
+    """Causal GQA softmax attention over a KV cache, gated by sigmoid (section 3.1 steps 5-6).
 
     The n queries are the *last* n positions of the cache: query row ``i`` sits at cache index
     ``m - n + i`` and attends to cache rows ``0 .. m - n + i``. Scale ``1/sqrt(head_dim)``;
@@ -214,7 +214,7 @@ def gated_attention(q: np.ndarray, gate: np.ndarray, k: np.ndarray, v: np.ndarra
 
 
 def causal_conv1d(x: np.ndarray, w: np.ndarray, state: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Causal depthwise conv over time, no bias, no activation (spec 3.2 step 2).
+    """Causal depthwise conv over time, no bias, no activation (section 3.2 step 2).
 
     ``y_t[c] = sum_j w[c, j] * m_{t-K+1+j}[c]``, j = K-1 multiplying the current input and the
     inputs before the sequence taken from ``state`` (zeros for a fresh sequence).
@@ -242,7 +242,7 @@ def _tile_heads(x: np.ndarray, n_v: int) -> np.ndarray:
 
 def gdn_step(q: np.ndarray, k: np.ndarray, v: np.ndarray, g: np.ndarray, beta: np.ndarray,
              state: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """One token of the gated delta rule (spec 3.2 step 5), all v-heads at once.
+    """One token of the gated delta rule (section 3.2 step 5), all v-heads at once.
 
     Per v-head h (q/k head ``h mod n_k``)::
 
@@ -296,7 +296,7 @@ def _forward_substitute(lower: np.ndarray, rhs: np.ndarray) -> np.ndarray:
 
 def gdn_chunked(q: np.ndarray, k: np.ndarray, v: np.ndarray, g: np.ndarray, beta: np.ndarray,
                 state: np.ndarray, chunk: int = GDN_CHUNK) -> tuple[np.ndarray, np.ndarray]:
-    """The gated delta rule in chunked (UT-transform) form, for prefill (spec 3.2, chunked form).
+    """The gated delta rule in chunked (UT-transform) form, for prefill (section 3.2, chunked form).
 
     Args: q, k (n, n_k, dk); v (n, n_v, dv); g, beta (n, n_v); state (n_v, dk, dv), all float32
     (q, k normalised as for :func:`gdn_step`); ``chunk`` = C. Returns (o (n, n_v, dv) float32,
@@ -353,7 +353,7 @@ def gdn_chunked(q: np.ndarray, k: np.ndarray, v: np.ndarray, g: np.ndarray, beta
 
 
 def topk_route(logits: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
-    """Softmax router with top-k selection and renormalisation (spec 3.3).
+    """Softmax router with top-k selection and renormalisation (section 3.3).
 
     ``p = softmax(logits)`` over all experts; the k largest are selected (ties: lower index first)
     and their weights renormalised to sum to 1 (llama.cpp clamps the sum at >= 6.1e-5, which a
@@ -370,7 +370,7 @@ def topk_route(logits: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
 
 
 def swiglu(x: np.ndarray, w_gate: np.ndarray, w_up: np.ndarray, w_down: np.ndarray) -> np.ndarray:
-    """SwiGLU feed-forward ``W_down (silu(W_gate x) * (W_up x))`` (spec 3.3; dense qwen35 FFN).
+    """SwiGLU feed-forward ``W_down (silu(W_gate x) * (W_up x))`` (section 3.3; dense qwen35 FFN).
 
     Args: x (n, d); w_gate, w_up (ff, d); w_down (d, ff); all float32 in math shape (out, in).
     Returns: (n, d) float32.  Source: transformers Qwen3_5MoeMLP; llama.cpp build_ffn(LLM_FFN_SILU, PAR).
@@ -390,7 +390,7 @@ def _swiglu(x, w_gate, w_up, w_down):
 
 def shared_expert(x: np.ndarray, w_gate: np.ndarray, w_up: np.ndarray, w_down: np.ndarray,
                   w_shgate: np.ndarray) -> np.ndarray:
-    """Sigmoid-gated shared expert: ``swiglu(x) * sigmoid(w_shgate . x)`` per token (spec 3.3).
+    """Sigmoid-gated shared expert: ``swiglu(x) * sigmoid(w_shgate . x)`` per token (section 3.3).
 
     Args: x (n, d); w_gate, w_up (ff_sh, d); w_down (d, ff_sh); w_shgate (d,) ``ffn_gate_inp_shexp``.
     Returns: (n, d) float32.  Source: transformers Qwen3_5MoeSparseMoeBlock (shared_expert_gate).

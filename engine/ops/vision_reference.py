@@ -1,8 +1,7 @@
 """Plain numpy ops of the Qwen3.5/3.6 vision tower: the executable spec its fast paths are tested on.
 
 Every function is vectorised, takes and returns float32 (float64 only inside, where noted), and is
-written to be read next to ``shared/spec/vision.md`` part A (section numbers below) and
-``shared/spec/reference.md`` section 5 "Vision tower". Sources: transformers 5.24
+written to be read next to ``docs/spec/qwen3vl.md`` (section numbers below). Sources: transformers 5.24
 ``models/qwen3_5_moe/modeling_qwen3_5_moe.py`` (Qwen3_5MoeVisionModel and its parts) and
 ``vision_utils.py`` (``get_vision_interpolation_indices_and_weights``, ``get_vision_position_ids``);
 llama.cpp ``tools/mtmd/models/qwen3vl.cpp``; W. H. Press et al., *Numerical Recipes* (3rd ed.),
@@ -46,7 +45,7 @@ def layer_norm(x: np.ndarray, w: np.ndarray, b: np.ndarray, eps: float, out: np.
     """LayerNorm over the last axis: ``(x - mean) / sqrt(var + eps) * w + b`` (biased variance).
 
     Args:
-        x: (..., d) float32. w, b: (d,) float32. eps: 1e-6 for every vision norm (spec 0).
+        x: (..., d) float32. w, b: (d,) float32. eps: 1e-6 for every vision norm (docs/spec/qwen3vl.md, conventions).
         out: optional (..., d) float32 destination that does not overlap ``x``; 2-D with any strides,
             or C-contiguous.
 
@@ -71,7 +70,7 @@ def layer_norm(x: np.ndarray, w: np.ndarray, b: np.ndarray, eps: float, out: np.
 def gelu_tanh(x: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
     """GELU, tanh form (HF ``gelu_pytorch_tanh``): ``0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3)))``.
 
-    Used in the ViT blocks' MLP (spec A1). Evaluated as ``x * (0.5 + 0.5 tanh(x (c0 + c1 x^2)))`` in row
+    Used in the ViT blocks' MLP (section 1). Evaluated as ``x * (0.5 + 0.5 tanh(x (c0 + c1 x^2)))`` in row
     blocks (float32 rounding differs from HF's order by about 1e-7 relative).
 
     Args:
@@ -120,7 +119,7 @@ def erfc(x: np.ndarray) -> np.ndarray:
 def gelu_erf(x: np.ndarray) -> np.ndarray:
     """GELU, exact form (HF ``nn.GELU()``): ``0.5 x (1 + erf(x / sqrt 2)) = 0.5 x erfc(-x / sqrt 2)``.
 
-    Used in the merger (spec A5.5; llama.cpp uses the tanh form there, a known divergence).
+    Used in the merger (section 5.5; llama.cpp uses the tanh form there, a known divergence).
     x: any shape float32; computed in float64, returned as float32.
     """
     x64 = np.asarray(x, dtype=np.float64)
@@ -128,7 +127,7 @@ def gelu_erf(x: np.ndarray) -> np.ndarray:
 
 
 def merge_window_coords(gh: int, gw: int, merge: int) -> tuple[np.ndarray, np.ndarray]:
-    """Patch (row, col) of each sequence index in merge-window order (spec A2.5).
+    """Patch (row, col) of each sequence index in merge-window order (section 2.5).
 
     Sequence index ``((bh * (gw/m) + bw) * m + dy) * m + dx`` holds the patch at
     ``(bh*m + dy, bw*m + dx)``, so every run of ``m*m`` tokens is one merge window.
@@ -145,7 +144,7 @@ def merge_window_coords(gh: int, gw: int, merge: int) -> tuple[np.ndarray, np.nd
 
 
 def _align_corners_taps(n: int, side: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Bilinear taps resampling ``side`` points to ``n`` with align_corners=True (spec A5.2).
+    """Bilinear taps resampling ``side`` points to ``n`` with align_corners=True (section 5.2).
 
     Returns:
         lo, hi: (n,) int64 source indices (``hi = min(lo + 1, side - 1)``); frac: (n,) float32 weight of ``hi``.
@@ -157,7 +156,7 @@ def _align_corners_taps(n: int, side: int) -> tuple[np.ndarray, np.ndarray, np.n
 
 def pos_embed_at(table: np.ndarray, side: int, gh: int, gw: int, rows: np.ndarray, cols: np.ndarray) -> np.ndarray:
     """Learned position table resampled bilinearly, align_corners=True, to a (gh, gw) patch grid, at
-    the given patch coordinates (spec A5.2; HF ``get_vision_interpolation_indices_and_weights``).
+    the given patch coordinates (section 5.2; HF ``get_vision_interpolation_indices_and_weights``).
 
     Each output row is the float32 sum of 4 weighted table rows, as HF computes it.
 
@@ -188,7 +187,7 @@ def interpolate_pos_table(table: np.ndarray, side: int, gh: int, gw: int) -> np.
 
 
 def rope_2d_cos_sin(rows: np.ndarray, cols: np.ndarray, head_dim: int, theta: float) -> tuple[np.ndarray, np.ndarray]:
-    """cos and sin tables of the 2-D vision RoPE (spec A5.3).
+    """cos and sin tables of the 2-D vision RoPE (section 5.3).
 
     ``inv_j = theta^(-2j / (head_dim/2))`` for j < head_dim/4; angles ``[row*inv, col*inv]``: one angle
     per rotated pair (k, k + head_dim/2) of the half-split rotation.

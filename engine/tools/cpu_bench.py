@@ -72,7 +72,9 @@ LLAMA_CPP_VERSION = "0.3.36"
 LLAMA_CMAKE_ARGS = ("-DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON "
                     "-DGGML_AVX512=ON -DGGML_AVX512_VNNI=ON -DGGML_AVX512_BF16=ON -DGGML_AMX_TILE=OFF "
                     "-DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF -DLLAMA_CURL=OFF")
-"""Build flags of shared/spec/peers.md: a -march=native build dies in ggml's AMX code on these CPUs."""
+"""CMake options (llama-cpp-python 0.3.36) for a portable x86-64 build: a ``-march=native`` build dies with
+"Illegal instruction" in ggml's AMX code on the first Q4_0 product on CPUs that report AMX (seen on this
+project's 2-core machines), so native detection and AMX are off and AVX2 / AVX-512 (VNNI, BF16) are named."""
 
 
 def llama_venv(folder: Path, out=print) -> str:

@@ -2,7 +2,7 @@
 
 Imports nothing of the engine (only the standard library and ``llama_cpp``), so it also runs as a
 script under another interpreter, e.g. a separate venv that holds llama-cpp-python built with
-the flags of ``shared/spec/peers.md``::
+the portable build flags of :data:`engine.tools.cpu_bench.LLAMA_CMAKE_ARGS`::
 
     /work/venv-llama/bin/python engine/tools/cpu_llama.py MODEL.gguf THREADS N_PROMPT N_GEN
 

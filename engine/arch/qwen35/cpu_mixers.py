@@ -84,7 +84,7 @@ def _gdn_args(layer: GDNLayer, mixed, z, b, a, conv_state, ssm_state):
 
 def gdn_decode(layer: GDNLayer, mixed: np.ndarray, z: np.ndarray, b: np.ndarray, a: np.ndarray,
                conv_state: np.ndarray, ssm_state: np.ndarray) -> np.ndarray:
-    """One token of a Gated DeltaNet layer from its raw projections (spec 3.2 steps 2-6).
+    """One token of a Gated DeltaNet layer from its raw projections (docs/spec/qwen35.md 3.2 steps 2-6).
 
     Args:
         layer: the layer's :class:`GDNLayer`.
@@ -168,7 +168,7 @@ def _attn_args(q, gate, k, v):
 
 
 def attention_decode(q: np.ndarray, gate: np.ndarray, k: np.ndarray, v: np.ndarray) -> np.ndarray:
-    """One query per head over the m cached positions, gated (spec 3.1 steps 5-6).
+    """One query per head over the m cached positions, gated (docs/spec/qwen35.md 3.1 steps 5-6).
 
     Args:
         q: (n_head, hd) float32 after norm and RoPE; gate: (n_head, hd) float32.

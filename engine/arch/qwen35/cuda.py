@@ -8,7 +8,7 @@ kernel are dequantized to F32 on the host), packs each layer's routed experts pe
 or into page-locked host memory (streamed layers), and builds the kernels of ``native/cuda`` with pycuda.
 
 ``prefill(tokens, state)`` runs the whole prompt in one pass when its activations fit (else in passes of
-a multiple of 64 tokens), layer by layer on a compute stream, with the math of ``shared/spec/qwen35moe.md``
+a multiple of 64 tokens), layer by layer on a compute stream, with the math of ``docs/spec/qwen35.md``
 section 3 and the same numerics as :class:`engine.arch.qwen35.model.Qwen35Model` (float32 activations and
 state, float32 accumulation, the reference's float64 spots). Routed experts of streamed layers reach the
 GPU on a second stream: either whole layers, two buffers deep, so the copy of the next streamed layer

@@ -1,7 +1,7 @@
 """Typed, validated hyper-parameters of the Qwen3.5/3.6 hybrid text models.
 
 One frozen dataclass, built in one place (:func:`from_metadata`) from the GGUF keys listed in
-``../shared/spec/qwen35moe.md`` section 1 (llama.cpp ``src/llama-model.cpp``, arch ``qwen35moe`` /
+``docs/spec/qwen35.md`` section 1 (llama.cpp ``src/llama-model.cpp``, arch ``qwen35moe`` /
 ``qwen35``). The Mamba-style key names that llama.cpp borrows (``ssm.state_size``,
 ``ssm.group_count``, ...) are renamed here to what they mean.
 """

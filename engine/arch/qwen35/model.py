@@ -3,7 +3,7 @@
 Reads top to bottom like llama.cpp ``src/models/qwen35moe.cpp``: embedding, then per layer
 ``attn_norm -> (Gated DeltaNet | gated full attention) -> residual -> post_attention_norm ->
 (MoE | SwiGLU FFN) -> residual``, then ``output_norm`` and the LM head. The math is
-``shared/spec/qwen35moe.md`` section 3; every op is the numpy reference in
+``docs/spec/qwen35.md`` section 3; every op is the numpy reference in
 :mod:`engine.ops.reference`.
 
 GGUF storage conventions, handled here and only here (the converter already applied them, so
@@ -213,7 +213,7 @@ class Qwen35Model:
     # ---- mixers --------------------------------------------------------------------------------
 
     def gated_delta_net(self, il: int, x: np.ndarray, state: SequenceState, cb: Callback) -> np.ndarray:
-        """Gated DeltaNet layer (spec 3.2): x (n, n_embd) -> (n, n_embd); updates conv/ssm state."""
+        """Gated DeltaNet layer (docs/spec/qwen35.md 3.2): x (n, n_embd) -> (n, n_embd); updates conv/ssm state."""
         p = f"blk.{il}."
         mixed = self.linear(x, p + "attn_qkv.weight")                   # (n, conv_dim), raw, pre-conv
         cb("linear_attn_qkv_mixed", il, mixed)
@@ -260,7 +260,7 @@ class Qwen35Model:
 
     def gated_attention(self, il: int, x: np.ndarray, state: SequenceState, positions: np.ndarray,
                         cb: Callback) -> np.ndarray:
-        """Gated full attention (spec 3.1): x (n, n_embd) -> (n, n_embd); appends K/V to the cache."""
+        """Gated full attention (docs/spec/qwen35.md 3.1): x (n, n_embd) -> (n, n_embd); appends K/V to the cache."""
         hp = self.hp
         p = f"blk.{il}."
         n = x.shape[0]
@@ -292,7 +292,7 @@ class Qwen35Model:
     # ---- feed-forward --------------------------------------------------------------------------
 
     def moe(self, il: int, y: np.ndarray, cb: Callback) -> np.ndarray:
-        """Routed top-k experts plus the sigmoid-gated shared expert (spec 3.3): (n, d) -> (n, d)."""
+        """Routed top-k experts plus the sigmoid-gated shared expert (docs/spec/qwen35.md 3.3): (n, d) -> (n, d)."""
         p = f"blk.{il}."
         logits = ops.linear_rows(y, self.w(p + "ffn_gate_inp.weight"))
         cb("ffn_moe_logits", il, logits)

@@ -15,7 +15,7 @@ the projections that write into the residual stream (``ssm_out``, ``attn_output`
 1/sqrt(2 * n_layer * fan_in) (GPT-2 style), embeddings std 1; stored norms are drawn around 1
 (GGUF stores ``1 + w``; ``ssm_norm`` is unshifted but also ~1); ``ssm_a = -exp(A_log)`` is negative
 with ``A_log`` ~ U(log 0.5, log 4); ``ssm_dt.bias`` ~ N(0, 0.1). Storage types follow llama-quantize
-(spec section 2): 1-D tensors, ``*_norm``, ``ffn_gate_inp``, ``ffn_gate_inp_shexp``, ``ssm_conv1d``,
+(docs/spec/qwen35.md section 2): 1-D tensors, ``*_norm``, ``ffn_gate_inp``, ``ffn_gate_inp_shexp``, ``ssm_conv1d``,
 ``ssm_a`` and ``ssm_dt.bias`` stay F32, everything else takes the file's type.
 """
 
@@ -42,7 +42,7 @@ from .tensors import tensor_shapes
 Q = GGMLQuantizationType
 
 QWEN35_N_VOCAB = 248320
-"""Padded vocabulary size of every Qwen3.5/3.6 model (spec section 5)."""
+"""Padded vocabulary size of every Qwen3.5/3.6 model (docs/spec/qwen35.md section 5)."""
 
 FILE_TYPES: dict[GGMLQuantizationType, LlamaFileType] = {
     Q.F32: LlamaFileType.ALL_F32, Q.F16: LlamaFileType.MOSTLY_F16, Q.BF16: LlamaFileType.MOSTLY_BF16,
@@ -76,7 +76,7 @@ PRESETS: dict[str, dict[str, Any]] = {
                     head_v_dim=128, n_expert=256, n_expert_used=8, n_ff_exp=512, n_ff_shexp=512),
 }
 """Hyper-parameters of each preset except ``n_vocab`` (taken from the vocabulary). ``35b-a3b`` is
-Qwen3.5/3.6-35B-A3B (spec tables 1 and 4) without its MTP block."""
+Qwen3.5/3.6-35B-A3B (docs/spec/qwen35.md sections 1 and Models) without its MTP block."""
 
 
 def preset_hparams(preset: str, n_vocab: int = QWEN35_N_VOCAB, layers: int | None = None,
@@ -140,7 +140,7 @@ def write_gguf(path: str | os.PathLike[str], hp: Qwen35HParams, tensors: Mapping
 
     Args:
         path: output file (overwritten).
-        hp: hyper-parameters; every key of spec section 1 is written from it (``block_count`` =
+        hp: hyper-parameters; every key of docs/spec/qwen35.md section 1 is written from it (``block_count`` =
             ``n_layer + nextn_predict_layers``), plus ``general.name/type/file_type/quantization_version``.
         tensors: GGUF name -> float array in math shape (``(OUT, IN)`` for a weight, ``(E, OUT, IN)`` for
             experts). Written as given, in this order: nothing is checked against ``hp``, so a test can
@@ -329,7 +329,7 @@ def _write(path: str | os.PathLike[str], hp: Qwen35HParams, plan: Iterable[_Plan
 
 
 def _add_metadata(w: gguf.GGUFWriter, hp: Qwen35HParams, file_type: LlamaFileType, name: str) -> None:
-    """``general.*`` and every ``{arch}.*`` key of spec section 1, from ``hp``."""
+    """``general.*`` and every ``{arch}.*`` key of docs/spec/qwen35.md section 1, from ``hp``."""
     a = hp.arch
     w.add_type("model")
     w.add_name(name)

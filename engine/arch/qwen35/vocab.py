@@ -83,7 +83,7 @@ def derive_merges(ranks: dict[bytes, int]) -> list[tuple[bytes, bytes]]:
     a part ranked *above* them (e.g. 人力资源 = 人力 + 资源, where 人力 ranks later), which tiktoken's
     encoder reaches the same way and the classic rule would drop; the 201 tokens that no merge sequence reaches
     (e.g. 俱乐部, only ever produced as a whole pre-token) get none. Total: 247,587 merges, the count
-    of the published Qwen3.5/3.6 tokenizers (spec section 5).
+    of the published Qwen3.5/3.6 tokenizers (docs/spec/qwen35.md section 5).
 
     Args:
         ranks: token bytes -> rank (= token id), as in a ``.tiktoken`` file.

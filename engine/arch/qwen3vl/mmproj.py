@@ -2,7 +2,7 @@
 
 The layout is the one llama.cpp's converter (``conversion/qwen3vl.py``, ``Qwen3VLVisionModel`` on top of
 ``MmprojModel``) writes for ``Qwen3_5ForConditionalGeneration`` / ``Qwen3_5MoeForConditionalGeneration``;
-the facts are in ``shared/spec/vision.md`` A3 (keys) and A4 (tensors). Shapes below are math shapes
+the facts are in ``docs/spec/qwen3vl.md`` sections 3 (keys) and 4 (tensors). Shapes below are math shapes
 (numpy order = PyTorch order = reversed GGUF ``ne``); ``D`` = ``n_embd``, ``F`` = ``n_ff``, ``P`` = patch
 size, ``G`` = position-grid side, ``M`` = merge, ``O`` = ``out_dim``:
 
@@ -129,7 +129,7 @@ PRESETS: dict[str, VisionHParams] = {
     "real": VisionHParams(n_embd=1152, n_ff=4304, n_layer=27, n_head=16, patch_size=16, merge=2,
                           out_dim=2048, pos_side=48),
 }
-"""Tower shapes for :func:`synth_mmproj`: ``tiny`` for tests, ``real`` = Qwen3.5/3.6-35B-A3B (spec A1)."""
+"""Tower shapes for :func:`synth_mmproj`: ``tiny`` for tests, ``real`` = Qwen3.5/3.6-35B-A3B (docs/spec/qwen3vl.md section 1)."""
 
 
 @dataclass(frozen=True)
@@ -312,7 +312,7 @@ def load_mmproj(path: str | os.PathLike[str]) -> Mmproj:
     """Open and validate a Qwen3.5/3.6 projector GGUF and dequantize all of its tensors to float32.
 
     Args:
-        path: the ``mmproj-*.gguf`` file (llama.cpp layout, spec A3/A4).
+        path: the ``mmproj-*.gguf`` file (llama.cpp layout, docs/spec/qwen3vl.md sections 3 and 4).
 
     Returns:
         :class:`Mmproj` with ``hparams`` and float32 ``weights`` (about 1.8 GB for the real tower).

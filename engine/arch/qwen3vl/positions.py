@@ -13,7 +13,7 @@ def mrope_positions(token_ids: Sequence[int] | np.ndarray, image_grids: Sequence
 
     Text token: (p, p, p), p + 1 per token. An image whose first pad token would be at P, merged grid
     H' x W' (row-major pads): token (i, j) at (P, P + i, P + j); the token after it gets
-    P + max(H', W') (spec A6, reference.md section 5 item 7). The next position after the sequence
+    P + max(H', W') (docs/spec/qwen3vl.md section 6). The next position after the sequence
     (for decoding or the next chunk) is ``positions.max() + 1``.
 
     Args:

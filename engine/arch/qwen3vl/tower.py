@@ -1,7 +1,7 @@
 """The Qwen3.5/3.6 vision tower and merger in numpy, and image-token counts. One image's patch rows in,
 ``(n_tokens, out_dim)`` LLM-width embeddings out.
 
-Forward (``shared/spec/vision.md`` A5; ``shared/spec/reference.md`` section 5 "Vision tower"), S patches
+Forward (``docs/spec/qwen3vl.md`` section 5; transformers ``Qwen3_5VisionModel``), S patches
 of one image in merge-window order, D = ``n_embd``::
 
     h   = patches @ [W_t0 | W_t1]^T + b                       patch_embd   (S, D)
@@ -42,7 +42,7 @@ def image_token_count(height: int, width: int, *, patch_size: int = 16, merge: i
                       min_pixels: int = MIN_PIXELS, max_pixels: int = MAX_PIXELS) -> int:
     """Number of image-pad tokens (merger rows) an image of ``height x width`` pixels becomes.
 
-    ``(h/32) * (w/32)`` for the :func:`~engine.images.smart_resize` target (h, w) (spec A5.7), e.g.
+    ``(h/32) * (w/32)`` for the :func:`~engine.images.smart_resize` target (h, w) (docs/spec/qwen3vl.md 5.7), e.g.
     448x448 -> 196, 1024x768 -> 768 with the HF bounds.
 
     Raises:
@@ -144,8 +144,8 @@ class VisionTower:
         """Position rows and RoPE tables of a (gh, gw) patch grid, in merge-window order (cached).
 
         Returns:
-            pos: (gh*gw, n_embd) float32, the interpolated learned table (spec A5.2).
-            cos, sin: (gh*gw, head_dim/2) float32 (spec A5.3).
+            pos: (gh*gw, n_embd) float32, the interpolated learned table (docs/spec/qwen3vl.md 5.2).
+            cos, sin: (gh*gw, head_dim/2) float32 (docs/spec/qwen3vl.md 5.3).
             All three are read-only.
         """
         with self._grids_lock:
@@ -246,7 +246,7 @@ class VisionTower:
 
     def _block(self, h: np.ndarray, il: int, cos: np.ndarray, sin: np.ndarray, buf: _Buffers,
                emit: StageCallback) -> None:
-        """One pre-norm block (spec A5.4), updating the residual stream ``h`` (S, D) in place."""
+        """One pre-norm block (docs/spec/qwen3vl.md 5.4), updating the residual stream ``h`` (S, D) in place."""
         hp, w, p, hd = self.hp, self._w, f"v.blk.{il}.", self.hp.head_dim
         qkv = buf.qkv.reshape(-1, 3, hp.n_head, hd)
 
