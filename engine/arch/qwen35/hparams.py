@@ -117,29 +117,20 @@ class Qwen35HParams:
                            context_length=self.context_length, n_vocab=self.n_vocab)
 
 
-def from_metadata(get: Callable[[str], Any], n_tokens: int | None, source: str) -> Qwen35HParams:
-    """Build and validate :class:`Qwen35HParams` from GGUF metadata.
+class _Keys:
+    """Typed reads of ``{arch}.*`` keys; every failure is a ModelFormatError naming the file and the key.
 
-    Args:
-        get: returns the value of a full GGUF key (``general.architecture``,
-            ``qwen35moe.block_count``, ...) or ``None`` when the key is absent.
-        n_tokens: length of ``tokenizer.ggml.tokens`` (used when ``vocab_size`` is absent), or None.
-        source: file name used in error messages.
-
-    Raises:
-        UnsupportedModelError: the architecture is not ``qwen35moe`` / ``qwen35``.
-        ModelFormatError: a required key is missing, has the wrong type or an absurd value.
+    ``key(name, kind, default, required)``: the value of ``{arch}.{name}`` as ``kind`` (int: a non-negative
+    integer within :data:`_LIMITS`; float: a number), ``default`` when absent (a missing key without a
+    default is an error unless ``required`` is False).
     """
-    arch = get("general.architecture")
-    if not isinstance(arch, str):
-        raise ModelFormatError(f"{source}: key general.architecture is missing or not a string")
-    if arch not in ARCHITECTURES:
-        raise UnsupportedModelError(
-            f"{source}: architecture {arch!r} is not supported (expected one of {', '.join(ARCHITECTURES)})")
 
-    def key(name: str, kind: type = int, default: Any = None, required: bool = True) -> Any:
-        full = f"{arch}.{name}"
-        value = get(full)
+    def __init__(self, get: Callable[[str], Any], arch: str, source: str) -> None:
+        self.get, self.arch, self.source = get, arch, source
+
+    def __call__(self, name: str, kind: type = int, default: Any = None, required: bool = True) -> Any:
+        full, source = f"{self.arch}.{name}", self.source
+        value = self.get(full)
         if value is None:
             if required and default is None:
                 raise ModelFormatError(f"{source}: required key {full} is missing")
@@ -158,6 +149,21 @@ def from_metadata(get: Callable[[str], Any], n_tokens: int | None, source: str) 
             return int(value)
         return value
 
+
+def _architecture(get: Callable[[str], Any], source: str) -> str:
+    """``general.architecture``, one of :data:`ARCHITECTURES`."""
+    arch = get("general.architecture")
+    if not isinstance(arch, str):
+        raise ModelFormatError(f"{source}: key general.architecture is missing or not a string")
+    if arch not in ARCHITECTURES:
+        raise UnsupportedModelError(
+            f"{source}: architecture {arch!r} is not supported (expected one of {', '.join(ARCHITECTURES)})")
+    return arch
+
+
+def _trunk(key: _Keys, n_tokens: int | None) -> tuple[int, int, int]:
+    """(n_layer, nextn_predict_layers, n_vocab): the trunk layers run (MTP blocks excluded) and the vocabulary."""
+    arch, source = key.arch, key.source
     block_count = key("block_count")
     nextn = key("nextn_predict_layers", default=0)
     n_layer = block_count - nextn
@@ -168,16 +174,26 @@ def from_metadata(get: Callable[[str], Any], n_tokens: int | None, source: str) 
     n_vocab = key("vocab_size", default=0, required=False) or (n_tokens or 0)
     if n_vocab <= 0:
         raise ModelFormatError(f"{source}: neither {arch}.vocab_size nor tokenizer.ggml.tokens gives a vocabulary size")
-    sections = get(f"{arch}.rope.dimension_sections")
+    return n_layer, nextn, n_vocab
+
+
+def _rope_sections(key: _Keys) -> tuple[int, int, int, int]:
+    """``rope.dimension_sections``: an integer array, cut or zero-padded to 4 entries."""
+    full, source = f"{key.arch}.rope.dimension_sections", key.source
+    sections = key.get(full)
     if sections is None:
-        raise ModelFormatError(f"{source}: required key {arch}.rope.dimension_sections is missing")
+        raise ModelFormatError(f"{source}: required key {full} is missing")
     if not isinstance(sections, (list, tuple)) or not all(
             isinstance(s, int) and not isinstance(s, bool) for s in sections):
         raise ModelFormatError(
-            f"{source}: key {arch}.rope.dimension_sections should be an integer array, got {type(sections).__name__}")
-    sections = tuple(int(s) for s in list(sections)[:4])
-    sections = sections + (0,) * (4 - len(sections))
+            f"{source}: key {full} should be an integer array, got {type(sections).__name__}")
+    out = tuple(int(s) for s in list(sections)[:4])
+    return out + (0,) * (4 - len(out))  # type: ignore[return-value]
 
+
+def _head_widths(key: _Keys) -> tuple[int, int, int]:
+    """(attention head_dim, GDN num_v_heads, GDN head_v_dim), with their consistency rules."""
+    arch, source = key.arch, key.source
     head_dim = key("attention.key_length")
     v_len = key("attention.value_length", default=head_dim)
     if v_len != head_dim:
@@ -187,8 +203,36 @@ def from_metadata(get: Callable[[str], Any], n_tokens: int | None, source: str) 
     if num_v_heads == 0 or inner % num_v_heads:
         raise ModelFormatError(
             f"{source}: {arch}.ssm.inner_size = {inner} is not a multiple of ssm.time_step_rank = {num_v_heads}")
+    return head_dim, num_v_heads, inner // num_v_heads
 
-    moe = arch == "qwen35moe"
+
+def _ffn(get: Callable[[str], Any], key: _Keys) -> dict[str, int]:
+    """The FFN fields: routed + shared experts for ``qwen35moe``, the dense SwiGLU width for ``qwen35``."""
+    if key.arch != "qwen35moe":
+        return dict(n_ff=key("feed_forward_length"))
+    return dict(n_expert=_expert_count(get, key, key.arch, key.source), n_expert_used=key("expert_used_count"),
+                n_ff_exp=key("expert_feed_forward_length"),
+                n_ff_shexp=key("expert_shared_feed_forward_length", default=0, required=False))
+
+
+def from_metadata(get: Callable[[str], Any], n_tokens: int | None, source: str) -> Qwen35HParams:
+    """Build and validate :class:`Qwen35HParams` from GGUF metadata.
+
+    Args:
+        get: returns the value of a full GGUF key (``general.architecture``,
+            ``qwen35moe.block_count``, ...) or ``None`` when the key is absent.
+        n_tokens: length of ``tokenizer.ggml.tokens`` (used when ``vocab_size`` is absent), or None.
+        source: file name used in error messages.
+
+    Raises:
+        UnsupportedModelError: the architecture is not ``qwen35moe`` / ``qwen35``.
+        ModelFormatError: a required key is missing, has the wrong type or an absurd value.
+    """
+    arch = _architecture(get, source)
+    key = _Keys(get, arch, source)
+    n_layer, nextn, n_vocab = _trunk(key, n_tokens)
+    sections = _rope_sections(key)
+    head_dim, num_v_heads, head_v_dim = _head_widths(key)
     hp = Qwen35HParams(
         arch=arch,
         n_layer=n_layer,
@@ -202,18 +246,14 @@ def from_metadata(get: Callable[[str], Any], n_tokens: int | None, source: str) 
         head_dim=head_dim,
         rope_theta=key("rope.freq_base", float),
         rope_dims=key("rope.dimension_count"),
-        rope_sections=sections,  # type: ignore[arg-type]
+        rope_sections=sections,
         full_attention_interval=key("full_attention_interval", default=4),
         conv_kernel=key("ssm.conv_kernel"),
         head_k_dim=key("ssm.state_size"),
         num_k_heads=key("ssm.group_count"),
         num_v_heads=num_v_heads,
-        head_v_dim=inner // num_v_heads,
-        n_expert=_expert_count(get, key, arch, source) if moe else 0,
-        n_expert_used=key("expert_used_count") if moe else 0,
-        n_ff_exp=key("expert_feed_forward_length") if moe else 0,
-        n_ff_shexp=key("expert_shared_feed_forward_length", default=0, required=False) if moe else 0,
-        n_ff=0 if moe else key("feed_forward_length"),
+        head_v_dim=head_v_dim,
+        **_ffn(get, key),
     )
     _check(hp, source)
     return hp
