@@ -175,13 +175,8 @@ class _HeaderReader:
         return arr.astype(bool) if itype == GGUFValueType.BOOL else arr
 
 
-def _parse_header(r: _HeaderReader) -> tuple[dict[str, Any], dict[str, tuple[int, int]], list[StoredTensor], int]:
-    """Parse magic, version, metadata and tensor table.
-
-    Returns:
-        (metadata key -> value, key -> byte range ``[start, end)`` of its whole record (key, type,
-        value) in the file, tensor table in file order, absolute offset of the data section).
-    """
+def _counts(r: _HeaderReader) -> tuple[int, int]:
+    """Magic and version checked; (tensor count, key/value count), each bounded by the bytes left."""
     r.need(24, "the GGUF header (magic, version, tensor and key counts)")
     magic = r.buf[:4]
     if magic != b"GGUF":
@@ -200,7 +195,11 @@ def _parse_header(r: _HeaderReader) -> tuple[dict[str, Any], dict[str, tuple[int
     if n_tensors * _MIN_TENSOR > left:
         raise r.fail(f"header claims {n_tensors} tensors; the {left} bytes of the file cannot hold that many "
                      "(truncated or corrupt GGUF)")
+    return n_tensors, n_kv
 
+
+def _metadata(r: _HeaderReader, n_kv: int) -> tuple[dict[str, Any], dict[str, tuple[int, int]]]:
+    """The key/value pairs: key -> value, and key -> byte range of its whole record."""
     meta: dict[str, Any] = {}
     records: dict[str, tuple[int, int]] = {}
     for i in range(n_kv):
@@ -211,11 +210,11 @@ def _parse_header(r: _HeaderReader) -> tuple[dict[str, Any], dict[str, tuple[int
             raise r.fail(f"metadata key {key} appears twice")
         meta[key] = r.value(vtype, f"key {key}")
         records[key] = (start, r.off)
+    return meta, records
 
-    alignment = meta.get("general.alignment", 32)
-    if not isinstance(alignment, int) or alignment <= 0 or alignment & (alignment - 1):
-        raise r.fail(f"key general.alignment = {alignment!r} is not a power of two")
 
+def _table(r: _HeaderReader, n_tensors: int) -> list[tuple[str, int, tuple[int, ...], int]]:
+    """The tensor table as read: (name, type id, ne, data offset relative to the data section)."""
     table: list[tuple[str, int, tuple[int, ...], int]] = []
     for i in range(n_tensors):
         name = r.string(f"the name of tensor #{i}")
@@ -225,30 +224,52 @@ def _parse_header(r: _HeaderReader) -> tuple[dict[str, Any], dict[str, tuple[int
         ne = tuple(r.scalar(_U64, f"ne[{j}] of tensor {name}") for j in range(n_dims))
         type_id = r.scalar(_U32, f"the type of tensor {name}")
         table.append((name, type_id, ne, r.scalar(_U64, f"the data offset of tensor {name}")))
-    data_start = -(-r.off // alignment) * alignment
+    return table
 
+
+def _stored(r: _HeaderReader, entry: tuple[str, int, tuple[int, ...], int], alignment: int,
+            data_start: int) -> StoredTensor:
+    """One table entry with its offset aligned and, for a type ggml knows, its data inside the file."""
+    name, type_id, ne, rel = entry
+    if rel % alignment:
+        raise r.fail(f"tensor {name} data offset {rel} is not a multiple of the alignment {alignment}")
+    n_elem = 1
+    for n in ne:
+        n_elem *= n
+    nbytes = -1
+    if type_id in GGML_QUANT_SIZES.keys():
+        bs, ts = GGML_QUANT_SIZES[GGMLQuantizationType(type_id)]
+        if ne[0] % bs:
+            raise r.fail(f"tensor {name} has ne0 = {ne[0]}, not a multiple of the {type_name(type_id)} "
+                         f"block size {bs}")
+        nbytes = n_elem // bs * ts
+        end = data_start + rel + nbytes
+        if end > r.size:
+            raise r.fail(f"tensor {name} data [{data_start + rel}, {end}) extends past the end of the file "
+                         f"({r.size} bytes): truncated download?")
+    return StoredTensor(name, type_id, ne, data_start + rel, nbytes)
+
+
+def _parse_header(r: _HeaderReader) -> tuple[dict[str, Any], dict[str, tuple[int, int]], list[StoredTensor], int]:
+    """Parse magic, version, metadata and tensor table.
+
+    Returns:
+        (metadata key -> value, key -> byte range ``[start, end)`` of its whole record (key, type,
+        value) in the file, tensor table in file order, absolute offset of the data section).
+    """
+    n_tensors, n_kv = _counts(r)
+    meta, records = _metadata(r, n_kv)
+    alignment = meta.get("general.alignment", 32)
+    if not isinstance(alignment, int) or alignment <= 0 or alignment & (alignment - 1):
+        raise r.fail(f"key general.alignment = {alignment!r} is not a power of two")
+    table = _table(r, n_tensors)
+    data_start = -(-r.off // alignment) * alignment
     tensors, seen = [], set()
-    for name, type_id, ne, rel in table:
-        if name in seen:
-            raise r.fail(f"tensor {name} appears twice in the tensor table")
-        seen.add(name)
-        if rel % alignment:
-            raise r.fail(f"tensor {name} data offset {rel} is not a multiple of the alignment {alignment}")
-        n_elem = 1
-        for n in ne:
-            n_elem *= n
-        nbytes = -1
-        if type_id in GGML_QUANT_SIZES.keys():
-            bs, ts = GGML_QUANT_SIZES[GGMLQuantizationType(type_id)]
-            if ne[0] % bs:
-                raise r.fail(f"tensor {name} has ne0 = {ne[0]}, not a multiple of the {type_name(type_id)} "
-                             f"block size {bs}")
-            nbytes = n_elem // bs * ts
-            end = data_start + rel + nbytes
-            if end > r.size:
-                raise r.fail(f"tensor {name} data [{data_start + rel}, {end}) extends past the end of the file "
-                             f"({r.size} bytes): truncated download?")
-        tensors.append(StoredTensor(name, type_id, ne, data_start + rel, nbytes))
+    for entry in table:
+        if entry[0] in seen:
+            raise r.fail(f"tensor {entry[0]} appears twice in the tensor table")
+        seen.add(entry[0])
+        tensors.append(_stored(r, entry, alignment, data_start))
     return meta, records, tensors, data_start
 
 
