@@ -635,7 +635,8 @@ def default_model() -> tuple[Path, Path | None]:
     bundled = bundled_model()
     if bundled is not None:
         return bundled
-    from .arch.qwen35.synth import synth, synth_mmproj_for
+    from .arch.qwen35.synth import synth
+    from .tools.synth import synth_mmproj_for
     folder = Path(platformdirs.user_cache_dir("deltadesk")) / "models"
     path, mmproj = folder / "synth-tiny-q8_0.gguf", folder / "synth-tiny-mmproj-f16.gguf"
     try:
