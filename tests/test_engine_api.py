@@ -370,3 +370,19 @@ def test_image_key_depends_on_resize_bounds(vision_engine, tmp_path) -> None:
     other = Engine(vision_engine.gguf, vision_engine.tokenizer, vision_engine.model, EngineOptions(), small)
     assert other.prepare(msgs).images[0][2] != key_a
     assert vision_engine.image_size(str(img)) == vision_engine.prepare(msgs).encoded[0].size
+
+
+def test_default_model_without_the_bundled_demo_writes_the_synthetic_pair(tmp_path, monkeypatch) -> None:
+    """No bundled demo: default_model writes the tiny synthetic text model and its tower once, and they load."""
+    import engine.api as api
+    monkeypatch.setattr(api, "bundled_model", lambda: None)
+    monkeypatch.setattr(api.platformdirs, "user_cache_dir", lambda name: str(tmp_path / name))
+    model, mmproj = api.default_model()
+    assert model.parent == mmproj.parent == tmp_path / "deltadesk" / "models"
+    stamp = model.stat().st_mtime_ns
+    assert api.default_model() == (model, mmproj) and model.stat().st_mtime_ns == stamp
+    engine = Engine.load(model, mmproj, EngineOptions(device="cpu", prefix_cache=False, context=64))
+    try:
+        assert engine.info.has_vision and engine.info.arch == "qwen35moe"
+    finally:
+        engine.close()
