@@ -240,3 +240,11 @@ def test_unused_tensor_and_unfilled_parameter_are_named(original, exported, tmp_
     del state[name]
     with pytest.raises(ValueError, match=rf"HF parameter {re.escape(name)} left unfilled"):
         import_gguf.fill(Qwen3_5MoeForConditionalGeneration(original.config), state)
+
+
+def test_question_weights_option_parses_and_refuses_bad_items():
+    assert train.parse_kind_weights(None) is None and train.parse_kind_weights("") is None
+    assert train.parse_kind_weights("shape=3,colour=1.5") == {"shape": 3.0, "colour": 1.5}
+    for bad in ("shape", "shapes=2", "shape=0", "shape=-1", "shape=inf", "shape=nan", "shape=x", "shape=2,"):
+        with pytest.raises(SystemExit, match="--question-weights"):
+            train.parse_kind_weights(bad)

@@ -113,3 +113,34 @@ def test_second_render_fills_with_the_named_colour():
             assert in_region(sh.colour, tuple(int(v) for v in centre), slack=0.12), (seed, sh, centre)
         checked += 1
     assert checked >= 40
+
+
+def answer_kind(enc: data.Encoder, smp: data.Sample) -> str:
+    """The question type of an image sample, read back from its answer sentence (:func:`data.questions`)."""
+    answer = enc.tok.decode([int(t) for t in smp.labels if t != -100])
+    if answer.startswith("There "):
+        return "count"
+    if answer.startswith("I see "):
+        return "describe"
+    if " shape is a" in answer:
+        return "shape"
+    return "position" if any(f" is {p.split()[0]} the " in answer for p in data.POSITIONS) else "colour"
+
+
+def test_question_weights_shift_the_question_types():
+    """``training_sample`` without weights picks uniformly among the scene's question types (2-5 of them,
+    most scenes all 5): shape about 1 in 5. With ``{"shape": 3}`` a scene with all five asks shape with
+    probability 3 / 7 = 0.43 (0.39 over these indices: some scenes have no shape question), with
+    ``{"shape": 1e6}`` whenever the scene has a shape question (most do). The bounds are about 3
+    standard deviations wide for the ~140 image samples of 150 indices (the samples are a pure
+    function of the index, so the test is deterministic)."""
+    enc = data.Encoder(data.load_vocab())
+    share = {}
+    for name, weights in [("uniform", None), ("shape=3", {"shape": 3.0}), ("shape only", {"shape": 1e6})]:
+        kinds = [answer_kind(enc, smp) for i in range(150)
+                 if (smp := data.training_sample(enc, 40_000 + i, weights)).pixel_values is not None]
+        assert len(kinds) > 120 and set(kinds) <= set(data.QUESTION_TYPES)
+        share[name] = kinds.count("shape") / len(kinds)
+    assert 0.1 < share["uniform"] < 0.32, share
+    assert 0.28 < share["shape=3"] < 0.55, share
+    assert share["shape only"] > 0.9, share

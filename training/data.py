@@ -478,10 +478,14 @@ VARIED_SHARE = 0.65
 """Share of the scene samples that are varied scenes (the rest are plain ones, which keeps their accuracy)."""
 
 
-def training_sample(enc: Encoder, index: int) -> Sample:
+def training_sample(enc: Encoder, index: int, kind_weights: dict[str, float] | None = None) -> Sample:
     """Training sample ``index``: 1 in 12 a chat line without an image, else a random question type
     about the scene of seed ``TRAIN_SEED_BASE + index``: a :func:`varied_scene` with probability
-    :data:`VARIED_SHARE`, else a plain :func:`scene`."""
+    :data:`VARIED_SHARE`, else a plain :func:`scene`.
+
+    The question type is uniform over those the scene has, or, with ``kind_weights`` (question type ->
+    relative weight, 1 where absent), drawn in proportion to the weights: ``{"shape": 3}`` asks about
+    shape three times as often as about each other type. The default keeps the stream of stages 1-6."""
     rng = random.Random(index * 31 + 5)
     if rng.random() < 1 / 12:
         q, a = rng.choice(chat_pairs())
@@ -489,7 +493,10 @@ def training_sample(enc: Encoder, index: int) -> Sample:
     varied = rng.random() < VARIED_SHARE
     sc = (varied_scene if varied else scene)(TRAIN_SEED_BASE + index)
     qs = questions(sc)
-    kind = rng.choice(list(qs))
+    if kind_weights is None:
+        kind = rng.choice(list(qs))
+    else:
+        kind = rng.choices(list(qs), weights=[kind_weights.get(k, 1.0) for k in qs])[0]
     q, a = qs[kind]
     smp = enc.sample(q, a, draw(sc))
     return dataclasses.replace(smp, token_labels=token_labels(sc, smp.grid))

@@ -88,10 +88,11 @@ def model_config(vocab: dict) -> Qwen3_5MoeConfig:
 
 
 class Stream(torch.utils.data.Dataset):
-    """Sample ``i`` = :func:`data.training_sample` ``(i)``."""
+    """Sample ``i`` = :func:`data.training_sample` ``(i, kind_weights)``."""
 
-    def __init__(self, vocab: dict):
+    def __init__(self, vocab: dict, kind_weights: dict[str, float] | None = None):
         self.vocab = vocab
+        self.kind_weights = kind_weights
         self.enc: data.Encoder | None = None
 
     def __len__(self) -> int:
@@ -100,7 +101,7 @@ class Stream(torch.utils.data.Dataset):
     def __getitem__(self, i: int) -> data.Sample:
         if self.enc is None:
             self.enc = data.Encoder(self.vocab)
-        return data.training_sample(self.enc, i)
+        return data.training_sample(self.enc, i, self.kind_weights)
 
 
 def collate(samples: list[data.Sample], pad_id: int, image_pad_id: int) -> dict[str, torch.Tensor]:
@@ -196,10 +197,12 @@ def worker_init(_: int) -> None:
     torch.set_num_threads(1)
 
 
-def make_loader(vocab: dict, cfg: Qwen3_5MoeConfig, first: int, batch: int, workers: int) -> torch.utils.data.DataLoader:
-    """Consecutive batches of the sample stream from sample index ``first``."""
+def make_loader(vocab: dict, cfg: Qwen3_5MoeConfig, first: int, batch: int, workers: int,
+                kind_weights: dict[str, float] | None = None) -> torch.utils.data.DataLoader:
+    """Consecutive batches of the sample stream (question types weighted by ``kind_weights``, see
+    :func:`data.training_sample`) from sample index ``first``."""
     return torch.utils.data.DataLoader(
-        torch.utils.data.Subset(Stream(vocab), range(first, 1 << 40)), batch_size=batch, shuffle=False,
+        torch.utils.data.Subset(Stream(vocab, kind_weights), range(first, 1 << 40)), batch_size=batch, shuffle=False,
         num_workers=workers, worker_init_fn=worker_init if workers else None,
         collate_fn=functools.partial(collate, pad_id=vocab["pad_id"], image_pad_id=cfg.image_token_id),
         prefetch_factor=4 if workers else None, persistent_workers=bool(workers), pin_memory=torch.cuda.is_available())
@@ -336,6 +339,29 @@ def probe(model: torch.nn.Module, opt: torch.optim.Optimizer, vocab: dict, cfg: 
     print(prof.key_averages().table(sort_by=key, row_limit=15), flush=True)
 
 
+def parse_kind_weights(text: str | None) -> dict[str, float] | None:
+    """``"shape=3,colour=1.5"`` -> ``{"shape": 3.0, "colour": 1.5}``; ``None`` or ``""`` -> ``None``.
+
+    Raises:
+        SystemExit: an item is not ``TYPE=NUMBER``, the type is not one of ``data.QUESTION_TYPES``, or the
+            weight is not a positive finite number.
+    """
+    if not text:
+        return None
+    out: dict[str, float] = {}
+    for item in text.split(","):
+        kind, _, value = item.partition("=")
+        try:
+            weight = float(value)
+        except ValueError:
+            weight = float("nan")
+        if kind.strip() not in data.QUESTION_TYPES or not (0 < weight < math.inf):
+            raise SystemExit(f"--question-weights: {item!r} is not TYPE=WEIGHT with TYPE one of "
+                             f"{', '.join(data.QUESTION_TYPES)} and WEIGHT a positive number")
+        out[kind.strip()] = weight
+    return out
+
+
 def lr_at(step: int, steps: int, peak: float, warmup: int) -> float:
     if step < warmup:
         return peak * (step + 1) / warmup
@@ -386,6 +412,11 @@ def main() -> None:
     ap.add_argument("--minutes", type=float, default=7.0)
     ap.add_argument("--stop-after", type=int, default=None,
                     help="stop (and save) after this many steps, keeping the learning-rate schedule of --steps")
+    ap.add_argument("--max-seconds", type=float, default=None,
+                    help="wall-clock limit of the training loop: stop (and save) at the first step past it")
+    ap.add_argument("--question-weights", default=None,
+                    help="relative frequency of question types in the image samples, e.g. shape=3,colour=1.5 "
+                         "(others 1; default: uniform, as stages 1-6)")
     ap.add_argument("--batch", type=int, default=512)
     ap.add_argument("--lr", type=float, default=2e-3)
     ap.add_argument("--workers", type=int, default=12)
@@ -402,6 +433,7 @@ def main() -> None:
     ap.add_argument("--init", type=Path, default=None,
                     help="continue from this run's weights; its log.json's samples are skipped in the data stream")
     args = ap.parse_args()
+    kind_weights = parse_kind_weights(args.question_weights)
 
     torch.manual_seed(SEED)
     torch.set_num_threads(args.threads)
@@ -429,7 +461,7 @@ def main() -> None:
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "config.json").write_text(cfg.to_json_string())
     heldout = {key: heldout_batches(vocab, cfg, args.eval_scenes, key=key) for key in HELDOUT} if args.eval_every else {}
-    loader = make_loader(vocab, cfg, first, args.batch, args.workers)
+    loader = make_loader(vocab, cfg, first, args.batch, args.workers, kind_weights)
     steps = args.steps
     curve: list[dict] = []
     t0 = last_save = time.time()
@@ -439,7 +471,8 @@ def main() -> None:
 
     def save() -> None:
         log = {"seed": SEED, "init": str(args.init) if args.init else None, "first_sample": first, "steps": step,
-               "batch": args.batch, "lr": args.lr, "token_probe": args.token_probe, "samples": first + step * args.batch,
+               "batch": args.batch, "lr": args.lr, "token_probe": args.token_probe,
+               "question_weights": kind_weights, "samples": first + step * args.batch,
                "seconds": round(time.time() - t0, 1),
                "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
                "torch": torch.__version__, "transformers": sys.modules["transformers"].__version__,
@@ -449,8 +482,18 @@ def main() -> None:
         tmp.write_text(json.dumps(log, indent=1) + "\n")
         os.replace(tmp, args.out / "log.json")
 
+    def record(evaluate: bool) -> None:
+        rec = {"step": step, "seconds": round(time.time() - t0, 1), "loss": round(run_loss, 4),
+               "answer_token_acc": round(run_acc, 4), "aux_loss": round(aux, 4), "lr": opt.param_groups[0]["lr"]}
+        if evaluate:
+            rec |= {key: heldout_accuracy(model, batches, device) for key, batches in heldout.items()}
+        curve.append(rec)
+        print(json.dumps(rec), flush=True)
+
+    aux = 0.0
     for batch in loader:
-        if (steps is not None and step >= steps) or step == args.stop_after:
+        if ((steps is not None and step >= steps) or step == args.stop_after
+                or (args.max_seconds is not None and time.time() - t0 > args.max_seconds)):
             break
         for g in opt.param_groups:
             g["lr"] = lr_at(step, steps or 10 ** 9, args.lr, args.warmup)
@@ -466,17 +509,13 @@ def main() -> None:
             print(f"{per_step * 1000:.0f} ms/step -> {steps} steps", flush=True)
         evaluate = args.eval_every and (step % args.eval_every == 0 or step == steps)
         if step % 100 == 0 or step == steps or evaluate:
-            rec = {"step": step, "seconds": round(time.time() - t0, 1), "loss": round(run_loss, 4),
-                   "answer_token_acc": round(run_acc, 4), "aux_loss": round(aux, 4),
-                   "lr": opt.param_groups[0]["lr"]}
-            if evaluate:
-                rec |= {key: heldout_accuracy(model, batches, device) for key, batches in heldout.items()}
-            curve.append(rec)
-            print(json.dumps(rec), flush=True)
+            record(bool(evaluate))
         if steps is not None and time.time() - last_save > args.save_minutes * 60:
             save()
             last_save = time.time()
     seconds = time.time() - t0
+    if step and (not curve or curve[-1]["step"] != step):
+        record(bool(heldout))
     save()
     print(f"done: {step} steps in {seconds:.0f} s", flush=True)
 
