@@ -52,12 +52,14 @@ def ask(engine: Engine, question: str, image=None) -> str:
                    if isinstance(ev, TokenEvent)).strip()
 
 
-def accuracy(engine: Engine, n_scenes: int, scale: float = 1.0, generator: str = "first") -> dict:
+def accuracy(engine: Engine, n_scenes: int, scale: float = 1.0, generator: str = "first", progress: int = 0) -> dict:
     """Exact-answer accuracy per question type over ``n_scenes`` held-out scenes of ``generator`` (a key of
     :data:`GENERATORS`), every applicable question type of each.
 
     ``scale`` resizes each rendered scene (bicubic) before it is asked about, as a user's larger or smaller
-    picture of the same scene would be; the engine then applies its own area bounds."""
+    picture of the same scene would be; the engine then applies its own area bounds. ``progress`` > 0
+    prints the running right / asked counts per question type to stderr every ``progress`` scenes (one
+    JSON line each), for runs of an hour on a busy machine."""
     right = {k: 0 for k in data.QUESTION_TYPES}
     total = {k: 0 for k in data.QUESTION_TYPES}
     wrong: list[dict] = []
@@ -74,6 +76,9 @@ def accuracy(engine: Engine, n_scenes: int, scale: float = 1.0, generator: str =
             right[kind] += got == a
             if got != a and len(wrong) < 25:
                 wrong.append({"seed": sc.seed, "q": q, "want": a, "got": got})
+        if progress and (i + 1) % progress == 0:
+            print(json.dumps({"scenes": i + 1, "seconds": round(time.time() - t0, 1), "right": right, "asked": total}),
+                  file=sys.stderr, flush=True)
     return {"generator": generator, "scenes": n_scenes, "scale": scale, "seconds": round(time.time() - t0, 1),
             "accuracy": {k: round(right[k] / total[k], 4) for k in total if total[k]},
             "counts": total, "examples_wrong": wrong}
@@ -141,6 +146,7 @@ def main() -> None:
     a.add_argument("--generator", choices=sorted(GENERATORS), default="first",
                    help="first: data.scene / data.render; second: second_scenes (held out from training)")
     a.add_argument("--model", type=Path, help="text GGUF to evaluate instead of the bundled one (same vision tower)")
+    a.add_argument("--progress", type=int, default=0, metavar="N", help="print running counts to stderr every N scenes")
     c = sub.add_parser("conformance")
     c.add_argument("run", type=Path)
     c.add_argument("--f32", type=Path, help="folder with an f32 export of the same run, compared too")
@@ -149,7 +155,8 @@ def main() -> None:
     k.add_argument("question")
     args = ap.parse_args()
     if args.cmd == "accuracy":
-        print(json.dumps(accuracy(load(args.models, text=args.model), args.scenes, scale=args.scale, generator=args.generator), indent=1))
+        print(json.dumps(accuracy(load(args.models, text=args.model), args.scenes, scale=args.scale, generator=args.generator,
+                                        progress=args.progress), indent=1))
     elif args.cmd == "conformance":
         engines = {"q8_0": load()}
         if args.f32:
