@@ -16,6 +16,9 @@ trained before ``data.training_sample`` mixed in varied scenes, stages 5-6 with 
     python training/train.py --out runs/7 --init runs/0q --steps 539 --warmup 20 --lr 3e-4 --workers 15
     python training/train.py --out runs/8 --init runs/7 --steps 334 --stop-after 249 --warmup 10 --lr 1.5e-4 --workers 15
 
+A stage 7 with ``--question-weights shape=3,colour=1.5 --max-seconds 140`` from the stage-6 files was
+tried and not shipped: it did worse on the second generator's shapes (MODEL_CARD.md).
+
 Fixed seeds: sample ``i`` of the data stream is a pure function of ``i``, batches are consecutive
 indices, and torch is seeded, so a run with the same ``--steps`` reproduces the weights up to the
 non-determinism of the device's kernels. Without ``--steps`` the step count is chosen once, from the
