@@ -18,7 +18,7 @@ from typing import Any
 
 import numpy as np
 
-from .errors import DeviceBudgetError, DeviceError, GenerationCancelled, UnsupportedModelError
+from .errors import DeviceBudgetError, DeviceError, GenerationCancelled, ModelFormatError, UnsupportedModelError
 from .gguf_header import read_metadata
 from .images import MAX_INPUT_PIXELS, MAX_PIXELS, MIN_PIXELS, ImageSource, read_source
 from .registry import VisionArch, VisionTower, vision_arch
@@ -33,19 +33,33 @@ def load_projector(path: str | os.PathLike[str]) -> tuple[VisionArch, Any]:
         (the :class:`~engine.registry.VisionArch`, its loaded projector).
 
     Raises:
-        ModelFormatError: unreadable or malformed file (names it and the key or tensor).
-        UnsupportedModelError: not a ``clip`` file, or a projector type no architecture folder runs
-            (the message lists the supported ones).
+        ModelFormatError: unreadable or malformed file, ``general.architecture`` or the projector type
+            missing or not a string (names the file and the key or tensor).
+        UnsupportedModelError: not a ``clip`` file, a projector without a vision encoder
+            (``clip.has_vision_encoder`` false: audio only), or a projector type no architecture folder
+            runs (the message lists the supported ones).
     """
     source = str(path)
     meta = read_metadata(path)
-    arch = meta.get("general.architecture")
+    arch = _string_key(meta, "general.architecture", source)
     if arch != "clip":
         raise UnsupportedModelError(f"{source}: general.architecture is {arch!r}; a projector (mmproj) file has "
                                     "'clip' (was a language-model GGUF given as the mmproj?)")
+    if "clip.has_vision_encoder" in meta and not meta["clip.has_vision_encoder"]:
+        raise UnsupportedModelError(f"{source}: clip.has_vision_encoder is false (an audio-only projector)")
     key = "clip.projector_type" if "clip.projector_type" in meta else "clip.vision.projector_type"
-    vision = vision_arch(meta.get(key), source, key)
+    vision = vision_arch(_string_key(meta, key, source), source, key)
     return vision, vision.load(path)
+
+
+def _string_key(meta: dict[str, Any], key: str, source: str) -> str:
+    """``meta[key]`` when it is a string. Raises ModelFormatError naming ``source`` and ``key`` otherwise."""
+    if key not in meta:
+        raise ModelFormatError(f"{source}: missing metadata key {key!r}")
+    value = meta[key]
+    if not isinstance(value, str):
+        raise ModelFormatError(f"{source}: key {key!r} should be a string, found {value!r}")
+    return value
 
 
 class EmbeddingCache:

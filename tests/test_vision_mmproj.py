@@ -12,6 +12,7 @@ from gguf import GGUFReader, GGUFValueType, GGUFWriter
 from engine.errors import ModelFormatError, UnsupportedModelError
 from engine.arch.qwen3vl.mmproj import (PRESETS, RandomWeights, VisionHParams, load_mmproj, synth_mmproj, tensor_shapes,
                            write_mmproj)
+from engine.vision import load_projector
 
 FIX = Path(__file__).parent / "fixtures" / "vision"
 
@@ -122,8 +123,14 @@ def test_synth_out_dim(tmp_path):
 STR, U32, BOOL = GGUFValueType.STRING, GGUFValueType.UINT32, GGUFValueType.BOOL
 
 
-@pytest.mark.parametrize("kwargs, err, msg", [
+MALFORMED = [
     (dict(arch="qwen35moe"), UnsupportedModelError, "general.architecture is 'qwen35moe'"),
+    (dict(drop_keys=["clip.projector_type"]), ModelFormatError, "missing metadata key 'clip.vision.projector_type'"),
+    (dict(set_keys={"clip.projector_type": (7, U32, None)}), ModelFormatError,
+     "'clip.projector_type' should be a string"),
+    (dict(drop_keys=["clip.projector_type"], set_keys={"clip.has_vision_encoder": (False, BOOL, None),
+                                                       "clip.audio.projector_type": ("ultravox", STR, None)}),
+     UnsupportedModelError, "audio-only"),
     (dict(set_keys={"clip.projector_type": ("qwen2vl_merger", STR, None)}), UnsupportedModelError,
      "clip.projector_type is 'qwen2vl_merger'"),
     (dict(set_keys={"clip.vision.is_deepstack_layers": ([True, False], GGUFValueType.ARRAY, BOOL)}),
@@ -150,11 +157,25 @@ STR, U32, BOOL = GGUFValueType.STRING, GGUFValueType.UINT32, GGUFValueType.BOOL
     (dict(tensors={"v.position_embd.weight": np.zeros((60, 64), np.float32)}), ModelFormatError, "square grid"),
     (dict(tensors={"v.blk.1.ffn_up.weight": np.zeros((64, 64), np.float32)}), ModelFormatError,
      r"tensor 'v.blk.1.ffn_up.weight' has shape \(64, 64\), expected \(128, 64\)"),
-])
+]
+"""(rewrite() arguments, the error, what its message says) for malformed projector files."""
+
+
+@pytest.mark.parametrize("kwargs, err, msg", MALFORMED)
 def test_malformed_files_named(base, tmp_path, kwargs, err, msg):
     bad = rewrite(base, tmp_path / "bad.gguf", **kwargs)
     with pytest.raises(err, match=msg) as e:
         load_mmproj(bad)
+    assert "bad.gguf" in str(e.value)
+
+
+@pytest.mark.parametrize("kwargs, err, msg", MALFORMED)
+def test_engine_projector_loading_raises_what_load_mmproj_raises(base, tmp_path, kwargs, err, msg):
+    """The engine opens a projector through the registry (engine.vision.load_projector), which reads the
+    projector type before the architecture folder's loader runs: the same file gets the same error."""
+    bad = rewrite(base, tmp_path / "bad.gguf", **kwargs)
+    with pytest.raises(err, match=msg) as e:
+        load_projector(bad)
     assert "bad.gguf" in str(e.value)
 
 
