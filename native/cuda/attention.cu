@@ -1,4 +1,4 @@
-// Causal GQA softmax attention with a sigmoid output gate (spec shared/spec/qwen35moe.md 3.1 steps 5-6;
+// Causal GQA softmax attention with a sigmoid output gate (docs/spec/qwen35.md 3.1 steps 5-6;
 // numpy twin engine/ops/reference.py gated_attention), flash style: scores never leave the chip, so
 // time grows with the causal area and memory stays flat with length.
 //

@@ -1,4 +1,4 @@
-// Chunked Gated DeltaNet (spec shared/spec/qwen35moe.md 3.2, chunked form; numpy twin
+// Chunked Gated DeltaNet (docs/spec/qwen35.md 3.2, chunked form; numpy twin
 // engine/ops/reference.py gdn_chunked), in two kernels:
 //
 //   gdn_chunk_prep  (grid: chunks x v-heads; all independent)

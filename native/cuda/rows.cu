@@ -1,4 +1,4 @@
-// Row-wise and elementwise kernels of the Qwen3.5/3.6 forward pass (spec shared/spec/qwen35moe.md
+// Row-wise and elementwise kernels of the Qwen3.5/3.6 forward pass (docs/spec/qwen35.md
 // section 3): RMSNorm, per-head RMSNorm + M-RoPE, the Gated DeltaNet conv/norm/gate steps, SwiGLU,
 // the MoE router and the MoE combine. All activations float32, row-major. Each kernel mirrors the
 // numpy op of engine/ops/reference.py named in its comment, including where that op works in float64.
@@ -224,7 +224,7 @@ extern "C" __global__ void moe_combine(float* __restrict__ h, const float* __res
     }
 }
 
-// ---- routing tables on the GPU (engine.backends.cuda_plan.route_tables without the host round trip) ----
+// ---- routing tables on the GPU (engine.arch.qwen35.cuda_plan.route_tables without the host round trip) ----
 // For nk = n*k token-expert pairs idx[i] (pair i = token i / k, slot i % k):
 //   route_count:   counts[e] = pairs choosing e (counts zeroed by the caller)
 //   route_plan:    one block of 1024 threads (E <= 1024): expert e's rows start at the exclusive prefix

@@ -1,6 +1,6 @@
 // The Qwen3.5/3.6 vision tower's kernels besides the weight GEMMs (those are gemm.cu's qgemm_*), used by
-// engine/backends/cuda_vision.py; numpy twins in engine/ops/vision_reference.py (spec shared/spec/vision.md
-// A5). All activations float32, row-major, one image per launch.
+// engine/arch/qwen3vl/cuda.py; numpy twins in engine/ops/vision_reference.py (docs/spec/qwen3vl.md
+// section 5). All activations float32, row-major, one image per launch.
 //
 //   vis_layernorm   LayerNorm with weight and bias over rows (vision_reference.layer_norm)
 //   vis_bias_act    x[r, :n] = act(x[r, :n] + b): no activation, GELU tanh or GELU erf (gelu_tanh, gelu_erf)
@@ -11,7 +11,7 @@
 
 // LayerNorm of row r (d floats at x + r*x_ld): y = (x - mean) / sqrt(var + eps) * w + b, biased variance.
 // Row r is written at y + (r / y_group) * y_ld + (r % y_group) * d: y_group = 1 gives plain rows of stride
-// y_ld; y_group = merge^2 writes each run of merge^2 tokens as one concatenated merger row (spec A5.5).
+// y_ld; y_group = merge^2 writes each run of merge^2 tokens as one concatenated merger row (docs/spec/qwen3vl.md 5.5).
 // Grid (rows), 256 threads.
 extern "C" __global__ void vis_layernorm(const float* __restrict__ x, int x_ld, const float* __restrict__ w,
                                          const float* __restrict__ b, float* __restrict__ y, int y_group, int y_ld,
