@@ -345,3 +345,63 @@ class GGUFFile:
                 fh.seek(self._data_start + span * k // _SAMPLES)
                 digest.update(fh.read(_SAMPLE_BYTES))
         return f"gguf-{size}-{digest.hexdigest()[:32]}"
+
+
+class GGUFTables:
+    """The metadata and tensor table of any GGUF file (a projector ``mmproj`` file, for instance), read with the
+    same bounds-checked parser as :class:`GGUFFile` but without its language-model checks.
+
+    The caller validates the architecture, keys and tensor shapes it needs; this class only guarantees that
+    every count, length and data extent in the header fits the file. Tensor data stays in a read-only
+    memory map until :meth:`f32` reads it.
+
+    Attributes:
+        path: the file path. source: ``str(path)``, used in messages.
+        tensors: tensor name -> :class:`TensorInfo`, in file order (a type id unknown to ggml is kept
+            with ``nbytes`` = -1; :meth:`f32` then raises).
+
+    Raises (constructor):
+        ModelFormatError: missing, unreadable, truncated or malformed file; the message names the file.
+    """
+
+    def __init__(self, path: str | os.PathLike[str]):
+        self.path = Path(path)
+        self.source = str(path)
+        try:
+            size = os.path.getsize(self.source)
+            if size < 24:
+                raise ModelFormatError(f"{self.source}: file is {size} bytes, too short for a GGUF header (24 bytes)")
+            self._data = np.asarray(np.memmap(self.source, dtype=np.uint8, mode="r"))
+        except OSError as e:
+            raise ModelFormatError(f"{self.source}: cannot open: {e.strerror or e}") from e
+        reader = _HeaderReader(self._data, self.source)
+        try:
+            self._meta, _, stored, _ = _parse_header(reader)
+        except (ValueError, OverflowError, struct.error, MemoryError) as e:
+            raise ModelFormatError(f"{self.source}: malformed GGUF header near offset {reader.off}: {e}") from e
+        self._stored = {t.name: t for t in stored}
+        self.tensors = {t.name: TensorInfo(t.name, t.type_id, t.ne, tuple(reversed(t.ne)), t.nbytes)
+                        for t in stored}
+
+    def meta(self, key: str, default: Any = None) -> Any:
+        """Value of a metadata key (str, int, float, bool, or list), ``default`` if absent."""
+        value = self._meta.get(key, default)
+        return value.tolist() if isinstance(value, np.ndarray) else value
+
+    def has_meta(self, key: str) -> bool:
+        """True if the file stores ``key``."""
+        return key in self._meta
+
+    def f32(self, name: str) -> np.ndarray:
+        """Dequantized copy of tensor ``name`` in math shape (reversed ``ne``), float32.
+
+        Raises:
+            ModelFormatError: no such tensor.
+            UnsupportedModelError: a type the engine cannot dequantize.
+        """
+        t = self._stored.get(name)
+        if t is None:
+            raise ModelFormatError(f"{self.source}: the file has no tensor {name}")
+        qtype = check_supported(t.type_id, f"{self.source}: tensor {name}")
+        raw = self._data[t.offset:t.offset + t.nbytes]
+        return dequantize(raw, qtype, tuple(reversed(t.ne)))
