@@ -1,0 +1,262 @@
+"""MiniCPM-V 4.6 vision: preprocessing, position buckets, token counts and the tower against HF transformers
+(``tests/fixtures/minicpmv/golden.npz``, made by ``make_fixtures.py`` there), plus the projector file's
+validation, the window-attention merger against a loop reference, and cancellation."""
+
+from __future__ import annotations
+
+import sys
+import threading
+from dataclasses import replace
+from pathlib import Path
+
+import numpy as np
+import pytest
+from gguf import GGUFValueType
+from PIL import Image
+
+from engine import gguf_write
+from engine.arch.minicpmv import mmproj as mp
+from engine.arch.minicpmv import preprocess as pre
+from engine.arch.minicpmv.tower import MiniCPMVTower, merge_2x2, window_attention, window_order
+from engine.errors import GenerationCancelled, ImageError, ModelFormatError, UnsupportedModelError
+from engine.gguf_file import GGUFTables
+
+FIXTURES = Path(__file__).parent / "fixtures" / "minicpmv"
+sys.path.insert(0, str(FIXTURES))
+
+from cases import COUNT_SIZES, MMPROJ, OUTPUT_ROWS, TOWER_CASES, kept_rows, sample_image  # noqa: E402
+
+TOL = 1e-4
+"""Largest relative error (Frobenius norm of the difference over that of HF's stage) at float32."""
+
+
+@pytest.fixture(scope="module")
+def gold():
+    return np.load(FIXTURES / "golden.npz")
+
+
+@pytest.fixture(scope="module")
+def mm(tmp_path_factory):
+    return mp.load_mmproj(mp.synth_mmproj(tmp_path_factory.mktemp("mcv") / "m-mmproj.gguf", **MMPROJ))
+
+
+def rel_err(ours: np.ndarray, ref: np.ndarray) -> float:
+    return float(np.linalg.norm(ours.astype(np.float64) - ref) / np.linalg.norm(ref))
+
+
+# ------------------------------------------------------------------------------------ preprocessing
+
+def test_token_counts_equal_hf_processor(gold):
+    for i, (h, w) in enumerate(COUNT_SIZES):
+        for mode in pre.MODES:
+            plan = pre.plan_slices(h, w, mode=mode)
+            assert sum(plan.token_counts) == gold[f"counts_{mode}"][i], (h, w, mode)
+        grid = pre.plan_slices(h, w).grid
+        assert (grid or (0, 0)) == tuple(gold["counts_grid"][i]), (h, w)
+
+
+def test_known_token_counts():
+    """The figures llama.cpp and HF publish for the released model (16x mode): 448x448 -> 64, 1024x768 -> 315
+    (a 2x2 grid of 392x504 slices plus a 392x504 overview), 1920x1080 -> 578 (616x336 overview + 2x4 slices)."""
+    assert pre.plan_slices(448, 448).token_counts == [64]
+    p = pre.plan_slices(768, 1024)
+    assert (p.grid, p.overview, p.slice_size, sum(p.token_counts)) == ((2, 2), (392, 504), (392, 504), 315)
+    assert sum(pre.plan_slices(768, 1024, mode="4x").token_counts) == 1260
+    p = pre.plan_slices(1080, 1920)
+    assert (p.overview, p.grid, p.slice_size, sum(p.token_counts)) == ((336, 616), (2, 4), (448, 448), 578)
+
+
+def test_pieces_equal_hf_pixel_values(gold):
+    for seed, (name, hw, mode) in enumerate(TOWER_CASES):
+        prep = pre.prepare_pieces(Image.fromarray(sample_image(*hw, seed)), mode=mode)
+        assert [list(g) for g in prep.plan.piece_grids] == gold[f"{name}_pieces"].tolist(), name
+        assert prep.plan.token_counts == gold[f"{name}_tokens"].tolist(), name
+        rows = np.concatenate(prep.pieces)
+        np.testing.assert_allclose(rows[kept_rows(len(rows))], gold[f"{name}_pixels"], rtol=0, atol=1e-6,
+                                   err_msg=name)
+
+
+def test_bucket_rule_is_exact_and_matches_hf(gold):
+    sides, hf = gold["bucket_sides"], gold["bucket_rows"].astype(np.int64)
+    start = 0
+    for n in sides.tolist():
+        ours = pre.bucket_position_ids(n, 1, 70) // 70
+        assert ours.tolist() == [(70 * i) // n for i in range(n)]
+        if n <= 128 or n in (196, 392):
+            assert ours.tolist() == hf[start:start + n].tolist(), n
+        start += n
+    # the tie case: at n = 28 every other row is an exact tie 70*i/28 = 2.5*i (i even) and keeps its bucket
+    assert pre.bucket_position_ids(28, 1)[::2].tolist() == [70 * (5 * i // 2) for i in range(0, 28, 2)]
+
+
+def test_slicing_rules():
+    assert pre.slice_grid(448, 448, 448, 9) is None                 # one slice's area: not sliced
+    assert pre.slice_grid(300, 500, 448, 9) is None                 # a side above 448 but a smaller area
+    assert pre.slice_grid(420, 1500, 448, 9) == (1, 4)
+    assert pre.slice_grid(1500, 420, 448, 9) == (4, 1)
+    assert pre.slice_grid(4000, 4000, 448, 9) == (3, 3)             # capped at 9 slices
+    assert pre.ensure_divide(84, 56) == 112 and pre.ensure_divide(28, 56) == 56   # round half to even, floor 56
+    up = pre.plan_slices(100, 100)
+    assert up.grid is None and up.overview == (448, 448)             # small images are upscaled
+    with pytest.raises(ImageError, match="elongated"):
+        pre.plan_slices(1, 500)
+    with pytest.raises(ValueError, match="mode"):
+        pre.plan_slices(10, 10, mode="8x")
+
+
+# ------------------------------------------------------------------------------------ the tower
+
+def _run(tower: MiniCPMVTower, pieces, grids):
+    stages: dict[str, list[np.ndarray]] = {}
+
+    def cb(stage, il, x):
+        stages.setdefault(stage if il < 0 else f"{stage}.{il}", []).append(np.array(x, copy=True))
+
+    outs = tower.encode(pieces, grids, cb)
+    return outs, {k: np.concatenate(v) for k, v in stages.items()}
+
+
+@pytest.mark.parametrize("case", TOWER_CASES, ids=[c[0] for c in TOWER_CASES])
+def test_tower_stages_match_hf(case, mm, gold):
+    name, hw, mode = case
+    seed = TOWER_CASES.index(case)
+    prep = pre.prepare_pieces(Image.fromarray(sample_image(*hw, seed)), mode=mode)
+    tower = MiniCPMVTower(mm, threads=2, mode=mode)
+    outs, stages = _run(tower, prep.pieces, prep.plan.piece_grids)
+    assert [len(o) for o in outs] == prep.plan.token_counts
+    merged = np.concatenate(outs)
+    errors = {"merger_out": rel_err(merged[kept_rows(len(merged), OUTPUT_ROWS)], gold[f"{name}_merger_out"])}
+    expected = {"patch_embd", "embeddings", "post_ln", *(f"layer_out.{i}" for i in range(mm.hparams.n_layer))}
+    if mode == "16x":
+        expected.add("vit_merger")
+    assert expected <= set(stages)
+    for stage in expected:
+        x = stages[stage]
+        errors[stage] = rel_err(x[kept_rows(len(x))], gold[f"{name}_{stage}"])
+    assert max(errors.values()) <= TOL, errors
+
+
+def test_window_attention_matches_loop_reference():
+    rng = np.random.default_rng(3)
+    q, k, v = (rng.standard_normal((24, 32)).astype(np.float32) + 0.1 for _ in range(3))
+    out = window_attention(q, k, v, n_head=4)
+    ref = np.empty_like(out, dtype=np.float64)
+    for wi in range(6):
+        r = slice(4 * wi, 4 * wi + 4)
+        for h in range(4):
+            c = slice(8 * h, 8 * h + 8)
+            s = q[r, c].astype(np.float64) @ k[r, c].T.astype(np.float64) / np.sqrt(8)
+            p = np.exp(s - s.max(axis=1, keepdims=True))
+            ref[r, c] = (p / p.sum(axis=1, keepdims=True)) @ v[r, c]
+    np.testing.assert_allclose(out, ref, rtol=1e-5, atol=1e-6)
+
+
+def test_window_order_and_merge_agree():
+    """The vit_merger's window order and the final merger's 2x2 concat group the same tokens in the same order."""
+    x = np.arange(6 * 8, dtype=np.float32).reshape(48, 1)
+    assert window_order(6, 8)[:8].tolist() == [0, 1, 8, 9, 2, 3, 10, 11]
+    np.testing.assert_array_equal(merge_2x2(x, 6, 8), x[window_order(6, 8)].reshape(-1, 4))
+
+
+def test_tower_is_thread_invariant(mm):
+    rng = np.random.default_rng(5)
+    pix = (rng.random((8 * 12, mm.hparams.patch_dim), dtype=np.float32) * 2 - 1)
+    one = MiniCPMVTower(mm, threads=1).encode_piece(pix, (8, 12))
+    two = MiniCPMVTower(mm, threads=2).encode_piece(pix, (8, 12))
+    assert one.shape == (6, mm.hparams.out_dim)
+    assert rel_err(two, one) <= 1e-5
+
+
+def test_cancel_between_layers(mm):
+    tower = MiniCPMVTower(mm)
+    cancel = threading.Event()
+    seen = []
+
+    def cb(stage, il, x):
+        seen.append((stage, il))
+        if stage == "layer_out" and il == 1:
+            cancel.set()
+
+    with pytest.raises(GenerationCancelled):
+        tower.encode_piece(np.ones((16, mm.hparams.patch_dim), np.float32) * 0.3, (4, 4), cb, cancel)
+    assert ("layer_out", 2) not in seen and ("layer_out", 1) in seen
+
+
+def test_tower_rejects_mismatched_grid(mm):
+    tower = MiniCPMVTower(mm)
+    with pytest.raises(ValueError, match="do not fit grid"):
+        tower.encode_piece(np.zeros((16, mm.hparams.patch_dim), np.float32), (2, 8))
+    with pytest.raises(ValueError, match="do not fit grid"):
+        tower.encode_piece(np.zeros((12, mm.hparams.patch_dim), np.float32), (4, 4))
+
+
+# ------------------------------------------------------------------------------------ the file
+
+def test_synth_file_layout(mm, tmp_path):
+    t = GGUFTables(mm.path)
+    assert t.meta("clip.projector_type") == "minicpmv4_6"
+    assert t.meta("clip.vision.projector.scale_factor") == 4
+    assert t.meta("clip.vision.wa_layer_indexes") == [1]
+    assert t.meta("clip.vision.image_size") == 448
+    assert set(t.tensors) == set(mp.tensor_shapes(mm.hparams))
+    assert mm.qtypes["v.blk.0.attn_q.weight"] == "F16" and mm.qtypes["v.blk.0.ln1.weight"] == "F32"
+    assert mm.hparams == replace(mp.PRESETS["tiny"])
+    q8 = mp.load_mmproj(mp.synth_mmproj(tmp_path / "q8.gguf", "tiny", seed=1, ftype="Q8_0", scale_factor=2))
+    assert q8.hparams.mode == "4x" and q8.qtypes["mm.up.weight"] == "Q8_0"
+    assert mp.storage_type("v.blk.0.ffn_down.weight", (1152, 4304), mp.Q.Q8_0) == mp.Q.F16   # 4304 % 32 != 0
+    assert mp.storage_type("v.position_embd.weight", (4900, 1152), mp.Q.Q8_0) == mp.Q.F32
+
+
+def _rewrite(src: Path, dst: Path, *, drop_key: str | None = None, set_key: tuple | None = None,
+             drop_tensor: str | None = None, reshape: str | None = None) -> Path:
+    """A copy of projector file ``src`` with one key or tensor changed (written by engine.gguf_write)."""
+    t = GGUFTables(src)
+    hp = mp.load_mmproj(src).hparams
+    recs = []
+    for r in mp._records(hp, mp.Q.F16):
+        key = r[8:8 + int.from_bytes(r[:8], "little")].decode()
+        if key == drop_key:
+            continue
+        if set_key is not None and key == set_key[0]:
+            r = gguf_write.kv_record(*set_key)
+        recs.append(r)
+    outs = []
+    for name, info in t.tensors.items():
+        if name == drop_tensor:
+            continue
+        x = t.f32(name)
+        if name == reshape:
+            x = x[:-1]
+        ne = tuple(reversed(x.shape))
+        outs.append(gguf_write.TensorOut(name, ne, 0, x.nbytes, lambda x=x: [np.ascontiguousarray(x)]))
+    gguf_write.write(dst, recs, outs)
+    return dst
+
+
+@pytest.mark.parametrize("change, error, match", [
+    (dict(set_key=("clip.projector_type", "qwen3vl_merger", GGUFValueType.STRING)), UnsupportedModelError,
+     "projector_type"),
+    (dict(set_key=("general.architecture", "qwen35", GGUFValueType.STRING)), UnsupportedModelError, "clip"),
+    (dict(drop_key="clip.vision.block_count"), ModelFormatError, "block_count"),
+    (dict(set_key=("clip.vision.projector.scale_factor", 3, GGUFValueType.UINT32)), UnsupportedModelError,
+     "scale_factor"),
+    (dict(set_key=("clip.vision.wa_layer_indexes", [9], GGUFValueType.ARRAY, GGUFValueType.INT32)),
+     ModelFormatError, "wa_layer_indexes"),
+    (dict(set_key=("clip.vision.image_mean", [0.5], GGUFValueType.ARRAY, GGUFValueType.FLOAT32)),
+     ModelFormatError, "image_mean"),
+    (dict(drop_tensor="v.vit_merger.ds_ln.bias"), ModelFormatError, "ds_ln.bias"),
+    (dict(reshape="mm.up.weight"), ModelFormatError, "mm.up.weight"),
+    (dict(reshape="v.position_embd.weight"), ModelFormatError, "position_embd"),
+])
+def test_bad_files_name_the_problem(mm, tmp_path, change, error, match):
+    bad = _rewrite(mm.path, tmp_path / "bad.gguf", **change)
+    with pytest.raises(error, match=match):
+        mp.load_mmproj(bad)
+
+
+def test_truncated_file(mm, tmp_path):
+    data = mm.path.read_bytes()
+    for n in (10, 200, len(data) // 2):
+        (tmp_path / "cut.gguf").write_bytes(data[:n])
+        with pytest.raises(ModelFormatError, match="cut.gguf"):
+            mp.load_mmproj(tmp_path / "cut.gguf")
