@@ -207,6 +207,17 @@ def test_synth_file_layout(mm, tmp_path):
     assert mp.storage_type("v.position_embd.weight", (4900, 1152), mp.Q.Q8_0) == mp.Q.F32
 
 
+def test_synth_pair_matches_text_width(tmp_path):
+    from engine.gguf_file import GGUFFile
+    from engine.arch.qwen35.synth import synth
+    from engine.tools.synth import synth_mmproj_for
+    synth(tmp_path / "m.gguf", "minicpmv46-tiny", quant="f32", vocab=None)
+    proj = mp.load_mmproj(synth_mmproj_for(tmp_path / "m-mmproj.gguf", "minicpmv46-tiny"))
+    text = GGUFFile.open(tmp_path / "m.gguf")
+    assert text.arch == "qwen35" and proj.hparams.out_dim == text.hparams.n_embd
+    assert proj.hparams.n_layer == 4 and proj.qtypes["mm.up.weight"] == "F16"
+
+
 def _rewrite(src: Path, dst: Path, *, drop_key: str | None = None, set_key: tuple | None = None,
              drop_tensor: str | None = None, reshape: str | None = None) -> Path:
     """A copy of projector file ``src`` with one key or tensor changed (written by engine.gguf_write)."""
