@@ -17,6 +17,7 @@ from PIL import Image
 from engine import gguf_write
 from engine.arch.minicpmv import mmproj as mp
 from engine.arch.minicpmv import preprocess as pre
+from engine.arch.minicpmv.encoder import MiniCPMVImageEncoder, expand_layout, image_layout
 from engine.arch.minicpmv.tower import MiniCPMVTower, merge_2x2, window_attention, window_order
 from engine.errors import GenerationCancelled, ImageError, ModelFormatError, UnsupportedModelError
 from engine.gguf_file import GGUFTables
@@ -271,3 +272,31 @@ def test_truncated_file(mm, tmp_path):
         (tmp_path / "cut.gguf").write_bytes(data[:n])
         with pytest.raises(ModelFormatError, match="cut.gguf"):
             mp.load_mmproj(tmp_path / "cut.gguf")
+
+
+# ------------------------------------------------------------------------------------ prompt layout, encoder
+
+def test_image_layout_of_a_sliced_image():
+    plan = pre.plan_slices(768, 1024)                                   # overview + 2x2 slices, 63 tokens each
+    layout = image_layout(plan, 0)
+    assert layout == ["<image_id>0</image_id><image>", 63, "</image><slice>", 63, "</slice><slice>", 63,
+                      "</slice>\n<slice>", 63, "</slice><slice>", 63, "</slice>"]
+    assert image_layout(pre.plan_slices(448, 448), 2) == ["<image_id>2</image_id><image>", 64, "</image>"]
+    ids, starts = expand_layout(layout, lambda s: [ord(c) for c in s], pad_id=7)
+    assert [ids[s:s + 63] == [7] * 63 for s in starts] == [True] * 5
+    assert ids.count(7) == 315 and "".join(chr(i) for i in ids if i != 7).endswith("</slice>")
+
+
+def test_encoder_caches_by_content_and_mode(mm):
+    img = Image.fromarray(sample_image(100, 130, 11))
+    enc = MiniCPMVImageEncoder(mm, threads=1)
+    first = enc.encode(img)
+    again = enc.encode(img)
+    assert not first.from_cache and again.from_cache and again.key == first.key
+    assert first.n_tokens == sum(first.plan.token_counts) == len(first.embeddings)
+    assert [len(e) for e in first.piece_embeddings()] == first.plan.token_counts
+    assert not first.embeddings.flags.writeable
+    four = MiniCPMVImageEncoder(mm, threads=1, mode="4x").encode(img)
+    assert four.key != first.key and four.n_tokens == 4 * first.n_tokens
+    other = enc.encode(Image.fromarray(sample_image(100, 130, 12)))
+    assert other.key != first.key and not other.from_cache
