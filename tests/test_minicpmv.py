@@ -25,7 +25,8 @@ from engine.gguf_file import GGUFTables
 FIXTURES = Path(__file__).parent / "fixtures" / "minicpmv"
 sys.path.insert(0, str(FIXTURES))
 
-from cases import COUNT_SIZES, MMPROJ, OUTPUT_ROWS, TOWER_CASES, kept_rows, sample_image  # noqa: E402
+from cases import (CONVERTER_HPARAMS, CONVERTER_SEED, COUNT_SIZES, MMPROJ, OUTPUT_ROWS, TOWER_CASES,  # noqa: E402
+                   kept_rows, sample_image)
 
 TOL = 1e-4
 """Largest relative error (Frobenius norm of the difference over that of HF's stage) at float32."""
@@ -205,7 +206,7 @@ def test_synth_file_layout(mm, tmp_path):
     q8 = mp.load_mmproj(mp.synth_mmproj(tmp_path / "q8.gguf", "tiny", seed=1, ftype="Q8_0", scale_factor=2))
     assert q8.hparams.mode == "4x" and q8.qtypes["mm.up.weight"] == "Q8_0"
     assert mp.storage_type("v.blk.0.ffn_down.weight", (1152, 4304), mp.Q.Q8_0) == mp.Q.F16   # 4304 % 32 != 0
-    assert mp.storage_type("v.position_embd.weight", (4900, 1152), mp.Q.Q8_0) == mp.Q.F32
+    assert mp.storage_type("v.position_embd.weight", (4900, 1152), mp.Q.F16) == mp.Q.F32
 
 
 def test_synth_pair_matches_text_width(tmp_path):
@@ -217,6 +218,25 @@ def test_synth_pair_matches_text_width(tmp_path):
     text = GGUFFile.open(tmp_path / "m.gguf")
     assert text.arch == "qwen35" and proj.hparams.out_dim == text.hparams.n_embd
     assert proj.hparams.n_layer == 4 and proj.qtypes["mm.up.weight"] == "F16"
+
+
+def test_reads_what_llama_cpp_writes(tmp_path):
+    """llamacpp-mmproj-f16.gguf was written by llama.cpp's convert_hf_to_gguf.py (make_fixtures.py) from an HF
+    checkpoint holding RandomWeights(CONVERTER_HPARAMS, CONVERTER_SEED): the engine's writer, given the same
+    weights, writes the same keys, tensors, storage types and values."""
+    theirs = mp.load_mmproj(FIXTURES / "llamacpp-mmproj-f16.gguf")
+    hp = replace(mp.PRESETS["tiny"], **CONVERTER_HPARAMS)
+    ours = mp.load_mmproj(mp.write_mmproj(tmp_path / "ours.gguf", hp, mp.RandomWeights(hp, CONVERTER_SEED)))
+    assert theirs.hparams == ours.hparams == hp
+    assert theirs.qtypes == ours.qtypes
+    for name, x in ours.weights.items():
+        np.testing.assert_array_equal(theirs.weights[name], x, err_msg=name)
+    t_theirs, t_ours = GGUFTables(theirs.path), GGUFTables(ours.path)
+    for key in ("clip.projector_type", "clip.vision.image_size", "clip.vision.projector.scale_factor",
+                "clip.vision.wa_layer_indexes", "clip.use_gelu", "general.type", "clip.vision.projection_dim"):
+        assert t_theirs.meta(key) == t_ours.meta(key), key
+    rows = MiniCPMVTower(theirs).encode_piece(np.full((64, hp.patch_dim), 0.25, np.float32), (8, 8))
+    assert rows.shape == (4, 32) and np.isfinite(rows).all()
 
 
 def _rewrite(src: Path, dst: Path, *, drop_key: str | None = None, set_key: tuple | None = None,

@@ -34,9 +34,9 @@ size (448; **not** the position grid, whose side is the square root of the ``v.p
 mode, the final merge only) and ``wa_layer_indexes = [insert_layer_id]`` (6; the converter reuses this key
 for the layer after which the window-attention merger runs).
 
-Storage types follow the converter: 1-D tensors F32; the patch kernel and the position table F16 in an F16
-file and F32 otherwise; other matrices in the file type, F16 where a row is not a whole number of Q8_0
-blocks (``ffn_down`` at F = 4304). The reader accepts any type :mod:`engine.quant` can dequantize.
+Storage types follow the converter (checked on a file it wrote, ``tests/fixtures/minicpmv``): 1-D tensors
+and the position table F32; the patch kernel F16 in an F16 file and F32 otherwise; other matrices in the
+file type, F16 where a row is not a whole number of Q8_0 blocks (``ffn_down`` at F = 4304). The reader accepts any type :mod:`engine.quant` can dequantize.
 """
 
 from __future__ import annotations
@@ -304,7 +304,9 @@ def storage_type(name: str, shape: tuple[int, ...], ftype: GGMLQuantizationType)
     """The converter's storage type of tensor ``name`` (math ``shape``) in a file of type ``ftype`` (module doc)."""
     if len(shape) == 1:
         return Q.F32
-    if name.startswith(("v.patch_embd.", "v.position_embd.")):
+    if name == "v.position_embd.weight":
+        return Q.F32
+    if name == "v.patch_embd.weight":
         return Q.F16 if ftype == Q.F16 else Q.F32
     if ftype == Q.Q8_0 and shape[-1] % quant.block_size(Q.Q8_0):
         return Q.F16
