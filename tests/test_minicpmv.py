@@ -320,3 +320,9 @@ def test_encoder_caches_by_content_and_mode(mm):
     assert four.key != first.key and four.n_tokens == 4 * first.n_tokens
     other = enc.encode(Image.fromarray(sample_image(100, 130, 12)))
     assert other.key != first.key and not other.from_cache
+
+
+def test_scale_factor_defaults_to_16x(mm, tmp_path):
+    """llama.cpp's loader takes 4 (16x) when clip.vision.projector.scale_factor is absent; so does the engine."""
+    plain = _rewrite(mm.path, tmp_path / "plain.gguf", drop_key=mp.SCALE_FACTOR_KEY)
+    assert mp.load_mmproj(plain).hparams.mode == "16x"

@@ -31,8 +31,9 @@ size (448; **not** the position grid, whose side is the square root of the ``v.p
 ``patch_size`` 14, ``embedding_length`` 1152, ``feed_forward_length`` 4304, ``block_count`` 27,
 ``attention.head_count`` 16, ``attention.layer_norm_epsilon`` 1e-6, ``projection_dim`` 1024,
 ``image_mean`` / ``image_std`` 0.5, ``projector.scale_factor`` (4: the 16x mode, both 2x2 merges; 2: the 4x
-mode, the final merge only) and ``wa_layer_indexes = [insert_layer_id]`` (6; the converter reuses this key
-for the layer after which the window-attention merger runs).
+mode, the final merge only; absent = 4, as llama.cpp's loader) and ``wa_layer_indexes = [insert_layer_id]``
+(6; the converter reuses this key for the layer after which the window-attention merger runs; required here,
+where llama.cpp would silently take layer 0).
 
 Storage types follow the converter (checked on a file it wrote, ``tests/fixtures/minicpmv``): 1-D tensors
 and the position table F32; the patch kernel F16 in an F16 file and F32 otherwise; other matrices in the
@@ -236,7 +237,7 @@ def _read_hparams(t: GGUFTables) -> MiniCPMVHParams:
             or not isinstance(insert[0], int) or not 0 <= insert[0] < n_layer):
         raise ModelFormatError(f"{src}: key {INSERT_LAYER_KEY!r} should hold one layer index in 0..{n_layer - 1} "
                                f"(the window-attention merger's insert layer), found {insert!r}")
-    scale = k.integer(SCALE_FACTOR_KEY)
+    scale = k.integer(SCALE_FACTOR_KEY) if k.has(SCALE_FACTOR_KEY) else 4   # llama.cpp clip.cpp's default
     if scale not in (2, 4):
         raise UnsupportedModelError(f"{src}: {SCALE_FACTOR_KEY} is {scale}; MiniCPM-V 4.6 has 4 (16x mode) or "
                                     "2 (4x mode)")
