@@ -25,8 +25,8 @@ from engine.gguf_file import GGUFTables
 FIXTURES = Path(__file__).parent / "fixtures" / "minicpmv"
 sys.path.insert(0, str(FIXTURES))
 
-from cases import (CONVERTER_HPARAMS, CONVERTER_SEED, COUNT_SIZES, MMPROJ, OUTPUT_ROWS, TOWER_CASES,  # noqa: E402
-                   kept_rows, sample_image)
+from cases import (CONVERTER_HPARAMS, CONVERTER_SEED, COUNT_SIZES, E2E_IMAGE, E2E_TEXT, IMAGE_PAD,  # noqa: E402
+                   MMPROJ, OUTPUT_ROWS, STOPS, TOWER_CASES, kept_rows, layout_ids, sample_image)
 
 TOL = 1e-4
 """Largest relative error (Frobenius norm of the difference over that of HF's stage) at float32."""
@@ -326,3 +326,39 @@ def test_scale_factor_defaults_to_16x(mm, tmp_path):
     """llama.cpp's loader takes 4 (16x) when clip.vision.projector.scale_factor is absent; so does the engine."""
     plain = _rewrite(mm.path, tmp_path / "plain.gguf", drop_key=mp.SCALE_FACTOR_KEY)
     assert mp.load_mmproj(plain).hparams.mode == "16x"
+
+
+# ------------------------------------------------------------------------------------ end to end
+
+def test_image_prompt_logits_match_hf(tmp_path):
+    """An image question through the engine's text model against HF's MiniCPMV4_6ForConditionalGeneration:
+    the prompt laid out by image_layout (a 2x2-sliced image: overview + 4 slice runs of pads), the pieces'
+    rows spliced over the pads, sequential positions; logits after STOPS tokens and at the end."""
+    import threading as th
+
+    from engine.gguf_file import GGUFFile
+    from engine.models.qwen35 import Qwen35Model
+    from engine.runtime import prefill
+    from engine.state import SequenceState
+
+    gold = np.load(FIXTURES / "golden.npz")
+    gguf = GGUFFile.open(FIXTURES / "tiny-qwen35-f16.gguf")
+    model = Qwen35Model(gguf.hparams, gguf)
+    mm = mp.load_mmproj(mp.synth_mmproj(tmp_path / "m.gguf", **MMPROJ))
+    name, (h, w), seed = E2E_IMAGE
+    enc = MiniCPMVImageEncoder(mm, threads=2).encode(Image.fromarray(sample_image(h, w, seed)))
+    layout_tokens, starts = expand_layout(image_layout(enc.plan, 0), layout_ids, IMAGE_PAD)
+    ids = gold["e2e_ids"]
+    head = E2E_TEXT[0]
+    assert ids[head:head + len(layout_tokens)].tolist() == layout_tokens
+    spans = [(head + s, e, enc.key) for s, e in zip(starts, enc.piece_embeddings(), strict=True)]
+    positions = np.broadcast_to(np.arange(len(ids)), (3, len(ids)))
+    rows: dict[int, np.ndarray] = {}
+    last = prefill(model, ids.tolist(), SequenceState.new(model.hp, len(ids) + 8), th.Event(), list(STOPS),
+                   lambda pos, logits: rows.__setitem__(pos, logits.copy()), positions, spans)
+    ours = np.stack([rows[k] for k in STOPS] + [last])
+    ref = gold["e2e_logits"]
+    err = float(np.abs(ours - ref).max() / np.abs(ref).max())
+    assert err <= TOL, err
+    no_image = prefill(model, ids.tolist(), SequenceState.new(model.hp, len(ids) + 8), th.Event())
+    assert float(np.abs(no_image - ref[-1]).max() / np.abs(ref).max()) > 100 * TOL   # the image rows matter
