@@ -17,7 +17,6 @@ free.
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
 import sys
 import tempfile
@@ -67,13 +66,11 @@ def main() -> None:
     ap.add_argument("--mode", default=None, choices=["16x", "4x"], help="default: the file's")
     ap.add_argument("--warmup", type=int, default=1, help="untimed runs before the timed ones")
     args = ap.parse_args()
-    if args.threads:
-        for var in ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS"):
-            os.environ[var] = str(args.threads)
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
     import numpy as np
     from PIL import Image
+    from threadpoolctl import threadpool_limits
 
     from engine.arch.minicpmv.mmproj import load_mmproj, synth_mmproj
     from engine.arch.minicpmv.preprocess import prepare_pieces
@@ -85,7 +82,8 @@ def main() -> None:
         mm = load_mmproj(path)
         print(f"loaded {path} in {time.perf_counter() - t0:.1f} s")
     tower = MiniCPMVTower(mm, threads=args.threads, mode=args.mode)
-    rate = sgemm_rate()
+    with threadpool_limits(limits=args.threads, user_api="blas"):
+        rate = sgemm_rate()
     print(f"mode {tower.mode}, threads {args.threads or 'BLAS default'}, sgemm {rate / 1e9:.1f} GFLOP/s")
     for size in args.sizes.split(","):
         w, h = (int(x) for x in size.lower().split("x"))
