@@ -380,8 +380,8 @@ class GGUFTables:
         except (ValueError, OverflowError, struct.error, MemoryError) as e:
             raise ModelFormatError(f"{self.source}: malformed GGUF header near offset {reader.off}: {e}") from e
         self._stored = {t.name: t for t in stored}
-        self.tensors = {t.name: TensorInfo(t.name, t.type_id, t.ne, tuple(reversed(t.ne)), t.nbytes)
-                        for t in stored}
+        self.tensors = {t.name: TensorInfo(t.name, GGMLQuantizationType(t.type_id) if t.nbytes >= 0 else t.type_id,
+                                           t.ne, tuple(reversed(t.ne)), t.nbytes) for t in stored}
 
     def meta(self, key: str, default: Any = None) -> Any:
         """Value of a metadata key (str, int, float, bool, or list), ``default`` if absent."""

@@ -111,8 +111,9 @@ class SlicePlan:
     @property
     def piece_sizes(self) -> list[tuple[int, int]]:
         """(height, width) pixels of every piece in prompt order: the overview, then the slices row-major."""
-        n = 0 if self.grid is None else self.grid[0] * self.grid[1]
-        return [self.overview] + [self.slice_size] * n  # type: ignore[list-item]
+        if self.grid is None or self.slice_size is None:
+            return [self.overview]
+        return [self.overview] + [self.slice_size] * (self.grid[0] * self.grid[1])
 
     @property
     def piece_grids(self) -> list[tuple[int, int]]:
