@@ -17,7 +17,7 @@ from PIL import Image
 from engine import gguf_write
 from engine.arch.minicpmv import mmproj as mp
 from engine.arch.minicpmv import preprocess as pre
-from engine.arch.minicpmv.encoder import MiniCPMVImageEncoder, expand_layout, image_layout
+from engine.arch.minicpmv.encoder import MiniCPMVImageEncoder, expand_layout, expand_prompt, image_layout
 from engine.arch.minicpmv.tower import MiniCPMVTower, merge_2x2, window_attention, window_order
 from engine.errors import GenerationCancelled, ImageError, ModelFormatError, UnsupportedModelError
 from engine.gguf_file import GGUFTables
@@ -305,6 +305,23 @@ def test_image_layout_of_a_sliced_image():
     ids, starts = expand_layout(layout, lambda s: [ord(c) for c in s], pad_id=7)
     assert [ids[s:s + 63] == [7] * 63 for s in starts] == [True] * 5
     assert ids.count(7) == 315 and "".join(chr(i) for i in ids if i != 7).endswith("</slice>")
+
+
+def test_expand_prompt_numbers_images_and_spans_pieces(mm):
+    enc = MiniCPMVImageEncoder(mm, threads=1)
+    small, sliced = (enc.encode(Image.fromarray(sample_image(h, w, 3))) for h, w in ((100, 130), (700, 700)))
+    tokens, spans = expand_prompt([1, 2, 9, 3, 9, 4], 9, [small, sliced], layout_ids)
+    assert tokens[:2] == [1, 2] and tokens[-1] == 4
+    assert len(spans) == 1 + 5 and [len(e) for _, e, _ in spans] == [63, 64, 64, 64, 64, 64]
+    for start, emb, key in spans:
+        assert tokens[start:start + len(emb)] == [9] * len(emb) and tokens[start + len(emb)] != 9
+    assert tokens.count(9) == small.n_tokens + sliced.n_tokens
+    tag = layout_ids("<image_id>")
+    found = [i for i in range(len(tokens) - len(tag)) if tokens[i:i + len(tag)] == tag]
+    assert [tokens[i + len(tag)] for i in found] == layout_ids("01")          # images numbered 0, 1 in order
+    assert spans[1][2] == spans[5][2] == sliced.key != spans[0][2] == small.key
+    with pytest.raises(ValueError, match="2 image placeholders for 1"):
+        expand_prompt([9, 9], 9, [small], layout_ids)
 
 
 def test_encoder_caches_by_content_and_mode(mm):

@@ -1,7 +1,8 @@
 """MiniCPM-V 4.6 images for the prompt: preprocess + tower + an embedding cache, and the prompt layout.
 
 Layout (HF ``MiniCPMV4_6Processor.replace_image_token`` and ``_prepend_local_ids``; llama.cpp
-``MTMD_SLICE_TMPL_MINICPMV_2_6``): image k of a message (k from 0) becomes
+``MTMD_SLICE_TMPL_MINICPMV_2_6``): image k of a prompt (k from 0, counted over the whole prompt text as HF
+counts per sample) becomes
 
     <image_id>k</image_id><image> PAD*n0 </image>                           the overview
     <slice> PAD*n1 </slice><slice> PAD*n2 </slice> ... \\n <slice> ...       one line per slice row, no trailing \\n
@@ -71,6 +72,39 @@ def expand_layout(layout: list[Segment], tokenize: Callable[[str], list[int]], p
             starts.append(len(ids))
             ids += [pad_id] * seg
     return ids, starts
+
+
+def expand_prompt(ids: list[int], pad_id: int, images: list["EncodedPieces"],
+                  tokenize: Callable[[str], list[int]]) -> tuple[list[int], list[tuple[int, np.ndarray, bytes]]]:
+    """Replace each single ``pad_id`` placeholder of a rendered prompt by image k's layout (module doc).
+
+    Args:
+        ids: the rendered prompt, one ``pad_id`` per image. pad_id: ``<|image_pad|>``.
+        images: the encoded images, in order. tokenize: text -> ids for the layout's text.
+
+    Returns:
+        (tokens, spans): the expanded ids and, per piece of every image, (index of its first pad, its
+        (n_i, out_dim) rows, the image's :attr:`EncodedPieces.key`), the spans the runtime splices in.
+
+    Raises:
+        ValueError: the prompt holds a different number of placeholders than ``images``.
+    """
+    n_placeholders = sum(1 for t in ids if t == pad_id)
+    if n_placeholders != len(images):
+        raise ValueError(f"the prompt has {n_placeholders} image placeholders for {len(images)} images")
+    tokens: list[int] = []
+    spans: list[tuple[int, np.ndarray, bytes]] = []
+    k = 0
+    for t in ids:
+        if t != pad_id:
+            tokens.append(t)
+            continue
+        img = images[k]
+        layout_ids, starts = expand_layout(image_layout(img.plan, k), tokenize, pad_id)
+        spans += [(len(tokens) + s, e, img.key) for s, e in zip(starts, img.piece_embeddings(), strict=True)]
+        tokens += layout_ids
+        k += 1
+    return tokens, spans
 
 
 @dataclass(frozen=True)
