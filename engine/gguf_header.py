@@ -17,9 +17,11 @@ Tensor data stays in a read-only ``numpy.memmap``: opening touches only the head
 
 from __future__ import annotations
 
+import hashlib
 import os
 import struct
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -343,3 +345,22 @@ def read_metadata(path: str | os.PathLike[str]) -> dict[str, Any]:
     """
     header = read_header(path)
     return {key: header.value(key) for key in header.meta}
+
+
+def file_identity(path: str | os.PathLike[str]) -> str:
+    """A cheap identity of a file's contents as they are now: the SHA-256 hex digest of its size and its first
+    and last MiB (projector weights differ in both; the embedding caches are scoped by it).
+
+    Raises:
+        OSError: the file cannot be read.
+    """
+    path = Path(path)
+    size = path.stat().st_size
+    h = hashlib.sha256(str(size).encode())
+    span = 1 << 20
+    with open(path, "rb") as fh:
+        h.update(fh.read(span))
+        if size > span:
+            fh.seek(max(span, size - span))
+            h.update(fh.read(span))
+    return h.hexdigest()

@@ -53,10 +53,9 @@ from typing import Any
 import numpy as np
 from gguf import GGMLQuantizationType, GGUFValueType
 
-from ... import gguf_write, quant
-from ...errors import ModelFormatError, UnsupportedModelError
-from ...gguf_file import GGUFTables
-from ...mmproj import file_identity
+from engine import gguf_write, quant
+from engine.errors import ModelFormatError, UnsupportedModelError
+from engine.gguf_header import Header, file_identity, read_header
 
 Q = GGMLQuantizationType
 
@@ -129,8 +128,9 @@ class MiniCPMVMmproj:
         path: the file read. hparams: validated hyper-parameters.
         weights: GGUF tensor name -> float32 array in math shape (module table).
         qtypes: GGUF tensor name -> storage type name (``"F16"``, ``"Q8_0"``, ...).
-        identity: hex digest of the file size and its first and last MiB (:func:`engine.mmproj.file_identity`),
+        identity: hex digest of the file size and its first and last MiB (:func:`engine.gguf_header.file_identity`),
             the key embedding caches are scoped by.
+        projector_type: ``clip.projector_type`` (:data:`PROJECTOR_TYPE`), the key :mod:`engine.registry` reads.
     """
 
     path: Path
@@ -138,6 +138,7 @@ class MiniCPMVMmproj:
     weights: dict[str, np.ndarray]
     qtypes: dict[str, str]
     identity: str
+    projector_type: str = PROJECTOR_TYPE
 
 
 def tensor_shapes(hp: MiniCPMVHParams) -> dict[str, tuple[int, ...]]:
@@ -177,16 +178,16 @@ def tensor_shapes(hp: MiniCPMVHParams) -> dict[str, tuple[int, ...]]:
 class _Keys:
     """Typed metadata access whose errors name the file and the key."""
 
-    def __init__(self, tables: GGUFTables):
-        self._t = tables
+    def __init__(self, header: Header):
+        self._t = header
 
     def has(self, key: str) -> bool:
-        return self._t.has_meta(key)
+        return key in self._t.meta
 
     def get(self, key: str) -> Any:
-        if not self._t.has_meta(key):
+        if key not in self._t.meta:
             raise ModelFormatError(f"{self._t.source}: missing metadata key {key!r}")
-        return self._t.meta(key)
+        return self._t.value(key)
 
     def string(self, key: str) -> str:
         v = self.get(key)
@@ -211,7 +212,7 @@ class _Keys:
         return tuple(float(x) for x in v)
 
 
-def _read_hparams(t: GGUFTables) -> MiniCPMVHParams:
+def _read_hparams(t: Header) -> MiniCPMVHParams:
     """Hyper-parameters from the keys, every one checked (see the module doc)."""
     k, src = _Keys(t), t.source
     arch = k.string("general.architecture")
@@ -263,7 +264,7 @@ def _read_hparams(t: GGUFTables) -> MiniCPMVHParams:
 def load_mmproj(path: str | os.PathLike[str]) -> MiniCPMVMmproj:
     """Open and validate a MiniCPM-V 4.6 projector GGUF and dequantize its tensors to float32.
 
-    The header is read by the bounds-checked :class:`engine.gguf_file.GGUFTables`.
+    The header is read by the bounds-checked :func:`engine.gguf_header.read_header`.
 
     Args:
         path: the ``mmproj-*.gguf`` file (llama.cpp layout, module doc).
@@ -277,25 +278,26 @@ def load_mmproj(path: str | os.PathLike[str]) -> MiniCPMVMmproj:
         UnsupportedModelError: not a ``clip`` file, another projector type, an unknown scale factor, or a
             storage type :mod:`engine.quant` cannot dequantize.
     """
-    t = GGUFTables(path)
+    t = read_header(path)
     hp = _read_hparams(t)
     down = t.tensors.get("mm.down.weight")
-    if down is not None and down.shape[0] != hp.out_dim:
+    if down is not None and down.ne[-1] != hp.out_dim:
         raise ModelFormatError(f"{t.source}: clip.vision.projection_dim is {hp.out_dim} but tensor "
-                               f"'mm.down.weight' has {down.shape[0]} rows (the LLM width)")
+                               f"'mm.down.weight' has {down.ne[-1]} rows (the LLM width)")
     weights: dict[str, np.ndarray] = {}
     qtypes: dict[str, str] = {}
     for name, shape in tensor_shapes(hp).items():
         info = t.tensors.get(name)
         if info is None:
             raise ModelFormatError(f"{t.source}: missing tensor {name!r} (expected shape {shape})")
-        found = info.shape
+        found = tuple(reversed(info.ne))
         while len(found) > len(shape) and found[0] == 1:
             found = found[1:]
         if found != shape:
             raise ModelFormatError(f"{t.source}: tensor {name!r} has shape {found}, expected {shape}")
-        weights[name] = t.f32(name).reshape(shape)
-        qtypes[name] = quant.type_name(info.qtype)
+        qtype = quant.check_supported(info.type_id, f"{t.source}: tensor {name!r}")
+        weights[name] = quant.dequantize(t.tensor_bytes(info), qtype, shape)
+        qtypes[name] = quant.type_name(qtype)
     return MiniCPMVMmproj(Path(path), hp, weights, qtypes, file_identity(Path(path)))
 
 

@@ -30,7 +30,6 @@ type :mod:`engine.quant` can dequantize.
 
 from __future__ import annotations
 
-import hashlib
 import math
 import os
 from collections.abc import Mapping
@@ -43,7 +42,7 @@ from gguf import GGMLQuantizationType, GGUFType, GGUFWriter, Keys
 
 from engine import quant
 from engine.errors import ModelFormatError, UnsupportedModelError
-from engine.gguf_header import Header, StoredTensor, read_header
+from engine.gguf_header import Header, StoredTensor, file_identity, read_header
 
 Q = GGMLQuantizationType
 
@@ -188,24 +187,6 @@ def tensor_shapes(hp: VisionHParams) -> dict[str, tuple[int, ...]]:
 
 
 # ----------------------------------------------------------------------------------------------- reading
-
-def file_identity(path: Path) -> str:
-    """The :attr:`Mmproj.identity` of the file at ``path`` as it is now (hex digest of its size and its first
-    and last MiB).
-
-    Raises:
-        OSError: the file cannot be read.
-    """
-    size = path.stat().st_size
-    h = hashlib.sha256(str(size).encode())
-    span = 1 << 20
-    with open(path, "rb") as fh:
-        h.update(fh.read(span))
-        if size > span:
-            fh.seek(max(span, size - span))
-            h.update(fh.read(span))
-    return h.hexdigest()
-
 
 class _Meta:
     """Typed access to a header's metadata with errors that name the file and key."""
