@@ -17,10 +17,13 @@ from PIL import Image
 from engine import gguf_write
 from engine.arch.minicpmv import mmproj as mp
 from engine.arch.minicpmv import preprocess as pre
-from engine.arch.minicpmv.encoder import MiniCPMVImageEncoder, expand_layout, expand_prompt, image_layout
+from engine.arch.minicpmv.layout import expand_layout, image_layout, sequential_positions
 from engine.arch.minicpmv.tower import MiniCPMVTower, merge_2x2, window_attention, window_order
 from engine.errors import GenerationCancelled, ImageError, ModelFormatError, UnsupportedModelError
-from engine.gguf_file import GGUFTables
+from engine.gguf_header import read_header
+from engine.events import TokenEvent
+from engine.sampling import SamplingParams
+from engine.vision import ImageEncoder
 
 FIXTURES = Path(__file__).parent / "fixtures" / "minicpmv"
 sys.path.insert(0, str(FIXTURES))
@@ -195,11 +198,11 @@ def test_tower_rejects_mismatched_grid(mm):
 # ------------------------------------------------------------------------------------ the file
 
 def test_synth_file_layout(mm, tmp_path):
-    t = GGUFTables(mm.path)
-    assert t.meta("clip.projector_type") == "minicpmv4_6"
-    assert t.meta("clip.vision.projector.scale_factor") == 4
-    assert t.meta("clip.vision.wa_layer_indexes") == [1]
-    assert t.meta("clip.vision.image_size") == 448
+    t = read_header(mm.path)
+    assert t.value("clip.projector_type") == "minicpmv4_6"
+    assert t.value("clip.vision.projector.scale_factor") == 4
+    assert t.value("clip.vision.wa_layer_indexes") == [1]
+    assert t.value("clip.vision.image_size") == 448
     assert set(t.tensors) == set(mp.tensor_shapes(mm.hparams))
     assert mm.qtypes["v.blk.0.attn_q.weight"] == "F16" and mm.qtypes["v.blk.0.ln1.weight"] == "F32"
     assert mm.hparams == replace(mp.PRESETS["tiny"])
@@ -231,10 +234,10 @@ def test_reads_what_llama_cpp_writes(tmp_path):
     assert theirs.qtypes == ours.qtypes
     for name, x in ours.weights.items():
         np.testing.assert_array_equal(theirs.weights[name], x, err_msg=name)
-    t_theirs, t_ours = GGUFTables(theirs.path), GGUFTables(ours.path)
+    t_theirs, t_ours = read_header(theirs.path), read_header(ours.path)
     for key in ("clip.projector_type", "clip.vision.image_size", "clip.vision.projector.scale_factor",
                 "clip.vision.wa_layer_indexes", "clip.use_gelu", "general.type", "clip.vision.projection_dim"):
-        assert t_theirs.meta(key) == t_ours.meta(key), key
+        assert t_theirs.value(key) == t_ours.value(key), key
     rows = MiniCPMVTower(theirs).encode_piece(np.full((64, hp.patch_dim), 0.25, np.float32), (8, 8))
     assert rows.shape == (4, 32) and np.isfinite(rows).all()
 
@@ -242,8 +245,8 @@ def test_reads_what_llama_cpp_writes(tmp_path):
 def _rewrite(src: Path, dst: Path, *, drop_key: str | None = None, set_key: tuple | None = None,
              drop_tensor: str | None = None, reshape: str | None = None) -> Path:
     """A copy of projector file ``src`` with one key or tensor changed (written by engine.gguf_write)."""
-    t = GGUFTables(src)
-    hp = mp.load_mmproj(src).hparams
+    src_mm = mp.load_mmproj(src)
+    hp = src_mm.hparams
     recs = []
     for r in mp._records(hp, mp.Q.F16):
         key = r[8:8 + int.from_bytes(r[:8], "little")].decode()
@@ -253,10 +256,9 @@ def _rewrite(src: Path, dst: Path, *, drop_key: str | None = None, set_key: tupl
             r = gguf_write.kv_record(*set_key)
         recs.append(r)
     outs = []
-    for name, info in t.tensors.items():
+    for name, x in src_mm.weights.items():
         if name == drop_tensor:
             continue
-        x = t.f32(name)
         if name == reshape:
             x = x[:-1]
         ne = tuple(reversed(x.shape))
@@ -307,42 +309,52 @@ def test_image_layout_of_a_sliced_image():
     assert ids.count(7) == 315 and "".join(chr(i) for i in ids if i != 7).endswith("</slice>")
 
 
-def test_expand_prompt_numbers_images_and_spans_pieces(mm):
-    enc = MiniCPMVImageEncoder(mm, threads=1)
-    small, sliced = (enc.encode(Image.fromarray(sample_image(h, w, 3))) for h, w in ((100, 130), (700, 700)))
-    tokens, spans = expand_prompt([1, 2, 9, 3, 9, 4], 9, [small, sliced], layout_ids)
-    assert tokens[:2] == [1, 2] and tokens[-1] == 4
-    assert len(spans) == 1 + 5 and [len(e) for _, e, _ in spans] == [63, 64, 64, 64, 64, 64]
-    for start, emb, key in spans:
-        assert tokens[start:start + len(emb)] == [9] * len(emb) and tokens[start + len(emb)] != 9
-    assert tokens.count(9) == small.n_tokens + sliced.n_tokens
-    tag = layout_ids("<image_id>")
-    found = [i for i in range(len(tokens) - len(tag)) if tokens[i:i + len(tag)] == tag]
-    assert [tokens[i + len(tag)] for i in found] == layout_ids("01")          # images numbered 0, 1 in order
-    assert spans[1][2] == spans[5][2] == sliced.key != spans[0][2] == small.key
-    with pytest.raises(ValueError, match="2 image placeholders for 1"):
-        expand_prompt([9, 9], 9, [small], layout_ids)
-
-
-def test_encoder_caches_by_content_and_mode(mm):
-    img = Image.fromarray(sample_image(100, 130, 11))
-    enc = MiniCPMVImageEncoder(mm, threads=1)
+def test_image_encoder_runs_all_pieces_and_caches(mm):
+    """engine.vision.ImageEncoder drives the registry tower: one prepared image holds every piece."""
+    enc = ImageEncoder(mm)
+    img = Image.fromarray(sample_image(700, 700, 3))
     first = enc.encode(img)
     again = enc.encode(img)
-    assert not first.from_cache and again.from_cache and again.key == first.key
-    assert first.n_tokens == sum(first.plan.token_counts) == len(first.embeddings)
-    assert [len(e) for e in first.piece_embeddings()] == first.plan.token_counts
-    assert not first.embeddings.flags.writeable
-    four = MiniCPMVImageEncoder(mm, threads=1, mode="4x").encode(img)
-    assert four.key != first.key and four.n_tokens == 4 * first.n_tokens
-    other = enc.encode(Image.fromarray(sample_image(100, 130, 12)))
-    assert other.key != first.key and not other.from_cache
+    plan = enc.tower.plan(700, 700)
+    assert not first.from_cache and again.from_cache
+    assert first.n_tokens == sum(plan.token_counts) == 320 and first.grid == (1, 320)
+    assert first.size == plan.overview and first.original_size == (700, 700)
+    ref = MiniCPMVTower(mm).encode(pre.prepare_pieces(img).pieces, plan.piece_grids)
+    np.testing.assert_array_equal(first.embeddings, np.concatenate(ref))
+    four = ImageEncoder(mp.load_mmproj(mp.synth_mmproj(mm.path.with_name("m4.gguf"), **{**MMPROJ, "scale_factor": 2})))
+    assert four.tower.identity != enc.tower.identity and four.encode(img).n_tokens == 4 * 320
 
 
-def test_scale_factor_defaults_to_16x(mm, tmp_path):
-    """llama.cpp's loader takes 4 (16x) when clip.vision.projector.scale_factor is absent; so does the engine."""
-    plain = _rewrite(mm.path, tmp_path / "plain.gguf", drop_key=mp.SCALE_FACTOR_KEY)
-    assert mp.load_mmproj(plain).hparams.mode == "16x"
+def test_engine_prompt_lays_out_slices(synth_model, tmp_path):
+    """Engine.load picks the minicpmv folder by clip.projector_type; the prompt holds HF's layout with one span
+    per piece, sequential positions, and the image digest in every span's prefix-cache key."""
+    from engine.api import Engine, EngineOptions
+    from engine.tools.synth import synth_mmproj_for
+
+    text = synth_model("minicpmv46-tiny", "q8_0")
+    proj = synth_mmproj_for(tmp_path / "m-mmproj.gguf", "minicpmv46-tiny")
+    engine = Engine.load(text, proj, options=EngineOptions(context=2048, device="cpu"))
+    try:
+        img = Image.fromarray(sample_image(700, 700, 3))
+        msg = [{"role": "user", "content": [{"type": "image", "image": img}, {"type": "text", "text": "What?"}]}]
+        prompt = engine.prepare(msg)
+        tok = engine.tokenizer
+        assert len(prompt.images) == 5 and [len(e) for _, e, _ in prompt.images] == [64] * 5
+        pad = tok.token_id("<|image_pad|>")
+        for start, emb, _ in prompt.images:
+            assert prompt.tokens[start:start + len(emb)] == [pad] * len(emb) and prompt.tokens[start + len(emb)] != pad
+        text_between = tok.decode(prompt.tokens[prompt.images[0][0] + 64:prompt.images[3][0]])
+        assert text_between.startswith("</image><slice>") and "</slice>\n<slice>" in text_between
+        assert "<image_id>0</image_id><image>" in tok.decode(prompt.tokens[:prompt.images[0][0]])
+        np.testing.assert_array_equal(prompt.positions, np.repeat(np.arange(len(prompt.tokens))[None], 3, 0))
+        keys = {k for _, _, k in prompt.images}
+        other = engine.prepare([{"role": "user", "content": [{"type": "image", "image": Image.fromarray(
+            sample_image(700, 700, 4))}, {"type": "text", "text": "What?"}]}])
+        assert len(keys) == 1 and keys.isdisjoint({k for _, _, k in other.images})
+        events = list(engine.chat(msg, SamplingParams(max_tokens=3, temperature=0.0)))
+        assert sum(1 for e in events if isinstance(e, TokenEvent)) == 3
+    finally:
+        engine.close()
 
 
 # ------------------------------------------------------------------------------------ end to end
@@ -353,8 +365,8 @@ def test_image_prompt_logits_match_hf(tmp_path):
     rows spliced over the pads, sequential positions; logits after STOPS tokens and at the end."""
     import threading as th
 
+    from engine.arch.qwen35.model import Qwen35Model
     from engine.gguf_file import GGUFFile
-    from engine.models.qwen35 import Qwen35Model
     from engine.runtime import prefill
     from engine.state import SequenceState
 
@@ -363,13 +375,16 @@ def test_image_prompt_logits_match_hf(tmp_path):
     model = Qwen35Model(gguf.hparams, gguf)
     mm = mp.load_mmproj(mp.synth_mmproj(tmp_path / "m.gguf", **MMPROJ))
     name, (h, w), seed = E2E_IMAGE
-    enc = MiniCPMVImageEncoder(mm, threads=2).encode(Image.fromarray(sample_image(h, w, seed)))
-    layout_tokens, starts = expand_layout(image_layout(enc.plan, 0), layout_ids, IMAGE_PAD)
+    encoder = ImageEncoder(mm)
+    enc = encoder.encode(Image.fromarray(sample_image(h, w, seed)))
+    plan = encoder.tower.plan(h, w)
+    layout_tokens, starts = expand_layout(image_layout(plan, 0), layout_ids, IMAGE_PAD)
     ids = gold["e2e_ids"]
     head = E2E_TEXT[0]
     assert ids[head:head + len(layout_tokens)].tolist() == layout_tokens
-    spans = [(head + s, e, enc.key) for s, e in zip(starts, enc.piece_embeddings(), strict=True)]
-    positions = np.broadcast_to(np.arange(len(ids)), (3, len(ids)))
+    rows_of = np.split(enc.embeddings, np.cumsum(plan.token_counts)[:-1])
+    spans = [(head + s, e, b"image") for s, e in zip(starts, rows_of, strict=True)]
+    positions = sequential_positions(ids, [], IMAGE_PAD, -1)
     rows: dict[int, np.ndarray] = {}
     last = prefill(model, ids.tolist(), SequenceState.new(model.hp, len(ids) + 8), th.Event(), list(STOPS),
                    lambda pos, logits: rows.__setitem__(pos, logits.copy()), positions, spans)

@@ -37,8 +37,8 @@ from dataclasses import dataclass
 import numpy as np
 from PIL import Image
 
-from ...errors import ImageError
-from ...images import MAX_ASPECT, MAX_INPUT_PIXELS, ImageSource, open_image, read_source
+from engine.errors import ImageError
+from engine.images import MAX_ASPECT, MAX_INPUT_PIXELS, ImageSource, open_image, read_source
 
 MODES = ("16x", "4x")
 """Downsampling modes: ``"16x"`` (window-attention merger + final merger, the released default) or ``"4x"``

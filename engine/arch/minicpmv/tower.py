@@ -40,10 +40,12 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 from threadpoolctl import threadpool_limits
 
-from ...errors import GenerationCancelled
-from ...ops import vision_reference as ops
+from engine.errors import GenerationCancelled
+from engine.images import ImageSource, PreparedImage, read_source
+from engine.ops import vision_reference as ops
+
 from .mmproj import MiniCPMVHParams, MiniCPMVMmproj
-from .preprocess import bucket_position_ids, merge_factor
+from .preprocess import SlicePlan, bucket_position_ids, merge_factor, plan_slices, prepare_pieces
 
 StageCallback = Callable[[str, int, np.ndarray], None]
 """``cb(stage, il, x)``: sees each named intermediate (module doc); ``il`` is the block index or -1. ``x`` may be
@@ -210,3 +212,61 @@ class MiniCPMVTower:
         c = self._norm(x.reshape(-1, 4 * d), p + "ds_ln")
         f = ops.gelu_tanh(ops.linear(c, w[p + "ds_ffn_up.weight"], w[p + "ds_ffn_up.bias"]))
         return ops.linear(f, w[p + "ds_ffn_down.weight"], w[p + "ds_ffn_down.bias"]) + wins.mean(axis=1)
+
+
+class PiecesTower:
+    """The tower as :class:`engine.registry.VisionTower`, the interface :class:`engine.vision.ImageEncoder` uses:
+    one prepared image holds all of its pieces.
+
+    :meth:`prepare` concatenates the pieces' patch rows and gives as ``grid`` the tuple of their patch grids;
+    :meth:`encode` runs each piece as its own sequence and concatenates their token rows (overview first);
+    :meth:`token_grid` is ``(1, n_tokens)``: the text model's positions are sequential, and the prompt layout
+    comes from :meth:`layout`.
+
+    Args:
+        mm: the loaded projector. threads, mode: as :class:`MiniCPMVTower`.
+    """
+
+    def __init__(self, mm: MiniCPMVMmproj, threads: int | None = None, mode: str | None = None):
+        self.tower = MiniCPMVTower(mm, threads, mode)
+        self.hp = mm.hparams
+        self.identity = f"{mm.identity}:{self.tower.mode}"
+
+    def pixel_bounds(self, min_pixels: int, max_pixels: int) -> tuple[int, int]:
+        """The caller's bounds, unchanged (``min <= max``): MiniCPM-V sizes its pieces by its slicing rules
+        (:func:`~engine.arch.minicpmv.preprocess.plan_slices`), not by an area bound."""
+        return min(int(min_pixels), int(max_pixels)), int(max_pixels)
+
+    def plan(self, height: int, width: int) -> SlicePlan:
+        """How an image of ``height x width`` pixels is cut (:func:`~engine.arch.minicpmv.preprocess.plan_slices`
+        with this file's slice size and patch and this tower's mode)."""
+        return plan_slices(height, width, scale=self.hp.image_size, max_slices=self.hp.max_slices,
+                           patch=self.hp.patch_size, mode=self.tower.mode)
+
+    def prepare(self, source: ImageSource, min_pixels: int, max_pixels: int, max_input_pixels: int) -> PreparedImage:
+        """Decode and cut one image: ``pixel_values`` (sum of S_i, 3*P*P) float32, ``grid`` the tuple of piece
+        grids, ``size`` the overview's (height, width). Raises ImageError."""
+        hp = self.hp
+        src = read_source(source)
+        prep = prepare_pieces(src, scale=hp.image_size, max_slices=hp.max_slices, patch=hp.patch_size,
+                              mode=self.tower.mode, mean=hp.image_mean, std=hp.image_std,
+                              max_input_pixels=max_input_pixels)
+        return PreparedImage(np.concatenate(prep.pieces), tuple(prep.plan.piece_grids), prep.plan.overview,
+                             prep.original_size, prep.digest, src.name)
+
+    def token_grid(self, grid: tuple) -> tuple[int, int]:
+        """``(1, n_tokens)`` of the piece grids ``grid``."""
+        return 1, sum(gh * gw for gh, gw in grid) // self.tower.merge ** 2
+
+    def encode(self, pixel_values: np.ndarray, grid: tuple, cb: StageCallback | None = None,
+               cancel: threading.Event | None = None) -> np.ndarray:
+        """(n_tokens, out_dim) float32: every piece of ``grid`` encoded on its own, rows concatenated.
+
+        Raises:
+            ValueError: ``pixel_values`` does not hold the pieces' patches. GenerationCancelled: ``cancel`` set.
+        """
+        sizes = [gh * gw for gh, gw in grid]
+        if len(pixel_values) != sum(sizes):
+            raise ValueError(f"pixel_values has {len(pixel_values)} rows; the pieces {list(grid)} hold {sum(sizes)}")
+        pieces = np.split(pixel_values, np.cumsum(sizes)[:-1])
+        return np.concatenate(self.tower.encode(pieces, list(grid), cb, cancel))
