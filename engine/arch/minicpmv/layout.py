@@ -45,7 +45,8 @@ def image_layout(plan: SlicePlan, image_id: int) -> list[Segment]:
     return merged
 
 
-def expand_layout(layout: list[Segment], tokenize: Callable[[str], list[int]], pad_id: int) -> tuple[list[int], list[int]]:
+def expand_layout(layout: list[Segment], tokenize: Callable[[str], list[int]],
+                  pad_id: int) -> tuple[list[int], list[int]]:
     """Token ids of an image layout and the index of each pad run's first token.
 
     Args:

@@ -48,14 +48,13 @@ import zlib
 from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 from gguf import GGMLQuantizationType, GGUFValueType
 
 from engine import gguf_write, quant
 from engine.errors import ModelFormatError, UnsupportedModelError
-from engine.gguf_header import Header, file_identity, read_header
+from engine.gguf_header import Header, MetaReader, file_identity, read_header
 
 Q = GGMLQuantizationType
 
@@ -175,46 +174,9 @@ def tensor_shapes(hp: MiniCPMVHParams) -> dict[str, tuple[int, ...]]:
 
 # ----------------------------------------------------------------------------------------------- reading
 
-class _Keys:
-    """Typed metadata access whose errors name the file and the key."""
-
-    def __init__(self, header: Header):
-        self._t = header
-
-    def has(self, key: str) -> bool:
-        return key in self._t.meta
-
-    def get(self, key: str) -> Any:
-        if key not in self._t.meta:
-            raise ModelFormatError(f"{self._t.source}: missing metadata key {key!r}")
-        return self._t.value(key)
-
-    def string(self, key: str) -> str:
-        v = self.get(key)
-        if not isinstance(v, str):
-            raise ModelFormatError(f"{self._t.source}: key {key!r} should be a string, found {v!r}")
-        return v
-
-    def integer(self, key: str, lo: int = 1) -> int:
-        v = self.get(key)
-        if isinstance(v, bool) or not isinstance(v, int) or v < lo:
-            raise ModelFormatError(f"{self._t.source}: key {key!r} should be an integer >= {lo}, found {v!r}")
-        return v
-
-    def floats(self, key: str, n: int) -> tuple[float, ...]:
-        """``n`` finite numbers: an array key, or one scalar key when ``n`` is 1."""
-        v = self.get(key)
-        if n == 1 and not isinstance(v, list):
-            v = [v]
-        if (not isinstance(v, list) or len(v) != n
-                or not all(isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x) for x in v)):
-            raise ModelFormatError(f"{self._t.source}: key {key!r} should be {n} finite numbers, found {v!r}")
-        return tuple(float(x) for x in v)
-
-
 def _read_hparams(t: Header) -> MiniCPMVHParams:
     """Hyper-parameters from the keys, every one checked (see the module doc)."""
-    k, src = _Keys(t), t.source
+    k, src = MetaReader(t), t.source
     arch = k.string("general.architecture")
     if arch != "clip":
         raise UnsupportedModelError(f"{src}: general.architecture is {arch!r}; a projector (mmproj) file has "
@@ -232,23 +194,23 @@ def _read_hparams(t: Header) -> MiniCPMVHParams:
         raise ModelFormatError(f"{src}: tensor 'v.position_embd.weight' has {pos.ne[1]} rows; expected a square "
                                "grid (70*70 = 4900)")
     v = "clip.vision."
-    n_layer = k.integer(v + "block_count")
+    n_layer = k.positive_int(v + "block_count")
     insert = k.get(INSERT_LAYER_KEY)
     if (not isinstance(insert, list) or len(insert) != 1 or isinstance(insert[0], bool)
             or not isinstance(insert[0], int) or not 0 <= insert[0] < n_layer):
         raise ModelFormatError(f"{src}: key {INSERT_LAYER_KEY!r} should hold one layer index in 0..{n_layer - 1} "
                                f"(the window-attention merger's insert layer), found {insert!r}")
-    scale = k.integer(SCALE_FACTOR_KEY) if k.has(SCALE_FACTOR_KEY) else 4   # llama.cpp clip.cpp's default
+    scale = k.positive_int(SCALE_FACTOR_KEY) if k.has(SCALE_FACTOR_KEY) else 4   # llama.cpp clip.cpp's default
     if scale not in (2, 4):
         raise UnsupportedModelError(f"{src}: {SCALE_FACTOR_KEY} is {scale}; MiniCPM-V 4.6 has 4 (16x mode) or "
                                     "2 (4x mode)")
     eps_key = v + "attention.layer_norm_epsilon"
-    eps = k.floats(eps_key, 1)[0] if k.has(eps_key) else 1e-6
+    eps = k.number(eps_key) if k.has(eps_key) else 1e-6
     hp = MiniCPMVHParams(
-        n_embd=k.integer(v + "embedding_length"), n_ff=k.integer(v + "feed_forward_length"), n_layer=n_layer,
-        n_head=k.integer(v + "attention.head_count"), patch_size=k.integer(v + "patch_size"),
-        out_dim=k.integer(v + "projection_dim"), pos_side=side, insert_layer=insert[0], scale_factor=scale,
-        image_size=k.integer(v + "image_size"), eps=float(str(np.float32(eps))),  # f32 key: its shortest decimal
+        n_embd=k.positive_int(v + "embedding_length"), n_ff=k.positive_int(v + "feed_forward_length"),
+        n_layer=n_layer, n_head=k.positive_int(v + "attention.head_count"), patch_size=k.positive_int(v + "patch_size"),
+        out_dim=k.positive_int(v + "projection_dim"), pos_side=side, insert_layer=insert[0], scale_factor=scale,
+        image_size=k.positive_int(v + "image_size"), eps=eps,
         image_mean=k.floats(v + "image_mean", 3) if k.has(v + "image_mean") else (0.5,) * 3,
         image_std=k.floats(v + "image_std", 3) if k.has(v + "image_std") else (0.5,) * 3)
     if hp.n_embd % hp.n_head:
