@@ -8,7 +8,7 @@
 - ``chat [--model M]``: an interactive multi-turn chat on the terminal.
 - ``serve [--model M] [--mmproj V] [--host 127.0.0.1] [--port 8080] [--api-key K]``: an
   OpenAI-compatible HTTP server (:mod:`engine.server`); a non-loopback ``--host`` needs a key.
-- ``synth --preset tiny|small|dense-tiny|35b-a3b [--layers N] [--experts N] --quant Q -o FILE``:
+- ``synth --preset tiny|small|dense-tiny|minicpmv46-tiny|minicpmv46|35b-a3b [--layers N] [--experts N] --quant Q -o FILE``:
   a random-weight GGUF in the layout and metadata real files use, and beside it a matching
   random vision tower ``FILE-mmproj.gguf`` (``--no-mmproj`` skips it).
 - ``bench MODEL.gguf [--threads N ...] [--isa L ...] [--prompt N] [--gen N] [--llama-cpp [--llama-python PY]]``:
@@ -400,7 +400,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--context", type=int, default=8192, help="context window, tokens")
     p.set_defaults(func=cmd_serve)
     p = sub.add_parser("synth", help="write a random-weight GGUF")
-    p.add_argument("--preset", required=True, choices=["tiny", "small", "dense-tiny", "35b-a3b"])
+    p.add_argument("--preset", required=True,
+                   choices=["tiny", "small", "dense-tiny", "minicpmv46-tiny", "minicpmv46", "35b-a3b"])
     p.add_argument("--layers", type=int, default=None)
     p.add_argument("--experts", type=int, default=None)
     p.add_argument("--quant", default="q4_0", choices=["q4_0", "q8_0", "f16", "f32", "q4_k_m"])

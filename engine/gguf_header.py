@@ -17,9 +17,11 @@ Tensor data stays in a read-only ``numpy.memmap``: opening touches only the head
 
 from __future__ import annotations
 
+import hashlib
 import os
 import struct
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -343,3 +345,71 @@ def read_metadata(path: str | os.PathLike[str]) -> dict[str, Any]:
     """
     header = read_header(path)
     return {key: header.value(key) for key in header.meta}
+
+
+def file_identity(path: str | os.PathLike[str]) -> str:
+    """A cheap identity of a file's contents as they are now: the SHA-256 hex digest of its size and its first
+    and last MiB (projector weights differ in both; the embedding caches are scoped by it).
+
+    Raises:
+        OSError: the file cannot be read.
+    """
+    path = Path(path)
+    size = path.stat().st_size
+    h = hashlib.sha256(str(size).encode())
+    span = 1 << 20
+    with open(path, "rb") as fh:
+        h.update(fh.read(span))
+        if size > span:
+            fh.seek(max(span, size - span))
+            h.update(fh.read(span))
+    return h.hexdigest()
+
+
+class MetaReader:
+    """Typed reads of a header's metadata whose errors name the file and the key (for the projector readers).
+
+    Raises (every read): ModelFormatError: the key is missing or its value has the wrong type.
+    """
+
+    def __init__(self, header: Header):
+        self._header = header
+        self._source = header.source
+
+    def has(self, key: str) -> bool:
+        """True if the file stores ``key``."""
+        return key in self._header.meta
+
+    def get(self, key: str) -> Any:
+        """The value of a required key (python data)."""
+        if key not in self._header.meta:
+            raise ModelFormatError(f"{self._source}: missing metadata key {key!r}")
+        return self._header.value(key)
+
+    def string(self, key: str) -> str:
+        """A string key."""
+        v = self.get(key)
+        if not isinstance(v, str):
+            raise ModelFormatError(f"{self._source}: key {key!r} should be a string, found {v!r}")
+        return v
+
+    def positive_int(self, key: str) -> int:
+        """An integer key > 0."""
+        v = self.get(key)
+        if isinstance(v, (bool, np.bool_)) or not isinstance(v, (int, np.integer)) or v <= 0:
+            raise ModelFormatError(f"{self._source}: key {key!r} should be a positive integer, found {v!r}")
+        return int(v)
+
+    def number(self, key: str) -> float:
+        """A number key, as the shortest decimal of its float32 value (1e-6, not 9.99999997e-07)."""
+        v = self.get(key)
+        if isinstance(v, (bool, np.bool_)) or not isinstance(v, (int, float, np.integer, np.floating)):
+            raise ModelFormatError(f"{self._source}: key {key!r} should be a number, found {v!r}")
+        return float(str(np.float32(v)))
+
+    def floats(self, key: str, n: int) -> tuple[float, ...]:
+        """An array key of exactly ``n`` numbers."""
+        v = self.get(key)
+        if not isinstance(v, list) or len(v) != n or not all(isinstance(x, (float, int)) for x in v):
+            raise ModelFormatError(f"{self._source}: key {key!r} should be {n} numbers, found {v!r}")
+        return tuple(float(x) for x in v)

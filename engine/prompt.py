@@ -160,20 +160,38 @@ class PromptBuilder:
         """
         tokens: list[int] = []
         spans: list[tuple[int, np.ndarray, bytes]] = []
-        it = iter(encoded)
+        used = 0
         for t in ids:
             if t != self._image_pad:
                 tokens.append(t)
                 continue
-            img = next(it, None)
-            if img is None:
+            if used == len(encoded):
                 raise TemplateError(f"{self.source}: the chat template wrote more image placeholders than images")
-            spans.append((len(tokens), img.embeddings, self.image_key(img)))
-            tokens.extend([t] * img.n_tokens)
-        if len(spans) != len(encoded):
-            raise TemplateError(f"{self.source}: the chat template wrote {len(spans)} image placeholders "
+            self._expand_image(encoded[used], used, tokens, spans)
+            used += 1
+        if used != len(encoded):
+            raise TemplateError(f"{self.source}: the chat template wrote {used} image placeholders "
                                 f"for {len(encoded)} images")
         return tokens, spans
+
+    def _expand_image(self, img: EncodedImage, index: int, tokens: list[int],
+                      spans: list[tuple[int, np.ndarray, bytes]]) -> None:
+        """Append image ``index``'s tokens and spans: its architecture's layout (text and runs of pads, each run
+        the next rows of the embeddings, e.g. MiniCPM-V's slices), or one run of ``n_tokens`` pads."""
+        vision = self._vision_for_images()
+        key = self.image_key(img)
+        layout = vision.arch.layout
+        segments = [img.n_tokens] if layout is None else layout(vision.tower, img, index)
+        row = 0
+        for seg in segments:
+            if isinstance(seg, str):
+                tokens.extend(self.tokenizer.encode(seg, special=True))
+                continue
+            spans.append((len(tokens), img.embeddings[row:row + seg], key))
+            tokens.extend([self._image_pad] * seg)
+            row += seg
+        if row != img.n_tokens:
+            raise TemplateError(f"{self.source}: an image layout placed {row} of the image's {img.n_tokens} rows")
 
     def image_key(self, img: EncodedImage) -> bytes:
         """What an image contributes to the prefix-cache key: its content, the tower and the resize

@@ -28,6 +28,7 @@ TEXT_ARCHES: dict[str, str] = {
 
 VISION_ARCHES: dict[str, str] = {
     "qwen3vl_merger": "engine.arch.qwen3vl",
+    "minicpmv4_6": "engine.arch.minicpmv",
 }
 """``clip.projector_type`` -> package whose ``ARCH`` is a :class:`VisionArch`."""
 
@@ -132,6 +133,9 @@ class VisionArch:
             ``close()``, ``vram_bytes`` and ``weight_bytes``; raises DeviceError when no GPU works.
         positions: ``(token_ids, token_grids, image_pad_id, vision_start_id, start) -> (3, n) int64``:
             the rotary positions of a prompt holding these images.
+        layout: ``(cpu tower, encoded image, index in the prompt) -> [str | int, ...]``: what the image's
+            placeholder becomes, text to tokenize and runs of that many pads (each run takes the next rows
+            of the embeddings); None = the placeholder becomes ``n_tokens`` pads (one run).
     """
 
     name: str
@@ -139,6 +143,7 @@ class VisionArch:
     cpu_tower: Callable[[Any], VisionTower]
     cuda_tower: Callable[[Any, int, int | None], Any]
     positions: Callable[..., np.ndarray]
+    layout: Callable[[Any, Any, int], list] | None = None
 
 
 def _pick(table: Mapping[str, str], value: Any, what: str, source: str) -> Any:

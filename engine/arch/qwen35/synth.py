@@ -71,12 +71,19 @@ PRESETS: dict[str, dict[str, Any]] = {
                   rope_sections=(3, 3, 2, 0), head_k_dim=32, num_k_heads=4, num_v_heads=8, head_v_dim=32,
                   n_expert=16, n_expert_used=4, n_ff_exp=128, n_ff_shexp=128),
     "dense-tiny": dict(_TINY, arch="qwen35", n_expert=0, n_expert_used=0, n_ff_exp=0, n_ff_shexp=0, n_ff=128),
+    "minicpmv46-tiny": dict(_TINY, arch="qwen35", n_expert=0, n_expert_used=0, n_ff_exp=0, n_ff_shexp=0, n_ff=128),
+    "minicpmv46": dict(_COMMON, arch="qwen35", n_layer=24, n_embd=1024, n_head=8, n_head_kv=2, head_dim=256,
+                       rope_dims=64, rope_sections=(11, 11, 10, 0), head_k_dim=128, num_k_heads=16, num_v_heads=16,
+                       head_v_dim=128, n_expert=0, n_expert_used=0, n_ff_exp=0, n_ff_shexp=0, n_ff=3584),
     "35b-a3b": dict(_COMMON, n_layer=40, n_embd=2048, n_head=16, n_head_kv=2, head_dim=256, rope_dims=64,
                     rope_sections=(11, 11, 10, 0), head_k_dim=128, num_k_heads=16, num_v_heads=32,
                     head_v_dim=128, n_expert=256, n_expert_used=8, n_ff_exp=512, n_ff_shexp=512),
 }
 """Hyper-parameters of each preset except ``n_vocab`` (taken from the vocabulary). ``35b-a3b`` is
-Qwen3.5/3.6-35B-A3B (docs/spec/qwen35.md sections 1 and Models) without its MTP block."""
+Qwen3.5/3.6-35B-A3B (docs/spec/qwen35.md sections 1 and Models) without its MTP block; ``minicpmv46`` is the
+text model of MiniCPM-V 4.6, Qwen3.5-0.8B (HF ``text_config``: 24 layers of 1024, 8/2 heads of 256, Gated
+DeltaNet 16/16 heads of 128, FFN 3584), and ``minicpmv46-tiny`` its test-sized twin; both get a MiniCPM-V 4.6
+projector (:func:`engine.tools.synth.synth_mmproj_for`)."""
 
 
 def preset_hparams(preset: str, n_vocab: int = QWEN35_N_VOCAB, layers: int | None = None,

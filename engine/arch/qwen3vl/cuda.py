@@ -32,7 +32,7 @@ import numpy as np
 from gguf import GGMLQuantizationType
 
 from engine.errors import DeviceBudgetError, DeviceError, ModelFormatError
-from engine.gguf_header import Header, read_header
+from engine.gguf_header import Header, file_identity, read_header
 from engine.kernels.cuda_context import CudaBackend
 from engine.kernels.cuda_kernels import (ACT_GELU_ERF, ACT_GELU_TANH, ACT_NONE, VISION_SOURCES, Kernels,
                            check_vision_head)
@@ -40,7 +40,7 @@ from engine.kernels.cuda_layout import GPU_TYPES, Matrix, aligned
 from engine.ops import vision_reference as ops
 from engine.quant import FLOAT_TYPES, row_bytes, type_name
 
-from .mmproj import Mmproj, VisionHParams, file_identity
+from .mmproj import Mmproj, VisionHParams
 
 Q = GGMLQuantizationType
 

@@ -30,20 +30,18 @@ type :mod:`engine.quant` can dequantize.
 
 from __future__ import annotations
 
-import hashlib
 import math
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 from gguf import GGMLQuantizationType, GGUFType, GGUFWriter, Keys
 
 from engine import quant
 from engine.errors import ModelFormatError, UnsupportedModelError
-from engine.gguf_header import Header, StoredTensor, read_header
+from engine.gguf_header import MetaReader, StoredTensor, file_identity, read_header
 
 Q = GGMLQuantizationType
 
@@ -189,65 +187,7 @@ def tensor_shapes(hp: VisionHParams) -> dict[str, tuple[int, ...]]:
 
 # ----------------------------------------------------------------------------------------------- reading
 
-def file_identity(path: Path) -> str:
-    """The :attr:`Mmproj.identity` of the file at ``path`` as it is now (hex digest of its size and its first
-    and last MiB).
-
-    Raises:
-        OSError: the file cannot be read.
-    """
-    size = path.stat().st_size
-    h = hashlib.sha256(str(size).encode())
-    span = 1 << 20
-    with open(path, "rb") as fh:
-        h.update(fh.read(span))
-        if size > span:
-            fh.seek(max(span, size - span))
-            h.update(fh.read(span))
-    return h.hexdigest()
-
-
-class _Meta:
-    """Typed access to a header's metadata with errors that name the file and key."""
-
-    def __init__(self, header: Header, source: str):
-        self._header = header
-        self._source = source
-
-    def has(self, key: str) -> bool:
-        return key in self._header.meta
-
-    def get(self, key: str) -> Any:
-        if key not in self._header.meta:
-            raise ModelFormatError(f"{self._source}: missing metadata key {key!r}")
-        return self._header.value(key)
-
-    def string(self, key: str) -> str:
-        v = self.get(key)
-        if not isinstance(v, str):
-            raise ModelFormatError(f"{self._source}: key {key!r} should be a string, found {v!r}")
-        return v
-
-    def positive_int(self, key: str) -> int:
-        v = self.get(key)
-        if isinstance(v, (bool, np.bool_)) or not isinstance(v, (int, np.integer)) or v <= 0:
-            raise ModelFormatError(f"{self._source}: key {key!r} should be a positive integer, found {v!r}")
-        return int(v)
-
-    def number(self, key: str) -> float:
-        v = self.get(key)
-        if isinstance(v, (bool, np.bool_)) or not isinstance(v, (int, float, np.integer, np.floating)):
-            raise ModelFormatError(f"{self._source}: key {key!r} should be a number, found {v!r}")
-        return float(str(np.float32(v)))  # stored as f32: its shortest decimal (1e-6, not 9.99999997e-07)
-
-    def floats(self, key: str, n: int) -> tuple[float, ...]:
-        v = self.get(key)
-        if not isinstance(v, list) or len(v) != n or not all(isinstance(x, (float, int)) for x in v):
-            raise ModelFormatError(f"{self._source}: key {key!r} should be {n} numbers, found {v!r}")
-        return tuple(float(x) for x in v)
-
-
-def _read_hparams(meta: _Meta, tensors: Mapping[str, StoredTensor], source: str) -> VisionHParams:
+def _read_hparams(meta: MetaReader, tensors: Mapping[str, StoredTensor], source: str) -> VisionHParams:
     arch = meta.string("general.architecture")
     if arch != "clip":
         raise UnsupportedModelError(
@@ -331,7 +271,7 @@ def load_mmproj(path: str | os.PathLike[str]) -> Mmproj:
         header = read_header(path)
     except ModelFormatError as e:
         raise ModelFormatError(f"{source}: not a readable GGUF file: {str(e).removeprefix(source + ': ')}") from e
-    meta = _Meta(header, source)
+    meta = MetaReader(header)
     tensors = header.tensors
     hp = _read_hparams(meta, tensors, source)
     mm2 = tensors.get("mm.2.weight")

@@ -1,0 +1,412 @@
+"""MiniCPM-V 4.6 projector files (``mmproj`` GGUF): validated loading and random-weight writing.
+
+The layout is the one llama.cpp's converter writes (``conversion/minicpm.py`` ``MiniCPMV4_6VisionModel`` on
+top of ``MmprojModel``, PR #22529) and its loader reads (``tools/mtmd/clip.cpp``, projector type
+``PROJECTOR_TYPE_MINICPMV4_6``). Shapes are math shapes (numpy order = PyTorch order = reversed GGUF
+``ne``); ``D`` = ``n_embd``, ``F`` = ``n_ff``, ``P`` = patch size, ``G`` = position-grid side,
+``O`` = ``out_dim`` (the LLM width):
+
+==================================================  ===============  ============================================
+tensor                                              shape            HF source (``model.vision_tower.`` /
+                                                                     ``model.merger.``)
+==================================================  ===============  ============================================
+``v.patch_embd.weight`` / ``.bias``                 (D, 3, P, P)     ``embeddings.patch_embedding``
+``v.position_embd.weight``                          (G*G, D)         ``embeddings.position_embedding``
+``v.blk.N.ln1`` / ``ln2`` ``.{weight,bias}``        (D,)             ``encoder.layers.N.layer_norm1`` / ``2``
+``v.blk.N.attn_{q,k,v,out}.{weight,bias}``          (D, D)           ``encoder.layers.N.self_attn.{q,k,v,out}_proj``
+``v.blk.N.ffn_up`` / ``ffn_down`` ``.{weight,bias}``  (F, D) / (D, F)  ``encoder.layers.N.mlp.fc1`` / ``fc2``
+``v.post_ln.{weight,bias}``                         (D,)             ``post_layernorm``
+``v.vit_merger.ln1.{weight,bias}``                  (D,)             ``vit_merger.layer_norm1``
+``v.vit_merger.attn_{q,k,v,out}.{weight,bias}``     (D, D)           ``vit_merger.self_attn.*``
+``v.vit_merger.ds_ln.{weight,bias}``                (4D,)            ``vit_merger.pre_norm``
+``v.vit_merger.ds_ffn_up.{weight,bias}``            (4F, 4D)         ``vit_merger.linear_1``
+``v.vit_merger.ds_ffn_down.{weight,bias}``          (D, 4F)          ``vit_merger.linear_2``
+``mm.input_norm.{weight,bias}``                     (4D,)            ``mlp.0.pre_norm``
+``mm.up.{weight,bias}``                             (4D, 4D)         ``mlp.0.linear_1``
+``mm.down.{weight,bias}``                           (O, 4D)          ``mlp.0.linear_2``
+==================================================  ===============  ============================================
+
+Keys (``clip.vision.*`` unless noted): ``clip.projector_type = "minicpmv4_6"``, ``image_size`` = the slice
+size (448; **not** the position grid, whose side is the square root of the ``v.position_embd`` rows, 70),
+``patch_size`` 14, ``embedding_length`` 1152, ``feed_forward_length`` 4304, ``block_count`` 27,
+``attention.head_count`` 16, ``attention.layer_norm_epsilon`` 1e-6, ``projection_dim`` 1024,
+``image_mean`` / ``image_std`` 0.5, ``projector.scale_factor`` (4: the 16x mode, both 2x2 merges; 2: the 4x
+mode, the final merge only; absent = 4, as llama.cpp's loader) and ``wa_layer_indexes = [insert_layer_id]``
+(6; the converter reuses this key for the layer after which the window-attention merger runs; required here,
+where llama.cpp would silently take layer 0).
+
+Storage types follow the converter (checked on a file it wrote, ``tests/fixtures/minicpmv``): 1-D tensors
+and the position table F32; the patch kernel F16 in an F16 file and F32 otherwise; other matrices in the
+file type, F16 where a row is not a whole number of Q8_0 blocks (``ffn_down`` at F = 4304). The reader accepts any type :mod:`engine.quant` can dequantize.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import zlib
+from collections.abc import Mapping
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+import numpy as np
+from gguf import GGMLQuantizationType, GGUFValueType
+
+from engine import gguf_write, quant
+from engine.errors import ModelFormatError, UnsupportedModelError
+from engine.gguf_header import Header, MetaReader, file_identity, read_header
+
+Q = GGMLQuantizationType
+
+PROJECTOR_TYPE = "minicpmv4_6"
+"""``clip.projector_type`` of MiniCPM-V 4.6 (llama.cpp ``PROJECTOR_TYPE_MINICPMV4_6``)."""
+
+SCALE_FACTOR_KEY = "clip.vision.projector.scale_factor"
+INSERT_LAYER_KEY = "clip.vision.wa_layer_indexes"
+
+WRITE_TYPES: dict[str, GGMLQuantizationType] = {"F32": Q.F32, "F16": Q.F16, "Q8_0": Q.Q8_0}
+"""File types :func:`write_mmproj` accepts, by name."""
+
+_FILE_TYPE_IDS = {Q.F32: 0, Q.F16: 1, Q.Q8_0: 7}  # general.file_type (llama_ftype ALL_F32, MOSTLY_F16, MOSTLY_Q8_0)
+
+
+@dataclass(frozen=True)
+class MiniCPMVHParams:
+    """Hyper-parameters of a MiniCPM-V 4.6 vision tower, named after their ``clip.vision.*`` keys.
+
+    ``max_slices`` is not stored in the file: it is the HF image processor's ``max_slice_nums`` default.
+    """
+
+    n_embd: int                    # embedding_length (1152)
+    n_ff: int                      # feed_forward_length (4304)
+    n_layer: int                   # block_count (27)
+    n_head: int                    # attention.head_count (16)
+    patch_size: int                # patch_size (14), pixels
+    out_dim: int                   # projection_dim = rows of mm.down.weight (LLM hidden, 1024)
+    pos_side: int                  # sqrt(rows of v.position_embd.weight) (70)
+    insert_layer: int              # wa_layer_indexes[0] (6): the window-attention merger runs after it
+    scale_factor: int = 4          # projector.scale_factor: 4 = "16x" mode, 2 = "4x" mode
+    image_size: int = 448          # image_size: the slice size (HF scale_resolution), pixels
+    eps: float = 1e-6              # attention.layer_norm_epsilon
+    image_mean: tuple[float, float, float] = (0.5, 0.5, 0.5)
+    image_std: tuple[float, float, float] = (0.5, 0.5, 0.5)
+    max_slices: int = 9
+    in_channels: int = 3
+
+    @property
+    def head_dim(self) -> int:
+        """Per-head width ``n_embd / n_head`` (72 for the real tower)."""
+        return self.n_embd // self.n_head
+
+    @property
+    def mode(self) -> str:
+        """The file's downsampling mode: ``"16x"`` (scale factor 4) or ``"4x"`` (scale factor 2)."""
+        return "16x" if self.scale_factor == 4 else "4x"
+
+    @property
+    def patch_dim(self) -> int:
+        """Length of one patch row: ``in_channels * patch_size**2`` (588), ordered (c, ky, kx)."""
+        return self.in_channels * self.patch_size * self.patch_size
+
+
+PRESETS: dict[str, MiniCPMVHParams] = {
+    "tiny": MiniCPMVHParams(n_embd=64, n_ff=96, n_layer=4, n_head=4, patch_size=14, out_dim=64, pos_side=70,
+                            insert_layer=1),
+    "real": MiniCPMVHParams(n_embd=1152, n_ff=4304, n_layer=27, n_head=16, patch_size=14, out_dim=1024,
+                            pos_side=70, insert_layer=6),
+}
+"""Tower shapes for :func:`synth_mmproj`: ``tiny`` for tests (4 layers of 64, merger after layer 1, the real
+70x70 position grid), ``real`` = MiniCPM-V 4.6 (HF ``openbmb/MiniCPM-V-4.6`` ``config.json``)."""
+
+
+@dataclass(frozen=True)
+class MiniCPMVMmproj:
+    """A loaded projector file: hyper-parameters plus every tensor dequantized to float32.
+
+    Attributes:
+        path: the file read. hparams: validated hyper-parameters.
+        weights: GGUF tensor name -> float32 array in math shape (module table).
+        qtypes: GGUF tensor name -> storage type name (``"F16"``, ``"Q8_0"``, ...).
+        identity: hex digest of the file size and its first and last MiB (:func:`engine.gguf_header.file_identity`),
+            the key embedding caches are scoped by.
+        projector_type: ``clip.projector_type`` (:data:`PROJECTOR_TYPE`), the key :mod:`engine.registry` reads.
+    """
+
+    path: Path
+    hparams: MiniCPMVHParams
+    weights: dict[str, np.ndarray]
+    qtypes: dict[str, str]
+    identity: str
+    projector_type: str = PROJECTOR_TYPE
+
+
+def tensor_shapes(hp: MiniCPMVHParams) -> dict[str, tuple[int, ...]]:
+    """Every tensor a projector file of shape ``hp`` holds, name -> math shape (module table)."""
+    d, f, p, c = hp.n_embd, hp.n_ff, hp.patch_size, hp.in_channels
+    shapes: dict[str, tuple[int, ...]] = {
+        "v.patch_embd.weight": (d, c, p, p), "v.patch_embd.bias": (d,),
+        "v.position_embd.weight": (hp.pos_side * hp.pos_side, d),
+    }
+
+    def attn(prefix: str) -> dict[str, tuple[int, ...]]:
+        return {f"{prefix}.attn_{x}.{y}": (d, d) if y == "weight" else (d,)
+                for x in ("q", "k", "v", "out") for y in ("weight", "bias")}
+
+    for i in range(hp.n_layer):
+        b = f"v.blk.{i}"
+        shapes |= {f"{b}.ln1.weight": (d,), f"{b}.ln1.bias": (d,)} | attn(b) | {
+            f"{b}.ln2.weight": (d,), f"{b}.ln2.bias": (d,),
+            f"{b}.ffn_up.weight": (f, d), f"{b}.ffn_up.bias": (f,),
+            f"{b}.ffn_down.weight": (d, f), f"{b}.ffn_down.bias": (d,),
+        }
+    m = "v.vit_merger"
+    shapes |= {"v.post_ln.weight": (d,), "v.post_ln.bias": (d,),
+               f"{m}.ln1.weight": (d,), f"{m}.ln1.bias": (d,)} | attn(m) | {
+        f"{m}.ds_ln.weight": (4 * d,), f"{m}.ds_ln.bias": (4 * d,),
+        f"{m}.ds_ffn_up.weight": (4 * f, 4 * d), f"{m}.ds_ffn_up.bias": (4 * f,),
+        f"{m}.ds_ffn_down.weight": (d, 4 * f), f"{m}.ds_ffn_down.bias": (d,),
+        "mm.input_norm.weight": (4 * d,), "mm.input_norm.bias": (4 * d,),
+        "mm.up.weight": (4 * d, 4 * d), "mm.up.bias": (4 * d,),
+        "mm.down.weight": (hp.out_dim, 4 * d), "mm.down.bias": (hp.out_dim,),
+    }
+    return shapes
+
+
+# ----------------------------------------------------------------------------------------------- reading
+
+def _read_hparams(t: Header) -> MiniCPMVHParams:
+    """Hyper-parameters from the keys, every one checked (see the module doc)."""
+    k, src = MetaReader(t), t.source
+    arch = k.string("general.architecture")
+    if arch != "clip":
+        raise UnsupportedModelError(f"{src}: general.architecture is {arch!r}; a projector (mmproj) file has "
+                                    "'clip' (was a language-model GGUF given as the mmproj?)")
+    if k.has("clip.has_vision_encoder") and k.get("clip.has_vision_encoder") is not True:
+        raise UnsupportedModelError(f"{src}: clip.has_vision_encoder is not true (an audio-only projector)")
+    ptype = k.string("clip.projector_type")
+    if ptype != PROJECTOR_TYPE:
+        raise UnsupportedModelError(f"{src}: clip.projector_type is {ptype!r}, expected {PROJECTOR_TYPE!r}")
+    pos = t.tensors.get("v.position_embd.weight")
+    if pos is None or len(pos.ne) != 2:
+        raise ModelFormatError(f"{src}: missing 2-D tensor 'v.position_embd.weight' (the learned position grid)")
+    side = math.isqrt(pos.ne[1])
+    if side * side != pos.ne[1] or side < 2:
+        raise ModelFormatError(f"{src}: tensor 'v.position_embd.weight' has {pos.ne[1]} rows; expected a square "
+                               "grid (70*70 = 4900)")
+    v = "clip.vision."
+    n_layer = k.positive_int(v + "block_count")
+    insert = k.get(INSERT_LAYER_KEY)
+    if (not isinstance(insert, list) or len(insert) != 1 or isinstance(insert[0], bool)
+            or not isinstance(insert[0], int) or not 0 <= insert[0] < n_layer):
+        raise ModelFormatError(f"{src}: key {INSERT_LAYER_KEY!r} should hold one layer index in 0..{n_layer - 1} "
+                               f"(the window-attention merger's insert layer), found {insert!r}")
+    scale = k.positive_int(SCALE_FACTOR_KEY) if k.has(SCALE_FACTOR_KEY) else 4   # llama.cpp clip.cpp's default
+    if scale not in (2, 4):
+        raise UnsupportedModelError(f"{src}: {SCALE_FACTOR_KEY} is {scale}; MiniCPM-V 4.6 has 4 (16x mode) or "
+                                    "2 (4x mode)")
+    eps_key = v + "attention.layer_norm_epsilon"
+    eps = k.number(eps_key) if k.has(eps_key) else 1e-6
+    hp = MiniCPMVHParams(
+        n_embd=k.positive_int(v + "embedding_length"), n_ff=k.positive_int(v + "feed_forward_length"),
+        n_layer=n_layer, n_head=k.positive_int(v + "attention.head_count"), patch_size=k.positive_int(v + "patch_size"),
+        out_dim=k.positive_int(v + "projection_dim"), pos_side=side, insert_layer=insert[0], scale_factor=scale,
+        image_size=k.positive_int(v + "image_size"), eps=eps,
+        image_mean=k.floats(v + "image_mean", 3) if k.has(v + "image_mean") else (0.5,) * 3,
+        image_std=k.floats(v + "image_std", 3) if k.has(v + "image_std") else (0.5,) * 3)
+    if hp.n_embd % hp.n_head:
+        raise ModelFormatError(f"{src}: {v}embedding_length {hp.n_embd} is not a multiple of "
+                               f"attention.head_count {hp.n_head}")
+    if not 0.0 < hp.eps < 1e-2:
+        raise ModelFormatError(f"{src}: {eps_key} = {hp.eps} is not a plausible LayerNorm epsilon")
+    if any(s <= 0 for s in hp.image_std):
+        raise ModelFormatError(f"{src}: {v}image_std {hp.image_std} must be positive")
+    return hp
+
+
+def load_mmproj(path: str | os.PathLike[str]) -> MiniCPMVMmproj:
+    """Open and validate a MiniCPM-V 4.6 projector GGUF and dequantize its tensors to float32.
+
+    The header is read by the bounds-checked :func:`engine.gguf_header.read_header`.
+
+    Args:
+        path: the ``mmproj-*.gguf`` file (llama.cpp layout, module doc).
+
+    Returns:
+        :class:`MiniCPMVMmproj` (float32 weights: about 2.2 GB for the real tower).
+
+    Raises:
+        ModelFormatError: unreadable/truncated file, a missing or ill-typed key, a missing tensor or one of
+            the wrong shape; the message names the file and the key or tensor.
+        UnsupportedModelError: not a ``clip`` file, another projector type, an unknown scale factor, or a
+            storage type :mod:`engine.quant` cannot dequantize.
+    """
+    t = read_header(path)
+    hp = _read_hparams(t)
+    down = t.tensors.get("mm.down.weight")
+    if down is not None and down.ne[-1] != hp.out_dim:
+        raise ModelFormatError(f"{t.source}: clip.vision.projection_dim is {hp.out_dim} but tensor "
+                               f"'mm.down.weight' has {down.ne[-1]} rows (the LLM width)")
+    weights: dict[str, np.ndarray] = {}
+    qtypes: dict[str, str] = {}
+    for name, shape in tensor_shapes(hp).items():
+        info = t.tensors.get(name)
+        if info is None:
+            raise ModelFormatError(f"{t.source}: missing tensor {name!r} (expected shape {shape})")
+        found = tuple(reversed(info.ne))
+        while len(found) > len(shape) and found[0] == 1:
+            found = found[1:]
+        if found != shape:
+            raise ModelFormatError(f"{t.source}: tensor {name!r} has shape {found}, expected {shape}")
+        qtype = quant.check_supported(info.type_id, f"{t.source}: tensor {name!r}")
+        weights[name] = quant.dequantize(t.tensor_bytes(info), qtype, shape)
+        qtypes[name] = quant.type_name(qtype)
+    return MiniCPMVMmproj(Path(path), hp, weights, qtypes, file_identity(Path(path)))
+
+
+# ----------------------------------------------------------------------------------------------- writing
+
+def storage_type(name: str, shape: tuple[int, ...], ftype: GGMLQuantizationType) -> GGMLQuantizationType:
+    """The converter's storage type of tensor ``name`` (math ``shape``) in a file of type ``ftype`` (module doc)."""
+    if len(shape) == 1:
+        return Q.F32
+    if name == "v.position_embd.weight":
+        return Q.F32
+    if name == "v.patch_embd.weight":
+        return Q.F16 if ftype == Q.F16 else Q.F32
+    if ftype == Q.Q8_0 and shape[-1] % quant.block_size(Q.Q8_0):
+        return Q.F16
+    return ftype
+
+
+def _encode(x: np.ndarray, qtype: GGMLQuantizationType) -> np.ndarray:
+    if qtype == Q.F32:
+        return np.ascontiguousarray(x, dtype=np.float32)
+    if qtype == Q.F16:
+        return np.ascontiguousarray(x, dtype=np.float16)
+    return np.ascontiguousarray(quant.quantize(x, qtype))
+
+
+def _records(hp: MiniCPMVHParams, ftype: GGMLQuantizationType) -> list[bytes]:
+    """The metadata records of the converter, in its order."""
+    S, U32, F32, B = GGUFValueType.STRING, GGUFValueType.UINT32, GGUFValueType.FLOAT32, GGUFValueType.BOOL
+    v = "clip.vision."
+    rec = gguf_write.kv_record
+    return [
+        rec("general.architecture", "clip", S), rec("general.type", "mmproj", S),
+        rec("general.file_type", _FILE_TYPE_IDS[ftype], U32),
+        rec("clip.has_vision_encoder", True, B), rec("clip.projector_type", PROJECTOR_TYPE, S),
+        rec(v + "projection_dim", hp.out_dim, U32), rec(v + "image_size", hp.image_size, U32),
+        rec(v + "patch_size", hp.patch_size, U32), rec(v + "embedding_length", hp.n_embd, U32),
+        rec(v + "feed_forward_length", hp.n_ff, U32), rec(v + "block_count", hp.n_layer, U32),
+        rec(v + "attention.head_count", hp.n_head, U32),
+        rec(v + "image_mean", list(hp.image_mean), GGUFValueType.ARRAY, F32),
+        rec(v + "image_std", list(hp.image_std), GGUFValueType.ARRAY, F32),
+        rec(SCALE_FACTOR_KEY, hp.scale_factor, U32),
+        rec(INSERT_LAYER_KEY, [hp.insert_layer], GGUFValueType.ARRAY, GGUFValueType.INT32),
+        rec("clip.use_gelu", True, B), rec(v + "attention.layer_norm_epsilon", hp.eps, F32),
+    ]
+
+
+def write_mmproj(path: str | os.PathLike[str], hp: MiniCPMVHParams, weights: Mapping[str, np.ndarray],
+                 ftype: str = "F16") -> Path:
+    """Write a projector GGUF with llama.cpp's keys, tensor names and storage types (streamed, one tensor in
+    memory at a time, through :func:`engine.gguf_write.write`).
+
+    Args:
+        path: destination file (replaced only once complete).
+        hp: hyper-parameters; ``hp.pos_side`` must match the rows of ``v.position_embd.weight``.
+        weights: every name of :func:`tensor_shapes` ``(hp)`` -> float array of that math shape (a mapping
+            that makes its values on access, such as :class:`RandomWeights`, keeps memory low).
+        ftype: ``"F32"``, ``"F16"`` or ``"Q8_0"``.
+
+    Returns:
+        ``Path(path)``.
+
+    Raises:
+        ValueError: unknown ``ftype``, or a missing / mis-shaped weight.
+    """
+    if ftype not in WRITE_TYPES:
+        raise ValueError(f"ftype {ftype!r} is not one of {sorted(WRITE_TYPES)}")
+    ft = WRITE_TYPES[ftype]
+    outs = []
+    for name, shape in tensor_shapes(hp).items():
+        if name not in weights:
+            raise ValueError(f"write_mmproj: weight {name!r} missing")
+        qtype = storage_type(name, shape, ft)
+        ne = tuple(reversed(shape))
+        nbytes = quant.row_bytes(qtype, ne[0]) * int(np.prod(ne[1:], dtype=np.int64))
+
+        def chunks(name: str = name, shape: tuple[int, ...] = shape, qtype: GGMLQuantizationType = qtype):
+            x = np.asarray(weights[name], dtype=np.float32)
+            if x.shape != shape:
+                raise ValueError(f"write_mmproj: weight {name!r} has shape {x.shape}, expected {shape}")
+            yield _encode(x, qtype)
+
+        outs.append(gguf_write.TensorOut(name, ne, int(qtype), nbytes, chunks))
+    gguf_write.write(path, _records(hp, ft), outs)
+    return Path(path)
+
+
+class RandomWeights(Mapping[str, np.ndarray]):
+    """Deterministic random float32 weights for every tensor of ``hp``, made on access.
+
+    Values are uniform (from ``numpy.random.default_rng([seed, crc32(name)]).random``, whose PCG64 stream is
+    stable across numpy releases), with: matrices std ``1/sqrt(fan_in)`` (the residual-stream writers
+    ``attn_out`` / ``ffn_down`` / ``ds_ffn_down`` ``1/sqrt(2 n_layer fan_in)``), the position table std 0.5,
+    norm weights ``1 + U(-0.3, 0.3)``, biases std 0.05. No value is exactly zero in practice, so a wrong norm
+    form or a dropped bias cannot hide in a conformance test.
+    """
+
+    def __init__(self, hp: MiniCPMVHParams, seed: int = 0):
+        self._hp, self._shapes, self._seed = hp, tensor_shapes(hp), int(seed)
+
+    def __getitem__(self, name: str) -> np.ndarray:
+        shape = self._shapes[name]
+        u = np.random.default_rng([self._seed, zlib.crc32(name.encode())]).random(shape) * 2.0 - 1.0  # U(-1, 1)
+        if name.endswith(".bias"):
+            std = 0.05
+        elif len(shape) == 1:
+            return (1.0 + 0.3 * u).astype(np.float32)
+        elif name == "v.position_embd.weight":
+            std = 0.5
+        else:
+            fan_in = int(np.prod(shape[1:]))
+            residual = any(s in name for s in ("attn_out.", "ffn_down."))
+            std = 1.0 / math.sqrt(fan_in * (2 * self._hp.n_layer if residual else 1))
+        return (u * (std * math.sqrt(3.0))).astype(np.float32)
+
+    def __iter__(self):
+        return iter(self._shapes)
+
+    def __len__(self) -> int:
+        return len(self._shapes)
+
+
+def synth_mmproj(path: str | os.PathLike[str], preset: str = "tiny", out_dim: int | None = None, seed: int = 0,
+                 ftype: str = "F16", scale_factor: int = 4) -> Path:
+    """Write a random-weight projector file of a :data:`PRESETS` shape.
+
+    Args:
+        path: destination file.
+        preset: ``"tiny"`` or ``"real"``.
+        out_dim: the LLM hidden size the merger projects to (default: the preset's, 64 / 1024).
+        seed: weights are a deterministic function of (seed, tensor name), see :class:`RandomWeights`.
+        ftype: ``"F32"``, ``"F16"`` or ``"Q8_0"``.
+        scale_factor: 4 (16x mode, the released model) or 2 (4x mode).
+
+    Returns:
+        ``Path(path)``. The real preset writes about 1.1 GB (F16).
+
+    Raises:
+        ValueError: unknown preset, ftype or scale factor, or ``out_dim`` < 1.
+    """
+    if preset not in PRESETS:
+        raise ValueError(f"preset {preset!r} is not one of {sorted(PRESETS)}")
+    if scale_factor not in (2, 4):
+        raise ValueError(f"scale_factor must be 4 (16x) or 2 (4x), got {scale_factor}")
+    hp = replace(PRESETS[preset], scale_factor=scale_factor)
+    if out_dim is not None:
+        if out_dim < 1:
+            raise ValueError(f"out_dim must be positive, got {out_dim}")
+        hp = replace(hp, out_dim=int(out_dim))
+    return write_mmproj(path, hp, RandomWeights(hp, seed), ftype)

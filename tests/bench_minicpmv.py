@@ -1,0 +1,109 @@
+"""Benchmark (not a test): CPU encode time of the MiniCPM-V 4.6 tower at its real dimensions, with the sgemm floor.
+
+    python tests/bench_minicpmv.py [--threads N] [--mmproj PATH] [--repeat N] [--sizes 448x448,1024x768]
+                                   [--mode 16x|4x]
+
+Writes a random ``real`` projector (27 x 1152, 16 heads, ffn 4304, 70x70 grid, out 1024; ~1.1 GB F16) to a
+temporary folder unless ``--mmproj`` names one, loads it (weights dequantized to float32, ~2.2 GB RAM) and
+times ``MiniCPMVTower.encode`` on every piece of random images (448x448 = 1 piece, 64 tokens; 1024x768 =
+5 pieces, 315 tokens), preprocessing excluded and reported apart. Prints the best and median seconds of
+``--repeat`` runs after ``--warmup`` untimed ones (default 1), the 1-minute load average before and after, and the **sgemm floor**:
+the tower's GEMM FLOPs (projections, attention products, patch embedding, both mergers) divided by the
+float32 GEMM rate measured on this machine just before (a 1024 x 1152 x 4304 ``numpy.matmul`` at the same
+thread count), i.e. the time the tower would take if every GEMM ran at that rate and everything else were
+free.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from bench_vision import load_average
+
+
+def tower_flops(grids: list[tuple[int, int]], hp, mode: str) -> float:
+    """Multiply-add FLOPs (2 per MAC) of the GEMMs of one image's pieces (``engine.arch.minicpmv.tower``)."""
+    d, f, o = hp.n_embd, hp.n_ff, hp.out_dim
+    total = 0.0
+    for gh, gw in grids:
+        s = gh * gw
+        total += 2 * s * hp.patch_dim * d
+        for il in range(hp.n_layer):
+            n = s if mode == "4x" or il <= hp.insert_layer else s // 4
+            total += 2 * n * (4 * d * d + 2 * d * f) + 4 * n * n * d
+            if mode == "16x" and il == hp.insert_layer:
+                total += 2 * s * 4 * d * d + 2 * (s // 4) * (16 * d * f + 4 * f * d) + 4 * 4 * s * d
+        tokens = s // (16 if mode == "16x" else 4)
+        total += 2 * tokens * (16 * d * d + 4 * d * o)
+    return total
+
+
+def sgemm_rate(repeat: int = 5) -> float:
+    """Best float32 GEMM rate of ``numpy.matmul`` on a (1024, 1152) x (1152, 4304) product, FLOP/s."""
+    import numpy as np
+    rng = np.random.default_rng(0)
+    a = rng.random((1024, 1152), dtype=np.float32)
+    b = rng.random((1152, 4304), dtype=np.float32)
+    best = float("inf")
+    for _ in range(repeat):
+        t0 = time.perf_counter()
+        np.matmul(a, b)
+        best = min(best, time.perf_counter() - t0)
+    return 2 * 1024 * 1152 * 4304 / best
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--mmproj", type=Path, default=None)
+    ap.add_argument("--repeat", type=int, default=3)
+    ap.add_argument("--sizes", default="448x448,1024x768", help="comma-separated WIDTHxHEIGHT")
+    ap.add_argument("--mode", default=None, choices=["16x", "4x"], help="default: the file's")
+    ap.add_argument("--warmup", type=int, default=1, help="untimed runs before the timed ones")
+    args = ap.parse_args()
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+    import numpy as np
+    from PIL import Image
+    from threadpoolctl import threadpool_limits
+
+    from engine.arch.minicpmv.mmproj import load_mmproj, synth_mmproj
+    from engine.arch.minicpmv.preprocess import prepare_pieces
+    from engine.arch.minicpmv.tower import MiniCPMVTower
+
+    with tempfile.TemporaryDirectory() as tmp:
+        path = args.mmproj or synth_mmproj(Path(tmp) / "minicpmv46-mmproj.gguf", "real", ftype="F16")
+        t0 = time.perf_counter()
+        mm = load_mmproj(path)
+        print(f"loaded {path} in {time.perf_counter() - t0:.1f} s")
+    tower = MiniCPMVTower(mm, threads=args.threads, mode=args.mode)
+    with threadpool_limits(limits=args.threads, user_api="blas"):
+        rate = sgemm_rate()
+    print(f"mode {tower.mode}, threads {args.threads or 'BLAS default'}, sgemm {rate / 1e9:.1f} GFLOP/s")
+    for size in args.sizes.split(","):
+        w, h = (int(x) for x in size.lower().split("x"))
+        img = Image.fromarray((np.random.default_rng(1).random((h, w, 3)) * 255).astype(np.uint8))
+        t0 = time.perf_counter()
+        prep = prepare_pieces(img, scale=mm.hparams.image_size, patch=mm.hparams.patch_size, mode=tower.mode)
+        t_prep = time.perf_counter() - t0
+        grids = prep.plan.piece_grids
+        times = []
+        load0 = load_average()
+        for _ in range(args.warmup + args.repeat):
+            t0 = time.perf_counter()
+            tower.encode(prep.pieces, grids)
+            times.append(time.perf_counter() - t0)
+        times = times[args.warmup:]
+        floor = tower_flops(grids, mm.hparams, tower.mode) / rate
+        print(f"{w}x{h}: {len(grids)} pieces, {sum(prep.plan.token_counts)} tokens | encode best "
+              f"{min(times):.2f} s, median {statistics.median(times):.2f} s (n={len(times)}) | sgemm floor "
+              f"{floor:.2f} s | preprocess {t_prep * 1000:.0f} ms | load {load0} -> {load_average()}")
+
+
+if __name__ == "__main__":
+    main()

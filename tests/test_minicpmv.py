@@ -1,0 +1,396 @@
+"""MiniCPM-V 4.6 vision: preprocessing, position buckets, token counts and the tower against HF transformers
+(``tests/fixtures/minicpmv/golden.npz``, made by ``make_fixtures.py`` there), plus the projector file's
+validation, the window-attention merger against a loop reference, and cancellation."""
+
+from __future__ import annotations
+
+import sys
+import threading
+from dataclasses import replace
+from pathlib import Path
+
+import numpy as np
+import pytest
+from gguf import GGUFValueType
+from PIL import Image
+
+from engine import gguf_write
+from engine.arch.minicpmv import mmproj as mp
+from engine.arch.minicpmv import preprocess as pre
+from engine.arch.minicpmv.layout import expand_layout, image_layout, sequential_positions
+from engine.arch.minicpmv.tower import MiniCPMVTower, merge_2x2, window_attention, window_order
+from engine.errors import GenerationCancelled, ImageError, ModelFormatError, UnsupportedModelError
+from engine.gguf_header import read_header
+from engine.events import TokenEvent
+from engine.sampling import SamplingParams
+from engine.vision import ImageEncoder
+
+FIXTURES = Path(__file__).parent / "fixtures" / "minicpmv"
+sys.path.insert(0, str(FIXTURES))
+
+from cases import (CONVERTER_HPARAMS, CONVERTER_SEED, COUNT_SIZES, E2E_IMAGE, E2E_TEXT, IMAGE_PAD,  # noqa: E402
+                   MMPROJ, OUTPUT_ROWS, STOPS, TOWER_CASES, kept_rows, layout_ids, sample_image)
+
+TOL = 1e-4
+"""Largest relative error (Frobenius norm of the difference over that of HF's stage) at float32."""
+
+
+@pytest.fixture(scope="module")
+def gold():
+    return np.load(FIXTURES / "golden.npz")
+
+
+@pytest.fixture(scope="module")
+def mm(tmp_path_factory):
+    return mp.load_mmproj(mp.synth_mmproj(tmp_path_factory.mktemp("mcv") / "m-mmproj.gguf", **MMPROJ))
+
+
+def rel_err(ours: np.ndarray, ref: np.ndarray) -> float:
+    return float(np.linalg.norm(ours.astype(np.float64) - ref) / np.linalg.norm(ref))
+
+
+# ------------------------------------------------------------------------------------ preprocessing
+
+def test_token_counts_equal_hf_processor(gold):
+    for i, (h, w) in enumerate(COUNT_SIZES):
+        for mode in pre.MODES:
+            plan = pre.plan_slices(h, w, mode=mode)
+            assert sum(plan.token_counts) == gold[f"counts_{mode}"][i], (h, w, mode)
+        grid = pre.plan_slices(h, w).grid
+        assert (grid or (0, 0)) == tuple(gold["counts_grid"][i]), (h, w)
+
+
+def test_known_token_counts():
+    """The figures llama.cpp and HF publish for the released model (16x mode): 448x448 -> 64, 1024x768 -> 315
+    (a 2x2 grid of 392x504 slices plus a 392x504 overview), 1920x1080 -> 578 (616x336 overview + 2x4 slices)."""
+    assert pre.plan_slices(448, 448).token_counts == [64]
+    p = pre.plan_slices(768, 1024)
+    assert (p.grid, p.overview, p.slice_size, sum(p.token_counts)) == ((2, 2), (392, 504), (392, 504), 315)
+    assert sum(pre.plan_slices(768, 1024, mode="4x").token_counts) == 1260
+    p = pre.plan_slices(1080, 1920)
+    assert (p.overview, p.grid, p.slice_size, sum(p.token_counts)) == ((336, 616), (2, 4), (448, 448), 578)
+
+
+def test_pieces_equal_hf_pixel_values(gold):
+    for seed, (name, hw, mode) in enumerate(TOWER_CASES):
+        prep = pre.prepare_pieces(Image.fromarray(sample_image(*hw, seed)), mode=mode)
+        assert [list(g) for g in prep.plan.piece_grids] == gold[f"{name}_pieces"].tolist(), name
+        assert prep.plan.token_counts == gold[f"{name}_tokens"].tolist(), name
+        rows = np.concatenate(prep.pieces)
+        np.testing.assert_allclose(rows[kept_rows(len(rows))], gold[f"{name}_pixels"], rtol=0, atol=1e-6,
+                                   err_msg=name)
+
+
+def test_bucket_rule_is_exact_and_matches_hf(gold):
+    sides, hf = gold["bucket_sides"], gold["bucket_rows"].astype(np.int64)
+    start = 0
+    for n in sides.tolist():
+        ours = pre.bucket_position_ids(n, 1, 70) // 70
+        assert ours.tolist() == [(70 * i) // n for i in range(n)]
+        if n <= 128 or n in (196, 392):
+            assert ours.tolist() == hf[start:start + n].tolist(), n
+        start += n
+    # the tie case: at n = 28 every other row is an exact tie 70*i/28 = 2.5*i (i even) and keeps its bucket
+    assert pre.bucket_position_ids(28, 1)[::2].tolist() == [70 * (5 * i // 2) for i in range(0, 28, 2)]
+
+
+def test_slicing_rules():
+    assert pre.slice_grid(448, 448, 448, 9) is None                 # one slice's area: not sliced
+    assert pre.slice_grid(300, 500, 448, 9) is None                 # a side above 448 but a smaller area
+    assert pre.slice_grid(420, 1500, 448, 9) == (1, 4)
+    assert pre.slice_grid(1500, 420, 448, 9) == (4, 1)
+    assert pre.slice_grid(4000, 4000, 448, 9) == (3, 3)             # capped at 9 slices
+    assert pre.ensure_divide(84, 56) == 112 and pre.ensure_divide(28, 56) == 56   # round half to even, floor 56
+    up = pre.plan_slices(100, 100)
+    assert up.grid is None and up.overview == (448, 448)             # small images are upscaled
+    with pytest.raises(ImageError, match="elongated"):
+        pre.plan_slices(1, 500)
+    with pytest.raises(ValueError, match="mode"):
+        pre.plan_slices(10, 10, mode="8x")
+
+
+# ------------------------------------------------------------------------------------ the tower
+
+def _run(tower: MiniCPMVTower, pieces, grids):
+    stages: dict[str, list[np.ndarray]] = {}
+
+    def cb(stage, il, x):
+        stages.setdefault(stage if il < 0 else f"{stage}.{il}", []).append(np.array(x, copy=True))
+
+    outs = tower.encode(pieces, grids, cb)
+    return outs, {k: np.concatenate(v) for k, v in stages.items()}
+
+
+@pytest.mark.parametrize("case", TOWER_CASES, ids=[c[0] for c in TOWER_CASES])
+def test_tower_stages_match_hf(case, mm, gold):
+    name, hw, mode = case
+    seed = TOWER_CASES.index(case)
+    prep = pre.prepare_pieces(Image.fromarray(sample_image(*hw, seed)), mode=mode)
+    tower = MiniCPMVTower(mm, threads=2, mode=mode)
+    outs, stages = _run(tower, prep.pieces, prep.plan.piece_grids)
+    assert [len(o) for o in outs] == prep.plan.token_counts
+    merged = np.concatenate(outs)
+    errors = {"merger_out": rel_err(merged[kept_rows(len(merged), OUTPUT_ROWS)], gold[f"{name}_merger_out"])}
+    expected = {"patch_embd", "embeddings", "post_ln", *(f"layer_out.{i}" for i in range(mm.hparams.n_layer))}
+    if mode == "16x":
+        expected.add("vit_merger")
+    assert expected <= set(stages)
+    for stage in expected:
+        x = stages[stage]
+        errors[stage] = rel_err(x[kept_rows(len(x))], gold[f"{name}_{stage}"])
+    assert max(errors.values()) <= TOL, errors
+
+
+def test_window_attention_matches_loop_reference():
+    rng = np.random.default_rng(3)
+    q, k, v = (rng.standard_normal((24, 32)).astype(np.float32) + 0.1 for _ in range(3))
+    out = window_attention(q, k, v, n_head=4)
+    ref = np.empty_like(out, dtype=np.float64)
+    for wi in range(6):
+        r = slice(4 * wi, 4 * wi + 4)
+        for h in range(4):
+            c = slice(8 * h, 8 * h + 8)
+            s = q[r, c].astype(np.float64) @ k[r, c].T.astype(np.float64) / np.sqrt(8)
+            p = np.exp(s - s.max(axis=1, keepdims=True))
+            ref[r, c] = (p / p.sum(axis=1, keepdims=True)) @ v[r, c]
+    np.testing.assert_allclose(out, ref, rtol=1e-5, atol=1e-6)
+
+
+def test_window_order_and_merge_agree():
+    """The vit_merger's window order and the final merger's 2x2 concat group the same tokens in the same order."""
+    x = np.arange(6 * 8, dtype=np.float32).reshape(48, 1)
+    assert window_order(6, 8)[:8].tolist() == [0, 1, 8, 9, 2, 3, 10, 11]
+    np.testing.assert_array_equal(merge_2x2(x, 6, 8), x[window_order(6, 8)].reshape(-1, 4))
+
+
+def test_tower_is_thread_invariant(mm):
+    rng = np.random.default_rng(5)
+    pix = (rng.random((8 * 12, mm.hparams.patch_dim), dtype=np.float32) * 2 - 1)
+    one = MiniCPMVTower(mm, threads=1).encode_piece(pix, (8, 12))
+    two = MiniCPMVTower(mm, threads=2).encode_piece(pix, (8, 12))
+    assert one.shape == (6, mm.hparams.out_dim)
+    assert rel_err(two, one) <= 1e-5
+
+
+def test_cancel_between_layers(mm):
+    tower = MiniCPMVTower(mm)
+    cancel = threading.Event()
+    seen = []
+
+    def cb(stage, il, x):
+        seen.append((stage, il))
+        if stage == "layer_out" and il == 1:
+            cancel.set()
+
+    with pytest.raises(GenerationCancelled):
+        tower.encode_piece(np.ones((16, mm.hparams.patch_dim), np.float32) * 0.3, (4, 4), cb, cancel)
+    assert ("layer_out", 2) not in seen and ("layer_out", 1) in seen
+
+
+def test_tower_rejects_mismatched_grid(mm):
+    tower = MiniCPMVTower(mm)
+    with pytest.raises(ValueError, match="do not fit grid"):
+        tower.encode_piece(np.zeros((16, mm.hparams.patch_dim), np.float32), (2, 8))
+    with pytest.raises(ValueError, match="do not fit grid"):
+        tower.encode_piece(np.zeros((12, mm.hparams.patch_dim), np.float32), (4, 4))
+
+
+# ------------------------------------------------------------------------------------ the file
+
+def test_synth_file_layout(mm, tmp_path):
+    t = read_header(mm.path)
+    assert t.value("clip.projector_type") == "minicpmv4_6"
+    assert t.value("clip.vision.projector.scale_factor") == 4
+    assert t.value("clip.vision.wa_layer_indexes") == [1]
+    assert t.value("clip.vision.image_size") == 448
+    assert set(t.tensors) == set(mp.tensor_shapes(mm.hparams))
+    assert mm.qtypes["v.blk.0.attn_q.weight"] == "F16" and mm.qtypes["v.blk.0.ln1.weight"] == "F32"
+    assert mm.hparams == replace(mp.PRESETS["tiny"])
+    q8 = mp.load_mmproj(mp.synth_mmproj(tmp_path / "q8.gguf", "tiny", seed=1, ftype="Q8_0", scale_factor=2))
+    assert q8.hparams.mode == "4x" and q8.qtypes["mm.up.weight"] == "Q8_0"
+    assert mp.storage_type("v.blk.0.ffn_down.weight", (1152, 4304), mp.Q.Q8_0) == mp.Q.F16   # 4304 % 32 != 0
+    assert mp.storage_type("v.position_embd.weight", (4900, 1152), mp.Q.F16) == mp.Q.F32
+
+
+def test_synth_pair_matches_text_width(tmp_path):
+    from engine.gguf_file import GGUFFile
+    from engine.arch.qwen35.synth import synth
+    from engine.tools.synth import synth_mmproj_for
+    synth(tmp_path / "m.gguf", "minicpmv46-tiny", quant="f32", vocab=None)
+    proj = mp.load_mmproj(synth_mmproj_for(tmp_path / "m-mmproj.gguf", "minicpmv46-tiny"))
+    text = GGUFFile.open(tmp_path / "m.gguf")
+    assert text.arch == "qwen35" and proj.hparams.out_dim == text.hparams.n_embd
+    assert proj.hparams.n_layer == 4 and proj.qtypes["mm.up.weight"] == "F16"
+
+
+def test_reads_what_llama_cpp_writes(tmp_path):
+    """llamacpp-mmproj-f16.gguf was written by llama.cpp's convert_hf_to_gguf.py (make_fixtures.py) from an HF
+    checkpoint holding RandomWeights(CONVERTER_HPARAMS, CONVERTER_SEED): the engine's writer, given the same
+    weights, writes the same keys, tensors, storage types and values."""
+    theirs = mp.load_mmproj(FIXTURES / "llamacpp-mmproj-f16.gguf")
+    hp = replace(mp.PRESETS["tiny"], **CONVERTER_HPARAMS)
+    ours = mp.load_mmproj(mp.write_mmproj(tmp_path / "ours.gguf", hp, mp.RandomWeights(hp, CONVERTER_SEED)))
+    assert theirs.hparams == ours.hparams == hp
+    assert theirs.qtypes == ours.qtypes
+    for name, x in ours.weights.items():
+        np.testing.assert_array_equal(theirs.weights[name], x, err_msg=name)
+    t_theirs, t_ours = read_header(theirs.path), read_header(ours.path)
+    for key in ("clip.projector_type", "clip.vision.image_size", "clip.vision.projector.scale_factor",
+                "clip.vision.wa_layer_indexes", "clip.use_gelu", "general.type", "clip.vision.projection_dim"):
+        assert t_theirs.value(key) == t_ours.value(key), key
+    rows = MiniCPMVTower(theirs).encode_piece(np.full((64, hp.patch_dim), 0.25, np.float32), (8, 8))
+    assert rows.shape == (4, 32) and np.isfinite(rows).all()
+
+
+def _rewrite(src: Path, dst: Path, *, drop_key: str | None = None, set_key: tuple | None = None,
+             drop_tensor: str | None = None, reshape: str | None = None) -> Path:
+    """A copy of projector file ``src`` with one key or tensor changed (written by engine.gguf_write)."""
+    src_mm = mp.load_mmproj(src)
+    hp = src_mm.hparams
+    recs = []
+    for r in mp._records(hp, mp.Q.F16):
+        key = r[8:8 + int.from_bytes(r[:8], "little")].decode()
+        if key == drop_key:
+            continue
+        if set_key is not None and key == set_key[0]:
+            r = gguf_write.kv_record(*set_key)
+        recs.append(r)
+    outs = []
+    for name, x in src_mm.weights.items():
+        if name == drop_tensor:
+            continue
+        if name == reshape:
+            x = x[:-1]
+        ne = tuple(reversed(x.shape))
+        outs.append(gguf_write.TensorOut(name, ne, 0, x.nbytes, lambda x=x: [np.ascontiguousarray(x)]))
+    gguf_write.write(dst, recs, outs)
+    return dst
+
+
+@pytest.mark.parametrize("change, error, match", [
+    (dict(set_key=("clip.projector_type", "qwen3vl_merger", GGUFValueType.STRING)), UnsupportedModelError,
+     "projector_type"),
+    (dict(set_key=("general.architecture", "qwen35", GGUFValueType.STRING)), UnsupportedModelError, "clip"),
+    (dict(drop_key="clip.vision.block_count"), ModelFormatError, "block_count"),
+    (dict(set_key=("clip.vision.projector.scale_factor", 3, GGUFValueType.UINT32)), UnsupportedModelError,
+     "scale_factor"),
+    (dict(set_key=("clip.vision.wa_layer_indexes", [9], GGUFValueType.ARRAY, GGUFValueType.INT32)),
+     ModelFormatError, "wa_layer_indexes"),
+    (dict(set_key=("clip.vision.image_mean", [0.5], GGUFValueType.ARRAY, GGUFValueType.FLOAT32)),
+     ModelFormatError, "image_mean"),
+    (dict(drop_tensor="v.vit_merger.ds_ln.bias"), ModelFormatError, "ds_ln.bias"),
+    (dict(reshape="mm.up.weight"), ModelFormatError, "mm.up.weight"),
+    (dict(reshape="v.position_embd.weight"), ModelFormatError, "position_embd"),
+])
+def test_bad_files_name_the_problem(mm, tmp_path, change, error, match):
+    bad = _rewrite(mm.path, tmp_path / "bad.gguf", **change)
+    with pytest.raises(error, match=match):
+        mp.load_mmproj(bad)
+
+
+def test_truncated_file(mm, tmp_path):
+    data = mm.path.read_bytes()
+    for n in (10, 200, len(data) // 2):
+        (tmp_path / "cut.gguf").write_bytes(data[:n])
+        with pytest.raises(ModelFormatError, match="cut.gguf"):
+            mp.load_mmproj(tmp_path / "cut.gguf")
+
+
+# ------------------------------------------------------------------------------------ prompt layout, encoder
+
+def test_image_layout_of_a_sliced_image():
+    plan = pre.plan_slices(768, 1024)                                   # overview + 2x2 slices, 63 tokens each
+    layout = image_layout(plan, 0)
+    assert layout == ["<image_id>0</image_id><image>", 63, "</image><slice>", 63, "</slice><slice>", 63,
+                      "</slice>\n<slice>", 63, "</slice><slice>", 63, "</slice>"]
+    assert image_layout(pre.plan_slices(448, 448), 2) == ["<image_id>2</image_id><image>", 64, "</image>"]
+    ids, starts = expand_layout(layout, lambda s: [ord(c) for c in s], pad_id=7)
+    assert [ids[s:s + 63] == [7] * 63 for s in starts] == [True] * 5
+    assert ids.count(7) == 315 and "".join(chr(i) for i in ids if i != 7).endswith("</slice>")
+
+
+def test_image_encoder_runs_all_pieces_and_caches(mm):
+    """engine.vision.ImageEncoder drives the registry tower: one prepared image holds every piece."""
+    enc = ImageEncoder(mm)
+    img = Image.fromarray(sample_image(700, 700, 3))
+    first = enc.encode(img)
+    again = enc.encode(img)
+    plan = enc.tower.plan(700, 700)
+    assert not first.from_cache and again.from_cache
+    assert first.n_tokens == sum(plan.token_counts) == 320 and first.grid == (1, 320)
+    assert first.size == plan.overview and first.original_size == (700, 700)
+    ref = MiniCPMVTower(mm).encode(pre.prepare_pieces(img).pieces, plan.piece_grids)
+    np.testing.assert_array_equal(first.embeddings, np.concatenate(ref))
+    four = ImageEncoder(mp.load_mmproj(mp.synth_mmproj(mm.path.with_name("m4.gguf"), **{**MMPROJ, "scale_factor": 2})))
+    assert four.tower.identity != enc.tower.identity and four.encode(img).n_tokens == 4 * 320
+
+
+def test_engine_prompt_lays_out_slices(synth_model, tmp_path):
+    """Engine.load picks the minicpmv folder by clip.projector_type; the prompt holds HF's layout with one span
+    per piece, sequential positions, and the image digest in every span's prefix-cache key."""
+    from engine.api import Engine, EngineOptions
+    from engine.tools.synth import synth_mmproj_for
+
+    text = synth_model("minicpmv46-tiny", "q8_0")
+    proj = synth_mmproj_for(tmp_path / "m-mmproj.gguf", "minicpmv46-tiny")
+    engine = Engine.load(text, proj, options=EngineOptions(context=2048, device="cpu"))
+    try:
+        img = Image.fromarray(sample_image(700, 700, 3))
+        msg = [{"role": "user", "content": [{"type": "image", "image": img}, {"type": "text", "text": "What?"}]}]
+        prompt = engine.prepare(msg)
+        tok = engine.tokenizer
+        assert len(prompt.images) == 5 and [len(e) for _, e, _ in prompt.images] == [64] * 5
+        pad = tok.token_id("<|image_pad|>")
+        for start, emb, _ in prompt.images:
+            assert prompt.tokens[start:start + len(emb)] == [pad] * len(emb) and prompt.tokens[start + len(emb)] != pad
+        text_between = tok.decode(prompt.tokens[prompt.images[0][0] + 64:prompt.images[3][0]])
+        assert text_between.startswith("</image><slice>") and "</slice>\n<slice>" in text_between
+        assert "<image_id>0</image_id><image>" in tok.decode(prompt.tokens[:prompt.images[0][0]])
+        np.testing.assert_array_equal(prompt.positions, np.repeat(np.arange(len(prompt.tokens))[None], 3, 0))
+        keys = {k for _, _, k in prompt.images}
+        other = engine.prepare([{"role": "user", "content": [{"type": "image", "image": Image.fromarray(
+            sample_image(700, 700, 4))}, {"type": "text", "text": "What?"}]}])
+        assert len(keys) == 1 and keys.isdisjoint({k for _, _, k in other.images})
+        events = list(engine.chat(msg, SamplingParams(max_tokens=3, temperature=0.0)))
+        assert sum(1 for e in events if isinstance(e, TokenEvent)) == 3
+    finally:
+        engine.close()
+
+
+# ------------------------------------------------------------------------------------ end to end
+
+def test_image_prompt_logits_match_hf(tmp_path):
+    """An image question through the engine's text model against HF's MiniCPMV4_6ForConditionalGeneration:
+    the prompt laid out by image_layout (a 2x2-sliced image: overview + 4 slice runs of pads), the pieces'
+    rows spliced over the pads, sequential positions; logits after STOPS tokens and at the end."""
+    import threading as th
+
+    from engine.arch.qwen35.model import Qwen35Model
+    from engine.gguf_file import GGUFFile
+    from engine.runtime import prefill
+    from engine.state import SequenceState
+
+    gold = np.load(FIXTURES / "golden.npz")
+    gguf = GGUFFile.open(FIXTURES / "tiny-qwen35-f16.gguf")
+    model = Qwen35Model(gguf.hparams, gguf)
+    mm = mp.load_mmproj(mp.synth_mmproj(tmp_path / "m.gguf", **MMPROJ))
+    name, (h, w), seed = E2E_IMAGE
+    encoder = ImageEncoder(mm)
+    enc = encoder.encode(Image.fromarray(sample_image(h, w, seed)))
+    plan = encoder.tower.plan(h, w)
+    layout_tokens, starts = expand_layout(image_layout(plan, 0), layout_ids, IMAGE_PAD)
+    ids = gold["e2e_ids"]
+    head = E2E_TEXT[0]
+    assert ids[head:head + len(layout_tokens)].tolist() == layout_tokens
+    rows_of = np.split(enc.embeddings, np.cumsum(plan.token_counts)[:-1])
+    spans = [(head + s, e, b"image") for s, e in zip(starts, rows_of, strict=True)]
+    positions = sequential_positions(ids, [], IMAGE_PAD, -1)
+    rows: dict[int, np.ndarray] = {}
+    last = prefill(model, ids.tolist(), SequenceState.new(model.hp, len(ids) + 8), th.Event(), list(STOPS),
+                   lambda pos, logits: rows.__setitem__(pos, logits.copy()), positions, spans)
+    ours = np.stack([rows[k] for k in STOPS] + [last])
+    ref = gold["e2e_logits"]
+    err = float(np.abs(ours - ref).max() / np.abs(ref).max())
+    assert err <= TOL, err
+    no_image = prefill(model, ids.tolist(), SequenceState.new(model.hp, len(ids) + 8), th.Event())
+    assert float(np.abs(no_image - ref[-1]).max() / np.abs(ref).max()) > 100 * TOL   # the image rows matter
