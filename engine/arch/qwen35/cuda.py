@@ -171,21 +171,12 @@ class CudaPrefill(CudaBackend):
             return self._prefill(tokens, state, np.ascontiguousarray(positions, dtype=np.int32))
 
     def _prefill(self, tokens: np.ndarray, state: SequenceState, positions: np.ndarray) -> np.ndarray:
-        drv, hp = self._drv, self.hp
+        hp = self.hp
         t_wall = time.perf_counter()
         n, p0 = tokens.shape[0], state.pos
-        end = p0 + n
-        room = self.plan.budget - self.plan.fixed_bytes
-        n_pass = pass_tokens(hp, n, end, room)
-        self._prepare(n_pass, end)
-        for il, (kp, vp) in self.kv.items():
-            if p0:
-                drv.memcpy_htod(kp, np.ascontiguousarray(state.k[il][:p0]))
-                drv.memcpy_htod(vp, np.ascontiguousarray(state.v[il][:p0]))
-        for il in self.conv_state:
-            drv.memcpy_htod(self.conv_state[il], np.ascontiguousarray(state.conv[il], dtype=np.float32))
-            drv.memcpy_htod(self.ssm_state[il], np.ascontiguousarray(state.ssm[il], dtype=np.float32))
-
+        n_pass = pass_tokens(hp, n, p0 + n, self.plan.budget - self.plan.fixed_bytes)
+        self._prepare(n_pass, p0 + n)
+        self._upload_state(state)
         streamed = bool(self.plan.streamed_experts)
         mode = "resident" if not streamed else ("selective" if use_selective(hp, n_pass) else "streamed")
         tel = PrefillTelemetry(n_tokens=n, passes=0, mode=mode, wall_ms=0.0, gpu_ms=0.0, h2d_bytes=0, h2d_ms=0.0,
@@ -206,7 +197,24 @@ class CudaPrefill(CudaBackend):
         self.compute.synchronize()
         self.copy_stream.synchronize()
         logits = self.staging["logits"].copy()
+        self._download_state(state, p0, p0 + n)
+        self._finish_telemetry(tel, first, last, t_wall)
+        return logits
 
+    def _upload_state(self, state: SequenceState) -> None:
+        """The state's KV rows ``[:pos]`` and every GDN layer's conv window and delta-rule state, to the GPU."""
+        drv, p0 = self._drv, state.pos
+        for il, (kp, vp) in self.kv.items():
+            if p0:
+                drv.memcpy_htod(kp, np.ascontiguousarray(state.k[il][:p0]))
+                drv.memcpy_htod(vp, np.ascontiguousarray(state.v[il][:p0]))
+        for il in self.conv_state:
+            drv.memcpy_htod(self.conv_state[il], np.ascontiguousarray(state.conv[il], dtype=np.float32))
+            drv.memcpy_htod(self.ssm_state[il], np.ascontiguousarray(state.ssm[il], dtype=np.float32))
+
+    def _download_state(self, state: SequenceState, p0: int, end: int) -> None:
+        """The new KV rows ``[p0, end)`` and the recurrent state back into ``state``; ``state.pos`` = end."""
+        drv, hp = self._drv, self.hp
         for il, (kp, vp) in self.kv.items():
             row = hp.n_head_kv * hp.head_dim * 4
             drv.memcpy_dtoh(state.k[il][p0:end], kp + p0 * row)
@@ -222,6 +230,8 @@ class CudaPrefill(CudaBackend):
             state.ssm[il][...] = ssm[il]
         state.pos = end
 
+    def _finish_telemetry(self, tel: PrefillTelemetry, first: Any, last: Any, t_wall: float) -> None:
+        """Per-layer compute / copy times and bytes from the recorded events, totals, VRAM; kept as last_telemetry."""
         for il, kind, ea, eb, nbytes in self._events:
             lt = tel.layers[il]
             ms = ea.time_till(eb)
@@ -235,10 +245,9 @@ class CudaPrefill(CudaBackend):
         tel.h2d_ms = sum(lt.h2d_ms for lt in tel.layers)
         tel.gpu_ms = first.time_till(last)
         tel.vram_used = self._dev.used
-        tel.vram_free = drv.mem_get_info()[0]
+        tel.vram_free = self._drv.mem_get_info()[0]
         tel.wall_ms = (time.perf_counter() - t_wall) * 1e3
         self.last_telemetry = tel
-        return logits
 
     def _expert_mode(self, il: int, mode: str) -> str:
         if not self.hp.is_moe:
@@ -343,7 +352,7 @@ class CudaPrefill(CudaBackend):
         self.kernels.gemm(self.compute, w, ptr, a, lda, c, ldc, m, accumulate=accumulate)
 
     def _gated_delta_net(self, il: int, n: int) -> None:
-        """Spec 3.2: h += W_out gated_norm(delta_rule(conv(W_qkv x)), W_z x)."""
+        """docs/spec/qwen35.md 3.2: h += W_out gated_norm(delta_rule(conv(W_qkv x)), W_z x)."""
         hp, k, cs, a = self.hp, self.kernels, self.compute, self.act.ptr
         p, d, C, vd, nv = f"blk.{il}.", hp.n_embd, hp.conv_dim, hp.value_dim, hp.num_v_heads
         self._gemm(p + "attn_qkv.weight", a["x"], d, a["mixed"], C, n)
@@ -363,7 +372,8 @@ class CudaPrefill(CudaBackend):
         self._gemm(p + "ssm_out.weight", a["y"], vd, a["h"], d, n, accumulate=True)
 
     def _attention(self, il: int, n: int, p0: int) -> None:
-        """Spec 3.1: h += W_o (softmax(q k^T) v * sigmoid(gate)); K (normed, rotated) and V land in the cache."""
+        """docs/spec/qwen35.md 3.1: h += W_o (softmax(q k^T) v * sigmoid(gate)); K (normed, rotated) and V land
+        in the cache."""
         hp, k, cs, a = self.hp, self.kernels, self.compute, self.act.ptr
         p, d, hd, nh, nkv = f"blk.{il}.", hp.n_embd, hp.head_dim, hp.n_head, hp.n_head_kv
         kc, vc = self.kv[il]
@@ -416,8 +426,37 @@ class CudaPrefill(CudaBackend):
         self._copied[il] = (task, ev1)
         self._events.append((il, "copy", ev0, ev1, sum(c for _, c in runs) * stride))
 
+    def _shared_expert(self, p: str, n: int) -> Any:
+        """Queue the shared expert's SwiGLU of ``x`` into ``sh`` and return that buffer (0 without a shared expert)."""
+        hp, a = self.hp, self.act.ptr
+        if not hp.n_ff_shexp:
+            return 0
+        d, fs = hp.n_embd, hp.n_ff_shexp
+        self._gemm(p + "ffn_gate_shexp.weight", a["x"], d, a["hs"], 2 * fs, n)
+        self._gemm(p + "ffn_up_shexp.weight", a["x"], d, a["hs"] + fs * 4, 2 * fs, n)
+        self.kernels.swiglu(self.compute, a["hs"], a["acts"], n, fs)
+        self._gemm(p + "ffn_down_shexp.weight", a["acts"], fs, a["sh"], d, n)
+        return a["sh"]
+
+    def _selective_routes(self, il: int, n: int) -> tuple[int, int]:
+        """Selective streaming: copy only the experts the router chose into the next slot and upload the
+        host-built routing tables. Returns (slot, tile count)."""
+        hp, a, lay = self.hp, self.act.ptr, self.layouts[il]
+        E, top, nk = hp.n_expert, hp.n_expert_used, n * hp.n_expert_used
+        idx = self.staging["tidx"][:nk].reshape(n, top)
+        used = np.unique(idx)
+        offsets = np.zeros(E, dtype=np.int64)
+        offsets[used] = np.arange(used.size, dtype=np.int64) * lay.stride
+        slot = self._slot_turn % len(self.slots)
+        self._slot_turn += 1
+        self._copy_runs(il, slot, copy_runs(used))
+        tables = route_tables(idx, self.staging["tw"][:nk].reshape(n, top), E, offsets)
+        for name in ("a_rows", "row_w", "inv", "tiles"):
+            self._upload_async(a[name], name, getattr(tables, name))
+        return slot, tables.tiles.shape[0]
+
     def _moe(self, il: int, n: int, mode: str, order: list[int]) -> None:
-        """Spec 3.3: h += sum of the top-k routed experts (weighted) + the gated shared expert.
+        """docs/spec/qwen35.md 3.3: h += sum of the top-k routed experts (weighted) + the gated shared expert.
 
         Routing tables are built on the GPU (no host round trip), except in selective mode, where the
         host needs the selected experts to copy them and builds the tables itself.
@@ -435,31 +474,12 @@ class CudaPrefill(CudaBackend):
             drv.memcpy_dtoh_async(self.staging["tw"][:nk], a["tw"], cs)
             routed = self._record(cs)
 
-        sh = 0
-        if hp.n_ff_shexp:  # queued before the host waits for a selective routing, so the GPU stays busy
-            fs = hp.n_ff_shexp
-            self._gemm(p + "ffn_gate_shexp.weight", a["x"], d, a["hs"], 2 * fs, n)
-            self._gemm(p + "ffn_up_shexp.weight", a["x"], d, a["hs"] + fs * 4, 2 * fs, n)
-            k.swiglu(cs, a["hs"], a["acts"], n, fs)
-            self._gemm(p + "ffn_down_shexp.weight", a["acts"], fs, a["sh"], d, n)
-            sh = a["sh"]
+        sh = self._shared_expert(p, n)  # queued before the host waits for a selective routing: the GPU stays busy
 
         slot, n_tiles_dev = -1, 0
         if selective:
             routed.synchronize()
-            idx = self.staging["tidx"][:nk].reshape(n, top)
-            used = np.unique(idx)
-            offsets = np.zeros(E, dtype=np.int64)
-            offsets[used] = np.arange(used.size, dtype=np.int64) * lay.stride
-            slot = self._slot_turn % len(self.slots)
-            self._slot_turn += 1
-            self._copy_runs(il, slot, copy_runs(used))
-            tables = route_tables(idx, self.staging["tw"][:nk].reshape(n, top), E, offsets)
-            self._upload_async(a["a_rows"], "a_rows", tables.a_rows)
-            self._upload_async(a["row_w"], "row_w", tables.row_w)
-            self._upload_async(a["inv"], "inv", tables.inv)
-            self._upload_async(a["tiles"], "tiles", tables.tiles)
-            n_tiles = tables.tiles.shape[0]
+            slot, n_tiles = self._selective_routes(il, n)
         else:
             if not resident:
                 slot = self._slot_of[il]
