@@ -19,20 +19,16 @@ survives a restart. A corrupt, partial, foreign-model or old-version file is ign
 line, never loaded; so is one whose header was edited (its checksum recomputed): every file's
 header is validated against the loaded model (identity, position within the context, the exact set
 of array names of its layers, each array's dtype and shape, its size) before it is listed or
-restored (:func:`check_header`), so the cache's contents never stop a model from loading. A write
-that fails (disk full) removes its temporary file; temporary files left by a crash are swept when
-the cache opens its folder.
+restored (:func:`engine.snapshot_file.check_header`; the file format is :mod:`engine.snapshot_file`), so the
+cache's contents never stop a model from loading. A write that fails (disk full) removes its temporary
+file; temporary files left by a crash are swept when the cache opens its folder.
 """
 
 from __future__ import annotations
 
 import hashlib
-import io
-import json
 import logging
-import os
 import struct
-import tempfile
 import threading
 import time
 from collections import OrderedDict
@@ -42,12 +38,11 @@ from typing import Iterable, Mapping, Sequence
 
 import numpy as np
 
+from .snapshot_file import FORMAT_VERSION, decode, encode, write_atomic
 from .state import HasStateLayout, SequenceState
 
 log = logging.getLogger(__name__)
 
-FORMAT_MAGIC = b"DDSNAP\x00\x01"
-FORMAT_VERSION = 1
 _DIGEST = 16  # bytes of each blake2b key
 
 
@@ -167,67 +162,6 @@ def state_arrays(state: SequenceState) -> dict[str, np.ndarray]:
     return out
 
 
-def expected_arrays(hp: HasStateLayout, pos: int) -> dict[str, tuple[int, ...]]:
-    """Name -> shape of every float32 array a snapshot at ``pos`` holds for ``hp`` (``logits`` aside):
-    :meth:`engine.state.StateLayout.arrays`."""
-    return hp.state_layout().arrays(pos)
-
-
-def check_header(hp: HasStateLayout, identity: str, meta: object, payload_bytes: int) -> str | None:
-    """Why a snapshot file's parsed JSON header does not fit the loaded model, or None when it does.
-
-    Args:
-        hp: the loaded model's hyper-parameters. identity: its file identity.
-        meta: the parsed header (anything JSON gives).
-        payload_bytes: bytes between the header and the checksum (tokens and arrays).
-    Checks: version, identity, ``pos`` an int in 1..context_length, ``key`` a hex string, ``images``
-    position -> hex digest, ``arrays`` exactly :func:`expected_arrays` (plus an optional ``logits`` of
-    (n_vocab,)), every one ``<f4``, the payload's size = 4 * pos + the arrays' bytes, ``conversation`` a
-    string, ``created`` and ``hits`` numbers within +-1e18 (not NaN or infinite).
-    """
-    if not isinstance(meta, dict):
-        return "the header is not an object"
-    if meta.get("version") != FORMAT_VERSION:
-        return f"format version {meta.get('version')!r} (this build reads {FORMAT_VERSION})"
-    if meta.get("identity") != identity:
-        return "belongs to another model file"
-    layout = hp.state_layout()
-    pos = meta.get("pos")
-    if not isinstance(pos, int) or isinstance(pos, bool) or not 1 <= pos <= layout.context_length:
-        return f"pos {pos!r} is not a position within the context (1..{layout.context_length})"
-    if not isinstance(meta.get("key"), str):
-        return "no key"
-    images = meta.get("images", {})
-    if not isinstance(images, dict) or not all(isinstance(p, str) and p.isdigit() and int(p) < pos
-                                               and isinstance(d, str) for p, d in images.items()):
-        return "malformed image table"
-    arrays = meta.get("arrays")
-    if not isinstance(arrays, dict):
-        return "no array table"
-    want = layout.arrays(pos)
-    extra = set(arrays) - set(want) - {"logits"}
-    if extra or set(want) - set(arrays):
-        return f"its arrays do not match the model's layers (unexpected {sorted(extra)[:3]}, " \
-               f"missing {sorted(set(want) - set(arrays))[:3]})"
-    want["logits"] = (layout.n_vocab,)
-    size = 4 * pos
-    for name, entry in arrays.items():
-        if not (isinstance(entry, list) and len(entry) == 2 and entry[0] == "<f4" and isinstance(entry[1], list)
-                and tuple(entry[1]) == want[name]):
-            return f"array {name} is {entry!r}, expected ['<f4', {list(want[name])}]"
-        size += 4 * int(np.prod(want[name]))
-    if size != payload_bytes:
-        return f"{payload_bytes} bytes of data where the header describes {size}"
-    for name in ("conversation",):
-        if not isinstance(meta.get(name, ""), str):
-            return f"{name} is not a string"
-    for name in ("created", "hits"):
-        value = meta.get(name, 0)
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or not -1e18 < value < 1e18:
-            return f"{name} is not a number within +-1e18 (got {str(value)[:20]})"
-    return None
-
-
 def restore_state(hp: HasStateLayout, arrays: Mapping[str, np.ndarray], pos: int, capacity: int) -> SequenceState:
     """A new :class:`SequenceState` of ``capacity`` tokens holding a snapshot's arrays at ``pos``.
 
@@ -268,7 +202,6 @@ class PrefixCache:
     def __init__(self, hp: HasStateLayout, identity: str, ram_budget: int = 2 << 30,
                  disk_dir: Path | None = None, disk_budget: int = 8 << 30) -> None:
         self.hp = hp
-        self._n_vocab = hp.state_layout().n_vocab
         self.identity = identity
         self.ram_budget = ram_budget
         self.disk_budget = disk_budget
@@ -439,38 +372,18 @@ class PrefixCache:
         return self._disk / f"{key.hex()}.snap"
 
     def _write(self, snap: Snapshot) -> bool:
-        """Atomically write ``snap`` (tmp file + fsync + rename). Returns False on an OS error."""
+        """Atomically write ``snap`` (:func:`engine.snapshot_file.write_atomic`). Returns False on an OS error."""
         assert self._disk is not None and snap.arrays is not None
         path = self._path(snap.key)
         if path.exists():
             return True
         meta = {"version": FORMAT_VERSION, "identity": self.identity, "key": snap.key.hex(), "pos": snap.pos,
                 "images": {str(p): d.hex() for p, d in snap.images.items()},
-                "conversation": snap.conversation, "created": snap.created, "hits": snap.hits,
-                "arrays": {name: [a.dtype.str, list(a.shape)] for name, a in snap.arrays.items()}}
-        body = io.BytesIO()
-        body.write(snap.tokens.astype("<i4").tobytes())
-        for a in snap.arrays.values():
-            body.write(np.ascontiguousarray(a).tobytes())
-        payload = body.getvalue()
-        head = json.dumps(meta).encode()
-        digest = hashlib.sha256(head + payload).digest()
-        tmp = None
+                "conversation": snap.conversation, "created": snap.created, "hits": snap.hits}
         try:
-            self._disk.mkdir(parents=True, exist_ok=True)
-            fd, tmp = tempfile.mkstemp(dir=self._disk, suffix=".tmp")
-            with os.fdopen(fd, "wb") as f:
-                f.write(FORMAT_MAGIC + struct.pack("<Q", len(head)) + head + payload + digest)
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(tmp, path)
+            write_atomic(path, encode(meta, snap.tokens, snap.arrays))
         except OSError as exc:
             log.warning("prefix cache: cannot write %s: %s", path, exc)
-            if tmp is not None:
-                try:
-                    os.unlink(tmp)
-                except OSError:
-                    pass        # already gone (renamed, or never fully created)
             return False
         return True
 
@@ -481,39 +394,11 @@ class PrefixCache:
         except OSError as exc:
             log.warning("prefix cache: ignoring %s: %s", path, exc)
             return None
-        fail = None
-        if len(data) < len(FORMAT_MAGIC) + 8 + 32 or not data.startswith(FORMAT_MAGIC):
-            fail = "not a snapshot file (bad magic or too short)"
-        else:
-            (n_head,) = struct.unpack_from("<Q", data, len(FORMAT_MAGIC))
-            start = len(FORMAT_MAGIC) + 8
-            if start + n_head + 32 > len(data):
-                fail = "truncated header"
-            elif hashlib.sha256(data[start:-32]).digest() != data[-32:]:
-                fail = "checksum mismatch (corrupt or partial write)"
-        if fail is None:
-            try:
-                meta = json.loads(data[start:start + n_head])
-            except (ValueError, RecursionError):    # not JSON, or nested too deep to parse
-                fail = "unreadable header"
-        if fail is None:
-            fail = check_header(self.hp, self.identity, meta, len(data) - 32 - start - n_head)
-        if fail is None:
-            offset = start + n_head
-            pos = meta["pos"]
-            tokens = np.frombuffer(data, dtype="<i4", count=pos, offset=offset).copy()
-            if tokens.size and (tokens.min() < 0 or tokens.max() >= self._n_vocab):
-                fail = "a token id outside the vocabulary"
-        if fail is not None:
-            log.warning("prefix cache: ignoring %s: %s", path, fail)
+        parsed = decode(data, self.hp, self.identity)
+        if isinstance(parsed, str):
+            log.warning("prefix cache: ignoring %s: %s", path, parsed)
             return None
-        offset += 4 * pos
-        arrays = {}
-        for name, (_, shape) in meta["arrays"].items():
-            a = np.frombuffer(data, dtype="<f4", count=int(np.prod(shape)), offset=offset)
-            arrays[name] = a.reshape(shape).astype(np.float32)
-            offset += a.nbytes
-        return meta, tokens, arrays
+        return parsed
 
     def _scan_disk(self) -> None:
         """List the valid snapshot files of the folder and sweep temporary files (a crashed write's).

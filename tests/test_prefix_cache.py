@@ -11,7 +11,8 @@ import numpy as np
 import pytest
 
 from engine.arch.qwen35.hparams import Qwen35HParams
-from engine.prefix_cache import FORMAT_MAGIC, PrefixCache, chain_keys
+from engine.prefix_cache import PrefixCache, chain_keys
+from engine.snapshot_file import FORMAT_MAGIC
 from engine.state import SequenceState
 
 HP = Qwen35HParams(arch="qwen35moe", n_layer=4, nextn_predict_layers=0, n_embd=16, n_vocab=50,
