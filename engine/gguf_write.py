@@ -118,6 +118,30 @@ def write(path: str | os.PathLike[str], records: Sequence[bytes], tensors: Seque
         OSError: the folder is not writable or the disk has less free space than the file needs (checked
             before writing); the partial file is removed.
     """
+    header, data_bytes = _header(records, tensors, alignment)
+    size = len(header) + data_bytes
+    out = Path(path)
+    part = out.with_name(out.name + ".part")
+    free = shutil.disk_usage(out.parent if str(out.parent) else ".").free
+    if free < size:
+        raise OSError(f"{out}: needs {size / 2**30:.2f} GiB but the disk has {free / 2**30:.2f} GiB free")
+    try:
+        with open(part, "wb") as fh:
+            fh.write(header)
+            _write_data(fh, tensors, alignment, progress)
+        os.replace(part, out)
+    except BaseException:
+        part.unlink(missing_ok=True)
+        raise
+    return size
+
+
+def _header(records: Sequence[bytes], tensors: Sequence[TensorOut], alignment: int) -> tuple[bytes, int]:
+    """(magic + counts + metadata + tensor table, padded to ``alignment``; bytes of the data section).
+
+    Raises:
+        ValueError: ``alignment`` not a power of two, or duplicate tensor names.
+    """
     if alignment <= 0 or alignment & (alignment - 1):
         raise ValueError(f"alignment must be a power of two, got {alignment}")
     names = [t.name for t in tensors]
@@ -129,33 +153,27 @@ def write(path: str | os.PathLike[str], records: Sequence[bytes], tensors: Seque
         table += _string(t.name) + struct.pack(f"<I{len(t.ne)}QIQ", len(t.ne), *t.ne, t.type_id, offset)
         offset += t.nbytes + _pad(t.nbytes, alignment)
     header = struct.pack("<4sIQQ", b"GGUF", GGUF_VERSION, len(tensors), len(records)) + b"".join(records) + table
-    header += bytes(_pad(len(header), alignment))
-    total_data = sum(t.nbytes for t in tensors)
-    size = len(header) + offset
+    return header + bytes(_pad(len(header), alignment)), offset
 
-    out = Path(path)
-    part = out.with_name(out.name + ".part")
-    free = shutil.disk_usage(out.parent if str(out.parent) else ".").free
-    if free < size:
-        raise OSError(f"{out}: needs {size / 2**30:.2f} GiB but the disk has {free / 2**30:.2f} GiB free")
+
+def _write_data(fh: Any, tensors: Sequence[TensorOut], alignment: int,
+                progress: Callable[[int, int], None] | None) -> None:
+    """Stream every tensor's pieces to ``fh``, each tensor padded to ``alignment``.
+
+    Raises:
+        ValueError: a producer whose pieces do not add up to its ``nbytes``.
+    """
+    total_data = sum(t.nbytes for t in tensors)
     done = 0
-    try:
-        with open(part, "wb") as fh:
-            fh.write(header)
-            for t in tensors:
-                written = 0
-                for piece in t.chunks():
-                    buf = memoryview(piece).cast("B") if not isinstance(piece, bytes) else memoryview(piece)
-                    fh.write(buf)
-                    written += buf.nbytes
-                    done += buf.nbytes
-                    if progress is not None:
-                        progress(done, total_data)
-                if written != t.nbytes:
-                    raise ValueError(f"tensor {t.name}: its producer gave {written} bytes, expected {t.nbytes}")
-                fh.write(bytes(_pad(t.nbytes, alignment)))
-        os.replace(part, out)
-    except BaseException:
-        part.unlink(missing_ok=True)
-        raise
-    return size
+    for t in tensors:
+        written = 0
+        for piece in t.chunks():
+            buf = memoryview(piece).cast("B") if not isinstance(piece, bytes) else memoryview(piece)
+            fh.write(buf)
+            written += buf.nbytes
+            done += buf.nbytes
+            if progress is not None:
+                progress(done, total_data)
+        if written != t.nbytes:
+            raise ValueError(f"tensor {t.name}: its producer gave {written} bytes, expected {t.nbytes}")
+        fh.write(bytes(_pad(t.nbytes, alignment)))
