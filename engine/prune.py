@@ -30,7 +30,6 @@ import math
 import os
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -456,6 +455,16 @@ def prune_file(gguf: GGUFFile, out: str | os.PathLike[str], kept: Sequence[Seque
         UnsupportedModelError: a dense model, or a tensor of a type unknown to ggml (its size is unknown).
         OSError: the output cannot be written (see :func:`engine.gguf_write.write`).
     """
+    n_keep = _check_kept(gguf, kept)
+    out = Path(out)
+    if out.exists() and out.resolve() == gguf.path.resolve():
+        raise ModelFormatError(f"{out}: the output must not be the model being pruned")
+    return gguf_write.write(out, _pruned_records(gguf, kept, n_keep, note), _pruned_tensors(gguf, kept, n_keep),
+                            gguf.alignment, progress)
+
+
+def _check_kept(gguf: GGUFFile, kept: Sequence[Sequence[int]]) -> int:
+    """The expert count every layer keeps, after checking ``kept`` (see :func:`prune_file`'s Raises)."""
     hp = gguf.hparams
     if not hp.is_moe:
         raise UnsupportedModelError(f"{gguf.source}: {hp.arch} is a dense model: it has no experts to prune")
@@ -469,10 +478,14 @@ def prune_file(gguf: GGUFFile, out: str | os.PathLike[str], kept: Sequence[Seque
     for il, k in enumerate(kept):
         if len(set(k)) != len(k) or not all(0 <= e < hp.n_expert for e in k):
             raise ValueError(f"layer {il}: kept experts {list(k)} must be distinct indices in 0..{hp.n_expert - 1}")
-    out = Path(out)
-    if out.exists() and out.resolve() == gguf.path.resolve():
-        raise ModelFormatError(f"{out}: the output must not be the model being pruned")
+    return n_keep
 
+
+def _pruned_records(gguf: GGUFFile, kept: Sequence[Sequence[int]], n_keep: int,
+                    note: Mapping[str, Any]) -> list[bytes]:
+    """The source's metadata records, verbatim but for the expert count, the pruning note and (MTP dropped)
+    the block count."""
+    hp = gguf.hparams
     a = hp.arch
     replaced = {
         f"{a}.expert_count": gguf_write.kv_record(f"{a}.expert_count", n_keep, GGUFValueType.UINT32),
@@ -485,8 +498,12 @@ def prune_file(gguf: GGUFFile, out: str | os.PathLike[str], kept: Sequence[Seque
         replaced[f"{a}.nextn_predict_layers"] = gguf_write.kv_record(f"{a}.nextn_predict_layers", 0,
                                                                      GGUFValueType.UINT32)
     records = [replaced.pop(key, None) or gguf.kv_record(key) for key in gguf.meta_keys]
-    records += list(replaced.values())
+    return records + list(replaced.values())
 
+
+def _pruned_tensors(gguf: GGUFFile, kept: Sequence[Sequence[int]], n_keep: int) -> list[gguf_write.TensorOut]:
+    """Every trunk tensor in file order: expert tensors cut to the kept slabs, the rest copied as stored."""
+    hp = gguf.hparams
     tensors = []
     for name in gguf.tensor_names:
         il = _layer_of(name)
@@ -503,7 +520,7 @@ def prune_file(gguf: GGUFFile, out: str | os.PathLike[str], kept: Sequence[Seque
         else:
             tensors.append(gguf_write.TensorOut(name, info.ne, int(info.qtype), info.nbytes,
                                                 lambda n=name: (gguf.raw(n).reshape(-1),)))
-    return gguf_write.write(out, records, tensors, gguf.alignment, progress)
+    return tensors
 
 
 def _expert_slabs(gguf: GGUFFile, name: str, kept: Sequence[int]) -> Iterable[np.ndarray]:
