@@ -238,30 +238,8 @@ class Tokenizer:
         if pre not in PRE_TOKENIZER_PATTERNS:
             raise TokenizerError(f"{source}: tokenizer.ggml.pre is {pre!r}; expected one of "
                                  f"{sorted(PRE_TOKENIZER_PATTERNS)}")
-        tokens = _str_list(need("tokenizer.ggml.tokens"), "tokenizer.ggml.tokens", source)
+        tokens, types, index = _vocabulary(meta, need, source)
         n = len(tokens)
-        if not 256 <= n <= _MAX_VOCAB:
-            raise TokenizerError(f"{source}: tokenizer.ggml.tokens has {n} entries; expected 256..{_MAX_VOCAB}")
-        arch = meta("general.architecture")
-        declared = meta(f"{arch}.vocab_size") if isinstance(arch, str) else None
-        if declared is not None and declared != n:
-            raise TokenizerError(f"{source}: {arch}.vocab_size is {declared} but tokenizer.ggml.tokens has {n} entries")
-        types = need("tokenizer.ggml.token_type")
-        if not isinstance(types, list) or len(types) != n:
-            raise TokenizerError(f"{source}: tokenizer.ggml.token_type must be a list of {n} ints "
-                                 f"(one per token), got {_describe(types)}")
-        if not (set(map(type, types)) <= {int} and set(types) <= _TOKEN_TYPES):
-            i = next(i for i, t in enumerate(types) if not _is_int(t) or t not in _TOKEN_TYPES)
-            raise TokenizerError(f"{source}: tokenizer.ggml.token_type[{i}] = {types[i]!r}; "
-                                 "expected a gguf.TokenType value 1..6")
-        index = dict(zip(tokens, range(n)))
-        if len(index) != n:
-            i = next(i for i, tok in enumerate(tokens) if index[tok] != i)
-            raise TokenizerError(f"{source}: tokenizer.ggml.tokens[{i}] = {tokens[i]!r} occurs twice")
-        missing = [ch for ch in _BYTE_CHAR.values() if ch not in index]
-        if missing:
-            raise TokenizerError(f"{source}: tokenizer.ggml.tokens lacks the byte tokens {missing[:8]!r} "
-                                 f"({len(missing)} of 256); not a byte-level BPE vocabulary")
         merges = _parse_merges(need("tokenizer.ggml.merges"), index, n, source)
         eos_id = _token_id(need("tokenizer.ggml.eos_token_id"), "tokenizer.ggml.eos_token_id", n, source)
         for key in ("tokenizer.ggml.bos_token_id", "tokenizer.ggml.padding_token_id"):
@@ -419,6 +397,42 @@ def _token_id(value: Any, key: str, n: int, source: str) -> int:
     if not _is_int(value) or not 0 <= value < n:
         raise TokenizerError(f"{source}: {key} is {value!r}; expected a token id in 0..{n - 1}")
     return int(value)
+
+
+def _vocabulary(meta: Callable[[str], Any], need: Callable[[str], Any], source: str
+                ) -> tuple[list[str], list[int], dict[str, int]]:
+    """(tokens, token types, token -> id) of a GGUF's byte-level BPE vocabulary, checked: 256.._MAX_VOCAB
+    distinct strings holding the 256 byte tokens, as many as ``{arch}.vocab_size`` says, one valid
+    ``gguf.TokenType`` each.
+
+    Raises:
+        TokenizerError: naming ``source``, the key and the entry that is wrong.
+    """
+    tokens = _str_list(need("tokenizer.ggml.tokens"), "tokenizer.ggml.tokens", source)
+    n = len(tokens)
+    if not 256 <= n <= _MAX_VOCAB:
+        raise TokenizerError(f"{source}: tokenizer.ggml.tokens has {n} entries; expected 256..{_MAX_VOCAB}")
+    arch = meta("general.architecture")
+    declared = meta(f"{arch}.vocab_size") if isinstance(arch, str) else None
+    if declared is not None and declared != n:
+        raise TokenizerError(f"{source}: {arch}.vocab_size is {declared} but tokenizer.ggml.tokens has {n} entries")
+    types = need("tokenizer.ggml.token_type")
+    if not isinstance(types, list) or len(types) != n:
+        raise TokenizerError(f"{source}: tokenizer.ggml.token_type must be a list of {n} ints "
+                             f"(one per token), got {_describe(types)}")
+    if not (set(map(type, types)) <= {int} and set(types) <= _TOKEN_TYPES):
+        i = next(i for i, t in enumerate(types) if not _is_int(t) or t not in _TOKEN_TYPES)
+        raise TokenizerError(f"{source}: tokenizer.ggml.token_type[{i}] = {types[i]!r}; "
+                             "expected a gguf.TokenType value 1..6")
+    index = dict(zip(tokens, range(n)))
+    if len(index) != n:
+        i = next(i for i, tok in enumerate(tokens) if index[tok] != i)
+        raise TokenizerError(f"{source}: tokenizer.ggml.tokens[{i}] = {tokens[i]!r} occurs twice")
+    missing = [ch for ch in _BYTE_CHAR.values() if ch not in index]
+    if missing:
+        raise TokenizerError(f"{source}: tokenizer.ggml.tokens lacks the byte tokens {missing[:8]!r} "
+                             f"({len(missing)} of 256); not a byte-level BPE vocabulary")
+    return tokens, types, index
 
 
 def _parse_merges(value: Any, vocab: dict[str, int], n: int, source: str) -> list[tuple[str, str]]:
