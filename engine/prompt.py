@@ -20,7 +20,8 @@ from typing import Any
 import numpy as np
 
 from .errors import ContextFullError, ImageError, TemplateError, UnsupportedModelError
-from .tokenizer import ChatTemplate, Tokenizer
+from .chat_template import ChatTemplate
+from .tokenizer import Tokenizer
 from .vision import EncodedImage, ImageEncoder
 
 Message = Mapping[str, Any]
