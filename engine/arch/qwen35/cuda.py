@@ -232,17 +232,8 @@ class CudaPrefill(CudaBackend):
 
     def _finish_telemetry(self, tel: PrefillTelemetry, first: Any, last: Any, t_wall: float) -> None:
         """Per-layer compute / copy times and bytes from the recorded events, totals, VRAM; kept as last_telemetry."""
-        for il, kind, ea, eb, nbytes in self._events:
-            lt = tel.layers[il]
-            ms = ea.time_till(eb)
-            if kind == "compute":
-                lt.compute_ms += ms
-            else:
-                lt.h2d_ms += ms
-                lt.h2d_bytes += nbytes
-                lt.experts_copied += nbytes // self.layouts[il].stride
-        tel.h2d_bytes = sum(lt.h2d_bytes for lt in tel.layers)
-        tel.h2d_ms = sum(lt.h2d_ms for lt in tel.layers)
+        tel.add_events([(il, kind, ea.time_till(eb), nbytes) for il, kind, ea, eb, nbytes in self._events],
+                       {il: lay.stride for il, lay in self.layouts.items()})
         tel.gpu_ms = first.time_till(last)
         tel.vram_used = self._dev.used
         tel.vram_free = self._drv.mem_get_info()[0]

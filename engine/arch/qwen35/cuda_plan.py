@@ -474,4 +474,20 @@ class PrefillTelemetry:
         """Achieved copy rate over all streamed layers, GB/s."""
         return self.h2d_bytes / self.h2d_ms / 1e6 if self.h2d_ms > 0 else 0.0
 
+    def add_events(self, events: list[tuple[int, str, float, int]], stride: dict[int, int]) -> None:
+        """Sum timed GPU events into the layer records and the totals.
 
+        Args:
+            events: (layer, "compute" or "copy", ms, bytes copied) per recorded event pair.
+            stride: layer -> bytes of one expert's weights (to count the experts a copy moved).
+        """
+        for il, kind, ms, nbytes in events:
+            lt = self.layers[il]
+            if kind == "compute":
+                lt.compute_ms += ms
+            else:
+                lt.h2d_ms += ms
+                lt.h2d_bytes += nbytes
+                lt.experts_copied += nbytes // stride[il]
+        self.h2d_bytes = sum(lt.h2d_bytes for lt in self.layers)
+        self.h2d_ms = sum(lt.h2d_ms for lt in self.layers)
