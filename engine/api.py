@@ -635,18 +635,10 @@ def default_model() -> tuple[Path, Path | None]:
     bundled = bundled_model()
     if bundled is not None:
         return bundled
-    from .arch.qwen35.synth import synth
-    from .tools.synth import synth_mmproj_for
+    from .tools.synth import write_default_pair
     folder = Path(platformdirs.user_cache_dir("deltadesk")) / "models"
-    path, mmproj = folder / "synth-tiny-q8_0.gguf", folder / "synth-tiny-mmproj-f16.gguf"
     try:
-        folder.mkdir(parents=True, exist_ok=True)
-        for target, write in ((path, lambda p: synth(p, "tiny", quant="q8_0", seed=0)),
-                              (mmproj, lambda p: synth_mmproj_for(p, "tiny", seed=0))):
-            if not target.is_file():
-                tmp = target.with_suffix(".tmp")
-                write(tmp)
-                tmp.replace(target)
+        path, mmproj = write_default_pair(folder)
     except OSError as exc:
         raise EngineError(f"cannot write the default model to {folder}: {exc}") from exc
     return path, mmproj
