@@ -75,17 +75,15 @@ static void *take(uint8_t **next, size_t bytes)
 /* Block b of column c in the group layout (see dd_acts), from its Q8_0 values and scale. */
 static void put_group_block(dd_acts *a, size_t c, size_t b, const int8_t *v, float scale)
 {
-    const size_t g = b / 16, i = b % 16, base = c * a->ng + g;
-    int8_t *gq = (int8_t *)a->gq + base * 8 * 64 + 4 * i;
+    const size_t g = b / 16, i = b % 16, base = c * a->ng + g, quad = i / 4, lane = 4 * (i % 4) + quad;
+    int8_t *gq = (int8_t *)a->gq + (base * 8 + 2 * quad) * 64 + 16 * (i % 4);
     int32_t sum = 0;
-    for (int n = 0; n < 4; n++) {
-        memcpy(gq + (2 * n) * 64, v + 4 * n, 4);
-        memcpy(gq + (2 * n + 1) * 64, v + 16 + 4 * n, 4);
-    }
+    memcpy(gq, v, 16);
+    memcpy(gq + 64, v + 16, 16);
     for (int j = 0; j < DD_QK; j++)
         sum += v[j];
-    ((int32_t *)a->gbias)[base * 16 + i] = -8 * sum;
-    ((float *)a->gd)[base * 16 + i] = scale;
+    ((int32_t *)a->gbias)[base * 16 + lane] = -8 * sum;
+    ((float *)a->gd)[base * 16 + lane] = scale;
 }
 
 /* One allocation, 64-byte aligned: the Q8_0 blocks, then the pair layout, then the groups. */

@@ -32,12 +32,12 @@
  *                     weight bytes (nibble, or int8 + 128) by the signed activations; NULL when
  *                     that kernel's bias_mult is 0.
  * Groups (when the table's q4_0_groups is set): ng = nb / 16 rounded up groups of 16 blocks, the
- * padding blocks zero; int32 lane i of a vector belongs to block 16g + i:
- *   gq[((c*ng + g)*8 + s)*64 + 4i + t]  value 4n + t of block 16g + i for step s = 2n, value
- *                     16 + 4n + t for step s = 2n + 1 (n = 0..3: the Q4_0 nibble bytes 4n..4n+3,
- *                     low then high nibbles);
- *   gbias[(c*ng + g)*16 + i]  -8 * (sum of the block's 32 values);
- *   gd[(c*ng + g)*16 + i]     the block's scale.
+ * padding blocks zero. Block i = 4j + k of group g (quad j, 128-bit lane k) belongs to int32 lane
+ * L(i) = 4k + j of the group's block vectors:
+ *   gq[((c*ng + g)*8 + 2j + h)*64 + 16k + t]  value 16h + t of block 16g + 4j + k (h = 0: the
+ *                     values of the Q4_0 low nibbles, h = 1: of the high ones);
+ *   gbias[(c*ng + g)*16 + L(i)]  -8 * (sum of block 16g + i's 32 values);
+ *   gd[(c*ng + g)*16 + L(i)]     its scale.
  * Compact (every level; the K-quant kernels read them), per block b of column c:
  *   bd[c*nbp + b]     the block's scale;
  *   bs[c*nbp + b]     the sum of its 32 values;

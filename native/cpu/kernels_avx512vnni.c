@@ -70,44 +70,37 @@ static void quantize_q8_0(const float *x, size_t nb, uint8_t *out)
 
 /* Q4_0 runs on 16-block groups with one int32 lane per block ("lanes = blocks"), so the int to
  * float conversion and the scaling happen once per 16 blocks instead of once per 2. A group is
- * 288 bytes = 144 16-bit words, block i at words 9i (scale) and 9i+1..9i+8 (16 nibble bytes).
- * Word permutes gather nibble bytes 4n..4n+3 of all 16 blocks into one vector (step n), from three
- * windows that each hold whole blocks: A = words 0..63 (blocks 0-6), B = words 63..126 (blocks
- * 7-13), C = words 126..143 (blocks 14-15). */
+ * 288 bytes, block i at bytes 18i (f16 scale) and 18i + 2 .. 18i + 17 (16 nibble bytes). Quad j
+ * (blocks 4j .. 4j + 3) is read into one vector, block 4j + k's nibble bytes in 128-bit lane k:
+ * one load at 72j + 2 (lane 0 right) and three masked loads, 2, 4 and 6 bytes further, that
+ * replace lanes 1, 2, 3 (no shuffles). Low and high nibbles meet the activations' values 0-15 and
+ * 16-31 of the same blocks (dd_acts groups), giving 4 int32 partial sums per block; a 4 x 4
+ * transpose-add within 128-bit lanes turns the 4 quads' vectors into one with block 4j + k in
+ * lane 4k + j. The scales are gathered into the same lane order by two word permutes. */
 #define Q4_GROUP_BYTES (16 * DD_Q4_0_BYTES)
-#define LANES_A 0x00003fffu     /* words of dword lanes 0-6 */
-#define LANES_B 0x0fffc000u     /* lanes 7-13 */
-#define LANES_C 0xf0000000u     /* lanes 14-15 */
 
-/* word 2i + t of a step vector = word 9i + t of the group (plus the step's offset 1 + 2n) */
-static const uint16_t lane_words[32] = {
-    0, 1, 9, 10, 18, 19, 27, 28, 36, 37, 45, 46, 54, 55, 63, 64,
-    72, 73, 81, 82, 90, 91, 99, 100, 108, 109, 117, 118, 126, 127, 135, 136,
+/* word 8k + w of a quad vector = word 9k + 1 + w of the quad's 72 bytes: from the 64 bytes at the
+ * quad (words 0..31) or the 64 at 8 bytes further (index 32 + word - 4) */
+static const uint16_t quad_words[32] = {
+    1, 2, 3, 4, 5, 6, 7, 8, 10, 11, 12, 13, 14, 15, 16, 17,
+    19, 20, 21, 22, 23, 24, 25, 26, 28, 29, 30, 31, 60, 61, 62, 63,
 };
-/* word i of the scale vector = word 9i of the group */
-static const uint16_t scale_words[32] = {
-    0, 9, 18, 27, 36, 45, 54, 63, 72, 81, 90, 99, 108, 117, 126, 135,
-};
+
+/* word L of the scale vector = the scale of block b = 4 (L % 4) + L / 4, word 9b of the group:
+ * blocks 0-7 (L % 4 < 2) from words 0..63, blocks 8-15 from words 72..135 (index 9b - 72) */
+static const uint16_t scale_words[32] = { 0, 36, 0, 36, 9, 45, 9, 45, 18, 54, 18, 54, 27, 63, 27, 63 };
+#define SCALE_LANES_LOW 0x3333u
 
 /* offsets that touch each cache line of a group, wherever it starts: 288 bytes span 5 or 6 lines */
 static const short q4_group_lines[6] = { 0, 64, 128, 192, 256, Q4_GROUP_BYTES - 1 };
 
-typedef struct {
-    __m512i step[3][4];   /* per window A, B, C and step n: word indices into that window */
-    __m512i scale[3];
-} q4_0_group_index;
-
-DD_INLINE q4_0_group_index q4_0_group_indices(void)
+/* The 16 exact block dots of one quad vector set: sum over h of lo/hi nibbles x activations, as
+ * 4 partials per block, reduced to lane 4k + j for block 4j + k. */
+DD_INLINE __m512i q4_0_reduce_quads(const __m512i d[4])
 {
-    static const short window_start[3] = { 0, 63, 126 };
-    const __m512i lw = _mm512_loadu_si512(lane_words), sw = _mm512_loadu_si512(scale_words);
-    q4_0_group_index ix;
-    for (int win = 0; win < 3; win++) {
-        for (int n = 0; n < 4; n++)
-            ix.step[win][n] = _mm512_add_epi16(lw, _mm512_set1_epi16((short)(1 + 2 * n - window_start[win])));
-        ix.scale[win] = _mm512_sub_epi16(sw, _mm512_set1_epi16(window_start[win]));
-    }
-    return ix;
+    const __m512i s01 = _mm512_add_epi32(_mm512_unpacklo_epi32(d[0], d[1]), _mm512_unpackhi_epi32(d[0], d[1]));
+    const __m512i s23 = _mm512_add_epi32(_mm512_unpacklo_epi32(d[2], d[3]), _mm512_unpackhi_epi32(d[2], d[3]));
+    return _mm512_add_epi32(_mm512_unpacklo_epi64(s01, s23), _mm512_unpackhi_epi64(s01, s23));
 }
 
 /* acc[0..1] += dot * scale over 16 lanes in f64: int32 lanes times the f32 scales dw * da (exact,
@@ -127,39 +120,35 @@ DD_INLINE float reduce_f64(const __m512d acc[2])
 
 /* One group of R rows (rows `rstride` bytes apart from grp) against C columns of group g. */
 DD_INLINE void q4_0_group_step(const uint8_t *grp, size_t rstride, const uint8_t *pf, size_t rb,
-                               const q4_0_group_index *ix, const dd_acts *a, size_t c0, size_t g,
-                               __m512d acc[4][4][2], const int R, const int C)
+                               const dd_acts *a, size_t c0, size_t g, __m512d acc[4][4][2], const int R, const int C)
 {
-    const __m512i low = _mm512_set1_epi8(0x0f);
+    const __m512i low = _mm512_set1_epi8(0x0f), sidx = _mm512_loadu_si512(scale_words);
+    const __m512i qidx = _mm512_loadu_si512(quad_words);
     for (int r = 0; r < R; r++) {
         const uint8_t *p = grp + r * rstride;
         if (pf != NULL)
             for (int l = 0; l < 6; l++)
                 _mm_prefetch((const char *)(pf + r * rb + g * Q4_GROUP_BYTES + q4_group_lines[l]), _MM_HINT_T0);
-        const __m512i a0 = _mm512_loadu_si512(p), a1 = _mm512_loadu_si512(p + 64);
-        const __m512i b0 = _mm512_loadu_si512(p + 126), b1 = _mm512_loadu_si512(p + 190);
-        const __m512i cw = _mm512_maskz_loadu_epi16(0x3ffff, p + 252);
-        __m512i dot[4];
-        for (int c = 0; c < C; c++)
-            dot[c] = _mm512_load_si512(a->gbias + ((c0 + c) * a->ng + g) * 16);
-        for (int n = 0; n < 4; n++) {
-            __m512i s = _mm512_or_si512(_mm512_maskz_permutex2var_epi16(LANES_A, a0, ix->step[0][n], a1),
-                                        _mm512_maskz_permutex2var_epi16(LANES_B, b0, ix->step[1][n], b1));
-            s = _mm512_mask_permutexvar_epi16(s, LANES_C, ix->step[2][n], cw);
-            const __m512i lo = _mm512_and_si512(s, low), hi = _mm512_and_si512(_mm512_srli_epi16(s, 4), low);
+        __m512i part[4][4];
+        for (int j = 0; j < 4; j++) {
+            const __m512i v = _mm512_permutex2var_epi16(_mm512_loadu_si512(p + 72 * j), qidx,
+                                                        _mm512_loadu_si512(p + 72 * j + 8));
+            const __m512i lo = _mm512_and_si512(v, low), hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
             for (int c = 0; c < C; c++) {
-                const int8_t *q = a->gq + (((c0 + c) * a->ng + g) * 8 + 2 * n) * 64;
-                dot[c] = _mm512_dpbusd_epi32(dot[c], lo, _mm512_load_si512(q));
-                dot[c] = _mm512_dpbusd_epi32(dot[c], hi, _mm512_load_si512(q + 64));
+                const int8_t *q = a->gq + (((c0 + c) * a->ng + g) * 8 + 2 * j) * 64;
+                part[c][j] = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), lo, _mm512_load_si512(q)),
+                                                 hi, _mm512_load_si512(q + 64));
             }
         }
-        __m512i d = _mm512_or_si512(_mm512_maskz_permutex2var_epi16(0x007f, a0, ix->scale[0], a1),
-                                    _mm512_maskz_permutex2var_epi16(0x3f80, b0, ix->scale[1], b1));
-        d = _mm512_mask_permutexvar_epi16(d, 0xc000, ix->scale[2], cw);
+        const __m512i d = _mm512_or_si512(
+            _mm512_maskz_permutex2var_epi16(SCALE_LANES_LOW, _mm512_loadu_si512(p), sidx, _mm512_loadu_si512(p + 64)),
+            _mm512_maskz_permutex2var_epi16(~SCALE_LANES_LOW & 0xffffu, _mm512_loadu_si512(p + 144), sidx,
+                                            _mm512_loadu_si512(p + 208)));
         const __m512 dw = _mm512_cvtph_ps(_mm512_castsi512_si256(d));
         for (int c = 0; c < C; c++) {
-            const __m512 da = _mm512_load_ps(a->gd + ((c0 + c) * a->ng + g) * 16);
-            acc_f64(acc[r][c], dot[c], _mm512_mul_ps(dw, da));
+            const size_t at = ((c0 + c) * a->ng + g) * 16;
+            const __m512i dot = _mm512_add_epi32(q4_0_reduce_quads(part[c]), _mm512_load_si512(a->gbias + at));
+            acc_f64(acc[r][c], dot, _mm512_mul_ps(dw, _mm512_load_ps(a->gd + at)));
         }
     }
 }
@@ -167,14 +156,13 @@ DD_INLINE void q4_0_group_step(const uint8_t *grp, size_t rstride, const uint8_t
 DD_INLINE void tile_q4_0(const uint8_t *w, const uint8_t *pf, size_t rb, const dd_acts *a, size_t c0, float *y,
                          size_t ldy, const int R, const int C)
 {
-    const q4_0_group_index ix = q4_0_group_indices();
     const size_t full = a->nb / 16, rest = a->nb % 16;
     __m512d acc[4][4][2];
     for (int r = 0; r < R; r++)
         for (int c = 0; c < C; c++)
             acc[r][c][0] = acc[r][c][1] = _mm512_setzero_pd();
     for (size_t g = 0; g < full; g++)
-        q4_0_group_step(w + g * Q4_GROUP_BYTES, rb, pf, rb, &ix, a, c0, g, acc, R, C);
+        q4_0_group_step(w + g * Q4_GROUP_BYTES, rb, pf, rb, a, c0, g, acc, R, C);
     if (rest) {
         /* a short last group: copied into zeroed buffers (zero nibbles meet zero padding values) */
         uint8_t tail[4][Q4_GROUP_BYTES];
@@ -182,7 +170,7 @@ DD_INLINE void tile_q4_0(const uint8_t *w, const uint8_t *pf, size_t rb, const d
             memset(tail[r], 0, Q4_GROUP_BYTES);
             memcpy(tail[r], w + r * rb + full * Q4_GROUP_BYTES, rest * DD_Q4_0_BYTES);
         }
-        q4_0_group_step(tail[0], Q4_GROUP_BYTES, NULL, rb, &ix, a, c0, full, acc, R, C);
+        q4_0_group_step(tail[0], Q4_GROUP_BYTES, NULL, rb, a, c0, full, acc, R, C);
     }
     for (int r = 0; r < R; r++)
         for (int c = 0; c < C; c++)
