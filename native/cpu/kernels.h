@@ -134,4 +134,26 @@ static inline uint16_t dd_load_u16(const uint8_t *p)
     return v;
 }
 
+/* 8 lanes, one per block of a super-block (GCC/clang vector extensions: each level's compiler flags
+ * pick the instructions; every operation stays lane-wise IEEE, so the results do not depend on it). */
+typedef int32_t dd_v8i __attribute__((vector_size(32)));
+typedef float dd_v8f __attribute__((vector_size(32)));
+typedef double dd_v8d __attribute__((vector_size(64)));
+
+/* The 6-bit scales and mins of a Q4_K/Q5_K super-block (its scales[12] at blk + 4), 4 to a word:
+ * byte i of w[0..1] = scale of sub-block i, of w[2..3] = its min. As ggml-quants.c
+ * get_scale_min_k4: sub-block j < 4 has scale s[j] & 63, min s[j + 4] & 63; j >= 4 has scale
+ * (s[j + 4] & 15) | (s[j - 4] >> 6) << 4, min (s[j + 4] >> 4) | (s[j] >> 6) << 4. */
+static inline void dd_kq_scale_words(const uint8_t *blk, uint32_t w[4])
+{
+    uint32_t s0, s1, s2;
+    memcpy(&s0, blk + 4, 4);
+    memcpy(&s1, blk + 8, 4);
+    memcpy(&s2, blk + 12, 4);
+    w[0] = s0 & 0x3f3f3f3fu;
+    w[1] = (s2 & 0x0f0f0f0fu) | (((s0 >> 6) & 0x03030303u) << 4);
+    w[2] = s1 & 0x3f3f3f3fu;
+    w[3] = ((s2 >> 4) & 0x0f0f0f0fu) | (((s1 >> 6) & 0x03030303u) << 4);
+}
+
 #endif

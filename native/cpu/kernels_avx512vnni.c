@@ -11,37 +11,119 @@
 #include "gemm_tiles.h"
 #include "kernels.h"
 
-/* The K-quant dot product of kquants.h: two blocks per zmm, vpmaddubsw (unsigned weights x signed
- * activations) then vpmaddwd by each 16-value half's scale (int16 lane 2p, 2p + 1 of the scale
- * vector: half p / 4), giving 16 int32 lanes, 8 per block; 4 such vectors are summed lane-group
- * by lane-group with two-source permutes into the 8 block totals. */
-DD_INLINE void kq_dot8(const uint8_t *w, const int8_t *a, const int16_t *sc, int32_t *out)
+/* 4 vectors of 16 int32 lanes -> lane 4k + j = the sum of 128-bit lane k of vector j (exact, in-lane
+ * shuffles only) */
+DD_INLINE __m512i kq_transpose_add(const __m512i d[4])
 {
-    static const int16_t half_of_word[32] = { 0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1,
-                                              2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3, 3 };
-    static const int32_t pick_a[16] = { 0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27 };
-    static const int32_t pick_b[16] = { 4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30, 31 };
-    static const int32_t pair_a[16] = { 0, 1, 4, 5, 8, 9, 12, 13, 16, 17, 20, 21, 24, 25, 28, 29 };
-    static const int32_t pair_b[16] = { 2, 3, 6, 7, 10, 11, 14, 15, 18, 19, 22, 23, 26, 27, 30, 31 };
-    const __m512i scales = _mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)sc));
-    const __m512i halves = _mm512_loadu_si512(half_of_word);
-    __m512i v[4];
-    for (int t = 0; t < 4; t++) {
-        const __m512i scale = _mm512_permutexvar_epi16(_mm512_add_epi16(halves, _mm512_set1_epi16((short)(4 * t))), scales);
-        const __m512i p = _mm512_maddubs_epi16(_mm512_loadu_si512(w + 64 * t), _mm512_loadu_si512(a + 64 * t));
-        v[t] = _mm512_madd_epi16(p, scale);
-    }
-    /* 8 lanes a block -> 4 (v0, v1 -> blocks 0-3; v2, v3 -> 4-7) -> 2 -> 1 */
-    const __m512i ia = _mm512_loadu_si512(pick_a), ib = _mm512_loadu_si512(pick_b);
-    const __m512i q0 = _mm512_add_epi32(_mm512_permutex2var_epi32(v[0], ia, v[1]), _mm512_permutex2var_epi32(v[0], ib, v[1]));
-    const __m512i q1 = _mm512_add_epi32(_mm512_permutex2var_epi32(v[2], ia, v[3]), _mm512_permutex2var_epi32(v[2], ib, v[3]));
-    const __m512i pa = _mm512_loadu_si512(pair_a), pb = _mm512_loadu_si512(pair_b);
-    const __m512i d2 = _mm512_add_epi32(_mm512_permutex2var_epi32(q0, pa, q1), _mm512_permutex2var_epi32(q0, pb, q1));
-    const __m512i d1 = _mm512_add_epi32(d2, _mm512_shuffle_epi32(d2, _MM_PERM_CDAB));
-    const __m512i even = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 0, 0, 0, 0, 0, 0, 0, 0);
-    _mm256_storeu_si256((__m256i *)out, _mm512_castsi512_si256(_mm512_permutexvar_epi32(even, d1)));
+    const __m512i s01 = _mm512_add_epi32(_mm512_unpacklo_epi32(d[0], d[1]), _mm512_unpackhi_epi32(d[0], d[1]));
+    const __m512i s23 = _mm512_add_epi32(_mm512_unpacklo_epi32(d[2], d[3]), _mm512_unpackhi_epi32(d[2], d[3]));
+    return _mm512_add_epi32(_mm512_unpacklo_epi64(s01, s23), _mm512_unpackhi_epi64(s01, s23));
 }
-#define DD_KQ_DOT8 kq_dot8
+
+/* The K-quant rows of kquants.h, read in registers. A super-block's 256 quants become 4 vectors of
+ * 64 unsigned bytes, each meeting one vector of the column's activations (DD_KQ_PREP):
+ *   Q4_K / Q5_K: qs bytes 0-63 and 64-127, low nibbles then high ones: the low nibbles of bytes
+ *     0-63 are values 0-31 and 64-95, so the activation vectors are [a0-31 | a64-95],
+ *     [a32-63 | a96-127], [a128-159 | a192-223], [a160-191 | a224-255]; Q5_K adds bit 2j or
+ *     2j + 1 of qh[l] as 16 (vptestmb picks it per byte);
+ *   Q6_K: ql bytes 64n .. 64n + 63 (n = 0, 1), low nibbles = values 128n + 0..63, high = 128n +
+ *     64..127, in value order; the two high bits come from qh[32n + l] shifted into bits 4-5.
+ * vpdpbusd gives 4-value partial sums; a transpose-add within 128-bit lanes (as Q4_0's) puts the
+ * 16-value half h = 4j + k of vector j (Q6_K) in lane 4k + j, which is scaled per half (Q6_K), the
+ * two halves of each 32-value block added and the 8 block sums gathered into value order. */
+typedef struct {
+    __m512i v[4];
+    __m512i s16x32;   /* Q6_K: 32 times the activation half sums, in the lanes of the halves */
+    __m256i bs;       /* the 8 activation block sums */
+} kq_prep;
+
+static const int32_t kq_half_lane[16] = { 0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15 };
+
+DD_INLINE __m512i kq_pair(const int8_t *a, int lo, int hi)
+{
+    return _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)(a + lo))),
+                              _mm256_loadu_si256((const __m256i *)(a + hi)), 1);
+}
+
+DD_INLINE void kq_prep_acts(const int8_t *a, const int32_t *s16, const int32_t *bs, int wtype, kq_prep *p)
+{
+    p->bs = _mm256_loadu_si256((const __m256i *)bs);
+    if (wtype == DD_Q6_K) {
+        for (int j = 0; j < 4; j++)
+            p->v[j] = _mm512_loadu_si512(a + 64 * j);
+        p->s16x32 = _mm512_slli_epi32(_mm512_permutexvar_epi32(_mm512_loadu_si512(kq_half_lane), _mm512_loadu_si512(s16)), 5);
+    } else {
+        p->v[0] = kq_pair(a, 0, 64);
+        p->v[1] = kq_pair(a, 32, 96);
+        p->v[2] = kq_pair(a, 128, 192);
+        p->v[3] = kq_pair(a, 160, 224);
+    }
+}
+
+DD_INLINE void kq_row(const uint8_t *blk, int wtype, const kq_prep *p, int32_t *out, dd_v8i *mb)
+{
+    const __m512i low = _mm512_set1_epi8(0x0f);
+    __m512i w[4];
+    if (wtype == DD_Q6_K) {
+        const __m512i two = _mm512_set1_epi8(0x30);
+        const __m512i up = _mm512_inserti64x4(_mm512_set1_epi16(4), _mm256_set1_epi16(2), 1);
+        const __m512i down = _mm512_inserti64x4(_mm512_setzero_si512(), _mm256_set1_epi16(2), 1);
+        for (int n = 0; n < 2; n++) {
+            const __m512i l = _mm512_loadu_si512(blk + 64 * n);
+            const __m512i h = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)(blk + 128 + 32 * n)));
+            w[2 * n] = _mm512_or_si512(_mm512_and_si512(l, low), _mm512_and_si512(_mm512_sllv_epi16(h, up), two));
+            w[2 * n + 1] = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(l, 4), low),
+                                           _mm512_and_si512(_mm512_srlv_epi16(h, down), two));
+        }
+    } else {
+        const uint8_t *qs = blk + (wtype == DD_Q5_K ? 48 : 16);
+        for (int n = 0; n < 2; n++) {
+            const __m512i q = _mm512_loadu_si512(qs + 64 * n);
+            w[2 * n] = _mm512_and_si512(q, low);
+            w[2 * n + 1] = _mm512_and_si512(_mm512_srli_epi16(q, 4), low);
+        }
+        if (wtype == DD_Q5_K) {
+            const __m512i h = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)(blk + 16)));
+            const __m512i sixteen = _mm512_set1_epi8(0x10);
+            for (int j = 0; j < 4; j++) {
+                /* vector j = 2n + t holds chunks 2n (low 32 bytes) and 2n + 1: bits 2(2n) + t, 2(2n + 1) + t */
+                const int b0 = 4 * (j / 2) + j % 2, b1 = b0 + 2;
+                const __m512i bit = _mm512_inserti64x4(_mm512_set1_epi8((char)(1 << b0)), _mm256_set1_epi8((char)(1 << b1)), 1);
+                w[j] = _mm512_mask_add_epi8(w[j], _mm512_test_epi8_mask(h, bit), w[j], sixteen);
+            }
+        }
+    }
+    __m512i d[4];
+    for (int j = 0; j < 4; j++)
+        d[j] = _mm512_dpbusd_epi32(_mm512_setzero_si512(), w[j], p->v[j]);
+    __m512i t = kq_transpose_add(d);
+    if (wtype == DD_Q6_K) {
+        /* lane 4k + j = half 4j + k: times sc_h after taking 32 times the activation half sum */
+        const __m512i scl = _mm512_permutexvar_epi32(_mm512_loadu_si512(kq_half_lane),
+                                                     _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(blk + 192))));
+        t = _mm512_mullo_epi32(_mm512_sub_epi32(t, p->s16x32), scl);
+    }
+    /* halves 2i, 2i + 1 are 4 lanes apart; the block sums sit in lanes 0-3 and 8-11 */
+    t = _mm512_add_epi32(t, _mm512_alignr_epi32(t, t, 4));
+    static const int32_t order_q6[16] = { 0, 8, 1, 9, 2, 10, 3, 11 };
+    static const int32_t order_q4[16] = { 0, 1, 8, 9, 2, 3, 10, 11 };
+    t = _mm512_permutexvar_epi32(_mm512_loadu_si512(wtype == DD_Q6_K ? order_q6 : order_q4), t);
+    if (wtype != DD_Q6_K) {
+        uint32_t sw[4];
+        dd_kq_scale_words(blk, sw);
+        const __m128i bytes = _mm_loadu_si128((const __m128i *)sw);
+        const __m256i sc8 = _mm256_cvtepu8_epi32(bytes), mn8 = _mm256_cvtepu8_epi32(_mm_srli_si128(bytes, 8));
+        _mm256_storeu_si256((__m256i *)out, _mm256_mullo_epi32(_mm512_castsi512_si256(t), sc8));
+        const __m256i m = _mm256_mullo_epi32(mn8, p->bs);
+        memcpy(mb, &m, sizeof m);
+    } else {
+        _mm256_storeu_si256((__m256i *)out, _mm512_castsi512_si256(t));
+    }
+}
+
+#define DD_KQ_PREP_T kq_prep
+#define DD_KQ_PREP kq_prep_acts
+#define DD_KQ_ROW kq_row
 #include "kquants.h"
 
 static void quantize_q8_0(const float *x, size_t nb, uint8_t *out)
@@ -75,7 +157,7 @@ static void quantize_q8_0(const float *x, size_t nb, uint8_t *out)
  * one load at 72j + 2 (lane 0 right) and three masked loads, 2, 4 and 6 bytes further, that
  * replace lanes 1, 2, 3 (no shuffles). Low and high nibbles meet the activations' values 0-15 and
  * 16-31 of the same blocks (dd_acts groups), giving 4 int32 partial sums per block; a 4 x 4
- * transpose-add within 128-bit lanes turns the 4 quads' vectors into one with block 4j + k in
+ * transpose-add within 128-bit lanes (kq_transpose_add) turns the 4 quads' vectors into one with block 4j + k in
  * lane 4k + j. The scales are gathered into the same lane order by two word permutes. */
 #define Q4_GROUP_BYTES (16 * DD_Q4_0_BYTES)
 
@@ -93,15 +175,6 @@ static const uint16_t scale_words[32] = { 0, 36, 0, 36, 9, 45, 9, 45, 18, 54, 18
 
 /* offsets that touch each cache line of a group, wherever it starts: 288 bytes span 5 or 6 lines */
 static const short q4_group_lines[6] = { 0, 64, 128, 192, 256, Q4_GROUP_BYTES - 1 };
-
-/* The 16 exact block dots of one quad vector set: sum over h of lo/hi nibbles x activations, as
- * 4 partials per block, reduced to lane 4k + j for block 4j + k. */
-DD_INLINE __m512i q4_0_reduce_quads(const __m512i d[4])
-{
-    const __m512i s01 = _mm512_add_epi32(_mm512_unpacklo_epi32(d[0], d[1]), _mm512_unpackhi_epi32(d[0], d[1]));
-    const __m512i s23 = _mm512_add_epi32(_mm512_unpacklo_epi32(d[2], d[3]), _mm512_unpackhi_epi32(d[2], d[3]));
-    return _mm512_add_epi32(_mm512_unpacklo_epi64(s01, s23), _mm512_unpackhi_epi64(s01, s23));
-}
 
 /* acc[0..1] += dot * scale over 16 lanes in f64: int32 lanes times the f32 scales dw * da (exact,
  * 11 x 11 bits), each product exact in f64, so the fused add rounds as a plain one would. */
@@ -147,7 +220,7 @@ DD_INLINE void q4_0_group_step(const uint8_t *grp, size_t rstride, const uint8_t
         const __m512 dw = _mm512_cvtph_ps(_mm512_castsi512_si256(d));
         for (int c = 0; c < C; c++) {
             const size_t at = ((c0 + c) * a->ng + g) * 16;
-            const __m512i dot = _mm512_add_epi32(q4_0_reduce_quads(part[c]), _mm512_load_si512(a->gbias + at));
+            const __m512i dot = _mm512_add_epi32(kq_transpose_add(part[c]), _mm512_load_si512(a->gbias + at));
             acc_f64(acc[r][c], dot, _mm512_mul_ps(dw, _mm512_load_ps(a->gd + at)));
         }
     }
