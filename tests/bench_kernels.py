@@ -9,8 +9,12 @@ the same size, larger than the last-level cache), in two shapes:
   * "moe": the fused one-token MoE FFN (cpu.moe_ffn) over --moe-layers layers shaped like the
     35B-A3B slice llama.cpp was measured on in docs/cpu-notes.md (d 2048, 64 experts of FFN 512, top-8, a shared expert,
     Q4_0), one random token per layer in turn; GB/s counts the bytes a token touches (f32 router,
-    8 + 1 experts' gate/up/down).
-Usage: python tests/bench_kernels.py [--mib 1024] [--repeats 5] [--threads 1 2] [--moe-layers 8]
+    8 + 1 experts' gate/up/down);
+  * "hot" (--hot): one thread, a --hot-kib matrix of each weight type that stays in the core's
+    L2 cache, called over and over and timed in thread CPU time: the kernel's compute rate,
+    which the machine's other work (memory traffic, a busy core) barely moves. A kernel streams
+    at the DRAM bandwidth only if this rate is well above it.
+Usage: python tests/bench_kernels.py [--mib 1024] [--repeats 5] [--threads 1 2] [--moe-layers 8] [--hot]
 """
 
 from __future__ import annotations
@@ -45,6 +49,45 @@ def q4_0_weights(nbytes: int, rng: np.random.Generator) -> np.ndarray:
     return q4_0_weights_shaped(rows, K, rng)
 
 
+HOT_TYPES = (GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q8_0, GGMLQuantizationType.Q4_K,
+             GGMLQuantizationType.Q5_K, GGMLQuantizationType.Q6_K)
+SCALE_OFFSETS = {GGMLQuantizationType.Q4_K: (0, 2), GGMLQuantizationType.Q5_K: (0, 2), GGMLQuantizationType.Q6_K: (208,)}
+"""Byte offsets of a block's f16 scales (ggml-common.h); every other type has one at 0."""
+
+
+def random_blocks(qtype: GGMLQuantizationType, rows: int, k: int, rng: np.random.Generator) -> np.ndarray:
+    """Random (rows, row bytes) blocks of qtype, every f16 scale a normal 0.01 (no float assists)."""
+    bsize = quant.type_size(qtype)
+    raw = rng.integers(0, 256, size=(rows, quant.row_bytes(qtype, k)), dtype=np.uint8)
+    blocks = raw.reshape(rows, -1, bsize)
+    for off in SCALE_OFFSETS.get(qtype, (0,)):
+        blocks[..., off:off + 2] = np.array([0.01], dtype=np.float16).view(np.uint8)
+    return raw
+
+
+def hot_rates(kib: int, calls: int, rng: np.random.Generator) -> None:
+    """Print the in-cache GEMV rate of each weight type at each ISA level, one thread."""
+    x = rng.standard_normal(K).astype(np.float32)
+    cpu.set_threads(1)
+    print(f"hot: {kib} KiB matrices (k={K}), {calls} calls a measurement, best of 5, thread CPU time, 1 thread")
+    print(f"{'type':>5} " + " ".join(f"{level:>12}" for level in cpu.supported_isas()) + "   (GB/s, ns per row)")
+    for qtype in HOT_TYPES:
+        raw = random_blocks(qtype, max(4, (kib << 10) // quant.row_bytes(qtype, K)), K, rng)
+        cells = []
+        for level in cpu.supported_isas():
+            cpu.set_isa(level)
+            best = float("inf")
+            for _ in range(5):
+                t0 = time.thread_time()
+                for _ in range(calls):
+                    cpu.matmul(raw, x, qtype)
+                best = min(best, (time.thread_time() - t0) / calls)
+            cells.append(f"{raw.nbytes / best / 1e9:5.1f} {best * 1e9 / raw.shape[0]:5.0f}ns")
+        print(f"{qtype.name:>5} " + " ".join(f"{c:>12}" for c in cells))
+    cpu.set_isa(None)
+    cpu.set_threads()
+
+
 def moe_layers(n: int, rng: np.random.Generator) -> list[cpu.MoEWeights]:
     def q4(rows: int, k: int) -> np.ndarray:
         return q4_0_weights_shaped(rows, k, rng)
@@ -69,11 +112,17 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--threads", type=int, nargs="+", default=sorted({1, cpu.physical_cores()}))
     ap.add_argument("--moe-layers", type=int, default=8, help="0 skips the fused MoE measurement")
+    ap.add_argument("--hot", action="store_true", help="only the in-cache rate of each weight type")
+    ap.add_argument("--hot-kib", type=int, default=1024, help="matrix size for --hot (fits the L2 cache)")
+    ap.add_argument("--hot-calls", type=int, default=200)
     args = ap.parse_args()
     if not cpu.available():
         raise SystemExit("native kernels not built: nothing to measure")
 
     rng = np.random.default_rng(0)
+    if args.hot:
+        hot_rates(args.hot_kib, args.hot_calls, rng)
+        return
     raw = q4_0_weights(args.mib << 20, rng)
     x = rng.standard_normal(K).astype(np.float32)
     experts = [raw[i:i + EXPERT_ROWS] for i in range(0, raw.shape[0], EXPERT_ROWS)]
