@@ -125,6 +125,7 @@ class ChatController(QObject):
         self.live: LiveTurn | None = None
         self.waiting: list[LiveTurn] = []
         self._starting: set[int | None] = set()
+        self._stop_on_start: set[int | None] = set()     # stopped while their rows were being added
         self.request_chat.connect(worker.chat)
         worker.prefill_progress.connect(self.on_prefill_progress)
         worker.prefilled.connect(self.on_prefilled)
@@ -210,11 +211,14 @@ class ChatController(QObject):
 
     def stop(self) -> None:
         """Stop the shown conversation's turn: the live one ends within one token, a waiting one
-        leaves the queue (stored as stopped)."""
+        leaves the queue (stored as stopped), and one whose rows are still being added is stored
+        as stopped once they are, without reaching the engine."""
         live = self.live
         if live is not None and live.conversation_id == self.conversation_id:
             live.request.cancel.set()
             return
+        if self.conversation_id in self._starting:
+            self._stop_on_start.add(self.conversation_id)
         for turn in [t for t in self.waiting if t.conversation_id == self.conversation_id]:
             self._drop_waiting(turn)
 
@@ -243,6 +247,7 @@ class ChatController(QObject):
 
     def _not_started(self, conversation: int | None) -> None:
         self._starting.discard(conversation)
+        self._stop_on_start.discard(conversation)
         self._changed()
 
     def _start_turn(self, conversation: int | None, start: TurnStart, thinking: bool) -> None:
@@ -257,11 +262,15 @@ class ChatController(QObject):
         asked = branch.path[-2] if len(branch.path) > 1 and branch.path[-2].role == "user" and only_answer else None
         turn = LiveTurn(branch.conversation_id, start.answer_id, request, thinking, asked)
         self.conversation_touched.emit(branch.conversation_id)
-        if self.live is None:
+        stopped = conversation in self._stop_on_start
+        self._stop_on_start.discard(conversation)
+        if self.live is None and not stopped:
             self._run(turn)
         else:
             self.waiting.append(turn)
         self._show(branch)
+        if stopped:
+            self._drop_waiting(turn)
         self._changed()
 
     def _run(self, turn: LiveTurn) -> None:

@@ -87,6 +87,24 @@ def test_stop_with_escape_mid_answer(qtbot, make_window):
     assert window.composer.send_button.text() == "Send"
 
 
+def test_escape_at_once_after_enter_stops_the_turn_before_it_starts(qtbot, make_window):
+    """Escape pressed while the new rows are still being stored (the turn not yet started)."""
+    engine = FakeEngine(tokens=["w "] * 20)
+    window = make_window(engine)
+    window.composer.editor.setPlainText("never mind")
+    with turn_done(qtbot, window):
+        qtbot.keyClick(window.composer.editor, Qt.Key_Return)
+        assert window.controller.busy and window.controller.live is None    # the history thread has not answered
+        qtbot.keyClick(window, Qt.Key_Escape)
+    user, answer = path_of(window)
+    assert user.content == "never mind" and (answer.state, answer.content) == ("stopped", "")
+    assert engine.calls == [] and window.composer.send_button.text() == "Send"
+    qtbot.waitUntil(lambda: shown_ids(window) == [user.id, answer.id])
+    assert answer.stats["message"] == "Stopped before the engine began."
+    assert "Stopped." in window.chat_view.widget_for(answer.id).stats_label.text()
+    assert send(qtbot, window, "and now?").state == "complete" and len(engine.calls) == 1
+
+
 def test_prefill_progress_shows_in_the_streaming_message_until_the_answer(qtbot, make_window):
     engine = FakeEngine(tokens=["slow "] * 12, token_ms=25.0, prompt_pieces=12, piece_ms=25.0)
     window = make_window(engine)
@@ -674,7 +692,8 @@ def test_the_toolbar_names_new_search_attach_stop_regenerate_and_settings(qtbot,
     window.composer.editor.setPlainText("go")
     with turn_done(qtbot, window):
         qtbot.keyClick(window.composer.editor, Qt.Key_Return)
-        qtbot.waitUntil(lambda: window.stop_action.isEnabled())
+        qtbot.waitUntil(lambda: window.stop_action.isEnabled() and window.controller.live is not None
+                        and window.controller.live.text != "")
         assert not window.regenerate_action.isEnabled()
         window.stop_action.trigger()
     assert not window.stop_action.isEnabled() and window.regenerate_action.isEnabled()
