@@ -13,6 +13,20 @@ from app.__main__ import AppPaths, build_window  # noqa: E402
 from app.history_thread import HistoryThread  # noqa: E402
 from fake_engine import FakeEngine, loader_for  # noqa: E402
 
+WAIT_MS = 30_000
+"""How long a ``qtbot.waitUntil`` / ``waitSignal`` without its own ``timeout`` waits (pytest-qt's own
+default is 5 s): CI runs the suite on a shared 2-core machine, where a thread of the app can wait
+seconds for a core. A wait returns as soon as its condition holds, so this costs nothing on a pass."""
+
+
+@pytest.fixture
+def qtbot(qtbot):
+    """pytest-qt's ``qtbot`` whose waits default to :data:`WAIT_MS`."""
+    wait_until, wait_signal = qtbot.waitUntil, qtbot.waitSignal
+    qtbot.waitUntil = lambda callback, *, timeout=WAIT_MS: wait_until(callback, timeout=timeout)
+    qtbot.waitSignal = lambda signal, *, timeout=WAIT_MS, **kwargs: wait_signal(signal, timeout=timeout, **kwargs)
+    return qtbot
+
 
 @pytest.fixture
 def paths(tmp_path):
@@ -39,10 +53,10 @@ def make_window(qtbot, paths):
         window = build_window(paths, loader, gpu)
         windows.append(window)
         window.show()
-        qtbot.waitUntil(lambda: window.controller.conversation_id is not None, timeout=5000)
+        qtbot.waitUntil(lambda: window.controller.conversation_id is not None)
         if load:
             window.load_configured()
-            qtbot.waitUntil(lambda: window.model is not None, timeout=5000)
+            qtbot.waitUntil(lambda: window.model is not None)
         return window
 
     yield make

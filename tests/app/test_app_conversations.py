@@ -133,7 +133,7 @@ def test_deleting_the_last_conversation_asks_for_a_new_one(qtbot, history):
     panel = ConversationPanel(model)
     qtbot.addWidget(panel)
     panel.select(created(qtbot, model, "only"))
-    with qtbot.waitSignal(panel.new_requested, timeout=1000):
+    with qtbot.waitSignal(panel.new_requested):
         panel.delete_current()
 
 

@@ -38,7 +38,7 @@ def telemetry(h2d_bytes=1_200_000_000, h2d_ms=100.0):
 
 def send(qtbot, window, text):
     window.composer.editor.setPlainText(text)
-    with qtbot.waitSignal(window.controller.busy_changed, timeout=10000, check_params_cb=lambda busy: not busy):
+    with qtbot.waitSignal(window.controller.busy_changed, check_params_cb=lambda busy: not busy):
         qtbot.keyClick(window.composer.editor, Qt.Key_Return)
 
 

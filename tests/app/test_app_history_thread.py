@@ -33,7 +33,7 @@ def test_jobs_run_in_order_off_the_ui_thread_and_answer_on_it(qtbot, history):
 
 def test_a_failing_job_is_reported_and_the_thread_goes_on(qtbot, history):
     errors = []
-    with qtbot.waitSignal(history.failed, timeout=5000) as blocker:
+    with qtbot.waitSignal(history.failed) as blocker:
         future = history.call(HistoryStore.regenerate, 12345, on_error=errors.append)
     assert isinstance(future.exception(5), HistoryError)
     assert blocker.args[0].startswith("Chat history: message 12345 is not a stored assistant message")
@@ -58,7 +58,7 @@ def test_an_unreadable_database_falls_back_to_memory(qtbot, tmp_path):
     path = tmp_path / "h.db"
     path.write_bytes(b"not a database at all" * 100)
     thread = HistoryThread(path)
-    with qtbot.waitSignal(thread.unavailable, timeout=5000) as blocker:
+    with qtbot.waitSignal(thread.unavailable) as blocker:
         thread.start()
     assert "cannot open the history database" in blocker.args[0] and "will not be saved" in blocker.args[0]
     assert stored(thread, HistoryStore.create_conversation, "x") == 1

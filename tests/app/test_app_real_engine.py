@@ -43,7 +43,7 @@ def test_default_model_streams_stops_and_keeps_its_snapshots(qtbot, make_window,
     answer = stored(window.history, HistoryStore.active_path, window.controller.conversation_id)[-1]
     assert answer.state == "stopped" and answer.content
     assert answer.stats["generated_tokens"] >= 1 and answer.stats["prompt_tokens"] > 5
-    qtbot.waitUntil(lambda: window.snapshots.rowCount() > 0, timeout=10000)
+    qtbot.waitUntil(lambda: window.snapshots.rowCount() > 0)
     # the snapshot names the conversation it was taken in, shown by its title
     assert "\u201cHello\u201d" in window.snapshots.index(0).data(Qt.ToolTipRole)
     window.close()
@@ -109,7 +109,7 @@ def test_the_demo_model_counts_the_shapes_of_a_dropped_image(qtbot, make_window,
     assert (attachment.width, attachment.height) == data.render(sc).size
     assert Path(attachment.path).read_bytes() == png.read_bytes()
     [thumb] = window.composer.thumbnails()
-    qtbot.waitUntil(lambda: thumb.model_size.text().startswith("model sees"), timeout=10000)
+    qtbot.waitUntil(lambda: thumb.model_size.text().startswith("model sees"))
 
     # one token batch per token (the whole answer is shorter than one 40 ms batch), so the
     # streaming can be seen piece by piece

@@ -40,21 +40,20 @@ def test_the_window_chats_with_a_remote_engine(qtbot, make_window, served) -> No
                                   temperature=0.0))
     qtbot.waitUntil(lambda: window.model is not None, timeout=30000)
     assert window.banner.text() == f"tiny on {server.url} (remote engine) \u00b7 text only \u00b7 runs on the server"
-    qtbot.waitUntil(lambda: window.sidebar.gpu_label.text() == "Remote engine", timeout=5000)
+    qtbot.waitUntil(lambda: window.sidebar.gpu_label.text() == "Remote engine")
     assert "are the server's" in window.sidebar.gpu_note.text()
     engine.clear_snapshots()
     _send(qtbot, window, "Say hello.")
     with lock:
         want = [e for e in engine.chat([{"role": "user", "content": "Say hello."}], SamplingParams.greedy(6))
                 if isinstance(e, TurnSummary)][-1]
-    qtbot.waitUntil(lambda: _answers(window)[-1].state == "complete", timeout=10000)   # stored on the history thread
+    qtbot.waitUntil(lambda: _answers(window)[-1].state == "complete")   # stored on the history thread
     first = _answers(window)[-1]
     assert first.content == want.text.lstrip()
     assert first.stats["prompt_tokens"] == want.prompt_tokens and first.stats["generated_tokens"] == 6
     with qtbot.waitSignal(window.controller.busy_changed, timeout=60000, check_params_cb=lambda busy: not busy):
         assert window.controller.regenerate(first.id)          # the same prompt: resumed whole on the server
-    qtbot.waitUntil(lambda: _answers(window)[-1].id != first.id and _answers(window)[-1].state == "complete",
-                    timeout=10000)
+    qtbot.waitUntil(lambda: _answers(window)[-1].id != first.id and _answers(window)[-1].state == "complete")
     again = _answers(window)[-1]
     assert again.id != first.id
     assert again.content == first.content and again.stats["reused_tokens"] == want.prompt_tokens
@@ -99,7 +98,7 @@ def test_serve_on_localhost_shares_the_loaded_engine_and_its_snapshots(qtbot, ma
     qtbot.waitUntil(lambda: window.model is not None, timeout=60000)
     window.apply_settings(replace(window.prefs, serve_local=True, serve_port=port))
     url = f"http://127.0.0.1:{port}/v1"
-    qtbot.waitUntil(lambda: window.serve_status.text().endswith(url), timeout=10000)
+    qtbot.waitUntil(lambda: window.serve_status.text().endswith(url))
     _send(qtbot, window, "Name a colour.")
     answer = _answers(window)[-1]
     client = openai.OpenAI(base_url=url, api_key="none", max_retries=0, timeout=60)
@@ -113,7 +112,7 @@ def test_serve_on_localhost_shares_the_loaded_engine_and_its_snapshots(qtbot, ma
     assert summary.text == answer.content.lstrip()
     remote.close()
     window.apply_settings(replace(window.prefs, serve_local=False))
-    qtbot.waitUntil(lambda: window.serve_status.text() == "", timeout=10000)
+    qtbot.waitUntil(lambda: window.serve_status.text() == "")
     with pytest.raises(openai.APIConnectionError):
         client.models.list()
 
@@ -182,11 +181,11 @@ def test_list_models_fills_the_model_box(qtbot, served) -> None:
     tab = dialog.connections
     tab.url.setText(served[2].url)
     tab.list_models()
-    qtbot.waitUntil(lambda: tab.list_button.isEnabled(), timeout=10000)
+    qtbot.waitUntil(lambda: tab.list_button.isEnabled())
     assert [tab.model.itemText(i) for i in range(tab.model.count())] == ["tiny"]
     tab.url.setText("http://127.0.0.1:9/v1")
     tab.list_models()
-    qtbot.waitUntil(lambda: tab.list_button.isEnabled(), timeout=15000)
+    qtbot.waitUntil(lambda: tab.list_button.isEnabled())
     assert "cannot reach" in tab.status.text()
 
 

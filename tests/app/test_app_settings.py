@@ -84,7 +84,7 @@ def test_sampling_system_prompt_and_thinking_reach_the_engine_and_persist(qtbot,
     window.apply_settings(wanted)
     assert window.composer.think_box.isChecked() and len(engine.loads) == 1
     window.composer.editor.setPlainText("hi")
-    with qtbot.waitSignal(window.controller.busy_changed, check_params_cb=lambda busy: not busy, timeout=5000):
+    with qtbot.waitSignal(window.controller.busy_changed, check_params_cb=lambda busy: not busy):
         qtbot.keyClick(window.composer.editor, Qt.Key_Return)
     assert engine.samplings[-1] == SamplingParams(temperature=0.0, top_k=5, seed=3, max_tokens=64)
     assert engine.calls[-1][0] == {"role": "system", "content": "Be brief."} and engine.thinking == [True]

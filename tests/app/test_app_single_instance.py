@@ -17,7 +17,7 @@ def test_a_second_instance_of_a_profile_is_refused_and_raises_the_first(qtbot, t
     first = SingleInstance(tmp_path / "data")
     assert first.acquire()
     second = SingleInstance(tmp_path / "data")
-    with qtbot.waitSignal(first.raise_requested, timeout=5000):
+    with qtbot.waitSignal(first.raise_requested):
         assert not second.acquire()
     other = SingleInstance(tmp_path / "other-profile")
     assert other.acquire()

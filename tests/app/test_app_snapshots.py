@@ -34,7 +34,7 @@ def test_the_sidebar_lists_removes_and_clears_snapshots(qtbot, make_window):
     assert panel.summary.text().startswith("No snapshots yet") and not panel.clear_button.isEnabled()
     for text in ("first question", "second question"):
         window.composer.editor.setPlainText(text)
-        with qtbot.waitSignal(window.controller.busy_changed, check_params_cb=lambda busy: not busy, timeout=5000):
+        with qtbot.waitSignal(window.controller.busy_changed, check_params_cb=lambda busy: not busy):
             qtbot.keyClick(window.composer.editor, Qt.Key_Return)
     qtbot.waitUntil(lambda: window.snapshots.rowCount() == 2)
     assert panel.summary.text() == "2 snapshots, 5.7 MB"
@@ -58,7 +58,7 @@ def test_the_ages_are_drawn_again_as_time_passes(qtbot):
     model = SnapshotListModel()
     model.age_timer.setInterval(20)
     model.set_snapshots([_snap("aa", 64), _snap("bb", 32)])
-    with qtbot.waitSignal(model.dataChanged, timeout=2000) as changed:
+    with qtbot.waitSignal(model.dataChanged) as changed:
         pass
     top, bottom = changed.args[:2]
     assert (top.row(), bottom.row()) == (0, 1) and Qt.DisplayRole in changed.args[2]
