@@ -9,6 +9,7 @@ from typing import Iterator, Sequence
 
 from PIL import Image
 
+from app.engine_worker import BATCH_SECONDS
 from engine.api import ModelInfo, SnapshotInfo
 from engine.errors import EngineError, GenerationCancelled
 from engine.events import Event, PrefillProgress, PrefillStats, TokenEvent, TurnSummary
@@ -31,9 +32,12 @@ class FakeEngine:
     many pieces of ``piece_ms`` each, a ``PrefillProgress`` after each and the cancel flag checked
     between them, as the real engine does; ``pieces_read`` counts them.
     ``prefill_ahead`` takes ``ahead_pieces`` pieces of ``piece_ms`` and records each call in ``aheads``.
-    ``produced`` counts the tokens it has yielded; ``calls`` keeps each turn's messages, ``samplings``
-    and ``conversations`` its other arguments, ``loads`` the LoadRequests that returned it. Each
-    turn leaves a prefix snapshot; images reach the "model" at half their size.
+    After :meth:`hold` a turn waits after ``after`` tokens (still answering, however long the test
+    takes) until :meth:`release`, the cancel flag checked meanwhile; ``reading_ahead`` is set
+    once a read-ahead has begun. ``produced`` counts the tokens it has yielded; ``calls`` keeps each
+    turn's messages, ``samplings`` and ``conversations`` its other arguments, ``loads`` the
+    LoadRequests that returned it. Each turn leaves a prefix snapshot; images reach the "model" at
+    half their size.
     """
 
     def __init__(self, tokens: Sequence[str] = ("Hello", ",", " world", "."), token_ms: float = 1.0,
@@ -59,6 +63,22 @@ class FakeEngine:
         self.closed = 0
         self.ahead_pieces = 0
         self.aheads: list[tuple[list[dict], str]] = []   # (messages, "done" | "cancelled") per read-ahead
+        self.reading_ahead = threading.Event()
+        self.held_at: int | None = None
+        self._released = threading.Event()
+
+    def hold(self, after: int) -> None:
+        """Keep each later turn streaming after ``after`` tokens until :meth:`release` or its cancel flag.
+
+        The last of those tokens comes a worker batch (``BATCH_SECONDS``) after the one before, so the
+        worker has handed all ``after`` of them to the window when the turn stops to wait.
+        """
+        self.held_at = after
+        self._released.clear()
+
+    def release(self) -> None:
+        """Let held turns stream on to their end."""
+        self._released.set()
 
     def chat(self, messages, sampling=None, cancel: threading.Event | None = None,
              enable_thinking: bool = False, conversation: str = "") -> Iterator[Event]:
@@ -76,6 +96,7 @@ class FakeEngine:
                       conversation: str = ""):
         """Read ahead in ``ahead_pieces`` pieces of ``piece_ms``, checking the cancel flag between them."""
         cancel = cancel or threading.Event()
+        self.reading_ahead.set()
         for _ in range(self.ahead_pieces):
             if cancel.is_set():
                 self.aheads.append((list(messages), "cancelled"))
@@ -126,11 +147,19 @@ class FakeEngine:
                 return
             if self.fail_with is not None and i == len(self.tokens) // 2:
                 raise self.fail_with
-            time.sleep(self.token_ms / 1e3)
+            held = i + 1 == self.held_at
+            time.sleep(self.token_ms / 1e3 + (BATCH_SECONDS + 0.01 if held else 0.0))
             self.produced += 1
             text.append(piece)
             yield TokenEvent(token_id=i, text=piece, ms=self.token_ms, index=i)
+            if held:
+                self._wait_for_release(cancel)
         yield self._summary("eos", "".join(text), len(text))
+
+    def _wait_for_release(self, cancel: threading.Event) -> None:
+        deadline = time.monotonic() + 300           # a test that never releases does not hang the suite
+        while not cancel.is_set() and not self._released.wait(0.005) and time.monotonic() < deadline:
+            pass
 
     def _summary(self, reason: str, text: str, n: int) -> TurnSummary:
         return TurnSummary(stop_reason=reason, message="" if reason == "eos" else "Stopped.", prompt_tokens=30,
@@ -167,7 +196,7 @@ class BlockingLoader:
     def __call__(self, request, progress, cancel):
         self.threads.append(threading.current_thread())
         self.started.set()
-        self._release.wait(10)
+        self._release.wait(60)
         self.engine.loads.append(request)
         return self.engine
 
@@ -175,7 +204,7 @@ class BlockingLoader:
         """Let the load finish and wait for its thread."""
         self._release.set()
         for thread in self.threads:
-            thread.join(5)
+            thread.join(30)
 
 
 class StagedLoader:
@@ -205,7 +234,7 @@ class StagedLoader:
                     raise GenerationCancelled(f"loading {request.name} was cancelled")
                 self.stages.append(name)
                 progress(name)
-                self._steps.acquire(timeout=10)
+                self._steps.acquire(timeout=60)
             self.engine.loads.append(request)
             return self.engine
         finally:

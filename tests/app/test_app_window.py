@@ -15,9 +15,9 @@ from engine.errors import EngineError
 from fake_engine import FakeEngine
 
 
-def turn_done(qtbot, window, timeout=10000):
+def turn_done(qtbot, window):
     """A context that waits until the window has finished a turn (answer stored and shown)."""
-    return qtbot.waitSignal(window.controller.busy_changed, timeout=timeout, check_params_cb=lambda busy: not busy)
+    return qtbot.waitSignal(window.controller.busy_changed, check_params_cb=lambda busy: not busy)
 
 
 def send(qtbot, window, text):
@@ -73,6 +73,7 @@ def test_shift_enter_is_a_newline(qtbot, make_window):
 
 def test_stop_with_escape_mid_answer(qtbot, make_window):
     engine = FakeEngine(tokens=["w "] * 2000, token_ms=2.0)
+    engine.hold(after=20)                                   # still answering when Escape is pressed
     window = make_window(engine)
     window.composer.editor.setPlainText("go on")
     with turn_done(qtbot, window):
@@ -106,7 +107,9 @@ def test_escape_at_once_after_enter_stops_the_turn_before_it_starts(qtbot, make_
 
 
 def test_prefill_progress_shows_in_the_streaming_message_until_the_answer(qtbot, make_window):
-    engine = FakeEngine(tokens=["slow "] * 12, token_ms=25.0, prompt_pieces=12, piece_ms=25.0)
+    # each piece outlasts a batch of the worker's (40 ms), so each shows its own count for a while
+    engine = FakeEngine(tokens=["slow "] * 12, token_ms=25.0, prompt_pieces=12, piece_ms=80.0)
+    engine.hold(after=1)                                    # still streaming while the first token is looked at
     window = make_window(engine)
     window.composer.editor.setPlainText("a long prompt")
     seen = []
@@ -120,16 +123,17 @@ def test_prefill_progress_shows_in_the_streaming_message_until_the_answer(qtbot,
 
     with turn_done(qtbot, window):
         qtbot.keyClick(window.composer.editor, Qt.Key_Return)
-        qtbot.waitUntil(reading, timeout=5000)
+        qtbot.waitUntil(reading)
         widget = window.chat_view.widgets[-1]
-        qtbot.waitUntil(lambda: "slow" in widget.body.toPlainText(), timeout=5000)
+        qtbot.waitUntil(lambda: "slow" in widget.body.toPlainText())
         assert widget.streaming and not widget.stats_label.isVisible()
+        engine.release()
     assert all(t.endswith(" / 30 tokens") for t in seen)
     assert "TTFT" in widget.stats_label.text() and path_of(window)[-1].content == "slow " * 12
 
 
 def test_stop_while_the_prompt_is_read(qtbot, make_window):
-    engine = FakeEngine(tokens=["never"], prompt_pieces=2000, piece_ms=2.0)
+    engine = FakeEngine(tokens=["never"], prompt_pieces=30_000, piece_ms=2.0)   # a minute unless stopped
     window = make_window(engine)
     window.composer.editor.setPlainText("a very long prompt")
     with turn_done(qtbot, window):
@@ -138,7 +142,7 @@ def test_stop_while_the_prompt_is_read(qtbot, make_window):
         qtbot.keyClick(window, Qt.Key_Escape)
     answer = path_of(window)[-1]
     assert answer.state == "stopped" and answer.content == "" and engine.produced == 0
-    assert engine.pieces_read < 2000
+    assert engine.pieces_read < 30_000
     assert "Stopped." in window.chat_view.widget_for(answer.id).stats_label.text()
 
 
@@ -253,7 +257,7 @@ def test_a_failed_load_refuses_to_send_and_clears_the_old_models_figures(qtbot, 
     send(qtbot, window, "first")
     assert window.sidebar.context_bar.context == 4096 and "TTFT \u2014" not in window.sidebar.last_turn.text()
     window.load_model("m.gguf")
-    qtbot.waitUntil(lambda: "could not be loaded" in window.banner.text(), timeout=5000)
+    qtbot.waitUntil(lambda: "could not be loaded" in window.banner.text())
     assert "wrong magic" in window.banner.text()
     assert not window.composer.send_button.isEnabled()
     assert "No model is loaded" in window.composer.status.text() and window.composer.status.isVisibleTo(window)
@@ -266,12 +270,13 @@ def test_a_failed_load_refuses_to_send_and_clears_the_old_models_figures(qtbot, 
     assert window.sidebar.context_bar.context == 0 and "TTFT \u2014" in window.sidebar.last_turn.text()
     assert window.sidebar.speed.text() == "\u2014 tok/s"
     window.load_configured()
-    qtbot.waitUntil(lambda: window.model is not None, timeout=5000)
+    qtbot.waitUntil(lambda: window.model is not None)
     assert window.composer.send_button.isEnabled() and not window.composer.status.isVisibleTo(window)
 
 
 def test_switch_conversations_mid_stream(qtbot, make_window):
-    engine = FakeEngine(tokens=["z"] * 1500, token_ms=2.0)      # 3 s: still streaming when switched back
+    engine = FakeEngine(tokens=["z"] * 300, token_ms=2.0)
+    engine.hold(after=20)                                   # still streaming when switched back
     window = make_window(engine)
     first = window.controller.conversation_id
     window.composer.editor.setPlainText("long one")
@@ -285,12 +290,14 @@ def test_switch_conversations_mid_stream(qtbot, make_window):
         qtbot.waitUntil(lambda: len(window.chat_view.widgets) == 2)
         widget = window.chat_view.widgets[-1]
         assert widget.streaming and widget.raw == window.controller.live.text
-    assert path_of(window, first)[-1].content == "z" * 1500
-    assert window.chat_view.widgets[-1].raw == "z" * 1500
+        engine.release()
+    assert path_of(window, first)[-1].content == "z" * 300
+    assert window.chat_view.widgets[-1].raw == "z" * 300
 
 
 def test_partial_answer_is_saved_every_few_seconds(qtbot, make_window):
     engine = FakeEngine(tokens=["p"] * 300, token_ms=2.0)
+    engine.hold(after=20)                                   # still streaming when the saved copy is read
     window = make_window(engine)
     window.controller._save_timer.setInterval(100)
     window.composer.editor.setPlainText("save me")
@@ -298,9 +305,9 @@ def test_partial_answer_is_saved_every_few_seconds(qtbot, make_window):
         qtbot.keyClick(window.composer.editor, Qt.Key_Return)
         qtbot.waitUntil(lambda: window.controller.live is not None)
         answer_id = window.controller.live.message_id
-        qtbot.waitUntil(lambda: len(stored(window.history, HistoryStore.message, answer_id).content) > 0,
-                        timeout=3000)
+        qtbot.waitUntil(lambda: len(stored(window.history, HistoryStore.message, answer_id).content) > 0)
         assert stored(window.history, HistoryStore.message, answer_id).state == "streaming"
+        engine.release()
 
 
 def test_history_survives_a_restart(qtbot, make_window):
@@ -329,7 +336,7 @@ def test_conversation_shortcuts_and_sidebar_toggle(qtbot, make_window):
 
 def test_sidebar_without_gpu_and_with_fake_telemetry(qtbot, make_window):
     window = make_window()
-    qtbot.waitUntil(lambda: window.sidebar.cpu.text.endswith("%"), timeout=3000)
+    qtbot.waitUntil(lambda: window.sidebar.cpu.text.endswith("%"))
     assert window.sidebar.gpu_label.text() == "No NVIDIA GPU: CPU mode"
     assert window.sidebar.vram.isHidden() and window.sidebar.cpu.text.endswith("%")
     assert "/" in window.sidebar.ram.text
@@ -355,6 +362,7 @@ def test_worst_frame_while_streaming_500_tokens(qtbot, make_window, record_prope
 
 def test_closing_mid_answer_keeps_what_was_written(qtbot, make_window, paths):
     engine = FakeEngine(tokens=["c"] * 3000, token_ms=2.0)
+    engine.hold(after=20)                                   # still answering when the window closes
     window = make_window(engine)
     window.composer.editor.setPlainText("long")
     qtbot.keyClick(window.composer.editor, Qt.Key_Return)
@@ -447,7 +455,7 @@ def test_a_crash_while_the_prompt_is_read_reopens_that_chat(qtbot, make_window):
     window = make_window(engine)
     new_conversation(qtbot, window)
     interrupted = window.controller.conversation_id
-    engine.prompt_pieces = 5000
+    engine.prompt_pieces = 30_000                           # a minute: still reading when the new window opens
     window.composer.editor.setPlainText("a long prompt")
     qtbot.keyClick(window.composer.editor, Qt.Key_Return)
     qtbot.waitUntil(lambda: window.controller.live is not None and window.controller.live.progress is not None)
@@ -493,7 +501,8 @@ def test_the_window_turns_dark_and_light_with_the_desktop(qtbot, make_window):
 def test_other_chats_stay_usable_while_one_answers_and_their_sends_wait_their_turn(qtbot, make_window):
     from app.conversations import ActivityRole
 
-    engine = FakeEngine(tokens=["a "] * 3000, token_ms=5.0)       # 15 s: still answering when the test stops it
+    engine = FakeEngine(tokens=["a "] * 3000, token_ms=5.0)
+    engine.hold(after=20)                                   # still answering when the test stops it
     window = make_window(engine)
     first = window.controller.conversation_id
     window.composer.editor.setPlainText("long answer please")
@@ -696,6 +705,7 @@ def test_attaching_big_images_does_not_stall_the_window(qtbot, make_window, tmp_
 
 def test_the_toolbar_names_new_search_attach_stop_regenerate_and_settings(qtbot, make_window):
     engine = FakeEngine(tokens=["t "] * 2000, token_ms=2.0)
+    engine.hold(after=5)                                    # still answering when Stop is pressed
     window = make_window(engine)
     texts = [a.text().replace("&", "") for a in window.toolbar.actions()]
     assert texts == ["New chat", "Search chats", "Attach image\u2026", "Stop answer", "Regenerate answer",
