@@ -3,8 +3,6 @@ close while one runs. Images dropped on the window or the chat view go to the co
 
 from __future__ import annotations
 
-import time
-
 from PySide6.QtCore import QMimeData, QPoint, QPointF, Qt, QUrl
 import pytest
 from PySide6.QtGui import QDragEnterEvent, QDragLeaveEvent, QDropEvent
@@ -114,7 +112,7 @@ def test_a_slow_load_can_be_cancelled_and_its_model_is_dropped(qtbot, make_windo
     loader = BlockingLoader(engine)
     window = make_window(loader=loader, load=False)
     window.load_model("/models/huge.gguf")
-    assert loader.started.wait(5)
+    assert loader.started.wait(30)
     assert window.cancel_load_button.isVisible()
     qtbot.mouseClick(window.cancel_load_button, Qt.LeftButton)
     assert "cancelled" in window.banner.text() and not window.cancel_load_button.isVisible()
@@ -138,7 +136,7 @@ def test_the_banner_shows_the_load_stage_and_cancel_stops_the_load(qtbot, make_w
     qtbot.mouseClick(window.cancel_load_button, Qt.LeftButton)
     assert "cancelled" in window.banner.text() and not window.cancel_load_button.isVisible()
     loader.step()
-    assert loader.finished.wait(5) and loader.cancelled.is_set()
+    assert loader.finished.wait(30) and loader.cancelled.is_set()
     qtbot.wait(50)
     assert window.model is None and "cancelled" in window.banner.text()
     assert loader.stages == ["mapping tensors", "building the tokenizer"]
@@ -159,19 +157,18 @@ def test_closing_while_a_model_loads_does_not_wait_for_it(qtbot, make_window):
     loader = BlockingLoader(FakeEngine())
     window = make_window(loader=loader, load=False)
     window.load_model("/models/huge.gguf")
-    assert loader.started.wait(5)
-    t0 = time.monotonic()
+    assert loader.started.wait(30)
     window.close()
-    closed_in = time.monotonic() - t0
+    still_loading = loader.threads[0].is_alive()          # the load waits for release(): close did not wait for it
     loader.release()
-    assert closed_in < 1.0 and not window.engine.thread.isRunning() and not window.history.isRunning()
+    assert still_loading and not window.engine.thread.isRunning() and not window.history.isRunning()
 
 
 def test_a_new_load_replaces_one_in_progress(qtbot, make_window):
     loader = BlockingLoader(FakeEngine())
     window = make_window(loader=loader, load=False)
     window.load_model("/models/first.gguf")
-    assert loader.started.wait(5)
+    assert loader.started.wait(30)
     window.engine.worker._loader = loader_for(FakeEngine(tokens=["second"]))
     window.load_model("/models/second.gguf")
     qtbot.waitUntil(lambda: window.model is not None)
