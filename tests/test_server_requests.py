@@ -79,20 +79,110 @@ def test_file_urls_need_a_loopback_host_header(tmp_path, host, reads) -> None:
     """A loopback server reached through a rebound domain (Host: that domain) does not read files."""
     import types
 
-    import httpx
+    from starlette.testclient import TestClient
 
-    from engine.server import ServerConfig, ServerThread
+    from engine.server import ServerConfig, create_app
     picture = tmp_path / "a.png"
     picture.write_bytes(b"\x89PNG")
     engine = types.SimpleNamespace(info=types.SimpleNamespace(context=512, has_vision=False))
-    server = ServerThread(engine, ServerConfig("m"), port=0).start()
-    try:
-        r = httpx.post(f"http://127.0.0.1:{server.port}/v1/chat/completions", headers={"Host": host},
-                       json={"model": "m", "messages": [{"role": "user", "content": [
-                           {"type": "image_url", "image_url": {"url": picture.as_uri()}}]}]})
-    finally:
-        server.stop()
+    # in process (Starlette's TestClient): a served loopback server refuses such a Host before this
+    # (test_a_loopback_server_answers_only_its_own_host_names); this is the check behind that one
+    client = TestClient(create_app(engine, ServerConfig("m")))
+    r = client.post("/v1/chat/completions", headers={"Host": host},
+                    json={"model": "m", "messages": [{"role": "user", "content": [
+                        {"type": "image_url", "image_url": {"url": picture.as_uri()}}]}]})
     message = r.json()["error"]["message"]
     assert r.status_code == 400
     # a file URL that is read reaches the (absent) vision tower's check; a refused one never gets there
     assert ("no vision tower" in message) == reads and ("does not read its own files" in message) != reads
+
+
+class _Untouchable:
+    """A served "engine" whose turns must never start (a refused request reaches no model)."""
+
+    info = __import__("types").SimpleNamespace(context=512, has_vision=False)
+
+    def chat(self, *args, **kwargs):
+        raise AssertionError("a refused request reached the engine")
+
+    complete = chat
+
+
+@pytest.fixture(scope="module")
+def guarded():
+    """``engine serve``'s server (uvicorn) on a loopback port, without a key, on :class:`_Untouchable`."""
+    from engine.server import ServerConfig, ServerThread
+
+    server = ServerThread(_Untouchable(), ServerConfig("m"), port=0).start()
+    yield server
+    server.stop()
+
+
+def _refused(response, status: int, code: str) -> str:
+    assert response.status_code == status, response.text
+    error = response.json()["error"]
+    assert error["code"] == code and error["type"] == "invalid_request_error"
+    return error["message"]
+
+
+CHAT = b'{"model": "m", "messages": [{"role": "user", "content": "hi"}]}'
+
+
+@pytest.mark.parametrize("headers, got", [
+    ({"Content-Type": "text/plain"}, "'text/plain'"),                                     # fetch() with a string
+    ({"Content-Type": "text/plain;charset=UTF-8"}, "'text/plain;charset=UTF-8'"),
+    ({"Content-Type": "application/x-www-form-urlencoded"}, "'application/x-www-form-urlencoded'"),  # a <form>
+    ({"Content-Type": "multipart/form-data; boundary=x"}, "'multipart/form-data; boundary=x'"),
+    ({}, "no Content-Type"),                                                              # fetch() with a Blob
+])
+@pytest.mark.parametrize("path", ["/chat/completions", "/completions"])
+def test_a_body_not_sent_as_json_is_415(guarded, headers, got, path) -> None:
+    """The bodies a web page can POST cross-site without a CORS preflight are refused, JSON inside or not."""
+    import httpx
+
+    r = httpx.post(guarded.url + path, content=CHAT, headers=headers)
+    message = _refused(r, 415, "unsupported_media_type")
+    assert "'Content-Type: application/json'" in message and message.endswith(f"(got {got})")
+
+
+@pytest.mark.parametrize("content_type", ["application/json", "application/json; charset=utf-8", "Application/JSON",
+                                          "application/vnd.api+json"])
+def test_a_json_body_passes_the_guard(guarded, content_type) -> None:
+    import httpx
+
+    r = httpx.post(guarded.url + "/chat/completions", content=b'{"model": "m"}', headers={"Content-Type": content_type})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "messages"      # checked as a request
+
+
+@pytest.mark.parametrize("host", ["evil.example:{port}", "127.0.0.1.evil.example:{port}", "localhost.evil.example:{port}",
+                                  "[::2]:{port}", "", "127.0.0.1:{other}", "localhost", "127.0.0.1:{port}x", "[::1"])
+def test_a_loopback_server_answers_only_its_own_host_names(guarded, host) -> None:
+    """A page whose domain was re-pointed at 127.0.0.1 (DNS rebinding) sends its own domain as the Host;
+    a name without the server's port, or with another, is not this server either."""
+    import httpx
+
+    port = guarded.port
+    given = host.format(port=port, other=port + 1 if port < 65535 else port - 1)
+    for r in (httpx.get(guarded.url + "/models", headers={"Host": given}),
+              httpx.get(f"http://127.0.0.1:{port}/health", headers={"Host": given}),
+              httpx.post(guarded.url + "/chat/completions", content=CHAT, headers={
+                  "Host": given, "Content-Type": "application/json"})):
+        message = _refused(r, 403, "host_not_allowed")
+        assert repr(given) in message and f"127.0.0.1:{port}" in message
+
+
+@pytest.mark.parametrize("host", ["127.0.0.1:{port}", "localhost:{port}", "LOCALHOST:{port}", "127.0.0.2:{port}"])
+def test_loopback_host_names_with_the_port_are_answered(guarded, host) -> None:
+    import httpx
+
+    r = httpx.get(guarded.url + "/models", headers={"Host": host.format(port=guarded.port)})
+    assert r.status_code == 200 and r.json()["data"][0]["id"] == "m"
+
+
+def test_the_openai_client_passes_the_guard(guarded) -> None:
+    import openai
+
+    client = openai.OpenAI(base_url=guarded.url, api_key="unused", max_retries=0, timeout=60)
+    assert [m.id for m in client.models.list().data] == ["m"]
+    with pytest.raises(openai.NotFoundError, match="this server serves 'm'"):    # its POST is JSON: read and checked
+        client.chat.completions.create(model="no-such-model", messages=[{"role": "user", "content": "hi"}])

@@ -30,8 +30,9 @@ class APIError(Exception):
     """A request the server answers with an OpenAI-shaped error.
 
     Attributes:
-        status: the HTTP status (400 bad request, 401 bad key, 404 unknown model or route, 413 body too
-            large, 500 engine failure).
+        status: the HTTP status (400 bad request, 401 bad key, 403 a ``Host`` a loopback server does not
+            answer, 404 unknown model or route, 413 body too large, 415 a body not sent as JSON, 500
+            engine failure).
         message: plain words naming the field and what was expected.
         type: OpenAI's error type ("invalid_request_error", "authentication_error", "server_error").
         param: the offending field ("messages[1].content[0].image_url"), or None.
