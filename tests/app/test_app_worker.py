@@ -132,7 +132,7 @@ def test_tokens_arrive_in_batches(qtbot, worker_thread):
     assert len(got["ms"]) == 200
     # 200 tokens at >= 2 ms each take >= 400 ms; a batch is sent once BATCH_SECONDS (40 ms) have passed
     # since the last, so however slow the machine, there are at most seconds / BATCH_SECONDS + 1
-    assert 3 <= got["batches"] <= got["seconds"] / BATCH_SECONDS + 1 and got["batches"] < 200
+    assert 3 <= got["batches"] <= got["seconds"] / BATCH_SECONDS + 1
 
 
 def test_cancel_takes_effect_within_one_token(qtbot, worker_thread):
@@ -166,9 +166,10 @@ def test_prefill_progress_arrives_in_batches_before_the_answer(qtbot, worker_thr
     got, summary = _run(qtbot, wt, ChatRequest([{"role": "user", "content": "hi"}]))
     assert summary.stop_reason == "eos" and engine.pieces_read == 50
     progress = [e for e in order if isinstance(e, PrefillProgress)]
-    # 50 pieces at >= 4 ms each take >= 200 ms: batches of >= 40 ms (as the tokens' above), never one per piece
-    assert 2 <= len(progress) <= got["seconds"] / BATCH_SECONDS + 1 and len(progress) < 50
-    assert all(p.total == 30 for p in progress) and [p.done for p in progress] == sorted({p.done for p in progress})
+    # 50 pieces at >= 4 ms each take >= 200 ms: batches of >= 40 ms, as the tokens' above
+    assert 2 <= len(progress) <= got["seconds"] / BATCH_SECONDS + 1
+    # never backwards (two batches can show one count: 50 pieces read 20 tokens, 2.5 pieces a token)
+    assert all(p.total == 30 for p in progress) and [p.done for p in progress] == sorted(p.done for p in progress)
     first_stats = next(i for i, e in enumerate(order) if isinstance(e, PrefillStats))
     assert all(isinstance(e, PrefillProgress) for e in order[:first_stats])
     assert all(isinstance(e, str) for e in order[first_stats + 1:]) and "".join(order[first_stats + 1:]) == "ab"
