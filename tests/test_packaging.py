@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 from PIL import Image
+from processes import wait_until_sigterm_is_handled
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -37,8 +38,9 @@ def test_the_frozen_app_starts_offscreen_and_stays_up_for_10_s(frozen, tmp_path)
         "XDG_CONFIG_HOME": str(tmp_path / "config"), "XDG_CACHE_HOME": str(tmp_path / "cache")}
     app = subprocess.Popen([str(frozen / "deltadesk")], cwd=tmp_path, env=env, stdout=subprocess.PIPE,
                            stderr=subprocess.STDOUT, text=True)
+    started = wait_until_sigterm_is_handled(app)          # its window is up (on a loaded machine, 10 s may not do)
     time.sleep(10)
-    alive = app.poll() is None
+    alive = started and app.poll() is None
     app.terminate()
     out = app.communicate(timeout=60)[0]
     assert alive, out

@@ -9,6 +9,7 @@ import time
 from pathlib import Path
 
 from app.single_instance import SingleInstance
+from processes import wait_until_sigterm_is_handled
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -51,6 +52,7 @@ def test_a_second_launch_says_so_and_leaves_the_first_running(tmp_path):
                                 timeout=60)
         assert second.returncode == 0 and "already running" in second.stdout, second.stdout + second.stderr
         assert first.poll() is None
+        assert wait_until_sigterm_is_handled(first)      # its window is up: the SIGTERM below closes it cleanly
     finally:
         first.terminate()
         out = first.communicate(timeout=30)[0]
