@@ -60,7 +60,7 @@ def expect(path, data: bytes, error: type, *needles: str):
     finally:
         _, peak = tracemalloc.get_traced_memory()
         tracemalloc.stop()
-    assert time.perf_counter() - t0 < 5
+    assert time.perf_counter() - t0 < 60      # refused, not stuck in a loop over a hostile count (it takes ms)
     assert peak < 32 << 20, f"{peak / 2**20:.0f} MiB allocated"
     message = str(info.value)
     assert str(path) in message

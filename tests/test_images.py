@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import io
 import struct
-import time
 import zlib
 from pathlib import Path
 
@@ -167,13 +166,17 @@ def _png_header_only(width: int, height: int) -> bytes:
     return b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", ihdr) + chunk(b"IDAT", zlib.compress(b"\0" * 64)) + chunk(b"IEND", b"")
 
 
-def test_decompression_bomb_refused_from_header(tmp_path):
+def test_decompression_bomb_refused_from_header(tmp_path, monkeypatch):
+    from PIL import ImageFile
+
+    def load(self):
+        raise AssertionError("the pixels were decoded")
+
+    monkeypatch.setattr(ImageFile.ImageFile, "load", load)       # refused from the header: never decoded
     p = tmp_path / "bomb.png"
     p.write_bytes(_png_header_only(30000, 30000))
-    t0 = time.perf_counter()
     with pytest.raises(ImageError, match="exceeds the limit of .* pixels.*900000000") as e:
         prepare_image(p)
-    assert time.perf_counter() - t0 < 1.0
     assert "bomb.png" in str(e.value)
 
 

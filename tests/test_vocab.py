@@ -35,15 +35,17 @@ def cold(tmp_path_factory):
     return vocab, time.perf_counter() - t0, folder
 
 
-def test_cold_derivation_is_fast_and_cached(cold):
+def test_cold_derivation_is_cached(cold, monkeypatch):
     vocab, seconds, folder = cold
-    assert seconds < 60
+    print(f"\ncold derivation of the Qwen3.5 vocabulary: {seconds:.1f} s")
     files = list(folder.glob("qwen35-*.json"))
     assert len(files) == 1 and len(files[0].stem) == len("qwen35-") + 64  # keyed by the rank file's sha256
-    t0 = time.perf_counter()
-    warm = qwen35_vocab(folder)
-    assert time.perf_counter() - t0 < 2.0
-    assert warm == vocab
+
+    def derive(*args):
+        raise AssertionError("derived again with the cache in place")
+
+    monkeypatch.setattr("engine.arch.qwen35.vocab.build_vocab", derive)
+    assert qwen35_vocab(folder) == vocab
 
 
 def test_damaged_cache_is_rebuilt(cold, tmp_path, monkeypatch):

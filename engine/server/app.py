@@ -141,6 +141,8 @@ class _Exchange:
             pass
         self.turn.cancel.set()
         self.gone.set()
+        log.debug("the client of %s %s disconnected: its turn is cancelled", self.request.method,
+                  self.request.url.path)
 
     async def _until(self, awaitable: Any) -> Any:
         """``await awaitable``, unless the client leaves first (then :class:`_ClientGone`)."""
