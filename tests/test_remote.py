@@ -132,7 +132,7 @@ def test_a_connection_dropped_mid_answer_keeps_what_arrived() -> None:
     try:
         events = []
         with pytest.raises(RemoteError, match="without 'data: \\[DONE\\]' after 2 pieces.*partial answer is kept"):
-            for event in RemoteEngine(srv.url, "m", timeout=5).chat(HI):
+            for event in RemoteEngine(srv.url, "m", timeout=30).chat(HI):
                 events.append(event)
         assert "".join(e.text for e in events if isinstance(e, TokenEvent)) == "Hello"
     finally:
@@ -155,7 +155,7 @@ def test_an_error_event_in_the_stream_is_raised_after_the_text() -> None:
     try:
         events = []
         with pytest.raises(RemoteError, match="reported an error mid-answer: GPU fell over"):
-            for event in RemoteEngine(srv.url, "m", timeout=5).chat(HI):
+            for event in RemoteEngine(srv.url, "m", timeout=30).chat(HI):
                 events.append(event)
         assert [e.text for e in events if isinstance(e, TokenEvent)] == ["Par"]
     finally:
@@ -170,7 +170,7 @@ def test_reasoning_content_is_rewrapped_for_the_app() -> None:
     for thinking, text in ((True, "hmm</think>\n\nRed."), (False, "<think>hmm</think>\n\nRed.")):
         srv = RawServer(sse_head() + chunks)
         try:
-            _, got = _turn(RemoteEngine(srv.url, "m", timeout=5).chat(HI, enable_thinking=thinking))
+            _, got = _turn(RemoteEngine(srv.url, "m", timeout=30).chat(HI, enable_thinking=thinking))
         finally:
             srv.close()
         assert got.text == text and got.stop_reason == "eos"
@@ -185,7 +185,7 @@ def test_hostile_finish_reason_and_usage_values_are_ignored() -> None:
               b'"prompt_tokens_details": {"cached_tokens": "6"}}}\n\ndata: [DONE]\n\n')
     srv = RawServer(sse_head() + chunks)
     try:
-        _, got = _turn(RemoteEngine(srv.url, "m", timeout=5).chat(HI))
+        _, got = _turn(RemoteEngine(srv.url, "m", timeout=30).chat(HI))
     finally:
         srv.close()
     assert got.text == "Hi" and got.stop_reason == "eos"

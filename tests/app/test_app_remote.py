@@ -65,7 +65,7 @@ def test_a_server_dropping_mid_answer_keeps_the_partial_answer(qtbot, make_windo
     raw = RawServer(sse_head() + delta("Hel") + delta("lo"))
     try:
         from engine.remote import RemoteEngine
-        window = make_window(loader=lambda request, progress, cancel: RemoteEngine(raw.url, "m", timeout=5))
+        window = make_window(loader=lambda request, progress, cancel: RemoteEngine(raw.url, "m", timeout=30))
         _send(qtbot, window, "Hi")
         answer = _answers(window)[-1]
         assert answer.state == "error" and answer.content == "Hello"
