@@ -104,6 +104,8 @@ class ChatController(QObject):
             does not fit the context); its rows were removed. The conversation, the refused
             message's text and images ("" and [] for a regenerate) and why, in words.
         conversation_touched(int): a conversation got a new message or title.
+        turn_finished(TurnSummary): the live turn ended (the engine's summary); emitted before the
+            ``busy_changed`` it leads to, so a view connected to it shows the turn's figures by then.
     """
 
     request_chat = Signal(object)
@@ -111,6 +113,7 @@ class ChatController(QObject):
     activity_changed = Signal()
     turn_refused = Signal(int, str, list, str)
     conversation_touched = Signal(int)
+    turn_finished = Signal(object)
 
     def __init__(self, history: HistoryThread, view: ChatView, worker: EngineWorker, settings: Settings,
                  save_interval_ms: int = SAVE_INTERVAL_MS) -> None:
@@ -330,6 +333,7 @@ class ChatController(QObject):
             return
         self.live = None
         self._save_timer.stop()
+        self.turn_finished.emit(summary)
         if summary.stop_reason == "context_full" and summary.generated_tokens == 0:
             self._refused(live, summary)
             return

@@ -199,7 +199,7 @@ class MainWindow(QMainWindow):
         worker.load_stage.connect(self._load_stage)
         worker.prefilled.connect(self.sidebar.on_prefill)
         worker.tokens.connect(self.sidebar.on_tokens)
-        worker.finished.connect(self.sidebar.on_summary)
+        self.controller.turn_finished.connect(self.sidebar.on_summary)     # before the turn's busy_changed
         worker.snapshots_listed.connect(self.snapshots.set_snapshots)
         worker.gpu_reported.connect(self._gpu_reported)
         worker.image_measured.connect(self.composer.on_measured)
