@@ -328,8 +328,9 @@ class EngineWorker(QObject):
 
     def _read_ahead(self, request: ChatRequest, answer: str) -> None:
         """Start ``Engine.prefill_ahead`` of ``request``'s conversation plus ``answer`` on a background
-        thread, holding :attr:`turn_lock` (a local-server turn waits for it, at most one answer's prefill;
-        one already running makes it skip); the snapshot list is emitted again when it has read something."""
+        thread, holding :attr:`turn_lock` (a local-server turn waiting for that lock stops it at its next
+        piece, ``Engine.cancel_read_ahead``; one already running makes it skip); the snapshot list is
+        emitted again when it has read something."""
         read = getattr(self._engine, "prefill_ahead", None)    # an in-process Engine; a remote one cannot
         if read is None:
             return

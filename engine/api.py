@@ -208,6 +208,7 @@ class Engine:
         self.prompts = PromptBuilder(tokenizer, vision, gguf.source, gguf.path.name, self.context)
         self._busy = threading.Lock()      # held while a turn runs (see the class docstring)
         self._closed = False
+        self._ahead_cancel: threading.Event | None = None    # the running prefill_ahead's cancel flag
 
     @classmethod
     def load(cls, model_path: str | Path, mmproj_path: str | Path | None = None,
@@ -466,8 +467,8 @@ class Engine:
         snapshot it, so that the next :meth:`chat` prefills only its new message.
 
         Call it after a turn with the answer appended (``messages`` ending with that assistant message),
-        while the user reads and types; set ``cancel`` to stop it within one piece
-        (:data:`engine.runtime.AHEAD_PIECE` tokens). The next turn renders an earlier answer
+        while the user reads and types; set ``cancel`` (or call :meth:`cancel_read_ahead`) to stop it
+        within one piece (:data:`engine.runtime.AHEAD_PIECE` tokens). The next turn renders an earlier answer
         differently from the prompt it was generated after (Qwen's template drops the think scaffold of
         old turns), which is why the answer must be read again at all. The answer a later turn gives is
         the same with or without this call (prefill is split-invariant).
@@ -488,6 +489,8 @@ class Engine:
             as :meth:`prepare`.
         """
         self._hold("prefill_ahead")
+        cancel = cancel or threading.Event()
+        self._ahead_cancel = cancel
         try:
             if self.cache is None:
                 return None
@@ -496,7 +499,7 @@ class Engine:
                 return None
             follow, cut = ahead
             turn = Turn(model=self.model, tokenizer=self.tokenizer, prompt=follow.tokens[:cut], context=self.context,
-                        sampling=SamplingParams(), cancel=cancel or threading.Event(), cache=self.cache,
+                        sampling=SamplingParams(), cancel=cancel, cache=self.cache,
                         checkpoints=[p for p in self.checkpoints(follow.tokens) if p < cut],
                         conversation=conversation,
                         positions=None if follow.positions is None else follow.positions[:, :cut],
@@ -504,7 +507,17 @@ class Engine:
                         gpu_min_tokens=self.options.gpu_min_tokens, on_device_error=self._gpu_failed)
             return read_ahead(turn)
         finally:
+            self._ahead_cancel = None
             self._busy.release()
+
+    def cancel_read_ahead(self) -> None:
+        """Stop a :meth:`prefill_ahead` running on another thread at its next piece, so that a real
+        request waiting for the engine (``engine serve``'s turns, which hold the engine's lock like the
+        app's read-ahead) starts within one piece rather than after the whole read. Callable from any
+        thread; does nothing when no read-ahead runs."""
+        running = self._ahead_cancel
+        if running is not None:
+            running.set()
 
     def answer_rerenders(self, messages: Sequence[Message], prompt: Sequence[int], answer: Sequence[int],
                          enable_thinking: bool = False) -> bool:

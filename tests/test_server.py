@@ -358,6 +358,35 @@ def test_a_queued_client_that_disconnects_never_runs(engine, lock, caplog) -> No
         srv.stop()
 
 
+def test_a_request_stops_the_apps_read_ahead_instead_of_waiting_for_it(engine, lock, server, monkeypatch) -> None:
+    """The app reads a chat ahead on its own thread holding the engine's lock (``EngineWorker._read_ahead``);
+    a served request arriving meanwhile makes it stop at its next piece rather than wait for the whole read."""
+    from engine import api
+
+    reading, outcome = threading.Event(), {}
+
+    def slow_read_ahead(turn):
+        reading.set()
+        turn.cancel.wait(60)                   # a long read, still going unless told to stop
+        return real_read_ahead(turn)
+
+    def app_read_ahead() -> None:
+        with lock:
+            outcome["stats"] = engine.prefill_ahead([{"role": "user", "content": "Hi"},
+                                                     {"role": "assistant", "content": "word " * 50}])
+
+    real_read_ahead = api.read_ahead
+    monkeypatch.setattr(api, "read_ahead", slow_read_ahead)
+    ahead = threading.Thread(target=app_read_ahead)
+    ahead.start()
+    assert reading.wait(60)
+    r = httpx.post(server.url + "/chat/completions", json={"model": "tiny", "messages": HI, "max_tokens": 2,
+                                                            "temperature": 0}, timeout=60)
+    ahead.join(60)
+    assert r.status_code == 200 and r.json()["choices"][0]["message"]["content"] is not None
+    assert not ahead.is_alive() and outcome["stats"] is None    # stopped, not read to its end after the 60 s wait
+
+
 @pytest.fixture(scope="module")
 def vision_server(served_vision):
     return served_vision

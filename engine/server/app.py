@@ -7,7 +7,8 @@ the number of prompt tokens resumed from a prefix snapshot (``PrefillStats.reuse
 
 One turn runs on the engine at a time: requests wait in arrival order (an ``asyncio.Lock``, FIFO) and
 each turn also holds the engine's ``threading.Lock``, which the app's own chat takes too when it shares
-the engine. The turn runs on a thread of its own; its events reach the event loop through an
+the engine; a turn waiting for that lock stops the app's read-ahead of a chat at its next piece
+(``Engine.cancel_read_ahead``). The turn runs on a thread of its own; its events reach the event loop through an
 ``asyncio.Queue``. A client that disconnects (while queued, during prefill or while streaming) sets
 the turn's cancel flag, which the engine checks between prompt pieces and between tokens.
 
@@ -93,13 +94,17 @@ class _Turn:
 
     Args:
         start: ``start(cancel)`` -> the engine's event iterator (``Engine.chat`` / ``Engine.complete``).
+        preempt: called while the turn waits for the engine's lock (``Engine.cancel_read_ahead``: the
+            app's read-ahead of a chat, which holds that lock, gives way within one piece), or None.
     """
 
-    def __init__(self, start: Callable[[threading.Event], Iterator[Event]]) -> None:
+    def __init__(self, start: Callable[[threading.Event], Iterator[Event]],
+                 preempt: Callable[[], None] | None = None) -> None:
         self.loop = asyncio.get_running_loop()
         self.queue: asyncio.Queue = asyncio.Queue()
         self.cancel = threading.Event()
         self._start = start
+        self._preempt = preempt
 
     def _put(self, item: Any) -> None:
         try:
@@ -110,7 +115,10 @@ class _Turn:
     def run(self, engine_lock: threading.Lock) -> None:
         """Run the turn (on its own thread) once the engine is free; every outcome is queued, then the end."""
         try:
-            with engine_lock:
+            while not engine_lock.acquire(timeout=0.05):
+                if self._preempt is not None:
+                    self._preempt()      # again each time: a read-ahead may take the lock before it can be told
+            try:
                 if self.cancel.is_set():
                     return
                 events = self._start(self.cancel)
@@ -121,6 +129,8 @@ class _Turn:
                     close = getattr(events, "close", None)
                     if close is not None:
                         close()
+            finally:
+                engine_lock.release()
         except BaseException as exc:  # noqa: BLE001 - every failure goes to the request as an error
             self._put(exc)
         finally:
@@ -359,7 +369,7 @@ def create_app(engine: Any, config: ServerConfig, engine_lock: threading.Lock | 
             raise APIError(400, f"the request body is not valid JSON: {exc}", code="invalid_json") from exc
 
     async def answer(request: Request, req: TurnRequest, start: Callable[[threading.Event], Iterator[Event]]) -> Response:
-        ex = _Exchange(request, order, _Turn(start))
+        ex = _Exchange(request, order, _Turn(start, getattr(engine, "cancel_read_ahead", None)))
         streaming = False
         try:
             await ex.start(lock)
