@@ -30,7 +30,6 @@ from .history import ImageStore
 
 IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".webp", ".bmp", ".gif")
 THUMB_PX = 64
-PIXELS_PER_IMAGE_TOKEN = 32 * 32
 
 
 @dataclass(frozen=True)
@@ -93,10 +92,10 @@ def prepare_attachment(store: ImageStore, source: Path | RawImage | None, stored
     return Prepared(Attachment(str(stored), width, height, stored.stat().st_size), thumb.tobytes(), thumb.size)
 
 
-def model_size_text(size: tuple[int, int]) -> str:
-    """E.g. "model sees 448\u00d7288 \u00b7 126 tokens" for ``size`` = (height, width)."""
-    height, width = size
-    return f"model sees {width}\u00d7{height} \u00b7 {height * width // PIXELS_PER_IMAGE_TOKEN} tokens"
+def model_size_text(size: tuple[int, int, int]) -> str:
+    """E.g. "model sees 448\u00d7288 \u00b7 126 tokens" for ``size`` = (height, width, image tokens)."""
+    height, width, tokens = size
+    return f"model sees {width}\u00d7{height} \u00b7 {tokens} tokens"
 
 
 class Thumbnail(QFrame):
@@ -141,8 +140,9 @@ class Thumbnail(QFrame):
         self.unreadable = ""
         layout.addWidget(self.model_size)
 
-    def set_model_size(self, size: tuple[int, int] | str | None) -> None:
-        """Show the (height, width) the model sees, a reason it cannot see the image, or nothing (None).
+    def set_model_size(self, size: tuple[int, int, int] | str | None) -> None:
+        """Show the (height, width, image tokens) the model sees, a reason it cannot see the image, or
+        nothing (None).
 
         With a reason, :attr:`unreadable` holds it (the composer then refuses to send).
         """
@@ -324,7 +324,7 @@ class Composer(QFrame):
         """The thumbnails shown, in order."""
         return [self._strip.itemAt(i).widget() for i in range(self._strip.count() - 1)]
 
-    def on_measured(self, path: str, size: tuple[int, int] | str) -> None:
+    def on_measured(self, path: str, size: tuple[int, int, int] | str) -> None:
         """The engine worker measured ``path``: show what the model will see on its thumbnails."""
         if self.has_vision:
             for thumb in self.thumbnails():

@@ -205,8 +205,8 @@ class EngineWorker(QObject):
         snapshots_listed(list): the engine's prefix snapshots (after a load, a turn, a clear).
         gpu_reported(GpuReport): where prefill runs and images are encoded, and the last GPU prefill
             (after a load, a turn).
-        image_measured(str, object): an image path and the (height, width) the model will see,
-            or a sentence saying why it cannot.
+        image_measured(str, object): an image path and the (height, width, image tokens) the model
+            will see, or a sentence saying why it cannot.
         notice(str): something went wrong outside a turn; plain words for the status bar.
         served(str): where "Serve on localhost" listens, or why it does not ("" when it is off).
 
@@ -457,7 +457,8 @@ class EngineWorker(QObject):
 
     @Slot(str)
     def measure_image(self, path: str) -> None:
-        """Emit ``image_measured`` with the size ``path`` will have for the vision tower.
+        """Emit ``image_measured`` with the size ``path`` will have for the vision tower and the
+        image tokens it will take (the tower's own count: it differs between model families).
 
         The engine encodes the image to know it (and keeps the encoding for the next turn); a
         request that arrives while the window closes is skipped.
@@ -467,7 +468,7 @@ class EngineWorker(QObject):
         self._stop_ahead()
         try:
             with self.turn_lock:
-                size: Any = tuple(self._engine.image_size(path))
+                size: Any = (*self._engine.image_size(path), self._engine.image_tokens(path))
         except Exception as exc:  # noqa: BLE001 - every failure becomes a message in the window
             size = plain_error(exc, "reading the image")
         self.image_measured.emit(path, size)

@@ -133,7 +133,8 @@ class SettingsDialog(QDialog):
         form.addRow("Prefill and images on:", self.device)
         form.addRow("VRAM budget:", self.vram_budget)
         note = QLabel("Changing these reloads the model. Images larger than the largest size are scaled "
-                      "down before the model sees them; every 32 \u00d7 32 pixels cost one token.")
+                      "down before the model sees them; each image's thumbnail shows the tokens it costs "
+                      "(Qwen3.5/3.6: one per 32 \u00d7 32 pixels).")
         note.setWordWrap(True)
         note.setEnabled(False)
         form.addRow(note)

@@ -179,6 +179,13 @@ class ChatEngine(Protocol):
             EngineError: the engine cannot tell (no vision tower, unreadable image, a remote engine).
         """
 
+    def image_tokens(self, source: ImageSource) -> int:
+        """How many image tokens (embedding rows, all slices together) an image takes in the prompt.
+
+        Raises:
+            EngineError: the engine cannot tell (no vision tower, unreadable image, a remote engine).
+        """
+
     def close(self) -> None:
         """Release the engine (an in-process one persists its prefix snapshots first)."""
 
@@ -577,9 +584,21 @@ class Engine:
         Raises:
             UnsupportedModelError: no vision tower loaded. ImageError: unreadable image.
         """
+        return self._vision_loaded().image_size(source)
+
+    def image_tokens(self, source: ImageSource) -> int:
+        """Image tokens (embedding rows) an image takes in the prompt, as its tower counts them:
+        Qwen3.5/3.6 one per 2x2 merge of 16-px patches, MiniCPM-V 4.6 its pieces' tokens summed.
+
+        Raises:
+            UnsupportedModelError: no vision tower loaded. ImageError: unreadable image.
+        """
+        return self._vision_loaded().image_tokens(source)
+
+    def _vision_loaded(self) -> ImageEncoder:
         if self.vision is None:
             raise UnsupportedModelError(f"{self.gguf.path.name}: no vision tower (mmproj file) is loaded")
-        return self.vision.image_size(source)
+        return self.vision
 
 
 def connect_remote(base_url: str, model: str, api_key: str | None = None, timeout: float = 300.0) -> ChatEngine:

@@ -254,6 +254,14 @@ class RemoteEngine:
         """
         raise UnsupportedModelError(f"the server ({self.base_url}) decides the size an image reaches its model at")
 
+    def image_tokens(self, source: Any) -> int:
+        """Not known here.
+
+        Raises:
+            UnsupportedModelError: always: the server's vision tower decides the count.
+        """
+        raise UnsupportedModelError(f"the server ({self.base_url}) decides how many tokens an image takes")
+
     def close(self) -> None:
         """Close the HTTP connections."""
         self._client.close()

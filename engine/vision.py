@@ -249,5 +249,18 @@ class ImageEncoder:
         Raises:
             ImageError: unreadable image (see :func:`engine.images.prepare_image`).
         """
+        return self._prepare_default(source).size
+
+    def image_tokens(self, source: ImageSource) -> int:
+        """Image tokens (embedding rows) ``source`` becomes under the default bounds: the tower's
+        :meth:`~engine.registry.VisionTower.token_grid` of its patch grid, rows x cols.
+
+        Raises:
+            ImageError: unreadable image (see :func:`engine.images.prepare_image`).
+        """
+        rows, cols = self.tower.token_grid(self._prepare_default(source).grid)
+        return rows * cols
+
+    def _prepare_default(self, source: ImageSource) -> Any:
         return self.tower.prepare(source, min(self.min_pixels, self.max_pixels), self.max_pixels,
-                                  self.max_input_pixels).size
+                                  self.max_input_pixels)

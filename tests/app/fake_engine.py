@@ -118,6 +118,11 @@ class FakeEngine:
         with Image.open(source) as image:
             return image.height // 2, image.width // 2
 
+    def image_tokens(self, source) -> int:
+        """One per 32 x 32 pixels of :meth:`image_size`, as the Qwen3.5/3.6 tower counts."""
+        height, width = self.image_size(source)
+        return height * width // (32 * 32)
+
     def telemetry(self):
         """The scripted last GPU prefill (``gpu_telemetry``)."""
         return self.gpu_telemetry
