@@ -133,3 +133,41 @@ def test_the_demo_model_counts_the_shapes_of_a_dropped_image(qtbot, make_window,
     # the image went through the vision tower: the prompt holds its tokens besides the question's
     assert answer.stats["prompt_tokens"] > 64
     assert window.chat_view.widgets[-1].raw == answer.content
+
+
+@pytest.mark.slow
+def test_a_minicpmv_pair_opens_counts_its_image_tokens_and_streams(qtbot, make_window, synth_model, tmp_path,
+                                                                    monkeypatch):
+    """The MiniCPM-V 4.6 synth pair (dense qwen35 text + minicpmv4_6 tower) in the window: a dropped
+    700x700 picture is sliced 2x2 plus the overview, 5 pieces of 64 tokens (HF's processor counts the
+    same: tests/test_minicpmv.py), which its thumbnail shows; the question is answered and stored."""
+    from PIL import Image
+
+    from engine import api
+    from engine.tools.synth import synth_mmproj_for
+
+    text = synth_model("minicpmv46-tiny", "q8_0")
+    tower = synth_mmproj_for(tmp_path / "m-mmproj.gguf", "minicpmv46-tiny")
+    monkeypatch.setattr(api, "default_model", lambda: (text, tower))
+    window = make_window(loader=load_real_engine, load=False)
+    # random weights: a short, seeded answer, so it ends (max_tokens) well inside the context
+    window.apply_settings(replace(window.prefs, seed=1234, max_tokens=24))
+    window.load_model(None)
+    qtbot.waitUntil(lambda: window.model is not None, timeout=60000)
+    assert window.controller.has_vision
+    png = tmp_path / "square.png"
+    Image.new("RGB", (700, 700), (200, 40, 40)).save(png)
+    mime = QMimeData()
+    mime.setUrls([QUrl.fromLocalFile(str(png))])
+    drop(window.composer, mime)
+    qtbot.waitUntil(lambda: len(window.composer.thumbnails()) == 1)
+    [thumb] = window.composer.thumbnails()
+    qtbot.waitUntil(lambda: thumb.model_size.text().startswith("model sees"))
+    assert thumb.model_size.text().endswith(f"\u00b7 {5 * 64} tokens")
+    window.composer.editor.setPlainText("What is in the picture?")
+    with qtbot.waitSignal(window.controller.busy_changed, timeout=120000, check_params_cb=lambda busy: not busy):
+        qtbot.keyClick(window.composer.editor, Qt.Key_Return)
+    user, answer = stored(window.history, HistoryStore.active_path, window.controller.conversation_id)[-2:]
+    assert user.images and answer.role == "assistant" and answer.state == "complete"
+    assert answer.stats["generated_tokens"] >= 1 and answer.stats["prompt_tokens"] > 5 * 64
+    window.close()
