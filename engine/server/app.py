@@ -12,20 +12,8 @@ the engine; a turn waiting for that lock stops the app's read-ahead of a chat at
 ``asyncio.Queue``. A client that disconnects (while queued, during prefill or while streaming) sets
 the turn's cancel flag, which the engine checks between prompt pieces and between tokens.
 
-Cross-site requests (:class:`_RequestGuard`, in front of every route): a web page the user opens can
-send a "simple" request to ``http://127.0.0.1:PORT`` without the browser asking first (a CORS
-preflight), as long as its body is ``text/plain``, a form, or untyped; so a ``POST`` body must be sent
-as ``Content-Type: application/json`` (or another ``application/*+json`` type), which a page can only
-send after a preflight this server never grants, and anything else is refused with 415. A page can
-also point its own domain at 127.0.0.1 (DNS rebinding) and then read the answers as same-origin; such
-a request names that domain in its ``Host`` header, so a server listening on a loopback address
-refuses (403) a ``Host`` that is not a loopback name or address with the port it listens on. For
-comparison: Ollama refuses, when bound to loopback, a ``Host`` that is not loopback, private, the
-machine's own name or under ``.localhost``/``.local``/``.internal`` (403, ``allowedHostsMiddleware``
-in its ``server/routes.go``); FastAPI, under vLLM's server, reads a JSON body only with a JSON
-``Content-Type`` since 0.65.2 (CVE-2021-32677), though vLLM allows any CORS origin by default; llama.cpp's
-``llama-server`` parses the body as JSON whatever its type and checks no ``Host``, leaving an API key as
-the defence.
+Cross-site requests are refused in front of every route (:class:`engine.server.guard.RequestGuard`:
+``Host`` not naming a loopback server, ``POST`` body not sent as JSON).
 """
 
 from __future__ import annotations
@@ -43,7 +31,6 @@ from typing import Any, AsyncIterator, Callable, Iterator
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.middleware import Middleware
-from starlette.datastructures import Headers
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
@@ -51,6 +38,7 @@ from starlette.routing import Route
 from engine.errors import ContextFullError, EngineError, ImageError, TemplateError, UnsupportedModelError
 from engine.events import Event, PrefillStats, TokenEvent, TurnSummary
 from .answer import AnswerSplitter
+from .guard import RequestGuard, loopback_host
 from .requests import APIError, TurnRequest, chat_request, completion_request
 
 log = logging.getLogger(__name__)
@@ -202,65 +190,6 @@ def _error_of(exc: BaseException) -> APIError:
     return APIError(500, f"internal error: {type(exc).__name__}: {exc}", type="server_error")
 
 
-def _loopback_host(header: str) -> bool:
-    """Whether an HTTP ``Host`` header (``name``, ``name:port``, ``[v6]:port``) names this machine only."""
-    from . import is_loopback
-    host = _host_port(header)[0]
-    return bool(host) and is_loopback(host)
-
-
-def _json_media_type(content_type: str) -> bool:
-    """Whether a ``Content-Type`` header names JSON: ``application/json`` or ``application/*+json``,
-    parameters (``; charset=utf-8``) aside."""
-    media = content_type.split(";")[0].strip().lower()
-    return media == "application/json" or (media.startswith("application/") and media.endswith("+json"))
-
-
-def _host_port(header: str) -> tuple[str, int | None]:
-    """``(host, port)`` of an HTTP ``Host`` header (``name``, ``name:port``, ``[v6]``, ``[v6]:port``);
-    port None when absent, -1 when not a number."""
-    host, port = header.strip(), ""
-    if host.startswith("["):
-        end = host.find("]")
-        host, port = (host, "") if end < 0 else (host[:end + 1], host[end + 1:].removeprefix(":"))
-    elif host.count(":") == 1:
-        host, port = host.split(":")
-    return host, (int(port) if port.isdigit() else -1) if port else None
-
-
-def _refusal(scope: Any) -> APIError | None:
-    """Why :class:`_RequestGuard` refuses an HTTP request (see the module docstring), or None."""
-    from . import is_loopback
-    headers = Headers(scope=scope)
-    server = scope.get("server")
-    if server is not None and is_loopback(str(server[0])):
-        given = headers.get("host", "")
-        host, port = _host_port(given)
-        if not (host and is_loopback(host) and (port or 80) == server[1]):
-            return APIError(403, f"the Host header {given!r} does not name this loopback server: send "
-                            f"'Host: 127.0.0.1:{server[1]}' or 'localhost:{server[1]}' (a web page reaching a "
-                            "local server through another domain name is refused)", code="host_not_allowed")
-    if scope["method"] == "POST" and not _json_media_type(headers.get("content-type", "")):
-        got = headers.get("content-type")
-        return APIError(415, "the request body must be JSON sent with 'Content-Type: application/json' (got "
-                        + (f"{got!r})" if got is not None else "no Content-Type)"), code="unsupported_media_type")
-    return None
-
-
-class _RequestGuard:
-    """ASGI middleware that answers a refused request (:func:`_refusal`) with its OpenAI-style error
-    and passes every other request on to ``app``."""
-
-    def __init__(self, app: Any) -> None:
-        self.app = app
-
-    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
-        error = _refusal(scope) if scope["type"] == "http" else None
-        if error is None:
-            await self.app(scope, receive, send)
-        else:
-            await JSONResponse(error.body(), status_code=error.status)(scope, receive, send)
-
 
 def _usage(summary: TurnSummary) -> dict[str, Any]:
     return {"prompt_tokens": summary.prompt_tokens, "completion_tokens": summary.generated_tokens,
@@ -319,6 +248,124 @@ def _too_long(summary: TurnSummary, context: int) -> APIError:
                     param="messages", code="context_length_exceeded")
 
 
+def _authorize(request: Request, key: bytes | None) -> None:
+    """Refuse (401) a request without ``Authorization: Bearer <key>`` when the server has an API key."""
+    if key is None:
+        return
+    given = request.headers.get("authorization", "")
+    scheme, _, token = given.partition(" ")
+    if not (scheme.lower() == "bearer" and hmac.compare_digest(token.strip().encode(), key)):
+        raise APIError(401, "a valid API key is required: send the header 'Authorization: Bearer <key>'",
+                       type="authentication_error", code="invalid_api_key")
+
+
+def _no_constants(name: str) -> Any:
+    raise ValueError(f"{name} is not JSON")
+
+
+async def _read_json(request: Request, limit: int) -> Any:
+    """The request's JSON body, at most ``limit`` bytes (else 413); not JSON (or NaN/Infinity) -> 400."""
+    length = request.headers.get("content-length", "")
+    if length.isdigit() and int(length) > limit:
+        raise APIError(413, f"the request body is {int(length)} bytes; at most {limit} are accepted",
+                       code="request_too_large")
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise APIError(413, f"the request body exceeds {limit} bytes", code="request_too_large")
+        chunks.append(chunk)
+    try:
+        return json.loads(b"".join(chunks), parse_constant=_no_constants)
+    except (ValueError, RecursionError) as exc:
+        raise APIError(400, f"the request body is not valid JSON: {exc}", code="invalid_json") from exc
+
+
+class _Routes:
+    """The route handlers of one application: the engine, its config, and the turn order they share."""
+
+    def __init__(self, engine: Any, config: ServerConfig, engine_lock: threading.Lock | None) -> None:
+        self.engine, self.config = engine, config
+        self.context, self.has_vision = engine.info.context, engine.info.has_vision
+        self.created = int(time.time())
+        self.lock = engine_lock or threading.Lock()
+        self.order = asyncio.Lock()
+        self.key = config.api_key.encode() if config.api_key else None
+
+    async def _first(self, ex: _Exchange) -> list[Any]:
+        """The turn's events up to its first token (or the end), so that errors still get their status code."""
+        while True:
+            item = await ex.next()
+            if isinstance(item, BaseException):
+                raise _error_of(item)
+            if item is _END:
+                raise APIError(500, "the engine ended the turn without a summary", type="server_error")
+            if isinstance(item, TurnSummary) and item.stop_reason == "context_full" and item.generated_tokens == 0:
+                raise _too_long(item, self.context)
+            if isinstance(item, (PrefillStats, TurnSummary)):
+                return [item]
+
+    async def answer(self, request: Request, req: TurnRequest,
+                     start: Callable[[threading.Event], Iterator[Event]]) -> Response:
+        """Run one turn in order and answer it whole or as server-sent events (``req.stream``)."""
+        ex = _Exchange(request, self.order, _Turn(start, getattr(self.engine, "cancel_read_ahead", None)))
+        streaming = False
+        try:
+            await ex.start(self.lock)
+            ans = _Answer(req)
+            first = await self._first(ex)
+            if not req.stream:
+                return JSONResponse(await _collect(ex, ans, first))
+            streaming = True
+            return _EventStream(_stream(ex, ans, first), ex, media_type="text/event-stream",
+                                headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        except _ClientGone:
+            return Response(status_code=499)
+        finally:
+            if not streaming:
+                ex.close()
+
+    async def chat_completions(self, request: Request) -> Response:
+        config = self.config
+        _authorize(request, self.key)
+        req = chat_request(await _read_json(request, config.max_body_bytes), config.model_name, self.context,
+                           config.file_urls and loopback_host(request.headers.get("host", "")))
+        if not self.has_vision and any(isinstance(m["content"], list) and any(p["type"] == "image" for p in m["content"])
+                                       for m in req.messages or ()):
+            raise APIError(400, f"{config.model_name} has no vision tower (serve it with --mmproj FILE), so it "
+                           "cannot read images", param="messages", code="invalid_image")
+        return await self.answer(request, req, lambda cancel: self.engine.chat(
+            req.messages, req.sampling, cancel, enable_thinking=req.enable_thinking))
+
+    async def completions(self, request: Request) -> Response:
+        _authorize(request, self.key)
+        req = completion_request(await _read_json(request, self.config.max_body_bytes), self.config.model_name,
+                                 self.context)
+        return await self.answer(request, req, lambda cancel: self.engine.complete(req.prompt, req.sampling, cancel))
+
+    async def models(self, request: Request) -> Response:
+        _authorize(request, self.key)
+        return JSONResponse({"object": "list", "data": [
+            {"id": self.config.model_name, "object": "model", "created": self.created, "owned_by": "deltadesk",
+             "max_model_len": self.context, "vision": self.has_vision}]})
+
+
+async def _health(_request: Request) -> Response:
+    return JSONResponse({"status": "ok"})
+
+
+async def _api_error(_request: Request, exc: Exception) -> Response:
+    error = exc if isinstance(exc, APIError) else _error_of(exc)
+    return JSONResponse(error.body(), status_code=error.status)
+
+
+async def _http_error(request: Request, exc: Exception) -> Response:
+    assert isinstance(exc, HTTPException)
+    what = (f"no route {request.method} {request.url.path}" if exc.status_code in (404, 405)
+            else str(exc.detail))
+    return JSONResponse(APIError(exc.status_code, what).body(), status_code=exc.status_code)
+
+
 def create_app(engine: Any, config: ServerConfig, engine_lock: threading.Lock | None = None) -> Starlette:
     """The ASGI application serving ``engine``.
 
@@ -331,113 +378,13 @@ def create_app(engine: Any, config: ServerConfig, engine_lock: threading.Lock | 
     Returns:
         A Starlette application (run it with uvicorn, see :func:`engine.server.serve`).
     """
-    info = engine.info
-    context, has_vision = info.context, info.has_vision
-    created = int(time.time())
-    lock = engine_lock or threading.Lock()
-    order = asyncio.Lock()
-    key = config.api_key.encode() if config.api_key else None
-
-    def authorize(request: Request) -> None:
-        if key is None:
-            return
-        given = request.headers.get("authorization", "")
-        scheme, _, token = given.partition(" ")
-        if not (scheme.lower() == "bearer" and hmac.compare_digest(token.strip().encode(), key)):
-            raise APIError(401, "a valid API key is required: send the header 'Authorization: Bearer <key>'",
-                           type="authentication_error", code="invalid_api_key")
-
-    async def read_json(request: Request) -> Any:
-        limit = config.max_body_bytes
-        length = request.headers.get("content-length", "")
-        if length.isdigit() and int(length) > limit:
-            raise APIError(413, f"the request body is {int(length)} bytes; at most {limit} are accepted",
-                           code="request_too_large")
-        chunks, size = [], 0
-        async for chunk in request.stream():
-            size += len(chunk)
-            if size > limit:
-                raise APIError(413, f"the request body exceeds {limit} bytes", code="request_too_large")
-            chunks.append(chunk)
-
-        def no_constants(name: str) -> Any:
-            raise ValueError(f"{name} is not JSON")
-
-        try:
-            return json.loads(b"".join(chunks), parse_constant=no_constants)
-        except (ValueError, RecursionError) as exc:
-            raise APIError(400, f"the request body is not valid JSON: {exc}", code="invalid_json") from exc
-
-    async def answer(request: Request, req: TurnRequest, start: Callable[[threading.Event], Iterator[Event]]) -> Response:
-        ex = _Exchange(request, order, _Turn(start, getattr(engine, "cancel_read_ahead", None)))
-        streaming = False
-        try:
-            await ex.start(lock)
-            ans = _Answer(req)
-            first: list[Any] = []
-            while True:  # up to the first token (or the end): errors still get their status code
-                item = await ex.next()
-                if isinstance(item, BaseException):
-                    raise _error_of(item)
-                if item is _END:
-                    raise APIError(500, "the engine ended the turn without a summary", type="server_error")
-                if isinstance(item, TurnSummary) and item.stop_reason == "context_full" and item.generated_tokens == 0:
-                    raise _too_long(item, context)
-                if isinstance(item, (PrefillStats, TurnSummary)):
-                    first.append(item)
-                    break
-            if not req.stream:
-                return JSONResponse(await _collect(ex, ans, first))
-            streaming = True
-            return _EventStream(_stream(ex, ans, first), ex, media_type="text/event-stream",
-                                headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-        except _ClientGone:
-            return Response(status_code=499)
-        finally:
-            if not streaming:
-                ex.close()
-
-    async def chat_completions(request: Request) -> Response:
-        authorize(request)
-        req = chat_request(await read_json(request), config.model_name, context,
-                           config.file_urls and _loopback_host(request.headers.get("host", "")))
-        if not has_vision and any(isinstance(m["content"], list) and any(p["type"] == "image" for p in m["content"])
-                                  for m in req.messages or ()):
-            raise APIError(400, f"{config.model_name} has no vision tower (serve it with --mmproj FILE), so it "
-                           "cannot read images", param="messages", code="invalid_image")
-        return await answer(request, req, lambda cancel: engine.chat(
-            req.messages, req.sampling, cancel, enable_thinking=req.enable_thinking))
-
-    async def completions(request: Request) -> Response:
-        authorize(request)
-        req = completion_request(await read_json(request), config.model_name, context)
-        return await answer(request, req, lambda cancel: engine.complete(req.prompt, req.sampling, cancel))
-
-    async def models(request: Request) -> Response:
-        authorize(request)
-        return JSONResponse({"object": "list", "data": [
-            {"id": config.model_name, "object": "model", "created": created, "owned_by": "deltadesk",
-             "max_model_len": context, "vision": has_vision}]})
-
-    async def health(_request: Request) -> Response:
-        return JSONResponse({"status": "ok"})
-
-    async def api_error(_request: Request, exc: Exception) -> Response:
-        error = exc if isinstance(exc, APIError) else _error_of(exc)
-        return JSONResponse(error.body(), status_code=error.status)
-
-    async def http_error(request: Request, exc: Exception) -> Response:
-        assert isinstance(exc, HTTPException)
-        what = (f"no route {request.method} {request.url.path}" if exc.status_code in (404, 405)
-                else str(exc.detail))
-        return JSONResponse(APIError(exc.status_code, what).body(), status_code=exc.status_code)
-
-    routes = [Route("/v1/chat/completions", chat_completions, methods=["POST"]),
-              Route("/v1/completions", completions, methods=["POST"]),
-              Route("/v1/models", models, methods=["GET"]),
-              Route("/health", health, methods=["GET"])]
-    return Starlette(routes=routes, middleware=[Middleware(_RequestGuard)],
-                     exception_handlers={APIError: api_error, HTTPException: http_error, Exception: api_error})
+    handlers = _Routes(engine, config, engine_lock)
+    routes = [Route("/v1/chat/completions", handlers.chat_completions, methods=["POST"]),
+              Route("/v1/completions", handlers.completions, methods=["POST"]),
+              Route("/v1/models", handlers.models, methods=["GET"]),
+              Route("/health", _health, methods=["GET"])]
+    return Starlette(routes=routes, middleware=[Middleware(RequestGuard)],
+                     exception_handlers={APIError: _api_error, HTTPException: _http_error, Exception: _api_error})
 
 
 async def _events(ex: _Exchange, ans: _Answer, first: list[Any]) -> AsyncIterator[tuple[str, str] | TurnSummary]:
