@@ -372,23 +372,14 @@ def _add_sampling(p: argparse.ArgumentParser) -> None:
     p.add_argument("--think", action="store_true", help="let the model think before answering")
 
 
-def build_parser() -> argparse.ArgumentParser:
-    """The ``python -m engine`` argument parser."""
-    ap = argparse.ArgumentParser(prog="python -m engine", description="DeltaDesk engine")
-    sub = ap.add_subparsers(dest="command", required=True)
-    p = sub.add_parser("info", help="summarise a GGUF model")
-    p.add_argument("model")
-    p.set_defaults(func=cmd_info)
-    p = sub.add_parser("generate", help="answer one prompt, streamed")
+def _add_generate(p: argparse.ArgumentParser) -> None:
     _add_sampling(p)
     p.add_argument("--prompt", "-p", default="Hello! Who are you?")
     p.add_argument("--image", action="append", default=[], help="an image to ask about (repeatable)")
     p.add_argument("--raw", action="store_true", help="continue the prompt text as it is (no chat template)")
-    p.set_defaults(func=cmd_generate)
-    p = sub.add_parser("chat", help="interactive chat on the terminal")
-    _add_sampling(p)
-    p.set_defaults(func=cmd_chat)
-    p = sub.add_parser("serve", help="an OpenAI-compatible HTTP server on the model")
+
+
+def _add_serve(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", "-m", help="GGUF text model (default: the bundled demo model)")
     p.add_argument("--mmproj", help="GGUF vision tower (mmproj) for image input")
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default: loopback only; any "
@@ -398,8 +389,9 @@ def build_parser() -> argparse.ArgumentParser:
                    "DELTADESK_API_KEY)")
     p.add_argument("--model-name", help="the model id clients name (default: the file name without .gguf)")
     p.add_argument("--context", type=int, default=8192, help="context window, tokens")
-    p.set_defaults(func=cmd_serve)
-    p = sub.add_parser("synth", help="write a random-weight GGUF")
+
+
+def _add_synth(p: argparse.ArgumentParser) -> None:
     p.add_argument("--preset", required=True,
                    choices=["tiny", "small", "dense-tiny", "minicpmv46-tiny", "minicpmv46", "35b-a3b"])
     p.add_argument("--layers", type=int, default=None)
@@ -408,8 +400,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--output", "-o", required=True)
     p.add_argument("--no-mmproj", action="store_true", help="do not write the matching vision tower")
-    p.set_defaults(func=cmd_synth)
-    p = sub.add_parser("bench", help="prompt and decode speed on the CPU (like llama-bench)")
+
+
+def _add_bench(p: argparse.ArgumentParser) -> None:
     p.add_argument("model")
     p.add_argument("--threads", "-t", type=int, nargs="+", help="thread counts (default: 1 and the physical cores)")
     p.add_argument("--isa", nargs="+", help="ISA levels (default: every level this CPU runs)")
@@ -418,8 +411,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--llama-cpp", action="store_true", help="also run llama.cpp through llama-cpp-python")
     p.add_argument("--llama-python", help="the interpreter that has llama-cpp-python (default: this one if it "
                    "has it, else a venv in the user cache dir, built on first use)")
-    p.set_defaults(func=cmd_bench)
-    p = sub.add_parser("prune", help="remove experts (REAP or frequency) to make a MoE file smaller")
+
+
+def _add_prune(p: argparse.ArgumentParser) -> None:
     p.add_argument("model")
     p.add_argument("--keep", type=int, required=True, help="experts kept per layer (top-k <= N < expert count)")
     p.add_argument("--output", "-o", required=True)
@@ -431,7 +425,23 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-tokens", type=int, default=1024, help="longest calibration prompt used, tokens")
     p.add_argument("--stats", help="expert statistics JSON: read when it exists and no --calib/--images is "
                    "given, else written (default MODEL.expert-stats.json beside the model)")
-    p.set_defaults(func=cmd_prune)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The ``python -m engine`` argument parser."""
+    ap = argparse.ArgumentParser(prog="python -m engine", description="DeltaDesk engine")
+    sub = ap.add_subparsers(dest="command", required=True)
+    commands = [("info", "summarise a GGUF model", lambda p: p.add_argument("model"), cmd_info),
+                ("generate", "answer one prompt, streamed", _add_generate, cmd_generate),
+                ("chat", "interactive chat on the terminal", _add_sampling, cmd_chat),
+                ("serve", "an OpenAI-compatible HTTP server on the model", _add_serve, cmd_serve),
+                ("synth", "write a random-weight GGUF", _add_synth, cmd_synth),
+                ("bench", "prompt and decode speed on the CPU (like llama-bench)", _add_bench, cmd_bench),
+                ("prune", "remove experts (REAP or frequency) to make a MoE file smaller", _add_prune, cmd_prune)]
+    for name, help_text, add_arguments, func in commands:
+        p = sub.add_parser(name, help=help_text)
+        add_arguments(p)
+        p.set_defaults(func=func)
     return ap
 
 
