@@ -121,7 +121,7 @@ def cmd_info(args: argparse.Namespace) -> int:
     print(f"delta-net      {hp.num_k_heads} q/k heads x {hp.head_k_dim}, {hp.num_v_heads} v heads x {hp.head_v_dim},"
           f" conv {hp.conv_kernel}")
     if hp.is_moe:
-        from .prune import pruning_summary
+        from .pruned_file import pruning_summary
         pruned = pruning_summary(f)
         print(f"MoE            {hp.n_expert} experts, top-{hp.n_expert_used}, expert FFN {hp.n_ff_exp},"
               f" shared expert FFN {hp.n_ff_shexp}" + (f" ({pruned})" if pruned else ""))
@@ -288,7 +288,7 @@ def _progress(what: str, unit: str = "") -> Callable[[int, int], None]:
 
 
 def cmd_prune(args: argparse.Namespace) -> int:
-    from . import prune
+    from . import prune, pruned_file
     from .gguf_file import GGUFFile
     src = GGUFFile.open(args.model)
     hp = src.hparams
@@ -325,7 +325,7 @@ def cmd_prune(args: argparse.Namespace) -> int:
     note = {"method": args.method, "calibration_samples": stats.calibration.get("samples"),
             "calibration_tokens": stats.calibration.get("tokens"),
             "calibration": stats.calibration.get("source")}
-    size = prune.prune_file(src, args.output, kept, note, _progress("writing", "bytes"))
+    size = pruned_file.prune_file(src, args.output, kept, note, _progress("writing", "bytes"))
     out = GGUFFile.open(args.output)
     print(f"wrote {args.output}: {size / 2**20:.1f} MiB (was {src.path.stat().st_size / 2**20:.1f} MiB), "
           f"{hp.n_expert} -> {args.keep} experts per layer, top-{hp.n_expert_used}; decode reads "

@@ -29,7 +29,7 @@ from .gguf_file import GGUFFile
 from .images import ImageSource
 from .prefix_cache import PrefixCache, SnapshotInfo
 from .prompt import Message, Prompt, PromptBuilder, text_bytes
-from .prune import pruning_summary
+from .pruned_file import pruning_summary
 from .registry import GpuPrefill, TextModel
 from .runtime import Turn, read_ahead, run_turn
 from .sampling import SamplingParams
@@ -125,7 +125,7 @@ class ModelInfo:
         name: the model's name as a server lists it ("" for a local file: its file name says it).
         remote: the base URL of the server that runs the model, or "" for an in-process engine.
         pruning: "128 of 256 experts kept (REAP)" for a file written by ``python -m engine prune``
-            (its ``general.pruning`` note, :func:`engine.prune.pruning_summary`), else "".
+            (its ``general.pruning`` note, :func:`engine.pruned_file.pruning_summary`), else "".
     """
 
     arch: str

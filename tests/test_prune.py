@@ -1,4 +1,4 @@
-"""Expert pruning (engine.prune, engine.gguf_write): statistics, the pruned file, the CLI.
+"""Expert pruning (engine.prune, engine.pruned_file, engine.gguf_write): statistics, the pruned file, the CLI.
 
 Tolerances: the statistics are float64 sums of the model's own float32 expert outputs, compared with a
 float64 numpy reference from the same router and expert weights: <= 1e-5 relative (measured ~1e-7, the
@@ -17,7 +17,7 @@ import pytest
 from PIL import Image
 from gguf import GGUFValueType
 
-from engine import gguf_write, prune
+from engine import gguf_write, prune, pruned_file
 from engine.__main__ import main
 from engine.errors import ModelFormatError, UnsupportedModelError
 from engine.gguf_file import GGUFFile
@@ -133,7 +133,7 @@ def test_pruned_logits_equal_masked_router(f32_model, tmp_path, keep):
     rng = np.random.default_rng(keep)
     kept = [sorted(rng.choice(hp.n_expert, keep, replace=False).tolist()) for _ in range(hp.n_layer)]
     out = tmp_path / "pruned.gguf"
-    prune.prune_file(g, out, kept, {"method": "test"})
+    pruned_file.prune_file(g, out, kept, {"method": "test"})
     p = GGUFFile.open(out)
     assert p.hparams == dataclasses.replace(hp, n_expert=keep)
     tokens = rng.integers(0, hp.n_vocab, 23)
@@ -150,35 +150,35 @@ def test_pruned_file_keeps_other_bytes_types_and_metadata(q4_model, tmp_path):
     hp = g.hparams
     kept = [[0, 2, 3, 7], [1, 2, 4, 5], [0, 1, 6, 7], [3, 4, 5, 6]]
     out = tmp_path / "p.gguf"
-    size = prune.prune_file(g, out, kept, {"method": "reap", "calibration_samples": 3})
+    size = pruned_file.prune_file(g, out, kept, {"method": "reap", "calibration_samples": 3})
     assert size == out.stat().st_size
     p = GGUFFile.open(out)
     assert p.tensor_names == g.tensor_names
     for name in g.tensor_names:
         a, b = g.info(name), p.info(name)
         assert a.qtype == b.qtype, name
-        if prune.is_expert_tensor(name):
+        if pruned_file.is_expert_tensor(name):
             il = int(name.split(".")[1])
             assert b.ne == (*a.ne[:-1], 4)
             want = g.raw(name).reshape(hp.n_expert, -1)[kept[il]]
             np.testing.assert_array_equal(p.raw(name).reshape(4, -1), want)
         else:
             assert a.ne == b.ne and np.array_equal(g.raw(name), p.raw(name)), name
-    changed = {f"{hp.arch}.expert_count", prune.PRUNING_KEY}
-    assert set(p.meta_keys) == set(g.meta_keys) | {prune.PRUNING_KEY}
+    changed = {f"{hp.arch}.expert_count", pruned_file.PRUNING_KEY}
+    assert set(p.meta_keys) == set(g.meta_keys) | {pruned_file.PRUNING_KEY}
     for key in g.meta_keys:
         if key not in changed:
             assert p.kv_record(key) == g.kv_record(key), key
-    note = prune.pruning_note(p)
+    note = pruned_file.pruning_note(p)
     assert note["method"] == "reap" and note["experts_before"] == 8 and note["experts_kept"] == 4
     assert note["kept"] == kept
-    assert prune.pruning_summary(p) == "4 of 8 experts kept (REAP)" and prune.pruning_summary(g) == ""
+    assert pruned_file.pruning_summary(p) == "4 of 8 experts kept (REAP)" and pruned_file.pruning_summary(g) == ""
     with pytest.raises(ValueError, match="same number"):
-        prune.prune_file(g, tmp_path / "x.gguf", [[0, 1], [0, 1, 2], [0, 1], [0, 1]], {})
+        pruned_file.prune_file(g, tmp_path / "x.gguf", [[0, 1], [0, 1, 2], [0, 1], [0, 1]], {})
     with pytest.raises(ValueError, match="distinct"):
-        prune.prune_file(g, tmp_path / "x.gguf", [[0, 0, 1]] * 4, {})
+        pruned_file.prune_file(g, tmp_path / "x.gguf", [[0, 0, 1]] * 4, {})
     with pytest.raises(ModelFormatError, match="must not be the model"):
-        prune.prune_file(g, q4_model, kept, {})
+        pruned_file.prune_file(g, q4_model, kept, {})
 
 
 def test_mtp_blocks_are_dropped(tmp_path):
@@ -194,7 +194,7 @@ def test_mtp_blocks_are_dropped(tmp_path):
     write_gguf(path, hp, tensors, "f32", vocab=VOCAB)
     g = GGUFFile.open(path)
     out = tmp_path / "p.gguf"
-    prune.prune_file(g, out, [[0, 1, 2]] * 4, {})
+    pruned_file.prune_file(g, out, [[0, 1, 2]] * 4, {})
     p = GGUFFile.open(out)
     assert p.hparams.nextn_predict_layers == 0 and p.hparams.n_layer == 4 and p.meta("qwen35moe.block_count") == 4
     assert not any(n.startswith("blk.4.") for n in p.tensor_names)
@@ -207,7 +207,7 @@ def test_keep_and_model_checks(tmp_path):
     dense = tmp_path / "dense.gguf"
     synth(dense, "dense-tiny", quant="f32", vocab=VOCAB)
     with pytest.raises(UnsupportedModelError, match="dense"):
-        prune.prune_file(GGUFFile.open(dense), tmp_path / "x.gguf", [], {})
+        pruned_file.prune_file(GGUFFile.open(dense), tmp_path / "x.gguf", [], {})
 
 
 def test_stats_selection_and_json(tmp_path, f32_model):
@@ -281,7 +281,7 @@ def test_per_layer_expert_counts_are_unsupported(tmp_path, q4_model):
     gguf_write.write(path, recs, tensors, g.alignment)
     assert GGUFFile.open(path).hparams == hp
     # one layer stores fewer experts than expert_count says
-    small = prune.prune_file(g, tmp_path / "six.gguf", [list(range(6))] * 4, {})
+    small = pruned_file.prune_file(g, tmp_path / "six.gguf", [list(range(6))] * 4, {})
     assert small > 0
     six = GGUFFile.open(tmp_path / "six.gguf")
     mixed = [t if not t.name.startswith("blk.1.") else gguf_write.TensorOut(
@@ -308,18 +308,18 @@ def test_cli_prune_calibrates_once_and_reuses_the_statistics(synth_model, tmp_pa
     assert st.calibration["samples"] == len(prune.BUILTIN_CALIBRATION) + 1 and 0 < st.calibration["tokens"]
     assert st.calibration["tokens"] <= 96 * (len(prune.BUILTIN_CALIBRATION) + 1)
     assert (st.tokens == st.calibration["tokens"]).all()
-    assert st.kept_experts(6, "reap") == prune.pruning_note(GGUFFile.open(out))["kept"]
+    assert st.kept_experts(6, "reap") == pruned_file.pruning_note(GGUFFile.open(out))["kept"]
 
     out4 = tmp_path / "p4.gguf"
     assert main(["prune", str(model), "--keep", "4", "--method", "frequency", "-o", str(out4),
                  "--stats", str(stats)]) == 0
     err = capsys.readouterr().err
     assert "[calibrating]" not in err and f"expert statistics from {stats}" in err
-    assert prune.pruning_note(GGUFFile.open(out4))["kept"] == st.kept_experts(4, "frequency")
+    assert pruned_file.pruning_note(GGUFFile.open(out4))["kept"] == st.kept_experts(4, "frequency")
     assert main(["info", str(out4)]) == 0
     assert "4 experts, top-2, expert FFN 32, shared expert FFN 32 (4 of 8 experts kept (frequency))" in \
         capsys.readouterr().out
-    assert prune.pruning_summary(GGUFFile.open(out4)) == "4 of 8 experts kept (frequency)"
+    assert pruned_file.pruning_summary(GGUFFile.open(out4)) == "4 of 8 experts kept (frequency)"
 
     for keep, msg in (("8", "not below"), ("1", "top-2")):
         assert main(["prune", str(model), "--keep", keep, "-o", str(tmp_path / "x.gguf")]) == 2
