@@ -52,14 +52,14 @@ def _sampling(args: argparse.Namespace) -> SamplingParams:
 def _model_paths(args: argparse.Namespace) -> tuple[Path, Path | None]:
     """The (text model, vision tower or None) files that ``--model`` / ``--mmproj`` name.
 
-    Without ``--model``: :func:`engine.api.default_model` and its tower. With ``--model`` the tower
+    Without ``--model``: :func:`engine.demo_model.default_model` and its tower. With ``--model`` the tower
     is ``--mmproj``, or the bundled demo's own when that is the model named
-    (:func:`engine.api.bundled_mmproj_for`); any other model needs ``--mmproj``.
+    (:func:`engine.demo_model.bundled_mmproj_for`); any other model needs ``--mmproj``.
 
     Raises:
         EngineError: ``default_model()`` could not write the synthetic default model.
     """
-    from .api import bundled_mmproj_for, default_model
+    from .demo_model import bundled_mmproj_for, default_model
     if not args.model:
         path, mmproj = default_model()
         return path, Path(args.mmproj) if args.mmproj else mmproj
@@ -337,7 +337,8 @@ def cmd_prune(args: argparse.Namespace) -> int:
 def _calibrate(args: argparse.Namespace, src: GGUFFile) -> ExpertStats:
     """Gather :class:`engine.prune.ExpertStats` for ``args.model`` on the calibration set the flags name."""
     from . import prune
-    from .api import Engine, EngineOptions, bundled_mmproj_for
+    from .api import Engine, EngineOptions
+    from .demo_model import bundled_mmproj_for
     convs = prune.calibration_set(args.calib, args.images)
     has_images = any(isinstance(m.get("content"), list) and any(
         isinstance(p, dict) and p.get("type") == "image" for p in m["content"]) for c in convs for m in c)

@@ -16,13 +16,12 @@ import logging
 import math
 import threading
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Iterator, Protocol, Sequence
-
-import platformdirs
+from typing import Any, Callable, Iterator, Sequence
 
 from . import placement
+from .api_types import ChatEngine, EngineOptions, ModelInfo
+from .demo_model import bundled_mmproj_for, bundled_model, default_model
 from .errors import EngineError, GenerationCancelled, TemplateError, UnsupportedModelError
 from .events import Event, PrefillStats
 from .gguf_file import GGUFFile
@@ -38,156 +37,15 @@ from .vision import ImageEncoder
 
 log = logging.getLogger(__name__)
 
-__all__ = ["ChatEngine", "Engine", "EngineOptions", "ModelInfo", "Prompt", "SamplingParams", "SnapshotInfo", "default_model"]
+__all__ = ["CHATML_NOTE", "ChatEngine", "Engine", "EngineOptions", "ModelInfo", "Prompt", "SamplingParams", "SnapshotInfo",
+           "bundled_mmproj_for", "bundled_model", "connect_remote", "default_model", "list_remote_models",
+           "serve_in_background"]
 
 CHATML_NOTE = "the file has no tokenizer.chat_template, so chat uses ChatML (the Qwen format)"
 """The one-line notice (:attr:`ModelInfo.template_note`) for a model whose chat falls back to ChatML."""
 PROBE_CONVERSATION = ({"role": "user", "content": "Hello"}, {"role": "assistant", "content": "Hello! How can I help?"},
                       {"role": "user", "content": "Say something."})
 """The conversation every chat template is rendered on at load (:meth:`Engine.load`)."""
-
-
-@dataclass(frozen=True)
-class EngineOptions:
-    """Load-time settings.
-
-    Attributes:
-        context: context window in tokens (capped at the model's ``context_length``); the KV cache
-            is preallocated for it: 2 * n_attn_layers * n_head_kv * head_dim * 4 bytes per token.
-        prefix_cache: keep prefix snapshots so a prompt sharing a prefix resumes instead of
-            re-prefilling (see :mod:`engine.prefix_cache`).
-        cache_ram_bytes: RAM budget of the snapshots, bytes.
-        cache_disk_dir: folder of the snapshots' disk tier; None = RAM only. The app passes
-            ``platformdirs.user_cache_dir("deltadesk")/snapshots``.
-        cache_disk_bytes: disk budget of the snapshots, bytes.
-        snapshot_interval: also snapshot every this many prompt tokens during prefill.
-        image_max_pixels: largest area an image is resized to before the vision tower, pixels
-            (every 1024 pixels = one image token; lower it to bound CPU time). A projector that stores
-            ``clip.vision.image_max_pixels`` (the bundled demo's: the sizes it was trained on) lowers it
-            further (:meth:`engine.arch.qwen3vl.mmproj.VisionHParams.pixel_bounds`).
-        device: where prefill and the vision tower run: "auto" (the GPU when one works, else the
-            CPU), "cuda" or "cpu". Any GPU failure falls back to the CPU with a message
-            (``ModelInfo.device_note`` for prefill, ``ModelInfo.vision_note`` for images).
-        vram_budget: bytes of GPU memory the GPU may use (None = free memory minus a margin); the
-            vision tower's weights and its activation buffers for the largest ``image_max_pixels`` image
-            come out of it first (with None they are allocated before prefill measures free memory), the
-            rest goes to prefill, whose routed experts that do not fit stream from pinned host RAM. When
-            that rest is too small for GPU prefill, the tower is released and images are encoded on the
-            CPU (prefill gains more from the GPU).
-        gpu_min_tokens: shortest stretch of prompt sent to the GPU (each GPU pass streams every
-            routed expert once; a few tokens are faster on the CPU).
-        threads: CPU kernel threads (None = physical cores); process-wide.
-        kernels: "native" runs the CPU model on the SIMD kernels when the extension is built
-            (:class:`engine.arch.qwen35.cpu.NativeQwen35Model`, W4A8: activations quantized to
-            8 bits inside Q4_0/Q8_0 products), else the numpy reference; "numpy" forces the reference.
-    """
-
-    context: int = 8192
-    prefix_cache: bool = True
-    cache_ram_bytes: int = 2 << 30
-    cache_disk_dir: Path | None = None
-    cache_disk_bytes: int = 8 << 30
-    snapshot_interval: int = 512
-    image_max_pixels: int = 1024 * 1024
-    device: str = "auto"
-    vram_budget: int | None = None
-    gpu_min_tokens: int = 32
-    threads: int | None = None
-    kernels: str = "native"
-
-
-@dataclass(frozen=True)
-class ModelInfo:
-    """What the app shows about a loaded model.
-
-    The fields from ``path`` to ``bytes_per_token`` describe a local GGUF file; an engine that runs
-    elsewhere (:class:`engine.remote.RemoteEngine`) leaves them at their defaults and fills ``name``
-    and ``remote`` instead.
-
-    Attributes:
-        arch: "qwen35moe" or "qwen35" (a remote engine: "remote").
-        context: the context window in use, tokens (a remote engine: 0 when the server does not say).
-        has_vision: whether an mmproj vision tower is loaded (a remote engine: whether images are sent).
-        path: the GGUF file, or None for a remote engine.
-        n_layer: trunk layers; n_attn_layers of them are full attention (0 when unknown).
-        n_params: parameters in the file (all tensors, MTP blocks included; 0 when unknown).
-        quant_mix: quant type name -> (tensor count, bytes) ({} when unknown).
-        bytes_per_token: weight bytes read per decoded token (0 when unknown).
-        device: where prefill runs, "cuda" or "cpu" (decode always runs on the CPU); "remote" for a
-            remote engine.
-        device_note: why prefill is on the CPU when a GPU was asked for or looked for, or "".
-        placement: the GPU placement plan in words (what stays in VRAM, what streams), or "".
-        vram_budget: the GPU prefill's VRAM budget, bytes (0 on the CPU).
-        vision_device: where images are encoded, "cuda" or "cpu" ("" without a vision tower).
-        vision_note: why images are encoded on the CPU when a GPU was asked for or looked for, or "".
-        template_note: one line when the file has no ``tokenizer.chat_template`` and chat falls back
-            to ChatML (:data:`CHATML_NOTE`), else "".
-        name: the model's name as a server lists it ("" for a local file: its file name says it).
-        remote: the base URL of the server that runs the model, or "" for an in-process engine.
-        pruning: "128 of 256 experts kept (REAP)" for a file written by ``python -m engine prune``
-            (its ``general.pruning`` note, :func:`engine.pruned_file.pruning_summary`), else "".
-    """
-
-    arch: str
-    context: int
-    has_vision: bool
-    path: Path | None = None
-    n_layer: int = 0
-    n_attn_layers: int = 0
-    n_params: int = 0
-    quant_mix: dict[str, tuple[int, int]] = field(default_factory=dict)
-    bytes_per_token: int = 0
-    device: str = "cpu"
-    device_note: str = ""
-    placement: str = ""
-    vram_budget: int = 0
-    vision_device: str = ""
-    vision_note: str = ""
-    template_note: str = ""
-    name: str = ""
-    remote: str = ""
-    pruning: str = ""
-
-
-class ChatEngine(Protocol):
-    """What a chat front end (the app's engine worker, :mod:`engine.server`) needs of an engine:
-    :class:`Engine` (in process), :class:`engine.remote.RemoteEngine` (an OpenAI-compatible server)
-    and the tests' fakes."""
-
-    @property
-    def info(self) -> ModelInfo:
-        """What is loaded (:class:`ModelInfo`)."""
-
-    def chat(self, messages: Sequence[Message], sampling: SamplingParams = ..., cancel: threading.Event | None = None,
-             enable_thinking: bool = False, conversation: str = "") -> Iterator[Event]:
-        """Yield one turn's events (see :mod:`engine.events` for their order); set ``cancel`` to stop
-        within one token."""
-
-    def telemetry(self) -> Any:
-        """The last GPU prefill's ``PrefillTelemetry``, or None (CPU prefill, a remote engine)."""
-
-    def snapshots(self) -> list[SnapshotInfo]:
-        """The prefix snapshots held, deepest first ([] when the engine keeps none it can list)."""
-
-    def clear_snapshots(self, key: str | None = None) -> None:
-        """Drop one prefix snapshot or all of them."""
-
-    def image_size(self, source: ImageSource) -> tuple[int, int]:
-        """(height, width) an image has when it reaches the vision tower.
-
-        Raises:
-            EngineError: the engine cannot tell (no vision tower, unreadable image, a remote engine).
-        """
-
-    def image_tokens(self, source: ImageSource) -> int:
-        """How many image tokens (embedding rows, all slices together) an image takes in the prompt.
-
-        Raises:
-            EngineError: the engine cannot tell (no vision tower, unreadable image, a remote engine).
-        """
-
-    def close(self) -> None:
-        """Release the engine (an in-process one persists its prefix snapshots first)."""
 
 
 class Engine:
@@ -631,46 +489,3 @@ def serve_in_background(engine: Engine, model_name: str, port: int, engine_lock:
     """
     from .server import ServerConfig, ServerThread
     return ServerThread(engine, ServerConfig(model_name, api_key), host, port, engine_lock).start()
-
-
-def bundled_model() -> tuple[Path, Path | None] | None:
-    """The bundled demo model under ``assets/models/`` (issue 8): (text GGUF, mmproj GGUF or None), or
-    None when its text GGUF is absent. Writes nothing."""
-    assets = Path(__file__).resolve().parent.parent / "assets" / "models"
-    text, mmproj = assets / "deltadesk-demo.gguf", assets / "deltadesk-demo-mmproj.gguf"
-    if not text.is_file():
-        return None
-    return text, mmproj if mmproj.is_file() else None
-
-
-def bundled_mmproj_for(model_path: str | Path) -> Path | None:
-    """The bundled demo's vision tower when ``model_path`` is the bundled demo's text GGUF (same file
-    after resolving links), else None: a model named by its path without ``--mmproj`` still gets it,
-    as it does when no model is named (so the demo always loads with its tower). Any other model's
-    tower must be given explicitly."""
-    bundled = bundled_model()
-    if bundled is None or not Path(model_path).is_file():
-        return None
-    return bundled[1] if Path(model_path).resolve() == bundled[0].resolve() else None
-
-
-def default_model() -> tuple[Path, Path | None]:
-    """The model (text GGUF, mmproj GGUF or None) the app and ``python -m engine`` use when none is given.
-
-    The bundled demo model (:func:`bundled_model`) when present; else the ``tiny`` synthetic model
-    and its tiny random vision tower (random weights, real vocabulary and template: it exercises the
-    whole pipeline but only babbles), written once to the user cache dir.
-
-    Raises:
-        EngineError: the cache dir is not writable.
-    """
-    bundled = bundled_model()
-    if bundled is not None:
-        return bundled
-    from .tools.synth import write_default_pair
-    folder = Path(platformdirs.user_cache_dir("deltadesk")) / "models"
-    try:
-        path, mmproj = write_default_pair(folder)
-    except OSError as exc:
-        raise EngineError(f"cannot write the default model to {folder}: {exc}") from exc
-    return path, mmproj

@@ -15,7 +15,7 @@ from .registry import GpuPrefill, TextModel, vision_arch
 from .vision import ImageEncoder, load_projector
 
 if TYPE_CHECKING:
-    from .api import EngineOptions
+    from .api_types import EngineOptions
 
 log = logging.getLogger(__name__)
 

@@ -29,9 +29,11 @@ from typing import Any, Iterator, Mapping, Sequence
 
 import httpx
 
-from .api import Message, ModelInfo, SnapshotInfo
+from .api_types import ModelInfo
 from .errors import ImageError, RemoteError, UnsupportedModelError
 from .events import Event, PrefillStats, TokenEvent, TurnSummary
+from .prefix_cache import SnapshotInfo
+from .prompt import Message
 from .sampling import SamplingParams
 
 THINK_OPEN, THINK_CLOSE = "<think>", "</think>"

@@ -260,8 +260,8 @@ def test_cli_image_without_mmproj_says_to_pass_one(tiny, tmp_path, capsys) -> No
 def test_cli_bundled_model_named_explicitly_brings_its_tower(tiny, tiny_mmproj, tmp_path, capsys,
                                                               monkeypatch) -> None:
     """The bundled model named by its path pairs its own mmproj; another model does not."""
-    import engine.api
-    monkeypatch.setattr(engine.api, "bundled_model", lambda: (tiny, tiny_mmproj))
+    import engine.demo_model
+    monkeypatch.setattr(engine.demo_model, "bundled_model", lambda: (tiny, tiny_mmproj))
     img = shape_image(tmp_path / "a.png", (200, 20, 20))
     ask = ["--image", str(img), "-p", "Colour?", "-n", "2", "--temp", "0"]
     assert main(["generate", "--model", str(tiny), *ask]) == 0
@@ -377,8 +377,9 @@ def test_image_key_depends_on_resize_bounds(vision_engine, tmp_path) -> None:
 def test_default_model_without_the_bundled_demo_writes_the_synthetic_pair(tmp_path, monkeypatch) -> None:
     """No bundled demo: default_model writes the tiny synthetic text model and its tower once, and they load."""
     import engine.api as api
-    monkeypatch.setattr(api, "bundled_model", lambda: None)
-    monkeypatch.setattr(api.platformdirs, "user_cache_dir", lambda name: str(tmp_path / name))
+    import engine.demo_model as demo_model
+    monkeypatch.setattr(demo_model, "bundled_model", lambda: None)
+    monkeypatch.setattr(demo_model.platformdirs, "user_cache_dir", lambda name: str(tmp_path / name))
     model, mmproj = api.default_model()
     assert model.parent == mmproj.parent == tmp_path / "deltadesk" / "models"
     stamp = model.stat().st_mtime_ns

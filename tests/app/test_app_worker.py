@@ -84,13 +84,13 @@ def test_the_real_loader_passes_options_progress_and_cancel(monkeypatch, tmp_pat
 def test_the_real_loader_pairs_the_bundled_demo_with_its_tower(monkeypatch, tmp_path):
     """The bundled demo named by its path (as `scripts/run --model` or a dropped file does) gets its
     vision tower; another model without --mmproj gets none, and an explicit tower is kept."""
-    from engine import api
+    from engine import api, demo_model
 
     demo, tower = tmp_path / "deltadesk-demo.gguf", tmp_path / "deltadesk-demo-mmproj.gguf"
     other = tmp_path / "other.gguf"
     for f in (demo, tower, other):
         f.write_bytes(b"GGUF")
-    monkeypatch.setattr(api, "bundled_model", lambda: (demo, tower))
+    monkeypatch.setattr(demo_model, "bundled_model", lambda: (demo, tower))
     seen = []
     monkeypatch.setattr(api.Engine, "load", classmethod(lambda cls, model, mmproj, *a, **k: seen.append(mmproj)))
     for model, mmproj in ((str(demo), None), (str(other), None), (str(demo), "mine.gguf")):
