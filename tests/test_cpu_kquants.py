@@ -19,7 +19,7 @@ from gguf import GGMLQuantizationType, quants
 from test_cpu_kernels import assert_close, level, reference_product, rng, route_margin  # noqa: F401 (fixtures)
 
 from engine import quant
-from engine.kernels import cpu
+from engine.kernels import cpu, cpu_twins
 
 Q = GGMLQuantizationType
 LEVELS = cpu.supported_isas()
@@ -51,7 +51,7 @@ def random_kquant(rng: np.random.Generator, rows: int, k: int, qtype: GGMLQuanti
 def test_unpack_matches_gguf_dequantization(qtype, rng):
     """The twin's integer decoding, recombined in float64, equals gguf's float32 values to 2^-24 relative."""
     raw = random_kquant(rng, 7, 768, qtype)
-    q, sc, mn, d, dmin = cpu.kquant_unpack(raw, qtype)
+    q, sc, mn, d, dmin = cpu_twins.kquant_unpack(raw, qtype)
     q = q.reshape(7, 3, 16, 16).astype(np.float64)
     w = d[..., None, None].astype(np.float64) * sc[..., None] * (q - 32 * (qtype == Q.Q6_K))
     w -= (dmin[..., None].astype(np.float64) * mn).repeat(2, axis=-1)[..., None]

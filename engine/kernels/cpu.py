@@ -10,9 +10,10 @@ Block layouts are ggml's (ggml/src/ggml-common.h), i.e. the raw bytes of a GGUF 
   low nibble of ``qs[j]``, value ``j + 16`` its high nibble; value = (nibble - 8) * d.
 * ``block_q8_0``, 34 bytes per 32 values: f16 ``d``, then 32 int8 ``qs``; value = qs[j] * d.
 * ``block_q4_K`` / ``block_q5_K`` / ``block_q6_K``, 144 / 176 / 210 bytes per 256 values (layouts in
-  native/cpu/kquants.h): read as stored by :data:`K_QUANTS` kernels, whose integer parts, scale
-  products and f64 order are fixed, so their results are bit-identical across ISA levels, thread
-  counts and the numpy twin (:func:`kquant_unpack` + the same order in numpy).
+  native/cpu/kquants.h): read as stored by :data:`~engine.kernels.cpu_twins.K_QUANTS` kernels, whose
+  integer parts, scale products and f64 order are fixed, so their results are bit-identical across ISA
+  levels, thread counts and the numpy twin (:func:`engine.kernels.cpu_twins.kquant_unpack` + the same
+  order in numpy).
 
 A weight matrix is its tensor's raw data as ``(rows, k // 32 * block_bytes)`` uint8 (what
 ``GGUFFile.raw`` returns), row ``r`` holding the k weights of output ``r``. Products first quantize
@@ -45,6 +46,8 @@ from gguf import GGMLQuantizationType
 
 from engine import quant
 from engine.errors import EngineError
+from engine.kernels.cpu_twins import (K_QUANTS, KQ_ROWS, Q8_0_BYTES, QK, activations, dequantize, kquant_product_np,
+                                      quantize_q8_0_np)
 from engine.ops import reference
 
 try:
@@ -58,8 +61,6 @@ ISA_LEVELS = ("scalar", "ssse3", "avx2", "avx512vnni")
 """Native levels in increasing order; the index is the C side's level number."""
 
 Q = GGMLQuantizationType
-QK = 32
-Q8_0_BYTES = 34
 KERNEL_TYPES: frozenset[GGMLQuantizationType] = frozenset(
     t for t, traits in quant.TYPES.items() if traits.cpu_kernel is not None)
 """Weight types the kernels read as stored (the quant-type table's ``cpu_kernel``)."""
@@ -169,16 +170,6 @@ def _check(rc: int, what: str) -> None:
         raise EngineError(f"{what} failed in the native CPU kernels: {_C_ERRORS.get(rc, rc)}")
 
 
-def _activations(x: np.ndarray) -> tuple[np.ndarray, bool]:
-    """x as C-contiguous (m, k) float32 with k % 32 == 0, and whether it came in 1-D."""
-    x = np.ascontiguousarray(x, dtype=np.float32)
-    vector = x.ndim == 1
-    x2 = x.reshape(1, -1) if vector else x
-    if x2.ndim != 2 or x2.shape[1] % QK != 0 or x2.shape[1] == 0:
-        raise ValueError(f"activations: expected (m, k) or (k,) with k a positive multiple of {QK}, got {x.shape}")
-    return x2, vector
-
-
 def _kernel_type(qtype: GGMLQuantizationType | int, what: str) -> quant.QuantType:
     """The quant-type table's row of a weight type the kernels read. Raises ValueError otherwise."""
     try:
@@ -219,110 +210,12 @@ def quantize_q8_0(x: np.ndarray) -> np.ndarray:
     level = _native_level()
     if level is None:
         return quantize_q8_0_np(x)
-    x2, vector = _activations(x)
+    x2, vector = activations(x)
     out = np.empty((x2.shape[0], x2.shape[1] // QK * Q8_0_BYTES), dtype=np.uint8)
     ffi, lib = _native_cpu.ffi, _native_cpu.lib
     _check(lib.dd_quantize_q8_0(level, _ptr(ffi, "float *", x2), x2.shape[0], x2.shape[1],
                                 _ptr(ffi, "uint8_t *", out)), "quantize_q8_0")
     return out[0] if vector else out
-
-
-def quantize_q8_0_np(x: np.ndarray) -> np.ndarray:
-    """numpy twin of :func:`quantize_q8_0` (same arguments, same bytes)."""
-    x2, vector = _activations(x)
-    blocks = x2.reshape(-1, QK)
-    d = np.abs(blocks).max(axis=1, keepdims=True) / np.float32(127)
-    with np.errstate(divide="ignore"):
-        inv = np.where(d == 0, np.float32(0), np.float32(1) / d).astype(np.float32)
-    t = np.abs(blocks * inv)
-    q = np.sign(blocks) * (np.floor(t) + (t - np.floor(t) >= 0.5))   # round half away from zero
-    out = np.concatenate([d.astype(np.float16).view(np.uint8), q.astype(np.int8).view(np.uint8)], axis=1)
-    out = out.reshape(x2.shape[0], -1)
-    return out[0] if vector else out
-
-
-def _dequantize(raw: np.ndarray, qtype: GGMLQuantizationType) -> np.ndarray:
-    """(rows, nb * block bytes) uint8 Q4_0/Q8_0 -> (rows, nb * 32) float32."""
-    blocks = raw.reshape(raw.shape[0], -1, quant.type_size(qtype))
-    d = blocks[..., :2].copy().view(np.float16).astype(np.float32)
-    qs = blocks[..., 2:]
-    if qtype == Q.Q4_0:
-        vals = np.concatenate([qs & 0x0F, qs >> 4], axis=-1).astype(np.int8) - np.int8(8)
-    else:
-        vals = qs.view(np.int8)
-    return (vals.astype(np.float32) * d).reshape(raw.shape[0], -1)
-
-
-# --- K-quant weights ------------------------------------------------------------------------------
-
-K_QUANTS = frozenset({Q.Q4_K, Q.Q5_K, Q.Q6_K})
-"""The K-quant types the kernels read (native/cpu/kquants.h); 256-value super-blocks."""
-_KQ_ROWS = 1024
-"""Weight rows the numpy twin takes at a time (bounds its int64 temporaries)."""
-
-
-def kquant_unpack(raw: np.ndarray, qtype: GGMLQuantizationType
-                  ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-    """Integer parts of Q4_K / Q5_K / Q6_K super-blocks (layouts in native/cpu/kquants.h, after
-    ggml-quants.c ``dequantize_row_q4_K`` / ``_q5_K`` / ``_q6_K``).
-
-    Args: raw (rows, nsb * block bytes) uint8; qtype one of :data:`K_QUANTS`.
-    Returns: q (rows, nsb, 256) int64 unsigned quants in value order; sc (rows, nsb, 16) int64 scale
-    of each 16 values; mn (rows, nsb, 8) int64 min of each 32 (zeros for Q6_K); d, dmin (rows, nsb)
-    float32 (dmin zeros for Q6_K). Value v of super-block s is ``d * sc[v // 16] * q[v] - dmin *
-    mn[v // 32]`` (Q4_K, Q5_K) or ``d * sc[v // 16] * (q[v] - 32)`` (Q6_K).
-    """
-    rows = raw.shape[0]
-    b = quant.block_view(raw, qtype)
-    nsb = b.shape[1]
-    if qtype == Q.Q6_K:
-        ql = b["ql"].reshape(rows, nsb, 2, 64).astype(np.int64)
-        qh = b["qh"].reshape(rows, nsb, 2, 32).astype(np.int64)
-        lo, hi = ql[..., :32], ql[..., 32:]
-        q = np.stack([(lo & 15) | ((qh & 3) << 4), (hi & 15) | (((qh >> 2) & 3) << 4),
-                      (lo >> 4) | (((qh >> 4) & 3) << 4), (hi >> 4) | (((qh >> 6) & 3) << 4)], axis=-2)
-        zeros = np.zeros((rows, nsb), dtype=np.float32)
-        return (q.reshape(rows, nsb, 256), b["scales"].astype(np.int64), np.zeros((rows, nsb, 8), np.int64),
-                b["d"].astype(np.float32), zeros)
-    qs = b["qs"].reshape(rows, nsb, 4, 1, 32).astype(np.int64)
-    q = np.concatenate([qs & 15, qs >> 4], axis=3)                         # (rows, nsb, chunk, half, 32)
-    if qtype == Q.Q5_K:
-        qh = b["qh"].astype(np.int64)[:, :, None, None, :]
-        q |= ((qh >> np.arange(8).reshape(4, 2, 1)) & 1) << 4               # bit 2j + half of qh[l]
-    s = b["scales"].astype(np.int64)                                       # get_scale_min_k4
-    sc = np.concatenate([s[..., 0:4] & 63, (s[..., 8:12] & 15) | ((s[..., 0:4] >> 6) << 4)], axis=-1)
-    mn = np.concatenate([s[..., 4:8] & 63, (s[..., 8:12] >> 4) | ((s[..., 4:8] >> 6) << 4)], axis=-1)
-    return (q.reshape(rows, nsb, 256), np.repeat(sc, 2, axis=-1), mn, b["d"].astype(np.float32),
-            b["dmin"].astype(np.float32))
-
-
-def _kquant_product_np(raw: np.ndarray, x2: np.ndarray, qtype: GGMLQuantizationType) -> np.ndarray:
-    """(m, rows) float32 = x2 (m, k) quantized to Q8_0 times the K-quant rows, in exactly the f64
-    operations and order of native/cpu/kquants.h (integer parts exact, f32 scale products exact,
-    lane b % 8 accumulated over super-blocks in order, lanes added in a fixed tree)."""
-    q, sc, mn, d, dmin = kquant_unpack(raw, qtype)
-    rows, nsb = d.shape
-    m = x2.shape[0]
-    blocks = quantize_q8_0_np(x2).reshape(m, nsb, 8, Q8_0_BYTES)
-    da = blocks[..., :2].copy().view(np.float16)[..., 0].astype(np.float32)          # (m, nsb, 8)
-    aq = blocks[..., 2:].view(np.int8).astype(np.int64).reshape(m, nsb, 8, 2, 16)
-    s16 = aq.sum(axis=-1)                                                           # (m, nsb, 8, 2)
-    sc2 = sc.reshape(rows, nsb, 8, 2)
-    halves = np.einsum("rsihj,csihj->crsih", q.reshape(rows, nsb, 8, 2, 16), aq)   # (m, rows, nsb, 8, 2)
-    dot = (halves * sc2).sum(axis=-1)
-    if qtype == Q.Q6_K:
-        dot = dot - 32 * (sc2[None] * s16[:, None]).sum(axis=-1)
-    scale = (d[None, :, :, None] * da[:, None]).astype(np.float64)                # exact f32 products
-    terms = scale * dot.astype(np.float64)
-    mins = (dmin[None, :, :, None] * da[:, None]).astype(np.float64) * (mn[None] * s16.sum(-1)[:, None])
-    acc = np.zeros((m, rows, 8))
-    for s in range(nsb):
-        acc += terms[:, :, s]
-        if qtype != Q.Q6_K:
-            acc -= mins[:, :, s]
-    lanes = [acc[..., i] for i in range(8)]
-    pairs = [lanes[i] + lanes[i + 1] for i in range(0, 8, 2)]
-    return ((pairs[0] + pairs[1]) + (pairs[2] + pairs[3])).astype(np.float32)
 
 
 # --- W4A8 / W8A8 matrix products ----------------------------------------------------------------
@@ -342,7 +235,7 @@ def matmul(raw: np.ndarray, x: np.ndarray, qtype: GGMLQuantizationType, name: st
     level = _native_level()
     if level is None:
         return _matmul_np(raw, x, traits, name)
-    x2, vector = _activations(x)
+    x2, vector = activations(x)
     raw = _weights(raw, x2.shape[1], traits, name)
     y = np.empty((x2.shape[0], raw.shape[0]), dtype=np.float32)
     ffi, lib = _native_cpu.ffi, _native_cpu.lib
@@ -357,14 +250,14 @@ def matmul_np(raw: np.ndarray, x: np.ndarray, qtype: GGMLQuantizationType, name:
 
 
 def _matmul_np(raw: np.ndarray, x: np.ndarray, traits: quant.QuantType, name: str) -> np.ndarray:
-    x2, vector = _activations(x)
+    x2, vector = activations(x)
     raw = _weights(raw, x2.shape[1], traits, name)
     if traits.qtype in K_QUANTS:
-        y = np.concatenate([_kquant_product_np(raw[r0:r0 + _KQ_ROWS], x2, traits.qtype)
-                            for r0 in range(0, raw.shape[0], _KQ_ROWS)], axis=1)
+        y = np.concatenate([kquant_product_np(raw[r0:r0 + KQ_ROWS], x2, traits.qtype)
+                            for r0 in range(0, raw.shape[0], KQ_ROWS)], axis=1)
         return y[0] if vector else y
-    xq = _dequantize(quantize_q8_0_np(x2), Q.Q8_0).astype(np.float64)
-    wt = _dequantize(raw, traits.qtype).T.astype(np.float64)
+    xq = dequantize(quantize_q8_0_np(x2), Q.Q8_0).astype(np.float64)
+    wt = dequantize(raw, traits.qtype).T.astype(np.float64)
     y = np.stack([(row @ wt).astype(np.float32) for row in xq])   # row by row, as the kernels: no batch effect
     return y[0] if vector else y
 
