@@ -30,10 +30,16 @@ def test_top_k_minus_one_means_off() -> None:
     assert sampling_of({"top_k": -1}, 512).top_k == 0
 
 
-@pytest.mark.skipif(not os.path.exists("/dev/zero"), reason="needs /dev/zero")
-def test_a_file_url_to_a_device_is_400() -> None:
+@pytest.mark.parametrize("kind", ["pipe", "folder"])
+def test_a_file_url_to_a_pipe_or_a_folder_is_400(kind, tmp_path) -> None:
+    """Not a regular file: a named pipe (reading it would block the server) or a folder."""
+    target = tmp_path / kind
+    if kind == "pipe":
+        os.mkfifo(target)
+    else:
+        target.mkdir()
     with pytest.raises(APIError) as info:
-        image_source("file:///dev/zero", "messages[0].content[0].image_url.url")
+        image_source(target.as_uri(), "messages[0].content[0].image_url.url")
     assert info.value.status == 400 and "regular file" in info.value.message
 
 
