@@ -460,15 +460,16 @@ class EngineWorker(QObject):
         """Emit ``image_measured`` with the size ``path`` will have for the vision tower and the
         image tokens it will take (the tower's own count: it differs between model families).
 
-        The engine encodes the image to know it (and keeps the encoding for the next turn); a
-        request that arrives while the window closes is skipped.
+        The engine prepares the image (reads and resizes it; no encoding) once to know both; a request
+        that arrives while the window closes is skipped.
         """
         if self._engine is None or self.closing.is_set():
             return
         self._stop_ahead()
         try:
             with self.turn_lock:
-                size: Any = (*self._engine.image_size(path), self._engine.image_tokens(path))
+                info = self._engine.image_info(path)
+            size: Any = (info.height, info.width, info.tokens)
         except Exception as exc:  # noqa: BLE001 - every failure becomes a message in the window
             size = plain_error(exc, "reading the image")
         self.image_measured.emit(path, size)

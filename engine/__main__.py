@@ -157,8 +157,9 @@ def cmd_generate(args: argparse.Namespace) -> int:
         content = [{"type": "image", "image": img} for img in args.image]
         messages.append({"role": "user", "content": content + [{"type": "text", "text": args.prompt}]})
         for img in args.image:
-            h, w = engine.image_size(img)
-            print(f"[image {img}: {w}x{h} px reach the vision tower]", file=sys.stderr)
+            info = engine.image_info(img)
+            print(f"[image {img}: {info.width}x{info.height} px reach the vision tower, {info.tokens} image tokens]",
+                  file=sys.stderr)
     else:
         messages.append({"role": "user", "content": args.prompt})
     return _finish(engine.chat(messages, _sampling(args), enable_thinking=args.think), engine, args)

@@ -25,7 +25,7 @@ from .demo_model import bundled_mmproj_for, bundled_model, default_model
 from .errors import EngineError, GenerationCancelled, TemplateError, UnsupportedModelError
 from .events import Event, PrefillStats
 from .gguf_file import GGUFFile
-from .images import ImageSource
+from .images import ImageInfo, ImageSource
 from .prefix_cache import PrefixCache, SnapshotInfo
 from .prompt import Message, Prompt, PromptBuilder, text_bytes
 from .pruned_file import pruning_summary
@@ -436,22 +436,15 @@ class Engine:
                 finally:
                     self._busy.release()
 
-    def image_size(self, source: ImageSource) -> tuple[int, int]:
-        """(height, width) in pixels an image will have when it reaches the vision tower.
+    def image_info(self, source: ImageSource) -> ImageInfo:
+        """The size in pixels an image will have when it reaches the vision tower, and the image tokens
+        (embedding rows) it takes in the prompt as its tower counts them: Qwen3.5/3.6 one per 2x2 merge
+        of 16-px patches, MiniCPM-V 4.6 its pieces' tokens summed.
 
         Raises:
             UnsupportedModelError: no vision tower loaded. ImageError: unreadable image.
         """
-        return self._vision_loaded().image_size(source)
-
-    def image_tokens(self, source: ImageSource) -> int:
-        """Image tokens (embedding rows) an image takes in the prompt, as its tower counts them:
-        Qwen3.5/3.6 one per 2x2 merge of 16-px patches, MiniCPM-V 4.6 its pieces' tokens summed.
-
-        Raises:
-            UnsupportedModelError: no vision tower loaded. ImageError: unreadable image.
-        """
-        return self._vision_loaded().image_tokens(source)
+        return self._vision_loaded().image_info(source)
 
     def _vision_loaded(self) -> ImageEncoder:
         if self.vision is None:

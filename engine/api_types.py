@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any, Iterator, Protocol, Sequence
 
 from .events import Event
-from .images import ImageSource
+from .images import ImageInfo, ImageSource
 from .prefix_cache import SnapshotInfo
 from .prompt import Message
 from .sampling import SamplingParams
@@ -142,15 +142,9 @@ class ChatEngine(Protocol):
     def clear_snapshots(self, key: str | None = None) -> None:
         """Drop one prefix snapshot or all of them."""
 
-    def image_size(self, source: ImageSource) -> tuple[int, int]:
-        """(height, width) an image has when it reaches the vision tower.
-
-        Raises:
-            EngineError: the engine cannot tell (no vision tower, unreadable image, a remote engine).
-        """
-
-    def image_tokens(self, source: ImageSource) -> int:
-        """How many image tokens (embedding rows, all slices together) an image takes in the prompt.
+    def image_info(self, source: ImageSource) -> ImageInfo:
+        """The size an image has when it reaches the vision tower and the image tokens it takes in the
+        prompt (all slices together), from one read of the image.
 
         Raises:
             EngineError: the engine cannot tell (no vision tower, unreadable image, a remote engine).

@@ -69,6 +69,20 @@ ImageSource = Union[str, os.PathLike, bytes, Image.Image, ImageData]
 
 
 @dataclass(frozen=True)
+class ImageInfo:
+    """What one image becomes for a vision tower, from a single preparation of it.
+
+    Attributes:
+        height, width: pixels the image has when it reaches the tower (after the tower's resize).
+        tokens: image tokens (embedding rows, all slices together) it takes in the prompt.
+    """
+
+    height: int
+    width: int
+    tokens: int
+
+
+@dataclass(frozen=True)
 class PreparedImage:
     """One image ready for the tower.
 

@@ -248,21 +248,14 @@ class RemoteEngine:
     def clear_snapshots(self, key: str | None = None) -> None:
         """Nothing to drop here: the snapshots are the server's."""
 
-    def image_size(self, source: Any) -> tuple[int, int]:
+    def image_info(self, source: Any) -> Any:
         """Not known here.
 
         Raises:
-            UnsupportedModelError: always: the server resizes images as its vision tower needs.
+            UnsupportedModelError: always: the server's vision tower decides an image's size and token count.
         """
-        raise UnsupportedModelError(f"the server ({self.base_url}) decides the size an image reaches its model at")
-
-    def image_tokens(self, source: Any) -> int:
-        """Not known here.
-
-        Raises:
-            UnsupportedModelError: always: the server's vision tower decides the count.
-        """
-        raise UnsupportedModelError(f"the server ({self.base_url}) decides how many tokens an image takes")
+        raise UnsupportedModelError(f"the server ({self.base_url}) decides the size an image reaches its "
+                                    "model at and how many tokens it takes")
 
     def close(self) -> None:
         """Close the HTTP connections."""

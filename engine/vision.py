@@ -20,7 +20,7 @@ import numpy as np
 
 from .errors import DeviceBudgetError, DeviceError, GenerationCancelled, ModelFormatError, UnsupportedModelError
 from .gguf_header import read_metadata
-from .images import MAX_INPUT_PIXELS, MAX_PIXELS, MIN_PIXELS, ImageSource, read_source
+from .images import MAX_INPUT_PIXELS, MAX_PIXELS, MIN_PIXELS, ImageInfo, ImageSource, read_source
 from .registry import VisionArch, VisionTower, vision_arch
 
 log = logging.getLogger(__name__)
@@ -243,24 +243,16 @@ class ImageEncoder:
         self.cache.put(key, item)
         return item
 
-    def image_size(self, source: ImageSource) -> tuple[int, int]:
-        """(height, width) in pixels ``source`` has when it reaches the tower under the default bounds.
+    def image_info(self, source: ImageSource) -> ImageInfo:
+        """The (height, width) in pixels ``source`` has when it reaches the tower under the default bounds,
+        and the image tokens (embedding rows) it becomes: the tower's
+        :meth:`~engine.registry.VisionTower.token_grid` of its patch grid, rows x cols. One preparation.
 
         Raises:
             ImageError: unreadable image (see :func:`engine.images.prepare_image`).
         """
-        return self._prepare_default(source).size
-
-    def image_tokens(self, source: ImageSource) -> int:
-        """Image tokens (embedding rows) ``source`` becomes under the default bounds: the tower's
-        :meth:`~engine.registry.VisionTower.token_grid` of its patch grid, rows x cols.
-
-        Raises:
-            ImageError: unreadable image (see :func:`engine.images.prepare_image`).
-        """
-        rows, cols = self.tower.token_grid(self._prepare_default(source).grid)
-        return rows * cols
-
-    def _prepare_default(self, source: ImageSource) -> Any:
-        return self.tower.prepare(source, min(self.min_pixels, self.max_pixels), self.max_pixels,
-                                  self.max_input_pixels)
+        prepared = self.tower.prepare(source, min(self.min_pixels, self.max_pixels), self.max_pixels,
+                                      self.max_input_pixels)
+        rows, cols = self.tower.token_grid(prepared.grid)
+        height, width = prepared.size
+        return ImageInfo(height, width, rows * cols)

@@ -370,8 +370,9 @@ def test_image_key_depends_on_resize_bounds(vision_engine, tmp_path) -> None:
     other = Engine(vision_engine.gguf, vision_engine.tokenizer, vision_engine.model, EngineOptions(), small)
     assert other.prepare(msgs).images[0][2] != key_a
     prepared = vision_engine.prepare(msgs)
-    assert vision_engine.image_size(str(img)) == prepared.encoded[0].size
-    assert vision_engine.image_tokens(str(img)) == len(prepared.images[0][1]) == prepared.encoded[0].n_tokens
+    info = vision_engine.image_info(str(img))
+    assert (info.height, info.width) == prepared.encoded[0].size
+    assert info.tokens == len(prepared.images[0][1]) == prepared.encoded[0].n_tokens
 
 
 def test_default_model_without_the_bundled_demo_writes_the_synthetic_pair(tmp_path, monkeypatch) -> None:

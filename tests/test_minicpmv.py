@@ -340,7 +340,7 @@ def test_engine_prompt_lays_out_slices(synth_model, tmp_path):
         prompt = engine.prepare(msg)
         tok = engine.tokenizer
         assert len(prompt.images) == 5 and [len(e) for _, e, _ in prompt.images] == [64] * 5
-        assert engine.image_tokens(img) == 5 * 64     # the app's thumbnail count: every piece's tokens
+        assert engine.image_info(img).tokens == 5 * 64     # the app's thumbnail count: every piece's tokens
         pad = tok.token_id("<|image_pad|>")
         for start, emb, _ in prompt.images:
             assert prompt.tokens[start:start + len(emb)] == [pad] * len(emb) and prompt.tokens[start + len(emb)] != pad

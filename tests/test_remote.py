@@ -85,9 +85,7 @@ def test_an_image_for_a_text_only_server_is_its_error(remote, tmp_path) -> None:
     with pytest.raises(ImageError, match="missing.png"):
         remote.chat([{"role": "user", "content": [{"type": "image", "image": str(tmp_path / "missing.png")}]}])
     with pytest.raises(UnsupportedModelError):
-        remote.image_size(str(img))
-    with pytest.raises(UnsupportedModelError):
-        remote.image_tokens(str(img))
+        remote.image_info(str(img))
 
 
 def test_images_reach_a_vision_server(served_vision, tmp_path) -> None:

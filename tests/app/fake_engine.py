@@ -13,6 +13,7 @@ from app.engine_worker import BATCH_SECONDS
 from engine.api import ModelInfo, SnapshotInfo
 from engine.errors import EngineError, GenerationCancelled
 from engine.events import Event, PrefillProgress, PrefillStats, TokenEvent, TurnSummary
+from engine.images import ImageInfo
 
 
 def fake_info(**fields) -> ModelInfo:
@@ -113,15 +114,11 @@ class FakeEngine:
         """Drop one snapshot or all."""
         self.snapshot_list = [s for s in self.snapshot_list if key is not None and s.key != key]
 
-    def image_size(self, source) -> tuple[int, int]:
-        """Half the image's (height, width)."""
+    def image_info(self, source) -> ImageInfo:
+        """Half the image's (height, width); one token per 32 x 32 pixels of that, as the Qwen3.5/3.6 tower counts."""
         with Image.open(source) as image:
-            return image.height // 2, image.width // 2
-
-    def image_tokens(self, source) -> int:
-        """One per 32 x 32 pixels of :meth:`image_size`, as the Qwen3.5/3.6 tower counts."""
-        height, width = self.image_size(source)
-        return height * width // (32 * 32)
+            height, width = image.height // 2, image.width // 2
+        return ImageInfo(height, width, height * width // (32 * 32))
 
     def telemetry(self):
         """The scripted last GPU prefill (``gpu_telemetry``)."""

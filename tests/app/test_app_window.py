@@ -545,11 +545,11 @@ def test_other_chats_stay_usable_while_one_answers_and_their_sends_wait_their_tu
 class PickyEngine(FakeEngine):
     """A vision model whose reader refuses 300x200 pictures (as the real one refuses an image out of bounds)."""
 
-    def image_size(self, source):
-        size = super().image_size(source)
-        if size == (100, 150):
+    def image_info(self, source):
+        info = super().image_info(source)
+        if (info.height, info.width) == (100, 150):
             raise EngineError("image 300x200 is outside the vision tower's bounds")
-        return size
+        return info
 
 
 def test_an_image_the_model_cannot_read_is_not_sent(qtbot, make_window, tmp_path):
