@@ -22,6 +22,8 @@ Q3_K        256    110    hmask u8[32], qs u8[64], scales u8[12] (16 packed 6-bi
 Q4_K        256    144    d f16, dmin f16, scales u8[12] (8 packed 6-bit scale/min pairs), qs u8[128]
 Q5_K        256    176    d f16, dmin f16, scales u8[12], qh u8[32], qs u8[128]
 Q6_K        256    210    ql u8[128], qh u8[64], scales i8[16], d f16
+IQ4_NL      32     18     d f16; qs u8[16] as Q4_0, nibbles index kvalues_iq4nl: x = d*kv[q]
+IQ4_XS      256    136    d f16, scales_h u16, scales_l u8[4] (8 six-bit ls), qs u8[128]: x = d*(ls-32)*kv[q]
 ==========  =====  =====  =================================================================
 
 Dequantization itself is delegated to ``gguf.quants`` (the reference implementation shipped with
@@ -62,10 +64,13 @@ _BLOCK_DTYPES: dict[GGMLQuantizationType, np.dtype] = {
                       ("qs", "u1", (_K // 2,))]),
     Q.Q6_K: np.dtype([("ql", "u1", (_K // 2,)), ("qh", "u1", (_K // 4,)), ("scales", "i1", (_K // 16,)),
                       ("d", _F16)]),
+    Q.IQ4_NL: np.dtype([("d", _F16), ("qs", "u1", (16,))]),
+    Q.IQ4_XS: np.dtype([("d", _F16), ("scales_h", "<u2"), ("scales_l", "u1", (_K // 64,)), ("qs", "u1", (_K // 2,))]),
 }
 
 # Kernel ids of native/cpu/deltadesk_cpu.h (enum DD_Q4_0, ...); tests/test_cpu_kernels.py checks they agree.
-_CPU_KERNELS = {Q.Q4_0: 0, Q.Q8_0: 1, Q.Q4_K: 2, Q.Q5_K: 3, Q.Q6_K: 4}
+_CPU_KERNELS = {Q.Q4_0: 0, Q.Q8_0: 1, Q.Q4_K: 2, Q.Q5_K: 3, Q.Q6_K: 4, Q.Q4_1: 5, Q.Q5_0: 6, Q.Q5_1: 7,
+                Q.IQ4_NL: 8, Q.IQ4_XS: 9}
 # Weight types native/cuda/gemm.cu has kernels for, by the suffix of their names (qgemm_<suffix>, ...).
 _CUDA_SUFFIXES = {Q.F32: "f32", Q.F16: "f16", Q.BF16: "bf16", Q.Q4_0: "q4_0", Q.Q4_1: "q4_1", Q.Q8_0: "q8_0"}
 # Types gguf.quants.quantize implements (it only dequantizes the K-quants).
@@ -78,7 +83,8 @@ class QuantType:
 
     Attributes:
         qtype: the GGML type id.
-        block_values: values per block (1 for float types, 32 for Q4_0..Q8_0, 256 for K-quants).
+        block_values: values per block (1 for float types, 32 for Q4_0..Q8_0 and IQ4_NL, 256 for K-quants
+            and IQ4_XS).
         block_bytes: bytes per block (``gguf.constants.GGML_QUANT_SIZES``).
         block_dtype: packed numpy record of one block (ggml-common.h layout, see the module doc).
         cpu_kernel: id of the native CPU kernel that reads these blocks as stored (the ``DD_*`` weight
@@ -118,7 +124,7 @@ BLOCK_DTYPES: dict[GGMLQuantizationType, np.dtype] = {t: q.block_dtype for t, q 
 """Packed numpy record type of one block per supported type (ggml-common.h layouts, see module doc)."""
 
 SUPPORTED_TYPES: frozenset[GGMLQuantizationType] = frozenset(TYPES)
-"""Types the engine can dequantize: F32, F16, BF16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K..Q6_K."""
+"""Types the engine can dequantize: F32, F16, BF16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K..Q6_K, IQ4_NL, IQ4_XS."""
 
 WRITABLE_TYPES: frozenset[GGMLQuantizationType] = frozenset(t for t, q in TYPES.items() if q.writable)
 """Types :func:`quantize` can produce (those ``gguf.quants.quantize`` implements)."""

@@ -17,6 +17,8 @@ Three references, from tightest to loosest:
 
 from __future__ import annotations
 
+import struct
+
 import numpy as np
 import pytest
 from gguf import GGMLQuantizationType
@@ -171,6 +173,43 @@ def test_weight_rules_name_what_each_projection_became(synth_model):
     assert prepare_weight(f16, "blk.0.attn_qkv.weight")[1] == "F16 -> f32"
     mat, rule = prepare_weight(f16, "blk.0.attn_qkv.weight", float_weights="q8_0")
     assert rule == "F16 -> Q8_0" and mat.qtype == GGMLQuantizationType.Q8_0
+
+
+def as_iq4_nl(src, dst) -> None:
+    """Copy a Q4_0 GGUF file to ``dst`` with every Q4_0 tensor's type id set to IQ4_NL (the same 32-value,
+    18-byte blocks: each nibble now indexes kvalues_iq4nl), so the file holds IQ4_NL weights."""
+    f = GGUFFile.open(src)
+    data = bytearray(src.read_bytes())
+    for name in f.tensor_names:
+        info = f.info(name)
+        if info.qtype == GGMLQuantizationType.Q4_0:
+            key = struct.pack("<Q", len(name)) + name.encode()
+            type_at = data.index(key) + len(key) + 4 + 8 * len(info.ne)
+            assert struct.unpack_from("<I", data, type_at)[0] == GGMLQuantizationType.Q4_0
+            struct.pack_into("<I", data, type_at, GGMLQuantizationType.IQ4_NL)
+    dst.write_bytes(bytes(data))
+
+
+@pytest.mark.parametrize("quant", ["q5_1", "iq4_nl"])
+def test_other_block_types_are_read_in_place_and_equal_the_emulation(synth_model, quant, tmp_path, isa_reset):
+    """A file of Q5_1 (synth; Q4_1 and Q5_0 take the same path, tests/test_cpu_bquants.py) or IQ4_NL (a
+    Q4_0 synth file retyped) weights: every projection stays in the file map (no Q8_0 copy, so RSS grows
+    by no weight bytes), and the logits of a prefill and a decode step equal the numpy emulation bit for
+    bit at every ISA level (see the module doc)."""
+    path = synth_model("tiny", "q4_0" if quant == "iq4_nl" else quant)
+    if quant == "iq4_nl":
+        as_iq4_nl(path, tmp_path / "iq4_nl.gguf")
+        path = tmp_path / "iq4_nl.gguf"
+    gguf = GGUFFile.open(path)
+    model = NativeQwen35Model(gguf.hparams, gguf)
+    assert f"{quant.upper()} mapped" in model.weight_rules
+    assert all(rule.endswith(" mapped") for rule in model.weight_rules), model.weight_rules
+    cpu.set_isa("numpy")
+    emulated = run(model, 1)
+    for level in cpu.supported_isas():
+        cpu.set_isa(level)
+        for a, b in zip(run(model, 1), emulated):
+            assert np.array_equal(a, b), f"{level}: max gap {np.abs(a - b).max()} to the numpy emulation"
 
 
 @pytest.mark.parametrize("threads", [1, 2])

@@ -174,8 +174,8 @@ def test_unsupported_types_raise_named_errors():
         quant.check_supported(Q.IQ2_XXS, "model.gguf: tensor blk.0.ffn_up_exps.weight")
     with pytest.raises(UnsupportedModelError, match="type 250"):
         quant.check_supported(250, "t")
-    with pytest.raises(UnsupportedModelError, match="IQ4_NL"):
-        quant.dequantize(np.zeros((1, 18), np.uint8), Q.IQ4_NL, (1, 32))
+    with pytest.raises(UnsupportedModelError, match="MXFP4"):
+        quant.dequantize(np.zeros((1, 17), np.uint8), Q.MXFP4, (1, 32))
     with pytest.raises(UnsupportedModelError, match="Q4_K"):
         quant.quantize(np.zeros((1, 256), np.float32), Q.Q4_K)
 

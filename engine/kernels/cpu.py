@@ -14,6 +14,10 @@ Block layouts are ggml's (ggml/src/ggml-common.h), i.e. the raw bytes of a GGUF 
   integer parts, scale products and f64 order are fixed, so their results are bit-identical across ISA
   levels, thread counts and the numpy twin (:func:`engine.kernels.cpu_twins.kquant_unpack` + the same
   order in numpy).
+* ``block_q4_1``, ``block_q5_0``, ``block_q5_1``, ``block_iq4_nl`` (20 / 22 / 24 / 18 bytes per 32
+  values) and ``block_iq4_xs`` (136 bytes per 256; layouts in native/cpu/bquants.h): read as stored
+  by :data:`~engine.kernels.cpu_twins.B_QUANTS` kernels, with the same exactness and fixed f64 order
+  as the K-quants (twin: :func:`engine.kernels.cpu_twins.bquant_product_np`).
 
 A weight matrix is its tensor's raw data as ``(rows, k // 32 * block_bytes)`` uint8 (what
 ``GGUFFile.raw`` returns), row ``r`` holding the k weights of output ``r``. Products first quantize
@@ -46,8 +50,8 @@ from gguf import GGMLQuantizationType
 
 from engine import quant
 from engine.errors import EngineError
-from engine.kernels.cpu_twins import (K_QUANTS, KQ_ROWS, Q8_0_BYTES, QK, activations, dequantize, kquant_product_np,
-                                      quantize_q8_0_np)
+from engine.kernels.cpu_twins import (B_QUANTS, K_QUANTS, KQ_ROWS, Q8_0_BYTES, QK, activations, bquant_product_np,
+                                      dequantize, kquant_product_np, quantize_q8_0_np)
 from engine.ops import reference
 
 try:
@@ -252,8 +256,9 @@ def matmul_np(raw: np.ndarray, x: np.ndarray, qtype: GGMLQuantizationType, name:
 def _matmul_np(raw: np.ndarray, x: np.ndarray, traits: quant.QuantType, name: str) -> np.ndarray:
     x2, vector = activations(x)
     raw = _weights(raw, x2.shape[1], traits, name)
-    if traits.qtype in K_QUANTS:
-        y = np.concatenate([kquant_product_np(raw[r0:r0 + KQ_ROWS], x2, traits.qtype)
+    product = kquant_product_np if traits.qtype in K_QUANTS else bquant_product_np if traits.qtype in B_QUANTS else None
+    if product is not None:
+        y = np.concatenate([product(raw[r0:r0 + KQ_ROWS], x2, traits.qtype)
                             for r0 in range(0, raw.shape[0], KQ_ROWS)], axis=1)
         return y[0] if vector else y
     xq = dequantize(quantize_q8_0_np(x2), Q.Q8_0).astype(np.float64)

@@ -119,3 +119,73 @@ def kquant_product_np(raw: np.ndarray, x2: np.ndarray, qtype: GGMLQuantizationTy
     lanes = [acc[..., i] for i in range(8)]
     pairs = [lanes[i] + lanes[i + 1] for i in range(0, 8, 2)]
     return ((pairs[0] + pairs[1]) + (pairs[2] + pairs[3])).astype(np.float32)
+
+
+B_QUANTS = frozenset({Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.IQ4_NL, Q.IQ4_XS})
+"""The other 4/5-bit types the kernels read as stored (native/cpu/bquants.h): 32-value blocks taken
+eight at a time (IQ4_XS: its 256-value super-block)."""
+KVALUES_IQ4NL = np.array([-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113], np.int64)
+"""ggml-common.h ``kvalues_iq4nl``: the int8 codebook IQ4_NL / IQ4_XS nibbles index."""
+
+
+def bquant_unpack(raw: np.ndarray, qtype: GGMLQuantizationType
+                  ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray | None]:
+    """Integer parts of Q4_1 / Q5_0 / Q5_1 / IQ4_NL / IQ4_XS rows (layouts in native/cpu/bquants.h,
+    after ggml-quants.c ``dequantize_row_q4_1`` / ``_q5_0`` / ``_q5_1`` / ``_iq4_nl`` / ``_iq4_xs``).
+
+    Args: raw (rows, row bytes) uint8; qtype one of :data:`B_QUANTS`.
+    Returns: v (rows, nb, 32) int64 integer values in value order (q for Q4_1 / Q5_1, q - 16 for
+    Q5_0, ``kvalues_iq4nl[nibble]`` for the IQ4 types); mult (rows, nb) int64 integer block scale
+    (``ls - 32`` for IQ4_XS, else 1); d (rows, nb) float32 block scale (IQ4_XS: its super-block's);
+    m (rows, nb) float32 block min for Q4_1 / Q5_1, else None. Value j of block b is
+    ``d * mult * v[j] (+ m)``.
+    """
+    rows = raw.shape[0]
+    b = quant.block_view(raw, qtype)
+    qs = b["qs"].astype(np.int64).reshape(rows, -1, 16)                # (rows, nb, 16) for every type
+    nib = np.concatenate([qs & 15, qs >> 4], axis=-1)                   # (rows, nb, 32)
+    nb = nib.shape[1]
+    if qtype in (Q.IQ4_NL, Q.IQ4_XS):
+        v = KVALUES_IQ4NL[nib]
+    elif qtype in (Q.Q5_0, Q.Q5_1):
+        qh = b["qh"].astype(np.int64)                                   # (rows, nb, 4) little-endian u32
+        bits = (qh[..., np.arange(32) // 8] >> (np.arange(32) % 8)) & 1
+        v = nib | bits << 4
+        v = v - 16 if qtype == Q.Q5_0 else v
+    else:
+        v = nib
+    if qtype == Q.IQ4_XS:
+        lo = (b["scales_l"].astype(np.int64)[..., np.arange(8) // 2] >> (4 * (np.arange(8) % 2))) & 15
+        hi = (b["scales_h"].astype(np.int64)[..., None] >> (2 * np.arange(8))) & 3
+        mult = ((lo | hi << 4) - 32).reshape(rows, nb)
+        d = np.repeat(b["d"].astype(np.float32), 8, axis=1)
+    else:
+        mult = np.ones((rows, nb), np.int64)
+        d = b["d"].astype(np.float32)
+    m = b["m"].astype(np.float32) if qtype in (Q.Q4_1, Q.Q5_1) else None
+    return v, mult, d, m
+
+
+def bquant_product_np(raw: np.ndarray, x2: np.ndarray, qtype: GGMLQuantizationType) -> np.ndarray:
+    """(m, rows) float32 = x2 (m, k) quantized to Q8_0 times rows of a :data:`B_QUANTS` type, in exactly
+    the f64 operations and order of native/cpu/bquants.h: per block the exact ``(d da) I`` (and
+    ``(m da) S`` for Q4_1 / Q5_1) into lane b % 8, groups of 8 blocks in order, lanes in a fixed tree."""
+    v, mult, d, mn = bquant_unpack(raw, qtype)
+    rows, nb = d.shape
+    m = x2.shape[0]
+    blocks = quantize_q8_0_np(x2).reshape(m, nb, Q8_0_BYTES)
+    da = blocks[..., :2].copy().view(np.float16)[..., 0].astype(np.float32)          # (m, nb)
+    aq = blocks[..., 2:].view(np.int8).astype(np.int64)                              # (m, nb, 32)
+    dot = np.einsum("rbj,cbj->crb", v, aq) * mult[None]                               # (m, rows, nb) exact
+    terms = [(d[None] * da[:, None]).astype(np.float64) * dot.astype(np.float64)]     # exact f32 products
+    if mn is not None:
+        terms.append((mn[None] * da[:, None]).astype(np.float64) * aq.sum(-1)[:, None].astype(np.float64))
+    ng = -(-nb // 8)
+    acc = np.zeros((m, rows, 8))
+    for g in range(ng):
+        n = min(8, nb - 8 * g)
+        for t in terms:
+            acc[..., :n] += t[..., 8 * g:8 * g + n]
+    lanes = [acc[..., i] for i in range(8)]
+    pairs = [lanes[i] + lanes[i + 1] for i in range(0, 8, 2)]
+    return ((pairs[0] + pairs[1]) + (pairs[2] + pairs[3])).astype(np.float32)

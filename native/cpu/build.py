@@ -23,7 +23,7 @@ COMMON_FLAGS = ["-O3", "-std=c11", "-D_GNU_SOURCE", "-ffp-contract=off", "-fno-m
 
 PORTABLE_SOURCES = ["dispatch.c", "pool.c", "moe.c", "mixers.c", "kernels_scalar.c"]
 
-HEADERS = ["deltadesk_cpu.h", "kernels.h", "gemm_tiles.h", "kquants.h", "runtime.h"]
+HEADERS = ["deltadesk_cpu.h", "kernels.h", "gemm_tiles.h", "kquants.h", "bquants.h", "runtime.h"]
 """Listed as the extension's dependencies, so that editing one (or an ISA file) rebuilds it."""
 
 X86_ISA_SOURCES = {

@@ -20,6 +20,11 @@
 #define DD_Q4_K_BYTES 144
 #define DD_Q5_K_BYTES 176
 #define DD_Q6_K_BYTES 210
+#define DD_Q4_1_BYTES 20
+#define DD_Q5_0_BYTES 22
+#define DD_Q5_1_BYTES 24
+#define DD_IQ4_NL_BYTES 18
+#define DD_IQ4_XS_BYTES 136     /* a 256-value super-block */
 
 /* Q8_0 activations of m columns, each of nb blocks, 64-byte aligned, in two layouts.
  *

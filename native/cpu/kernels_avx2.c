@@ -34,6 +34,8 @@ DD_INLINE void kq_dot8(const uint8_t *w, const int8_t *a, const int16_t *sc, int
 }
 #define DD_KQ_DOT8 kq_dot8
 #include "kquants.h"
+#define DD_BQ_LEVEL 2
+#include "bquants.h"
 
 static void quantize_q8_0(const float *x, size_t nb, uint8_t *out)
 {
@@ -148,7 +150,7 @@ static float dot_f32(const float *a, const float *b, size_t n)
 
 const dd_kernels dd_kernels_avx2 = {
     .quantize_q8_0 = quantize_q8_0,
-    .gemm = { gemm_q4_0, gemm_q8_0, gemm_q4_K, gemm_q5_K, gemm_q6_K },
+    .gemm = { gemm_q4_0, gemm_q8_0, gemm_q4_K, gemm_q5_K, gemm_q6_K, DD_BQ_GEMMS },
     .bias_mult = { -8, 0 },
     .dot_f32 = dot_f32,
 };

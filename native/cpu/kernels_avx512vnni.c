@@ -125,6 +125,8 @@ DD_INLINE void kq_row(const uint8_t *blk, int wtype, const kq_prep *p, int32_t *
 #define DD_KQ_PREP kq_prep_acts
 #define DD_KQ_ROW kq_row
 #include "kquants.h"
+#define DD_BQ_LEVEL 3
+#include "bquants.h"
 
 static void quantize_q8_0(const float *x, size_t nb, uint8_t *out)
 {
@@ -325,7 +327,7 @@ static float dot_f32(const float *a, const float *b, size_t n)
 
 const dd_kernels dd_kernels_avx512vnni = {
     .quantize_q8_0 = quantize_q8_0,
-    .gemm = { gemm_q4_0, gemm_q8_0, gemm_q4_K, gemm_q5_K, gemm_q6_K },
+    .gemm = { gemm_q4_0, gemm_q8_0, gemm_q4_K, gemm_q5_K, gemm_q6_K, DD_BQ_GEMMS },
     .bias_mult = { 0, -128 },
     .q4_0_groups = 1,
     .dot_f32 = dot_f32,

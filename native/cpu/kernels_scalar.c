@@ -15,6 +15,8 @@ static inline void kq_dot8(const uint8_t *w, const int8_t *a, const int16_t *sc,
 }
 #define DD_KQ_DOT8 kq_dot8
 #include "kquants.h"
+#define DD_BQ_LEVEL 0
+#include "bquants.h"
 
 /* Round half away from zero, as C's roundf (ggml's reference quantizer uses roundf). */
 static int8_t round_away(float t)
@@ -101,7 +103,7 @@ static float dot_f32(const float *a, const float *b, size_t n)
 
 const dd_kernels dd_kernels_scalar = {
     .quantize_q8_0 = quantize_q8_0,
-    .gemm = { gemm_q4_0, gemm_q8_0, gemm_q4_K, gemm_q5_K, gemm_q6_K },
+    .gemm = { gemm_q4_0, gemm_q8_0, gemm_q4_K, gemm_q5_K, gemm_q6_K, DD_BQ_GEMMS },
     .bias_mult = { 0, 0 },
     .dot_f32 = dot_f32,
 };

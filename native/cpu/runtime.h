@@ -33,13 +33,14 @@ void dd_acts_free(dd_acts *a);
 /* Values and bytes of one block of each weight type (ggml-common.h), indexed by DD_Q4_0... */
 static inline size_t dd_block_values(int wtype)
 {
-    return wtype == DD_Q4_0 || wtype == DD_Q8_0 ? DD_QK : DD_QK_K;
+    return wtype == DD_Q4_K || wtype == DD_Q5_K || wtype == DD_Q6_K || wtype == DD_IQ4_XS ? DD_QK_K : DD_QK;
 }
 
 static inline size_t dd_block_bytes(int wtype)
 {
     static const size_t bytes[DD_WTYPE_COUNT] = { DD_Q4_0_BYTES, DD_Q8_0_BYTES, DD_Q4_K_BYTES, DD_Q5_K_BYTES,
-                                                  DD_Q6_K_BYTES };
+                                                  DD_Q6_K_BYTES, DD_Q4_1_BYTES, DD_Q5_0_BYTES, DD_Q5_1_BYTES,
+                                                  DD_IQ4_NL_BYTES, DD_IQ4_XS_BYTES };
     return bytes[wtype];
 }
 

@@ -11,7 +11,8 @@ the fast path is tested against, and a subclass needs no object threaded through
 What runs where:
 
 * projections: W4A8 / W8A8 GEMV (one token) or small-M GEMM (prefill) straight from the
-  memory-mapped Q4_0 / Q8_0 / Q4_K / Q5_K / Q6_K blocks (:class:`engine.kernels.cpu.Matrix`);
+  memory-mapped Q4_0 / Q8_0 / Q4_K / Q5_K / Q6_K / Q4_1 / Q5_0 / Q5_1 / IQ4_NL / IQ4_XS blocks
+  (:class:`engine.kernels.cpu.Matrix`);
 * the MoE FFN: one fused native call per token (:func:`engine.kernels.cpu.moe_ffn`), in prefill
   too (a layer with float32 experts runs each expert's rows through the row-wise products);
 * the GDN recurrence and attention: :mod:`engine.arch.qwen35.cpu_mixers` (C), token by token and query
@@ -29,16 +30,17 @@ tensor's float32 rows of 16 MiB exist at a time, the file stays mapped, not copi
 ========================================  ================================  =========================
 stored type of a projection weight        used as                           bytes held in RAM
 ========================================  ================================  =========================
-Q4_0, Q8_0, Q4_K, Q5_K, Q6_K              the file's blocks (memory map)    0 (page cache only)
-Q4_1, Q5_0, Q5_1, Q2_K, Q3_K              converted to Q8_0                 8.5 bits/weight
+Q4_0, Q8_0, Q4_K, Q5_K, Q6_K, Q4_1,       the file's blocks (memory map)    0 (page cache only)
+Q5_0, Q5_1, IQ4_NL, IQ4_XS
+Q2_K, Q3_K                                converted to Q8_0                 8.5 bits/weight
 F16, BF16, F32, ``float_weights="f32"``   float32, numpy BLAS GEMM          32 bits/weight
 F16, BF16, F32, ``float_weights="q8_0"``  converted to Q8_0 (user's choice) 8.5 bits/weight
 ========================================  ================================  =========================
 
 Why Q8_0 for the other block types: requantizing to a 4-bit format would round a second time with
 about the original's step, while Q8_0's added rounding (at most max|x|/254 per 32 values) is about
-1/16 of a 4-bit step and 1/4 of a 6-bit one. The cost over the stored size: Q4_1 5.0 -> 8.5 bits
-(+70%), Q5_0 5.5 (+55%), Q5_1 6.0 (+42%), Q3_K 3.4375 (+147%). The kernel types come from the
+1/16 of a 4-bit step and 1/4 of a 6-bit one. The cost over the stored size: Q2_K 2.625 -> 8.5 bits
+(+224%), Q3_K 3.4375 (+147%). The kernel types come from the
 quant-type table (:data:`engine.quant.TYPES`, ``cpu_kernel``): a Q4_K_M or UD-Q4_K_XL file (Q4_K,
 Q5_K, Q6_K, Q8_0 tensors) is read in place, so a 21.2 GB Q4_K_M 35B-A3B costs its file size in page
 cache instead of the ~37 GB its Q8_0 conversion took. Float weights stay exact by default because

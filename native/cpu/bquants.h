@@ -1,0 +1,301 @@
+/* Kernels for Q4_1, Q5_0, Q5_1, IQ4_NL and IQ4_XS weights read as stored (no conversion at load),
+ * against Q8_0 activations. One definition, included by every kernel file after it defines
+ * DD_BQ_LEVEL (0 scalar, 1 SSSE3, 2 AVX2, 3 AVX-512 VNNI); the levels differ only in how the
+ * integer dot product of a block is taken (dd_bq_dot8), never in the floating-point steps.
+ *
+ * Block layouts (ggml-common.h block_q4_1, block_q5_0, block_q5_1, block_iq4_nl, block_iq4_xs;
+ * values as ggml-quants.c dequantize_row_*; checked against gguf-py's gguf/quants.py):
+ *   block_q4_1   (20 bytes, 32 values): f16 d, f16 m, qs[16]; value j < 16 is the low nibble of
+ *                qs[j], value j + 16 its high nibble; x = d * q + m.
+ *   block_q5_0   (22 bytes): f16 d, qh[4] (a little-endian u32), qs[16]; q = nibble | (bit j of
+ *                qh) << 4 for value j (j + 16: the high nibble and bit j + 16); x = d * (q - 16).
+ *   block_q5_1   (24 bytes): f16 d, f16 m, qh[4], qs[16]; q as Q5_0; x = d * q + m.
+ *   block_iq4_nl (18 bytes): f16 d, qs[16]; nibbles as Q4_1 index the non-linear int8 codebook
+ *                kvalues_iq4nl; x = d * kvalues_iq4nl[nibble].
+ *   block_iq4_xs (136 bytes, 256 values): f16 d, u16 scales_h, scales_l[4], qs[128]; sub-block
+ *                i (32 values) has the 6-bit ls_i = (scales_l[i / 2] >> 4 (i % 2) & 15) |
+ *                (scales_h >> 2i & 3) << 4 and its nibbles in qs[16i .. 16i + 15] as IQ4_NL;
+ *                x = d * (ls_i - 32) * kvalues_iq4nl[nibble].
+ *
+ * Exactness (the design of kquants.h). Eight consecutive 32-value blocks form a group (for IQ4_XS
+ * a super-block); block i meets activation block b (32 int8 a_j, f32 scale da, sum S). Its integer
+ * part is exact in int32: I = sum q a (Q4_1, Q5_1), sum q a - 16 S (Q5_0), sum kv a (IQ4_NL),
+ * (ls_i - 32) sum kv a (IQ4_XS). It is scaled by an exact f32 product of two f16 scales (d * da)
+ * into an exact f64 product, which lane i of the (row, column) accumulator adds; Q4_1 / Q5_1 then
+ * add the exact (m * da) * S. A row's last group may be short: its missing lanes add +0. The 8
+ * lanes are added in a fixed tree and rounded to f32 once. Every level runs these f64 operations in
+ * this order, so results are bit-identical across levels, thread counts and tiles, and equal the
+ * numpy twin (engine.kernels.cpu_twins.bquant_product_np), which replays the same order.
+ */
+#ifndef DELTADESK_BQUANTS_H
+#define DELTADESK_BQUANTS_H
+
+#include "gemm_tiles.h"
+#include "kernels.h"
+
+#ifndef DD_BQ_LEVEL
+#error "define DD_BQ_LEVEL before including bquants.h"
+#endif
+
+#if DD_BQ_LEVEL >= 1
+#include <immintrin.h>
+#endif
+
+/* ggml-common.h kvalues_iq4nl */
+static const int8_t dd_kvalues_iq4nl[16] = { -127, -104, -83, -65, -49, -35, -22, -10,
+                                             1, 13, 25, 38, 53, 69, 89, 113 };
+
+/* Where a type's fields sit in its block. */
+typedef struct {
+    int bytes;   /* of a block (IQ4_XS: of the super-block) */
+    int qs;      /* offset of the 16 nibble bytes of block 0 */
+    int qh;      /* offset of the 4 fifth-bit bytes, or -1 */
+    int min;     /* 1: an f16 m follows d (Q4_1, Q5_1) */
+    int code;    /* 1: nibbles index kvalues_iq4nl */
+} dd_bq_layout;
+
+DD_INLINE dd_bq_layout dd_bq_layout_of(int wtype)
+{
+    switch (wtype) {
+    case DD_Q4_1: return (dd_bq_layout){ DD_Q4_1_BYTES, 4, -1, 1, 0 };
+    case DD_Q5_0: return (dd_bq_layout){ DD_Q5_0_BYTES, 6, 2, 0, 0 };
+    case DD_Q5_1: return (dd_bq_layout){ DD_Q5_1_BYTES, 8, 4, 1, 0 };
+    case DD_IQ4_NL: return (dd_bq_layout){ DD_IQ4_NL_BYTES, 2, -1, 0, 1 };
+    default: return (dd_bq_layout){ DD_IQ4_XS_BYTES, 8, -1, 0, 1 };
+    }
+}
+
+/* Block i of a group: its bytes (IQ4_XS: its nibbles sit 16i bytes into the super-block's qs). */
+DD_INLINE const uint8_t *dd_bq_qs(const uint8_t *g, int wtype, dd_bq_layout L, int i)
+{
+    return wtype == DD_IQ4_XS ? g + L.qs + 16 * i : g + (size_t)i * L.bytes + L.qs;
+}
+
+DD_INLINE uint32_t dd_bq_qh(const uint8_t *g, dd_bq_layout L, int i)
+{
+    uint32_t h;
+    memcpy(&h, g + (size_t)i * L.bytes + L.qh, 4);
+    return h;
+}
+
+#if DD_BQ_LEVEL == 0
+/* out[i] = sum_j v_j a_j over block i < n (v = q, or kvalues_iq4nl[nibble]); element by element. */
+DD_INLINE void dd_bq_dot8(const uint8_t *g, int wtype, int n, const int8_t *a, int32_t out[8])
+{
+    const dd_bq_layout L = dd_bq_layout_of(wtype);
+    for (int i = 0; i < n; i++) {
+        const uint8_t *qs = dd_bq_qs(g, wtype, L, i);
+        const uint32_t qh = L.qh >= 0 ? dd_bq_qh(g, L, i) : 0;
+        int32_t s = 0;
+        for (int j = 0; j < DD_QK; j++) {
+            int v = j < 16 ? qs[j] & 15 : qs[j - 16] >> 4;
+            v = L.code ? dd_kvalues_iq4nl[v] : v | (int)((qh >> j) & 1) << 4;
+            s += v * a[DD_QK * i + j];
+        }
+        out[i] = s;
+    }
+    for (int i = n; i < 8; i++)
+        out[i] = 0;
+}
+#elif DD_BQ_LEVEL == 1
+/* One block as two xmm of values 0-15 and 16-31: nibbles, plus 16 where the block's qh bit is set
+ * (a byte shuffle spreads qh byte j / 8 to byte j, the bit test picks bit j % 8), or the codebook
+ * looked up by pshufb. pmaddubsw wants an unsigned side: the quants, or |kv| with kv's sign moved
+ * onto the activations (no product pair exceeds 2 * 127 * 127). pmaddwd by ones, then a phaddd tree. */
+DD_INLINE void dd_bq_dot8(const uint8_t *g, int wtype, int n, const int8_t *a, int32_t out[8])
+{
+    const dd_bq_layout L = dd_bq_layout_of(wtype);
+    const __m128i low = _mm_set1_epi8(0x0f), ones = _mm_set1_epi16(1);
+    const __m128i bits = _mm_set1_epi64x((long long)0x8040201008040201ull), sixteen = _mm_set1_epi8(0x10);
+    const __m128i code = _mm_loadu_si128((const __m128i *)dd_kvalues_iq4nl);
+    __m128i v[8];
+    for (int i = 0; i < 8; i++) {
+        if (i >= n) {
+            v[i] = _mm_setzero_si128();
+            continue;
+        }
+        const __m128i qs = _mm_loadu_si128((const __m128i *)dd_bq_qs(g, wtype, L, i));
+        __m128i w[2] = { _mm_and_si128(qs, low), _mm_and_si128(_mm_srli_epi16(qs, 4), low) };
+        if (L.qh >= 0) {
+            const __m128i h = _mm_cvtsi32_si128((int)dd_bq_qh(g, L, i));
+            for (int t = 0; t < 2; t++) {
+                const __m128i spread = _mm_shuffle_epi8(h, _mm_set_epi64x(0x0101010101010101ll * (2 * t + 1),
+                                                                           0x0101010101010101ll * (2 * t)));
+                const __m128i set = _mm_cmpeq_epi8(_mm_and_si128(spread, bits), bits);
+                w[t] = _mm_or_si128(w[t], _mm_and_si128(set, sixteen));
+            }
+        }
+        __m128i s = _mm_setzero_si128();
+        for (int t = 0; t < 2; t++) {
+            const __m128i at = _mm_loadu_si128((const __m128i *)(a + DD_QK * i + 16 * t));
+            __m128i p;
+            if (L.code) {
+                const __m128i kv = _mm_shuffle_epi8(code, w[t]);
+                p = _mm_maddubs_epi16(_mm_sign_epi8(kv, kv), _mm_sign_epi8(at, kv));
+            } else {
+                p = _mm_maddubs_epi16(w[t], at);
+            }
+            s = _mm_add_epi32(s, _mm_madd_epi16(p, ones));
+        }
+        v[i] = s;
+    }
+    for (int q = 0; q < 2; q++) {
+        const __m128i h01 = _mm_hadd_epi32(v[4 * q], v[4 * q + 1]), h23 = _mm_hadd_epi32(v[4 * q + 2], v[4 * q + 3]);
+        _mm_storeu_si128((__m128i *)(out + 4 * q), _mm_hadd_epi32(h01, h23));
+    }
+}
+#else
+/* One ymm per block, values in order (low nibbles in the low 128 bits, high in the high); the qh
+ * bits and the codebook as at SSSE3. AVX2: vpmaddubsw + vpmaddwd by ones; AVX-512 VNNI: vpdpbusd
+ * (no int16 step). The 8 int32 lanes of each block are summed by a vphaddd tree. */
+DD_INLINE __m256i dd_bq_madd(__m256i u, __m256i s)
+{
+#if DD_BQ_LEVEL >= 3
+    return _mm256_dpbusd_epi32(_mm256_setzero_si256(), u, s);
+#else
+    return _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1));
+#endif
+}
+
+DD_INLINE void dd_bq_dot8(const uint8_t *g, int wtype, int n, const int8_t *a, int32_t out[8])
+{
+    const dd_bq_layout L = dd_bq_layout_of(wtype);
+    const __m256i low = _mm256_set1_epi8(0x0f);
+    const __m256i bits = _mm256_set1_epi64x((long long)0x8040201008040201ull), sixteen = _mm256_set1_epi8(0x10);
+    const __m256i spread = _mm256_set_epi64x(0x0303030303030303ll, 0x0202020202020202ll, 0x0101010101010101ll, 0);
+    const __m256i code = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)dd_kvalues_iq4nl));
+    __m256i v[8];
+    for (int i = 0; i < 8; i++) {
+        if (i >= n) {
+            v[i] = _mm256_setzero_si256();
+            continue;
+        }
+        const __m128i qs = _mm_loadu_si128((const __m128i *)dd_bq_qs(g, wtype, L, i));
+        __m256i w = _mm256_and_si256(_mm256_inserti128_si256(_mm256_castsi128_si256(qs), _mm_srli_epi16(qs, 4), 1), low);
+        const __m256i at = _mm256_loadu_si256((const __m256i *)(a + DD_QK * i));
+        if (L.qh >= 0) {
+            const __m256i h = _mm256_shuffle_epi8(_mm256_set1_epi32((int)dd_bq_qh(g, L, i)), spread);
+            w = _mm256_or_si256(w, _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(h, bits), bits), sixteen));
+        }
+        if (L.code) {
+            const __m256i kv = _mm256_shuffle_epi8(code, w);
+            v[i] = dd_bq_madd(_mm256_sign_epi8(kv, kv), _mm256_sign_epi8(at, kv));
+        } else {
+            v[i] = dd_bq_madd(w, at);
+        }
+    }
+    const __m256i h01 = _mm256_hadd_epi32(v[0], v[1]), h23 = _mm256_hadd_epi32(v[2], v[3]);
+    const __m256i h45 = _mm256_hadd_epi32(v[4], v[5]), h67 = _mm256_hadd_epi32(v[6], v[7]);
+    const __m256i lo = _mm256_hadd_epi32(h01, h23), hi = _mm256_hadd_epi32(h45, h67);
+    /* lo: blocks 0-3 from the low 128-bit lanes, then from the high ones; hi likewise for 4-7 */
+    const __m256i sum = _mm256_add_epi32(_mm256_permute2x128_si256(lo, hi, 0x20), _mm256_permute2x128_si256(lo, hi, 0x31));
+    _mm256_storeu_si256((__m256i *)out, sum);
+}
+#endif
+
+#if DD_BQ_LEVEL >= 3
+#define DD_BQ_F16(p) _mm512_cvtss_f32(_mm512_cvtph_ps(_mm256_set1_epi16((short)dd_load_u16(p))))
+#elif DD_BQ_LEVEL == 2
+#define DD_BQ_F16(p) _cvtsh_ss(dd_load_u16(p))
+#else
+#define DD_BQ_F16(p) dd_f16_to_f32(dd_load_u16(p))
+#endif
+
+/* A group's f32 scales d_i and mins m_i (zero past n or without mins) and, for IQ4_XS, the
+ * integer multipliers ls_i - 32 (else 1). */
+DD_INLINE void dd_bq_scales(const uint8_t *g, int wtype, int n, dd_v8f *dw, dd_v8f *mw, dd_v8i *mult)
+{
+    const dd_bq_layout L = dd_bq_layout_of(wtype);
+    dd_v8f d = { 0 }, m = { 0 };
+    dd_v8i k = { 1, 1, 1, 1, 1, 1, 1, 1 };
+    if (wtype == DD_IQ4_XS) {
+        const float d0 = DD_BQ_F16(g);
+        const uint32_t sh = dd_load_u16(g + 2);
+        for (int i = 0; i < 8; i++) {
+            d[i] = d0;
+            k[i] = (int32_t)(((g[4 + i / 2] >> (4 * (i % 2))) & 15) | (((sh >> (2 * i)) & 3) << 4)) - 32;
+        }
+    } else {
+        for (int i = 0; i < n; i++) {
+            d[i] = DD_BQ_F16(g + (size_t)i * L.bytes);
+            if (L.min)
+                m[i] = DD_BQ_F16(g + (size_t)i * L.bytes + 2);
+        }
+    }
+    *dw = d;
+    *mw = m;
+    *mult = k;
+}
+
+DD_INLINE size_t dd_bq_group_bytes(int wtype)
+{
+    return wtype == DD_IQ4_XS ? DD_IQ4_XS_BYTES : 8 * (size_t)dd_bq_layout_of(wtype).bytes;
+}
+
+DD_INLINE void dd_bq_tile(const uint8_t *w, const uint8_t *pf, size_t rb, const dd_acts *a, int wtype, size_t c0,
+                          float *y, size_t ldy, const int R, const int C)
+{
+    const dd_bq_layout L = dd_bq_layout_of(wtype);
+    const size_t gbytes = dd_bq_group_bytes(wtype), ngroups = (a->nb + 7) / 8;
+    dd_v8d acc[4][4];
+    for (int r = 0; r < R; r++)
+        for (int c = 0; c < C; c++)
+            acc[r][c] = (dd_v8d){ 0 };
+    for (size_t gi = 0; gi < ngroups; gi++) {
+        const int n = a->nb - 8 * gi < 8 ? (int)(a->nb - 8 * gi) : 8;
+        const size_t gsize = wtype == DD_IQ4_XS ? gbytes : (size_t)n * L.bytes;
+        dd_v8f dw[4], mw[4];
+        dd_v8i mult[4];
+        for (int r = 0; r < R; r++) {
+            const uint8_t *p = pf + r * rb + gi * gbytes;
+            for (size_t at = 0; at < gsize; at += 64)
+                __builtin_prefetch(p + at, 0, 3);
+            __builtin_prefetch(p + gsize - 1, 0, 3);
+            dd_bq_scales(w + r * rb + gi * gbytes, wtype, n, &dw[r], &mw[r], &mult[r]);
+        }
+        for (int c = 0; c < C; c++) {
+            const size_t b0 = (c0 + c) * a->nbp + 8 * gi;
+            dd_v8f da = { 0 };
+            dd_v8i bs = { 0 };
+            for (int i = 0; i < n; i++) {
+                da[i] = a->bd[b0 + i];
+                bs[i] = a->bs[b0 + i];
+            }
+            for (int r = 0; r < R; r++) {
+                int32_t d8[8];
+                dd_bq_dot8(w + r * rb + gi * gbytes, wtype, n, a->q + b0 * DD_QK, d8);
+                dd_v8i dot;
+                memcpy(&dot, d8, sizeof dot);
+                if (wtype == DD_Q5_0)
+                    dot -= 16 * bs;
+                dot *= mult[r];
+                /* lane i: (d_i da_i) I_i, exact in f64; then (Q4_1, Q5_1) plus (m_i da_i) S_i */
+                acc[r][c] += __builtin_convertvector(da * dw[r], dd_v8d) * __builtin_convertvector(dot, dd_v8d);
+                if (L.min)
+                    acc[r][c] += __builtin_convertvector(da * mw[r], dd_v8d) * __builtin_convertvector(bs, dd_v8d);
+            }
+        }
+    }
+    for (int r = 0; r < R; r++)
+        for (int c = 0; c < C; c++) {
+            const dd_v8d s = acc[r][c];
+            y[(c0 + c) * ldy + r] = (float)(((s[0] + s[1]) + (s[2] + s[3])) + ((s[4] + s[5]) + (s[6] + s[7])));
+        }
+}
+
+#define DD_BQ_TILE_Q4_1(w, pf, rb, a, c0, y, ldy, R, C) dd_bq_tile(w, pf, rb, a, DD_Q4_1, c0, y, ldy, R, C)
+#define DD_BQ_TILE_Q5_0(w, pf, rb, a, c0, y, ldy, R, C) dd_bq_tile(w, pf, rb, a, DD_Q5_0, c0, y, ldy, R, C)
+#define DD_BQ_TILE_Q5_1(w, pf, rb, a, c0, y, ldy, R, C) dd_bq_tile(w, pf, rb, a, DD_Q5_1, c0, y, ldy, R, C)
+#define DD_BQ_TILE_IQ4_NL(w, pf, rb, a, c0, y, ldy, R, C) dd_bq_tile(w, pf, rb, a, DD_IQ4_NL, c0, y, ldy, R, C)
+#define DD_BQ_TILE_IQ4_XS(w, pf, rb, a, c0, y, ldy, R, C) dd_bq_tile(w, pf, rb, a, DD_IQ4_XS, c0, y, ldy, R, C)
+
+DD_DEFINE_GEMM(gemm_q4_1, DD_BQ_TILE_Q4_1)
+DD_DEFINE_GEMM(gemm_q5_0, DD_BQ_TILE_Q5_0)
+DD_DEFINE_GEMM(gemm_q5_1, DD_BQ_TILE_Q5_1)
+DD_DEFINE_GEMM(gemm_iq4_nl, DD_BQ_TILE_IQ4_NL)
+DD_DEFINE_GEMM(gemm_iq4_xs, DD_BQ_TILE_IQ4_XS)
+
+/* The kernel table's entries for these types, in enum order (DD_Q4_1 .. DD_IQ4_XS). */
+#define DD_BQ_GEMMS gemm_q4_1, gemm_q5_0, gemm_q5_1, gemm_iq4_nl, gemm_iq4_xs
+
+#endif

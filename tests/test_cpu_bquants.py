@@ -1,0 +1,149 @@
+"""Q4_1, Q5_0, Q5_1, IQ4_NL and IQ4_XS CPU kernels (read as stored: native/cpu/bquants.h) at every
+ISA level and in the numpy twin.
+
+Weights are random blocks drawn byte by byte (random quant codes, fifth bits and IQ4_XS 6-bit
+scales; f16 d and m of random sign and size, never zero; odd row counts, block counts that are not
+a multiple of the 8-block group). gguf.quants cannot write the IQ4 types, so every type is drawn the
+same way; the references dequantize with gguf.quants (ggml's reference decoder, independent of the
+code under test) and multiply in float64. The type always comes from the quant-type table.
+
+Tolerances.
+* Against the Q8_0-quantized activations: the summation bound of test_cpu_kernels,
+  ``(k // 32 + 16) 2^-24 sum|w a|`` (integer parts and scale products are exact; only f64 additions,
+  the final f32 rounding and gguf's own f32 rounding of ``d q + m`` err).
+* Against the float activations x: that bound plus what the Q8_0 rounding of x can move the sum.
+  Per activation block of scale d = max|x| / 127 (stored as f16 d'): ``|q d' - x| <= d / 2 + 127
+  |d' - d| <= d (1/2 + 127 2^-11)`` (round half away, then the f16 scale's relative error <= 2^-11),
+  so ``|y - w.x| <= sum_j |w_j| d_b(j) (1/2 + 127 2^-11)``, plus 1e-6 relative slack for the f32
+  division x / d.
+* Between levels, thread counts, tiles and the twin: bit-identical (the same f64 operations in the
+  same order, bquants.h).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from gguf import GGMLQuantizationType, quants
+from test_cpu_kernels import assert_close, level, reference_product, rng, route_margin  # noqa: F401 (fixtures)
+
+from engine import quant
+from engine.kernels import cpu, cpu_twins
+
+Q = GGMLQuantizationType
+LEVELS = cpu.supported_isas()
+ALL = (*LEVELS, "numpy")
+BQ = (Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.IQ4_NL, Q.IQ4_XS)
+
+
+def random_bquant(rng: np.random.Generator, rows: int, k: int, qtype: GGMLQuantizationType) -> np.ndarray:
+    """(rows, row bytes of k values) uint8 of ``qtype``: random code bytes (nibbles, fifth bits,
+    IQ4_XS scales), f16 d (and m) of random sign and size, never zero."""
+    raw = rng.integers(0, 256, size=(rows, quant.row_bytes(qtype, k)), dtype=np.uint8)
+    b = raw.view(quant.BLOCK_DTYPES[qtype])
+    for field in ("d", "m"):
+        if field in b.dtype.names:
+            b[field] = (rng.choice([-1, 1], b.shape) * rng.uniform(0.5, 1, b.shape)
+                        * 2.0 ** rng.integers(-14, -6, b.shape)).astype(np.float16)
+    return raw
+
+
+def block_count(qtype: GGMLQuantizationType, blocks: int) -> int:
+    """k for `blocks` blocks of the type (IQ4_XS: super-blocks)."""
+    return blocks * quant.block_size(qtype)
+
+
+@pytest.mark.parametrize("qtype", BQ, ids=lambda t: t.name)
+def test_unpack_matches_gguf_dequantization(qtype, rng):
+    """The twin's integer decoding, recombined in float64, equals gguf's float32 values to 2^-24 relative."""
+    k = block_count(qtype, 9)
+    raw = random_bquant(rng, 5, k, qtype)
+    v, mult, d, m = cpu_twins.bquant_unpack(raw, qtype)
+    w = d[..., None].astype(np.float64) * mult[..., None] * v
+    if m is not None:
+        w += m[..., None]
+    ref = quants.dequantize(raw, qtype).astype(np.float64)
+    assert np.all(np.abs(w.reshape(5, k) - ref) <= 2.0**-24 * np.abs(ref))
+    assert quant.TYPES[qtype].cpu_kernel is not None and qtype in cpu.KERNEL_TYPES
+
+
+@pytest.mark.parametrize("level", ALL, indirect=True)
+@pytest.mark.parametrize("qtype", BQ, ids=lambda t: t.name)
+@pytest.mark.parametrize("rows, blocks", [(1, 1), (7, 3), (33, 13), (130, 16)])
+@pytest.mark.parametrize("m", [1, 5])
+def test_matmul_matches_gguf_reference(level, qtype, rows, blocks, m, rng):
+    k = block_count(qtype, blocks)
+    raw = random_bquant(rng, rows, k, qtype)
+    x = (rng.standard_normal((m, k)) * rng.uniform(0.1, 10)).astype(np.float32)
+    ref, abs_sum = reference_product(raw, x, qtype)
+    y = cpu.matmul(raw, x, qtype)
+    assert_close(y, ref, abs_sum, k // 32)
+
+
+@pytest.mark.parametrize("level", ALL, indirect=True)
+@pytest.mark.parametrize("qtype", BQ, ids=lambda t: t.name)
+def test_matmul_is_within_the_q8_0_activation_rounding_of_the_float_product(level, qtype, rng):
+    k = block_count(qtype, 11)
+    raw = random_bquant(rng, 9, k, qtype)
+    x = (rng.standard_normal((2, k)) * rng.uniform(0.1, 10)).astype(np.float32)
+    w = quants.dequantize(raw, qtype).astype(np.float64)
+    exact = x.astype(np.float64) @ w.T
+    ref, abs_sum = reference_product(raw, x, qtype)
+    d = np.abs(x.reshape(2, -1, 32)).max(axis=2) / 127                    # (m, blocks)
+    step = np.repeat(d, 32, axis=1) * (0.5 + 127 * 2.0**-11) * (1 + 1e-6)
+    bound = step @ np.abs(w).T + (k // 32 + 16) * 2.0**-24 * abs_sum
+    assert np.all(np.abs(cpu.matmul(raw, x, qtype) - exact) <= bound)
+
+
+@pytest.mark.parametrize("qtype", BQ, ids=lambda t: t.name)
+def test_results_bit_identical_across_levels_threads_and_tiles(qtype, rng):
+    """Every level, 1-3 threads, one column alone or in a batch, and the numpy twin: the same bits."""
+    k = block_count(qtype, 21 if quant.block_size(qtype) == 32 else 3)
+    raw = random_bquant(rng, 301, k, qtype)                    # several thread chunks, a ragged last one
+    x = rng.standard_normal((5, k)).astype(np.float32)
+    mat = cpu.Matrix(raw, k, qtype)
+    want = cpu.matmul_np(raw, x, qtype)
+    try:
+        for name in LEVELS:
+            cpu.set_isa(name)
+            for n in (1, 2, 3):
+                cpu.set_threads(n)
+                assert np.array_equal(mat(x), want), (name, n)
+                assert np.array_equal(cpu.matmul(raw, x[3], qtype), want[3]), (name, n)
+    finally:
+        cpu.set_isa(None)
+        cpu.set_threads()
+
+
+@pytest.mark.parametrize("level", LEVELS, indirect=True)
+def test_moe_ffn_on_mixed_block_types(level, rng):
+    """The fused MoE with IQ4_XS gate/up, Q5_1 down and a Q4_1 / IQ4_NL / Q5_0 shared expert against its
+    twin: same routing, outputs within 1e-4 of the max (the SiLU rounding argument of
+    test_cpu_kernels.test_moe_ffn_matches_numpy_composition)."""
+    d, n_expert, ff, ff_sh = 256, 8, 256, 64
+    qtypes = {"gate": Q.IQ4_XS, "up": Q.IQ4_XS, "down": Q.Q5_1, "sh_gate": Q.Q4_1, "sh_up": Q.IQ4_NL,
+              "sh_down": Q.Q5_0}
+    w = cpu.MoEWeights(router=rng.standard_normal((n_expert, d)).astype(np.float32) * 0.2,
+                       gate=random_bquant(rng, n_expert * ff, d, Q.IQ4_XS),
+                       up=random_bquant(rng, n_expert * ff, d, Q.IQ4_XS),
+                       down=random_bquant(rng, n_expert * d, ff, Q.Q5_1), n_used=3, qtypes=qtypes,
+                       sh_gate=random_bquant(rng, ff_sh, d, Q.Q4_1), sh_up=random_bquant(rng, ff_sh, d, Q.IQ4_NL),
+                       sh_down=random_bquant(rng, d, ff_sh, Q.Q5_0),
+                       sh_gate_inp=rng.standard_normal(d).astype(np.float32) * 0.1)
+    x = rng.standard_normal(d).astype(np.float32)
+    while route_margin(x, w) < 1e-3:
+        x = rng.standard_normal(d).astype(np.float32)
+    got, ref = cpu.moe_ffn(x, w), cpu.moe_ffn_np(x, w)
+    assert np.array_equal(got.experts, ref.experts)
+    assert np.abs(got.out - ref.out).max() <= 1e-4 * np.abs(ref.out).max()
+
+
+def test_the_type_is_passed_in_not_read_from_the_row_length(rng):
+    """IQ4_NL and Q4_0 rows have the same length (18 bytes a block): the table's type decides."""
+    raw = random_bquant(rng, 3, 64, Q.IQ4_NL)
+    x = rng.standard_normal(64).astype(np.float32)
+    as_iq4 = cpu.Matrix(raw, 64, Q.IQ4_NL)(x[None])[0]
+    as_q4_0 = cpu.Matrix(raw, 64, Q.Q4_0)(x[None])[0]
+    assert np.array_equal(as_iq4, cpu.matmul_np(raw, x, Q.IQ4_NL)) and not np.array_equal(as_iq4, as_q4_0)
+    with pytest.raises(ValueError, match="IQ4_XS blocks"):
+        cpu.Matrix(random_bquant(rng, 2, 256, Q.Q4_1), 256, Q.IQ4_XS)
