@@ -11,9 +11,10 @@
 - ``synth --preset tiny|small|dense-tiny|minicpmv46-tiny|minicpmv46|35b-a3b [--layers N] [--experts N] --quant Q -o FILE``:
   a random-weight GGUF in the layout and metadata real files use, and beside it a matching
   random vision tower ``FILE-mmproj.gguf`` (``--no-mmproj`` skips it).
-- ``bench MODEL.gguf [--threads N ...] [--isa L ...] [--prompt N] [--gen N] [--llama-cpp [--llama-python PY]]``:
-  prompt and decode tok/s of the native CPU model per thread count and ISA level, the bandwidth
-  roofline fraction, and llama.cpp on the same file (see :mod:`engine.tools.cpu_bench`).
+- ``bench MODEL.gguf [--threads N ...] [--isa L ...] [--prompt N] [--gen N] [--depth D ...] [--repeat R]
+  [--llama-cpp | --llama-bench PATH]``: prompt and decode tok/s of the native CPU model per thread count and
+  ISA level, decode at 4k / 16k context, stream bandwidth and roofline fraction, RSS after load, NUMA nodes,
+  and llama.cpp's llama-bench on the same file and threads, interleaved (see :mod:`engine.tools.cpu_bench`).
 - ``prune MODEL.gguf --keep N -o OUT.gguf [--method reap|frequency] [--calib FILE.jsonl] [--images DIR]
   [--max-tokens T] [--stats FILE.json] [--mmproj V]``: REAP (or frequency) expert pruning to N experts per
   layer (:mod:`engine.prune`); the calibration statistics are saved to and reused from ``--stats``
@@ -249,23 +250,25 @@ def cmd_synth(args: argparse.Namespace) -> int:
 
 def cmd_bench(args: argparse.Namespace) -> int:
     from .kernels import cpu
-    from .tools import cpu_bench
+    from .tools import cpu_bench, cpu_llama
     if not cpu.available():
         print("error: the native CPU kernels are not built: nothing to benchmark", file=sys.stderr)
         return 2
-    llama_python = None
-    if args.llama_cpp:
-        llama_python = args.llama_python
-        if llama_python is None:
-            import importlib.util
-
-            import platformdirs
-
-            from .tools.cpu_bench import llama_venv
-            llama_python = sys.executable if importlib.util.find_spec("llama_cpp") else llama_venv(
-                Path(platformdirs.user_cache_dir("deltadesk")) / "llama-cpp-venv", print)
+    binary = None
+    if args.llama_bench:
+        binary = Path(args.llama_bench)
+        if not (binary.is_file() and os.access(binary, os.X_OK)):
+            print(f"error: --llama-bench {binary}: not an executable file", file=sys.stderr)
+            return 2
+    elif args.llama_cpp:
+        try:
+            binary = cpu_llama.ensure_llama_bench(out=lambda line: print(f"[{line}]", file=sys.stderr))
+        except RuntimeError as exc:
+            print(f"error: llama-bench: {exc}", file=sys.stderr)
+            return 2
     cpu_bench.run(args.model, args.threads or sorted({1, cpu.physical_cores()}),
-                  args.isa or list(cpu.supported_isas()), args.prompt, args.gen, llama_python)
+                  args.isa or list(cpu.supported_isas()), args.prompt, args.gen, args.depth, args.depth_gen,
+                  args.repeat, binary, args.stream_gib, args.stream_runs)
     return 0
 
 
@@ -398,21 +401,38 @@ def _add_synth(p: argparse.ArgumentParser) -> None:
                    choices=["tiny", "small", "dense-tiny", "minicpmv46-tiny", "minicpmv46", "35b-a3b"])
     p.add_argument("--layers", type=int, default=None)
     p.add_argument("--experts", type=int, default=None)
-    p.add_argument("--quant", default="q4_0", choices=["q4_0", "q8_0", "f16", "f32", "q4_k_m"])
+    p.add_argument("--quant", default="q4_0", choices=["q4_0", "q8_0", "f16", "f32", "q4_k_m", "ud_q4_k_xl"])
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--output", "-o", required=True)
     p.add_argument("--no-mmproj", action="store_true", help="do not write the matching vision tower")
 
 
+BENCH_DEFAULTS = dict(n_prompt=512, n_gen=64, depths=(4096, 16384), depth_gen=16, repeat=3, stream_gib=1.0,
+                      stream_runs=5)
+"""``bench``'s defaults (``--help`` shows them): pp512 as llama-bench users quote it, decode at 4k and 16k."""
+
+
 def _add_bench(p: argparse.ArgumentParser) -> None:
+    defaults = BENCH_DEFAULTS
     p.add_argument("model")
     p.add_argument("--threads", "-t", type=int, nargs="+", help="thread counts (default: 1 and the physical cores)")
     p.add_argument("--isa", nargs="+", help="ISA levels (default: every level this CPU runs)")
-    p.add_argument("--prompt", "-p", type=int, default=128, help="prompt tokens (one forward)")
-    p.add_argument("--gen", "-n", type=int, default=32, help="decoded tokens")
-    p.add_argument("--llama-cpp", action="store_true", help="also run llama.cpp through llama-cpp-python")
-    p.add_argument("--llama-python", help="the interpreter that has llama-cpp-python (default: this one if it "
-                   "has it, else a venv in the user cache dir, built on first use)")
+    p.add_argument("--prompt", "-p", type=int, default=defaults["n_prompt"], help="prompt tokens, one forward "
+                   "(default: %(default)s)")
+    p.add_argument("--gen", "-n", type=int, default=defaults["n_gen"], help="decoded tokens (default: %(default)s)")
+    p.add_argument("--depth", "-d", type=int, nargs="*", default=list(defaults["depths"]),
+                   help="context depths to decode at; none: --depth alone (default: %(default)s)")
+    p.add_argument("--depth-gen", type=int, default=defaults["depth_gen"],
+                   help="tokens decoded at each depth (default: %(default)s)")
+    p.add_argument("--repeat", "-r", type=int, default=defaults["repeat"],
+                   help="rounds, engines interleaved in each (default: %(default)s)")
+    p.add_argument("--stream-gib", type=float, default=defaults["stream_gib"],
+                   help="buffer of the bandwidth measurement, GiB (default: %(default)s)")
+    p.add_argument("--stream-runs", type=int, default=defaults["stream_runs"],
+                   help="bandwidth measurements per thread count (default: %(default)s)")
+    p.add_argument("--llama-cpp", action="store_true", help="also run llama.cpp's llama-bench, built on first use "
+                   "from the llama-cpp-python 0.3.36 sources into the user cache dir (minutes to build)")
+    p.add_argument("--llama-bench", metavar="PATH", help="run this llama-bench binary as the peer (implies --llama-cpp)")
 
 
 def _add_prune(p: argparse.ArgumentParser) -> None:
@@ -438,7 +458,7 @@ def build_parser() -> argparse.ArgumentParser:
                 ("chat", "interactive chat on the terminal", _add_sampling, cmd_chat),
                 ("serve", "an OpenAI-compatible HTTP server on the model", _add_serve, cmd_serve),
                 ("synth", "write a random-weight GGUF", _add_synth, cmd_synth),
-                ("bench", "prompt and decode speed on the CPU (like llama-bench)", _add_bench, cmd_bench),
+                ("bench", "prompt and decode speed on the CPU, beside llama-bench", _add_bench, cmd_bench),
                 ("prune", "remove experts (REAP or frequency) to make a MoE file smaller", _add_prune, cmd_prune)]
     for name, help_text, add_arguments, func in commands:
         p = sub.add_parser(name, help=help_text)

@@ -31,8 +31,17 @@ def text_model(gguf: GGUFFile, options: EngineOptions) -> TextModel:
     from .kernels import cpu
     cpu.set_threads(options.threads)
     if options.kernels == "native" and cpu.available():
-        return gguf.text_arch.native_model(gguf.hparams, gguf)
+        model = gguf.text_arch.native_model(gguf.hparams, gguf)
+        interleave_experts(gguf)
+        return model
     return gguf.text_arch.reference_model(gguf.hparams, gguf)
+
+
+def interleave_experts(gguf: GGUFFile) -> int:
+    """Interleave the mapped pages of the routed-expert tensors (GGUF names ``*_exps.*``) over the host's
+    NUMA nodes (:func:`engine.kernels.numa.interleave`; nothing on one node). Returns the bytes placed."""
+    from .kernels import numa
+    return numa.interleave(gguf.raw(n) for n in gguf.tensor_names if "_exps." in n)
 
 
 def open_vision(mmproj_path: str | Path, gguf: GGUFFile, options: EngineOptions) -> ImageEncoder:

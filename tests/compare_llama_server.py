@@ -1,15 +1,15 @@
 """By hand, not CI: the ``openai`` client checks of ``tests/test_server.py`` against ``engine serve`` and
-against llama.cpp's server (``llama-cpp-python[server]``, built as ``engine bench --llama-cpp`` builds its
-peer: :func:`engine.tools.cpu_bench.llama_venv`) on the same f32 synth file, and the greedy texts of the two
-compared.
+against llama.cpp's server (``llama-cpp-python[server]`` built with the bench peer's flags,
+:data:`engine.tools.cpu_llama.LLAMA_CMAKE_ARGS`, into a venv: :func:`llama_venv`) on the same f32 synth file,
+and the greedy texts of the two compared.
 
 Usage::
 
     .venv/bin/python tests/compare_llama_server.py [--llama-python PY] [--file F.gguf] [--tokens 24]
 
 Without ``--file`` it writes the ``tiny`` synth model in f32 (real Qwen3.5 vocabulary and template, random
-weights) to a temporary folder; without ``--llama-python`` it uses (or builds, 5-15 minutes) the bench's
-venv in the user cache dir and adds the ``[server]`` extra. Prints one line per check and server, then
+weights) to a temporary folder; without ``--llama-python`` it uses (or builds, 5-15 minutes) a venv in the
+user cache dir holding ``llama-cpp-python[server]``. Prints one line per check and server, then
 each prompt's greedy text from both and whether they are equal.
 
 Chats ask for ``enable_thinking`` (llama-cpp-python renders the file's template without that
@@ -27,6 +27,7 @@ import argparse
 import os
 import socket
 import subprocess
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -45,17 +46,34 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def llama_venv(folder: Path) -> str:
+    """The interpreter of a venv in ``folder`` holding ``llama-cpp-python[server]``, built there on first use.
+
+    The pip build compiles llama.cpp from source with the bench peer's CMake flags (5-15 minutes on 2 cores).
+
+    Raises:
+        RuntimeError: venv creation or the pip build failed (with pip's last lines).
+    """
+    from engine.tools.cpu_llama import LLAMA_CMAKE_ARGS, LLAMA_CPP_PYTHON_VERSION
+    python = folder / "bin" / "python"
+    if python.exists() and subprocess.run([str(python), "-c", "import llama_cpp.server.app"],
+                                          capture_output=True).returncode == 0:
+        return str(python)
+    print(f"building llama-cpp-python[server] {LLAMA_CPP_PYTHON_VERSION} into {folder} (compiles llama.cpp)")
+    steps = [[sys.executable, "-m", "venv", str(folder)],
+             [str(python), "-m", "pip", "install", "-q", f"llama-cpp-python[server]=={LLAMA_CPP_PYTHON_VERSION}"]]
+    for cmd in steps:
+        done = subprocess.run(cmd, capture_output=True, text=True, env=dict(os.environ, CMAKE_ARGS=LLAMA_CMAKE_ARGS))
+        if done.returncode != 0:
+            raise RuntimeError(f"{' '.join(cmd[:4])} failed: {done.stderr.strip().splitlines()[-3:]}")
+    return str(python)
+
+
 def _llama_python(given: str | None) -> str:
     if given:
         return given
     import platformdirs
-
-    from engine.tools.cpu_bench import LLAMA_CMAKE_ARGS, LLAMA_CPP_VERSION, llama_venv
-    python = llama_venv(Path(platformdirs.user_cache_dir("deltadesk")) / "llama-cpp-venv", print)
-    if subprocess.run([python, "-c", "import llama_cpp.server.app"], capture_output=True).returncode != 0:
-        subprocess.run([python, "-m", "pip", "install", "-q", f"llama-cpp-python[server]=={LLAMA_CPP_VERSION}"],
-                       check=True, env=dict(os.environ, CMAKE_ARGS=LLAMA_CMAKE_ARGS))
-    return python
+    return llama_venv(Path(platformdirs.user_cache_dir("deltadesk")) / "llama-cpp-venv")
 
 
 def _start_llama(python: str, model: Path, port: int, threads: int) -> subprocess.Popen:

@@ -150,19 +150,70 @@ def test_q4_k_m_mix_is_llama_quantizes(tmp_path):
 def test_q4_k_m_mix_of_the_35b_layout():
     """40 layers: use_more_bits(i, 40) for i < 5, i >= 35 and (i - 5) % 3 == 2 (7, 10, ..., 34):
     20 of 40 layers; with 8 experts llama.cpp's n_expert == 8 branch gives attn_v Q8_0, attn_output Q5_K."""
-    from engine.arch.qwen35.quant_mix import mix_type
+    from engine.arch.qwen35.quant_mix import mix_types
     hp = preset_hparams("35b-a3b")
-    more = [il for il in range(40) if mix_type("q4_k_m", f"blk.{il}.ffn_down_exps.weight", (512, 2048, 256), hp)
-            == Q.Q6_K]
+    types = mix_types("q4_k_m", tensor_shapes(hp), hp)
+    more = [il for il in range(40) if types[f"blk.{il}.ffn_down_exps.weight"] == Q.Q6_K]
     assert more == [0, 1, 2, 3, 4, *range(7, 35, 3), 35, 36, 37, 38, 39]
+    attn_v = [il for il in range(40) if types[f"blk.{il}.attn_qkv.weight" if hp.is_recurrent(il)
+                                             else f"blk.{il}.attn_v.weight"] == Q.Q6_K]
+    assert attn_v == more
     eight = preset_hparams("35b-a3b", experts=8)
-    assert mix_type("q4_k_m", "blk.3.attn_v.weight", (2048, 512), eight) == Q.Q8_0
-    assert mix_type("q4_k_m", "blk.3.attn_output.weight", (4096, 2048), eight) == Q.Q5_K
-    assert mix_type("q4_k_m", "blk.3.attn_output.weight", (4096, 2048), hp) == Q.Q4_K
-    assert mix_type("q4_k_m", "token_embd.weight", (2048, 248320), hp, has_output=False) == Q.Q6_K
-    assert mix_type("q4_k_m", "blk.0.attn_qkv.weight", (40, 8), hp) == Q.F16       # not even 32-value rows
+    types8 = mix_types("q4_k_m", tensor_shapes(eight), eight)
+    assert types8["blk.3.attn_v.weight"] == Q.Q8_0 and types8["blk.0.attn_qkv.weight"] == Q.Q8_0
+    assert types8["blk.3.attn_k.weight"] == Q.Q8_0 and types8["blk.3.attn_output.weight"] == Q.Q5_K
+    assert types["blk.3.attn_output.weight"] == Q.Q4_K and types["blk.3.attn_k.weight"] == Q.Q4_K
+    assert types["output.weight"] == Q.Q6_K and types["token_embd.weight"] == Q.Q4_K
+    tied = {n: ne for n, ne in tensor_shapes(hp).items() if n != "output.weight"}
+    assert mix_types("q4_k_m", tied, hp)["token_embd.weight"] == Q.Q6_K
+    assert mix_types("q4_k_m", {"blk.0.attn_qkv.weight": (40, 8)}, hp)["blk.0.attn_qkv.weight"] == Q.F16
     with pytest.raises(ValueError, match="q5_k_s"):
-        mix_type("q5_k_s", "blk.0.attn_q.weight", (2048, 8192), hp)
+        mix_types("q5_k_s", {"blk.0.attn_q.weight": (2048, 8192)}, hp)
+    with pytest.raises(ValueError, match="ffn_down_exps"):
+        mix_types("q4_k_m", {"ffn_down_exps.weight": (512, 2048, 256)}, hp)
+
+
+def test_q4_k_m_counts_attention_v_tensors_not_layers():
+    """llama.cpp counts the attention-v-like tensors it meets (n_attention_wv of them) but takes ffn_down's
+    layer from the name against block_count. Hand-derived for 7 trunk layers + 1 MTP block whose tensors the
+    file does not hold (block_count 8): attn_v-like use use_more_bits(i, 7): 7//8 = 0, 7*7//8 = 6, so
+    i >= 6 or i % 3 == 2 -> layers 2, 5, 6; ffn_down uses use_more_bits(l, 8): l < 1, l >= 7 or
+    (l - 1) % 3 == 2 -> layers 0, 3, 6 (7 is the absent MTP block)."""
+    from dataclasses import replace
+
+    from engine.arch.qwen35.quant_mix import mix_types, use_more_bits
+    hp = replace(preset_hparams("35b-a3b", layers=7, experts=16), nextn_predict_layers=1)
+    types = mix_types("q4_k_m", tensor_shapes(hp), hp)
+    table = {  # layer: (attention-v-like tensor, its type, ffn_down_exps / ffn_down_shexp type)
+        0: ("attn_qkv", Q.Q4_K, Q.Q6_K), 1: ("attn_qkv", Q.Q4_K, Q.Q4_K), 2: ("attn_qkv", Q.Q6_K, Q.Q4_K),
+        3: ("attn_v", Q.Q4_K, Q.Q6_K), 4: ("attn_qkv", Q.Q4_K, Q.Q4_K), 5: ("attn_qkv", Q.Q6_K, Q.Q4_K),
+        6: ("attn_qkv", Q.Q6_K, Q.Q6_K)}
+    for il, (v, v_type, down_type) in table.items():
+        assert types[f"blk.{il}.{v}.weight"] == v_type, il
+        assert types[f"blk.{il}.ffn_down_exps.weight"] == types[f"blk.{il}.ffn_down_shexp.weight"] == down_type, il
+        assert types[f"blk.{il}.ffn_gate_exps.weight"] == types[f"blk.{il}.ssm_out.weight" if il != 3
+                                                                 else f"blk.{il}.attn_q.weight"] == Q.Q4_K
+    assert [i for i in range(8) if use_more_bits(i, 8)] == [0, 3, 6, 7]
+
+
+def test_ud_q4_k_xl_mix():
+    """The documented UD-Q4_K_XL choices (engine.arch.qwen35.quant_mix): routed gate/up Q4_K, down Q5_K;
+    attention and delta-net projections Q8_0; shared experts, embeddings and head as Q4_K_M."""
+    from engine.arch.qwen35.quant_mix import mix_types
+    hp = preset_hparams("35b-a3b", layers=8, experts=16)
+    shapes = tensor_shapes(hp)
+    ud, km = mix_types("ud_q4_k_xl", shapes, hp), mix_types("q4_k_m", shapes, hp)
+    for il in range(8):
+        p = f"blk.{il}."
+        assert (ud[p + "ffn_gate_exps.weight"], ud[p + "ffn_up_exps.weight"], ud[p + "ffn_down_exps.weight"]) == (
+            Q.Q4_K, Q.Q4_K, Q.Q5_K)
+        mixer = ["attn_q", "attn_k", "attn_v", "attn_output"] if not hp.is_recurrent(il) else [
+            "attn_qkv", "attn_gate", "ssm_alpha", "ssm_beta", "ssm_out"]
+        assert all(ud[f"{p}{m}.weight"] == Q.Q8_0 for m in mixer), il
+        for shared in ("ffn_gate_shexp", "ffn_up_shexp", "ffn_down_shexp"):
+            assert ud[f"{p}{shared}.weight"] == km[f"{p}{shared}.weight"]
+    assert ud["output.weight"] == Q.Q6_K and ud["token_embd.weight"] == Q.Q4_K
+    assert ud["blk.0.ssm_conv1d.weight"] == ud["blk.0.ffn_gate_inp.weight"] == Q.F32
 
 
 def test_write_gguf_errors(tmp_path):

@@ -1,56 +1,118 @@
-"""``python -m engine bench``: prompt and decode speed of the native CPU model, like llama-bench.
+"""``python -m engine bench``: DeltaDesk's CPU prompt and decode speed beside llama.cpp's ``llama-bench``.
 
-For each thread count and ISA level: prompt processing (one forward of ``n_prompt`` random tokens)
-and decode (``n_gen`` one-token forwards after it) in tokens/s, and the bandwidth roofline: weight
-bytes read per decoded token (``GGUFFile.bytes_per_token``) times decode tok/s, as a fraction of
-the streaming-read bandwidth measured with the same thread count
-(:func:`engine.kernels.cpu.read_bandwidth`). The LM head is also timed alone, so the table splits
-a token into the LM head and the mean layer (a 248k-token vocabulary makes the head a large share
-of small slices). With ``llama_python`` set, llama.cpp runs on the same file and thread count
-through llama-cpp-python (:mod:`engine.tools.cpu_llama`, in that interpreter).
+How it measures (the order is the method):
+
+1. **Host**: NUMA node count (:func:`engine.kernels.numa.node_count`; on more than one node the expert pages
+   are interleaved at load, :func:`engine.placement.interleave_experts`), and the streaming-read bandwidth
+   per thread count: ``stream_runs`` reads of a ``stream_bytes`` buffer (:func:`engine.kernels.cpu.read_bandwidth`,
+   one timed read each after one untimed), median (min-max) in GB/s (1e9 B/s).
+2. **Warm-up**: the whole file is read once, so both engines find the weights in page cache (a file larger
+   than free RAM cannot be: the figures then include disk reads; the line says how long the read took).
+3. **Load**: the model as ``Engine.load`` builds it; RSS after load (psutil): anonymous (owned memory:
+   the weights converted at load, the state) and file-backed (mapped weight pages already touched).
+4. **Rounds** (``repeat`` of them), each, per thread count: DeltaDesk at each ISA level (one untimed
+   4-token forward, pp ``n_prompt`` = one forward of random tokens, tg ``n_gen`` one-token forwards after
+   it, then ``depth_gen`` one-token forwards at each context depth), then llama-bench on the same file
+   and thread count (``-r 1``: one timed run after its own warm-up; ``-p n_prompt -n n_gen``, then
+   ``-p 0 -n depth_gen -d depths``). Rounds interleave the engines, so a load change hits both.
+   Decode at depth d: for DeltaDesk the KV cache rows of the d earlier positions (and the delta-net
+   states) are drawn at random and the position set to d, since a decode step's work does not depend on
+   their values; llama-bench prefills d tokens (untimed) before it times the decode.
+5. **Summary**: per engine, level and thread count, the median (min-max) over rounds; the roofline
+   fraction = bytes of weights read per decoded token (``GGUFFile.bytes_per_token``) x tg tok/s / the
+   median bandwidth; the ratio DeltaDesk / llama.cpp taken round by round (pair by pair), median (min-max).
+
+The per-round DeltaDesk line also splits a token into the LM head (timed alone) and the mean layer.
 """
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
+import statistics
 import time
-from dataclasses import dataclass
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Sequence
 
 import numpy as np
 
-from engine.arch.qwen35.cpu import NativeQwen35Model
 from engine.gguf_file import GGUFFile
-from engine.kernels import cpu
+from engine.kernels import cpu, numa
 from engine.ops import reference as ops
+from engine.placement import interleave_experts
 from engine.state import SequenceState
 
+from . import cpu_llama
+
+Out = Callable[[str], None]
 
 @dataclass(frozen=True)
-class BenchRow:
-    """One measurement. Rates in tokens/s, bandwidths in GB/s (1e9 B/s), times in ms."""
+class Sample:
+    """One engine's figures in one round. Rates in tokens/s, times in ms; ``depth_tg``: depth -> decode tok/s."""
 
     engine: str            # "deltadesk" or "llama.cpp"
-    isa: str
+    isa: str               # DeltaDesk's ISA level; "" for llama.cpp
     threads: int
+    round: int
     pp_tok_s: float
     tg_tok_s: float
-    stream_gb_s: float = 0.0
+    depth_tg: dict[int, float] = field(default_factory=dict)
     head_ms: float = 0.0   # LM head (output norm + product) of one token
     layer_ms: float = 0.0  # mean time of one layer of one decoded token
 
 
-def measure(model: NativeQwen35Model, threads: int, isa: str, n_prompt: int, n_gen: int,
-            stream_gb_s: float, seed: int = 0) -> BenchRow:
-    """One DeltaDesk row: prompt and decode speed with this thread count and ISA level."""
+def spread(values: Sequence[float], fmt: str = ".2f") -> str:
+    """``median (min-max)`` of ``values``; one value prints alone."""
+    if len(values) == 1:
+        return f"{values[0]:{fmt}}"
+    return f"{statistics.median(values):{fmt}} ({min(values):{fmt}}-{max(values):{fmt}})"
+
+
+def memory() -> dict[str, int]:
+    """This process's resident memory in bytes (psutil): ``rss``, ``file`` (file-backed and shared pages,
+    Linux ``statm`` shared) and ``anon`` (the rest: owned memory)."""
+    import psutil
+    info = psutil.Process().memory_info()
+    shared = getattr(info, "shared", 0)
+    return {"rss": info.rss, "file": shared, "anon": info.rss - shared}
+
+
+def warm_page_cache(path: str | Path, chunk: int = 16 << 20) -> tuple[int, float]:
+    """Read the whole file once (into the page cache); returns (bytes, seconds)."""
+    t0 = time.perf_counter()
+    n = 0
+    with open(path, "rb", buffering=0) as f:
+        buf = bytearray(chunk)
+        while (got := f.readinto(buf)):
+            n += got
+    return n, time.perf_counter() - t0
+
+
+def stream_bandwidth(threads: int, nbytes: int, runs: int) -> list[float]:
+    """``runs`` streaming-read bandwidths (GB/s) of an ``nbytes`` buffer with ``threads`` threads."""
+    cpu.set_threads(threads)
+    return [cpu.read_bandwidth(nbytes, repeats=1) for _ in range(runs)]
+
+
+def fill_context(hp, depth: int, capacity: int, rng: np.random.Generator) -> SequenceState:
+    """A state at position ``depth``: KV rows ``[:depth]`` N(0, 1), delta-net conv/state N(0, 0.1^2) (float32)."""
+    state = SequenceState.new(hp, capacity)
+    for cache in (state.k, state.v):
+        for a in cache.values():
+            a[:depth] = rng.standard_normal(a[:depth].shape, dtype=np.float32)
+    for cache in (state.conv, state.ssm):
+        for a in cache.values():
+            a[...] = 0.1 * rng.standard_normal(a.shape, dtype=np.float32)
+    state.pos = depth
+    return state
+
+
+def measure(model, threads: int, isa: str, n_prompt: int, n_gen: int, depths: Sequence[int] = (),
+            depth_gen: int = 16, round_: int = 0, seed: int = 0) -> Sample:
+    """One DeltaDesk sample with this thread count and ISA level (see the module doc, step 4)."""
     cpu.set_threads(threads)
     cpu.set_isa(isa)
     hp = model.hp
-    rng = np.random.default_rng(seed)
+    rng = np.random.default_rng([seed, round_])
     tokens = rng.integers(0, hp.n_vocab, n_prompt + n_gen + 4)
     model.forward(tokens[:4], SequenceState.new(hp, 8))
     state = SequenceState.new(hp, n_prompt + n_gen + 1)
@@ -61,99 +123,139 @@ def measure(model: NativeQwen35Model, threads: int, isa: str, n_prompt: int, n_g
     for t in tokens[n_prompt:n_prompt + n_gen]:
         model.forward(np.array([t]), state)
     tg = (time.perf_counter() - t0) / n_gen
+    depth_tg = {}
+    for depth in depths:
+        state = fill_context(hp, depth, depth + depth_gen + 1, rng)
+        ids = rng.integers(0, hp.n_vocab, depth_gen)
+        t0 = time.perf_counter()
+        for t in ids:
+            model.forward(np.array([t]), state)
+        depth_tg[depth] = depth_gen / (time.perf_counter() - t0)
     h = rng.standard_normal((1, hp.n_embd)).astype(np.float32)
     head = cpu.best_seconds(lambda: model.linear(ops.rmsnorm(h, model.w("output_norm.weight"), hp.rms_eps),
-                                      model.output_name))
-    return BenchRow("deltadesk", isa, threads, n_prompt / pp, 1 / tg, stream_gb_s, head * 1e3,
-                    (tg - head) * 1e3 / hp.n_layer)
+                                                 model.output_name))
+    return Sample("deltadesk", isa, threads, round_, n_prompt / pp, 1 / tg, depth_tg, head * 1e3,
+                  (tg - head) * 1e3 / hp.n_layer)
 
 
-LLAMA_CPP_VERSION = "0.3.36"
-LLAMA_CMAKE_ARGS = ("-DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON "
-                    "-DGGML_AVX512=ON -DGGML_AVX512_VNNI=ON -DGGML_AVX512_BF16=ON -DGGML_AMX_TILE=OFF "
-                    "-DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF -DLLAMA_CURL=OFF")
-"""CMake options (llama-cpp-python 0.3.36) for a portable x86-64 build: a ``-march=native`` build dies with
-"Illegal instruction" in ggml's AMX code on the first Q4_0 product on CPUs that report AMX (seen on this
-project's 2-core machines), so native detection and AMX are off and AVX2 / AVX-512 (VNNI, BF16) are named."""
-
-
-def llama_venv(folder: Path, out=print) -> str:
-    """The interpreter of a venv in ``folder`` holding llama-cpp-python, built there on first use.
-
-    The build compiles llama.cpp from source with :data:`LLAMA_CMAKE_ARGS` (about 5-15 minutes on
-    2 cores). Returns the venv's python path.
+def peer_sample(binary: Path, path: Path, threads: int, n_prompt: int, n_gen: int, depths: Sequence[int],
+                depth_gen: int, round_: int) -> tuple[Sample, int, str]:
+    """One llama-bench sample (see the module doc, step 4); returns it, the peak RSS of its runs (bytes) and its build.
 
     Raises:
-        RuntimeError: venv creation or the pip build failed (with pip's last lines).
+        RuntimeError: llama-bench failed or printed something else than its JSON.
     """
-    python = folder / "bin" / "python"
-    probe = subprocess.run([str(python), "-c", "import llama_cpp"], capture_output=True) if python.exists() else None
-    if probe is not None and probe.returncode == 0:
-        return str(python)
-    out(f"building llama-cpp-python {LLAMA_CPP_VERSION} into {folder} (compiles llama.cpp: 5-15 minutes)")
-    steps = [[sys.executable, "-m", "venv", str(folder)],
-             [str(python), "-m", "pip", "install", "-q", f"llama-cpp-python=={LLAMA_CPP_VERSION}"]]
-    env = dict(os.environ, CMAKE_ARGS=LLAMA_CMAKE_ARGS)
-    for cmd in steps:
-        done = subprocess.run(cmd, capture_output=True, text=True, env=env)
-        if done.returncode != 0:
-            raise RuntimeError(f"{' '.join(cmd[:4])} failed: {done.stderr.strip().splitlines()[-3:]}")
-    return str(python)
+    results, peak = cpu_llama.run_llama_bench(cpu_llama.bench_command(binary, path, threads, n_prompt, n_gen))
+    if depths:
+        deep, peak_d = cpu_llama.run_llama_bench(cpu_llama.bench_command(binary, path, threads, 0, depth_gen, depths))
+        results, peak = results + deep, max(peak, peak_d)
+
+    def rate(n_p: int, n_g: int, depth: int) -> float:
+        found = [r for r in results if (r.n_prompt, r.n_gen, r.n_depth) == (n_p, n_g, depth)]
+        if not found:
+            raise RuntimeError(f"llama-bench printed no test pp{n_p} tg{n_g} at depth {depth} "
+                               "(a build without -d / --n-depth?)")
+        return statistics.median(found[0].samples_ts)
+
+    sample = Sample("llama.cpp", "", threads, round_, rate(n_prompt, 0, 0), rate(0, n_gen, 0),
+                    {d: rate(0, depth_gen, d) for d in depths})
+    return sample, peak, results[0].build
 
 
-def llama_row(llama_python: str, path: Path, threads: int, n_prompt: int, n_gen: int) -> BenchRow:
-    """llama.cpp's row, run by ``llama_python`` (an interpreter with llama-cpp-python).
+def _mib(n: float) -> str:
+    return f"{n / 2**20:.0f} MiB"
 
-    Raises RuntimeError with llama.cpp's message when it fails.
+
+def run(path: str | Path, threads: Sequence[int], isas: Sequence[str], n_prompt: int, n_gen: int,
+        depths: Sequence[int], depth_gen: int, repeat: int, llama_bench: Path | None, stream_gib: float,
+        stream_runs: int, out: Out = print) -> list[Sample]:
+    """Measure and print (see the module doc); returns every sample. ``llama_bench`` None: DeltaDesk only.
+    The CLI's defaults: ``engine.__main__.BENCH_DEFAULTS``.
+
+    Raises:
+        EngineError: the file cannot be opened or its architecture has no native model.
     """
-    script = Path(__file__).with_name("cpu_llama.py")
-    done = subprocess.run([llama_python, str(script), str(path), str(threads), str(n_prompt), str(n_gen)],
-                          capture_output=True, text=True)
-    if done.returncode != 0:
-        raise RuntimeError(f"llama.cpp run failed: {done.stderr.strip().splitlines()[-1:]}")
-    r = json.loads(done.stdout.strip().splitlines()[-1])
-    return BenchRow(f"llama.cpp {r['version']}", "its own", threads, r["pp_tok_s"], r["tg_tok_s"])
-
-
-def run(path: str | Path, threads: Sequence[int], isas: Sequence[str], n_prompt: int = 128, n_gen: int = 32,
-        llama_python: str | None = None, out=print) -> list[BenchRow]:
-    """Measure and print the table; returns its rows."""
+    path = Path(path)
     gguf = GGUFFile.open(path)
     hp = gguf.hparams
-    model = NativeQwen35Model(hp, gguf)
+    out(f"host: {cpu.physical_cores()} physical cores, NUMA nodes: {numa.node_count()}")
+    bandwidth = {}
+    for n in threads:
+        bandwidth[n] = stream_bandwidth(n, int(stream_gib * 2**30), stream_runs)
+        out(f"stream read, {n} thread(s), {stream_gib:g} GiB buffer, {stream_runs} runs: "
+            f"{spread(bandwidth[n], '.1f')} GB/s")
+    size, seconds = warm_page_cache(path)
+    out(f"warm-up: read {path.name} ({size / 2**30:.2f} GiB) in {seconds:.1f} s")
+    before = memory()
+    model = gguf.text_arch.native_model(hp, gguf)
+    placed = interleave_experts(gguf)
+    after = memory()
+    out(f"RSS after load: {_mib(after['rss'])} = anonymous {_mib(after['anon'])} + file-backed {_mib(after['file'])} "
+        f"(load added {_mib(after['anon'] - before['anon'])} anonymous, {_mib(after['file'] - before['file'])} "
+        f"file-backed; file {_mib(size)})" + (f"; {_mib(placed)} of expert pages interleaved" if placed else ""))
     per_token = gguf.bytes_per_token()
     head_bytes = gguf.info(model.output_name).nbytes
     layer_bytes = (per_token - head_bytes - (gguf.info("token_embd.weight").nbytes // hp.n_vocab
                                             if model.output_name == "output.weight" else 0)) / hp.n_layer
-    out(f"model {Path(path).name}: {hp.arch}, {hp.n_layer} layers, d={hp.n_embd}, vocab {hp.n_vocab}"
+    out(f"model {path.name}: {hp.arch}, {hp.n_layer} layers, d={hp.n_embd}, vocab {hp.n_vocab}"
         + (f", {hp.n_expert} experts top-{hp.n_expert_used}, expert FFN {hp.n_ff_exp}" if hp.is_moe else ""))
     out(f"weights {', '.join(f'{k}: {n} tensors {b / 2**20:.0f} MiB' for k, (n, b) in model.weight_rules.items())}")
     out(f"bytes read per decoded token {per_token / 2**20:.1f} MiB = LM head {head_bytes / 2**20:.1f} MiB "
-        f"+ {hp.n_layer} x {layer_bytes / 2**20:.2f} MiB per layer; prompt {n_prompt}, decode {n_gen} tokens")
-    out(f"{'engine':<22} {'isa':>10} {'thr':>3} {'pp tok/s':>9} {'tg tok/s':>9} {'stream':>7} {'roofline':>8} "
-        f"{'head ms':>8} {'layer ms':>8} {'layer GB/s':>10} {'layer %':>7}")
-    rows = []
-    for n in threads:
-        cpu.set_threads(n)
-        bw = cpu.read_bandwidth(1 << 30)
-        for level in isas:
-            r = measure(model, n, level, n_prompt, n_gen, bw)
-            rows.append(r)
-            layer_gb_s = layer_bytes / (r.layer_ms / 1e3) / 1e9
-            out(f"{r.engine:<22} {level:>10} {n:>3} {r.pp_tok_s:>9.1f} {r.tg_tok_s:>9.2f} {bw:>7.1f} "
-                f"{per_token * r.tg_tok_s / 1e9 / bw:>8.0%} {r.head_ms:>8.2f} {r.layer_ms:>8.2f} "
-                f"{layer_gb_s:>10.1f} {layer_gb_s / bw:>7.0%}")
-        if llama_python:
-            best = max((r for r in rows if r.threads == n), key=lambda r: r.tg_tok_s)
-            try:
-                lr = llama_row(llama_python, Path(path), n, n_prompt, n_gen)
-            except RuntimeError as exc:
-                out(f"llama.cpp, {n} threads: {exc}")
-                continue
-            rows.append(lr)
-            out(f"{lr.engine:<22} {lr.isa:>10} {n:>3} {lr.pp_tok_s:>9.1f} {lr.tg_tok_s:>9.2f} {bw:>7.1f} "
-                f"{per_token * lr.tg_tok_s / 1e9 / bw:>8.0%}   ours/llama.cpp: decode "
-                f"{best.tg_tok_s / lr.tg_tok_s:.2f}x, prompt {best.pp_tok_s / lr.pp_tok_s:.2f}x ({best.isa})")
-    cpu.set_isa(None)
-    cpu.set_threads()
-    return rows
+        f"+ {hp.n_layer} x {layer_bytes / 2**20:.2f} MiB per layer; pp{n_prompt}, tg{n_gen}, "
+        f"tg{depth_gen} at depths {', '.join(map(str, depths)) or 'none'}; {repeat} round(s)")
+    deep = "".join(f" {f'@{d}':>8}" for d in depths)
+    out(f"{'round':>5} {'engine':<10} {'isa':>10} {'thr':>3} {'pp tok/s':>9} {'tg tok/s':>9}{deep} "
+        f"{'head ms':>8} {'layer ms':>8} {'layer GB/s':>10}")
+    samples: list[Sample] = []
+    peer_rss, peer_build = 0, ""
+    try:
+        for r in range(repeat):
+            for n in threads:
+                for level in isas:
+                    s = measure(model, n, level, n_prompt, n_gen, depths, depth_gen, r)
+                    samples.append(s)
+                    out(f"{r + 1:>5} {s.engine:<10} {level:>10} {n:>3} {s.pp_tok_s:>9.1f} {s.tg_tok_s:>9.2f}"
+                        + "".join(f" {s.depth_tg[d]:>8.2f}" for d in depths)
+                        + f" {s.head_ms:>8.2f} {s.layer_ms:>8.2f} {layer_bytes / (s.layer_ms / 1e3) / 1e9:>10.1f}")
+                if llama_bench is None:
+                    continue
+                try:
+                    s, rss, peer_build = peer_sample(llama_bench, path, n, n_prompt, n_gen, depths, depth_gen, r)
+                except RuntimeError as exc:
+                    out(f"llama.cpp, {n} threads: {exc}")
+                    continue
+                peer_rss = max(peer_rss, rss)
+                samples.append(s)
+                out(f"{r + 1:>5} {s.engine:<10} {'':>10} {n:>3} {s.pp_tok_s:>9.1f} {s.tg_tok_s:>9.2f}"
+                    + "".join(f" {s.depth_tg[d]:>8.2f}" for d in depths))
+    finally:
+        cpu.set_isa(None)
+        cpu.set_threads()
+    end = memory()
+    out(f"RSS after the runs: {_mib(end['rss'])} = anonymous {_mib(end['anon'])} + file-backed {_mib(end['file'])}"
+        + (f"; llama-bench peak RSS {_mib(peer_rss)} (build {peer_build})" if peer_rss else ""))
+    summarize(samples, bandwidth, per_token, depths, out)
+    return samples
+
+
+def summarize(samples: Sequence[Sample], bandwidth: dict[int, list[float]], per_token: int,
+              depths: Sequence[int], out: Out = print) -> None:
+    """Print the summary table (see the module doc, step 5)."""
+    out("summary: median (min-max) over rounds; roofline = bytes/token x tg / median stream bandwidth; "
+        "ratio = DeltaDesk / llama.cpp, round by round")
+    peers = {(s.threads, s.round): s for s in samples if s.engine == "llama.cpp"}
+    keys = list(dict.fromkeys((s.engine, s.isa, s.threads) for s in samples))
+    for engine, isa, n in keys:
+        group = [s for s in samples if (s.engine, s.isa, s.threads) == (engine, isa, n)]
+        bw = statistics.median(bandwidth[n])
+        roof = [per_token * s.tg_tok_s / 1e9 / bw for s in group]
+        line = (f"{engine:<10} {isa or 'its own':>10} {n:>2} thr: pp {spread([s.pp_tok_s for s in group], '.1f')}, "
+                f"tg {spread([s.tg_tok_s for s in group])}"
+                + "".join(f", tg@{d} {spread([s.depth_tg[d] for s in group])}" for d in depths)
+                + f" tok/s; roofline {spread([100 * x for x in roof], '.0f')} %")
+        pairs = [(s, peers[(n, s.round)]) for s in group if engine != "llama.cpp" and (n, s.round) in peers]
+        if pairs:
+            line += (f"; vs llama.cpp: tg {spread([a.tg_tok_s / b.tg_tok_s for a, b in pairs])}x, "
+                     f"pp {spread([a.pp_tok_s / b.pp_tok_s for a, b in pairs])}x"
+                     + "".join(f", tg@{d} {spread([a.depth_tg[d] / b.depth_tg[d] for a, b in pairs])}x" for d in depths))
+        out(line)

@@ -36,7 +36,7 @@ from engine.quant import (BLOCK_DTYPES, WRITABLE_TYPES, block_size, pack_k_scale
                     type_name, type_size)
 
 from .hparams import Qwen35HParams
-from .quant_mix import MIXES, mix_type
+from .quant_mix import MIXES, mix_types
 from .tensors import tensor_shapes
 
 Q = GGMLQuantizationType
@@ -181,7 +181,8 @@ def synth(path: str | os.PathLike[str], preset: str, layers: int | None = None, 
         layers, experts: shrink the preset (:func:`preset_hparams`).
         quant: file type: ``f32``, ``f16``, ``q8_0``, ``q4_0`` (also ``bf16``, ``q4_1``, ``q5_0``, ``q5_1``),
             or a K-quant mix of :data:`engine.arch.qwen35.quant_mix.MIXES` (``q4_k_m``: llama-quantize's per-tensor
-            types, see :mod:`engine.arch.qwen35.quant_mix`; its Q4_K / Q5_K / Q6_K / Q8_0 blocks are drawn directly).
+            types; ``ud_q4_k_xl``: unsloth's dynamic mix as documented; see :mod:`engine.arch.qwen35.quant_mix`;
+            its Q4_K / Q5_K / Q6_K / Q8_0 blocks are drawn directly).
         seed: the weights are a deterministic function of (seed, tensor name, shape).
         vocab: ``"qwen35"`` for the real vocabulary and chat template (``engine.arch.qwen35.vocab``), ``None`` for
             no tokenizer metadata with ``vocab_size`` 248320, or a list of token strings.
@@ -203,9 +204,10 @@ def synth(path: str | os.PathLike[str], preset: str, layers: int | None = None, 
     hp = preset_hparams(preset, n_vocab, layers, experts)
     plan: list[_Plan] = []
     shapes = tensor_shapes(hp)
+    mixed = mix_types(mix, shapes, hp) if mix else {}
     for name, ne in shapes.items():
         shape = tuple(reversed(ne))
-        qtype = mix_type(mix, name, ne, hp, "output.weight" in shapes) if mix else storage_type(name, ne, qfile)
+        qtype = mixed[name] if mix else storage_type(name, ne, qfile)
         rng = np.random.default_rng([seed, zlib.crc32(name.encode()), *shape])
         plan.append((name, shape, qtype, lambda n=name, s=shape, q=qtype, r=rng: _random_tensor(n, s, q, hp, r)))
     _write(path, hp, plan, MIXES[mix] if mix else FILE_TYPES[qfile], vocab, None,

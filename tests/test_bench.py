@@ -1,0 +1,230 @@
+"""``python -m engine bench`` and its llama-bench peer, without building or running llama.cpp: the JSON parser on
+output captured from the real llama-bench (``tests/data/llama_bench_sample.json``: llama-cpp-python 0.3.36's
+vendored build, ``llama-bench -m small_q4_0.gguf -t 1 -p 16 -n 8 -d 0,64 -r 2 -o json``), the build step
+with a fake ``cmake``, the interleaved bench with a fake ``llama-bench`` script, and the NUMA decision with
+a faked node count and a recording ``syscall``."""
+
+from __future__ import annotations
+
+import json
+import os
+import stat
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from engine.kernels import numa
+from engine.tools import cpu_llama
+
+SAMPLE = Path(__file__).parent / "data" / "llama_bench_sample.json"
+
+
+def _script(path: Path, body: str) -> Path:
+    path.write_text(f"#!{sys.executable}\n{body}")
+    path.chmod(path.stat().st_mode | stat.S_IEXEC)
+    return path
+
+
+def test_parse_results_of_real_llama_bench_output():
+    raw = json.loads(SAMPLE.read_text())
+    results = cpu_llama.parse_results(SAMPLE.read_text())
+    assert len(results) == len(raw) == 4
+    for r, test in zip(results, raw):
+        assert (r.n_prompt, r.n_gen, r.n_depth, r.n_threads) == (test["n_prompt"], test["n_gen"], test["n_depth"], 1)
+        assert r.samples_ts == tuple(test["samples_ts"]) and len(r.samples_ts) == 2
+        assert r.build == f"{test['build_commit']} (build {test['build_number']})"
+    assert {(r.n_prompt, r.n_gen, r.n_depth) for r in results} == {(16, 0, 0), (0, 8, 0), (16, 0, 64), (0, 8, 64)}
+
+
+@pytest.mark.parametrize("text, match", [
+    ("not json", "not JSON"),
+    ('{"a": 1}', "JSON array"),
+    ("[1]", "test 0 is not an object"),
+])
+def test_parse_results_rejects_bad_output(text, match):
+    with pytest.raises(ValueError, match=match):
+        cpu_llama.parse_results(text)
+
+
+@pytest.mark.parametrize("field, value", [("samples_ts", None), ("samples_ts", [0.0]), ("n_gen", "8"),
+                                          ("build_commit", 3), ("n_threads", True)])
+def test_parse_results_names_the_bad_field(field, value):
+    tests = json.loads(SAMPLE.read_text())
+    tests[1][field] = value
+    with pytest.raises(ValueError, match=f"test 1: .*{field}"):
+        cpu_llama.parse_results(json.dumps(tests))
+
+
+def test_build_commands_use_the_project_flags(tmp_path):
+    configure, build = cpu_llama.build_commands(tmp_path / "src", 3)
+    assert configure[:5] == ["cmake", "-S", str(tmp_path / "src"), "-B", str(tmp_path / "src" / "build")]
+    for flag in cpu_llama.LLAMA_CMAKE_ARGS.split() + ["-DCMAKE_BUILD_TYPE=Release", "-DGGML_NATIVE=OFF"]:
+        assert flag in configure
+    assert build == ["cmake", "--build", str(tmp_path / "src" / "build"), "--target", "llama-bench", "-j", "3"]
+
+
+FAKE_CMAKE = """import pathlib, sys
+args = sys.argv[1:]
+log = pathlib.Path(__file__).with_name("calls.txt")
+log.write_text(log.read_text() + " ".join(args) + "\\n" if log.exists() else " ".join(args) + "\\n")
+if args[0] == "--build":
+    for p in (10, 10, 55, 100):
+        print(f"[{p:3d}%] Building CXX object x.o", flush=True)
+    if (pathlib.Path(__file__).parent / "fail").exists():
+        print("error: boom"); sys.exit(1)
+    out = pathlib.Path(args[1]) / "bin" / "llama-bench"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text("#!/bin/sh\\n"); out.chmod(0o755)
+else:
+    print("-- Configuring done")
+"""
+
+
+def _fake_source(tmp_path: Path) -> tuple[Path, Path, Path]:
+    """(cache folder holding an unpacked fake source tree, that tree, the fake cmake)."""
+    cache = tmp_path / "cache"
+    source = cpu_llama.source_dir(cache)
+    source.mkdir(parents=True)
+    (source / "CMakeLists.txt").write_text("project(fake)\n")
+    return cache, source, _script(tmp_path / "cmake", FAKE_CMAKE)
+
+
+def test_ensure_llama_bench_builds_once_with_progress(tmp_path):
+    cache, source, cmake = _fake_source(tmp_path)
+    lines: list[str] = []
+    binary = cpu_llama.ensure_llama_bench(cache, lines.append, jobs=2, cmake=str(cmake))
+    assert binary == cpu_llama.binary_path(cache) and os.access(binary, os.X_OK)
+    calls = (tmp_path / "calls.txt").read_text().splitlines()
+    assert calls == [" ".join(c[1:]) for c in cpu_llama.build_commands(source, 2, str(cmake))]
+    progress = [line for line in lines if line.startswith("building llama-bench: ")]
+    assert [p.split(": ")[1].split("%")[0] for p in progress] == ["10", "55", "100"]
+    assert "-- Configuring done" in (cache / "build.log").read_text()
+    assert cpu_llama.ensure_llama_bench(cache, lines.append, cmake=str(cmake)) == binary
+    assert len((tmp_path / "calls.txt").read_text().splitlines()) == 2          # cached: cmake not run again
+
+
+def test_ensure_llama_bench_reports_a_failed_build(tmp_path):
+    cache, _, cmake = _fake_source(tmp_path)
+    (tmp_path / "fail").write_text("")
+    with pytest.raises(RuntimeError, match="exit 1.*error: boom"):
+        cpu_llama.ensure_llama_bench(cache, lambda _: None, cmake=str(cmake))
+
+
+FAKE_LLAMA_BENCH = """import json, sys
+a = sys.argv[1:]
+get = lambda flag: a[a.index(flag) + 1]
+if "FAIL" in get("-m"):
+    print("llama_model_load: error loading model", file=sys.stderr); sys.exit(1)
+t, p, n = int(get("-t")), int(get("-p")), int(get("-n"))
+sample = json.load(open(%r))[0]
+tests = []
+for d in map(int, get("-d").split(",")):
+    for n_p, n_g, rate in ((p, 0, 100.0 * t), (0, n, 10.0 * t / (1 + d / 1000))):
+        if n_p or n_g:
+            tests.append(dict(sample, n_prompt=n_p, n_gen=n_g, n_depth=d, n_threads=t, samples_ts=[rate]))
+print(json.dumps(tests))
+""" % str(SAMPLE)
+
+
+def test_fetch_source_unpacks_the_sdist(tmp_path, monkeypatch):
+    """``pip download`` (faked: it writes an archive shaped like the sdist) then unpacking into the cache folder."""
+    import io
+    import subprocess
+    import tarfile
+    calls = []
+
+    def fake_pip(cmd, **kwargs):
+        calls.append(cmd)
+        if "llama-cpp-python==0.0-broken" in " ".join(cmd):
+            return subprocess.CompletedProcess(cmd, 1, "", "ERROR: No matching distribution")
+        name = f"llama_cpp_python-{cpu_llama.LLAMA_CPP_PYTHON_VERSION}"
+        with tarfile.open(Path(cmd[cmd.index("-d") + 1]) / f"{name}.tar.gz", "w:gz") as tar:
+            info = tarfile.TarInfo(f"{name}/vendor/llama.cpp/CMakeLists.txt")
+            info.size = 5
+            tar.addfile(info, io.BytesIO(b"x\n\n\n\n"))
+        return subprocess.CompletedProcess(cmd, 0, "", "")
+
+    monkeypatch.setattr(cpu_llama.subprocess, "run", fake_pip)
+    source = cpu_llama.fetch_source(tmp_path / "cache", lambda _: None)
+    assert source == cpu_llama.source_dir(tmp_path / "cache") and (source / "CMakeLists.txt").is_file()
+    assert calls[0][1:6] == ["-m", "pip", "download", "--no-deps", "--no-binary"]
+    monkeypatch.setattr(cpu_llama, "LLAMA_CPP_PYTHON_VERSION", "0.0-broken")
+    with pytest.raises(RuntimeError, match="No matching distribution"):
+        cpu_llama.fetch_source(tmp_path / "other", lambda _: None)
+
+
+def test_run_llama_bench_parses_and_measures(tmp_path):
+    fake = _script(tmp_path / "llama-bench", FAKE_LLAMA_BENCH)
+    results, peak = cpu_llama.run_llama_bench(cpu_llama.bench_command(fake, "m.gguf", 2, 0, 16, (4096, 16384)))
+    assert [(r.n_gen, r.n_depth, r.samples_ts) for r in results] == [(16, 4096, (20 / 5.096,)),
+                                                                    (16, 16384, (20 / 17.384,))]
+    assert peak > 0
+    with pytest.raises(RuntimeError, match="exit 1.*error loading model"):
+        cpu_llama.run_llama_bench(cpu_llama.bench_command(fake, "FAIL.gguf", 1, 16, 16))
+
+
+@pytest.fixture(scope="module")
+def tiny_q4(tmp_path_factory):
+    from engine.arch.qwen35.synth import synth
+    path = tmp_path_factory.mktemp("bench") / "tiny.gguf"
+    synth(path, "tiny", quant="q4_0", vocab=None)
+    return path
+
+
+def test_fill_context(tiny_q4):
+    from engine.gguf_file import GGUFFile
+    from engine.tools.cpu_bench import fill_context
+    hp = GGUFFile.open(tiny_q4).hparams
+    state = fill_context(hp, 5, 9, np.random.default_rng(0))
+    assert state.pos == 5 and state.k
+    for a in (*state.k.values(), *state.v.values()):
+        assert np.all(a[:5] != 0) and np.all(a[5:] == 0)
+    assert all(np.all(a != 0) for a in state.ssm.values())
+
+
+def test_bench_interleaves_with_the_peer(tiny_q4, tmp_path):
+    from engine.kernels import cpu
+    from engine.tools import cpu_bench
+    if not cpu.available():
+        pytest.skip("native CPU kernels not built")
+    fake = _script(tmp_path / "llama-bench", FAKE_LLAMA_BENCH)
+    lines: list[str] = []
+    level = cpu.supported_isas()[-1]
+    samples = cpu_bench.run(tiny_q4, [1], [level], n_prompt=4, n_gen=2, depths=[8], depth_gen=2, repeat=2,
+                            llama_bench=fake, stream_gib=1 / 64, stream_runs=2, out=lines.append)
+    assert [(s.engine, s.round) for s in samples] == [("deltadesk", 0), ("llama.cpp", 0), ("deltadesk", 1),
+                                                       ("llama.cpp", 1)]
+    ours, peer = samples[0], samples[1]
+    assert set(ours.depth_tg) == {8} and ours.tg_tok_s > 0 and ours.pp_tok_s > 0
+    assert (peer.pp_tok_s, peer.tg_tok_s, peer.depth_tg) == (100.0, 10.0, {8: 10.0 / 1.008})
+    text = "\n".join(lines)
+    assert f"NUMA nodes: {numa.node_count()}" in text
+    assert "RSS after load:" in text and "anonymous" in text and "file-backed" in text
+    assert "llama-bench peak RSS" in text
+    summary = [line for line in lines if line.startswith("deltadesk") and "vs llama.cpp" in line]
+    ratios = [a.tg_tok_s / b.tg_tok_s for a, b in zip(samples[0::2], samples[1::2])]
+    assert len(summary) == 1 and f"tg {cpu_bench.spread(ratios)}x" in summary[0]
+
+
+def test_bench_cli(tiny_q4, capsys, tmp_path):
+    from engine.__main__ import main
+    with pytest.raises(SystemExit):
+        main(["bench", "--help"])
+    help_text = " ".join(capsys.readouterr().out.split())
+    for shown in ("(default: 512)", "(default: 64)", "(default: [4096, 16384])", "(default: 3)", "--llama-bench PATH"):
+        assert shown in help_text
+    assert main(["bench", str(tiny_q4), "--llama-bench", str(tmp_path / "absent")]) == 2
+    assert "not an executable file" in capsys.readouterr().err
+
+
+def test_real_llama_bench_has_depth():
+    """On a machine with the peer built (DELTADESK_LLAMA_BENCH = its path): its help lists -d / --n-depth,
+    which the bench's 4k / 16k decode needs. Skipped elsewhere (CI)."""
+    binary = os.environ.get("DELTADESK_LLAMA_BENCH")
+    if not binary or not os.access(binary, os.X_OK):
+        pytest.skip("no llama-bench binary (set DELTADESK_LLAMA_BENCH)")
+    import subprocess
+    done = subprocess.run([binary, "--help"], capture_output=True, text=True, timeout=60)
+    assert "--n-depth" in done.stdout + done.stderr
