@@ -56,18 +56,32 @@ def run(model, n_decode: int, capacity: int = 64) -> tuple[np.ndarray, np.ndarra
 
 @pytest.mark.parametrize("quant, near", [("q4_0", 0.05), ("q8_0", 0.05), ("q4_k_m", 0.1)])
 def test_logits_equal_the_emulation_at_every_isa_and_stay_near_numpy(synth_model, quant, near, isa_reset):
-    """``near``: the largest logit gap to the float reference, relative to the largest logit, over
+    """Every ISA level gives the same bits (the kernels' exact integer dots and f64 sums, the same C
+    mixers). The numpy emulation uses the kernels' twins (bit-identical product by product:
+    test_cpu_kernels, test_cpu_bquants) but the mixers' numpy twins, which round differently from C
+    in the last f32 bit (test_cpu_mixers: <= 3.4e-7 relative). Such a bit can move one activation
+    across a Q8_0 rounding boundary, and from there the token's logits part: on the Q4_K_M file
+    (seed 0, Q5_0 ffn_down read as stored) only the last prompt position differs, by 6e-4 of the
+    largest logit. So the emulation is held to 1 % of the largest logit (most files match it bit for
+    bit, which is luck of the draw, not a property).
+
+    ``near``: the largest logit gap to the float reference, relative to the largest logit, over
     18 x 248320 logits. The gap comes from the Q8_0 activations; its median is ~1.3 % of the median
     logit for both the Q4_0 and the Q4_K_M file, its maximum 4.8 % and 6.9 % (seed 0)."""
     gguf = GGUFFile.open(synth_model("small", quant))
     native = NativeQwen35Model(gguf.hparams, gguf)
     cpu.set_isa("numpy")
     emulated = run(native, 4)
-    for level in cpu.supported_isas():
+    levels = cpu.supported_isas()
+    cpu.set_isa(levels[0])
+    first = run(native, 4)
+    for level in levels[1:]:
         cpu.set_isa(level)
         got = run(native, 4)
-        for a, b in zip(got, emulated):
-            assert np.array_equal(a, b), f"{level}: max gap {np.abs(a - b).max()} to the numpy emulation"
+        for a, b in zip(got, first):
+            assert np.array_equal(a, b), f"{level}: max gap {np.abs(a - b).max()} to {levels[0]}"
+    for a, b in zip(first, emulated):
+        assert np.abs(a - b).max() <= 0.01 * np.abs(b).max(), "native logits vs the numpy emulation"
     ref = run(Qwen35Model(gguf.hparams, gguf), 4)
     for a, b in zip(emulated, ref):
         assert np.abs(a - b).max() <= near * np.abs(b).max()
