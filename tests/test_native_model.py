@@ -205,11 +205,12 @@ def as_iq4_nl(src, dst) -> None:
 
 
 @pytest.mark.parametrize("quant", ["q5_1", "iq4_nl"])
-def test_other_block_types_are_read_in_place_and_equal_the_emulation(synth_model, quant, tmp_path, isa_reset):
+def test_other_block_types_are_read_in_place_at_every_isa_level(synth_model, quant, tmp_path, isa_reset):
     """A file of Q5_1 (synth; Q4_1 and Q5_0 take the same path, tests/test_cpu_bquants.py) or IQ4_NL (a
     Q4_0 synth file retyped) weights: every projection stays in the file map (no Q8_0 copy, so RSS grows
-    by no weight bytes), and the logits of a prefill and a decode step equal the numpy emulation bit for
-    bit at every ISA level (see the module doc)."""
+    by no weight bytes); the logits of a prefill and a decode step are the same bits at every ISA level
+    and within 1 % of the largest logit of the numpy emulation (the mixers' rounding argument of
+    test_logits_equal_the_emulation_at_every_isa_and_stay_near_numpy)."""
     path = synth_model("tiny", "q4_0" if quant == "iq4_nl" else quant)
     if quant == "iq4_nl":
         as_iq4_nl(path, tmp_path / "iq4_nl.gguf")
@@ -220,10 +221,15 @@ def test_other_block_types_are_read_in_place_and_equal_the_emulation(synth_model
     assert all(rule.endswith(" mapped") for rule in model.weight_rules), model.weight_rules
     cpu.set_isa("numpy")
     emulated = run(model, 1)
-    for level in cpu.supported_isas():
+    levels = cpu.supported_isas()
+    cpu.set_isa(levels[0])
+    first = run(model, 1)
+    for a, b in zip(first, emulated):
+        assert np.abs(a - b).max() <= 0.01 * np.abs(b).max()
+    for level in levels[1:]:
         cpu.set_isa(level)
-        for a, b in zip(run(model, 1), emulated):
-            assert np.array_equal(a, b), f"{level}: max gap {np.abs(a - b).max()} to the numpy emulation"
+        for a, b in zip(run(model, 1), first):
+            assert np.array_equal(a, b), f"{level}: max gap {np.abs(a - b).max()} to {levels[0]}"
 
 
 @pytest.mark.parametrize("threads", [1, 2])

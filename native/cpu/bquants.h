@@ -78,10 +78,37 @@ DD_INLINE uint32_t dd_bq_qh(const uint8_t *g, dd_bq_layout L, int i)
     return h;
 }
 
+/* One column's activations of a group, arranged once for the R rows of a tile: the 8 blocks' values
+ * (a) and sums (bs, zero past n); AVX-512 also the block pairs in its weight lane order (v). */
+typedef struct {
+    const int8_t *a;
+    dd_v8i bs;
+#if DD_BQ_LEVEL >= 3
+    __m512i v[4];
+#endif
+} dd_bq_acts;
+
+DD_INLINE void dd_bq_prep(const int8_t *a, dd_v8i bs, int n, dd_bq_acts *p)
+{
+    p->a = a;
+    p->bs = bs;
+#if DD_BQ_LEVEL >= 3
+    /* pair q = blocks 2q, 2q + 1 (64 bytes; a lone last block meets the zero padding block): 128-bit
+     * lanes [values 0-15 of 2q | 0-15 of 2q + 1 | 16-31 of 2q | 16-31 of 2q + 1] */
+    const __m512i order = _mm512_setr_epi64(0, 1, 4, 5, 2, 3, 6, 7);
+    for (int q = 0; q < 4; q++)
+        if (2 * q < n)
+            p->v[q] = _mm512_permutexvar_epi64(order, _mm512_loadu_si512(a + 64 * q));
+#else
+    (void)n;
+#endif
+}
+
 #if DD_BQ_LEVEL == 0
 /* out[i] = sum_j v_j a_j over block i < n (v = q, or kvalues_iq4nl[nibble]); element by element. */
-DD_INLINE void dd_bq_dot8(const uint8_t *g, int wtype, int n, const int8_t *a, int32_t out[8])
+DD_INLINE void dd_bq_dot8(const uint8_t *g, int wtype, int n, const dd_bq_acts *p, int32_t out[8])
 {
+    const int8_t *a = p->a;
     const dd_bq_layout L = dd_bq_layout_of(wtype);
     for (int i = 0; i < n; i++) {
         const uint8_t *qs = dd_bq_qs(g, wtype, L, i);
@@ -102,8 +129,9 @@ DD_INLINE void dd_bq_dot8(const uint8_t *g, int wtype, int n, const int8_t *a, i
  * (a byte shuffle spreads qh byte j / 8 to byte j, the bit test picks bit j % 8), or the codebook
  * looked up by pshufb. pmaddubsw wants an unsigned side: the quants, or |kv| with kv's sign moved
  * onto the activations (no product pair exceeds 2 * 127 * 127). pmaddwd by ones, then a phaddd tree. */
-DD_INLINE void dd_bq_dot8(const uint8_t *g, int wtype, int n, const int8_t *a, int32_t out[8])
+DD_INLINE void dd_bq_dot8(const uint8_t *g, int wtype, int n, const dd_bq_acts *p, int32_t out[8])
 {
+    const int8_t *a = p->a;
     const dd_bq_layout L = dd_bq_layout_of(wtype);
     const __m128i low = _mm_set1_epi8(0x0f), ones = _mm_set1_epi16(1);
     const __m128i bits = _mm_set1_epi64x((long long)0x8040201008040201ull), sixteen = _mm_set1_epi8(0x10);
@@ -144,21 +172,18 @@ DD_INLINE void dd_bq_dot8(const uint8_t *g, int wtype, int n, const int8_t *a, i
         _mm_storeu_si128((__m128i *)(out + 4 * q), _mm_hadd_epi32(h01, h23));
     }
 }
-#else
+#elif DD_BQ_LEVEL == 2
 /* One ymm per block, values in order (low nibbles in the low 128 bits, high in the high); the qh
- * bits and the codebook as at SSSE3. AVX2: vpmaddubsw + vpmaddwd by ones; AVX-512 VNNI: vpdpbusd
- * (no int16 step). The 8 int32 lanes of each block are summed by a vphaddd tree. */
+ * bits and the codebook as at SSSE3; vpmaddubsw + vpmaddwd by ones. The 8 int32 lanes of each
+ * block are summed by a vphaddd tree. */
 DD_INLINE __m256i dd_bq_madd(__m256i u, __m256i s)
 {
-#if DD_BQ_LEVEL >= 3
-    return _mm256_dpbusd_epi32(_mm256_setzero_si256(), u, s);
-#else
     return _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1));
-#endif
 }
 
-DD_INLINE void dd_bq_dot8(const uint8_t *g, int wtype, int n, const int8_t *a, int32_t out[8])
+DD_INLINE void dd_bq_dot8(const uint8_t *g, int wtype, int n, const dd_bq_acts *p, int32_t out[8])
 {
+    const int8_t *a = p->a;
     const dd_bq_layout L = dd_bq_layout_of(wtype);
     const __m256i low = _mm256_set1_epi8(0x0f);
     const __m256i bits = _mm256_set1_epi64x((long long)0x8040201008040201ull), sixteen = _mm256_set1_epi8(0x10);
@@ -191,6 +216,52 @@ DD_INLINE void dd_bq_dot8(const uint8_t *g, int wtype, int n, const int8_t *a, i
     const __m256i sum = _mm256_add_epi32(_mm256_permute2x128_si256(lo, hi, 0x20), _mm256_permute2x128_si256(lo, hi, 0x31));
     _mm256_storeu_si256((__m256i *)out, sum);
 }
+#else
+/* ggml-common.h kvalues_iq4nl + 128: unsigned bytes for vpdpbusd (the sum then loses 128 S) */
+static const uint8_t dd_kvalues_iq4nl_u8[16] = { 1, 24, 45, 63, 79, 93, 106, 118, 129, 141, 153, 166, 181, 197, 217, 241 };
+
+/* A block pair per zmm, in the lane order of dd_bq_prep: the two blocks' 16 nibble bytes side by
+ * side, their high nibbles in the upper 256 bits; Q5 adds 16 where a byte's qh bit is set (the 4 x 16
+ * bits make the byte mask directly), the IQ4 codebook (+ 128) is a vpshufb. vpdpbusd gives 4-value
+ * sums; a transpose-add within 128-bit lanes (kq_transpose_add of kernels_avx512vnni.c) puts lane k
+ * of pair j in lane 4k + j, so blocks 2j and 2j + 1 are lanes j + 8 and 4 + j + 12 added, then
+ * gathered into block order. */
+DD_INLINE void dd_bq_dot8(const uint8_t *g, int wtype, int n, const dd_bq_acts *p, int32_t out[8])
+{
+    const dd_bq_layout L = dd_bq_layout_of(wtype);
+    const __m512i low = _mm512_set1_epi8(0x0f), sixteen = _mm512_set1_epi8(0x10);
+    const __m512i code = _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i *)dd_kvalues_iq4nl_u8));
+    __m512i d[4];
+    for (int q = 0; q < 4; q++) {
+        if (2 * q >= n) {
+            d[q] = _mm512_setzero_si512();
+            continue;
+        }
+        const int two = 2 * q + 1 < n;
+        const __m128i q0 = _mm_loadu_si128((const __m128i *)dd_bq_qs(g, wtype, L, 2 * q));
+        const __m128i q1 = two ? _mm_loadu_si128((const __m128i *)dd_bq_qs(g, wtype, L, 2 * q + 1)) : _mm_setzero_si128();
+        const __m256i t = _mm256_inserti128_si256(_mm256_castsi128_si256(q0), q1, 1);
+        __m512i w = _mm512_and_si512(_mm512_inserti64x4(_mm512_castsi256_si512(t), _mm256_srli_epi16(t, 4), 1), low);
+        if (L.qh >= 0) {
+            const uint64_t h0 = dd_bq_qh(g, L, 2 * q), h1 = two ? dd_bq_qh(g, L, 2 * q + 1) : 0;
+            const __mmask64 k = (h0 & 0xffff) | (h1 & 0xffff) << 16 | (h0 >> 16) << 32 | (h1 >> 16) << 48;
+            w = _mm512_mask_add_epi8(w, k, w, sixteen);
+        }
+        if (L.code)
+            w = _mm512_shuffle_epi8(code, w);
+        d[q] = _mm512_dpbusd_epi32(_mm512_setzero_si512(), w, p->v[q]);
+    }
+    __m512i t = kq_transpose_add(d);
+    t = _mm512_add_epi32(t, _mm512_alignr_epi32(t, t, 8));   /* lanes 0-3: blocks 0, 2, 4, 6; 4-7: 1, 3, 5, 7 */
+    t = _mm512_permutexvar_epi32(_mm512_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7, 0, 0, 0, 0, 0, 0, 0, 0), t);
+    __m256i r = _mm512_castsi512_si256(t);
+    if (L.code) {
+        __m256i bs;
+        memcpy(&bs, &p->bs, sizeof bs);
+        r = _mm256_sub_epi32(r, _mm256_slli_epi32(bs, 7));
+    }
+    _mm256_storeu_si256((__m256i *)out, r);
+}
 #endif
 
 #if DD_BQ_LEVEL >= 3
@@ -199,6 +270,19 @@ DD_INLINE void dd_bq_dot8(const uint8_t *g, int wtype, int n, const int8_t *a, i
 #define DD_BQ_F16(p) _cvtsh_ss(dd_load_u16(p))
 #else
 #define DD_BQ_F16(p) dd_f16_to_f32(dd_load_u16(p))
+#endif
+
+#if DD_BQ_LEVEL >= 2
+/* 8 f16 bit patterns (in the low halves of int32 lanes) -> 8 f32 */
+DD_INLINE dd_v8f dd_bq_halves(__m256i x)
+{
+    const __m128i h = _mm256_castsi256_si128(_mm256_permute4x64_epi64(_mm256_packus_epi32(x, x), 0x08));
+#if DD_BQ_LEVEL >= 3
+    return (dd_v8f)_mm512_castps512_ps256(_mm512_cvtph_ps(_mm256_castsi128_si256(h)));
+#else
+    return (dd_v8f)_mm256_cvtph_ps(h);
+#endif
+}
 #endif
 
 /* A group's f32 scales d_i and mins m_i (zero past n or without mins) and, for IQ4_XS, the
@@ -211,16 +295,37 @@ DD_INLINE void dd_bq_scales(const uint8_t *g, int wtype, int n, dd_v8f *dw, dd_v
     if (wtype == DD_IQ4_XS) {
         const float d0 = DD_BQ_F16(g);
         const uint32_t sh = dd_load_u16(g + 2);
-        for (int i = 0; i < 8; i++) {
-            d[i] = d0;
-            k[i] = (int32_t)(((g[4 + i / 2] >> (4 * (i % 2))) & 15) | (((sh >> (2 * i)) & 3) << 4)) - 32;
-        }
+        uint32_t sl;
+        memcpy(&sl, g + 4, 4);
+        d += d0;
+#if DD_BQ_LEVEL >= 2
+        /* nibble i of scales_l (byte i / 2, shifted by 4 (i % 2)) and bits 2i, 2i + 1 of scales_h */
+        const __m256i lo = _mm256_and_si256(_mm256_srlv_epi32(_mm256_set1_epi32((int)sl), _mm256_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28)),
+                                            _mm256_set1_epi32(15));
+        const __m256i hi = _mm256_and_si256(_mm256_srlv_epi32(_mm256_set1_epi32((int)sh), _mm256_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14)),
+                                            _mm256_set1_epi32(3));
+        k = (dd_v8i)_mm256_sub_epi32(_mm256_or_si256(lo, _mm256_slli_epi32(hi, 4)), _mm256_set1_epi32(32));
+#else
+        for (int i = 0; i < 8; i++)
+            k[i] = (int32_t)(((sl >> (4 * i)) & 15) | (((sh >> (2 * i)) & 3) << 4)) - 32;
+#endif
     } else {
+#if DD_BQ_LEVEL >= 2
+        /* the 4 bytes at each block's start (d, then m or qh) in one masked gather; halves to f32 */
+        const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+        const __m256i dm = _mm256_mask_i32gather_epi32(_mm256_setzero_si256(), (const int *)g,
+                                                       _mm256_mullo_epi32(lane, _mm256_set1_epi32(L.bytes)),
+                                                       _mm256_cmpgt_epi32(_mm256_set1_epi32(n), lane), 1);
+        d = dd_bq_halves(_mm256_and_si256(dm, _mm256_set1_epi32(0xffff)));
+        if (L.min)
+            m = dd_bq_halves(_mm256_srli_epi32(dm, 16));
+#else
         for (int i = 0; i < n; i++) {
             d[i] = DD_BQ_F16(g + (size_t)i * L.bytes);
             if (L.min)
                 m[i] = DD_BQ_F16(g + (size_t)i * L.bytes + 2);
         }
+#endif
     }
     *dw = d;
     *mw = m;
@@ -232,50 +337,65 @@ DD_INLINE size_t dd_bq_group_bytes(int wtype)
     return wtype == DD_IQ4_XS ? DD_IQ4_XS_BYTES : 8 * (size_t)dd_bq_layout_of(wtype).bytes;
 }
 
-DD_INLINE void dd_bq_tile(const uint8_t *w, const uint8_t *pf, size_t rb, const dd_acts *a, int wtype, size_t c0,
-                          float *y, size_t ldy, const int R, const int C)
+/* Group gi (n blocks: 8, or fewer in a row's last) of R rows x C columns into acc. */
+DD_INLINE void dd_bq_group(const uint8_t *w, const uint8_t *pf, size_t rb, const dd_acts *a, int wtype, size_t c0,
+                           size_t gi, const int n, dd_v8d acc[4][4], const int R, const int C)
 {
     const dd_bq_layout L = dd_bq_layout_of(wtype);
-    const size_t gbytes = dd_bq_group_bytes(wtype), ngroups = (a->nb + 7) / 8;
-    dd_v8d acc[4][4];
-    for (int r = 0; r < R; r++)
-        for (int c = 0; c < C; c++)
-            acc[r][c] = (dd_v8d){ 0 };
-    for (size_t gi = 0; gi < ngroups; gi++) {
-        const int n = a->nb - 8 * gi < 8 ? (int)(a->nb - 8 * gi) : 8;
-        const size_t gsize = wtype == DD_IQ4_XS ? gbytes : (size_t)n * L.bytes;
-        dd_v8f dw[4], mw[4];
-        dd_v8i mult[4];
-        for (int r = 0; r < R; r++) {
-            const uint8_t *p = pf + r * rb + gi * gbytes;
-            for (size_t at = 0; at < gsize; at += 64)
-                __builtin_prefetch(p + at, 0, 3);
-            __builtin_prefetch(p + gsize - 1, 0, 3);
-            dd_bq_scales(w + r * rb + gi * gbytes, wtype, n, &dw[r], &mw[r], &mult[r]);
-        }
-        for (int c = 0; c < C; c++) {
-            const size_t b0 = (c0 + c) * a->nbp + 8 * gi;
-            dd_v8f da = { 0 };
-            dd_v8i bs = { 0 };
+    const size_t gbytes = dd_bq_group_bytes(wtype);
+    const size_t gsize = wtype == DD_IQ4_XS ? gbytes : (size_t)n * L.bytes;
+    dd_v8f dw[4], mw[4];
+    dd_v8i mult[4];
+    for (int r = 0; r < R; r++) {
+        const uint8_t *p = pf + r * rb + gi * gbytes;
+        for (size_t at = 0; at < gsize; at += 64)
+            __builtin_prefetch(p + at, 0, 3);
+        __builtin_prefetch(p + gsize - 1, 0, 3);
+        dd_bq_scales(w + r * rb + gi * gbytes, wtype, n, &dw[r], &mw[r], &mult[r]);
+    }
+    for (int c = 0; c < C; c++) {
+        const size_t b0 = (c0 + c) * a->nbp + 8 * gi;
+        dd_v8f da = { 0 };
+        dd_v8i bs = { 0 };
+        if (n == 8) {
+            memcpy(&da, a->bd + b0, sizeof da);
+            memcpy(&bs, a->bs + b0, sizeof bs);
+        } else {
             for (int i = 0; i < n; i++) {
                 da[i] = a->bd[b0 + i];
                 bs[i] = a->bs[b0 + i];
             }
-            for (int r = 0; r < R; r++) {
-                int32_t d8[8];
-                dd_bq_dot8(w + r * rb + gi * gbytes, wtype, n, a->q + b0 * DD_QK, d8);
-                dd_v8i dot;
-                memcpy(&dot, d8, sizeof dot);
-                if (wtype == DD_Q5_0)
-                    dot -= 16 * bs;
-                dot *= mult[r];
-                /* lane i: (d_i da_i) I_i, exact in f64; then (Q4_1, Q5_1) plus (m_i da_i) S_i */
-                acc[r][c] += __builtin_convertvector(da * dw[r], dd_v8d) * __builtin_convertvector(dot, dd_v8d);
-                if (L.min)
-                    acc[r][c] += __builtin_convertvector(da * mw[r], dd_v8d) * __builtin_convertvector(bs, dd_v8d);
-            }
+        }
+        dd_bq_acts prep;
+        dd_bq_prep(a->q + b0 * DD_QK, bs, n, &prep);
+        for (int r = 0; r < R; r++) {
+            int32_t d8[8];
+            dd_bq_dot8(w + r * rb + gi * gbytes, wtype, n, &prep, d8);
+            dd_v8i dot;
+            memcpy(&dot, d8, sizeof dot);
+            if (wtype == DD_Q5_0)
+                dot -= 16 * bs;
+            dot *= mult[r];
+            /* lane i: (d_i da_i) I_i, exact in f64; then (Q4_1, Q5_1) plus (m_i da_i) S_i */
+            acc[r][c] += __builtin_convertvector(da * dw[r], dd_v8d) * __builtin_convertvector(dot, dd_v8d);
+            if (L.min)
+                acc[r][c] += __builtin_convertvector(da * mw[r], dd_v8d) * __builtin_convertvector(bs, dd_v8d);
         }
     }
+}
+
+DD_INLINE void dd_bq_tile(const uint8_t *w, const uint8_t *pf, size_t rb, const dd_acts *a, int wtype, size_t c0,
+                          float *y, size_t ldy, const int R, const int C)
+{
+    const size_t full = a->nb / 8;
+    dd_v8d acc[4][4];
+    for (int r = 0; r < R; r++)
+        for (int c = 0; c < C; c++)
+            acc[r][c] = (dd_v8d){ 0 };
+    for (size_t gi = 0; gi < full; gi++)
+        dd_bq_group(w, pf, rb, a, wtype, c0, gi, 8, acc, R, C);
+    if (a->nb % 8)
+        dd_bq_group(w, pf, rb, a, wtype, c0, full, (int)(a->nb % 8), acc, R, C);
     for (int r = 0; r < R; r++)
         for (int c = 0; c < C; c++) {
             const dd_v8d s = acc[r][c];
