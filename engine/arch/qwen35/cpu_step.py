@@ -103,8 +103,7 @@ class NativeStep:
         self._mat(m.lm_head, model.mats[model.output_name])
         self.n_vocab = model.mats[model.output_name].rows
         self._c = m
-        self._state_refs: tuple[weakref.ref, ...] = ()
-        self._state_c: Any = None
+        self._cached: tuple[tuple[weakref.ref, ...], Any] = ((), None)   # one store: safe across threads
 
     def _hold(self, obj: Any) -> Any:
         self._keep.append(obj)
@@ -133,8 +132,9 @@ class NativeStep:
         hp = self.hp
         arrays = [a for il in range(hp.n_layer)
                   for a in ((state.conv[il], state.ssm[il]) if hp.is_recurrent(il) else (state.k[il], state.v[il]))]
-        if len(arrays) == len(self._state_refs) and all(r() is a for r, a in zip(self._state_refs, arrays)):
-            return self._state_c
+        refs, entry = self._cached
+        if len(arrays) == len(refs) and all(r() is a for r, a in zip(refs, arrays)):
+            return entry
         layout = hp.state_layout()
         shapes = [s for il in range(hp.n_layer)
                   for s in ((layout.conv[il], layout.ssm[il]) if hp.is_recurrent(il)
@@ -152,8 +152,8 @@ class NativeStep:
         c = ffi.new("dd_step_state *")
         c.conv, c.ssm, c.k, c.v = tables["conv"], tables["ssm"], tables["k"], tables["v"]
         c.capacity = state.capacity
-        self._state_refs, self._state_c = tuple(weakref.ref(a) for a in arrays), (c, tables)
-        return self._state_c
+        self._cached = (tuple(weakref.ref(a) for a in arrays), (c, tables))
+        return c, tables
 
     def forward(self, tokens: np.ndarray, state: SequenceState, embeddings: np.ndarray | None = None,
                 positions: np.ndarray | None = None) -> np.ndarray:
