@@ -164,6 +164,8 @@ class NativeQwen35Model(Qwen35Model):
         float_weights: "f32" (F16/BF16/F32 projections as float32, exact) or "q8_0" (converted).
     Attributes:
         weight_rules: rule -> (tensor count, bytes used by the kernels), e.g. {"Q4_0 mapped": (61, ...)}.
+        step: the one-call decode step (:class:`~engine.arch.qwen35.cpu_step.NativeStep`), or None when
+            the model has something it does not take; step_fallback: why not (None when it runs).
     Raises:
         ValueError: unknown ``float_weights``. UnsupportedModelError: a weight of an unsupported type.
     The kernels' ISA level and thread count are process-wide (:func:`engine.kernels.cpu.set_isa`,
