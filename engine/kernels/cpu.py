@@ -502,4 +502,30 @@ def moe_ffn_np(x: np.ndarray, w: MoEWeights) -> MoEResult:
     return MoEResult(out, idx[0].astype(np.int32), weights[0])
 
 
+
+# --- elementwise ----------------------------------------------------------------------------------
+
+def silu_mul(g: np.ndarray, u: np.ndarray) -> np.ndarray:
+    """``silu(g) * u`` (the SwiGLU gate) in C: silu in float64, rounded to float32, times u in float32.
+
+    Args: g, u: float32 arrays of one shape (the gate and up projections). Returns: float32, that shape.
+    Raises: ValueError on mismatched shapes. With the "numpy" level (or no extension) the twin runs:
+    ``engine.ops.reference.silu(g) * u``, the same formula with numpy's exp instead of libm's.
+    """
+    g, u = np.ascontiguousarray(g, dtype=np.float32), np.ascontiguousarray(u, dtype=np.float32)
+    if g.shape != u.shape:
+        raise ValueError(f"silu_mul: gate {g.shape} and up {u.shape} differ")
+    if _native_level() is None:
+        return silu_mul_np(g, u)
+    y = np.empty_like(g)
+    ffi = _native_cpu.ffi
+    _native_cpu.lib.dd_silu_mul(_ptr(ffi, "float *", g), _ptr(ffi, "float *", u), g.size, _ptr(ffi, "float *", y))
+    return y
+
+
+def silu_mul_np(g: np.ndarray, u: np.ndarray) -> np.ndarray:
+    """numpy twin of :func:`silu_mul`."""
+    return reference.silu(g) * np.asarray(u, dtype=np.float32)
+
+
 set_threads()

@@ -148,6 +148,27 @@ def gated_rmsnorm(o: np.ndarray, w: np.ndarray, z: np.ndarray, eps: float) -> np
     return _f(_rmsnorm(_d(o), eps) * _d(w) * z * _sigmoid(z))
 
 
+def rope_tables(positions: np.ndarray, rope_dims: int, theta: float,
+                sections: tuple[int, ...]) -> tuple[np.ndarray, np.ndarray]:
+    """The cos and sin of :func:`rope_multi`'s angles: pair ``i`` of position ``j`` turns by
+    ``p_i[j] * theta^(-2i/rope_dims)`` radians, ``p_i`` the M-RoPE component of pair i (see there).
+
+    Args: positions (3, n) integer t/h/w positions, or (n,) for all three; rope_dims, theta, sections
+    as for :func:`rope_multi`. Returns: (cos, sin), each (n, rope_dims // 2) float64. The native decode
+    step takes these tables, so its rotation uses the same numpy cos/sin as this reference.
+    """
+    pos = _d(positions)
+    if pos.ndim == 1:
+        pos = np.broadcast_to(pos, (3, pos.shape[0]))
+    half = rope_dims // 2
+    i = np.arange(half)
+    component = np.zeros(half, dtype=np.int64)
+    component[(i % 3 == 1) & (i < 3 * sections[1])] = 1
+    component[(i % 3 == 2) & (i < 3 * sections[2])] = 2
+    angle = pos[component, :].T * theta ** (-2.0 * i / rope_dims)     # (n, half)
+    return np.cos(angle), np.sin(angle)
+
+
 def rope_multi(x: np.ndarray, positions: np.ndarray, rope_dims: int, theta: float,
                sections: tuple[int, ...]) -> np.ndarray:
     """Partial NEOX (rotate-half) RoPE with interleaved M-RoPE positions (section 3.1 step 4).
@@ -168,16 +189,9 @@ def rope_multi(x: np.ndarray, positions: np.ndarray, rope_dims: int, theta: floa
         sections: rope.dimension_sections, in rotation pairs (only [1] and [2] matter).
     Returns: (n, n_heads, head_dim) float32.
     """
-    pos = _d(positions)
-    if pos.ndim == 1:
-        pos = np.broadcast_to(pos, (3, pos.shape[0]))
     half = rope_dims // 2
-    i = np.arange(half)
-    component = np.zeros(half, dtype=np.int64)
-    component[(i % 3 == 1) & (i < 3 * sections[1])] = 1
-    component[(i % 3 == 2) & (i < 3 * sections[2])] = 2
-    angle = pos[component, :].T * theta ** (-2.0 * i / rope_dims)     # (n, half)
-    cos, sin = np.cos(angle)[:, None, :], np.sin(angle)[:, None, :]
+    cos, sin = rope_tables(positions, rope_dims, theta, sections)
+    cos, sin = cos[:, None, :], sin[:, None, :]
     out = np.array(x, dtype=np.float32)
     x1, x2 = _d(out[..., :half]), _d(out[..., half:rope_dims])
     out[..., :half] = x1 * cos - x2 * sin

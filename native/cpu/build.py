@@ -21,7 +21,7 @@ HERE = os.path.relpath(os.path.dirname(os.path.abspath(__file__)))
 COMMON_FLAGS = ["-O3", "-std=c11", "-D_GNU_SOURCE", "-ffp-contract=off", "-fno-math-errno", "-pthread"]
 """Contraction off: a fused multiply-add changes rounding, so fusing must be an explicit intrinsic."""
 
-PORTABLE_SOURCES = ["dispatch.c", "pool.c", "moe.c", "mixers.c", "kernels_scalar.c"]
+PORTABLE_SOURCES = ["dispatch.c", "pool.c", "moe.c", "mixers.c", "step.c", "kernels_scalar.c"]
 
 HEADERS = ["deltadesk_cpu.h", "kernels.h", "gemm_tiles.h", "kquants.h", "bquants.h", "runtime.h"]
 """Listed as the extension's dependencies, so that editing one (or an ISA file) rebuilds it."""

@@ -105,4 +105,59 @@ int dd_gdn_prefill(const dd_gdn_layer *L, size_t n, const float *mixed, const fl
 int dd_attn_decode(size_t n_head, size_t n_kv, size_t hd, const float *q, const float *gate,
                    const float *k, const float *v, size_t m, float *out);
 
+/* ---- The decode step (step.c): one token through the whole text model in one call ------------------
+ * Qwen3.5/3.6 (`qwen35moe`, dense `qwen35`), engine/arch/qwen35/model.py's forward pass for one token:
+ *   h = x; per layer: h += mixer(rmsnorm(h, attn_norm)); h += ffn(rmsnorm(h, post_norm));
+ *   logits = lm_head(rmsnorm(h, output_norm)).
+ * mixer: Gated DeltaNet (qkv, z, beta, alpha projections -> dd_gdn_decode -> ssm_out) or gated attention
+ * (attn_q rows per head [q_h | gate_h], per-head RMSNorm of q and k, partial NEOX RoPE of the first
+ * rope_dims values by the caller's cos/sin table, the K/V row written at cache row `pos`, dd_attn_decode
+ * over rows 0..pos, attn_output); ffn: dd_moe_ffn, or the dense SwiGLU down(dd_silu_mul(gate x, up x)).
+ * RMSNorms are float64 with numpy's pairwise sum (see step.c), residual adds float32. Every product is
+ * dd_matmul of the layer's dd_mat, so all its weight types work. Returns DD_ERR_ARG if a shape, a
+ * pointer or pos (< capacity) does not fit; the state rows of a step that fails are undefined. */
+typedef struct {
+    const uint8_t *w;    /* rows x (k / block values * block bytes), weight type wtype (dd_matmul) */
+    int wtype;
+    size_t rows, k;
+} dd_mat;
+
+enum { DD_LAYER_GDN = 0, DD_LAYER_ATTN = 1 };
+
+typedef struct {
+    int kind;                              /* DD_LAYER_GDN or DD_LAYER_ATTN */
+    const float *attn_norm, *post_norm;    /* n_embd f32 each, as stored */
+    dd_mat qkv, z, beta, alpha, ssm_out;   /* GDN: attn_qkv, attn_gate, ssm_beta, ssm_alpha, ssm_out */
+    const dd_gdn_layer *gdn;
+    dd_mat q, k, v, o;                     /* attention: attn_q (2 n_head hd rows), attn_k, attn_v, attn_output */
+    const float *q_norm, *k_norm;          /* head_dim f32 each */
+    const dd_moe_weights *moe;             /* MoE FFN, or NULL for the dense one below */
+    dd_mat ffn_gate, ffn_up, ffn_down;
+} dd_step_layer;
+
+typedef struct {
+    size_t n_layer, n_embd, n_head, n_head_kv, head_dim, rope_dims;
+    double eps;                            /* attention.layer_norm_rms_epsilon */
+    const dd_step_layer *layers;
+    const float *output_norm;              /* n_embd f32 */
+    dd_mat lm_head;                        /* n_vocab rows */
+} dd_step_model;
+
+/* One sequence's state, n_layer entries each (NULL where the layer is of the other kind): conv
+ * ((conv_kernel - 1) x conv_dim) and ssm (n_v x dk x dv) of GDN layers, the K and V caches (capacity
+ * rows of n_head_kv x head_dim) of attention layers; updated in place. */
+typedef struct {
+    float **conv, **ssm, **k, **v;
+    size_t capacity;
+} dd_step_state;
+
+/* x: n_embd f32 (the token's embedding row); rope_cos, rope_sin: rope_dims / 2 f64 each, the angles of the
+ * token's M-RoPE position; logits: lm_head.rows f32. */
+int dd_step(int isa, const dd_step_model *m, const dd_step_state *s, size_t pos, const float *x,
+            const double *rope_cos, const double *rope_sin, float *logits);
+
+/* y[i] = f32(silu(g[i])) * u[i], silu(x) = x sigmoid(x) in f64 (engine.ops.reference.silu's arithmetic,
+ * libm's exp): the dense FFN's gate of the decode step and of the per-hook path alike. */
+void dd_silu_mul(const float *g, const float *u, size_t n, float *y);
+
 #endif

@@ -10,6 +10,11 @@ the fast path is tested against, and a subclass needs no object threaded through
 
 What runs where:
 
+* a one-token forward call (every decoded token): the whole model in one native call,
+  :class:`~engine.arch.qwen35.cpu_step.NativeStep` (native/cpu/step.c), bit-identical to the hook
+  path below, so Python only looks up the embedding row and samples; models with a float32
+  projection and calls with a stage callback or an expert observer take the hooks
+  (:mod:`engine.arch.qwen35.cpu_step`);
 * projections: W4A8 / W8A8 GEMV (one token) or small-M GEMM (prefill) straight from the
   memory-mapped Q4_0 / Q8_0 / Q4_K / Q5_K / Q6_K / Q4_1 / Q5_0 / Q5_1 / IQ4_NL / IQ4_XS blocks
   (:class:`engine.kernels.cpu.Matrix`);
@@ -17,7 +22,8 @@ What runs where:
   too (a layer with float32 experts runs each expert's rows through the row-wise products);
 * the GDN recurrence and attention: :mod:`engine.arch.qwen35.cpu_mixers` (C), token by token and query
   by query in prefill too;
-* norms, RoPE, residual adds: the reference numpy ops.
+* norms, RoPE, residual adds: the reference numpy ops; the dense FFN's SiLU gate:
+  :func:`engine.kernels.cpu.silu_mul` (C, as the step computes it).
 
 Prefill is therefore split-invariant (:mod:`engine.arch.qwen35.model`): a position's arithmetic is the
 same whatever piece it is read in, decode included. The fused paths report only the stages outside
@@ -65,6 +71,7 @@ from engine.quant import FLOAT_TYPES, dequantize, type_name
 from engine.state import SequenceState
 
 from .cpu_mixers import GDNLayer, attention_prefill, gdn_prefill
+from .cpu_step import NativeStep, step_unsupported
 from .hparams import Qwen35HParams
 from .model import Callback, Qwen35Model
 from .tensors import tensor_shapes
@@ -157,6 +164,8 @@ class NativeQwen35Model(Qwen35Model):
         float_weights: "f32" (F16/BF16/F32 projections as float32, exact) or "q8_0" (converted).
     Attributes:
         weight_rules: rule -> (tensor count, bytes used by the kernels), e.g. {"Q4_0 mapped": (61, ...)}.
+        step: the one-call decode step (:class:`~engine.arch.qwen35.cpu_step.NativeStep`), or None when
+            the model has something it does not take; step_fallback: why not (None when it runs).
     Raises:
         ValueError: unknown ``float_weights``. UnsupportedModelError: a weight of an unsupported type.
     The kernels' ISA level and thread count are process-wide (:func:`engine.kernels.cpu.set_isa`,
@@ -177,6 +186,8 @@ class NativeQwen35Model(Qwen35Model):
                                                              else mat.w.nbytes))
         self.gdn = {il: self._gdn_layer(il) for il in range(hp.n_layer) if hp.is_recurrent(il)}
         self.fused_moe = {il: m for il in range(hp.n_layer) if hp.is_moe and (m := self._fused_moe(il))}
+        self.step_fallback = step_unsupported(self)
+        self.step = NativeStep(self) if self.step_fallback is None else None
 
     def _gdn_layer(self, il: int) -> GDNLayer:
         hp, p = self.hp, f"blk.{il}."
@@ -200,16 +211,21 @@ class NativeQwen35Model(Qwen35Model):
             n_used=self.hp.n_expert_used, qtypes={f: m.qtype for f, m in zip(fields, mats)}, sh_gate=raws[3], sh_up=raws[4], sh_down=raws[5],
             sh_gate_inp=self.w(p + "ffn_gate_inp_shexp.weight") if shared else None))
 
-    def forward(self, tokens: np.ndarray, state: SequenceState, *args, **kwargs) -> np.ndarray:
-        """:meth:`Qwen35Model.forward` with numpy's BLAS held to one thread.
+    def forward(self, tokens: np.ndarray, state: SequenceState, embeddings: np.ndarray | None = None,
+                positions: np.ndarray | None = None, all_logits: bool = False,
+                cb: Callback | None = None) -> np.ndarray:
+        """:meth:`Qwen35Model.forward`: one token in one native call (:class:`~engine.arch.qwen35.cpu_step.NativeStep`)
+        when the step takes it, else the hooks with numpy's BLAS held to one thread. Both give the same bits.
 
         Here BLAS only does small products (float32 weights, row by row; the projections run on the
         native kernels with their own pool). Waking OpenBLAS's threads for each small product cost
         ~15 ms apiece on a 2-core VM: a 128-token prefill of the 35B-A3B slice took 15.4 s with BLAS
         threads and 2.2 s without.
         """
+        if self.step is not None and self.step.takes(np.size(tokens), cb):
+            return self.step.forward(tokens, state, embeddings, positions)
         with threadpool_limits(1, user_api="blas"):
-            return super().forward(tokens, state, *args, **kwargs)
+            return super().forward(tokens, state, embeddings, positions, all_logits, cb)
 
     # ---- hooks of the reference forward pass ---------------------------------------------------
 
@@ -262,9 +278,10 @@ class NativeQwen35Model(Qwen35Model):
         return out
 
     def ffn(self, il: int, y: np.ndarray) -> np.ndarray:
-        """Dense SwiGLU FFN of ``qwen35`` files on the kernels: (n, d) -> (n, d)."""
-        p = f"blk.{il}."
-        return _swiglu(y, *(self.mats[f"{p}ffn_{x}.weight"] for x in ("gate", "up", "down")))
+        """Dense SwiGLU FFN of ``qwen35`` files on the kernels: (n, d) -> (n, d); the gate in C
+        (:func:`engine.kernels.cpu.silu_mul`, as the native decode step computes it)."""
+        gate, up, down = (self.mats[f"blk.{il}.ffn_{x}.weight"] for x in ("gate", "up", "down"))
+        return down(cpu.silu_mul(gate(y), up(y)))
 
 
 def _swiglu(x: np.ndarray, gate: Callable, up: Callable, down: Callable) -> np.ndarray:

@@ -1,0 +1,186 @@
+"""The decode step in one native call per token: :class:`NativeStep` (native/cpu/step.c, ``dd_step``).
+
+A one-token :meth:`~engine.arch.qwen35.cpu.NativeQwen35Model.forward` runs every layer (norms,
+projections, the Gated DeltaNet step, attention over the KV cache, router, routed and shared experts or
+the dense FFN), the final norm and the LM head in C, on the kernels' persistent thread pool and with the
+GIL released (cffi releases it around every call). Python checks the inputs, looks up the embedding row,
+computes the token's RoPE cos/sin table (:func:`engine.ops.reference.rope_tables`) and advances
+``state.pos``; the caller samples.
+
+Exactness: the step gives the same bits as the per-hook forward pass of ``NativeQwen35Model`` (the path
+every prefill piece of two or more tokens takes): its products, mixers and MoE are the same C calls, and
+what the hooks leave to numpy (RMSNorm, RoPE, the residual adds, the dense FFN's SiLU) is redone in
+numpy's own float64 arithmetic (native/cpu/step.c). So a decoded token equals the same token read in
+any prefill piece, at every ISA level and thread count, and the prefix cache changes no answer
+(tests/test_native_step.py, tests/test_split_invariance.py).
+
+Models it does not take (:func:`step_unsupported` says why; they run the per-hook path): a projection
+kept as float32 (:class:`~engine.arch.qwen35.cpu.FloatMatrix`: F16/BF16/F32 weights with
+``float_weights="f32"``), whose numpy BLAS product C cannot reproduce bit for bit. Calls it does not take
+(:meth:`NativeStep.takes`): more than one token, a stage callback, an expert observer, the "numpy"
+kernel level.
+"""
+
+from __future__ import annotations
+
+import weakref
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from engine.kernels import cpu
+from engine.ops import reference as ops
+from engine.state import SequenceState
+
+if TYPE_CHECKING:
+    from .cpu import NativeQwen35Model
+
+_GDN_MATS = (("qkv", "attn_qkv"), ("z", "attn_gate"), ("beta", "ssm_beta"), ("alpha", "ssm_alpha"),
+             ("ssm_out", "ssm_out"))
+_ATTN_MATS = (("q", "attn_q"), ("k", "attn_k"), ("v", "attn_v"), ("o", "attn_output"))
+_DENSE_MATS = (("ffn_gate", "ffn_gate"), ("ffn_up", "ffn_up"), ("ffn_down", "ffn_down"))
+
+
+def _layer_mats(model: "NativeQwen35Model", il: int) -> list[tuple[str, str]]:
+    """(struct field, GGUF weight name) of every product of layer ``il`` the step makes outside the MoE call."""
+    p = f"blk.{il}."
+    mats = _GDN_MATS if model.hp.is_recurrent(il) else _ATTN_MATS
+    if not model.hp.is_moe:
+        mats = mats + _DENSE_MATS
+    return [(field, f"{p}{name}.weight") for field, name in mats]
+
+
+def step_unsupported(model: "NativeQwen35Model") -> str | None:
+    """Why the one-call step cannot run ``model`` (then its per-hook path decodes), or None if it can."""
+    if not cpu.available():
+        return "the native CPU kernels are not built"
+    names = [name for il in range(model.hp.n_layer) for _, name in _layer_mats(model, il)] + [model.output_name]
+    for name in names:
+        if not isinstance(model.mats[name], cpu.Matrix):
+            return f"{name} is kept as float32 (numpy BLAS product)"
+    for il in range(model.hp.n_layer):
+        if model.hp.is_moe and il not in model.fused_moe:
+            return f"layer {il}'s experts are kept as float32"
+    return None
+
+
+class NativeStep:
+    """The ``dd_step_model`` of one :class:`~engine.arch.qwen35.cpu.NativeQwen35Model`, built once at load:
+    pointers into the memory-mapped weights (the model's :class:`engine.kernels.cpu.Matrix` objects),
+    the float32 norm weights, the layers' prepared GDN and MoE structs.
+
+    Args: model: a model :func:`step_unsupported` accepts. Raises ValueError otherwise.
+    """
+
+    def __init__(self, model: "NativeQwen35Model") -> None:
+        reason = step_unsupported(model)
+        if reason is not None:
+            raise ValueError(f"the native decode step cannot run this model: {reason}")
+        hp = model.hp
+        self.model, self.hp = model, hp
+        ffi, lib = cpu._native_cpu.ffi, cpu._native_cpu.lib
+        self._keep: list[Any] = []
+        layers = ffi.new("dd_step_layer[]", hp.n_layer)
+        for il in range(hp.n_layer):
+            c, p = layers[il], f"blk.{il}."
+            c.kind = lib.DD_LAYER_GDN if hp.is_recurrent(il) else lib.DD_LAYER_ATTN
+            c.attn_norm = self._floats(model.w(p + "attn_norm.weight"))
+            c.post_norm = self._floats(model.w(p + "post_attention_norm.weight"))
+            for field, name in _layer_mats(model, il):
+                self._mat(getattr(c, field), model.mats[name])
+            if hp.is_recurrent(il):
+                c.gdn = self._hold(model.gdn[il]._c)
+            else:
+                c.q_norm = self._floats(model.w(p + "attn_q_norm.weight"))
+                c.k_norm = self._floats(model.w(p + "attn_k_norm.weight"))
+            if hp.is_moe:
+                c.moe = self._hold(model.fused_moe[il]._c)
+        m = ffi.new("dd_step_model *")
+        m.n_layer, m.n_embd, m.n_head, m.n_head_kv = hp.n_layer, hp.n_embd, hp.n_head, hp.n_head_kv
+        m.head_dim, m.rope_dims, m.eps = hp.head_dim, hp.rope_dims, hp.rms_eps
+        m.layers = self._hold(layers)
+        m.output_norm = self._floats(model.w("output_norm.weight"))
+        self._mat(m.lm_head, model.mats[model.output_name])
+        self.n_vocab = model.mats[model.output_name].rows
+        self._c = m
+        self._cached: tuple[tuple[weakref.ref, ...], Any] = ((), None)   # one store: safe across threads
+
+    def _hold(self, obj: Any) -> Any:
+        self._keep.append(obj)
+        return obj
+
+    def _floats(self, a: np.ndarray) -> Any:
+        a = np.ascontiguousarray(a, dtype=np.float32)
+        ffi = cpu._native_cpu.ffi
+        return ffi.cast("float *", self._hold(ffi.from_buffer(self._hold(a))))
+
+    def _mat(self, field: Any, mat: cpu.Matrix) -> None:
+        ffi = cpu._native_cpu.ffi
+        field.w = ffi.cast("uint8_t *", self._hold(ffi.from_buffer(mat.raw)))
+        field.wtype, field.rows, field.k = mat.traits.cpu_kernel, mat.rows, mat.k
+
+    def takes(self, n_tokens: int, cb: Any) -> bool:
+        """True if a forward call of ``n_tokens`` with stage callback ``cb`` runs here (see the module doc)."""
+        return n_tokens == 1 and cb is None and self.model.observer is None and cpu.isa() != "numpy"
+
+    def _state(self, state: SequenceState) -> Any:
+        """The ``dd_step_state`` of ``state``'s arrays, rebuilt when they are not the arrays of the last call
+        (held by weak references: a cached entry keeps no state alive).
+
+        Raises ValueError if an array is not a writeable C-contiguous float32 array of the layout's shape.
+        """
+        hp = self.hp
+        arrays = [a for il in range(hp.n_layer)
+                  for a in ((state.conv[il], state.ssm[il]) if hp.is_recurrent(il) else (state.k[il], state.v[il]))]
+        refs, entry = self._cached
+        if len(arrays) == len(refs) and all(r() is a for r, a in zip(refs, arrays)):
+            return entry
+        layout = hp.state_layout()
+        shapes = [s for il in range(hp.n_layer)
+                  for s in ((layout.conv[il], layout.ssm[il]) if hp.is_recurrent(il)
+                            else ((state.capacity, *layout.kv[il]),) * 2)]
+        for a, shape in zip(arrays, shapes):
+            if (not isinstance(a, np.ndarray) or a.dtype != np.float32 or a.shape != tuple(shape)
+                    or not a.flags.c_contiguous or not a.flags.writeable):
+                raise ValueError(f"sequence state: expected writeable C-contiguous float32 arrays of shape {shape}")
+        ffi = cpu._native_cpu.ffi
+        tables = {name: ffi.new("float *[]", hp.n_layer) for name in ("conv", "ssm", "k", "v")}
+        it = iter(arrays)
+        for il in range(hp.n_layer):
+            for name in (("conv", "ssm") if hp.is_recurrent(il) else ("k", "v")):
+                tables[name][il] = ffi.cast("float *", next(it).ctypes.data)
+        c = ffi.new("dd_step_state *")
+        c.conv, c.ssm, c.k, c.v = tables["conv"], tables["ssm"], tables["k"], tables["v"]
+        c.capacity = state.capacity
+        self._cached = (tuple(weakref.ref(a) for a in arrays), (c, tables))
+        return c, tables
+
+    def forward(self, tokens: np.ndarray, state: SequenceState, embeddings: np.ndarray | None = None,
+                positions: np.ndarray | None = None) -> np.ndarray:
+        """One token through the model: :meth:`engine.arch.qwen35.model.Qwen35Model.forward` with n = 1.
+
+        Args: tokens (1,) int; state (advanced by one position); embeddings (1, n_embd) float32 or None;
+        positions (3, 1) int M-RoPE positions or None for ``state.pos``.
+        Returns: (1, n_vocab) float32 logits. Raises: as ``Qwen35Model.forward`` (ValueError, ContextFullError);
+        EngineError if the native call fails.
+        """
+        hp = self.hp
+        tokens, positions = state.chunk_inputs(tokens, positions, hp.n_vocab)
+        if embeddings is None:
+            x = self.model.embed(tokens)
+        else:
+            x = np.asarray(embeddings, dtype=np.float32)
+            if x.shape != (1, hp.n_embd):
+                raise ValueError(f"embeddings must have shape (1, {hp.n_embd}), got {x.shape}")
+        x = np.ascontiguousarray(x[0], dtype=np.float32)
+        cos, sin = ops.rope_tables(positions, hp.rope_dims, hp.rope_theta, hp.rope_sections)
+        cos, sin = np.ascontiguousarray(cos[0]), np.ascontiguousarray(sin[0])
+        st = self._state(state)[0]
+        logits = np.empty((1, self.n_vocab), dtype=np.float32)
+        ffi, lib = cpu._native_cpu.ffi, cpu._native_cpu.lib
+        level = cpu.ISA_LEVELS.index(cpu.isa())
+        cpu._check(lib.dd_step(level, self._c, st, state.pos, ffi.cast("float *", ffi.from_buffer(x)),
+                               ffi.cast("double *", ffi.from_buffer(cos)), ffi.cast("double *", ffi.from_buffer(sin)),
+                               ffi.cast("float *", ffi.from_buffer(logits))), "decode step")
+        state.pos += 1
+        return logits

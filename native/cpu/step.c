@@ -1,0 +1,231 @@
+/* The decode step: one token through every layer, the final norm and the LM head in one call
+ * (dd_step in deltadesk_cpu.h; Python builds the dd_step_model once at load and only samples).
+ *
+ * It computes exactly what engine/arch/qwen35/cpu.py's per-hook forward pass computes for one token,
+ * bit for bit, so a token decoded here equals the same token read by any prefill piece (the split
+ * invariance of engine/arch/qwen35/model.py):
+ *   - the products, the GDN step, attention and the MoE FFN are the very C calls the hooks make
+ *     (dd_matmul, dd_gdn_decode, dd_attn_decode, dd_moe_ffn);
+ *   - what the hooks leave to numpy is redone here in numpy's own arithmetic: RMSNorm in float64 with
+ *     numpy's pairwise summation of the squares (np_sum_squares), residual adds in float32, RoPE as
+ *     float64 x1 cos - x2 sin on the cos/sin table the caller computed with the reference's own numpy
+ *     code (engine.ops.reference.rope_tables: numpy's SIMD cos/sin are not libm's), and the dense
+ *     FFN's SiLU through dd_silu_mul, which the hook uses too.
+ * Every piece is bit-identical across ISA levels and thread counts (the kernels' rule), so the step is.
+ */
+#include <math.h>
+#include <stdlib.h>
+
+#include "runtime.h"
+
+/* numpy's pairwise sum of x[i]^2 in float64 (numpy/_core/src/umath/loops_utils.h.src, pairwise_sum with
+ * PW_BLOCKSIZE 128: below 8 values one running sum; up to 128 eight running sums combined as
+ * ((r0+r1)+(r2+r3))+((r4+r5)+(r6+r7)), then the rest one by one; above, split at n/2 rounded down to
+ * a multiple of 8), which np.mean(x * x, axis=-1) adds to its identity 0.0. */
+static double np_sum_squares(const float *x, size_t n)
+{
+    if (n < 8) {
+        double res = -0.0;
+        for (size_t i = 0; i < n; i++)
+            res += (double)x[i] * x[i];
+        return res;
+    }
+    if (n <= 128) {
+        double r[8];
+        size_t i;
+        for (int l = 0; l < 8; l++)
+            r[l] = (double)x[l] * x[l];
+        for (i = 8; i < n - n % 8; i += 8)
+            for (int l = 0; l < 8; l++)
+                r[l] += (double)x[i + l] * x[i + l];
+        double res = ((r[0] + r[1]) + (r[2] + r[3])) + ((r[4] + r[5]) + (r[6] + r[7]));
+        for (; i < n; i++)
+            res += (double)x[i] * x[i];
+        return res;
+    }
+    size_t n2 = n / 2;
+    n2 -= n2 % 8;
+    return np_sum_squares(x, n2) + np_sum_squares(x + n2, n - n2);
+}
+
+/* engine.ops.reference.rmsnorm of one row: float64 x / sqrt(mean(x^2) + eps) * w, rounded to float32. */
+static void rmsnorm_row(const float *x, const float *w, size_t n, double eps, float *y)
+{
+    const double r = sqrt((0.0 + np_sum_squares(x, n)) / (double)n + eps);
+    for (size_t i = 0; i < n; i++)
+        y[i] = (float)((double)x[i] / r * (double)w[i]);
+}
+
+/* engine.ops.reference.rope_multi on one head: pairs (i, i + half) of the first 2 * half values. */
+static void rope_head(float *x, size_t half, const double *c, const double *s)
+{
+    for (size_t i = 0; i < half; i++) {
+        const double x1 = x[i], x2 = x[i + half];
+        x[i] = (float)(x1 * c[i] - x2 * s[i]);
+        x[i + half] = (float)(x1 * s[i] + x2 * c[i]);
+    }
+}
+
+static double sigmoid(double x)
+{
+    const double e = exp(-fabs(x));
+    return x >= 0 ? 1.0 / (1.0 + e) : e / (1.0 + e);
+}
+
+void dd_silu_mul(const float *g, const float *u, size_t n, float *y)
+{
+    for (size_t i = 0; i < n; i++) {
+        const double x = g[i];
+        y[i] = (float)(x * sigmoid(x)) * u[i];
+    }
+}
+
+static int mat_ok(const dd_mat *m, size_t rows, size_t k)
+{
+    return m->w != NULL && m->rows == rows && m->k == k && dd_wtype_fits(m->wtype, k);
+}
+
+static int matvec(int isa, const dd_mat *m, const float *x, float *y)
+{
+    return dd_matmul(isa, m->wtype, m->w, m->rows, m->k, x, 1, y);
+}
+
+static void add_into(float *h, const float *t, size_t n)
+{
+    for (size_t i = 0; i < n; i++)
+        h[i] = h[i] + t[i];
+}
+
+/* Checks one layer's shapes against the model's; returns the floats of scratch it needs, 0 if bad. */
+static size_t layer_scratch(const dd_step_model *m, const dd_step_layer *L, const dd_step_state *s, size_t il)
+{
+    const size_t d = m->n_embd, hd = m->head_dim, nq = m->n_head * hd, nkv = m->n_head_kv * hd;
+    size_t need = 0;
+    if (L->attn_norm == NULL || L->post_norm == NULL)
+        return 0;
+    if (L->kind == DD_LAYER_GDN) {
+        const dd_gdn_layer *G = L->gdn;
+        if (G == NULL || s->conv[il] == NULL || s->ssm[il] == NULL)
+            return 0;
+        const size_t nvd = G->n_v * G->dv, conv_dim = 2 * G->n_k * G->dk + nvd;
+        if (!mat_ok(&L->qkv, conv_dim, d) || !mat_ok(&L->z, nvd, d) || !mat_ok(&L->beta, G->n_v, d) ||
+            !mat_ok(&L->alpha, G->n_v, d) || !mat_ok(&L->ssm_out, d, nvd))
+            return 0;
+        need = conv_dim + 2 * nvd + 2 * G->n_v;
+    } else if (L->kind == DD_LAYER_ATTN) {
+        if (m->n_head_kv == 0 || m->n_head % m->n_head_kv != 0 || hd % DD_ATTN_LANES != 0 || m->rope_dims > hd ||
+            m->rope_dims % 2 != 0 || L->q_norm == NULL || L->k_norm == NULL || s->k[il] == NULL || s->v[il] == NULL)
+            return 0;
+        if (!mat_ok(&L->q, 2 * nq, d) || !mat_ok(&L->k, nkv, d) || !mat_ok(&L->v, nkv, d) || !mat_ok(&L->o, d, nq))
+            return 0;
+        need = 6 * nq + 2 * nkv;   /* qg, then q, gate, o, normed q; k, v */
+    } else {
+        return 0;
+    }
+    if (L->moe != NULL) {
+        if (L->moe->d != d)
+            return 0;
+    } else {
+        const size_t ff = L->ffn_gate.rows;
+        if (!mat_ok(&L->ffn_gate, ff, d) || !mat_ok(&L->ffn_up, ff, d) || !mat_ok(&L->ffn_down, d, ff))
+            return 0;
+        need = need > 3 * ff ? need : 3 * ff;
+    }
+    return need;
+}
+
+static int gdn_mixer(int isa, const dd_step_layer *L, float *conv, float *ssm, const float *xn, float *out,
+                     float *buf)
+{
+    const dd_gdn_layer *G = L->gdn;
+    const size_t nvd = G->n_v * G->dv;
+    float *mixed = buf, *z = mixed + L->qkv.rows, *b = z + nvd, *a = b + G->n_v, *y = a + G->n_v;
+    int rc;
+    if ((rc = matvec(isa, &L->qkv, xn, mixed)) != DD_OK || (rc = matvec(isa, &L->z, xn, z)) != DD_OK ||
+        (rc = matvec(isa, &L->beta, xn, b)) != DD_OK || (rc = matvec(isa, &L->alpha, xn, a)) != DD_OK ||
+        (rc = dd_gdn_decode(G, mixed, z, b, a, conv, ssm, y)) != DD_OK)
+        return rc;
+    return matvec(isa, &L->ssm_out, y, out);
+}
+
+static int attn_mixer(int isa, const dd_step_model *m, const dd_step_layer *L, float *kc, float *vc, size_t pos,
+                      const double *rope_cos, const double *rope_sin, const float *xn, float *out, float *buf)
+{
+    const size_t hd = m->head_dim, nh = m->n_head, nq = nh * hd, nkv = m->n_head_kv * hd, half = m->rope_dims / 2;
+    float *qg = buf, *q = qg + 2 * nq, *gate = q + nq, *o = gate + nq, *qn = o + nq;
+    float *kk = qn + nq, *vv = kk + nkv;
+    int rc;
+    if ((rc = matvec(isa, &L->q, xn, qg)) != DD_OK || (rc = matvec(isa, &L->k, xn, kk)) != DD_OK ||
+        (rc = matvec(isa, &L->v, xn, vv)) != DD_OK)
+        return rc;
+    for (size_t h = 0; h < nh; h++) {   /* attn_q rows are per head [q_h | gate_h] */
+        memcpy(q + h * hd, qg + 2 * h * hd, hd * sizeof(float));
+        memcpy(gate + h * hd, qg + 2 * h * hd + hd, hd * sizeof(float));
+        rmsnorm_row(q + h * hd, L->q_norm, hd, m->eps, qn + h * hd);
+        rope_head(qn + h * hd, half, rope_cos, rope_sin);
+    }
+    float *krow = kc + pos * nkv, *vrow = vc + pos * nkv;
+    for (size_t h = 0; h < m->n_head_kv; h++) {
+        rmsnorm_row(kk + h * hd, L->k_norm, hd, m->eps, krow + h * hd);
+        rope_head(krow + h * hd, half, rope_cos, rope_sin);
+    }
+    memcpy(vrow, vv, nkv * sizeof(float));
+    if ((rc = dd_attn_decode(nh, m->n_head_kv, hd, qn, gate, kc, vc, pos + 1, o)) != DD_OK)
+        return rc;
+    return matvec(isa, &L->o, o, out);
+}
+
+static int ffn(int isa, const dd_step_layer *L, const float *xn, float *out, float *buf)
+{
+    if (L->moe != NULL)
+        return dd_moe_ffn(isa, L->moe, xn, out, NULL, NULL);
+    const size_t ff = L->ffn_gate.rows;
+    float *g = buf, *u = g + ff, *hh = u + ff;
+    int rc;
+    if ((rc = matvec(isa, &L->ffn_gate, xn, g)) != DD_OK || (rc = matvec(isa, &L->ffn_up, xn, u)) != DD_OK)
+        return rc;
+    dd_silu_mul(g, u, ff, hh);
+    return matvec(isa, &L->ffn_down, hh, out);
+}
+
+int dd_step(int isa, const dd_step_model *m, const dd_step_state *s, size_t pos, const float *x,
+            const double *rope_cos, const double *rope_sin, float *logits)
+{
+    if (dd_kernels_for(isa) == NULL)
+        return DD_ERR_ISA;
+    const size_t d = m->n_embd;
+    size_t need = 0;
+    if (d == 0 || pos >= s->capacity || m->output_norm == NULL || !mat_ok(&m->lm_head, m->lm_head.rows, d))
+        return DD_ERR_ARG;
+    for (size_t il = 0; il < m->n_layer; il++) {
+        const size_t n = layer_scratch(m, &m->layers[il], s, il);
+        if (n == 0)
+            return DD_ERR_ARG;
+        need = n > need ? n : need;
+    }
+    float *h = malloc((3 * d + need) * sizeof(float));
+    if (h == NULL)
+        return DD_ERR_NOMEM;
+    float *xn = h + d, *t = xn + d, *buf = t + d;
+    int rc = DD_OK;
+    memcpy(h, x, d * sizeof(float));
+    for (size_t il = 0; il < m->n_layer && rc == DD_OK; il++) {
+        const dd_step_layer *L = &m->layers[il];
+        rmsnorm_row(h, L->attn_norm, d, m->eps, xn);
+        rc = L->kind == DD_LAYER_GDN ? gdn_mixer(isa, L, s->conv[il], s->ssm[il], xn, t, buf)
+                                     : attn_mixer(isa, m, L, s->k[il], s->v[il], pos, rope_cos, rope_sin, xn, t, buf);
+        if (rc != DD_OK)
+            break;
+        add_into(h, t, d);
+        rmsnorm_row(h, L->post_norm, d, m->eps, xn);
+        if ((rc = ffn(isa, L, xn, t, buf)) != DD_OK)
+            break;
+        add_into(h, t, d);
+    }
+    if (rc == DD_OK) {
+        rmsnorm_row(h, m->output_norm, d, m->eps, xn);
+        rc = matvec(isa, &m->lm_head, xn, logits);
+    }
+    free(h);
+    return rc;
+}
