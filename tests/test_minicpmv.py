@@ -9,6 +9,7 @@ import threading
 from dataclasses import replace
 from pathlib import Path
 
+import gguf
 import numpy as np
 import pytest
 from gguf import GGUFValueType
@@ -20,6 +21,7 @@ from engine.arch.minicpmv import preprocess as pre
 from engine.arch.minicpmv import tower as tower_mod
 from engine.arch.minicpmv.layout import expand_layout, image_layout, sequential_positions
 from engine.arch.minicpmv.tower import MiniCPMVTower, window_attention, window_order
+from engine.arch.qwen35.vocab import MINICPMV46_MARKERS, minicpmv46_vocab, qwen35_vocab
 from engine.errors import GenerationCancelled, ImageError, ModelFormatError, UnsupportedModelError
 from engine.gguf_header import read_header
 from engine.events import TokenEvent
@@ -400,6 +402,14 @@ def test_engine_prompt_lays_out_slices(synth_model, tmp_path):
         text_between = tok.decode(prompt.tokens[prompt.images[0][0] + 64:prompt.images[3][0]])
         assert text_between.startswith("</image><slice>") and "</slice>\n<slice>" in text_between
         assert "<image_id>0</image_id><image>" in tok.decode(prompt.tokens[:prompt.images[0][0]])
+        markers = {m: tok.token_id(m) for m in MINICPMV46_MARKERS}      # one special token each, as in HF
+        for m, i in markers.items():
+            assert tok.encode(m) == [i] and tok.decode([i]) == m
+        head = prompt.tokens[:prompt.images[0][0]]
+        assert head[-1] == markers["<image>"] and markers["<image_id>"] in head and markers["</image_id>"] in head
+        after = [prompt.tokens[s + len(e)] for s, e, _ in prompt.images]
+        assert after == [markers["</image>"]] + [markers["</slice>"]] * 4
+        assert [prompt.tokens[s - 1] for s, _, _ in prompt.images[1:]] == [markers["<slice>"]] * 4
         np.testing.assert_array_equal(prompt.positions, np.repeat(np.arange(len(prompt.tokens))[None], 3, 0))
         keys = {k for _, _, k in prompt.images}
         other = engine.prepare([{"role": "user", "content": [{"type": "image", "image": Image.fromarray(
@@ -409,6 +419,18 @@ def test_engine_prompt_lays_out_slices(synth_model, tmp_path):
         assert sum(1 for e in events if isinstance(e, TokenEvent)) == 3
     finally:
         engine.close()
+
+
+def test_synth_markers_only_in_the_minicpmv_vocabulary():
+    """The minicpmv46 synth vocabulary is Qwen3.5's plus the six layout markers (control tokens, unused ids before);
+    the qwen35 vocabulary is unchanged."""
+    base, ours = qwen35_vocab(), minicpmv46_vocab()
+    changed = [i for i, (a, b) in enumerate(zip(base.tokens, ours.tokens, strict=True)) if a != b]
+    assert [ours.tokens[i] for i in changed] == list(MINICPMV46_MARKERS)
+    assert all(base.tokens[i] == f"[PAD{i}]" for i in changed)
+    assert {ours.token_types[i] for i in changed} == {int(gguf.TokenType.CONTROL)}
+    assert not set(MINICPMV46_MARKERS) & set(base.tokens)
+    assert ours.merges == base.merges
 
 
 # ------------------------------------------------------------------------------------ end to end
