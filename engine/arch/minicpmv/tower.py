@@ -224,7 +224,7 @@ class MiniCPMVTower:
                     self._block(h, il, buf.view(len(h)), starts)
                     emit("layer_out", il, h)
                     if quarter and il == hp.insert_layer:
-                        h = self._vit_merger(h, plan.window_order())
+                        h = self._vit_merger(h, plan.window_order(), buf)
                         starts = plan.merged_starts
                         emit("vit_merger", -1, h)
                 z = self._norm(h, "v.post_ln")
@@ -251,13 +251,12 @@ class MiniCPMVTower:
 
     def _norm(self, x: np.ndarray, name: str) -> np.ndarray:
         """LayerNorm ``name`` of (n, d) rows into a new array, :data:`ROW_TASK` rows per task."""
-        out = np.empty_like(x)
-        self._norm_into(x, name, out)
-        return out
+        return self._norm_into(x, name, np.empty_like(x))
 
-    def _norm_into(self, x: np.ndarray, name: str, out: np.ndarray) -> None:
+    def _norm_into(self, x: np.ndarray, name: str, out: np.ndarray) -> np.ndarray:
         g, b, eps = self._w[name + ".weight"], self._w[name + ".bias"], self.hp.eps
         self._run(lambda r: ops.layer_norm(x[r], g, b, eps, out=out[r]), _spans(len(x), ROW_TASK))
+        return out
 
     def _linear(self, x: np.ndarray, w: np.ndarray, b: np.ndarray, out: np.ndarray | None = None,
                 act: Callable[[np.ndarray], None] | None = None, add_to: np.ndarray | None = None,
@@ -323,12 +322,11 @@ class MiniCPMVTower:
         self._linear(buf.a, w[p + "ffn_up.weight"], w[p + "ffn_up.bias"], out=buf.f, act=_gelu_tanh_into)
         self._linear(buf.f, w[p + "ffn_down.weight"], w[p + "ffn_down.bias"], out=buf.tmp, add_to=h)
 
-    def _vit_merger(self, h: np.ndarray, order: np.ndarray) -> np.ndarray:
+    def _vit_merger(self, h: np.ndarray, order: np.ndarray, buf: _Buffers) -> np.ndarray:
         """The window-attention merger: (S, D) rows of the stack -> (S/4, D), ``order`` the stack's window order
-        (:meth:`_Plan.window_order`); windows of each piece in raster order."""
+        (:meth:`_Plan.window_order`); windows of each piece in raster order. ``buf``: the blocks' scratch."""
         w, p, d = self._w, "v.vit_merger.", self.hp.n_embd
         x = h[order]
-        buf = _Buffers(len(h), d, 0)
         self._norm_into(x, p + "ln1", buf.a)
         self._qkv(buf.a, p, buf)
         att = buf.att
@@ -339,14 +337,16 @@ class MiniCPMVTower:
         self._run(windows, _spans(len(h), ROW_TASK))
         self._linear(att, w[p + "attn_out.weight"], w[p + "attn_out.bias"], out=buf.tmp, add_to=x)
         mean = x.reshape(-1, 4, d).mean(axis=1)
-        c = self._norm(x.reshape(-1, 4 * d), p + "ds_ln")
-        f = self._linear(c, w[p + "ds_ffn_up.weight"], w[p + "ds_ffn_up.bias"], act=_gelu_tanh_into)
+        c = self._norm_into(x.reshape(-1, 4 * d), p + "ds_ln", buf.a.reshape(-1, 4 * d))
+        f = self._linear(c, w[p + "ds_ffn_up.weight"], w[p + "ds_ffn_up.bias"], out=buf.f.reshape(len(c), -1),
+                         act=_gelu_tanh_into)
         return self._linear(f, w[p + "ds_ffn_down.weight"], w[p + "ds_ffn_down.bias"], add=mean)
 
 
 class _Buffers:
     """Scratch of one block over ``n`` rows: ``a`` (normed input), ``q``/``k``/``v``/``att``/``tmp`` (n, d), ``f``
-    (n, ff); :meth:`view` gives the first rows of each (the rows after the window-attention merger)."""
+    (n, ff); :meth:`view` gives the first rows of each (the rows after the window-attention merger). The
+    window-attention merger reuses them: ``a`` as (n/4, 4d) and ``f`` as (n/4, 4ff)."""
 
     def __init__(self, n: int, d: int, ff: int, arrays: dict[str, np.ndarray] | None = None):
         self._d, self._ff = d, ff
