@@ -1,7 +1,7 @@
 """Benchmark (not a test): CPU encode time of the MiniCPM-V 4.6 tower at its real dimensions, with the sgemm floor.
 
     python tests/bench_minicpmv.py [--threads N] [--mmproj PATH] [--repeat N] [--sizes 448x448,1024x768]
-                                   [--mode 16x|4x]
+                                   [--mode 16x|4x] [--baseline REV]
 
 Writes a random ``real`` projector (27 x 1152, 16 heads, ffn 4304, 70x70 grid, out 1024; ~1.1 GB F16) to a
 temporary folder unless ``--mmproj`` names one, loads it (weights dequantized to float32, ~2.2 GB RAM) and
@@ -12,12 +12,19 @@ the tower's GEMM FLOPs (projections, attention products, patch embedding, both m
 float32 GEMM rate measured on this machine just before (a 1024 x 1152 x 4304 ``numpy.matmul`` at the same
 thread count), i.e. the time the tower would take if every GEMM ran at that rate and everything else were
 free.
+
+``--baseline REV`` also loads ``engine/arch/minicpmv/tower.py`` as it is at git revision REV (e.g. ``main`` or a
+commit) and times it on the same weights, runs interleaved (baseline, current, baseline, ...) so that both see
+the same machine load; it prints both, their process CPU time, and the largest relative difference of the
+outputs.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -57,6 +64,20 @@ def sgemm_rate(repeat: int = 5) -> float:
     return 2 * 1024 * 1152 * 4304 / best
 
 
+def baseline_tower_class(rev: str, folder: Path):
+    """``MiniCPMVTower`` of ``engine/arch/minicpmv/tower.py`` at git revision ``rev``, loaded as a module of the
+    ``engine.arch.minicpmv`` package (its relative imports resolve against the current package)."""
+    root = Path(__file__).resolve().parents[1]
+    src = subprocess.run(["git", "-C", str(root), "show", f"{rev}:engine/arch/minicpmv/tower.py"], check=True,
+                         capture_output=True, text=True).stdout
+    path = folder / "baseline_tower.py"
+    path.write_text(src, encoding="utf-8")
+    spec = importlib.util.spec_from_file_location("engine.arch.minicpmv._baseline_tower", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.MiniCPMVTower
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--threads", type=int, default=None)
@@ -65,6 +86,7 @@ def main() -> None:
     ap.add_argument("--sizes", default="448x448,1024x768", help="comma-separated WIDTHxHEIGHT")
     ap.add_argument("--mode", default=None, choices=["16x", "4x"], help="default: the file's")
     ap.add_argument("--warmup", type=int, default=1, help="untimed runs before the timed ones")
+    ap.add_argument("--baseline", default=None, help="git revision whose tower is timed interleaved with this one")
     args = ap.parse_args()
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -81,7 +103,11 @@ def main() -> None:
         t0 = time.perf_counter()
         mm = load_mmproj(path)
         print(f"loaded {path} in {time.perf_counter() - t0:.1f} s")
-    tower = MiniCPMVTower(mm, threads=args.threads, mode=args.mode)
+        towers = {"current": MiniCPMVTower(mm, threads=args.threads, mode=args.mode)}
+        if args.baseline:
+            towers = {f"baseline {args.baseline}": baseline_tower_class(args.baseline, Path(tmp))(
+                mm, threads=args.threads, mode=args.mode), **towers}
+    tower = towers["current"]
     with threadpool_limits(limits=args.threads, user_api="blas"):
         rate = sgemm_rate()
     print(f"mode {tower.mode}, threads {args.threads or 'BLAS default'}, sgemm {rate / 1e9:.1f} GFLOP/s")
@@ -92,17 +118,28 @@ def main() -> None:
         prep = prepare_pieces(img, scale=mm.hparams.image_size, patch=mm.hparams.patch_size, mode=tower.mode)
         t_prep = time.perf_counter() - t0
         grids = prep.plan.piece_grids
-        times = []
+        times: dict[str, list[float]] = {k: [] for k in towers}
+        cpu: dict[str, list[float]] = {k: [] for k in towers}
+        outs: dict[str, np.ndarray] = {}
         load0 = load_average()
-        for _ in range(args.warmup + args.repeat):
-            t0 = time.perf_counter()
-            tower.encode(prep.pieces, grids)
-            times.append(time.perf_counter() - t0)
-        times = times[args.warmup:]
+        for i in range(args.warmup + args.repeat):
+            for name, tw in towers.items():
+                t0, c0 = time.perf_counter(), time.process_time()
+                outs[name] = np.concatenate(tw.encode(prep.pieces, grids))
+                if i >= args.warmup:
+                    times[name].append(time.perf_counter() - t0)
+                    cpu[name].append(time.process_time() - c0)
         floor = tower_flops(grids, mm.hparams, tower.mode) / rate
-        print(f"{w}x{h}: {len(grids)} pieces, {sum(prep.plan.token_counts)} tokens | encode best "
-              f"{min(times):.2f} s, median {statistics.median(times):.2f} s (n={len(times)}) | sgemm floor "
-              f"{floor:.2f} s | preprocess {t_prep * 1000:.0f} ms | load {load0} -> {load_average()}")
+        for name in towers:
+            t = times[name]
+            print(f"{w}x{h} {name}: {len(grids)} pieces, {sum(prep.plan.token_counts)} tokens | encode best "
+                  f"{min(t):.2f} s, median {statistics.median(t):.2f} s, max {max(t):.2f} s (n={len(t)}), process "
+                  f"CPU median {statistics.median(cpu[name]):.2f} s | sgemm floor {floor:.2f} s | preprocess "
+                  f"{t_prep * 1000:.0f} ms | load {load0} -> {load_average()}")
+        if len(outs) > 1:
+            ref = outs["current"]
+            diff = max(float(np.linalg.norm(o - ref) / np.linalg.norm(ref)) for o in outs.values())
+            print(f"{w}x{h}: largest relative difference between the towers' outputs {diff:.2e}")
 
 
 if __name__ == "__main__":

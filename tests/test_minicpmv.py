@@ -9,6 +9,7 @@ import threading
 from dataclasses import replace
 from pathlib import Path
 
+import gguf
 import numpy as np
 import pytest
 from gguf import GGUFValueType
@@ -17,8 +18,10 @@ from PIL import Image
 from engine import gguf_write
 from engine.arch.minicpmv import mmproj as mp
 from engine.arch.minicpmv import preprocess as pre
+from engine.arch.minicpmv import tower as tower_mod
 from engine.arch.minicpmv.layout import expand_layout, image_layout, sequential_positions
-from engine.arch.minicpmv.tower import MiniCPMVTower, merge_2x2, window_attention, window_order
+from engine.arch.minicpmv.tower import MiniCPMVTower, window_attention, window_order
+from engine.arch.qwen35.vocab import MINICPMV46_MARKERS, minicpmv46_vocab, qwen35_vocab
 from engine.errors import GenerationCancelled, ImageError, ModelFormatError, UnsupportedModelError
 from engine.gguf_header import read_header
 from engine.events import TokenEvent
@@ -156,20 +159,72 @@ def test_window_attention_matches_loop_reference():
     np.testing.assert_allclose(out, ref, rtol=1e-5, atol=1e-6)
 
 
-def test_window_order_and_merge_agree():
-    """The vit_merger's window order and the final merger's 2x2 concat group the same tokens in the same order."""
-    x = np.arange(6 * 8, dtype=np.float32).reshape(48, 1)
-    assert window_order(6, 8)[:8].tolist() == [0, 1, 8, 9, 2, 3, 10, 11]
-    np.testing.assert_array_equal(merge_2x2(x, 6, 8), x[window_order(6, 8)].reshape(-1, 4))
+def test_window_order_groups_2x2_windows():
+    """The window order (the vit_merger's and the final merger's 2x2 grouping): windows in raster order, inside
+    one (0,0), (0,1), (1,0), (1,1); checked against the patch coordinates of each window."""
+    gh, gw = 6, 8
+    order = window_order(gh, gw)
+    assert order[:8].tolist() == [0, 1, 8, 9, 2, 3, 10, 11]
+    rows, cols = np.divmod(order.reshape(-1, 4), gw)
+    for win, (r, c) in enumerate(zip(rows, cols, strict=True)):
+        wr, wc = divmod(win, gw // 2)
+        assert r.tolist() == [2 * wr, 2 * wr, 2 * wr + 1, 2 * wr + 1]
+        assert c.tolist() == [2 * wc, 2 * wc + 1, 2 * wc, 2 * wc + 1]
 
 
-def test_tower_is_thread_invariant(mm):
-    rng = np.random.default_rng(5)
-    pix = (rng.random((8 * 12, mm.hparams.patch_dim), dtype=np.float32) * 2 - 1)
-    one = MiniCPMVTower(mm, threads=1).encode_piece(pix, (8, 12))
-    two = MiniCPMVTower(mm, threads=2).encode_piece(pix, (8, 12))
-    assert one.shape == (6, mm.hparams.out_dim)
-    assert rel_err(two, one) <= 1e-5
+def _two_pieces(mm, seed: int):
+    rng = np.random.default_rng(seed)
+    grids = [(8, 12), (4, 8)]
+    return [rng.random((gh * gw, mm.hparams.patch_dim), dtype=np.float32) * 2 - 1 for gh, gw in grids], grids
+
+
+@pytest.fixture
+def small_tiles(monkeypatch):
+    """Tiles small enough that the tiny tower's GEMMs, norms and windows are cut into many tasks."""
+    monkeypatch.setattr(tower_mod, "TILE_ROWS", 32)
+    monkeypatch.setattr(tower_mod, "TILE_COLS", 40)
+    monkeypatch.setattr(tower_mod, "ROW_TASK", 8)
+
+
+def test_tiles_cover_the_output_once():
+    for m, n in [(1024, 1152), (256, 1152), (256, 4304), (5040, 4304), (16, 64), (1, 1), (260, 100)]:
+        tiles = tower_mod._tiles(m, n)
+        hit = np.zeros((m, n), np.int64)
+        for r, c in tiles:
+            hit[r, c] += 1
+        assert (hit == 1).all(), (m, n)
+        assert len(tiles) >= min(tower_mod.MIN_TILES, -(-n // 64)), (m, n)
+
+
+def test_tower_is_thread_invariant(mm, small_tiles):
+    """Bit-identical output whatever the thread count: every tile is the same GEMM call on any thread."""
+    pieces, grids = _two_pieces(mm, 5)
+    one = MiniCPMVTower(mm, threads=1).encode(pieces, grids)
+    assert [o.shape for o in one] == [(6, mm.hparams.out_dim), (2, mm.hparams.out_dim)]
+    for threads in (2, 3):
+        many = MiniCPMVTower(mm, threads=threads).encode(pieces, grids)
+        for a, b in zip(one, many, strict=True):
+            np.testing.assert_array_equal(a, b)
+
+
+def test_tiling_only_reshapes_the_gemms(mm, monkeypatch):
+    """The tiles change only how the GEMMs are cut (float32 rounding, far below the conformance bound)."""
+    pieces, grids = _two_pieces(mm, 6)
+    ref = np.concatenate(MiniCPMVTower(mm, threads=2).encode(pieces, grids))
+    for rows, cols in [(32, 40), (16, 64)]:
+        monkeypatch.setattr(tower_mod, "TILE_ROWS", rows)
+        monkeypatch.setattr(tower_mod, "TILE_COLS", cols)
+        assert rel_err(np.concatenate(MiniCPMVTower(mm, threads=2).encode(pieces, grids)), ref) <= 1e-6
+
+
+def test_stacked_pieces_equal_separate_ones(mm, small_tiles):
+    """Pieces encoded together (one stack, shared GEMMs) give what each gives alone: no attention across pieces,
+    windows and merges inside each piece."""
+    pieces, grids = _two_pieces(mm, 7)
+    tower = MiniCPMVTower(mm, threads=2)
+    together = tower.encode(pieces, grids)
+    for piece, grid, out in zip(pieces, grids, together, strict=True):
+        assert rel_err(out, tower.encode_piece(piece, grid)) <= 1e-6
 
 
 def test_cancel_between_layers(mm):
@@ -347,6 +402,14 @@ def test_engine_prompt_lays_out_slices(synth_model, tmp_path):
         text_between = tok.decode(prompt.tokens[prompt.images[0][0] + 64:prompt.images[3][0]])
         assert text_between.startswith("</image><slice>") and "</slice>\n<slice>" in text_between
         assert "<image_id>0</image_id><image>" in tok.decode(prompt.tokens[:prompt.images[0][0]])
+        markers = {m: tok.token_id(m) for m in MINICPMV46_MARKERS}      # one special token each, as in HF
+        for m, i in markers.items():
+            assert tok.encode(m) == [i] and tok.decode([i]) == m
+        head = prompt.tokens[:prompt.images[0][0]]
+        assert head[-1] == markers["<image>"] and markers["<image_id>"] in head and markers["</image_id>"] in head
+        after = [prompt.tokens[s + len(e)] for s, e, _ in prompt.images]
+        assert after == [markers["</image>"]] + [markers["</slice>"]] * 4
+        assert [prompt.tokens[s - 1] for s, _, _ in prompt.images[1:]] == [markers["<slice>"]] * 4
         np.testing.assert_array_equal(prompt.positions, np.repeat(np.arange(len(prompt.tokens))[None], 3, 0))
         keys = {k for _, _, k in prompt.images}
         other = engine.prepare([{"role": "user", "content": [{"type": "image", "image": Image.fromarray(
@@ -356,6 +419,18 @@ def test_engine_prompt_lays_out_slices(synth_model, tmp_path):
         assert sum(1 for e in events if isinstance(e, TokenEvent)) == 3
     finally:
         engine.close()
+
+
+def test_synth_markers_only_in_the_minicpmv_vocabulary():
+    """The minicpmv46 synth vocabulary is Qwen3.5's plus the six layout markers (control tokens, unused ids before);
+    the qwen35 vocabulary is unchanged."""
+    base, ours = qwen35_vocab(), minicpmv46_vocab()
+    changed = [i for i, (a, b) in enumerate(zip(base.tokens, ours.tokens, strict=True)) if a != b]
+    assert [ours.tokens[i] for i in changed] == list(MINICPMV46_MARKERS)
+    assert all(base.tokens[i] == f"[PAD{i}]" for i in changed)
+    assert {ours.token_types[i] for i in changed} == {int(gguf.TokenType.CONTROL)}
+    assert not set(MINICPMV46_MARKERS) & set(base.tokens)
+    assert ours.merges == base.merges
 
 
 # ------------------------------------------------------------------------------------ end to end

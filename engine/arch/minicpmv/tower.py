@@ -1,5 +1,6 @@
 """The MiniCPM-V 4.6 vision tower in numpy float32: SigLIP2 blocks, the window-attention merger and the final
-2x2 merger. One piece (the overview or one slice) in, ``(n_tokens, out_dim)`` LLM-width rows out.
+2x2 merger. The pieces of one image (the overview and the slices) in, per piece ``(n_tokens, out_dim)``
+LLM-width rows out.
 
 Forward of one piece of ``gh x gw`` patches in raster order, S = gh*gw, D = ``n_embd`` (HF
 ``MiniCPMV4_6VisionModel`` / ``MiniCPMV4_6ViTWindowAttentionMerger`` / ``MiniCPMV4_6Merger`` in
@@ -23,11 +24,8 @@ Forward of one piece of ``gh x gw`` patches in raster order, S = gh*gw, D = ``n_
 In 4x mode the window-attention merger is skipped: all layers run at full resolution. GELU: tanh form in the
 blocks and the window-attention merger (HF ``gelu_pytorch_tanh``), the exact erf form in the final merger (HF
 ``nn.GELU()``). Every norm is a LayerNorm with bias, eps from the file. Projections are float32 GEMMs on the
-dequantized weights (:func:`engine.ops.vision_reference.linear`, the Qwen tower's path) with BLAS limited to
-the threads handed in. Full attention (:func:`engine.ops.vision_reference.attention`) runs its heads split
-over that many Python threads with BLAS single-threaded: its GEMMs are small (1024 x 72 x 1024 for a
-448-pixel piece), and a threaded BLAS ran them about 10 times slower than one thread on a loaded 2-core
-machine. Each head is computed the same way whatever the split, so the result does not depend on it.
+dequantized weights (:func:`engine.ops.vision_reference.linear`, the Qwen tower's path), full attention is
+:func:`engine.ops.vision_reference.attention`; :class:`MiniCPMVTower` says how the work is split over threads.
 """
 
 from __future__ import annotations
@@ -82,19 +80,75 @@ def window_attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, n_head: int) -
     return np.einsum("whij,wjhd->wihd", scores, vw).reshape(s, d)
 
 
-def merge_2x2(x: np.ndarray, gh: int, gw: int) -> np.ndarray:
-    """The 2x2 concat of the final merger: (gh*gw, D) raster rows -> (gh*gw/4, 4D), windows in raster order,
-    each row the window's (0,0), (0,1), (1,0), (1,1) tokens side by side."""
-    d = x.shape[1]
-    return np.ascontiguousarray(x.reshape(gh // 2, 2, gw // 2, 2, d).transpose(0, 2, 1, 3, 4)).reshape(-1, 4 * d)
+TILE_ROWS = 512
+"""Rows of one GEMM tile. Fixed, whatever the thread count: OpenBLAS's float32 GEMM
+gives bits that depend on the shape of the call (a 1-row or 333-row call can round differently from a 256-row
+one), so every call the tower makes has a shape set by the input alone."""
+
+TILE_COLS = 1152
+"""Widest GEMM tile in output columns. 512 x 1152 tiles (K = 1152 or 4304) ran 6-15 % faster than 256 x 576
+ones on one core of the 2-core dev machine (thread CPU time; less packing per FLOP)."""
+
+ROW_TASK = 128
+"""Rows of one LayerNorm or window-attention task (a multiple of 4: no 2x2 window straddles two tasks)."""
+
+MIN_TILES = 4
+"""A GEMM is cut into at least this many tiles (narrower columns when it has few rows, e.g. the 256 rows of a
+448-pixel piece after the window-attention merger), so that a few cores share even a small one."""
+
+
+def _spans(n: int, step: int) -> list[slice]:
+    return [slice(i, min(i + step, n)) for i in range(0, n, step)]
+
+
+def _tiles(m: int, n: int) -> list[tuple[slice, slice]]:
+    """The (rows, cols) tiles of an (m, n) GEMM output: a function of the shape only (:data:`TILE_ROWS`)."""
+    rows = _spans(m, TILE_ROWS)
+    n_cols = max(-(-n // TILE_COLS), -(-MIN_TILES // len(rows)))
+    step = -(-n // (64 * n_cols)) * 64
+    return [(r, c) for r in rows for c in _spans(n, step)]
+
+
+class _Plan:
+    """Row bookkeeping of a stack of pieces: ``starts[i]`` is the first row of piece ``i`` at full resolution,
+    ``merged_starts[i]`` after the window-attention merger (16x mode) or the same (4x mode)."""
+
+    def __init__(self, grids: list[tuple[int, int]], quarter: bool):
+        sizes = [gh * gw for gh, gw in grids]
+        self.grids = grids
+        self.starts = np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64)
+        self.merged_grids = [(gh // 2, gw // 2) for gh, gw in grids] if quarter else list(grids)
+        self.merged_starts = self.starts // 4 if quarter else self.starts
+
+    @staticmethod
+    def _order(grids: list[tuple[int, int]], starts: np.ndarray) -> np.ndarray:
+        return np.concatenate([window_order(gh, gw) + s for (gh, gw), s in zip(grids, starts[:-1], strict=True)])
+
+    def window_order(self) -> np.ndarray:
+        """Full-resolution rows of the whole stack in 2x2-window order, piece by piece."""
+        return self._order(self.grids, self.starts)
+
+    def merged_window_order(self) -> np.ndarray:
+        """Rows after the window-attention merger in 2x2-window order (the final merger's grouping)."""
+        return self._order(self.merged_grids, self.merged_starts)
 
 
 class MiniCPMVTower:
-    """The tower of one projector file, float32 numpy, one piece per :meth:`encode_piece` call.
+    """The tower of one projector file, float32 numpy. :meth:`encode` runs all pieces of an image together.
+
+    The pieces are stacked row-wise into one ``(sum S_i, D)`` residual stream, so every projection of every
+    piece is one set of GEMM calls; attention stays per piece (no attention across pieces) and the mergers'
+    2x2 windows are taken inside each piece. Work is split into fixed tiles (:data:`TILE_ROWS` x
+    :data:`TILE_COLS` GEMM tiles, each with its bias add and activation applied while the tile is in cache;
+    :data:`ROW_TASK`-row LayerNorm tasks; one (piece, head) pair per full-attention task) run by ``threads``
+    Python workers, BLAS single-threaded inside each. numpy releases the GIL in GEMMs and ufuncs, so the
+    workers run in parallel, and there is no switching between OpenBLAS's own thread pool and other work.
+    Every tile is computed by the same calls whatever the thread count, so the result does not depend on it
+    (bit for bit).
 
     Args:
         mm: a loaded :class:`~engine.arch.minicpmv.mmproj.MiniCPMVMmproj` (its float32 weights are used in place).
-        threads: BLAS threads for the GEMMs (None: BLAS's own default).
+        threads: worker threads (None: ``os.cpu_count()``).
         mode: ``"16x"`` or ``"4x"``; None = the file's (``clip.vision.projector.scale_factor``). HF allows
             either on the same weights (``downsample_mode``).
 
@@ -111,107 +165,207 @@ class MiniCPMVTower:
         self._workers = max(1, threads or os.cpu_count() or 1)
         self._w = mm.weights
         self._patch_w = mm.weights["v.patch_embd.weight"].reshape(self.hp.n_embd, -1)
+        self._pool: ThreadPoolExecutor | None = None
 
     @property
     def merge(self) -> int:
         """Patches per output token side (4 in 16x mode, 2 in 4x mode)."""
         return merge_factor(self.mode)
 
-    def encode(self, pieces: list[np.ndarray], grids: list[tuple[int, int]], cb: StageCallback | None = None,
-               cancel: threading.Event | None = None) -> list[np.ndarray]:
-        """:meth:`encode_piece` for each piece of an image, each its own sequence (no attention across pieces)."""
-        return [self.encode_piece(p, g, cb, cancel) for p, g in zip(pieces, grids, strict=True)]
-
     def encode_piece(self, pixel_values: np.ndarray, grid: tuple[int, int], cb: StageCallback | None = None,
                      cancel: threading.Event | None = None) -> np.ndarray:
-        """Run the tower and both mergers on one piece (module doc).
+        """:meth:`encode` of one piece: (gh*gw / merge**2, out_dim) float32."""
+        return self.encode([pixel_values], [grid], cb, cancel)[0]
+
+    def encode(self, pieces: list[np.ndarray], grids: list[tuple[int, int]], cb: StageCallback | None = None,
+               cancel: threading.Event | None = None) -> list[np.ndarray]:
+        """Run the tower and both mergers on the pieces of one image, each its own sequence (module doc).
 
         Args:
-            pixel_values: (gh*gw, 3*P*P) float32 patch rows in raster order
+            pieces: per piece, (gh*gw, 3*P*P) float32 patch rows in raster order
                 (:attr:`~engine.arch.minicpmv.preprocess.PreparedPieces.pieces`).
-            grid: (gh, gw) patches, both multiples of :attr:`merge`.
-            cb: optional stage callback (stage names in the module doc).
+            grids: per piece, (gh, gw) patches, both multiples of :attr:`merge`.
+            cb: optional stage callback (stage names in the module doc), called once per stage with the rows of
+                all pieces stacked in piece order.
             cancel: checked before every block; when set, :class:`~engine.errors.GenerationCancelled` is raised.
 
         Returns:
-            (gh*gw / merge**2, out_dim) float32, tokens in raster order of the merged grid.
+            per piece, (gh*gw / merge**2, out_dim) float32, tokens in raster order of the merged grid.
 
         Raises:
-            ValueError: ``pixel_values`` does not fit ``grid``, or a side is not a multiple of :attr:`merge`.
+            ValueError: a piece does not fit its grid, or a side is not a multiple of :attr:`merge`.
             GenerationCancelled: ``cancel`` was set.
         """
         hp, w = self.hp, self._w
-        gh, gw = int(grid[0]), int(grid[1])
-        if gh % self.merge or gw % self.merge or gh < 1 or gw < 1 or pixel_values.shape != (gh * gw, hp.patch_dim):
-            raise ValueError(f"pixel_values {pixel_values.shape} do not fit grid {gh}x{gw} (expected "
-                             f"({gh * gw}, {hp.patch_dim}), sides positive multiples of {self.merge})")
+        grids = [(int(g[0]), int(g[1])) for g in grids]
+        if len(pieces) != len(grids) or not pieces:
+            raise ValueError(f"{len(pieces)} pieces for {len(grids)} grids (expected as many, at least one)")
+        for px, (gh, gw) in zip(pieces, grids, strict=True):
+            if gh % self.merge or gw % self.merge or gh < 1 or gw < 1 or px.shape != (gh * gw, hp.patch_dim):
+                raise ValueError(f"pixel_values {px.shape} do not fit grid {gh}x{gw} (expected "
+                                 f"({gh * gw}, {hp.patch_dim}), sides positive multiples of {self.merge})")
         emit = cb or (lambda stage, il, x: None)
-        with (threadpool_limits(limits=self.threads, user_api="blas"),
+        quarter = self.mode == "16x"
+        plan = _Plan(grids, quarter)
+        with (threadpool_limits(limits=1, user_api="blas"),
               ThreadPoolExecutor(self._workers, thread_name_prefix="minicpmv") as pool):
-            h = ops.linear(np.asarray(pixel_values, dtype=np.float32), self._patch_w, w["v.patch_embd.bias"])
-            emit("patch_embd", -1, h)
-            h += w["v.position_embd.weight"][bucket_position_ids(gh, gw, hp.pos_side)]
-            emit("embeddings", -1, h)
-            for il in range(hp.n_layer):
-                if cancel is not None and cancel.is_set():
-                    raise GenerationCancelled("image encoding cancelled")
-                self._block(h, il, pool)
-                emit("layer_out", il, h)
-                if self.mode == "16x" and il == hp.insert_layer:
-                    h = self._vit_merger(h, gh, gw)
-                    gh, gw = gh // 2, gw // 2
-                    emit("vit_merger", -1, h)
-            z = self._norm(h, "v.post_ln")
-            emit("post_ln", -1, z)
-            z = self._norm(merge_2x2(z, gh, gw), "mm.input_norm")
-            y = ops.gelu_erf(ops.linear(z, w["mm.up.weight"], w["mm.up.bias"]))
-            out = ops.linear(y, w["mm.down.weight"], w["mm.down.bias"])
-            emit("merger_out", -1, out)
-        return out
+            self._pool = pool if self._workers > 1 else None
+            try:
+                h = self._linear(np.concatenate(pieces, dtype=np.float32), self._patch_w, w["v.patch_embd.bias"])
+                emit("patch_embd", -1, h)
+                h += w["v.position_embd.weight"][np.concatenate([bucket_position_ids(gh, gw, hp.pos_side)
+                                                                 for gh, gw in grids])]
+                emit("embeddings", -1, h)
+                buf = _Buffers(len(h), hp.n_embd, hp.n_ff)
+                starts = plan.starts
+                for il in range(hp.n_layer):
+                    if cancel is not None and cancel.is_set():
+                        raise GenerationCancelled("image encoding cancelled")
+                    self._block(h, il, buf.view(len(h)), starts)
+                    emit("layer_out", il, h)
+                    if quarter and il == hp.insert_layer:
+                        h = self._vit_merger(h, plan.window_order(), buf)
+                        starts = plan.merged_starts
+                        emit("vit_merger", -1, h)
+                z = self._norm(h, "v.post_ln")
+                emit("post_ln", -1, z)
+                d4 = 4 * hp.n_embd
+                z = self._norm(z[plan.merged_window_order()].reshape(-1, d4),
+                               "mm.input_norm")
+                y = self._linear(z, w["mm.up.weight"], w["mm.up.bias"], act=_gelu_erf_into)
+                out = self._linear(y, w["mm.down.weight"], w["mm.down.bias"])
+                emit("merger_out", -1, out)
+            finally:
+                self._pool = None
+        return np.split(out, (starts[1:-1] // 4).tolist())
+
+    # -- parallel primitives -------------------------------------------------------------------------------
+
+    def _run(self, fn: Callable, items: list) -> None:
+        if self._pool is None:
+            for it in items:
+                fn(it)
+        else:
+            for _ in self._pool.map(fn, items):
+                pass
 
     def _norm(self, x: np.ndarray, name: str) -> np.ndarray:
-        return ops.layer_norm(x, self._w[name + ".weight"], self._w[name + ".bias"], self.hp.eps)
+        """LayerNorm ``name`` of (n, d) rows into a new array, :data:`ROW_TASK` rows per task."""
+        return self._norm_into(x, name, np.empty_like(x))
 
-    def _qkv(self, a: np.ndarray, p: str) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        w = self._w
-        return tuple(ops.linear(a, w[f"{p}attn_{x}.weight"], w[f"{p}attn_{x}.bias"]) for x in "qkv")
-
-    def _block(self, h: np.ndarray, il: int, pool: ThreadPoolExecutor) -> None:
-        """One SigLIP pre-norm block with full attention, updating the residual stream ``h`` (S, D) in place."""
-        hp, w, p = self.hp, self._w, f"v.blk.{il}."
-        s, hd = len(h), hp.head_dim
-        q, k, v = (x.reshape(s, hp.n_head, hd) for x in self._qkv(self._norm(h, p + "ln1"), p))
-        att = self._attention(q, k, v, pool)
-        h += ops.linear(att, w[p + "attn_out.weight"], w[p + "attn_out.bias"])
-        f = ops.gelu_tanh(ops.linear(self._norm(h, p + "ln2"), w[p + "ffn_up.weight"], w[p + "ffn_up.bias"]))
-        h += ops.linear(f, w[p + "ffn_down.weight"], w[p + "ffn_down.bias"])
-
-    def _attention(self, q: np.ndarray, k: np.ndarray, v: np.ndarray, pool: ThreadPoolExecutor) -> np.ndarray:
-        """Full attention, (S, H, d) each -> (S, H*d), heads split over ``pool`` with BLAS single-threaded."""
-        s, n_head, hd = q.shape
-        out = np.empty((s, n_head * hd), dtype=np.float32)
-        groups = [g for g in np.array_split(np.arange(n_head), self._workers) if len(g)]
-
-        def run(g: np.ndarray) -> None:
-            h = slice(int(g[0]), int(g[-1]) + 1)
-            ops.attention(q[:, h], k[:, h], v[:, h], out=out[:, h.start * hd:h.stop * hd])
-
-        with threadpool_limits(limits=1, user_api="blas"):
-            for f in [pool.submit(run, g) for g in groups]:
-                f.result()
+    def _norm_into(self, x: np.ndarray, name: str, out: np.ndarray) -> np.ndarray:
+        g, b, eps = self._w[name + ".weight"], self._w[name + ".bias"], self.hp.eps
+        self._run(lambda r: ops.layer_norm(x[r], g, b, eps, out=out[r]), _spans(len(x), ROW_TASK))
         return out
 
-    def _vit_merger(self, h: np.ndarray, gh: int, gw: int) -> np.ndarray:
-        """The window-attention merger: (gh*gw, D) raster rows -> (gh*gw/4, D), windows in raster order."""
+    def _linear(self, x: np.ndarray, w: np.ndarray, b: np.ndarray, out: np.ndarray | None = None,
+                act: Callable[[np.ndarray], None] | None = None, add_to: np.ndarray | None = None,
+                add: np.ndarray | None = None) -> np.ndarray:
+        """``y = x @ w.T + b`` (:func:`engine.ops.vision_reference.linear`) in tiles, then per tile, in order:
+        ``act(y)`` in place, ``y += add`` and ``add_to += y``.
+
+        Args:
+            x: (n, k) float32. w: (m, k) float32. b: (m,) float32. out: optional (n, m) float32 for ``y``.
+            act: in-place activation of one (rows, cols) tile. add: optional (n, m) float32 added to ``y``.
+            add_to: optional (n, m) float32 residual stream that receives ``y``.
+
+        Returns:
+            ``y``, (n, m) float32.
+        """
+        out = np.empty((len(x), len(w)), dtype=np.float32) if out is None else out
+
+        def tile(rc: tuple[slice, slice]) -> None:
+            r, c = rc
+            y = ops.linear(x[r], w[c], b[c], out=out[r, c])
+            if act is not None:
+                act(y)
+            if add is not None:
+                y += add[r, c]
+            if add_to is not None:
+                add_to[r, c] += y
+
+        self._run(tile, _tiles(len(x), len(w)))
+        return out
+
+    # -- the blocks ----------------------------------------------------------------------------------------
+
+    def _qkv(self, a: np.ndarray, p: str, buf: _Buffers) -> None:
+        """q, k, v projections of ``a`` into ``buf.q``, ``buf.k``, ``buf.v`` (one set of tiles for the three)."""
+        w = self._w
+        jobs = [(x, out, r, c) for x, out in zip("qkv", (buf.q, buf.k, buf.v), strict=True)
+                for r, c in _tiles(len(a), out.shape[1])]
+
+        def tile(job: tuple[str, np.ndarray, slice, slice]) -> None:
+            x, out, r, c = job
+            ops.linear(a[r], w[f"{p}attn_{x}.weight"][c], w[f"{p}attn_{x}.bias"][c], out=out[r, c])
+
+        self._run(tile, jobs)
+
+    def _block(self, h: np.ndarray, il: int, buf: _Buffers, starts: np.ndarray) -> None:
+        """One SigLIP pre-norm block with full attention per piece, updating the residual stream ``h`` (S, D)
+        in place; ``starts`` (n_pieces + 1,) are the pieces' first rows."""
+        hp, w, p = self.hp, self._w, f"v.blk.{il}."
+        hd = hp.head_dim
+        self._norm_into(h, p + "ln1", buf.a)
+        self._qkv(buf.a, p, buf)
+        q, k, v = (x.reshape(len(h), hp.n_head, hd) for x in (buf.q, buf.k, buf.v))
+
+        def head(job: tuple[slice, int]) -> None:
+            r, i = job
+            c = slice(i, i + 1)
+            ops.attention(q[r, c], k[r, c], v[r, c], out=buf.att[r, i * hd:(i + 1) * hd])
+
+        self._run(head, [(slice(int(s), int(e)), i) for s, e in zip(starts[:-1], starts[1:], strict=True)
+                         for i in range(hp.n_head)])
+        self._linear(buf.att, w[p + "attn_out.weight"], w[p + "attn_out.bias"], out=buf.tmp, add_to=h)
+        self._norm_into(h, p + "ln2", buf.a)
+        self._linear(buf.a, w[p + "ffn_up.weight"], w[p + "ffn_up.bias"], out=buf.f, act=_gelu_tanh_into)
+        self._linear(buf.f, w[p + "ffn_down.weight"], w[p + "ffn_down.bias"], out=buf.tmp, add_to=h)
+
+    def _vit_merger(self, h: np.ndarray, order: np.ndarray, buf: _Buffers) -> np.ndarray:
+        """The window-attention merger: (S, D) rows of the stack -> (S/4, D), ``order`` the stack's window order
+        (:meth:`_Plan.window_order`); windows of each piece in raster order. ``buf``: the blocks' scratch."""
         w, p, d = self._w, "v.vit_merger.", self.hp.n_embd
-        order = window_order(gh, gw)
-        q, k, v = self._qkv(self._norm(h, p + "ln1")[order], p)
-        att = window_attention(q, k, v, self.hp.n_head)
-        x = h[order] + ops.linear(att, w[p + "attn_out.weight"], w[p + "attn_out.bias"])
-        wins = x.reshape(-1, 4, d)
-        c = self._norm(x.reshape(-1, 4 * d), p + "ds_ln")
-        f = ops.gelu_tanh(ops.linear(c, w[p + "ds_ffn_up.weight"], w[p + "ds_ffn_up.bias"]))
-        return ops.linear(f, w[p + "ds_ffn_down.weight"], w[p + "ds_ffn_down.bias"]) + wins.mean(axis=1)
+        x = h[order]
+        self._norm_into(x, p + "ln1", buf.a)
+        self._qkv(buf.a, p, buf)
+        att = buf.att
+
+        def windows(r: slice) -> None:
+            att[r] = window_attention(buf.q[r], buf.k[r], buf.v[r], self.hp.n_head)
+
+        self._run(windows, _spans(len(h), ROW_TASK))
+        self._linear(att, w[p + "attn_out.weight"], w[p + "attn_out.bias"], out=buf.tmp, add_to=x)
+        mean = x.reshape(-1, 4, d).mean(axis=1)
+        c = self._norm_into(x.reshape(-1, 4 * d), p + "ds_ln", buf.a.reshape(-1, 4 * d))
+        f = self._linear(c, w[p + "ds_ffn_up.weight"], w[p + "ds_ffn_up.bias"], out=buf.f.reshape(len(c), -1),
+                         act=_gelu_tanh_into)
+        return self._linear(f, w[p + "ds_ffn_down.weight"], w[p + "ds_ffn_down.bias"], add=mean)
+
+
+class _Buffers:
+    """Scratch of one block over ``n`` rows: ``a`` (normed input), ``q``/``k``/``v``/``att``/``tmp`` (n, d), ``f``
+    (n, ff); :meth:`view` gives the first rows of each (the rows after the window-attention merger). The
+    window-attention merger reuses them: ``a`` as (n/4, 4d) and ``f`` as (n/4, 4ff)."""
+
+    def __init__(self, n: int, d: int, ff: int, arrays: dict[str, np.ndarray] | None = None):
+        self._d, self._ff = d, ff
+        self._arrays = arrays if arrays is not None else {
+            **{k: np.empty((n, d), dtype=np.float32) for k in ("a", "q", "k", "v", "att", "tmp")},
+            "f": np.empty((n, ff), dtype=np.float32)}
+        for k, x in self._arrays.items():
+            setattr(self, k, x)
+
+    def view(self, n: int) -> _Buffers:
+        return _Buffers(n, self._d, self._ff, {k: x[:n] for k, x in self._arrays.items()})
+
+
+def _gelu_tanh_into(y: np.ndarray) -> None:
+    ops.gelu_tanh(y, out=y)
+
+
+def _gelu_erf_into(y: np.ndarray) -> None:
+    y[...] = ops.gelu_erf(y)
 
 
 class PiecesTower:

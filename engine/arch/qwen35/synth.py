@@ -184,8 +184,9 @@ def synth(path: str | os.PathLike[str], preset: str, layers: int | None = None, 
             types; ``ud_q4_k_xl``: unsloth's dynamic mix as documented; see :mod:`engine.arch.qwen35.quant_mix`;
             its Q4_K / Q5_K / Q6_K / Q8_0 blocks are drawn directly).
         seed: the weights are a deterministic function of (seed, tensor name, shape).
-        vocab: ``"qwen35"`` for the real vocabulary and chat template (``engine.arch.qwen35.vocab``), ``None`` for
-            no tokenizer metadata with ``vocab_size`` 248320, or a list of token strings.
+        vocab: ``"qwen35"`` for the real vocabulary and chat template (``engine.arch.qwen35.vocab``; the
+            ``minicpmv46`` presets add MiniCPM-V's image markers, ``minicpmv46_vocab``), ``None`` for no tokenizer
+            metadata with ``vocab_size`` 248320, or a list of token strings.
 
     Returns:
         The hyper-parameters written.
@@ -199,7 +200,7 @@ def synth(path: str | os.PathLike[str], preset: str, layers: int | None = None, 
         if vocab != "qwen35":
             raise ValueError(f"vocab must be 'qwen35', None or a list of tokens, got {vocab!r}")
         from . import vocab as vocab_module
-        vocab = vocab_module.qwen35_vocab()
+        vocab = vocab_module.minicpmv46_vocab() if preset.startswith("minicpmv46") else vocab_module.qwen35_vocab()
     n_vocab = QWEN35_N_VOCAB if vocab is None else len(_tokens(vocab))
     hp = preset_hparams(preset, n_vocab, layers, experts)
     plan: list[_Plan] = []

@@ -21,7 +21,7 @@ import hashlib
 import json
 import os
 import tempfile
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from importlib import resources
 from pathlib import Path
 
@@ -232,6 +232,36 @@ def qwen35_vocab(cache_dir: str | os.PathLike[str] | None = None) -> GGUFVocab:
     vocab = build_vocab(_parse_ranks(data, str(rank_file)), list(QWEN3_5_SPECIAL_TOKENS))
     _store_cached(cache_path, vocab)
     return vocab
+
+
+MINICPMV46_MARKERS = ("<image>", "</image>", "<slice>", "</slice>", "<image_id>", "</image_id>")
+"""The added tokens of MiniCPM-V's image prompt layout (``<image_id>k</image_id><image>`` + pads + ``</image>``,
+then ``<slice>`` + pads + ``</slice>`` per slice; HF ``MiniCPMV4_6Processor``, whose tokenizer names them
+``im_id_start`` / ``im_id_end`` / ``im_start`` / ``im_end`` / ``slice_start`` / ``slice_end``). MiniCPM-V's
+tokenizer marks them special, so a prompt's text never splits them into BPE pieces."""
+
+
+def minicpmv46_vocab(cache_dir: str | os.PathLike[str] | None = None) -> GGUFVocab:
+    """:func:`qwen35_vocab` plus :data:`MINICPMV46_MARKERS` as control tokens, for the ``minicpmv46`` synth presets.
+
+    The markers take the first unused ids after Qwen's added tokens (248077..248082), in the order of
+    :data:`MINICPMV46_MARKERS`: a choice of this synthetic vocabulary (the engine looks the markers up by
+    text, never by id). Everything else equals :func:`qwen35_vocab`.
+
+    Args:
+        cache_dir: as :func:`qwen35_vocab`.
+
+    Returns:
+        GGUFVocab: 248,320 tokens and types.
+    """
+    base = qwen35_vocab(cache_dir)
+    tokens, types = list(base.tokens), list(base.token_types)
+    first = max(i for i, _ in QWEN3_5_SPECIAL_TOKENS) + 1
+    for token_id, text in enumerate(MINICPMV46_MARKERS, first):
+        if types[token_id] != int(gguf.TokenType.UNUSED):
+            raise TokenizerError(f"id {token_id} for {text!r} is taken by {tokens[token_id]!r}")
+        tokens[token_id], types[token_id] = text, int(gguf.TokenType.CONTROL)
+    return replace(base, tokens=tokens, token_types=types)
 
 
 def add_tokenizer_metadata(writer: gguf.GGUFWriter, vocab: GGUFVocab, chat_template: str) -> None:
