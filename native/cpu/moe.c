@@ -240,9 +240,8 @@ typedef struct {
     const uint8_t *gate, *up, *down;
     int gate_type, up_type, down_type;
     size_t ff, count;       /* count: tokens routed here */
-    const size_t *tokens;   /* their indices, ascending */
-    const size_t *slots;    /* the slot each has this expert in (n_used for the shared expert) */
-    float *xg;              /* count x d: their rows of x */
+    size_t *tokens;         /* their indices, ascending */
+    float *xg;              /* count x d: their rows of x (stage 2), then their down outputs (stage 5) */
     float *g, *u, *h;       /* count x ff each: column c is token tokens[c] */
     dd_acts xacts, hacts;
     int has_x, has_h;
@@ -291,6 +290,15 @@ static group *group_of(prefill_job *j, size_t chunk, int down)
     return &j->groups[i];
 }
 
+/* Quantize a group's m columns of k values into *acts, setting *made; a failure stops the job. */
+static void prefill_acts(prefill_job *j, const float *v, size_t m, size_t k, dd_acts *acts, int *made)
+{
+    if (dd_acts_new(j->kt, v, m, k, acts) == DD_OK)
+        *made = 1;
+    else
+        atomic_store(&j->failed, 1);
+}
+
 static void prefill_quantize_x(void *ctx, size_t chunk)
 {
     prefill_job *j = ctx;
@@ -298,10 +306,7 @@ static void prefill_quantize_x(void *ctx, size_t chunk)
     const size_t d = j->mw->d;
     for (size_t c = 0; c < gr->count; c++)
         memcpy(gr->xg + c * d, j->x + gr->tokens[c] * d, d * sizeof(float));
-    if (dd_acts_new(j->kt, gr->xg, gr->count, d, &gr->xacts) == DD_OK)
-        gr->has_x = 1;
-    else
-        atomic_store(&j->failed, 1);
+    prefill_acts(j, gr->xg, gr->count, d, &gr->xacts, &gr->has_x);
 }
 
 static void prefill_gate_up_chunk(void *ctx, size_t chunk)
@@ -326,12 +331,8 @@ static void prefill_quantize_h(void *ctx, size_t chunk)
 {
     prefill_job *j = ctx;
     group *gr = &j->groups[chunk];
-    if (atomic_load(&j->failed))
-        return;
-    if (dd_acts_new(j->kt, gr->h, gr->count, gr->ff, &gr->hacts) == DD_OK)
-        gr->has_h = 1;
-    else
-        atomic_store(&j->failed, 1);
+    if (!atomic_load(&j->failed))
+        prefill_acts(j, gr->h, gr->count, gr->ff, &gr->hacts, &gr->has_h);
 }
 
 /* A chunk of one expert's down rows over its tokens, into xg (count x d; stage 2 is done with it). */
@@ -363,7 +364,8 @@ static void prefill_sum_chunk(void *ctx, size_t chunk)
     }
 }
 
-/* Lay the groups out: each used expert's tokens (ascending) and slots, its buffers, its chunks. */
+/* Lay the groups out: each used expert's tokens (ascending), its buffers, its chunks; and where each
+ * (token, slot)'s down output will lie. */
 static int prefill_groups(prefill_job *j, size_t *index, float *fbuf)
 {
     const dd_moe_weights *mw = j->mw;
@@ -401,7 +403,6 @@ static int prefill_groups(prefill_job *j, size_t *index, float *fbuf)
     for (size_t g = 0; g < gi; g++) {
         group *gr = &j->groups[g];
         gr->tokens = index + entries;
-        gr->slots = index + n * j->n_slots + entries;
         gr->xg = fbuf;
         gr->g = gr->xg + gr->count * d;
         gr->u = gr->g + gr->count * gr->ff;
@@ -416,8 +417,7 @@ static int prefill_groups(prefill_job *j, size_t *index, float *fbuf)
     for (size_t t = 0; t < n; t++)
         for (size_t i = 0; i < j->n_slots; i++) {
             group *gr = &j->groups[i < n_used ? at[j->sel[t * n_used + i]] : gi - 1];
-            ((size_t *)gr->tokens)[gr->count] = t;
-            ((size_t *)gr->slots)[gr->count] = i;
+            gr->tokens[gr->count] = t;
             j->rows[t * j->n_slots + i] = gr->xg + gr->count * d;
             gr->count++;
         }
@@ -451,7 +451,7 @@ int dd_moe_prefill(int isa, const dd_moe_weights *mw, size_t n, const float *x, 
     prefill_job j = { .kt = kt, .mw = mw, .n = n, .n_slots = n_slots, .x = x, .out = out };
     float *small = malloc((2 * n * mw->n_expert + entries) * sizeof(float));
     float *fbuf = malloc(entries * (d + 3 * ff_max) * sizeof(float));
-    size_t *index = malloc(2 * entries * sizeof(size_t));
+    size_t *index = malloc(entries * sizeof(size_t));
     j.sel = malloc(n * n_used * sizeof(int32_t));
     j.rows = malloc(entries * sizeof(float *));
     j.groups = calloc(mw->n_expert + 1, sizeof(group));
