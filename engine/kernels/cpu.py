@@ -478,6 +478,44 @@ def moe_ffn(x: np.ndarray, w: MoEWeights | PreparedMoE) -> MoEResult:
     return MoEResult(out, experts, weights)
 
 
+def moe_prefill(x: np.ndarray, w: MoEWeights | PreparedMoE) -> MoEResult:
+    """The MoE FFN of n tokens in one native call, grouped by expert: each routed expert's weights
+    are read once for all the tokens routed to it, the shared expert's once for all n.
+
+    Token t's results are bit for bit those of ``moe_ffn(x[t], w)`` (same routing and tie rule, same
+    products, same summation order; native/cpu/moe.c), so prefill and decode agree and a prompt's
+    split into pieces changes nothing.
+
+    Args: x (n, d) float32; w: the layer's MoEWeights, or a PreparedMoE of them.
+    Returns: MoEResult(out (n, d) float32, experts (n, n_used) int32, weights (n, n_used) float32).
+    Raises: ValueError on inconsistent shapes; EngineError if the native call fails.
+    """
+    prepared = w if isinstance(w, PreparedMoE) else PreparedMoE(w)
+    x = np.ascontiguousarray(x, dtype=np.float32)
+    if x.ndim != 2 or x.shape[1] != prepared.d:
+        raise ValueError(f"moe_prefill: x has shape {x.shape}, expected (n, {prepared.d})")
+    level = _native_level()
+    if level is None:
+        return moe_prefill_np(x, prepared.weights)
+    ffi, lib = _native_cpu.ffi, _native_cpu.lib
+    n, n_used = x.shape[0], prepared.weights.n_used
+    out = np.empty_like(x)
+    experts = np.empty((n, n_used), dtype=np.int32)
+    weights = np.empty((n, n_used), dtype=np.float32)
+    _check(lib.dd_moe_prefill(level, prepared._c, n, _ptr(ffi, "float *", x), _ptr(ffi, "float *", out),
+                              _ptr(ffi, "int32_t *", experts), _ptr(ffi, "float *", weights)), "moe_prefill")
+    return MoEResult(out, experts, weights)
+
+
+def moe_prefill_np(x: np.ndarray, w: MoEWeights) -> MoEResult:
+    """numpy twin of :func:`moe_prefill`: :func:`moe_ffn_np` token by token, results stacked."""
+    x = np.asarray(x, dtype=np.float32).reshape(-1, w.router.shape[1])
+    if x.shape[0] == 0:
+        return MoEResult(x.copy(), np.empty((0, w.n_used), np.int32), np.empty((0, w.n_used), np.float32))
+    results = [moe_ffn_np(row, w) for row in x]
+    return MoEResult(*(np.stack(parts) for parts in zip(*results)))
+
+
 def moe_ffn_np(x: np.ndarray, w: MoEWeights) -> MoEResult:
     """numpy twin of :func:`moe_ffn`: the same steps through the numpy matmul twins and engine.ops.reference."""
     x, layout, ff, _ = _moe_layout(x, w)

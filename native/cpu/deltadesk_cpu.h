@@ -70,6 +70,13 @@ typedef struct {
 int dd_moe_ffn(int isa, const dd_moe_weights *w, const float *x, float *out,
                int32_t *sel, float *weights);
 
+/* The MoE feed-forward of n tokens (x, out: n x d, row t token t), each given exactly the bits
+ * dd_moe_ffn gives it alone, with each routed expert's weights read once for all the tokens routed
+ * to it (one GEMM per expert and matrix) and the shared expert's once for all n. sel/weights (may
+ * be NULL): n x n_used, row t token t's choice. */
+int dd_moe_prefill(int isa, const dd_moe_weights *w, size_t n, const float *x, float *out,
+                   int32_t *sel, float *weights);
+
 /* The Gated DeltaNet recurrent step of one token (spec 3.2 steps 2-6), from the layer's raw
  * projections to the gated-normed output that `ssm_out` reads:
  *   conv over [conv_state; mixed] with conv_w, SiLU -> q (n_k x dk), k (n_k x dk), v (n_v x dv);

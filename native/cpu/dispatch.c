@@ -188,7 +188,7 @@ int dd_matmul(int isa, int wtype, const uint8_t *w, size_t rows, size_t k, const
     const size_t row_bytes = dd_row_bytes(wtype, k);
     matmul_job job = {
         .gemm = kt->gemm[wtype], .w = w, .row_bytes = row_bytes, .rows = rows,
-        .chunk_rows = dd_chunk_rows(row_bytes * m), .acts = &acts, .y = y,
+        .chunk_rows = dd_gemm_chunk_rows(row_bytes, m), .acts = &acts, .y = y,
     };
     dd_pool_for(matmul_chunk, &job, dd_div_up(rows, job.chunk_rows));
     dd_acts_free(&acts);

@@ -4,9 +4,14 @@
  * TILE(w_row0, prefetch_row0, row_bytes, acts, c0, y_row0, ldy, R, C), each computing rows [0, R)
  * x columns [c0, c0 + C) with R and C compile-time constants (TILE is always-inline, so each shape
  * gets its own register-resident accumulators) while prefetching R rows from prefetch_row0.
- * GEMV (m == 1) uses 4-row tiles so the activation loads are shared by 4 rows; small-M GEMM uses 2 x 4 tiles so each expanded weight register serves 4
- * columns. Every output element is computed by the same instruction sequence whatever tile it
- * falls in, so results do not depend on where a thread's row range starts.
+ * GEMV (m == 1) uses 4-row tiles so the activation loads are shared by 4 rows; GEMM (m > 1) uses
+ * 2 x 4 tiles so each expanded weight register serves 4 columns, and walks the columns in blocks of
+ * DD_GEMM_BLOCK_COLS: a block's activations (about 3 KiB a column at k = 2048) stay in L2 while
+ * every row of the range meets them, and the range's weights (dd_gemm_chunk_rows in runtime.h
+ * keeps them to ~64 KiB) are read again from L2, not DRAM, for the next block. A prefill product
+ * thus reads each weight block from memory once per call, and the activations once per row range.
+ * Every output element is computed by the same instruction sequence whatever tile or block it
+ * falls in, so results do not depend on where a thread's row range starts or on m.
  */
 #ifndef DELTADESK_GEMM_TILES_H
 #define DELTADESK_GEMM_TILES_H
@@ -28,13 +33,17 @@ DD_INLINE void dd_prefetch_rows(const uint8_t *w, size_t row_bytes, size_t rows)
 #define DD_PREFETCH_BASE(W, RB, R_, R, AVAIL) \
     ((W) + ((R_) + DD_PREFETCH_ROWS + (R) <= (AVAIL) ? (R_) + DD_PREFETCH_ROWS : (R_)) * (RB))
 
-#define DD_GEMM_COLUMNS(TILE, W, RB, R_, AVAIL, A, Y, LDY, R)                                     \
+/* Columns per block of the GEMM walk (a multiple of the 4-column tile). */
+#define DD_GEMM_BLOCK_COLS 32
+
+/* Rows [R_, R_ + R) against columns [C0, C1) in 4-column tiles, then the 1-3 left over. */
+#define DD_GEMM_COLUMNS(TILE, W, RB, R_, AVAIL, A, Y, LDY, R, C0, C1)                              \
     do {                                                                                          \
         const uint8_t *w_ = (W) + (R_) * (RB), *pf_ = DD_PREFETCH_BASE(W, RB, R_, R, AVAIL);       \
-        size_t c_ = 0;                                                                            \
-        for (; c_ + 4 <= (A)->m; c_ += 4)                                                         \
+        size_t c_ = (C0);                                                                         \
+        for (; c_ + 4 <= (C1); c_ += 4)                                                           \
             TILE(w_, pf_, RB, A, c_, (Y) + (R_), LDY, R, 4);                                      \
-        switch ((A)->m - c_) {                                                                    \
+        switch ((C1) - c_) {                                                                      \
         case 3: TILE(w_, pf_, RB, A, c_, (Y) + (R_), LDY, R, 3); break;                           \
         case 2: TILE(w_, pf_, RB, A, c_, (Y) + (R_), LDY, R, 2); break;                           \
         case 1: TILE(w_, pf_, RB, A, c_, (Y) + (R_), LDY, R, 1); break;                           \
@@ -57,10 +66,13 @@ DD_INLINE void dd_prefetch_rows(const uint8_t *w, size_t row_bytes, size_t rows)
                      row_bytes, a, 0, y + r, ldy, 1, 1);                                          \
             return;                                                                               \
         }                                                                                         \
-        for (; r + 2 <= nrows; r += 2)                                                            \
-            DD_GEMM_COLUMNS(TILE, w, row_bytes, r, rows_avail, a, y, ldy, 2);                     \
-        if (r < nrows)                                                                            \
-            DD_GEMM_COLUMNS(TILE, w, row_bytes, r, rows_avail, a, y, ldy, 1);                     \
+        for (size_t c0 = 0; c0 < a->m; c0 += DD_GEMM_BLOCK_COLS) {                                \
+            const size_t c1 = a->m - c0 < DD_GEMM_BLOCK_COLS ? a->m : c0 + DD_GEMM_BLOCK_COLS;    \
+            for (r = 0; r + 2 <= nrows; r += 2)                                                   \
+                DD_GEMM_COLUMNS(TILE, w, row_bytes, r, rows_avail, a, y, ldy, 2, c0, c1);         \
+            if (r < nrows)                                                                        \
+                DD_GEMM_COLUMNS(TILE, w, row_bytes, r, rows_avail, a, y, ldy, 1, c0, c1);         \
+        }                                                                                         \
     }
 
 /* DD_DEFINE_TYPED_GEMMS() defines gemm_q4_0 and gemm_q8_0 in a kernel file whose one tile function

@@ -18,6 +18,17 @@ static inline size_t dd_chunk_rows(size_t row_bytes)
     return r < 4 ? 4 : r;
 }
 
+/* Rows per chunk of a product with m columns: dd_chunk_rows for m == 1; for m > 1 (prefill) a
+ * multiple of 4 holding about 64 KiB of weights, which stay in L2 while the GEMM walks the column
+ * blocks (gemm_tiles.h), so a large m no longer shrinks a chunk to 4 rows that meet all m columns. */
+static inline size_t dd_gemm_chunk_rows(size_t row_bytes, size_t m)
+{
+    if (m <= 1)
+        return dd_chunk_rows(row_bytes);
+    size_t r = 65536 / (row_bytes ? row_bytes : 1) / 4 * 4;
+    return r < 4 ? 4 : r;
+}
+
 static inline size_t dd_div_up(size_t a, size_t b)
 {
     return (a + b - 1) / b;

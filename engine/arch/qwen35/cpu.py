@@ -18,8 +18,10 @@ What runs where:
 * projections: W4A8 / W8A8 GEMV (one token) or small-M GEMM (prefill) straight from the
   memory-mapped Q4_0 / Q8_0 / Q4_K / Q5_K / Q6_K / Q4_1 / Q5_0 / Q5_1 / IQ4_NL / IQ4_XS blocks
   (:class:`engine.kernels.cpu.Matrix`);
-* the MoE FFN: one fused native call per token (:func:`engine.kernels.cpu.moe_ffn`), in prefill
-  too (a layer with float32 experts runs each expert's rows through the row-wise products);
+* the MoE FFN: one fused native call, per token in decode (:func:`engine.kernels.cpu.moe_ffn`),
+  for all n tokens grouped by expert in prefill (:func:`engine.kernels.cpu.moe_prefill`, each
+  routed expert's weights read once per prefill piece; the same bits per token); a layer with
+  float32 experts runs each expert's rows through the row-wise products;
 * the GDN recurrence and attention: :mod:`engine.arch.qwen35.cpu_mixers` (C), token by token and query
   by query in prefill too;
 * norms, RoPE, residual adds: the reference numpy ops; the dense FFN's SiLU gate:
@@ -243,13 +245,19 @@ class NativeQwen35Model(Qwen35Model):
         return attention_prefill(q, gate, k, v)
 
     def moe(self, il: int, y: np.ndarray, cb: Callback) -> np.ndarray:
-        """Routed experts + shared expert: the fused call token by token, else expert-wise products
-        (also while an expert observer is attached: the fused call forms no per-expert outputs)."""
+        """Routed experts + shared expert: one fused call (:func:`engine.kernels.cpu.moe_ffn` for one
+        token, :func:`~engine.kernels.cpu.moe_prefill` grouped by expert for n, the same bits per
+        token), else expert-wise products (also while an expert observer is attached: the fused
+        calls form no per-expert outputs)."""
         if il in self.fused_moe and self.observer is None:
-            results = [cpu.moe_ffn(row, self.fused_moe[il]) for row in y]
-            cb("ffn_moe_topk", il, np.stack([r.experts for r in results]))
-            cb("ffn_moe_weights_norm", il, np.stack([r.weights for r in results]))
-            return np.stack([r.out for r in results])
+            if len(y) == 1:
+                one = cpu.moe_ffn(y[0], self.fused_moe[il])
+                result = cpu.MoEResult(one.out[None], one.experts[None], one.weights[None])
+            else:
+                result = cpu.moe_prefill(y, self.fused_moe[il])
+            cb("ffn_moe_topk", il, result.experts)
+            cb("ffn_moe_weights_norm", il, result.weights)
+            return result.out
         p = f"blk.{il}."
         logits = ops.linear_rows(y, self.w(p + "ffn_gate_inp.weight"))
         idx, weights = ops.topk_route(logits, self.hp.n_expert_used)

@@ -1,0 +1,133 @@
+"""CPU prompt processing (native/cpu/gemm_tiles.h's GEMM walk, moe.c's dd_moe_prefill): results
+bit-identical to the one-token paths, so prefill and decode agree and a prompt's split into pieces
+changes nothing.
+
+* A product with m columns gives each column exactly the bits of that column alone (the GEMV), for
+  every weight type with a kernel, every ISA level, 1 and 2 threads, odd row and block counts,
+  column counts across the GEMM's 32-column blocks with a ragged last tile.
+* The MoE of n tokens grouped by expert gives each token exactly what dd_moe_ffn gives it alone:
+  routing (ties included: two experts with the same router row tie on every token, the lower
+  index wins), weights and output.
+
+Weights are random blocks with nonzero scales; activations are standard normal (no zeros).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from gguf import GGMLQuantizationType
+from test_cpu_kernels import random_moe, random_weights, rng  # noqa: F401 (fixture)
+from test_cpu_kquants import random_kquant
+
+from engine import quant
+from engine.kernels import cpu
+
+Q = GGMLQuantizationType
+LEVELS = cpu.supported_isas()
+K_QUANTS = (Q.Q4_K, Q.Q5_K, Q.Q6_K)
+
+
+@pytest.fixture
+def restore():
+    yield
+    cpu.set_isa(None)
+    cpu.set_threads()
+
+
+def random_blocks(rng, rows: int, k: int, qtype: GGMLQuantizationType) -> np.ndarray:
+    """(rows, row bytes) uint8 of ``qtype``: K-quants as test_cpu_kquants draws them, types gguf can
+    write quantized from random floats, any other type random bytes with random nonzero f16 scales."""
+    if qtype in K_QUANTS:
+        return random_kquant(rng, rows, k, qtype)
+    if qtype in quant.WRITABLE_TYPES:
+        return random_weights(rng, rows, k, qtype)
+    raw = rng.integers(0, 256, size=(rows, quant.row_bytes(qtype, k)), dtype=np.uint8)
+    blocks = raw.view(quant.BLOCK_DTYPES[qtype])
+    for field, (dtype, _) in quant.BLOCK_DTYPES[qtype].fields.items():
+        if dtype == np.float16:
+            shape = blocks[field].shape
+            blocks[field] = (rng.choice([-1, 1], shape) * rng.uniform(0.5, 1, shape)
+                             * 2.0 ** rng.integers(-12, -6, shape)).astype(np.float16)
+    return raw
+
+
+@pytest.mark.skipif(not cpu.available(), reason="native CPU kernels not built")
+@pytest.mark.parametrize("qtype", sorted(cpu.KERNEL_TYPES), ids=lambda t: t.name)
+def test_gemm_columns_bit_identical_to_gemv(qtype, rng, restore):
+    """301 rows (several thread chunks, a ragged last one), an odd number of blocks, 70 columns
+    (two full 32-column blocks and a 6-column one: 4-column tiles and a 2-column tail)."""
+    block = quant.TYPES[qtype].block_values
+    k = block * (47 if block == 32 else 5)
+    raw = random_blocks(rng, 301, k, qtype)
+    mat = cpu.Matrix(raw, k, qtype)
+    x = (rng.standard_normal((70, k)) * rng.uniform(0.1, 10)).astype(np.float32)
+    for name in LEVELS:
+        cpu.set_isa(name)
+        cpu.set_threads(1)
+        single = np.stack([mat(x[c:c + 1])[0] for c in range(len(x))])
+        assert np.all(np.isfinite(single)) and np.any(single != 0)
+        for n in (1, 2):
+            cpu.set_threads(n)
+            assert np.array_equal(mat(x), single), (name, n)
+            assert np.array_equal(mat(x[5:38]), single[5:38]), (name, n)
+
+
+def tied_moe(rng, kquants: bool, shared: bool) -> cpu.MoEWeights:
+    """random_moe's layer (or one with a Q4_K_M-like mix), expert 5's router row a copy of expert 2's."""
+    if kquants:
+        d, n_expert, ff, ff_sh = 512, 12, 256, 256
+        w = cpu.MoEWeights(
+            router=rng.standard_normal((n_expert, d)).astype(np.float32) * 0.2,
+            gate=random_kquant(rng, n_expert * ff, d, Q.Q4_K), up=random_kquant(rng, n_expert * ff, d, Q.Q5_K),
+            down=random_kquant(rng, n_expert * d, ff, Q.Q6_K), n_used=3,
+            qtypes={"gate": Q.Q4_K, "up": Q.Q5_K, "down": Q.Q6_K, "sh_gate": Q.Q4_K, "sh_up": Q.Q8_0,
+                    "sh_down": Q.Q6_K},
+            **(dict(sh_gate=random_kquant(rng, ff_sh, d, Q.Q4_K), sh_up=random_weights(rng, ff_sh, d, Q.Q8_0),
+                    sh_down=random_kquant(rng, d, ff_sh, Q.Q6_K),
+                    sh_gate_inp=rng.standard_normal(d).astype(np.float32) * 0.1) if shared else {}))
+    else:
+        w = random_moe(rng, d=256, n_expert=16, ff=96, ff_sh=64, n_used=4, shared=shared)
+    router = w.router.copy()
+    router[5] = router[2]
+    return w._replace(router=router)
+
+
+@pytest.mark.skipif(not cpu.available(), reason="native CPU kernels not built")
+@pytest.mark.parametrize("kquants", [False, True], ids=["q4_0-q8_0", "k-quants"])
+@pytest.mark.parametrize("shared", [True, False], ids=["shared", "no-shared"])
+def test_moe_prefill_bit_identical_to_per_token(kquants, shared, rng, restore):
+    w = cpu.PreparedMoE(tied_moe(rng, kquants, shared))
+    d = w.d
+    x = rng.standard_normal((37, d)).astype(np.float32)
+    ties = 0
+    for name in LEVELS:
+        cpu.set_isa(name)
+        cpu.set_threads(1)
+        alone = [cpu.moe_ffn(row, w) for row in x]
+        ties = sum(2 in r.experts and 5 in r.experts for r in alone)
+        for n in (1, 2):
+            cpu.set_threads(n)
+            for piece in (slice(0, 37), slice(3, 20)):
+                got = cpu.moe_prefill(x[piece], w)
+                want = alone[piece]
+                assert np.array_equal(got.experts, np.stack([r.experts for r in want])), (name, n)
+                assert np.array_equal(got.weights, np.stack([r.weights for r in want])), (name, n)
+                assert np.array_equal(got.out, np.stack([r.out for r in want])), (name, n)
+    for r in alone:    # the tie rule: expert 2 always comes before its twin 5, and right before it
+        if 5 in r.experts:
+            assert list(r.experts).index(5) == list(r.experts).index(2) + 1
+    print(f"{ties} of 37 tokens chose both tied experts")
+
+
+def test_moe_prefill_twin_and_shapes(rng, restore):
+    w = random_moe(rng)
+    x = rng.standard_normal((3, 256)).astype(np.float32)
+    cpu.set_isa("numpy")
+    got = cpu.moe_prefill(x, w)
+    for t in range(3):
+        one = cpu.moe_ffn_np(x[t], w)
+        assert all(np.array_equal(a[t], b) for a, b in zip(got, one))
+    assert cpu.moe_prefill(x[:0], w).out.shape == (0, 256)
+    with pytest.raises(ValueError, match=r"expected \(n, 256\)"):
+        cpu.moe_prefill(x[:, :128], w)
