@@ -1,6 +1,7 @@
 /* K-quant weight kernels (Q4_K, Q5_K, Q6_K) that read the stored super-blocks directly, against
- * Q8_0 activations: one definition, included by every kernel file after it defines its integer dot
- * product DD_KQ_DOT8 (the only ISA-specific part), so the levels differ in that instruction choice only.
+ * Q8_0 activations: one definition, included by the scalar, SSSE3 and AVX2 kernel files after each
+ * defines its integer dot product DD_KQ_DOT8 (the only ISA-specific part), so these levels differ in
+ * that instruction choice only (AVX-512 has its own register tile, with the same f64 operations).
  *
  * Super-block layouts (ggml-common.h; values and scales as ggml-quants.c dequantize_row_q*_K):
  *   block_q4_K (144 bytes, 256 values): f16 d, f16 dmin, scales[12], qs[128]. Sub-block i (32 values)
@@ -29,62 +30,47 @@
 #include "gemm_tiles.h"
 #include "kernels.h"
 
-/* A level defines either DD_KQ_DOT8 or the pair DD_KQ_PREP / DD_KQ_ROW.
- *
- * DD_KQ_DOT8(w, a, sc, out): for the 8 consecutive 32-value blocks of a super-block unpacked to
- * bytes (w, value order),
+/* A level defines DD_KQ_DOT8(w, a, sc, out): for the 8 consecutive 32-value blocks of a super-block
+ * unpacked to bytes (w, value order),
  *   out[i] = sc[2i] * sum_{j<16} w[32i + j] a[32i + j] + sc[2i+1] * sum_{16<=j<32} w[32i + j] a[32i + j]
  * with w unsigned (0..63), a signed int8, sc int16 in -128..127 (no int16 overflow: pairs of
- * products stay within 2 * 63 * 128).
- *
- * DD_KQ_PREP(a, s16, bs, wtype, prep) / DD_KQ_ROW(blk, wtype, prep, out, mb): the same 8 integers
- * (for Q6_K already minus 32 sc_h times the activation half sums s16, see dd_kq_tile), and for
- * Q4_K / Q5_K the 8 min terms mb = m_i * bs_i (a dd_v8i), computed from
- * the stored super-block blk itself, no byte buffer; DD_KQ_PREP arranges one column's 256
- * activation values a (with their 16 half sums s16 and 8 block sums bs) once for the R rows of a
- * tile, in a DD_KQ_PREP_T. */
-#if !defined(DD_KQ_DOT8) && !defined(DD_KQ_ROW)
-#error "define DD_KQ_DOT8 or DD_KQ_ROW before including kquants.h"
+ * products stay within 2 * 63 * 128). (The AVX-512 level has its own register tile in
+ * kernels_avx512vnni.c and does not include this file.) */
+#ifndef DD_KQ_DOT8
+#error "define DD_KQ_DOT8 before including kquants.h"
 #endif
 
 
 /* One super-block of up to 4 rows unpacked: unsigned quants in value order and integer scales
- * (DD_KQ_DOT8 levels only), f16 scales. */
+ * and f16 scales. */
 typedef struct {
-#ifdef DD_KQ_DOT8
     uint8_t q[4][DD_QK_K];
     int16_t sc[4][16];    /* per 16 values */
     int32_t mn[4][8];     /* per 32 values (Q4_K, Q5_K) */
-#endif
     float d[4], dmin[4];
 } dd_kq_rows;
 
-/* The f16 scales of a super-block's row r, and (DD_KQ_DOT8 levels) its integer scales (per 16
+/* The f16 scales of a super-block's row r, and its integer scales (per 16
  * values) and mins (per 32). */
 DD_INLINE void dd_kq_scales(const uint8_t *blk, int wtype, dd_kq_rows *u, int r)
 {
     if (wtype == DD_Q6_K) {
-#ifdef DD_KQ_DOT8
         for (int i = 0; i < 16; i++)
             u->sc[r][i] = (int8_t)blk[192 + i];
-#endif
         u->d[r] = dd_f16_to_f32(dd_load_u16(blk + 208));
         u->dmin[r] = 0.0f;
         return;
     }
-#ifdef DD_KQ_DOT8
     uint32_t w[4];
     dd_kq_scale_words(blk, w);
     for (int i = 0; i < 8; i++) {
         u->sc[r][2 * i] = u->sc[r][2 * i + 1] = (int16_t)((w[i / 4] >> (8 * (i % 4))) & 0xff);
         u->mn[r][i] = (int32_t)((w[2 + i / 4] >> (8 * (i % 4))) & 0xff);
     }
-#endif
     u->d[r] = dd_f16_to_f32(dd_load_u16(blk));
     u->dmin[r] = dd_f16_to_f32(dd_load_u16(blk + 2));
 }
 
-#ifdef DD_KQ_DOT8
 /* The unsigned quants of a super-block in value order, into u->q[r]. */
 DD_INLINE void dd_kq_quants(const uint8_t *blk, int wtype, dd_kq_rows *u, int r)
 {
@@ -113,7 +99,6 @@ DD_INLINE void dd_kq_quants(const uint8_t *blk, int wtype, dd_kq_rows *u, int r)
             }
     }
 }
-#endif
 
 DD_INLINE size_t dd_kq_bytes(int wtype)
 {
@@ -141,29 +126,18 @@ DD_INLINE void dd_kq_tile(const uint8_t *w, const uint8_t *pf, size_t rb, const 
         for (int r = 0; r < R; r++) {
             dd_kq_prefetch(pf + r * rb + sb * bytes, bytes);
             dd_kq_scales(w + r * rb + sb * bytes, wtype, &u, r);
-#ifdef DD_KQ_DOT8
             dd_kq_quants(w + r * rb + sb * bytes, wtype, &u, r);
-#endif
         }
         for (int c = 0; c < C; c++) {
             const size_t b0 = (c0 + c) * a->nbp + 8 * sb;
             const int32_t *s16 = a->s16 + 2 * b0;
             dd_v8f da;
             memcpy(&da, a->bd + b0, sizeof da);
-#ifdef DD_KQ_DOT8
             dd_v8i bs;
             memcpy(&bs, a->bs + b0, sizeof bs);
-#endif
-#ifdef DD_KQ_ROW
-            DD_KQ_PREP_T prep;
-            DD_KQ_PREP(a->q + b0 * DD_QK, s16, a->bs + b0, wtype, &prep);
-#endif
             for (int r = 0; r < R; r++) {
                 int32_t d8[8];
                 dd_v8i mb;   /* Q4_K, Q5_K: M_i = m_i * (sum of activation block i) */
-#ifdef DD_KQ_ROW
-                DD_KQ_ROW(w + r * rb + sb * bytes, wtype, &prep, d8, &mb);
-#else
                 DD_KQ_DOT8(u.q[r], a->q + b0 * DD_QK, u.sc[r], d8);
                 if (wtype == DD_Q6_K) {
                     const int16_t *sc = u.sc[r];
@@ -172,7 +146,6 @@ DD_INLINE void dd_kq_tile(const uint8_t *w, const uint8_t *pf, size_t rb, const 
                 }
                 memcpy(&mb, u.mn[r], sizeof mb);
                 mb *= bs;
-#endif
                 dd_v8i dot;
                 memcpy(&dot, d8, sizeof dot);
                 /* lane i: (d da_i) I_i, exact in f64; then (Q4_K, Q5_K) minus (dmin da_i) M_i */
