@@ -105,12 +105,28 @@ int dd_gdn_decode(const dd_gdn_layer *L, const float *mixed, const float *z, con
 int dd_gdn_prefill(const dd_gdn_layer *L, size_t n, const float *mixed, const float *z, const float *b,
                    const float *a, float *conv_state, float *ssm, float *y);
 
-/* Single-query causal GQA attention over the first m cache positions, gated (spec 3.1 steps 5-6):
- *   out_n = softmax(q_n . k_t / sqrt(hd))_t . v_t  *  sigmoid(gate_n),  kv head n / (n_head / n_kv).
- * q, gate, out: n_head x hd; k, v: m positions of n_kv x hd (the KV cache rows). hd % DD_ATTN_LANES == 0. */
+/* Causal gated GQA attention over the first m cache positions (spec 3.1 steps 5-6):
+ *   out_n = softmax(q_n . k_t / sqrt(hd))_t . v_t  *  sigmoid(gate_n),  kv head n / (n_head / n_kv),
+ * over the rows t <= the query's position. k, v: m positions of n_kv x hd (the KV cache rows);
+ * hd % DD_ATTN_LANES == 0, n_head / n_kv <= DD_ATTN_MAX_GROUP. The arithmetic (attn_kernel.h): the
+ * cache in blocks of DD_ATTN_BLOCK positions at absolute positions, per block float scores (dots as
+ * DD_ATTN_LANES partial sums and a fixed tree), max, probabilities and their double sum, a float
+ * weighted sum of v; the blocks merged in order in double. Every ISA level and thread count gives
+ * the same bits, and a query gets the same bits from dd_attn_decode and from any dd_attn_prefill
+ * call it is part of (split invariance: its result depends only on its inputs and rows 0..pos).
+ * dd_attn_decode: one query (q, gate, out: n_head x hd) at position m - 1, on the best ISA level,
+ * the blocks on the pool. */
 #define DD_ATTN_LANES 16
+#define DD_ATTN_BLOCK 256
+#define DD_ATTN_MAX_GROUP 64
 int dd_attn_decode(size_t n_head, size_t n_kv, size_t hd, const float *q, const float *gate,
                    const float *k, const float *v, size_t m, float *out);
+
+/* n queries at positions m - n .. m - 1 (q, gate, out: n x n_head x hd, row i at position m - n + i),
+ * each by exactly the arithmetic of dd_attn_decode, on ISA level isa (DD_ERR_ISA if unsupported);
+ * the pool runs (kv head, 16 queries) tiles, each through the blocks in order. */
+int dd_attn_prefill(int isa, size_t n_head, size_t n_kv, size_t hd, size_t n, const float *q, const float *gate,
+                    const float *k, const float *v, size_t m, float *out);
 
 /* ---- The decode step (step.c): one token through the whole text model in one call ------------------
  * Qwen3.5/3.6 (`qwen35moe`, dense `qwen35`), engine/arch/qwen35/model.py's forward pass for one token:

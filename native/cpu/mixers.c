@@ -1,13 +1,12 @@
-/* The two token mixers of one decoded token (see deltadesk_cpu.h): the Gated DeltaNet recurrent
- * step and single-query gated GQA attention over the KV cache. Math: shared/spec/qwen35moe.md
- * 3.2 steps 2-6 and 3.1 steps 5-6; the numpy twins in engine/backends/cpu_mixers.py.
+/* The Gated DeltaNet recurrent step of one token and its prefill loop (see deltadesk_cpu.h). Math:
+ * docs/spec/qwen35.md 3.2 steps 2-6; the numpy twins in engine/arch/qwen35/cpu_mixers.py. (Attention
+ * over the KV cache is attention.c.)
  *
  * One portable C file for every ISA level: the hot loops are elementwise over a contiguous head
  * row (no reductions across vector lanes), so the compiler vectorises them at the x86-64 baseline
  * and, with contraction off and no -ffast-math, every level gives the same bits. Reductions
  * (norms, dot products) run in double over a fixed order. Work is split into chunks fixed by the
- * shapes (v-heads; kv head x position block), never by the thread count, so results do not depend
- * on it either.
+ * shapes (v-heads), never by the thread count, so results do not depend on it either.
  */
 #include <math.h>
 #include <stdlib.h>
@@ -172,108 +171,5 @@ int dd_gdn_prefill(const dd_gdn_layer *L, size_t n, const float *mixed, const fl
     dd_pool_for(gdn_head_run, &run, nv);
     free(decay);
     free(jobs);
-    return DD_OK;
-}
-
-/* ---- single-query gated attention ---------------------------------------------------------- */
-
-#define ATTN_BLOCK 256    /* cache positions per chunk */
-
-typedef struct {
-    size_t n_head, n_kv, hd, group, m, row;   /* row: floats between cache positions */
-    const float *q, *k, *v;
-    float *part_o;        /* [kv head][block][group][hd] */
-    double *part_ml;      /* [kv head][block][group][2]: block max score, sum of exp(score - max) */
-    size_t n_blocks;
-    float scale;
-} attn_job;
-
-/* q . k over n values (n % DD_ATTN_LANES == 0) as DD_ATTN_LANES f32 partial sums added in a fixed
- * order: the lane loop vectorises, and the order is the same at every ISA level. */
-static float dot_lanes(const float *q, const float *k, size_t n)
-{
-    float acc[DD_ATTN_LANES] = { 0 };
-    for (size_t i = 0; i < n; i += DD_ATTN_LANES)
-        for (size_t l = 0; l < DD_ATTN_LANES; l++)
-            acc[l] += q[i + l] * k[i + l];
-    double s = 0.0;
-    for (size_t l = 0; l < DD_ATTN_LANES; l++)
-        s += acc[l];
-    return (float)s;
-}
-
-/* One kv head x one block of positions, for the group of q heads reading that kv head. */
-static void attn_block(void *ctx, size_t chunk)
-{
-    const attn_job *j = ctx;
-    const size_t kvh = chunk / j->n_blocks, blk = chunk % j->n_blocks, hd = j->hd;
-    const size_t t0 = blk * ATTN_BLOCK, t1 = t0 + ATTN_BLOCK < j->m ? t0 + ATTN_BLOCK : j->m;
-    float s[ATTN_BLOCK];
-    for (size_t g = 0; g < j->group; g++) {
-        const float *q = j->q + (kvh * j->group + g) * hd;
-        float mx = -INFINITY;
-        double sum = 0.0;
-        for (size_t t = t0; t < t1; t++) {
-            s[t - t0] = dot_lanes(q, j->k + t * j->row + kvh * hd, hd) * j->scale;
-            mx = s[t - t0] > mx ? s[t - t0] : mx;
-        }
-        float *o = j->part_o + ((kvh * j->n_blocks + blk) * j->group + g) * hd;
-        for (size_t i = 0; i < hd; i++)
-            o[i] = 0.0f;
-        for (size_t t = t0; t < t1; t++) {
-            const float p = expf(s[t - t0] - mx);
-            const float *v = j->v + t * j->row + kvh * hd;
-            sum += p;
-            for (size_t i = 0; i < hd; i++)
-                o[i] += p * v[i];
-        }
-        double *ml = j->part_ml + ((kvh * j->n_blocks + blk) * j->group + g) * 2;
-        ml[0] = mx;
-        ml[1] = sum;
-    }
-}
-
-int dd_attn_decode(size_t n_head, size_t n_kv, size_t hd, const float *q, const float *gate,
-                   const float *k, const float *v, size_t m, float *out)
-{
-    if (n_kv == 0 || n_head % n_kv != 0 || hd == 0 || hd % DD_ATTN_LANES != 0 || m == 0)
-        return DD_ERR_ARG;
-    attn_job j = { .n_head = n_head, .n_kv = n_kv, .hd = hd, .group = n_head / n_kv, .m = m,
-                   .row = n_kv * hd, .q = q, .k = k, .v = v, .n_blocks = dd_div_up(m, ATTN_BLOCK),
-                   .scale = (float)(1.0 / sqrt((double)hd)) };
-    const size_t parts = n_kv * j.n_blocks * j.group;
-    j.part_o = malloc(parts * hd * sizeof(float));
-    j.part_ml = malloc(parts * 2 * sizeof(double));
-    double *acc = malloc(hd * sizeof(double));
-    if (j.part_o == NULL || j.part_ml == NULL || acc == NULL) {
-        free(j.part_o);
-        free(j.part_ml);
-        free(acc);
-        return DD_ERR_NOMEM;
-    }
-    dd_pool_for(attn_block, &j, n_kv * j.n_blocks);
-    /* combine the blocks of each q head in block order, then gate */
-    for (size_t head = 0; head < n_head; head++) {
-        const size_t kvh = head / j.group, g = head % j.group;
-        double mx = -INFINITY, sum = 0.0;
-        for (size_t b = 0; b < j.n_blocks; b++) {
-            const double bm = j.part_ml[((kvh * j.n_blocks + b) * j.group + g) * 2];
-            mx = bm > mx ? bm : mx;
-        }
-        for (size_t i = 0; i < hd; i++)
-            acc[i] = 0.0;
-        for (size_t b = 0; b < j.n_blocks; b++) {
-            const size_t p = (kvh * j.n_blocks + b) * j.group + g;
-            const double w = exp(j.part_ml[p * 2] - mx);
-            sum += w * j.part_ml[p * 2 + 1];
-            for (size_t i = 0; i < hd; i++)
-                acc[i] += w * j.part_o[p * hd + i];
-        }
-        for (size_t i = 0; i < hd; i++)
-            out[head * hd + i] = (float)(acc[i] / sum * sigmoid(gate[head * hd + i]));
-    }
-    free(j.part_o);
-    free(j.part_ml);
-    free(acc);
     return DD_OK;
 }

@@ -22,8 +22,9 @@ What runs where:
   for all n tokens grouped by expert in prefill (:func:`engine.kernels.cpu.moe_prefill`, each
   routed expert's weights read once per prefill piece; the same bits per token); a layer with
   float32 experts runs each expert's rows through the row-wise products;
-* the GDN recurrence and attention: :mod:`engine.arch.qwen35.cpu_mixers` (C), token by token and query
-  by query in prefill too;
+* the GDN recurrence and attention: :mod:`engine.arch.qwen35.cpu_mixers` (C); the GDN step token by
+  token in prefill too, attention in tiles of queries x blocks of cache rows that give each query
+  the bits decode gives it;
 * norms, RoPE, residual adds: the reference numpy ops; the dense FFN's SiLU gate:
   :func:`engine.kernels.cpu.silu_mul` (C, as the step computes it).
 
@@ -241,7 +242,8 @@ class NativeQwen35Model(Qwen35Model):
         return gdn_prefill(self.gdn[il], mixed, z, b, a, state.conv[il], state.ssm[il])
 
     def attend(self, q: np.ndarray, gate: np.ndarray, k: np.ndarray, v: np.ndarray) -> np.ndarray:
-        """C attention over the cache (:func:`~engine.arch.qwen35.cpu_mixers.attention_decode`), query by query."""
+        """C attention over the cache in tiles of queries (:func:`~engine.arch.qwen35.cpu_mixers.attention_prefill`),
+        each query with the bits one-query decode gives it."""
         return attention_prefill(q, gate, k, v)
 
     def moe(self, il: int, y: np.ndarray, cb: Callback) -> np.ndarray:

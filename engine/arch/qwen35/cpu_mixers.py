@@ -1,19 +1,23 @@
-"""The token mixers of one decoded token in C: the Gated DeltaNet recurrent step and single-query
-gated attention over the KV cache, with numpy twins (same signatures, built from
-:mod:`engine.ops.reference`).
+"""The token mixers in C: the Gated DeltaNet recurrent step and causal gated attention over the KV
+cache, with numpy twins (same signatures, built from :mod:`engine.ops.reference`).
 
-Native code: native/cpu/mixers.c (``dd_gdn_decode``, ``dd_attn_decode``). Both are one portable C
-implementation for every ISA level (their hot loops are elementwise over a head row, which the
-compiler vectorises at the x86-64 baseline), so they give the same bits at every level and for
-every thread count (work is split by v-head, or by kv head x block of 256 cache positions).
-With :func:`engine.kernels.cpu.isa` = "numpy" or without the extension the twins run. Prefill runs
-the same steps token by token (:func:`gdn_prefill`, :func:`attention_prefill`), so a position's result
-does not depend on the piece it is read in (:mod:`engine.arch.qwen35.model`).
+Native code: native/cpu/mixers.c (``dd_gdn_decode``, ``dd_gdn_prefill``: one portable C build whose
+elementwise hot loops the compiler vectorises at the x86-64 baseline; work split by v-head) and
+native/cpu/attn_kernel.h (``dd_attn_decode``, ``dd_attn_prefill``: compiled once per ISA level,
+the cache in blocks of 256 positions at absolute positions, prefill in tiles of 16 queries; the
+arithmetic is spelled out there). Both give the same bits at every ISA level and thread count, and
+prefill gives every position the bits decode gives it (:func:`gdn_prefill` runs the recurrent step
+token by token; :func:`attention_prefill` computes each query over exactly the rows it sees, with
+block boundaries that do not move with the call), so a position's result does not depend on the
+piece it is read in (:mod:`engine.arch.qwen35.model`). With :func:`engine.kernels.cpu.isa` = "numpy"
+or without the extension the twins run.
 
-Precision: the C code keeps the delta-rule state and its products in float32 and the reductions
-(norms, the conv taps, the softmax combination) in float64; the twins compute every op in float64
-and round at op boundaries (the reference's rule). Measured on random inputs shaped like the
-35B-A3B layers (tests/test_native_model.py): outputs agree to <= 4e-7 relative (test bound 1e-5).
+Precision: the GDN code keeps the delta-rule state and its products in float32 and the reductions
+(norms, the conv taps) in float64; attention keeps scores, probabilities and the per-block weighted
+sums in float32 and their sums and the merge of blocks in float64; the twins compute every op in
+float64 and round at op boundaries (the reference's rule). Measured on random inputs
+(tests/test_native_model.py, tests/test_attention_prefill.py): outputs agree to <= 1e-6 relative
+(test bound 1e-5).
 """
 
 from __future__ import annotations
@@ -148,13 +152,28 @@ def gdn_prefill(layer: GDNLayer, mixed: np.ndarray, z: np.ndarray, b: np.ndarray
 
 
 def attention_prefill(q: np.ndarray, gate: np.ndarray, k: np.ndarray, v: np.ndarray) -> np.ndarray:
-    """n queries, the last n of the m cache rows, each by :func:`attention_decode` over the rows it sees.
+    """n queries, the last n of the m cache rows, each by the arithmetic of :func:`attention_decode` over
+    the rows it sees (native ``dd_attn_prefill``: tiles of 16 queries x blocks of 256 cache rows at
+    absolute positions, so a query's bits do not depend on the call it comes in); the twin runs
+    :func:`attention_decode_np` query by query.
 
     Args: q, gate (n, n_head, hd) float32; k, v (m, n_kv, hd) float32 C-contiguous cache rows, m >= n
     (query i sits at row m - n + i). Returns: (n, n_head * hd) float32. Raises: as :func:`attention_decode`.
     """
     n, m = q.shape[0], k.shape[0]
-    return np.stack([attention_decode(q[i], gate[i], k[:m - n + i + 1], v[:m - n + i + 1]) for i in range(n)])
+    if cpu.isa() == "numpy":
+        return np.stack([attention_decode_np(q[i], gate[i], k[:m - n + i + 1], v[:m - n + i + 1]) for i in range(n)])
+    if q.ndim != 3 or gate.shape != q.shape or n > m:
+        raise ValueError(f"attention_prefill: q {q.shape}, gate {gate.shape}, k {k.shape}: expected q/gate "
+                         "(n, n_head, hd) with n <= m")
+    _check_cache(*_attn_args(q[0], gate[0], k, v))
+    q, gate = np.ascontiguousarray(q, dtype=np.float32), np.ascontiguousarray(gate, dtype=np.float32)
+    ffi, lib = cpu._native_cpu.ffi, cpu._native_cpu.lib
+    out = np.empty((n, q.shape[1] * q.shape[2]), dtype=np.float32)
+    ptr = [ffi.cast("float *", ffi.from_buffer(t)) for t in (q, gate, k, v, out)]
+    cpu._check(lib.dd_attn_prefill(cpu._native_level(), q.shape[1], k.shape[1], q.shape[2], n, ptr[0], ptr[1],
+                                   ptr[2], ptr[3], m, ptr[4]), "attention_prefill")
+    return out
 
 
 def _attn_args(q, gate, k, v):
@@ -167,6 +186,17 @@ def _attn_args(q, gate, k, v):
     return q, np.ascontiguousarray(gate, dtype=np.float32), k, v
 
 
+def _check_cache(q, gate, k, v):
+    if k.dtype != np.float32 or v.dtype != np.float32 or not (k.flags.c_contiguous and v.flags.c_contiguous):
+        raise ValueError("attention: the cache rows must be C-contiguous float32")
+    if q.shape[1] % cpu._native_cpu.lib.DD_ATTN_LANES:
+        raise ValueError(f"attention: head_dim {q.shape[1]} is not a multiple of {cpu._native_cpu.lib.DD_ATTN_LANES}")
+    if q.shape[0] // k.shape[1] > cpu._native_cpu.lib.DD_ATTN_MAX_GROUP:
+        raise ValueError(f"attention: {q.shape[0]} q heads on {k.shape[1]} kv heads, more than "
+                         f"{cpu._native_cpu.lib.DD_ATTN_MAX_GROUP} per kv head")
+    return q, gate, k, v
+
+
 def attention_decode(q: np.ndarray, gate: np.ndarray, k: np.ndarray, v: np.ndarray) -> np.ndarray:
     """One query per head over the m cached positions, gated (docs/spec/qwen35.md 3.1 steps 5-6).
 
@@ -176,15 +206,12 @@ def attention_decode(q: np.ndarray, gate: np.ndarray, k: np.ndarray, v: np.ndarr
             (a leading slice of ``SequenceState.k[il]`` is).
     Returns: (n_head * hd,) float32 ``softmax(q k^T / sqrt(hd)) v * sigmoid(gate)``, q head n on kv head
         ``n // (n_head / n_kv)``.
-    Raises: ValueError on mismatched shapes or hd not a multiple of 16; EngineError if the call fails.
+    Raises: ValueError on mismatched shapes, hd not a multiple of 16 or more than 64 q heads per kv
+        head; EngineError if the call fails.
     """
     if cpu.isa() == "numpy":
         return attention_decode_np(q, gate, k, v)
-    q, gate, k, v = _attn_args(q, gate, k, v)
-    if k.dtype != np.float32 or v.dtype != np.float32 or not (k.flags.c_contiguous and v.flags.c_contiguous):
-        raise ValueError("attention_decode: the cache rows must be C-contiguous float32")
-    if q.shape[1] % 16:
-        raise ValueError(f"attention_decode: head_dim {q.shape[1]} is not a multiple of 16")
+    q, gate, k, v = _check_cache(*_attn_args(q, gate, k, v))
     ffi, lib = cpu._native_cpu.ffi, cpu._native_cpu.lib
     out = np.empty(q.size, dtype=np.float32)
     ptr = [ffi.cast("float *", ffi.from_buffer(t)) for t in (q, gate, k, v, out)]

@@ -38,8 +38,9 @@ positions before it left, never on which other positions share its :meth:`Qwen35
 * Token mixers run position by position: the Gated DeltaNet layers take the recurrent step per token
   and round the state to float32 after every token, as decode does (the chunked form would round it
   at chunk ends that move with the piece start, and its intra-chunk products depend on the chunk's
-  other tokens); attention takes one query at a time over exactly the cache rows it sees (a batched
-  softmax over masked rows sums other rows' zeros in a blocking that changes with the batch).
+  other tokens); attention computes each query over exactly the cache rows it sees, by arithmetic
+  that does not depend on the call's other queries (a batched softmax over masked rows sums other
+  rows' zeros in a blocking that changes with the batch).
 * Nothing is carried between pieces except the state itself (float32, restored exactly by the
   cache), and the KV rows a piece writes are the same rows a one-pass prefill writes.
 
