@@ -59,11 +59,13 @@ def test_logits_equal_the_emulation_at_every_isa_and_stay_near_numpy(synth_model
     """Every ISA level gives the same bits (the kernels' exact integer dots and f64 sums, the same C
     mixers). The numpy emulation uses the kernels' twins (bit-identical product by product:
     test_cpu_kernels, test_cpu_bquants) but the mixers' numpy twins, which round differently from C
-    in the last f32 bit (test_cpu_mixers: <= 3.4e-7 relative). Such a bit can move one activation
-    across a Q8_0 rounding boundary, and from there the token's logits part: on the Q4_K_M file
-    (seed 0, Q5_0 ffn_down read as stored) only the last prompt position differs, by 6e-4 of the
-    largest logit. So the emulation is held to 1 % of the largest logit (most files match it bit for
-    bit, which is luck of the draw, not a property).
+    in the last f32 bits (test_gdn_decode_matches_its_twin and the attention twin tests below: ~3e-7
+    relative). Such a bit can move one activation across a Q8_0 rounding boundary, and from there
+    that token's logits part. Seen: on the Q4_K_M file (seed 0, Q5_0 ffn_down read as stored) only the
+    last prompt position, by 0.06 % of the largest logit; on the Q8_0 file with the tiled attention
+    kernel 0.76 %. A flip's reach has no closed form, so the emulation is held to 2 % of the largest
+    logit (most files match it bit for bit, which is luck of the draw, not a property); the ISA
+    levels' bit identity is the property.
 
     ``near``: the largest logit gap to the float reference, relative to the largest logit, over
     18 x 248320 logits. The gap comes from the Q8_0 activations; its median is ~1.3 % of the median
@@ -81,7 +83,7 @@ def test_logits_equal_the_emulation_at_every_isa_and_stay_near_numpy(synth_model
         for a, b in zip(got, first):
             assert np.array_equal(a, b), f"{level}: max gap {np.abs(a - b).max()} to {levels[0]}"
     for a, b in zip(first, emulated):
-        assert np.abs(a - b).max() <= 0.01 * np.abs(b).max(), "native logits vs the numpy emulation"
+        assert np.abs(a - b).max() <= 0.02 * np.abs(b).max(), "native logits vs the numpy emulation"
     ref = run(Qwen35Model(gguf.hparams, gguf), 4)
     for a, b in zip(emulated, ref):
         assert np.abs(a - b).max() <= near * np.abs(b).max()
@@ -209,7 +211,7 @@ def test_other_block_types_are_read_in_place_at_every_isa_level(synth_model, qua
     """A file of Q5_1 (synth; Q4_1 and Q5_0 take the same path, tests/test_cpu_bquants.py) or IQ4_NL (a
     Q4_0 synth file retyped) weights: every projection stays in the file map (no Q8_0 copy, so RSS grows
     by no weight bytes); the logits of a prefill and a decode step are the same bits at every ISA level
-    and within 1 % of the largest logit of the numpy emulation (the mixers' rounding argument of
+    and within 2 % of the largest logit of the numpy emulation (the mixers' rounding argument of
     test_logits_equal_the_emulation_at_every_isa_and_stay_near_numpy)."""
     path = synth_model("tiny", "q4_0" if quant == "iq4_nl" else quant)
     if quant == "iq4_nl":
@@ -225,7 +227,7 @@ def test_other_block_types_are_read_in_place_at_every_isa_level(synth_model, qua
     cpu.set_isa(levels[0])
     first = run(model, 1)
     for a, b in zip(first, emulated):
-        assert np.abs(a - b).max() <= 0.01 * np.abs(b).max()
+        assert np.abs(a - b).max() <= 0.02 * np.abs(b).max()
     for level in levels[1:]:
         cpu.set_isa(level)
         for a, b in zip(run(model, 1), first):
