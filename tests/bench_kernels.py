@@ -6,7 +6,7 @@ the same size, larger than the last-level cache), in two shapes:
   * "big": one (rows, 2048) matrix of --mib MiB, one call (the kernel's own streaming rate);
   * "expert": the same bytes as 512 x 2048 matrices (one MoE expert's gate), one call each, as
     decode issues them (includes per-call overhead: Python, activation quantization, thread wake-up);
-  * "moe": the fused one-token MoE FFN (cpu.moe_ffn) over --moe-layers layers shaped like the
+  * "moe": the fused one-token MoE FFN (cpu_moe.moe_ffn) over --moe-layers layers shaped like the
     35B-A3B slice llama.cpp was measured on in docs/cpu-notes.md (d 2048, 64 experts of FFN 512, top-8, a shared expert,
     Q4_0), one random token per layer in turn; GB/s counts the bytes a token touches (f32 router,
     8 + 1 experts' gate/up/down);
@@ -27,7 +27,7 @@ import numpy as np
 from gguf import GGMLQuantizationType
 
 from engine import quant
-from engine.kernels import cpu
+from engine.kernels import cpu, cpu_moe
 
 Q4_0 = GGMLQuantizationType.Q4_0
 Q4_0_BYTES = quant.type_size(Q4_0)
@@ -88,21 +88,21 @@ def hot_rates(kib: int, calls: int, rng: np.random.Generator) -> None:
     cpu.set_threads()
 
 
-def moe_layers(n: int, rng: np.random.Generator) -> list[cpu.MoEWeights]:
+def moe_layers(n: int, rng: np.random.Generator) -> list[cpu_moe.MoEWeights]:
     def q4(rows: int, k: int) -> np.ndarray:
         return q4_0_weights_shaped(rows, k, rng)
-    return [cpu.MoEWeights(router=rng.standard_normal((N_EXPERT, K)).astype(np.float32) * 0.05,
+    return [cpu_moe.MoEWeights(router=rng.standard_normal((N_EXPERT, K)).astype(np.float32) * 0.05,
                            gate=q4(N_EXPERT * EXPERT_ROWS, K), up=q4(N_EXPERT * EXPERT_ROWS, K),
                            down=q4(N_EXPERT * K, EXPERT_ROWS), n_used=N_USED, qtypes=Q4_0,
                            sh_gate=q4(EXPERT_ROWS, K), sh_up=q4(EXPERT_ROWS, K), sh_down=q4(K, EXPERT_ROWS),
                            sh_gate_inp=rng.standard_normal(K).astype(np.float32) * 0.05) for _ in range(n)]
 
 
-def moe_token_seconds(layers: list[cpu.MoEWeights], tokens: np.ndarray) -> float:
+def moe_token_seconds(layers: list[cpu_moe.MoEWeights], tokens: np.ndarray) -> float:
     """Mean seconds per layer-token, cycling through the layers so weights come from memory."""
     start = time.perf_counter()
     for t, x in enumerate(tokens):
-        cpu.moe_ffn(x, layers[t % len(layers)])
+        cpu_moe.moe_ffn(x, layers[t % len(layers)])
     return (time.perf_counter() - start) / len(tokens)
 
 

@@ -28,7 +28,7 @@ from gguf import GGMLQuantizationType, quants
 from test_cpu_kernels import assert_close, level, reference_product, rng, route_margin  # noqa: F401 (fixtures)
 
 from engine import quant
-from engine.kernels import cpu, cpu_twins
+from engine.kernels import cpu, cpu_moe, cpu_twins
 
 Q = GGMLQuantizationType
 LEVELS = cpu.supported_isas()
@@ -123,7 +123,7 @@ def test_moe_ffn_on_mixed_block_types(level, rng):
     d, n_expert, ff, ff_sh = 256, 8, 256, 64
     qtypes = {"gate": Q.IQ4_XS, "up": Q.IQ4_XS, "down": Q.Q5_1, "sh_gate": Q.Q4_1, "sh_up": Q.IQ4_NL,
               "sh_down": Q.Q5_0}
-    w = cpu.MoEWeights(router=rng.standard_normal((n_expert, d)).astype(np.float32) * 0.2,
+    w = cpu_moe.MoEWeights(router=rng.standard_normal((n_expert, d)).astype(np.float32) * 0.2,
                        gate=random_bquant(rng, n_expert * ff, d, Q.IQ4_XS),
                        up=random_bquant(rng, n_expert * ff, d, Q.IQ4_XS),
                        down=random_bquant(rng, n_expert * d, ff, Q.Q5_1), n_used=3, qtypes=qtypes,
@@ -133,7 +133,7 @@ def test_moe_ffn_on_mixed_block_types(level, rng):
     x = rng.standard_normal(d).astype(np.float32)
     while route_margin(x, w) < 1e-3:
         x = rng.standard_normal(d).astype(np.float32)
-    got, ref = cpu.moe_ffn(x, w), cpu.moe_ffn_np(x, w)
+    got, ref = cpu_moe.moe_ffn(x, w), cpu_moe.moe_ffn_np(x, w)
     assert np.array_equal(got.experts, ref.experts)
     assert np.abs(got.out - ref.out).max() <= 1e-4 * np.abs(ref.out).max()
 

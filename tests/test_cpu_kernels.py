@@ -24,7 +24,7 @@ from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
 import engine
-from engine.kernels import cpu
+from engine.kernels import cpu, cpu_moe
 from engine.errors import EngineError
 
 LEVELS = cpu.supported_isas()
@@ -172,14 +172,14 @@ def test_kernel_ids_of_the_quant_table_match_the_c_enum():
 
 # --- the MoE feed-forward ------------------------------------------------------------------------
 
-def random_moe(rng, d=256, n_expert=16, ff=96, ff_sh=64, n_used=4, shared=True) -> cpu.MoEWeights:
+def random_moe(rng, d=256, n_expert=16, ff=96, ff_sh=64, n_used=4, shared=True) -> cpu_moe.MoEWeights:
     def w(rows, k, qtype=Q4_0):
         return random_weights(rng, rows, k, qtype)
     router = rng.standard_normal((n_expert, d)).astype(np.float32) * 0.2
     sh = dict(sh_gate=w(ff_sh, d), sh_up=w(ff_sh, d, Q8_0), sh_down=w(d, ff_sh),
               sh_gate_inp=rng.standard_normal(d).astype(np.float32) * 0.1) if shared else {}
     qtypes = {"gate": Q4_0, "up": Q4_0, "down": Q8_0, "sh_gate": Q4_0, "sh_up": Q8_0, "sh_down": Q4_0}
-    return cpu.MoEWeights(router=router, gate=w(n_expert * ff, d), up=w(n_expert * ff, d),
+    return cpu_moe.MoEWeights(router=router, gate=w(n_expert * ff, d), up=w(n_expert * ff, d),
                           down=w(n_expert * d, ff, Q8_0), n_used=n_used, qtypes=qtypes, **sh)
 
 
@@ -199,7 +199,7 @@ def test_moe_ffn_matches_numpy_composition(level, shared, rng):
     x = rng.standard_normal(256).astype(np.float32)
     while route_margin(x, w) < 1e-3:
         x = rng.standard_normal(256).astype(np.float32)
-    got, ref = cpu.moe_ffn(x, w), cpu.moe_ffn_np(x, w)
+    got, ref = cpu_moe.moe_ffn(x, w), cpu_moe.moe_ffn_np(x, w)
     assert np.array_equal(got.experts, ref.experts)
     np.testing.assert_allclose(got.weights, ref.weights, rtol=1e-5)
     np.testing.assert_allclose(np.sum(got.weights), 1.0, rtol=1e-6)
@@ -213,7 +213,7 @@ def test_moe_ffn_bit_identical_for_any_thread_count(level, rng):
     results = []
     for n in (1, 2, 3):
         cpu.set_threads(n)
-        results.append(cpu.moe_ffn(x, w))
+        results.append(cpu_moe.moe_ffn(x, w))
     for r in results[1:]:
         assert all(np.array_equal(a, b) for a, b in zip(r, results[0]))
 
@@ -221,9 +221,9 @@ def test_moe_ffn_bit_identical_for_any_thread_count(level, rng):
 def test_moe_ffn_rejects_inconsistent_shapes(rng):
     w = random_moe(rng)
     with pytest.raises(ValueError, match="router"):
-        cpu.moe_ffn(np.ones(128, np.float32), w)
+        cpu_moe.moe_ffn(np.ones(128, np.float32), w)
     with pytest.raises(ValueError, match="stack"):
-        cpu.moe_ffn(np.ones(256, np.float32), w._replace(down=w.down[:-1]))
+        cpu_moe.moe_ffn(np.ones(256, np.float32), w._replace(down=w.down[:-1]))
 
 
 # --- ISA selection, fallback ---------------------------------------------------------------------
@@ -281,4 +281,4 @@ def test_fallback_without_the_extension(monkeypatch, rng):
     assert fallback.read_bandwidth(1 << 20, repeats=1) > 0
     w = random_moe(rng)
     assert np.array_equal(fallback.moe_ffn(np.ones(256, np.float32), w).out,
-                          cpu.moe_ffn_np(np.ones(256, np.float32), w).out)
+                          cpu_moe.moe_ffn_np(np.ones(256, np.float32), w).out)

@@ -19,7 +19,7 @@ from gguf import GGMLQuantizationType, quants
 from test_cpu_kernels import assert_close, level, reference_product, rng, route_margin  # noqa: F401 (fixtures)
 
 from engine import quant
-from engine.kernels import cpu, cpu_twins
+from engine.kernels import cpu, cpu_moe, cpu_twins
 
 Q = GGMLQuantizationType
 LEVELS = cpu.supported_isas()
@@ -110,7 +110,7 @@ def test_moe_ffn_on_kquant_experts(level, rng):
     d, n_expert, ff, ff_sh = 512, 8, 256, 256
     qtypes = {"gate": Q.Q4_K, "up": Q.Q4_K, "down": Q.Q6_K, "sh_gate": Q.Q5_K, "sh_up": Q.Q5_K, "sh_down": Q.Q8_0}
     sh_down = quants.quantize(rng.standard_normal((d, ff_sh)).astype(np.float32) * 0.05, Q.Q8_0)
-    w = cpu.MoEWeights(router=rng.standard_normal((n_expert, d)).astype(np.float32) * 0.2,
+    w = cpu_moe.MoEWeights(router=rng.standard_normal((n_expert, d)).astype(np.float32) * 0.2,
                        gate=random_kquant(rng, n_expert * ff, d, Q.Q4_K), up=random_kquant(rng, n_expert * ff, d, Q.Q4_K),
                        down=random_kquant(rng, n_expert * d, ff, Q.Q6_K), n_used=3, qtypes=qtypes,
                        sh_gate=random_kquant(rng, ff_sh, d, Q.Q5_K), sh_up=random_kquant(rng, ff_sh, d, Q.Q5_K),
@@ -118,7 +118,7 @@ def test_moe_ffn_on_kquant_experts(level, rng):
     x = rng.standard_normal(d).astype(np.float32)
     while route_margin(x, w) < 1e-3:
         x = rng.standard_normal(d).astype(np.float32)
-    got, ref = cpu.moe_ffn(x, w), cpu.moe_ffn_np(x, w)
+    got, ref = cpu_moe.moe_ffn(x, w), cpu_moe.moe_ffn_np(x, w)
     assert np.array_equal(got.experts, ref.experts)
     assert np.abs(got.out - ref.out).max() <= 1e-4 * np.abs(ref.out).max()
 

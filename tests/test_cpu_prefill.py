@@ -21,7 +21,7 @@ from test_cpu_kernels import random_moe, random_weights, rng  # noqa: F401 (fixt
 from test_cpu_kquants import random_kquant
 
 from engine import quant
-from engine.kernels import cpu
+from engine.kernels import cpu, cpu_moe
 
 Q = GGMLQuantizationType
 LEVELS = cpu.supported_isas()
@@ -73,11 +73,11 @@ def test_gemm_columns_bit_identical_to_gemv(qtype, rng, restore):
             assert np.array_equal(mat(x[5:38]), single[5:38]), (name, n)
 
 
-def tied_moe(rng, kquants: bool, shared: bool) -> cpu.MoEWeights:
+def tied_moe(rng, kquants: bool, shared: bool) -> cpu_moe.MoEWeights:
     """random_moe's layer (or one with a Q4_K_M-like mix), expert 5's router row a copy of expert 2's."""
     if kquants:
         d, n_expert, ff, ff_sh = 512, 12, 256, 256
-        w = cpu.MoEWeights(
+        w = cpu_moe.MoEWeights(
             router=rng.standard_normal((n_expert, d)).astype(np.float32) * 0.2,
             gate=random_kquant(rng, n_expert * ff, d, Q.Q4_K), up=random_kquant(rng, n_expert * ff, d, Q.Q5_K),
             down=random_kquant(rng, n_expert * d, ff, Q.Q6_K), n_used=3,
@@ -97,19 +97,19 @@ def tied_moe(rng, kquants: bool, shared: bool) -> cpu.MoEWeights:
 @pytest.mark.parametrize("kquants", [False, True], ids=["q4_0-q8_0", "k-quants"])
 @pytest.mark.parametrize("shared", [True, False], ids=["shared", "no-shared"])
 def test_moe_prefill_bit_identical_to_per_token(kquants, shared, rng, restore):
-    w = cpu.PreparedMoE(tied_moe(rng, kquants, shared))
+    w = cpu_moe.PreparedMoE(tied_moe(rng, kquants, shared))
     d = w.d
     x = rng.standard_normal((37, d)).astype(np.float32)
     ties = 0
     for name in LEVELS:
         cpu.set_isa(name)
         cpu.set_threads(1)
-        alone = [cpu.moe_ffn(row, w) for row in x]
+        alone = [cpu_moe.moe_ffn(row, w) for row in x]
         ties = sum(2 in r.experts and 5 in r.experts for r in alone)
         for n in (1, 2):
             cpu.set_threads(n)
             for piece in (slice(0, 37), slice(3, 20)):
-                got = cpu.moe_prefill(x[piece], w)
+                got = cpu_moe.moe_prefill(x[piece], w)
                 want = alone[piece]
                 assert np.array_equal(got.experts, np.stack([r.experts for r in want])), (name, n)
                 assert np.array_equal(got.weights, np.stack([r.weights for r in want])), (name, n)
@@ -124,10 +124,10 @@ def test_moe_prefill_twin_and_shapes(rng, restore):
     w = random_moe(rng)
     x = rng.standard_normal((3, 256)).astype(np.float32)
     cpu.set_isa("numpy")
-    got = cpu.moe_prefill(x, w)
+    got = cpu_moe.moe_prefill(x, w)
     for t in range(3):
-        one = cpu.moe_ffn_np(x[t], w)
+        one = cpu_moe.moe_ffn_np(x[t], w)
         assert all(np.array_equal(a[t], b) for a, b in zip(got, one))
-    assert cpu.moe_prefill(x[:0], w).out.shape == (0, 256)
+    assert cpu_moe.moe_prefill(x[:0], w).out.shape == (0, 256)
     with pytest.raises(ValueError, match=r"expected \(n, 256\)"):
-        cpu.moe_prefill(x[:, :128], w)
+        cpu_moe.moe_prefill(x[:, :128], w)

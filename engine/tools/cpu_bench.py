@@ -31,6 +31,7 @@ import statistics
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 from pathlib import Path
 
 import numpy as np
@@ -166,16 +167,11 @@ def _mib(n: float) -> str:
     return f"{n / 2**20:.0f} MiB"
 
 
-def run(path: str | Path, threads: Sequence[int], isas: Sequence[str], n_prompt: int, n_gen: int,
-        depths: Sequence[int], depth_gen: int, repeat: int, llama_bench: Path | None, stream_gib: float,
-        stream_runs: int, out: Out = print) -> list[Sample]:
-    """Measure and print (see the module doc); returns every sample. ``llama_bench`` None: DeltaDesk only.
-    The CLI's defaults: ``engine.__main__.BENCH_DEFAULTS``.
-
-    Raises:
-        EngineError: the file cannot be opened or its architecture has no native model.
-    """
-    path = Path(path)
+def _load(path: Path, threads: Sequence[int], stream_gib: float, stream_runs: int, out: Out
+          ) -> tuple[GGUFFile, Any, dict[int, list[float]], float]:
+    """The run's preamble, printed: host, stream bandwidth per thread count, page-cache warm-up, the native
+    model's load with RSS before/after, the model's description. Returns (gguf, model, bandwidth GB/s runs
+    per thread count, weight bytes read per layer and token)."""
     gguf = GGUFFile.open(path)
     hp = gguf.hparams
     out(f"host: {cpu.physical_cores()} physical cores, NUMA nodes: {numa.node_count()}")
@@ -200,6 +196,23 @@ def run(path: str | Path, threads: Sequence[int], isas: Sequence[str], n_prompt:
     out(f"model {path.name}: {hp.arch}, {hp.n_layer} layers, d={hp.n_embd}, vocab {hp.n_vocab}"
         + (f", {hp.n_expert} experts top-{hp.n_expert_used}, expert FFN {hp.n_ff_exp}" if hp.is_moe else ""))
     out(f"weights {', '.join(f'{k}: {n} tensors {b / 2**20:.0f} MiB' for k, (n, b) in model.weight_rules.items())}")
+    return gguf, model, bandwidth, layer_bytes
+
+
+def run(path: str | Path, threads: Sequence[int], isas: Sequence[str], n_prompt: int, n_gen: int,
+        depths: Sequence[int], depth_gen: int, repeat: int, llama_bench: Path | None, stream_gib: float,
+        stream_runs: int, out: Out = print) -> list[Sample]:
+    """Measure and print (see the module doc); returns every sample. ``llama_bench`` None: DeltaDesk only.
+    The CLI's defaults: ``engine.__main__.BENCH_DEFAULTS``.
+
+    Raises:
+        EngineError: the file cannot be opened or its architecture has no native model.
+    """
+    path = Path(path)
+    gguf, model, bandwidth, layer_bytes = _load(path, threads, stream_gib, stream_runs, out)
+    hp = gguf.hparams
+    per_token = gguf.bytes_per_token()
+    head_bytes = gguf.info(model.output_name).nbytes
     out(f"bytes read per decoded token {per_token / 2**20:.1f} MiB = LM head {head_bytes / 2**20:.1f} MiB "
         f"+ {hp.n_layer} x {layer_bytes / 2**20:.2f} MiB per layer; pp{n_prompt}, tg{n_gen}, "
         f"tg{depth_gen} at depths {', '.join(map(str, depths)) or 'none'}; {repeat} round(s)")

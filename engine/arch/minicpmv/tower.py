@@ -197,13 +197,7 @@ class MiniCPMVTower:
             GenerationCancelled: ``cancel`` was set.
         """
         hp, w = self.hp, self._w
-        grids = [(int(g[0]), int(g[1])) for g in grids]
-        if len(pieces) != len(grids) or not pieces:
-            raise ValueError(f"{len(pieces)} pieces for {len(grids)} grids (expected as many, at least one)")
-        for px, (gh, gw) in zip(pieces, grids, strict=True):
-            if gh % self.merge or gw % self.merge or gh < 1 or gw < 1 or px.shape != (gh * gw, hp.patch_dim):
-                raise ValueError(f"pixel_values {px.shape} do not fit grid {gh}x{gw} (expected "
-                                 f"({gh * gw}, {hp.patch_dim}), sides positive multiples of {self.merge})")
+        grids = self._checked_grids(pieces, grids)
         emit = cb or (lambda stage, il, x: None)
         quarter = self.mode == "16x"
         plan = _Plan(grids, quarter)
@@ -238,6 +232,17 @@ class MiniCPMVTower:
             finally:
                 self._pool = None
         return np.split(out, (starts[1:-1] // 4).tolist())
+
+    def _checked_grids(self, pieces: list[np.ndarray], grids: list[tuple[int, int]]) -> list[tuple[int, int]]:
+        """``grids`` as int pairs; ValueError unless each piece fits its grid (see :meth:`encode`)."""
+        grids = [(int(g[0]), int(g[1])) for g in grids]
+        if len(pieces) != len(grids) or not pieces:
+            raise ValueError(f"{len(pieces)} pieces for {len(grids)} grids (expected as many, at least one)")
+        for px, (gh, gw) in zip(pieces, grids, strict=True):
+            if gh % self.merge or gw % self.merge or gh < 1 or gw < 1 or px.shape != (gh * gw, self.hp.patch_dim):
+                raise ValueError(f"pixel_values {px.shape} do not fit grid {gh}x{gw} (expected "
+                                 f"({gh * gw}, {self.hp.patch_dim}), sides positive multiples of {self.merge})")
+        return grids
 
     # -- parallel primitives -------------------------------------------------------------------------------
 

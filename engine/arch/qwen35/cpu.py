@@ -18,8 +18,8 @@ What runs where:
 * projections: W4A8 / W8A8 GEMV (one token) or small-M GEMM (prefill) straight from the
   memory-mapped Q4_0 / Q8_0 / Q4_K / Q5_K / Q6_K / Q4_1 / Q5_0 / Q5_1 / IQ4_NL / IQ4_XS blocks
   (:class:`engine.kernels.cpu.Matrix`);
-* the MoE FFN: one fused native call, per token in decode (:func:`engine.kernels.cpu.moe_ffn`),
-  for all n tokens grouped by expert in prefill (:func:`engine.kernels.cpu.moe_prefill`, each
+* the MoE FFN: one fused native call, per token in decode (:func:`engine.kernels.cpu_moe.moe_ffn`),
+  for all n tokens grouped by expert in prefill (:func:`engine.kernels.cpu_moe.moe_prefill`, each
   routed expert's weights read once per prefill piece; the same bits per token); a layer with
   float32 experts runs each expert's rows through the row-wise products;
 * the GDN recurrence and attention: :mod:`engine.arch.qwen35.cpu_mixers` (C); the GDN step token by
@@ -68,7 +68,7 @@ from gguf import GGMLQuantizationType
 from threadpoolctl import threadpool_limits
 
 from engine.gguf_file import GGUFFile
-from engine.kernels import cpu
+from engine.kernels import cpu, cpu_moe
 from engine.ops import reference as ops
 from engine.quant import FLOAT_TYPES, dequantize, type_name
 from engine.state import SequenceState
@@ -198,7 +198,7 @@ class NativeQwen35Model(Qwen35Model):
                         self.w(p + "ssm_conv1d.weight"), self.w(p + "ssm_dt.bias"), self.w(p + "ssm_a"),
                         self.w(p + "ssm_norm.weight"), hp.rms_eps)
 
-    def _fused_moe(self, il: int) -> cpu.PreparedMoE | None:
+    def _fused_moe(self, il: int) -> cpu_moe.PreparedMoE | None:
         """The layer's fused one-token MoE, or None when an expert weight is float32."""
         p = f"blk.{il}."
         parts = ["gate_exps", "up_exps", "down_exps"]
@@ -209,7 +209,7 @@ class NativeQwen35Model(Qwen35Model):
             return None
         raws = [m.raw for m in mats] + [None] * (6 - len(mats))
         fields = ["gate", "up", "down", "sh_gate", "sh_up", "sh_down"]
-        return cpu.PreparedMoE(cpu.MoEWeights(
+        return cpu_moe.PreparedMoE(cpu_moe.MoEWeights(
             router=self.w(p + "ffn_gate_inp.weight"), gate=raws[0], up=raws[1], down=raws[2],
             n_used=self.hp.n_expert_used, qtypes={f: m.qtype for f, m in zip(fields, mats)}, sh_gate=raws[3], sh_up=raws[4], sh_down=raws[5],
             sh_gate_inp=self.w(p + "ffn_gate_inp_shexp.weight") if shared else None))
@@ -247,16 +247,16 @@ class NativeQwen35Model(Qwen35Model):
         return attention_prefill(q, gate, k, v)
 
     def moe(self, il: int, y: np.ndarray, cb: Callback) -> np.ndarray:
-        """Routed experts + shared expert: one fused call (:func:`engine.kernels.cpu.moe_ffn` for one
-        token, :func:`~engine.kernels.cpu.moe_prefill` grouped by expert for n, the same bits per
+        """Routed experts + shared expert: one fused call (:func:`engine.kernels.cpu_moe.moe_ffn` for one
+        token, :func:`~engine.kernels.cpu_moe.moe_prefill` grouped by expert for n, the same bits per
         token), else expert-wise products (also while an expert observer is attached: the fused
         calls form no per-expert outputs)."""
         if il in self.fused_moe and self.observer is None:
             if len(y) == 1:
-                one = cpu.moe_ffn(y[0], self.fused_moe[il])
-                result = cpu.MoEResult(one.out[None], one.experts[None], one.weights[None])
+                one = cpu_moe.moe_ffn(y[0], self.fused_moe[il])
+                result = cpu_moe.MoEResult(one.out[None], one.experts[None], one.weights[None])
             else:
-                result = cpu.moe_prefill(y, self.fused_moe[il])
+                result = cpu_moe.moe_prefill(y, self.fused_moe[il])
             cb("ffn_moe_topk", il, result.experts)
             cb("ffn_moe_weights_norm", il, result.weights)
             return result.out
