@@ -69,6 +69,24 @@ def assert_close(y: np.ndarray, ref: np.ndarray, abs_sum: np.ndarray, n_terms: i
     assert np.linalg.norm(y - ref) <= 1e-5 * np.linalg.norm(ref) + 1e-30
 
 
+def assert_same_bits_everywhere(raw: np.ndarray, k: int, qtype, rng) -> None:
+    """``raw`` (rows of ``qtype``, k values each) times 5 random columns: every ISA level at 1-3 threads,
+    one column alone or in a batch, gives the numpy twin's bits."""
+    x = rng.standard_normal((5, k)).astype(np.float32)
+    mat = cpu.Matrix(raw, k, qtype)
+    want = cpu.matmul_np(raw, x, qtype)
+    try:
+        for name in LEVELS:
+            cpu.set_isa(name)
+            for n in (1, 2, 3):
+                cpu.set_threads(n)
+                assert np.array_equal(mat(x), want), (name, n)
+                assert np.array_equal(cpu.matmul(raw, x[3], qtype), want[3]), (name, n)
+    finally:
+        cpu.set_isa(None)
+        cpu.set_threads()
+
+
 # --- quantization ------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("level", ALL, indirect=True)

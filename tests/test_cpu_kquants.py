@@ -16,7 +16,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 from gguf import GGMLQuantizationType, quants
-from test_cpu_kernels import assert_close, level, reference_product, rng, route_margin  # noqa: F401 (fixtures)
+from test_cpu_kernels import assert_close, assert_same_bits_everywhere, level, reference_product, rng, route_margin  # noqa: F401 (fixtures)
 
 from engine import quant
 from engine.kernels import cpu, cpu_moe, cpu_twins
@@ -87,19 +87,7 @@ def test_kquant_matmul_matches_gguf_reference(level, qtype, rows, k, m, rng):
 def test_kquant_results_bit_identical_across_levels_threads_and_tiles(qtype, rng):
     """Every level, 1-3 threads, one column alone or in a batch, and the numpy twin: the same bits."""
     raw = random_kquant(rng, 301, 2304, qtype)                # many thread chunks, a ragged last one
-    x = rng.standard_normal((5, 2304)).astype(np.float32)
-    mat = cpu.Matrix(raw, 2304, qtype)
-    want = cpu.matmul_np(raw, x, qtype)
-    try:
-        for name in LEVELS:
-            cpu.set_isa(name)
-            for n in (1, 2, 3):
-                cpu.set_threads(n)
-                assert np.array_equal(mat(x), want), (name, n)
-                assert np.array_equal(cpu.matmul(raw, x[3], qtype), want[3]), (name, n)
-    finally:
-        cpu.set_isa(None)
-        cpu.set_threads()
+    assert_same_bits_everywhere(raw, 2304, qtype, rng)
 
 
 @pytest.mark.parametrize("level", LEVELS, indirect=True)
