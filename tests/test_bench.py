@@ -112,6 +112,13 @@ def test_ensure_llama_bench_reports_a_failed_build(tmp_path):
         cpu_llama.ensure_llama_bench(cache, lambda _: None, cmake=str(cmake))
 
 
+
+def test_ensure_llama_bench_without_cmake_says_what_to_install(tmp_path):
+    cache, _, _ = _fake_source(tmp_path)
+    with pytest.raises(RuntimeError, match="needs cmake and a C\\+\\+ compiler.*--llama-bench PATH"):
+        cpu_llama.ensure_llama_bench(cache, lambda _: None, cmake=str(tmp_path / "no-such-cmake"))
+    assert not (cache / "build.log").exists()
+
 FAKE_LLAMA_BENCH = """import json, sys
 a = sys.argv[1:]
 get = lambda flag: a[a.index(flag) + 1]

@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 import tarfile
@@ -118,12 +119,16 @@ def ensure_llama_bench(folder: Path | None = None, out: Out = print, jobs: int |
     Reuses the unpacked sources and an interrupted build. Returns the binary's path.
 
     Raises:
-        RuntimeError: download, configure or build failed (the build log is ``folder/build.log``).
+        RuntimeError: ``cmake`` is not on PATH, or download, configure or build failed (the build log is
+            ``folder/build.log``).
     """
     folder = folder or cache_dir()
     binary = binary_path(folder)
     if binary.is_file() and os.access(binary, os.X_OK):
         return binary
+    if shutil.which(cmake) is None:
+        raise RuntimeError(f"building it needs cmake and a C++ compiler, and {cmake!r} is not on PATH "
+                           "(e.g. `sudo apt-get install cmake g++`); or pass --llama-bench PATH")
     source = source_dir(folder)
     if not (source / "CMakeLists.txt").is_file():
         source = fetch_source(folder, out)
