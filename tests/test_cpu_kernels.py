@@ -297,6 +297,10 @@ def test_fallback_without_the_extension(monkeypatch, rng):
     assert np.array_equal(fallback.matmul_q4_0(raw, x), cpu.matmul_q4_0_np(raw, x))
     assert np.array_equal(fallback.quantize_q8_0(x), quants.quantize(x, Q8_0))
     assert fallback.read_bandwidth(1 << 20, repeats=1) > 0
+    monkeypatch.setitem(sys.modules, "engine.kernels.cpu", fallback)   # what a fresh cpu_moe then imports
+    spec = importlib.util.spec_from_file_location("cpu_moe_without_native", cpu_moe.__file__)
+    fallback_moe = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(fallback_moe)
     w = random_moe(rng)
-    assert np.array_equal(fallback.moe_ffn(np.ones(256, np.float32), w).out,
+    assert np.array_equal(fallback_moe.moe_ffn(np.ones(256, np.float32), w).out,
                           cpu_moe.moe_ffn_np(np.ones(256, np.float32), w).out)
