@@ -34,6 +34,7 @@
 #endif
 
 #include "runtime.h"
+#include "vexp.h"
 
 #pragma GCC diagnostic ignored "-Wpsabi"   /* 64-byte vectors in inlined helpers only, no ABI crossing */
 
@@ -149,30 +150,13 @@ AI vf tree16x16(const vf *a)
     return join_f(f[0], f[1]);
 }
 
-/* e^x in double for x <= 0: x = n ln2 + r (|r| <= ln2/2, ln2 in two parts, fdlibm's split), the
- * Taylor series of e^r to degree 11 (truncation < 3e-13 relative), times 2^n from the exponent bits;
- * n = x log2e rounded by adding and subtracting 1.5 * 2^52 (exact in round-to-nearest). */
-AI vd exp_d(vd x)
-{
-    const vd magic = (vd){ 0 } + 6755399441055744.0;
-    const vd t = x * 1.44269504088896340736 + magic;
-    const vd n = t - magic;
-    const vd r = (x - n * 6.93147180369123816490e-01) - n * 1.90821492927058770002e-10;
-    vd y = (vd){ 0 } + 1.0 / 39916800.0;
-    static const double c[11] = { 1.0 / 3628800.0, 1.0 / 362880.0, 1.0 / 40320.0, 1.0 / 5040.0, 1.0 / 720.0,
-                                  1.0 / 120.0, 1.0 / 24.0, 1.0 / 6.0, 0.5, 1.0, 1.0 };
-    for (int i = 0; i < 11; i++)
-        y = y * r + c[i];
-    return y * (vd)(((vl)t - (vl)magic + 1023) << 52);
-}
-
-/* e^x for x <= 0 as the float rounding of exp_d (so within 0.5 ulp + 3e-13); 0 below -87
+/* e^x for x <= 0 as the float rounding of dd_exp_d (vexp.h) (so within 0.5 ulp + 3e-13); 0 below -87
  * (e^-87 < 2^-125, below any sum it would join). */
 AI vf attn_exp(vf x)
 {
     const vi live = x >= splat(-87.0f);
     x = (vf)((vi)x & live);
-    return (vf)((vi)join_f(exp_d(lo_d(x)), exp_d(hi_d(x))) & live);
+    return (vf)((vi)join_f(dd_exp_d(lo_d(x)), dd_exp_d(hi_d(x))) & live);
 }
 
 static double attn_sigmoid(double x)

@@ -23,7 +23,8 @@ COMMON_FLAGS = ["-O3", "-std=c11", "-D_GNU_SOURCE", "-ffp-contract=off", "-fno-m
 
 PORTABLE_SOURCES = ["dispatch.c", "pool.c", "moe.c", "mixers.c", "attention.c", "step.c", "kernels_scalar.c"]
 
-HEADERS = ["deltadesk_cpu.h", "kernels.h", "gemm_tiles.h", "kquants.h", "bquants.h", "runtime.h", "attn_kernel.h"]
+HEADERS = ["deltadesk_cpu.h", "kernels.h", "gemm_tiles.h", "kquants.h", "bquants.h", "runtime.h", "attn_kernel.h",
+           "gdn_kernel.h", "vexp.h"]
 """Listed as the extension's dependencies, so that editing one (or an ISA file) rebuilds it."""
 
 X86_ISA_SOURCES = {
@@ -32,6 +33,8 @@ X86_ISA_SOURCES = {
     "kernels_avx512vnni.c": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni"],
     "attention_avx2.c": ["-mavx2", "-mfma"],
     "attention_avx512.c": ["-mavx512f"],
+    "mixers_avx2.c": ["-mavx2"],
+    "mixers_avx512.c": ["-mavx512f"],
 }
 
 IS_X86 = platform.machine().lower() in {"x86_64", "amd64", "i386", "i686", "x86"}

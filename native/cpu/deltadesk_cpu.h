@@ -86,6 +86,7 @@ int dd_moe_prefill(int isa, const dd_moe_weights *w, size_t n, const float *x, f
  * conv_state ((conv_kernel - 1) x conv_dim, oldest row first) and ssm (n_v x dk x dv, S[i][j] at
  * i*dv + j) are updated in place. mixed: conv_dim = 2*n_k*dk + n_v*dv; z, y: n_v*dv; b, a: n_v. */
 #define DD_GDN_MAX_DV 1024
+#define DD_GDN_MAX_CONV 16
 typedef struct {
     size_t n_k, n_v, dk, dv, conv_kernel;
     const float *conv_w;   /* conv_dim x conv_kernel, column 0 the oldest tap */
@@ -99,10 +100,11 @@ int dd_gdn_decode(const dd_gdn_layer *L, const float *mixed, const float *z, con
                   float *conv_state, float *ssm, float *y);
 
 /* n tokens in order (mixed: n x conv_dim, z and y: n x n_v*dv, b and a: n x n_v, row t token t), each
- * by exactly the arithmetic of dd_gdn_decode (which is the n = 1 case): the conv inputs token by
- * token, then every v-head through the n tokens on the pool, so splitting the tokens over calls
- * changes no bit. */
-int dd_gdn_prefill(const dd_gdn_layer *L, size_t n, const float *mixed, const float *z, const float *b,
+ * by exactly the arithmetic of dd_gdn_decode (which is the n = 1 case, on the best level), on ISA
+ * level isa (DD_ERR_ISA if unsupported; every level gives the same bits): the conv inputs per head of
+ * channels, then every v-head through the n tokens on the pool, so splitting the tokens over calls
+ * changes no bit. conv_kernel <= DD_GDN_MAX_CONV. */
+int dd_gdn_prefill(int isa, const dd_gdn_layer *L, size_t n, const float *mixed, const float *z, const float *b,
                    const float *a, float *conv_state, float *ssm, float *y);
 
 /* Causal gated GQA attention over the first m cache positions (spec 3.1 steps 5-6):

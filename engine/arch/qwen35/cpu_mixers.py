@@ -1,9 +1,9 @@
 """The token mixers in C: the Gated DeltaNet recurrent step and causal gated attention over the KV
 cache, with numpy twins (same signatures, built from :mod:`engine.ops.reference`).
 
-Native code: native/cpu/mixers.c (``dd_gdn_decode``, ``dd_gdn_prefill``: one portable C build whose
-elementwise hot loops the compiler vectorises at the x86-64 baseline; work split by v-head) and
-native/cpu/attn_kernel.h (``dd_attn_decode``, ``dd_attn_prefill``: compiled once per ISA level,
+Native code: native/cpu/gdn_kernel.h (``dd_gdn_decode``, ``dd_gdn_prefill``: compiled once per ISA
+level; the conv inputs split by head of channels, the delta rule by v-head, each head's state in
+column blocks that stay in L1 through all the tokens of a call) and native/cpu/attn_kernel.h (``dd_attn_decode``, ``dd_attn_prefill``: compiled once per ISA level,
 the cache in blocks of 256 positions at absolute positions, prefill in tiles of 16 queries; the
 arithmetic is spelled out there). Both give the same bits at every ISA level and thread count, and
 prefill gives every position the bits decode gives it (:func:`gdn_prefill` runs the recurrent step
@@ -28,6 +28,10 @@ from engine.kernels import cpu
 from engine.ops import reference as ops
 
 
+MAX_CONV = 16
+"""Most conv taps the native kernel takes (``DD_GDN_MAX_CONV``; Qwen3.5/3.6 use 4)."""
+
+
 class GDNLayer:
     """One Gated DeltaNet layer's small tensors (GGUF names in brackets) and head shape, checked and
     laid out for the native call once.
@@ -35,7 +39,7 @@ class GDNLayer:
     Args:
         n_k, n_v: q/k heads [ssm.group_count] and v heads [ssm.time_step_rank], n_v % n_k == 0.
         dk, dv: head widths [ssm.state_size; ssm.inner_size / n_v], dv <= 1024.
-        conv_w: (conv_dim, K) float32 [ssm_conv1d.weight], column 0 the oldest tap;
+        conv_w: (conv_dim, K) float32 [ssm_conv1d.weight], column 0 the oldest tap, K <= MAX_CONV;
             conv_dim = 2 * n_k * dk + n_v * dv.
         dt_bias: (n_v,) float32 [ssm_dt.bias]. ssm_a: (n_v,) float32 [ssm_a], stored -exp(A_log).
         norm_w: (dv,) float32 [ssm_norm.weight]. eps: attention.layer_norm_rms_epsilon.
@@ -49,8 +53,9 @@ class GDNLayer:
         self.n_k, self.n_v, self.dk, self.dv, self.eps = n_k, n_v, dk, dv, float(eps)
         self.conv_dim = 2 * n_k * dk + n_v * dv
         conv_w = np.asarray(conv_w)
-        if conv_w.ndim != 2 or conv_w.shape[0] != self.conv_dim or conv_w.shape[1] < 1:
-            raise ValueError(f"GDNLayer: conv_w has shape {conv_w.shape}, expected ({self.conv_dim}, K)")
+        if conv_w.ndim != 2 or conv_w.shape[0] != self.conv_dim or not 1 <= conv_w.shape[1] <= MAX_CONV:
+            raise ValueError(f"GDNLayer: conv_w has shape {conv_w.shape}, expected ({self.conv_dim}, K), "
+                             f"1 <= K <= {MAX_CONV}")
         self.conv_w = _f32(conv_w, conv_w.shape, "conv_w")
         self.dt_bias, self.ssm_a = _f32(dt_bias, (n_v,), "dt_bias"), _f32(ssm_a, (n_v,), "ssm_a")
         self.norm_w = _f32(norm_w, (dv,), "norm_w")
@@ -147,7 +152,7 @@ def gdn_prefill(layer: GDNLayer, mixed: np.ndarray, z: np.ndarray, b: np.ndarray
     ffi, lib = cpu._native_cpu.ffi, cpu._native_cpu.lib
     y = np.empty((n, nvd), dtype=np.float32)
     ptrs = [ffi.cast("float *", ffi.from_buffer(t)) for t in (mixed, z, b, a, conv_state, ssm_state, y)]
-    cpu._check(lib.dd_gdn_prefill(layer._c, n, *ptrs), "gdn_prefill")
+    cpu._check(lib.dd_gdn_prefill(cpu._native_level(), layer._c, n, *ptrs), "gdn_prefill")
     return y
 
 
