@@ -86,8 +86,9 @@ static void put_group_block(dd_acts *a, size_t c, size_t b, const int8_t *v, flo
     ((float *)a->gd)[base * 16 + lane] = scale;
 }
 
-/* One allocation, 64-byte aligned: the Q8_0 blocks, then the pair layout, then the groups. */
-int dd_acts_new(const dd_kernels *kt, const float *x, size_t m, size_t k, dd_acts *a)
+/* One allocation, 64-byte aligned: the Q8_0 blocks, then the pair layout, then the groups (zeroed);
+ * the columns are filled by acts_column. */
+static int acts_alloc(const dd_kernels *kt, size_t m, size_t k, dd_acts *a)
 {
     const size_t nb = k / DD_QK, nbp = (nb + 1) & ~(size_t)1, lanes = m * nbp * 8;
     const size_t ng = kt->q4_0_groups ? (nb + 15) / 16 : 0;
@@ -100,51 +101,76 @@ int dd_acts_new(const dd_kernels *kt, const float *x, size_t m, size_t k, dd_act
     uint8_t *mem = aligned_alloc(64, total), *next = mem;
     if (mem == NULL)
         return DD_ERR_NOMEM;
-    uint8_t *blocks = take(&next, m * nb * DD_Q8_0_BYTES);
-    int8_t *q = take(&next, m * nbp * DD_QK);
-    float *d = take(&next, lanes * 4);
-    int32_t *bias[DD_WTYPE_COUNT];
+    take(&next, m * nb * DD_Q8_0_BYTES);   /* the Q8_0 blocks, at mem */
+    *a = (dd_acts){ .nb = nb, .nbp = nbp, .m = m, .ng = ng, .mem = mem };
+    a->q = take(&next, m * nbp * DD_QK);
+    a->d = take(&next, lanes * 4);
     for (int t = 0; t < DD_WTYPE_COUNT; t++)
-        bias[t] = kt->bias_mult[t] != 0 ? take(&next, lanes * 4) : NULL;
-    *a = (dd_acts){ .nb = nb, .nbp = nbp, .m = m, .q = q, .d = d, .ng = ng, .mem = mem };
-    for (int t = 0; t < DD_WTYPE_COUNT; t++)
-        a->bias[t] = bias[t];
+        a->bias[t] = kt->bias_mult[t] != 0 ? take(&next, lanes * 4) : NULL;
     a->gq = take(&next, m * ng * 8 * 64);
     a->gbias = take(&next, m * ng * 16 * 4);
     a->gd = take(&next, m * ng * 16 * 4);
     memset((void *)a->gq, 0, (size_t)(next - (uint8_t *)a->gq));
-    float *bd = take(&next, m * nbp * 4);
-    int32_t *bs = take(&next, m * nbp * 4), *s16 = take(&next, m * nbp * 2 * 4);
-    a->bd = bd;
-    a->bs = bs;
-    a->s16 = s16;
-
-    for (size_t c = 0; c < m; c++) {
-        uint8_t *cb = blocks + c * nb * DD_Q8_0_BYTES;
-        kt->quantize_q8_0(x + c * k, nb, cb);
-        for (size_t b = 0; b < nbp; b++) {
-            const size_t qi = (c * nbp + b) * DD_QK, li = (c * nbp + b) * 8;
-            const float scale = b < nb ? dd_f16_to_f32(dd_load_u16(cb + b * DD_Q8_0_BYTES)) : 0.0f;
-            if (b < nb)
-                memcpy(q + qi, cb + b * DD_Q8_0_BYTES + 2, DD_QK);
-            else
-                memset(q + qi, 0, DD_QK);
-            s16[(c * nbp + b) * 2] = s16[(c * nbp + b) * 2 + 1] = 0;
-            for (int l = 0; l < 8; l++) {
-                const int32_t s = q[qi + 4 * l] + q[qi + 4 * l + 1] + q[qi + 4 * l + 2] + q[qi + 4 * l + 3];
-                s16[(c * nbp + b) * 2 + l / 4] += s;
-                d[li + l] = scale;
-                for (int t = 0; t < DD_WTYPE_COUNT; t++)
-                    if (bias[t] != NULL)
-                        bias[t][li + l] = kt->bias_mult[t] * s;
-            }
-            bd[c * nbp + b] = scale;
-            bs[c * nbp + b] = s16[(c * nbp + b) * 2] + s16[(c * nbp + b) * 2 + 1];
-            if (ng > 0 && b < nb)
-                put_group_block(a, c, b, q + qi, scale);
-        }
-    }
+    a->bd = take(&next, m * nbp * 4);
+    a->bs = take(&next, m * nbp * 4);
+    a->s16 = take(&next, m * nbp * 2 * 4);
     return DD_OK;
+}
+
+/* Column c of the prepared activations from its k values xc; columns touch disjoint bytes. */
+static void acts_column(const dd_kernels *kt, const float *xc, size_t c, dd_acts *a)
+{
+    const size_t nb = a->nb, nbp = a->nbp;
+    uint8_t *cb = (uint8_t *)a->mem + c * nb * DD_Q8_0_BYTES;
+    int8_t *q = (int8_t *)a->q;
+    float *d = (float *)a->d, *bd = (float *)a->bd;
+    int32_t *bs = (int32_t *)a->bs, *s16 = (int32_t *)a->s16;
+    kt->quantize_q8_0(xc, nb, cb);
+    for (size_t b = 0; b < nbp; b++) {
+        const size_t qi = (c * nbp + b) * DD_QK, li = (c * nbp + b) * 8;
+        const float scale = b < nb ? dd_f16_to_f32(dd_load_u16(cb + b * DD_Q8_0_BYTES)) : 0.0f;
+        if (b < nb)
+            memcpy(q + qi, cb + b * DD_Q8_0_BYTES + 2, DD_QK);
+        else
+            memset(q + qi, 0, DD_QK);
+        s16[(c * nbp + b) * 2] = s16[(c * nbp + b) * 2 + 1] = 0;
+        for (int l = 0; l < 8; l++) {
+            const int32_t s = q[qi + 4 * l] + q[qi + 4 * l + 1] + q[qi + 4 * l + 2] + q[qi + 4 * l + 3];
+            s16[(c * nbp + b) * 2 + l / 4] += s;
+            d[li + l] = scale;
+            for (int t = 0; t < DD_WTYPE_COUNT; t++)
+                if (a->bias[t] != NULL)
+                    ((int32_t *)a->bias[t])[li + l] = kt->bias_mult[t] * s;
+        }
+        bd[c * nbp + b] = scale;
+        bs[c * nbp + b] = s16[(c * nbp + b) * 2] + s16[(c * nbp + b) * 2 + 1];
+        if (a->ng > 0 && b < nb)
+            put_group_block(a, c, b, q + qi, scale);
+    }
+}
+
+int dd_acts_new(const dd_kernels *kt, const float *x, size_t m, size_t k, dd_acts *a)
+{
+    const int rc = acts_alloc(kt, m, k, a);
+    for (size_t c = 0; rc == DD_OK && c < m; c++)
+        acts_column(kt, x + c * k, c, a);
+    return rc;
+}
+
+#define ACTS_COLS 8   /* columns per pool chunk when dd_matmul prepares many */
+
+typedef struct {
+    const dd_kernels *kt;
+    const float *x;
+    size_t k;
+    dd_acts *a;
+} acts_job;
+
+static void acts_chunk(void *ctx, size_t chunk)
+{
+    const acts_job *j = ctx;
+    for (size_t c = chunk * ACTS_COLS; c < j->a->m && c < (chunk + 1) * ACTS_COLS; c++)
+        acts_column(j->kt, j->x + c * j->k, c, j->a);
 }
 
 void dd_acts_free(dd_acts *a)
@@ -182,9 +208,11 @@ int dd_matmul(int isa, int wtype, const uint8_t *w, size_t rows, size_t k, const
         return DD_OK;
     }
     dd_acts acts;
-    int rc = dd_acts_new(kt, x, m, k, &acts);
+    int rc = acts_alloc(kt, m, k, &acts);
     if (rc != DD_OK)
         return rc;
+    acts_job aj = { .kt = kt, .x = x, .k = k, .a = &acts };   /* the prompt's columns on the pool: same bytes */
+    dd_pool_for(acts_chunk, &aj, dd_div_up(m, ACTS_COLS));
     const size_t row_bytes = dd_row_bytes(wtype, k);
     matmul_job job = {
         .gemm = kt->gemm[wtype], .w = w, .row_bytes = row_bytes, .rows = rows,
