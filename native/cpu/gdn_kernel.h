@@ -1,8 +1,8 @@
 /* The Gated DeltaNet layer of n tokens (deltadesk_cpu.h dd_gdn_prefill; n = 1 is decode): the kernel
  * body, compiled once per ISA level. mixers.c includes it for the portable build, mixers_avx2.c and
  * mixers_avx512.c with their own -m flags; GDN_SUFFIX names the copy. Math: docs/spec/qwen35.md 3.2
- * steps 2-6 (the Gated DeltaNet paper's gated delta rule, Yang et al. 2024, eq. 10, as transformers'
- * torch_recurrent_gated_delta_rule computes it); the numpy twins are engine/arch/qwen35/cpu_mixers.py.
+ * steps 2-6 (the gated delta rule of Yang, Kautz and Hatamizadeh, "Gated Delta Networks", 2024, in its
+ * token-by-token form); the numpy twins are engine/arch/qwen35/cpu_mixers.py.
  *
  * Two passes on the pool, each job's arithmetic fixed by the shapes, never by the thread count:
  *   1. per q, k or v head of channels: the causal conv over [conv_state; mixed] token by token, SiLU,
