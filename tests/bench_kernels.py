@@ -3,7 +3,8 @@
 Prints, per thread count and ISA level, the Q4_0 GEMV weight-read rate in GB/s next to this
 machine's measured streaming-read bandwidth (cpu.read_bandwidth: all threads reading a buffer of
 the same size, larger than the last-level cache), in two shapes:
-  * "big": one (rows, 2048) matrix of --mib MiB, one call (the kernel's own streaming rate);
+  * "big": one (rows, 2048) matrix of --mib MiB, one call (the kernel's own streaming rate; an LM head
+    alone), Q4_0 or, with --big-type q6_k, Q6_K (the LM head of a Q4_K_M file);
   * "expert": the same bytes as 512 x 2048 matrices (one MoE expert's gate), one call each, as
     decode issues them (includes per-call overhead: Python, activation quantization, thread wake-up);
   * "moe": the fused one-token MoE FFN (cpu_moe.moe_ffn) over --moe-layers layers shaped like the
@@ -115,6 +116,8 @@ def main() -> None:
     ap.add_argument("--hot", action="store_true", help="only the in-cache rate of each weight type")
     ap.add_argument("--hot-kib", type=int, default=1024, help="matrix size for --hot (fits the L2 cache)")
     ap.add_argument("--hot-calls", type=int, default=200)
+    ap.add_argument("--big-type", choices=("q4_0", "q6_k"), default="q4_0",
+                    help="weight type of the 'big' matrix (q6_k: the LM head of a Q4_K_M file)")
     args = ap.parse_args()
     if not cpu.available():
         raise SystemExit("native kernels not built: nothing to measure")
@@ -124,9 +127,12 @@ def main() -> None:
         hot_rates(args.hot_kib, args.hot_calls, rng)
         return
     raw = q4_0_weights(args.mib << 20, rng)
+    big_type = GGMLQuantizationType[args.big_type.upper()]
+    big_raw = raw if big_type == Q4_0 else random_blocks(big_type, raw.nbytes // quant.row_bytes(big_type, K), K, rng)
     x = rng.standard_normal(K).astype(np.float32)
     experts = [raw[i:i + EXPERT_ROWS] for i in range(0, raw.shape[0], EXPERT_ROWS)]
-    print(f"weights: {raw.nbytes / 2**20:.0f} MiB Q4_0, k={K}; {len(experts)} expert-sized matrices; "
+    print(f"weights: {raw.nbytes / 2**20:.0f} MiB Q4_0 ('big': {big_raw.nbytes / 2**20:.0f} MiB {big_type.name}), k={K}; "
+          f"{len(experts)} expert-sized matrices; "
           f"ISAs: {', '.join(cpu.supported_isas())}; physical cores: {cpu.physical_cores()}")
     layers = moe_layers(args.moe_layers, rng)
     tokens = rng.standard_normal((max(64, 8 * args.moe_layers), K)).astype(np.float32)
@@ -142,7 +148,7 @@ def main() -> None:
         bw = cpu.read_bandwidth(raw.nbytes, args.repeats)
         for level in cpu.supported_isas():
             cpu.set_isa(level)
-            big = raw.nbytes / cpu.best_seconds(lambda: cpu.matmul_q4_0(raw, x), args.repeats) / 1e9
+            big = big_raw.nbytes / cpu.best_seconds(lambda: cpu.matmul(big_raw, x, big_type), args.repeats) / 1e9
             each = raw.nbytes / cpu.best_seconds(lambda: [cpu.matmul_q4_0(w, x) for w in experts], args.repeats) / 1e9
             line = (f"{n:>7} {bw:>9.1f} GB/s {level:>11} {big:>9.1f} {100 * big / bw:>7.0f}% "
                     f"{each:>11.1f} {100 * each / bw:>7.0f}%")

@@ -72,18 +72,35 @@ static void *take(uint8_t **next, size_t bytes)
     return p;
 }
 
-/* Block b of column c in the group layout (see dd_acts), from its Q8_0 values and scale. */
-static void put_group_block(dd_acts *a, size_t c, size_t b, const int8_t *v, float scale)
+/* Block b of column c in the group layout (see dd_acts), from its Q8_0 values, their sum and scale. */
+static void put_group_block(dd_acts *a, size_t c, size_t b, const int8_t *v, int32_t sum, float scale)
 {
     const size_t g = b / 16, i = b % 16, base = c * a->ng + g, quad = i / 4, lane = 4 * (i % 4) + quad;
     int8_t *gq = (int8_t *)a->gq + (base * 8 + 2 * quad) * 64 + 16 * (i % 4);
-    int32_t sum = 0;
     memcpy(gq, v, 16);
     memcpy(gq + 64, v + 16, 16);
-    for (int j = 0; j < DD_QK; j++)
-        sum += v[j];
     ((int32_t *)a->gbias)[base * 16 + lane] = -8 * sum;
     ((float *)a->gd)[base * 16 + lane] = scale;
+}
+
+/* Block i (= c * nbp + b) of the pair and compact layouts (see dd_acts), from its int8 values already
+ * in a->q and its scale; bias is written for the ntypes weight types listed in types (those whose
+ * bias_mult is not 0), so the per-lane work does not test every type. */
+static void put_pair_block(const dd_kernels *kt, dd_acts *a, size_t i, float scale, const int *types, int ntypes)
+{
+    const int8_t *q = a->q + i * DD_QK;
+    int32_t s[8], *s16 = (int32_t *)a->s16 + 2 * i;
+    for (int l = 0; l < 8; l++) {
+        s[l] = q[4 * l] + q[4 * l + 1] + q[4 * l + 2] + q[4 * l + 3];
+        ((float *)a->d)[i * 8 + l] = scale;
+    }
+    s16[0] = (s[0] + s[1]) + (s[2] + s[3]);
+    s16[1] = (s[4] + s[5]) + (s[6] + s[7]);
+    for (int n = 0; n < ntypes; n++)
+        for (int l = 0; l < 8; l++)
+            ((int32_t *)a->bias[types[n]])[i * 8 + l] = kt->bias_mult[types[n]] * s[l];
+    ((float *)a->bd)[i] = scale;
+    ((int32_t *)a->bs)[i] = s16[0] + s16[1];
 }
 
 /* One allocation, 64-byte aligned: the Q8_0 blocks, then the pair layout, then the groups (zeroed);
@@ -123,29 +140,21 @@ static void acts_column(const dd_kernels *kt, const float *xc, size_t c, dd_acts
     const size_t nb = a->nb, nbp = a->nbp;
     uint8_t *cb = (uint8_t *)a->mem + c * nb * DD_Q8_0_BYTES;
     int8_t *q = (int8_t *)a->q;
-    float *d = (float *)a->d, *bd = (float *)a->bd;
-    int32_t *bs = (int32_t *)a->bs, *s16 = (int32_t *)a->s16;
+    int types[DD_WTYPE_COUNT], ntypes = 0;
+    for (int t = 0; t < DD_WTYPE_COUNT; t++)
+        if (a->bias[t] != NULL)
+            types[ntypes++] = t;
     kt->quantize_q8_0(xc, nb, cb);
     for (size_t b = 0; b < nbp; b++) {
-        const size_t qi = (c * nbp + b) * DD_QK, li = (c * nbp + b) * 8;
+        const size_t i = c * nbp + b, qi = i * DD_QK;
         const float scale = b < nb ? dd_f16_to_f32(dd_load_u16(cb + b * DD_Q8_0_BYTES)) : 0.0f;
         if (b < nb)
             memcpy(q + qi, cb + b * DD_Q8_0_BYTES + 2, DD_QK);
         else
             memset(q + qi, 0, DD_QK);
-        s16[(c * nbp + b) * 2] = s16[(c * nbp + b) * 2 + 1] = 0;
-        for (int l = 0; l < 8; l++) {
-            const int32_t s = q[qi + 4 * l] + q[qi + 4 * l + 1] + q[qi + 4 * l + 2] + q[qi + 4 * l + 3];
-            s16[(c * nbp + b) * 2 + l / 4] += s;
-            d[li + l] = scale;
-            for (int t = 0; t < DD_WTYPE_COUNT; t++)
-                if (a->bias[t] != NULL)
-                    ((int32_t *)a->bias[t])[li + l] = kt->bias_mult[t] * s;
-        }
-        bd[c * nbp + b] = scale;
-        bs[c * nbp + b] = s16[(c * nbp + b) * 2] + s16[(c * nbp + b) * 2 + 1];
+        put_pair_block(kt, a, i, scale, types, ntypes);
         if (a->ng > 0 && b < nb)
-            put_group_block(a, c, b, q + qi, scale);
+            put_group_block(a, c, b, q + qi, ((const int32_t *)a->bs)[i], scale);
     }
 }
 

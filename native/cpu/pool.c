@@ -1,8 +1,13 @@
 /* A pthreads pool for the kernels: n - 1 workers plus the calling thread.
  *
- * A job is a count of chunks; the caller and the workers claim chunks from an atomic counter
- * until none are left, so a thread the OS preempts (the machine may be shared) only delays the
- * chunk it holds. Each chunk's result depends only on its index, never on the thread that ran it.
+ * A job is a count of chunks, cut into one contiguous home range per thread (the caller is thread
+ * 0, worker i thread i). A thread claims the chunks of its own range in order from that range's
+ * atomic counter, then helps the others by claiming from theirs, until none are left: a thread the
+ * OS preempts (the machine may be shared) only delays the chunk it holds. Contiguous ranges keep
+ * each thread's weight reads one forward stream, so the kernels' prefetch of the rows after a chunk
+ * (DD_PREFETCH_ROWS) fetches what the same thread reads next, not rows another core is reading
+ * (with one shared counter, threads took every other chunk). Each chunk's result depends only on
+ * its index, never on the thread that ran it.
  *
  * A job is published by bumping a generation counter. Workers spin on it briefly (decode issues
  * many small products back to back, and a futex wake costs more than a small GEMV), then sleep
@@ -36,12 +41,12 @@ static struct {
     pthread_t *workers;
     _Atomic unsigned generation;
     _Atomic unsigned state;        /* CLOSED | workers inside the current job */
-    _Atomic size_t next_chunk;
+    unsigned start_generation;     /* what a worker created now has seen */
     _Atomic int stop;
     dd_chunk_fn fn;                /* the current job; read only by threads inside it */
     void *ctx;
-    size_t nchunks;
     int sleeping, waiting_done;
+    int nranges;                   /* home ranges of the current job: nworkers + 1 */
 } pool = {
     .run_lock = PTHREAD_MUTEX_INITIALIZER,
     .lock = PTHREAD_MUTEX_INITIALIZER,
@@ -51,16 +56,28 @@ static struct {
     .state = CLOSED,
 };
 
-static void claim_chunks(void)
+/* Thread t's home range of the current job: chunks [next, end), next claimed by atomic increments
+ * (by t, or by a thread that finished its own range); one cache line each. */
+static struct {
+    _Alignas(64) _Atomic size_t next;
+    size_t end;
+} ranges[DD_MAX_THREADS];
+
+/* Thread `self` runs the chunks of its own range, then of the ranges after it (cyclically). */
+static void claim_chunks(int self)
 {
-    size_t c;
-    while ((c = atomic_fetch_add_explicit(&pool.next_chunk, 1, memory_order_relaxed)) < pool.nchunks)
-        pool.fn(pool.ctx, c);
+    for (int i = 0; i < pool.nranges; i++) {
+        const int t = (self + i) % pool.nranges;
+        size_t c;
+        while ((c = atomic_fetch_add_explicit(&ranges[t].next, 1, memory_order_relaxed)) < ranges[t].end)
+            pool.fn(pool.ctx, c);
+    }
 }
 
 static void *worker_main(void *arg)
 {
-    unsigned seen = (unsigned)(uintptr_t)arg;
+    const int self = (int)(uintptr_t)arg;
+    unsigned seen = pool.start_generation;
     for (;;) {
         unsigned gen = seen;
         for (int i = 0; i < SPIN_ROUNDS && gen == seen && !atomic_load(&pool.stop); i++) {
@@ -79,7 +96,7 @@ static void *worker_main(void *arg)
             return NULL;
         seen = gen;
         if (!(atomic_fetch_add_explicit(&pool.state, 1, memory_order_acq_rel) & CLOSED))
-            claim_chunks();
+            claim_chunks(self);
         if (atomic_fetch_sub_explicit(&pool.state, 1, memory_order_acq_rel) == (CLOSED | 1u)) {
             pthread_mutex_lock(&pool.lock);
             if (pool.waiting_done)
@@ -109,12 +126,12 @@ static void stop_workers(void)
 static void start_workers(void)
 {
     const int want = pool.nthreads - 1;
-    const unsigned gen = atomic_load(&pool.generation);
+    pool.start_generation = atomic_load(&pool.generation);
     pool.workers = calloc((size_t)want, sizeof(pthread_t));
     if (pool.workers == NULL)
         return;
-    while (pool.nworkers < want &&
-           pthread_create(&pool.workers[pool.nworkers], NULL, worker_main, (void *)(uintptr_t)gen) == 0)
+    while (pool.nworkers < want && pthread_create(&pool.workers[pool.nworkers], NULL, worker_main,
+                                                  (void *)(uintptr_t)(pool.nworkers + 1)) == 0)
         pool.nworkers++;
 }
 
@@ -170,8 +187,11 @@ static void run_locked(dd_chunk_fn fn, void *ctx, size_t nchunks)
     }
     pool.fn = fn;
     pool.ctx = ctx;
-    pool.nchunks = nchunks;
-    atomic_store_explicit(&pool.next_chunk, 0, memory_order_relaxed);
+    pool.nranges = pool.nworkers + 1;
+    for (int t = 0; t < pool.nranges; t++) {
+        atomic_store_explicit(&ranges[t].next, nchunks * (size_t)t / (size_t)pool.nranges, memory_order_relaxed);
+        ranges[t].end = nchunks * (size_t)(t + 1) / (size_t)pool.nranges;
+    }
     /* open the job; a worker bouncing off the previous (closed) one may still hold a count */
     unsigned expect = CLOSED;
     while (!atomic_compare_exchange_weak_explicit(&pool.state, &expect, 0, memory_order_release, memory_order_relaxed)) {
@@ -184,7 +204,7 @@ static void run_locked(dd_chunk_fn fn, void *ctx, size_t nchunks)
         pthread_cond_broadcast(&pool.wake);
     pthread_mutex_unlock(&pool.lock);
 
-    claim_chunks();
+    claim_chunks(0);
 
     if (atomic_fetch_or_explicit(&pool.state, CLOSED, memory_order_acq_rel) == 0)
         return;

@@ -1,0 +1,59 @@
+"""The kernels' thread pool (native/cpu/pool.c): every chunk of a job runs exactly once, whatever the
+thread count, and a chunk's result does not depend on which thread ran it.
+
+The pool cuts a job into one contiguous home range of chunks per thread and lets a thread that has
+finished its own range claim chunks from the others' ranges; these tests use more threads than this
+machine has cores (so threads are preempted mid-job and ranges are taken over by others), thread counts
+that do not divide the chunk count, and jobs with fewer chunks than threads (empty home ranges).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from gguf import GGMLQuantizationType
+
+from test_cpu_kernels import random_weights, rng  # noqa: F401 (fixture)
+from test_cpu_kquants import random_kquant
+
+from engine.kernels import cpu
+
+THREADS = (1, 2, 3, 4, 7)
+
+
+@pytest.fixture(autouse=True)
+def default_threads():
+    yield
+    cpu.set_threads()
+
+
+def test_stream_read_sums_every_word_once(rng):
+    """dd_stream_read adds every 64-bit word of the buffer once (chunks of 2^17 words, a ragged last one),
+    so its wrapping sum equals numpy's for any thread count: a chunk run twice or skipped would show."""
+    ffi, lib = cpu._native_cpu.ffi, cpu._native_cpu.lib
+    words = rng.integers(1, 2**63, size=(5 << 17) + 4099, dtype=np.uint64)
+    want = int(np.sum(words, dtype=np.uint64))
+    ptr = ffi.cast("uint8_t *", words.ctypes.data)
+    for n in THREADS:
+        cpu.set_threads(n)
+        assert lib.dd_stream_read(ptr, words.nbytes) == want, n
+
+
+@pytest.mark.parametrize("rows", [3, 61, 1001])
+@pytest.mark.parametrize("qtype", [GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q6_K])
+def test_gemv_same_bits_for_any_thread_count(rows, qtype, rng):
+    """One column (decode's GEMV) and three (a GEMM), odd row counts from fewer chunks than threads
+    (3 and 61 rows) to ~40 chunks (1001 rows of Q4_0): every thread count gives the 1-thread bits."""
+    k = 2048
+    make = random_kquant if qtype == GGMLQuantizationType.Q6_K else random_weights
+    raw = make(rng, rows, k, qtype)
+    x = rng.standard_normal((3, k)).astype(np.float32)
+    mat = cpu.Matrix(raw, k, qtype)
+    cpu.set_threads(1)
+    want_vec, want_mat = mat(x[1:2]), mat(x)
+    assert np.all(want_vec != 0)
+    for n in THREADS[1:]:
+        cpu.set_threads(n)
+        for _ in range(3):
+            assert np.array_equal(mat(x[1:2]), want_vec), n
+            assert np.array_equal(mat(x), want_mat), n
