@@ -183,4 +183,26 @@ int dd_step(int isa, const dd_step_model *m, const dd_step_state *s, size_t pos,
  * libm's exp): the dense FFN's gate of the decode step and of the per-hook path alike. */
 void dd_silu_mul(const float *g, const float *u, size_t n, float *y);
 
+/* ---- float32 GEMM with pre-packed weights (sgemm_avx512.c), the vision towers' projections ------------
+ * out[i][j] = act(sum_k x[i][k] w[j][k] + bias[j]) + add[i][j] for i < m, j < n, where w is the (n, k)
+ * row-major weight (GGUF math shape) that dd_sgemm_pack laid out once as panels of DD_SGEMM_NR output
+ * columns: packed[(j / NR) * k * NR + kk * NR + j % NR] = w[j][kk], columns past n zero; the buffer holds
+ * dd_sgemm_packed_floats(n, k) floats. Each sum is one float32 fused-multiply-add chain over kk = 0, 1, ...,
+ * k - 1 in order, started from 0 (whatever the blocking, the thread count or the row/column split), then
+ * + bias[j] (bias may be NULL: 0), then act (DD_ACT_NONE; DD_ACT_GELU_TANH: x / (1 + exp(-2 u)),
+ * u = sqrt(2/pi) (x + 0.044715 x^3), the tanh form of GELU; DD_ACT_GELU_ERF: 0.5 x erfc(-x / sqrt 2) with
+ * Numerical Recipes' erfc, section 6.2.2), then + add[i][j] (add may be NULL, or equal to out with
+ * ld_add == ldo: a residual update). x rows are ldx floats apart, out rows ldo, add rows ld_add.
+ * threads: at most this many of the pool's threads (dd_set_threads) take part, the caller's included.
+ * Needs AVX-512 F (DD_ISA_AVX512VNNI level): DD_ERR_ISA otherwise; DD_ERR_ARG for a bad shape or act;
+ * DD_ERR_NOMEM if scratch cannot be allocated. */
+#define DD_SGEMM_NR 32
+enum { DD_ACT_NONE = 0, DD_ACT_GELU_TANH = 1, DD_ACT_GELU_ERF = 2 };
+size_t dd_sgemm_packed_floats(size_t n, size_t k);
+int dd_sgemm_pack(const float *w, size_t n, size_t k, float *packed);
+int dd_sgemm(const float *x, size_t ldx, size_t m, size_t k, const float *packed, size_t n, const float *bias,
+             int act, const float *add, size_t ld_add, float *out, size_t ldo, int threads);
+/* y[i] = act(x[i]) for i < n with the epilogue's vector arithmetic above (DD_ERR_ISA / DD_ERR_ARG as dd_sgemm). */
+int dd_sgemm_act(int act, const float *x, size_t n, float *y);
+
 #endif

@@ -10,6 +10,8 @@
  * that the caller sets once every chunk is claimed; a worker that arrives after that leaves
  * without touching the job, and the caller returns when no worker is inside. Callers from
  * different threads take turns (run_lock). After fork() the child builds new workers on first use.
+ * dd_pool_for_limit caps the threads that claim chunks: worker i (0-based) takes part only when
+ * i + 1 < the job's limit, the others enter and leave the job without claiming.
  */
 #include <pthread.h>
 #include <stdatomic.h>
@@ -41,6 +43,7 @@ static struct {
     dd_chunk_fn fn;                /* the current job; read only by threads inside it */
     void *ctx;
     size_t nchunks;
+    int limit;                     /* threads that may claim chunks in the current job, caller included */
     int sleeping, waiting_done;
 } pool = {
     .run_lock = PTHREAD_MUTEX_INITIALIZER,
@@ -58,9 +61,18 @@ static void claim_chunks(void)
         pool.fn(pool.ctx, c);
 }
 
+/* What a worker starts with: the generation it has seen and its index. */
+typedef struct {
+    unsigned seen;
+    int index;
+} worker_arg;
+
+static worker_arg worker_args[DD_MAX_THREADS];
+
 static void *worker_main(void *arg)
 {
-    unsigned seen = (unsigned)(uintptr_t)arg;
+    unsigned seen = ((const worker_arg *)arg)->seen;
+    const int index = ((const worker_arg *)arg)->index;
     for (;;) {
         unsigned gen = seen;
         for (int i = 0; i < SPIN_ROUNDS && gen == seen && !atomic_load(&pool.stop); i++) {
@@ -78,7 +90,7 @@ static void *worker_main(void *arg)
         if (atomic_load(&pool.stop))
             return NULL;
         seen = gen;
-        if (!(atomic_fetch_add_explicit(&pool.state, 1, memory_order_acq_rel) & CLOSED))
+        if (!(atomic_fetch_add_explicit(&pool.state, 1, memory_order_acq_rel) & CLOSED) && index + 1 < pool.limit)
             claim_chunks();
         if (atomic_fetch_sub_explicit(&pool.state, 1, memory_order_acq_rel) == (CLOSED | 1u)) {
             pthread_mutex_lock(&pool.lock);
@@ -113,9 +125,11 @@ static void start_workers(void)
     pool.workers = calloc((size_t)want, sizeof(pthread_t));
     if (pool.workers == NULL)
         return;
-    while (pool.nworkers < want &&
-           pthread_create(&pool.workers[pool.nworkers], NULL, worker_main, (void *)(uintptr_t)gen) == 0)
-        pool.nworkers++;
+    for (; pool.nworkers < want; pool.nworkers++) {
+        worker_args[pool.nworkers] = (worker_arg){ .seen = gen, .index = pool.nworkers };
+        if (pthread_create(&pool.workers[pool.nworkers], NULL, worker_main, &worker_args[pool.nworkers]) != 0)
+            break;
+    }
 }
 
 static void reset_after_fork(void)
@@ -159,7 +173,7 @@ int dd_get_threads(void)
     return pool.nthreads;
 }
 
-static void run_locked(dd_chunk_fn fn, void *ctx, size_t nchunks)
+static void run_locked(dd_chunk_fn fn, void *ctx, size_t nchunks, int limit)
 {
     if (pool.nworkers == 0 && pool.nthreads > 1)
         start_workers();
@@ -171,6 +185,7 @@ static void run_locked(dd_chunk_fn fn, void *ctx, size_t nchunks)
     pool.fn = fn;
     pool.ctx = ctx;
     pool.nchunks = nchunks;
+    pool.limit = limit;
     atomic_store_explicit(&pool.next_chunk, 0, memory_order_relaxed);
     /* open the job; a worker bouncing off the previous (closed) one may still hold a count */
     unsigned expect = CLOSED;
@@ -201,15 +216,20 @@ static void run_locked(dd_chunk_fn fn, void *ctx, size_t nchunks)
     pthread_mutex_unlock(&pool.lock);
 }
 
-void dd_pool_for(dd_chunk_fn fn, void *ctx, size_t nchunks)
+void dd_pool_for_limit(dd_chunk_fn fn, void *ctx, size_t nchunks, int max_threads)
 {
-    if (nchunks <= 1 || pool.nthreads == 1) {
+    if (nchunks <= 1 || pool.nthreads == 1 || max_threads <= 1) {
         for (size_t c = 0; c < nchunks; c++)
             fn(ctx, c);
         return;
     }
     pthread_once(&atfork_once, register_atfork);
     pthread_mutex_lock(&pool.run_lock);
-    run_locked(fn, ctx, nchunks);
+    run_locked(fn, ctx, nchunks, max_threads);
     pthread_mutex_unlock(&pool.run_lock);
+}
+
+void dd_pool_for(dd_chunk_fn fn, void *ctx, size_t nchunks)
+{
+    dd_pool_for_limit(fn, ctx, nchunks, DD_MAX_THREADS);
 }

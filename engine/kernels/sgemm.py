@@ -1,0 +1,139 @@
+"""Native float32 GEMM with weights packed once (``dd_sgemm`` in native/cpu/sgemm_avx512.c) and a fused epilogue:
+``out = act(x @ w.T + b) + add``, the vision towers' projections.
+
+Each output element is one float32 fused-multiply-add chain over k in order, so the result does not depend on
+the thread count, on how rows or columns are split, or on which other rows share the call (deltadesk_cpu.h).
+It needs AVX-512 F and the native extension, and runs when the active ISA level (:func:`engine.kernels.cpu.isa`)
+is ``avx512vnni``; :func:`available` says so, and callers keep their numpy path otherwise. :func:`linear_np`
+is the float64 reference the tests compare it with.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from engine.errors import EngineError
+from engine.kernels import cpu
+from engine.ops import vision_reference as ops
+
+ACTS = {None: 0, "gelu_tanh": 1, "gelu_erf": 2}
+"""Epilogue activations by name -> the C side's DD_ACT_* code."""
+
+_ERRORS = {-1: "this CPU lacks AVX-512", -2: "out of memory", -3: "invalid argument"}
+
+
+def available() -> bool:
+    """True when the native GEMM can run: the extension is built, the CPU has AVX-512 and the active level
+    (``DELTADESK_ISA`` / :func:`engine.kernels.cpu.set_isa`) is ``avx512vnni``."""
+    return cpu.available() and cpu.isa() == "avx512vnni"
+
+
+def _native():
+    from engine import _native_cpu
+    return _native_cpu
+
+
+def _check(rc: int, what: str) -> None:
+    if rc != 0:
+        raise EngineError(f"{what} failed in the native CPU kernels: {_ERRORS.get(rc, rc)}")
+
+
+def _f32_ptr(a: np.ndarray):
+    """``float *`` to the first element of ``a`` (any strides: the callers pass the row stride apart)."""
+    return _native().ffi.cast("float *", a.ctypes.data)
+
+
+class PackedWeight:
+    """A ``(n, k)`` float32 weight (GGUF math shape: one row per output) and its bias, laid out once in the
+    kernel's panels of 32 output columns (:meth:`__call__` reads only those; the source array is not kept).
+
+    Args:
+        w: (n, k) float32 (other float dtypes are converted). b: (n,) float32 or None.
+
+    Raises:
+        ValueError: a shape does not fit. EngineError: the native extension is missing.
+    """
+
+    def __init__(self, w: np.ndarray, b: np.ndarray | None = None):
+        w = np.ascontiguousarray(w, dtype=np.float32)
+        if w.ndim != 2 or 0 in w.shape:
+            raise ValueError(f"PackedWeight: expected a non-empty (n, k) weight, got {w.shape}")
+        self.n, self.k = w.shape
+        if b is not None and np.shape(b) != (self.n,):
+            raise ValueError(f"PackedWeight: bias {np.shape(b)} for {self.n} outputs")
+        self.bias = None if b is None else np.ascontiguousarray(b, dtype=np.float32)
+        lib = _native().lib
+        self.packed = np.empty(lib.dd_sgemm_packed_floats(self.n, self.k), dtype=np.float32)
+        _check(lib.dd_sgemm_pack(_f32_ptr(w), self.n, self.k, _f32_ptr(self.packed)), "sgemm pack")
+
+    @classmethod
+    def stacked(cls, ws: list[np.ndarray], bs: list[np.ndarray]) -> PackedWeight:
+        """The weights ``ws`` (each (n_i, k)) as one (sum n_i, k) weight with the biases ``bs`` concatenated:
+        one call then computes all their outputs side by side (e.g. q, k and v)."""
+        return cls(np.concatenate(ws), np.concatenate(bs))
+
+    def __call__(self, x: np.ndarray, out: np.ndarray | None = None, act: str | None = None,
+                 add: np.ndarray | None = None, threads: int = 1) -> np.ndarray:
+        """``out = act(x @ w.T + b) + add`` (module doc; act: None, "gelu_tanh" or "gelu_erf").
+
+        Args:
+            x: (m, k) float32 with unit column stride (rows may be further apart, e.g. a column slice).
+            out: optional (m, n) float32 with unit column stride; may be ``add`` itself (a residual update).
+            add: optional (m, n) float32 with unit column stride, added after the activation.
+            threads: at most this many of the native pool's threads take part (:func:`engine.kernels.cpu.set_threads`
+                sets the pool's size).
+
+        Returns:
+            ``out``, or a new (m, n) float32 array.
+
+        Raises:
+            ValueError: a shape, dtype or stride does not fit. EngineError: the native call failed (e.g. no AVX-512).
+        """
+        m = len(x)
+        out = np.empty((m, self.n), dtype=np.float32) if out is None else out
+        _rows(x, (m, self.k), "x")
+        _rows(out, (m, self.n), "out")
+        if add is not None:
+            _rows(add, (m, self.n), "add")
+        if act not in ACTS:
+            raise ValueError(f"unknown activation {act!r} (expected one of {list(ACTS)})")
+        n = _native()
+        nul = n.ffi.NULL
+        bias = nul if self.bias is None else _f32_ptr(self.bias)
+        add_ptr, ld_add = (nul, 0) if add is None else (_f32_ptr(add), add.strides[0] // 4)
+        _check(n.lib.dd_sgemm(_f32_ptr(x), x.strides[0] // 4, m, self.k, _f32_ptr(self.packed), self.n, bias,
+                              ACTS[act], add_ptr, ld_add, _f32_ptr(out), out.strides[0] // 4, max(1, int(threads))),
+               "sgemm")
+        return out
+
+
+def _rows(a: np.ndarray, shape: tuple[int, int], name: str) -> None:
+    """ValueError unless ``a`` is a float32 array of ``shape`` whose rows are unit-stride runs of floats."""
+    if (not isinstance(a, np.ndarray) or a.dtype != np.float32 or a.shape != shape
+            or (shape[0] > 1 and (a.strides[0] % 4 or a.strides[0] < 4 * shape[1])) or a.strides[1] != 4):
+        raise ValueError(f"sgemm: {name} must be a float32 {shape} array with unit column stride, got "
+                         f"{getattr(a, 'dtype', type(a))} {getattr(a, 'shape', '')} strides {getattr(a, 'strides', '')}")
+
+
+def activation(x: np.ndarray, act: str) -> np.ndarray:
+    """The epilogue's activation alone (``dd_sgemm_act``): x any shape float32 -> same shape float32."""
+    x = np.ascontiguousarray(x, dtype=np.float32)
+    y = np.empty_like(x)
+    _check(_native().lib.dd_sgemm_act(ACTS[act], _f32_ptr(x), x.size, _f32_ptr(y)), "sgemm activation")
+    return y
+
+
+def linear_np(x: np.ndarray, w: np.ndarray, b: np.ndarray | None = None, act: str | None = None,
+              add: np.ndarray | None = None) -> np.ndarray:
+    """Float64 reference of :meth:`PackedWeight.__call__`: the same formula with the product, the bias and the
+    activation in float64 (the GELUs of :mod:`engine.ops.vision_reference`, the tanh form as y / (1 + exp(-2u))),
+    returned as float64."""
+    y = x.astype(np.float64) @ w.astype(np.float64).T
+    if b is not None:
+        y += b
+    if act == "gelu_tanh":   # 0.5 y (1 + tanh(u)) = y / (1 + exp(-2u)): no cancellation for y << 0
+        with np.errstate(over="ignore"):
+            y = y / (1.0 + np.exp(-2.0 * np.sqrt(2.0 / np.pi) * (y + 0.044715 * y ** 3)))
+    elif act == "gelu_erf":
+        y = 0.5 * y * ops.erfc(-y * np.sqrt(0.5))
+    return y if add is None else y + add

@@ -1,0 +1,66 @@
+/* The float32 GEMM's portable half (deltadesk_cpu.h dd_sgemm): weight packing, argument checks and the
+ * dispatch to the AVX-512 kernel (sgemm_avx512.c). There is no portable kernel: without AVX-512 the
+ * entry points return DD_ERR_ISA and the caller keeps its own float32 path (numpy's BLAS). */
+#include "runtime.h"
+
+#ifdef DD_X86_ISAS
+int sgemm_avx512(const float *x, size_t ldx, size_t m, size_t k, const float *packed, size_t n,
+                 const float *bias, int act, const float *add, size_t ld_add, float *out, size_t ldo, int threads);
+int sgemm_act_avx512(int act, const float *x, size_t n, float *y);
+#endif
+
+size_t dd_sgemm_packed_floats(size_t n, size_t k)
+{
+    return dd_div_up(n, DD_SGEMM_NR) * DD_SGEMM_NR * k;
+}
+
+int dd_sgemm_pack(const float *w, size_t n, size_t k, float *packed)
+{
+    if (n == 0 || k == 0)
+        return DD_ERR_ARG;
+    for (size_t j0 = 0; j0 < n; j0 += DD_SGEMM_NR) {
+        float *panel = packed + j0 * k;
+        for (size_t c = 0; c < DD_SGEMM_NR; c++) {
+            const float *row = j0 + c < n ? w + (j0 + c) * k : NULL;
+            for (size_t kk = 0; kk < k; kk++)
+                panel[kk * DD_SGEMM_NR + c] = row != NULL ? row[kk] : 0.0f;
+        }
+    }
+    return DD_OK;
+}
+
+static int sgemm_level_ok(int act)
+{
+    if (act != DD_ACT_NONE && act != DD_ACT_GELU_TANH && act != DD_ACT_GELU_ERF)
+        return DD_ERR_ARG;
+    return dd_isa_supported(DD_ISA_AVX512VNNI) ? DD_OK : DD_ERR_ISA;
+}
+
+int dd_sgemm(const float *x, size_t ldx, size_t m, size_t k, const float *packed, size_t n, const float *bias,
+             int act, const float *add, size_t ld_add, float *out, size_t ldo, int threads)
+{
+    const int rc = sgemm_level_ok(act);
+    if (rc != DD_OK)
+        return rc;
+    if (k == 0 || ldx < k || ldo < n || (add != NULL && ld_add < n))
+        return DD_ERR_ARG;
+    if (m == 0 || n == 0)
+        return DD_OK;
+#ifdef DD_X86_ISAS
+    return sgemm_avx512(x, ldx, m, k, packed, n, bias, act, add, ld_add, out, ldo, threads);
+#else
+    return DD_ERR_ISA;
+#endif
+}
+
+int dd_sgemm_act(int act, const float *x, size_t n, float *y)
+{
+    const int rc = sgemm_level_ok(act);
+    if (rc != DD_OK)
+        return rc;
+#ifdef DD_X86_ISAS
+    return sgemm_act_avx512(act, x, n, y);
+#else
+    return DD_ERR_ISA;
+#endif
+}

@@ -1,0 +1,135 @@
+"""The native float32 GEMM with packed weights (engine.kernels.sgemm, native/cpu/sgemm_avx512.c) against a float64
+numpy reference on fresh random inputs (no zeros) and odd shapes, its epilogue activations, and the invariances the
+vision towers rely on: the same bits at every thread count and for any subset of rows."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from engine.kernels import cpu, sgemm
+
+pytestmark = pytest.mark.skipif(not sgemm.available(), reason="needs the native extension on an AVX-512 CPU")
+
+U = 2.0 ** -24
+"""Unit roundoff of float32."""
+
+SHAPES = [(1, 1, 1), (13, 37, 33), (97, 300, 65), (12, 256, 32), (200, 1031, 95), (25, 513, 161)]
+"""(m, k, n): none a multiple of the 12 x 32 micro-tile or of the 96-row task or the 256-wide k block, except the
+exact-tile case (12, 256, 32); k = 300, 513 and 1031 span two to five k blocks."""
+
+
+def _data(rng, m, k, n):
+    """x, w, b, add with entries in +-[0.5, 1.5] (no zeros, both signs)."""
+    def draw(*shape):
+        return (rng.uniform(0.5, 1.5, shape) * rng.choice([-1.0, 1.0], shape)).astype(np.float32)
+    return draw(m, k), draw(n, k), draw(n), draw(m, n)
+
+
+def _bound(x, w, b, add, k):
+    """Forward error bound of a float32 FMA chain of length k plus the bias and add roundings: gamma_{k+2}
+    (Higham, Accuracy and Stability of Numerical Algorithms, 2nd ed., section 3.1) times the sum of the magnitudes
+    that enter the result."""
+    gamma = (k + 2) * U / (1 - (k + 2) * U)
+    mag = np.abs(x).astype(np.float64) @ np.abs(w).astype(np.float64).T + np.abs(b)
+    return gamma * (mag + (0 if add is None else np.abs(add)))
+
+
+@pytest.mark.parametrize("m,k,n", SHAPES)
+def test_gemm_matches_float64(m, k, n):
+    rng = np.random.default_rng(m * 7919 + k * 31 + n)
+    x, w, b, add = _data(rng, m, k, n)
+    pw = sgemm.PackedWeight(w, b)
+    for extra in (None, add):
+        y = pw(x, add=extra)
+        ref = sgemm.linear_np(x, w, b, add=extra)
+        assert (np.abs(y - ref) <= _bound(x, w, b, extra, k)).all()
+
+
+def test_strided_rows_and_in_place_residual():
+    """x and out may be column slices of wider arrays; out may be add (h += x @ w.T + b)."""
+    rng = np.random.default_rng(11)
+    x_wide, w, b, _ = _data(rng, 41, 150, 70)
+    h = rng.standard_normal((41, 90)).astype(np.float32) + 3
+    x, res = x_wide[:, 20:120], h[:, 10:80]
+    before, h0 = res.astype(np.float64), h.copy()
+    pw = sgemm.PackedWeight(w[:, 20:120], b)
+    pw(x, out=res, add=res)
+    ref = sgemm.linear_np(x, w[:, 20:120], b, add=before)
+    assert (np.abs(res - ref) <= _bound(x, w[:, 20:120], b, before, 100)).all()
+    np.testing.assert_array_equal(h[:, :10], h0[:, :10])
+    np.testing.assert_array_equal(h[:, 80:], h0[:, 80:])
+
+
+@pytest.mark.parametrize("act", ["gelu_tanh", "gelu_erf"])
+def test_activation_matches_float64(act):
+    """The epilogue's exp-based GELUs against float64. Bound: the exp argument a (-2u for the tanh form, -z^2 + P(t)
+    for erfc) carries a few roundings of its own size, which exp turns into a relative error of about |a| u; the
+    rest is a few ulp: |err| <= 16 u (1 + |a|) |gelu(x)|, with |a| <= 2 |x| (1 + 0.045 x^2) or x^2 / 2 + 2, plus
+    1e-37 absolute where the result is below float32's normal range. Measured: at most 48 ulp (tanh form) and 228
+    ulp (erf form, at x < -6, where the result is below 1e-9)."""
+    rng = np.random.default_rng(5)
+    x = np.concatenate([rng.standard_normal(20000) * s for s in (0.1, 1.0, 4.0)] + [np.linspace(-12, 12, 4001)])
+    x = x.astype(np.float32)
+    y = sgemm.activation(x, act).astype(np.float64)
+    x64 = x.astype(np.float64)
+    ref = sgemm.linear_np(x64[:, None], np.ones((1, 1)), act=act)[:, 0]
+    arg = 2 * np.abs(x64) * (1 + 0.045 * x64 ** 2) if act == "gelu_tanh" else x64 ** 2 / 2 + 2
+    assert (np.abs(y - ref) <= 16 * U * (1 + arg) * np.abs(ref) + 1e-37).all()
+
+
+@pytest.mark.parametrize("act", ["gelu_tanh", "gelu_erf"])
+def test_fused_activation_is_the_activation_of_the_product(act):
+    """act is applied to the rounded sum + bias: bit-equal to the plain GEMM followed by the activation alone."""
+    rng = np.random.default_rng(9)
+    x, w, b, add = _data(rng, 30, 77, 45)
+    pw = sgemm.PackedWeight(w, b)
+    np.testing.assert_array_equal(pw(x, act=act), sgemm.activation(pw(x), act))
+    np.testing.assert_array_equal(pw(x, act=act, add=add), sgemm.activation(pw(x), act) + add)
+
+
+def test_same_bits_at_every_thread_count_and_row_subset():
+    """Each element is one FMA chain over k in order: 1, 2 and 3 threads (different task shapes) give the same bits,
+    and so do any rows computed alone (a stack of pieces = the pieces one by one)."""
+    rng = np.random.default_rng(13)
+    x, w, b, add = _data(rng, 333, 600, 1100)
+    pw = sgemm.PackedWeight(w, b)
+    prev = cpu.threads()
+    try:
+        cpu.set_threads(3)
+        ref = pw(x, act="gelu_tanh", add=add, threads=1)
+        for t in (2, 3):
+            np.testing.assert_array_equal(pw(x, act="gelu_tanh", add=add, threads=t), ref)
+    finally:
+        cpu.set_threads(prev)
+    for rows in (slice(0, 1), slice(5, 18), slice(100, 333)):
+        np.testing.assert_array_equal(pw(x[rows], act="gelu_tanh", add=add[rows], threads=2), ref[rows])
+
+
+def test_stacked_weights_are_side_by_side():
+    rng = np.random.default_rng(17)
+    x, w, b, _ = _data(rng, 20, 64, 90)
+    both = sgemm.PackedWeight.stacked([w[:40], w[40:]], [b[:40], b[40:]])
+    np.testing.assert_array_equal(both(x), np.concatenate([sgemm.PackedWeight(w[:40], b[:40])(x),
+                                                           sgemm.PackedWeight(w[40:], b[40:])(x)], axis=1))
+
+
+def test_rejects_bad_arguments():
+    pw = sgemm.PackedWeight(np.ones((8, 16), np.float32))
+    with pytest.raises(ValueError, match="x must be"):
+        pw(np.ones((4, 15), np.float32))
+    with pytest.raises(ValueError, match="x must be"):
+        pw(np.ones((16, 4), np.float32).T)
+    with pytest.raises(ValueError, match="unknown activation"):
+        pw(np.ones((4, 16), np.float32), act="relu")
+    with pytest.raises(ValueError, match="bias"):
+        sgemm.PackedWeight(np.ones((8, 16), np.float32), np.ones(7, np.float32))
+
+
+def test_unavailable_below_avx512():
+    prev = cpu.isa()
+    try:
+        cpu.set_isa("avx2")
+        assert not sgemm.available()
+    finally:
+        cpu.set_isa(prev)
