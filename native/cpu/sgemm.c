@@ -18,12 +18,15 @@ int dd_sgemm_pack(const float *w, size_t n, size_t k, float *packed)
 {
     if (n == 0 || k == 0)
         return DD_ERR_ARG;
-    for (size_t j0 = 0; j0 < n; j0 += DD_SGEMM_NR) {
+    for (size_t j0 = 0; j0 < n; j0 += DD_SGEMM_NR) {   /* writes in order; the 32 rows' lines stay in L1 */
         float *panel = packed + j0 * k;
-        for (size_t c = 0; c < DD_SGEMM_NR; c++) {
-            const float *row = j0 + c < n ? w + (j0 + c) * k : NULL;
-            for (size_t kk = 0; kk < k; kk++)
-                panel[kk * DD_SGEMM_NR + c] = row != NULL ? row[kk] : 0.0f;
+        const size_t cols = n - j0 < DD_SGEMM_NR ? n - j0 : DD_SGEMM_NR;
+        const float *rows = w + j0 * k;
+        for (size_t kk = 0; kk < k; kk++) {
+            for (size_t c = 0; c < cols; c++)
+                panel[kk * DD_SGEMM_NR + c] = rows[c * k + kk];
+            for (size_t c = cols; c < DD_SGEMM_NR; c++)
+                panel[kk * DD_SGEMM_NR + c] = 0.0f;
         }
     }
     return DD_OK;

@@ -40,6 +40,7 @@ from threadpoolctl import threadpool_limits
 
 from engine.errors import GenerationCancelled
 from engine.images import ImageSource, PreparedImage, read_source
+from engine.kernels import sgemm
 from engine.ops import vision_reference as ops
 
 from .mmproj import MiniCPMVHParams, MiniCPMVMmproj
@@ -165,7 +166,14 @@ class MiniCPMVTower:
         self._workers = max(1, threads or os.cpu_count() or 1)
         self._w = mm.weights
         self._patch_w = mm.weights["v.patch_embd.weight"].reshape(self.hp.n_embd, -1)
+        self._packed = _pack_weights(self._w, self.hp, self._patch_w) if sgemm.available() else None
         self._pool: ThreadPoolExecutor | None = None
+
+    @property
+    def native(self) -> bool:
+        """True when the projections run on the native packed-weight GEMM (:mod:`engine.kernels.sgemm`, chosen at
+        construction), False on the numpy tiles."""
+        return self._packed is not None
 
     @property
     def merge(self) -> int:
@@ -205,7 +213,7 @@ class MiniCPMVTower:
               ThreadPoolExecutor(self._workers, thread_name_prefix="minicpmv") as pool):
             self._pool = pool if self._workers > 1 else None
             try:
-                h = self._linear(np.concatenate(pieces, dtype=np.float32), self._patch_w, w["v.patch_embd.bias"])
+                h = self._linear(np.concatenate(pieces, dtype=np.float32), "v.patch_embd")
                 emit("patch_embd", -1, h)
                 h += w["v.position_embd.weight"][np.concatenate([bucket_position_ids(gh, gw, hp.pos_side)
                                                                  for gh, gw in grids])]
@@ -226,8 +234,7 @@ class MiniCPMVTower:
                 d4 = 4 * hp.n_embd
                 z = self._norm(z[plan.merged_window_order()].reshape(-1, d4),
                                "mm.input_norm")
-                y = self._linear(z, w["mm.up.weight"], w["mm.up.bias"], act=_gelu_erf_into)
-                out = self._linear(y, w["mm.down.weight"], w["mm.down.bias"])
+                out = self._linear(self._linear(z, "mm.up", act="gelu_erf"), "mm.down")
                 emit("merger_out", -1, out)
             finally:
                 self._pool = None
@@ -263,27 +270,33 @@ class MiniCPMVTower:
         self._run(lambda r: ops.layer_norm(x[r], g, b, eps, out=out[r]), _spans(len(x), ROW_TASK))
         return out
 
-    def _linear(self, x: np.ndarray, w: np.ndarray, b: np.ndarray, out: np.ndarray | None = None,
-                act: Callable[[np.ndarray], None] | None = None, add_to: np.ndarray | None = None,
-                add: np.ndarray | None = None) -> np.ndarray:
-        """``y = x @ w.T + b`` (:func:`engine.ops.vision_reference.linear`) in tiles, then per tile, in order:
-        ``act(y)`` in place, ``y += add`` and ``add_to += y``.
+    def _linear(self, x: np.ndarray, name: str, out: np.ndarray | None = None, act: str | None = None,
+                add_to: np.ndarray | None = None, add: np.ndarray | None = None) -> np.ndarray:
+        """``y = act(x @ w.T + b)`` of the projection ``name`` (``name.weight``, ``name.bias``), then ``y += add``
+        and ``add_to += y``. Native: one :class:`~engine.kernels.sgemm.PackedWeight` call with all of it in the
+        epilogue (``add_to`` then receives the result and ``out`` is not used). numpy: :func:`_tiles` of
+        :func:`engine.ops.vision_reference.linear`, each followed by the same steps while in cache.
 
         Args:
-            x: (n, k) float32. w: (m, k) float32. b: (m,) float32. out: optional (n, m) float32 for ``y``.
-            act: in-place activation of one (rows, cols) tile. add: optional (n, m) float32 added to ``y``.
-            add_to: optional (n, m) float32 residual stream that receives ``y``.
+            x: (n, k) float32. out: optional (n, m) float32 for ``y``. act: None, "gelu_tanh" or "gelu_erf".
+            add: optional (n, m) float32 added to ``y``. add_to: optional (n, m) float32 residual stream.
 
         Returns:
-            ``y``, (n, m) float32.
+            ``y`` (``add_to`` when given on the native path), (n, m) float32.
         """
+        if self._packed is not None:
+            if add_to is not None:
+                return self._packed[name](x, out=add_to, act=act, add=add_to, threads=self._workers)
+            return self._packed[name](x, out=out, act=act, add=add, threads=self._workers)
+        w, b = self._weight(name), self._w[name + ".bias"]
         out = np.empty((len(x), len(w)), dtype=np.float32) if out is None else out
+        act_into = _NUMPY_ACTS[act]
 
         def tile(rc: tuple[slice, slice]) -> None:
             r, c = rc
             y = ops.linear(x[r], w[c], b[c], out=out[r, c])
-            if act is not None:
-                act(y)
+            if act_into is not None:
+                act_into(y)
             if add is not None:
                 y += add[r, c]
             if add_to is not None:
@@ -292,10 +305,17 @@ class MiniCPMVTower:
         self._run(tile, _tiles(len(x), len(w)))
         return out
 
+    def _weight(self, name: str) -> np.ndarray:
+        """The (out, in) float32 weight of projection ``name`` (the patch kernel flattened)."""
+        return self._patch_w if name == "v.patch_embd" else self._w[name + ".weight"]
+
     # -- the blocks ----------------------------------------------------------------------------------------
 
     def _qkv(self, a: np.ndarray, p: str, buf: _Buffers) -> None:
-        """q, k, v projections of ``a`` into ``buf.q``, ``buf.k``, ``buf.v`` (one set of tiles for the three)."""
+        """q, k, v projections of ``a`` into ``buf.qkv`` (columns q | k | v; one call, or one set of tiles)."""
+        if self._packed is not None:
+            self._packed[p + "attn_qkv"](a, out=buf.qkv, threads=self._workers)
+            return
         w = self._w
         jobs = [(x, out, r, c) for x, out in zip("qkv", (buf.q, buf.k, buf.v), strict=True)
                 for r, c in _tiles(len(a), out.shape[1])]
@@ -309,7 +329,7 @@ class MiniCPMVTower:
     def _block(self, h: np.ndarray, il: int, buf: _Buffers, starts: np.ndarray) -> None:
         """One SigLIP pre-norm block with full attention per piece, updating the residual stream ``h`` (S, D)
         in place; ``starts`` (n_pieces + 1,) are the pieces' first rows."""
-        hp, w, p = self.hp, self._w, f"v.blk.{il}."
+        hp, p = self.hp, f"v.blk.{il}."
         hd = hp.head_dim
         self._norm_into(h, p + "ln1", buf.a)
         self._qkv(buf.a, p, buf)
@@ -322,15 +342,15 @@ class MiniCPMVTower:
 
         self._run(head, [(slice(int(s), int(e)), i) for s, e in zip(starts[:-1], starts[1:], strict=True)
                          for i in range(hp.n_head)])
-        self._linear(buf.att, w[p + "attn_out.weight"], w[p + "attn_out.bias"], out=buf.tmp, add_to=h)
+        self._linear(buf.att, p + "attn_out", out=buf.tmp, add_to=h)
         self._norm_into(h, p + "ln2", buf.a)
-        self._linear(buf.a, w[p + "ffn_up.weight"], w[p + "ffn_up.bias"], out=buf.f, act=_gelu_tanh_into)
-        self._linear(buf.f, w[p + "ffn_down.weight"], w[p + "ffn_down.bias"], out=buf.tmp, add_to=h)
+        self._linear(buf.a, p + "ffn_up", out=buf.f, act="gelu_tanh")
+        self._linear(buf.f, p + "ffn_down", out=buf.tmp, add_to=h)
 
     def _vit_merger(self, h: np.ndarray, order: np.ndarray, buf: _Buffers) -> np.ndarray:
         """The window-attention merger: (S, D) rows of the stack -> (S/4, D), ``order`` the stack's window order
         (:meth:`_Plan.window_order`); windows of each piece in raster order. ``buf``: the blocks' scratch."""
-        w, p, d = self._w, "v.vit_merger.", self.hp.n_embd
+        p, d = "v.vit_merger.", self.hp.n_embd
         x = h[order]
         self._norm_into(x, p + "ln1", buf.a)
         self._qkv(buf.a, p, buf)
@@ -340,26 +360,52 @@ class MiniCPMVTower:
             att[r] = window_attention(buf.q[r], buf.k[r], buf.v[r], self.hp.n_head)
 
         self._run(windows, _spans(len(h), ROW_TASK))
-        self._linear(att, w[p + "attn_out.weight"], w[p + "attn_out.bias"], out=buf.tmp, add_to=x)
+        self._linear(att, p + "attn_out", out=buf.tmp, add_to=x)
         mean = x.reshape(-1, 4, d).mean(axis=1)
         c = self._norm_into(x.reshape(-1, 4 * d), p + "ds_ln", buf.a.reshape(-1, 4 * d))
-        f = self._linear(c, w[p + "ds_ffn_up.weight"], w[p + "ds_ffn_up.bias"], out=buf.f.reshape(len(c), -1),
-                         act=_gelu_tanh_into)
-        return self._linear(f, w[p + "ds_ffn_down.weight"], w[p + "ds_ffn_down.bias"], add=mean)
+        f = self._linear(c, p + "ds_ffn_up", out=buf.f.reshape(len(c), -1), act="gelu_tanh")
+        return self._linear(f, p + "ds_ffn_down", add=mean)
+
+
+PROJECTIONS = ("attn_out", "ffn_up", "ffn_down")
+"""Each block's projections packed one by one (q, k and v are packed side by side as ``attn_qkv``)."""
+
+
+def _pack_weights(w: dict[str, np.ndarray], hp: MiniCPMVHParams, patch_w: np.ndarray) -> dict[str, sgemm.PackedWeight]:
+    """Every projection of the tower in the native GEMM's layout, keyed as :meth:`MiniCPMVTower._linear` names
+    them: ``v.blk.{il}.attn_qkv`` (q | k | v), ``v.blk.{il}.attn_out`` ..., the window-attention merger's under
+    ``v.vit_merger.`` (with ``ds_ffn_up``, ``ds_ffn_down``), ``v.patch_embd``, ``mm.up``, ``mm.down``. About as many
+    bytes as the float32 weights (2.4 GB for the real tower)."""
+    def pack(name: str) -> sgemm.PackedWeight:
+        return sgemm.PackedWeight(w[name + ".weight"], w[name + ".bias"])
+
+    def qkv(p: str) -> sgemm.PackedWeight:
+        return sgemm.PackedWeight.stacked([w[f"{p}attn_{x}.weight"] for x in "qkv"], [w[f"{p}attn_{x}.bias"] for x in "qkv"])
+
+    prefixes = [f"v.blk.{il}." for il in range(hp.n_layer)]
+    packed = {p + x: pack(p + x) for p in prefixes for x in PROJECTIONS}
+    packed.update({p + "attn_qkv": qkv(p) for p in prefixes})
+    if "v.vit_merger.attn_q.weight" in w:
+        p = "v.vit_merger."
+        packed.update({p + "attn_qkv": qkv(p), **{p + x: pack(p + x) for x in ("attn_out", "ds_ffn_up", "ds_ffn_down")}})
+    packed.update({"v.patch_embd": sgemm.PackedWeight(patch_w, w["v.patch_embd.bias"]),
+                   "mm.up": pack("mm.up"), "mm.down": pack("mm.down")})
+    return packed
 
 
 class _Buffers:
-    """Scratch of one block over ``n`` rows: ``a`` (normed input), ``q``/``k``/``v``/``att``/``tmp`` (n, d), ``f``
-    (n, ff); :meth:`view` gives the first rows of each (the rows after the window-attention merger). The
-    window-attention merger reuses them: ``a`` as (n/4, 4d) and ``f`` as (n/4, 4ff)."""
+    """Scratch of one block over ``n`` rows: ``a`` (normed input), ``qkv`` (n, 3d) with ``q``/``k``/``v`` its column
+    views, ``att``/``tmp`` (n, d), ``f`` (n, ff); :meth:`view` gives the first rows of each (the rows after the
+    window-attention merger). The window-attention merger reuses them: ``a`` as (n/4, 4d) and ``f`` as (n/4, 4ff)."""
 
     def __init__(self, n: int, d: int, ff: int, arrays: dict[str, np.ndarray] | None = None):
         self._d, self._ff = d, ff
         self._arrays = arrays if arrays is not None else {
-            **{k: np.empty((n, d), dtype=np.float32) for k in ("a", "q", "k", "v", "att", "tmp")},
-            "f": np.empty((n, ff), dtype=np.float32)}
+            **{k: np.empty((n, d), dtype=np.float32) for k in ("a", "att", "tmp")},
+            "qkv": np.empty((n, 3 * d), dtype=np.float32), "f": np.empty((n, ff), dtype=np.float32)}
         for k, x in self._arrays.items():
             setattr(self, k, x)
+        self.q, self.k, self.v = (self.qkv[:, i * d:(i + 1) * d] for i in range(3))
 
     def view(self, n: int) -> _Buffers:
         return _Buffers(n, self._d, self._ff, {k: x[:n] for k, x in self._arrays.items()})
@@ -371,6 +417,10 @@ def _gelu_tanh_into(y: np.ndarray) -> None:
 
 def _gelu_erf_into(y: np.ndarray) -> None:
     y[...] = ops.gelu_erf(y)
+
+
+_NUMPY_ACTS = {None: None, "gelu_tanh": _gelu_tanh_into, "gelu_erf": _gelu_erf_into}
+"""The numpy path's in-place activation of a tile, by the names :meth:`MiniCPMVTower._linear` takes."""
 
 
 class PiecesTower:
