@@ -126,6 +126,58 @@ def test_rejects_bad_arguments():
         sgemm.PackedWeight(np.ones((8, 16), np.float32), np.ones(7, np.float32))
 
 
+def _qkv(rng, s, n_head, hd):
+    return (rng.uniform(0.2, 1.2, (s, 3 * n_head * hd)) * rng.choice([-1.0, 1.0], (s, 3 * n_head * hd))).astype(np.float32)
+
+
+@pytest.mark.parametrize("sizes,n_head,hd", [([13], 2, 8), ([300, 1, 37], 3, 72), ([600], 1, 40)])
+def test_vit_attention_matches_float64(sizes, n_head, hd):
+    """Pieces of odd lengths (one key block and several of 256 keys; a 1-row piece) and head widths that are not a
+    multiple of 32. Bound: a score q.k / sqrt(hd) is an FMA chain of hd terms, off by at most
+    e_s = gamma_{hd+1} |q|.|k| / sqrt(hd); exp(s - max) then carries a relative error of about 2 e_s + 8 u, the sum
+    and the division add (S + 2) u, and the output's chain over the S keys gamma_S: |err| <= (4 e_s + (2 S + 16) u)
+    sum_j p_j |v_j| with e_s from the row's largest |q|.|k|."""
+    rng = np.random.default_rng(len(sizes) * 100 + hd)
+    starts = np.concatenate([[0], np.cumsum(sizes)])
+    qkv = _qkv(rng, int(starts[-1]), n_head, hd)
+    out = sgemm.vit_attention(qkv, starts, n_head)
+    ref = sgemm.vit_attention_np(qkv, starts, n_head)
+    d = n_head * hd
+    for p0, p1 in zip(starts[:-1], starts[1:], strict=True):
+        s = p1 - p0
+        x = np.abs(qkv[p0:p1].astype(np.float64))
+        for h in range(n_head):
+            c = slice(h * hd, (h + 1) * hd)
+            qk = x[:, c] @ x[:, d + h * hd:d + (h + 1) * hd].T / np.sqrt(hd)
+            e_s = (hd + 1) * U * qk.max(axis=1, keepdims=True)
+            bound = (4 * e_s + (2 * s + 16) * U) * x[:, 2 * d + h * hd:2 * d + (h + 1) * hd].max(axis=0)
+            assert (np.abs(out[p0:p1, c] - ref[p0:p1, c]) <= bound).all(), (p0, h)
+
+
+def test_vit_attention_same_bits_at_every_thread_count_and_alone():
+    rng = np.random.default_rng(21)
+    starts = np.array([0, 40, 340, 347])
+    qkv = _qkv(rng, 347, 4, 24)
+    prev = cpu.threads()
+    try:
+        cpu.set_threads(3)
+        ref = sgemm.vit_attention(qkv, starts, 4, threads=1)
+        for t in (2, 3):
+            np.testing.assert_array_equal(sgemm.vit_attention(qkv, starts, 4, threads=t), ref)
+    finally:
+        cpu.set_threads(prev)
+    for p0, p1 in zip(starts[:-1], starts[1:], strict=True):
+        np.testing.assert_array_equal(sgemm.vit_attention(qkv[p0:p1], [0, p1 - p0], 4), ref[p0:p1])
+
+
+def test_vit_attention_rejects_bad_starts():
+    qkv = np.ones((10, 3 * 16), np.float32)
+    with pytest.raises(ValueError, match="piece starts"):
+        sgemm.vit_attention(qkv, [0, 6, 4, 10], 2)
+    with pytest.raises(ValueError, match="piece starts"):
+        sgemm.vit_attention(qkv, [0, 9], 2)
+
+
 def test_unavailable_below_avx512():
     prev = cpu.isa()
     try:

@@ -1,5 +1,6 @@
 """Native float32 GEMM with weights packed once (``dd_sgemm`` in native/cpu/sgemm_avx512.c) and a fused epilogue:
-``out = act(x @ w.T + b) + add``, the vision towers' projections.
+``out = act(x @ w.T + b) + add``, the vision towers' projections; and the ViT's full attention on the same
+micro-kernel (:func:`vit_attention`).
 
 Each output element is one float32 fused-multiply-add chain over k in order, so the result does not depend on
 the thread count, on how rows or columns are split, or on which other rows share the call (deltadesk_cpu.h).
@@ -121,6 +122,55 @@ def activation(x: np.ndarray, act: str) -> np.ndarray:
     y = np.empty_like(x)
     _check(_native().lib.dd_sgemm_act(ACTS[act], _f32_ptr(x), x.size, _f32_ptr(y)), "sgemm activation")
     return y
+
+
+def vit_attention(qkv: np.ndarray, starts: np.ndarray, n_head: int, out: np.ndarray | None = None,
+                  threads: int = 1) -> np.ndarray:
+    """Full attention of each piece of a stack, head by head (``dd_vit_attention``): row i of piece p gets, per
+    head h, ``softmax_j((q_i / sqrt(hd)) . k_j) v_j`` over the rows j of p (no attention across pieces).
+
+    Args:
+        qkv: (S, 3 D) float32 rows ``[q | k | v]`` with unit column stride (a fused projection), D = n_head * hd,
+            hd <= 256.
+        starts: (n_piece + 1,) increasing row offsets from 0 to S: piece p is rows ``starts[p]:starts[p + 1]``.
+        out: optional (S, D) float32 with unit column stride. threads: as :meth:`PackedWeight.__call__`.
+
+    Returns:
+        ``out``, or a new (S, D) float32 array.
+
+    Raises:
+        ValueError: a shape does not fit. EngineError: the native call failed.
+    """
+    s, width = qkv.shape
+    d = width // 3
+    starts = np.ascontiguousarray(starts, dtype=np.uint64)
+    if width != 3 * d or d % n_head or starts[0] != 0 or starts[-1] != s or (np.diff(starts.astype(np.int64)) < 0).any():
+        raise ValueError(f"vit_attention: qkv {qkv.shape} with {n_head} heads and piece starts {starts.tolist()}")
+    out = np.empty((s, d), dtype=np.float32) if out is None else out
+    _rows(qkv, (s, width), "qkv")
+    _rows(out, (s, d), "out")
+    n = _native()
+    _check(n.lib.dd_vit_attention(_f32_ptr(qkv), qkv.strides[0] // 4, n.ffi.cast("size_t *", starts.ctypes.data),
+                                  len(starts) - 1, n_head, d // n_head, _f32_ptr(out), out.strides[0] // 4,
+                                  max(1, int(threads))), "vit_attention")
+    return out
+
+
+def vit_attention_np(qkv: np.ndarray, starts: np.ndarray, n_head: int) -> np.ndarray:
+    """Float64 reference of :func:`vit_attention` (returns float64)."""
+    s, width = qkv.shape
+    d = width // 3
+    hd = d // n_head
+    x = qkv.astype(np.float64)
+    out = np.empty((s, d))
+    for p0, p1 in zip(starts[:-1], starts[1:], strict=True):
+        for h in range(n_head):
+            c = slice(h * hd, (h + 1) * hd)
+            q, k, v = x[p0:p1, c], x[p0:p1, d + h * hd:d + (h + 1) * hd], x[p0:p1, 2 * d + h * hd:2 * d + (h + 1) * hd]
+            sc = q @ k.T / np.sqrt(hd)
+            e = np.exp(sc - sc.max(axis=1, keepdims=True))
+            out[p0:p1, c] = (e / e.sum(axis=1, keepdims=True)) @ v
+    return out
 
 
 def linear_np(x: np.ndarray, w: np.ndarray, b: np.ndarray | None = None, act: str | None = None,

@@ -23,7 +23,7 @@ COMMON_FLAGS = ["-O3", "-std=c11", "-D_GNU_SOURCE", "-ffp-contract=off", "-fno-m
 
 PORTABLE_SOURCES = ["dispatch.c", "pool.c", "moe.c", "mixers.c", "attention.c", "step.c", "kernels_scalar.c", "sgemm.c"]
 
-HEADERS = ["deltadesk_cpu.h", "kernels.h", "gemm_tiles.h", "kquants.h", "bquants.h", "runtime.h", "attn_kernel.h"]
+HEADERS = ["deltadesk_cpu.h", "kernels.h", "gemm_tiles.h", "kquants.h", "bquants.h", "runtime.h", "attn_kernel.h", "sgemm_kernel.h"]
 """Listed as the extension's dependencies, so that editing one (or an ISA file) rebuilds it."""
 
 X86_ISA_SOURCES = {
@@ -33,6 +33,7 @@ X86_ISA_SOURCES = {
     "attention_avx2.c": ["-mavx2", "-mfma"],
     "attention_avx512.c": ["-mavx512f"],
     "sgemm_avx512.c": ["-mavx512f"],
+    "vit_attention_avx512.c": ["-mavx512f"],
 }
 
 IS_X86 = platform.machine().lower() in {"x86_64", "amd64", "i386", "i686", "x86"}

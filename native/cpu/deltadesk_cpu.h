@@ -205,4 +205,15 @@ int dd_sgemm(const float *x, size_t ldx, size_t m, size_t k, const float *packed
 /* y[i] = act(x[i]) for i < n with the epilogue's vector arithmetic above (DD_ERR_ISA / DD_ERR_ARG as dd_sgemm). */
 int dd_sgemm_act(int act, const float *x, size_t n, float *y);
 
+/* Full (non-causal) attention of each piece of a stack, head by head (vit_attention_avx512.c): for row i of
+ * piece p (rows starts[p] .. starts[p + 1] - 1) and head h,
+ *   out[i][h*hd + c] = sum_j P_ij v_j[h*hd + c],  P_i = softmax_j((q_i / sqrt(hd)) . k_j) over the rows j of p,
+ * where row i of qkv holds [q_i | k_i | v_i], each n_head * hd floats (a fused q|k|v projection), rows ldq
+ * floats apart; out rows are ldo floats apart. The products use the GEMM's micro-kernel (one FMA chain over d
+ * for a score, over j for an output), the softmax sg_exp and a float sum, so every thread count gives the
+ * same bits and a piece the same bits alone or in a stack. threads as dd_sgemm. hd <= 256; starts holds
+ * n_piece + 1 non-decreasing offsets from 0. DD_ERR_ISA without AVX-512 F, DD_ERR_ARG, DD_ERR_NOMEM. */
+int dd_vit_attention(const float *qkv, size_t ldq, const size_t *starts, size_t n_piece, size_t n_head, size_t hd,
+                     float *out, size_t ldo, int threads);
+
 #endif

@@ -1,5 +1,5 @@
-/* The float32 GEMM's portable half (deltadesk_cpu.h dd_sgemm): weight packing, argument checks and the
- * dispatch to the AVX-512 kernel (sgemm_avx512.c). There is no portable kernel: without AVX-512 the
+/* The float32 GEMM's portable half (deltadesk_cpu.h dd_sgemm, dd_vit_attention): weight packing, argument
+ * checks and the dispatch to the AVX-512 kernels (sgemm_avx512.c, vit_attention_avx512.c). There is no portable kernel: without AVX-512 the
  * entry points return DD_ERR_ISA and the caller keeps its own float32 path (numpy's BLAS). */
 #include "runtime.h"
 
@@ -7,6 +7,8 @@
 int sgemm_avx512(const float *x, size_t ldx, size_t m, size_t k, const float *packed, size_t n,
                  const float *bias, int act, const float *add, size_t ld_add, float *out, size_t ldo, int threads);
 int sgemm_act_avx512(int act, const float *x, size_t n, float *y);
+int vit_attention_avx512(const float *qkv, size_t ldq, const size_t *starts, size_t n_piece, size_t n_head,
+                         size_t hd, float *out, size_t ldo, int threads);
 #endif
 
 size_t dd_sgemm_packed_floats(size_t n, size_t k)
@@ -63,6 +65,24 @@ int dd_sgemm_act(int act, const float *x, size_t n, float *y)
         return rc;
 #ifdef DD_X86_ISAS
     return sgemm_act_avx512(act, x, n, y);
+#else
+    return DD_ERR_ISA;
+#endif
+}
+
+int dd_vit_attention(const float *qkv, size_t ldq, const size_t *starts, size_t n_piece, size_t n_head, size_t hd,
+                     float *out, size_t ldo, int threads)
+{
+    const int rc = sgemm_level_ok(DD_ACT_NONE);
+    if (rc != DD_OK)
+        return rc;
+    if (hd == 0 || hd > 256 || n_head == 0 || ldq < 3 * n_head * hd || ldo < n_head * hd || starts[0] != 0)
+        return DD_ERR_ARG;
+    for (size_t p = 0; p < n_piece; p++)
+        if (starts[p + 1] < starts[p])
+            return DD_ERR_ARG;
+#ifdef DD_X86_ISAS
+    return vit_attention_avx512(qkv, ldq, starts, n_piece, n_head, hd, out, ldo, threads);
 #else
     return DD_ERR_ISA;
 #endif

@@ -327,21 +327,26 @@ class MiniCPMVTower:
         self._run(tile, jobs)
 
     def _block(self, h: np.ndarray, il: int, buf: _Buffers, starts: np.ndarray) -> None:
-        """One SigLIP pre-norm block with full attention per piece, updating the residual stream ``h`` (S, D)
-        in place; ``starts`` (n_pieces + 1,) are the pieces' first rows."""
+        """One SigLIP pre-norm block with full attention per piece (native: :func:`engine.kernels.sgemm.vit_attention`
+        on the fused q|k|v rows; numpy: :func:`engine.ops.vision_reference.attention` per (piece, head) task),
+        updating the residual stream ``h`` (S, D) in place; ``starts`` (n_pieces + 1,) are the pieces' first rows."""
         hp, p = self.hp, f"v.blk.{il}."
         hd = hp.head_dim
         self._norm_into(h, p + "ln1", buf.a)
         self._qkv(buf.a, p, buf)
-        q, k, v = (x.reshape(len(h), hp.n_head, hd) for x in (buf.q, buf.k, buf.v))
 
-        def head(job: tuple[slice, int]) -> None:
-            r, i = job
-            c = slice(i, i + 1)
-            ops.attention(q[r, c], k[r, c], v[r, c], out=buf.att[r, i * hd:(i + 1) * hd])
+        if self._packed is not None:
+            sgemm.vit_attention(buf.qkv, starts, hp.n_head, out=buf.att, threads=self._workers)
+        else:
+            q, k, v = (x.reshape(len(h), hp.n_head, hd) for x in (buf.q, buf.k, buf.v))
 
-        self._run(head, [(slice(int(s), int(e)), i) for s, e in zip(starts[:-1], starts[1:], strict=True)
-                         for i in range(hp.n_head)])
+            def head(job: tuple[slice, int]) -> None:
+                r, i = job
+                c = slice(i, i + 1)
+                ops.attention(q[r, c], k[r, c], v[r, c], out=buf.att[r, i * hd:(i + 1) * hd])
+
+            self._run(head, [(slice(int(s), int(e)), i) for s, e in zip(starts[:-1], starts[1:], strict=True)
+                             for i in range(hp.n_head)])
         self._linear(buf.att, p + "attn_out", out=buf.tmp, add_to=h)
         self._norm_into(h, p + "ln2", buf.a)
         self._linear(buf.a, p + "ffn_up", out=buf.f, act="gelu_tanh")
