@@ -127,7 +127,8 @@ def test_rejects_bad_arguments():
 
 
 def _qkv(rng, s, n_head, hd):
-    return (rng.uniform(0.2, 1.2, (s, 3 * n_head * hd)) * rng.choice([-1.0, 1.0], (s, 3 * n_head * hd))).astype(np.float32)
+    shape = (s, 3 * n_head * hd)
+    return (rng.uniform(0.2, 1.2, shape) * rng.choice([-1.0, 1.0], shape)).astype(np.float32)
 
 
 @pytest.mark.parametrize("sizes,n_head,hd", [([13], 2, 8), ([300, 1, 37], 3, 72), ([600], 1, 40)])

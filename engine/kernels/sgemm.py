@@ -113,7 +113,8 @@ def _rows(a: np.ndarray, shape: tuple[int, int], name: str) -> None:
     if (not isinstance(a, np.ndarray) or a.dtype != np.float32 or a.shape != shape
             or (shape[0] > 1 and (a.strides[0] % 4 or a.strides[0] < 4 * shape[1])) or a.strides[1] != 4):
         raise ValueError(f"sgemm: {name} must be a float32 {shape} array with unit column stride, got "
-                         f"{getattr(a, 'dtype', type(a))} {getattr(a, 'shape', '')} strides {getattr(a, 'strides', '')}")
+                         f"{getattr(a, 'dtype', type(a))} {getattr(a, 'shape', '')} "
+                         f"strides {getattr(a, 'strides', '')}")
 
 
 def activation(x: np.ndarray, act: str) -> np.ndarray:
@@ -144,7 +145,8 @@ def vit_attention(qkv: np.ndarray, starts: np.ndarray, n_head: int, out: np.ndar
     s, width = qkv.shape
     d = width // 3
     starts = np.ascontiguousarray(starts, dtype=np.uint64)
-    if width != 3 * d or d % n_head or starts[0] != 0 or starts[-1] != s or (np.diff(starts.astype(np.int64)) < 0).any():
+    if (width != 3 * d or d % n_head or starts[0] != 0 or starts[-1] != s
+            or (np.diff(starts.astype(np.int64)) < 0).any()):
         raise ValueError(f"vit_attention: qkv {qkv.shape} with {n_head} heads and piece starts {starts.tolist()}")
     out = np.empty((s, d), dtype=np.float32) if out is None else out
     _rows(qkv, (s, width), "qkv")

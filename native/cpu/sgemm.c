@@ -1,6 +1,7 @@
 /* The float32 GEMM's portable half (deltadesk_cpu.h dd_sgemm, dd_vit_attention): weight packing, argument
- * checks and the dispatch to the AVX-512 kernels (sgemm_avx512.c, vit_attention_avx512.c). There is no portable kernel: without AVX-512 the
- * entry points return DD_ERR_ISA and the caller keeps its own float32 path (numpy's BLAS). */
+ * checks and the dispatch to the AVX-512 kernels (sgemm_avx512.c, vit_attention_avx512.c). There is no
+ * portable kernel: without AVX-512 the entry points return DD_ERR_ISA and the caller keeps its own float32
+ * path (numpy's BLAS). */
 #include "runtime.h"
 
 #ifdef DD_X86_ISAS

@@ -69,7 +69,8 @@ SG_INLINE __m512 sg_gelu_erf(__m512 x)
     static const float coef[] = { 0.17087277f, -0.82215223f, 1.48851587f, -1.13520398f, 0.27886807f,
                                   -0.18628806f, 0.09678418f, 0.37409196f, 1.00002368f, -1.26551223f };
     const __m512 z = _mm512_mul_ps(_mm512_abs_ps(x), _mm512_set1_ps(0.707106781186547524f));
-    const __m512 t = _mm512_div_ps(_mm512_set1_ps(1.0f), _mm512_fmadd_ps(z, _mm512_set1_ps(0.5f), _mm512_set1_ps(1.0f)));
+    const __m512 one = _mm512_set1_ps(1.0f);
+    const __m512 t = _mm512_div_ps(one, _mm512_fmadd_ps(z, _mm512_set1_ps(0.5f), one));
     __m512 p = _mm512_set1_ps(coef[0]);
     for (int i = 1; i < 10; i++)
         p = _mm512_fmadd_ps(p, t, _mm512_set1_ps(coef[i]));

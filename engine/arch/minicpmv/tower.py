@@ -24,8 +24,10 @@ Forward of one piece of ``gh x gw`` patches in raster order, S = gh*gw, D = ``n_
 In 4x mode the window-attention merger is skipped: all layers run at full resolution. GELU: tanh form in the
 blocks and the window-attention merger (HF ``gelu_pytorch_tanh``), the exact erf form in the final merger (HF
 ``nn.GELU()``). Every norm is a LayerNorm with bias, eps from the file. Projections are float32 GEMMs on the
-dequantized weights (:func:`engine.ops.vision_reference.linear`, the Qwen tower's path), full attention is
-:func:`engine.ops.vision_reference.attention`; :class:`MiniCPMVTower` says how the work is split over threads.
+dequantized weights: on AVX-512 CPUs the native packed-weight GEMM (:class:`engine.kernels.sgemm.PackedWeight`,
+bias, GELU and residual add in its epilogue) and full attention :func:`engine.kernels.sgemm.vit_attention`;
+elsewhere numpy tiles of :func:`engine.ops.vision_reference.linear` (the Qwen tower's path) and
+:func:`engine.ops.vision_reference.attention`. :class:`MiniCPMVTower` says how the work is split over threads.
 """
 
 from __future__ import annotations
@@ -135,17 +137,20 @@ class _Plan:
 
 
 class MiniCPMVTower:
-    """The tower of one projector file, float32 numpy. :meth:`encode` runs all pieces of an image together.
+    """The tower of one projector file, float32. :meth:`encode` runs all pieces of an image together.
 
     The pieces are stacked row-wise into one ``(sum S_i, D)`` residual stream, so every projection of every
     piece is one set of GEMM calls; attention stays per piece (no attention across pieces) and the mergers'
-    2x2 windows are taken inside each piece. Work is split into fixed tiles (:data:`TILE_ROWS` x
-    :data:`TILE_COLS` GEMM tiles, each with its bias add and activation applied while the tile is in cache;
-    :data:`ROW_TASK`-row LayerNorm tasks; one (piece, head) pair per full-attention task) run by ``threads``
-    Python workers, BLAS single-threaded inside each. numpy releases the GIL in GEMMs and ufuncs, so the
-    workers run in parallel, and there is no switching between OpenBLAS's own thread pool and other work.
-    Every tile is computed by the same calls whatever the thread count, so the result does not depend on it
-    (bit for bit).
+    2x2 windows are taken inside each piece. When :mod:`engine.kernels.sgemm` is available (AVX-512, checked at
+    construction: :attr:`native`) every projection is one call of the native GEMM on weights packed here once
+    (about 2.4 GB more for the real tower), and full attention one native call over all (piece, head) pairs;
+    both run on the native pool with at most ``threads`` threads and give the same bits at any thread count
+    and for a piece alone or in a stack. Otherwise projections are fixed tiles (:data:`TILE_ROWS` x
+    :data:`TILE_COLS` GEMM tiles, each with its bias add and activation applied while the tile is in cache)
+    and full attention one (piece, head) pair per task. LayerNorm (:data:`ROW_TASK`-row tasks), the window
+    attention and the numpy tiles run on ``threads`` Python workers, BLAS single-threaded inside each. numpy
+    releases the GIL in GEMMs and ufuncs, so the workers run in parallel. Every tile is computed by the same
+    calls whatever the thread count, so the result does not depend on it (bit for bit).
 
     Args:
         mm: a loaded :class:`~engine.arch.minicpmv.mmproj.MiniCPMVMmproj` (its float32 weights are used in place).
@@ -385,14 +390,16 @@ def _pack_weights(w: dict[str, np.ndarray], hp: MiniCPMVHParams, patch_w: np.nda
         return sgemm.PackedWeight(w[name + ".weight"], w[name + ".bias"])
 
     def qkv(p: str) -> sgemm.PackedWeight:
-        return sgemm.PackedWeight.stacked([w[f"{p}attn_{x}.weight"] for x in "qkv"], [w[f"{p}attn_{x}.bias"] for x in "qkv"])
+        return sgemm.PackedWeight.stacked([w[f"{p}attn_{x}.weight"] for x in "qkv"],
+                                          [w[f"{p}attn_{x}.bias"] for x in "qkv"])
 
     prefixes = [f"v.blk.{il}." for il in range(hp.n_layer)]
     packed = {p + x: pack(p + x) for p in prefixes for x in PROJECTIONS}
     packed.update({p + "attn_qkv": qkv(p) for p in prefixes})
     if "v.vit_merger.attn_q.weight" in w:
         p = "v.vit_merger."
-        packed.update({p + "attn_qkv": qkv(p), **{p + x: pack(p + x) for x in ("attn_out", "ds_ffn_up", "ds_ffn_down")}})
+        packed[p + "attn_qkv"] = qkv(p)
+        packed.update({p + x: pack(p + x) for x in ("attn_out", "ds_ffn_up", "ds_ffn_down")})
     packed.update({"v.patch_embd": sgemm.PackedWeight(patch_w, w["v.patch_embd.bias"]),
                    "mm.up": pack("mm.up"), "mm.down": pack("mm.down")})
     return packed
