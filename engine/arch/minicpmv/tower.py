@@ -46,6 +46,7 @@ from engine.kernels import sgemm
 from engine.ops import vision_reference as ops
 
 from .mmproj import MiniCPMVHParams, MiniCPMVMmproj
+from .packing import pack_weights
 from .preprocess import SlicePlan, bucket_position_ids, merge_factor, plan_slices, prepare_pieces
 
 StageCallback = Callable[[str, int, np.ndarray], None]
@@ -142,8 +143,8 @@ class MiniCPMVTower:
     The pieces are stacked row-wise into one ``(sum S_i, D)`` residual stream, so every projection of every
     piece is one set of GEMM calls; attention stays per piece (no attention across pieces) and the mergers'
     2x2 windows are taken inside each piece. When :mod:`engine.kernels.sgemm` is available (AVX-512, checked at
-    construction: :attr:`native`) every projection is one call of the native GEMM on weights packed here once
-    (about 2.4 GB more for the real tower), and full attention one native call over all (piece, head) pairs;
+    construction: :attr:`native`) every projection is one call of the native GEMM on weights packed once, on the
+    first :meth:`encode` (about 2.4 GB more for the real tower), and full attention one native call over all (piece, head) pairs;
     both run on the native pool with at most ``threads`` threads and give the same bits at any thread count
     and for a piece alone or in a stack. Otherwise projections are fixed tiles (:data:`TILE_ROWS` x
     :data:`TILE_COLS` GEMM tiles, each with its bias add and activation applied while the tile is in cache)
@@ -171,14 +172,22 @@ class MiniCPMVTower:
         self._workers = max(1, threads or os.cpu_count() or 1)
         self._w = mm.weights
         self._patch_w = mm.weights["v.patch_embd.weight"].reshape(self.hp.n_embd, -1)
-        self._packed = _pack_weights(self._w, self.hp, self._patch_w) if sgemm.available() else None
+        self._native = sgemm.available()
+        self._packed: dict[str, sgemm.PackedWeight] = {}
+        self._pack_lock = threading.Lock()
         self._pool: ThreadPoolExecutor | None = None
 
     @property
     def native(self) -> bool:
         """True when the projections run on the native packed-weight GEMM (:mod:`engine.kernels.sgemm`, chosen at
-        construction), False on the numpy tiles."""
-        return self._packed is not None
+        construction; the weights are packed on the first :meth:`encode`), False on the numpy tiles."""
+        return self._native
+
+    def _pack(self) -> None:
+        """Pack every projection for the native GEMM, once (:func:`.packing.pack_weights`)."""
+        with self._pack_lock:
+            if not self._packed:
+                self._packed = pack_weights(self._w, self.hp, self._patch_w)
 
     @property
     def merge(self) -> int:
@@ -214,6 +223,8 @@ class MiniCPMVTower:
         emit = cb or (lambda stage, il, x: None)
         quarter = self.mode == "16x"
         plan = _Plan(grids, quarter)
+        if self._native:
+            self._pack()
         with (threadpool_limits(limits=1, user_api="blas"),
               ThreadPoolExecutor(self._workers, thread_name_prefix="minicpmv") as pool):
             self._pool = pool if self._workers > 1 else None
@@ -289,7 +300,7 @@ class MiniCPMVTower:
         Returns:
             ``y`` (``add_to`` when given on the native path), (n, m) float32.
         """
-        if self._packed is not None:
+        if self._native:
             if add_to is not None:
                 return self._packed[name](x, out=add_to, act=act, add=add_to, threads=self._workers)
             return self._packed[name](x, out=out, act=act, add=add, threads=self._workers)
@@ -318,7 +329,7 @@ class MiniCPMVTower:
 
     def _qkv(self, a: np.ndarray, p: str, buf: _Buffers) -> None:
         """q, k, v projections of ``a`` into ``buf.qkv`` (columns q | k | v; one call, or one set of tiles)."""
-        if self._packed is not None:
+        if self._native:
             self._packed[p + "attn_qkv"](a, out=buf.qkv, threads=self._workers)
             return
         w = self._w
@@ -340,7 +351,7 @@ class MiniCPMVTower:
         self._norm_into(h, p + "ln1", buf.a)
         self._qkv(buf.a, p, buf)
 
-        if self._packed is not None:
+        if self._native:
             sgemm.vit_attention(buf.qkv, starts, hp.n_head, out=buf.att, threads=self._workers)
         else:
             q, k, v = (x.reshape(len(h), hp.n_head, hd) for x in (buf.q, buf.k, buf.v))
@@ -375,34 +386,6 @@ class MiniCPMVTower:
         c = self._norm_into(x.reshape(-1, 4 * d), p + "ds_ln", buf.a.reshape(-1, 4 * d))
         f = self._linear(c, p + "ds_ffn_up", out=buf.f.reshape(len(c), -1), act="gelu_tanh")
         return self._linear(f, p + "ds_ffn_down", add=mean)
-
-
-PROJECTIONS = ("attn_out", "ffn_up", "ffn_down")
-"""Each block's projections packed one by one (q, k and v are packed side by side as ``attn_qkv``)."""
-
-
-def _pack_weights(w: dict[str, np.ndarray], hp: MiniCPMVHParams, patch_w: np.ndarray) -> dict[str, sgemm.PackedWeight]:
-    """Every projection of the tower in the native GEMM's layout, keyed as :meth:`MiniCPMVTower._linear` names
-    them: ``v.blk.{il}.attn_qkv`` (q | k | v), ``v.blk.{il}.attn_out`` ..., the window-attention merger's under
-    ``v.vit_merger.`` (with ``ds_ffn_up``, ``ds_ffn_down``), ``v.patch_embd``, ``mm.up``, ``mm.down``. About as many
-    bytes as the float32 weights (2.4 GB for the real tower)."""
-    def pack(name: str) -> sgemm.PackedWeight:
-        return sgemm.PackedWeight(w[name + ".weight"], w[name + ".bias"])
-
-    def qkv(p: str) -> sgemm.PackedWeight:
-        return sgemm.PackedWeight.stacked([w[f"{p}attn_{x}.weight"] for x in "qkv"],
-                                          [w[f"{p}attn_{x}.bias"] for x in "qkv"])
-
-    prefixes = [f"v.blk.{il}." for il in range(hp.n_layer)]
-    packed = {p + x: pack(p + x) for p in prefixes for x in PROJECTIONS}
-    packed.update({p + "attn_qkv": qkv(p) for p in prefixes})
-    if "v.vit_merger.attn_q.weight" in w:
-        p = "v.vit_merger."
-        packed[p + "attn_qkv"] = qkv(p)
-        packed.update({p + x: pack(p + x) for x in ("attn_out", "ds_ffn_up", "ds_ffn_down")})
-    packed.update({"v.patch_embd": sgemm.PackedWeight(patch_w, w["v.patch_embd.bias"]),
-                   "mm.up": pack("mm.up"), "mm.down": pack("mm.down")})
-    return packed
 
 
 class _Buffers:

@@ -1,0 +1,38 @@
+"""The MiniCPM-V 4.6 tower's projection weights in the native GEMM's packed layout
+(:class:`engine.kernels.sgemm.PackedWeight`), for :class:`engine.arch.minicpmv.tower.MiniCPMVTower` on AVX-512 CPUs."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from engine.kernels import sgemm
+
+from .mmproj import MiniCPMVHParams
+
+PROJECTIONS = ("attn_out", "ffn_up", "ffn_down")
+"""Each block's projections packed one by one (q, k and v are packed side by side as ``attn_qkv``)."""
+
+
+def pack_weights(w: dict[str, np.ndarray], hp: MiniCPMVHParams,
+                 patch_w: np.ndarray) -> dict[str, sgemm.PackedWeight]:
+    """Every projection of the tower in the native GEMM's layout, keyed as ``MiniCPMVTower._linear`` names them
+    (``w``: the projector's float32 weights by GGUF name; ``patch_w``: the patch kernel as (n_embd, patch_dim)): ``v.blk.{il}.attn_qkv`` (q | k | v), ``v.blk.{il}.attn_out`` ..., the window-attention merger's under
+    ``v.vit_merger.`` (with ``ds_ffn_up``, ``ds_ffn_down``), ``v.patch_embd``, ``mm.up``, ``mm.down``. About as many
+    bytes as the float32 weights (2.4 GB for the real tower)."""
+    def pack(name: str) -> sgemm.PackedWeight:
+        return sgemm.PackedWeight(w[name + ".weight"], w[name + ".bias"])
+
+    def qkv(p: str) -> sgemm.PackedWeight:
+        return sgemm.PackedWeight.stacked([w[f"{p}attn_{x}.weight"] for x in "qkv"],
+                                          [w[f"{p}attn_{x}.bias"] for x in "qkv"])
+
+    prefixes = [f"v.blk.{il}." for il in range(hp.n_layer)]
+    packed = {p + x: pack(p + x) for p in prefixes for x in PROJECTIONS}
+    packed.update({p + "attn_qkv": qkv(p) for p in prefixes})
+    if "v.vit_merger.attn_q.weight" in w:
+        p = "v.vit_merger."
+        packed[p + "attn_qkv"] = qkv(p)
+        packed.update({p + x: pack(p + x) for x in ("attn_out", "ds_ffn_up", "ds_ffn_down")})
+    packed.update({"v.patch_embd": sgemm.PackedWeight(patch_w, w["v.patch_embd.bias"]),
+                   "mm.up": pack("mm.up"), "mm.down": pack("mm.down")})
+    return packed
