@@ -19,6 +19,8 @@
  * split of the rows (a row gives the same bits alone or in a stack). After the last block the epilogue
  * adds the bias, applies the activation and adds `add`, storing only the columns below n.
  */
+#include <pthread.h>
+#include <stdatomic.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -30,6 +32,7 @@ typedef struct {
     size_t ldx, ld_add, ldo, m, k, n;
     int act;
     size_t nc, col_tasks;   /* columns per task (a multiple of NR) and tasks per row block */
+    _Atomic int err;
 } sgemm_job;
 
 int sgemm_act_avx512(int act, const float *x, size_t n, float *y)
@@ -118,14 +121,27 @@ void (*const dd_sg_tiles[SG_MR + 1])(const sg_tile *) = {
 /* ---- tasks ------------------------------------------------------------------------------------------ */
 
 /* Per-thread scratch: the x block (SG_MC x SG_KC) and the sums of a task (SG_MC x SG_NC_MAX), 64-byte
- * aligned, allocated on a thread's first task and kept (the pool's threads live as long as the process). */
-static _Thread_local float *sg_scratch;
+ * aligned, allocated on a thread's first task and freed when the thread exits (a thread-specific key). */
+static pthread_key_t sg_scratch_key;
+static pthread_once_t sg_scratch_once = PTHREAD_ONCE_INIT;
+
+static void sg_make_scratch_key(void)
+{
+    pthread_key_create(&sg_scratch_key, free);
+}
 
 static float *sg_thread_scratch(void)
 {
-    if (sg_scratch == NULL)
-        sg_scratch = aligned_alloc(64, (size_t)SG_MC * (SG_KC + SG_NC_MAX) * sizeof(float));
-    return sg_scratch;
+    pthread_once(&sg_scratch_once, sg_make_scratch_key);
+    float *p = pthread_getspecific(sg_scratch_key);
+    if (p == NULL) {
+        p = aligned_alloc(64, (size_t)SG_MC * (SG_KC + SG_NC_MAX) * sizeof(float));
+        if (p != NULL && pthread_setspecific(sg_scratch_key, p) != 0) {
+            free(p);
+            p = NULL;
+        }
+    }
+    return p;
 }
 
 /* Rows [r0, r0 + mr) x columns [k0, k0 + kc) of x into buf, row stride SG_KC. */
@@ -161,13 +177,15 @@ static void sg_task_block(const sgemm_job *j, size_t r0, size_t mr, size_t c0, s
 
 static void sg_task(void *ctx, size_t task)
 {
-    const sgemm_job *j = ctx;
+    sgemm_job *j = ctx;
     const size_t r0 = task / j->col_tasks * SG_MC, c0 = task % j->col_tasks * j->nc;
     const size_t mr = j->m - r0 < SG_MC ? j->m - r0 : SG_MC;
     const size_t nc = j->n - c0 < j->nc ? j->n - c0 : j->nc;
     float *xb = sg_thread_scratch();
-    if (xb == NULL)
-        abort();   /* a few hundred KiB once per thread: out of memory here leaves nothing sane to do */
+    if (xb == NULL) {
+        atomic_store(&j->err, DD_ERR_NOMEM);
+        return;
+    }
     float *acc = xb + (size_t)SG_MC * SG_KC;
     for (size_t k0 = 0; k0 < j->k; k0 += SG_KC) {
         const size_t kc = j->k - k0 < SG_KC ? j->k - k0 : SG_KC;
@@ -196,6 +214,7 @@ int sgemm_avx512(const float *x, size_t ldx, size_t m, size_t k, const float *pa
         .nc = sg_task_cols(m, n, threads),
     };
     j.col_tasks = dd_div_up(n, j.nc);
+    atomic_init(&j.err, DD_OK);
     dd_pool_for_limit(sg_task, &j, dd_div_up(m, SG_MC) * j.col_tasks, threads);
-    return DD_OK;
+    return atomic_load(&j.err);
 }
