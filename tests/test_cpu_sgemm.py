@@ -114,6 +114,57 @@ def test_stacked_weights_are_side_by_side():
                                                            sgemm.PackedWeight(w[40:], b[40:])(x)], axis=1))
 
 
+def _bf16(w):
+    """w rounded to BF16 (truncated: any BF16 value will do): the bits as sgemm.BF16 and the value as float32."""
+    bits = (np.ascontiguousarray(w, np.float32).view(np.uint32) >> 16).astype(np.uint16)
+    return bits.view(sgemm.BF16), (bits.astype(np.uint32) << 16).view(np.float32)
+
+
+@pytest.mark.parametrize("m,k,n", [(13, 37, 33), (25, 513, 161), (7, 1, 95)])
+def test_packs_f16_and_bf16_as_stored(m, k, n):
+    """A float16 or BF16 weight packs to the same panels as its exact float32 value (the conversion in C is
+    exact), so the product has the same bits; and it is within the FMA chain's bound of the float64 product."""
+    rng = np.random.default_rng(m + 3 * k + 5 * n)
+    x, w, b, _ = _data(rng, m, k, n)
+    w16 = w.astype(np.float16)
+    wb, wb32 = _bf16(w)
+    for stored, exact in ((w16, w16.astype(np.float32)), (wb, wb32)):
+        pw = sgemm.PackedWeight(stored, b)
+        np.testing.assert_array_equal(pw.packed, sgemm.PackedWeight(exact, b).packed)
+        y, ref = pw(x), sgemm.linear_np(x, exact, b)
+        assert (np.abs(y - ref) <= _bound(x, exact, b, None, k)).all()
+
+
+def test_stacked_parts_of_mixed_types_and_strides():
+    """Parts that end inside a panel (40 + 17 + 33 rows), of different dtypes, one a column slice of a wider
+    array, pack as their float32 concatenation."""
+    rng = np.random.default_rng(23)
+    x, w, b, _ = _data(rng, 9, 64, 90)
+    wide = np.zeros((17, 100), np.float16)
+    wide[:, 10:74] = w[40:57]
+    parts = [w[:40], wide[:, 10:74], _bf16(w[57:])[0]]
+    exact = np.concatenate([w[:40], w[40:57].astype(np.float16).astype(np.float32), _bf16(w[57:])[1]])
+    both = sgemm.PackedWeight.stacked(parts, [b[:40], b[40:57], b[57:]])
+    np.testing.assert_array_equal(both.packed, sgemm.PackedWeight(exact, b).packed)
+    np.testing.assert_array_equal(both(x), sgemm.PackedWeight(exact, b)(x))
+
+
+def test_rejects_weights_it_cannot_pack():
+    with pytest.raises(ValueError, match="dtype float64"):
+        sgemm.PackedWeight(np.ones((8, 16)))
+    with pytest.raises(ValueError, match="dtype int8"):
+        sgemm.PackedWeight(np.ones((8, 16), np.int8))
+    with pytest.raises(ValueError, match=r"non-empty \(n, k\)"):
+        sgemm.PackedWeight(np.ones(16, np.float32))
+    with pytest.raises(ValueError, match=r"non-empty \(n, k\)"):
+        sgemm.PackedWeight(np.ones((0, 16), np.float16))
+    with pytest.raises(ValueError, match="unit-stride"):
+        sgemm.PackedWeight(np.ones((16, 8), np.float32).T)
+    with pytest.raises(ValueError, match="differing k"):
+        sgemm.PackedWeight.stacked([np.ones((8, 16), np.float32), np.ones((8, 15), np.float32)],
+                                   [np.ones(8), np.ones(8)])
+
+
 def test_rejects_bad_arguments():
     pw = sgemm.PackedWeight(np.ones((8, 16), np.float32))
     with pytest.raises(ValueError, match="x must be"):
@@ -186,3 +237,4 @@ def test_unavailable_below_avx512():
         assert not sgemm.available()
     finally:
         cpu.set_isa(prev)
+

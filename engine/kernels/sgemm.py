@@ -44,34 +44,51 @@ def _f32_ptr(a: np.ndarray):
     return _native().ffi.cast("float *", a.ctypes.data)
 
 
+BF16 = np.dtype([("x", "<u2")])
+"""How a BF16 tensor is viewed as stored (:mod:`engine.quant`'s block dtype: the top 16 bits of a float32)."""
+
+DTYPES = {np.dtype(np.float32): 0, np.dtype(np.float16): 1, BF16: 2}
+"""Weight dtypes :class:`PackedWeight` packs as they are -> the C side's DD_DTYPE_* code."""
+
+
 class PackedWeight:
-    """A ``(n, k)`` float32 weight (GGUF math shape: one row per output) and its bias, laid out once in the
-    kernel's panels of 32 output columns (:meth:`__call__` reads only those; the source array is not kept).
+    """A ``(n, k)`` weight (GGUF math shape: one row per output) and its float32 bias, laid out once in the
+    kernel's panels of 32 output columns as float32 (:meth:`__call__` reads only those; the source is not kept,
+    so it may be a view of a memory-mapped file).
 
     Args:
-        w: (n, k) float32 (other float dtypes are converted). b: (n,) float32 or None.
+        w: (n, k) float32, float16 or :data:`BF16` with unit column stride (converted exactly while packing);
+            a list of (n_i, k) such arrays is packed side by side as their (sum n_i, k) concatenation.
+        b: (n,) bias (converted to float32) or None.
 
     Raises:
-        ValueError: a shape does not fit. EngineError: the native extension is missing.
+        ValueError: an empty or non-2-D weight, differing k, a dtype not in :data:`DTYPES`, a column stride other
+            than one element, or a bias of the wrong shape. EngineError: the native extension is missing.
     """
 
-    def __init__(self, w: np.ndarray, b: np.ndarray | None = None):
-        w = np.ascontiguousarray(w, dtype=np.float32)
-        if w.ndim != 2 or 0 in w.shape:
-            raise ValueError(f"PackedWeight: expected a non-empty (n, k) weight, got {w.shape}")
-        self.n, self.k = w.shape
+    def __init__(self, w: np.ndarray | list[np.ndarray], b: np.ndarray | None = None):
+        parts = [_weight(p) for p in (w if isinstance(w, list) else [w])]
+        self.k = parts[0].shape[1]
+        if any(p.shape[1] != self.k for p in parts):
+            raise ValueError(f"PackedWeight: parts of differing k {[p.shape for p in parts]}")
+        self.n = sum(len(p) for p in parts)
         if b is not None and np.shape(b) != (self.n,):
             raise ValueError(f"PackedWeight: bias {np.shape(b)} for {self.n} outputs")
         self.bias = None if b is None else np.ascontiguousarray(b, dtype=np.float32)
-        lib = _native().lib
-        self.packed = np.empty(lib.dd_sgemm_packed_floats(self.n, self.k), dtype=np.float32)
-        _check(lib.dd_sgemm_pack(_f32_ptr(w), self.n, self.k, _f32_ptr(self.packed)), "sgemm pack")
+        n = _native()
+        self.packed = np.empty(n.lib.dd_sgemm_packed_floats(self.n, self.k), dtype=np.float32)
+        row0 = 0
+        for p in parts:
+            ld = p.strides[0] // p.itemsize if len(p) > 1 else self.k
+            _check(n.lib.dd_sgemm_pack_rows(n.ffi.cast("void *", p.ctypes.data), DTYPES[p.dtype], ld, len(p),
+                                            self.k, row0, self.n, _f32_ptr(self.packed)), "sgemm pack")
+            row0 += len(p)
 
     @classmethod
     def stacked(cls, ws: list[np.ndarray], bs: list[np.ndarray]) -> PackedWeight:
-        """The weights ``ws`` (each (n_i, k)) as one (sum n_i, k) weight with the biases ``bs`` concatenated:
-        one call then computes all their outputs side by side (e.g. q, k and v)."""
-        return cls(np.concatenate(ws), np.concatenate(bs))
+        """The weights ``ws`` (each (n_i, k), dtypes as the constructor's) as one (sum n_i, k) weight with the
+        biases ``bs`` concatenated: one call then computes all their outputs side by side (e.g. q, k and v)."""
+        return cls(list(ws), np.concatenate([np.asarray(b, dtype=np.float32) for b in bs]))
 
     def __call__(self, x: np.ndarray, out: np.ndarray | None = None, act: str | None = None,
                  add: np.ndarray | None = None, threads: int = 1) -> np.ndarray:
@@ -106,6 +123,19 @@ class PackedWeight:
                               ACTS[act], add_ptr, ld_add, _f32_ptr(out), out.strides[0] // 4, max(1, int(threads))),
                "sgemm")
         return out
+
+
+def _weight(w: np.ndarray) -> np.ndarray:
+    """``w`` if :class:`PackedWeight` can pack it as it is (module doc of the constructor), else ValueError."""
+    if not isinstance(w, np.ndarray) or w.ndim != 2 or 0 in w.shape:
+        raise ValueError(f"PackedWeight: expected a non-empty (n, k) weight array, got "
+                         f"{getattr(w, 'shape', type(w).__name__)}")
+    if w.dtype not in DTYPES:
+        raise ValueError(f"PackedWeight: weight dtype {w.dtype} is not float32, float16 or BF16")
+    if w.strides[1] != w.itemsize or (len(w) > 1 and (w.strides[0] < w.itemsize * w.shape[1]
+                                                      or w.strides[0] % w.itemsize)):
+        raise ValueError(f"PackedWeight: weight rows must be unit-stride runs, got strides {w.strides}")
+    return w
 
 
 def _rows(a: np.ndarray, shape: tuple[int, int], name: str) -> None:

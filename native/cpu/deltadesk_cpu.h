@@ -185,7 +185,7 @@ void dd_silu_mul(const float *g, const float *u, size_t n, float *y);
 
 /* ---- float32 GEMM with pre-packed weights (sgemm_avx512.c), the vision towers' projections ------------
  * out[i][j] = act(sum_k x[i][k] w[j][k] + bias[j]) + add[i][j] for i < m, j < n, where w is the (n, k)
- * row-major weight (GGUF math shape) that dd_sgemm_pack laid out once as panels of DD_SGEMM_NR output
+ * row-major weight (GGUF math shape) that dd_sgemm_pack_rows laid out once as panels of DD_SGEMM_NR output
  * columns: packed[(j / NR) * k * NR + kk * NR + j % NR] = w[j][kk], columns past n zero; the buffer holds
  * dd_sgemm_packed_floats(n, k) floats. Each sum is one float32 fused-multiply-add chain over kk = 0, 1, ...,
  * k - 1 in order, started from 0 (whatever the blocking, the thread count or the row/column split), then
@@ -199,7 +199,17 @@ void dd_silu_mul(const float *g, const float *u, size_t n, float *y);
 #define DD_SGEMM_NR 32
 enum { DD_ACT_NONE = 0, DD_ACT_GELU_TANH = 1, DD_ACT_GELU_ERF = 2 };
 size_t dd_sgemm_packed_floats(size_t n, size_t k);
-int dd_sgemm_pack(const float *w, size_t n, size_t k, float *packed);
+/* Pack rows row0 .. row0 + rows - 1 of an (n, k) weight into the panels above: source row r is k values of
+ * type dtype (DD_DTYPE_F32, DD_DTYPE_F16: IEEE half, DD_DTYPE_BF16: the top half of a float32) starting
+ * ldw values after row r - 1's (a GGUF tensor as stored, converted to float32 exactly while packing). The
+ * call that packs row n - 1 also zeroes the columns past n, so calls covering 0 .. n - 1 once each, in any
+ * order, fill the whole buffer (e.g. q, k and v side by side). Writes in address order. DD_ERR_ARG for
+ * rows == 0, k == 0, ldw < k, row0 + rows > n or an unknown dtype. */
+#define DD_DTYPE_F32 0
+#define DD_DTYPE_F16 1
+#define DD_DTYPE_BF16 2
+int dd_sgemm_pack_rows(const void *w, int dtype, size_t ldw, size_t rows, size_t k, size_t row0, size_t n,
+                       float *packed);
 int dd_sgemm(const float *x, size_t ldx, size_t m, size_t k, const float *packed, size_t n, const float *bias,
              int act, const float *add, size_t ld_add, float *out, size_t ldo, int threads);
 /* y[i] = act(x[i]) for i < n with the epilogue's vector arithmetic above (DD_ERR_ISA / DD_ERR_ARG as dd_sgemm). */

@@ -17,21 +17,58 @@ size_t dd_sgemm_packed_floats(size_t n, size_t k)
     return dd_div_up(n, DD_SGEMM_NR) * DD_SGEMM_NR * k;
 }
 
-int dd_sgemm_pack(const float *w, size_t n, size_t k, float *packed)
+/* Value i of a row of type dtype as float32 (exact). Inlined with a constant dtype in pack_panels. */
+static inline float pack_load(const void *row, int dtype, size_t i)
 {
-    if (n == 0 || k == 0)
-        return DD_ERR_ARG;
-    for (size_t j0 = 0; j0 < n; j0 += DD_SGEMM_NR) {   /* writes in order; the 32 rows' lines stay in L1 */
+    if (dtype == DD_DTYPE_F16)
+        return dd_f16_to_f32(((const uint16_t *)row)[i]);
+    if (dtype == DD_DTYPE_BF16) {
+        const uint32_t bits = (uint32_t)((const uint16_t *)row)[i] << 16;
+        float f;
+        memcpy(&f, &bits, 4);
+        return f;
+    }
+    return ((const float *)row)[i];
+}
+
+static inline size_t dtype_size(int dtype)
+{
+    return dtype == DD_DTYPE_F32 ? 4 : 2;
+}
+
+/* dd_sgemm_pack_rows for one dtype (a constant after inlining): panel by panel, k by k, so the writes are in
+ * order and the panel's (at most) 32 source rows stay in L1. */
+static inline void pack_panels(const char *w, int dtype, size_t ldw, size_t rows, size_t k, size_t row0,
+                               size_t n, float *packed)
+{
+    const size_t end = row0 + rows, pitch = ldw * dtype_size(dtype);
+    for (size_t j0 = row0 - row0 % DD_SGEMM_NR; j0 < end; j0 += DD_SGEMM_NR) {
         float *panel = packed + j0 * k;
-        const size_t cols = n - j0 < DD_SGEMM_NR ? n - j0 : DD_SGEMM_NR;
-        const float *rows = w + j0 * k;
+        const size_t c0 = row0 > j0 ? row0 - j0 : 0, c1 = end - j0 < DD_SGEMM_NR ? end - j0 : DD_SGEMM_NR;
+        const size_t pad = end == n ? DD_SGEMM_NR : c1;   /* the last rows' call zeroes columns past n */
+        const char *src = w + (j0 + c0 - row0) * pitch;
         for (size_t kk = 0; kk < k; kk++) {
-            for (size_t c = 0; c < cols; c++)
-                panel[kk * DD_SGEMM_NR + c] = rows[c * k + kk];
-            for (size_t c = cols; c < DD_SGEMM_NR; c++)
+            for (size_t c = c0; c < c1; c++)
+                panel[kk * DD_SGEMM_NR + c] = pack_load(src + (c - c0) * pitch, dtype, kk);
+            for (size_t c = c1; c < pad; c++)
                 panel[kk * DD_SGEMM_NR + c] = 0.0f;
         }
     }
+}
+
+int dd_sgemm_pack_rows(const void *w, int dtype, size_t ldw, size_t rows, size_t k, size_t row0, size_t n,
+                       float *packed)
+{
+    if (rows == 0 || k == 0 || ldw < k || row0 > n || rows > n - row0)
+        return DD_ERR_ARG;
+    if (dtype == DD_DTYPE_F32)
+        pack_panels(w, DD_DTYPE_F32, ldw, rows, k, row0, n, packed);
+    else if (dtype == DD_DTYPE_F16)
+        pack_panels(w, DD_DTYPE_F16, ldw, rows, k, row0, n, packed);
+    else if (dtype == DD_DTYPE_BF16)
+        pack_panels(w, DD_DTYPE_BF16, ldw, rows, k, row0, n, packed);
+    else
+        return DD_ERR_ARG;
     return DD_OK;
 }
 

@@ -34,7 +34,7 @@ typedef struct {
     size_t ldo;
 } vit_head;
 
-/* Keys as a packed (s, hd) weight, values as a packed (hd, s) one (dd_sgemm_pack's layout). */
+/* Keys as a packed (s, hd) weight, values as a packed (hd, s) one (dd_sgemm_pack_rows's layout). */
 static void vit_pack(const vit_head *a)
 {
     for (size_t j0 = 0; j0 < a->s; j0 += NR)
