@@ -238,3 +238,24 @@ def test_unavailable_below_avx512():
     finally:
         cpu.set_isa(prev)
 
+
+@pytest.mark.parametrize("ftype", ["F32", "F16", "Q8_0"])
+def test_tower_packs_from_the_files_map(tmp_path, ftype):
+    """MiniCPM-V's projections pack straight from the memory map (F32 / F16 views; Q8_0 dequantized first) to the
+    same panels as their float32 values, and the map's matrices are never loaded as float32 at load."""
+    from engine.arch.minicpmv import mmproj as mp
+    from engine.arch.minicpmv.packing import pack_weights
+    mm = mp.load_mmproj(mp.synth_mmproj(tmp_path / "m.gguf", "tiny", seed=2, ftype=ftype))
+    w = mm.weights
+    assert "v.blk.0.attn_q.weight" not in w.loaded and "v.blk.0.ln1.weight" in w.loaded
+    stored = w.stored("v.blk.0.attn_q.weight")
+    assert (None if stored is None else stored.dtype) == {"F32": np.float32, "F16": np.float16, "Q8_0": None}[ftype]
+    packed = pack_weights(w, mm.hparams)
+    hp = mm.hparams
+    np.testing.assert_array_equal(packed["v.patch_embd"].packed,
+                                  sgemm.PackedWeight(w["v.patch_embd.weight"].reshape(hp.n_embd, -1)).packed)
+    np.testing.assert_array_equal(packed["v.blk.1.ffn_down"].packed,
+                                  sgemm.PackedWeight(w["v.blk.1.ffn_down.weight"]).packed)
+    qkv = [w[f"v.vit_merger.attn_{x}.weight"] for x in "qkv"]
+    np.testing.assert_array_equal(packed["v.vit_merger.attn_qkv"].packed,
+                                  sgemm.PackedWeight(np.concatenate(qkv)).packed)

@@ -7,23 +7,34 @@ import numpy as np
 
 from engine.kernels import sgemm
 
-from .mmproj import MiniCPMVHParams
+from .mmproj import MiniCPMVHParams, StoredWeights
 
 PROJECTIONS = ("attn_out", "ffn_up", "ffn_down")
 """Each block's projections packed one by one (q, k and v are packed side by side as ``attn_qkv``)."""
 
 
-def pack_weights(w: dict[str, np.ndarray], hp: MiniCPMVHParams,
-                 patch_w: np.ndarray) -> dict[str, sgemm.PackedWeight]:
-    """Every projection of the tower in the native GEMM's layout, keyed as ``MiniCPMVTower._linear`` names them
-    (``w``: the projector's float32 weights by GGUF name; ``patch_w``: the patch kernel as (n_embd, patch_dim)): ``v.blk.{il}.attn_qkv`` (q | k | v), ``v.blk.{il}.attn_out`` ..., the window-attention merger's under
-    ``v.vit_merger.`` (with ``ds_ffn_up``, ``ds_ffn_down``), ``v.patch_embd``, ``mm.up``, ``mm.down``. About as many
-    bytes as the float32 weights (2.4 GB for the real tower)."""
+def pack_weights(w: StoredWeights, hp: MiniCPMVHParams) -> dict[str, sgemm.PackedWeight]:
+    """Every projection of the tower in the native GEMM's layout, keyed as ``MiniCPMVTower._linear`` names them:
+    ``v.blk.{il}.attn_qkv`` (q | k | v), ``v.blk.{il}.attn_out`` ..., the window-attention merger's under
+    ``v.vit_merger.`` (with ``ds_ffn_up``, ``ds_ffn_down``), ``v.patch_embd`` (the kernel as (n_embd, patch_dim)),
+    ``mm.up``, ``mm.down``.
+
+    Packed straight from the file's memory map (``w``: :class:`StoredWeights`) when a matrix is F32, F16 or BF16,
+    converted to float32 while packing; a block-quantized one is dequantized one tensor at a time first. The
+    packed panels are then the only copy of those weights: about 2.2 GB for the real tower.
+
+    Raises:
+        ValueError: a stored matrix the GEMM cannot pack (:class:`engine.kernels.sgemm.PackedWeight`).
+    """
+    def matrix(name: str) -> np.ndarray:
+        stored = w.stored(name)
+        return w[name] if stored is None else stored
+
     def pack(name: str) -> sgemm.PackedWeight:
-        return sgemm.PackedWeight(w[name + ".weight"], w[name + ".bias"])
+        return sgemm.PackedWeight(matrix(name + ".weight"), w[name + ".bias"])
 
     def qkv(p: str) -> sgemm.PackedWeight:
-        return sgemm.PackedWeight.stacked([w[f"{p}attn_{x}.weight"] for x in "qkv"],
+        return sgemm.PackedWeight.stacked([matrix(f"{p}attn_{x}.weight") for x in "qkv"],
                                           [w[f"{p}attn_{x}.bias"] for x in "qkv"])
 
     prefixes = [f"v.blk.{il}." for il in range(hp.n_layer)]
@@ -33,6 +44,7 @@ def pack_weights(w: dict[str, np.ndarray], hp: MiniCPMVHParams,
         p = "v.vit_merger."
         packed[p + "attn_qkv"] = qkv(p)
         packed.update({p + x: pack(p + x) for x in ("attn_out", "ds_ffn_up", "ds_ffn_down")})
-    packed.update({"v.patch_embd": sgemm.PackedWeight(patch_w, w["v.patch_embd.bias"]),
+    patch = matrix("v.patch_embd.weight").reshape(hp.n_embd, -1)
+    packed.update({"v.patch_embd": sgemm.PackedWeight(patch, w["v.patch_embd.bias"]),
                    "mm.up": pack("mm.up"), "mm.down": pack("mm.down")})
     return packed

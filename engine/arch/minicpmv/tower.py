@@ -143,8 +143,10 @@ class MiniCPMVTower:
     The pieces are stacked row-wise into one ``(sum S_i, D)`` residual stream, so every projection of every
     piece is one set of GEMM calls; attention stays per piece (no attention across pieces) and the mergers'
     2x2 windows are taken inside each piece. When :mod:`engine.kernels.sgemm` is available (AVX-512, checked at
-    construction: :attr:`native`) every projection is one call of the native GEMM on weights packed once, on the
-    first :meth:`encode` (about 2.4 GB more for the real tower), and full attention one native call over all (piece, head) pairs;
+    construction: :attr:`native`) every projection is one call of the native GEMM on weights packed at
+    construction straight from the file's memory map (the panels are the only copy of the projections: about
+    2.2 GB for the real tower, as the numpy path's float32 arrays), and full attention one native call over all
+    (piece, head) pairs;
     both run on the native pool with at most ``threads`` threads and give the same bits at any thread count
     and for a piece alone or in a stack. Otherwise projections are fixed tiles (:data:`TILE_ROWS` x
     :data:`TILE_COLS` GEMM tiles, each with its bias add and activation applied while the tile is in cache)
@@ -154,13 +156,14 @@ class MiniCPMVTower:
     calls whatever the thread count, so the result does not depend on it (bit for bit).
 
     Args:
-        mm: a loaded :class:`~engine.arch.minicpmv.mmproj.MiniCPMVMmproj` (its float32 weights are used in place).
+        mm: a loaded :class:`~engine.arch.minicpmv.mmproj.MiniCPMVMmproj`: its vectors are used in place, its
+            matrices packed (native) or dequantized to float32 (numpy) here; the tower keeps no view of the map.
         threads: worker threads (None: ``os.cpu_count()``).
         mode: ``"16x"`` or ``"4x"``; None = the file's (``clip.vision.projector.scale_factor``). HF allows
             either on the same weights (``downsample_mode``).
 
     Raises:
-        ValueError: an unknown mode.
+        ValueError: an unknown mode, or a stored matrix the native GEMM cannot pack.
     """
 
     def __init__(self, mm: MiniCPMVMmproj, threads: int | None = None, mode: str | None = None):
@@ -170,24 +173,17 @@ class MiniCPMVTower:
         merge_factor(self.mode)
         self.threads = threads
         self._workers = max(1, threads or os.cpu_count() or 1)
-        self._w = mm.weights
-        self._patch_w = mm.weights["v.patch_embd.weight"].reshape(self.hp.n_embd, -1)
         self._native = sgemm.available()
-        self._packed: dict[str, sgemm.PackedWeight] = {}
-        self._pack_lock = threading.Lock()
+        self._packed: dict[str, sgemm.PackedWeight] = pack_weights(mm.weights, self.hp) if self._native else {}
+        self._w: dict[str, np.ndarray] = mm.weights.loaded if self._native else dict(mm.weights)
+        self._patch_w = None if self._native else self._w["v.patch_embd.weight"].reshape(self.hp.n_embd, -1)
         self._pool: ThreadPoolExecutor | None = None
 
     @property
     def native(self) -> bool:
-        """True when the projections run on the native packed-weight GEMM (:mod:`engine.kernels.sgemm`, chosen at
-        construction; the weights are packed on the first :meth:`encode`), False on the numpy tiles."""
+        """True when the projections run on the native packed-weight GEMM (:mod:`engine.kernels.sgemm`, chosen and
+        packed at construction), False on the numpy tiles."""
         return self._native
-
-    def _pack(self) -> None:
-        """Pack every projection for the native GEMM, once (:func:`.packing.pack_weights`)."""
-        with self._pack_lock:
-            if not self._packed:
-                self._packed = pack_weights(self._w, self.hp, self._patch_w)
 
     @property
     def merge(self) -> int:
@@ -223,8 +219,6 @@ class MiniCPMVTower:
         emit = cb or (lambda stage, il, x: None)
         quarter = self.mode == "16x"
         plan = _Plan(grids, quarter)
-        if self._native:
-            self._pack()
         with (threadpool_limits(limits=1, user_api="blas"),
               ThreadPoolExecutor(self._workers, thread_name_prefix="minicpmv") as pool):
             self._pool = pool if self._workers > 1 else None
