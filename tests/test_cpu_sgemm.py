@@ -61,6 +61,17 @@ def test_strided_rows_and_in_place_residual():
     np.testing.assert_array_equal(h[:, 80:], h0[:, 80:])
 
 
+def test_one_row_of_any_row_stride():
+    """A single row's stride is never used: a broadcast row (stride 0) as x, add or out gives the plain row's bits."""
+    rng = np.random.default_rng(19)
+    x, w, b, add = _data(rng, 1, 40, 24)
+    pw = sgemm.PackedWeight(w, b)
+    ref = pw(x, add=add)
+    out = np.lib.stride_tricks.as_strided(np.zeros(24, np.float32), (1, 24), (0, 4))
+    y = pw(np.broadcast_to(x[0], (1, 40)), out=out, add=np.broadcast_to(add[0], (1, 24)))
+    np.testing.assert_array_equal(y, ref)
+
+
 @pytest.mark.parametrize("act", ["gelu_tanh", "gelu_erf"])
 def test_activation_matches_float64(act):
     """The epilogue's exp-based GELUs against float64. Bound: the exp argument a (-2u for the tanh form, -z^2 + P(t)

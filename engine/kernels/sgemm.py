@@ -30,8 +30,18 @@ def available() -> bool:
 
 
 def _native():
+    """The native extension's module; EngineError when it is not built."""
+    if not cpu.available():
+        raise EngineError("the native CPU kernels (engine._native_cpu) are not built: reinstall with a C compiler")
     from engine import _native_cpu
     return _native_cpu
+
+
+def _act_code(act: str | None) -> int:
+    """The C side's code of the activation ``act``; ValueError naming the known ones otherwise."""
+    if act not in ACTS:
+        raise ValueError(f"unknown activation {act!r} (expected one of {list(ACTS)})")
+    return ACTS[act]
 
 
 def _check(rc: int, what: str) -> None:
@@ -96,7 +106,8 @@ class PackedWeight:
 
         Args:
             x: (m, k) float32 with unit column stride (rows may be further apart, e.g. a column slice).
-            out: optional (m, n) float32 with unit column stride; may be ``add`` itself (a residual update).
+            out: optional writable (m, n) float32 with unit column stride, sharing no memory with ``x``; may be
+                ``add`` itself (the same view: a residual update) but not overlap it otherwise.
             add: optional (m, n) float32 with unit column stride, added after the activation.
             threads: at most this many of the native pool's threads take part (:func:`engine.kernels.cpu.set_threads`
                 sets the pool's size).
@@ -105,23 +116,25 @@ class PackedWeight:
             ``out``, or a new (m, n) float32 array.
 
         Raises:
-            ValueError: a shape, dtype or stride does not fit. EngineError: the native call failed (e.g. no AVX-512).
+            ValueError: a shape, dtype or stride does not fit, ``out`` is read-only or overlaps ``x`` (or ``add``
+                other than as the same view), or ``act`` is unknown. EngineError: the native call failed (e.g. no
+                AVX-512).
         """
         m = len(x)
         out = np.empty((m, self.n), dtype=np.float32) if out is None else out
-        _rows(x, (m, self.k), "x")
-        _rows(out, (m, self.n), "out")
+        ldx = _rows(x, (m, self.k), "x")
+        ldo = _rows(out, (m, self.n), "out", writeable=True)
+        _separate(out, x, "x")
+        ld_add = 0 if add is None else _rows(add, (m, self.n), "add")
         if add is not None:
-            _rows(add, (m, self.n), "add")
-        if act not in ACTS:
-            raise ValueError(f"unknown activation {act!r} (expected one of {list(ACTS)})")
+            _separate(out, add, "add", same_ok=True)
+        code = _act_code(act)
         n = _native()
         nul = n.ffi.NULL
         bias = nul if self.bias is None else _f32_ptr(self.bias)
-        add_ptr, ld_add = (nul, 0) if add is None else (_f32_ptr(add), add.strides[0] // 4)
-        _check(n.lib.dd_sgemm(_f32_ptr(x), x.strides[0] // 4, m, self.k, _f32_ptr(self.packed), self.n, bias,
-                              ACTS[act], add_ptr, ld_add, _f32_ptr(out), out.strides[0] // 4, max(1, int(threads))),
-               "sgemm")
+        _check(n.lib.dd_sgemm(_f32_ptr(x), ldx, m, self.k, _f32_ptr(self.packed), self.n, bias, code,
+                              nul if add is None else _f32_ptr(add), ld_add, _f32_ptr(out), ldo,
+                              max(1, int(threads))), "sgemm")
         return out
 
 
@@ -138,20 +151,40 @@ def _weight(w: np.ndarray) -> np.ndarray:
     return w
 
 
-def _rows(a: np.ndarray, shape: tuple[int, int], name: str) -> None:
-    """ValueError unless ``a`` is a float32 array of ``shape`` whose rows are unit-stride runs of floats."""
+def _rows(a: np.ndarray, shape: tuple[int, int], name: str, writeable: bool = False) -> int:
+    """The row stride in floats of ``a`` (``shape[1]`` for a single row, whatever numpy's stride, e.g. 0 for a
+    broadcast row); ValueError unless ``a`` is a float32 array of ``shape`` whose rows are unit-stride runs of floats
+    and, with ``writeable``, one that may be written."""
     if (not isinstance(a, np.ndarray) or a.dtype != np.float32 or a.shape != shape
             or (shape[0] > 1 and (a.strides[0] % 4 or a.strides[0] < 4 * shape[1])) or a.strides[1] != 4):
         raise ValueError(f"sgemm: {name} must be a float32 {shape} array with unit column stride, got "
                          f"{getattr(a, 'dtype', type(a))} {getattr(a, 'shape', '')} "
                          f"strides {getattr(a, 'strides', '')}")
+    if writeable and not a.flags.writeable:
+        raise ValueError(f"sgemm: {name} is read-only (expected a writable array)")
+    return a.strides[0] // 4 if shape[0] > 1 else shape[1]
+
+
+def _separate(out: np.ndarray, a: np.ndarray, name: str, same_ok: bool = False) -> None:
+    """ValueError if ``out`` may share memory with the input ``a`` (the kernel would read what it has written),
+    unless ``same_ok`` and ``a`` is exactly the view ``out`` (same first element, shape and strides)."""
+    same = (a.__array_interface__["data"][0] == out.__array_interface__["data"][0] and a.shape == out.shape
+            and a.strides == out.strides)
+    if np.may_share_memory(out, a) and not (same_ok and same):
+        raise ValueError(f"sgemm: out overlaps {name} (expected separate memory"
+                         f"{', or the very same view' if same_ok else ''})")
 
 
 def activation(x: np.ndarray, act: str) -> np.ndarray:
-    """The epilogue's activation alone (``dd_sgemm_act``): x any shape float32 -> same shape float32."""
+    """The epilogue's activation alone (``dd_sgemm_act``): x any shape float32 -> same shape float32.
+
+    Raises:
+        ValueError: ``act`` is not "gelu_tanh" or "gelu_erf" (or None). EngineError: the native call failed.
+    """
+    code = _act_code(act)
     x = np.ascontiguousarray(x, dtype=np.float32)
     y = np.empty_like(x)
-    _check(_native().lib.dd_sgemm_act(ACTS[act], _f32_ptr(x), x.size, _f32_ptr(y)), "sgemm activation")
+    _check(_native().lib.dd_sgemm_act(code, _f32_ptr(x), x.size, _f32_ptr(y)), "sgemm activation")
     return y
 
 
@@ -163,29 +196,49 @@ def vit_attention(qkv: np.ndarray, starts: np.ndarray, n_head: int, out: np.ndar
     Args:
         qkv: (S, 3 D) float32 rows ``[q | k | v]`` with unit column stride (a fused projection), D = n_head * hd,
             hd <= 256.
-        starts: (n_piece + 1,) increasing row offsets from 0 to S: piece p is rows ``starts[p]:starts[p + 1]``.
-        out: optional (S, D) float32 with unit column stride. threads: as :meth:`PackedWeight.__call__`.
+        starts: (n_piece + 1,) integer row offsets, non-decreasing from 0 to S, at least two: piece p is rows
+            ``starts[p]:starts[p + 1]``.
+        n_head: the number of heads, a positive integer dividing D.
+        out: optional writable (S, D) float32 with unit column stride, sharing no memory with ``qkv``.
+        threads: as :meth:`PackedWeight.__call__`.
 
     Returns:
         ``out``, or a new (S, D) float32 array.
 
     Raises:
-        ValueError: a shape does not fit. EngineError: the native call failed.
+        ValueError: a shape, dtype or stride does not fit, ``starts`` or ``n_head`` is not as above, or ``out`` is
+            read-only or overlaps ``qkv``. EngineError: the native call failed.
     """
+    if not isinstance(qkv, np.ndarray) or qkv.ndim != 2:
+        raise ValueError(f"vit_attention: qkv must be a 2-D (S, 3 D) array, got {getattr(qkv, 'shape', type(qkv))}")
     s, width = qkv.shape
     d = width // 3
-    starts = np.ascontiguousarray(starts, dtype=np.uint64)
-    if (width != 3 * d or d % n_head or starts[0] != 0 or starts[-1] != s
-            or (np.diff(starts.astype(np.int64)) < 0).any()):
-        raise ValueError(f"vit_attention: qkv {qkv.shape} with {n_head} heads and piece starts {starts.tolist()}")
+    ldq = _rows(qkv, (s, width), "qkv")
+    if isinstance(n_head, bool) or not isinstance(n_head, (int, np.integer)) or n_head < 1:
+        raise ValueError(f"vit_attention: n_head must be a positive integer, got {n_head!r}")
+    if width != 3 * d or d % n_head:
+        raise ValueError(f"vit_attention: qkv width {width} is not 3 D with D a multiple of n_head = {n_head}")
+    starts = _starts(starts, s)
     out = np.empty((s, d), dtype=np.float32) if out is None else out
-    _rows(qkv, (s, width), "qkv")
-    _rows(out, (s, d), "out")
+    ldo = _rows(out, (s, d), "out", writeable=True)
+    _separate(out, qkv, "qkv")
     n = _native()
-    _check(n.lib.dd_vit_attention(_f32_ptr(qkv), qkv.strides[0] // 4, n.ffi.cast("size_t *", starts.ctypes.data),
-                                  len(starts) - 1, n_head, d // n_head, _f32_ptr(out), out.strides[0] // 4,
+    _check(n.lib.dd_vit_attention(_f32_ptr(qkv), ldq, n.ffi.cast("size_t *", starts.ctypes.data),
+                                  len(starts) - 1, n_head, d // n_head, _f32_ptr(out), ldo,
                                   max(1, int(threads))), "vit_attention")
     return out
+
+
+def _starts(starts, s: int) -> np.ndarray:
+    """``starts`` as contiguous uint64; ValueError unless it is a 1-D integer sequence of at least two offsets,
+    non-decreasing from 0 to ``s``."""
+    a = np.asarray(starts)
+    if a.ndim != 1 or len(a) < 2 or a.dtype.kind not in "iu":
+        raise ValueError(f"vit_attention: starts must be a 1-D integer array of at least two row offsets, got "
+                         f"{a.dtype} {a.shape}")
+    if a[0] != 0 or a[-1] != s or (np.diff(a.astype(np.int64)) < 0).any():
+        raise ValueError(f"vit_attention: piece starts {a.tolist()} do not rise from 0 to the {s} rows of qkv")
+    return np.ascontiguousarray(a, dtype=np.uint64)
 
 
 def vit_attention_np(qkv: np.ndarray, starts: np.ndarray, n_head: int) -> np.ndarray:
