@@ -4,6 +4,9 @@ vision towers rely on: the same bits at every thread count and for any subset of
 
 from __future__ import annotations
 
+import subprocess
+import sys
+
 import numpy as np
 import pytest
 
@@ -70,6 +73,30 @@ def test_one_row_of_any_row_stride():
     out = np.lib.stride_tricks.as_strided(np.zeros(24, np.float32), (1, 24), (0, 4))
     y = pw(np.broadcast_to(x[0], (1, 40)), out=out, add=np.broadcast_to(add[0], (1, 24)))
     np.testing.assert_array_equal(y, ref)
+
+
+KEYS_EXHAUSTED = """
+import ctypes
+import numpy as np
+from engine.errors import EngineError
+from engine.kernels import sgemm
+pw = sgemm.PackedWeight(np.ones((8, 16), np.float32))
+libc, key = ctypes.CDLL(None), ctypes.c_uint()
+while libc.pthread_key_create(ctypes.byref(key), None) == 0:
+    pass
+try:
+    pw(np.ones((4, 16), np.float32))
+except EngineError as err:
+    print(err)
+"""
+
+
+def test_no_thread_key_is_an_error_not_a_crash():
+    """With the process's pthread keys used up before the first GEMM, the scratch key cannot be created: the call
+    fails with DD_ERR_NOMEM (a fresh process, as the key is made once per process)."""
+    run = subprocess.run([sys.executable, "-c", KEYS_EXHAUSTED], capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr
+    assert "sgemm failed in the native CPU kernels: out of memory" in run.stdout
 
 
 @pytest.mark.parametrize("act", ["gelu_tanh", "gelu_erf"])

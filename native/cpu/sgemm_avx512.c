@@ -121,18 +121,23 @@ void (*const dd_sg_tiles[SG_MR + 1])(const sg_tile *) = {
 /* ---- tasks ------------------------------------------------------------------------------------------ */
 
 /* Per-thread scratch: the x block (SG_MC x SG_KC) and the sums of a task (SG_MC x SG_NC_MAX), 64-byte
- * aligned, allocated on a thread's first task and freed when the thread exits (a thread-specific key). */
+ * aligned, allocated on a thread's first task and freed when the thread exits (a thread-specific key).
+ * NULL when the key could not be created (the process's keys or memory are exhausted: then every call
+ * fails with DD_ERR_NOMEM) or the allocation failed. */
 static pthread_key_t sg_scratch_key;
+static int sg_scratch_key_rc;
 static pthread_once_t sg_scratch_once = PTHREAD_ONCE_INIT;
 
 static void sg_make_scratch_key(void)
 {
-    pthread_key_create(&sg_scratch_key, free);
+    sg_scratch_key_rc = pthread_key_create(&sg_scratch_key, free);
 }
 
 static float *sg_thread_scratch(void)
 {
     pthread_once(&sg_scratch_once, sg_make_scratch_key);
+    if (sg_scratch_key_rc != 0)
+        return NULL;
     float *p = pthread_getspecific(sg_scratch_key);
     if (p == NULL) {
         p = aligned_alloc(64, (size_t)SG_MC * (SG_KC + SG_NC_MAX) * sizeof(float));
