@@ -252,7 +252,7 @@ def test_tower_packs_from_the_files_map(tmp_path, ftype):
     assert "v.blk.0.attn_q.weight" not in w.loaded and "v.blk.0.ln1.weight" in w.loaded
     stored = w.stored("v.blk.0.attn_q.weight")
     assert (None if stored is None else stored.dtype) == {"F32": np.float32, "F16": np.float16, "Q8_0": None}[ftype]
-    packed = pack_weights(w, mm.hparams)
+    packed = pack_weights(w, mm.hparams, merger=True)
     hp = mm.hparams
     np.testing.assert_array_equal(packed["v.patch_embd"].packed,
                                   sgemm.PackedWeight(w["v.patch_embd.weight"].reshape(hp.n_embd, -1)).packed)
@@ -261,3 +261,15 @@ def test_tower_packs_from_the_files_map(tmp_path, ftype):
     qkv = [w[f"v.vit_merger.attn_{x}.weight"] for x in "qkv"]
     np.testing.assert_array_equal(packed["v.vit_merger.attn_qkv"].packed,
                                   sgemm.PackedWeight(np.concatenate(qkv)).packed)
+
+
+@pytest.mark.parametrize("mode", ["16x", "4x"])
+def test_tower_packs_the_merger_only_in_16x_mode(tmp_path, mode):
+    """4x mode never runs the window-attention merger, so its projections are not packed."""
+    from engine.arch.minicpmv import mmproj as mp
+    from engine.arch.minicpmv.tower import MiniCPMVTower
+    tower = MiniCPMVTower(mp.load_mmproj(mp.synth_mmproj(tmp_path / "m.gguf", "tiny", seed=3)), threads=1, mode=mode)
+    merger = sorted(name for name in tower._packed if name.startswith("v.vit_merger."))
+    assert merger == (["v.vit_merger.attn_out", "v.vit_merger.attn_qkv", "v.vit_merger.ds_ffn_down",
+                       "v.vit_merger.ds_ffn_up"] if mode == "16x" else [])
+    assert "v.blk.0.attn_qkv" in tower._packed and "mm.down" in tower._packed

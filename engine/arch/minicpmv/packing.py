@@ -13,15 +13,16 @@ PROJECTIONS = ("attn_out", "ffn_up", "ffn_down")
 """Each block's projections packed one by one (q, k and v are packed side by side as ``attn_qkv``)."""
 
 
-def pack_weights(w: StoredWeights, hp: MiniCPMVHParams) -> dict[str, sgemm.PackedWeight]:
-    """Every projection of the tower in the native GEMM's layout, keyed as ``MiniCPMVTower._linear`` names them:
-    ``v.blk.{il}.attn_qkv`` (q | k | v), ``v.blk.{il}.attn_out`` ..., the window-attention merger's under
-    ``v.vit_merger.`` (with ``ds_ffn_up``, ``ds_ffn_down``), ``v.patch_embd`` (the kernel as (n_embd, patch_dim)),
-    ``mm.up``, ``mm.down``.
+def pack_weights(w: StoredWeights, hp: MiniCPMVHParams, merger: bool) -> dict[str, sgemm.PackedWeight]:
+    """Every projection the tower uses in the native GEMM's layout, keyed as ``MiniCPMVTower._linear`` names them:
+    ``v.blk.{il}.attn_qkv`` (q | k | v), ``v.blk.{il}.attn_out`` ..., ``v.patch_embd`` (the kernel as
+    (n_embd, patch_dim)), ``mm.up``, ``mm.down``, and with ``merger`` (16x mode; 4x mode skips it) the
+    window-attention merger's under ``v.vit_merger.`` (with ``ds_ffn_up``, ``ds_ffn_down``).
 
     Packed straight from the file's memory map (``w``: :class:`StoredWeights`) when a matrix is F32, F16 or BF16,
     converted to float32 while packing; a block-quantized one is dequantized one tensor at a time first. The
-    packed panels are then the only copy of those weights: about 2.2 GB for the real tower.
+    packed panels are then the only copy of those weights: about 2.2 GB for the real tower (about 418 MB less
+    without the merger).
 
     Raises:
         ValueError: a stored matrix the GEMM cannot pack (:class:`engine.kernels.sgemm.PackedWeight`).
@@ -40,7 +41,7 @@ def pack_weights(w: StoredWeights, hp: MiniCPMVHParams) -> dict[str, sgemm.Packe
     prefixes = [f"v.blk.{il}." for il in range(hp.n_layer)]
     packed = {p + x: pack(p + x) for p in prefixes for x in PROJECTIONS}
     packed.update({p + "attn_qkv": qkv(p) for p in prefixes})
-    if "v.vit_merger.attn_q.weight" in w:
+    if merger:
         p = "v.vit_merger."
         packed[p + "attn_qkv"] = qkv(p)
         packed.update({p + x: pack(p + x) for x in ("attn_out", "ds_ffn_up", "ds_ffn_down")})

@@ -145,8 +145,8 @@ class MiniCPMVTower:
     2x2 windows are taken inside each piece. When :mod:`engine.kernels.sgemm` is available (AVX-512, checked at
     construction: :attr:`native`) every projection is one call of the native GEMM on weights packed at
     construction straight from the file's memory map (the panels are the only copy of the projections: about
-    2.2 GB for the real tower, as the numpy path's float32 arrays), and full attention one native call over all
-    (piece, head) pairs;
+    2.2 GB for the real tower, as the numpy path's float32 arrays; 4x mode leaves out the merger's), and full
+    attention one native call over all (piece, head) pairs;
     both run on the native pool with at most ``threads`` threads and give the same bits at any thread count
     and for a piece alone or in a stack. Otherwise projections are fixed tiles (:data:`TILE_ROWS` x
     :data:`TILE_COLS` GEMM tiles, each with its bias add and activation applied while the tile is in cache)
@@ -174,7 +174,8 @@ class MiniCPMVTower:
         self.threads = threads
         self._workers = max(1, threads or os.cpu_count() or 1)
         self._native = sgemm.available()
-        self._packed: dict[str, sgemm.PackedWeight] = pack_weights(mm.weights, self.hp) if self._native else {}
+        self._packed: dict[str, sgemm.PackedWeight] = (pack_weights(mm.weights, self.hp, self.mode == "16x")
+                                                       if self._native else {})
         self._w: dict[str, np.ndarray] = mm.weights.loaded if self._native else dict(mm.weights)
         self._patch_w = None if self._native else self._w["v.patch_embd.weight"].reshape(self.hp.n_embd, -1)
         self._pool: ThreadPoolExecutor | None = None
