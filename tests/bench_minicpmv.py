@@ -11,7 +11,9 @@ times ``MiniCPMVTower.encode`` on every piece of random images (448x448 = 1 piec
 the tower's GEMM FLOPs (projections, attention products, patch embedding, both mergers) divided by the
 float32 GEMM rate measured on this machine just before (a 1024 x 1152 x 4304 ``numpy.matmul`` at the same
 thread count), i.e. the time the tower would take if every GEMM ran at that rate and everything else were
-free.
+free; and the same FLOPs over the native packed-weight GEMM's rate on that product (``engine.kernels.sgemm``,
+what the tower's projections and attention run on when the CPU has AVX-512; the first line says which path
+the tower takes).
 
 ``--baseline REV`` also loads ``engine/arch/minicpmv/tower.py`` as it is at git revision REV (e.g. ``main`` or a
 commit) and times it on the same weights, runs interleaved (baseline, current, baseline, ...) so that both see
@@ -23,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
+import os
 import statistics
 import subprocess
 import sys
@@ -60,6 +63,26 @@ def sgemm_rate(repeat: int = 5) -> float:
     for _ in range(repeat):
         t0 = time.perf_counter()
         np.matmul(a, b)
+        best = min(best, time.perf_counter() - t0)
+    return 2 * 1024 * 1152 * 4304 / best
+
+
+def native_gemm_rate(threads: int | None, repeat: int = 5) -> float | None:
+    """Best rate of the native packed-weight GEMM (:mod:`engine.kernels.sgemm`, what the tower uses on AVX-512 CPUs)
+    on the same (1024, 1152) x (1152, 4304) product at ``threads`` threads, FLOP/s; None when it is not available."""
+    import numpy as np
+
+    from engine.kernels import sgemm
+    if not sgemm.available():
+        return None
+    rng = np.random.default_rng(0)
+    a = rng.random((1024, 1152), dtype=np.float32)
+    pw = sgemm.PackedWeight(rng.random((4304, 1152), dtype=np.float32))
+    out = np.empty((1024, 4304), dtype=np.float32)
+    best = float("inf")
+    for _ in range(repeat):
+        t0 = time.perf_counter()
+        pw(a, out=out, threads=threads or os.cpu_count() or 1)
         best = min(best, time.perf_counter() - t0)
     return 2 * 1024 * 1152 * 4304 / best
 
@@ -110,7 +133,10 @@ def main() -> None:
     tower = towers["current"]
     with threadpool_limits(limits=args.threads, user_api="blas"):
         rate = sgemm_rate()
-    print(f"mode {tower.mode}, threads {args.threads or 'BLAS default'}, sgemm {rate / 1e9:.1f} GFLOP/s")
+    ours = native_gemm_rate(args.threads)
+    print(f"mode {tower.mode}, threads {args.threads or 'BLAS default'}, sgemm {rate / 1e9:.1f} GFLOP/s, native GEMM "
+          + (f"{ours / 1e9:.1f} GFLOP/s" if ours else "not available (numpy tiles)")
+          + f"; tower projections on {'the native GEMM' if tower.native else 'numpy tiles'}")
     for size in args.sizes.split(","):
         w, h = (int(x) for x in size.lower().split("x"))
         img = Image.fromarray((np.random.default_rng(1).random((h, w, 3)) * 255).astype(np.uint8))
@@ -129,12 +155,14 @@ def main() -> None:
                 if i >= args.warmup:
                     times[name].append(time.perf_counter() - t0)
                     cpu[name].append(time.process_time() - c0)
-        floor = tower_flops(grids, mm.hparams, tower.mode) / rate
+        flops = tower_flops(grids, mm.hparams, tower.mode)
+        floor = flops / rate
+        native_floor = f", native GEMM floor {flops / ours:.2f} s" if ours else ""
         for name in towers:
             t = times[name]
             print(f"{w}x{h} {name}: {len(grids)} pieces, {sum(prep.plan.token_counts)} tokens | encode best "
                   f"{min(t):.2f} s, median {statistics.median(t):.2f} s, max {max(t):.2f} s (n={len(t)}), process "
-                  f"CPU median {statistics.median(cpu[name]):.2f} s | sgemm floor {floor:.2f} s | preprocess "
+                  f"CPU median {statistics.median(cpu[name]):.2f} s | sgemm floor {floor:.2f} s{native_floor} | preprocess "
                   f"{t_prep * 1000:.0f} ms | load {load0} -> {load_average()}")
         if len(outs) > 1:
             ref = outs["current"]

@@ -24,6 +24,7 @@ from engine.arch.minicpmv.tower import MiniCPMVTower, window_attention, window_o
 from engine.arch.qwen35.vocab import MINICPMV46_MARKERS, minicpmv46_vocab, qwen35_vocab
 from engine.errors import GenerationCancelled, ImageError, ModelFormatError, UnsupportedModelError
 from engine.gguf_header import read_header
+from engine.kernels import cpu, sgemm
 from engine.events import TokenEvent
 from engine.sampling import SamplingParams
 from engine.vision import ImageEncoder
@@ -196,10 +197,26 @@ def test_tiles_cover_the_output_once():
         assert len(tiles) >= min(tower_mod.MIN_TILES, -(-n // 64)), (m, n)
 
 
-def test_tower_is_thread_invariant(mm, small_tiles):
-    """Bit-identical output whatever the thread count: every tile is the same GEMM call on any thread."""
+@pytest.fixture(params=["native", "numpy"])
+def gemm_path(request):
+    """Runs a test on the native packed-weight GEMM (:mod:`engine.kernels.sgemm`) and on the numpy tiles (the
+    fallback of CPUs without AVX-512, selected here by the "numpy" ISA level); the native pool gets 3 threads."""
+    if request.param == "native" and not sgemm.available():
+        pytest.skip("needs the native extension on an AVX-512 CPU")
+    prev_isa, prev_threads = cpu.isa(), cpu.threads()
+    cpu.set_isa(None if request.param == "native" else "numpy")
+    cpu.set_threads(3)
+    yield request.param
+    cpu.set_isa(prev_isa)
+    cpu.set_threads(prev_threads)
+
+
+def test_tower_is_thread_invariant(mm, small_tiles, gemm_path):
+    """Bit-identical output whatever the thread count: every numpy tile is the same GEMM call on any thread, and
+    every native GEMM output one FMA chain whatever the task split."""
     pieces, grids = _two_pieces(mm, 5)
     one = MiniCPMVTower(mm, threads=1).encode(pieces, grids)
+    assert MiniCPMVTower(mm).native == (gemm_path == "native")
     assert [o.shape for o in one] == [(6, mm.hparams.out_dim), (2, mm.hparams.out_dim)]
     for threads in (2, 3):
         many = MiniCPMVTower(mm, threads=threads).encode(pieces, grids)
@@ -207,8 +224,24 @@ def test_tower_is_thread_invariant(mm, small_tiles):
             np.testing.assert_array_equal(a, b)
 
 
+def test_native_gemm_tower_equals_numpy_tower(mm):
+    """The native GEMM changes only float32 rounding: both towers agree far below the conformance bound."""
+    if not sgemm.available():
+        pytest.skip("needs the native extension on an AVX-512 CPU")
+    pieces, grids = _two_pieces(mm, 8)
+    native = np.concatenate(MiniCPMVTower(mm, threads=2).encode(pieces, grids))
+    prev = cpu.isa()
+    try:
+        cpu.set_isa("numpy")
+        reference = np.concatenate(MiniCPMVTower(mm, threads=2).encode(pieces, grids))
+    finally:
+        cpu.set_isa(prev)
+    assert rel_err(native, reference) <= 2e-6
+
+
 def test_tiling_only_reshapes_the_gemms(mm, monkeypatch):
-    """The tiles change only how the GEMMs are cut (float32 rounding, far below the conformance bound)."""
+    """The numpy tiles change only how the GEMMs are cut (float32 rounding, far below the conformance bound)."""
+    monkeypatch.setattr(tower_mod.sgemm, "available", lambda: False)
     pieces, grids = _two_pieces(mm, 6)
     ref = np.concatenate(MiniCPMVTower(mm, threads=2).encode(pieces, grids))
     for rows, cols in [(32, 40), (16, 64)]:
@@ -217,14 +250,18 @@ def test_tiling_only_reshapes_the_gemms(mm, monkeypatch):
         assert rel_err(np.concatenate(MiniCPMVTower(mm, threads=2).encode(pieces, grids)), ref) <= 1e-6
 
 
-def test_stacked_pieces_equal_separate_ones(mm, small_tiles):
+def test_stacked_pieces_equal_separate_ones(mm, small_tiles, gemm_path):
     """Pieces encoded together (one stack, shared GEMMs) give what each gives alone: no attention across pieces,
-    windows and merges inside each piece."""
+    windows and merges inside each piece. The native GEMM gives the same bits (a row's sums do not depend on the
+    other rows); the numpy tiles cut the GEMMs differently (float32 rounding)."""
     pieces, grids = _two_pieces(mm, 7)
     tower = MiniCPMVTower(mm, threads=2)
     together = tower.encode(pieces, grids)
     for piece, grid, out in zip(pieces, grids, together, strict=True):
-        assert rel_err(out, tower.encode_piece(piece, grid)) <= 1e-6
+        if gemm_path == "native":
+            np.testing.assert_array_equal(out, tower.encode_piece(piece, grid))
+        else:
+            assert rel_err(out, tower.encode_piece(piece, grid)) <= 1e-6
 
 
 def test_cancel_between_layers(mm):

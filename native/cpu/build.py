@@ -21,10 +21,10 @@ HERE = os.path.relpath(os.path.dirname(os.path.abspath(__file__)))
 COMMON_FLAGS = ["-O3", "-std=c11", "-D_GNU_SOURCE", "-ffp-contract=off", "-fno-math-errno", "-pthread"]
 """Contraction off: a fused multiply-add changes rounding, so fusing must be an explicit intrinsic."""
 
-PORTABLE_SOURCES = ["dispatch.c", "pool.c", "moe.c", "mixers.c", "attention.c", "step.c", "kernels_scalar.c"]
+PORTABLE_SOURCES = ["dispatch.c", "pool.c", "moe.c", "mixers.c", "attention.c", "step.c", "kernels_scalar.c", "sgemm.c"]
 
 HEADERS = ["deltadesk_cpu.h", "kernels.h", "gemm_tiles.h", "kquants.h", "bquants.h", "runtime.h", "attn_kernel.h",
-           "gdn_kernel.h", "vexp.h"]
+           "gdn_kernel.h", "vexp.h", "sgemm_kernel.h"]
 """Listed as the extension's dependencies, so that editing one (or an ISA file) rebuilds it."""
 
 X86_ISA_SOURCES = {
@@ -35,6 +35,8 @@ X86_ISA_SOURCES = {
     "attention_avx512.c": ["-mavx512f"],
     "mixers_avx2.c": ["-mavx2"],
     "mixers_avx512.c": ["-mavx512f"],
+    "sgemm_avx512.c": ["-mavx512f"],
+    "vit_attention_avx512.c": ["-mavx512f"],
 }
 
 IS_X86 = platform.machine().lower() in {"x86_64", "amd64", "i386", "i686", "x86"}

@@ -185,4 +185,47 @@ int dd_step(int isa, const dd_step_model *m, const dd_step_state *s, size_t pos,
  * libm's exp): the dense FFN's gate of the decode step and of the per-hook path alike. */
 void dd_silu_mul(const float *g, const float *u, size_t n, float *y);
 
+/* ---- float32 GEMM with pre-packed weights (sgemm_avx512.c), the vision towers' projections ------------
+ * out[i][j] = act(sum_k x[i][k] w[j][k] + bias[j]) + add[i][j] for i < m, j < n, where w is the (n, k)
+ * row-major weight (GGUF math shape) that dd_sgemm_pack_rows laid out once as panels of DD_SGEMM_NR output
+ * columns: packed[(j / NR) * k * NR + kk * NR + j % NR] = w[j][kk], columns past n zero; the buffer holds
+ * dd_sgemm_packed_floats(n, k) floats. Each sum is one float32 fused-multiply-add chain over kk = 0, 1, ...,
+ * k - 1 in order, started from 0 (whatever the blocking, the thread count or the row/column split), then
+ * + bias[j] (bias may be NULL: 0), then act (DD_ACT_NONE; DD_ACT_GELU_TANH: x / (1 + exp(-2 u)),
+ * u = sqrt(2/pi) (x + 0.044715 x^3), the tanh form of GELU; DD_ACT_GELU_ERF: 0.5 x erfc(-x / sqrt 2) with
+ * Numerical Recipes' erfc, section 6.2.2), then + add[i][j] (add may be NULL, or equal to out with
+ * ld_add == ldo: a residual update). x rows are ldx floats apart, out rows ldo, add rows ld_add.
+ * threads: at most this many of the pool's threads (dd_set_threads) take part, the caller's included.
+ * Needs AVX-512 F (DD_ISA_AVX512VNNI level): DD_ERR_ISA otherwise; DD_ERR_ARG for a bad shape or act;
+ * DD_ERR_NOMEM if scratch cannot be allocated. */
+#define DD_SGEMM_NR 32
+enum { DD_ACT_NONE = 0, DD_ACT_GELU_TANH = 1, DD_ACT_GELU_ERF = 2 };
+size_t dd_sgemm_packed_floats(size_t n, size_t k);
+/* Pack rows row0 .. row0 + rows - 1 of an (n, k) weight into the panels above: source row r is k values of
+ * type dtype (DD_DTYPE_F32, DD_DTYPE_F16: IEEE half, DD_DTYPE_BF16: the top half of a float32) starting
+ * ldw values after row r - 1's (a GGUF tensor as stored, converted to float32 exactly while packing). The
+ * call that packs row n - 1 also zeroes the columns past n, so calls covering 0 .. n - 1 once each, in any
+ * order, fill the whole buffer (e.g. q, k and v side by side). Writes in address order. DD_ERR_ARG for
+ * rows == 0, k == 0, ldw < k, row0 + rows > n or an unknown dtype. */
+#define DD_DTYPE_F32 0
+#define DD_DTYPE_F16 1
+#define DD_DTYPE_BF16 2
+int dd_sgemm_pack_rows(const void *w, int dtype, size_t ldw, size_t rows, size_t k, size_t row0, size_t n,
+                       float *packed);
+int dd_sgemm(const float *x, size_t ldx, size_t m, size_t k, const float *packed, size_t n, const float *bias,
+             int act, const float *add, size_t ld_add, float *out, size_t ldo, int threads);
+/* y[i] = act(x[i]) for i < n with the epilogue's vector arithmetic above (DD_ERR_ISA / DD_ERR_ARG as dd_sgemm). */
+int dd_sgemm_act(int act, const float *x, size_t n, float *y);
+
+/* Full (non-causal) attention of each piece of a stack, head by head (vit_attention_avx512.c): for row i of
+ * piece p (rows starts[p] .. starts[p + 1] - 1) and head h,
+ *   out[i][h*hd + c] = sum_j P_ij v_j[h*hd + c],  P_i = softmax_j((q_i / sqrt(hd)) . k_j) over the rows j of p,
+ * where row i of qkv holds [q_i | k_i | v_i], each n_head * hd floats (a fused q|k|v projection), rows ldq
+ * floats apart; out rows are ldo floats apart. The products use the GEMM's micro-kernel (one FMA chain over d
+ * for a score, over j for an output), the softmax sg_exp and a float sum, so every thread count gives the
+ * same bits and a piece the same bits alone or in a stack. threads as dd_sgemm. hd <= 256; starts holds
+ * n_piece + 1 non-decreasing offsets from 0. DD_ERR_ISA without AVX-512 F, DD_ERR_ARG, DD_ERR_NOMEM. */
+int dd_vit_attention(const float *qkv, size_t ldq, const size_t *starts, size_t n_piece, size_t n_head, size_t hd,
+                     float *out, size_t ldo, int threads);
+
 #endif

@@ -7,7 +7,9 @@
  * each thread's weight reads one forward stream, so the kernels' prefetch of the rows after a chunk
  * (DD_PREFETCH_ROWS) fetches what the same thread reads next, not rows another core is reading
  * (with one shared counter, threads took every other chunk). Each chunk's result depends only on
- * its index, never on the thread that ran it.
+ * its index, never on the thread that ran it. dd_pool_for_limit caps the threads that claim chunks:
+ * a job with limit L has min(L, workers + 1) home ranges, and only threads 0 .. ranges - 1 claim;
+ * the others enter and leave the job without claiming.
  *
  * A job is published by bumping a generation counter. Workers spin on it briefly (decode issues
  * many small products back to back, and a futex wake costs more than a small GEMV), then sleep
@@ -46,7 +48,7 @@ static struct {
     dd_chunk_fn fn;                /* the current job; read only by threads inside it */
     void *ctx;
     int sleeping, waiting_done;
-    int nranges;                   /* home ranges of the current job: nworkers + 1 */
+    int nranges;                   /* home ranges of the current job: min(limit, nworkers + 1) */
 } pool = {
     .run_lock = PTHREAD_MUTEX_INITIALIZER,
     .lock = PTHREAD_MUTEX_INITIALIZER,
@@ -95,7 +97,7 @@ static void *worker_main(void *arg)
         if (atomic_load(&pool.stop))
             return NULL;
         seen = gen;
-        if (!(atomic_fetch_add_explicit(&pool.state, 1, memory_order_acq_rel) & CLOSED))
+        if (!(atomic_fetch_add_explicit(&pool.state, 1, memory_order_acq_rel) & CLOSED) && self < pool.nranges)
             claim_chunks(self);
         if (atomic_fetch_sub_explicit(&pool.state, 1, memory_order_acq_rel) == (CLOSED | 1u)) {
             pthread_mutex_lock(&pool.lock);
@@ -176,7 +178,7 @@ int dd_get_threads(void)
     return pool.nthreads;
 }
 
-static void run_locked(dd_chunk_fn fn, void *ctx, size_t nchunks)
+static void run_locked(dd_chunk_fn fn, void *ctx, size_t nchunks, int limit)
 {
     if (pool.nworkers == 0 && pool.nthreads > 1)
         start_workers();
@@ -187,7 +189,7 @@ static void run_locked(dd_chunk_fn fn, void *ctx, size_t nchunks)
     }
     pool.fn = fn;
     pool.ctx = ctx;
-    pool.nranges = pool.nworkers + 1;
+    pool.nranges = pool.nworkers + 1 < limit ? pool.nworkers + 1 : limit;
     for (int t = 0; t < pool.nranges; t++) {
         atomic_store_explicit(&ranges[t].next, nchunks * (size_t)t / (size_t)pool.nranges, memory_order_relaxed);
         ranges[t].end = nchunks * (size_t)(t + 1) / (size_t)pool.nranges;
@@ -221,15 +223,20 @@ static void run_locked(dd_chunk_fn fn, void *ctx, size_t nchunks)
     pthread_mutex_unlock(&pool.lock);
 }
 
-void dd_pool_for(dd_chunk_fn fn, void *ctx, size_t nchunks)
+void dd_pool_for_limit(dd_chunk_fn fn, void *ctx, size_t nchunks, int max_threads)
 {
-    if (nchunks <= 1 || pool.nthreads == 1) {
+    if (nchunks <= 1 || pool.nthreads == 1 || max_threads <= 1) {
         for (size_t c = 0; c < nchunks; c++)
             fn(ctx, c);
         return;
     }
     pthread_once(&atfork_once, register_atfork);
     pthread_mutex_lock(&pool.run_lock);
-    run_locked(fn, ctx, nchunks);
+    run_locked(fn, ctx, nchunks, max_threads);
     pthread_mutex_unlock(&pool.run_lock);
+}
+
+void dd_pool_for(dd_chunk_fn fn, void *ctx, size_t nchunks)
+{
+    dd_pool_for_limit(fn, ctx, nchunks, DD_MAX_THREADS);
 }

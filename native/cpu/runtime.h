@@ -9,6 +9,8 @@
  * are served one at a time; nchunks <= 1 runs on the caller alone. */
 typedef void (*dd_chunk_fn)(void *ctx, size_t chunk);
 void dd_pool_for(dd_chunk_fn fn, void *ctx, size_t nchunks);
+/* dd_pool_for with at most max_threads threads (the caller's included) claiming chunks. */
+void dd_pool_for_limit(dd_chunk_fn fn, void *ctx, size_t nchunks, int max_threads);
 
 /* Rows per chunk: a multiple of 4 (the GEMV tile) holding about 32 KiB of weights, so a decode-
  * sized product splits into enough chunks to balance and a tiny one stays on the caller. */

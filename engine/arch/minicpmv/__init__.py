@@ -4,8 +4,9 @@ on the dense Qwen3.5 text model (GGUF ``qwen35``).
 - :mod:`.mmproj`: the llama.cpp projector layout (keys, tensors), validated reading, random-weight writing;
 - :mod:`.preprocess`: HF ``MiniCPMV4_6ImageProcessorPil`` (resize, slicing, patches, position buckets,
   image-token counts);
-- :mod:`.tower`: the numpy float32 forward (16x and 4x modes) and :class:`.tower.PiecesTower`, the
-  :class:`engine.registry.VisionTower` the engine's image encoder drives;
+- :mod:`.tower`: the float32 forward (16x and 4x modes; native kernels on AVX-512, numpy otherwise) and
+  :class:`.tower.PiecesTower`, the :class:`engine.registry.VisionTower` the engine's image encoder drives;
+- :mod:`.packing`: the projection weights packed for the native GEMM;
 - :mod:`.layout`: the prompt layout of an image (slice rows) and the sequential positions.
 
 The facts are taken from HF transformers ``models/minicpmv4_6/`` (``modeling_minicpmv4_6.py``,

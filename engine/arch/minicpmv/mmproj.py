@@ -119,13 +119,65 @@ PRESETS: dict[str, MiniCPMVHParams] = {
 70x70 position grid), ``real`` = MiniCPM-V 4.6 (HF ``openbmb/MiniCPM-V-4.6`` ``config.json``)."""
 
 
+class StoredWeights(Mapping[str, np.ndarray]):
+    """A projector's tensors by GGUF name: the 1-D ones and the position table dequantized to float32 at load,
+    the other matrices (the projections and the patch kernel) left in the file's read-only memory map.
+
+    ``w[name]`` is a float32 array in math shape; for a matrix it is dequantized on each access (a new
+    array: callers that use it more than once keep it). :meth:`stored` gives a matrix as stored, without a
+    copy, for consumers that convert it themselves (the native GEMM's packing). The map stays open while this
+    object (or a view from :meth:`stored`) is referenced.
+    """
+
+    def __init__(self, header: Header, shapes: dict[str, tuple[int, ...]], qtypes: dict[str, GGMLQuantizationType]):
+        self._shapes, self._qtypes = shapes, qtypes
+        self._raw = {n: header.tensor_bytes(header.tensors[n]) for n in shapes if _is_matrix(n, shapes[n])}
+        self._loaded = {n: quant.dequantize(header.tensor_bytes(header.tensors[n]), qtypes[n], shapes[n])
+                        for n in shapes if n not in self._raw}
+
+    def __getitem__(self, name: str) -> np.ndarray:
+        if name in self._raw:
+            return quant.dequantize(self._raw[name], self._qtypes[name], self._shapes[name])
+        return self._loaded[name]
+
+    def __iter__(self):
+        return iter(self._shapes)
+
+    def __len__(self) -> int:
+        return len(self._shapes)
+
+    @property
+    def loaded(self) -> dict[str, np.ndarray]:
+        """The float32 tensors dequantized at load (the 1-D ones and the position table), by name."""
+        return self._loaded
+
+    def stored(self, name: str) -> np.ndarray | None:
+        """Matrix ``name`` in math shape as stored: a float32, float16 or :data:`engine.kernels.sgemm.BF16`
+        view of the map for an F32, F16 or BF16 tensor; None for a block-quantized one or a tensor loaded as
+        float32 at load. Raises KeyError for an unknown name."""
+        qtype = self._qtypes[name]
+        if name not in self._raw or qtype not in _STORED_DTYPES:
+            return None
+        return self._raw[name].view(_STORED_DTYPES[qtype]).reshape(self._shapes[name])
+
+
+_STORED_DTYPES = {Q.F32: np.dtype("<f4"), Q.F16: np.dtype("<f2"), Q.BF16: np.dtype([("x", "<u2")])}
+"""Storage types whose tensors :meth:`StoredWeights.stored` views as they are -> the numpy dtype."""
+
+
+def _is_matrix(name: str, shape: tuple[int, ...]) -> bool:
+    """True for the tensors :class:`StoredWeights` keeps in the map (every 2-D+ one but the position table)."""
+    return len(shape) >= 2 and name != "v.position_embd.weight"
+
+
 @dataclass(frozen=True)
 class MiniCPMVMmproj:
-    """A loaded projector file: hyper-parameters plus every tensor dequantized to float32.
+    """A loaded projector file: hyper-parameters plus every tensor as float32 (:class:`StoredWeights`).
 
     Attributes:
         path: the file read. hparams: validated hyper-parameters.
-        weights: GGUF tensor name -> float32 array in math shape (module table).
+        weights: GGUF tensor name -> float32 array in math shape (module table); the matrices stay in the
+            file's memory map until read (:class:`StoredWeights`).
         qtypes: GGUF tensor name -> storage type name (``"F16"``, ``"Q8_0"``, ...).
         identity: hex digest of the file size and its first and last MiB (:func:`engine.gguf_header.file_identity`),
             the key embedding caches are scoped by.
@@ -134,7 +186,7 @@ class MiniCPMVMmproj:
 
     path: Path
     hparams: MiniCPMVHParams
-    weights: dict[str, np.ndarray]
+    weights: StoredWeights
     qtypes: dict[str, str]
     identity: str
     projector_type: str = PROJECTOR_TYPE
@@ -224,7 +276,8 @@ def _read_hparams(t: Header) -> MiniCPMVHParams:
 
 
 def load_mmproj(path: str | os.PathLike[str]) -> MiniCPMVMmproj:
-    """Open and validate a MiniCPM-V 4.6 projector GGUF and dequantize its tensors to float32.
+    """Open and validate a MiniCPM-V 4.6 projector GGUF; its vectors and position table are dequantized to float32,
+    its matrices stay in the memory map (:class:`StoredWeights`).
 
     The header is read by the bounds-checked :func:`engine.gguf_header.read_header`.
 
@@ -232,7 +285,7 @@ def load_mmproj(path: str | os.PathLike[str]) -> MiniCPMVMmproj:
         path: the ``mmproj-*.gguf`` file (llama.cpp layout, module doc).
 
     Returns:
-        :class:`MiniCPMVMmproj` (float32 weights: about 2.2 GB for the real tower).
+        :class:`MiniCPMVMmproj` (the matrices as float32 would be about 2.2 GB for the real tower).
 
     Raises:
         ModelFormatError: unreadable/truncated file, a missing or ill-typed key, a missing tensor or one of
@@ -246,9 +299,9 @@ def load_mmproj(path: str | os.PathLike[str]) -> MiniCPMVMmproj:
     if down is not None and down.ne[-1] != hp.out_dim:
         raise ModelFormatError(f"{t.source}: clip.vision.projection_dim is {hp.out_dim} but tensor "
                                f"'mm.down.weight' has {down.ne[-1]} rows (the LLM width)")
-    weights: dict[str, np.ndarray] = {}
-    qtypes: dict[str, str] = {}
-    for name, shape in tensor_shapes(hp).items():
+    qtypes: dict[str, GGMLQuantizationType] = {}
+    shapes = tensor_shapes(hp)
+    for name, shape in shapes.items():
         info = t.tensors.get(name)
         if info is None:
             raise ModelFormatError(f"{t.source}: missing tensor {name!r} (expected shape {shape})")
@@ -257,10 +310,10 @@ def load_mmproj(path: str | os.PathLike[str]) -> MiniCPMVMmproj:
             found = found[1:]
         if found != shape:
             raise ModelFormatError(f"{t.source}: tensor {name!r} has shape {found}, expected {shape}")
-        qtype = quant.check_supported(info.type_id, f"{t.source}: tensor {name!r}")
-        weights[name] = quant.dequantize(t.tensor_bytes(info), qtype, shape)
-        qtypes[name] = quant.type_name(qtype)
-    return MiniCPMVMmproj(Path(path), hp, weights, qtypes, file_identity(Path(path)))
+        qtypes[name] = quant.check_supported(info.type_id, f"{t.source}: tensor {name!r}")
+    weights = StoredWeights(t, shapes, qtypes)
+    names = {n: quant.type_name(q) for n, q in qtypes.items()}
+    return MiniCPMVMmproj(Path(path), hp, weights, names, file_identity(Path(path)))
 
 
 # ----------------------------------------------------------------------------------------------- writing

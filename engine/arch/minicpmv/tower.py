@@ -24,8 +24,10 @@ Forward of one piece of ``gh x gw`` patches in raster order, S = gh*gw, D = ``n_
 In 4x mode the window-attention merger is skipped: all layers run at full resolution. GELU: tanh form in the
 blocks and the window-attention merger (HF ``gelu_pytorch_tanh``), the exact erf form in the final merger (HF
 ``nn.GELU()``). Every norm is a LayerNorm with bias, eps from the file. Projections are float32 GEMMs on the
-dequantized weights (:func:`engine.ops.vision_reference.linear`, the Qwen tower's path), full attention is
-:func:`engine.ops.vision_reference.attention`; :class:`MiniCPMVTower` says how the work is split over threads.
+dequantized weights: on AVX-512 CPUs the native packed-weight GEMM (:class:`engine.kernels.sgemm.PackedWeight`,
+bias, GELU and residual add in its epilogue) and full attention :func:`engine.kernels.sgemm.vit_attention`;
+elsewhere numpy tiles of :func:`engine.ops.vision_reference.linear` (the Qwen tower's path) and
+:func:`engine.ops.vision_reference.attention`. :class:`MiniCPMVTower` says how the work is split over threads.
 """
 
 from __future__ import annotations
@@ -40,9 +42,11 @@ from threadpoolctl import threadpool_limits
 
 from engine.errors import GenerationCancelled
 from engine.images import ImageSource, PreparedImage, read_source
+from engine.kernels import sgemm
 from engine.ops import vision_reference as ops
 
 from .mmproj import MiniCPMVHParams, MiniCPMVMmproj
+from .packing import pack_weights
 from .preprocess import SlicePlan, bucket_position_ids, merge_factor, plan_slices, prepare_pieces
 
 StageCallback = Callable[[str, int, np.ndarray], None]
@@ -134,26 +138,32 @@ class _Plan:
 
 
 class MiniCPMVTower:
-    """The tower of one projector file, float32 numpy. :meth:`encode` runs all pieces of an image together.
+    """The tower of one projector file, float32. :meth:`encode` runs all pieces of an image together.
 
     The pieces are stacked row-wise into one ``(sum S_i, D)`` residual stream, so every projection of every
     piece is one set of GEMM calls; attention stays per piece (no attention across pieces) and the mergers'
-    2x2 windows are taken inside each piece. Work is split into fixed tiles (:data:`TILE_ROWS` x
-    :data:`TILE_COLS` GEMM tiles, each with its bias add and activation applied while the tile is in cache;
-    :data:`ROW_TASK`-row LayerNorm tasks; one (piece, head) pair per full-attention task) run by ``threads``
-    Python workers, BLAS single-threaded inside each. numpy releases the GIL in GEMMs and ufuncs, so the
-    workers run in parallel, and there is no switching between OpenBLAS's own thread pool and other work.
-    Every tile is computed by the same calls whatever the thread count, so the result does not depend on it
-    (bit for bit).
+    2x2 windows are taken inside each piece. When :mod:`engine.kernels.sgemm` is available (AVX-512, checked at
+    construction: :attr:`native`) every projection is one call of the native GEMM on weights packed at
+    construction straight from the file's memory map (the panels are the only copy of the projections: about
+    2.2 GB for the real tower, as the numpy path's float32 arrays; 4x mode leaves out the merger's), and full
+    attention one native call over all (piece, head) pairs;
+    both run on the native pool with at most ``threads`` threads and give the same bits at any thread count
+    and for a piece alone or in a stack. Otherwise projections are fixed tiles (:data:`TILE_ROWS` x
+    :data:`TILE_COLS` GEMM tiles, each with its bias add and activation applied while the tile is in cache)
+    and full attention one (piece, head) pair per task. LayerNorm (:data:`ROW_TASK`-row tasks), the window
+    attention and the numpy tiles run on ``threads`` Python workers, BLAS single-threaded inside each. numpy
+    releases the GIL in GEMMs and ufuncs, so the workers run in parallel. Every tile is computed by the same
+    calls whatever the thread count, so the result does not depend on it (bit for bit).
 
     Args:
-        mm: a loaded :class:`~engine.arch.minicpmv.mmproj.MiniCPMVMmproj` (its float32 weights are used in place).
+        mm: a loaded :class:`~engine.arch.minicpmv.mmproj.MiniCPMVMmproj`: its vectors are used in place, its
+            matrices packed (native) or dequantized to float32 (numpy) here; the tower keeps no view of the map.
         threads: worker threads (None: ``os.cpu_count()``).
         mode: ``"16x"`` or ``"4x"``; None = the file's (``clip.vision.projector.scale_factor``). HF allows
             either on the same weights (``downsample_mode``).
 
     Raises:
-        ValueError: an unknown mode.
+        ValueError: an unknown mode, or a stored matrix the native GEMM cannot pack.
     """
 
     def __init__(self, mm: MiniCPMVMmproj, threads: int | None = None, mode: str | None = None):
@@ -163,9 +173,18 @@ class MiniCPMVTower:
         merge_factor(self.mode)
         self.threads = threads
         self._workers = max(1, threads or os.cpu_count() or 1)
-        self._w = mm.weights
-        self._patch_w = mm.weights["v.patch_embd.weight"].reshape(self.hp.n_embd, -1)
+        self._native = sgemm.available()
+        self._packed: dict[str, sgemm.PackedWeight] = (pack_weights(mm.weights, self.hp, self.mode == "16x")
+                                                       if self._native else {})
+        self._w: dict[str, np.ndarray] = mm.weights.loaded if self._native else dict(mm.weights)
+        self._patch_w = None if self._native else self._w["v.patch_embd.weight"].reshape(self.hp.n_embd, -1)
         self._pool: ThreadPoolExecutor | None = None
+
+    @property
+    def native(self) -> bool:
+        """True when the projections run on the native packed-weight GEMM (:mod:`engine.kernels.sgemm`, chosen and
+        packed at construction), False on the numpy tiles."""
+        return self._native
 
     @property
     def merge(self) -> int:
@@ -205,7 +224,7 @@ class MiniCPMVTower:
               ThreadPoolExecutor(self._workers, thread_name_prefix="minicpmv") as pool):
             self._pool = pool if self._workers > 1 else None
             try:
-                h = self._linear(np.concatenate(pieces, dtype=np.float32), self._patch_w, w["v.patch_embd.bias"])
+                h = self._linear(np.concatenate(pieces, dtype=np.float32), "v.patch_embd")
                 emit("patch_embd", -1, h)
                 h += w["v.position_embd.weight"][np.concatenate([bucket_position_ids(gh, gw, hp.pos_side)
                                                                  for gh, gw in grids])]
@@ -226,8 +245,7 @@ class MiniCPMVTower:
                 d4 = 4 * hp.n_embd
                 z = self._norm(z[plan.merged_window_order()].reshape(-1, d4),
                                "mm.input_norm")
-                y = self._linear(z, w["mm.up.weight"], w["mm.up.bias"], act=_gelu_erf_into)
-                out = self._linear(y, w["mm.down.weight"], w["mm.down.bias"])
+                out = self._linear(self._linear(z, "mm.up", act="gelu_erf"), "mm.down")
                 emit("merger_out", -1, out)
             finally:
                 self._pool = None
@@ -263,27 +281,33 @@ class MiniCPMVTower:
         self._run(lambda r: ops.layer_norm(x[r], g, b, eps, out=out[r]), _spans(len(x), ROW_TASK))
         return out
 
-    def _linear(self, x: np.ndarray, w: np.ndarray, b: np.ndarray, out: np.ndarray | None = None,
-                act: Callable[[np.ndarray], None] | None = None, add_to: np.ndarray | None = None,
-                add: np.ndarray | None = None) -> np.ndarray:
-        """``y = x @ w.T + b`` (:func:`engine.ops.vision_reference.linear`) in tiles, then per tile, in order:
-        ``act(y)`` in place, ``y += add`` and ``add_to += y``.
+    def _linear(self, x: np.ndarray, name: str, out: np.ndarray | None = None, act: str | None = None,
+                add_to: np.ndarray | None = None, add: np.ndarray | None = None) -> np.ndarray:
+        """``y = act(x @ w.T + b)`` of the projection ``name`` (``name.weight``, ``name.bias``), then ``y += add``
+        and ``add_to += y``. Native: one :class:`~engine.kernels.sgemm.PackedWeight` call with all of it in the
+        epilogue (``add_to`` then receives the result and ``out`` is not used). numpy: :func:`_tiles` of
+        :func:`engine.ops.vision_reference.linear`, each followed by the same steps while in cache.
 
         Args:
-            x: (n, k) float32. w: (m, k) float32. b: (m,) float32. out: optional (n, m) float32 for ``y``.
-            act: in-place activation of one (rows, cols) tile. add: optional (n, m) float32 added to ``y``.
-            add_to: optional (n, m) float32 residual stream that receives ``y``.
+            x: (n, k) float32. out: optional (n, m) float32 for ``y``. act: None, "gelu_tanh" or "gelu_erf".
+            add: optional (n, m) float32 added to ``y``. add_to: optional (n, m) float32 residual stream.
 
         Returns:
-            ``y``, (n, m) float32.
+            ``y`` (``add_to`` when given on the native path), (n, m) float32.
         """
+        if self._native:
+            if add_to is not None:
+                return self._packed[name](x, out=add_to, act=act, add=add_to, threads=self._workers)
+            return self._packed[name](x, out=out, act=act, add=add, threads=self._workers)
+        w, b = self._weight(name), self._w[name + ".bias"]
         out = np.empty((len(x), len(w)), dtype=np.float32) if out is None else out
+        act_into = _NUMPY_ACTS[act]
 
         def tile(rc: tuple[slice, slice]) -> None:
             r, c = rc
             y = ops.linear(x[r], w[c], b[c], out=out[r, c])
-            if act is not None:
-                act(y)
+            if act_into is not None:
+                act_into(y)
             if add is not None:
                 y += add[r, c]
             if add_to is not None:
@@ -292,10 +316,17 @@ class MiniCPMVTower:
         self._run(tile, _tiles(len(x), len(w)))
         return out
 
+    def _weight(self, name: str) -> np.ndarray:
+        """The (out, in) float32 weight of projection ``name`` (the patch kernel flattened)."""
+        return self._patch_w if name == "v.patch_embd" else self._w[name + ".weight"]
+
     # -- the blocks ----------------------------------------------------------------------------------------
 
     def _qkv(self, a: np.ndarray, p: str, buf: _Buffers) -> None:
-        """q, k, v projections of ``a`` into ``buf.q``, ``buf.k``, ``buf.v`` (one set of tiles for the three)."""
+        """q, k, v projections of ``a`` into ``buf.qkv`` (columns q | k | v; one call, or one set of tiles)."""
+        if self._native:
+            self._packed[p + "attn_qkv"](a, out=buf.qkv, threads=self._workers)
+            return
         w = self._w
         jobs = [(x, out, r, c) for x, out in zip("qkv", (buf.q, buf.k, buf.v), strict=True)
                 for r, c in _tiles(len(a), out.shape[1])]
@@ -307,30 +338,35 @@ class MiniCPMVTower:
         self._run(tile, jobs)
 
     def _block(self, h: np.ndarray, il: int, buf: _Buffers, starts: np.ndarray) -> None:
-        """One SigLIP pre-norm block with full attention per piece, updating the residual stream ``h`` (S, D)
-        in place; ``starts`` (n_pieces + 1,) are the pieces' first rows."""
-        hp, w, p = self.hp, self._w, f"v.blk.{il}."
+        """One SigLIP pre-norm block with full attention per piece (native: :func:`engine.kernels.sgemm.vit_attention`
+        on the fused q|k|v rows; numpy: :func:`engine.ops.vision_reference.attention` per (piece, head) task),
+        updating the residual stream ``h`` (S, D) in place; ``starts`` (n_pieces + 1,) are the pieces' first rows."""
+        hp, p = self.hp, f"v.blk.{il}."
         hd = hp.head_dim
         self._norm_into(h, p + "ln1", buf.a)
         self._qkv(buf.a, p, buf)
-        q, k, v = (x.reshape(len(h), hp.n_head, hd) for x in (buf.q, buf.k, buf.v))
 
-        def head(job: tuple[slice, int]) -> None:
-            r, i = job
-            c = slice(i, i + 1)
-            ops.attention(q[r, c], k[r, c], v[r, c], out=buf.att[r, i * hd:(i + 1) * hd])
+        if self._native:
+            sgemm.vit_attention(buf.qkv, starts, hp.n_head, out=buf.att, threads=self._workers)
+        else:
+            q, k, v = (x.reshape(len(h), hp.n_head, hd) for x in (buf.q, buf.k, buf.v))
 
-        self._run(head, [(slice(int(s), int(e)), i) for s, e in zip(starts[:-1], starts[1:], strict=True)
-                         for i in range(hp.n_head)])
-        self._linear(buf.att, w[p + "attn_out.weight"], w[p + "attn_out.bias"], out=buf.tmp, add_to=h)
+            def head(job: tuple[slice, int]) -> None:
+                r, i = job
+                c = slice(i, i + 1)
+                ops.attention(q[r, c], k[r, c], v[r, c], out=buf.att[r, i * hd:(i + 1) * hd])
+
+            self._run(head, [(slice(int(s), int(e)), i) for s, e in zip(starts[:-1], starts[1:], strict=True)
+                             for i in range(hp.n_head)])
+        self._linear(buf.att, p + "attn_out", out=buf.tmp, add_to=h)
         self._norm_into(h, p + "ln2", buf.a)
-        self._linear(buf.a, w[p + "ffn_up.weight"], w[p + "ffn_up.bias"], out=buf.f, act=_gelu_tanh_into)
-        self._linear(buf.f, w[p + "ffn_down.weight"], w[p + "ffn_down.bias"], out=buf.tmp, add_to=h)
+        self._linear(buf.a, p + "ffn_up", out=buf.f, act="gelu_tanh")
+        self._linear(buf.f, p + "ffn_down", out=buf.tmp, add_to=h)
 
     def _vit_merger(self, h: np.ndarray, order: np.ndarray, buf: _Buffers) -> np.ndarray:
         """The window-attention merger: (S, D) rows of the stack -> (S/4, D), ``order`` the stack's window order
         (:meth:`_Plan.window_order`); windows of each piece in raster order. ``buf``: the blocks' scratch."""
-        w, p, d = self._w, "v.vit_merger.", self.hp.n_embd
+        p, d = "v.vit_merger.", self.hp.n_embd
         x = h[order]
         self._norm_into(x, p + "ln1", buf.a)
         self._qkv(buf.a, p, buf)
@@ -340,26 +376,26 @@ class MiniCPMVTower:
             att[r] = window_attention(buf.q[r], buf.k[r], buf.v[r], self.hp.n_head)
 
         self._run(windows, _spans(len(h), ROW_TASK))
-        self._linear(att, w[p + "attn_out.weight"], w[p + "attn_out.bias"], out=buf.tmp, add_to=x)
+        self._linear(att, p + "attn_out", out=buf.tmp, add_to=x)
         mean = x.reshape(-1, 4, d).mean(axis=1)
         c = self._norm_into(x.reshape(-1, 4 * d), p + "ds_ln", buf.a.reshape(-1, 4 * d))
-        f = self._linear(c, w[p + "ds_ffn_up.weight"], w[p + "ds_ffn_up.bias"], out=buf.f.reshape(len(c), -1),
-                         act=_gelu_tanh_into)
-        return self._linear(f, w[p + "ds_ffn_down.weight"], w[p + "ds_ffn_down.bias"], add=mean)
+        f = self._linear(c, p + "ds_ffn_up", out=buf.f.reshape(len(c), -1), act="gelu_tanh")
+        return self._linear(f, p + "ds_ffn_down", add=mean)
 
 
 class _Buffers:
-    """Scratch of one block over ``n`` rows: ``a`` (normed input), ``q``/``k``/``v``/``att``/``tmp`` (n, d), ``f``
-    (n, ff); :meth:`view` gives the first rows of each (the rows after the window-attention merger). The
-    window-attention merger reuses them: ``a`` as (n/4, 4d) and ``f`` as (n/4, 4ff)."""
+    """Scratch of one block over ``n`` rows: ``a`` (normed input), ``qkv`` (n, 3d) with ``q``/``k``/``v`` its column
+    views, ``att``/``tmp`` (n, d), ``f`` (n, ff); :meth:`view` gives the first rows of each (the rows after the
+    window-attention merger). The window-attention merger reuses them: ``a`` as (n/4, 4d) and ``f`` as (n/4, 4ff)."""
 
     def __init__(self, n: int, d: int, ff: int, arrays: dict[str, np.ndarray] | None = None):
         self._d, self._ff = d, ff
         self._arrays = arrays if arrays is not None else {
-            **{k: np.empty((n, d), dtype=np.float32) for k in ("a", "q", "k", "v", "att", "tmp")},
-            "f": np.empty((n, ff), dtype=np.float32)}
+            **{k: np.empty((n, d), dtype=np.float32) for k in ("a", "att", "tmp")},
+            "qkv": np.empty((n, 3 * d), dtype=np.float32), "f": np.empty((n, ff), dtype=np.float32)}
         for k, x in self._arrays.items():
             setattr(self, k, x)
+        self.q, self.k, self.v = (self.qkv[:, i * d:(i + 1) * d] for i in range(3))
 
     def view(self, n: int) -> _Buffers:
         return _Buffers(n, self._d, self._ff, {k: x[:n] for k, x in self._arrays.items()})
@@ -371,6 +407,10 @@ def _gelu_tanh_into(y: np.ndarray) -> None:
 
 def _gelu_erf_into(y: np.ndarray) -> None:
     y[...] = ops.gelu_erf(y)
+
+
+_NUMPY_ACTS = {None: None, "gelu_tanh": _gelu_tanh_into, "gelu_erf": _gelu_erf_into}
+"""The numpy path's in-place activation of a tile, by the names :meth:`MiniCPMVTower._linear` takes."""
 
 
 class PiecesTower:
