@@ -73,6 +73,28 @@ def test_gemm_columns_bit_identical_to_gemv(qtype, rng, restore):
             assert np.array_equal(mat(x[5:38]), single[5:38]), (name, n)
 
 
+@pytest.mark.skipif(not cpu.available(), reason="native CPU kernels not built")
+@pytest.mark.parametrize("qtype", K_QUANTS, ids=lambda t: t.name)
+@pytest.mark.parametrize("rows, n_super", [(1, 1), (37, 3), (301, 8), (9, 74)])
+def test_kquant_gemm_bit_identical_to_gemv(qtype, rows, n_super, rng, restore):
+    """The K-quant GEMMs (AVX-512: kq_gemm_avx512.h, rows expanded once per call; other levels:
+    kquants.h) give every column the GEMV's bits: odd row counts (the last row's zero partner),
+    thread chunks with an odd last one (301 rows), 1-8 super-blocks per row, and 74 (more than
+    the AVX-512 scratch holds: that level's tile walk); m = 2 .. 71, not multiples of 4 or 32."""
+    k = 256 * n_super
+    mat = cpu.Matrix(random_kquant(rng, rows, k, qtype), k, qtype)
+    x = (rng.standard_normal((71, k)) * rng.uniform(0.1, 10)).astype(np.float32)
+    for name in LEVELS:
+        cpu.set_isa(name)
+        cpu.set_threads(1)
+        single = np.stack([mat(x[c:c + 1])[0] for c in range(len(x))])
+        assert np.all(np.isfinite(single)) and np.all(single != 0)
+        for n in (1, 2):
+            cpu.set_threads(n)
+            for m in (2, 3, 5, 33, 71):
+                assert np.array_equal(mat(x[:m]), single[:m]), (name, n, m)
+
+
 def tied_moe(rng, kquants: bool, shared: bool) -> cpu_moe.MoEWeights:
     """random_moe's layer (or one with a Q4_K_M-like mix), expert 5's router row a copy of expert 2's."""
     if kquants:

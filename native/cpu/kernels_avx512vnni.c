@@ -220,9 +220,14 @@ DD_INLINE void kq_tile(const uint8_t *w, const uint8_t *pf, size_t rb, const dd_
 #define KQ_TILE_Q4_K(w, pf, rb, a, c0, y, ldy, R, C) kq_tile(w, pf, rb, a, DD_Q4_K, c0, y, ldy, R, C)
 #define KQ_TILE_Q5_K(w, pf, rb, a, c0, y, ldy, R, C) kq_tile(w, pf, rb, a, DD_Q5_K, c0, y, ldy, R, C)
 #define KQ_TILE_Q6_K(w, pf, rb, a, c0, y, ldy, R, C) kq_tile(w, pf, rb, a, DD_Q6_K, c0, y, ldy, R, C)
-DD_DEFINE_GEMM(gemm_q4_K, KQ_TILE_Q4_K)
-DD_DEFINE_GEMM(gemm_q5_K, KQ_TILE_Q5_K)
-DD_DEFINE_GEMM(gemm_q6_K, KQ_TILE_Q6_K)
+DD_DEFINE_GEMM(tiles_q4_K, KQ_TILE_Q4_K)
+DD_DEFINE_GEMM(tiles_q5_K, KQ_TILE_Q5_K)
+DD_DEFINE_GEMM(tiles_q6_K, KQ_TILE_Q6_K)
+
+#include "kq_gemm_avx512.h"
+KQX_DEFINE_GEMM(gemm_q4_K, tiles_q4_K, DD_Q4_K, 2)
+KQX_DEFINE_GEMM(gemm_q5_K, tiles_q5_K, DD_Q5_K, 2)
+KQX_DEFINE_GEMM(gemm_q6_K, tiles_q6_K, DD_Q6_K, 1)
 
 #define DD_BQ_LEVEL 3
 #include "bquants.h"

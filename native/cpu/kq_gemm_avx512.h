@@ -1,0 +1,266 @@
+/* K-quant products with m > 1 columns (prompt processing) at the AVX-512 VNNI level: each
+ * super-block of a row range is unpacked once per call instead of once per 4-column tile.
+ *
+ * Included by kernels_avx512vnni.c after its K-quant tile (kq_unpack, kq_row_scales). Layouts as
+ * kquants.h gives them (ggml-common.h block_q4_K / block_q5_K / block_q6_K; values, scales and
+ * mins as ggml-quants.c dequantize_row_q4_K / q5_K / q6_K and get_scale_min_k4).
+ *
+ * "Lanes = blocks". A pair of rows is expanded, super-block by super-block, into 8 vectors of
+ * unsigned quant bytes (kqx_rows): int32 lane 8r + i of vector t holds values 4t .. 4t + 3 of the
+ * 32-value block i of row r. A column's super-block is arranged alike once per row range and
+ * column (kqx_col: dword i of row t = values 4t .. 4t + 3 of block i), and broadcast to both
+ * halves. Eight vpdpbusd then leave each (row, block)'s whole integer sum S_i = sum(q a) in its own
+ * lane, so a column costs no unpacking and no transpose-add, only the dot products and the f64
+ * terms. The expanded range (KQX_W_BYTES) and the arranged columns (KQX_A_BYTES) stay in L2: the
+ * callers' row ranges hold ~64 KiB of stored weights (dd_gemm_chunk_rows).
+ *
+ * Exactness: the f64 operations are kquants.h's, lane by lane and super-block by super-block:
+ *   Q4_K / Q5_K  acc_i += (d da_i)(sc_i S_i), then acc_i -= (dmin da_i)(m_i bs_i);
+ *   Q6_K         acc_i += (d da_i) I_i, I_i = sum over halves h of sc_h (S_h - 32 s_h) in int32;
+ * formed here as (da_i (d sc_i)) S_i and (da_i bs_i)(dmin m_i). Every factor and partial product
+ * is exact in f64 (d, dmin, da: f16 values, <= 11 significant bits; sc_i, m_i < 2^6; |S_i| < 2^17;
+ * |bs_i| < 2^12: at most 46 bits), so each term is the same f64 value, and an FMA of an exact
+ * product rounds as the separate add does. The lanes are in block order and reduced by the same
+ * tree, so every output keeps the bits of the GEMV (m == 1), of every ISA level and thread count.
+ */
+#ifndef DELTADESK_KQ_GEMM_AVX512_H
+#define DELTADESK_KQ_GEMM_AVX512_H
+
+#define KQX_W_BYTES (256 * 1024)   /* expanded row pairs of one row range (stack) */
+#define KQX_A_BYTES (128 * 1024)   /* arranged columns of one column block (stack) */
+
+typedef struct {
+    __m512i q[8];      /* vector t, int32 lane 8r + i: row r's quants 4t .. 4t + 3 of block i */
+    __m512i sc[2];     /* Q6_K: lane 8r + i of sc[h] = row r's scale of half h of block i */
+    __m512d s[2][2];   /* row r: Q4_K / Q5_K {d sc_i, dmin m_i}; Q6_K {d, unused} */
+} kqx_rows;            /* one super-block of a row pair */
+
+typedef struct {
+    uint8_t q[8][32];  /* row t, dword i: the column's values 4t .. 4t + 3 of block i */
+    __m512d da;        /* lane i: block i's scale */
+    __m512d dab;       /* Q4_K / Q5_K: da_i times the sum of block i's values */
+    __m512i s32;       /* Q6_K: lane 8h + i = 32 times the sum of half h of block i */
+} kqx_col;             /* one super-block of a column */
+
+#define KQX_W_SB (KQX_W_BYTES / sizeof(kqx_rows))
+#define KQX_A_SB (KQX_A_BYTES / sizeof(kqx_col))
+
+/* Stage 1 of the transpose, lane 4u + i of output s = dword 4s + u of block i of a quad of blocks
+ * held in two vectors (x, y): order 0 = value order (x: blocks 0 | 1, y: 2 | 3), index
+ * 16 (i / 2) + 8 (i % 2) + dword; order 1 = kq_unpack's Q4_K / Q5_K order (x: 0 | 2, y: 1 | 3),
+ * index 16 (i % 2) + 8 (i / 2) + dword. */
+static const int32_t kqx_quad_idx[2][2][16] = {
+    { { 0, 8, 16, 24, 1, 9, 17, 25, 2, 10, 18, 26, 3, 11, 19, 27 },
+      { 4, 12, 20, 28, 5, 13, 21, 29, 6, 14, 22, 30, 7, 15, 23, 31 } },
+    { { 0, 16, 8, 24, 1, 17, 9, 25, 2, 18, 10, 26, 3, 19, 11, 27 },
+      { 4, 20, 12, 28, 5, 21, 13, 29, 6, 22, 14, 30, 7, 23, 15, 31 } },
+};
+/* Stage 2, qwords: [quad 0 lane 2v | quad 1 lane 2v | quad 0 lane 2v + 1 | quad 1 lane 2v + 1] */
+static const int64_t kqx_merge_idx[2][8] = { { 0, 1, 8, 9, 2, 3, 10, 11 }, { 4, 5, 12, 13, 6, 7, 14, 15 } };
+/* s16's lane 2i + h -> lane 8h + i */
+static const int32_t kqx_halves_idx[16] = { 0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15 };
+/* stands in for the missing partner of an odd last row (longer than any super-block's reads) */
+static const uint8_t kqx_zero_block[256];
+
+/* The 8 blocks of a super-block, as four vectors in `order` (see kqx_quad_idx), stored transposed:
+ * dword i of the 32 bytes at out + t * stride = values 4t .. 4t + 3 of block i. */
+DD_INLINE void kqx_transpose(const __m512i x[4], int order, uint8_t *out, size_t stride)
+{
+    __m512i p[2][2];
+    for (int quad = 0; quad < 2; quad++)
+        for (int s = 0; s < 2; s++)
+            p[quad][s] = _mm512_permutex2var_epi32(x[2 * quad], _mm512_loadu_si512(kqx_quad_idx[order][s]),
+                                                   x[2 * quad + 1]);
+    for (int s = 0; s < 2; s++)
+        for (int v = 0; v < 2; v++) {
+            const __m512i z = _mm512_permutex2var_epi64(p[0][s], _mm512_loadu_si512(kqx_merge_idx[v]), p[1][s]);
+            _mm256_storeu_si256((__m256i *)(out + (4 * s + 2 * v) * stride), _mm512_castsi512_si256(z));
+            _mm256_storeu_si256((__m256i *)(out + (4 * s + 2 * v + 1) * stride), _mm512_extracti64x4_epi64(z, 1));
+        }
+}
+
+/* Row r (0, 1) of *e from one stored super-block. */
+DD_INLINE void kqx_expand_row(const uint8_t *blk, int wtype, int r, kqx_rows *e)
+{
+    __m512i x[4];
+    __m512d d, dmin;
+    kq_unpack(blk, wtype, x);
+    kqx_transpose(x, wtype != DD_Q6_K, (uint8_t *)e->q + 32 * r, sizeof(__m512i));
+    kq_row_scales(blk, wtype, &d, &dmin);
+    if (wtype == DD_Q6_K) {
+        int32_t *sc = (int32_t *)e->sc;
+        for (int i = 0; i < 8; i++)
+            for (int h = 0; h < 2; h++)
+                sc[16 * h + 8 * r + i] = (int8_t)blk[192 + 2 * i + h];
+        e->s[r][0] = d;
+        e->s[r][1] = _mm512_setzero_pd();
+        return;
+    }
+    uint32_t words[4];   /* bytes 0-7: the blocks' scales, 8-15: their mins */
+    dd_kq_scale_words(blk, words);
+    const __m128i sm = _mm_loadu_si128((const __m128i *)words);
+    e->s[r][0] = _mm512_mul_pd(d, _mm512_cvtepi32_pd(_mm256_cvtepu8_epi32(sm)));
+    e->s[r][1] = _mm512_mul_pd(dmin, _mm512_cvtepi32_pd(_mm256_cvtepu8_epi32(_mm_srli_si128(sm, 8))));
+}
+
+/* Column super-block b0 (its first 32-value block in the acts' numbering) arranged into *p. */
+DD_INLINE void kqx_col_prep(const dd_acts *a, size_t b0, int wtype, kqx_col *p)
+{
+    __m512i x[4];
+    for (int v = 0; v < 4; v++)
+        x[v] = _mm512_loadu_si512(a->q + (b0 + 2 * v) * DD_QK);
+    kqx_transpose(x, 0, p->q[0], 32);
+    p->da = _mm512_cvtps_pd(_mm256_loadu_ps(a->bd + b0));
+    if (wtype == DD_Q6_K)
+        p->s32 = _mm512_slli_epi32(
+            _mm512_permutexvar_epi32(_mm512_loadu_si512(kqx_halves_idx), _mm512_loadu_si512(a->s16 + 2 * b0)), 5);
+    else
+        p->dab = _mm512_mul_pd(p->da, _mm512_cvtepi32_pd(_mm256_loadu_si256((const __m256i *)(a->bs + b0))));
+}
+
+/* acc[r] += the f64 terms of row r (0, 1) of pair e's super-block against column p, from the
+ * pair's integers (Q4_K / Q5_K: S_i, Q6_K: I_i; row r in lanes 8r .. 8r + 7). */
+DD_INLINE void kqx_terms(const kqx_rows *e, const kqx_col *p, __m512i ints, int wtype, __m512d acc[2])
+{
+    for (int r = 0; r < 2; r++) {
+        const __m512d s = _mm512_cvtepi32_pd(r ? _mm512_extracti64x4_epi64(ints, 1) : _mm512_castsi512_si256(ints));
+        acc[r] = _mm512_fmadd_pd(_mm512_mul_pd(p->da, e->s[r][0]), s, acc[r]);
+        if (wtype != DD_Q6_K)
+            acc[r] = _mm512_fnmadd_pd(p->dab, e->s[r][1], acc[r]);
+    }
+}
+
+/* s[pp][c] += the products of vectors [t0, t0 + 4) of P pairs' super-block with C columns'. */
+DD_INLINE void kqx_dots(const kqx_rows *const e[2], const kqx_col *const p[4], int t0, __m512i s[2][4],
+                        const int P, const int C)
+{
+    for (int t = t0; t < t0 + 4; t++)
+        for (int c = 0; c < C; c++) {
+            const __m512i av = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)p[c]->q[t]));
+            for (int pp = 0; pp < P; pp++)
+                s[pp][c] = _mm512_dpbusd_epi32(s[pp][c], _mm512_load_si512(&e[pp]->q[t]), av);
+        }
+}
+
+DD_INLINE void kqx_zero(__m512i s[2][4], const int P, const int C)
+{
+    for (int pp = 0; pp < P; pp++)
+        for (int c = 0; c < C; c++)
+            s[pp][c] = _mm512_setzero_si512();
+}
+
+/* Q6_K: the pairs' integer sums of half h, minus 32 s_h, times sc_h. */
+DD_INLINE void kqx_q6_half(const kqx_rows *const e[2], const kqx_col *const p[4], int h, __m512i s[2][4],
+                           const int P, const int C)
+{
+    for (int c = 0; c < C; c++) {
+        const __m512i s32 = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)&p[c]->s32 + h));
+        for (int pp = 0; pp < P; pp++)
+            s[pp][c] = _mm512_mullo_epi32(_mm512_sub_epi32(s[pp][c], s32), e[pp]->sc[h]);
+    }
+}
+
+/* Rows [0, 2P) of P expanded pairs (pair pp's super-block sb at e[pp * nsb + sb]) against C
+ * arranged columns (column c's at cols[c * nsb + sb]) into y (column c at y + c * ldy); rows >= nr
+ * (an odd range's zero partner) are not stored. */
+DD_INLINE void kqx_tile(const kqx_rows *e, const kqx_col *cols, size_t nsb, int wtype, float *y, size_t ldy,
+                        size_t nr, const int P, const int C)
+{
+    __m512d acc[2][4][2];
+    for (int pp = 0; pp < P; pp++)
+        for (int c = 0; c < C; c++)
+            acc[pp][c][0] = acc[pp][c][1] = _mm512_setzero_pd();
+    for (size_t sb = 0; sb < nsb; sb++) {
+        const kqx_rows *const ep[2] = { e + sb, e + (P > 1 ? nsb : 0) + sb };
+        const kqx_col *cp[4];
+        for (int c = 0; c < 4; c++)
+            cp[c] = cols + (c < C ? c : 0) * nsb + sb;
+        __m512i s[2][4], s1[2][4];
+        kqx_zero(s, P, C);
+        kqx_dots(ep, cp, 0, s, P, C);
+        if (wtype == DD_Q6_K) {
+            kqx_q6_half(ep, cp, 0, s, P, C);
+            kqx_zero(s1, P, C);
+            kqx_dots(ep, cp, 4, s1, P, C);
+            kqx_q6_half(ep, cp, 1, s1, P, C);
+            for (int pp = 0; pp < P; pp++)
+                for (int c = 0; c < C; c++)
+                    s[pp][c] = _mm512_add_epi32(s[pp][c], s1[pp][c]);
+        } else {
+            kqx_dots(ep, cp, 4, s, P, C);
+        }
+        for (int pp = 0; pp < P; pp++)
+            for (int c = 0; c < C; c++)
+                kqx_terms(ep[pp], cp[c], s[pp][c], wtype, acc[pp][c]);
+    }
+    /* block order, summed as dd_kq_tile does: ((s0 + s1) + (s2 + s3)) + ((s4 + s5) + (s6 + s7)) */
+    for (int pp = 0; pp < P; pp++)
+        for (int r = 0; r < 2; r++)
+            for (int c = 0; c < C && (size_t)(2 * pp + r) < nr; c++) {
+                double l[8];
+                _mm512_storeu_pd(l, acc[pp][c][r]);
+                y[c * ldy + 2 * pp + r] = (float)(((l[0] + l[1]) + (l[2] + l[3])) + ((l[4] + l[5]) + (l[6] + l[7])));
+            }
+}
+
+/* P expanded pairs against nc arranged columns: tiles of 4 columns, then the 1-3 left over. */
+DD_INLINE void kqx_columns(const kqx_rows *e, const kqx_col *cols, size_t nc, size_t nsb, int wtype, float *y,
+                           size_t ldy, size_t nr, const int P)
+{
+    size_t c = 0;
+    for (; c + 4 <= nc; c += 4)
+        kqx_tile(e, cols + c * nsb, nsb, wtype, y + c * ldy, ldy, nr, P, 4);
+    switch (nc - c) {
+    case 3: kqx_tile(e, cols + c * nsb, nsb, wtype, y + c * ldy, ldy, nr, P, 3); break;
+    case 2: kqx_tile(e, cols + c * nsb, nsb, wtype, y + c * ldy, ldy, nr, P, 2); break;
+    case 1: kqx_tile(e, cols + c * nsb, nsb, wtype, y + c * ldy, ldy, nr, P, 1); break;
+    default: break;
+    }
+}
+
+/* Rows [0, nrows) x all columns: row ranges of up to KQX_W_SB super-blocks of pairs expanded once,
+ * then column blocks of up to KQX_A_SB super-blocks arranged once, met in tiles of P pairs. */
+DD_INLINE void kqx_gemm(const uint8_t *w, size_t rb, size_t nrows, const dd_acts *a, float *y, size_t ldy,
+                        int wtype, const int P)
+{
+    kqx_rows e[KQX_W_SB];
+    kqx_col cols[KQX_A_SB];
+    const size_t nsb = a->nb / 8, range = KQX_W_SB / nsb * 2, cmax = KQX_A_SB / nsb / 4 * 4;
+    const size_t bytes = wtype == DD_Q4_K ? DD_Q4_K_BYTES : wtype == DD_Q5_K ? DD_Q5_K_BYTES : DD_Q6_K_BYTES;
+    for (size_t r0 = 0; r0 < nrows; r0 += range) {
+        const size_t nr = nrows - r0 < range ? nrows - r0 : range, np = (nr + 1) / 2;
+        for (size_t p = 0; p < np; p++)
+            for (size_t sb = 0; sb < nsb; sb++) {
+                const uint8_t *blk = w + (r0 + 2 * p) * rb + sb * bytes;
+                kqx_expand_row(blk, wtype, 0, &e[p * nsb + sb]);
+                kqx_expand_row(2 * p + 1 < nr ? blk + rb : kqx_zero_block, wtype, 1, &e[p * nsb + sb]);
+            }
+        for (size_t c0 = 0; c0 < a->m; c0 += cmax) {
+            const size_t nc = a->m - c0 < cmax ? a->m - c0 : cmax;
+            for (size_t c = 0; c < nc; c++)
+                for (size_t sb = 0; sb < nsb; sb++)
+                    kqx_col_prep(a, (c0 + c) * a->nbp + 8 * sb, wtype, &cols[c * nsb + sb]);
+            size_t p = 0;
+            for (; p + P <= np; p += P)
+                kqx_columns(e + p * nsb, cols, nc, nsb, wtype, y + c0 * ldy + r0 + 2 * p, ldy, nr - 2 * p, P);
+            if (p < np)
+                kqx_columns(e + p * nsb, cols, nc, nsb, wtype, y + c0 * ldy + r0 + 2 * p, ldy, nr - 2 * p, 1);
+        }
+    }
+}
+
+/* NAME: kqx_gemm with P-pair tiles for m > 1 when 4 columns' super-blocks fit the scratch (k up
+ * to 256 * KQX_A_SB / 4 = 18688 values), else TILES (kernels_avx512vnni.c's K-quant walk: the GEMV,
+ * and the GEMM of a longer k). */
+#define KQX_FITS(a) ((a)->nb / 8 <= KQX_A_SB / 4)
+#define KQX_DEFINE_GEMM(NAME, TILES, WTYPE, P)                                                     \
+    static void NAME(const uint8_t *w, size_t row_bytes, size_t nrows, size_t rows_avail,         \
+                     const dd_acts *a, float *y, size_t ldy)                                      \
+    {                                                                                             \
+        if (a->m > 1 && KQX_FITS(a))                                                              \
+            kqx_gemm(w, row_bytes, nrows, a, y, ldy, WTYPE, P);                                   \
+        else                                                                                      \
+            TILES(w, row_bytes, nrows, rows_avail, a, y, ldy);                                    \
+    }
+
+#endif
