@@ -227,7 +227,7 @@ DD_DEFINE_GEMM(tiles_q6_K, KQ_TILE_Q6_K)
 #include "kq_gemm_avx512.h"
 KQX_DEFINE_GEMM(gemm_q4_K, tiles_q4_K, DD_Q4_K, 2)
 KQX_DEFINE_GEMM(gemm_q5_K, tiles_q5_K, DD_Q5_K, 2)
-KQX_DEFINE_GEMM(gemm_q6_K, tiles_q6_K, DD_Q6_K, 1)
+KQX_DEFINE_GEMM(gemm_q6_K, tiles_q6_K, DD_Q6_K, 2)
 
 #define DD_BQ_LEVEL 3
 #include "bquants.h"

@@ -160,6 +160,21 @@ DD_INLINE void kqx_q6_half(const kqx_rows *const e[2], const kqx_col *const p[4]
     }
 }
 
+/* Eight (row, column) accumulators, each summed in block order as dd_kq_tile does,
+ * ((l0 + l1) + (l2 + l3)) + ((l4 + l5) + (l6 + l7)), eight at a time, and rounded to f32: lane j
+ * of the result is v[j]'s sum. */
+DD_INLINE __m256 kqx_reduce8(const __m512d v[8])
+{
+    __m512d s1[4], s2[2];
+    for (int j = 0; j < 4; j++)   /* 128-bit lane L: (l2L + l2L+1) of v[2j], of v[2j + 1] */
+        s1[j] = _mm512_add_pd(_mm512_unpacklo_pd(v[2 * j], v[2 * j + 1]), _mm512_unpackhi_pd(v[2 * j], v[2 * j + 1]));
+    for (int j = 0; j < 2; j++)   /* lanes: l0-3 of v[4j], v[4j + 1], l4-7 of them, then of v[4j + 2], v[4j + 3] */
+        s2[j] = _mm512_add_pd(_mm512_shuffle_f64x2(s1[2 * j], s1[2 * j + 1], _MM_SHUFFLE(2, 0, 2, 0)),
+                              _mm512_shuffle_f64x2(s1[2 * j], s1[2 * j + 1], _MM_SHUFFLE(3, 1, 3, 1)));
+    return _mm512_cvtpd_ps(_mm512_add_pd(_mm512_shuffle_f64x2(s2[0], s2[1], _MM_SHUFFLE(2, 0, 2, 0)),
+                                         _mm512_shuffle_f64x2(s2[0], s2[1], _MM_SHUFFLE(3, 1, 3, 1))));
+}
+
 /* Rows [0, 2P) of P expanded pairs (pair pp's super-block sb at e[pp * nsb + sb]) against C
  * arranged columns (column c's at cols[c * nsb + sb]) into y (column c at y + c * ldy); rows >= nr
  * (an odd range's zero partner) are not stored. */
@@ -193,14 +208,22 @@ DD_INLINE void kqx_tile(const kqx_rows *e, const kqx_col *cols, size_t nsb, int 
             for (int c = 0; c < C; c++)
                 kqx_terms(ep[pp], cp[c], s[pp][c], wtype, acc[pp][c]);
     }
-    /* block order, summed as dd_kq_tile does: ((s0 + s1) + (s2 + s3)) + ((s4 + s5) + (s6 + s7)) */
-    for (int pp = 0; pp < P; pp++)
-        for (int r = 0; r < 2; r++)
-            for (int c = 0; c < C && (size_t)(2 * pp + r) < nr; c++) {
-                double l[8];
-                _mm512_storeu_pd(l, acc[pp][c][r]);
-                y[c * ldy + 2 * pp + r] = (float)(((l[0] + l[1]) + (l[2] + l[3])) + ((l[4] + l[5]) + (l[6] + l[7])));
-            }
+    __m512d v[16];
+    float out[16];
+    int n = 0;
+    for (int c = 0; c < C; c++)
+        for (int pp = 0; pp < P; pp++)
+            for (int r = 0; r < 2; r++)
+                v[n++] = acc[pp][c][r];
+    for (; n % 8; n++)
+        v[n] = _mm512_setzero_pd();
+    for (int g = 0; g < n; g += 8)
+        _mm256_storeu_ps(out + g, kqx_reduce8(v + g));
+    n = 0;
+    for (int c = 0; c < C; c++)
+        for (int r = 0; r < 2 * P; r++, n++)
+            if ((size_t)r < nr)
+                y[c * ldy + r] = out[n];
 }
 
 /* P expanded pairs against nc arranged columns: tiles of 4 columns, then the 1-3 left over. */
