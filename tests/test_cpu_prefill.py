@@ -75,12 +75,13 @@ def test_gemm_columns_bit_identical_to_gemv(qtype, rng, restore):
 
 @pytest.mark.skipif(not cpu.available(), reason="native CPU kernels not built")
 @pytest.mark.parametrize("qtype", K_QUANTS, ids=lambda t: t.name)
-@pytest.mark.parametrize("rows, n_super", [(1, 1), (37, 3), (301, 8), (9, 74)])
+@pytest.mark.parametrize("rows, n_super", [(1, 1), (37, 3), (301, 8), (9, 74), (3, 300)])
 def test_kquant_gemm_bit_identical_to_gemv(qtype, rows, n_super, rng, restore):
-    """The K-quant GEMMs (AVX-512: kq_gemm_avx512.h, rows expanded once per call; other levels:
-    kquants.h) give every column the GEMV's bits: odd row counts (the last row's zero partner),
-    thread chunks with an odd last one (301 rows), 1-8 super-blocks per row, and 74 (more than
-    the AVX-512 scratch holds: that level's tile walk); m = 2 .. 71, not multiples of 4 or 32."""
+    """The K-quant GEMMs, which unpack a row range once per call (AVX-512: kq_gemm_avx512.h; the
+    other levels: kquants.h's dd_kq_gemm_unpacked), give every column the GEMV's bits: odd row
+    counts (the AVX-512 last row's zero partner), thread chunks with an odd last one (301 rows),
+    1-8 super-blocks per row, 74 (more than the AVX-512 scratch holds: that level's tile walk) and
+    300 (the same at the other levels); m = 2 .. 71, not multiples of 4 or 32."""
     k = 256 * n_super
     mat = cpu.Matrix(random_kquant(rng, rows, k, qtype), k, qtype)
     x = (rng.standard_normal((71, k)) * rng.uniform(0.1, 10)).astype(np.float32)

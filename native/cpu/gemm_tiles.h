@@ -75,6 +75,19 @@ DD_INLINE void dd_prefetch_rows(const uint8_t *w, size_t row_bytes, size_t rows)
         }                                                                                         \
     }
 
+/* DD_DEFINE_GEMM_SPLIT(NAME, TILES, FITS, GEMM_M) defines a dd_gemm_fn NAME that runs
+ * GEMM_M(w, row_bytes, nrows, a, y, ldy) for m > 1 when FITS(a), else TILES (a DD_DEFINE_GEMM):
+ * the K-quant GEMMs that unpack a row range once per call (kquants.h, kq_gemm_avx512.h). */
+#define DD_DEFINE_GEMM_SPLIT(NAME, TILES, FITS, GEMM_M)                                           \
+    static void NAME(const uint8_t *w, size_t row_bytes, size_t nrows, size_t rows_avail,         \
+                     const dd_acts *a, float *y, size_t ldy)                                      \
+    {                                                                                             \
+        if (a->m > 1 && FITS(a))                                                                  \
+            GEMM_M(w, row_bytes, nrows, a, y, ldy);                                               \
+        else                                                                                      \
+            TILES(w, row_bytes, nrows, rows_avail, a, y, ldy);                                    \
+    }
+
 /* DD_DEFINE_TYPED_GEMMS() defines gemm_q4_0 and gemm_q8_0 in a kernel file whose one tile function
  * tile(w, pf, rb, a, wtype, c0, y, ldy, R, C) takes the weight type (DD_Q4_0 or DD_Q8_0) as an argument. */
 #define DD_TILE_Q4_0(w, pf, rb, a, c0, y, ldy, R, C) tile(w, pf, rb, a, DD_Q4_0, c0, y, ldy, R, C)

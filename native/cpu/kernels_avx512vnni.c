@@ -225,9 +225,9 @@ DD_DEFINE_GEMM(tiles_q5_K, KQ_TILE_Q5_K)
 DD_DEFINE_GEMM(tiles_q6_K, KQ_TILE_Q6_K)
 
 #include "kq_gemm_avx512.h"
-KQX_DEFINE_GEMM(gemm_q4_K, tiles_q4_K, DD_Q4_K, 2)
-KQX_DEFINE_GEMM(gemm_q5_K, tiles_q5_K, DD_Q5_K, 2)
-KQX_DEFINE_GEMM(gemm_q6_K, tiles_q6_K, DD_Q6_K, 2)
+DD_DEFINE_GEMM_SPLIT(gemm_q4_K, tiles_q4_K, KQX_FITS, KQX_GEMM_Q4_K)
+DD_DEFINE_GEMM_SPLIT(gemm_q5_K, tiles_q5_K, KQX_FITS, KQX_GEMM_Q5_K)
+DD_DEFINE_GEMM_SPLIT(gemm_q6_K, tiles_q6_K, KQX_FITS, KQX_GEMM_Q6_K)
 
 #define DD_BQ_LEVEL 3
 #include "bquants.h"

@@ -272,18 +272,11 @@ DD_INLINE void kqx_gemm(const uint8_t *w, size_t rb, size_t nrows, const dd_acts
     }
 }
 
-/* NAME: kqx_gemm with P-pair tiles for m > 1 when 4 columns' super-blocks fit the scratch (k up
- * to 256 * KQX_A_SB / 4 = 18688 values), else TILES (kernels_avx512vnni.c's K-quant walk: the GEMV,
- * and the GEMM of a longer k). */
+/* kqx_gemm runs when 4 columns' super-blocks fit the scratch (k up to 256 * KQX_A_SB / 4 = 18688
+ * values); a longer k keeps kernels_avx512vnni.c's K-quant walk (DD_DEFINE_GEMM_SPLIT). */
 #define KQX_FITS(a) ((a)->nb / 8 <= KQX_A_SB / 4)
-#define KQX_DEFINE_GEMM(NAME, TILES, WTYPE, P)                                                     \
-    static void NAME(const uint8_t *w, size_t row_bytes, size_t nrows, size_t rows_avail,         \
-                     const dd_acts *a, float *y, size_t ldy)                                      \
-    {                                                                                             \
-        if (a->m > 1 && KQX_FITS(a))                                                              \
-            kqx_gemm(w, row_bytes, nrows, a, y, ldy, WTYPE, P);                                   \
-        else                                                                                      \
-            TILES(w, row_bytes, nrows, rows_avail, a, y, ldy);                                    \
-    }
+#define KQX_GEMM_Q4_K(w, rb, n, a, y, ldy) kqx_gemm(w, rb, n, a, y, ldy, DD_Q4_K, 2)
+#define KQX_GEMM_Q5_K(w, rb, n, a, y, ldy) kqx_gemm(w, rb, n, a, y, ldy, DD_Q5_K, 2)
+#define KQX_GEMM_Q6_K(w, rb, n, a, y, ldy) kqx_gemm(w, rb, n, a, y, ldy, DD_Q6_K, 2)
 
 #endif
