@@ -60,8 +60,13 @@ def test_gemm_columns_bit_identical_to_gemv(qtype, rng, restore):
     block = quant.TYPES[qtype].block_values
     k = block * (47 if block == 32 else 5)
     raw = random_blocks(rng, 301, k, qtype)
-    mat = cpu.Matrix(raw, k, qtype)
     x = (rng.standard_normal((70, k)) * rng.uniform(0.1, 10)).astype(np.float32)
+    assert_columns_match_gemv(cpu.Matrix(raw, k, qtype), x, [slice(None), slice(5, 38)])
+
+
+def assert_columns_match_gemv(mat: cpu.Matrix, x: np.ndarray, pieces: list[slice]) -> None:
+    """At every level, 1 and 2 threads: mat's product with each piece of x's columns equals, bit
+    for bit, the GEMV of each column alone."""
     for name in LEVELS:
         cpu.set_isa(name)
         cpu.set_threads(1)
@@ -69,31 +74,23 @@ def test_gemm_columns_bit_identical_to_gemv(qtype, rng, restore):
         assert np.all(np.isfinite(single)) and np.any(single != 0)
         for n in (1, 2):
             cpu.set_threads(n)
-            assert np.array_equal(mat(x), single), (name, n)
-            assert np.array_equal(mat(x[5:38]), single[5:38]), (name, n)
+            for piece in pieces:
+                assert np.array_equal(mat(x[piece]), single[piece]), (name, n, piece)
 
 
 @pytest.mark.skipif(not cpu.available(), reason="native CPU kernels not built")
 @pytest.mark.parametrize("qtype", K_QUANTS, ids=lambda t: t.name)
 @pytest.mark.parametrize("rows, n_super", [(1, 1), (37, 3), (301, 8), (9, 74), (3, 300)])
 def test_kquant_gemm_bit_identical_to_gemv(qtype, rows, n_super, rng, restore):
-    """The K-quant GEMMs, which unpack a row range once per call (AVX-512: kq_gemm_avx512.h; the
-    other levels: kquants.h's dd_kq_gemm_unpacked), give every column the GEMV's bits: odd row
-    counts (the AVX-512 last row's zero partner), thread chunks with an odd last one (301 rows),
+    """The K-quant GEMMs, which unpack a row range once per call (AVX-512: kq_gemm_avx512.h; AVX2:
+    kquants.h's dd_kq_gemm_unpacked; SSSE3 and scalar walk), give every column the GEMV's bits: odd
+    row counts (the AVX-512 last row's zero partner), thread chunks with an odd last one (301 rows),
     1-8 super-blocks per row, 74 (more than the AVX-512 scratch holds: that level's tile walk) and
-    300 (the same at the other levels); m = 2 .. 71, not multiples of 4 or 32."""
+    300 (the same at AVX2); m = 2 .. 71, not multiples of 4 or 32."""
     k = 256 * n_super
-    mat = cpu.Matrix(random_kquant(rng, rows, k, qtype), k, qtype)
     x = (rng.standard_normal((71, k)) * rng.uniform(0.1, 10)).astype(np.float32)
-    for name in LEVELS:
-        cpu.set_isa(name)
-        cpu.set_threads(1)
-        single = np.stack([mat(x[c:c + 1])[0] for c in range(len(x))])
-        assert np.all(np.isfinite(single)) and np.all(single != 0)
-        for n in (1, 2):
-            cpu.set_threads(n)
-            for m in (2, 3, 5, 33, 71):
-                assert np.array_equal(mat(x[:m]), single[:m]), (name, n, m)
+    assert_columns_match_gemv(cpu.Matrix(random_kquant(rng, rows, k, qtype), k, qtype), x,
+                              [slice(0, m) for m in (2, 3, 5, 33, 71)])
 
 
 def tied_moe(rng, kquants: bool, shared: bool) -> cpu_moe.MoEWeights:

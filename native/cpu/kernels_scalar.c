@@ -14,6 +14,7 @@ static inline void kq_dot8(const uint8_t *w, const int8_t *a, const int16_t *sc,
     }
 }
 #define DD_KQ_DOT8 kq_dot8
+#define DD_KQ_WALK_ONLY
 #include "kquants.h"
 #define DD_BQ_LEVEL 0
 #include "bquants.h"

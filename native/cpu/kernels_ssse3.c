@@ -33,7 +33,7 @@ DD_INLINE void kq_dot8(const uint8_t *w, const int8_t *a, const int16_t *sc, int
     }
 }
 #define DD_KQ_DOT8 kq_dot8
-#define DD_KQ_COPY_ROWS
+#define DD_KQ_WALK_ONLY
 #include "kquants.h"
 #define DD_BQ_LEVEL 1
 #include "bquants.h"

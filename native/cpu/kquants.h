@@ -41,38 +41,40 @@
 #endif
 
 
-/* One super-block of a row unpacked: unsigned quants in value order, integer scales and f16 scales. */
+/* One super-block of up to 4 rows unpacked: unsigned quants in value order and integer scales
+ * and f16 scales. */
 typedef struct {
-    uint8_t q[DD_QK_K];
-    int16_t sc[16];    /* per 16 values */
-    int32_t mn[8];     /* per 32 values (Q4_K, Q5_K) */
-    float d, dmin;
-} dd_kq_row;
+    uint8_t q[4][DD_QK_K];
+    int16_t sc[4][16];    /* per 16 values */
+    int32_t mn[4][8];     /* per 32 values (Q4_K, Q5_K) */
+    float d[4], dmin[4];
+} dd_kq_rows;
 
-/* The f16 scales of a super-block, and its integer scales (per 16 values) and mins (per 32). */
-DD_INLINE void dd_kq_scales(const uint8_t *blk, int wtype, dd_kq_row *u)
+/* The f16 scales of a super-block's row r, and its integer scales (per 16
+ * values) and mins (per 32). */
+DD_INLINE void dd_kq_scales(const uint8_t *blk, int wtype, dd_kq_rows *u, int r)
 {
     if (wtype == DD_Q6_K) {
         for (int i = 0; i < 16; i++)
-            u->sc[i] = (int8_t)blk[192 + i];
-        u->d = dd_f16_to_f32(dd_load_u16(blk + 208));
-        u->dmin = 0.0f;
+            u->sc[r][i] = (int8_t)blk[192 + i];
+        u->d[r] = dd_f16_to_f32(dd_load_u16(blk + 208));
+        u->dmin[r] = 0.0f;
         return;
     }
     uint32_t w[4];
     dd_kq_scale_words(blk, w);
     for (int i = 0; i < 8; i++) {
-        u->sc[2 * i] = u->sc[2 * i + 1] = (int16_t)((w[i / 4] >> (8 * (i % 4))) & 0xff);
-        u->mn[i] = (int32_t)((w[2 + i / 4] >> (8 * (i % 4))) & 0xff);
+        u->sc[r][2 * i] = u->sc[r][2 * i + 1] = (int16_t)((w[i / 4] >> (8 * (i % 4))) & 0xff);
+        u->mn[r][i] = (int32_t)((w[2 + i / 4] >> (8 * (i % 4))) & 0xff);
     }
-    u->d = dd_f16_to_f32(dd_load_u16(blk));
-    u->dmin = dd_f16_to_f32(dd_load_u16(blk + 2));
+    u->d[r] = dd_f16_to_f32(dd_load_u16(blk));
+    u->dmin[r] = dd_f16_to_f32(dd_load_u16(blk + 2));
 }
 
-/* The unsigned quants of a super-block in value order, into u->q. */
-DD_INLINE void dd_kq_quants(const uint8_t *blk, int wtype, dd_kq_row *u)
+/* The unsigned quants of a super-block in value order, into u->q[r]. */
+DD_INLINE void dd_kq_quants(const uint8_t *blk, int wtype, dd_kq_rows *u, int r)
 {
-    uint8_t *q = u->q;
+    uint8_t *q = u->q[r];
     if (wtype == DD_Q6_K) {
         const uint8_t *ql = blk, *qh = blk + 128;
         for (int n = 0; n < 2; n++, ql += 64, qh += 32, q += 128)
@@ -111,34 +113,27 @@ DD_INLINE void dd_kq_prefetch(const uint8_t *p, size_t bytes)
     __builtin_prefetch(p + bytes - 1, 0, 3);
 }
 
-/* acc += the f64 terms of row u's super-block against the column's activation blocks b0 .. b0 + 7
- * (scales da, sums bs), in the order of the exactness note above. */
-DD_INLINE void dd_kq_terms(const dd_kq_row *u, const dd_acts *a, size_t b0, dd_v8f da, dd_v8i bs, int wtype,
-                           dd_v8d *acc)
+/* acc += the f64 terms of row r of u's super-block against the column's activation blocks b0 .. b0 + 7
+ * (scales da, sums bs, half sums s16), in the order of the exactness note above. */
+DD_INLINE void dd_kq_terms(const dd_kq_rows *u, int r, const dd_acts *a, size_t b0, const int32_t *s16, dd_v8f da,
+                           dd_v8i bs, int wtype, dd_v8d *acc)
 {
     int32_t d8[8];
     dd_v8i mb;   /* Q4_K, Q5_K: M_i = m_i * (sum of activation block i) */
-    DD_KQ_DOT8(u->q, a->q + b0 * DD_QK, u->sc, d8);
+    DD_KQ_DOT8(u->q[r], a->q + b0 * DD_QK, u->sc[r], d8);
     if (wtype == DD_Q6_K) {
-        const int32_t *s16 = a->s16 + 2 * b0;
+        const int16_t *sc = u->sc[r];
         for (int i = 0; i < 8; i++)
-            d8[i] -= 32 * (u->sc[2 * i] * s16[2 * i] + u->sc[2 * i + 1] * s16[2 * i + 1]);
+            d8[i] -= 32 * (sc[2 * i] * s16[2 * i] + sc[2 * i + 1] * s16[2 * i + 1]);
     }
-    memcpy(&mb, u->mn, sizeof mb);
+    memcpy(&mb, u->mn[r], sizeof mb);
     mb *= bs;
     dd_v8i dot;
     memcpy(&dot, d8, sizeof dot);
     /* lane i: (d da_i) I_i, exact in f64; then (Q4_K, Q5_K) minus (dmin da_i) M_i */
-    *acc += __builtin_convertvector(da * u->d, dd_v8d) * __builtin_convertvector(dot, dd_v8d);
+    *acc += __builtin_convertvector(da * u->d[r], dd_v8d) * __builtin_convertvector(dot, dd_v8d);
     if (wtype != DD_Q6_K)
-        *acc -= __builtin_convertvector(da * u->dmin, dd_v8d) * __builtin_convertvector(mb, dd_v8d);
-}
-
-/* Column c0 + c's scales and sums of the super-block starting at block b0. */
-DD_INLINE void dd_kq_col(const dd_acts *a, size_t b0, dd_v8f *da, dd_v8i *bs)
-{
-    memcpy(da, a->bd + b0, sizeof *da);
-    memcpy(bs, a->bs + b0, sizeof *bs);
+        *acc -= __builtin_convertvector(da * u->dmin[r], dd_v8d) * __builtin_convertvector(mb, dd_v8d);
 }
 
 /* y for R x C accumulators: the 8 lanes in block order, summed in a fixed tree, rounded once. */
@@ -155,7 +150,7 @@ DD_INLINE void dd_kq_tile(const uint8_t *w, const uint8_t *pf, size_t rb, const 
                           float *y, size_t ldy, const int R, const int C)
 {
     const size_t bytes = dd_kq_bytes(wtype), nsb = a->nb / 8;
-    dd_kq_row u[4];
+    dd_kq_rows u;
     dd_v8d acc[4][4];
     for (int r = 0; r < R; r++)
         for (int c = 0; c < C; c++)
@@ -163,102 +158,118 @@ DD_INLINE void dd_kq_tile(const uint8_t *w, const uint8_t *pf, size_t rb, const 
     for (size_t sb = 0; sb < nsb; sb++) {
         for (int r = 0; r < R; r++) {
             dd_kq_prefetch(pf + r * rb + sb * bytes, bytes);
-            dd_kq_scales(w + r * rb + sb * bytes, wtype, &u[r]);
-            dd_kq_quants(w + r * rb + sb * bytes, wtype, &u[r]);
+            dd_kq_scales(w + r * rb + sb * bytes, wtype, &u, r);
+            dd_kq_quants(w + r * rb + sb * bytes, wtype, &u, r);
         }
         for (int c = 0; c < C; c++) {
             const size_t b0 = (c0 + c) * a->nbp + 8 * sb;
+            const int32_t *s16 = a->s16 + 2 * b0;
             dd_v8f da;
+            memcpy(&da, a->bd + b0, sizeof da);
             dd_v8i bs;
-            dd_kq_col(a, b0, &da, &bs);
-            for (int r = 0; r < R; r++)
-                dd_kq_terms(&u[r], a, b0, da, bs, wtype, &acc[r][c]);
+            memcpy(&bs, a->bs + b0, sizeof bs);
+            for (int r = 0; r < R; r++) {
+                int32_t d8[8];
+                dd_v8i mb;   /* Q4_K, Q5_K: M_i = m_i * (sum of activation block i) */
+                DD_KQ_DOT8(u.q[r], a->q + b0 * DD_QK, u.sc[r], d8);
+                if (wtype == DD_Q6_K) {
+                    const int16_t *sc = u.sc[r];
+                    for (int i = 0; i < 8; i++)
+                        d8[i] -= 32 * (sc[2 * i] * s16[2 * i] + sc[2 * i + 1] * s16[2 * i + 1]);
+                }
+                memcpy(&mb, u.mn[r], sizeof mb);
+                mb *= bs;
+                dd_v8i dot;
+                memcpy(&dot, d8, sizeof dot);
+                /* lane i: (d da_i) I_i, exact in f64; then (Q4_K, Q5_K) minus (dmin da_i) M_i */
+                acc[r][c] += __builtin_convertvector(da * u.d[r], dd_v8d) * __builtin_convertvector(dot, dd_v8d);
+                if (wtype != DD_Q6_K)
+                    acc[r][c] -= __builtin_convertvector(da * u.dmin[r], dd_v8d) * __builtin_convertvector(mb, dd_v8d);
+            }
         }
     }
-    dd_kq_store(acc, c0, y, ldy, R, C);
+    for (int r = 0; r < R; r++)
+        for (int c = 0; c < C; c++) {
+            const dd_v8d s = acc[r][c];
+            y[(c0 + c) * ldy + r] = (float)(((s[0] + s[1]) + (s[2] + s[3])) + ((s[4] + s[5]) + (s[6] + s[7])));
+        }
 }
 
 /* ---- m > 1: each row's super-blocks unpacked once per call --------------------------------
  * dd_kq_tile unpacks a super-block again for every 4-column tile (128 times in a 512-column
- * product). For m > 1 a row range is unpacked once into DD_KQ_SCRATCH bytes on the stack (a
- * caller's range, ~64 KiB of stored weights by dd_gemm_chunk_rows, unpacks to ~150 KiB: it stays
- * in L2) and meets every column block from there, with dd_kq_terms in dd_kq_tile's order: the same
- * bits. A row longer than half the scratch keeps dd_kq_tile's walk. */
+ * product). For m > 1 a row range is unpacked once, four rows to a dd_kq_rows per super-block, into
+ * DD_KQ_SCRATCH bytes on the stack (a caller's range, ~64 KiB of stored weights by
+ * dd_gemm_chunk_rows, unpacks to ~150 KiB: it stays in L2) and meets every column block from there
+ * through dd_kq_terms, in dd_kq_tile's order: the same bits. A row longer than the scratch holds
+ * for four rows keeps dd_kq_tile's walk. */
 #define DD_KQ_SCRATCH (192 * 1024)
-#define DD_KQ_SCRATCH_SB (DD_KQ_SCRATCH / sizeof(dd_kq_row))
-#define DD_KQ_FITS(a) ((a)->nb / 8 * 2 <= DD_KQ_SCRATCH_SB)
-/* A level may define DD_KQ_COPY_ROWS: the tile then copies each row's unpacked super-block to the
- * stack before use, as dd_kq_tile has it. A codegen choice only (C harness, Q6_K 512 x 2048, m = 64,
- * thread CPU time): SSSE3 6.6 ms copied, 18 ms read in place; AVX2 3.9 copied, 3.0 in place. */
+#define DD_KQ_SCRATCH_SB (DD_KQ_SCRATCH / sizeof(dd_kq_rows))
+#define DD_KQ_FITS(a) ((a)->nb / 8 <= DD_KQ_SCRATCH_SB)
+/* A level may define DD_KQ_WALK_ONLY to keep dd_kq_tile's walk for m > 1 as well. SSSE3 does: GCC's
+ * code for the unpacked Q6_K tile there ran 2.7x slower than the walk (C harness, Q6_K 512 x 2048,
+ * m = 64, thread CPU time: 18.8 ms vs 6.8) and its Q4_K gained 2 %. The scalar level does: with the
+ * split its Q6_K GEMV (m = 1) compiled ~12 % slower, for a 13 % gain at m = 64. */
 
-/* Unpacked rows [0, R) (row r's super-block sb at e[r * nsb + sb]) x columns [c0, c0 + C). */
-DD_INLINE void dd_kq_unpacked_tile(const dd_kq_row *e, size_t nsb, const dd_acts *a, int wtype, size_t c0,
-                                   float *y, size_t ldy, const int R, const int C)
+/* Rows s0 .. s0 + R - 1 of the unpacked quads e (super-block sb at e[sb]) x columns [c0, c0 + C). */
+DD_INLINE void dd_kq_unpacked_tile(const dd_kq_rows *e, int s0, size_t nsb, const dd_acts *a, int wtype,
+                                   size_t c0, float *y, size_t ldy, const int R, const int C)
 {
     dd_v8d acc[4][4];
     for (int r = 0; r < R; r++)
         for (int c = 0; c < C; c++)
             acc[r][c] = (dd_v8d){ 0 };
     for (size_t sb = 0; sb < nsb; sb++) {
-        const dd_kq_row *u[2];
-#ifdef DD_KQ_COPY_ROWS
-        dd_kq_row copy[2];
-        for (int r = 0; r < R; r++) {
-            copy[r] = e[r * nsb + sb];
-            u[r] = &copy[r];
-        }
-#else
-        for (int r = 0; r < R; r++)
-            u[r] = &e[r * nsb + sb];
-#endif
+        const dd_kq_rows *u = &e[sb];
         for (int c = 0; c < C; c++) {
             const size_t b0 = (c0 + c) * a->nbp + 8 * sb;
             dd_v8f da;
+            memcpy(&da, a->bd + b0, sizeof da);
             dd_v8i bs;
-            dd_kq_col(a, b0, &da, &bs);
+            memcpy(&bs, a->bs + b0, sizeof bs);
             for (int r = 0; r < R; r++)
-                dd_kq_terms(u[r], a, b0, da, bs, wtype, &acc[r][c]);
+                dd_kq_terms(u, s0 + r, a, b0, a->s16 + 2 * b0, da, bs, wtype, &acc[r][c]);
         }
     }
     dd_kq_store(acc, c0, y, ldy, R, C);
 }
 
-/* Unpacked rows [0, R) against columns [c0, c1): 4-column tiles, then the 1-3 left over. */
-DD_INLINE void dd_kq_unpacked_cols(const dd_kq_row *e, size_t nsb, const dd_acts *a, int wtype, size_t c0,
-                                   size_t c1, float *y, size_t ldy, const int R)
+/* Unpacked rows s0 .. s0 + R - 1 against columns [c0, c1): 4-column tiles, then the 1-3 left over. */
+DD_INLINE void dd_kq_unpacked_cols(const dd_kq_rows *e, int s0, size_t nsb, const dd_acts *a, int wtype,
+                                   size_t c0, size_t c1, float *y, size_t ldy, const int R)
 {
     size_t c = c0;
     for (; c + 4 <= c1; c += 4)
-        dd_kq_unpacked_tile(e, nsb, a, wtype, c, y, ldy, R, 4);
+        dd_kq_unpacked_tile(e, s0, nsb, a, wtype, c, y, ldy, R, 4);
     switch (c1 - c) {
-    case 3: dd_kq_unpacked_tile(e, nsb, a, wtype, c, y, ldy, R, 3); break;
-    case 2: dd_kq_unpacked_tile(e, nsb, a, wtype, c, y, ldy, R, 2); break;
-    case 1: dd_kq_unpacked_tile(e, nsb, a, wtype, c, y, ldy, R, 1); break;
+    case 3: dd_kq_unpacked_tile(e, s0, nsb, a, wtype, c, y, ldy, R, 3); break;
+    case 2: dd_kq_unpacked_tile(e, s0, nsb, a, wtype, c, y, ldy, R, 2); break;
+    case 1: dd_kq_unpacked_tile(e, s0, nsb, a, wtype, c, y, ldy, R, 1); break;
     default: break;
     }
 }
 
-/* Rows [0, nrows) x all columns: ranges of rows unpacked once, then walked in column blocks of
- * DD_GEMM_BLOCK_COLS (their activations stay in L2) and 2-row tiles. */
+/* Rows [0, nrows) x all columns: ranges of rows unpacked once (row r of a range in slot r % 4 of
+ * e[r / 4 * nsb + sb]), then walked in column blocks of DD_GEMM_BLOCK_COLS (their activations stay
+ * in L2) and 2-row tiles. */
 DD_INLINE void dd_kq_gemm_unpacked(const uint8_t *w, size_t rb, size_t nrows, const dd_acts *a, float *y,
                                    size_t ldy, int wtype)
 {
-    dd_kq_row e[DD_KQ_SCRATCH_SB];
-    const size_t nsb = a->nb / 8, bytes = dd_kq_bytes(wtype), range = DD_KQ_SCRATCH_SB / nsb;
+    dd_kq_rows e[DD_KQ_SCRATCH_SB];
+    const size_t nsb = a->nb / 8, bytes = dd_kq_bytes(wtype), range = DD_KQ_SCRATCH_SB / nsb * 4;
     for (size_t r0 = 0; r0 < nrows; r0 += range) {
         const size_t nr = nrows - r0 < range ? nrows - r0 : range;
         for (size_t r = 0; r < nr; r++)
             for (size_t sb = 0; sb < nsb; sb++) {
-                dd_kq_scales(w + (r0 + r) * rb + sb * bytes, wtype, &e[r * nsb + sb]);
-                dd_kq_quants(w + (r0 + r) * rb + sb * bytes, wtype, &e[r * nsb + sb]);
+                dd_kq_scales(w + (r0 + r) * rb + sb * bytes, wtype, &e[r / 4 * nsb + sb], (int)(r % 4));
+                dd_kq_quants(w + (r0 + r) * rb + sb * bytes, wtype, &e[r / 4 * nsb + sb], (int)(r % 4));
             }
         for (size_t c0 = 0; c0 < a->m; c0 += DD_GEMM_BLOCK_COLS) {
             const size_t c1 = a->m - c0 < DD_GEMM_BLOCK_COLS ? a->m : c0 + DD_GEMM_BLOCK_COLS;
             size_t r = 0;
             for (; r + 2 <= nr; r += 2)
-                dd_kq_unpacked_cols(e + r * nsb, nsb, a, wtype, c0, c1, y + r0 + r, ldy, 2);
+                dd_kq_unpacked_cols(e + r / 4 * nsb, (int)(r % 4), nsb, a, wtype, c0, c1, y + r0 + r, ldy, 2);
             if (r < nr)
-                dd_kq_unpacked_cols(e + r * nsb, nsb, a, wtype, c0, c1, y + r0 + r, ldy, 1);
+                dd_kq_unpacked_cols(e + r / 4 * nsb, (int)(r % 4), nsb, a, wtype, c0, c1, y + r0 + r, ldy, 1);
         }
     }
 }
@@ -270,11 +281,16 @@ DD_INLINE void dd_kq_gemm_unpacked(const uint8_t *w, size_t rb, size_t nrows, co
 #define DD_KQ_GEMM_Q5_K(w, rb, n, a, y, ldy) dd_kq_gemm_unpacked(w, rb, n, a, y, ldy, DD_Q5_K)
 #define DD_KQ_GEMM_Q6_K(w, rb, n, a, y, ldy) dd_kq_gemm_unpacked(w, rb, n, a, y, ldy, DD_Q6_K)
 
+#ifdef DD_KQ_WALK_ONLY
+DD_DEFINE_GEMM(gemm_q4_K, DD_KQ_TILE_Q4_K)
+DD_DEFINE_GEMM(gemm_q5_K, DD_KQ_TILE_Q5_K)
+DD_DEFINE_GEMM(gemm_q6_K, DD_KQ_TILE_Q6_K)
+#else
 DD_DEFINE_GEMM(dd_kq_tiles_q4_K, DD_KQ_TILE_Q4_K)
 DD_DEFINE_GEMM(dd_kq_tiles_q5_K, DD_KQ_TILE_Q5_K)
 DD_DEFINE_GEMM(dd_kq_tiles_q6_K, DD_KQ_TILE_Q6_K)
 DD_DEFINE_GEMM_SPLIT(gemm_q4_K, dd_kq_tiles_q4_K, DD_KQ_FITS, DD_KQ_GEMM_Q4_K)
 DD_DEFINE_GEMM_SPLIT(gemm_q5_K, dd_kq_tiles_q5_K, DD_KQ_FITS, DD_KQ_GEMM_Q5_K)
 DD_DEFINE_GEMM_SPLIT(gemm_q6_K, dd_kq_tiles_q6_K, DD_KQ_FITS, DD_KQ_GEMM_Q6_K)
-
+#endif
 #endif
