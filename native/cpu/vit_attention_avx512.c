@@ -60,7 +60,7 @@ static void vit_scores(const vit_head *a, size_t i0, size_t rows)
             .first = 1, .last = 1, .out = a->sc + j0 / SG_KC * SG_MR * SG_KC + j0 % SG_KC, .ldo = SG_KC,
             .cols = a->s - j0 < NR ? a->s - j0 : NR, .act = DD_ACT_NONE,
         };
-        dd_sg_tiles[rows](&t);
+        sg_tile_fn(t.cols)[rows](&t);
     }
 }
 
@@ -99,7 +99,7 @@ static void vit_weighted_sum(const vit_head *a, size_t i0, size_t rows)
                 .acc = a->acc, .first = b == 0, .last = b + 1 == a->nkb, .out = a->out + i0 * a->ldo + c0,
                 .ldo = a->ldo, .cols = a->hd - c0 < NR ? a->hd - c0 : NR, .act = DD_ACT_NONE,
             };
-            dd_sg_tiles[rows](&t);
+            sg_tile_fn(t.cols)[rows](&t);
         }
     }
 }
