@@ -28,7 +28,8 @@ dequantized weights: on AVX-512 CPUs the native packed-weight GEMM (:class:`engi
 bias, GELU and residual add in its epilogue), attention (full and 2x2-window) :func:`engine.kernels.sgemm.vit_attention`
 and LayerNorm :func:`engine.kernels.sgemm.layer_norm`; elsewhere numpy tiles of
 :func:`engine.ops.vision_reference.linear` (the Qwen tower's path), :func:`engine.ops.vision_reference.attention`,
-:func:`window_attention` and :func:`engine.ops.vision_reference.layer_norm`. :class:`MiniCPMVTower` says how the work is split over threads.
+:func:`window_attention` and :func:`engine.ops.vision_reference.layer_norm`. :class:`MiniCPMVTower` says how the work
+is split over threads.
 """
 
 from __future__ import annotations
@@ -223,9 +224,9 @@ class MiniCPMVTower:
         emit = cb or (lambda stage, il, x: None)
         quarter = self.mode == "16x"
         plan = _Plan(grids, quarter)
-        python_pool = self._workers > 1 and not self._native
-        with (threadpool_limits(limits=1, user_api="blas"),
-              ThreadPoolExecutor(self._workers, thread_name_prefix="minicpmv") if python_pool else nullcontext() as pool):
+        python_pool = (ThreadPoolExecutor(self._workers, thread_name_prefix="minicpmv")
+                       if self._workers > 1 and not self._native else nullcontext())
+        with threadpool_limits(limits=1, user_api="blas"), python_pool as pool:
             self._pool = pool
             try:
                 h = self._linear(np.concatenate(pieces, dtype=np.float32), "v.patch_embd")
