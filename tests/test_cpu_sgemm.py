@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 from engine.kernels import cpu, sgemm
+from engine.ops import vision_reference as ops
 
 pytestmark = pytest.mark.skipif(not sgemm.available(), reason="needs the native extension on an AVX-512 CPU")
 
@@ -192,10 +193,11 @@ def _qkv(rng, s, n_head, hd):
     return (rng.uniform(0.2, 1.2, shape) * rng.choice([-1.0, 1.0], shape)).astype(np.float32)
 
 
-@pytest.mark.parametrize("sizes,n_head,hd", [([13], 2, 8), ([300, 1, 37], 3, 72), ([600], 1, 40)])
+@pytest.mark.parametrize("sizes,n_head,hd", [([13], 2, 8), ([300, 1, 37], 3, 72), ([600], 1, 40), ([4] * 30, 4, 72)])
 def test_vit_attention_matches_float64(sizes, n_head, hd):
-    """Pieces of odd lengths (one key block and several of 256 keys; a 1-row piece) and head widths that are not a
-    multiple of 32. Bound: a score q.k / sqrt(hd) is an FMA chain of hd terms, off by at most
+    """Pieces of odd lengths (one key block and several of 256 keys; a 1-row piece; 4-row pieces, the window-attention
+    merger's 2x2 windows) and head widths that are not a multiple of 32 (72 and 40: a last value panel of 8
+    columns, computed by the half-width tiles). Bound: a score q.k / sqrt(hd) is an FMA chain of hd terms, off by at most
     e_s = gamma_{hd+1} |q|.|k| / sqrt(hd); exp(s - max) then carries a relative error of about 2 e_s + 8 u, the sum
     and the division add (S + 2) u, and the output's chain over the S keys gamma_S: |err| <= (4 e_s + (2 S + 16) u)
     sum_j p_j |v_j| with e_s from the row's largest |q|.|k|."""
@@ -230,6 +232,75 @@ def test_vit_attention_same_bits_at_every_thread_count_and_alone():
         cpu.set_threads(prev)
     for p0, p1 in zip(starts[:-1], starts[1:], strict=True):
         np.testing.assert_array_equal(sgemm.vit_attention(qkv[p0:p1], [0, p1 - p0], 4), ref[p0:p1])
+
+
+def test_half_width_tiles_give_the_full_tiles_bits():
+    """A last panel of at most 16 valid columns runs the half-width micro-kernel (only those columns computed); its
+    sums are the same FMA chains, so they equal the full-width kernel's bits for the same columns of a wider weight."""
+    rng = np.random.default_rng(31)
+    x, w, b, add = _data(rng, 29, 600, 64)
+    for n in (33, 40, 48):
+        narrow = sgemm.PackedWeight(w[:n], b[:n])(x, act="gelu_tanh", add=add[:, :n])
+        wide = sgemm.PackedWeight(w, b)(x, act="gelu_tanh", add=add)
+        np.testing.assert_array_equal(narrow, wide[:, :n])
+
+
+def _ln_bound(x, w, b):
+    """First-order forward error bound of dd_vit_layer_norm against float64, per element (module U): each sum runs
+    n = ceil(d / 16) + 4 additions deep (16 lanes, then a 4-level tree) plus the division, so mean is off by
+    dm <= gamma_{n+1} mean|x|; c = x - mean by dc <= dm + u|c|; var = mean(c^2) by dv <= gamma_{n+2} var + 2 dm mean|c|;
+    rstd = 1 / sqrt(var + eps) by about (dv / (2 (var + eps)) + 2u) rstd; y = (c rstd) w + b adds three roundings. Twice
+    that, for the second-order terms."""
+    x = x.astype(np.float64)
+    d = x.shape[1]
+    n = -(-d // 16) + 5
+    gamma = n * U / (1 - n * U)
+    mean = x.mean(axis=1, keepdims=True)
+    c = x - mean
+    var = (c * c).mean(axis=1, keepdims=True)
+    rstd = 1 / np.sqrt(var + 1e-6)
+    dm = gamma * np.abs(x).mean(axis=1, keepdims=True)
+    dv = (gamma + 2 * U) * var + 2 * dm * np.abs(c).mean(axis=1, keepdims=True)
+    rel_rstd = dv / (2 * (var + 1e-6)) + 2 * U
+    y = c * rstd * w + b
+    err = np.abs(w) * rstd * (dm + U * np.abs(c) + np.abs(c) * rel_rstd + 2 * U * np.abs(c)) + U * np.abs(y)
+    return 2 * err
+
+
+@pytest.mark.parametrize("m,d", [(1, 1), (7, 15), (33, 1152), (20, 4608), (5, 1000)])
+def test_layer_norm_matches_float64(m, d):
+    """Rows with an offset (mean far from 0, where a one-pass variance would cancel) and both signs, widths with and
+    without a tail shorter than 16, against float64; also within rounding of the numpy tower's LayerNorm."""
+    rng = np.random.default_rng(m * 7 + d)
+    x = (rng.uniform(0.5, 1.5, (m, d)) * rng.choice([-1.0, 1.0], (m, d)) + rng.uniform(-3, 3, (m, 1))).astype(np.float32)
+    w = (rng.uniform(0.5, 1.5, d) * rng.choice([-1.0, 1.0], d)).astype(np.float32)
+    b = rng.uniform(-1, 1, d).astype(np.float32)
+    out = sgemm.layer_norm(x, w, b, 1e-6)
+    xd = x.astype(np.float64)
+    mean = xd.mean(axis=1, keepdims=True)
+    ref = (xd - mean) / np.sqrt(((xd - mean) ** 2).mean(axis=1, keepdims=True) + 1e-6) * w + b
+    assert (np.abs(out - ref) <= _ln_bound(x, w, b)).all()
+    np.testing.assert_allclose(out, ops.layer_norm(x, w, b, 1e-6), rtol=0, atol=float(_ln_bound(x, w, b).max()) * 2)
+
+
+def test_layer_norm_same_bits_at_every_thread_count_row_subset_and_in_place():
+    rng = np.random.default_rng(41)
+    x = (rng.uniform(0.5, 1.5, (203, 1157)) * rng.choice([-1.0, 1.0], (203, 1157))).astype(np.float32)
+    w, b = (rng.uniform(0.5, 1.5, 1157).astype(np.float32) for _ in range(2))
+    prev = cpu.threads()
+    try:
+        cpu.set_threads(3)
+        ref = sgemm.layer_norm(x, w, b, 1e-6, threads=1)
+        for t in (2, 3):
+            np.testing.assert_array_equal(sgemm.layer_norm(x, w, b, 1e-6, threads=t), ref)
+    finally:
+        cpu.set_threads(prev)
+    np.testing.assert_array_equal(sgemm.layer_norm(x[50:91], w, b, 1e-6), ref[50:91])
+    wide = np.zeros((203, 1200), dtype=np.float32)
+    np.testing.assert_array_equal(sgemm.layer_norm(x, w, b, 1e-6, out=wide[:, 3:1160]), ref)
+    y = x.copy()
+    assert sgemm.layer_norm(y, w, b, 1e-6, out=y) is y
+    np.testing.assert_array_equal(y, ref)
 
 
 def test_unavailable_below_avx512():

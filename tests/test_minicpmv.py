@@ -126,7 +126,9 @@ def _run(tower: MiniCPMVTower, pieces, grids):
 
 
 @pytest.mark.parametrize("case", TOWER_CASES, ids=[c[0] for c in TOWER_CASES])
-def test_tower_stages_match_hf(case, mm, gold):
+def test_tower_stages_match_hf(case, mm, gold, gemm_path):
+    """Every stage within TOL of HF on both paths: the native kernels (GEMM, attention, LayerNorm) and the numpy
+    fallback."""
     name, hw, mode = case
     seed = TOWER_CASES.index(case)
     prep = pre.prepare_pieces(Image.fromarray(sample_image(*hw, seed)), mode=mode)

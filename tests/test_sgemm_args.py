@@ -114,3 +114,38 @@ def test_missing_extension_is_an_engine_error(monkeypatch):
     monkeypatch.setattr(cpu, "_native_cpu", None)
     with pytest.raises(EngineError, match="native CPU kernels .* not built"):
         sgemm.PackedWeight(np.ones((8, 16), np.float32))
+
+
+@needs_native
+def test_layer_norm_rejects_bad_arguments():
+    x, w = np.ones((4, 16), np.float32), np.ones(16, np.float32)
+    with pytest.raises(ValueError, match="2-D"):
+        sgemm.layer_norm(np.ones(16, np.float32), w, w, 1e-6)
+    with pytest.raises(ValueError, match="x must be"):
+        sgemm.layer_norm(np.ones((16, 4), np.float32).T, w[:4], w[:4], 1e-6)
+    with pytest.raises(ValueError, match="weight"):
+        sgemm.layer_norm(x, w[:15], w, 1e-6)
+    with pytest.raises(ValueError, match="eps"):
+        sgemm.layer_norm(x, w, w, -1.0)
+    with pytest.raises(ValueError, match="eps"):
+        sgemm.layer_norm(x, w, w, float("nan"))
+    both = np.ones((5, 16), np.float32)
+    with pytest.raises(ValueError, match="overlaps x"):
+        sgemm.layer_norm(both[:4], w, w, 1e-6, out=both[1:])
+    read_only = np.zeros((4, 16), np.float32)
+    read_only.flags.writeable = False
+    with pytest.raises(ValueError, match="read-only"):
+        sgemm.layer_norm(x, w, w, 1e-6, out=read_only)
+
+
+@needs_native
+def test_native_path_follows_the_best_level_not_vnni(monkeypatch):
+    """The GEMM needs AVX-512 F only: on a CPU whose best level is avx2 (AVX-512 F without VNNI, e.g. Skylake-X) it is
+    still chosen, unless the level is set lower; below the best level the numpy path runs."""
+    if not cpu.available() or not cpu._native_cpu.lib.dd_sgemm_supported():
+        pytest.skip("needs a CPU with AVX-512 F")
+    monkeypatch.setattr(cpu, "supported_isas", lambda: ("scalar", "ssse3", "avx2"))
+    monkeypatch.setattr(cpu, "isa", lambda: "avx2")
+    assert sgemm.available()
+    monkeypatch.setattr(cpu, "isa", lambda: "ssse3")
+    assert not sgemm.available()

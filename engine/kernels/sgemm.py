@@ -5,8 +5,9 @@ micro-kernel (:func:`vit_attention`).
 Each output element is one float32 fused-multiply-add chain over k in order, so the result does not depend on
 the thread count, on how rows or columns are split, or on which other rows share the call (deltadesk_cpu.h).
 It needs AVX-512 F and the native extension, and runs when the active ISA level (:func:`engine.kernels.cpu.isa`)
-is ``avx512vnni``; :func:`available` says so, and callers keep their numpy path otherwise. :func:`linear_np`
-is the float64 reference the tests compare it with.
+is the best this CPU supports (a level set lower selects the numpy path); :func:`available` says so, and
+callers keep their numpy path otherwise. :func:`linear_np` is the float64 reference the tests compare it with;
+:func:`layer_norm` is the towers' LayerNorm on the same pool.
 """
 
 from __future__ import annotations
@@ -24,9 +25,13 @@ _ERRORS = {-1: "this CPU lacks AVX-512", -2: "out of memory", -3: "invalid argum
 
 
 def available() -> bool:
-    """True when the native GEMM can run: the extension is built, the CPU has AVX-512 and the active level
-    (``DELTADESK_ISA`` / :func:`engine.kernels.cpu.set_isa`) is ``avx512vnni``."""
-    return cpu.available() and cpu.isa() == "avx512vnni"
+    """True when the native GEMM can run and is chosen: the extension is built, the CPU has AVX-512 F (VNNI is not
+    needed) and the active level (``DELTADESK_ISA`` / :func:`engine.kernels.cpu.set_isa`) is the best this CPU
+    supports, i.e. it was not set lower (``avx512vnni`` on a CPU with VNNI, ``avx2`` on one with AVX-512 F alone)."""
+    if not cpu.available() or not _native().lib.dd_sgemm_supported():
+        return False
+    best = cpu.supported_isas()[-1]
+    return cpu.isa() == best
 
 
 def _native():
@@ -239,6 +244,42 @@ def _starts(starts, s: int) -> np.ndarray:
     if a[0] != 0 or a[-1] != s or (np.diff(a.astype(np.int64)) < 0).any():
         raise ValueError(f"vit_attention: piece starts {a.tolist()} do not rise from 0 to the {s} rows of qkv")
     return np.ascontiguousarray(a, dtype=np.uint64)
+
+
+def layer_norm(x: np.ndarray, w: np.ndarray, b: np.ndarray, eps: float, out: np.ndarray | None = None,
+               threads: int = 1) -> np.ndarray:
+    """LayerNorm of each row (``dd_vit_layer_norm``): ``((x - mean) * rstd) * w + b``, rstd = 1 / sqrt(var + eps),
+    biased variance, as :func:`engine.ops.vision_reference.layer_norm` (sums in another order: within a few ulp).
+
+    Args:
+        x: (m, d) float32 with unit column stride. w, b: (d,) float32. eps: >= 0.
+        out: optional writable (m, d) float32 with unit column stride: ``x`` itself (the same view), or memory
+            sharing nothing with it.
+        threads: as :meth:`PackedWeight.__call__`.
+
+    Returns:
+        ``out``, or a new (m, d) float32 array.
+
+    Raises:
+        ValueError: a shape, dtype or stride does not fit, ``out`` is read-only or overlaps ``x`` other than as the
+            same view, or eps < 0. EngineError: the native call failed (e.g. no AVX-512).
+    """
+    if not isinstance(x, np.ndarray) or x.ndim != 2:
+        raise ValueError(f"layer_norm: x must be a 2-D (m, d) array, got {getattr(x, 'shape', type(x))}")
+    m, d = x.shape
+    ldx = _rows(x, (m, d), "x")
+    w, b = (np.ascontiguousarray(v, dtype=np.float32) for v in (w, b))
+    if w.shape != (d,) or b.shape != (d,):
+        raise ValueError(f"layer_norm: weight {w.shape} and bias {b.shape} for rows of {d}")
+    if not eps >= 0:
+        raise ValueError(f"layer_norm: eps must be >= 0, got {eps}")
+    out = np.empty((m, d), dtype=np.float32) if out is None else out
+    ldo = _rows(out, (m, d), "out", writeable=True)
+    _separate(out, x, "x", same_ok=True)
+    n = _native()
+    _check(n.lib.dd_vit_layer_norm(_f32_ptr(x), ldx, m, d, _f32_ptr(w), _f32_ptr(b), float(eps), _f32_ptr(out), ldo,
+                                   max(1, int(threads))), "layer_norm")
+    return out
 
 
 def vit_attention_np(qkv: np.ndarray, starts: np.ndarray, n_head: int) -> np.ndarray:

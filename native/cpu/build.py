@@ -37,6 +37,7 @@ X86_ISA_SOURCES = {
     "mixers_avx512.c": ["-mavx512f"],
     "sgemm_avx512.c": ["-mavx512f"],
     "vit_attention_avx512.c": ["-mavx512f"],
+    "vit_norm_avx512.c": ["-mavx512f"],
 }
 
 IS_X86 = platform.machine().lower() in {"x86_64", "amd64", "i386", "i686", "x86"}

@@ -196,11 +196,13 @@ void dd_silu_mul(const float *g, const float *u, size_t n, float *y);
  * Numerical Recipes' erfc, section 6.2.2), then + add[i][j] (add may be NULL, or equal to out with
  * ld_add == ldo: a residual update). x rows are ldx floats apart, out rows ldo, add rows ld_add.
  * threads: at most this many of the pool's threads (dd_set_threads) take part, the caller's included.
- * Needs AVX-512 F (DD_ISA_AVX512VNNI level): DD_ERR_ISA otherwise; DD_ERR_ARG for a bad shape or act;
+ * Needs AVX-512 F (dd_sgemm_supported): DD_ERR_ISA otherwise; DD_ERR_ARG for a bad shape or act;
  * DD_ERR_NOMEM if scratch cannot be allocated. */
 #define DD_SGEMM_NR 32
 enum { DD_ACT_NONE = 0, DD_ACT_GELU_TANH = 1, DD_ACT_GELU_ERF = 2 };
 size_t dd_sgemm_packed_floats(size_t n, size_t k);
+/* 1 if this CPU runs dd_sgemm, dd_vit_attention and dd_vit_layer_norm (it has AVX-512 F), else 0. */
+int dd_sgemm_supported(void);
 /* Pack rows row0 .. row0 + rows - 1 of an (n, k) weight into the panels above: source row r is k values of
  * type dtype (DD_DTYPE_F32, DD_DTYPE_F16: IEEE half, DD_DTYPE_BF16: the top half of a float32) starting
  * ldw values after row r - 1's (a GGUF tensor as stored, converted to float32 exactly while packing). The
@@ -227,5 +229,13 @@ int dd_sgemm_act(int act, const float *x, size_t n, float *y);
  * n_piece + 1 non-decreasing offsets from 0. DD_ERR_ISA without AVX-512 F, DD_ERR_ARG, DD_ERR_NOMEM. */
 int dd_vit_attention(const float *qkv, size_t ldq, const size_t *starts, size_t n_piece, size_t n_head, size_t hd,
                      float *out, size_t ldo, int threads);
+
+/* LayerNorm of m rows of d floats (vit_norm_avx512.c): out[i] = ((x[i] - mean_i) * rstd_i) * w + b, with
+ * mean_i the row's mean, rstd_i = 1 / sqrt(var_i + eps), var_i the biased variance (two passes), each sum in
+ * 16 float lanes added in a fixed order (a row gives the same bits whatever the thread count or the other
+ * rows). x rows ldx floats apart, out rows ldo; out may be x itself (ldo == ldx), not overlap it otherwise.
+ * threads as dd_sgemm. DD_ERR_ISA without AVX-512 F, DD_ERR_ARG for d == 0, ldx or ldo < d, eps < 0 or NaN. */
+int dd_vit_layer_norm(const float *x, size_t ldx, size_t m, size_t d, const float *w, const float *b, float eps,
+                      float *out, size_t ldo, int threads);
 
 #endif

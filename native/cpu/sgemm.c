@@ -10,6 +10,8 @@ int sgemm_avx512(const float *x, size_t ldx, size_t m, size_t k, const float *pa
 int sgemm_act_avx512(int act, const float *x, size_t n, float *y);
 int vit_attention_avx512(const float *qkv, size_t ldq, const size_t *starts, size_t n_piece, size_t n_head,
                          size_t hd, float *out, size_t ldo, int threads);
+int vit_layer_norm_avx512(const float *x, size_t ldx, size_t m, size_t d, const float *w, const float *b, float eps,
+                          float *out, size_t ldo, int threads);
 #endif
 
 size_t dd_sgemm_packed_floats(size_t n, size_t k)
@@ -72,11 +74,21 @@ int dd_sgemm_pack_rows(const void *w, int dtype, size_t ldw, size_t rows, size_t
     return DD_OK;
 }
 
+int dd_sgemm_supported(void)
+{
+#ifdef DD_X86_ISAS
+    __builtin_cpu_init();
+    return __builtin_cpu_supports("avx512f") != 0;
+#else
+    return 0;
+#endif
+}
+
 static int sgemm_level_ok(int act)
 {
     if (act != DD_ACT_NONE && act != DD_ACT_GELU_TANH && act != DD_ACT_GELU_ERF)
         return DD_ERR_ARG;
-    return dd_isa_supported(DD_ISA_AVX512VNNI) ? DD_OK : DD_ERR_ISA;
+    return dd_sgemm_supported() ? DD_OK : DD_ERR_ISA;
 }
 
 int dd_sgemm(const float *x, size_t ldx, size_t m, size_t k, const float *packed, size_t n, const float *bias,
@@ -121,6 +133,23 @@ int dd_vit_attention(const float *qkv, size_t ldq, const size_t *starts, size_t 
             return DD_ERR_ARG;
 #ifdef DD_X86_ISAS
     return vit_attention_avx512(qkv, ldq, starts, n_piece, n_head, hd, out, ldo, threads);
+#else
+    return DD_ERR_ISA;
+#endif
+}
+
+int dd_vit_layer_norm(const float *x, size_t ldx, size_t m, size_t d, const float *w, const float *b, float eps,
+                      float *out, size_t ldo, int threads)
+{
+    const int rc = sgemm_level_ok(DD_ACT_NONE);
+    if (rc != DD_OK)
+        return rc;
+    if (d == 0 || ldx < d || ldo < d || !(eps >= 0.0f))
+        return DD_ERR_ARG;
+    if (m == 0)
+        return DD_OK;
+#ifdef DD_X86_ISAS
+    return vit_layer_norm_avx512(x, ldx, m, d, w, b, eps, out, ldo, threads);
 #else
     return DD_ERR_ISA;
 #endif

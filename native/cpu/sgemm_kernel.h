@@ -31,6 +31,14 @@ typedef struct {
 } sg_tile;
 
 extern void (*const dd_sg_tiles[SG_MR + 1])(const sg_tile *);
+/* The same for a panel of at most 16 valid columns (t->cols <= 16): only those are computed (half the FMAs). */
+extern void (*const dd_sg_half_tiles[SG_MR + 1])(const sg_tile *);
+
+/* The tile functions for a panel of `cols` valid columns: the same sums either way. */
+SG_INLINE void (*const *sg_tile_fn(size_t cols))(const sg_tile *)
+{
+    return cols <= 16 ? dd_sg_half_tiles : dd_sg_tiles;
+}
 
 /* ---- vector math of the epilogue --------------------------------------------------------------- */
 

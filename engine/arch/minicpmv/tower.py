@@ -25,9 +25,11 @@ In 4x mode the window-attention merger is skipped: all layers run at full resolu
 blocks and the window-attention merger (HF ``gelu_pytorch_tanh``), the exact erf form in the final merger (HF
 ``nn.GELU()``). Every norm is a LayerNorm with bias, eps from the file. Projections are float32 GEMMs on the
 dequantized weights: on AVX-512 CPUs the native packed-weight GEMM (:class:`engine.kernels.sgemm.PackedWeight`,
-bias, GELU and residual add in its epilogue) and full attention :func:`engine.kernels.sgemm.vit_attention`;
-elsewhere numpy tiles of :func:`engine.ops.vision_reference.linear` (the Qwen tower's path) and
-:func:`engine.ops.vision_reference.attention`. :class:`MiniCPMVTower` says how the work is split over threads.
+bias, GELU and residual add in its epilogue), attention (full and 2x2-window) :func:`engine.kernels.sgemm.vit_attention`
+and LayerNorm :func:`engine.kernels.sgemm.layer_norm`; elsewhere numpy tiles of
+:func:`engine.ops.vision_reference.linear` (the Qwen tower's path), :func:`engine.ops.vision_reference.attention`,
+:func:`window_attention` and :func:`engine.ops.vision_reference.layer_norm`. :class:`MiniCPMVTower` says how the work
+is split over threads.
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ from __future__ import annotations
 import os
 import threading
 from collections.abc import Callable
+from contextlib import nullcontext
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
@@ -145,10 +148,11 @@ class MiniCPMVTower:
     2x2 windows are taken inside each piece. When :mod:`engine.kernels.sgemm` is available (AVX-512, checked at
     construction: :attr:`native`) every projection is one call of the native GEMM on weights packed at
     construction straight from the file's memory map (the panels are the only copy of the projections: about
-    2.2 GB for the real tower, as the numpy path's float32 arrays; 4x mode leaves out the merger's), and full
-    attention one native call over all (piece, head) pairs;
-    both run on the native pool with at most ``threads`` threads and give the same bits at any thread count
-    and for a piece alone or in a stack. Otherwise projections are fixed tiles (:data:`TILE_ROWS` x
+    2.2 GB for the real tower, as the numpy path's float32 arrays; 4x mode leaves out the merger's), full
+    attention one native call over all (piece, head) pairs, the window-attention merger's attention the same
+    call with every 2x2 window a piece, and each LayerNorm one native call; all run on the native pool with at
+    most ``threads`` threads and give the same bits at any thread count and for a piece alone or in a stack
+    (no Python workers). Otherwise projections are fixed tiles (:data:`TILE_ROWS` x
     :data:`TILE_COLS` GEMM tiles, each with its bias add and activation applied while the tile is in cache)
     and full attention one (piece, head) pair per task. LayerNorm (:data:`ROW_TASK`-row tasks), the window
     attention and the numpy tiles run on ``threads`` Python workers, BLAS single-threaded inside each. numpy
@@ -220,9 +224,10 @@ class MiniCPMVTower:
         emit = cb or (lambda stage, il, x: None)
         quarter = self.mode == "16x"
         plan = _Plan(grids, quarter)
-        with (threadpool_limits(limits=1, user_api="blas"),
-              ThreadPoolExecutor(self._workers, thread_name_prefix="minicpmv") as pool):
-            self._pool = pool if self._workers > 1 else None
+        python_pool = (ThreadPoolExecutor(self._workers, thread_name_prefix="minicpmv")
+                       if self._workers > 1 and not self._native else nullcontext())
+        with threadpool_limits(limits=1, user_api="blas"), python_pool as pool:
+            self._pool = pool
             try:
                 h = self._linear(np.concatenate(pieces, dtype=np.float32), "v.patch_embd")
                 emit("patch_embd", -1, h)
@@ -277,7 +282,10 @@ class MiniCPMVTower:
         return self._norm_into(x, name, np.empty_like(x))
 
     def _norm_into(self, x: np.ndarray, name: str, out: np.ndarray) -> np.ndarray:
+        """LayerNorm ``name`` of (n, d) rows into ``out`` (native: one :func:`engine.kernels.sgemm.layer_norm` call)."""
         g, b, eps = self._w[name + ".weight"], self._w[name + ".bias"], self.hp.eps
+        if self._native:
+            return sgemm.layer_norm(x, g, b, eps, out=out, threads=self._workers)
         self._run(lambda r: ops.layer_norm(x[r], g, b, eps, out=out[r]), _spans(len(x), ROW_TASK))
         return out
 
@@ -371,11 +379,13 @@ class MiniCPMVTower:
         self._norm_into(x, p + "ln1", buf.a)
         self._qkv(buf.a, p, buf)
         att = buf.att
+        if self._native:
+            sgemm.vit_attention(buf.qkv, np.arange(0, len(h) + 1, 4), self.hp.n_head, out=att, threads=self._workers)
+        else:
+            def windows(r: slice) -> None:
+                att[r] = window_attention(buf.q[r], buf.k[r], buf.v[r], self.hp.n_head)
 
-        def windows(r: slice) -> None:
-            att[r] = window_attention(buf.q[r], buf.k[r], buf.v[r], self.hp.n_head)
-
-        self._run(windows, _spans(len(h), ROW_TASK))
+            self._run(windows, _spans(len(h), ROW_TASK))
         self._linear(att, p + "attn_out", out=buf.tmp, add_to=x)
         mean = x.reshape(-1, 4, d).mean(axis=1)
         c = self._norm_into(x.reshape(-1, 4 * d), p + "ds_ln", buf.a.reshape(-1, 4 * d))
