@@ -229,6 +229,8 @@ static int scratch_new(tile_scratch *w, size_t rows, size_t hd)
     return 1;
 }
 
+/* Pool chunk `chunk` of a prefill_job: kv head chunk / n_tiles, positions (chunk % n_tiles) * tile on;
+ * writes those rows of out (j->failed = 1 if its scratch cannot be allocated). */
 static void prefill_tile(void *ctx, size_t chunk)
 {
     prefill_job *j = ctx;
