@@ -60,12 +60,16 @@ def test_prefill_attention_matches_the_float64_reference(m, n, n_head, n_kv, hd)
     assert np.abs(got - want).max() <= REL_TOL * np.abs(want).max()
 
 
-def test_prefill_bits_do_not_depend_on_chunks_threads_or_isa(isa_reset):
-    """Prefill of 300 positions in one call and in chunks of 7 and 256 (chunks that start mid-block,
-    like a prefix-cache resume), and decode query by query: the same bits at every ISA level
-    (1 and 2 threads at the best one)."""
+@pytest.mark.parametrize("m, n_head, n_kv, hd", [
+    (300, 8, 2, 32),     # GQA 4: a set of 8 rows holds 2 positions
+    (290, 6, 2, 48),     # GQA 3: sets of rows from 3 positions, partial sets, an odd 16 head dims
+    (270, 8, 2, 256),    # the minicpmv46 / Qwen3.5-0.8B attention layer
+])
+def test_prefill_bits_do_not_depend_on_chunks_threads_or_isa(isa_reset, m, n_head, n_kv, hd):
+    """Prefill of m positions in one call and in chunks of 7 and 256 (chunks that start mid-block,
+    like a prefix-cache resume; jobs of 16 and 64 positions), and decode query by query: the same
+    bits at every ISA level (1 and 2 threads at the best one)."""
     rng = np.random.default_rng(5)
-    m, n_head, n_kv, hd = 300, 8, 2, 32
     q, gate, k, v = inputs(rng, m, m, n_head, n_kv, hd)
     results = {"decode": np.stack([cpu_mixers.attention_decode(q[i], gate[i], k[:i + 1], v[:i + 1])
                                    for i in range(m)])}

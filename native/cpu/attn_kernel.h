@@ -19,12 +19,10 @@
  * build gives the same bits, and a row's result depends only on its q, gate and the cache rows
  * 0..p, not on which call or tile it came in.
  *
- * Speed: prefill jobs are (kv head, 16 query positions); per block, sets of 8 query rows (the heads
- * of consecutive positions sharing the kv head) take their scores 8 rows x 2 keys at a time (16
- * accumulators, the 16 dots' lane trees done together by shuffles) and their weighted sums 8 rows
- * x 32 head dims at a time, so each key and value row read serves 8 rows. A row set spanning two
- * positions computes the later position's extra key for the earlier one too and weighs it by +0,
- * which leaves its sums unchanged bit for bit (a sum that starts at +0 never becomes -0).
+ * Speed: decode splits the blocks over the pool, one query row at a time; prefill (attn_prefill.h)
+ * runs jobs of (kv head, 16 to 64 positions) that copy each block's k and v rows into an aligned
+ * scratch once and take the job's rows through it in sets of 8, with the scores, the softmax and the
+ * weighted sums vectorised across the set, so each key and value row read serves 8 rows.
  */
 #include <math.h>
 #include <stdlib.h>
@@ -81,15 +79,18 @@ AI vf vfma(vf a, vf b, vf c)
 }
 #elif defined(__FMA__)
 typedef float vh __attribute__((vector_size(2 * LANES)));
+/* The halves through memcpy: GCC lowers a shuffle of a 64-byte vector without AVX-512 lane by lane,
+ * which made this FMA (and the AVX2 kernel) several times slower. */
 AI vf vfma(vf a, vf b, vf c)
 {
-    const vh lo = (vh)_mm256_fmadd_ps((__m256)__builtin_shufflevector(a, a, 0, 1, 2, 3, 4, 5, 6, 7),
-                                      (__m256)__builtin_shufflevector(b, b, 0, 1, 2, 3, 4, 5, 6, 7),
-                                      (__m256)__builtin_shufflevector(c, c, 0, 1, 2, 3, 4, 5, 6, 7));
-    const vh hi = (vh)_mm256_fmadd_ps((__m256)__builtin_shufflevector(a, a, 8, 9, 10, 11, 12, 13, 14, 15),
-                                      (__m256)__builtin_shufflevector(b, b, 8, 9, 10, 11, 12, 13, 14, 15),
-                                      (__m256)__builtin_shufflevector(c, c, 8, 9, 10, 11, 12, 13, 14, 15));
-    return __builtin_shufflevector(lo, hi, 0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    vh x[2], y[2], z[2];
+    memcpy(x, &a, sizeof a);
+    memcpy(y, &b, sizeof b);
+    memcpy(z, &c, sizeof c);
+    for (int h = 0; h < 2; h++)
+        z[h] = (vh)_mm256_fmadd_ps((__m256)x[h], (__m256)y[h], (__m256)z[h]);
+    memcpy(&c, z, sizeof c);
+    return c;
 }
 #else
 AI vf vfma(vf a, vf b, vf c)
@@ -104,6 +105,26 @@ AI vf vfma(vf a, vf b, vf c)
 typedef double vd __attribute__((vector_size(4 * LANES)));   /* LANES / 2 doubles */
 typedef long long vl __attribute__((vector_size(4 * LANES)));
 
+/* Float <-> double of vector halves (exact one way, round-to-nearest the other). With AVX-512 the
+ * instructions are named: GCC's generic lowering of these conversions goes through 128-bit pieces,
+ * four shuffles per half, which cost more than the trees' additions. */
+#if defined(__AVX512F__)
+AI vd lo_d(vf a)
+{
+    return (vd)_mm512_cvtps_pd(_mm512_castps512_ps256((__m512)a));
+}
+
+AI vd hi_d(vf a)
+{
+    return (vd)_mm512_cvtps_pd((__m256)_mm512_extractf64x4_pd((__m512d)a, 1));
+}
+
+AI vf join_f(vd lo, vd hi)
+{
+    const __m256 l = _mm512_cvtpd_ps((__m512d)lo), h = _mm512_cvtpd_ps((__m512d)hi);
+    return (vf)_mm512_insertf64x4(_mm512_castpd256_pd512((__m256d)l), (__m256d)h, 1);
+}
+#else
 AI vd lo_d(vf a)
 {
     return __builtin_convertvector(__builtin_shufflevector(a, a, 0, 1, 2, 3, 4, 5, 6, 7), vd);
@@ -120,6 +141,7 @@ AI vf join_f(vd lo, vd hi)
     return __builtin_shufflevector(__builtin_convertvector(lo, vh), __builtin_convertvector(hi, vh), 0, 1, 2, 3, 4,
                                    5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
 }
+#endif
 
 /* The dot's lane tree of one partial-sum vector, in double: (l + l+8), then + l+4, + l+2, + l+1. */
 AI float tree16(vf a)
@@ -215,75 +237,30 @@ static void finish_row(const double *A, double L, const float *gate, size_t hd, 
         out[i] = (float)(A[i] / L * attn_sigmoid(gate[i]));
 }
 
-#define MAX_ROWS 8   /* query rows per micro-kernel call */
-
-/* o_r[hd] = sum_{t < len} p_r[t] v_t for R <= MAX_ROWS rows sharing the keys (float, t in order, one
- * rounding per term), v_t = v + t * vrow; 32 head dims at a time, so a tile of v stays in L1. */
-static void pv_rows(size_t R, const float *const *p, const float *v, size_t vrow, size_t len, size_t hd,
-                    float *const *o)
+/* o[hd] = sum_{t < len} p[t] v_t (float, t in order, one rounding per term), v_t = v + t * vrow;
+ * 32 head dims at a time. */
+static void pv_row(const float *p, const float *v, size_t vrow, size_t len, size_t hd, float *o)
 {
     for (size_t c = 0; c < hd; c += 2 * LANES) {
         const size_t nv = hd - c < 2 * LANES ? 1 : 2;
-        vf acc[MAX_ROWS][2];
-        for (size_t r = 0; r < MAX_ROWS; r++)
-            acc[r][0] = acc[r][1] = (vf){ 0 };
-        if (R == MAX_ROWS && nv == 2) {
-            for (size_t t = 0; t < len; t++) {
-                __builtin_prefetch(v + (t + 6) * vrow + c);
-                __builtin_prefetch(v + (t + 6) * vrow + c + LANES);
-                const vf v0 = ld(v + t * vrow + c), v1 = ld(v + t * vrow + c + LANES);
-                for (size_t r = 0; r < MAX_ROWS; r++) {
-                    const vf pr = splat(p[r][t]);
-                    acc[r][0] = vfma(pr, v0, acc[r][0]);
-                    acc[r][1] = vfma(pr, v1, acc[r][1]);
-                }
-            }
-        } else {
-            for (size_t t = 0; t < len; t++)
-                for (size_t r = 0; r < R; r++)
-                    for (size_t x = 0; x < nv; x++)
-                        acc[r][x] = vfma(splat(p[r][t]), ld(v + t * vrow + c + x * LANES), acc[r][x]);
-        }
-        for (size_t r = 0; r < R; r++)
+        vf acc[2] = { { 0 }, { 0 } };
+        for (size_t t = 0; t < len; t++)
             for (size_t x = 0; x < nv; x++)
-                st(o[r] + c + x * LANES, acc[r][x]);
+                acc[x] = vfma(splat(p[t]), ld(v + t * vrow + c + x * LANES), acc[x]);
+        for (size_t x = 0; x < nv; x++)
+            st(o + c + x * LANES, acc[x]);
     }
 }
 
-/* Scaled scores of R <= MAX_ROWS rows q_r against keys t = 0..len-1 (k_t = k + t * krow) into s_r[t];
- * 8 rows x 2 keys at a time, the 16 dots' trees taken together. */
-static void scores_rows(size_t R, const float *const *q, const float *k, size_t krow, size_t len, size_t hd,
-                        float scale, float *const *s)
+/* Scaled scores s[t] of q against keys t = 0..len-1 (k_t = k + t * krow). */
+static void scores_row(const float *q, const float *k, size_t krow, size_t len, size_t hd, float scale, float *s)
 {
-    size_t t = 0;
-    if (R == MAX_ROWS)
-        for (; t + 2 <= len; t += 2) {
-            vf acc[16];
-            for (int x = 0; x < 16; x++)
-                acc[x] = (vf){ 0 };
-            for (size_t i = 0; i < hd; i += LANES) {
-                __builtin_prefetch(k + (t + 4) * krow + i);
-                __builtin_prefetch(k + (t + 5) * krow + i);
-                const vf k0 = ld(k + t * krow + i), k1 = ld(k + (t + 1) * krow + i);
-                for (int r = 0; r < MAX_ROWS; r++) {
-                    const vf qr = ld(q[r] + i);
-                    acc[2 * r] = vfma(qr, k0, acc[2 * r]);
-                    acc[2 * r + 1] = vfma(qr, k1, acc[2 * r + 1]);
-                }
-            }
-            const vf dots = tree16x16(acc) * splat(scale);
-            for (int r = 0; r < MAX_ROWS; r++) {
-                s[r][t] = dots[2 * r];
-                s[r][t + 1] = dots[2 * r + 1];
-            }
-        }
-    for (; t < len; t++)
-        for (size_t r = 0; r < R; r++) {
-            vf acc = { 0 };
-            for (size_t i = 0; i < hd; i += LANES)
-                acc = vfma(ld(q[r] + i), ld(k + t * krow + i), acc);
-            s[r][t] = tree16(acc) * scale;
-        }
+    for (size_t t = 0; t < len; t++) {
+        vf acc = { 0 };
+        for (size_t i = 0; i < hd; i += LANES)
+            acc = vfma(ld(q + i), ld(k + t * krow + i), acc);
+        s[t] = tree16(acc) * scale;
+    }
 }
 
 /* ---- decode: one query, the blocks split over the pool, merged in block order --------------- */
@@ -305,11 +282,11 @@ static void decode_block(void *ctx, size_t chunk)
     float s[BLOCK];
     for (size_t g = 0; g < j->group; g++) {
         const size_t part = (kvh * j->n_blocks + blk) * j->group + g;
-        const float *qg = j->q + (kvh * j->group + g) * hd, *p = s;
-        float *sp = s, *o = j->part_o + part * hd;
-        scores_rows(1, &qg, j->k + t0 * j->row + kvh * hd, j->row, len, hd, j->scale, &sp);
+        const float *qg = j->q + (kvh * j->group + g) * hd;
+        float *o = j->part_o + part * hd;
+        scores_row(qg, j->k + t0 * j->row + kvh * hd, j->row, len, hd, j->scale, s);
         j->part_mx[part] = softmax_block(s, len, &j->part_sum[part]);
-        pv_rows(1, &p, j->v + t0 * j->row + kvh * hd, j->row, len, hd, &o);
+        pv_row(s, j->v + t0 * j->row + kvh * hd, j->row, len, hd, o);
     }
 }
 
@@ -345,80 +322,4 @@ int ATTN_FN(attn_decode)(size_t n_head, size_t n_kv, size_t hd, const float *q, 
     return rc;
 }
 
-/* ---- prefill: n queries, jobs of (kv head, tile of positions), every block of a tile in order -- */
-
-#define TILE 16   /* query positions per job */
-
-typedef struct {
-    size_t n_head, n_kv, hd, group, m, n, row, n_tiles;
-    const float *q, *gate, *k, *v;
-    float *out;
-    float scale;
-    int failed;
-} prefill_job;
-
-static void prefill_tile(void *ctx, size_t chunk)
-{
-    prefill_job *j = ctx;
-    const size_t kvh = chunk / j->n_tiles, i0 = chunk % j->n_tiles * TILE, hd = j->hd, G = j->group;
-    const size_t i1 = i0 + TILE < j->n ? i0 + TILE : j->n, rows = (i1 - i0) * G, pos0 = j->m - j->n + i0;
-    double *A = malloc(rows * (hd + 2) * sizeof(double));
-    float *buf = malloc(MAX_ROWS * (BLOCK + hd) * sizeof(float));
-    if (A == NULL || buf == NULL) {
-        free(A);
-        free(buf);
-        __atomic_store_n(&j->failed, 1, __ATOMIC_RELAXED);
-        return;
-    }
-    double *ML = A + rows * hd;   /* per row: M, L */
-    const float *q[MAX_ROWS];
-    float *s[MAX_ROWS], *o[MAX_ROWS];
-    size_t len[MAX_ROWS];
-    for (size_t x = 0; x < MAX_ROWS; x++) {
-        s[x] = buf + x * BLOCK;
-        o[x] = buf + MAX_ROWS * BLOCK + x * hd;
-    }
-    /* rows r = (i - i0) * G + g in position order; block b is seen by the rows at positions >= b * BLOCK */
-    for (size_t b = 0; b * BLOCK < pos0 + (i1 - i0); b++) {
-        const size_t t0 = b * BLOCK, first = t0 > pos0 ? (t0 - pos0) * G : 0;
-        const float *kb = j->k + t0 * j->row + kvh * hd, *vb = j->v + t0 * j->row + kvh * hd;
-        for (size_t r = first; r < rows; r += MAX_ROWS) {
-            const size_t R = rows - r < MAX_ROWS ? rows - r : MAX_ROWS;
-            size_t keys = 0;
-            for (size_t x = 0; x < R; x++) {
-                const size_t i = i0 + (r + x) / G, g = (r + x) % G, seen = pos0 + (i - i0) + 1 - t0;
-                q[x] = j->q + (i * j->n_head + kvh * G + g) * hd;
-                len[x] = seen < BLOCK ? seen : BLOCK;
-                keys = len[x] > keys ? len[x] : keys;
-            }
-            scores_rows(R, q, kb, j->row, keys, hd, j->scale, s);
-            float mx[MAX_ROWS];
-            double sum[MAX_ROWS];
-            for (size_t x = 0; x < R; x++) {
-                mx[x] = softmax_block(s[x], len[x], &sum[x]);
-                for (size_t t = len[x]; t < keys; t++)
-                    s[x][t] = 0.0f;   /* rows of earlier positions: the later keys weigh +0 */
-            }
-            pv_rows(R, (const float *const *)s, vb, j->row, keys, hd, o);
-            for (size_t x = 0; x < R; x++)
-                merge_block(&ML[2 * (r + x)], &ML[2 * (r + x) + 1], A + (r + x) * hd, mx[x], sum[x], o[x], hd, b == 0);
-        }
-    }
-    for (size_t r = 0; r < rows; r++) {
-        const size_t i = i0 + r / G, head = kvh * G + r % G;
-        finish_row(A + r * hd, ML[2 * r + 1], j->gate + (i * j->n_head + head) * hd, hd,
-                   j->out + (i * j->n_head + head) * hd);
-    }
-    free(A);
-    free(buf);
-}
-
-int ATTN_FN(attn_prefill)(size_t n_head, size_t n_kv, size_t hd, size_t n, const float *q, const float *gate,
-                          const float *k, const float *v, size_t m, float *out)
-{
-    prefill_job j = { .n_head = n_head, .n_kv = n_kv, .hd = hd, .group = n_head / n_kv, .m = m, .n = n,
-                      .row = n_kv * hd, .n_tiles = dd_div_up(n, TILE), .q = q, .gate = gate, .k = k, .v = v,
-                      .out = out, .scale = (float)(1.0 / sqrt((double)hd)), .failed = 0 };
-    dd_pool_for(prefill_tile, &j, n_kv * j.n_tiles);
-    return j.failed ? DD_ERR_NOMEM : DD_OK;
-}
+#include "attn_prefill.h"

@@ -126,7 +126,7 @@ int dd_attn_decode(size_t n_head, size_t n_kv, size_t hd, const float *q, const 
 
 /* n queries at positions m - n .. m - 1 (q, gate, out: n x n_head x hd, row i at position m - n + i),
  * each by exactly the arithmetic of dd_attn_decode, on ISA level isa (DD_ERR_ISA if unsupported);
- * the pool runs (kv head, 16 queries) tiles, each through the blocks in order. */
+ * the pool runs (kv head, 16 to 64 queries) tiles, each through the blocks in order. */
 int dd_attn_prefill(int isa, size_t n_head, size_t n_kv, size_t hd, size_t n, const float *q, const float *gate,
                     const float *k, const float *v, size_t m, float *out);
 

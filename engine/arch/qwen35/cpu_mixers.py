@@ -4,7 +4,7 @@ cache, with numpy twins (same signatures, built from :mod:`engine.ops.reference`
 Native code: native/cpu/gdn_kernel.h (``dd_gdn_decode``, ``dd_gdn_prefill``: compiled once per ISA
 level; the conv inputs split by head of channels, the delta rule by v-head, each head's state in
 column blocks that stay in L1 through all the tokens of a call) and native/cpu/attn_kernel.h (``dd_attn_decode``, ``dd_attn_prefill``: compiled once per ISA level,
-the cache in blocks of 256 positions at absolute positions, prefill in tiles of 16 queries; the
+the cache in blocks of 256 positions at absolute positions, prefill in tiles of 16 to 64 queries; the
 arithmetic is spelled out there). Both give the same bits at every ISA level and thread count, and
 prefill gives every position the bits decode gives it (:func:`gdn_prefill` runs the recurrent step
 token by token; :func:`attention_prefill` computes each query over exactly the rows it sees, with
@@ -158,7 +158,7 @@ def gdn_prefill(layer: GDNLayer, mixed: np.ndarray, z: np.ndarray, b: np.ndarray
 
 def attention_prefill(q: np.ndarray, gate: np.ndarray, k: np.ndarray, v: np.ndarray) -> np.ndarray:
     """n queries, the last n of the m cache rows, each by the arithmetic of :func:`attention_decode` over
-    the rows it sees (native ``dd_attn_prefill``: tiles of 16 queries x blocks of 256 cache rows at
+    the rows it sees (native ``dd_attn_prefill``: tiles of 16 to 64 queries x blocks of 256 cache rows at
     absolute positions, so a query's bits do not depend on the call it comes in); the twin runs
     :func:`attention_decode_np` query by query.
 
