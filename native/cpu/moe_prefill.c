@@ -194,9 +194,10 @@ static int prefill_groups(prefill_job *j, size_t *index, float *fbuf)
         gr->h = gr->u + gr->count * gr->ff;
         fbuf = gr->h + gr->count * gr->ff;
         entries += gr->count;
-        gate_up_bytes = gate_up_bytes > dd_row_bytes(gr->gate_type, d) + dd_row_bytes(gr->up_type, d)
-                            ? gate_up_bytes : dd_row_bytes(gr->gate_type, d) + dd_row_bytes(gr->up_type, d);
-        down_bytes = down_bytes > dd_row_bytes(gr->down_type, gr->ff) ? down_bytes : dd_row_bytes(gr->down_type, gr->ff);
+        const size_t gu = dd_row_bytes(gr->gate_type, d) + dd_row_bytes(gr->up_type, d);
+        const size_t dn = dd_row_bytes(gr->down_type, gr->ff);
+        gate_up_bytes = gate_up_bytes > gu ? gate_up_bytes : gu;
+        down_bytes = down_bytes > dn ? down_bytes : dn;
         gr->count = 0;   /* refilled below, token by token */
     }
     for (size_t t = 0; t < n; t++)
