@@ -37,10 +37,12 @@ def isa_reset():
 
 
 def levels_and_threads():
-    """Every level at 1 thread, the best one at 2 too (the chunk split, hence the bits, never depends on
-    the thread count; the pool is the same at every level)."""
+    """Every level at 1 thread, the best one at 2, 3 and 7 too (the chunk split, hence the bits, never
+    depends on the thread count; the pool is the same at every level). 3 and 7 threads cut the one-job
+    product sets (qkv/z/beta/alpha, q/k/v), the pooled GDN inputs and the MoE stages into more home
+    ranges, with ranges that end inside a product or an expert."""
     levels = cpu.supported_isas()
-    return [(level, 1) for level in levels] + [(levels[-1], 2)]
+    return [(level, 1) for level in levels] + [(levels[-1], n) for n in (2, 3, 7)]
 
 
 def tokens_for(model) -> np.ndarray:

@@ -21,7 +21,8 @@ HERE = os.path.relpath(os.path.dirname(os.path.abspath(__file__)))
 COMMON_FLAGS = ["-O3", "-std=c11", "-D_GNU_SOURCE", "-ffp-contract=off", "-fno-math-errno", "-pthread"]
 """Contraction off: a fused multiply-add changes rounding, so fusing must be an explicit intrinsic."""
 
-PORTABLE_SOURCES = ["dispatch.c", "pool.c", "moe.c", "mixers.c", "attention.c", "step.c", "kernels_scalar.c", "sgemm.c"]
+PORTABLE_SOURCES = ["dispatch.c", "matvec.c", "pool.c", "moe.c", "moe_prefill.c", "mixers.c", "attention.c", "step.c",
+                    "kernels_scalar.c", "sgemm.c"]
 
 HEADERS = ["deltadesk_cpu.h", "kernels.h", "gemm_tiles.h", "kquants.h", "kq_gemm_avx512.h", "bquants.h", "runtime.h",
            "attn_kernel.h", "attn_prefill.h", "gdn_kernel.h", "vexp.h", "sgemm_kernel.h"]

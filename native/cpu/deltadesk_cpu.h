@@ -138,8 +138,8 @@ int dd_attn_prefill(int isa, size_t n_head, size_t n_kv, size_t hd, size_t n, co
  * (attn_q rows per head [q_h | gate_h], per-head RMSNorm of q and k, partial NEOX RoPE of the first
  * rope_dims values by the caller's cos/sin table, the K/V row written at cache row `pos`, dd_attn_decode
  * over rows 0..pos, attn_output); ffn: dd_moe_ffn, or the dense SwiGLU down(dd_silu_mul(gate x, up x)).
- * RMSNorms are float64 with numpy's pairwise sum (see step.c), residual adds float32. Every product is
- * dd_matmul of the layer's dd_mat, so all its weight types work. Returns DD_ERR_ARG if a shape, a
+ * RMSNorms are float64 with numpy's pairwise sum (see step.c), residual adds float32. Every product gives
+ * dd_matmul's bits for the layer's dd_mat, so all its weight types work. Returns DD_ERR_ARG if a shape, a
  * pointer or pos (< capacity) does not fit; the state rows of a step that fails are undefined. */
 typedef struct {
     const uint8_t *w;    /* rows x (k / block values * block bytes), weight type wtype (dd_matmul) */

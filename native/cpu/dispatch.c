@@ -103,9 +103,7 @@ static void put_pair_block(const dd_kernels *kt, dd_acts *a, size_t i, float sca
     ((int32_t *)a->bs)[i] = s16[0] + s16[1];
 }
 
-/* One allocation, 64-byte aligned: the Q8_0 blocks, then the pair layout, then the groups (zeroed);
- * the columns are filled by acts_column. */
-static int acts_alloc(const dd_kernels *kt, size_t m, size_t k, dd_acts *a)
+size_t dd_acts_bytes(const dd_kernels *kt, size_t m, size_t k)
 {
     const size_t nb = k / DD_QK, nbp = (nb + 1) & ~(size_t)1, lanes = m * nbp * 8;
     const size_t ng = kt->q4_0_groups ? (nb + 15) / 16 : 0;
@@ -114,10 +112,16 @@ static int acts_alloc(const dd_kernels *kt, size_t m, size_t k, dd_acts *a)
     for (int t = 0; t < DD_WTYPE_COUNT; t++)
         if (kt->bias_mult[t] != 0)
             total += (lanes * 4 + pad) & ~pad;
-    total += m * ng * (8 * 64 + 2 * 16 * 4) + 3 * ((m * nbp * 2 * 4 + pad) & ~pad);
-    uint8_t *mem = aligned_alloc(64, total), *next = mem;
-    if (mem == NULL)
-        return DD_ERR_NOMEM;
+    return total + m * ng * (8 * 64 + 2 * 16 * 4) + 3 * ((m * nbp * 2 * 4 + pad) & ~pad);
+}
+
+/* The layout in mem (64-byte aligned, dd_acts_bytes long): the Q8_0 blocks, then the pair layout,
+ * then the groups (zeroed); the columns are filled by acts_column. */
+static void acts_place(const dd_kernels *kt, size_t m, size_t k, uint8_t *mem, dd_acts *a)
+{
+    const size_t nb = k / DD_QK, nbp = (nb + 1) & ~(size_t)1, lanes = m * nbp * 8;
+    const size_t ng = kt->q4_0_groups ? (nb + 15) / 16 : 0;
+    uint8_t *next = mem;
     take(&next, m * nb * DD_Q8_0_BYTES);   /* the Q8_0 blocks, at mem */
     *a = (dd_acts){ .nb = nb, .nbp = nbp, .m = m, .ng = ng, .mem = mem };
     a->q = take(&next, m * nbp * DD_QK);
@@ -131,6 +135,14 @@ static int acts_alloc(const dd_kernels *kt, size_t m, size_t k, dd_acts *a)
     a->bd = take(&next, m * nbp * 4);
     a->bs = take(&next, m * nbp * 4);
     a->s16 = take(&next, m * nbp * 2 * 4);
+}
+
+static int acts_alloc(const dd_kernels *kt, size_t m, size_t k, dd_acts *a)
+{
+    uint8_t *mem = aligned_alloc(64, dd_acts_bytes(kt, m, k));
+    if (mem == NULL)
+        return DD_ERR_NOMEM;
+    acts_place(kt, m, k, mem, a);
     return DD_OK;
 }
 
@@ -156,6 +168,13 @@ static void acts_column(const dd_kernels *kt, const float *xc, size_t c, dd_acts
         if (a->ng > 0 && b < nb)
             put_group_block(a, c, b, q + qi, ((const int32_t *)a->bs)[i], scale);
     }
+}
+
+void dd_acts_prepare(const dd_kernels *kt, const float *x, size_t m, size_t k, void *mem, dd_acts *a)
+{
+    acts_place(kt, m, k, mem, a);
+    for (size_t c = 0; c < m; c++)
+        acts_column(kt, x + c * k, c, a);
 }
 
 int dd_acts_new(const dd_kernels *kt, const float *x, size_t m, size_t k, dd_acts *a)
@@ -215,6 +234,10 @@ int dd_matmul(int isa, int wtype, const uint8_t *w, size_t rows, size_t k, const
         for (size_t i = 0; i < rows * m; i++)
             y[i] = 0.0f;
         return DD_OK;
+    }
+    if (m == 1) {
+        const dd_matvec_out one = { .wtype = wtype, .w = w, .rows = rows, .y = y };
+        return dd_matvec_set(isa, &one, 1, k, x);
     }
     dd_acts acts;
     int rc = acts_alloc(kt, m, k, &acts);

@@ -1,4 +1,5 @@
-/* Shared by dispatch.c, pool.c and moe.c: the thread pool, ISA tables and activation preparation. */
+/* Shared by the portable C files (dispatch.c, matvec.c, pool.c, moe*.c, mixers.c, step.c, ...): the thread
+ * pool, ISA tables, activation preparation, the decode path's scratch and products, the MoE routing. */
 #ifndef DELTADESK_RUNTIME_H
 #define DELTADESK_RUNTIME_H
 
@@ -36,12 +37,41 @@ static inline size_t dd_div_up(size_t a, size_t b)
     return (a + b - 1) / b;
 }
 
+static inline size_t dd_min_size(size_t a, size_t b)
+{
+    return a < b ? a : b;
+}
+
 /* The kernel table of an ISA level, or NULL if the level is unknown or unsupported here. */
 const dd_kernels *dd_kernels_for(int isa);
 
 /* Quantize m columns of k f32 (k % 32 == 0) into prepared activations; free with dd_acts_free. */
 int dd_acts_new(const dd_kernels *kt, const float *x, size_t m, size_t k, dd_acts *a);
 void dd_acts_free(dd_acts *a);
+/* The same activations in memory the caller owns: mem 64-byte aligned, dd_acts_bytes(kt, m, k) long,
+ * valid while *a is used (no dd_acts_free). */
+size_t dd_acts_bytes(const dd_kernels *kt, size_t m, size_t k);
+void dd_acts_prepare(const dd_kernels *kt, const float *x, size_t m, size_t k, void *mem, dd_acts *a);
+
+/* A buffer of at least `bytes` (64-byte aligned) that the calling thread reuses call after call: the
+ * same slot returns the same memory until a larger size is asked for, so decode's per-call buffers cost
+ * no allocation and no page faults; each slot serves one user at a time (one per caller that can be
+ * active in the same thread). Freed when the thread exits. NULL if out of memory. (matvec.c) */
+enum { DD_SCRATCH_ACTS = 0, DD_SCRATCH_MOE = 1, DD_SCRATCH_COUNT = 2 };
+void *dd_scratch(int slot, size_t bytes);
+
+/* y = W x for several weight matrices of k columns (wtype as dd_matmul) that read the same x (k f32,
+ * k % 32 == 0): x prepared once, one pool job; every y gets the bits dd_matmul(isa, wtype, w, rows, k,
+ * x, 1, y) gives it (matvec.c says why). n <= DD_MATVEC_SET_MAX. DD_ERR_ISA, DD_ERR_ARG (a type that
+ * does not fit k, k == 0), DD_ERR_NOMEM. */
+typedef struct {
+    int wtype;
+    const uint8_t *w;      /* rows x dd_row_bytes(wtype, k) */
+    size_t rows;
+    float *y;              /* rows f32 */
+} dd_matvec_out;
+#define DD_MATVEC_SET_MAX 8
+int dd_matvec_set(int isa, const dd_matvec_out *p, size_t n, size_t k, const float *x);
 
 /* Values and bytes of one block of each weight type (ggml-common.h), indexed by DD_Q4_0... */
 static inline size_t dd_block_values(int wtype)
@@ -67,5 +97,13 @@ static inline size_t dd_row_bytes(int wtype, size_t k)
 {
     return k / dd_block_values(wtype) * dd_block_bytes(wtype);
 }
+
+/* The MoE routing shared by the one-token and the prompt calls (moe.c): dd_moe_valid is 1 if the weights'
+ * shapes and types fit (n_used <= DD_MOE_MAX_USED); dd_moe_route takes the softmax of n_expert logits
+ * (p: n_expert floats of scratch), the n_used largest probabilities (ties: lower index first) into sel
+ * and their weights renormalised to sum 1 (the sum clamped at >= 2^-14 as llama.cpp does). */
+#define DD_MOE_MAX_USED 64
+int dd_moe_valid(const dd_moe_weights *w);
+void dd_moe_route(const float *logits, size_t n_expert, size_t n_used, int32_t *sel, float *weights, float *p);
 
 #endif

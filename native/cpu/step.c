@@ -4,8 +4,9 @@
  * It computes exactly what engine/arch/qwen35/cpu.py's per-hook forward pass computes for one token,
  * bit for bit, so a token decoded here equals the same token read by any prefill piece (the split
  * invariance of engine/arch/qwen35/model.py):
- *   - the products, the GDN step, attention and the MoE FFN are the very C calls the hooks make
- *     (dd_matmul, dd_gdn_decode, dd_attn_decode, dd_moe_ffn);
+ *   - the GDN step, attention and the MoE FFN are the very C calls the hooks make (dd_gdn_decode,
+ *     dd_attn_decode, dd_moe_ffn); the products are dd_matmul's, those that read the same vector (qkv,
+ *     z, beta, alpha; q, k, v; gate, up) in one dd_matvec_set, which gives each dd_matmul's bits;
  *   - what the hooks leave to numpy is redone here in numpy's own arithmetic: RMSNorm in float64 with
  *     numpy's pairwise summation of the squares (np_sum_squares), residual adds in float32, RoPE as
  *     float64 x1 cos - x2 sin on the cos/sin table the caller computed with the reference's own numpy
@@ -90,6 +91,11 @@ static int matvec(int isa, const dd_mat *m, const float *x, float *y)
     return dd_matmul(isa, m->wtype, m->w, m->rows, m->k, x, 1, y);
 }
 
+static dd_matvec_out out_of(const dd_mat *m, float *y)
+{
+    return (dd_matvec_out){ .wtype = m->wtype, .w = m->w, .rows = m->rows, .y = y };
+}
+
 static void add_into(float *h, const float *t, size_t n)
 {
     for (size_t i = 0; i < n; i++)
@@ -140,9 +146,10 @@ static int gdn_mixer(int isa, const dd_step_layer *L, float *conv, float *ssm, c
     const dd_gdn_layer *G = L->gdn;
     const size_t nvd = G->n_v * G->dv;
     float *mixed = buf, *z = mixed + L->qkv.rows, *b = z + nvd, *a = b + G->n_v, *y = a + G->n_v;
+    const dd_matvec_out in[4] = { out_of(&L->qkv, mixed), out_of(&L->z, z), out_of(&L->beta, b),
+                                  out_of(&L->alpha, a) };
     int rc;
-    if ((rc = matvec(isa, &L->qkv, xn, mixed)) != DD_OK || (rc = matvec(isa, &L->z, xn, z)) != DD_OK ||
-        (rc = matvec(isa, &L->beta, xn, b)) != DD_OK || (rc = matvec(isa, &L->alpha, xn, a)) != DD_OK ||
+    if ((rc = dd_matvec_set(isa, in, 4, L->qkv.k, xn)) != DD_OK ||
         (rc = dd_gdn_decode(G, mixed, z, b, a, conv, ssm, y)) != DD_OK)
         return rc;
     return matvec(isa, &L->ssm_out, y, out);
@@ -154,9 +161,9 @@ static int attn_mixer(int isa, const dd_step_model *m, const dd_step_layer *L, f
     const size_t hd = m->head_dim, nh = m->n_head, nq = nh * hd, nkv = m->n_head_kv * hd, half = m->rope_dims / 2;
     float *qg = buf, *q = qg + 2 * nq, *gate = q + nq, *o = gate + nq, *qn = o + nq;
     float *kk = qn + nq, *vv = kk + nkv;
+    const dd_matvec_out in[3] = { out_of(&L->q, qg), out_of(&L->k, kk), out_of(&L->v, vv) };
     int rc;
-    if ((rc = matvec(isa, &L->q, xn, qg)) != DD_OK || (rc = matvec(isa, &L->k, xn, kk)) != DD_OK ||
-        (rc = matvec(isa, &L->v, xn, vv)) != DD_OK)
+    if ((rc = dd_matvec_set(isa, in, 3, L->q.k, xn)) != DD_OK)
         return rc;
     for (size_t h = 0; h < nh; h++) {   /* attn_q rows are per head [q_h | gate_h] */
         memcpy(q + h * hd, qg + 2 * h * hd, hd * sizeof(float));
@@ -181,8 +188,9 @@ static int ffn(int isa, const dd_step_layer *L, const float *xn, float *out, flo
         return dd_moe_ffn(isa, L->moe, xn, out, NULL, NULL);
     const size_t ff = L->ffn_gate.rows;
     float *g = buf, *u = g + ff, *hh = u + ff;
+    const dd_matvec_out in[2] = { out_of(&L->ffn_gate, g), out_of(&L->ffn_up, u) };
     int rc;
-    if ((rc = matvec(isa, &L->ffn_gate, xn, g)) != DD_OK || (rc = matvec(isa, &L->ffn_up, xn, u)) != DD_OK)
+    if ((rc = dd_matvec_set(isa, in, 2, L->ffn_gate.k, xn)) != DD_OK)
         return rc;
     dd_silu_mul(g, u, ff, hh);
     return matvec(isa, &L->ffn_down, hh, out);

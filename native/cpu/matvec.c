@@ -1,0 +1,107 @@
+/* The decode path's products (runtime.h): dd_matvec_set, several products of one input vector in one
+ * pool job, and dd_scratch, the per-thread buffers that decode reuses call after call.
+ *
+ * Why one job: a decode token's products are small (a GDN layer's beta and alpha are 32 rows, 2
+ * chunks), and each separate product pays the activation preparation on the calling thread while the
+ * other threads wait, a pool dispatch, and the tail where one thread finishes the last chunk alone.
+ * Products that read the same vector (a GDN layer's qkv, z, beta, alpha; attention's q, k, v; the dense
+ * FFN's gate and up) share one preparation and one job, whose chunks are each product's chunks in turn.
+ *
+ * Why the bits do not change: the activations are the bytes dd_matmul prepares for that vector, and
+ * product i is cut into the chunks dd_matmul cuts it into (dd_chunk_rows of its row size, from its row
+ * 0), each run by the same kernel call with the same rows and the same rows_avail; a chunk's result
+ * depends only on its rows, never on the thread or the order.
+ */
+#include <pthread.h>
+#include <stdlib.h>
+
+#include "runtime.h"
+
+typedef struct {
+    void *p[DD_SCRATCH_COUNT];
+    size_t bytes[DD_SCRATCH_COUNT];
+} scratch_set;
+
+static pthread_key_t scratch_key;
+static int scratch_key_ok;
+static pthread_once_t scratch_once = PTHREAD_ONCE_INIT;
+
+static void scratch_release(void *v)
+{
+    scratch_set *s = v;
+    for (int i = 0; i < DD_SCRATCH_COUNT; i++)
+        free(s->p[i]);
+    free(s);
+}
+
+static void scratch_init(void)
+{
+    scratch_key_ok = pthread_key_create(&scratch_key, scratch_release) == 0;
+}
+
+void *dd_scratch(int slot, size_t bytes)
+{
+    pthread_once(&scratch_once, scratch_init);
+    if (!scratch_key_ok || slot < 0 || slot >= DD_SCRATCH_COUNT)
+        return NULL;
+    scratch_set *s = pthread_getspecific(scratch_key);
+    if (s == NULL) {
+        s = calloc(1, sizeof *s);
+        if (s == NULL || pthread_setspecific(scratch_key, s) != 0) {
+            free(s);
+            return NULL;
+        }
+    }
+    if (s->bytes[slot] < bytes) {
+        const size_t n = (bytes + bytes / 4 + 63) & ~(size_t)63;   /* a little room: shapes vary by layer */
+        free(s->p[slot]);
+        s->p[slot] = aligned_alloc(64, n);
+        s->bytes[slot] = s->p[slot] != NULL ? n : 0;
+    }
+    return s->p[slot];
+}
+
+typedef struct {
+    const dd_kernels *kt;
+    const dd_matvec_out *p;
+    size_t k;
+    size_t first[DD_MATVEC_SET_MAX + 1];   /* product i's chunks are [first[i], first[i + 1]) */
+    size_t chunk_rows[DD_MATVEC_SET_MAX];
+    const dd_acts *acts;
+} set_job;
+
+static void set_chunk(void *ctx, size_t chunk)
+{
+    const set_job *j = ctx;
+    size_t i = 0;
+    while (chunk >= j->first[i + 1])
+        i++;
+    const dd_matvec_out *p = &j->p[i];
+    const size_t rb = dd_row_bytes(p->wtype, j->k), r0 = (chunk - j->first[i]) * j->chunk_rows[i];
+    const size_t n = p->rows - r0 < j->chunk_rows[i] ? p->rows - r0 : j->chunk_rows[i];
+    j->kt->gemm[p->wtype](p->w + r0 * rb, rb, n, p->rows - r0, j->acts, p->y + r0, p->rows);
+}
+
+int dd_matvec_set(int isa, const dd_matvec_out *p, size_t n, size_t k, const float *x)
+{
+    const dd_kernels *kt = dd_kernels_for(isa);
+    if (kt == NULL)
+        return DD_ERR_ISA;
+    if (n > DD_MATVEC_SET_MAX || k == 0 || k % DD_QK != 0)
+        return DD_ERR_ARG;
+    set_job job = { .kt = kt, .p = p, .k = k };
+    for (size_t i = 0; i < n; i++) {
+        if (!dd_wtype_fits(p[i].wtype, k))
+            return DD_ERR_ARG;
+        job.chunk_rows[i] = dd_chunk_rows(dd_row_bytes(p[i].wtype, k));
+        job.first[i + 1] = job.first[i] + dd_div_up(p[i].rows, job.chunk_rows[i]);
+    }
+    void *mem = dd_scratch(DD_SCRATCH_ACTS, dd_acts_bytes(kt, 1, k));
+    if (mem == NULL)
+        return DD_ERR_NOMEM;
+    dd_acts acts;
+    dd_acts_prepare(kt, x, 1, k, mem, &acts);
+    job.acts = &acts;
+    dd_pool_for(set_chunk, &job, job.first[n]);
+    return DD_OK;
+}
