@@ -20,8 +20,10 @@ AI __m128 tree4(const float *L)
     for (int x = 0; x < 4; x++)
         e[x] = tree_first(L + x * LANES);
     /* f02 = (e0[0] + e0[2], e0[1] + e0[3], e2[0] + e2[2], e2[1] + e2[3]), f13 likewise */
-    const __m256d f02 = _mm256_add_pd(_mm256_permute2f128_pd(e[0], e[2], 0x20), _mm256_permute2f128_pd(e[0], e[2], 0x31));
-    const __m256d f13 = _mm256_add_pd(_mm256_permute2f128_pd(e[1], e[3], 0x20), _mm256_permute2f128_pd(e[1], e[3], 0x31));
+    const __m256d f02 = _mm256_add_pd(_mm256_permute2f128_pd(e[0], e[2], 0x20),
+                                      _mm256_permute2f128_pd(e[0], e[2], 0x31));
+    const __m256d f13 = _mm256_add_pd(_mm256_permute2f128_pd(e[1], e[3], 0x20),
+                                      _mm256_permute2f128_pd(e[1], e[3], 0x31));
     return _mm256_cvtpd_ps(_mm256_add_pd(_mm256_unpacklo_pd(f02, f13), _mm256_unpackhi_pd(f02, f13)));
 }
 
