@@ -3,55 +3,60 @@
  * whose 64-byte compares and shuffles GCC lowered lane by lane): the same operations on the same
  * numbers in the same order, so the same bits as every other level. A dot's 16 lanes are two ymm,
  * lanes 0-7 and 8-15, and no lane's sum touches another's, so the halves can run one after the other:
- *   scores_set   per pair of keys, 4 rows x 2 keys x one half of the lanes at a time (8 accumulators),
- *                the 16 lane sums of each dot stored to a small buffer; then attn_avx2.h's tree4 for
- *                the 8 rows (vcvtps2pd from memory, no extracts);
+ *   scores_set   per 3 keys, 4 rows x 3 keys x one half of the lanes at a time (12 accumulators; 8
+ *                left the FMAs waiting on each other), the 16 lane sums of each dot stored to a small
+ *                buffer; then attn_avx2.h's tree4 for the 8 rows (vcvtps2pd from memory, no extracts);
  *   softmax_set  one ymm per key (its 8 rows): the max, then attn_exp, then the 16 lane sums one lane
  *                at a time (2 ymm of doubles each), then the same tree between them;
  *   pv_set_cols  4 rows x 16 head dims (8 accumulators) per pass over the keys. */
 
 _Static_assert(SET == 8, "a ymm holds one key of a set's rows");
 
-/* Lanes lo (0-7) or hi (8-15) of the 8 dots of rows q[0..3] with keys k0, k1 (lane l: q[i] k[i] fused-
- * multiply-added for i = l, l + 16, ... < hd in order, from +0), stored as buf[(u * SET + x) * LANES + l]
- * for key u, row x; h = 0 or 8 picks the half. */
-AI void dots_half(const float *const *q, const float *k0, const float *k1, size_t hd, size_t h, float *buf)
+#define SKEYS 3   /* keys per scores_set step: 4 rows x 3 keys = 12 accumulators, 3 k and 1 q register */
+
+/* Lanes lo (0-7) or hi (8-15) of the 12 dots of rows q[0..3] with keys kt[0..2] (lane l: q[i] k[i]
+ * fused-multiply-added for i = l, l + 16, ... < hd in order, from +0), stored as
+ * buf[(u * SET + x) * LANES + l] for key u, row x; h = 0 or 8 picks the half. */
+AI void dots_half(const float *const *q, const float *const *kt, size_t hd, size_t h, float *buf)
 {
-    __m256 acc[2][4];
-    for (int x = 0; x < 4; x++)
-        acc[0][x] = acc[1][x] = _mm256_setzero_ps();
+    __m256 acc[SKEYS][4];
+    for (int u = 0; u < SKEYS; u++)
+        for (int x = 0; x < 4; x++)
+            acc[u][x] = _mm256_setzero_ps();
     for (size_t i = h; i < hd; i += LANES) {
-        const __m256 a = _mm256_loadu_ps(k0 + i), b = _mm256_loadu_ps(k1 + i);
+        __m256 kv[SKEYS];
+        for (int u = 0; u < SKEYS; u++)
+            kv[u] = _mm256_loadu_ps(kt[u] + i);
         for (int x = 0; x < 4; x++) {
             __m256 qx = _mm256_loadu_ps(q[x] + i);
-            __asm__("" : "+x"(qx));   /* one load for both FMAs, not one folded into each */
-            acc[0][x] = _mm256_fmadd_ps(qx, a, acc[0][x]);
-            acc[1][x] = _mm256_fmadd_ps(qx, b, acc[1][x]);
+            __asm__("" : "+x"(qx));   /* one load for all the keys' FMAs, not one folded into each */
+            for (int u = 0; u < SKEYS; u++)
+                acc[u][x] = _mm256_fmadd_ps(qx, kv[u], acc[u][x]);
         }
     }
-    for (int u = 0; u < 2; u++)
+    for (int u = 0; u < SKEYS; u++)
         for (int x = 0; x < 4; x++)
             _mm256_store_ps(buf + (u * SET + x) * LANES + h, acc[u][x]);
 }
 
 /* Scaled scores of the SET rows q[x] against keys t = 0..len-1 (k_t = k + t * krow) into
- * S[t * SET + x]; for an odd len, key len - 1 is read twice and its second copy lands in
- * S[len * SET ..], a slot softmax_set overwrites. */
+ * S[t * SET + x]; SKEYS keys a step, past len the last key again, its scores not stored. */
 static void scores_set(const float *const *q, const float *k, size_t krow, size_t len, size_t hd, float scale,
                        float *S)
 {
-    float buf[2 * SET * LANES] __attribute__((aligned(32)));
+    float buf[SKEYS * SET * LANES] __attribute__((aligned(32)));
     const __m256 sc = _mm256_set1_ps(scale);
-    for (size_t t = 0; t < len; t += 2) {
-        const float *k0 = k + t * krow, *k1 = t + 1 < len ? k0 + krow : k0;
-        for (size_t i = 0; i < hd; i += LANES) {
-            __builtin_prefetch(k0 + 4 * krow + i);
-            __builtin_prefetch(k0 + 5 * krow + i);
-        }
+    for (size_t t = 0; t < len; t += SKEYS) {
+        const float *kt[SKEYS];
+        for (size_t u = 0; u < SKEYS; u++)
+            kt[u] = k + (t + u < len ? t + u : len - 1) * krow;
+        for (size_t i = 0; i < hd; i += LANES)
+            for (size_t u = SKEYS; u < 2 * SKEYS; u++)
+                __builtin_prefetch(k + (t + u) * krow + i);
         for (int g = 0; g < SET; g += 4)
             for (size_t h = 0; h < LANES; h += LANES / 2)
-                dots_half(q + g, k0, k1, hd, h, buf + g * LANES);
-        for (int u = 0; u < 2; u++) {
+                dots_half(q + g, kt, hd, h, buf + g * LANES);
+        for (size_t u = 0; u < SKEYS && t + u < len; u++) {
             const float *L = buf + u * SET * LANES;
             const __m256 s = _mm256_set_m128(tree4(L + 4 * LANES), tree4(L));
             _mm256_storeu_ps(S + (t + u) * SET, _mm256_mul_ps(s, sc));
