@@ -9,6 +9,8 @@ measured ~1e-6 (float32 scores and weighted sums over blocks of 256, a ~2 ulp ex
 
 from __future__ import annotations
 
+import ctypes
+
 import numpy as np
 import pytest
 
@@ -100,3 +102,32 @@ def test_prefill_attention_rejects_bad_shapes():
     q, gate, k, v = inputs(rng, 8, 4, 6, 4, 16)
     with pytest.raises(ValueError, match="n_head % n_kv"):
         cpu_mixers.attention_prefill(q, gate, k, v)
+
+
+DECODE_COPIES = {"scalar": "attn_decode_base", "avx2": "attn_decode_avx2", "avx512vnni": "attn_decode_avx512"}
+"""The per-level copies of the decode kernel in the extension (native/cpu/attention*.c)."""
+
+
+@pytest.mark.parametrize("m, n_head, n_kv, hd", [
+    (259, 8, 2, 256),    # the real layer; a last block of 3 keys (AVX2 scores take 4 keys at a time)
+    (513, 6, 2, 48),     # GQA 3, hd 48 (AVX2 weighted sums in 16-dim pieces), a last block of 1 key
+    (270, 4, 4, 80),     # no GQA, hd 80 (a 64-dim and a 16-dim piece), a last block of 14 keys
+])
+def test_decode_copies_of_every_level_give_the_same_bits(m, n_head, n_kv, hd):
+    """dd_attn_decode runs only the best level's copy, so each supported level's copy is called here
+    by its symbol (ctypes, same arguments): the same bits as dd_attn_decode, within REL_TOL of the
+    float64 reference."""
+    rng = np.random.default_rng(m + hd)
+    q, gate, k, v = inputs(rng, m, 1, n_head, n_kv, hd)
+    want = cpu_mixers.attention_decode(q[0], gate[0], k, v)
+    lib = ctypes.CDLL(cpu._native_cpu.__file__)
+    for level in cpu.supported_isas():
+        if level not in DECODE_COPIES:
+            continue
+        fn = getattr(lib, DECODE_COPIES[level])
+        fn.argtypes = [ctypes.c_size_t] * 3 + [ctypes.c_void_p] * 4 + [ctypes.c_size_t, ctypes.c_void_p]
+        out = np.empty(n_head * hd, np.float32)
+        assert fn(n_head, n_kv, hd, *(a.ctypes.data for a in (q, gate, k, v)), m, out.ctypes.data) == 0
+        assert np.array_equal(out, want), f"{level}: max gap {np.abs(out - want).max()}"
+    ref = reference(q, gate, k, v)[0]
+    assert np.abs(want - ref).max() <= REL_TOL * np.abs(ref).max()

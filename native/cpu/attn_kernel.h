@@ -23,6 +23,8 @@
  * runs jobs of (kv head, 16 to 64 positions) that copy each block's k and v rows into an aligned
  * scratch once and take the job's rows through it in sets of 8, with the scores, the softmax and the
  * weighted sums vectorised across the set, so each key and value row read serves 8 rows.
+ * The AVX2 build (16 ymm registers) takes its inner loops from attn_avx2.h and attn_prefill_avx2.h:
+ * the same operations in the same order, in register-sized pieces.
  */
 #include <math.h>
 #include <stdlib.h>
@@ -41,6 +43,12 @@
 #define ATTN_FN(name) ATTN_CAT(name, ATTN_SUFFIX)
 
 #define AI static inline __attribute__((always_inline))
+/* The AVX2 build: its inner loops shaped for 16 ymm registers (attn_avx2.h, attn_prefill_avx2.h). */
+#if defined(__FMA__) && !defined(__AVX512F__)
+#define ATTN_AVX2 1
+#else
+#define ATTN_AVX2 0
+#endif
 #define BLOCK DD_ATTN_BLOCK
 #define LANES DD_ATTN_LANES
 
@@ -70,27 +78,13 @@ AI vf vmax(vf a, vf b)
     return (vf)(((vi)a & gt) | ((vi)b & ~gt));
 }
 
-/* a * b + c rounded once, lane by lane: the FMA instruction where the build has it, else libm's
- * fmaf (exact too, in software on a CPU without FMA), so every build gives the same bits. */
+/* a * b + c rounded once, lane by lane: the FMA instruction with AVX-512, else libm's fmaf (exact
+ * too, in software on a CPU without FMA), so every build gives the same bits. (The AVX2 build's loops
+ * call _mm256_fmadd_ps themselves.) */
 #if defined(__AVX512F__)
 AI vf vfma(vf a, vf b, vf c)
 {
     return (vf)_mm512_fmadd_ps((__m512)a, (__m512)b, (__m512)c);
-}
-#elif defined(__FMA__)
-typedef float vh __attribute__((vector_size(2 * LANES)));
-/* The halves through memcpy: GCC lowers a shuffle of a 64-byte vector without AVX-512 lane by lane,
- * which made this FMA (and the AVX2 kernel) several times slower. */
-AI vf vfma(vf a, vf b, vf c)
-{
-    vh x[2], y[2], z[2];
-    memcpy(x, &a, sizeof a);
-    memcpy(y, &b, sizeof b);
-    memcpy(z, &c, sizeof c);
-    for (int h = 0; h < 2; h++)
-        z[h] = (vh)_mm256_fmadd_ps((__m256)x[h], (__m256)y[h], (__m256)z[h]);
-    memcpy(&c, z, sizeof c);
-    return c;
 }
 #else
 AI vf vfma(vf a, vf b, vf c)
@@ -237,6 +231,9 @@ static void finish_row(const double *A, double L, const float *gate, size_t hd, 
         out[i] = (float)(A[i] / L * attn_sigmoid(gate[i]));
 }
 
+#if ATTN_AVX2
+#include "attn_avx2.h"
+#else
 /* o[hd] = sum_{t < len} p[t] v_t (float, t in order, one rounding per term), v_t = v + t * vrow;
  * 32 head dims at a time. */
 static void pv_row(const float *p, const float *v, size_t vrow, size_t len, size_t hd, float *o)
@@ -262,6 +259,7 @@ static void scores_row(const float *q, const float *k, size_t krow, size_t len, 
         s[t] = tree16(acc) * scale;
     }
 }
+#endif
 
 /* ---- decode: one query, the blocks split over the pool, merged in block order --------------- */
 

@@ -14,6 +14,7 @@
  *                double, the tree between them lane by lane);
  *   pv_set       the weighted sums 8 rows x 32 head dims x 16 keys at a time (the keys' v rows stay
  *                in L1 for all head dims), p broadcast from S.
+ * (The AVX2 build runs the same operations in ymm-sized pieces: attn_prefill_avx2.h.)
  * A set spanning two positions computes the later position's extra keys for the earlier one too;
  * softmax_set gives them p = +0 (exp of -inf), which leaves the lane sums and the weighted sums
  * unchanged bit for bit (a sum that starts at +0 never becomes -0). A set that runs past the job's
@@ -25,6 +26,22 @@
 
 #define SET (LANES / 2)   /* query rows per micro-kernel call: two keys of them fill one vector */
 
+#define PV_KEYS 16   /* keys per pass of pv_set: their v rows (16 KiB at hd 256) stay in L1 for all head dims */
+
+/* Row x's scores S[t * SET + x] from t = len[x] on set to -inf, up to the returned number of keys: keys
+ * rounded up to a multiple of LANES (softmax_set's padding). */
+static size_t pad_set(float *S, const size_t *len, size_t keys)
+{
+    const size_t padded = dd_div_up(keys, LANES) * LANES;
+    for (size_t x = 0; x < SET; x++)
+        for (size_t t = len[x]; t < padded; t++)
+            S[t * SET + x] = -INFINITY;
+    return padded;
+}
+
+#if ATTN_AVX2
+#include "attn_prefill_avx2.h"
+#else
 /* v as it is, but in a register: keeps GCC from folding a vector load into both of its FMAs (a
  * second load where the first one's register would do). */
 AI vf in_reg(vf v)
@@ -60,63 +77,6 @@ static void scores_set(const float *const *q, const float *k, size_t krow, size_
     }
 }
 
-/* softmax_block for the SET rows of S at once: row x's scores are S[t * SET + x] for t < len[x]
- * (keys = max len[x]); -> its probabilities there and +0 from len[x] on, S padded with +0 to a
- * multiple of LANES keys; mx[x] and sum[x] as softmax_block returns them. */
-static void softmax_set(float *S, const size_t *len, size_t keys, float *mx, double *sum)
-{
-    const size_t padded = dd_div_up(keys, LANES) * LANES;
-    for (size_t x = 0; x < SET; x++)
-        for (size_t t = len[x]; t < padded; t++)
-            S[t * SET + x] = -INFINITY;
-    vf vm = ld(S);
-    for (size_t t = 2; t < padded; t += 2)
-        vm = vmax(vm, ld(S + t * SET));
-    vm = vmax(vm, __builtin_shufflevector(vm, vm, 8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7));
-    vd lane[LANES];
-    for (int l = 0; l < LANES; l++)
-        lane[l] = (vd){ 0 };
-    for (size_t t = 0; t < padded; t += LANES)
-        for (int l = 0; l < LANES; l += 2) {
-            const vf p = attn_exp(ld(S + (t + l) * SET) - vm);
-            st(S + (t + l) * SET, p);
-            lane[l] += lo_d(p);
-            lane[l + 1] += hi_d(p);
-        }
-    for (int w = LANES / 2; w >= 1; w /= 2)
-        for (int l = 0; l < w; l++)
-            lane[l] += lane[l + w];
-    for (int x = 0; x < SET; x++) {
-        mx[x] = vm[x];
-        sum[x] = lane[0][x];
-    }
-}
-
-#define PV_KEYS 16   /* keys per pass of pv_set: their v rows (16 KiB at hd 256) stay in L1 for all head dims */
-
-/* The next block's k and v rows of a job's kv head, prefetched into L2 a few lines at a time while
- * the job works on this block, so that pack_rows finds them there and not in L3 or memory. */
-typedef struct {
-    const char *k, *v;          /* the next block's first row of each (its kv head's part) */
-    size_t row_bytes, bytes;    /* the cache's row stride; bytes of one row's part (hd floats) */
-    size_t rows, t, off, step;  /* rows to fetch; the cursor (row t, line offset off); lines per call */
-} next_block;
-
-/* The cursor's next `step` lines of k and of v (prefetcht1: into L2). */
-static void prefetch_next(next_block *p)
-{
-    for (size_t u = 0; u < p->step && p->t < p->rows; u++) {
-        const uintptr_t row = p->t * p->row_bytes, first = (uintptr_t)p->k + row, last = first + p->bytes - 1;
-        __builtin_prefetch(p->k + row + p->off, 0, 2);
-        __builtin_prefetch(p->v + row + p->off, 0, 2);
-        p->off += 64;
-        if (((first + p->off) & ~(uintptr_t)63) > (last & ~(uintptr_t)63)) {
-            p->off = 0;
-            p->t++;
-        }
-    }
-}
-
 /* o[x][c .. c + nv * LANES) += S[t * SET + x] v_t there for t = t0 .. t1 - 1 (float, t in order, one
  * rounding per term; for t0 = 0 the sums start at +0), v_t = v + t * vrow; prefetches the same
  * columns of the next pass's rows. */
@@ -141,6 +101,59 @@ AI void pv_set_cols(const float *S, const float *v, size_t vrow, size_t t0, size
     for (int x = 0; x < SET; x++)
         for (size_t y = 0; y < nv; y++)
             st(o[x] + c + y * LANES, acc[x][y]);
+}
+
+/* softmax_block for the SET rows of S at once: row x's scores are S[t * SET + x] for t < len[x]
+ * (keys = max len[x]); -> its probabilities there and +0 from len[x] on, S padded with +0 to a
+ * multiple of LANES keys; mx[x] and sum[x] as softmax_block returns them. */
+static void softmax_set(float *S, const size_t *len, size_t keys, float *mx, double *sum)
+{
+    const size_t padded = pad_set(S, len, keys);
+    vf vm = ld(S);
+    for (size_t t = 2; t < padded; t += 2)
+        vm = vmax(vm, ld(S + t * SET));
+    vm = vmax(vm, __builtin_shufflevector(vm, vm, 8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7));
+    vd lane[LANES];
+    for (int l = 0; l < LANES; l++)
+        lane[l] = (vd){ 0 };
+    for (size_t t = 0; t < padded; t += LANES)
+        for (int l = 0; l < LANES; l += 2) {
+            const vf p = attn_exp(ld(S + (t + l) * SET) - vm);
+            st(S + (t + l) * SET, p);
+            lane[l] += lo_d(p);
+            lane[l + 1] += hi_d(p);
+        }
+    for (int w = LANES / 2; w >= 1; w /= 2)
+        for (int l = 0; l < w; l++)
+            lane[l] += lane[l + w];
+    for (int x = 0; x < SET; x++) {
+        mx[x] = vm[x];
+        sum[x] = lane[0][x];
+    }
+}
+#endif
+
+/* The next block's k and v rows of a job's kv head, prefetched into L2 a few lines at a time while
+ * the job works on this block, so that pack_rows finds them there and not in L3 or memory. */
+typedef struct {
+    const char *k, *v;          /* the next block's first row of each (its kv head's part) */
+    size_t row_bytes, bytes;    /* the cache's row stride; bytes of one row's part (hd floats) */
+    size_t rows, t, off, step;  /* rows to fetch; the cursor (row t, line offset off); lines per call */
+} next_block;
+
+/* The cursor's next `step` lines of k and of v (prefetcht1: into L2). */
+static void prefetch_next(next_block *p)
+{
+    for (size_t u = 0; u < p->step && p->t < p->rows; u++) {
+        const uintptr_t row = p->t * p->row_bytes, first = (uintptr_t)p->k + row, last = first + p->bytes - 1;
+        __builtin_prefetch(p->k + row + p->off, 0, 2);
+        __builtin_prefetch(p->v + row + p->off, 0, 2);
+        p->off += 64;
+        if (((first + p->off) & ~(uintptr_t)63) > (last & ~(uintptr_t)63)) {
+            p->off = 0;
+            p->t++;
+        }
+    }
 }
 
 /* o[x][hd] = sum_{t < len} S[t * SET + x] v_t for the SET rows: PV_KEYS keys at a time, through
