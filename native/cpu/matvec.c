@@ -1,5 +1,6 @@
 /* The decode path's products (runtime.h): dd_matvec_set, several products of one input vector in one
- * pool job, and dd_scratch, the per-thread buffers that decode reuses call after call.
+ * pool job, and dd_scratch, the per-thread buffers that decode and the tower's GEMM and attention reuse call
+ * after call.
  *
  * Why one job: a decode token's products are small (a GDN layer's beta and alpha are 32 rows, 2
  * chunks), and each separate product pays the activation preparation on the calling thread while the

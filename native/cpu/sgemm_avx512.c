@@ -19,7 +19,6 @@
  * split of the rows (a row gives the same bits alone or in a stack). After the last block the epilogue
  * adds the bias, applies the activation and adds `add`, storing only the columns below n.
  */
-#include <pthread.h>
 #include <stdatomic.h>
 #include <stdlib.h>
 
@@ -129,35 +128,6 @@ void (*const dd_sg_half_tiles[SG_MR + 1])(const sg_tile *) = {
 
 /* ---- tasks ------------------------------------------------------------------------------------------ */
 
-/* Per-thread scratch: the x block (SG_MC x SG_KC) and the sums of a task (SG_MC x SG_NC_MAX), 64-byte
- * aligned, allocated on a thread's first task and freed when the thread exits (a thread-specific key).
- * NULL when the key could not be created (the process's keys or memory are exhausted: then every call
- * fails with DD_ERR_NOMEM) or the allocation failed. */
-static pthread_key_t sg_scratch_key;
-static int sg_scratch_key_rc;
-static pthread_once_t sg_scratch_once = PTHREAD_ONCE_INIT;
-
-static void sg_make_scratch_key(void)
-{
-    sg_scratch_key_rc = pthread_key_create(&sg_scratch_key, free);
-}
-
-static float *sg_thread_scratch(void)
-{
-    pthread_once(&sg_scratch_once, sg_make_scratch_key);
-    if (sg_scratch_key_rc != 0)
-        return NULL;
-    float *p = pthread_getspecific(sg_scratch_key);
-    if (p == NULL) {
-        p = aligned_alloc(64, (size_t)SG_MC * (SG_KC + SG_NC_MAX) * sizeof(float));
-        if (p != NULL && pthread_setspecific(sg_scratch_key, p) != 0) {
-            free(p);
-            p = NULL;
-        }
-    }
-    return p;
-}
-
 /* Rows [r0, r0 + mr) x columns [k0, k0 + kc) of x into buf, row stride SG_KC, 16 floats per vector move (GCC
  * inlined memcpy here as `rep movsq`: 4.5 % of a 256 x 4304 x 1152 product under perf, now 3.8 %). */
 static void sg_copy_x(const sgemm_job *j, size_t r0, size_t mr, size_t k0, size_t kc, float *buf)
@@ -205,7 +175,8 @@ static void sg_task(void *ctx, size_t task)
     const size_t r0 = task / j->col_tasks * SG_MC, c0 = task % j->col_tasks * j->nc;
     const size_t mr = j->m - r0 < SG_MC ? j->m - r0 : SG_MC;
     const size_t nc = j->n - c0 < j->nc ? j->n - c0 : j->nc;
-    float *xb = sg_thread_scratch();
+    /* the x block (SG_MC x SG_KC) and the task's sums (SG_MC x SG_NC_MAX), kept per thread (dd_scratch) */
+    float *xb = dd_scratch(DD_SCRATCH_SGEMM, (size_t)SG_MC * (SG_KC + SG_NC_MAX) * sizeof(float));
     if (xb == NULL) {
         atomic_store(&j->err, DD_ERR_NOMEM);
         return;

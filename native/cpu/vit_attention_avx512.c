@@ -11,7 +11,6 @@
  * bits alone or in a stack.
  */
 #include <math.h>
-#include <pthread.h>
 #include <stdatomic.h>
 #include <stdlib.h>
 
@@ -105,59 +104,16 @@ static void vit_weighted_sum(const vit_head *a, size_t i0, size_t rows)
     }
 }
 
-/* The calling thread's task scratch of at least `floats` floats, 64-byte aligned: kept between tasks and calls
- * (replaced by a larger block when a longer piece needs one) and freed when the thread exits, so that a task
- * does not fault in fresh pages (a block per task cost ~5 % of a 1024-row head in the kernel's page
- * clearing). NULL when the thread key or the memory cannot be had. */
-typedef struct {
-    size_t cap;
-    float *p;
-} vit_scratch;
-
-static pthread_key_t vit_scratch_key;
-static int vit_scratch_key_rc;
-static pthread_once_t vit_scratch_once = PTHREAD_ONCE_INIT;
-
-static void vit_free_scratch(void *p)
-{
-    free(((vit_scratch *)p)->p);
-    free(p);
-}
-
-static void vit_make_scratch_key(void)
-{
-    vit_scratch_key_rc = pthread_key_create(&vit_scratch_key, vit_free_scratch);
-}
-
-static float *vit_thread_scratch(size_t floats)
-{
-    pthread_once(&vit_scratch_once, vit_make_scratch_key);
-    if (vit_scratch_key_rc != 0)
-        return NULL;
-    vit_scratch *s = pthread_getspecific(vit_scratch_key);
-    if (s == NULL) {
-        s = calloc(1, sizeof *s);
-        if (s == NULL || pthread_setspecific(vit_scratch_key, s) != 0) {
-            free(s);
-            return NULL;
-        }
-    }
-    if (s->cap < floats) {
-        free(s->p);
-        const size_t cap = dd_div_up(floats, 16) * 16;
-        s->p = aligned_alloc(64, cap * sizeof(float));
-        s->cap = s->p != NULL ? cap : 0;
-    }
-    return s->p;
-}
-
 static void vit_task(void *ctx, size_t task)
 {
     vit_job *j = ctx;
     const size_t piece = task / j->n_head, h = task % j->n_head, row0 = j->starts[piece];
     const size_t s = j->starts[piece + 1] - row0, hd = j->hd, width = j->n_head * hd;
     const size_t nkb = dd_div_up(s, SG_KC), s_pad = dd_div_up(s, NR) * NR, hd_pad = dd_div_up(hd, NR) * NR;
-    float *mem = vit_thread_scratch(s_pad * hd + hd_pad * s + SG_MR * SG_KC * (1 + nkb) + SG_MR * NR);
+    /* kept per thread between tasks and calls (dd_scratch): a fresh block per task cost ~5 % of a 1024-row head
+     * in the kernel's page clearing */
+    const size_t floats = s_pad * hd + hd_pad * s + SG_MR * SG_KC * (1 + nkb) + SG_MR * NR;
+    float *mem = dd_scratch(DD_SCRATCH_VIT, floats * sizeof(float));
     if (mem == NULL) {
         atomic_store(&j->err, DD_ERR_NOMEM);
         return;
