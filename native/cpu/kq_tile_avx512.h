@@ -262,7 +262,7 @@ DD_DEFINE_GEMM(tiles_q4_K, KQ_TILE_Q4_K)
 DD_DEFINE_GEMM(tiles_q5_K, KQ_TILE_Q5_K)
 DD_DEFINE_GEMM(tiles_q6_K, KQ_TILE_Q6_K)
 
-/* Super-blocks of a GEMV column prepared once per call on the stack (k <= 8192; ~14 KiB): the
+/* Super-blocks of a GEMV column prepared once per call on the stack (k <= 8192; 20 KiB): the
  * tiles then read them from L1 instead of arranging them again for every 4 rows. */
 #define KQ_GEMV_SB 32
 
