@@ -90,6 +90,15 @@ def test_kquant_results_bit_identical_across_levels_threads_and_tiles(qtype, rng
     assert_same_bits_everywhere(raw, 2304, qtype, rng)
 
 
+@pytest.mark.parametrize("qtype", KQ, ids=lambda t: t.name)
+@pytest.mark.parametrize("rows, k", [(7, 8448), (6, 256)])
+def test_kquant_gemv_shapes_bit_identical(qtype, rows, k, rng):
+    """The AVX-512 GEMV prepares the column once per call for rows of up to 32 super-blocks
+    (kq_tile_avx512.h, KQ_GEMV_SB) and per tile beyond; 4-row tiles then single rows. A row of 33
+    super-blocks (the per-tile path), one of 1, and 4n + 2 / 4n + 3 rows: the same bits everywhere."""
+    assert_same_bits_everywhere(random_kquant(rng, rows, k, qtype), k, qtype, rng)
+
+
 @pytest.mark.parametrize("level", LEVELS, indirect=True)
 def test_moe_ffn_on_kquant_experts(level, rng):
     """The fused MoE with a Q4_K_M-like mix (Q4_K gate/up, Q6_K down, Q5_K / Q8_0 shared expert)

@@ -1,0 +1,305 @@
+/* K-quant decode tiles at the AVX-512 VNNI level (Q4_K, Q5_K, Q6_K), and the products that use
+ * them: the GEMV (m == 1) with its column prepared once per call, the m > 1 split into
+ * kq_gemm_avx512.h. Included once by kernels_avx512vnni.c (after kq_transpose_add, gemm_tiles.h
+ * and kernels.h); it defines gemm_q4_K, gemm_q5_K and gemm_q6_K for that file's kernel table.
+ */
+#ifndef DELTADESK_KQ_TILE_AVX512_H
+#define DELTADESK_KQ_TILE_AVX512_H
+
+/* K-quant tiles (Q4_K, Q5_K, Q6_K; layouts and exactness argument in kquants.h), reading the stored
+ * super-blocks in registers. A super-block's 256 quants become 4 vectors of 64 unsigned bytes, each
+ * meeting one vector of the column's activations (kq_col_prep):
+ *   Q4_K / Q5_K: qs bytes 0-63 and 64-127, low nibbles then high ones: the low nibbles of bytes
+ *     0-63 are values 0-31 and 64-95, so the activation vectors are [a0-31 | a64-95],
+ *     [a32-63 | a96-127], [a128-159 | a192-223], [a160-191 | a224-255]; Q5_K adds bit 2j or
+ *     2j + 1 of qh[l] as 16 (vptestmb picks it per byte); Q4_K's high nibbles stay in place
+ *     (qs & 0xf0, one instruction instead of a shift and a mask): their block sums come out 16
+ *     times too large, exact in int32, and one arithmetic shift per row pair divides them back;
+ *   Q6_K: ql bytes 64n .. 64n + 63 (n = 0, 1), low nibbles = values 128n + 0..63, high = 128n +
+ *     64..127, in value order; the two high bits come from qh[32n + l] shifted into bits 4-5.
+ * vpdpbusd gives 4-value partial sums; a transpose-add within 128-bit lanes puts the 16-value
+ * quarter k of vector j in lane 4k + j (Q6_K: times its half scale, minus 32 times the activation
+ * half sum). The two quarters of each 32-value block are 128-bit lanes (0, 1) and (2, 3); one pair
+ * of 128-bit shuffles adds them for two rows at once, leaving row A's 8 block integers in lanes
+ * 0-7 and row B's in lanes 8-15, in the block order KQ_ORDER (not value order: the f64 lanes keep
+ * that order to the end, where they are summed in value order).
+ *
+ * The f64 terms are those of kquants.h's dd_kq_tile, the same values in every lane: d * da_i
+ * (exact in f32, so equal to the f64 product of the two widened scales) times I_i, and for Q4_K /
+ * Q5_K dmin * da_i * (m_i * bs_i), a product of exact factors of 11 + 11 + 6 + 12 bits, formed here
+ * as (da_i bs_i) dmin, then m_i (every partial product exact, so the value is the same). Both
+ * products are exact in f64 (at most 48 and 40 significant bits), so adding them with an FMA
+ * (fmadd, fnmadd) rounds once, as kquants.h's separate multiply and add do: the same bits. */
+typedef struct {
+    __m512i v[4];
+    __m512i seed[4];  /* Q6_K: vpdpbusd's start for vector j: -32 s_h in dword 4k of the lanes whose
+                       * quarter k of vector j is half h (the transpose-add carries it into lane 4k + j) */
+    __m512d da;       /* the 8 activation block scales, block KQ_ORDER[l] in lane l */
+    __m512d dab;      /* Q4_K / Q5_K: da times the block's activation sum, same lanes */
+} kq_col;
+
+/* lane l of a row's 8 f64 lanes holds block KQ_ORDER[t][l] (t = 0: Q4_K / Q5_K, 1: Q6_K) */
+static const int32_t kq_order[2][8] = { { 0, 1, 4, 5, 2, 3, 6, 7 }, { 0, 2, 4, 6, 1, 3, 5, 7 } };
+static const int32_t kq_half_lane[16] = { 0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15 };
+
+DD_INLINE __m512i kq_pair(const int8_t *a, int lo, int hi)
+{
+    return _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)(a + lo))),
+                              _mm256_loadu_si256((const __m256i *)(a + hi)), 1);
+}
+
+/* Column c0 + c's activations of super-block sb, arranged once for the rows of a tile. */
+DD_INLINE void kq_col_prep(const dd_acts *a, size_t b0, int wtype, kq_col *p)
+{
+    const int8_t *q = a->q + b0 * DD_QK;
+    const __m256i order = _mm256_loadu_si256((const __m256i *)kq_order[wtype == DD_Q6_K]);
+    p->da = _mm512_cvtps_pd(_mm256_permutexvar_ps(order, _mm256_loadu_ps(a->bd + b0)));
+    if (wtype == DD_Q6_K) {
+        for (int j = 0; j < 4; j++)
+            p->v[j] = _mm512_loadu_si512(q + 64 * j);
+        const __m512i s32 = _mm512_slli_epi32(   /* lane 4k + j: 32 times the sum of quarter k of vector j's half */
+            _mm512_permutexvar_epi32(_mm512_loadu_si512(kq_half_lane), _mm512_loadu_si512(a->s16 + 2 * b0)), 5);
+        const __m512i neg = _mm512_sub_epi32(_mm512_setzero_si512(), s32);
+        const __m512i quad = _mm512_setr_epi32(0, 0, 0, 0, 4, 4, 4, 4, 8, 8, 8, 8, 12, 12, 12, 12);
+        for (int j = 0; j < 4; j++)   /* dword 4k of seed j = lane 4k + j of -s32, the other dwords 0 */
+            p->seed[j] = _mm512_maskz_permutexvar_epi32(0x1111, _mm512_add_epi32(quad, _mm512_set1_epi32(j)), neg);
+        p->dab = _mm512_setzero_pd();
+    } else {
+        p->v[0] = kq_pair(q, 0, 64);
+        p->v[1] = kq_pair(q, 32, 96);
+        p->v[2] = kq_pair(q, 128, 192);
+        p->v[3] = kq_pair(q, 160, 224);
+        const __m256i bs = _mm256_permutexvar_epi32(order, _mm256_loadu_si256((const __m256i *)(a->bs + b0)));
+        p->dab = _mm512_mul_pd(p->da, _mm512_cvtepi32_pd(bs));
+    }
+}
+
+/* The 8 scales and 8 mins of two Q4_K / Q5_K super-blocks (rows a, b), each in KQ_ORDER[0]: bytes
+ * 0-7 row a's scales, 8-15 row b's, 16-23 row a's mins, 24-31 row b's; as dd_kq_scale_words
+ * (kernels.h), on the 12 scale bytes at blk + 4 (words s0 s1 s2; s3 unused), both rows at once. */
+DD_INLINE __m256i kq_scale_bytes2(const uint8_t *blk_a, const uint8_t *blk_b)
+{
+    const __m256i s = _mm256_inserti128_si256(_mm256_castsi128_si256(_mm_loadu_si128((const __m128i *)(blk_a + 4))),
+                                              _mm_loadu_si128((const __m128i *)(blk_b + 4)), 1);
+    const __m256i a = _mm256_shuffle_epi32(s, _MM_SHUFFLE(2, 1, 2, 0));   /* s0 s2 s1 s2 */
+    const __m256i b = _mm256_shuffle_epi32(s, _MM_SHUFFLE(1, 1, 0, 0));   /* s0 s0 s1 s1 */
+    const __m256i lo = _mm256_and_si256(_mm256_srlv_epi32(a, _mm256_setr_epi32(0, 0, 0, 4, 0, 0, 0, 4)),
+                                        _mm256_setr_epi32(0x3f3f3f3f, 0x0f0f0f0f, 0x3f3f3f3f, 0x0f0f0f0f,
+                                                          0x3f3f3f3f, 0x0f0f0f0f, 0x3f3f3f3f, 0x0f0f0f0f));
+    const __m256i hi = _mm256_and_si256(_mm256_srli_epi32(b, 2), _mm256_setr_epi32(0, 0x30303030, 0, 0x30303030,
+                                                                                   0, 0x30303030, 0, 0x30303030));
+    const __m256i o = _mm256_shuffle_epi8(_mm256_or_si256(lo, hi),
+                                          _mm256_setr_epi8(0, 1, 4, 5, 2, 3, 6, 7, 8, 9, 12, 13, 10, 11, 14, 15,
+                                                           0, 1, 4, 5, 2, 3, 6, 7, 8, 9, 12, 13, 10, 11, 14, 15));
+    return _mm256_permute4x64_epi64(o, _MM_SHUFFLE(3, 1, 2, 0));
+}
+
+/* A super-block row's 256 quants as 4 vectors of unsigned bytes matching kq_col's v. */
+DD_INLINE void kq_unpack(const uint8_t *blk, int wtype, __m512i w[4])
+{
+    const __m512i low = _mm512_set1_epi8(0x0f);
+    if (wtype == DD_Q6_K) {
+        const __m512i two = _mm512_set1_epi8(0x30);
+        const __m512i up = _mm512_inserti64x4(_mm512_set1_epi16(4), _mm256_set1_epi16(2), 1);
+        const __m512i down = _mm512_inserti64x4(_mm512_setzero_si512(), _mm256_set1_epi16(2), 1);
+        for (int n = 0; n < 2; n++) {
+            const __m512i l = _mm512_loadu_si512(blk + 64 * n);
+            const __m512i h = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)(blk + 128 + 32 * n)));
+            w[2 * n] = _mm512_ternarylogic_epi32(_mm512_and_si512(l, low), _mm512_sllv_epi16(h, up), two, 0xf8);
+            w[2 * n + 1] = _mm512_ternarylogic_epi32(_mm512_and_si512(_mm512_srli_epi16(l, 4), low),
+                                                     _mm512_srlv_epi16(h, down), two, 0xf8);
+        }
+        return;
+    }
+    const uint8_t *qs = blk + (wtype == DD_Q5_K ? 48 : 16);
+    for (int n = 0; n < 2; n++) {
+        const __m512i q = _mm512_loadu_si512(qs + 64 * n);
+        w[2 * n] = _mm512_and_si512(q, low);
+        w[2 * n + 1] = _mm512_and_si512(_mm512_srli_epi16(q, 4), low);
+    }
+    if (wtype == DD_Q5_K) {
+        const __m512i h = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)(blk + 16)));
+        const __m512i sixteen = _mm512_set1_epi8(0x10);
+        for (int j = 0; j < 4; j++) {
+            /* vector j = 2n + t holds chunks 2n (low 32 bytes) and 2n + 1: bits 2(2n) + t, 2(2n + 1) + t */
+            const int b0 = 4 * (j / 2) + j % 2, b1 = b0 + 2;
+            const __m512i bit = _mm512_inserti64x4(_mm512_set1_epi8((char)(1 << b0)), _mm256_set1_epi8((char)(1 << b1)), 1);
+            w[j] = _mm512_mask_add_epi8(w[j], _mm512_test_epi8_mask(h, bit), w[j], sixteen);
+        }
+    }
+}
+
+/* Lane 4k + j = the quarter (128-bit lane) k of row blk's products with column p (Q6_K: already
+ * times its half scale, minus 32 sc_h times the activation half sum; Q4_K: vectors 1 and 3, the
+ * high nibbles, 16 times their products, exact in int32: |16 S| < 16 * 15 * 127 * 32 < 2^20). */
+DD_INLINE __m512i kq_quarters(const uint8_t *blk, int wtype, const kq_col *p)
+{
+    __m512i w[4], d[4];
+    if (wtype == DD_Q4_K)
+        for (int n = 0; n < 2; n++) {   /* the high nibbles left in place: 16 times their value (kq_row_pair) */
+            const __m512i q = _mm512_loadu_si512(blk + 16 + 64 * n);
+            w[2 * n] = _mm512_and_si512(q, _mm512_set1_epi8(0x0f));
+            w[2 * n + 1] = _mm512_and_si512(q, _mm512_set1_epi8((char)0xf0));
+        }
+    else
+        kq_unpack(blk, wtype, w);
+    for (int j = 0; j < 4; j++)
+        d[j] = _mm512_dpbusd_epi32(wtype == DD_Q6_K ? p->seed[j] : _mm512_setzero_si512(), w[j], p->v[j]);
+    __m512i t = kq_transpose_add(d);
+    if (wtype == DD_Q6_K) {
+        const __m512i scl = _mm512_cvtepi8_epi32(
+            _mm_shuffle_epi8(_mm_loadu_si128((const __m128i *)(blk + 192)),
+                             _mm_setr_epi8(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15)));
+        t = _mm512_mullo_epi32(t, scl);
+    }
+    return t;
+}
+
+/* The f16 scale at blk (and, Q4_K / Q5_K, dmin at blk + 2) widened, broadcast to 8 f64 lanes. */
+DD_INLINE void kq_row_scales(const uint8_t *blk, int wtype, __m512d *d, __m512d *dmin)
+{
+    uint32_t bits;
+    memcpy(&bits, blk + (wtype == DD_Q6_K ? 208 : 0), 4);
+    const __m128d f = _mm_cvtps_pd(_mm_maskz_cvtph_ps(0x3, _mm_cvtsi32_si128((int)bits)));   /* the EVEX form: no F16C flag here */
+    *d = _mm512_broadcastsd_pd(f);
+    *dmin = _mm512_broadcastsd_pd(_mm_unpackhi_pd(f, f));
+}
+
+/* The f16 scales of a tile's R rows at one super-block (row r at w + r * rb), widened to f64 in one
+ * conversion: ds[2r] = d, ds[2r + 1] = dmin (Q6_K: 0). The tile's terms then read them as
+ * broadcast memory operands instead of converting and broadcasting per row and column. */
+DD_INLINE void kq_tile_scales(const uint8_t *w, size_t rb, int wtype, const int R, double ds[8])
+{
+    uint32_t h[4] = { 0, 0, 0, 0 };
+    for (int r = 0; r < R; r++) {
+        uint16_t d, dmin = 0;
+        memcpy(&d, w + r * rb + (wtype == DD_Q6_K ? 208 : 0), 2);
+        if (wtype != DD_Q6_K)
+            memcpy(&dmin, w + r * rb + 2, 2);
+        h[r] = d | (uint32_t)dmin << 16;
+    }
+    const __m128i v = _mm_set_epi64x((int64_t)((uint64_t)h[3] << 32 | h[2]), (int64_t)((uint64_t)h[1] << 32 | h[0]));
+    _mm512_storeu_pd(ds, _mm512_cvtps_pd(_mm256_maskz_cvtph_ps(0xff, v)));   /* the EVEX form: no F16C flag here */
+    /* an empty asm that "may change" ds: GCC reads each scale back as a broadcast memory operand
+     * (no extra instruction) instead of permuting the register it stored (one shuffle per use) */
+    __asm__("" : "+m"(*(double(*)[8])ds));
+}
+
+/* Two rows (blk_a, blk_b) of a super-block against column p: acc_a, acc_b += their f64 terms, the
+ * rows' d and dmin at ds[0, 1] and ds[2, 3]. Each product is exact (see above), so an FMA rounds as
+ * the separate multiply and add of kquants.h do. */
+DD_INLINE void kq_row_pair(const uint8_t *blk_a, const uint8_t *blk_b, int wtype, const kq_col *p,
+                           const double *ds, __m512d *acc_a, __m512d *acc_b, const int both)
+{
+    const __m512i ta = kq_quarters(blk_a, wtype, p), tb = both ? kq_quarters(blk_b, wtype, p) : ta;
+    __m512i s = _mm512_add_epi32(_mm512_shuffle_i32x4(ta, tb, _MM_SHUFFLE(2, 0, 2, 0)),
+                                 _mm512_shuffle_i32x4(ta, tb, _MM_SHUFFLE(3, 1, 3, 1)));
+    __m512i mins = _mm512_setzero_si512();
+    if (wtype != DD_Q6_K) {
+        const __m256i sm = kq_scale_bytes2(blk_a, both ? blk_b : blk_a);
+        if (wtype == DD_Q4_K)   /* lanes 1, 3, 5, 7 of each row (the high nibbles' blocks): 16 S, an exact shift back */
+            s = _mm512_srav_epi32(s, _mm512_set4_epi32(4, 0, 4, 0));
+        s = _mm512_mullo_epi32(s, _mm512_cvtepu8_epi32(_mm256_castsi256_si128(sm)));
+        mins = _mm512_cvtepu8_epi32(_mm256_extracti128_si256(sm, 1));
+    }
+    for (int r = 0; r < 1 + both; r++) {
+        __m512d *acc = r ? acc_b : acc_a;
+        const __m256i ir = r ? _mm512_extracti64x4_epi64(s, 1) : _mm512_castsi512_si256(s);
+        *acc = _mm512_fmadd_pd(_mm512_mul_pd(p->da, _mm512_set1_pd(ds[2 * r])), _mm512_cvtepi32_pd(ir), *acc);
+        if (wtype != DD_Q6_K) {
+            const __m256i mr = r ? _mm512_extracti64x4_epi64(mins, 1) : _mm512_castsi512_si256(mins);
+            *acc = _mm512_fnmadd_pd(_mm512_mul_pd(p->dab, _mm512_set1_pd(ds[2 * r + 1])), _mm512_cvtepi32_pd(mr), *acc);
+        }
+    }
+}
+
+/* Rows [0, R) x columns [c0, c0 + C) (gemm_tiles.h's TILE). pre: NULL, or (C = 1, c0 = 0) the
+ * column's super-blocks already prepared by kq_col_prep, pre[sb]. */
+DD_INLINE void kq_tile(const uint8_t *w, const uint8_t *pf, size_t rb, const dd_acts *a, int wtype, size_t c0,
+                       float *y, size_t ldy, const int R, const int C, const kq_col *pre)
+{
+    const size_t bytes = wtype == DD_Q4_K ? DD_Q4_K_BYTES : wtype == DD_Q5_K ? DD_Q5_K_BYTES : DD_Q6_K_BYTES;
+    const size_t nsb = a->nb / 8;
+    __m512d acc[4][4];
+    for (int r = 0; r < R; r++)
+        for (int c = 0; c < C; c++)
+            acc[r][c] = _mm512_setzero_pd();
+    for (size_t sb = 0; sb < nsb; sb++) {
+        for (int r = 0; r < R; r++) {
+            const uint8_t *q = pf + r * rb + sb * bytes;
+            for (size_t at = 0; at < bytes; at += 64)
+                _mm_prefetch((const char *)(q + at), _MM_HINT_T0);
+            _mm_prefetch((const char *)(q + bytes - 1), _MM_HINT_T0);
+        }
+        double ds[8];
+        kq_tile_scales(w + sb * bytes, rb, wtype, R, ds);
+        for (int c = 0; c < C; c++) {
+            kq_col own;
+            const kq_col *p = pre ? &pre[sb] : &own;
+            if (!pre)
+                kq_col_prep(a, (c0 + c) * a->nbp + 8 * sb, wtype, &own);
+            for (int r = 0; r < R; r += 2)
+                kq_row_pair(w + r * rb + sb * bytes, w + (r + 1) * rb + sb * bytes, wtype, p, ds + 2 * r, &acc[r][c],
+                            &acc[r + (r + 1 < R)][c], r + 1 < R);
+        }
+    }
+    /* lanes back in block order, then summed as dd_kq_tile does: ((s0 + s1) + (s2 + s3)) + ((s4 + s5) + (s6 + s7)) */
+    const int32_t *order = kq_order[wtype == DD_Q6_K];
+    for (int r = 0; r < R; r++)
+        for (int c = 0; c < C; c++) {
+            double l[8], s[8];
+            _mm512_storeu_pd(l, acc[r][c]);
+            for (int i = 0; i < 8; i++)
+                s[order[i]] = l[i];
+            y[(c0 + c) * ldy + r] = (float)(((s[0] + s[1]) + (s[2] + s[3])) + ((s[4] + s[5]) + (s[6] + s[7])));
+        }
+}
+
+#define KQ_TILE_Q4_K(w, pf, rb, a, c0, y, ldy, R, C) kq_tile(w, pf, rb, a, DD_Q4_K, c0, y, ldy, R, C, NULL)
+#define KQ_TILE_Q5_K(w, pf, rb, a, c0, y, ldy, R, C) kq_tile(w, pf, rb, a, DD_Q5_K, c0, y, ldy, R, C, NULL)
+#define KQ_TILE_Q6_K(w, pf, rb, a, c0, y, ldy, R, C) kq_tile(w, pf, rb, a, DD_Q6_K, c0, y, ldy, R, C, NULL)
+DD_DEFINE_GEMM(tiles_q4_K, KQ_TILE_Q4_K)
+DD_DEFINE_GEMM(tiles_q5_K, KQ_TILE_Q5_K)
+DD_DEFINE_GEMM(tiles_q6_K, KQ_TILE_Q6_K)
+
+/* Super-blocks of a GEMV column prepared once per call on the stack (k <= 8192; 20 KiB): the
+ * tiles then read them from L1 instead of arranging them again for every 4 rows. */
+#define KQ_GEMV_SB 32
+
+/* A GEMV (m == 1) as DD_DEFINE_GEMM's m == 1 walk (4-row tiles, then single rows; the same
+ * prefetches), the column prepared once. Every row runs kq_tile's instructions on the same
+ * prepared values, so the bits are those of the per-tile preparation. */
+DD_INLINE void kq_gemv(const uint8_t *w, size_t rb, size_t nrows, size_t rows_avail, const dd_acts *a, float *y,
+                       int wtype)
+{
+    kq_col cols[KQ_GEMV_SB];
+    for (size_t sb = 0; sb < a->nb / 8; sb++)
+        kq_col_prep(a, 8 * sb, wtype, &cols[sb]);
+    dd_prefetch_rows(w, rb, nrows < DD_PREFETCH_ROWS ? nrows : DD_PREFETCH_ROWS);
+    size_t r = 0;
+    for (; r + 4 <= nrows; r += 4)
+        kq_tile(w + r * rb, DD_PREFETCH_BASE(w, rb, r, 4, rows_avail), rb, a, wtype, 0, y + r, 1, 4, 1, cols);
+    for (; r < nrows; r++)
+        kq_tile(w + r * rb, DD_PREFETCH_BASE(w, rb, r, 1, rows_avail), rb, a, wtype, 0, y + r, 1, 1, 1, cols);
+}
+
+#include "kq_gemm_avx512.h"
+/* KQ_GEMM(NAME, TYPE, TILES, GEMM_M) defines the dd_gemm_fn NAME for weight type TYPE: kq_gemv for
+ * one column (rows of up to KQ_GEMV_SB super-blocks), GEMM_M (kq_gemm_avx512.h) for m > 1 when its
+ * scratch holds the rows, else TILES (DD_DEFINE_GEMM of kq_tile). */
+#define KQ_GEMM(NAME, TYPE, TILES, GEMM_M)                                                                     \
+    static void NAME(const uint8_t *w, size_t row_bytes, size_t nrows, size_t rows_avail, const dd_acts *a,   \
+                     float *y, size_t ldy)                                                                    \
+    {                                                                                                         \
+        if (a->m == 1 && a->nb / 8 <= KQ_GEMV_SB)                                                            \
+            kq_gemv(w, row_bytes, nrows, rows_avail, a, y, TYPE);                                             \
+        else if (a->m > 1 && KQX_FITS(a))                                                                     \
+            GEMM_M(w, row_bytes, nrows, a, y, ldy);                                                           \
+        else                                                                                                  \
+            TILES(w, row_bytes, nrows, rows_avail, a, y, ldy);                                                \
+    }
+KQ_GEMM(gemm_q4_K, DD_Q4_K, tiles_q4_K, KQX_GEMM_Q4_K)
+KQ_GEMM(gemm_q5_K, DD_Q5_K, tiles_q5_K, KQX_GEMM_Q5_K)
+KQ_GEMM(gemm_q6_K, DD_Q6_K, tiles_q6_K, KQX_GEMM_Q6_K)
+
+#endif
