@@ -76,6 +76,27 @@ def test_one_row_of_any_row_stride():
     np.testing.assert_array_equal(y, ref)
 
 
+@pytest.mark.parametrize("shape", [1, 7, (3, 5), (13, 1152), (2, 3, 4)])
+def test_empty_aligned_starts_on_a_cache_line(shape):
+    a = sgemm.empty_aligned(shape)
+    assert a.shape == np.empty(shape).shape and a.dtype == np.float32 and a.flags.c_contiguous and a.flags.writeable
+    assert a.ctypes.data % sgemm.ALIGN == 0
+
+
+def test_packed_panels_are_aligned_and_placement_keeps_the_bits():
+    """PackedWeight's panels start on a cache line; the same panels 16 bytes past one (numpy's usual placement, what
+    the kernel read before) give the same bits, the placement changing only which loads span two lines."""
+    rng = np.random.default_rng(23)
+    x, w, b, add = _data(rng, 50, 300, 70)
+    pw = sgemm.PackedWeight(w, b)
+    assert pw.packed.ctypes.data % sgemm.ALIGN == 0
+    ref = pw(x, add=add, act="gelu_tanh")
+    moved = sgemm.empty_aligned(pw.packed.size + 4)[4:]
+    moved[:] = pw.packed
+    pw.packed = moved
+    np.testing.assert_array_equal(pw(x, add=add, act="gelu_tanh"), ref)
+
+
 KEYS_EXHAUSTED = """
 import ctypes
 import numpy as np
