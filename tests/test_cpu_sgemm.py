@@ -91,6 +91,7 @@ def test_packed_panels_are_aligned_and_placement_keeps_the_bits():
     pw = sgemm.PackedWeight(w, b)
     assert pw.packed.ctypes.data % sgemm.ALIGN == 0
     ref = pw(x, add=add, act="gelu_tanh")
+    assert ref.ctypes.data % sgemm.ALIGN == 0
     moved = sgemm.empty_aligned(pw.packed.size + 4)[4:]
     moved[:] = pw.packed
     pw.packed = moved
@@ -226,6 +227,7 @@ def test_vit_attention_matches_float64(sizes, n_head, hd):
     starts = np.concatenate([[0], np.cumsum(sizes)])
     qkv = _qkv(rng, int(starts[-1]), n_head, hd)
     out = sgemm.vit_attention(qkv, starts, n_head)
+    assert out.ctypes.data % sgemm.ALIGN == 0
     ref = sgemm.vit_attention_np(qkv, starts, n_head)
     d = n_head * hd
     for p0, p1 in zip(starts[:-1], starts[1:], strict=True):
@@ -297,6 +299,7 @@ def test_layer_norm_matches_float64(m, d):
     w = (rng.uniform(0.5, 1.5, d) * rng.choice([-1.0, 1.0], d)).astype(np.float32)
     b = rng.uniform(-1, 1, d).astype(np.float32)
     out = sgemm.layer_norm(x, w, b, 1e-6)
+    assert out.ctypes.data % sgemm.ALIGN == 0
     xd = x.astype(np.float64)
     mean = xd.mean(axis=1, keepdims=True)
     ref = (xd - mean) / np.sqrt(((xd - mean) ** 2).mean(axis=1, keepdims=True) + 1e-6) * w + b

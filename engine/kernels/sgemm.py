@@ -118,7 +118,7 @@ class PackedWeight:
                 sets the pool's size).
 
         Returns:
-            ``out``, or a new (m, n) float32 array.
+            ``out``, or a new (m, n) float32 array from :func:`empty_aligned`.
 
         Raises:
             ValueError: a shape, dtype or stride does not fit, ``out`` is read-only or overlaps ``x`` (or ``add``
@@ -126,7 +126,7 @@ class PackedWeight:
                 AVX-512).
         """
         m = len(x)
-        out = np.empty((m, self.n), dtype=np.float32) if out is None else out
+        out = empty_aligned((m, self.n)) if out is None else out
         ldx = _rows(x, (m, self.k), "x")
         ldo = _rows(out, (m, self.n), "out", writeable=True)
         _separate(out, x, "x")
@@ -226,7 +226,7 @@ def vit_attention(qkv: np.ndarray, starts: np.ndarray, n_head: int, out: np.ndar
         threads: as :meth:`PackedWeight.__call__`.
 
     Returns:
-        ``out``, or a new (S, D) float32 array.
+        ``out``, or a new (S, D) float32 array from :func:`empty_aligned`.
 
     Raises:
         ValueError: a shape, dtype or stride does not fit, ``starts`` or ``n_head`` is not as above, or ``out`` is
@@ -242,7 +242,7 @@ def vit_attention(qkv: np.ndarray, starts: np.ndarray, n_head: int, out: np.ndar
     if width != 3 * d or d % n_head:
         raise ValueError(f"vit_attention: qkv width {width} is not 3 D with D a multiple of n_head = {n_head}")
     starts = _starts(starts, s)
-    out = np.empty((s, d), dtype=np.float32) if out is None else out
+    out = empty_aligned((s, d)) if out is None else out
     ldo = _rows(out, (s, d), "out", writeable=True)
     _separate(out, qkv, "qkv")
     n = _native()
@@ -276,7 +276,7 @@ def layer_norm(x: np.ndarray, w: np.ndarray, b: np.ndarray, eps: float, out: np.
         threads: as :meth:`PackedWeight.__call__`.
 
     Returns:
-        ``out``, or a new (m, d) float32 array.
+        ``out``, or a new (m, d) float32 array from :func:`empty_aligned`.
 
     Raises:
         ValueError: a shape, dtype or stride does not fit, ``out`` is read-only or overlaps ``x`` other than as the
@@ -291,7 +291,7 @@ def layer_norm(x: np.ndarray, w: np.ndarray, b: np.ndarray, eps: float, out: np.
         raise ValueError(f"layer_norm: weight {w.shape} and bias {b.shape} for rows of {d}")
     if not eps >= 0:
         raise ValueError(f"layer_norm: eps must be >= 0, got {eps}")
-    out = np.empty((m, d), dtype=np.float32) if out is None else out
+    out = empty_aligned((m, d)) if out is None else out
     ldo = _rows(out, (m, d), "out", writeable=True)
     _separate(out, x, "x", same_ok=True)
     n = _native()

@@ -279,7 +279,7 @@ class MiniCPMVTower:
 
     def _norm(self, x: np.ndarray, name: str) -> np.ndarray:
         """LayerNorm ``name`` of (n, d) rows into a new array, :data:`ROW_TASK` rows per task."""
-        return self._norm_into(x, name, np.empty_like(x))
+        return self._norm_into(x, name, sgemm.empty_aligned(x.shape))
 
     def _norm_into(self, x: np.ndarray, name: str, out: np.ndarray) -> np.ndarray:
         """LayerNorm ``name`` of (n, d) rows into ``out`` (native: one :func:`engine.kernels.sgemm.layer_norm` call)."""
