@@ -76,6 +76,28 @@ def test_one_row_of_any_row_stride():
     np.testing.assert_array_equal(y, ref)
 
 
+@pytest.mark.parametrize("shape", [1, 7, (3, 5), (13, 1152), (2, 3, 4)])
+def test_empty_aligned_starts_on_a_cache_line(shape):
+    a = sgemm.empty_aligned(shape)
+    assert a.shape == np.empty(shape).shape and a.dtype == np.float32 and a.flags.c_contiguous and a.flags.writeable
+    assert a.ctypes.data % sgemm.ALIGN == 0
+
+
+def test_packed_panels_are_aligned_and_placement_keeps_the_bits():
+    """PackedWeight's panels start on a cache line; the same panels 16 bytes past one (numpy's usual placement, what
+    the kernel read before) give the same bits, the placement changing only which loads span two lines."""
+    rng = np.random.default_rng(23)
+    x, w, b, add = _data(rng, 50, 300, 70)
+    pw = sgemm.PackedWeight(w, b)
+    assert pw.packed.ctypes.data % sgemm.ALIGN == 0
+    ref = pw(x, add=add, act="gelu_tanh")
+    assert ref.ctypes.data % sgemm.ALIGN == 0
+    moved = sgemm.empty_aligned(pw.packed.size + 4)[4:]
+    moved[:] = pw.packed
+    pw.packed = moved
+    np.testing.assert_array_equal(pw(x, add=add, act="gelu_tanh"), ref)
+
+
 KEYS_EXHAUSTED = """
 import ctypes
 import numpy as np
@@ -205,6 +227,7 @@ def test_vit_attention_matches_float64(sizes, n_head, hd):
     starts = np.concatenate([[0], np.cumsum(sizes)])
     qkv = _qkv(rng, int(starts[-1]), n_head, hd)
     out = sgemm.vit_attention(qkv, starts, n_head)
+    assert out.ctypes.data % sgemm.ALIGN == 0
     ref = sgemm.vit_attention_np(qkv, starts, n_head)
     d = n_head * hd
     for p0, p1 in zip(starts[:-1], starts[1:], strict=True):
@@ -276,6 +299,7 @@ def test_layer_norm_matches_float64(m, d):
     w = (rng.uniform(0.5, 1.5, d) * rng.choice([-1.0, 1.0], d)).astype(np.float32)
     b = rng.uniform(-1, 1, d).astype(np.float32)
     out = sgemm.layer_norm(x, w, b, 1e-6)
+    assert out.ctypes.data % sgemm.ALIGN == 0
     xd = x.astype(np.float64)
     mean = xd.mean(axis=1, keepdims=True)
     ref = (xd - mean) / np.sqrt(((xd - mean) ** 2).mean(axis=1, keepdims=True) + 1e-6) * w + b

@@ -279,7 +279,7 @@ class MiniCPMVTower:
 
     def _norm(self, x: np.ndarray, name: str) -> np.ndarray:
         """LayerNorm ``name`` of (n, d) rows into a new array, :data:`ROW_TASK` rows per task."""
-        return self._norm_into(x, name, np.empty_like(x))
+        return self._norm_into(x, name, sgemm.empty_aligned(x.shape))
 
     def _norm_into(self, x: np.ndarray, name: str, out: np.ndarray) -> np.ndarray:
         """LayerNorm ``name`` of (n, d) rows into ``out`` (native: one :func:`engine.kernels.sgemm.layer_norm` call)."""
@@ -401,8 +401,8 @@ class _Buffers:
     def __init__(self, n: int, d: int, ff: int, arrays: dict[str, np.ndarray] | None = None):
         self._d, self._ff = d, ff
         self._arrays = arrays if arrays is not None else {
-            **{k: np.empty((n, d), dtype=np.float32) for k in ("a", "att", "tmp")},
-            "qkv": np.empty((n, 3 * d), dtype=np.float32), "f": np.empty((n, ff), dtype=np.float32)}
+            **{k: sgemm.empty_aligned((n, d)) for k in ("a", "att", "tmp")},
+            "qkv": sgemm.empty_aligned((n, 3 * d)), "f": sgemm.empty_aligned((n, ff))}
         for k, x in self._arrays.items():
             setattr(self, k, x)
         self.q, self.k, self.v = (self.qkv[:, i * d:(i + 1) * d] for i in range(3))
