@@ -236,6 +236,27 @@ def test_moe_ffn_bit_identical_for_any_thread_count(level, rng):
         assert all(np.array_equal(a, b) for a, b in zip(r, results[0]))
 
 
+@pytest.mark.parametrize("level", LEVELS, indirect=True)
+@pytest.mark.parametrize("bad", [np.inf, -np.inf, np.nan])
+def test_moe_routing_with_non_finite_router_picks_valid_experts(level, bad, rng):
+    """A damaged router row (inf or NaN weights) makes logits and the softmax non-finite. The routing must
+    still pick n_used distinct experts in range, the ones the twin's stable argsort picks (NaN after every
+    number, NaNs by index), in decode and in prefill; the outputs may be NaN but nothing is read or written
+    out of bounds (before, such a token selected expert n_expert)."""
+    w = random_moe(rng)
+    router = w.router.copy()
+    router[5] = bad
+    w = w._replace(router=router)
+    x = rng.standard_normal((3, 256)).astype(np.float32)
+    one = [cpu_moe.moe_ffn(row, w) for row in x]
+    many = cpu_moe.moe_prefill(x, w)
+    for t, r in enumerate(one):
+        assert len(set(r.experts.tolist())) == w.n_used and all(0 <= e < 16 for e in r.experts)
+        with np.errstate(invalid="ignore", over="ignore"):
+            assert np.array_equal(r.experts, cpu_moe.moe_ffn_np(x[t], w).experts)
+        assert np.array_equal(many.experts[t], r.experts)
+
+
 def test_moe_ffn_rejects_inconsistent_shapes(rng):
     w = random_moe(rng)
     with pytest.raises(ValueError, match="router"):

@@ -96,7 +96,10 @@ static void weighted_sum(const moe_job *j)
 }
 
 /* Softmax over the logits, the n_used largest probabilities (ties: lower index first), their
- * weights renormalised to sum 1 (the sum clamped at >= 2^-14 as llama.cpp does). */
+ * weights renormalised to sum 1 (the sum clamped at >= 2^-14 as llama.cpp does). A NaN probability (an inf
+ * or NaN logit, e.g. from a damaged router tensor) ranks after every number, NaNs among themselves by
+ * index, as the numpy twin's stable argsort ranks them: every pick is a valid expert and the weights
+ * come out NaN. A picked expert's p is set to -1 (no probability is negative). */
 void dd_moe_route(const float *logits, size_t n_expert, size_t n_used, int32_t *sel, float *weights, float *p)
 {
     float mx = logits[0], sum = 0.0f, top = 0.0f;
@@ -112,6 +115,9 @@ void dd_moe_route(const float *logits, size_t n_expert, size_t n_used, int32_t *
         size_t best = n_expert;
         for (size_t e = 0; e < n_expert; e++)
             if (p[e] >= 0.0f && (best == n_expert || p[e] > p[best]))
+                best = e;
+        for (size_t e = 0; best == n_expert && e < n_expert; e++)   /* only NaNs left: the lowest index */
+            if (p[e] != -1.0f)
                 best = e;
         sel[i] = (int32_t)best;
         weights[i] = p[best];
