@@ -15,9 +15,11 @@
  *   pv_set       the weighted sums 8 rows x 32 head dims x 16 keys at a time (the keys' v rows stay
  *                in L1 for all head dims), p broadcast from S.
  * (The AVX2 build runs the same operations in ymm-sized pieces: attn_prefill_avx2.h.)
- * A set spanning two positions computes the later position's extra keys for the earlier one too;
- * softmax_set gives them p = +0 (exp of -inf), which leaves the lane sums and the weighted sums
- * unchanged bit for bit (a sum that starts at +0 never becomes -0). A set that runs past the job's
+ * A set spanning several positions (two at GQA 4, up to 8 at GQA 1) computes the later positions' extra
+ * keys for the earlier ones too; softmax_set gives them p = +0 (exp of -inf), which leaves the lane sums
+ * and the weighted sums unchanged bit for bit (a sum that starts at +0 never becomes -0). These
+ * bit-identity arguments assume finite q, k and v, as the model's are: +0 times an inf in such a key's
+ * v row is NaN, and a NaN score can win or lose the row max by the operand order of each level's max. A set that runs past the job's
  * last row repeats that row and drops the copies. The row max is taken in another order than
  * softmax_block's, which changes nothing: a max of non-NaN floats is the same value in any order,
  * and where it is +0 or -0 the sign reaches no result (s - mx and the merge's exp see the same
