@@ -66,6 +66,8 @@ def test_prefill_attention_matches_the_float64_reference(m, n, n_head, n_kv, hd)
     (300, 8, 2, 32),     # GQA 4: a set of 8 rows holds 2 positions
     (290, 6, 2, 48),     # GQA 3: sets of rows from 3 positions, partial sets, an odd 16 head dims
     (270, 8, 2, 256),    # the minicpmv46 / Qwen3.5-0.8B attention layer
+    (150, 4, 4, 32),     # no GQA: a set of 8 rows spans 8 positions
+    (150, 8, 1, 32),     # GQA 8: a set is one position's heads
 ])
 def test_prefill_bits_do_not_depend_on_chunks_threads_or_isa(isa_reset, m, n_head, n_kv, hd):
     """Prefill of m positions in one call and in chunks of 7 and 256 (chunks that start mid-block,
