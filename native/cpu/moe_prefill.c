@@ -149,21 +149,13 @@ static void prefill_sum_chunk(void *ctx, size_t chunk)
     }
 }
 
-/* Lay the groups out: each used expert's tokens (ascending), its buffers, its chunks; and where each
- * (token, slot)'s down output will lie. */
-static int prefill_groups(prefill_job *j, size_t *index, float *fbuf)
+/* One group per used expert (count[e] > 0) in index order, then the shared expert's (all n tokens);
+ * at[e] is expert e's group. Returns the number of groups. */
+static size_t add_groups(prefill_job *j, const size_t *count, size_t *at)
 {
     const dd_moe_weights *mw = j->mw;
-    const size_t n = j->n, d = mw->d, n_used = mw->n_used, has_sh = mw->sh_gate != NULL;
-    size_t *count = calloc(mw->n_expert, sizeof(size_t)), *at = calloc(mw->n_expert, sizeof(size_t));
-    if (count == NULL || at == NULL) {
-        free(count);
-        free(at);
-        return DD_ERR_NOMEM;
-    }
-    for (size_t t = 0; t < n * n_used; t++)
-        count[j->sel[t]]++;
-    size_t gi = 0, entries = 0;
+    const size_t d = mw->d;
+    size_t gi = 0;
     for (size_t e = 0; e < mw->n_expert; e++) {
         if (count[e] == 0)
             continue;
@@ -173,43 +165,40 @@ static int prefill_groups(prefill_job *j, size_t *index, float *fbuf)
             .up = mw->up + e * mw->ff * dd_row_bytes(mw->up_type, d),
             .down = mw->down + e * d * dd_row_bytes(mw->down_type, mw->ff),
             .gate_type = mw->gate_type, .up_type = mw->up_type, .down_type = mw->down_type, .ff = mw->ff,
+            .count = count[e],
         };
     }
-    if (has_sh)
+    if (mw->sh_gate != NULL)
         j->groups[gi++] = (group){
             .gate = mw->sh_gate, .up = mw->sh_up, .down = mw->sh_down, .gate_type = mw->sh_gate_type,
-            .up_type = mw->sh_up_type, .down_type = mw->sh_down_type, .ff = mw->ff_sh, .count = n,
+            .up_type = mw->sh_up_type, .down_type = mw->sh_down_type, .ff = mw->ff_sh, .count = j->n,
         };
-    j->n_groups = gi;
-    for (size_t e = 0; e < mw->n_expert; e++)
-        if (count[e] > 0)
-            j->groups[at[e]].count = count[e];
+    return gi;
+}
+
+/* Each group's token list (from index) and x/g/u/h buffers (from fbuf), sized by its count; the rows
+ * per chunk of the gate/up and down stages (from the largest row sizes) and each group's first chunks. */
+static void place_groups(prefill_job *j, size_t *index, float *fbuf)
+{
+    const size_t d = j->mw->d;
     size_t gate_up_bytes = 0, down_bytes = 0, chunks_gu = 0, chunks_down = 0;
-    for (size_t g = 0; g < gi; g++) {
+    for (size_t g = 0; g < j->n_groups; g++) {
         group *gr = &j->groups[g];
-        gr->tokens = index + entries;
+        gr->tokens = index;
+        index += gr->count;
         gr->xg = fbuf;
         gr->g = gr->xg + gr->count * d;
         gr->u = gr->g + gr->count * gr->ff;
         gr->h = gr->u + gr->count * gr->ff;
         fbuf = gr->h + gr->count * gr->ff;
-        entries += gr->count;
         const size_t gu = dd_row_bytes(gr->gate_type, d) + dd_row_bytes(gr->up_type, d);
         const size_t dn = dd_row_bytes(gr->down_type, gr->ff);
         gate_up_bytes = gate_up_bytes > gu ? gate_up_bytes : gu;
         down_bytes = down_bytes > dn ? down_bytes : dn;
-        gr->count = 0;   /* refilled below, token by token */
     }
-    for (size_t t = 0; t < n; t++)
-        for (size_t i = 0; i < j->n_slots; i++) {
-            group *gr = &j->groups[i < n_used ? at[j->sel[t * n_used + i]] : gi - 1];
-            gr->tokens[gr->count] = t;
-            j->rows[t * j->n_slots + i] = gr->xg + gr->count * d;
-            gr->count++;
-        }
     j->gate_up_rows = dd_gemm_chunk_rows(gate_up_bytes, 2);
     j->down_rows = dd_gemm_chunk_rows(down_bytes, 2);
-    for (size_t g = 0; g < gi; g++) {
+    for (size_t g = 0; g < j->n_groups; g++) {
         j->groups[g].first_gate_up = chunks_gu;
         j->groups[g].first_down = chunks_down;
         chunks_gu += dd_div_up(j->groups[g].ff, j->gate_up_rows);
@@ -217,6 +206,33 @@ static int prefill_groups(prefill_job *j, size_t *index, float *fbuf)
     }
     j->gate_up_chunks = chunks_gu;
     j->down_chunks = chunks_down;
+}
+
+/* Lay the groups out: each used expert's tokens (ascending), its buffers, its chunks; and where each
+ * (token, slot)'s down output will lie. */
+static int prefill_groups(prefill_job *j, size_t *index, float *fbuf)
+{
+    const dd_moe_weights *mw = j->mw;
+    const size_t n = j->n, d = mw->d, n_used = mw->n_used;
+    size_t *count = calloc(mw->n_expert, sizeof(size_t)), *at = calloc(mw->n_expert, sizeof(size_t));
+    if (count == NULL || at == NULL) {
+        free(count);
+        free(at);
+        return DD_ERR_NOMEM;
+    }
+    for (size_t t = 0; t < n * n_used; t++)
+        count[j->sel[t]]++;
+    j->n_groups = add_groups(j, count, at);
+    place_groups(j, index, fbuf);
+    for (size_t g = 0; g < j->n_groups; g++)
+        j->groups[g].count = 0;   /* refilled below, token by token */
+    for (size_t t = 0; t < n; t++)
+        for (size_t i = 0; i < j->n_slots; i++) {
+            group *gr = &j->groups[i < n_used ? at[j->sel[t * n_used + i]] : j->n_groups - 1];
+            gr->tokens[gr->count] = t;
+            j->rows[t * j->n_slots + i] = gr->xg + gr->count * d;
+            gr->count++;
+        }
     free(count);
     free(at);
     return DD_OK;
