@@ -33,9 +33,10 @@ int dd_isa_best(void);
 void dd_set_threads(int n);
 int dd_get_threads(void);
 
-/* Read n bytes (n % 8 == 0, 8-byte aligned p) with all threads, as a memory-bandwidth probe
- * (sequential, with software prefetch 4 KiB ahead, which a single core needs to reach its share
- * of DRAM bandwidth); returns the wrapping sum of the 64-bit words, so reads are not optimised away. */
+/* Read n bytes (n % 8 == 0, 8-byte aligned p) with all threads, as a memory-bandwidth probe: each thread
+ * reads 1 MiB chunks as 8 interleaved runs (eight memory streams in flight; one forward stream reached only
+ * ~60 % of what a core can read on the project's Xeon VMs, docs/cpu-notes.md "The stream read"); returns
+ * the wrapping sum of the 64-bit words, so reads are not optimised away. */
 uint64_t dd_stream_read(const uint8_t *p, size_t n);
 
 /* x: m rows of k f32 (k % 32 == 0) -> out: m rows of k/32 block_q8_0. */

@@ -256,6 +256,7 @@ int dd_matmul(int isa, int wtype, const uint8_t *w, size_t rows, size_t k, const
 }
 
 #define READ_CHUNK_WORDS (1u << 17)
+#define READ_RUNS 8   /* memory streams a thread reads at once (see dd_stream_read in deltadesk_cpu.h) */
 
 typedef struct {
     const uint64_t *words;
@@ -263,17 +264,22 @@ typedef struct {
     _Atomic uint64_t total;
 } read_job;
 
+/* A chunk's words as READ_RUNS runs of q words (q a multiple of 8), one cache line of each run in turn,
+ * then the words after the last run one by one: every word is added once. */
 static void read_chunk(void *ctx, size_t chunk)
 {
     read_job *j = ctx;
     const size_t i0 = chunk * READ_CHUNK_WORDS;
     const size_t i1 = j->n - i0 < READ_CHUNK_WORDS ? j->n : i0 + READ_CHUNK_WORDS;
+    const size_t q = (i1 - i0) / READ_RUNS / 8 * 8;
+    const uint64_t *w = j->words + i0;
     uint64_t s = 0;
-    for (size_t i = i0; i < i1; i += 8) {   /* one cache line per step, the line 4 KiB ahead prefetched */
-        __builtin_prefetch(j->words + i + 512, 0, 2);
-        for (size_t u = i; u < i + 8 && u < i1; u++)
-            s += j->words[u];
-    }
+    for (size_t i = 0; i < q; i += 8)
+        for (size_t r = 0; r < READ_RUNS; r++)
+            for (size_t u = 0; u < 8; u++)
+                s += w[r * q + i + u];
+    for (size_t i = i0 + READ_RUNS * q; i < i1; i++)
+        s += j->words[i];
     atomic_fetch_add_explicit(&j->total, s, memory_order_relaxed);
 }
 
