@@ -4,27 +4,25 @@
  * same numbers in the same order, so the same bits as every other level. A dot's 16 lanes are two
  * ymm, lanes 0-7 and 8-15; no lane's sum touches another's. */
 
-/* Of one dot's 16 lane sums L: e[j] = (L[j] + L[j + 8]) + (L[j + 4] + L[j + 12]) in double, j < 4 (tree16's
+/* Of one dot's 16 lane sums L: e[j] = (L[j] + L[j + 8]) + (L[j + 4] + L[j + 12]) in float, j < 4 (tree16's
  * first two levels). */
-AI __m256d tree_first(const float *L)
+AI __m128 tree_first(const float *L)
 {
-    const __m256d d0 = _mm256_add_pd(_mm256_cvtps_pd(_mm_load_ps(L)), _mm256_cvtps_pd(_mm_load_ps(L + 8)));
-    const __m256d d1 = _mm256_add_pd(_mm256_cvtps_pd(_mm_load_ps(L + 4)), _mm256_cvtps_pd(_mm_load_ps(L + 12)));
-    return _mm256_add_pd(d0, d1);
+    const __m128 s0 = _mm_add_ps(_mm_load_ps(L), _mm_load_ps(L + 8));
+    const __m128 s1 = _mm_add_ps(_mm_load_ps(L + 4), _mm_load_ps(L + 12));
+    return _mm_add_ps(s0, s1);
 }
 
-/* tree16 of 4 dots' lane sums L[x * LANES ..], x < 4, rounded to float, as 4 floats in x order. */
+/* tree16 of 4 dots' lane sums L[x * LANES ..], x < 4, as 4 floats in x order. */
 AI __m128 tree4(const float *L)
 {
-    __m256d e[4];
+    __m128 e[4];
     for (int x = 0; x < 4; x++)
         e[x] = tree_first(L + x * LANES);
-    /* f02 = (e0[0] + e0[2], e0[1] + e0[3], e2[0] + e2[2], e2[1] + e2[3]), f13 likewise */
-    const __m256d f02 = _mm256_add_pd(_mm256_permute2f128_pd(e[0], e[2], 0x20),
-                                      _mm256_permute2f128_pd(e[0], e[2], 0x31));
-    const __m256d f13 = _mm256_add_pd(_mm256_permute2f128_pd(e[1], e[3], 0x20),
-                                      _mm256_permute2f128_pd(e[1], e[3], 0x31));
-    return _mm256_cvtpd_ps(_mm256_add_pd(_mm256_unpacklo_pd(f02, f13), _mm256_unpackhi_pd(f02, f13)));
+    /* f01 = (e0[0] + e0[2], e0[1] + e0[3], e1[0] + e1[2], e1[1] + e1[3]), f23 likewise; then adjacent pairs */
+    const __m128 f01 = _mm_add_ps(_mm_movelh_ps(e[0], e[1]), _mm_movehl_ps(e[1], e[0]));
+    const __m128 f23 = _mm_add_ps(_mm_movelh_ps(e[2], e[3]), _mm_movehl_ps(e[3], e[2]));
+    return _mm_hadd_ps(f01, f23);
 }
 
 /* Scaled scores s[t] of q against keys t = 0..len-1 (k_t = k + t * krow): 4 keys at a time (8

@@ -6,8 +6,8 @@
  * cache is cut into blocks of DD_ATTN_BLOCK positions at absolute positions (block b holds rows
  * [b*256, b*256 + 256)). For one query row (a q head at cache position p) and each block it sees:
  *   s_t  = dot(q, k_t) * (1/sqrt(hd)), float: DD_ATTN_LANES partial sums, lane l fused-multiply-
- *          adding q[i] k_t[i] for i = l, l+16, ... in order, then the lanes in double by a fixed
- *          tree (l + l+8, + l+4, + l+2, + l+1) rounded to float;
+ *          adding q[i] k_t[i] for i = l, l+16, ... in order, then the lanes in float by a fixed
+ *          tree (l + l+8, + l+4, + l+2, + l+1);
  *   mx   = max_t s_t;  p_t = attn_exp(s_t - mx), float (exp in double, rounded);
  *   l_b  = sum of p_t in double: lane (t % 16) partial sums in order, then the same tree;
  *   o_b  = sum_t p_t v_t in float, one fused multiply-add per t in order;
@@ -137,33 +137,36 @@ AI vf join_f(vd lo, vd hi)
 }
 #endif
 
-/* The dot's lane tree of one partial-sum vector, in double: (l + l+8), then + l+4, + l+2, + l+1. */
+/* The dot's lane tree of one partial-sum vector, in float: (l + l+8), then + l+4, + l+2, + l+1. */
 AI float tree16(vf a)
 {
-    vd d = lo_d(a) + hi_d(a);
-    d = d + __builtin_shuffle(d, (vl){ 4, 5, 6, 7, 4, 5, 6, 7 });
-    d = d + __builtin_shuffle(d, (vl){ 2, 3, 2, 3, 2, 3, 2, 3 });
-    d = d + __builtin_shuffle(d, (vl){ 1, 1, 1, 1, 1, 1, 1, 1 });
-    return (float)d[0];
+    float s[8], t[4];
+    for (int l = 0; l < 8; l++)
+        s[l] = a[l] + a[l + 8];
+    for (int l = 0; l < 4; l++)
+        t[l] = s[l] + s[l + 4];
+    return (t[0] + t[2]) + (t[1] + t[3]);
 }
 
 /* tree16 of 16 partial-sum vectors at once (the same additions, paired across vectors by
- * shuffles): lane j of the result is tree16(a[j]). */
+ * two-source shuffles): lane j of the result is tree16(a[j]). */
 AI vf tree16x16(const vf *a)
 {
-    vd c[16], d[8], e[4], f[2];
-    for (int i = 0; i < 16; i++)
-        c[i] = lo_d(a[i]) + hi_d(a[i]);
-    for (int i = 0; i < 8; i++)
-        d[i] = __builtin_shuffle(c[2 * i], c[2 * i + 1], (vl){ 0, 1, 2, 3, 8, 9, 10, 11 }) +
-               __builtin_shuffle(c[2 * i], c[2 * i + 1], (vl){ 4, 5, 6, 7, 12, 13, 14, 15 });
-    for (int i = 0; i < 4; i++)
-        e[i] = __builtin_shuffle(d[2 * i], d[2 * i + 1], (vl){ 0, 1, 4, 5, 8, 9, 12, 13 }) +
-               __builtin_shuffle(d[2 * i], d[2 * i + 1], (vl){ 2, 3, 6, 7, 10, 11, 14, 15 });
-    for (int i = 0; i < 2; i++)
-        f[i] = __builtin_shuffle(e[2 * i], e[2 * i + 1], (vl){ 0, 2, 4, 6, 8, 10, 12, 14 }) +
-               __builtin_shuffle(e[2 * i], e[2 * i + 1], (vl){ 1, 3, 5, 7, 9, 11, 13, 15 });
-    return join_f(f[0], f[1]);
+    vf c[8], d[4], e[2];
+    for (int i = 0; i < 8; i++)   /* c[i]: a[2i]'s (l + l+8) in lanes 0-7, a[2i+1]'s in 8-15 */
+        c[i] = __builtin_shufflevector(a[2 * i], a[2 * i + 1], 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23) +
+               __builtin_shufflevector(a[2 * i], a[2 * i + 1], 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29,
+                                       30, 31);
+    for (int i = 0; i < 4; i++)   /* d[i]: + l+4, four dots of 4 lanes */
+        d[i] = __builtin_shufflevector(c[2 * i], c[2 * i + 1], 0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27) +
+               __builtin_shufflevector(c[2 * i], c[2 * i + 1], 4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30,
+                                       31);
+    for (int i = 0; i < 2; i++)   /* e[i]: + l+2, eight dots of 2 lanes */
+        e[i] = __builtin_shufflevector(d[2 * i], d[2 * i + 1], 0, 1, 4, 5, 8, 9, 12, 13, 16, 17, 20, 21, 24, 25, 28, 29) +
+               __builtin_shufflevector(d[2 * i], d[2 * i + 1], 2, 3, 6, 7, 10, 11, 14, 15, 18, 19, 22, 23, 26, 27, 30,
+                                       31);
+    return __builtin_shufflevector(e[0], e[1], 0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30) +
+           __builtin_shufflevector(e[0], e[1], 1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
 }
 
 /* e^x for x <= 0 as the float rounding of dd_exp_d (vexp.h) (so within 0.5 ulp + 3e-13); 0 below -87

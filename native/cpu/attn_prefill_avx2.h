@@ -5,7 +5,7 @@
  * lanes 0-7 and 8-15, and no lane's sum touches another's, so the halves can run one after the other:
  *   scores_set   per 3 keys, 4 rows x 3 keys x one half of the lanes at a time (12 accumulators; 8
  *                left the FMAs waiting on each other), the 16 lane sums of each dot stored to a small
- *                buffer; then attn_avx2.h's tree4 for the 8 rows (vcvtps2pd from memory, no extracts);
+ *                buffer; then attn_avx2.h's tree4 for the 8 rows (float adds from memory, no extracts);
  *   softmax_set  one ymm per key (its 8 rows): the max, then attn_exp, then the 16 lane sums one lane
  *                at a time (2 ymm of doubles each), then the same tree between them;
  *   pv_set_cols  4 rows x 16 head dims (8 accumulators) per pass over the keys. */

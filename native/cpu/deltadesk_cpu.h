@@ -113,7 +113,7 @@ int dd_gdn_prefill(int isa, const dd_gdn_layer *L, size_t n, const float *mixed,
  * over the rows t <= the query's position. k, v: m positions of n_kv x hd (the KV cache rows);
  * hd % DD_ATTN_LANES == 0, n_head / n_kv <= DD_ATTN_MAX_GROUP. The arithmetic (attn_kernel.h): the
  * cache in blocks of DD_ATTN_BLOCK positions at absolute positions, per block float scores (dots as
- * DD_ATTN_LANES partial sums and a fixed tree), max, probabilities and their double sum, a float
+ * DD_ATTN_LANES partial sums and a fixed float tree), max, probabilities and their double sum, a float
  * weighted sum of v; the blocks merged in order in double. Every ISA level and thread count gives
  * the same bits, and a query gets the same bits from dd_attn_decode and from any dd_attn_prefill
  * call it is part of (split invariance: its result depends only on its inputs and rows 0..pos).
