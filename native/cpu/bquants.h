@@ -349,8 +349,8 @@ DD_INLINE void dd_bq_group(const uint8_t *w, const uint8_t *pf, size_t rb, const
     for (int r = 0; r < R; r++) {
         const uint8_t *p = pf + r * rb + gi * gbytes;
         for (size_t at = 0; at < gsize; at += 64)
-            __builtin_prefetch(p + at, 0, 3);
-        __builtin_prefetch(p + gsize - 1, 0, 3);
+            dd_prefetch_weight(p + at);
+        dd_prefetch_weight(p + gsize - 1);
         dd_bq_scales(w + r * rb + gi * gbytes, wtype, n, &dw[r], &mw[r], &mult[r]);
     }
     for (int c = 0; c < C; c++) {

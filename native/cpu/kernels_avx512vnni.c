@@ -100,7 +100,7 @@ DD_INLINE void q4_0_group_step(const uint8_t *grp, size_t rstride, const uint8_t
         const uint8_t *p = grp + r * rstride;
         if (pf != NULL)
             for (int l = 0; l < 6; l++)
-                _mm_prefetch((const char *)(pf + r * rb + g * Q4_GROUP_BYTES + q4_group_lines[l]), _MM_HINT_T0);
+                dd_prefetch_weight(pf + r * rb + g * Q4_GROUP_BYTES + q4_group_lines[l]);
         __m512i part[4][4];
         for (int j = 0; j < 4; j++) {
             const __m512i v = _mm512_permutex2var_epi16(_mm512_loadu_si512(p + 72 * j), qidx,
@@ -169,7 +169,7 @@ DD_INLINE void q8_0_pair_step(const uint8_t *w, const uint8_t *pf, size_t rb, co
     __m512i wq[4];
     __m512 dw[4];
     for (int r = 0; r < R; r++) {
-        _mm_prefetch((const char *)(pf + r * rb + p * pair_bytes), _MM_HINT_T0);
+        dd_prefetch_weight(pf + r * rb + p * pair_bytes);
         q8_0_pair(w + r * rb + p * pair_bytes, full, &wq[r], &dw[r]);
     }
     for (int c = 0; c < C; c++) {

@@ -84,7 +84,7 @@ DD_INLINE void tile(const uint8_t *w, const uint8_t *pf, size_t rb, const dd_act
         float dw[4];
         for (int r = 0; r < R; r++) {
             const uint8_t *blk = w + r * rb + b * bytes;
-            _mm_prefetch((const char *)(pf + r * rb + b * bytes), _MM_HINT_T0);
+            dd_prefetch_weight(pf + r * rb + b * bytes);
             dw[r] = dd_f16_to_f32(dd_load_u16(blk));
             if (wtype == DD_Q4_0) {
                 const __m128i qs = _mm_loadu_si128((const __m128i *)(blk + 2));

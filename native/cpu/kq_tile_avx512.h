@@ -228,8 +228,8 @@ DD_INLINE void kq_tile(const uint8_t *w, const uint8_t *pf, size_t rb, const dd_
         for (int r = 0; r < R; r++) {
             const uint8_t *q = pf + r * rb + sb * bytes;
             for (size_t at = 0; at < bytes; at += 64)
-                _mm_prefetch((const char *)(q + at), _MM_HINT_T0);
-            _mm_prefetch((const char *)(q + bytes - 1), _MM_HINT_T0);
+                dd_prefetch_weight(q + at);
+            dd_prefetch_weight(q + bytes - 1);
         }
         double ds[8];
         kq_tile_scales(w + sb * bytes, rb, wtype, R, ds);

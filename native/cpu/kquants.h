@@ -109,8 +109,8 @@ DD_INLINE size_t dd_kq_bytes(int wtype)
 DD_INLINE void dd_kq_prefetch(const uint8_t *p, size_t bytes)
 {
     for (size_t at = 0; at < bytes; at += 64)
-        __builtin_prefetch(p + at, 0, 3);
-    __builtin_prefetch(p + bytes - 1, 0, 3);
+        dd_prefetch_weight(p + at);
+    dd_prefetch_weight(p + bytes - 1);
 }
 
 /* acc += the f64 terms of row r of u's super-block against the column's activation blocks b0 .. b0 + 7
