@@ -97,11 +97,10 @@ AI vf vfma(vf a, vf b, vf c)
 #endif
 
 typedef double vd __attribute__((vector_size(4 * LANES)));   /* LANES / 2 doubles */
-typedef long long vl __attribute__((vector_size(4 * LANES)));
 
 /* Float <-> double of vector halves (exact one way, round-to-nearest the other). With AVX-512 the
  * instructions are named: GCC's generic lowering of these conversions goes through 128-bit pieces,
- * four shuffles per half, which cost more than the trees' additions. */
+ * four shuffles per half, which cost more than the softmax's double additions they feed. */
 #if defined(__AVX512F__)
 AI vd lo_d(vf a)
 {
