@@ -140,6 +140,24 @@ def test_moe_prefill_bit_identical_to_per_token(kquants, shared, rng, restore):
     print(f"{ties} of 37 tokens chose both tied experts")
 
 
+@pytest.mark.skipif(not cpu.available(), reason="native CPU kernels not built")
+def test_moe_prefill_odd_expert_count(rng, restore):
+    """13 experts and routing chunks of an odd token count: the router dots' edge tiles (dots_f32's one-row
+    and one-token tiles) give each token the bits of the 2 x 2 tiles and of the one-token call."""
+    w = cpu_moe.PreparedMoE(random_moe(rng, n_expert=13, n_used=3))
+    x = rng.standard_normal((37, 256)).astype(np.float32)
+    for name in LEVELS:
+        cpu.set_isa(name)
+        cpu.set_threads(1)
+        alone = [cpu_moe.moe_ffn(row, w) for row in x]
+        for n in (1, 2):
+            cpu.set_threads(n)
+            got = cpu_moe.moe_prefill(x, w)
+            assert np.array_equal(got.experts, np.stack([r.experts for r in alone])), (name, n)
+            assert np.array_equal(got.weights, np.stack([r.weights for r in alone])), (name, n)
+            assert np.array_equal(got.out, np.stack([r.out for r in alone])), (name, n)
+
+
 def test_moe_prefill_twin_and_shapes(rng, restore):
     w = random_moe(rng)
     x = rng.standard_normal((3, 256)).astype(np.float32)

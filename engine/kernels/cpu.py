@@ -28,7 +28,7 @@ sum to float32 once. Results therefore equal a float64 product of the dequantize
 quantized activations up to float64 summation order, which is the only thing that differs between
 ISA levels: on real rows the float32 results are bit-identical at every level (whole-model logits
 are; tests/test_native_model.py) and for any thread count. The numpy twins compute in float64 too;
-the f32-weight router dot (``dot_f32``) likewise sums exact float64 products.
+the f32-weight router dots (``dots_f32``) likewise sum exact float64 products.
 
 ISA levels: ``scalar``, ``ssse3``, ``avx2`` (with FMA and F16C), ``avx512vnni`` (AVX-512 F/BW/VL +
 VNNI). The best one this CPU supports is used unless the environment variable ``DELTADESK_ISA``

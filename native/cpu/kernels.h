@@ -78,8 +78,22 @@ typedef struct {
     dd_gemm_fn gemm[DD_WTYPE_COUNT];
     int bias_mult[DD_WTYPE_COUNT];   /* 0: the kernel does not read acts.bias */
     int q4_0_groups;                 /* 1: the Q4_0 kernel reads the group layout of dd_acts */
-    float (*dot_f32)(const float *a, const float *b, size_t n);   /* a streamed (prefetched), b reused; f64 sum */
+    /* out[t * ldo + e] = the f32 rounding of the f64 sum of w_e[i] x_t[i] (every product exact), w_e = w + e * n
+     * for e < nw (the streamed f32 rows: the router), x_t = x + t * n for t < nx (the reused tokens); each
+     * dot by the same instruction sequence wherever it falls, so a token's logits do not depend on nw, nx
+     * or the other tokens: a prefill chunk gets the bits of the one-token call. */
+    void (*dots_f32)(const float *w, size_t nw, const float *x, size_t nx, size_t n, float *out, size_t ldo);
 } dd_kernels;
+
+/* A dots_f32 of one dot at a time: NAME runs DOT (float DOT(const float *w_row, const float *x_row, size_t n))
+ * for each (token, row), the table entry of the levels without a tiled one. */
+#define DD_DEFINE_DOTS_F32(NAME, DOT)                                                                    \
+    static void NAME(const float *w, size_t nw, const float *x, size_t nx, size_t n, float *out, size_t ldo) \
+    {                                                                                                    \
+        for (size_t t = 0; t < nx; t++)                                                                  \
+            for (size_t e = 0; e < nw; e++)                                                              \
+                out[t * ldo + e] = DOT(w + e * n, x + t * n, n);                                         \
+    }
 
 extern const dd_kernels dd_kernels_scalar;
 #ifdef DD_X86_ISAS

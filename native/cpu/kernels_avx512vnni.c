@@ -204,22 +204,66 @@ DD_INLINE void tile_q8_0(const uint8_t *w, const uint8_t *pf, size_t rb, const d
 DD_DEFINE_GEMM(gemm_q4_0, tile_q4_0)
 DD_DEFINE_GEMM(gemm_q8_0, tile_q8_0)
 
-static float dot_f32(const float *a, const float *b, size_t n)
+/* R router rows x C tokens of dots_f32 (kernels.h) at once, so each loaded and widened row or token vector
+ * serves several dots. Each dot keeps 4 f64 accumulators (values 8u .. 8u + 7 of every 32 in acc u, the
+ * last n % 32 values 8 at a time in acc 0), then (acc 0 + acc 1) + (acc 2 + acc 3) and its 8 lanes by
+ * _mm512_reduce_add_pd: the same instructions for every R, C and position, hence the same bits. f32 x f32
+ * is exact in f64, so each fused add rounds as a plain one. */
+DD_INLINE void dots_tile(const float *w, const float *x, size_t n, float *out, size_t ldo, const int R, const int C)
 {
-    __m512d acc[4] = { _mm512_setzero_pd(), _mm512_setzero_pd(), _mm512_setzero_pd(), _mm512_setzero_pd() };
+    __m512d acc[2][2][4];
+    for (int r = 0; r < R; r++)
+        for (int c = 0; c < C; c++)
+            for (int u = 0; u < 4; u++)
+                acc[r][c][u] = _mm512_setzero_pd();
     size_t i = 0;
-    for (; i + 32 <= n; i += 32)   /* f32 x f32 is exact in f64, so the fused add rounds as a plain one */
-        for (int u = 0; u < 4; u++) {
-            _mm_prefetch((const char *)(a + i + 8 * u + 1024), _MM_HINT_T0);    /* a streams: 4 KiB ahead */
-            acc[u] = _mm512_fmadd_pd(_mm512_cvtps_pd(_mm256_loadu_ps(a + i + 8 * u)),
-                                     _mm512_cvtps_pd(_mm256_loadu_ps(b + i + 8 * u)), acc[u]);
+    for (; i + 32 <= n; i += 32) {
+        for (int r = 0; r < R; r++) {   /* the rows stream: 4 KiB ahead */
+            dd_prefetch_weight(w + r * n + i + 1024);
+            dd_prefetch_weight(w + r * n + i + 1040);
         }
-    for (; i < n; i += 8) {
-        __mmask8 m = n - i >= 8 ? 0xff : (__mmask8)((1u << (n - i)) - 1);
-        acc[0] = _mm512_fmadd_pd(_mm512_cvtps_pd(_mm256_maskz_loadu_ps(m, a + i)),
-                                 _mm512_cvtps_pd(_mm256_maskz_loadu_ps(m, b + i)), acc[0]);
+        for (int u = 0; u < 4; u++) {
+            __m512d wv[2], xv[2];
+            for (int r = 0; r < R; r++)
+                wv[r] = _mm512_cvtps_pd(_mm256_loadu_ps(w + r * n + i + 8 * u));
+            for (int c = 0; c < C; c++)
+                xv[c] = _mm512_cvtps_pd(_mm256_loadu_ps(x + c * n + i + 8 * u));
+            for (int r = 0; r < R; r++)
+                for (int c = 0; c < C; c++)
+                    acc[r][c][u] = _mm512_fmadd_pd(wv[r], xv[c], acc[r][c][u]);
+        }
     }
-    return (float)_mm512_reduce_add_pd(_mm512_add_pd(_mm512_add_pd(acc[0], acc[1]), _mm512_add_pd(acc[2], acc[3])));
+    for (; i < n; i += 8) {
+        const __mmask8 m = n - i >= 8 ? 0xff : (__mmask8)((1u << (n - i)) - 1);
+        for (int r = 0; r < R; r++)
+            for (int c = 0; c < C; c++)
+                acc[r][c][0] = _mm512_fmadd_pd(_mm512_cvtps_pd(_mm256_maskz_loadu_ps(m, w + r * n + i)),
+                                               _mm512_cvtps_pd(_mm256_maskz_loadu_ps(m, x + c * n + i)), acc[r][c][0]);
+    }
+    for (int r = 0; r < R; r++)
+        for (int c = 0; c < C; c++)
+            out[c * ldo + r] = (float)_mm512_reduce_add_pd(_mm512_add_pd(_mm512_add_pd(acc[r][c][0], acc[r][c][1]),
+                                                                         _mm512_add_pd(acc[r][c][2], acc[r][c][3])));
+}
+
+/* dots_f32 in 2 x 2 tiles (odd edges 1 wide), a pair of rows meeting every token pair while it is in L1. */
+static void dots_f32(const float *w, size_t nw, const float *x, size_t nx, size_t n, float *out, size_t ldo)
+{
+    size_t e = 0;
+    for (; e + 2 <= nw; e += 2) {
+        size_t t = 0;
+        for (; t + 2 <= nx; t += 2)
+            dots_tile(w + e * n, x + t * n, n, out + t * ldo + e, ldo, 2, 2);
+        if (t < nx)
+            dots_tile(w + e * n, x + t * n, n, out + t * ldo + e, ldo, 2, 1);
+    }
+    if (e < nw) {
+        size_t t = 0;
+        for (; t + 2 <= nx; t += 2)
+            dots_tile(w + e * n, x + t * n, n, out + t * ldo + e, ldo, 1, 2);
+        if (t < nx)
+            dots_tile(w + e * n, x + t * n, n, out + t * ldo + e, ldo, 1, 1);
+    }
 }
 
 const dd_kernels dd_kernels_avx512vnni = {
@@ -227,5 +271,5 @@ const dd_kernels dd_kernels_avx512vnni = {
     .gemm = { gemm_q4_0, gemm_q8_0, gemm_q4_K, gemm_q5_K, gemm_q6_K, DD_BQ_GEMMS },
     .bias_mult = { 0, -128 },
     .q4_0_groups = 1,
-    .dot_f32 = dot_f32,
+    .dots_f32 = dots_f32,
 };

@@ -151,9 +151,11 @@ static float dot_f32(const float *a, const float *b, size_t n)
     return (float)sum;
 }
 
+DD_DEFINE_DOTS_F32(dots_f32, dot_f32)
+
 const dd_kernels dd_kernels_ssse3 = {
     .quantize_q8_0 = quantize_q8_0,
     .gemm = { gemm_q4_0, gemm_q8_0, gemm_q4_K, gemm_q5_K, gemm_q6_K, DD_BQ_GEMMS },
     .bias_mult = { -8, 0 },
-    .dot_f32 = dot_f32,
+    .dots_f32 = dots_f32,
 };

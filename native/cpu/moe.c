@@ -47,8 +47,7 @@ static void router_chunk(void *ctx, size_t chunk)
 {
     moe_job *j = ctx;
     const size_t r0 = chunk * j->router_rows, r1 = dd_min_size(r0 + j->router_rows, j->mw->n_expert);
-    for (size_t e = r0; e < r1; e++)
-        j->logits[e] = j->kt->dot_f32(j->mw->router + e * j->mw->d, j->x, j->mw->d);
+    j->kt->dots_f32(j->mw->router + r0 * j->mw->d, r1 - r0, j->x, 1, j->mw->d, j->logits + r0, 0);
 }
 
 /* The expert whose chunks of a stage start at or before `chunk` (the last such). */
@@ -161,10 +160,12 @@ static void set_experts(moe_job *j, const int32_t *sel, const float *weights, fl
                 .ff = mw->ff, .weight = weights[i],
             };
         } else {
+            float logit;
+            j->kt->dots_f32(mw->sh_gate_inp, 1, j->x, 1, d, &logit, 0);
             *e = (expert){
                 .gate = mw->sh_gate, .up = mw->sh_up, .down = mw->sh_down, .gate_type = mw->sh_gate_type,
                 .up_type = mw->sh_up_type, .down_type = mw->sh_down_type, .ff = mw->ff_sh,
-                .weight = 1.0f / (1.0f + expf(-j->kt->dot_f32(mw->sh_gate_inp, j->x, d))),
+                .weight = 1.0f / (1.0f + expf(-logit)),
             };
         }
         e->g = fbuf;

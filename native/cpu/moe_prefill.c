@@ -2,7 +2,7 @@
  * one-token call and the routing it shares are moe.c.
  *
  * dd_moe_prefill gives every token exactly the bits dd_moe_ffn gives it alone: the same router dot
- * products (dot_f32) and dd_moe_route(); each expert's gate/up/down rows as one GEMM over the tokens routed
+ * products (dots_f32) and dd_moe_route(); each expert's gate/up/down rows as one GEMM over the tokens routed
  * to it (every output element of a GEMM is the GEMV's instruction sequence, gemm_tiles.h), the
  * same SwiGLU expression, each hidden vector quantized on its own (Q8_0 quantization is per column);
  * then per token the same f32 sum over its experts in slot order, the shared expert last. Stages,
@@ -20,6 +20,16 @@
 #include "runtime.h"
 
 #define PREFILL_TOKENS_PER_CHUNK 8
+#define ROUTE_TOKENS_MAX 64
+
+/* Tokens per chunk of the routing stage: n over 4 chunks a thread, 8 to 64. Each chunk reads the whole router
+ * (n_expert f32 rows: 2 MiB at 256 x 2048, more than a core's L2) once for all its tokens, so larger chunks
+ * read it less often; the logits do not depend on the chunking (dots_f32, kernels.h). */
+static size_t route_tokens(size_t n)
+{
+    const size_t t = n / (4 * (size_t)dd_get_threads());
+    return t < PREFILL_TOKENS_PER_CHUNK ? PREFILL_TOKENS_PER_CHUNK : t > ROUTE_TOKENS_MAX ? ROUTE_TOKENS_MAX : t;
+}
 
 typedef struct {
     const uint8_t *gate, *up, *down;
@@ -44,7 +54,7 @@ typedef struct {
     group *groups;          /* the used experts in index order, then the shared one */
     size_t n_groups;
     const float **rows;     /* n x n_slots: where each (token, slot)'s down output lies */
-    size_t gate_up_rows, down_rows, gate_up_chunks, down_chunks;
+    size_t route_tokens, gate_up_rows, down_rows, gate_up_chunks, down_chunks;
     _Atomic int failed;
     float *out;
 } prefill_job;
@@ -53,16 +63,17 @@ static void prefill_route_chunk(void *ctx, size_t chunk)
 {
     prefill_job *j = ctx;
     const dd_moe_weights *mw = j->mw;
-    const size_t t1 = dd_min_size((chunk + 1) * PREFILL_TOKENS_PER_CHUNK, j->n);
-    for (size_t t = chunk * PREFILL_TOKENS_PER_CHUNK; t < t1; t++) {
-        const float *xt = j->x + t * mw->d;
-        float *logits = j->logits + t * mw->n_expert;
-        for (size_t e = 0; e < mw->n_expert; e++)
-            logits[e] = j->kt->dot_f32(mw->router + e * mw->d, xt, mw->d);
-        dd_moe_route(logits, mw->n_expert, mw->n_used, j->sel + t * mw->n_used, j->weights + t * j->n_slots,
-              j->p + t * mw->n_expert);
+    const size_t t0 = chunk * j->route_tokens, t1 = dd_min_size(t0 + j->route_tokens, j->n);
+    j->kt->dots_f32(mw->router, mw->n_expert, j->x + t0 * mw->d, t1 - t0, mw->d, j->logits + t0 * mw->n_expert,
+                    mw->n_expert);
+    float sh[ROUTE_TOKENS_MAX];
+    if (mw->sh_gate != NULL)
+        j->kt->dots_f32(mw->sh_gate_inp, 1, j->x + t0 * mw->d, t1 - t0, mw->d, sh, 1);
+    for (size_t t = t0; t < t1; t++) {
+        dd_moe_route(j->logits + t * mw->n_expert, mw->n_expert, mw->n_used, j->sel + t * mw->n_used,
+                     j->weights + t * j->n_slots, j->p + t * mw->n_expert);
         if (mw->sh_gate != NULL)
-            j->weights[t * j->n_slots + mw->n_used] = 1.0f / (1.0f + expf(-j->kt->dot_f32(mw->sh_gate_inp, xt, mw->d)));
+            j->weights[t * j->n_slots + mw->n_used] = 1.0f / (1.0f + expf(-sh[t - t0]));
     }
 }
 
@@ -262,7 +273,8 @@ int dd_moe_prefill(int isa, const dd_moe_weights *mw, size_t n, const float *x, 
         j.logits = small;
         j.p = small + n * mw->n_expert;
         j.weights = j.p + n * mw->n_expert;
-        dd_pool_for(prefill_route_chunk, &j, dd_div_up(n, PREFILL_TOKENS_PER_CHUNK));
+        j.route_tokens = route_tokens(n);
+        dd_pool_for(prefill_route_chunk, &j, dd_div_up(n, j.route_tokens));
         rc = prefill_groups(&j, index, fbuf);
     }
     if (rc == DD_OK) {
@@ -289,8 +301,8 @@ int dd_moe_prefill(int isa, const dd_moe_weights *mw, size_t n, const float *x, 
         if (j.groups[g].has_h)
             dd_acts_free(&j.groups[g].hacts);
     }
-    free(small);
     free(fbuf);
+    free(small);
     free(index);
     free(j.sel);
     free(j.rows);
