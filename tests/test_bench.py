@@ -210,6 +210,8 @@ def test_bench_interleaves_with_the_peer(tiny_q4, tmp_path):
     assert f"NUMA nodes: {numa.node_count()}" in text
     assert "RSS after load:" in text and "anonymous" in text and "file-backed" in text
     assert "llama-bench peak RSS" in text
+    rereads = [line for line in lines if "into page cache" in line]
+    assert [line.split()[0] for line in rereads] == ["2"]    # only after the peer's round-1 run
     summary = [line for line in lines if line.startswith("deltadesk") and "vs llama.cpp" in line]
     ratios = [a.tg_tok_s / b.tg_tok_s for a, b in zip(samples[0::2], samples[1::2])]
     assert len(summary) == 1 and f"tg {cpu_bench.spread(ratios)}x" in summary[0]

@@ -14,7 +14,11 @@ How it measures (the order is the method):
    4-token forward, pp ``n_prompt`` = one forward of random tokens, tg ``n_gen`` one-token forwards after
    it, then ``depth_gen`` one-token forwards at each context depth), then llama-bench on the same file
    and thread count (``-r 1``: one timed run after its own warm-up; ``-p n_prompt -n n_gen``, then
-   ``-p 0 -n depth_gen -d depths``). Rounds interleave the engines, so a load change hits both.
+   ``-p 0 -n depth_gen -d depths``). Rounds interleave the engines, so a load change hits both. Before
+   each DeltaDesk sample that follows a llama-bench run the file is read again (untimed, the seconds
+   printed): llama-bench repacks the weights into its own memory, up to the file's size again, which can
+   push the mapped file out of the page cache (on a 23 GiB machine the 19.6 GB 35B-A3B file was, and our
+   next prompt read experts from disk); llama-bench's timed runs read only its own copy.
    Decode at depth d: for DeltaDesk the KV cache rows of the d earlier positions (and the delta-net
    states) are drawn at random and the position set to d, since a decode step's work does not depend on
    their values; llama-bench prefills d tokens (untimed) before it times the decode.
@@ -224,6 +228,9 @@ def run(path: str | Path, threads: Sequence[int], isas: Sequence[str], n_prompt:
     try:
         for r in range(repeat):
             for n in threads:
+                if llama_bench is not None and samples:
+                    size, seconds = warm_page_cache(path)
+                    out(f"{r + 1:>5} re-read {path.name} into page cache in {seconds:.1f} s (the peer ran since the last read)")
                 for level in isas:
                     s = measure(model, n, level, n_prompt, n_gen, depths, depth_gen, r)
                     samples.append(s)
