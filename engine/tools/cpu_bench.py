@@ -224,12 +224,13 @@ def run(path: str | Path, threads: Sequence[int], isas: Sequence[str], n_prompt:
     out(f"{'round':>5} {'engine':<10} {'isa':>10} {'thr':>3} {'pp tok/s':>9} {'tg tok/s':>9}{deep} "
         f"{'head ms':>8} {'layer ms':>8} {'layer GB/s':>10}")
     samples: list[Sample] = []
-    peer_rss, peer_build = 0, ""
+    peer_rss, peer_build, peer_ran = 0, "", False
     try:
         for r in range(repeat):
             for n in threads:
-                if llama_bench is not None and samples:
-                    size, seconds = warm_page_cache(path)
+                if peer_ran:
+                    peer_ran = False
+                    _, seconds = warm_page_cache(path)
                     out(f"{r + 1:>5} re-read {path.name} into page cache in {seconds:.1f} s (the peer ran since the last read)")
                 for level in isas:
                     s = measure(model, n, level, n_prompt, n_gen, depths, depth_gen, r)
@@ -239,6 +240,7 @@ def run(path: str | Path, threads: Sequence[int], isas: Sequence[str], n_prompt:
                         + f" {s.head_ms:>8.2f} {s.layer_ms:>8.2f} {layer_bytes / (s.layer_ms / 1e3) / 1e9:>10.1f}")
                 if llama_bench is None:
                     continue
+                peer_ran = True
                 try:
                     s, rss, peer_build = peer_sample(llama_bench, path, n, n_prompt, n_gen, depths, depth_gen, r)
                 except RuntimeError as exc:
