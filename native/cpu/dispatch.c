@@ -115,6 +115,8 @@ size_t dd_acts_bytes(const dd_kernels *kt, size_t m, size_t k)
     return total + m * ng * (8 * 64 + 2 * 16 * 4) + 3 * ((m * nbp * 2 * 4 + pad) & ~pad);
 }
 
+static _Atomic uint64_t acts_ids;   /* preparations so far (dd_acts.id) */
+
 /* The layout in mem (64-byte aligned, dd_acts_bytes long): the Q8_0 blocks, then the pair layout,
  * then the groups (zeroed); the columns are filled by acts_column. */
 static void acts_place(const dd_kernels *kt, size_t m, size_t k, uint8_t *mem, dd_acts *a)
@@ -123,7 +125,8 @@ static void acts_place(const dd_kernels *kt, size_t m, size_t k, uint8_t *mem, d
     const size_t ng = kt->q4_0_groups ? (nb + 15) / 16 : 0;
     uint8_t *next = mem;
     take(&next, m * nb * DD_Q8_0_BYTES);   /* the Q8_0 blocks, at mem */
-    *a = (dd_acts){ .nb = nb, .nbp = nbp, .m = m, .ng = ng, .mem = mem };
+    *a = (dd_acts){ .nb = nb, .nbp = nbp, .m = m, .ng = ng, .mem = mem,
+                    .id = atomic_fetch_add_explicit(&acts_ids, 1, memory_order_relaxed) + 1 };
     a->q = take(&next, m * nbp * DD_QK);
     a->d = take(&next, lanes * 4);
     for (int t = 0; t < DD_WTYPE_COUNT; t++)

@@ -19,6 +19,8 @@
 #include <stddef.h>
 #include <stdint.h>
 
+#include "kernels.h"
+
 #define DD_INLINE static inline __attribute__((always_inline))
 
 /* Prefetch the weight line at p into L2 (prefetcht1), the hint every kernel uses for the weights it reads
@@ -36,6 +38,26 @@ DD_INLINE void dd_prefetch_rows(const uint8_t *w, size_t row_bytes, size_t rows)
 {
     for (size_t at = 0; at < rows * row_bytes; at += 64)
         dd_prefetch_weight(w + at);
+}
+
+/* Per thread (and kernel file): where the rows that this thread's last GEMV call (m == 1) left
+ * prefetched begin, i.e. that call's end when its tiles prefetched the DD_PREFETCH_ROWS rows past it;
+ * NULL otherwise. Only a prefetch hint: no result depends on it. */
+static __thread const uint8_t *dd_prefetched_next;
+
+/* The start of a GEMV call's prefetching (rows [0, nrows) of w, rows [nrows, rows_avail) following):
+ * its first rows at once (dd_prefetch_rows), unless this thread's previous GEMV call ended where this
+ * one begins and already prefetched them. A thread claims a product's chunks in order (pool.c), so in
+ * a long matrix only its first chunk needs the burst; before, every chunk of 16-32 rows re-issued
+ * prefetches for half its rows. Records where this call's tiles leave off: with nrows >= DD_PREFETCH_ROWS,
+ * the tiles at rows r prefetch row r + DD_PREFETCH_ROWS whenever rows_avail allows the whole tile
+ * there, so rows_avail >= nrows + DD_PREFETCH_ROWS covers the next call's first DD_PREFETCH_ROWS rows. */
+DD_INLINE void dd_gemv_prefetch_start(const uint8_t *w, size_t row_bytes, size_t nrows, size_t rows_avail)
+{
+    if (w != dd_prefetched_next)
+        dd_prefetch_rows(w, row_bytes, nrows < DD_PREFETCH_ROWS ? nrows : DD_PREFETCH_ROWS);
+    dd_prefetched_next = nrows >= DD_PREFETCH_ROWS && rows_avail >= nrows + DD_PREFETCH_ROWS ? w + nrows * row_bytes
+                                                                                             : NULL;
 }
 
 /* The rows DD_PREFETCH_ROWS below a tile's first row r, if all R of them exist, else the tile's own. */
@@ -65,8 +87,8 @@ DD_INLINE void dd_prefetch_rows(const uint8_t *w, size_t row_bytes, size_t rows)
                      const dd_acts *a, float *y, size_t ldy)                                      \
     {                                                                                             \
         size_t r = 0;                                                                             \
-        dd_prefetch_rows(w, row_bytes, nrows < DD_PREFETCH_ROWS ? nrows : DD_PREFETCH_ROWS);      \
         if (a->m == 1) {                                                                          \
+            dd_gemv_prefetch_start(w, row_bytes, nrows, rows_avail);                              \
             for (; r + 4 <= nrows; r += 4)                                                        \
                 TILE(w + r * row_bytes, DD_PREFETCH_BASE(w, row_bytes, r, 4, rows_avail),         \
                      row_bytes, a, 0, y + r, ldy, 4, 1);                                          \
@@ -75,6 +97,8 @@ DD_INLINE void dd_prefetch_rows(const uint8_t *w, size_t row_bytes, size_t rows)
                      row_bytes, a, 0, y + r, ldy, 1, 1);                                          \
             return;                                                                               \
         }                                                                                         \
+        dd_prefetch_rows(w, row_bytes, nrows < DD_PREFETCH_ROWS ? nrows : DD_PREFETCH_ROWS);      \
+        dd_prefetched_next = NULL;                                                                \
         for (size_t c0 = 0; c0 < a->m; c0 += DD_GEMM_BLOCK_COLS) {                                \
             const size_t c1 = a->m - c0 < DD_GEMM_BLOCK_COLS ? a->m : c0 + DD_GEMM_BLOCK_COLS;    \
             for (r = 0; r + 2 <= nrows; r += 2)                                                   \

@@ -59,6 +59,8 @@ typedef struct {
     const float *bd;
     const int32_t *bs, *s16;
     void *mem;              /* the allocation holding all of the above */
+    uint64_t id;            /* unique to this preparation (a process-wide count from 1): a kernel may keep
+                             * per-thread values derived from these activations under it */
 } dd_acts;
 
 /* y[c*ldy + r] = row r of w (nrows rows, row_bytes apart) . column c of a, for r < nrows, c < a->m.

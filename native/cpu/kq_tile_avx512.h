@@ -262,9 +262,19 @@ DD_DEFINE_GEMM(tiles_q4_K, KQ_TILE_Q4_K)
 DD_DEFINE_GEMM(tiles_q5_K, KQ_TILE_Q5_K)
 DD_DEFINE_GEMM(tiles_q6_K, KQ_TILE_Q6_K)
 
-/* Super-blocks of a GEMV column prepared once per call on the stack (k <= 8192; 20 KiB): the
- * tiles then read them from L1 instead of arranging them again for every 4 rows. */
+/* Super-blocks of a GEMV column prepared at most once per thread and activations (k <= 8192; 20 KiB):
+ * the tiles then read them from L1 instead of arranging them again for every 4 rows. */
 #define KQ_GEMV_SB 32
+
+/* A thread's last GEMV column (kq_col_prep of each super-block), with the activations (dd_acts.id)
+ * and layout (q6: 1 for Q6_K, 0 for Q4_K / Q5_K) it was prepared for. A product's chunks, and the
+ * products that share one prepared x (a matvec set, the MoE's expert gates and ups), are calls of
+ * their own: before, each call (16-32 rows) prepared the whole column again. */
+static __thread struct {
+    uint64_t id;
+    int q6;
+    kq_col cols[KQ_GEMV_SB];
+} kq_gemv_col;
 
 /* A GEMV (m == 1) as DD_DEFINE_GEMM's m == 1 walk (4-row tiles, then single rows; the same
  * prefetches), the column prepared once. Every row runs kq_tile's instructions on the same
@@ -272,10 +282,15 @@ DD_DEFINE_GEMM(tiles_q6_K, KQ_TILE_Q6_K)
 DD_INLINE void kq_gemv(const uint8_t *w, size_t rb, size_t nrows, size_t rows_avail, const dd_acts *a, float *y,
                        int wtype)
 {
-    kq_col cols[KQ_GEMV_SB];
-    for (size_t sb = 0; sb < a->nb / 8; sb++)
-        kq_col_prep(a, 8 * sb, wtype, &cols[sb]);
-    dd_prefetch_rows(w, rb, nrows < DD_PREFETCH_ROWS ? nrows : DD_PREFETCH_ROWS);
+    const int q6 = wtype == DD_Q6_K;
+    if (a->id == 0 || kq_gemv_col.id != a->id || kq_gemv_col.q6 != q6) {   /* 0: activations not from acts_place */
+        for (size_t sb = 0; sb < a->nb / 8; sb++)
+            kq_col_prep(a, 8 * sb, wtype, &kq_gemv_col.cols[sb]);
+        kq_gemv_col.id = a->id;
+        kq_gemv_col.q6 = q6;
+    }
+    const kq_col *cols = kq_gemv_col.cols;
+    dd_gemv_prefetch_start(w, rb, nrows, rows_avail);
     size_t r = 0;
     for (; r + 4 <= nrows; r += 4)
         kq_tile(w + r * rb, DD_PREFETCH_BASE(w, rb, r, 4, rows_avail), rb, a, wtype, 0, y + r, 1, 4, 1, cols);
