@@ -40,24 +40,31 @@ DD_INLINE void dd_prefetch_rows(const uint8_t *w, size_t row_bytes, size_t rows)
         dd_prefetch_weight(w + at);
 }
 
-/* Per thread (and kernel file): where the rows that this thread's last GEMV call (m == 1) left
- * prefetched begin, i.e. that call's end when its tiles prefetched the DD_PREFETCH_ROWS rows past it;
- * NULL otherwise. Only a prefetch hint: no result depends on it. */
-static __thread const uint8_t *dd_prefetched_next;
+/* Per thread (and kernel file): where the rows that this thread's last two GEMV streams (m == 1 calls)
+ * left prefetched begin, i.e. such a call's end when its tiles prefetched the DD_PREFETCH_ROWS rows past
+ * it, else NULL; two, because the MoE's gate and up chunks alternate between two matrices. Only a
+ * prefetch hint: no result depends on it. */
+static __thread const uint8_t *dd_prefetched_next[2];
+static __thread int dd_prefetched_last;   /* the slot the last call updated */
 
 /* The start of a GEMV call's prefetching (rows [0, nrows) of w, rows [nrows, rows_avail) following):
- * its first rows at once (dd_prefetch_rows), unless this thread's previous GEMV call ended where this
- * one begins and already prefetched them. A thread claims a product's chunks in order (pool.c), so in
- * a long matrix only its first chunk needs the burst; before, every chunk of 16-32 rows re-issued
- * prefetches for half its rows. Records where this call's tiles leave off: with nrows >= DD_PREFETCH_ROWS,
- * the tiles at rows r prefetch row r + DD_PREFETCH_ROWS whenever rows_avail allows the whole tile
- * there, so rows_avail >= nrows + DD_PREFETCH_ROWS covers the next call's first DD_PREFETCH_ROWS rows. */
+ * its first rows at once (dd_prefetch_rows), unless one of this thread's two last GEMV streams ended
+ * where this call begins and already prefetched them. A thread claims a product's chunks in order
+ * (pool.c), so in a long matrix only its first chunk needs the burst; before, every chunk of 12-32
+ * rows re-issued prefetches for up to 8 of its rows. Records where this call's tiles leave off, in the
+ * slot it continued, else in the one not updated last: with nrows >= DD_PREFETCH_ROWS, the tiles at
+ * rows r prefetch row r + DD_PREFETCH_ROWS whenever rows_avail allows the whole tile there, so
+ * rows_avail >= nrows + DD_PREFETCH_ROWS covers the next call's first DD_PREFETCH_ROWS rows. */
 DD_INLINE void dd_gemv_prefetch_start(const uint8_t *w, size_t row_bytes, size_t nrows, size_t rows_avail)
 {
-    if (w != dd_prefetched_next)
+    int slot = w == dd_prefetched_next[0] ? 0 : w == dd_prefetched_next[1] ? 1 : -1;
+    if (slot < 0) {
         dd_prefetch_rows(w, row_bytes, nrows < DD_PREFETCH_ROWS ? nrows : DD_PREFETCH_ROWS);
-    dd_prefetched_next = nrows >= DD_PREFETCH_ROWS && rows_avail >= nrows + DD_PREFETCH_ROWS ? w + nrows * row_bytes
-                                                                                             : NULL;
+        slot = 1 - dd_prefetched_last;
+    }
+    dd_prefetched_next[slot] = nrows >= DD_PREFETCH_ROWS && rows_avail >= nrows + DD_PREFETCH_ROWS
+                                   ? w + nrows * row_bytes : NULL;
+    dd_prefetched_last = slot;
 }
 
 /* The rows DD_PREFETCH_ROWS below a tile's first row r, if all R of them exist, else the tile's own. */
@@ -98,7 +105,7 @@ DD_INLINE void dd_gemv_prefetch_start(const uint8_t *w, size_t row_bytes, size_t
             return;                                                                               \
         }                                                                                         \
         dd_prefetch_rows(w, row_bytes, nrows < DD_PREFETCH_ROWS ? nrows : DD_PREFETCH_ROWS);      \
-        dd_prefetched_next = NULL;                                                                \
+        dd_prefetched_next[0] = dd_prefetched_next[1] = NULL;                                   \
         for (size_t c0 = 0; c0 < a->m; c0 += DD_GEMM_BLOCK_COLS) {                                \
             const size_t c1 = a->m - c0 < DD_GEMM_BLOCK_COLS ? a->m : c0 + DD_GEMM_BLOCK_COLS;    \
             for (r = 0; r + 2 <= nrows; r += 2)                                                   \
