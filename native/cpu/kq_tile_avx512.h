@@ -270,11 +270,14 @@ DD_DEFINE_GEMM(tiles_q6_K, KQ_TILE_Q6_K)
  * and layout (q6: 1 for Q6_K, 0 for Q4_K / Q5_K) it was prepared for. A product's chunks, and the
  * products that share one prepared x (a matvec set, the MoE's expert gates and ups), are calls of
  * their own: before, each call (16-32 rows) prepared the whole column again. */
-static __thread struct {
+typedef struct {
     uint64_t id;
     int q6;
     kq_col cols[KQ_GEMV_SB];
-} kq_gemv_col;
+} kq_gemv_state;
+/* aligned by hand: the 64-byte alignment of a dlopen'ed library's thread-local block is not something
+ * every C library has honoured */
+static __thread unsigned char kq_gemv_mem[sizeof(kq_gemv_state) + 63];
 
 /* A GEMV (m == 1) as DD_DEFINE_GEMM's m == 1 walk (4-row tiles, then single rows; the same
  * prefetches), the column prepared once. Every row runs kq_tile's instructions on the same
@@ -282,14 +285,15 @@ static __thread struct {
 DD_INLINE void kq_gemv(const uint8_t *w, size_t rb, size_t nrows, size_t rows_avail, const dd_acts *a, float *y,
                        int wtype)
 {
+    kq_gemv_state *st = (kq_gemv_state *)(((uintptr_t)kq_gemv_mem + 63) & ~(uintptr_t)63);
     const int q6 = wtype == DD_Q6_K;
-    if (a->id == 0 || kq_gemv_col.id != a->id || kq_gemv_col.q6 != q6) {   /* 0: activations not from acts_place */
+    if (a->id == 0 || st->id != a->id || st->q6 != q6) {   /* id 0: activations not from acts_place */
         for (size_t sb = 0; sb < a->nb / 8; sb++)
-            kq_col_prep(a, 8 * sb, wtype, &kq_gemv_col.cols[sb]);
-        kq_gemv_col.id = a->id;
-        kq_gemv_col.q6 = q6;
+            kq_col_prep(a, 8 * sb, wtype, &st->cols[sb]);
+        st->id = a->id;
+        st->q6 = q6;
     }
-    const kq_col *cols = kq_gemv_col.cols;
+    const kq_col *cols = st->cols;
     dd_gemv_prefetch_start(w, rb, nrows, rows_avail);
     size_t r = 0;
     for (; r + 4 <= nrows; r += 4)
