@@ -1,6 +1,6 @@
 /* K-quant decode tiles at the AVX-512 VNNI level (Q4_K, Q5_K, Q6_K), and the products that use
- * them: the GEMV (m == 1) with its column prepared once per call, the m > 1 split into
- * kq_gemm_avx512.h. Included once by kernels_avx512vnni.c (after kq_transpose_add, gemm_tiles.h
+ * them: the GEMV (m == 1) with its column prepared once per thread and activations, the m > 1 split into
+ * kq_gemm_avx512.h. Included once by kernels_avx512vnni.c (after kq_transpose_add, gemm_tiles.h, runtime.h
  * and kernels.h); it defines gemm_q4_K, gemm_q5_K and gemm_q6_K for that file's kernel table.
  */
 #ifndef DELTADESK_KQ_TILE_AVX512_H
@@ -267,25 +267,22 @@ DD_DEFINE_GEMM(tiles_q6_K, KQ_TILE_Q6_K)
 #define KQ_GEMV_SB 32
 
 /* A thread's last GEMV column (kq_col_prep of each super-block), with the activations (dd_acts.id)
- * and layout (q6: 1 for Q6_K, 0 for Q4_K / Q5_K) it was prepared for. A product's chunks, and the
- * products that share one prepared x (a matvec set, the MoE's expert gates and ups), are calls of
+ * and layout (q6: 1 for Q6_K, 0 for Q4_K / Q5_K) it was prepared for, in the thread's scratch
+ * (DD_SCRATCH_KQ_COL; a new buffer is zeroed, and id 0 matches no activations). A product's chunks, and
+ * the products that share one prepared x (a matvec set, the MoE's expert gates and ups), are calls of
  * their own: before, each call (16-32 rows) prepared the whole column again. */
 typedef struct {
     uint64_t id;
     int q6;
     kq_col cols[KQ_GEMV_SB];
 } kq_gemv_state;
-/* aligned by hand: the 64-byte alignment of a dlopen'ed library's thread-local block is not something
- * every C library has honoured */
-static __thread unsigned char kq_gemv_mem[sizeof(kq_gemv_state) + 63];
 
 /* A GEMV (m == 1) as DD_DEFINE_GEMM's m == 1 walk (4-row tiles, then single rows; the same
- * prefetches), the column prepared once. Every row runs kq_tile's instructions on the same
- * prepared values, so the bits are those of the per-tile preparation. */
+ * prefetches), the column prepared at most once per thread and activations, in st. Every row runs
+ * kq_tile's instructions on the same prepared values, so the bits are those of the per-tile preparation. */
 DD_INLINE void kq_gemv(const uint8_t *w, size_t rb, size_t nrows, size_t rows_avail, const dd_acts *a, float *y,
-                       int wtype)
+                       int wtype, kq_gemv_state *st)
 {
-    kq_gemv_state *st = (kq_gemv_state *)(((uintptr_t)kq_gemv_mem + 63) & ~(uintptr_t)63);
     const int q6 = wtype == DD_Q6_K;
     if (a->id == 0 || st->id != a->id || st->q6 != q6) {   /* id 0: activations not from acts_place */
         for (size_t sb = 0; sb < a->nb / 8; sb++)
@@ -304,14 +301,16 @@ DD_INLINE void kq_gemv(const uint8_t *w, size_t rb, size_t nrows, size_t rows_av
 
 #include "kq_gemm_avx512.h"
 /* KQ_GEMM(NAME, TYPE, TILES, GEMM_M) defines the dd_gemm_fn NAME for weight type TYPE: kq_gemv for
- * one column (rows of up to KQ_GEMV_SB super-blocks), GEMM_M (kq_gemm_avx512.h) for m > 1 when its
- * scratch holds the rows, else TILES (DD_DEFINE_GEMM of kq_tile). */
+ * one column (rows of up to KQ_GEMV_SB super-blocks; its scratch allocated), GEMM_M (kq_gemm_avx512.h)
+ * for m > 1 when its scratch holds the rows, else TILES (DD_DEFINE_GEMM of kq_tile: the same bits). */
 #define KQ_GEMM(NAME, TYPE, TILES, GEMM_M)                                                                     \
     static void NAME(const uint8_t *w, size_t row_bytes, size_t nrows, size_t rows_avail, const dd_acts *a,   \
                      float *y, size_t ldy)                                                                    \
     {                                                                                                         \
-        if (a->m == 1 && a->nb / 8 <= KQ_GEMV_SB)                                                            \
-            kq_gemv(w, row_bytes, nrows, rows_avail, a, y, TYPE);                                             \
+        kq_gemv_state *st = NULL;                                                                             \
+        if (a->m == 1 && a->nb / 8 <= KQ_GEMV_SB &&                                                          \
+            (st = dd_scratch(DD_SCRATCH_KQ_COL, sizeof(kq_gemv_state))) != NULL)                              \
+            kq_gemv(w, row_bytes, nrows, rows_avail, a, y, TYPE, st);                                         \
         else if (a->m > 1 && KQX_FITS(a))                                                                     \
             GEMM_M(w, row_bytes, nrows, a, y, ldy);                                                           \
         else                                                                                                  \

@@ -58,6 +58,8 @@ void *dd_scratch(int slot, size_t bytes)
         free(s->p[slot]);
         s->p[slot] = aligned_alloc(64, n);
         s->bytes[slot] = s->p[slot] != NULL ? n : 0;
+        if (s->p[slot] != NULL)
+            memset(s->p[slot], 0, n);
     }
     return s->p[slot];
 }

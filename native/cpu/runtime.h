@@ -54,10 +54,13 @@ size_t dd_acts_bytes(const dd_kernels *kt, size_t m, size_t k);
 void dd_acts_prepare(const dd_kernels *kt, const float *x, size_t m, size_t k, void *mem, dd_acts *a);
 
 /* A buffer of at least `bytes` (64-byte aligned) that the calling thread reuses call after call: the
- * same slot returns the same memory until a larger size is asked for, so per-call and per-task buffers cost
- * no allocation and no page faults; each slot serves one user at a time (one per caller that can be
- * active in the same thread). Freed when the thread exits. NULL if out of memory. (matvec.c) */
-enum { DD_SCRATCH_ACTS = 0, DD_SCRATCH_MOE = 1, DD_SCRATCH_SGEMM = 2, DD_SCRATCH_VIT = 3, DD_SCRATCH_COUNT = 4 };
+ * same slot returns the same memory, with what the thread left in it, until a larger size is asked for
+ * (then a new, zeroed buffer), so per-call and per-task buffers cost no allocation and no page faults;
+ * each slot serves one user at a time (one per caller that can be active in the same thread). Freed when
+ * the thread exits. NULL if out of memory. (matvec.c) DD_SCRATCH_KQ_COL: the AVX-512 K-quant GEMV's
+ * prepared column, kept between calls (kq_tile_avx512.h). */
+enum { DD_SCRATCH_ACTS = 0, DD_SCRATCH_MOE = 1, DD_SCRATCH_SGEMM = 2, DD_SCRATCH_VIT = 3, DD_SCRATCH_KQ_COL = 4,
+       DD_SCRATCH_COUNT = 5 };
 void *dd_scratch(int slot, size_t bytes);
 
 /* y = W x for several weight matrices of k columns (wtype as dd_matmul) that read the same x (k f32,
