@@ -8,7 +8,7 @@
  *   s_t  = dot(q, k_t) * (1/sqrt(hd)), float: DD_ATTN_LANES partial sums, lane l fused-multiply-
  *          adding q[i] k_t[i] for i = l, l+16, ... in order, then the lanes in float by a fixed
  *          tree (l + l+8, + l+4, + l+2, + l+1);
- *   mx   = max_t s_t;  p_t = attn_exp(s_t - mx), float (exp in double, rounded);
+ *   mx   = max_t s_t;  p_t = attn_exp(s_t - mx), float (a float polynomial, attn_exp's comment);
  *   l_b  = sum of p_t in double: lane (t % 16) partial sums in order, then the same tree;
  *   o_b  = sum_t p_t v_t in float, one fused multiply-add per t in order;
  * then the blocks in order are merged in double (M, L, A: running max, sum and output):
@@ -34,7 +34,6 @@
 #endif
 
 #include "runtime.h"
-#include "vexp.h"
 
 #pragma GCC diagnostic ignored "-Wpsabi"   /* 64-byte vectors in inlined helpers only, no ABI crossing */
 
@@ -98,9 +97,9 @@ AI vf vfma(vf a, vf b, vf c)
 
 typedef double vd __attribute__((vector_size(4 * LANES)));   /* LANES / 2 doubles */
 
-/* Float <-> double of vector halves (exact one way, round-to-nearest the other). With AVX-512 the
- * instructions are named: GCC's generic lowering of these conversions goes through 128-bit pieces,
- * four shuffles per half, which cost more than the softmax's double additions they feed. */
+/* Float -> double of vector halves (exact). With AVX-512 the instructions are named: GCC's generic
+ * lowering of these conversions goes through 128-bit pieces, four shuffles per half, which cost more
+ * than the softmax's double additions they feed. */
 #if defined(__AVX512F__)
 AI vd lo_d(vf a)
 {
@@ -111,12 +110,6 @@ AI vd hi_d(vf a)
 {
     return (vd)_mm512_cvtps_pd((__m256)_mm512_extractf64x4_pd((__m512d)a, 1));
 }
-
-AI vf join_f(vd lo, vd hi)
-{
-    const __m256 l = _mm512_cvtpd_ps((__m512d)lo), h = _mm512_cvtpd_ps((__m512d)hi);
-    return (vf)_mm512_insertf64x4(_mm512_castpd256_pd512((__m256d)l), (__m256d)h, 1);
-}
 #else
 AI vd lo_d(vf a)
 {
@@ -126,13 +119,6 @@ AI vd lo_d(vf a)
 AI vd hi_d(vf a)
 {
     return __builtin_convertvector(__builtin_shufflevector(a, a, 8, 9, 10, 11, 12, 13, 14, 15), vd);
-}
-
-AI vf join_f(vd lo, vd hi)
-{
-    typedef float vh __attribute__((vector_size(2 * LANES)));
-    return __builtin_shufflevector(__builtin_convertvector(lo, vh), __builtin_convertvector(hi, vh), 0, 1, 2, 3, 4,
-                                   5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
 }
 #endif
 
@@ -168,14 +154,36 @@ AI vf tree16x16(const vf *a)
            __builtin_shufflevector(e[0], e[1], 1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
 }
 
-/* e^x for x <= 0 as the float rounding of dd_exp_d (vexp.h) (so within 0.5 ulp + 3e-13); 0 below -87
- * (e^-87 < 2^-125, below any sum it would join). */
-AI vf attn_exp(vf x)
-{
-    const vi live = x >= splat(-87.0f);
-    x = (vf)((vi)x & live);
-    return (vf)((vi)join_f(dd_exp_d(lo_d(x)), dd_exp_d(hi_d(x))) & live);
-}
+/* e^x in float for a vector V of floats (VI: its int lanes) and x <= 0, 0 below -87 (e^-87 < 2^-125,
+ * below any sum it would join) and for NaN: x = n ln2 + r with n = round(x log2e) (by adding and
+ * subtracting 1.5 * 2^23, exact in round-to-nearest for |n| < 2^22), ln2 in two parts (Cody and Waite:
+ * 0.693359375 has 9 significant bits, so n * it is exact for |n| <= 2^15) and |r| <= ln2/2 + 2^-24;
+ * the Taylor series of e^r to degree 7 by Horner (truncation r^8/8! < 5.2e-9 < 0.1 ulp of e^r), times
+ * 2^n from the exponent bits (n >= -126: a normal float). Every step an IEEE float + - or * (contraction
+ * off, build.py), so each build gives the same bits; within 1.22 ulp of e^x (every float in [-87, 0]
+ * checked against libm's double exp), e^0 = 1 exactly. */
+#define ATTN_DEFINE_EXP(NAME, V, VI)                                                                          \
+    AI V NAME(V x)                                                                                            \
+    {                                                                                                         \
+        const V zero = { 0 }, magic = zero + 12582912.0f;                                                     \
+        const VI live = x >= zero - 87.0f;                                                                    \
+        x = (V)((VI)x & live);                                                                                \
+        const V t = x * 1.44269504088896341f + magic;                                                         \
+        const V n = t - magic;                                                                                \
+        const V r = (x - n * 0.693359375f) - n * -2.12194440e-4f;                                             \
+        V y = zero + 1.0f / 5040.0f;                                                                          \
+        y = y * r + 1.0f / 720.0f;                                                                            \
+        y = y * r + 1.0f / 120.0f;                                                                            \
+        y = y * r + 1.0f / 24.0f;                                                                             \
+        y = y * r + 1.0f / 6.0f;                                                                              \
+        y = y * r + 0.5f;                                                                                     \
+        y = y * r + 1.0f;                                                                                     \
+        y = y * r + 1.0f;                                                                                     \
+        return (V)((VI)(y * (V)(((VI)t - (VI)magic + 127) << 23)) & live);                                    \
+    }
+
+/* e^x of LANES floats for x <= 0 (the softmax's p_t). */
+ATTN_DEFINE_EXP(attn_exp, vf, vi)
 
 static double attn_sigmoid(double x)
 {

@@ -94,16 +94,12 @@ AI void pv_set_cols(const float *S, const float *v, size_t vrow, size_t t0, size
 }
 
 /* attn_exp of 8 floats (one key of the SET rows). */
+typedef float vf8 __attribute__((vector_size(32)));
+typedef int vi8 __attribute__((vector_size(32)));
+ATTN_DEFINE_EXP(exp8v, vf8, vi8)
 AI __m256 exp8(__m256 x)
 {
-    const __m256 live = _mm256_cmp_ps(x, _mm256_set1_ps(-87.0f), _CMP_GE_OQ);
-    x = _mm256_and_ps(x, live);
-    __m256d h[2] = { _mm256_cvtps_pd(_mm256_castps256_ps128(x)), _mm256_cvtps_pd(_mm256_extractf128_ps(x, 1)) };
-    vd d;
-    memcpy(&d, h, sizeof d);
-    d = dd_exp_d(d);
-    memcpy(h, &d, sizeof d);
-    return _mm256_and_ps(_mm256_set_m128(_mm256_cvtpd_ps(h[1]), _mm256_cvtpd_ps(h[0])), live);
+    return (__m256)exp8v((vf8)x);
 }
 
 /* softmax_block for the SET rows of S at once: row x's scores are S[t * SET + x] for t < len[x]

@@ -1,7 +1,7 @@
 /* e^x in double on vectors of 8 doubles, the same bits at every ISA level: only IEEE + - * on
  * doubles and integer bit operations, with contraction off (build.py), so the compiler's lowering
- * for SSE2, AVX2 or AVX-512 changes the instructions, never a result. Used by attn_kernel.h (the
- * softmax) and gdn_kernel.h (the sigmoids of SiLU and the output gate). */
+ * for SSE2, AVX2 or AVX-512 changes the instructions, never a result. Used by gdn_kernel.h (the
+ * sigmoids of SiLU and the output gate). */
 #ifndef DELTADESK_VEXP_H
 #define DELTADESK_VEXP_H
 
