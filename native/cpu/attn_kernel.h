@@ -161,7 +161,8 @@ AI vf tree16x16(const vf *a)
  * the Taylor series of e^r to degree 7 by Horner (truncation r^8/8! < 5.2e-9 < 0.1 ulp of e^r), times
  * 2^n from the exponent bits (n >= -126: a normal float). Every step an IEEE float + - or * (contraction
  * off, build.py), so each build gives the same bits; within 1.22 ulp of e^x (every float in [-87, 0]
- * checked against libm's double exp), e^0 = 1 exactly. */
+ * checked against libm's double exp), e^0 = 1 exactly. The tower's sg_exp (sgemm_kernel.h) is the same
+ * reduction with fused multiply-adds and AVX-512 only: its bits may differ by level, these may not. */
 #define ATTN_DEFINE_EXP(NAME, V, VI)                                                                          \
     AI V NAME(V x)                                                                                            \
     {                                                                                                         \
