@@ -74,24 +74,27 @@ DD_INLINE void kq_col_prep(const dd_acts *a, size_t b0, int wtype, kq_col *p)
     }
 }
 
-/* The 8 scales and 8 mins of two Q4_K / Q5_K super-blocks (rows a, b), each in KQ_ORDER[0]: bytes
- * 0-7 row a's scales, 8-15 row b's, 16-23 row a's mins, 24-31 row b's; as dd_kq_scale_words
- * (kernels.h), on the 12 scale bytes at blk + 4 (words s0 s1 s2; s3 unused), both rows at once. */
-DD_INLINE __m256i kq_scale_bytes2(const uint8_t *blk_a, const uint8_t *blk_b)
+/* The 8 scales and 8 mins of four Q4_K / Q5_K super-blocks (rows 0-3 at blk[0..3]), each in KQ_ORDER[0]:
+ * 128-bit lane 2p holds row pair p's scales (bytes 0-7 row 2p's, 8-15 row 2p + 1's), lane 2p + 1 their
+ * mins; as dd_kq_scale_words (kernels.h), on the 12 scale bytes at blk + 4 (words s0 s1 s2; s3 unused),
+ * one row to a 128-bit lane, all four at once. */
+DD_INLINE __m512i kq_scale_bytes4(const uint8_t *const blk[4])
 {
-    const __m256i s = _mm256_inserti128_si256(_mm256_castsi128_si256(_mm_loadu_si128((const __m128i *)(blk_a + 4))),
-                                              _mm_loadu_si128((const __m128i *)(blk_b + 4)), 1);
-    const __m256i a = _mm256_shuffle_epi32(s, _MM_SHUFFLE(2, 1, 2, 0));   /* s0 s2 s1 s2 */
-    const __m256i b = _mm256_shuffle_epi32(s, _MM_SHUFFLE(1, 1, 0, 0));   /* s0 s0 s1 s1 */
-    const __m256i lo = _mm256_and_si256(_mm256_srlv_epi32(a, _mm256_setr_epi32(0, 0, 0, 4, 0, 0, 0, 4)),
-                                        _mm256_setr_epi32(0x3f3f3f3f, 0x0f0f0f0f, 0x3f3f3f3f, 0x0f0f0f0f,
-                                                          0x3f3f3f3f, 0x0f0f0f0f, 0x3f3f3f3f, 0x0f0f0f0f));
-    const __m256i hi = _mm256_and_si256(_mm256_srli_epi32(b, 2), _mm256_setr_epi32(0, 0x30303030, 0, 0x30303030,
-                                                                                   0, 0x30303030, 0, 0x30303030));
-    const __m256i o = _mm256_shuffle_epi8(_mm256_or_si256(lo, hi),
-                                          _mm256_setr_epi8(0, 1, 4, 5, 2, 3, 6, 7, 8, 9, 12, 13, 10, 11, 14, 15,
-                                                           0, 1, 4, 5, 2, 3, 6, 7, 8, 9, 12, 13, 10, 11, 14, 15));
-    return _mm256_permute4x64_epi64(o, _MM_SHUFFLE(3, 1, 2, 0));
+    __m512i s = _mm512_castsi128_si512(_mm_loadu_si128((const __m128i *)(blk[0] + 4)));
+    s = _mm512_inserti32x4(s, _mm_loadu_si128((const __m128i *)(blk[1] + 4)), 1);
+    s = _mm512_inserti32x4(s, _mm_loadu_si128((const __m128i *)(blk[2] + 4)), 2);
+    s = _mm512_inserti32x4(s, _mm_loadu_si128((const __m128i *)(blk[3] + 4)), 3);
+    const __m512i a = _mm512_shuffle_epi32(s, _MM_SHUFFLE(2, 1, 2, 0));   /* s0 s2 s1 s2 */
+    const __m512i b = _mm512_shuffle_epi32(s, _MM_SHUFFLE(1, 1, 0, 0));   /* s0 s0 s1 s1 */
+    const __m512i hi = _mm512_and_si512(_mm512_srli_epi32(b, 2), _mm512_set4_epi32(0x30303030, 0, 0x30303030, 0));
+    /* (a >> (0, 0, 0, 4)) & (0x3f.., 0x0f.., 0x3f.., 0x0f..) | hi */
+    const __m512i lohi = _mm512_ternarylogic_epi32(_mm512_srlv_epi32(a, _mm512_set4_epi32(4, 0, 0, 0)),
+                                                   _mm512_set4_epi32(0x0f0f0f0f, 0x3f3f3f3f, 0x0f0f0f0f, 0x3f3f3f3f),
+                                                   hi, 0xea);
+    const __m512i o = _mm512_shuffle_epi8(lohi, _mm512_broadcast_i32x4(_mm_setr_epi8(0, 1, 4, 5, 2, 3, 6, 7, 8, 9, 12,
+                                                                                     13, 10, 11, 14, 15)));
+    /* each row's lane is [its 8 scales | its 8 mins]: pair the rows' scales, then their mins */
+    return _mm512_permutexvar_epi64(_mm512_setr_epi64(0, 2, 1, 3, 4, 6, 5, 7), o);
 }
 
 /* A super-block row's 256 quants as 4 vectors of unsigned bytes matching kq_col's v. */
@@ -186,21 +189,21 @@ DD_INLINE void kq_tile_scales(const uint8_t *w, size_t rb, int wtype, const int 
 }
 
 /* Two rows (blk_a, blk_b) of a super-block against column p: acc_a, acc_b += their f64 terms, the
- * rows' d and dmin at ds[0, 1] and ds[2, 3]. Each product is exact (see above), so an FMA rounds as
- * the separate multiply and add of kquants.h do. */
+ * rows' d and dmin at ds[0, 1] and ds[2, 3], their scales and mins (Q4_K / Q5_K) the bytes of sc and mn
+ * (kq_scale_bytes4's lanes of the pair). Each product is exact (see above), so an FMA rounds as the
+ * separate multiply and add of kquants.h do. */
 DD_INLINE void kq_row_pair(const uint8_t *blk_a, const uint8_t *blk_b, int wtype, const kq_col *p,
-                           const double *ds, __m512d *acc_a, __m512d *acc_b, const int both)
+                           const double *ds, __m128i sc, __m128i mn, __m512d *acc_a, __m512d *acc_b, const int both)
 {
     const __m512i ta = kq_quarters(blk_a, wtype, p), tb = both ? kq_quarters(blk_b, wtype, p) : ta;
     __m512i s = _mm512_add_epi32(_mm512_shuffle_i32x4(ta, tb, _MM_SHUFFLE(2, 0, 2, 0)),
                                  _mm512_shuffle_i32x4(ta, tb, _MM_SHUFFLE(3, 1, 3, 1)));
     __m512i mins = _mm512_setzero_si512();
     if (wtype != DD_Q6_K) {
-        const __m256i sm = kq_scale_bytes2(blk_a, both ? blk_b : blk_a);
         if (wtype == DD_Q4_K)   /* lanes 1, 3, 5, 7 of each row (the high nibbles' blocks): 16 S, an exact shift back */
             s = _mm512_srav_epi32(s, _mm512_set4_epi32(4, 0, 4, 0));
-        s = _mm512_mullo_epi32(s, _mm512_cvtepu8_epi32(_mm256_castsi256_si128(sm)));
-        mins = _mm512_cvtepu8_epi32(_mm256_extracti128_si256(sm, 1));
+        s = _mm512_mullo_epi32(s, _mm512_cvtepu8_epi32(sc));
+        mins = _mm512_cvtepu8_epi32(mn);
     }
     for (int r = 0; r < 1 + both; r++) {
         __m512d *acc = r ? acc_b : acc_a;
@@ -233,13 +236,22 @@ DD_INLINE void kq_tile(const uint8_t *w, const uint8_t *pf, size_t rb, const dd_
         }
         double ds[8];
         kq_tile_scales(w + sb * bytes, rb, wtype, R, ds);
+        __m512i sm = _mm512_setzero_si512();   /* Q4_K / Q5_K: the rows' scales and mins (rows past R repeat the last) */
+        if (wtype != DD_Q6_K) {
+            const uint8_t *blk[4];
+            for (int r = 0; r < 4; r++)
+                blk[r] = w + (r < R ? r : R - 1) * rb + sb * bytes;
+            sm = kq_scale_bytes4(blk);
+        }
         for (int c = 0; c < C; c++) {
             kq_col own;
             const kq_col *p = pre ? &pre[sb] : &own;
             if (!pre)
                 kq_col_prep(a, (c0 + c) * a->nbp + 8 * sb, wtype, &own);
             for (int r = 0; r < R; r += 2)
-                kq_row_pair(w + r * rb + sb * bytes, w + (r + 1) * rb + sb * bytes, wtype, p, ds + 2 * r, &acc[r][c],
+                kq_row_pair(w + r * rb + sb * bytes, w + (r + 1) * rb + sb * bytes, wtype, p, ds + 2 * r,
+                            r ? _mm512_extracti32x4_epi32(sm, 2) : _mm512_castsi512_si128(sm),
+                            r ? _mm512_extracti32x4_epi32(sm, 3) : _mm512_extracti32x4_epi32(sm, 1), &acc[r][c],
                             &acc[r + (r + 1 < R)][c], r + 1 < R);
         }
     }
