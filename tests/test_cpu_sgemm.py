@@ -210,6 +210,34 @@ def test_stacked_parts_of_mixed_types_and_strides():
     np.testing.assert_array_equal(both(x), sgemm.PackedWeight(exact, b)(x))
 
 
+def _panels_np(w):
+    """deltadesk_cpu.h's packed layout from its formula: packed[(j // NR) * k * NR + kk * NR + j % NR] = w[j, kk],
+    columns past n zero."""
+    from engine import _native_cpu
+    n, k = w.shape
+    nr = _native_cpu.lib.DD_SGEMM_NR
+    padded = np.zeros((-(-n // nr) * nr, k), np.float32)
+    padded[:n] = w
+    return padded.reshape(-1, nr, k).transpose(0, 2, 1).ravel()
+
+
+def test_packing_is_the_layout_at_every_thread_count():
+    """The panels are packed on the pool's threads: parts that start and end inside a panel (row0 = 40, 57), in
+    float16, give the layout's formula and the same buffer at 1, 2 and 3 threads."""
+    rng = np.random.default_rng(29)
+    w = (rng.uniform(0.5, 1.5, (150, 77)) * rng.choice([-1.0, 1.0], (150, 77))).astype(np.float16)
+    b = np.ones(150, np.float32)
+    prev = cpu.threads()
+    try:
+        for t in (1, 2, 3):
+            cpu.set_threads(t)
+            stacked = sgemm.PackedWeight.stacked([w[:40], w[40:57], w[57:]], [b[:40], b[40:57], b[57:]])
+            np.testing.assert_array_equal(stacked.packed, _panels_np(w.astype(np.float32)))
+            np.testing.assert_array_equal(sgemm.PackedWeight(w, b).packed, _panels_np(w.astype(np.float32)))
+    finally:
+        cpu.set_threads(prev)
+
+
 def _qkv(rng, s, n_head, hd):
     shape = (s, 3 * n_head * hd)
     return (rng.uniform(0.2, 1.2, shape) * rng.choice([-1.0, 1.0], shape)).astype(np.float32)

@@ -208,7 +208,8 @@ int dd_sgemm_supported(void);
  * type dtype (DD_DTYPE_F32, DD_DTYPE_F16: IEEE half, DD_DTYPE_BF16: the top half of a float32) starting
  * ldw values after row r - 1's (a GGUF tensor as stored, converted to float32 exactly while packing). The
  * call that packs row n - 1 also zeroes the columns past n, so calls covering 0 .. n - 1 once each, in any
- * order, fill the whole buffer (e.g. q, k and v side by side). Writes in address order. DD_ERR_ARG for
+ * order, fill the whole buffer (e.g. q, k and v side by side). The panels are packed on the pool's threads
+ * (dd_set_threads), each in address order; the buffer does not depend on their number. DD_ERR_ARG for
  * rows == 0, k == 0, ldw < k, row0 + rows > n or an unknown dtype. */
 #define DD_DTYPE_F32 0
 #define DD_DTYPE_F16 1

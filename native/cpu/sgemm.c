@@ -19,7 +19,7 @@ size_t dd_sgemm_packed_floats(size_t n, size_t k)
     return dd_div_up(n, DD_SGEMM_NR) * DD_SGEMM_NR * k;
 }
 
-/* Value i of a row of type dtype as float32 (exact). Inlined with a constant dtype in pack_panels. */
+/* Value i of a row of type dtype as float32 (exact). Inlined with a constant dtype in pack_panel. */
 static inline float pack_load(const void *row, int dtype, size_t i)
 {
     if (dtype == DD_DTYPE_F16)
@@ -38,24 +38,43 @@ static inline size_t dtype_size(int dtype)
     return dtype == DD_DTYPE_F32 ? 4 : 2;
 }
 
-/* dd_sgemm_pack_rows for one dtype (a constant after inlining): panel by panel, k by k, so the writes are in
- * order and the panel's (at most) 32 source rows stay in L1. */
-static inline void pack_panels(const char *w, int dtype, size_t ldw, size_t rows, size_t k, size_t row0,
-                               size_t n, float *packed)
+/* One pack job: the weight rows [row0, row0 + rows) of an (n, k) weight into its panels. */
+typedef struct {
+    const char *w;
+    int dtype;
+    size_t ldw, rows, k, row0, n, first;   /* first: the first panel's first column (row0 rounded down to NR) */
+    float *packed;
+} pack_job;
+
+/* The panel at columns [j0, j0 + NR) of a pack job, for one dtype (a constant after inlining): k by k, so the
+ * writes are in order and the panel's (at most) 32 source rows stay in L1. */
+static inline void pack_panel(const pack_job *p, int dtype, size_t j0)
 {
-    const size_t end = row0 + rows, pitch = ldw * dtype_size(dtype);
-    for (size_t j0 = row0 - row0 % DD_SGEMM_NR; j0 < end; j0 += DD_SGEMM_NR) {
-        float *panel = packed + j0 * k;
-        const size_t c0 = row0 > j0 ? row0 - j0 : 0, c1 = end - j0 < DD_SGEMM_NR ? end - j0 : DD_SGEMM_NR;
-        const size_t pad = end == n ? DD_SGEMM_NR : c1;   /* the last rows' call zeroes columns past n */
-        const char *src = w + (j0 + c0 - row0) * pitch;
-        for (size_t kk = 0; kk < k; kk++) {
-            for (size_t c = c0; c < c1; c++)
-                panel[kk * DD_SGEMM_NR + c] = pack_load(src + (c - c0) * pitch, dtype, kk);
-            for (size_t c = c1; c < pad; c++)
-                panel[kk * DD_SGEMM_NR + c] = 0.0f;
-        }
+    const size_t end = p->row0 + p->rows, pitch = p->ldw * dtype_size(dtype), k = p->k;
+    float *panel = p->packed + j0 * k;
+    const size_t c0 = p->row0 > j0 ? p->row0 - j0 : 0, c1 = end - j0 < DD_SGEMM_NR ? end - j0 : DD_SGEMM_NR;
+    const size_t pad = end == p->n ? DD_SGEMM_NR : c1;   /* the last rows' call zeroes columns past n */
+    const char *src = p->w + (j0 + c0 - p->row0) * pitch;
+    for (size_t kk = 0; kk < k; kk++) {
+        for (size_t c = c0; c < c1; c++)
+            panel[kk * DD_SGEMM_NR + c] = pack_load(src + (c - c0) * pitch, dtype, kk);
+        for (size_t c = c1; c < pad; c++)
+            panel[kk * DD_SGEMM_NR + c] = 0.0f;
     }
+}
+
+/* Pool chunk i: the job's i-th panel. Panels are disjoint memory and a copy has one result, so the packed
+ * buffer is the same whichever thread packs a panel (a tower's 2.2 GB of panels is seconds of one core). */
+static void pack_chunk(void *ctx, size_t i)
+{
+    const pack_job *p = ctx;
+    const size_t j0 = p->first + i * DD_SGEMM_NR;
+    if (p->dtype == DD_DTYPE_F32)
+        pack_panel(p, DD_DTYPE_F32, j0);
+    else if (p->dtype == DD_DTYPE_F16)
+        pack_panel(p, DD_DTYPE_F16, j0);
+    else
+        pack_panel(p, DD_DTYPE_BF16, j0);
 }
 
 int dd_sgemm_pack_rows(const void *w, int dtype, size_t ldw, size_t rows, size_t k, size_t row0, size_t n,
@@ -63,14 +82,11 @@ int dd_sgemm_pack_rows(const void *w, int dtype, size_t ldw, size_t rows, size_t
 {
     if (rows == 0 || k == 0 || ldw < k || row0 > n || rows > n - row0)
         return DD_ERR_ARG;
-    if (dtype == DD_DTYPE_F32)
-        pack_panels(w, DD_DTYPE_F32, ldw, rows, k, row0, n, packed);
-    else if (dtype == DD_DTYPE_F16)
-        pack_panels(w, DD_DTYPE_F16, ldw, rows, k, row0, n, packed);
-    else if (dtype == DD_DTYPE_BF16)
-        pack_panels(w, DD_DTYPE_BF16, ldw, rows, k, row0, n, packed);
-    else
+    if (dtype != DD_DTYPE_F32 && dtype != DD_DTYPE_F16 && dtype != DD_DTYPE_BF16)
         return DD_ERR_ARG;
+    pack_job p = { .w = w, .dtype = dtype, .ldw = ldw, .rows = rows, .k = k, .row0 = row0, .n = n,
+                   .first = row0 - row0 % DD_SGEMM_NR, .packed = packed };
+    dd_pool_for(pack_chunk, &p, dd_div_up(row0 + rows - p.first, DD_SGEMM_NR));
     return DD_OK;
 }
 
