@@ -26,6 +26,7 @@ from hypothesis.extra import numpy as hnp
 import engine
 from engine.kernels import cpu, cpu_moe
 from engine.errors import EngineError
+from engine.ops.reference import sigmoid, silu
 
 LEVELS = cpu.supported_isas()
 ALL = (*LEVELS, "numpy")
@@ -206,14 +207,39 @@ def route_margin(x, w) -> float:
     return p[w.n_used - 1] - p[w.n_used]
 
 
+def one_step_bound(x, w, res) -> np.ndarray:
+    """(d,) the most that one hidden value moving to its neighbouring Q8_0 step can move each output: the down
+    projection quantizes each expert's hidden h = silu(gate x) * up x in blocks of 32 with scale max|h_block| / 127
+    (ggml's quantize_row_q8_0), so a value that the two sides' SiLU roundings put on either side of a rounding
+    boundary changes the output by that scale times its down-weight column, times the expert's routing weight (the
+    shared expert's: its sigmoid gate). The bound allows one such value in a call, in whichever expert: a value
+    has to fall within the two SiLUs' last-bit difference of a boundary, and two at once is that chance squared."""
+    d = x.shape[0]
+    ff = w.gate.shape[0] // w.router.shape[0]
+
+    def expert(gate, up, down, n):
+        h = silu(cpu.matmul_np(gate, x, w.qtypes[n + "gate"])) * cpu.matmul_np(up, x, w.qtypes[n + "up"])
+        step = np.repeat(np.abs(h).reshape(-1, 32).max(axis=1) / 127, 32)
+        wd = np.asarray(quants.dequantize(down, w.qtypes[n + "down"]), np.float64).reshape(d, h.shape[0])
+        return (np.abs(wd) * step).max(axis=1)
+
+    terms = [weight * expert(w.gate[e * ff:(e + 1) * ff], w.up[e * ff:(e + 1) * ff], w.down[e * d:(e + 1) * d], "")
+             for e, weight in zip(res.experts, res.weights)]
+    if w.sh_gate is not None:
+        gate = sigmoid(np.float32(np.dot(np.asarray(w.sh_gate_inp, np.float64), x)))
+        terms.append(gate * expert(w.sh_gate, w.sh_up, w.sh_down, "sh_"))
+    return np.max(terms, axis=0)
+
+
 @pytest.mark.parametrize("level", LEVELS, indirect=True)
 @pytest.mark.parametrize("shared", [True, False])
 @pytest.mark.parametrize("n_expert, n_used", [(16, 4), (13, 12)])
 def test_moe_ffn_matches_numpy_composition(level, shared, n_expert, n_used, rng):
     """Native MoE vs the twin built from reference ops. The routing must agree exactly (inputs with
-    a near-tie at the k-th expert are redrawn); outputs within 1e-4 of the reference's max: the two
-    sides compute SiLU with different exp() roundings, so a hidden value can round to the
-    neighbouring Q8_0 step (one step of 1/127 of one block's scale; observed ~2e-7). 13 experts, 12
+    a near-tie at the k-th expert are redrawn); outputs within 1e-4 of the reference's max plus
+    one_step_bound: the two sides compute SiLU with different exp() roundings, so a hidden value can
+    round to the neighbouring Q8_0 step (usually none does: ~2e-7; seed 260488320876393515898617557216
+    49084657 put one of the 13-12 case's 1152 hidden values there, 1.1e-3 of the max). 13 experts, 12
     used: the router's last row runs in dots_f32's one-row tile and is almost always among the
     weights compared (the prefill tests then hold the other tile shapes to these bits)."""
     w = random_moe(rng, n_expert=n_expert, n_used=n_used, shared=shared)
@@ -224,7 +250,7 @@ def test_moe_ffn_matches_numpy_composition(level, shared, n_expert, n_used, rng)
     assert np.array_equal(got.experts, ref.experts)
     np.testing.assert_allclose(got.weights, ref.weights, rtol=1e-5)
     np.testing.assert_allclose(np.sum(got.weights), 1.0, rtol=1e-6)
-    assert np.abs(got.out - ref.out).max() <= 1e-4 * np.abs(ref.out).max()
+    assert (np.abs(got.out - ref.out) <= 1e-4 * np.abs(ref.out).max() + one_step_bound(x, w, ref)).all()
 
 
 @pytest.mark.parametrize("level", LEVELS, indirect=True)
