@@ -227,12 +227,15 @@ class PromptBuilder:
         Raises:
             TemplateError, ImageError: as :meth:`prepare`.
         """
-        follow = self.prepare(list(messages) + [{"role": "user", "content": "."}], enable_thinking, cancel)
-        starts = self.message_starts(follow.tokens)
-        if len(starts) < 2:
+        # Whether the earlier messages render alike whatever follows them is asked of the renders before the
+        # images are expanded (an image's rows depend on the image alone, the same in both).
+        probe = list(messages) + [{"role": "user", "content": "."}]
+        plain = self.render(probe, enable_thinking)
+        plain_starts = self.message_starts(plain)
+        if len(plain_starts) < 2:
             return None
-        cut = starts[-2]
         other = self.render(list(messages) + [{"role": "user", "content": "?\n\n"}], enable_thinking)
-        if other[:cut] != follow.tokens[:cut]:
+        if other[:plain_starts[-2]] != plain[:plain_starts[-2]]:
             return None
-        return follow, cut
+        follow = self.prepare(probe, enable_thinking, cancel)
+        return follow, self.message_starts(follow.tokens)[-2]

@@ -241,6 +241,28 @@ def test_image_turn_greedy_equal_cold_and_cache_keyed_by_image(vision_engine, tm
     assert [t.token_id for t in cold_tokens] == [t.token_id for t in first]
 
 
+def test_reading_ahead_an_image_chat_leaves_only_the_new_message(vision_engine, tmp_path) -> None:
+    """The read-ahead of turn N+1 works when an earlier message holds an image (it compared a render with the
+    images unexpanded against one with them expanded, so it never did): afterwards the next turn prefills only
+    its new message, and answers as a cold engine does."""
+    eng = vision_engine
+    img = shape_image(tmp_path / "a.png", (200, 20, 20))
+    messages = [{"role": "user", "content": [{"type": "image", "image": str(img)}, {"type": "text", "text": "Colour?"}]}]
+    eng.cache.clear()
+    _, _, summary = chat(eng, messages)
+    messages.append({"role": "assistant", "content": summary.text})
+    stats = eng.prefill_ahead(messages)
+    assert stats is not None and stats.prefilled_tokens > 0
+    assert eng.prefill_ahead(messages).prefilled_tokens == 0          # already read
+    messages.append({"role": "user", "content": "And the shape?"})
+    stats, tokens, _ = chat(eng, messages)
+    full = eng.render(messages)                   # images unexpanded; they all come before the new message
+    assert stats.prefilled_tokens == len(full) - eng.prompts.message_starts(full)[-2]
+    cold = Engine(eng.gguf, eng.tokenizer, eng.model, EngineOptions(prefix_cache=False), eng.vision)
+    _, cold_tokens, _ = chat(cold, messages)
+    assert [t.token_id for t in tokens] == [t.token_id for t in cold_tokens]
+
+
 def test_image_without_vision_tower_is_a_clear_error(cold, tmp_path) -> None:
     from engine.errors import UnsupportedModelError
     img = shape_image(tmp_path / "x.png", (0, 200, 0))
