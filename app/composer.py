@@ -19,7 +19,7 @@ from io import BytesIO
 from dataclasses import dataclass
 from pathlib import Path
 
-from PIL import Image
+from PIL import Image, UnidentifiedImageError
 from PySide6.QtCore import QMimeData, Qt, Signal
 from PySide6.QtGui import QImage, QKeyEvent, QPixmap
 from PySide6.QtWidgets import (QCheckBox, QFileDialog, QFrame, QHBoxLayout, QLabel, QPlainTextEdit,
@@ -72,7 +72,8 @@ def prepare_attachment(store: ImageStore, source: Path | RawImage | None, stored
 
     Raises:
         OSError: the file cannot be read or written.
-        PIL.UnidentifiedImageError: the file is not an image Pillow can open.
+        ValueError: the file is not an image Pillow can open, or its data is truncated or corrupt (the message
+            names neither path: the caller names the user's file); the copy just stored is removed.
         ValueError: neither ``source`` nor ``stored`` was given.
     """
     if isinstance(source, RawImage):
@@ -84,11 +85,18 @@ def prepare_attachment(store: ImageStore, source: Path | RawImage | None, stored
         stored = store.add_file(source)
     if stored is None:
         raise ValueError("prepare_attachment needs an image to store or a stored path")
-    with Image.open(stored) as image:
-        width, height = image.size
-        image.draft("RGB", (THUMB_PX, THUMB_PX))
-        image.thumbnail((THUMB_PX, THUMB_PX))
-        thumb = image.convert("RGBA")
+    try:
+        with Image.open(stored) as image:
+            width, height = image.size
+            image.draft("RGB", (THUMB_PX, THUMB_PX))
+            image.thumbnail((THUMB_PX, THUMB_PX))
+            thumb = image.convert("RGBA")
+    except (OSError, SyntaxError, ValueError) as exc:
+        if source is not None:            # just stored for this attachment, which nothing else refers to
+            stored.unlink(missing_ok=True)
+        if isinstance(exc, UnidentifiedImageError):
+            raise ValueError("not an image Pillow can read; expected PNG, JPEG, GIF, WebP, BMP or TIFF data") from exc
+        raise ValueError(f"truncated or corrupt image data ({exc})") from exc
     return Prepared(Attachment(str(stored), width, height, stored.stat().st_size), thumb.tobytes(), thumb.size)
 
 

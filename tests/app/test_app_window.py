@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
+import os
 from dataclasses import dataclass, replace
 import time
 
@@ -560,6 +562,16 @@ def test_an_image_the_model_cannot_read_is_not_sent(qtbot, make_window, tmp_path
     composer.add_file(broken)
     qtbot.waitUntil(lambda: composer.pending == 0)
     assert composer.thumbnails() == [] and "Could not attach broken.png" in composer.warning.text()
+    text = tmp_path / "notes.jpg"
+    text.write_bytes(b"this is not a picture\n" * 10)
+    composer.add_file(text)
+    qtbot.waitUntil(lambda: composer.pending == 0)
+    warning = composer.warning.text()       # the user's files named, not the store's copies, which are gone
+    assert "broken.png: truncated or corrupt image data" in warning and "images" + os.sep not in warning
+    assert "notes.jpg: not an image Pillow can read; expected PNG, JPEG" in warning
+    for path in (broken, text):
+        copy = hashlib.sha256(path.read_bytes()).hexdigest()[:32] + path.suffix    # ImageStore's name for it
+        assert not (composer._images.folder / copy).exists()
     composer.add_file(_png(tmp_path, "wide.png"))
     qtbot.waitUntil(lambda: len(composer.thumbnails()) == 1)
     [thumb] = composer.thumbnails()
