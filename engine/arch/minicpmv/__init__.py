@@ -29,8 +29,9 @@ from .tower import PiecesTower
 
 
 def _cuda_tower(mm: MiniCPMVMmproj, max_pixels: int, budget_bytes: int | None) -> Any:
-    """No GPU tower yet: images are encoded on the CPU (the engine logs this note)."""
-    raise DeviceError("MiniCPM-V 4.6 has no GPU vision tower yet; images are encoded on the CPU")
+    """No GPU tower yet: images are encoded on the CPU (the engine shows "No GPU vision tower (not written yet for
+    MiniCPM-V 4.6): images are encoded on the CPU")."""
+    raise DeviceError("not written yet for MiniCPM-V 4.6")
 
 
 def _layout(tower: PiecesTower, image: Any, index: int) -> list[Segment]:
