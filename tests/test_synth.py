@@ -173,6 +173,30 @@ def test_q4_k_m_mix_of_the_35b_layout():
         mix_types("q4_k_m", {"ffn_down_exps.weight": (512, 2048, 256)}, hp)
 
 
+def test_q4_k_m_mix_equals_llama_quantize_output():
+    """mix_types against what llama.cpp's own ``llama-quantize ... Q4_K_M`` (no importance matrix) wrote for
+    F16 synth files of four configs (tests/fixtures/quant_mix/make_fixture.py, which records the types): 40
+    layers at the 35B-A3B's widths, 8 experts (llama.cpp's n_expert == 8 rules), 128-wide expert rows (the shape
+    fallback) and the dense MiniCPM-V 4.6 text model. Every tensor it quantized has the type mix_types gives;
+    the ones it left alone keep the F16 file's type."""
+    import json
+    from pathlib import Path
+
+    from engine.arch.qwen35.quant_mix import mix_types, quantized
+    data = json.loads((Path(__file__).parent / "fixtures" / "quant_mix" / "q4_k_m.json").read_text())
+    assert data["file_type"] == "Q4_K_M" and len(data["cases"]) == 4
+    for case in data["cases"]:
+        hp = preset_hparams(case["preset"], QWEN35_N_VOCAB, case["layers"], case["experts"])
+        shapes, theirs = tensor_shapes(hp), case["types"]
+        assert set(theirs) == set(shapes), case["preset"]
+        ours = mix_types("q4_k_m", shapes, hp)
+        differ = {n: (ours[n].name, theirs[n]) for n, ne in shapes.items()
+                  if quantized(n, ne) and ours[n].name != theirs[n]}
+        assert not differ, (case["preset"], case["layers"], case["experts"], differ)
+        kept = [n for n, ne in shapes.items() if not quantized(n, ne)]
+        assert {n: theirs[n] for n in kept} == {n: storage_type(n, shapes[n], Q.F16).name for n in kept}
+
+
 def test_q4_k_m_counts_attention_v_tensors_not_layers():
     """llama.cpp counts the attention-v-like tensors it meets (n_attention_wv of them) but takes ffn_down's
     layer from the name against block_count. Hand-derived for 7 trunk layers + 1 MTP block whose tensors the

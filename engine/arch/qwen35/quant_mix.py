@@ -36,6 +36,12 @@ in ``llama_model_loader::weights_map`` order (``weight_name_comparer``: by the l
 equals Python's here, since ``i >= n/8`` when it is reached). For Qwen3.5-35B-A3B (40 layers, 256
 experts) that is layers 0-4, 7, 10, ..., 34 and 35-39: 20 of 40.
 
+Checked against the quantizer itself: ``tests/fixtures/quant_mix/make_fixture.py`` runs that llama.cpp's
+``llama-quantize ... Q4_K_M`` on F16 synth files (40 layers at the 35B-A3B's widths; 8 experts; 128-wide expert
+rows; the dense MiniCPM-V 4.6 text model) and records every tensor's type, and
+``tests/test_synth.py::test_q4_k_m_mix_equals_llama_quantize_output`` finds :func:`mix_types` equal to it on
+every tensor. Not covered there: a file whose ``block_count`` counts an MTP block it does not store.
+
 **UD-Q4_K_XL.** Unsloth chooses these per model with an importance matrix and KL-divergence runs and
 publishes files, not a rule; no per-tensor type list of their Qwen3.5/3.6 MoE files was found in a
 public, citable form. The mix here is defined from what is documented, and otherwise is Q4_K_M:
