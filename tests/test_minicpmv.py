@@ -355,6 +355,32 @@ def test_engine_prompt_lays_out_slices(synth_model, tmp_path):
         engine.close()
 
 
+def test_cli_generate_answers_on_the_synth_pair(synth_model, tmp_path, capsys):
+    """Issue 16's "done when" command: ``python -m engine generate --model m.gguf --mmproj m-mmproj.gguf --image
+    photo.jpg --prompt ...`` on a synth pair answers, printing the overview's size and the image's token count (a
+    1024x768 JPEG: a 504x392 overview and 2x2 slices, 315 tokens in 16x mode, as HF's processor counts it); a truncated JPEG is a
+    one-line error naming the file."""
+    from engine.__main__ import main
+    from engine.tools.synth import synth_mmproj_for
+
+    text = synth_model("minicpmv46-tiny", "q8_0")
+    proj = synth_mmproj_for(tmp_path / "m-mmproj.gguf", "minicpmv46-tiny")
+    photo = tmp_path / "photo.jpg"
+    Image.fromarray(sample_image(768, 1024, 5)).save(photo, quality=90)
+    ask = ["generate", "--model", str(text), "--mmproj", str(proj), "-p", "What is in the picture?", "-n", "4",
+           "--temp", "0"]
+    assert main([*ask, "--image", str(photo)]) == 0
+    out, err = capsys.readouterr()
+    assert f"[image {photo}: 504x392 px reach the vision tower, 315 image tokens]" in err   # the overview's size
+    assert out.strip() and "decode" in err
+    broken = tmp_path / "broken.jpg"
+    broken.write_bytes(photo.read_bytes()[:600])
+    assert main([*ask, "--image", str(broken)]) == 2
+    out, err = capsys.readouterr()
+    lines = err.strip().splitlines()
+    assert out == "" and "broken.jpg" in lines[-1] and "Traceback" not in err
+
+
 def test_synth_markers_only_in_the_minicpmv_vocabulary():
     """The minicpmv46 synth vocabulary is Qwen3.5's plus the six layout markers (control tokens, unused ids before);
     the qwen35 vocabulary is unchanged."""
