@@ -1,4 +1,4 @@
-/* DeltaDesk CPU kernels: the public C surface (what engine/backends/cpu.py calls through cffi).
+/* DeltaDesk CPU kernels: the public C surface (what engine/kernels/cpu.py calls through cffi).
  *
  * Weight and activation blocks use ggml's layouts (ggml-common.h):
  *   block_q4_0 (18 bytes, 32 values): f16 d, then 16 bytes qs; element j < 16 is the low nibble

@@ -22,7 +22,7 @@
  * (at most 22 + 26 bits), which lane b % 8 of the (row, column) accumulator adds (then subtracts
  * dmin da M). The 8 lanes are added in a fixed tree and rounded to f32 once. Every level runs these
  * f64 operations in this order, so K-quant results are bit-identical across levels, thread counts
- * and tiles (and equal engine.backends.cpu's numpy twin, which replays the same order).
+ * and tiles (and equal engine.kernels.cpu_twins' numpy twin, which replays the same order).
  */
 #ifndef DELTADESK_KQUANTS_H
 #define DELTADESK_KQUANTS_H
