@@ -100,10 +100,12 @@ def prepare_attachment(store: ImageStore, source: Path | RawImage | None, stored
     return Prepared(Attachment(str(stored), width, height, stored.stat().st_size), thumb.tobytes(), thumb.size)
 
 
-def model_size_text(size: tuple[int, int, int]) -> str:
-    """E.g. "model sees 448\u00d7288 \u00b7 126 tokens" for ``size`` = (height, width, image tokens)."""
-    height, width, tokens = size
-    return f"model sees {width}\u00d7{height} \u00b7 {tokens} tokens"
+def model_size_text(size: tuple[int, int, int, int]) -> str:
+    """E.g. "model sees 448\u00d7288 \u00b7 126 tokens" for ``size`` = (height, width, image tokens, pieces), or
+    "model sees 504\u00d7392 + 4 slices \u00b7 315 tokens" for an overview read with its slices (MiniCPM-V 4.6)."""
+    height, width, tokens, pieces = size
+    slices = f" + {pieces - 1} slices" if pieces > 1 else ""
+    return f"model sees {width}\u00d7{height}{slices} \u00b7 {tokens} tokens"
 
 
 class Thumbnail(QFrame):
@@ -148,8 +150,8 @@ class Thumbnail(QFrame):
         self.unreadable = ""
         layout.addWidget(self.model_size)
 
-    def set_model_size(self, size: tuple[int, int, int] | str | None) -> None:
-        """Show the (height, width, image tokens) the model sees, a reason it cannot see the image, or
+    def set_model_size(self, size: tuple[int, int, int, int] | str | None) -> None:
+        """Show the (height, width, image tokens, pieces) the model sees, a reason it cannot see the image, or
         nothing (None).
 
         With a reason, :attr:`unreadable` holds it (the composer then refuses to send).
@@ -332,7 +334,7 @@ class Composer(QFrame):
         """The thumbnails shown, in order."""
         return [self._strip.itemAt(i).widget() for i in range(self._strip.count() - 1)]
 
-    def on_measured(self, path: str, size: tuple[int, int, int] | str) -> None:
+    def on_measured(self, path: str, size: tuple[int, int, int, int] | str) -> None:
         """The engine worker measured ``path``: show what the model will see on its thumbnails."""
         if self.has_vision:
             for thumb in self.thumbnails():

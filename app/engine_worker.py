@@ -205,7 +205,7 @@ class EngineWorker(QObject):
         snapshots_listed(list): the engine's prefix snapshots (after a load, a turn, a clear).
         gpu_reported(GpuReport): where prefill runs and images are encoded, and the last GPU prefill
             (after a load, a turn).
-        image_measured(str, object): an image path and the (height, width, image tokens) the model
+        image_measured(str, object): an image path and the (height, width, image tokens, pieces) the model
             will see, or a sentence saying why it cannot.
         notice(str): something went wrong outside a turn; plain words for the status bar.
         served(str): where "Serve on localhost" listens, or why it does not ("" when it is off).
@@ -469,7 +469,7 @@ class EngineWorker(QObject):
         try:
             with self.turn_lock:
                 info = self._engine.image_info(path)
-            size: Any = (info.height, info.width, info.tokens)
+            size: Any = (info.height, info.width, info.tokens, info.pieces)
         except Exception as exc:  # noqa: BLE001 - every failure becomes a message in the window
             size = plain_error(exc, "reading the image")
         self.image_measured.emit(path, size)

@@ -159,8 +159,9 @@ def cmd_generate(args: argparse.Namespace) -> int:
         messages.append({"role": "user", "content": content + [{"type": "text", "text": args.prompt}]})
         for img in args.image:
             info = engine.image_info(img)
-            print(f"[image {img}: {info.width}x{info.height} px reach the vision tower, {info.tokens} image tokens]",
-                  file=sys.stderr)
+            slices = f" overview + {info.pieces - 1} slices" if info.pieces > 1 else ""
+            print(f"[image {img}: {info.width}x{info.height} px{slices} reach the vision tower, {info.tokens} image "
+                  "tokens]", file=sys.stderr)
     else:
         messages.append({"role": "user", "content": args.prompt})
     return _finish(engine.chat(messages, _sampling(args), enable_thinking=args.think), engine, args)

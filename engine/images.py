@@ -73,13 +73,16 @@ class ImageInfo:
     """What one image becomes for a vision tower, from a single preparation of it.
 
     Attributes:
-        height, width: pixels the image has when it reaches the tower (after the tower's resize).
+        height, width: pixels the image has when it reaches the tower (after the tower's resize; of the
+            overview when the tower also reads slices).
         tokens: image tokens (embedding rows, all slices together) it takes in the prompt.
+        pieces: images the tower reads: 1, or the overview plus its slices (MiniCPM-V 4.6).
     """
 
     height: int
     width: int
     tokens: int
+    pieces: int = 1
 
 
 @dataclass(frozen=True)
@@ -93,6 +96,7 @@ class PreparedImage:
         original_size: (height, width) after EXIF rotation, before resizing.
         digest: SHA-256 hex of the source content (see module doc).
         source: a printable name of the source (file path, ``"<bytes>"`` or ``"<image>"``).
+        pieces: images in ``pixel_values``: 1, or the overview plus its slices (MiniCPM-V 4.6).
     """
 
     pixel_values: np.ndarray
@@ -101,6 +105,7 @@ class PreparedImage:
     original_size: tuple[int, int]
     digest: str
     source: str
+    pieces: int = 1
 
 
 def smart_resize(height: int, width: int, factor: int = 32, min_pixels: int = MIN_PIXELS,

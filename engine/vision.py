@@ -255,4 +255,4 @@ class ImageEncoder:
                                       self.max_input_pixels)
         rows, cols = self.tower.token_grid(prepared.grid)
         height, width = prepared.size
-        return ImageInfo(height, width, rows * cols)
+        return ImageInfo(height, width, rows * cols, prepared.pieces)

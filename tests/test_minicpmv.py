@@ -329,7 +329,8 @@ def test_engine_prompt_lays_out_slices(synth_model, tmp_path):
         prompt = engine.prepare(msg)
         tok = engine.tokenizer
         assert len(prompt.images) == 5 and [len(e) for _, e, _ in prompt.images] == [64] * 5
-        assert engine.image_info(img).tokens == 5 * 64     # the app's thumbnail count: every piece's tokens
+        info = engine.image_info(img)                      # the app's thumbnail count: every piece's tokens
+        assert (info.tokens, info.pieces) == (5 * 64, 5)
         pad = tok.token_id("<|image_pad|>")
         for start, emb, _ in prompt.images:
             assert prompt.tokens[start:start + len(emb)] == [pad] * len(emb) and prompt.tokens[start + len(emb)] != pad
@@ -371,7 +372,7 @@ def test_cli_generate_answers_on_the_synth_pair(synth_model, tmp_path, capsys):
            "--temp", "0"]
     assert main([*ask, "--image", str(photo)]) == 0
     out, err = capsys.readouterr()
-    assert f"[image {photo}: 504x392 px reach the vision tower, 315 image tokens]" in err   # the overview's size
+    assert f"[image {photo}: 504x392 px overview + 4 slices reach the vision tower, 315 image tokens]" in err
     assert out.strip() and "decode" in err
     broken = tmp_path / "broken.jpg"
     broken.write_bytes(photo.read_bytes()[:600])

@@ -163,7 +163,7 @@ def test_a_minicpmv_pair_opens_counts_its_image_tokens_and_streams(qtbot, make_w
     qtbot.waitUntil(lambda: len(window.composer.thumbnails()) == 1)
     [thumb] = window.composer.thumbnails()
     qtbot.waitUntil(lambda: thumb.model_size.text().startswith("model sees"))
-    assert thumb.model_size.text().endswith(f"\u00b7 {5 * 64} tokens")
+    assert thumb.model_size.text().endswith(f" + 4 slices \u00b7 {5 * 64} tokens")     # an overview and 2x2 slices
     window.composer.editor.setPlainText("What is in the picture?")
     with qtbot.waitSignal(window.controller.busy_changed, timeout=120000, check_params_cb=lambda busy: not busy):
         qtbot.keyClick(window.composer.editor, Qt.Key_Return)

@@ -319,7 +319,7 @@ def test_image_sizes_are_measured_by_the_engine(qtbot, worker_thread, tmp_path):
     _load(qtbot, wt, wt.worker.loaded)
     with qtbot.waitSignal(wt.worker.image_measured) as blocker:
         wt.driver.measure.emit(str(tmp_path / "a.png"))
-    assert blocker.args == [str(tmp_path / "a.png"), (240, 320, 240 * 320 // (32 * 32))]
+    assert blocker.args == [str(tmp_path / "a.png"), (240, 320, 240 * 320 // (32 * 32), 1)]
     with qtbot.waitSignal(wt.worker.image_measured) as blocker:
         wt.driver.measure.emit(str(tmp_path / "bad.png"))
     assert "cannot identify image file" in blocker.args[1] and blocker.args[1].endswith("bad.png'")

@@ -461,7 +461,7 @@ class PiecesTower:
                               mode=self.tower.mode, mean=hp.image_mean, std=hp.image_std,
                               max_input_pixels=max_input_pixels)
         return PreparedImage(np.concatenate(prep.pieces), tuple(prep.plan.piece_grids), prep.plan.overview,
-                             prep.original_size, prep.digest, src.name)
+                             prep.original_size, prep.digest, src.name, pieces=len(prep.pieces))
 
     def token_grid(self, grid: tuple) -> tuple[int, int]:
         """``(1, n_tokens)`` of the piece grids ``grid``."""
