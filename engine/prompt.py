@@ -122,7 +122,14 @@ class PromptBuilder:
     def prepare(self, messages: Sequence[Message], enable_thinking: bool = False,
                 cancel: threading.Event | None = None) -> Prompt:
         """Render, tokenize and encode the images of ``messages``; see :meth:`engine.api.Engine.prepare`."""
-        ids = self.render(messages, enable_thinking)
+        return self._with_images(self.render(messages, enable_thinking), messages, cancel)
+
+    def _with_images(self, ids: list[int], messages: Sequence[Message], cancel: threading.Event | None) -> Prompt:
+        """The prompt of ``ids`` (``messages`` rendered by :meth:`render`) with their images encoded and expanded.
+
+        Raises:
+            UnsupportedModelError, ImageError, TemplateError: as :meth:`prepare`.
+        """
         sources = image_sources(messages)
         if not sources:
             return Prompt(ids, None, [], [])
@@ -237,5 +244,5 @@ class PromptBuilder:
         other = self.render(list(messages) + [{"role": "user", "content": "?\n\n"}], enable_thinking)
         if other[:plain_starts[-2]] != plain[:plain_starts[-2]]:
             return None
-        follow = self.prepare(probe, enable_thinking, cancel)
+        follow = self._with_images(plain, probe, cancel)
         return follow, self.message_starts(follow.tokens)[-2]
