@@ -1,0 +1,129 @@
+"""One request's answer as OpenAI objects: each choice's token events become message / delta pieces.
+
+A :class:`Choice` takes one choice's :class:`~engine.events.TokenEvent` stream and returns, per token,
+the deltas ready to send (``reasoning_content`` / ``content`` text); at the end it knows its whole
+message and finish reason. An :class:`Answer` builds the chat.completion / text_completion object and
+its chunk objects (OpenAI API reference: "The chat completion object", "The chat completion chunk
+object", "The completion object") for all ``n`` choices of one request.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from typing import Any
+
+from engine.events import TokenEvent, TurnSummary
+from .answer import AnswerSplitter
+from .requests import TurnRequest
+
+FINISH = {"eos": "stop", "max_tokens": "length", "context_full": "length"}
+
+
+class Choice:
+    """One choice's answer, built from its token events.
+
+    Args:
+        index: the choice's index in ``choices``.
+        req: the checked request (thinking, stop strings, chat or raw completion).
+    """
+
+    def __init__(self, index: int, req: TurnRequest) -> None:
+        self.index = index
+        self.chat = req.messages is not None
+        self.splitter = AnswerSplitter(req.enable_thinking, req.stop, raw=not self.chat)
+        self.parts: dict[str, list[str]] = {"reasoning": [], "content": []}
+        self.summary: TurnSummary | None = None
+
+    @property
+    def stopped(self) -> bool:
+        """A stop string ended the answer: the engine should stop this choice."""
+        return self.splitter.stopped
+
+    def push(self, event: TokenEvent) -> list[tuple[str, str]]:
+        """The ``(kind, text)`` pieces this token completes, kind "reasoning" or "content"."""
+        return self._keep(self.splitter.push(event.text))
+
+    def close(self, summary: TurnSummary) -> list[tuple[str, str]]:
+        """The pieces held back until the end of the answer."""
+        self.summary = summary
+        return self._keep(self.splitter.close())
+
+    def _keep(self, pieces: list[tuple[str, str]]) -> list[tuple[str, str]]:
+        for kind, text in pieces:
+            self.parts[kind].append(text)
+        return pieces
+
+    @property
+    def finish_reason(self) -> str:
+        assert self.summary is not None, "finish_reason before close()"
+        return "stop" if self.splitter.stopped else FINISH.get(self.summary.stop_reason, "stop")
+
+    def message(self) -> dict[str, Any]:
+        """The whole chat message: ``role``, ``content``, and ``reasoning_content`` when the model thought."""
+        message: dict[str, Any] = {"role": "assistant", "content": "".join(self.parts["content"])}
+        if self.parts["reasoning"]:
+            message["reasoning_content"] = "".join(self.parts["reasoning"])
+        return message
+
+    def whole(self) -> dict[str, Any]:
+        """The choice of the non-streamed object (chat: ``message``; completion: ``text``)."""
+        if self.chat:
+            return {"index": self.index, "message": self.message(), "logprobs": None,
+                    "finish_reason": self.finish_reason}
+        return {"index": self.index, "text": "".join(self.parts["content"]), "logprobs": None,
+                "finish_reason": self.finish_reason}
+
+
+def usage(summaries: list[TurnSummary]) -> dict[str, Any]:
+    """The usage of ``n`` choices of one prompt: the prompt counted once (the first choice's prefill;
+    the later choices resume the whole prompt from its snapshot), the answers' tokens summed."""
+    first = summaries[0]
+    completion = sum(s.generated_tokens for s in summaries)
+    return {"prompt_tokens": first.prompt_tokens, "completion_tokens": completion,
+            "total_tokens": first.prompt_tokens + completion,
+            "prompt_tokens_details": {"cached_tokens": first.reused_tokens}}
+
+
+class Answer:
+    """The objects of one request's answer: the id, creation time and model they share."""
+
+    def __init__(self, req: TurnRequest) -> None:
+        self.req = req
+        self.chat = req.messages is not None
+        self.id = ("chatcmpl-" if self.chat else "cmpl-") + uuid.uuid4().hex
+        self.created = int(time.time())
+        self.kind = "chat.completion.chunk" if self.chat else "text_completion"
+
+    def head(self, kind: str) -> dict[str, Any]:
+        return {"id": self.id, "object": kind, "created": self.created, "model": self.req.model}
+
+    def chunk(self, choice: Choice, delta: dict[str, Any], finish: str | None = None) -> dict[str, Any]:
+        """A chunk object carrying ``delta`` (chat) or its ``content`` text (completion) for ``choice``."""
+        if self.chat:
+            body = {"index": choice.index, "delta": delta, "logprobs": None, "finish_reason": finish}
+        else:
+            body = {"index": choice.index, "text": delta.get("content", ""), "logprobs": None, "finish_reason": finish}
+        out = self.head(self.kind) | {"choices": [body]}
+        if self.req.include_usage:
+            out["usage"] = None
+        return out
+
+    def role_chunk(self, choice: Choice) -> dict[str, Any]:
+        """The chat stream's first chunk of a choice: the assistant role and empty content."""
+        return self.chunk(choice, {"role": "assistant", "content": ""})
+
+    def usage_chunk(self, summaries: list[TurnSummary]) -> dict[str, Any]:
+        """The last chunk when ``stream_options.include_usage``: no choices, the usage."""
+        return self.head(self.kind) | {"choices": [], "usage": usage(summaries)}
+
+    def whole(self, choices: list[Choice]) -> dict[str, Any]:
+        """The non-streamed chat.completion / text_completion object."""
+        kind = "chat.completion" if self.chat else "text_completion"
+        summaries = [c.summary for c in choices if c.summary is not None]
+        return self.head(kind) | {"choices": [c.whole() for c in choices], "usage": usage(summaries)}
+
+
+def delta_of(kind: str, text: str) -> dict[str, Any]:
+    """The chat delta of one piece: ``{"reasoning_content": text}`` or ``{"content": text}``."""
+    return {"reasoning_content" if kind == "reasoning" else "content": text}
