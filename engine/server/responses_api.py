@@ -1,0 +1,486 @@
+"""The OpenAI Responses API (``POST /v1/responses``) as a translation onto chat completions.
+
+A Responses request becomes a chat-completions body (:func:`chat_body`), which the server runs as any
+chat turn; the chat.completion object becomes a response object (:func:`response_object`) and the
+streamed chunks become the Responses events (:class:`ResponseEvents`). Field names, item shapes and
+the event sequence follow the OpenAI API reference (https://platform.openai.com/docs/api-reference/responses)
+and the ``openai`` SDK's types (``openai.types.responses``). ``previous_response_id`` names a response
+kept by :class:`ResponseStore` (this server's lifetime, least recently used dropped first): its input
+and output are the conversation the new input continues; its ``instructions`` and ``tools`` are not
+carried over, as in the OpenAI API.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+import uuid
+from collections import OrderedDict
+from collections.abc import Mapping
+from typing import Any
+
+from .requests import APIError
+
+SAMPLING = ("temperature", "top_p", "top_k", "min_p", "seed", "presence_penalty", "frequency_penalty",
+            "repetition_penalty", "parallel_tool_calls")
+"""Fields passed on to the chat body as they are (the last five are extensions, as llama.cpp's server takes)."""
+REFUSED = ("background", "conversation", "prompt")
+ROLES = ("user", "system", "developer", "assistant")
+
+
+def _bad(message: str, param: str | None = None, code: str | None = None) -> APIError:
+    return APIError(400, message, param=param, code=code)
+
+
+def _text_of(parts: Any, param: str, kinds: tuple[str, ...]) -> str:
+    """The text of a list of ``{type: input_text|output_text, text}`` parts, or of a plain string."""
+    if isinstance(parts, str):
+        return parts
+    if not isinstance(parts, list):
+        raise _bad(f"{param} must be a string or a list of text parts", param)
+    texts = []
+    for k, part in enumerate(parts):
+        if not isinstance(part, Mapping) or part.get("type") not in kinds or not isinstance(part.get("text"), str):
+            raise _bad(f"{param}[{k}] must be a text part ({' or '.join(kinds)} with a string 'text')",
+                       f"{param}[{k}]")
+        texts.append(part["text"])
+    return "".join(texts)
+
+
+def _content(content: Any, param: str) -> str | list[dict]:
+    """A message item's content as chat-completions content (text and ``image_url`` parts)."""
+    if isinstance(content, str):
+        return content
+    if not isinstance(content, list):
+        raise _bad(f"{param} must be a string or a list of content parts", param)
+    parts: list[dict] = []
+    for k, part in enumerate(content):
+        where = f"{param}[{k}]"
+        kind = part.get("type") if isinstance(part, Mapping) else None
+        if kind in ("input_text", "output_text", "refusal"):
+            text = part.get("refusal" if kind == "refusal" else "text")
+            if not isinstance(text, str):
+                raise _bad(f"{where}.text must be a string", where + ".text")
+            parts.append({"type": "text", "text": text})
+        elif kind == "input_image":
+            if not isinstance(part.get("image_url"), str):
+                raise _bad(f"{where}: an input_image needs 'image_url' (a data: URL); file_id is not supported",
+                           where + ".image_url")
+            parts.append({"type": "image_url", "image_url": {"url": part["image_url"]}})
+        else:
+            raise _bad(f"{where}: part type {kind!r} is not supported (expected input_text, output_text or "
+                       "input_image)", where)
+    return parts
+
+
+class _Conversation:
+    """Chat messages built from Responses input items, in order."""
+
+    def __init__(self, messages: list[dict]) -> None:
+        self.messages = messages
+        self.reasoning: str | None = None
+
+    def add(self, item: Any, where: str) -> None:
+        if not isinstance(item, Mapping):
+            raise _bad(f"{where} must be an object", where)
+        kind = item.get("type", "message")
+        if kind == "message":
+            self._message(item, where)
+        elif kind == "function_call":
+            self._call(item, where)
+        elif kind == "function_call_output":
+            call_id = item.get("call_id")
+            if not isinstance(call_id, str) or not call_id:
+                raise _bad(f"{where}.call_id must be the call_id of a function_call", where + ".call_id")
+            output = _text_of(item.get("output"), where + ".output", ("input_text", "output_text"))
+            self.messages.append({"role": "tool", "tool_call_id": call_id, "content": output})
+        elif kind == "reasoning":
+            texts = [p.get("text") for p in (item.get("content") or item.get("summary") or [])
+                     if isinstance(p, Mapping) and isinstance(p.get("text"), str)]
+            self.reasoning = "".join(texts) or None
+        else:
+            raise _bad(f"{where}: input item type {kind!r} is not supported (expected message, function_call, "
+                       "function_call_output or reasoning)", where + ".type")
+
+    def _message(self, item: Mapping[str, Any], where: str) -> None:
+        role = item.get("role")
+        if role not in ROLES:
+            raise _bad(f"{where}.role must be one of {', '.join(ROLES)}, got {role!r}", where + ".role")
+        message: dict[str, Any] = {"role": role, "content": _content(item.get("content"), where + ".content")}
+        if role == "assistant":
+            self._take_reasoning(message)
+        self.messages.append(message)
+
+    def _call(self, item: Mapping[str, Any], where: str) -> None:
+        name, call_id, arguments = item.get("name"), item.get("call_id"), item.get("arguments", "")
+        if not isinstance(name, str) or not name or not isinstance(call_id, str) or not call_id:
+            raise _bad(f"{where}: a function_call needs a string 'name' and 'call_id'", where)
+        if not isinstance(arguments, str):
+            raise _bad(f"{where}.arguments must be a JSON string", where + ".arguments")
+        call = {"id": call_id, "type": "function", "function": {"name": name, "arguments": arguments}}
+        last = self.messages[-1] if self.messages else None
+        if last is not None and last["role"] == "assistant" and self.reasoning is None:
+            last.setdefault("tool_calls", []).append(call)
+            return
+        message: dict[str, Any] = {"role": "assistant", "content": "", "tool_calls": [call]}
+        self._take_reasoning(message)
+        self.messages.append(message)
+
+    def _take_reasoning(self, message: dict[str, Any]) -> None:
+        if self.reasoning is not None:
+            message["reasoning_content"], self.reasoning = self.reasoning, None
+
+
+def input_messages(value: Any) -> list[dict]:
+    """The request's ``input`` (a string, or a list of items) as chat messages.
+
+    Raises:
+        APIError: an item of an unknown type or with a bad field (400, naming ``input[i]...``).
+    """
+    if isinstance(value, str):
+        return [{"role": "user", "content": value}]
+    if not isinstance(value, list) or not value:
+        raise _bad("input must be a string or a non-empty list of input items", "input")
+    conversation = _Conversation([])
+    for i, item in enumerate(value):
+        conversation.add(item, f"input[{i}]")
+    return conversation.messages
+
+
+def _tools(value: Any) -> list[dict]:
+    """Responses' flat function tools (``{type, name, description, parameters, strict}``) in the chat shape."""
+    if not isinstance(value, list):
+        raise _bad("tools must be a list of function tools", "tools")
+    out = []
+    for i, tool in enumerate(value):
+        if not isinstance(tool, Mapping) or tool.get("type") != "function":
+            kind = tool.get("type") if isinstance(tool, Mapping) else type(tool).__name__
+            raise _bad(f"tools[{i}]: only function tools are supported here, got {kind!r}", f"tools[{i}].type")
+        out.append({"type": "function", "function": {k: tool[k] for k in ("name", "description", "parameters",
+                                                                            "strict") if k in tool}})
+    return out
+
+
+def _tool_choice(value: Any) -> Any:
+    if isinstance(value, Mapping) and value.get("type") == "function":
+        return {"type": "function", "function": {"name": value.get("name")}}
+    if isinstance(value, str) or value is None:
+        return value
+    raise _bad(f"tool_choice must be 'auto', 'none', 'required' or {{type: function, name}}, got {value!r}",
+               "tool_choice")
+
+
+def _text_format(text: Any) -> dict | None:
+    """``text.format`` as a chat ``response_format`` (None for plain text)."""
+    fmt = text.get("format") if isinstance(text, Mapping) else None
+    if fmt is None or (isinstance(fmt, Mapping) and fmt.get("type") == "text"):
+        return None
+    if not isinstance(fmt, Mapping) or fmt.get("type") not in ("json_object", "json_schema"):
+        raise _bad(f"text.format must be text, json_object or json_schema, got {fmt!r}", "text.format")
+    if fmt["type"] == "json_object":
+        return {"type": "json_object"}
+    return {"type": "json_schema", "json_schema": {k: fmt[k] for k in ("name", "schema", "strict", "description")
+                                                   if k in fmt}}
+
+
+def chat_body(body: Any, store: ResponseStore) -> dict[str, Any]:
+    """A Responses request as a chat-completions body (``stream_options.include_usage`` on when streamed).
+
+    Raises:
+        APIError: a bad or unsupported field (400), or a ``previous_response_id`` this server does not
+            hold (400, code ``previous_response_not_found``).
+    """
+    if not isinstance(body, Mapping):
+        raise _bad(f"the request body must be a JSON object, got {type(body).__name__}")
+    for name in REFUSED:
+        if body.get(name) not in (None, False):
+            raise _bad(f"{name} is not supported by this server", name, "unsupported_parameter")
+    messages = store.conversation(body["previous_response_id"]) if body.get("previous_response_id") else []
+    messages += input_messages(body.get("input"))
+    instructions = body.get("instructions")
+    if instructions is not None and not isinstance(instructions, str):
+        raise _bad("instructions must be a string", "instructions")
+    chat: dict[str, Any] = {"model": body.get("model"), "messages": messages}
+    if instructions:
+        chat["messages"] = [{"role": "system", "content": instructions}] + messages
+    chat.update({name: body[name] for name in SAMPLING if body.get(name) is not None})
+    if body.get("max_output_tokens") is not None:
+        chat["max_completion_tokens"] = body["max_output_tokens"]
+    if body.get("tools"):
+        chat["tools"] = _tools(body["tools"])
+    if body.get("tool_choice") is not None:
+        chat["tool_choice"] = _tool_choice(body["tool_choice"])
+    if (response_format := _text_format(body.get("text"))) is not None:
+        chat["response_format"] = response_format
+    reasoning = body.get("reasoning")
+    if isinstance(reasoning, Mapping) and reasoning.get("effort") is not None:
+        chat["reasoning_effort"] = reasoning["effort"]
+    if body.get("stream"):
+        chat["stream"], chat["stream_options"] = True, {"include_usage": True}
+    return chat
+
+
+def _new_id(prefix: str) -> str:
+    return f"{prefix}_{uuid.uuid4().hex}"
+
+
+def usage_of(chat_usage: Mapping[str, Any] | None) -> dict[str, Any] | None:
+    """A chat ``usage`` object in the Responses shape (``input_tokens``, ``output_tokens``, details):
+    ``cached_tokens`` are the prompt tokens resumed from a prefix snapshot; ``cache_write_tokens`` (explicit
+    cache writes, billed apart by OpenAI) is 0, the snapshot cache being implicit."""
+    if not chat_usage:
+        return None
+    details = chat_usage.get("completion_tokens_details") or {}
+    cached = (chat_usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0)
+    return {"input_tokens": chat_usage["prompt_tokens"],
+            "input_tokens_details": {"cached_tokens": cached, "cache_write_tokens": 0},
+            "output_tokens": chat_usage["completion_tokens"],
+            "output_tokens_details": {"reasoning_tokens": details.get("reasoning_tokens", 0)},
+            "total_tokens": chat_usage["total_tokens"]}
+
+
+def reasoning_item(text: str, item_id: str | None = None, status: str = "completed") -> dict[str, Any]:
+    return {"id": item_id or _new_id("rs"), "type": "reasoning", "summary": [], "status": status,
+            "content": [{"type": "reasoning_text", "text": text}]}
+
+
+def message_item(text: str, item_id: str | None = None, status: str = "completed") -> dict[str, Any]:
+    return {"id": item_id or _new_id("msg"), "type": "message", "role": "assistant", "status": status,
+            "content": [{"type": "output_text", "text": text, "annotations": [], "logprobs": []}]}
+
+
+def call_item(call: Mapping[str, Any], item_id: str | None = None, status: str = "completed") -> dict[str, Any]:
+    return {"id": item_id or _new_id("fc"), "type": "function_call", "status": status, "call_id": call["id"],
+            "name": call["function"]["name"], "arguments": call["function"]["arguments"]}
+
+
+def output_items(message: Mapping[str, Any]) -> list[dict[str, Any]]:
+    """A chat ``message`` as Responses output items: reasoning, then the message (when it has text or
+    no calls), then one ``function_call`` per tool call."""
+    items = [reasoning_item(message["reasoning_content"])] if message.get("reasoning_content") else []
+    calls = message.get("tool_calls") or []
+    if message.get("content") or not calls:
+        items.append(message_item(message.get("content") or ""))
+    return items + [call_item(call) for call in calls]
+
+
+class Shell:
+    """What a response object repeats of its request (echoed fields), its id and creation time."""
+
+    def __init__(self, body: Mapping[str, Any], chat: Mapping[str, Any]) -> None:
+        self.id, self.created_at = _new_id("resp"), int(time.time())
+        text = body.get("text") if isinstance(body.get("text"), Mapping) else {}
+        reasoning = body.get("reasoning") if isinstance(body.get("reasoning"), Mapping) else {}
+        self.fields = {
+            "instructions": body.get("instructions"), "max_output_tokens": body.get("max_output_tokens"),
+            "model": chat.get("model"), "parallel_tool_calls": body.get("parallel_tool_calls", True),
+            "previous_response_id": body.get("previous_response_id"),
+            "reasoning": {"effort": reasoning.get("effort"), "summary": None}, "store": body.get("store", True),
+            "temperature": body.get("temperature"), "text": {"format": text.get("format") or {"type": "text"}},
+            "tool_choice": body.get("tool_choice", "auto"), "tools": body.get("tools") or [],
+            "top_p": body.get("top_p"), "truncation": "disabled", "metadata": body.get("metadata") or {},
+            "user": None}
+
+    def response(self, status: str, output: list[dict], usage: dict | None = None,
+                 error: dict | None = None) -> dict[str, Any]:
+        """The response object; ``status`` "incomplete" means the answer reached ``max_output_tokens``."""
+        incomplete = {"reason": "max_output_tokens"} if status == "incomplete" else None
+        return {"id": self.id, "object": "response", "created_at": self.created_at, "status": status,
+                "error": error, "incomplete_details": incomplete, **self.fields, "output": output, "usage": usage}
+
+
+def status_of(finish_reason: str | None) -> str:
+    return "incomplete" if finish_reason == "length" else "completed"
+
+
+def response_object(shell: Shell, completion: Mapping[str, Any]) -> dict[str, Any]:
+    """A chat.completion object as the response object."""
+    choice = completion["choices"][0]
+    return shell.response(status_of(choice.get("finish_reason")), output_items(choice["message"]),
+                          usage_of(completion.get("usage")))
+
+
+def assistant_message(output: list[Mapping[str, Any]]) -> dict[str, Any]:
+    """Output items back as the chat assistant message they came from (for :class:`ResponseStore`)."""
+    message: dict[str, Any] = {"role": "assistant", "content": ""}
+    for item in output:
+        if item["type"] == "reasoning":
+            message["reasoning_content"] = item["content"][0]["text"]
+        elif item["type"] == "message":
+            message["content"] = item["content"][0]["text"]
+        else:
+            message.setdefault("tool_calls", []).append(
+                {"id": item["call_id"], "type": "function",
+                 "function": {"name": item["name"], "arguments": item["arguments"]}})
+    return message
+
+
+class ResponseStore:
+    """The conversations of recent responses, for ``previous_response_id``: at most ``max_responses`` and
+    about ``max_bytes`` of JSON in all, the least recently used dropped first; thread-safe.
+
+    A response's conversation is its chat messages without the system message of its ``instructions``
+    (the next request sends its own), its answer included.
+    """
+
+    def __init__(self, max_responses: int = 256, max_bytes: int = 256 << 20) -> None:
+        self.max_responses, self.max_bytes = max_responses, max_bytes
+        self._items: OrderedDict[str, tuple[list[dict], int]] = OrderedDict()
+        self._bytes = 0
+        self._lock = threading.Lock()
+
+    def put(self, response_id: str, messages: list[dict]) -> None:
+        size = len(json.dumps(messages, ensure_ascii=False))
+        with self._lock:
+            self._items[response_id] = (messages, size)
+            self._bytes += size
+            while self._items and (len(self._items) > self.max_responses or self._bytes > self.max_bytes):
+                self._bytes -= self._items.popitem(last=False)[1][1]
+
+    def conversation(self, response_id: Any) -> list[dict]:
+        """A copy of the conversation of ``response_id``.
+
+        Raises:
+            APIError: no such response is held (never made, not stored, or dropped) (400).
+        """
+        with self._lock:
+            held = self._items.get(response_id) if isinstance(response_id, str) else None
+            if held is None:
+                raise _bad(f"Previous response with id {response_id!r} not found (responses are kept in memory "
+                           f"while the server runs, the {self.max_responses} most recent at most)",
+                           "previous_response_id", "previous_response_not_found")
+            self._items.move_to_end(response_id)
+            return json.loads(json.dumps(held[0]))
+
+    def keep(self, chat: Mapping[str, Any], response: Mapping[str, Any]) -> None:
+        """Keep ``response`` (when its request did not say ``store: false``) with the conversation of ``chat``."""
+        if response.get("store") is False:
+            return
+        messages = list(chat["messages"])
+        if response.get("instructions") and messages and messages[0]["role"] == "system":
+            messages = messages[1:]
+        self.put(response["id"], messages + [assistant_message(response["output"])])
+
+
+class ResponseEvents:
+    """Chat-completion chunks -> the Responses stream events, in the OpenAI order: ``response.created``,
+    ``response.in_progress``, then per output item ``response.output_item.added``, its content part's
+    ``added``/deltas/``done`` (``output_text`` or ``reasoning_text``; ``function_call_arguments`` for a
+    call), ``response.output_item.done``, and last ``response.completed`` (or ``response.incomplete``
+    at ``max_output_tokens``, ``response.failed`` on an error). Each event carries ``sequence_number``.
+    """
+
+    def __init__(self, shell: Shell) -> None:
+        self.shell = shell
+        self.seq = 0
+        self.output: list[dict] = []
+        self.open: dict | None = None
+        self.calls: dict[int, dict] = {}
+        self.finish: str | None = None
+        self.usage: dict | None = None
+
+    def _event(self, kind: str, **fields: Any) -> dict[str, Any]:
+        self.seq += 1
+        return {"type": kind, "sequence_number": self.seq - 1, **fields}
+
+    def start(self) -> list[dict]:
+        head = self.shell.response("in_progress", [])
+        return [self._event("response.created", response=head), self._event("response.in_progress", response=head)]
+
+    def _where(self) -> dict[str, Any]:
+        return {"item_id": self.open["id"], "output_index": len(self.output) - 1}
+
+    def _begin(self, item: dict) -> list[dict]:
+        out = self._close()
+        self.output.append(item)
+        self.open = item
+        out.append(self._event("response.output_item.added", output_index=len(self.output) - 1,
+                               item=json.loads(json.dumps(item))))
+        if item["type"] != "function_call":
+            part = {"type": item["content"][0]["type"], "text": ""}
+            if part["type"] == "output_text":
+                part["annotations"] = []
+            out.append(self._event("response.content_part.added", **self._where(), content_index=0, part=part))
+        return out
+
+    def _close(self) -> list[dict]:
+        item, out = self.open, []
+        if item is None:
+            return out
+        item["status"] = "completed"
+        if item["type"] == "function_call":
+            out.append(self._event("response.function_call_arguments.done", **self._where(),
+                                   name=item["name"], arguments=item["arguments"]))
+        else:
+            part = item["content"][0]
+            kind = "response.output_text.done" if part["type"] == "output_text" else "response.reasoning_text.done"
+            extra = {"logprobs": []} if part["type"] == "output_text" else {}
+            out.append(self._event(kind, **self._where(), content_index=0, text=part["text"], **extra))
+            out.append(self._event("response.content_part.done", **self._where(), content_index=0, part=part))
+        out.append(self._event("response.output_item.done", output_index=len(self.output) - 1, item=item))
+        self.open = None
+        return out
+
+    def _text(self, kind: str, text: str) -> list[dict]:
+        out: list[dict] = []
+        if self.open is None or self.open["type"] != kind:
+            item = reasoning_item("", status="in_progress") if kind == "reasoning" else message_item(
+                "", status="in_progress")
+            out += self._begin(item)
+        part = self.open["content"][0]
+        part["text"] += text
+        name = "response.output_text.delta" if kind == "message" else "response.reasoning_text.delta"
+        extra = {"logprobs": []} if kind == "message" else {}
+        out.append(self._event(name, **self._where(), content_index=0, delta=text, **extra))
+        return out
+
+    def _call(self, piece: Mapping[str, Any]) -> list[dict]:
+        out: list[dict] = []
+        function = piece.get("function") or {}
+        index = piece.get("index", 0)
+        if index not in self.calls:
+            call = {"id": piece.get("id") or _new_id("call"), "function": {"name": function.get("name") or "",
+                                                                            "arguments": ""}}
+            self.calls[index] = call_item(call, status="in_progress")
+            out += self._begin(self.calls[index])
+        item = self.calls[index]
+        if function.get("arguments"):
+            item["arguments"] += function["arguments"]
+            out.append(self._event("response.function_call_arguments.delta", item_id=item["id"],
+                                   output_index=self.output.index(item), delta=function["arguments"]))
+        return out
+
+    def feed(self, chunk: Mapping[str, Any]) -> list[dict]:
+        """The events one chat.completion.chunk makes (none for the role chunk)."""
+        if chunk.get("usage"):
+            self.usage = usage_of(chunk["usage"])
+        out: list[dict] = []
+        for choice in chunk.get("choices") or ():
+            delta = choice.get("delta") or {}
+            if delta.get("reasoning_content"):
+                out += self._text("reasoning", delta["reasoning_content"])
+            if delta.get("content"):
+                out += self._text("message", delta["content"])
+            for piece in delta.get("tool_calls") or ():
+                out += self._call(piece)
+            if choice.get("finish_reason"):
+                self.finish = choice["finish_reason"]
+        return out
+
+    def end(self) -> tuple[list[dict], dict[str, Any]]:
+        """The closing events and the finished response object."""
+        out = self._close()
+        if not self.output:
+            out += self._begin(message_item("", status="in_progress")) + self._close()
+        status = status_of(self.finish)
+        response = self.shell.response(status, self.output, self.usage)
+        kind = "response.incomplete" if status == "incomplete" else "response.completed"
+        return out + [self._event(kind, response=response)], response
+
+    def fail(self, error: APIError) -> list[dict]:
+        """The closing events of a stream that failed (``response.failed`` with the error)."""
+        out = self._close()
+        failed = self.shell.response("failed", self.output, self.usage,
+                                     {"code": error.code or error.type, "message": error.message})
+        return out + [self._event("response.failed", response=failed)]
