@@ -285,15 +285,17 @@ class _Routes:
     async def _open(self, request: Request, start: Callable[[Callable[[], threading.Event]], Iterator[Event]]
                     ) -> tuple[_Exchange, list[Any]]:
         """Queue the turn, start it, and wait for its prefill to succeed (errors raise with their status)."""
-        ex = _Exchange(request, self.order, _Turn(self.metrics.watch(start),
+        queued = self.metrics.queued()
+        ex = _Exchange(request, self.order, _Turn(self.metrics.watch(start, queued),
                                                   getattr(self.engine, "cancel_read_ahead", None)))
         try:
-            with self.metrics.queue.track_inprogress():
-                await ex.start(self.lock)
+            await ex.start(self.lock)
             return ex, await self._first(ex)
         except BaseException:
             ex.close()
             raise
+        finally:
+            queued.release()
 
     async def _whole(self, request: Request, req: TurnRequest, start: Callable[..., Iterator[Event]]) -> dict:
         ex, first = await self._open(request, start)

@@ -9,6 +9,7 @@ base units (seconds), ``_total`` on counters (added by the client library).
 from __future__ import annotations
 
 import contextlib
+import threading
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -71,10 +72,16 @@ class ServerMetrics:
             if event.generated_tokens > 1 and event.decode_tok_s > 0:
                 self.decode.observe(event.decode_tok_s)
 
-    def watch(self, start: Callable[..., Iterator[Event]]) -> Callable[..., Iterator[Event]]:
-        """``start`` (a turn's event source, see ``engine.server.app._Turn``) with each event counted;
-        closing the watched iterator closes ``start``'s (which ends the engine's turn)."""
+    def queued(self) -> Queued:
+        """A request now waiting for the engine (counted in ``deltadesk_queue_length`` until released)."""
+        return Queued(self.queue)
+
+    def watch(self, start: Callable[..., Iterator[Event]], queued: Queued) -> Callable[..., Iterator[Event]]:
+        """``start`` (a turn's event source, see ``engine.server.app._Turn``) with each event counted and
+        ``queued`` released when the engine takes the turn up; closing the watched iterator closes
+        ``start``'s (which ends the engine's turn)."""
         def watched(*args: Any) -> Iterator[Event]:
+            queued.release()
             with contextlib.closing(start(*args)) as events:
                 for event in events:
                     self.observe(event)
@@ -113,3 +120,19 @@ class RequestCounter:
         finally:
             self.metrics.requests.labels(self.metrics.route(scope["path"]), str(status[0] if status else 499)).inc()
 
+
+
+class Queued:
+    """One request counted in a queue-length gauge until :meth:`release` (idempotent, thread-safe)."""
+
+    def __init__(self, gauge: Gauge) -> None:
+        self._gauge = gauge
+        self._lock = threading.Lock()
+        self._waiting = True
+        gauge.inc()
+
+    def release(self) -> None:
+        with self._lock:
+            if self._waiting:
+                self._waiting = False
+                self._gauge.dec()

@@ -1,0 +1,278 @@
+"""``engine serve``'s Responses, Messages and metrics routes on loopback, driven by the official ``openai``
+and ``anthropic`` clients: each answer equals the chat-completions answer to the same conversation (one
+engine turn behind all three), usage counts the prompt as the engine rendered it, streams rebuild the
+whole answer, errors come in each API's own shape, and ``/metrics`` counts what was served."""
+
+from __future__ import annotations
+
+import base64
+
+import anthropic
+import httpx
+import openai
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from engine.server import ServerConfig, ServerThread
+
+HI = [{"role": "user", "content": "Say hello."}]
+GREEDY = {"temperature": 0}
+
+
+@pytest.fixture(scope="module")
+def engine(served):
+    return served[0]
+
+
+@pytest.fixture(scope="module")
+def server(served):
+    return served[2]
+
+
+@pytest.fixture(scope="module")
+def oai(server):
+    return openai.OpenAI(base_url=server.url, api_key="unused", max_retries=0, timeout=60)
+
+
+@pytest.fixture(scope="module")
+def claude(server):
+    return anthropic.Anthropic(base_url=server.url.removesuffix("/v1"), api_key="unused", max_retries=0, timeout=60)
+
+
+def _chat(oai, messages, n: int = 8, **kw):
+    return oai.chat.completions.create(model="tiny", messages=messages, max_tokens=n, temperature=0, **kw)
+
+
+def test_a_response_equals_the_chat_answer(oai, engine) -> None:
+    want = _chat(oai, [{"role": "system", "content": "Be terse."}] + HI)
+    got = oai.responses.create(model="tiny", instructions="Be terse.", input="Say hello.", max_output_tokens=8,
+                               **GREEDY)
+    assert got.output_text == want.choices[0].message.content and got.object == "response"
+    assert got.status == "incomplete" and got.incomplete_details.reason == "max_output_tokens"   # 8 tokens, no EOS
+    assert got.usage.input_tokens == want.usage.prompt_tokens == len(engine.render(
+        [{"role": "system", "content": "Be terse."}] + HI))
+    assert got.usage.output_tokens == 8 and got.usage.total_tokens == got.usage.input_tokens + 8
+    assert [item.type for item in got.output] == ["message"]
+
+
+def test_a_streamed_response_rebuilds_the_whole(oai) -> None:
+    whole = oai.responses.create(model="tiny", input=HI, max_output_tokens=8, **GREEDY)
+    with oai.responses.stream(model="tiny", input=HI, max_output_tokens=8, **GREEDY) as stream:
+        events = list(stream)
+    kinds = [e.type for e in events]
+    assert kinds[:4] == ["response.created", "response.in_progress", "response.output_item.added",
+                         "response.content_part.added"]
+    assert kinds[-4:] == ["response.output_text.done", "response.content_part.done", "response.output_item.done",
+                          "response.incomplete"]
+    text = "".join(e.delta for e in events if e.type == "response.output_text.delta")
+    assert text == whole.output_text == events[-1].response.output[0].content[0].text
+    assert events[-1].response.usage.output_tokens == 8
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+
+
+def test_previous_response_id_continues_the_conversation(oai, engine) -> None:
+    engine.clear_snapshots()
+    first = oai.responses.create(model="tiny", instructions="Be terse.", input="Say hello.", max_output_tokens=4,
+                                 **GREEDY)
+    second = oai.responses.create(model="tiny", input="Again.", previous_response_id=first.id, max_output_tokens=4,
+                                  **GREEDY)
+    conversation = HI + [{"role": "assistant", "content": first.output_text}, {"role": "user", "content": "Again."}]
+    want = _chat(oai, conversation, 4)     # the instructions are not carried over (as in the OpenAI API)
+    assert second.output_text == want.choices[0].message.content
+    assert second.usage.input_tokens == len(engine.render(conversation))
+    third = oai.responses.create(model="tiny", input="Once more.", previous_response_id=second.id,
+                                 max_output_tokens=4, **GREEDY)
+    longer = conversation + [{"role": "assistant", "content": second.output_text},
+                             {"role": "user", "content": "Once more."}]
+    assert third.usage.input_tokens == len(engine.render(longer))
+    assert third.usage.input_tokens_details.cached_tokens > 0       # the conversation so far resumed from a snapshot
+    with pytest.raises(openai.BadRequestError, match="not found") as err:
+        oai.responses.create(model="tiny", input="x", previous_response_id="resp_nothing", max_output_tokens=2)
+    assert err.value.body["code"] == "previous_response_not_found"
+    unstored = oai.responses.create(model="tiny", input="x", store=False, max_output_tokens=2)
+    with pytest.raises(openai.BadRequestError):
+        oai.responses.create(model="tiny", input="x", previous_response_id=unstored.id, max_output_tokens=2)
+
+
+def test_responses_errors_come_in_the_openai_shape(server) -> None:
+    r = httpx.post(server.url + "/responses", json={"model": "tiny", "input": [{"type": "item_reference"}]})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "input[0].type"
+    r = httpx.post(server.url + "/responses", json={"model": "gpt-9", "input": "x"})
+    assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found"
+
+
+def test_a_message_equals_the_chat_answer(claude, oai, engine) -> None:
+    want = _chat(oai, [{"role": "system", "content": "Be terse.\nReally."}] + HI)
+    got = claude.messages.create(model="tiny", max_tokens=8, system=[{"type": "text", "text": "Be terse."},
+                                                                     {"type": "text", "text": "Really."}],
+                                 messages=HI, extra_body=GREEDY)
+    assert [b.type for b in got.content] == ["text"] and got.content[0].text == want.choices[0].message.content
+    assert got.stop_reason == "max_tokens" and got.usage.output_tokens == 8
+    prompt = len(engine.render([{"role": "system", "content": "Be terse.\nReally."}] + HI))
+    assert got.usage.input_tokens + got.usage.cache_read_input_tokens == prompt
+    assert got.usage.cache_read_input_tokens == prompt      # the chat turn above left the whole prompt's snapshot
+
+
+def test_a_streamed_message_rebuilds_the_whole(claude) -> None:
+    whole = claude.messages.create(model="tiny", max_tokens=8, messages=HI, extra_body=GREEDY)
+    with claude.messages.stream(model="tiny", max_tokens=8, messages=HI, extra_body=GREEDY) as stream:
+        text = "".join(stream.text_stream)
+        final = stream.get_final_message()
+    assert text == whole.content[0].text == final.content[0].text
+    assert final.stop_reason == "max_tokens" and final.usage.output_tokens == 8
+    assert final.usage.input_tokens + final.usage.cache_read_input_tokens == \
+        whole.usage.input_tokens + whole.usage.cache_read_input_tokens
+
+
+def test_thinking_comes_back_as_thinking_blocks(claude, oai) -> None:
+    want = _chat(oai, HI, 6, extra_body={"chat_template_kwargs": {"enable_thinking": True}})
+    thinking = {"type": "enabled", "budget_tokens": 1024}
+    got = claude.messages.create(model="tiny", max_tokens=6, messages=HI, thinking=thinking, extra_body=GREEDY)
+    assert [b.type for b in got.content] == ["thinking"]       # this babbling model never closes its think block
+    assert got.content[0].thinking == want.choices[0].message.reasoning_content and got.content[0].signature
+    with claude.messages.stream(model="tiny", max_tokens=6, messages=HI, thinking=thinking,
+                                extra_body=GREEDY) as stream:
+        pieces = [e.thinking for e in stream if e.type == "thinking"]
+        final = stream.get_final_message()
+    assert "".join(pieces) == got.content[0].thinking and final.content[0].signature == got.content[0].signature
+
+
+def test_count_tokens_is_the_rendered_prompt(claude, engine) -> None:
+    counted = claude.messages.count_tokens(model="tiny", system="Be terse.", messages=HI)
+    assert counted.input_tokens == len(engine.render([{"role": "system", "content": "Be terse."}] + HI))
+    thinking = claude.messages.count_tokens(model="tiny", messages=HI, thinking={"type": "enabled",
+                                                                                 "budget_tokens": 1024})
+    assert thinking.input_tokens == len(engine.render(HI, enable_thinking=True)) != len(engine.render(HI))
+
+
+def _anthropic_error(response: httpx.Response, status: int, kind: str) -> str:
+    assert response.status_code == status, response.text
+    body = response.json()
+    assert body["type"] == "error" and set(body["error"]) == {"type", "message"} and body["error"]["type"] == kind
+    return body["error"]["message"]
+
+
+@pytest.mark.parametrize("body, status, kind, fragment", [
+    ({"model": "tiny", "messages": HI}, 400, "invalid_request_error", "max_tokens"),
+    ({"model": "other", "max_tokens": 4, "messages": HI}, 404, "not_found_error", "'tiny'"),
+    ({"model": "tiny", "max_tokens": 4, "messages": [{"role": "user", "content": [
+        {"type": "image", "source": {"type": "url", "url": "https://example.com/a.png"}}]}]},
+     400, "invalid_request_error", "base64"),
+    ({"model": "tiny", "max_tokens": 4, "messages": [{"role": "user", "content": "word " * 600}]}, 400,
+     "invalid_request_error", "context window holds 512"),
+])
+def test_messages_errors_come_in_anthropic_shape(server, body, status, kind, fragment) -> None:
+    r = httpx.post(server.url + "/messages", json=body, headers={"anthropic-version": "2023-06-01"})
+    assert fragment in _anthropic_error(r, status, kind)
+
+
+def test_the_anthropic_client_raises_on_errors(claude) -> None:
+    with pytest.raises(anthropic.BadRequestError, match="max_tokens"):
+        claude.messages.create(model="tiny", messages=HI, max_tokens=4, extra_body={"max_tokens": None})
+    with pytest.raises(anthropic.NotFoundError):
+        claude.messages.create(model="claude-sonnet-4-5", max_tokens=4, messages=HI)
+
+
+def test_the_key_may_come_as_x_api_key_or_bearer(engine, served) -> None:
+    srv = ServerThread(engine, ServerConfig("tiny", api_key="s3cret"), port=0, engine_lock=served[1]).start()
+    base = srv.url.removesuffix("/v1")
+    try:
+        ok = anthropic.Anthropic(base_url=base, api_key="s3cret", max_retries=0, timeout=60)
+        assert ok.messages.create(model="tiny", max_tokens=1, messages=HI).usage.output_tokens == 1
+        bearer = anthropic.Anthropic(base_url=base, auth_token="s3cret", max_retries=0, timeout=60)
+        assert bearer.messages.count_tokens(model="tiny", messages=HI).input_tokens > 0
+        with pytest.raises(anthropic.AuthenticationError):
+            anthropic.Anthropic(base_url=base, api_key="wrong", max_retries=0).messages.create(
+                model="tiny", max_tokens=1, messages=HI)
+        r = httpx.post(srv.url + "/messages/count_tokens", json={"model": "tiny", "messages": HI})
+        _anthropic_error(r, 401, "authentication_error")
+        with pytest.raises(openai.AuthenticationError):
+            openai.OpenAI(base_url=srv.url, api_key="wrong", max_retries=0).responses.create(model="tiny", input="x")
+        assert httpx.get(base + "/metrics").status_code == 401
+        assert httpx.get(base + "/metrics", headers={"Authorization": "Bearer s3cret"}).status_code == 200
+    finally:
+        srv.stop()
+
+
+def _png() -> bytes:
+    import io
+
+    from PIL import Image, ImageDraw
+    im = Image.new("RGB", (64, 48), (240, 240, 240))
+    ImageDraw.Draw(im).ellipse((8, 8, 40, 40), fill=(200, 30, 30))
+    buf = io.BytesIO()
+    im.save(buf, "PNG")
+    return buf.getvalue()
+
+
+def test_an_image_block_is_read_and_counted(served_vision) -> None:
+    srv, eng = served_vision
+    png = _png()
+    claude = anthropic.Anthropic(base_url=srv.url.removesuffix("/v1"), api_key="unused", max_retries=0, timeout=60)
+    content = [{"type": "image", "source": {"type": "base64", "media_type": "image/png",
+                                            "data": base64.b64encode(png).decode()}},
+               {"type": "text", "text": "Colour?"}]
+    want = len(eng.prepare([{"role": "user", "content": [{"type": "image", "image": png},
+                                                         {"type": "text", "text": "Colour?"}]}]).tokens)
+    assert claude.messages.count_tokens(model="tiny-vl", messages=[{"role": "user", "content": content}]) \
+        .input_tokens == want
+    got = claude.messages.create(model="tiny-vl", max_tokens=2, messages=[{"role": "user", "content": content}],
+                                 extra_body=GREEDY)
+    assert got.usage.input_tokens + got.usage.cache_read_input_tokens == want
+    assert want > len(eng.render([{"role": "user", "content": "Colour?"}])) + 2
+
+
+def _metrics(base: str) -> dict[tuple[str, tuple], float]:
+    text = httpx.get(base + "/metrics").text
+    return {(s.name, tuple(sorted(s.labels.items()))): s.value
+            for family in text_string_to_metric_families(text) for s in family.samples}
+
+
+def test_metrics_count_what_was_served(server, oai) -> None:
+    base = server.url.removesuffix("/v1")
+    before = _metrics(base)
+    answer = _chat(oai, [{"role": "user", "content": "Count the metrics."}], 5)
+    httpx.get(server.url + "/nowhere")
+    after = _metrics(base)
+
+    def grew(name: str, **labels: str) -> float:
+        key = (name, tuple(sorted(labels.items())))
+        return after.get(key, 0.0) - before.get(key, 0.0)
+
+    assert grew("deltadesk_requests_total", route="/v1/chat/completions", status="200") == 1
+    assert grew("deltadesk_requests_total", route="other", status="404") == 1
+    assert grew("deltadesk_requests_total", route="/metrics", status="200") == 1     # the first scrape
+    cached = answer.usage.prompt_tokens_details.cached_tokens
+    assert grew("deltadesk_prompt_tokens_total", source="resumed") == cached
+    assert grew("deltadesk_prompt_tokens_total", source="prefilled") == answer.usage.prompt_tokens - cached
+    assert grew("deltadesk_generated_tokens_total") == 5
+    assert grew("deltadesk_time_to_first_token_seconds_count") == 1
+    assert grew("deltadesk_decode_tokens_per_second_count") == 1
+    assert after[("deltadesk_queue_length", ())] == 0
+
+
+def test_queue_length_counts_requests_waiting_for_the_engine(server, served) -> None:
+    import threading
+    import time
+
+    base, lock = server.url.removesuffix("/v1"), served[1]
+    waiting = []
+
+    def ask() -> None:
+        waiting.append(httpx.post(server.url + "/chat/completions", timeout=60, json={
+            "model": "tiny", "messages": HI, "max_tokens": 1}).status_code)
+
+    def queue() -> float:
+        return _metrics(base)[("deltadesk_queue_length", ())]
+
+    with lock:          # the engine is busy (the app's own turn): both requests wait
+        threads = [threading.Thread(target=ask) for _ in range(2)]
+        for t in threads:
+            t.start()
+        deadline = time.monotonic() + 30
+        while queue() < 2 and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert queue() == 2
+    for t in threads:
+        t.join(60)
+    assert waiting == [200, 200] and queue() == 0
