@@ -36,9 +36,10 @@ from starlette.routing import Route
 
 from engine.errors import ContextFullError, EngineError, ImageError, TemplateError, UnsupportedModelError
 from engine.events import Event, PrefillStats, TokenEvent, TurnSummary
-from .choices import Answer, Choice, delta_of
+from .choices import Answer, Choice
 from .guard import RequestGuard, loopback_host
 from .requests import APIError, TurnRequest, chat_request, completion_request
+from .tool_calls import CallReader, call_format
 
 log = logging.getLogger(__name__)
 
@@ -261,6 +262,8 @@ class _Routes:
         self.lock = engine_lock or threading.Lock()
         self.order = asyncio.Lock()
         self.key = config.api_key.encode() if config.api_key else None
+        template = getattr(getattr(engine, "tokenizer", None), "chat_template", None)
+        self.call_format = call_format(template.source if template is not None else "")
 
     async def _first(self, ex: _Exchange) -> list[Any]:
         """The turn's events up to its first token (or the end), so that errors still get their status code."""
@@ -289,7 +292,8 @@ class _Routes:
     async def _whole(self, request: Request, req: TurnRequest, start: Callable[..., Iterator[Event]]) -> dict:
         ex, first = await self._open(request, start)
         try:
-            choices = [item[1] async for item in _choices(ex, req, first) if item[0] == "end"]
+            choices = [item[1] async for item in _choices(ex, req, first, self._reader(req))
+                       if item[0] == "end"]
             return Answer(req).whole(choices)
         finally:
             ex.close()
@@ -299,12 +303,12 @@ class _Routes:
         ex, first = await self._open(request, start)
         try:
             ans, summaries = Answer(req), []
-            async for what, choice, pieces in _choices(ex, req, first):
+            async for what, choice, pieces in _choices(ex, req, first, self._reader(req)):
                 if what == "start" and ans.chat:
                     yield ans.role_chunk(choice)
                 elif what == "pieces":
-                    for kind, text in pieces:
-                        yield ans.chunk(choice, delta_of(kind, text))
+                    for delta in choice.deltas(pieces):
+                        yield ans.chunk(choice, delta)
                 elif what == "end":
                     summaries.append(choice.summary)
                     yield ans.chunk(choice, {}, choice.finish_reason)
@@ -312,6 +316,13 @@ class _Routes:
                 yield ans.usage_chunk(summaries)
         finally:
             ex.close()
+
+    def _reader(self, req: TurnRequest) -> CallReader | None:
+        """What reads the tool calls out of ``req``'s answers: None without tools or with ``tool_choice``
+        "none" (then a call the model writes anyway stays content)."""
+        if not req.tools or req.tool_choice == "none":
+            return None
+        return CallReader({t["function"]["name"]: t["function"] for t in req.tools}, self.call_format)
 
     def _chat_turn(self, request: Request, body: Any) -> tuple[TurnRequest, Callable[..., Iterator[Event]]]:
         """The checked chat request and the function that runs its ``n`` choices on the engine."""
@@ -417,11 +428,13 @@ def create_app(engine: Any, config: ServerConfig, engine_lock: threading.Lock | 
                                          Exception: _api_error})
 
 
-async def _choices(ex: _Exchange, req: TurnRequest, first: list[Any]) -> AsyncIterator[tuple[str, Choice, Any]]:
-    """The turn's choices in order, each as ``("start", choice, None)``, ``("pieces", choice, [(kind, text),
-    ...])`` per token, and ``("end", choice, None)`` once its summary is in (``choice.summary``)."""
+async def _choices(ex: _Exchange, req: TurnRequest, first: list[Any],
+                   reader: CallReader | None) -> AsyncIterator[tuple[str, Choice, Any]]:
+    """The turn's choices in order, each as ``("start", choice, None)``, ``("pieces", choice, pieces)`` per
+    token (:meth:`Choice.push`), and ``("end", choice, None)`` once its summary is in (``choice.summary``);
+    ``reader`` reads tool calls out of each choice (or None)."""
     pending = list(first)
-    choice = Choice(0, req)
+    choice = Choice(0, req, reader)
     yield "start", choice, None
     while True:
         item = pending.pop(0) if pending else await ex.next()
@@ -439,7 +452,7 @@ async def _choices(ex: _Exchange, req: TurnRequest, first: list[Any]) -> AsyncIt
             yield "end", choice, None
             if choice.index + 1 == req.n:
                 return
-            choice = Choice(choice.index + 1, req)
+            choice = Choice(choice.index + 1, req, reader)
             yield "start", choice, None
 
 

@@ -1,7 +1,7 @@
 """One request's answer as OpenAI objects: each choice's token events become message / delta pieces.
 
 A :class:`Choice` takes one choice's :class:`~engine.events.TokenEvent` stream and returns, per token,
-the deltas ready to send (``reasoning_content`` / ``content`` text); at the end it knows its whole
+the pieces ready to send (reasoning and content text, tool calls); at the end it knows its whole
 message and finish reason. An :class:`Answer` builds the chat.completion / text_completion object and
 its chunk objects (OpenAI API reference: "The chat completion object", "The chat completion chunk
 object", "The completion object") for all ``n`` choices of one request.
@@ -16,6 +16,7 @@ from typing import Any
 from engine.events import TokenEvent, TurnSummary
 from .answer import AnswerSplitter
 from .requests import TurnRequest
+from .tool_calls import CallReader, Piece, ToolCall, ToolCallStream
 
 FINISH = {"eos": "stop", "max_tokens": "length", "context_full": "length"}
 
@@ -26,13 +27,16 @@ class Choice:
     Args:
         index: the choice's index in ``choices``.
         req: the checked request (thinking, stop strings, chat or raw completion).
+        reader: reads tool calls out of the answer (tools offered and ``tool_choice`` not "none"), or None.
     """
 
-    def __init__(self, index: int, req: TurnRequest) -> None:
+    def __init__(self, index: int, req: TurnRequest, reader: CallReader | None = None) -> None:
         self.index = index
         self.chat = req.messages is not None
         self.splitter = AnswerSplitter(req.enable_thinking, req.stop, raw=not self.chat)
+        self.calls_stream = ToolCallStream(reader) if reader is not None else None
         self.parts: dict[str, list[str]] = {"reasoning": [], "content": []}
+        self.calls: list[ToolCall] = []
         self.summary: TurnSummary | None = None
 
     @property
@@ -40,30 +44,46 @@ class Choice:
         """A stop string ended the answer: the engine should stop this choice."""
         return self.splitter.stopped
 
-    def push(self, event: TokenEvent) -> list[tuple[str, str]]:
-        """The ``(kind, text)`` pieces this token completes, kind "reasoning" or "content"."""
-        return self._keep(self.splitter.push(event.text))
+    def push(self, event: TokenEvent) -> list[Piece]:
+        """The pieces this token completes: ``("reasoning" | "content", text)`` or ``("call", ToolCall)``."""
+        pieces = self.splitter.push(event.text)
+        if self.calls_stream is None:
+            return self._keep(pieces)
+        return self._keep(self.calls_stream.push(pieces, self.splitter.reasoning))
 
-    def close(self, summary: TurnSummary) -> list[tuple[str, str]]:
+    def close(self, summary: TurnSummary) -> list[Piece]:
         """The pieces held back until the end of the answer."""
         self.summary = summary
-        return self._keep(self.splitter.close())
+        pieces = self.splitter.close()
+        if self.calls_stream is None:
+            return self._keep(pieces)
+        return self._keep(self.calls_stream.push(pieces, self.splitter.reasoning) + self.calls_stream.close())
 
-    def _keep(self, pieces: list[tuple[str, str]]) -> list[tuple[str, str]]:
-        for kind, text in pieces:
-            self.parts[kind].append(text)
+    def _keep(self, pieces: list[Piece]) -> list[Piece]:
+        for kind, value in pieces:
+            if kind == "call":
+                self.calls.append(value)
+            else:
+                self.parts[kind].append(value)
         return pieces
 
     @property
     def finish_reason(self) -> str:
         assert self.summary is not None, "finish_reason before close()"
-        return "stop" if self.splitter.stopped else FINISH.get(self.summary.stop_reason, "stop")
+        if self.splitter.stopped:
+            return "stop"
+        reason = FINISH.get(self.summary.stop_reason, "stop")
+        return "tool_calls" if self.calls and reason == "stop" else reason
 
     def message(self) -> dict[str, Any]:
-        """The whole chat message: ``role``, ``content``, and ``reasoning_content`` when the model thought."""
-        message: dict[str, Any] = {"role": "assistant", "content": "".join(self.parts["content"])}
+        """The whole chat message: ``role``, ``content`` (None when the model only called tools),
+        ``reasoning_content`` when the model thought, ``tool_calls`` when it called."""
+        content = "".join(self.parts["content"])
+        message: dict[str, Any] = {"role": "assistant", "content": content or (None if self.calls else "")}
         if self.parts["reasoning"]:
             message["reasoning_content"] = "".join(self.parts["reasoning"])
+        if self.calls:
+            message["tool_calls"] = [call.openai() for call in self.calls]
         return message
 
     def whole(self) -> dict[str, Any]:
@@ -73,6 +93,20 @@ class Choice:
                     "finish_reason": self.finish_reason}
         return {"index": self.index, "text": "".join(self.parts["content"]), "logprobs": None,
                 "finish_reason": self.finish_reason}
+
+    def deltas(self, pieces: list[Piece]) -> list[dict[str, Any]]:
+        """The chat deltas of ``pieces``: text as ``reasoning_content`` / ``content``; a call as two
+        ``tool_calls`` deltas, its index, id, type and name first, then its arguments."""
+        out: list[dict[str, Any]] = []
+        for kind, value in pieces:
+            if kind != "call":
+                out.append({"reasoning_content" if kind == "reasoning" else "content": value})
+                continue
+            index = self.calls.index(value)
+            out.append({"tool_calls": [{"index": index, "id": value.id, "type": "function",
+                                        "function": {"name": value.name, "arguments": ""}}]})
+            out.append({"tool_calls": [{"index": index, "function": {"arguments": value.arguments}}]})
+        return out
 
 
 def usage(summaries: list[TurnSummary]) -> dict[str, Any]:
@@ -122,8 +156,3 @@ class Answer:
         kind = "chat.completion" if self.chat else "text_completion"
         summaries = [c.summary for c in choices if c.summary is not None]
         return self.head(kind) | {"choices": [c.whole() for c in choices], "usage": usage(summaries)}
-
-
-def delta_of(kind: str, text: str) -> dict[str, Any]:
-    """The chat delta of one piece: ``{"reasoning_content": text}`` or ``{"content": text}``."""
-    return {"reasoning_content" if kind == "reasoning" else "content": text}
