@@ -37,9 +37,10 @@ from starlette.routing import Route
 from engine.errors import ContextFullError, EngineError, ImageError, TemplateError, UnsupportedModelError
 from engine.events import Event, PrefillStats, TokenEvent, TurnSummary
 from .choices import Answer, Choice
+from .constraints import Constraints
+from .fields import agent_request, completion_fields
 from .guard import RequestGuard, loopback_host
 from .requests import APIError, TurnRequest, chat_request, completion_request
-from .tool_calls import CallReader, call_format
 
 log = logging.getLogger(__name__)
 
@@ -262,8 +263,8 @@ class _Routes:
         self.lock = engine_lock or threading.Lock()
         self.order = asyncio.Lock()
         self.key = config.api_key.encode() if config.api_key else None
-        template = getattr(getattr(engine, "tokenizer", None), "chat_template", None)
-        self.call_format = call_format(template.source if template is not None else "")
+        self.constraints = Constraints(engine)
+        self.vocab = getattr(getattr(engine, "tokenizer", None), "n_vocab", 0)
 
     async def _first(self, ex: _Exchange) -> list[Any]:
         """The turn's events up to its first token (or the end), so that errors still get their status code."""
@@ -292,7 +293,7 @@ class _Routes:
     async def _whole(self, request: Request, req: TurnRequest, start: Callable[..., Iterator[Event]]) -> dict:
         ex, first = await self._open(request, start)
         try:
-            choices = [item[1] async for item in _choices(ex, req, first, self._reader(req))
+            choices = [item[1] async for item in _choices(ex, req, first, self._choice_maker(req))
                        if item[0] == "end"]
             return Answer(req).whole(choices)
         finally:
@@ -303,7 +304,7 @@ class _Routes:
         ex, first = await self._open(request, start)
         try:
             ans, summaries = Answer(req), []
-            async for what, choice, pieces in _choices(ex, req, first, self._reader(req)):
+            async for what, choice, pieces in _choices(ex, req, first, self._choice_maker(req)):
                 if what == "start" and ans.chat:
                     yield ans.role_chunk(choice)
                 elif what == "pieces":
@@ -317,27 +318,28 @@ class _Routes:
         finally:
             ex.close()
 
-    def _reader(self, req: TurnRequest) -> CallReader | None:
-        """What reads the tool calls out of ``req``'s answers: None without tools or with ``tool_choice``
-        "none" (then a call the model writes anyway stays content)."""
-        if not req.tools or req.tool_choice == "none":
-            return None
-        return CallReader({t["function"]["name"]: t["function"] for t in req.tools}, self.call_format)
+    def _choice_maker(self, req: TurnRequest) -> Callable[[int], Choice]:
+        """Makes choice ``i`` of ``req``'s answer (its tool-call reader and token bytes for logprobs)."""
+        reader = self.constraints.reader(req) if req.messages is not None else None
+        return lambda i: Choice(i, req, reader, getattr(self.engine, "token_bytes", None))
 
     def _chat_turn(self, request: Request, body: Any) -> tuple[TurnRequest, Callable[..., Iterator[Event]]]:
         """The checked chat request and the function that runs its ``n`` choices on the engine."""
         config = self.config
-        req = chat_request(body, config.model_name, self.context,
-                           config.file_urls and loopback_host(request.headers.get("host", "")))
+        req = agent_request(body, chat_request(body, config.model_name, self.context,
+                                               config.file_urls and loopback_host(request.headers.get("host", ""))),
+                            self.vocab)
         if not self.has_vision and any(isinstance(m["content"], list) and any(p["type"] == "image" for p in m["content"])
                                        for m in req.messages or ()):
             raise APIError(400, f"{config.model_name} has no vision tower (serve it with --mmproj FILE), so it "
                            "cannot read images", param="messages", code="invalid_image")
 
         def start(next_cancel: Callable[[], threading.Event]) -> Iterator[Event]:
+            grammar = self.constraints.grammar(req)
             for i in range(req.n):
                 yield from self.engine.chat(req.messages, req.choice_sampling(i), next_cancel(),
-                                            enable_thinking=req.enable_thinking)
+                                            enable_thinking=req.enable_thinking, tools=list(req.tools) or None,
+                                            grammar=grammar)
         return req, start
 
     async def chat(self, request: Request, body: Any) -> dict[str, Any]:
@@ -369,8 +371,8 @@ class _Routes:
 
     async def completions(self, request: Request) -> Response:
         _authorize(request, self.key)
-        req = completion_request(await _read_json(request, self.config.max_body_bytes), self.config.model_name,
-                                 self.context)
+        body = await _read_json(request, self.config.max_body_bytes)
+        req = completion_fields(body, completion_request(body, self.config.model_name, self.context), self.vocab)
 
         def start(next_cancel: Callable[[], threading.Event]) -> Iterator[Event]:
             for i in range(req.n):
@@ -429,12 +431,12 @@ def create_app(engine: Any, config: ServerConfig, engine_lock: threading.Lock | 
 
 
 async def _choices(ex: _Exchange, req: TurnRequest, first: list[Any],
-                   reader: CallReader | None) -> AsyncIterator[tuple[str, Choice, Any]]:
-    """The turn's choices in order, each as ``("start", choice, None)``, ``("pieces", choice, pieces)`` per
-    token (:meth:`Choice.push`), and ``("end", choice, None)`` once its summary is in (``choice.summary``);
-    ``reader`` reads tool calls out of each choice (or None)."""
+                   make: Callable[[int], Choice]) -> AsyncIterator[tuple[str, Choice, Any]]:
+    """The turn's choices in order (choice ``i`` made by ``make(i)``), each as ``("start", choice, None)``,
+    ``("pieces", choice, pieces)`` per token (:meth:`Choice.push`), and ``("end", choice, None)`` once its
+    summary is in (``choice.summary``)."""
     pending = list(first)
-    choice = Choice(0, req, reader)
+    choice = make(0)
     yield "start", choice, None
     while True:
         item = pending.pop(0) if pending else await ex.next()
@@ -452,7 +454,7 @@ async def _choices(ex: _Exchange, req: TurnRequest, first: list[Any],
             yield "end", choice, None
             if choice.index + 1 == req.n:
                 return
-            choice = Choice(choice.index + 1, req, reader)
+            choice = make(choice.index + 1)
             yield "start", choice, None
 
 

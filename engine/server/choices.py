@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import time
 import uuid
+from collections.abc import Callable
 from typing import Any
 
 from engine.events import TokenEvent, TurnSummary
@@ -28,11 +29,18 @@ class Choice:
         index: the choice's index in ``choices``.
         req: the checked request (thinking, stop strings, chat or raw completion).
         reader: reads tool calls out of the answer (tools offered and ``tool_choice`` not "none"), or None.
+        token_bytes: a token id's bytes (``Engine.token_bytes``), for logprobs.
     """
 
-    def __init__(self, index: int, req: TurnRequest, reader: CallReader | None = None) -> None:
+    def __init__(self, index: int, req: TurnRequest, reader: CallReader | None = None,
+                 token_bytes: Callable[[int], bytes] | None = None) -> None:
         self.index = index
         self.chat = req.messages is not None
+        self.want_logprobs = req.sampling.top_logprobs is not None
+        self.token_bytes = token_bytes
+        self.logprobs: list[tuple[TokenEvent, int]] = []   # (token, its text's offset in the answer)
+        self.pending = 0          # logprobs not yet sent in a chunk
+        self.offset = 0
         self.splitter = AnswerSplitter(req.enable_thinking, req.stop, raw=not self.chat)
         self.calls_stream = ToolCallStream(reader) if reader is not None else None
         self.parts: dict[str, list[str]] = {"reasoning": [], "content": []}
@@ -46,6 +54,10 @@ class Choice:
 
     def push(self, event: TokenEvent) -> list[Piece]:
         """The pieces this token completes: ``("reasoning" | "content", text)`` or ``("call", ToolCall)``."""
+        if event.logprob is not None:
+            self.logprobs.append((event, self.offset))
+            self.pending += 1
+        self.offset += len(event.text)
         pieces = self.splitter.push(event.text)
         if self.calls_stream is None:
             return self._keep(pieces)
@@ -88,11 +100,38 @@ class Choice:
 
     def whole(self) -> dict[str, Any]:
         """The choice of the non-streamed object (chat: ``message``; completion: ``text``)."""
+        logprobs = self.logprobs_of(self.logprobs)
         if self.chat:
-            return {"index": self.index, "message": self.message(), "logprobs": None,
+            return {"index": self.index, "message": self.message(), "logprobs": logprobs,
                     "finish_reason": self.finish_reason}
-        return {"index": self.index, "text": "".join(self.parts["content"]), "logprobs": None,
+        return {"index": self.index, "text": "".join(self.parts["content"]), "logprobs": logprobs,
                 "finish_reason": self.finish_reason}
+
+    def take_logprobs(self) -> dict[str, Any] | None:
+        """The logprobs of the tokens not yet sent (for the next chunk), or None when not asked for."""
+        tokens = self.logprobs[len(self.logprobs) - self.pending:]
+        self.pending = 0
+        return self.logprobs_of(tokens)
+
+    def _token(self, token_id: int) -> tuple[str, bytes]:
+        data = self.token_bytes(token_id) if self.token_bytes is not None else b""
+        return data.decode("utf-8", errors="replace"), data
+
+    def logprobs_of(self, tokens: list[tuple[TokenEvent, int]]) -> dict[str, Any] | None:
+        """OpenAI's logprobs object of ``tokens``: chat ``{"content": [{token, logprob, bytes, top_logprobs}],
+        "refusal": None}``; completion ``{tokens, token_logprobs, top_logprobs, text_offset}``."""
+        if not self.want_logprobs:
+            return None
+        if self.chat:
+            def entry(token_id: int, logprob: float) -> dict[str, Any]:
+                text, data = self._token(token_id)
+                return {"token": text, "logprob": logprob, "bytes": list(data)}
+            return {"content": [entry(e.token_id, e.logprob) | {"top_logprobs": [entry(t, lp) for t, lp in e.top_logprobs]}
+                                for e, _ in tokens], "refusal": None}
+        return {"tokens": [self._token(e.token_id)[0] for e, _ in tokens],
+                "token_logprobs": [e.logprob for e, _ in tokens],
+                "top_logprobs": [{self._token(t)[0]: lp for t, lp in e.top_logprobs} for e, _ in tokens],
+                "text_offset": [offset for _, offset in tokens]}
 
     def deltas(self, pieces: list[Piece]) -> list[dict[str, Any]]:
         """The chat deltas of ``pieces``: text as ``reasoning_content`` / ``content``; a call as two
@@ -133,11 +172,14 @@ class Answer:
         return {"id": self.id, "object": kind, "created": self.created, "model": self.req.model}
 
     def chunk(self, choice: Choice, delta: dict[str, Any], finish: str | None = None) -> dict[str, Any]:
-        """A chunk object carrying ``delta`` (chat) or its ``content`` text (completion) for ``choice``."""
+        """A chunk object carrying ``delta`` (chat) or its ``content`` text (completion) for ``choice``, with
+        the logprobs of the tokens read since the last chunk (when asked for)."""
+        logprobs = choice.take_logprobs()
         if self.chat:
-            body = {"index": choice.index, "delta": delta, "logprobs": None, "finish_reason": finish}
+            body = {"index": choice.index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
         else:
-            body = {"index": choice.index, "text": delta.get("content", ""), "logprobs": None, "finish_reason": finish}
+            body = {"index": choice.index, "text": delta.get("content", ""), "logprobs": logprobs,
+                    "finish_reason": finish}
         out = self.head(self.kind) | {"choices": [body]}
         if self.req.include_usage:
             out["usage"] = None
