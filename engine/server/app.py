@@ -38,7 +38,9 @@ from starlette.routing import Route
 from engine.errors import ContextFullError, EngineError, ImageError, TemplateError, UnsupportedModelError
 from engine.events import Event, PrefillStats, TokenEvent, TurnSummary
 from . import agent_routes
-from .choices import Answer, Choice, delta_of
+from .choices import Answer, Choice
+from .constraints import Constraints
+from .fields import agent_request, completion_fields
 from .guard import RequestGuard, loopback_host
 from .metrics import RequestCounter, ServerMetrics
 from .requests import APIError, TurnRequest, chat_request, completion_request
@@ -268,6 +270,8 @@ class _Routes:
         self.order = asyncio.Lock()
         self.key = config.api_key.encode() if config.api_key else None
         self.metrics = ServerMetrics(PATHS)
+        self.constraints = Constraints(engine)
+        self.vocab = getattr(getattr(engine, "tokenizer", None), "n_vocab", 0)
 
     async def _first(self, ex: _Exchange) -> list[Any]:
         """The turn's events up to its first token (or the end), so that errors still get their status code."""
@@ -300,7 +304,8 @@ class _Routes:
     async def _whole(self, request: Request, req: TurnRequest, start: Callable[..., Iterator[Event]]) -> dict:
         ex, first = await self._open(request, start)
         try:
-            choices = [item[1] async for item in _choices(ex, req, first) if item[0] == "end"]
+            choices = [item[1] async for item in _choices(ex, req, first, self._choice_maker(req))
+                       if item[0] == "end"]
             return Answer(req).whole(choices)
         finally:
             ex.close()
@@ -310,12 +315,12 @@ class _Routes:
         ex, first = await self._open(request, start)
         try:
             ans, summaries = Answer(req), []
-            async for what, choice, pieces in _choices(ex, req, first):
+            async for what, choice, pieces in _choices(ex, req, first, self._choice_maker(req)):
                 if what == "start" and ans.chat:
                     yield ans.role_chunk(choice)
                 elif what == "pieces":
-                    for kind, text in pieces:
-                        yield ans.chunk(choice, delta_of(kind, text))
+                    for delta in choice.deltas(pieces):
+                        yield ans.chunk(choice, delta)
                 elif what == "end":
                     summaries.append(choice.summary)
                     yield ans.chunk(choice, {}, choice.finish_reason)
@@ -324,20 +329,28 @@ class _Routes:
         finally:
             ex.close()
 
+    def _choice_maker(self, req: TurnRequest) -> Callable[[int], Choice]:
+        """Makes choice ``i`` of ``req``'s answer (its tool-call reader and token bytes for logprobs)."""
+        reader = self.constraints.reader(req) if req.messages is not None else None
+        return lambda i: Choice(i, req, reader, getattr(self.engine, "token_bytes", None))
+
     def _chat_turn(self, request: Request, body: Any) -> tuple[TurnRequest, Callable[..., Iterator[Event]]]:
         """The checked chat request and the function that runs its ``n`` choices on the engine."""
         config = self.config
-        req = chat_request(body, config.model_name, self.context,
-                           config.file_urls and loopback_host(request.headers.get("host", "")))
+        req = agent_request(body, chat_request(body, config.model_name, self.context,
+                                               config.file_urls and loopback_host(request.headers.get("host", ""))),
+                            self.vocab)
         if not self.has_vision and any(isinstance(m["content"], list) and any(p["type"] == "image" for p in m["content"])
                                        for m in req.messages or ()):
             raise APIError(400, f"{config.model_name} has no vision tower (serve it with --mmproj FILE), so it "
                            "cannot read images", param="messages", code="invalid_image")
 
         def start(next_cancel: Callable[[], threading.Event]) -> Iterator[Event]:
+            grammar = self.constraints.grammar(req)
             for i in range(req.n):
                 yield from self.engine.chat(req.messages, req.choice_sampling(i), next_cancel(),
-                                            enable_thinking=req.enable_thinking)
+                                            enable_thinking=req.enable_thinking, tools=list(req.tools) or None,
+                                            grammar=grammar)
         return req, start
 
     async def chat(self, request: Request, body: Any) -> dict[str, Any]:
@@ -369,8 +382,8 @@ class _Routes:
 
     async def completions(self, request: Request) -> Response:
         _authorize(request, self.key)
-        req = completion_request(await _read_json(request, self.config.max_body_bytes), self.config.model_name,
-                                 self.context)
+        body = await _read_json(request, self.config.max_body_bytes)
+        req = completion_fields(body, completion_request(body, self.config.model_name, self.context), self.vocab)
 
         def start(next_cancel: Callable[[], threading.Event]) -> Iterator[Event]:
             for i in range(req.n):
@@ -434,11 +447,13 @@ def create_app(engine: Any, config: ServerConfig, engine_lock: threading.Lock | 
                                          Exception: _api_error})
 
 
-async def _choices(ex: _Exchange, req: TurnRequest, first: list[Any]) -> AsyncIterator[tuple[str, Choice, Any]]:
-    """The turn's choices in order, each as ``("start", choice, None)``, ``("pieces", choice, [(kind, text),
-    ...])`` per token, and ``("end", choice, None)`` once its summary is in (``choice.summary``)."""
+async def _choices(ex: _Exchange, req: TurnRequest, first: list[Any],
+                   make: Callable[[int], Choice]) -> AsyncIterator[tuple[str, Choice, Any]]:
+    """The turn's choices in order (choice ``i`` made by ``make(i)``), each as ``("start", choice, None)``,
+    ``("pieces", choice, pieces)`` per token (:meth:`Choice.push`), and ``("end", choice, None)`` once its
+    summary is in (``choice.summary``)."""
     pending = list(first)
-    choice = Choice(0, req)
+    choice = make(0)
     yield "start", choice, None
     while True:
         item = pending.pop(0) if pending else await ex.next()
@@ -456,7 +471,7 @@ async def _choices(ex: _Exchange, req: TurnRequest, first: list[Any]) -> AsyncIt
             yield "end", choice, None
             if choice.index + 1 == req.n:
                 return
-            choice = Choice(choice.index + 1, req)
+            choice = make(choice.index + 1)
             yield "start", choice, None
 
 

@@ -1,7 +1,7 @@
 """One request's answer as OpenAI objects: each choice's token events become message / delta pieces.
 
 A :class:`Choice` takes one choice's :class:`~engine.events.TokenEvent` stream and returns, per token,
-the deltas ready to send (``reasoning_content`` / ``content`` text); at the end it knows its whole
+the pieces ready to send (reasoning and content text, tool calls); at the end it knows its whole
 message and finish reason. An :class:`Answer` builds the chat.completion / text_completion object and
 its chunk objects (OpenAI API reference: "The chat completion object", "The chat completion chunk
 object", "The completion object") for all ``n`` choices of one request.
@@ -11,11 +11,13 @@ from __future__ import annotations
 
 import time
 import uuid
+from collections.abc import Callable
 from typing import Any
 
 from engine.events import TokenEvent, TurnSummary
 from .answer import AnswerSplitter
 from .requests import TurnRequest
+from .tool_calls import CallReader, Piece, ToolCall, ToolCallStream
 
 FINISH = {"eos": "stop", "max_tokens": "length", "context_full": "length"}
 
@@ -26,13 +28,23 @@ class Choice:
     Args:
         index: the choice's index in ``choices``.
         req: the checked request (thinking, stop strings, chat or raw completion).
+        reader: reads tool calls out of the answer (tools offered and ``tool_choice`` not "none"), or None.
+        token_bytes: a token id's bytes (``Engine.token_bytes``), for logprobs.
     """
 
-    def __init__(self, index: int, req: TurnRequest) -> None:
+    def __init__(self, index: int, req: TurnRequest, reader: CallReader | None = None,
+                 token_bytes: Callable[[int], bytes] | None = None) -> None:
         self.index = index
         self.chat = req.messages is not None
+        self.want_logprobs = req.sampling.top_logprobs is not None
+        self.token_bytes = token_bytes
+        self.logprobs: list[tuple[TokenEvent, int]] = []   # (token, its text's offset in the answer)
+        self.pending = 0          # logprobs not yet sent in a chunk
+        self.offset = 0
         self.splitter = AnswerSplitter(req.enable_thinking, req.stop, raw=not self.chat)
+        self.calls_stream = ToolCallStream(reader) if reader is not None else None
         self.parts: dict[str, list[str]] = {"reasoning": [], "content": []}
+        self.calls: list[ToolCall] = []
         self.summary: TurnSummary | None = None
 
     @property
@@ -40,39 +52,100 @@ class Choice:
         """A stop string ended the answer: the engine should stop this choice."""
         return self.splitter.stopped
 
-    def push(self, event: TokenEvent) -> list[tuple[str, str]]:
-        """The ``(kind, text)`` pieces this token completes, kind "reasoning" or "content"."""
-        return self._keep(self.splitter.push(event.text))
+    def push(self, event: TokenEvent) -> list[Piece]:
+        """The pieces this token completes: ``("reasoning" | "content", text)`` or ``("call", ToolCall)``."""
+        if event.logprob is not None:
+            self.logprobs.append((event, self.offset))
+            self.pending += 1
+        self.offset += len(event.text)
+        pieces = self.splitter.push(event.text)
+        if self.calls_stream is None:
+            return self._keep(pieces)
+        return self._keep(self.calls_stream.push(pieces, self.splitter.reasoning))
 
-    def close(self, summary: TurnSummary) -> list[tuple[str, str]]:
+    def close(self, summary: TurnSummary) -> list[Piece]:
         """The pieces held back until the end of the answer."""
         self.summary = summary
-        return self._keep(self.splitter.close())
+        pieces = self.splitter.close()
+        if self.calls_stream is None:
+            return self._keep(pieces)
+        return self._keep(self.calls_stream.push(pieces, self.splitter.reasoning) + self.calls_stream.close())
 
-    def _keep(self, pieces: list[tuple[str, str]]) -> list[tuple[str, str]]:
-        for kind, text in pieces:
-            self.parts[kind].append(text)
+    def _keep(self, pieces: list[Piece]) -> list[Piece]:
+        for kind, value in pieces:
+            if kind == "call":
+                self.calls.append(value)
+            else:
+                self.parts[kind].append(value)
         return pieces
 
     @property
     def finish_reason(self) -> str:
         assert self.summary is not None, "finish_reason before close()"
-        return "stop" if self.splitter.stopped else FINISH.get(self.summary.stop_reason, "stop")
+        if self.splitter.stopped:
+            return "stop"
+        reason = FINISH.get(self.summary.stop_reason, "stop")
+        return "tool_calls" if self.calls and reason == "stop" else reason
 
     def message(self) -> dict[str, Any]:
-        """The whole chat message: ``role``, ``content``, and ``reasoning_content`` when the model thought."""
-        message: dict[str, Any] = {"role": "assistant", "content": "".join(self.parts["content"])}
+        """The whole chat message: ``role``, ``content`` (None when the model only called tools),
+        ``reasoning_content`` when the model thought, ``tool_calls`` when it called."""
+        content = "".join(self.parts["content"])
+        message: dict[str, Any] = {"role": "assistant", "content": content or (None if self.calls else "")}
         if self.parts["reasoning"]:
             message["reasoning_content"] = "".join(self.parts["reasoning"])
+        if self.calls:
+            message["tool_calls"] = [call.openai() for call in self.calls]
         return message
 
     def whole(self) -> dict[str, Any]:
         """The choice of the non-streamed object (chat: ``message``; completion: ``text``)."""
+        logprobs = self.logprobs_of(self.logprobs)
         if self.chat:
-            return {"index": self.index, "message": self.message(), "logprobs": None,
+            return {"index": self.index, "message": self.message(), "logprobs": logprobs,
                     "finish_reason": self.finish_reason}
-        return {"index": self.index, "text": "".join(self.parts["content"]), "logprobs": None,
+        return {"index": self.index, "text": "".join(self.parts["content"]), "logprobs": logprobs,
                 "finish_reason": self.finish_reason}
+
+    def take_logprobs(self) -> dict[str, Any] | None:
+        """The logprobs of the tokens not yet sent (for the next chunk), or None when not asked for."""
+        tokens = self.logprobs[len(self.logprobs) - self.pending:]
+        self.pending = 0
+        return self.logprobs_of(tokens)
+
+    def _token(self, token_id: int) -> tuple[str, bytes]:
+        data = self.token_bytes(token_id) if self.token_bytes is not None else b""
+        return data.decode("utf-8", errors="replace"), data
+
+    def logprobs_of(self, tokens: list[tuple[TokenEvent, int]]) -> dict[str, Any] | None:
+        """OpenAI's logprobs object of ``tokens``: chat ``{"content": [{token, logprob, bytes, top_logprobs}],
+        "refusal": None}``; completion ``{tokens, token_logprobs, top_logprobs, text_offset}``."""
+        if not self.want_logprobs:
+            return None
+        if self.chat:
+            def entry(token_id: int, logprob: float) -> dict[str, Any]:
+                text, data = self._token(token_id)
+                return {"token": text, "logprob": logprob, "bytes": list(data)}
+            return {"content": [entry(e.token_id, e.logprob) | {"top_logprobs": [entry(t, lp) for t, lp in e.top_logprobs]}
+                                for e, _ in tokens], "refusal": None}
+        return {"tokens": [self._token(e.token_id)[0] for e, _ in tokens],
+                "token_logprobs": [e.logprob for e, _ in tokens],
+                "top_logprobs": [{self._token(t)[0]: lp for t, lp in e.top_logprobs} for e, _ in tokens],
+                "text_offset": [offset for _, offset in tokens]}
+
+    def deltas(self, pieces: list[Piece]) -> list[dict[str, Any]]:
+        """The chat deltas of ``pieces``: text as ``reasoning_content`` / ``content``; a call as two
+        ``tool_calls`` deltas, its index, id, type and name first, then its arguments."""
+        out: list[dict[str, Any]] = []
+        for kind, value in pieces:
+            if kind != "call":
+                out.append({"reasoning_content" if kind == "reasoning" else "content": value})
+                continue
+            index = self.calls.index(value)
+            out.append({"tool_calls": [{"index": index, "id": value.id, "type": "function",
+                                        "function": {"name": value.name, "arguments": ""}}]})
+            out.append({"tool_calls": [{"index": index, "function": {"arguments": value.arguments}}]})
+        return out
 
 
 def usage(summaries: list[TurnSummary]) -> dict[str, Any]:
@@ -99,11 +172,14 @@ class Answer:
         return {"id": self.id, "object": kind, "created": self.created, "model": self.req.model}
 
     def chunk(self, choice: Choice, delta: dict[str, Any], finish: str | None = None) -> dict[str, Any]:
-        """A chunk object carrying ``delta`` (chat) or its ``content`` text (completion) for ``choice``."""
+        """A chunk object carrying ``delta`` (chat) or its ``content`` text (completion) for ``choice``, with
+        the logprobs of the tokens read since the last chunk (when asked for)."""
+        logprobs = choice.take_logprobs()
         if self.chat:
-            body = {"index": choice.index, "delta": delta, "logprobs": None, "finish_reason": finish}
+            body = {"index": choice.index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
         else:
-            body = {"index": choice.index, "text": delta.get("content", ""), "logprobs": None, "finish_reason": finish}
+            body = {"index": choice.index, "text": delta.get("content", ""), "logprobs": logprobs,
+                    "finish_reason": finish}
         out = self.head(self.kind) | {"choices": [body]}
         if self.req.include_usage:
             out["usage"] = None
@@ -122,8 +198,3 @@ class Answer:
         kind = "chat.completion" if self.chat else "text_completion"
         summaries = [c.summary for c in choices if c.summary is not None]
         return self.head(kind) | {"choices": [c.whole() for c in choices], "usage": usage(summaries)}
-
-
-def delta_of(kind: str, text: str) -> dict[str, Any]:
-    """The chat delta of one piece: ``{"reasoning_content": text}`` or ``{"content": text}``."""
-    return {"reasoning_content" if kind == "reasoning" else "content": text}

@@ -3,10 +3,10 @@
 The field names, defaults and error shape follow the OpenAI API reference (Chat Completions and
 Completions, https://platform.openai.com/docs/api-reference/chat/create) and the extensions llama.cpp's
 and vLLM's servers accept (``top_k``, ``min_p``, ``repetition_penalty``,
-``chat_template_kwargs.enable_thinking``); ``n`` is at most :data:`MAX_CHOICES`. Fields the engine
-cannot honour (``echo``, ``suffix``, ``best_of``, and those not yet wired: ``tools``, ``logprobs``,
-``frequency_penalty``, ...) are refused rather than ignored; fields that change nothing here (``user``,
-``metadata``, ``store``, ...) are ignored.
+``chat_template_kwargs``); ``n`` is at most :data:`MAX_CHOICES`. The agent fields (tools, response
+format, logprobs, logit bias, thinking controls) are checked by :mod:`engine.server.fields`. Fields the
+engine cannot honour (``echo``, ``suffix``, ``best_of``) are refused rather than ignored; fields that
+change nothing here (``user``, ``metadata``, ``store``, ...) are ignored.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import binascii
 import math
 import urllib.parse
 import urllib.request
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Mapping
 
@@ -70,10 +70,9 @@ class TurnRequest:
             parameters, strict}}``), checked; () when none.
         tool_choice: "auto", "none", "required", or "function" (then ``tool_name`` names the one to call).
         tool_name: the function ``tool_choice`` forces, or None.
+        parallel_tool_calls: more than one call allowed where calls are enforced.
         response_format: None (free text), ``{"type": "json_object"}`` or ``{"type": "json_schema",
             "schema": {...}, "name": str, "strict": bool}``.
-        top_logprobs: None = no logprobs; 0..20 = each token's logprob and that many alternatives.
-        template_kwargs: other ``chat_template_kwargs`` the template reads (not ``enable_thinking``).
     """
 
     model: str
@@ -88,9 +87,8 @@ class TurnRequest:
     tools: tuple[dict, ...] = ()
     tool_choice: str = "auto"
     tool_name: str | None = None
+    parallel_tool_calls: bool = True
     response_format: dict | None = None
-    top_logprobs: int | None = None
-    template_kwargs: dict = field(default_factory=dict)
 
     def choice_sampling(self, index: int) -> SamplingParams:
         """Choice ``index``'s sampling settings: the request's, its seed (when given) plus ``index``."""
@@ -318,11 +316,7 @@ def chat_request(body: Any, served: str, context: int, file_urls: bool = True) -
         APIError: the body names another model (404) or a field is bad (400).
     """
     model, stream, usage = _common(body, served)
-    _refuse(body, {"tools": [], "tool_choice": "none", "logprobs": False, "top_logprobs": 0,
-                   "frequency_penalty": 0, "logit_bias": {}, "response_format": {"type": "text"}})
-    kwargs = _object(body, "chat_template_kwargs")
-    thinking = _flag(kwargs, "enable_thinking", "chat_template_kwargs.")
-    return TurnRequest(model, messages_of(body.get("messages"), file_urls), None, sampling_of(body, context), thinking,
+    return TurnRequest(model, messages_of(body.get("messages"), file_urls), None, sampling_of(body, context), False,
                        _stop(body), stream, usage, n=_choices(body))
 
 
@@ -334,8 +328,7 @@ def completion_request(body: Any, served: str, context: int) -> TurnRequest:
         APIError: the body names another model (404) or a field is bad (400).
     """
     model, stream, usage = _common(body, served)
-    _refuse(body, {"best_of": 1, "echo": False, "suffix": "", "logprobs": 0, "frequency_penalty": 0,
-                   "logit_bias": {}})
+    _refuse(body, {"best_of": 1, "echo": False, "suffix": ""})
     prompt = body.get("prompt")
     if isinstance(prompt, list) and len(prompt) == 1:
         prompt = prompt[0]
