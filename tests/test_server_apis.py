@@ -6,6 +6,7 @@ whole answer, errors come in each API's own shape, and ``/metrics`` counts what 
 from __future__ import annotations
 
 import base64
+import json
 
 import anthropic
 import httpx
@@ -276,3 +277,108 @@ def test_queue_length_counts_requests_waiting_for_the_engine(server, served) -> 
     for t in threads:
         t.join(60)
     assert waiting == [200, 200] and queue() == 0
+
+
+WEATHER = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 12}}, "required": ["city"],
+           "additionalProperties": False}
+FLAT_TOOLS = [{"type": "function", "name": "get_weather", "description": "The weather of a city",
+               "parameters": WEATHER, "strict": True}]
+CHAT_TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "The weather of a city",
+                                                 "parameters": WEATHER, "strict": True}}]
+ASK = "Weather in Paris?"
+
+
+def _called(calls: list[tuple[str, str, dict]]) -> list[dict]:
+    """The conversation of a tool loop in the engine's format (arguments as objects, as the template reads
+    them): the question, the calls ``(id, name, arguments)``, a result "18 C" for each."""
+    return ([{"role": "user", "content": ASK},
+             {"role": "assistant", "content": "", "tool_calls": [
+                 {"id": i, "type": "function", "function": {"name": name, "arguments": args}}
+                 for i, name, args in calls]}]
+            + [{"role": "tool", "tool_call_id": i, "content": "18 C"} for i, _, _ in calls])
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_function_call_loop_through_responses(oai, engine, stream) -> None:
+    """``tool_choice: required`` makes the grammar force a valid call whatever the random weights say; its
+    output goes back as a ``function_call_output`` item after ``previous_response_id``."""
+    import jsonschema
+
+    ask = {"model": "tiny", "input": ASK, "tools": FLAT_TOOLS, "tool_choice": "required", "max_output_tokens": 60,
+           **GREEDY}
+    if stream:
+        with oai.responses.stream(**ask) as events:
+            kinds = [e.type for e in events]
+            first = events.get_final_response()
+        assert "response.function_call_arguments.delta" in kinds and kinds[-1] == "response.completed"
+    else:
+        first = oai.responses.create(**ask)
+    calls = [item for item in first.output if item.type == "function_call"]
+    assert first.status == "completed" and len(calls) >= 1 and calls[0].name == "get_weather"
+    jsonschema.validate(json.loads(calls[0].arguments), WEATHER)
+    second = oai.responses.create(model="tiny", previous_response_id=first.id, tools=FLAT_TOOLS, max_output_tokens=4,
+                                  input=[{"type": "function_call_output", "call_id": c.call_id, "output": "18 C"}
+                                         for c in calls], **GREEDY)
+    conversation = _called([(c.call_id, c.name, json.loads(c.arguments)) for c in calls])
+    assert second.usage.input_tokens == len(engine.render(conversation, tools=CHAT_TOOLS))
+    assert second.usage.input_tokens_details.cached_tokens > 0 and second.output_text
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_tool_use_loop_through_messages(claude, engine, stream) -> None:
+    import jsonschema
+
+    tools = [{"name": "get_weather", "description": "The weather of a city", "input_schema": WEATHER}]
+    ask = {"model": "tiny", "max_tokens": 60, "messages": [{"role": "user", "content": ASK}], "tools": tools,
+           "tool_choice": {"type": "tool", "name": "get_weather"} if stream else {"type": "any"},
+           "extra_body": GREEDY}
+    if stream:
+        with claude.messages.stream(**ask) as events:
+            kinds = [e.type for e in events]
+            first = events.get_final_message()
+        assert "input_json" in kinds
+    else:
+        first = claude.messages.create(**ask)
+    uses = [b for b in first.content if b.type == "tool_use"]
+    assert first.stop_reason == "tool_use" and uses and uses[0].name == "get_weather"
+    jsonschema.validate(uses[0].input, WEATHER)
+    results = [{"type": "tool_result", "tool_use_id": u.id, "content": [{"type": "text", "text": "18 C"}]}
+               for u in uses]
+    conversation = ask["messages"] + [{"role": "assistant", "content": [b.model_dump(exclude_none=True)
+                                                                       for b in first.content]},
+                                      {"role": "user", "content": results}]
+    second = claude.messages.create(model="tiny", max_tokens=4, messages=conversation, tools=tools,
+                                    extra_body=GREEDY)
+    rendered = engine.render(_called([(u.id, u.name, u.input) for u in uses]), tools=[
+        {"type": "function", "function": {"name": "get_weather", "parameters": WEATHER,
+                                          "description": "The weather of a city"}}])
+    assert second.usage.input_tokens + second.usage.cache_read_input_tokens == len(rendered)
+    assert second.usage.cache_read_input_tokens > 0 and second.content
+    counted = claude.messages.count_tokens(model="tiny", messages=conversation, tools=tools)
+    assert counted.input_tokens == len(rendered)
+
+
+def test_structured_output_through_both_apis(oai, claude) -> None:
+    import jsonschema
+
+    schema = {"type": "object", "properties": {"answer": {"type": "string", "maxLength": 10}},
+              "required": ["answer"], "additionalProperties": False}
+    for seed in range(3):
+        got = oai.responses.create(model="tiny", input="Answer in JSON.", max_output_tokens=40, temperature=1.0,
+                                   extra_body={"seed": seed}, text={"format": {"type": "json_schema", "name": "a",
+                                                                               "schema": schema, "strict": True}})
+        jsonschema.validate(json.loads(got.output_text), schema)
+        message = claude.messages.create(model="tiny", max_tokens=40, messages=[{"role": "user", "content": "JSON."}],
+                                         output_config={"format": {"type": "json_schema", "schema": schema}},
+                                         extra_body={"temperature": 1.0, "seed": seed})
+        jsonschema.validate(json.loads(message.content[0].text), schema)
+
+
+def test_an_unknown_tool_choice_is_an_error_in_each_shape(server) -> None:
+    tools = [{"name": "get_weather", "input_schema": WEATHER}]
+    r = httpx.post(server.url + "/messages", json={"model": "tiny", "max_tokens": 4, "messages": HI, "tools": tools,
+                                                   "tool_choice": {"type": "tool", "name": "nope"}})
+    assert "nope" in _anthropic_error(r, 400, "invalid_request_error")
+    r = httpx.post(server.url + "/responses", json={"model": "tiny", "input": "x", "tools": FLAT_TOOLS,
+                                                    "tool_choice": {"type": "function", "name": "nope"}})
+    assert r.status_code == 400 and "nope" in r.json()["error"]["message"]

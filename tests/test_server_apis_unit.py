@@ -1,7 +1,7 @@
-"""The Responses and Messages translations on their own (no server): request bodies -> chat bodies, chat
-objects and chunk streams -> Responses / Anthropic objects and events, each event checked against the
-official SDK's own type (``pydantic`` validation against the member of ``openai.types.responses.ResponseStreamEvent`` and
-``anthropic.types.RawMessageStreamEvent``)."""
+"""The Responses and Messages translations on their own (no server): request bodies -> chat bodies,
+chat objects and chunk streams -> Responses / Anthropic objects and events, each event validated
+(``pydantic``) as the official SDK's class for its type, a member of
+``openai.types.responses.ResponseStreamEvent`` or ``anthropic.types.RawMessageStreamEvent``."""
 
 from __future__ import annotations
 
@@ -266,7 +266,8 @@ def test_anthropic_blocks_become_chat_messages() -> None:
     ({"max_tokens": None}, "max_tokens", "Field required"),
     ({"max_tokens": 0}, "max_tokens", "positive"),
     ({"messages": [{"role": "system", "content": "x"}]}, "messages[0].role", "'user' or 'assistant'"),
-    ({"messages": [{"role": "user", "content": [{"type": "image", "source": {"type": "url", "url": "http://x/a.png"}}]}]},
+    ({"messages": [{"role": "user", "content": [{"type": "image", "source": {"type": "url",
+                                                                           "url": "http://x/a.png"}}]}]},
      "messages[0].content[0].source", "base64"),
     ({"messages": [{"role": "user", "content": [{"type": "document"}]}]}, "messages[0].content[0]", "document"),
     ({"tools": [{"type": "web_search_20250305", "name": "web_search"}]}, "tools[0]", "server tools"),

@@ -23,8 +23,7 @@ from starlette.responses import JSONResponse, Response
 
 from . import app as _app
 from . import messages_api, responses_api
-from .guard import loopback_host
-from .requests import APIError, chat_request
+from .requests import APIError
 
 RESPONSES_STORE = 256
 """Responses kept for ``previous_response_id`` (least recently used dropped first)."""
@@ -109,8 +108,7 @@ class AgentRoutes:
             self._authorize_anthropic(request)
             body = await self._body(request)
             chat = messages_api.chat_body(dict(body, max_tokens=1) if isinstance(body, Mapping) else body)
-            req = chat_request(chat, self.chat.config.model_name, self.chat.context,
-                               self.chat.config.file_urls and loopback_host(request.headers.get("host", "")))
+            req = self.chat._chat_turn(request, chat)[0]
             return JSONResponse({"input_tokens": await asyncio.to_thread(self._count, req)})
         except APIError as exc:
             return _anthropic_error(exc)
@@ -120,11 +118,12 @@ class AgentRoutes:
     def _count(self, req: Any) -> int:
         """The prompt's tokens: rendered (text only), or prepared with the engine's lock held (images are
         encoded by the vision tower, which runs one request at a time)."""
+        tools = list(req.tools) or None
         if not any(isinstance(m["content"], list) and any(p["type"] == "image" for p in m["content"])
                    for m in req.messages):
-            return len(self.chat.engine.render(req.messages, req.enable_thinking))
+            return len(self.chat.engine.render(req.messages, req.enable_thinking, tools=tools))
         with self.chat.lock:
-            return len(self.chat.engine.prepare(req.messages, req.enable_thinking).tokens)
+            return len(self.chat.engine.prepare(req.messages, req.enable_thinking, tools=tools).tokens)
 
     async def metrics(self, request: Request) -> Response:
         """``GET /metrics``: the Prometheus text exposition of this server's metrics."""

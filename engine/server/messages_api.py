@@ -26,6 +26,7 @@ ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "
 STOP_REASONS = {"stop": "end_turn", "length": "max_tokens", "tool_calls": "tool_use"}
 SAMPLING = ("temperature", "top_p", "top_k")
 THINKING = ("enabled", "adaptive", "between_tools", "disabled")
+EFFORT = {"low": "low", "medium": "medium", "high": "high", "xhigh": "high", "max": "high"}
 
 
 def error_body(error: APIError) -> dict[str, Any]:
@@ -197,8 +198,9 @@ def _thinking(value: Any) -> bool:
 
 
 def _output_config(value: Any, chat: dict[str, Any]) -> None:
-    """``output_config``: ``format`` (a JSON schema) as the chat ``response_format``, ``effort`` as
-    ``reasoning_effort`` (Anthropic's ``xhigh`` and ``max`` as ``high``, the most the chat route takes)."""
+    """``output_config``: ``format`` (a JSON schema) as the chat ``response_format``; ``effort``, when no
+    ``thinking`` is given (which then decides), as ``reasoning_effort`` (``xhigh`` and ``max`` as ``high``:
+    the template's thinking is on or off, with no levels in between)."""
     if not isinstance(value, Mapping):
         raise _bad("output_config must be an object", "output_config")
     fmt = value.get("format")
@@ -208,8 +210,11 @@ def _output_config(value: Any, chat: dict[str, Any]) -> None:
             raise _bad("output_config.format must be {type: json_schema, schema: {...}}", "output_config.format")
         chat["response_format"] = {"type": "json_schema", "json_schema": {"name": "output", "schema": fmt["schema"],
                                                                           "strict": True}}
-    if value.get("effort") is not None:
-        chat["reasoning_effort"] = {"xhigh": "high", "max": "high"}.get(value["effort"], value["effort"])
+    effort = value.get("effort")
+    if effort is not None and effort not in EFFORT:
+        raise _bad(f"output_config.effort must be one of {', '.join(EFFORT)}, got {effort!r}", "output_config.effort")
+    if effort is not None and "chat_template_kwargs" not in chat:
+        chat["reasoning_effort"] = EFFORT[effort]
 
 
 def chat_body(body: Any) -> dict[str, Any]:
@@ -229,7 +234,8 @@ def chat_body(body: Any) -> dict[str, Any]:
     if isinstance(limit, bool) or not isinstance(limit, int) or limit < 1:
         raise _bad("max_tokens: Field required (a positive integer)" if limit is None
                    else f"max_tokens must be a positive integer, got {limit!r}", "max_tokens")
-    chat: dict[str, Any] = {"model": body.get("model"), "max_tokens": limit, "messages": _messages(body.get("messages"))}
+    chat: dict[str, Any] = {"model": body.get("model"), "max_tokens": limit,
+                            "messages": _messages(body.get("messages"))}
     if body.get("system"):
         chat["messages"].insert(0, {"role": "system", "content": _system(body["system"])})
     chat.update({name: body[name] for name in SAMPLING if body.get(name) is not None})

@@ -215,7 +215,7 @@ def chat_body(body: Any, store: ResponseStore) -> dict[str, Any]:
         chat["response_format"] = response_format
     reasoning = body.get("reasoning")
     if isinstance(reasoning, Mapping) and reasoning.get("effort") is not None:
-        chat["reasoning_effort"] = reasoning["effort"]
+        chat["reasoning_effort"] = "high" if reasoning["effort"] == "xhigh" else reasoning["effort"]
     if body.get("stream"):
         chat["stream"], chat["stream_options"] = True, {"include_usage": True}
     return chat
