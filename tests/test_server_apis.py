@@ -138,6 +138,24 @@ def test_thinking_comes_back_as_thinking_blocks(claude, oai) -> None:
     assert "".join(pieces) == got.content[0].thinking and final.content[0].signature == got.content[0].signature
 
 
+def test_stop_sequences_end_the_message_and_are_named(claude, oai, server) -> None:
+    text = _chat(oai, HI, 12).choices[0].message.content
+    stop = text[len(text) // 2:len(text) // 2 + 2]
+    ask = {"model": "tiny", "max_tokens": 12, "messages": HI, "stop_sequences": [stop, "never in it"],
+           "extra_body": GREEDY}
+    got = claude.messages.create(**ask)
+    assert (got.stop_reason, got.stop_sequence) == ("stop_sequence", stop)
+    assert got.content[0].text == text[:text.find(stop)]
+    with claude.messages.stream(**ask) as stream:
+        final = stream.get_final_message()
+    assert (final.stop_reason, final.stop_sequence, final.content[0].text) == ("stop_sequence", stop,
+                                                                              got.content[0].text)
+    raw = httpx.post(server.url + "/chat/completions", timeout=60, json={
+        "model": "tiny", "messages": HI, "max_tokens": 12, "temperature": 0, "stop": [stop]}).json()
+    assert raw["choices"][0]["stop_reason"] == stop                  # vLLM's field, which the translation reads
+    assert "stop_reason" not in _chat(oai, HI, 12).choices[0].model_extra   # absent when no stop string ended it
+
+
 def test_count_tokens_is_the_rendered_prompt(claude, engine) -> None:
     counted = claude.messages.count_tokens(model="tiny", system="Be terse.", messages=HI)
     assert counted.input_tokens == len(engine.render([{"role": "system", "content": "Be terse."}] + HI))
