@@ -75,8 +75,8 @@ def _descriptions(schema: Any, param: str) -> None:
 
 
 def tools_of(value: Any) -> tuple[dict, ...]:
-    """The request's ``tools``, checked: function tools with unique valid names, a bounded description and
-    a valid JSON Schema of ``type: object`` as ``parameters`` (absent: no parameters)."""
+    """The request's ``tools``, checked (function tools with unique valid names, bounded descriptions and a
+    valid JSON Schema of ``type: object`` as ``parameters``, or none) and kept as sent."""
     if value is None:
         return ()
     if not isinstance(value, list):
@@ -112,12 +112,9 @@ def tools_of(value: Any) -> tuple[dict, ...]:
                 raise _bad(f"{where}.function.parameters: property name {key!r} cannot be written in a call"[:300],
                            where + ".function.parameters")
         _descriptions(params, where + ".function.parameters")
-        strict = fn.get("strict")
-        if strict is not None and not isinstance(strict, bool):
+        if fn.get("strict") is not None and not isinstance(fn["strict"], bool):
             raise _bad(f"{where}.function.strict must be true or false", where + ".function.strict")
-        function = {"name": name, "parameters": params} | (
-            {"description": fn["description"]} if fn.get("description") else {}) | ({"strict": True} if strict else {})
-        out.append({"type": "function", "function": function})
+        out.append(dict(tool))   # as sent: the template renders the client's own JSON (key order kept)
     return tuple(out)
 
 
