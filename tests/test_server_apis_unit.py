@@ -107,8 +107,11 @@ def test_responses_fields_map_onto_the_chat_body() -> None:
     with pytest.raises(APIError, match="only function tools"):
         responses_api.chat_body({"model": "m", "input": "x", "tools": [{"type": "web_search"}]},
                                 responses_api.ResponseStore())
-    with pytest.raises(APIError, match="background"):
-        responses_api.chat_body({"model": "m", "input": "x", "background": True}, responses_api.ResponseStore())
+    for refused in ({"background": True}, {"top_logprobs": 3}, {"conversation": "conv_1"}):
+        with pytest.raises(APIError, match=next(iter(refused))):
+            responses_api.chat_body({"model": "m", "input": "x", **refused}, responses_api.ResponseStore())
+    assert responses_api.chat_body({"model": "m", "input": "x", "background": False, "top_logprobs": 0},
+                                   responses_api.ResponseStore())["messages"] == [{"role": "user", "content": "x"}]
 
 
 def test_the_store_drops_the_least_recently_used() -> None:
@@ -273,6 +276,7 @@ def test_anthropic_blocks_become_chat_messages() -> None:
     ({"tools": [{"type": "web_search_20250305", "name": "web_search"}]}, "tools[0]", "server tools"),
     ({"tool_choice": {"type": "sometimes"}}, "tool_choice", "auto, any, tool or none"),
     ({"thinking": {"type": "enabled"}}, "thinking.budget_tokens", "positive integer"),
+    ({"mcp_servers": [{"type": "url", "url": "https://x", "name": "x"}]}, "mcp_servers", "not supported"),
 ])
 def test_bad_messages_fields_name_the_field(change, param, fragment) -> None:
     body = {"model": "m", "max_tokens": 5, "messages": [{"role": "user", "content": "Hi"}]}

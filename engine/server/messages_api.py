@@ -26,6 +26,7 @@ ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "
 STOP_REASONS = {"stop": "end_turn", "length": "max_tokens", "tool_calls": "tool_use"}
 SAMPLING = ("temperature", "top_p", "top_k")
 THINKING = ("enabled", "adaptive", "between_tools", "disabled")
+REFUSED = ("mcp_servers", "container")
 EFFORT = {"low": "low", "medium": "medium", "high": "high", "xhigh": "high", "max": "high"}
 
 
@@ -230,6 +231,9 @@ def chat_body(body: Any) -> dict[str, Any]:
     """
     if not isinstance(body, Mapping):
         raise _bad(f"the request body must be a JSON object, got {type(body).__name__}")
+    for name in REFUSED:
+        if body.get(name):
+            raise _bad(f"{name} is not supported by this server (its tools run on Anthropic's side)", name)
     limit = body.get("max_tokens")
     if isinstance(limit, bool) or not isinstance(limit, int) or limit < 1:
         raise _bad("max_tokens: Field required (a positive integer)" if limit is None

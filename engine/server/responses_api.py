@@ -25,7 +25,8 @@ from .requests import APIError
 SAMPLING = ("temperature", "top_p", "top_k", "min_p", "seed", "presence_penalty", "frequency_penalty",
             "repetition_penalty", "parallel_tool_calls")
 """Fields passed on to the chat body as they are (the last five are extensions, as llama.cpp's server takes)."""
-REFUSED = ("background", "conversation", "prompt")
+REFUSED = {"background": False, "conversation": None, "prompt": None, "top_logprobs": 0}
+"""Fields this server cannot honour, refused unless set to their harmless value (or null)."""
 ROLES = ("user", "system", "developer", "assistant")
 
 
@@ -193,8 +194,8 @@ def chat_body(body: Any, store: ResponseStore) -> dict[str, Any]:
     """
     if not isinstance(body, Mapping):
         raise _bad(f"the request body must be a JSON object, got {type(body).__name__}")
-    for name in REFUSED:
-        if body.get(name) not in (None, False):
+    for name, harmless in REFUSED.items():
+        if body.get(name) not in (None, harmless):
             raise _bad(f"{name} is not supported by this server", name, "unsupported_parameter")
     messages = store.conversation(body["previous_response_id"]) if body.get("previous_response_id") else []
     messages += input_messages(body.get("input"))
