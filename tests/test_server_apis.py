@@ -71,6 +71,18 @@ def test_a_streamed_response_rebuilds_the_whole(oai) -> None:
     assert [e.sequence_number for e in events] == list(range(len(events)))
 
 
+def test_reasoning_comes_back_as_a_reasoning_item(oai) -> None:
+    want = _chat(oai, HI, 6, reasoning_effort="high").choices[0].message.reasoning_content
+    got = oai.responses.create(model="tiny", input=HI, max_output_tokens=6, reasoning={"effort": "high"}, **GREEDY)
+    assert [item.type for item in got.output] == ["reasoning"]     # this babbling model never closes its think block
+    assert got.output[0].content[0].text == want
+    with oai.responses.stream(model="tiny", input=HI, max_output_tokens=6, reasoning={"effort": "high"},
+                              **GREEDY) as stream:
+        events = list(stream)
+    assert "".join(e.delta for e in events if e.type == "response.reasoning_text.delta") == want
+    assert events[-1].response.output[0].content[0].text == want
+
+
 def test_previous_response_id_continues_the_conversation(oai, engine) -> None:
     engine.clear_snapshots()
     first = oai.responses.create(model="tiny", instructions="Be terse.", input="Say hello.", max_output_tokens=4,
@@ -180,8 +192,10 @@ def _anthropic_error(response: httpx.Response, status: int, kind: str) -> str:
     ({"model": "tiny", "max_tokens": 4, "messages": [{"role": "user", "content": "word " * 600}]}, 400,
      "invalid_request_error", "context window holds 512"),
 ])
-def test_messages_errors_come_in_anthropic_shape(server, body, status, kind, fragment) -> None:
-    r = httpx.post(server.url + "/messages", json=body, headers={"anthropic-version": "2023-06-01"})
+@pytest.mark.parametrize("stream", [False, True])
+def test_messages_errors_come_in_anthropic_shape(server, body, status, kind, fragment, stream) -> None:
+    r = httpx.post(server.url + "/messages", json=body | {"stream": stream},
+                   headers={"anthropic-version": "2023-06-01"})
     assert fragment in _anthropic_error(r, status, kind)
 
 

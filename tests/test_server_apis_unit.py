@@ -330,3 +330,18 @@ def test_streamed_message_events_rebuild_the_whole_message() -> None:
             assert json.loads("".join(d["partial_json"] for d in deltas)) == block["input"]
     assert stream[-2]["delta"] == {"stop_reason": "tool_use", "stop_sequence": None}
     assert stream[-2]["usage"] == whole["usage"]
+
+
+def test_an_empty_answer_is_one_empty_message_streamed_or_not() -> None:
+    shell = responses_api.Shell({"model": "m"}, {"model": "m"})
+    whole = responses_api.response_object(shell, _completion({"role": "assistant", "content": ""}, "stop", USAGE))
+    events = responses_api.ResponseEvents(shell)
+    stream = events.start()
+    for chunk in _chunks({"content": ""}, "stop"):
+        stream += events.feed(chunk)
+    closing, final = events.end()
+    for event in stream + closing:
+        RESPONSE_EVENT.validate_python(event)
+    assert _without_ids(final["output"]) == _without_ids(whole["output"]) == [
+        {"type": "message", "role": "assistant", "status": "completed",
+         "content": [{"type": "output_text", "text": "", "annotations": [], "logprobs": []}]}]

@@ -257,13 +257,13 @@ def call_item(call: Mapping[str, Any], item_id: str | None = None, status: str =
 
 
 def output_items(message: Mapping[str, Any]) -> list[dict[str, Any]]:
-    """A chat ``message`` as Responses output items: reasoning, then the message (when it has text or
-    no calls), then one ``function_call`` per tool call."""
+    """A chat ``message`` as Responses output items: reasoning, the message's text, one ``function_call``
+    per tool call, each when there is one (an empty message when there is none of them)."""
     items = [reasoning_item(message["reasoning_content"])] if message.get("reasoning_content") else []
-    calls = message.get("tool_calls") or []
-    if message.get("content") or not calls:
-        items.append(message_item(message.get("content") or ""))
-    return items + [call_item(call) for call in calls]
+    if message.get("content"):
+        items.append(message_item(message["content"]))
+    items += [call_item(call) for call in message.get("tool_calls") or ()]
+    return items or [message_item("")]
 
 
 class Shell:
