@@ -10,7 +10,7 @@ import jsonschema
 import openai
 import pytest
 
-from engine.events import TurnSummary
+from engine.events import TokenEvent, TurnSummary
 from engine.sampling import SamplingParams
 from engine.server import ServerConfig, ServerThread
 from engine.server.tool_calls import CallReader, ToolCallStream
@@ -379,3 +379,31 @@ def test_a_response_format_with_tools_is_that_json_or_calls(client) -> None:
             jsonschema.validate(json.loads(got.message.content), PERSON)
         kinds.add(bool(got.message.tool_calls))
     assert kinds == {False, True}, "the seeds should show both kinds of answer"
+
+
+def test_server_logprobs_are_the_engines(client, engine, lock) -> None:
+    from dataclasses import replace
+
+    with lock:
+        events = [e for e in engine.chat(HI, replace(SamplingParams.greedy(5), top_logprobs=2))
+                  if isinstance(e, TokenEvent)]
+    got = client.chat.completions.create(model="tiny", messages=HI, max_tokens=5, temperature=0, logprobs=True,
+                                         top_logprobs=2).choices[0].logprobs.content
+    assert [t.logprob for t in got] == [e.logprob for e in events]
+    assert [[a.logprob for a in t.top_logprobs] for t in got] == [[lp for _, lp in e.top_logprobs] for e in events]
+    assert [bytes(t.bytes) for t in got] == [engine.token_bytes(e.token_id) for e in events]
+
+
+def test_a_call_after_the_thinking_with_thinking_on(client, engine) -> None:
+    """Thinking on and a forced call: the thinking stays free up to ``</think>`` (pushed here by a logit
+    bias, as a random model would not close it), then the grammar's call; streamed and whole agree."""
+    close = engine.tokenizer.token_id("</think>")
+    kw = dict(model="tiny", messages=ASK, tools=TOOLS, tool_choice="required", parallel_tool_calls=False,
+              max_tokens=150, temperature=1.0, seed=5, logit_bias={str(close): 100}, reasoning_effort="high")
+    whole = client.chat.completions.create(**kw).choices[0]
+    [call] = whole.message.tool_calls
+    _valid_call(call)
+    assert whole.finish_reason == "tool_calls" and whole.message.content is None
+    chunks = list(client.chat.completions.create(stream=True, **kw))
+    args = "".join(tc.function.arguments or "" for c in chunks for tc in (c.choices[0].delta.tool_calls or []))
+    assert args == call.function.arguments
