@@ -9,6 +9,7 @@ docs/perf/constrained-decoding.md). Three objects:
   Every added token (control or user-defined: ``<|im_end|>``, ``<think>``, ``</think>``, ``<tool_call>``, ...)
   is a *special* token there: a lark grammar names it ``<tool_call>``, and text that merely spells it does
   not match it (the engine's tokenizer, too, always reads those strings as the single token).
+* :func:`lark_json` embeds a JSON schema in a lark grammar (``%json {...}`` with the same JSON layout).
 * :class:`Grammar`: compiled once (lark, JSON schema or any JSON object), immutable, reusable across answers.
 * :class:`Matcher` (``Grammar.matcher()``): one answer's parser state. ``allowed()`` -> (n_vocab,) bool mask
   of the next token, ``accept(token_id)`` advances it, ``done`` says nothing but an end-of-generation token may
@@ -98,6 +99,17 @@ def _json_grammar(schema: Any, name: str) -> dict:
         options = {**JSON_OPTIONS, **schema.get("x-guidance", {})}
         schema = {**schema, "x-guidance": options}
     return {"name": name, "json_schema": schema}
+
+
+def lark_json(schema: Any) -> str:
+    """``%json {...}`` for a lark grammar: ``schema`` checked, with :data:`JSON_OPTIONS` (its own ``x-guidance``
+    wins), so JSON inside a lark grammar (e.g. a tool call's arguments) has the same fixed layout.
+
+    Raises:
+        GrammarError: ``schema`` is not valid JSON Schema.
+    """
+    _check_schema(schema)
+    return "%json " + json.dumps(_json_grammar(schema, "")["json_schema"])
 
 
 def grammar_source(*, lark: str | None = None, json_schema: Any = None, json_object: bool = False,

@@ -109,8 +109,11 @@ def logprobs(logits: np.ndarray, token: int, top: int) -> tuple[float, tuple[tup
     x = np.asarray(logits, dtype=np.float64)
     m = x.max()
     lse = m + math.log(np.exp(x - m).sum())
-    best = np.argpartition(-x, top - 1)[:top] if 0 < top < x.size else np.arange(x.size if top else 0)
-    best = best[np.lexsort((best, -x[best]))]
+    if 0 < top < x.size:
+        best = np.flatnonzero(x >= np.partition(x, x.size - top)[x.size - top])  # ties at the cut all enter
+    else:
+        best = np.arange(x.size if top else 0)
+    best = best[np.lexsort((best, -x[best]))][:top]
     return float(x[token] - lse), tuple((int(i), float(x[i] - lse)) for i in best)
 
 

@@ -10,7 +10,11 @@ import jsonschema
 import openai
 import pytest
 
+from engine.events import TokenEvent, TurnSummary
+from engine.sampling import SamplingParams
 from engine.server import ServerConfig, ServerThread
+from engine.server.tool_calls import CallReader, ToolCallStream
+from engine.server.tool_grammar import call_grammar
 
 HI = [{"role": "user", "content": "Say hello."}]
 
@@ -338,3 +342,68 @@ def test_strict_tool_arguments_are_enforced_under_auto(client, engine) -> None:
         [call] = got.choices[0].message.tool_calls
         _valid_call(call, [strict])
         assert got.choices[0].finish_reason == "tool_calls"
+
+
+def test_the_json_call_format_grammar_gives_valid_calls(engine, lock) -> None:
+    """The grammar of the older templates' JSON calls, run on the engine directly (the synth model's
+    template teaches the XML form, so the server would not choose this one)."""
+    grammar = engine.grammar(lark=call_grammar(TOOLS, "json", "required", None, False, None))
+    reader = CallReader({t["function"]["name"]: t["function"] for t in TOOLS}, "json")
+    for seed in range(4):
+        with lock:
+            summary = [e for e in engine.chat(ASK, SamplingParams(temperature=1.0, seed=seed, max_tokens=150),
+                                              tools=TOOLS, grammar=grammar) if isinstance(e, TurnSummary)][-1]
+        stream = ToolCallStream(reader)
+        pieces = stream.push([("content", summary.text)], False) + stream.close()
+        [(kind, call)] = pieces
+        assert kind == "call" and summary.stop_reason == "eos"
+        schema = next(t["function"]["parameters"] for t in TOOLS if t["function"]["name"] == call.name)
+        jsonschema.validate(json.loads(call.arguments), schema)
+
+
+def test_a_response_format_with_tools_is_that_json_or_calls(client) -> None:
+    """Under auto the answer is the format's JSON or calls (strict tools here: their arguments follow the
+    schema, and they end, which a random model's free-text argument would not)."""
+    fmt = {"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON}}
+    strict = [{"type": "function", "function": t["function"] | {"strict": True}} for t in TOOLS]
+    kinds = set()
+    for seed in range(6):
+        got = client.chat.completions.create(model="tiny", messages=HI, tools=strict, response_format=fmt,
+                                             parallel_tool_calls=False, max_tokens=80, temperature=1.0,
+                                             seed=seed).choices[0]
+        if got.message.tool_calls:
+            [call] = got.message.tool_calls
+            assert got.finish_reason == "tool_calls" and _valid_call(call, strict) is not None
+        else:
+            assert got.finish_reason == "stop"
+            jsonschema.validate(json.loads(got.message.content), PERSON)
+        kinds.add(bool(got.message.tool_calls))
+    assert kinds == {False, True}, "the seeds should show both kinds of answer"
+
+
+def test_server_logprobs_are_the_engines(client, engine, lock) -> None:
+    from dataclasses import replace
+
+    with lock:
+        events = [e for e in engine.chat(HI, replace(SamplingParams.greedy(5), top_logprobs=2))
+                  if isinstance(e, TokenEvent)]
+    got = client.chat.completions.create(model="tiny", messages=HI, max_tokens=5, temperature=0, logprobs=True,
+                                         top_logprobs=2).choices[0].logprobs.content
+    assert [t.logprob for t in got] == [e.logprob for e in events]
+    assert [[a.logprob for a in t.top_logprobs] for t in got] == [[lp for _, lp in e.top_logprobs] for e in events]
+    assert [bytes(t.bytes) for t in got] == [engine.token_bytes(e.token_id) for e in events]
+
+
+def test_a_call_after_the_thinking_with_thinking_on(client, engine) -> None:
+    """Thinking on and a forced call: the thinking stays free up to ``</think>`` (pushed here by a logit
+    bias, as a random model would not close it), then the grammar's call; streamed and whole agree."""
+    close = engine.tokenizer.token_id("</think>")
+    kw = dict(model="tiny", messages=ASK, tools=TOOLS, tool_choice="required", parallel_tool_calls=False,
+              max_tokens=150, temperature=1.0, seed=5, logit_bias={str(close): 100}, reasoning_effort="high")
+    whole = client.chat.completions.create(**kw).choices[0]
+    [call] = whole.message.tool_calls
+    _valid_call(call)
+    assert whole.finish_reason == "tool_calls" and whole.message.content is None
+    chunks = list(client.chat.completions.create(stream=True, **kw))
+    args = "".join(tc.function.arguments or "" for c in chunks for tc in (c.choices[0].delta.tool_calls or []))
+    assert args == call.function.arguments

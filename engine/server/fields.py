@@ -18,7 +18,7 @@ from typing import Any
 
 import jsonschema
 
-from engine.sampling import SamplingParams
+from engine.sampling import MAX_TOP_LOGPROBS, SamplingParams
 
 from .requests import APIError, TurnRequest
 
@@ -26,7 +26,6 @@ MAX_TOOLS = 128
 """Most tools one request may offer."""
 MAX_DESCRIPTION = 64 << 10
 """Longest tool or parameter description, characters (an agent's longest run to a few thousand)."""
-MAX_TOP_LOGPROBS = 20
 _NAME = re.compile(r"[a-zA-Z0-9_-]{1,64}")
 _PARAM_NAME = re.compile(r"[^<>\n]{1,256}")
 TEMPLATE_KWARGS = {"enable_thinking"}

@@ -32,6 +32,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from .answer import partial_suffix
+
 log = logging.getLogger(__name__)
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
@@ -185,14 +187,6 @@ class CallReader:
         return (call["name"], arguments) if isinstance(arguments, dict) else (None, {})
 
 
-def _partial_suffix(text: str, tag: str) -> int:
-    """Length of the longest end of ``text`` that is a proper beginning of ``tag`` (0 when none)."""
-    for n in range(min(len(text), len(tag) - 1), 0, -1):
-        if text.endswith(tag[:n]):
-            return n
-    return 0
-
-
 Piece = tuple[str, Any]
 """``("reasoning", text)``, ``("content", text)`` or ``("call", ToolCall)``."""
 
@@ -267,7 +261,7 @@ class ToolCallStream:
                 self._content(out, self._text[:start], call_follows=True)
                 self._text, self._in_block = self._text[start + len(OPEN):], True
                 continue
-            keep = len(self._text) - _partial_suffix(self._text, OPEN)
+            keep = len(self._text) - partial_suffix(self._text, OPEN)
             self._content(out, self._text[:keep], call_follows=False, hold_ws=True)
             self._text = self._text[keep:]
             return
@@ -292,7 +286,7 @@ class ToolCallStream:
             if self._think_state == "text":
                 start = self._think.find(OPEN)
                 if start < 0:
-                    keep = len(self._think) - _partial_suffix(self._think, OPEN)
+                    keep = len(self._think) - partial_suffix(self._think, OPEN)
                     self._reason(out, self._think[:keep])
                     self._think = self._think[keep:]
                     return
