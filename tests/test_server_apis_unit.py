@@ -12,7 +12,7 @@ import anthropic.types
 import openai.types.responses
 import pytest
 
-from engine.server import messages_api, responses_api
+from engine.server import messages_api, responses_api, responses_stream
 from engine.server.requests import APIError
 
 
@@ -107,6 +107,12 @@ def test_responses_fields_map_onto_the_chat_body() -> None:
     with pytest.raises(APIError, match="only function tools"):
         responses_api.chat_body({"model": "m", "input": "x", "tools": [{"type": "web_search"}]},
                                 responses_api.ResponseStore())
+    for bad, param in (({"max_output_tokens": 0}, "max_output_tokens"), ({"text": "json"}, "text"),
+                       ({"reasoning": "high"}, "reasoning"), ({"text": {"format": {"type": "yaml"}}}, "text.format"),
+                       ({"instructions": ["x"]}, "instructions"), ({"tool_choice": 3}, "tool_choice")):
+        with pytest.raises(APIError) as err:
+            responses_api.chat_body({"model": "m", "input": "x", **bad}, responses_api.ResponseStore())
+        assert err.value.param == param
     for refused in ({"background": True}, {"top_logprobs": 3}, {"conversation": "conv_1"}):
         with pytest.raises(APIError, match=next(iter(refused))):
             responses_api.chat_body({"model": "m", "input": "x", **refused}, responses_api.ResponseStore())
@@ -178,7 +184,7 @@ def _without_ids(items: list[dict]) -> list[dict]:
 def test_streamed_response_events_rebuild_the_whole_response(finish, status) -> None:
     shell = responses_api.Shell({"model": "m", "input": "x"}, {"model": "m"})
     whole = responses_api.response_object(shell, _completion(ANSWER, finish, USAGE))
-    events = responses_api.ResponseEvents(shell)
+    events = responses_stream.ResponseEvents(shell)
     stream = events.start()
     for chunk in _chunks(ANSWER, finish):
         stream += events.feed(chunk)
@@ -208,7 +214,7 @@ def test_streamed_response_events_rebuild_the_whole_response(finish, status) -> 
 
 
 def test_a_failed_stream_ends_with_response_failed() -> None:
-    events = responses_api.ResponseEvents(responses_api.Shell({"model": "m"}, {"model": "m"}))
+    events = responses_stream.ResponseEvents(responses_api.Shell({"model": "m"}, {"model": "m"}))
     stream = events.start() + events.feed(_chunks({"content": "abc"}, "stop")[1])
     stream += events.fail(APIError(500, "engine broke", type="server_error"))
     for event in stream:
@@ -335,7 +341,7 @@ def test_streamed_message_events_rebuild_the_whole_message() -> None:
 def test_an_empty_answer_is_one_empty_message_streamed_or_not() -> None:
     shell = responses_api.Shell({"model": "m"}, {"model": "m"})
     whole = responses_api.response_object(shell, _completion({"role": "assistant", "content": ""}, "stop", USAGE))
-    events = responses_api.ResponseEvents(shell)
+    events = responses_stream.ResponseEvents(shell)
     stream = events.start()
     for chunk in _chunks({"content": ""}, "stop"):
         stream += events.feed(chunk)

@@ -22,7 +22,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from . import app as _app
-from . import messages_api, responses_api
+from . import messages_api, responses_api, responses_stream
 from .requests import APIError
 
 RESPONSES_STORE = 256
@@ -73,7 +73,7 @@ class AgentRoutes:
             response = responses_api.response_object(shell, await self.chat.chat(request, chat))
             self.store.keep(chat, response)
             return JSONResponse(response)
-        events = responses_api.ResponseEvents(shell)
+        events = responses_stream.ResponseEvents(shell)
         translated = _translated(self.chat.chat_chunks(request, chat), _Ending(events, self.store, chat))
         return await _app.event_stream(translated, frame=_named, error=lambda exc: _frames(events.fail(exc)), end="")
 
@@ -135,9 +135,9 @@ class AgentRoutes:
 
 
 class _Ending:
-    """A :class:`responses_api.ResponseEvents` whose ``end`` also keeps the finished response in ``store``."""
+    """A :class:`responses_stream.ResponseEvents` whose ``end`` also keeps the finished response in ``store``."""
 
-    def __init__(self, events: responses_api.ResponseEvents, store: responses_api.ResponseStore,
+    def __init__(self, events: responses_stream.ResponseEvents, store: responses_api.ResponseStore,
                  chat: dict[str, Any]) -> None:
         self.events, self.store, self.chat = events, store, chat
         self.start, self.feed = events.start, events.feed

@@ -2,7 +2,7 @@
 
 A Responses request becomes a chat-completions body (:func:`chat_body`), which the server runs as any
 chat turn; the chat.completion object becomes a response object (:func:`response_object`) and the
-streamed chunks become the Responses events (:class:`ResponseEvents`). Field names, item shapes and
+streamed chunks become the Responses events (:mod:`.responses_stream`). Field names, item shapes and
 the event sequence follow the OpenAI API reference (https://platform.openai.com/docs/api-reference/responses)
 and the ``openai`` SDK's types (``openai.types.responses``). ``previous_response_id`` names a response
 kept by :class:`ResponseStore` (this server's lifetime, least recently used dropped first): its input
@@ -174,7 +174,9 @@ def _tool_choice(value: Any) -> Any:
 
 def _text_format(text: Any) -> dict | None:
     """``text.format`` as a chat ``response_format`` (None for plain text)."""
-    fmt = text.get("format") if isinstance(text, Mapping) else None
+    if text is not None and not isinstance(text, Mapping):
+        raise _bad("text must be an object ({format: {...}})", "text")
+    fmt = text.get("format") if text is not None else None
     if fmt is None or (isinstance(fmt, Mapping) and fmt.get("type") == "text"):
         return None
     if not isinstance(fmt, Mapping) or fmt.get("type") not in ("json_object", "json_schema"):
@@ -206,8 +208,11 @@ def chat_body(body: Any, store: ResponseStore) -> dict[str, Any]:
     if instructions:
         chat["messages"] = [{"role": "system", "content": instructions}] + messages
     chat.update({name: body[name] for name in SAMPLING if body.get(name) is not None})
-    if body.get("max_output_tokens") is not None:
-        chat["max_completion_tokens"] = body["max_output_tokens"]
+    limit = body.get("max_output_tokens")
+    if limit is not None and (isinstance(limit, bool) or not isinstance(limit, int) or limit < 1):
+        raise _bad(f"max_output_tokens must be a positive integer, got {limit!r}", "max_output_tokens")
+    if limit is not None:
+        chat["max_completion_tokens"] = limit
     if body.get("tools"):
         chat["tools"] = _tools(body["tools"])
     if body.get("tool_choice") is not None:
@@ -215,14 +220,16 @@ def chat_body(body: Any, store: ResponseStore) -> dict[str, Any]:
     if (response_format := _text_format(body.get("text"))) is not None:
         chat["response_format"] = response_format
     reasoning = body.get("reasoning")
-    if isinstance(reasoning, Mapping) and reasoning.get("effort") is not None:
+    if reasoning is not None and not isinstance(reasoning, Mapping):
+        raise _bad("reasoning must be an object ({effort, summary})", "reasoning")
+    if reasoning and reasoning.get("effort") is not None:
         chat["reasoning_effort"] = "high" if reasoning["effort"] == "xhigh" else reasoning["effort"]
     if body.get("stream"):
         chat["stream"], chat["stream_options"] = True, {"include_usage": True}
     return chat
 
 
-def _new_id(prefix: str) -> str:
+def new_id(prefix: str) -> str:
     return f"{prefix}_{uuid.uuid4().hex}"
 
 
@@ -242,17 +249,17 @@ def usage_of(chat_usage: Mapping[str, Any] | None) -> dict[str, Any] | None:
 
 
 def reasoning_item(text: str, item_id: str | None = None, status: str = "completed") -> dict[str, Any]:
-    return {"id": item_id or _new_id("rs"), "type": "reasoning", "summary": [], "status": status,
+    return {"id": item_id or new_id("rs"), "type": "reasoning", "summary": [], "status": status,
             "content": [{"type": "reasoning_text", "text": text}]}
 
 
 def message_item(text: str, item_id: str | None = None, status: str = "completed") -> dict[str, Any]:
-    return {"id": item_id or _new_id("msg"), "type": "message", "role": "assistant", "status": status,
+    return {"id": item_id or new_id("msg"), "type": "message", "role": "assistant", "status": status,
             "content": [{"type": "output_text", "text": text, "annotations": [], "logprobs": []}]}
 
 
 def call_item(call: Mapping[str, Any], item_id: str | None = None, status: str = "completed") -> dict[str, Any]:
-    return {"id": item_id or _new_id("fc"), "type": "function_call", "status": status, "call_id": call["id"],
+    return {"id": item_id or new_id("fc"), "type": "function_call", "status": status, "call_id": call["id"],
             "name": call["function"]["name"], "arguments": call["function"]["arguments"]}
 
 
@@ -270,7 +277,7 @@ class Shell:
     """What a response object repeats of its request (echoed fields), its id and creation time."""
 
     def __init__(self, body: Mapping[str, Any], chat: Mapping[str, Any]) -> None:
-        self.id, self.created_at = _new_id("resp"), int(time.time())
+        self.id, self.created_at = new_id("resp"), int(time.time())
         text = body.get("text") if isinstance(body.get("text"), Mapping) else {}
         reasoning = body.get("reasoning") if isinstance(body.get("reasoning"), Mapping) else {}
         self.fields = {
@@ -363,125 +370,3 @@ class ResponseStore:
             messages = messages[1:]
         self.put(response["id"], messages + [assistant_message(response["output"])])
 
-
-class ResponseEvents:
-    """Chat-completion chunks -> the Responses stream events, in the OpenAI order: ``response.created``,
-    ``response.in_progress``, then per output item ``response.output_item.added``, its content part's
-    ``added``/deltas/``done`` (``output_text`` or ``reasoning_text``; ``function_call_arguments`` for a
-    call), ``response.output_item.done``, and last ``response.completed`` (or ``response.incomplete``
-    at ``max_output_tokens``, ``response.failed`` on an error). Each event carries ``sequence_number``.
-    """
-
-    def __init__(self, shell: Shell) -> None:
-        self.shell = shell
-        self.seq = 0
-        self.output: list[dict] = []
-        self.open: dict | None = None
-        self.calls: dict[int, dict] = {}
-        self.finish: str | None = None
-        self.usage: dict | None = None
-
-    def _event(self, kind: str, **fields: Any) -> dict[str, Any]:
-        self.seq += 1
-        return {"type": kind, "sequence_number": self.seq - 1, **fields}
-
-    def start(self) -> list[dict]:
-        head = self.shell.response("in_progress", [])
-        return [self._event("response.created", response=head), self._event("response.in_progress", response=head)]
-
-    def _where(self) -> dict[str, Any]:
-        return {"item_id": self.open["id"], "output_index": len(self.output) - 1}
-
-    def _begin(self, item: dict) -> list[dict]:
-        out = self._close()
-        self.output.append(item)
-        self.open = item
-        out.append(self._event("response.output_item.added", output_index=len(self.output) - 1,
-                               item=json.loads(json.dumps(item))))
-        if item["type"] != "function_call":
-            part = {"type": item["content"][0]["type"], "text": ""}
-            if part["type"] == "output_text":
-                part["annotations"] = []
-            out.append(self._event("response.content_part.added", **self._where(), content_index=0, part=part))
-        return out
-
-    def _close(self) -> list[dict]:
-        item, out = self.open, []
-        if item is None:
-            return out
-        item["status"] = "completed"
-        if item["type"] == "function_call":
-            out.append(self._event("response.function_call_arguments.done", **self._where(),
-                                   name=item["name"], arguments=item["arguments"]))
-        else:
-            part = item["content"][0]
-            kind = "response.output_text.done" if part["type"] == "output_text" else "response.reasoning_text.done"
-            extra = {"logprobs": []} if part["type"] == "output_text" else {}
-            out.append(self._event(kind, **self._where(), content_index=0, text=part["text"], **extra))
-            out.append(self._event("response.content_part.done", **self._where(), content_index=0, part=part))
-        out.append(self._event("response.output_item.done", output_index=len(self.output) - 1, item=item))
-        self.open = None
-        return out
-
-    def _text(self, kind: str, text: str) -> list[dict]:
-        out: list[dict] = []
-        if self.open is None or self.open["type"] != kind:
-            item = reasoning_item("", status="in_progress") if kind == "reasoning" else message_item(
-                "", status="in_progress")
-            out += self._begin(item)
-        part = self.open["content"][0]
-        part["text"] += text
-        name = "response.output_text.delta" if kind == "message" else "response.reasoning_text.delta"
-        extra = {"logprobs": []} if kind == "message" else {}
-        out.append(self._event(name, **self._where(), content_index=0, delta=text, **extra))
-        return out
-
-    def _call(self, piece: Mapping[str, Any]) -> list[dict]:
-        out: list[dict] = []
-        function = piece.get("function") or {}
-        index = piece.get("index", 0)
-        if index not in self.calls:
-            call = {"id": piece.get("id") or _new_id("call"), "function": {"name": function.get("name") or "",
-                                                                            "arguments": ""}}
-            self.calls[index] = call_item(call, status="in_progress")
-            out += self._begin(self.calls[index])
-        item = self.calls[index]
-        if function.get("arguments"):
-            item["arguments"] += function["arguments"]
-            out.append(self._event("response.function_call_arguments.delta", item_id=item["id"],
-                                   output_index=self.output.index(item), delta=function["arguments"]))
-        return out
-
-    def feed(self, chunk: Mapping[str, Any]) -> list[dict]:
-        """The events one chat.completion.chunk makes (none for the role chunk)."""
-        if chunk.get("usage"):
-            self.usage = usage_of(chunk["usage"])
-        out: list[dict] = []
-        for choice in chunk.get("choices") or ():
-            delta = choice.get("delta") or {}
-            if delta.get("reasoning_content"):
-                out += self._text("reasoning", delta["reasoning_content"])
-            if delta.get("content"):
-                out += self._text("message", delta["content"])
-            for piece in delta.get("tool_calls") or ():
-                out += self._call(piece)
-            if choice.get("finish_reason"):
-                self.finish = choice["finish_reason"]
-        return out
-
-    def end(self) -> tuple[list[dict], dict[str, Any]]:
-        """The closing events and the finished response object."""
-        out = self._close()
-        if not self.output:
-            out += self._begin(message_item("", status="in_progress")) + self._close()
-        status = status_of(self.finish)
-        response = self.shell.response(status, self.output, self.usage)
-        kind = "response.incomplete" if status == "incomplete" else "response.completed"
-        return out + [self._event(kind, response=response)], response
-
-    def fail(self, error: APIError) -> list[dict]:
-        """The closing events of a stream that failed (``response.failed`` with the error)."""
-        out = self._close()
-        failed = self.shell.response("failed", self.output, self.usage,
-                                     {"code": error.code or error.type, "message": error.message})
-        return out + [self._event("response.failed", response=failed)]
