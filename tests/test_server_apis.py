@@ -222,7 +222,12 @@ def test_the_key_may_come_as_x_api_key_or_bearer(engine, served) -> None:
         with pytest.raises(openai.AuthenticationError):
             openai.OpenAI(base_url=srv.url, api_key="wrong", max_retries=0).responses.create(model="tiny", input="x")
         assert httpx.get(base + "/metrics").status_code == 401
-        assert httpx.get(base + "/metrics", headers={"Authorization": "Bearer s3cret"}).status_code == 200
+        scraped = httpx.get(base + "/metrics", headers={"Authorization": "Bearer s3cret"})
+        assert scraped.status_code == 200
+        counts = {tuple(sorted(s.labels.items())): s.value for f in text_string_to_metric_families(scraped.text)
+                  for s in f.samples if s.name == "deltadesk_requests_total"}
+        assert counts[(("route", "/v1/messages"), ("status", "200"))] == 1       # this server's registry only
+        assert counts[(("route", "/v1/messages"), ("status", "401"))] == 1
     finally:
         srv.stop()
 
@@ -266,6 +271,8 @@ def test_metrics_count_what_was_served(server, oai) -> None:
     before = _metrics(base)
     answer = _chat(oai, [{"role": "user", "content": "Count the metrics."}], 5)
     httpx.get(server.url + "/nowhere")
+    httpx.post(server.url + "/messages", json={"model": "tiny", "messages": HI})          # no max_tokens: 400
+    httpx.post(server.url + "/messages/count_tokens", json={"model": "tiny", "messages": HI})
     after = _metrics(base)
 
     def grew(name: str, **labels: str) -> float:
@@ -274,6 +281,8 @@ def test_metrics_count_what_was_served(server, oai) -> None:
 
     assert grew("deltadesk_requests_total", route="/v1/chat/completions", status="200") == 1
     assert grew("deltadesk_requests_total", route="other", status="404") == 1
+    assert grew("deltadesk_requests_total", route="/v1/messages", status="400") == 1
+    assert grew("deltadesk_requests_total", route="/v1/messages/count_tokens", status="200") == 1
     assert grew("deltadesk_requests_total", route="/metrics", status="200") == 1     # the first scrape
     cached = answer.usage.prompt_tokens_details.cached_tokens
     assert grew("deltadesk_prompt_tokens_total", source="resumed") == cached
