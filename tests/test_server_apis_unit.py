@@ -72,6 +72,10 @@ def test_responses_input_items_become_chat_messages() -> None:
         {"role": "assistant", "content": [{"type": "text", "text": "18 C at noon."}]},
     ]
     assert responses_api.input_messages("Hi") == [{"role": "user", "content": "Hi"}]
+    orphan = [{"type": "reasoning", "summary": [{"type": "summary_text", "text": "hm"}]},
+              {"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello."}]
+    assert responses_api.input_messages(orphan) == [{"role": "user", "content": "Hi"},
+                                                    {"role": "assistant", "content": "Hello."}]
 
 
 @pytest.mark.parametrize("items, param", [
@@ -283,6 +287,8 @@ def test_anthropic_blocks_become_chat_messages() -> None:
     ({"tool_choice": {"type": "sometimes"}}, "tool_choice", "auto, any, tool or none"),
     ({"thinking": {"type": "enabled"}}, "thinking.budget_tokens", "positive integer"),
     ({"mcp_servers": [{"type": "url", "url": "https://x", "name": "x"}]}, "mcp_servers", "not supported"),
+    ({"messages": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "The answer is"}]},
+     "messages[1]", "prefilled"),
 ])
 def test_bad_messages_fields_name_the_field(change, param, fragment) -> None:
     body = {"model": "m", "max_tokens": 5, "messages": [{"role": "user", "content": "Hi"}]}

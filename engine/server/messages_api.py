@@ -149,6 +149,10 @@ def _messages(value: Any) -> list[dict]:
             out.append(_assistant(m.get("content"), where + ".content"))
         else:
             raise _bad(f"{where}.role must be 'user' or 'assistant', got {role!r}", where + ".role")
+    if out[-1]["role"] == "assistant":
+        last = f"messages[{len(value) - 1}]"
+        raise _bad(f"{last}: a conversation ending with an assistant message (a prefilled answer to continue) is "
+                   "not supported: the model would start a new answer after it; end with a user message", last)
     return out
 
 

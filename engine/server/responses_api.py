@@ -95,6 +95,7 @@ class _Conversation:
             if not isinstance(call_id, str) or not call_id:
                 raise _bad(f"{where}.call_id must be the call_id of a function_call", where + ".call_id")
             output = _text_of(item.get("output"), where + ".output", ("input_text", "output_text"))
+            self.reasoning = None
             self.messages.append({"role": "tool", "tool_call_id": call_id, "content": output})
         elif kind == "reasoning":
             texts = [p.get("text") for p in (item.get("content") or item.get("summary") or [])
@@ -109,8 +110,7 @@ class _Conversation:
         if role not in ROLES:
             raise _bad(f"{where}.role must be one of {', '.join(ROLES)}, got {role!r}", where + ".role")
         message: dict[str, Any] = {"role": role, "content": _content(item.get("content"), where + ".content")}
-        if role == "assistant":
-            self._take_reasoning(message)
+        self._take_reasoning(message)
         self.messages.append(message)
 
     def _call(self, item: Mapping[str, Any], where: str) -> None:
@@ -129,8 +129,11 @@ class _Conversation:
         self.messages.append(message)
 
     def _take_reasoning(self, message: dict[str, Any]) -> None:
-        if self.reasoning is not None:
-            message["reasoning_content"], self.reasoning = self.reasoning, None
+        """Give ``message`` the reasoning item before it when it is the assistant's (a reasoning item
+        followed by anything else belongs to no answer and is dropped)."""
+        if self.reasoning is not None and message["role"] == "assistant":
+            message["reasoning_content"] = self.reasoning
+        self.reasoning = None
 
 
 def input_messages(value: Any) -> list[dict]:
