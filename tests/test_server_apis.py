@@ -423,3 +423,21 @@ def test_an_unknown_tool_choice_is_an_error_in_each_shape(server) -> None:
     r = httpx.post(server.url + "/responses", json={"model": "tiny", "input": "x", "tools": FLAT_TOOLS,
                                                     "tool_choice": {"type": "function", "name": "nope"}})
     assert r.status_code == 400 and "nope" in r.json()["error"]["message"]
+
+
+def test_a_messages_client_that_leaves_while_queued_is_not_an_error(server, served) -> None:
+    import time
+
+    base, lock = server.url.removesuffix("/v1"), served[1]
+    before = _metrics(base)
+    with lock:          # the engine is busy: the request waits, and its client gives up
+        with pytest.raises(httpx.ReadTimeout):
+            httpx.post(server.url + "/messages", timeout=0.5, json={"model": "tiny", "max_tokens": 2, "messages": HI})
+        deadline = time.monotonic() + 30
+        key = ("deltadesk_requests_total", (("route", "/v1/messages"), ("status", "499")))
+        while _metrics(base).get(key, 0.0) == before.get(key, 0.0) and time.monotonic() < deadline:
+            time.sleep(0.05)
+    after = _metrics(base)
+    assert after[key] - before.get(key, 0.0) == 1
+    failed = ("deltadesk_requests_total", (("route", "/v1/messages"), ("status", "500")))
+    assert after.get(failed, 0.0) == before.get(failed, 0.0)

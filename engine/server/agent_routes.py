@@ -100,6 +100,8 @@ class AgentRoutes:
                                            error=lambda exc: _frames(events.fail(exc)), end="")
         except APIError as exc:
             return _anthropic_error(exc)
+        except _app._ClientGone:
+            raise                 # nobody to answer (the app answers 499)
         except Exception as exc:  # noqa: BLE001 - any other failure in Anthropic's shape too
             return _anthropic_error(_app._error_of(exc))
 
