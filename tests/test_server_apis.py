@@ -441,3 +441,49 @@ def test_a_messages_client_that_leaves_while_queued_is_not_an_error(server, serv
     assert after[key] - before.get(key, 0.0) == 1
     failed = ("deltadesk_requests_total", (("route", "/v1/messages"), ("status", "500")))
     assert after.get(failed, 0.0) == before.get(failed, 0.0)
+
+
+class _Pausing:
+    """The served engine whose turns stop after three tokens until their cancel flag is set (the third
+    argument of ``chat``) or 60 s pass, recording each turn's summary: a turn running when its client leaves."""
+
+    def __init__(self, engine) -> None:
+        self.engine, self.summaries = engine, []
+
+    def __getattr__(self, name):
+        return getattr(self.engine, name)
+
+    def chat(self, *args, **kwargs):
+        from engine.events import TokenEvent, TurnSummary
+
+        tokens = 0
+        for event in self.engine.chat(*args, **kwargs):
+            if isinstance(event, TurnSummary):
+                self.summaries.append(event)
+            yield event
+            tokens += isinstance(event, TokenEvent)
+            if tokens == 3:
+                args[2].wait(60)
+
+
+@pytest.mark.parametrize("path, body", [
+    ("/messages", {"max_tokens": 400, "messages": HI}),
+    ("/responses", {"max_output_tokens": 400, "input": "Say hello."}),
+])
+def test_a_stream_whose_client_leaves_stops_its_turn(engine, served, path, body) -> None:
+    import time
+
+    paused = _Pausing(engine)
+    srv = ServerThread(paused, ServerConfig("tiny"), port=0, engine_lock=served[1]).start()
+    try:
+        with httpx.stream("POST", srv.url + path, timeout=60,
+                          json={"model": "tiny", "stream": True, "temperature": 0, **body}) as r:
+            for n, _line in enumerate(r.iter_lines()):
+                if n >= 6:
+                    break
+        deadline = time.monotonic() + 60
+        while not paused.summaries and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert paused.summaries[0].stop_reason == "cancelled" and paused.summaries[0].generated_tokens < 400
+    finally:
+        srv.stop()
