@@ -113,14 +113,17 @@ def test_responses_fields_map_onto_the_chat_body() -> None:
                                 responses_api.ResponseStore())
     for bad, param in (({"max_output_tokens": 0}, "max_output_tokens"), ({"text": "json"}, "text"),
                        ({"reasoning": "high"}, "reasoning"), ({"text": {"format": {"type": "yaml"}}}, "text.format"),
-                       ({"instructions": ["x"]}, "instructions"), ({"tool_choice": 3}, "tool_choice")):
+                       ({"instructions": ["x"]}, "instructions"), ({"tool_choice": 3}, "tool_choice"),
+                       ({"include": "reasoning.encrypted_content"}, "include")):
         with pytest.raises(APIError) as err:
             responses_api.chat_body({"model": "m", "input": "x", **bad}, responses_api.ResponseStore())
         assert err.value.param == param
-    for refused in ({"background": True}, {"top_logprobs": 3}, {"conversation": "conv_1"}):
+    for refused in ({"background": True}, {"top_logprobs": 3}, {"conversation": "conv_1"},
+                    {"include": ["message.output_text.logprobs"]}):
         with pytest.raises(APIError, match=next(iter(refused))):
             responses_api.chat_body({"model": "m", "input": "x", **refused}, responses_api.ResponseStore())
-    assert responses_api.chat_body({"model": "m", "input": "x", "background": False, "top_logprobs": 0},
+    assert responses_api.chat_body({"model": "m", "input": "x", "background": False, "top_logprobs": 0,
+                                    "include": ["reasoning.encrypted_content"]},
                                    responses_api.ResponseStore())["messages"] == [{"role": "user", "content": "x"}]
 
 

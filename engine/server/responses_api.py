@@ -202,6 +202,12 @@ def chat_body(body: Any, store: ResponseStore) -> dict[str, Any]:
     for name, harmless in REFUSED.items():
         if body.get(name) not in (None, harmless):
             raise _bad(f"{name} is not supported by this server", name, "unsupported_parameter")
+    include = body.get("include") or []
+    if not isinstance(include, list):
+        raise _bad(f"include must be a list of strings, got {include!r}", "include")
+    if "message.output_text.logprobs" in include:
+        raise _bad("include: message.output_text.logprobs is not supported by this server (the chat completions "
+                   "route returns logprobs)", "include", "unsupported_parameter")
     messages = store.conversation(body["previous_response_id"]) if body.get("previous_response_id") else []
     messages += input_messages(body.get("input"))
     instructions = body.get("instructions")
