@@ -315,6 +315,8 @@ CALLED = [{"role": "user", "content": "hi"},
     (_body(reasoning_effort="none", chat_template_kwargs={"enable_thinking": True}), "reasoning_effort", "contradicts"),
     (_body(chat_template_kwargs={"add_vision_id": True}), "chat_template_kwargs", "not supported"),
     (_body(parallel_tool_calls="yes"), "parallel_tool_calls", "true or false"),
+    (_body(response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": json.loads(
+        '{"items": ' * 900 + "{}" + "}" * 900)}}), "response_format.json_schema.schema", "deeper than 64"),
 ])
 def test_bad_agent_fields_are_400_naming_the_field(server, body, param, fragment) -> None:
     r = httpx.post(server.url + "/chat/completions", json=body, timeout=60)
