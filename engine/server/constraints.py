@@ -29,6 +29,10 @@ class Constraints:
 
     Args:
         engine: an :class:`engine.api.Engine` (``grammar``, ``tokenizer.chat_template``).
+
+    Attributes:
+        format: the template's call format, "xml" or "json" (:func:`~engine.server.tool_calls.call_format`).
+        renders_tools: the template writes ``tools`` into the prompt (the ChatML fallback does not).
     """
 
     def __init__(self, engine: Any) -> None:
@@ -37,7 +41,6 @@ class Constraints:
         source = template.source if template is not None else ""
         self.format = call_format(source)
         self.renders_tools = "tools" in source
-        """The model's template writes ``tools`` into the prompt (the ChatML fallback does not)."""
         self._kept: OrderedDict[str, Grammar] = OrderedDict()
         self._lock = threading.Lock()
 
