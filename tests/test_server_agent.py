@@ -4,13 +4,14 @@ choices, tool calls, structured output and logprobs."""
 from __future__ import annotations
 
 import json
+import types
 
 import httpx
 import jsonschema
 import openai
 import pytest
 
-from engine.events import TokenEvent, TurnSummary
+from engine.events import PrefillStats, TokenEvent, TurnSummary
 from engine.sampling import SamplingParams
 from engine.server import ServerConfig, ServerThread
 from engine.server.tool_calls import CallReader, ToolCallStream
@@ -315,6 +316,8 @@ CALLED = [{"role": "user", "content": "hi"},
     (_body(reasoning_effort="none", chat_template_kwargs={"enable_thinking": True}), "reasoning_effort", "contradicts"),
     (_body(chat_template_kwargs={"add_vision_id": True}), "chat_template_kwargs", "not supported"),
     (_body(parallel_tool_calls="yes"), "parallel_tool_calls", "true or false"),
+    (_body(response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": json.loads(
+        '{"items": ' * 900 + "{}" + "}" * 900)}}), "response_format.json_schema.schema", "deeper than 64"),
 ])
 def test_bad_agent_fields_are_400_naming_the_field(server, body, param, fragment) -> None:
     r = httpx.post(server.url + "/chat/completions", json=body, timeout=60)
@@ -407,3 +410,52 @@ def test_a_call_after_the_thinking_with_thinking_on(client, engine) -> None:
     chunks = list(client.chat.completions.create(stream=True, **kw))
     args = "".join(tc.function.arguments or "" for c in chunks for tc in (c.choices[0].delta.tool_calls or []))
     assert args == call.function.arguments
+
+
+class _NoTemplate(_Recording):
+    """The served engine as if its file had no ``tokenizer.chat_template`` (chat falls back to ChatML)."""
+
+    @property
+    def tokenizer(self):
+        return types.SimpleNamespace(chat_template=None, n_vocab=self.engine.tokenizer.n_vocab)
+
+
+def test_tools_are_refused_when_the_template_cannot_write_them(engine, lock) -> None:
+    srv = ServerThread(_NoTemplate(engine), ServerConfig("tiny"), port=0, engine_lock=lock).start()
+    try:
+        r = httpx.post(srv.url + "/chat/completions", json=_body(tools=TOOLS), timeout=60)
+        assert r.status_code == 400 and r.json()["error"]["param"] == "tools"
+        assert "chat template" in r.json()["error"]["message"]
+        assert httpx.post(srv.url + "/chat/completions", json=_body(), timeout=60).status_code == 200
+    finally:
+        srv.stop()
+
+
+class _Prefills(_Recording):
+    """The served engine, recording the prefill of each ``chat`` call."""
+
+    def __init__(self, engine) -> None:
+        super().__init__(engine)
+        self.prefills = []
+
+    def chat(self, *args, **kwargs):
+        for event in super().chat(*args, **kwargs):
+            if isinstance(event, PrefillStats):
+                self.prefills.append(event)
+            yield event
+
+
+def test_n_choices_prefill_the_prompt_once(engine, lock) -> None:
+    rec = _Prefills(engine)
+    srv = ServerThread(rec, ServerConfig("tiny"), port=0, engine_lock=lock).start()
+    try:
+        engine.clear_snapshots()
+        messages = [{"role": "user", "content": "Three answers, one prompt: " + "words " * 40}]
+        r = httpx.post(srv.url + "/chat/completions", json=_body(messages=messages, n=3, seed=1, temperature=1.0),
+                       timeout=60)
+        assert r.status_code == 200 and len(r.json()["choices"]) == 3
+    finally:
+        srv.stop()
+    first, *rest = rec.prefills
+    assert len(rest) == 2 and first.prefilled_tokens == first.prompt_tokens > 40
+    assert all(p.reused_tokens == p.prompt_tokens == first.prompt_tokens for p in rest)   # resumed whole

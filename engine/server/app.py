@@ -344,6 +344,7 @@ class _Routes:
                                        for m in req.messages or ()):
             raise APIError(400, f"{config.model_name} has no vision tower (serve it with --mmproj FILE), so it "
                            "cannot read images", param="messages", code="invalid_image")
+        self.constraints.check(req)
 
         def start(next_cancel: Callable[[], threading.Event]) -> Iterator[Event]:
             grammar = self.constraints.grammar(req)

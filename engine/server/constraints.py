@@ -29,14 +29,27 @@ class Constraints:
 
     Args:
         engine: an :class:`engine.api.Engine` (``grammar``, ``tokenizer.chat_template``).
+
+    Attributes:
+        format: the template's call format, "xml" or "json" (:func:`~engine.server.tool_calls.call_format`).
+        renders_tools: the template writes ``tools`` into the prompt (the ChatML fallback does not).
     """
 
     def __init__(self, engine: Any) -> None:
         self.engine = engine
         template = getattr(getattr(engine, "tokenizer", None), "chat_template", None)
-        self.format = call_format(template.source if template is not None else "")
+        source = template.source if template is not None else ""
+        self.format = call_format(source)
+        self.renders_tools = "tools" in source
         self._kept: OrderedDict[str, Grammar] = OrderedDict()
         self._lock = threading.Lock()
+
+    def check(self, req: TurnRequest) -> None:
+        """Refuse (400) tools that the model's template would leave out of the prompt."""
+        if req.tools and not self.renders_tools:
+            raise APIError(400, "tools: this model's chat template does not write tools into the prompt (the file "
+                           "has no tokenizer.chat_template, or its template ignores them), so it cannot be "
+                           "offered tools", param="tools", code="unsupported_parameter")
 
     def reader(self, req: TurnRequest) -> CallReader | None:
         """What reads the tool calls out of ``req``'s answers: None without tools or with ``tool_choice``

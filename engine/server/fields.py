@@ -30,6 +30,8 @@ _NAME = re.compile(r"[a-zA-Z0-9_-]{1,64}")
 _PARAM_NAME = re.compile(r"[^<>\n]{1,256}")
 TEMPLATE_KWARGS = {"enable_thinking"}
 """The ``chat_template_kwargs`` passed on to the template (others are refused, not ignored)."""
+MAX_SCHEMA_DEPTH = 64
+"""Deepest nesting of objects and lists in a schema (real ones stay under ten)."""
 MAX_TOOLS_TEXT = 1 << 20
 """Largest ``tools`` list, characters of JSON (an agent's few dozen tools take a few hundred KiB at most)."""
 EFFORT = {"none": False, "minimal": False, "low": True, "medium": True, "high": True}
@@ -40,10 +42,24 @@ def _bad(message: str, param: str | None = None, code: str | None = None) -> API
     return APIError(400, message, param=param, code=code)
 
 
+def _depth(value: Any) -> int:
+    """How deeply objects and lists nest in ``value`` (walked without recursion)."""
+    deepest, todo = 0, [(value, 1)]
+    while todo:
+        item, level = todo.pop()
+        if isinstance(item, (Mapping, list)):
+            deepest = max(deepest, level)
+            todo.extend((child, level + 1) for child in (item.values() if isinstance(item, Mapping) else item))
+    return deepest
+
+
 def check_schema(schema: Any, param: str) -> dict:
-    """``schema`` when it is a valid JSON Schema (draft 2020-12 metaschema, by ``jsonschema``), else 400."""
+    """``schema`` when it is a valid JSON Schema (draft 2020-12 metaschema, by ``jsonschema``) nested at most
+    :data:`MAX_SCHEMA_DEPTH` deep, else 400."""
     if not isinstance(schema, Mapping):
         raise _bad(f"{param} must be a JSON Schema object, got {type(schema).__name__}", param)
+    if _depth(schema) > MAX_SCHEMA_DEPTH:
+        raise _bad(f"{param} nests deeper than {MAX_SCHEMA_DEPTH} levels", param)
     try:
         jsonschema.Draft202012Validator.check_schema(schema)
     except jsonschema.SchemaError as exc:
