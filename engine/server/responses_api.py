@@ -343,17 +343,18 @@ class ResponseStore:
 
     def __init__(self, max_responses: int = 256, max_bytes: int = 256 << 20) -> None:
         self.max_responses, self.max_bytes = max_responses, max_bytes
-        self._items: OrderedDict[str, tuple[list[dict], int]] = OrderedDict()
+        self._items: OrderedDict[str, str] = OrderedDict()
         self._bytes = 0
         self._lock = threading.Lock()
 
     def put(self, response_id: str, messages: list[dict]) -> None:
-        size = len(json.dumps(messages, ensure_ascii=False))
+        """Keep ``messages`` (as JSON text: a copy no caller can change) under ``response_id``."""
+        text = json.dumps(messages, ensure_ascii=False)
         with self._lock:
-            self._items[response_id] = (messages, size)
-            self._bytes += size
+            self._items[response_id] = text
+            self._bytes += len(text)
             while self._items and (len(self._items) > self.max_responses or self._bytes > self.max_bytes):
-                self._bytes -= self._items.popitem(last=False)[1][1]
+                self._bytes -= len(self._items.popitem(last=False)[1])
 
     def conversation(self, response_id: Any) -> list[dict]:
         """A copy of the conversation of ``response_id``.
@@ -365,10 +366,11 @@ class ResponseStore:
             held = self._items.get(response_id) if isinstance(response_id, str) else None
             if held is None:
                 raise _bad(f"Previous response with id {response_id!r} not found (responses are kept in memory "
-                           f"while the server runs, the {self.max_responses} most recent at most)",
+                           f"while the server runs: the {self.max_responses} most recently used, "
+                           f"{self.max_bytes >> 20} MiB of conversation at most)",
                            "previous_response_id", "previous_response_not_found")
             self._items.move_to_end(response_id)
-            return json.loads(json.dumps(held[0]))
+            return json.loads(held)
 
     def keep(self, chat: Mapping[str, Any], response: Mapping[str, Any]) -> None:
         """Keep ``response`` (when its request did not say ``store: false``) with the conversation of ``chat``."""
