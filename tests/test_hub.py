@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import errno
 import hashlib
+import importlib
 import threading
 from pathlib import Path
 
@@ -13,13 +14,20 @@ import pytest
 
 from engine.errors import EngineError, ModelFormatError, UnsupportedModelError
 from engine.gguf_file import GGUFFile
-from engine.hub import download as dl
-from engine.hub.download import DownloadCancelled, download, fit_remote, pick_file, pick_mmproj, remote_header
+from engine.hub.download import (
+    DownloadCancelled,
+    download_model,
+    fit_remote,
+    pick_file,
+    pick_mmproj,
+    remote_header,
+)
 from engine.hub.fit import Machine, estimate
 from engine.hub.hubapi import HubError, HubOffline, list_repo
 from engine.hub.store import ModelStore, model_files
 from tests.hub_fake import FakeHub, FakeRepo
 
+dl = importlib.import_module("engine.hub.download")
 REPO = "tester/Tiny-GGUF"
 MACHINE = Machine(ram_bytes=24 << 30, bandwidth_gbps=10.0)
 
@@ -85,7 +93,7 @@ def test_fit_from_ranged_header_equals_fit_of_local_file(hub, synth_files, tmp_p
 def test_download_verifies_stores_pair_and_resolves(hub, synth_files):
     listing = list_repo(REPO)
     seen = []
-    entry = download(listing, pick_file(listing, quant="Q8_0"), pick_mmproj(listing), report=seen.append)
+    entry = download_model(listing, pick_file(listing, quant="Q8_0"), pick_mmproj(listing), report=seen.append)
     store = ModelStore()
     path, mmproj = store.files(entry)
     assert path.read_bytes() == synth_files["Tiny-Q8_0.gguf"]
@@ -107,13 +115,13 @@ def test_cancel_keeps_partial_and_next_pull_resumes(hub, synth_files):
         if p.done > 8 << 20:
             cancel.set()
     with pytest.raises(DownloadCancelled, match="resumes"):
-        download(listing, f, None, report=report, cancel=cancel)
+        download_model(listing, f, None, report=report, cancel=cancel)
     part = ModelStore().partial(REPO, f.name, f.sha256)
     kept = part.stat().st_size
     assert 8 << 20 < kept < f.size
     hub.delay = 0.0
     hub.requests.clear()
-    entry = download(listing, f, None)
+    entry = download_model(listing, f, None)
     assert f"bytes={kept}-" in _blob_gets(hub)
     assert ModelStore().files(entry)[0].read_bytes() == synth_files["Tiny-Q8_0.gguf"]
 
@@ -121,7 +129,7 @@ def test_cancel_keeps_partial_and_next_pull_resumes(hub, synth_files):
 def test_connection_dropped_mid_file_resumes(hub, synth_files):
     hub.drop_after = 24 << 20      # past the client's first 10 MiB chunks: it resumes from what it wrote
     listing = list_repo(REPO)
-    entry = download(listing, pick_file(listing, quant="Q8_0"), None)
+    entry = download_model(listing, pick_file(listing, quant="Q8_0"), None)
     first, retry = _blob_gets(hub)
     assert first == "" and retry.startswith("bytes=") and 0 < int(retry[6:-1]) <= 24 << 20
     assert ModelStore().files(entry)[0].read_bytes() == synth_files["Tiny-Q8_0.gguf"]
@@ -132,7 +140,7 @@ def test_sha256_mismatch_deletes_and_says_so(hub):
     listing = list_repo(REPO)
     f = pick_file(listing, quant="Q8_0")
     with pytest.raises(HubError, match="sha256 mismatch.*deleted"):
-        download(listing, f, None)
+        download_model(listing, f, None)
     store = ModelStore()
     assert not store.partial(REPO, f.name, f.sha256).exists()
     assert not store.path(REPO, f.name).exists() and store.models() == []
@@ -157,15 +165,15 @@ def test_disk_full_mid_download_keeps_bytes_then_resumes(hub, synth_files, monke
                 raise OSError(errno.ENOSPC, "No space left on device")
             return self.fh.write(b)
 
-    monkeypatch.setattr(dl, "open", lambda p, mode: Full(open(p, mode)), raising=False)
+    monkeypatch.setattr(dl, "open", lambda p, mode: Full(open(p, mode)), raising=False)  # noqa: SIM115 - Full closes it
     listing = list_repo(REPO)
     f = pick_file(listing, quant="Q8_0")
     with pytest.raises(HubError, match="disk is full.*kept.*resume"):
-        download(listing, f, None)
+        download_model(listing, f, None)
     assert ModelStore().partial(REPO, f.name, f.sha256).stat().st_size <= 5 << 20
     monkeypatch.undo()
     monkeypatch.setenv("HF_ENDPOINT", hub.url)
-    entry = download(listing, f, None)
+    entry = download_model(listing, f, None)
     assert ModelStore().files(entry)[0].read_bytes() == synth_files["Tiny-Q8_0.gguf"]
 
 
@@ -173,7 +181,7 @@ def test_free_disk_checked_before_any_byte(hub, monkeypatch):
     monkeypatch.setattr(dl.shutil, "disk_usage", lambda p: type("U", (), {"free": 1 << 20})())
     listing = list_repo(REPO)
     with pytest.raises(HubError, match="not enough free disk"):
-        download(listing, pick_file(listing, quant="Q8_0"), pick_mmproj(listing))
+        download_model(listing, pick_file(listing, quant="Q8_0"), pick_mmproj(listing))
     assert _blob_gets(hub) == []
 
 
@@ -225,7 +233,7 @@ def test_header_that_lies_about_sizes_is_refused(hub, synth_files):
 
 def test_hub_unreachable_and_offline_mode_keep_downloads_usable(hub, monkeypatch):
     listing = list_repo(REPO)
-    download(listing, pick_file(listing, quant="Q8_0"), pick_mmproj(listing))
+    download_model(listing, pick_file(listing, quant="Q8_0"), pick_mmproj(listing))
     hub.close()
     with pytest.raises(HubOffline, match="cannot be reached.*still work"):
         list_repo(REPO)
@@ -259,3 +267,21 @@ def test_store_paths_stay_inside_root(tmp_path):
     store = ModelStore(tmp_path)
     assert store.path("a/b", "sub/x.gguf") == tmp_path / "a" / "b" / "x.gguf"
     assert Path(store.partial("a/b", "x.gguf", "ab" * 32)).is_relative_to(tmp_path / ".partial")
+
+
+def test_delete_removes_file_shared_mmproj_last_and_snapshots(hub, tmp_path):
+    from engine.hub.store import delete_model
+    from engine.prefix_cache import snapshot_folder
+    listing = list_repo(REPO)
+    entry = download_model(listing, pick_file(listing, quant="Q8_0"), pick_mmproj(listing))
+    store = ModelStore()
+    path, mmproj = store.files(entry)
+    snaps = snapshot_folder(tmp_path / "snapshots", GGUFFile.open(path).identity)
+    snaps.mkdir(parents=True)
+    (snaps / "x.snap").write_bytes(b"s")
+    other = snapshot_folder(tmp_path / "snapshots", "another-model")
+    other.mkdir()
+    removed = delete_model(entry, store, tmp_path / "snapshots")
+    assert set(removed) == {snaps, path, mmproj}
+    assert not path.exists() and not mmproj.exists() and not snaps.exists() and other.is_dir()
+    assert store.models() == []

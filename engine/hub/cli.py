@@ -14,7 +14,7 @@ import time
 from collections.abc import Callable
 
 from ..errors import EngineError
-from .download import Progress, download, fit_remote, pick_file, pick_mmproj
+from .download import Progress, download_model, fit_remote, pick_file, pick_mmproj
 from .fit import GIB, Fit, recommend
 from .hubapi import list_repo
 from .machine import this_machine
@@ -76,7 +76,7 @@ def cmd_pull(args: argparse.Namespace) -> int:
               file=sys.stderr)
     f = next(x for x in listing.models if x.name == chosen)
     t0 = time.monotonic()
-    entry = download(listing, f, mmproj, ModelStore(), _bar())
+    entry = download_model(listing, f, mmproj, ModelStore(), _bar())
     print(file=sys.stderr)
     print(f"[downloaded {entry.name} ({entry.size / GIB:.2f} GiB, sha256 verified"
           f"{', with ' + entry.mmproj if entry.mmproj else ''}) in {time.monotonic() - t0:.0f} s]", file=sys.stderr)

@@ -233,7 +233,7 @@ def check_disk(store: ModelStore, files: list[HubFile]) -> None:
                        f"{free / 2**30:.2f} GiB are free (set DELTADESK_MODELS_DIR to use another disk)")
 
 
-def download(listing: RepoListing, f: HubFile, mmproj: HubFile | None, store: ModelStore | None = None,
+def download_model(listing: RepoListing, f: HubFile, mmproj: HubFile | None, store: ModelStore | None = None,
              report: Report | None = None, cancel: threading.Event | None = None) -> Downloaded:
     """Download model ``f`` and its ``mmproj`` into the store (an mmproj already there and recorded is kept).
 

@@ -168,3 +168,26 @@ def model_files(arg: str, store: ModelStore | None = None) -> tuple[Path, Path |
     entry = store.resolve(arg)
     store.touch(entry)
     return store.files(entry)
+
+
+def delete_model(entry: Downloaded, store: ModelStore | None = None,
+                 snapshot_dir: str | os.PathLike[str] | None = None) -> list[Path]:
+    """Delete a downloaded model (see :meth:`ModelStore.delete`) and its prefix snapshots in ``snapshot_dir``
+    (the engine's ``cache_disk_dir``: the subfolder of the file's identity, :func:`engine.prefix_cache.snapshot_folder`);
+    returns the paths removed. A file that no longer opens has no snapshots to find; only the file goes."""
+    import shutil
+
+    from ..gguf_file import GGUFFile
+    from ..prefix_cache import snapshot_folder
+    store = store or ModelStore()
+    path = store.path(entry.repo, entry.file)
+    removed: list[Path] = []
+    if snapshot_dir is not None and path.is_file():
+        try:
+            folder = snapshot_folder(snapshot_dir, GGUFFile.open(path).identity)
+        except EngineError:
+            folder = None
+        if folder is not None and folder.is_dir():
+            shutil.rmtree(folder)
+            removed.append(folder)
+    return removed + store.delete(entry)
