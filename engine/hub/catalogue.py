@@ -69,13 +69,15 @@ class CatalogueRepo:
 
 @dataclass(frozen=True)
 class CatalogueModel:
-    """A model of the catalogue and the repositories that publish GGUFs of it."""
+    """A model of the catalogue and the repositories that publish GGUFs of it; ``shape``: the synth preset with
+    its real dimensions ("" when none), for :func:`engine.hub.fit.estimate_from_size`."""
 
     id: str
     name: str
     arch: str
     summary: str
     repos: tuple[CatalogueRepo, ...]
+    shape: str = ""
 
     def matches(self, text: str) -> bool:
         """True when every word of ``text`` is in the model's name, summary or a repository id (any case)."""
@@ -93,8 +95,8 @@ def _repo(entry: dict) -> CatalogueRepo:
 def catalogue() -> tuple[CatalogueModel, ...]:
     """The shipped catalogue (``engine/hub/catalogue.json``), parsed once."""
     data = json.loads((Path(__file__).with_name("catalogue.json")).read_text(encoding="utf-8"))
-    return tuple(CatalogueModel(m["id"], m["name"], m["arch"], m["summary"], tuple(_repo(r) for r in m["repos"]))
-                 for m in data["models"])
+    return tuple(CatalogueModel(m["id"], m["name"], m["arch"], m["summary"], tuple(_repo(r) for r in m["repos"]),
+                                m.get("shape", "")) for m in data["models"])
 
 
 def catalogue_repo(repo: str) -> CatalogueRepo | None:

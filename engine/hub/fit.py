@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Any
 
 from gguf import GGMLQuantizationType
 
@@ -37,6 +38,10 @@ SNAPSHOT_RAM = 2 * GIB
 VOCAB_BYTES_PER_ENTRY = 400
 """RAM per vocabulary token plus merge once the file is open and its tokenizer built (RSS growth of
 ``GGUFFile.open`` + ``Tokenizer.from_gguf`` on the synth files: 191 MiB for 248320 tokens + 247587 merges)."""
+HEADER_BYTES_PER_ENTRY = 22
+"""Header bytes per vocabulary token plus merge (their strings, lengths, scores and types): 10947200 bytes for
+the 495907 entries of the real Qwen3.5/3.6 vocabulary in the synth files; the header-only first part of
+unsloth's split Qwen3.5-122B-A10B Q4_K_M is 10943552 bytes."""
 ROOFLINE = (0.55, 0.65, 0.85)
 """Low, typical and high fraction of the stream-read bandwidth decode reaches (docs/cpu-notes.md: 2-thread
 decode at 55-64 % of the stream read on the Xeon VM, 82-87 % on the EPYC VM)."""
@@ -115,9 +120,10 @@ def converted_bytes(f: GGUFFile) -> int:
     return total
 
 
-def state_bytes(f: GGUFFile, context: int) -> int:
-    """Bytes of one sequence's state at ``context`` positions (= ``SequenceState.new(hp, context).nbytes``)."""
-    layout = f.hparams.state_layout()
+def state_bytes(hp: Any, context: int) -> int:
+    """Bytes of one sequence's state at ``context`` positions (= ``SequenceState.new(hp, context).nbytes``) of a
+    model whose hyper-parameters ``hp`` give its :class:`~engine.state.StateLayout`."""
+    layout = hp.state_layout()
     rows = sum(2 * math.prod(s) for s in layout.kv.values()) * context
     fixed = sum(math.prod(s) for s in layout.conv.values()) + sum(math.prod(s) for s in layout.ssm.values())
     return 4 * (rows + fixed)
@@ -152,6 +158,49 @@ def _vram(f: GGUFFile, budget: int | None) -> str:
             f"{budget / GIB:.2f} GiB budget")
 
 
+def _verdict(ram: int, machine: Machine) -> tuple[int, str]:
+    budget = machine.ram_bytes - OS_RESERVE
+    return budget, "fits" if ram + SNAPSHOT_RAM <= budget else "tight" if ram <= budget else "does not fit"
+
+
+def estimate_from_size(arch: str, shape: str, file_size: int, context: int, machine: Machine) -> Fit:
+    """The fit of a file known only by its size and its model's shapes (the synth preset ``shape`` with the
+    real dimensions, named in the catalogue): for the catalogue before any header is read.
+
+    Assumed where the header would tell: every weight has the file's mean bits (so the bytes read per token
+    are the file size less the header (:data:`HEADER_BYTES_PER_ENTRY`) x the share of weights a token reads: routed experts ``n_expert_used`` of ``n_expert``,
+    one row of ``token_embd`` when ``output`` exists), no weight is converted at load, and the vocabulary
+    has about as many merges as tokens (Qwen3.5/3.6: 248320 tokens, 247587 merges).
+
+    Raises:
+        ValueError: an unknown ``shape``. UnsupportedModelError: an ``arch`` the engine does not run.
+    """
+    from ..arch.qwen35.synth import preset_hparams
+    from ..registry import text_arch
+    hp = preset_hparams(shape)
+    shapes = text_arch(arch, shape).tensor_shapes(hp)
+    total = read = 0
+    for name, ne in shapes.items():
+        n = math.prod(ne)
+        total += n
+        if len(ne) == 3:
+            read += n * hp.n_expert_used // hp.n_expert
+        elif name == "token_embd.weight" and "output.weight" in shapes:
+            read += ne[0]
+        else:
+            read += n
+    context = min(context, hp.context_length)
+    parts = {"weights": file_size, "converted": 0, "state": state_bytes(hp, context),
+             "vocab": VOCAB_BYTES_PER_ENTRY * 2 * hp.n_vocab, "vision": 0}
+    ram = sum(parts.values())
+    budget, verdict = _verdict(ram, machine)
+    per_token = max(file_size - HEADER_BYTES_PER_ENTRY * 2 * hp.n_vocab, 0) * read // total
+    rate = machine.bandwidth_gbps * 1e9 / per_token
+    return Fit(context=context, ram=ram, budget=budget, bytes_per_token=per_token,
+               tok_s=tuple(rate * r for r in ROOFLINE), vram="not estimated from the size alone",
+               verdict=verdict, **parts)
+
+
 def estimate(f: GGUFFile, file_size: int, context: int, machine: Machine, mmproj: Header | None = None) -> Fit:
     """The fit of model ``f`` (opened, or from a remote header) of ``file_size`` bytes at ``context`` tokens.
 
@@ -161,11 +210,10 @@ def estimate(f: GGUFFile, file_size: int, context: int, machine: Machine, mmproj
     if context < 1:
         raise EngineError(f"context must be at least 1 token, got {context}")
     context = min(context, f.hparams.context_length)
-    parts = {"weights": file_size, "converted": converted_bytes(f), "state": state_bytes(f, context),
+    parts = {"weights": file_size, "converted": converted_bytes(f), "state": state_bytes(f.hparams, context),
              "vocab": vocab_bytes(f), "vision": vision_bytes(mmproj)}
     ram = sum(parts.values())
-    budget = machine.ram_bytes - OS_RESERVE
-    verdict = "fits" if ram + SNAPSHOT_RAM <= budget else "tight" if ram <= budget else "does not fit"
+    budget, verdict = _verdict(ram, machine)
     per_token = f.bytes_per_token()
     rate = machine.bandwidth_gbps * 1e9 / per_token
     return Fit(context=context, ram=ram, budget=budget, bytes_per_token=per_token,
