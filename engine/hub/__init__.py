@@ -13,9 +13,9 @@ from .download import DownloadCancelled, Progress, download_model, fit_remote, p
 from .fit import Fit, Machine, estimate_from_size, recommend
 from .hubapi import KEYRING_SERVICE, KEYRING_USER, HubError, HubOffline, RepoListing, list_repo
 from .machine import this_machine
-from .store import Downloaded, ModelStore, delete_model
+from .store import Downloaded, ModelStore, delete_model, model_files
 
 __all__ = ["KEYRING_SERVICE", "KEYRING_USER", "CatalogueModel", "DownloadCancelled", "Downloaded", "Fit", "HubError",
            "HubFile", "HubOffline", "Machine", "ModelStore", "Progress", "RepoListing", "catalogue", "delete_model",
-           "download_model", "estimate_from_size", "fit_remote", "list_repo", "pick_file", "pick_mmproj", "quant_of", "recommend",
+           "download_model", "estimate_from_size", "fit_remote", "list_repo", "model_files", "pick_file", "pick_mmproj", "quant_of", "recommend",
            "this_machine"]

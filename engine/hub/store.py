@@ -126,8 +126,9 @@ class ModelStore:
             raise EngineError(f"{spec}: not downloaded; fetch it with `python -m {pull}` (`python -m engine models` "
                               "lists what is downloaded)")
         have = ", ".join(d.name for d in mine)
-        what = "names several downloaded files" if hits else "is not downloaded"
-        raise EngineError(f"{spec} {what}; downloaded from {repo}: {have} (name one as REPO:QUANT)")
+        if hits:
+            raise EngineError(f"{spec} names several downloaded files: {have} (name one as REPO:QUANT)")
+        raise EngineError(f"{spec} is not downloaded (from {repo}: {have}); fetch it with `python -m {pull}`")
 
     def _read(self) -> list[Downloaded]:
         try:

@@ -150,3 +150,20 @@ def test_window_menu_and_first_run_button_open_the_browser(qtbot, make_window, f
     window.model_browser.open_requested.emit("/models/x.gguf", "")
     qtbot.waitUntil(lambda: window.prefs.model_path == "/models/x.gguf")
     assert not window.models_button.isVisible()
+
+
+def test_app_command_line_takes_a_downloaded_repo_quant(tmp_path, monkeypatch):
+    from app.__main__ import model_arg
+    from engine.errors import EngineError
+    monkeypatch.setenv("DELTADESK_MODELS_DIR", str(tmp_path / "models"))
+    store = hub.ModelStore()
+    entry = hub.Downloaded(REPO, "Tiny-Q8_0.gguf", "Q8_0", 4, "ab" * 32, "c" * 40, "mmproj-F16.gguf")
+    for name in (entry.file, entry.mmproj):
+        store.path(REPO, name).parent.mkdir(parents=True, exist_ok=True)
+        store.path(REPO, name).write_bytes(b"GGUF")
+    store.add(entry)
+    assert model_arg(f"{REPO}:q8_0", None) == (str(store.path(REPO, entry.file)), str(store.path(REPO, entry.mmproj)))
+    assert model_arg(f"{REPO}:Q8_0", "/x/tower.gguf")[1] == "/x/tower.gguf"
+    assert model_arg("/some/file.gguf", None) == ("/some/file.gguf", None)
+    with pytest.raises(EngineError, match="not downloaded.*fetch it with `python -m engine pull tester/Tiny-GGUF --quant Q4_0`"):
+        model_arg(f"{REPO}:Q4_0", None)
