@@ -9,6 +9,7 @@ back as Qt signals of :class:`_Bridge`.
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 from dataclasses import dataclass
@@ -107,6 +108,17 @@ class ModelBrowser(QDialog):
             "measured roofline fraction); \u201c(size)\u201d marks come from the file size until its header is read.")
         self.machine_line.setWordWrap(True)
         col.addWidget(self.machine_line)
+        token_row = QHBoxLayout()
+        self.token = QLineEdit()
+        self.token.setEchoMode(QLineEdit.Password)
+        self.token.setPlaceholderText("Hugging Face token for gated repos (HF_TOKEN wins when set); kept in the "
+                                      "system keyring")
+        self.token.setAccessibleName("Hugging Face token")
+        self.save_token_button = QPushButton("Save token")
+        self.save_token_button.clicked.connect(self.save_token)
+        token_row.addWidget(self.token, 1)
+        token_row.addWidget(self.save_token_button)
+        col.addLayout(token_row)
         self.table = self._table(COLUMNS)
         self.table.itemSelectionChanged.connect(self._update_buttons)
         col.addWidget(self.table, 3)
@@ -149,6 +161,22 @@ class ModelBrowser(QDialog):
         t.horizontalHeader().setSectionResizeMode(0, QHeaderView.Stretch)
         t.verticalHeader().hide()
         return t
+
+    def save_token(self) -> None:
+        """Keep the typed token in the system keyring (:data:`engine.hub.KEYRING_SERVICE`); without a keyring,
+        for this session only (as ``HF_TOKEN``)."""
+        value = self.token.text().strip()
+        try:
+            import keyring
+            if value:
+                keyring.set_password(hub.KEYRING_SERVICE, hub.KEYRING_USER, value)
+            elif keyring.get_password(hub.KEYRING_SERVICE, hub.KEYRING_USER) is not None:
+                keyring.delete_password(hub.KEYRING_SERVICE, hub.KEYRING_USER)
+            self.status.emit("Hugging Face token saved in the system keyring" if value else "Token removed")
+        except Exception as exc:  # noqa: BLE001 - no keyring: keep it for this session
+            os.environ["HF_TOKEN"] = value
+            self.status.emit(f"No system keyring ({type(exc).__name__}): the token is kept until DeltaDesk quits")
+        self.token.clear()
 
     # ---- the available files -----------------------------------------------------------------------
     def _catalogue_rows(self) -> None:

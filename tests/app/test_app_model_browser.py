@@ -167,3 +167,38 @@ def test_app_command_line_takes_a_downloaded_repo_quant(tmp_path, monkeypatch):
     assert model_arg("/some/file.gguf", None) == ("/some/file.gguf", None)
     with pytest.raises(EngineError, match="not downloaded.*fetch it with `python -m engine pull tester/Tiny-GGUF --quant Q4_0`"):
         model_arg(f"{REPO}:Q4_0", None)
+
+
+def test_token_goes_to_the_keyring_and_opens_a_gated_repo(qtbot, fake, monkeypatch):
+    import keyring
+    from keyring.backend import KeyringBackend
+
+    class Memory(KeyringBackend):
+        priority = 1
+        store: dict = {}
+
+        def get_password(self, service, user):
+            return self.store.get((service, user))
+
+        def set_password(self, service, user, password):
+            self.store[(service, user)] = password
+
+        def delete_password(self, service, user):
+            self.store.pop((service, user), None)
+
+    monkeypatch.setattr(keyring, "get_keyring", lambda: Memory())
+    monkeypatch.setattr(keyring, "get_password", Memory().get_password)
+    monkeypatch.setattr(keyring, "set_password", Memory().set_password)
+    fake.tokens.add("hf_secret")
+    fake.repos[REPO].gated = True
+    b = _browser(qtbot)
+    b.search.setText(REPO)
+    with qtbot.waitSignal(b.bridge.listed):
+        b.search.returnPressed.emit()
+    assert not any(r.fit for r in b.rows if r.file.repo == REPO)       # gated: no header without a token
+    b.token.setText("hf_secret")
+    b.save_token_button.click()
+    assert Memory.store[(hub.KEYRING_SERVICE, hub.KEYRING_USER)] == "hf_secret" and b.token.text() == ""
+    with qtbot.waitSignal(b.bridge.listed):
+        b.search.returnPressed.emit()
+    assert [r.fit.verdict for r in b.rows if r.file.repo == REPO] == ["fits"]
