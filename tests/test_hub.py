@@ -285,3 +285,22 @@ def test_delete_removes_file_shared_mmproj_last_and_snapshots(hub, tmp_path):
     assert set(removed) == {snaps, path, mmproj}
     assert not path.exists() and not mmproj.exists() and not snaps.exists() and other.is_dir()
     assert store.models() == []
+
+
+def test_header_larger_than_the_bound_is_refused_unread(monkeypatch):
+    """A header whose first value is a 300 MiB uint8 array (inside a 512 MiB file) needs more than
+    MAX_HEADER_READ: refused after the first read, never fetched (growing reads: the listing test above)."""
+    import struct
+
+    from engine.hub.catalogue import HubFile
+    size = 512 << 20
+    prefix = b"GGUF" + struct.pack("<IQQ", 3, 0, 1) + struct.pack("<Q", 1) + b"a" + struct.pack("<IIQ", 9, 0, 300 << 20)
+    asked = []
+
+    def read_range(repo, name, revision, start, stop):
+        asked.append((start, stop))
+        return (prefix + bytes(stop))[start:stop]
+    monkeypatch.setattr(dl, "read_range", read_range)
+    with pytest.raises(HubError, match="larger than 256 MiB"):
+        remote_header("r/x", HubFile("r/x", "x.gguf", size, "0" * 64), "main")
+    assert asked == [(0, dl.FIRST_READ)]
