@@ -158,6 +158,7 @@ class ModelBrowser(QDialog):
         t.setSelectionBehavior(QAbstractItemView.SelectRows)
         t.setSelectionMode(QAbstractItemView.SingleSelection)
         t.setEditTriggers(QAbstractItemView.NoEditTriggers)
+        t.horizontalHeader().setSectionResizeMode(QHeaderView.ResizeToContents)
         t.horizontalHeader().setSectionResizeMode(0, QHeaderView.Stretch)
         t.verticalHeader().hide()
         return t
