@@ -252,11 +252,15 @@ def test_cli_pull_models_and_repo_quant_as_model(hub, capsys):
     err = capsys.readouterr().err
     assert "Tiny-Q8_0.gguf: fits: needs" in err and "an estimate" in err
     assert "mapped weights" in err and "downloaded tester/Tiny-GGUF:Q8_0" in err and "sha256 verified" in err
+    assert "[downloading Tiny-Q8_0.gguf] [####" in err and "MiB/s" in err and "[verifying Tiny-Q8_0.gguf]" in err
     assert main(["models"]) == 0
     out = capsys.readouterr().out
     assert "tester/Tiny-GGUF:Q8_0" in out and "Q8_0" in out and "mmproj-F16.gguf" in out
     assert main(["info", f"{REPO}:Q8_0"]) == 0
     assert "qwen35moe" in capsys.readouterr().out
+    assert main(["generate", "--model", f"{REPO}:Q8_0", "--prompt", "Hi", "-n", "2", "--temp", "0",
+                 "--context", "256"]) == 0
+    assert "mmproj-F16.gguf" in capsys.readouterr().err        # the downloaded tower loads with it
     assert main(["info", "tester/Other-GGUF:Q4_0"]) == 2
     assert "not downloaded" in capsys.readouterr().err
     assert main(["pull", "tester/Nope-GGUF"]) == 2
@@ -304,3 +308,14 @@ def test_header_larger_than_the_bound_is_refused_unread(monkeypatch):
     with pytest.raises(HubError, match="larger than 256 MiB"):
         remote_header("r/x", HubFile("r/x", "x.gguf", size, "0" * 64), "main")
     assert asked == [(0, dl.FIRST_READ)]
+
+
+def test_vram_plan_under_the_budget_or_why_not(synth_files, tmp_path):
+    path = tmp_path / "m.gguf"
+    path.write_bytes(synth_files["Tiny-Q8_0.gguf"])
+    f = GGUFFile.open(path)
+    roomy = estimate(f, path.stat().st_size, 1024, Machine(24 << 30, 10.0, vram_budget=1 << 30))
+    assert "GiB placed at load" in roomy.vram and "of a 1.00 GiB budget" in roomy.vram
+    tiny = estimate(f, path.stat().st_size, 1024, Machine(24 << 30, 10.0, vram_budget=1 << 20))
+    assert tiny.vram.startswith("prefill runs on the CPU: VRAM budget")
+    assert estimate(f, path.stat().st_size, 1024, MACHINE).vram == "no GPU: prefill runs on the CPU"
