@@ -202,3 +202,28 @@ def test_token_goes_to_the_keyring_and_opens_a_gated_repo(qtbot, fake, monkeypat
     with qtbot.waitSignal(b.bridge.listed):
         b.search.returnPressed.emit()
     assert [r.fit.verdict for r in b.rows if r.file.repo == REPO] == ["fits"]
+
+
+@pytest.mark.slow
+def test_first_run_to_a_downloaded_model_loaded_in_the_window(qtbot, make_window, fake, monkeypatch):
+    """A new user's path: the demo-model window's "Get a real model", a typed repo listed with its fit, the
+    download, Open: the real engine loads the downloaded file with its vision tower."""
+    from app.engine_worker import load_real_engine
+    monkeypatch.setattr(hub, "this_machine", lambda vram_budget=None: hub.Machine(24 << 30, 20.0))
+    window = make_window(loader=load_real_engine, load=False)
+    window.load_model(None)
+    qtbot.waitUntil(lambda: window.model is not None, timeout=60000)
+    assert window.models_button.isVisible()
+    window.models_button.click()
+    b = window.model_browser
+    b.search.setText(REPO)
+    with qtbot.waitSignal(b.bridge.listed):
+        b.search.returnPressed.emit()
+    b.select(next(r for r in b.rows if r.file.repo == REPO))
+    with qtbot.waitSignal(b.bridge.done, timeout=60000):
+        b.download_button.click()
+    b.open_button.click()
+    qtbot.waitUntil(lambda: window.model is not None and window.model.info.path.name == "Tiny-Q8_0.gguf",
+                    timeout=60000)
+    assert window.model.info.has_vision and not window.models_button.isVisible()
+    assert window.prefs.model_path == str(hub.ModelStore().path(REPO, "Tiny-Q8_0.gguf"))     # next start opens it
