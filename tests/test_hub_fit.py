@@ -74,3 +74,15 @@ def test_size_estimate_agrees_with_the_header_estimate_on_a_uniform_file(tmp_pat
     assert abs(by_size.vocab - by_header.vocab) <= 0.002 * by_header.vocab
     with pytest.raises(ValueError, match="unknown synth preset"):
         estimate_from_size("qwen35moe", "70b", size, 2048, machine)
+
+
+def test_stream_bandwidth_is_measured_once_and_cached(tmp_path, monkeypatch):
+    from engine.hub import machine
+    from engine.kernels import cpu
+    calls = []
+    monkeypatch.setattr(cpu, "read_bandwidth", lambda nbytes, repeats: calls.append(nbytes) or 12.5)
+    cache = tmp_path / "bw.json"
+    assert machine.stream_bandwidth(cache) == 12.5 and machine.stream_bandwidth(cache) == 12.5
+    assert calls == [512 << 20]
+    cache.write_text("{not json", encoding="utf-8")
+    assert machine.stream_bandwidth(cache) == 12.5 and len(calls) == 2     # a broken cache is measured again
