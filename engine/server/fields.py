@@ -28,6 +28,7 @@ MAX_DESCRIPTION = 64 << 10
 """Longest tool or parameter description, characters (an agent's longest run to a few thousand)."""
 _NAME = re.compile(r"[a-zA-Z0-9_-]{1,64}")
 _PARAM_NAME = re.compile(r"[^<>\n]{1,256}")
+_TOKEN_ID = re.compile(r"[0-9]{1,10}")
 TEMPLATE_KWARGS = {"enable_thinking"}
 """The ``chat_template_kwargs`` passed on to the template (others are refused, not ignored)."""
 MAX_SCHEMA_DEPTH = 64
@@ -241,7 +242,7 @@ def logit_bias_of(value: Any, vocab: int) -> tuple[tuple[int, float], ...]:
         raise _bad("logit_bias must be an object of token id -> bias", "logit_bias")
     out = []
     for key, bias in value.items():
-        if not (isinstance(key, str) and key.isdigit() and int(key) < vocab):
+        if not (isinstance(key, str) and _TOKEN_ID.fullmatch(key) and int(key) < vocab):
             raise _bad(f"logit_bias: {key[:40]!r} is not a token id of this model (0 to {vocab - 1})", "logit_bias")
         if isinstance(bias, bool) or not isinstance(bias, (int, float)) or not -100 <= bias <= 100:
             raise _bad(f"logit_bias[{key}] must be a number in [-100, 100], got {bias!r}", "logit_bias")
