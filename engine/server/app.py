@@ -37,6 +37,7 @@ from starlette.routing import Route
 
 from engine.errors import ContextFullError, EngineError, ImageError, TemplateError, UnsupportedModelError
 from engine.events import Event, PrefillStats, TokenEvent, TurnSummary
+from engine.grammar import GrammarError
 from . import agent_routes
 from .choices import Answer, Choice
 from .constraints import Constraints
@@ -209,6 +210,11 @@ def _error_of(exc: BaseException) -> APIError:
         return APIError(400, str(exc), param="messages", code="context_length_exceeded")
     if isinstance(exc, (TemplateError, UnsupportedModelError)):
         return APIError(400, str(exc), param="messages")
+    if isinstance(exc, GrammarError):
+        log.warning("constrained decoding stopped: %s", exc)
+        return APIError(400, "the response format or tools cannot be enforced: the grammar library gave up while "
+                        f"decoding ({str(exc).splitlines()[0][:300]}); simplify the schema (a value that must nest "
+                        "without end, a very ambiguous pattern)", code="unsupported_schema")
     if isinstance(exc, EngineError):
         return APIError(500, str(exc), type="server_error")
     log.error("turn failed", exc_info=exc)

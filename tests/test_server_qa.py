@@ -1,0 +1,62 @@
+"""Hostile and odd requests against ``engine serve`` on loopback: each is a 4xx in its route's own error
+shape and the server keeps serving (a client's SDK or a fuzzer, not a happy path)."""
+
+from __future__ import annotations
+
+import httpx
+import pytest
+
+HI = [{"role": "user", "content": "hi"}]
+RECURSIVE = {"$defs": {"node": {"type": "object", "properties": {"next": {"$ref": "#/$defs/node"}},
+                                "required": ["next"]}},
+             "$ref": "#/$defs/node"}
+"""A schema that compiles but whose every value nests without end: llguidance gives up while decoding."""
+
+
+@pytest.fixture(scope="module")
+def url(served):
+    return served[2].url
+
+
+def _alive(url: str) -> None:
+    ok = httpx.post(url + "/chat/completions", json={"model": "tiny", "messages": HI, "max_tokens": 1}, timeout=60)
+    assert ok.status_code == 200, ok.text
+
+
+@pytest.mark.parametrize("key", ["9" * 5000, "\u00b2", "\u0661"])
+def test_logit_bias_keys_that_are_not_ascii_decimal_ids_are_400(url, key) -> None:
+    r = httpx.post(url + "/chat/completions", json={"model": "tiny", "messages": HI, "max_tokens": 1,
+                                                    "logit_bias": {key: 1}}, timeout=60)
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"] == "logit_bias" and len(r.json()["error"]["message"]) < 300
+    _alive(url)
+
+
+def _recursive_format(route: str) -> dict:
+    if route == "/chat/completions":
+        return {"messages": HI, "max_tokens": 8, "response_format": {
+            "type": "json_schema", "json_schema": {"name": "x", "schema": RECURSIVE}}}
+    if route == "/responses":
+        return {"input": "hi", "max_output_tokens": 8,
+                "text": {"format": {"type": "json_schema", "name": "x", "schema": RECURSIVE}}}
+    return {"messages": HI, "max_tokens": 8, "output_config": {"format": {"type": "json_schema", "schema": RECURSIVE}}}
+
+
+@pytest.mark.parametrize("route", ["/chat/completions", "/responses", "/messages"])
+def test_a_schema_the_parser_gives_up_on_while_decoding_is_400(url, route) -> None:
+    r = httpx.post(url + route, json={"model": "tiny"} | _recursive_format(route), timeout=60)
+    assert r.status_code == 400, r.text
+    body = r.json()
+    if route == "/messages":
+        assert body["type"] == "error" and body["error"]["type"] == "invalid_request_error"
+    else:
+        assert body["error"]["code"] == "unsupported_schema"
+    _alive(url)
+
+
+def test_a_stream_whose_parser_gives_up_ends_with_an_error_event(url) -> None:
+    body = {"model": "tiny", "stream": True} | _recursive_format("/chat/completions")
+    with httpx.stream("POST", url + "/chat/completions", json=body, timeout=60) as r:
+        text = r.read().decode()
+    assert r.status_code in (200, 400) and "unsupported_schema" in text and "server_error" not in text
+    _alive(url)
