@@ -3,6 +3,8 @@ shape and the server keeps serving (a client's SDK or a fuzzer, not a happy path
 
 from __future__ import annotations
 
+import json
+
 import httpx
 import pytest
 
@@ -59,4 +61,32 @@ def test_a_stream_whose_parser_gives_up_ends_with_an_error_event(url) -> None:
     with httpx.stream("POST", url + "/chat/completions", json=body, timeout=60) as r:
         text = r.read().decode()
     assert r.status_code in (200, 400) and "unsupported_schema" in text and "server_error" not in text
+    _alive(url)
+
+
+DEEP = '{"a": ' * 900 + "1" + "}" * 900
+"""Arguments nested 900 deep: within the JSON parser's depth, beyond what the template may recurse into."""
+
+
+@pytest.mark.parametrize("route, body", [
+    ("/chat/completions", {"messages": HI + [
+        {"role": "assistant", "content": None, "tool_calls": [
+            {"id": "c1", "type": "function", "function": {"name": "a", "arguments": DEEP}}]},
+        {"role": "tool", "tool_call_id": "c1", "content": "x"}], "max_tokens": 1}),
+    ("/responses", {"input": [{"type": "function_call", "call_id": "c1", "name": "a", "arguments": DEEP},
+                              {"type": "function_call_output", "call_id": "c1", "output": "x"}],
+                    "max_output_tokens": 1}),
+    ("/messages", {"messages": HI + [
+        {"role": "assistant", "content": [{"type": "tool_use", "id": "c1", "name": "a", "input": "INPUT"}]},
+        {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "c1", "content": "x"}]}],
+        "max_tokens": 1}),
+    ("/messages/count_tokens", {"messages": HI + [
+        {"role": "assistant", "content": [{"type": "tool_use", "id": "c1", "name": "a", "input": "INPUT"}]},
+        {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "c1", "content": "x"}]}]}),
+])
+def test_deeply_nested_call_arguments_in_the_history_are_400(url, route, body) -> None:
+    text = json.dumps({"model": "tiny"} | body).replace('"INPUT"', DEEP)
+    r = httpx.post(url + route, content=text, headers={"content-type": "application/json"}, timeout=60)
+    assert r.status_code == 400, r.text
+    assert "deeper than" in r.text
     _alive(url)

@@ -33,6 +33,9 @@ TEMPLATE_KWARGS = {"enable_thinking"}
 """The ``chat_template_kwargs`` passed on to the template (others are refused, not ignored)."""
 MAX_SCHEMA_DEPTH = 64
 """Deepest nesting of objects and lists in a schema (real ones stay under ten)."""
+MAX_ARGUMENT_DEPTH = 64
+"""Deepest nesting of objects and lists in a call's arguments in the conversation (the template renders them
+recursively)."""
 MAX_TOOLS_TEXT = 1 << 20
 """Largest ``tools`` list, characters of JSON (an agent's few dozen tools take a few hundred KiB at most)."""
 EFFORT = {"none": False, "minimal": False, "low": True, "medium": True, "high": True}
@@ -171,6 +174,9 @@ def tool_calls_of(value: Any, param: str) -> list[dict]:
                 raise _bad(f"{where}.function.arguments is not JSON: {exc}", where + ".function.arguments") from exc
         if not isinstance(arguments, Mapping):
             raise _bad(f"{where}.function.arguments must be a JSON object", where + ".function.arguments")
+        if _depth(arguments) > MAX_ARGUMENT_DEPTH:
+            raise _bad(f"{where}.function.arguments nests deeper than {MAX_ARGUMENT_DEPTH} levels",
+                       where + ".function.arguments")
         out.append({"id": call["id"], "type": "function", "function": {"name": fn["name"], "arguments": arguments}})
     return out
 
