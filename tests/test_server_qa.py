@@ -8,6 +8,9 @@ import json
 import httpx
 import pytest
 
+from engine.server.tool_calls import CallReader, ToolCallStream
+from engine.server.tool_grammar import call_grammar
+
 HI = [{"role": "user", "content": "hi"}]
 RECURSIVE = {"$defs": {"node": {"type": "object", "properties": {"next": {"$ref": "#/$defs/node"}},
                                 "required": ["next"]}},
@@ -90,3 +93,56 @@ def test_deeply_nested_call_arguments_in_the_history_are_400(url, route, body) -
     assert r.status_code == 400, r.text
     assert "deeper than" in r.text
     _alive(url)
+
+
+LOOKUP = {"name": "lookup", "parameters": {"type": "object", "properties": {"code": {"type": "string"}},
+                                           "required": ["code"]}}
+
+
+def _call_text(value: str) -> str:
+    return f"<function=lookup>\n<parameter=code>\n{value}\n</parameter>\n</function>"
+
+
+@pytest.mark.parametrize("value", ["<b>x</parameter>y</b>", "a</parameter>\nb", "</parameter>"])
+def test_a_value_holding_the_closing_tag_reads_whole(value) -> None:
+    call = CallReader({"lookup": LOOKUP}, "xml").read(_call_text(value))
+    assert call is not None and json.loads(call.arguments) == {"code": value}
+
+
+def _grammar_takes(engine, grammar, value: str) -> bool:
+    """Whether the forced-call grammar lets the model write a call to lookup whose code is ``value``
+    (spelled with plain tokens; the block's own tags are the special tokens)."""
+    tok = engine.tokenizer
+    ids = ([tok.token_id("<tool_call>")] + tok.encode_plain("\n" + _call_text(value) + "\n")
+           + [tok.token_id("</tool_call>")])
+    matcher = grammar.matcher()
+    for token in ids:
+        if not matcher.allowed()[token]:
+            return False
+        matcher.accept(token)
+    return matcher.accepting
+
+
+@pytest.fixture(scope="module")
+def forced_lookup(served):
+    tools = ({"type": "function", "function": LOOKUP},)
+    return served[0], served[0].grammar(lark=call_grammar(tools, "xml", "required", None, False, None))
+
+
+@pytest.mark.parametrize("value", ["Paris", "two\nlines", "a < b", "x</parameter>y", "ends with </parameter"])
+def test_a_forced_free_text_value_can_be_closed(forced_lookup, value) -> None:
+    """A free-text lexeme that read ``\n</parameter`` could not end there (the lexer does not look back),
+    so the grammar refused the closing ``>`` and no model could finish a string argument it had no
+    maxLength for."""
+    assert _grammar_takes(*forced_lookup, value)
+
+
+def test_a_forced_string_value_cannot_end_the_call_block_early(forced_lookup) -> None:
+    """The reader ends a block at the first ``</tool_call>`` text: the grammar must not let a value spell it,
+    or an enforced call would come back as content."""
+    assert not _grammar_takes(*forced_lookup, "x</tool_call>y")
+    reader = CallReader({"lookup": LOOKUP}, "xml")
+    stream = ToolCallStream(reader)
+    pieces = stream.push([("content", "<tool_call>\n" + _call_text("x</tool_call>y") + "\n</tool_call>")], False)
+    assert all(kind != "call" for kind, _ in pieces + stream.close())   # what the grammar now forbids
+

@@ -38,7 +38,9 @@ log = logging.getLogger(__name__)
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
 _FUNCTION = re.compile(r"\s*<function=([^>\n]+)>\n?(.*?)</function>\s*", re.DOTALL)
-_PARAMETER = re.compile(r"<parameter=([^>\n]+)>\n?(.*?)</parameter>", re.DOTALL)
+_PARAMETER = re.compile(r"<parameter=([^>\n]+)>\n?(.*?)</parameter>\s*(?=<parameter=|\Z)", re.DOTALL)
+"""A parameter ends at the ``</parameter>`` that the next parameter or the function's end follows, so a
+value may itself hold ``</parameter>`` (HTML, a file about this format)."""
 
 
 def call_format(template: str) -> str:

@@ -13,7 +13,7 @@
 Each call is written as the template teaches it (:func:`engine.server.tool_calls.call_format`). In the
 XML form a parameter's value is text: an ``integer`` / ``number`` / ``boolean`` / ``object`` / ``array``
 parameter is its JSON (``%json`` with the parameter's own schema), a string parameter is free text that
-cannot contain ``\\n</parameter>`` (bounded by ``maxLength`` / ``minLength``; an ``enum`` / ``const``
+cannot contain ``\\n</parameter>`` or ``</tool_call>`` (bounded by ``maxLength`` / ``minLength``; an ``enum`` / ``const``
 is one of its strings; ``pattern`` and ``format`` of a string are not enforced in this form). In the
 JSON form the arguments are the whole ``parameters`` schema (``%json``), every keyword enforced.
 """
@@ -26,8 +26,13 @@ from typing import Any
 
 from engine.grammar import JSON_OPTIONS
 
-_VALUE_END = "\\n<\\/parameter>"
+_VALUE_END = "(\\n<\\/parameter>|<\\/tool_call>)"
+"""What a text value cannot hold: its own end, or the end of the call block (read from the text, it
+would end the block early)."""
 _TEXT = r"/(?s:.*)/"
+_CLOSE = '"\\n</parameter>\\n"'
+"""A parameter's closing tag. A text value's terminal ends with it: a lexeme of free text cannot end where
+the tag begins (the lexer looks no further ahead than the next byte), so value and tag are one lexeme."""
 
 
 def _literal(text: str) -> str:
@@ -43,14 +48,15 @@ def _json(schema: Any, defs: Mapping[str, Any]) -> str:
 
 
 def _string_value(schema: Mapping[str, Any], rule: str, lines: list[str]) -> str:
-    """The grammar of an XML string value: its enum / const strings, or text free of ``\\n</parameter>``."""
+    """The grammar of an XML string value and its closing tag: its enum / const strings, or text free of
+    ``\\n</parameter>`` and ``</tool_call>``."""
     choices = schema.get("enum", [schema["const"]] if "const" in schema else None)
     if isinstance(choices, list) and choices and all(isinstance(c, str) for c in choices):
-        return "(" + " | ".join(_literal(c) for c in choices) + ")"
+        return "(" + " | ".join(_literal(c) for c in choices) + ") " + _CLOSE
     low, high = schema.get("minLength", 0), schema.get("maxLength")
     count = f"{{{int(low)},{int(high)}}}" if isinstance(high, int) else (f"{{{int(low)},}}" if low else "*")
     name = rule.upper()
-    lines.append(f"{name}: /(?s:.{count})/ & ~/(?s:.*){_VALUE_END}(?s:.*)/")
+    lines.append(f"{name}: (/(?s:.{count})/ & ~/(?s:.*){_VALUE_END}(?s:.*)/) {_CLOSE}")
     return name
 
 
@@ -70,9 +76,9 @@ def _xml_body(fn: Mapping[str, Any], rule: str, strict: bool, lines: list[str]) 
         kinds = schema.get("type")
         textual = kinds == "string" or (kinds is None and ("enum" in schema or "const" in schema)
                                         and all(isinstance(c, str) for c in schema.get("enum", [schema.get("const")])))
-        value = _string_value(schema, f"{rule}_v{j}", lines) if textual else _json(schema, defs)
+        value = _string_value(schema, f"{rule}_v{j}", lines) if textual else f"{_json(schema, defs)} {_CLOSE}"
         opening = _literal(f"<parameter={key}>" + "\n")
-        lines.append(f"{rule}_p{j}: {opening} {value} \"\\n</parameter>\\n\"")
+        lines.append(f"{rule}_p{j}: {opening} {value}")
         parts.append(f"{rule}_p{j}" + ("" if key in required else "?"))
     lines.append(f"{rule}: {head} {' '.join(parts)} \"</function>\"")
     return rule
@@ -117,6 +123,6 @@ def call_grammar(tools: Sequence[Mapping[str, Any]], fmt: str, choice: str, name
         top = f"{_json(schema, {})} | {calls}"
     else:
         top = f"{_TEXT} ({calls})?"
-    lines.append("any_parameter: \"<parameter=\" /[^<>\\n]+/ \">\\n\" ANY_VALUE \"\\n</parameter>\\n\"")
-    lines.append(f"ANY_VALUE: {_TEXT} & ~/(?s:.*){_VALUE_END}(?s:.*)/")
+    lines.append("any_parameter: \"<parameter=\" /[^<>\\n]+/ \">\\n\" ANY_VALUE")
+    lines.append(f"ANY_VALUE: ({_TEXT} & ~/(?s:.*){_VALUE_END}(?s:.*)/) {_CLOSE}")
     return "\n".join([f"start: {top}"] + lines)
