@@ -92,12 +92,24 @@ def _check_schema(schema: Any) -> None:
         raise GrammarError(f"the JSON schema is not valid JSON Schema at {where}: {exc.message}") from None
 
 
+def json_options(schema: Mapping[str, Any]) -> dict[str, Any]:
+    """:data:`JSON_OPTIONS` overridden by ``schema``'s own ``x-guidance`` object.
+
+    Raises:
+        GrammarError: ``x-guidance`` is there but not an object.
+    """
+    own = schema.get("x-guidance", {})
+    if not isinstance(own, Mapping):
+        raise GrammarError(f"the JSON schema's x-guidance must be an object of llguidance options, "
+                           f"got {type(own).__name__}")
+    return {**JSON_OPTIONS, **own}
+
+
 def _json_grammar(schema: Any, name: str) -> dict:
     """An llguidance grammar entry enforcing ``schema`` with :data:`JSON_OPTIONS` (the schema's own
     ``x-guidance`` wins)."""
     if isinstance(schema, Mapping):
-        options = {**JSON_OPTIONS, **schema.get("x-guidance", {})}
-        schema = {**schema, "x-guidance": options}
+        schema = {**schema, "x-guidance": json_options(schema)}
     return {"name": name, "json_schema": schema}
 
 

@@ -78,7 +78,10 @@ class Constraints:
         Raises:
             APIError: 400 when llguidance cannot enforce the schema or tools (its message names the feature).
         """
-        spec = self.spec(req)
+        try:
+            spec = self.spec(req)
+        except GrammarError as exc:
+            raise APIError(400, f"tools: {exc}", param="tools", code="unsupported_schema") from exc
         if spec is None:
             return None
         key = json.dumps(spec, sort_keys=True)

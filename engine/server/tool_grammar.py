@@ -24,7 +24,7 @@ import json
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from engine.grammar import JSON_OPTIONS
+from engine.grammar import json_options
 
 _VALUE_END = "(\\n<\\/parameter>|<\\/tool_call>)"
 """What a text value cannot hold: its own end, or the end of the call block (read from the text, it
@@ -43,7 +43,7 @@ def _json(schema: Any, defs: Mapping[str, Any]) -> str:
     """``%json {schema}`` in one fixed layout (the engine's JSON options), the root's ``$defs`` carried along."""
     body = dict(schema) if isinstance(schema, Mapping) else {}
     body.update(defs)
-    body["x-guidance"] = {**JSON_OPTIONS, **body.get("x-guidance", {})}
+    body["x-guidance"] = json_options(body)
     return "%json " + json.dumps(body, ensure_ascii=False)
 
 
