@@ -146,3 +146,43 @@ def test_a_forced_string_value_cannot_end_the_call_block_early(forced_lookup) ->
     pieces = stream.push([("content", "<tool_call>\n" + _call_text("x</tool_call>y") + "\n</tool_call>")], False)
     assert all(kind != "call" for kind, _ in pieces + stream.close())   # what the grammar now forbids
 
+
+
+LONE = '"a\\ud800b"'
+"""A JSON string holding an unpaired UTF-16 surrogate: valid JSON, not Unicode text."""
+
+
+@pytest.mark.parametrize("route, template", [
+    ("/chat/completions", '{"model": "tiny", "max_tokens": 1, "messages": [{"role": "user", "content": %s}]}'),
+    ("/chat/completions", '{"model": "tiny", "max_tokens": 1, "messages": [{"role": "user", "content": "hi"}], '
+                          '"tools": [{"type": "function", "function": {"name": "a", "description": %s}}]}'),
+    ("/completions", '{"model": "tiny", "max_tokens": 1, "prompt": %s}'),
+    ("/responses", '{"model": "tiny", "max_output_tokens": 1, "input": %s}'),
+    ("/messages", '{"model": "tiny", "max_tokens": 1, "messages": [{"role": "user", "content": %s}]}'),
+    ("/messages/count_tokens", '{"model": "tiny", "messages": [{"role": "user", "content": %s}]}'),
+])
+def test_an_unpaired_surrogate_is_400(url, route, template) -> None:
+    r = httpx.post(url + route, content=template % LONE, headers={"content-type": "application/json"}, timeout=60)
+    assert r.status_code == 400, r.text
+    assert "surrogate" in r.text
+    _alive(url)
+
+
+def test_a_surrogate_pair_is_the_character_it_encodes(url) -> None:
+    """``json.dumps`` (ensure_ascii) sends an emoji as an escaped pair: that is text, and is served."""
+    body = json.dumps({"model": "tiny", "max_tokens": 1, "messages": [{"role": "user", "content": "hi \U0001F600"}]})
+    assert "\\ud83d" in body
+    r = httpx.post(url + "/chat/completions", content=body, headers={"content-type": "application/json"}, timeout=60)
+    assert r.status_code == 200, r.text
+
+
+@pytest.mark.parametrize("body", [
+    {"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"x-guidance": "loose"}}}},
+    {"tools": [{"type": "function", "function": {"name": "a", "parameters": {"type": "object", "properties": {
+        "n": {"type": "integer", "x-guidance": 5}}}}}], "tool_choice": "required"},
+])
+def test_an_x_guidance_that_is_not_an_object_is_400(url, body) -> None:
+    r = httpx.post(url + "/chat/completions", json={"model": "tiny", "messages": HI, "max_tokens": 1} | body, timeout=60)
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["code"] == "unsupported_schema" and "x-guidance" in r.json()["error"]["message"]
+    _alive(url)

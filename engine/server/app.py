@@ -23,6 +23,7 @@ import asyncio
 import hmac
 import json
 import logging
+import re
 import threading
 import time
 from dataclasses import dataclass
@@ -259,10 +260,39 @@ async def _read_json(request: Request, limit: int) -> Any:
         if size > limit:
             raise APIError(413, f"the request body exceeds {limit} bytes", code="request_too_large")
         chunks.append(chunk)
+    raw = b"".join(chunks)
     try:
-        return json.loads(b"".join(chunks), parse_constant=_no_constants)
+        body = json.loads(raw, parse_constant=_no_constants)
     except (ValueError, RecursionError) as exc:
         raise APIError(400, f"the request body is not valid JSON: {exc}", code="invalid_json") from exc
+    if _SURROGATE.search(raw):
+        _refuse_lone_surrogates(body)
+    return body
+
+
+_SURROGATE = re.compile(rb"\\u[dD][89a-fA-F]|\xed[\xa0-\xbf]")
+"""A UTF-16 surrogate in a JSON text, escaped or as bytes (``json`` reads either): only then can a string
+of the body hold an unpaired one."""
+
+
+def _refuse_lone_surrogates(body: Any) -> None:
+    """400 when a string (or key) of ``body`` holds an unpaired UTF-16 surrogate, which is not Unicode text
+    (the tokenizer and UTF-8 cannot take it); walked without recursion."""
+    todo = [body]
+    while todo:
+        item = todo.pop()
+        if isinstance(item, dict):
+            todo.extend(item.keys())
+            todo.extend(item.values())
+        elif isinstance(item, list):
+            todo.extend(item)
+        elif isinstance(item, str):
+            try:
+                item.encode("utf-8")
+            except UnicodeEncodeError as exc:
+                raise APIError(400, f"the request body holds an unpaired UTF-16 surrogate ({item[exc.start]!r} in "
+                               f"{item[max(0, exc.start - 20):exc.start + 20]!r}): not Unicode text",
+                               code="invalid_json") from None
 
 
 class _Routes:
