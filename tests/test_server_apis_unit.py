@@ -252,7 +252,8 @@ def test_anthropic_blocks_become_chat_messages() -> None:
                 {"role": "assistant", "content": [
                     {"type": "thinking", "thinking": "Ask the tool.", "signature": "s"},
                     {"type": "text", "text": "Checking."},
-                    {"type": "tool_use", "id": "t1", "name": "weather", "input": {"city": "Paris"}}]},
+                    {"type": "tool_use", "id": "t1", "name": "weather", "input": {"city": "Paris"}},
+                    {"type": "tool_use", "id": "t2", "name": "weather", "input": {"city": "Rome"}}]},
                 {"role": "user", "content": [
                     {"type": "tool_result", "tool_use_id": "t1", "content": [{"type": "text", "text": "18 C"}]},
                     {"type": "tool_result", "tool_use_id": "t2", "content": "down", "is_error": True},
@@ -267,7 +268,7 @@ def test_anthropic_blocks_become_chat_messages() -> None:
             {"role": "user", "content": [{"type": "text", "text": "Weather?"},
                                          {"type": "image_url", "image_url": {"url": f"data:image/png;base64,{PNG}"}}]},
             {"role": "assistant", "content": "Checking.", "reasoning_content": "Ask the tool.",
-             "tool_calls": [_call("t1", "weather", {"city": "Paris"})]},
+             "tool_calls": [_call("t1", "weather", {"city": "Paris"}), _call("t2", "weather", {"city": "Rome"})]},
             {"role": "tool", "tool_call_id": "t1", "content": "18 C"},
             {"role": "tool", "tool_call_id": "t2", "content": "Error: down"},
             {"role": "user", "content": "Thanks."}],

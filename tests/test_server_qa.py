@@ -186,3 +186,30 @@ def test_an_x_guidance_that_is_not_an_object_is_400(url, body) -> None:
     assert r.status_code == 400, r.text
     assert r.json()["error"]["code"] == "unsupported_schema" and "x-guidance" in r.json()["error"]["message"]
     _alive(url)
+
+
+def test_an_orphan_tool_result_is_named_in_the_messages_terms(url) -> None:
+    body = {"model": "tiny", "max_tokens": 1, "messages": [
+        {"role": "user", "content": "hi"},
+        {"role": "assistant", "content": [{"type": "tool_use", "id": "t1", "name": "a", "input": {}}]},
+        {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t1", "content": "ok"},
+                                     {"type": "tool_result", "tool_use_id": "t9", "content": "?"}]}],
+        "tools": [{"name": "a", "input_schema": {"type": "object"}}]}
+    r = httpx.post(url + "/messages", json=body, timeout=60)
+    assert r.status_code == 400 and r.json()["type"] == "error"
+    assert "messages[2].content[1].tool_use_id 't9'" in r.json()["error"]["message"]
+    _alive(url)
+
+
+def test_an_orphan_function_call_output_is_named_in_the_responses_terms(url) -> None:
+    first = httpx.post(url + "/responses", json={"model": "tiny", "input": "hi", "max_output_tokens": 1}, timeout=60)
+    items = [{"type": "function_call", "call_id": "c1", "name": "a", "arguments": "{}"},
+             {"type": "function_call_output", "call_id": "c1", "output": "ok"},
+             {"type": "function_call_output", "call_id": "c9", "output": "?"}]
+    for extra in ({}, {"previous_response_id": first.json()["id"]}):
+        r = httpx.post(url + "/responses", json={"model": "tiny", "input": items, "max_output_tokens": 1} | extra,
+                       timeout=60)
+        assert r.status_code == 400 and r.json()["error"]["param"] == "input[2].call_id", r.text
+    r = httpx.post(url + "/responses", json={"model": "tiny", "input": "more", "max_output_tokens": 1,
+                                             "previous_response_id": first.json()["id"]}, timeout=60)
+    assert r.status_code == 200 and r.json()["usage"]["input_tokens_details"]["cached_tokens"] > 0

@@ -98,8 +98,9 @@ def _tool_use(block: Mapping[str, Any], where: str) -> dict[str, Any]:
             "function": {"name": name, "arguments": json.dumps(arguments, ensure_ascii=False)}}
 
 
-def _user(content: Any, where: str) -> list[dict]:
-    """A user message: its tool results as ``tool`` messages first, then the rest as one user message."""
+def _user(content: Any, where: str, called: set[str]) -> list[dict]:
+    """A user message: its tool results as ``tool`` messages first, then the rest as one user message; a
+    result must answer one of the ``called`` tool_use ids."""
     if isinstance(content, str):
         return [{"role": "user", "content": content}]
     if not isinstance(content, list) or not content:
@@ -108,6 +109,9 @@ def _user(content: Any, where: str) -> list[dict]:
     for k, block in enumerate(content):
         if isinstance(block, Mapping) and block.get("type") == "tool_result":
             results.append(_tool_result(block, f"{where}[{k}]"))
+            if results[-1]["tool_call_id"] not in called:
+                raise _bad(f"{where}[{k}].tool_use_id {results[-1]['tool_call_id'][:100]!r} answers no tool_use block "
+                           "of an earlier assistant message", f"{where}[{k}].tool_use_id")
         else:
             rest.append(_block(block, f"{where}[{k}]"))
     return results + ([{"role": "user", "content": _plain(rest)}] if rest else [])
@@ -140,13 +144,15 @@ def _messages(value: Any) -> list[dict]:
     if not isinstance(value, list) or not value:
         raise _bad("messages must be a non-empty list of {role, content} objects", "messages")
     out: list[dict] = []
+    called: set[str] = set()
     for i, m in enumerate(value):
         where = f"messages[{i}]"
         role = m.get("role") if isinstance(m, Mapping) else None
         if role == "user":
-            out += _user(m.get("content"), where + ".content")
+            out += _user(m.get("content"), where + ".content", called)
         elif role == "assistant":
             out.append(_assistant(m.get("content"), where + ".content"))
+            called.update(call["id"] for call in out[-1].get("tool_calls", ()))
         else:
             raise _bad(f"{where}.role must be 'user' or 'assistant', got {role!r}", where + ".role")
     if out[-1]["role"] == "assistant":

@@ -81,6 +81,7 @@ class _Conversation:
     def __init__(self, messages: list[dict]) -> None:
         self.messages = messages
         self.reasoning: str | None = None
+        self.called = {call["id"] for m in messages for call in m.get("tool_calls", ())}
 
     def add(self, item: Any, where: str) -> None:
         if not isinstance(item, Mapping):
@@ -94,6 +95,9 @@ class _Conversation:
             call_id = item.get("call_id")
             if not isinstance(call_id, str) or not call_id:
                 raise _bad(f"{where}.call_id must be the call_id of a function_call", where + ".call_id")
+            if call_id not in self.called:
+                raise _bad(f"{where}.call_id {call_id[:100]!r} answers no function_call before it (in the input or "
+                           "the previous response)", where + ".call_id")
             output = _text_of(item.get("output"), where + ".output", ("input_text", "output_text"))
             self.reasoning = None
             self.messages.append({"role": "tool", "tool_call_id": call_id, "content": output})
@@ -120,6 +124,7 @@ class _Conversation:
         if not isinstance(arguments, str):
             raise _bad(f"{where}.arguments must be a JSON string", where + ".arguments")
         call = {"id": call_id, "type": "function", "function": {"name": name, "arguments": arguments}}
+        self.called.add(call_id)
         last = self.messages[-1] if self.messages else None
         if last is not None and last["role"] == "assistant" and self.reasoning is None:
             last.setdefault("tool_calls", []).append(call)
@@ -136,17 +141,18 @@ class _Conversation:
         self.reasoning = None
 
 
-def input_messages(value: Any) -> list[dict]:
-    """The request's ``input`` (a string, or a list of items) as chat messages.
+def input_messages(value: Any, before: list[dict] | None = None) -> list[dict]:
+    """The request's ``input`` (a string, or a list of items) as chat messages, after the conversation
+    ``before`` (a previous response's, whose calls its ``function_call_output`` items may answer).
 
     Raises:
         APIError: an item of an unknown type or with a bad field (400, naming ``input[i]...``).
     """
     if isinstance(value, str):
-        return [{"role": "user", "content": value}]
+        return list(before or ()) + [{"role": "user", "content": value}]
     if not isinstance(value, list) or not value:
         raise _bad("input must be a string or a non-empty list of input items", "input")
-    conversation = _Conversation([])
+    conversation = _Conversation(list(before or ()))
     for i, item in enumerate(value):
         conversation.add(item, f"input[{i}]")
     return conversation.messages
@@ -209,7 +215,7 @@ def chat_body(body: Any, store: ResponseStore) -> dict[str, Any]:
         raise _bad("include: message.output_text.logprobs is not supported by this server (the chat completions "
                    "route returns logprobs)", "include", "unsupported_parameter")
     messages = store.conversation(body["previous_response_id"]) if body.get("previous_response_id") else []
-    messages += input_messages(body.get("input"))
+    messages = input_messages(body.get("input"), messages)
     instructions = body.get("instructions")
     if instructions is not None and not isinstance(instructions, str):
         raise _bad("instructions must be a string", "instructions")
