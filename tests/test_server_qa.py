@@ -182,7 +182,8 @@ def test_a_surrogate_pair_is_the_character_it_encodes(url) -> None:
         "n": {"type": "integer", "x-guidance": 5}}}}}], "tool_choice": "required"},
 ])
 def test_an_x_guidance_that_is_not_an_object_is_400(url, body) -> None:
-    r = httpx.post(url + "/chat/completions", json={"model": "tiny", "messages": HI, "max_tokens": 1} | body, timeout=60)
+    r = httpx.post(url + "/chat/completions", json={"model": "tiny", "messages": HI, "max_tokens": 1} | body,
+                   timeout=60)
     assert r.status_code == 400, r.text
     assert r.json()["error"]["code"] == "unsupported_schema" and "x-guidance" in r.json()["error"]["message"]
     _alive(url)
@@ -213,3 +214,26 @@ def test_an_orphan_function_call_output_is_named_in_the_responses_terms(url) -> 
     r = httpx.post(url + "/responses", json={"model": "tiny", "input": "more", "max_output_tokens": 1,
                                              "previous_response_id": first.json()["id"]}, timeout=60)
     assert r.status_code == 200 and r.json()["usage"]["input_tokens_details"]["cached_tokens"] > 0
+
+
+@pytest.mark.parametrize("schema", [{"type": "string", "enum": []}, {"enum": []}, {"type": "string", "const": None},
+                                    {"type": "string", "enum": [1, 2]}])
+def test_a_forced_string_parameter_whose_enum_allows_nothing_is_400(url, schema) -> None:
+    """Such a value could never be written: the call was left as free text, so nothing was enforced."""
+    tool = {"type": "function", "function": {"name": "a", "parameters": {
+        "type": "object", "properties": {"x": schema}, "required": ["x"]}}}
+    r = httpx.post(url + "/chat/completions", json={"model": "tiny", "messages": HI, "max_tokens": 1,
+                                                    "tools": [tool], "tool_choice": "required"}, timeout=60)
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["code"] == "unsupported_schema" and "holds no string" in r.json()["error"]["message"]
+    _alive(url)
+
+
+def test_a_forced_string_enum_keeps_its_strings(served) -> None:
+    """``{"type": "string", "enum": ["a", 1]}``: only "a" is a string the call can hold (the enum was dropped)."""
+    engine = served[0]
+    fn = {"name": "lookup", "parameters": {"type": "object", "properties": {"code": {"type": "string",
+                                                                                     "enum": ["a", 1]}}}}
+    grammar = engine.grammar(lark=call_grammar(({"type": "function", "function": fn},), "xml", "required", None,
+                                               False, None))
+    assert _grammar_takes(engine, grammar, "a") and not _grammar_takes(engine, grammar, "b")

@@ -24,7 +24,7 @@ import json
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from engine.grammar import json_options
+from engine.grammar import GrammarError, json_options
 
 _VALUE_END = "(\\n<\\/parameter>|<\\/tool_call>)"
 """What a text value cannot hold: its own end, or the end of the call block (read from the text, it
@@ -49,9 +49,17 @@ def _json(schema: Any, defs: Mapping[str, Any]) -> str:
 
 def _string_value(schema: Mapping[str, Any], rule: str, lines: list[str]) -> str:
     """The grammar of an XML string value and its closing tag: its enum / const strings, or text free of
-    ``\\n</parameter>`` and ``</tool_call>``."""
-    choices = schema.get("enum", [schema["const"]] if "const" in schema else None)
-    if isinstance(choices, list) and choices and all(isinstance(c, str) for c in choices):
+    ``\\n</parameter>`` and ``</tool_call>``.
+
+    Raises:
+        GrammarError: an ``enum`` / ``const`` that holds no string (no value could be written).
+    """
+    if "enum" in schema or "const" in schema:
+        values = schema["enum"] if "enum" in schema else [schema["const"]]
+        choices = [c for c in values if isinstance(c, str)] if isinstance(values, list) else []
+        if not choices:
+            raise GrammarError(f"a string parameter's enum / const holds no string, so no call could be written "
+                               f"(got {json.dumps(values)[:100]})")
         return "(" + " | ".join(_literal(c) for c in choices) + ") " + _CLOSE
     low, high = schema.get("minLength", 0), schema.get("maxLength")
     count = f"{{{int(low)},{int(high)}}}" if isinstance(high, int) else (f"{{{int(low)},}}" if low else "*")
