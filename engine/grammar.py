@@ -152,6 +152,17 @@ def grammar_source(*, lark: str | None = None, json_schema: Any = None, json_obj
     return json.dumps({"grammars": [top, body]})
 
 
+MAX_MESSAGE = 2000
+"""Longest llguidance message passed on, characters (its grammar excerpt; a panic's backtrace is cut off)."""
+
+
+def _library_message(message: str) -> str:
+    """llguidance's error ``message`` without the backtrace of a panic (native frames and build paths, no use
+    to a client), at most :data:`MAX_MESSAGE` characters."""
+    text = message.split("\n<backtrace>", 1)[0]
+    return text if len(text) <= MAX_MESSAGE else text[:MAX_MESSAGE] + " ..."
+
+
 class Grammar:
     """A compiled grammar for one token table: immutable, shared by every answer it constrains.
 
@@ -171,13 +182,13 @@ class Grammar:
         """
         failed, messages = llguidance.LLMatcher.validate_grammar_with_warnings(source, tokenizer)
         if failed:
-            raise GrammarError(f"the grammar cannot be enforced: {messages[0]}")
+            raise GrammarError(f"the grammar cannot be enforced: {_library_message(messages[0])}")
         self.source = source
         self.n_vocab = tokenizer.vocab_size
         self._tokenizer = tokenizer
         self._initial = llguidance.LLMatcher(tokenizer, source, log_level=0)
         if self._initial.is_error():
-            raise GrammarError(f"the grammar cannot be enforced: {self._initial.get_error()}")
+            raise GrammarError(f"the grammar cannot be enforced: {_library_message(self._initial.get_error())}")
 
     def matcher(self) -> Matcher:
         """A fresh parser state at the start of the answer."""
@@ -230,11 +241,12 @@ class Matcher:
             GrammarError: the token is not allowed here (the matcher is then unusable).
         """
         if not self._m.consume_token(int(token_id)):
-            raise GrammarError(f"token {token_id} is not allowed by the grammar here: {self._m.get_error()}")
+            raise GrammarError(f"token {token_id} is not allowed by the grammar here: "
+                               f"{_library_message(self._m.get_error())}")
 
     def _raise_on_error(self) -> None:
         if self._m.is_error():
-            raise GrammarError(f"constrained decoding stopped: {self._m.get_error()}")
+            raise GrammarError(f"constrained decoding stopped: {_library_message(self._m.get_error())}")
 
 
 def compile_grammar(tokenizer: llguidance.LLTokenizer, *, lark: str | None = None, json_schema: Any = None,

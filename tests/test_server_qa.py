@@ -8,6 +8,7 @@ import json
 import httpx
 import pytest
 
+from engine.grammar import MAX_MESSAGE, GrammarError
 from engine.server.tool_calls import CallReader, ToolCallStream
 from engine.server.tool_grammar import call_grammar
 
@@ -237,3 +238,15 @@ def test_a_forced_string_enum_keeps_its_strings(served) -> None:
     grammar = engine.grammar(lark=call_grammar(({"type": "function", "function": fn},), "xml", "required", None,
                                                False, None))
     assert _grammar_takes(engine, grammar, "a") and not _grammar_takes(engine, grammar, "b")
+
+
+def test_a_grammar_the_library_panics_on_is_named_without_its_backtrace(served) -> None:
+    """llguidance answers a grammar of over 65,525 symbols with a panic whose message carries the native
+    backtrace (frames, build paths): the client gets the assertion only."""
+    rules = 66000
+    lark = ("start: " + " | ".join(f"r{i}" for i in range(rules)) + "\n"
+            + "\n".join(f'r{i}: "a"' for i in range(rules)))
+    with pytest.raises(GrammarError) as err:
+        served[0].grammar(lark=lark)
+    message = str(err.value)
+    assert "assertion failed" in message and "backtrace" not in message and len(message) <= MAX_MESSAGE + 100
