@@ -250,3 +250,14 @@ def test_a_grammar_the_library_panics_on_is_named_without_its_backtrace(served) 
         served[0].grammar(lark=lark)
     message = str(err.value)
     assert "assertion failed" in message and "backtrace" not in message and len(message) <= MAX_MESSAGE + 100
+
+
+@pytest.mark.parametrize("route, body", [
+    ("/responses", {"input": "hi", "max_output_tokens": 1}),
+    ("/messages", {"messages": HI, "max_tokens": 1}),
+])
+@pytest.mark.parametrize("stream", ["false", 1])
+def test_a_stream_flag_that_is_not_a_boolean_is_400(url, route, body, stream) -> None:
+    """``"stream": "false"`` was read as true: a client got server-sent events it had not asked for."""
+    r = httpx.post(url + route, json={"model": "tiny", "stream": stream} | body, timeout=60)
+    assert r.status_code == 400 and "stream must be true or false" in r.text, r.text

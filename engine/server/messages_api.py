@@ -264,8 +264,10 @@ def chat_body(body: Any) -> dict[str, Any]:
         chat["chat_template_kwargs"] = {"enable_thinking": _thinking(body["thinking"])}
     if body.get("output_config") is not None:
         _output_config(body["output_config"], chat)
-    if body.get("stream"):
-        chat["stream"], chat["stream_options"] = True, {"include_usage": True}
+    if body.get("stream") is not None:
+        chat["stream"] = body["stream"]          # the chat route refuses a value other than true / false
+    if body.get("stream") is True:
+        chat["stream_options"] = {"include_usage": True}
     return chat
 
 

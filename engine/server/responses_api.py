@@ -239,8 +239,10 @@ def chat_body(body: Any, store: ResponseStore) -> dict[str, Any]:
         raise _bad("reasoning must be an object ({effort, summary})", "reasoning")
     if reasoning and reasoning.get("effort") is not None:
         chat["reasoning_effort"] = "high" if reasoning["effort"] == "xhigh" else reasoning["effort"]
-    if body.get("stream"):
-        chat["stream"], chat["stream_options"] = True, {"include_usage": True}
+    if body.get("stream") is not None:
+        chat["stream"] = body["stream"]          # the chat route refuses a value other than true / false
+    if body.get("stream") is True:
+        chat["stream_options"] = {"include_usage": True}
     return chat
 
 
