@@ -293,7 +293,7 @@ def _decode(data: bytes, name: str, max_input_pixels: int) -> Image.Image:
             named = f" despite its name ending in {suffix!r}" if suffix else ""
             raise ImageError(
                 f"{name}: not an image Pillow can read{named}; expected PNG, JPEG, GIF, WebP, BMP or TIFF "
-                f"data, the file starts with {data[:12]!r}") from e
+                "data, and its first bytes match none of their signatures") from e
         except (OSError, ValueError, SyntaxError) as e:
             raise ImageError(f"{name}: corrupt image header ({e})") from e
         w, h = im.size

@@ -261,3 +261,14 @@ def test_a_stream_flag_that_is_not_a_boolean_is_400(url, route, body, stream) ->
     """``"stream": "false"`` was read as true: a client got server-sent events it had not asked for."""
     r = httpx.post(url + route, json={"model": "tiny", "stream": stream} | body, timeout=60)
     assert r.status_code == 400 and "stream must be true or false" in r.text, r.text
+
+
+def test_a_file_url_that_is_not_an_image_leaks_none_of_its_bytes(served_vision, tmp_path) -> None:
+    """The error named the file and quoted its first 12 bytes: any local client could read the start of any
+    file the server's user can read (``/etc/shadow`` aside, a key file, a token)."""
+    secret = tmp_path / "token.txt"
+    secret.write_text("s3cr3t-token-value")
+    r = httpx.post(served_vision[0].url + "/chat/completions", json={"model": "tiny-vl", "max_tokens": 1, "messages": [
+        {"role": "user", "content": [{"type": "image_url", "image_url": {"url": secret.as_uri()}}]}]}, timeout=60)
+    assert r.status_code == 400 and "not an image" in r.text, r.text
+    assert "s3cr3t" not in r.text
