@@ -16,7 +16,7 @@ from typing import Sequence
 THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
 
 
-def _partial_suffix(text: str, tag: str) -> int:
+def partial_suffix(text: str, tag: str) -> int:
     """Length of the longest end of ``text`` that is a proper beginning of ``tag`` (0 when none)."""
     for n in range(min(len(text), len(tag) - 1), 0, -1):
         if text.endswith(tag[:n]):
@@ -59,7 +59,7 @@ class AnswerSplitter:
             if self.reasoning:
                 end = self._pending.find(THINK_CLOSE)
                 if end < 0:
-                    keep = _partial_suffix(self._pending, THINK_CLOSE)
+                    keep = partial_suffix(self._pending, THINK_CLOSE)
                     self._emit(out, "reasoning", self._pending[:len(self._pending) - keep])
                     self._pending = self._pending[len(self._pending) - keep:]
                     return out
@@ -72,7 +72,7 @@ class AnswerSplitter:
                 self._emit(out, "content", self._pending[:min(hits)[0]])
                 self._pending, self.stopped = "", True
                 return out
-            keep = max((_partial_suffix(self._pending, s) for s in self.stop), default=0)
+            keep = max((partial_suffix(self._pending, s) for s in self.stop), default=0)
             self._emit(out, "content", self._pending[:len(self._pending) - keep])
             self._pending = self._pending[len(self._pending) - keep:]
             return out
