@@ -15,11 +15,14 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import TYPE_CHECKING, Sequence
 
 import numpy as np
 
 from .errors import EngineError
+
+if TYPE_CHECKING:
+    from .grammar import Matcher
 
 MAX_TOP_LOGPROBS = 20
 """The most alternatives :attr:`SamplingParams.top_logprobs` may ask for (the OpenAI API's limit)."""
@@ -127,7 +130,7 @@ class Sampler:
             length): the frequency penalty counts tokens from there.
     """
 
-    def __init__(self, params: SamplingParams, matcher: Any = None, answer_start: int = 0) -> None:
+    def __init__(self, params: SamplingParams, matcher: Matcher | None = None, answer_start: int = 0) -> None:
         self.params = params
         self.matcher = matcher
         self.answer_start = answer_start
