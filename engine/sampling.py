@@ -151,7 +151,7 @@ class Sampler:
 
         Raises:
             EngineError: the logits hold a NaN or no finite value, a logit bias names an id outside the
-                vocabulary, or the mask allows no token.
+                vocabulary, or the mask is of another size or allows no token.
         """
         p = self.params
         x = np.asarray(logits, dtype=np.float64).copy()
@@ -160,6 +160,9 @@ class Sampler:
         self._bias_and_penalize(x, history)
         candidates = np.arange(x.size)
         if allowed is not None:
+            if allowed.shape != x.shape:
+                raise EngineError(f"the grammar's mask covers {allowed.size} token ids but the model has {x.size} "
+                                  "(a grammar compiled for another model?)")
             candidates = np.flatnonzero(allowed)
             if candidates.size == 0:
                 raise EngineError("the grammar allows no next token")
