@@ -1,6 +1,7 @@
 """The OpenAI-compatible HTTP API on an :class:`engine.api.Engine`, as a Starlette (ASGI) application.
 
-Routes: ``POST /v1/chat/completions``, ``POST /v1/completions``, ``GET /v1/models``, ``GET /health``.
+Routes: ``POST /v1/chat/completions``, ``POST /v1/completions``, ``GET /v1/models``, ``GET /health``, and
+the agent routes of :mod:`engine.server.agent_routes` (``/v1/responses``, ``/v1/messages``, ``/metrics``).
 Response and stream shapes follow the OpenAI API reference (chat completion object, chunk object,
 ``data: [DONE]`` after the last server-sent event); ``usage.prompt_tokens_details.cached_tokens`` is
 the number of prompt tokens resumed from a prefix snapshot (``PrefillStats.reused_tokens``).
@@ -36,10 +37,12 @@ from starlette.routing import Route
 
 from engine.errors import ContextFullError, EngineError, ImageError, TemplateError, UnsupportedModelError
 from engine.events import Event, PrefillStats, TokenEvent, TurnSummary
+from . import agent_routes
 from .choices import Answer, Choice
 from .constraints import Constraints
 from .fields import agent_request, completion_fields
 from .guard import RequestGuard, loopback_host
+from .metrics import RequestCounter, ServerMetrics
 from .requests import APIError, TurnRequest, chat_request, completion_request
 
 log = logging.getLogger(__name__)
@@ -48,6 +51,9 @@ DEFAULT_MAX_BODY = 64 << 20
 """Largest request body, bytes (a few base64 photos fit)."""
 
 _END = object()
+PATHS = ("/v1/chat/completions", "/v1/completions", "/v1/models", "/v1/responses", "/v1/messages",
+         "/v1/messages/count_tokens", "/metrics", "/health")
+"""The routes, as :class:`engine.server.metrics.ServerMetrics` counts requests by route."""
 
 
 @dataclass(frozen=True)
@@ -263,6 +269,7 @@ class _Routes:
         self.lock = engine_lock or threading.Lock()
         self.order = asyncio.Lock()
         self.key = config.api_key.encode() if config.api_key else None
+        self.metrics = ServerMetrics(PATHS)
         self.constraints = Constraints(engine)
         self.vocab = getattr(getattr(engine, "tokenizer", None), "n_vocab", 0)
 
@@ -282,13 +289,17 @@ class _Routes:
     async def _open(self, request: Request, start: Callable[[Callable[[], threading.Event]], Iterator[Event]]
                     ) -> tuple[_Exchange, list[Any]]:
         """Queue the turn, start it, and wait for its prefill to succeed (errors raise with their status)."""
-        ex = _Exchange(request, self.order, _Turn(start, getattr(self.engine, "cancel_read_ahead", None)))
+        queued = self.metrics.queued()
+        ex = _Exchange(request, self.order, _Turn(self.metrics.watch(start, queued),
+                                                  getattr(self.engine, "cancel_read_ahead", None)))
         try:
             await ex.start(self.lock)
             return ex, await self._first(ex)
         except BaseException:
             ex.close()
             raise
+        finally:
+            queued.release()
 
     async def _whole(self, request: Request, req: TurnRequest, start: Callable[..., Iterator[Event]]) -> dict:
         ex, first = await self._open(request, start)
@@ -426,7 +437,13 @@ def create_app(engine: Any, config: ServerConfig, engine_lock: threading.Lock | 
               Route("/v1/completions", handlers.completions, methods=["POST"]),
               Route("/v1/models", handlers.models, methods=["GET"]),
               Route("/health", _health, methods=["GET"])]
-    return Starlette(routes=routes, middleware=[Middleware(RequestGuard)],
+    agents = agent_routes.AgentRoutes(handlers)
+    routes += [Route("/v1/responses", agents.responses, methods=["POST"]),
+               Route("/v1/messages", agents.messages, methods=["POST"]),
+               Route("/v1/messages/count_tokens", agents.count_tokens, methods=["POST"]),
+               Route("/metrics", agents.metrics, methods=["GET"])]
+    middleware = [Middleware(RequestCounter, metrics=handlers.metrics), Middleware(RequestGuard)]
+    return Starlette(routes=routes, middleware=middleware,
                      exception_handlers={APIError: _api_error, HTTPException: _http_error, _ClientGone: _gone,
                                          Exception: _api_error})
 

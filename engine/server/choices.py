@@ -98,12 +98,17 @@ class Choice:
             message["tool_calls"] = [call.openai() for call in self.calls]
         return message
 
+    def stop_reason(self) -> dict[str, Any]:
+        """``{"stop_reason": the stop string that ended the answer}`` (vLLM's field), or {} when none did."""
+        matched = self.splitter.stop_string
+        return {} if matched is None else {"stop_reason": matched}
+
     def whole(self) -> dict[str, Any]:
         """The choice of the non-streamed object (chat: ``message``; completion: ``text``)."""
         logprobs = self.logprobs_of(self.logprobs)
         if self.chat:
             return {"index": self.index, "message": self.message(), "logprobs": logprobs,
-                    "finish_reason": self.finish_reason}
+                    "finish_reason": self.finish_reason} | self.stop_reason()
         return {"index": self.index, "text": "".join(self.parts["content"]), "logprobs": logprobs,
                 "finish_reason": self.finish_reason}
 
@@ -177,6 +182,8 @@ class Answer:
         logprobs = choice.take_logprobs()
         if self.chat:
             body = {"index": choice.index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
+            if finish is not None:
+                body |= choice.stop_reason()
         else:
             body = {"index": choice.index, "text": delta.get("content", ""), "logprobs": logprobs,
                     "finish_reason": finish}
