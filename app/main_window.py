@@ -447,7 +447,10 @@ class MainWindow(QMainWindow):
 
     def open_settings(self) -> None:
         """Show the settings dialog and apply what the user accepts."""
-        dialog = SettingsDialog(self.prefs, self, self.keys)
+        report = self.sidebar.gpu_report
+        has_gpu = (self.monitor is not None and self.monitor.gpu is not None) or (
+            report is not None and report.device == "cuda")
+        dialog = SettingsDialog(self.prefs, self, self.keys, self.model.info if self.model else None, has_gpu)
         if dialog.exec() == QDialog.Accepted:
             self.apply_settings(dialog.settings())
 

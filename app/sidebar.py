@@ -18,7 +18,7 @@ from typing import Sequence
 import psutil
 from PySide6.QtCore import QObject, QPointF, QRectF, QSize, Qt, QThread, QTimer, Signal, Slot
 from PySide6.QtGui import QColor, QPainter, QPainterPath, QPalette, QPen
-from PySide6.QtWidgets import QLabel, QSizePolicy, QVBoxLayout, QWidget
+from PySide6.QtWidgets import QLabel, QSizePolicy, QToolButton, QVBoxLayout, QWidget
 
 from engine.events import PrefillStats, TurnSummary
 
@@ -29,7 +29,8 @@ from .snapshots import SnapshotListModel, SnapshotPanel
 SAMPLE_MS = 1000
 SPARK_TOKENS = 120
 PCIE_SCALE_GB_S = 32.0
-NO_GPU = "No NVIDIA GPU: CPU mode"
+NO_GPU = "No NVIDIA GPU found: prompts and images are read on the CPU."
+GPU_LEFT = "Prefill on the CPU (the GPU is not used)"
 NO_SPEED = "\u2014 tok/s"
 NO_TURN = "TTFT \u2014 \u00b7 prefill \u2014"
 
@@ -291,10 +292,17 @@ class Sidebar(QWidget):
         self.gpu_prefill = QLabel()
         self.gpu_prefill.setWordWrap(True)
         self.layers = Sparkline("Prefill time per layer", "no GPU prefill yet", 64)
-        for w in (self.gpu_label, self.gpu_note, self.vram, self.pcie, self.gpu_prefill, self.layers):
+        self.gpu_why = QToolButton()
+        self.gpu_why.setText("Why?")
+        self.gpu_why.setAccessibleName("Why no GPU is used")
+        self.gpu_why.setCheckable(True)
+        self.gpu_why.setAutoRaise(True)
+        self.gpu_why.toggled.connect(lambda _on: self._show_gpu())
+        for w in (self.gpu_label, self.gpu_why, self.gpu_note, self.vram, self.pcie, self.gpu_prefill, self.layers):
             layout.addWidget(w)
             w.hide()
         self.gpu_label.show()
+        self._gpu_seen = False
         self._gpu_report: GpuReport | None = None
         self._nvml: GpuSample | None = None
         layout.addWidget(_heading("Generation"))
@@ -383,6 +391,11 @@ class Sidebar(QWidget):
             self.layers.update()
         self._show_gpu()
 
+    @property
+    def gpu_report(self) -> GpuReport | None:
+        """The engine's last GPU report (None before one)."""
+        return self._gpu_report
+
     def _show_gpu(self) -> None:
         """Compose the GPU section from the engine's report (first) and the NVML reading (second)."""
         report, nvml = self._gpu_report, self._nvml
@@ -390,17 +403,21 @@ class Sidebar(QWidget):
             nvml = None  # this machine's GPU is not the one answering
         on_gpu = report is not None and report.device == "cuda"
         prefill = report.prefill if report is not None else None
+        self._gpu_seen = self._gpu_seen or on_gpu
+        none_found = not (on_gpu or nvml is not None or self._gpu_seen or
+                          (report is not None and report.device == "remote"))
         if report is not None and report.device == "remote":
             self.gpu_label.setText("Remote engine")
         elif on_gpu:
             self.gpu_label.setText(f"{nvml.name}: prefill on the GPU" if nvml else "Prefill on the GPU")
         else:
-            self.gpu_label.setText(f"{nvml.name}: prefill on the CPU" if nvml else NO_GPU)
+            self.gpu_label.setText(f"{nvml.name}: prefill on the CPU" if nvml else NO_GPU if none_found else GPU_LEFT)
         notes = (report.note, report.vision_note) if report is not None else ()
         note = "\n".join(n for n in notes if n)
         self.gpu_note.setText(note)
-        self.gpu_note.setVisible(bool(note))
-        self.gpu_label.setToolTip(note)
+        self.gpu_why.setVisible(none_found and bool(note))        # no GPU: the technical reason one click away
+        self.gpu_note.setVisible(bool(note) and (not none_found or self.gpu_why.isChecked()))
+        self.gpu_label.setToolTip("" if none_found else note)
         shown = on_gpu or nvml is not None
         self.vram.setVisible(shown)
         self.pcie.setVisible(shown)

@@ -350,7 +350,7 @@ def test_conversation_shortcuts_and_sidebar_toggle(qtbot, make_window):
 def test_sidebar_without_gpu_and_with_fake_telemetry(qtbot, make_window):
     window = make_window()
     qtbot.waitUntil(lambda: window.sidebar.cpu.text.endswith("%"))
-    assert window.sidebar.gpu_label.text() == "No NVIDIA GPU: CPU mode"
+    assert window.sidebar.gpu_label.text() == "No NVIDIA GPU found: prompts and images are read on the CPU."
     assert window.sidebar.vram.isHidden() and window.sidebar.cpu.text.endswith("%")
     assert "/" in window.sidebar.ram.text
     send(qtbot, window, "numbers please")
