@@ -239,6 +239,8 @@ class Composer(QFrame):
         self.refusal = ""
         self.has_vision: bool | None = None
         self.vision_refusal = ""
+        self.drop_highlighted = False
+        self.setObjectName("composer")
         self.setAcceptDrops(True)
         layout = QVBoxLayout(self)
         layout.setContentsMargins(8, 6, 8, 8)
@@ -442,13 +444,24 @@ class Composer(QFrame):
         if self.can_attach(mime):
             self.editor.insertFromMimeData(mime)
 
+    def set_drop_highlight(self, on: bool) -> None:
+        """Outline the composer while images are dragged over the window (they will land here)."""
+        self.drop_highlighted = on
+        self.setStyleSheet("#composer { border: 2px dashed palette(highlight); border-radius: 4px; }" if on else "")
+
     def dragEnterEvent(self, event) -> None:
-        """Accept image files and images dragged onto the composer."""
+        """Accept image files and images dragged onto the composer (outlined until they are dropped or leave)."""
         if self.can_attach(event.mimeData()):
             event.acceptProposedAction()
+            self.set_drop_highlight(True)
+
+    def dragLeaveEvent(self, event) -> None:
+        """The drag left: no outline."""
+        self.set_drop_highlight(False)
 
     def dropEvent(self, event) -> None:
         """Attach what was dropped."""
+        self.set_drop_highlight(False)
         self.attach_dropped(event.mimeData())
         event.acceptProposedAction()
 

@@ -7,7 +7,6 @@ geometry.
 
 from __future__ import annotations
 
-import json
 import re
 from dataclasses import replace
 from pathlib import Path
@@ -24,8 +23,9 @@ from .controller import ChatController
 from .connections import KeyStore
 from .conversations import ConversationIdRole, ConversationListModel, ConversationPanel
 from .engine_worker import LoadRequest, ModelSummary, WorkerThread
+from .export import export_conversation, import_conversation
 from .gpu import GpuReport, device_phrase, vision_phrase
-from .history import HistoryStore, ImageStore
+from .history import ImageStore
 from .history_thread import HistoryThread
 from .markdown_render import MarkdownRenderer
 from .model_files import gguf_files, headline, paired_mmproj
@@ -35,6 +35,7 @@ from .sidebar import MonitorThread, Sidebar
 from .snapshots import SnapshotListModel
 from .theme import apply_scheme, scheme_is_dark
 
+DROP_OUTLINE = "border: 2px dashed palette(highlight); border-radius: 4px;"
 NO_MODEL = "No model is loaded: open one with Ctrl+O (Chat \u25b8 Open model) or choose it in Settings (Ctrl+,)."
 
 
@@ -43,20 +44,6 @@ def follows_dark_scheme() -> bool:
     if QGuiApplication.styleHints().colorScheme() == Qt.ColorScheme.Dark:
         return True
     return QGuiApplication.palette().color(QPalette.Window).lightness() < 128
-
-
-def _export(store: HistoryStore, conversation_id: int, path: Path, kind: str) -> None:
-    """Write a conversation to ``path``: "md" (active branch) or "json" (every branch)."""
-    if kind == "md":
-        path.write_text(store.export_markdown(conversation_id), encoding="utf-8")
-    else:
-        path.write_text(json.dumps(store.export_json(conversation_id), ensure_ascii=False, indent=1),
-                        encoding="utf-8")
-
-
-def _import(store: HistoryStore, path: Path) -> int:
-    """Add the conversation of a JSON export file; returns its id."""
-    return store.import_json(json.loads(path.read_text(encoding="utf-8")))
 
 
 class MainWindow(QMainWindow):
@@ -184,7 +171,8 @@ class MainWindow(QMainWindow):
         self._restore_state()
 
     def _build_banner(self) -> QWidget:
-        bar = QWidget()
+        bar = self.banner_bar = QWidget()
+        bar.setObjectName("bannerBar")
         row = QHBoxLayout(bar)
         row.setContentsMargins(10, 4, 10, 4)
         self.banner = QLabel("No model is loaded.")
@@ -576,7 +564,7 @@ class MainWindow(QMainWindow):
         conversation_id = self.controller.conversation_id
         if conversation_id is None:
             return
-        self.history.call(_export, conversation_id, path, kind,
+        self.history.call(export_conversation, conversation_id, path, kind,
                           then=lambda _: self.statusBar().showMessage(f"Exported to {path}", 8000),
                           on_error=lambda exc: self.statusBar().showMessage(f"Export failed: {exc}"))
 
@@ -586,7 +574,7 @@ class MainWindow(QMainWindow):
             self.panel.select(conversation_id)
             self.statusBar().showMessage(f"Imported {path.name}", 8000)
 
-        self.history.call(_import, path, then=imported,
+        self.history.call(import_conversation, path, then=imported,
                           on_error=lambda exc: self.statusBar().showMessage(f"Import failed: {path.name}: {exc}"))
 
     def export_dialog(self, kind: str) -> None:
@@ -609,10 +597,22 @@ class MainWindow(QMainWindow):
     # drops anywhere on the window: model files load, images go to the composer
 
     def dragEnterEvent(self, event) -> None:
-        """Accept dropped .gguf files (they will be loaded) and images (they will be attached)."""
+        """Accept dropped .gguf files (they will be loaded) and images (they will be attached), outlining where
+        they will land."""
         mime = event.mimeData()
         if any(gguf_files(mime)) or self.composer.can_attach(mime):
             event.acceptProposedAction()
+            self._drop_highlight(mime)
+
+    def _drop_highlight(self, mime) -> None:
+        """Outline where a drag will land: the banner for a model file, the composer for images."""
+        model = any(gguf_files(mime)) if mime is not None else False
+        self.banner_bar.setStyleSheet(f"#bannerBar {{ {DROP_OUTLINE} }}" if model else "")
+        self.composer.set_drop_highlight(not model and mime is not None and self.composer.can_attach(mime))
+
+    def dragLeaveEvent(self, event) -> None:
+        """The drag left the window: no outline."""
+        self._drop_highlight(None)
 
     def dropEvent(self, event) -> None:
         """Load a dropped model, or attach dropped images to the composer.
@@ -629,6 +629,7 @@ class MainWindow(QMainWindow):
         .gguf files out (the composer takes image drops only).
         """
         mime = event.mimeData()
+        self._drop_highlight(None)
         models, towers = gguf_files(mime)
         if models or towers:
             tower = towers[0] if towers else None

@@ -214,7 +214,10 @@ class RemoteEngine:
 
     def body(self, messages: Sequence[Message], sampling: SamplingParams, enable_thinking: bool) -> dict[str, Any]:
         """The request body of one turn: messages, sampling fields (``top_k``, ``min_p`` and
-        ``repetition_penalty`` are the vLLM / llama.cpp extensions), thinking, a streamed answer with usage."""
+        ``repetition_penalty`` are the vLLM / llama.cpp extensions), a streamed answer with usage, and
+        thinking said both ways servers read it: ``chat_template_kwargs.enable_thinking`` (vLLM, SGLang,
+        llama-server, ``engine serve``) and, when on, ``reasoning_effort`` (the OpenAI field; "medium", its
+        default level) for servers that read only that one."""
         body: dict[str, Any] = {
             "model": self.model, "messages": openai_messages(messages), "stream": True,
             "stream_options": {"include_usage": True}, "max_tokens": sampling.max_tokens,
@@ -224,6 +227,8 @@ class RemoteEngine:
             "chat_template_kwargs": {"enable_thinking": enable_thinking}}
         if sampling.seed is not None:
             body["seed"] = sampling.seed
+        if enable_thinking:
+            body["reasoning_effort"] = "medium"
         return body
 
     def chat(self, messages: Sequence[Message], sampling: SamplingParams = SamplingParams(),

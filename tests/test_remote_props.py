@@ -83,3 +83,12 @@ def test_a_deltadesk_peer_says_vision_in_its_model_entry(served_vision) -> None:
     server, engine = served_vision
     remote = RemoteEngine.connect(server.url, "tiny-vl")
     assert remote.info.has_vision and remote.info.context == engine.info.context
+
+
+def test_thinking_is_sent_as_reasoning_effort_too() -> None:
+    from engine.sampling import SamplingParams
+    remote = RemoteEngine("http://127.0.0.1:9/v1", "m")
+    on, off = (remote.body([{"role": "user", "content": "hi"}], SamplingParams(), t) for t in (True, False))
+    assert on["reasoning_effort"] == "medium" and on["chat_template_kwargs"] == {"enable_thinking": True}
+    assert "reasoning_effort" not in off and off["chat_template_kwargs"] == {"enable_thinking": False}
+    remote.close()
