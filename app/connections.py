@@ -167,15 +167,16 @@ class ConnectionsTab(QWidget):
     def _listed(self, names: list[str], error: str) -> None:
         self.list_button.setEnabled(True)
         if error:
-            self.status.setText(error)
+            self.status.setText(f"{error}\n\n{self._keys.note}" if self._keys.note else error)
             return
         current = self.model.currentText()
         self.model.clear()
         self.model.addItems(names)
         if current in names:
             self.model.setCurrentText(current)
-        self.status.setText(f"The server lists {len(names)} model{'s' if len(names) != 1 else ''}."
-                            if names else "The server lists no models.")
+        listed = (f"The server lists {len(names)} model{'s' if len(names) != 1 else ''}." if names
+                  else "The server lists no models.")
+        self.status.setText(f"{listed}\n\n{self._keys.note}" if self._keys.note else listed)
 
     def values(self) -> dict[str, Any]:
         """The tab's fields of :class:`Settings`."""

@@ -354,8 +354,9 @@ class MainWindow(QMainWindow):
         self.sidebar.set_context(info.context, bool(info.remote))
 
     def _keep_previous(self, what: str) -> bool:
-        """After a failed or cancelled switch: the model loaded before answers again, and the status bar says
-        ``what`` happened and which model is still used; False when there was none."""
+        """After a failed or cancelled switch: the model loaded before answers again (the settings name it
+        again), and the status bar says which model is still used and ``what`` happened; False when there
+        was none."""
         previous, self._previous = self._previous, None
         prefs, self._previous_prefs = self._previous_prefs, None
         if previous is None:
@@ -364,8 +365,9 @@ class MainWindow(QMainWindow):
         self._use(previous)
         if prefs is not None:
             self.apply_settings(self.prefs.with_load_of(prefs), reload=False)
-        self.statusBar().showMessage(f"{what} Still using {previous.info.name or Path(previous.info.path).name}; "
-                                     "the settings name it again.")
+        message = f"Still using {previous.info.name or Path(previous.info.path).name}. {what}"
+        self.statusBar().showMessage(message)               # the model in use first: a long reason is cut
+        self.statusBar().setToolTip(message)
         return True
 
     def _show_model_line(self, device: str, note: str, vision_device: str, vision_note: str) -> None:

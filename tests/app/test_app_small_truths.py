@@ -30,13 +30,17 @@ def test_settings_show_the_loaded_context_and_no_gpu_fields_without_a_gpu(qtbot,
     assert "No NVIDIA GPU was found" in dialog.device.toolTip()
 
 
-def test_without_a_keyring_the_window_says_how_to_keep_the_key(qtbot, make_window, monkeypatch):
+def test_without_a_keyring_the_window_says_how_to_keep_the_key(qtbot, make_window, monkeypatch, served):
     window = make_window()                       # the tests' keyring backend is keyring's "null" one
     dialog = SettingsDialog(window.prefs, window, window.keys)
     qtbot.addWidget(dialog)
     status = dialog.connections.status
     assert "no password store (keyring)" in status.text() and KEY_VARIABLE in status.text()
     assert "keyring.backends.null" in status.toolTip() and "keyring.backends" not in status.text()
+    dialog.connections.url.setText(served[2].url)
+    dialog.connections.list_models()
+    qtbot.waitUntil(lambda: dialog.connections.list_button.isEnabled())
+    assert status.text().startswith("The server lists 1 model.") and KEY_VARIABLE in status.text()
     monkeypatch.setenv(KEY_VARIABLE, "sk-from-env")
     assert window.keys.get("http://gpu-box:8000/v1") == "sk-from-env"
     window.keys.set("http://gpu-box:8000/v1", "sk-typed")

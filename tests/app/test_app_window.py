@@ -261,8 +261,9 @@ def test_a_failed_switch_keeps_the_loaded_model_answering(qtbot, make_window):
     assert window.sidebar.context_bar.context == 4096 and "TTFT \u2014" not in figures
     window.load_model("m.gguf")
     qtbot.waitUntil(lambda: "wrong magic" in window.statusBar().currentMessage())
-    assert window.statusBar().currentMessage().startswith("Could not open m.gguf: m.gguf: wrong magic")
-    assert "Still using" in window.statusBar().currentMessage()
+    assert window.statusBar().currentMessage().startswith("Still using fake-model.gguf. Could not open m.gguf: m.gguf: "
+                                                          "wrong magic")
+    assert window.statusBar().toolTip() == window.statusBar().currentMessage()
     assert window.banner.text() == banner and window.model is not None
     assert window.sidebar.context_bar.context == 4096 and window.sidebar.last_turn.text() == figures
     assert window.composer.send_button.isEnabled() and not window.composer.status.isVisibleTo(window)
