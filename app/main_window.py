@@ -11,7 +11,7 @@ import re
 from dataclasses import replace
 from pathlib import Path
 
-from PySide6.QtCore import QSettings, Qt, Signal, Slot
+from PySide6.QtCore import QSettings, QStandardPaths, Qt, Signal, Slot
 from PySide6.QtGui import QAction, QCloseEvent, QGuiApplication, QIcon, QKeySequence, QPalette, QShortcut
 from PySide6.QtWidgets import (QApplication, QDialog, QFileDialog, QHBoxLayout, QLabel, QMainWindow, QMessageBox,
                                QProgressBar, QPushButton, QScrollArea, QSplitter, QStyle, QToolButton, QVBoxLayout,
@@ -580,13 +580,16 @@ class MainWindow(QMainWindow):
                           on_error=lambda exc: self.statusBar().showMessage(f"Import failed: {path.name}: {exc}"))
 
     def export_dialog(self, kind: str) -> None:
-        """Ask where to export the shown conversation."""
+        """Ask where to export the shown conversation (first offered: the user's documents folder, else the
+        home folder; never the folder DeltaDesk was started in)."""
         if self.controller.conversation_id is None:
             return
         title = self.conversations.title(self.controller.conversation_id) or ""
         name = re.sub(r"[^\w\- ]+", "", title)[:60] or "chat"
         pattern = "Markdown (*.md)" if kind == "md" else "JSON (*.json)"
-        path, _ = QFileDialog.getSaveFileName(self, "Export chat", f"{name}.{kind}", pattern)
+        documents = Path(QStandardPaths.writableLocation(QStandardPaths.DocumentsLocation) or Path.home())
+        folder = documents if documents.is_dir() else Path.home()
+        path, _ = QFileDialog.getSaveFileName(self, "Export chat", str(folder / f"{name}.{kind}"), pattern)
         if path:
             self.export_current(Path(path), kind)
 

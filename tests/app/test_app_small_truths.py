@@ -96,3 +96,16 @@ def test_a_drop_target_is_outlined_while_a_file_is_dragged_over(qtbot, make_wind
     QApplication.sendEvent(window.composer, drop)
     assert not window.composer.drop_highlighted
     qtbot.waitUntil(lambda: len(window.composer.attachments) == 1)
+
+
+def test_the_export_dialog_offers_the_documents_folder(qtbot, make_window, monkeypatch, tmp_path):
+    from PySide6.QtCore import QStandardPaths
+    from PySide6.QtWidgets import QFileDialog
+    window = make_window()
+    send(qtbot, window, "export me")
+    offered = []
+    monkeypatch.setattr(QFileDialog, "getSaveFileName", lambda *args: offered.append(args[2]) or ("", ""))
+    monkeypatch.chdir(tmp_path)
+    window.export_dialog("md")
+    documents = Path(QStandardPaths.writableLocation(QStandardPaths.DocumentsLocation))
+    assert offered == [str((documents if documents.is_dir() else Path.home()) / "export me.md")]
