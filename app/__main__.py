@@ -13,6 +13,9 @@ from PySide6.QtCore import QSettings, QTimer
 from PySide6.QtGui import QIcon
 from PySide6.QtWidgets import QApplication
 
+from engine import hub
+from engine.errors import EngineError
+
 from .engine_worker import EngineLoader, WorkerThread, load_real_engine
 from .history import ImageStore
 from .history_thread import HistoryThread
@@ -45,9 +48,23 @@ class AppPaths:
 def parse_args(argv: list[str]) -> argparse.Namespace:
     """The command line: optional model and vision-tower files (for this run; settings are kept)."""
     parser = argparse.ArgumentParser(prog="deltadesk", description="DeltaDesk: chat with a local Qwen3.5/3.6 model.")
-    parser.add_argument("--model", help="GGUF model file (default: the one in the settings, else the bundled model)")
+    parser.add_argument("--model", help="GGUF model file or a downloaded REPO:QUANT (default: the one in the settings, "
+                        "else the bundled model)")
     parser.add_argument("--mmproj", help="GGUF vision tower (mmproj) file")
     return parser.parse_args(argv)
+
+
+def model_arg(model: str, mmproj: str | None) -> tuple[str, str | None]:
+    """``--model`` / ``--mmproj`` as files: a downloaded ``REPO:QUANT`` becomes its file and vision tower
+    (:func:`engine.hub.model_files`), a path stays as it is.
+
+    Raises:
+        EngineError: a hub name that is not downloaded (the message says how to fetch it).
+    """
+    files = hub.model_files(model)
+    if files is None:
+        return model, mmproj
+    return str(files[0]), mmproj or (str(files[1]) if files[1] else None)
 
 
 def build_window(paths: AppPaths, loader: EngineLoader = load_real_engine,
@@ -67,10 +84,21 @@ def build_window(paths: AppPaths, loader: EngineLoader = load_real_engine,
     return window
 
 
-def open_files(window: MainWindow, model: str | None, mmproj: str | None) -> None:
-    """Open the command line's model and vision tower (for this run), else the configured model with that tower."""
-    if model:
-        window.load_model(model, mmproj)
+def open_files(window: MainWindow, model: str | None, mmproj: str | None, handed: bool = False) -> None:
+    """Open the command line's model (a path, or a downloaded ``REPO:QUANT``: :func:`model_arg`) and vision
+    tower for this run, else the configured model with that tower. A hub name that is not downloaded is said
+    on stderr and in the status bar; then the configured model loads, unless the files were ``handed`` over
+    by a later launch (the loaded model stays)."""
+    try:
+        files = model_arg(model, mmproj) if model else None
+    except EngineError as exc:
+        print(f"deltadesk: {exc}", file=sys.stderr)
+        window.statusBar().showMessage(str(exc))
+        if handed:
+            return
+        files = None
+    if files is not None:
+        window.load_model(*files)
     else:
         window.load_configured(mmproj)
 
@@ -79,7 +107,7 @@ def follow_launches(instance: SingleInstance, window: MainWindow) -> None:
     """A later launch raises ``window`` and hands it its ``--model`` / ``--mmproj`` to open (a failed load
     says why in the window and keeps the loaded model)."""
     instance.raise_requested.connect(window.bring_to_front)
-    instance.open_requested.connect(lambda model, mmproj: open_files(window, model, mmproj))
+    instance.open_requested.connect(lambda model, mmproj: open_files(window, model, mmproj, handed=True))
 
 
 def main(argv: list[str] | None = None) -> int:

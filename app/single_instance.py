@@ -25,6 +25,13 @@ def server_name(data_dir: Path) -> str:
     return "deltadesk-" + hashlib.sha256(str(data_dir.resolve()).encode()).hexdigest()[:16]
 
 
+def _absolute(name: str | None) -> str | None:
+    """A file named on the command line as an absolute path; a model hub name (``REPO:QUANT``) as it is."""
+    if not name:
+        return None
+    return name if ":" in name and not Path(name).exists() else str(Path(name).resolve())
+
+
 class SingleInstance(QObject):
     """The lock and the server of the running copy for ``data_dir``.
 
@@ -49,13 +56,13 @@ class SingleInstance(QObject):
 
     def acquire(self, model: str | None = None, mmproj: str | None = None) -> bool:
         """Become the running copy (True), or (False) ask the running one to raise its window and to open
-        ``model`` / ``mmproj`` (made absolute here: the running copy has another working folder).
+        ``model`` / ``mmproj`` (paths made absolute here: the running copy has another working folder).
 
         Raises:
             OSError: the lock is free but the local server cannot listen (names the server's error).
         """
         if not self.lock.tryLock(0):
-            self._ask_to_raise(*(str(Path(p).resolve()) if p else None for p in (model, mmproj)))
+            self._ask_to_raise(*(_absolute(p) for p in (model, mmproj)))
             return False
         QLocalServer.removeServer(self.name)
         self.server.setSocketOptions(QLocalServer.UserAccessOption)
