@@ -26,10 +26,11 @@ def server_name(data_dir: Path) -> str:
 
 
 def _absolute(name: str | None) -> str | None:
-    """A file named on the command line as an absolute path; a model hub name (``REPO:QUANT``) as it is."""
+    """A file named on the command line, as an absolute path; anything else (a model hub name such as
+    ``owner/repo:Q4_K_M``, a file that is not there) as it was typed, for the running copy to say why not."""
     if not name:
         return None
-    return name if ":" in name and not Path(name).exists() else str(Path(name).resolve())
+    return str(Path(name).resolve()) if Path(name).exists() else name
 
 
 class SingleInstance(QObject):

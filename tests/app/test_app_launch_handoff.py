@@ -41,3 +41,18 @@ def test_a_handed_file_that_cannot_be_opened_is_said_and_the_model_kept(qtbot, m
     assert "missing.gguf" in window.statusBar().currentMessage().split(":", 1)[1]
     assert window.model is not None and not window.composer.unavailable
     first.release()
+
+
+def test_a_handed_hub_name_that_is_not_downloaded_is_said(qtbot, make_window, paths, tmp_path, monkeypatch):
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))
+    monkeypatch.setenv("XDG_DATA_HOME", str(tmp_path / "share"))
+    engine = FakeEngine()
+    window = make_window(loader=loader_for(engine))
+    first = SingleInstance(paths.data)
+    assert first.acquire()
+    follow_launches(first, window)
+    with qtbot.waitSignal(first.open_requested, check_params_cb=lambda m, _p: m == "someone/some-model:Q4_K_M"):
+        assert not SingleInstance(paths.data).acquire("someone/some-model:Q4_K_M")
+    qtbot.waitUntil(lambda: "someone/some-model" in window.statusBar().currentMessage())
+    assert len(engine.loads) == 1 and window.model is not None          # nothing else was loaded
+    first.release()
