@@ -444,12 +444,16 @@ class MainWindow(FileActions, QMainWindow):
 
     def open_settings(self) -> None:
         """Show the settings dialog and apply what the user accepts."""
+        dialog = self.settings_dialog()
+        if dialog.exec() == QDialog.Accepted:
+            self.apply_settings(dialog.settings())
+
+    def settings_dialog(self) -> SettingsDialog:
+        """The settings dialog on the current settings, the loaded model and whether a GPU was found."""
         report = self.sidebar.gpu_report
         has_gpu = (self.monitor is not None and self.monitor.gpu is not None) or (
             report is not None and report.device == "cuda")
-        dialog = SettingsDialog(self.prefs, self, self.keys, self.model.info if self.model else None, has_gpu)
-        if dialog.exec() == QDialog.Accepted:
-            self.apply_settings(dialog.settings())
+        return SettingsDialog(self.prefs, self, self.keys, self.model.info if self.model else None, has_gpu)
 
     def apply_settings(self, settings: Settings, reload: bool = True) -> None:
         """Use and save ``settings``; with ``reload``, the model is loaded again when its files or

@@ -33,7 +33,6 @@ from PySide6.QtWidgets import QApplication  # noqa: E402
 
 from app.__main__ import AppPaths, build_window  # noqa: E402
 from app.gpu import NvmlGpu  # noqa: E402
-from app.settings_dialog import SettingsDialog  # noqa: E402
 from app.theme import apply_scheme  # noqa: E402
 from data import EVAL_SEED_BASE, render, scene  # noqa: E402
 
@@ -134,7 +133,7 @@ def main() -> None:
     pump(app, 0.5)
     window.grab().save(str(out / "history-search.png"))
     window.panel.search.clear()
-    dialog = SettingsDialog(window.prefs, window)
+    dialog = window.settings_dialog()
     dialog.show()
     pump(app, 0.3)
     dialog.grab().save(str(out / "settings.png"))
