@@ -125,6 +125,11 @@ class ModelSummary:
     info: Any
 
 
+def holds_gpu(info: Any) -> bool:
+    """Whether a loaded model keeps buffers on the GPU (prefill or its vision tower runs there)."""
+    return info.device == "cuda" or getattr(info, "vision_device", "") == "cuda"
+
+
 def human_size(n: float) -> str:
     """A byte count as "512 B", "3.4 MB", ..."""
     if n < 1024:
@@ -251,10 +256,14 @@ class EngineWorker(QObject):
         A load still in progress is cancelled. Emits ``load_stage`` as the load goes, then
         ``loaded`` (the previous model was closed, its snapshots saved) or ``load_failed`` (the
         previous model, if any, is still loaded and answers), unless :meth:`cancel_load` was called
-        meanwhile. Both models are open while the new one loads: their weights are memory-mapped file
-        pages, which the kernel drops under memory pressure.
+        meanwhile. Both models are open while the new one loads (their weights are used where the
+        file is mapped: page cache, not a copy), except when the loaded one holds the GPU
+        (:func:`holds_gpu`): it is closed first, so the new model's VRAM budget is measured on a free
+        device; the window then loads it again if the new one fails.
         """
         self._stop_ahead()
+        if self._engine is not None and holds_gpu(self._engine.info):
+            self._close_engine()
         cancel = threading.Event()
         with self._lock:
             self._load_cancel.set()

@@ -21,7 +21,7 @@ from .composer import Composer
 from .controller import ChatController
 from .connections import KeyStore
 from .conversations import ConversationIdRole, ConversationListModel, ConversationPanel
-from .engine_worker import LoadRequest, ModelSummary, WorkerThread
+from .engine_worker import LoadRequest, ModelSummary, WorkerThread, holds_gpu
 from .gpu import GpuReport, device_phrase, vision_phrase
 from .history import ImageStore
 from .history_thread import HistoryThread
@@ -80,6 +80,8 @@ class MainWindow(FileActions, QMainWindow):
         self.model: ModelSummary | None = None
         self._previous: ModelSummary | None = None      # the model that answers again if a switch fails
         self._previous_prefs: Settings | None = None    # and the settings that load it
+        self._loaded_request: LoadRequest | None = None  # what loaded the model in use
+        self._after_load = ""                            # the status line once the next load is done
         self.loading: LoadRequest | None = None
         self._remember_load = False
         self.keys = KeyStore()
@@ -338,10 +340,15 @@ class MainWindow(FileActions, QMainWindow):
     def _loaded(self, summary: ModelSummary) -> None:
         request, self.loading = self.loading, None
         self._previous = self._previous_prefs = None
+        self._loaded_request = request
         self.sidebar.clear_model()
         self._use(summary)
         self.models_button.setVisible(request is not None and not request.model_path and not request.remote_url)
-        self.statusBar().showMessage(f"Now using {summary.info.name or Path(summary.info.path).name}.", 10000)
+        if self._after_load:
+            self._say(self._after_load)
+            self._after_load = ""
+        else:
+            self.statusBar().showMessage(f"Now using {summary.info.name or Path(summary.info.path).name}.", 10000)
         if request is not None and self._remember_load:
             self.apply_settings(replace(self.prefs, model_path=request.model_path or "",
                                         mmproj_path=request.mmproj_path or "", remote_url="", remote_model=""),
@@ -369,13 +376,21 @@ class MainWindow(FileActions, QMainWindow):
         if previous is None:
             self.statusBar().showMessage(what)
             return False
-        self._use(previous)
         if prefs is not None:
             self.apply_settings(self.prefs.with_load_of(prefs), reload=False)
-        message = f"Still using {previous.info.name or Path(previous.info.path).name}. {what}"
-        self.statusBar().showMessage(message)               # the model in use first: a long reason is cut
-        self.statusBar().setToolTip(message)
+        name = previous.info.name or Path(previous.info.path).name
+        if holds_gpu(previous.info) and self._loaded_request is not None:   # the worker closed it first
+            self._after_load = f"Still using {name} (loaded again). {what}"
+            self._start_load(self._loaded_request)
+            return True
+        self._use(previous)
+        self._say(f"Still using {name}. {what}")
         return True
+
+    def _say(self, message: str) -> None:
+        """A lasting status-bar line (the model in use first: the bar cuts a long line), whole in its tooltip."""
+        self.statusBar().showMessage(message)
+        self.statusBar().setToolTip(message)
 
     def _show_model_line(self, device: str, note: str, vision_device: str, vision_note: str) -> None:
         """The banner: what a user asks about the model (:func:`headline`); the engineer's details
@@ -416,6 +431,7 @@ class MainWindow(FileActions, QMainWindow):
     @Slot(str)
     def _load_failed(self, message: str) -> None:
         request, self.loading = self.loading, None
+        self._after_load = ""
         self._show_loading(False)
         name = request.name if request is not None else "the model"
         if not self._keep_previous(f"Could not open {name}: {message}"):

@@ -75,3 +75,24 @@ def test_a_truncated_gguf_leaves_the_remote_engine_answering(qtbot, make_window,
     assert "Still using tiny" in _failed(qtbot, window, "Could not open cut.gguf")
     assert window.banner.text() == banner and window.prefs.remote_url == server.url
     assert _send(qtbot, window, "Say hello.").stats["generated_tokens"] == 3
+
+
+def test_a_model_holding_the_gpu_is_closed_first_and_loaded_again_after_a_failed_switch(qtbot, make_window):
+    from engine.errors import EngineError
+    from fake_engine import FakeEngine, fake_info
+    engine = FakeEngine(info=fake_info(device="cuda", vram_budget=6 * 2**30))
+    asked = []
+
+    def loader(request, progress, cancel):
+        asked.append((request.model_path, engine.closed))
+        if request.model_path == "m.gguf":
+            raise EngineError("m.gguf: wrong magic b'GGUX', expected b'GGUF'")
+        return engine
+
+    window = make_window(loader=loader)
+    window.load_model("m.gguf")
+    qtbot.waitUntil(lambda: window.loading is None and "loaded again" in window.statusBar().currentMessage())
+    assert asked == [(None, 0), ("m.gguf", 1), (None, 1)]     # closed before the new load, then loaded again
+    assert window.statusBar().currentMessage().startswith("Still using fake-model.gguf (loaded again). "
+                                                          "Could not open m.gguf: m.gguf: wrong magic")
+    assert window.model is not None and window.composer.send_button.isEnabled()
