@@ -10,8 +10,8 @@ from pathlib import Path
 from typing import Any, Callable
 
 from PySide6.QtCore import Qt, QUrl, Signal
-from PySide6.QtGui import QDesktopServices, QGuiApplication, QImageReader, QPalette, QPixmap, QTextCursor
-from PySide6.QtWidgets import (QFrame, QHBoxLayout, QLabel, QScrollArea, QSizePolicy, QTextBrowser,
+from PySide6.QtGui import QColor, QDesktopServices, QGuiApplication, QImageReader, QPalette, QPixmap, QTextCursor
+from PySide6.QtWidgets import (QFrame, QHBoxLayout, QLabel, QScrollArea, QSizePolicy, QTextBrowser, QTextEdit,
                                QToolButton, QVBoxLayout, QWidget)
 
 from .history import Message
@@ -24,7 +24,8 @@ an 80 KB paste took the window's thread about 450 ms, and as much again on every
 
 
 def format_stats(stats: dict[str, Any]) -> str:
-    """The stats line under an answer: TTFT, prefill and decode speed, tokens reused, the engine's note."""
+    """The stats line under an answer: TTFT, prefill and decode speed, tokens reused (or that a remote server
+    did not report them, ``usage``), the engine's note."""
     if not stats:
         return ""
     parts = []
@@ -38,9 +39,11 @@ def format_stats(stats: dict[str, Any]) -> str:
         parts.append(f"{stats['generated_tokens']} tokens")
     if "reused_tokens" in stats:
         reused = f"{stats['reused_tokens']} of {stats.get('prompt_tokens', 0)} prompt tokens reused"
-        if "restore_ms" in stats:
+        if stats.get("restore_ms"):
             reused += f" (restored in {stats['restore_ms']:.0f} ms)"
         parts.append(reused)
+    if "usage" in stats:
+        parts.append(f"prompt tokens {stats['usage']}")
     return " \u2014 ".join(p for p in (" \u00b7 ".join(parts), stats.get("note", "")) if p)
 
 
@@ -239,6 +242,20 @@ class MessageWidget(QFrame):
         elif href.startswith(("http://", "https://")):
             QDesktopServices.openUrl(QUrl(href))
 
+    def highlight(self, needle: str) -> bool:
+        """Mark every occurrence of ``needle`` (case-insensitive) in the text; whether there was one."""
+        marks = []
+        cursor = self.body.document().find(needle)
+        while not cursor.isNull():
+            mark = QTextEdit.ExtraSelection()
+            mark.cursor = cursor
+            mark.format.setBackground(QColor("#f6d32d"))
+            mark.format.setForeground(QColor("#000000"))
+            marks.append(mark)
+            cursor = self.body.document().find(needle, cursor)
+        self.body.setExtraSelections(marks)
+        return bool(marks)
+
     def unfold(self) -> None:
         """Show the whole of a folded long message (:data:`FOLD_CHARS`)."""
         self.unfolded = True
@@ -338,6 +355,7 @@ class ChatView(QScrollArea):
         self.setWidget(self._content)
         self.widgets: list[MessageWidget] = []
         self._follow = True
+        self._target: MessageWidget | None = None    # a search match kept in view while the layout settles
         self.verticalScrollBar().rangeChanged.connect(self._range_changed)
         self.verticalScrollBar().valueChanged.connect(self._scrolled)
 
@@ -346,8 +364,22 @@ class ChatView(QScrollArea):
         self._follow = value >= bar.maximum() - 4
 
     def _range_changed(self, _min: int, maximum: int) -> None:
-        if self._follow:
+        if self._target is not None:
+            self.ensureWidgetVisible(self._target, 0, 40)
+        elif self._follow:
             self.verticalScrollBar().setValue(maximum)
+
+    def find(self, query: str) -> "MessageWidget | None":
+        """Scroll to the first shown message holding ``query`` (case-insensitive; else one of its words, as
+        the chat search matches them) and highlight it there; None when none holds it (the title matched)."""
+        for needle in [query] + query.split():
+            for widget in self.widgets:
+                if widget.highlight(needle):
+                    self._follow = False
+                    self._target = widget
+                    self.ensureWidgetVisible(widget, 0, 40)
+                    return widget
+        return None
 
     def show_messages(self, messages: list[Message], siblings: Callable[[int], list[int]]) -> None:
         """Show ``messages`` (the active branch), keeping the widgets of the part already shown."""
@@ -364,6 +396,7 @@ class ChatView(QScrollArea):
             self.add_message(message, siblings(message.id))
         self.empty_label.setVisible(not messages)
         self._follow = True
+        self._target = None
         self.shown.emit()
 
     def set_renderer(self, renderer: MarkdownRenderer) -> None:

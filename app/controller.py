@@ -95,6 +95,8 @@ class ChatController(QObject):
         unavailable: why no turn can start now (no model is loaded, ...), or "" when one can.
         context: the loaded model's context window, tokens (the settings' size capped at the
             model's own limit).
+        remote: whether the model runs on a remote server (its token counts come from the server's
+            ``usage``, or are not reported; it restores no snapshots here).
 
     Signals:
         request_chat(ChatRequest): connected (queued) to :meth:`EngineWorker.chat`.
@@ -124,6 +126,7 @@ class ChatController(QObject):
         self.has_vision = False
         self.unavailable = "No model is loaded yet."
         self.context = 0
+        self.remote = False
         self.conversation_id: int | None = None
         self.live: LiveTurn | None = None
         self.waiting: list[LiveTurn] = []
@@ -342,7 +345,10 @@ class ChatController(QObject):
                  "decode_tok_s": summary.decode_tok_s, "prompt_tokens": summary.prompt_tokens,
                  "reused_tokens": summary.reused_tokens, "generated_tokens": summary.generated_tokens,
                  "stop_reason": summary.stop_reason, "message": summary.message}
-        if summary.reused_tokens:
+        if self.remote and not summary.prompt_tokens:     # a prompt has tokens: 0 is a server that sent no usage
+            del stats["prompt_tokens"], stats["reused_tokens"]
+            stats["usage"] = "not reported by the server"
+        if summary.reused_tokens and not self.remote:
             stats["restore_ms"] = round(live.restore_ms, 1)
         if live.note:
             stats["note"] = live.note

@@ -8,12 +8,11 @@ geometry.
 from __future__ import annotations
 
 import json
-import os
 import re
 from dataclasses import replace
 from pathlib import Path
 
-from PySide6.QtCore import QMimeData, QSettings, Qt, Signal, Slot
+from PySide6.QtCore import QSettings, Qt, Signal, Slot
 from PySide6.QtGui import QAction, QCloseEvent, QGuiApplication, QIcon, QKeySequence, QPalette, QShortcut
 from PySide6.QtWidgets import (QApplication, QDialog, QFileDialog, QHBoxLayout, QLabel, QMainWindow, QMessageBox,
                                QProgressBar, QPushButton, QScrollArea, QSplitter, QStyle, QToolButton, QVBoxLayout,
@@ -29,6 +28,7 @@ from .gpu import GpuReport, device_phrase, vision_phrase
 from .history import HistoryStore, ImageStore
 from .history_thread import HistoryThread
 from .markdown_render import MarkdownRenderer
+from .model_files import gguf_files, headline, paired_mmproj
 from .settings import Settings
 from .settings_dialog import SettingsDialog
 from .sidebar import MonitorThread, Sidebar
@@ -43,56 +43,6 @@ def follows_dark_scheme() -> bool:
     if QGuiApplication.styleHints().colorScheme() == Qt.ColorScheme.Dark:
         return True
     return QGuiApplication.palette().color(QPalette.Window).lightness() < 128
-
-
-def gguf_files(mime: QMimeData) -> tuple[list[str], list[str]]:
-    """The local .gguf files of a drop, as (models, vision towers); a tower's name contains "mmproj"."""
-    files = [url.toLocalFile() for url in mime.urls()
-             if url.isLocalFile() and url.toLocalFile().lower().endswith(".gguf")]
-    towers = [f for f in files if "mmproj" in Path(f).name.lower()]
-    return [f for f in files if f not in towers], towers
-
-
-def paired_mmproj(model_path: str) -> str | None:
-    """The vision tower lying next to a model: the one ``*mmproj*.gguf`` file in its folder, or of
-    several the one whose name shares the longest start with the model's (None: none, a tie, or
-    the folder cannot be read). llama.cpp's and the model hubs' releases ship the pair that way.
-    """
-    model = Path(model_path)
-    try:
-        towers = sorted(p for p in model.parent.glob("*.gguf") if "mmproj" in p.name.lower() and p != model)
-    except OSError:
-        return None
-    if len(towers) <= 1:
-        return str(towers[0]) if towers else None
-    def shared(p: Path) -> int:
-        return len(os.path.commonprefix([p.name.lower(), model.name.lower()]))
-    best = max(shared(p) for p in towers)
-    picks = [p for p in towers if shared(p) == best]
-    return str(picks[0]) if len(picks) == 1 and best > 0 else None
-
-
-def headline(info, prefill: str, images: str = "") -> str:
-    """The banner's line for a user: model name, size, main quant type, what it takes, where it runs.
-
-    E.g. "Qwen3.6-35B-A3B-Q4_K_M · 34.7 B params · Q4_K · text and images · prefill on GPU (H200),
-    decode on CPU". ``info`` is an :class:`engine.api.ModelInfo` (``n_params`` counts the text
-    model; the main quant type is the one holding the most bytes); ``prefill`` and ``images`` are
-    :func:`~app.gpu.device_phrase` and :func:`~app.gpu.vision_phrase`. A remote engine is named
-    with its server: "tiny on http://host:8000/v1 (remote engine) · text only · runs on the server".
-    A file that chats in ChatML for want of a template ends with that notice (``info.template_note``).
-    A pruned file says how many experts it kept after its size ("128 of 256 experts kept (REAP)",
-    ``info.pruning``).
-    """
-    takes = "text and images" if info.has_vision else "text only"
-    if info.remote:
-        return " \u00b7 ".join((f"{info.name} on {info.remote} (remote engine)", takes, prefill))
-    n = info.n_params
-    size = f"{n / 1e9:.1f} B" if n >= 1e9 else f"{n / 1e6:.1f} M"
-    quant = max(info.quant_mix.items(), key=lambda kv: kv[1][1])[0] if info.quant_mix else "?"
-    where = ", ".join(p for p in (prefill, "decode on CPU", images) if p)
-    parts = (Path(info.path).stem, f"{size} params", info.pruning, quant, takes, where, info.template_note)
-    return " \u00b7 ".join(p for p in parts if p)
 
 
 def _export(store: HistoryStore, conversation_id: int, path: Path, kind: str) -> None:
@@ -142,6 +92,8 @@ class MainWindow(QMainWindow):
         self.snapshot_dir = snapshot_dir
         self.prefs = Settings.read(state)
         self.model: ModelSummary | None = None
+        self._previous: ModelSummary | None = None      # the model that answers again if a switch fails
+        self._previous_prefs: Settings | None = None    # and the settings that load it
         self.loading: LoadRequest | None = None
         self._remember_load = False
         self.keys = KeyStore()
@@ -186,6 +138,12 @@ class MainWindow(QMainWindow):
         self.controller.activity_changed.connect(self._activity_changed)
         self.controller.turn_refused.connect(self._turn_refused)
         self.panel.conversation_selected.connect(self._activity_changed)
+        self.panel.conversation_selected.connect(self.sidebar.show_conversation)
+        self.panel.conversation_selected.connect(self._find_on_open)
+        self.controller.request_chat.connect(lambda request: self.sidebar.turn_started(int(request.conversation)))
+        self.conversations.purged.connect(self._drop_snapshots_of)
+        self.conversations.rowsRemoved.connect(self.snapshots.relabel)
+        self.conversations.modelReset.connect(self.snapshots.relabel)
         self.composer.send_requested.connect(self._send)
         self.composer.stop_requested.connect(self.controller.stop)
         self.composer.think_box.toggled.connect(lambda on: self.apply_settings(replace(self.prefs, thinking=on)))
@@ -220,6 +178,8 @@ class MainWindow(QMainWindow):
         QGuiApplication.styleHints().colorSchemeChanged.connect(self._scheme_changed)
         QShortcut(QKeySequence(Qt.Key_Escape), self, self.escape)
         self.chat_view.shown.connect(self._update_actions)
+        self.chat_view.shown.connect(self._show_find)
+        self._find = ""
         self._build_menus()
         self._restore_state()
 
@@ -342,11 +302,12 @@ class MainWindow(QMainWindow):
         """Stop the live answer (and empty the queue), show the load as under way and send ``request``
         to the worker."""
         self.controller.stop_all()
+        if self.loading is None:
+            self._previous = self.model
         self.model = None
         self.loading = request
         self._remember_load = remember
         self._set_ready(f"Wait: {request.name} is loading.")
-        self.sidebar.clear_model()
         self.composer.set_vision(None)
         self._set_banner(f"Loading {request.name}\u2026", False)
         self._show_loading(True)
@@ -367,10 +328,11 @@ class MainWindow(QMainWindow):
         if self.loading is None:
             return
         self.engine.worker.cancel_load()
-        self.loading = None
+        name, self.loading = self.loading.name, None
         self._show_loading(False)
-        self._set_ready(NO_MODEL)
-        self._set_banner("Loading was cancelled; no model is loaded. Open one with Ctrl+O or in Settings.", False)
+        if not self._keep_previous(f"Loading {name} was cancelled."):
+            self._set_ready(NO_MODEL)
+            self._set_banner("Loading was cancelled; no model is loaded. Open one with Ctrl+O or in Settings.", False)
 
     @Slot(object, str)
     def _load_stage(self, request: LoadRequest, stage: str) -> None:
@@ -381,19 +343,42 @@ class MainWindow(QMainWindow):
     @Slot(object)
     def _loaded(self, summary: ModelSummary) -> None:
         request, self.loading = self.loading, None
+        self._previous = self._previous_prefs = None
+        self.sidebar.clear_model()
+        self._use(summary)
+        self.statusBar().showMessage(f"Now using {summary.info.name or Path(summary.info.path).name}.", 10000)
+        if request is not None and self._remember_load:
+            self.apply_settings(replace(self.prefs, model_path=request.model_path or "",
+                                        mmproj_path=request.mmproj_path or "", remote_url="", remote_model=""),
+                                reload=False)
+
+    def _use(self, summary: ModelSummary) -> None:
+        """Show ``summary``'s model as the one answering: banner, composer, controller and sidebar."""
         self.model = summary
         self._show_loading(False)
         self._set_ready("")
         info = summary.info
         self._show_model_line(info.device, info.device_note, info.vision_device, info.vision_note)
-        self.controller.has_vision = summary.info.has_vision
-        self.controller.context = summary.info.context
-        self.composer.set_vision(summary.info.has_vision)
-        self.sidebar.set_context(summary.info.context)
-        if request is not None and self._remember_load:
-            self.apply_settings(replace(self.prefs, model_path=request.model_path or "",
-                                        mmproj_path=request.mmproj_path or "", remote_url="", remote_model=""),
-                                reload=False)
+        self.controller.has_vision = info.has_vision
+        self.controller.context = info.context
+        self.controller.remote = bool(info.remote)
+        self.composer.set_vision(info.has_vision, info.vision_note if info.remote and not info.has_vision else "")
+        self.sidebar.set_context(info.context, bool(info.remote))
+
+    def _keep_previous(self, what: str) -> bool:
+        """After a failed or cancelled switch: the model loaded before answers again, and the status bar says
+        ``what`` happened and which model is still used; False when there was none."""
+        previous, self._previous = self._previous, None
+        prefs, self._previous_prefs = self._previous_prefs, None
+        if previous is None:
+            self.statusBar().showMessage(what)
+            return False
+        self._use(previous)
+        if prefs is not None:
+            self.apply_settings(self.prefs.with_load_of(prefs), reload=False)
+        self.statusBar().showMessage(f"{what} Still using {previous.info.name or Path(previous.info.path).name}; "
+                                     "the settings name it again.")
+        return True
 
     def _show_model_line(self, device: str, note: str, vision_device: str, vision_note: str) -> None:
         """The banner: what a user asks about the model (:func:`headline`); the engineer's details
@@ -433,10 +418,12 @@ class MainWindow(QMainWindow):
 
     @Slot(str)
     def _load_failed(self, message: str) -> None:
-        self.loading = None
+        request, self.loading = self.loading, None
         self._show_loading(False)
-        self._set_ready(NO_MODEL)
-        self._set_banner(f"The model could not be loaded. {message}", True)
+        name = request.name if request is not None else "the model"
+        if not self._keep_previous(f"Could not open {name}: {message}"):
+            self._set_ready(NO_MODEL)
+            self._set_banner(f"The model could not be loaded. {message}", True)
 
     def _set_ready(self, reason: str) -> None:
         """Whether a model can answer now ("") or why not: the composer and the controller refuse
@@ -477,9 +464,28 @@ class MainWindow(QMainWindow):
             self.serve_requested.emit(settings.serve_port if settings.serve_local else 0)
         if reload and settings.load_key() != old.load_key():
             self.load_configured()
+            self._previous_prefs = old
 
     def _snapshot_title(self, conversation: str) -> str:
-        return (self.conversations.title(int(conversation)) or "") if conversation.isdigit() else ""
+        """A snapshot's chat title; "(deleted)" after it while Undo can bring the chat back."""
+        if not conversation.isdigit():
+            return ""
+        title = self.conversations.title(int(conversation)) or ""
+        return f"{title} (deleted)" if title and int(conversation) in self.conversations.deleted else title
+
+    def _drop_snapshots_of(self, conversations: list[int]) -> None:
+        """Deleted chats were purged: drop the prefix snapshots their turns took."""
+        for key in self.snapshots.keys_of({str(c) for c in conversations}):
+            self.sidebar.snapshots.clear_requested.emit(key)
+
+    def _find_on_open(self, _conversation_id: int) -> None:
+        """A chat opened while the list is searched: once shown, it scrolls to the match (:meth:`_show_find`)."""
+        self._find = self.conversations.query
+
+    def _show_find(self) -> None:
+        if self._find:
+            self.chat_view.find(self._find)
+            self._find = ""
 
     def _history_unavailable(self, message: str) -> None:
         self.chat_view.empty_label.setText(message)
@@ -494,7 +500,8 @@ class MainWindow(QMainWindow):
         self.state.sync()
 
     def new_conversation(self) -> None:
-        """Start an empty conversation and show it."""
+        """Start an empty conversation and show it; the search box is cleared (the list shows every chat)."""
+        self.panel.search.clear()
         self.conversations.create(then=self.panel.select)
         self.composer.editor.setFocus()
 
@@ -668,9 +675,9 @@ class MainWindow(QMainWindow):
         self.state.sync()
         self.controller.shutdown()
         self.cancel_load()
+        self.conversations.forget_deleted()       # before the engine stops: their snapshots are dropped
         self.engine.stop()
         if self.monitor is not None:
             self.monitor.stop()
-        self.conversations.forget_deleted()
         self.history.stop()
         super().closeEvent(event)

@@ -19,7 +19,7 @@
 - ``prune MODEL.gguf --keep N -o OUT.gguf [--method reap|frequency] [--calib FILE.jsonl] [--images DIR]
   [--max-tokens T] [--stats FILE.json] [--mmproj V]``: REAP (or frequency) expert pruning to N experts per
   layer (:mod:`engine.prune`); the calibration statistics are saved to and reused from ``--stats``
-  (default ``MODEL.expert-stats.json``).
+  (default ``MODEL.expert-stats.json`` beside the model when it is there, else beside the output file).
 
 Errors from the engine, and inputs that cannot work (``--image`` without a vision tower, a prompt
 larger than ``--context``), are printed as one line on stderr with exit status 2.
@@ -149,6 +149,10 @@ def cmd_generate(args: argparse.Namespace) -> int:
         print(f"error: {path.name}: no vision tower (mmproj file) is loaded, so it cannot read --image: "
               "pass the model's vision tower with --mmproj FILE", file=sys.stderr)
         return 2
+    bad = next((img for img in args.image if not Path(img).is_file()), None)
+    if bad is not None:
+        print(f"error: --image {bad}: no such file", file=sys.stderr)
+        return 2
     engine = _load(args, path, mmproj)
     if args.raw:
         return _finish(engine.complete(args.prompt, _sampling(args)), engine, args)
@@ -190,12 +194,19 @@ def _prompt_too_long(summary: TurnSummary, context: int, asked: int) -> str:
     return f"the prompt is {summary.prompt_tokens} tokens but the context window holds {context}: {fix}"
 
 
+CHAT_HELP = """Commands:
+  /image PATH   attach an image to your next message (needs a vision tower: --mmproj FILE)
+  /help         this list
+An empty line or Ctrl+D quits; Ctrl+C stops an answer."""
+
+
 def cmd_chat(args: argparse.Namespace) -> int:
     engine = _load(args, *_model_paths(args))
     messages: list[dict] = []
     if args.system:
         messages.append({"role": "system", "content": args.system})
-    print("Type a message; an empty line or Ctrl+D quits.", file=sys.stderr)
+    print("Type a message; /help lists the commands; an empty line or Ctrl+D quits.", file=sys.stderr)
+    images: list[str] = []
     while True:
         try:
             line = input("> ")
@@ -203,7 +214,12 @@ def cmd_chat(args: argparse.Namespace) -> int:
             break
         if not line.strip():
             break
-        messages.append({"role": "user", "content": line})
+        if line.strip() == "/help" or line.startswith("/image"):
+            _chat_command(engine, line.strip(), images)
+            continue
+        parts = [{"type": "image", "image": img} for img in images]
+        messages.append({"role": "user", "content": parts + [{"type": "text", "text": line}] if parts else line})
+        images = []
         cancel = threading.Event()
         try:
             summary = _stream(engine.chat(messages, _sampling(args), cancel, enable_thinking=args.think))
@@ -218,18 +234,45 @@ def cmd_chat(args: argparse.Namespace) -> int:
     return 0
 
 
+def _chat_command(engine, line: str, images: list[str]) -> None:
+    """``/help``, or ``/image PATH``: add the image to ``images`` (the next message's) after checking it."""
+    if line == "/help":
+        print(CHAT_HELP, file=sys.stderr)
+        return
+    path = line[len("/image"):].strip()
+    if not engine.info.has_vision:
+        print("[no vision tower is loaded, so the model cannot read images: start the chat with --mmproj FILE]",
+              file=sys.stderr)
+    elif not path:
+        print("[/image needs a file: /image PATH]", file=sys.stderr)
+    else:
+        try:
+            info = engine.image_info(path)
+        except EngineError as exc:
+            print(f"[{exc}]", file=sys.stderr)
+            return
+        images.append(path)
+        print(f"[image {path}: {info.width}x{info.height} px, {info.tokens} image tokens; attached to your next "
+              "message]", file=sys.stderr)
+
+
 def cmd_serve(args: argparse.Namespace) -> int:
-    from .server import ServerConfig, check_bind, serve
+    from .server import ServerConfig, bind_address, check_bind, serve
     api_key = args.api_key or os.environ.get("DELTADESK_API_KEY") or None
     check_bind(args.host, api_key)
-    path, mmproj = _model_paths(args)
-    engine = _load(args, path, mmproj)
+    sock = bind_address(args.host, args.port)          # a port in use fails before the model loads
+    try:
+        path, mmproj = _model_paths(args)
+        engine = _load(args, path, mmproj)
+    except BaseException:
+        sock.close()
+        raise
     name = args.model_name or path.stem
     host = f"[{args.host}]" if ":" in args.host else args.host
-    print(f"[serving {name} on http://{host}:{args.port}/v1 (OpenAI API){'; API key required' if api_key else ''}"
-          "; Ctrl+C stops]", file=sys.stderr)
+    print(f"[serving {name} on http://{host}:{sock.getsockname()[1]}/v1 (OpenAI API)"
+          f"{'; API key required' if api_key else ''}; Ctrl+C stops]", file=sys.stderr, flush=True)
     try:
-        serve(engine, ServerConfig(name, api_key), args.host, args.port)
+        serve(engine, ServerConfig(name, api_key), args.host, args.port, sock)
     finally:
         engine.close()
     return 0
@@ -310,7 +353,7 @@ def cmd_prune(args: argparse.Namespace) -> int:
     except ValueError as exc:
         print(f"error: {src.path.name}: {exc}", file=sys.stderr)
         return 2
-    stats_path = Path(args.stats) if args.stats else prune.default_stats_path(args.model)
+    stats_path = Path(args.stats) if args.stats else _stats_path(args.model, args.output)
     stats = None
     if not (args.calib or args.images) and stats_path.is_file():
         stats = prune.ExpertStats.load(stats_path)
@@ -342,6 +385,14 @@ def cmd_prune(args: argparse.Namespace) -> int:
           f"{out.bytes_per_token() / 2**20:.2f} MiB per token (was {src.bytes_per_token() / 2**20:.2f})",
           file=sys.stderr)
     return 0
+
+
+def _stats_path(model: str, output: str) -> Path:
+    """``--stats``' default: ``MODEL.expert-stats.json`` beside the model when one is there (as
+    ``training/calibration.py`` writes it), else beside the output file (never the current folder)."""
+    from .prune import default_stats_path
+    beside_model = default_stats_path(model)
+    return beside_model if beside_model.is_file() else default_stats_path(model, Path(output).resolve().parent)
 
 
 def _calibrate(args: argparse.Namespace, src: GGUFFile) -> ExpertStats:
@@ -454,7 +505,8 @@ def _add_prune(p: argparse.ArgumentParser) -> None:
     p.add_argument("--mmproj", help="the model's vision tower, for image prompts (the bundled demo brings its own)")
     p.add_argument("--max-tokens", type=int, default=1024, help="longest calibration prompt used, tokens")
     p.add_argument("--stats", help="expert statistics JSON: read when it exists and no --calib/--images is "
-                   "given, else written (default MODEL.expert-stats.json beside the model)")
+                   "given, else written (default MODEL.expert-stats.json beside the model when it is there, else "
+                   "beside the output file)")
 
 
 def build_parser() -> argparse.ArgumentParser:

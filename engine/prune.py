@@ -382,10 +382,11 @@ def calibrate(engine: Any, conversations: Sequence[Sequence[Message]], max_token
     return stats
 
 
-def default_stats_path(model: str | os.PathLike[str]) -> Path:
-    """Where ``prune`` keeps a model's statistics by default: ``MODEL.expert-stats.json`` beside it."""
+def default_stats_path(model: str | os.PathLike[str], folder: str | os.PathLike[str] | None = None) -> Path:
+    """``MODEL.expert-stats.json`` in ``folder`` (None: beside the model): where ``prune`` keeps a model's
+    statistics by default (``folder``: its output file's)."""
     p = Path(model)
-    return p.with_name(p.stem + ".expert-stats.json")
+    return Path(folder if folder is not None else p.parent) / (p.stem + ".expert-stats.json")
 
 
 def describe_kept(stats: ExpertStats, kept: Sequence[Sequence[int]], method: str) -> str:

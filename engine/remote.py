@@ -24,6 +24,7 @@ import json
 import mimetypes
 import threading
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import Any, Iterator, Mapping, Sequence
 
@@ -92,6 +93,28 @@ def list_models(base_url: str, api_key: str | None = None, timeout: float = 10.0
     return list(data)
 
 
+def server_props(base_url: str, api_key: str | None = None, timeout: float = 10.0) -> dict[str, Any]:
+    """What llama-server tells at ``GET /props`` (beside ``/v1``): ``{"n_ctx": int, "vision": bool}``, the keys
+    it says (``default_generation_settings.n_ctx``, ``modalities.vision``); {} from a server without that route
+    or with another shape (vLLM, SGLang), or when it cannot be reached (the chat request will say so)."""
+    root = base_url.rstrip("/")
+    root = root[:-3] if root.endswith("/v1") else root
+    try:
+        response = httpx.get(root + "/props", headers=_headers(api_key), timeout=_timeout(timeout))
+        props = response.json() if response.status_code == 200 else {}
+    except (httpx.HTTPError, ValueError):
+        return {}
+    out: dict[str, Any] = {}
+    if isinstance(props, Mapping):
+        settings, modalities = props.get("default_generation_settings"), props.get("modalities")
+        n_ctx = settings.get("n_ctx") if isinstance(settings, Mapping) else props.get("n_ctx")
+        if _count(n_ctx):
+            out["n_ctx"] = n_ctx
+        if isinstance(modalities, Mapping) and isinstance(modalities.get("vision"), bool):
+            out["vision"] = modalities["vision"]
+    return out
+
+
 def _image_url(source: Any) -> str:
     """An engine image part's source (path, bytes or PIL image) as a ``data:`` URL.
 
@@ -156,8 +179,12 @@ class RemoteEngine:
 
     @classmethod
     def connect(cls, base_url: str, model: str, api_key: str | None = None, timeout: float = 300.0) -> "RemoteEngine":
-        """Check that the server lists ``model`` and read its context (``max_model_len``, as vLLM and
-        ``engine serve`` list it) and whether it reads images (``vision``, ``engine serve``'s; assumed yes).
+        """Check that the server lists ``model`` and read its context and whether it reads images.
+
+        The context is the entry's ``max_model_len`` (vLLM, ``engine serve``), else llama-server's ``/props``
+        ``n_ctx``; images are read when the entry says ``"vision": true`` (``engine serve``) or ``/props``
+        says ``modalities.vision`` (llama-server with ``--mmproj``). A server that says neither is taken as
+        text only, and :attr:`info`'s ``vision_note`` says why.
 
         Raises:
             RemoteError: unreachable, refused, or the model is not listed (the message names those that are).
@@ -167,10 +194,18 @@ class RemoteEngine:
         if entry is None:
             names = ", ".join(m["id"] for m in models) or "none"
             raise RemoteError(f"{base_url} does not serve a model named {model!r} (it lists: {names})")
-        context = entry.get("max_model_len")
-        vision = entry.get("vision")
-        return cls(base_url, model, api_key, timeout, context if isinstance(context, int) else 0,
-                   vision if isinstance(vision, bool) else True)
+        context, vision = _count(entry.get("max_model_len")), entry.get("vision")
+        if not context or not isinstance(vision, bool):
+            props = server_props(base_url, api_key, min(timeout, 30.0))
+            context = context or _count(props.get("n_ctx"))
+            vision = vision if isinstance(vision, bool) else props.get("vision")
+        engine = cls(base_url, model, api_key, timeout, context or 0, vision is True)
+        if vision is not True:
+            engine._info = replace(engine._info, vision_note=(
+                f"{base_url} does not say that {model} reads images (no \"vision\" in its /v1/models entry, no "
+                "modalities.vision in /props): serve it with its vision tower (llama-server --mmproj, "
+                "engine serve --mmproj) to send images"))
+        return engine
 
     @property
     def info(self) -> ModelInfo:
@@ -248,14 +283,16 @@ class RemoteEngine:
     def clear_snapshots(self, key: str | None = None) -> None:
         """Nothing to drop here: the snapshots are the server's."""
 
-    def image_info(self, source: Any) -> Any:
-        """Not known here.
+    def image_info(self, source: Any) -> None:
+        """None: the server's vision tower decides the size an image reaches its model at and the tokens it
+        takes; the image is sent whole as a ``data:`` URL.
 
         Raises:
-            UnsupportedModelError: always: the server's vision tower decides an image's size and token count.
+            UnsupportedModelError: the server does not say that it reads images (see :meth:`connect`).
         """
-        raise UnsupportedModelError(f"the server ({self.base_url}) decides the size an image reaches its "
-                                    "model at and how many tokens it takes")
+        if not self._info.has_vision:
+            raise UnsupportedModelError(self._info.vision_note or f"{self.base_url} does not read images")
+        return None
 
     def close(self) -> None:
         """Close the HTTP connections."""

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import socket
 import threading
+import time
 
 
 class RawServer:
@@ -63,3 +64,30 @@ def sse_head() -> bytes:
 
 def delta(text: str) -> bytes:
     return b'data: {"choices": [{"index": 0, "delta": {"content": "%s"}, "finish_reason": null}]}\n\n' % text.encode()
+
+
+class OpenServer(RawServer):
+    """Like :class:`RawServer`, but ``pieces`` are sent ``pause`` seconds apart (an answer streaming at its
+    pace), and the connection stays open after the last one until :meth:`close`."""
+
+    def __init__(self, pieces: list[bytes], pause: float = 0.2) -> None:
+        self.pieces, self.pause = pieces, pause
+        super().__init__(None)
+
+    def _serve(self) -> None:
+        while True:
+            try:
+                conn, _ = self.sock.accept()
+            except OSError:
+                return
+            self.conns.append(conn)
+            _read_request(conn)
+            threading.Thread(target=self._send, args=(conn,), daemon=True).start()
+
+    def _send(self, conn: socket.socket) -> None:
+        for piece in self.pieces:
+            try:
+                conn.sendall(piece)
+            except OSError:
+                return
+            time.sleep(self.pause)

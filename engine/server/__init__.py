@@ -22,8 +22,8 @@ from engine.errors import EngineError
 from .app import DEFAULT_MAX_BODY, ServerConfig, create_app
 from .requests import APIError
 
-__all__ = ["APIError", "DEFAULT_MAX_BODY", "ServerConfig", "ServerThread", "check_bind", "create_app", "is_loopback",
-           "serve"]
+__all__ = ["APIError", "DEFAULT_MAX_BODY", "ServerConfig", "ServerThread", "bind_address", "check_bind", "create_app",
+           "is_loopback", "serve"]
 
 LOOPBACK = "127.0.0.1"
 
@@ -49,8 +49,9 @@ def check_bind(host: str, api_key: str | None) -> None:
                           "could use the model; pass --api-key KEY (or bind to 127.0.0.1)")
 
 
-def _bind(host: str, port: int) -> socket.socket:
-    """A TCP socket bound to ``host:port`` (port 0: a free one), for uvicorn to listen on.
+def bind_address(host: str, port: int) -> socket.socket:
+    """A TCP socket bound to ``host:port`` (port 0: a free one) and listening, for uvicorn to serve on: a
+    client that connects before uvicorn runs waits in the backlog.
 
     Raises:
         EngineError: the address is in use or not this machine's.
@@ -63,6 +64,7 @@ def _bind(host: str, port: int) -> socket.socket:
     except OSError as exc:
         sock.close()
         raise EngineError(f"could not listen on {host}:{port}: {exc.strerror or exc}") from exc
+    sock.listen(2048)
     return sock
 
 
@@ -75,14 +77,16 @@ def _uvicorn_server(engine: Any, config: ServerConfig, host: str, port: int, eng
                                          timeout_graceful_shutdown=2))
 
 
-def serve(engine: Any, config: ServerConfig, host: str = LOOPBACK, port: int = 8080) -> None:
-    """Serve ``engine`` until interrupted (Ctrl+C), in the calling thread.
+def serve(engine: Any, config: ServerConfig, host: str = LOOPBACK, port: int = 8080,
+          sock: socket.socket | None = None) -> None:
+    """Serve ``engine`` until interrupted (Ctrl+C), in the calling thread; on ``sock`` when given (bound by
+    :func:`bind_address` to ``host:port``), else on a socket bound here.
 
     Raises:
-        EngineError: see :func:`check_bind`.
+        EngineError: see :func:`check_bind` and :func:`bind_address`.
     """
     check_bind(host, config.api_key)
-    sock = _bind(host, port)
+    sock = sock or bind_address(host, port)
     _uvicorn_server(engine, config, host, port, None).run(sockets=[sock])
 
 
@@ -117,7 +121,7 @@ class ServerThread:
             EngineError: the address could not be bound (in use, not this machine's), or the server did not
                 start within ``timeout`` s.
         """
-        sock = _bind(self.host, self.port)
+        sock = bind_address(self.host, self.port)
         self.port = sock.getsockname()[1]
         self._thread = threading.Thread(target=self._server.run, kwargs={"sockets": [sock]}, name="engine-server",
                                         daemon=True)

@@ -33,6 +33,7 @@ The per-round DeltaDesk line also splits a token into the LM head (timed alone) 
 
 from __future__ import annotations
 
+import math
 import statistics
 import time
 from collections.abc import Callable, Sequence
@@ -60,7 +61,7 @@ class Sample:
     isa: str               # DeltaDesk's ISA level; "" for a peer
     threads: int
     round: int
-    pp_tok_s: float
+    pp_tok_s: float        # NaN: no prompt test (-p 0)
     tg_tok_s: float
     depth_tg: dict[int, float] = field(default_factory=dict)
     head_ms: float = 0.0   # LM head (output norm + product) of one token
@@ -68,7 +69,9 @@ class Sample:
 
 
 def spread(values: Sequence[float], fmt: str = ".2f") -> str:
-    """``median (min-max)`` of ``values``; one value prints alone."""
+    """``median (min-max)`` of ``values``; one value prints alone; NaN (a test not run: ``-p 0``) prints "-"."""
+    if any(math.isnan(v) for v in values):
+        return "-"
     if len(values) == 1:
         return f"{values[0]:{fmt}}"
     return f"{statistics.median(values):{fmt}} ({min(values):{fmt}}-{max(values):{fmt}})"
@@ -124,7 +127,8 @@ def measure(model, threads: int, isa: str, n_prompt: int, n_gen: int, depths: Se
     model.forward(tokens[:4], SequenceState.new(hp, 8))
     state = SequenceState.new(hp, n_prompt + n_gen + 1)
     t0 = time.perf_counter()
-    model.forward(tokens[:n_prompt], state)
+    if n_prompt:
+        model.forward(tokens[:n_prompt], state)
     pp = time.perf_counter() - t0
     t0 = time.perf_counter()
     for t in tokens[n_prompt:n_prompt + n_gen]:
@@ -141,8 +145,8 @@ def measure(model, threads: int, isa: str, n_prompt: int, n_gen: int, depths: Se
     h = rng.standard_normal((1, hp.n_embd)).astype(np.float32)
     head = cpu.best_seconds(lambda: model.linear(ops.rmsnorm(h, model.w("output_norm.weight"), hp.rms_eps),
                                                  model.output_name))
-    return Sample("deltadesk", isa, threads, round_, n_prompt / pp, 1 / tg, depth_tg, head * 1e3,
-                  (tg - head) * 1e3 / hp.n_layer)
+    return Sample("deltadesk", isa, threads, round_, n_prompt / pp if n_prompt else math.nan, 1 / tg, depth_tg,
+                  head * 1e3, (tg - head) * 1e3 / hp.n_layer)
 
 
 def peer_sample(peer: cpu_llama.Peer, path: Path, threads: int, n_prompt: int, n_gen: int, depths: Sequence[int],
@@ -168,8 +172,8 @@ def peer_sample(peer: cpu_llama.Peer, path: Path, threads: int, n_prompt: int, n
                                "(a build without -d / --n-depth?)")
         return statistics.median(found[0].samples_ts)
 
-    sample = Sample(peer.name, "", threads, round_, rate(n_prompt, 0, 0) if n_prompt else 0.0, rate(0, n_gen, 0),
-                    {d: rate(0, depth_gen, d) for d in depths})
+    sample = Sample(peer.name, "", threads, round_, rate(n_prompt, 0, 0) if n_prompt else math.nan,
+                    rate(0, n_gen, 0), {d: rate(0, depth_gen, d) for d in depths})
     return sample, peak, results[0].build
 
 
@@ -243,7 +247,8 @@ def run(path: str | Path, threads: Sequence[int], isas: Sequence[str], n_prompt:
                 for level in isas:
                     s = measure(model, n, level, n_prompt, n_gen, depths, depth_gen, r)
                     samples.append(s)
-                    out(f"{r + 1:>5} {s.engine:<12} {level:>10} {n:>3} {s.pp_tok_s:>9.1f} {s.tg_tok_s:>9.2f}"
+                    pp = spread([s.pp_tok_s], '.1f')
+                    out(f"{r + 1:>5} {s.engine:<12} {level:>10} {n:>3} {pp:>9} {s.tg_tok_s:>9.2f}"
                         + "".join(f" {s.depth_tg[d]:>8.2f}" for d in depths)
                         + f" {s.head_ms:>8.2f} {s.layer_ms:>8.2f} {layer_bytes / (s.layer_ms / 1e3) / 1e9:>10.1f}")
                 for peer in peers:
@@ -256,8 +261,8 @@ def run(path: str | Path, threads: Sequence[int], isas: Sequence[str], n_prompt:
                     peer_rss[peer.name] = max(peer_rss.get(peer.name, 0), rss)
                     peer_build[peer.name] = build
                     samples.append(s)
-                    out(f"{r + 1:>5} {s.engine:<12} {'':>10} {n:>3} {s.pp_tok_s:>9.1f} {s.tg_tok_s:>9.2f}"
-                        + "".join(f" {s.depth_tg[d]:>8.2f}" for d in depths))
+                    out(f"{r + 1:>5} {s.engine:<12} {'':>10} {n:>3} {spread([s.pp_tok_s], '.1f'):>9} "
+                        f"{s.tg_tok_s:>9.2f}" + "".join(f" {s.depth_tg[d]:>8.2f}" for d in depths))
     finally:
         cpu.set_isa(None)
         cpu.set_threads()
@@ -310,6 +315,5 @@ def _ratios(ours: Sequence[Sample], theirs: Sequence[Sample], name: str, depths:
     if not pairs:
         return ""
     return (f"; vs {name}: tg {spread([a.tg_tok_s / b.tg_tok_s for a, b in pairs])}x"
-            + (f", pp {spread([a.pp_tok_s / b.pp_tok_s for a, b in pairs])}x" if all(b.pp_tok_s for _, b in pairs)
-               else "")
+            + f", pp {spread([a.pp_tok_s / b.pp_tok_s for a, b in pairs])}x"
             + "".join(f", tg@{d} {spread([a.depth_tg[d] / b.depth_tg[d] for a, b in pairs])}x" for d in depths))
