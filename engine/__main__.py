@@ -12,9 +12,10 @@
   a random-weight GGUF in the layout and metadata real files use, and beside it a matching
   random vision tower ``FILE-mmproj.gguf`` (``--no-mmproj`` skips it).
 - ``bench MODEL.gguf [--threads N ...] [--isa L ...] [--prompt N] [--gen N] [--depth D ...] [--repeat R]
-  [--llama-cpp | --llama-bench PATH]``: prompt and decode tok/s of the native CPU model per thread count and
-  ISA level, decode at 4k / 16k context, stream bandwidth and roofline fraction, RSS after load, NUMA nodes,
-  and llama.cpp's llama-bench on the same file and threads, interleaved (see :mod:`engine.tools.cpu_bench`).
+  [--llama-cpp | --llama-bench PATH] [--ik-llama-bench PATH]``: prompt and decode tok/s of the native CPU
+  model per thread count and ISA level, decode at 4k / 16k context, stream bandwidth and roofline fraction, RSS
+  after load, NUMA nodes, and the peers' llama-bench (mainline, ik_llama.cpp with and without ``-rtr 1``) on the
+  same file and threads, interleaved (see :mod:`engine.tools.cpu_bench`).
 - ``pull REPO [--file NAME | --quant Q] [--context N]``: the fit estimate of the repository's GGUFs from
   their headers (ranged reads), then the download of one with its mmproj (:mod:`engine.hub.cli`).
 - ``models``: the downloaded models. Wherever a model path is taken, a downloaded ``REPO:QUANT`` works too.
@@ -317,21 +318,25 @@ def cmd_bench(args: argparse.Namespace) -> int:
     if not cpu.available():
         print("error: the native CPU kernels are not built: nothing to benchmark", file=sys.stderr)
         return 2
-    binary = None
-    if args.llama_bench:
-        binary = Path(args.llama_bench)
-        if not (binary.is_file() and os.access(binary, os.X_OK)):
-            print(f"error: --llama-bench {binary}: not an executable file", file=sys.stderr)
+    peers: list = []
+    for flag, value in (("--llama-bench", args.llama_bench), ("--ik-llama-bench", args.ik_llama_bench)):
+        if value and not (Path(value).is_file() and os.access(value, os.X_OK)):
+            print(f"error: {flag} {value}: not an executable file", file=sys.stderr)
             return 2
+    if args.llama_bench:
+        peers.append(cpu_llama.Peer("llama.cpp", Path(args.llama_bench)))
     elif args.llama_cpp:
         try:
             binary = cpu_llama.ensure_llama_bench(out=lambda line: print(f"[{line}]", file=sys.stderr))
         except RuntimeError as exc:
             print(f"error: llama-bench: {exc}", file=sys.stderr)
             return 2
+        peers.append(cpu_llama.Peer("llama.cpp", binary))
+    if args.ik_llama_bench:
+        peers += cpu_llama.ik_llama_peers(Path(args.ik_llama_bench))
     cpu_bench.run(_model_arg(args.model), args.threads or sorted({1, cpu.physical_cores()}),
                   args.isa or list(cpu.supported_isas()), args.prompt, args.gen, args.depth, args.depth_gen,
-                  args.repeat, binary, args.stream_gib, args.stream_runs)
+                  args.repeat, peers, args.stream_gib, args.stream_runs)
     return 0
 
 
@@ -505,6 +510,8 @@ def _add_bench(p: argparse.ArgumentParser) -> None:
     p.add_argument("--llama-cpp", action="store_true", help="also run llama.cpp's llama-bench, built on first use "
                    "from the llama-cpp-python 0.3.36 sources into the user cache dir (minutes to build)")
     p.add_argument("--llama-bench", metavar="PATH", help="run this llama-bench binary as the peer (implies --llama-cpp)")
+    p.add_argument("--ik-llama-bench", metavar="PATH", help="also run ik_llama.cpp's llama-bench at PATH (a native "
+                   "build of its repository), twice: its default flags and -rtr 1")
 
 
 def _add_prune(p: argparse.ArgumentParser) -> None:
