@@ -6,7 +6,7 @@
   continues the prompt text itself (no chat template). A model without ``tokenizer.chat_template``
   chats in ChatML, with a one-line note on stderr.
 - ``chat [--model M]``: an interactive multi-turn chat on the terminal.
-- ``serve [--model M] [--mmproj V] [--host 127.0.0.1] [--port 8080] [--api-key K]``: an
+- ``serve [--model M] [--mmproj V] [--host 127.0.0.1] [--port 8080] [--api-key K] [--queue 8]``: an
   OpenAI-compatible HTTP server (:mod:`engine.server`); a non-loopback ``--host`` needs a key.
 - ``synth --preset tiny|small|dense-tiny|minicpmv46-tiny|minicpmv46|35b-a3b [--layers N] [--experts N] --quant Q -o FILE``:
   a random-weight GGUF in the layout and metadata real files use, and beside it a matching
@@ -228,7 +228,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     print(f"[serving {name} on http://{host}:{args.port}/v1 (OpenAI API){'; API key required' if api_key else ''}"
           "; Ctrl+C stops]", file=sys.stderr)
     try:
-        serve(engine, ServerConfig(name, api_key), args.host, args.port)
+        serve(engine, ServerConfig(name, api_key, max_waiting=args.queue, max_waiting_bytes=args.queue_mib << 20),
+              args.host, args.port)
     finally:
         engine.close()
     return 0
@@ -395,6 +396,17 @@ def _add_serve(p: argparse.ArgumentParser) -> None:
                    "DELTADESK_API_KEY)")
     p.add_argument("--model-name", help="the model id clients name (default: the file name without .gguf)")
     p.add_argument("--context", type=int, default=8192, help="context window, tokens")
+    p.add_argument("--queue", type=_positive, default=8, help="requests that may wait for the model at once; "
+                   "more are answered 429 with Retry-After (default 8)")
+    p.add_argument("--queue-mib", type=_positive, default=64, help="MiB of request bodies those may hold "
+                   "together (default 64)")
+
+
+def _positive(text: str) -> int:
+    """An argparse type: a positive integer."""
+    if not text.isdigit() or int(text) < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
+    return int(text)
 
 
 def _add_synth(p: argparse.ArgumentParser) -> None:

@@ -39,6 +39,7 @@ from engine.errors import ContextFullError, EngineError, ImageError, TemplateErr
 from engine.events import Event, PrefillStats, TokenEvent, TurnSummary
 from .answer import AnswerSplitter
 from .guard import RequestGuard, loopback_host
+from .limits import DEFAULT_MAX_WAITING, DEFAULT_MAX_WAITING_BYTES, Ticket, WaitingQueue, check_fits, check_text
 from .requests import APIError, TurnRequest, chat_request, completion_request
 
 log = logging.getLogger(__name__)
@@ -65,12 +66,16 @@ class ServerConfig:
             ``Host`` header is not a loopback name or address is refused them: a web page whose domain
             was re-pointed at 127.0.0.1 (DNS rebinding) reaches a loopback server with its own domain
             as the host, and could otherwise read the answers about the user's image files.
+        max_waiting, max_waiting_bytes: requests that may wait for the engine at once, and the bytes of
+            their bodies together; beyond either, 429 with ``Retry-After`` (:mod:`engine.server.limits`).
     """
 
     model_name: str
     api_key: str | None = None
     max_body_bytes: int = DEFAULT_MAX_BODY
     file_urls: bool = True
+    max_waiting: int = DEFAULT_MAX_WAITING
+    max_waiting_bytes: int = DEFAULT_MAX_WAITING_BYTES
 
 
 class _ClientGone(Exception):
@@ -263,8 +268,10 @@ def _no_constants(name: str) -> Any:
     raise ValueError(f"{name} is not JSON")
 
 
-async def _read_json(request: Request, limit: int) -> Any:
-    """The request's JSON body, at most ``limit`` bytes (else 413); not JSON (or NaN/Infinity) -> 400."""
+async def _read_json(request: Request, limit: int, ticket: Ticket | None = None) -> Any:
+    """The request's JSON body, at most ``limit`` bytes (else 413), counted on ``ticket`` as it arrives (429
+    when the waiting bodies are too many bytes); not JSON (or NaN/Infinity) -> 400; text that is not Unicode
+    (a lone surrogate) -> 400 naming its field."""
     length = request.headers.get("content-length", "")
     if length.isdigit() and int(length) > limit:
         raise APIError(413, f"the request body is {int(length)} bytes; at most {limit} are accepted",
@@ -274,11 +281,15 @@ async def _read_json(request: Request, limit: int) -> Any:
         size += len(chunk)
         if size > limit:
             raise APIError(413, f"the request body exceeds {limit} bytes", code="request_too_large")
+        if ticket is not None:
+            ticket.grow(len(chunk))
         chunks.append(chunk)
     try:
-        return json.loads(b"".join(chunks), parse_constant=_no_constants)
+        body = json.loads(b"".join(chunks), parse_constant=_no_constants)
     except (ValueError, RecursionError) as exc:
         raise APIError(400, f"the request body is not valid JSON: {exc}", code="invalid_json") from exc
+    check_text(body)
+    return body
 
 
 class _Routes:
@@ -291,6 +302,7 @@ class _Routes:
         self.lock = engine_lock or threading.Lock()
         self.order = asyncio.Lock()
         self.key = config.api_key.encode() if config.api_key else None
+        self.waiting = WaitingQueue(config.max_waiting, config.max_waiting_bytes)
 
     async def _first(self, ex: _Exchange) -> list[Any]:
         """The turn's events up to its first token (or the end), so that errors still get their status code."""
@@ -306,12 +318,15 @@ class _Routes:
                 return [item]
 
     async def answer(self, request: Request, req: TurnRequest,
-                     start: Callable[[threading.Event], Iterator[Event]]) -> Response:
-        """Run one turn in order and answer it whole or as server-sent events (``req.stream``)."""
+                     start: Callable[[threading.Event], Iterator[Event]], ticket: Ticket | None = None) -> Response:
+        """Run one turn in order and answer it whole or as server-sent events (``req.stream``); ``ticket``
+        (its place among the waiting requests) is given back once the turn starts."""
         ex = _Exchange(request, self.order, _Turn(start, getattr(self.engine, "cancel_read_ahead", None)))
         streaming = False
         try:
             await ex.start(self.lock)
+            if ticket is not None:
+                ticket.leave()
             ans = _Answer(req)
             first = await self._first(ex)
             if not req.stream:
@@ -326,22 +341,32 @@ class _Routes:
                 ex.close()
 
     async def chat_completions(self, request: Request) -> Response:
-        config = self.config
         _authorize(request, self.key)
-        req = chat_request(await _read_json(request, config.max_body_bytes), config.model_name, self.context,
+        with self.waiting.enter() as ticket:
+            return await self._chat(request, ticket)
+
+    async def _chat(self, request: Request, ticket: Ticket) -> Response:
+        config = self.config
+        req = chat_request(await _read_json(request, config.max_body_bytes, ticket), config.model_name, self.context,
                            config.file_urls and loopback_host(request.headers.get("host", "")))
         if not self.has_vision and any(isinstance(m["content"], list) and any(p["type"] == "image" for p in m["content"])
                                        for m in req.messages or ()):
             raise APIError(400, f"{config.model_name} has no vision tower (serve it with --mmproj FILE), so it "
                            "cannot read images", param="messages", code="invalid_image")
-        return await self.answer(request, req, lambda cancel: self.engine.chat(
-            req.messages, req.sampling, cancel, enable_thinking=req.enable_thinking))
+
+        def start(cancel: threading.Event) -> Iterator[Event]:
+            check_fits(self.engine, req.messages, req.enable_thinking, self.context)   # before any image is encoded
+            return self.engine.chat(req.messages, req.sampling, cancel, enable_thinking=req.enable_thinking)
+
+        return await self.answer(request, req, start, ticket)
 
     async def completions(self, request: Request) -> Response:
         _authorize(request, self.key)
-        req = completion_request(await _read_json(request, self.config.max_body_bytes), self.config.model_name,
-                                 self.context)
-        return await self.answer(request, req, lambda cancel: self.engine.complete(req.prompt, req.sampling, cancel))
+        with self.waiting.enter() as ticket:
+            req = completion_request(await _read_json(request, self.config.max_body_bytes, ticket),
+                                     self.config.model_name, self.context)
+            return await self.answer(request, req, lambda cancel: self.engine.complete(req.prompt, req.sampling,
+                                                                                       cancel), ticket)
 
     async def models(self, request: Request) -> Response:
         _authorize(request, self.key)
@@ -356,7 +381,7 @@ async def _health(_request: Request) -> Response:
 
 async def _api_error(_request: Request, exc: Exception) -> Response:
     error = exc if isinstance(exc, APIError) else _error_of(exc)
-    return JSONResponse(error.body(), status_code=error.status)
+    return JSONResponse(error.body(), status_code=error.status, headers=getattr(error, "headers", None))
 
 
 async def _http_error(request: Request, exc: Exception) -> Response:
