@@ -294,8 +294,24 @@ def _progress(what: str, unit: str = "") -> Callable[[int, int], None]:
 
 
 def cmd_prune(args: argparse.Namespace) -> int:
+    """``prune``: every failure (a bad path or file, a full or read-only disk) is one ``error:`` line, exit 2."""
+    try:
+        return _prune(args)
+    except (OSError, ValueError) as exc:
+        where = f"{exc.filename}: " if isinstance(exc, OSError) and exc.filename else ""
+        detail = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
+        print(f"error: {where}{detail}", file=sys.stderr)
+        return 2
+
+
+def _prune(args: argparse.Namespace) -> int:
     from . import prune, pruned_file
     from .gguf_file import GGUFFile
+    from .prune_inputs import check_output
+    if args.max_tokens < 1:
+        raise EngineError(f"--max-tokens must be at least 1, got {args.max_tokens}")
+    inputs = (args.model, args.mmproj, args.calib, args.stats)
+    check_output(args.output, inputs)
     src = GGUFFile.open(args.model)
     hp = src.hparams
     if not hp.is_moe:
@@ -307,6 +323,10 @@ def cmd_prune(args: argparse.Namespace) -> int:
         print(f"error: {src.path.name}: {exc}", file=sys.stderr)
         return 2
     stats_path = Path(args.stats) if args.stats else prune.default_stats_path(args.model)
+    if (args.stats is not None and not args.stats.strip()) or Path(args.output).absolute() == stats_path.absolute():
+        raise EngineError(f"--stats {args.stats!r}: give a statistics file path other than the output")
+    if args.calib or args.images or not stats_path.is_file():
+        check_output(str(stats_path), (args.model, args.mmproj, args.calib, args.output), "statistics file")
     stats = None
     if not (args.calib or args.images) and stats_path.is_file():
         stats = prune.ExpertStats.load(stats_path)
