@@ -9,7 +9,9 @@ answered); Stop in that chat takes it out of the queue.
 
 Every database call goes to the :class:`~app.history_thread.HistoryThread`; the controller acts on
 the results when they come back (a conversation is shown, a turn starts), so the UI thread never
-waits for SQLite.
+waits for SQLite. A finished answer the database refuses to store (another program held it locked
+past the history's wait) stays in the chat view marked "not saved" with a retry; a message whose
+rows cannot be added goes back to the composer with the reason, so nothing typed or answered is lost.
 """
 
 from __future__ import annotations
@@ -123,6 +125,8 @@ class ChatController(QObject):
         self.settings = settings
         self.has_vision = False
         self.unavailable = "No model is loaded yet."
+        self.unsaved: dict[int, tuple[int, str, str, dict[str, Any], str]] = {}
+        """Answers the history refused to store: id -> (conversation, text, state, stats, reason)."""
         self.context = 0
         self.conversation_id: int | None = None
         self.live: LiveTurn | None = None
@@ -183,20 +187,26 @@ class ChatController(QObject):
             if widget is not None:
                 widget.start_streaming(turn.thinking)
                 widget.show_waiting()
+        for message_id, (conversation, text, state, stats, reason) in self.unsaved.items():
+            widget = self.view.widget_for(message_id) if conversation == branch.conversation_id else None
+            if widget is not None:
+                widget.finish(text, state, stats)
+                widget.mark_unsaved(reason, lambda message_id=message_id: self.retry_save(message_id))
 
     def send(self, text: str, images: list[str], thinking: bool = False) -> bool:
         """Add a user message at the end of the active branch and answer it (at once, or after
         the turn of another chat); False while this chat has a turn or :attr:`unavailable`."""
         if self.busy_in(self.conversation_id) or self.unavailable or self.conversation_id is None:
             return False
-        self._begin(thinking, HistoryStore.reply, self.conversation_id, text, images, title_for(text))
+        self._begin(thinking, HistoryStore.reply, self.conversation_id, text, images, title_for(text),
+                    giveback=(text, images))
         return True
 
     def edit_and_resend(self, message_id: int, text: str, images: list[str], thinking: bool = False) -> bool:
         """Add an edited copy of a user message as its sibling (a new branch) and answer it."""
         if self.busy_in(self.conversation_id) or self.unavailable:
             return False
-        self._begin(thinking, HistoryStore.resend, message_id, text, images)
+        self._begin(thinking, HistoryStore.resend, message_id, text, images, giveback=(text, images))
         return True
 
     def regenerate(self, message_id: int, thinking: bool = False) -> bool:
@@ -241,17 +251,49 @@ class ChatController(QObject):
             widget.finish("", "stopped", stats)
         self._changed()
 
-    def _begin(self, thinking: bool, add_rows: Callable[..., TurnStart], *args: Any) -> None:
+    def _begin(self, thinking: bool, add_rows: Callable[..., TurnStart], *args: Any,
+               giveback: tuple[str, list[str]] | None = None) -> None:
         conversation = self.conversation_id
         self._starting.add(conversation)
         self._changed()
         self.history.call(add_rows, *args, then=lambda start: self._start_turn(conversation, start, thinking),
-                          on_error=lambda _error: self._not_started(conversation))
+                          on_error=lambda error: self._not_started(conversation, error, giveback))
 
-    def _not_started(self, conversation: int | None) -> None:
+    def _not_started(self, conversation: int | None, error: Exception | None = None,
+                     giveback: tuple[str, list[str]] | None = None) -> None:
+        """The turn's rows could not be added: the message goes back to the composer with the reason."""
         self._starting.discard(conversation)
         self._stop_on_start.discard(conversation)
+        if giveback is not None and conversation is not None:
+            self.turn_refused.emit(conversation, giveback[0], list(giveback[1]),
+                                   f"Not saved: {error}. Your message is back in the box; send it again.")
         self._changed()
+
+    def _store(self, conversation_id: int, message_id: int, text: str, state: str, stats: dict[str, Any]) -> None:
+        """Store an answer's final text, state and stats; one the history refuses is marked "not saved"."""
+        self.history.call(HistoryStore.update_message, message_id, text, state, stats,
+                          then=lambda _: self._saved(message_id),
+                          on_error=lambda error: self._not_saved(conversation_id, message_id, text, state, stats,
+                                                                 str(error)))
+
+    def _saved(self, message_id: int) -> None:
+        entry = self.unsaved.pop(message_id, None)
+        widget = self.view.widget_for(message_id) if entry is not None and entry[0] == self.conversation_id else None
+        if widget is not None:
+            widget.mark_saved(entry[2], entry[3])
+
+    def _not_saved(self, conversation_id: int, message_id: int, text: str, state: str, stats: dict[str, Any],
+                   reason: str) -> None:
+        self.unsaved[message_id] = (conversation_id, text, state, stats, reason)
+        widget = self.view.widget_for(message_id) if conversation_id == self.conversation_id else None
+        if widget is not None:
+            widget.mark_unsaved(reason, lambda: self.retry_save(message_id))
+
+    def retry_save(self, message_id: int) -> None:
+        """Try again to store an answer marked "not saved"."""
+        entry = self.unsaved.get(message_id)
+        if entry is not None:
+            self._store(entry[0], message_id, *entry[1:4])
 
     def _start_turn(self, conversation: int | None, start: TurnStart, thinking: bool) -> None:
         """The rows are stored: run the turn now, or queue it behind the live one."""
@@ -348,7 +390,7 @@ class ChatController(QObject):
             stats["note"] = live.note
         if live.thought_s is not None:
             stats["thinking_s"] = round(live.thought_s, 1)
-        self.history.call(HistoryStore.update_message, live.message_id, live.text, state, stats)
+        self._store(live.conversation_id, live.message_id, live.text, state, stats)
         widget = self._shown_widget(live)
         if widget is not None:
             widget.finish(live.text, state, stats)
