@@ -249,7 +249,7 @@ class ExpertStats:
             n_layer, n_expert, k = _shape(d)
             model, calibration = d.get("model") or {}, d.get("calibration") or {}
             if not isinstance(model, dict) or not isinstance(calibration, dict):
-                raise ValueError("model and calibration must be objects")
+                raise TypeError("model and calibration must be objects")
             st = cls(n_layer, n_expert, k, model, calibration)
             for il, layer in enumerate(d["layers"]):
                 st.tokens[il] = _count(layer["tokens"], f"layers[{il}].tokens")
@@ -278,10 +278,10 @@ class ExpertStats:
 def _shape(d: Mapping[str, Any]) -> tuple[int, int, int]:
     """(n_layer, n_expert, n_expert_used) of a statistics file, checked before anything is allocated.
 
-    Raises: ValueError: not integers within bounds, or ``layers`` not one entry per layer."""
+    Raises: TypeError: not integers. ValueError: out of bounds, or ``layers`` not one entry per layer."""
     values = [d.get(key) for key in ("n_layer", "n_expert", "n_expert_used")]
     if not all(isinstance(v, int) and not isinstance(v, bool) for v in values):
-        raise ValueError("n_layer, n_expert and n_expert_used must be integers")
+        raise TypeError("n_layer, n_expert and n_expert_used must be integers")
     n_layer, n_expert, k = values
     if not (1 <= n_layer <= MAX_LAYERS and 2 <= n_expert <= MAX_EXPERTS and 1 <= k <= n_expert):
         raise ValueError(f"shape n_layer={n_layer}, n_expert={n_expert}, n_expert_used={k} is outside "

@@ -80,12 +80,15 @@ def read_text(path: str | os.PathLike[str], what: str, limit: int = MAX_TEXT_BYT
         ModelFormatError: missing, not a regular file, too large, unreadable or not UTF-8, naming the file.
     """
     try:
-        st = os.stat(path)
-        if not stat.S_ISREG(st.st_mode):
-            raise ModelFormatError(f"{path}: the {what} is {_kind(st.st_mode)}, not a regular file")
-        if st.st_size > limit:
-            raise ModelFormatError(f"{path}: the {what} is {st.st_size} bytes; at most {limit} are read")
-        with open(path, "rb") as f:
+        if not stat.S_ISREG(mode := os.stat(path).st_mode):
+            raise ModelFormatError(f"{path}: the {what} is {_kind(mode)}, not a regular file")
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_BINARY", 0))
+        with os.fdopen(fd, "rb") as f:
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode):
+                raise ModelFormatError(f"{path}: the {what} is {_kind(st.st_mode)}, not a regular file")
+            if st.st_size > limit:
+                raise ModelFormatError(f"{path}: the {what} is {st.st_size} bytes; at most {limit} are read")
             data = f.read(limit + 1)
     except OSError as exc:
         raise ModelFormatError(f"{path}: cannot read the {what} ({exc.strerror or exc})") from exc

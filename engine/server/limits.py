@@ -146,6 +146,8 @@ def read_image_file(path: Path, param: str) -> bytes:
     unreadable = APIError(400, f"{param}: the file: URL does not name a readable regular file of at most "
                           f"{MAX_IMAGE_FILE_BYTES >> 20} MiB", param=param, code="invalid_image")
     try:
+        if not stat.S_ISREG(os.stat(path).st_mode):
+            raise unreadable           # a device or FIFO is not even opened
         fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_BINARY", 0))
     except (OSError, ValueError):
         raise unreadable from None
