@@ -286,8 +286,8 @@ class RemoteEngine:
     def _failure(self, url: str, exc: httpx.HTTPError | None, state: _StreamState, deadline: bool) -> RemoteError:
         """The error of a turn whose connection failed, timed out or was cut at its deadline."""
         if deadline or exc is None:
-            return RemoteError(f"{url}: no answer data within {self.timeout:g} s (only keep-alive comments or "
-                               f"nothing) after {len(state.texts)} pieces; the partial answer is kept")
+            return RemoteError(f"{url}: no answer within {self.timeout:g} s (no data, or only keep-alive "
+                               f"comments) after {len(state.texts)} pieces; the partial answer is kept")
         if not state.texts:
             return _unreachable(url, exc, self.timeout)
         return RemoteError(f"{url} dropped the connection mid-answer after {len(state.texts)} pieces "
