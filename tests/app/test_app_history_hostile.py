@@ -179,3 +179,14 @@ def test_a_message_the_locked_history_refuses_goes_back_to_the_composer(qtbot, m
     qtbot.keyClick(window.composer.editor, Qt.Key_Return)
     qtbot.waitUntil(lambda: window.composer.editor.toPlainText() == "Keep what I typed")
     assert "Not saved" in window.statusBar().currentMessage()
+
+
+def test_a_folder_in_place_of_the_database_is_left_alone(qtbot, tmp_path) -> None:
+    path = tmp_path / "history.db"
+    path.mkdir()
+    thread = HistoryThread(path)
+    with qtbot.waitSignal(thread.unavailable, timeout=10000) as blocker:
+        thread.start()
+    assert "will not be saved" in blocker.args[0] and path.is_dir() and not _damaged_files(tmp_path)
+    assert stored(thread, HistoryStore.create_conversation, "x") == 1
+    thread.stop()
