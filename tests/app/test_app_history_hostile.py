@@ -171,14 +171,23 @@ def test_an_answer_the_locked_history_refuses_stays_shown_not_saved_with_a_retry
     assert answer_id not in window.controller.unsaved
 
 
-def test_a_message_the_locked_history_refuses_goes_back_to_the_composer(qtbot, make_window, locker) -> None:
+def test_a_message_the_locked_history_refuses_stays_shown_not_saved_with_a_retry(qtbot, make_window, locker) -> None:
     window = make_window()
     window.history.lock_wait_s = 0.5
-    locker(window.history.path)
+    proc = locker(window.history.path)
     window.composer.editor.setPlainText("Keep what I typed")
     qtbot.keyClick(window.composer.editor, Qt.Key_Return)
-    qtbot.waitUntil(lambda: window.composer.editor.toPlainText() == "Keep what I typed")
-    assert "Not saved" in window.statusBar().currentMessage()
+    shown = lambda: [w for w in window.chat_view.widgets if w.message.id < 0]
+    qtbot.waitUntil(lambda: len(shown()) == 1 and shown()[0].retry_button is not None)
+    [widget] = shown()
+    assert widget.raw == "Keep what I typed" and widget.stats_label.text().startswith("Not saved:")
+    assert widget.retry_button.isVisible()
+    proc.communicate("", timeout=30)
+    qtbot.mouseClick(widget.retry_button, Qt.LeftButton)
+    qtbot.waitUntil(lambda: not window.controller.busy)
+    path = stored(window.history, HistoryStore.active_path, window.controller.conversation_id)
+    assert [m.content for m in path] == ["Keep what I typed", "Hello, world."]
+    qtbot.waitUntil(lambda: not shown())
 
 
 def test_a_folder_in_place_of_the_database_is_left_alone(qtbot, tmp_path) -> None:
