@@ -13,6 +13,9 @@ from PySide6.QtCore import QSettings, QTimer
 from PySide6.QtGui import QIcon
 from PySide6.QtWidgets import QApplication
 
+from engine import hub
+from engine.errors import EngineError
+
 from .engine_worker import EngineLoader, WorkerThread, load_real_engine
 from .history import ImageStore
 from .history_thread import HistoryThread
@@ -45,9 +48,23 @@ class AppPaths:
 def parse_args(argv: list[str]) -> argparse.Namespace:
     """The command line: optional model and vision-tower files (for this run; settings are kept)."""
     parser = argparse.ArgumentParser(prog="deltadesk", description="DeltaDesk: chat with a local Qwen3.5/3.6 model.")
-    parser.add_argument("--model", help="GGUF model file (default: the one in the settings, else the bundled model)")
+    parser.add_argument("--model", help="GGUF model file or a downloaded REPO:QUANT (default: the one in the settings, "
+                        "else the bundled model)")
     parser.add_argument("--mmproj", help="GGUF vision tower (mmproj) file")
     return parser.parse_args(argv)
+
+
+def model_arg(model: str, mmproj: str | None) -> tuple[str, str | None]:
+    """``--model`` / ``--mmproj`` as files: a downloaded ``REPO:QUANT`` becomes its file and vision tower
+    (:func:`engine.hub.model_files`), a path stays as it is.
+
+    Raises:
+        EngineError: a hub name that is not downloaded (the message says how to fetch it).
+    """
+    files = hub.model_files(model)
+    if files is None:
+        return model, mmproj
+    return str(files[0]), mmproj or (str(files[1]) if files[1] else None)
 
 
 def build_window(paths: AppPaths, loader: EngineLoader = load_real_engine,
@@ -87,8 +104,14 @@ def main(argv: list[str] | None = None) -> int:
     window = build_window(paths, gpu=NvmlGpu.open())
     instance.raise_requested.connect(window.bring_to_front)
     window.show()
-    if args.model:
-        window.load_model(args.model, args.mmproj)
+    try:
+        model = model_arg(args.model, args.mmproj) if args.model else None
+    except EngineError as exc:
+        print(f"deltadesk: {exc}", file=sys.stderr)
+        window.statusBar().showMessage(str(exc))
+        model = None
+    if model is not None:
+        window.load_model(*model)
     else:
         window.load_configured(args.mmproj)
     # Python runs signal handlers only between bytecodes; the timer lets it in so Ctrl+C or a

@@ -29,6 +29,7 @@ from .gpu import GpuReport, device_phrase, vision_phrase
 from .history import HistoryStore, ImageStore
 from .history_thread import HistoryThread
 from .markdown_render import MarkdownRenderer
+from .model_browser import show_model_browser
 from .settings import Settings
 from .settings_dialog import SettingsDialog
 from .sidebar import MonitorThread, Sidebar
@@ -246,7 +247,11 @@ class MainWindow(QMainWindow):
         self.details_button.setAutoRaise(True)
         self.details_button.clicked.connect(self.show_details)
         self.details_button.hide()
+        self.models_button = QPushButton("Get a real model\u2026")      # shown while the demo model is loaded
+        self.models_button.clicked.connect(lambda: show_model_browser(self))
+        self.models_button.hide()
         row.addWidget(self.banner, 1)
+        row.addWidget(self.models_button)
         row.addWidget(self.details_button)
         row.addWidget(self.load_progress)
         row.addWidget(self.cancel_load_button)
@@ -271,6 +276,8 @@ class MainWindow(QMainWindow):
                                         icon(QStyle.SP_DirOpenIcon))
         self.settings_action = self._action("&Settings\u2026", QKeySequence("Ctrl+,"), self.open_settings,
                                             icon(QStyle.SP_FileDialogDetailedView))
+        self.models_action = self._action("&Get models\u2026", QKeySequence("Ctrl+Shift+M"),
+                                          lambda: show_model_browser(self), icon(QStyle.SP_ArrowDown))
         self.stop_action.setEnabled(False)
         self.regenerate_action.setEnabled(False)
         chat = self.menuBar().addMenu("&Chat")
@@ -278,6 +285,7 @@ class MainWindow(QMainWindow):
             chat.addAction(action)
         chat.addSeparator()
         chat.addAction(self.open_action)
+        chat.addAction(self.models_action)
         chat.addAction(self.settings_action)
         chat.addSeparator()
         chat.addAction("Export as &Markdown\u2026", lambda: self.export_dialog("md"))
@@ -391,6 +399,7 @@ class MainWindow(QMainWindow):
         self.controller.context = summary.info.context
         self.composer.set_vision(summary.info.has_vision)
         self.sidebar.set_context(summary.info.context)
+        self.models_button.setVisible(request is not None and not request.model_path and not request.remote_url)
         if request is not None and self._remember_load:
             self.apply_settings(replace(self.prefs, model_path=request.model_path or "",
                                         mmproj_path=request.mmproj_path or "", remote_url="", remote_model=""),

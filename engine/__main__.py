@@ -1,4 +1,4 @@
-"""Command line: ``python -m engine {info,generate,chat,serve,synth,bench,prune}``.
+"""Command line: ``python -m engine {info,generate,chat,serve,synth,bench,prune,pull,models}``.
 
 - ``info MODEL.gguf``: architecture, layers, quant mix, bytes read per decoded token.
 - ``generate [--model M] [--mmproj V] [--image I ...] [--prompt P] [--max-tokens N] [--temp T] ...``:
@@ -15,6 +15,9 @@
   [--llama-cpp | --llama-bench PATH]``: prompt and decode tok/s of the native CPU model per thread count and
   ISA level, decode at 4k / 16k context, stream bandwidth and roofline fraction, RSS after load, NUMA nodes,
   and llama.cpp's llama-bench on the same file and threads, interleaved (see :mod:`engine.tools.cpu_bench`).
+- ``pull REPO [--file NAME | --quant Q] [--context N]``: the fit estimate of the repository's GGUFs from
+  their headers (ranged reads), then the download of one with its mmproj (:mod:`engine.hub.cli`).
+- ``models``: the downloaded models. Wherever a model path is taken, a downloaded ``REPO:QUANT`` works too.
 - ``prune MODEL.gguf --keep N -o OUT.gguf [--method reap|frequency] [--calib FILE.jsonl] [--images DIR]
   [--max-tokens T] [--stats FILE.json] [--mmproj V]``: REAP (or frequency) expert pruning to N experts per
   layer (:mod:`engine.prune`); the calibration statistics are saved to and reused from ``--stats``
@@ -64,8 +67,24 @@ def _model_paths(args: argparse.Namespace) -> tuple[Path, Path | None]:
     if not args.model:
         path, mmproj = default_model()
         return path, Path(args.mmproj) if args.mmproj else mmproj
+    hub = _hub_model(args.model)
+    if hub is not None:
+        return hub[0], Path(args.mmproj) if args.mmproj else hub[1]
     path = Path(args.model)
     return path, Path(args.mmproj) if args.mmproj else bundled_mmproj_for(path)
+
+
+def _hub_model(arg: str) -> tuple[Path, Path | None] | None:
+    """The (model, mmproj) files of a downloaded ``REPO:QUANT``, None when ``arg`` is a path
+    (:func:`engine.hub.store.model_files`). Raises EngineError for a hub name not downloaded."""
+    from .hub.store import model_files
+    return model_files(arg)
+
+
+def _model_arg(arg: str) -> str:
+    """A positional model argument as a path: a downloaded ``REPO:QUANT`` resolved, a path as it is."""
+    hub = _hub_model(arg)
+    return str(hub[0]) if hub is not None else arg
 
 
 def _load(args: argparse.Namespace, path: Path, mmproj: Path | None):
@@ -109,7 +128,7 @@ def _timing(s: TurnSummary) -> str:
 
 def cmd_info(args: argparse.Namespace) -> int:
     from .gguf_file import GGUFFile
-    f = GGUFFile.open(args.model)
+    f = GGUFFile.open(_model_arg(args.model))
     hp = f.hparams
     kinds = "".join("D" if hp.is_recurrent(i) else "A" for i in range(hp.n_layer))
     print(f"file           {f.path}")
@@ -268,7 +287,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         except RuntimeError as exc:
             print(f"error: llama-bench: {exc}", file=sys.stderr)
             return 2
-    cpu_bench.run(args.model, args.threads or sorted({1, cpu.physical_cores()}),
+    cpu_bench.run(_model_arg(args.model), args.threads or sorted({1, cpu.physical_cores()}),
                   args.isa or list(cpu.supported_isas()), args.prompt, args.gen, args.depth, args.depth_gen,
                   args.repeat, binary, args.stream_gib, args.stream_runs)
     return 0
@@ -310,6 +329,7 @@ def _prune(args: argparse.Namespace) -> int:
     from .prune_inputs import check_output
     if args.max_tokens < 1:
         raise EngineError(f"--max-tokens must be at least 1, got {args.max_tokens}")
+    args.model = _model_arg(args.model)
     inputs = (args.model, args.mmproj, args.calib, args.stats)
     check_output(args.output, inputs)
     src = GGUFFile.open(args.model)
@@ -383,7 +403,7 @@ def _calibrate(args: argparse.Namespace, src: GGUFFile) -> ExpertStats:
 
 
 def _add_sampling(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", "-m", help="GGUF text model (default: the bundled demo model)")
+    p.add_argument("--model", "-m", help="GGUF text model, or a downloaded REPO:QUANT (default: the bundled demo model)")
     p.add_argument("--mmproj", help="GGUF vision tower (mmproj) for image input "
                    "(the bundled demo model brings its own)")
     p.add_argument("--system", default="", help="system prompt")
@@ -407,7 +427,7 @@ def _add_generate(p: argparse.ArgumentParser) -> None:
 
 
 def _add_serve(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", "-m", help="GGUF text model (default: the bundled demo model)")
+    p.add_argument("--model", "-m", help="GGUF text model, or a downloaded REPO:QUANT (default: the bundled demo model)")
     p.add_argument("--mmproj", help="GGUF vision tower (mmproj) for image input")
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default: loopback only; any "
                    "other needs --api-key)")
@@ -484,6 +504,7 @@ def _add_prune(p: argparse.ArgumentParser) -> None:
 
 def build_parser() -> argparse.ArgumentParser:
     """The ``python -m engine`` argument parser."""
+    from .hub import cli as hub_cli
     ap = argparse.ArgumentParser(prog="python -m engine", description="DeltaDesk engine")
     sub = ap.add_subparsers(dest="command", required=True)
     commands = [("info", "summarise a GGUF model", lambda p: p.add_argument("model"), cmd_info),
@@ -492,7 +513,9 @@ def build_parser() -> argparse.ArgumentParser:
                 ("serve", "an OpenAI-compatible HTTP server on the model", _add_serve, cmd_serve),
                 ("synth", "write a random-weight GGUF", _add_synth, cmd_synth),
                 ("bench", "prompt and decode speed on the CPU, beside llama-bench", _add_bench, cmd_bench),
-                ("prune", "remove experts (REAP or frequency) to make a MoE file smaller", _add_prune, cmd_prune)]
+                ("prune", "remove experts (REAP or frequency) to make a MoE file smaller", _add_prune, cmd_prune),
+                ("pull", "fit and download a GGUF from the Hugging Face hub", hub_cli.add_pull, hub_cli.cmd_pull),
+                ("models", "list the downloaded models", hub_cli.add_models, hub_cli.cmd_models)]
     for name, help_text, add_arguments, func in commands:
         p = sub.add_parser(name, help=help_text)
         add_arguments(p)

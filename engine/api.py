@@ -25,6 +25,7 @@ from .demo_model import bundled_mmproj_for, bundled_model, default_model
 from .errors import EngineError, GenerationCancelled, TemplateError, UnsupportedModelError
 from .events import Event, PrefillStats
 from .gguf_file import GGUFFile
+from .grammar import Grammar, compile_grammar, grammar_tokenizer
 from .images import ImageInfo, ImageSource
 from .prefix_cache import PrefixCache, SnapshotInfo
 from .prompt import Message, Prompt, PromptBuilder, text_bytes
@@ -74,6 +75,8 @@ class Engine:
         self._busy = threading.Lock()      # held while a turn runs (see the class docstring)
         self._closed = False
         self._ahead_cancel: threading.Event | None = None    # the running prefill_ahead's cancel flag
+        self._grammar_tokens: Any = None                      # llguidance's token table, built on first use
+        self._grammar_lock = threading.Lock()
 
     @classmethod
     def load(cls, model_path: str | Path, mmproj_path: str | Path | None = None,
@@ -167,7 +170,8 @@ class Engine:
         except Exception as exc:  # noqa: BLE001 - a broken CUDA context must not end the CPU fallback
             log.warning("releasing the failed GPU: %s", exc)
 
-    def render(self, messages: Sequence[Message], enable_thinking: bool = False) -> list[int]:
+    def render(self, messages: Sequence[Message], enable_thinking: bool = False,
+               tools: Sequence[Message] | None = None) -> list[int]:
         """Render ``messages`` with the model's chat template and tokenize the prompt.
 
         A file without ``tokenizer.chat_template`` is rendered as ChatML, the Qwen format
@@ -175,7 +179,9 @@ class Engine:
         stays a single ``<|image_pad|>``; :meth:`prepare` expands it. Only the template's markup makes
         control ids: text in the messages is read as plain text, so ``<|im_end|>`` or ``<think>``
         typed by a user cannot open a turn or a think block
-        (:meth:`engine.tokenizer.Tokenizer.escape_messages`).
+        (:meth:`engine.tokenizer.Tokenizer.escape_messages`; the text of ``tools`` too).
+        ``tools``: OpenAI function tools (``{"type": "function", "function": {"name", "description",
+        "parameters"}}``) the template renders (Qwen3.5/3.6: a ``# Tools`` section in the system message).
 
         Returns:
             Prompt token ids, ending with the assistant generation header.
@@ -186,11 +192,12 @@ class Engine:
                 tokens (more bytes than ``context * Tokenizer.max_token_bytes``); a prompt that is
                 merely longer than the window in tokens ends its turn with stop reason "context_full".
         """
-        return self.prompts.render(messages, enable_thinking)
+        return self.prompts.render(messages, enable_thinking, tools)
 
     def prepare(self, messages: Sequence[Message], enable_thinking: bool = False,
-                cancel: threading.Event | None = None) -> Prompt:
-        """Render, tokenize and encode the images of ``messages``: everything prefill needs.
+                cancel: threading.Event | None = None, tools: Sequence[Message] | None = None) -> Prompt:
+        """Render, tokenize and encode the images of ``messages`` (with ``tools``, see :meth:`render`): everything
+        prefill needs.
 
         Image parts are ``{"type": "image", "image": path | bytes | PIL.Image}``; each becomes
         ``<|vision_start|>`` + one ``<|image_pad|>`` per image token + ``<|vision_end|>``, its
@@ -201,7 +208,7 @@ class Engine:
             UnsupportedModelError: an image part but no vision tower loaded.
             ImageError: an image could not be read (names the file and what was expected).
         """
-        return self.prompts.prepare(messages, enable_thinking, cancel)
+        return self.prompts.prepare(messages, enable_thinking, cancel, tools)
 
     def checkpoints(self, prompt: Sequence[int]) -> list[int]:
         """Prompt positions worth a snapshot: the start of every message (so the system prompt and
@@ -213,7 +220,8 @@ class Engine:
 
     def chat(self, messages: Sequence[Message], sampling: SamplingParams = SamplingParams(),
              cancel: threading.Event | None = None, enable_thinking: bool = False,
-             conversation: str = "") -> Iterator[Event]:
+             conversation: str = "", *, tools: Sequence[Message] | None = None,
+             grammar: Grammar | None = None) -> Iterator[Event]:
         """Answer the conversation ``messages`` (the last one is usually the user's).
 
         The prompt resumes from the deepest prefix snapshot it shares (see
@@ -225,6 +233,9 @@ class Engine:
             cancel: set from any thread to stop within one token.
             enable_thinking: let the model think (``<think>`` block) before answering.
             conversation: an id recorded with the snapshots, for the app's snapshot list.
+            tools: OpenAI function tools for the chat template (see :meth:`render`).
+            grammar: constrains the answer (:meth:`grammar`); with ``enable_thinking`` build it with
+                ``reasoning=True``.
 
         Yields:
             :class:`~engine.events.PrefillStats`, then a :class:`~engine.events.TokenEvent` per
@@ -236,7 +247,7 @@ class Engine:
         started = time.perf_counter()
         self._hold("chat")
         try:
-            prompt = self.prepare(messages, enable_thinking, cancel)
+            prompt = self.prepare(messages, enable_thinking, cancel, tools)
         except BaseException:
             self._busy.release()
             raise
@@ -244,15 +255,15 @@ class Engine:
         def rerenders(answer: list[int]) -> bool:
             if prompt.images or (cancel is not None and cancel.is_set()):
                 return False  # re-rendering would re-encode every image; answers after images rarely re-render
-            return self.answer_rerenders(messages, prompt.tokens, answer, enable_thinking)
+            return self.answer_rerenders(messages, prompt.tokens, answer, enable_thinking, tools)
 
         return self._held(self._turn(prompt.tokens, sampling, cancel, self.checkpoints(prompt.tokens), conversation,
-                                     prompt, rerenders, started))
+                                     prompt, rerenders, started, grammar))
 
     def generate(self, prompt_ids: Sequence[int], sampling: SamplingParams = SamplingParams(),
                  cancel: threading.Event | None = None, checkpoints: Sequence[int] = (),
                  conversation: str = "", prompt: Prompt | None = None, rerenders: Any = None,
-                 started: float | None = None) -> Iterator[Event]:
+                 started: float | None = None, grammar: Grammar | None = None) -> Iterator[Event]:
         """Continue raw token ids (no chat template); same events as :meth:`chat`.
 
         Args:
@@ -260,13 +271,14 @@ class Engine:
             prompt: the :meth:`prepare` result the ids come from (M-RoPE positions, images).
             rerenders: see :class:`engine.runtime.Turn` (snapshot the end of a finished answer).
             started: ``time.perf_counter()`` at the start of the turn (the origin of TTFT).
+            grammar: constrains the answer (:meth:`grammar`).
 
         Raises:
             EngineError: another turn is running on this engine, or it is closed.
         """
         self._hold("generate")
         return self._held(self._turn(prompt_ids, sampling, cancel, checkpoints, conversation, prompt, rerenders,
-                                     started))
+                                     started, grammar))
 
     def _hold(self, what: str) -> None:
         """Take the turn lock or refuse at once (see the class docstring)."""
@@ -296,7 +308,7 @@ class Engine:
 
     def _turn(self, prompt_ids: Sequence[int], sampling: SamplingParams, cancel: threading.Event | None,
               checkpoints: Sequence[int], conversation: str, prompt: Prompt | None, rerenders: Any,
-              started: float | None) -> Iterator[Event]:
+              started: float | None, grammar: Grammar | None = None) -> Iterator[Event]:
         """:meth:`generate` without the turn lock."""
         turn = Turn(model=self.model, tokenizer=self.tokenizer, prompt=list(prompt_ids),
                     context=self.context, sampling=sampling, cancel=cancel or threading.Event(),
@@ -305,14 +317,15 @@ class Engine:
                     positions=None if prompt is None else prompt.positions,
                     images=() if prompt is None else prompt.images, gpu=self.gpu,
                     gpu_min_tokens=self.options.gpu_min_tokens, on_device_error=self._gpu_failed,
-                    rerenders=rerenders, started=started)
+                    rerenders=rerenders, started=started, grammar=grammar)
         return run_turn(turn)
 
     def complete(self, text: str, sampling: SamplingParams = SamplingParams(),
-                 cancel: threading.Event | None = None) -> Iterator[Event]:
+                 cancel: threading.Event | None = None, *, grammar: Grammar | None = None) -> Iterator[Event]:
         """Continue ``text`` as it is (raw completion: no chat template; special tokens written out in
         it, such as ``<|im_start|>``, are read as those tokens). Same events as :meth:`chat`; the turn
-        stops at an end-of-generation token, ``sampling.max_tokens`` or the context's end.
+        stops at an end-of-generation token, ``sampling.max_tokens`` or the context's end. ``grammar``
+        constrains the continuation (:meth:`grammar`).
 
         Raises:
             EngineError: ``text`` is empty (there is nothing to continue).
@@ -324,10 +337,11 @@ class Engine:
         ids = self.tokenizer.encode(text, special=True)
         if not ids:
             raise EngineError("raw completion needs a prompt: the text is empty")
-        return self.generate(ids, sampling, cancel, started=started)
+        return self.generate(ids, sampling, cancel, started=started, grammar=grammar)
 
     def prefill_ahead(self, messages: Sequence[Message], enable_thinking: bool = False,
-                      cancel: threading.Event | None = None, conversation: str = "") -> PrefillStats | None:
+                      cancel: threading.Event | None = None, conversation: str = "", *,
+                      tools: Sequence[Message] | None = None) -> PrefillStats | None:
         """Read the conversation as the next turn will render it, up to the end of its last message, and
         snapshot it, so that the next :meth:`chat` prefills only its new message.
 
@@ -343,6 +357,7 @@ class Engine:
             enable_thinking: as the next turn will pass it.
             cancel: set from any thread to stop between pieces.
             conversation: recorded with the snapshots.
+            tools: the function tools the next turn will offer (an agent's are part of every prompt).
 
         Returns:
             :class:`~engine.events.PrefillStats` of the work (``prompt_tokens``: the prefix read,
@@ -359,7 +374,7 @@ class Engine:
         try:
             if self.cache is None:
                 return None
-            ahead = self.prompts.ahead(messages, enable_thinking, cancel)
+            ahead = self.prompts.ahead(messages, enable_thinking, cancel, tools)
             if ahead is None:
                 return None
             follow, cut = ahead
@@ -385,7 +400,7 @@ class Engine:
             running.set()
 
     def answer_rerenders(self, messages: Sequence[Message], prompt: Sequence[int], answer: Sequence[int],
-                         enable_thinking: bool = False) -> bool:
+                         enable_thinking: bool = False, tools: Sequence[Message] | None = None) -> bool:
         """Whether the next turn's prompt starts with ``prompt + answer`` token for token.
 
         ``answer`` ends with its stop token. Only then is the state after the answer worth a
@@ -395,10 +410,39 @@ class Engine:
         text = self.tokenizer.decode(list(answer[:-1]))
         follow = list(messages) + [{"role": "assistant", "content": text}, {"role": "user", "content": "."}]
         try:
-            nxt = self.prepare(follow, enable_thinking).tokens
+            nxt = self.prepare(follow, enable_thinking, tools=tools).tokens
         except EngineError:
             return False
         return nxt[:len(prompt) + len(answer)] == list(prompt) + list(answer)
+
+    def grammar(self, *, lark: str | None = None, json_schema: Any = None, json_object: bool = False,
+                reasoning: bool = False) -> Grammar:
+        """Compile a grammar for this model's vocabulary, to pass to :meth:`chat` / :meth:`complete`.
+
+        Exactly one of: ``lark`` (llguidance's lark dialect: ``%json {...}`` embeds a JSON schema, added tokens
+        are named ``<tool_call>``, ``</think>``; docs/design/constrained-decoding.md), ``json_schema`` (a JSON
+        Schema, enforced strictly: every keyword it uses must be enforceable), ``json_object`` (any JSON object).
+        ``reasoning``: free text through the model's ``</think>`` first (the template opened ``<think>``), then
+        the blank line Qwen writes, then the grammar. The token table is built on first use (1.5-3.5 s on the
+        real vocabulary) and kept; a compiled grammar is immutable and may serve any number of answers.
+
+        Raises:
+            GrammarError: the grammar or schema is malformed or uses a feature llguidance cannot enforce (the
+                message names it), or not exactly one kind was given.
+        """
+        with self._grammar_lock:
+            if self._grammar_tokens is None:
+                self._grammar_tokens = grammar_tokenizer(self.tokenizer)
+        return compile_grammar(self._grammar_tokens, lark=lark, json_schema=json_schema, json_object=json_object,
+                               reasoning=reasoning)
+
+    def token_bytes(self, token_id: int) -> bytes:
+        """The bytes token ``token_id`` stands for (added tokens: their text), e.g. for logprobs.
+
+        Raises:
+            TokenizerError: the id is outside the vocabulary.
+        """
+        return self.tokenizer.token_bytes(token_id)
 
     def snapshots(self) -> list[SnapshotInfo]:
         """The prefix snapshots held (RAM and disk), deepest first; [] without a prefix cache."""

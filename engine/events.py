@@ -72,12 +72,18 @@ class TokenEvent:
             incomplete (the bytes are emitted with the token that completes it).
         ms: wall time spent on this token (forward + sampling), ms.
         index: 0-based index of this token within the answer.
+        logprob: ``log_softmax`` of the model's raw logits at this token (before logit bias, penalties,
+            grammar mask and temperature), natural log; None unless ``SamplingParams.top_logprobs`` is set.
+        top_logprobs: the ``SamplingParams.top_logprobs`` most likely (token id, logprob) pairs there, most
+            likely first (ties to the lowest id).
     """
 
     token_id: int
     text: str
     ms: float
     index: int
+    logprob: float | None = None
+    top_logprobs: tuple[tuple[int, float], ...] = ()
 
 
 @dataclass(frozen=True)

@@ -20,7 +20,7 @@ import numpy as np
 from gguf import GGMLQuantizationType
 
 from .errors import ModelFormatError, UnsupportedModelError
-from .gguf_header import StoredTensor, read_header
+from .gguf_header import Header, StoredTensor, read_header
 from .quant import check_supported, dequantize, row_bytes, type_name
 from .registry import TextArch, text_arch
 
@@ -86,11 +86,12 @@ class GGUFFile:
             stored byte once).
     """
 
-    def __init__(self, path: str | os.PathLike[str]):
-        """Parse and validate; prefer :meth:`open`."""
+    def __init__(self, path: str | os.PathLike[str], header: Header | None = None):
+        """Parse and validate; prefer :meth:`open` (or :meth:`from_header`)."""
         self.path = Path(path)
         self.source = str(path)
-        header = read_header(self.source)
+        remote = header is not None
+        header = header if remote else read_header(self.source)
         self._header = header
         self._data, self._meta, self._records = header.data, header.meta, header.records
         self._data_start = header.data_start
@@ -107,6 +108,9 @@ class GGUFFile:
         self._views: dict[str, _View] = {}
         self._validate()
         self.tensor_names = tuple(self._stored)
+        if remote:
+            self.identity = ""
+            return
         try:
             self.identity = self._identity()
         except OSError as e:
@@ -128,6 +132,16 @@ class GGUFFile:
             UnsupportedModelError: other architecture, or a needed tensor in an unsupported quant type.
         """
         return cls(path)
+
+    @classmethod
+    def from_header(cls, header: Header) -> "GGUFFile":
+        """Validate a header parsed from the first bytes of a file that is not here
+        (:func:`engine.gguf_header.parse_prefix`): hyper-parameters, tensor table, sizes and
+        :meth:`bytes_per_token` work; tensor data cannot be read and ``identity`` is "".
+
+        Raises: see :meth:`open`.
+        """
+        return cls(header.source, header)
 
     # ---------------------------------------------------------------- metadata
     def meta(self, key: str, default: Any = None) -> Any:

@@ -56,6 +56,15 @@ _MIN_ELEMENT = {**{t: s.size for t, s in _SCALARS.items()}, GGUFValueType.STRING
 _MIN_KV = 8 + 4 + 1          # empty key, type, one-byte value
 _MIN_TENSOR = 8 + 4 + 8 + 4 + 8  # empty name, n_dims, one dim, type, offset
 
+class HeaderIncomplete(ModelFormatError):
+    """The header goes on past the bytes given to :func:`parse_prefix`: ``needed`` bytes from the start would
+    cover the read that failed (read more and parse again)."""
+
+    def __init__(self, source: str, needed: int):
+        super().__init__(f"{source}: the GGUF header goes on past the first bytes read (needs at least {needed})")
+        self.needed = needed
+
+
 @dataclass(frozen=True)
 class StoredTensor:
     """A tensor table entry: ``type_id`` may be unknown to ggml (then ``nbytes`` is -1).
@@ -78,9 +87,9 @@ class _HeaderReader:
     header of a few MB costs a few MB, and no read ever goes past the file end or ``_MAX_HEADER``.
     """
 
-    def __init__(self, data: np.ndarray, path: str):
+    def __init__(self, data: np.ndarray, path: str, size: int | None = None):
         self._data = data
-        self.size = int(data.size)
+        self.size = int(data.size) if size is None else size
         self.source = path
         self.buf = b""
         self.off = 0
@@ -97,6 +106,8 @@ class _HeaderReader:
                             f"{self.size} (truncated or corrupt GGUF)")
         if end > _MAX_HEADER:
             raise self.fail(f"{what} would make the GGUF header larger than {_MAX_HEADER >> 20} MiB")
+        if end > self._data.size:
+            raise HeaderIncomplete(self.source, end)
         if end > len(self.buf):
             self.buf = bytes(self._data[:min(self.size, _MAX_HEADER, max(end, 2 * len(self.buf), 1 << 16))])
 
@@ -329,6 +340,27 @@ def read_header(path: str | os.PathLike[str]) -> Header:
     except OSError as e:
         raise ModelFormatError(f"{source}: cannot open: {e.strerror or e}") from e
     reader = _HeaderReader(data, source)
+    try:
+        meta, records, tensors, data_start = _parse_header(reader)
+    except (ValueError, OverflowError, struct.error, MemoryError) as e:
+        raise ModelFormatError(f"{source}: malformed GGUF header near offset {reader.off}: {e}") from e
+    return Header(source, data, meta, records, {t.name: t for t in tensors}, data_start, reader.buf[:reader.off])
+
+
+def parse_prefix(prefix: bytes, file_size: int, source: str) -> Header:
+    """Parse a GGUF header from the first bytes of a file of ``file_size`` bytes that is not here (a ranged
+    download of a remote file); every count, length and tensor extent is checked against ``file_size``.
+
+    ``Header.data`` holds only ``prefix``: the tensor data cannot be read from the result.
+
+    Raises:
+        HeaderIncomplete: the header is longer than ``prefix`` (``needed`` says how much to read).
+        ModelFormatError: the header is malformed, or a tensor's data would end past ``file_size``.
+    """
+    if file_size < 24:
+        raise ModelFormatError(f"{source}: file is {file_size} bytes, too short for a GGUF header (24 bytes)")
+    data = np.frombuffer(prefix[:file_size], dtype=np.uint8)
+    reader = _HeaderReader(data, source, file_size)
     try:
         meta, records, tensors, data_start = _parse_header(reader)
     except (ValueError, OverflowError, struct.error, MemoryError) as e:

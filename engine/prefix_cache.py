@@ -210,6 +210,11 @@ def restore_state(hp: HasStateLayout, arrays: Mapping[str, np.ndarray], pos: int
     return state
 
 
+def snapshot_folder(disk_dir: str | Path, identity: str) -> Path:
+    """The disk tier's subfolder of the model file whose identity is ``identity`` (``GGUFFile.identity``)."""
+    return Path(disk_dir) / hashlib.blake2b(identity.encode(), digest_size=8).hexdigest()
+
+
 class PrefixCache:
     """Snapshots of one model's sequence state, keyed by prefix hash chains.
 
@@ -234,8 +239,7 @@ class PrefixCache:
         self._lock = threading.RLock()
         self._disk: Path | None = None
         if disk_dir is not None:
-            folder = hashlib.blake2b(identity.encode(), digest_size=8).hexdigest()
-            self._disk = Path(disk_dir) / folder
+            self._disk = snapshot_folder(disk_dir, identity)
             self._scan_disk()
 
     # ---- lookup and restore -------------------------------------------------------------

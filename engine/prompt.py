@@ -110,19 +110,24 @@ class PromptBuilder:
                 f"(a token stands for at most {per_token} bytes), but the context window holds "
                 f"{self.context:,} tokens: {advice}.")
 
-    def render(self, messages: Sequence[Message], enable_thinking: bool = False) -> list[int]:
-        """Render and tokenize ``messages``; see :meth:`engine.api.Engine.render`."""
+    def render(self, messages: Sequence[Message], enable_thinking: bool = False,
+               tools: Sequence[Message] | None = None) -> list[int]:
+        """Render and tokenize ``messages`` (and the function ``tools`` offered); see :meth:`engine.api.Engine.render`."""
         template = self.tokenizer.chat_template or chatml()
-        size = text_bytes(messages)
+        tools = list(tools or ())
+        size = text_bytes(messages) + text_bytes(tools)
         self.check_text_fits(size, "The conversation", "shorten it or start a new conversation")
-        escaped, literals = self.tokenizer.escape_messages(messages, template.source)
-        text = template.render(escaped, add_generation_prompt=True, enable_thinking=enable_thinking, room=size)
+        # the tools' text is escaped with the messages' (one set of stand-ins) so it cannot make control ids either
+        escaped, literals = self.tokenizer.escape_messages([*messages, *tools], template.source)
+        kept = escaped[:len(escaped) - len(tools)]
+        text = template.render(kept, add_generation_prompt=True, enable_thinking=enable_thinking,
+                               tools=escaped[len(kept):] or None, room=size)
         return self.tokenizer.encode_rendered(text, literals)
 
     def prepare(self, messages: Sequence[Message], enable_thinking: bool = False,
-                cancel: threading.Event | None = None) -> Prompt:
+                cancel: threading.Event | None = None, tools: Sequence[Message] | None = None) -> Prompt:
         """Render, tokenize and encode the images of ``messages``; see :meth:`engine.api.Engine.prepare`."""
-        return self._with_images(self.render(messages, enable_thinking), messages, cancel)
+        return self._with_images(self.render(messages, enable_thinking, tools), messages, cancel)
 
     def _with_images(self, ids: list[int], messages: Sequence[Message], cancel: threading.Event | None) -> Prompt:
         """The prompt of ``ids`` (``messages`` rendered by :meth:`render`) with their images encoded and expanded.
@@ -224,8 +229,8 @@ class PromptBuilder:
         """Indices of every ``<|im_start|>`` in ``prompt`` (the first token of each message)."""
         return [i for i, t in enumerate(prompt) if t == self.im_start]
 
-    def ahead(self, messages: Sequence[Message], enable_thinking: bool,
-              cancel: threading.Event | None) -> tuple[Prompt, int] | None:
+    def ahead(self, messages: Sequence[Message], enable_thinking: bool, cancel: threading.Event | None,
+              tools: Sequence[Message] | None = None) -> tuple[Prompt, int] | None:
         """The prompt the next turn will start with, and where its new user message will begin.
 
         None when the template renders the earlier messages differently depending on the next one
@@ -237,11 +242,11 @@ class PromptBuilder:
         # Whether the earlier messages render alike whatever follows them is asked of the renders before the
         # images are expanded (an image's rows depend on the image alone, the same in both).
         probe = list(messages) + [{"role": "user", "content": "."}]
-        plain = self.render(probe, enable_thinking)
+        plain = self.render(probe, enable_thinking, tools)
         plain_starts = self.message_starts(plain)
         if len(plain_starts) < 2:
             return None
-        other = self.render(list(messages) + [{"role": "user", "content": "?\n\n"}], enable_thinking)
+        other = self.render(list(messages) + [{"role": "user", "content": "?\n\n"}], enable_thinking, tools)
         if other[:plain_starts[-2]] != plain[:plain_starts[-2]]:
             return None
         follow = self._with_images(plain, probe, cancel)

@@ -87,6 +87,8 @@ class TextArch:
         native_model: ``(hp, gguf) -> model``: the same forward on the native CPU kernels.
         cuda_prefill: ``(hp, gguf, budget_bytes) -> prefill``: GPU prefill (imports pycuda), raising
             :class:`~engine.errors.DeviceError` when no GPU works.
+        prefill_plan: ``(hp, gguf, budget_bytes) -> placement`` with ``text()`` and ``fixed_bytes``: what
+            ``cuda_prefill`` would place under the budget, without a device (None: no plan to show).
     """
 
     name: str
@@ -97,6 +99,7 @@ class TextArch:
     reference_model: Callable[[Any, Any], TextModel]
     native_model: Callable[[Any, Any], TextModel]
     cuda_prefill: Callable[[Any, Any, int | None], GpuPrefill]
+    prefill_plan: Callable[[Any, Any, int], Any] | None = None
 
 
 class VisionTower(Protocol):

@@ -18,9 +18,10 @@ import numpy as np
 
 from .errors import DeviceError
 from .events import Event, PrefillProgress, PrefillStats, TokenEvent, TurnSummary
+from .grammar import Grammar
 from .prefix_cache import PrefixCache, chain_keys
 from .registry import GpuPrefill, TextModel
-from .sampling import Sampler, SamplingParams
+from .sampling import Sampler, SamplingParams, logprobs
 from .state import SequenceState
 from .tokenizer import Tokenizer
 
@@ -52,6 +53,8 @@ class Turn:
         gpu: the GPU prefill backend (see :func:`prefill`), or None for CPU prefill.
         gpu_min_tokens: shortest stretch of prompt worth a GPU pass.
         on_device_error: called with the message when the GPU fails (the turn goes on on the CPU).
+        grammar: constrains the answer (:mod:`engine.grammar`; end-of-generation ids only where it may end,
+            the only ids once it has ended), or None.
         started: ``time.perf_counter()`` when the caller began the turn (before rendering the
             template and encoding images), the origin of TTFT; None = when :func:`run_turn` starts.
         rerenders: ``rerenders(answer_ids)`` tells whether the next turn's prompt will contain
@@ -76,6 +79,7 @@ class Turn:
     on_device_error: Callable[[str], None] | None = None
     rerenders: Callable[[Sequence[int]], bool] | None = None
     started: float | None = None
+    grammar: Grammar | None = None
 
     def image_digests(self) -> dict[int, bytes]:
         """Prompt index -> content digest of the image whose embedding sits there (cache keys)."""
@@ -306,7 +310,8 @@ def run_turn(turn: Turn) -> Iterator[Event]:
 
     Yields a :class:`PrefillProgress` per prompt piece read, one :class:`PrefillStats`, a
     :class:`TokenEvent` per token, then one :class:`TurnSummary`.
-    Generation stops at an end-of-generation token, ``sampling.max_tokens``, a full context
+    Generation stops at an end-of-generation token (with a grammar, the only tokens allowed once it has
+    ended: stop reason "eos"), ``sampling.max_tokens``, a full context
     (stop_reason "context_full" with the context size in the message) or a cancel (checked before
     every forward call, so it takes effect within one token).
     """
@@ -330,14 +335,15 @@ def run_turn(turn: Turn) -> Iterator[Event]:
             turn.cache.put(resumed.keys[n_prompt], resumed.state, turn.prompt, logits, images=resumed.digests,
                            conversation=turn.conversation)
     prefill_ms = _ms(t0)
-    sampler, history = Sampler(turn.sampling), list(turn.prompt)
+    matcher = None if turn.grammar is None else turn.grammar.matcher()
+    sampler, history = Sampler(turn.sampling, matcher, n_prompt), list(turn.prompt)
     t_tok = time.perf_counter()
     token = sampler.sample(logits, history)
     stats = PrefillStats(prompt_tokens=n_prompt, reused_tokens=resumed.reused, prefilled_tokens=n_prompt - resumed.reused,
                          prefill_ms=prefill_ms, restore_ms=resumed.restore_ms,
                          device="cuda" if "cuda" in devices else "cpu", ttft_ms=_ms(t_start), note=note)
     yield stats
-    yield from _decode(turn, resumed, sampler, history, token, t_tok, stats)
+    yield from _decode(turn, resumed, sampler, history, token, logits, t_tok, stats)
 
 
 class _Stepper:
@@ -368,9 +374,9 @@ def _keep_answer_end(turn: Turn, resumed: _Resumed, step: _Stepper, history: lis
               images=resumed.digests, conversation=turn.conversation)
 
 
-def _decode(turn: Turn, resumed: _Resumed, sampler: Sampler, history: list[int], token: int, t_tok: float,
-            stats: PrefillStats) -> Iterator[Event]:
-    """Emit ``token`` (sampled from the prompt's logits at ``t_tok``), then decode and sample token by token
+def _decode(turn: Turn, resumed: _Resumed, sampler: Sampler, history: list[int], token: int, logits: np.ndarray,
+            t_tok: float, stats: PrefillStats) -> Iterator[Event]:
+    """Emit ``token`` (sampled from the prompt's ``logits`` at ``t_tok``), then decode and sample token by token
     until a stop (:func:`run_turn` lists them); ends with the :class:`TurnSummary`."""
     step = _Stepper(turn, resumed.state)
     stream, stop_ids = turn.tokenizer.stream(), turn.tokenizer.eos_ids
@@ -390,15 +396,18 @@ def _decode(turn: Turn, resumed: _Resumed, sampler: Sampler, history: list[int],
         history.append(token)
         text = stream.push(token)
         pieces.append(text)
+        top = turn.sampling.top_logprobs
+        lp, alts = (None, ()) if top is None else logprobs(logits, token, top)
         token_ms.append(_ms(t_tok))
-        yield TokenEvent(token_id=token, text=text, ms=token_ms[-1], index=index)
+        yield TokenEvent(token_id=token, text=text, ms=token_ms[-1], index=index, logprob=lp, top_logprobs=alts)
         if turn.cancel.is_set():
             reason, message = "cancelled", "Stopped by the user."
             break
         if index + 1 == turn.sampling.max_tokens:
             break
         t_tok = time.perf_counter()
-        token = sampler.sample(step(token), history)
+        logits = step(token)
+        token = sampler.sample(logits, history)
     pieces.append(stream.flush())
     decode_s = sum(token_ms[1:]) / 1e3
     yield _summary(turn, resumed.reused, reason, message, generated_tokens=len(token_ms), ttft_ms=stats.ttft_ms,

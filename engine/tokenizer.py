@@ -358,6 +358,11 @@ class Tokenizer:
         """
         return b"".join(self.token_bytes(i) for i in ids).decode("utf-8", errors="replace")
 
+    @property
+    def added_tokens(self) -> dict[str, int]:
+        """The control and user-defined tokens (``<|im_end|>``, ``<think>``, ``<tool_call>``, ...): text -> id."""
+        return dict(self._added)
+
     def token_id(self, text: str) -> int | None:
         """Id of the single token whose text is exactly ``text`` (e.g. ``"<|im_start|>"``, ``" the"``), or None."""
         if text in self._added:

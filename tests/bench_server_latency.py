@@ -35,7 +35,8 @@ class _Stub:
     def __init__(self, info) -> None:
         self.info = info
 
-    def chat(self, messages, sampling=None, cancel=None, enable_thinking=False, conversation=""):
+    def chat(self, messages, sampling=None, cancel=None, enable_thinking=False, conversation="", *, tools=None,
+             grammar=None):
         yield PrefillStats(1, 0, 1, 0.0, 0.0, "cpu", 0.0)
         yield TokenEvent(0, "x", 0.0, 0)
         yield TurnSummary("eos", "", 1, 0, 1, 0.0, 0.0, 0.0, "x")

@@ -57,6 +57,7 @@ def test_the_bundle_holds_the_model_and_the_desktop_files(frozen):
     assert (internal / "assets" / "models" / "deltadesk-demo.gguf").stat().st_size == \
         (ROOT / "assets" / "models" / "deltadesk-demo.gguf").stat().st_size
     assert (internal / "engine" / "templates" / "qwen35.jinja").is_file()
+    assert (internal / "engine" / "hub" / "catalogue.json").is_file()
     entry = configparser.ConfigParser(interpolation=None)
     entry.optionxform = str
     entry.read(frozen / "share" / "applications" / "deltadesk.desktop")

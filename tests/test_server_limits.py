@@ -131,7 +131,7 @@ class _Gated:
         self.gate = threading.Event()
         self.started = 0
 
-    def chat(self, messages, sampling, cancel, enable_thinking=False):
+    def chat(self, messages, sampling, cancel, enable_thinking=False, **_options):
         self.started += 1
         yield PrefillStats(prompt_tokens=1, reused_tokens=0, prefilled_tokens=1, prefill_ms=0.0, restore_ms=0.0,
                            device="cpu", ttft_ms=0.0)

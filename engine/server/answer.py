@@ -16,7 +16,7 @@ from typing import Sequence
 THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
 
 
-def _partial_suffix(text: str, tag: str) -> int:
+def partial_suffix(text: str, tag: str) -> int:
     """Length of the longest end of ``text`` that is a proper beginning of ``tag`` (0 when none)."""
     for n in range(min(len(text), len(tag) - 1), 0, -1):
         if text.endswith(tag[:n]):
@@ -31,7 +31,7 @@ class AnswerSplitter:
     Args:
         thinking: the prompt opened a think block (``enable_thinking``).
         stop: strings that end the answer; the first one found in the content is cut with what follows
-            (:attr:`stopped` is then True and the caller stops the engine).
+            (:attr:`stopped` is then True and the caller stops the engine; :attr:`stop_string` is the one found).
         raw: a raw completion: all of it is content, whitespace kept as generated (only ``stop`` applies).
             A chat answer's content and reasoning start at their first non-blank character.
     """
@@ -40,6 +40,7 @@ class AnswerSplitter:
         self.reasoning = thinking and not raw
         self.stop = tuple(s for s in stop if s)
         self.stopped = False
+        self.stop_string: str | None = None
         self._pending = ""
         self._at_start = not raw
         self._trim = not raw
@@ -59,7 +60,7 @@ class AnswerSplitter:
             if self.reasoning:
                 end = self._pending.find(THINK_CLOSE)
                 if end < 0:
-                    keep = _partial_suffix(self._pending, THINK_CLOSE)
+                    keep = partial_suffix(self._pending, THINK_CLOSE)
                     self._emit(out, "reasoning", self._pending[:len(self._pending) - keep])
                     self._pending = self._pending[len(self._pending) - keep:]
                     return out
@@ -69,10 +70,11 @@ class AnswerSplitter:
                 continue
             hits = [(i, s) for s in self.stop if (i := self._pending.find(s)) >= 0]
             if hits:
-                self._emit(out, "content", self._pending[:min(hits)[0]])
+                at, self.stop_string = min(hits)
+                self._emit(out, "content", self._pending[:at])
                 self._pending, self.stopped = "", True
                 return out
-            keep = max((_partial_suffix(self._pending, s) for s in self.stop), default=0)
+            keep = max((partial_suffix(self._pending, s) for s in self.stop), default=0)
             self._emit(out, "content", self._pending[:len(self._pending) - keep])
             self._pending = self._pending[len(self._pending) - keep:]
             return out

@@ -1,6 +1,7 @@
 """The OpenAI-compatible HTTP API on an :class:`engine.api.Engine`, as a Starlette (ASGI) application.
 
-Routes: ``POST /v1/chat/completions``, ``POST /v1/completions``, ``GET /v1/models``, ``GET /health``.
+Routes: ``POST /v1/chat/completions``, ``POST /v1/completions``, ``GET /v1/models``, ``GET /health``, and
+the agent routes of :mod:`engine.server.agent_routes` (``/v1/responses``, ``/v1/messages``, ``/metrics``).
 Response and stream shapes follow the OpenAI API reference (chat completion object, chunk object,
 ``data: [DONE]`` after the last server-sent event); ``usage.prompt_tokens_details.cached_tokens`` is
 the number of prompt tokens resumed from a prefix snapshot (``PrefillStats.reused_tokens``).
@@ -24,7 +25,6 @@ import json
 import logging
 import threading
 import time
-import uuid
 from dataclasses import dataclass
 from typing import Any, AsyncIterator, Callable, Iterator
 
@@ -37,9 +37,13 @@ from starlette.routing import Route
 
 from engine.errors import ContextFullError, EngineError, ImageError, TemplateError, UnsupportedModelError
 from engine.events import Event, PrefillStats, TokenEvent, TurnSummary
-from .answer import AnswerSplitter
+from . import agent_routes
+from .choices import Answer, Choice
+from .constraints import Constraints
+from .fields import agent_request, completion_fields
 from .guard import RequestGuard, loopback_host
-from .limits import DEFAULT_MAX_WAITING, DEFAULT_MAX_WAITING_BYTES, Ticket, WaitingQueue, check_fits, check_text
+from .limits import DEFAULT_MAX_WAITING, DEFAULT_MAX_WAITING_BYTES, WaitingQueue, check_fits, check_text
+from .metrics import RequestCounter, ServerMetrics
 from .requests import APIError, TurnRequest, chat_request, completion_request
 
 log = logging.getLogger(__name__)
@@ -48,7 +52,9 @@ DEFAULT_MAX_BODY = 64 << 20
 """Largest request body, bytes (a few base64 photos fit)."""
 
 _END = object()
-_FINISH = {"eos": "stop", "max_tokens": "length", "context_full": "length"}
+PATHS = ("/v1/chat/completions", "/v1/completions", "/v1/models", "/v1/responses", "/v1/messages",
+         "/v1/messages/count_tokens", "/metrics", "/health")
+"""The routes, as :class:`engine.server.metrics.ServerMetrics` counts requests by route."""
 
 
 @dataclass(frozen=True)
@@ -83,21 +89,40 @@ class _ClientGone(Exception):
 
 
 class _Turn:
-    """One turn on the engine thread, its events queued for the event loop.
+    """One turn on the engine thread (all ``n`` choices of a request), its events queued for the event loop.
 
     Args:
-        start: ``start(cancel)`` -> the engine's event iterator (``Engine.chat`` / ``Engine.complete``).
+        start: ``start(next_cancel)`` -> the engine's events (``Engine.chat`` / ``Engine.complete``, once
+            per choice); ``next_cancel()`` gives the cancel flag of the next engine call.
         preempt: called while the turn waits for the engine's lock (``Engine.cancel_read_ahead``: the
             app's read-ahead of a chat, which holds that lock, gives way within one piece), or None.
     """
 
-    def __init__(self, start: Callable[[threading.Event], Iterator[Event]],
+    def __init__(self, start: Callable[[Callable[[], threading.Event]], Iterator[Event]],
                  preempt: Callable[[], None] | None = None) -> None:
         self.loop = asyncio.get_running_loop()
         self.queue: asyncio.Queue = asyncio.Queue()
         self.cancel = threading.Event()
+        self._choice = threading.Event()
         self._start = start
         self._preempt = preempt
+
+    def next_cancel(self) -> threading.Event:
+        """A fresh cancel flag for the next engine call, already set when the whole turn is cancelled."""
+        flag = threading.Event()
+        self._choice = flag          # published before the check below: stop() sets one or the other
+        if self.cancel.is_set():
+            flag.set()
+        return flag
+
+    def stop(self) -> None:
+        """Stop the whole turn (the client left, or the request is over)."""
+        self.cancel.set()
+        self._choice.set()
+
+    def stop_choice(self) -> None:
+        """Stop the current choice only (a stop string ended it); the next choice still runs."""
+        self._choice.set()
 
     def _put(self, item: Any) -> None:
         try:
@@ -114,7 +139,7 @@ class _Turn:
             try:
                 if self.cancel.is_set():
                     return
-                events = self._start(self.cancel)
+                events = self._start(self.next_cancel)
                 try:
                     for event in events:
                         self._put(event)
@@ -142,7 +167,7 @@ class _Exchange:
     async def _watch(self) -> None:
         while (await self.request.receive())["type"] != "http.disconnect":
             pass
-        self.turn.cancel.set()
+        self.turn.stop()
         self.gone.set()
         log.debug("the client of %s %s disconnected: its turn is cancelled", self.request.method,
                   self.request.url.path)
@@ -172,7 +197,7 @@ class _Exchange:
 
     def close(self) -> None:
         """Stop the turn if it still runs and let the next request in."""
-        self.turn.cancel.set()
+        self.turn.stop()
         self._watcher.cancel()
         if self._holds_order:
             self._holds_order = False
@@ -196,55 +221,8 @@ def _error_of(exc: BaseException) -> APIError:
 
 
 
-def _usage(summary: TurnSummary) -> dict[str, Any]:
-    return {"prompt_tokens": summary.prompt_tokens, "completion_tokens": summary.generated_tokens,
-            "total_tokens": summary.prompt_tokens + summary.generated_tokens,
-            "prompt_tokens_details": {"cached_tokens": summary.reused_tokens}}
-
-
 def _sse(payload: Any) -> str:
     return f"data: {json.dumps(payload, ensure_ascii=False)}\n\n"
-
-
-class _Answer:
-    """The pieces of one answer as chat or completion objects and chunks."""
-
-    def __init__(self, req: TurnRequest) -> None:
-        self.req = req
-        self.chat = req.messages is not None
-        self.id = ("chatcmpl-" if self.chat else "cmpl-") + uuid.uuid4().hex
-        self.created = int(time.time())
-        self.splitter = AnswerSplitter(req.enable_thinking, req.stop, raw=not self.chat)
-        self.parts: dict[str, list[str]] = {"reasoning": [], "content": []}
-
-    def head(self, kind: str) -> dict[str, Any]:
-        return {"id": self.id, "object": kind, "created": self.created, "model": self.req.model}
-
-    def chunk(self, kind: str, text: str, finish: str | None = None) -> dict[str, Any]:
-        if self.chat:
-            delta = {"reasoning_content" if kind == "reasoning" else "content": text} if text else {}
-            choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
-            out = self.head("chat.completion.chunk") | {"choices": [choice]}
-        else:
-            choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish}
-            out = self.head("text_completion") | {"choices": [choice]}
-        if self.req.include_usage:
-            out["usage"] = None
-        return out
-
-    def finish_reason(self, summary: TurnSummary) -> str:
-        return "stop" if self.splitter.stopped else _FINISH.get(summary.stop_reason, "stop")
-
-    def whole(self, summary: TurnSummary) -> dict[str, Any]:
-        content = "".join(self.parts["content"])
-        if self.chat:
-            message: dict[str, Any] = {"role": "assistant", "content": content}
-            if self.parts["reasoning"]:
-                message["reasoning_content"] = "".join(self.parts["reasoning"])
-            choice = {"index": 0, "message": message, "logprobs": None, "finish_reason": self.finish_reason(summary)}
-            return self.head("chat.completion") | {"choices": [choice], "usage": _usage(summary)}
-        choice = {"index": 0, "text": content, "logprobs": None, "finish_reason": self.finish_reason(summary)}
-        return self.head("text_completion") | {"choices": [choice], "usage": _usage(summary)}
 
 
 def _too_long(summary: TurnSummary, context: int) -> APIError:
@@ -268,10 +246,10 @@ def _no_constants(name: str) -> Any:
     raise ValueError(f"{name} is not JSON")
 
 
-async def _read_json(request: Request, limit: int, ticket: Ticket | None = None) -> Any:
-    """The request's JSON body, at most ``limit`` bytes (else 413), counted on ``ticket`` as it arrives (429
-    when the waiting bodies are too many bytes); not JSON (or NaN/Infinity) -> 400; text that is not Unicode
-    (a lone surrogate) -> 400 naming its field."""
+async def _read_json(request: Request, limit: int) -> Any:
+    """The request's JSON body, at most ``limit`` bytes (else 413; its size is kept as ``request.state.body_bytes``
+    for the waiting queue); not JSON (or NaN/Infinity) -> 400; text that is not Unicode (a lone surrogate) ->
+    400 naming its field."""
     length = request.headers.get("content-length", "")
     if length.isdigit() and int(length) > limit:
         raise APIError(413, f"the request body is {int(length)} bytes; at most {limit} are accepted",
@@ -281,9 +259,8 @@ async def _read_json(request: Request, limit: int, ticket: Ticket | None = None)
         size += len(chunk)
         if size > limit:
             raise APIError(413, f"the request body exceeds {limit} bytes", code="request_too_large")
-        if ticket is not None:
-            ticket.grow(len(chunk))
         chunks.append(chunk)
+    request.state.body_bytes = size
     try:
         body = json.loads(b"".join(chunks), parse_constant=_no_constants)
     except (ValueError, RecursionError) as exc:
@@ -302,6 +279,9 @@ class _Routes:
         self.lock = engine_lock or threading.Lock()
         self.order = asyncio.Lock()
         self.key = config.api_key.encode() if config.api_key else None
+        self.metrics = ServerMetrics(PATHS)
+        self.constraints = Constraints(engine)
+        self.vocab = getattr(getattr(engine, "tokenizer", None), "n_vocab", 0)
         self.waiting = WaitingQueue(config.max_waiting, config.max_waiting_bytes)
 
     async def _first(self, ex: _Exchange) -> list[Any]:
@@ -317,62 +297,127 @@ class _Routes:
             if isinstance(item, (PrefillStats, TurnSummary)):
                 return [item]
 
-    async def answer(self, request: Request, req: TurnRequest,
-                     start: Callable[[threading.Event], Iterator[Event]], ticket: Ticket | None = None) -> Response:
-        """Run one turn in order and answer it whole or as server-sent events (``req.stream``); ``ticket``
-        (its place among the waiting requests) is given back once the turn starts."""
-        ex = _Exchange(request, self.order, _Turn(start, getattr(self.engine, "cancel_read_ahead", None)))
-        streaming = False
+    async def _open(self, request: Request, start: Callable[[Callable[[], threading.Event]], Iterator[Event]]
+                    ) -> tuple[_Exchange, list[Any]]:
+        """Queue the turn (429 beyond the waiting queue's bounds), start it, and wait for its prefill to succeed
+        (errors raise with their status)."""
+        queued = self.metrics.queued()
+        ex = _Exchange(request, self.order, _Turn(self.metrics.watch(start, queued),
+                                                  getattr(self.engine, "cancel_read_ahead", None)))
         try:
-            await ex.start(self.lock)
-            if ticket is not None:
-                ticket.leave()
-            ans = _Answer(req)
-            first = await self._first(ex)
-            if not req.stream:
-                return JSONResponse(await _collect(ex, ans, first))
-            streaming = True
-            return _EventStream(_stream(ex, ans, first), ex, media_type="text/event-stream",
-                                headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-        except _ClientGone:
-            return Response(status_code=499)
+            with self.waiting.enter() as ticket:      # given back once the turn starts
+                ticket.grow(getattr(request.state, "body_bytes", 0))
+                await ex.start(self.lock)
+            return ex, await self._first(ex)
+        except BaseException:
+            ex.close()
+            raise
         finally:
-            if not streaming:
-                ex.close()
+            queued.release()
 
-    async def chat_completions(self, request: Request) -> Response:
-        _authorize(request, self.key)
-        with self.waiting.enter() as ticket:
-            return await self._chat(request, ticket)
+    async def _whole(self, request: Request, req: TurnRequest, start: Callable[..., Iterator[Event]]) -> dict:
+        ex, first = await self._open(request, start)
+        try:
+            choices = [item[1] async for item in _choices(ex, req, first, self._choice_maker(req))
+                       if item[0] == "end"]
+            return Answer(req).whole(choices)
+        finally:
+            ex.close()
 
-    async def _chat(self, request: Request, ticket: Ticket) -> Response:
+    async def _chunks(self, request: Request, req: TurnRequest,
+                      start: Callable[..., Iterator[Event]]) -> AsyncIterator[dict[str, Any]]:
+        ex, first = await self._open(request, start)
+        try:
+            ans, summaries = Answer(req), []
+            async for what, choice, pieces in _choices(ex, req, first, self._choice_maker(req)):
+                if what == "start" and ans.chat:
+                    yield ans.role_chunk(choice)
+                elif what == "pieces":
+                    for delta in choice.deltas(pieces):
+                        yield ans.chunk(choice, delta)
+                elif what == "end":
+                    summaries.append(choice.summary)
+                    yield ans.chunk(choice, {}, choice.finish_reason)
+            if req.include_usage:
+                yield ans.usage_chunk(summaries)
+        finally:
+            ex.close()
+
+    def _choice_maker(self, req: TurnRequest) -> Callable[[int], Choice]:
+        """Makes choice ``i`` of ``req``'s answer (its tool-call reader and token bytes for logprobs)."""
+        reader = self.constraints.reader(req) if req.messages is not None else None
+        return lambda i: Choice(i, req, reader, getattr(self.engine, "token_bytes", None))
+
+    def _chat_turn(self, request: Request, body: Any) -> tuple[TurnRequest, Callable[..., Iterator[Event]]]:
+        """The checked chat request and the function that runs its ``n`` choices on the engine."""
         config = self.config
-        req = chat_request(await _read_json(request, config.max_body_bytes, ticket), config.model_name, self.context,
-                           config.file_urls and loopback_host(request.headers.get("host", "")))
+        req = agent_request(body, chat_request(body, config.model_name, self.context,
+                                               config.file_urls and loopback_host(request.headers.get("host", ""))),
+                            self.vocab)
         if not self.has_vision and any(isinstance(m["content"], list) and any(p["type"] == "image" for p in m["content"])
                                        for m in req.messages or ()):
             raise APIError(400, f"{config.model_name} has no vision tower (serve it with --mmproj FILE), so it "
                            "cannot read images", param="messages", code="invalid_image")
+        self.constraints.check(req)
 
-        def start(cancel: threading.Event) -> Iterator[Event]:
-            check_fits(self.engine, req.messages, req.enable_thinking, self.context)   # before any image is encoded
-            return self.engine.chat(req.messages, req.sampling, cancel, enable_thinking=req.enable_thinking)
+        def start(next_cancel: Callable[[], threading.Event]) -> Iterator[Event]:
+            check_fits(self.engine, req.messages, req.enable_thinking, self.context,   # before any image is encoded
+                       list(req.tools) or None)
+            grammar = self.constraints.grammar(req)
+            for i in range(req.n):
+                yield from self.engine.chat(req.messages, req.choice_sampling(i), next_cancel(),
+                                            enable_thinking=req.enable_thinking, tools=list(req.tools) or None,
+                                            grammar=grammar)
+        return req, start
 
-        return await self.answer(request, req, start, ticket)
+    async def chat(self, request: Request, body: Any) -> dict[str, Any]:
+        """The whole ``chat.completion`` object answering a chat-completions ``body`` (its ``stream`` is not
+        looked at). ``request`` is watched for the client leaving (then :class:`_ClientGone`).
+
+        Raises:
+            APIError: a bad body (4xx) or an engine failure (500), before any answer.
+        """
+        req, start = self._chat_turn(request, body)
+        return await self._whole(request, req, start)
+
+    async def chat_chunks(self, request: Request, body: Any) -> AsyncIterator[dict[str, Any]]:
+        """The ``chat.completion.chunk`` objects answering a chat-completions ``body``, without SSE framing:
+        the role chunk of each choice, its content / reasoning / tool-call deltas, its finish chunk, then
+        the usage chunk when ``stream_options.include_usage``. Bad input raises :class:`APIError` at the
+        first ``__anext__`` (before anything is sent); an engine failure later raises it mid-stream.
+        Close the iterator (``aclose``) when done with it early: that stops the turn."""
+        req, start = self._chat_turn(request, body)
+        async for chunk in self._chunks(request, req, start):
+            yield chunk
+
+    async def chat_completions(self, request: Request) -> Response:
+        _authorize(request, self.key)
+        req, start = self._chat_turn(request, await _read_json(request, self.config.max_body_bytes))
+        if req.stream:
+            return await event_stream(self._chunks(request, req, start))
+        return JSONResponse(await self._whole(request, req, start))
 
     async def completions(self, request: Request) -> Response:
         _authorize(request, self.key)
-        with self.waiting.enter() as ticket:
-            req = completion_request(await _read_json(request, self.config.max_body_bytes, ticket),
-                                     self.config.model_name, self.context)
-            return await self.answer(request, req, lambda cancel: self.engine.complete(req.prompt, req.sampling,
-                                                                                       cancel), ticket)
+        body = await _read_json(request, self.config.max_body_bytes)
+        req = completion_fields(body, completion_request(body, self.config.model_name, self.context), self.vocab)
+
+        def start(next_cancel: Callable[[], threading.Event]) -> Iterator[Event]:
+            for i in range(req.n):
+                yield from self.engine.complete(req.prompt, req.choice_sampling(i), next_cancel())
+        if req.stream:
+            return await event_stream(self._chunks(request, req, start))
+        return JSONResponse(await self._whole(request, req, start))
 
     async def models(self, request: Request) -> Response:
         _authorize(request, self.key)
         return JSONResponse({"object": "list", "data": [
             {"id": self.config.model_name, "object": "model", "created": self.created, "owned_by": "deltadesk",
              "max_model_len": self.context, "vision": self.has_vision}]})
+
+
+async def _gone(_request: Request, _exc: Exception) -> Response:
+    return Response(status_code=499)    # the client left: nobody reads this
 
 
 async def _health(_request: Request) -> Response:
@@ -408,67 +453,80 @@ def create_app(engine: Any, config: ServerConfig, engine_lock: threading.Lock | 
               Route("/v1/completions", handlers.completions, methods=["POST"]),
               Route("/v1/models", handlers.models, methods=["GET"]),
               Route("/health", _health, methods=["GET"])]
-    return Starlette(routes=routes, middleware=[Middleware(RequestGuard)],
-                     exception_handlers={APIError: _api_error, HTTPException: _http_error, Exception: _api_error})
+    agents = agent_routes.AgentRoutes(handlers)
+    routes += [Route("/v1/responses", agents.responses, methods=["POST"]),
+               Route("/v1/messages", agents.messages, methods=["POST"]),
+               Route("/v1/messages/count_tokens", agents.count_tokens, methods=["POST"]),
+               Route("/metrics", agents.metrics, methods=["GET"])]
+    middleware = [Middleware(RequestCounter, metrics=handlers.metrics), Middleware(RequestGuard)]
+    return Starlette(routes=routes, middleware=middleware,
+                     exception_handlers={APIError: _api_error, HTTPException: _http_error, _ClientGone: _gone,
+                                         Exception: _api_error})
 
 
-async def _events(ex: _Exchange, ans: _Answer, first: list[Any]) -> AsyncIterator[tuple[str, str] | TurnSummary]:
-    """The answer's pieces (kind, text) as they are known, then the turn's summary (last)."""
+async def _choices(ex: _Exchange, req: TurnRequest, first: list[Any],
+                   make: Callable[[int], Choice]) -> AsyncIterator[tuple[str, Choice, Any]]:
+    """The turn's choices in order (choice ``i`` made by ``make(i)``), each as ``("start", choice, None)``,
+    ``("pieces", choice, pieces)`` per token (:meth:`Choice.push`), and ``("end", choice, None)`` once its
+    summary is in (``choice.summary``)."""
     pending = list(first)
+    choice = make(0)
+    yield "start", choice, None
     while True:
         item = pending.pop(0) if pending else await ex.next()
         if isinstance(item, BaseException):
             raise _error_of(item)
         if item is _END:
             raise APIError(500, "the engine ended the turn without a summary", type="server_error")
-        if isinstance(item, TokenEvent) and not ans.splitter.stopped:
-            for piece in ans.splitter.push(item.text):
-                yield piece
-            if ans.splitter.stopped:
-                ex.turn.cancel.set()  # a stop string: the engine ends the turn at its next token
+        if isinstance(item, TokenEvent) and not choice.stopped:
+            pieces = choice.push(item)
+            if choice.stopped:
+                ex.turn.stop_choice()  # a stop string: the engine ends this choice at its next token
+            yield "pieces", choice, pieces
         elif isinstance(item, TurnSummary):
-            for piece in ans.splitter.close():
-                yield piece
-            yield item
-            return
+            yield "pieces", choice, choice.close(item)
+            yield "end", choice, None
+            if choice.index + 1 == req.n:
+                return
+            choice = make(choice.index + 1)
+            yield "start", choice, None
 
 
-async def _collect(ex: _Exchange, ans: _Answer, first: list[Any]) -> dict[str, Any]:
-    async for item in _events(ex, ans, first):
-        if isinstance(item, TurnSummary):
-            return ans.whole(item)
-        ans.parts[item[0]].append(item[1])
-    raise APIError(500, "the engine ended the turn without a summary", type="server_error")
-
-
-async def _stream(ex: _Exchange, ans: _Answer, first: list[Any]) -> AsyncIterator[str]:
-    """Server-sent events: the role, one chunk per piece, the finish reason, the usage (when asked), [DONE]."""
-    if ans.chat:
-        yield _sse(ans.head("chat.completion.chunk") | {"choices": [
-            {"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}]}
-            | ({"usage": None} if ans.req.include_usage else {}))
+async def event_stream(chunks: AsyncIterator[dict[str, Any]], frame: Callable[[dict[str, Any]], str] = _sse,
+                       error: Callable[[APIError], str] = lambda exc: _sse(exc.body()),
+                       end: str = "data: [DONE]\n\n") -> Response:
+    """A server-sent-event response of ``chunks``, each written by ``frame``; an :class:`APIError` raised
+    before the first chunk is raised here (the request gets its status code), one raised later is sent
+    as ``error(exc)`` and ends the stream; ``end`` follows the last chunk. A client that leaves before
+    the first chunk gets 499 (nobody reads it); ``chunks`` is closed when the stream ends."""
     try:
-        async for item in _events(ex, ans, first):
-            if isinstance(item, TurnSummary):
-                yield _sse(ans.chunk("content", "", ans.finish_reason(item)))
-                if ans.req.include_usage:
-                    yield _sse(ans.head(ans.chunk("content", "")["object"]) | {"choices": [], "usage": _usage(item)})
-            else:
-                yield _sse(ans.chunk(*item))
-    except APIError as exc:
-        yield _sse(exc.body())
+        first = await chunks.__anext__()
     except _ClientGone:
-        return
-    yield "data: [DONE]\n\n"
+        return Response(status_code=499)
+
+    async def frames() -> AsyncIterator[str]:
+        yield frame(first)
+        try:
+            async for chunk in chunks:
+                yield frame(chunk)
+        except APIError as exc:
+            yield error(exc)
+            return
+        except _ClientGone:
+            return
+        yield end
+
+    return _EventStream(frames(), chunks, media_type="text/event-stream",
+                        headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 
 
 class _EventStream(StreamingResponse):
     """Server-sent events whose client's disconnect the exchange watches (not Starlette's own listener:
-    one reader of the connection); the turn is stopped and the queue released when the stream ends."""
+    one reader of the connection); the chunk iterator (and with it the turn) is closed when the stream ends."""
 
-    def __init__(self, content: AsyncIterator[str], ex: _Exchange, **kwargs: Any) -> None:
+    def __init__(self, content: AsyncIterator[str], chunks: AsyncIterator[Any], **kwargs: Any) -> None:
         super().__init__(content, **kwargs)
-        self._ex = ex
+        self._content, self._chunks = content, chunks
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
         try:
@@ -476,4 +534,7 @@ class _EventStream(StreamingResponse):
         except OSError:
             pass  # the client went away mid-send
         finally:
-            self._ex.close()
+            for it in (self._content, self._chunks):
+                close = getattr(it, "aclose", None)
+                if close is not None:
+                    await close()

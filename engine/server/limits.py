@@ -172,10 +172,11 @@ def read_image_file(path: Path, param: str) -> bytes:
     return data
 
 
-def check_fits(engine: Any, messages: list[dict], enable_thinking: bool, context: int) -> None:
+def check_fits(engine: Any, messages: list[dict], enable_thinking: bool, context: int,
+               tools: list[dict] | None = None) -> None:
     """Refuse a chat whose text and images cannot fit ``context`` tokens, before any image is encoded.
 
-    The rendered text (each image one placeholder) plus one token per image is checked first; then each
+    The rendered text (each image one placeholder; ``tools`` as the chat passes them) is checked first; then each
     image's tokens (``engine.image_info(source).tokens``) are added, stopping at the first that overflows.
 
     Raises:
@@ -186,7 +187,7 @@ def check_fits(engine: Any, messages: list[dict], enable_thinking: bool, context
                for p in m["content"] if p.get("type") == "image"]
     if not sources or context <= 0:
         return
-    total = len(engine.render(messages, enable_thinking))
+    total = len(engine.render(messages, enable_thinking, tools) if tools else engine.render(messages, enable_thinking))
     if total > context:
         raise _overflow(f"{len(sources)} images and {total} tokens of text", context)
     for k, source in enumerate(sources):

@@ -3,9 +3,10 @@
 The field names, defaults and error shape follow the OpenAI API reference (Chat Completions and
 Completions, https://platform.openai.com/docs/api-reference/chat/create) and the extensions llama.cpp's
 and vLLM's servers accept (``top_k``, ``min_p``, ``repetition_penalty``,
-``chat_template_kwargs.enable_thinking``). Fields the engine cannot honour (``n`` > 1, ``tools``,
-``logprobs``, ``frequency_penalty``, ``echo``, ``suffix``) are refused rather than ignored; fields
-that change nothing here (``user``, ``metadata``, ``store``, ...) are ignored.
+``chat_template_kwargs``); ``n`` is at most :data:`MAX_CHOICES`. The agent fields (tools, response
+format, logprobs, logit bias, thinking controls) are checked by :mod:`engine.server.fields`. Fields the
+engine cannot honour (``echo``, ``suffix``, ``best_of``) are refused rather than ignored; fields that
+change nothing here (``user``, ``metadata``, ``store``, ...) are ignored.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ import binascii
 import math
 import urllib.parse
 import urllib.request
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Mapping
 
@@ -23,6 +24,8 @@ from engine.errors import EngineError
 from engine.sampling import SamplingParams
 
 MAX_STOP_STRINGS = 16
+MAX_CHOICES = 8
+"""Most choices (``n``) one request may ask for: each is a whole answer decoded in turn."""
 ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant", "tool": "tool"}
 
 
@@ -62,6 +65,14 @@ class TurnRequest:
         stop: strings that end the answer (not included in it).
         stream: answer as server-sent events.
         include_usage: ``stream_options.include_usage``: a last chunk with the usage.
+        n: how many choices to answer (each a whole answer; all resume the same prompt snapshot).
+        tools: the OpenAI function tools offered (``{"type": "function", "function": {name, description,
+            parameters, strict}}``), checked; () when none.
+        tool_choice: "auto", "none", "required", or "function" (then ``tool_name`` names the one to call).
+        tool_name: the function ``tool_choice`` forces, or None.
+        parallel_tool_calls: more than one call allowed where calls are enforced.
+        response_format: None (free text), ``{"type": "json_object"}`` or ``{"type": "json_schema",
+            "schema": {...}, "name": str, "strict": bool}``.
     """
 
     model: str
@@ -72,6 +83,18 @@ class TurnRequest:
     stop: tuple[str, ...] = ()
     stream: bool = False
     include_usage: bool = False
+    n: int = 1
+    tools: tuple[dict, ...] = ()
+    tool_choice: str = "auto"
+    tool_name: str | None = None
+    parallel_tool_calls: bool = True
+    response_format: dict | None = None
+
+    def choice_sampling(self, index: int) -> SamplingParams:
+        """Choice ``index``'s sampling settings: the request's, its seed (when given) plus ``index``."""
+        if index == 0 or self.sampling.seed is None:
+            return self.sampling
+        return replace(self.sampling, seed=self.sampling.seed + index)
 
 
 def _bad(message: str, param: str | None = None, code: str | None = None) -> APIError:
@@ -130,6 +153,14 @@ def _stop(body: Mapping[str, Any]) -> tuple[str, ...]:
     if len(items) > MAX_STOP_STRINGS:
         raise _bad(f"stop holds {len(items)} strings; at most {MAX_STOP_STRINGS}", "stop")
     return tuple(items)
+
+
+def _choices(body: Mapping[str, Any]) -> int:
+    """``n``: 1 to :data:`MAX_CHOICES` answers to the one prompt."""
+    n = _number(body, "n", 1, integer=True)
+    if n is not None and n > MAX_CHOICES:
+        raise _bad(f"n must be at most {MAX_CHOICES} (each choice is a whole answer decoded in turn), got {n}", "n")
+    return 1 if n is None else n
 
 
 def sampling_of(body: Mapping[str, Any], context: int, default_max_tokens: int | None = None) -> SamplingParams:
@@ -283,12 +314,8 @@ def chat_request(body: Any, served: str, context: int, file_urls: bool = True) -
         APIError: the body names another model (404) or a field is bad (400).
     """
     model, stream, usage = _common(body, served)
-    _refuse(body, {"n": 1, "tools": [], "tool_choice": "none", "logprobs": False, "top_logprobs": 0,
-                   "frequency_penalty": 0, "logit_bias": {}, "response_format": {"type": "text"}})
-    kwargs = _object(body, "chat_template_kwargs")
-    thinking = _flag(kwargs, "enable_thinking", "chat_template_kwargs.")
-    return TurnRequest(model, messages_of(body.get("messages"), file_urls), None, sampling_of(body, context), thinking,
-                       _stop(body), stream, usage)
+    return TurnRequest(model, messages_of(body.get("messages"), file_urls), None, sampling_of(body, context), False,
+                       _stop(body), stream, usage, n=_choices(body))
 
 
 def completion_request(body: Any, served: str, context: int) -> TurnRequest:
@@ -299,12 +326,11 @@ def completion_request(body: Any, served: str, context: int) -> TurnRequest:
         APIError: the body names another model (404) or a field is bad (400).
     """
     model, stream, usage = _common(body, served)
-    _refuse(body, {"n": 1, "best_of": 1, "echo": False, "suffix": "", "logprobs": 0, "frequency_penalty": 0,
-                   "logit_bias": {}})
+    _refuse(body, {"best_of": 1, "echo": False, "suffix": ""})
     prompt = body.get("prompt")
     if isinstance(prompt, list) and len(prompt) == 1:
         prompt = prompt[0]
     if not isinstance(prompt, str) or not prompt:
         raise _bad("prompt must be a non-empty string (token-id prompts and batches are not supported)", "prompt")
     return TurnRequest(model, None, prompt, sampling_of(body, context, default_max_tokens=16), False, _stop(body),
-                       stream, usage)
+                       stream, usage, n=_choices(body))

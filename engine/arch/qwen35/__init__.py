@@ -32,6 +32,12 @@ def _cuda_prefill(hp: Qwen35HParams, gguf: Any, budget_bytes: int | None) -> Any
     return cuda.CudaPrefill(hp, gguf, budget_bytes)
 
 
+def _prefill_plan(hp: Qwen35HParams, gguf: Any, budget_bytes: int) -> Any:
+    from .cuda import PLAN_TOKENS
+    from .cuda_plan import plan_file
+    return plan_file(hp, gguf, budget_bytes, PLAN_TOKENS).plan
+
+
 ARCH = TextArch(name="qwen35", hparams=from_metadata, tensor_shapes=tensor_shapes, optional_tensors=OPTIONAL_TENSORS,
                 fused_tensors=fused_tensors, reference_model=_reference_model, native_model=_native_model,
-                cuda_prefill=_cuda_prefill)
+                cuda_prefill=_cuda_prefill, prefill_plan=_prefill_plan)

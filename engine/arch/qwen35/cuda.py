@@ -32,13 +32,12 @@ import numpy as np
 from engine.kernels.cuda_buffers import Activations, Copier, CopyTask
 from engine.kernels.cuda_context import CudaBackend
 from engine.kernels.cuda_kernels import PREFILL_SOURCES, Kernels
-from engine.kernels.cuda_layout import GPU_TYPES, TILE_ROWS, Matrix, aligned, gemm_matrix
+from engine.kernels.cuda_layout import GPU_TYPES, TILE_ROWS, Matrix
 from engine.quant import dequantize
 from engine.state import SequenceState
 
 from .cuda_plan import (ExpertLayout, LayerTelemetry, Placement, PrefillTelemetry, activation_groups, copy_runs,
-                        expert_layout, expert_rows, layer_matrices, layer_vectors, pass_tokens, plan_placement,
-                        route_tables, use_selective)
+                        expert_rows, pass_tokens, plan_file, route_tables, use_selective)
 from .hparams import Qwen35HParams
 
 DEFAULT_MARGIN = 512 << 20
@@ -93,20 +92,10 @@ class CudaPrefill(CudaBackend):
         drv, hp, f = self._drv, self.hp, self.file
         free, total = drv.mem_get_info()
         budget = budget_bytes if budget_bytes is not None else free - max(DEFAULT_MARGIN, total // 20)
-        head = "output.weight" if f.has("output.weight") else "token_embd.weight"
-        names = [n for il in range(hp.n_layer) for n in layer_matrices(hp, il)] + [head]
-        matrices = {n: gemm_matrix(n, f.info(n).qtype, f.info(n).shape) for n in names}
-        vectors = [n for il in range(hp.n_layer) for n in layer_vectors(hp, il)] + ["output_norm.weight"]
-        vector_bytes = sum(aligned(int(np.prod(f.info(n).shape)) * 4) for n in vectors)
-        self.layouts: dict[int, ExpertLayout] = {}
-        if hp.is_moe:
-            for il in range(hp.n_layer):
-                p = f"blk.{il}.ffn_"
-                self.layouts[il] = expert_layout(hp, il, *(f.info(p + x + "_exps.weight").qtype
-                                                            for x in ("gate", "up", "down")))
-        layer_bytes = max((lay.nbytes for lay in self.layouts.values()), default=0)
-        self.plan: Placement = plan_placement(hp, budget, list(matrices.values()), vector_bytes, layer_bytes,
-                                              plan_tokens)
+        planned = plan_file(hp, f, budget, plan_tokens)
+        self.plan: Placement = planned.plan
+        self.layouts: dict[int, ExpertLayout] = planned.layouts
+        matrices, vectors, head = planned.matrices, planned.vectors, planned.head
         self.kernels = Kernels(drv, PREFILL_SOURCES)
         self.head = matrices[head]
         self.mat: dict[str, tuple[Matrix, int]] = {}

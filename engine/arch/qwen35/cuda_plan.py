@@ -20,7 +20,7 @@ from gguf import GGMLQuantizationType
 
 from engine.errors import DeviceBudgetError, DeviceError
 from engine.gguf_file import GGUFFile
-from engine.kernels.cuda_layout import GPU_TYPES, TILE_ROWS, Matrix, aligned
+from engine.kernels.cuda_layout import GPU_TYPES, TILE_ROWS, Matrix, aligned, gemm_matrix
 from engine.quant import row_bytes, type_name
 
 from .cpu import to_q8_0
@@ -327,6 +327,46 @@ def plan_placement(hp: Qwen35HParams, budget: int, matrices: list[Matrix], vecto
     n_res = max(0, min(len(layers), room // slot)) if slot else 0
     return Placement(resident_experts=layers[:n_res], streamed_experts=layers[n_res:], slot_bytes=slot,
                      n_slots=2, **common)
+
+
+@dataclass(frozen=True)
+class FilePlan:
+    """What GPU prefill of one file places: the :class:`Placement` and the parts it was made from.
+
+    Attributes:
+        plan: the placement. matrices: GGUF name -> resident GEMM weight. vectors: GGUF names of the
+        float32 tensors. layouts: layer -> its routed experts' layout (empty for a dense model). head: the LM
+        head's GGUF name.
+    """
+
+    plan: Placement
+    matrices: dict[str, Matrix]
+    vectors: list[str]
+    layouts: dict[int, ExpertLayout]
+    head: str
+
+
+def plan_file(hp: Qwen35HParams, f: GGUFFile, budget: int, plan_tokens: int) -> FilePlan:
+    """The GPU prefill placement of file ``f`` under ``budget`` bytes, from its tensor table alone (no device,
+    no tensor data: works on :meth:`GGUFFile.from_header`).
+
+    Raises:
+        DeviceBudgetError: the budget is below what GPU prefill needs (see :func:`plan_placement`).
+        DeviceError: a tensor the GPU GEMM cannot take (see :func:`gemm_matrix`, :func:`expert_layout`).
+    """
+    head = "output.weight" if f.has("output.weight") else "token_embd.weight"
+    names = [n for il in range(hp.n_layer) for n in layer_matrices(hp, il)] + [head]
+    matrices = {n: gemm_matrix(n, f.info(n).qtype, f.info(n).shape) for n in names}
+    vectors = [n for il in range(hp.n_layer) for n in layer_vectors(hp, il)] + ["output_norm.weight"]
+    vector_bytes = sum(aligned(int(np.prod(f.info(n).shape)) * 4) for n in vectors)
+    layouts: dict[int, ExpertLayout] = {}
+    if hp.is_moe:
+        for il in range(hp.n_layer):
+            p = f"blk.{il}.ffn_"
+            layouts[il] = expert_layout(hp, il, *(f.info(p + x + "_exps.weight").qtype for x in ("gate", "up", "down")))
+    layer_bytes = max((lay.nbytes for lay in layouts.values()), default=0)
+    plan = plan_placement(hp, budget, list(matrices.values()), vector_bytes, layer_bytes, plan_tokens)
+    return FilePlan(plan, matrices, vectors, layouts, head)
 
 
 def expected_distinct(hp: Qwen35HParams, n: int) -> float:

@@ -1,0 +1,255 @@
+"""Fit before download, then download: a file's header from a ranged read, the fit, the transfer with
+progress, cancel and resume, the sha256 check, and the move into the store.
+
+The transfer is ``huggingface_hub``'s ``http_get`` on the file's resolved URL (``get_hf_file_metadata``
+follows the hub's redirect), appending to a staging file under ``.partial`` with a ``Range`` from its
+current length: a download that was cancelled, cut off or stopped by a full disk resumes where it
+stopped, at the next call or inside ``http_get``'s own retries. Once the bytes are all there the file's
+sha256 is compared with the hub's LFS sha256; a mismatch deletes the staging file. Only then is the
+file moved into the store (:class:`~engine.hub.store.ModelStore`).
+"""
+
+from __future__ import annotations
+
+import errno
+import hashlib
+import os
+import shutil
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Self
+from urllib.parse import urlsplit
+
+from ..gguf_file import GGUFFile
+from ..gguf_header import Header, HeaderIncomplete, parse_prefix
+from .catalogue import HubFile, catalogue_repo
+from .fit import Fit, Machine, estimate
+from .hubapi import HubError, RepoListing, endpoint, hub_errors, read_range, token
+from .store import Downloaded, ModelStore
+
+FIRST_READ = 4 << 20
+"""Bytes of the first ranged read of a header (a Qwen3.5/3.6 header with its vocabulary is ~12 MiB)."""
+MAX_HEADER_READ = 256 << 20
+"""The most bytes read to find the end of a header."""
+DISK_MARGIN = 64 << 20
+"""Free disk kept beyond the bytes a download still needs."""
+_HASH_CHUNK = 8 << 20
+
+
+class DownloadCancelled(HubError):
+    """The download was cancelled; what was downloaded is kept and the next pull resumes it."""
+
+
+@dataclass(frozen=True)
+class Progress:
+    """Where a download stands: ``stage`` "downloading" or "verifying", bytes ``done`` of ``total`` of
+    ``file``, ``rate`` in bytes/s (this session's), ``eta`` in seconds (None when unknown)."""
+
+    file: str
+    stage: str
+    done: int
+    total: int
+    rate: float
+    eta: float | None
+
+
+Report = Callable[[Progress], None]
+
+
+def remote_header(repo: str, f: HubFile, revision: str) -> Header:
+    """The parsed GGUF header of a hub file from ranged reads of its start: :data:`FIRST_READ` bytes, more
+    while the header goes on (up to :data:`MAX_HEADER_READ`).
+
+    Raises:
+        HubError: the reads failed, or the header is larger than :data:`MAX_HEADER_READ`.
+        ModelFormatError: the header is malformed or claims tensor data past the file's listed size.
+    """
+    if not f.size:
+        raise HubError(f"{repo}/{f.name}: the hub lists no size for the file")
+    data = b""
+    want = min(FIRST_READ, f.size)
+    while True:
+        data += read_range(repo, f.name, revision, len(data), want)
+        try:
+            return parse_prefix(data, f.size, f"{repo}/{f.name}")
+        except HeaderIncomplete as exc:
+            if exc.needed > MAX_HEADER_READ:
+                raise HubError(f"{repo}/{f.name}: the GGUF header is larger than {MAX_HEADER_READ >> 20} MiB "
+                               "(corrupt or not a model file)") from exc
+            want = min(f.size, max(exc.needed, 2 * len(data)))
+
+
+def fit_remote(listing: RepoListing, f: HubFile, mmproj: HubFile | None, context: int, machine: Machine) -> Fit:
+    """The fit of a hub file and its mmproj from their headers, before downloading them.
+
+    Raises:
+        UnsupportedModelError: an architecture or projector type the engine does not run.
+        ModelFormatError / HubError: see :func:`remote_header`.
+    """
+    gguf = GGUFFile.from_header(remote_header(listing.repo, f, listing.commit))
+    mm = remote_header(listing.repo, mmproj, listing.commit) if mmproj is not None else None
+    return estimate(gguf, f.size or 0, context, machine, mm)
+
+
+def pick_mmproj(listing: RepoListing) -> HubFile | None:
+    """The repo's vision tower to download with a model: the catalogue's first named one that is listed,
+    else an F16 one, else the first listed; None when the repo has none."""
+    named = catalogue_repo(listing.repo)
+    by_name = {f.name: f for f in listing.mmproj}
+    for name in named.mmproj if named is not None else ():
+        if name in by_name:
+            return by_name[name]
+    f16 = [f for f in listing.mmproj if "f16" in f.name.lower() and "bf16" not in f.name.lower()]
+    return (f16 or list(listing.mmproj) or [None])[0]
+
+
+def pick_file(listing: RepoListing, file: str | None = None, quant: str | None = None) -> HubFile:
+    """The model file ``file`` (its name) or ``quant`` (its label, any case) names in the listing.
+
+    Raises:
+        HubError: no such file or quant (the message lists those there are).
+    """
+    models = listing.models
+    hits = ([f for f in models if file in (f.name, Path(f.name).name)] if file
+            else [f for f in models if f.quant == (quant or "").upper()])
+    if len(hits) == 1:
+        return hits[0]
+    have = ", ".join(f"{f.quant or '?'} ({f.name})" for f in models)
+    split = f"; split files are not supported: {', '.join(listing.split[:3])}" if listing.split else ""
+    what = f"file {file!r}" if file else f"quant {quant!r}"
+    raise HubError(f"{listing.repo}: no single {what}; it has: {have or 'no loadable model file'}{split}")
+
+
+class _Bar:
+    """The progress object ``http_get`` drives (``tqdm_class``): counts bytes, reports, and stops the
+    transfer by raising :class:`DownloadCancelled` when ``cancel`` is set."""
+
+    def __init__(self, name: str, report: Report | None, cancel: threading.Event | None, **kw: object) -> None:
+        self.name, self.report, self.cancel = name, report, cancel
+        self.total = int(kw.get("total") or 0)
+        self.start = self.done = int(kw.get("initial") or 0)
+        self.t0 = self.last = time.monotonic()
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        return None
+
+    def update(self, n: int = 1) -> None:
+        """Count ``n`` more bytes; report at most 10 times a second and at the end."""
+        if self.cancel is not None and self.cancel.is_set():
+            raise DownloadCancelled(f"{self.name}: download cancelled; {self.done >> 20} MiB kept, the next pull "
+                                    "resumes it")
+        self.done += n
+        now = time.monotonic()
+        if self.report is not None and (now - self.last >= 0.1 or self.done >= self.total):
+            self.last = now
+            rate = (self.done - self.start) / max(now - self.t0, 1e-6)
+            eta = (self.total - self.done) / rate if rate > 0 else None
+            self.report(Progress(self.name, "downloading", self.done, self.total, rate, eta))
+
+
+def _verify(path: Path, f: HubFile, report: Report | None, cancel: threading.Event | None) -> None:
+    """Compare the sha256 of ``path`` with the hub's; on a mismatch delete it and raise HubError."""
+    digest = hashlib.sha256()
+    done, t0 = 0, time.monotonic()
+    with open(path, "rb") as fh:
+        while chunk := fh.read(_HASH_CHUNK):
+            if cancel is not None and cancel.is_set():
+                raise DownloadCancelled(f"{f.name}: cancelled while checking the sha256; the file is kept")
+            digest.update(chunk)
+            done += len(chunk)
+            if report is not None:
+                rate = done / max(time.monotonic() - t0, 1e-6)
+                report(Progress(f.name, "verifying", done, f.size or done, rate, ((f.size or done) - done) / rate))
+    if digest.hexdigest() != f.sha256:
+        path.unlink(missing_ok=True)
+        raise HubError(f"{f.repo}/{f.name}: sha256 mismatch (got {digest.hexdigest()[:16]}..., the hub lists "
+                       f"{(f.sha256 or '')[:16]}...): the download was corrupt and has been deleted; pull again")
+
+
+def _transfer(f: HubFile, commit: str, part: Path, report: Report | None, cancel: threading.Event | None) -> None:
+    """Append the rest of ``f`` to ``part`` (resuming from its length)."""
+    from huggingface_hub import get_hf_file_metadata, hf_hub_url
+    from huggingface_hub.file_download import http_get
+    from huggingface_hub.utils import build_hf_headers
+
+    url = hf_hub_url(f.repo, f.name, revision=commit, endpoint=endpoint())
+    tok = token() or False
+    with hub_errors(f"{f.repo}/{f.name}"):
+        meta = get_hf_file_metadata(url, token=tok, endpoint=endpoint())
+    headers = build_hf_headers(token=tok)
+    target = meta.location or url
+    if urlsplit(target).netloc != urlsplit(url).netloc:
+        headers.pop("authorization", None)
+    have = part.stat().st_size if part.exists() else 0
+    try:
+        with open(part, "ab") as fh, hub_errors(f"{f.repo}/{f.name}"):
+            http_get(target, fh, resume_size=have, headers=headers, expected_size=f.size,
+                     tqdm_class=lambda **kw: _Bar(f.name, report, cancel, **kw))
+    except (DownloadCancelled, HubError) as exc:
+        if isinstance(exc, DownloadCancelled):
+            raise
+        kept = part.stat().st_size >> 20 if part.exists() else 0
+        raise HubError(f"{exc}; {kept} MiB downloaded are kept in {part.parent}, the next pull resumes") from exc
+    except OSError as exc:
+        kept = part.stat().st_size >> 20 if part.exists() else 0
+        why = "the disk is full" if exc.errno == errno.ENOSPC else f"the transfer failed ({exc})"
+        raise HubError(f"{f.repo}/{f.name}: {why}; {kept} MiB downloaded are kept in {part.parent}: free space "
+                       "and pull again to resume") from exc
+
+
+def _fetch(store: ModelStore, commit: str, f: HubFile, report: Report | None, cancel: threading.Event | None) -> Path:
+    """Download, verify and move one file into the store; returns its path."""
+    if not f.sha256 or not f.size:
+        raise HubError(f"{f.repo}/{f.name}: the hub lists no sha256 or size for it, so it could not be verified")
+    part = store.partial(f.repo, f.name, f.sha256)
+    part.parent.mkdir(parents=True, exist_ok=True)
+    if part.exists() and part.stat().st_size > f.size:
+        part.unlink()
+    _transfer(f, commit, part, report, cancel)
+    _verify(part, f, report, cancel)
+    dest = store.path(f.repo, f.name)
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    os.replace(part, dest)
+    return dest
+
+
+def check_disk(store: ModelStore, files: list[HubFile]) -> None:
+    """Raise HubError unless the store's disk has room for what ``files`` still need (beyond their staging
+    files) plus :data:`DISK_MARGIN`."""
+    need = 0
+    for f in files:
+        part = store.partial(f.repo, f.name, f.sha256 or "")
+        need += (f.size or 0) - (part.stat().st_size if part.exists() else 0)
+    store.root.mkdir(parents=True, exist_ok=True)
+    free = shutil.disk_usage(store.root).free
+    if need + DISK_MARGIN > free:
+        raise HubError(f"not enough free disk in {store.root}: the download needs {need / 2**30:.2f} GiB more, "
+                       f"{free / 2**30:.2f} GiB are free (set DELTADESK_MODELS_DIR to use another disk)")
+
+
+def download_model(listing: RepoListing, f: HubFile, mmproj: HubFile | None, store: ModelStore | None = None,
+             report: Report | None = None, cancel: threading.Event | None = None) -> Downloaded:
+    """Download model ``f`` and its ``mmproj`` into the store (an mmproj already there and recorded is kept).
+
+    Raises:
+        HubError: see :func:`hub_errors`; no room on the disk; a sha256 mismatch (the file is deleted); a
+            transfer cut off (what arrived is kept for the next call).
+        DownloadCancelled: ``cancel`` was set (what arrived is kept).
+    """
+    store = store or ModelStore()
+    have_mm = mmproj is not None and store.path(listing.repo, mmproj.name).is_file() and any(
+        d.repo.lower() == listing.repo.lower() and d.mmproj == mmproj.name for d in store.models())
+    todo = [x for x in (f, None if have_mm else mmproj) if x is not None]
+    check_disk(store, todo)
+    for x in todo:
+        _fetch(store, listing.commit, x, report, cancel)
+    entry = Downloaded(listing.repo, f.name, f.quant, f.size or 0, f.sha256 or "", listing.commit,
+                       mmproj.name if mmproj is not None else "", time.time())
+    store.add(entry)
+    return entry
