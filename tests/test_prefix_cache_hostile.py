@@ -240,3 +240,35 @@ def test_a_chat_over_a_damaged_snapshot_answers_as_if_it_were_absent(synth_model
     stats, got = turn(Engine.load(synth_model("tiny", "q8_0"), options=opts))
     assert isinstance(got, TurnSummary) and stats.reused_tokens == 0
     assert got.text == want.text
+
+
+CHATTER = textwrap.dedent("""
+    import sys
+    sys.path.insert(0, sys.argv[1])
+    from engine.api import Engine, EngineOptions
+    from engine.events import TurnSummary
+    from engine.sampling import SamplingParams
+    model, folder, seed = sys.argv[2], sys.argv[3], int(sys.argv[4])
+    engine = Engine.load(model, options=EngineOptions(cache_disk_dir=folder, cache_ram_bytes=1,
+                                                      cache_disk_bytes=400_000))
+    done = 0
+    for i in range(8):
+        history = [{"role": "user", "content": f"Question {seed}-{i % 3}: tell me about the number {i}."}]
+        events = list(engine.chat(history, SamplingParams.greedy(3)))
+        assert isinstance(events[-1], TurnSummary) and events[-1].stop_reason in ("eos", "max_tokens"), events[-1]
+        done += 1
+    engine.close()
+    print(done)
+""")
+
+
+def test_two_engines_chatting_over_one_snapshot_folder_never_fail(synth_model, tmp_path) -> None:
+    """Two processes (as the app and ``engine serve``) chat with every snapshot spilled to one small folder."""
+    script = tmp_path / "chatter.py"
+    script.write_text(CHATTER)
+    model = synth_model("tiny", "q8_0")
+    procs = [subprocess.Popen([sys.executable, str(script), str(ROOT), str(model), str(tmp_path / "shared"), str(seed)],
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for seed in (1, 2)]
+    outs = [p.communicate(timeout=240) for p in procs]
+    for p, (out, err) in zip(procs, outs):
+        assert p.returncode == 0 and out.strip() == "8", err[-2000:]
