@@ -3,8 +3,9 @@
 
 Guarantees (each an :class:`APIError`, never a 500 or a leak):
 
-* at most ``max_waiting`` requests wait for the engine (body being read or queued behind the running turn),
-  holding at most ``max_waiting_bytes`` of bodies; one more is answered 429 with ``Retry-After``;
+* at most ``max_waiting`` requests wait for the engine (from when their body has been read until their turn
+  starts, on every route that runs a turn), holding at most ``max_waiting_bytes`` of bodies; one more is
+  answered 429 with ``Retry-After``;
 * a string anywhere in the body that is not valid Unicode text (a lone surrogate, which JSON allows) is a
   400 naming its field;
 * a ``file:`` image is opened only when it is a regular file of at most ``MAX_IMAGE_FILE_BYTES``
@@ -48,7 +49,7 @@ class WaitingQueue:
     """Counts the requests waiting for the engine and the bytes of their bodies (one event loop: no lock).
 
     Args:
-        max_waiting: requests that may wait at once (each from its arrival until its turn starts).
+        max_waiting: requests that may wait at once (each from when its body is read until its turn starts).
         max_waiting_bytes: bytes of request bodies those may hold together.
     """
 
