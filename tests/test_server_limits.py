@@ -240,3 +240,27 @@ def test_the_serve_command_takes_queue_limits(capsys) -> None:
         main(["serve", "--queue", "0"])
     assert info.value.code == 2 and "positive integer" in capsys.readouterr().err
     assert json.dumps(ServerConfig("m", max_waiting=3).max_waiting) == "3"
+
+
+def test_the_messages_route_counts_against_the_same_queue() -> None:
+    engine = _Gated()
+    server = ServerThread(engine, ServerConfig("m", max_waiting=1), port=0).start()
+    body = _body("m", {"type": "text", "text": "hi"})
+    try:
+        running = _in_background(lambda: _post(server, body))
+        deadline = time.monotonic() + 20
+        while engine.started < 1 and time.monotonic() < deadline:
+            time.sleep(0.02)
+        waiting = _in_background(lambda: _post(server, body))
+        time.sleep(0.5)
+        r = httpx.post(server.url + "/messages", timeout=60, json={
+            "model": "m", "max_tokens": 2, "messages": [{"role": "user", "content": "hi"}]})
+        assert r.status_code == 429 and r.headers["Retry-After"].isdigit(), r.text
+        assert r.json()["error"]["type"] == "rate_limit_error"
+        engine.gate.set()
+        for t, out in (running, waiting):
+            t.join(30)
+            assert out and out[0].status_code == 200
+    finally:
+        engine.gate.set()
+        server.stop()
