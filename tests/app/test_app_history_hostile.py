@@ -178,10 +178,10 @@ def test_a_message_the_locked_history_refuses_stays_shown_not_saved_with_a_retry
     window.composer.editor.setPlainText("Keep what I typed")
     qtbot.keyClick(window.composer.editor, Qt.Key_Return)
     shown = lambda: [w for w in window.chat_view.widgets if w.message.id < 0]
-    qtbot.waitUntil(lambda: len(shown()) == 1 and shown()[0].retry_button is not None)
+    qtbot.waitUntil(lambda: len(shown()) == 1 and shown()[0].retry_button is not None
+                    and shown()[0].retry_button.isVisible())       # Qt shows a widget added to a layout later
     [widget] = shown()
     assert widget.raw == "Keep what I typed" and widget.stats_label.text().startswith("Not saved:")
-    assert widget.retry_button.isVisible()
     proc.communicate("", timeout=30)
     qtbot.mouseClick(widget.retry_button, Qt.LeftButton)
     qtbot.waitUntil(lambda: not window.controller.busy)
