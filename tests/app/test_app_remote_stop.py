@@ -31,9 +31,9 @@ def test_stop_ends_a_silent_remote_turn_at_once(qtbot, make_window) -> None:
     with ScriptServer(_silent_after_hi) as srv:
         window = _start_turn(qtbot, make_window, srv)
         t0 = time.monotonic()
-        with qtbot.waitSignal(window.controller.busy_changed, timeout=2000, check_params_cb=lambda busy: not busy):
+        with qtbot.waitSignal(window.controller.busy_changed, timeout=5000, check_params_cb=lambda busy: not busy):
             window.escape()
-        assert time.monotonic() - t0 < 1.0
+        assert time.monotonic() - t0 < 2.0            # on main: the silent server's 120-s read timeout
         qtbot.waitUntil(lambda: [m.state for m in stored(window.history, HistoryStore.active_path,
                                                          window.controller.conversation_id)][-1] == "stopped")
         answer = stored(window.history, HistoryStore.active_path, window.controller.conversation_id)[-1]
