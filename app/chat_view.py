@@ -167,6 +167,7 @@ class MessageWidget(QFrame):
             row.addStretch(1)
             layout.addLayout(row)
 
+        self.retry_button: QToolButton | None = None
         self.stats_label = QLabel()
         self.stats_label.setWordWrap(True)
         self.stats_label.setEnabled(False)
@@ -284,6 +285,21 @@ class MessageWidget(QFrame):
         note = stats.get("message") if state == "error" else notes.get(state)
         self.stats_label.setText(" \u2014 ".join(p for p in (line, note) if p))
         self.stats_label.setVisible(bool(self.stats_label.text()))
+
+    def mark_unsaved(self, reason: str, retry: Callable[[], None]) -> None:
+        """Say that this message is not stored (the history database refused the write) and offer a retry."""
+        if self.retry_button is None:
+            self.retry_button = _tool_button("Retry saving", "Store this message in the chat history again", retry)
+            self.layout().addWidget(self.retry_button)
+        self.retry_button.show()
+        self.stats_label.setText(f"Not saved: {reason}")
+        self.stats_label.show()
+
+    def mark_saved(self, state: str, stats: dict[str, Any]) -> None:
+        """The message is stored after all (with ``state`` and ``stats``): drop the "not saved" note."""
+        if self.retry_button is not None:
+            self.retry_button.hide()
+        self._show_final(self.raw, state, stats)
 
     def start_streaming(self, thinking_first: bool) -> None:
         """Show the message as an answer in progress."""

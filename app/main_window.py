@@ -159,6 +159,7 @@ class MainWindow(FileActions, QMainWindow):
             self.serve_requested.emit(self.prefs.serve_port)
         history.failed.connect(self.statusBar().showMessage)
         history.unavailable.connect(self._history_unavailable)
+        history.damaged.connect(self._history_damaged)
         if monitor is not None:
             monitor.monitor.sampled.connect(self.sidebar.on_system)
         self.load_requested.connect(worker.load)
@@ -510,6 +511,12 @@ class MainWindow(FileActions, QMainWindow):
     def _history_unavailable(self, message: str) -> None:
         self.chat_view.empty_label.setText(message)
         self.statusBar().showMessage(message)
+
+    def _history_damaged(self, message: str) -> None:
+        """The history file was damaged and moved aside: a dialog says so and where it is (not blocking)."""
+        self.history_dialog = QMessageBox(QMessageBox.Warning, "Chat history", message, QMessageBox.Ok, self)
+        self.history_dialog.open()
+        self.statusBar().showMessage(message.split("\n")[0], 15000)
 
     # conversations and messages
 

@@ -6,7 +6,7 @@
   continues the prompt text itself (no chat template). A model without ``tokenizer.chat_template``
   chats in ChatML, with a one-line note on stderr.
 - ``chat [--model M]``: an interactive multi-turn chat on the terminal.
-- ``serve [--model M] [--mmproj V] [--host 127.0.0.1] [--port 8080] [--api-key K]``: an
+- ``serve [--model M] [--mmproj V] [--host 127.0.0.1] [--port 8080] [--api-key K] [--queue 8]``: an
   OpenAI-compatible HTTP server (:mod:`engine.server`); a non-loopback ``--host`` needs a key.
 - ``synth --preset tiny|small|dense-tiny|minicpmv46-tiny|minicpmv46|35b-a3b [--layers N] [--experts N] --quant Q -o FILE``:
   a random-weight GGUF in the layout and metadata real files use, and beside it a matching
@@ -291,7 +291,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     print(f"[serving {name} on http://{host}:{sock.getsockname()[1]}/v1 (OpenAI API)"
           f"{'; API key required' if api_key else ''}; Ctrl+C stops]", file=sys.stderr, flush=True)
     try:
-        serve(engine, ServerConfig(name, api_key), args.host, args.port, sock)
+        serve(engine, ServerConfig(name, api_key, max_waiting=args.queue, max_waiting_bytes=args.queue_mib << 20),
+              args.host, args.port, sock)
     finally:
         engine.close()
     return 0
@@ -360,9 +361,25 @@ def _progress(what: str, unit: str = "") -> Callable[[int, int], None]:
 
 
 def cmd_prune(args: argparse.Namespace) -> int:
+    """``prune``: every failure (a bad path or file, a full or read-only disk) is one ``error:`` line, exit 2."""
+    try:
+        return _prune(args)
+    except (OSError, ValueError) as exc:
+        where = f"{exc.filename}: " if isinstance(exc, OSError) and exc.filename else ""
+        detail = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
+        print(f"error: {where}{detail}", file=sys.stderr)
+        return 2
+
+
+def _prune(args: argparse.Namespace) -> int:
     from . import prune, pruned_file
     from .gguf_file import GGUFFile
+    from .prune_inputs import check_output
+    if args.max_tokens < 1:
+        raise EngineError(f"--max-tokens must be at least 1, got {args.max_tokens}")
     args.model = _model_arg(args.model)
+    inputs = (args.model, args.mmproj, args.calib, args.stats)
+    check_output(args.output, inputs)
     src = GGUFFile.open(args.model)
     hp = src.hparams
     if not hp.is_moe:
@@ -374,6 +391,10 @@ def cmd_prune(args: argparse.Namespace) -> int:
         print(f"error: {src.path.name}: {exc}", file=sys.stderr)
         return 2
     stats_path = Path(args.stats) if args.stats else _stats_path(args.model, args.output)
+    if (args.stats is not None and not args.stats.strip()) or Path(args.output).absolute() == stats_path.absolute():
+        raise EngineError(f"--stats {args.stats!r}: give a statistics file path other than the output")
+    if args.calib or args.images or not stats_path.is_file():
+        check_output(str(stats_path), (args.model, args.mmproj, args.calib, args.output), "statistics file")
     stats = None
     if not (args.calib or args.images) and stats_path.is_file():
         stats = prune.ExpertStats.load(stats_path)
@@ -471,6 +492,17 @@ def _add_serve(p: argparse.ArgumentParser) -> None:
                    "DELTADESK_API_KEY)")
     p.add_argument("--model-name", help="the model id clients name (default: the file name without .gguf)")
     p.add_argument("--context", type=int, default=8192, help="context window, tokens")
+    p.add_argument("--queue", type=_positive, default=8, help="requests that may wait for the model at once; "
+                   "more are answered 429 with Retry-After (default 8)")
+    p.add_argument("--queue-mib", type=_positive, default=64, help="MiB of request bodies those may hold "
+                   "together (default 64)")
+
+
+def _positive(text: str) -> int:
+    """An argparse type: a positive integer."""
+    if not text.isdigit() or int(text) < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
+    return int(text)
 
 
 def _add_synth(p: argparse.ArgumentParser) -> None:

@@ -13,7 +13,7 @@ from app.engine_worker import load_real_engine
 from app.history import HistoryStore
 from app_helpers import settle, stored
 from engine.remote import RemoteEngine
-from http_fakes import OpenServer, delta, sse_head
+from http_fakes import ScriptServer, delta, paced, sse_head
 
 
 def _png(tmp_path, name="pic.png", color="red"):
@@ -75,7 +75,7 @@ def test_a_server_that_does_not_say_it_reads_images_refuses_them_up_front(qtbot,
 
 
 def test_stop_without_usage_says_the_server_did_not_report_the_counts(qtbot, make_window):
-    raw = OpenServer([sse_head()] + [delta("a")] * 100)     # 0.2 s apart: a token batch each
+    raw = ScriptServer(paced([sse_head()] + [delta("a")] * 100))     # 0.2 s apart: a token batch each
     try:
         window = make_window(loader=lambda request, progress, cancel: RemoteEngine(raw.url, "m", timeout=30,
                                                                                      context=2048))
