@@ -18,18 +18,12 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from .errors import EngineError, ModelFormatError
+from .regular_file import FileRefused, kind, read_regular
 
 MAX_TEXT_BYTES = 256 << 20
 """Largest statistics or calibration file read, bytes."""
 MAX_IMAGE_BYTES = 64 << 20
 """Largest calibration image file, bytes."""
-
-_KINDS = ((stat.S_ISDIR, "a folder"), (stat.S_ISFIFO, "a FIFO"), (stat.S_ISCHR, "a character device"),
-          (stat.S_ISBLK, "a block device"), (stat.S_ISLNK, "a symbolic link"), (stat.S_ISSOCK, "a socket"))
-
-
-def _kind(mode: int) -> str:
-    return next((name for test, name in _KINDS if test(mode)), "not a regular file")
 
 
 def check_output(path: str, inputs: Sequence[str | os.PathLike[str] | None], what: str = "output") -> Path:
@@ -52,7 +46,7 @@ def check_output(path: str, inputs: Sequence[str | os.PathLike[str] | None], wha
         raise EngineError(f"{out}: cannot check the {what} path ({exc.strerror or exc})") from exc
     if st is not None:
         if not stat.S_ISREG(st.st_mode):
-            raise EngineError(f"{out}: the {what} exists and is {_kind(st.st_mode)}; refusing to replace it")
+            raise EngineError(f"{out}: the {what} exists and is {kind(st.st_mode)}; refusing to replace it")
         for src in inputs:
             if src is not None and _same_file(st, src):
                 raise EngineError(f"{out}: the {what} is the input {src} (the same file); choose another path")
@@ -80,20 +74,11 @@ def read_text(path: str | os.PathLike[str], what: str, limit: int = MAX_TEXT_BYT
         ModelFormatError: missing, not a regular file, too large, unreadable or not UTF-8, naming the file.
     """
     try:
-        if not stat.S_ISREG(mode := os.stat(path).st_mode):
-            raise ModelFormatError(f"{path}: the {what} is {_kind(mode)}, not a regular file")
-        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_BINARY", 0))
-        with os.fdopen(fd, "rb") as f:
-            st = os.fstat(fd)
-            if not stat.S_ISREG(st.st_mode):
-                raise ModelFormatError(f"{path}: the {what} is {_kind(st.st_mode)}, not a regular file")
-            if st.st_size > limit:
-                raise ModelFormatError(f"{path}: the {what} is {st.st_size} bytes; at most {limit} are read")
-            data = f.read(limit + 1)
+        data = read_regular(path, limit)
+    except FileRefused as exc:
+        raise ModelFormatError(f"{path}: the {what} {exc}") from None
     except OSError as exc:
         raise ModelFormatError(f"{path}: cannot read the {what} ({exc.strerror or exc})") from exc
-    if len(data) > limit:
-        raise ModelFormatError(f"{path}: the {what} grew beyond {limit} bytes while read")
     try:
         return data.decode("utf-8")
     except UnicodeDecodeError as exc:
@@ -111,6 +96,6 @@ def check_image(path: str | os.PathLike[str], where: str) -> None:
     except OSError as exc:
         raise ModelFormatError(f"{where}: image {path}: {exc.strerror or exc}") from exc
     if not stat.S_ISREG(st.st_mode):
-        raise ModelFormatError(f"{where}: image {path} is {_kind(st.st_mode)}, not a regular file")
+        raise ModelFormatError(f"{where}: image {path} is {kind(st.st_mode)}, not a regular file")
     if st.st_size > MAX_IMAGE_BYTES:
         raise ModelFormatError(f"{where}: image {path} is {st.st_size} bytes; at most {MAX_IMAGE_BYTES} are read")

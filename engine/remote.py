@@ -42,6 +42,7 @@ from .errors import ImageError, RemoteError, UnsupportedModelError
 from .events import Event, PrefillStats, TokenEvent, TurnSummary
 from .prefix_cache import SnapshotInfo
 from .prompt import Message
+from .regular_file import MAX_IMAGE_FILE_BYTES, FileRefused, read_regular
 from .remote_http import Watch, clean, lines, loads, read_body
 from .sampling import SamplingParams
 
@@ -165,7 +166,9 @@ def _image_url(source: Any) -> str:
         data, mime = bytes(source), "image/png"
     elif isinstance(source, (str, Path)):
         try:
-            data = Path(source).read_bytes()
+            data = read_regular(source, MAX_IMAGE_FILE_BYTES)
+        except FileRefused as exc:
+            raise ImageError(f"{source}: the image file {exc}") from None
         except OSError as exc:
             raise ImageError(f"{source}: cannot read the image: {exc.strerror or exc}") from exc
         mime = mimetypes.guess_type(str(source))[0] or "image/png"

@@ -20,17 +20,16 @@ from __future__ import annotations
 
 import contextlib
 import io
-import os
-import stat
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
 from PIL import Image, UnidentifiedImageError
 
+from engine.regular_file import MAX_IMAGE_FILE_BYTES, read_regular
+
 from .requests import APIError
 
-MAX_IMAGE_FILE_BYTES = 64 << 20
 """Largest image file a ``file:`` URL may name, bytes."""
 DEFAULT_MAX_WAITING = 8
 DEFAULT_MAX_WAITING_BYTES = 64 << 20
@@ -147,23 +146,9 @@ def read_image_file(path: Path, param: str) -> bytes:
     unreadable = APIError(400, f"{param}: the file: URL does not name a readable regular file of at most "
                           f"{MAX_IMAGE_FILE_BYTES >> 20} MiB", param=param, code="invalid_image")
     try:
-        if not stat.S_ISREG(os.stat(path).st_mode):
-            raise unreadable           # a device or FIFO is not even opened
-        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_BINARY", 0))
+        data = read_regular(path, MAX_IMAGE_FILE_BYTES)
     except (OSError, ValueError):
         raise unreadable from None
-    try:
-        info = os.fstat(fd)
-        if not stat.S_ISREG(info.st_mode) or info.st_size > MAX_IMAGE_FILE_BYTES:
-            raise unreadable
-        with os.fdopen(fd, "rb", closefd=False) as f:
-            data = f.read(MAX_IMAGE_FILE_BYTES + 1)
-    except OSError:
-        raise unreadable from None
-    finally:
-        os.close(fd)
-    if len(data) > MAX_IMAGE_FILE_BYTES:
-        raise unreadable
     try:
         Image.open(io.BytesIO(data))
     except Image.DecompressionBombError:
