@@ -84,6 +84,32 @@ def build_window(paths: AppPaths, loader: EngineLoader = load_real_engine,
     return window
 
 
+def open_files(window: MainWindow, model: str | None, mmproj: str | None, handed: bool = False) -> None:
+    """Open the command line's model (a path, or a downloaded ``REPO:QUANT``: :func:`model_arg`) and vision
+    tower for this run, else the configured model with that tower. A hub name that is not downloaded is said
+    on stderr and in the status bar; then the configured model loads, unless the files were ``handed`` over
+    by a later launch (the loaded model stays)."""
+    try:
+        files = model_arg(model, mmproj) if model else None
+    except EngineError as exc:
+        print(f"deltadesk: {exc}", file=sys.stderr)
+        window.statusBar().showMessage(str(exc))
+        if handed:
+            return
+        files = None
+    if files is not None:
+        window.load_model(*files)
+    else:
+        window.load_configured(mmproj)
+
+
+def follow_launches(instance: SingleInstance, window: MainWindow) -> None:
+    """A later launch raises ``window`` and hands it its ``--model`` / ``--mmproj`` to open (a failed load
+    says why in the window and keeps the loaded model)."""
+    instance.raise_requested.connect(window.bring_to_front)
+    instance.open_requested.connect(lambda model, mmproj: open_files(window, model, mmproj, handed=True))
+
+
 def main(argv: list[str] | None = None) -> int:
     """Run the app until its window closes; returns the exit status.
 
@@ -98,22 +124,15 @@ def main(argv: list[str] | None = None) -> int:
     apply_scheme(app, desktop_is_dark())
     paths = AppPaths.default()
     instance = SingleInstance(paths.data)
-    if not instance.acquire():
-        print(f"DeltaDesk is already running for this user ({paths.data}): its window was brought to the front.")
+    if not instance.acquire(args.model, args.mmproj):
+        handed = " and asked to open the model" if args.model or args.mmproj else ""
+        print(f"DeltaDesk is already running for this user ({paths.data}): its window was brought to the front"
+              f"{handed}.")
         return 0
     window = build_window(paths, gpu=NvmlGpu.open())
-    instance.raise_requested.connect(window.bring_to_front)
+    follow_launches(instance, window)
     window.show()
-    try:
-        model = model_arg(args.model, args.mmproj) if args.model else None
-    except EngineError as exc:
-        print(f"deltadesk: {exc}", file=sys.stderr)
-        window.statusBar().showMessage(str(exc))
-        model = None
-    if model is not None:
-        window.load_model(*model)
-    else:
-        window.load_configured(args.mmproj)
+    open_files(window, args.model, args.mmproj)
     # Python runs signal handlers only between bytecodes; the timer lets it in so Ctrl+C or a
     # SIGTERM closes the window (saving its state and the live answer) instead of being ignored.
     for number in (signal.SIGINT, signal.SIGTERM):

@@ -10,8 +10,8 @@ from pathlib import Path
 from typing import Any, Callable
 
 from PySide6.QtCore import Qt, QUrl, Signal
-from PySide6.QtGui import QDesktopServices, QGuiApplication, QImageReader, QPalette, QPixmap, QTextCursor
-from PySide6.QtWidgets import (QFrame, QHBoxLayout, QLabel, QScrollArea, QSizePolicy, QTextBrowser,
+from PySide6.QtGui import QColor, QDesktopServices, QGuiApplication, QImageReader, QPalette, QPixmap, QTextCursor
+from PySide6.QtWidgets import (QFrame, QHBoxLayout, QLabel, QScrollArea, QSizePolicy, QTextBrowser, QTextEdit,
                                QToolButton, QVBoxLayout, QWidget)
 
 from .history import Message
@@ -24,7 +24,8 @@ an 80 KB paste took the window's thread about 450 ms, and as much again on every
 
 
 def format_stats(stats: dict[str, Any]) -> str:
-    """The stats line under an answer: TTFT, prefill and decode speed, tokens reused, the engine's note."""
+    """The stats line under an answer: TTFT, prefill and decode speed, tokens reused (or that a remote server
+    did not report them, ``usage``), the engine's note."""
     if not stats:
         return ""
     parts = []
@@ -38,9 +39,11 @@ def format_stats(stats: dict[str, Any]) -> str:
         parts.append(f"{stats['generated_tokens']} tokens")
     if "reused_tokens" in stats:
         reused = f"{stats['reused_tokens']} of {stats.get('prompt_tokens', 0)} prompt tokens reused"
-        if "restore_ms" in stats:
+        if stats.get("restore_ms"):
             reused += f" (restored in {stats['restore_ms']:.0f} ms)"
         parts.append(reused)
+    if "usage" in stats:
+        parts.append(f"prompt tokens {stats['usage']}")
     return " \u2014 ".join(p for p in (" \u00b7 ".join(parts), stats.get("note", "")) if p)
 
 
@@ -164,6 +167,7 @@ class MessageWidget(QFrame):
             row.addStretch(1)
             layout.addLayout(row)
 
+        self.retry_button: QToolButton | None = None
         self.stats_label = QLabel()
         self.stats_label.setWordWrap(True)
         self.stats_label.setEnabled(False)
@@ -239,6 +243,20 @@ class MessageWidget(QFrame):
         elif href.startswith(("http://", "https://")):
             QDesktopServices.openUrl(QUrl(href))
 
+    def highlight(self, needle: str) -> bool:
+        """Mark every occurrence of ``needle`` (case-insensitive) in the text; whether there was one."""
+        marks = []
+        cursor = self.body.document().find(needle)
+        while not cursor.isNull():
+            mark = QTextEdit.ExtraSelection()
+            mark.cursor = cursor
+            mark.format.setBackground(QColor("#f6d32d"))
+            mark.format.setForeground(QColor("#000000"))
+            marks.append(mark)
+            cursor = self.body.document().find(needle, cursor)
+        self.body.setExtraSelections(marks)
+        return bool(marks)
+
     def unfold(self) -> None:
         """Show the whole of a folded long message (:data:`FOLD_CHARS`)."""
         self.unfolded = True
@@ -267,6 +285,21 @@ class MessageWidget(QFrame):
         note = stats.get("message") if state == "error" else notes.get(state)
         self.stats_label.setText(" \u2014 ".join(p for p in (line, note) if p))
         self.stats_label.setVisible(bool(self.stats_label.text()))
+
+    def mark_unsaved(self, reason: str, retry: Callable[[], None]) -> None:
+        """Say that this message is not stored (the history database refused the write) and offer a retry."""
+        if self.retry_button is None:
+            self.retry_button = _tool_button("Retry saving", "Store this message in the chat history again", retry)
+            self.layout().addWidget(self.retry_button)
+        self.retry_button.show()
+        self.stats_label.setText(f"Not saved: {reason}")
+        self.stats_label.show()
+
+    def mark_saved(self, state: str, stats: dict[str, Any]) -> None:
+        """The message is stored after all (with ``state`` and ``stats``): drop the "not saved" note."""
+        if self.retry_button is not None:
+            self.retry_button.hide()
+        self._show_final(self.raw, state, stats)
 
     def start_streaming(self, thinking_first: bool) -> None:
         """Show the message as an answer in progress."""
@@ -338,6 +371,7 @@ class ChatView(QScrollArea):
         self.setWidget(self._content)
         self.widgets: list[MessageWidget] = []
         self._follow = True
+        self._target: MessageWidget | None = None    # a search match kept in view while the layout settles
         self.verticalScrollBar().rangeChanged.connect(self._range_changed)
         self.verticalScrollBar().valueChanged.connect(self._scrolled)
 
@@ -346,8 +380,22 @@ class ChatView(QScrollArea):
         self._follow = value >= bar.maximum() - 4
 
     def _range_changed(self, _min: int, maximum: int) -> None:
-        if self._follow:
+        if self._target is not None:
+            self.ensureWidgetVisible(self._target, 0, 40)
+        elif self._follow:
             self.verticalScrollBar().setValue(maximum)
+
+    def find(self, query: str) -> "MessageWidget | None":
+        """Scroll to the first shown message holding ``query`` (case-insensitive; else one of its words, as
+        the chat search matches them) and highlight it there; None when none holds it (the title matched)."""
+        for needle in [query] + query.split():
+            for widget in self.widgets:
+                if widget.highlight(needle):
+                    self._follow = False
+                    self._target = widget
+                    self.ensureWidgetVisible(widget, 0, 40)
+                    return widget
+        return None
 
     def show_messages(self, messages: list[Message], siblings: Callable[[int], list[int]]) -> None:
         """Show ``messages`` (the active branch), keeping the widgets of the part already shown."""
@@ -364,6 +412,7 @@ class ChatView(QScrollArea):
             self.add_message(message, siblings(message.id))
         self.empty_label.setVisible(not messages)
         self._follow = True
+        self._target = None
         self.shown.emit()
 
     def set_renderer(self, renderer: MarkdownRenderer) -> None:

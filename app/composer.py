@@ -150,9 +150,9 @@ class Thumbnail(QFrame):
         self.unreadable = ""
         layout.addWidget(self.model_size)
 
-    def set_model_size(self, size: tuple[int, int, int, int] | str | None) -> None:
-        """Show the (height, width, image tokens, pieces) the model sees, a reason it cannot see the image, or
-        nothing (None).
+    def set_model_size(self, size: tuple[int, ...] | str | None) -> None:
+        """Show the (height, width, image tokens, pieces) the model sees, that a remote server decides them
+        (``()``), a reason it cannot see the image, or nothing (None).
 
         With a reason, :attr:`unreadable` holds it (the composer then refuses to send).
         """
@@ -162,6 +162,11 @@ class Thumbnail(QFrame):
             self.model_size.setText("model cannot read it")
             self.model_size.setToolTip(size)
             self.model_size.setStyleSheet("color: #b35c00;")
+        elif size == ():
+            self.model_size.setText("the server decides its size and token cost")
+            self.model_size.setToolTip("A remote engine's vision tower resizes the image and counts its tokens; "
+                                       "the image is sent whole.")
+            self.model_size.setStyleSheet("")
         elif size is not None:
             self.model_size.setText(model_size_text(size))
             self.model_size.setToolTip("")
@@ -233,6 +238,9 @@ class Composer(QFrame):
         self.unavailable = ""
         self.refusal = ""
         self.has_vision: bool | None = None
+        self.vision_refusal = ""
+        self.drop_highlighted = False
+        self.setObjectName("composer")
         self.setAcceptDrops(True)
         layout = QVBoxLayout(self)
         layout.setContentsMargins(8, 6, 8, 8)
@@ -323,8 +331,7 @@ class Composer(QFrame):
             thumb = Thumbnail(result)
             thumb.remove_clicked.connect(lambda: self.remove_attachment(attachment, thumb))
             self._strip.insertWidget(self._strip.count() - 1, thumb)
-            if self.has_vision:
-                self.measure_requested.emit(attachment.path)
+            self._measure(thumb)
         self._update_warning()
         if not self.pending and self._send_when_ready:
             self._send_when_ready = False
@@ -367,18 +374,26 @@ class Composer(QFrame):
         for path in paths:
             self.add_file(path)
 
-    def set_vision(self, has_vision: bool | None) -> None:
+    def set_vision(self, has_vision: bool | None, refusal: str = "") -> None:
         """Tell the composer whether the loaded model can see images (None: no model loaded).
 
         With a vision tower, the attached images are measured again (the new model may resize
-        them differently).
+        them differently). ``refusal``: why images cannot be sent at all (a remote server that does not
+        say it reads them); each image is then marked with it and the message is not sent.
         """
         self.has_vision = has_vision
-        self._update_warning()
+        self.vision_refusal = refusal
         for thumb in self.thumbnails():
             thumb.set_model_size(None)
-            if has_vision:
-                self.measure_requested.emit(thumb.attachment.path)
+            self._measure(thumb)
+        self._update_warning()
+
+    def _measure(self, thumb: Thumbnail) -> None:
+        """Ask for the size the model sees ``thumb`` at, or mark it with :attr:`vision_refusal`."""
+        if self.vision_refusal:
+            thumb.set_model_size(self.vision_refusal)
+        elif self.has_vision:
+            self.measure_requested.emit(thumb.attachment.path)
 
     def unreadable_images(self) -> list[str]:
         """Why the model cannot read attached images, "image N: reason" per such image (N counts the
@@ -429,13 +444,24 @@ class Composer(QFrame):
         if self.can_attach(mime):
             self.editor.insertFromMimeData(mime)
 
+    def set_drop_highlight(self, on: bool) -> None:
+        """Outline the composer while images are dragged over the window (they will land here)."""
+        self.drop_highlighted = on
+        self.setStyleSheet("#composer { border: 2px dashed palette(highlight); border-radius: 4px; }" if on else "")
+
     def dragEnterEvent(self, event) -> None:
-        """Accept image files and images dragged onto the composer."""
+        """Accept image files and images dragged onto the composer (outlined until they are dropped or leave)."""
         if self.can_attach(event.mimeData()):
             event.acceptProposedAction()
+            self.set_drop_highlight(True)
+
+    def dragLeaveEvent(self, event) -> None:
+        """The drag left: no outline."""
+        self.set_drop_highlight(False)
 
     def dropEvent(self, event) -> None:
         """Attach what was dropped."""
+        self.set_drop_highlight(False)
         self.attach_dropped(event.mimeData())
         event.acceptProposedAction()
 

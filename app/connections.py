@@ -3,11 +3,13 @@
 A remote engine is an OpenAI-compatible server: a base URL, a model it lists at ``/v1/models`` and an
 API key. The key is kept in the system keyring (the ``keyring`` library: Secret Service, macOS
 Keychain, Windows Credential Locker), never in the settings file; on a machine without a keyring
-backend it is kept for this session only and the tab says so.
+backend it is kept for this session only and the tab says so, and how to keep it: a keyring backend,
+or the :data:`KEY_VARIABLE` environment variable, which is used when no key is stored.
 """
 
 from __future__ import annotations
 
+import os
 import threading
 from typing import Any
 
@@ -18,13 +20,19 @@ from PySide6.QtWidgets import (QCheckBox, QComboBox, QFormLayout, QGroupBox, QHB
 from .settings import Settings
 
 KEYRING_SERVICE = "DeltaDesk remote engine"
+KEY_VARIABLE = "DELTADESK_REMOTE_API_KEY"
+NO_KEYRING = ("This computer has no password store (keyring) that DeltaDesk can use, so the API key is kept only "
+              "until DeltaDesk quits. To keep it, install one (GNOME Keyring or KWallet; or `pip install "
+              f"keyrings.alt` for a file-based one), or set the environment variable {KEY_VARIABLE} before "
+              "starting DeltaDesk.")
 
 
 class KeyStore:
     """API keys per base URL, in the system keyring; in memory (this session) when there is none.
 
     Attributes:
-        note: why keys are not kept in the keyring ("" while it works), for the settings tab.
+        note: that keys are not kept and how to keep them, in plain words ("" while the keyring works).
+        reason: the technical reason for ``note`` (the backend, or the error it raised).
     """
 
     def __init__(self, backend: Any = None) -> None:
@@ -34,26 +42,34 @@ class KeyStore:
         self._keyring = backend
         self._session: dict[str, str] = {}
         self.note = ""
+        self.reason = ""
+        ring = backend.get_keyring() if hasattr(backend, "get_keyring") else None
+        if ring is not None and getattr(ring, "priority", 1) <= 0:      # keyring's "fail" and "null" backends
+            self.note, self.reason = NO_KEYRING, f"keyring's backend is {type(ring).__module__}.{type(ring).__name__}"
 
     def _failed(self, exc: Exception) -> None:
-        self.note = (f"No system keyring is available ({type(exc).__name__}: {exc}); the API key is kept until "
-                     "DeltaDesk quits and must be entered again next time.")
+        self.note, self.reason = NO_KEYRING, f"{type(exc).__name__}: {exc}"
 
     def get(self, url: str) -> str:
-        """The key stored for ``url`` ("" when none)."""
+        """The key stored for ``url``, else :data:`KEY_VARIABLE`'s value ("" when neither)."""
         if not url:
             return ""
         if url in self._session:
             return self._session[url]
-        try:
-            return self._keyring.get_password(KEYRING_SERVICE, url) or ""
-        except Exception as exc:  # noqa: BLE001 - any backend failure means "no keyring", never a crash
-            self._failed(exc)
-            return ""
+        stored = ""
+        if not self.note:
+            try:
+                stored = self._keyring.get_password(KEYRING_SERVICE, url) or ""
+            except Exception as exc:  # noqa: BLE001 - any backend failure means "no keyring", never a crash
+                self._failed(exc)
+        return stored or os.environ.get(KEY_VARIABLE, "")
 
     def set(self, url: str, key: str) -> None:
         """Keep ``key`` for ``url`` (an empty key deletes the stored one)."""
         if not url:
+            return
+        if self.note:
+            self._session[url] = key
             return
         try:
             if key:
@@ -127,6 +143,7 @@ class ConnectionsTab(QWidget):
         self.key.setAccessibleName("Remote API key")
         self.status = QLabel(keys.note or "The API key is kept in the system keyring, not in the settings file.")
         self.status.setWordWrap(True)
+        self.status.setToolTip(keys.reason)
         form.addRow("Base URL:", self.url)
         form.addRow("Model:", row)
         form.addRow("API key:", self.key)
@@ -150,15 +167,16 @@ class ConnectionsTab(QWidget):
     def _listed(self, names: list[str], error: str) -> None:
         self.list_button.setEnabled(True)
         if error:
-            self.status.setText(error)
+            self.status.setText(f"{error}\n\n{self._keys.note}" if self._keys.note else error)
             return
         current = self.model.currentText()
         self.model.clear()
         self.model.addItems(names)
         if current in names:
             self.model.setCurrentText(current)
-        self.status.setText(f"The server lists {len(names)} model{'s' if len(names) != 1 else ''}."
-                            if names else "The server lists no models.")
+        listed = (f"The server lists {len(names)} model{'s' if len(names) != 1 else ''}." if names
+                  else "The server lists no models.")
+        self.status.setText(f"{listed}\n\n{self._keys.note}" if self._keys.note else listed)
 
     def values(self) -> dict[str, Any]:
         """The tab's fields of :class:`Settings`."""

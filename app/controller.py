@@ -9,7 +9,9 @@ answered); Stop in that chat takes it out of the queue.
 
 Every database call goes to the :class:`~app.history_thread.HistoryThread`; the controller acts on
 the results when they come back (a conversation is shown, a turn starts), so the UI thread never
-waits for SQLite.
+waits for SQLite. A finished answer the database refuses to store (another program held it locked
+past the history's wait) stays in the chat view marked "not saved" with a retry, and so does a message
+whose rows cannot be added (its retry sends it again), so nothing typed or answered is lost.
 """
 
 from __future__ import annotations
@@ -95,6 +97,8 @@ class ChatController(QObject):
         unavailable: why no turn can start now (no model is loaded, ...), or "" when one can.
         context: the loaded model's context window, tokens (the settings' size capped at the
             model's own limit).
+        remote: whether the model runs on a remote server (its token counts come from the server's
+            ``usage``, or are not reported; it restores no snapshots here).
 
     Signals:
         request_chat(ChatRequest): connected (queued) to :meth:`EngineWorker.chat`.
@@ -123,7 +127,13 @@ class ChatController(QObject):
         self.settings = settings
         self.has_vision = False
         self.unavailable = "No model is loaded yet."
+        self.unsaved: dict[int, tuple[int, str, str, dict[str, Any], str]] = {}
+        """Answers the history refused to store: id -> (conversation, text, state, stats, reason)."""
+        self.unsent: dict[int, tuple[int, str, list[str], bool, str]] = {}
+        """Messages whose rows could not be added, shown under a stand-in id below 0:
+        id -> (conversation, text, images, thinking, reason)."""
         self.context = 0
+        self.remote = False
         self.conversation_id: int | None = None
         self.live: LiveTurn | None = None
         self.waiting: list[LiveTurn] = []
@@ -183,20 +193,29 @@ class ChatController(QObject):
             if widget is not None:
                 widget.start_streaming(turn.thinking)
                 widget.show_waiting()
+        for stand_in, entry in self.unsent.items():
+            if entry[0] == branch.conversation_id:
+                self._show_unsent(stand_in)
+        for message_id, (conversation, text, state, stats, reason) in self.unsaved.items():
+            widget = self.view.widget_for(message_id) if conversation == branch.conversation_id else None
+            if widget is not None:
+                widget.finish(text, state, stats)
+                widget.mark_unsaved(reason, lambda message_id=message_id: self.retry_save(message_id))
 
     def send(self, text: str, images: list[str], thinking: bool = False) -> bool:
         """Add a user message at the end of the active branch and answer it (at once, or after
         the turn of another chat); False while this chat has a turn or :attr:`unavailable`."""
         if self.busy_in(self.conversation_id) or self.unavailable or self.conversation_id is None:
             return False
-        self._begin(thinking, HistoryStore.reply, self.conversation_id, text, images, title_for(text))
+        self._begin(thinking, HistoryStore.reply, self.conversation_id, text, images, title_for(text),
+                    giveback=(text, images, thinking))
         return True
 
     def edit_and_resend(self, message_id: int, text: str, images: list[str], thinking: bool = False) -> bool:
         """Add an edited copy of a user message as its sibling (a new branch) and answer it."""
         if self.busy_in(self.conversation_id) or self.unavailable:
             return False
-        self._begin(thinking, HistoryStore.resend, message_id, text, images)
+        self._begin(thinking, HistoryStore.resend, message_id, text, images, giveback=(text, images, thinking))
         return True
 
     def regenerate(self, message_id: int, thinking: bool = False) -> bool:
@@ -241,17 +260,67 @@ class ChatController(QObject):
             widget.finish("", "stopped", stats)
         self._changed()
 
-    def _begin(self, thinking: bool, add_rows: Callable[..., TurnStart], *args: Any) -> None:
+    def _begin(self, thinking: bool, add_rows: Callable[..., TurnStart], *args: Any,
+               giveback: tuple[str, list[str], bool] | None = None) -> None:
         conversation = self.conversation_id
         self._starting.add(conversation)
         self._changed()
         self.history.call(add_rows, *args, then=lambda start: self._start_turn(conversation, start, thinking),
-                          on_error=lambda _error: self._not_started(conversation))
+                          on_error=lambda error: self._not_started(conversation, error, giveback))
 
-    def _not_started(self, conversation: int | None) -> None:
+    def _not_started(self, conversation: int | None, error: Exception | None = None,
+                     giveback: tuple[str, list[str], bool] | None = None) -> None:
+        """The turn's rows could not be added: the message stays shown, marked "not saved", with a retry."""
         self._starting.discard(conversation)
         self._stop_on_start.discard(conversation)
+        if giveback is not None and conversation is not None:
+            stand_in = min(self.unsent, default=0) - 1
+            self.unsent[stand_in] = (conversation, giveback[0], list(giveback[1]), giveback[2], str(error))
+            if conversation == self.conversation_id:
+                self._show_unsent(stand_in)
         self._changed()
+
+    def _show_unsent(self, stand_in: int) -> None:
+        conversation, text, images, _, reason = self.unsent[stand_in]
+        message = Message(stand_in, conversation, None, "user", text, time.time(), tuple(images))
+        widget = self.view.add_message(message, [stand_in])
+        widget.action_button.setEnabled(False)
+        widget.mark_unsaved(reason, lambda: self.retry_send(stand_in))
+
+    def retry_send(self, stand_in: int) -> None:
+        """Send again a message whose rows could not be added (it is shown until then)."""
+        entry = self.unsent.get(stand_in)
+        if entry is None or entry[0] != self.conversation_id or self.busy_in(entry[0]) or self.unavailable:
+            return
+        del self.unsent[stand_in]
+        self.send(entry[1], entry[2], entry[3])
+        self.open(entry[0])
+
+    def _store(self, conversation_id: int, message_id: int, text: str, state: str, stats: dict[str, Any]) -> None:
+        """Store an answer's final text, state and stats; one the history refuses is marked "not saved"."""
+        self.history.call(HistoryStore.update_message, message_id, text, state, stats,
+                          then=lambda _: self._saved(message_id),
+                          on_error=lambda error: self._not_saved(conversation_id, message_id, text, state, stats,
+                                                                 str(error)))
+
+    def _saved(self, message_id: int) -> None:
+        entry = self.unsaved.pop(message_id, None)
+        widget = self.view.widget_for(message_id) if entry is not None and entry[0] == self.conversation_id else None
+        if widget is not None:
+            widget.mark_saved(entry[2], entry[3])
+
+    def _not_saved(self, conversation_id: int, message_id: int, text: str, state: str, stats: dict[str, Any],
+                   reason: str) -> None:
+        self.unsaved[message_id] = (conversation_id, text, state, stats, reason)
+        widget = self.view.widget_for(message_id) if conversation_id == self.conversation_id else None
+        if widget is not None:
+            widget.mark_unsaved(reason, lambda: self.retry_save(message_id))
+
+    def retry_save(self, message_id: int) -> None:
+        """Try again to store an answer marked "not saved"."""
+        entry = self.unsaved.get(message_id)
+        if entry is not None:
+            self._store(entry[0], message_id, *entry[1:4])
 
     def _start_turn(self, conversation: int | None, start: TurnStart, thinking: bool) -> None:
         """The rows are stored: run the turn now, or queue it behind the live one."""
@@ -342,13 +411,16 @@ class ChatController(QObject):
                  "decode_tok_s": summary.decode_tok_s, "prompt_tokens": summary.prompt_tokens,
                  "reused_tokens": summary.reused_tokens, "generated_tokens": summary.generated_tokens,
                  "stop_reason": summary.stop_reason, "message": summary.message}
-        if summary.reused_tokens:
+        if self.remote and not summary.prompt_tokens:     # a prompt has tokens: 0 is a server that sent no usage
+            del stats["prompt_tokens"], stats["reused_tokens"]
+            stats["usage"] = "not reported by the server"
+        if summary.reused_tokens and not self.remote:
             stats["restore_ms"] = round(live.restore_ms, 1)
         if live.note:
             stats["note"] = live.note
         if live.thought_s is not None:
             stats["thinking_s"] = round(live.thought_s, 1)
-        self.history.call(HistoryStore.update_message, live.message_id, live.text, state, stats)
+        self._store(live.conversation_id, live.message_id, live.text, state, stats)
         widget = self._shown_widget(live)
         if widget is not None:
             widget.finish(live.text, state, stats)

@@ -119,7 +119,12 @@ class ConversationListModel(QAbstractListModel):
     the answer comes back (their ``then`` callbacks run after that). Renames and deletions change
     the list at once and are written in the background. Deleting hides a conversation in the
     store; :meth:`undo_delete` brings back the last one until :meth:`forget_deleted` purges them.
+
+    Signals:
+        purged(list): the ids of the deleted conversations :meth:`forget_deleted` purged.
     """
+
+    purged = Signal(list)
 
     def __init__(self, history: HistoryThread) -> None:
         super().__init__()
@@ -249,10 +254,10 @@ class ConversationListModel(QAbstractListModel):
         """Hide the conversation at ``row`` (undoable); returns its id."""
         conversation_id = self._rows[row].id
         self._history.call(HistoryStore.delete_conversation, conversation_id)
+        self.deleted.append(conversation_id)
         self.beginRemoveRows(QModelIndex(), row, row)
         del self._rows[row]
         self.endRemoveRows()
-        self.deleted.append(conversation_id)
         return conversation_id
 
     def undo_delete(self, then: Callable[[int], None] | None = None) -> int | None:
@@ -265,9 +270,11 @@ class ConversationListModel(QAbstractListModel):
         return conversation_id
 
     def forget_deleted(self) -> None:
-        """Purge deleted conversations for good; undo is no longer possible."""
-        self.deleted = []
+        """Purge deleted conversations for good (``purged`` names them); undo is no longer possible."""
+        purged, self.deleted = self.deleted, []
         self._history.call(HistoryStore.purge_deleted)
+        if purged:
+            self.purged.emit(purged)
 
     def touch(self, conversation_id: int) -> None:
         """Move a conversation whose content changed to its place (the top), with its new title."""

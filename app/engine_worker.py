@@ -125,6 +125,11 @@ class ModelSummary:
     info: Any
 
 
+def holds_gpu(info: Any) -> bool:
+    """Whether a loaded model keeps buffers on the GPU (prefill or its vision tower runs there)."""
+    return info.device == "cuda" or getattr(info, "vision_device", "") == "cuda"
+
+
 def human_size(n: float) -> str:
     """A byte count as "512 B", "3.4 MB", ..."""
     if n < 1024:
@@ -206,7 +211,7 @@ class EngineWorker(QObject):
         gpu_reported(GpuReport): where prefill runs and images are encoded, and the last GPU prefill
             (after a load, a turn).
         image_measured(str, object): an image path and the (height, width, image tokens, pieces) the model
-            will see, or a sentence saying why it cannot.
+            will see, () when a remote server sizes it itself, or a sentence saying why it cannot.
         notice(str): something went wrong outside a turn; plain words for the status bar.
         served(str): where "Serve on localhost" listens, or why it does not ("" when it is off).
 
@@ -246,19 +251,27 @@ class EngineWorker(QObject):
 
     @Slot(object)
     def load(self, request: LoadRequest) -> None:
-        """Drop the current model (saving its snapshots) and load another on a loader thread.
+        """Load another model on a loader thread; the loaded one stays until that one is ready.
 
         A load still in progress is cancelled. Emits ``load_stage`` as the load goes, then
-        ``loaded`` or ``load_failed``, unless :meth:`cancel_load` was called meanwhile.
+        ``loaded`` (the previous model was closed, its snapshots saved) or ``load_failed`` (the
+        previous model, if any, is still loaded and answers), unless :meth:`cancel_load` was called
+        meanwhile. Both models are open while the new one loads (their weights are used where the
+        file is mapped: page cache, not a copy), except when the loaded one holds the GPU
+        (:func:`holds_gpu`): it is closed first, so the new model's VRAM budget is measured on a free
+        device; the window then loads it again if the new one fails.
         """
-        self._close_engine()
+        self._stop_ahead()
+        if self._engine is not None and holds_gpu(self._engine.info):
+            self._close_engine()
         cancel = threading.Event()
         with self._lock:
             self._load_cancel.set()
             self._load_cancel = cancel
             self._load_number += 1
             number = self._load_number
-        self._load_error = "The model is still loading."
+        if self._engine is None:
+            self._load_error = "The model is still loading."
         threading.Thread(target=self._load_in_background, args=(number, request, cancel),
                          name=f"model-load-{number}", daemon=True).start()
 
@@ -266,12 +279,13 @@ class EngineWorker(QObject):
         """Stop the load in progress; callable from any thread, returns at once.
 
         The load's cancel flag is set, so the engine stops at its next stage; whatever the loader
-        thread still returns is dropped.
+        thread still returns is dropped. The model loaded before, if any, stays.
         """
         with self._lock:
             self._load_cancel.set()
             self._load_number += 1
-        self._load_error = "Loading the model was cancelled."
+        if self._engine is None:
+            self._load_error = "Loading the model was cancelled."
 
     def _is_current(self, number: int) -> bool:
         with self._lock:
@@ -299,9 +313,11 @@ class EngineWorker(QObject):
                 engine.close()
             return
         if engine is None:
-            self._load_error = outcome
+            if self._engine is None:
+                self._load_error = outcome
             self.load_failed.emit(outcome)
             return
+        self._close_engine()
         self._engine = engine
         self.loaded.emit(outcome)
         self.report_gpu()
@@ -460,8 +476,9 @@ class EngineWorker(QObject):
         """Emit ``image_measured`` with the size ``path`` will have for the vision tower and the
         image tokens it will take (the tower's own count: it differs between model families).
 
-        The engine prepares the image (reads and resizes it; no encoding) once to know both; a request
-        that arrives while the window closes is skipped.
+        The engine prepares the image (reads and resizes it; no encoding) once to know both; a remote
+        engine's server decides them (``image_info`` returns None: ``()`` is emitted). A request that
+        arrives while the window closes is skipped.
         """
         if self._engine is None or self.closing.is_set():
             return
@@ -469,7 +486,7 @@ class EngineWorker(QObject):
         try:
             with self.turn_lock:
                 info = self._engine.image_info(path)
-            size: Any = (info.height, info.width, info.tokens, info.pieces)
+            size: Any = () if info is None else (info.height, info.width, info.tokens, info.pieces)
         except Exception as exc:  # noqa: BLE001 - every failure becomes a message in the window
             size = plain_error(exc, "reading the image")
         self.image_measured.emit(path, size)

@@ -75,6 +75,15 @@ class HistoryError(Exception):
     """The history database cannot be opened or is newer than this program."""
 
 
+class HistoryDamaged(HistoryError):
+    """The file at the history path is not a usable history database: not SQLite, damaged pages (its
+    integrity check fails), or another program's tables. :func:`app.history_recovery.set_aside` moves it."""
+
+
+class HistoryLocked(HistoryError):
+    """Another process held the database's write lock for longer than the store waits (``lock_wait_s``)."""
+
+
 @dataclass(frozen=True)
 class Conversation:
     """One row of the conversation list."""
@@ -199,6 +208,11 @@ def ensure_search_index(conn: sqlite3.Connection) -> bool:
     return True
 
 
+def _is_locked(exc: sqlite3.Error) -> bool:
+    """Whether ``exc`` is SQLite's "database is locked" / "busy" (another connection holds a lock)."""
+    return isinstance(exc, sqlite3.OperationalError) and ("locked" in str(exc) or "busy" in str(exc))
+
+
 def fts_query(text: str) -> str:
     """A user's search text as an FTS5 query: every word, as a prefix (``"pear"* "tart"*``)."""
     return " ".join('"' + word.replace('"', '""') + '"*' for word in re.findall(r"\w+", text))
@@ -223,6 +237,9 @@ class HistoryStore:
         full_text: searches use the FTS5 index (else a LIKE scan).
     """
 
+    lock_wait_s = 30.0
+    """How long a write waits for a lock another process holds, with backoff, before :class:`HistoryLocked`."""
+
     def __init__(self, conn: sqlite3.Connection, path: Path, full_text: bool = False) -> None:
         self._conn = conn
         self.path = path
@@ -235,22 +252,33 @@ class HistoryStore:
         ``full_text=False`` searches with LIKE even where SQLite has FTS5.
 
         Raises:
-            HistoryError: the file is not a readable SQLite database or is from a newer DeltaDesk.
+            HistoryDamaged: the file is not SQLite, its integrity check fails (damaged pages), or it holds
+                another program's tables (:func:`app.history_recovery.check_database`).
+            HistoryError: the file is from a newer DeltaDesk, or cannot be read or written.
         """
+        from .history_recovery import check_database
         path = Path(path)
-        path.parent.mkdir(parents=True, exist_ok=True)
+        conn = None
         try:
+            path.parent.mkdir(parents=True, exist_ok=True)
             conn = sqlite3.connect(path, isolation_level=None)
+            conn.execute("PRAGMA busy_timeout = 1000")
+            check_database(conn, path)
             conn.execute("PRAGMA journal_mode = WAL")
             conn.execute("PRAGMA synchronous = NORMAL")
             conn.execute("PRAGMA foreign_keys = ON")
-            conn.execute("PRAGMA busy_timeout = 2000")
             migrate(conn, path)
             has_fts = ensure_search_index(conn)
-        except sqlite3.DatabaseError as exc:
-            raise HistoryError(f"{path}: cannot open the history database: {exc}") from exc
-        store = cls(conn, path, full_text and has_fts)
-        store.purge_deleted()
+            store = cls(conn, path, full_text and has_fts)
+            store.purge_deleted()
+        except (sqlite3.DatabaseError, OSError, HistoryError) as exc:
+            if conn is not None:
+                conn.close()
+            if isinstance(exc, HistoryError):
+                raise
+            damaged = isinstance(exc, sqlite3.DatabaseError) and ("not a database" in str(exc) or "malformed" in str(exc))
+            kind = HistoryDamaged if damaged else HistoryError
+            raise kind(f"{path}: cannot open the history database: {exc}") from exc
         return store
 
     def close(self) -> None:
@@ -260,13 +288,35 @@ class HistoryStore:
 
     @contextmanager
     def _transaction(self) -> Iterator[sqlite3.Connection]:
-        self._conn.execute("BEGIN IMMEDIATE")
+        self._begin()
         try:
             yield self._conn
         except BaseException:
             self._conn.execute("ROLLBACK")
             raise
         self._conn.execute("COMMIT")
+
+    def _begin(self) -> None:
+        """``BEGIN IMMEDIATE`` (take the write lock), retried with backoff (50 ms doubling to 1 s) while
+        another process holds it, for up to :attr:`lock_wait_s`.
+
+        Raises:
+            HistoryLocked: still locked after that.
+        """
+        deadline = time.monotonic() + self.lock_wait_s
+        pause = 0.05
+        while True:
+            try:
+                self._conn.execute("BEGIN IMMEDIATE")
+                return
+            except sqlite3.OperationalError as exc:
+                if not _is_locked(exc):
+                    raise
+                if time.monotonic() + pause > deadline:
+                    raise HistoryLocked(f"{self.path}: the chat history is locked by another program (waited "
+                                        f"{self.lock_wait_s:g} s)") from exc
+            time.sleep(pause)
+            pause = min(2 * pause, 1.0)
 
     def _write(self, sql: str, params: Iterable[Any] = ()) -> sqlite3.Cursor:
         with self._transaction() as conn:

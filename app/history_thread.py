@@ -5,6 +5,10 @@ arguments) with :meth:`HistoryThread.call` and gets on with its frame; the job's
 runs later on the UI thread with the result. Jobs run one at a time in the order they were posted,
 so a read posted after a write sees it. :meth:`HistoryThread.stop` runs the jobs already posted,
 then checkpoints and closes the file, so a quit loses no write.
+
+The thread never dies silently: a job that raises anything reaches the window (``failed``, and the
+job's ``on_error``) and the next job runs; a damaged history file is moved aside and a new one started
+(``damaged``); a file that cannot be used at all leaves this run's chats in memory (``unavailable``).
 """
 
 from __future__ import annotations
@@ -17,7 +21,8 @@ from typing import Any, Callable
 
 from PySide6.QtCore import QThread, Signal, Slot
 
-from .history import HistoryError, HistoryStore
+from .history import HistoryDamaged, HistoryError, HistoryStore
+from .history_recovery import set_aside
 
 
 @dataclass
@@ -41,19 +46,27 @@ class Job:
 class HistoryThread(QThread):
     """Owns the history database on its own thread.
 
+    Args:
+        path: the database file.
+        lock_wait_s: how long a write waits for another process's lock (``HistoryStore.lock_wait_s``).
+
     Signals:
         failed(str): a job raised; plain words for the window's status bar.
         unavailable(str): the database file could not be opened; this run keeps its chats in memory.
+        damaged(str): the file was damaged (or another program's) and was moved aside; what happened
+            and where the old file is now, for a dialog.
     """
 
     failed = Signal(str)
     unavailable = Signal(str)
+    damaged = Signal(str)
     _done = Signal(object)
 
-    def __init__(self, path: str | Path) -> None:
+    def __init__(self, path: str | Path, lock_wait_s: float = HistoryStore.lock_wait_s) -> None:
         super().__init__()
         self.setObjectName("history")
         self.path = path
+        self.lock_wait_s = lock_wait_s
         self._jobs: queue.SimpleQueue[Job | None] = queue.SimpleQueue()
         self._done.connect(self._deliver)
 
@@ -66,15 +79,12 @@ class HistoryThread(QThread):
 
     def run(self) -> None:
         """Open the database, run jobs until :meth:`stop`, close it (on this thread)."""
-        try:
-            store = HistoryStore.open(self.path)
-        except HistoryError as exc:
-            store = HistoryStore.open(":memory:")
-            self.unavailable.emit(f"{exc}. This session's chats will not be saved.")
+        store = self._open()
         while (job := self._jobs.get()) is not None:
+            store.lock_wait_s = self.lock_wait_s
             try:
                 result = job.fn(store, *job.args)
-            except Exception as exc:  # noqa: BLE001 - every failure becomes a message in the window
+            except BaseException as exc:  # noqa: BLE001 - every failure becomes a message in the window
                 job.future.set_exception(exc)
                 self.failed.emit(f"Chat history: {exc}")
             else:
@@ -82,6 +92,25 @@ class HistoryThread(QThread):
             if job.then is not None or job.on_error is not None:
                 self._done.emit(job)
         store.close()
+
+    def _open(self) -> HistoryStore:
+        """The store on :attr:`path`; a damaged file moved aside for a new one; else one in memory."""
+        try:
+            return HistoryStore.open(self.path)
+        except HistoryDamaged as exc:
+            try:
+                moved = set_aside(self.path)
+                store = HistoryStore.open(self.path)
+            except (HistoryError, OSError) as again:
+                self.unavailable.emit(f"{exc}; it could not be replaced ({again}). This session's chats will "
+                                      "not be saved.")
+                return HistoryStore.open(":memory:")
+            self.damaged.emit(f"The chat history could not be read: {exc}.\n\nThe file was moved to {moved} "
+                              "(nothing in it was changed) and a new, empty history was started.")
+            return store
+        except Exception as exc:  # noqa: BLE001 - a newer DeltaDesk's file, an unreadable folder: say so
+            self.unavailable.emit(f"{exc}. This session's chats will not be saved.")
+            return HistoryStore.open(":memory:")
 
     @Slot(object)
     def _deliver(self, job: Job) -> None:

@@ -7,13 +7,10 @@ geometry.
 
 from __future__ import annotations
 
-import json
-import os
-import re
 from dataclasses import replace
 from pathlib import Path
 
-from PySide6.QtCore import QMimeData, QSettings, Qt, Signal, Slot
+from PySide6.QtCore import QSettings, Qt, Signal, Slot
 from PySide6.QtGui import QAction, QCloseEvent, QGuiApplication, QIcon, QKeySequence, QPalette, QShortcut
 from PySide6.QtWidgets import (QApplication, QDialog, QFileDialog, QHBoxLayout, QLabel, QMainWindow, QMessageBox,
                                QProgressBar, QPushButton, QScrollArea, QSplitter, QStyle, QToolButton, QVBoxLayout,
@@ -24,12 +21,14 @@ from .composer import Composer
 from .controller import ChatController
 from .connections import KeyStore
 from .conversations import ConversationIdRole, ConversationListModel, ConversationPanel
-from .engine_worker import LoadRequest, ModelSummary, WorkerThread
+from .engine_worker import LoadRequest, ModelSummary, WorkerThread, holds_gpu
 from .gpu import GpuReport, device_phrase, vision_phrase
-from .history import HistoryStore, ImageStore
+from .history import ImageStore
 from .history_thread import HistoryThread
 from .markdown_render import MarkdownRenderer
 from .model_browser import show_model_browser
+from .model_files import headline, paired_mmproj
+from .window_files import FileActions
 from .settings import Settings
 from .settings_dialog import SettingsDialog
 from .sidebar import MonitorThread, Sidebar
@@ -46,71 +45,7 @@ def follows_dark_scheme() -> bool:
     return QGuiApplication.palette().color(QPalette.Window).lightness() < 128
 
 
-def gguf_files(mime: QMimeData) -> tuple[list[str], list[str]]:
-    """The local .gguf files of a drop, as (models, vision towers); a tower's name contains "mmproj"."""
-    files = [url.toLocalFile() for url in mime.urls()
-             if url.isLocalFile() and url.toLocalFile().lower().endswith(".gguf")]
-    towers = [f for f in files if "mmproj" in Path(f).name.lower()]
-    return [f for f in files if f not in towers], towers
-
-
-def paired_mmproj(model_path: str) -> str | None:
-    """The vision tower lying next to a model: the one ``*mmproj*.gguf`` file in its folder, or of
-    several the one whose name shares the longest start with the model's (None: none, a tie, or
-    the folder cannot be read). llama.cpp's and the model hubs' releases ship the pair that way.
-    """
-    model = Path(model_path)
-    try:
-        towers = sorted(p for p in model.parent.glob("*.gguf") if "mmproj" in p.name.lower() and p != model)
-    except OSError:
-        return None
-    if len(towers) <= 1:
-        return str(towers[0]) if towers else None
-    def shared(p: Path) -> int:
-        return len(os.path.commonprefix([p.name.lower(), model.name.lower()]))
-    best = max(shared(p) for p in towers)
-    picks = [p for p in towers if shared(p) == best]
-    return str(picks[0]) if len(picks) == 1 and best > 0 else None
-
-
-def headline(info, prefill: str, images: str = "") -> str:
-    """The banner's line for a user: model name, size, main quant type, what it takes, where it runs.
-
-    E.g. "Qwen3.6-35B-A3B-Q4_K_M · 34.7 B params · Q4_K · text and images · prefill on GPU (H200),
-    decode on CPU". ``info`` is an :class:`engine.api.ModelInfo` (``n_params`` counts the text
-    model; the main quant type is the one holding the most bytes); ``prefill`` and ``images`` are
-    :func:`~app.gpu.device_phrase` and :func:`~app.gpu.vision_phrase`. A remote engine is named
-    with its server: "tiny on http://host:8000/v1 (remote engine) · text only · runs on the server".
-    A file that chats in ChatML for want of a template ends with that notice (``info.template_note``).
-    A pruned file says how many experts it kept after its size ("128 of 256 experts kept (REAP)",
-    ``info.pruning``).
-    """
-    takes = "text and images" if info.has_vision else "text only"
-    if info.remote:
-        return " \u00b7 ".join((f"{info.name} on {info.remote} (remote engine)", takes, prefill))
-    n = info.n_params
-    size = f"{n / 1e9:.1f} B" if n >= 1e9 else f"{n / 1e6:.1f} M"
-    quant = max(info.quant_mix.items(), key=lambda kv: kv[1][1])[0] if info.quant_mix else "?"
-    where = ", ".join(p for p in (prefill, "decode on CPU", images) if p)
-    parts = (Path(info.path).stem, f"{size} params", info.pruning, quant, takes, where, info.template_note)
-    return " \u00b7 ".join(p for p in parts if p)
-
-
-def _export(store: HistoryStore, conversation_id: int, path: Path, kind: str) -> None:
-    """Write a conversation to ``path``: "md" (active branch) or "json" (every branch)."""
-    if kind == "md":
-        path.write_text(store.export_markdown(conversation_id), encoding="utf-8")
-    else:
-        path.write_text(json.dumps(store.export_json(conversation_id), ensure_ascii=False, indent=1),
-                        encoding="utf-8")
-
-
-def _import(store: HistoryStore, path: Path) -> int:
-    """Add the conversation of a JSON export file; returns its id."""
-    return store.import_json(json.loads(path.read_text(encoding="utf-8")))
-
-
-class MainWindow(QMainWindow):
+class MainWindow(FileActions, QMainWindow):
     """DeltaDesk's one window.
 
     Args:
@@ -143,6 +78,10 @@ class MainWindow(QMainWindow):
         self.snapshot_dir = snapshot_dir
         self.prefs = Settings.read(state)
         self.model: ModelSummary | None = None
+        self._previous: ModelSummary | None = None      # the model that answers again if a switch fails
+        self._previous_prefs: Settings | None = None    # and the settings that load it
+        self._loaded_request: LoadRequest | None = None  # what loaded the model in use
+        self._after_load = ""                            # the status line once the next load is done
         self.loading: LoadRequest | None = None
         self._remember_load = False
         self.keys = KeyStore()
@@ -187,6 +126,12 @@ class MainWindow(QMainWindow):
         self.controller.activity_changed.connect(self._activity_changed)
         self.controller.turn_refused.connect(self._turn_refused)
         self.panel.conversation_selected.connect(self._activity_changed)
+        self.panel.conversation_selected.connect(self.sidebar.show_conversation)
+        self.panel.conversation_selected.connect(self._find_on_open)
+        self.controller.request_chat.connect(lambda request: self.sidebar.turn_started(int(request.conversation)))
+        self.conversations.purged.connect(self._drop_snapshots_of)
+        self.conversations.rowsRemoved.connect(self.snapshots.relabel)
+        self.conversations.modelReset.connect(self.snapshots.relabel)
         self.composer.send_requested.connect(self._send)
         self.composer.stop_requested.connect(self.controller.stop)
         self.composer.think_box.toggled.connect(lambda on: self.apply_settings(replace(self.prefs, thinking=on)))
@@ -214,6 +159,7 @@ class MainWindow(QMainWindow):
             self.serve_requested.emit(self.prefs.serve_port)
         history.failed.connect(self.statusBar().showMessage)
         history.unavailable.connect(self._history_unavailable)
+        history.damaged.connect(self._history_damaged)
         if monitor is not None:
             monitor.monitor.sampled.connect(self.sidebar.on_system)
         self.load_requested.connect(worker.load)
@@ -221,11 +167,14 @@ class MainWindow(QMainWindow):
         QGuiApplication.styleHints().colorSchemeChanged.connect(self._scheme_changed)
         QShortcut(QKeySequence(Qt.Key_Escape), self, self.escape)
         self.chat_view.shown.connect(self._update_actions)
+        self.chat_view.shown.connect(self._show_find)
+        self._find = ""
         self._build_menus()
         self._restore_state()
 
     def _build_banner(self) -> QWidget:
-        bar = QWidget()
+        bar = self.banner_bar = QWidget()
+        bar.setObjectName("bannerBar")
         row = QHBoxLayout(bar)
         row.setContentsMargins(10, 4, 10, 4)
         self.banner = QLabel("No model is loaded.")
@@ -350,11 +299,12 @@ class MainWindow(QMainWindow):
         """Stop the live answer (and empty the queue), show the load as under way and send ``request``
         to the worker."""
         self.controller.stop_all()
+        if self.loading is None:
+            self._previous = self.model
         self.model = None
         self.loading = request
         self._remember_load = remember
         self._set_ready(f"Wait: {request.name} is loading.")
-        self.sidebar.clear_model()
         self.composer.set_vision(None)
         self._set_banner(f"Loading {request.name}\u2026", False)
         self._show_loading(True)
@@ -375,10 +325,11 @@ class MainWindow(QMainWindow):
         if self.loading is None:
             return
         self.engine.worker.cancel_load()
-        self.loading = None
+        name, self.loading = self.loading.name, None
         self._show_loading(False)
-        self._set_ready(NO_MODEL)
-        self._set_banner("Loading was cancelled; no model is loaded. Open one with Ctrl+O or in Settings.", False)
+        if not self._keep_previous(f"Loading {name} was cancelled."):
+            self._set_ready(NO_MODEL)
+            self._set_banner("Loading was cancelled; no model is loaded. Open one with Ctrl+O or in Settings.", False)
 
     @Slot(object, str)
     def _load_stage(self, request: LoadRequest, stage: str) -> None:
@@ -389,20 +340,58 @@ class MainWindow(QMainWindow):
     @Slot(object)
     def _loaded(self, summary: ModelSummary) -> None:
         request, self.loading = self.loading, None
+        self._previous = self._previous_prefs = None
+        self._loaded_request = request
+        self.sidebar.clear_model()
+        self._use(summary)
+        self.models_button.setVisible(request is not None and not request.model_path and not request.remote_url)
+        if self._after_load:
+            self._say(self._after_load)
+            self._after_load = ""
+        else:
+            self.statusBar().showMessage(f"Now using {summary.info.name or Path(summary.info.path).name}.", 10000)
+        if request is not None and self._remember_load:
+            self.apply_settings(replace(self.prefs, model_path=request.model_path or "",
+                                        mmproj_path=request.mmproj_path or "", remote_url="", remote_model=""),
+                                reload=False)
+
+    def _use(self, summary: ModelSummary) -> None:
+        """Show ``summary``'s model as the one answering: banner, composer, controller and sidebar."""
         self.model = summary
         self._show_loading(False)
         self._set_ready("")
         info = summary.info
         self._show_model_line(info.device, info.device_note, info.vision_device, info.vision_note)
-        self.controller.has_vision = summary.info.has_vision
-        self.controller.context = summary.info.context
-        self.composer.set_vision(summary.info.has_vision)
-        self.sidebar.set_context(summary.info.context)
-        self.models_button.setVisible(request is not None and not request.model_path and not request.remote_url)
-        if request is not None and self._remember_load:
-            self.apply_settings(replace(self.prefs, model_path=request.model_path or "",
-                                        mmproj_path=request.mmproj_path or "", remote_url="", remote_model=""),
-                                reload=False)
+        self.controller.has_vision = info.has_vision
+        self.controller.context = info.context
+        self.controller.remote = bool(info.remote)
+        self.composer.set_vision(info.has_vision, info.vision_note if info.remote and not info.has_vision else "")
+        self.sidebar.set_context(info.context, bool(info.remote))
+
+    def _keep_previous(self, what: str) -> bool:
+        """After a failed or cancelled switch: the model loaded before answers again (the settings name it
+        again), and the status bar says which model is still used and ``what`` happened; False when there
+        was none."""
+        previous, self._previous = self._previous, None
+        prefs, self._previous_prefs = self._previous_prefs, None
+        if previous is None:
+            self.statusBar().showMessage(what)
+            return False
+        if prefs is not None:
+            self.apply_settings(self.prefs.with_load_of(prefs), reload=False)
+        name = previous.info.name or Path(previous.info.path).name
+        if holds_gpu(previous.info) and self._loaded_request is not None:   # the worker closed it first
+            self._after_load = f"Still using {name} (loaded again). {what}"
+            self._start_load(self._loaded_request)
+            return True
+        self._use(previous)
+        self._say(f"Still using {name}. {what}")
+        return True
+
+    def _say(self, message: str) -> None:
+        """A lasting status-bar line (the model in use first: the bar cuts a long line), whole in its tooltip."""
+        self.statusBar().showMessage(message)
+        self.statusBar().setToolTip(message)
 
     def _show_model_line(self, device: str, note: str, vision_device: str, vision_note: str) -> None:
         """The banner: what a user asks about the model (:func:`headline`); the engineer's details
@@ -442,10 +431,13 @@ class MainWindow(QMainWindow):
 
     @Slot(str)
     def _load_failed(self, message: str) -> None:
-        self.loading = None
+        request, self.loading = self.loading, None
+        self._after_load = ""
         self._show_loading(False)
-        self._set_ready(NO_MODEL)
-        self._set_banner(f"The model could not be loaded. {message}", True)
+        name = request.name if request is not None else "the model"
+        if not self._keep_previous(f"Could not open {name}: {message}"):
+            self._set_ready(NO_MODEL)
+            self._set_banner(f"The model could not be loaded. {message}", True)
 
     def _set_ready(self, reason: str) -> None:
         """Whether a model can answer now ("") or why not: the composer and the controller refuse
@@ -469,9 +461,16 @@ class MainWindow(QMainWindow):
 
     def open_settings(self) -> None:
         """Show the settings dialog and apply what the user accepts."""
-        dialog = SettingsDialog(self.prefs, self, self.keys)
+        dialog = self.settings_dialog()
         if dialog.exec() == QDialog.Accepted:
             self.apply_settings(dialog.settings())
+
+    def settings_dialog(self) -> SettingsDialog:
+        """The settings dialog on the current settings, the loaded model and whether a GPU was found."""
+        report = self.sidebar.gpu_report
+        has_gpu = (self.monitor is not None and self.monitor.gpu is not None) or (
+            report is not None and report.device == "cuda")
+        return SettingsDialog(self.prefs, self, self.keys, self.model.info if self.model else None, has_gpu)
 
     def apply_settings(self, settings: Settings, reload: bool = True) -> None:
         """Use and save ``settings``; with ``reload``, the model is loaded again when its files or
@@ -486,13 +485,38 @@ class MainWindow(QMainWindow):
             self.serve_requested.emit(settings.serve_port if settings.serve_local else 0)
         if reload and settings.load_key() != old.load_key():
             self.load_configured()
+            self._previous_prefs = old
 
     def _snapshot_title(self, conversation: str) -> str:
-        return (self.conversations.title(int(conversation)) or "") if conversation.isdigit() else ""
+        """A snapshot's chat title; "(deleted)" after it while Undo can bring the chat back."""
+        if not conversation.isdigit():
+            return ""
+        title = self.conversations.title(int(conversation)) or ""
+        return f"{title} (deleted)" if title and int(conversation) in self.conversations.deleted else title
+
+    def _drop_snapshots_of(self, conversations: list[int]) -> None:
+        """Deleted chats were purged: drop the prefix snapshots their turns took."""
+        for key in self.snapshots.keys_of({str(c) for c in conversations}):
+            self.sidebar.snapshots.clear_requested.emit(key)
+
+    def _find_on_open(self, _conversation_id: int) -> None:
+        """A chat opened while the list is searched: once shown, it scrolls to the match (:meth:`_show_find`)."""
+        self._find = self.conversations.query
+
+    def _show_find(self) -> None:
+        if self._find:
+            self.chat_view.find(self._find)
+            self._find = ""
 
     def _history_unavailable(self, message: str) -> None:
         self.chat_view.empty_label.setText(message)
         self.statusBar().showMessage(message)
+
+    def _history_damaged(self, message: str) -> None:
+        """The history file was damaged and moved aside: a dialog says so and where it is (not blocking)."""
+        self.history_dialog = QMessageBox(QMessageBox.Warning, "Chat history", message, QMessageBox.Ok, self)
+        self.history_dialog.open()
+        self.statusBar().showMessage(message.split("\n")[0], 15000)
 
     # conversations and messages
 
@@ -503,7 +527,8 @@ class MainWindow(QMainWindow):
         self.state.sync()
 
     def new_conversation(self) -> None:
-        """Start an empty conversation and show it."""
+        """Start an empty conversation and show it; the search box is cleared (the list shows every chat)."""
+        self.panel.search.clear()
         self.conversations.create(then=self.panel.select)
         self.composer.editor.setFocus()
 
@@ -570,74 +595,6 @@ class MainWindow(QMainWindow):
         if path:
             self.load_model(path, remember=True)
 
-    def export_current(self, path: Path, kind: str) -> None:
-        """Write the shown conversation to ``path`` (on the history thread): "md" or "json"."""
-        conversation_id = self.controller.conversation_id
-        if conversation_id is None:
-            return
-        self.history.call(_export, conversation_id, path, kind,
-                          then=lambda _: self.statusBar().showMessage(f"Exported to {path}", 8000),
-                          on_error=lambda exc: self.statusBar().showMessage(f"Export failed: {exc}"))
-
-    def import_file(self, path: Path) -> None:
-        """Add the conversation of a JSON export and show it (a failure is said in the status bar)."""
-        def imported(conversation_id: int) -> None:
-            self.panel.select(conversation_id)
-            self.statusBar().showMessage(f"Imported {path.name}", 8000)
-
-        self.history.call(_import, path, then=imported,
-                          on_error=lambda exc: self.statusBar().showMessage(f"Import failed: {path.name}: {exc}"))
-
-    def export_dialog(self, kind: str) -> None:
-        """Ask where to export the shown conversation."""
-        if self.controller.conversation_id is None:
-            return
-        title = self.conversations.title(self.controller.conversation_id) or ""
-        name = re.sub(r"[^\w\- ]+", "", title)[:60] or "chat"
-        pattern = "Markdown (*.md)" if kind == "md" else "JSON (*.json)"
-        path, _ = QFileDialog.getSaveFileName(self, "Export chat", f"{name}.{kind}", pattern)
-        if path:
-            self.export_current(Path(path), kind)
-
-    def import_dialog(self) -> None:
-        """Pick a JSON export to import."""
-        path, _ = QFileDialog.getOpenFileName(self, "Import chat", "", "JSON (*.json)")
-        if path:
-            self.import_file(Path(path))
-
-    # drops anywhere on the window: model files load, images go to the composer
-
-    def dragEnterEvent(self, event) -> None:
-        """Accept dropped .gguf files (they will be loaded) and images (they will be attached)."""
-        mime = event.mimeData()
-        if any(gguf_files(mime)) or self.composer.can_attach(mime):
-            event.acceptProposedAction()
-
-    def dropEvent(self, event) -> None:
-        """Load a dropped model, or attach dropped images to the composer.
-
-        Drops on the chat view and on every other part that takes none of its own end here (Qt
-        hands an ignored drag on to the parent widgets); the composer takes the drops made on it.
-
-        A model loads with a dropped vision tower, if any (its name contains "mmproj"); a tower
-        dropped alone is loaded with the configured model. What loads becomes the configured model.
-        Images are attached by :meth:`Composer.attach_dropped`, exactly as a drop on the composer:
-        the same thumbnails and measuring, the same warning when the model has no vision tower.
-        A drop holding both .gguf files and images loads the model and leaves the images out, as
-        the window always did; the same drop on the composer attaches the images and leaves the
-        .gguf files out (the composer takes image drops only).
-        """
-        mime = event.mimeData()
-        models, towers = gguf_files(mime)
-        if models or towers:
-            tower = towers[0] if towers else None
-            self.load_model(models[0] if models else self.prefs.model_path or None, tower, remember=True)
-        elif self.composer.can_attach(mime):
-            self.composer.attach_dropped(mime)
-        else:
-            return
-        event.acceptProposedAction()
-
     # window state
 
     def _restore_state(self) -> None:
@@ -677,9 +634,9 @@ class MainWindow(QMainWindow):
         self.state.sync()
         self.controller.shutdown()
         self.cancel_load()
+        self.conversations.forget_deleted()       # before the engine stops: their snapshots are dropped
         self.engine.stop()
         if self.monitor is not None:
             self.monitor.stop()
-        self.conversations.forget_deleted()
         self.history.stop()
         super().closeEvent(event)

@@ -32,7 +32,8 @@ PACKAGES = {
     "libxcb-xfixes.so.0": "libxcb-xfixes0", "libxcb-xkb.so.1": "libxcb-xkb1", "libxkbcommon.so.0": "libxkbcommon0",
     "libxkbcommon-x11.so.0": "libxkbcommon-x11-0",
 }
-APT_LINE = "sudo apt-get install " + " ".join(sorted(set(PACKAGES.values())))
+APT_LINE = "apt-get update && apt-get install -y " + " ".join(sorted(set(PACKAGES.values())))
+"""As root and unattended; a user with sudo rights puts ``sudo`` before each ``apt-get``."""
 
 
 def uses_xcb(env: dict[str, str]) -> bool:
@@ -79,7 +80,8 @@ def problem(env: dict[str, str], plugins: list[Path]) -> str:
         packages = sorted({PACKAGES.get(name, name) for name in missing})
         return ("DeltaDesk cannot open its window: Qt's X11 plugin needs system libraries that are missing: "
                 f"{', '.join(missing)} (Debian/Ubuntu packages: {' '.join(packages)}).\n"
-                f"Install everything it needs with:\n    {APT_LINE}")
+                f"Install everything it needs with (as root; otherwise put sudo before each apt-get):\n"
+                f"    {APT_LINE}")
     if not env.get("DISPLAY"):
         return ("DeltaDesk cannot open its window: no X display (DISPLAY is not set). Start it from a desktop "
                 "session, or set QT_QPA_PLATFORM=offscreen to run without one.")

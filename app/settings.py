@@ -20,6 +20,8 @@ GROUP = "preferences"
 MIN_CONTEXT = 512
 MIN_IMAGE_PIXELS = 32 * 32
 DEVICES = ("auto", "cuda", "cpu")
+LOAD_FIELDS = ("model_path", "mmproj_path", "context", "image_max_pixels", "threads", "device", "vram_budget_gib",
+               "remote_url", "remote_model")
 SAMPLING_FIELDS = ("temperature", "top_k", "top_p", "min_p", "presence_penalty", "repetition_penalty", "seed",
                    "max_tokens")
 _DEFAULT_SAMPLING = SamplingParams()
@@ -81,8 +83,11 @@ class Settings:
 
     def load_key(self) -> tuple[Any, ...]:
         """The settings a model load depends on: when they change, the model is loaded again."""
-        return (self.model_path, self.mmproj_path, self.context, self.image_max_pixels, self.threads, self.device,
-                self.vram_budget_gib, self.remote_url, self.remote_model)
+        return tuple(getattr(self, name) for name in LOAD_FIELDS)
+
+    def with_load_of(self, other: "Settings") -> "Settings":
+        """These settings with ``other``'s model files and load options (:data:`LOAD_FIELDS`)."""
+        return replace(self, **{name: getattr(other, name) for name in LOAD_FIELDS})
 
     @property
     def vram_budget(self) -> int | None:

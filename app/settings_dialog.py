@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import replace
+from typing import Any
 
 import psutil
 from PySide6.QtWidgets import (QCheckBox, QComboBox, QDialog, QDialogButtonBox, QDoubleSpinBox, QFileDialog,
@@ -68,21 +69,41 @@ def _real(low: float, high: float, value: float, name: str, step: float, decimal
     return box
 
 
+NO_GPU_TIP = "No NVIDIA GPU was found on this computer: the prompt and images are read on the CPU."
+
+
+def loaded_context_text(info: Any, asked: int) -> str:
+    """The line under the context field: what the loaded model reads at once (``info.context``, the asked
+    ``asked`` tokens capped at the model's own limit), or that a server sets it, or that none is loaded."""
+    if info is None:
+        return "No model is loaded."
+    if info.remote:
+        return (f"The server's model reads {info.context:,} tokens at once (set by the server)." if info.context
+                else "The server sets the context; it did not say how long it is.")
+    capped = " (the model's own limit)" if info.context < asked else ""
+    return f"The loaded model reads {info.context:,} tokens at once{capped}."
+
+
 class SettingsDialog(QDialog):
     """Edits a copy of the settings; :meth:`settings` returns what the user set.
 
     Changing the model files, the context, the image size, the CPU threads, the device or the VRAM
     budget reloads the model when accepted (the window does that); the other settings apply from
-    the next answer.
+    the next answer. ``loaded``: the loaded model's :class:`engine.api.ModelInfo` (its context is shown
+    under the asked one), or None; without ``has_gpu`` (no NVIDIA GPU found) the GPU-only fields are
+    disabled and say why.
     """
 
-    def __init__(self, settings: Settings, parent: QWidget | None = None, keys: KeyStore | None = None) -> None:
+    def __init__(self, settings: Settings, parent: QWidget | None = None, keys: KeyStore | None = None,
+                 loaded: Any = None, has_gpu: bool = True) -> None:
         super().__init__(parent)
         self.setWindowTitle("Settings")
         self.setMinimumWidth(520)
         self._base = settings
+        self._has_gpu = has_gpu
         tabs = QTabWidget()
         tabs.addTab(self._model_tab(settings), "Model")
+        self.loaded_context.setText(loaded_context_text(loaded, settings.context))
         tabs.addTab(self._sampling_tab(settings), "Sampling")
         tabs.addTab(self._chat_tab(settings), "Chat")
         self.connections = ConnectionsTab(settings, keys or KeyStore())
@@ -107,7 +128,11 @@ class SettingsDialog(QDialog):
         self._set_image_pixels(s.image_max_pixels)
         form.addRow("Model (GGUF):", self.model)
         form.addRow("Vision tower (mmproj):", self.mmproj)
+        self.loaded_context = QLabel()
+        self.loaded_context.setAccessibleName("Context of the loaded model")
+        self.loaded_context.setEnabled(False)
         form.addRow("Context length:", self.context)
+        form.addRow("", self.loaded_context)
         form.addRow("Largest image:", self.image_size)
         physical = psutil.cpu_count(logical=False) or 1
         self.threads = _spin(0, psutil.cpu_count(logical=True) or physical, s.threads, "CPU threads")
@@ -127,7 +152,11 @@ class SettingsDialog(QDialog):
                                     "not fit the rest. Expert weights that do not fit stream from RAM over "
                                     "PCIe. Automatic: the free memory less a margin.")
         self.device.currentIndexChanged.connect(
-            lambda: self.vram_budget.setEnabled(self.device.currentData() != "cpu"))
+            lambda: self.vram_budget.setEnabled(self._has_gpu and self.device.currentData() != "cpu"))
+        if not self._has_gpu:
+            self.device.model().item(self.device.findData("cuda")).setEnabled(False)
+            for field in (self.device, self.vram_budget):
+                field.setToolTip(NO_GPU_TIP)
         self._set_device(s.device)
         form.addRow("CPU threads:", self.threads)
         form.addRow("Prefill and images on:", self.device)
@@ -149,7 +178,7 @@ class SettingsDialog(QDialog):
 
     def _set_device(self, device: str) -> None:
         self.device.setCurrentIndex(self.device.findData(device))
-        self.vram_budget.setEnabled(device != "cpu")
+        self.vram_budget.setEnabled(self._has_gpu and device != "cpu")
 
     def _sampling_tab(self, s: Settings) -> QWidget:
         page = QWidget()

@@ -12,13 +12,13 @@ token rate.
 from __future__ import annotations
 
 from collections import deque
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Sequence
 
 import psutil
 from PySide6.QtCore import QObject, QPointF, QRectF, QSize, Qt, QThread, QTimer, Signal, Slot
 from PySide6.QtGui import QColor, QPainter, QPainterPath, QPalette, QPen
-from PySide6.QtWidgets import QLabel, QSizePolicy, QVBoxLayout, QWidget
+from PySide6.QtWidgets import QLabel, QSizePolicy, QToolButton, QVBoxLayout, QWidget
 
 from engine.events import PrefillStats, TurnSummary
 
@@ -29,7 +29,10 @@ from .snapshots import SnapshotListModel, SnapshotPanel
 SAMPLE_MS = 1000
 SPARK_TOKENS = 120
 PCIE_SCALE_GB_S = 32.0
-NO_GPU = "No NVIDIA GPU: CPU mode"
+NO_GPU = "No NVIDIA GPU found: prompts and images are read on the CPU."
+GPU_LEFT = "Prefill on the CPU (the GPU is not used)"
+NO_SPEED = "\u2014 tok/s"
+NO_TURN = "TTFT \u2014 \u00b7 prefill \u2014"
 
 
 @dataclass(frozen=True)
@@ -41,6 +44,18 @@ class SystemSample:
     ram_total: int
     process_rss: int
     gpu: GpuSample | None
+
+
+@dataclass
+class Figures:
+    """One chat's generation figures since the model was loaded: its last prompt read, the tokens its last
+    answer has, the recent token latencies (ms), and the speed and last-turn lines."""
+
+    prefill: PrefillStats | None = None
+    generated: int = 0
+    latencies: deque = field(default_factory=lambda: deque(maxlen=SPARK_TOKENS))
+    speed: str = NO_SPEED
+    last_turn: str = NO_TURN
 
 
 class SystemMonitor(QObject):
@@ -198,20 +213,29 @@ class ContextBar(QWidget):
         """A bar plus a legend line."""
         return QSize(200, 3 * self.fontMetrics().height() + 20)
 
-    def set_parts(self, context: int, cached: int, prefilled: int, generated: int) -> None:
-        """Set the window size and the three used parts, in tokens."""
+    def set_parts(self, context: int, cached: int | None, prefilled: int | None, generated: int) -> None:
+        """Set the window size and the three used parts, in tokens (None: not known, e.g. a remote server's
+        prompt counts until its ``usage`` arrives; left out of the bar and the legend)."""
         self.context = context
         self.parts = (cached, prefilled, generated)
-        used = sum(self.parts)
+        used = sum(n or 0 for n in self.parts)
         self.setAccessibleDescription(f"{used} of {context} tokens used")
         self.update()
+
+    def _known(self) -> list[tuple[tuple[str, str], int]]:
+        return [(part, n) for part, n in zip(CONTEXT_PARTS, self.parts) if n is not None]
+
+    def legend(self) -> list[str]:
+        """The legend's entries as drawn, e.g. ["cached 12", "prefilled 40", "generated 8"]."""
+        return [f"{name} {n}" for (name, _), n in self._known()]
 
     def paintEvent(self, _event) -> None:
         """Title and use line, the stacked bar, then the legend."""
         p = QPainter(self)
         fm = self.fontMetrics()
         width = self.width()
-        used = sum(self.parts)
+        used = sum(n or 0 for n in self.parts)
+        known = self._known()
         p.setPen(_color(self, QPalette.WindowText))
         line = QRectF(0, 0, width, fm.height())
         p.drawText(line, Qt.AlignLeft | Qt.AlignVCenter, "Context")
@@ -219,13 +243,13 @@ class ContextBar(QWidget):
         bar = QRectF(0, fm.height() + 3, width, 8)
         p.fillRect(bar, _color(self, QPalette.Midlight))
         x = 0.0
-        for (name, color), n in zip(CONTEXT_PARTS, self.parts):
+        for (name, color), n in known:
             w = width * n / self.context if self.context else 0.0
             p.fillRect(QRectF(x, bar.y(), min(w, width - x), bar.height()), QColor(color))
             x += w
         x, y = 0.0, bar.bottom() + 4
         p.setPen(_color(self, QPalette.WindowText))
-        for (name, color), n in zip(CONTEXT_PARTS, self.parts):
+        for (name, color), n in known:
             label = f"{name} {n}"
             item = 11 + fm.horizontalAdvance(label)
             if x > 0 and x + item > width:
@@ -268,16 +292,23 @@ class Sidebar(QWidget):
         self.gpu_prefill = QLabel()
         self.gpu_prefill.setWordWrap(True)
         self.layers = Sparkline("Prefill time per layer", "no GPU prefill yet", 64)
-        for w in (self.gpu_label, self.gpu_note, self.vram, self.pcie, self.gpu_prefill, self.layers):
+        self.gpu_why = QToolButton()
+        self.gpu_why.setText("Why?")
+        self.gpu_why.setAccessibleName("Why no GPU is used")
+        self.gpu_why.setCheckable(True)
+        self.gpu_why.setAutoRaise(True)
+        self.gpu_why.toggled.connect(lambda _on: self._show_gpu())
+        for w in (self.gpu_label, self.gpu_why, self.gpu_note, self.vram, self.pcie, self.gpu_prefill, self.layers):
             layout.addWidget(w)
             w.hide()
         self.gpu_label.show()
+        self._gpu_seen = False
         self._gpu_report: GpuReport | None = None
         self._nvml: GpuSample | None = None
         layout.addWidget(_heading("Generation"))
-        self.speed = QLabel("\u2014 tok/s")
+        self.speed = QLabel(NO_SPEED)
         self.spark = Sparkline()
-        self.last_turn = QLabel("TTFT \u2014 \u00b7 prefill \u2014")
+        self.last_turn = QLabel(NO_TURN)
         self.last_turn.setWordWrap(True)
         for w in (self.speed, self.spark, self.last_turn):
             layout.addWidget(w)
@@ -287,27 +318,55 @@ class Sidebar(QWidget):
         self.snapshots = SnapshotPanel(snapshots)
         layout.addWidget(self.snapshots, 1)
         self._context = 0
-        self._prefill: PrefillStats | None = None
-        self._generated = 0
+        self._figures: dict[int | None, Figures] = {}
+        self._shown: int | None = None
+        self._running: int | None = None
         self._dirty = False
 
     def clear_model(self) -> None:
-        """Forget the figures of the model that was loaded (a new load began, or failed)."""
+        """Forget the figures of the model that was loaded (a new load began)."""
         self._context = 0
-        self._prefill = None
-        self._generated = 0
+        self._figures.clear()
         self._gpu_report = None
-        self.spark.values.clear()
-        self.spark.update()
-        self.speed.setText("\u2014 tok/s")
-        self.last_turn.setText("TTFT \u2014 \u00b7 prefill \u2014")
-        self.context_bar.set_parts(0, 0, 0, 0)
+        self._paint_figures()
         self._show_gpu()
 
-    def set_context(self, context: int) -> None:
-        """The loaded model's context window, tokens."""
+    def set_context(self, context: int, remote: bool = False) -> None:
+        """The loaded model's context window, tokens, and whether it runs on a remote server (whose prefix
+        snapshots are not seen here)."""
         self._context = context
-        self.context_bar.set_parts(context, 0, 0, 0)
+        self.snapshots.set_remote(remote)
+        self._paint_figures()
+
+    def show_conversation(self, conversation: int | None) -> None:
+        """Show the generation and context figures of ``conversation``'s last turn (blank when it had none
+        since the model was loaded)."""
+        self._shown = conversation
+        self._paint_figures()
+
+    def turn_started(self, conversation: int | None) -> None:
+        """The engine began a turn of ``conversation``: the prefill, token and summary figures that follow are
+        that chat's."""
+        self._running = conversation
+
+    def _turn(self) -> Figures:
+        return self._figures.setdefault(self._running, Figures())
+
+    def _paint_figures(self) -> None:
+        """Show the shown chat's figures now."""
+        figures = self._figures.get(self._shown) or Figures()
+        self.spark.values = figures.latencies
+        self.speed.setText(figures.speed)
+        self.last_turn.setText(figures.last_turn)
+        p = figures.prefill
+        if p is None:
+            self.context_bar.set_parts(self._context, 0, 0, 0)
+        else:
+            known = p.device != "remote" or bool(p.prompt_tokens)
+            self.context_bar.set_parts(self._context, p.reused_tokens if known else None,
+                                       p.prefilled_tokens if known else None, figures.generated)
+        self.spark.update()
+        self._dirty = False
 
     @Slot(object)
     def on_system(self, sample: SystemSample) -> None:
@@ -319,7 +378,7 @@ class Sidebar(QWidget):
         self._nvml = sample.gpu
         self._show_gpu()
         if self._dirty:
-            self._repaint_generation()
+            self._paint_figures()
 
     @Slot(object)
     def on_gpu_report(self, report: GpuReport) -> None:
@@ -332,6 +391,11 @@ class Sidebar(QWidget):
             self.layers.update()
         self._show_gpu()
 
+    @property
+    def gpu_report(self) -> GpuReport | None:
+        """The engine's last GPU report (None before one)."""
+        return self._gpu_report
+
     def _show_gpu(self) -> None:
         """Compose the GPU section from the engine's report (first) and the NVML reading (second)."""
         report, nvml = self._gpu_report, self._nvml
@@ -339,17 +403,21 @@ class Sidebar(QWidget):
             nvml = None  # this machine's GPU is not the one answering
         on_gpu = report is not None and report.device == "cuda"
         prefill = report.prefill if report is not None else None
+        self._gpu_seen = self._gpu_seen or on_gpu
+        none_found = not (on_gpu or nvml is not None or self._gpu_seen or
+                          (report is not None and report.device == "remote"))
         if report is not None and report.device == "remote":
             self.gpu_label.setText("Remote engine")
         elif on_gpu:
             self.gpu_label.setText(f"{nvml.name}: prefill on the GPU" if nvml else "Prefill on the GPU")
         else:
-            self.gpu_label.setText(f"{nvml.name}: prefill on the CPU" if nvml else NO_GPU)
+            self.gpu_label.setText(f"{nvml.name}: prefill on the CPU" if nvml else NO_GPU if none_found else GPU_LEFT)
         notes = (report.note, report.vision_note) if report is not None else ()
         note = "\n".join(n for n in notes if n)
         self.gpu_note.setText(note)
-        self.gpu_note.setVisible(bool(note))
-        self.gpu_label.setToolTip(note)
+        self.gpu_why.setVisible(none_found and bool(note))        # no GPU: the technical reason one click away
+        self.gpu_note.setVisible(bool(note) and (not none_found or self.gpu_why.isChecked()))
+        self.gpu_label.setToolTip("" if none_found else note)
         shown = on_gpu or nvml is not None
         self.vram.setVisible(shown)
         self.pcie.setVisible(shown)
@@ -403,46 +471,47 @@ class Sidebar(QWidget):
 
     @Slot(object)
     def on_prefill(self, stats: PrefillStats) -> None:
-        """A new turn's prompt has been read."""
-        self._prefill = stats
-        self._generated = 0
+        """A new turn's prompt has been read (a remote server's counts come with its ``usage``, at the end)."""
+        figures = self._turn()
+        figures.prefill = stats
+        figures.generated = 0
         if stats.device == "remote":
-            self.last_turn.setText(f"TTFT {stats.ttft_ms:.0f} ms (measured here, the network included)")
-            self._dirty = True
-            return
-        restored = f", restored in {stats.restore_ms:.0f} ms" if stats.reused_tokens else ""
-        self.last_turn.setText(f"TTFT {stats.ttft_ms:.0f} ms \u00b7 prefill {stats.prefill_tok_s:.0f} tok/s "
-                               f"({stats.prefilled_tokens} tokens on {stats.device}, {stats.reused_tokens} reused"
-                               f"{restored})")
-        self._dirty = True
+            figures.last_turn = f"TTFT {stats.ttft_ms:.0f} ms (measured here, the network included)"
+        else:
+            restored = f", restored in {stats.restore_ms:.0f} ms" if stats.reused_tokens else ""
+            figures.last_turn = (f"TTFT {stats.ttft_ms:.0f} ms \u00b7 prefill {stats.prefill_tok_s:.0f} tok/s "
+                                 f"({stats.prefilled_tokens} tokens on {stats.device}, {stats.reused_tokens} reused"
+                                 f"{restored})")
+        self._changed(figures)
 
     @Slot(str, list)
     def on_tokens(self, _text: str, token_ms: Sequence[float]) -> None:
         """Record a batch of token latencies; drawn on the next sampler tick."""
-        self.spark.values.extend(token_ms)
-        self._generated += len(token_ms)
-        self._dirty = True
+        figures = self._turn()
+        figures.latencies.extend(token_ms)
+        figures.generated += len(token_ms)
+        recent = list(figures.latencies)[-32:]
+        figures.speed = f"{1000 * len(recent) / sum(recent):.1f} tok/s" if sum(recent) else figures.speed
+        self._changed(figures)
 
     @Slot(object)
     def on_summary(self, summary: TurnSummary) -> None:
         """The turn ended: show its final numbers now."""
-        self._generated = summary.generated_tokens
-        p = self._prefill
-        if p is not None and p.device == "remote":  # the token counts come with the server's usage, at the end
-            self._prefill = replace(p, prompt_tokens=summary.prompt_tokens, reused_tokens=summary.reused_tokens,
-                                    prefilled_tokens=max(0, summary.prompt_tokens - summary.reused_tokens))
-            self.last_turn.setText(f"TTFT {summary.ttft_ms:.0f} ms (measured here) \u00b7 {summary.reused_tokens} of "
-                                   f"{summary.prompt_tokens} prompt tokens cached on the server")
-        self._repaint_generation(summary.decode_tok_s)
+        figures = self._turn()
+        figures.generated = summary.generated_tokens
+        figures.speed = f"{summary.decode_tok_s:.1f} tok/s"
+        p = figures.prefill
+        if p is not None and p.device == "remote":
+            figures.prefill = replace(p, prompt_tokens=summary.prompt_tokens, reused_tokens=summary.reused_tokens,
+                                      prefilled_tokens=max(0, summary.prompt_tokens - summary.reused_tokens))
+            counts = (f"{summary.reused_tokens} of {summary.prompt_tokens} prompt tokens cached on the server"
+                      if summary.prompt_tokens else "prompt tokens not reported by the server")
+            figures.last_turn = f"TTFT {summary.ttft_ms:.0f} ms (measured here) \u00b7 {counts}"
+        if self._running == self._shown:
+            self._paint_figures()
 
-    def _repaint_generation(self, decode_tok_s: float | None = None) -> None:
-        self._dirty = False
-        recent = list(self.spark.values)[-32:]
-        if decode_tok_s is None and recent:
-            decode_tok_s = 1000 * len(recent) / sum(recent) if sum(recent) else 0.0
-        if decode_tok_s is not None:
-            self.speed.setText(f"{decode_tok_s:.1f} tok/s")
-        self.spark.update()
-        p = self._prefill
-        if p is not None:
-            self.context_bar.set_parts(self._context, p.reused_tokens, p.prefilled_tokens, self._generated)
+    def _changed(self, figures: Figures) -> None:
+        """The running turn's figures changed: repainted on the next sampler tick when its chat is shown."""
+        if self._running == self._shown:
+            self.last_turn.setText(figures.last_turn)
+            self._dirty = True

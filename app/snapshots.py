@@ -65,6 +65,14 @@ class SnapshotListModel(QAbstractListModel):
         else:
             self.age_timer.stop()
 
+    def relabel(self, *_args) -> None:
+        """Draw the rows again: a chat's title changed (renamed, deleted, brought back)."""
+        self._ages_changed()
+
+    def keys_of(self, conversations: set[str]) -> list[str]:
+        """The keys of the snapshots taken by turns of ``conversations`` (their ids, as recorded)."""
+        return [s.key for s in self._rows if s.conversation in conversations]
+
     def rowCount(self, parent: QModelIndex | QPersistentModelIndex = QModelIndex()) -> int:
         """Number of snapshots (0 under a valid parent: this is a flat list)."""
         return 0 if parent.isValid() else len(self._rows)
@@ -110,6 +118,7 @@ class SnapshotPanel(QWidget):
     def __init__(self, model: SnapshotListModel) -> None:
         super().__init__()
         self.model = model
+        self._remote = False
         layout = QVBoxLayout(self)
         layout.setContentsMargins(0, 0, 0, 0)
         layout.setSpacing(4)
@@ -141,10 +150,17 @@ class SnapshotPanel(QWidget):
         self.view.selectionModel().selectionChanged.connect(self._refresh)
         self._refresh()
 
+    def set_remote(self, remote: bool) -> None:
+        """Whether the model runs on a remote server, which keeps its prefix snapshots itself (none are listed)."""
+        self._remote = remote
+        self._refresh()
+
     def _refresh(self, *_args) -> None:
         n = self.model.rowCount()
+        empty = ("The server keeps its own prefix snapshots; they are not listed here." if self._remote else
+                 "No snapshots yet: they are taken as you chat.")
         self.summary.setText(f"{n} snapshot{'' if n == 1 else 's'}, {human_size(self.model.total_bytes())}"
-                             if n else "No snapshots yet: they are taken as you chat.")
+                             if n else empty)
         self.view.setVisible(n > 0)
         self.clear_button.setEnabled(n > 0)
         self.remove_button.setEnabled(self.view.selectionModel().hasSelection())

@@ -6,22 +6,23 @@
   continues the prompt text itself (no chat template). A model without ``tokenizer.chat_template``
   chats in ChatML, with a one-line note on stderr.
 - ``chat [--model M]``: an interactive multi-turn chat on the terminal.
-- ``serve [--model M] [--mmproj V] [--host 127.0.0.1] [--port 8080] [--api-key K]``: an
+- ``serve [--model M] [--mmproj V] [--host 127.0.0.1] [--port 8080] [--api-key K] [--queue 8]``: an
   OpenAI-compatible HTTP server (:mod:`engine.server`); a non-loopback ``--host`` needs a key.
 - ``synth --preset tiny|small|dense-tiny|minicpmv46-tiny|minicpmv46|35b-a3b [--layers N] [--experts N] --quant Q -o FILE``:
   a random-weight GGUF in the layout and metadata real files use, and beside it a matching
   random vision tower ``FILE-mmproj.gguf`` (``--no-mmproj`` skips it).
 - ``bench MODEL.gguf [--threads N ...] [--isa L ...] [--prompt N] [--gen N] [--depth D ...] [--repeat R]
-  [--llama-cpp | --llama-bench PATH]``: prompt and decode tok/s of the native CPU model per thread count and
-  ISA level, decode at 4k / 16k context, stream bandwidth and roofline fraction, RSS after load, NUMA nodes,
-  and llama.cpp's llama-bench on the same file and threads, interleaved (see :mod:`engine.tools.cpu_bench`).
+  [--llama-cpp | --llama-bench PATH] [--ik-llama-bench PATH]``: prompt and decode tok/s of the native CPU
+  model per thread count and ISA level, decode at 4k / 16k context, stream bandwidth and roofline fraction, RSS
+  after load, NUMA nodes, and the peers' llama-bench (mainline, ik_llama.cpp with and without ``-rtr 1``) on the
+  same file and threads, interleaved (see :mod:`engine.tools.cpu_bench`).
 - ``pull REPO [--file NAME | --quant Q] [--context N]``: the fit estimate of the repository's GGUFs from
   their headers (ranged reads), then the download of one with its mmproj (:mod:`engine.hub.cli`).
 - ``models``: the downloaded models. Wherever a model path is taken, a downloaded ``REPO:QUANT`` works too.
 - ``prune MODEL.gguf --keep N -o OUT.gguf [--method reap|frequency] [--calib FILE.jsonl] [--images DIR]
   [--max-tokens T] [--stats FILE.json] [--mmproj V]``: REAP (or frequency) expert pruning to N experts per
   layer (:mod:`engine.prune`); the calibration statistics are saved to and reused from ``--stats``
-  (default ``MODEL.expert-stats.json``).
+  (default ``MODEL.expert-stats.json`` beside the model when it is there, else beside the output file).
 
 Errors from the engine, and inputs that cannot work (``--image`` without a vision tower, a prompt
 larger than ``--context``), are printed as one line on stderr with exit status 2.
@@ -167,6 +168,10 @@ def cmd_generate(args: argparse.Namespace) -> int:
         print(f"error: {path.name}: no vision tower (mmproj file) is loaded, so it cannot read --image: "
               "pass the model's vision tower with --mmproj FILE", file=sys.stderr)
         return 2
+    bad = next((img for img in args.image if not Path(img).is_file()), None)
+    if bad is not None:
+        print(f"error: --image {bad}: no such file", file=sys.stderr)
+        return 2
     engine = _load(args, path, mmproj)
     if args.raw:
         return _finish(engine.complete(args.prompt, _sampling(args)), engine, args)
@@ -208,12 +213,19 @@ def _prompt_too_long(summary: TurnSummary, context: int, asked: int) -> str:
     return f"the prompt is {summary.prompt_tokens} tokens but the context window holds {context}: {fix}"
 
 
+CHAT_HELP = """Commands:
+  /image PATH   attach an image to your next message (needs a vision tower: --mmproj FILE)
+  /help         this list
+An empty line or Ctrl+D quits; Ctrl+C stops an answer."""
+
+
 def cmd_chat(args: argparse.Namespace) -> int:
     engine = _load(args, *_model_paths(args))
     messages: list[dict] = []
     if args.system:
         messages.append({"role": "system", "content": args.system})
-    print("Type a message; an empty line or Ctrl+D quits.", file=sys.stderr)
+    print("Type a message; /help lists the commands; an empty line or Ctrl+D quits.", file=sys.stderr)
+    images: list[str] = []
     while True:
         try:
             line = input("> ")
@@ -221,7 +233,12 @@ def cmd_chat(args: argparse.Namespace) -> int:
             break
         if not line.strip():
             break
-        messages.append({"role": "user", "content": line})
+        if line.strip() == "/help" or line.startswith("/image"):
+            _chat_command(engine, line.strip(), images)
+            continue
+        parts = [{"type": "image", "image": img} for img in images]
+        messages.append({"role": "user", "content": parts + [{"type": "text", "text": line}] if parts else line})
+        images = []
         cancel = threading.Event()
         try:
             summary = _stream(engine.chat(messages, _sampling(args), cancel, enable_thinking=args.think))
@@ -236,18 +253,46 @@ def cmd_chat(args: argparse.Namespace) -> int:
     return 0
 
 
+def _chat_command(engine, line: str, images: list[str]) -> None:
+    """``/help``, or ``/image PATH``: add the image to ``images`` (the next message's) after checking it."""
+    if line == "/help":
+        print(CHAT_HELP, file=sys.stderr)
+        return
+    path = line[len("/image"):].strip()
+    if not engine.info.has_vision:
+        print("[no vision tower is loaded, so the model cannot read images: start the chat with --mmproj FILE]",
+              file=sys.stderr)
+    elif not path:
+        print("[/image needs a file: /image PATH]", file=sys.stderr)
+    else:
+        try:
+            info = engine.image_info(path)
+        except EngineError as exc:
+            print(f"[{exc}]", file=sys.stderr)
+            return
+        images.append(path)
+        print(f"[image {path}: {info.width}x{info.height} px, {info.tokens} image tokens; attached to your next "
+              "message]", file=sys.stderr)
+
+
 def cmd_serve(args: argparse.Namespace) -> int:
-    from .server import ServerConfig, check_bind, serve
+    from .server import ServerConfig, bind_address, check_bind, serve
     api_key = args.api_key or os.environ.get("DELTADESK_API_KEY") or None
     check_bind(args.host, api_key)
-    path, mmproj = _model_paths(args)
-    engine = _load(args, path, mmproj)
+    sock = bind_address(args.host, args.port)          # a port in use fails before the model loads
+    try:
+        path, mmproj = _model_paths(args)
+        engine = _load(args, path, mmproj)
+    except BaseException:
+        sock.close()
+        raise
     name = args.model_name or path.stem
     host = f"[{args.host}]" if ":" in args.host else args.host
-    print(f"[serving {name} on http://{host}:{args.port}/v1 (OpenAI API){'; API key required' if api_key else ''}"
-          "; Ctrl+C stops]", file=sys.stderr)
+    print(f"[serving {name} on http://{host}:{sock.getsockname()[1]}/v1 (OpenAI API)"
+          f"{'; API key required' if api_key else ''}; Ctrl+C stops]", file=sys.stderr, flush=True)
     try:
-        serve(engine, ServerConfig(name, api_key), args.host, args.port)
+        serve(engine, ServerConfig(name, api_key, max_waiting=args.queue, max_waiting_bytes=args.queue_mib << 20),
+              args.host, args.port, sock)
     finally:
         engine.close()
     return 0
@@ -274,21 +319,25 @@ def cmd_bench(args: argparse.Namespace) -> int:
     if not cpu.available():
         print("error: the native CPU kernels are not built: nothing to benchmark", file=sys.stderr)
         return 2
-    binary = None
-    if args.llama_bench:
-        binary = Path(args.llama_bench)
-        if not (binary.is_file() and os.access(binary, os.X_OK)):
-            print(f"error: --llama-bench {binary}: not an executable file", file=sys.stderr)
+    peers: list = []
+    for flag, value in (("--llama-bench", args.llama_bench), ("--ik-llama-bench", args.ik_llama_bench)):
+        if value and not (Path(value).is_file() and os.access(value, os.X_OK)):
+            print(f"error: {flag} {value}: not an executable file", file=sys.stderr)
             return 2
+    if args.llama_bench:
+        peers.append(cpu_llama.Peer("llama.cpp", Path(args.llama_bench)))
     elif args.llama_cpp:
         try:
             binary = cpu_llama.ensure_llama_bench(out=lambda line: print(f"[{line}]", file=sys.stderr))
         except RuntimeError as exc:
             print(f"error: llama-bench: {exc}", file=sys.stderr)
             return 2
+        peers.append(cpu_llama.Peer("llama.cpp", binary))
+    if args.ik_llama_bench:
+        peers += cpu_llama.ik_llama_peers(Path(args.ik_llama_bench))
     cpu_bench.run(_model_arg(args.model), args.threads or sorted({1, cpu.physical_cores()}),
                   args.isa or list(cpu.supported_isas()), args.prompt, args.gen, args.depth, args.depth_gen,
-                  args.repeat, binary, args.stream_gib, args.stream_runs)
+                  args.repeat, peers, args.stream_gib, args.stream_runs)
     return 0
 
 
@@ -312,9 +361,25 @@ def _progress(what: str, unit: str = "") -> Callable[[int, int], None]:
 
 
 def cmd_prune(args: argparse.Namespace) -> int:
+    """``prune``: every failure (a bad path or file, a full or read-only disk) is one ``error:`` line, exit 2."""
+    try:
+        return _prune(args)
+    except (OSError, ValueError) as exc:
+        where = f"{exc.filename}: " if isinstance(exc, OSError) and exc.filename else ""
+        detail = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
+        print(f"error: {where}{detail}", file=sys.stderr)
+        return 2
+
+
+def _prune(args: argparse.Namespace) -> int:
     from . import prune, pruned_file
     from .gguf_file import GGUFFile
+    from .prune_inputs import check_output
+    if args.max_tokens < 1:
+        raise EngineError(f"--max-tokens must be at least 1, got {args.max_tokens}")
     args.model = _model_arg(args.model)
+    inputs = (args.model, args.mmproj, args.calib, args.stats)
+    check_output(args.output, inputs)
     src = GGUFFile.open(args.model)
     hp = src.hparams
     if not hp.is_moe:
@@ -325,7 +390,11 @@ def cmd_prune(args: argparse.Namespace) -> int:
     except ValueError as exc:
         print(f"error: {src.path.name}: {exc}", file=sys.stderr)
         return 2
-    stats_path = Path(args.stats) if args.stats else prune.default_stats_path(args.model)
+    stats_path = Path(args.stats) if args.stats else _stats_path(args.model, args.output)
+    if (args.stats is not None and not args.stats.strip()) or Path(args.output).absolute() == stats_path.absolute():
+        raise EngineError(f"--stats {args.stats!r}: give a statistics file path other than the output")
+    if args.calib or args.images or not stats_path.is_file():
+        check_output(str(stats_path), (args.model, args.mmproj, args.calib, args.output), "statistics file")
     stats = None
     if not (args.calib or args.images) and stats_path.is_file():
         stats = prune.ExpertStats.load(stats_path)
@@ -357,6 +426,14 @@ def cmd_prune(args: argparse.Namespace) -> int:
           f"{out.bytes_per_token() / 2**20:.2f} MiB per token (was {src.bytes_per_token() / 2**20:.2f})",
           file=sys.stderr)
     return 0
+
+
+def _stats_path(model: str, output: str) -> Path:
+    """``--stats``' default: ``MODEL.expert-stats.json`` beside the model when one is there (as
+    ``training/calibration.py`` writes it), else beside the output file (never the current folder)."""
+    from .prune import default_stats_path
+    beside_model = default_stats_path(model)
+    return beside_model if beside_model.is_file() else default_stats_path(model, Path(output).resolve().parent)
 
 
 def _calibrate(args: argparse.Namespace, src: GGUFFile) -> ExpertStats:
@@ -415,6 +492,17 @@ def _add_serve(p: argparse.ArgumentParser) -> None:
                    "DELTADESK_API_KEY)")
     p.add_argument("--model-name", help="the model id clients name (default: the file name without .gguf)")
     p.add_argument("--context", type=int, default=8192, help="context window, tokens")
+    p.add_argument("--queue", type=_positive, default=8, help="requests that may wait for the model at once; "
+                   "more are answered 429 with Retry-After (default 8)")
+    p.add_argument("--queue-mib", type=_positive, default=64, help="MiB of request bodies those may hold "
+                   "together (default 64)")
+
+
+def _positive(text: str) -> int:
+    """An argparse type: a positive integer."""
+    if not text.isdigit() or int(text) < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
+    return int(text)
 
 
 def _add_synth(p: argparse.ArgumentParser) -> None:
@@ -454,6 +542,8 @@ def _add_bench(p: argparse.ArgumentParser) -> None:
     p.add_argument("--llama-cpp", action="store_true", help="also run llama.cpp's llama-bench, built on first use "
                    "from the llama-cpp-python 0.3.36 sources into the user cache dir (minutes to build)")
     p.add_argument("--llama-bench", metavar="PATH", help="run this llama-bench binary as the peer (implies --llama-cpp)")
+    p.add_argument("--ik-llama-bench", metavar="PATH", help="also run ik_llama.cpp's llama-bench at PATH (a native "
+                   "build of its repository), twice: its default flags and -rtr 1")
 
 
 def _add_prune(p: argparse.ArgumentParser) -> None:
@@ -467,7 +557,8 @@ def _add_prune(p: argparse.ArgumentParser) -> None:
     p.add_argument("--mmproj", help="the model's vision tower, for image prompts (the bundled demo brings its own)")
     p.add_argument("--max-tokens", type=int, default=1024, help="longest calibration prompt used, tokens")
     p.add_argument("--stats", help="expert statistics JSON: read when it exists and no --calib/--images is "
-                   "given, else written (default MODEL.expert-stats.json beside the model)")
+                   "given, else written (default MODEL.expert-stats.json beside the model when it is there, else "
+                   "beside the output file)")
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -423,8 +423,8 @@ class Engine:
         are named ``<tool_call>``, ``</think>``; docs/design/constrained-decoding.md), ``json_schema`` (a JSON
         Schema, enforced strictly: every keyword it uses must be enforceable), ``json_object`` (any JSON object).
         ``reasoning``: free text through the model's ``</think>`` first (the template opened ``<think>``), then
-        the blank line Qwen writes, then the grammar. The token table is built on first use (about a second
-        on the real vocabulary) and kept; a compiled grammar is immutable and may serve any number of answers.
+        the blank line Qwen writes, then the grammar. The token table is built on first use (1.5-3.5 s on the
+        real vocabulary) and kept; a compiled grammar is immutable and may serve any number of answers.
 
         Raises:
             GrammarError: the grammar or schema is malformed or uses a feature llguidance cannot enforce (the

@@ -142,12 +142,14 @@ class ChatEngine(Protocol):
     def clear_snapshots(self, key: str | None = None) -> None:
         """Drop one prefix snapshot or all of them."""
 
-    def image_info(self, source: ImageSource) -> ImageInfo:
+    def image_info(self, source: ImageSource) -> ImageInfo | None:
         """The size an image has when it reaches the vision tower and the image tokens it takes in the
-        prompt (all slices together), from one read of the image.
+        prompt (all slices together), from one read of the image; None from a remote engine whose server
+        reads images and sizes them itself.
 
         Raises:
-            EngineError: the engine cannot tell (no vision tower, unreadable image, a remote engine).
+            EngineError: the engine cannot tell (no vision tower, unreadable image, a remote server that
+                does not say it reads images).
         """
 
     def close(self) -> None:

@@ -7,8 +7,10 @@ zero padding to the alignment, then each tensor's bytes, each padded to the alig
 
 Tensor bytes come from :class:`TensorOut` producers that yield pieces (for example one expert's slab
 of a memory-mapped source file at a time), so a file larger than RAM is written while holding no more
-than one piece. The file is written as ``PATH.part`` and renamed to ``PATH`` only once complete, so an
-interrupted write never leaves a truncated file under the final name.
+than one piece. The file is written under a temporary name created exclusively beside ``PATH``
+(``.PATH.<random>.part``, so it can never be an existing file such as an input named ``PATH.part``) and
+renamed to ``PATH`` only once complete, so an interrupted write never leaves a truncated file under the
+final name.
 
 Metadata records are bytes: :meth:`engine.gguf_file.GGUFFile.kv_record` gives a source file's records
 verbatim, :func:`kv_record` encodes a new one.
@@ -19,6 +21,7 @@ from __future__ import annotations
 import os
 import shutil
 import struct
+import tempfile
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -101,8 +104,8 @@ def write(path: str | os.PathLike[str], records: Sequence[bytes], tensors: Seque
     """Write a GGUF file from metadata records and tensor producers, streaming the data.
 
     Args:
-        path: the output file; written as ``path + ".part"`` and renamed when complete (an existing
-            file at ``path`` is replaced only then).
+        path: the output file; written to a new temporary file beside it (see the module doc) and renamed
+            when complete (an existing file at ``path`` is replaced only then).
         records: encoded metadata records (:func:`kv_record`, ``GGUFFile.kv_record``), in order. A
             ``general.alignment`` record, if any, must say ``alignment``.
         tensors: the tensors, in file order.
@@ -121,12 +124,14 @@ def write(path: str | os.PathLike[str], records: Sequence[bytes], tensors: Seque
     header, data_bytes = _header(records, tensors, alignment)
     size = len(header) + data_bytes
     out = Path(path)
-    part = out.with_name(out.name + ".part")
-    free = shutil.disk_usage(out.parent if str(out.parent) else ".").free
+    folder = out.parent if str(out.parent) else Path(".")
+    free = shutil.disk_usage(folder).free
     if free < size:
         raise OSError(f"{out}: needs {size / 2**30:.2f} GiB but the disk has {free / 2**30:.2f} GiB free")
+    fd, name = tempfile.mkstemp(dir=folder, prefix=f".{out.name}.", suffix=".part")
+    part = Path(name)
     try:
-        with open(part, "wb") as fh:
+        with os.fdopen(fd, "wb") as fh:
             fh.write(header)
             _write_data(fh, tensors, alignment, progress)
         os.replace(part, out)

@@ -33,6 +33,7 @@ import numpy as np
 from PIL import Image, ImageOps, UnidentifiedImageError
 
 from .errors import ImageError
+from .regular_file import MAX_IMAGE_FILE_BYTES, FileRefused, read_regular
 
 MIN_PIXELS = 65536
 """HF ``preprocessor_config.json`` ``size.shortest_edge`` for Qwen3.5/3.6 (256x256 at least)."""
@@ -181,7 +182,8 @@ def read_source(source: ImageSource) -> ImageData:
     """Read a source into memory once and compute its content digest; no decoding happens.
 
     Raises:
-        ImageError: the file cannot be read (missing, a directory, no permission), naming it.
+        ImageError: the file cannot be read (missing, no permission, not a regular file, over
+            :data:`~engine.regular_file.MAX_IMAGE_FILE_BYTES`), naming it.
     """
     if isinstance(source, ImageData):
         return source
@@ -194,7 +196,9 @@ def read_source(source: ImageSource) -> ImageData:
     else:
         name = str(source)
         try:
-            data = Path(source).read_bytes()
+            data = read_regular(source, MAX_IMAGE_FILE_BYTES)
+        except FileRefused as e:
+            raise ImageError(f"{name}: the image file {e}") from None
         except OSError as e:
             raise ImageError(f"{name}: cannot read the file ({e.strerror or e})") from e
     return ImageData(data, name, hashlib.sha256(data).hexdigest())
@@ -293,7 +297,7 @@ def _decode(data: bytes, name: str, max_input_pixels: int) -> Image.Image:
             named = f" despite its name ending in {suffix!r}" if suffix else ""
             raise ImageError(
                 f"{name}: not an image Pillow can read{named}; expected PNG, JPEG, GIF, WebP, BMP or TIFF "
-                "data, and its first bytes match none of their signatures") from e
+                f"data, the file starts with {data[:12]!r}") from e
         except (OSError, ValueError, SyntaxError) as e:
             raise ImageError(f"{name}: corrupt image header ({e})") from e
         w, h = im.size

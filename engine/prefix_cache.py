@@ -21,29 +21,54 @@ header is validated against the loaded model (identity, position within the cont
 of array names of its layers, each array's dtype and shape, its size) before it is listed or
 restored (:func:`engine.snapshot_file.check_header`; the file format is :mod:`engine.snapshot_file`), so the
 cache's contents never stop a model from loading. A write that fails (disk full) removes its temporary
-file; temporary files left by a crash are swept when the cache opens its folder.
+file; temporary files left by a crash (older than ten minutes) are swept when the cache opens its folder.
+
+Only regular files named ``<32 hex>.snap`` are ever opened: a link (dangling, looping or not), FIFO,
+device, folder or stray name (``my notes.snap``) is skipped. A file is streamed, its sizes checked
+against its header before anything is allocated, and a state holding NaN or infinity is damaged: every
+unusable file is a miss, so the prompt prefills as if it were absent.
+
+Across processes sharing one folder (the app and ``engine serve``, two users of a profile), each file is
+written whole under a temporary name and renamed, so a reader sees a complete file or none; a file
+listed here and removed by another process before it is read is a miss; trimming to the disk budget
+counts the other process's files too and skips those already gone. What is *not* shared: each process
+knows only the files present when it opened the folder plus its own, and one may remove a file the other
+was about to restore (then that is a miss, never an error).
 """
 
 from __future__ import annotations
 
 import hashlib
 import logging
+import os
+import re
+import stat
 import struct
 import threading
 import time
 from collections import OrderedDict
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Iterable, Mapping, Sequence
 
 import numpy as np
 
-from .snapshot_file import FORMAT_VERSION, decode, encode, write_atomic
+from .snapshot_file import FORMAT_VERSION, encode, read_file, write_atomic
 from .state import HasStateLayout, SequenceState
 
 log = logging.getLogger(__name__)
 
 _DIGEST = 16  # bytes of each blake2b key
+_SNAP_NAME = re.compile(r"[0-9a-f]{32}\.snap")   # the only names the cache opens
+_STALE_TMP_S = 600.0   # a temporary file this old is a crashed write's, not one in flight
+
+
+def _is_regular(path: Path) -> bool:
+    """Whether ``path`` is a regular file (not followed if it is a link)."""
+    try:
+        return stat.S_ISREG(os.lstat(path).st_mode)
+    except OSError:
+        return False
 
 
 def chain_keys(identity: str, tokens: Sequence[int], images: Mapping[int, bytes] | None = None) -> list[bytes]:
@@ -210,7 +235,7 @@ class PrefixCache:
         self.identity = identity
         self.ram_budget = ram_budget
         self.disk_budget = disk_budget
-        self._entries: "OrderedDict[bytes, Snapshot]" = OrderedDict()
+        self._entries: OrderedDict[bytes, Snapshot] = OrderedDict()
         self._lock = threading.RLock()
         self._disk: Path | None = None
         if disk_dir is not None:
@@ -248,7 +273,12 @@ class PrefixCache:
                 arrays = self._load_arrays(snap)
                 if arrays is None:
                     continue
-                state = restore_state(self.hp, arrays, pos, capacity)
+                try:
+                    state = restore_state(self.hp, arrays, pos, capacity)
+                except (KeyError, ValueError) as exc:   # cannot happen for a checked file: a miss all the same
+                    log.warning("prefix cache: dropping snapshot %s: %s", snap.key.hex(), exc)
+                    self._entries.pop(snap.key, None)
+                    continue
                 snap.hits += 1
                 snap.last_used = time.time()
                 self._entries.move_to_end(snap.key)
@@ -317,8 +347,10 @@ class PrefixCache:
             self._evict()
             return snap
 
-    def _evict(self) -> None:
-        ram = [s for s in self._entries.values() if s.tier == "ram"]
+    def _evict(self, keep: bytes | None = None) -> None:
+        """Move least recently used RAM snapshots to disk (or drop them) beyond the RAM budget, never ``keep``
+        (the one a lookup is restoring), then trim the disk tier."""
+        ram = [s for s in self._entries.values() if s.tier == "ram" and s.key != keep]
         used = sum(s.nbytes for s in ram)
         for snap in ram:  # least recently used first
             if used <= self.ram_budget:
@@ -379,7 +411,7 @@ class PrefixCache:
         """Atomically write ``snap`` (:func:`engine.snapshot_file.write_atomic`). Returns False on an OS error."""
         assert self._disk is not None and snap.arrays is not None
         path = self._path(snap.key)
-        if path.exists():
+        if _is_regular(path):
             return True
         meta = {"version": FORMAT_VERSION, "identity": self.identity, "key": snap.key.hex(), "pos": snap.pos,
                 "images": {str(p): d.hex() for p, d in snap.images.items()},
@@ -391,63 +423,94 @@ class PrefixCache:
             return False
         return True
 
-    def _read(self, path: Path) -> tuple[dict, np.ndarray, dict[str, np.ndarray]] | None:
-        """Parse and verify one snapshot file; None (with a log line) when it is not usable."""
-        try:
-            data = path.read_bytes()
-        except OSError as exc:
-            log.warning("prefix cache: ignoring %s: %s", path, exc)
-            return None
-        parsed = decode(data, self.hp, self.identity)
+    def _read(self, path: Path, with_arrays: bool = True) -> tuple[dict, np.ndarray, dict | None] | None:
+        """Stream, parse and verify one snapshot file (:func:`engine.snapshot_file.read_file`); None (with a
+        log line) when it is not usable: vanished, not a regular file, damaged, foreign."""
+        parsed = read_file(path, self.hp, self.identity, with_arrays)
         if isinstance(parsed, str):
             log.warning("prefix cache: ignoring %s: %s", path, parsed)
             return None
         return parsed
 
+    def _listing(self) -> list[tuple[float, int, Path]]:
+        """(mtime, size, path) of the folder's regular files named like snapshots, oldest first; a file
+        that vanishes while listed, a link, FIFO, device, folder or stray name is left out."""
+        assert self._disk is not None
+        out = []
+        try:
+            with os.scandir(self._disk) as entries:
+                for entry in entries:
+                    if not _SNAP_NAME.fullmatch(entry.name):
+                        continue
+                    try:
+                        if entry.is_file(follow_symlinks=False):
+                            st = entry.stat(follow_symlinks=False)
+                            out.append((st.st_mtime, st.st_size, Path(entry.path)))
+                    except OSError:
+                        continue          # removed by another process meanwhile
+        except OSError as exc:
+            if not isinstance(exc, FileNotFoundError):
+                log.warning("prefix cache: cannot read the folder %s: %s", self._disk, exc)
+            return []
+        return sorted(out, key=lambda t: t[0])
+
+    def _sweep_temporary(self) -> None:
+        """Remove temporary files of writes that crashed: regular ``*.tmp`` files older than
+        ``_STALE_TMP_S`` (a younger one may be another process's write in flight)."""
+        assert self._disk is not None
+        now = time.time()
+        try:
+            with os.scandir(self._disk) as entries:
+                for entry in entries:
+                    try:
+                        if (entry.name.endswith(".tmp") and entry.is_file(follow_symlinks=False)
+                                and now - entry.stat(follow_symlinks=False).st_mtime > _STALE_TMP_S):
+                            os.unlink(entry.path)
+                    except OSError:
+                        continue
+        except OSError:
+            return
+
     def _scan_disk(self) -> None:
-        """List the valid snapshot files of the folder and sweep temporary files (a crashed write's).
+        """List the valid snapshot files of the folder and sweep stale temporary files (a crashed write's).
 
         Never raises: an unreadable folder or file is logged and skipped."""
         assert self._disk is not None
-        try:
-            if not self._disk.is_dir():
-                return
-            for tmp in self._disk.glob("*.tmp"):
-                tmp.unlink(missing_ok=True)
-            paths = sorted(((p.stat().st_mtime, p) for p in self._disk.glob("*.snap")), key=lambda t: t[0])
-        except OSError as exc:
-            log.warning("prefix cache: cannot read the folder %s: %s", self._disk, exc)
-            return
-        for _, path in paths:
+        self._sweep_temporary()
+        for _, size, path in self._listing():
+            parsed = self._read(path, with_arrays=False)
+            if parsed is None:
+                continue
+            meta, tokens, _ = parsed
             try:
-                parsed = self._read(path)
-                if parsed is None:
-                    continue
-                meta, tokens, _ = parsed
                 images = {int(p): bytes.fromhex(d) for p, d in meta.get("images", {}).items()}
-                key = chain_keys(self.identity, tokens.tolist(), images)[-1]
-                if path.stem != key.hex() or meta.get("key") != key.hex():
-                    log.warning("prefix cache: ignoring %s: its key does not match its contents", path)
-                    continue
-                self._entries[key] = Snapshot(
-                    key=key, pos=meta["pos"], tokens=tokens, arrays=None, images=images,
-                    conversation=meta.get("conversation", ""), created=float(meta.get("created", 0.0)),
-                    hits=int(meta.get("hits", 0)), tier="disk", nbytes=path.stat().st_size,
-                    has_logits="logits" in meta["arrays"])
-            except (OSError, ValueError) as exc:   # a digest that is not hex, a file removed meanwhile
+            except ValueError as exc:   # a digest that is not hex
                 log.warning("prefix cache: ignoring %s: %s", path, exc)
+                continue
+            key = chain_keys(self.identity, tokens.tolist(), images)[-1]
+            if path.stem != key.hex() or meta.get("key") != key.hex():
+                log.warning("prefix cache: ignoring %s: its key does not match its contents", path)
+                continue
+            self._entries[key] = Snapshot(
+                key=key, pos=meta["pos"], tokens=tokens, arrays=None, images=images,
+                conversation=meta.get("conversation", ""), created=float(meta.get("created", 0.0)),
+                hits=int(meta.get("hits", 0)), tier="disk", nbytes=size,
+                has_logits="logits" in meta["arrays"])
 
     def _load_arrays(self, snap: Snapshot) -> dict[str, np.ndarray] | None:
+        """The snapshot's arrays, read from its file when it is on disk; None (and the entry dropped) when
+        the file vanished or is not usable. Makes it the most recently used, so trimming spares it."""
         if snap.arrays is not None:
             return snap.arrays
         if self._disk is None:
             return None
         parsed = self._read(self._path(snap.key))
-        if parsed is None:
+        if parsed is None or parsed[2] is None:
             self._entries.pop(snap.key, None)
             return None
         snap.arrays, snap.tier = parsed[2], "ram"
-        self._evict()
+        self._entries.move_to_end(snap.key)
+        self._evict(keep=snap.key)
         return parsed[2]
 
     def _remove_file(self, snap: Snapshot) -> None:
@@ -458,15 +521,21 @@ class PrefixCache:
                 log.warning("prefix cache: cannot remove %s: %s", self._path(snap.key), exc)
 
     def _trim_disk(self) -> None:
-        if self._disk is None or not self._disk.is_dir():
+        """Remove the folder's oldest snapshot files until they fit the disk budget; files removed by another
+        process meanwhile are simply gone (never an error)."""
+        if self._disk is None:
             return
-        files = sorted(self._disk.glob("*.snap"), key=lambda p: p.stat().st_mtime)
-        used = sum(p.stat().st_size for p in files)
-        for p in files:
+        files = self._listing()
+        used = sum(size for _, size, _ in files)
+        for _, size, p in files:
             if used <= self.disk_budget:
                 break
-            used -= p.stat().st_size
-            p.unlink(missing_ok=True)
+            used -= size
+            try:
+                p.unlink(missing_ok=True)
+            except OSError as exc:
+                log.warning("prefix cache: cannot remove %s: %s", p, exc)
+                continue
             snap = self._entries.get(bytes.fromhex(p.stem))
             if snap is not None and snap.tier == "disk":
                 del self._entries[snap.key]

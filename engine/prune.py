@@ -29,6 +29,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import tempfile
 import time
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
@@ -38,10 +39,13 @@ import numpy as np
 
 from .errors import ModelFormatError, UnsupportedModelError
 from .gguf_file import GGUFFile
+from .prune_inputs import check_image, read_text
 
 STATS_FORMAT = "deltadesk.expert_stats"
 STATS_VERSION = 1
 METHODS = ("reap", "frequency")
+MAX_LAYERS, MAX_EXPERTS = 1024, 4096      # a statistics file's shape is believed only within these
+_MAX_COUNT = 2 ** 53                      # token counts beyond this are not exact in float64
 _EPS32 = float(np.finfo(np.float32).eps)
 
 BUILTIN_CALIBRATION: tuple[tuple[str, str], ...] = (
@@ -137,7 +141,7 @@ class ExpertStats:
         self.gate_sum = np.zeros((n_layer, n_expert))
 
     @classmethod
-    def for_model(cls, gguf: GGUFFile, calibration: Mapping[str, Any] | None = None) -> "ExpertStats":
+    def for_model(cls, gguf: GGUFFile, calibration: Mapping[str, Any] | None = None) -> ExpertStats:
         """Empty statistics shaped for ``gguf`` (a MoE file)."""
         hp = gguf.hparams
         return cls(hp.n_layer, hp.n_expert, hp.n_expert_used, {"file": gguf.path.name, "identity": gguf.identity},
@@ -208,42 +212,59 @@ class ExpertStats:
                 "calibration": self.calibration, "layers": layers}
 
     def save(self, path: str | os.PathLike[str]) -> None:
-        """Write :meth:`to_json` to ``path`` (via a temporary file, then renamed)."""
+        """Write :meth:`to_json` to ``path`` (via a new temporary file beside it, then renamed).
+
+        Raises:
+            OSError: the folder cannot be written (the temporary file is removed).
+        """
         path = Path(path)
-        tmp = path.with_name(path.name + ".part")
-        tmp.write_text(json.dumps(self.to_json(), indent=1) + "\n", encoding="utf-8")
-        os.replace(tmp, path)
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".part")
+        try:
+            with os.fdopen(fd, "w", encoding="utf-8") as f:
+                f.write(json.dumps(self.to_json(), indent=1) + "\n")
+            os.replace(tmp, path)
+        except BaseException:
+            Path(tmp).unlink(missing_ok=True)
+            raise
 
     @classmethod
-    def load(cls, path: str | os.PathLike[str]) -> "ExpertStats":
+    def load(cls, path: str | os.PathLike[str]) -> ExpertStats:
         """Read statistics written by :meth:`save`.
+
+        The file must be a regular file of at most 256 MiB; its shape (``n_layer`` <= 1024, ``n_expert``
+        <= 4096, top-k within it, one layer entry per layer, each row ``n_expert`` long) is checked before
+        any array is allocated, and every value must be finite, >= 0, counts integers below 2^53.
 
         Raises:
             ModelFormatError: unreadable file, not this format, or inconsistent arrays (names the file and field).
         """
         src = str(path)
         try:
-            d = json.loads(Path(path).read_text(encoding="utf-8"))
-        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-            raise ModelFormatError(f"{src}: cannot read expert statistics: {exc}") from exc
+            d = json.loads(read_text(path, "expert statistics file"))
+        except (ValueError, RecursionError) as exc:
+            raise ModelFormatError(f"{src}: cannot read expert statistics: {str(exc)[:200]}") from exc
         if not isinstance(d, dict) or d.get("format") != STATS_FORMAT or d.get("version") != STATS_VERSION:
             raise ModelFormatError(f"{src}: not a {STATS_FORMAT} version {STATS_VERSION} file")
         try:
-            n_layer, n_expert, k = (int(d[key]) for key in ("n_layer", "n_expert", "n_expert_used"))
-            st = cls(n_layer, n_expert, k, d.get("model") or {}, d.get("calibration") or {})
-            layers = d["layers"]
-            if not isinstance(layers, list) or len(layers) != n_layer:
-                raise ValueError(f"layers has {len(layers) if isinstance(layers, list) else 'no'} entries, "
-                                 f"expected n_layer = {n_layer}")
-            for il, layer in enumerate(layers):
-                st.tokens[il] = int(layer["tokens"])
+            n_layer, n_expert, k = _shape(d)
+            model, calibration = d.get("model") or {}, d.get("calibration") or {}
+            if not isinstance(model, dict) or not isinstance(calibration, dict):
+                raise TypeError("model and calibration must be objects")
+            st = cls(n_layer, n_expert, k, model, calibration)
+            for il, layer in enumerate(d["layers"]):
+                st.tokens[il] = _count(layer["tokens"], f"layers[{il}].tokens")
                 for name in ("frequency", "reap_sum", "ean_sum", "gate_sum"):
-                    row = np.asarray(layer[name], dtype=np.float64)
-                    if row.shape != (n_expert,) or not np.isfinite(row).all() or (row < 0).any():
-                        raise ValueError(f"layers[{il}].{name} must be {n_expert} finite numbers >= 0")
+                    values = layer[name]
+                    if not isinstance(values, list) or len(values) != n_expert:
+                        raise ValueError(f"layers[{il}].{name} must be a list of {n_expert} numbers")
+                    row = np.asarray(values, dtype=np.float64)
+                    if not np.isfinite(row).all() or (row < 0).any() or (name == "frequency" and (
+                            (row >= _MAX_COUNT).any() or (row != np.round(row)).any())):
+                        raise ValueError(f"layers[{il}].{name} must be {n_expert} finite numbers >= 0"
+                                         + (" (whole counts below 2^53)" if name == "frequency" else ""))
                     getattr(st, name)[il] = row
-        except (KeyError, TypeError, ValueError) as exc:
-            raise ModelFormatError(f"{src}: malformed expert statistics: {exc}") from exc
+        except (KeyError, TypeError, ValueError, OverflowError) as exc:
+            raise ModelFormatError(f"{src}: malformed expert statistics: {str(exc)[:200]}") from exc
         return st
 
     def check_model(self, gguf: GGUFFile, source: str) -> None:
@@ -252,6 +273,29 @@ class ExpertStats:
             raise ModelFormatError(
                 f"{source}: these expert statistics are for {self.model.get('file', '?')} "
                 f"({self.model.get('identity', 'no identity')}), not {gguf.path.name} ({gguf.identity})")
+
+
+def _shape(d: Mapping[str, Any]) -> tuple[int, int, int]:
+    """(n_layer, n_expert, n_expert_used) of a statistics file, checked before anything is allocated.
+
+    Raises: TypeError: not integers. ValueError: out of bounds, or ``layers`` not one entry per layer."""
+    values = [d.get(key) for key in ("n_layer", "n_expert", "n_expert_used")]
+    if not all(isinstance(v, int) and not isinstance(v, bool) for v in values):
+        raise TypeError("n_layer, n_expert and n_expert_used must be integers")
+    n_layer, n_expert, k = values
+    if not (1 <= n_layer <= MAX_LAYERS and 2 <= n_expert <= MAX_EXPERTS and 1 <= k <= n_expert):
+        raise ValueError(f"shape n_layer={n_layer}, n_expert={n_expert}, n_expert_used={k} is outside "
+                         f"1..{MAX_LAYERS} layers, 2..{MAX_EXPERTS} experts, 1..n_expert used")
+    layers = d.get("layers")
+    if not isinstance(layers, list) or len(layers) != n_layer or not all(isinstance(x, dict) for x in layers):
+        raise ValueError(f"layers must be a list of {n_layer} objects (n_layer)")
+    return n_layer, n_expert, k
+
+
+def _count(value: Any, where: str) -> int:
+    if not isinstance(value, int) or isinstance(value, bool) or not 0 <= value < _MAX_COUNT:
+        raise ValueError(f"{where} must be a whole count below 2^53, got {str(value)[:40]}")
+    return value
 
 
 def check_keep(keep: int, n_expert: int, n_expert_used: int) -> None:
@@ -290,6 +334,8 @@ def calibration_set(jsonl: str | os.PathLike[str] | None = None,
             files = sorted(p for p in folder.iterdir() if p.suffix.lower() in IMAGE_SUFFIXES)
             if not files:
                 raise ModelFormatError(f"{folder}: no image files ({', '.join(IMAGE_SUFFIXES)})")
+            for f in files:
+                check_image(f, f"--images {folder}")
             for i, f in enumerate(files):
                 q = IMAGE_QUESTIONS[i % len(IMAGE_QUESTIONS)]
                 convs.append([{"role": "user", "content": [{"type": "image", "image": str(f)},
@@ -297,33 +343,47 @@ def calibration_set(jsonl: str | os.PathLike[str] | None = None,
         return convs
     path = Path(jsonl)
     base = Path(images_dir) if images_dir is not None else path.parent
-    try:
-        lines = path.read_text(encoding="utf-8").splitlines()
-    except (OSError, UnicodeDecodeError) as exc:
-        raise ModelFormatError(f"{path}: cannot read the calibration file: {exc}") from exc
+    lines = read_text(path, "calibration file").splitlines()
     convs = []
     for n, line in enumerate(lines, 1):
         if not line.strip():
             continue
         try:
             item = json.loads(line)
-        except json.JSONDecodeError as exc:
-            raise ModelFormatError(f"{path}:{n}: not JSON: {exc}") from exc
+        except (ValueError, RecursionError) as exc:
+            raise ModelFormatError(f"{path}:{n}: not JSON: {str(exc)[:200]}") from exc
         messages = item.get("messages") if isinstance(item, dict) else item
         if not isinstance(messages, list) or not messages or not all(
                 isinstance(m, dict) and isinstance(m.get("role"), str) and "content" in m for m in messages):
             raise ModelFormatError(f"{path}:{n}: expected {{\"messages\": [...]}} or a list of "
                                    "{\"role\", \"content\"} messages")
         for m in messages:
-            if isinstance(m["content"], list):
-                for part in m["content"]:
-                    if isinstance(part, dict) and part.get("type") == "image" and isinstance(part.get("image"), str):
-                        img = Path(part["image"])
-                        part["image"] = str(img if img.is_absolute() else base / img)
+            _check_content(m["content"], base, f"{path}:{n}")
         convs.append(messages)
     if not convs:
         raise ModelFormatError(f"{path}: the calibration file has no conversations")
     return convs
+
+
+def _check_content(content: Any, base: Path, where: str) -> None:
+    """Check one calibration message's content (a string, or text and image parts) and resolve its image
+    paths against ``base`` in place; each image must be a regular file under the size cap.
+
+    Raises: ModelFormatError naming ``where`` (file:line)."""
+    if isinstance(content, str):
+        return
+    if not isinstance(content, list):
+        raise ModelFormatError(f"{where}: a message's content must be a string or a list of parts")
+    for part in content:
+        kind = part.get("type") if isinstance(part, dict) else None
+        if kind == "text" and isinstance(part.get("text"), str):
+            continue
+        if kind != "image" or not isinstance(part.get("image"), str) or not part["image"]:
+            raise ModelFormatError(f"{where}: a part must be {{\"type\": \"text\", \"text\": ...}} or "
+                                   "{\"type\": \"image\", \"image\": \"PATH\"}")
+        img = Path(part["image"])
+        part["image"] = str(img if img.is_absolute() else base / img)
+        check_image(part["image"], where)
 
 
 def calibrate(engine: Any, conversations: Sequence[Sequence[Message]], max_tokens: int = 1024,
@@ -382,10 +442,11 @@ def calibrate(engine: Any, conversations: Sequence[Sequence[Message]], max_token
     return stats
 
 
-def default_stats_path(model: str | os.PathLike[str]) -> Path:
-    """Where ``prune`` keeps a model's statistics by default: ``MODEL.expert-stats.json`` beside it."""
+def default_stats_path(model: str | os.PathLike[str], folder: str | os.PathLike[str] | None = None) -> Path:
+    """``MODEL.expert-stats.json`` in ``folder`` (None: beside the model): where ``prune`` keeps a model's
+    statistics by default (``folder``: its output file's)."""
     p = Path(model)
-    return p.with_name(p.stem + ".expert-stats.json")
+    return Path(folder if folder is not None else p.parent) / (p.stem + ".expert-stats.json")
 
 
 def describe_kept(stats: ExpertStats, kept: Sequence[Sequence[int]], method: str) -> str:

@@ -14,16 +14,24 @@ it (``<think>`` ... ``</think>``), which is what the app's chat view splits. Err
 :class:`~engine.errors.RemoteError` with the URL and what went wrong: unreachable, refused (the
 server's own error message), no data within the timeout, or the connection dropped mid-answer (the
 caller keeps what had arrived).
+
+Nothing the server sends is trusted (:mod:`engine.remote_http`): Stop cuts the connection within
+about 0.05 s even while the server is silent; an answer whose data lines stop for ``timeout`` s ends
+then, whatever keep-alive comments arrive, and so does a model list that is not whole within its
+timeout; a line or body over 16 MiB, JSON nested too deep or of the wrong shape is a
+:class:`RemoteError`; the server's text in an error is stripped of control characters and cut short,
+and at most a few model ids are quoted.
 """
 
 from __future__ import annotations
 
 import base64
 import io
-import json
+import logging
 import mimetypes
 import threading
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import Any, Iterator, Mapping, Sequence
 
@@ -34,10 +42,18 @@ from .errors import ImageError, RemoteError, UnsupportedModelError
 from .events import Event, PrefillStats, TokenEvent, TurnSummary
 from .prefix_cache import SnapshotInfo
 from .prompt import Message
+from .regular_file import MAX_IMAGE_FILE_BYTES, FileRefused, read_regular
+from .remote_http import Watch, clean, lines, loads, read_body
 from .sampling import SamplingParams
+
+log = logging.getLogger(__name__)
 
 THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
 _STOP = {"stop": "eos", "length": "max_tokens", "content_filter": "eos", "tool_calls": "eos"}
+_NO_REUSE = httpx.Limits(max_keepalive_connections=0)   # every request connects anew: its socket can be cut
+_ERROR_BODY = 1 << 20       # bytes of an error reply read at most
+_MAX_CONTEXT = 10**8        # a max_model_len at or beyond this is not believed
+_IDS_QUOTED = 5             # model ids an error message names at most
 
 
 def _timeout(seconds: float) -> httpx.Timeout:
@@ -52,44 +68,92 @@ def _headers(api_key: str | None) -> dict[str, str]:
 def _refusal(url: str, response: httpx.Response) -> RemoteError:
     """The error of a non-2xx response: the server's own message when it sent the OpenAI error shape."""
     try:
-        raw = response.read()
-    except httpx.HTTPError:
+        raw = read_body(response, _ERROR_BODY)
+    except (httpx.HTTPError, ValueError):
         raw = b""
     try:
-        error = json.loads(raw)["error"]
-        detail = str(error["message"] if isinstance(error, Mapping) else error)
+        error = loads(raw)["error"]
+        detail = clean(error["message"] if isinstance(error, Mapping) else error)
     except (ValueError, KeyError, TypeError):
-        detail = raw[:200].decode("utf-8", "replace").strip()
+        detail = clean(raw[:200].decode("utf-8", "replace").strip())
     hint = " (check the API key in the settings)" if response.status_code in (401, 403) else ""
-    return RemoteError(f"{url} answered {response.status_code}{hint}: {detail or response.reason_phrase}")
+    return RemoteError(f"{url} answered {response.status_code}{hint}: {detail or clean(response.reason_phrase)}")
 
 
 def _unreachable(url: str, exc: httpx.HTTPError, timeout: float) -> RemoteError:
     if isinstance(exc, httpx.TimeoutException):
         return RemoteError(f"{url}: no answer within {timeout:g} s ({type(exc).__name__})")
-    return RemoteError(f"cannot reach {url}: {exc or type(exc).__name__} (is the server running, and the base URL right?)")
+    return RemoteError(f"cannot reach {url}: {clean(exc) or type(exc).__name__} (is the server running, and the base "
+                       "URL right?)")
 
 
 def list_models(base_url: str, api_key: str | None = None, timeout: float = 10.0) -> list[dict[str, Any]]:
     """The models a server lists at ``GET {base_url}/models`` (OpenAI shape: ``{"data": [{"id": ...}]}``).
 
     Raises:
-        RemoteError: unreachable, refused, or not the OpenAI list shape.
+        RemoteError: unreachable, refused, not whole within ``timeout`` s, over 16 MiB, or not the OpenAI
+            list shape.
     """
     url = base_url.rstrip("/") + "/models"
+    watch = Watch(None, timeout)
     try:
-        response = httpx.get(url, headers=_headers(api_key), timeout=_timeout(timeout))
+        with httpx.Client(headers=_headers(api_key), timeout=_timeout(timeout), limits=_NO_REUSE) as client, \
+                watch, client.stream("GET", url, extensions=watch.extensions) as response:
+            if response.status_code != 200:
+                raise _refusal(url, response)
+            raw = read_body(response)
+        if watch.fired:
+            raise httpx.ReadTimeout("cut at the deadline")
     except httpx.HTTPError as exc:
+        if watch.fired:
+            raise RemoteError(f"{url}: the model list did not arrive whole within {timeout:g} s") from exc
         raise _unreachable(url, exc, timeout) from exc
-    if response.status_code != 200:
-        raise _refusal(url, response)
+    except ValueError as exc:
+        raise RemoteError(f"{url}: {exc}") from exc
     try:
-        data = response.json()["data"]
-        if not all(isinstance(m, Mapping) and isinstance(m.get("id"), str) for m in data):
+        data = loads(raw)["data"]
+        if not isinstance(data, list) or not all(isinstance(m, Mapping) and isinstance(m.get("id"), str)
+                                                 for m in data):
             raise TypeError("an entry without an id")
     except (ValueError, KeyError, TypeError) as exc:
-        raise RemoteError(f"{url}: not an OpenAI model list ({exc})") from exc
+        raise RemoteError(f"{url}: not an OpenAI model list ({clean(exc)})") from exc
     return list(data)
+
+
+def server_props(base_url: str, api_key: str | None = None, timeout: float = 10.0) -> dict[str, Any]:
+    """What llama-server tells at ``GET /props`` (beside ``/v1``): ``{"n_ctx": int, "vision": bool}``, the keys
+    it says (``default_generation_settings.n_ctx``, ``modalities.vision``); {} from a server without that route
+    or with another shape (vLLM, SGLang), or when it cannot be reached or answers out of bounds (not whole within
+    ``timeout`` s, over 16 MiB, JSON nested too deep): the chat request will say what is wrong."""
+    root = base_url.rstrip("/")
+    root = root[:-3] if root.endswith("/v1") else root
+    watch = Watch(None, timeout)
+    try:
+        with httpx.Client(headers=_headers(api_key), timeout=_timeout(timeout), limits=_NO_REUSE) as client, \
+                watch, client.stream("GET", root + "/props", extensions=watch.extensions) as response:
+            props = loads(read_body(response)) if response.status_code == 200 else {}
+    except (httpx.HTTPError, ValueError):
+        return {}
+    out: dict[str, Any] = {}
+    if isinstance(props, Mapping) and not watch.fired:
+        settings, modalities = props.get("default_generation_settings"), props.get("modalities")
+        n_ctx = settings.get("n_ctx") if isinstance(settings, Mapping) else props.get("n_ctx")
+        if _context(n_ctx, root + "/props"):
+            out["n_ctx"] = n_ctx
+        if isinstance(modalities, Mapping) and isinstance(modalities.get("vision"), bool):
+            out["vision"] = modalities["vision"]
+    return out
+
+
+def _context(value: Any, url: str) -> int:
+    """A listed ``max_model_len`` when it is a positive integer below 10^8, else 0 (unknown) with a log line."""
+    if value is None:
+        return 0
+    if isinstance(value, int) and not isinstance(value, bool) and 0 < value < _MAX_CONTEXT:
+        return value
+    log.warning("remote: %s lists max_model_len %s, not a positive integer below 10^8: ignored", url,
+                clean(repr(value), 40))
+    return 0
 
 
 def _image_url(source: Any) -> str:
@@ -102,7 +166,9 @@ def _image_url(source: Any) -> str:
         data, mime = bytes(source), "image/png"
     elif isinstance(source, (str, Path)):
         try:
-            data = Path(source).read_bytes()
+            data = read_regular(source, MAX_IMAGE_FILE_BYTES)
+        except FileRefused as exc:
+            raise ImageError(f"{source}: the image file {exc}") from None
         except OSError as exc:
             raise ImageError(f"{source}: cannot read the image: {exc.strerror or exc}") from exc
         mime = mimetypes.guess_type(str(source))[0] or "image/png"
@@ -152,25 +218,40 @@ class RemoteEngine:
         self.timeout = timeout
         self._info = ModelInfo(arch="remote", context=context, has_vision=has_vision, device="remote", name=model,
                                remote=self.base_url)
-        self._client = httpx.Client(headers=_headers(api_key), timeout=_timeout(timeout))
+        self._client = httpx.Client(headers=_headers(api_key), timeout=_timeout(timeout), limits=_NO_REUSE)
 
     @classmethod
     def connect(cls, base_url: str, model: str, api_key: str | None = None, timeout: float = 300.0) -> "RemoteEngine":
-        """Check that the server lists ``model`` and read its context (``max_model_len``, as vLLM and
-        ``engine serve`` list it) and whether it reads images (``vision``, ``engine serve``'s; assumed yes).
+        """Check that the server lists ``model`` and read its context and whether it reads images.
+
+        The context is the entry's ``max_model_len`` (vLLM, ``engine serve``), else llama-server's ``/props``
+        ``n_ctx``; one that is not a positive integer below 10^8 is ignored (context unknown) with a log line.
+        Images are read when the entry says ``"vision": true`` (``engine serve``) or ``/props`` says
+        ``modalities.vision`` (llama-server with ``--mmproj``). A server that says neither is taken as text
+        only, and :attr:`info`'s ``vision_note`` says why.
 
         Raises:
-            RemoteError: unreachable, refused, or the model is not listed (the message names those that are).
+            RemoteError: unreachable, refused, or the model is not listed (the message names at most five
+                of those that are).
         """
         models = list_models(base_url, api_key, min(timeout, 30.0))
         entry = next((m for m in models if m["id"] == model), None)
         if entry is None:
-            names = ", ".join(m["id"] for m in models) or "none"
-            raise RemoteError(f"{base_url} does not serve a model named {model!r} (it lists: {names})")
-        context = entry.get("max_model_len")
-        vision = entry.get("vision")
-        return cls(base_url, model, api_key, timeout, context if isinstance(context, int) else 0,
-                   vision if isinstance(vision, bool) else True)
+            names = ", ".join(clean(m["id"], 60) for m in models[:_IDS_QUOTED]) or "none"
+            more = f" and {len(models) - _IDS_QUOTED} more" if len(models) > _IDS_QUOTED else ""
+            raise RemoteError(f"{base_url} does not serve a model named {clean(model, 60)!r} (it lists: {names}{more})")
+        context, vision = _context(entry.get("max_model_len"), base_url), entry.get("vision")
+        if not context or not isinstance(vision, bool):
+            props = server_props(base_url, api_key, min(timeout, 30.0))
+            context = context or props.get("n_ctx", 0)
+            vision = vision if isinstance(vision, bool) else props.get("vision")
+        engine = cls(base_url, model, api_key, timeout, context, vision is True)
+        if vision is not True:
+            engine._info = replace(engine._info, vision_note=(
+                f"{base_url} does not say that {model} reads images (no \"vision\" in its /v1/models entry, no "
+                "modalities.vision in /props): serve it with its vision tower (llama-server --mmproj, "
+                "engine serve --mmproj) to send images"))
+        return engine
 
     @property
     def info(self) -> ModelInfo:
@@ -179,7 +260,10 @@ class RemoteEngine:
 
     def body(self, messages: Sequence[Message], sampling: SamplingParams, enable_thinking: bool) -> dict[str, Any]:
         """The request body of one turn: messages, sampling fields (``top_k``, ``min_p`` and
-        ``repetition_penalty`` are the vLLM / llama.cpp extensions), thinking, a streamed answer with usage."""
+        ``repetition_penalty`` are the vLLM / llama.cpp extensions), a streamed answer with usage, and
+        thinking said both ways servers read it: ``chat_template_kwargs.enable_thinking`` (vLLM, SGLang,
+        llama-server, ``engine serve``) and, when on, ``reasoning_effort`` (the OpenAI field; "medium", its
+        default level) for servers that read only that one."""
         body: dict[str, Any] = {
             "model": self.model, "messages": openai_messages(messages), "stream": True,
             "stream_options": {"include_usage": True}, "max_tokens": sampling.max_tokens,
@@ -189,6 +273,8 @@ class RemoteEngine:
             "chat_template_kwargs": {"enable_thinking": enable_thinking}}
         if sampling.seed is not None:
             body["seed"] = sampling.seed
+        if enable_thinking:
+            body["reasoning_effort"] = "medium"
         return body
 
     def chat(self, messages: Sequence[Message], sampling: SamplingParams = SamplingParams(),
@@ -196,9 +282,11 @@ class RemoteEngine:
              conversation: str = "") -> Iterator[Event]:
         """One turn on the server, as the in-process engine's events (see the module doc).
 
-        ``conversation`` is not sent (the server keeps its own cache). Setting ``cancel`` closes the
-        connection at the next chunk, which stops the turn on servers that watch for it
-        (``engine serve``, vLLM, llama-server), and ends with a "cancelled" summary.
+        ``conversation`` is not sent (the server keeps its own cache). Setting ``cancel`` (from any thread)
+        cuts the connection within about 0.05 s, even while the server sends nothing, which stops the turn
+        on servers that watch for it (``engine serve``, vLLM, llama-server), and ends with a "cancelled"
+        summary. An answer whose data lines stop for ``timeout`` s ends then (keep-alive comments do not
+        count).
 
         Raises:
             ImageError: an image file cannot be read (before anything is sent).
@@ -210,32 +298,46 @@ class RemoteEngine:
         url = self.base_url + "/chat/completions"
         started = time.perf_counter()
         state = _StreamState(thinking)
+        watch = Watch(cancel, self.timeout)
         try:
-            with self._client.stream("POST", url, json=body) as response:
+            with watch, self._client.stream("POST", url, json=body, extensions=watch.extensions) as response:
                 if response.status_code != 200:
                     raise _refusal(url, response)
-                for line in response.iter_lines():
+                for line in lines(response):
                     if cancel.is_set():
                         break
                     chunk = _chunk(line, url)
                     if chunk is None:
                         continue
+                    watch.progress()
                     if chunk is _DONE:
                         state.done = True
                         break
                     yield from state.take(chunk, started)
         except httpx.HTTPError as exc:
-            if not state.texts:
-                raise _unreachable(url, exc, self.timeout) from exc
-            raise RemoteError(f"{url} dropped the connection mid-answer after {len(state.texts)} pieces "
-                              f"({type(exc).__name__}: {exc}); the partial answer is kept") from exc
+            if not cancel.is_set():
+                raise self._failure(url, exc, state, watch.fired == "deadline") from exc
+        except ValueError as exc:
+            raise RemoteError(f"{url} sent {exc} after {len(state.texts)} pieces; the partial answer is kept") from exc
         if cancel.is_set():
             yield state.summary("cancelled", "Stopped.", started)
+        elif not state.done and watch.fired == "deadline":
+            raise self._failure(url, None, state, True)
         elif not state.done:
             raise RemoteError(f"{url} ended the answer without 'data: [DONE]' after {len(state.texts)} pieces (the "
                               "server dropped the connection?); the partial answer is kept")
         else:
             yield state.summary(_STOP.get(state.finish or "stop", "eos"), "", started)
+
+    def _failure(self, url: str, exc: httpx.HTTPError | None, state: _StreamState, deadline: bool) -> RemoteError:
+        """The error of a turn whose connection failed, timed out or was cut at its deadline."""
+        if deadline or exc is None:
+            return RemoteError(f"{url}: no answer within {self.timeout:g} s (no data, or only keep-alive "
+                               f"comments) after {len(state.texts)} pieces; the partial answer is kept")
+        if not state.texts:
+            return _unreachable(url, exc, self.timeout)
+        return RemoteError(f"{url} dropped the connection mid-answer after {len(state.texts)} pieces "
+                           f"({type(exc).__name__}: {clean(exc)}); the partial answer is kept")
 
     def telemetry(self) -> Any:
         """None: GPU prefill telemetry is the server's."""
@@ -248,14 +350,16 @@ class RemoteEngine:
     def clear_snapshots(self, key: str | None = None) -> None:
         """Nothing to drop here: the snapshots are the server's."""
 
-    def image_info(self, source: Any) -> Any:
-        """Not known here.
+    def image_info(self, source: Any) -> None:
+        """None: the server's vision tower decides the size an image reaches its model at and the tokens it
+        takes; the image is sent whole as a ``data:`` URL.
 
         Raises:
-            UnsupportedModelError: always: the server's vision tower decides an image's size and token count.
+            UnsupportedModelError: the server does not say that it reads images (see :meth:`connect`).
         """
-        raise UnsupportedModelError(f"the server ({self.base_url}) decides the size an image reaches its "
-                                    "model at and how many tokens it takes")
+        if not self._info.has_vision:
+            raise UnsupportedModelError(self._info.vision_note or f"{self.base_url} does not read images")
+        return None
 
     def close(self) -> None:
         """Close the HTTP connections."""
@@ -277,15 +381,16 @@ def _chunk(line: str, url: str) -> Any:
     if data == "[DONE]":
         return _DONE
     try:
-        chunk = json.loads(data)
+        chunk = loads(data)
     except ValueError as exc:
-        raise RemoteError(f"{url} sent a stream line that is not JSON: {data[:120]!r}") from exc
+        raise RemoteError(f"{url} sent a stream line that is not JSON ({clean(exc, 60)}): {clean(data, 120)!r}") \
+            from exc
     if not isinstance(chunk, dict):
-        raise RemoteError(f"{url} sent a stream line that is not a JSON object: {data[:120]!r}")
+        raise RemoteError(f"{url} sent a stream line that is not a JSON object: {clean(data, 120)!r}")
     if "error" in chunk:
         error = chunk["error"]
         raise RemoteError(f"{url} reported an error mid-answer: "
-                          f"{error.get('message') if isinstance(error, Mapping) else error}")
+                          f"{clean(error.get('message') if isinstance(error, Mapping) else error)}")
     return chunk
 
 

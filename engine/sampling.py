@@ -15,11 +15,14 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import TYPE_CHECKING, Sequence
 
 import numpy as np
 
 from .errors import EngineError
+
+if TYPE_CHECKING:
+    from .grammar import Matcher
 
 MAX_TOP_LOGPROBS = 20
 """The most alternatives :attr:`SamplingParams.top_logprobs` may ask for (the OpenAI API's limit)."""
@@ -127,7 +130,7 @@ class Sampler:
             length): the frequency penalty counts tokens from there.
     """
 
-    def __init__(self, params: SamplingParams, matcher: Any = None, answer_start: int = 0) -> None:
+    def __init__(self, params: SamplingParams, matcher: Matcher | None = None, answer_start: int = 0) -> None:
         self.params = params
         self.matcher = matcher
         self.answer_start = answer_start
@@ -148,7 +151,7 @@ class Sampler:
 
         Raises:
             EngineError: the logits hold a NaN or no finite value, a logit bias names an id outside the
-                vocabulary, or the mask allows no token.
+                vocabulary, or the mask is of another size or allows no token.
         """
         p = self.params
         x = np.asarray(logits, dtype=np.float64).copy()
@@ -157,6 +160,9 @@ class Sampler:
         self._bias_and_penalize(x, history)
         candidates = np.arange(x.size)
         if allowed is not None:
+            if allowed.shape != x.shape:
+                raise EngineError(f"the grammar's mask covers {allowed.size} token ids but the model has {x.size} "
+                                  "(a grammar compiled for another model?)")
             candidates = np.flatnonzero(allowed)
             if candidates.size == 0:
                 raise EngineError("the grammar allows no next token")

@@ -14,10 +14,12 @@ import hashlib
 import io
 import json
 import os
+import stat
 import struct
 import tempfile
 from collections.abc import Mapping
 from pathlib import Path
+from typing import Any, BinaryIO
 
 import numpy as np
 
@@ -27,6 +29,10 @@ FORMAT_MAGIC = b"DDSNAP\x00\x01"
 FORMAT_VERSION = 1
 _HEAD = len(FORMAT_MAGIC) + 8   # magic + header length
 _SHA = 32
+_MAX_HEADER = 16 << 20           # bytes of JSON header read at most
+_PIECE = 1 << 18                 # float32 values hashed per piece when only checking a file
+_NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
+_NONBLOCK = getattr(os, "O_NONBLOCK", 0)   # opening a FIFO that slipped past lstat must not wait for a writer
 
 
 def expected_arrays(hp: HasStateLayout, pos: int) -> dict[str, tuple[int, ...]]:
@@ -126,44 +132,128 @@ def write_atomic(path: Path, data: bytes) -> None:
         raise
 
 
-def _frame(data: bytes) -> tuple[int, int] | str:
-    """(header start, header length) of a well-framed file whose checksum holds, or why not."""
-    if len(data) < _HEAD + _SHA or not data.startswith(FORMAT_MAGIC):
-        return "not a snapshot file (bad magic or too short)"
-    (n_head,) = struct.unpack_from("<Q", data, len(FORMAT_MAGIC))
-    if _HEAD + n_head + _SHA > len(data):
-        return "truncated header"
-    if hashlib.sha256(data[_HEAD:-_SHA]).digest() != data[-_SHA:]:
-        return "checksum mismatch (corrupt or partial write)"
-    return _HEAD, n_head
+def open_regular(path: Path) -> tuple[BinaryIO, int] | str:
+    """Open ``path`` for reading only when it is a regular file (a symlink, FIFO, device or folder is never
+    opened or followed): (binary file, size in bytes), or why not.
+
+    The name is checked with ``lstat`` before opening, opened without following links and without blocking,
+    and the open file's ``fstat`` must name the same inode, so a file swapped in between is refused too.
+    """
+    try:
+        before = os.lstat(path)
+        if not stat.S_ISREG(before.st_mode):
+            return "not a regular file"
+        fd = os.open(path, os.O_RDONLY | _NOFOLLOW | _NONBLOCK | getattr(os, "O_BINARY", 0))
+    except OSError as exc:
+        return f"cannot open it ({exc.strerror or exc})"
+    after = os.fstat(fd)
+    if not stat.S_ISREG(after.st_mode) or (after.st_dev, after.st_ino) != (before.st_dev, before.st_ino):
+        os.close(fd)
+        return "not a regular file (replaced while opening)"
+    return os.fdopen(fd, "rb"), after.st_size
+
+
+def read_file(path: Path, hp: HasStateLayout, identity: str,
+              with_arrays: bool = True) -> tuple[dict, np.ndarray, dict[str, np.ndarray] | None] | str:
+    """Read and verify one snapshot file by streaming it (only a regular file, see :func:`open_regular`).
+
+    The header is read first and its sizes checked against the file's size before any array is allocated;
+    the payload is then read in pieces into the arrays (or, with ``with_arrays=False``, only hashed and
+    checked), so memory use is the arrays' size, never the file's twice.
+
+    Returns:
+        (header, (pos,) int32 tokens, name -> float32 array or None), or a string saying why the file is not
+        usable (see :func:`read_stream`).
+    """
+    opened = open_regular(path)
+    if isinstance(opened, str):
+        return opened
+    f, size = opened
+    try:
+        with f:
+            return read_stream(f, size, hp, identity, with_arrays)
+    except OSError as exc:
+        return f"cannot read it ({exc.strerror or exc})"
 
 
 def decode(data: bytes, hp: HasStateLayout, identity: str) -> tuple[dict, np.ndarray, dict[str, np.ndarray]] | str:
-    """Parse and verify one snapshot file against the loaded model.
+    """:func:`read_stream` over bytes already in memory."""
+    return read_stream(io.BytesIO(data), len(data), hp, identity, True)  # type: ignore[return-value]
+
+
+def read_stream(f: BinaryIO, size: int, hp: HasStateLayout, identity: str,
+                with_arrays: bool) -> tuple[dict, np.ndarray, dict[str, np.ndarray] | None] | str:
+    """Parse and verify a snapshot of ``size`` bytes read from ``f`` against the loaded model.
 
     Returns:
-        (header, (pos,) int32 tokens, name -> float32 array), or a string saying why the file is not usable
-        (bad framing or checksum, unreadable header, :func:`check_header`'s reason, a token outside the vocabulary).
+        (header, (pos,) int32 tokens, name -> float32 array, or None without ``with_arrays``), or a string
+        saying why the file is not usable: bad framing, a header larger than the file, unreadable header,
+        :func:`check_header`'s reason, a token outside the vocabulary, a NaN or infinite value in the state
+        (damaged), a checksum mismatch, or a file shorter than it said.
+    Raises:
+        OSError: reading ``f`` failed.
     """
-    frame = _frame(data)
-    if isinstance(frame, str):
-        return frame
-    start, n_head = frame
+    head = f.read(_HEAD)
+    if size < _HEAD + _SHA or len(head) < _HEAD or not head.startswith(FORMAT_MAGIC):
+        return "not a snapshot file (bad magic or too short)"
+    (n_head,) = struct.unpack_from("<Q", head, len(FORMAT_MAGIC))
+    if n_head > min(size - _HEAD - _SHA, _MAX_HEADER):
+        return "truncated header"
+    raw = f.read(n_head)
+    digest = hashlib.sha256(raw)
     try:
-        meta = json.loads(data[start:start + n_head])
+        meta = json.loads(raw)
     except (ValueError, RecursionError):    # not JSON, or nested too deep to parse
         return "unreadable header"
-    fail = check_header(hp, identity, meta, len(data) - _SHA - start - n_head)
+    fail = check_header(hp, identity, meta, size - _HEAD - n_head - _SHA)
     if fail is not None:
         return fail
-    offset, pos = start + n_head, meta["pos"]
-    tokens = np.frombuffer(data, dtype="<i4", count=pos, offset=offset).copy()
+    pos = meta["pos"]
+    tokens = np.empty(pos, dtype="<i4")
+    if not _fill(f, tokens, digest):
+        return "truncated data"
     if tokens.size and (tokens.min() < 0 or tokens.max() >= hp.state_layout().n_vocab):
         return "a token id outside the vocabulary"
-    offset += 4 * pos
-    arrays = {}
+    arrays: dict[str, np.ndarray] | None = {} if with_arrays else None
     for name, (_, shape) in meta["arrays"].items():
-        a = np.frombuffer(data, dtype="<f4", count=int(np.prod(shape)), offset=offset)
-        arrays[name] = a.reshape(shape).astype(np.float32)
-        offset += a.nbytes
-    return meta, tokens, arrays
+        fail = _take_array(f, name, tuple(shape), digest, arrays)
+        if fail is not None:
+            return fail
+    if f.read(_SHA) != digest.digest():
+        return "checksum mismatch (corrupt or partial write)"
+    return meta, tokens.astype(np.int32), arrays
+
+
+def _take_array(f: BinaryIO, name: str, shape: tuple[int, ...], digest: Any,
+                arrays: dict[str, np.ndarray] | None) -> str | None:
+    """Read one array (into ``arrays``, or in pieces only to hash and check it); why it is unusable, or None."""
+    if arrays is not None:
+        a = np.empty(shape, dtype="<f4")
+        if not _fill(f, a, digest):
+            return "truncated data"
+        if not np.isfinite(a).all():
+            return f"damaged: {name} holds NaN or infinite values"
+        arrays[name] = a.astype(np.float32, copy=False)
+        return None
+    left = int(np.prod(shape))
+    while left:
+        piece = np.empty(min(left, _PIECE), dtype="<f4")
+        if not _fill(f, piece, digest):
+            return "truncated data"
+        if not np.isfinite(piece).all():
+            return f"damaged: {name} holds NaN or infinite values"
+        left -= piece.size
+    return None
+
+
+def _fill(f: BinaryIO, a: np.ndarray, digest: Any) -> bool:
+    """Read exactly ``a.nbytes`` bytes of ``f`` into ``a`` and hash them; False when the file ends first."""
+    view = memoryview(a).cast("B")
+    done = 0
+    while done < len(view):
+        n = f.readinto(view[done:])
+        if not n:
+            return False
+        done += n
+    digest.update(view)
+    return True

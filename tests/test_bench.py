@@ -200,7 +200,8 @@ def test_bench_interleaves_with_the_peer(tiny_q4, tmp_path):
     lines: list[str] = []
     level = cpu.supported_isas()[-1]
     samples = cpu_bench.run(tiny_q4, [1], [level], n_prompt=4, n_gen=2, depths=[8], depth_gen=2, repeat=2,
-                            llama_bench=fake, stream_gib=1 / 64, stream_runs=2, out=lines.append)
+                            peers=[cpu_llama.Peer("llama.cpp", fake)], stream_gib=1 / 64, stream_runs=2,
+                            out=lines.append)
     assert [(s.engine, s.round) for s in samples] == [("deltadesk", 0), ("llama.cpp", 0), ("deltadesk", 1),
                                                        ("llama.cpp", 1)]
     ours, peer = samples[0], samples[1]
@@ -209,12 +210,59 @@ def test_bench_interleaves_with_the_peer(tiny_q4, tmp_path):
     text = "\n".join(lines)
     assert f"NUMA nodes: {numa.node_count()}" in text
     assert "RSS after load:" in text and "anonymous" in text and "file-backed" in text
-    assert "llama-bench peak RSS" in text
+    assert "llama.cpp peak RSS" in text
     rereads = [line for line in lines if "into page cache" in line]
     assert [line.split()[0] for line in rereads] == ["2"]    # only after the peer's round-1 run
     summary = [line for line in lines if line.startswith("deltadesk") and "vs llama.cpp" in line]
     ratios = [a.tg_tok_s / b.tg_tok_s for a, b in zip(samples[0::2], samples[1::2])]
     assert len(summary) == 1 and f"tg {cpu_bench.spread(ratios)}x" in summary[0]
+    assert "best peer" not in summary[0]
+
+
+FAKE_IK_LLAMA_BENCH = """import json, sys
+a = sys.argv[1:]
+get = lambda flag: a[a.index(flag) + 1]
+repack = "-rtr" in a and get("-rtr") == "1"
+t, p, n = int(get("-t")), int(get("-p")), int(get("-n"))
+sample = json.load(open(%r))[0]
+tests = []
+for d in map(int, get("-d").split(",")):
+    for n_p, n_g, rate in ((p, 0, (300.0 if repack else 200.0) * t), (0, n, (8.0 if repack else 12.0) * t)):
+        if n_p or n_g:
+            tests.append(dict(sample, n_prompt=n_p, n_gen=n_g, n_depth=d, n_threads=t, samples_ts=[rate]))
+print(json.dumps(tests))
+""" % str(SAMPLE)
+
+
+def test_bench_compares_with_each_peer_and_the_best_per_figure(tiny_q4, tmp_path):
+    """ik_llama.cpp runs twice (default flags, then -rtr 1, passed last on its command line); the summary gives
+    the ratio to each peer and to the best peer, whose figures are the per-round maximum over the peers: here
+    the rtr run's pp and the default run's tg, so both best-peer ratios are derived from different peers."""
+    from engine.kernels import cpu
+    from engine.tools import cpu_bench
+    if not cpu.available():
+        pytest.skip("native CPU kernels not built")
+    fake = _script(tmp_path / "ik-llama-bench", FAKE_IK_LLAMA_BENCH)
+    lines: list[str] = []
+    level = cpu.supported_isas()[-1]
+    samples = cpu_bench.run(tiny_q4, [1], [level], n_prompt=4, n_gen=2, depths=[], depth_gen=2, repeat=2,
+                            peers=cpu_llama.ik_llama_peers(fake), stream_gib=1 / 64, stream_runs=2,
+                            out=lines.append)
+    assert [s.engine for s in samples] == ["deltadesk", "ik_llama", "ik_llama+rtr"] * 2
+    assert [(s.pp_tok_s, s.tg_tok_s) for s in samples[1:3]] == [(200.0, 12.0), (300.0, 8.0)]
+    ours = samples[0::3]
+    summary = [line for line in lines if line.startswith("deltadesk")]
+    assert len(summary) == 1
+    best_tg = cpu_bench.spread([s.tg_tok_s / 12.0 for s in ours])
+    best_pp = cpu_bench.spread([s.pp_tok_s / 300.0 for s in ours], ".2f")
+    assert f"vs best peer: tg {best_tg}x, pp {best_pp}x" in summary[0]
+    assert "vs ik_llama:" in summary[0] and "vs ik_llama+rtr:" in summary[0]
+    assert "ik_llama peak RSS" in "\n".join(lines) and "ik_llama+rtr peak RSS" in "\n".join(lines)
+
+
+def test_bench_command_puts_the_peer_flags_last():
+    cmd = cpu_llama.bench_command("ik", "m.gguf", 2, 512, 64, flags=("-rtr", "1"))
+    assert cmd[-2:] == ["-rtr", "1"] and cmd[cmd.index("-p") + 1] == "512"
 
 
 def test_bench_cli(tiny_q4, capsys, tmp_path):
@@ -226,6 +274,8 @@ def test_bench_cli(tiny_q4, capsys, tmp_path):
         assert shown in help_text
     assert main(["bench", str(tiny_q4), "--llama-bench", str(tmp_path / "absent")]) == 2
     assert "not an executable file" in capsys.readouterr().err
+    assert main(["bench", str(tiny_q4), "--ik-llama-bench", str(tmp_path / "absent")]) == 2
+    assert "--ik-llama-bench" in capsys.readouterr().err
 
 
 def test_real_llama_bench_has_depth():

@@ -49,14 +49,17 @@ def tokens_of(events) -> tuple[list[TokenEvent], TurnSummary]:
     return [e for e in events if isinstance(e, TokenEvent)], events[-1]
 
 
-@pytest.mark.parametrize(("temperature", "top"), [(0.0, 5), (1.0, 0), (0.7, 20)])
-def test_logprobs_equal_log_softmax_of_model_logits(engine, temperature: float, top: int) -> None:
-    """Each token's logprob and alternatives are log_softmax of the raw logits, whatever the temperature and
-    bias (logprobs are taken before them); reference in extended precision, tolerance far below float32 ulp."""
+@pytest.mark.parametrize(("temperature", "top", "constrained"), [(0.0, 5, False), (1.0, 0, False),
+                                                                  (0.7, 20, False), (1.0, 3, True)])
+def test_logprobs_equal_log_softmax_of_model_logits(engine, temperature: float, top: int, constrained: bool) -> None:
+    """Each token's logprob and alternatives are log_softmax of the raw logits, whatever the temperature, bias
+    and grammar (logprobs are taken before them); reference in extended precision, tolerance far below float32
+    ulp."""
     engine.clear_snapshots()
     params = SamplingParams(temperature=temperature, top_k=0, top_p=1.0, seed=3, max_tokens=6, top_logprobs=top,
                             logit_bias=((100, 3.0),))
-    tokens, _ = tokens_of(engine.chat(MESSAGES, params))
+    grammar = engine.grammar(json_object=True) if constrained else None
+    tokens, _ = tokens_of(engine.chat(MESSAGES, params, grammar=grammar))
     prompt = engine.render(MESSAGES)
     answer = [t.token_id for t in tokens]
     for event, logits in zip(tokens, model_logits(engine, prompt, answer)):

@@ -259,3 +259,14 @@ def test_grammar_error_from_engine(engines) -> None:
     warm, _ = engines
     with pytest.raises(GrammarError, match="contains"):
         warm.grammar(json_schema={"type": "array", "contains": {"type": "integer"}})
+
+
+def test_raw_completion_under_a_grammar(engines) -> None:
+    """Engine.complete continues raw text under the grammar: any JSON object here, ended by the grammar."""
+    warm, _ = engines
+    brace = warm.tokenizer.token_id("{")
+    events = list(warm.complete("Answer in JSON: ", SamplingParams(temperature=0.0, max_tokens=40,
+                                                                    logit_bias=((brace, 30.0),)),
+                                grammar=warm.grammar(json_object=True)))
+    summary = events[-1]
+    assert summary.stop_reason == "eos" and isinstance(json.loads(summary.text), dict)

@@ -71,3 +71,14 @@ def test_the_bundle_holds_the_model_and_the_desktop_files(frozen):
         with Image.open(icons / f"{size}x{size}" / "apps" / "deltadesk.png") as png:
             assert png.size == (size, size) and png.getextrema()[3][1] == 255
     assert (icons / "scalable" / "apps" / "deltadesk.svg").read_bytes().startswith(b"<svg")
+
+
+def _readme_mb() -> int:
+    """The packaged size the README gives, MB ("one folder, N MB on disk")."""
+    import re
+    return int(re.search(r"one folder, (\d+) MB on disk", (ROOT / "README.md").read_text()).group(1))
+
+
+def test_the_readme_size_is_the_built_folders(frozen):
+    size = sum(p.stat().st_size for p in frozen.rglob("*") if p.is_file() and not p.is_symlink())
+    assert abs(size / 1e6 - _readme_mb()) <= 0.15 * _readme_mb(), f"built {size / 1e6:.0f} MB"

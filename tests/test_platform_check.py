@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -71,3 +72,16 @@ def test_every_library_of_the_real_plugin_has_a_package_and_the_check_agrees_wit
 
 def test_readme_gives_the_same_apt_line():
     assert platform_check.APT_LINE in (ROOT / "README.md").read_text()
+
+
+def test_the_apt_line_runs_unattended_as_root_and_names_real_packages():
+    line = next(line for line in (ROOT / "README.md").read_text().splitlines() if line.startswith("apt-get update"))
+    assert line == platform_check.APT_LINE and "sudo" not in line      # root has no sudo in a bare container
+    update, install = line.split(" && ")
+    assert update == "apt-get update" and install.startswith("apt-get install -y ")
+    packages = install.split()[3:]
+    assert sorted(packages) == sorted(set(platform_check.PACKAGES.values()))
+    if not shutil.which("apt-get") or not any(Path("/var/lib/apt/lists").glob("*_Packages*")):
+        pytest.skip("no apt-get with package lists here")
+    simulated = subprocess.run(["apt-get", "-s", "install", "-y", *packages], capture_output=True, text=True)
+    assert simulated.returncode == 0, simulated.stdout[-2000:] + simulated.stderr[-2000:]

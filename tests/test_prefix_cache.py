@@ -6,6 +6,7 @@ End-to-end checks (greedy tokens after a restore equal a cold prefill) live in t
 from __future__ import annotations
 
 import logging
+import os
 
 import numpy as np
 import pytest
@@ -270,5 +271,6 @@ def test_temporary_files_of_a_crashed_write_are_swept_at_start(tmp_path) -> None
     cache = PrefixCache(HP, "m", disk_dir=tmp_path)
     cache._disk.mkdir(parents=True)
     (cache._disk / "tmpabc123.tmp").write_bytes(b"partial")
+    os.utime(cache._disk / "tmpabc123.tmp", (0, 0))          # a crashed write's, not one in flight
     PrefixCache(HP, "m", disk_dir=tmp_path)
     assert list(tmp_path.rglob("*.tmp")) == []

@@ -108,6 +108,11 @@ def test_empty_mask_is_an_engine_error() -> None:
         Sampler(SamplingParams()).distribution(np.zeros(8, np.float32), [], np.zeros(8, bool))
 
 
+def test_mask_of_another_vocabulary_is_an_engine_error() -> None:
+    with pytest.raises(EngineError, match="covers 9 token ids but the model has 8"):
+        Sampler(SamplingParams()).distribution(np.zeros(8, np.float32), [], np.ones(9, bool))
+
+
 @pytest.mark.parametrize("top", [0, 1, 5, 40])
 def test_logprobs_are_log_softmax(top: int) -> None:
     """Against ``x - log(sum(exp(x)))`` in extended precision; alternatives are the ``top`` largest logits."""

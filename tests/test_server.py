@@ -427,7 +427,7 @@ def test_image_parts_as_data_and_file_urls(vision_server, tmp_path) -> None:
     ("data:image/png;base64,@@@", 400, "base64"),
     ("data:image/png,rawbytes", 400, "base64"),
     ("https://example.com/cat.png", 400, "not fetched"),
-    ("file:///nonexistent/cat.png", 400, "cat.png"),
+    ("file:///nonexistent/cat.png", 400, "does not name a readable regular file"),
     ("file://otherhost/cat.png", 400, "this machine"),
 ])
 def test_unreadable_images_are_400(vision_server, url, status, fragment) -> None:

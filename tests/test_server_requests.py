@@ -12,6 +12,18 @@ from engine.server.requests import APIError, chat_request, image_source, samplin
 HUGE = 10 ** 400            # a JSON integer Python parses, but too large for a float
 
 
+def _png_bytes() -> bytes:
+    import io
+
+    from PIL import Image
+    out = io.BytesIO()
+    Image.new("RGB", (4, 4)).save(out, format="PNG")
+    return out.getvalue()
+
+
+_PNG = _png_bytes()
+
+
 @pytest.mark.parametrize("name", ["max_tokens", "max_completion_tokens", "temperature", "top_p", "top_k", "seed",
                                   "presence_penalty", "repetition_penalty"])
 def test_an_integer_too_large_for_a_float_is_400(name) -> None:
@@ -50,10 +62,10 @@ def test_a_file_url_to_a_folder_is_400(tmp_path) -> None:
 
 def test_file_urls_are_refused_when_not_allowed(tmp_path) -> None:
     picture = tmp_path / "a.png"
-    picture.write_bytes(b"\x89PNG")
+    picture.write_bytes(_PNG)
     body = {"model": "m", "messages": [{"role": "user", "content": [
         {"type": "image_url", "image_url": {"url": picture.as_uri()}}]}]}
-    assert chat_request(body, "m", 512).messages[0]["content"][0]["image"] == picture
+    assert chat_request(body, "m", 512).messages[0]["content"][0]["image"] == _PNG
     with pytest.raises(APIError) as info:
         chat_request(body, "m", 512, file_urls=False)
     assert info.value.status == 400 and info.value.param == "messages[0].content[0].image_url.url"
@@ -66,7 +78,7 @@ def test_a_server_beyond_loopback_refuses_file_urls(tmp_path) -> None:
 
     from engine.server import ServerConfig, ServerThread
     picture = tmp_path / "a.png"
-    picture.write_bytes(b"\x89PNG")
+    picture.write_bytes(_PNG)
     engine = types.SimpleNamespace(info=types.SimpleNamespace(context=512, has_vision=True))
     server = ServerThread(engine, ServerConfig("m", api_key="k"), host="0.0.0.0", port=0).start()
     try:
@@ -89,7 +101,7 @@ def test_file_urls_need_a_loopback_host_header(tmp_path, host, reads) -> None:
 
     from engine.server import ServerConfig, create_app
     picture = tmp_path / "a.png"
-    picture.write_bytes(b"\x89PNG")
+    picture.write_bytes(_PNG)
     engine = types.SimpleNamespace(info=types.SimpleNamespace(context=512, has_vision=False))
     # in process (Starlette's TestClient): a served loopback server refuses such a Host before this
     # (test_a_loopback_server_answers_only_its_own_host_names); this is the check behind that one

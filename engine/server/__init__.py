@@ -22,10 +22,43 @@ from engine.errors import EngineError
 from .app import DEFAULT_MAX_BODY, ServerConfig, create_app
 from .requests import APIError
 
-__all__ = ["APIError", "DEFAULT_MAX_BODY", "ServerConfig", "ServerThread", "check_bind", "create_app", "is_loopback",
-           "serve"]
+__all__ = ["APIError", "DEFAULT_MAX_BODY", "ServerConfig", "ServerThread", "bind_address", "check_bind", "create_app",
+           "is_loopback", "serve"]
 
 LOOPBACK = "127.0.0.1"
+
+UVICORN_LIMITS = {"timeout_keep_alive": 5, "h11_max_incomplete_event_size": 16 << 10, "limit_concurrency": 256,
+                  "backlog": 128}
+"""uvicorn's own limits on slow or greedy clients: a connection closed when it has sent no whole request head
+5 s after opening or after its last answer (uvicorn's keep-alive timeout; :class:`_HeadTimeoutH11` starts it
+at the connection's opening too and lets trickled bytes not restart it), a request head over 16 KiB refused,
+at most 256 connections and tasks at once (503 beyond), 128 connections pending accept. A slowly sent body is
+bounded by what waiting requests may hold (:mod:`engine.server.limits`): uvicorn has no body timeout."""
+
+
+def _head_timeout_protocol() -> type:
+    from uvicorn.protocols.http.h11_impl import H11Protocol
+
+    class _HeadTimeoutH11(H11Protocol):
+        """uvicorn's h11 protocol whose keep-alive timer also runs from the connection's opening and is not
+        restarted by the bytes of an unfinished request head, so a whole head must arrive in time."""
+
+        def connection_made(self, transport: Any) -> None:  # type: ignore[override]
+            super().connection_made(transport)
+            self.timeout_keep_alive_task = self.loop.call_later(self.timeout_keep_alive,
+                                                                self.timeout_keep_alive_handler)
+
+        def data_received(self, data: bytes) -> None:
+            timer, self.timeout_keep_alive_task = self.timeout_keep_alive_task, None
+            super().data_received(data)
+            if timer is None:
+                return
+            if self.cycle is not None and not self.cycle.response_complete or self.timeout_keep_alive_task:
+                timer.cancel()          # a request began (or uvicorn armed its own timer): uvicorn's rules now
+            else:
+                self.timeout_keep_alive_task = timer
+
+    return _HeadTimeoutH11
 
 
 def is_loopback(host: str) -> bool:
@@ -49,8 +82,9 @@ def check_bind(host: str, api_key: str | None) -> None:
                           "could use the model; pass --api-key KEY (or bind to 127.0.0.1)")
 
 
-def _bind(host: str, port: int) -> socket.socket:
-    """A TCP socket bound to ``host:port`` (port 0: a free one), for uvicorn to listen on.
+def bind_address(host: str, port: int) -> socket.socket:
+    """A TCP socket bound to ``host:port`` (port 0: a free one) and listening, for uvicorn to serve on: a
+    client that connects before uvicorn runs waits in the backlog.
 
     Raises:
         EngineError: the address is in use or not this machine's.
@@ -63,6 +97,7 @@ def _bind(host: str, port: int) -> socket.socket:
     except OSError as exc:
         sock.close()
         raise EngineError(f"could not listen on {host}:{port}: {exc.strerror or exc}") from exc
+    sock.listen(2048)
     return sock
 
 
@@ -72,17 +107,20 @@ def _uvicorn_server(engine: Any, config: ServerConfig, host: str, port: int, eng
         config = dataclasses.replace(config, file_urls=False)
     app = create_app(engine, config, engine_lock)
     return uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="warning", access_log=False,
-                                         timeout_graceful_shutdown=2))
+                                         timeout_graceful_shutdown=2, http=_head_timeout_protocol(),
+                                         **UVICORN_LIMITS))
 
 
-def serve(engine: Any, config: ServerConfig, host: str = LOOPBACK, port: int = 8080) -> None:
-    """Serve ``engine`` until interrupted (Ctrl+C), in the calling thread.
+def serve(engine: Any, config: ServerConfig, host: str = LOOPBACK, port: int = 8080,
+          sock: socket.socket | None = None) -> None:
+    """Serve ``engine`` until interrupted (Ctrl+C), in the calling thread; on ``sock`` when given (bound by
+    :func:`bind_address` to ``host:port``), else on a socket bound here.
 
     Raises:
-        EngineError: see :func:`check_bind`.
+        EngineError: see :func:`check_bind` and :func:`bind_address`.
     """
     check_bind(host, config.api_key)
-    sock = _bind(host, port)
+    sock = sock or bind_address(host, port)
     _uvicorn_server(engine, config, host, port, None).run(sockets=[sock])
 
 
@@ -117,7 +155,7 @@ class ServerThread:
             EngineError: the address could not be bound (in use, not this machine's), or the server did not
                 start within ``timeout`` s.
         """
-        sock = _bind(self.host, self.port)
+        sock = bind_address(self.host, self.port)
         self.port = sock.getsockname()[1]
         self._thread = threading.Thread(target=self._server.run, kwargs={"sockets": [sock]}, name="engine-server",
                                         daemon=True)

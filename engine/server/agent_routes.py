@@ -151,4 +151,4 @@ class _Ending:
 
 
 def _anthropic_error(exc: APIError) -> Response:
-    return JSONResponse(messages_api.error_body(exc), status_code=exc.status)
+    return JSONResponse(messages_api.error_body(exc), status_code=exc.status, headers=getattr(exc, "headers", None))

@@ -23,7 +23,6 @@ import asyncio
 import hmac
 import json
 import logging
-import re
 import threading
 import time
 from dataclasses import dataclass
@@ -44,6 +43,7 @@ from .choices import Answer, Choice
 from .constraints import Constraints
 from .fields import agent_request, completion_fields
 from .guard import RequestGuard, loopback_host
+from .limits import DEFAULT_MAX_WAITING, DEFAULT_MAX_WAITING_BYTES, WaitingQueue, check_fits, check_text
 from .metrics import RequestCounter, ServerMetrics
 from .requests import APIError, TurnRequest, chat_request, completion_request
 
@@ -73,12 +73,16 @@ class ServerConfig:
             ``Host`` header is not a loopback name or address is refused them: a web page whose domain
             was re-pointed at 127.0.0.1 (DNS rebinding) reaches a loopback server with its own domain
             as the host, and could otherwise read the answers about the user's image files.
+        max_waiting, max_waiting_bytes: requests that may wait for the engine at once, and the bytes of
+            their bodies together; beyond either, 429 with ``Retry-After`` (:mod:`engine.server.limits`).
     """
 
     model_name: str
     api_key: str | None = None
     max_body_bytes: int = DEFAULT_MAX_BODY
     file_urls: bool = True
+    max_waiting: int = DEFAULT_MAX_WAITING
+    max_waiting_bytes: int = DEFAULT_MAX_WAITING_BYTES
 
 
 class _ClientGone(Exception):
@@ -249,7 +253,9 @@ def _no_constants(name: str) -> Any:
 
 
 async def _read_json(request: Request, limit: int) -> Any:
-    """The request's JSON body, at most ``limit`` bytes (else 413); not JSON (or NaN/Infinity) -> 400."""
+    """The request's JSON body, at most ``limit`` bytes (else 413; its size is kept as ``request.state.body_bytes``
+    for the waiting queue); not JSON (or NaN/Infinity) -> 400; text that is not Unicode (a lone surrogate) ->
+    400 naming its field."""
     length = request.headers.get("content-length", "")
     if length.isdigit() and int(length) > limit:
         raise APIError(413, f"the request body is {int(length)} bytes; at most {limit} are accepted",
@@ -260,39 +266,13 @@ async def _read_json(request: Request, limit: int) -> Any:
         if size > limit:
             raise APIError(413, f"the request body exceeds {limit} bytes", code="request_too_large")
         chunks.append(chunk)
-    raw = b"".join(chunks)
+    request.state.body_bytes = size
     try:
-        body = json.loads(raw, parse_constant=_no_constants)
+        body = json.loads(b"".join(chunks), parse_constant=_no_constants)
     except (ValueError, RecursionError) as exc:
         raise APIError(400, f"the request body is not valid JSON: {exc}", code="invalid_json") from exc
-    if _SURROGATE.search(raw):
-        _refuse_lone_surrogates(body)
+    check_text(body)
     return body
-
-
-_SURROGATE = re.compile(rb"\\u[dD][89a-fA-F]|\xed[\xa0-\xbf]")
-"""A UTF-16 surrogate in a JSON text, escaped or as bytes (``json`` reads either): only then can a string
-of the body hold an unpaired one."""
-
-
-def _refuse_lone_surrogates(body: Any) -> None:
-    """400 when a string (or key) of ``body`` holds an unpaired UTF-16 surrogate, which is not Unicode text
-    (the tokenizer and UTF-8 cannot take it); walked without recursion."""
-    todo = [body]
-    while todo:
-        item = todo.pop()
-        if isinstance(item, dict):
-            todo.extend(item.keys())
-            todo.extend(item.values())
-        elif isinstance(item, list):
-            todo.extend(item)
-        elif isinstance(item, str):
-            try:
-                item.encode("utf-8")
-            except UnicodeEncodeError as exc:
-                raise APIError(400, f"the request body holds an unpaired UTF-16 surrogate ({item[exc.start]!r} in "
-                               f"{item[max(0, exc.start - 20):exc.start + 20]!r}): not Unicode text",
-                               code="invalid_json") from None
 
 
 class _Routes:
@@ -308,6 +288,7 @@ class _Routes:
         self.metrics = ServerMetrics(PATHS)
         self.constraints = Constraints(engine)
         self.vocab = getattr(getattr(engine, "tokenizer", None), "n_vocab", 0)
+        self.waiting = WaitingQueue(config.max_waiting, config.max_waiting_bytes)
 
     async def _first(self, ex: _Exchange) -> list[Any]:
         """The turn's events up to its first token (or the end), so that errors still get their status code."""
@@ -324,12 +305,15 @@ class _Routes:
 
     async def _open(self, request: Request, start: Callable[[Callable[[], threading.Event]], Iterator[Event]]
                     ) -> tuple[_Exchange, list[Any]]:
-        """Queue the turn, start it, and wait for its prefill to succeed (errors raise with their status)."""
+        """Queue the turn (429 beyond the waiting queue's bounds), start it, and wait for its prefill to succeed
+        (errors raise with their status)."""
         queued = self.metrics.queued()
         ex = _Exchange(request, self.order, _Turn(self.metrics.watch(start, queued),
                                                   getattr(self.engine, "cancel_read_ahead", None)))
         try:
-            await ex.start(self.lock)
+            with self.waiting.enter() as ticket:      # given back once the turn starts
+                ticket.grow(getattr(request.state, "body_bytes", 0))
+                await ex.start(self.lock)
             return ex, await self._first(ex)
         except BaseException:
             ex.close()
@@ -383,6 +367,8 @@ class _Routes:
         self.constraints.check(req)
 
         def start(next_cancel: Callable[[], threading.Event]) -> Iterator[Event]:
+            check_fits(self.engine, req.messages, req.enable_thinking, self.context,   # before any image is encoded
+                       list(req.tools) or None)
             grammar = self.constraints.grammar(req)
             for i in range(req.n):
                 yield from self.engine.chat(req.messages, req.choice_sampling(i), next_cancel(),
@@ -446,7 +432,7 @@ async def _health(_request: Request) -> Response:
 
 async def _api_error(_request: Request, exc: Exception) -> Response:
     error = exc if isinstance(exc, APIError) else _error_of(exc)
-    return JSONResponse(error.body(), status_code=error.status)
+    return JSONResponse(error.body(), status_code=error.status, headers=getattr(error, "headers", None))
 
 
 async def _http_error(request: Request, exc: Exception) -> Response:

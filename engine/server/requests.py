@@ -198,18 +198,19 @@ def sampling_of(body: Mapping[str, Any], context: int, default_max_tokens: int |
         raise _bad(str(exc)) from exc
 
 
-def image_source(url: Any, param: str, file_urls: bool = True) -> bytes | Path:
-    """An ``image_url`` part's URL as what the engine reads: the bytes of a ``data:`` URL (base64) or the
-    path of a local ``file:`` URL naming a regular file (not a device such as ``/dev/zero`` or a pipe,
-    which would never end). Web URLs are not fetched (the server makes no outgoing requests).
+def image_source(url: Any, param: str, file_urls: bool = True) -> bytes:
+    """An ``image_url`` part's URL as what the engine reads: the bytes of a ``data:`` URL (base64) or of the
+    local image file a ``file:`` URL names (:func:`engine.server.limits.read_image_file`: a regular file,
+    size-checked before reading, its contents never quoted). Web URLs are not fetched (the server makes no
+    outgoing requests).
 
     Args:
         file_urls: whether ``file:`` URLs are read at all (False on a server reachable from other
             machines, whose clients must not read the server's files).
 
     Raises:
-        APIError: not a string, not base64, not a local regular file, a file URL when ``file_urls`` is
-            False, or an http(s) URL (400).
+        APIError: not a string, not base64, not a readable local image file, a file URL when ``file_urls``
+            is False, or an http(s) URL (400).
     """
     if not isinstance(url, str) or not url:
         raise _bad(f"{param} must be a data: or file: URL string", param)
@@ -231,11 +232,8 @@ def image_source(url: Any, param: str, file_urls: bool = True) -> bytes | Path:
             raise _bad(f"{param}: this server does not read its own files for this request (it listens beyond "
                        "this machine, or the request's Host is not this machine); send the image as a data: URL "
                        "(base64)", param, "invalid_image")
-        path = Path(urllib.request.url2pathname(parts.path))
-        if not path.is_file():
-            raise _bad(f"{param}: {path} is not a regular file (missing, a folder or a device)", param,
-                       "invalid_image")
-        return path
+        from .limits import read_image_file
+        return read_image_file(Path(urllib.request.url2pathname(parts.path)), param)
     raise _bad(f"{param}: {scheme}: URLs are not fetched; send the image as a data: URL (base64) or a file: URL",
                param, "invalid_image")
 

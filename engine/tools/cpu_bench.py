@@ -1,4 +1,5 @@
-"""``python -m engine bench``: DeltaDesk's CPU prompt and decode speed beside llama.cpp's ``llama-bench``.
+"""``python -m engine bench``: DeltaDesk's CPU prompt and decode speed beside the peers' ``llama-bench``
+(mainline llama.cpp, ik_llama.cpp with and without run-time repack: :mod:`engine.tools.cpu_llama`).
 
 How it measures (the order is the method):
 
@@ -12,7 +13,7 @@ How it measures (the order is the method):
    the weights converted at load, the state) and file-backed (mapped weight pages already touched).
 4. **Rounds** (``repeat`` of them), each, per thread count: DeltaDesk at each ISA level (one untimed
    4-token forward, pp ``n_prompt`` = one forward of random tokens, tg ``n_gen`` one-token forwards after
-   it, then ``depth_gen`` one-token forwards at each context depth), then llama-bench on the same file
+   it, then ``depth_gen`` one-token forwards at each context depth), then each peer's llama-bench on the same file
    and thread count (``-r 1``: one timed run after its own warm-up; ``-p n_prompt -n n_gen``, then
    ``-p 0 -n depth_gen -d depths``). Rounds interleave the engines, so a load change hits both. Before
    each DeltaDesk sample that follows a llama-bench run the file is read again (untimed, the seconds
@@ -24,13 +25,15 @@ How it measures (the order is the method):
    their values; llama-bench prefills d tokens (untimed) before it times the decode.
 5. **Summary**: per engine, level and thread count, the median (min-max) over rounds; the roofline
    fraction = bytes of weights read per decoded token (``GGUFFile.bytes_per_token``) x tg tok/s / the
-   median bandwidth; the ratio DeltaDesk / llama.cpp taken round by round (pair by pair), median (min-max).
+   median bandwidth; the ratio DeltaDesk / peer taken round by round (pair by pair), median (min-max), for
+   each peer and, with several, for the best peer of each round.
 
 The per-round DeltaDesk line also splits a token into the LM head (timed alone) and the mean layer.
 """
 
 from __future__ import annotations
 
+import math
 import statistics
 import time
 from collections.abc import Callable, Sequence
@@ -54,11 +57,11 @@ Out = Callable[[str], None]
 class Sample:
     """One engine's figures in one round. Rates in tokens/s, times in ms; ``depth_tg``: depth -> decode tok/s."""
 
-    engine: str            # "deltadesk" or "llama.cpp"
-    isa: str               # DeltaDesk's ISA level; "" for llama.cpp
+    engine: str            # "deltadesk" or the peer's name (cpu_llama.Peer.name)
+    isa: str               # DeltaDesk's ISA level; "" for a peer
     threads: int
     round: int
-    pp_tok_s: float
+    pp_tok_s: float        # NaN: no prompt test (-p 0)
     tg_tok_s: float
     depth_tg: dict[int, float] = field(default_factory=dict)
     head_ms: float = 0.0   # LM head (output norm + product) of one token
@@ -66,7 +69,9 @@ class Sample:
 
 
 def spread(values: Sequence[float], fmt: str = ".2f") -> str:
-    """``median (min-max)`` of ``values``; one value prints alone."""
+    """``median (min-max)`` of ``values``; one value prints alone; NaN (a test not run: ``-p 0``) prints "-"."""
+    if any(math.isnan(v) for v in values):
+        return "-"
     if len(values) == 1:
         return f"{values[0]:{fmt}}"
     return f"{statistics.median(values):{fmt}} ({min(values):{fmt}}-{max(values):{fmt}})"
@@ -122,7 +127,8 @@ def measure(model, threads: int, isa: str, n_prompt: int, n_gen: int, depths: Se
     model.forward(tokens[:4], SequenceState.new(hp, 8))
     state = SequenceState.new(hp, n_prompt + n_gen + 1)
     t0 = time.perf_counter()
-    model.forward(tokens[:n_prompt], state)
+    if n_prompt:
+        model.forward(tokens[:n_prompt], state)
     pp = time.perf_counter() - t0
     t0 = time.perf_counter()
     for t in tokens[n_prompt:n_prompt + n_gen]:
@@ -139,31 +145,35 @@ def measure(model, threads: int, isa: str, n_prompt: int, n_gen: int, depths: Se
     h = rng.standard_normal((1, hp.n_embd)).astype(np.float32)
     head = cpu.best_seconds(lambda: model.linear(ops.rmsnorm(h, model.w("output_norm.weight"), hp.rms_eps),
                                                  model.output_name))
-    return Sample("deltadesk", isa, threads, round_, n_prompt / pp, 1 / tg, depth_tg, head * 1e3,
-                  (tg - head) * 1e3 / hp.n_layer)
+    return Sample("deltadesk", isa, threads, round_, n_prompt / pp if n_prompt else math.nan, 1 / tg, depth_tg,
+                  head * 1e3, (tg - head) * 1e3 / hp.n_layer)
 
 
-def peer_sample(binary: Path, path: Path, threads: int, n_prompt: int, n_gen: int, depths: Sequence[int],
+def peer_sample(peer: cpu_llama.Peer, path: Path, threads: int, n_prompt: int, n_gen: int, depths: Sequence[int],
                 depth_gen: int, round_: int) -> tuple[Sample, int, str]:
-    """One llama-bench sample (see the module doc, step 4); returns it, the peak RSS of its runs (bytes) and its build.
+    """One peer's sample (see the module doc, step 4); returns it, the peak RSS of its runs (bytes) and its build.
 
     Raises:
         RuntimeError: llama-bench failed or printed something else than its JSON.
     """
-    results, peak = cpu_llama.run_llama_bench(cpu_llama.bench_command(binary, path, threads, n_prompt, n_gen))
+    def bench(n_p: int, n_g: int, at: Sequence[int]) -> tuple[list[cpu_llama.PeerResult], int]:
+        return cpu_llama.run_llama_bench(cpu_llama.bench_command(peer.binary, path, threads, n_p, n_g, at,
+                                                                 flags=peer.flags))
+
+    results, peak = bench(n_prompt, n_gen, (0,))
     if depths:
-        deep, peak_d = cpu_llama.run_llama_bench(cpu_llama.bench_command(binary, path, threads, 0, depth_gen, depths))
+        deep, peak_d = bench(0, depth_gen, depths)
         results, peak = results + deep, max(peak, peak_d)
 
     def rate(n_p: int, n_g: int, depth: int) -> float:
         found = [r for r in results if (r.n_prompt, r.n_gen, r.n_depth) == (n_p, n_g, depth)]
         if not found:
-            raise RuntimeError(f"llama-bench printed no test pp{n_p} tg{n_g} at depth {depth} "
+            raise RuntimeError(f"{peer.name}'s llama-bench printed no test pp{n_p} tg{n_g} at depth {depth} "
                                "(a build without -d / --n-depth?)")
         return statistics.median(found[0].samples_ts)
 
-    sample = Sample("llama.cpp", "", threads, round_, rate(n_prompt, 0, 0), rate(0, n_gen, 0),
-                    {d: rate(0, depth_gen, d) for d in depths})
+    sample = Sample(peer.name, "", threads, round_, rate(n_prompt, 0, 0) if n_prompt else math.nan,
+                    rate(0, n_gen, 0), {d: rate(0, depth_gen, d) for d in depths})
     return sample, peak, results[0].build
 
 
@@ -204,9 +214,9 @@ def _load(path: Path, threads: Sequence[int], stream_gib: float, stream_runs: in
 
 
 def run(path: str | Path, threads: Sequence[int], isas: Sequence[str], n_prompt: int, n_gen: int,
-        depths: Sequence[int], depth_gen: int, repeat: int, llama_bench: Path | None, stream_gib: float,
+        depths: Sequence[int], depth_gen: int, repeat: int, peers: Sequence[cpu_llama.Peer], stream_gib: float,
         stream_runs: int, out: Out = print) -> list[Sample]:
-    """Measure and print (see the module doc); returns every sample. ``llama_bench`` None: DeltaDesk only.
+    """Measure and print (see the module doc); returns every sample. ``peers`` empty: DeltaDesk only.
     The CLI's defaults: ``engine.__main__.BENCH_DEFAULTS``.
 
     Raises:
@@ -221,10 +231,12 @@ def run(path: str | Path, threads: Sequence[int], isas: Sequence[str], n_prompt:
         f"+ {hp.n_layer} x {layer_bytes / 2**20:.2f} MiB per layer; pp{n_prompt}, tg{n_gen}, "
         f"tg{depth_gen} at depths {', '.join(map(str, depths)) or 'none'}; {repeat} round(s)")
     deep = "".join(f" {f'@{d}':>8}" for d in depths)
-    out(f"{'round':>5} {'engine':<10} {'isa':>10} {'thr':>3} {'pp tok/s':>9} {'tg tok/s':>9}{deep} "
+    out(f"{'round':>5} {'engine':<12} {'isa':>10} {'thr':>3} {'pp tok/s':>9} {'tg tok/s':>9}{deep} "
         f"{'head ms':>8} {'layer ms':>8} {'layer GB/s':>10}")
     samples: list[Sample] = []
-    peer_rss, peer_build, peer_ran = 0, "", False
+    peer_rss: dict[str, int] = {}
+    peer_build: dict[str, str] = {}
+    peer_ran = False
     try:
         for r in range(repeat):
             for n in threads:
@@ -235,49 +247,73 @@ def run(path: str | Path, threads: Sequence[int], isas: Sequence[str], n_prompt:
                 for level in isas:
                     s = measure(model, n, level, n_prompt, n_gen, depths, depth_gen, r)
                     samples.append(s)
-                    out(f"{r + 1:>5} {s.engine:<10} {level:>10} {n:>3} {s.pp_tok_s:>9.1f} {s.tg_tok_s:>9.2f}"
+                    pp = spread([s.pp_tok_s], '.1f')
+                    out(f"{r + 1:>5} {s.engine:<12} {level:>10} {n:>3} {pp:>9} {s.tg_tok_s:>9.2f}"
                         + "".join(f" {s.depth_tg[d]:>8.2f}" for d in depths)
                         + f" {s.head_ms:>8.2f} {s.layer_ms:>8.2f} {layer_bytes / (s.layer_ms / 1e3) / 1e9:>10.1f}")
-                if llama_bench is None:
-                    continue
-                peer_ran = True
-                try:
-                    s, rss, peer_build = peer_sample(llama_bench, path, n, n_prompt, n_gen, depths, depth_gen, r)
-                except RuntimeError as exc:
-                    out(f"llama.cpp, {n} threads: {exc}")
-                    continue
-                peer_rss = max(peer_rss, rss)
-                samples.append(s)
-                out(f"{r + 1:>5} {s.engine:<10} {'':>10} {n:>3} {s.pp_tok_s:>9.1f} {s.tg_tok_s:>9.2f}"
-                    + "".join(f" {s.depth_tg[d]:>8.2f}" for d in depths))
+                for peer in peers:
+                    peer_ran = True
+                    try:
+                        s, rss, build = peer_sample(peer, path, n, n_prompt, n_gen, depths, depth_gen, r)
+                    except RuntimeError as exc:
+                        out(f"{peer.name}, {n} threads: {exc}")
+                        continue
+                    peer_rss[peer.name] = max(peer_rss.get(peer.name, 0), rss)
+                    peer_build[peer.name] = build
+                    samples.append(s)
+                    out(f"{r + 1:>5} {s.engine:<12} {'':>10} {n:>3} {spread([s.pp_tok_s], '.1f'):>9} "
+                        f"{s.tg_tok_s:>9.2f}" + "".join(f" {s.depth_tg[d]:>8.2f}" for d in depths))
     finally:
         cpu.set_isa(None)
         cpu.set_threads()
     end = memory()
     out(f"RSS after the runs: {_mib(end['rss'])} = anonymous {_mib(end['anon'])} + file-backed {_mib(end['file'])}"
-        + (f"; llama-bench peak RSS {_mib(peer_rss)} (build {peer_build})" if peer_rss else ""))
+        + "".join(f"; {name} peak RSS {_mib(rss)} (build {peer_build[name]})" for name, rss in peer_rss.items()))
     summarize(samples, bandwidth, per_token, depths, out)
     return samples
 
 
 def summarize(samples: Sequence[Sample], bandwidth: dict[int, list[float]], per_token: int,
               depths: Sequence[int], out: Out = print) -> None:
-    """Print the summary table (see the module doc, step 5)."""
+    """Print the summary table (see the module doc, step 5): per engine, then DeltaDesk's ratio to each peer and
+    to the best peer of each round (the fastest peer per figure, taken round by round)."""
     out("summary: median (min-max) over rounds; roofline = bytes/token x tg / median stream bandwidth; "
-        "ratio = DeltaDesk / llama.cpp, round by round")
-    peers = {(s.threads, s.round): s for s in samples if s.engine == "llama.cpp"}
+        "ratio = DeltaDesk / peer, round by round")
     keys = list(dict.fromkeys((s.engine, s.isa, s.threads) for s in samples))
+    names = list(dict.fromkeys(s.engine for s in samples if s.engine != "deltadesk"))
     for engine, isa, n in keys:
         group = [s for s in samples if (s.engine, s.isa, s.threads) == (engine, isa, n)]
         bw = statistics.median(bandwidth[n])
         roof = [per_token * s.tg_tok_s / 1e9 / bw for s in group]
-        line = (f"{engine:<10} {isa or 'its own':>10} {n:>2} thr: pp {spread([s.pp_tok_s for s in group], '.1f')}, "
+        line = (f"{engine:<12} {isa or 'its own':>10} {n:>2} thr: pp {spread([s.pp_tok_s for s in group], '.1f')}, "
                 f"tg {spread([s.tg_tok_s for s in group])}"
                 + "".join(f", tg@{d} {spread([s.depth_tg[d] for s in group])}" for d in depths)
                 + f" tok/s; roofline {spread([100 * x for x in roof], '.0f')} %")
-        pairs = [(s, peers[(n, s.round)]) for s in group if engine != "llama.cpp" and (n, s.round) in peers]
-        if pairs:
-            line += (f"; vs llama.cpp: tg {spread([a.tg_tok_s / b.tg_tok_s for a, b in pairs])}x, "
-                     f"pp {spread([a.pp_tok_s / b.pp_tok_s for a, b in pairs])}x"
-                     + "".join(f", tg@{d} {spread([a.depth_tg[d] / b.depth_tg[d] for a, b in pairs])}x" for d in depths))
+        if engine == "deltadesk":
+            for name in names:
+                line += _ratios(group, [s for s in samples if s.engine == name and s.threads == n], name, depths)
+            if len(names) > 1:
+                line += _ratios(group, _best_per_round([s for s in samples if s.engine in names and s.threads == n],
+                                                       depths), "best peer", depths)
         out(line)
+
+
+def _best_per_round(peers: Sequence[Sample], depths: Sequence[int]) -> list[Sample]:
+    """Per round, a sample holding each figure's best value over ``peers`` of that round."""
+    best = []
+    for r in sorted({s.round for s in peers}):
+        group = [s for s in peers if s.round == r]
+        best.append(Sample("best peer", "", group[0].threads, r, max(s.pp_tok_s for s in group),
+                           max(s.tg_tok_s for s in group), {d: max(s.depth_tg[d] for s in group) for d in depths}))
+    return best
+
+
+def _ratios(ours: Sequence[Sample], theirs: Sequence[Sample], name: str, depths: Sequence[int]) -> str:
+    """``; vs NAME: tg ..x, pp ..x, tg@d ..x`` over the rounds both ran, or "" when none."""
+    by_round = {s.round: s for s in theirs}
+    pairs = [(a, by_round[a.round]) for a in ours if a.round in by_round]
+    if not pairs:
+        return ""
+    return (f"; vs {name}: tg {spread([a.tg_tok_s / b.tg_tok_s for a, b in pairs])}x"
+            + f", pp {spread([a.pp_tok_s / b.pp_tok_s for a, b in pairs])}x"
+            + "".join(f", tg@{d} {spread([a.depth_tg[d] / b.depth_tg[d] for a, b in pairs])}x" for d in depths))

@@ -1,4 +1,4 @@
-"""The bench's peer: llama.cpp's own ``llama-bench``, the figure llama.cpp users quote.
+"""The bench's peers: ``llama-bench`` of mainline llama.cpp and of ik_llama.cpp, the figures their users quote.
 
 Built once from the llama.cpp sources vendored in the llama-cpp-python :data:`LLAMA_CPP_PYTHON_VERSION`
 source package (fetched with ``pip download``), with :data:`LLAMA_CMAKE_ARGS`, into the user cache dir
@@ -7,7 +7,8 @@ source package (fetched with ``pip download``), with :data:`LLAMA_CMAKE_ARGS`, i
 printed as cmake reports it. The build stays in place: the binary finds its shared libraries
 (``libllama``, ``libggml*``) through its build-tree RUNPATH.
 
-Run: :func:`bench_command` builds the command line (``-o json``: one JSON array of test objects),
+ik_llama.cpp is not built here (it is no registry package): the user passes the ``llama-bench`` of a
+native build (:func:`ik_llama_peers`). Run: :func:`bench_command` builds the command line (``-o json``),
 :func:`parse_results` reads it, :func:`run_llama_bench` runs it and reports the process's peak RSS.
 """
 
@@ -191,11 +192,30 @@ def parse_results(text: str, source: str = "llama-bench") -> list[PeerResult]:
     return results
 
 
+@dataclass(frozen=True)
+class Peer:
+    """A ``llama-bench`` run as a peer: its label in the tables, the binary and the flags its users add.
+
+    Mainline llama.cpp runs with its defaults; ik_llama.cpp twice, with its defaults and with ``-rtr 1``
+    (run-time repack into its row-interleaved layouts), the two ways its users quote it.
+    """
+
+    name: str
+    binary: Path
+    flags: tuple[str, ...] = ()
+
+
+def ik_llama_peers(binary: Path) -> list[Peer]:
+    """ik_llama.cpp's ``llama-bench`` at ``binary`` as the two peers its users quote: default flags and ``-rtr 1``."""
+    return [Peer("ik_llama", binary), Peer("ik_llama+rtr", binary, ("-rtr", "1"))]
+
+
 def bench_command(binary: str | Path, model: str | Path, threads: int, n_prompt: int, n_gen: int,
-                  depths: Sequence[int] = (0,), repetitions: int = 1) -> list[str]:
-    """``llama-bench`` on ``model``: pp ``n_prompt`` (skipped at 0) and tg ``n_gen`` at each context depth."""
+                  depths: Sequence[int] = (0,), repetitions: int = 1, flags: Sequence[str] = ()) -> list[str]:
+    """``llama-bench`` on ``model``: pp ``n_prompt`` (skipped at 0) and tg ``n_gen`` at each context depth,
+    with the peer's own ``flags`` last."""
     return [str(binary), "-m", str(model), "-t", str(threads), "-p", str(n_prompt), "-n", str(n_gen),
-            "-d", ",".join(str(d) for d in depths), "-r", str(repetitions), "-o", "json"]
+            "-d", ",".join(str(d) for d in depths), "-r", str(repetitions), "-o", "json", *flags]
 
 
 def run_llama_bench(cmd: list[str]) -> tuple[list[PeerResult], int]:

@@ -12,7 +12,10 @@ GPU picture, never fake one.
 Writes chat-with-image.png (an answer about an attached picture, the sidebar with the turn's
 figures and the prefix snapshots), composer-image.png (an attached image with the size the model
 sees), history-search.png (history search), settings.png (the settings dialog); with ``--dark``
-the window uses the dark palette, as on a desktop with a dark colour scheme.
+the window uses the dark palette, as on a desktop with a dark colour scheme. With ``--remote`` it
+writes only remote-mode.png: the window on a remote engine, another DeltaDesk's ``engine serve`` of the
+demo model with its vision tower (staged too: that server runs on this machine, on loopback), asked
+about the same picture.
 """
 
 from __future__ import annotations
@@ -30,7 +33,6 @@ from PySide6.QtWidgets import QApplication  # noqa: E402
 
 from app.__main__ import AppPaths, build_window  # noqa: E402
 from app.gpu import NvmlGpu  # noqa: E402
-from app.settings_dialog import SettingsDialog  # noqa: E402
 from app.theme import apply_scheme  # noqa: E402
 from data import EVAL_SEED_BASE, render, scene  # noqa: E402
 
@@ -66,8 +68,29 @@ def ask(app: QApplication, window, text: str, image: Path | None = None) -> None
     pump(app, 0.5)
 
 
+def remote_mode(app: QApplication, window, picture: Path, out: Path) -> None:
+    """Connect the window to ``engine serve`` of the demo model (loopback), ask about ``picture``, save
+    remote-mode.png."""
+    from dataclasses import replace
+
+    from engine.api import Engine, EngineOptions, default_model
+    from engine.server import ServerConfig, ServerThread
+    engine = Engine.load(*default_model(), options=EngineOptions(context=4096))
+    server = ServerThread(engine, ServerConfig("deltadesk-demo"), port=0).start()
+    try:
+        window.apply_settings(replace(window.prefs, remote_url=server.url, remote_model="deltadesk-demo"))
+        until(app, lambda: window.model is not None and window.model.info.remote)
+        ask(app, window, "Describe the image.", picture)
+        ask(app, window, "How many shapes are there?")
+        pump(app, 1.2)
+        window.grab().save(str(out / "remote-mode.png"))
+    finally:
+        server.stop()
+        engine.close()
+
+
 def main() -> None:
-    args = [a for a in sys.argv[1:] if a != "--dark"]
+    args = [a for a in sys.argv[1:] if a not in ("--dark", "--remote")]
     out = Path(args[0]) if args else Path(tempfile.mkdtemp(prefix="deltadesk-shots-"))
     out.mkdir(parents=True, exist_ok=True)
     app = QApplication(sys.argv[:1])
@@ -82,6 +105,12 @@ def main() -> None:
     until(app, lambda: window.controller.conversation_id is not None)
     window.load_configured()
     until(app, lambda: window.model is not None)
+    if "--remote" in sys.argv:
+        remote_mode(app, window, picture, out)
+        QTimer.singleShot(0, window.close)
+        pump(app, 0.5)
+        print(out)
+        return
 
     ask(app, window, "Hello")
     window.new_conversation()
@@ -104,7 +133,7 @@ def main() -> None:
     pump(app, 0.5)
     window.grab().save(str(out / "history-search.png"))
     window.panel.search.clear()
-    dialog = SettingsDialog(window.prefs, window)
+    dialog = window.settings_dialog()
     dialog.show()
     pump(app, 0.3)
     dialog.grab().save(str(out / "settings.png"))

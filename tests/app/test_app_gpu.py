@@ -10,6 +10,7 @@ from PySide6.QtCore import Qt
 from app import gpu as gpu_module
 from app.engine_worker import summarize
 from app.history import HistoryStore
+from app.sidebar import GPU_LEFT, NO_GPU
 from app.gpu import GpuReport, GpuSample, NvmlGpu, PrefillReport, device_phrase, vision_phrase
 from app_helpers import stored
 from engine.arch.qwen35.cuda_plan import LayerTelemetry, PrefillTelemetry
@@ -90,7 +91,8 @@ def test_the_gpu_failing_mid_turn_is_said_in_the_answer_sidebar_and_banner(qtbot
     stats = stored(window.history, HistoryStore.active_path, window.controller.conversation_id)[-1].stats
     assert stats["note"] == engine.note and "TTFT" in answer.stats_label.text()
     qtbot.waitUntil(lambda: window.sidebar.gpu_note.text() == note)
-    assert window.sidebar.gpu_label.text() == "No NVIDIA GPU: CPU mode" and window.sidebar.gpu_label.toolTip() == note
+    assert window.sidebar.gpu_label.text() == GPU_LEFT and window.sidebar.gpu_label.toolTip() == note
+    assert window.sidebar.gpu_note.isVisibleTo(window.sidebar) and window.sidebar.gpu_why.isHidden()
     assert window.banner.text().endswith(" \u00b7 prefill on CPU, decode on CPU") and note in window.banner.toolTip()
 
 
@@ -98,7 +100,12 @@ def test_cpu_mode_shows_the_device_note(qtbot, make_window):
     note = "No GPU prefill (no CUDA driver): prefill runs on the CPU"
     window = make_window(FakeEngine(info=fake_info(device_note=note)))
     qtbot.waitUntil(lambda: window.sidebar.gpu_note.text() == note)
-    assert window.sidebar.gpu_label.text() == "No NVIDIA GPU: CPU mode" and window.sidebar.vram.isHidden()
+    sidebar = window.sidebar
+    assert sidebar.gpu_label.text() == NO_GPU and sidebar.vram.isHidden()
+    assert sidebar.gpu_why.isVisibleTo(sidebar) and sidebar.gpu_note.isHidden()       # one click away
+    assert note not in sidebar.gpu_label.toolTip()
+    qtbot.mouseClick(sidebar.gpu_why, Qt.LeftButton)
+    assert sidebar.gpu_note.isVisibleTo(sidebar)
     assert window.banner.text().endswith(" \u00b7 prefill on CPU, decode on CPU")
 
 

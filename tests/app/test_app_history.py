@@ -115,7 +115,7 @@ def test_newer_schema_is_refused(tmp_path):
 def test_garbage_file_is_a_history_error(tmp_path):
     path = tmp_path / "h.db"
     path.write_bytes(b"not a database at all" * 100)
-    with pytest.raises(HistoryError, match="cannot open"):
+    with pytest.raises(HistoryError, match="not a readable SQLite database"):
         HistoryStore.open(path)
 
 

@@ -54,15 +54,19 @@ def test_stop_runs_the_jobs_already_posted(tmp_path):
     store.close()
 
 
-def test_an_unreadable_database_falls_back_to_memory(qtbot, tmp_path):
+def test_a_database_of_a_newer_deltadesk_falls_back_to_memory(qtbot, tmp_path):
+    import sqlite3
     path = tmp_path / "h.db"
-    path.write_bytes(b"not a database at all" * 100)
+    with sqlite3.connect(path) as conn:
+        conn.execute("PRAGMA user_version = 99")
     thread = HistoryThread(path)
     with qtbot.waitSignal(thread.unavailable) as blocker:
         thread.start()
-    assert "cannot open the history database" in blocker.args[0] and "will not be saved" in blocker.args[0]
+    assert "newer than this DeltaDesk" in blocker.args[0] and "will not be saved" in blocker.args[0]
     assert stored(thread, HistoryStore.create_conversation, "x") == 1
     thread.stop()
+    with sqlite3.connect(path) as conn:              # left as it was
+        assert conn.execute("PRAGMA user_version").fetchone()[0] == 99
 
 
 def test_a_turn_adds_question_and_answer_in_one_go(tmp_path):

@@ -169,10 +169,11 @@ def test_the_api_key_goes_to_the_keyring_not_the_settings_file(qtbot, tmp_path) 
 def test_without_a_keyring_the_key_lives_for_the_session_with_a_message(qtbot) -> None:
     keys = KeyStore(_NoKeyring())
     keys.set("http://h/v1", "k1")
-    assert keys.get("http://h/v1") == "k1" and "No system keyring is available" in keys.note
+    assert keys.get("http://h/v1") == "k1" and "has no password store (keyring)" in keys.note
     dialog = SettingsDialog(Settings(remote_url="http://h/v1"), keys=keys)
     qtbot.addWidget(dialog)
-    assert "No system keyring" in dialog.connections.status.text() and dialog.connections.key.text() == "k1"
+    assert "has no password store" in dialog.connections.status.text() and dialog.connections.key.text() == "k1"
+    assert "NoKeyringError" in dialog.connections.status.toolTip()
 
 
 def test_list_models_fills_the_model_box(qtbot, served) -> None:
