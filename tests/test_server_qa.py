@@ -104,7 +104,7 @@ def _call_text(value: str) -> str:
     return f"<function=lookup>\n<parameter=code>\n{value}\n</parameter>\n</function>"
 
 
-@pytest.mark.parametrize("value", ["<b>x</parameter>y</b>", "a</parameter>\nb", "</parameter>"])
+@pytest.mark.parametrize("value", ["<b>x</parameter>y</b>", "a</parameter>\nb", "x</parameter>", ""])
 def test_a_value_holding_the_closing_tag_reads_whole(value) -> None:
     call = CallReader({"lookup": LOOKUP}, "xml").read(_call_text(value))
     assert call is not None and json.loads(call.arguments) == {"code": value}
@@ -130,7 +130,7 @@ def forced_lookup(served):
     return served[0], served[0].grammar(lark=call_grammar(tools, "xml", "required", None, False, None))
 
 
-@pytest.mark.parametrize("value", ["Paris", "two\nlines", "a < b", "x</parameter>y", "ends with </parameter"])
+@pytest.mark.parametrize("value", ["Paris", "two\nlines", "a < b", "x</parameter>y", "ends with </parameter", ""])
 def test_a_forced_free_text_value_can_be_closed(forced_lookup, value) -> None:
     """A free-text lexeme that read ``\n</parameter`` could not end there (the lexer does not look back),
     so the grammar refused the closing ``>`` and no model could finish a string argument it had no
@@ -142,6 +142,7 @@ def test_a_forced_string_value_cannot_end_the_call_block_early(forced_lookup) ->
     """The reader ends a block at the first ``</tool_call>`` text: the grammar must not let a value spell it,
     or an enforced call would come back as content."""
     assert not _grammar_takes(*forced_lookup, "x</tool_call>y")
+    assert not _grammar_takes(*forced_lookup, "</parameter> first")  # read as an empty value, then garbage
     reader = CallReader({"lookup": LOOKUP}, "xml")
     stream = ToolCallStream(reader)
     pieces = stream.push([("content", "<tool_call>\n" + _call_text("x</tool_call>y") + "\n</tool_call>")], False)
@@ -272,3 +273,11 @@ def test_a_file_url_that_is_not_an_image_leaks_none_of_its_bytes(served_vision, 
         {"role": "user", "content": [{"type": "image_url", "image_url": {"url": secret.as_uri()}}]}]}, timeout=60)
     assert r.status_code == 400 and "not an image" in r.text, r.text
     assert "s3cr3t" not in r.text
+
+
+def test_text_between_parameters_is_not_swallowed_into_a_value() -> None:
+    """A call with stray text between its parameters does not parse (content, as before): the first value
+    must not run on over the next parameter to a later ``</parameter>``."""
+    inside = ("<function=lookup>\n<parameter=code>\nfoo.py\n</parameter>\nSome words\n"
+              "<parameter=code>\nbar\n</parameter>\n</function>")
+    assert CallReader({"lookup": LOOKUP}, "xml").read(inside) is None

@@ -38,9 +38,11 @@ log = logging.getLogger(__name__)
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
 _FUNCTION = re.compile(r"\s*<function=([^>\n]+)>\n?(.*?)</function>\s*", re.DOTALL)
-_PARAMETER = re.compile(r"<parameter=([^>\n]+)>\n?(.*?)</parameter>\s*(?=<parameter=|\Z)", re.DOTALL)
-"""A parameter ends at the ``</parameter>`` that the next parameter or the function's end follows, so a
-value may itself hold ``</parameter>`` (HTML, a file about this format)."""
+_PARAMETER = re.compile(r"<parameter=([^>\n]+)>\n?(.*?)(?:(?<=\n)</parameter>|</parameter>(?=\s*(?:<parameter=|\Z)))",
+                        re.DOTALL)
+"""A parameter ends at its first ``</parameter>`` that starts a line (as the template writes it; an enforced
+value cannot hold one) or that the next parameter or the function's end follows, so a value may itself
+hold ``</parameter>`` (HTML, a file about this format)."""
 
 
 def call_format(template: str) -> str:

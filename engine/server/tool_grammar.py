@@ -26,9 +26,9 @@ from typing import Any
 
 from engine.grammar import GrammarError, json_options
 
-_VALUE_END = "(\\n<\\/parameter>|<\\/tool_call>)"
-"""What a text value cannot hold: its own end, or the end of the call block (read from the text, it
-would end the block early)."""
+_NOT_VALUE = r"~/(<\/parameter>|(?s:.*)(\n<\/parameter>|<\/tool_call>))(?s:.*)/"
+"""What a text value cannot be: one that holds its own end or the end of the call block, or starts with
+``</parameter>`` (after the opening's newline, the reader would take it for the end)."""
 _TEXT = r"/(?s:.*)/"
 _CLOSE = '"\\n</parameter>\\n"'
 """A parameter's closing tag. A text value's terminal ends with it: a lexeme of free text cannot end where
@@ -64,7 +64,7 @@ def _string_value(schema: Mapping[str, Any], rule: str, lines: list[str]) -> str
     low, high = schema.get("minLength", 0), schema.get("maxLength")
     count = f"{{{int(low)},{int(high)}}}" if isinstance(high, int) else (f"{{{int(low)},}}" if low else "*")
     name = rule.upper()
-    lines.append(f"{name}: (/(?s:.{count})/ & ~/(?s:.*){_VALUE_END}(?s:.*)/) {_CLOSE}")
+    lines.append(f"{name}: (/(?s:.{count})/ & {_NOT_VALUE}) {_CLOSE}")
     return name
 
 
@@ -132,5 +132,5 @@ def call_grammar(tools: Sequence[Mapping[str, Any]], fmt: str, choice: str, name
     else:
         top = f"{_TEXT} ({calls})?"
     lines.append("any_parameter: \"<parameter=\" /[^<>\\n]+/ \">\\n\" ANY_VALUE")
-    lines.append(f"ANY_VALUE: ({_TEXT} & ~/(?s:.*){_VALUE_END}(?s:.*)/) {_CLOSE}")
+    lines.append(f"ANY_VALUE: ({_TEXT} & {_NOT_VALUE}) {_CLOSE}")
     return "\n".join([f"start: {top}"] + lines)
