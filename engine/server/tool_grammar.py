@@ -13,9 +13,10 @@
 Each call is written as the template teaches it (:func:`engine.server.tool_calls.call_format`). In the
 XML form a parameter's value is text: an ``integer`` / ``number`` / ``boolean`` / ``object`` / ``array``
 parameter is its JSON (``%json`` with the parameter's own schema), a string parameter is free text that
-cannot contain ``\\n</parameter>`` or ``</tool_call>`` (bounded by ``maxLength`` / ``minLength``; an ``enum`` / ``const``
-is one of its strings; ``pattern`` and ``format`` of a string are not enforced in this form). In the
-JSON form the arguments are the whole ``parameters`` schema (``%json``), every keyword enforced.
+cannot contain ``\\n</parameter>`` or ``</tool_call>`` (bounded by ``maxLength`` / ``minLength``; an
+``enum`` / ``const`` is one of its strings; ``pattern`` and ``format`` of a string are not enforced in this
+form). In the JSON form the arguments are the whole ``parameters`` schema (``%json``), every keyword
+enforced.
 """
 
 from __future__ import annotations
