@@ -25,6 +25,8 @@
 #define DD_Q5_1_BYTES 24
 #define DD_IQ4_NL_BYTES 18
 #define DD_IQ4_XS_BYTES 136     /* a 256-value super-block */
+#define DD_Q2_K_BYTES 84
+#define DD_Q3_K_BYTES 110
 
 /* Q8_0 activations of m columns, each of nb blocks, 64-byte aligned, in two layouts.
  *

@@ -79,14 +79,17 @@ int dd_matvec_set(int isa, const dd_matvec_out *p, size_t n, size_t k, const flo
 /* Values and bytes of one block of each weight type (ggml-common.h), indexed by DD_Q4_0... */
 static inline size_t dd_block_values(int wtype)
 {
-    return wtype == DD_Q4_K || wtype == DD_Q5_K || wtype == DD_Q6_K || wtype == DD_IQ4_XS ? DD_QK_K : DD_QK;
+    return wtype == DD_Q4_K || wtype == DD_Q5_K || wtype == DD_Q6_K || wtype == DD_IQ4_XS || wtype == DD_Q2_K ||
+                   wtype == DD_Q3_K
+               ? DD_QK_K
+               : DD_QK;
 }
 
 static inline size_t dd_block_bytes(int wtype)
 {
     static const size_t bytes[DD_WTYPE_COUNT] = { DD_Q4_0_BYTES, DD_Q8_0_BYTES, DD_Q4_K_BYTES, DD_Q5_K_BYTES,
                                                   DD_Q6_K_BYTES, DD_Q4_1_BYTES, DD_Q5_0_BYTES, DD_Q5_1_BYTES,
-                                                  DD_IQ4_NL_BYTES, DD_IQ4_XS_BYTES };
+                                                  DD_IQ4_NL_BYTES, DD_IQ4_XS_BYTES, DD_Q2_K_BYTES, DD_Q3_K_BYTES };
     return bytes[wtype];
 }
 
