@@ -2,6 +2,7 @@
  * against Q8_0 activations. One definition, included by every kernel file after it defines its
  * integer dot product DD_LB_DOT8 (the contract of kquants.h's DD_KQ_DOT8, with weights of up to
  * 127: no pmaddubsw pair exceeds 2 * 127 * 127); the levels differ only in that instruction choice.
+ * (The AVX-512 level reads the super-blocks in registers instead: lowbit_avx512.h, the same bits.)
  *
  * Super-block layouts (ggml-common.h block_q2_K, block_q3_K; values as ggml-quants.c
  * dequantize_row_q2_K / _q3_K; the engine's numpy twin is checked against gguf-py's decoder):
