@@ -1,13 +1,14 @@
-"""Low-bit CPU kernels (Q2_K, Q3_K read as stored: native/cpu/lowbit.h) at every ISA level.
+"""Low-bit CPU kernels (Q2_K, Q3_K and the IQ1/IQ2/IQ3 types read as stored: native/cpu/lowbit.h,
+iquants.h) at every ISA level.
 
-Weights are random super-blocks drawn byte by byte (every 2-bit code, high bit, 4-bit scale and min,
-6-bit Q3_K scale occurs; f16 d and dmin of random sign and size, never zero); the reference
+Weights are random super-blocks drawn byte by byte (every code, grid index, sign pattern, high bit,
+scale and min occurs; f16 d and dmin of random sign and size, never zero); the reference
 dequantizes them with gguf.quants (gguf-py's port of ggml's decoder, independent of the code under
 test) and multiplies in float64 by the Q8_0-quantized activations.
 
 Tolerances, as test_cpu_kquants: the twin's decoding recombined in float64 is within 2^-24 relative
 of gguf's float32 values (gguf's d * sc and its products by the small codes are exact in float32; only
-Q2_K's final subtraction rounds, by at most half an ulp). Products: the summation bound of
+Q2_K's final subtraction rounds, by at most half an ulp; the IQ types decode exactly). Products: the summation bound of
 test_cpu_kernels; between levels, thread counts, tiles and the twin: the same bits (lowbit.h).
 """
 
@@ -24,7 +25,7 @@ from engine.kernels import cpu, cpu_moe, lowbit_twins
 Q = GGMLQuantizationType
 LEVELS = cpu.supported_isas()
 ALL = (*LEVELS, "numpy")
-LB = (Q.Q2_K, Q.Q3_K)
+LB = (Q.Q2_K, Q.Q3_K, Q.IQ2_XXS, Q.IQ2_XS, Q.IQ2_S, Q.IQ3_XXS, Q.IQ3_S, Q.IQ1_S, Q.IQ1_M)
 
 
 def random_lowbit(rng: np.random.Generator, rows: int, k: int, qtype: GGMLQuantizationType) -> np.ndarray:
@@ -36,6 +37,10 @@ def random_lowbit(rng: np.random.Generator, rows: int, k: int, qtype: GGMLQuanti
         return (rng.choice([-1, 1], shape) * rng.uniform(0.5, 1, shape) * 2.0 ** rng.integers(-14, -6, shape)
                 ).astype(np.float16)
 
+    if qtype == Q.IQ1_M:                       # d's 16 bits are the top nibbles of the 4 scale words
+        d = f16(b.shape).view("<u2")[..., None]
+        b["scales"] = (b["scales"] & 0x0FFF) | ((d >> (4 * np.arange(4))) & 15) << 12
+        return raw
     b["d"] = f16(b.shape)
     if qtype == Q.Q2_K:
         b["dmin"] = f16(b.shape)
@@ -71,17 +76,21 @@ def test_lowbit_results_bit_identical_across_levels_threads_and_tiles(qtype, row
     assert_same_bits_everywhere(random_lowbit(rng, rows, k, qtype), k, qtype, rng)
 
 
+MIXES = [("Q2_K", "Q2_K", "Q3_K", "Q3_K", "Q2_K", "Q3_K"), ("IQ2_XXS", "IQ2_XS", "IQ3_XXS", "IQ1_S", "IQ2_S", "IQ3_S"),
+         ("IQ1_M", "IQ1_M", "IQ2_S", "IQ3_S", "IQ1_S", "IQ2_XXS")]
+
+
 @pytest.mark.parametrize("level", LEVELS, indirect=True)
-def test_moe_ffn_on_lowbit_experts(level, rng):
-    """The fused MoE with Q2_K gate/up, Q3_K down and a Q3_K / Q2_K shared expert against its twin:
-    the same routing, outputs within 1e-4 of the max (test_cpu_kquants' argument)."""
+@pytest.mark.parametrize("mix", MIXES, ids="-".join)
+def test_moe_ffn_on_lowbit_experts(level, mix, rng):
+    """The fused MoE with low-bit gate, up, down and shared expert (mix: their types in that order)
+    against its twin: the same routing, outputs within 1e-4 of the max (test_cpu_kquants' argument)."""
     d, n_expert, ff, ff_sh = 512, 8, 256, 256
-    qtypes = {"gate": Q.Q2_K, "up": Q.Q2_K, "down": Q.Q3_K, "sh_gate": Q.Q3_K, "sh_up": Q.Q2_K, "sh_down": Q.Q3_K}
-    w = cpu_moe.MoEWeights(router=rng.standard_normal((n_expert, d)).astype(np.float32) * 0.2,
-                           gate=random_lowbit(rng, n_expert * ff, d, Q.Q2_K), up=random_lowbit(rng, n_expert * ff, d, Q.Q2_K),
-                           down=random_lowbit(rng, n_expert * d, ff, Q.Q3_K), n_used=3, qtypes=qtypes,
-                           sh_gate=random_lowbit(rng, ff_sh, d, Q.Q3_K), sh_up=random_lowbit(rng, ff_sh, d, Q.Q2_K),
-                           sh_down=random_lowbit(rng, d, ff_sh, Q.Q3_K),
+    qtypes = dict(zip(("gate", "up", "down", "sh_gate", "sh_up", "sh_down"), (Q[t] for t in mix)))
+    shapes = {"gate": (n_expert * ff, d), "up": (n_expert * ff, d), "down": (n_expert * d, ff), "sh_gate": (ff_sh, d),
+              "sh_up": (ff_sh, d), "sh_down": (d, ff_sh)}
+    w = cpu_moe.MoEWeights(router=rng.standard_normal((n_expert, d)).astype(np.float32) * 0.2, n_used=3, qtypes=qtypes,
+                           **{k: random_lowbit(rng, *shapes[k], qtypes[k]) for k in shapes},
                            sh_gate_inp=rng.standard_normal(d).astype(np.float32) * 0.1)
     x = rng.standard_normal(d).astype(np.float32)
     while route_margin(x, w) < 1e-3:
@@ -97,3 +106,12 @@ def test_lowbit_rows_must_be_whole_super_blocks(rng):
         cpu.matmul(raw, np.ones(288, np.float32), Q.Q2_K)
     with pytest.raises(ValueError, match="Q3_K blocks"):
         cpu.Matrix(raw, 256, Q.Q3_K)
+
+
+@pytest.mark.skipif(not cpu.available(), reason="native CPU kernels not built")
+def test_iq_codebooks_are_checked_when_registered():
+    from engine import _native_cpu
+    lib, ffi = _native_cpu.lib, _native_cpu.ffi
+    grid = np.zeros(100, np.int8)
+    assert lib.dd_set_iq_grid(lib.DD_IQ2_XXS, ffi.cast("int8_t *", ffi.from_buffer(grid)), grid.size) == lib.DD_ERR_ARG
+    assert lib.dd_set_iq_grid(lib.DD_Q4_K, ffi.cast("int8_t *", ffi.from_buffer(grid)), grid.size) == lib.DD_ERR_ARG

@@ -1,13 +1,15 @@
-"""Whole models in the low-bit types (synth ``--quant q2_k`` / ``q3_k``) on the native CPU kernels.
+"""Whole models in the low-bit types (synth ``--quant q2_k``, ``q3_k``, ``iq2_xxs``, ...) on the native CPU kernels.
 
 The file's weights stay in the file map (no converted copy: RSS grows by no weight bytes); every ISA
 level and thread count gives the same logits bits (the kernels' exactness, native/cpu/lowbit.h); and
 greedy decoding follows the numpy reference model (float32 weights dequantized by gguf-py, float
 activations). Exact greedy equality with it is impossible by construction (the kernels quantize
 activations to 8 bits; test_native_model's module doc), so the test holds the logit gap to ``NEAR`` of
-the largest logit at every step of the reference's greedy text (the bound test_native_model uses for the
-Q4_K_M file; measured up to ~4.5 % here, seed 0; 23 and 24 of 24 greedy tokens equal for Q2_K and Q3_K,
-the one miss at a top-2 margin of 0.3 % of the largest logit).
+the largest logit at every step of the reference's greedy text. Measured (seed 0): up to ~5.4 % for
+Q2_K, Q3_K and the IQ2/IQ3 types, 14.4 % for IQ1_S at the last prompt position (its native logits equal the
+numpy emulation's, the kernels' twins, bit for bit there: the gap is the 8-bit activations', which the
+1.6-bit weights amplify); NEAR = 0.2 holds them all. Over 24 free greedy steps 23 and 24 tokens were equal
+for Q2_K and Q3_K, the one miss at a top-2 margin of 0.3 % of the largest logit.
 """
 
 from __future__ import annotations
@@ -28,8 +30,9 @@ from engine.state import SequenceState
 pytestmark = pytest.mark.skipif(not cpu.available(), reason="native CPU kernels not built")
 
 Q = GGMLQuantizationType
-NEAR = 0.1
+NEAR = 0.2
 STEPS = 12
+QUANTS = ["q2_k", "q3_k", "iq2_xxs", "iq2_xs", "iq2_s", "iq3_xxs", "iq3_s", "iq1_s", "iq1_m"]
 
 
 def test_synth_writes_the_low_bit_types_and_llama_quantizes_fallback(synth_model):
@@ -37,16 +40,17 @@ def test_synth_writes_the_low_bit_types_and_llama_quantizes_fallback(synth_model
     blocks decode (gguf-py) to values of mean ~0 and the std the synth module doc asks for."""
     assert storage_type("blk.0.ffn_down_exps.weight", (128, 256, 16), Q.Q2_K) == Q.IQ4_NL
     assert storage_type("blk.0.attn_qkv.weight", (256, 1024), Q.Q3_K) == Q.Q3_K
-    for quant, qtype in (("q2_k", Q.Q2_K), ("q3_k", Q.Q3_K)):
+    for quant in QUANTS:
+        qtype = Q[quant.upper()]
         f = GGUFFile.open(synth_model("small", quant))
         info = f.info("blk.0.ffn_gate_exps.weight")
         assert info.qtype == qtype and f.info("blk.0.ffn_down_exps.weight").qtype == Q.IQ4_NL
         x = dequantize(f.raw("blk.0.ffn_gate_exps.weight"), qtype, tuple(reversed(info.ne)))
         std = 1 / np.sqrt(info.ne[0])
-        assert abs(x.mean()) < 0.05 * std and 0.8 * std < x.std() < 1.25 * std
+        assert abs(x.mean()) < 0.05 * std and 0.8 * std < x.std() < 1.25 * std, quant
 
 
-@pytest.mark.parametrize("quant", ["q2_k", "q3_k"])
+@pytest.mark.parametrize("quant", QUANTS)
 def test_low_bit_model_is_mapped_and_the_same_bits_everywhere(synth_model, quant, isa_reset):
     gguf = GGUFFile.open(synth_model("small", quant))
     model = NativeQwen35Model(gguf.hparams, gguf)
@@ -74,7 +78,7 @@ def decode(model, steps: int, forced: list[int] | None = None) -> tuple[list[int
     return tokens, logits
 
 
-@pytest.mark.parametrize("quant", ["q2_k", "q3_k"])
+@pytest.mark.parametrize("quant", QUANTS)
 def test_low_bit_greedy_decoding_follows_the_numpy_reference(synth_model, quant, isa_reset):
     """The native model reads the reference's greedy text (teacher forcing, so one near-tie does not end
     the comparison): at every step the logit gap is within NEAR of the largest logit, and the native

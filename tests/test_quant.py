@@ -54,8 +54,8 @@ def test_quant_type_table_rows_agree_with_gguf():
         assert row.block_dtype.itemsize == row.block_bytes
     assert quant.traits(int(Q.Q4_0), "t") is quant.TYPES[Q.Q4_0]
     assert quant.WRITABLE_TYPES == {t for t, row in quant.TYPES.items() if row.writable}
-    with pytest.raises(UnsupportedModelError, match="tensor x: quant type IQ2_XXS is not supported"):
-        quant.traits(Q.IQ2_XXS, "tensor x")
+    with pytest.raises(UnsupportedModelError, match="tensor x: quant type TQ1_0 is not supported"):
+        quant.traits(Q.TQ1_0, "tensor x")
     with pytest.raises(UnsupportedModelError, match="type 99"):
         quant.traits(99, "tensor x")
 
@@ -170,8 +170,8 @@ def test_block_view_exposes_fields(rng):
 
 
 def test_unsupported_types_raise_named_errors():
-    with pytest.raises(UnsupportedModelError, match=r"blk\.0\.ffn_up_exps\.weight.*IQ2_XXS"):
-        quant.check_supported(Q.IQ2_XXS, "model.gguf: tensor blk.0.ffn_up_exps.weight")
+    with pytest.raises(UnsupportedModelError, match=r"blk\.0\.ffn_up_exps\.weight.*TQ2_0"):
+        quant.check_supported(Q.TQ2_0, "model.gguf: tensor blk.0.ffn_up_exps.weight")
     with pytest.raises(UnsupportedModelError, match="type 250"):
         quant.check_supported(250, "t")
     with pytest.raises(UnsupportedModelError, match="MXFP4"):

@@ -18,8 +18,9 @@ Block layouts are ggml's (ggml/src/ggml-common.h), i.e. the raw bytes of a GGUF 
   values) and ``block_iq4_xs`` (136 bytes per 256; layouts in native/cpu/bquants.h): read as stored
   by :data:`~engine.kernels.cpu_twins.B_QUANTS` kernels, with the same exactness and fixed f64 order
   as the K-quants (twin: :func:`engine.kernels.cpu_twins.bquant_product_np`).
-* ``block_q2_K`` / ``block_q3_K`` (84 / 110 bytes per 256 values; layouts in native/cpu/lowbit.h): read
-  as stored by :data:`~engine.kernels.lowbit_twins.LOW_BIT` kernels, with the same exactness and fixed
+* ``block_q2_K`` / ``block_q3_K`` (84 / 110 bytes per 256 values; layouts in native/cpu/lowbit.h) and the
+  IQ1/IQ2/IQ3 super-blocks (native/cpu/iquants.h; their codebooks come from gguf-py and are registered
+  with the kernels at import): read as stored by :data:`~engine.kernels.lowbit_twins.LOW_BIT` kernels, with the same exactness and fixed
   f64 order (twin: :func:`engine.kernels.lowbit_twins.lowbit_product_np`).
 
 A weight matrix is its tensor's raw data as ``(rows, k // 32 * block_bytes)`` uint8 (what
@@ -54,6 +55,7 @@ from engine import quant
 from engine.errors import EngineError
 from engine.kernels.cpu_twins import (B_QUANTS, K_QUANTS, KQ_ROWS, Q8_0_BYTES, QK, activations, bquant_product_np,
                                       dequantize, kquant_product_np, quantize_q8_0_np)
+from engine.kernels.iq_twins import grids as iq_grids
 from engine.kernels.lowbit_twins import LOW_BIT, lowbit_product_np
 from engine.ops import reference
 
@@ -63,6 +65,12 @@ except ImportError as err:
     _native_cpu = None
     warnings.warn(f"DeltaDesk native CPU kernels unavailable ({err}); using the slow numpy fallback "
                   "(reinstall with a C compiler present to build them).", RuntimeWarning, stacklevel=2)
+
+if _native_cpu is not None:
+    for _qtype, _grid in iq_grids().items():   # the IQ kernels' codebooks, once (dd_set_iq_grid)
+        if _native_cpu.lib.dd_set_iq_grid(quant.TYPES[_qtype].cpu_kernel, _native_cpu.ffi.cast("int8_t *", _native_cpu.ffi.from_buffer(_grid)),
+                                          _grid.size) != 0:
+            raise ImportError(f"the native CPU kernels refused the {_qtype.name} codebook")
 
 ISA_LEVELS = ("scalar", "ssse3", "avx2", "avx512vnni")
 """Native levels in increasing order; the index is the C side's level number."""

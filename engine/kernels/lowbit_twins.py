@@ -1,4 +1,5 @@
-"""numpy twins of the low-bit CPU kernels (native/cpu/lowbit.h: Q2_K and Q3_K read as stored).
+"""numpy twins of the low-bit CPU kernels (native/cpu/lowbit.h: Q2_K, Q3_K and the IQ1/IQ2/IQ3 types read
+as stored; the IQ types' unpacking is :mod:`engine.kernels.iq_twins`).
 
 A super-block of 256 values is decoded to unsigned integers ``u = value + off`` in value order, an
 integer scale per 16 values and (Q2_K) an integer min per 16 values, plus the f16 super-block scales;
@@ -13,12 +14,14 @@ from gguf import GGMLQuantizationType
 
 from engine import quant
 from engine.kernels.cpu_twins import Q8_0_BYTES, quantize_q8_0_np
+from engine.kernels.iq_twins import IQ_TYPES, iq_unpack
+from engine.kernels.iq_twins import OFFSETS as IQ_OFFSETS
 
 Q = GGMLQuantizationType
 
-LOW_BIT = frozenset({Q.Q2_K, Q.Q3_K})
+LOW_BIT = frozenset({Q.Q2_K, Q.Q3_K} | IQ_TYPES)
 """The types lowbit.h reads: 256-value super-blocks."""
-OFFSETS = {Q.Q2_K: 0, Q.Q3_K: 4}
+OFFSETS = {Q.Q2_K: 0, Q.Q3_K: 4, **IQ_OFFSETS}
 """What the kernels add to a type's integer values to make them unsigned."""
 
 
@@ -32,13 +35,16 @@ def _crumbs(qs: np.ndarray) -> np.ndarray:
 
 def lowbit_unpack(raw: np.ndarray, qtype: GGMLQuantizationType
                   ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-    """Integer parts of Q2_K / Q3_K super-blocks (layouts in native/cpu/lowbit.h).
+    """Integer parts of Q2_K / Q3_K super-blocks (layouts in native/cpu/lowbit.h; the IQ types:
+    :func:`engine.kernels.iq_twins.iq_unpack`).
 
     Args: raw (rows, nsb * block bytes) uint8; qtype one of :data:`LOW_BIT`.
     Returns: u (rows, nsb, 256) int64 unsigned values; sc, mn (rows, nsb, 16) int64 scale and min of
     each 16 values (mn zero for Q3_K); d, dmin (rows, nsb) float32 (dmin zero for Q3_K). Value v is
     ``d * sc[v // 16] * (u[v] - off) - dmin * mn[v // 16]`` with off = :data:`OFFSETS`[qtype].
     """
+    if qtype in IQ_TYPES:
+        return iq_unpack(raw, qtype)
     rows = raw.shape[0]
     b = quant.block_view(raw, qtype)
     nsb = b.shape[1]

@@ -1,8 +1,9 @@
-/* Kernels for the low-bit super-block types (Q2_K, Q3_K) read as stored (no conversion at load),
+/* Kernels for the low-bit super-block types (Q2_K, Q3_K, and the IQ types of iquants.h) read as stored (no conversion at load),
  * against Q8_0 activations. One definition, included by every kernel file after it defines its
  * integer dot product DD_LB_DOT8 (the contract of kquants.h's DD_KQ_DOT8, with weights of up to
  * 127: no pmaddubsw pair exceeds 2 * 127 * 127); the levels differ only in that instruction choice.
- * (The AVX-512 level reads the super-blocks in registers instead: lowbit_avx512.h, the same bits.)
+ * (The AVX-512 level reads Q2_K and Q3_K in registers instead, lowbit_avx512.h, the same bits: it defines
+ * DD_LB_K_IN_REGISTERS.)
  *
  * Super-block layouts (ggml-common.h block_q2_K, block_q3_K; values as ggml-quants.c
  * dequantize_row_q2_K / _q3_K; the engine's numpy twin is checked against gguf-py's decoder):
@@ -15,7 +16,8 @@
  *     >> 2 (i / 4)) & 3) << 4; x = d * (s_i - 32) * (u - 4).
  *
  * Exactness (the design of kquants.h). A super-block is unpacked to unsigned bytes u (value + off,
- * off = 0 for Q2_K, 4 for Q3_K), integer scales sc and (Q2_K) mins mn per 16 values. Activation
+ * off = 0 for Q2_K, 4 for Q3_K, iquants.h's for the IQ types), integer scales sc and (Q2_K) mins mn per 16
+ * values; the IQ types' d is their f16 d times a power of two (exact). Activation
  * block b (32 values, scale da, half sums s16) meets values 32b .. 32b + 31: the integer part
  *   I_b = sum over its halves h of sc_h * (sum(u a) - off * s16_h),  M_b = sum_h mn_h * s16_h
  * is exact in int32, scaled by the exact f32 products d * da (and dmin * da) into exact f64 products
@@ -28,6 +30,7 @@
 #define DELTADESK_LOWBIT_H
 
 #include "gemm_tiles.h"
+#include "iquants.h"
 #include "kernels.h"
 
 #ifndef DD_LB_DOT8
@@ -44,13 +47,30 @@ typedef struct {
 
 DD_INLINE size_t dd_lb_bytes(int wtype)
 {
-    return wtype == DD_Q2_K ? DD_Q2_K_BYTES : DD_Q3_K_BYTES;
+    switch (wtype) {
+    case DD_Q2_K: return DD_Q2_K_BYTES;
+    case DD_Q3_K: return DD_Q3_K_BYTES;
+    case DD_IQ2_XXS: return DD_IQ2_XXS_BYTES;
+    case DD_IQ2_XS: return DD_IQ2_XS_BYTES;
+    case DD_IQ2_S: return DD_IQ2_S_BYTES;
+    case DD_IQ3_XXS: return DD_IQ3_XXS_BYTES;
+    case DD_IQ3_S: return DD_IQ3_S_BYTES;
+    case DD_IQ1_S: return DD_IQ1_S_BYTES;
+    default: return DD_IQ1_M_BYTES;
+    }
 }
 
 /* The offset added to a type's values to make them unsigned. */
 DD_INLINE int dd_lb_offset(int wtype)
 {
-    return wtype == DD_Q3_K ? 4 : 0;
+    switch (wtype) {
+    case DD_Q2_K: return 0;
+    case DD_Q3_K: return 4;
+    case DD_IQ2_XXS: case DD_IQ2_XS: case DD_IQ2_S: return DD_IQ2_OFF;
+    case DD_IQ3_XXS: return DD_IQ3XXS_OFF;
+    case DD_IQ3_S: return DD_IQ3S_OFF;
+    default: return DD_IQ1_OFF;
+    }
 }
 
 DD_INLINE void dd_lb_unpack_q2_K(const uint8_t *blk, dd_lb_rows *u, int r)
@@ -81,18 +101,18 @@ DD_INLINE void dd_lb_unpack_q3_K(const uint8_t *blk, dd_lb_rows *u, int r)
     for (int i = 0; i < 16; i++) {
         const int s = ((sc[i % 8] >> (4 * (i / 8))) & 15) | (((sc[8 + i % 4] >> (2 * (i / 4))) & 3) << 4);
         u->sc[r][i] = (int16_t)(s - 32);
-        u->mn[r][i] = 0;
     }
     u->d[r] = dd_f16_to_f32(dd_load_u16(blk + 108));
-    u->dmin[r] = 0.0f;
 }
 
 DD_INLINE void dd_lb_unpack(const uint8_t *blk, int wtype, dd_lb_rows *u, int r)
 {
     if (wtype == DD_Q2_K)
         dd_lb_unpack_q2_K(blk, u, r);
-    else
+    else if (wtype == DD_Q3_K)
         dd_lb_unpack_q3_K(blk, u, r);
+    else
+        dd_iq_unpack(blk, wtype, u->q[r], u->sc[r], &u->d[r]);
 }
 
 /* acc += the f64 terms of row r of u against the column's activation blocks b0 .. b0 + 7. */
@@ -105,14 +125,15 @@ DD_INLINE void dd_lb_terms(const dd_lb_rows *u, int r, const dd_acts *a, size_t 
     int32_t d8[8];
     DD_LB_DOT8(u->q[r], a->q + b0 * DD_QK, sc, d8);
     dd_v8i dot, mb;
-    for (int i = 0; i < 8; i++) {
+    for (int i = 0; i < 8; i++)
         dot[i] = d8[i] - off * (sc[2 * i] * s16[2 * i] + sc[2 * i + 1] * s16[2 * i + 1]);
-        mb[i] = mn[2 * i] * s16[2 * i] + mn[2 * i + 1] * s16[2 * i + 1];
-    }
     /* lane i: (d da_i) I_i, exact in f64; then (Q2_K) minus (dmin da_i) M_i */
     *acc += __builtin_convertvector(da * u->d[r], dd_v8d) * __builtin_convertvector(dot, dd_v8d);
-    if (wtype == DD_Q2_K)
+    if (wtype == DD_Q2_K) {
+        for (int i = 0; i < 8; i++)
+            mb[i] = mn[2 * i] * s16[2 * i] + mn[2 * i + 1] * s16[2 * i + 1];
         *acc -= __builtin_convertvector(da * u->dmin[r], dd_v8d) * __builtin_convertvector(mb, dd_v8d);
+    }
 }
 
 DD_INLINE void dd_lb_store(dd_v8d acc[4][4], size_t c0, float *y, size_t ldy, const int R, const int C)
@@ -136,8 +157,9 @@ DD_INLINE void dd_lb_tile(const uint8_t *w, const uint8_t *pf, size_t rb, const 
             acc[r][c] = (dd_v8d){ 0 };
     for (size_t sb = 0; sb < nsb; sb++) {
         for (int r = 0; r < R; r++) {
-            const uint8_t *p = pf + r * rb + sb * bytes;
-            dd_prefetch_weight(p);
+            const uint8_t *p = pf + r * rb + sb * bytes;   /* every line: 84 or 110 bytes may span three */
+            for (size_t at = 0; at < bytes; at += 64)
+                dd_prefetch_weight(p + at);
             dd_prefetch_weight(p + bytes - 1);
             dd_lb_unpack(w + r * rb + sb * bytes, wtype, &u, r);
         }
@@ -212,17 +234,34 @@ DD_INLINE void dd_lb_gemm_unpacked(const uint8_t *w, size_t rb, size_t nrows, co
     }
 }
 
-#define DD_LB_TILE_Q2_K(w, pf, rb, a, c0, y, ldy, R, C) dd_lb_tile(w, pf, rb, a, DD_Q2_K, c0, y, ldy, R, C)
-#define DD_LB_TILE_Q3_K(w, pf, rb, a, c0, y, ldy, R, C) dd_lb_tile(w, pf, rb, a, DD_Q3_K, c0, y, ldy, R, C)
-#define DD_LB_GEMM_Q2_K(w, rb, n, a, y, ldy) dd_lb_gemm_unpacked(w, rb, n, a, y, ldy, DD_Q2_K)
-#define DD_LB_GEMM_Q3_K(w, rb, n, a, y, ldy) dd_lb_gemm_unpacked(w, rb, n, a, y, ldy, DD_Q3_K)
+#define DD_LB_GEMM_OF(NAME, WTYPE)                                                                \
+    DD_INLINE void NAME##_tile(const uint8_t *w, const uint8_t *pf, size_t rb, const dd_acts *a, size_t c0, \
+                               float *y, size_t ldy, const int R, const int C)                        \
+    {                                                                                             \
+        dd_lb_tile(w, pf, rb, a, WTYPE, c0, y, ldy, R, C);                                        \
+    }                                                                                             \
+    DD_INLINE void NAME##_unpacked(const uint8_t *w, size_t rb, size_t n, const dd_acts *a, float *y, size_t ldy) \
+    {                                                                                             \
+        dd_lb_gemm_unpacked(w, rb, n, a, y, ldy, WTYPE);                                          \
+    }                                                                                             \
+    DD_DEFINE_GEMM(NAME##_tiles, NAME##_tile)                                                     \
+    DD_DEFINE_GEMM_SPLIT(NAME, NAME##_tiles, DD_LB_FITS, NAME##_unpacked)
 
-DD_DEFINE_GEMM(dd_lb_tiles_q2_K, DD_LB_TILE_Q2_K)
-DD_DEFINE_GEMM(dd_lb_tiles_q3_K, DD_LB_TILE_Q3_K)
-DD_DEFINE_GEMM_SPLIT(gemm_q2_K, dd_lb_tiles_q2_K, DD_LB_FITS, DD_LB_GEMM_Q2_K)
-DD_DEFINE_GEMM_SPLIT(gemm_q3_K, dd_lb_tiles_q3_K, DD_LB_FITS, DD_LB_GEMM_Q3_K)
-
-/* The kernel table's entries for these types, in enum order (DD_Q2_K, DD_Q3_K). */
+#ifndef DD_LB_K_IN_REGISTERS
+DD_LB_GEMM_OF(gemm_q2_K, DD_Q2_K)
+DD_LB_GEMM_OF(gemm_q3_K, DD_Q3_K)
+/* The kernel table's entries for Q2_K and Q3_K, in enum order. */
 #define DD_LB_GEMMS gemm_q2_K, gemm_q3_K
+#endif
+DD_LB_GEMM_OF(gemm_iq2_xxs, DD_IQ2_XXS)
+DD_LB_GEMM_OF(gemm_iq2_xs, DD_IQ2_XS)
+DD_LB_GEMM_OF(gemm_iq2_s, DD_IQ2_S)
+DD_LB_GEMM_OF(gemm_iq3_xxs, DD_IQ3_XXS)
+DD_LB_GEMM_OF(gemm_iq3_s, DD_IQ3_S)
+DD_LB_GEMM_OF(gemm_iq1_s, DD_IQ1_S)
+DD_LB_GEMM_OF(gemm_iq1_m, DD_IQ1_M)
+
+/* The kernel table's entries for the IQ types, in enum order (DD_IQ2_XXS .. DD_IQ1_M). */
+#define DD_IQ_GEMMS gemm_iq2_xxs, gemm_iq2_xs, gemm_iq2_s, gemm_iq3_xxs, gemm_iq3_s, gemm_iq1_s, gemm_iq1_m
 
 #endif

@@ -114,8 +114,10 @@ DD_INLINE void lb_tile(const uint8_t *w, const uint8_t *pf, size_t rb, const dd_
     for (size_t sb = 0; sb < nsb; sb++) {
         lb_row u[4];
         for (int r = 0; r < R; r++) {
-            dd_prefetch_weight(pf + r * rb + sb * bytes);
-            dd_prefetch_weight(pf + r * rb + sb * bytes + bytes - 1);
+            const uint8_t *q = pf + r * rb + sb * bytes;   /* every line: 84 or 110 bytes may span three */
+            for (size_t at = 0; at < bytes; at += 64)
+                dd_prefetch_weight(q + at);
+            dd_prefetch_weight(q + bytes - 1);
             lb_load_row(w + r * rb + sb * bytes, wtype, &u[r]);
         }
         for (int c = 0; c < C; c++) {

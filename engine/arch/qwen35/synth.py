@@ -50,7 +50,9 @@ FILE_TYPES: dict[GGMLQuantizationType, LlamaFileType] = {
     Q.F32: LlamaFileType.ALL_F32, Q.F16: LlamaFileType.MOSTLY_F16, Q.BF16: LlamaFileType.MOSTLY_BF16,
     Q.Q8_0: LlamaFileType.MOSTLY_Q8_0, Q.Q4_0: LlamaFileType.MOSTLY_Q4_0, Q.Q4_1: LlamaFileType.MOSTLY_Q4_1,
     Q.Q5_0: LlamaFileType.MOSTLY_Q5_0, Q.Q5_1: LlamaFileType.MOSTLY_Q5_1,
-    Q.Q2_K: LlamaFileType.MOSTLY_Q2_K, Q.Q3_K: LlamaFileType.MOSTLY_Q3_K_S,
+    Q.Q2_K: LlamaFileType.MOSTLY_Q2_K, Q.Q3_K: LlamaFileType.MOSTLY_Q3_K_S, Q.IQ2_XXS: LlamaFileType.MOSTLY_IQ2_XXS,
+    Q.IQ2_XS: LlamaFileType.MOSTLY_IQ2_XS, Q.IQ2_S: LlamaFileType.MOSTLY_IQ2_S, Q.IQ3_XXS: LlamaFileType.MOSTLY_IQ3_XXS,
+    Q.IQ3_S: LlamaFileType.MOSTLY_IQ3_S, Q.IQ1_S: LlamaFileType.MOSTLY_IQ1_S, Q.IQ1_M: LlamaFileType.MOSTLY_IQ1_M,
 }
 """``general.file_type`` written for each file-wide quant type (gguf ``LlamaFileType``)."""
 
@@ -131,7 +133,7 @@ def storage_type(name: str, ne: Sequence[int], quant: GGMLQuantizationType,
     Returns:
         F32 for 1-D tensors and the names in the module doc, the override if one matches, else ``quant``,
         or llama-quantize's fallback type when ``ne0`` is not a whole number of its blocks
-        (:data:`~engine.arch.qwen35.synth_lowbit.SHAPE_FALLBACK`: IQ4_NL for Q2_K and Q3_K).
+        (:data:`~engine.arch.qwen35.synth_lowbit.SHAPE_FALLBACK`: IQ4_NL for Q2_K, Q3_K and the IQ types).
     """
     for pattern, qname in (quant_overrides or {}).items():
         if fnmatch.fnmatchcase(name, pattern):
@@ -187,7 +189,8 @@ def synth(path: str | os.PathLike[str], preset: str, layers: int | None = None, 
         preset: ``tiny``, ``small``, ``dense-tiny`` or ``35b-a3b`` (:data:`PRESETS`).
         layers, experts: shrink the preset (:func:`preset_hparams`).
         quant: file type: ``f32``, ``f16``, ``q8_0``, ``q4_0`` (also ``bf16``, ``q4_1``, ``q5_0``, ``q5_1``;
-            ``q2_k`` and ``q3_k``, drawn as blocks by :mod:`engine.arch.qwen35.synth_lowbit`), or a K-quant mix of :data:`engine.arch.qwen35.quant_mix.MIXES` (``q4_k_m``: llama-quantize's per-tensor
+            ``q2_k``, ``q3_k`` and the IQ1/IQ2/IQ3 types, drawn as blocks by :mod:`engine.arch.qwen35.synth_lowbit`),
+            or a K-quant mix of :data:`engine.arch.qwen35.quant_mix.MIXES` (``q4_k_m``: llama-quantize's per-tensor
             types; ``ud_q4_k_xl``: unsloth's dynamic mix as documented; see :mod:`engine.arch.qwen35.quant_mix`;
             its Q4_K / Q5_K / Q6_K / Q8_0 blocks are drawn directly).
         seed: the weights are a deterministic function of (seed, tensor name, shape).

@@ -1,6 +1,6 @@
-"""Random low-bit blocks for synthetic files (:mod:`engine.arch.qwen35.synth`): Q2_K and Q3_K super-blocks
-and the IQ4_NL blocks llama-quantize falls back to, drawn directly as valid blocks (gguf-py cannot
-quantize to these types).
+"""Random low-bit blocks for synthetic files (:mod:`engine.arch.qwen35.synth`): Q2_K, Q3_K and IQ1/IQ2/IQ3
+super-blocks and the IQ4_NL blocks llama-quantize falls back to, drawn directly as valid blocks (gguf-py
+cannot quantize to these types; every grid index, sign pattern and scale field of random bytes is valid).
 
 Every byte is drawn uniformly (so every code is uniform over its levels), then the scales are rewritten
 so the dequantized values have mean ~0 and standard deviation ~``std`` (layouts: native/cpu/lowbit.h,
@@ -10,7 +10,10 @@ ggml-common.h; values as ggml-quants.c ``dequantize_row_*``):
   x = d sc (q - 1.5); rms(sc) = sqrt(135.5), rms(q - 1.5) = sqrt(1.25);
 * Q3_K: x = d (s - 32) (u - 4) with u uniform in 0..7 and the 6-bit s uniform in 0..63: mean
   -d (s - 32) / 2 per 16 values (small against the std), rms(s - 32) = sqrt(341.5), rms(u - 4) = sqrt(5.5);
-* IQ4_NL: x = d kvalues_iq4nl[nibble], rms of the 16 code values.
+* IQ4_NL: x = d kvalues_iq4nl[nibble], rms of the 16 code values;
+* the IQ types: x = d_eff sc (u - off) (engine.kernels.iq_twins), rms measured on 1024 random super-blocks of
+  d = 1 (a fixed seed) decoded by the twin; their mean is ~0 by the codebooks' symmetric signs (IQ1: of the
+  grid's values).
 
 ``|d|`` = std / (the rms above) * (0.8 + 0.4 r / 65535) from d's own random 16 bits r, sign from bit 0 of r.
 """
@@ -22,7 +25,9 @@ import math
 import numpy as np
 from gguf import GGMLQuantizationType
 
-from engine.quant import BLOCK_DTYPES, row_bytes
+from engine.kernels.iq_twins import IQ_TYPES, iq_unpack
+from engine.kernels.iq_twins import OFFSETS as IQ_OFFSETS
+from engine.quant import BLOCK_DTYPES, row_bytes, type_size
 
 Q = GGMLQuantizationType
 
@@ -32,10 +37,10 @@ KVALUES_IQ4NL = (-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69
 _RMS = {Q.Q2_K: math.sqrt(135.5 * 1.25), Q.Q3_K: math.sqrt(341.5 * 5.5),
         Q.IQ4_NL: math.sqrt(sum(v * v for v in KVALUES_IQ4NL) / 16)}
 
-DRAWN = frozenset(_RMS)
+DRAWN = frozenset(_RMS) | IQ_TYPES
 """Types :func:`random_lowbit_blocks` draws."""
 
-SHAPE_FALLBACK = {Q.Q2_K: Q.IQ4_NL, Q.Q3_K: Q.IQ4_NL}
+SHAPE_FALLBACK = {t: Q.IQ4_NL for t in DRAWN - {Q.IQ4_NL}}
 """llama-quantize's type for a tensor whose ``ne0`` is not a multiple of 256 (``tensor_type_fallback``)."""
 
 
@@ -46,6 +51,26 @@ def _scale(d_bits: np.ndarray, std: float, rms: float) -> np.ndarray:
     return np.where(d_bits & 1, -d, d).astype(np.float32)
 
 
+def _set_d(b: np.ndarray, qtype: GGMLQuantizationType, d: np.ndarray) -> None:
+    """Write the f16 d of blocks b (IQ1_M: into the top nibbles of its 4 scale words)."""
+    if qtype == Q.IQ1_M:
+        bits = d.astype("<f2").view("<u2").astype(np.uint16)[..., None]
+        b["scales"] = (b["scales"] & 0x0FFF) | ((bits >> (4 * np.arange(4, dtype=np.uint16))) & 15) << 12
+    else:
+        b["d"] = d.astype("<f2")
+
+
+def _iq_rms(qtype: GGMLQuantizationType) -> float:
+    """rms of an IQ type's values over 1024 random super-blocks of d = 1 (module doc)."""
+    if qtype not in _RMS:
+        raw = np.random.default_rng(0).integers(0, 256, (1024, type_size(qtype)), dtype=np.uint8)
+        _set_d(raw.view(BLOCK_DTYPES[qtype]), qtype, np.ones((1024, 1), np.float32))
+        u, sc, _, d, _ = iq_unpack(raw, qtype)
+        x = d[..., None] * np.repeat(sc, 16, axis=-1) * (u - IQ_OFFSETS[qtype])
+        _RMS[qtype] = float(np.sqrt(np.mean(x.astype(np.float64) ** 2)))
+    return _RMS[qtype]
+
+
 def random_lowbit_blocks(shape: tuple[int, ...], qtype: GGMLQuantizationType, std: float,
                          rng: np.random.Generator) -> np.ndarray:
     """Stored bytes ``(..., row_bytes)`` uint8 of a random tensor of math ``shape`` in ``qtype`` (one of
@@ -54,6 +79,10 @@ def random_lowbit_blocks(shape: tuple[int, ...], qtype: GGMLQuantizationType, st
     nbytes = math.prod(shape[:-1]) * rb
     out = rng.bit_generator.random_raw(-(-nbytes // 8)).view(np.uint8)[:nbytes]
     b = out.view(BLOCK_DTYPES[qtype])
+    if qtype in IQ_TYPES:
+        r = rng.integers(0, 65536, b.shape, dtype=np.uint16)
+        _set_d(b, qtype, _scale(r, std, _iq_rms(qtype)))
+        return out.reshape(*shape[:-1], rb)
     d = _scale(b["d"].view("<u2"), std, _RMS[qtype])
     b["d"] = d.astype("<f2")
     if qtype == Q.Q2_K:
