@@ -31,6 +31,7 @@ IQ3_XXS     256    98     d f16, qs u8[64] (grid indices), sas u8[32] (u32 signs
 IQ3_S       256    110    d f16, qs u8[64], qh u8[8], signs u8[32], scales u8[4]
 IQ1_S       256    50     d f16, qs u8[32], qh u16[8] (index bits, 3-bit scale, delta sign per 32 values)
 IQ1_M       256    56     qs u8[32], qh u8[16], scales u16[4] (3-bit scales; their top nibbles: f16 d)
+MXFP4       32     17     e u8 (e8m0: d = 2^(e-128)); qs u8[16] as Q4_0, nibbles index kvalues_mxfp4: x = d*kv[q]
 ==========  =====  =====  =================================================================
 
 Dequantization itself is delegated to ``gguf.quants`` (the reference implementation shipped with
@@ -82,16 +83,17 @@ _BLOCK_DTYPES: dict[GGMLQuantizationType, np.dtype] = {
                        ("scales", "u1", (4,))]),
     Q.IQ1_S: np.dtype([("d", _F16), ("qs", "u1", (32,)), ("qh", "<u2", (8,))]),
     Q.IQ1_M: np.dtype([("qs", "u1", (32,)), ("qh", "u1", (16,)), ("scales", "<u2", (4,))]),
+    Q.MXFP4: np.dtype([("e", "u1"), ("qs", "u1", (16,))]),
 }
 
 # Kernel ids of native/cpu/deltadesk_cpu.h (enum DD_Q4_0, ...); tests/test_cpu_kernels.py checks they agree.
 _CPU_KERNELS = {Q.Q4_0: 0, Q.Q8_0: 1, Q.Q4_K: 2, Q.Q5_K: 3, Q.Q6_K: 4, Q.Q4_1: 5, Q.Q5_0: 6, Q.Q5_1: 7,
                 Q.IQ4_NL: 8, Q.IQ4_XS: 9, Q.Q2_K: 10, Q.Q3_K: 11, Q.IQ2_XXS: 12, Q.IQ2_XS: 13, Q.IQ2_S: 14,
-                Q.IQ3_XXS: 15, Q.IQ3_S: 16, Q.IQ1_S: 17, Q.IQ1_M: 18}
+                Q.IQ3_XXS: 15, Q.IQ3_S: 16, Q.IQ1_S: 17, Q.IQ1_M: 18, Q.MXFP4: 19}
 # Weight types native/cuda/gemm.cu has kernels for, by the suffix of their names (qgemm_<suffix>, ...).
 _CUDA_SUFFIXES = {Q.F32: "f32", Q.F16: "f16", Q.BF16: "bf16", Q.Q4_0: "q4_0", Q.Q4_1: "q4_1", Q.Q8_0: "q8_0"}
 # Types gguf.quants.quantize implements (it only dequantizes the K-quants).
-_WRITABLE = {Q.F32, Q.F16, Q.BF16, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q8_0}
+_WRITABLE = {Q.F32, Q.F16, Q.BF16, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q8_0, Q.MXFP4}
 
 
 @dataclass(frozen=True)
@@ -142,7 +144,7 @@ BLOCK_DTYPES: dict[GGMLQuantizationType, np.dtype] = {t: q.block_dtype for t, q 
 
 SUPPORTED_TYPES: frozenset[GGMLQuantizationType] = frozenset(TYPES)
 """Types the engine can dequantize: F32, F16, BF16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K..Q6_K, IQ1_S, IQ1_M,
-IQ2_XXS, IQ2_XS, IQ2_S, IQ3_XXS, IQ3_S, IQ4_NL, IQ4_XS."""
+IQ2_XXS, IQ2_XS, IQ2_S, IQ3_XXS, IQ3_S, IQ4_NL, IQ4_XS, MXFP4."""
 
 WRITABLE_TYPES: frozenset[GGMLQuantizationType] = frozenset(t for t, q in TYPES.items() if q.writable)
 """Types :func:`quantize` can produce (those ``gguf.quants.quantize`` implements)."""

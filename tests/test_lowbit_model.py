@@ -32,11 +32,11 @@ pytestmark = pytest.mark.skipif(not cpu.available(), reason="native CPU kernels 
 Q = GGMLQuantizationType
 NEAR = 0.2
 STEPS = 12
-QUANTS = ["q2_k", "q3_k", "iq2_xxs", "iq2_xs", "iq2_s", "iq3_xxs", "iq3_s", "iq1_s", "iq1_m"]
+QUANTS = ["q2_k", "q3_k", "iq2_xxs", "iq2_xs", "iq2_s", "iq3_xxs", "iq3_s", "iq1_s", "iq1_m", "mxfp4"]
 
 
 def test_synth_writes_the_low_bit_types_and_llama_quantizes_fallback(synth_model):
-    """Q2_K / Q3_K where ne0 is a multiple of 256, IQ4_NL (llama-quantize's fallback) elsewhere; the drawn
+    """Q2_K, Q3_K, the IQ types where ne0 is a multiple of 256, IQ4_NL (llama-quantize's fallback) elsewhere; the drawn
     blocks decode (gguf-py) to values of mean ~0 and the std the synth module doc asks for."""
     assert storage_type("blk.0.ffn_down_exps.weight", (128, 256, 16), Q.Q2_K) == Q.IQ4_NL
     assert storage_type("blk.0.attn_qkv.weight", (256, 1024), Q.Q3_K) == Q.Q3_K
@@ -44,10 +44,13 @@ def test_synth_writes_the_low_bit_types_and_llama_quantizes_fallback(synth_model
         qtype = Q[quant.upper()]
         f = GGUFFile.open(synth_model("small", quant))
         info = f.info("blk.0.ffn_gate_exps.weight")
-        assert info.qtype == qtype and f.info("blk.0.ffn_down_exps.weight").qtype == Q.IQ4_NL
+        down = Q.IQ4_NL if qtype != Q.MXFP4 else Q.MXFP4      # ne0 = 128: whole 32-value MXFP4 blocks
+        assert info.qtype == qtype and f.info("blk.0.ffn_down_exps.weight").qtype == down
         x = dequantize(f.raw("blk.0.ffn_gate_exps.weight"), qtype, tuple(reversed(info.ne)))
         std = 1 / np.sqrt(info.ne[0])
-        assert abs(x.mean()) < 0.05 * std and 0.8 * std < x.std() < 1.25 * std, quant
+        # MXFP4's power-of-two scales: within sqrt(2) of the aim, half the blocks one step lower
+        low, high = (0.8, 1.25) if qtype != Q.MXFP4 else (0.8 / 2 ** 1.5, 1.25 * 2 ** 0.5)
+        assert abs(x.mean()) < 0.05 * std and low * std < x.std() < high * std, quant
 
 
 @pytest.mark.parametrize("quant", QUANTS)

@@ -37,7 +37,7 @@ def _signs(bits: np.ndarray) -> np.ndarray:
     return 1 - 2 * ((bits[..., None] >> np.arange(8)) & 1)
 
 
-_KSIGNS = np.array([i | (bin(i).count("1") & 1) << 7 for i in range(128)], np.int64)
+_KSIGNS = np.array([i | (i.bit_count() & 1) << 7 for i in range(128)], np.int64)
 """ggml's ksigns_iq2xs: 7 sign bits and their parity as bit 7."""
 
 

@@ -55,5 +55,5 @@ int dd_set_iq_grid(int wtype, const int8_t *grid, size_t n)
 
 int dd_iq_ready(int wtype)
 {
-    return wtype < DD_IQ2_XXS || atomic_load(&ready[wtype]);
+    return wtype < DD_IQ2_XXS || wtype > DD_IQ1_M || atomic_load(&ready[wtype]);
 }

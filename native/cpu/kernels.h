@@ -34,6 +34,7 @@
 #define DD_IQ3_S_BYTES 110
 #define DD_IQ1_S_BYTES 50
 #define DD_IQ1_M_BYTES 56
+#define DD_MXFP4_BYTES 17       /* e8m0 scale, 16 nibble bytes */
 
 /* Q8_0 activations of m columns, each of nb blocks, 64-byte aligned, in two layouts.
  *

@@ -53,6 +53,7 @@ FILE_TYPES: dict[GGMLQuantizationType, LlamaFileType] = {
     Q.Q2_K: LlamaFileType.MOSTLY_Q2_K, Q.Q3_K: LlamaFileType.MOSTLY_Q3_K_S, Q.IQ2_XXS: LlamaFileType.MOSTLY_IQ2_XXS,
     Q.IQ2_XS: LlamaFileType.MOSTLY_IQ2_XS, Q.IQ2_S: LlamaFileType.MOSTLY_IQ2_S, Q.IQ3_XXS: LlamaFileType.MOSTLY_IQ3_XXS,
     Q.IQ3_S: LlamaFileType.MOSTLY_IQ3_S, Q.IQ1_S: LlamaFileType.MOSTLY_IQ1_S, Q.IQ1_M: LlamaFileType.MOSTLY_IQ1_M,
+    Q.MXFP4: LlamaFileType.MOSTLY_MXFP4_MOE,
 }
 """``general.file_type`` written for each file-wide quant type (gguf ``LlamaFileType``)."""
 
@@ -189,7 +190,7 @@ def synth(path: str | os.PathLike[str], preset: str, layers: int | None = None, 
         preset: ``tiny``, ``small``, ``dense-tiny`` or ``35b-a3b`` (:data:`PRESETS`).
         layers, experts: shrink the preset (:func:`preset_hparams`).
         quant: file type: ``f32``, ``f16``, ``q8_0``, ``q4_0`` (also ``bf16``, ``q4_1``, ``q5_0``, ``q5_1``;
-            ``q2_k``, ``q3_k`` and the IQ1/IQ2/IQ3 types, drawn as blocks by :mod:`engine.arch.qwen35.synth_lowbit`),
+            ``q2_k``, ``q3_k``, the IQ1/IQ2/IQ3 types and ``mxfp4``, drawn as blocks by :mod:`engine.arch.qwen35.synth_lowbit`),
             or a K-quant mix of :data:`engine.arch.qwen35.quant_mix.MIXES` (``q4_k_m``: llama-quantize's per-tensor
             types; ``ud_q4_k_xl``: unsloth's dynamic mix as documented; see :mod:`engine.arch.qwen35.quant_mix`;
             its Q4_K / Q5_K / Q6_K / Q8_0 blocks are drawn directly).

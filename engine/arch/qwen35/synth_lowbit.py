@@ -1,6 +1,7 @@
 """Random low-bit blocks for synthetic files (:mod:`engine.arch.qwen35.synth`): Q2_K, Q3_K and IQ1/IQ2/IQ3
-super-blocks and the IQ4_NL blocks llama-quantize falls back to, drawn directly as valid blocks (gguf-py
-cannot quantize to these types; every grid index, sign pattern and scale field of random bytes is valid).
+super-blocks, the IQ4_NL blocks llama-quantize falls back to, and MXFP4 blocks, drawn directly as valid blocks
+(gguf-py cannot quantize to most of these types, and its MXFP4 quantizer holds 16 floats per value; every grid
+index, sign pattern and scale field of random bytes is valid).
 
 Every byte is drawn uniformly (so every code is uniform over its levels), then the scales are rewritten
 so the dequantized values have mean ~0 and standard deviation ~``std`` (layouts: native/cpu/lowbit.h,
@@ -11,6 +12,8 @@ ggml-common.h; values as ggml-quants.c ``dequantize_row_*``):
 * Q3_K: x = d (s - 32) (u - 4) with u uniform in 0..7 and the 6-bit s uniform in 0..63: mean
   -d (s - 32) / 2 per 16 values (small against the std), rms(s - 32) = sqrt(341.5), rms(u - 4) = sqrt(5.5);
 * IQ4_NL: x = d kvalues_iq4nl[nibble], rms of the 16 code values;
+* MXFP4: x = 2^(e - 128) kvalues_mxfp4[nibble]: e = 128 + round(log2(std / rms of the 16 codes)) + (0 or -1 from
+  a random bit), so the std is within a factor sqrt(2) of ``std``;
 * the IQ types: x = d_eff sc (u - off) (engine.kernels.iq_twins), rms measured on 1024 random super-blocks of
   d = 1 (a fixed seed) decoded by the twin; their mean is ~0 by the codebooks' symmetric signs (IQ1: of the
   grid's values).
@@ -33,14 +36,17 @@ Q = GGMLQuantizationType
 
 KVALUES_IQ4NL = (-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113)
 """ggml-common.h ``kvalues_iq4nl``."""
+KVALUES_MXFP4 = (0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12)
+"""ggml-common.h ``kvalues_mxfp4``."""
 
 _RMS = {Q.Q2_K: math.sqrt(135.5 * 1.25), Q.Q3_K: math.sqrt(341.5 * 5.5),
-        Q.IQ4_NL: math.sqrt(sum(v * v for v in KVALUES_IQ4NL) / 16)}
+        Q.IQ4_NL: math.sqrt(sum(v * v for v in KVALUES_IQ4NL) / 16),
+        Q.MXFP4: math.sqrt(sum(v * v for v in KVALUES_MXFP4) / 16)}
 
 DRAWN = frozenset(_RMS) | IQ_TYPES
 """Types :func:`random_lowbit_blocks` draws."""
 
-SHAPE_FALLBACK = {t: Q.IQ4_NL for t in DRAWN - {Q.IQ4_NL}}
+SHAPE_FALLBACK = {t: Q.IQ4_NL for t in DRAWN if t not in (Q.IQ4_NL, Q.MXFP4)}
 """llama-quantize's type for a tensor whose ``ne0`` is not a multiple of 256 (``tensor_type_fallback``)."""
 
 
@@ -79,6 +85,10 @@ def random_lowbit_blocks(shape: tuple[int, ...], qtype: GGMLQuantizationType, st
     nbytes = math.prod(shape[:-1]) * rb
     out = rng.bit_generator.random_raw(-(-nbytes // 8)).view(np.uint8)[:nbytes]
     b = out.view(BLOCK_DTYPES[qtype])
+    if qtype == Q.MXFP4:
+        e = 128 + round(math.log2(std / _RMS[qtype]))
+        b["e"] = e - (b["e"] & 1)
+        return out.reshape(*shape[:-1], rb)
     if qtype in IQ_TYPES:
         r = rng.integers(0, 65536, b.shape, dtype=np.uint16)
         _set_d(b, qtype, _scale(r, std, _iq_rms(qtype)))
