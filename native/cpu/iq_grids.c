@@ -6,7 +6,7 @@
 
 #include "iquants.h"
 
-uint64_t dd_iq_pos8[DD_IQ_GRID_BYTES / 8], dd_iq_neg8[DD_IQ_GRID_BYTES / 8];
+uint64_t dd_iq_pos8[DD_IQ_GRID_BYTES / 8];
 uint64_t dd_iq_sign_mask[256];
 static _Atomic int ready[DD_WTYPE_COUNT];
 
@@ -38,13 +38,9 @@ int dd_set_iq_grid(int wtype, const int8_t *grid, size_t n)
             continue;
         if (n != grids[g].entries * grids[g].width)
             return DD_ERR_ARG;
-        uint8_t *pos = (uint8_t *)dd_iq_pos8 + grids[g].at, *neg = (uint8_t *)dd_iq_neg8 + grids[g].at;
-        for (size_t i = 0; i < n; i++) {
-            /* IQ1: the two codes of a value g: 8g + 1 and 8g - 1, plus 9; others: off + g, off - g */
-            const int v = grid[i], off = grids[g].off;
-            pos[i] = (uint8_t)(wtype == DD_IQ1_S ? 8 * v + 1 + DD_IQ1_OFF : off + v);
-            neg[i] = (uint8_t)(wtype == DD_IQ1_S ? 8 * v - 1 + DD_IQ1_OFF : off - v);
-        }
+        uint8_t *pos = (uint8_t *)dd_iq_pos8 + grids[g].at;
+        for (size_t i = 0; i < n; i++)   /* IQ1: 8g + 1 + 9, the code of a positive delta; others off + g */
+            pos[i] = (uint8_t)(wtype == DD_IQ1_S ? 8 * grid[i] + 1 + DD_IQ1_OFF : grids[g].off + grid[i]);
         atomic_store(&ready[wtype], 1);
         if (wtype == DD_IQ1_S)
             atomic_store(&ready[DD_IQ1_M], 1);

@@ -25,6 +25,10 @@
 
 #include <string.h>
 
+#ifdef __AVX512F__
+#include <immintrin.h>
+#endif
+
 #include "kernels.h"
 
 #define DD_IQ2_OFF 43
@@ -32,7 +36,7 @@
 #define DD_IQ3S_OFF 15
 #define DD_IQ1_OFF 9
 
-/* Byte offsets of each grid in dd_iq_pos8 / dd_iq_neg8 (entries of 8 or 4 values, one byte each). */
+/* Byte offsets of each grid in dd_iq_pos8 (entries of 8 or 4 values, one byte each). */
 #define DD_IQ2XXS_AT 0
 #define DD_IQ2XS_AT (DD_IQ2XXS_AT + 256 * 8)
 #define DD_IQ2S_AT (DD_IQ2XS_AT + 512 * 8)
@@ -41,9 +45,9 @@
 #define DD_IQ1S_AT (DD_IQ3S_AT + 512 * 4)
 #define DD_IQ_GRID_BYTES (DD_IQ1S_AT + 2048 * 8)
 
-/* The registered grids (iq_grids.c) as unsigned bytes: pos = off + g, neg = off - g (IQ1_S: 8g + 1 + 9
- * and 8g - 1 + 9); sign_mask[b] has byte j all ones where bit j of b is set. */
-extern uint64_t dd_iq_pos8[DD_IQ_GRID_BYTES / 8], dd_iq_neg8[DD_IQ_GRID_BYTES / 8];
+/* The registered grids (iq_grids.c) as unsigned bytes off + g (IQ1_S: 8g + 1 + 9, the code of a positive
+ * delta); sign_mask[b] has byte j all ones where bit j of b is set. */
+extern uint64_t dd_iq_pos8[DD_IQ_GRID_BYTES / 8];
 extern uint64_t dd_iq_sign_mask[256];
 
 static inline uint8_t dd_iq_ksign(uint32_t i)
@@ -51,35 +55,49 @@ static inline uint8_t dd_iq_ksign(uint32_t i)
     return (uint8_t)(i | (uint32_t)__builtin_parity(i) << 7);
 }
 
-/* 8 bytes of an 8-value grid entry (table byte offset at + 8 e) with sign byte s. */
-static inline void dd_iq_put8(uint8_t *q, size_t at, size_t e, uint8_t s)
+/* Values 8 slot .. 8 slot + 7 from an 8-value grid entry (table byte offset at + 8 e), their sign byte s. */
+static inline void dd_iq_put8(uint8_t *q, uint8_t *sgn, int slot, size_t at, size_t e, uint8_t s)
 {
-    uint64_t p, n;
-    memcpy(&p, (const uint8_t *)dd_iq_pos8 + at + 8 * e, 8);
-    memcpy(&n, (const uint8_t *)dd_iq_neg8 + at + 8 * e, 8);
-    const uint64_t m = dd_iq_sign_mask[s], v = (p & ~m) | (n & m);
-    memcpy(q, &v, 8);
+    memcpy(q + 8 * slot, (const uint8_t *)dd_iq_pos8 + at + 8 * e, 8);
+    sgn[slot] = s;
 }
 
-/* The same for two 4-value entries e0, e1 of a 4-wide grid. */
-static inline void dd_iq_put4x2(uint8_t *q, size_t at, size_t e0, size_t e1, uint8_t s)
+/* The same from two 4-value entries e0, e1 of a 4-wide grid. */
+static inline void dd_iq_put4x2(uint8_t *q, uint8_t *sgn, int slot, size_t at, size_t e0, size_t e1, uint8_t s)
 {
-    const uint8_t *pos = (const uint8_t *)dd_iq_pos8 + at, *neg = (const uint8_t *)dd_iq_neg8 + at;
-    uint32_t p[2], n[2];
-    memcpy(&p[0], pos + 4 * e0, 4);
-    memcpy(&p[1], pos + 4 * e1, 4);
-    memcpy(&n[0], neg + 4 * e0, 4);
-    memcpy(&n[1], neg + 4 * e1, 4);
-    uint64_t pp, nn;
-    memcpy(&pp, p, 8);
-    memcpy(&nn, n, 8);
-    const uint64_t m = dd_iq_sign_mask[s], v = (pp & ~m) | (nn & m);
-    memcpy(q, &v, 8);
+    memcpy(q + 8 * slot, (const uint8_t *)dd_iq_pos8 + at + 4 * e0, 4);
+    memcpy(q + 8 * slot + 4, (const uint8_t *)dd_iq_pos8 + at + 4 * e1, 4);
+    sgn[slot] = s;
+}
+
+/* Where value j's sign bit (bit j % 8 of sgn[j / 8]) is set, u becomes 2 off - u (off + g -> off - g), or
+ * for IQ1 (two_off = 0) u - 2 (8g + 1 + 9 -> 8g - 1 + 9). No byte borrows: u <= 2 off, and IQ1's u >= 2. */
+static inline void dd_iq_signs(uint8_t *q, const uint8_t *sgn, int two_off)
+{
+#ifdef __AVX512F__
+    for (int g = 0; g < 4; g++) {
+        uint64_t m;
+        memcpy(&m, sgn + 8 * g, 8);
+        const __m512i u = _mm512_loadu_si512(q + 64 * g);
+        _mm512_storeu_si512(q + 64 * g, two_off ? _mm512_mask_sub_epi8(u, m, _mm512_set1_epi8((char)two_off), u)
+                                                 : _mm512_mask_sub_epi8(u, m, u, _mm512_set1_epi8(2)));
+    }
+#else
+    const uint64_t ones = 0x0101010101010101ull;
+    for (int slot = 0; slot < 32; slot++) {
+        uint64_t u;
+        memcpy(&u, q + 8 * slot, 8);
+        const uint64_t m = dd_iq_sign_mask[sgn[slot]], n = two_off ? (uint64_t)two_off * ones - u : u - 2 * ones;
+        u = (u & ~m) | (n & m);
+        memcpy(q + 8 * slot, &u, 8);
+    }
+#endif
 }
 
 /* q[256] unsigned values, sc[16] scales per 16 values, *d the f32 d_eff of a super-block. */
 static inline void dd_iq_unpack(const uint8_t *blk, int wtype, uint8_t *q, int16_t *sc, float *d)
 {
+    uint8_t sgn[32];
     switch (wtype) {
     case DD_IQ2_XXS:
         for (int ib = 0; ib < 8; ib++) {
@@ -87,62 +105,62 @@ static inline void dd_iq_unpack(const uint8_t *blk, int wtype, uint8_t *q, int16
             memcpy(&aux, blk + 2 + 8 * ib + 4, 4);
             sc[2 * ib] = sc[2 * ib + 1] = (int16_t)(2 * (aux >> 28) + 1);
             for (int l = 0; l < 4; l++)
-                dd_iq_put8(q + 32 * ib + 8 * l, DD_IQ2XXS_AT, blk[2 + 8 * ib + l], dd_iq_ksign((aux >> (7 * l)) & 127));
+                dd_iq_put8(q, sgn, 4 * ib + l, DD_IQ2XXS_AT, blk[2 + 8 * ib + l], dd_iq_ksign((aux >> (7 * l)) & 127));
         }
         *d = dd_f16_to_f32(dd_load_u16(blk)) * 0.125f;
-        return;
+        break;
     case DD_IQ2_XS:
         for (int ib = 0; ib < 8; ib++) {
             sc[2 * ib] = (int16_t)(2 * (blk[66 + ib] & 15) + 1);
             sc[2 * ib + 1] = (int16_t)(2 * (blk[66 + ib] >> 4) + 1);
             for (int l = 0; l < 4; l++) {
                 const uint16_t v = dd_load_u16(blk + 2 + 2 * (4 * ib + l));
-                dd_iq_put8(q + 32 * ib + 8 * l, DD_IQ2XS_AT, v & 511, dd_iq_ksign(v >> 9));
+                dd_iq_put8(q, sgn, 4 * ib + l, DD_IQ2XS_AT, v & 511, dd_iq_ksign(v >> 9));
             }
         }
         *d = dd_f16_to_f32(dd_load_u16(blk)) * 0.125f;
-        return;
+        break;
     case DD_IQ2_S:
         for (int ib = 0; ib < 8; ib++) {
             sc[2 * ib] = (int16_t)(2 * (blk[74 + ib] & 15) + 1);
             sc[2 * ib + 1] = (int16_t)(2 * (blk[74 + ib] >> 4) + 1);
             for (int l = 0; l < 4; l++)
-                dd_iq_put8(q + 32 * ib + 8 * l, DD_IQ2S_AT, blk[2 + 4 * ib + l] | ((blk[66 + ib] >> (2 * l)) & 3) << 8,
+                dd_iq_put8(q, sgn, 4 * ib + l, DD_IQ2S_AT, blk[2 + 4 * ib + l] | ((blk[66 + ib] >> (2 * l)) & 3) << 8,
                            blk[34 + 4 * ib + l]);
         }
         *d = dd_f16_to_f32(dd_load_u16(blk)) * 0.125f;
-        return;
+        break;
     case DD_IQ3_XXS:
         for (int ib = 0; ib < 8; ib++) {
             uint32_t aux;
             memcpy(&aux, blk + 66 + 4 * ib, 4);
             sc[2 * ib] = sc[2 * ib + 1] = (int16_t)(2 * (aux >> 28) + 1);
             for (int l = 0; l < 4; l++)
-                dd_iq_put4x2(q + 32 * ib + 8 * l, DD_IQ3XXS_AT, blk[2 + 8 * ib + 2 * l], blk[2 + 8 * ib + 2 * l + 1],
+                dd_iq_put4x2(q, sgn, 4 * ib + l, DD_IQ3XXS_AT, blk[2 + 8 * ib + 2 * l], blk[2 + 8 * ib + 2 * l + 1],
                              dd_iq_ksign((aux >> (7 * l)) & 127));
         }
         *d = dd_f16_to_f32(dd_load_u16(blk)) * 0.25f;
-        return;
+        break;
     case DD_IQ3_S:
         for (int ib = 0; ib < 8; ib++) {
             sc[2 * ib] = sc[2 * ib + 1] = (int16_t)(2 * ((blk[106 + ib / 2] >> (4 * (ib % 2))) & 15) + 1);
             const int h = blk[66 + ib];
             for (int l = 0; l < 4; l++)
-                dd_iq_put4x2(q + 32 * ib + 8 * l, DD_IQ3S_AT, blk[2 + 8 * ib + 2 * l] | ((h >> (2 * l)) & 1) << 8,
+                dd_iq_put4x2(q, sgn, 4 * ib + l, DD_IQ3S_AT, blk[2 + 8 * ib + 2 * l] | ((h >> (2 * l)) & 1) << 8,
                              blk[2 + 8 * ib + 2 * l + 1] | ((h >> (2 * l + 1)) & 1) << 8, blk[74 + 4 * ib + l]);
         }
         *d = dd_f16_to_f32(dd_load_u16(blk));
-        return;
+        break;
     case DD_IQ1_S:
         for (int ib = 0; ib < 8; ib++) {
             const uint16_t h = dd_load_u16(blk + 34 + 2 * ib);
             sc[2 * ib] = sc[2 * ib + 1] = (int16_t)(2 * ((h >> 12) & 7) + 1);
-            for (int l = 0; l < 4; l++)   /* delta's sign bit set: -1/8, the neg table's 8g - 1 */
-                dd_iq_put8(q + 32 * ib + 8 * l, DD_IQ1S_AT, blk[2 + 4 * ib + l] | ((h >> (3 * l)) & 7) << 8,
+            for (int l = 0; l < 4; l++)   /* delta's sign bit set: -1/8, the code 8g - 1 */
+                dd_iq_put8(q, sgn, 4 * ib + l, DD_IQ1S_AT, blk[2 + 4 * ib + l] | ((h >> (3 * l)) & 7) << 8,
                            h & 0x8000 ? 0xff : 0);
         }
         *d = dd_f16_to_f32(dd_load_u16(blk)) * 0.125f;
-        return;
+        break;
     default: {   /* DD_IQ1_M */
         uint16_t s[4];
         memcpy(s, blk + 48, 8);
@@ -150,13 +168,15 @@ static inline void dd_iq_unpack(const uint8_t *blk, int wtype, uint8_t *q, int16
             sc[h] = (int16_t)(2 * ((s[h / 4] >> (3 * (h % 4))) & 7) + 1);
         for (int e = 0; e < 32; e++) {
             const int nib = (blk[32 + e / 2] >> (4 * (e % 2))) & 15;
-            dd_iq_put8(q + 8 * e, DD_IQ1S_AT, blk[e] | (nib & 7) << 8, nib & 8 ? 0xff : 0);
+            dd_iq_put8(q, sgn, e, DD_IQ1S_AT, blk[e] | (nib & 7) << 8, nib & 8 ? 0xff : 0);
         }
         const uint16_t dbits = (uint16_t)((s[0] >> 12) | ((s[1] >> 8) & 0x00f0) | ((s[2] >> 4) & 0x0f00) | (s[3] & 0xf000));
         *d = dd_f16_to_f32(dbits) * 0.125f;
-        return;
+        break;
     }
     }
+    dd_iq_signs(q, sgn, wtype == DD_IQ1_S || wtype == DD_IQ1_M ? 0
+                        : 2 * (wtype == DD_IQ3_XXS ? DD_IQ3XXS_OFF : wtype == DD_IQ3_S ? DD_IQ3S_OFF : DD_IQ2_OFF));
 }
 
 #endif
