@@ -68,8 +68,8 @@ except ImportError as err:
 
 if _native_cpu is not None:
     for _qtype, _grid in iq_grids().items():   # the IQ kernels' codebooks, once (dd_set_iq_grid)
-        if _native_cpu.lib.dd_set_iq_grid(quant.TYPES[_qtype].cpu_kernel, _native_cpu.ffi.cast("int8_t *", _native_cpu.ffi.from_buffer(_grid)),
-                                          _grid.size) != 0:
+        _at = _native_cpu.ffi.cast("int8_t *", _native_cpu.ffi.from_buffer(_grid))
+        if _native_cpu.lib.dd_set_iq_grid(quant.TYPES[_qtype].cpu_kernel, _at, _grid.size) != 0:
             raise ImportError(f"the native CPU kernels refused the {_qtype.name} codebook")
 
 ISA_LEVELS = ("scalar", "ssse3", "avx2", "avx512vnni")
