@@ -24,6 +24,14 @@ Q5_K        256    176    d f16, dmin f16, scales u8[12], qh u8[32], qs u8[128]
 Q6_K        256    210    ql u8[128], qh u8[64], scales i8[16], d f16
 IQ4_NL      32     18     d f16; qs u8[16] as Q4_0, nibbles index kvalues_iq4nl: x = d*kv[q]
 IQ4_XS      256    136    d f16, scales_h u16, scales_l u8[4] (8 six-bit ls), qs u8[128]: x = d*(ls-32)*kv[q]
+IQ2_XXS     256    66     d f16, qs u8[64] (per 32 values: 4 grid indices, u32 signs + 4-bit scale)
+IQ2_XS      256    74     d f16, qs u16[32] (9-bit grid index, 7-bit sign index), scales u8[8]
+IQ2_S       256    82     d f16, qs u8[32], signs u8[32], qh u8[8], scales u8[8]
+IQ3_XXS     256    98     d f16, qs u8[64] (grid indices), sas u8[32] (u32 signs + scale per 32 values)
+IQ3_S       256    110    d f16, qs u8[64], qh u8[8], signs u8[32], scales u8[4]
+IQ1_S       256    50     d f16, qs u8[32], qh u16[8] (index bits, 3-bit scale, delta sign per 32 values)
+IQ1_M       256    56     qs u8[32], qh u8[16], scales u16[4] (3-bit scales; their top nibbles: f16 d)
+MXFP4       32     17     e u8 (e8m0: d = 2^(e-128)); qs u8[16] as Q4_0, nibbles index kvalues_mxfp4: x = d*kv[q]
 ==========  =====  =====  =================================================================
 
 Dequantization itself is delegated to ``gguf.quants`` (the reference implementation shipped with
@@ -66,15 +74,26 @@ _BLOCK_DTYPES: dict[GGMLQuantizationType, np.dtype] = {
                       ("d", _F16)]),
     Q.IQ4_NL: np.dtype([("d", _F16), ("qs", "u1", (16,))]),
     Q.IQ4_XS: np.dtype([("d", _F16), ("scales_h", "<u2"), ("scales_l", "u1", (_K // 64,)), ("qs", "u1", (_K // 2,))]),
+    Q.IQ2_XXS: np.dtype([("d", _F16), ("qs", "u1", (64,))]),
+    Q.IQ2_XS: np.dtype([("d", _F16), ("qs", "<u2", (32,)), ("scales", "u1", (8,))]),
+    Q.IQ2_S: np.dtype([("d", _F16), ("qs", "u1", (32,)), ("signs", "u1", (32,)), ("qh", "u1", (8,)),
+                       ("scales", "u1", (8,))]),
+    Q.IQ3_XXS: np.dtype([("d", _F16), ("qs", "u1", (64,)), ("sas", "u1", (32,))]),
+    Q.IQ3_S: np.dtype([("d", _F16), ("qs", "u1", (64,)), ("qh", "u1", (8,)), ("signs", "u1", (32,)),
+                       ("scales", "u1", (4,))]),
+    Q.IQ1_S: np.dtype([("d", _F16), ("qs", "u1", (32,)), ("qh", "<u2", (8,))]),
+    Q.IQ1_M: np.dtype([("qs", "u1", (32,)), ("qh", "u1", (16,)), ("scales", "<u2", (4,))]),
+    Q.MXFP4: np.dtype([("e", "u1"), ("qs", "u1", (16,))]),
 }
 
 # Kernel ids of native/cpu/deltadesk_cpu.h (enum DD_Q4_0, ...); tests/test_cpu_kernels.py checks they agree.
 _CPU_KERNELS = {Q.Q4_0: 0, Q.Q8_0: 1, Q.Q4_K: 2, Q.Q5_K: 3, Q.Q6_K: 4, Q.Q4_1: 5, Q.Q5_0: 6, Q.Q5_1: 7,
-                Q.IQ4_NL: 8, Q.IQ4_XS: 9}
+                Q.IQ4_NL: 8, Q.IQ4_XS: 9, Q.Q2_K: 10, Q.Q3_K: 11, Q.IQ2_XXS: 12, Q.IQ2_XS: 13, Q.IQ2_S: 14,
+                Q.IQ3_XXS: 15, Q.IQ3_S: 16, Q.IQ1_S: 17, Q.IQ1_M: 18, Q.MXFP4: 19}
 # Weight types native/cuda/gemm.cu has kernels for, by the suffix of their names (qgemm_<suffix>, ...).
 _CUDA_SUFFIXES = {Q.F32: "f32", Q.F16: "f16", Q.BF16: "bf16", Q.Q4_0: "q4_0", Q.Q4_1: "q4_1", Q.Q8_0: "q8_0"}
 # Types gguf.quants.quantize implements (it only dequantizes the K-quants).
-_WRITABLE = {Q.F32, Q.F16, Q.BF16, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q8_0}
+_WRITABLE = {Q.F32, Q.F16, Q.BF16, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q8_0, Q.MXFP4}
 
 
 @dataclass(frozen=True)
@@ -84,7 +103,7 @@ class QuantType:
     Attributes:
         qtype: the GGML type id.
         block_values: values per block (1 for float types, 32 for Q4_0..Q8_0 and IQ4_NL, 256 for K-quants
-            and IQ4_XS).
+            and the IQ1..IQ4_XS types).
         block_bytes: bytes per block (``gguf.constants.GGML_QUANT_SIZES``).
         block_dtype: packed numpy record of one block (ggml-common.h layout, see the module doc).
         cpu_kernel: id of the native CPU kernel that reads these blocks as stored (the ``DD_*`` weight
@@ -124,7 +143,8 @@ BLOCK_DTYPES: dict[GGMLQuantizationType, np.dtype] = {t: q.block_dtype for t, q 
 """Packed numpy record type of one block per supported type (ggml-common.h layouts, see module doc)."""
 
 SUPPORTED_TYPES: frozenset[GGMLQuantizationType] = frozenset(TYPES)
-"""Types the engine can dequantize: F32, F16, BF16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K..Q6_K, IQ4_NL, IQ4_XS."""
+"""Types the engine can dequantize: F32, F16, BF16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K..Q6_K, IQ1_S, IQ1_M,
+IQ2_XXS, IQ2_XS, IQ2_S, IQ3_XXS, IQ3_S, IQ4_NL, IQ4_XS, MXFP4."""
 
 WRITABLE_TYPES: frozenset[GGMLQuantizationType] = frozenset(t for t, q in TYPES.items() if q.writable)
 """Types :func:`quantize` can produce (those ``gguf.quants.quantize`` implements)."""

@@ -144,8 +144,8 @@ def test_bad_hyper_parameters(tmp_path, good):
 def test_unsupported_quant_type(tmp_path, good):
     type_at, _ = table_entry(good, "blk.0.attn_gate.weight")
     assert struct.unpack_from("<I", good, type_at)[0] == 2  # Q4_0
-    mxfp4 = good[:type_at] + struct.pack("<I", 39) + good[type_at + 4:]  # 32-value blocks of 17 bytes (<= Q4_0's 18)
-    expect(tmp_path / "mx.gguf", mxfp4, UnsupportedModelError, "blk.0.attn_gate.weight", "MXFP4")
+    nvfp4 = good[:type_at] + struct.pack("<I", 40) + good[type_at + 4:]  # 64-value blocks of 36 bytes (Q4_0's bytes)
+    expect(tmp_path / "nv.gguf", nvfp4, UnsupportedModelError, "blk.0.attn_gate.weight", "NVFP4")
     unknown = good[:type_at] + struct.pack("<I", 200) + good[type_at + 4:]
     expect(tmp_path / "unk.gguf", unknown, UnsupportedModelError, "blk.0.attn_gate.weight", "type 200")
 

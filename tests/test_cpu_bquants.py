@@ -33,18 +33,21 @@ from engine.kernels import cpu, cpu_moe, cpu_twins
 Q = GGMLQuantizationType
 LEVELS = cpu.supported_isas()
 ALL = (*LEVELS, "numpy")
-BQ = (Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.IQ4_NL, Q.IQ4_XS)
+BQ = (Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.IQ4_NL, Q.IQ4_XS, Q.MXFP4)
 
 
 def random_bquant(rng: np.random.Generator, rows: int, k: int, qtype: GGMLQuantizationType) -> np.ndarray:
     """(rows, row bytes of k values) uint8 of ``qtype``: random code bytes (nibbles, fifth bits,
-    IQ4_XS scales), f16 d (and m) of random sign and size, never zero."""
+    IQ4_XS scales), f16 d (and m) of random sign and size, never zero; MXFP4: an e8m0 exponent e of
+    2^(e - 128) in 2^-20 .. 2^-1 (real weights' range; the kernels' scale products are exact there)."""
     raw = rng.integers(0, 256, size=(rows, quant.row_bytes(qtype, k)), dtype=np.uint8)
     b = raw.view(quant.BLOCK_DTYPES[qtype])
     for field in ("d", "m"):
         if field in b.dtype.names:
             b[field] = (rng.choice([-1, 1], b.shape) * rng.uniform(0.5, 1, b.shape)
                         * 2.0 ** rng.integers(-14, -6, b.shape)).astype(np.float16)
+    if qtype == Q.MXFP4:
+        b["e"] = rng.integers(108, 128, b.shape)
     return raw
 
 

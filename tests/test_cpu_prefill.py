@@ -19,9 +19,10 @@ import pytest
 from gguf import GGMLQuantizationType
 from test_cpu_kernels import random_moe, random_weights, rng  # noqa: F401 (fixture)
 from test_cpu_kquants import random_kquant
+from test_cpu_lowbit import random_lowbit
 
 from engine import quant
-from engine.kernels import cpu, cpu_moe
+from engine.kernels import cpu, cpu_moe, lowbit_twins
 
 Q = GGMLQuantizationType
 LEVELS = cpu.supported_isas()
@@ -36,10 +37,13 @@ def restore():
 
 
 def random_blocks(rng, rows: int, k: int, qtype: GGMLQuantizationType) -> np.ndarray:
-    """(rows, row bytes) uint8 of ``qtype``: K-quants as test_cpu_kquants draws them, types gguf can
-    write quantized from random floats, any other type random bytes with random nonzero f16 scales."""
+    """(rows, row bytes) uint8 of ``qtype``: K-quants and low-bit types as test_cpu_kquants / test_cpu_lowbit
+    draw them, types gguf can write quantized from random floats, any other type random bytes with random
+    nonzero f16 scales."""
     if qtype in K_QUANTS:
         return random_kquant(rng, rows, k, qtype)
+    if qtype in lowbit_twins.LOW_BIT:
+        return random_lowbit(rng, rows, k, qtype)
     if qtype in quant.WRITABLE_TYPES:
         return random_weights(rng, rows, k, qtype)
     raw = rng.integers(0, 256, size=(rows, quant.row_bytes(qtype, k)), dtype=np.uint8)

@@ -183,18 +183,18 @@ def test_mtp_blocks_are_ignored(tmp_path, rng):
     t["blk.4.attn_q.weight"] = np.zeros((3, 32), np.float32)  # wrong shape, never checked
     path = tmp_path / "mtp.gguf"
     write_gguf(path, hp, t, "q4_0", vocab=None)
-    # store the MTP projection as MXFP4 (unsupported; 32-value blocks of 17 bytes, within Q4_0's 18): still opens
+    # store the MTP projection as NVFP4 (unsupported; 64-value blocks of 36 bytes, Q4_0's bytes): still opens
     data = bytearray(path.read_bytes())
     name = b"blk.4.nextn.eh_proj.weight"
     type_at = data.index(struct.pack("<Q", len(name)) + name) + 8 + len(name) + 4 + 2 * 8
     assert data[type_at] == Q.Q4_0
-    data[type_at] = Q.MXFP4
+    data[type_at] = Q.NVFP4
     path.write_bytes(bytes(data))
     f = GGUFFile.open(path)
     assert f.hparams.n_layer == 4 and f.meta("qwen35moe.block_count") == 5
-    assert f.info("blk.4.nextn.eh_proj.weight").qtype == Q.MXFP4
-    assert f.raw("blk.4.nextn.eh_proj.weight").shape == (64, 68)
-    with pytest.raises(UnsupportedModelError, match=r"mtp\.gguf: tensor blk\.4\.nextn\.eh_proj\.weight.*MXFP4"):
+    assert f.info("blk.4.nextn.eh_proj.weight").qtype == Q.NVFP4
+    assert f.raw("blk.4.nextn.eh_proj.weight").shape == (64, 72)
+    with pytest.raises(UnsupportedModelError, match=r"mtp\.gguf: tensor blk\.4\.nextn\.eh_proj\.weight.*NVFP4"):
         f.f32("blk.4.nextn.eh_proj.weight")
 
 

@@ -54,8 +54,8 @@ def test_quant_type_table_rows_agree_with_gguf():
         assert row.block_dtype.itemsize == row.block_bytes
     assert quant.traits(int(Q.Q4_0), "t") is quant.TYPES[Q.Q4_0]
     assert quant.WRITABLE_TYPES == {t for t, row in quant.TYPES.items() if row.writable}
-    with pytest.raises(UnsupportedModelError, match="tensor x: quant type IQ2_XXS is not supported"):
-        quant.traits(Q.IQ2_XXS, "tensor x")
+    with pytest.raises(UnsupportedModelError, match="tensor x: quant type TQ1_0 is not supported"):
+        quant.traits(Q.TQ1_0, "tensor x")
     with pytest.raises(UnsupportedModelError, match="type 99"):
         quant.traits(99, "tensor x")
 
@@ -78,6 +78,8 @@ def test_quantize_matches_gguf_and_bounds_error(rng, qtype):
         Q.F32: 0 * amax, Q.F16: np.abs(xb) * 2.0 ** -11, Q.BF16: np.abs(xb) * 2.0 ** -8,
         Q.Q8_0: amax * (1 / 254 + 1e-3), Q.Q4_0: amax * (1 / 8 + 1e-3), Q.Q5_0: amax * (1 / 16 + 1e-3),
         Q.Q4_1: span * (1 / 30 + 1e-3) + amax * 1e-3, Q.Q5_1: span * (1 / 62 + 1e-3) + amax * 1e-3,
+        # d = 2^(floor(log2 amax) - 3), codes d * (0, 1, 2, 3, 4, 6, 8, 12): amax < 16 d clips to 12 d, at most 4 d <= amax / 2
+        Q.MXFP4: amax * (1 / 2 + 1e-3),
     }[qtype]
     assert np.all(eb <= bound + 1e-7)
 
@@ -170,12 +172,12 @@ def test_block_view_exposes_fields(rng):
 
 
 def test_unsupported_types_raise_named_errors():
-    with pytest.raises(UnsupportedModelError, match=r"blk\.0\.ffn_up_exps\.weight.*IQ2_XXS"):
-        quant.check_supported(Q.IQ2_XXS, "model.gguf: tensor blk.0.ffn_up_exps.weight")
+    with pytest.raises(UnsupportedModelError, match=r"blk\.0\.ffn_up_exps\.weight.*TQ2_0"):
+        quant.check_supported(Q.TQ2_0, "model.gguf: tensor blk.0.ffn_up_exps.weight")
     with pytest.raises(UnsupportedModelError, match="type 250"):
         quant.check_supported(250, "t")
-    with pytest.raises(UnsupportedModelError, match="MXFP4"):
-        quant.dequantize(np.zeros((1, 17), np.uint8), Q.MXFP4, (1, 32))
+    with pytest.raises(UnsupportedModelError, match="NVFP4"):
+        quant.dequantize(np.zeros((1, 36), np.uint8), Q.NVFP4, (1, 64))
     with pytest.raises(UnsupportedModelError, match="Q4_K"):
         quant.quantize(np.zeros((1, 256), np.float32), Q.Q4_K)
 

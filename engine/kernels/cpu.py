@@ -18,6 +18,10 @@ Block layouts are ggml's (ggml/src/ggml-common.h), i.e. the raw bytes of a GGUF 
   values) and ``block_iq4_xs`` (136 bytes per 256; layouts in native/cpu/bquants.h): read as stored
   by :data:`~engine.kernels.cpu_twins.B_QUANTS` kernels, with the same exactness and fixed f64 order
   as the K-quants (twin: :func:`engine.kernels.cpu_twins.bquant_product_np`).
+* ``block_q2_K`` / ``block_q3_K`` (84 / 110 bytes per 256 values; layouts in native/cpu/lowbit.h) and the
+  IQ1/IQ2/IQ3 super-blocks (native/cpu/iquants.h; their codebooks come from gguf-py and are registered
+  with the kernels at import): read as stored by :data:`~engine.kernels.lowbit_twins.LOW_BIT` kernels, with the same exactness and fixed
+  f64 order (twin: :func:`engine.kernels.lowbit_twins.lowbit_product_np`).
 
 A weight matrix is its tensor's raw data as ``(rows, k // 32 * block_bytes)`` uint8 (what
 ``GGUFFile.raw`` returns), row ``r`` holding the k weights of output ``r``. Products first quantize
@@ -51,6 +55,8 @@ from engine import quant
 from engine.errors import EngineError
 from engine.kernels.cpu_twins import (B_QUANTS, K_QUANTS, KQ_ROWS, Q8_0_BYTES, QK, activations, bquant_product_np,
                                       dequantize, kquant_product_np, quantize_q8_0_np)
+from engine.kernels.iq_twins import grids as iq_grids
+from engine.kernels.lowbit_twins import LOW_BIT, lowbit_product_np
 from engine.ops import reference
 
 try:
@@ -59,6 +65,12 @@ except ImportError as err:
     _native_cpu = None
     warnings.warn(f"DeltaDesk native CPU kernels unavailable ({err}); using the slow numpy fallback "
                   "(reinstall with a C compiler present to build them).", RuntimeWarning, stacklevel=2)
+
+if _native_cpu is not None:
+    for _qtype, _grid in iq_grids().items():   # the IQ kernels' codebooks, once (dd_set_iq_grid)
+        _at = _native_cpu.ffi.cast("int8_t *", _native_cpu.ffi.from_buffer(_grid))
+        if _native_cpu.lib.dd_set_iq_grid(quant.TYPES[_qtype].cpu_kernel, _at, _grid.size) != 0:
+            raise ImportError(f"the native CPU kernels refused the {_qtype.name} codebook")
 
 ISA_LEVELS = ("scalar", "ssse3", "avx2", "avx512vnni")
 """Native levels in increasing order; the index is the C side's level number."""
@@ -255,7 +267,9 @@ def matmul_np(raw: np.ndarray, x: np.ndarray, qtype: GGMLQuantizationType, name:
 def _matmul_np(raw: np.ndarray, x: np.ndarray, traits: quant.QuantType, name: str) -> np.ndarray:
     x2, vector = activations(x)
     raw = _weights(raw, x2.shape[1], traits, name)
-    product = kquant_product_np if traits.qtype in K_QUANTS else bquant_product_np if traits.qtype in B_QUANTS else None
+    products = {**dict.fromkeys(K_QUANTS, kquant_product_np), **dict.fromkeys(B_QUANTS, bquant_product_np),
+                **dict.fromkeys(LOW_BIT, lowbit_product_np)}
+    product = products.get(traits.qtype)
     if product is not None:
         y = np.concatenate([product(raw[r0:r0 + KQ_ROWS], x2, traits.qtype)
                             for r0 in range(0, raw.shape[0], KQ_ROWS)], axis=1)

@@ -121,22 +121,25 @@ def kquant_product_np(raw: np.ndarray, x2: np.ndarray, qtype: GGMLQuantizationTy
     return ((pairs[0] + pairs[1]) + (pairs[2] + pairs[3])).astype(np.float32)
 
 
-B_QUANTS = frozenset({Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.IQ4_NL, Q.IQ4_XS})
+B_QUANTS = frozenset({Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.IQ4_NL, Q.IQ4_XS, Q.MXFP4})
 """The other 4/5-bit types the kernels read as stored (native/cpu/bquants.h): 32-value blocks taken
 eight at a time (IQ4_XS: its 256-value super-block)."""
 KVALUES_IQ4NL = np.array([-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113], np.int64)
 """ggml-common.h ``kvalues_iq4nl``: the int8 codebook IQ4_NL / IQ4_XS nibbles index."""
+KVALUES_MXFP4 = np.array([0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12], np.int64)
+"""ggml-common.h ``kvalues_mxfp4`` (the e2m1 values doubled): the codebook MXFP4 nibbles index."""
 
 
 def bquant_unpack(raw: np.ndarray, qtype: GGMLQuantizationType
                   ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray | None]:
-    """Integer parts of Q4_1 / Q5_0 / Q5_1 / IQ4_NL / IQ4_XS rows (layouts in native/cpu/bquants.h,
-    after ggml-quants.c ``dequantize_row_q4_1`` / ``_q5_0`` / ``_q5_1`` / ``_iq4_nl`` / ``_iq4_xs``).
+    """Integer parts of Q4_1 / Q5_0 / Q5_1 / IQ4_NL / IQ4_XS / MXFP4 rows (layouts in native/cpu/bquants.h,
+    after ggml-quants.c ``dequantize_row_q4_1`` / ``_q5_0`` / ``_q5_1`` / ``_iq4_nl`` / ``_iq4_xs`` / ``_mxfp4``).
 
     Args: raw (rows, row bytes) uint8; qtype one of :data:`B_QUANTS`.
     Returns: v (rows, nb, 32) int64 integer values in value order (q for Q4_1 / Q5_1, q - 16 for
-    Q5_0, ``kvalues_iq4nl[nibble]`` for the IQ4 types); mult (rows, nb) int64 integer block scale
-    (``ls - 32`` for IQ4_XS, else 1); d (rows, nb) float32 block scale (IQ4_XS: its super-block's);
+    Q5_0, ``kvalues_iq4nl[nibble]`` for the IQ4 types, ``kvalues_mxfp4[nibble]`` for MXFP4); mult (rows, nb)
+    int64 integer block scale (``ls - 32`` for IQ4_XS, else 1); d (rows, nb) float32 block scale (IQ4_XS: its
+    super-block's; MXFP4: ``2^(e - 128)``, ggml_e8m0_to_fp32_half);
     m (rows, nb) float32 block min for Q4_1 / Q5_1, else None. Value j of block b is
     ``d * mult * v[j] (+ m)``.
     """
@@ -147,6 +150,8 @@ def bquant_unpack(raw: np.ndarray, qtype: GGMLQuantizationType
     nb = nib.shape[1]
     if qtype in (Q.IQ4_NL, Q.IQ4_XS):
         v = KVALUES_IQ4NL[nib]
+    elif qtype == Q.MXFP4:
+        v = KVALUES_MXFP4[nib]
     elif qtype in (Q.Q5_0, Q.Q5_1):
         qh = b["qh"].astype(np.int64)                                   # (rows, nb, 4) little-endian u32
         bits = (qh[..., np.arange(32) // 8] >> (np.arange(32) % 8)) & 1
@@ -159,6 +164,10 @@ def bquant_unpack(raw: np.ndarray, qtype: GGMLQuantizationType
         hi = (b["scales_h"].astype(np.int64)[..., None] >> (2 * np.arange(8))) & 3
         mult = ((lo | hi << 4) - 32).reshape(rows, nb)
         d = np.repeat(b["d"].astype(np.float32), 8, axis=1)
+    elif qtype == Q.MXFP4:
+        mult = np.ones((rows, nb), np.int64)
+        e = b["e"].astype(np.uint32)
+        d = np.where(e < 2, np.uint32(0x00200000) << e, (e - 1) << np.uint32(23)).astype(np.uint32).view(np.float32)
     else:
         mult = np.ones((rows, nb), np.int64)
         d = b["d"].astype(np.float32)

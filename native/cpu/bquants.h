@@ -1,4 +1,4 @@
-/* Kernels for Q4_1, Q5_0, Q5_1, IQ4_NL and IQ4_XS weights read as stored (no conversion at load),
+/* Kernels for Q4_1, Q5_0, Q5_1, IQ4_NL, IQ4_XS and MXFP4 weights read as stored (no conversion at load),
  * against Q8_0 activations. One definition, included by every kernel file after it defines
  * DD_BQ_LEVEL (0 scalar, 1 SSSE3, 2 AVX2, 3 AVX-512 VNNI); the levels differ only in how the
  * integer dot product of a block is taken (dd_bq_dot8), never in the floating-point steps.
@@ -16,11 +16,15 @@
  *                i (32 values) has the 6-bit ls_i = (scales_l[i / 2] >> 4 (i % 2) & 15) |
  *                (scales_h >> 2i & 3) << 4 and its nibbles in qs[16i .. 16i + 15] as IQ4_NL;
  *                x = d * (ls_i - 32) * kvalues_iq4nl[nibble].
+ *   block_mxfp4  (17 bytes, 32 values): e8m0 e, qs[16] as IQ4_NL indexing kvalues_mxfp4 (the e2m1 values
+ *                doubled); d = ggml_e8m0_to_fp32_half(e) = 2^(e - 128) (e < 2: the f32 subnormals 2^-129,
+ *                2^-128); x = d * kvalues_mxfp4[nibble].
  *
  * Exactness (the design of kquants.h). Eight consecutive 32-value blocks form a group (for IQ4_XS
  * a super-block); block i meets activation block b (32 int8 a_j, f32 scale da, sum S). Its integer
  * part is exact in int32: I = sum q a (Q4_1, Q5_1), sum q a - 16 S (Q5_0), sum kv a (IQ4_NL),
- * (ls_i - 32) sum kv a (IQ4_XS). It is scaled by an exact f32 product of two f16 scales (d * da)
+ * (ls_i - 32) sum kv a (IQ4_XS). It is scaled by an exact f32 product of two f16 scales (d * da; MXFP4:
+ * a power of two times da, exact unless it falls below 2^-126, far from real weights' scales)
  * into an exact f64 product, which lane i of the (row, column) accumulator adds; Q4_1 / Q5_1 then
  * add the exact (m * da) * S. A row's last group may be short: its missing lanes add +0. The 8
  * lanes are added in a fixed tree and rounded to f32 once. Every level runs these f64 operations in
@@ -44,6 +48,8 @@
 /* ggml-common.h kvalues_iq4nl */
 static const int8_t dd_kvalues_iq4nl[16] = { -127, -104, -83, -65, -49, -35, -22, -10,
                                              1, 13, 25, 38, 53, 69, 89, 113 };
+/* ggml-common.h kvalues_mxfp4 */
+static const int8_t dd_kvalues_mxfp4[16] = { 0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12 };
 
 /* Where a type's fields sit in its block. */
 typedef struct {
@@ -51,7 +57,7 @@ typedef struct {
     int qs;      /* offset of the 16 nibble bytes of block 0 */
     int qh;      /* offset of the 4 fifth-bit bytes, or -1 */
     int min;     /* 1: an f16 m follows d (Q4_1, Q5_1) */
-    int code;    /* 1: nibbles index kvalues_iq4nl */
+    int code;    /* 1: nibbles index kvalues_iq4nl, 2: kvalues_mxfp4 */
 } dd_bq_layout;
 
 DD_INLINE dd_bq_layout dd_bq_layout_of(int wtype)
@@ -61,6 +67,7 @@ DD_INLINE dd_bq_layout dd_bq_layout_of(int wtype)
     case DD_Q5_0: return (dd_bq_layout){ DD_Q5_0_BYTES, 6, 2, 0, 0 };
     case DD_Q5_1: return (dd_bq_layout){ DD_Q5_1_BYTES, 8, 4, 1, 0 };
     case DD_IQ4_NL: return (dd_bq_layout){ DD_IQ4_NL_BYTES, 2, -1, 0, 1 };
+    case DD_MXFP4: return (dd_bq_layout){ DD_MXFP4_BYTES, 1, -1, 0, 2 };
     default: return (dd_bq_layout){ DD_IQ4_XS_BYTES, 8, -1, 0, 1 };
     }
 }
@@ -116,7 +123,7 @@ DD_INLINE void dd_bq_dot8(const uint8_t *g, int wtype, int n, const dd_bq_acts *
         int32_t s = 0;
         for (int j = 0; j < DD_QK; j++) {
             int v = j < 16 ? qs[j] & 15 : qs[j - 16] >> 4;
-            v = L.code ? dd_kvalues_iq4nl[v] : v | (int)((qh >> j) & 1) << 4;
+            v = L.code == 1 ? dd_kvalues_iq4nl[v] : L.code == 2 ? dd_kvalues_mxfp4[v] : v | (int)((qh >> j) & 1) << 4;
             s += v * a[DD_QK * i + j];
         }
         out[i] = s;
@@ -135,7 +142,7 @@ DD_INLINE void dd_bq_dot8(const uint8_t *g, int wtype, int n, const dd_bq_acts *
     const dd_bq_layout L = dd_bq_layout_of(wtype);
     const __m128i low = _mm_set1_epi8(0x0f), ones = _mm_set1_epi16(1);
     const __m128i bits = _mm_set1_epi64x((long long)0x8040201008040201ull), sixteen = _mm_set1_epi8(0x10);
-    const __m128i code = _mm_loadu_si128((const __m128i *)dd_kvalues_iq4nl);
+    const __m128i code = _mm_loadu_si128((const __m128i *)(L.code == 2 ? dd_kvalues_mxfp4 : dd_kvalues_iq4nl));
     __m128i v[8];
     for (int i = 0; i < 8; i++) {
         if (i >= n) {
@@ -188,7 +195,8 @@ DD_INLINE void dd_bq_dot8(const uint8_t *g, int wtype, int n, const dd_bq_acts *
     const __m256i low = _mm256_set1_epi8(0x0f);
     const __m256i bits = _mm256_set1_epi64x((long long)0x8040201008040201ull), sixteen = _mm256_set1_epi8(0x10);
     const __m256i spread = _mm256_set_epi64x(0x0303030303030303ll, 0x0202020202020202ll, 0x0101010101010101ll, 0);
-    const __m256i code = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)dd_kvalues_iq4nl));
+    const __m256i code = _mm256_broadcastsi128_si256(
+        _mm_loadu_si128((const __m128i *)(L.code == 2 ? dd_kvalues_mxfp4 : dd_kvalues_iq4nl)));
     __m256i v[8];
     for (int i = 0; i < 8; i++) {
         if (i >= n) {
@@ -219,6 +227,9 @@ DD_INLINE void dd_bq_dot8(const uint8_t *g, int wtype, int n, const dd_bq_acts *
 #else
 /* ggml-common.h kvalues_iq4nl + 128: unsigned bytes for vpdpbusd (the sum then loses 128 S) */
 static const uint8_t dd_kvalues_iq4nl_u8[16] = { 1, 24, 45, 63, 79, 93, 106, 118, 129, 141, 153, 166, 181, 197, 217, 241 };
+/* kvalues_mxfp4 + 128 */
+static const uint8_t dd_kvalues_mxfp4_u8[16] = { 128, 129, 130, 131, 132, 134, 136, 140,
+                                                 128, 127, 126, 125, 124, 122, 120, 116 };
 
 /* A block pair per zmm, in the lane order of dd_bq_prep: the two blocks' 16 nibble bytes side by
  * side, their high nibbles in the upper 256 bits; Q5 adds 16 where a byte's qh bit is set (the 4 x 16
@@ -230,7 +241,8 @@ DD_INLINE void dd_bq_dot8(const uint8_t *g, int wtype, int n, const dd_bq_acts *
 {
     const dd_bq_layout L = dd_bq_layout_of(wtype);
     const __m512i low = _mm512_set1_epi8(0x0f), sixteen = _mm512_set1_epi8(0x10);
-    const __m512i code = _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i *)dd_kvalues_iq4nl_u8));
+    const __m512i code = _mm512_broadcast_i32x4(
+        _mm_loadu_si128((const __m128i *)(L.code == 2 ? dd_kvalues_mxfp4_u8 : dd_kvalues_iq4nl_u8)));
     __m512i d[4];
     for (int q = 0; q < 4; q++) {
         if (2 * q >= n) {
@@ -285,6 +297,15 @@ DD_INLINE dd_v8f dd_bq_halves(__m256i x)
 }
 #endif
 
+/* ggml_e8m0_to_fp32_half: 2^(e - 128) as f32 bits (e < 2: the subnormals 2^-129, 2^-128). */
+DD_INLINE float dd_bq_e8m0(uint8_t e)
+{
+    const uint32_t bits = e < 2 ? 0x00200000u << e : (uint32_t)(e - 1) << 23;
+    float f;
+    memcpy(&f, &bits, 4);
+    return f;
+}
+
 /* A group's f32 scales d_i and mins m_i (zero past n or without mins) and, for IQ4_XS, the
  * integer multipliers ls_i - 32 (else 1). */
 DD_INLINE void dd_bq_scales(const uint8_t *g, int wtype, int n, dd_v8f *dw, dd_v8f *mw, dd_v8i *mult)
@@ -309,6 +330,9 @@ DD_INLINE void dd_bq_scales(const uint8_t *g, int wtype, int n, dd_v8f *dw, dd_v
         for (int i = 0; i < 8; i++)
             k[i] = (int32_t)(((sl >> (4 * i)) & 15) | (((sh >> (2 * i)) & 3) << 4)) - 32;
 #endif
+    } else if (wtype == DD_MXFP4) {
+        for (int i = 0; i < n; i++)
+            d[i] = dd_bq_e8m0(g[(size_t)i * L.bytes]);
     } else {
 #if DD_BQ_LEVEL >= 2
         /* the 4 bytes at each block's start (d, then m or qh) in one masked gather; halves to f32 */
@@ -408,12 +432,14 @@ DD_INLINE void dd_bq_tile(const uint8_t *w, const uint8_t *pf, size_t rb, const 
 #define DD_BQ_TILE_Q5_1(w, pf, rb, a, c0, y, ldy, R, C) dd_bq_tile(w, pf, rb, a, DD_Q5_1, c0, y, ldy, R, C)
 #define DD_BQ_TILE_IQ4_NL(w, pf, rb, a, c0, y, ldy, R, C) dd_bq_tile(w, pf, rb, a, DD_IQ4_NL, c0, y, ldy, R, C)
 #define DD_BQ_TILE_IQ4_XS(w, pf, rb, a, c0, y, ldy, R, C) dd_bq_tile(w, pf, rb, a, DD_IQ4_XS, c0, y, ldy, R, C)
+#define DD_BQ_TILE_MXFP4(w, pf, rb, a, c0, y, ldy, R, C) dd_bq_tile(w, pf, rb, a, DD_MXFP4, c0, y, ldy, R, C)
 
 DD_DEFINE_GEMM(gemm_q4_1, DD_BQ_TILE_Q4_1)
 DD_DEFINE_GEMM(gemm_q5_0, DD_BQ_TILE_Q5_0)
 DD_DEFINE_GEMM(gemm_q5_1, DD_BQ_TILE_Q5_1)
 DD_DEFINE_GEMM(gemm_iq4_nl, DD_BQ_TILE_IQ4_NL)
 DD_DEFINE_GEMM(gemm_iq4_xs, DD_BQ_TILE_IQ4_XS)
+DD_DEFINE_GEMM(gemm_mxfp4, DD_BQ_TILE_MXFP4)
 
 /* The kernel table's entries for these types, in enum order (DD_Q4_1 .. DD_IQ4_XS). */
 #define DD_BQ_GEMMS gemm_q4_1, gemm_q5_0, gemm_q5_1, gemm_iq4_nl, gemm_iq4_xs

@@ -25,6 +25,16 @@
 #define DD_Q5_1_BYTES 24
 #define DD_IQ4_NL_BYTES 18
 #define DD_IQ4_XS_BYTES 136     /* a 256-value super-block */
+#define DD_Q2_K_BYTES 84
+#define DD_Q3_K_BYTES 110
+#define DD_IQ2_XXS_BYTES 66
+#define DD_IQ2_XS_BYTES 74
+#define DD_IQ2_S_BYTES 82
+#define DD_IQ3_XXS_BYTES 98
+#define DD_IQ3_S_BYTES 110
+#define DD_IQ1_S_BYTES 50
+#define DD_IQ1_M_BYTES 56
+#define DD_MXFP4_BYTES 17       /* e8m0 scale, 16 nibble bytes */
 
 /* Q8_0 activations of m columns, each of nb blocks, 64-byte aligned, in two layouts.
  *

@@ -36,6 +36,8 @@ DD_INLINE void kq_dot8(const uint8_t *w, const int8_t *a, const int16_t *sc, int
 #include "kquants.h"
 #define DD_BQ_LEVEL 2
 #include "bquants.h"
+#define DD_LB_DOT8 kq_dot8
+#include "lowbit.h"
 
 static void quantize_q8_0(const float *x, size_t nb, uint8_t *out)
 {
@@ -152,7 +154,7 @@ DD_DEFINE_DOTS_F32(dots_f32, dot_f32)
 
 const dd_kernels dd_kernels_avx2 = {
     .quantize_q8_0 = quantize_q8_0,
-    .gemm = { gemm_q4_0, gemm_q8_0, gemm_q4_K, gemm_q5_K, gemm_q6_K, DD_BQ_GEMMS },
+    .gemm = { gemm_q4_0, gemm_q8_0, gemm_q4_K, gemm_q5_K, gemm_q6_K, DD_BQ_GEMMS, DD_LB_GEMMS, DD_IQ_GEMMS, gemm_mxfp4 },
     .bias_mult = { -8, 0 },
     .dots_f32 = dots_f32,
 };

@@ -26,6 +26,33 @@ DD_INLINE __m512i kq_transpose_add(const __m512i d[4])
 #define DD_BQ_LEVEL 3
 #include "bquants.h"
 
+#include "lowbit_avx512.h"
+
+/* The integer dot product of lowbit.h for the IQ types (kquants.h's DD_KQ_DOT8 contract, unsigned weights
+ * of up to 127): one vpdpbusd per 64 values (blocks 2p, 2p + 1) gives 4-value sums, 128-bit lane h the
+ * 16-value half h of the pair; each lane times its half's scale (vpmulld, exact: |sum| < 2^17, |sc| < 2^6),
+ * then the transpose-add puts half h of pair p in lane 4h + p: block 2p is lanes p + (4 + p), block 2p + 1
+ * lanes (8 + p) + (12 + p), gathered into block order. */
+DD_INLINE void lb_dot8(const uint8_t *w, const int8_t *a, const int16_t *sc, int32_t *out)
+{
+    const __m512i spread = _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3);
+    const __m512i scales = _mm512_cvtepi16_epi32(_mm256_loadu_si256((const __m256i *)sc));
+    __m512i d[4];
+    for (int p = 0; p < 4; p++) {
+        const __m512i s = _mm512_dpbusd_epi32(_mm512_setzero_si512(), _mm512_loadu_si512(w + 64 * p),
+                                              _mm512_loadu_si512(a + 64 * p));
+        const __m512i k = _mm512_permutexvar_epi32(_mm512_add_epi32(spread, _mm512_set1_epi32(4 * p)), scales);
+        d[p] = _mm512_mullo_epi32(s, k);
+    }
+    __m512i t = kq_transpose_add(d);
+    t = _mm512_add_epi32(t, _mm512_alignr_epi32(t, t, 4));
+    t = _mm512_permutexvar_epi32(_mm512_setr_epi32(0, 8, 1, 9, 2, 10, 3, 11, 0, 0, 0, 0, 0, 0, 0, 0), t);
+    _mm256_storeu_si256((__m256i *)out, _mm512_castsi512_si256(t));
+}
+#define DD_LB_DOT8 lb_dot8
+#define DD_LB_K_IN_REGISTERS
+#include "lowbit.h"
+
 static void quantize_q8_0(const float *x, size_t nb, uint8_t *out)
 {
     const __m512 half = _mm512_set1_ps(0.5f), one = _mm512_set1_ps(1.0f);
@@ -269,7 +296,7 @@ static void dots_f32(const float *w, size_t nw, const float *x, size_t nx, size_
 
 const dd_kernels dd_kernels_avx512vnni = {
     .quantize_q8_0 = quantize_q8_0,
-    .gemm = { gemm_q4_0, gemm_q8_0, gemm_q4_K, gemm_q5_K, gemm_q6_K, DD_BQ_GEMMS },
+    .gemm = { gemm_q4_0, gemm_q8_0, gemm_q4_K, gemm_q5_K, gemm_q6_K, DD_BQ_GEMMS, DD_LB_GEMMS, DD_IQ_GEMMS, gemm_mxfp4 },
     .bias_mult = { 0, -128 },
     .q4_0_groups = 1,
     .dots_f32 = dots_f32,

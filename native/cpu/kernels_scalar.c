@@ -18,6 +18,8 @@ static inline void kq_dot8(const uint8_t *w, const int8_t *a, const int16_t *sc,
 #include "kquants.h"
 #define DD_BQ_LEVEL 0
 #include "bquants.h"
+#define DD_LB_DOT8 kq_dot8
+#include "lowbit.h"
 
 /* Round half away from zero, as C's roundf (ggml's reference quantizer uses roundf). */
 static int8_t round_away(float t)
@@ -106,7 +108,7 @@ DD_DEFINE_DOTS_F32(dots_f32, dot_f32)
 
 const dd_kernels dd_kernels_scalar = {
     .quantize_q8_0 = quantize_q8_0,
-    .gemm = { gemm_q4_0, gemm_q8_0, gemm_q4_K, gemm_q5_K, gemm_q6_K, DD_BQ_GEMMS },
+    .gemm = { gemm_q4_0, gemm_q8_0, gemm_q4_K, gemm_q5_K, gemm_q6_K, DD_BQ_GEMMS, DD_LB_GEMMS, DD_IQ_GEMMS, gemm_mxfp4 },
     .bias_mult = { 0, 0 },
     .dots_f32 = dots_f32,
 };

@@ -79,21 +79,29 @@ int dd_matvec_set(int isa, const dd_matvec_out *p, size_t n, size_t k, const flo
 /* Values and bytes of one block of each weight type (ggml-common.h), indexed by DD_Q4_0... */
 static inline size_t dd_block_values(int wtype)
 {
-    return wtype == DD_Q4_K || wtype == DD_Q5_K || wtype == DD_Q6_K || wtype == DD_IQ4_XS ? DD_QK_K : DD_QK;
+    return wtype == DD_Q4_0 || wtype == DD_Q8_0 || wtype == DD_Q4_1 || wtype == DD_Q5_0 || wtype == DD_Q5_1 ||
+                   wtype == DD_IQ4_NL || wtype == DD_MXFP4
+               ? DD_QK
+               : DD_QK_K;
 }
 
 static inline size_t dd_block_bytes(int wtype)
 {
     static const size_t bytes[DD_WTYPE_COUNT] = { DD_Q4_0_BYTES, DD_Q8_0_BYTES, DD_Q4_K_BYTES, DD_Q5_K_BYTES,
                                                   DD_Q6_K_BYTES, DD_Q4_1_BYTES, DD_Q5_0_BYTES, DD_Q5_1_BYTES,
-                                                  DD_IQ4_NL_BYTES, DD_IQ4_XS_BYTES };
+                                                  DD_IQ4_NL_BYTES, DD_IQ4_XS_BYTES, DD_Q2_K_BYTES, DD_Q3_K_BYTES,
+                                                  DD_IQ2_XXS_BYTES, DD_IQ2_XS_BYTES, DD_IQ2_S_BYTES, DD_IQ3_XXS_BYTES,
+                                                  DD_IQ3_S_BYTES, DD_IQ1_S_BYTES, DD_IQ1_M_BYTES, DD_MXFP4_BYTES };
     return bytes[wtype];
 }
 
-/* 1 if wtype is a known weight type and k a whole number of its blocks. */
+/* 1 if an IQ type's codebook is registered (dd_set_iq_grid; iq_grids.c); 1 for the other types. */
+int dd_iq_ready(int wtype);
+
+/* 1 if wtype is a known weight type (an IQ type: with its codebook registered) and k a whole number of its blocks. */
 static inline int dd_wtype_fits(int wtype, size_t k)
 {
-    return wtype >= 0 && wtype < DD_WTYPE_COUNT && k % dd_block_values(wtype) == 0;
+    return wtype >= 0 && wtype < DD_WTYPE_COUNT && k % dd_block_values(wtype) == 0 && dd_iq_ready(wtype);
 }
 
 static inline size_t dd_row_bytes(int wtype, size_t k)

@@ -16,7 +16,7 @@ What runs where:
   projection and calls with a stage callback or an expert observer take the hooks
   (:mod:`engine.arch.qwen35.cpu_step`);
 * projections: W4A8 / W8A8 GEMV (one token) or small-M GEMM (prefill) straight from the
-  memory-mapped Q4_0 / Q8_0 / Q4_K / Q5_K / Q6_K / Q4_1 / Q5_0 / Q5_1 / IQ4_NL / IQ4_XS blocks
+  memory-mapped Q4_0 / Q8_0 / Q2_K .. Q6_K / Q4_1 / Q5_0 / Q5_1 / IQ1 .. IQ4 / MXFP4 blocks
   (:class:`engine.kernels.cpu.Matrix`);
 * the MoE FFN: one fused native call, per token in decode (:func:`engine.kernels.cpu_moe.moe_ffn`),
   for all n tokens grouped by expert in prefill (:func:`engine.kernels.cpu_moe.moe_prefill`, each
@@ -39,17 +39,17 @@ tensor's float32 rows of 16 MiB exist at a time, the file stays mapped, not copi
 ========================================  ================================  =========================
 stored type of a projection weight        used as                           bytes held in RAM
 ========================================  ================================  =========================
-Q4_0, Q8_0, Q4_K, Q5_K, Q6_K, Q4_1,       the file's blocks (memory map)    0 (page cache only)
-Q5_0, Q5_1, IQ4_NL, IQ4_XS
-Q2_K, Q3_K                                converted to Q8_0                 8.5 bits/weight
+Q4_0, Q8_0, Q2_K, Q3_K, Q4_K, Q5_K,       the file's blocks (memory map)    0 (page cache only)
+Q6_K, Q4_1, Q5_0, Q5_1, IQ1_S, IQ1_M,
+IQ2_XXS, IQ2_XS, IQ2_S, IQ3_XXS, IQ3_S,
+IQ4_NL, IQ4_XS, MXFP4
 F16, BF16, F32, ``float_weights="f32"``   float32, numpy BLAS GEMM          32 bits/weight
 F16, BF16, F32, ``float_weights="q8_0"``  converted to Q8_0 (user's choice) 8.5 bits/weight
 ========================================  ================================  =========================
 
-Why Q8_0 for the other block types: requantizing to a 4-bit format would round a second time with
-about the original's step, while Q8_0's added rounding (at most max|x|/254 per 32 values) is about
-1/16 of a 4-bit step and 1/4 of a 6-bit one. The cost over the stored size: Q2_K 2.625 -> 8.5 bits
-(+224%), Q3_K 3.4375 (+147%). The kernel types come from the
+Why Q8_0 for a block type without a kernel: requantizing to a 4-bit format would round a second time
+with about the original's step, while Q8_0's added rounding (at most max|x|/254 per 32 values) is about
+1/16 of a 4-bit step and 1/4 of a 6-bit one. The kernel types come from the
 quant-type table (:data:`engine.quant.TYPES`, ``cpu_kernel``): a Q4_K_M or UD-Q4_K_XL file (Q4_K,
 Q5_K, Q6_K, Q8_0 tensors) is read in place, so a 21.2 GB Q4_K_M 35B-A3B costs its file size in page
 cache instead of the ~37 GB its Q8_0 conversion took. Float weights stay exact by default because

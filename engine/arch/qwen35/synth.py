@@ -37,6 +37,8 @@ from engine.quant import (BLOCK_DTYPES, WRITABLE_TYPES, block_size, pack_k_scale
 
 from .hparams import Qwen35HParams
 from .quant_mix import MIXES, mix_types
+from .synth_lowbit import DRAWN as _LOWBIT_DRAWN
+from .synth_lowbit import SHAPE_FALLBACK, random_lowbit_blocks
 from .tensors import tensor_shapes
 
 Q = GGMLQuantizationType
@@ -48,6 +50,10 @@ FILE_TYPES: dict[GGMLQuantizationType, LlamaFileType] = {
     Q.F32: LlamaFileType.ALL_F32, Q.F16: LlamaFileType.MOSTLY_F16, Q.BF16: LlamaFileType.MOSTLY_BF16,
     Q.Q8_0: LlamaFileType.MOSTLY_Q8_0, Q.Q4_0: LlamaFileType.MOSTLY_Q4_0, Q.Q4_1: LlamaFileType.MOSTLY_Q4_1,
     Q.Q5_0: LlamaFileType.MOSTLY_Q5_0, Q.Q5_1: LlamaFileType.MOSTLY_Q5_1,
+    Q.Q2_K: LlamaFileType.MOSTLY_Q2_K, Q.Q3_K: LlamaFileType.MOSTLY_Q3_K_S, Q.IQ2_XXS: LlamaFileType.MOSTLY_IQ2_XXS,
+    Q.IQ2_XS: LlamaFileType.MOSTLY_IQ2_XS, Q.IQ2_S: LlamaFileType.MOSTLY_IQ2_S, Q.IQ3_XXS: LlamaFileType.MOSTLY_IQ3_XXS,
+    Q.IQ3_S: LlamaFileType.MOSTLY_IQ3_S, Q.IQ1_S: LlamaFileType.MOSTLY_IQ1_S, Q.IQ1_M: LlamaFileType.MOSTLY_IQ1_M,
+    Q.MXFP4: LlamaFileType.MOSTLY_MXFP4_MOE,
 }
 """``general.file_type`` written for each file-wide quant type (gguf ``LlamaFileType``)."""
 
@@ -126,13 +132,17 @@ def storage_type(name: str, ne: Sequence[int], quant: GGMLQuantizationType,
             matching pattern wins over every other rule.
 
     Returns:
-        F32 for 1-D tensors and the names in the module doc, the override if one matches, else ``quant``.
+        F32 for 1-D tensors and the names in the module doc, the override if one matches, else ``quant``,
+        or llama-quantize's fallback type when ``ne0`` is not a whole number of its blocks
+        (:data:`~engine.arch.qwen35.synth_lowbit.SHAPE_FALLBACK`: IQ4_NL for Q2_K, Q3_K and the IQ types).
     """
     for pattern, qname in (quant_overrides or {}).items():
         if fnmatch.fnmatchcase(name, pattern):
             return parse_type(qname)
     if len(ne) == 1 or name.endswith(_KEEP_F32):
         return Q.F32
+    if quant in SHAPE_FALLBACK and ne[0] % block_size(quant):
+        return SHAPE_FALLBACK[quant]
     return quant
 
 
@@ -179,7 +189,8 @@ def synth(path: str | os.PathLike[str], preset: str, layers: int | None = None, 
         path: output file (overwritten).
         preset: ``tiny``, ``small``, ``dense-tiny`` or ``35b-a3b`` (:data:`PRESETS`).
         layers, experts: shrink the preset (:func:`preset_hparams`).
-        quant: file type: ``f32``, ``f16``, ``q8_0``, ``q4_0`` (also ``bf16``, ``q4_1``, ``q5_0``, ``q5_1``),
+        quant: file type: ``f32``, ``f16``, ``q8_0``, ``q4_0`` (also ``bf16``, ``q4_1``, ``q5_0``, ``q5_1``;
+            ``q2_k``, ``q3_k``, the IQ1/IQ2/IQ3 types and ``mxfp4``, drawn as blocks by :mod:`engine.arch.qwen35.synth_lowbit`),
             or a K-quant mix of :data:`engine.arch.qwen35.quant_mix.MIXES` (``q4_k_m``: llama-quantize's per-tensor
             types; ``ud_q4_k_xl``: unsloth's dynamic mix as documented; see :mod:`engine.arch.qwen35.quant_mix`;
             its Q4_K / Q5_K / Q6_K / Q8_0 blocks are drawn directly).
@@ -212,7 +223,7 @@ def synth(path: str | os.PathLike[str], preset: str, layers: int | None = None, 
         rng = np.random.default_rng([seed, zlib.crc32(name.encode()), *shape])
         plan.append((name, shape, qtype, lambda n=name, s=shape, q=qtype, r=rng: _random_tensor(n, s, q, hp, r)))
     _write(path, hp, plan, MIXES[mix] if mix else FILE_TYPES[qfile], vocab, None,
-           name=f"DeltaDesk synthetic {preset}", drawn=_K_LEVELS.keys())
+           name=f"DeltaDesk synthetic {preset}", drawn=_K_LEVELS.keys() | _LOWBIT_DRAWN)
     return hp
 
 
@@ -253,6 +264,8 @@ def _random_tensor(name: str, shape: tuple[int, ...], qtype: GGMLQuantizationTyp
             return _random_blocks(shape, qtype, std, rng)
         if qtype in _K_LEVELS:
             return _random_kquant_blocks(shape, qtype, std, rng)
+        if qtype in _LOWBIT_DRAWN:
+            return random_lowbit_blocks(shape, qtype, std, rng)
         x = std * rng.standard_normal(shape, dtype=np.float32)
     return quantize(x, qtype)
 

@@ -1,0 +1,55 @@
+/* The IQ types' codebooks (see iquants.h), registered once by the caller and kept in the forms the
+ * unpackers read. The grids are data of the formats' definitions (ggml-common.h iq2xxs_grid, iq2xs_grid,
+ * iq2s_grid, iq3xxs_grid, iq3s_grid, iq1s_grid); the engine takes them from gguf-py (engine.kernels.cpu)
+ * instead of keeping a copy here. */
+#include <stdatomic.h>
+
+#include "iquants.h"
+
+uint64_t dd_iq_pos8[DD_IQ_GRID_BYTES / 8];
+uint64_t dd_iq_sign_mask[256];
+static _Atomic int ready[DD_WTYPE_COUNT];
+
+/* Where grid g's entries start in the tables, its entry width and value offset (iquants.h). */
+static const struct {
+    int wtype;
+    size_t entries, width, at;
+    int off;
+} grids[] = {
+    { DD_IQ2_XXS, 256, 8, DD_IQ2XXS_AT, DD_IQ2_OFF },
+    { DD_IQ2_XS, 512, 8, DD_IQ2XS_AT, DD_IQ2_OFF },
+    { DD_IQ2_S, 1024, 8, DD_IQ2S_AT, DD_IQ2_OFF },
+    { DD_IQ3_XXS, 256, 4, DD_IQ3XXS_AT, DD_IQ3XXS_OFF },
+    { DD_IQ3_S, 512, 4, DD_IQ3S_AT, DD_IQ3S_OFF },
+    { DD_IQ1_S, 2048, 8, DD_IQ1S_AT, 0 },
+};
+
+int dd_set_iq_grid(int wtype, const int8_t *grid, size_t n)
+{
+    for (int b = 0; b < 256; b++) {
+        uint64_t m = 0;
+        for (int j = 0; j < 8; j++)
+            if (b >> j & 1)
+                m |= (uint64_t)0xff << (8 * j);
+        dd_iq_sign_mask[b] = m;
+    }
+    for (size_t g = 0; g < sizeof grids / sizeof grids[0]; g++) {
+        if (grids[g].wtype != wtype)
+            continue;
+        if (n != grids[g].entries * grids[g].width)
+            return DD_ERR_ARG;
+        uint8_t *pos = (uint8_t *)dd_iq_pos8 + grids[g].at;
+        for (size_t i = 0; i < n; i++)   /* IQ1: 8g + 1 + 9, the code of a positive delta; others off + g */
+            pos[i] = (uint8_t)(wtype == DD_IQ1_S ? 8 * grid[i] + 1 + DD_IQ1_OFF : grids[g].off + grid[i]);
+        atomic_store(&ready[wtype], 1);
+        if (wtype == DD_IQ1_S)
+            atomic_store(&ready[DD_IQ1_M], 1);
+        return DD_OK;
+    }
+    return DD_ERR_ARG;
+}
+
+int dd_iq_ready(int wtype)
+{
+    return wtype < DD_IQ2_XXS || wtype > DD_IQ1_M || atomic_load(&ready[wtype]);
+}
