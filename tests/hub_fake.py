@@ -12,7 +12,7 @@ Errors as the hub sends them: ``X-Error-Code: RepoNotFound`` / ``EntryNotFound``
 403), and 401 with ``X-Error-Message: Invalid credentials in Authorization header`` for a token not in
 ``tokens``. Faults to inject: ``drop_after`` (close the connection after that many body bytes, once per
 blob), ``corrupt`` (serve other bytes than the listed sha256), ``delay`` (seconds per 64 KiB chunk),
-``stall_after`` (stop sending after that many body bytes until ``release`` is set, at most 30 s),
+``stall_after`` (once: stop sending after that many body bytes until ``release`` is set, at most 30 s),
 ``redirect_loop`` (the CDN redirects every blob to itself), ``listed_sha256`` (this string instead of each
 file's sha256 in the listing).
 Every request is logged in ``requests`` as (method, path, Range header, Authorization header).
@@ -162,6 +162,7 @@ class FakeHub:
         try:
             for i in range(0, len(body), _CHUNK):
                 if self.stall_after is not None and i >= self.stall_after:
+                    self.stall_after = None
                     h.wfile.flush()
                     self.release.wait(30)
                     return

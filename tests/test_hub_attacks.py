@@ -5,9 +5,13 @@ hang, or a byte written outside the store."""
 
 from __future__ import annotations
 
+import os
+import threading
+import time
+
 import pytest
 
-from engine.hub.download import download_model, fit_remote, pick_file
+from engine.hub.download import DownloadCancelled, download_model, fit_remote, pick_file
 from engine.hub.hubapi import HubError, list_repo
 from engine.hub.store import ModelStore
 from tests import test_hub
@@ -51,3 +55,93 @@ def test_listed_sha256_that_is_not_a_digest_writes_nothing(hub, tmp_path):
     with pytest.raises(HubError, match="could not be verified"):
         download_model(listing, f, None)
     assert not any(p.name.startswith("Tiny") for p in tmp_path.rglob("*") if "models" not in p.parts)
+
+
+def _start(listing, f, cancel, seen):
+    """Run download_model on a thread; returns (thread, outcome list: the entry or the exception)."""
+    out = []
+
+    def body():
+        try:
+            out.append(download_model(listing, f, None, report=seen.append, cancel=cancel))
+        except Exception as exc:  # noqa: BLE001 - the test inspects it
+            out.append(exc)
+    t = threading.Thread(target=body, daemon=True)
+    t.start()
+    return t, out
+
+
+def _wait(cond, limit=10.0):
+    t0 = time.monotonic()
+    while not cond():
+        assert time.monotonic() - t0 < limit, "timed out waiting"
+        time.sleep(0.02)
+
+
+def test_cancel_ends_a_stalled_transfer_within_a_second(hub):
+    """The server sends 1 MiB and then nothing: the bytes show as progress at once (not after a 10 MiB
+    buffer fills) and Cancel ends the blocked read in well under a second; the next pull resumes."""
+    hub.stall_after = 1 << 20
+    listing = list_repo(REPO)
+    f = pick_file(listing, quant="Q8_0")
+    cancel, seen = threading.Event(), []
+    part = ModelStore().partial(REPO, f.name, f.sha256)
+    t, out = _start(listing, f, cancel, seen)
+    _wait(lambda: part.exists() and part.stat().st_size == 1 << 20 and seen)
+    time.sleep(0.3)
+    t0 = time.monotonic()
+    cancel.set()
+    t.join(5)
+    took = time.monotonic() - t0
+    hub.release.set()
+    assert isinstance(out[0], DownloadCancelled) and took < 1.0, (out, took)
+    assert part.stat().st_size == 1 << 20
+    entry = download_model(listing, f, None)
+    assert ModelStore().files(entry)[0].stat().st_size == f.size
+
+
+def test_stalled_server_times_out_and_resumes(hub, synth_files, monkeypatch):
+    monkeypatch.setattr("huggingface_hub.constants.HF_HUB_DOWNLOAD_TIMEOUT", 0.5)
+    hub.stall_after = 2 << 20
+    listing = list_repo(REPO)
+    entry = download_model(listing, pick_file(listing, quant="Q8_0"), None)
+    assert ModelStore().files(entry)[0].read_bytes() == synth_files["Tiny-Q8_0.gguf"]
+    blob = [rng for m, p, rng, _ in hub.requests if m == "GET" and p.startswith("/blob/")]
+    assert blob == ["", f"bytes={2 << 20}-"]
+
+
+def test_two_downloads_of_one_file_never_share_the_staging_file(hub, synth_files):
+    hub.stall_after = 1 << 20
+    listing = list_repo(REPO)
+    f = pick_file(listing, quant="Q8_0")
+    cancel, seen = threading.Event(), []
+    t, out = _start(listing, f, cancel, seen)
+    _wait(lambda: bool(seen))
+    with pytest.raises(HubError, match="already being downloaded"):
+        download_model(listing, f, None)
+    cancel.set()
+    t.join(5)
+    assert isinstance(out[0], DownloadCancelled)
+    hub.release.set()
+    entry = download_model(listing, f, None)
+    assert ModelStore().files(entry)[0].read_bytes() == synth_files["Tiny-Q8_0.gguf"]
+
+
+@pytest.mark.parametrize("odd", ["symlink", "fifo"])
+def test_odd_thing_at_the_staging_path_is_replaced(hub, synth_files, tmp_path, odd):
+    listing = list_repo(REPO)
+    f = pick_file(listing, quant="Q8_0")
+    part = ModelStore().partial(REPO, f.name, f.sha256)
+    part.parent.mkdir(parents=True)
+    outside = tmp_path / "outside.bin"
+    outside.write_bytes(b"keep")
+    if odd == "symlink":
+        part.symlink_to(outside)
+    else:
+        os.mkfifo(part)
+    t, out = _start(listing, f, None, [])
+    t.join(30)
+    assert not t.is_alive(), "the download hung on the staging path"
+    entry = out[0]
+    assert ModelStore().files(entry)[0].read_bytes() == synth_files["Tiny-Q8_0.gguf"]
+    assert outside.read_bytes() == b"keep"
