@@ -15,6 +15,7 @@ from engine.hub.download import DownloadCancelled, download_model, fit_remote, p
 from engine.hub.hubapi import HubError, list_repo
 from engine.hub.store import ModelStore
 from tests import test_hub
+from tests.hub_fake import FakeRepo
 from tests.test_hub import MACHINE, REPO
 
 synth_files, hub = test_hub.synth_files, test_hub.hub      # the fake hub serving the synth pair, as fixtures
@@ -145,3 +146,26 @@ def test_odd_thing_at_the_staging_path_is_replaced(hub, synth_files, tmp_path, o
     entry = out[0]
     assert ModelStore().files(entry)[0].read_bytes() == synth_files["Tiny-Q8_0.gguf"]
     assert outside.read_bytes() == b"keep"
+
+
+def _many_keys(n: int) -> bytes:
+    """A GGUF v3 header of ``n`` distinct one-byte metadata keys and no tensors."""
+    import struct
+    body = b"".join(struct.pack("<Q", 8) + b"k%07d" % i + struct.pack("<I", 0) + b"\x01" for i in range(n))
+    return b"GGUF" + struct.pack("<IQQ", 3, 0, n) + body
+
+
+def test_header_claiming_a_flood_of_keys_is_refused_at_the_count(hub, tmp_path):
+    """A header with 100k real (distinct, well-formed) keys: refused from its count, before the keys are
+    parsed (13 M such keys fit the 256 MiB read bound: minutes of parsing and GBs of dicts otherwise)."""
+    from engine.errors import ModelFormatError
+    from engine.gguf_header import read_header
+    data = _many_keys(100_000)
+    hub.repos["tester/Keys-GGUF"] = FakeRepo({"Keys-Q8_0.gguf": data + bytes(1 << 20)})
+    listing = list_repo("tester/Keys-GGUF")
+    with pytest.raises(ModelFormatError, match="claims 100000 metadata keys.*limits"):
+        fit_remote(listing, listing.models[0], None, 1024, MACHINE)
+    path = tmp_path / "keys.gguf"
+    path.write_bytes(data)
+    with pytest.raises(ModelFormatError, match="claims 100000 metadata keys"):
+        read_header(path)
