@@ -169,3 +169,17 @@ def test_header_claiming_a_flood_of_keys_is_refused_at_the_count(hub, tmp_path):
     path.write_bytes(data)
     with pytest.raises(ModelFormatError, match="claims 100000 metadata keys"):
         read_header(path)
+
+
+def test_mmproj_of_another_model_is_refused_before_download(hub, synth_files, tmp_path):
+    """The repo's tower projects to another hidden size (the "small" preset's 256, the model's is 64): the
+    fit says so from the two headers, as the loader would after the download; nothing is downloaded."""
+    from engine.errors import ModelFormatError
+    from engine.tools.synth import synth_mmproj_for
+    other = synth_mmproj_for(tmp_path / "other.gguf", "small", seed=3).read_bytes()
+    hub.repos[REPO].files["mmproj-F16.gguf"] = other
+    listing = list_repo(REPO)
+    from engine.hub.download import pick_mmproj
+    with pytest.raises(ModelFormatError, match="projection_dim = 256 does not match.*= 64.*not its vision tower"):
+        fit_remote(listing, pick_file(listing, quant="Q8_0"), pick_mmproj(listing), 1024, MACHINE)
+    assert not [p for m, p, rng, _ in hub.requests if p.startswith("/blob/") and not rng]
