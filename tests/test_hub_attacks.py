@@ -183,3 +183,14 @@ def test_mmproj_of_another_model_is_refused_before_download(hub, synth_files, tm
     with pytest.raises(ModelFormatError, match="projection_dim = 256 does not match.*= 64.*not its vision tower"):
         fit_remote(listing, pick_file(listing, quant="Q8_0"), pick_mmproj(listing), 1024, MACHINE)
     assert not [p for m, p, rng, _ in hub.requests if p.startswith("/blob/") and not rng]
+
+
+def test_pulling_a_downloaded_file_again_fetches_nothing(hub):
+    listing = list_repo(REPO)
+    f = pick_file(listing, quant="Q8_0")
+    from engine.hub.download import pick_mmproj
+    download_model(listing, f, pick_mmproj(listing))
+    hub.requests.clear()
+    entry = download_model(listing, f, pick_mmproj(listing))
+    assert [p for _, p, _, _ in hub.requests if p.startswith("/blob/")] == []
+    assert ModelStore().files(entry)[0].stat().st_size == f.size

@@ -351,7 +351,8 @@ def check_disk(store: ModelStore, files: list[HubFile]) -> None:
 
 def download_model(listing: RepoListing, f: HubFile, mmproj: HubFile | None, store: ModelStore | None = None,
              report: Report | None = None, cancel: threading.Event | None = None) -> Downloaded:
-    """Download model ``f`` and its ``mmproj`` into the store (an mmproj already there and recorded is kept).
+    """Download model ``f`` and its ``mmproj`` into the store; a file already there and recorded (the model
+    with the same sha256) is kept, not fetched again.
 
     Raises:
         HubError: see :func:`hub_errors`; no room on the disk; a sha256 mismatch (the file is deleted); a
@@ -359,9 +360,12 @@ def download_model(listing: RepoListing, f: HubFile, mmproj: HubFile | None, sto
         DownloadCancelled: ``cancel`` was set (what arrived is kept).
     """
     store = store or ModelStore()
+    mine = [d for d in store.models() if d.repo.lower() == listing.repo.lower()]
     have_mm = mmproj is not None and store.path(listing.repo, mmproj.name).is_file() and any(
-        d.repo.lower() == listing.repo.lower() and d.mmproj == mmproj.name for d in store.models())
-    todo = [x for x in (f, None if have_mm else mmproj) if x is not None]
+        d.mmproj == mmproj.name for d in mine)
+    have_f = any(d.file == f.name and d.sha256 == f.sha256 and store.path(d.repo, d.file).stat().st_size == f.size
+                 for d in mine)
+    todo = [x for x in (None if have_f else f, None if have_mm else mmproj) if x is not None]
     check_disk(store, todo)
     for x in todo:
         _fetch(store, listing.commit, x, report, cancel)
