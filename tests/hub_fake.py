@@ -13,7 +13,8 @@ Errors as the hub sends them: ``X-Error-Code: RepoNotFound`` / ``EntryNotFound``
 ``tokens``. Faults to inject: ``drop_after`` (close the connection after that many body bytes, once per
 blob), ``corrupt`` (serve other bytes than the listed sha256), ``delay`` (seconds per 64 KiB chunk),
 ``stall_after`` (once: stop sending after that many body bytes until ``release`` is set, at most 30 s),
-``redirect_loop`` (the CDN redirects every blob to itself), ``listed_sha256`` (this string instead of each
+``redirect_loop`` (the CDN redirects every blob to itself), ``short`` (every answer ends, cleanly, after that
+many body bytes), ``listed_sha256`` (this string instead of each
 file's sha256 in the listing).
 Every request is logged in ``requests`` as (method, path, Range header, Authorization header).
 """
@@ -51,6 +52,7 @@ class FakeHub:
     stall_after: int | None = None
     release: threading.Event = field(default_factory=threading.Event)
     redirect_loop: bool = False
+    short: int | None = None
     listed_sha256: str | None = None
     requests: list[tuple[str, str, str, str]] = field(default_factory=list)
     _dropped: set[str] = field(default_factory=set)
@@ -143,6 +145,8 @@ class FakeHub:
             data_out = data[start:stop]
         else:
             data_out = data
+        if self.short is not None:
+            data_out = data_out[:self.short]
         h.send_response(status)
         for k, v in {"Content-Length": str(len(data_out)), "Accept-Ranges": "bytes", **extra}.items():
             h.send_header(k, v)

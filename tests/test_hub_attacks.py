@@ -6,6 +6,7 @@ hang, or a byte written outside the store."""
 from __future__ import annotations
 
 import os
+import re
 import threading
 import time
 
@@ -194,3 +195,31 @@ def test_pulling_a_downloaded_file_again_fetches_nothing(hub):
     entry = download_model(listing, f, pick_mmproj(listing))
     assert [p for _, p, _, _ in hub.requests if p.startswith("/blob/")] == []
     assert ModelStore().files(entry)[0].stat().st_size == f.size
+
+
+def test_server_that_stops_sending_is_given_up_on_not_hammered(hub):
+    """Every answer ends cleanly after 1 MiB (then after none): the transfer goes on while bytes come, then
+    gives up in words after a few empty answers instead of asking again forever."""
+    hub.short = 1 << 20
+    listing = list_repo(REPO)
+    f = pick_file(listing, quant="Q8_0")
+    out, seen = [], []
+
+    def cut_after_two_mib(p):
+        seen.append(p)
+        if p.done >= 2 << 20:
+            hub.short = 0
+    t = threading.Thread(target=lambda: out.append(_outcome(listing, f, cut_after_two_mib)), daemon=True)
+    t.start()
+    t.join(30)
+    assert not t.is_alive(), "the transfer kept asking"
+    assert isinstance(out[0], HubError)
+    assert re.search(rf"ends the transfer at byte \d+ of {f.size} without sending more; [1-9]\d* MiB.*kept", str(out[0]))
+    assert len([p for _, p, _, _ in hub.requests if p.startswith("/blob/")]) < 12
+
+
+def _outcome(listing, f, report):
+    try:
+        return download_model(listing, f, None, report=report)
+    except HubError as exc:
+        return exc

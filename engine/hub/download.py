@@ -212,6 +212,7 @@ def _transfer(f: HubFile, commit: str, part: Path, report: Report | None, cancel
     failures = 0
     try:
         while (have := part.stat().st_size) < (f.size or 0):
+            why: HubError | None = None
             try:
                 with hub_errors(f"{f.repo}/{f.name}"):
                     _stream(target, headers, part, f.size or 0, bar, cancel)
@@ -220,9 +221,14 @@ def _transfer(f: HubFile, commit: str, part: Path, report: Report | None, cancel
             except HubError as exc:
                 if cancel is not None and cancel.is_set():
                     raise bar.cancelled() from exc
-                failures = 0 if part.stat().st_size > have else failures + 1
-                if failures > _RETRIES or not isinstance(exc.__cause__, httpx2.TransportError):
+                if not isinstance(exc.__cause__, httpx2.TransportError):
                     raise
+                why = exc
+            failures = 0 if part.stat().st_size > have else failures + 1
+            if failures > _RETRIES:
+                raise why or HubError(f"{f.repo}/{f.name}: the server ends the transfer at byte {have} of {f.size} "
+                                      "without sending more")
+            if why is not None:
                 (cancel or threading.Event()).wait(1.0)
     except DownloadCancelled:
         raise
