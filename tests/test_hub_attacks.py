@@ -223,3 +223,16 @@ def _outcome(listing, f, report):
         return download_model(listing, f, None, report=report)
     except HubError as exc:
         return exc
+
+
+def test_fitting_every_quant_reads_the_tower_header_once(hub, synth_files):
+    from engine.hub.download import pick_mmproj
+    for q in ("Q4_0", "Q5_0"):      # more quants of the same model (same bytes: only the names differ)
+        hub.repos[REPO].files[f"Tiny-{q}.gguf"] = synth_files["Tiny-Q8_0.gguf"]
+    hub.repos[REPO].sha = "f" * 40
+    listing = list_repo(REPO)
+    tower = pick_mmproj(listing)
+    fits = [fit_remote(listing, f, tower, 1024, MACHINE) for f in listing.models]
+    assert len(fits) == 3 and {x.vision for x in fits} == {fits[0].vision} and fits[0].vision > 0
+    mm_blob = f"/blob/{tower.sha256}"
+    assert len([p for m, p, _, _ in hub.requests if m == "GET" and p == mm_blob]) == 1

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import functools
 import hashlib
 import os
 import shutil
@@ -98,8 +99,15 @@ def fit_remote(listing: RepoListing, f: HubFile, mmproj: HubFile | None, context
         ModelFormatError / HubError: see :func:`remote_header`.
     """
     gguf = GGUFFile.from_header(remote_header(listing.repo, f, listing.commit))
-    mm = remote_header(listing.repo, mmproj, listing.commit) if mmproj is not None else None
+    mm = _tower_header(listing.repo, mmproj, listing.commit) if mmproj is not None else None
     return estimate(gguf, f.size or 0, context, machine, mm)
+
+
+@functools.lru_cache(maxsize=4)
+def _tower_header(repo: str, f: HubFile, revision: str) -> Header:
+    """:func:`remote_header` of a vision tower, kept for the next file's fit: every quant of a repository is
+    fitted with the same tower, which would otherwise be read once per quant (failures are not kept)."""
+    return remote_header(repo, f, revision)
 
 
 def pick_mmproj(listing: RepoListing) -> HubFile | None:
