@@ -236,3 +236,21 @@ def test_fitting_every_quant_reads_the_tower_header_once(hub, synth_files):
     assert len(fits) == 3 and {x.vision for x in fits} == {fits[0].vision} and fits[0].vision > 0
     mm_blob = f"/blob/{tower.sha256}"
     assert len([p for m, p, _, _ in hub.requests if m == "GET" and p == mm_blob]) == 1
+
+
+@pytest.mark.parametrize("bad", ["notaurl", "ftp://mirror.example"])
+def test_hf_endpoint_that_is_not_a_url_is_named(hub, monkeypatch, bad):
+    monkeypatch.setenv("HF_ENDPOINT", bad)
+    with pytest.raises(HubError, match="is not an http:// or https:// URL.*HF_ENDPOINT"):
+        list_repo(REPO)
+
+
+@pytest.mark.parametrize("name", ["/abs/Evil-Q8_0.gguf", "sub/../../../Evil-Q8_0.gguf", "a\\..\\Evil-Q8_0.gguf"])
+def test_file_names_with_paths_are_left_out_of_the_listing(hub, synth_files, name):
+    """A listing naming a file by an absolute path or with '..' (its URL would leave the repository, its
+    name the store) is left out; with nothing else there, the repo holds no GGUF."""
+    hub.repos[REPO].files = {name: synth_files["Tiny-Q8_0.gguf"]}
+    with pytest.raises(HubError, match="holds no GGUF"):
+        list_repo(REPO)
+    hub.repos[REPO].files["ok/Tiny-Q8_0.gguf"] = synth_files["Tiny-Q8_0.gguf"]
+    assert [f.name for f in list_repo(REPO).models] == ["ok/Tiny-Q8_0.gguf"]

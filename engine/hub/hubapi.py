@@ -95,6 +95,9 @@ def hub_errors(what: str) -> Iterator[None]:
     except httpx2.TooManyRedirects as exc:
         raise HubError(f"{what}: the hub's redirects go round in a loop ({exc}); try again later or another "
                        "HF_ENDPOINT") from exc
+    except httpx2.UnsupportedProtocol as exc:
+        raise HubError(f"{what}: the hub address {endpoint()!r} is not an http:// or https:// URL (check "
+                       "HF_ENDPOINT)") from exc
     except httpx2.RequestError as exc:
         raise HubError(f"{what}: the transfer failed ({type(exc).__name__}: {exc}); try again") from exc
 
@@ -139,13 +142,20 @@ def list_repo(repo: str) -> RepoListing:
     with hub_errors(repo):
         info = HfApi(endpoint=endpoint(), token=token() or False).model_info(repo, files_metadata=True)
     files = [HubFile(repo, s.rfilename, s.size, _sha256(s.lfs.sha256) if s.lfs is not None else None)
-             for s in info.siblings or [] if s.rfilename.lower().endswith(".gguf")]
+             for s in info.siblings or [] if s.rfilename.lower().endswith(".gguf") and _plain_path(s.rfilename)]
     if not files:
         raise HubError(f"{repo}: the repository holds no GGUF file (DeltaDesk loads GGUF models only)")
     whole = [f for f in files if not is_split(f.name)]
     return RepoListing(repo, info.sha or "main", tuple(f for f in whole if not is_mmproj(f.name)),
                        tuple(f for f in whole if is_mmproj(f.name)),
                        tuple(f.name for f in files if is_split(f.name)), bool(info.gated))
+
+
+def _plain_path(name: str) -> bool:
+    """True for a file path a repository can hold: relative, no ``..`` or empty parts, no backslash or NUL (a
+    listing naming another is left out: its URL would leave the repository and its name the store)."""
+    parts = name.split("/")
+    return not any(p in ("", ".", "..") for p in parts) and "\\" not in name and "\0" not in name
 
 
 def _sha256(value: object) -> str | None:
