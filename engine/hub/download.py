@@ -157,7 +157,7 @@ class _Bar:
 
     def cancelled(self) -> DownloadCancelled:
         """The error that says the download was cancelled and what is kept."""
-        return DownloadCancelled(f"{self.name}: download cancelled; {self.done >> 20} MiB kept, the next pull "
+        return DownloadCancelled(f"{self.name}: download cancelled; {self.done / 2**20:.1f} MiB kept, the next pull "
                                  "resumes it")
 
     def restart(self) -> None:
@@ -241,10 +241,10 @@ def _transfer(f: HubFile, commit: str, part: Path, report: Report | None, cancel
     except DownloadCancelled:
         raise
     except HubError as exc:
-        raise HubError(f"{exc}; {part.stat().st_size >> 20} MiB downloaded are kept in {part.parent}, the next "
+        raise HubError(f"{exc}; {part.stat().st_size / 2**20:.1f} MiB downloaded are kept in {part.parent}, the next "
                        "pull resumes") from exc
     except OSError as exc:
-        kept = part.stat().st_size >> 20 if part.exists() else 0
+        kept = f"{part.stat().st_size / 2**20:.1f}" if part.exists() else "0"
         why = "the disk is full" if exc.errno == errno.ENOSPC else f"the transfer failed ({exc})"
         raise HubError(f"{f.repo}/{f.name}: {why}; {kept} MiB downloaded are kept in {part.parent}: free space "
                        "and pull again to resume") from exc
