@@ -254,3 +254,19 @@ def test_file_names_with_paths_are_left_out_of_the_listing(hub, synth_files, nam
         list_repo(REPO)
     hub.repos[REPO].files["ok/Tiny-Q8_0.gguf"] = synth_files["Tiny-Q8_0.gguf"]
     assert [f.name for f in list_repo(REPO).models] == ["ok/Tiny-Q8_0.gguf"]
+
+
+def test_cli_pull_says_why_when_no_file_is_usable(hub, synth_files, capsys):
+    """Two files of an architecture the engine does not run: the reasons, not "no file fits this RAM"."""
+    from engine.__main__ import main
+    data = synth_files["Tiny-Q8_0.gguf"]
+    at = data.index(b"qwen35moe", data.index(b"general.architecture"))
+    llama = data[:at] + b"llama_moe" + data[at + 9:]
+    hub.repos["tester/Llama-GGUF"] = FakeRepo({"Llama-Q8_0.gguf": llama, "Llama-Q4_0.gguf": llama})
+    assert main(["pull", "tester/Llama-GGUF"]) == 2
+    err = capsys.readouterr().err
+    assert "none of its 2 model files can be used here" in err and "llama_moe" in err and "RAM" not in err.split(
+        "error:")[-1]
+    assert main(["pull", REPO, "--context", "0"]) == 2
+    assert "--context must be at least 1 token" in capsys.readouterr().err
+    assert not [p for _, p, _, _ in hub.requests if p.startswith(f"/api/models/{REPO}")]

@@ -56,6 +56,8 @@ def _fits(args: argparse.Namespace, listing, machine, mmproj) -> dict[str, Fit]:
 def cmd_pull(args: argparse.Namespace) -> int:
     """Fit, then download; exit status 2 with one line on stderr on any error. ``REPO:QUANT`` (the name
     ``--model`` takes) stands for ``REPO --quant QUANT``."""
+    if args.context < 1:
+        raise EngineError(f"--context must be at least 1 token, got {args.context}")
     repo, _, quant = args.repo.partition(":")
     if quant and not (args.file or args.quant):
         args.quant = quant
@@ -69,6 +71,10 @@ def cmd_pull(args: argparse.Namespace) -> int:
     for name, fit in fits.items():
         print(f"  {name}: {fit.summary()}", file=sys.stderr)
     chosen = next(iter(fits)) if (args.file or args.quant) else recommend(fits)
+    if not fits:
+        print(f"error: {listing.repo}: none of its {len(listing.models)} model files can be used here (the reasons "
+              "are above)", file=sys.stderr)
+        return 2
     if chosen is None:
         print(f"error: {listing.repo}: no file fits this machine's RAM; name one with --quant or --file to "
               "download it anyway", file=sys.stderr)
