@@ -31,13 +31,14 @@ MARKS = {"fits": "\u2714 fits", "tight": "\u25cb tight", "does not fit": "\u2716
 @dataclass
 class Row:
     """One file the browser offers: its repo and file, its catalogue model (None for a typed repo), and its
-    fit with where the fit came from ("size" or "header")."""
+    fit with where the fit came from ("size" or "header"), or why its header says it cannot be used."""
 
     file: hub.HubFile
     model: hub.CatalogueModel | None
     publisher: str
     fit: hub.Fit | None = None
     basis: str = ""
+    error: str = ""
 
 
 class _Bridge(QObject):
@@ -233,6 +234,7 @@ class ModelBrowser(QDialog):
             fit = r.fit
             cells = (name, r.file.quant or "?", f"{r.file.size / GIB:.2f} GiB" if r.file.size else "?",
                      (f"{MARKS[fit.verdict]} ({r.basis}) {star}".strip() if fit
+                      else "\u2716 cannot be used" if r.error
                       else "measuring\u2026" if self.machine is None else "not checked"),
                      f"{fit.ram / GIB:.1f} GiB" if fit else "", f"~{fit.tok_s[1]:.1f} tok/s" if fit else "",
                      r.publisher)
@@ -240,6 +242,8 @@ class ModelBrowser(QDialog):
                 item = QTableWidgetItem(text)
                 if fit is not None and c == 3:
                     item.setToolTip("\n".join([fit.summary(), *fit.details()]))
+                elif r.error and c == 3:
+                    item.setToolTip(r.error)
                 self.table.setItem(i, c, item)
         self._filter(self.search.text())
 
@@ -311,7 +315,8 @@ class ModelBrowser(QDialog):
         model = next((m for m in hub.catalogue() for r in m.repos if r.repo.lower() == repo.lower()), None)
         publisher = next((r.publisher for r in model.repos if r.repo.lower() == repo.lower()), "") if model else ""
         self.rows = [r for r in self.rows if r.file.repo.lower() != repo.lower()]
-        self.rows += [Row(f, model, publisher or repo.split("/")[0], fits.get(f.name), "header") for f in listing.models]
+        self.rows += [Row(f, model, publisher or repo.split("/")[0], fits.get(f.name), "header", errors.get(f.name, ""))
+                      for f in listing.models]
         self._show_rows()
         bad = "; ".join(f"{n}: {e}" for n, e in errors.items())
         self.status.emit(f"{repo}: {len(listing.models)} GGUF files listed" + (f"; not usable: {bad}" if bad else ""))
@@ -330,7 +335,7 @@ class ModelBrowser(QDialog):
     def download_selected(self) -> None:
         """Download the selected file and its repository's mmproj (resuming a cancelled download)."""
         row = self.selected_row()
-        if row is None or self.cancel is not None:
+        if row is None or row.error or self.cancel is not None:
             return
         self.cancel = cancel = threading.Event()
         repo, name = row.file.repo, row.file.name
@@ -416,7 +421,8 @@ class ModelBrowser(QDialog):
 
     def _update_buttons(self) -> None:
         busy = self.cancel is not None
-        self.download_button.setEnabled(not busy and self.selected_row() is not None)
+        row = self.selected_row()
+        self.download_button.setEnabled(not busy and row is not None and not row.error)
         self.check_button.setEnabled(self.selected_row() is not None)
         self.cancel_button.setEnabled(busy)
         has = self.selected_entry() is not None if hasattr(self, "entries") else False

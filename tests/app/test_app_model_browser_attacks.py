@@ -76,3 +76,18 @@ def test_escape_stops_the_download(qtbot, fake):
     b.reject()                                          # what Esc does
     qtbot.waitUntil(lambda: bool(ended))
     assert "cancelled" in ended[0] and hub.ModelStore().models() == []
+
+
+def test_a_file_whose_header_is_refused_is_marked_and_not_downloadable(qtbot, fake, synth_pair):
+    data = synth_pair["Tiny-Q8_0.gguf"]
+    at = data.index(b"qwen35moe", data.index(b"general.architecture"))
+    fake.repos["tester/Llama-GGUF"] = base.FakeRepo({"Llama-Q8_0.gguf": data[:at] + b"llama_moe" + data[at + 9:]})
+    b = base._browser(qtbot)
+    b.search.setText("tester/Llama-GGUF")
+    with qtbot.waitSignal(b.bridge.listed):
+        b.search.returnPressed.emit()
+    (row,) = [r for r in b.rows if r.file.repo == "tester/Llama-GGUF"]
+    cell = b.table.item(b.rows.index(row), 3)
+    assert cell.text() == "\u2716 cannot be used" and "llama_moe" in cell.toolTip()
+    b.select(row)
+    assert not b.download_button.isEnabled() and b.check_button.isEnabled()
