@@ -49,6 +49,7 @@ class _Bridge(QObject):
     done = Signal(object)                              # hub.Downloaded
     failed = Signal(str, bool)                         # message, whether it was the download that failed
     measured = Signal(object)                          # hub.Machine
+    deleted = Signal(str, int)                         # model name, paths removed
 
 
 def _size_fit(model: hub.CatalogueModel | None, f: hub.HubFile, context: int, machine: hub.Machine) -> hub.Fit | None:
@@ -94,6 +95,7 @@ class ModelBrowser(QDialog):
         self.bridge.done.connect(self._downloaded)
         self.bridge.failed.connect(self._failed)
         self.bridge.measured.connect(self._measured)
+        self.bridge.deleted.connect(self._deleted)
         self._build()
         self._catalogue_rows()
         self.refresh_downloaded()
@@ -415,8 +417,16 @@ class ModelBrowser(QDialog):
                                       "its prefix snapshots from this disk?")
         if answer != QMessageBox.Yes:
             return
-        removed = hub.delete_model(entry, self.store, self.snapshot_dir)
-        self.status.emit(f"Deleted {entry.name} ({len(removed)} files and folders)")
+        store, snapshots = self.store, self.snapshot_dir
+
+        def work() -> None:          # opening the file for its snapshot folder reads its ~11 MB header
+            removed = hub.delete_model(entry, store, snapshots)
+            self.bridge.deleted.emit(entry.name, len(removed))
+        self.status.emit(f"Deleting {entry.name}\u2026")
+        self._run(f"deleting {entry.name}", work)
+
+    def _deleted(self, name: str, count: int) -> None:
+        self.status.emit(f"Deleted {name} ({count} files and folders)")
         self.refresh_downloaded()
 
     def _update_buttons(self) -> None:

@@ -91,3 +91,24 @@ def test_a_file_whose_header_is_refused_is_marked_and_not_downloadable(qtbot, fa
     assert cell.text() == "\u2716 cannot be used" and "llama_moe" in cell.toolTip()
     b.select(row)
     assert not b.download_button.isEnabled() and b.check_button.isEnabled()
+
+
+def test_delete_opens_the_file_off_the_gui_thread(qtbot, fake, monkeypatch):
+    """Deleting opens the model file for its snapshot folder (an ~11 MB header for a real model, ~0.7 s
+    here): that runs on a thread, and the list follows when it is done."""
+    from PySide6.QtWidgets import QMessageBox
+    store = hub.ModelStore()
+    entry = hub.Downloaded(REPO, "Tiny-Q8_0.gguf", "Q8_0", 4, "ab" * 32, "c" * 40)
+    store.path(REPO, entry.file).parent.mkdir(parents=True)
+    store.path(REPO, entry.file).write_bytes(b"GGUF")
+    store.add(entry)
+    threads = []
+    real = hub.delete_model
+    monkeypatch.setattr(hub, "delete_model", lambda *a: threads.append(threading.current_thread()) or real(*a))
+    monkeypatch.setattr(QMessageBox, "question", lambda *a, **k: QMessageBox.Yes)
+    b = base._browser(qtbot)
+    b.downloaded.selectRow(0)
+    with qtbot.waitSignal(b.bridge.deleted):
+        b.delete_button.click()
+    assert threads and threading.main_thread() not in threads
+    assert b.downloaded.rowCount() == 0 and store.models() == []
