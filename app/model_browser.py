@@ -3,8 +3,9 @@ with progress, cancel and resume, and the downloaded models (open, delete with t
 
 Fit marks come from :mod:`engine.hub`: from a catalogue file's size and its model's shapes until its
 repository is listed live (a typed ``owner/name``, or "Check fit"), then from each file's header, read with
-ranged requests before anything is downloaded. Hub calls run on a thread of their own; their results come
-back as Qt signals of :class:`_Bridge`.
+ranged requests before anything is downloaded. Hub calls, and the first measurement of this machine's
+memory bandwidth (about two seconds), run on threads of their own; their results come back as Qt signals
+of :class:`_Bridge`, so nothing network- or measurement-bound runs on the GUI thread.
 """
 
 from __future__ import annotations
@@ -30,13 +31,14 @@ MARKS = {"fits": "\u2714 fits", "tight": "\u25cb tight", "does not fit": "\u2716
 @dataclass
 class Row:
     """One file the browser offers: its repo and file, its catalogue model (None for a typed repo), and its
-    fit with where the fit came from ("size" or "header")."""
+    fit with where the fit came from ("size" or "header"), or why its header says it cannot be used."""
 
     file: hub.HubFile
     model: hub.CatalogueModel | None
     publisher: str
     fit: hub.Fit | None = None
     basis: str = ""
+    error: str = ""
 
 
 class _Bridge(QObject):
@@ -45,7 +47,9 @@ class _Bridge(QObject):
     listed = Signal(str, object, object, object)      # repo, RepoListing, {name: Fit}, {name: error}
     progress = Signal(object)                          # hub.Progress
     done = Signal(object)                              # hub.Downloaded
-    failed = Signal(str)
+    failed = Signal(str, bool)                         # message, whether it was the download that failed
+    measured = Signal(object)                          # hub.Machine
+    deleted = Signal(str, int)                         # model name, paths removed
 
 
 def _size_fit(model: hub.CatalogueModel | None, f: hub.HubFile, context: int, machine: hub.Machine) -> hub.Fit | None:
@@ -61,7 +65,7 @@ class ModelBrowser(QDialog):
     """The browser dialog.
 
     Args:
-        machine: what fits are computed for (None: this machine, measured on first use).
+        machine: what fits are computed for (None: this machine, measured on a thread; the fits appear then).
         context: context window of the fits, tokens. snapshot_dir: the engine's snapshot folder (deleting a
         model deletes its snapshots there). store: the downloaded models (default store).
 
@@ -78,7 +82,8 @@ class ModelBrowser(QDialog):
         super().__init__(parent)
         self.setWindowTitle("Models")
         self.resize(980, 620)
-        self.machine = machine or hub.this_machine()
+        self.machine = machine
+        self._have_machine = threading.Event()
         self.context = context
         self.snapshot_dir = snapshot_dir
         self.store = store or hub.ModelStore()
@@ -89,9 +94,15 @@ class ModelBrowser(QDialog):
         self.bridge.progress.connect(self._progress)
         self.bridge.done.connect(self._downloaded)
         self.bridge.failed.connect(self._failed)
+        self.bridge.measured.connect(self._measured)
+        self.bridge.deleted.connect(self._deleted)
         self._build()
         self._catalogue_rows()
         self.refresh_downloaded()
+        if machine is None:
+            self._measure()
+        else:
+            self._have_machine.set()
 
     # ---- layout ------------------------------------------------------------------------------------
     def _build(self) -> None:
@@ -102,11 +113,9 @@ class ModelBrowser(QDialog):
         self.search.textChanged.connect(self._filter)
         self.search.returnPressed.connect(self._search_entered)
         col.addWidget(self.search)
-        self.machine_line = QLabel(
-            f"This machine: {self.machine.ram_bytes / GIB:.1f} GiB RAM, stream read {self.machine.bandwidth_gbps:.1f} "
-            f"GB/s; fits at {self.context} tokens of context. Decode speeds are estimates (stream read x the "
-            "measured roofline fraction); \u201c(size)\u201d marks come from the file size until its header is read.")
+        self.machine_line = QLabel()
         self.machine_line.setWordWrap(True)
+        self._machine_text()
         col.addWidget(self.machine_line)
         token_row = QHBoxLayout()
         self.token = QLineEdit()
@@ -152,6 +161,35 @@ class ModelBrowser(QDialog):
         col.addLayout(row)
         self._update_buttons()
 
+    def _machine_text(self) -> None:
+        m = self.machine
+        head = (f"This machine: {m.ram_bytes / GIB:.1f} GiB RAM, stream read {m.bandwidth_gbps:.1f} GB/s"
+                if m is not None else "This machine: measuring its memory bandwidth for the fit estimates\u2026")
+        self.machine_line.setText(
+            f"{head}; fits at {self.context} tokens of context. Decode speeds are estimates (stream read x the "
+            "measured roofline fraction); \u201c(size)\u201d marks come from the file size until its header is read.")
+
+    def _measure(self) -> None:
+        """Measure this machine on a thread (the bandwidth is cached after the first time)."""
+        def body() -> None:
+            try:
+                machine = hub.this_machine()
+            except Exception:  # noqa: BLE001 - no measurement: fits from RAM alone would mislead, so none
+                machine = None
+            self.machine = machine
+            self._have_machine.set()
+            if machine is not None:
+                self.bridge.measured.emit(machine)
+        threading.Thread(target=body, name="hub-measure", daemon=True).start()
+
+    def _measured(self, machine: hub.Machine) -> None:
+        """The machine is known: fill the size fits of the rows not yet read from a header."""
+        self._machine_text()
+        for r in self.rows:
+            if r.basis == "size":
+                r.fit = _size_fit(r.model, r.file, self.context, machine)
+        self._show_rows()
+
     def _table(self, headers: tuple[str, ...]) -> QTableWidget:
         t = QTableWidget(0, len(headers))
         t.setHorizontalHeaderLabels(headers)
@@ -184,8 +222,8 @@ class ModelBrowser(QDialog):
         for model in hub.catalogue():
             for repo in model.repos:
                 for f in repo.files:
-                    self.rows.append(Row(f, model, repo.publisher, _size_fit(model, f, self.context, self.machine),
-                                         "size"))
+                    fit = _size_fit(model, f, self.context, self.machine) if self.machine is not None else None
+                    self.rows.append(Row(f, model, repo.publisher, fit, "size"))
         self._show_rows()
 
     def _show_rows(self) -> None:
@@ -197,13 +235,17 @@ class ModelBrowser(QDialog):
             star = "\u2605 recommended" if id(r) in recommended else ""
             fit = r.fit
             cells = (name, r.file.quant or "?", f"{r.file.size / GIB:.2f} GiB" if r.file.size else "?",
-                     (f"{MARKS[fit.verdict]} ({r.basis}) {star}".strip() if fit else "not checked"),
+                     (f"{MARKS[fit.verdict]} ({r.basis}) {star}".strip() if fit
+                      else "\u2716 cannot be used" if r.error
+                      else "measuring\u2026" if self.machine is None else "not checked"),
                      f"{fit.ram / GIB:.1f} GiB" if fit else "", f"~{fit.tok_s[1]:.1f} tok/s" if fit else "",
                      r.publisher)
             for c, text in enumerate(cells):
                 item = QTableWidgetItem(text)
                 if fit is not None and c == 3:
                     item.setToolTip("\n".join([fit.summary(), *fit.details()]))
+                elif r.error and c == 3:
+                    item.setToolTip(r.error)
                 self.table.setItem(i, c, item)
         self._filter(self.search.text())
 
@@ -240,23 +282,27 @@ class ModelBrowser(QDialog):
         self.table.selectRow(self.rows.index(row))
 
     # ---- hub calls (on a thread) -------------------------------------------------------------------
-    def _run(self, what: str, fn) -> None:
+    def _run(self, what: str, fn, download: bool = False) -> None:
         def body() -> None:
             try:
                 fn()
             except EngineError as exc:
-                self.bridge.failed.emit(str(exc))
+                self.bridge.failed.emit(str(exc), download)
             except Exception as exc:  # noqa: BLE001 - a failed hub call is reported, never a crash
-                self.bridge.failed.emit(f"{what}: {type(exc).__name__}: {exc}")
+                self.bridge.failed.emit(f"{what}: {type(exc).__name__}: {exc}", download)
         threading.Thread(target=body, name=f"hub-{what}", daemon=True).start()
 
     def list_repo(self, repo: str) -> None:
         """List ``repo`` live and read each model file's header for its fit (on the hub thread)."""
         self.status.emit(f"Listing {repo} and reading the headers of its GGUF files\u2026")
-        context, machine = self.context, self.machine
+        context, ready = self.context, self._have_machine
 
         def work() -> None:
             listing = hub.list_repo(repo)
+            ready.wait(120)
+            machine = self.machine
+            if machine is None:
+                raise EngineError("this machine's memory bandwidth could not be measured, so no fit is shown")
             mmproj = hub.pick_mmproj(listing)
             fits, errors = {}, {}
             for f in listing.models:
@@ -271,7 +317,8 @@ class ModelBrowser(QDialog):
         model = next((m for m in hub.catalogue() for r in m.repos if r.repo.lower() == repo.lower()), None)
         publisher = next((r.publisher for r in model.repos if r.repo.lower() == repo.lower()), "") if model else ""
         self.rows = [r for r in self.rows if r.file.repo.lower() != repo.lower()]
-        self.rows += [Row(f, model, publisher or repo.split("/")[0], fits.get(f.name), "header") for f in listing.models]
+        self.rows += [Row(f, model, publisher or repo.split("/")[0], fits.get(f.name), "header", errors.get(f.name, ""))
+                      for f in listing.models]
         self._show_rows()
         bad = "; ".join(f"{n}: {e}" for n, e in errors.items())
         self.status.emit(f"{repo}: {len(listing.models)} GGUF files listed" + (f"; not usable: {bad}" if bad else ""))
@@ -290,7 +337,7 @@ class ModelBrowser(QDialog):
     def download_selected(self) -> None:
         """Download the selected file and its repository's mmproj (resuming a cancelled download)."""
         row = self.selected_row()
-        if row is None or self.cancel is not None:
+        if row is None or row.error or self.cancel is not None:
             return
         self.cancel = cancel = threading.Event()
         repo, name = row.file.repo, row.file.name
@@ -304,7 +351,7 @@ class ModelBrowser(QDialog):
             entry = hub.download_model(listing, f, hub.pick_mmproj(listing), self.store, self.bridge.progress.emit,
                                        cancel)
             self.bridge.done.emit(entry)
-        self._run(f"downloading {name}", work)
+        self._run(f"downloading {name}", work, download=True)
 
     def cancel_download(self) -> None:
         """Stop the download under way; what arrived is kept and the next download resumes it."""
@@ -326,8 +373,9 @@ class ModelBrowser(QDialog):
         self.status.emit(f"Downloaded {entry.name} (sha256 verified)")
         self.refresh_downloaded(select=entry)
 
-    def _failed(self, message: str) -> None:
-        self.cancel = None
+    def _failed(self, message: str, download: bool) -> None:
+        if download:
+            self.cancel = None
         self.progress_label.setText(message)
         self.status.emit(message)
         self._update_buttons()
@@ -369,23 +417,32 @@ class ModelBrowser(QDialog):
                                       "its prefix snapshots from this disk?")
         if answer != QMessageBox.Yes:
             return
-        removed = hub.delete_model(entry, self.store, self.snapshot_dir)
-        self.status.emit(f"Deleted {entry.name} ({len(removed)} files and folders)")
+        store, snapshots = self.store, self.snapshot_dir
+
+        def work() -> None:          # opening the file for its snapshot folder reads its ~11 MB header
+            removed = hub.delete_model(entry, store, snapshots)
+            self.bridge.deleted.emit(entry.name, len(removed))
+        self.status.emit(f"Deleting {entry.name}\u2026")
+        self._run(f"deleting {entry.name}", work)
+
+    def _deleted(self, name: str, count: int) -> None:
+        self.status.emit(f"Deleted {name} ({count} files and folders)")
         self.refresh_downloaded()
 
     def _update_buttons(self) -> None:
         busy = self.cancel is not None
-        self.download_button.setEnabled(not busy and self.selected_row() is not None)
+        row = self.selected_row()
+        self.download_button.setEnabled(not busy and row is not None and not row.error)
         self.check_button.setEnabled(self.selected_row() is not None)
         self.cancel_button.setEnabled(busy)
         has = self.selected_entry() is not None if hasattr(self, "entries") else False
         self.open_button.setEnabled(has)
         self.delete_button.setEnabled(has)
 
-    def closeEvent(self, event) -> None:
-        """Closing stops a download under way (it resumes next time)."""
+    def done(self, result: int) -> None:
+        """Closing (the close button, Esc, Open) stops a download under way (it resumes next time)."""
         self.cancel_download()
-        super().closeEvent(event)
+        super().done(result)
 
 
 def show_model_browser(window) -> ModelBrowser:

@@ -34,6 +34,9 @@ _MAX_HEADER = 1 << 30        # metadata + tensor table; real files have ~10 MB
 _MAX_STRING = 64 << 20       # one metadata string (chat templates are ~20 KB)
 _MAX_ARRAY_DEPTH = 3
 _MAX_DIMS = 4                # GGML_MAX_DIMS
+_MAX_KV = 1 << 16            # metadata keys; real files have < 100 (a key of ~13 bytes parses in ~5 us: without
+                             # a bound a 256 MiB header of tiny keys takes minutes and GBs of dicts)
+_MAX_TENSORS = 1 << 17       # tensor-table entries; the largest released models have a few thousand
 
 _U32 = struct.Struct("<I")
 _U64 = struct.Struct("<Q")
@@ -202,6 +205,9 @@ def _counts(r: _HeaderReader) -> tuple[int, int]:
     n_tensors = r.scalar(_U64, "the tensor count")
     n_kv = r.scalar(_U64, "the key/value count")
     left = r.size - r.off
+    if n_kv > _MAX_KV or n_tensors > _MAX_TENSORS:
+        raise r.fail(f"header claims {n_kv} metadata keys and {n_tensors} tensors (limits {_MAX_KV} and "
+                     f"{_MAX_TENSORS}; corrupt or not a model file)")
     if n_kv * _MIN_KV > left:
         raise r.fail(f"header claims {n_kv} metadata keys; the {left} bytes of the file cannot hold that many "
                      "(truncated or corrupt GGUF)")

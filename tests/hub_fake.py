@@ -11,7 +11,11 @@
 Errors as the hub sends them: ``X-Error-Code: RepoNotFound`` / ``EntryNotFound`` / ``GatedRepo`` (404 / 404 /
 403), and 401 with ``X-Error-Message: Invalid credentials in Authorization header`` for a token not in
 ``tokens``. Faults to inject: ``drop_after`` (close the connection after that many body bytes, once per
-blob), ``corrupt`` (serve other bytes than the listed sha256), ``delay`` (seconds per 64 KiB chunk).
+blob), ``corrupt`` (serve other bytes than the listed sha256), ``delay`` (seconds per 64 KiB chunk),
+``stall_after`` (once: stop sending after that many body bytes until ``release`` is set, at most 30 s),
+``redirect_loop`` (the CDN redirects every blob to itself), ``short`` (every answer ends, cleanly, after that
+many body bytes), ``listed_sha256`` (this string instead of each
+file's sha256 in the listing).
 Every request is logged in ``requests`` as (method, path, Range header, Authorization header).
 """
 
@@ -45,6 +49,11 @@ class FakeHub:
     drop_after: int | None = None
     corrupt: bool = False
     delay: float = 0.0
+    stall_after: int | None = None
+    release: threading.Event = field(default_factory=threading.Event)
+    redirect_loop: bool = False
+    short: int | None = None
+    listed_sha256: str | None = None
     requests: list[tuple[str, str, str, str]] = field(default_factory=list)
     _dropped: set[str] = field(default_factory=set)
 
@@ -100,8 +109,9 @@ class FakeHub:
         siblings = [{"rfilename": "README.md", "size": 5, "blobId": "0" * 40}]
         for name, data in repo.files.items():
             sha = hashlib.sha256(data).hexdigest()
+            listed = self.listed_sha256 or sha
             siblings.append({"rfilename": name, "size": len(data), "blobId": sha[:40],
-                             "lfs": {"sha256": sha, "size": len(data), "pointerSize": 134}})
+                             "lfs": {"sha256": listed, "size": len(data), "pointerSize": 134}})
         body = json.dumps({"id": repo_id, "sha": repo.sha, "gated": "auto" if repo.gated else False,
                            "private": False, "siblings": siblings}).encode()
         _send(h, 200, body, {"Content-Type": "application/json"}, head)
@@ -123,6 +133,8 @@ class FakeHub:
         data = self.blobs().get(sha)
         if data is None:
             return _send(h, 404, b"", {}, head)
+        if self.redirect_loop:
+            return _send(h, 302, b"", {"Location": f"{self.cdn}/blob/{sha}"}, head)
         if self.corrupt:
             data = bytes(b ^ 0xFF for b in data[:64]) + data[64:]
         start, status, extra = 0, 200, {}
@@ -133,6 +145,8 @@ class FakeHub:
             data_out = data[start:stop]
         else:
             data_out = data
+        if self.short is not None:
+            data_out = data_out[:self.short]
         h.send_response(status)
         for k, v in {"Content-Length": str(len(data_out)), "Accept-Ranges": "bytes", **extra}.items():
             h.send_header(k, v)
@@ -151,6 +165,11 @@ class FakeHub:
         import time
         try:
             for i in range(0, len(body), _CHUNK):
+                if self.stall_after is not None and i >= self.stall_after:
+                    self.stall_after = None
+                    h.wfile.flush()
+                    self.release.wait(30)
+                    return
                 h.wfile.write(body[i:i + _CHUNK])
                 if self.delay:
                     h.wfile.flush()

@@ -54,8 +54,14 @@ def _fits(args: argparse.Namespace, listing, machine, mmproj) -> dict[str, Fit]:
 
 
 def cmd_pull(args: argparse.Namespace) -> int:
-    """Fit, then download; exit status 2 with one line on stderr on any error."""
-    listing = list_repo(args.repo)
+    """Fit, then download; exit status 2 with one line on stderr on any error. ``REPO:QUANT`` (the name
+    ``--model`` takes) stands for ``REPO --quant QUANT``."""
+    if args.context < 1:
+        raise EngineError(f"--context must be at least 1 token, got {args.context}")
+    repo, _, quant = args.repo.partition(":")
+    if quant and not (args.file or args.quant):
+        args.quant = quant
+    listing = list_repo(repo)
     mmproj = None if args.no_mmproj else pick_mmproj(listing)
     machine = this_machine(int(args.vram_budget * GIB) if args.vram_budget else None)
     print(f"[{listing.repo} at {listing.commit[:12]}: {len(listing.models)} model files, "
@@ -65,6 +71,10 @@ def cmd_pull(args: argparse.Namespace) -> int:
     for name, fit in fits.items():
         print(f"  {name}: {fit.summary()}", file=sys.stderr)
     chosen = next(iter(fits)) if (args.file or args.quant) else recommend(fits)
+    if not fits:
+        print(f"error: {listing.repo}: none of its {len(listing.models)} model files can be used here (the reasons "
+              "are above)", file=sys.stderr)
+        return 2
     if chosen is None:
         print(f"error: {listing.repo}: no file fits this machine's RAM; name one with --quant or --file to "
               "download it anyway", file=sys.stderr)
@@ -101,7 +111,7 @@ def cmd_models(args: argparse.Namespace) -> int:
 
 def add_pull(p: argparse.ArgumentParser) -> None:
     """``pull``'s arguments."""
-    p.add_argument("repo", help="hub repository, e.g. unsloth/Qwen3.6-35B-A3B-GGUF")
+    p.add_argument("repo", help="hub repository, e.g. unsloth/Qwen3.6-35B-A3B-GGUF (REPO:QUANT names the quant)")
     which = p.add_mutually_exclusive_group()
     which.add_argument("--file", help="the GGUF file to download (its name in the repository)")
     which.add_argument("--quant", help="the quant to download, e.g. Q4_K_M or UD-Q4_K_XL")

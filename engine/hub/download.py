@@ -1,26 +1,30 @@
 """Fit before download, then download: a file's header from a ranged read, the fit, the transfer with
 progress, cancel and resume, the sha256 check, and the move into the store.
 
-The transfer is ``huggingface_hub``'s ``http_get`` on the file's resolved URL (``get_hf_file_metadata``
-follows the hub's redirect), appending to a staging file under ``.partial`` with a ``Range`` from its
-current length: a download that was cancelled, cut off or stopped by a full disk resumes where it
-stopped, at the next call or inside ``http_get``'s own retries. Once the bytes are all there the file's
+The transfer is a ranged GET through ``huggingface_hub``'s HTTP session of the file's resolved URL
+(``get_hf_file_metadata`` follows the hub's redirect), appending to a staging file under ``.partial`` from
+its current length, each network read as it arrives (a cancel ends a stalled read at once): a download
+that was cancelled, cut off or stopped by a full disk resumes where it stopped, at the next call or in
+this call's own retries. Once the bytes are all there the file's
 sha256 is compared with the hub's LFS sha256; a mismatch deletes the staging file. Only then is the
 file moved into the store (:class:`~engine.hub.store.ModelStore`).
 """
 
 from __future__ import annotations
 
+import contextlib
 import errno
+import functools
 import hashlib
 import os
 import shutil
+import socket
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Self
+from typing import TYPE_CHECKING, Self
 from urllib.parse import urlsplit
 
 from ..gguf_file import GGUFFile
@@ -30,6 +34,9 @@ from .fit import Fit, Machine, estimate
 from .hubapi import HubError, RepoListing, endpoint, hub_errors, read_range, token
 from .store import Downloaded, ModelStore
 
+if TYPE_CHECKING:
+    import httpx2
+
 FIRST_READ = 4 << 20
 """Bytes of the first ranged read of a header (a Qwen3.5/3.6 header with its vocabulary is ~12 MiB)."""
 MAX_HEADER_READ = 256 << 20
@@ -37,6 +44,8 @@ MAX_HEADER_READ = 256 << 20
 DISK_MARGIN = 64 << 20
 """Free disk kept beyond the bytes a download still needs."""
 _HASH_CHUNK = 8 << 20
+_RETRIES = 5
+"""Connection attempts in a row that may fail without a byte of progress before a transfer gives up."""
 
 
 class DownloadCancelled(HubError):
@@ -90,8 +99,15 @@ def fit_remote(listing: RepoListing, f: HubFile, mmproj: HubFile | None, context
         ModelFormatError / HubError: see :func:`remote_header`.
     """
     gguf = GGUFFile.from_header(remote_header(listing.repo, f, listing.commit))
-    mm = remote_header(listing.repo, mmproj, listing.commit) if mmproj is not None else None
+    mm = _tower_header(listing.repo, mmproj, listing.commit) if mmproj is not None else None
     return estimate(gguf, f.size or 0, context, machine, mm)
+
+
+@functools.lru_cache(maxsize=4)
+def _tower_header(repo: str, f: HubFile, revision: str) -> Header:
+    """:func:`remote_header` of a vision tower, kept for the next file's fit: every quant of a repository is
+    fitted with the same tower, which would otherwise be read once per quant (failures are not kept)."""
+    return remote_header(repo, f, revision)
 
 
 def pick_mmproj(listing: RepoListing) -> HubFile | None:
@@ -124,14 +140,14 @@ def pick_file(listing: RepoListing, file: str | None = None, quant: str | None =
 
 
 class _Bar:
-    """The progress object ``http_get`` drives (``tqdm_class``): counts bytes, reports, and stops the
-    transfer by raising :class:`DownloadCancelled` when ``cancel`` is set."""
+    """Counts the bytes of a transfer, reports them, and stops it by raising :class:`DownloadCancelled` when
+    ``cancel`` is set."""
 
     def __init__(self, name: str, report: Report | None, cancel: threading.Event | None, **kw: object) -> None:
         self.name, self.report, self.cancel = name, report, cancel
         self.total = int(kw.get("total") or 0)
         self.start = self.done = int(kw.get("initial") or 0)
-        self.t0 = self.last = time.monotonic()
+        self.t0, self.last = time.monotonic(), 0.0       # the first bytes are reported at once
 
     def __enter__(self) -> Self:
         return self
@@ -139,11 +155,23 @@ class _Bar:
     def __exit__(self, *exc: object) -> None:
         return None
 
+    def cancelled(self) -> DownloadCancelled:
+        """The error that says the download was cancelled and what is kept."""
+        return DownloadCancelled(f"{self.name}: download cancelled; {self.done / 2**20:.1f} MiB kept, the next pull "
+                                 "resumes it")
+
+    def restart(self) -> None:
+        """The server ignored the range: the count starts again from 0."""
+        self.start = self.done = 0
+
     def update(self, n: int = 1) -> None:
-        """Count ``n`` more bytes; report at most 10 times a second and at the end."""
+        """Count ``n`` more bytes; report at most 10 times a second and at the end.
+
+        Raises:
+            DownloadCancelled: ``cancel`` is set (checked before the bytes are counted and written).
+        """
         if self.cancel is not None and self.cancel.is_set():
-            raise DownloadCancelled(f"{self.name}: download cancelled; {self.done >> 20} MiB kept, the next pull "
-                                    "resumes it")
+            raise self.cancelled()
         self.done += n
         now = time.monotonic()
         if self.report is not None and (now - self.last >= 0.1 or self.done >= self.total):
@@ -173,9 +201,10 @@ def _verify(path: Path, f: HubFile, report: Report | None, cancel: threading.Eve
 
 
 def _transfer(f: HubFile, commit: str, part: Path, report: Report | None, cancel: threading.Event | None) -> None:
-    """Append the rest of ``f`` to ``part`` (resuming from its length)."""
+    """Append the rest of ``f`` to ``part`` (resuming from its length); a dropped or stalled connection is
+    retried from what arrived, up to :data:`_RETRIES` times in a row without progress."""
+    import httpx2
     from huggingface_hub import get_hf_file_metadata, hf_hub_url
-    from huggingface_hub.file_download import http_get
     from huggingface_hub.utils import build_hf_headers
 
     url = hf_hub_url(f.repo, f.name, revision=commit, endpoint=endpoint())
@@ -186,21 +215,100 @@ def _transfer(f: HubFile, commit: str, part: Path, report: Report | None, cancel
     target = meta.location or url
     if urlsplit(target).netloc != urlsplit(url).netloc:
         headers.pop("authorization", None)
-    have = part.stat().st_size if part.exists() else 0
+    part.touch()
+    bar = _Bar(f.name, report, cancel, total=f.size, initial=part.stat().st_size)
+    failures = 0
     try:
-        with open(part, "ab") as fh, hub_errors(f"{f.repo}/{f.name}"):
-            http_get(target, fh, resume_size=have, headers=headers, expected_size=f.size,
-                     tqdm_class=lambda **kw: _Bar(f.name, report, cancel, **kw))
-    except (DownloadCancelled, HubError) as exc:
-        if isinstance(exc, DownloadCancelled):
-            raise
-        kept = part.stat().st_size >> 20 if part.exists() else 0
-        raise HubError(f"{exc}; {kept} MiB downloaded are kept in {part.parent}, the next pull resumes") from exc
+        while (have := part.stat().st_size) < (f.size or 0):
+            why: HubError | None = None
+            try:
+                with hub_errors(f"{f.repo}/{f.name}"):
+                    _stream(target, headers, part, f.size or 0, bar, cancel)
+            except DownloadCancelled:
+                raise
+            except HubError as exc:
+                if cancel is not None and cancel.is_set():
+                    raise bar.cancelled() from exc
+                if not isinstance(exc.__cause__, httpx2.TransportError):
+                    raise
+                why = exc
+            failures = 0 if part.stat().st_size > have else failures + 1
+            if failures > _RETRIES:
+                raise why or HubError(f"{f.repo}/{f.name}: the server ends the transfer at byte {have} of {f.size} "
+                                      "without sending more")
+            if why is not None:
+                (cancel or threading.Event()).wait(1.0)
+    except DownloadCancelled:
+        raise
+    except HubError as exc:
+        raise HubError(f"{exc}; {part.stat().st_size / 2**20:.1f} MiB downloaded are kept in {part.parent}, the next "
+                       "pull resumes") from exc
     except OSError as exc:
-        kept = part.stat().st_size >> 20 if part.exists() else 0
+        kept = f"{part.stat().st_size / 2**20:.1f}" if part.exists() else "0"
         why = "the disk is full" if exc.errno == errno.ENOSPC else f"the transfer failed ({exc})"
         raise HubError(f"{f.repo}/{f.name}: {why}; {kept} MiB downloaded are kept in {part.parent}: free space "
                        "and pull again to resume") from exc
+
+
+def _stream(url: str, headers: dict[str, str], part: Path, size: int, bar: _Bar,
+            cancel: threading.Event | None) -> None:
+    """One GET of bytes ``[len(part), size)`` of ``url``, appended to ``part`` as they arrive. A server that
+    ignores the range starts the file over. Setting ``cancel`` shuts the socket, so a stalled read ends at once.
+
+    Raises:
+        DownloadCancelled: ``cancel`` was set. httpx2 errors: the connection failed, stalled past the timeout
+            or was cut. HfHubHTTPError: an HTTP error status. OSError: the file could not be written.
+    """
+    import httpx2
+    from huggingface_hub import constants
+    from huggingface_hub.utils import get_session, hf_raise_for_status
+
+    have = part.stat().st_size
+    ranged = {**headers, "Accept-Encoding": "identity", **({"Range": f"bytes={have}-"} if have else {})}
+    timeout = httpx2.Timeout(constants.HF_HUB_DOWNLOAD_TIMEOUT)
+    with get_session().stream("GET", url, headers=ranged, follow_redirects=True, timeout=timeout) as response, \
+            _shut_on(cancel, response):
+        hf_raise_for_status(response)
+        if response.status_code != 206 and have:
+            os.truncate(part, 0)
+            bar.restart()
+            have = 0
+        with open(part, "ab") as fh:
+            for chunk in response.iter_bytes():
+                chunk = chunk[:size - have]
+                bar.update(len(chunk))
+                fh.write(chunk)
+                have += len(chunk)
+                if have >= size:
+                    return
+    if cancel is not None and cancel.is_set():
+        raise bar.cancelled()
+
+
+@contextlib.contextmanager
+def _shut_on(cancel: threading.Event | None, response: httpx2.Response) -> Iterator[None]:
+    """While the block runs, a watcher shuts ``response``'s socket down when ``cancel`` is set (a blocked read
+    then returns at once; ``close`` alone would not wake it)."""
+    if cancel is None:
+        yield
+        return
+    done = threading.Event()
+
+    def watch() -> None:
+        while not done.is_set():
+            if cancel.wait(0.05):
+                stream = response.extensions.get("network_stream")
+                sock = stream.get_extra_info("socket") if stream is not None else None
+                with contextlib.suppress(OSError):
+                    if sock is not None:
+                        sock.shutdown(socket.SHUT_RDWR)
+                return
+    watcher = threading.Thread(target=watch, name="hub-cancel", daemon=True)
+    watcher.start()
+    try:
+        yield
+    finally:
+        done.set()
 
 
 def _fetch(store: ModelStore, commit: str, f: HubFile, report: Report | None, cancel: threading.Event | None) -> Path:
@@ -209,14 +317,36 @@ def _fetch(store: ModelStore, commit: str, f: HubFile, report: Report | None, ca
         raise HubError(f"{f.repo}/{f.name}: the hub lists no sha256 or size for it, so it could not be verified")
     part = store.partial(f.repo, f.name, f.sha256)
     part.parent.mkdir(parents=True, exist_ok=True)
-    if part.exists() and part.stat().st_size > f.size:
-        part.unlink()
-    _transfer(f, commit, part, report, cancel)
-    _verify(part, f, report, cancel)
-    dest = store.path(f.repo, f.name)
-    dest.parent.mkdir(parents=True, exist_ok=True)
-    os.replace(part, dest)
+    with _only_one(part, f):
+        if part.is_symlink() or (part.exists() and not part.is_file()) or (part.exists() and part.stat().st_size > f.size):
+            part.unlink()
+        _transfer(f, commit, part, report, cancel)
+        _verify(part, f, report, cancel)
+        dest = store.path(f.repo, f.name)
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        os.replace(part, dest)
     return dest
+
+
+@contextlib.contextmanager
+def _only_one(part: Path, f: HubFile) -> Iterator[None]:
+    """Hold the lock file beside ``part`` while the block runs, so that two downloads of one file (two
+    windows, the app and ``engine pull``) never append to the same staging file.
+
+    Raises:
+        HubError: another download of the file holds the lock.
+    """
+    import filelock
+    lock = filelock.FileLock(f"{part}.lock", timeout=0)
+    try:
+        lock.acquire()
+    except filelock.Timeout as exc:
+        raise HubError(f"{f.repo}/{f.name} is already being downloaded (by another window or `engine pull`); "
+                       "wait for that download or cancel it, then try again") from exc
+    try:
+        yield
+    finally:
+        lock.release()
 
 
 def check_disk(store: ModelStore, files: list[HubFile]) -> None:
@@ -235,7 +365,8 @@ def check_disk(store: ModelStore, files: list[HubFile]) -> None:
 
 def download_model(listing: RepoListing, f: HubFile, mmproj: HubFile | None, store: ModelStore | None = None,
              report: Report | None = None, cancel: threading.Event | None = None) -> Downloaded:
-    """Download model ``f`` and its ``mmproj`` into the store (an mmproj already there and recorded is kept).
+    """Download model ``f`` and its ``mmproj`` into the store; a file already there and recorded (the model
+    with the same sha256) is kept, not fetched again.
 
     Raises:
         HubError: see :func:`hub_errors`; no room on the disk; a sha256 mismatch (the file is deleted); a
@@ -243,9 +374,12 @@ def download_model(listing: RepoListing, f: HubFile, mmproj: HubFile | None, sto
         DownloadCancelled: ``cancel`` was set (what arrived is kept).
     """
     store = store or ModelStore()
+    mine = [d for d in store.models() if d.repo.lower() == listing.repo.lower()]
     have_mm = mmproj is not None and store.path(listing.repo, mmproj.name).is_file() and any(
-        d.repo.lower() == listing.repo.lower() and d.mmproj == mmproj.name for d in store.models())
-    todo = [x for x in (f, None if have_mm else mmproj) if x is not None]
+        d.mmproj == mmproj.name for d in mine)
+    have_f = any(d.file == f.name and d.sha256 == f.sha256 and store.path(d.repo, d.file).stat().st_size == f.size
+                 for d in mine)
+    todo = [x for x in (None if have_f else f, None if have_mm else mmproj) if x is not None]
     check_disk(store, todo)
     for x in todo:
         _fetch(store, listing.commit, x, report, cancel)

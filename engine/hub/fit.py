@@ -26,7 +26,7 @@ from typing import Any
 
 from gguf import GGMLQuantizationType
 
-from ..errors import DeviceError, EngineError
+from ..errors import DeviceError, EngineError, ModelFormatError
 from ..gguf_file import GGUFFile
 from ..gguf_header import Header
 
@@ -145,6 +145,16 @@ def vision_bytes(mmproj: Header | None) -> int:
     return 4 * sum(math.prod(t.ne) for t in mmproj.tensors.values())
 
 
+def check_tower(f: GGUFFile, mmproj: Header | None) -> None:
+    """Raise ModelFormatError when ``mmproj``'s ``clip.vision.projection_dim`` is not ``f``'s hidden size (the
+    check :func:`engine.placement.open_vision` makes at load, made here before downloading)."""
+    width = mmproj.value("clip.vision.projection_dim") if mmproj is not None else None
+    if isinstance(width, int) and width != f.hparams.n_embd:
+        raise ModelFormatError(
+            f"{mmproj.source}: clip.vision.projection_dim = {width} does not match the text model's "
+            f"embedding_length = {f.hparams.n_embd} ({f.source}): not its vision tower (leave it out: --no-mmproj)")
+
+
 def _vram(f: GGUFFile, budget: int | None) -> str:
     if budget is None:
         return "no GPU: prefill runs on the CPU"
@@ -206,9 +216,11 @@ def estimate(f: GGUFFile, file_size: int, context: int, machine: Machine, mmproj
 
     Raises:
         EngineError: ``context`` < 1. UnsupportedModelError: the projector's type is not supported.
+        ModelFormatError: the projector is another model's (:func:`check_tower`).
     """
     if context < 1:
         raise EngineError(f"context must be at least 1 token, got {context}")
+    check_tower(f, mmproj)
     context = min(context, f.hparams.context_length)
     parts = {"weights": file_size, "converted": converted_bytes(f), "state": state_bytes(f.hparams, context),
              "vocab": vocab_bytes(f), "vision": vision_bytes(mmproj)}

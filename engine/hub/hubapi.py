@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -91,6 +92,14 @@ def hub_errors(what: str) -> Iterator[None]:
             raise HubError(f"{what}: the hub rejected the token (HTTP 401, invalid credentials): check HF_TOKEN "
                            "or the token in the settings") from exc
         raise HubError(f"{what}: the hub answered HTTP {status}: {str(exc).splitlines()[0]}") from exc
+    except httpx2.TooManyRedirects as exc:
+        raise HubError(f"{what}: the hub's redirects go round in a loop ({exc}); try again later or another "
+                       "HF_ENDPOINT") from exc
+    except httpx2.UnsupportedProtocol as exc:
+        raise HubError(f"{what}: the hub address {endpoint()!r} is not an http:// or https:// URL (check "
+                       "HF_ENDPOINT)") from exc
+    except httpx2.RequestError as exc:
+        raise HubError(f"{what}: the transfer failed ({type(exc).__name__}: {exc}); try again") from exc
 
 
 @dataclass(frozen=True)
@@ -118,20 +127,41 @@ def list_repo(repo: str) -> RepoListing:
         HubError: see :func:`hub_errors`; also a repository that holds no GGUF file.
     """
     from huggingface_hub import HfApi
+    from huggingface_hub.errors import HFValidationError
+    from huggingface_hub.utils import validate_repo_id
 
     from .catalogue import is_mmproj, is_split
-    if repo.count("/") != 1 or not all(repo.split("/")):
-        raise HubError(f"{repo!r} is not a repository id: expected owner/name, e.g. unsloth/Qwen3.6-35B-A3B-GGUF")
+    try:
+        validate_repo_id(repo)
+        valid = repo.count("/") == 1
+    except HFValidationError:
+        valid = False
+    if not valid:
+        raise HubError(f"{repo!r} is not a repository id: expected owner/name (letters, digits, '-', '_', '.'), "
+                       "e.g. unsloth/Qwen3.6-35B-A3B-GGUF")
     with hub_errors(repo):
         info = HfApi(endpoint=endpoint(), token=token() or False).model_info(repo, files_metadata=True)
-    files = [HubFile(repo, s.rfilename, s.size, s.lfs.sha256 if s.lfs is not None else None)
-             for s in info.siblings or [] if s.rfilename.lower().endswith(".gguf")]
+    files = [HubFile(repo, s.rfilename, s.size, _sha256(s.lfs.sha256) if s.lfs is not None else None)
+             for s in info.siblings or [] if s.rfilename.lower().endswith(".gguf") and _plain_path(s.rfilename)]
     if not files:
         raise HubError(f"{repo}: the repository holds no GGUF file (DeltaDesk loads GGUF models only)")
     whole = [f for f in files if not is_split(f.name)]
     return RepoListing(repo, info.sha or "main", tuple(f for f in whole if not is_mmproj(f.name)),
                        tuple(f for f in whole if is_mmproj(f.name)),
                        tuple(f.name for f in files if is_split(f.name)), bool(info.gated))
+
+
+def _plain_path(name: str) -> bool:
+    """True for a file path a repository can hold: relative, no ``..`` or empty parts, no backslash or NUL (a
+    listing naming another is left out: its URL would leave the repository and its name the store)."""
+    parts = name.split("/")
+    return not any(p in ("", ".", "..") for p in parts) and "\\" not in name and "\0" not in name
+
+
+def _sha256(value: object) -> str | None:
+    """A listing's LFS sha256 when it is 64 hex digits (lower-cased), else None: the value names staging
+    files, so anything else is treated as unknown (such a file is not downloaded)."""
+    return value.lower() if isinstance(value, str) and re.fullmatch(r"[0-9a-fA-F]{64}", value) else None
 
 
 def read_range(repo: str, filename: str, revision: str, start: int, stop: int) -> bytes:

@@ -128,7 +128,8 @@ def test_download_progress_cancel_resume_open_and_delete(qtbot, fake, monkeypatc
     assert again.downloaded.item(0, 3).text() != "never"
     again.downloaded.selectRow(0)
     monkeypatch.setattr(QMessageBox, "question", lambda *a, **k: QMessageBox.Yes)
-    again.delete_button.click()
+    with qtbot.waitSignal(again.bridge.deleted):
+        again.delete_button.click()
     assert again.downloaded.rowCount() == 0 and not Path(path).exists() and not Path(mmproj).exists()
 
 
