@@ -82,6 +82,14 @@ def _hub_model(arg: str) -> tuple[Path, Path | None] | None:
     return model_files(arg)
 
 
+def _served_name(args: argparse.Namespace, path: Path) -> str:
+    """The model id ``serve`` answers to: ``--model-name``, else a downloaded model's ``REPO:QUANT`` as the user
+    named it (the id LM Studio and Ollama users send), else the file name without ``.gguf``."""
+    if args.model_name:
+        return args.model_name
+    return args.model if args.model and _hub_model(args.model) is not None else path.stem
+
+
 def _model_arg(arg: str) -> str:
     """A positional model argument as a path: a downloaded ``REPO:QUANT`` resolved, a path as it is."""
     hub = _hub_model(arg)
@@ -286,7 +294,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     except BaseException:
         sock.close()
         raise
-    name = args.model_name or path.stem
+    name = _served_name(args, path)
     host = f"[{args.host}]" if ":" in args.host else args.host
     print(f"[serving {name} on http://{host}:{sock.getsockname()[1]}/v1 (OpenAI API)"
           f"{'; API key required' if api_key else ''}; Ctrl+C stops]", file=sys.stderr, flush=True)
@@ -490,7 +498,8 @@ def _add_serve(p: argparse.ArgumentParser) -> None:
     p.add_argument("--port", type=int, default=8080)
     p.add_argument("--api-key", help="key clients must send as 'Authorization: Bearer KEY' (or set "
                    "DELTADESK_API_KEY)")
-    p.add_argument("--model-name", help="the model id clients name (default: the file name without .gguf)")
+    p.add_argument("--model-name", help="the model id clients name (default: a downloaded model's REPO:QUANT as "
+                   "given, else the file name without .gguf)")
     p.add_argument("--context", type=int, default=8192, help="context window, tokens")
     p.add_argument("--queue", type=_positive, default=8, help="requests that may wait for the model at once; "
                    "more are answered 429 with Retry-After (default 8)")

@@ -12,7 +12,9 @@ cached_tokens``) and so prefilled, and the TTFT, measured as the latency of a no
 after the first prefills only what is new and its TTFT is under 5 % of the first's.
 
 Usage: ``.venv/bin/python tests/bench_agent_session.py --model synth-35b-a3b-8l-q4_k_m.gguf [--requests 10]
-[--system-tokens 12000]``; it starts ``python -m engine serve`` on a free loopback port and stops it after.
+[--system-tokens 12000] [--llama-server PATH]``; it starts ``python -m engine serve`` on a free loopback port and
+stops it after; with ``--llama-server`` the same session then runs against llama.cpp's ``llama-server`` on the
+same file (its default flags, the same ``-c`` context; it reports the reused tokens in the same usage field).
 Note the machine's load (``uptime``) beside the figures.
 """
 
@@ -75,15 +77,13 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def start_server(model: str, port: int, context: int) -> subprocess.Popen:
-    """``python -m engine serve`` on ``port``; returns once ``/health`` answers."""
-    env = {**os.environ, "PYTHONPATH": os.getcwd()}
-    proc = subprocess.Popen([sys.executable, "-m", "engine", "serve", "--model", model, "--port", str(port),
-                             "--context", str(context), "--model-name", "agent-bench"], env=env)
+def start_server(command: list[str], port: int) -> subprocess.Popen:
+    """Start a server (``command``) listening on ``port``; returns once its ``/health`` answers 200."""
+    proc = subprocess.Popen(command, env={**os.environ, "PYTHONPATH": os.getcwd()})
     deadline = time.monotonic() + 600
     while time.monotonic() < deadline:
         if proc.poll() is not None:
-            raise RuntimeError(f"engine serve exited with {proc.returncode}")
+            raise RuntimeError(f"{command[0]} exited with {proc.returncode}")
         try:
             if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
                 return proc
@@ -91,7 +91,7 @@ def start_server(model: str, port: int, context: int) -> subprocess.Popen:
             pass
         time.sleep(1)
     proc.terminate()
-    raise RuntimeError("engine serve did not answer /health within 600 s")
+    raise RuntimeError(f"{command[0]} did not answer /health within 600 s")
 
 
 def session(client: openai.OpenAI, requests: int, system_tokens: int) -> list[dict]:
@@ -119,27 +119,44 @@ def session(client: openai.OpenAI, requests: int, system_tokens: int) -> list[di
     return rows
 
 
+def run(command: list[str], port: int, requests: int, system_tokens: int) -> list[dict]:
+    """The session against the server ``command`` starts on ``port``, stopped after."""
+    proc = start_server(command, port)
+    try:
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", timeout=1800, max_retries=0)
+        return session(client, requests, system_tokens)
+    finally:
+        proc.terminate()
+        proc.wait(timeout=60)
+
+
+def table(name: str, rows: list[dict]) -> None:
+    first = rows[0]["ttft_ms"]
+    print(f"{name}\n| request | prompt tokens | resumed | prefilled | TTFT ms | % of first |\n|---|---|---|---|---|---|")
+    for r in rows:
+        print(f"| {r['request']} | {r['prompt_tokens']} | {r['cached_tokens']} | {r['prefilled_tokens']} | "
+              f"{r['ttft_ms']:.0f} | {100 * r['ttft_ms'] / first:.1f} |")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", required=True)
     parser.add_argument("--requests", type=int, default=10)
     parser.add_argument("--system-tokens", type=int, default=12000)
     parser.add_argument("--context", type=int, default=32768)
+    parser.add_argument("--llama-server", metavar="PATH", help="also run the session against this llama-server")
     args = parser.parse_args()
     port = free_port()
-    proc = start_server(args.model, port, args.context)
-    try:
-        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", timeout=1800, max_retries=0)
-        rows = session(client, args.requests, args.system_tokens)
-    finally:
-        proc.terminate()
-        proc.wait(timeout=60)
-    first = rows[0]["ttft_ms"]
-    print("| request | prompt tokens | resumed | prefilled | TTFT ms | % of first |")
-    print("|---|---|---|---|---|---|")
-    for r in rows:
-        print(f"| {r['request']} | {r['prompt_tokens']} | {r['cached_tokens']} | {r['prefilled_tokens']} | "
-              f"{r['ttft_ms']:.0f} | {100 * r['ttft_ms'] / first:.1f} |")
+    ours = [sys.executable, "-m", "engine", "serve", "--model", args.model, "--port", str(port), "--context",
+            str(args.context), "--model-name", "agent-bench"]
+    tables = [("engine serve", run(ours, port, args.requests, args.system_tokens))]
+    if args.llama_server:
+        port = free_port()
+        peer = [args.llama_server, "-m", args.model, "--port", str(port), "-c", str(args.context), "--alias",
+                "agent-bench"]
+        tables.append(("llama-server", run(peer, port, args.requests, args.system_tokens)))
+    for name, rows in tables:
+        table(name, rows)
 
 
 if __name__ == "__main__":

@@ -261,6 +261,10 @@ def test_cli_pull_models_and_repo_quant_as_model(hub, capsys):
     assert main(["generate", "--model", f"{REPO}:Q8_0", "--prompt", "Hi", "-n", "2", "--temp", "0",
                  "--context", "256"]) == 0
     assert "mmproj-F16.gguf" in capsys.readouterr().err        # the downloaded tower loads with it
+    from engine.__main__ import _served_name, build_parser
+    served = build_parser().parse_args(["serve", "--model", f"{REPO}:Q8_0"])
+    assert _served_name(served, Path("Tiny-Q8_0.gguf")) == f"{REPO}:Q8_0"      # the id the user pulled
+    assert _served_name(build_parser().parse_args(["serve", "--model", "x.gguf"]), Path("x.gguf")) == "x"
     assert main(["info", "tester/Other-GGUF:Q4_0"]) == 2
     assert "not downloaded" in capsys.readouterr().err
     assert main(["pull", "tester/Nope-GGUF"]) == 2
