@@ -13,7 +13,14 @@ from __future__ import annotations
 import numpy as np
 import pytest
 from gguf import GGMLQuantizationType
-from test_cpu_kernels import LEVELS, assert_close, level, random_weights, reference_product, rng  # noqa: F401 (fixtures)
+from test_cpu_kernels import (  # noqa: F401 (fixtures)
+    LEVELS,
+    assert_close,
+    level,
+    random_weights,
+    reference_product,
+    rng,
+)
 
 from engine.kernels import cpu
 
