@@ -1,6 +1,6 @@
 """A/B of the native GEMV (one-token matrix product) between builds (a script, not a test).
 
-    python tests/bench_gemv_ab.py OLD.so,NEW.so [--type q4_0] [--mib 1024] [--threads 1] [--rounds 7] [--isa 3]
+    python tests/bench_gemv_ab.py OLD.so,NEW.so [--type q4_0] [--mib 1024] [--threads 1] [--rounds 7] [--isa 3] [--cols 1]
 
 Each argument is a copy of ``engine/_native_cpu.abi3.so`` (copy a build aside before rebuilding). The
 script loads every copy with ctypes and times ``dd_matmul`` with one activation row (decode's shape) on one
@@ -8,7 +8,9 @@ random matrix of --mib MiB of the given weight type, k = 2048 (bench_kernels.ran
 every f16 scale 0.01), far larger than the caches, so the weights come from DRAM as an LM head's do. The
 builds run interleaved round by round on the same inputs. It prints each build's median wall-clock read
 rate in GB/s with the spread, whether every build gave the same output bits, and the load average
-before and after (figures from a loaded machine are not final). docs/cpu-notes.md, "Weight prefetches
+before and after (figures from a loaded machine are not final). ``--cols 32`` times prefill's shape instead
+(32 activation rows, an expert's share of a 512-token prompt) and reports GMAC/s; use a small --mib then,
+so the product is bound by the kernel, not by DRAM. docs/cpu-notes.md, "Weight prefetches
 into L2", used it.
 """
 
@@ -48,6 +50,7 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--rounds", type=int, default=7)
     ap.add_argument("--isa", type=int, default=-1, help="DD_ISA_* level (default: the best this CPU runs)")
+    ap.add_argument("--cols", type=int, default=1, help="activation rows (1: decode's GEMV; > 1: a prefill GEMM)")
     args = ap.parse_args()
     try:
         qtype = GGMLQuantizationType[args.type.upper()]
@@ -59,9 +62,9 @@ def main() -> None:
     rows = args.mib * 2**20 // quant.row_bytes(qtype, K)
     rng = np.random.default_rng(0)
     w = random_blocks(qtype, rows, K, rng)
-    x = rng.standard_normal(K).astype(np.float32) + np.float32(0.1)
+    x = rng.standard_normal((args.cols, K)).astype(np.float32) + np.float32(0.1)
     paths = args.builds.split(",")
-    outs = [np.empty(rows, np.float32) for _ in paths]
+    outs = [np.empty((args.cols, rows), np.float32) for _ in paths]
     times: list[list[float]] = [[] for _ in paths]
     load_before = os.getloadavg()[0]
     with tempfile.TemporaryDirectory() as folder:
@@ -70,16 +73,17 @@ def main() -> None:
         for _ in range(args.rounds):
             for lib, out, t in zip(libs, outs, times):
                 t0 = time.perf_counter()
-                rc = lib.dd_matmul(isa, kernel, w.ctypes.data, rows, K, x.ctypes.data, 1, out.ctypes.data)
+                rc = lib.dd_matmul(isa, kernel, w.ctypes.data, rows, K, x.ctypes.data, args.cols, out.ctypes.data)
                 t.append(time.perf_counter() - t0)
                 if rc != 0:
                     raise SystemExit(f"dd_matmul returned {rc}")
     same = all(np.array_equal(outs[0].view(np.uint32), o.view(np.uint32)) for o in outs[1:])
     print(f"{args.type} {w.nbytes / 2**20:.0f} MiB (k={K}), isa {isa}, {args.threads} thread(s), {args.rounds} "
-          f"rounds, load {load_before:.2f} -> {os.getloadavg()[0]:.2f}; same bits: {same}")
+          f"rounds, {args.cols} column(s), load {load_before:.2f} -> {os.getloadavg()[0]:.2f}; same bits: {same}")
+    per_s, unit = (w.nbytes / 1e9, "GB/s") if args.cols == 1 else (rows * K * args.cols / 1e9, "GMAC/s")
     for path, t in zip(paths, times):
-        rates = [w.nbytes / s / 1e9 for s in t]
-        print(f"  {path}: median {statistics.median(rates):.1f} GB/s ({min(rates):.1f}-{max(rates):.1f})")
+        rates = [per_s / s for s in t]
+        print(f"  {path}: median {statistics.median(rates):.1f} {unit} ({min(rates):.1f}-{max(rates):.1f})")
 
 
 if __name__ == "__main__":

@@ -127,7 +127,7 @@ if "FAIL" in get("-m"):
 t, p, n = int(get("-t")), int(get("-p")), int(get("-n"))
 sample = json.load(open(%r))[0]
 tests = []
-for d in map(int, get("-d").split(",")):
+for d in map(int, (get("-d") if "-d" in a else "0").split(",")):
     for n_p, n_g, rate in ((p, 0, 100.0 * t), (0, n, 10.0 * t / (1 + d / 1000))):
         if n_p or n_g:
             tests.append(dict(sample, n_prompt=n_p, n_gen=n_g, n_depth=d, n_threads=t, samples_ts=[rate]))
@@ -226,7 +226,7 @@ repack = "-rtr" in a and get("-rtr") == "1"
 t, p, n = int(get("-t")), int(get("-p")), int(get("-n"))
 sample = json.load(open(%r))[0]
 tests = []
-for d in map(int, get("-d").split(",")):
+for d in map(int, (get("-d") if "-d" in a else "0").split(",")):
     for n_p, n_g, rate in ((p, 0, (300.0 if repack else 200.0) * t), (0, n, (8.0 if repack else 12.0) * t)):
         if n_p or n_g:
             tests.append(dict(sample, n_prompt=n_p, n_gen=n_g, n_depth=d, n_threads=t, samples_ts=[rate]))
@@ -263,6 +263,14 @@ def test_bench_compares_with_each_peer_and_the_best_per_figure(tiny_q4, tmp_path
 def test_bench_command_puts_the_peer_flags_last():
     cmd = cpu_llama.bench_command("ik", "m.gguf", 2, 512, 64, flags=("-rtr", "1"))
     assert cmd[-2:] == ["-rtr", "1"] and cmd[cmd.index("-p") + 1] == "512"
+
+
+def test_bench_command_passes_depths_only_when_asked():
+    """ik_llama.cpp's llama-bench has no -d: a depth-0-only run must not pass it; real depths still do."""
+    assert "-d" not in cpu_llama.bench_command("ik", "m.gguf", 2, 512, 64)
+    assert "-d" not in cpu_llama.bench_command("ik", "m.gguf", 2, 512, 64, (0,))
+    cmd = cpu_llama.bench_command("lb", "m.gguf", 2, 0, 16, (4096, 16384))
+    assert cmd[cmd.index("-d") + 1] == "4096,16384"
 
 
 def test_bench_cli(tiny_q4, capsys, tmp_path):

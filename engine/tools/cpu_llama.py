@@ -213,9 +213,11 @@ def ik_llama_peers(binary: Path) -> list[Peer]:
 def bench_command(binary: str | Path, model: str | Path, threads: int, n_prompt: int, n_gen: int,
                   depths: Sequence[int] = (0,), repetitions: int = 1, flags: Sequence[str] = ()) -> list[str]:
     """``llama-bench`` on ``model``: pp ``n_prompt`` (skipped at 0) and tg ``n_gen`` at each context depth,
-    with the peer's own ``flags`` last."""
+    with the peer's own ``flags`` last. No ``-d`` when every depth is 0 (the default), so builds without
+    that option (ik_llama.cpp's) run the depth-0 tests."""
+    depth = ["-d", ",".join(str(d) for d in depths)] if any(depths) else []
     return [str(binary), "-m", str(model), "-t", str(threads), "-p", str(n_prompt), "-n", str(n_gen),
-            "-d", ",".join(str(d) for d in depths), "-r", str(repetitions), "-o", "json", *flags]
+            *depth, "-r", str(repetitions), "-o", "json", *flags]
 
 
 def run_llama_bench(cmd: list[str]) -> tuple[list[PeerResult], int]:

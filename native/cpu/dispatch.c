@@ -76,9 +76,15 @@ static void *take(uint8_t **next, size_t bytes)
 static void put_group_block(dd_acts *a, size_t c, size_t b, const int8_t *v, int32_t sum, float scale)
 {
     const size_t g = b / 16, i = b % 16, base = c * a->ng + g, quad = i / 4, lane = 4 * (i % 4) + quad;
-    int8_t *gq = (int8_t *)a->gq + (base * 8 + 2 * quad) * 64 + 16 * (i % 4);
-    memcpy(gq, v, 16);
-    memcpy(gq + 64, v + 16, 16);
+    if (a->m == 1) {
+        int8_t *gq = (int8_t *)a->gq + (base * 8 + 2 * quad) * 64 + 16 * (i % 4);
+        memcpy(gq, v, 16);
+        memcpy(gq + 64, v + 16, 16);
+    } else {
+        for (size_t t = 0; t < 4; t++)
+            for (size_t h = 0; h < 2; h++)
+                memcpy((int8_t *)a->gq + (base * 8 + 2 * t + h) * 64 + 4 * lane, v + 16 * h + 4 * t, 4);
+    }
     ((int32_t *)a->gbias)[base * 16 + lane] = -8 * sum;
     ((float *)a->gd)[base * 16 + lane] = scale;
 }

@@ -89,19 +89,34 @@ DD_INLINE void dd_gemv_prefetch_start(const uint8_t *w, size_t row_bytes, size_t
         }                                                                                         \
     } while (0)
 
+/* The m == 1 walk (GEMV): 4-row tiles, then the 1-3 rows left over. */
+#define DD_GEMV_ROWS(TILE, w, row_bytes, nrows, rows_avail, a, y, ldy)                            \
+    do {                                                                                          \
+        size_t r_ = 0;                                                                            \
+        dd_gemv_prefetch_start(w, row_bytes, nrows, rows_avail);                                  \
+        for (; r_ + 4 <= nrows; r_ += 4)                                                          \
+            TILE(w + r_ * row_bytes, DD_PREFETCH_BASE(w, row_bytes, r_, 4, rows_avail),           \
+                 row_bytes, a, 0, y + r_, ldy, 4, 1);                                             \
+        for (; r_ < nrows; r_++)                                                                  \
+            TILE(w + r_ * row_bytes, DD_PREFETCH_BASE(w, row_bytes, r_, 1, rows_avail),           \
+                 row_bytes, a, 0, y + r_, ldy, 1, 1);                                             \
+    } while (0)
+
+/* DD_DEFINE_GEMV(NAME, TILE): a dd_gemm_fn NAME for m == 1 only (a kernel file whose GEMM is its own). */
+#define DD_DEFINE_GEMV(NAME, TILE)                                                                \
+    static void NAME(const uint8_t *w, size_t row_bytes, size_t nrows, size_t rows_avail,         \
+                     const dd_acts *a, float *y, size_t ldy)                                      \
+    {                                                                                             \
+        DD_GEMV_ROWS(TILE, w, row_bytes, nrows, rows_avail, a, y, ldy);                           \
+    }
+
 #define DD_DEFINE_GEMM(NAME, TILE)                                                                \
     static void NAME(const uint8_t *w, size_t row_bytes, size_t nrows, size_t rows_avail,         \
                      const dd_acts *a, float *y, size_t ldy)                                      \
     {                                                                                             \
         size_t r = 0;                                                                             \
         if (a->m == 1) {                                                                          \
-            dd_gemv_prefetch_start(w, row_bytes, nrows, rows_avail);                              \
-            for (; r + 4 <= nrows; r += 4)                                                        \
-                TILE(w + r * row_bytes, DD_PREFETCH_BASE(w, row_bytes, r, 4, rows_avail),         \
-                     row_bytes, a, 0, y + r, ldy, 4, 1);                                          \
-            for (; r < nrows; r++)                                                                \
-                TILE(w + r * row_bytes, DD_PREFETCH_BASE(w, row_bytes, r, 1, rows_avail),         \
-                     row_bytes, a, 0, y + r, ldy, 1, 1);                                          \
+            DD_GEMV_ROWS(TILE, w, row_bytes, nrows, rows_avail, a, y, ldy);                       \
             return;                                                                               \
         }                                                                                         \
         dd_prefetch_rows(w, row_bytes, nrows < DD_PREFETCH_ROWS ? nrows : DD_PREFETCH_ROWS);      \

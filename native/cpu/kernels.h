@@ -49,8 +49,11 @@
  * Groups (when the table's q4_0_groups is set): ng = nb / 16 rounded up groups of 16 blocks, the
  * padding blocks zero. Block i = 4j + k of group g (quad j, 128-bit lane k) belongs to int32 lane
  * L(i) = 4k + j of the group's block vectors:
+ *   m == 1 (the quad layout, the GEMV's):
  *   gq[((c*ng + g)*8 + 2j + h)*64 + 16k + t]  value 16h + t of block 16g + 4j + k (h = 0: the
  *                     values of the Q4_0 low nibbles, h = 1: of the high ones);
+ *   m > 1 (the lane layout, the GEMM's):
+ *   gq[((c*ng + g)*8 + 2t + h)*64 + 4L(i) + u]  value 16h + 4t + u of block 16g + i (t, u < 4);
  *   gbias[(c*ng + g)*16 + L(i)]  -8 * (sum of block 16g + i's 32 values);
  *   gd[(c*ng + g)*16 + L(i)]     its scale.
  * Compact (every level; the K-quant kernels read them), per block b of column c:

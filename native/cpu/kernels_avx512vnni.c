@@ -78,7 +78,8 @@ static void quantize_q8_0(const float *x, size_t nb, uint8_t *out)
 }
 
 /* Q4_0 runs on 16-block groups with one int32 lane per block ("lanes = blocks"), so the int to
- * float conversion and the scaling happen once per 16 blocks instead of once per 2. A group is
+ * float conversion and the scaling happen once per 16 blocks instead of once per 2. What follows is the
+ * GEMV's (m == 1) tile; the GEMM's (m > 1) is q4_gemm_avx512.h, on the other group layout of dd_acts. A group is
  * 288 bytes, block i at bytes 18i (f16 scale) and 18i + 2 .. 18i + 17 (16 nibble bytes). Quad j
  * (blocks 4j .. 4j + 3) is read into one vector, block 4j + k's nibble bytes in 128-bit lane k:
  * one load at 72j + 2 (lane 0 right) and three masked loads, 2, 4 and 6 bytes further, that
@@ -229,7 +230,8 @@ DD_INLINE void tile_q8_0(const uint8_t *w, const uint8_t *pf, size_t rb, const d
             y[(c0 + c) * ldy + r] = reduce_f64(acc[r][c]);
 }
 
-DD_DEFINE_GEMM(gemm_q4_0, tile_q4_0)
+DD_DEFINE_GEMV(gemm_q4_0_gemv, tile_q4_0)
+#include "q4_gemm_avx512.h"
 DD_DEFINE_GEMM(gemm_q8_0, tile_q8_0)
 
 /* R router rows x C tokens of dots_f32 (kernels.h) at once, so each loaded and widened row or token vector

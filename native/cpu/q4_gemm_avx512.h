@@ -1,0 +1,137 @@
+/* The AVX-512 Q4_0 GEMM (m > 1, prefill) in one-row, eight-column tiles (included by kernels_avx512vnni.c
+ * after its Q4_0 group helpers).
+ *
+ * A tile unpacks one row's group once (8 nibble vectors and the scales, q4_0_unpack), then finishes
+ * each of up to 8 columns in turn (q4_0_dot, the scale, acc_f64), its accumulators in registers. Each
+ * block's integer dot is exact, so it equals the GEMV tile's (which sums the same products in another
+ * order), and the scaling and f64 accumulation are the GEMV's instructions in the GEMV's lane order:
+ * every output keeps the bits of the one-column call. The walk takes 8 columns at a time (their activations,
+ * ~20 KiB at k = 2048, stay in L1) against every row of the range (the chunk's ~64 KiB of weights, in L2).
+ */
+#ifndef DELTADESK_Q4_GEMM_AVX512_H
+#define DELTADESK_Q4_GEMM_AVX512_H
+
+/* The lane layout: block b = 4 (L % 4) + L / 4 of a group sits in int32 lane L, as in the GEMV's tile.
+ * Vector t (t = 0..3) holds nibble bytes 4t .. 4t + 3 of every block in its lane, gathered by word
+ * permutes from three windows of the group (blocks 0-6 from bytes 0..127, 7-13 from 128..255, 14-15
+ * from 224..287); its low and high nibbles meet the activations' values 4t .. 4t + 3 and 16 + 4t ..
+ * 19 + 4t of the same blocks (dd_acts groups, m > 1), so 8 vpdpbusd leave each block's exact dot in
+ * its own lane, with no reduction between lanes (the GEMV's transpose-add).
+ * Word w of vector t, lane L = w / 2, block b = 4 (L % 4) + L / 4: word 9b + 1 + 2t + w % 2 of the group,
+ * indexed within its window (words 0..63 of bytes 0..127, 64..127 of 128..255, 112..143 of 224..287).
+ * The table is t = 0's; vector t adds 2t. */
+static const uint16_t q4_dword_words[32] = {
+    1, 2, 37, 38, 9, 10, 45, 46, 10, 11, 46, 47, 18, 19, 54, 55,
+    19, 20, 55, 56, 27, 28, 15, 16, 28, 29, 0, 1, 36, 37, 24, 25,
+};
+#define Q4_WIN_A 0x030f0f0fu   /* words of the lanes of blocks 0-6 */
+#define Q4_WIN_C 0xc0c00000u   /* of blocks 14, 15 */
+
+/* A group's nibbles (lo[t], hi[t]: vector t's low and high nibbles as bytes) and scales, in lane order. */
+DD_INLINE void q4_0_unpack(const uint8_t *p, __m512i lo[4], __m512i hi[4], __m512 *dw)
+{
+    const __m512i low = _mm512_set1_epi8(0x0f), idx0 = _mm512_loadu_si512(q4_dword_words);
+    const __m512i a0 = _mm512_loadu_si512(p), a1 = _mm512_loadu_si512(p + 64);
+    const __m512i b0 = _mm512_loadu_si512(p + 128), b1 = _mm512_loadu_si512(p + 192);
+    const __m512i c0 = _mm512_loadu_si512(p + 224);
+    for (int t = 0; t < 4; t++) {
+        const __m512i idx = _mm512_add_epi16(idx0, _mm512_set1_epi16((short)(2 * t)));
+        const __m512i v = _mm512_ternarylogic_epi32(
+            _mm512_maskz_permutex2var_epi16(Q4_WIN_A, a0, idx, a1),
+            _mm512_maskz_permutex2var_epi16(~(Q4_WIN_A | Q4_WIN_C), b0, idx, b1),
+            _mm512_maskz_permutexvar_epi16(Q4_WIN_C, idx, c0), 0xfe);
+        lo[t] = _mm512_and_si512(v, low);
+        hi[t] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
+    }
+    const __m512i sidx = _mm512_loadu_si512(scale_words);
+    const __m512i d = _mm512_or_si512(
+        _mm512_maskz_permutex2var_epi16(SCALE_LANES_LOW, a0, sidx, a1),
+        _mm512_maskz_permutex2var_epi16(~SCALE_LANES_LOW & 0xffffu, _mm512_loadu_si512(p + 144), sidx,
+                                        _mm512_loadu_si512(p + 208)));
+    *dw = _mm512_cvtph_ps(_mm512_castsi512_si256(d));
+}
+
+/* Column c's exact block dots of group g (the activation bias included), from q4_0_unpack's nibbles. */
+DD_INLINE __m512i q4_0_dot(const __m512i lo[4], const __m512i hi[4], const dd_acts *a, size_t c, size_t g)
+{
+    const int8_t *q = a->gq + (c * a->ng + g) * 8 * 64;
+    __m512i dot = _mm512_load_si512(a->gbias + (c * a->ng + g) * 16);
+    for (int t = 0; t < 4; t++)
+        dot = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(dot, lo[t], _mm512_load_si512(q + 128 * t)), hi[t],
+                                  _mm512_load_si512(q + 128 * t + 64));
+    return dot;
+}
+
+#define Q4_WIDE_COLS 8
+
+/* One group of one row (bytes at grp, prefetching pf's group g if pf is set) against C columns from c0. */
+DD_INLINE void q4_0_wide_step(const uint8_t *grp, const uint8_t *pf, const dd_acts *a, size_t c0, size_t g,
+                              __m512d acc[Q4_WIDE_COLS][2], const int C)
+{
+    if (pf != NULL)
+        for (int l = 0; l < 6; l++)
+            dd_prefetch_weight(pf + g * Q4_GROUP_BYTES + q4_group_lines[l]);
+    __m512i lo[4], hi[4];
+    __m512 dw;
+    q4_0_unpack(grp, lo, hi, &dw);
+    for (int c = 0; c < C; c++)
+        acc_f64(acc[c], q4_0_dot(lo, hi, a, c0 + c, g),
+                _mm512_mul_ps(dw, _mm512_load_ps(a->gd + ((c0 + c) * a->ng + g) * 16)));
+}
+
+/* Row w (prefetching pf's row, if not NULL) against columns [c0, c0 + C): y[(c0 + c) * ldy]. */
+DD_INLINE void q4_0_wide_tile(const uint8_t *w, const uint8_t *pf, const dd_acts *a, size_t c0, float *y, size_t ldy,
+                              const int C)
+{
+    const size_t full = a->nb / 16, rest = a->nb % 16;
+    __m512d acc[Q4_WIDE_COLS][2];
+    for (int c = 0; c < C; c++)
+        acc[c][0] = acc[c][1] = _mm512_setzero_pd();
+    for (size_t g = 0; g < full; g++)
+        q4_0_wide_step(w + g * Q4_GROUP_BYTES, pf, a, c0, g, acc, C);
+    if (rest) {
+        /* a short last group, as tile_q4_0: zero nibbles meet zero padding values */
+        uint8_t tail[Q4_GROUP_BYTES];
+        memset(tail, 0, Q4_GROUP_BYTES);
+        memcpy(tail, w + full * Q4_GROUP_BYTES, rest * DD_Q4_0_BYTES);
+        q4_0_wide_step(tail, NULL, a, c0, full, acc, C);
+    }
+    for (int c = 0; c < C; c++)
+        y[(c0 + c) * ldy] = reduce_f64(acc[c]);
+}
+
+/* Every row of [0, nrows) against columns [c0, c0 + C), prefetching DD_PREFETCH_ROWS rows ahead within
+ * the range (the chunk's rows are read once per 8 columns, from L2 after the first). */
+DD_INLINE void q4_0_wide_rows(const uint8_t *w, size_t rb, size_t nrows, size_t rows_avail, const dd_acts *a,
+                              size_t c0, float *y, size_t ldy, const int C)
+{
+    for (size_t r = 0; r < nrows; r++)
+        q4_0_wide_tile(w + r * rb, c0 == 0 ? DD_PREFETCH_BASE(w, rb, r, 1, rows_avail) : NULL, a, c0, y + r, ldy, C);
+}
+
+/* The dd_gemm_fn of kernels.h: gemm_q4_0_gemv (the 4-row tiles) for m == 1, else the wide tiles. */
+static void gemm_q4_0(const uint8_t *w, size_t row_bytes, size_t nrows, size_t rows_avail, const dd_acts *a,
+                      float *y, size_t ldy)
+{
+    if (a->m == 1) {
+        gemm_q4_0_gemv(w, row_bytes, nrows, rows_avail, a, y, ldy);
+        return;
+    }
+    dd_prefetch_rows(w, row_bytes, nrows < DD_PREFETCH_ROWS ? nrows : DD_PREFETCH_ROWS);
+    dd_prefetched_next[0] = dd_prefetched_next[1] = NULL;
+    size_t c0 = 0;
+    for (; c0 + Q4_WIDE_COLS <= a->m; c0 += Q4_WIDE_COLS)
+        q4_0_wide_rows(w, row_bytes, nrows, rows_avail, a, c0, y, ldy, Q4_WIDE_COLS);
+    switch (a->m - c0) {
+    case 7: q4_0_wide_rows(w, row_bytes, nrows, rows_avail, a, c0, y, ldy, 7); break;
+    case 6: q4_0_wide_rows(w, row_bytes, nrows, rows_avail, a, c0, y, ldy, 6); break;
+    case 5: q4_0_wide_rows(w, row_bytes, nrows, rows_avail, a, c0, y, ldy, 5); break;
+    case 4: q4_0_wide_rows(w, row_bytes, nrows, rows_avail, a, c0, y, ldy, 4); break;
+    case 3: q4_0_wide_rows(w, row_bytes, nrows, rows_avail, a, c0, y, ldy, 3); break;
+    case 2: q4_0_wide_rows(w, row_bytes, nrows, rows_avail, a, c0, y, ldy, 2); break;
+    case 1: q4_0_wide_rows(w, row_bytes, nrows, rows_avail, a, c0, y, ldy, 1); break;
+    default: break;
+    }
+}
+
+#endif
