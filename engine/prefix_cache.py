@@ -23,17 +23,8 @@ restored (:func:`engine.snapshot_file.check_header`; the file format is :mod:`en
 cache's contents never stop a model from loading. A write that fails (disk full) removes its temporary
 file; temporary files left by a crash (older than ten minutes) are swept when the cache opens its folder.
 
-Only regular files named ``<32 hex>.snap`` are ever opened: a link (dangling, looping or not), FIFO,
-device, folder or stray name (``my notes.snap``) is skipped. A file is streamed, its sizes checked
-against its header before anything is allocated, and a state holding NaN or infinity is damaged: every
-unusable file is a miss, so the prompt prefills as if it were absent.
-
-Across processes sharing one folder (the app and ``engine serve``, two users of a profile), each file is
-written whole under a temporary name and renamed, so a reader sees a complete file or none; a file
-listed here and removed by another process before it is read is a miss; trimming to the disk budget
-counts the other process's files too and skips those already gone. What is *not* shared: each process
-knows only the files present when it opened the folder plus its own, and one may remove a file the other
-was about to restore (then that is a miss, never an error).
+Only regular ``<32 hex>.snap`` files are opened, streamed after a size check; a damaged file is a miss.
+Two processes may share the folder; what holds across them is in docs/design/hostile-inputs.md.
 """
 
 from __future__ import annotations

@@ -8,37 +8,6 @@ import threading
 from typing import Self
 
 
-class RawServer:
-    """A one-shot HTTP server that answers each connection with ``reply`` bytes and then closes it (or,
-    with ``reply=None``, reads the request and says nothing)."""
-
-    def __init__(self, reply: bytes | None) -> None:
-        self.sock = socket.socket()
-        self.sock.bind(("127.0.0.1", 0))
-        self.sock.listen()
-        self.url = f"http://127.0.0.1:{self.sock.getsockname()[1]}/v1"
-        self.reply = reply
-        self.conns: list[socket.socket] = []
-        threading.Thread(target=self._serve, daemon=True).start()
-
-    def _serve(self) -> None:
-        while True:
-            try:
-                conn, _ = self.sock.accept()
-            except OSError:
-                return
-            self.conns.append(conn)
-            _read_request(conn)
-            if self.reply is not None:
-                conn.sendall(self.reply)
-                conn.close()
-
-    def close(self) -> None:
-        self.sock.close()
-        for c in self.conns:
-            c.close()
-
-
 def _read_request(conn: socket.socket) -> None:
     """Read one whole request (headers, then Content-Length bytes of body): a socket closed with unread
     bytes sends a reset instead of an orderly end of stream, which the client then reports as one."""
@@ -109,6 +78,14 @@ class ScriptServer:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+class RawServer(ScriptServer):
+    """A :class:`ScriptServer` that answers each connection with ``reply`` bytes and then closes it (or,
+    with ``reply=None``, reads the request and says nothing until the server is closed)."""
+
+    def __init__(self, reply: bytes | None) -> None:
+        super().__init__(lambda conn, stop: stop.wait() if reply is None else conn.sendall(reply))
 
 
 def json_reply(body: bytes, status: str = "200 OK") -> bytes:
