@@ -253,7 +253,8 @@ def _transfer(f: HubFile, commit: str, part: Path, report: Report | None, cancel
 def _stream(url: str, headers: dict[str, str], part: Path, size: int, bar: _Bar,
             cancel: threading.Event | None) -> None:
     """One GET of bytes ``[len(part), size)`` of ``url``, appended to ``part`` as they arrive. A server that
-    ignores the range starts the file over. Setting ``cancel`` shuts the socket, so a stalled read ends at once.
+    ignores the range starts the file over. Each chunk is flushed before it is reported, so progress and the
+    staging file's length agree. Setting ``cancel`` shuts the socket, so a stalled read ends at once.
 
     Raises:
         DownloadCancelled: ``cancel`` was set. httpx2 errors: the connection failed, stalled past the timeout
@@ -276,8 +277,9 @@ def _stream(url: str, headers: dict[str, str], part: Path, size: int, bar: _Bar,
         with open(part, "ab") as fh:
             for chunk in response.iter_bytes():
                 chunk = chunk[:size - have]
-                bar.update(len(chunk))
                 fh.write(chunk)
+                fh.flush()
+                bar.update(len(chunk))
                 have += len(chunk)
                 if have >= size:
                     return
