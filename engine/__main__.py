@@ -43,7 +43,7 @@ from .events import PrefillStats, TokenEvent, TurnSummary
 from .sampling import SamplingParams
 
 if TYPE_CHECKING:
-    from .gguf_file import GGUFFile
+    from .gguf.file import GGUFFile
     from .prune import ExpertStats
 
 
@@ -136,7 +136,7 @@ def _timing(s: TurnSummary) -> str:
 
 
 def cmd_info(args: argparse.Namespace) -> int:
-    from .gguf_file import GGUFFile
+    from .gguf.file import GGUFFile
     f = GGUFFile.open(_model_arg(args.model))
     hp = f.hparams
     kinds = "".join("D" if hp.is_recurrent(i) else "A" for i in range(hp.n_layer))
@@ -381,7 +381,7 @@ def cmd_prune(args: argparse.Namespace) -> int:
 
 def _prune(args: argparse.Namespace) -> int:
     from . import prune, pruned_file
-    from .gguf_file import GGUFFile
+    from .gguf.file import GGUFFile
     from .prune_inputs import check_output
     if args.max_tokens < 1:
         raise EngineError(f"--max-tokens must be at least 1, got {args.max_tokens}")

@@ -24,7 +24,7 @@ from .api_types import ChatEngine, EngineOptions, ModelInfo
 from .demo_model import bundled_mmproj_for, bundled_model, default_model
 from .errors import EngineError, GenerationCancelled, TemplateError, UnsupportedModelError
 from .events import Event, PrefillStats
-from .gguf_file import GGUFFile
+from .gguf.file import GGUFFile
 from .grammar import Grammar, compile_grammar, grammar_tokenizer
 from .images import ImageInfo, ImageSource
 from .prefix_cache import PrefixCache, SnapshotInfo

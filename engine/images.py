@@ -33,7 +33,7 @@ import numpy as np
 from PIL import Image, ImageOps, UnidentifiedImageError
 
 from .errors import ImageError
-from .regular_file import MAX_IMAGE_FILE_BYTES, FileRefused, read_regular
+from .gguf.regular import MAX_IMAGE_FILE_BYTES, FileRefused, read_regular
 
 MIN_PIXELS = 65536
 """HF ``preprocessor_config.json`` ``size.shortest_edge`` for Qwen3.5/3.6 (256x256 at least)."""
@@ -183,7 +183,7 @@ def read_source(source: ImageSource) -> ImageData:
 
     Raises:
         ImageError: the file cannot be read (missing, no permission, not a regular file, over
-            :data:`~engine.regular_file.MAX_IMAGE_FILE_BYTES`), naming it.
+            :data:`~engine.gguf.regular.MAX_IMAGE_FILE_BYTES`), naming it.
     """
     if isinstance(source, ImageData):
         return source

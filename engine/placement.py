@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from .errors import DeviceBudgetError, DeviceError, EngineError, ModelFormatError
-from .gguf_file import GGUFFile
+from .gguf.file import GGUFFile
 from .registry import GpuPrefill, TextModel, vision_arch
 from .vision import ImageEncoder, load_projector
 

@@ -38,7 +38,7 @@ from typing import Any
 import numpy as np
 
 from .errors import ModelFormatError, UnsupportedModelError
-from .gguf_file import GGUFFile
+from .gguf.file import GGUFFile
 from .prune_inputs import check_image, read_text
 
 STATS_FORMAT = "deltadesk.expert_stats"

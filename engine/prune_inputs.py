@@ -3,7 +3,7 @@
 Guarantees: an output path is refused (never replaced) when it is empty, its folder is missing or not
 writable, or it exists as anything but a regular file (folder, FIFO, device, link) or as the same file
 (inode) as an input; the output is written through a temporary file created exclusively beside it
-(:func:`engine.gguf_write.write`), so no existing file, an input named ``OUT.part`` included, is ever
+(:func:`engine.gguf.write.write`), so no existing file, an input named ``OUT.part`` included, is ever
 the temporary file. Statistics and calibration files are read only when they are regular files under a
 size cap, and calibration images are accepted only as regular files under :data:`MAX_IMAGE_BYTES`.
 Every failure is an :class:`~engine.errors.EngineError` naming the file and what was expected.
@@ -18,7 +18,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from .errors import EngineError, ModelFormatError
-from .regular_file import FileRefused, kind, read_regular
+from .gguf.regular import FileRefused, kind, read_regular
 
 MAX_TEXT_BYTES = 256 << 20
 """Largest statistics or calibration file read, bytes."""

@@ -17,9 +17,9 @@ from typing import Any
 import numpy as np
 from gguf import GGUFValueType
 
-from . import gguf_write
+from .gguf import write as gguf_write
 from .errors import ModelFormatError, UnsupportedModelError
-from .gguf_file import GGUFFile
+from .gguf.file import GGUFFile
 from .prune import check_keep
 
 PRUNING_KEY = "general.pruning"
@@ -92,7 +92,7 @@ def prune_file(gguf: GGUFFile, out: str | os.PathLike[str], kept: Sequence[Seque
         ValueError: ``kept`` has the wrong number of layers, unequal counts, repeated or out-of-range indices.
         ModelFormatError: ``out`` is the source file, or an expert tensor whose last dim is not expert_count.
         UnsupportedModelError: a dense model, or a tensor of a type unknown to ggml (its size is unknown).
-        OSError: the output cannot be written (see :func:`engine.gguf_write.write`).
+        OSError: the output cannot be written (see :func:`engine.gguf.write.write`).
     """
     n_keep = _check_kept(gguf, kept)
     out = Path(out)

@@ -42,7 +42,7 @@ from .errors import ImageError, RemoteError, UnsupportedModelError
 from .events import Event, PrefillStats, TokenEvent, TurnSummary
 from .prefix_cache import SnapshotInfo
 from .prompt import Message
-from .regular_file import MAX_IMAGE_FILE_BYTES, FileRefused, read_regular
+from .gguf.regular import MAX_IMAGE_FILE_BYTES, FileRefused, read_regular
 from .remote_http import Watch, clean, lines, loads, read_body
 from .sampling import SamplingParams
 

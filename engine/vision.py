@@ -19,7 +19,7 @@ from typing import Any
 import numpy as np
 
 from .errors import DeviceBudgetError, DeviceError, GenerationCancelled, ModelFormatError, UnsupportedModelError
-from .gguf_header import read_metadata
+from .gguf.header import read_metadata
 from .images import MAX_INPUT_PIXELS, MAX_PIXELS, MIN_PIXELS, ImageInfo, ImageSource, read_source
 from .registry import VisionArch, VisionTower, vision_arch
 

@@ -20,7 +20,7 @@ import time
 import numpy as np
 from gguf import GGMLQuantizationType
 
-from engine import quant
+from engine.gguf import quant
 from engine.arch.qwen35.cpu import to_q8_0
 from engine.kernels import cpu
 

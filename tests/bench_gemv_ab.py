@@ -28,7 +28,7 @@ import numpy as np
 from gguf import GGMLQuantizationType
 
 from bench_kernels import K, random_blocks
-from engine import quant
+from engine.gguf import quant
 
 
 def load(path: str, folder: str, index: int, threads: int) -> ctypes.CDLL:

@@ -35,7 +35,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from engine.arch.qwen35.cuda import CudaPrefill  # noqa: E402
 from engine.kernels.cuda_kernels import load_driver  # noqa: E402
-from engine.gguf_file import GGUFFile  # noqa: E402
+from engine.gguf.file import GGUFFile  # noqa: E402
 from engine.arch.qwen35.hparams import Qwen35HParams  # noqa: E402
 from engine.state import SequenceState  # noqa: E402
 from engine.arch.qwen35.synth import synth  # noqa: E402

@@ -27,7 +27,7 @@ import numpy as np
 
 from gguf import GGMLQuantizationType
 
-from engine import quant
+from engine.gguf import quant
 from engine.kernels import cpu, cpu_moe
 
 Q4_0 = GGMLQuantizationType.Q4_0

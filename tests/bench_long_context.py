@@ -28,7 +28,7 @@ import numpy as np
 
 from engine.arch.qwen35.cpu import NativeQwen35Model
 from engine.arch.qwen35.synth import synth
-from engine.gguf_file import GGUFFile
+from engine.gguf.file import GGUFFile
 from engine.kernels import cpu
 from engine.runtime import PREFILL_PIECE, prefill
 from engine.state import SequenceState

@@ -27,7 +27,7 @@ import numpy as np
 from gguf import GGUFReader
 
 from bench_gemv_ab import load
-from engine import quant
+from engine.gguf import quant
 
 
 class MoeWeights(ctypes.Structure):

@@ -21,7 +21,7 @@ import time
 import numpy as np
 
 from engine.arch.qwen35.cpu import NativeQwen35Model
-from engine.gguf_file import GGUFFile
+from engine.gguf.file import GGUFFile
 from engine.kernels import cpu
 from engine.state import SequenceState
 

@@ -128,7 +128,7 @@ def test_no_pycuda_is_a_device_error(tmp_path):
     else:
         pytest.skip("pycuda is importable here")
     from engine.arch.qwen35.cuda import CudaPrefill
-    from engine.gguf_file import GGUFFile
+    from engine.gguf.file import GGUFFile
     from engine.arch.qwen35.synth import synth
 
     path = tmp_path / "tiny.gguf"
@@ -283,7 +283,7 @@ class FakeKernels:
 
     def gemm(self, stream, w, w_ptr, a, lda, c, ldc, m, *, a_rows=0, tiles=0, n_tiles=0, n_tiles_dev=0, c_rows=0,
              row_scale=0, accumulate=False):
-        from engine.quant import dequantize
+        from engine.gguf.quant import dequantize
 
         M = self.m
         if tiles:
@@ -308,14 +308,14 @@ class FakeKernels:
                 M.arr(c + int(i) * ldc * 4, (w.rows,))[:] = row
 
     def gemv(self, stream, w, w_ptr, x, y):
-        from engine.quant import dequantize
+        from engine.gguf.quant import dequantize
 
         wd = dequantize(self.m.view(w_ptr, w.rows * w.row_bytes).reshape(w.rows, w.row_bytes), w.qtype,
                         (w.rows, w.cols))
         self.m.arr(y, (w.rows,))[:] = wd @ self.m.arr(x, (w.cols,))
 
     def embed(self, stream, qtype, rows, row_bytes, out, n, k):
-        from engine.quant import dequantize
+        from engine.gguf.quant import dequantize
 
         self.m.arr(out, (n, k))[:] = dequantize(self.m.view(rows, n * row_bytes).reshape(n, row_bytes), qtype, (n, k))
 
@@ -450,7 +450,7 @@ def emulated(monkeypatch):
 
 @pytest.fixture(scope="module")
 def tiny_files(tmp_path_factory):
-    from engine.gguf_file import GGUFFile
+    from engine.gguf.file import GGUFFile
     from engine.arch.qwen35.synth import synth
 
     folder = tmp_path_factory.mktemp("emulated")
@@ -467,9 +467,9 @@ def test_emulated_prefill_of_a_k_quant_mix(emulated, tmp_path):
     the float reference that reads the stored blocks, the only difference is that conversion's
     rounding (about max|w| / 254 per 32 weights, ~1/16 of a 4-bit step)."""
     from engine.arch.qwen35.cuda_plan import expert_rows
-    from engine.gguf_file import GGUFFile
+    from engine.gguf.file import GGUFFile
     from engine.arch.qwen35.model import Qwen35Model
-    from engine.quant import dequantize
+    from engine.gguf.quant import dequantize
     from engine.state import SequenceState
     from engine.arch.qwen35.synth import synth
 
@@ -618,7 +618,7 @@ def _dev(drv, a: np.ndarray) -> "object":
 @gpu
 @pytest.mark.parametrize("qtype", [Q.F32, Q.F16, Q.BF16, Q.Q4_0, Q.Q4_1, Q.Q8_0])
 def test_gemm_kernel_matches_dequantized_matmul(cuda_ctx, qtype):
-    from engine.quant import dequantize, quantize
+    from engine.gguf.quant import dequantize, quantize
 
     drv, k = cuda_ctx
     rng = np.random.default_rng(int(qtype))
@@ -665,7 +665,7 @@ def _keep(drv, a: np.ndarray):
 
 @gpu
 def test_grouped_gemm_over_experts(cuda_ctx):
-    from engine.quant import dequantize, quantize
+    from engine.gguf.quant import dequantize, quantize
 
     drv, k = cuda_ctx
     rng = np.random.default_rng(5)
@@ -800,7 +800,7 @@ LENGTHS = [1, 63, 64, 65, 1000]
 def models(tmp_path_factory):
     """(preset, quant) -> (GGUFFile, CPU model, {budget name: CudaPrefill}, {length: (logits, state)})."""
     from engine.arch.qwen35.cuda import CudaPrefill
-    from engine.gguf_file import GGUFFile
+    from engine.gguf.file import GGUFFile
     from engine.arch.qwen35.model import Qwen35Model
     from engine.arch.qwen35.synth import synth
 

@@ -21,7 +21,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from engine.gguf_file import GGUFFile
+from engine.gguf.file import GGUFFile
 from engine.arch.qwen35.model import Qwen35Model
 from engine.state import SequenceState
 from engine.arch.qwen35.synth import synth

@@ -14,7 +14,7 @@ import pytest
 
 from engine.api import Engine, EngineOptions
 from engine.events import TokenEvent, TurnSummary
-from engine.gguf_file import GGUFFile
+from engine.gguf.file import GGUFFile
 from engine.grammar import GrammarError, compile_grammar, grammar_tokenizer, lark_json
 from engine.sampling import Sampler, SamplingParams
 from engine.tokenizer import Tokenizer

@@ -16,8 +16,8 @@ from pathlib import Path
 
 import pytest
 
-from engine.gguf_file import GGUFFile
-from engine.gguf_header import read_header
+from engine.gguf.file import GGUFFile
+from engine.gguf.header import read_header
 from engine.hub.fit import Machine, estimate, state_bytes
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -403,7 +403,7 @@ def test_image_prompt_logits_match_hf(tmp_path):
     import threading as th
 
     from engine.arch.qwen35.model import Qwen35Model
-    from engine.gguf_file import GGUFFile
+    from engine.gguf.file import GGUFFile
     from engine.runtime import prefill
     from engine.state import SequenceState
 

@@ -21,7 +21,7 @@ from engine.state import SequenceState
 
 
 class DictWeights:
-    """The weights interface of engine.gguf_file.GGUFFile over a dict of float32 arrays (math shape).
+    """The weights interface of engine.gguf.file.GGUFFile over a dict of float32 arrays (math shape).
 
     Counts every fetch so tests can check caching and expert selection.
     """

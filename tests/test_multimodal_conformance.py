@@ -28,7 +28,7 @@ import pytest
 from PIL import Image
 
 from engine.events import TokenEvent
-from engine.gguf_file import GGUFFile
+from engine.gguf.file import GGUFFile
 from engine.images import prepare_image
 from engine.arch.qwen3vl.mmproj import load_mmproj
 from engine.arch.qwen35.model import Qwen35Model

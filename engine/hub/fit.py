@@ -27,8 +27,8 @@ from typing import Any
 from gguf import GGMLQuantizationType
 
 from ..errors import DeviceError, EngineError, ModelFormatError
-from ..gguf_file import GGUFFile
-from ..gguf_header import Header
+from ..gguf.file import GGUFFile
+from ..gguf.header import Header
 
 GIB = 1 << 30
 OS_RESERVE = 2 * GIB

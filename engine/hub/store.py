@@ -178,7 +178,7 @@ def delete_model(entry: Downloaded, store: ModelStore | None = None,
     returns the paths removed. A file that no longer opens has no snapshots to find; only the file goes."""
     import shutil
 
-    from ..gguf_file import GGUFFile
+    from ..gguf.file import GGUFFile
     from ..prefix_cache import snapshot_folder
     store = store or ModelStore()
     path = store.path(entry.repo, entry.file)

@@ -26,7 +26,7 @@ from typing import Any
 
 from PIL import Image, UnidentifiedImageError
 
-from engine.regular_file import MAX_IMAGE_FILE_BYTES, read_regular
+from engine.gguf.regular import MAX_IMAGE_FILE_BYTES, read_regular
 
 from .requests import APIError
 

@@ -43,7 +43,7 @@ from pathlib import Path
 
 import numpy as np
 
-from engine.gguf_file import GGUFFile
+from engine.gguf.file import GGUFFile
 from engine.kernels import cpu, numa
 from engine.ops import reference as ops
 from engine.placement import interleave_experts

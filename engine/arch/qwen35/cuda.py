@@ -33,7 +33,7 @@ from engine.kernels.cuda_buffers import Activations, Copier, CopyTask
 from engine.kernels.cuda_context import CudaBackend
 from engine.kernels.cuda_kernels import PREFILL_SOURCES, Kernels
 from engine.kernels.cuda_layout import GPU_TYPES, TILE_ROWS, Matrix
-from engine.quant import dequantize
+from engine.gguf.quant import dequantize
 from engine.state import SequenceState
 
 from .cuda_plan import (ExpertLayout, LayerTelemetry, Placement, PrefillTelemetry, activation_groups, copy_runs,
@@ -52,7 +52,7 @@ class CudaPrefill(CudaBackend):
 
     Args:
         hp: the model's hyper-parameters (``gguf_file.hparams``).
-        gguf_file: an open :class:`engine.gguf_file.GGUFFile` (``.raw``, ``.f32``, ``.info``, ``.has``).
+        gguf_file: an open :class:`engine.gguf.file.GGUFFile` (``.raw``, ``.f32``, ``.info``, ``.has``).
         budget_bytes: VRAM budget; default free memory at load minus max(512 MiB, 5%).
         plan_tokens: prompt length reserved for when deciding how many expert layers stay resident.
 

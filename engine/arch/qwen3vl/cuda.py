@@ -32,13 +32,13 @@ import numpy as np
 from gguf import GGMLQuantizationType
 
 from engine.errors import DeviceBudgetError, DeviceError, ModelFormatError
-from engine.gguf_header import Header, file_identity, read_header
+from engine.gguf.header import Header, file_identity, read_header
 from engine.kernels.cuda_context import CudaBackend
 from engine.kernels.cuda_kernels import (ACT_GELU_ERF, ACT_GELU_TANH, ACT_NONE, VISION_SOURCES, Kernels,
                            check_vision_head)
 from engine.kernels.cuda_layout import GPU_TYPES, Matrix, aligned
 from engine.ops import vision_reference as ops
-from engine.quant import FLOAT_TYPES, row_bytes, type_name
+from engine.gguf.quant import FLOAT_TYPES, row_bytes, type_name
 
 from .mmproj import Mmproj, VisionHParams
 

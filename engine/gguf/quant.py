@@ -49,7 +49,7 @@ import numpy as np
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from gguf import quants as _gq
 
-from .errors import UnsupportedModelError
+from ..errors import UnsupportedModelError
 
 Q = GGMLQuantizationType
 

@@ -1,6 +1,6 @@
 """Streaming GGUF writer: metadata records and tensor data written in order, one piece at a time.
 
-Layout (ggml ``docs/gguf.md``; the same as :mod:`engine.gguf_file` reads, little-endian): ``"GGUF"``,
+Layout (ggml ``docs/gguf.md``; the same as :mod:`engine.gguf.file` reads, little-endian): ``"GGUF"``,
 u32 version 3, u64 tensor count, u64 key/value count, the key/value records, the tensor table (name,
 u32 n_dims, u64 ne[n_dims] fastest first, u32 ggml type, u64 offset relative to the data section),
 zero padding to the alignment, then each tensor's bytes, each padded to the alignment.
@@ -12,7 +12,7 @@ than one piece. The file is written under a temporary name created exclusively b
 renamed to ``PATH`` only once complete, so an interrupted write never leaves a truncated file under the
 final name.
 
-Metadata records are bytes: :meth:`engine.gguf_file.GGUFFile.kv_record` gives a source file's records
+Metadata records are bytes: :meth:`engine.gguf.file.GGUFFile.kv_record` gives a source file's records
 verbatim, :func:`kv_record` encodes a new one.
 """
 

@@ -27,7 +27,7 @@ from typing import Any
 import numpy as np
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFValueType
 
-from .errors import ModelFormatError
+from ..errors import ModelFormatError
 from .quant import type_name
 
 _MAX_HEADER = 1 << 30        # metadata + tensor table; real files have ~10 MB

@@ -1,6 +1,6 @@
 """A validated, memory-mapped view of one GGUF text-model file.
 
-The header is read by :mod:`engine.gguf_header` (bounds-checked: a hostile or truncated file is a
+The header is read by :mod:`engine.gguf.header` (bounds-checked: a hostile or truncated file is a
 :class:`~engine.errors.ModelFormatError` naming the file and the key or tensor; opening touches only
 the header pages). Tensor data stays in the read-only memory map.
 
@@ -19,10 +19,10 @@ from typing import Any
 import numpy as np
 from gguf import GGMLQuantizationType
 
-from .errors import ModelFormatError, UnsupportedModelError
-from .gguf_header import Header, StoredTensor, read_header
+from ..errors import ModelFormatError, UnsupportedModelError
+from .header import Header, StoredTensor, read_header
 from .quant import check_supported, dequantize, row_bytes, type_name
-from .registry import TextArch, text_arch
+from ..registry import TextArch, text_arch
 
 _SAMPLES = 16                # data samples hashed into GGUFFile.identity
 _SAMPLE_BYTES = 4096
@@ -69,7 +69,7 @@ class _View:
 
 
 class GGUFFile:
-    """One opened, validated GGUF model file (see ``docs/interfaces.md``, ``engine.gguf_file``).
+    """One opened, validated GGUF model file (see ``docs/interfaces.md``, ``engine.gguf.file``).
 
     Use :meth:`open`. Tensor data is read lazily from a read-only memory map; the accessors
     :meth:`raw`, :meth:`expert` and :meth:`row` touch only the bytes they return.
@@ -136,7 +136,7 @@ class GGUFFile:
     @classmethod
     def from_header(cls, header: Header) -> "GGUFFile":
         """Validate a header parsed from the first bytes of a file that is not here
-        (:func:`engine.gguf_header.parse_prefix`): hyper-parameters, tensor table, sizes and
+        (:func:`engine.gguf.header.parse_prefix`): hyper-parameters, tensor table, sizes and
         :meth:`bytes_per_token` work; tensor data cannot be read and ``identity`` is "".
 
         Raises: see :meth:`open`.
