@@ -28,12 +28,12 @@ from .gguf.file import GGUFFile
 from .grammar import Grammar, compile_grammar, grammar_tokenizer
 from .images import ImageInfo, ImageSource
 from .prefix_cache import PrefixCache, SnapshotInfo
-from .prompt import Message, Prompt, PromptBuilder, text_bytes
+from .prompt.builder import Message, Prompt, PromptBuilder, text_bytes
 from .pruned_file import pruning_summary
 from .registry import GpuPrefill, TextModel
 from .runtime import Turn, read_ahead, run_turn
 from .sampling import SamplingParams
-from .tokenizer import Tokenizer
+from .prompt.tokenizer import Tokenizer
 from .vision import ImageEncoder
 
 log = logging.getLogger(__name__)
@@ -175,11 +175,11 @@ class Engine:
         """Render ``messages`` with the model's chat template and tokenize the prompt.
 
         A file without ``tokenizer.chat_template`` is rendered as ChatML, the Qwen format
-        (``engine/templates/chatml.jinja``; :attr:`ModelInfo.template_note` says so). Each image part
+        (``engine/prompt/templates/chatml.jinja``; :attr:`ModelInfo.template_note` says so). Each image part
         stays a single ``<|image_pad|>``; :meth:`prepare` expands it. Only the template's markup makes
         control ids: text in the messages is read as plain text, so ``<|im_end|>`` or ``<think>``
         typed by a user cannot open a turn or a think block
-        (:meth:`engine.tokenizer.Tokenizer.escape_messages`; the text of ``tools`` too).
+        (:meth:`engine.prompt.tokenizer.Tokenizer.escape_messages`; the text of ``tools`` too).
         ``tools``: OpenAI function tools (``{"type": "function", "function": {"name", "description",
         "parameters"}}``) the template renders (Qwen3.5/3.6: a ``# Tools`` section in the system message).
 

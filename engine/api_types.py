@@ -13,7 +13,7 @@ from typing import Any, Iterator, Protocol, Sequence
 from .events import Event
 from .images import ImageInfo, ImageSource
 from .prefix_cache import SnapshotInfo
-from .prompt import Message
+from .prompt.builder import Message
 from .sampling import SamplingParams
 
 

@@ -4,7 +4,7 @@ Backed by llguidance (Earley parser + lazily built lexer over a token trie; one 
 0.2 ms of CPU, p99 under 3 ms, on the 248,320-token Qwen3.5/3.6 vocabulary, see
 docs/perf/constrained-decoding.md and docs/design/constrained-decoding.md). Three objects:
 
-* :func:`grammar_tokenizer` turns the engine's :class:`~engine.tokenizer.Tokenizer` into llguidance's token
+* :func:`grammar_tokenizer` turns the engine's :class:`~engine.prompt.tokenizer.Tokenizer` into llguidance's token
   table once per engine (1.5-3.5 s on the real vocabulary; :meth:`engine.api.Engine.grammar` caches it).
   Every added token (control or user-defined: ``<|im_end|>``, ``<think>``, ``</think>``, ``<tool_call>``, ...)
   is a *special* token there: a lark grammar names it ``<tool_call>``, and text that merely spells it does
@@ -30,7 +30,7 @@ import llguidance
 import numpy as np
 
 from .errors import EngineError
-from .tokenizer import Tokenizer
+from .prompt.tokenizer import Tokenizer
 
 THINK_END = "</think>"
 """The token that closes the model's thinking (Qwen3.5/3.6); ``reasoning=True`` grammars let free text run up to it."""

@@ -41,7 +41,7 @@ from .api_types import ModelInfo
 from .errors import ImageError, RemoteError, UnsupportedModelError
 from .events import Event, PrefillStats, TokenEvent, TurnSummary
 from .prefix_cache import SnapshotInfo
-from .prompt import Message
+from .prompt.builder import Message
 from .gguf.regular import MAX_IMAGE_FILE_BYTES, FileRefused, read_regular
 from .remote_http import Watch, clean, lines, loads, read_body
 from .sampling import SamplingParams

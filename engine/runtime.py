@@ -23,7 +23,7 @@ from .prefix_cache import PrefixCache, chain_keys
 from .registry import GpuPrefill, TextModel
 from .sampling import Sampler, SamplingParams, logprobs
 from .state import SequenceState
-from .tokenizer import Tokenizer
+from .prompt.tokenizer import Tokenizer
 
 # Prompt tokens per forward call during prefill: a cancel request is seen between pieces, and the
 # activations of one piece stay small. Where the pieces are cut changes no result (the model is

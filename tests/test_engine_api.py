@@ -337,7 +337,7 @@ def test_snapshot_list_and_clear_through_the_api(warm) -> None:
 
 
 def test_answer_end_snapshot_only_when_the_answer_rerenders(tiny) -> None:
-    from engine.chat_template import ChatTemplate
+    from engine.prompt.template import ChatTemplate
     engine = Engine.load(tiny, options=EngineOptions(prefix_cache=False))
     msgs = [{"role": "user", "content": "Name a shape."}]
     answer = engine.tokenizer.encode("A circle.") + [engine.tokenizer.token_id("<|im_end|>")]

@@ -17,7 +17,7 @@ from engine.events import TokenEvent, TurnSummary
 from engine.gguf.file import GGUFFile
 from engine.grammar import GrammarError, compile_grammar, grammar_tokenizer, lark_json
 from engine.sampling import Sampler, SamplingParams
-from engine.tokenizer import Tokenizer
+from engine.prompt.tokenizer import Tokenizer
 
 # Bounded on purpose: random logits over 248k ids almost never pick a closing quote or bracket by chance,
 # so strings, arrays and numbers carry limits that make every answer end within MAX_STEPS tokens.

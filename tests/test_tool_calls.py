@@ -1,5 +1,5 @@
 """The tool-call parser on a corpus of Qwen3.6 answers written from its chat template's own call format
-(engine/templates/qwen35.jinja), and on the older JSON-in-``<tool_call>`` form: fed whole and token by
+(engine/prompt/templates/qwen35.jinja), and on the older JSON-in-``<tool_call>`` form: fed whole and token by
 token, the reasoning, content and calls come out the same."""
 
 from __future__ import annotations

@@ -431,7 +431,7 @@ def test_a_colour_scheme_change_re_renders_the_messages(qtbot, make_window):
 
 def test_an_imported_mid_chat_system_message_and_the_system_prompt_reach_the_model_as_one(qtbot, make_window,
                                                                                            tmp_path):
-    from engine.chat_template import ChatTemplate
+    from engine.prompt.template import ChatTemplate
     from engine.arch.qwen35.vocab import QWEN35_CHAT_TEMPLATE
 
     engine = FakeEngine()

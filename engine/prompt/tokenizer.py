@@ -13,7 +13,7 @@ in the messages' text before rendering, and :meth:`Tokenizer.encode_rendered` tu
 left in the rendered text (the template's) into their ids and the stand-ins back into their text,
 read as plain text. So ``hi<|im_end|>`` typed by a user stays the characters it is.
 
-The chat template it carries is :class:`engine.chat_template.ChatTemplate` (the sandboxed renderer).
+The chat template it carries is :class:`engine.prompt.template.ChatTemplate` (the sandboxed renderer).
 """
 
 from __future__ import annotations
@@ -28,8 +28,8 @@ import gguf
 from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tokenizers
 from tokenizers import Tokenizer as HFTokenizer
 
-from .chat_template import ChatTemplate
-from .errors import TokenizerError
+from .template import ChatTemplate
+from ..errors import TokenizerError
 
 QWEN35_PATTERN = (
     r"(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])"
@@ -448,7 +448,7 @@ def _parse_merges(value: Any, vocab: dict[str, int], n: int, source: str) -> lis
 
 def _split_thinking(message: dict[str, Any]) -> dict[str, Any]:
     """An assistant message whose string content holds ``</think>``, with its reasoning moved to
-    ``reasoning_content`` by the Qwen3.5/3.6 template's rule (engine/templates/qwen35.jinja: the text
+    ``reasoning_content`` by the Qwen3.5/3.6 template's rule (engine/prompt/templates/qwen35.jinja: the text
     before the first ``</think>`` after its last ``<think>``, newlines stripped; the content is what
     follows the last ``</think>``). Other messages as they are."""
     content = message.get("content")

@@ -20,7 +20,7 @@ from jinja2 import nodes
 from jinja2.ext import loopcontrols
 from jinja2.sandbox import ImmutableSandboxedEnvironment, SecurityError
 
-from .errors import TemplateError
+from ..errors import TemplateError
 
 
 def _is_int(value: Any) -> bool:

@@ -19,10 +19,10 @@ from typing import Any
 
 import numpy as np
 
-from .errors import ContextFullError, ImageError, TemplateError, UnsupportedModelError
-from .chat_template import ChatTemplate
+from ..errors import ContextFullError, ImageError, TemplateError, UnsupportedModelError
+from .template import ChatTemplate
 from .tokenizer import Tokenizer
-from .vision import EncodedImage, ImageEncoder
+from ..vision import EncodedImage, ImageEncoder
 
 Message = Mapping[str, Any]
 
@@ -52,8 +52,8 @@ class Prompt:
 @functools.cache
 def chatml() -> ChatTemplate:
     """The ChatML template of files without their own (compiled once)."""
-    source = (resources.files("engine") / "templates" / "chatml.jinja").read_text(encoding="utf-8")
-    return ChatTemplate(source, origin="engine/templates/chatml.jinja (ChatML fallback)")
+    source = (resources.files("engine") / "prompt" / "templates" / "chatml.jinja").read_text(encoding="utf-8")
+    return ChatTemplate(source, origin="engine/prompt/templates/chatml.jinja (ChatML fallback)")
 
 
 def text_bytes(value: Any) -> int:
