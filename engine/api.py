@@ -26,7 +26,7 @@ from .errors import EngineError, GenerationCancelled, TemplateError, Unsupported
 from .events import Event, PrefillStats
 from .gguf.file import GGUFFile
 from .grammar import Grammar, compile_grammar, grammar_tokenizer
-from .images import ImageInfo, ImageSource
+from .vision.images import ImageInfo, ImageSource
 from .prefix_cache import PrefixCache, SnapshotInfo
 from .prompt.builder import Message, Prompt, PromptBuilder, text_bytes
 from .pruned_file import pruning_summary
@@ -34,7 +34,7 @@ from .registry import GpuPrefill, TextModel
 from .runtime import Turn, read_ahead, run_turn
 from .sampling import SamplingParams
 from .prompt.tokenizer import Tokenizer
-from .vision import ImageEncoder
+from .vision.encoder import ImageEncoder
 
 log = logging.getLogger(__name__)
 

@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any, Iterator, Protocol, Sequence
 
 from .events import Event
-from .images import ImageInfo, ImageSource
+from .vision.images import ImageInfo, ImageSource
 from .prefix_cache import SnapshotInfo
 from .prompt.builder import Message
 from .sampling import SamplingParams

@@ -381,7 +381,7 @@ def test_load_reports_stages_and_can_be_cancelled(tiny) -> None:
 def test_image_key_depends_on_resize_bounds(vision_engine, tmp_path) -> None:
     """The same image under another size limit gives other embeddings: no prefix reuse across it."""
     from engine.arch.qwen3vl.mmproj import load_mmproj
-    from engine.vision import ImageEncoder
+    from engine.vision.encoder import ImageEncoder
     from engine.tools.synth import synth_mmproj_for
     img = shape_image(tmp_path / "k.png", (10, 160, 10), size=(320, 256))
     msgs = [{"role": "user", "content": [{"type": "image", "image": str(img)}, {"type": "text", "text": "Hi"}]}]

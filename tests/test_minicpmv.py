@@ -23,7 +23,7 @@ from engine.errors import GenerationCancelled, ImageError
 from engine.kernels import cpu, sgemm
 from engine.events import TokenEvent
 from engine.sampling import SamplingParams
-from engine.vision import ImageEncoder
+from engine.vision.encoder import ImageEncoder
 
 FIXTURES = Path(__file__).parent / "fixtures" / "minicpmv"
 sys.path.insert(0, str(FIXTURES))
@@ -299,7 +299,7 @@ def test_image_layout_of_a_sliced_image():
 
 
 def test_image_encoder_runs_all_pieces_and_caches(mm):
-    """engine.vision.ImageEncoder drives the registry tower: one prepared image holds every piece."""
+    """engine.vision.encoder.ImageEncoder drives the registry tower: one prepared image holds every piece."""
     enc = ImageEncoder(mm)
     img = Image.fromarray(sample_image(700, 700, 3))
     first = enc.encode(img)

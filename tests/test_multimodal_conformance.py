@@ -6,7 +6,7 @@ so token ids go in directly; image ids vision_start 250, image_pad 252) and an m
 float32 results for three prompts: ``square`` (a 128x128 image, 16 pads), ``wide`` (96x160, merged grid
 3x5) and ``two`` (both images, 70 tokens).
 
-Our side is the code ``Engine.prepare`` / ``Engine.chat`` run: :class:`~engine.vision.ImageEncoder`
+Our side is the code ``Engine.prepare`` / ``Engine.chat`` run: :class:`~engine.vision.encoder.ImageEncoder`
 from the image's pixels (preprocessing included), :func:`~engine.arch.qwen3vl.positions.mrope_positions`, and
 :func:`engine.runtime.prefill` / :func:`engine.runtime.run_turn`, which splice the tower's rows over the
 image-pad embeddings and continue decoding from ``positions.max() + 1``.
@@ -29,12 +29,12 @@ from PIL import Image
 
 from engine.events import TokenEvent
 from engine.gguf.file import GGUFFile
-from engine.images import prepare_image
+from engine.vision.images import prepare_image
 from engine.arch.qwen3vl.mmproj import load_mmproj
 from engine.arch.qwen35.model import Qwen35Model
 from engine.arch.qwen3vl.positions import mrope_positions
 from engine.arch.qwen3vl.tower import VisionTower
-from engine.vision import EncodedImage, ImageEncoder
+from engine.vision.encoder import EncodedImage, ImageEncoder
 from engine.runtime import Turn, prefill, run_turn
 from engine.sampling import SamplingParams
 from engine.state import SequenceState

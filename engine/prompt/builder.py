@@ -22,7 +22,7 @@ import numpy as np
 from ..errors import ContextFullError, ImageError, TemplateError, UnsupportedModelError
 from .template import ChatTemplate
 from .tokenizer import Tokenizer
-from ..vision import EncodedImage, ImageEncoder
+from ..vision.encoder import EncodedImage, ImageEncoder
 
 Message = Mapping[str, Any]
 

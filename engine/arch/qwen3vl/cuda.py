@@ -18,7 +18,7 @@ Per image (S patches, D = n_embd, ``native/cuda/vision.cu`` for the non-GEMM ste
 The patches, the position rows and the RoPE tables go up through page-locked staging buffers, everything
 runs on one stream, and the (S/4, out_dim) result comes back the same way. Every CUDA failure (no GPU or
 pycuda, a compile error, out of GPU or pinned memory, a failed launch) raises
-:class:`~engine.errors.DeviceError`; :class:`engine.vision.ImageEncoder` then encodes on the CPU. An
+:class:`~engine.errors.DeviceError`; :class:`engine.vision.encoder.ImageEncoder` then encodes on the CPU. An
 image whose activation buffers would not fit the VRAM budget raises :class:`~engine.errors.DeviceBudgetError`
 instead, and only that image is encoded on the CPU.
 """

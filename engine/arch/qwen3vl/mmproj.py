@@ -108,7 +108,7 @@ class VisionHParams:
         / ``image_max_pixels``, the keys llama.cpp's ``clip-impl.h`` defines; Qwen3.5/3.6 files have
         neither): the maximum becomes ``min(max_pixels, image_max_pixels)``, the minimum
         ``image_min_pixels`` in place of ``min_pixels``, and the minimum is then lowered to the maximum
-        when above it, as :meth:`engine.vision.ImageEncoder.encode` does for a per-image bound.
+        when above it, as :meth:`engine.vision.encoder.ImageEncoder.encode` does for a per-image bound.
 
         Args:
             min_pixels, max_pixels: the caller's bounds (engine options / user settings), pixels.

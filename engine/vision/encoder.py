@@ -18,10 +18,10 @@ from typing import Any
 
 import numpy as np
 
-from .errors import DeviceBudgetError, DeviceError, GenerationCancelled, ModelFormatError, UnsupportedModelError
-from .gguf.header import read_metadata
+from ..errors import DeviceBudgetError, DeviceError, GenerationCancelled, ModelFormatError, UnsupportedModelError
+from ..gguf.header import read_metadata
 from .images import MAX_INPUT_PIXELS, MAX_PIXELS, MIN_PIXELS, ImageInfo, ImageSource, read_source
-from .registry import VisionArch, VisionTower, vision_arch
+from ..registry import VisionArch, VisionTower, vision_arch
 
 log = logging.getLogger(__name__)
 
@@ -154,7 +154,7 @@ class ImageEncoder:
             ``max_pixels`` to bound CPU time: for Qwen3.5/3.6 S = pixels / 256 patches, attention cost ~ S^2),
             narrowed by the projector's own (:meth:`engine.registry.VisionTower.pixel_bounds`).
         cache_bytes: embedding cache size.
-        max_input_pixels: decode guard (see :func:`engine.images.open_image`).
+        max_input_pixels: decode guard (see :func:`engine.vision.images.open_image`).
         gpu: a GPU tower of the same projector with ``encode(pixel_values, grid) -> (n, out_dim) float32``
             and ``close()`` (:class:`engine.arch.qwen3vl.cuda.CudaVisionTower`), or None for the CPU.
         device_note: why images are encoded on the CPU although a GPU was looked for, or "".
@@ -213,7 +213,7 @@ class ImageEncoder:
         """Encode one image, from the cache when the same content was encoded with the same bounds.
 
         Args:
-            source: file path, file bytes, :class:`~engine.images.ImageData` or Pillow image.
+            source: file path, file bytes, :class:`~engine.vision.images.ImageData` or Pillow image.
             max_pixels: overrides the default area bound for this image, within the projector's own
                 (``min_pixels`` is lowered to it when above).
             cancel: checked between tower blocks on the CPU; on the GPU only before the image (one launch sequence).
@@ -222,7 +222,7 @@ class ImageEncoder:
             :class:`EncodedImage`.
 
         Raises:
-            ImageError: bad image (see :func:`engine.images.prepare_image`).
+            ImageError: bad image (see :func:`engine.vision.images.prepare_image`).
             GenerationCancelled: ``cancel`` was set.
             ValueError: ``max_pixels`` below ``factor**2`` (1024).
         """
@@ -249,7 +249,7 @@ class ImageEncoder:
         :meth:`~engine.registry.VisionTower.token_grid` of its patch grid, rows x cols. One preparation.
 
         Raises:
-            ImageError: unreadable image (see :func:`engine.images.prepare_image`).
+            ImageError: unreadable image (see :func:`engine.vision.images.prepare_image`).
         """
         prepared = self.tower.prepare(source, min(self.min_pixels, self.max_pixels), self.max_pixels,
                                       self.max_input_pixels)

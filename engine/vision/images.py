@@ -32,8 +32,8 @@ from typing import Union
 import numpy as np
 from PIL import Image, ImageOps, UnidentifiedImageError
 
-from .errors import ImageError
-from .gguf.regular import MAX_IMAGE_FILE_BYTES, FileRefused, read_regular
+from ..errors import ImageError
+from ..gguf.regular import MAX_IMAGE_FILE_BYTES, FileRefused, read_regular
 
 MIN_PIXELS = 65536
 """HF ``preprocessor_config.json`` ``size.shortest_edge`` for Qwen3.5/3.6 (256x256 at least)."""
