@@ -25,13 +25,13 @@ from .demo_model import bundled_mmproj_for, bundled_model, default_model
 from .errors import EngineError, GenerationCancelled, TemplateError, UnsupportedModelError
 from .events import Event, PrefillStats
 from .gguf.file import GGUFFile
-from .grammar import Grammar, compile_grammar, grammar_tokenizer
+from .turn.grammar import Grammar, compile_grammar, grammar_tokenizer
 from .vision.images import ImageInfo, ImageSource
-from .prefix_cache import PrefixCache, SnapshotInfo
+from .turn.prefix_cache import PrefixCache, SnapshotInfo
 from .prompt.builder import Message, Prompt, PromptBuilder, text_bytes
 from .pruned_file import pruning_summary
 from .registry import GpuPrefill, TextModel
-from .runtime import Turn, read_ahead, run_turn
+from .turn.runtime import Turn, read_ahead, run_turn
 from .sampling import SamplingParams
 from .prompt.tokenizer import Tokenizer
 from .vision.encoder import ImageEncoder
@@ -225,7 +225,7 @@ class Engine:
         """Answer the conversation ``messages`` (the last one is usually the user's).
 
         The prompt resumes from the deepest prefix snapshot it shares (see
-        :mod:`engine.prefix_cache`); ``PrefillStats.reused_tokens`` says how many tokens that saved.
+        :mod:`engine.turn.prefix_cache`); ``PrefillStats.reused_tokens`` says how many tokens that saved.
 
         Args:
             messages: chat messages (see docs/interfaces.md for the format).
@@ -269,7 +269,7 @@ class Engine:
         Args:
             checkpoints: extra prompt positions to snapshot at.
             prompt: the :meth:`prepare` result the ids come from (M-RoPE positions, images).
-            rerenders: see :class:`engine.runtime.Turn` (snapshot the end of a finished answer).
+            rerenders: see :class:`engine.turn.runtime.Turn` (snapshot the end of a finished answer).
             started: ``time.perf_counter()`` at the start of the turn (the origin of TTFT).
             grammar: constrains the answer (:meth:`grammar`).
 
@@ -347,7 +347,7 @@ class Engine:
 
         Call it after a turn with the answer appended (``messages`` ending with that assistant message),
         while the user reads and types; set ``cancel`` (or call :meth:`cancel_read_ahead`) to stop it
-        within one piece (:data:`engine.runtime.AHEAD_PIECE` tokens). The next turn renders an earlier answer
+        within one piece (:data:`engine.turn.runtime.AHEAD_PIECE` tokens). The next turn renders an earlier answer
         differently from the prompt it was generated after (Qwen's template drops the think scaffold of
         old turns), which is why the answer must be read again at all. The answer a later turn gives is
         the same with or without this call (prefill is split-invariant).

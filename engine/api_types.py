@@ -12,7 +12,7 @@ from typing import Any, Iterator, Protocol, Sequence
 
 from .events import Event
 from .vision.images import ImageInfo, ImageSource
-from .prefix_cache import SnapshotInfo
+from .turn.prefix_cache import SnapshotInfo
 from .prompt.builder import Message
 from .sampling import SamplingParams
 
@@ -25,7 +25,7 @@ class EngineOptions:
         context: context window in tokens (capped at the model's ``context_length``); the KV cache
             is preallocated for it: 2 * n_attn_layers * n_head_kv * head_dim * 4 bytes per token.
         prefix_cache: keep prefix snapshots so a prompt sharing a prefix resumes instead of
-            re-prefilling (see :mod:`engine.prefix_cache`).
+            re-prefilling (see :mod:`engine.turn.prefix_cache`).
         cache_ram_bytes: RAM budget of the snapshots, bytes.
         cache_disk_dir: folder of the snapshots' disk tier; None = RAM only. The app passes
             ``platformdirs.user_cache_dir("deltadesk")/snapshots``.

@@ -405,7 +405,7 @@ def calibrate(engine: Any, conversations: Sequence[Sequence[Message]], max_token
         UnsupportedModelError: a dense model. ValueError: ``max_tokens`` < 1.
         EngineError: from rendering or image encoding (names the file).
     """
-    from .state import SequenceState
+    from .turn.state import SequenceState
     gguf = engine.gguf
     if not gguf.hparams.is_moe:
         raise UnsupportedModelError(f"{gguf.source}: {gguf.hparams.arch} is a dense model: it has no experts to prune")

@@ -40,11 +40,11 @@ store fused; when the first split name is absent from a file, the fused one must
 class TextModel(Protocol):
     """The CPU text model a :class:`TextArch` builds; the runtime uses only this.
 
-    ``state`` is an :class:`engine.state.SequenceState`; it advances by the positions run.
+    ``state`` is an :class:`engine.turn.state.SequenceState`; it advances by the positions run.
     """
 
     hp: Any
-    """The architecture's hyper-parameters (``n_vocab``, ``n_embd``, ... as :class:`engine.state.SequenceState` needs)."""
+    """The architecture's hyper-parameters (``n_vocab``, ``n_embd``, ... as :class:`engine.turn.state.SequenceState` needs)."""
 
     def embed(self, tokens: np.ndarray) -> np.ndarray:
         """(n, n_embd) float32 token embeddings of (n,) int ids. Raises ValueError for an id outside the vocabulary."""

@@ -40,7 +40,7 @@ import httpx
 from .api_types import ModelInfo
 from .errors import ImageError, RemoteError, UnsupportedModelError
 from .events import Event, PrefillStats, TokenEvent, TurnSummary
-from .prefix_cache import SnapshotInfo
+from .turn.prefix_cache import SnapshotInfo
 from .prompt.builder import Message
 from .gguf.regular import MAX_IMAGE_FILE_BYTES, FileRefused, read_regular
 from .remote_http import Watch, clean, lines, loads, read_body

@@ -37,7 +37,7 @@ from engine.arch.qwen35.cuda import CudaPrefill  # noqa: E402
 from engine.kernels.cuda_kernels import load_driver  # noqa: E402
 from engine.gguf.file import GGUFFile  # noqa: E402
 from engine.arch.qwen35.hparams import Qwen35HParams  # noqa: E402
-from engine.state import SequenceState  # noqa: E402
+from engine.turn.state import SequenceState  # noqa: E402
 from engine.arch.qwen35.synth import synth  # noqa: E402
 
 DATASHEET_FP32 = 67e12

@@ -118,8 +118,8 @@ def drive(n_vocab: int, eos: set[int], mask: Callable[[], np.ndarray], accept: C
 
 
 def run_llguidance(answers: int, max_tokens: int) -> None:
-    """The engine's own path: engine.grammar's token table and Matcher.allowed() (mask + bool unpacking)."""
-    from engine.grammar import compile_grammar, grammar_tokenizer
+    """The engine's own path: engine.turn.grammar's token table and Matcher.allowed() (mask + bool unpacking)."""
+    from engine.turn.grammar import compile_grammar, grammar_tokenizer
     tok = real_tokenizer()
     t0 = time.perf_counter()
     table = grammar_tokenizer(tok)

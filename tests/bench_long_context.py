@@ -4,8 +4,8 @@
 
 Without ``--model`` it writes ``synth --preset minicpmv46`` (the Qwen3.5-0.8B text backbone of
 MiniCPM-V 4.6, Q4_0, random weights) to a temporary folder first. Each length is a fresh state
-prefilled the way the app does it (:func:`engine.runtime.prefill`: pieces of
-:data:`engine.runtime.PREFILL_PIECE` tokens) from random token ids; lengths are interleaved over
+prefilled the way the app does it (:func:`engine.turn.runtime.prefill`: pieces of
+:data:`engine.turn.runtime.PREFILL_PIECE` tokens) from random token ids; lengths are interleaved over
 the repeats and medians reported. Per length it prints wall tok/s, the process CPU seconds (all
 threads: on a busy machine tokens per CPU second move less than wall figures) and the share of
 wall time spent in attention over the KV cache and in the Gated DeltaNet recurrence (the two token
@@ -30,8 +30,8 @@ from engine.arch.qwen35.cpu import NativeQwen35Model
 from engine.arch.qwen35.synth import synth
 from engine.gguf.file import GGUFFile
 from engine.kernels import cpu
-from engine.runtime import PREFILL_PIECE, prefill
-from engine.state import SequenceState
+from engine.turn.runtime import PREFILL_PIECE, prefill
+from engine.turn.state import SequenceState
 
 CLAIM = 0.85
 """tok/s at the longest length over tok/s at the shortest that the study reports reaching (361 / 408)."""

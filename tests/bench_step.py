@@ -24,7 +24,7 @@ import numpy as np
 from engine.arch.qwen35.cpu import NativeQwen35Model
 from engine.gguf.file import GGUFFile
 from engine.kernels import cpu
-from engine.state import SequenceState
+from engine.turn.state import SequenceState
 
 
 def decode(model: NativeQwen35Model, state: SequenceState, token: int, n: int) -> tuple[float, float]:

@@ -470,7 +470,7 @@ def test_emulated_prefill_of_a_k_quant_mix(emulated, tmp_path):
     from engine.gguf.file import GGUFFile
     from engine.arch.qwen35.model import Qwen35Model
     from engine.gguf.quant import dequantize
-    from engine.state import SequenceState
+    from engine.turn.state import SequenceState
     from engine.arch.qwen35.synth import synth
 
     synth(tmp_path / "m.gguf", "small", layers=4, quant="q4_k_m", seed=5, vocab=[f"t{i}" for i in range(256)])
@@ -493,7 +493,7 @@ def test_emulated_prefill_of_a_k_quant_mix(emulated, tmp_path):
 @pytest.mark.parametrize("preset", ["tiny", "dense-tiny"])
 def test_emulated_prefill_resident_streamed_selective_and_passes(emulated, tiny_files, preset):
     from engine.arch.qwen35.model import Qwen35Model
-    from engine.state import SequenceState
+    from engine.turn.state import SequenceState
 
     f = tiny_files[preset]
     hp = f.hparams
@@ -833,7 +833,7 @@ def _tokens(hp, n: int, seed: int) -> np.ndarray:
 
 
 def _cpu(model_entry, n: int):
-    from engine.state import SequenceState
+    from engine.turn.state import SequenceState
 
     f, cpu, _, refs = model_entry
     if n not in refs:
@@ -864,7 +864,7 @@ def _assert_state_close(got, want, label: str = ""):
                                                  if b == "fits" or not p.startswith("dense")])
 def test_gpu_prefill_matches_cpu(models, preset, quant, n, budget):
     """A dense model has no routed experts, so it is checked with the budget that fits only."""
-    from engine.state import SequenceState
+    from engine.turn.state import SequenceState
 
     entry = models(preset, quant)
     f, cpu, engines, _ = entry
@@ -890,7 +890,7 @@ def test_gpu_prefill_matches_cpu(models, preset, quant, n, budget):
 @pytest.mark.parametrize("preset,quant", [("tiny", "q4_0"), ("small", "q4_0")])
 def test_gpu_prefill_continues_a_state_and_runs_in_passes(models, preset, quant):
     from engine.arch.qwen35.cuda import CudaPrefill
-    from engine.state import SequenceState
+    from engine.turn.state import SequenceState
 
     entry = models(preset, quant)
     f, cpu, engines, _ = entry

@@ -351,7 +351,7 @@ def test_answer_end_snapshot_only_when_the_answer_rerenders(tiny) -> None:
 
 
 def test_prefill_progress_events(cold) -> None:
-    import engine.runtime as runtime
+    import engine.turn.runtime as runtime
     msgs = [{"role": "user", "content": "word " * 300}]
     events = list(cold.chat(msgs, SamplingParams.greedy(2)))
     progress = [e for e in events if isinstance(e, PrefillProgress)]

@@ -23,7 +23,7 @@ import pytest
 
 from engine.gguf.file import GGUFFile
 from engine.arch.qwen35.model import Qwen35Model
-from engine.state import SequenceState
+from engine.turn.state import SequenceState
 from engine.arch.qwen35.synth import synth
 from engine.prompt.tokenizer import Tokenizer
 

@@ -1,4 +1,4 @@
-"""Constrained decoding (engine.grammar) on the real 248,320-token Qwen3.5/3.6 vocabulary of the tiny synth model:
+"""Constrained decoding (engine.turn.grammar) on the real 248,320-token Qwen3.5/3.6 vocabulary of the tiny synth model:
 answers drawn from fresh random logits always satisfy the grammar, the mask equals slow references, and the
 engine's constrained answers are complete, schema-valid and the same with the prefix cache on or off."""
 
@@ -15,7 +15,7 @@ import pytest
 from engine.api import Engine, EngineOptions
 from engine.events import TokenEvent, TurnSummary
 from engine.gguf.file import GGUFFile
-from engine.grammar import GrammarError, compile_grammar, grammar_tokenizer, lark_json
+from engine.turn.grammar import GrammarError, compile_grammar, grammar_tokenizer, lark_json
 from engine.sampling import Sampler, SamplingParams
 from engine.prompt.tokenizer import Tokenizer
 

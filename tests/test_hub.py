@@ -279,7 +279,7 @@ def test_store_paths_stay_inside_root(tmp_path):
 
 def test_delete_removes_file_shared_mmproj_last_and_snapshots(hub, tmp_path):
     from engine.hub.store import delete_model
-    from engine.prefix_cache import snapshot_folder
+    from engine.turn.prefix_cache import snapshot_folder
     listing = list_repo(REPO)
     entry = download_model(listing, pick_file(listing, quant="Q8_0"), pick_mmproj(listing))
     store = ModelStore()

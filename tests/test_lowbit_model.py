@@ -25,7 +25,7 @@ from engine.arch.qwen35.synth import storage_type
 from engine.gguf.file import GGUFFile
 from engine.kernels import cpu
 from engine.gguf.quant import dequantize
-from engine.state import SequenceState
+from engine.turn.state import SequenceState
 
 pytestmark = pytest.mark.skipif(not cpu.available(), reason="native CPU kernels not built")
 

@@ -404,8 +404,8 @@ def test_image_prompt_logits_match_hf(tmp_path):
 
     from engine.arch.qwen35.model import Qwen35Model
     from engine.gguf.file import GGUFFile
-    from engine.runtime import prefill
-    from engine.state import SequenceState
+    from engine.turn.runtime import prefill
+    from engine.turn.state import SequenceState
 
     gold = np.load(FIXTURES / "golden.npz")
     gguf = GGUFFile.open(FIXTURES / "tiny-qwen35-f16.gguf")

@@ -17,7 +17,7 @@ import pytest
 from engine.errors import ContextFullError
 from engine.arch.qwen35.hparams import Qwen35HParams
 from engine.arch.qwen35.model import Qwen35Model
-from engine.state import SequenceState
+from engine.turn.state import SequenceState
 
 
 class DictWeights:

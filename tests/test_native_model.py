@@ -29,7 +29,7 @@ from engine.arch.qwen35.cpu import NativeQwen35Model, prepare_weight, to_q8_0
 from engine.gguf.file import GGUFFile
 from engine.arch.qwen35.model import Qwen35Model
 from engine.gguf.quant import dequantize, quantize
-from engine.state import SequenceState
+from engine.turn.state import SequenceState
 
 pytestmark = pytest.mark.skipif(not cpu.available(), reason="native CPU kernels not built")
 

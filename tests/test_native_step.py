@@ -20,7 +20,7 @@ from engine.arch.qwen35.model import Qwen35Model
 from engine.errors import ContextFullError
 from engine.gguf.file import GGUFFile
 from engine.kernels import cpu
-from engine.state import SequenceState
+from engine.turn.state import SequenceState
 
 pytestmark = pytest.mark.skipif(not cpu.available(), reason="native CPU kernels not built")
 

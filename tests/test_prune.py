@@ -24,7 +24,7 @@ from engine.errors import ModelFormatError, UnsupportedModelError
 from engine.gguf.file import GGUFFile
 from engine.arch.qwen35.model import Qwen35Model
 from engine.ops import reference as ops
-from engine.state import SequenceState
+from engine.turn.state import SequenceState
 from engine.arch.qwen35.synth import preset_hparams, synth, write_gguf
 from engine.tools.synth import synth_mmproj_for
 

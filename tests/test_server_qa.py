@@ -8,7 +8,7 @@ import json
 import httpx
 import pytest
 
-from engine.grammar import MAX_MESSAGE, GrammarError
+from engine.turn.grammar import MAX_MESSAGE, GrammarError
 from engine.server.tool_calls import CallReader, ToolCallStream
 from engine.server.tool_grammar import call_grammar
 

@@ -23,7 +23,7 @@ from engine.events import TokenEvent, TurnSummary
 from engine.gguf.file import GGUFFile
 from engine.arch.qwen35.model import Qwen35Model
 from engine.sampling import SamplingParams
-from engine.state import SequenceState
+from engine.turn.state import SequenceState
 
 CAPACITY = 96
 

@@ -31,7 +31,7 @@ import data  # noqa: E402
 import second_scenes  # noqa: E402
 from engine.api import Engine, EngineOptions, SamplingParams  # noqa: E402
 from engine.events import TokenEvent  # noqa: E402
-from engine.state import SequenceState  # noqa: E402
+from engine.turn.state import SequenceState  # noqa: E402
 
 MODELS = ROOT / "assets" / "models"
 GREEDY = SamplingParams(temperature=0.0, max_tokens=48)

@@ -37,7 +37,7 @@ from starlette.routing import Route
 
 from engine.errors import ContextFullError, EngineError, ImageError, TemplateError, UnsupportedModelError
 from engine.events import Event, PrefillStats, TokenEvent, TurnSummary
-from engine.grammar import GrammarError
+from engine.turn.grammar import GrammarError
 from . import agent_routes
 from .choices import Answer, Choice
 from .constraints import Constraints

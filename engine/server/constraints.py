@@ -14,7 +14,7 @@ import threading
 from collections import OrderedDict
 from typing import Any
 
-from engine.grammar import Grammar, GrammarError
+from engine.turn.grammar import Grammar, GrammarError
 
 from .requests import APIError, TurnRequest
 from .tool_calls import CallReader, call_format

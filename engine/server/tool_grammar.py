@@ -25,7 +25,7 @@ import json
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from engine.grammar import GrammarError, json_options
+from engine.turn.grammar import GrammarError, json_options
 
 _NOT_VALUE = r"~/(<\/parameter>|(?s:.*)(\n<\/parameter>|<\/tool_call>))(?s:.*)/"
 """What a text value cannot be: one that holds its own end or the end of the call block, or starts with

@@ -47,7 +47,7 @@ from engine.gguf.file import GGUFFile
 from engine.kernels import cpu, numa
 from engine.ops import reference as ops
 from engine.placement import interleave_experts
-from engine.state import SequenceState
+from engine.turn.state import SequenceState
 
 from . import cpu_llama
 

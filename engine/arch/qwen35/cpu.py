@@ -71,7 +71,7 @@ from engine.gguf.file import GGUFFile
 from engine.kernels import cpu, cpu_moe
 from engine.ops import reference as ops
 from engine.gguf.quant import FLOAT_TYPES, dequantize, type_name
-from engine.state import SequenceState
+from engine.turn.state import SequenceState
 
 from .cpu_mixers import GDNLayer, attention_prefill, gdn_prefill
 from .cpu_step import NativeStep, step_unsupported

@@ -16,14 +16,14 @@ from typing import Callable, Generator, Iterator, Sequence
 
 import numpy as np
 
-from .errors import DeviceError
-from .events import Event, PrefillProgress, PrefillStats, TokenEvent, TurnSummary
+from ..errors import DeviceError
+from ..events import Event, PrefillProgress, PrefillStats, TokenEvent, TurnSummary
 from .grammar import Grammar
 from .prefix_cache import PrefixCache, chain_keys
-from .registry import GpuPrefill, TextModel
-from .sampling import Sampler, SamplingParams, logprobs
+from ..registry import GpuPrefill, TextModel
+from ..sampling import Sampler, SamplingParams, logprobs
 from .state import SequenceState
-from .prompt.tokenizer import Tokenizer
+from ..prompt.tokenizer import Tokenizer
 
 # Prompt tokens per forward call during prefill: a cancel request is seen between pieces, and the
 # activations of one piece stay small. Where the pieces are cut changes no result (the model is
@@ -53,7 +53,7 @@ class Turn:
         gpu: the GPU prefill backend (see :func:`prefill`), or None for CPU prefill.
         gpu_min_tokens: shortest stretch of prompt worth a GPU pass.
         on_device_error: called with the message when the GPU fails (the turn goes on on the CPU).
-        grammar: constrains the answer (:mod:`engine.grammar`; end-of-generation ids only where it may end,
+        grammar: constrains the answer (:mod:`engine.turn.grammar`; end-of-generation ids only where it may end,
             the only ids once it has ended), or None.
         started: ``time.perf_counter()`` when the caller began the turn (before rendering the
             template and encoding images), the origin of TTFT; None = when :func:`run_turn` starts.

@@ -23,7 +23,7 @@ from typing import Protocol
 
 import numpy as np
 
-from .errors import ContextFullError
+from ..errors import ContextFullError
 
 
 @dataclass(frozen=True)

@@ -29,8 +29,8 @@ import jsonschema
 import llguidance
 import numpy as np
 
-from .errors import EngineError
-from .prompt.tokenizer import Tokenizer
+from ..errors import EngineError
+from ..prompt.tokenizer import Tokenizer
 
 THINK_END = "</think>"
 """The token that closes the model's thinking (Qwen3.5/3.6); ``reasoning=True`` grammars let free text run up to it."""

@@ -19,7 +19,7 @@ survives a restart. A corrupt, partial, foreign-model or old-version file is ign
 line, never loaded; so is one whose header was edited (its checksum recomputed): every file's
 header is validated against the loaded model (identity, position within the context, the exact set
 of array names of its layers, each array's dtype and shape, its size) before it is listed or
-restored (:func:`engine.snapshot_file.check_header`; the file format is :mod:`engine.snapshot_file`), so the
+restored (:func:`engine.turn.snapshot.check_header`; the file format is :mod:`engine.turn.snapshot`), so the
 cache's contents never stop a model from loading. A write that fails (disk full) removes its temporary
 file; temporary files left by a crash (older than ten minutes) are swept when the cache opens its folder.
 
@@ -44,7 +44,7 @@ from pathlib import Path
 
 import numpy as np
 
-from .snapshot_file import FORMAT_VERSION, encode, read_file, write_atomic
+from .snapshot import FORMAT_VERSION, encode, read_file, write_atomic
 from .state import HasStateLayout, SequenceState
 
 log = logging.getLogger(__name__)
@@ -399,7 +399,7 @@ class PrefixCache:
         return self._disk / f"{key.hex()}.snap"
 
     def _write(self, snap: Snapshot) -> bool:
-        """Atomically write ``snap`` (:func:`engine.snapshot_file.write_atomic`). Returns False on an OS error."""
+        """Atomically write ``snap`` (:func:`engine.turn.snapshot.write_atomic`). Returns False on an OS error."""
         assert self._disk is not None and snap.arrays is not None
         path = self._path(snap.key)
         if _is_regular(path):
@@ -415,7 +415,7 @@ class PrefixCache:
         return True
 
     def _read(self, path: Path, with_arrays: bool = True) -> tuple[dict, np.ndarray, dict | None] | None:
-        """Stream, parse and verify one snapshot file (:func:`engine.snapshot_file.read_file`); None (with a
+        """Stream, parse and verify one snapshot file (:func:`engine.turn.snapshot.read_file`); None (with a
         log line) when it is not usable: vanished, not a regular file, damaged, foreign."""
         parsed = read_file(path, self.hp, self.identity, with_arrays)
         if isinstance(parsed, str):

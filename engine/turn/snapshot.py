@@ -37,7 +37,7 @@ _NONBLOCK = getattr(os, "O_NONBLOCK", 0)   # opening a FIFO that slipped past ls
 
 def expected_arrays(hp: HasStateLayout, pos: int) -> dict[str, tuple[int, ...]]:
     """Name -> shape of every float32 array a snapshot at ``pos`` holds for ``hp`` (``logits`` aside):
-    :meth:`engine.state.StateLayout.arrays`."""
+    :meth:`engine.turn.state.StateLayout.arrays`."""
     return hp.state_layout().arrays(pos)
 
 
