@@ -29,7 +29,7 @@ from .turn.grammar import Grammar, compile_grammar, grammar_tokenizer
 from .vision.images import ImageInfo, ImageSource
 from .turn.prefix_cache import PrefixCache, SnapshotInfo
 from .prompt.builder import Message, Prompt, PromptBuilder, text_bytes
-from .pruned_file import pruning_summary
+from .reap.pruned import pruning_summary
 from .registry import GpuPrefill, TextModel
 from .turn.runtime import Turn, read_ahead, run_turn
 from .sampling import SamplingParams

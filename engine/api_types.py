@@ -95,7 +95,7 @@ class ModelInfo:
         name: the model's name as a server lists it ("" for a local file: its file name says it).
         remote: the base URL of the server that runs the model, or "" for an in-process engine.
         pruning: "128 of 256 experts kept (REAP)" for a file written by ``python -m engine prune``
-            (its ``general.pruning`` note, :func:`engine.pruned_file.pruning_summary`), else "".
+            (its ``general.pruning`` note, :func:`engine.reap.pruned.pruning_summary`), else "".
     """
 
     arch: str

@@ -1,4 +1,4 @@
-"""Expert pruning (engine.prune, engine.pruned_file, engine.gguf.write): statistics, the pruned file, the CLI.
+"""Expert pruning (engine.reap.prune, engine.reap.pruned, engine.gguf.write): statistics, the pruned file, the CLI.
 
 Tolerances: the statistics are float64 sums of the model's own float32 expert outputs, compared with a
 float64 numpy reference from the same router and expert weights: <= 1e-5 relative (measured ~1e-7, the
@@ -18,7 +18,7 @@ from PIL import Image
 from gguf import GGUFValueType
 
 from engine.gguf import write as gguf_write
-from engine import prune, pruned_file
+from engine.reap import prune, pruned as pruned_file
 from engine.__main__ import main
 from engine.errors import ModelFormatError, UnsupportedModelError
 from engine.gguf.file import GGUFFile

@@ -16,7 +16,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from engine import prune
+from engine.reap import prune
 from engine.__main__ import main
 from engine.gguf.file import GGUFFile
 

@@ -14,7 +14,7 @@ from PIL import Image
 
 from engine.errors import ImageError, ModelFormatError
 from engine.vision.images import read_source
-from engine.prune_inputs import read_text
+from engine.reap.inputs import read_text
 from engine.gguf.regular import MAX_IMAGE_FILE_BYTES, FileRefused, read_regular
 from engine.remote import openai_messages
 

@@ -262,7 +262,7 @@ def from_metadata(get: Callable[[str], Any], n_tokens: int | None, source: str) 
 def _expert_count(get: Callable[[str], Any], key: Callable[..., Any], arch: str, source: str) -> int:
     """``{arch}.expert_count``: an integer, or a per-layer array whose entries are all equal.
 
-    Pruned files (``engine.prune``, REAP GGUFs) keep one count for every layer; a file whose layers
+    Pruned files (``engine.reap.prune``, REAP GGUFs) keep one count for every layer; a file whose layers
     have different counts cannot run here (every MoE layer is built for one expert count).
 
     Raises:

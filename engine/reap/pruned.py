@@ -1,4 +1,4 @@
-"""The pruned GGUF file: the experts chosen by :mod:`engine.prune` kept, the rest sliced out, streamed.
+"""The pruned GGUF file: the experts chosen by :mod:`engine.reap.prune` kept, the rest sliced out, streamed.
 
 The router ``ffn_gate_inp`` keeps the rows and every routed expert tensor the slabs of the kept experts
 (the reference's ``prune()`` in CerebrasResearch/reap ``src/reap/prune.py`` does the same on the torch
@@ -17,9 +17,9 @@ from typing import Any
 import numpy as np
 from gguf import GGUFValueType
 
-from .gguf import write as gguf_write
-from .errors import ModelFormatError, UnsupportedModelError
-from .gguf.file import GGUFFile
+from ..gguf import write as gguf_write
+from ..errors import ModelFormatError, UnsupportedModelError
+from ..gguf.file import GGUFFile
 from .prune import check_keep
 
 PRUNING_KEY = "general.pruning"

@@ -1,5 +1,5 @@
 """Expert pruning of MoE GGUF files: REAP (and expert frequency) statistics and the selection of kept experts
-(the streamed rewrite is :mod:`engine.pruned_file`).
+(the streamed rewrite is :mod:`engine.reap.pruned`).
 
 Method: REAP, Router-weighted Expert Activation Pruning (Lasby et al., "REAP the Experts: Why Pruning
 Prevails for One-Shot MoE Compression", arXiv 2510.13999; reference code CerebrasResearch/reap,
@@ -37,9 +37,9 @@ from typing import Any
 
 import numpy as np
 
-from .errors import ModelFormatError, UnsupportedModelError
-from .gguf.file import GGUFFile
-from .prune_inputs import check_image, read_text
+from ..errors import ModelFormatError, UnsupportedModelError
+from ..gguf.file import GGUFFile
+from .inputs import check_image, read_text
 
 STATS_FORMAT = "deltadesk.expert_stats"
 STATS_VERSION = 1
@@ -405,7 +405,7 @@ def calibrate(engine: Any, conversations: Sequence[Sequence[Message]], max_token
         UnsupportedModelError: a dense model. ValueError: ``max_tokens`` < 1.
         EngineError: from rendering or image encoding (names the file).
     """
-    from .turn.state import SequenceState
+    from ..turn.state import SequenceState
     gguf = engine.gguf
     if not gguf.hparams.is_moe:
         raise UnsupportedModelError(f"{gguf.source}: {gguf.hparams.arch} is a dense model: it has no experts to prune")

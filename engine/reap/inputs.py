@@ -1,4 +1,4 @@
-"""The files ``python -m engine prune`` reads and writes, checked before any work (:mod:`engine.prune`).
+"""The files ``python -m engine prune`` reads and writes, checked before any work (:mod:`engine.reap.prune`).
 
 Guarantees: an output path is refused (never replaced) when it is empty, its folder is missing or not
 writable, or it exists as anything but a regular file (folder, FIFO, device, link) or as the same file
@@ -17,8 +17,8 @@ import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 
-from .errors import EngineError, ModelFormatError
-from .gguf.regular import FileRefused, kind, read_regular
+from ..errors import EngineError, ModelFormatError
+from ..gguf.regular import FileRefused, kind, read_regular
 
 MAX_TEXT_BYTES = 256 << 20
 """Largest statistics or calibration file read, bytes."""
