@@ -7,7 +7,7 @@
   chats in ChatML, with a one-line note on stderr.
 - ``chat [--model M]``: an interactive multi-turn chat on the terminal.
 - ``serve [--model M] [--mmproj V] [--host 127.0.0.1] [--port 8080] [--api-key K] [--queue 8]``: an
-  OpenAI-compatible HTTP server (:mod:`engine.server`); a non-loopback ``--host`` needs a key.
+  OpenAI-compatible HTTP server (:mod:`engine.openai`); a non-loopback ``--host`` needs a key.
 - ``synth --preset tiny|small|dense-tiny|minicpmv46-tiny|minicpmv46|35b-a3b [--layers N] [--experts N] --quant Q -o FILE``:
   a random-weight GGUF in the layout and metadata real files use, and beside it a matching
   random vision tower ``FILE-mmproj.gguf`` (``--no-mmproj`` skips it).
@@ -284,7 +284,7 @@ def _chat_command(engine, line: str, images: list[str]) -> None:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    from .server import ServerConfig, bind_address, check_bind, serve
+    from .openai import ServerConfig, bind_address, check_bind, serve
     api_key = args.api_key or os.environ.get("DELTADESK_API_KEY") or None
     check_bind(args.host, api_key)
     sock = bind_address(args.host, args.port)          # a port in use fails before the model loads

@@ -39,8 +39,7 @@ from .vision.encoder import ImageEncoder
 log = logging.getLogger(__name__)
 
 __all__ = ["CHATML_NOTE", "ChatEngine", "Engine", "EngineOptions", "ModelInfo", "Prompt", "SamplingParams", "SnapshotInfo",
-           "bundled_mmproj_for", "bundled_model", "connect_remote", "default_model", "list_remote_models",
-           "serve_in_background"]
+           "bundled_mmproj_for", "bundled_model", "default_model"]
 
 CHATML_NOTE = "the file has no tokenizer.chat_template, so chat uses ChatML (the Qwen format)"
 """The one-line notice (:attr:`ModelInfo.template_note`) for a model whose chat falls back to ChatML."""
@@ -494,35 +493,3 @@ class Engine:
         if self.vision is None:
             raise UnsupportedModelError(f"{self.gguf.path.name}: no vision tower (mmproj file) is loaded")
         return self.vision
-
-
-def connect_remote(base_url: str, model: str, api_key: str | None = None, timeout: float = 300.0) -> ChatEngine:
-    """A :class:`ChatEngine` on an OpenAI-compatible server (:meth:`engine.remote.RemoteEngine.connect`).
-
-    Raises:
-        RemoteError: unreachable, refused, or ``model`` is not listed.
-    """
-    from .remote import RemoteEngine
-    return RemoteEngine.connect(base_url, model, api_key, timeout)
-
-
-def list_remote_models(base_url: str, api_key: str | None = None, timeout: float = 10.0) -> list[str]:
-    """The model ids an OpenAI-compatible server lists (:func:`engine.remote.list_models`).
-
-    Raises:
-        RemoteError: unreachable, refused, or not an OpenAI model list.
-    """
-    from .remote import list_models
-    return [m["id"] for m in list_models(base_url, api_key, timeout)]
-
-
-def serve_in_background(engine: Engine, model_name: str, port: int, engine_lock: threading.Lock | None = None,
-                        host: str = "127.0.0.1", api_key: str | None = None) -> Any:
-    """Start ``engine serve`` for ``engine`` on a background thread (:class:`engine.server.ServerThread`;
-    port 0 picks a free one). Returns the running server: ``.url``, ``.port``, ``.stop()``.
-
-    Raises:
-        EngineError: the address cannot be bound, or a non-loopback ``host`` has no ``api_key``.
-    """
-    from .server import ServerConfig, ServerThread
-    return ServerThread(engine, ServerConfig(model_name, api_key), host, port, engine_lock).start()

@@ -71,7 +71,7 @@ class ModelInfo:
     """What the app shows about a loaded model.
 
     The fields from ``path`` to ``bytes_per_token`` describe a local GGUF file; an engine that runs
-    elsewhere (:class:`engine.remote.RemoteEngine`) leaves them at their defaults and fills ``name``
+    elsewhere (:class:`engine.openai.remote.RemoteEngine`) leaves them at their defaults and fills ``name``
     and ``remote`` instead.
 
     Attributes:
@@ -120,8 +120,8 @@ class ModelInfo:
 
 
 class ChatEngine(Protocol):
-    """What a chat front end (the app's engine worker, :mod:`engine.server`) needs of an engine:
-    :class:`engine.api.Engine` (in process), :class:`engine.remote.RemoteEngine` (an OpenAI-compatible server)
+    """What a chat front end (the app's engine worker, :mod:`engine.openai`) needs of an engine:
+    :class:`engine.api.Engine` (in process), :class:`engine.openai.remote.RemoteEngine` (an OpenAI-compatible server)
     and the tests' fakes."""
 
     @property

@@ -26,7 +26,7 @@ import openai
 from engine.api import Engine, EngineOptions, default_model
 from engine.events import PrefillStats, TokenEvent, TurnSummary
 from engine.sampling import SamplingParams
-from engine.server import ServerConfig, ServerThread
+from engine.openai import ServerConfig, ServerThread
 
 
 class _Stub:

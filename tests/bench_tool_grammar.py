@@ -1,5 +1,5 @@
 """What enforcing tool calls costs the server: compiling a request's call grammar
-(:func:`engine.server.tool_grammar.call_grammar` through ``Engine.grammar``) for an agent-sized tool list,
+(:func:`engine.openai.tool_grammar.call_grammar` through ``Engine.grammar``) for an agent-sized tool list,
 in the XML form of Qwen3.5/3.6 and the JSON form of older templates, and the first token's mask.
 
 The token table is built once per engine (timed separately: the first grammar a server compiles pays
@@ -17,8 +17,8 @@ import statistics
 import time
 
 from engine.api import Engine, EngineOptions, default_model
-from engine.server.fields import tools_of
-from engine.server.tool_grammar import call_grammar
+from engine.openai.fields import tools_of
+from engine.openai.tool_grammar import call_grammar
 
 
 def agent_tools(count: int) -> tuple[dict, ...]:

@@ -161,7 +161,7 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     args = ap.parse_args()
     from engine.api import Engine, EngineOptions
-    from engine.server import ServerConfig, ServerThread
+    from engine.openai import ServerConfig, ServerThread
     folder = Path(tempfile.mkdtemp(prefix="compare-llama-"))
     path = args.file
     if path is None:

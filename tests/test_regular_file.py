@@ -16,7 +16,7 @@ from engine.errors import ImageError, ModelFormatError
 from engine.vision.images import read_source
 from engine.reap.inputs import read_text
 from engine.gguf.regular import MAX_IMAGE_FILE_BYTES, FileRefused, read_regular
-from engine.remote import openai_messages
+from engine.openai.remote import openai_messages
 
 
 def _png(path):

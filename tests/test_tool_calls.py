@@ -12,9 +12,9 @@ import pytest
 from engine.arch.qwen35.vocab import QWEN35_CHAT_TEMPLATE
 from engine.events import TokenEvent, TurnSummary
 from engine.sampling import SamplingParams
-from engine.server.choices import Choice
-from engine.server.requests import TurnRequest
-from engine.server.tool_calls import CallReader, call_format, convert
+from engine.openai.choices import Choice
+from engine.openai.requests import TurnRequest
+from engine.openai.tool_calls import CallReader, call_format, convert
 
 TOOLS = [
     {"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object", "properties": {

@@ -1,4 +1,6 @@
-"""``python -m engine serve``: the engine behind an OpenAI-compatible HTTP API (see :mod:`engine.server.app`).
+"""``python -m engine serve``: the engine behind an OpenAI-compatible HTTP API (see :mod:`engine.openai.app`);
+and the other side of that API, :class:`engine.openai.remote.RemoteEngine`: a chat engine on any
+OpenAI-compatible server (its untrusted reads in :mod:`engine.openai.remote_http`).
 
 The HTTP stack is Starlette (routing, requests, streamed responses) on uvicorn (the ASGI server): both
 are small, widely used and maintained, and an event loop serves slow streaming clients without a
@@ -33,7 +35,7 @@ UVICORN_LIMITS = {"timeout_keep_alive": 5, "h11_max_incomplete_event_size": 16 <
 5 s after opening or after its last answer (uvicorn's keep-alive timeout; :class:`_HeadTimeoutH11` starts it
 at the connection's opening too and lets trickled bytes not restart it), a request head over 16 KiB refused,
 at most 256 connections and tasks at once (503 beyond), 128 connections pending accept. A slowly sent body is
-bounded by what waiting requests may hold (:mod:`engine.server.limits`): uvicorn has no body timeout."""
+bounded by what waiting requests may hold (:mod:`engine.openai.limits`): uvicorn has no body timeout."""
 
 
 def _head_timeout_protocol() -> type:
@@ -128,7 +130,7 @@ class ServerThread:
     """The server on a background thread (the app's "Serve on localhost", the tests).
 
     Args:
-        engine: the engine to serve (see :func:`engine.server.app.create_app`).
+        engine: the engine to serve (see :func:`engine.openai.app.create_app`).
         config: model name, key, body limit.
         host, port: where to listen; port 0 picks a free one (read :attr:`port` after :meth:`start`).
         engine_lock: the lock the engine's other user holds around its turns.

@@ -15,7 +15,7 @@ it (``<think>`` ... ``</think>``), which is what the app's chat view splits. Err
 server's own error message), no data within the timeout, or the connection dropped mid-answer (the
 caller keeps what had arrived).
 
-Nothing the server sends is trusted (:mod:`engine.remote_http`): Stop cuts the connection within
+Nothing the server sends is trusted (:mod:`engine.openai.remote_http`): Stop cuts the connection within
 about 0.05 s even while the server is silent; an answer whose data lines stop for ``timeout`` s ends
 then, whatever keep-alive comments arrive, and so does a model list that is not whole within its
 timeout; a line or body over 16 MiB, JSON nested too deep or of the wrong shape is a
@@ -37,14 +37,14 @@ from typing import Any, Iterator, Mapping, Sequence
 
 import httpx
 
-from .api_types import ModelInfo
-from .errors import ImageError, RemoteError, UnsupportedModelError
-from .events import Event, PrefillStats, TokenEvent, TurnSummary
-from .turn.prefix_cache import SnapshotInfo
-from .prompt.builder import Message
-from .gguf.regular import MAX_IMAGE_FILE_BYTES, FileRefused, read_regular
+from ..api_types import ModelInfo
+from ..errors import ImageError, RemoteError, UnsupportedModelError
+from ..events import Event, PrefillStats, TokenEvent, TurnSummary
+from ..turn.prefix_cache import SnapshotInfo
+from ..prompt.builder import Message
+from ..gguf.regular import MAX_IMAGE_FILE_BYTES, FileRefused, read_regular
 from .remote_http import Watch, clean, lines, loads, read_body
-from .sampling import SamplingParams
+from ..sampling import SamplingParams
 
 log = logging.getLogger(__name__)
 

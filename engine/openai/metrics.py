@@ -77,7 +77,7 @@ class ServerMetrics:
         return Queued(self.queue)
 
     def watch(self, start: Callable[..., Iterator[Event]], queued: Queued) -> Callable[..., Iterator[Event]]:
-        """``start`` (a turn's event source, see ``engine.server.app._Turn``) with each event counted and
+        """``start`` (a turn's event source, see ``engine.openai.app._Turn``) with each event counted and
         ``queued`` released when the engine takes the turn up; closing the watched iterator closes
         ``start``'s (which ends the engine's turn)."""
         def watched(*args: Any) -> Iterator[Event]:

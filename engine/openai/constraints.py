@@ -31,7 +31,7 @@ class Constraints:
         engine: an :class:`engine.api.Engine` (``grammar``, ``tokenizer.chat_template``).
 
     Attributes:
-        format: the template's call format, "xml" or "json" (:func:`~engine.server.tool_calls.call_format`).
+        format: the template's call format, "xml" or "json" (:func:`~engine.openai.tool_calls.call_format`).
         renders_tools: the template writes ``tools`` into the prompt (the ChatML fallback does not).
     """
 

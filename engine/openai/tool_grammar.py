@@ -10,7 +10,7 @@
   their ``<tool_call>`` token on (a special token the free text cannot spell, so the grammar needs no
   lazy trigger).
 
-Each call is written as the template teaches it (:func:`engine.server.tool_calls.call_format`). In the
+Each call is written as the template teaches it (:func:`engine.openai.tool_calls.call_format`). In the
 XML form a parameter's value is text: an ``integer`` / ``number`` / ``boolean`` / ``object`` / ``array``
 parameter is its JSON (``%json`` with the parameter's own schema), a string parameter is free text that
 cannot contain ``\\n</parameter>`` or ``</tool_call>`` (bounded by ``maxLength`` / ``minLength``; an

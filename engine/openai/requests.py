@@ -4,7 +4,7 @@ The field names, defaults and error shape follow the OpenAI API reference (Chat 
 Completions, https://platform.openai.com/docs/api-reference/chat/create) and the extensions llama.cpp's
 and vLLM's servers accept (``top_k``, ``min_p``, ``repetition_penalty``,
 ``chat_template_kwargs``); ``n`` is at most :data:`MAX_CHOICES`. The agent fields (tools, response
-format, logprobs, logit bias, thinking controls) are checked by :mod:`engine.server.fields`. Fields the
+format, logprobs, logit bias, thinking controls) are checked by :mod:`engine.openai.fields`. Fields the
 engine cannot honour (``echo``, ``suffix``, ``best_of``) are refused rather than ignored; fields that
 change nothing here (``user``, ``metadata``, ``store``, ...) are ignored.
 """
@@ -200,7 +200,7 @@ def sampling_of(body: Mapping[str, Any], context: int, default_max_tokens: int |
 
 def image_source(url: Any, param: str, file_urls: bool = True) -> bytes:
     """An ``image_url`` part's URL as what the engine reads: the bytes of a ``data:`` URL (base64) or of the
-    local image file a ``file:`` URL names (:func:`engine.server.limits.read_image_file`: a regular file,
+    local image file a ``file:`` URL names (:func:`engine.openai.limits.read_image_file`: a regular file,
     size-checked before reading, its contents never quoted). Web URLs are not fetched (the server makes no
     outgoing requests).
 

@@ -1,4 +1,4 @@
-"""Cross-site request refusals in front of every route of :mod:`engine.server.app`.
+"""Cross-site request refusals in front of every route of :mod:`engine.openai.app`.
 
 A web page the user opens can send a "simple" request to ``http://127.0.0.1:PORT`` without the browser asking first (a CORS
 preflight), as long as its body is ``text/plain``, a form, or untyped; so a ``POST`` body must be sent

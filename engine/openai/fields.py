@@ -5,7 +5,7 @@ conversation's ``tool_calls`` / ``tool`` messages, ``response_format``, ``logpro
 Shapes and limits follow the OpenAI API reference (Chat Completions: a function name matches
 ``^[a-zA-Z0-9_-]{1,64}$``, ``top_logprobs`` is 0..20, ``logit_bias`` values are in [-100, 100]);
 bounds the reference leaves open are this server's (:data:`MAX_TOOLS`, :data:`MAX_DESCRIPTION`).
-Every bad field is an :class:`~engine.server.requests.APIError` (400) naming it.
+Every bad field is an :class:`~engine.openai.requests.APIError` (400) naming it.
 """
 
 from __future__ import annotations
@@ -278,7 +278,7 @@ def thinking_of(body: Mapping[str, Any], kwargs: Mapping[str, Any]) -> bool:
 
 
 def agent_request(body: Mapping[str, Any], req: TurnRequest, vocab: int) -> TurnRequest:
-    """``req`` (from :func:`~engine.server.requests.chat_request`) with the agent fields of ``body``: tools,
+    """``req`` (from :func:`~engine.openai.requests.chat_request`) with the agent fields of ``body``: tools,
     tool choice, tool messages, response format, logprobs, logit bias, frequency penalty and thinking."""
     tools = tools_of(body.get("tools"))
     choice, name = tool_choice_of(body.get("tool_choice"), tools)

@@ -196,7 +196,7 @@ Piece = tuple[str, Any]
 
 
 class ToolCallStream:
-    """Splits an answer's reasoning and content pieces (from :class:`~engine.server.answer.AnswerSplitter`)
+    """Splits an answer's reasoning and content pieces (from :class:`~engine.openai.answer.AnswerSplitter`)
     further into text and calls, as they stream (rules in the module doc).
 
     Text is held back only while it may still be the start of ``<tool_call>``, inside an open call

@@ -2,7 +2,7 @@
 ``POST /v1/messages`` and ``POST /v1/messages/count_tokens`` (Anthropic Messages), and ``GET /metrics``.
 
 Each Responses or Messages request is translated into a chat-completions body and run as a chat turn
-(``_Routes.chat`` / ``_Routes.chat_chunks`` of :mod:`engine.server.app`: same queue, engine lock,
+(``_Routes.chat`` / ``_Routes.chat_chunks`` of :mod:`engine.openai.app`: same queue, engine lock,
 snapshot cache and cancellation); the answer is translated back (:mod:`.responses_api`,
 :mod:`.messages_api`). Errors of the Messages routes come in Anthropic's shape, and those routes take
 the API key as ``x-api-key`` (Anthropic's header) as well as ``Authorization: Bearer``. ``/metrics``

@@ -1,4 +1,4 @@
-"""What the remote engine (:mod:`engine.remote`) needs to read a server it does not trust.
+"""What the remote engine (:mod:`engine.openai.remote`) needs to read a server it does not trust.
 
 * :class:`Watch` cuts a request's connection from a helper thread when the caller cancels or a deadline
   passes: it shuts the socket down (captured through httpcore's ``trace`` extension when the connection

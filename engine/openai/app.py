@@ -1,7 +1,7 @@
 """The OpenAI-compatible HTTP API on an :class:`engine.api.Engine`, as a Starlette (ASGI) application.
 
 Routes: ``POST /v1/chat/completions``, ``POST /v1/completions``, ``GET /v1/models``, ``GET /health``, and
-the agent routes of :mod:`engine.server.agent_routes` (``/v1/responses``, ``/v1/messages``, ``/metrics``).
+the agent routes of :mod:`engine.openai.agent_routes` (``/v1/responses``, ``/v1/messages``, ``/metrics``).
 Response and stream shapes follow the OpenAI API reference (chat completion object, chunk object,
 ``data: [DONE]`` after the last server-sent event); ``usage.prompt_tokens_details.cached_tokens`` is
 the number of prompt tokens resumed from a prefix snapshot (``PrefillStats.reused_tokens``).
@@ -13,7 +13,7 @@ the engine; a turn waiting for that lock stops the app's read-ahead of a chat at
 ``asyncio.Queue``. A client that disconnects (while queued, during prefill or while streaming) sets
 the turn's cancel flag, which the engine checks between prompt pieces and between tokens.
 
-Cross-site requests are refused in front of every route (:class:`engine.server.guard.RequestGuard`:
+Cross-site requests are refused in front of every route (:class:`engine.openai.guard.RequestGuard`:
 ``Host`` not naming a loopback server, ``POST`` body not sent as JSON).
 """
 
@@ -55,7 +55,7 @@ DEFAULT_MAX_BODY = 64 << 20
 _END = object()
 PATHS = ("/v1/chat/completions", "/v1/completions", "/v1/models", "/v1/responses", "/v1/messages",
          "/v1/messages/count_tokens", "/metrics", "/health")
-"""The routes, as :class:`engine.server.metrics.ServerMetrics` counts requests by route."""
+"""The routes, as :class:`engine.openai.metrics.ServerMetrics` counts requests by route."""
 
 
 @dataclass(frozen=True)
@@ -67,14 +67,14 @@ class ServerConfig:
         api_key: when set, every ``/v1`` request must carry ``Authorization: Bearer <api_key>``
             (compared in constant time, ``hmac.compare_digest``); ``/health`` stays open.
         max_body_bytes: larger request bodies are refused with 413.
-        file_urls: whether ``file:`` image URLs are read from this machine's disk; :func:`engine.server.serve`
-            and :class:`engine.server.ServerThread` turn it off when listening beyond loopback, so that a
+        file_urls: whether ``file:`` image URLs are read from this machine's disk; :func:`engine.openai.serve`
+            and :class:`engine.openai.ServerThread` turn it off when listening beyond loopback, so that a
             remote client cannot have the server's own files read. Even when on, a request whose
             ``Host`` header is not a loopback name or address is refused them: a web page whose domain
             was re-pointed at 127.0.0.1 (DNS rebinding) reaches a loopback server with its own domain
             as the host, and could otherwise read the answers about the user's image files.
         max_waiting, max_waiting_bytes: requests that may wait for the engine at once, and the bytes of
-            their bodies together; beyond either, 429 with ``Retry-After`` (:mod:`engine.server.limits`).
+            their bodies together; beyond either, 429 with ``Retry-After`` (:mod:`engine.openai.limits`).
     """
 
     model_name: str
@@ -452,7 +452,7 @@ def create_app(engine: Any, config: ServerConfig, engine_lock: threading.Lock | 
             around its own turns. None = a lock of the server's own.
 
     Returns:
-        A Starlette application (run it with uvicorn, see :func:`engine.server.serve`).
+        A Starlette application (run it with uvicorn, see :func:`engine.openai.serve`).
     """
     handlers = _Routes(engine, config, engine_lock)
     routes = [Route("/v1/chat/completions", handlers.chat_completions, methods=["POST"]),
