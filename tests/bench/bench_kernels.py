@@ -15,7 +15,7 @@ the same size, larger than the last-level cache), in two shapes:
     L2 cache, called over and over and timed in thread CPU time: the kernel's compute rate,
     which the machine's other work (memory traffic, a busy core) barely moves. A kernel streams
     at the DRAM bandwidth only if this rate is well above it.
-Usage: python tests/bench_kernels.py [--mib 1024] [--repeats 5] [--threads 1 2] [--moe-layers 8] [--hot]
+Usage: python tests/bench/bench_kernels.py [--mib 1024] [--repeats 5] [--threads 1 2] [--moe-layers 8] [--hot]
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """A/B of the native one-token MoE feed-forward between builds, on a real file's layers (a script, not a test).
 
-    python tests/bench_moe_ab.py MODEL.gguf OLD.so,NEW.so [--threads 1] [--rounds 9] [--tokens 48] [--isa -1]
+    python tests/bench/bench_moe_ab.py MODEL.gguf OLD.so,NEW.so [--threads 1] [--rounds 9] [--tokens 48] [--isa -1]
 
 Each build argument is a copy of ``engine/_native_cpu.abi3.so`` (copy a build aside before rebuilding). The
 script maps MODEL.gguf (a ``qwen35moe`` file; its tensors stay in the page cache, as the engine reads them) and

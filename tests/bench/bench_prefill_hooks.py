@@ -1,6 +1,6 @@
 """Benchmark: where one CPU prefill's time goes, by hook, in the calling thread's CPU time (a script, not a test).
 
-    python tests/bench_prefill_hooks.py MODEL.gguf [--tokens 512] [--depths]
+    python tests/bench/bench_prefill_hooks.py MODEL.gguf [--tokens 512] [--depths]
 
 Runs with one kernel thread (the pool then runs on the caller), so ``time.thread_time`` counts all of the
 kernels' work and a busy machine distorts it much less than wall time: use it for before/after comparisons

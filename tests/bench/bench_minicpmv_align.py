@@ -1,7 +1,7 @@
 """Benchmark (not a test): the MiniCPM-V 4.6 tower with 64-byte aligned arrays against the same code with numpy's
 usual placement (16 bytes past a cache line), interleaved in one process.
 
-    python tests/bench_minicpmv_align.py [--mmproj PATH] [--size 448x448] [--rounds 10] [--threads 1]
+    python tests/bench/bench_minicpmv_align.py [--mmproj PATH] [--size 448x448] [--rounds 10] [--threads 1]
 
 ``engine.kernels.sgemm.empty_aligned`` places the packed weight panels, the tower's block buffers and the arrays
 the sgemm module allocates on a 64-byte line. This script builds two towers on the same projector: one as the engine
@@ -26,7 +26,7 @@ import numpy as np
 
 from bench_vision import load_average
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from engine.arch.minicpmv import tower as tower_mod  # noqa: E402
 from engine.arch.minicpmv.mmproj import load_mmproj, synth_mmproj  # noqa: E402

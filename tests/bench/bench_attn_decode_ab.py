@@ -1,6 +1,6 @@
 """A/B of the native attention decode's per-level copies between builds (a script, not a test).
 
-    python tests/bench_attn_decode_ab.py OLD.so,NEW.so [--depth 10240] [--rounds 31] [--threads 1]
+    python tests/bench/bench_attn_decode_ab.py OLD.so,NEW.so [--depth 10240] [--rounds 31] [--threads 1]
 
 ``dd_attn_decode`` runs only the best level's copy of the kernel, so this script calls each copy by its
 symbol in the extension (``attn_decode_avx2``, ``attn_decode_avx512``; those this CPU runs) through

@@ -11,7 +11,7 @@ cached_tokens``) and so prefilled, and the TTFT, measured as the latency of a no
 (prefill plus one sampled token plus the loopback HTTP round trip). The goal (issue 36): every request
 after the first prefills only what is new and its TTFT is under 5 % of the first's.
 
-Usage: ``.venv/bin/python tests/bench_agent_session.py --model synth-35b-a3b-8l-q4_k_m.gguf [--requests 10]
+Usage: ``.venv/bin/python tests/bench/bench_agent_session.py --model synth-35b-a3b-8l-q4_k_m.gguf [--requests 10]
 [--system-tokens 12000] [--llama-server PATH]``; it starts ``python -m engine serve`` on a free loopback port and
 stops it after; with ``--llama-server`` the same session then runs against llama.cpp's ``llama-server`` on the
 same file (its default flags, the same ``-c`` context; it reports the reused tokens in the same usage field).

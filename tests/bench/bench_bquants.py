@@ -8,7 +8,7 @@ turn (old, new, old, new, ...) for --rounds rounds of --calls calls each; prints
 (median, min-max over rounds) of each, their ratio, and the GB/s each reads. One thread is timed in
 the thread's CPU time (the kernels then run on the calling thread), more in wall time. The 1-minute
 load average is printed before and after: figures taken on a busy machine are not final.
-Usage: python tests/bench_bquants.py [--rows 16384] [--rounds 7] [--calls 10] [--threads 1] [--isa avx2 avx512vnni]
+Usage: python tests/bench/bench_bquants.py [--rows 16384] [--rounds 7] [--calls 10] [--threads 1] [--isa avx2 avx512vnni]
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Benchmark: long-context CPU prefill, tok/s at 2k vs 10k prompt tokens (a script, not a test).
 
-    python tests/bench_long_context.py [--model m.gguf] [--lengths 2048,10240] [--threads 2] [--repeats 1]
+    python tests/bench/bench_long_context.py [--model m.gguf] [--lengths 2048,10240] [--threads 2] [--repeats 1]
 
 Without ``--model`` it writes ``synth --preset minicpmv46`` (the Qwen3.5-0.8B text backbone of
 MiniCPM-V 4.6, Q4_0, random weights) to a temporary folder first. Each length is a fresh state

@@ -1,6 +1,6 @@
 """Benchmark (not a test): CPU encode time of the MiniCPM-V 4.6 tower at its real dimensions, with the sgemm floor.
 
-    python tests/bench_minicpmv.py [--threads N] [--mmproj PATH] [--repeat N] [--sizes 448x448,1024x768]
+    python tests/bench/bench_minicpmv.py [--threads N] [--mmproj PATH] [--repeat N] [--sizes 448x448,1024x768]
                                    [--mode 16x|4x] [--baseline REV]
 
 Writes a random ``real`` projector (27 x 1152, 16 heads, ffn 4304, 70x70 grid, out 1024; ~1.1 GB F16) to a
@@ -90,7 +90,7 @@ def native_gemm_rate(threads: int | None, repeat: int = 5) -> float | None:
 def baseline_tower_class(rev: str, folder: Path):
     """``MiniCPMVTower`` of ``engine/arch/minicpmv/tower.py`` at git revision ``rev``, loaded as a module of the
     ``engine.arch.minicpmv`` package (its relative imports resolve against the current package)."""
-    root = Path(__file__).resolve().parents[1]
+    root = Path(__file__).resolve().parents[2]
     src = subprocess.run(["git", "-C", str(root), "show", f"{rev}:engine/arch/minicpmv/tower.py"], check=True,
                          capture_output=True, text=True).stdout
     path = folder / "baseline_tower.py"
@@ -111,7 +111,7 @@ def main() -> None:
     ap.add_argument("--warmup", type=int, default=1, help="untimed runs before the timed ones")
     ap.add_argument("--baseline", default=None, help="git revision whose tower is timed interleaved with this one")
     args = ap.parse_args()
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
     import numpy as np
     from PIL import Image

@@ -1,6 +1,6 @@
 """A/B of the K-quant GEMV tiles between builds, in cache (a script, not a test).
 
-    python tests/bench_kq_ab.py OLD.so,NEW.so [--types q4_k q6_k] [--kib 1024] [--rounds 9] [--isa 3]
+    python tests/bench/bench_kq_ab.py OLD.so,NEW.so [--types q4_k q6_k] [--kib 1024] [--rounds 9] [--isa 3]
 
 Loads each build of the native library (``engine/_native_cpu.abi3.so``, or one built with gcc from
 native/cpu) from its own copy and calls ``dd_matmul(isa, type, ...)`` with one column (a decode GEMV)

@@ -1,6 +1,6 @@
 """A/B of the native attention prefill between builds (a script, not a test).
 
-    python tests/bench_attn_prefill_ab.py OLD.so,NEW.so [--depth 10240] [--rounds 9] [--isa 3] [--threads 1]
+    python tests/bench/bench_attn_prefill_ab.py OLD.so,NEW.so [--depth 10240] [--rounds 9] [--isa 3] [--threads 1]
 
 Each argument is a copy of ``engine/_native_cpu.abi3.so`` (copy a build aside before rebuilding). The
 script loads every copy with ctypes and times ``dd_attn_prefill`` for one piece of 256 queries whose

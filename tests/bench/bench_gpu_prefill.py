@@ -15,7 +15,7 @@ expert FFN 512, Q4_0; ``--layers`` layers, vocab 248320 without tokenizer), then
 4. with ``--profile``, GPU ms per kernel (and GEMM grid) of one ``--tokens`` prefill per budget, from
    CUDA events around every launch.
 
-Usage: python tests/bench_gpu_prefill.py [--layers 4] [--tokens 947] [--long 2048,8192,16384]
+Usage: python tests/bench/bench_gpu_prefill.py [--layers 4] [--tokens 947] [--long 2048,8192,16384]
        [--model FILE] [--json OUT.json] [--profile]
 """
 
@@ -31,7 +31,7 @@ from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from engine.arch.qwen35.cuda import CudaPrefill  # noqa: E402
 from engine.kernels.cuda_kernels import load_driver  # noqa: E402

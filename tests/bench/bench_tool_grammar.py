@@ -5,7 +5,7 @@ in the XML form of Qwen3.5/3.6 and the JSON form of older templates, and the fir
 The token table is built once per engine (timed separately: the first grammar a server compiles pays
 it); the server keeps compiled grammars, so an agent pays the compile once per distinct tool list.
 
-Usage: ``.venv/bin/python tests/bench_tool_grammar.py [--model M] [--tools 20] [--runs 5]`` (default
+Usage: ``.venv/bin/python tests/bench/bench_tool_grammar.py [--model M] [--tools 20] [--runs 5]`` (default
 model: the bundled demo; any Qwen3.5/3.6 GGUF has the real 248,320-token vocabulary). Prints medians;
 note the machine's load (``uptime``) beside the figures.
 """

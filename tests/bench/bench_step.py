@@ -3,7 +3,7 @@
 Both paths run the same kernels and give the same bits, so the difference is the Python between the
 native calls that the step removes. Usage::
 
-    .venv/bin/python tests/bench_step.py /tmp/bench/slice_q4_0.gguf --threads 1 2 --tokens 16 --rounds 6
+    .venv/bin/python tests/bench/bench_step.py /tmp/bench/slice_q4_0.gguf --threads 1 2 --tokens 16 --rounds 6
 
 Each round decodes ``--tokens`` tokens on each path (order alternating by round) from the same state
 after a short prompt; prints per path and thread count the median ms/token over rounds with the

@@ -1,6 +1,6 @@
 """Profile (not a test): where the MiniCPM-V 4.6 tower's thread CPU time goes, stage by stage, at one thread.
 
-    python tests/profile_minicpmv.py [--mmproj PATH] [--sizes 448x448,1024x768] [--repeat 3] [--mode 16x|4x]
+    python tests/bench/profile_minicpmv.py [--mmproj PATH] [--sizes 448x448,1024x768] [--repeat 3] [--mode 16x|4x]
 
 Builds the real-size random projector (F16, ~1.1 GB, in a temporary folder) unless ``--mmproj`` names one, builds
 ``MiniCPMVTower(mm, threads=1)`` and encodes random images ``--repeat`` times after one untimed run, timing every
@@ -85,7 +85,7 @@ def main() -> None:
     ap.add_argument("--sizes", default="448x448,1024x768")
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--mode", default=None, choices=["16x", "4x"])
-    ap.add_argument("--root", type=Path, default=Path(__file__).resolve().parents[1],
+    ap.add_argument("--root", type=Path, default=Path(__file__).resolve().parents[2],
                     help="the checkout whose engine (and built extension) to profile, e.g. an older revision's")
     args = ap.parse_args()
     sys.path.insert(0, str(Path(__file__).resolve().parent))

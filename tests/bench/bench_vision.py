@@ -1,6 +1,6 @@
 """Benchmark (not a test): encode time of the vision tower at the real Qwen3.5/3.6 dimensions, CPU or GPU.
 
-    python tests/bench_vision.py [--device cpu|cuda] [--ftype F16|Q8_0|F32] [--threads N] [--mmproj PATH]
+    python tests/bench/bench_vision.py [--device cpu|cuda] [--ftype F16|Q8_0|F32] [--threads N] [--mmproj PATH]
                                  [--repeat N] [--sizes 448x448,1024x768] [--profile]
 
 Writes a random ``real`` mmproj (27 x 1152, 16 heads, ffn 4304, 48x48 grid, out 2048; ~0.9 GB F16) to
@@ -55,7 +55,7 @@ def main() -> None:
     if args.threads:
         for var in ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS"):
             os.environ[var] = str(args.threads)
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
     import numpy as np
     from PIL import Image

@@ -6,7 +6,7 @@ streamed ``chat.completions.create`` on loopback to its first chunk with content
 the server's parsing and queueing, the event-loop hop and SSE framing included). Both run on one engine
 with the prefix cache off, so every turn prefills the whole prompt; runs are interleaved.
 
-Usage: ``.venv/bin/python tests/bench_server_latency.py [--model M] [--runs 15] [--prompt-words 40] [--stub]``
+Usage: ``.venv/bin/python tests/bench/bench_server_latency.py [--model M] [--runs 15] [--prompt-words 40] [--stub]``
 (default model: the bundled demo). Prints medians and the spread (min..max) of each and of the
 per-pair difference; note the machine's load (``uptime``) beside the figures. ``--stub`` serves an
 engine that answers at once (no model), which isolates the server's own cost from the prefill's

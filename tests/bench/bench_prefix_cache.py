@@ -1,6 +1,6 @@
 """Benchmark: the prefix snapshot cache on the CPU path (a script, not a test).
 
-    python tests/bench_prefix_cache.py [--preset small] [--prompt-tokens 4096] [--turns 10]
+    python tests/bench/bench_prefix_cache.py [--preset small] [--prompt-tokens 4096] [--turns 10]
 
 Prints (1) a long prompt cold vs repeated: restore ms and time to first token, and their ratio;
 (2) a multi-turn chat: tokens prefilled per turn with and without the cache, thinking off and on;

@@ -11,10 +11,10 @@ machine the wall-time tail is mostly time spent descheduled, the CPU-time tail i
 
 Usage::
 
-    .venv/bin/python tests/bench_grammar_mask.py dump /tmp/qwen-vocab.pkl      # the real vocabulary's bytes
-    .venv/bin/python tests/bench_grammar_mask.py llguidance [--answers 30]
-    /tmp/xg/bin/python tests/bench_grammar_mask.py xgrammar --vocab /tmp/qwen-vocab.pkl [--answers 30]
-    .venv/bin/python tests/bench_grammar_mask.py decode --model synth-35b-a3b-8l-q4_k_m.gguf --threads 2
+    .venv/bin/python tests/bench/bench_grammar_mask.py dump /tmp/qwen-vocab.pkl      # the real vocabulary's bytes
+    .venv/bin/python tests/bench/bench_grammar_mask.py llguidance [--answers 30]
+    /tmp/xg/bin/python tests/bench/bench_grammar_mask.py xgrammar --vocab /tmp/qwen-vocab.pkl [--answers 30]
+    .venv/bin/python tests/bench/bench_grammar_mask.py decode --model synth-35b-a3b-8l-q4_k_m.gguf --threads 2
 
 ``xgrammar`` runs in a separate virtual environment (it pulls torch); that mode imports neither the engine
 nor llguidance. Note the machine's load (``uptime``) beside the figures.

@@ -5,7 +5,7 @@ and the greedy texts of the two compared.
 
 Usage::
 
-    .venv/bin/python tests/compare_llama_server.py [--llama-python PY] [--file F.gguf] [--tokens 24]
+    .venv/bin/python tests/bench/compare_llama_server.py [--llama-python PY] [--file F.gguf] [--tokens 24]
 
 Without ``--file`` it writes the ``tiny`` synth model in f32 (real Qwen3.5 vocabulary and template, random
 weights) to a temporary folder; without ``--llama-python`` it uses (or builds, 5-15 minutes) a venv in the
