@@ -6,7 +6,7 @@
   patches (non-square, odd merged sides, one and several query / key tiles), growing and reserved
   activation buffers, the VRAM budget check, close(); and an engine loaded with device="cuda" encodes
   images to the same embeddings as one loaded with device="cpu".
-* CudaVisionTower's host side on an emulated device (runs everywhere): test_cuda_prefill's numpy stand-in
+* CudaVisionTower's host side on an emulated device (runs everywhere): tests/cuda_fakes.py's numpy stand-in
   for pycuda.driver (allocations poisoned with NaN) plus the numpy twins of the vision kernels, so weight
   padding, the patch-kernel interleave, buffer strides and the merger's row layout are checked without a GPU.
 * Fallback tests (run everywhere): a stand-in GPU tower that raises DeviceError -> the CPU result, a note,
@@ -136,8 +136,8 @@ def test_engine_on_cuda_encodes_images_like_the_cpu(synth_model, tmp_path):
 # ---- the host side on an emulated device (runs everywhere) ----------------------------------------
 
 def _emulated_device():
-    """(driver, kernels class): test_cuda_prefill's emulated device plus the vision kernels' numpy twins."""
-    from test_cuda_prefill import FakeDriver, FakeKernels
+    """(driver, kernels class): the emulated device of tests/cuda_fakes.py plus the vision kernels' numpy twins."""
+    from cuda_fakes import FakeDriver, FakeKernels
 
     from engine.ops import vision_reference as ops
 
