@@ -168,7 +168,8 @@ class ExpertStats:
 
     @property
     def reap(self) -> np.ndarray:
-        """(n_layer, n_expert) float64 REAP score ``S_j``: mean of ``g * ||f||`` over routed tokens, 0 if never routed."""
+        """(n_layer, n_expert) float64 REAP score ``S_j``: mean of ``g * ||f||`` over routed tokens, 0 if never
+        routed."""
         return self.reap_sum / np.maximum(self.frequency, 1)
 
     @property
@@ -327,42 +328,47 @@ def calibration_set(jsonl: str | os.PathLike[str] | None = None,
     """
     if jsonl is None:
         convs = [[{"role": "user", "content": q}, {"role": "assistant", "content": a}] for q, a in BUILTIN_CALIBRATION]
-        if images_dir is not None:
-            folder = Path(images_dir)
-            if not folder.is_dir():
-                raise ModelFormatError(f"{folder}: --images must be a folder of images")
-            files = sorted(p for p in folder.iterdir() if p.suffix.lower() in IMAGE_SUFFIXES)
-            if not files:
-                raise ModelFormatError(f"{folder}: no image files ({', '.join(IMAGE_SUFFIXES)})")
-            for f in files:
-                check_image(f, f"--images {folder}")
-            for i, f in enumerate(files):
-                q = IMAGE_QUESTIONS[i % len(IMAGE_QUESTIONS)]
-                convs.append([{"role": "user", "content": [{"type": "image", "image": str(f)},
-                                                          {"type": "text", "text": q}]}])
-        return convs
+        return convs + (_image_prompts(Path(images_dir)) if images_dir is not None else [])
     path = Path(jsonl)
     base = Path(images_dir) if images_dir is not None else path.parent
     lines = read_text(path, "calibration file").splitlines()
-    convs = []
-    for n, line in enumerate(lines, 1):
-        if not line.strip():
-            continue
-        try:
-            item = json.loads(line)
-        except (ValueError, RecursionError) as exc:
-            raise ModelFormatError(f"{path}:{n}: not JSON: {str(exc)[:200]}") from exc
-        messages = item.get("messages") if isinstance(item, dict) else item
-        if not isinstance(messages, list) or not messages or not all(
-                isinstance(m, dict) and isinstance(m.get("role"), str) and "content" in m for m in messages):
-            raise ModelFormatError(f"{path}:{n}: expected {{\"messages\": [...]}} or a list of "
-                                   "{\"role\", \"content\"} messages")
-        for m in messages:
-            _check_content(m["content"], base, f"{path}:{n}")
-        convs.append(messages)
+    convs = [_conversation(line, base, f"{path}:{n}") for n, line in enumerate(lines, 1) if line.strip()]
     if not convs:
         raise ModelFormatError(f"{path}: the calibration file has no conversations")
     return convs
+
+
+def _image_prompts(folder: Path) -> list[list[dict]]:
+    """One user prompt per image file in ``folder`` (sorted by name), the questions of :data:`IMAGE_QUESTIONS`
+    cycling. Raises ModelFormatError: not a folder, no image files, or an image that is not a regular file."""
+    if not folder.is_dir():
+        raise ModelFormatError(f"{folder}: --images must be a folder of images")
+    files = sorted(p for p in folder.iterdir() if p.suffix.lower() in IMAGE_SUFFIXES)
+    if not files:
+        raise ModelFormatError(f"{folder}: no image files ({', '.join(IMAGE_SUFFIXES)})")
+    for f in files:
+        check_image(f, f"--images {folder}")
+    return [[{"role": "user", "content": [{"type": "image", "image": str(f)},
+                                          {"type": "text", "text": IMAGE_QUESTIONS[i % len(IMAGE_QUESTIONS)]}]}]
+            for i, f in enumerate(files)]
+
+
+def _conversation(line: str, base: Path, where: str) -> list[dict]:
+    """One JSONL line's conversation, its image paths resolved against ``base``.
+
+    Raises: ModelFormatError naming ``where`` (file:line): not JSON, or not a list of role/content messages."""
+    try:
+        item = json.loads(line)
+    except (ValueError, RecursionError) as exc:
+        raise ModelFormatError(f"{where}: not JSON: {str(exc)[:200]}") from exc
+    messages = item.get("messages") if isinstance(item, dict) else item
+    if not isinstance(messages, list) or not messages or not all(
+            isinstance(m, dict) and isinstance(m.get("role"), str) and "content" in m for m in messages):
+        raise ModelFormatError(f"{where}: expected {{\"messages\": [...]}} or a list of "
+                               "{\"role\", \"content\"} messages")
+    for m in messages:
+        _check_content(m["content"], base, where)
+    return messages
 
 
 def _check_content(content: Any, base: Path, where: str) -> None:

@@ -23,7 +23,7 @@ from typing import Any, BinaryIO
 
 import numpy as np
 
-from .state import HasStateLayout
+from .state import HasStateLayout, StateLayout
 
 FORMAT_MAGIC = b"DDSNAP\x00\x01"
 FORMAT_VERSION = 1
@@ -55,11 +55,17 @@ def check_header(hp: HasStateLayout, identity: str, meta: object, payload_bytes:
     """
     if not isinstance(meta, dict):
         return "the header is not an object"
+    layout = hp.state_layout()
+    return (_head_problem(meta, identity, layout) or _array_problem(meta, layout, payload_bytes)
+            or _field_problem(meta))
+
+
+def _head_problem(meta: dict, identity: str, layout: StateLayout) -> str | None:
+    """What is wrong with the version, identity, ``pos``, ``key`` and image table, or None."""
     if meta.get("version") != FORMAT_VERSION:
         return f"format version {meta.get('version')!r} (this build reads {FORMAT_VERSION})"
     if meta.get("identity") != identity:
         return "belongs to another model file"
-    layout = hp.state_layout()
     pos = meta.get("pos")
     if not isinstance(pos, int) or isinstance(pos, bool) or not 1 <= pos <= layout.context_length:
         return f"pos {pos!r} is not a position within the context (1..{layout.context_length})"
@@ -69,6 +75,12 @@ def check_header(hp: HasStateLayout, identity: str, meta: object, payload_bytes:
     if not isinstance(images, dict) or not all(isinstance(p, str) and p.isdigit() and int(p) < pos
                                                and isinstance(d, str) for p, d in images.items()):
         return "malformed image table"
+    return None
+
+
+def _array_problem(meta: dict, layout: StateLayout, payload_bytes: int) -> str | None:
+    """What is wrong with the array table and the payload's size (``pos`` already checked), or None."""
+    pos = meta["pos"]
     arrays = meta.get("arrays")
     if not isinstance(arrays, dict):
         return "no array table"
@@ -86,6 +98,11 @@ def check_header(hp: HasStateLayout, identity: str, meta: object, payload_bytes:
         size += 4 * int(np.prod(want[name]))
     if size != payload_bytes:
         return f"{payload_bytes} bytes of data where the header describes {size}"
+    return None
+
+
+def _field_problem(meta: dict) -> str | None:
+    """What is wrong with ``conversation``, ``created`` and ``hits``, or None."""
     for name in ("conversation",):
         if not isinstance(meta.get(name, ""), str):
             return f"{name} is not a string"

@@ -93,17 +93,8 @@ def _start_llama(python: str, model: Path, port: int, threads: int) -> subproces
     raise RuntimeError("llama.cpp's server did not come up in 120 s")
 
 
-def _checks(name: str, url: str, tokens: int) -> dict[str, list[str]]:
-    """Run the client checks; print each; return the greedy texts (completions, then chats)."""
-    client = openai.OpenAI(base_url=url, api_key="none", max_retries=0, timeout=120)
-
-    def check(what: str, fn) -> None:
-        try:
-            detail = fn()
-            print(f"  {name:13s} ok    {what}{': ' + detail if detail else ''}")
-        except Exception as exc:  # noqa: BLE001 - a by-hand report: every outcome is a line
-            print(f"  {name:13s} FAIL  {what}: {type(exc).__name__}: {str(exc)[:160]}")
-
+def _greedy_texts(client: openai.OpenAI, tokens: int) -> dict[str, list[str]]:
+    """The greedy texts of :data:`PROMPTS` (completions) and :data:`CHATS` (reasoning + content)."""
     out: dict[str, list[str]] = {"completion": [], "chat": []}
     for prompt in PROMPTS:
         r = client.completions.create(model="tiny", prompt=prompt, max_tokens=tokens, temperature=0)
@@ -116,6 +107,21 @@ def _checks(name: str, url: str, tokens: int) -> dict[str, list[str]]:
             out["chat"].append((getattr(message, "reasoning_content", None) or "") + (message.content or ""))
         except openai.APIError as exc:
             out["chat"].append(f"<error: {exc}>")
+    return out
+
+
+def _checks(name: str, url: str, tokens: int) -> dict[str, list[str]]:
+    """Run the client checks; print each; return the greedy texts (completions, then chats)."""
+    client = openai.OpenAI(base_url=url, api_key="none", max_retries=0, timeout=120)
+
+    def check(what: str, fn) -> None:
+        try:
+            detail = fn()
+            print(f"  {name:13s} ok    {what}{': ' + detail if detail else ''}")
+        except Exception as exc:  # noqa: BLE001 - a by-hand report: every outcome is a line
+            print(f"  {name:13s} FAIL  {what}: {type(exc).__name__}: {str(exc)[:160]}")
+
+    out = _greedy_texts(client, tokens)
 
     def streaming() -> str:
         chunks = list(client.chat.completions.create(model="tiny", messages=CHATS[0], max_tokens=8, temperature=0,
@@ -137,7 +143,8 @@ def _checks(name: str, url: str, tokens: int) -> dict[str, list[str]]:
         raise AssertionError("accepted")
 
     def bad_json() -> str:
-        return f"status {httpx.post(url + '/chat/completions', content=b'{bad', headers={'content-type': 'application/json'}).status_code}"
+        reply = httpx.post(url + "/chat/completions", content=b"{bad", headers={"content-type": "application/json"})
+        return f"status {reply.status_code}"
 
     def over_context() -> str:
         try:
