@@ -89,9 +89,9 @@ class _Lister(QObject):
 
     def list(self, url: str, key: str) -> None:
         def run() -> None:
-            from engine.api import list_remote_models
+            from engine.openai.remote import list_models
             try:
-                names, error = list_remote_models(url, key or None), ""
+                names, error = [m["id"] for m in list_models(url, key or None)], ""
             except Exception as exc:  # noqa: BLE001 - every failure becomes the tab's message
                 names, error = [], str(exc)
             self.listed.emit(names, error)

@@ -92,12 +92,14 @@ def load_real_engine(request: LoadRequest, progress: LoadProgress, cancel: threa
 
     ``engine.api`` (numpy, gguf, tokenizers) is imported here, off the UI thread, so the window
     appears before those heavy imports run. ``progress`` and ``cancel`` go to ``Engine.load``.
-    A request with a ``remote_url`` connects to that server instead (:func:`engine.api.connect_remote`).
+    A request with a ``remote_url`` connects to that server instead
+    (:meth:`engine.openai.remote.RemoteEngine.connect`).
     """
-    from engine import api
     if request.remote_url:
+        from engine.openai.remote import RemoteEngine
         progress("connecting to the server")
-        return api.connect_remote(request.remote_url, request.remote_model, request.api_key)
+        return RemoteEngine.connect(request.remote_url, request.remote_model, request.api_key)
+    from engine import api
 
     model_path, mmproj_path = request.model_path, request.mmproj_path
     if model_path is None:

@@ -39,10 +39,10 @@ class LocalServer:
         info = engine.info
         if info.remote:
             return "Not serving: the model runs on a remote server (serve on localhost needs a model loaded here)"
-        from engine.api import serve_in_background
+        from engine.openai import ServerConfig, ServerThread
         name = Path(info.path).stem if info.path is not None else "deltadesk"
         try:
-            self._thread = serve_in_background(engine, name, port, engine_lock, LOOPBACK)
+            self._thread = ServerThread(engine, ServerConfig(name), LOOPBACK, port, engine_lock).start()
         except EngineError as exc:
             return f"Not serving: {exc}"
         return f"Serving {name} on {self._thread.url}"

@@ -1,6 +1,6 @@
 """The sidebar's list of prefix snapshots: a QAbstractListModel over ``SnapshotInfo`` rows and its panel.
 
-A snapshot is the model's state after a prefix of some conversation's prompt (``engine.prefix_cache``;
+A snapshot is the model's state after a prefix of some conversation's prompt (``engine.turn.prefix_cache``;
 what it holds: docs/spec/qwen35.md section 3.2); the engine restores the deepest one a new prompt shares
 instead of reading it again.
 Each row shows its position (tokens), size, hits, where it is kept (RAM or disk), its age and the

@@ -7,7 +7,7 @@
   chats in ChatML, with a one-line note on stderr.
 - ``chat [--model M]``: an interactive multi-turn chat on the terminal.
 - ``serve [--model M] [--mmproj V] [--host 127.0.0.1] [--port 8080] [--api-key K] [--queue 8]``: an
-  OpenAI-compatible HTTP server (:mod:`engine.server`); a non-loopback ``--host`` needs a key.
+  OpenAI-compatible HTTP server (:mod:`engine.openai`); a non-loopback ``--host`` needs a key.
 - ``synth --preset tiny|small|dense-tiny|minicpmv46-tiny|minicpmv46|35b-a3b [--layers N] [--experts N] --quant Q -o FILE``:
   a random-weight GGUF in the layout and metadata real files use, and beside it a matching
   random vision tower ``FILE-mmproj.gguf`` (``--no-mmproj`` skips it).
@@ -21,7 +21,7 @@
 - ``models``: the downloaded models. Wherever a model path is taken, a downloaded ``REPO:QUANT`` works too.
 - ``prune MODEL.gguf --keep N -o OUT.gguf [--method reap|frequency] [--calib FILE.jsonl] [--images DIR]
   [--max-tokens T] [--stats FILE.json] [--mmproj V]``: REAP (or frequency) expert pruning to N experts per
-  layer (:mod:`engine.prune`); the calibration statistics are saved to and reused from ``--stats``
+  layer (:mod:`engine.reap.prune`); the calibration statistics are saved to and reused from ``--stats``
   (default ``MODEL.expert-stats.json`` beside the model when it is there, else beside the output file).
 
 Errors from the engine, and inputs that cannot work (``--image`` without a vision tower, a prompt
@@ -43,8 +43,8 @@ from .events import PrefillStats, TokenEvent, TurnSummary
 from .sampling import SamplingParams
 
 if TYPE_CHECKING:
-    from .gguf_file import GGUFFile
-    from .prune import ExpertStats
+    from .gguf.file import GGUFFile
+    from .reap.prune import ExpertStats
 
 
 def _sampling(args: argparse.Namespace) -> SamplingParams:
@@ -136,7 +136,7 @@ def _timing(s: TurnSummary) -> str:
 
 
 def cmd_info(args: argparse.Namespace) -> int:
-    from .gguf_file import GGUFFile
+    from .gguf.file import GGUFFile
     f = GGUFFile.open(_model_arg(args.model))
     hp = f.hparams
     kinds = "".join("D" if hp.is_recurrent(i) else "A" for i in range(hp.n_layer))
@@ -150,7 +150,7 @@ def cmd_info(args: argparse.Namespace) -> int:
     print(f"delta-net      {hp.num_k_heads} q/k heads x {hp.head_k_dim}, {hp.num_v_heads} v heads x {hp.head_v_dim},"
           f" conv {hp.conv_kernel}")
     if hp.is_moe:
-        from .pruned_file import pruning_summary
+        from .reap.pruned import pruning_summary
         pruned = pruning_summary(f)
         print(f"MoE            {hp.n_expert} experts, top-{hp.n_expert_used}, expert FFN {hp.n_ff_exp},"
               f" shared expert FFN {hp.n_ff_shexp}" + (f" ({pruned})" if pruned else ""))
@@ -284,7 +284,7 @@ def _chat_command(engine, line: str, images: list[str]) -> None:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    from .server import ServerConfig, bind_address, check_bind, serve
+    from .openai import ServerConfig, bind_address, check_bind, serve
     api_key = args.api_key or os.environ.get("DELTADESK_API_KEY") or None
     check_bind(args.host, api_key)
     sock = bind_address(args.host, args.port)          # a port in use fails before the model loads
@@ -380,9 +380,9 @@ def cmd_prune(args: argparse.Namespace) -> int:
 
 
 def _prune(args: argparse.Namespace) -> int:
-    from . import prune, pruned_file
-    from .gguf_file import GGUFFile
-    from .prune_inputs import check_output
+    from .reap import prune, pruned as pruned_file
+    from .gguf.file import GGUFFile
+    from .reap.inputs import check_output
     if args.max_tokens < 1:
         raise EngineError(f"--max-tokens must be at least 1, got {args.max_tokens}")
     args.model = _model_arg(args.model)
@@ -439,14 +439,14 @@ def _prune(args: argparse.Namespace) -> int:
 def _stats_path(model: str, output: str) -> Path:
     """``--stats``' default: ``MODEL.expert-stats.json`` beside the model when one is there (as
     ``training/calibration.py`` writes it), else beside the output file (never the current folder)."""
-    from .prune import default_stats_path
+    from .reap.prune import default_stats_path
     beside_model = default_stats_path(model)
     return beside_model if beside_model.is_file() else default_stats_path(model, Path(output).resolve().parent)
 
 
 def _calibrate(args: argparse.Namespace, src: GGUFFile) -> ExpertStats:
-    """Gather :class:`engine.prune.ExpertStats` for ``args.model`` on the calibration set the flags name."""
-    from . import prune
+    """Gather :class:`engine.reap.prune.ExpertStats` for ``args.model`` on the calibration set the flags name."""
+    from .reap import prune
     from .api import Engine, EngineOptions
     from .demo_model import bundled_mmproj_for
     convs = prune.calibration_set(args.calib, args.images)

@@ -24,23 +24,22 @@ from .api_types import ChatEngine, EngineOptions, ModelInfo
 from .demo_model import bundled_mmproj_for, bundled_model, default_model
 from .errors import EngineError, GenerationCancelled, TemplateError, UnsupportedModelError
 from .events import Event, PrefillStats
-from .gguf_file import GGUFFile
-from .grammar import Grammar, compile_grammar, grammar_tokenizer
-from .images import ImageInfo, ImageSource
-from .prefix_cache import PrefixCache, SnapshotInfo
-from .prompt import Message, Prompt, PromptBuilder, text_bytes
-from .pruned_file import pruning_summary
+from .gguf.file import GGUFFile
+from .turn.grammar import Grammar, compile_grammar, grammar_tokenizer
+from .vision.images import ImageInfo, ImageSource
+from .turn.prefix_cache import PrefixCache, SnapshotInfo
+from .prompt.builder import Message, Prompt, PromptBuilder, text_bytes
+from .reap.pruned import pruning_summary
 from .registry import GpuPrefill, TextModel
-from .runtime import Turn, read_ahead, run_turn
+from .turn.runtime import Turn, read_ahead, run_turn
 from .sampling import SamplingParams
-from .tokenizer import Tokenizer
-from .vision import ImageEncoder
+from .prompt.tokenizer import Tokenizer
+from .vision.encoder import ImageEncoder
 
 log = logging.getLogger(__name__)
 
 __all__ = ["CHATML_NOTE", "ChatEngine", "Engine", "EngineOptions", "ModelInfo", "Prompt", "SamplingParams", "SnapshotInfo",
-           "bundled_mmproj_for", "bundled_model", "connect_remote", "default_model", "list_remote_models",
-           "serve_in_background"]
+           "bundled_mmproj_for", "bundled_model", "default_model"]
 
 CHATML_NOTE = "the file has no tokenizer.chat_template, so chat uses ChatML (the Qwen format)"
 """The one-line notice (:attr:`ModelInfo.template_note`) for a model whose chat falls back to ChatML."""
@@ -175,11 +174,11 @@ class Engine:
         """Render ``messages`` with the model's chat template and tokenize the prompt.
 
         A file without ``tokenizer.chat_template`` is rendered as ChatML, the Qwen format
-        (``engine/templates/chatml.jinja``; :attr:`ModelInfo.template_note` says so). Each image part
+        (``engine/prompt/templates/chatml.jinja``; :attr:`ModelInfo.template_note` says so). Each image part
         stays a single ``<|image_pad|>``; :meth:`prepare` expands it. Only the template's markup makes
         control ids: text in the messages is read as plain text, so ``<|im_end|>`` or ``<think>``
         typed by a user cannot open a turn or a think block
-        (:meth:`engine.tokenizer.Tokenizer.escape_messages`; the text of ``tools`` too).
+        (:meth:`engine.prompt.tokenizer.Tokenizer.escape_messages`; the text of ``tools`` too).
         ``tools``: OpenAI function tools (``{"type": "function", "function": {"name", "description",
         "parameters"}}``) the template renders (Qwen3.5/3.6: a ``# Tools`` section in the system message).
 
@@ -225,7 +224,7 @@ class Engine:
         """Answer the conversation ``messages`` (the last one is usually the user's).
 
         The prompt resumes from the deepest prefix snapshot it shares (see
-        :mod:`engine.prefix_cache`); ``PrefillStats.reused_tokens`` says how many tokens that saved.
+        :mod:`engine.turn.prefix_cache`); ``PrefillStats.reused_tokens`` says how many tokens that saved.
 
         Args:
             messages: chat messages (see docs/interfaces.md for the format).
@@ -269,7 +268,7 @@ class Engine:
         Args:
             checkpoints: extra prompt positions to snapshot at.
             prompt: the :meth:`prepare` result the ids come from (M-RoPE positions, images).
-            rerenders: see :class:`engine.runtime.Turn` (snapshot the end of a finished answer).
+            rerenders: see :class:`engine.turn.runtime.Turn` (snapshot the end of a finished answer).
             started: ``time.perf_counter()`` at the start of the turn (the origin of TTFT).
             grammar: constrains the answer (:meth:`grammar`).
 
@@ -347,7 +346,7 @@ class Engine:
 
         Call it after a turn with the answer appended (``messages`` ending with that assistant message),
         while the user reads and types; set ``cancel`` (or call :meth:`cancel_read_ahead`) to stop it
-        within one piece (:data:`engine.runtime.AHEAD_PIECE` tokens). The next turn renders an earlier answer
+        within one piece (:data:`engine.turn.runtime.AHEAD_PIECE` tokens). The next turn renders an earlier answer
         differently from the prompt it was generated after (Qwen's template drops the think scaffold of
         old turns), which is why the answer must be read again at all. The answer a later turn gives is
         the same with or without this call (prefill is split-invariant).
@@ -494,35 +493,3 @@ class Engine:
         if self.vision is None:
             raise UnsupportedModelError(f"{self.gguf.path.name}: no vision tower (mmproj file) is loaded")
         return self.vision
-
-
-def connect_remote(base_url: str, model: str, api_key: str | None = None, timeout: float = 300.0) -> ChatEngine:
-    """A :class:`ChatEngine` on an OpenAI-compatible server (:meth:`engine.remote.RemoteEngine.connect`).
-
-    Raises:
-        RemoteError: unreachable, refused, or ``model`` is not listed.
-    """
-    from .remote import RemoteEngine
-    return RemoteEngine.connect(base_url, model, api_key, timeout)
-
-
-def list_remote_models(base_url: str, api_key: str | None = None, timeout: float = 10.0) -> list[str]:
-    """The model ids an OpenAI-compatible server lists (:func:`engine.remote.list_models`).
-
-    Raises:
-        RemoteError: unreachable, refused, or not an OpenAI model list.
-    """
-    from .remote import list_models
-    return [m["id"] for m in list_models(base_url, api_key, timeout)]
-
-
-def serve_in_background(engine: Engine, model_name: str, port: int, engine_lock: threading.Lock | None = None,
-                        host: str = "127.0.0.1", api_key: str | None = None) -> Any:
-    """Start ``engine serve`` for ``engine`` on a background thread (:class:`engine.server.ServerThread`;
-    port 0 picks a free one). Returns the running server: ``.url``, ``.port``, ``.stop()``.
-
-    Raises:
-        EngineError: the address cannot be bound, or a non-loopback ``host`` has no ``api_key``.
-    """
-    from .server import ServerConfig, ServerThread
-    return ServerThread(engine, ServerConfig(model_name, api_key), host, port, engine_lock).start()

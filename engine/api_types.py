@@ -11,9 +11,9 @@ from pathlib import Path
 from typing import Any, Iterator, Protocol, Sequence
 
 from .events import Event
-from .images import ImageInfo, ImageSource
-from .prefix_cache import SnapshotInfo
-from .prompt import Message
+from .vision.images import ImageInfo, ImageSource
+from .turn.prefix_cache import SnapshotInfo
+from .prompt.builder import Message
 from .sampling import SamplingParams
 
 
@@ -25,7 +25,7 @@ class EngineOptions:
         context: context window in tokens (capped at the model's ``context_length``); the KV cache
             is preallocated for it: 2 * n_attn_layers * n_head_kv * head_dim * 4 bytes per token.
         prefix_cache: keep prefix snapshots so a prompt sharing a prefix resumes instead of
-            re-prefilling (see :mod:`engine.prefix_cache`).
+            re-prefilling (see :mod:`engine.turn.prefix_cache`).
         cache_ram_bytes: RAM budget of the snapshots, bytes.
         cache_disk_dir: folder of the snapshots' disk tier; None = RAM only. The app passes
             ``platformdirs.user_cache_dir("deltadesk")/snapshots``.
@@ -71,7 +71,7 @@ class ModelInfo:
     """What the app shows about a loaded model.
 
     The fields from ``path`` to ``bytes_per_token`` describe a local GGUF file; an engine that runs
-    elsewhere (:class:`engine.remote.RemoteEngine`) leaves them at their defaults and fills ``name``
+    elsewhere (:class:`engine.openai.remote.RemoteEngine`) leaves them at their defaults and fills ``name``
     and ``remote`` instead.
 
     Attributes:
@@ -95,7 +95,7 @@ class ModelInfo:
         name: the model's name as a server lists it ("" for a local file: its file name says it).
         remote: the base URL of the server that runs the model, or "" for an in-process engine.
         pruning: "128 of 256 experts kept (REAP)" for a file written by ``python -m engine prune``
-            (its ``general.pruning`` note, :func:`engine.pruned_file.pruning_summary`), else "".
+            (its ``general.pruning`` note, :func:`engine.reap.pruned.pruning_summary`), else "".
     """
 
     arch: str
@@ -120,8 +120,8 @@ class ModelInfo:
 
 
 class ChatEngine(Protocol):
-    """What a chat front end (the app's engine worker, :mod:`engine.server`) needs of an engine:
-    :class:`engine.api.Engine` (in process), :class:`engine.remote.RemoteEngine` (an OpenAI-compatible server)
+    """What a chat front end (the app's engine worker, :mod:`engine.openai`) needs of an engine:
+    :class:`engine.api.Engine` (in process), :class:`engine.openai.remote.RemoteEngine` (an OpenAI-compatible server)
     and the tests' fakes."""
 
     @property

@@ -50,4 +50,4 @@ class DeviceBudgetError(DeviceError):
 
 class RemoteError(EngineError):
     """An OpenAI-compatible server could not be reached, refused a request, went silent past the timeout or
-    dropped the connection mid-answer (:mod:`engine.remote`); the message names the URL."""
+    dropped the connection mid-answer (:mod:`engine.openai.remote`); the message names the URL."""

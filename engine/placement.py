@@ -10,9 +10,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from .errors import DeviceBudgetError, DeviceError, EngineError, ModelFormatError
-from .gguf_file import GGUFFile
+from .gguf.file import GGUFFile
 from .registry import GpuPrefill, TextModel, vision_arch
-from .vision import ImageEncoder, load_projector
+from .vision.encoder import ImageEncoder, load_projector
 
 if TYPE_CHECKING:
     from .api_types import EngineOptions

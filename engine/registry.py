@@ -40,11 +40,11 @@ store fused; when the first split name is absent from a file, the fused one must
 class TextModel(Protocol):
     """The CPU text model a :class:`TextArch` builds; the runtime uses only this.
 
-    ``state`` is an :class:`engine.state.SequenceState`; it advances by the positions run.
+    ``state`` is an :class:`engine.turn.state.SequenceState`; it advances by the positions run.
     """
 
     hp: Any
-    """The architecture's hyper-parameters (``n_vocab``, ``n_embd``, ... as :class:`engine.state.SequenceState` needs)."""
+    """The architecture's hyper-parameters (``n_vocab``, ``n_embd``, ... as :class:`engine.turn.state.SequenceState` needs)."""
 
     def embed(self, tokens: np.ndarray) -> np.ndarray:
         """(n, n_embd) float32 token embeddings of (n,) int ids. Raises ValueError for an id outside the vocabulary."""
@@ -103,7 +103,7 @@ class TextArch:
 
 
 class VisionTower(Protocol):
-    """The CPU tower a :class:`VisionArch` builds; :class:`engine.vision.ImageEncoder` uses only this."""
+    """The CPU tower a :class:`VisionArch` builds; :class:`engine.vision.encoder.ImageEncoder` uses only this."""
 
     identity: str
     """The projector file's identity (scopes the embedding cache)."""
@@ -112,7 +112,7 @@ class VisionTower(Protocol):
         """The caller's resize area bounds (pixels) narrowed by the projector's own; min <= max."""
 
     def prepare(self, source: Any, min_pixels: int, max_pixels: int, max_input_pixels: int) -> Any:
-        """Decode and preprocess one image: an :class:`engine.images.PreparedImage` (``pixel_values``,
+        """Decode and preprocess one image: an :class:`engine.vision.images.PreparedImage` (``pixel_values``,
         patch ``grid``, ``size``, ``original_size``, ``digest``). Raises ImageError."""
 
     def token_grid(self, grid: tuple[int, int]) -> tuple[int, int]:

@@ -1,7 +1,7 @@
 """Token sampling: greedy, temperature, top-k, top-p, min-p, logit bias, penalties, grammar mask; logprobs.
 
 Order of operations follows llama.cpp's default sampler chain (``common/sampling.cpp``) with the OpenAI
-API's logit bias first and the grammar mask (:mod:`engine.grammar`) after the penalties:
+API's logit bias first and the grammar mask (:mod:`engine.turn.grammar`) after the penalties:
 logit bias -> penalties -> grammar mask -> top-k -> top-p -> min-p -> temperature -> draw. Penalties follow
 their usual definitions: repetition penalty (Keskar et al. 2019, CTRL) divides positive logits and
 multiplies negative ones of tokens already seen; presence penalty (OpenAI API) subtracts a constant from
@@ -22,7 +22,7 @@ import numpy as np
 from .errors import EngineError
 
 if TYPE_CHECKING:
-    from .grammar import Matcher
+    from .turn.grammar import Matcher
 
 MAX_TOP_LOGPROBS = 20
 """The most alternatives :attr:`SamplingParams.top_logprobs` may ask for (the OpenAI API's limit)."""
@@ -125,7 +125,7 @@ class Sampler:
 
     Args:
         params: the sampling settings.
-        matcher: the answer's :class:`engine.grammar.Matcher`, or None; each drawn token is accepted into it.
+        matcher: the answer's :class:`engine.turn.grammar.Matcher`, or None; each drawn token is accepted into it.
         answer_start: where the answer begins in the ``history`` passed to :meth:`sample` (the prompt's
             length): the frequency penalty counts tokens from there.
     """

@@ -34,7 +34,7 @@ def served(synth_model):
     import threading
 
     from engine.api import Engine, EngineOptions
-    from engine.server import ServerConfig, ServerThread
+    from engine.openai import ServerConfig, ServerThread
 
     engine = Engine.load(synth_model("tiny", "q8_0"), options=EngineOptions(context=512))
     lock = threading.Lock()
@@ -49,7 +49,7 @@ def served_vision(synth_model, tmp_path_factory):
     """The tiny synth model with its random vision tower (images bounded to 64 x 64 px, context 512) behind
     ``engine serve`` as ``tiny-vl``: ``(server, engine)``."""
     from engine.api import Engine, EngineOptions
-    from engine.server import ServerConfig, ServerThread
+    from engine.openai import ServerConfig, ServerThread
     from engine.tools.synth import synth_mmproj_for
 
     mmproj = synth_mmproj_for(tmp_path_factory.mktemp("mm") / "tiny-mmproj.gguf", "tiny", seed=0)

@@ -23,7 +23,7 @@ import numpy as np
 from engine.api import Engine, EngineOptions
 from engine.events import TokenEvent
 from engine.sampling import SamplingParams
-from engine.state import SequenceState
+from engine.turn.state import SequenceState
 
 USERS = ["How many red circles are there?", "Where is the blue square?", "What colour is the triangle?",
          "Describe the picture in one sentence."]

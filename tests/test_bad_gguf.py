@@ -14,7 +14,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from engine.errors import EngineError, ModelFormatError, UnsupportedModelError
-from engine.gguf_file import GGUFFile
+from engine.gguf.file import GGUFFile
 from engine.arch.qwen35.tensors import tensor_shapes
 from engine.arch.qwen35.synth import preset_hparams, synth, write_gguf
 

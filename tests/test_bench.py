@@ -181,7 +181,7 @@ def tiny_q4(tmp_path_factory):
 
 
 def test_fill_context(tiny_q4):
-    from engine.gguf_file import GGUFFile
+    from engine.gguf.file import GGUFFile
     from engine.tools.cpu_bench import fill_context
     hp = GGUFFile.open(tiny_q4).hparams
     state = fill_context(hp, 5, 9, np.random.default_rng(0))

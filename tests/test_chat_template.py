@@ -1,4 +1,4 @@
-"""engine.templates/qwen35.jinja rendered by engine.chat_template.ChatTemplate, and the sandbox.
+"""engine.prompt.templates/qwen35.jinja rendered by engine.prompt.template.ChatTemplate, and the sandbox.
 
 Expected prompts are written out by hand from the Qwen3.5/3.6 chat template's rendered text
 (docs/spec/qwen35.md section 5):
@@ -23,7 +23,7 @@ import json
 import pytest
 
 from engine.errors import TemplateError
-from engine.chat_template import ChatTemplate
+from engine.prompt.template import ChatTemplate
 from engine.arch.qwen35.vocab import QWEN35_CHAT_TEMPLATE
 
 TOOLS_INSTRUCTIONS = (

@@ -27,7 +27,7 @@ import pytest
 from gguf import GGMLQuantizationType, quants
 from test_cpu_kernels import assert_close, assert_same_bits_everywhere, level, reference_product, rng, route_margin  # noqa: F401 (fixtures)
 
-from engine import quant
+from engine.gguf import quant
 from engine.kernels import cpu, cpu_moe, cpu_twins
 
 Q = GGMLQuantizationType

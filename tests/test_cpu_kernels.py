@@ -185,7 +185,7 @@ def test_matrix_takes_its_type_from_the_table_not_the_row_length():
 def test_kernel_ids_of_the_quant_table_match_the_c_enum():
     from engine import _native_cpu
     for qtype in cpu.KERNEL_TYPES:
-        assert engine.quant.TYPES[qtype].cpu_kernel == getattr(_native_cpu.lib, f"DD_{qtype.name.upper()}")
+        assert engine.gguf.quant.TYPES[qtype].cpu_kernel == getattr(_native_cpu.lib, f"DD_{qtype.name.upper()}")
     assert len(cpu.KERNEL_TYPES) == _native_cpu.lib.DD_WTYPE_COUNT
 
 

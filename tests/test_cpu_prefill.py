@@ -21,7 +21,7 @@ from test_cpu_kernels import random_moe, random_weights, rng  # noqa: F401 (fixt
 from test_cpu_kquants import random_kquant
 from test_cpu_lowbit import random_lowbit
 
-from engine import quant
+from engine.gguf import quant
 from engine.kernels import cpu, cpu_moe, lowbit_twins
 
 Q = GGMLQuantizationType

@@ -6,7 +6,7 @@
   patches (non-square, odd merged sides, one and several query / key tiles), growing and reserved
   activation buffers, the VRAM budget check, close(); and an engine loaded with device="cuda" encodes
   images to the same embeddings as one loaded with device="cpu".
-* CudaVisionTower's host side on an emulated device (runs everywhere): test_cuda_prefill's numpy stand-in
+* CudaVisionTower's host side on an emulated device (runs everywhere): tests/cuda_fakes.py's numpy stand-in
   for pycuda.driver (allocations poisoned with NaN) plus the numpy twins of the vision kernels, so weight
   padding, the patch-kernel interleave, buffer strides and the merger's row layout are checked without a GPU.
 * Fallback tests (run everywhere): a stand-in GPU tower that raises DeviceError -> the CPU result, a note,
@@ -29,7 +29,7 @@ from PIL import Image
 from engine.errors import DeviceError
 from engine.arch.qwen3vl.mmproj import RandomWeights, VisionHParams, load_mmproj, write_mmproj
 from engine.arch.qwen3vl.tower import VisionTower
-from engine.vision import ImageEncoder
+from engine.vision.encoder import ImageEncoder
 from test_cuda_prefill import gpu, gpu_available
 
 FIX = Path(__file__).parent / "fixtures" / "vision"
@@ -136,8 +136,8 @@ def test_engine_on_cuda_encodes_images_like_the_cpu(synth_model, tmp_path):
 # ---- the host side on an emulated device (runs everywhere) ----------------------------------------
 
 def _emulated_device():
-    """(driver, kernels class): test_cuda_prefill's emulated device plus the vision kernels' numpy twins."""
-    from test_cuda_prefill import FakeDriver, FakeKernels
+    """(driver, kernels class): the emulated device of tests/cuda_fakes.py plus the vision kernels' numpy twins."""
+    from cuda_fakes import FakeDriver, FakeKernels
 
     from engine.ops import vision_reference as ops
 
@@ -275,7 +275,7 @@ def test_emulated_budget_bounds_growth_and_keeps_the_tower(monkeypatch, tmp_path
     assert rel_err(tower.encode(small, (4, 6)), cpu.encode(small, (4, 6))) <= TOL
     enc = ImageEncoder(mm, min_pixels=1024, gpu=tower)
     img = _image(7, (160, 96))  # 10 x 6 patches: above the budget
-    with caplog.at_level(logging.WARNING, logger="engine.vision"):
+    with caplog.at_level(logging.WARNING, logger="engine.vision.encoder"):
         got = enc.encode(img)
     assert np.array_equal(got.embeddings, ImageEncoder(mm, min_pixels=1024).encode(img).embeddings)
     assert enc.gpu is tower and enc.device_note == "" and "on the CPU" in caplog.text
@@ -330,7 +330,7 @@ def test_gpu_tower_failure_falls_back_to_the_cpu_for_this_and_later_images(tiny_
     stand = StandInTower(cpu.tower, fail=True, close_fails=close_fails)
     enc = ImageEncoder(tiny_mm, min_pixels=1024, gpu=stand)
     first, second = _image(4, (64, 96)), _image(5, (128, 64))
-    with caplog.at_level(logging.WARNING, logger="engine.vision"):
+    with caplog.at_level(logging.WARNING, logger="engine.vision.encoder"):
         got = enc.encode(first)
     assert np.array_equal(got.embeddings, cpu.encode(first).embeddings)
     assert enc.device == "cpu" and enc.gpu is None and stand.closed
@@ -377,7 +377,7 @@ def test_engine_reports_where_images_are_encoded(synth_model, tmp_path):
 def test_encoder_close_logs_a_failing_gpu_close(tiny_mm, caplog):
     stand = StandInTower(VisionTower(tiny_mm), fail=False, close_fails=True)
     enc = ImageEncoder(tiny_mm, gpu=stand)
-    with caplog.at_level(logging.WARNING, logger="engine.vision"):
+    with caplog.at_level(logging.WARNING, logger="engine.vision.encoder"):
         enc.close()
     assert stand.closed and enc.gpu is None and "context is gone" in caplog.text
 

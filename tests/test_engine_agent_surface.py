@@ -12,7 +12,7 @@ from engine.api import Engine, EngineOptions
 from engine.errors import TokenizerError
 from engine.events import PrefillStats, TokenEvent, TurnSummary
 from engine.sampling import SamplingParams
-from engine.state import SequenceState
+from engine.turn.state import SequenceState
 
 TOOLS = [
     {"type": "function", "function": {

@@ -337,7 +337,7 @@ def test_snapshot_list_and_clear_through_the_api(warm) -> None:
 
 
 def test_answer_end_snapshot_only_when_the_answer_rerenders(tiny) -> None:
-    from engine.chat_template import ChatTemplate
+    from engine.prompt.template import ChatTemplate
     engine = Engine.load(tiny, options=EngineOptions(prefix_cache=False))
     msgs = [{"role": "user", "content": "Name a shape."}]
     answer = engine.tokenizer.encode("A circle.") + [engine.tokenizer.token_id("<|im_end|>")]
@@ -351,7 +351,7 @@ def test_answer_end_snapshot_only_when_the_answer_rerenders(tiny) -> None:
 
 
 def test_prefill_progress_events(cold) -> None:
-    import engine.runtime as runtime
+    import engine.turn.runtime as runtime
     msgs = [{"role": "user", "content": "word " * 300}]
     events = list(cold.chat(msgs, SamplingParams.greedy(2)))
     progress = [e for e in events if isinstance(e, PrefillProgress)]
@@ -381,7 +381,7 @@ def test_load_reports_stages_and_can_be_cancelled(tiny) -> None:
 def test_image_key_depends_on_resize_bounds(vision_engine, tmp_path) -> None:
     """The same image under another size limit gives other embeddings: no prefix reuse across it."""
     from engine.arch.qwen3vl.mmproj import load_mmproj
-    from engine.vision import ImageEncoder
+    from engine.vision.encoder import ImageEncoder
     from engine.tools.synth import synth_mmproj_for
     img = shape_image(tmp_path / "k.png", (10, 160, 10), size=(320, 256))
     msgs = [{"role": "user", "content": [{"type": "image", "image": str(img)}, {"type": "text", "text": "Hi"}]}]

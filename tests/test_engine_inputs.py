@@ -97,7 +97,7 @@ HOSTILE = {
 @pytest.mark.parametrize("kind", sorted(HOSTILE))
 def test_hostile_chat_template_fails_the_load_naming_the_file(demo, monkeypatch, kind) -> None:
     from engine.errors import TemplateError
-    from engine.gguf_file import GGUFFile
+    from engine.gguf.file import GGUFFile
     meta = GGUFFile.meta
 
     def patched(self, key, default=None):

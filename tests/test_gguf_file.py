@@ -16,9 +16,9 @@ import psutil
 import pytest
 from gguf import GGMLQuantizationType as Q
 
-from engine import quant
+from engine.gguf import quant
 from engine.errors import UnsupportedModelError
-from engine.gguf_file import GGUFFile
+from engine.gguf.file import GGUFFile
 from engine.arch.qwen35.tensors import tensor_shapes
 from engine.arch.qwen35.synth import preset_hparams, synth, write_gguf
 

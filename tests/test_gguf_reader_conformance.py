@@ -21,11 +21,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from engine.gguf_file import GGUFFile
+from engine.gguf.file import GGUFFile
 from engine.arch.qwen35.model import Qwen35Model
-from engine.state import SequenceState
+from engine.turn.state import SequenceState
 from engine.arch.qwen35.synth import synth
-from engine.tokenizer import Tokenizer
+from engine.prompt.tokenizer import Tokenizer
 
 FIXTURES = Path(__file__).parent / "fixtures" / "gguf_reader"
 TOL = 1e-4

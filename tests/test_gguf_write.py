@@ -1,4 +1,4 @@
-"""The streaming GGUF writer (engine.gguf_write) and the verbatim metadata records of engine.gguf_file."""
+"""The streaming GGUF writer (engine.gguf.write) and the verbatim metadata records of engine.gguf.file."""
 
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ import numpy as np
 import pytest
 from gguf import GGUFValueType
 
-from engine import gguf_write
-from engine.gguf_file import GGUFFile
+from engine.gguf import write as gguf_write
+from engine.gguf.file import GGUFFile
 
 def test_kv_record_round_trips_through_gguf_reader(tmp_path):
     recs = [gguf_write.kv_record("a.u32", 7, GGUFValueType.UINT32),

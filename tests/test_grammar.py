@@ -1,4 +1,4 @@
-"""Constrained decoding (engine.grammar) on the real 248,320-token Qwen3.5/3.6 vocabulary of the tiny synth model:
+"""Constrained decoding (engine.turn.grammar) on the real 248,320-token Qwen3.5/3.6 vocabulary of the tiny synth model:
 answers drawn from fresh random logits always satisfy the grammar, the mask equals slow references, and the
 engine's constrained answers are complete, schema-valid and the same with the prefix cache on or off."""
 
@@ -14,10 +14,10 @@ import pytest
 
 from engine.api import Engine, EngineOptions
 from engine.events import TokenEvent, TurnSummary
-from engine.gguf_file import GGUFFile
-from engine.grammar import GrammarError, compile_grammar, grammar_tokenizer, lark_json
+from engine.gguf.file import GGUFFile
+from engine.turn.grammar import GrammarError, compile_grammar, grammar_tokenizer, lark_json
 from engine.sampling import Sampler, SamplingParams
-from engine.tokenizer import Tokenizer
+from engine.prompt.tokenizer import Tokenizer
 
 # Bounded on purpose: random logits over 248k ids almost never pick a closing quote or bracket by chance,
 # so strings, arrays and numbers carry limits that make every answer end within MAX_STEPS tokens.

@@ -24,7 +24,7 @@ import pytest
 
 from engine.arch.qwen35.hparams import from_metadata
 from engine.arch.qwen35.model import Qwen35Model
-from engine.state import SequenceState
+from engine.turn.state import SequenceState
 
 FIXTURES = Path(__file__).parent / "fixtures" / "reference"
 HF_TOL = 1e-4

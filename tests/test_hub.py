@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from engine.errors import EngineError, ModelFormatError, UnsupportedModelError
-from engine.gguf_file import GGUFFile
+from engine.gguf.file import GGUFFile
 from engine.hub.download import (
     DownloadCancelled,
     download_model,
@@ -80,7 +80,7 @@ def test_fit_from_ranged_header_equals_fit_of_local_file(hub, synth_files, tmp_p
     local_path.write_bytes(synth_files["Tiny-Q8_0.gguf"])
     mm = tmp_path / "mm.gguf"
     mm.write_bytes(synth_files["mmproj-F16.gguf"])
-    from engine.gguf_header import read_header
+    from engine.gguf.header import read_header
     local = estimate(GGUFFile.open(local_path), local_path.stat().st_size, 4096, MACHINE, read_header(mm))
     assert remote == local
     ranges = _blob_gets(hub)
@@ -279,7 +279,7 @@ def test_store_paths_stay_inside_root(tmp_path):
 
 def test_delete_removes_file_shared_mmproj_last_and_snapshots(hub, tmp_path):
     from engine.hub.store import delete_model
-    from engine.prefix_cache import snapshot_folder
+    from engine.turn.prefix_cache import snapshot_folder
     listing = list_repo(REPO)
     entry = download_model(listing, pick_file(listing, quant="Q8_0"), pick_mmproj(listing))
     store = ModelStore()

@@ -160,7 +160,7 @@ def test_header_claiming_a_flood_of_keys_is_refused_at_the_count(hub, tmp_path):
     """A header with 100k real (distinct, well-formed) keys: refused from its count, before the keys are
     parsed (13 M such keys fit the 256 MiB read bound: minutes of parsing and GBs of dicts otherwise)."""
     from engine.errors import ModelFormatError
-    from engine.gguf_header import read_header
+    from engine.gguf.header import read_header
     data = _many_keys(100_000)
     hub.repos["tester/Keys-GGUF"] = FakeRepo({"Keys-Q8_0.gguf": data + bytes(1 << 20)})
     listing = list_repo("tester/Keys-GGUF")

@@ -16,8 +16,8 @@ from pathlib import Path
 
 import pytest
 
-from engine.gguf_file import GGUFFile
-from engine.gguf_header import read_header
+from engine.gguf.file import GGUFFile
+from engine.gguf.header import read_header
 from engine.hub.fit import Machine, estimate, state_bytes
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -50,7 +50,7 @@ def test_ram_estimate_within_10_percent_of_rss_growth(synth_pair):
 
 
 def test_state_term_is_the_engines_own_accounting(synth_pair):
-    from engine.state import SequenceState
+    from engine.turn.state import SequenceState
     f = GGUFFile.open(synth_pair[0])
     for context in (1, 1000, 4096):
         assert state_bytes(f.hparams, context) == SequenceState.new(f.hparams, context).nbytes

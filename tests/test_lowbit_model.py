@@ -22,10 +22,10 @@ from test_native_model import PROMPT, isa_reset, run  # noqa: F401 (fixture)
 from engine.arch.qwen35.cpu import NativeQwen35Model
 from engine.arch.qwen35.model import Qwen35Model
 from engine.arch.qwen35.synth import storage_type
-from engine.gguf_file import GGUFFile
+from engine.gguf.file import GGUFFile
 from engine.kernels import cpu
-from engine.quant import dequantize
-from engine.state import SequenceState
+from engine.gguf.quant import dequantize
+from engine.turn.state import SequenceState
 
 pytestmark = pytest.mark.skipif(not cpu.available(), reason="native CPU kernels not built")
 

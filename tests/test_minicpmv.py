@@ -23,7 +23,7 @@ from engine.errors import GenerationCancelled, ImageError
 from engine.kernels import cpu, sgemm
 from engine.events import TokenEvent
 from engine.sampling import SamplingParams
-from engine.vision import ImageEncoder
+from engine.vision.encoder import ImageEncoder
 
 FIXTURES = Path(__file__).parent / "fixtures" / "minicpmv"
 sys.path.insert(0, str(FIXTURES))
@@ -299,7 +299,7 @@ def test_image_layout_of_a_sliced_image():
 
 
 def test_image_encoder_runs_all_pieces_and_caches(mm):
-    """engine.vision.ImageEncoder drives the registry tower: one prepared image holds every piece."""
+    """engine.vision.encoder.ImageEncoder drives the registry tower: one prepared image holds every piece."""
     enc = ImageEncoder(mm)
     img = Image.fromarray(sample_image(700, 700, 3))
     first = enc.encode(img)
@@ -403,9 +403,9 @@ def test_image_prompt_logits_match_hf(tmp_path):
     import threading as th
 
     from engine.arch.qwen35.model import Qwen35Model
-    from engine.gguf_file import GGUFFile
-    from engine.runtime import prefill
-    from engine.state import SequenceState
+    from engine.gguf.file import GGUFFile
+    from engine.turn.runtime import prefill
+    from engine.turn.state import SequenceState
 
     gold = np.load(FIXTURES / "golden.npz")
     gguf = GGUFFile.open(FIXTURES / "tiny-qwen35-f16.gguf")

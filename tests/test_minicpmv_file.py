@@ -11,11 +11,11 @@ import numpy as np
 import pytest
 from gguf import GGUFValueType
 
-from engine import gguf_write
+from engine.gguf import write as gguf_write
 from engine.arch.minicpmv import mmproj as mp
 from engine.arch.minicpmv.tower import MiniCPMVTower
 from engine.errors import ModelFormatError, UnsupportedModelError
-from engine.gguf_header import read_header
+from engine.gguf.header import read_header
 
 FIXTURES = Path(__file__).parent / "fixtures" / "minicpmv"
 sys.path.insert(0, str(FIXTURES))
@@ -44,7 +44,7 @@ def test_synth_file_layout(mm, tmp_path):
 
 
 def test_synth_pair_matches_text_width(tmp_path):
-    from engine.gguf_file import GGUFFile
+    from engine.gguf.file import GGUFFile
     from engine.arch.qwen35.synth import synth
     from engine.tools.synth import synth_mmproj_for
     synth(tmp_path / "m.gguf", "minicpmv46-tiny", quant="f32", vocab=None)
@@ -75,7 +75,7 @@ def test_reads_what_llama_cpp_writes(tmp_path):
 
 def _rewrite(src: Path, dst: Path, *, drop_key: str | None = None, set_key: tuple | None = None,
              drop_tensor: str | None = None, reshape: str | None = None) -> Path:
-    """A copy of projector file ``src`` with one key or tensor changed (written by engine.gguf_write)."""
+    """A copy of projector file ``src`` with one key or tensor changed (written by engine.gguf.write)."""
     src_mm = mp.load_mmproj(src)
     hp = src_mm.hparams
     recs = []

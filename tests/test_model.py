@@ -17,11 +17,11 @@ import pytest
 from engine.errors import ContextFullError
 from engine.arch.qwen35.hparams import Qwen35HParams
 from engine.arch.qwen35.model import Qwen35Model
-from engine.state import SequenceState
+from engine.turn.state import SequenceState
 
 
 class DictWeights:
-    """The weights interface of engine.gguf_file.GGUFFile over a dict of float32 arrays (math shape).
+    """The weights interface of engine.gguf.file.GGUFFile over a dict of float32 arrays (math shape).
 
     Counts every fetch so tests can check caching and expert selection.
     """

@@ -6,9 +6,9 @@ so token ids go in directly; image ids vision_start 250, image_pad 252) and an m
 float32 results for three prompts: ``square`` (a 128x128 image, 16 pads), ``wide`` (96x160, merged grid
 3x5) and ``two`` (both images, 70 tokens).
 
-Our side is the code ``Engine.prepare`` / ``Engine.chat`` run: :class:`~engine.vision.ImageEncoder`
+Our side is the code ``Engine.prepare`` / ``Engine.chat`` run: :class:`~engine.vision.encoder.ImageEncoder`
 from the image's pixels (preprocessing included), :func:`~engine.arch.qwen3vl.positions.mrope_positions`, and
-:func:`engine.runtime.prefill` / :func:`engine.runtime.run_turn`, which splice the tower's rows over the
+:func:`engine.turn.runtime.prefill` / :func:`engine.turn.runtime.run_turn`, which splice the tower's rows over the
 image-pad embeddings and continue decoding from ``positions.max() + 1``.
 
 Errors are ``max |ours - HF| / max |HF|`` (HF logit scale 4.6 to 5.5). Measured (numpy 2.4, the three
@@ -28,16 +28,16 @@ import pytest
 from PIL import Image
 
 from engine.events import TokenEvent
-from engine.gguf_file import GGUFFile
-from engine.images import prepare_image
+from engine.gguf.file import GGUFFile
+from engine.vision.images import prepare_image
 from engine.arch.qwen3vl.mmproj import load_mmproj
 from engine.arch.qwen35.model import Qwen35Model
 from engine.arch.qwen3vl.positions import mrope_positions
 from engine.arch.qwen3vl.tower import VisionTower
-from engine.vision import EncodedImage, ImageEncoder
-from engine.runtime import Turn, prefill, run_turn
+from engine.vision.encoder import EncodedImage, ImageEncoder
+from engine.turn.runtime import Turn, prefill, run_turn
 from engine.sampling import SamplingParams
-from engine.state import SequenceState
+from engine.turn.state import SequenceState
 
 FIX = Path(__file__).parent / "fixtures" / "multimodal"
 CASES = ["square", "wide", "two"]
@@ -76,7 +76,7 @@ def prepared(case: str) -> tuple[np.ndarray, np.ndarray, list[tuple[int, np.ndar
 
 
 def prefill_rows(case: str, stops: list[int], with_images: bool = True) -> dict[int, np.ndarray]:
-    """Prefill a case through :func:`engine.runtime.prefill`, pieces ending at ``stops``.
+    """Prefill a case through :func:`engine.turn.runtime.prefill`, pieces ending at ``stops``.
 
     Returns:
         prompt length k -> (n_vocab,) logits after the first k tokens, for every stop and the end.
@@ -92,7 +92,7 @@ def prefill_rows(case: str, stops: list[int], with_images: bool = True) -> dict[
 
 
 class IdsOnly:
-    """What :func:`engine.runtime.run_turn` asks of a tokenizer, for a model without one: no stop ids,
+    """What :func:`engine.turn.runtime.run_turn` asks of a tokenizer, for a model without one: no stop ids,
     and a stream detokenizer that yields no text."""
 
     eos_ids: frozenset[int] = frozenset()

@@ -26,10 +26,10 @@ from gguf import GGMLQuantizationType
 from engine.arch.qwen35 import cpu_mixers
 from engine.kernels import cpu
 from engine.arch.qwen35.cpu import NativeQwen35Model, prepare_weight, to_q8_0
-from engine.gguf_file import GGUFFile
+from engine.gguf.file import GGUFFile
 from engine.arch.qwen35.model import Qwen35Model
-from engine.quant import dequantize, quantize
-from engine.state import SequenceState
+from engine.gguf.quant import dequantize, quantize
+from engine.turn.state import SequenceState
 
 pytestmark = pytest.mark.skipif(not cpu.available(), reason="native CPU kernels not built")
 

@@ -18,9 +18,9 @@ import pytest
 from engine.arch.qwen35.cpu import NativeQwen35Model
 from engine.arch.qwen35.model import Qwen35Model
 from engine.errors import ContextFullError
-from engine.gguf_file import GGUFFile
+from engine.gguf.file import GGUFFile
 from engine.kernels import cpu
-from engine.state import SequenceState
+from engine.turn.state import SequenceState
 
 pytestmark = pytest.mark.skipif(not cpu.available(), reason="native CPU kernels not built")
 

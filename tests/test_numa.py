@@ -74,7 +74,7 @@ def tiny_q4(tmp_path_factory):
 
 
 def test_interleave_experts_picks_the_expert_tensors(tiny_q4, monkeypatch):
-    from engine.gguf_file import GGUFFile
+    from engine.gguf.file import GGUFFile
     from engine.placement import interleave_experts
     seen = []
     monkeypatch.setattr(numa, "interleave", lambda regions: seen.extend(regions) or 0)

@@ -56,7 +56,7 @@ def test_the_bundle_holds_the_model_and_the_desktop_files(frozen):
     internal = frozen / "_internal"
     assert (internal / "assets" / "models" / "deltadesk-demo.gguf").stat().st_size == \
         (ROOT / "assets" / "models" / "deltadesk-demo.gguf").stat().st_size
-    assert (internal / "engine" / "templates" / "qwen35.jinja").is_file()
+    assert (internal / "engine" / "prompt" / "templates" / "qwen35.jinja").is_file()
     assert (internal / "engine" / "hub" / "catalogue.json").is_file()
     entry = configparser.ConfigParser(interpolation=None)
     entry.optionxform = str

@@ -12,9 +12,9 @@ import numpy as np
 import pytest
 
 from engine.arch.qwen35.hparams import Qwen35HParams
-from engine.prefix_cache import PrefixCache, chain_keys
-from engine.snapshot_file import FORMAT_MAGIC
-from engine.state import SequenceState
+from engine.turn.prefix_cache import PrefixCache, chain_keys
+from engine.turn.snapshot import FORMAT_MAGIC
+from engine.turn.state import SequenceState
 
 HP = Qwen35HParams(arch="qwen35moe", n_layer=4, nextn_predict_layers=0, n_embd=16, n_vocab=50,
                    context_length=256, rms_eps=1e-6, n_head=2, n_head_kv=1, head_dim=8, rope_theta=1e7,
@@ -157,7 +157,7 @@ def test_damaged_or_foreign_file_is_ignored_with_a_log_line(tmp_path, caplog, da
         target = PrefixCache(HP, identity, disk_dir=tmp_path)._disk
         target.mkdir(parents=True, exist_ok=True)
         path.rename(target / path.name)
-    with caplog.at_level(logging.WARNING, logger="engine.prefix_cache"):
+    with caplog.at_level(logging.WARNING, logger="engine.turn.prefix_cache"):
         again = PrefixCache(HP, identity, disk_dir=tmp_path)
     assert again.snapshots() == []
     assert again.lookup(toks, 64).reused == 0
@@ -243,7 +243,7 @@ def test_tampered_header_with_a_valid_checksum_is_skipped(tmp_path, caplog, tamp
         path.write_bytes(FORMAT_MAGIC + struct.pack("<Q", len(head)) + head + hashlib.sha256(head).digest())
     else:
         retamper(path, edit)
-    with caplog.at_level(logging.WARNING, logger="engine.prefix_cache"):
+    with caplog.at_level(logging.WARNING, logger="engine.turn.prefix_cache"):
         again = PrefixCache(HP, "m", disk_dir=tmp_path)
     assert [s.pos for s in again.snapshots()] == [8]           # the tampered one is not listed
     assert again.lookup(toks + [1], 64).reused == 8             # nor restored; the other one is
@@ -261,7 +261,7 @@ def test_a_failed_write_leaves_no_temporary_file(tmp_path, monkeypatch, caplog) 
         raise OSError(28, "No space left on device")
 
     monkeypatch.setattr(os, "fsync", full)
-    with caplog.at_level(logging.WARNING, logger="engine.prefix_cache"):
+    with caplog.at_level(logging.WARNING, logger="engine.turn.prefix_cache"):
         cache.persist()
     assert list(tmp_path.rglob("*.tmp")) == [] and list(tmp_path.rglob("*.snap")) == []
     assert any("No space left" in r.getMessage() for r in caplog.records)

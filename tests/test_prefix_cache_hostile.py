@@ -20,8 +20,8 @@ import numpy as np
 import pytest
 from test_prefix_cache import HP, assert_same, filled_state
 
-from engine.prefix_cache import PrefixCache, chain_keys
-from engine.snapshot_file import FORMAT_MAGIC
+from engine.turn.prefix_cache import PrefixCache, chain_keys
+from engine.turn.snapshot import FORMAT_MAGIC
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -64,7 +64,7 @@ def test_links_fifos_folders_and_devices_named_like_snapshots_are_never_opened(t
         os.mknod(folder / ("0" * 32 + ".snap"),
                  stat.S_IFCHR | 0o600, os.makedev(1, 3))        # /dev/null's numbers
         names.add("0" * 32 + ".snap")
-    with caplog.at_level(logging.WARNING, logger="engine.prefix_cache"):
+    with caplog.at_level(logging.WARNING, logger="engine.turn.prefix_cache"):
         cache = _scan_in_thread(tmp_path / "cache")
     assert cache.snapshots() == []
     assert cache.lookup(toks, 64).reused == 0
@@ -79,7 +79,7 @@ def test_a_device_node_is_not_read_even_when_it_never_ends(tmp_path) -> None:
     os.mknod(folder / ("ab" * 16 + ".snap"), stat.S_IFCHR | 0o600, os.makedev(1, 5))   # /dev/zero's numbers
     code = ("import resource, sys; resource.setrlimit(resource.RLIMIT_AS, (2 << 30, 2 << 30)); "
             "sys.path[:0] = [sys.argv[1], sys.argv[1] + '/tests']; "
-            "from test_prefix_cache import HP; from engine.prefix_cache import PrefixCache; "
+            "from test_prefix_cache import HP; from engine.turn.prefix_cache import PrefixCache; "
             "c = PrefixCache(HP, 'm', disk_dir=sys.argv[2]); print(len(c.snapshots()))")
     done = subprocess.run([sys.executable, "-c", code, str(ROOT), str(tmp_path)], check=False, capture_output=True,
                           text=True, timeout=60)
@@ -138,7 +138,7 @@ def _poison(path: Path, value: float) -> None:
 def test_a_state_holding_nan_or_infinity_is_damaged_and_a_miss(tmp_path, caplog, value) -> None:
     toks, path, _ = _one_snapshot(tmp_path, 4)
     _poison(path, value)
-    with caplog.at_level(logging.WARNING, logger="engine.prefix_cache"):
+    with caplog.at_level(logging.WARNING, logger="engine.turn.prefix_cache"):
         cache = PrefixCache(HP, "m", disk_dir=tmp_path)
     assert cache.snapshots() == [] and cache.lookup(toks, 64).reused == 0
     assert any("NaN or infinite" in r.getMessage() for r in caplog.records)
@@ -162,7 +162,7 @@ def test_a_lookup_never_evicts_the_snapshot_it_restores(tmp_path, monkeypatch) -
     def full(*_):
         raise OSError(28, "No space left on device")
 
-    monkeypatch.setattr("engine.prefix_cache.write_atomic", full)
+    monkeypatch.setattr("engine.turn.prefix_cache.write_atomic", full)
     assert cache.lookup(gone, 64).reused == 0            # the vanished file is a miss, not an error
     cache = PrefixCache(HP, "m", ram_budget=1, disk_dir=tmp_path / "b")
     hit = cache.lookup(toks, 64)                          # restoring it must not spill it (or drop it) meanwhile
@@ -187,7 +187,7 @@ WORKER = textwrap.dedent("""
     sys.path[:0] = [sys.argv[1], sys.argv[1] + "/tests"]
     import numpy as np
     from test_prefix_cache import HP, filled_state
-    from engine.prefix_cache import PrefixCache, chain_keys
+    from engine.turn.prefix_cache import PrefixCache, chain_keys
     folder, seed, seconds = sys.argv[2], int(sys.argv[3]), float(sys.argv[4])
     rng = np.random.default_rng(seed)
     base = [7] * 6

@@ -1,4 +1,4 @@
-"""Expert pruning (engine.prune, engine.pruned_file, engine.gguf_write): statistics, the pruned file, the CLI.
+"""Expert pruning (engine.reap.prune, engine.reap.pruned, engine.gguf.write): statistics, the pruned file, the CLI.
 
 Tolerances: the statistics are float64 sums of the model's own float32 expert outputs, compared with a
 float64 numpy reference from the same router and expert weights: <= 1e-5 relative (measured ~1e-7, the
@@ -17,13 +17,14 @@ import pytest
 from PIL import Image
 from gguf import GGUFValueType
 
-from engine import gguf_write, prune, pruned_file
+from engine.gguf import write as gguf_write
+from engine.reap import prune, pruned as pruned_file
 from engine.__main__ import main
 from engine.errors import ModelFormatError, UnsupportedModelError
-from engine.gguf_file import GGUFFile
+from engine.gguf.file import GGUFFile
 from engine.arch.qwen35.model import Qwen35Model
 from engine.ops import reference as ops
-from engine.state import SequenceState
+from engine.turn.state import SequenceState
 from engine.arch.qwen35.synth import preset_hparams, synth, write_gguf
 from engine.tools.synth import synth_mmproj_for
 

@@ -16,9 +16,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from engine import prune
+from engine.reap import prune
 from engine.__main__ import main
-from engine.gguf_file import GGUFFile
+from engine.gguf.file import GGUFFile
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -129,11 +129,11 @@ def test_a_full_or_read_only_disk_is_one_error_line(model, stats, tmp_path, caps
     def fail(*args, **kwargs):
         raise OSError(errno_, os.strerror(errno_), str(tmp_path / "out.gguf"))
 
-    monkeypatch.setattr("engine.gguf_write.tempfile.mkstemp", fail)     # the disk fails once the work is done
+    monkeypatch.setattr("engine.gguf.write.tempfile.mkstemp", fail)     # the disk fails once the work is done
     _refused(capsys, ["prune", str(model), "--keep", "6", "-o", str(tmp_path / "out.gguf"), "--stats", str(stats)],
              words, before_work=False)
     monkeypatch.undo()
-    monkeypatch.setattr("engine.gguf_write.shutil.disk_usage", lambda p: type("U", (), {"free": 0})())
+    monkeypatch.setattr("engine.gguf.write.shutil.disk_usage", lambda p: type("U", (), {"free": 0})())
     _refused(capsys, ["prune", str(model), "--keep", "6", "-o", str(tmp_path / "out.gguf"), "--stats", str(stats)],
              "GiB free", before_work=False)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["stats.json"]

@@ -1,4 +1,4 @@
-"""engine.quant against gguf.quants and against hand-written decoders of the ggml-common.h block structs.
+"""engine.gguf.quant against gguf.quants and against hand-written decoders of the ggml-common.h block structs.
 
 Inputs are fresh random draws each run (the seed is printed, so a failure can be replayed).
 Tolerances: equality is exact (bitwise) where both sides do the same float32 operations; the
@@ -12,7 +12,7 @@ import pytest
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as Q
 from gguf import quants as gq
 
-from engine import quant
+from engine.gguf import quant
 from engine.errors import UnsupportedModelError
 
 K_TYPES = [Q.Q2_K, Q.Q3_K, Q.Q4_K, Q.Q5_K, Q.Q6_K]

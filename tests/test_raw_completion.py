@@ -10,7 +10,7 @@ from engine.api import CHATML_NOTE
 from engine.errors import EngineError
 from engine.events import TurnSummary
 from engine.sampling import SamplingParams
-from engine.tokenizer import Tokenizer
+from engine.prompt.tokenizer import Tokenizer
 
 
 @pytest.fixture(scope="module")

@@ -13,10 +13,10 @@ import pytest
 from PIL import Image
 
 from engine.errors import ImageError, ModelFormatError
-from engine.images import read_source
-from engine.prune_inputs import read_text
-from engine.regular_file import MAX_IMAGE_FILE_BYTES, FileRefused, read_regular
-from engine.remote import openai_messages
+from engine.vision.images import read_source
+from engine.reap.inputs import read_text
+from engine.gguf.regular import MAX_IMAGE_FILE_BYTES, FileRefused, read_regular
+from engine.openai.remote import openai_messages
 
 
 def _png(path):

@@ -1,4 +1,4 @@
-"""``engine.remote.RemoteEngine`` against ``engine serve`` on loopback, and against broken servers (refused
+"""``engine.openai.remote.RemoteEngine`` against ``engine serve`` on loopback, and against broken servers (refused
 connection, silence, a connection dropped mid-answer): issue 17, items 3 and 5."""
 
 from __future__ import annotations
@@ -11,9 +11,9 @@ import pytest
 
 from engine.errors import ImageError, RemoteError, UnsupportedModelError
 from engine.events import PrefillStats, TokenEvent, TurnSummary
-from engine.remote import RemoteEngine, list_models
+from engine.openai.remote import RemoteEngine, list_models
 from engine.sampling import SamplingParams
-from engine.server import ServerConfig, ServerThread
+from engine.openai import ServerConfig, ServerThread
 from http_fakes import RawServer, delta, sse_head
 
 HI = [{"role": "user", "content": "Say hello."}]

@@ -15,7 +15,7 @@ from http_fakes import ScriptServer, delta, json_reply, sse_head
 
 from engine.errors import RemoteError
 from engine.events import TokenEvent, TurnSummary
-from engine.remote import RemoteEngine, list_models
+from engine.openai.remote import RemoteEngine, list_models
 
 HI = [{"role": "user", "content": "Say hello."}]
 DEEP = b"[" * 200_000 + b"]" * 200_000
@@ -169,7 +169,7 @@ def test_a_refusal_names_at_most_a_few_of_thousands_of_model_ids() -> None:
 def test_a_context_that_is_not_a_sane_positive_integer_is_ignored_with_a_note(value, caplog) -> None:
     body = json.dumps({"data": [{"id": "m", "max_model_len": value}]}).encode()
     with ScriptServer(lambda conn, stop: conn.sendall(json_reply(body))) as srv, \
-            caplog.at_level(logging.WARNING, logger="engine.remote"):
+            caplog.at_level(logging.WARNING, logger="engine.openai.remote"):
         eng = RemoteEngine.connect(srv.url, "m")
     assert eng.info.context == 0
     assert any("max_model_len" in r.getMessage() for r in caplog.records) == (value is not None)

@@ -10,7 +10,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import pytest
 
 from engine.errors import UnsupportedModelError
-from engine.remote import RemoteEngine
+from engine.openai.remote import RemoteEngine
 
 
 class _Fake:

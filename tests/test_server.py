@@ -18,7 +18,7 @@ from engine.api import Engine, EngineOptions
 from engine.errors import EngineError
 from engine.events import TokenEvent, TurnSummary
 from engine.sampling import SamplingParams
-from engine.server import ServerConfig, ServerThread, check_bind, is_loopback
+from engine.openai import ServerConfig, ServerThread, check_bind, is_loopback
 
 CONTEXT = 512
 HI = [{"role": "user", "content": "Say hello."}]
@@ -346,7 +346,7 @@ def test_a_queued_client_that_disconnects_never_runs(engine, lock, caplog) -> No
     rec = _Recording(engine)
     srv = ServerThread(rec, ServerConfig("tiny"), port=0, engine_lock=lock).start()
     try:
-        with caplog.at_level(logging.DEBUG, logger="engine.server.app"):
+        with caplog.at_level(logging.DEBUG, logger="engine.openai.app"):
             with lock:   # the engine is busy (as with the app's own turn): the request waits
                 with pytest.raises(httpx.ReadTimeout):
                     httpx.post(srv.url + "/chat/completions", json={"model": "tiny", "messages": HI, "max_tokens": 2},

@@ -13,9 +13,9 @@ import pytest
 
 from engine.events import PrefillStats, TokenEvent, TurnSummary
 from engine.sampling import SamplingParams
-from engine.server import ServerConfig, ServerThread
-from engine.server.tool_calls import CallReader, ToolCallStream
-from engine.server.tool_grammar import call_grammar
+from engine.openai import ServerConfig, ServerThread
+from engine.openai.tool_calls import CallReader, ToolCallStream
+from engine.openai.tool_grammar import call_grammar
 
 HI = [{"role": "user", "content": "Say hello."}]
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from engine.server.answer import AnswerSplitter
+from engine.openai.answer import AnswerSplitter
 
 
 def _run(pieces, thinking=False, stop=(), raw=False) -> tuple[str, str, bool]:

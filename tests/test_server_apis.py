@@ -14,7 +14,7 @@ import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from engine.server import ServerConfig, ServerThread
+from engine.openai import ServerConfig, ServerThread
 
 HI = [{"role": "user", "content": "Say hello."}]
 GREEDY = {"temperature": 0}

@@ -12,8 +12,8 @@ import anthropic.types
 import openai.types.responses
 import pytest
 
-from engine.server import messages_api, responses_api, responses_stream
-from engine.server.requests import APIError
+from engine.openai import messages_api, responses_api, responses_stream
+from engine.openai.requests import APIError
 
 
 

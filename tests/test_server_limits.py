@@ -17,7 +17,7 @@ import httpx
 import pytest
 
 from engine.events import PrefillStats, TurnSummary
-from engine.server import ServerConfig, ServerThread
+from engine.openai import ServerConfig, ServerThread
 
 URL_PARAM = "messages[0].content[0].image_url.url"
 

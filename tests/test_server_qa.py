@@ -8,9 +8,9 @@ import json
 import httpx
 import pytest
 
-from engine.grammar import MAX_MESSAGE, GrammarError
-from engine.server.tool_calls import CallReader, ToolCallStream
-from engine.server.tool_grammar import call_grammar
+from engine.turn.grammar import MAX_MESSAGE, GrammarError
+from engine.openai.tool_calls import CallReader, ToolCallStream
+from engine.openai.tool_grammar import call_grammar
 
 HI = [{"role": "user", "content": "hi"}]
 RECURSIVE = {"$defs": {"node": {"type": "object", "properties": {"next": {"$ref": "#/$defs/node"}},

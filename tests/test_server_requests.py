@@ -1,4 +1,4 @@
-"""Hostile request bodies checked by :mod:`engine.server.requests` (no model needed): every bad field is an
+"""Hostile request bodies checked by :mod:`engine.openai.requests` (no model needed): every bad field is an
 :class:`APIError` 400 naming it, never another exception (which the server answers with a 500)."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import os
 
 import pytest
 
-from engine.server.requests import APIError, chat_request, image_source, sampling_of
+from engine.openai.requests import APIError, chat_request, image_source, sampling_of
 
 HUGE = 10 ** 400            # a JSON integer Python parses, but too large for a float
 
@@ -76,7 +76,7 @@ def test_a_server_beyond_loopback_refuses_file_urls(tmp_path) -> None:
 
     import httpx
 
-    from engine.server import ServerConfig, ServerThread
+    from engine.openai import ServerConfig, ServerThread
     picture = tmp_path / "a.png"
     picture.write_bytes(_PNG)
     engine = types.SimpleNamespace(info=types.SimpleNamespace(context=512, has_vision=True))
@@ -99,7 +99,7 @@ def test_file_urls_need_a_loopback_host_header(tmp_path, host, reads) -> None:
 
     from starlette.testclient import TestClient
 
-    from engine.server import ServerConfig, create_app
+    from engine.openai import ServerConfig, create_app
     picture = tmp_path / "a.png"
     picture.write_bytes(_PNG)
     engine = types.SimpleNamespace(info=types.SimpleNamespace(context=512, has_vision=False))
@@ -129,7 +129,7 @@ class _Untouchable:
 @pytest.fixture(scope="module")
 def guarded():
     """``engine serve``'s server (uvicorn) on a loopback port, without a key, on :class:`_Untouchable`."""
-    from engine.server import ServerConfig, ServerThread
+    from engine.openai import ServerConfig, ServerThread
 
     server = ServerThread(_Untouchable(), ServerConfig("m"), port=0).start()
     yield server

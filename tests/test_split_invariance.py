@@ -20,10 +20,10 @@ from engine import sampling
 from engine.api import Engine, EngineOptions, bundled_model
 from engine.kernels import cpu
 from engine.events import TokenEvent, TurnSummary
-from engine.gguf_file import GGUFFile
+from engine.gguf.file import GGUFFile
 from engine.arch.qwen35.model import Qwen35Model
 from engine.sampling import SamplingParams
-from engine.state import SequenceState
+from engine.turn.state import SequenceState
 
 CAPACITY = 96
 

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 from gguf import GGMLQuantizationType as Q
 
-from engine.gguf_file import GGUFFile
+from engine.gguf.file import GGUFFile
 from engine.arch.qwen35.tensors import tensor_shapes
 from engine.arch.qwen35.synth import QWEN35_N_VOCAB, preset_hparams, storage_type, synth, write_gguf
 

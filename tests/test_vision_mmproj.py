@@ -12,7 +12,7 @@ from gguf import GGUFReader, GGUFValueType, GGUFWriter
 from engine.errors import ModelFormatError, UnsupportedModelError
 from engine.arch.qwen3vl.mmproj import (PRESETS, RandomWeights, VisionHParams, load_mmproj, synth_mmproj, tensor_shapes,
                            write_mmproj)
-from engine.vision import load_projector
+from engine.vision.encoder import load_projector
 
 FIX = Path(__file__).parent / "fixtures" / "vision"
 
@@ -171,7 +171,7 @@ def test_malformed_files_named(base, tmp_path, kwargs, err, msg):
 
 @pytest.mark.parametrize("kwargs, err, msg", MALFORMED)
 def test_engine_projector_loading_raises_what_load_mmproj_raises(base, tmp_path, kwargs, err, msg):
-    """The engine opens a projector through the registry (engine.vision.load_projector), which reads the
+    """The engine opens a projector through the registry (engine.vision.encoder.load_projector), which reads the
     projector type before the architecture folder's loader runs: the same file gets the same error."""
     bad = rewrite(base, tmp_path / "bad.gguf", **kwargs)
     with pytest.raises(err, match=msg) as e:

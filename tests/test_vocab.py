@@ -16,7 +16,7 @@ import pytest
 
 import engine.arch.qwen35.vocab
 from engine.errors import TokenizerError
-from engine.tokenizer import Tokenizer, bytes_to_unicode
+from engine.prompt.tokenizer import Tokenizer, bytes_to_unicode
 from engine.arch.qwen35.vocab import (
     BOS_ID, EOS_ID, N_VOCAB, PAD_ID, QWEN35_CHAT_TEMPLATE, GGUFVocab, add_tokenizer_metadata, build_vocab,
     derive_merges, qwen35_vocab,

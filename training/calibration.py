@@ -5,7 +5,7 @@
 The conversations follow :func:`data.training_sample`: sample ``i`` is, 1 time in 12, a chat line without
 an image, else a random question type about the scene of seed ``TRAIN_SEED_BASE + i`` with its reference
 answer, so no held-out scene (``EVAL_SEED_BASE`` on) is ever seen. They run through the engine
-(:func:`engine.prune.calibrate`) and the statistics are written where ``prune`` looks for them by
+(:func:`engine.reap.prune.calibrate`) and the statistics are written where ``prune`` looks for them by
 default (``MODEL.expert-stats.json`` beside the model), so ``python -m engine prune
 assets/models/deltadesk-demo.gguf --keep 6 -o OUT.gguf`` then needs no calibration of its own.
 """
@@ -23,7 +23,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(HERE))
 
 import data  # noqa: E402
-from engine import prune  # noqa: E402
+from engine.reap import prune  # noqa: E402
 from engine.api import Engine, EngineOptions  # noqa: E402
 
 MODELS = ROOT / "assets" / "models"

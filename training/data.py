@@ -36,9 +36,9 @@ from PIL import Image, ImageDraw, ImageFilter
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from engine.images import prepare_image  # noqa: E402
+from engine.vision.images import prepare_image  # noqa: E402
 from engine.arch.qwen3vl.positions import mrope_positions  # noqa: E402
-from engine.tokenizer import Tokenizer  # noqa: E402
+from engine.prompt.tokenizer import Tokenizer  # noqa: E402
 
 VOCAB_PATH = Path(__file__).resolve().parent / "vocab.json"
 TEMPLATE_PATH = ROOT / "engine" / "templates" / "qwen35.jinja"
@@ -360,7 +360,7 @@ def build_vocab(n_scenes: int = 20000) -> dict:
     from tokenizers import Regex, Tokenizer as HFTokenizer, models, pre_tokenizers, trainers
 
     from engine.arch.qwen35 import vocab as qvocab
-    from engine.tokenizer import QWEN35_PATTERN
+    from engine.prompt.tokenizer import QWEN35_PATTERN
 
     corpus = [" ".join(qa) for seed in range(n_scenes) for qa in questions(scene(EVAL_SEED_BASE * 2 + seed)).values()]
     corpus += [" ".join(p) for p in chat_pairs()] * 20

@@ -31,7 +31,7 @@ import data  # noqa: E402
 import second_scenes  # noqa: E402
 from engine.api import Engine, EngineOptions, SamplingParams  # noqa: E402
 from engine.events import TokenEvent  # noqa: E402
-from engine.state import SequenceState  # noqa: E402
+from engine.turn.state import SequenceState  # noqa: E402
 
 MODELS = ROOT / "assets" / "models"
 GREEDY = SamplingParams(temperature=0.0, max_tokens=48)
@@ -101,7 +101,7 @@ def conformance(engines: dict[str, Engine], run: Path, n: int = 20) -> dict:
     scene questions with images and 4 text-only chat lines."""
     import torch
     from export import load_run
-    from engine.images import prepare_image
+    from engine.vision.images import prepare_image
 
     torch.set_num_threads(2)
     model = load_run(run)

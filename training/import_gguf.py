@@ -4,7 +4,7 @@
     python training/train.py --out runs/next --init runs/shipped ...
 
 Reads ``deltadesk-demo.gguf`` (``qwen35moe`` text) and ``deltadesk-demo-mmproj.gguf`` (vision tower) with
-the engine's own readers (``engine.gguf_file.GGUFFile``, ``engine.arch.qwen3vl.mmproj.load_mmproj``, which dequantize
+the engine's own readers (``engine.gguf.file.GGUFFile``, ``engine.arch.qwen3vl.mmproj.load_mmproj``, which dequantize
 Q8_0 / F16 / F32), undoes every convention of ``text_to_gguf`` / ``vision_to_gguf`` of
 ``tests/fixtures/hf_to_gguf.py`` and writes a run folder as :mod:`training.train` does: ``config.json``,
 ``weights-<k>.safetensors`` (float16, ``train.save_shards``) and ``log.json`` (``samples``: where
@@ -53,7 +53,7 @@ import export  # noqa: E402
 import train  # noqa: E402
 from hf_to_gguf import tiled  # noqa: E402
 
-from engine.gguf_file import GGUFFile  # noqa: E402
+from engine.gguf.file import GGUFFile  # noqa: E402
 from engine.arch.qwen35.hparams import Qwen35HParams  # noqa: E402
 from engine.arch.qwen3vl.mmproj import Mmproj, VisionHParams, load_mmproj  # noqa: E402
 

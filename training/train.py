@@ -14,7 +14,8 @@ trained before ``data.training_sample`` mixed in varied scenes, stages 5-6 with 
     python training/train.py --out runs/5 --init runs/4q --steps 850 --stop-after 564 --warmup 20 --lr 3e-4 --workers 14
     python training/train.py --out runs/6 --init runs/5q --steps 800 --warmup 20 --lr 1.5e-4 --workers 15
     python training/train.py --out runs/7 --init runs/0q --steps 539 --warmup 20 --lr 3e-4 --workers 15
-    python training/train.py --out runs/8 --init runs/7 --steps 334 --stop-after 249 --warmup 10 --lr 1.5e-4 --workers 15
+    python training/train.py --out runs/8 --init runs/7 --steps 334 --stop-after 249 --warmup 10 --lr 1.5e-4
+        --workers 15
 
 A stage 7 with ``--question-weights shape=3,colour=1.5 --max-seconds 140`` from the stage-6 files was
 tried and not shipped: it did worse on the second generator's shapes (MODEL_CARD.md).
@@ -240,7 +241,8 @@ def heldout_batches(vocab: dict, cfg: Qwen3_5MoeConfig, n_scenes: int, batch: in
 
 
 @torch.no_grad()
-def heldout_accuracy(model: torch.nn.Module, batches: list[tuple[list[str], dict]], device: torch.device) -> dict[str, float]:
+def heldout_accuracy(model: torch.nn.Module, batches: list[tuple[list[str], dict]],
+                     device: torch.device) -> dict[str, float]:
     """Teacher-forced exact match per question type (see the module docstring), in [0, 1]."""
     model.eval()
     right: dict[str, int] = {}
@@ -332,7 +334,8 @@ def probe(model: torch.nn.Module, opt: torch.optim.Optimizer, vocab: dict, cfg: 
                     work += time.time() - t1
             print(json.dumps({"batch": b, "fast_paths": fast, "data_wait_ms": round(wait * 100),
                               "step_ms": round(work * 100), "samples_per_s": round(b * 10 / (wait + work)),
-                              "max_gpu_gib": round(torch.cuda.max_memory_allocated() / 2 ** 30 if device.type == "cuda" else 0, 1)}),
+                              "max_gpu_gib": round(torch.cuda.max_memory_allocated() / 2 ** 30
+                                                   if device.type == "cuda" else 0, 1)}),
                   flush=True)
     batch = next(loader)
     with torch.profiler.profile() as prof:
@@ -366,6 +369,7 @@ def parse_kind_weights(text: str | None) -> dict[str, float] | None:
 
 
 def lr_at(step: int, steps: int, peak: float, warmup: int) -> float:
+    """The learning rate at ``step``: linear warm-up, then cosine decay to 5 % of ``peak``."""
     if step < warmup:
         return peak * (step + 1) / warmup
     t = (step - warmup) / max(1, steps - warmup)
@@ -401,14 +405,50 @@ def read_shards(run: Path) -> dict[str, torch.Tensor]:
         FileNotFoundError: a listed shard is missing.
     """
     log = run / "log.json"
-    names = json.loads(log.read_text())["shards"] if log.exists() else sorted(p.name for p in run.glob("weights-*.safetensors"))
+    if log.exists():
+        names = json.loads(log.read_text())["shards"]
+    else:
+        names = sorted(p.name for p in run.glob("weights-*.safetensors"))
     state: dict[str, torch.Tensor] = {}
     for name in names:
         state |= load_file(str(run / name))
     return state
 
 
-def main() -> None:
+def _done(step: int, steps: int | None, args: argparse.Namespace, seconds: float) -> bool:
+    """Whether training stops before ``step``: ``steps`` reached, ``--stop-after``, or ``--max-seconds`` passed."""
+    return ((steps is not None and step >= steps) or step == args.stop_after
+            or (args.max_seconds is not None and seconds > args.max_seconds))
+
+
+def _heldout_sets(vocab: dict, cfg, args: argparse.Namespace) -> dict:
+    """The held-out batches of each set in ``HELDOUT`` (none with ``--eval-every 0``)."""
+    if not args.eval_every:
+        return {}
+    return {key: heldout_batches(vocab, cfg, args.eval_scenes, key=key) for key in HELDOUT}
+
+
+def _model_and_optimizer(args: argparse.Namespace, cfg, device: torch.device):
+    """The model (from ``--init``'s weights when given) on ``device`` in training mode, the token probe's heads
+    (None with ``--token-probe 0``), the AdamW optimizer over both, and the number of samples already seen."""
+    model = Qwen3_5MoeForConditionalGeneration(cfg)
+    first = 0
+    if args.init is not None:
+        model.load_state_dict({k: v.float() for k, v in read_shards(args.init).items()})
+        first = json.loads((args.init / "log.json").read_text())["samples"]
+    model = model.to(device).train()
+    use_fast_paths(model, not args.stock_hf_paths)
+    probe_heads = TokenProbe(model, cfg.vision_config.out_hidden_size).to(device) if args.token_probe else None
+    params = list(model.named_parameters()) + (list(probe_heads.named_parameters()) if probe_heads else [])
+    decay = [p for n, p in params if p.ndim >= 2 and "embed" not in n]
+    rest = [p for n, p in params if not (p.ndim >= 2 and "embed" not in n)]
+    opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.05}, {"params": rest, "weight_decay": 0.0}],
+                            lr=args.lr, betas=(0.9, 0.98), eps=1e-8)
+    return model, probe_heads, opt, first
+
+
+def main() -> None:  # noqa: C901
+    """Train the demo model with the flags given (see the module docstring)."""
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--steps", type=int, default=None, help="total steps (default: fill --minutes)")
@@ -443,27 +483,15 @@ def main() -> None:
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     vocab = data.load_vocab()
     cfg = model_config(vocab)
-    model = Qwen3_5MoeForConditionalGeneration(cfg)
-    first = 0
-    if args.init is not None:
-        model.load_state_dict({k: v.float() for k, v in read_shards(args.init).items()})
-        first = json.loads((args.init / "log.json").read_text())["samples"]
-    model = model.to(device).train()
-    use_fast_paths(model, not args.stock_hf_paths)
+    model, probe_heads, opt, first = _model_and_optimizer(args, cfg, device)
     n_params = sum(p.numel() for p in model.parameters())
     print(f"device {device}, {n_params / 1e6:.2f} M parameters", flush=True)
-    probe_heads = TokenProbe(model, cfg.vision_config.out_hidden_size).to(device) if args.token_probe else None
-    params = list(model.named_parameters()) + (list(probe_heads.named_parameters()) if probe_heads else [])
-    decay = [p for n, p in params if p.ndim >= 2 and "embed" not in n]
-    rest = [p for n, p in params if not (p.ndim >= 2 and "embed" not in n)]
-    opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.05}, {"params": rest, "weight_decay": 0.0}],
-                            lr=args.lr, betas=(0.9, 0.98), eps=1e-8)
     if args.probe:
         probe(model, opt, vocab, cfg, [int(b) for b in args.probe.split(",")], args.workers, device)
         return
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "config.json").write_text(cfg.to_json_string())
-    heldout = {key: heldout_batches(vocab, cfg, args.eval_scenes, key=key) for key in HELDOUT} if args.eval_every else {}
+    heldout = _heldout_sets(vocab, cfg, args)
     loader = make_loader(vocab, cfg, first, args.batch, args.workers, kind_weights)
     steps = args.steps
     curve: list[dict] = []
@@ -495,8 +523,7 @@ def main() -> None:
 
     aux = 0.0
     for batch in loader:
-        if ((steps is not None and step >= steps) or step == args.stop_after
-                or (args.max_seconds is not None and time.time() - t0 > args.max_seconds)):
+        if _done(step, steps, args, time.time() - t0):
             break
         for g in opt.param_groups:
             g["lr"] = lr_at(step, steps or 10 ** 9, args.lr, args.warmup)

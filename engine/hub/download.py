@@ -27,8 +27,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Self
 from urllib.parse import urlsplit
 
-from ..gguf_file import GGUFFile
-from ..gguf_header import Header, HeaderIncomplete, parse_prefix
+from ..gguf.file import GGUFFile
+from ..gguf.header import Header, HeaderIncomplete, parse_prefix
 from .catalogue import HubFile, catalogue_repo
 from .fit import Fit, Machine, estimate
 from .hubapi import HubError, RepoListing, endpoint, hub_errors, read_range, token

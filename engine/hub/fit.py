@@ -6,11 +6,11 @@ RAM at a context of C tokens (what :meth:`engine.api.Engine.load` and a turn hol
   MoE model over a few hundred tokens; pages stay in the page cache);
 * weights converted at load (:func:`engine.arch.qwen35.cpu.prepare_weight`): float projections to float32
   (4 bytes a weight), Q2_K/Q3_K and other types without a kernel to Q8_0 (34 bytes per 32 weights);
-* the sequence state at C (:meth:`engine.state.SequenceState.nbytes`, float32): K and V rows of every
+* the sequence state at C (:meth:`engine.turn.state.SequenceState.nbytes`, float32): K and V rows of every
   attention layer for C positions, the conv window and delta-rule state of every recurrent layer;
 * the vocabulary: the parsed token and merge strings and the tokenizer built from them,
   :data:`VOCAB_BYTES_PER_ENTRY` per token plus merge (measured, docs/design/model-hub.md);
-* the vision tower: every projector tensor dequantized to float32 (:func:`engine.vision.load_projector`).
+* the vision tower: every projector tensor dequantized to float32 (:func:`engine.vision.encoder.load_projector`).
 
 Verdict against the machine's RAM less :data:`OS_RESERVE`: *fits* with room for the prefix snapshots'
 RAM budget too, *tight* without that room, else *does not fit* (decode would read weights from disk).
@@ -27,8 +27,8 @@ from typing import Any
 from gguf import GGMLQuantizationType
 
 from ..errors import DeviceError, EngineError, ModelFormatError
-from ..gguf_file import GGUFFile
-from ..gguf_header import Header
+from ..gguf.file import GGUFFile
+from ..gguf.header import Header
 
 GIB = 1 << 30
 OS_RESERVE = 2 * GIB
@@ -122,7 +122,7 @@ def converted_bytes(f: GGUFFile) -> int:
 
 def state_bytes(hp: Any, context: int) -> int:
     """Bytes of one sequence's state at ``context`` positions (= ``SequenceState.new(hp, context).nbytes``) of a
-    model whose hyper-parameters ``hp`` give its :class:`~engine.state.StateLayout`."""
+    model whose hyper-parameters ``hp`` give its :class:`~engine.turn.state.StateLayout`."""
     layout = hp.state_layout()
     rows = sum(2 * math.prod(s) for s in layout.kv.values()) * context
     fixed = sum(math.prod(s) for s in layout.conv.values()) + sum(math.prod(s) for s in layout.ssm.values())

@@ -51,7 +51,7 @@ import numpy as np
 
 from gguf import GGMLQuantizationType
 
-from engine import quant
+from engine.gguf import quant
 from engine.errors import EngineError
 from engine.kernels.cpu_twins import (B_QUANTS, K_QUANTS, KQ_ROWS, Q8_0_BYTES, QK, activations, bquant_product_np,
                                       dequantize, kquant_product_np, quantize_q8_0_np)

@@ -14,7 +14,7 @@ import numpy as np
 
 from gguf import GGMLQuantizationType
 
-from engine import quant
+from engine.gguf import quant
 from engine.kernels.cpu import _check, _kernel_type, _matmul_np, _native_cpu, _native_level, _ptr, _weights
 from engine.kernels.cpu_twins import QK
 from engine.ops import reference

@@ -8,7 +8,7 @@ from __future__ import annotations
 import numpy as np
 from gguf import GGMLQuantizationType
 
-from engine import quant
+from engine.gguf import quant
 
 Q = GGMLQuantizationType
 QK = 32

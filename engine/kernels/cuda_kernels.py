@@ -16,7 +16,7 @@ from typing import Any
 from gguf import GGMLQuantizationType
 
 from engine.errors import DeviceError
-from engine.quant import TYPES
+from engine.gguf.quant import TYPES
 
 from .cuda_layout import TILE_ROWS, Matrix
 

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from gguf import GGMLQuantizationType
 
 from engine.errors import DeviceError
-from engine.quant import TYPES, row_bytes
+from engine.gguf.quant import TYPES, row_bytes
 
 Q = GGMLQuantizationType
 

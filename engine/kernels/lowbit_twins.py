@@ -12,7 +12,7 @@ from __future__ import annotations
 import numpy as np
 from gguf import GGMLQuantizationType
 
-from engine import quant
+from engine.gguf import quant
 from engine.kernels.cpu_twins import Q8_0_BYTES, quantize_q8_0_np
 from engine.kernels.iq_twins import IQ_TYPES, iq_unpack
 from engine.kernels.iq_twins import OFFSETS as IQ_OFFSETS

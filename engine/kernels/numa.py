@@ -7,7 +7,7 @@ Two Linux calls, through libc's ``syscall`` (ctypes; no libnuma needed):
 * ``mbind(addr, len, MPOL_INTERLEAVE, nodemask, maxnode, MPOL_MF_MOVE)`` on each region: sets the policy
   of that address range and moves pages already there. The kernel applies a range's (VMA's) policy to
   anonymous pages and to copy-on-write copies only; for a ``MAP_SHARED`` file mapping (how
-  :class:`engine.gguf_file.GGUFFile` maps the weights) it ignores it, and page-cache pages are placed by
+  :class:`engine.gguf.file.GGUFFile` maps the weights) it ignores it, and page-cache pages are placed by
   the memory policy of the task that faults them in (Linux ``Documentation/admin-guide/mm/
   numa_memory_policy.rst``, "VMA Policy"; ``mbind(2)``, NOTES). So, second:
 * ``set_mempolicy(MPOL_INTERLEAVE, ...)`` for the calling thread while it reads one byte per page of each

@@ -60,7 +60,7 @@ def _f32_ptr(a: np.ndarray):
 
 
 BF16 = np.dtype([("x", "<u2")])
-"""How a BF16 tensor is viewed as stored (:mod:`engine.quant`'s block dtype: the top 16 bits of a float32)."""
+"""How a BF16 tensor is viewed as stored (:mod:`engine.gguf.quant`'s block dtype: the top 16 bits of a float32)."""
 
 DTYPES = {np.dtype(np.float32): 0, np.dtype(np.float16): 1, BF16: 2}
 """Weight dtypes :class:`PackedWeight` packs as they are -> the C side's DD_DTYPE_* code."""

@@ -43,11 +43,11 @@ from pathlib import Path
 
 import numpy as np
 
-from engine.gguf_file import GGUFFile
+from engine.gguf.file import GGUFFile
 from engine.kernels import cpu, numa
 from engine.ops import reference as ops
 from engine.placement import interleave_experts
-from engine.state import SequenceState
+from engine.turn.state import SequenceState
 
 from . import cpu_llama
 

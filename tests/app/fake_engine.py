@@ -13,7 +13,7 @@ from app.engine_worker import BATCH_SECONDS
 from engine.api import ModelInfo, SnapshotInfo
 from engine.errors import EngineError, GenerationCancelled
 from engine.events import Event, PrefillProgress, PrefillStats, TokenEvent, TurnSummary
-from engine.images import ImageInfo
+from engine.vision.images import ImageInfo
 
 
 def fake_info(**fields) -> ModelInfo:

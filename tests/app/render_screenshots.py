@@ -74,7 +74,7 @@ def remote_mode(app: QApplication, window, picture: Path, out: Path) -> None:
     from dataclasses import replace
 
     from engine.api import Engine, EngineOptions, default_model
-    from engine.server import ServerConfig, ServerThread
+    from engine.openai import ServerConfig, ServerThread
     engine = Engine.load(*default_model(), options=EngineOptions(context=4096))
     server = ServerThread(engine, ServerConfig("deltadesk-demo"), port=0).start()
     try:

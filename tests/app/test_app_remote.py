@@ -16,8 +16,8 @@ from app.history import HistoryStore
 from app.settings import Settings
 from app.settings_dialog import SettingsDialog
 from app_helpers import stored
-from engine.api import connect_remote
 from engine.events import TurnSummary
+from engine.openai.remote import RemoteEngine
 from engine.sampling import SamplingParams
 from http_fakes import RawServer, delta, sse_head
 
@@ -64,7 +64,6 @@ def test_the_window_chats_with_a_remote_engine(qtbot, make_window, served) -> No
 def test_a_server_dropping_mid_answer_keeps_the_partial_answer(qtbot, make_window) -> None:
     raw = RawServer(sse_head() + delta("Hel") + delta("lo"))
     try:
-        from engine.remote import RemoteEngine
         window = make_window(loader=lambda request, progress, cancel: RemoteEngine(raw.url, "m", timeout=30))
         _send(qtbot, window, "Hi")
         answer = _answers(window)[-1]
@@ -107,7 +106,7 @@ def test_serve_on_localhost_shares_the_loaded_engine_and_its_snapshots(qtbot, ma
                                          max_tokens=4, temperature=0)
     assert got.choices[0].message.content == answer.content.lstrip()
     assert got.usage.prompt_tokens_details.cached_tokens == got.usage.prompt_tokens   # the app's snapshot
-    remote = connect_remote(url, model)                            # a second DeltaDesk would connect like this
+    remote = RemoteEngine.connect(url, model)                           # a second DeltaDesk would connect like this
     summary = [e for e in remote.chat([{"role": "user", "content": "Name a colour."}], SamplingParams.greedy(4))][-1]
     assert summary.text == answer.content.lstrip()
     remote.close()

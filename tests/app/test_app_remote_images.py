@@ -12,7 +12,7 @@ from PySide6.QtGui import QColor, QImage
 from app.engine_worker import load_real_engine
 from app.history import HistoryStore
 from app_helpers import settle, stored
-from engine.remote import RemoteEngine
+from engine.openai.remote import RemoteEngine
 from http_fakes import ScriptServer, delta, paced, sse_head
 
 

@@ -9,7 +9,7 @@ from PySide6.QtCore import Qt
 
 from app.history import HistoryStore
 from app_helpers import stored
-from engine.remote import RemoteEngine
+from engine.openai.remote import RemoteEngine
 from http_fakes import ScriptServer, delta, sse_head
 
 

@@ -37,7 +37,7 @@ where llama.cpp would silently take layer 0).
 
 Storage types follow the converter (checked on a file it wrote, ``tests/fixtures/minicpmv``): 1-D tensors
 and the position table F32; the patch kernel F16 in an F16 file and F32 otherwise; other matrices in the
-file type, F16 where a row is not a whole number of Q8_0 blocks (``ffn_down`` at F = 4304). The reader accepts any type :mod:`engine.quant` can dequantize.
+file type, F16 where a row is not a whole number of Q8_0 blocks (``ffn_down`` at F = 4304). The reader accepts any type :mod:`engine.gguf.quant` can dequantize.
 """
 
 from __future__ import annotations
@@ -52,9 +52,9 @@ from pathlib import Path
 import numpy as np
 from gguf import GGMLQuantizationType, GGUFValueType
 
-from engine import gguf_write, quant
+from engine.gguf import quant, write as gguf_write
 from engine.errors import ModelFormatError, UnsupportedModelError
-from engine.gguf_header import Header, MetaReader, file_identity, read_header
+from engine.gguf.header import Header, MetaReader, file_identity, read_header
 
 Q = GGMLQuantizationType
 
@@ -179,7 +179,7 @@ class MiniCPMVMmproj:
         weights: GGUF tensor name -> float32 array in math shape (module table); the matrices stay in the
             file's memory map until read (:class:`StoredWeights`).
         qtypes: GGUF tensor name -> storage type name (``"F16"``, ``"Q8_0"``, ...).
-        identity: hex digest of the file size and its first and last MiB (:func:`engine.gguf_header.file_identity`),
+        identity: hex digest of the file size and its first and last MiB (:func:`engine.gguf.header.file_identity`),
             the key embedding caches are scoped by.
         projector_type: ``clip.projector_type`` (:data:`PROJECTOR_TYPE`), the key :mod:`engine.registry` reads.
     """
@@ -279,7 +279,7 @@ def load_mmproj(path: str | os.PathLike[str]) -> MiniCPMVMmproj:
     """Open and validate a MiniCPM-V 4.6 projector GGUF; its vectors and position table are dequantized to float32,
     its matrices stay in the memory map (:class:`StoredWeights`).
 
-    The header is read by the bounds-checked :func:`engine.gguf_header.read_header`.
+    The header is read by the bounds-checked :func:`engine.gguf.header.read_header`.
 
     Args:
         path: the ``mmproj-*.gguf`` file (llama.cpp layout, module doc).
@@ -291,7 +291,7 @@ def load_mmproj(path: str | os.PathLike[str]) -> MiniCPMVMmproj:
         ModelFormatError: unreadable/truncated file, a missing or ill-typed key, a missing tensor or one of
             the wrong shape; the message names the file and the key or tensor.
         UnsupportedModelError: not a ``clip`` file, another projector type, an unknown scale factor, or a
-            storage type :mod:`engine.quant` cannot dequantize.
+            storage type :mod:`engine.gguf.quant` cannot dequantize.
     """
     t = read_header(path)
     hp = _read_hparams(t)
@@ -363,7 +363,7 @@ def _records(hp: MiniCPMVHParams, ftype: GGMLQuantizationType) -> list[bytes]:
 def write_mmproj(path: str | os.PathLike[str], hp: MiniCPMVHParams, weights: Mapping[str, np.ndarray],
                  ftype: str = "F16") -> Path:
     """Write a projector GGUF with llama.cpp's keys, tensor names and storage types (streamed, one tensor in
-    memory at a time, through :func:`engine.gguf_write.write`).
+    memory at a time, through :func:`engine.gguf.write.write`).
 
     Args:
         path: destination file (replaced only once complete).

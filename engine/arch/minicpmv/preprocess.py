@@ -4,7 +4,7 @@ Steps (transformers ``models/minicpmv4_6/image_processing_pil_minicpmv4_6.py``; 
 the file's ``clip.vision.image_size`` 448, p = 14, the alignment ``a = p * 4 = 56`` in 16x mode and
 ``p * 2 = 28`` in 4x mode):
 
-1. decode, EXIF-orient and convert to RGB as for every image (:func:`engine.images.open_image`);
+1. decode, EXIF-orient and convert to RGB as for every image (:func:`engine.vision.images.open_image`);
 2. ``ensure_divide(L, d) = max(round(L / d) * d, d)`` (Python ``round``: ties to even);
    ``best_resize(h, w, up)``: if ``h * w > S**2`` or ``up``: ``r = w / h``, ``h = int(S / sqrt(r))``,
    ``w = int(h * r)``; then each side ``ensure_divide(side, a)``;
@@ -38,7 +38,7 @@ import numpy as np
 from PIL import Image
 
 from engine.errors import ImageError
-from engine.images import MAX_ASPECT, MAX_INPUT_PIXELS, ImageSource, open_image, read_source
+from engine.vision.images import MAX_ASPECT, MAX_INPUT_PIXELS, ImageSource, open_image, read_source
 
 MODES = ("16x", "4x")
 """Downsampling modes: ``"16x"`` (window-attention merger + final merger, the released default) or ``"4x"``
@@ -141,7 +141,7 @@ def plan_slices(height: int, width: int, *, scale: int = 448, max_slices: int = 
         overview and 2x2 slices of 392x504 (5 x 63 = 315 tokens).
 
     Raises:
-        ImageError: an empty image or an aspect ratio above :data:`engine.images.MAX_ASPECT`.
+        ImageError: an empty image or an aspect ratio above :data:`engine.vision.images.MAX_ASPECT`.
         ValueError: an unknown mode.
     """
     align = patch * merge_factor(mode)
@@ -197,7 +197,7 @@ class PreparedPieces:
         pieces: per piece, (gh*gw, 3*P*P) float32 patch rows in raster order (overview first).
         plan: the :class:`SlicePlan` (piece sizes, grid, token counts).
         original_size: (height, width) after EXIF rotation, before resizing.
-        digest: SHA-256 hex of the source content (:func:`engine.images.read_source`).
+        digest: SHA-256 hex of the source content (:func:`engine.vision.images.read_source`).
     """
 
     pieces: list[np.ndarray]
@@ -221,9 +221,9 @@ def prepare_pieces(source: ImageSource, *, scale: int = 448, max_slices: int = 9
     """Decode, orient, convert, slice, resize, normalise and patchify one image (module doc).
 
     Args:
-        source: path, file bytes, :class:`~engine.images.ImageData` or Pillow image.
+        source: path, file bytes, :class:`~engine.vision.images.ImageData` or Pillow image.
         scale, max_slices, patch, mode: see :func:`plan_slices`. mean, std: the file's.
-        max_input_pixels: decode guard (:func:`engine.images.open_image`).
+        max_input_pixels: decode guard (:func:`engine.vision.images.open_image`).
 
     Returns:
         :class:`PreparedPieces`.

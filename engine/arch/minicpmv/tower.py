@@ -44,7 +44,7 @@ import numpy as np
 from threadpoolctl import threadpool_limits
 
 from engine.errors import GenerationCancelled
-from engine.images import ImageSource, PreparedImage, read_source
+from engine.vision.images import ImageSource, PreparedImage, read_source
 from engine.kernels import sgemm
 from engine.ops import vision_reference as ops
 
@@ -424,7 +424,7 @@ _NUMPY_ACTS = {None: None, "gelu_tanh": _gelu_tanh_into, "gelu_erf": _gelu_erf_i
 
 
 class PiecesTower:
-    """The tower as :class:`engine.registry.VisionTower`, the interface :class:`engine.vision.ImageEncoder` uses:
+    """The tower as :class:`engine.registry.VisionTower`, the interface :class:`engine.vision.encoder.ImageEncoder` uses:
     one prepared image holds all of its pieces.
 
     :meth:`prepare` concatenates the pieces' patch rows and gives as ``grid`` the tuple of their patch grids;

@@ -50,7 +50,7 @@ F16, BF16, F32, ``float_weights="q8_0"``  converted to Q8_0 (user's choice) 8.5 
 Why Q8_0 for a block type without a kernel: requantizing to a 4-bit format would round a second time
 with about the original's step, while Q8_0's added rounding (at most max|x|/254 per 32 values) is about
 1/16 of a 4-bit step and 1/4 of a 6-bit one. The kernel types come from the
-quant-type table (:data:`engine.quant.TYPES`, ``cpu_kernel``): a Q4_K_M or UD-Q4_K_XL file (Q4_K,
+quant-type table (:data:`engine.gguf.quant.TYPES`, ``cpu_kernel``): a Q4_K_M or UD-Q4_K_XL file (Q4_K,
 Q5_K, Q6_K, Q8_0 tensors) is read in place, so a 21.2 GB Q4_K_M 35B-A3B costs its file size in page
 cache instead of the ~37 GB its Q8_0 conversion took. Float weights stay exact by default because
 quantizing them changes the model; ``float_weights="q8_0"`` halves an F16 file's bytes read per
@@ -67,11 +67,11 @@ import numpy as np
 from gguf import GGMLQuantizationType
 from threadpoolctl import threadpool_limits
 
-from engine.gguf_file import GGUFFile
+from engine.gguf.file import GGUFFile
 from engine.kernels import cpu, cpu_moe
 from engine.ops import reference as ops
-from engine.quant import FLOAT_TYPES, dequantize, type_name
-from engine.state import SequenceState
+from engine.gguf.quant import FLOAT_TYPES, dequantize, type_name
+from engine.turn.state import SequenceState
 
 from .cpu_mixers import GDNLayer, attention_prefill, gdn_prefill
 from .cpu_step import NativeStep, step_unsupported
@@ -110,7 +110,7 @@ def to_q8_0(raw: np.ndarray, qtype: GGMLQuantizationType, k: int) -> np.ndarray:
 
     Args: raw (rows, row_bytes) uint8 of ``qtype``; k values per row (a multiple of 32).
     Returns: (rows, k // 32 * 34) uint8, a new array.
-    Raises: UnsupportedModelError for a type :func:`engine.quant.dequantize` cannot read.
+    Raises: UnsupportedModelError for a type :func:`engine.gguf.quant.dequantize` cannot read.
     """
     rows = raw.shape[0]
     out = np.empty((rows, k // cpu.QK * cpu.Q8_0_BYTES), dtype=np.uint8)

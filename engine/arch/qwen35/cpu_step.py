@@ -30,7 +30,7 @@ import numpy as np
 
 from engine.kernels import cpu
 from engine.ops import reference as ops
-from engine.state import SequenceState
+from engine.turn.state import SequenceState
 
 if TYPE_CHECKING:
     from .cpu import NativeQwen35Model

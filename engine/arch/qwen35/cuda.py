@@ -16,7 +16,7 @@ overlaps the compute of the current one, or, for short prompts whose router pick
 (:func:`~engine.arch.qwen35.cuda_plan.use_selective`), only the experts each layer's router selected.
 Each MoE layer sorts its token-expert pairs by expert on the host (one small download per layer) and
 runs the expert GEMMs grouped over experts. The state (conv, delta-rule, KV rows) is copied back into
-the given :class:`~engine.state.SequenceState`, so CPU decode continues from it.
+the given :class:`~engine.turn.state.SequenceState`, so CPU decode continues from it.
 
 Every failure of the device (no GPU or pycuda, driver or compile error, out of GPU or pinned memory)
 raises :class:`~engine.errors.DeviceError`, on which callers fall back to CPU prefill.
@@ -33,8 +33,8 @@ from engine.kernels.cuda_buffers import Activations, Copier, CopyTask
 from engine.kernels.cuda_context import CudaBackend
 from engine.kernels.cuda_kernels import PREFILL_SOURCES, Kernels
 from engine.kernels.cuda_layout import GPU_TYPES, TILE_ROWS, Matrix
-from engine.quant import dequantize
-from engine.state import SequenceState
+from engine.gguf.quant import dequantize
+from engine.turn.state import SequenceState
 
 from .cuda_plan import (ExpertLayout, LayerTelemetry, Placement, PrefillTelemetry, activation_groups, copy_runs,
                         expert_rows, pass_tokens, plan_file, route_tables, use_selective)
@@ -52,7 +52,7 @@ class CudaPrefill(CudaBackend):
 
     Args:
         hp: the model's hyper-parameters (``gguf_file.hparams``).
-        gguf_file: an open :class:`engine.gguf_file.GGUFFile` (``.raw``, ``.f32``, ``.info``, ``.has``).
+        gguf_file: an open :class:`engine.gguf.file.GGUFFile` (``.raw``, ``.f32``, ``.info``, ``.has``).
         budget_bytes: VRAM budget; default free memory at load minus max(512 MiB, 5%).
         plan_tokens: prompt length reserved for when deciding how many expert layers stay resident.
 

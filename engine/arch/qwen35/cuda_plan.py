@@ -19,9 +19,9 @@ import numpy as np
 from gguf import GGMLQuantizationType
 
 from engine.errors import DeviceBudgetError, DeviceError
-from engine.gguf_file import GGUFFile
+from engine.gguf.file import GGUFFile
 from engine.kernels.cuda_layout import GPU_TYPES, TILE_ROWS, Matrix, aligned, gemm_matrix
-from engine.quant import row_bytes, type_name
+from engine.gguf.quant import row_bytes, type_name
 
 from .cpu import to_q8_0
 from .hparams import Qwen35HParams

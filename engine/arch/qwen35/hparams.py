@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 from engine.errors import ModelFormatError, UnsupportedModelError
-from engine.state import StateLayout
+from engine.turn.state import StateLayout
 
 ARCHITECTURES = ("qwen35moe", "qwen35")
 
@@ -105,7 +105,7 @@ class Qwen35HParams:
         return (il + 1) % self.full_attention_interval != 0
 
     def state_layout(self) -> StateLayout:
-        """The per-layer sequence state (:class:`engine.state.StateLayout`): a Gated DeltaNet layer keeps
+        """The per-layer sequence state (:class:`engine.turn.state.StateLayout`): a Gated DeltaNet layer keeps
         its last ``conv_kernel - 1`` raw ``attn_qkv`` projections ``(K-1, conv_dim)`` and the delta-rule
         state S ``(num_v_heads, head_k_dim, head_v_dim)``; a full-attention layer one K and one V row
         ``(n_head_kv, head_dim)`` per position."""
@@ -262,7 +262,7 @@ def from_metadata(get: Callable[[str], Any], n_tokens: int | None, source: str) 
 def _expert_count(get: Callable[[str], Any], key: Callable[..., Any], arch: str, source: str) -> int:
     """``{arch}.expert_count``: an integer, or a per-layer array whose entries are all equal.
 
-    Pruned files (``engine.prune``, REAP GGUFs) keep one count for every layer; a file whose layers
+    Pruned files (``engine.reap.prune``, REAP GGUFs) keep one count for every layer; a file whose layers
     have different counts cannot run here (every MoE layer is built for one expert count).
 
     Raises:

@@ -64,7 +64,7 @@ from typing import Any, Callable, Protocol
 import numpy as np
 
 from engine.ops import reference as ops
-from engine.state import SequenceState
+from engine.turn.state import SequenceState
 
 from .hparams import Qwen35HParams
 

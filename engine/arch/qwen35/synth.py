@@ -32,7 +32,7 @@ import gguf
 import numpy as np
 from gguf import GGMLQuantizationType, LlamaFileType
 
-from engine.quant import (BLOCK_DTYPES, WRITABLE_TYPES, block_size, pack_k_scales, parse_type, quantize, row_bytes,
+from engine.gguf.quant import (BLOCK_DTYPES, WRITABLE_TYPES, block_size, pack_k_scales, parse_type, quantize, row_bytes,
                     type_name, type_size)
 
 from .hparams import Qwen35HParams
@@ -291,7 +291,7 @@ def _random_blocks(shape: tuple[int, ...], qtype: GGMLQuantizationType, std: flo
 
 def _random_kquant_blocks(shape: tuple[int, ...], qtype: GGMLQuantizationType, std: float,
                           rng: np.random.Generator) -> np.ndarray:
-    """Q4_K / Q5_K / Q6_K super-blocks drawn directly (layouts: engine.quant, ggml-common.h).
+    """Q4_K / Q5_K / Q6_K super-blocks drawn directly (layouts: engine.gguf.quant, ggml-common.h).
 
     All bytes are drawn uniformly, so the quants q are uniform over their L levels (16, 32, 64); then
     the scales are rewritten from the random bytes already there: Q4_K / Q5_K sub-block scale

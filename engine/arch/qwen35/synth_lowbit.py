@@ -30,7 +30,7 @@ from gguf import GGMLQuantizationType
 
 from engine.kernels.iq_twins import IQ_TYPES, iq_unpack
 from engine.kernels.iq_twins import OFFSETS as IQ_OFFSETS
-from engine.quant import BLOCK_DTYPES, row_bytes, type_size
+from engine.gguf.quant import BLOCK_DTYPES, row_bytes, type_size
 
 Q = GGMLQuantizationType
 

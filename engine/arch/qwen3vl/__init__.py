@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from engine.images import MIN_PIXELS, max_resized_pixels
+from engine.vision.images import MIN_PIXELS, max_resized_pixels
 from engine.registry import VisionArch
 
 from .mmproj import Mmproj, load_mmproj
@@ -22,7 +22,7 @@ from .tower import VisionTower
 def _cuda_tower(mm: Mmproj, max_pixels: int, budget_bytes: int | None) -> Any:
     """The GPU tower, with activation buffers for the most patches an image can have under ``max_pixels``
     narrowed by the projector's own bound (:meth:`.mmproj.VisionHParams.pixel_bounds`;
-    :func:`engine.images.max_resized_pixels`: a very elongated image can exceed the area bound).
+    :func:`engine.vision.images.max_resized_pixels`: a very elongated image can exceed the area bound).
 
     Raises:
         DeviceError: no GPU, pycuda or nvcc, or the weights and buffers do not fit ``budget_bytes``.

@@ -18,7 +18,7 @@ Per image (S patches, D = n_embd, ``native/cuda/vision.cu`` for the non-GEMM ste
 The patches, the position rows and the RoPE tables go up through page-locked staging buffers, everything
 runs on one stream, and the (S/4, out_dim) result comes back the same way. Every CUDA failure (no GPU or
 pycuda, a compile error, out of GPU or pinned memory, a failed launch) raises
-:class:`~engine.errors.DeviceError`; :class:`engine.vision.ImageEncoder` then encodes on the CPU. An
+:class:`~engine.errors.DeviceError`; :class:`engine.vision.encoder.ImageEncoder` then encodes on the CPU. An
 image whose activation buffers would not fit the VRAM budget raises :class:`~engine.errors.DeviceBudgetError`
 instead, and only that image is encoded on the CPU.
 """
@@ -32,13 +32,13 @@ import numpy as np
 from gguf import GGMLQuantizationType
 
 from engine.errors import DeviceBudgetError, DeviceError, ModelFormatError
-from engine.gguf_header import Header, file_identity, read_header
+from engine.gguf.header import Header, file_identity, read_header
 from engine.kernels.cuda_context import CudaBackend
 from engine.kernels.cuda_kernels import (ACT_GELU_ERF, ACT_GELU_TANH, ACT_NONE, VISION_SOURCES, Kernels,
                            check_vision_head)
 from engine.kernels.cuda_layout import GPU_TYPES, Matrix, aligned
 from engine.ops import vision_reference as ops
-from engine.quant import FLOAT_TYPES, row_bytes, type_name
+from engine.gguf.quant import FLOAT_TYPES, row_bytes, type_name
 
 from .mmproj import Mmproj, VisionHParams
 

@@ -25,7 +25,7 @@ tensor                                         shape            HF source (``mod
 Storage types follow the converter: 1-D tensors F32; the patch kernel (and here also the position
 table) F16 for an F16 file and F32 otherwise; other 2-D weights in the file type, falling back to F16
 when a row is not a whole number of Q8_0 blocks (``ffn_down`` at F = 4304). The reader accepts any
-type :mod:`engine.quant` can dequantize.
+type :mod:`engine.gguf.quant` can dequantize.
 """
 
 from __future__ import annotations
@@ -39,9 +39,9 @@ from pathlib import Path
 import numpy as np
 from gguf import GGMLQuantizationType, GGUFType, GGUFWriter, Keys
 
-from engine import quant
+from engine.gguf import quant
 from engine.errors import ModelFormatError, UnsupportedModelError
-from engine.gguf_header import MetaReader, StoredTensor, file_identity, read_header
+from engine.gguf.header import MetaReader, StoredTensor, file_identity, read_header
 
 Q = GGMLQuantizationType
 
@@ -108,7 +108,7 @@ class VisionHParams:
         / ``image_max_pixels``, the keys llama.cpp's ``clip-impl.h`` defines; Qwen3.5/3.6 files have
         neither): the maximum becomes ``min(max_pixels, image_max_pixels)``, the minimum
         ``image_min_pixels`` in place of ``min_pixels``, and the minimum is then lowered to the maximum
-        when above it, as :meth:`engine.vision.ImageEncoder.encode` does for a per-image bound.
+        when above it, as :meth:`engine.vision.encoder.ImageEncoder.encode` does for a per-image bound.
 
         Args:
             min_pixels, max_pixels: the caller's bounds (engine options / user settings), pixels.
@@ -261,7 +261,7 @@ def load_mmproj(path: str | os.PathLike[str]) -> Mmproj:
         ModelFormatError: unreadable/truncated file, a missing or ill-typed key, a missing tensor or
             one of the wrong shape; the message names the file and the key or tensor.
         UnsupportedModelError: not a ``clip`` file, another projector type (Qwen2-VL, MiniCPM, ...),
-            a Qwen3-VL deepstack projector, or a storage type :mod:`engine.quant` cannot dequantize.
+            a Qwen3-VL deepstack projector, or a storage type :mod:`engine.gguf.quant` cannot dequantize.
     """
     path = Path(path)
     source = str(path)

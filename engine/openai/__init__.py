@@ -1,0 +1,178 @@
+"""``python -m engine serve``: the engine behind an OpenAI-compatible HTTP API (see :mod:`engine.openai.app`);
+and the other side of that API, :class:`engine.openai.remote.RemoteEngine`: a chat engine on any
+OpenAI-compatible server (its untrusted reads in :mod:`engine.openai.remote_http`).
+
+The HTTP stack is Starlette (routing, requests, streamed responses) on uvicorn (the ASGI server): both
+are small, widely used and maintained, and an event loop serves slow streaming clients without a
+thread each while the engine runs one turn at a time on a thread of its own.
+
+Security: the server binds to loopback unless told otherwise, and binding any other address needs an
+API key (:func:`check_bind`), which every ``/v1`` request must then present; such a server also refuses
+``file:`` image URLs (``ServerConfig.file_urls``), which would read its own disk for remote clients.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import ipaddress
+import socket
+import threading
+import time
+from typing import Any
+
+from engine.errors import EngineError
+from .app import DEFAULT_MAX_BODY, ServerConfig, create_app
+from .requests import APIError
+
+__all__ = ["APIError", "DEFAULT_MAX_BODY", "ServerConfig", "ServerThread", "bind_address", "check_bind", "create_app",
+           "is_loopback", "serve"]
+
+LOOPBACK = "127.0.0.1"
+
+UVICORN_LIMITS = {"timeout_keep_alive": 5, "h11_max_incomplete_event_size": 16 << 10, "limit_concurrency": 256,
+                  "backlog": 128}
+"""uvicorn's own limits on slow or greedy clients: a connection closed when it has sent no whole request head
+5 s after opening or after its last answer (uvicorn's keep-alive timeout; :class:`_HeadTimeoutH11` starts it
+at the connection's opening too and lets trickled bytes not restart it), a request head over 16 KiB refused,
+at most 256 connections and tasks at once (503 beyond), 128 connections pending accept. A slowly sent body is
+bounded by what waiting requests may hold (:mod:`engine.openai.limits`): uvicorn has no body timeout."""
+
+
+def _head_timeout_protocol() -> type:
+    from uvicorn.protocols.http.h11_impl import H11Protocol
+
+    class _HeadTimeoutH11(H11Protocol):
+        """uvicorn's h11 protocol whose keep-alive timer also runs from the connection's opening and is not
+        restarted by the bytes of an unfinished request head, so a whole head must arrive in time."""
+
+        def connection_made(self, transport: Any) -> None:  # type: ignore[override]
+            super().connection_made(transport)
+            self.timeout_keep_alive_task = self.loop.call_later(self.timeout_keep_alive,
+                                                                self.timeout_keep_alive_handler)
+
+        def data_received(self, data: bytes) -> None:
+            timer, self.timeout_keep_alive_task = self.timeout_keep_alive_task, None
+            super().data_received(data)
+            if timer is None:
+                return
+            if self.cycle is not None and not self.cycle.response_complete or self.timeout_keep_alive_task:
+                timer.cancel()          # a request began (or uvicorn armed its own timer): uvicorn's rules now
+            else:
+                self.timeout_keep_alive_task = timer
+
+    return _HeadTimeoutH11
+
+
+def is_loopback(host: str) -> bool:
+    """Whether ``host`` (an address or ``localhost``) reaches this machine only."""
+    if host.lower() == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
+
+
+def check_bind(host: str, api_key: str | None) -> None:
+    """Refuse to serve beyond this machine without an API key.
+
+    Raises:
+        EngineError: ``host`` is not a loopback address and ``api_key`` is empty.
+    """
+    if not is_loopback(host) and not api_key:
+        raise EngineError(f"refusing to listen on {host} without an API key: anyone who can reach this machine "
+                          "could use the model; pass --api-key KEY (or bind to 127.0.0.1)")
+
+
+def bind_address(host: str, port: int) -> socket.socket:
+    """A TCP socket bound to ``host:port`` (port 0: a free one) and listening, for uvicorn to serve on: a
+    client that connects before uvicorn runs waits in the backlog.
+
+    Raises:
+        EngineError: the address is in use or not this machine's.
+    """
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host.strip("[]"), port))
+    except OSError as exc:
+        sock.close()
+        raise EngineError(f"could not listen on {host}:{port}: {exc.strerror or exc}") from exc
+    sock.listen(2048)
+    return sock
+
+
+def _uvicorn_server(engine: Any, config: ServerConfig, host: str, port: int, engine_lock: threading.Lock | None):
+    import uvicorn
+    if not is_loopback(host):
+        config = dataclasses.replace(config, file_urls=False)
+    app = create_app(engine, config, engine_lock)
+    return uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="warning", access_log=False,
+                                         timeout_graceful_shutdown=2, http=_head_timeout_protocol(),
+                                         **UVICORN_LIMITS))
+
+
+def serve(engine: Any, config: ServerConfig, host: str = LOOPBACK, port: int = 8080,
+          sock: socket.socket | None = None) -> None:
+    """Serve ``engine`` until interrupted (Ctrl+C), in the calling thread; on ``sock`` when given (bound by
+    :func:`bind_address` to ``host:port``), else on a socket bound here.
+
+    Raises:
+        EngineError: see :func:`check_bind` and :func:`bind_address`.
+    """
+    check_bind(host, config.api_key)
+    sock = sock or bind_address(host, port)
+    _uvicorn_server(engine, config, host, port, None).run(sockets=[sock])
+
+
+class ServerThread:
+    """The server on a background thread (the app's "Serve on localhost", the tests).
+
+    Args:
+        engine: the engine to serve (see :func:`engine.openai.app.create_app`).
+        config: model name, key, body limit.
+        host, port: where to listen; port 0 picks a free one (read :attr:`port` after :meth:`start`).
+        engine_lock: the lock the engine's other user holds around its turns.
+    """
+
+    def __init__(self, engine: Any, config: ServerConfig, host: str = LOOPBACK, port: int = 8080,
+                 engine_lock: threading.Lock | None = None) -> None:
+        check_bind(host, config.api_key)
+        self.host = host
+        self.port = port
+        self._server = _uvicorn_server(engine, config, host, port, engine_lock)
+        self._thread: threading.Thread | None = None
+
+    @property
+    def url(self) -> str:
+        """The base URL of the API (``http://host:port/v1``)."""
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        return f"http://{host}:{self.port}/v1"
+
+    def start(self, timeout: float = 10.0) -> "ServerThread":
+        """Bind the address and start serving; returns once uvicorn listens.
+
+        Raises:
+            EngineError: the address could not be bound (in use, not this machine's), or the server did not
+                start within ``timeout`` s.
+        """
+        sock = bind_address(self.host, self.port)
+        self.port = sock.getsockname()[1]
+        self._thread = threading.Thread(target=self._server.run, kwargs={"sockets": [sock]}, name="engine-server",
+                                        daemon=True)
+        self._thread.start()
+        deadline = time.monotonic() + timeout
+        while not self._server.started and self._thread.is_alive() and time.monotonic() < deadline:
+            time.sleep(0.01)
+        if not self._server.started:
+            self.stop()
+            sock.close()
+            raise EngineError(f"the server on {self.host}:{self.port} did not start")
+        return self
+
+    def stop(self) -> None:
+        """Stop listening, end the running turn's stream and join the thread."""
+        self._server.should_exit = True
+        if self._thread is not None and self._thread.is_alive():
+            self._thread.join(timeout=10)

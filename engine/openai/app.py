@@ -1,0 +1,546 @@
+"""The OpenAI-compatible HTTP API on an :class:`engine.api.Engine`, as a Starlette (ASGI) application.
+
+Routes: ``POST /v1/chat/completions``, ``POST /v1/completions``, ``GET /v1/models``, ``GET /health``, and
+the agent routes of :mod:`engine.openai.agent_routes` (``/v1/responses``, ``/v1/messages``, ``/metrics``).
+Response and stream shapes follow the OpenAI API reference (chat completion object, chunk object,
+``data: [DONE]`` after the last server-sent event); ``usage.prompt_tokens_details.cached_tokens`` is
+the number of prompt tokens resumed from a prefix snapshot (``PrefillStats.reused_tokens``).
+
+One turn runs on the engine at a time: requests wait in arrival order (an ``asyncio.Lock``, FIFO) and
+each turn also holds the engine's ``threading.Lock``, which the app's own chat takes too when it shares
+the engine; a turn waiting for that lock stops the app's read-ahead of a chat at its next piece
+(``Engine.cancel_read_ahead``). The turn runs on a thread of its own; its events reach the event loop through an
+``asyncio.Queue``. A client that disconnects (while queued, during prefill or while streaming) sets
+the turn's cancel flag, which the engine checks between prompt pieces and between tokens.
+
+Cross-site requests are refused in front of every route (:class:`engine.openai.guard.RequestGuard`:
+``Host`` not naming a loopback server, ``POST`` body not sent as JSON).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+import logging
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any, AsyncIterator, Callable, Iterator
+
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.middleware import Middleware
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.routing import Route
+
+from engine.errors import ContextFullError, EngineError, ImageError, TemplateError, UnsupportedModelError
+from engine.events import Event, PrefillStats, TokenEvent, TurnSummary
+from engine.turn.grammar import GrammarError
+from . import agent_routes
+from .choices import Answer, Choice
+from .constraints import Constraints
+from .fields import agent_request, completion_fields
+from .guard import RequestGuard, loopback_host
+from .limits import DEFAULT_MAX_WAITING, DEFAULT_MAX_WAITING_BYTES, WaitingQueue, check_fits, check_text
+from .metrics import RequestCounter, ServerMetrics
+from .requests import APIError, TurnRequest, chat_request, completion_request
+
+log = logging.getLogger(__name__)
+
+DEFAULT_MAX_BODY = 64 << 20
+"""Largest request body, bytes (a few base64 photos fit)."""
+
+_END = object()
+PATHS = ("/v1/chat/completions", "/v1/completions", "/v1/models", "/v1/responses", "/v1/messages",
+         "/v1/messages/count_tokens", "/metrics", "/health")
+"""The routes, as :class:`engine.openai.metrics.ServerMetrics` counts requests by route."""
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    """How the API answers.
+
+    Attributes:
+        model_name: the one model id the server lists and accepts (the GGUF file's stem by default).
+        api_key: when set, every ``/v1`` request must carry ``Authorization: Bearer <api_key>``
+            (compared in constant time, ``hmac.compare_digest``); ``/health`` stays open.
+        max_body_bytes: larger request bodies are refused with 413.
+        file_urls: whether ``file:`` image URLs are read from this machine's disk; :func:`engine.openai.serve`
+            and :class:`engine.openai.ServerThread` turn it off when listening beyond loopback, so that a
+            remote client cannot have the server's own files read. Even when on, a request whose
+            ``Host`` header is not a loopback name or address is refused them: a web page whose domain
+            was re-pointed at 127.0.0.1 (DNS rebinding) reaches a loopback server with its own domain
+            as the host, and could otherwise read the answers about the user's image files.
+        max_waiting, max_waiting_bytes: requests that may wait for the engine at once, and the bytes of
+            their bodies together; beyond either, 429 with ``Retry-After`` (:mod:`engine.openai.limits`).
+    """
+
+    model_name: str
+    api_key: str | None = None
+    max_body_bytes: int = DEFAULT_MAX_BODY
+    file_urls: bool = True
+    max_waiting: int = DEFAULT_MAX_WAITING
+    max_waiting_bytes: int = DEFAULT_MAX_WAITING_BYTES
+
+
+class _ClientGone(Exception):
+    """The client disconnected; the turn has been told to stop."""
+
+
+class _Turn:
+    """One turn on the engine thread (all ``n`` choices of a request), its events queued for the event loop.
+
+    Args:
+        start: ``start(next_cancel)`` -> the engine's events (``Engine.chat`` / ``Engine.complete``, once
+            per choice); ``next_cancel()`` gives the cancel flag of the next engine call.
+        preempt: called while the turn waits for the engine's lock (``Engine.cancel_read_ahead``: the
+            app's read-ahead of a chat, which holds that lock, gives way within one piece), or None.
+    """
+
+    def __init__(self, start: Callable[[Callable[[], threading.Event]], Iterator[Event]],
+                 preempt: Callable[[], None] | None = None) -> None:
+        self.loop = asyncio.get_running_loop()
+        self.queue: asyncio.Queue = asyncio.Queue()
+        self.cancel = threading.Event()
+        self._choice = threading.Event()
+        self._start = start
+        self._preempt = preempt
+
+    def next_cancel(self) -> threading.Event:
+        """A fresh cancel flag for the next engine call, already set when the whole turn is cancelled."""
+        flag = threading.Event()
+        self._choice = flag          # published before the check below: stop() sets one or the other
+        if self.cancel.is_set():
+            flag.set()
+        return flag
+
+    def stop(self) -> None:
+        """Stop the whole turn (the client left, or the request is over)."""
+        self.cancel.set()
+        self._choice.set()
+
+    def stop_choice(self) -> None:
+        """Stop the current choice only (a stop string ended it); the next choice still runs."""
+        self._choice.set()
+
+    def _put(self, item: Any) -> None:
+        try:
+            self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
+        except RuntimeError:  # the event loop has closed: nobody is listening any more
+            pass
+
+    def run(self, engine_lock: threading.Lock) -> None:
+        """Run the turn (on its own thread) once the engine is free; every outcome is queued, then the end."""
+        try:
+            while not engine_lock.acquire(timeout=0.05):
+                if self._preempt is not None:
+                    self._preempt()      # again each time: a read-ahead may take the lock before it can be told
+            try:
+                if self.cancel.is_set():
+                    return
+                events = self._start(self.next_cancel)
+                try:
+                    for event in events:
+                        self._put(event)
+                finally:
+                    close = getattr(events, "close", None)
+                    if close is not None:
+                        close()
+            finally:
+                engine_lock.release()
+        except BaseException as exc:  # noqa: BLE001 - every failure goes to the request as an error
+            self._put(exc)
+        finally:
+            self._put(_END)
+
+
+class _Exchange:
+    """A request's turn from queueing to its last event, watching for the client to disconnect."""
+
+    def __init__(self, request: Request, order: asyncio.Lock, turn: _Turn) -> None:
+        self.request, self.order, self.turn = request, order, turn
+        self.gone = asyncio.Event()
+        self._holds_order = False
+        self._watcher = asyncio.create_task(self._watch())
+
+    async def _watch(self) -> None:
+        while (await self.request.receive())["type"] != "http.disconnect":
+            pass
+        self.turn.stop()
+        self.gone.set()
+        log.debug("the client of %s %s disconnected: its turn is cancelled", self.request.method,
+                  self.request.url.path)
+
+    async def _until(self, awaitable: Any) -> Any:
+        """``await awaitable``, unless the client leaves first (then :class:`_ClientGone`)."""
+        task = asyncio.ensure_future(awaitable)
+        gone = asyncio.ensure_future(self.gone.wait())
+        try:
+            await asyncio.wait({task, gone}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            gone.cancel()
+        if not task.done():
+            task.cancel()
+            raise _ClientGone()
+        return task.result()
+
+    async def start(self, engine_lock: threading.Lock) -> None:
+        """Wait for the turns before this one, then start this one on its thread."""
+        await self._until(self.order.acquire())
+        self._holds_order = True
+        threading.Thread(target=self.turn.run, args=(engine_lock,), name="server-turn", daemon=True).start()
+
+    async def next(self) -> Any:
+        """The turn's next event, an exception it raised, or ``_END``."""
+        return await self._until(self.turn.queue.get())
+
+    def close(self) -> None:
+        """Stop the turn if it still runs and let the next request in."""
+        self.turn.stop()
+        self._watcher.cancel()
+        if self._holds_order:
+            self._holds_order = False
+            self.order.release()
+
+
+def _error_of(exc: BaseException) -> APIError:
+    """The API error an exception from the engine becomes."""
+    if isinstance(exc, APIError):
+        return exc
+    if isinstance(exc, ImageError):
+        return APIError(400, str(exc), param="messages", code="invalid_image")
+    if isinstance(exc, ContextFullError):
+        return APIError(400, str(exc), param="messages", code="context_length_exceeded")
+    if isinstance(exc, (TemplateError, UnsupportedModelError)):
+        return APIError(400, str(exc), param="messages")
+    if isinstance(exc, GrammarError):
+        log.warning("constrained decoding stopped: %s", exc)
+        return APIError(400, "the response format or tools cannot be enforced: the grammar library gave up while "
+                        f"decoding ({str(exc).splitlines()[0][:300]}); simplify the schema (a value that must nest "
+                        "without end, a very ambiguous pattern)", code="unsupported_schema")
+    if isinstance(exc, EngineError):
+        return APIError(500, str(exc), type="server_error")
+    log.error("turn failed", exc_info=exc)
+    return APIError(500, f"internal error: {type(exc).__name__}: {exc}", type="server_error")
+
+
+
+def _sse(payload: Any) -> str:
+    return f"data: {json.dumps(payload, ensure_ascii=False)}\n\n"
+
+
+def _too_long(summary: TurnSummary, context: int) -> APIError:
+    return APIError(400, f"the prompt is {summary.prompt_tokens} tokens but the context window holds {context}: "
+                    "shorten the conversation (or serve the model with a larger --context)",
+                    param="messages", code="context_length_exceeded")
+
+
+def _authorize(request: Request, key: bytes | None) -> None:
+    """Refuse (401) a request without ``Authorization: Bearer <key>`` when the server has an API key."""
+    if key is None:
+        return
+    given = request.headers.get("authorization", "")
+    scheme, _, token = given.partition(" ")
+    if not (scheme.lower() == "bearer" and hmac.compare_digest(token.strip().encode(), key)):
+        raise APIError(401, "a valid API key is required: send the header 'Authorization: Bearer <key>'",
+                       type="authentication_error", code="invalid_api_key")
+
+
+def _no_constants(name: str) -> Any:
+    raise ValueError(f"{name} is not JSON")
+
+
+async def _read_json(request: Request, limit: int) -> Any:
+    """The request's JSON body, at most ``limit`` bytes (else 413; its size is kept as ``request.state.body_bytes``
+    for the waiting queue); not JSON (or NaN/Infinity) -> 400; text that is not Unicode (a lone surrogate) ->
+    400 naming its field."""
+    length = request.headers.get("content-length", "")
+    if length.isdigit() and int(length) > limit:
+        raise APIError(413, f"the request body is {int(length)} bytes; at most {limit} are accepted",
+                       code="request_too_large")
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise APIError(413, f"the request body exceeds {limit} bytes", code="request_too_large")
+        chunks.append(chunk)
+    request.state.body_bytes = size
+    try:
+        body = json.loads(b"".join(chunks), parse_constant=_no_constants)
+    except (ValueError, RecursionError) as exc:
+        raise APIError(400, f"the request body is not valid JSON: {exc}", code="invalid_json") from exc
+    check_text(body)
+    return body
+
+
+class _Routes:
+    """The route handlers of one application: the engine, its config, and the turn order they share."""
+
+    def __init__(self, engine: Any, config: ServerConfig, engine_lock: threading.Lock | None) -> None:
+        self.engine, self.config = engine, config
+        self.context, self.has_vision = engine.info.context, engine.info.has_vision
+        self.created = int(time.time())
+        self.lock = engine_lock or threading.Lock()
+        self.order = asyncio.Lock()
+        self.key = config.api_key.encode() if config.api_key else None
+        self.metrics = ServerMetrics(PATHS)
+        self.constraints = Constraints(engine)
+        self.vocab = getattr(getattr(engine, "tokenizer", None), "n_vocab", 0)
+        self.waiting = WaitingQueue(config.max_waiting, config.max_waiting_bytes)
+
+    async def _first(self, ex: _Exchange) -> list[Any]:
+        """The turn's events up to its first token (or the end), so that errors still get their status code."""
+        while True:
+            item = await ex.next()
+            if isinstance(item, BaseException):
+                raise _error_of(item)
+            if item is _END:
+                raise APIError(500, "the engine ended the turn without a summary", type="server_error")
+            if isinstance(item, TurnSummary) and item.stop_reason == "context_full" and item.generated_tokens == 0:
+                raise _too_long(item, self.context)
+            if isinstance(item, (PrefillStats, TurnSummary)):
+                return [item]
+
+    async def _open(self, request: Request, start: Callable[[Callable[[], threading.Event]], Iterator[Event]]
+                    ) -> tuple[_Exchange, list[Any]]:
+        """Queue the turn (429 beyond the waiting queue's bounds), start it, and wait for its prefill to succeed
+        (errors raise with their status)."""
+        queued = self.metrics.queued()
+        ex = _Exchange(request, self.order, _Turn(self.metrics.watch(start, queued),
+                                                  getattr(self.engine, "cancel_read_ahead", None)))
+        try:
+            with self.waiting.enter() as ticket:      # given back once the turn starts
+                ticket.grow(getattr(request.state, "body_bytes", 0))
+                await ex.start(self.lock)
+            return ex, await self._first(ex)
+        except BaseException:
+            ex.close()
+            raise
+        finally:
+            queued.release()
+
+    async def _whole(self, request: Request, req: TurnRequest, start: Callable[..., Iterator[Event]]) -> dict:
+        ex, first = await self._open(request, start)
+        try:
+            choices = [item[1] async for item in _choices(ex, req, first, self._choice_maker(req))
+                       if item[0] == "end"]
+            return Answer(req).whole(choices)
+        finally:
+            ex.close()
+
+    async def _chunks(self, request: Request, req: TurnRequest,
+                      start: Callable[..., Iterator[Event]]) -> AsyncIterator[dict[str, Any]]:
+        ex, first = await self._open(request, start)
+        try:
+            ans, summaries = Answer(req), []
+            async for what, choice, pieces in _choices(ex, req, first, self._choice_maker(req)):
+                if what == "start" and ans.chat:
+                    yield ans.role_chunk(choice)
+                elif what == "pieces":
+                    for delta in choice.deltas(pieces):
+                        yield ans.chunk(choice, delta)
+                elif what == "end":
+                    summaries.append(choice.summary)
+                    yield ans.chunk(choice, {}, choice.finish_reason)
+            if req.include_usage:
+                yield ans.usage_chunk(summaries)
+        finally:
+            ex.close()
+
+    def _choice_maker(self, req: TurnRequest) -> Callable[[int], Choice]:
+        """Makes choice ``i`` of ``req``'s answer (its tool-call reader and token bytes for logprobs)."""
+        reader = self.constraints.reader(req) if req.messages is not None else None
+        return lambda i: Choice(i, req, reader, getattr(self.engine, "token_bytes", None))
+
+    def _chat_turn(self, request: Request, body: Any) -> tuple[TurnRequest, Callable[..., Iterator[Event]]]:
+        """The checked chat request and the function that runs its ``n`` choices on the engine."""
+        config = self.config
+        req = agent_request(body, chat_request(body, config.model_name, self.context,
+                                               config.file_urls and loopback_host(request.headers.get("host", ""))),
+                            self.vocab)
+        if not self.has_vision and any(isinstance(m["content"], list) and any(p["type"] == "image" for p in m["content"])
+                                       for m in req.messages or ()):
+            raise APIError(400, f"{config.model_name} has no vision tower (serve it with --mmproj FILE), so it "
+                           "cannot read images", param="messages", code="invalid_image")
+        self.constraints.check(req)
+
+        def start(next_cancel: Callable[[], threading.Event]) -> Iterator[Event]:
+            check_fits(self.engine, req.messages, req.enable_thinking, self.context,   # before any image is encoded
+                       list(req.tools) or None)
+            grammar = self.constraints.grammar(req)
+            for i in range(req.n):
+                yield from self.engine.chat(req.messages, req.choice_sampling(i), next_cancel(),
+                                            enable_thinking=req.enable_thinking, tools=list(req.tools) or None,
+                                            grammar=grammar)
+        return req, start
+
+    async def chat(self, request: Request, body: Any) -> dict[str, Any]:
+        """The whole ``chat.completion`` object answering a chat-completions ``body`` (its ``stream`` is not
+        looked at). ``request`` is watched for the client leaving (then :class:`_ClientGone`).
+
+        Raises:
+            APIError: a bad body (4xx) or an engine failure (500), before any answer.
+        """
+        req, start = self._chat_turn(request, body)
+        return await self._whole(request, req, start)
+
+    async def chat_chunks(self, request: Request, body: Any) -> AsyncIterator[dict[str, Any]]:
+        """The ``chat.completion.chunk`` objects answering a chat-completions ``body``, without SSE framing:
+        the role chunk of each choice, its content / reasoning / tool-call deltas, its finish chunk, then
+        the usage chunk when ``stream_options.include_usage``. Bad input raises :class:`APIError` at the
+        first ``__anext__`` (before anything is sent); an engine failure later raises it mid-stream.
+        Close the iterator (``aclose``) when done with it early: that stops the turn."""
+        req, start = self._chat_turn(request, body)
+        async for chunk in self._chunks(request, req, start):
+            yield chunk
+
+    async def chat_completions(self, request: Request) -> Response:
+        _authorize(request, self.key)
+        req, start = self._chat_turn(request, await _read_json(request, self.config.max_body_bytes))
+        if req.stream:
+            return await event_stream(self._chunks(request, req, start))
+        return JSONResponse(await self._whole(request, req, start))
+
+    async def completions(self, request: Request) -> Response:
+        _authorize(request, self.key)
+        body = await _read_json(request, self.config.max_body_bytes)
+        req = completion_fields(body, completion_request(body, self.config.model_name, self.context), self.vocab)
+
+        def start(next_cancel: Callable[[], threading.Event]) -> Iterator[Event]:
+            for i in range(req.n):
+                yield from self.engine.complete(req.prompt, req.choice_sampling(i), next_cancel())
+        if req.stream:
+            return await event_stream(self._chunks(request, req, start))
+        return JSONResponse(await self._whole(request, req, start))
+
+    async def models(self, request: Request) -> Response:
+        _authorize(request, self.key)
+        return JSONResponse({"object": "list", "data": [
+            {"id": self.config.model_name, "object": "model", "created": self.created, "owned_by": "deltadesk",
+             "max_model_len": self.context, "vision": self.has_vision}]})
+
+
+async def _gone(_request: Request, _exc: Exception) -> Response:
+    return Response(status_code=499)    # the client left: nobody reads this
+
+
+async def _health(_request: Request) -> Response:
+    return JSONResponse({"status": "ok"})
+
+
+async def _api_error(_request: Request, exc: Exception) -> Response:
+    error = exc if isinstance(exc, APIError) else _error_of(exc)
+    return JSONResponse(error.body(), status_code=error.status, headers=getattr(error, "headers", None))
+
+
+async def _http_error(request: Request, exc: Exception) -> Response:
+    assert isinstance(exc, HTTPException)
+    what = (f"no route {request.method} {request.url.path}" if exc.status_code in (404, 405)
+            else str(exc.detail))
+    return JSONResponse(APIError(exc.status_code, what).body(), status_code=exc.status_code)
+
+
+def create_app(engine: Any, config: ServerConfig, engine_lock: threading.Lock | None = None) -> Starlette:
+    """The ASGI application serving ``engine``.
+
+    Args:
+        engine: an :class:`engine.api.Engine` (``chat``, ``complete``, ``info``).
+        config: the model name, API key and body limit.
+        engine_lock: held while a turn runs; pass the lock the engine's other user (the app) holds
+            around its own turns. None = a lock of the server's own.
+
+    Returns:
+        A Starlette application (run it with uvicorn, see :func:`engine.openai.serve`).
+    """
+    handlers = _Routes(engine, config, engine_lock)
+    routes = [Route("/v1/chat/completions", handlers.chat_completions, methods=["POST"]),
+              Route("/v1/completions", handlers.completions, methods=["POST"]),
+              Route("/v1/models", handlers.models, methods=["GET"]),
+              Route("/health", _health, methods=["GET"])]
+    agents = agent_routes.AgentRoutes(handlers)
+    routes += [Route("/v1/responses", agents.responses, methods=["POST"]),
+               Route("/v1/messages", agents.messages, methods=["POST"]),
+               Route("/v1/messages/count_tokens", agents.count_tokens, methods=["POST"]),
+               Route("/metrics", agents.metrics, methods=["GET"])]
+    middleware = [Middleware(RequestCounter, metrics=handlers.metrics), Middleware(RequestGuard)]
+    return Starlette(routes=routes, middleware=middleware,
+                     exception_handlers={APIError: _api_error, HTTPException: _http_error, _ClientGone: _gone,
+                                         Exception: _api_error})
+
+
+async def _choices(ex: _Exchange, req: TurnRequest, first: list[Any],
+                   make: Callable[[int], Choice]) -> AsyncIterator[tuple[str, Choice, Any]]:
+    """The turn's choices in order (choice ``i`` made by ``make(i)``), each as ``("start", choice, None)``,
+    ``("pieces", choice, pieces)`` per token (:meth:`Choice.push`), and ``("end", choice, None)`` once its
+    summary is in (``choice.summary``)."""
+    pending = list(first)
+    choice = make(0)
+    yield "start", choice, None
+    while True:
+        item = pending.pop(0) if pending else await ex.next()
+        if isinstance(item, BaseException):
+            raise _error_of(item)
+        if item is _END:
+            raise APIError(500, "the engine ended the turn without a summary", type="server_error")
+        if isinstance(item, TokenEvent) and not choice.stopped:
+            pieces = choice.push(item)
+            if choice.stopped:
+                ex.turn.stop_choice()  # a stop string: the engine ends this choice at its next token
+            yield "pieces", choice, pieces
+        elif isinstance(item, TurnSummary):
+            yield "pieces", choice, choice.close(item)
+            yield "end", choice, None
+            if choice.index + 1 == req.n:
+                return
+            choice = make(choice.index + 1)
+            yield "start", choice, None
+
+
+async def event_stream(chunks: AsyncIterator[dict[str, Any]], frame: Callable[[dict[str, Any]], str] = _sse,
+                       error: Callable[[APIError], str] = lambda exc: _sse(exc.body()),
+                       end: str = "data: [DONE]\n\n") -> Response:
+    """A server-sent-event response of ``chunks``, each written by ``frame``; an :class:`APIError` raised
+    before the first chunk is raised here (the request gets its status code), one raised later is sent
+    as ``error(exc)`` and ends the stream; ``end`` follows the last chunk. A client that leaves before
+    the first chunk gets 499 (nobody reads it); ``chunks`` is closed when the stream ends."""
+    try:
+        first = await chunks.__anext__()
+    except _ClientGone:
+        return Response(status_code=499)
+
+    async def frames() -> AsyncIterator[str]:
+        yield frame(first)
+        try:
+            async for chunk in chunks:
+                yield frame(chunk)
+        except APIError as exc:
+            yield error(exc)
+            return
+        except _ClientGone:
+            return
+        yield end
+
+    return _EventStream(frames(), chunks, media_type="text/event-stream",
+                        headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+
+class _EventStream(StreamingResponse):
+    """Server-sent events whose client's disconnect the exchange watches (not Starlette's own listener:
+    one reader of the connection); the chunk iterator (and with it the turn) is closed when the stream ends."""
+
+    def __init__(self, content: AsyncIterator[str], chunks: AsyncIterator[Any], **kwargs: Any) -> None:
+        super().__init__(content, **kwargs)
+        self._content, self._chunks = content, chunks
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        try:
+            await self.stream_response(send)
+        except OSError:
+            pass  # the client went away mid-send
+        finally:
+            for it in (self._content, self._chunks):
+                close = getattr(it, "aclose", None)
+                if close is not None:
+                    await close()

@@ -1,0 +1,532 @@
+"""Prefix snapshot cache for the recurrent state.
+
+A Gated DeltaNet layer's state is valid only at the position it has read up to, so ordinary KV
+prefix reuse (truncate the cache to the common prefix) does not work: the state cannot be rolled
+back. Instead the whole sequence state (conv + delta-net state of every linear layer, the KV of
+every attention layer up to that position, the position, and the logits of the last position) is
+checkpointed at chosen positions, and a later prompt resumes from the deepest snapshot whose
+prefix it shares exactly (the problem llama.cpp's server fixed with context checkpoints for
+qwen35moe, llama.cpp issues #20225 / #21831, PR #24797).
+
+Keys are a hash chain over the token ids: ``key[0] = H(model identity)``,
+``key[i+1] = H(key[i] || token[i] || image digest at i)``, so a key names the model file, every
+token before the position and the content of every image in it: nothing is reused across another
+model file, an edited message or a different image at the same position.
+
+Snapshots live in RAM under a byte budget with LRU eviction; evicted or explicitly persisted ones
+go to a disk tier (one file per snapshot, versioned, checksummed, written atomically) that
+survives a restart. A corrupt, partial, foreign-model or old-version file is ignored with a log
+line, never loaded; so is one whose header was edited (its checksum recomputed): every file's
+header is validated against the loaded model (identity, position within the context, the exact set
+of array names of its layers, each array's dtype and shape, its size) before it is listed or
+restored (:func:`engine.turn.snapshot.check_header`; the file format is :mod:`engine.turn.snapshot`), so the
+cache's contents never stop a model from loading. A write that fails (disk full) removes its temporary
+file; temporary files left by a crash (older than ten minutes) are swept when the cache opens its folder.
+
+Only regular ``<32 hex>.snap`` files are opened, streamed after a size check; a damaged file is a miss.
+Two processes may share the folder; what holds across them is in docs/design/hostile-inputs.md.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import re
+import stat
+import struct
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from .snapshot import FORMAT_VERSION, encode, read_file, write_atomic
+from .state import HasStateLayout, SequenceState
+
+log = logging.getLogger(__name__)
+
+_DIGEST = 16  # bytes of each blake2b key
+_SNAP_NAME = re.compile(r"[0-9a-f]{32}\.snap")   # the only names the cache opens
+_STALE_TMP_S = 600.0   # a temporary file this old is a crashed write's, not one in flight
+
+
+def _is_regular(path: Path) -> bool:
+    """Whether ``path`` is a regular file (not followed if it is a link)."""
+    try:
+        return stat.S_ISREG(os.lstat(path).st_mode)
+    except OSError:
+        return False
+
+
+def chain_keys(identity: str, tokens: Sequence[int], images: Mapping[int, bytes] | None = None) -> list[bytes]:
+    """The hash chain of a token sequence.
+
+    Args:
+        identity: the model file's identity (``GGUFFile.identity``).
+        tokens: (n,) token ids.
+        images: position -> content digest of the image whose embedding occupies that position
+            (each image-pad token of an image carries its image's digest).
+
+    Returns:
+        n + 1 keys of 16 bytes; ``keys[i]`` names the prefix ``tokens[:i]``.
+    """
+    images = images or {}
+    keys = [hashlib.blake2b(identity.encode(), digest_size=_DIGEST).digest()]
+    pack = struct.Struct("<q").pack
+    for i, t in enumerate(tokens):
+        h = hashlib.blake2b(keys[-1], digest_size=_DIGEST)
+        h.update(pack(int(t)))
+        img = images.get(i)
+        if img is not None:
+            h.update(img)
+        keys.append(h.digest())
+    return keys
+
+
+@dataclass
+class Snapshot:
+    """One checkpoint of a sequence state.
+
+    Attributes:
+        key: chain key of the prefix (16 bytes).
+        pos: tokens read (the prefix length).
+        tokens: (pos,) int32 the prefix's token ids (to find where a new prompt diverges).
+        images: position -> image digest inside the prefix (see :func:`chain_keys`).
+        arrays: state arrays by name: ``conv.{il}`` (K-1, conv_dim), ``ssm.{il}`` (n_v, dk, dv),
+            ``k.{il}`` / ``v.{il}`` (pos, n_kv, head_dim), all float32; ``logits`` (n_vocab,)
+            float32 of the last position when known.
+        conversation: the conversation it was taken in (for the app's list), or "".
+        created / last_used: ``time.time()`` seconds.
+        hits: how many times it was restored.
+        tier: "ram" or "disk".
+        nbytes: size of the arrays and tokens, bytes.
+        has_logits: whether ``arrays`` holds the last position's logits.
+    """
+
+    key: bytes
+    pos: int
+    tokens: np.ndarray
+    arrays: dict[str, np.ndarray] | None
+    images: dict[int, bytes] = field(default_factory=dict)
+    conversation: str = ""
+    created: float = field(default_factory=time.time)
+    last_used: float = field(default_factory=time.time)
+    hits: int = 0
+    tier: str = "ram"
+    nbytes: int = 0
+    has_logits: bool = False
+
+
+@dataclass(frozen=True)
+class SnapshotInfo:
+    """What the app lists per snapshot.
+
+    Attributes:
+        key: hex chain key (use it with :meth:`PrefixCache.clear`).
+        conversation: conversation id it was taken in, or "".
+        pos: prefix length, tokens.
+        nbytes: size of the snapshot, bytes.
+        age_s: seconds since it was taken.
+        hits: times restored.
+        tier: "ram" or "disk".
+    """
+
+    key: str
+    conversation: str
+    pos: int
+    nbytes: int
+    age_s: float
+    hits: int
+    tier: str
+
+
+@dataclass(frozen=True)
+class Lookup:
+    """Result of :meth:`PrefixCache.lookup`.
+
+    Attributes:
+        state: the restored state (position = reused), or a fresh one when nothing matched.
+        reused: prompt tokens covered by the snapshot (0 on a miss).
+        logits: (n_vocab,) float32 logits at ``reused`` when the snapshot covers the whole prompt.
+        restore_ms: time spent restoring, ms.
+        diverge: the first position where the prompt leaves every cached path (>= reused): the
+            runtime snapshots there so the next branch from the same point is reused.
+    """
+
+    state: SequenceState
+    reused: int
+    logits: np.ndarray | None
+    restore_ms: float
+    diverge: int
+
+
+def state_arrays(state: SequenceState) -> dict[str, np.ndarray]:
+    """Compact copies of a state's arrays: KV rows up to ``state.pos`` only (see :class:`Snapshot`)."""
+    out: dict[str, np.ndarray] = {}
+    for il, a in state.conv.items():
+        out[f"conv.{il}"] = a.copy()
+    for il, a in state.ssm.items():
+        out[f"ssm.{il}"] = a.copy()
+    for il, a in state.k.items():
+        out[f"k.{il}"] = a[: state.pos].copy()
+    for il, a in state.v.items():
+        out[f"v.{il}"] = a[: state.pos].copy()
+    return out
+
+
+def restore_state(hp: HasStateLayout, arrays: Mapping[str, np.ndarray], pos: int, capacity: int) -> SequenceState:
+    """A new :class:`SequenceState` of ``capacity`` tokens holding a snapshot's arrays at ``pos``.
+
+    Raises:
+        ValueError: an array is missing or has the wrong shape (a snapshot of another model).
+    """
+    state = SequenceState.new(hp, capacity)
+    for kind, table in (("conv", state.conv), ("ssm", state.ssm)):
+        for il, dst in table.items():
+            src = arrays[f"{kind}.{il}"]
+            if src.shape != dst.shape:
+                raise ValueError(f"{kind}.{il} has shape {src.shape}, expected {dst.shape}")
+            dst[...] = src
+    for kind, table in (("k", state.k), ("v", state.v)):
+        for il, dst in table.items():
+            src = arrays[f"{kind}.{il}"]
+            if src.shape != (pos,) + dst.shape[1:]:
+                raise ValueError(f"{kind}.{il} has shape {src.shape}, expected {(pos,) + dst.shape[1:]}")
+            dst[:pos] = src
+    state.pos = pos
+    return state
+
+
+def snapshot_folder(disk_dir: str | Path, identity: str) -> Path:
+    """The disk tier's subfolder of the model file whose identity is ``identity`` (``GGUFFile.identity``)."""
+    return Path(disk_dir) / hashlib.blake2b(identity.encode(), digest_size=8).hexdigest()
+
+
+class PrefixCache:
+    """Snapshots of one model's sequence state, keyed by prefix hash chains.
+
+    Args:
+        hp: the model's hyper-parameters (state shapes).
+        identity: the model file's identity; part of every key and of every disk file.
+        ram_budget: bytes of snapshots kept in RAM (LRU beyond it).
+        disk_dir: folder of the disk tier (None = RAM only); a subfolder per model identity.
+        disk_budget: bytes of snapshot files kept on disk (oldest used removed beyond it).
+
+    Thread-safe: every public method holds one lock, so the app may list or clear snapshots
+    while a turn is running on another thread.
+    """
+
+    def __init__(self, hp: HasStateLayout, identity: str, ram_budget: int = 2 << 30,
+                 disk_dir: Path | None = None, disk_budget: int = 8 << 30) -> None:
+        self.hp = hp
+        self.identity = identity
+        self.ram_budget = ram_budget
+        self.disk_budget = disk_budget
+        self._entries: OrderedDict[bytes, Snapshot] = OrderedDict()
+        self._lock = threading.RLock()
+        self._disk: Path | None = None
+        if disk_dir is not None:
+            self._disk = snapshot_folder(disk_dir, identity)
+            self._scan_disk()
+
+    # ---- lookup and restore -------------------------------------------------------------
+
+    def lookup(self, tokens: Sequence[int], capacity: int, images: Mapping[int, bytes] | None = None,
+               keys: list[bytes] | None = None) -> Lookup:
+        """Find the deepest snapshot whose prefix ``tokens`` starts with, and restore it.
+
+        Args:
+            tokens: (n,) prompt token ids.
+            capacity: context window of the state to build, tokens.
+            images: position -> image digest (see :func:`chain_keys`).
+            keys: the prompt's chain keys when already computed.
+
+        Returns:
+            A :class:`Lookup`; on a miss ``reused`` is 0 and the state is fresh.
+        """
+        with self._lock:
+            t0 = time.perf_counter()
+            images = dict(images or {})
+            keys = keys or chain_keys(self.identity, tokens, images)
+            n = len(tokens)
+            for pos in range(n, 0, -1):
+                snap = self._entries.get(keys[pos])
+                if snap is None or snap.pos != pos:
+                    continue
+                if pos == n and not snap.has_logits:
+                    continue
+                if pos >= capacity:
+                    continue       # taken with a larger context window than this state holds
+                arrays = self._load_arrays(snap)
+                if arrays is None:
+                    continue
+                try:
+                    state = restore_state(self.hp, arrays, pos, capacity)
+                except (KeyError, ValueError) as exc:   # cannot happen for a checked file: a miss all the same
+                    log.warning("prefix cache: dropping snapshot %s: %s", snap.key.hex(), exc)
+                    self._entries.pop(snap.key, None)
+                    continue
+                snap.hits += 1
+                snap.last_used = time.time()
+                self._entries.move_to_end(snap.key)
+                logits = arrays.get("logits") if pos == n else None
+                return Lookup(state, pos, None if logits is None else logits.copy(),
+                              (time.perf_counter() - t0) * 1e3, self._diverge(tokens, images, pos))
+            return Lookup(SequenceState.new(self.hp, capacity), 0, None, (time.perf_counter() - t0) * 1e3,
+                          self._diverge(tokens, images, 0))
+
+    def contains(self, key: bytes) -> bool:
+        """Whether a snapshot is held (RAM or disk) under chain key ``key``."""
+        with self._lock:
+            return key in self._entries
+
+    def _diverge(self, tokens: Sequence[int], images: Mapping[int, bytes], start: int) -> int:
+        """Longest prefix of ``tokens`` (with ``images``) shared with any cached path, >= ``start``."""
+        best = start
+        arr = np.asarray(tokens, dtype=np.int64)
+        for snap in self._entries.values():
+            m = min(len(arr), snap.pos)
+            if m <= best:
+                continue
+            diff = np.flatnonzero(arr[:m] != snap.tokens[:m])
+            lcp = int(diff[0]) if diff.size else m
+            for p in set(images) | set(snap.images):
+                if p < lcp and images.get(p) != snap.images.get(p):
+                    lcp = p
+            best = max(best, lcp)
+        return best
+
+    # ---- taking snapshots ---------------------------------------------------------------
+
+    def put(self, key: bytes, state: SequenceState, tokens: Sequence[int], logits: np.ndarray | None,
+            images: Mapping[int, bytes] | None = None, conversation: str = "") -> Snapshot:
+        """Checkpoint ``state`` (at ``state.pos`` = len(tokens)) under chain key ``key``.
+
+        Args:
+            key: chain key of ``tokens``.
+            state: the sequence state after reading ``tokens``.
+            tokens: (pos,) the prefix token ids.
+            logits: (n_vocab,) float32 logits of the last position, or None.
+            images: position -> image digest of the images inside the prefix.
+            conversation: conversation id for the app's list.
+
+        Returns:
+            The new (or refreshed) snapshot.
+        """
+        with self._lock:
+            old = self._entries.get(key)
+            if old is not None and old.tier == "ram" and (logits is None or old.has_logits):
+                old.last_used = time.time()
+                self._entries.move_to_end(key)
+                return old
+            arrays = state_arrays(state)
+            if logits is not None:
+                arrays["logits"] = np.asarray(logits, dtype=np.float32).copy()
+            snap = Snapshot(key=key, pos=state.pos, tokens=np.asarray(tokens, dtype=np.int32).copy(),
+                            arrays=arrays, images={p: d for p, d in (images or {}).items() if p < state.pos},
+                            conversation=conversation,
+                            nbytes=sum(a.nbytes for a in arrays.values()) + 4 * len(tokens),
+                            has_logits=logits is not None)
+            if old is not None and old.tier == "disk":
+                self._remove_file(old)
+            self._entries[key] = snap
+            self._entries.move_to_end(key)
+            self._evict()
+            return snap
+
+    def _evict(self, keep: bytes | None = None) -> None:
+        """Move least recently used RAM snapshots to disk (or drop them) beyond the RAM budget, never ``keep``
+        (the one a lookup is restoring), then trim the disk tier."""
+        ram = [s for s in self._entries.values() if s.tier == "ram" and s.key != keep]
+        used = sum(s.nbytes for s in ram)
+        for snap in ram:  # least recently used first
+            if used <= self.ram_budget:
+                break
+            used -= snap.nbytes
+            if self._disk is not None and self._write(snap):
+                snap.arrays = None
+                snap.tier = "disk"
+            else:
+                del self._entries[snap.key]
+        self._trim_disk()
+
+    def persist(self) -> None:
+        """Write every RAM snapshot to the disk tier too (e.g. when the app closes)."""
+        with self._lock:
+            if self._disk is None:
+                return
+            for snap in list(self._entries.values()):
+                if snap.tier == "ram":
+                    self._write(snap)
+            self._trim_disk()
+
+    # ---- the app's view -----------------------------------------------------------------
+
+    def snapshots(self) -> list[SnapshotInfo]:
+        """Every snapshot, deepest first."""
+        with self._lock:
+            now = time.time()
+            return [SnapshotInfo(s.key.hex(), s.conversation, s.pos, s.nbytes, now - s.created, s.hits, s.tier)
+                    for s in sorted(self._entries.values(), key=lambda s: -s.pos)]
+
+    def clear(self, key: str | None = None) -> None:
+        """Drop one snapshot (hex key from :meth:`snapshots`) or all of them, RAM and disk."""
+        with self._lock:
+            targets: Iterable[Snapshot]
+            if key is None:
+                targets = list(self._entries.values())
+            else:
+                snap = self._entries.get(bytes.fromhex(key))
+                targets = [snap] if snap is not None else []
+            for snap in targets:
+                self._remove_file(snap)
+                self._entries.pop(snap.key, None)
+
+    @property
+    def ram_bytes(self) -> int:
+        """Bytes of snapshots held in RAM."""
+        with self._lock:
+            return sum(s.nbytes for s in self._entries.values() if s.tier == "ram")
+
+    # ---- disk tier ----------------------------------------------------------------------
+
+    def _path(self, key: bytes) -> Path:
+        assert self._disk is not None
+        return self._disk / f"{key.hex()}.snap"
+
+    def _write(self, snap: Snapshot) -> bool:
+        """Atomically write ``snap`` (:func:`engine.turn.snapshot.write_atomic`). Returns False on an OS error."""
+        assert self._disk is not None and snap.arrays is not None
+        path = self._path(snap.key)
+        if _is_regular(path):
+            return True
+        meta = {"version": FORMAT_VERSION, "identity": self.identity, "key": snap.key.hex(), "pos": snap.pos,
+                "images": {str(p): d.hex() for p, d in snap.images.items()},
+                "conversation": snap.conversation, "created": snap.created, "hits": snap.hits}
+        try:
+            write_atomic(path, encode(meta, snap.tokens, snap.arrays))
+        except OSError as exc:
+            log.warning("prefix cache: cannot write %s: %s", path, exc)
+            return False
+        return True
+
+    def _read(self, path: Path, with_arrays: bool = True) -> tuple[dict, np.ndarray, dict | None] | None:
+        """Stream, parse and verify one snapshot file (:func:`engine.turn.snapshot.read_file`); None (with a
+        log line) when it is not usable: vanished, not a regular file, damaged, foreign."""
+        parsed = read_file(path, self.hp, self.identity, with_arrays)
+        if isinstance(parsed, str):
+            log.warning("prefix cache: ignoring %s: %s", path, parsed)
+            return None
+        return parsed
+
+    def _listing(self) -> list[tuple[float, int, Path]]:
+        """(mtime, size, path) of the folder's regular files named like snapshots, oldest first; a file
+        that vanishes while listed, a link, FIFO, device, folder or stray name is left out."""
+        assert self._disk is not None
+        out = []
+        try:
+            with os.scandir(self._disk) as entries:
+                for entry in entries:
+                    if not _SNAP_NAME.fullmatch(entry.name):
+                        continue
+                    try:
+                        if entry.is_file(follow_symlinks=False):
+                            st = entry.stat(follow_symlinks=False)
+                            out.append((st.st_mtime, st.st_size, Path(entry.path)))
+                    except OSError:
+                        continue          # removed by another process meanwhile
+        except OSError as exc:
+            if not isinstance(exc, FileNotFoundError):
+                log.warning("prefix cache: cannot read the folder %s: %s", self._disk, exc)
+            return []
+        return sorted(out, key=lambda t: t[0])
+
+    def _sweep_temporary(self) -> None:
+        """Remove temporary files of writes that crashed: regular ``*.tmp`` files older than
+        ``_STALE_TMP_S`` (a younger one may be another process's write in flight)."""
+        assert self._disk is not None
+        now = time.time()
+        try:
+            with os.scandir(self._disk) as entries:
+                for entry in entries:
+                    try:
+                        if (entry.name.endswith(".tmp") and entry.is_file(follow_symlinks=False)
+                                and now - entry.stat(follow_symlinks=False).st_mtime > _STALE_TMP_S):
+                            os.unlink(entry.path)
+                    except OSError:
+                        continue
+        except OSError:
+            return
+
+    def _scan_disk(self) -> None:
+        """List the valid snapshot files of the folder and sweep stale temporary files (a crashed write's).
+
+        Never raises: an unreadable folder or file is logged and skipped."""
+        assert self._disk is not None
+        self._sweep_temporary()
+        for _, size, path in self._listing():
+            parsed = self._read(path, with_arrays=False)
+            if parsed is None:
+                continue
+            meta, tokens, _ = parsed
+            try:
+                images = {int(p): bytes.fromhex(d) for p, d in meta.get("images", {}).items()}
+            except ValueError as exc:   # a digest that is not hex
+                log.warning("prefix cache: ignoring %s: %s", path, exc)
+                continue
+            key = chain_keys(self.identity, tokens.tolist(), images)[-1]
+            if path.stem != key.hex() or meta.get("key") != key.hex():
+                log.warning("prefix cache: ignoring %s: its key does not match its contents", path)
+                continue
+            self._entries[key] = Snapshot(
+                key=key, pos=meta["pos"], tokens=tokens, arrays=None, images=images,
+                conversation=meta.get("conversation", ""), created=float(meta.get("created", 0.0)),
+                hits=int(meta.get("hits", 0)), tier="disk", nbytes=size,
+                has_logits="logits" in meta["arrays"])
+
+    def _load_arrays(self, snap: Snapshot) -> dict[str, np.ndarray] | None:
+        """The snapshot's arrays, read from its file when it is on disk; None (and the entry dropped) when
+        the file vanished or is not usable. Makes it the most recently used, so trimming spares it."""
+        if snap.arrays is not None:
+            return snap.arrays
+        if self._disk is None:
+            return None
+        parsed = self._read(self._path(snap.key))
+        if parsed is None or parsed[2] is None:
+            self._entries.pop(snap.key, None)
+            return None
+        snap.arrays, snap.tier = parsed[2], "ram"
+        self._entries.move_to_end(snap.key)
+        self._evict(keep=snap.key)
+        return parsed[2]
+
+    def _remove_file(self, snap: Snapshot) -> None:
+        if self._disk is not None:
+            try:
+                self._path(snap.key).unlink(missing_ok=True)
+            except OSError as exc:
+                log.warning("prefix cache: cannot remove %s: %s", self._path(snap.key), exc)
+
+    def _trim_disk(self) -> None:
+        """Remove the folder's oldest snapshot files until they fit the disk budget; files removed by another
+        process meanwhile are simply gone (never an error)."""
+        if self._disk is None:
+            return
+        files = self._listing()
+        used = sum(size for _, size, _ in files)
+        for _, size, p in files:
+            if used <= self.disk_budget:
+                break
+            used -= size
+            try:
+                p.unlink(missing_ok=True)
+            except OSError as exc:
+                log.warning("prefix cache: cannot remove %s: %s", p, exc)
+                continue
+            snap = self._entries.get(bytes.fromhex(p.stem))
+            if snap is not None and snap.tier == "disk":
+                del self._entries[snap.key]

@@ -1,0 +1,159 @@
+"""Per-sequence state of a hybrid recurrent/attention model: what a prefix snapshot must hold to resume.
+
+One :class:`SequenceState` per sequence, shaped by the model's :class:`StateLayout`:
+
+* every recurrent layer ``il`` keeps ``conv[il]`` (its causal-conv window) and ``ssm[il]`` (its state
+  matrix), fixed size; for Qwen3.5/3.6's Gated DeltaNet the last K-1 *raw* projections ``W_qkv x``
+  (pre-conv, pre-SiLU), oldest first, ``(K-1, conv_dim)``, and the delta-rule state S,
+  ``(n_v, head_k_dim, head_v_dim)`` in the transformers layout (S^T is llama.cpp's);
+* every attention layer keeps ``k[il]`` / ``v[il]``: ``(capacity, *row)`` preallocated (Qwen3.5/3.6:
+  ``(capacity, n_head_kv, head_dim)``, K after its RMSNorm and RoPE); only rows ``[:pos]`` are valid;
+* ``pos``: the number of positions already processed (the next token's cache index).
+
+A recurrent state cannot be rolled back: to resume at an earlier position, keep a :meth:`copy`
+taken exactly there. Everything is float32: a bf16/f16 recurrent state drifts from the reference
+over a long prompt, since every token's rounding error is carried into all later ones.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import numpy as np
+
+from ..errors import ContextFullError
+
+
+@dataclass(frozen=True)
+class StateLayout:
+    """What one sequence's state holds, layer by layer; a text architecture's hyper-parameters give it
+    (:meth:`HasStateLayout.state_layout`), so the state and the prefix cache need no architecture.
+
+    Attributes:
+        conv: layer -> shape of its recurrent conv window (float32, fixed size).
+        ssm: layer -> shape of its recurrent state matrix (float32, fixed size); the same layers as ``conv``.
+        kv: layer -> shape of one position's K row (and V row) of an attention layer; the cache holds
+            ``capacity`` of them.
+        context_length: the most positions a state may hold. n_vocab: logits per position.
+    """
+
+    conv: Mapping[int, tuple[int, ...]]
+    ssm: Mapping[int, tuple[int, ...]]
+    kv: Mapping[int, tuple[int, ...]]
+    context_length: int
+    n_vocab: int
+
+    def arrays(self, pos: int) -> dict[str, tuple[int, ...]]:
+        """Name -> shape of every array a snapshot at ``pos`` holds (``conv.IL``, ``ssm.IL``, ``k.IL``,
+        ``v.IL``; KV with ``pos`` rows), in layer order."""
+        out: dict[str, tuple[int, ...]] = {}
+        for il in sorted({*self.conv, *self.kv}):
+            if il in self.conv:
+                out[f"conv.{il}"] = tuple(self.conv[il])
+                out[f"ssm.{il}"] = tuple(self.ssm[il])
+            else:
+                out[f"k.{il}"] = out[f"v.{il}"] = (pos, *self.kv[il])
+        return out
+
+
+class HasStateLayout(Protocol):
+    """Hyper-parameters that know their model's :class:`StateLayout` (e.g. ``Qwen35HParams``)."""
+
+    def state_layout(self) -> StateLayout:
+        """The per-layer state of this model."""
+
+
+@dataclass
+class SequenceState:
+    """Conv + delta-rule state per GDN layer, KV cache per attention layer, and the position.
+
+    Build with :meth:`new`. Arrays are owned by this object; the model updates them in place.
+    """
+
+    capacity: int
+    pos: int = 0
+    conv: dict[int, np.ndarray] = field(default_factory=dict)
+    ssm: dict[int, np.ndarray] = field(default_factory=dict)
+    k: dict[int, np.ndarray] = field(default_factory=dict)
+    v: dict[int, np.ndarray] = field(default_factory=dict)
+
+    @classmethod
+    def new(cls, hp: HasStateLayout, capacity: int) -> "SequenceState":
+        """A fresh (all-zero, pos 0) state of ``hp.state_layout()`` holding up to ``capacity`` positions.
+
+        Raises:
+            ContextFullError: ``capacity`` is < 1 or larger than the model's context_length.
+        """
+        layout = hp.state_layout()
+        if not 1 <= capacity <= layout.context_length:
+            raise ContextFullError(
+                f"state capacity {capacity} is outside 1..{layout.context_length} (the model's context_length)")
+        state = cls(capacity=capacity)
+        for il in sorted({*layout.conv, *layout.kv}):
+            if il in layout.conv:
+                state.conv[il] = np.zeros(layout.conv[il], np.float32)
+                state.ssm[il] = np.zeros(layout.ssm[il], np.float32)
+            else:
+                state.k[il] = np.zeros((capacity, *layout.kv[il]), np.float32)
+                state.v[il] = np.zeros((capacity, *layout.kv[il]), np.float32)
+        return state
+
+    def chunk_inputs(self, tokens: np.ndarray, positions: np.ndarray | None,
+                     n_vocab: int) -> tuple[np.ndarray, np.ndarray]:
+        """Check n new tokens to be appended at ``pos`` and return them with their M-RoPE positions.
+
+        Args:
+            tokens: n int token ids. positions: (3, n) int t/h/w positions, or None for
+                ``pos + arange(n)`` in all three rows. n_vocab: the model's vocabulary size.
+
+        Returns:
+            (tokens (n,) int64, positions (3, n)).
+
+        Raises:
+            ValueError: n == 0, a token id outside 0..n_vocab-1, or ``positions`` not of shape (3, n).
+            ContextFullError: ``pos + n`` exceeds ``capacity``.
+        """
+        tokens = np.asarray(tokens, dtype=np.int64).reshape(-1)
+        n = tokens.shape[0]
+        if n == 0:
+            raise ValueError("a model step needs at least one token")
+        if self.pos + n > self.capacity:
+            raise ContextFullError(f"{self.pos} + {n} positions do not fit the state's capacity of {self.capacity}")
+        bad = tokens[(tokens < 0) | (tokens >= n_vocab)]
+        if bad.size:
+            raise ValueError(f"token id {int(bad[0])} is outside the vocabulary 0..{n_vocab - 1}")
+        if positions is None:
+            positions = np.broadcast_to(self.pos + np.arange(n), (3, n))
+        positions = np.asarray(positions)
+        if positions.shape != (3, n):
+            raise ValueError(f"positions must have shape (3, {n}), got {positions.shape}")
+        return tokens, positions
+
+    def copy(self) -> "SequenceState":
+        """A deep, bit-exact copy: continuing from it gives exactly what continuing from self gives.
+
+        KV rows past ``pos`` are not part of the state; they are zero in the copy.
+        """
+        def kv(cache: dict[int, np.ndarray]) -> dict[int, np.ndarray]:
+            out = {}
+            for il, a in cache.items():
+                b = np.zeros_like(a)
+                b[:self.pos] = a[:self.pos]
+                out[il] = b
+            return out
+
+        return SequenceState(
+            capacity=self.capacity,
+            pos=self.pos,
+            conv={il: a.copy() for il, a in self.conv.items()},
+            ssm={il: a.copy() for il, a in self.ssm.items()},
+            k=kv(self.k),
+            v=kv(self.v),
+        )
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of all arrays held (the KV caches counted at full capacity)."""
+        return sum(a.nbytes for d in (self.conv, self.ssm, self.k, self.v) for a in d.values())

@@ -1,0 +1,94 @@
+"""Benchmark: where one CPU prefill's time goes, by hook, in the calling thread's CPU time (a script, not a test).
+
+    python tests/bench/bench_prefill_hooks.py MODEL.gguf [--tokens 512] [--depths]
+
+Runs with one kernel thread (the pool then runs on the caller), so ``time.thread_time`` counts all of the
+kernels' work and a busy machine distorts it much less than wall time: use it for before/after comparisons
+run in turn on a loaded machine, never as a speed claim. Default: one ``forward`` of ``--tokens`` random
+tokens after a 4-token warm-up (what ``engine bench``'s prompt row runs), split into the hooks ``linear``
+(projections), ``delta_rule`` (Gated DeltaNet), ``attend``, ``moe``, ``ffn`` and the rest (numpy norms,
+RoPE, residuals, Python). ``--depths``: one 256-token piece at cache depths 0 and 9984 instead (random
+KV rows and recurrent states), each twice, and the 10240 / 2048 tok/s ratio of issue 16 item 6 projected
+from them (attention's cost grows linearly with depth; the app prefills pieces of 256).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import time
+
+import numpy as np
+
+from engine.arch.qwen35.cpu import NativeQwen35Model
+from engine.gguf.file import GGUFFile
+from engine.kernels import cpu
+from engine.turn.state import SequenceState
+
+HOOKS = ("linear", "delta_rule", "attend", "moe", "ffn")
+
+
+def hook_seconds(model: NativeQwen35Model) -> dict[str, float]:
+    """Wrap the instance's hooks with thread-CPU timers; returns the live totals."""
+    secs = dict.fromkeys(HOOKS, 0.0)
+
+    def timed(name, fn):
+        def call(*args, **kwargs):
+            t0 = time.thread_time()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                secs[name] += time.thread_time() - t0
+        return call
+    for name in HOOKS:
+        setattr(model, name, timed(name, getattr(model, name)))
+    return secs
+
+
+def by_hook(model: NativeQwen35Model, n: int) -> str:
+    rng = np.random.default_rng(0)
+    secs = hook_seconds(model)
+    model.forward(rng.integers(0, model.hp.n_vocab, 4), SequenceState.new(model.hp, n + 8))
+    secs.update(dict.fromkeys(HOOKS, 0.0))
+    t0 = time.thread_time()
+    model.forward(rng.integers(0, model.hp.n_vocab, n), SequenceState.new(model.hp, n + 8))
+    total = time.thread_time() - t0
+    parts = ", ".join(f"{k} {v:.2f}" for k, v in secs.items() if v)
+    return f"{n} tokens: {total:.2f} s CPU ({n / total:.1f} tok per CPU s); {parts}, rest {total - sum(secs.values()):.2f}"
+
+
+def by_depth(model: NativeQwen35Model, piece: int = 256, deep: int = 9984) -> str:
+    rng = np.random.default_rng(0)
+    state = SequenceState.new(model.hp, deep + piece)
+    for arrays in (state.k, state.v, state.conv, state.ssm):
+        for a in arrays.values():
+            a[...] = rng.standard_normal(a.shape).astype(np.float32) * 0.1
+    tokens = rng.integers(0, model.hp.n_vocab, piece)
+    model.forward(tokens[:8], state)
+    best = {}
+    for depth in (0, deep, 0, deep):
+        state.pos = depth
+        t0 = time.thread_time()
+        model.forward(tokens, state)
+        best[depth] = min(best.get(depth, np.inf), time.thread_time() - t0)
+    slope = (best[deep] - best[0]) / deep
+    short, long = best[0] + slope * (2048 - piece) / 2, best[0] + slope * (10240 - piece) / 2   # mean piece depth
+    return (f"{piece}-token piece: {best[0]:.2f} s CPU at depth 0, {best[deep]:.2f} at {deep}; projected "
+            f"{piece / short:.1f} tok per CPU s at 2048, {piece / long:.1f} at 10240, ratio {short / long:.3f}")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("model")
+    ap.add_argument("--tokens", type=int, default=512)
+    ap.add_argument("--depths", action="store_true", help="pieces at depth 0 and 9984 and the projected ratio")
+    args = ap.parse_args()
+    cpu.set_threads(1)
+    gguf = GGUFFile.open(args.model)
+    model = NativeQwen35Model(gguf.hparams, gguf)
+    line = by_depth(model) if args.depths else by_hook(model, args.tokens)
+    print(f"{os.path.basename(args.model)}, isa {cpu.isa()}, 1 thread: {line}; load {os.getloadavg()[0]:.1f}")
+
+
+if __name__ == "__main__":
+    main()
