@@ -11,7 +11,7 @@ import jsonschema
 import openai
 import pytest
 
-from engine.events import PrefillStats, TokenEvent, TurnSummary
+from engine.events import PrefillStats, TokenEvent
 from engine.sampling import SamplingParams
 from engine.server import ServerConfig, ServerThread
 from engine.server.tool_calls import CallReader, ToolCallStream

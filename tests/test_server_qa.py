@@ -8,8 +8,8 @@ import json
 import httpx
 import pytest
 
-from engine.grammar import MAX_MESSAGE, GrammarError
 from engine.arch.qwen35.channels import splitter
+from engine.grammar import MAX_MESSAGE, GrammarError
 from engine.server.tool_calls import CallReader, ToolCallStream
 from engine.server.tool_grammar import call_grammar
 

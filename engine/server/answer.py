@@ -9,7 +9,7 @@ may still be the start of a stop string, so each piece is sent as soon as it is 
 
 from __future__ import annotations
 
-from typing import Iterable, Sequence
+from collections.abc import Iterable, Sequence
 
 from engine.channels import partial_suffix
 
