@@ -175,3 +175,13 @@ class ChannelSplitter:
         self._emit(out, "reasoning", self._drafts)   # thought on: the blocks were drafts
         self._drafts, self._calls, self.state = "", [], "reasoning"
         return True
+
+
+def raw_text_splitter(reasoning: bool) -> ChannelSplitter:
+    """The splitter of an answer from a remote server that sends the model's raw text (llama-server
+    without ``--reasoning-format``, vLLM without ``--reasoning-parser``), the one place outside the
+    families that reads ``<think>``: the remote model's family is not known here, and ``<think>`` /
+    ``</think>`` is what every such server's reasoning models write. ``reasoning``: thinking was asked
+    for, so the template may have opened the block in the prompt."""
+    return ChannelSplitter(Markers(), reasoning)
+
