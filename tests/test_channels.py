@@ -130,5 +130,24 @@ def test_the_engine_tags_each_token(synth_model) -> None:
             want, channels = _run([t.text for t in tokens], thinking)
             got = [p for t in tokens for p in t.parts] + list(summary.parts)
             assert _merged(got) == _merged(want) and [t.channel for t in tokens] == channels
+            ms = [t.ms for t in tokens]
+            assert summary.decode_tok_s == pytest.approx((len(ms) - 1) / (sum(ms[1:]) / 1e3))
     finally:
         engine.close()
+
+
+@settings(max_examples=50, deadline=None)
+@given(st.lists(st.floats(0.5, 500.0), max_size=12), st.integers(0, 4000), st.floats(0.0, 5000.0))
+def test_the_summary_rates_come_from_one_constructor(token_ms, prefilled, prefill_ms) -> None:
+    """decode tok/s = (n - 1) tokens over the time after the first (whose latency is TTFT's); TTFT and
+    prefill tok/s are the prefill's."""
+    from engine.events import PrefillStats
+    prefill = PrefillStats(prompt_tokens=prefilled + 7, reused_tokens=7, prefilled_tokens=prefilled,
+                           prefill_ms=prefill_ms, restore_ms=0.0, device="cpu", ttft_ms=prefill_ms + 3.0)
+    got = TurnSummary.of_turn("eos", "", prefill, token_ms, "t")
+    after_first = sum(token_ms[1:]) / 1e3
+    assert got.decode_tok_s == pytest.approx((len(token_ms) - 1) / after_first if len(token_ms) > 1 else 0.0)
+    assert (got.ttft_ms, got.prefill_tok_s) == (prefill.ttft_ms, prefill.prefill_tok_s)
+    assert (got.prompt_tokens, got.reused_tokens, got.generated_tokens) == (prefilled + 7, 7, len(token_ms))
+    bare = TurnSummary.of_turn("error", "x", None, token_ms, generated_tokens=99)
+    assert (bare.ttft_ms, bare.prefill_tok_s, bare.prompt_tokens, bare.generated_tokens) == (0.0, 0.0, 0, 99)

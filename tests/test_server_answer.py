@@ -61,3 +61,10 @@ def test_a_tool_call_ends_a_held_stop_string_and_is_not_searched() -> None:
     assert s.push([("content", "a E"), ("tool_call", "<tool_call>END</tool_call>")]) == [
         ("content", "a "), ("content", "E"), ("tool_call", "<tool_call>END</tool_call>")]
     assert not s.stopped
+
+
+def test_the_server_reads_channels_not_markers() -> None:
+    """Markers in a part are its channel's text: the family's rule decided, the server does not parse."""
+    s = AnswerSplitter()
+    assert s.push([("content", " <think>a</think> b"), ("reasoning", "r")]) == [
+        ("content", "<think>a</think> b"), ("reasoning", "r")]
