@@ -64,6 +64,8 @@ class ChannelSplitter:
     def __init__(self, markers: Markers, reasoning: bool = False) -> None:
         self.markers = markers
         self.state = "reasoning" if reasoning else "start"
+        """start (blanks before a possible opening marker), content, call (inside a block), reasoning,
+        draft (inside a block in the reasoning), after (blanks after one)."""
         self.channel: Channel = "reasoning" if reasoning else "content"
         self._pending = ""
         self._drafts = ""       # reasoning tool-call blocks (and blanks between them), held to the end
@@ -73,7 +75,9 @@ class ChannelSplitter:
         """The parts that ``text`` completes (it may complete none and be held back)."""
         self._pending += text
         out: list[Part] = []
-        while getattr(self, "_" + self.state)(out):
+        steps = {"start": self._start, "content": self._content, "call": self._call, "reasoning": self._reasoning,
+                 "draft": self._draft, "after": self._after}
+        while steps[self.state](out):      # each step consumes what it can; False: wait for more text
             pass
         if self._pending or self._drafts:
             self.channel = "tool_call" if self.state == "call" else self._home()
@@ -83,7 +87,7 @@ class ChannelSplitter:
         """The held-back text once the answer has ended: drafts that ended it are calls; a block cut short
         is sent as tool-call text; the rest goes to the channel it was held in."""
         out: list[Part] = []
-        if self.state in ("after", "between") and not self._pending.strip():
+        if self.state == "after" and not self._pending.strip():
             out += [("tool_call", call) for call in self._calls]
             self._drafts = self._pending = ""
         elif self.state == "call":
