@@ -7,7 +7,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from engine.arch.qwen35.channels import splitter
+from engine.events import TokenEvent, TurnSummary
+from engine.sampling import SamplingParams
 from engine.server.answer import AnswerSplitter
+from engine.server.choices import Choice
+from engine.server.requests import TurnRequest
 
 OPENED, CLOSED = "<|im_start|>assistant\n<think>\n", "<|im_start|>assistant\n<think>\n\n</think>\n\n"
 
@@ -68,3 +72,26 @@ def test_the_server_reads_channels_not_markers() -> None:
     s = AnswerSplitter()
     assert s.push([("content", " <think>a</think> b"), ("reasoning", "r")]) == [
         ("content", "<think>a</think> b"), ("reasoning", "r")]
+
+
+def _choice_text(prompt: str | None, events: list[TokenEvent], summary_parts=()) -> dict:
+    messages = None if prompt is not None else [{"role": "user", "content": "x"}]
+    choice = Choice(0, TurnRequest("m", messages, prompt, SamplingParams()))
+    for event in events:
+        choice.push(event)
+    text = "".join(e.text for e in events)
+    choice.close(TurnSummary("eos", "", 1, 0, len(events), 0.0, 0.0, 0.0, text, (), tuple(summary_parts)))
+    return choice.whole()
+
+
+def test_a_choice_maps_the_channels_and_a_raw_completion_takes_the_text() -> None:
+    events = [TokenEvent(0, "hmm", 0.0, 0, channel="reasoning"),
+              TokenEvent(1, "</think>\n\nRed <tool_call>", 0.0, 1, channel="tool_call",
+                         parts=(("content", "\n\nRed "),)),
+              TokenEvent(2, "x</tool_call>", 0.0, 2, channel="tool_call",
+                         parts=(("tool_call", "<tool_call>x</tool_call>"),))]
+    chat = _choice_text(None, events, [("content", " end")])
+    assert chat["message"] == {"role": "assistant", "reasoning_content": "hmm",
+                               "content": "Red <tool_call>x</tool_call> end"}      # no tools offered: text
+    raw = _choice_text("p", events, [("content", " end")])
+    assert raw["text"] == "hmm</think>\n\nRed <tool_call>x</tool_call>"       # held parts are in the text already
