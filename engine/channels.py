@@ -59,13 +59,13 @@ class ChannelSplitter:
     Attributes:
         channel: the channel of the last token pushed (of its last character; a marker belongs to
             the block it opens or closes; text held back to the channel it is held in).
+        state: "start" (blanks before a possible opening marker), "content", "call" (inside a block),
+            "reasoning", "draft" (inside a block in the reasoning) or "after" (blanks after such a block).
     """
 
     def __init__(self, markers: Markers, reasoning: bool = False) -> None:
         self.markers = markers
         self.state = "reasoning" if reasoning else "start"
-        """start (blanks before a possible opening marker), content, call (inside a block), reasoning,
-        draft (inside a block in the reasoning), after (blanks after one)."""
         self.channel: Channel = "reasoning" if reasoning else "content"
         self._pending = ""
         self._drafts = ""       # reasoning tool-call blocks (and blanks between them), held to the end
