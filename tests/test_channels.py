@@ -137,7 +137,8 @@ def test_the_engine_tags_each_token(synth_model) -> None:
 
 
 @settings(max_examples=50, deadline=None)
-@given(st.lists(st.floats(0.5, 500.0), max_size=12), st.integers(0, 4000), st.floats(0.0, 5000.0))
+@given(st.lists(st.floats(0.5, 500.0), max_size=12), st.integers(0, 4000),
+       st.floats(0.0, 5000.0, allow_subnormal=False))
 def test_the_summary_rates_come_from_one_constructor(token_ms, prefilled, prefill_ms) -> None:
     """decode tok/s = (n - 1) tokens over the time after the first (whose latency is TTFT's); TTFT and
     prefill tok/s are the prefill's."""
