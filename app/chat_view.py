@@ -122,7 +122,6 @@ class MessageWidget(QFrame):
         self.streaming = False
         self._renderer = renderer
         self._code_blocks: tuple[str, ...] = ()
-        self._thinking_first = False
         self.setObjectName("userMessage" if message.role == "user" else "assistantMessage")
         self.setFrameShape(QFrame.StyledPanel)
         if message.role == "assistant":
@@ -304,7 +303,6 @@ class MessageWidget(QFrame):
     def start_streaming(self, thinking_first: bool) -> None:
         """Show the message as an answer in progress."""
         self.streaming = True
-        self._thinking_first = thinking_first
         self.action_button.setEnabled(False)
         self.stats_label.setText("Reading the prompt\u2026")
         self.stats_label.show()
@@ -322,12 +320,12 @@ class MessageWidget(QFrame):
         if self.streaming and not self.raw:
             self.stats_label.setText(f"Reading the prompt: {done:,} / {total:,} tokens")
 
-    def append(self, text: str) -> None:
-        """Add streamed text; redraws this widget only, as plain text."""
-        self.raw += text
-        thinking, answer, still = split_thinking(self.raw, self._thinking_first)
-        self._set_thinking(thinking, still)
-        self.body.set_plain(answer)
+    def show_stream(self, raw: str, thinking: str, answer: str, still: bool) -> None:
+        """Show the answer so far, as plain text (this widget only): ``raw`` as the model wrote it, its
+        ``thinking`` and ``answer`` (the engine's channels); ``still``: the model is still thinking."""
+        self.raw = raw
+        self._set_thinking(thinking.strip(), still)
+        self.body.set_plain(answer.lstrip() if thinking else answer)
         if self.stats_label.text():
             self.stats_label.setText("")
             self.stats_label.hide()

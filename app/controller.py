@@ -28,7 +28,7 @@ from .chat_view import ChatView, MessageWidget
 from .engine_worker import ChatRequest, EngineWorker
 from .history import Branch, HistoryStore, Message, TurnStart
 from .history_thread import HistoryThread
-from .markdown_render import THINK_CLOSE, split_thinking
+from .markdown_render import split_thinking
 from .settings import Settings
 
 SAVE_INTERVAL_MS = 3000
@@ -81,6 +81,12 @@ class LiveTurn:
     """The user message this turn added (a new message or an edit; None for a regenerate)."""
     started: float = field(default_factory=time.monotonic)
     text: str = ""
+    """The answer as the model wrote it (what the history stores)."""
+    reasoning: str = ""
+    answer: str = ""
+    """The answer's reasoning and the rest (tool-call text included), from the engine's channels."""
+    channel: str = ""
+    """The channel of the last text ("" before any)."""
     thought_s: float | None = None
     saved_len: int = 0
     restore_ms: float = 0.0
@@ -185,7 +191,7 @@ class ChatController(QObject):
                 widget.raw = ""
                 widget.start_streaming(live.thinking)
                 if live.text:
-                    widget.append(live.text)
+                    self._show_stream(widget, live)
                 elif live.progress is not None:
                     widget.show_prefill(live.progress.done, live.progress.total)
         for turn in self.waiting:
@@ -374,18 +380,29 @@ class ChatController(QObject):
             self.live.restore_ms = stats.restore_ms
             self.live.note = stats.note
 
-    @Slot(str, list)
-    def on_tokens(self, text: str, _token_ms: list) -> None:
-        """A batch of answer text arrived from the worker."""
+    @Slot(str, list, list)
+    def on_tokens(self, text: str, _token_ms: list, parts: list) -> None:
+        """A batch of answer text and its channels arrived from the worker."""
         live = self.live
         if live is None:
             return
         live.text += text
-        if live.thinking and live.thought_s is None and THINK_CLOSE in live.text:
-            live.thought_s = time.monotonic() - live.started
+        for channel, piece in parts:
+            if channel == "reasoning":
+                live.reasoning += piece
+            else:
+                live.answer += piece
+                if live.thinking and live.thought_s is None and live.channel == "reasoning":
+                    live.thought_s = time.monotonic() - live.started
+            live.channel = channel
         widget = self._shown_widget(live)
         if widget is not None:
-            widget.append(text)
+            self._show_stream(widget, live)
+
+    @staticmethod
+    def _show_stream(widget: MessageWidget, live: LiveTurn) -> None:
+        still = live.channel == "reasoning" or (live.thinking and not live.channel)
+        widget.show_stream(live.text, live.reasoning, live.answer, still)
 
     def save_partial(self) -> None:
         """Write the live answer's text so far (the timer calls this every few seconds)."""

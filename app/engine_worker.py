@@ -206,7 +206,8 @@ class EngineWorker(QObject):
         load_stage(LoadRequest, str): the load of that request has begun a stage ("mapping tensors", ...).
         prefill_progress(PrefillProgress): how much of the prompt has been read (at most one per batch).
         prefilled(PrefillStats): the prompt has been read.
-        tokens(str, list): a batch of answer text and the per-token latencies (ms) it holds.
+        tokens(str, list, list): a batch of answer text as the model wrote it, the per-token latencies (ms) it
+            holds and its ``(channel, text)`` parts (``TokenEvent.parts``; the last batch adds the summary's).
         finished(TurnSummary): the turn is over (also after a cancel or an error; its ``message``
             then says what happened in plain words).
         snapshots_listed(list): the engine's prefix snapshots (after a load, a turn, a clear).
@@ -227,7 +228,7 @@ class EngineWorker(QObject):
     load_stage = Signal(object, str)
     prefill_progress = Signal(object)
     prefilled = Signal(object)
-    tokens = Signal(str, list)
+    tokens = Signal(str, list, list)
     finished = Signal(object)
     snapshots_listed = Signal(list)
     gpu_reported = Signal(object)
@@ -503,6 +504,7 @@ class _TurnStream:
         self.ms: list[float] = []
         self.pending: list[str] = []
         self.pending_ms: list[float] = []
+        self.pending_parts: list[tuple[str, str]] = []
         self.pending_progress: PrefillProgress | None = None
         self.last_flush = time.monotonic()
         self.prefill: PrefillStats | None = None
@@ -514,6 +516,7 @@ class _TurnStream:
             self.ms.append(event.ms)
             self.pending.append(event.text)
             self.pending_ms.append(event.ms)
+            self.pending_parts += event.parts
             if time.monotonic() - self.last_flush >= BATCH_SECONDS:
                 self.flush()
         elif isinstance(event, PrefillProgress):
@@ -531,22 +534,16 @@ class _TurnStream:
         if self.pending_progress is not None:
             self.worker.prefill_progress.emit(self.pending_progress)
             self.pending_progress = None
-        if self.pending_ms:
-            self.worker.tokens.emit("".join(self.pending), self.pending_ms)
-            self.pending, self.pending_ms = [], []
+        if self.pending_ms or self.pending_parts:
+            self.worker.tokens.emit("".join(self.pending), self.pending_ms, self.pending_parts)
+            self.pending, self.pending_ms, self.pending_parts = [], [], []
         self.last_flush = time.monotonic()
 
     def summary(self, reason: str, message: str) -> TurnSummary:
-        p = self.prefill
-        decode_ms = sum(self.ms[1:])
-        return TurnSummary(
-            stop_reason=reason, message=message, prompt_tokens=p.prompt_tokens if p else 0,
-            reused_tokens=p.reused_tokens if p else 0, generated_tokens=len(self.ms),
-            ttft_ms=p.ttft_ms if p else 0.0, prefill_tok_s=p.prefill_tok_s if p else 0.0,
-            decode_tok_s=(len(self.ms) - 1) / (decode_ms / 1e3) if decode_ms > 0 else 0.0,
-            text="".join(self.text), token_ms=tuple(self.ms))
+        return TurnSummary.of_turn(reason, message, self.prefill, self.ms, "".join(self.text))  # type: ignore[arg-type]
 
     def finish(self, summary: TurnSummary) -> None:
+        self.pending_parts += summary.parts
         self.flush()
         self.done = True
         self.worker.finished.emit(summary)

@@ -29,11 +29,12 @@ class Rendered:
 
 
 def split_thinking(raw: str, thinking_first: bool) -> tuple[str, str, bool]:
-    """Split a model's raw output into ``(thinking, answer, still_thinking)``.
+    """Split a stored answer into ``(thinking, answer, still_thinking)``.
 
-    Qwen3.5/3.6 write their reasoning first and close it with ``</think>`` (the opening tag is
-    usually part of the prompt). ``thinking_first`` says the turn was asked to think, so text with
-    no closing tag yet is all thinking.
+    The history keeps an answer as the model wrote it, one text: reasoning first, closed with
+    ``</think>`` (the opening tag is usually part of the prompt). A live answer is shown from the
+    engine's channels instead; this reads the stored ones. ``thinking_first`` says the turn was
+    asked to think, so text with no closing tag yet is all thinking.
     """
     head, sep, tail = raw.partition(THINK_CLOSE)
     if sep:

@@ -316,7 +316,8 @@ class Engine:
                     positions=None if prompt is None else prompt.positions,
                     images=() if prompt is None else prompt.images, gpu=self.gpu,
                     gpu_min_tokens=self.options.gpu_min_tokens, on_device_error=self._gpu_failed,
-                    rerenders=rerenders, started=started, grammar=grammar)
+                    rerenders=rerenders, started=started, grammar=grammar,
+                    channels=self.gguf.text_arch.channels)
         return run_turn(turn)
 
     def complete(self, text: str, sampling: SamplingParams = SamplingParams(),

@@ -10,10 +10,15 @@ stops before its first token (prompt larger than the context, cancel during pref
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Literal
 
 StopReason = Literal["eos", "max_tokens", "context_full", "cancelled", "error"]
+Channel = Literal["reasoning", "content", "tool_call"]
+"""Where answer text belongs: the model's reasoning, the answer shown to the user, or a tool call."""
+Part = tuple[Channel, str]
+"""``(channel, text)``: a piece of answer text in one channel."""
 
 
 @dataclass(frozen=True)
@@ -76,6 +81,11 @@ class TokenEvent:
             grammar mask and temperature), natural log; None unless ``SamplingParams.top_logprobs`` is set.
         top_logprobs: the ``SamplingParams.top_logprobs`` most likely (token id, logprob) pairs there, most
             likely first (ties to the lowest id).
+        channel: where the token is (its family's rule, :mod:`engine.channels`; markers belong to the block
+            they open or close).
+        parts: the answer text this token releases, by channel, markers of reasoning left out; text that
+            may still begin a marker is held and released by a later token or the :class:`TurnSummary`.
+            None (the default) means ``((channel, text),)``.
     """
 
     token_id: int
@@ -84,6 +94,12 @@ class TokenEvent:
     index: int
     logprob: float | None = None
     top_logprobs: tuple[tuple[int, float], ...] = ()
+    channel: Channel = "content"
+    parts: tuple[Part, ...] | None = None
+
+    def __post_init__(self) -> None:
+        if self.parts is None:
+            object.__setattr__(self, "parts", ((self.channel, self.text),) if self.text else ())
 
 
 @dataclass(frozen=True)
@@ -98,8 +114,9 @@ class TurnSummary:
         ttft_ms: time to first token, ms.
         prefill_tok_s: prompt tokens/s of the prefill (prefilled tokens only).
         decode_tok_s: generated tokens/s, excluding the first token's latency.
-        text: the full answer text.
+        text: the full answer text, as the model wrote it.
         token_ms: per-token latencies, ms, in order.
+        parts: the answer text the last token left held back (see :attr:`TokenEvent.parts`).
     """
 
     stop_reason: StopReason
@@ -112,6 +129,27 @@ class TurnSummary:
     decode_tok_s: float
     text: str
     token_ms: tuple[float, ...] = field(default_factory=tuple)
+    parts: tuple[Part, ...] = ()
+
+    @classmethod
+    def of_turn(cls, stop_reason: StopReason, message: str, prefill: PrefillStats | None, token_ms: Sequence[float],
+                text: str = "", *, prompt_tokens: int | None = None, reused_tokens: int | None = None,
+                generated_tokens: int | None = None, parts: tuple[Part, ...] = ()) -> TurnSummary:
+        """The summary of a turn, its rates derived from what it measured.
+
+        TTFT and prefill tok/s come from ``prefill`` (0 without one: nothing was prefilled); decode tok/s
+        is ``(n - 1) / sum(token_ms[1:])``, the first token's latency being part of TTFT (0 for n < 2).
+        Token counts default to ``prefill``'s prompt counts and ``len(token_ms)``.
+        """
+        decode_s = sum(token_ms[1:]) / 1e3
+        prompt, reused = (prefill.prompt_tokens, prefill.reused_tokens) if prefill else (0, 0)
+        return cls(stop_reason=stop_reason, message=message,
+                   prompt_tokens=prompt if prompt_tokens is None else prompt_tokens,
+                   reused_tokens=reused if reused_tokens is None else reused_tokens,
+                   generated_tokens=len(token_ms) if generated_tokens is None else generated_tokens,
+                   ttft_ms=prefill.ttft_ms if prefill else 0.0, prefill_tok_s=prefill.prefill_tok_s if prefill else 0.0,
+                   decode_tok_s=(len(token_ms) - 1) / decode_s if decode_s > 0 else 0.0, text=text,
+                   token_ms=tuple(token_ms), parts=parts)
 
 
 Event = PrefillProgress | PrefillStats | TokenEvent | TurnSummary

@@ -89,6 +89,9 @@ class TextArch:
             :class:`~engine.errors.DeviceError` when no GPU works.
         prefill_plan: ``(hp, gguf, budget_bytes) -> placement`` with ``text()`` and ``fixed_bytes``: what
             ``cuda_prefill`` would place under the budget, without a device (None: no plan to show).
+        channels: ``prompt_tail -> splitter``: the family's split of an answer into reasoning, content and
+            tool-call text (:class:`engine.channels.ChannelSplitter`), given the text of the prompt's last
+            tokens (None: all of it is content).
     """
 
     name: str
@@ -100,6 +103,7 @@ class TextArch:
     native_model: Callable[[Any, Any], TextModel]
     cuda_prefill: Callable[[Any, Any, int | None], GpuPrefill]
     prefill_plan: Callable[[Any, Any, int], Any] | None = None
+    channels: Callable[[str], Any] | None = None
 
 
 class VisionTower(Protocol):

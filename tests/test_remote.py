@@ -3,6 +3,7 @@ connection, silence, a connection dropped mid-answer): issue 17, items 3 and 5."
 
 from __future__ import annotations
 
+import json
 import socket
 import threading
 import time
@@ -175,6 +176,44 @@ def test_reasoning_content_is_rewrapped_for_the_app() -> None:
             srv.close()
         assert got.text == text and got.stop_reason == "eos"
         assert (got.prompt_tokens, got.reused_tokens, got.generated_tokens) == (9, 6, 4)
+
+
+def _channels(events) -> list:
+    """The answer's parts, adjacent text of one channel joined."""
+    out: list = []
+    for channel, text in [p for e in events if isinstance(e, TokenEvent) for p in e.parts] + list(events[-1].parts):
+        if out and out[-1][0] == channel:
+            out[-1] = (channel, out[-1][1] + text)
+        else:
+            out.append((channel, text))
+    return out
+
+
+def _sse(deltas: list[dict]) -> bytes:
+    lines = [b"data: " + json.dumps({"choices": [{"delta": d}]}).encode() + b"\n\n" for d in deltas]
+    return sse_head() + b"".join(lines) + b"data: [DONE]\n\n"
+
+
+@pytest.mark.parametrize("thinking, deltas, want", [
+    (True, [{"reasoning_content": "hmm"}, {"content": "<think>Red."}], [("reasoning", "hmm"), ("content", "<think>Red.")]),
+    (False, [{"reasoning": "a"}, {"reasoning": "b", "content": ""}, {"content": "C"}],
+     [("reasoning", "ab"), ("content", "C")]),
+    (True, [{"content": "plan\n</th"}, {"content": "ink>\n\nRed."}], [("reasoning", "plan\n"), ("content", "\n\nRed.")]),
+    (False, [{"content": " <th"}, {"content": "ink>x</think>Y"}], [("reasoning", "x"), ("content", "Y")]),
+    (False, [{"content": "Just <think> text"}], [("content", "Just <think> text")]),
+    (True, [{"content": "cut </thi"}], [("reasoning", "cut </thi")]),
+])
+def test_the_servers_reasoning_or_raw_text_becomes_channels(thinking, deltas, want) -> None:
+    """A server's ``reasoning_content`` is the reasoning channel and its content then is content; raw text
+    (no reasoning field) is split by the ``<think>`` markers, inside the block from the start when thinking
+    was asked for (the template opened it)."""
+    srv = RawServer(_sse(deltas))
+    try:
+        events, _ = _turn(RemoteEngine(srv.url, "m", timeout=30).chat(HI, enable_thinking=thinking))
+    finally:
+        srv.close()
+    assert _channels(events) == want
+    assert all(e.channel == e.parts[-1][0] for e in events if isinstance(e, TokenEvent) and e.parts)
 
 
 def test_hostile_finish_reason_and_usage_values_are_ignored() -> None:

@@ -11,7 +11,7 @@ import jsonschema
 import openai
 import pytest
 
-from engine.events import PrefillStats, TokenEvent, TurnSummary
+from engine.events import PrefillStats, TokenEvent
 from engine.sampling import SamplingParams
 from engine.openai import ServerConfig, ServerThread
 from engine.openai.tool_calls import CallReader, ToolCallStream
@@ -354,10 +354,12 @@ def test_the_json_call_format_grammar_gives_valid_calls(engine, lock) -> None:
     reader = CallReader({t["function"]["name"]: t["function"] for t in TOOLS}, "json")
     for seed in range(4):
         with lock:
-            summary = [e for e in engine.chat(ASK, SamplingParams(temperature=1.0, seed=seed, max_tokens=150),
-                                              tools=TOOLS, grammar=grammar) if isinstance(e, TurnSummary)][-1]
+            events = list(engine.chat(ASK, SamplingParams(temperature=1.0, seed=seed, max_tokens=150),
+                                      tools=TOOLS, grammar=grammar))
+        summary = events[-1]
         stream = ToolCallStream(reader)
-        pieces = stream.push([("content", summary.text)], False) + stream.close()
+        parts = [p for e in events if isinstance(e, TokenEvent) for p in e.parts] + list(summary.parts)
+        pieces = stream.push(parts) + stream.close()
         [(kind, call)] = pieces
         assert kind == "call" and summary.stop_reason == "eos"
         schema = next(t["function"]["parameters"] for t in TOOLS if t["function"]["name"] == call.name)

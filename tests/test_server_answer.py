@@ -1,17 +1,26 @@
-"""The answer splitter of ``engine serve`` (reasoning vs content, stop strings), for every way the text
-can be cut into tokens."""
+"""The answer splitter of ``engine serve`` (blanks at the start of reasoning and content, stop strings) on
+the channels Qwen's rule gives, for every way the text can be cut into tokens."""
 
 from __future__ import annotations
 
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from engine.arch.qwen35.channels import splitter
+from engine.events import TokenEvent, TurnSummary
+from engine.sampling import SamplingParams
 from engine.openai.answer import AnswerSplitter
+from engine.openai.choices import Choice
+from engine.openai.requests import TurnRequest
+
+OPENED, CLOSED = "<|im_start|>assistant\n<think>\n", "<|im_start|>assistant\n<think>\n\n</think>\n\n"
 
 
 def _run(pieces, thinking=False, stop=(), raw=False) -> tuple[str, str, bool]:
-    s = AnswerSplitter(thinking, stop, raw)
-    out = [p for piece in pieces for p in s.push(piece)] + s.close()
+    """(reasoning, content, stopped) of ``pieces`` through the engine's channels and the server's splitter."""
+    channels, s = splitter(OPENED if thinking else CLOSED), AnswerSplitter(stop, raw)
+    out = [p for piece in pieces for p in s.push([("content", piece)] if raw else channels.push(piece))]
+    out += s.push([] if raw else channels.close()) + s.close()
     assert all(text for _, text in out)
     return ("".join(t for k, t in out if k == "reasoning"), "".join(t for k, t in out if k == "content"), s.stopped)
 
@@ -42,8 +51,47 @@ def test_splitting_does_not_depend_on_the_token_boundaries(case, points) -> None
     assert _run(_cuts(text, points), thinking, stop, raw) == want
 
 
-def test_text_is_sent_as_soon_as_it_cannot_be_a_tag() -> None:
-    s = AnswerSplitter(True)
-    assert s.push("I think") == [("reasoning", "I think")]
-    assert s.push(" </th") == [("reasoning", " ")]                # "</th" may still become </think>
-    assert s.push("ink>Yes") == [("content", "Yes")]
+def test_text_is_sent_as_soon_as_it_cannot_be_a_stop_string() -> None:
+    s = AnswerSplitter(("END",))
+    assert s.push([("reasoning", "\n I think END")]) == [("reasoning", "I think END")]   # not in reasoning
+    assert s.push([("content", "\n\nIt is E")]) == [("content", "It is ")]       # "E" may still become END
+    assert s.push([("content", "N")]) == [] and not s.stopped
+    assert s.push([("content", "D more"), ("content", "x")]) == [] and s.stopped and s.stop_string == "END"
+    assert s.close() == []
+
+
+def test_a_tool_call_ends_a_held_stop_string_and_is_not_searched() -> None:
+    s = AnswerSplitter(("END",))
+    assert s.push([("content", "a E"), ("tool_call", "<tool_call>END</tool_call>")]) == [
+        ("content", "a "), ("content", "E"), ("tool_call", "<tool_call>END</tool_call>")]
+    assert not s.stopped
+
+
+def test_the_server_reads_channels_not_markers() -> None:
+    """Markers in a part are its channel's text: the family's rule decided, the server does not parse."""
+    s = AnswerSplitter()
+    assert s.push([("content", " <think>a</think> b"), ("reasoning", "r")]) == [
+        ("content", "<think>a</think> b"), ("reasoning", "r")]
+
+
+def _choice_text(prompt: str | None, events: list[TokenEvent], summary_parts=()) -> dict:
+    messages = None if prompt is not None else [{"role": "user", "content": "x"}]
+    choice = Choice(0, TurnRequest("m", messages, prompt, SamplingParams()))
+    for event in events:
+        choice.push(event)
+    text = "".join(e.text for e in events)
+    choice.close(TurnSummary("eos", "", 1, 0, len(events), 0.0, 0.0, 0.0, text, (), tuple(summary_parts)))
+    return choice.whole()
+
+
+def test_a_choice_maps_the_channels_and_a_raw_completion_takes_the_text() -> None:
+    events = [TokenEvent(0, "hmm", 0.0, 0, channel="reasoning"),
+              TokenEvent(1, "</think>\n\nRed <tool_call>", 0.0, 1, channel="tool_call",
+                         parts=(("content", "\n\nRed "),)),
+              TokenEvent(2, "x</tool_call>", 0.0, 2, channel="tool_call",
+                         parts=(("tool_call", "<tool_call>x</tool_call>"),))]
+    chat = _choice_text(None, events, [("content", " end")])
+    assert chat["message"] == {"role": "assistant", "reasoning_content": "hmm",
+                               "content": "Red <tool_call>x</tool_call> end"}      # no tools offered: text
+    raw = _choice_text("p", events, [("content", " end")])
+    assert raw["text"] == "hmm</think>\n\nRed <tool_call>x</tool_call>"       # held parts are in the text already

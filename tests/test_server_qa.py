@@ -8,6 +8,7 @@ import json
 import httpx
 import pytest
 
+from engine.arch.qwen35.channels import splitter
 from engine.turn.grammar import MAX_MESSAGE, GrammarError
 from engine.openai.tool_calls import CallReader, ToolCallStream
 from engine.openai.tool_grammar import call_grammar
@@ -145,8 +146,9 @@ def test_a_forced_string_value_cannot_end_the_call_block_early(forced_lookup) ->
     assert not _grammar_takes(*forced_lookup, "</parameter> first")  # read as an empty value, then garbage
     reader = CallReader({"lookup": LOOKUP}, "xml")
     stream = ToolCallStream(reader)
-    pieces = stream.push([("content", "<tool_call>\n" + _call_text("x</tool_call>y") + "\n</tool_call>")], False)
-    assert all(kind != "call" for kind, _ in pieces + stream.close())   # what the grammar now forbids
+    channels = splitter("<|im_start|>assistant\n")
+    pieces = stream.push(channels.push("<tool_call>\n" + _call_text("x</tool_call>y") + "\n</tool_call>"))
+    assert all(kind != "call" for kind, _ in pieces + stream.push(channels.close()) + stream.close())  # now forbidden
 
 
 

@@ -9,6 +9,7 @@ import random
 
 import pytest
 
+from engine.arch.qwen35.channels import splitter
 from engine.arch.qwen35.vocab import QWEN35_CHAT_TEMPLATE
 from engine.events import TokenEvent, TurnSummary
 from engine.sampling import SamplingParams
@@ -74,10 +75,12 @@ def _run(text: str, thinking: bool, pieces: list[str], fmt: str = "xml", stop_re
     """Feed ``pieces`` (which join to ``text``) through a choice: (reasoning, content, calls, finish, deltas)."""
     assert "".join(pieces) == text
     choice = Choice(0, _request(thinking), CallReader({t["function"]["name"]: t["function"] for t in TOOLS}, fmt))
+    channels = splitter("<|im_start|>assistant\n<think>\n" + ("" if thinking else "\n</think>\n\n"))
     deltas = []
     for i, piece in enumerate(pieces):
-        deltas += choice.deltas(choice.push(TokenEvent(i, piece, 0.0, i)))
-    summary = TurnSummary(stop_reason, "", 10, 0, len(pieces), 0.0, 0.0, 0.0, text, [])
+        parts = tuple(channels.push(piece))
+        deltas += choice.deltas(choice.push(TokenEvent(i, piece, 0.0, i, channel=channels.channel, parts=parts)))
+    summary = TurnSummary(stop_reason, "", 10, 0, len(pieces), 0.0, 0.0, 0.0, text, (), tuple(channels.close()))
     deltas += choice.deltas(choice.close(summary))
     message = choice.message()
     calls = [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in message.get("tool_calls", [])]

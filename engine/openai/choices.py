@@ -41,7 +41,7 @@ class Choice:
         self.logprobs: list[tuple[TokenEvent, int]] = []   # (token, its text's offset in the answer)
         self.pending = 0          # logprobs not yet sent in a chunk
         self.offset = 0
-        self.splitter = AnswerSplitter(req.enable_thinking, req.stop, raw=not self.chat)
+        self.splitter = AnswerSplitter(req.stop, raw=not self.chat)
         self.calls_stream = ToolCallStream(reader) if reader is not None else None
         self.parts: dict[str, list[str]] = {"reasoning": [], "content": []}
         self.calls: list[ToolCall] = []
@@ -58,18 +58,25 @@ class Choice:
             self.logprobs.append((event, self.offset))
             self.pending += 1
         self.offset += len(event.text)
-        pieces = self.splitter.push(event.text)
-        if self.calls_stream is None:
-            return self._keep(pieces)
-        return self._keep(self.calls_stream.push(pieces, self.splitter.reasoning))
+        pieces = self.splitter.push(self._parts(event.text, event.parts))
+        return self._keep(pieces if self.calls_stream is None else self.calls_stream.push(pieces))
 
     def close(self, summary: TurnSummary) -> list[Piece]:
         """The pieces held back until the end of the answer."""
         self.summary = summary
-        pieces = self.splitter.close()
+        pieces = self.splitter.push(self._parts("", summary.parts)) + self.splitter.close()
         if self.calls_stream is None:
             return self._keep(pieces)
-        return self._keep(self.calls_stream.push(pieces, self.splitter.reasoning) + self.calls_stream.close())
+        return self._keep(self.calls_stream.push(pieces) + self.calls_stream.close())
+
+    def _parts(self, text: str, parts: tuple[tuple[str, str], ...] | None) -> tuple[tuple[str, str], ...]:
+        """The engine's channels as this answer sends them: a raw completion's ``text`` is all content (held
+        parts are in it already); a chat answer's tool-call text is content when no tools are read."""
+        if not self.chat:
+            return (("content", text),) if text else ()
+        if self.calls_stream is None:
+            return tuple(("content" if channel == "tool_call" else channel, piece) for channel, piece in parts or ())
+        return parts or ()
 
     def _keep(self, pieces: list[Piece]) -> list[Piece]:
         for kind, value in pieces:

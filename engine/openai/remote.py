@@ -9,8 +9,10 @@ previous one, so tokens/s is the stream's), then a :class:`TurnSummary` whose to
 tokens come from the server's ``usage`` (``stream_options.include_usage``;
 ``prompt_tokens_details.cached_tokens``). VRAM, PCIe and snapshots are the server's and not seen here.
 
-Thinking that a server returns as ``reasoning_content`` is put back into the text as the model wrote
-it (``<think>`` ... ``</think>``), which is what the app's chat view splits. Errors are
+Thinking that a server returns as ``reasoning_content`` (or ``reasoning``) is the reasoning channel of
+the events; a server that sends the model's raw text has it split by
+:func:`engine.channels.raw_text_splitter`. Each event's ``text`` is the answer as the model wrote it
+(reasoning inside ``<think>`` ... ``</think>``), as the in-process engine's is. Errors are
 :class:`~engine.errors.RemoteError` with the URL and what went wrong: unreachable, refused (the
 server's own error message), no data within the timeout, or the connection dropped mid-answer (the
 caller keeps what had arrived).
@@ -38,8 +40,9 @@ from typing import Any, Iterator, Mapping, Sequence
 import httpx
 
 from ..api_types import ModelInfo
+from ..channels import THINK_CLOSE, THINK_OPEN, raw_text_splitter
 from ..errors import ImageError, RemoteError, UnsupportedModelError
-from ..events import Event, PrefillStats, TokenEvent, TurnSummary
+from ..events import Event, Part, PrefillStats, TokenEvent, TurnSummary
 from ..turn.prefix_cache import SnapshotInfo
 from ..prompt.builder import Message
 from ..gguf.regular import MAX_IMAGE_FILE_BYTES, FileRefused, read_regular
@@ -48,7 +51,6 @@ from ..sampling import SamplingParams
 
 log = logging.getLogger(__name__)
 
-THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
 _STOP = {"stop": "eos", "length": "max_tokens", "content_filter": "eos", "tool_calls": "eos"}
 _NO_REUSE = httpx.Limits(max_keepalive_connections=0)   # every request connects anew: its socket can be cut
 _ERROR_BODY = 1 << 20       # bytes of an error reply read at most
@@ -409,9 +411,11 @@ class _StreamState:
         self.usage: Mapping[str, Any] = {}
         self.finish: str | None = None
         self.done = False
-        self.ttft_ms = 0.0
+        self.prefill: PrefillStats | None = None
         self._last = 0.0
         self._in_reasoning = False
+        self._separated = False       # the server sends reasoning apart: its content is content
+        self._raw = raw_text_splitter(thinking)
 
     def take(self, chunk: Mapping[str, Any], started: float) -> Iterator[Event]:
         if isinstance(chunk.get("usage"), Mapping):
@@ -421,20 +425,35 @@ class _StreamState:
         finish = choice.get("finish_reason")
         self.finish = finish if isinstance(finish, str) and finish else self.finish
         delta = choice.get("delta") if isinstance(choice.get("delta"), Mapping) else {}
-        text = self._text(delta.get("reasoning_content") or delta.get("reasoning"), delta.get("content"))
+        reasoning, content = delta.get("reasoning_content") or delta.get("reasoning"), delta.get("content")
+        parts = self._parts(reasoning, content)
+        text = self._text(reasoning, content)
         if not text:
             return
         now = time.perf_counter()
-        if not self.texts:
-            self.ttft_ms = (now - started) * 1e3
+        if self.prefill is None:
+            ttft_ms = (now - started) * 1e3
             self._last = now
-            yield PrefillStats(prompt_tokens=0, reused_tokens=0, prefilled_tokens=0, prefill_ms=self.ttft_ms,
-                               restore_ms=0.0, device="remote", ttft_ms=self.ttft_ms)
-        ms = self.ttft_ms if not self.texts else (now - self._last) * 1e3
+            self.prefill = PrefillStats(prompt_tokens=0, reused_tokens=0, prefilled_tokens=0, prefill_ms=ttft_ms,
+                                        restore_ms=0.0, device="remote", ttft_ms=ttft_ms)
+            yield self.prefill
+        ms = self.prefill.ttft_ms if not self.texts else (now - self._last) * 1e3
         self._last = now
         self.texts.append(text)
         self.ms.append(ms)
-        yield TokenEvent(token_id=-1, text=text, ms=ms, index=len(self.texts) - 1)
+        channel = parts[-1][0] if parts else self._raw.channel
+        yield TokenEvent(token_id=-1, text=text, ms=ms, index=len(self.texts) - 1, channel=channel, parts=tuple(parts))
+
+    def _parts(self, reasoning: Any, content: Any) -> list[Part]:
+        """The piece's channels: ``reasoning_content`` is reasoning; content is content once the server has
+        sent reasoning apart, else raw text to split."""
+        parts: list[Part] = []
+        if isinstance(reasoning, str) and reasoning:
+            self._separated = True
+            parts.append(("reasoning", reasoning))
+        if isinstance(content, str) and content:
+            parts += [("content", content)] if self._separated else self._raw.push(content)
+        return parts
 
     def _text(self, reasoning: Any, content: Any) -> str:
         """The piece as the model wrote it: reasoning inside ``<think>`` ... ``</think>``."""
@@ -456,11 +475,7 @@ class _StreamState:
         cached = _count(details.get("cached_tokens")) if isinstance(details, Mapping) else None
         prompt = _count(self.usage.get("prompt_tokens"))
         generated = _count(self.usage.get("completion_tokens"))
-        decode_ms = sum(self.ms[1:])
-        return TurnSummary(
-            stop_reason=reason, message=message, prompt_tokens=prompt if prompt is not None else 0,
-            reused_tokens=cached if cached is not None else 0,
-            generated_tokens=generated if generated is not None else len(self.texts),
-            ttft_ms=self.ttft_ms, prefill_tok_s=0.0,
-            decode_tok_s=(len(self.ms) - 1) / (decode_ms / 1e3) if decode_ms > 0 else 0.0,
-            text="".join(self.texts), token_ms=tuple(self.ms))
+        return TurnSummary.of_turn(
+            reason, message, self.prefill, self.ms, "".join(self.texts),  # type: ignore[arg-type]
+            prompt_tokens=prompt or 0, reused_tokens=cached or 0, generated_tokens=generated,
+            parts=tuple(self._raw.close()))

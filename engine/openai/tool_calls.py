@@ -13,13 +13,11 @@
   Each value is text; it becomes JSON by its parameter's JSON-schema ``type`` (:func:`convert`).
 * JSON (Qwen2.5 / Qwen3 / Hermes templates): ``<tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>``.
 
-Calls are read from the answer's content (after ``</think>``). A call block written inside the think
-block counts only when nothing but more calls follows it before the answer ends with the block still
-open (Qwen3.5/3.6 sometimes call without closing their thinking); a block the model writes and then
-thinks on past, or closes with ``</think>``, is a draft and stays reasoning (vLLM's rule: the
-reasoning parser runs before the tool parser). A block that does not parse, or calls a function that
-was not offered, is returned as content, with a log line. A call is sent whole once its
-``</tool_call>`` is read, so a client never receives half a call that later turns out malformed or cut.
+Which text is a call block is the engine's tool-call channel (the family's rule, :mod:`engine.channels`:
+blocks in the content, and blocks that end the answer inside the reasoning). A block that does not
+parse, or calls a function that was not offered, is returned as content, with a log line. A call is
+sent whole once its ``</tool_call>`` is read, so a client never receives half a call that later turns
+out malformed or cut.
 """
 
 from __future__ import annotations
@@ -31,8 +29,6 @@ import uuid
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
-
-from .answer import partial_suffix
 
 log = logging.getLogger(__name__)
 
@@ -196,130 +192,60 @@ Piece = tuple[str, Any]
 
 
 class ToolCallStream:
-    """Splits an answer's reasoning and content pieces (from :class:`~engine.openai.answer.AnswerSplitter`)
-    further into text and calls, as they stream (rules in the module doc).
+    """Reads the calls out of an answer's pieces (from :class:`~engine.openai.answer.AnswerSplitter`), as they
+    stream: each ``tool_call`` piece is one whole block (the engine's channels, :mod:`engine.channels`).
 
-    Text is held back only while it may still be the start of ``<tool_call>``, inside an open call
-    block, or (content) as trailing whitespace that a following call would drop; so feeding an
-    answer token by token or whole gives the same pieces once joined.
+    A block that reads as a call becomes ``("call", ToolCall)``; one that does not, or was cut short,
+    is content (logged). Whitespace right before or after a call is dropped, so content's trailing
+    whitespace is held while a call may still follow; feeding an answer token by token or whole gives
+    the same pieces once joined.
     """
 
     def __init__(self, reader: CallReader) -> None:
         self.reader = reader
         self.calls = 0
-        self._text, self._ws, self._in_block, self._after_call = "", "", False, False
-        self._think, self._think_state, self._held, self._drafts = "", "text", "", []
+        self._ws, self._after_call = "", False
 
-    def push(self, pieces: list[tuple[str, str]], thinking: bool) -> list[Piece]:
-        """The pieces that ``pieces`` complete; ``thinking``: the think block is still open after them."""
+    def push(self, pieces: list[tuple[str, str]]) -> list[Piece]:
+        """The pieces that ``pieces`` complete."""
         out: list[Piece] = []
         for kind, text in pieces:
-            if kind == "reasoning":
-                self._think += text
-                self._scan_think(out)
+            if kind == "content":
+                self._content(out, text, hold_ws=True)
+                continue
+            call = self._read(text) if kind == "tool_call" else None
+            if call is not None:
+                out.append(("call", call))
+                self.calls += 1
+                self._ws, self._after_call = "", True
+            elif kind == "tool_call":
+                self._content(out, text, hold_ws=False)
             else:
-                self._end_think(out)
-                self._text += text
-                self._scan(out)
-        if not thinking:
-            self._end_think(out)
+                out.append((kind, text))
         return out
 
     def close(self) -> list[Piece]:
-        """The held pieces once the answer has ended (a call cut short is content or reasoning, logged)."""
-        out: list[Piece] = []
-        if self._think_state == "after" and not self._think.strip():
-            calls = [self.reader.read(inside) for inside in self._drafts]
-            if all(calls):
-                out.extend(("call", call) for call in calls)
-                self.calls += len(calls)
-                self._think, self._held, self._drafts, self._think_state = "", "", [], "text"
-        self._end_think(out)
-        if self._in_block:
-            log.warning("a tool call cut short is returned as content: %r", self._text[:200])
-            self._content(out, OPEN + self._text, call_follows=False)
-        else:
-            self._content(out, self._text, call_follows=False)
-        if self._ws and not self._after_call:
-            out.append(("content", self._ws))
-        self._text, self._ws, self._in_block = "", "", False
+        """The whitespace held at the end of the content (none when a call ended the answer)."""
+        out: list[Piece] = [("content", self._ws)] if self._ws and not self._after_call else []
+        self._ws = ""
         return out
 
-    def _scan(self, out: list[Piece]) -> None:
-        while True:
-            if self._in_block:
-                end = self._text.find(CLOSE)
-                if end < 0:
-                    return
-                inside, self._text, self._in_block = self._text[:end], self._text[end + len(CLOSE):], False
-                call = self.reader.read(inside)
-                if call is None:
-                    self._content(out, OPEN + inside + CLOSE, call_follows=False)
-                else:
-                    out.append(("call", call))
-                    self.calls += 1
-                    self._ws, self._after_call = "", True
-                continue
-            start = self._text.find(OPEN)
-            if start >= 0:
-                self._content(out, self._text[:start], call_follows=True)
-                self._text, self._in_block = self._text[start + len(OPEN):], True
-                continue
-            keep = len(self._text) - partial_suffix(self._text, OPEN)
-            self._content(out, self._text[:keep], call_follows=False, hold_ws=True)
-            self._text = self._text[keep:]
-            return
+    def _read(self, block: str) -> ToolCall | None:
+        """The call a whole ``<tool_call>`` block holds, or None (logged) when it was cut short or does not read."""
+        if not (block.startswith(OPEN) and block.endswith(CLOSE)):
+            log.warning("a tool call cut short is returned as content: %r", block[:200])
+            return None
+        return self.reader.read(block[len(OPEN):len(block) - len(CLOSE)])
 
-    def _content(self, out: list[Piece], text: str, call_follows: bool, hold_ws: bool = False) -> None:
-        """Send content ``text`` (after the held whitespace); whitespace right before or after a call is
-        dropped, trailing whitespace is held while a call may still follow."""
+    def _content(self, out: list[Piece], text: str, hold_ws: bool) -> None:
+        """Send content ``text`` (after the held whitespace); whitespace right after a call is dropped,
+        trailing whitespace held (``hold_ws``) while a call may still follow."""
         text, self._ws = self._ws + text, ""
         if self._after_call:
             text = text.lstrip()
             self._after_call = not text
-        if call_follows:
-            text = text.rstrip()
-        elif hold_ws:
+        if hold_ws:
             body = text.rstrip()
             text, self._ws = body, text[len(body):]
         if text:
             out.append(("content", text))
-
-    def _scan_think(self, out: list[Piece]) -> None:
-        while True:
-            if self._think_state == "text":
-                start = self._think.find(OPEN)
-                if start < 0:
-                    keep = len(self._think) - partial_suffix(self._think, OPEN)
-                    self._reason(out, self._think[:keep])
-                    self._think = self._think[keep:]
-                    return
-                self._reason(out, self._think[:start])
-                self._held, self._think, self._think_state = OPEN, self._think[start + len(OPEN):], "block"
-            elif self._think_state == "block":
-                end = self._think.find(CLOSE)
-                if end < 0:
-                    return
-                self._drafts.append(self._think[:end])
-                self._held += self._think[:end + len(CLOSE)]
-                self._think, self._think_state = self._think[end + len(CLOSE):], "after"
-            else:
-                rest = self._think.lstrip()
-                if not rest or OPEN.startswith(rest):
-                    return
-                if rest.startswith(OPEN):
-                    self._held += self._think[:len(self._think) - len(rest)] + OPEN
-                    self._think, self._think_state = rest[len(OPEN):], "block"
-                    continue
-                self._reason(out, self._held + self._think[:len(self._think) - len(rest)])   # thought on: drafts
-                self._think, self._held, self._drafts, self._think_state = rest, "", [], "text"
-
-    def _end_think(self, out: list[Piece]) -> None:
-        """The think block closed (or the answer ended): whatever it held back is reasoning."""
-        self._reason(out, self._held + self._think)
-        self._think, self._held, self._drafts, self._think_state = "", "", [], "text"
-
-    @staticmethod
-    def _reason(out: list[Piece], text: str) -> None:
-        if text:
-            out.append(("reasoning", text))

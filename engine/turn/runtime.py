@@ -16,6 +16,7 @@ from typing import Callable, Generator, Iterator, Sequence
 
 import numpy as np
 
+from ..channels import ChannelSplitter
 from ..errors import DeviceError
 from ..events import Event, PrefillProgress, PrefillStats, TokenEvent, TurnSummary
 from .grammar import Grammar
@@ -29,6 +30,8 @@ from ..prompt.tokenizer import Tokenizer
 # activations of one piece stay small. Where the pieces are cut changes no result (the model is
 # split-invariant: engine.registry.TextModel).
 PREFILL_PIECE = 256
+PROMPT_TAIL = 16
+"""Prompt tokens whose text the family's channel rule reads (the assistant header and any ``<think>``)."""
 
 
 @dataclass
@@ -60,6 +63,8 @@ class Turn:
         rerenders: ``rerenders(answer_ids)`` tells whether the next turn's prompt will contain
             ``prompt + answer_ids`` (answer ending with its stop token) unchanged; then the state
             after the stop token is snapshotted. None = never.
+        channels: the family's ``prompt_tail -> splitter`` (:attr:`engine.registry.TextArch.channels`) that
+            tags each token with its channel; None = all content.
     """
 
     model: TextModel
@@ -78,6 +83,7 @@ class Turn:
     gpu_min_tokens: int = 32
     on_device_error: Callable[[str], None] | None = None
     rerenders: Callable[[Sequence[int]], bool] | None = None
+    channels: Callable[[str], ChannelSplitter] | None = None
     started: float | None = None
     grammar: Grammar | None = None
 
@@ -297,12 +303,10 @@ def _resume(turn: Turn) -> _Resumed:
     return _Resumed(hit.state, hit.reused, hit.restore_ms, hit.logits, stops, digests, keys, snapshot)
 
 
-def _summary(turn: Turn, reused: int, stop_reason: str, message: str, **fields: object) -> TurnSummary:
-    """A :class:`TurnSummary` of ``turn``; ``fields`` override the empty-turn defaults."""
-    values: dict = dict(prompt_tokens=len(turn.prompt), reused_tokens=reused, generated_tokens=0, ttft_ms=0.0,
-                        prefill_tok_s=0.0, decode_tok_s=0.0, text="")
-    values.update(fields)
-    return TurnSummary(stop_reason=stop_reason, message=message, **values)  # type: ignore[arg-type]
+def _summary(turn: Turn, reused: int, stop_reason: str, message: str) -> TurnSummary:
+    """The :class:`TurnSummary` of a turn that ended before its first token."""
+    return TurnSummary.of_turn(stop_reason, message, None, (), prompt_tokens=len(turn.prompt),  # type: ignore[arg-type]
+                               reused_tokens=reused)
 
 
 def run_turn(turn: Turn) -> Iterator[Event]:
@@ -380,6 +384,7 @@ def _decode(turn: Turn, resumed: _Resumed, sampler: Sampler, history: list[int],
     until a stop (:func:`run_turn` lists them); ends with the :class:`TurnSummary`."""
     step = _Stepper(turn, resumed.state)
     stream, stop_ids = turn.tokenizer.stream(), turn.tokenizer.eos_ids
+    split = None if turn.channels is None else turn.channels(turn.tokenizer.decode(turn.prompt[-PROMPT_TAIL:]))
     pieces: list[str] = []
     token_ms: list[float] = []
     reason, message = "max_tokens", f"Reached the limit of {turn.sampling.max_tokens} tokens."
@@ -399,7 +404,9 @@ def _decode(turn: Turn, resumed: _Resumed, sampler: Sampler, history: list[int],
         top = turn.sampling.top_logprobs
         lp, alts = (None, ()) if top is None else logprobs(logits, token, top)
         token_ms.append(_ms(t_tok))
-        yield TokenEvent(token_id=token, text=text, ms=token_ms[-1], index=index, logprob=lp, top_logprobs=alts)
+        parts = None if split is None else tuple(split.push(text))
+        yield TokenEvent(token_id=token, text=text, ms=token_ms[-1], index=index, logprob=lp, top_logprobs=alts,
+                         channel="content" if split is None else split.channel, parts=parts)
         if turn.cancel.is_set():
             reason, message = "cancelled", "Stopped by the user."
             break
@@ -409,8 +416,6 @@ def _decode(turn: Turn, resumed: _Resumed, sampler: Sampler, history: list[int],
         logits = step(token)
         token = sampler.sample(logits, history)
     pieces.append(stream.flush())
-    decode_s = sum(token_ms[1:]) / 1e3
-    yield _summary(turn, resumed.reused, reason, message, generated_tokens=len(token_ms), ttft_ms=stats.ttft_ms,
-                   prefill_tok_s=stats.prefill_tok_s,
-                   decode_tok_s=(len(token_ms) - 1) / decode_s if decode_s > 0 else 0.0,
-                   text="".join(pieces), token_ms=tuple(token_ms))
+    tail = [("content", pieces[-1])] if split is None else split.push(pieces[-1]) + split.close()
+    yield TurnSummary.of_turn(reason, message, stats, token_ms, "".join(pieces),  # type: ignore[arg-type]
+                              parts=tuple(p for p in tail if p[1]))

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import threading
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import Iterator, Sequence
 
@@ -11,6 +12,7 @@ from PIL import Image
 
 from app.engine_worker import BATCH_SECONDS
 from engine.api import ModelInfo, SnapshotInfo
+from engine.arch.qwen35.channels import splitter
 from engine.errors import EngineError, GenerationCancelled
 from engine.events import Event, PrefillProgress, PrefillStats, TokenEvent, TurnSummary
 from engine.vision.images import ImageInfo
@@ -91,7 +93,7 @@ class FakeEngine:
         self.snapshot_list.append(SnapshotInfo(key=f"{len(self.calls):04x}", conversation=conversation,
                                                   pos=20 * len(self.calls), nbytes=3_000_000, age_s=5.0,
                                                   hits=len(self.calls) - 1, tier="ram"))
-        return self._turn(cancel or threading.Event())
+        return self._turn(cancel or threading.Event(), enable_thinking)
 
     def prefill_ahead(self, messages, enable_thinking: bool = False, cancel: threading.Event | None = None,
                       conversation: str = ""):
@@ -128,7 +130,7 @@ class FakeEngine:
         """Count the calls (the real engine persists its snapshots here)."""
         self.closed += 1
 
-    def _turn(self, cancel: threading.Event) -> Iterator[Event]:
+    def _turn(self, cancel: threading.Event, thinking: bool = False) -> Iterator[Event]:
         t0 = time.perf_counter()
         for piece in range(self.prompt_pieces):
             if cancel.is_set():
@@ -143,6 +145,7 @@ class FakeEngine:
                            restore_ms=1.5, device=self.info.device, ttft_ms=(time.perf_counter() - t0) * 1e3,
                            note=self.note)
         text = []
+        channels = splitter("<|im_start|>assistant\n<think>\n" + ("" if thinking else "\n</think>\n\n"))
         for i, piece in enumerate(self.tokens):
             if cancel.is_set():
                 yield self._summary("cancelled", "".join(text), i)
@@ -153,10 +156,11 @@ class FakeEngine:
             time.sleep(self.token_ms / 1e3 + (BATCH_SECONDS + 0.01 if held else 0.0))
             self.produced += 1
             text.append(piece)
-            yield TokenEvent(token_id=i, text=piece, ms=self.token_ms, index=i)
+            parts = tuple(channels.push(piece))
+            yield TokenEvent(token_id=i, text=piece, ms=self.token_ms, index=i, channel=channels.channel, parts=parts)
             if held:
                 self._wait_for_release(cancel)
-        yield self._summary("eos", "".join(text), len(text))
+        yield replace(self._summary("eos", "".join(text), len(text)), parts=tuple(channels.close()))
 
     def _wait_for_release(self, cancel: threading.Event) -> None:
         deadline = time.monotonic() + 300           # a test that never releases does not hang the suite
