@@ -14,8 +14,9 @@ from __future__ import annotations
 import logging
 import queue
 import threading
+from collections.abc import Callable, Iterator
 from concurrent.futures import Future
-from typing import Any, Callable, Iterator
+from typing import Any, Self
 
 from .errors import EngineError, GenerationCancelled
 
@@ -107,7 +108,7 @@ class _Call(_Job):
 class Ticket:
     """A submitted job: :meth:`cancel` removes it while queued, or sets its cancel flag while it runs."""
 
-    def __init__(self, session: "Session", job: _Job) -> None:
+    def __init__(self, session: Session, job: _Job) -> None:
         self._session, self._job = session, job
 
     @property
@@ -129,7 +130,7 @@ class Events(Iterator[Any]):
     """A turn's events as a blocking iterator; the exception that ended the turn is raised from ``next``.
     :meth:`close` (also when the iterator is dropped) cancels the turn."""
 
-    def __init__(self, ticket: Ticket, items: "queue.SimpleQueue[Any]") -> None:
+    def __init__(self, ticket: Ticket, items: queue.SimpleQueue[Any]) -> None:
         self.ticket, self._items, self._done = ticket, items, False
 
     def __next__(self) -> Any:
@@ -194,6 +195,12 @@ class Session:
         """Queue ``fn(cancel)`` at the lowest priority; any later job sets ``cancel`` (it should return at its
         next piece) or, while it waits, drops it."""
         return self._submit(_Call(fn, AHEAD, None))
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
     def close(self, timeout: float | None = None) -> None:
         """Take no more jobs, drop the queued ones, tell the running one to stop, and join the thread."""
@@ -270,6 +277,6 @@ class Session:
         job.state = "done"
         try:
             job.end(error)
-        except BaseException:  # noqa: BLE001 - a sink that fails loses its own events only
+        except BaseException:
             log.exception("delivering the outcome of an engine job failed")
         return False
