@@ -178,9 +178,12 @@ class _Exchange:
         """Queue this turn on ``session``; ``_STARTED`` comes first from :meth:`next` once it runs.
 
         Raises:
-            QueueFullError: the session's queue is full (429, :func:`_error_of`).
+            QueueFull: the session's queue is full (429).
         """
-        self.turn.submit(session)
+        try:
+            self.turn.submit(session)
+        except QueueFullError as exc:
+            raise QueueFull(str(exc)) from exc
 
     async def next(self) -> Any:
         """The turn's next item: ``_STARTED``, an event, an exception it raised, or ``_END``."""
