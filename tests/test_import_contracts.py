@@ -10,7 +10,7 @@ from pathlib import Path
 
 import engine
 
-PUBLIC = {"engine.api", "engine.events", "engine.errors", "engine.sampling", "engine.hub"}
+PUBLIC = {"engine.api", "engine.events", "engine.errors", "engine.sampling", "engine.hub", "engine.session"}
 
 
 def test_app_contract_forbids_every_non_public_engine_module():
