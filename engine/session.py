@@ -105,6 +105,15 @@ class _Call(_Job):
             self.future.set_exception(error)
 
 
+def _deliver(job: _Job, error: BaseException | None) -> None:
+    """``job.end(error)``; a caller's sink that fails loses its own outcome only, never the loop."""
+    job.state = "done"
+    try:
+        job.end(error)
+    except BaseException:
+        log.exception("delivering the outcome of an engine job failed")
+
+
 class Ticket:
     """A submitted job: :meth:`cancel` removes it while queued, or sets its cancel flag while it runs."""
 
@@ -211,7 +220,7 @@ class Session:
                 self._running.cancel.set()
             self._cond.notify_all()
         for job in dropped:
-            job.end(GenerationCancelled("the engine session closed before this job started"))
+            _deliver(job, GenerationCancelled("the engine session closed before this job started"))
         if threading.current_thread() is not self._thread:
             self._thread.join(timeout)
 
@@ -219,18 +228,17 @@ class Session:
         with self._cond:
             if self._closed:
                 raise EngineError("the engine session is closed: it takes no more jobs")
+            kept = [j for j in self._queued if j.priority != AHEAD]
+            if len(kept) >= self.max_queued:
+                raise QueueFullError(f"the engine's queue holds {len(kept)} jobs already (at most "
+                                     f"{self.max_queued}); try again when one has ended")
             dropped = [j for j in self._queued if j.priority == AHEAD]
-            self._queued = [j for j in self._queued if j.priority != AHEAD]
+            self._queued = [*kept, job]
             if self._running is not None and self._running.priority == AHEAD:
                 self._running.cancel.set()
-            if len(self._queued) >= self.max_queued:
-                self._queued += dropped
-                raise QueueFullError(f"the engine's queue holds {len(self._queued)} jobs already (at most "
-                                     f"{self.max_queued}); try again when one has ended")
-            self._queued.append(job)
             self._cond.notify_all()
         for old in dropped:
-            old.end(GenerationCancelled("a newer job replaced this read-ahead before it started"))
+            _deliver(old, GenerationCancelled("a newer job replaced this read-ahead before it started"))
         return Ticket(self, job)
 
     def _cancel(self, job: _Job) -> None:
@@ -240,7 +248,7 @@ class Session:
             if queued:
                 self._queued.remove(job)
         if queued:
-            job.end(GenerationCancelled("cancelled before it started"))
+            _deliver(job, GenerationCancelled("cancelled before it started"))
 
     def _loop(self) -> None:
         """The scheduler: take the next piece of work, run it, repeat until closed and idle."""
@@ -261,7 +269,7 @@ class Session:
                 job = min(self._queued, key=lambda j: j.priority)
                 self._queued.remove(job)
                 if job.cancel.is_set():
-                    job.end(GenerationCancelled("cancelled before it started"))
+                    _deliver(job, GenerationCancelled("cancelled before it started"))
                     continue
                 job.state, self._running = "running", job
             return self._running
@@ -274,9 +282,5 @@ class Session:
             error: BaseException | None = None
         except BaseException as exc:  # noqa: BLE001 - the job's failure is its caller's, never the loop's
             error = exc
-        job.state = "done"
-        try:
-            job.end(error)
-        except BaseException:
-            log.exception("delivering the outcome of an engine job failed")
+        _deliver(job, error)
         return False

@@ -182,6 +182,11 @@ def test_an_exception_in_a_job_goes_to_its_caller_and_the_loop_goes_on(session) 
         session.call(broken_call).result(WAIT)
     with pytest.raises(TypeError):
         list(session.stream(lambda cancel: 42))    # start returned no iterator
+
+    def broken_sink(item):
+        raise RuntimeError("the caller's sink fails")
+
+    session.submit_stream(_tokens([], "s"), broken_sink)
     assert session.call(lambda: "alive").result(WAIT) == "alive"
 
 
