@@ -3,9 +3,9 @@
 The UI talks to it through queued signals (``load``, ``chat``, ...) and cancels a running turn
 through the ``threading.Event`` inside the :class:`ChatRequest`, which the engine checks between
 prompt pieces and between tokens. Every use of a loaded engine is a job of its
-:class:`engine.session.Session` (shared with "Serve on localhost"), which runs them one at a time. Tokens and prefill progress are forwarded at most every
-:data:`BATCH_SECONDS`, so the UI thread handles a few dozen small updates a second whatever the
-prefill and decode speed.
+:class:`engine.session.Session` (shared with "Serve on localhost"), which runs them one at a time.
+Tokens and prefill progress are forwarded at most every :data:`BATCH_SECONDS`, so the UI thread
+handles a few dozen small updates a second whatever the prefill and decode speed.
 
 After a finished turn the worker reads ahead: a low-priority job of the session prefills the
 conversation as the next turn will render it, answer included, and snapshots it
@@ -361,7 +361,10 @@ class EngineWorker(QObject):
             if stats is not None and stats.prefilled_tokens and not cancel.is_set():
                 self._emit_snapshots(engine.snapshots)
 
-        self._ahead = self._session.read_ahead(run)
+        try:
+            self._ahead = self._session.read_ahead(run)
+        except EngineError as exc:      # the queue is full of served requests: the next turn reads itself
+            log.info("not reading the next turn ahead: %s", exc)
 
     def _close_engine(self) -> None:
         if self._server.running:
