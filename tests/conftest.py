@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Self
 
 import pytest
 
@@ -33,7 +34,7 @@ class Hold:
     def __init__(self, session) -> None:
         self.session = session
 
-    def __enter__(self) -> "Hold":
+    def __enter__(self) -> Self:
         import threading
         self._entered, self._leave = threading.Event(), threading.Event()
         self._ticket = self.session.call(self._wait)
