@@ -443,7 +443,8 @@ def create_app(engine: Any, config: ServerConfig, session: Session | None = None
         engine: an :class:`engine.api.Engine` (``chat``, ``complete``, ``info``).
         config: the model name, API key and body limit.
         session: the :class:`engine.session.Session` that runs the engine's work, shared with the engine's
-            other users (the app); None = a session of the application's own.
+            other users (the app); None = a session of the application's own (an idle daemon thread once
+            the application is dropped: :class:`engine.server.ServerThread` passes one it closes).
 
     Returns:
         A Starlette application (run it with uvicorn, see :func:`engine.server.serve`).
