@@ -2,15 +2,16 @@
 
 The UI talks to it through queued signals (``load``, ``chat``, ...) and cancels a running turn
 through the ``threading.Event`` inside the :class:`ChatRequest`, which the engine checks between
-prompt pieces and between tokens. Tokens and prefill progress are forwarded at most every
-:data:`BATCH_SECONDS`, so the UI thread handles a few dozen small updates a second whatever the
-prefill and decode speed.
+prompt pieces and between tokens. Every use of a loaded engine is a job of its
+:class:`engine.session.Session` (shared with "Serve on localhost"), which runs them one at a time.
+Tokens and prefill progress are forwarded at most every :data:`BATCH_SECONDS`, so the UI thread
+handles a few dozen small updates a second whatever the prefill and decode speed.
 
-After a finished turn the worker reads ahead: on a background thread the engine prefills the
+After a finished turn the worker reads ahead: a low-priority job of the session prefills the
 conversation as the next turn will render it, answer included, and snapshots it
-(``Engine.prefill_ahead``), so the follow-up reads only its new message. Any next job of the worker (a
-send, an edit's new turn, a model switch, an image measurement, closing) cancels it first and waits
-for its current piece (32 tokens).
+(``Engine.prefill_ahead``), so the follow-up reads only its new message. Any next job (a send, an
+edit's new turn, an image measurement, a served request, closing) and a model switch stop it at its
+current piece (32 tokens).
 
 A 20 GB model takes a while to map and prepare, so each load runs on a daemon thread of its own
 and reports the stage it is at. :meth:`EngineWorker.cancel_load` (or closing the window) sets the
@@ -31,6 +32,7 @@ from PySide6.QtCore import QMetaObject, QObject, Qt, QThread, Signal, Slot
 
 from engine.errors import EngineError, GenerationCancelled
 from engine.events import Event, PrefillProgress, PrefillStats, TokenEvent, TurnSummary
+from engine.session import Session, Ticket
 
 from .gpu import gpu_report
 from .serving import LocalServer
@@ -217,10 +219,6 @@ class EngineWorker(QObject):
             will see, () when a remote server sizes it itself, or a sentence saying why it cannot.
         notice(str): something went wrong outside a turn; plain words for the status bar.
         served(str): where "Serve on localhost" listens, or why it does not ("" when it is off).
-
-    Attributes:
-        turn_lock: held while a turn (or another use of the engine) runs; the local server holds it
-            around its requests' turns, so the two take turns on the one engine.
     """
 
     loaded = Signal(object)
@@ -246,10 +244,10 @@ class EngineWorker(QObject):
         self._load_number = 0
         self._load_cancel = threading.Event()
         self.closing = threading.Event()
-        self.turn_lock = threading.Lock()
+        self._session: Session | None = None
         self._server = LocalServer()
         self._serve_port = 0
-        self._ahead: tuple[threading.Thread, threading.Event] | None = None
+        self._ahead: Ticket | None = None
         self._load_done.connect(self._install)
 
     @Slot(object)
@@ -264,7 +262,8 @@ class EngineWorker(QObject):
         (:func:`holds_gpu`): it is closed first, so the new model's VRAM budget is measured on a free
         device; the window then loads it again if the new one fails.
         """
-        self._stop_ahead()
+        if self._ahead is not None:
+            self._ahead.cancel()
         if self._engine is not None and holds_gpu(self._engine.info):
             self._close_engine()
         cancel = threading.Event()
@@ -321,7 +320,7 @@ class EngineWorker(QObject):
             self.load_failed.emit(outcome)
             return
         self._close_engine()
-        self._engine = engine
+        self._engine, self._session = engine, Session(name="engine-session")
         self.loaded.emit(outcome)
         self.report_gpu()
         self.list_snapshots()
@@ -343,57 +342,48 @@ class EngineWorker(QObject):
             self._server.stop()
             self.served.emit("Not serving: no model is loaded")
         else:
-            self.served.emit(self._server.start(self._engine, self._serve_port, self.turn_lock))
+            self.served.emit(self._server.start(self._engine, self._serve_port, self._session))
 
     def _read_ahead(self, request: ChatRequest, answer: str) -> None:
-        """Start ``Engine.prefill_ahead`` of ``request``'s conversation plus ``answer`` on a background
-        thread, holding :attr:`turn_lock` (a local-server turn waiting for that lock stops it at its next
-        piece, ``Engine.cancel_read_ahead``; one already running makes it skip); the snapshot list is
-        emitted again when it has read something."""
-        read = getattr(self._engine, "prefill_ahead", None)    # an in-process Engine; a remote one cannot
-        if read is None:
+        """Queue ``Engine.prefill_ahead`` of ``request``'s conversation plus ``answer`` as the session's
+        read-ahead (any later job stops it at its next piece); the snapshot list is emitted again when it
+        has read something."""
+        engine = self._engine
+        read = getattr(engine, "prefill_ahead", None)    # an in-process Engine; a remote one cannot
+        if read is None or self._session is None:
             return
-        cancel = threading.Event()
         messages = list(request.messages) + [{"role": "assistant", "content": answer}]
 
-        def run() -> None:
-            if not self.turn_lock.acquire(blocking=False):
-                return             # the local server is running a turn: nothing to read ahead for now
+        def run(cancel: threading.Event) -> None:
             try:
                 stats = read(messages, enable_thinking=request.enable_thinking, cancel=cancel,
                              conversation=request.conversation)
             except Exception as exc:  # noqa: BLE001 - reading ahead is an optimisation; the next turn reads itself
                 log.warning("reading the next turn ahead failed: %s", exc)
                 return
-            finally:
-                self.turn_lock.release()
             if stats is not None and stats.prefilled_tokens and not cancel.is_set():
-                self.list_snapshots()
+                self._emit_snapshots(engine.snapshots)
 
-        thread = threading.Thread(target=run, name="prefill-ahead", daemon=True)
-        self._ahead = (thread, cancel)
-        thread.start()
-
-    def _stop_ahead(self) -> None:
-        """Cancel the reading ahead, if any, and wait for its current piece to end."""
-        if self._ahead is not None:
-            thread, cancel = self._ahead
-            self._ahead = None
-            cancel.set()
-            thread.join()
+        try:
+            self._ahead = self._session.read_ahead(run)
+        except EngineError as exc:      # the queue is full of served requests: the next turn reads itself
+            log.info("not reading the next turn ahead: %s", exc)
 
     def _close_engine(self) -> None:
-        self._stop_ahead()
         if self._server.running:
             self._server.stop()
             self.served.emit("Not serving: the model is being replaced" if self._serve_port else "")
         engine, self._engine = self._engine, None
-        if engine is not None:
-            try:
-                with self.turn_lock:
-                    engine.close()
-            except Exception as exc:  # noqa: BLE001 - every failure becomes a message in the window
-                self.notice.emit(plain_error(exc, "saving the prefix snapshots"))
+        session, self._session = self._session, None
+        self._ahead = None
+        if engine is None or session is None:
+            return
+        try:
+            session.call(engine.close).result()
+        except Exception as exc:  # noqa: BLE001 - every failure becomes a message in the window
+            self.notice.emit(plain_error(exc, "saving the prefix snapshots"))
+        finally:
+            session.close()
 
     @Slot()
     def shutdown(self) -> None:
@@ -404,30 +394,29 @@ class EngineWorker(QObject):
     def chat(self, request: ChatRequest) -> None:
         """Run one turn, streaming its events as signals; always ends with ``finished``. A turn that
         ends with an answer (end of text or the token limit) starts reading the next turn ahead."""
-        self._stop_ahead()
         stream = _TurnStream(self)
-        if self._engine is None:
+        engine, session = self._engine, self._session
+        if engine is None or session is None:
             stream.fail(f"Cannot answer: {self._load_error}")
             return
         if request.cancel.is_set():
             stream.finish(stream.summary("cancelled", "Stopped."))
             return
-        kwargs: dict[str, Any] = {"cancel": request.cancel, "enable_thinking": request.enable_thinking,
-                                  "conversation": request.conversation}
+        kwargs: dict[str, Any] = {"enable_thinking": request.enable_thinking, "conversation": request.conversation}
         if request.sampling is not None:
             kwargs["sampling"] = request.sampling
         answer: TurnSummary | None = None
         try:
-            with self.turn_lock:
-                events = self._engine.chat(request.messages, **kwargs)
-                for event in events:
-                    if request.cancel.is_set() and not isinstance(event, TurnSummary):
-                        events.close()
-                        stream.finish(stream.summary("cancelled", "Stopped."))
-                        break
-                    stream.handle(event)
-                    if isinstance(event, TurnSummary) and event.stop_reason in ("eos", "max_tokens"):
-                        answer = event
+            events = session.stream(lambda cancel: engine.chat(request.messages, cancel=cancel, **kwargs),
+                                    request.cancel)
+            for event in events:
+                if request.cancel.is_set() and not isinstance(event, TurnSummary):
+                    events.close()
+                    stream.finish(stream.summary("cancelled", "Stopped."))
+                    break
+                stream.handle(event)
+                if isinstance(event, TurnSummary) and event.stop_reason in ("eos", "max_tokens"):
+                    answer = event
         except GenerationCancelled:
             stream.finish(stream.summary("cancelled", "Stopped."))
         except BaseException as exc:  # noqa: BLE001 - every failure becomes a message in the window
@@ -455,9 +444,15 @@ class EngineWorker(QObject):
     @Slot()
     def list_snapshots(self) -> None:
         """Emit ``snapshots_listed`` with the engine's prefix snapshots ([] without a model)."""
+        engine, session = self._engine, self._session
+        if engine is None or session is None:
+            self.snapshots_listed.emit([])
+            return
+        self._emit_snapshots(lambda: session.call(engine.snapshots).result())
+
+    def _emit_snapshots(self, listing: Callable[[], list]) -> None:
         try:
-            with self.turn_lock:
-                listed = [] if self._engine is None else self._engine.snapshots()
+            listed = listing()
         except Exception as exc:  # noqa: BLE001 - every failure becomes a message in the window
             self.notice.emit(plain_error(exc, "listing the prefix snapshots"))
             return
@@ -466,10 +461,10 @@ class EngineWorker(QObject):
     @Slot(object)
     def clear_snapshots(self, key: str | None) -> None:
         """Drop one prefix snapshot (its key) or, with None, all of them; then list what is left."""
-        if self._engine is not None:
+        engine, session = self._engine, self._session
+        if engine is not None and session is not None:
             try:
-                with self.turn_lock:
-                    self._engine.clear_snapshots(key)
+                session.call(lambda: engine.clear_snapshots(key)).result()
             except Exception as exc:  # noqa: BLE001 - every failure becomes a message in the window
                 self.notice.emit(plain_error(exc, "clearing the prefix snapshots"))
         self.list_snapshots()
@@ -483,12 +478,11 @@ class EngineWorker(QObject):
         engine's server decides them (``image_info`` returns None: ``()`` is emitted). A request that
         arrives while the window closes is skipped.
         """
-        if self._engine is None or self.closing.is_set():
+        engine, session = self._engine, self._session
+        if engine is None or session is None or self.closing.is_set():
             return
-        self._stop_ahead()
         try:
-            with self.turn_lock:
-                info = self._engine.image_info(path)
+            info = session.call(lambda: engine.image_info(path)).result()
             size: Any = () if info is None else (info.height, info.width, info.tokens, info.pieces)
         except Exception as exc:  # noqa: BLE001 - every failure becomes a message in the window
             size = plain_error(exc, "reading the image")

@@ -1,13 +1,12 @@
 """"Serve on localhost": ``engine serve`` on 127.0.0.1 running the app's loaded engine (issue 17, item 2).
 
 The engine worker owns it and starts it on the engine it loaded, so the server shares that engine's
-weights, GPU placement and prefix-snapshot cache; each side holds the worker's turn lock while a turn
-runs, so the app's answers and the server's requests take turns on the one engine.
+weights, GPU placement and prefix-snapshot cache; both submit their turns to the engine's one
+:class:`engine.session.Session`, so the app's answers and the server's requests take turns on it.
 """
 
 from __future__ import annotations
 
-import threading
 from pathlib import Path
 from typing import Any
 
@@ -28,8 +27,9 @@ class LocalServer:
         """Whether it listens."""
         return self._thread is not None
 
-    def start(self, engine: Any, port: int, engine_lock: threading.Lock) -> str:
-        """Serve ``engine`` on ``http://127.0.0.1:port/v1`` (a running server is stopped first).
+    def start(self, engine: Any, port: int, session: Any) -> str:
+        """Serve ``engine`` on ``http://127.0.0.1:port/v1``, its turns run by ``session`` (the worker's); a
+        running server is stopped first.
 
         Returns:
             One line for the status area: where it listens, or why it does not (a remote engine, a port
@@ -42,7 +42,7 @@ class LocalServer:
         from engine.openai import ServerConfig, ServerThread
         name = Path(info.path).stem if info.path is not None else "deltadesk"
         try:
-            self._thread = ServerThread(engine, ServerConfig(name), LOOPBACK, port, engine_lock).start()
+            self._thread = ServerThread(engine, ServerConfig(name), LOOPBACK, port, session).start()
         except EngineError as exc:
             return f"Not serving: {exc}"
         return f"Serving {name} on {self._thread.url}"

@@ -41,6 +41,7 @@ from typing import TYPE_CHECKING, Callable, Sequence
 from .errors import EngineError
 from .events import PrefillStats, TokenEvent, TurnSummary
 from .sampling import SamplingParams
+from .session import Session
 
 if TYPE_CHECKING:
     from .gguf.file import GGUFFile
@@ -181,8 +182,14 @@ def cmd_generate(args: argparse.Namespace) -> int:
         print(f"error: --image {bad}: no such file", file=sys.stderr)
         return 2
     engine = _load(args, path, mmproj)
-    if args.raw:
-        return _finish(engine.complete(args.prompt, _sampling(args)), engine, args)
+    with Session() as session:
+        if args.raw:
+            return _finish(session.stream(lambda c: engine.complete(args.prompt, _sampling(args), c)), engine, args)
+        return _generate_chat(args, engine, session)
+
+
+def _generate_chat(args: argparse.Namespace, engine, session: Session) -> int:
+    """``generate`` through the chat template: the prompt (with its images) as one user message."""
     messages = []
     if args.system:
         messages.append({"role": "system", "content": args.system})
@@ -190,13 +197,14 @@ def cmd_generate(args: argparse.Namespace) -> int:
         content = [{"type": "image", "image": img} for img in args.image]
         messages.append({"role": "user", "content": content + [{"type": "text", "text": args.prompt}]})
         for img in args.image:
-            info = engine.image_info(img)
+            info = session.call(lambda img=img: engine.image_info(img)).result()
             slices = f" overview + {info.pieces - 1} slices" if info.pieces > 1 else ""
             print(f"[image {img}: {info.width}x{info.height} px{slices} reach the vision tower, {info.tokens} image "
                   "tokens]", file=sys.stderr)
     else:
         messages.append({"role": "user", "content": args.prompt})
-    return _finish(engine.chat(messages, _sampling(args), enable_thinking=args.think), engine, args)
+    return _finish(session.stream(lambda c: engine.chat(messages, _sampling(args), c, enable_thinking=args.think)),
+                   engine, args)
 
 
 def _finish(events, engine, args: argparse.Namespace) -> int:
@@ -229,6 +237,12 @@ An empty line or Ctrl+D quits; Ctrl+C stops an answer."""
 
 def cmd_chat(args: argparse.Namespace) -> int:
     engine = _load(args, *_model_paths(args))
+    with Session() as session:
+        return _chat_loop(args, engine, session)
+
+
+def _chat_loop(args: argparse.Namespace, engine, session: Session) -> int:
+    """The interactive chat: each line a turn of ``session``, until an empty line or end of input."""
     messages: list[dict] = []
     if args.system:
         messages.append({"role": "system", "content": args.system})
@@ -242,14 +256,15 @@ def cmd_chat(args: argparse.Namespace) -> int:
         if not line.strip():
             break
         if line.strip() == "/help" or line.startswith("/image"):
-            _chat_command(engine, line.strip(), images)
+            _chat_command(engine, session, line.strip(), images)
             continue
         parts = [{"type": "image", "image": img} for img in images]
         messages.append({"role": "user", "content": parts + [{"type": "text", "text": line}] if parts else line})
         images = []
         cancel = threading.Event()
         try:
-            summary = _stream(engine.chat(messages, _sampling(args), cancel, enable_thinking=args.think))
+            summary = _stream(session.stream(lambda c: engine.chat(messages, _sampling(args), c,
+                                                                    enable_thinking=args.think), cancel))
         except KeyboardInterrupt:
             cancel.set()
             print("\n[stopped]", file=sys.stderr)
@@ -261,7 +276,7 @@ def cmd_chat(args: argparse.Namespace) -> int:
     return 0
 
 
-def _chat_command(engine, line: str, images: list[str]) -> None:
+def _chat_command(engine, session: Session, line: str, images: list[str]) -> None:
     """``/help``, or ``/image PATH``: add the image to ``images`` (the next message's) after checking it."""
     if line == "/help":
         print(CHAT_HELP, file=sys.stderr)
@@ -274,7 +289,7 @@ def _chat_command(engine, line: str, images: list[str]) -> None:
         print("[/image needs a file: /image PATH]", file=sys.stderr)
     else:
         try:
-            info = engine.image_info(path)
+            info = session.call(lambda: engine.image_info(path)).result()
         except EngineError as exc:
             print(f"[{exc}]", file=sys.stderr)
             return

@@ -6,8 +6,8 @@ Usage::
     for event in engine.chat([{"role": "user", "content": "Hello"}], SamplingParams.greedy(64)):
         ...  # PrefillStats, then TokenEvent per token, then TurnSummary
 
-Everything here is synchronous and Qt-free; the app runs it on a worker thread and cancels it
-through a ``threading.Event``.
+Everything here is synchronous and Qt-free, and an :class:`Engine` is not thread-safe: callers on
+several threads share it through one :class:`engine.session.Session`, which runs all its work.
 """
 
 from __future__ import annotations
@@ -51,9 +51,8 @@ PROBE_CONVERSATION = ({"role": "user", "content": "Hello"}, {"role": "assistant"
 class Engine:
     """A loaded model: GGUF file, tokenizer, chat template and text model.
 
-    Build it with :meth:`load`. One engine serves one turn at a time: :meth:`chat`,
-    :meth:`generate` and :meth:`close` while a turn is running (its events not all read, from any
-    thread) raise :class:`~engine.errors.EngineError` at once instead of running alongside it.
+    Build it with :meth:`load`. Use it from one thread at a time: a shared engine is driven by the jobs of
+    its :class:`engine.session.Session` only. A turn runs as its events are read.
     """
 
     def __init__(self, gguf: GGUFFile, tokenizer: Tokenizer, model: TextModel,
@@ -71,9 +70,7 @@ class Engine:
         self.cache = PrefixCache(hp, gguf.identity, options.cache_ram_bytes, options.cache_disk_dir,
                                  options.cache_disk_bytes) if options.prefix_cache else None
         self.prompts = PromptBuilder(tokenizer, vision, gguf.source, gguf.path.name, self.context)
-        self._busy = threading.Lock()      # held while a turn runs (see the class docstring)
         self._closed = False
-        self._ahead_cancel: threading.Event | None = None    # the running prefill_ahead's cancel flag
         self._grammar_tokens: Any = None                      # llguidance's token table, built on first use
         self._grammar_lock = threading.Lock()
 
@@ -244,20 +241,16 @@ class Engine:
             TemplateError, UnsupportedModelError: see :meth:`render` (before any event).
         """
         started = time.perf_counter()
-        self._hold("chat")
-        try:
-            prompt = self.prepare(messages, enable_thinking, cancel, tools)
-        except BaseException:
-            self._busy.release()
-            raise
+        self._check_open("chat")
+        prompt = self.prepare(messages, enable_thinking, cancel, tools)
 
         def rerenders(answer: list[int]) -> bool:
             if prompt.images or (cancel is not None and cancel.is_set()):
                 return False  # re-rendering would re-encode every image; answers after images rarely re-render
             return self.answer_rerenders(messages, prompt.tokens, answer, enable_thinking, tools)
 
-        return self._held(self._turn(prompt.tokens, sampling, cancel, self.checkpoints(prompt.tokens), conversation,
-                                     prompt, rerenders, started, grammar))
+        return self._turn(prompt.tokens, sampling, cancel, self.checkpoints(prompt.tokens), conversation,
+                          prompt, rerenders, started, grammar)
 
     def generate(self, prompt_ids: Sequence[int], sampling: SamplingParams = SamplingParams(),
                  cancel: threading.Event | None = None, checkpoints: Sequence[int] = (),
@@ -273,42 +266,19 @@ class Engine:
             grammar: constrains the answer (:meth:`grammar`).
 
         Raises:
-            EngineError: another turn is running on this engine, or it is closed.
+            EngineError: the engine is closed.
         """
-        self._hold("generate")
-        return self._held(self._turn(prompt_ids, sampling, cancel, checkpoints, conversation, prompt, rerenders,
-                                     started, grammar))
+        self._check_open("generate")
+        return self._turn(prompt_ids, sampling, cancel, checkpoints, conversation, prompt, rerenders, started, grammar)
 
-    def _hold(self, what: str) -> None:
-        """Take the turn lock or refuse at once (see the class docstring)."""
-        if not self._busy.acquire(blocking=False):
-            raise EngineError(f"{what}: another turn is still running on this engine; cancel it or read it "
-                              "to the end first (one turn at a time)")
+    def _check_open(self, what: str) -> None:
         if self._closed:
-            self._busy.release()
             raise EngineError(f"{what}: the engine is closed")
-
-    def _held(self, events: Iterator[Event]) -> Iterator[Event]:
-        """``events`` as an iterator that releases the turn lock when it ends, is closed or is dropped.
-
-        The generator is started here (it waits at its first ``yield`` inside ``try``), so even one
-        that is never read releases the lock when it is garbage-collected.
-        """
-        def run() -> Iterator[Any]:
-            try:
-                yield None
-                yield from events
-            finally:
-                self._busy.release()
-
-        held = run()
-        next(held)
-        return held
 
     def _turn(self, prompt_ids: Sequence[int], sampling: SamplingParams, cancel: threading.Event | None,
               checkpoints: Sequence[int], conversation: str, prompt: Prompt | None, rerenders: Any,
               started: float | None, grammar: Grammar | None = None) -> Iterator[Event]:
-        """:meth:`generate` without the turn lock."""
+        """The turn of :meth:`generate` (its events run as they are read)."""
         turn = Turn(model=self.model, tokenizer=self.tokenizer, prompt=list(prompt_ids),
                     context=self.context, sampling=sampling, cancel=cancel or threading.Event(),
                     cache=self.cache, checkpoints=checkpoints,
@@ -346,8 +316,8 @@ class Engine:
         snapshot it, so that the next :meth:`chat` prefills only its new message.
 
         Call it after a turn with the answer appended (``messages`` ending with that assistant message),
-        while the user reads and types; set ``cancel`` (or call :meth:`cancel_read_ahead`) to stop it
-        within one piece (:data:`engine.turn.runtime.AHEAD_PIECE` tokens). The next turn renders an earlier answer
+        while the user reads and types (``Session.read_ahead``); set ``cancel`` to stop it within one piece
+        (:data:`engine.turn.runtime.AHEAD_PIECE` tokens). The next turn renders an earlier answer
         differently from the prompt it was generated after (Qwen's template drops the think scaffold of
         old turns), which is why the answer must be read again at all. The answer a later turn gives is
         the same with or without this call (prefill is split-invariant).
@@ -365,39 +335,24 @@ class Engine:
             cache, or when the template renders earlier messages differently depending on the next one.
 
         Raises:
-            EngineError: a turn is running on this engine, or it is closed. TemplateError, ImageError:
-            as :meth:`prepare`.
+            EngineError: the engine is closed. TemplateError, ImageError: as :meth:`prepare`.
         """
-        self._hold("prefill_ahead")
+        self._check_open("prefill_ahead")
         cancel = cancel or threading.Event()
-        self._ahead_cancel = cancel
-        try:
-            if self.cache is None:
-                return None
-            ahead = self.prompts.ahead(messages, enable_thinking, cancel, tools)
-            if ahead is None:
-                return None
-            follow, cut = ahead
-            turn = Turn(model=self.model, tokenizer=self.tokenizer, prompt=follow.tokens[:cut], context=self.context,
-                        sampling=SamplingParams(), cancel=cancel, cache=self.cache,
-                        checkpoints=[p for p in self.checkpoints(follow.tokens) if p < cut],
-                        conversation=conversation,
-                        positions=None if follow.positions is None else follow.positions[:, :cut],
-                        images=[img for img in follow.images if img[0] < cut], gpu=self.gpu,
-                        gpu_min_tokens=self.options.gpu_min_tokens, on_device_error=self._gpu_failed)
-            return read_ahead(turn)
-        finally:
-            self._ahead_cancel = None
-            self._busy.release()
-
-    def cancel_read_ahead(self) -> None:
-        """Stop a :meth:`prefill_ahead` running on another thread at its next piece, so that a real
-        request waiting for the engine (``engine serve``'s turns, which hold the engine's lock like the
-        app's read-ahead) starts within one piece rather than after the whole read. Callable from any
-        thread; does nothing when no read-ahead runs."""
-        running = self._ahead_cancel
-        if running is not None:
-            running.set()
+        if self.cache is None:
+            return None
+        ahead = self.prompts.ahead(messages, enable_thinking, cancel, tools)
+        if ahead is None:
+            return None
+        follow, cut = ahead
+        turn = Turn(model=self.model, tokenizer=self.tokenizer, prompt=follow.tokens[:cut], context=self.context,
+                    sampling=SamplingParams(), cancel=cancel, cache=self.cache,
+                    checkpoints=[p for p in self.checkpoints(follow.tokens) if p < cut],
+                    conversation=conversation,
+                    positions=None if follow.positions is None else follow.positions[:, :cut],
+                    images=[img for img in follow.images if img[0] < cut], gpu=self.gpu,
+                    gpu_min_tokens=self.options.gpu_min_tokens, on_device_error=self._gpu_failed)
+        return read_ahead(turn)
 
     def answer_rerenders(self, messages: Sequence[Message], prompt: Sequence[int], answer: Sequence[int],
                          enable_thinking: bool = False, tools: Sequence[Message] | None = None) -> bool:
@@ -457,13 +412,9 @@ class Engine:
         """Write the RAM prefix snapshots to the disk tier (when configured) and release the GPU
         (prefill and vision tower: device and pinned memory). Call it when the engine is dropped; it is
         not usable after. Each part is released even when an earlier one fails; the failure is then raised
-        (a vision tower that fails to release is only logged, see :meth:`ImageEncoder.close`).
-
-        Raises:
-            EngineError: a turn is still running (cancel it and let it end first); nothing is released.
+        (a vision tower that fails to release is only logged, see :meth:`ImageEncoder.close`). A shared engine
+        is closed by a job of its session (``session.call(engine.close)``), after which no turn runs.
         """
-        if not self._busy.acquire(blocking=False):
-            raise EngineError("close: a turn is still running on this engine; cancel it and let it end first")
         self._closed = True
         try:
             if self.cache is not None:
@@ -473,12 +424,9 @@ class Engine:
                 if self.vision is not None:
                     self.vision.close()
             finally:
-                try:
-                    if self.gpu is not None:
-                        gpu, self.gpu = self.gpu, None
-                        gpu.close()
-                finally:
-                    self._busy.release()
+                if self.gpu is not None:
+                    gpu, self.gpu = self.gpu, None
+                    gpu.close()
 
     def image_info(self, source: ImageSource) -> ImageInfo:
         """The size in pixels an image will have when it reaches the vision tower, and the image tokens

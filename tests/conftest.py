@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Self
 
 import pytest
 
@@ -26,21 +27,44 @@ def synth_model(tmp_path_factory):
     return make
 
 
+class Hold:
+    """``with hold:`` gives the test the engine to itself: a job of ``session`` holds the session's thread
+    from the block's start to its end (the engine busy, as with the app's own turn)."""
+
+    def __init__(self, session) -> None:
+        self.session = session
+
+    def __enter__(self) -> Self:
+        import threading
+        self._entered, self._leave = threading.Event(), threading.Event()
+        self._ticket = self.session.call(self._wait)
+        assert self._entered.wait(60)
+        return self
+
+    def _wait(self) -> None:
+        self._entered.set()
+        self._leave.wait(300)
+
+    def __exit__(self, *exc) -> None:
+        self._leave.set()
+        self._ticket.result(60)
+
+
 @pytest.fixture(scope="session")
 def served(synth_model):
     """The tiny synth model (q8_0, context 512) behind ``engine serve`` on loopback, for the server, remote
-    engine and app tests: ``(engine, engine_lock, server)``; a test that runs the engine in process holds
-    ``engine_lock`` as the server does."""
-    import threading
-
+    engine and app tests: ``(engine, hold, server)``; a test that runs the engine in process does it inside
+    ``with hold:`` (:class:`Hold`; ``hold.session`` runs the server's turns)."""
     from engine.api import Engine, EngineOptions
     from engine.openai import ServerConfig, ServerThread
+    from engine.session import Session
 
     engine = Engine.load(synth_model("tiny", "q8_0"), options=EngineOptions(context=512))
-    lock = threading.Lock()
-    server = ServerThread(engine, ServerConfig("tiny"), port=0, engine_lock=lock).start()
-    yield engine, lock, server
+    session = Session()
+    server = ServerThread(engine, ServerConfig("tiny"), port=0, session=session).start()
+    yield engine, Hold(session), server
     server.stop()
+    session.close()
     engine.close()
 
 

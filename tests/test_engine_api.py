@@ -412,28 +412,3 @@ def test_default_model_without_the_bundled_demo_writes_the_synthetic_pair(tmp_pa
         assert engine.info.has_vision and engine.info.arch == "qwen35moe"
     finally:
         engine.close()
-
-
-def test_cancel_read_ahead_stops_a_read_ahead_running_on_another_thread(warm, monkeypatch) -> None:
-    """What a request of ``engine serve`` waiting for the engine calls (the app reads ahead under that lock)."""
-    from engine import api
-
-    started, outcome = threading.Event(), {}
-
-    def read_ahead(turn):
-        started.set()
-        turn.cancel.wait(60)               # a read of many pieces, still going when it is told to stop
-        return real_read_ahead(turn)       # which then stops at its first piece
-
-    real_read_ahead = api.read_ahead
-    monkeypatch.setattr(api, "read_ahead", read_ahead)
-    messages = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "word " * 100}]
-    warm.cancel_read_ahead()               # none running: nothing to stop, nothing left set
-    worker = threading.Thread(target=lambda: outcome.update(stats=warm.prefill_ahead(messages)))
-    worker.start()
-    assert started.wait(60)
-    warm.cancel_read_ahead()
-    worker.join(60)
-    assert not worker.is_alive() and outcome["stats"] is None
-    monkeypatch.setattr(api, "read_ahead", real_read_ahead)
-    assert warm.prefill_ahead(messages).prefilled_tokens > 0   # the engine is free again, and the next read is whole

@@ -20,10 +20,10 @@ def tiny(synth_model):
 
 @pytest.fixture
 def engine(served):
-    """The shared served engine, its turn lock held (no request runs meanwhile), with the file's own chat
+    """The shared served engine, held (no request runs meanwhile), with the file's own chat
     template restored after the test (a test may drop it)."""
-    eng, lock, _ = served
-    with lock:
+    eng, hold, _ = served
+    with hold:
         template = eng.tokenizer.chat_template
         yield eng
         eng.tokenizer.chat_template = template

@@ -42,8 +42,8 @@ def test_connect_reads_the_model_list(remote, served) -> None:
 
 
 def test_a_remote_turn_equals_the_in_process_one(remote, served) -> None:
-    engine, lock, _ = served
-    with lock:
+    engine, hold, _ = served
+    with hold:
         want = [e for e in engine.chat(HI, SamplingParams.greedy(8)) if isinstance(e, TurnSummary)][-1]
     events, got = _turn(remote.chat(HI, SamplingParams.greedy(8)))
     assert isinstance(events[0], PrefillStats) and events[0].device == "remote"
@@ -105,7 +105,7 @@ def test_images_reach_a_vision_server(served_vision, tmp_path) -> None:
 
 
 def test_a_wrong_key_is_refused_with_a_hint(served) -> None:
-    srv = ServerThread(served[0], ServerConfig("tiny", api_key="k1"), port=0, engine_lock=served[1]).start()
+    srv = ServerThread(served[0], ServerConfig("tiny", api_key="k1"), port=0, session=served[1].session).start()
     try:
         with pytest.raises(RemoteError, match="answered 401 .check the API key"):
             RemoteEngine.connect(srv.url, "tiny", api_key="k2")

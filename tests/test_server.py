@@ -35,8 +35,8 @@ def engine(served):
 
 
 @pytest.fixture(scope="module")
-def lock(served):
-    """The engine's turn lock: every server on the shared engine holds it, as the app does."""
+def hold(served):
+    """``with hold:`` keeps the shared engine to the test (conftest.Hold); ``hold.session`` runs the turns."""
     return served[1]
 
 
@@ -50,14 +50,14 @@ def client(server):
     return openai.OpenAI(base_url=server.url, api_key="unused", max_retries=0, timeout=60)
 
 
-def _direct(engine, lock, messages=HI, n=8, **kw) -> TurnSummary:
-    """The in-process answer, the engine's lock held as the server holds it."""
-    with lock:
+def _direct(engine, hold, messages=HI, n=8, **kw) -> TurnSummary:
+    """The in-process answer, the engine held as a job of its session holds it."""
+    with hold:
         return [e for e in engine.chat(messages, SamplingParams.greedy(n), **kw) if isinstance(e, TurnSummary)][-1]
 
 
-def test_non_streaming_chat_equals_the_in_process_answer(client, engine, lock) -> None:
-    want = _direct(engine, lock)
+def test_non_streaming_chat_equals_the_in_process_answer(client, engine, hold) -> None:
+    want = _direct(engine, hold)
     assert "<think>" not in want.text and "</think>" not in want.text
     got = client.chat.completions.create(model="tiny", messages=HI, max_tokens=8, temperature=0)
     choice = got.choices[0]
@@ -131,8 +131,8 @@ def test_stop_string_cuts_the_answer(client) -> None:
     assert "".join(c.choices[0].delta.content or "" for c in streamed if c.choices) == text[:text.find(stop)]
 
 
-def test_thinking_is_returned_as_reasoning_content(client, engine, lock) -> None:
-    want = _direct(engine, lock, n=6, enable_thinking=True)
+def test_thinking_is_returned_as_reasoning_content(client, engine, hold) -> None:
+    want = _direct(engine, hold, n=6, enable_thinking=True)
     got = client.chat.completions.create(model="tiny", messages=HI, max_tokens=6, temperature=0,
                                          extra_body={"chat_template_kwargs": {"enable_thinking": True}})
     message = got.choices[0].message
@@ -141,8 +141,8 @@ def test_thinking_is_returned_as_reasoning_content(client, engine, lock) -> None
     assert message.reasoning_content == want.text.strip() and message.content == ""   # so all of it is reasoning
 
 
-def test_raw_completion_equals_engine_complete(client, engine, lock) -> None:
-    with lock:
+def test_raw_completion_equals_engine_complete(client, engine, hold) -> None:
+    with hold:
         want = [e for e in engine.complete("Once upon a time", SamplingParams.greedy(6))
                 if isinstance(e, TurnSummary)][-1]
     got = client.completions.create(model="tiny", prompt="Once upon a time", max_tokens=6, temperature=0)
@@ -226,8 +226,8 @@ def test_a_raw_prompt_too_large_for_the_context_whatever_its_tokens_is_400(serve
     assert "context window holds 512" in message and f"{len(text):,} bytes of text" in message
 
 
-def test_too_large_a_body_is_413(engine, lock) -> None:
-    srv = ServerThread(engine, ServerConfig("tiny", max_body_bytes=4096), port=0, engine_lock=lock).start()
+def test_too_large_a_body_is_413(engine, hold) -> None:
+    srv = ServerThread(engine, ServerConfig("tiny", max_body_bytes=4096), port=0, session=hold.session).start()
     try:
         body = {"model": "tiny", "messages": [{"role": "user", "content": "x" * 5000}]}
         _error(httpx.post(srv.url + "/chat/completions", json=body), 413, "request_too_large")
@@ -235,8 +235,8 @@ def test_too_large_a_body_is_413(engine, lock) -> None:
         srv.stop()
 
 
-def test_api_key_is_required_when_set(engine, lock) -> None:
-    srv = ServerThread(engine, ServerConfig("tiny", api_key="s3cret"), port=0, engine_lock=lock).start()
+def test_api_key_is_required_when_set(engine, hold) -> None:
+    srv = ServerThread(engine, ServerConfig("tiny", api_key="s3cret"), port=0, session=hold.session).start()
     try:
         body = {"model": "tiny", "messages": HI, "max_tokens": 1}
         _error(httpx.post(srv.url + "/chat/completions", json=body), 401, "invalid_api_key")
@@ -280,9 +280,9 @@ class _Recording:
             yield event
 
 
-def test_requests_are_served_one_at_a_time(engine, lock) -> None:
+def test_requests_are_served_one_at_a_time(engine, hold) -> None:
     rec = _Recording(engine)
-    srv = ServerThread(rec, ServerConfig("tiny"), port=0, engine_lock=lock).start()
+    srv = ServerThread(rec, ServerConfig("tiny"), port=0, session=hold.session).start()
     client = openai.OpenAI(base_url=srv.url, api_key="unused", max_retries=0, timeout=60)
 
     def ask(k: int) -> None:
@@ -325,9 +325,9 @@ def _until(condition, seconds: float = 60.0) -> bool:
     return condition()
 
 
-def test_a_client_that_disconnects_stops_its_turn(engine, lock) -> None:
+def test_a_client_that_disconnects_stops_its_turn(engine, hold) -> None:
     rec = _Pausing(engine, after=3)
-    srv = ServerThread(rec, ServerConfig("tiny"), port=0, engine_lock=lock).start()
+    srv = ServerThread(rec, ServerConfig("tiny"), port=0, session=hold.session).start()
     try:
         body = {"model": "tiny", "messages": HI, "max_tokens": 400, "temperature": 0, "stream": True}
         with httpx.stream("POST", srv.url + "/chat/completions", json=body, timeout=60) as r:
@@ -340,51 +340,46 @@ def test_a_client_that_disconnects_stops_its_turn(engine, lock) -> None:
         srv.stop()
 
 
-def test_a_queued_client_that_disconnects_never_runs(engine, lock, caplog) -> None:
+def test_a_queued_client_that_disconnects_never_runs(engine, hold, caplog) -> None:
     import logging
 
     rec = _Recording(engine)
-    srv = ServerThread(rec, ServerConfig("tiny"), port=0, engine_lock=lock).start()
+    srv = ServerThread(rec, ServerConfig("tiny"), port=0, session=hold.session).start()
     try:
         with caplog.at_level(logging.DEBUG, logger="engine.openai.app"):
-            with lock:   # the engine is busy (as with the app's own turn): the request waits
+            with hold:   # the engine is busy (as with the app's own turn): the request waits
                 with pytest.raises(httpx.ReadTimeout):
                     httpx.post(srv.url + "/chat/completions", json={"model": "tiny", "messages": HI, "max_tokens": 2},
                                timeout=0.5)
                 assert _until(lambda: any("disconnected" in r.getMessage() for r in caplog.records))
-        time.sleep(0.5)
+        hold.session.call(lambda: None).result(60)      # every job queued before this one has ended
         assert rec.summaries == []
     finally:
         srv.stop()
 
 
-def test_a_request_stops_the_apps_read_ahead_instead_of_waiting_for_it(engine, lock, server, monkeypatch) -> None:
-    """The app reads a chat ahead on its own thread holding the engine's lock (``EngineWorker._read_ahead``);
-    a served request arriving meanwhile makes it stop at its next piece rather than wait for the whole read."""
+def test_a_request_stops_the_apps_read_ahead_instead_of_waiting_for_it(engine, hold, server, monkeypatch) -> None:
+    """The app reads a chat ahead as a low-priority job of the session the server shares
+    (``EngineWorker._read_ahead``); a served request arriving meanwhile stops it at its next piece rather
+    than wait for the whole read."""
     from engine import api
 
-    reading, outcome = threading.Event(), {}
+    reading = threading.Event()
 
     def slow_read_ahead(turn):
         reading.set()
         turn.cancel.wait(60)                   # a long read, still going unless told to stop
         return real_read_ahead(turn)
 
-    def app_read_ahead() -> None:
-        with lock:
-            outcome["stats"] = engine.prefill_ahead([{"role": "user", "content": "Hi"},
-                                                     {"role": "assistant", "content": "word " * 50}])
-
     real_read_ahead = api.read_ahead
     monkeypatch.setattr(api, "read_ahead", slow_read_ahead)
-    ahead = threading.Thread(target=app_read_ahead)
-    ahead.start()
+    messages = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "word " * 50}]
+    ahead = hold.session.read_ahead(lambda cancel: engine.prefill_ahead(messages, cancel=cancel))
     assert reading.wait(60)
     r = httpx.post(server.url + "/chat/completions", json={"model": "tiny", "messages": HI, "max_tokens": 2,
                                                             "temperature": 0}, timeout=60)
-    ahead.join(60)
     assert r.status_code == 200 and r.json()["choices"][0]["message"]["content"] is not None
-    assert not ahead.is_alive() and outcome["stats"] is None    # stopped, not read to its end after the 60 s wait
+    assert ahead.result(60) is None            # stopped, not read to its end after the 60 s wait
 
 
 @pytest.fixture(scope="module")
@@ -438,6 +433,6 @@ def test_unreadable_images_are_400(vision_server, url, status, fragment) -> None
     assert fragment in _error(r, status, "invalid_image") and r.json()["error"]["param"].startswith("messages")
 
 
-def test_a_port_in_use_is_a_clear_error(engine, lock, server) -> None:
+def test_a_port_in_use_is_a_clear_error(engine, hold, server) -> None:
     with pytest.raises(EngineError, match=f"could not listen on 127.0.0.1:{server.port}: Address already in use"):
-        ServerThread(engine, ServerConfig("tiny"), port=server.port, engine_lock=lock).start(timeout=5)
+        ServerThread(engine, ServerConfig("tiny"), port=server.port, session=hold.session).start(timeout=5)

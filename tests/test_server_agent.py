@@ -26,7 +26,7 @@ def engine(served):
 
 
 @pytest.fixture(scope="module")
-def lock(served):
+def hold(served):
     return served[1]
 
 
@@ -230,9 +230,9 @@ class _Recording:
 
 
 @pytest.fixture(scope="module")
-def recorded(engine, lock):
+def recorded(engine, hold):
     rec = _Recording(engine)
-    srv = ServerThread(rec, ServerConfig("tiny"), port=0, engine_lock=lock).start()
+    srv = ServerThread(rec, ServerConfig("tiny"), port=0, session=hold.session).start()
     yield rec, openai.OpenAI(base_url=srv.url, api_key="unused", max_retries=0, timeout=60)
     srv.stop()
 
@@ -347,16 +347,15 @@ def test_strict_tool_arguments_are_enforced_under_auto(client, engine) -> None:
         assert got.choices[0].finish_reason == "tool_calls"
 
 
-def test_the_json_call_format_grammar_gives_valid_calls(engine, lock) -> None:
+def test_the_json_call_format_grammar_gives_valid_calls(engine, hold) -> None:
     """The grammar of the older templates' JSON calls, run on the engine directly (the synth model's
     template teaches the XML form, so the server would not choose this one)."""
     grammar = engine.grammar(lark=call_grammar(TOOLS, "json", "required", None, False, None))
     reader = CallReader({t["function"]["name"]: t["function"] for t in TOOLS}, "json")
     for seed in range(4):
-        with lock:
-            events = list(engine.chat(ASK, SamplingParams(temperature=1.0, seed=seed, max_tokens=150),
-                                      tools=TOOLS, grammar=grammar))
-        summary = events[-1]
+        with hold:
+            summary = [e for e in engine.chat(ASK, SamplingParams(temperature=1.0, seed=seed, max_tokens=150),
+                                              tools=TOOLS, grammar=grammar) if isinstance(e, TurnSummary)][-1]
         stream = ToolCallStream(reader)
         parts = [p for e in events if isinstance(e, TokenEvent) for p in e.parts] + list(summary.parts)
         pieces = stream.push(parts) + stream.close()
@@ -386,10 +385,10 @@ def test_a_response_format_with_tools_is_that_json_or_calls(client) -> None:
     assert kinds == {False, True}, "the seeds should show both kinds of answer"
 
 
-def test_server_logprobs_are_the_engines(client, engine, lock) -> None:
+def test_server_logprobs_are_the_engines(client, engine, hold) -> None:
     from dataclasses import replace
 
-    with lock:
+    with hold:
         events = [e for e in engine.chat(HI, replace(SamplingParams.greedy(5), top_logprobs=2))
                   if isinstance(e, TokenEvent)]
     got = client.chat.completions.create(model="tiny", messages=HI, max_tokens=5, temperature=0, logprobs=True,
@@ -422,8 +421,8 @@ class _NoTemplate(_Recording):
         return types.SimpleNamespace(chat_template=None, n_vocab=self.engine.tokenizer.n_vocab)
 
 
-def test_tools_are_refused_when_the_template_cannot_write_them(engine, lock) -> None:
-    srv = ServerThread(_NoTemplate(engine), ServerConfig("tiny"), port=0, engine_lock=lock).start()
+def test_tools_are_refused_when_the_template_cannot_write_them(engine, hold) -> None:
+    srv = ServerThread(_NoTemplate(engine), ServerConfig("tiny"), port=0, session=hold.session).start()
     try:
         r = httpx.post(srv.url + "/chat/completions", json=_body(tools=TOOLS), timeout=60)
         assert r.status_code == 400 and r.json()["error"]["param"] == "tools"
@@ -447,9 +446,9 @@ class _Prefills(_Recording):
             yield event
 
 
-def test_n_choices_prefill_the_prompt_once(engine, lock) -> None:
+def test_n_choices_prefill_the_prompt_once(engine, hold) -> None:
     rec = _Prefills(engine)
-    srv = ServerThread(rec, ServerConfig("tiny"), port=0, engine_lock=lock).start()
+    srv = ServerThread(rec, ServerConfig("tiny"), port=0, session=hold.session).start()
     try:
         engine.clear_snapshots()
         messages = [{"role": "user", "content": "Three answers, one prompt: " + "words " * 40}]

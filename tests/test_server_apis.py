@@ -207,7 +207,7 @@ def test_the_anthropic_client_raises_on_errors(claude) -> None:
 
 
 def test_the_key_may_come_as_x_api_key_or_bearer(engine, served) -> None:
-    srv = ServerThread(engine, ServerConfig("tiny", api_key="s3cret"), port=0, engine_lock=served[1]).start()
+    srv = ServerThread(engine, ServerConfig("tiny", api_key="s3cret"), port=0, session=served[1].session).start()
     base = srv.url.removesuffix("/v1")
     try:
         ok = anthropic.Anthropic(base_url=base, api_key="s3cret", max_retries=0, timeout=60)
@@ -297,7 +297,7 @@ def test_queue_length_counts_requests_waiting_for_the_engine(server, served) -> 
     import threading
     import time
 
-    base, lock = server.url.removesuffix("/v1"), served[1]
+    base, hold = server.url.removesuffix("/v1"), served[1]
     waiting = []
 
     def ask() -> None:
@@ -307,7 +307,7 @@ def test_queue_length_counts_requests_waiting_for_the_engine(server, served) -> 
     def queue() -> float:
         return _metrics(base)[("deltadesk_queue_length", ())]
 
-    with lock:          # the engine is busy (the app's own turn): both requests wait
+    with hold:          # the engine is busy (the app's own turn): both requests wait
         threads = [threading.Thread(target=ask) for _ in range(2)]
         for t in threads:
             t.start()
@@ -428,9 +428,9 @@ def test_an_unknown_tool_choice_is_an_error_in_each_shape(server) -> None:
 def test_a_messages_client_that_leaves_while_queued_is_not_an_error(server, served) -> None:
     import time
 
-    base, lock = server.url.removesuffix("/v1"), served[1]
+    base, hold = server.url.removesuffix("/v1"), served[1]
     before = _metrics(base)
-    with lock:          # the engine is busy: the request waits, and its client gives up
+    with hold:          # the engine is busy: the request waits, and its client gives up
         with pytest.raises(httpx.ReadTimeout):
             httpx.post(server.url + "/messages", timeout=0.5, json={"model": "tiny", "max_tokens": 2, "messages": HI})
         deadline = time.monotonic() + 30
@@ -474,7 +474,7 @@ def test_a_stream_whose_client_leaves_stops_its_turn(engine, served, path, body)
     import time
 
     paused = _Pausing(engine)
-    srv = ServerThread(paused, ServerConfig("tiny"), port=0, engine_lock=served[1]).start()
+    srv = ServerThread(paused, ServerConfig("tiny"), port=0, session=served[1].session).start()
     try:
         with httpx.stream("POST", srv.url + path, timeout=60,
                           json={"model": "tiny", "stream": True, "temperature": 0, **body}) as r:

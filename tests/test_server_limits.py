@@ -191,6 +191,30 @@ def test_waiting_bodies_are_bounded_in_bytes() -> None:
         server.stop()
 
 
+def test_a_full_engine_session_queue_is_429_with_retry_after() -> None:
+    """The engine's session (shared with the app) holds its own bounded queue: a request it cannot take is a 429."""
+    from engine.session import Session
+
+    session, entered, leave, engine = Session(max_queued=1), threading.Event(), threading.Event(), _Gated()
+    engine.gate.set()                                                       # its turns answer at once
+    server = ServerThread(engine, ServerConfig("m"), port=0, session=session).start()
+    try:
+        busy = session.call(lambda: entered.set() or leave.wait(30))      # the app's own turn, say
+        assert entered.wait(30)
+        queued = session.call(lambda: "listed")                             # a snapshot listing waits behind it
+        r = _post(server, _body("m", {"type": "text", "text": "hi"}))
+        assert r.status_code == 429 and r.headers["Retry-After"].isdigit(), r.text
+        assert r.json()["error"]["code"] == "rate_limit_exceeded" and "queue holds 1 jobs" in r.text
+        leave.set()
+        assert busy.result(30) and queued.result(30) == "listed"
+        engine_free = _post(server, _body("m", {"type": "text", "text": "hi"}))
+        assert engine_free.status_code == 200, engine_free.text
+    finally:
+        leave.set()
+        server.stop()
+        session.close()
+
+
 # ---- uvicorn's own limits on slow clients --------------------------------------------------------------------
 
 

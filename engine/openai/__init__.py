@@ -4,7 +4,7 @@ OpenAI-compatible server (its untrusted reads in :mod:`engine.openai.remote_http
 
 The HTTP stack is Starlette (routing, requests, streamed responses) on uvicorn (the ASGI server): both
 are small, widely used and maintained, and an event loop serves slow streaming clients without a
-thread each while the engine runs one turn at a time on a thread of its own.
+thread each while the engine's :class:`engine.session.Session` runs its turns on a thread of its own.
 
 Security: the server binds to loopback unless told otherwise, and binding any other address needs an
 API key (:func:`check_bind`), which every ``/v1`` request must then present; such a server also refuses
@@ -21,6 +21,7 @@ import time
 from typing import Any
 
 from engine.errors import EngineError
+from engine.session import Session
 from .app import DEFAULT_MAX_BODY, ServerConfig, create_app
 from .requests import APIError
 
@@ -103,11 +104,11 @@ def bind_address(host: str, port: int) -> socket.socket:
     return sock
 
 
-def _uvicorn_server(engine: Any, config: ServerConfig, host: str, port: int, engine_lock: threading.Lock | None):
+def _uvicorn_server(engine: Any, config: ServerConfig, host: str, port: int, session: Session):
     import uvicorn
     if not is_loopback(host):
         config = dataclasses.replace(config, file_urls=False)
-    app = create_app(engine, config, engine_lock)
+    app = create_app(engine, config, session)
     return uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="warning", access_log=False,
                                          timeout_graceful_shutdown=2, http=_head_timeout_protocol(),
                                          **UVICORN_LIMITS))
@@ -123,7 +124,11 @@ def serve(engine: Any, config: ServerConfig, host: str = LOOPBACK, port: int = 8
     """
     check_bind(host, config.api_key)
     sock = sock or bind_address(host, port)
-    _uvicorn_server(engine, config, host, port, None).run(sockets=[sock])
+    session = Session()
+    try:
+        _uvicorn_server(engine, config, host, port, session).run(sockets=[sock])
+    finally:
+        session.close()
 
 
 class ServerThread:
@@ -133,15 +138,18 @@ class ServerThread:
         engine: the engine to serve (see :func:`engine.openai.app.create_app`).
         config: model name, key, body limit.
         host, port: where to listen; port 0 picks a free one (read :attr:`port` after :meth:`start`).
-        engine_lock: the lock the engine's other user holds around its turns.
+        session: the :class:`engine.session.Session` the engine's other users share; None = one of the
+            server's own, closed by :meth:`stop`.
     """
 
     def __init__(self, engine: Any, config: ServerConfig, host: str = LOOPBACK, port: int = 8080,
-                 engine_lock: threading.Lock | None = None) -> None:
+                 session: Session | None = None) -> None:
         check_bind(host, config.api_key)
         self.host = host
         self.port = port
-        self._server = _uvicorn_server(engine, config, host, port, engine_lock)
+        self._own = session is None
+        self.session = session or Session()
+        self._server = _uvicorn_server(engine, config, host, port, self.session)
         self._thread: threading.Thread | None = None
 
     @property
@@ -172,7 +180,9 @@ class ServerThread:
         return self
 
     def stop(self) -> None:
-        """Stop listening, end the running turn's stream and join the thread."""
+        """Stop listening, end the running turn's stream and join the thread (and the server's own session)."""
         self._server.should_exit = True
         if self._thread is not None and self._thread.is_alive():
             self._thread.join(timeout=10)
+        if self._own:
+            self.session.close(timeout=10)

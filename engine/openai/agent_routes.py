@@ -2,7 +2,7 @@
 ``POST /v1/messages`` and ``POST /v1/messages/count_tokens`` (Anthropic Messages), and ``GET /metrics``.
 
 Each Responses or Messages request is translated into a chat-completions body and run as a chat turn
-(``_Routes.chat`` / ``_Routes.chat_chunks`` of :mod:`engine.openai.app`: same queue, engine lock,
+(``_Routes.chat`` / ``_Routes.chat_chunks`` of :mod:`engine.openai.app`: same queue, engine session,
 snapshot cache and cancellation); the answer is translated back (:mod:`.responses_api`,
 :mod:`.messages_api`). Errors of the Messages routes come in Anthropic's shape, and those routes take
 the API key as ``x-api-key`` (Anthropic's header) as well as ``Authorization: Bearer``. ``/metrics``
@@ -120,14 +120,14 @@ class AgentRoutes:
             return _anthropic_error(_app._error_of(exc))
 
     def _count(self, req: Any) -> int:
-        """The prompt's tokens: rendered (text only), or prepared with the engine's lock held (images are
-        encoded by the vision tower, which runs one request at a time)."""
+        """The prompt's tokens: rendered (text only), or prepared by a job of the engine's session (images are
+        encoded by the vision tower, which the session's turns use too)."""
         tools = list(req.tools) or None
         if not any(isinstance(m["content"], list) and any(p["type"] == "image" for p in m["content"])
                    for m in req.messages):
             return len(self.chat.engine.render(req.messages, req.enable_thinking, tools=tools))
-        with self.chat.lock:
-            return len(self.chat.engine.prepare(req.messages, req.enable_thinking, tools=tools).tokens)
+        prepare = self.chat.engine.prepare
+        return self.chat.session.call(lambda: len(prepare(req.messages, req.enable_thinking, tools=tools).tokens)).result()
 
     async def metrics(self, request: Request) -> Response:
         """``GET /metrics``: the Prometheus text exposition of this server's metrics."""

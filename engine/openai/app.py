@@ -6,12 +6,11 @@ Response and stream shapes follow the OpenAI API reference (chat completion obje
 ``data: [DONE]`` after the last server-sent event); ``usage.prompt_tokens_details.cached_tokens`` is
 the number of prompt tokens resumed from a prefix snapshot (``PrefillStats.reused_tokens``).
 
-One turn runs on the engine at a time: requests wait in arrival order (an ``asyncio.Lock``, FIFO) and
-each turn also holds the engine's ``threading.Lock``, which the app's own chat takes too when it shares
-the engine; a turn waiting for that lock stops the app's read-ahead of a chat at its next piece
-(``Engine.cancel_read_ahead``). The turn runs on a thread of its own; its events reach the event loop through an
-``asyncio.Queue``. A client that disconnects (while queued, during prefill or while streaming) sets
-the turn's cancel flag, which the engine checks between prompt pieces and between tokens.
+Each request's turn is a job of the engine's :class:`engine.session.Session` (shared with the app when it
+serves the app's engine), which runs it in its turn; its events reach the event loop through an
+``asyncio.Queue`` (``loop.call_soon_threadsafe``). A client that disconnects while its turn waits removes it
+from the session's queue; one that leaves during prefill or while streaming sets the turn's cancel flag,
+which the engine checks between prompt pieces and between tokens.
 
 Cross-site requests are refused in front of every route (:class:`engine.openai.guard.RequestGuard`:
 ``Host`` not naming a loopback server, ``POST`` body not sent as JSON).
@@ -38,12 +37,13 @@ from starlette.routing import Route
 from engine.errors import ContextFullError, EngineError, ImageError, TemplateError, UnsupportedModelError
 from engine.events import Event, PrefillStats, TokenEvent, TurnSummary
 from engine.turn.grammar import GrammarError
+from engine.session import END, QueueFullError, Session, Ticket
 from . import agent_routes
 from .choices import Answer, Choice
 from .constraints import Constraints
 from .fields import agent_request, completion_fields
 from .guard import RequestGuard, loopback_host
-from .limits import DEFAULT_MAX_WAITING, DEFAULT_MAX_WAITING_BYTES, WaitingQueue, check_fits, check_text
+from .limits import DEFAULT_MAX_WAITING, DEFAULT_MAX_WAITING_BYTES, QueueFull, WaitingQueue, check_fits, check_text
 from .metrics import RequestCounter, ServerMetrics
 from .requests import APIError, TurnRequest, chat_request, completion_request
 
@@ -52,7 +52,8 @@ log = logging.getLogger(__name__)
 DEFAULT_MAX_BODY = 64 << 20
 """Largest request body, bytes (a few base64 photos fit)."""
 
-_END = object()
+_END = END
+_STARTED = object()
 PATHS = ("/v1/chat/completions", "/v1/completions", "/v1/models", "/v1/responses", "/v1/messages",
          "/v1/messages/count_tokens", "/metrics", "/health")
 """The routes, as :class:`engine.openai.metrics.ServerMetrics` counts requests by route."""
@@ -90,23 +91,20 @@ class _ClientGone(Exception):
 
 
 class _Turn:
-    """One turn on the engine thread (all ``n`` choices of a request), its events queued for the event loop.
+    """One turn on the engine's session (all ``n`` choices of a request), its events queued for the event loop.
 
     Args:
         start: ``start(next_cancel)`` -> the engine's events (``Engine.chat`` / ``Engine.complete``, once
             per choice); ``next_cancel()`` gives the cancel flag of the next engine call.
-        preempt: called while the turn waits for the engine's lock (``Engine.cancel_read_ahead``: the
-            app's read-ahead of a chat, which holds that lock, gives way within one piece), or None.
     """
 
-    def __init__(self, start: Callable[[Callable[[], threading.Event]], Iterator[Event]],
-                 preempt: Callable[[], None] | None = None) -> None:
+    def __init__(self, start: Callable[[Callable[[], threading.Event]], Iterator[Event]]) -> None:
         self.loop = asyncio.get_running_loop()
         self.queue: asyncio.Queue = asyncio.Queue()
         self.cancel = threading.Event()
         self._choice = threading.Event()
         self._start = start
-        self._preempt = preempt
+        self._ticket: Ticket | None = None
 
     def next_cancel(self) -> threading.Event:
         """A fresh cancel flag for the next engine call, already set when the whole turn is cancelled."""
@@ -117,13 +115,23 @@ class _Turn:
         return flag
 
     def stop(self) -> None:
-        """Stop the whole turn (the client left, or the request is over)."""
+        """Stop the whole turn (the client left, or the request is over): dropped while queued."""
         self.cancel.set()
         self._choice.set()
+        if self._ticket is not None:
+            self._ticket.cancel()
 
     def stop_choice(self) -> None:
         """Stop the current choice only (a stop string ended it); the next choice still runs."""
         self._choice.set()
+
+    def submit(self, session: Session) -> None:
+        """Queue the turn on ``session``.
+
+        Raises:
+            QueueFullError: the session's queue is full.
+        """
+        self._ticket = session.submit_stream(self._run, self._put, self.cancel)
 
     def _put(self, item: Any) -> None:
         try:
@@ -131,38 +139,18 @@ class _Turn:
         except RuntimeError:  # the event loop has closed: nobody is listening any more
             pass
 
-    def run(self, engine_lock: threading.Lock) -> None:
-        """Run the turn (on its own thread) once the engine is free; every outcome is queued, then the end."""
-        try:
-            while not engine_lock.acquire(timeout=0.05):
-                if self._preempt is not None:
-                    self._preempt()      # again each time: a read-ahead may take the lock before it can be told
-            try:
-                if self.cancel.is_set():
-                    return
-                events = self._start(self.next_cancel)
-                try:
-                    for event in events:
-                        self._put(event)
-                finally:
-                    close = getattr(events, "close", None)
-                    if close is not None:
-                        close()
-            finally:
-                engine_lock.release()
-        except BaseException as exc:  # noqa: BLE001 - every failure goes to the request as an error
-            self._put(exc)
-        finally:
-            self._put(_END)
+    def _run(self, _cancel: threading.Event) -> Iterator[Any]:
+        """The items of the turn, on the session thread: ``_STARTED``, then the engine's events."""
+        yield _STARTED
+        yield from self._start(self.next_cancel)
 
 
 class _Exchange:
     """A request's turn from queueing to its last event, watching for the client to disconnect."""
 
-    def __init__(self, request: Request, order: asyncio.Lock, turn: _Turn) -> None:
-        self.request, self.order, self.turn = request, order, turn
+    def __init__(self, request: Request, turn: _Turn) -> None:
+        self.request, self.turn = request, turn
         self.gone = asyncio.Event()
-        self._holds_order = False
         self._watcher = asyncio.create_task(self._watch())
 
     async def _watch(self) -> None:
@@ -181,34 +169,38 @@ class _Exchange:
             await asyncio.wait({task, gone}, return_when=asyncio.FIRST_COMPLETED)
         finally:
             gone.cancel()
-        if not task.done():
+        if self.gone.is_set():        # even when the turn's last item came too: it was dropped for the client
             task.cancel()
             raise _ClientGone()
         return task.result()
 
-    async def start(self, engine_lock: threading.Lock) -> None:
-        """Wait for the turns before this one, then start this one on its thread."""
-        await self._until(self.order.acquire())
-        self._holds_order = True
-        threading.Thread(target=self.turn.run, args=(engine_lock,), name="server-turn", daemon=True).start()
+    def start(self, session: Session) -> None:
+        """Queue this turn on ``session``; ``_STARTED`` comes first from :meth:`next` once it runs.
+
+        Raises:
+            QueueFull: the session's queue is full (429).
+        """
+        try:
+            self.turn.submit(session)
+        except QueueFullError as exc:
+            raise QueueFull(str(exc)) from exc
 
     async def next(self) -> Any:
-        """The turn's next event, an exception it raised, or ``_END``."""
+        """The turn's next item: ``_STARTED``, an event, an exception it raised, or ``_END``."""
         return await self._until(self.turn.queue.get())
 
     def close(self) -> None:
-        """Stop the turn if it still runs and let the next request in."""
+        """Stop the turn if it still runs (or drop it from the queue)."""
         self.turn.stop()
         self._watcher.cancel()
-        if self._holds_order:
-            self._holds_order = False
-            self.order.release()
 
 
 def _error_of(exc: BaseException) -> APIError:
     """The API error an exception from the engine becomes."""
     if isinstance(exc, APIError):
         return exc
+    if isinstance(exc, QueueFullError):
+        return QueueFull(str(exc))
     if isinstance(exc, ImageError):
         return APIError(400, str(exc), param="messages", code="invalid_image")
     if isinstance(exc, ContextFullError):
@@ -276,24 +268,27 @@ async def _read_json(request: Request, limit: int) -> Any:
 
 
 class _Routes:
-    """The route handlers of one application: the engine, its config, and the turn order they share."""
+    """The route handlers of one application: the engine, its config, and the session that runs its turns."""
 
-    def __init__(self, engine: Any, config: ServerConfig, engine_lock: threading.Lock | None) -> None:
+    def __init__(self, engine: Any, config: ServerConfig, session: Session) -> None:
         self.engine, self.config = engine, config
         self.context, self.has_vision = engine.info.context, engine.info.has_vision
         self.created = int(time.time())
-        self.lock = engine_lock or threading.Lock()
-        self.order = asyncio.Lock()
+        self.session = session
         self.key = config.api_key.encode() if config.api_key else None
         self.metrics = ServerMetrics(PATHS)
         self.constraints = Constraints(engine)
         self.vocab = getattr(getattr(engine, "tokenizer", None), "n_vocab", 0)
         self.waiting = WaitingQueue(config.max_waiting, config.max_waiting_bytes)
 
-    async def _first(self, ex: _Exchange) -> list[Any]:
-        """The turn's events up to its first token (or the end), so that errors still get their status code."""
+    async def _first(self, ex: _Exchange, started: Callable[[], None]) -> list[Any]:
+        """The turn's events up to its first token (or the end), so that errors still get their status code;
+        ``started()`` is called when the session takes the turn up."""
         while True:
             item = await ex.next()
+            if item is _STARTED:
+                started()
+                continue
             if isinstance(item, BaseException):
                 raise _error_of(item)
             if item is _END:
@@ -308,13 +303,12 @@ class _Routes:
         """Queue the turn (429 beyond the waiting queue's bounds), start it, and wait for its prefill to succeed
         (errors raise with their status)."""
         queued = self.metrics.queued()
-        ex = _Exchange(request, self.order, _Turn(self.metrics.watch(start, queued),
-                                                  getattr(self.engine, "cancel_read_ahead", None)))
+        ex = _Exchange(request, _Turn(self.metrics.watch(start, queued)))
         try:
             with self.waiting.enter() as ticket:      # given back once the turn starts
                 ticket.grow(getattr(request.state, "body_bytes", 0))
-                await ex.start(self.lock)
-            return ex, await self._first(ex)
+                ex.start(self.session)
+                return ex, await self._first(ex, ticket.leave)
         except BaseException:
             ex.close()
             raise
@@ -442,19 +436,20 @@ async def _http_error(request: Request, exc: Exception) -> Response:
     return JSONResponse(APIError(exc.status_code, what).body(), status_code=exc.status_code)
 
 
-def create_app(engine: Any, config: ServerConfig, engine_lock: threading.Lock | None = None) -> Starlette:
+def create_app(engine: Any, config: ServerConfig, session: Session | None = None) -> Starlette:
     """The ASGI application serving ``engine``.
 
     Args:
         engine: an :class:`engine.api.Engine` (``chat``, ``complete``, ``info``).
         config: the model name, API key and body limit.
-        engine_lock: held while a turn runs; pass the lock the engine's other user (the app) holds
-            around its own turns. None = a lock of the server's own.
+        session: the :class:`engine.session.Session` that runs the engine's work, shared with the engine's
+            other users (the app); None = a session of the application's own (an idle daemon thread once
+            the application is dropped: :class:`engine.openai.ServerThread` passes one it closes).
 
     Returns:
         A Starlette application (run it with uvicorn, see :func:`engine.openai.serve`).
     """
-    handlers = _Routes(engine, config, engine_lock)
+    handlers = _Routes(engine, config, session or Session())
     routes = [Route("/v1/chat/completions", handlers.chat_completions, methods=["POST"]),
               Route("/v1/completions", handlers.completions, methods=["POST"]),
               Route("/v1/models", handlers.models, methods=["GET"]),

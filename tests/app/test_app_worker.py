@@ -355,6 +355,37 @@ def test_a_send_cancels_the_read_ahead_at_once(qtbot, worker_thread):
                                 "cancelled")
 
 
+def test_an_image_measurement_stops_the_read_ahead_too(qtbot, worker_thread, tmp_path):
+    from PIL import Image
+
+    Image.new("RGB", (64, 32)).save(tmp_path / "a.png")
+    engine = FakeEngine(tokens=["a"], piece_ms=5.0, has_vision=True)
+    engine.ahead_pieces = 100_000                     # ~10 minutes unless stopped
+    wt = worker_thread(loader_for(engine))
+    _load(qtbot, wt, wt.worker.loaded)
+    _run(qtbot, wt, ChatRequest([{"role": "user", "content": "one"}]))
+    assert engine.reading_ahead.wait(30)
+    with qtbot.waitSignal(wt.worker.image_measured, timeout=30000) as blocker:
+        wt.driver.measure.emit(str(tmp_path / "a.png"))
+    assert blocker.args[1] == (16, 32, 0, 1) and engine.aheads[0][1] == "cancelled"
+
+
+def test_a_turn_waits_for_the_job_the_shared_session_is_running(qtbot, worker_thread):
+    """The worker submits to the engine's session (which "Serve on localhost" shares) rather than locking."""
+    engine = FakeEngine(tokens=["x"])
+    wt = worker_thread(loader_for(engine))
+    _load(qtbot, wt, wt.worker.loaded)
+    entered, leave = threading.Event(), threading.Event()
+    served = wt.worker._session.call(lambda: entered.set() or leave.wait(30))    # a served request, say
+    assert entered.wait(30)
+    with qtbot.waitSignal(wt.worker.finished, timeout=30000) as blocker:
+        wt.driver.chat.emit(ChatRequest([{"role": "user", "content": "hi"}]))
+        qtbot.waitUntil(lambda: bool(wt.worker._session._queued))    # the turn waits in the session's queue
+        assert engine.calls == []
+        leave.set()
+    assert served.result(30) and blocker.args[0].stop_reason == "eos" and len(engine.calls) == 1
+
+
 def test_a_stopped_turn_reads_nothing_ahead(qtbot, worker_thread):
     engine = FakeEngine(tokens=["x"] * 1000, token_ms=5.0)
     wt = worker_thread(loader_for(engine))

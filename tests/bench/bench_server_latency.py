@@ -1,9 +1,9 @@
 """The request latency ``engine serve`` adds over the in-process engine: time to first token (TTFT)
 measured the same way on both sides, from the call to the first piece of answer text in hand.
 
-In process: ``Engine.chat`` to its first ``TokenEvent``. Over HTTP: the official ``openai`` client's
-streamed ``chat.completions.create`` on loopback to its first chunk with content (request encoding,
-the server's parsing and queueing, the event-loop hop and SSE framing included). Both run on one engine
+In process: ``Engine.chat`` as a turn of the session the server shares, to its first ``TokenEvent``.
+Over HTTP: the official ``openai`` client's streamed ``chat.completions.create`` on loopback to its first
+chunk with content (request encoding, the server's parsing and queueing, the event-loop hop and SSE framing included). Both run on one engine
 with the prefix cache off, so every turn prefills the whole prompt; runs are interleaved.
 
 Usage: ``.venv/bin/python tests/bench/bench_server_latency.py [--model M] [--runs 15] [--prompt-words 40] [--stub]``
@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
-import threading
 import time
 
 import openai
@@ -27,6 +26,7 @@ from engine.api import Engine, EngineOptions, default_model
 from engine.events import PrefillStats, TokenEvent, TurnSummary
 from engine.sampling import SamplingParams
 from engine.openai import ServerConfig, ServerThread
+from engine.session import Session
 
 
 class _Stub:
@@ -42,15 +42,15 @@ class _Stub:
         yield TurnSummary("eos", "", 1, 0, 1, 0.0, 0.0, 0.0, "x")
 
 
-def _in_process(engine: Engine, lock: threading.Lock, messages: list[dict]) -> float:
-    with lock:  # the server's last (cut-off) turn may still be ending: not part of the timing
-        t0 = time.perf_counter()
-        events = engine.chat(messages, SamplingParams.greedy(2))
-        for event in events:
-            if isinstance(event, TokenEvent) and event.text:
-                ms = (time.perf_counter() - t0) * 1e3
-                events.close()
-                return ms
+def _in_process(engine: Engine, session: Session, messages: list[dict]) -> float:
+    session.call(lambda: None).result()   # the server's last (cut-off) turn may still be ending: not part of the timing
+    t0 = time.perf_counter()
+    events = session.stream(lambda cancel: engine.chat(messages, SamplingParams.greedy(2), cancel))
+    for event in events:
+        if isinstance(event, TokenEvent) and event.text:
+            ms = (time.perf_counter() - t0) * 1e3
+            events.close()
+            return ms
     raise RuntimeError("no token")
 
 
@@ -77,14 +77,14 @@ def main() -> None:
     engine = Engine.load(path, options=EngineOptions(prefix_cache=False, device="cpu"))
     if args.stub:
         engine = _Stub(engine.info)
-    lock = threading.Lock()
-    server = ServerThread(engine, ServerConfig("m"), port=0, engine_lock=lock).start()
+    session = Session()
+    server = ServerThread(engine, ServerConfig("m"), port=0, session=session).start()
     client = openai.OpenAI(base_url=server.url, api_key="none", max_retries=0)
     print(f"model {'stub' if args.stub else os.path.basename(path)}; load average {os.getloadavg()[0]:.2f} at start")
     local, remote = [], []
     for k in range(args.runs + 1):
         messages = [{"role": "user", "content": " ".join(f"word{k}x{i}" for i in range(args.prompt_words))}]
-        pair = (_in_process(engine, lock, messages), _over_http(client, "m", messages))
+        pair = (_in_process(engine, session, messages), _over_http(client, "m", messages))
         if k:  # the first pair warms up both paths
             local.append(pair[0])
             remote.append(pair[1])

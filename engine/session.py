@@ -1,0 +1,286 @@
+"""One owner for an engine: every use of the model runs on the session's thread, from one bounded queue.
+
+Contract: once shared, an engine is touched only by jobs of its :class:`Session` -- a turn (:meth:`~Session.stream`),
+a call (:meth:`~Session.call`: an image measurement, snapshot listing or clearing, closing) or a read-ahead
+(:meth:`~Session.read_ahead`, lowest priority). Jobs run one piece at a time (a turn's piece ends at each event it
+yields), equal priorities in submission order; any new job cancels every read-ahead, which stops at its next piece.
+Cancelling a queued job removes it (its caller gets :class:`~engine.errors.GenerationCancelled`); a running turn
+stops at its next token. A full queue raises :class:`QueueFullError`; a job's exception goes to its caller, never
+to the loop. Design: docs/design/engine-session.md.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+from collections.abc import Callable, Iterator
+from concurrent.futures import Future
+from typing import Any, Self
+
+from .errors import EngineError, GenerationCancelled
+
+log = logging.getLogger(__name__)
+
+__all__ = ["DEFAULT_MAX_QUEUED", "END", "Events", "QueueFullError", "Session", "Ticket"]
+
+DEFAULT_MAX_QUEUED = 32
+"""Jobs that may wait at once (read-aheads not counted: any new job drops them)."""
+
+END = object()
+"""What a stream's sink receives last, after its events (and the exception that ended it, if any)."""
+
+TURN, AHEAD = 0, 1
+"""Priorities: lower runs first."""
+
+
+class QueueFullError(EngineError):
+    """The session's queue holds ``max_queued`` jobs already; the job was not taken."""
+
+
+class _Job:
+    """A unit of work with a state (queued, running, done), run by the scheduler one :meth:`step` at a time."""
+
+    def __init__(self, priority: int, cancel: threading.Event | None) -> None:
+        self.priority = priority
+        self.cancel = cancel or threading.Event()
+        self.state = "queued"
+
+    def step(self) -> bool:
+        """Run one piece on the session thread; False once the job has nothing left to do."""
+        raise NotImplementedError
+
+    def end(self, error: BaseException | None) -> None:
+        """Deliver the outcome (``error`` None: success); called once, on the session thread or at close."""
+        raise NotImplementedError
+
+
+class _Stream(_Job):
+    """A turn: ``start(cancel)`` gives an iterator of events, each one piece, each handed to ``sink``."""
+
+    def __init__(self, start: Callable[[threading.Event], Iterator[Any]], sink: Callable[[Any], None],
+                 cancel: threading.Event | None) -> None:
+        super().__init__(TURN, cancel)
+        self.start, self.sink = start, sink
+        self.events: Iterator[Any] | None = None
+
+    def step(self) -> bool:
+        if self.events is None:
+            self.events = self.start(self.cancel)
+        try:
+            item = next(self.events)
+        except StopIteration:
+            return False
+        self.sink(item)
+        return True
+
+    def end(self, error: BaseException | None) -> None:
+        close = getattr(self.events, "close", None)
+        try:
+            if close is not None:
+                close()
+        finally:
+            if error is not None:
+                self.sink(error)
+            self.sink(END)
+
+
+class _Call(_Job):
+    """A call: ``fn(cancel)`` once, its result or exception set on ``future``."""
+
+    def __init__(self, fn: Callable[[threading.Event], Any], priority: int, cancel: threading.Event | None) -> None:
+        super().__init__(priority, cancel)
+        self.fn = fn
+        self.future: Future = Future()
+        self.result: Any = None
+
+    def step(self) -> bool:
+        self.result = self.fn(self.cancel)
+        return False
+
+    def end(self, error: BaseException | None) -> None:
+        if error is None:
+            self.future.set_result(self.result)
+        else:
+            self.future.set_exception(error)
+
+
+def _deliver(job: _Job, error: BaseException | None) -> None:
+    """``job.end(error)``; a caller's sink that fails loses its own outcome only, never the loop."""
+    job.state = "done"
+    try:
+        job.end(error)
+    except BaseException:
+        log.exception("delivering the outcome of an engine job failed")
+
+
+class Ticket:
+    """A submitted job: :meth:`cancel` removes it while queued, or sets its cancel flag while it runs."""
+
+    def __init__(self, session: Session, job: _Job) -> None:
+        self._session, self._job = session, job
+
+    @property
+    def future(self) -> Future:
+        """A call's result (``concurrent.futures.Future``; ``asyncio.wrap_future`` for an event loop)."""
+        assert isinstance(self._job, _Call)
+        return self._job.future
+
+    def result(self, timeout: float | None = None) -> Any:
+        """Wait for a call's result; its exception is raised here."""
+        return self.future.result(timeout)
+
+    def cancel(self) -> None:
+        """Stop the job: dropped while queued (outcome GenerationCancelled), told to stop while running."""
+        self._session._cancel(self._job)
+
+
+class Events(Iterator[Any]):
+    """A turn's events as a blocking iterator; the exception that ended the turn is raised from ``next``.
+    :meth:`close` (also when the iterator is dropped) cancels the turn."""
+
+    def __init__(self, ticket: Ticket, items: queue.SimpleQueue[Any]) -> None:
+        self.ticket, self._items, self._done = ticket, items, False
+
+    def __next__(self) -> Any:
+        if self._done:
+            raise StopIteration
+        item = self._items.get()
+        if item is END:
+            self._done = True
+            raise StopIteration
+        if isinstance(item, BaseException):
+            self._done = True
+            raise item
+        return item
+
+    def close(self) -> None:
+        if not self._done:
+            self._done = True
+            self.ticket.cancel()
+
+    def __del__(self) -> None:
+        self.close()
+
+
+class Session:
+    """The scheduler thread of one engine and its queue (see the module docstring for the contract).
+
+    Args:
+        max_queued: jobs that may wait at once; one more raises :class:`QueueFullError`.
+        name: the thread's name.
+    """
+
+    def __init__(self, max_queued: int = DEFAULT_MAX_QUEUED, name: str = "engine-session") -> None:
+        self.max_queued = max_queued
+        self._cond = threading.Condition()
+        self._queued: list[_Job] = []
+        self._running: _Job | None = None
+        self._closed = False
+        self._thread = threading.Thread(target=self._loop, name=name, daemon=True)
+        self._thread.start()
+
+    def stream(self, start: Callable[[threading.Event], Iterator[Any]],
+               cancel: threading.Event | None = None) -> Events:
+        """Queue a turn: ``start(cancel)`` returns its events (e.g. ``lambda c: engine.chat(m, cancel=c)``).
+
+        Raises:
+            QueueFullError: the queue is full. EngineError: the session is closed.
+        """
+        items: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        return Events(self.submit_stream(start, items.put, cancel), items)
+
+    def submit_stream(self, start: Callable[[threading.Event], Iterator[Any]], sink: Callable[[Any], None],
+                      cancel: threading.Event | None = None) -> Ticket:
+        """:meth:`stream` for a caller that takes items as they come: ``sink`` gets each event, then the
+        exception that ended the turn (if any), then :data:`END`, all on the session thread."""
+        return self._submit(_Stream(start, sink, cancel))
+
+    def call(self, fn: Callable[[], Any]) -> Ticket:
+        """Queue ``fn()``; its result comes through :meth:`Ticket.result` / :attr:`Ticket.future`."""
+        return self._submit(_Call(lambda _cancel: fn(), TURN, None))
+
+    def read_ahead(self, fn: Callable[[threading.Event], Any]) -> Ticket:
+        """Queue ``fn(cancel)`` at the lowest priority; any later job sets ``cancel`` (it should return at its
+        next piece) or, while it waits, drops it."""
+        return self._submit(_Call(fn, AHEAD, None))
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self, timeout: float | None = None) -> None:
+        """Take no more jobs, drop the queued ones, tell the running one to stop, and join the thread."""
+        with self._cond:
+            self._closed = True
+            dropped, self._queued = self._queued, []
+            if self._running is not None:
+                self._running.cancel.set()
+            self._cond.notify_all()
+        for job in dropped:
+            _deliver(job, GenerationCancelled("the engine session closed before this job started"))
+        if threading.current_thread() is not self._thread:
+            self._thread.join(timeout)
+
+    def _submit(self, job: _Job) -> Ticket:
+        with self._cond:
+            if self._closed:
+                raise EngineError("the engine session is closed: it takes no more jobs")
+            kept = [j for j in self._queued if j.priority != AHEAD]
+            if len(kept) >= self.max_queued:
+                raise QueueFullError(f"the engine's queue holds {len(kept)} jobs already (at most "
+                                     f"{self.max_queued}); try again when one has ended")
+            dropped = [j for j in self._queued if j.priority == AHEAD]
+            self._queued = [*kept, job]
+            if self._running is not None and self._running.priority == AHEAD:
+                self._running.cancel.set()
+            self._cond.notify_all()
+        for old in dropped:
+            _deliver(old, GenerationCancelled("a newer job replaced this read-ahead before it started"))
+        return Ticket(self, job)
+
+    def _cancel(self, job: _Job) -> None:
+        with self._cond:
+            job.cancel.set()
+            queued = job in self._queued
+            if queued:
+                self._queued.remove(job)
+        if queued:
+            _deliver(job, GenerationCancelled("cancelled before it started"))
+
+    def _loop(self) -> None:
+        """The scheduler: take the next piece of work, run it, repeat until closed and idle."""
+        while (job := self._pick()) is not None:
+            if not self._piece(job):
+                with self._cond:
+                    self._running = None
+
+    def _pick(self) -> _Job | None:
+        """The job whose piece runs next: the running one until it ends, else the first queued of the best
+        priority (one cancelled while it waited is ended here); None once closed and idle."""
+        with self._cond:
+            while self._running is None:
+                while not self._queued and not self._closed:
+                    self._cond.wait()
+                if not self._queued:
+                    return None
+                job = min(self._queued, key=lambda j: j.priority)
+                self._queued.remove(job)
+                if job.cancel.is_set():
+                    _deliver(job, GenerationCancelled("cancelled before it started"))
+                    continue
+                job.state, self._running = "running", job
+            return self._running
+
+    def _piece(self, job: _Job) -> bool:
+        """Run one piece of ``job``; False once it has ended (its outcome delivered, whatever it raised)."""
+        try:
+            if job.step():
+                return True
+            error: BaseException | None = None
+        except BaseException as exc:  # noqa: BLE001 - the job's failure is its caller's, never the loop's
+            error = exc
+        _deliver(job, error)
+        return False
