@@ -354,8 +354,9 @@ def test_the_json_call_format_grammar_gives_valid_calls(engine, hold) -> None:
     reader = CallReader({t["function"]["name"]: t["function"] for t in TOOLS}, "json")
     for seed in range(4):
         with hold:
-            summary = [e for e in engine.chat(ASK, SamplingParams(temperature=1.0, seed=seed, max_tokens=150),
-                                              tools=TOOLS, grammar=grammar) if isinstance(e, TurnSummary)][-1]
+            events = list(engine.chat(ASK, SamplingParams(temperature=1.0, seed=seed, max_tokens=150),
+                                      tools=TOOLS, grammar=grammar))
+        summary = events[-1]
         stream = ToolCallStream(reader)
         parts = [p for e in events if isinstance(e, TokenEvent) for p in e.parts] + list(summary.parts)
         pieces = stream.push(parts) + stream.close()
