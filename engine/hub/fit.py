@@ -31,7 +31,7 @@ HEADER_BYTES_PER_ENTRY = 22
 the 495907 entries of the real Qwen3.5/3.6 vocabulary in the synth files; the header-only first part of
 unsloth's split Qwen3.5-122B-A10B Q4_K_M is 10943552 bytes."""
 ROOFLINE = (0.55, 0.65, 0.85)
-"""Low, typical and high fraction of the stream-read bandwidth decode reaches (docs/cpu-notes.md: 2-thread
+"""Low, typical and high fraction of the stream-read bandwidth decode reaches (docs/perf/log/cpu-notes.md: 2-thread
 decode at 55-64 % of the stream read on the Xeon VM, 82-87 % on the EPYC VM)."""
 _FLOAT = {GGMLQuantizationType.F32, GGMLQuantizationType.F16, GGMLQuantizationType.BF16}
 

@@ -335,7 +335,7 @@ def read_bandwidth(nbytes: int = 1 << 30, repeats: int = 3) -> float:
 
     This is the roofline decode is compared with. Native: each thread reads its 1 MiB chunks as 8
     interleaved runs of 64-bit loads (eight memory streams in flight: one forward stream reached only
-    ~60 % of a core's read rate on the project's Xeon VMs, docs/cpu-notes.md "The stream read");
+    ~60 % of a core's read rate on the project's Xeon VMs, docs/perf/log/cpu-notes.md "The stream read");
     numpy fallback: a numpy sum over the buffer (one thread).
     """
     buf = np.ones(max(64, nbytes) // 8, dtype=np.uint64)
