@@ -3,7 +3,7 @@
 A :class:`SequenceState`, shaped by a :class:`StateLayout`, holds per recurrent layer ``conv[il]`` and
 ``ssm[il]`` (fixed size), per attention layer ``k[il]`` / ``v[il]`` of ``(capacity, *row)`` (rows
 ``[:pos]`` valid), and ``pos``. All float32. A recurrent state cannot be rolled back: keep a
-:meth:`copy`. Design: docs/design/prefix-cache.md (shapes, why float32).
+:meth:`SequenceState.copy`. Design: docs/design/prefix-cache.md (shapes, why float32).
 """
 
 from __future__ import annotations
