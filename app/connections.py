@@ -1,4 +1,4 @@
-"""The settings' Connections tab: serve on localhost, and a remote engine (issue 17, items 2 and 3).
+"""The settings' Connections tab: serve on localhost, and a remote engine.
 
 A remote engine is an OpenAI-compatible server: a base URL, a model it lists at ``/v1/models`` and an
 API key. The key is kept in the system keyring (the ``keyring`` library: Secret Service, macOS

@@ -1,20 +1,9 @@
 """Chat history: conversations and their message trees in one SQLite file, images beside it.
 
-The database lives in the platformdirs user data dir. It runs in WAL mode with foreign keys on, so
-a process killed mid-write leaves the file readable with every committed transaction intact.
-Messages form a tree per conversation (``parent_id``); an edit or a regeneration adds a sibling, and
-the conversation's ``leaf_id`` marks the active branch: the path from the root to that leaf is what
-the chat view shows and what the model is asked about.
-
-The schema version is SQLite's ``user_version``; :data:`MIGRATIONS` moves it forward one numbered
-step at a time, each in its own transaction, after copying the file to ``<name>.v<N>.bak``.
-
-Search uses an FTS5 index of the messages (``messages_fts``, kept in step by triggers) when this
-SQLite has FTS5, else a LIKE scan. The index is derived data, not part of the numbered schema: it is
-created and filled when missing, and its triggers are dropped when a SQLite without FTS5 opens
-the file (they would make every write fail), so the next FTS5-capable open rebuilds it.
-
-A :class:`HistoryStore` is used from one thread: :class:`app.history_thread.HistoryThread` owns it.
+WAL mode, foreign keys on; messages form a tree per conversation (``parent_id``) and ``leaf_id`` marks
+the active branch. :data:`MIGRATIONS` moves SQLite's ``user_version`` one step at a time after a
+``<name>.v<N>.bak`` copy. Search uses FTS5 when present, else LIKE. A :class:`HistoryStore` is used
+from one thread (:class:`app.history_thread.HistoryThread`). Design: docs/design/chat-history.md.
 """
 
 from __future__ import annotations

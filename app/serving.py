@@ -1,4 +1,4 @@
-""""Serve on localhost": ``engine serve`` on 127.0.0.1 running the app's loaded engine (issue 17, item 2).
+""""Serve on localhost": ``engine serve`` on 127.0.0.1 running the app's loaded engine.
 
 The engine worker owns it and starts it on the engine it loaded, so the server shares that engine's
 weights, GPU placement and prefix-snapshot cache; both submit their turns to the engine's one

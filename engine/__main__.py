@@ -1,31 +1,8 @@
 """Command line: ``python -m engine {info,generate,chat,serve,synth,bench,prune,pull,models}``.
 
-- ``info MODEL.gguf``: architecture, layers, quant mix, bytes read per decoded token.
-- ``generate [--model M] [--mmproj V] [--image I ...] [--prompt P] [--max-tokens N] [--temp T] ...``:
-  one answer streamed to stdout, then a timing line (TTFT, prefill tok/s, decode tok/s). ``--raw``
-  continues the prompt text itself (no chat template). A model without ``tokenizer.chat_template``
-  chats in ChatML, with a one-line note on stderr.
-- ``chat [--model M]``: an interactive multi-turn chat on the terminal.
-- ``serve [--model M] [--mmproj V] [--host 127.0.0.1] [--port 8080] [--api-key K] [--queue 8]``: an
-  OpenAI-compatible HTTP server (:mod:`engine.openai`); a non-loopback ``--host`` needs a key.
-- ``synth --preset tiny|small|dense-tiny|minicpmv46-tiny|minicpmv46|35b-a3b [--layers N] [--experts N] --quant Q -o FILE``:
-  a random-weight GGUF in the layout and metadata real files use, and beside it a matching
-  random vision tower ``FILE-mmproj.gguf`` (``--no-mmproj`` skips it).
-- ``bench MODEL.gguf [--threads N ...] [--isa L ...] [--prompt N] [--gen N] [--depth D ...] [--repeat R]
-  [--llama-cpp | --llama-bench PATH] [--ik-llama-bench PATH]``: prompt and decode tok/s of the native CPU
-  model per thread count and ISA level, decode at 4k / 16k context, stream bandwidth and roofline fraction, RSS
-  after load, NUMA nodes, and the peers' llama-bench (mainline, ik_llama.cpp with and without ``-rtr 1``) on the
-  same file and threads, interleaved (see :mod:`engine.tools.cpu_bench`).
-- ``pull REPO [--file NAME | --quant Q] [--context N]``: the fit estimate of the repository's GGUFs from
-  their headers (ranged reads), then the download of one with its mmproj (:mod:`engine.hub.cli`).
-- ``models``: the downloaded models. Wherever a model path is taken, a downloaded ``REPO:QUANT`` works too.
-- ``prune MODEL.gguf --keep N -o OUT.gguf [--method reap|frequency] [--calib FILE.jsonl] [--images DIR]
-  [--max-tokens T] [--stats FILE.json] [--mmproj V]``: REAP (or frequency) expert pruning to N experts per
-  layer (:mod:`engine.reap.prune`); the calibration statistics are saved to and reused from ``--stats``
-  (default ``MODEL.expert-stats.json`` beside the model when it is there, else beside the output file).
-
-Errors from the engine, and inputs that cannot work (``--image`` without a vision tower, a prompt
-larger than ``--context``), are printed as one line on stderr with exit status 2.
+Each subcommand's options are in its ``--help`` and in docs/cli.md. Engine errors and inputs that
+cannot work (``--image`` without a vision tower, a prompt larger than ``--context``) are printed as one
+line on stderr with exit status 2.
 """
 
 from __future__ import annotations

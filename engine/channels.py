@@ -1,17 +1,8 @@
 """An answer's text split into channels as it streams: reasoning, content and tool-call text.
 
-A family says where its channels begin and end (:class:`Markers`, e.g. ``engine.arch.qwen35.channels``);
-:class:`ChannelSplitter` applies those markers to the text token by token. Text is held back only
-while it may still be the start of a marker (or a tool call inside the reasoning may still turn out to
-be the answer's last word), so the parts are the same however the text is cut into tokens. The rules:
-
-* Reasoning is the text between the opening and closing markers; the opening one counts only at the
-  start of the answer (after blanks), or in the prompt (``reasoning=True``: the template opened it).
-* A tool call is a whole block, ``call_open`` ... ``call_close``, markers included, sent once closed (a
-  block the answer ends inside is sent as it is). In the content every block is a call. Inside the
-  reasoning, blocks count as calls only when nothing but blanks and more blocks follows them until
-  the answer ends with the reasoning still open; otherwise they are drafts and stay reasoning (the
-  rule of vLLM's Qwen parsers: reasoning is split off before tool calls are read).
+A family gives its :class:`Markers`; :class:`ChannelSplitter` applies them token by token, holding text
+back only while it may still start a marker, so the parts do not depend on how the text is cut into
+tokens. Tool-call blocks are sent whole once closed. Design: docs/design/reasoning-channel.md (rules).
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The model used when none is named: the bundled demo (``assets/models/``, issue 8), else a tiny
+"""The model used when none is named: the bundled demo (``assets/models/``), else a tiny
 synthetic text model and vision tower written once to the user cache dir.
 """
 
@@ -12,7 +12,7 @@ from .errors import EngineError
 
 
 def bundled_model() -> tuple[Path, Path | None] | None:
-    """The bundled demo model under ``assets/models/`` (issue 8): (text GGUF, mmproj GGUF or None), or
+    """The bundled demo model under ``assets/models/``: (text GGUF, mmproj GGUF or None), or
     None when its text GGUF is absent. Writes nothing."""
     assets = Path(__file__).resolve().parent.parent / "assets" / "models"
     text, mmproj = assets / "deltadesk-demo.gguf", assets / "deltadesk-demo-mmproj.gguf"

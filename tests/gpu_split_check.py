@@ -1,4 +1,4 @@
-"""Split invariance of GPU prefill, measured on a GPU machine (a script, not a test; issue 13, item 1).
+"""Split invariance of GPU prefill, measured on a GPU machine (a script, not a test).
 
 Two figures:
 

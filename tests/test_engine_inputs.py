@@ -1,4 +1,4 @@
-"""The engine's bad-input holes closed (issue 13, items 2 and 4-6): typed control tokens stay text,
+"""The engine's bad-input holes closed: typed control tokens stay text,
 a hostile chat template fails the load, over-long input is refused by its size, and overlapping
 calls on one Engine are refused."""
 

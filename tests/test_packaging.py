@@ -1,6 +1,6 @@
 """packaging/build makes the one-folder app; the frozen app starts offscreen and stays up for 10 s.
 
-The build takes about a minute and a half on two cores; it runs once per session (a module fixture).
+The build is slow, so it runs once per session (a module fixture).
 """
 
 from __future__ import annotations

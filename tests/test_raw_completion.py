@@ -1,5 +1,5 @@
 """Raw completion (``Engine.complete``, ``generate --raw``) and the ChatML fallback of files without a
-chat template (issue 17, item 4)."""
+chat template."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
 """``engine.openai.remote.RemoteEngine`` against ``engine serve`` on loopback, and against broken servers (refused
-connection, silence, a connection dropped mid-answer): issue 17, items 3 and 5."""
+connection, silence, a connection dropped mid-answer)."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
-"""``engine serve`` on loopback, driven by the official ``openai`` client and by raw HTTP (issue 17, items 1
-and 5): answers equal the in-process engine's, streams end with ``data: [DONE]``, usage counts the tokens
+"""``engine serve`` on loopback, driven by the official ``openai`` client and by raw HTTP:
+answers equal the in-process engine's, streams end with ``data: [DONE]``, usage counts the tokens
 resumed from a snapshot, and every bad request gets the OpenAI error shape with its status."""
 
 from __future__ import annotations

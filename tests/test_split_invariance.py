@@ -1,4 +1,4 @@
-"""The answer never depends on the cache: prefill is split-invariant (issue 13, item 1).
+"""The answer never depends on the cache: prefill is split-invariant.
 
 The mechanism is argued in :mod:`engine.arch.qwen35.model`; these tests check the property it promises:
 the same prompt gives bit-identical logits and state whatever pieces it is read in (one pass, random

@@ -3,30 +3,10 @@
     python training/import_gguf.py assets/models --out runs/shipped --samples N
     python training/train.py --out runs/next --init runs/shipped ...
 
-Reads ``deltadesk-demo.gguf`` (``qwen35moe`` text) and ``deltadesk-demo-mmproj.gguf`` (vision tower) with
-the engine's own readers (``engine.gguf.file.GGUFFile``, ``engine.arch.qwen3vl.mmproj.load_mmproj``, which dequantize
-Q8_0 / F16 / F32), undoes every convention of ``text_to_gguf`` / ``vision_to_gguf`` of
-``tests/fixtures/hf_to_gguf.py`` and writes a run folder as :mod:`training.train` does: ``config.json``,
-``weights-<k>.safetensors`` (float16, ``train.save_shards``) and ``log.json`` (``samples``: where
-``train.py --init`` resumes the data stream).
-
-Conventions undone (GGUF -> HF): norms stored ``1 + w`` (``attn_norm``, ``post_attention_norm``,
-``attn_q_norm``, ``attn_k_norm``, ``output_norm``) -> ``s - 1``; ``ssm_a = -exp(A_log)`` -> ``A_log``;
-Gated DeltaNet V heads tiled -> grouped (the V rows of ``attn_qkv`` / ``ssm_conv1d``, ``attn_gate``,
-``ssm_beta``, ``ssm_alpha``, ``ssm_a``, ``ssm_dt.bias``, the columns of ``ssm_out``); ``ssm_conv1d``
-(C, K) -> (C, 1, K); ``ffn_gate_exps`` + ``ffn_up_exps`` -> ``experts.gate_up_proj``;
-``ffn_gate_inp_shexp`` (d,) -> (1, d); ``output.weight`` absent -> tied LM head; llama.cpp's mmproj
-names -> ``model.visual.*``, the two temporal slices ``v.patch_embd.weight`` / ``.weight.1`` -> the
-Conv3d kernel.
-
-Exactness: renames, reorders, splits and reshapes are bit-exact. The two conventions with arithmetic
-lose information in float32 and are inverted so that exporting the imported model writes the same
-values again (re-export is a fixed point): ``s - 1`` is exact in float32 (Sterbenz), so it returns a
-``w'`` with ``fl(1 + w') == s``, within half an ulp of ``s`` (2^-24 for ``s`` in [0.5, 2)) of the
-trained ``w``; ``A_log`` is a float32 that numpy's float32 ``-exp`` (what the exporter ran) maps to
-``ssm_a``, the one nearest to ``ln(-ssm_a)`` (:func:`a_log`). With Q8_0 files the weights carry the Q8_0 rounding
-(at most about 0.56 of a quantization step ``max|block| / 127``: tests/test_training_import.py derives
-the bound), and ``train.save_shards`` then stores them in float16 as every run is stored.
+Reads the demo's text and mmproj GGUFs with the engine's readers, undoes every convention of
+``tests/fixtures/hf_to_gguf.py`` and writes a run folder as :mod:`training.train` does. Re-export is a
+fixed point: ``1 + w`` norms and ``ssm_a = -exp(A_log)`` are inverted to values that export to the
+same bits. Design: docs/design/training.md (the conventions undone, exactness).
 """
 
 from __future__ import annotations

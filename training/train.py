@@ -4,40 +4,11 @@ merger) on the synthetic shape scenes of :mod:`training.data`.
 
     python training/train.py --out runs/demo                  # CUDA if present, else CPU; fills --minutes
     python training/train.py --out runs/demo --steps 3000     # exactly 3000 steps
-
-The shipped model (MODEL_CARD.md) is six stages on one H200; between stages 2, 3, 4 and 5 the run went
-through the shipped Q8_0 files (``export.py``, then ``import_gguf.py``, see the card; stages 1-4 were
-trained before ``data.training_sample`` mixed in varied scenes, stages 5-6 with them):
-
-    python training/train.py --out runs/3 --steps 960 --stop-after 803 --workers 15
-    python training/train.py --out runs/4 --init runs/3 --steps 200 --warmup 10 --lr 2.5e-4 --workers 15
-    python training/train.py --out runs/5 --init runs/4q --steps 850 --stop-after 564 --warmup 20 --lr 3e-4 --workers 14
-    python training/train.py --out runs/6 --init runs/5q --steps 800 --warmup 20 --lr 1.5e-4 --workers 15
-    python training/train.py --out runs/7 --init runs/0q --steps 539 --warmup 20 --lr 3e-4 --workers 15
-    python training/train.py --out runs/8 --init runs/7 --steps 334 --stop-after 249 --warmup 10 --lr 1.5e-4
-        --workers 15
-
-A stage 7 with ``--question-weights shape=3,colour=1.5 --max-seconds 140`` from the stage-6 files was
-tried and not shipped: it did worse on the second generator's shapes (MODEL_CARD.md).
-
-Fixed seeds: sample ``i`` of the data stream is a pure function of ``i``, batches are consecutive
-indices, and torch is seeded, so a run with the same ``--steps`` reproduces the weights up to the
-non-determinism of the device's kernels. Without ``--steps`` the step count is chosen once, from the
-time of steps 40-60 (earlier steps wait for the data workers to start), to fill ``--minutes``; it is
-logged, and passing it as ``--steps`` repeats the run.
-
-Writes into ``--out``: ``config.json`` (the HF config), ``weights-<k>.safetensors`` (float16 shards of at
-most 15 MB, HF parameter names) and ``log.json`` (steps, time, loss, answer-token accuracy and held-out
-accuracy curve); the weights and log are also written every ``--save-minutes`` so a run cut short keeps
-its latest state.
-
-Held-out accuracy during training (``--eval-every``) is the teacher-forced exact match per question
-type on scenes of seeds ``data.EVAL_SEED_BASE + 5_000_000 + i`` (never trained on): a sample counts as
-right when the argmax at every answer position (the answer and its ``<|im_end|>``) is the reference
-token. That is exactly the condition for greedy decoding to produce the reference answer, so it
-predicts ``training/evaluate.py accuracy`` up to the engine's Q8_0 rounding.
-
     python training/train.py --out runs/probe --probe 64,256,512   # ms/step per batch size, no training
+
+Writes ``config.json``, ``weights-<k>.safetensors`` (float16 shards) and ``log.json`` into ``--out``; a
+run with the same ``--steps`` reproduces the weights up to the device kernels' non-determinism.
+The shipped model's stages, the seeds and the held-out metric: docs/design/training.md.
 """
 
 from __future__ import annotations

@@ -1,18 +1,9 @@
 """The bounds-checked GGUF header parser every reader here shares (text models and projectors alike).
 
-Layout of a GGUF file (ggml ``docs/gguf.md``, gguf-py ``gguf_reader.py``; all little-endian):
-``"GGUF"`` magic, u32 version (2 or 3), u64 tensor count, u64 key/value count, the key/value pairs
-(u64-length UTF-8 key, u32 value type, value), the tensor table (name, u32 n_dims, u64 ne[n_dims]
-fastest first, u32 ggml type, u64 offset relative to the data section), padding to
-``general.alignment`` (default 32), then the tensor data.
-
-The header is parsed here rather than with ``gguf.GGUFReader`` for two reasons measured on this
-project: GGUFReader builds one numpy view per array element, so a file with the real 248320-token
-vocabulary takes ~20 s to open (this parser: ~0.3 s), and it trusts the counts and lengths it reads,
-so a hostile header makes it loop for hours or fail with a bare ``IndexError``. Every count and
-length is checked against the bytes left in the file *before* anything is allocated, and every
-failure is a :class:`~engine.errors.ModelFormatError` naming the file and the key or tensor.
-Tensor data stays in a read-only ``numpy.memmap``: opening touches only the header pages.
+Every count and length is checked against the bytes left in the file before anything is allocated;
+every failure is a :class:`~engine.errors.ModelFormatError` naming the file and the key or tensor.
+Tensor data stays in a read-only ``numpy.memmap``. Design: docs/design/gguf-files.md (the layout, and
+why not ``gguf.GGUFReader``).
 """
 
 from __future__ import annotations

@@ -1,44 +1,10 @@
 """GGML block layouts, dequantization and (writer-side) quantization.
 
-Every GGUF tensor is stored row by row; a row of ``ne0`` values is ``ne0 / block_size`` blocks of
-``type_size`` bytes. The block structs below are those of llama.cpp ``ggml/src/ggml-common.h``
-(``block_q4_0``, ``block_q8_0``, ``block_q4_K``, ...; ``QK_K`` = 256, ``K_SCALE_SIZE`` = 12), written
-as packed numpy structured dtypes so a row of raw bytes can be viewed field by field
-(:func:`block_view`). Sizes agree with ``gguf.constants.GGML_QUANT_SIZES``.
-
-==========  =====  =====  =================================================================
-type        block  bytes  fields in storage order (f16 = ggml_half, little-endian)
-==========  =====  =====  =================================================================
-F32         1      4      value f32
-F16         1      2      value f16
-BF16        1      2      value bf16 (top half of an f32)
-Q4_0        32     18     d f16; qs u8[16]: x[j] = d*((qs[j]&15)-8), x[j+16] = d*((qs[j]>>4)-8)
-Q4_1        32     20     d f16, m f16; qs u8[16]: x = d*q + m, q as in Q4_0 without the -8
-Q5_0        32     22     d f16; qh u8[4] (bit j = 5th bit of x[j]); qs u8[16]; x = d*(q-16)
-Q5_1        32     24     d f16, m f16; qh u8[4]; qs u8[16]; x = d*q + m
-Q8_0        32     34     d f16; qs i8[32]: x[j] = d*qs[j]
-Q2_K        256    84     scales u8[16] (4-bit scale | 4-bit min), qs u8[64], d f16, dmin f16
-Q3_K        256    110    hmask u8[32], qs u8[64], scales u8[12] (16 packed 6-bit), d f16
-Q4_K        256    144    d f16, dmin f16, scales u8[12] (8 packed 6-bit scale/min pairs), qs u8[128]
-Q5_K        256    176    d f16, dmin f16, scales u8[12], qh u8[32], qs u8[128]
-Q6_K        256    210    ql u8[128], qh u8[64], scales i8[16], d f16
-IQ4_NL      32     18     d f16; qs u8[16] as Q4_0, nibbles index kvalues_iq4nl: x = d*kv[q]
-IQ4_XS      256    136    d f16, scales_h u16, scales_l u8[4] (8 six-bit ls), qs u8[128]: x = d*(ls-32)*kv[q]
-IQ2_XXS     256    66     d f16, qs u8[64] (per 32 values: 4 grid indices, u32 signs + 4-bit scale)
-IQ2_XS      256    74     d f16, qs u16[32] (9-bit grid index, 7-bit sign index), scales u8[8]
-IQ2_S       256    82     d f16, qs u8[32], signs u8[32], qh u8[8], scales u8[8]
-IQ3_XXS     256    98     d f16, qs u8[64] (grid indices), sas u8[32] (u32 signs + scale per 32 values)
-IQ3_S       256    110    d f16, qs u8[64], qh u8[8], signs u8[32], scales u8[4]
-IQ1_S       256    50     d f16, qs u8[32], qh u16[8] (index bits, 3-bit scale, delta sign per 32 values)
-IQ1_M       256    56     qs u8[32], qh u8[16], scales u16[4] (3-bit scales; their top nibbles: f16 d)
-MXFP4       32     17     e u8 (e8m0: d = 2^(e-128)); qs u8[16] as Q4_0, nibbles index kvalues_mxfp4: x = d*kv[q]
-==========  =====  =====  =================================================================
-
-Dequantization itself is delegated to ``gguf.quants`` (the reference implementation shipped with
-gguf-py); this module adds shape handling, the supported-type policy and typed errors, and holds
-the quant-type table (:data:`TYPES`: per type its block size and bytes, block record, the native CPU
-kernel that reads it as stored, the GPU kernel suffix, whether it can be written), which the backends
-ask instead of keeping their own lists.
+Block structs are llama.cpp's ``ggml-common.h`` as packed numpy dtypes (:func:`block_view`); a row of
+``ne0`` values is ``ne0 / block_size`` blocks of ``type_size`` bytes. Dequantization is ``gguf.quants``;
+this module adds shapes, typed errors and :data:`TYPES`, the quant-type table (block size, bytes,
+record, CPU kernel, GPU suffix, writable) the backends ask instead of keeping lists.
+Design: docs/design/quant-formats.md (the table of every block layout).
 """
 
 from __future__ import annotations

@@ -1,19 +1,9 @@
 """Streaming GGUF writer: metadata records and tensor data written in order, one piece at a time.
 
-Layout (ggml ``docs/gguf.md``; the same as :mod:`engine.gguf.file` reads, little-endian): ``"GGUF"``,
-u32 version 3, u64 tensor count, u64 key/value count, the key/value records, the tensor table (name,
-u32 n_dims, u64 ne[n_dims] fastest first, u32 ggml type, u64 offset relative to the data section),
-zero padding to the alignment, then each tensor's bytes, each padded to the alignment.
-
-Tensor bytes come from :class:`TensorOut` producers that yield pieces (for example one expert's slab
-of a memory-mapped source file at a time), so a file larger than RAM is written while holding no more
-than one piece. The file is written under a temporary name created exclusively beside ``PATH``
-(``.PATH.<random>.part``, so it can never be an existing file such as an input named ``PATH.part``) and
-renamed to ``PATH`` only once complete, so an interrupted write never leaves a truncated file under the
-final name.
-
-Metadata records are bytes: :meth:`engine.gguf.file.GGUFFile.kv_record` gives a source file's records
-verbatim, :func:`kv_record` encodes a new one.
+Tensor bytes come from :class:`TensorOut` producers that yield pieces, so a file larger than RAM is
+written holding one piece. The file is written under an exclusive temporary name beside ``PATH`` and
+renamed only once complete. Records: :meth:`engine.gguf.file.GGUFFile.kv_record` (verbatim) or
+:func:`kv_record` (new). Design: docs/design/gguf-files.md (the byte layout).
 """
 
 from __future__ import annotations

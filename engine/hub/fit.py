@@ -1,21 +1,9 @@
 """Will a GGUF run well here? RAM, VRAM and decode speed from its header and size, before downloading it.
 
-RAM at a context of C tokens (what :meth:`engine.api.Engine.load` and a turn hold, worst case):
-
-* the mapped weights: the whole file (decode touches every page of a dense model each token, and of a
-  MoE model over a few hundred tokens; pages stay in the page cache);
-* weights converted at load (:func:`engine.arch.qwen35.cpu.prepare_weight`): float projections to float32
-  (4 bytes a weight), Q2_K/Q3_K and other types without a kernel to Q8_0 (34 bytes per 32 weights);
-* the sequence state at C (:meth:`engine.turn.state.SequenceState.nbytes`, float32): K and V rows of every
-  attention layer for C positions, the conv window and delta-rule state of every recurrent layer;
-* the vocabulary: the parsed token and merge strings and the tokenizer built from them,
-  :data:`VOCAB_BYTES_PER_ENTRY` per token plus merge (measured, docs/design/model-hub.md);
-* the vision tower: every projector tensor dequantized to float32 (:func:`engine.vision.encoder.load_projector`).
-
-Verdict against the machine's RAM less :data:`OS_RESERVE`: *fits* with room for the prefix snapshots'
-RAM budget too, *tight* without that room, else *does not fit* (decode would read weights from disk).
-Decode tok/s is an estimate: the measured stream-read bandwidth x the roofline fraction decode reached in
-the project's measurements (:data:`ROOFLINE`, docs/cpu-notes.md) / the weight bytes read per token.
+RAM at a context of C tokens = mapped file + weights converted at load + sequence state at C +
+vocabulary + vision tower; the verdict (*fits*, *tight*, *does not fit*) is against the machine's RAM
+less :data:`OS_RESERVE`. Decode tok/s is an estimate: stream bandwidth x :data:`ROOFLINE` / weight
+bytes per token. Design: docs/design/model-hub.md (each term and its source).
 """
 
 from __future__ import annotations
@@ -43,7 +31,7 @@ HEADER_BYTES_PER_ENTRY = 22
 the 495907 entries of the real Qwen3.5/3.6 vocabulary in the synth files; the header-only first part of
 unsloth's split Qwen3.5-122B-A10B Q4_K_M is 10943552 bytes."""
 ROOFLINE = (0.55, 0.65, 0.85)
-"""Low, typical and high fraction of the stream-read bandwidth decode reaches (docs/cpu-notes.md: 2-thread
+"""Low, typical and high fraction of the stream-read bandwidth decode reaches (docs/perf/log/cpu-notes.md: 2-thread
 decode at 55-64 % of the stream read on the Xeon VM, 82-87 % on the EPYC VM)."""
 _FLOAT = {GGMLQuantizationType.F32, GGMLQuantizationType.F16, GGMLQuantizationType.BF16}
 

@@ -1,42 +1,10 @@
-"""CPU matrix kernels for decode: native SIMD W4A8 / W8A8 products, with numpy twins.
+"""CPU matrix kernels for decode: native SIMD W4A8 / W8A8 products, with numpy twins (``<name>_np``).
 
-Each kernel has a numpy twin of the same signature (``<name>_np``) that computes the same math;
-the tests run both. When the native extension (``engine._native_cpu``, built from native/cpu/ by
-``pip install``) is missing, the public names are the twins and one warning says so at import.
-
-Block layouts are ggml's (ggml/src/ggml-common.h), i.e. the raw bytes of a GGUF tensor:
-
-* ``block_q4_0``, 18 bytes per 32 values: f16 ``d``, then 16 bytes ``qs``; value ``j < 16`` is the
-  low nibble of ``qs[j]``, value ``j + 16`` its high nibble; value = (nibble - 8) * d.
-* ``block_q8_0``, 34 bytes per 32 values: f16 ``d``, then 32 int8 ``qs``; value = qs[j] * d.
-* ``block_q4_K`` / ``block_q5_K`` / ``block_q6_K``, 144 / 176 / 210 bytes per 256 values (layouts in
-  native/cpu/kquants.h): read as stored by :data:`~engine.kernels.cpu_twins.K_QUANTS` kernels, whose
-  integer parts, scale products and f64 order are fixed, so their results are bit-identical across ISA
-  levels, thread counts and the numpy twin (:func:`engine.kernels.cpu_twins.kquant_unpack` + the same
-  order in numpy).
-* ``block_q4_1``, ``block_q5_0``, ``block_q5_1``, ``block_iq4_nl`` (20 / 22 / 24 / 18 bytes per 32
-  values) and ``block_iq4_xs`` (136 bytes per 256; layouts in native/cpu/bquants.h): read as stored
-  by :data:`~engine.kernels.cpu_twins.B_QUANTS` kernels, with the same exactness and fixed f64 order
-  as the K-quants (twin: :func:`engine.kernels.cpu_twins.bquant_product_np`).
-* ``block_q2_K`` / ``block_q3_K`` (84 / 110 bytes per 256 values; layouts in native/cpu/lowbit.h) and the
-  IQ1/IQ2/IQ3 super-blocks (native/cpu/iquants.h; their codebooks come from gguf-py and are registered
-  with the kernels at import): read as stored by :data:`~engine.kernels.lowbit_twins.LOW_BIT` kernels, with the same exactness and fixed
-  f64 order (twin: :func:`engine.kernels.lowbit_twins.lowbit_product_np`).
-
-A weight matrix is its tensor's raw data as ``(rows, k // 32 * block_bytes)`` uint8 (what
-``GGUFFile.raw`` returns), row ``r`` holding the k weights of output ``r``. Products first quantize
-the float32 activations to Q8_0 (ggml's reference rounding: d = max|x| / 127, q = round half away
-from zero of x / d), then take the integer block dot products exactly, scale them by d_w * d_a
-(exact in float32: two f16 scales) into exact float64 products, sum those in float64 and round the
-sum to float32 once. Results therefore equal a float64 product of the dequantized weights and
-quantized activations up to float64 summation order, which is the only thing that differs between
-ISA levels: on real rows the float32 results are bit-identical at every level (whole-model logits
-are; tests/test_native_model.py) and for any thread count. The numpy twins compute in float64 too;
-the f32-weight router dots (``dots_f32``) likewise sum exact float64 products.
-
-ISA levels: ``scalar``, ``ssse3``, ``avx2`` (with FMA and F16C), ``avx512vnni`` (AVX-512 F/BW/VL +
-VNNI). The best one this CPU supports is used unless the environment variable ``DELTADESK_ISA``
-or :func:`set_isa` names another; ``numpy`` selects the twins.
+A weight matrix is its tensor's raw GGUF bytes, ``(rows, k // block * block_bytes)`` uint8. Activations
+are quantized to Q8_0, block dots taken exactly in integers, scaled into float64, summed in float64
+and rounded to float32 once, so results are bit-identical across ISA levels and thread counts.
+Levels ``scalar``/``ssse3``/``avx2``/``avx512vnni``/``numpy``: the best is used unless ``DELTADESK_ISA``
+or :func:`set_isa` says otherwise. Design: docs/design/native-cpu.md (block layouts, exactness).
 """
 
 from __future__ import annotations
@@ -367,7 +335,7 @@ def read_bandwidth(nbytes: int = 1 << 30, repeats: int = 3) -> float:
 
     This is the roofline decode is compared with. Native: each thread reads its 1 MiB chunks as 8
     interleaved runs of 64-bit loads (eight memory streams in flight: one forward stream reached only
-    ~60 % of a core's read rate on the project's Xeon VMs, docs/cpu-notes.md "The stream read");
+    ~60 % of a core's read rate on the project's Xeon VMs, docs/perf/log/cpu-notes.md "The stream read");
     numpy fallback: a numpy sum over the buffer (one thread).
     """
     buf = np.ones(max(64, nbytes) // 8, dtype=np.uint64)

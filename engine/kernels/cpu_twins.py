@@ -1,5 +1,5 @@
 """The numpy twins of the CPU kernels' Q8_0 activation quantization and K-quant products
-(:mod:`engine.kernels.cpu`, whose module docstring gives the block layouts and the rounding), and the
+(:mod:`engine.kernels.cpu`; block layouts and rounding: docs/design/native-cpu.md), and the
 activation checks both sides share. Pure numpy: they run with or without the native extension.
 """
 

@@ -70,11 +70,7 @@ class CopyTask:
 class Copier:
     """Issues the expert copies from a thread of its own, so the thread that queues compute never waits in a
     copy call (CUDA documents that any call, async copies included, may block on internal resources).
-
-    docs/gpu-notes.md, runs 2-3: with the copies on the main thread and the routing tables uploaded from
-    the host, streamed prefill stalled 16.7 ms before layer 0; with this worker and GPU-built tables the
-    stall is gone. An isolated 1 GiB async copy returned to its caller in 0.03 ms, so most of the stall
-    was the tables' uploads and host waits; this worker's own share was not measured separately.
+    Design: docs/design/gpu-prefill.md ("The copy worker").
     """
 
     def __init__(self, drv: Any, ctx: Any) -> None:

@@ -1,23 +1,9 @@
-"""NUMA placement of the expert weights: their pages interleaved over every memory node of a multi-socket
-host, so that decode (which streams a different set of experts every token) draws on every socket's
-memory bandwidth instead of the one node that first read the file; a no-op on one node.
+"""NUMA placement of the expert weights: pages interleaved over every memory node; a no-op on one node.
 
-Two Linux calls, through libc's ``syscall`` (ctypes; no libnuma needed):
-
-* ``mbind(addr, len, MPOL_INTERLEAVE, nodemask, maxnode, MPOL_MF_MOVE)`` on each region: sets the policy
-  of that address range and moves pages already there. The kernel applies a range's (VMA's) policy to
-  anonymous pages and to copy-on-write copies only; for a ``MAP_SHARED`` file mapping (how
-  :class:`engine.gguf.file.GGUFFile` maps the weights) it ignores it, and page-cache pages are placed by
-  the memory policy of the task that faults them in (Linux ``Documentation/admin-guide/mm/
-  numa_memory_policy.rst``, "VMA Policy"; ``mbind(2)``, NOTES). So, second:
-* ``set_mempolicy(MPOL_INTERLEAVE, ...)`` for the calling thread while it reads one byte per page of each
-  region (the page-cache pages not yet cached are then allocated round-robin over the nodes), then
-  ``set_mempolicy(MPOL_DEFAULT)`` again. Pages a previous process already cached stay where they are
-  (drop the page cache, or run ``numactl --interleave=all``, to re-place them).
-
-Failures (no such syscall, EPERM in a container, an odd architecture) are logged and skipped: placement
-never stops a model from loading. Constants: ``<linux/mempolicy.h>``; syscall numbers: the kernel's
-``arch/x86/entry/syscalls/syscall_64.tbl`` and ``include/uapi/asm-generic/unistd.h`` (arm64).
+``mbind`` on each region, and ``set_mempolicy(MPOL_INTERLEAVE)`` while the calling thread faults the
+file's pages in (a shared file mapping ignores a VMA policy), through libc's ``syscall`` (ctypes).
+Failures are logged and skipped: placement never stops a load.
+Design: docs/design/native-cpu.md (the Linux rules and sources).
 """
 
 from __future__ import annotations

@@ -152,7 +152,7 @@ def empty_aligned(shape: int | tuple[int, ...]) -> np.ndarray:
 
     numpy's own buffers start 16 bytes past a line (glibc's malloc header), so every 64-byte vector load of a
     packed panel there spans two cache lines; the kernel reads two such vectors per k step (plus 12 broadcasts).
-    On 1024-row products that cost about 5 % under load (docs/minicpmv.md, helper ``tow3``). Rows whose byte length
+    On 1024-row products that cost about 5 % under load (docs/perf/log/minicpmv.md). Rows whose byte length
     is a multiple of 64 (the towers' widths 1152, 3456, 4304 floats) are then all aligned as well.
     """
     count = int(np.prod(shape))

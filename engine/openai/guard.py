@@ -1,18 +1,9 @@
 """Cross-site request refusals in front of every route of :mod:`engine.openai.app`.
 
-A web page the user opens can send a "simple" request to ``http://127.0.0.1:PORT`` without the browser asking first (a CORS
-preflight), as long as its body is ``text/plain``, a form, or untyped; so a ``POST`` body must be sent
-as ``Content-Type: application/json`` (or another ``application/*+json`` type), which a page can only
-send after a preflight this server never grants, and anything else is refused with 415. A page can
-also point its own domain at 127.0.0.1 (DNS rebinding) and then read the answers as same-origin; such
-a request names that domain in its ``Host`` header, so a server listening on a loopback address
-refuses (403) a ``Host`` that is not a loopback name or address with the port it listens on. For
-comparison: Ollama refuses, when bound to loopback, a ``Host`` that is not loopback, private, the
-machine's own name or under ``.localhost``/``.local``/``.internal`` (403, ``allowedHostsMiddleware``
-in its ``server/routes.go``); FastAPI, under vLLM's server, reads a JSON body only with a JSON
-``Content-Type`` since 0.65.2 (CVE-2021-32677), though vLLM allows any CORS origin by default; llama.cpp's
-``llama-server`` parses the body as JSON whatever its type and checks no ``Host``, leaving an API key as
-the defence.
+A ``POST`` body must be ``application/json`` (or ``application/*+json``), else 415, which a web page can
+send only after a CORS preflight this server never grants; a loopback server refuses (403) a ``Host``
+that is not a loopback name or address with its port (DNS rebinding).
+Design: docs/design/http-server.md (the attacks, and how other servers compare).
 """
 
 from __future__ import annotations

@@ -1,19 +1,8 @@
 """What ``engine serve`` refuses before any work: a full waiting queue, text the tokenizer cannot take, a
 ``file:`` image that is too large or not an image, and a prompt whose images cannot fit the context.
 
-Guarantees (each an :class:`APIError`, never a 500 or a leak):
-
-* at most ``max_waiting`` requests wait for the engine (from when their body has been read until their turn
-  starts, on every route that runs a turn), holding at most ``max_waiting_bytes`` of bodies; one more is
-  answered 429 with ``Retry-After``;
-* a string anywhere in the body that is not valid Unicode text (a lone surrogate, which JSON allows) is a
-  400 naming its field;
-* a ``file:`` image is opened only when it is a regular file of at most ``MAX_IMAGE_FILE_BYTES``
-  (checked on the open file before reading), and its contents are never quoted: every failure says only
-  that the URL does not name a readable image file, or that it is not an image;
-* the images and the text of a chat are counted against the context before any image is encoded: the
-  text's tokens plus one per image first, then each image's tokens as the tower counts them from its
-  size (``Engine.image_info``: decoded and resized, not encoded).
+Each refusal is an :class:`APIError` (429 with ``Retry-After``, or 400 naming the field), never a 500;
+a ``file:`` image's contents are never quoted. Design: docs/design/http-server.md (the guarantees).
 """
 
 from __future__ import annotations

@@ -1,28 +1,10 @@
-"""A :class:`engine.api.ChatEngine` that talks to an OpenAI-compatible server: vLLM, SGLang, llama.cpp's
-``llama-server``, or another DeltaDesk's ``engine serve``.
+"""A :class:`engine.api.ChatEngine` that talks to an OpenAI-compatible server (vLLM, SGLang, llama-server,
+another DeltaDesk's ``engine serve``).
 
-Each turn is one streamed ``POST {base_url}/chat/completions`` (server-sent events, the OpenAI chunk
-format) read with ``httpx``. The events are the in-process engine's: a :class:`PrefillStats` when the
-first piece of the answer arrives (TTFT measured here, so it includes the network), a
-:class:`TokenEvent` per streamed chunk (servers send one per token; its ``ms`` is the gap since the
-previous one, so tokens/s is the stream's), then a :class:`TurnSummary` whose token counts and cached
-tokens come from the server's ``usage`` (``stream_options.include_usage``;
-``prompt_tokens_details.cached_tokens``). VRAM, PCIe and snapshots are the server's and not seen here.
-
-Thinking that a server returns as ``reasoning_content`` (or ``reasoning``) is the reasoning channel of
-the events; a server that sends the model's raw text has it split by
-:func:`engine.channels.raw_text_splitter`. Each event's ``text`` is the answer as the model wrote it
-(reasoning inside ``<think>`` ... ``</think>``), as the in-process engine's is. Errors are
-:class:`~engine.errors.RemoteError` with the URL and what went wrong: unreachable, refused (the
-server's own error message), no data within the timeout, or the connection dropped mid-answer (the
-caller keeps what had arrived).
-
-Nothing the server sends is trusted (:mod:`engine.openai.remote_http`): Stop cuts the connection within
-about 0.05 s even while the server is silent; an answer whose data lines stop for ``timeout`` s ends
-then, whatever keep-alive comments arrive, and so does a model list that is not whole within its
-timeout; a line or body over 16 MiB, JSON nested too deep or of the wrong shape is a
-:class:`RemoteError`; the server's text in an error is stripped of control characters and cut short,
-and at most a few model ids are quoted.
+A turn is one streamed ``POST {base_url}/chat/completions`` read with ``httpx`` and turned into the
+in-process engine's events (TTFT here includes the network). Nothing the server sends is trusted
+(:mod:`engine.openai.remote_http`); failures are :class:`~engine.errors.RemoteError` naming the URL.
+Design: docs/design/remote-engine.md.
 """
 
 from __future__ import annotations

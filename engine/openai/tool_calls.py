@@ -1,23 +1,9 @@
 """Tool calls read from a Qwen model's answer, as it streams, in the two formats these models write.
 
-* XML (Qwen3.5/3.6, and Qwen3-Coder; chosen when the chat template's text holds ``<function=``)::
-
-      <tool_call>
-      <function=get_weather>
-      <parameter=city>
-      Paris
-      </parameter>
-      </function>
-      </tool_call>
-
-  Each value is text; it becomes JSON by its parameter's JSON-schema ``type`` (:func:`convert`).
-* JSON (Qwen2.5 / Qwen3 / Hermes templates): ``<tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>``.
-
-Which text is a call block is the engine's tool-call channel (the family's rule, :mod:`engine.channels`:
-blocks in the content, and blocks that end the answer inside the reasoning). A block that does not
-parse, or calls a function that was not offered, is returned as content, with a log line. A call is
-sent whole once its ``</tool_call>`` is read, so a client never receives half a call that later turns
-out malformed or cut.
+XML (``<tool_call><function=NAME><parameter=P>...``; Qwen3.5/3.6, Qwen3-Coder) or JSON (Qwen2.5/3,
+Hermes). A block that does not parse, or names a function not offered, is returned as content with a
+log line; a call is sent whole once its ``</tool_call>`` is read.
+Design: docs/design/tool-calls.md.
 """
 
 from __future__ import annotations

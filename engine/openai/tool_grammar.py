@@ -1,22 +1,9 @@
 """Lark grammars (llguidance's dialect) that enforce tool calls in the chat template's own call format.
 
-:func:`call_grammar` writes the grammar of a request's answer:
-
-* ``tool_choice`` "required": one call or more (one with ``parallel_tool_calls: false``); a named function:
-  exactly one call to it. Nothing but calls is allowed (the thinking before them stays free: the engine's
-  ``reasoning`` grammar prefix).
-* "auto" with a ``response_format``: the answer is either that JSON or calls.
-* "auto" with a ``strict`` tool: free text, then optionally calls; the calls follow the grammar from
-  their ``<tool_call>`` token on (a special token the free text cannot spell, so the grammar needs no
-  lazy trigger).
-
-Each call is written as the template teaches it (:func:`engine.openai.tool_calls.call_format`). In the
-XML form a parameter's value is text: an ``integer`` / ``number`` / ``boolean`` / ``object`` / ``array``
-parameter is its JSON (``%json`` with the parameter's own schema), a string parameter is free text that
-cannot contain ``\\n</parameter>`` or ``</tool_call>`` (bounded by ``maxLength`` / ``minLength``; an
-``enum`` / ``const`` is one of its strings; ``pattern`` and ``format`` of a string are not enforced in this
-form). In the JSON form the arguments are the whole ``parameters`` schema (``%json``), every keyword
-enforced.
+:func:`call_grammar` writes a request's answer grammar from ``tool_choice``, ``parallel_tool_calls``,
+``response_format`` and ``strict`` tools; each call is written as the template teaches it
+(:func:`engine.openai.tool_calls.call_format`). In the XML form a string parameter's ``pattern`` and
+``format`` are not enforced. Design: docs/design/grammar.md (what each choice allows).
 """
 
 from __future__ import annotations

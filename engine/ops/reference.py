@@ -1,32 +1,9 @@
 """Plain numpy versions of every op of the Qwen3.5/3.6 text model: the executable spec.
 
-Each function is written to be read next to ``docs/spec/qwen35.md`` (section numbers below)
-and is what the fast CPU/CUDA kernels are tested against.
-
-Precision rule: every op takes float32 (or any real) arrays, computes in **float64** and returns
-**float32**. Rounding therefore happens only at op boundaries, and transformers' float32 reference
-itself carries about 1e-5 of rounding.
-
-Row rule: the ops the model applies to a batch of positions (norms, RoPE, :func:`linear_rows`,
-:func:`swiglu`, :func:`shared_expert`, :func:`gated_attention`, :func:`topk_route`, the elementwise
-functions) give the same float32 bits for a row whether it is called on one position or inside a
-batch. Reductions run along a row's own contiguous axis; products that BLAS would block
-differently for another batch size (its vector-matrix and matrix-matrix kernels sum in different
-orders, and a row's place in a block changes its kernel) are taken one row at a time with the same
-vector-matrix call whatever the batch. That is what makes the model's prefill independent of how
-a prompt is cut into pieces (:mod:`engine.arch.qwen35.model`). :func:`linear` (BLAS on the whole batch)
-and :func:`gdn_chunked` do not follow it; the vision tower and the GPU's reference use them.
-
-Head layouts are those of the GGUF files (llama.cpp ``convert_hf_to_gguf.py``): in particular the
-Gated DeltaNet v-heads are *tiled*, so v-head ``h`` reads q/k head ``h mod n_k`` (docs/spec/qwen35.md section 2, item 3).
-
-Sources, per op: S. Yang, J. Kautz, A. Hatamizadeh, "Gated Delta Networks: Improving Mamba2 with
-Delta Rule" (2024) for the delta rule and its chunked (WY/UT) form; llama.cpp ``src/models/qwen35moe.cpp``,
-``src/models/delta-net-base.cpp``, ``src/llama-graph.cpp`` (build_moe_ffn) and ggml ``src/ggml-cpu/ops.cpp``
-(ssm_conv, gated_delta_net, l2_norm, rope/imrope); transformers
-``models/qwen3_5_moe/modeling_qwen3_5_moe.py`` (Qwen3_5MoeRMSNorm, Qwen3_5MoeRMSNormGated,
-torch_chunk_gated_delta_rule, torch_recurrent_gated_delta_rule, Qwen3_5MoeTextRotaryEmbedding,
-Qwen3_5MoeTopKRouter, Qwen3_5MoeSparseMoeBlock).
+Read next to ``docs/spec/qwen35.md``; the fast CPU/CUDA kernels are tested against these. Every op takes
+float32, computes in float64 and returns float32. Row rule: batch ops give a row the same bits alone or
+in a batch (:func:`linear` and :func:`gdn_chunked` do not; the vision tower and GPU reference use them).
+Design: docs/design/qwen35-model.md (precision and row rules, sources per op).
 """
 
 from __future__ import annotations

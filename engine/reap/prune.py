@@ -1,27 +1,9 @@
-"""Expert pruning of MoE GGUF files: REAP (and expert frequency) statistics and the selection of kept experts
-(the streamed rewrite is :mod:`engine.reap.pruned`).
+"""Expert pruning of MoE GGUF files: REAP (and frequency) statistics and the choice of kept experts.
 
-Method: REAP, Router-weighted Expert Activation Pruning (Lasby et al., "REAP the Experts: Why Pruning
-Prevails for One-Shot MoE Compression", arXiv 2510.13999; reference code CerebrasResearch/reap,
-``update_pruning_state()`` in ``src/reap/pruning_metrics.py`` and ``prune()`` in ``src/reap/prune.py``).
-Per MoE layer and calibration token t, the router's softmax over all experts is renormalised over the
-token's top-k (the reference's ``renormalize_router_weights``, its default since 2026-03; it equals the
-gate this model applies, :func:`engine.ops.reference.topk_route`), giving ``g_j(t)`` for the k routed
-experts j. With ``f_j(t)`` expert j's own output (before the gate), over the tokens routed to j::
-
-    S_j = mean_t  g_j(t) * ||f_j(t)||_2          (the reference's "reap"; 0 for an expert never routed)
-
-and the frequency baseline is the number of tokens routed to j (the reference's ``expert_frequency``,
-``--prune-method frequency``). Pruning removes the same number of lowest-scoring experts in every layer
-(``torch.topk(score, n, largest=False)`` in the reference; here a stable sort, so among equal scores the
-lower expert index goes first), slices their rows out of the router ``ffn_gate_inp`` and their slabs out
-of the expert tensors, and sets ``expert_count``; ``expert_used_count`` (top-k) stays. Shared experts are
-not touched.
-
-Statistics come from running calibration prompts through the engine's own CPU model
-(:attr:`engine.arch.qwen35.model.Qwen35Model.observer`) and are saved as JSON (:meth:`ExpertStats.save`; the
-format is in ``docs/pruning.md``) so another ``keep`` needs no second calibration, and so the GPU plan
-can rank experts by how often they are routed.
+REAP (Lasby et al., arXiv 2510.13999): ``S_j = mean_t g_j(t) * ||f_j(t)||_2`` over the tokens routed
+to expert j, ``g`` the top-k-renormalised router weight; the same number of lowest-scoring experts goes
+in every layer. Statistics come from the CPU model's observer and are saved as JSON.
+The streamed rewrite is :mod:`engine.reap.pruned`. Design: docs/design/expert-pruning.md.
 """
 
 from __future__ import annotations

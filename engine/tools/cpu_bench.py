@@ -1,34 +1,9 @@
-"""``python -m engine bench``: DeltaDesk's CPU prompt and decode speed beside the peers' ``llama-bench``
-(mainline llama.cpp, ik_llama.cpp with and without run-time repack: :mod:`engine.tools.cpu_llama`).
+"""``python -m engine bench``: DeltaDesk's CPU prompt and decode speed beside the peers' ``llama-bench``.
 
-How it measures (the order is the method):
-
-1. **Host**: NUMA node count (:func:`engine.kernels.numa.node_count`; on more than one node the expert pages
-   are interleaved at load, :func:`engine.placement.interleave_experts`), and the streaming-read bandwidth
-   per thread count: ``stream_runs`` reads of a ``stream_bytes`` buffer (:func:`engine.kernels.cpu.read_bandwidth`,
-   one timed read each after one untimed), median (min-max) in GB/s (1e9 B/s).
-2. **Warm-up**: the whole file is read once, so both engines find the weights in page cache (a file larger
-   than free RAM cannot be: the figures then include disk reads; the line says how long the read took).
-3. **Load**: the model as ``Engine.load`` builds it; RSS after load (psutil): anonymous (owned memory:
-   the weights converted at load, the state) and file-backed (mapped weight pages already touched).
-4. **Rounds** (``repeat`` of them), each, per thread count: DeltaDesk at each ISA level (one untimed
-   4-token forward, pp ``n_prompt`` = one forward of random tokens, tg ``n_gen`` one-token forwards after
-   it, then ``depth_gen`` one-token forwards at each context depth), then each peer's llama-bench on the same file
-   and thread count (``-r 1``: one timed run after its own warm-up; ``-p n_prompt -n n_gen``, then
-   ``-p 0 -n depth_gen -d depths``). Rounds interleave the engines, so a load change hits both. Before
-   each DeltaDesk sample that follows a llama-bench run the file is read again (untimed, the seconds
-   printed): llama-bench repacks the weights into its own memory, up to the file's size again, which can
-   push the mapped file out of the page cache (on a 23 GiB machine the 19.6 GB 35B-A3B file was, and our
-   next prompt read experts from disk); llama-bench's timed runs read only its own copy.
-   Decode at depth d: for DeltaDesk the KV cache rows of the d earlier positions (and the delta-net
-   states) are drawn at random and the position set to d, since a decode step's work does not depend on
-   their values; llama-bench prefills d tokens (untimed) before it times the decode.
-5. **Summary**: per engine, level and thread count, the median (min-max) over rounds; the roofline
-   fraction = bytes of weights read per decoded token (``GGUFFile.bytes_per_token``) x tg tok/s / the
-   median bandwidth; the ratio DeltaDesk / peer taken round by round (pair by pair), median (min-max), for
-   each peer and, with several, for the best peer of each round.
-
-The per-round DeltaDesk line also splits a token into the LM head (timed alone) and the mean layer.
+Measures the host (NUMA nodes, stream bandwidth in GB/s), warms the page cache, loads, then runs
+rounds that interleave DeltaDesk (per ISA level and thread count) with each peer on the same file,
+and summarises medians (min-max), the roofline fraction and the per-round ratio to each peer.
+Design: docs/design/engine-bench.md (the method, step by step).
 """
 
 from __future__ import annotations

@@ -1,15 +1,9 @@
-"""The bench's peers: ``llama-bench`` of mainline llama.cpp and of ik_llama.cpp, the figures their users quote.
+"""The bench's peers: ``llama-bench`` of mainline llama.cpp and of ik_llama.cpp.
 
-Built once from the llama.cpp sources vendored in the llama-cpp-python :data:`LLAMA_CPP_PYTHON_VERSION`
-source package (fetched with ``pip download``), with :data:`LLAMA_CMAKE_ARGS`, into the user cache dir
-(``platformdirs.user_cache_dir("deltadesk")/llama-bench-0.3.36``, :func:`cache_dir`); only the
-``llama-bench`` target is built (about 4 minutes on 2 idle cores, ~40 on a busy machine), its progress
-printed as cmake reports it. The build stays in place: the binary finds its shared libraries
-(``libllama``, ``libggml*``) through its build-tree RUNPATH.
-
-ik_llama.cpp is not built here (it is no registry package): the user passes the ``llama-bench`` of a
-native build (:func:`ik_llama_peers`). Run: :func:`bench_command` builds the command line (``-o json``),
-:func:`parse_results` reads it, :func:`run_llama_bench` runs it and reports the process's peak RSS.
+Mainline is built once from the llama.cpp vendored in llama-cpp-python :data:`LLAMA_CPP_PYTHON_VERSION`
+into :func:`cache_dir`; ik_llama.cpp's binary is passed by the user (:func:`ik_llama_peers`).
+:func:`bench_command`, :func:`parse_results`, :func:`run_llama_bench` run it and read its JSON.
+Design: docs/design/engine-bench.md.
 """
 
 from __future__ import annotations

@@ -1,22 +1,10 @@
-"""Constrained decoding: a grammar masks the logits so that only tokens that keep the answer valid are drawn.
+"""Constrained decoding: a grammar masks the logits so only tokens that keep the answer valid are drawn.
 
-Backed by llguidance (Earley parser + lazily built lexer over a token trie; one token's mask takes a median
-0.2 ms of CPU, p99 under 3 ms, on the 248,320-token Qwen3.5/3.6 vocabulary, see
-docs/perf/constrained-decoding.md and docs/design/constrained-decoding.md). Three objects:
-
-* :func:`grammar_tokenizer` turns the engine's :class:`~engine.prompt.tokenizer.Tokenizer` into llguidance's token
-  table once per engine (1.5-3.5 s on the real vocabulary; :meth:`engine.api.Engine.grammar` caches it).
-  Every added token (control or user-defined: ``<|im_end|>``, ``<think>``, ``</think>``, ``<tool_call>``, ...)
-  is a *special* token there: a lark grammar names it ``<tool_call>``, and text that merely spells it does
-  not match it (the engine's tokenizer, too, always reads those strings as the single token).
-* :func:`lark_json` embeds a JSON schema in a lark grammar (``%json {...}`` with the same JSON layout).
-* :class:`Grammar`: compiled once (lark, JSON schema or any JSON object), immutable, reusable across answers.
-* :class:`Matcher` (``Grammar.matcher()``): one answer's parser state. ``allowed()`` -> (n_vocab,) bool mask
-  of the next token, ``accept(token_id)`` advances it, ``done`` says nothing but an end-of-generation token may
-  follow, ``accepting`` says the answer may end here. The mask is a pure function of the tokens accepted so far.
-
-End-of-generation ids (``Tokenizer.eos_ids``) are allowed exactly where the grammar may end; when the grammar
-cannot go on, they are the only tokens allowed, so the turn ends with stop reason "eos".
+Backed by llguidance. :func:`grammar_tokenizer` builds its token table once per engine (every added
+token is a special token); :func:`lark_json` embeds a JSON schema in lark; :class:`Grammar` is compiled
+once and immutable; :class:`Matcher` is one answer's state (``allowed()`` -> ``(n_vocab,)`` bool mask,
+``accept(id)``). End-of-generation ids are allowed exactly where the grammar may end.
+Design: docs/design/grammar.md; docs/design/constrained-decoding.md.
 """
 
 from __future__ import annotations

@@ -1,30 +1,10 @@
 """Prefix snapshot cache for the recurrent state.
 
-A Gated DeltaNet layer's state is valid only at the position it has read up to, so ordinary KV
-prefix reuse (truncate the cache to the common prefix) does not work: the state cannot be rolled
-back. Instead the whole sequence state (conv + delta-net state of every linear layer, the KV of
-every attention layer up to that position, the position, and the logits of the last position) is
-checkpointed at chosen positions, and a later prompt resumes from the deepest snapshot whose
-prefix it shares exactly (the problem llama.cpp's server fixed with context checkpoints for
-qwen35moe, llama.cpp issues #20225 / #21831, PR #24797).
-
-Keys are a hash chain over the token ids: ``key[0] = H(model identity)``,
-``key[i+1] = H(key[i] || token[i] || image digest at i)``, so a key names the model file, every
-token before the position and the content of every image in it: nothing is reused across another
-model file, an edited message or a different image at the same position.
-
-Snapshots live in RAM under a byte budget with LRU eviction; evicted or explicitly persisted ones
-go to a disk tier (one file per snapshot, versioned, checksummed, written atomically) that
-survives a restart. A corrupt, partial, foreign-model or old-version file is ignored with a log
-line, never loaded; so is one whose header was edited (its checksum recomputed): every file's
-header is validated against the loaded model (identity, position within the context, the exact set
-of array names of its layers, each array's dtype and shape, its size) before it is listed or
-restored (:func:`engine.turn.snapshot.check_header`; the file format is :mod:`engine.turn.snapshot`), so the
-cache's contents never stop a model from loading. A write that fails (disk full) removes its temporary
-file; temporary files left by a crash (older than ten minutes) are swept when the cache opens its folder.
-
-Only regular ``<32 hex>.snap`` files are opened, streamed after a size check; a damaged file is a miss.
-Two processes may share the folder; what holds across them is in docs/design/hostile-inputs.md.
+A Gated DeltaNet state cannot be rolled back, so the whole sequence state is checkpointed at chosen
+positions and a prompt resumes from the deepest snapshot whose prefix it shares. Keys are a hash chain
+over model identity, token ids and image digests. Snapshots live in RAM (byte budget, LRU) and in a
+validated disk tier (:mod:`engine.turn.snapshot`); a bad file is a miss, never an error.
+Design: docs/design/prefix-cache.md; docs/design/hostile-inputs.md.
 """
 
 from __future__ import annotations

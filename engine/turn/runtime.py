@@ -4,7 +4,7 @@ Prefill resumes from the deepest cached snapshot of the
 prompt's prefix and checkpoints the state at the positions the caller names (message boundaries,
 the assistant header), every ``snapshot_interval`` tokens, where the prompt leaves the cached
 paths, and at the end of the prompt (with its logits, so a regenerate prefills nothing).
-GPU prefill (issue 4) plugs in at :func:`prefill`.
+GPU prefill plugs in at :func:`prefill`.
 """
 
 from __future__ import annotations

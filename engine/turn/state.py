@@ -1,18 +1,9 @@
 """Per-sequence state of a hybrid recurrent/attention model: what a prefix snapshot must hold to resume.
 
-One :class:`SequenceState` per sequence, shaped by the model's :class:`StateLayout`:
-
-* every recurrent layer ``il`` keeps ``conv[il]`` (its causal-conv window) and ``ssm[il]`` (its state
-  matrix), fixed size; for Qwen3.5/3.6's Gated DeltaNet the last K-1 *raw* projections ``W_qkv x``
-  (pre-conv, pre-SiLU), oldest first, ``(K-1, conv_dim)``, and the delta-rule state S,
-  ``(n_v, head_k_dim, head_v_dim)`` in the transformers layout (S^T is llama.cpp's);
-* every attention layer keeps ``k[il]`` / ``v[il]``: ``(capacity, *row)`` preallocated (Qwen3.5/3.6:
-  ``(capacity, n_head_kv, head_dim)``, K after its RMSNorm and RoPE); only rows ``[:pos]`` are valid;
-* ``pos``: the number of positions already processed (the next token's cache index).
-
-A recurrent state cannot be rolled back: to resume at an earlier position, keep a :meth:`copy`
-taken exactly there. Everything is float32: a bf16/f16 recurrent state drifts from the reference
-over a long prompt, since every token's rounding error is carried into all later ones.
+A :class:`SequenceState`, shaped by a :class:`StateLayout`, holds per recurrent layer ``conv[il]`` and
+``ssm[il]`` (fixed size), per attention layer ``k[il]`` / ``v[il]`` of ``(capacity, *row)`` (rows
+``[:pos]`` valid), and ``pos``. All float32. A recurrent state cannot be rolled back: keep a
+:meth:`SequenceState.copy`. Design: docs/design/prefix-cache.md (shapes, why float32).
 """
 
 from __future__ import annotations

@@ -1,21 +1,9 @@
 """Image loading and preprocessing for the Qwen3.5/3.6 vision tower (Pillow + numpy).
 
-The steps are those of HF ``Qwen2VLImageProcessorPil`` (the processor Qwen3.5/3.6 checkpoints name),
-``docs/spec/qwen3vl.md`` section 2:
-
-1. decode safely: the pixel count is checked from the header before any pixel is decoded
-   (decompression bombs), truncated or unreadable files become :class:`~engine.errors.ImageError`;
-   animated files give their first frame;
-2. EXIF orientation applied (``ImageOps.exif_transpose``; HF leaves this to the caller);
-3. any mode -> RGB uint8, transparency composited on white (as HF ``convert_to_rgb``); 16-bit and
-   32-bit greyscale are scaled to 8 bits (HF would clip them to white instead);
-4. :func:`smart_resize` to multiples of ``patch * merge`` = 32 within [min_pixels, max_pixels], Python
-   rounding (half to even) as HF; Pillow bicubic, exactly what the HF PIL processor calls;
-5. ``x = (p/255 - mean) / std`` in the same float steps as HF (float64 rescale, float32 normalise);
-6. patches of ``(c, t, ky, kx)`` with the still frame repeated over ``t``, rows in merge-window order.
-
-The content digest (SHA-256 of the file bytes, or of mode, size and pixels for an in-memory image) is
-what the embedding cache and the prefix cache key on.
+HF ``Qwen2VLImageProcessorPil``'s steps (``docs/spec/qwen3vl.md`` section 2): safe decode (pixel count
+checked before decoding; bad files raise :class:`~engine.errors.ImageError`), EXIF orientation, RGB
+uint8, :func:`smart_resize` to multiples of 32, normalise, patches in merge-window order. The content
+digest (SHA-256) keys the embedding and prefix caches. Design: docs/design/vision-towers.md.
 """
 
 from __future__ import annotations

@@ -42,7 +42,7 @@ int dd_get_threads(void);
 
 /* Read n bytes (n % 8 == 0, 8-byte aligned p) with all threads, as a memory-bandwidth probe: each thread
  * reads 1 MiB chunks as 8 interleaved runs (eight memory streams in flight; one forward stream reached only
- * ~60 % of what a core can read on the project's Xeon VMs, docs/cpu-notes.md "The stream read"); returns
+ * ~60 % of what a core can read on the project's Xeon VMs, docs/perf/log/cpu-notes.md "The stream read"); returns
  * the wrapping sum of the 64-bit words, so reads are not optimised away. */
 uint64_t dd_stream_read(const uint8_t *p, size_t n);
 

@@ -83,8 +83,7 @@ typedef void (*dd_gemm_fn)(const uint8_t *w, size_t row_bytes, size_t nrows, siz
 
 /* How far ahead the SIMD kernels prefetch weights, in rows. A single core keeps too few cache
  * misses in flight while it computes to stream from DRAM; asking for the row this many rows
- * ahead doubles the single-thread GEMV rate (measured ~4.5 -> ~10.5 GB/s, 1 core of a Xeon with
- * ~11-12 GB/s per-core streaming bandwidth). */
+ * ahead about doubles the single-thread GEMV rate (docs/design/native-cpu.md, "Weight prefetching"). */
 #define DD_PREFETCH_ROWS 8
 
 typedef struct {

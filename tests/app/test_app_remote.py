@@ -1,5 +1,5 @@
 """The app on a remote engine (another DeltaDesk's ``engine serve`` on loopback), the app's own "Serve on
-localhost", and the API key kept out of the settings file (issue 17, items 2, 3 and 5)."""
+localhost", and the API key kept out of the settings file."""
 
 from __future__ import annotations
 

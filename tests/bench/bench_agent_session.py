@@ -8,7 +8,7 @@ does not depend on who wrote them, because the template re-renders the previous 
 
 Per request: the prompt tokens, the tokens resumed from a prefix snapshot (``usage.prompt_tokens_details.
 cached_tokens``) and so prefilled, and the TTFT, measured as the latency of a non-streamed 1-token answer
-(prefill plus one sampled token plus the loopback HTTP round trip). The goal (issue 36): every request
+(prefill plus one sampled token plus the loopback HTTP round trip). The goal: every request
 after the first prefills only what is new and its TTFT is under 5 % of the first's.
 
 Usage: ``.venv/bin/python tests/bench/bench_agent_session.py --model synth-35b-a3b-8l-q4_k_m.gguf [--requests 10]

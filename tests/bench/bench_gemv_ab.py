@@ -10,7 +10,7 @@ builds run interleaved round by round on the same inputs. It prints each build's
 rate in GB/s with the spread, whether every build gave the same output bits, and the load average
 before and after (figures from a loaded machine are not final). ``--cols 32`` times prefill's shape instead
 (32 activation rows, an expert's share of a 512-token prompt) and reports GMAC/s; use a small --mib then,
-so the product is bound by the kernel, not by DRAM. docs/cpu-notes.md, "Weight prefetches
+so the product is bound by the kernel, not by DRAM. docs/perf/log/cpu-notes.md, "Weight prefetches
 into L2", used it.
 """
 

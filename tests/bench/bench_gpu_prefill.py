@@ -1,4 +1,4 @@
-"""Benchmark of GPU prefill with streamed experts (issue 4). A script, not a test; needs an NVIDIA GPU.
+"""Benchmark of GPU prefill with streamed experts. A script, not a test; needs an NVIDIA GPU.
 
 Writes (or takes) a synth ``35b-a3b`` slice (real per-layer shapes: hidden 2048, 256 experts top-8,
 expert FFN 512, Q4_0; ``--layers`` layers, vocab 248320 without tokenizer), then:

@@ -8,9 +8,9 @@ the same size, larger than the last-level cache), in two shapes:
   * "expert": the same bytes as 512 x 2048 matrices (one MoE expert's gate), one call each, as
     decode issues them (includes per-call overhead: Python, activation quantization, thread wake-up);
   * "moe": the fused one-token MoE FFN (cpu_moe.moe_ffn) over --moe-layers layers shaped like the
-    35B-A3B slice llama.cpp was measured on in docs/cpu-notes.md (d 2048, 64 experts of FFN 512, top-8, a shared expert,
-    Q4_0), one random token per layer in turn; GB/s counts the bytes a token touches (f32 router,
-    8 + 1 experts' gate/up/down);
+    35B-A3B slice llama.cpp was measured on in docs/perf/log/cpu-notes.md (d 2048, 64 experts of FFN
+    512, top-8, a shared expert, Q4_0), one random token per layer in turn; GB/s counts the bytes a
+    token touches (f32 router, 8 + 1 experts' gate/up/down);
   * "hot" (--hot): one thread, a --hot-kib matrix of each weight type that stays in the core's
     L2 cache, called over and over and timed in thread CPU time: the kernel's compute rate,
     which the machine's other work (memory traffic, a busy core) barely moves. A kernel streams

@@ -9,7 +9,7 @@ prefilled the way the app does it (:func:`engine.turn.runtime.prefill`: pieces o
 the repeats and medians reported. Per length it prints wall tok/s, the process CPU seconds (all
 threads: on a busy machine tokens per CPU second move less than wall figures) and the share of
 wall time spent in attention over the KV cache and in the Gated DeltaNet recurrence (the two token
-mixers; the rest is projections, FFN, norms). The claim checked (issue 16 item 6, the companion
+mixers; the rest is projections, FFN, norms). The claim checked (a companion
 study's 408 -> 361 tok/s): tok/s at the longest length >= 85 % of that at the shortest. Load
 average is printed before and after: figures from a loaded machine are not final.
 """

@@ -8,7 +8,7 @@ run in turn on a loaded machine, never as a speed claim. Default: one ``forward`
 tokens after a 4-token warm-up (what ``engine bench``'s prompt row runs), split into the hooks ``linear``
 (projections), ``delta_rule`` (Gated DeltaNet), ``attend``, ``moe``, ``ffn`` and the rest (numpy norms,
 RoPE, residuals, Python). ``--depths``: one 256-token piece at cache depths 0 and 9984 instead (random
-KV rows and recurrent states), each twice, and the 10240 / 2048 tok/s ratio of issue 16 item 6 projected
+KV rows and recurrent states), each twice, and the 10240 / 2048 tok/s ratio (long-context prefill) projected
 from them (attention's cost grows linearly with depth; the app prefills pieces of 256).
 """
 

@@ -15,10 +15,6 @@ each prompt's greedy text from both and whether they are equal.
 Chats ask for ``enable_thinking`` (llama-cpp-python renders the file's template without that
 variable, which the Qwen template reads as on: the header opens ``<think>``); a chat's text is its
 ``reasoning_content`` followed by its ``content``, since ``engine serve`` returns the thinking apart.
-
-Measured (2026-12-01, 2 threads, the tiny f32 synth, 24 tokens): 5 of 6 greedy texts equal; the sixth
-has the same tokens, but a byte-level token that is not whole UTF-8 shows as U+FFFD in ``engine
-serve``'s text and is dropped by llama.cpp's.
 """
 
 from __future__ import annotations

@@ -1,19 +1,9 @@
-"""MiniCPM-V 4.6 vision (``clip.projector_type = "minicpmv4_6"``): a SigLIP2 tower with a window-attention merger,
-on the dense Qwen3.5 text model (GGUF ``qwen35``).
+"""MiniCPM-V 4.6 vision (``clip.projector_type = "minicpmv4_6"``): a SigLIP2 tower with a window-attention
+merger, on the dense Qwen3.5 text model (GGUF ``qwen35``).
 
-- :mod:`.mmproj`: the llama.cpp projector layout (keys, tensors), validated reading, random-weight writing;
-- :mod:`.preprocess`: HF ``MiniCPMV4_6ImageProcessorPil`` (resize, slicing, patches, position buckets,
-  image-token counts);
-- :mod:`.tower`: the float32 forward (16x and 4x modes; native kernels on AVX-512, numpy otherwise) and
-  :class:`.tower.PiecesTower`, the :class:`engine.registry.VisionTower` the engine's image encoder drives;
-- :mod:`.packing`: the projection weights packed for the native GEMM;
-- :mod:`.layout`: the prompt layout of an image (slice rows) and the sequential positions.
-
-The facts are taken from HF transformers ``models/minicpmv4_6/`` (``modeling_minicpmv4_6.py``,
-``image_processing_pil_minicpmv4_6.py``, ``processing_minicpmv4_6.py``, ``configuration_minicpmv4_6.py``,
-``vision_utils.py``) and llama.cpp PR #22529 (``tools/mtmd/models/minicpmv.cpp``
-``clip_graph_minicpmv4_6``, ``conversion/minicpm.py`` ``MiniCPMV4_6VisionModel``); ``docs/minicpmv.md``
-summarises them. :data:`ARCH` is what :mod:`engine.registry` hands out.
+Modules: ``mmproj`` (file layout), ``preprocess`` (HF image processor), ``tower`` (forward,
+``PiecesTower``), ``packing`` (native GEMM weights), ``layout`` (prompt layout, positions).
+:data:`ARCH` is what :mod:`engine.registry` hands out. Design: docs/design/vision-towers.md (sources).
 """
 
 from __future__ import annotations

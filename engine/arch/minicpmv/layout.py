@@ -1,15 +1,8 @@
 """The prompt layout of a MiniCPM-V 4.6 image, and its sequential positions.
 
-Layout (HF ``MiniCPMV4_6Processor.replace_image_token`` and ``_prepend_local_ids``; llama.cpp
-``MTMD_SLICE_TMPL_MINICPMV_2_6``): image k of a prompt (k from 0, counted over the whole prompt text as HF
-counts per sample) becomes
-
-    <image_id>k</image_id><image> PAD*n0 </image>                           the overview
-    <slice> PAD*n1 </slice><slice> PAD*n2 </slice> ... \\n <slice> ...       one line per slice row, no trailing \\n
-
-with PAD = ``<|image_pad|>`` and n_i the tokens of piece i (:attr:`SlicePlan.token_counts`). Each run of pads
-takes its piece's embedding rows in order. Positions are sequential for every token (t = h = w = p), so
-Qwen3.5's interleaved M-RoPE reduces to plain partial RoPE (HF's default ``mrope_mode``).
+Image k becomes ``<image_id>k</image_id><image> PAD*n0 </image>`` then one line of ``<slice> PAD*n </slice>``
+per slice row (HF ``MiniCPMV4_6Processor``; llama.cpp ``MTMD_SLICE_TMPL_MINICPMV_2_6``). Positions are
+sequential, so M-RoPE reduces to plain partial RoPE. Design: docs/design/vision-towers.md.
 """
 
 from __future__ import annotations

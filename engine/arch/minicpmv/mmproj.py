@@ -1,43 +1,9 @@
 """MiniCPM-V 4.6 projector files (``mmproj`` GGUF): validated loading and random-weight writing.
 
-The layout is the one llama.cpp's converter writes (``conversion/minicpm.py`` ``MiniCPMV4_6VisionModel`` on
-top of ``MmprojModel``, PR #22529) and its loader reads (``tools/mtmd/clip.cpp``, projector type
-``PROJECTOR_TYPE_MINICPMV4_6``). Shapes are math shapes (numpy order = PyTorch order = reversed GGUF
-``ne``); ``D`` = ``n_embd``, ``F`` = ``n_ff``, ``P`` = patch size, ``G`` = position-grid side,
-``O`` = ``out_dim`` (the LLM width):
-
-==================================================  ===============  ============================================
-tensor                                              shape            HF source (``model.vision_tower.`` /
-                                                                     ``model.merger.``)
-==================================================  ===============  ============================================
-``v.patch_embd.weight`` / ``.bias``                 (D, 3, P, P)     ``embeddings.patch_embedding``
-``v.position_embd.weight``                          (G*G, D)         ``embeddings.position_embedding``
-``v.blk.N.ln1`` / ``ln2`` ``.{weight,bias}``        (D,)             ``encoder.layers.N.layer_norm1`` / ``2``
-``v.blk.N.attn_{q,k,v,out}.{weight,bias}``          (D, D)           ``encoder.layers.N.self_attn.{q,k,v,out}_proj``
-``v.blk.N.ffn_up`` / ``ffn_down`` ``.{weight,bias}``  (F, D) / (D, F)  ``encoder.layers.N.mlp.fc1`` / ``fc2``
-``v.post_ln.{weight,bias}``                         (D,)             ``post_layernorm``
-``v.vit_merger.ln1.{weight,bias}``                  (D,)             ``vit_merger.layer_norm1``
-``v.vit_merger.attn_{q,k,v,out}.{weight,bias}``     (D, D)           ``vit_merger.self_attn.*``
-``v.vit_merger.ds_ln.{weight,bias}``                (4D,)            ``vit_merger.pre_norm``
-``v.vit_merger.ds_ffn_up.{weight,bias}``            (4F, 4D)         ``vit_merger.linear_1``
-``v.vit_merger.ds_ffn_down.{weight,bias}``          (D, 4F)          ``vit_merger.linear_2``
-``mm.input_norm.{weight,bias}``                     (4D,)            ``mlp.0.pre_norm``
-``mm.up.{weight,bias}``                             (4D, 4D)         ``mlp.0.linear_1``
-``mm.down.{weight,bias}``                           (O, 4D)          ``mlp.0.linear_2``
-==================================================  ===============  ============================================
-
-Keys (``clip.vision.*`` unless noted): ``clip.projector_type = "minicpmv4_6"``, ``image_size`` = the slice
-size (448; **not** the position grid, whose side is the square root of the ``v.position_embd`` rows, 70),
-``patch_size`` 14, ``embedding_length`` 1152, ``feed_forward_length`` 4304, ``block_count`` 27,
-``attention.head_count`` 16, ``attention.layer_norm_epsilon`` 1e-6, ``projection_dim`` 1024,
-``image_mean`` / ``image_std`` 0.5, ``projector.scale_factor`` (4: the 16x mode, both 2x2 merges; 2: the 4x
-mode, the final merge only; absent = 4, as llama.cpp's loader) and ``wa_layer_indexes = [insert_layer_id]``
-(6; the converter reuses this key for the layer after which the window-attention merger runs; required here,
-where llama.cpp would silently take layer 0).
-
-Storage types follow the converter (checked on a file it wrote, ``tests/fixtures/minicpmv``): 1-D tensors
-and the position table F32; the patch kernel F16 in an F16 file and F32 otherwise; other matrices in the
-file type, F16 where a row is not a whole number of Q8_0 blocks (``ffn_down`` at F = 4304). The reader accepts any type :mod:`engine.gguf.quant` can dequantize.
+The layout is llama.cpp's (converter ``MiniCPMV4_6VisionModel``, loader ``PROJECTOR_TYPE_MINICPMV4_6``);
+shapes are math shapes (reversed GGUF ``ne``). ``wa_layer_indexes`` is required here (llama.cpp would
+take layer 0). The reader accepts any type :mod:`engine.gguf.quant` can dequantize.
+Design: docs/design/vision-towers.md (tensor table, keys, storage types).
 """
 
 from __future__ import annotations

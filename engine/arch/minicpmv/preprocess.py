@@ -1,32 +1,8 @@
 """MiniCPM-V 4.6 image preprocessing: HF ``MiniCPMV4_6ImageProcessorPil`` in Pillow + numpy.
 
-Steps (transformers ``models/minicpmv4_6/image_processing_pil_minicpmv4_6.py``; S = ``scale_resolution`` =
-the file's ``clip.vision.image_size`` 448, p = 14, the alignment ``a = p * 4 = 56`` in 16x mode and
-``p * 2 = 28`` in 4x mode):
-
-1. decode, EXIF-orient and convert to RGB as for every image (:func:`engine.vision.images.open_image`);
-2. ``ensure_divide(L, d) = max(round(L / d) * d, d)`` (Python ``round``: ties to even);
-   ``best_resize(h, w, up)``: if ``h * w > S**2`` or ``up``: ``r = w / h``, ``h = int(S / sqrt(r))``,
-   ``w = int(h * r)``; then each side ``ensure_divide(side, a)``;
-3. slicing is decided by **area**: ``m = min(ceil(W * H / S**2), max_slices)``; ``m <= 1``: no slicing.
-   Otherwise, over ``n`` in ``m - 1, m, m + 1`` (skipping 1 and above ``max_slices``) and every ``rows``
-   dividing ``n`` (ascending), the grid ``(rows, n / rows)`` minimising ``|ln(W/H) - ln(cols/rows)|`` wins;
-   a tie goes to the grid with more rows;
-4. the overview is the whole image resized to ``best_resize(H, W, up = not sliced)``: a small image that
-   is not sliced is **upscaled** to about S**2;
-5. a grid's slices: ``best_resize(ensure_divide(H, rows) / rows, ensure_divide(W, cols) / cols, up=True)``
-   gives the slice size (sh, sw); the image is resized to ``(rows * sh, cols * sw)`` and cut row-major;
-6. every resize is Pillow bicubic; then ``x = (px / 255 - mean) / std`` in HF's float steps;
-7. each piece (overview first, then the slices) is its own sequence of patches in raster order, each patch
-   a row of ``(c, ky, kx)`` values (the Conv2d kernel order);
-8. tokens per piece: ``(h/p) * (w/p) / 16`` in 16x mode, ``/ 4`` in 4x mode (HF ``MiniCPMV4_6Processor``).
-
-Position ids (HF ``vision_utils.get_vision_nearest_position_ids``, llama.cpp ``clip_graph_minicpmv4_6``):
-the patch at (i, j) of an ``n_h x n_w`` piece reads row ``B(i, n_h) * G + B(j, n_w)`` of the ``G x G`` table
-(G = 70), with the exact bucket ``B(i, n) = (G * i) // n``. HF computes it as ``bucketize(i / n, arange(1/G,
-1, 1/G), right=True)`` in float32 and llama.cpp as ``floor(G * i / n)`` in double; both give the exact value
-for every n <= 128 (tests/fixtures/minicpmv checks HF's). Ports that scale ``i / n`` by ``1 - 1e-6`` move every
-exact tie (``G * i % n == 0``) one bucket down, half of the rows of a 28-patch side.
+An image becomes an overview and, by area, a grid of slices, each resized (bicubic) to a multiple of
+the alignment, normalised and cut into patch rows in raster order; position ids are the exact buckets
+``(G * i) // n`` of the ``G x G`` table. Design: docs/design/vision-towers.md (the steps and sources).
 """
 
 from __future__ import annotations

@@ -1,35 +1,9 @@
-"""The MiniCPM-V 4.6 vision tower in numpy float32: SigLIP2 blocks, the window-attention merger and the final
-2x2 merger. The pieces of one image (the overview and the slices) in, per piece ``(n_tokens, out_dim)``
-LLM-width rows out.
+"""The MiniCPM-V 4.6 vision tower in numpy float32: SigLIP2 blocks, window-attention merger, 2x2 merger.
 
-Forward of one piece of ``gh x gw`` patches in raster order, S = gh*gw, D = ``n_embd`` (HF
-``MiniCPMV4_6VisionModel`` / ``MiniCPMV4_6ViTWindowAttentionMerger`` / ``MiniCPMV4_6Merger`` in
-``modeling_minicpmv4_6.py``; llama.cpp ``clip_graph_minicpmv4_6``)::
-
-    h  = patches @ W_patch^T + b                                   patch_embd     (S, D)
-    h += E_pos[bucket_position_ids(gh, gw)]                        embeddings     (no pre-LN, no RoPE)
-    for il in 0 .. n_layer-1:                                      layer_out.il
-        h += attn_out(MHA(LN1(h)))            full attention over the piece, scale 1/sqrt(d)
-        h += fc2(gelu_tanh(fc1(LN2(h))))
-        if 16x mode and il == insert_layer:                        vit_merger     (S/4, D)
-            r = h;  u = LN_m1(h) in window order  (2x2 windows in raster order; inside one: (0,0) (0,1) (1,0) (1,1))
-            x = r[window order] + attn_out_m(MHA_m(u))            attention only inside each 4-token window
-            c = the 4 rows of each window side by side (4D);  mean = their average
-            h = ds_ffn_down(gelu_tanh(ds_ffn_up(LN_ds(c)))) + mean     one row per window, windows in raster order
-            gh, gw = gh/2, gw/2
-    z   = LN_post(h)                                               post_ln
-    z   = 2x2 concat of z on the (gh, gw) grid (same order)        (gh*gw/4, 4D)
-    out = mm.down(gelu_erf(mm.up(LN_in(z))))                       merger_out     (gh*gw/4, out_dim)
-
-In 4x mode the window-attention merger is skipped: all layers run at full resolution. GELU: tanh form in the
-blocks and the window-attention merger (HF ``gelu_pytorch_tanh``), the exact erf form in the final merger (HF
-``nn.GELU()``). Every norm is a LayerNorm with bias, eps from the file. Projections are float32 GEMMs on the
-dequantized weights: on AVX-512 CPUs the native packed-weight GEMM (:class:`engine.kernels.sgemm.PackedWeight`,
-bias, GELU and residual add in its epilogue), attention (full and 2x2-window) :func:`engine.kernels.sgemm.vit_attention`
-and LayerNorm :func:`engine.kernels.sgemm.layer_norm`; elsewhere numpy tiles of
-:func:`engine.ops.vision_reference.linear` (the Qwen tower's path), :func:`engine.ops.vision_reference.attention`,
-:func:`window_attention` and :func:`engine.ops.vision_reference.layer_norm`. :class:`MiniCPMVTower` says how the work
-is split over threads.
+The pieces of one image (overview, then slices) in, per piece ``(n_tokens, out_dim)`` LLM-width rows
+out (HF ``modeling_minicpmv4_6.py``; llama.cpp ``clip_graph_minicpmv4_6``). Projections, attention and
+LayerNorm use :mod:`engine.kernels.sgemm` on AVX-512 CPUs, numpy tiles elsewhere.
+Design: docs/design/vision-towers.md (the forward pass, step by step).
 """
 
 from __future__ import annotations

@@ -1,61 +1,10 @@
 """The text model on the native CPU kernels: :class:`NativeQwen35Model`.
 
-Design. ``NativeQwen35Model`` subclasses the numpy reference :class:`~engine.arch.qwen35.model.Qwen35Model`
-and overrides only its hooks: ``linear`` (every projection, LM head included), ``delta_rule`` (the
-GDN recurrence between its projections), ``attend`` (attention over the KV cache), ``moe`` and
-``ffn``. The forward pass itself (op order, residuals, norms, RoPE, KV writes, state updates, stage
-callbacks) is inherited, so there is one forward pass to read, the numpy model stays the reference
-the fast path is tested against, and a subclass needs no object threaded through every call (a
-``linear`` strategy object would need the same hook points plus that plumbing).
-
-What runs where:
-
-* a one-token forward call (every decoded token): the whole model in one native call,
-  :class:`~engine.arch.qwen35.cpu_step.NativeStep` (native/cpu/step.c), bit-identical to the hook
-  path below, so Python only looks up the embedding row and samples; models with a float32
-  projection and calls with a stage callback or an expert observer take the hooks
-  (:mod:`engine.arch.qwen35.cpu_step`);
-* projections: W4A8 / W8A8 GEMV (one token) or small-M GEMM (prefill) straight from the
-  memory-mapped Q4_0 / Q8_0 / Q2_K .. Q6_K / Q4_1 / Q5_0 / Q5_1 / IQ1 .. IQ4 / MXFP4 blocks
-  (:class:`engine.kernels.cpu.Matrix`);
-* the MoE FFN: one fused native call, per token in decode (:func:`engine.kernels.cpu_moe.moe_ffn`),
-  for all n tokens grouped by expert in prefill (:func:`engine.kernels.cpu_moe.moe_prefill`, each
-  routed expert's weights read once per prefill piece; the same bits per token); a layer with
-  float32 experts runs each expert's rows through the row-wise products;
-* the GDN recurrence and attention: :mod:`engine.arch.qwen35.cpu_mixers` (C); the GDN step token by
-  token in prefill too, attention in tiles of queries x blocks of cache rows that give each query
-  the bits decode gives it;
-* norms, RoPE, residual adds: the reference numpy ops; the dense FFN's SiLU gate:
-  :func:`engine.kernels.cpu.silu_mul` (C, as the step computes it).
-
-Prefill is therefore split-invariant (:mod:`engine.arch.qwen35.model`): a position's arithmetic is the
-same whatever piece it is read in, decode included. The fused paths report only the stages outside
-the fused calls to ``cb`` (no ``beta``, ``gate``, ``conv_output_silu``, ``attn_output`` of GDN
-layers; ``ffn_moe_logits`` neither).
-
-Weight formats, decided once at load, tensor by tensor (:func:`prepare_weight`; at most one
-tensor's float32 rows of 16 MiB exist at a time, the file stays mapped, not copied):
-
-========================================  ================================  =========================
-stored type of a projection weight        used as                           bytes held in RAM
-========================================  ================================  =========================
-Q4_0, Q8_0, Q2_K, Q3_K, Q4_K, Q5_K,       the file's blocks (memory map)    0 (page cache only)
-Q6_K, Q4_1, Q5_0, Q5_1, IQ1_S, IQ1_M,
-IQ2_XXS, IQ2_XS, IQ2_S, IQ3_XXS, IQ3_S,
-IQ4_NL, IQ4_XS, MXFP4
-F16, BF16, F32, ``float_weights="f32"``   float32, numpy BLAS GEMM          32 bits/weight
-F16, BF16, F32, ``float_weights="q8_0"``  converted to Q8_0 (user's choice) 8.5 bits/weight
-========================================  ================================  =========================
-
-Why Q8_0 for a block type without a kernel: requantizing to a 4-bit format would round a second time
-with about the original's step, while Q8_0's added rounding (at most max|x|/254 per 32 values) is about
-1/16 of a 4-bit step and 1/4 of a 6-bit one. The kernel types come from the
-quant-type table (:data:`engine.gguf.quant.TYPES`, ``cpu_kernel``): a Q4_K_M or UD-Q4_K_XL file (Q4_K,
-Q5_K, Q6_K, Q8_0 tensors) is read in place, so a 21.2 GB Q4_K_M 35B-A3B costs its file size in page
-cache instead of the ~37 GB its Q8_0 conversion took. Float weights stay exact by default because
-quantizing them changes the model; ``float_weights="q8_0"`` halves an F16 file's bytes read per
-token. Split views of a fused ``ffn_gate_up_exps`` are not contiguous and are copied once (their
-Q4_0/Q8_0 bytes). Repacking of Q4_0/Q8_0 rows is not done: the kernels read the GGUF layout.
+Subclasses the numpy reference :class:`~engine.arch.qwen35.model.Qwen35Model` and overrides only its
+hooks (``linear``, ``delta_rule``, ``attend``, ``moe``, ``ffn``); a one-token forward runs as one native
+call (:mod:`engine.arch.qwen35.cpu_step`). Weight formats are decided once at load, tensor by tensor
+(:func:`prepare_weight`): kernel types are read from the memory map, float weights stay float32 or
+become Q8_0 on request. Design: docs/design/native-cpu.md (what runs where, weight formats).
 """
 
 from __future__ import annotations

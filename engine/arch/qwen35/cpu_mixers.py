@@ -1,23 +1,9 @@
 """The token mixers in C: the Gated DeltaNet recurrent step and causal gated attention over the KV
-cache, with numpy twins (same signatures, built from :mod:`engine.ops.reference`).
+cache, with numpy twins built from :mod:`engine.ops.reference`.
 
-Native code: native/cpu/gdn_kernel.h (``dd_gdn_decode``, ``dd_gdn_prefill``: compiled once per ISA
-level; the conv inputs split by head of channels, the delta rule by v-head, each head's state in
-column blocks that stay in L1 through all the tokens of a call) and native/cpu/attn_kernel.h (``dd_attn_decode``, ``dd_attn_prefill``: compiled once per ISA level,
-the cache in blocks of 256 positions at absolute positions, prefill in tiles of 16 to 64 queries; the
-arithmetic is spelled out there). Both give the same bits at every ISA level and thread count, and
-prefill gives every position the bits decode gives it (:func:`gdn_prefill` runs the recurrent step
-token by token; :func:`attention_prefill` computes each query over exactly the rows it sees, with
-block boundaries that do not move with the call), so a position's result does not depend on the
-piece it is read in (:mod:`engine.arch.qwen35.model`). With :func:`engine.kernels.cpu.isa` = "numpy"
-or without the extension the twins run.
-
-Precision: the GDN code keeps the delta-rule state and its products in float32 and the reductions
-(norms, the conv taps) in float64; attention keeps scores, probabilities and the per-block weighted
-sums in float32 and their sums and the merge of blocks in float64; the twins compute every op in
-float64 and round at op boundaries (the reference's rule). Measured on random inputs
-(tests/test_native_model.py, tests/test_attention_prefill.py): outputs agree to <= 1e-6 relative
-(test bound 1e-5).
+Native code: native/cpu/gdn_kernel.h and attn_kernel.h, compiled per ISA level. Same bits at every
+level and thread count, and prefill gives each position decode's bits. Outputs agree with the twins
+to <= 1e-6 relative (test bound 1e-5). Design: docs/design/native-cpu.md.
 """
 
 from __future__ import annotations

@@ -1,24 +1,10 @@
 """The decode step in one native call per token: :class:`NativeStep` (native/cpu/step.c, ``dd_step``).
 
-A one-token :meth:`~engine.arch.qwen35.cpu.NativeQwen35Model.forward` runs every layer (norms,
-projections, the Gated DeltaNet step, attention over the KV cache, router, routed and shared experts or
-the dense FFN), the final norm and the LM head in C, on the kernels' persistent thread pool and with the
-GIL released (cffi releases it around every call). Python checks the inputs, looks up the embedding row,
-computes the token's RoPE cos/sin table (:func:`engine.ops.reference.rope_tables`) and advances
-``state.pos``; the caller samples.
-
-Exactness: the step gives the same bits as the per-hook forward pass of ``NativeQwen35Model`` (the path
-every prefill piece of two or more tokens takes): its products, mixers and MoE are the same C calls, and
-what the hooks leave to numpy (RMSNorm, RoPE, the residual adds, the dense FFN's SiLU) is redone in
-numpy's own float64 arithmetic (native/cpu/step.c). So a decoded token equals the same token read in
-any prefill piece, at every ISA level and thread count, and the prefix cache changes no answer
-(tests/test_native_step.py, tests/test_split_invariance.py).
-
-Models it does not take (:func:`step_unsupported` says why; they run the per-hook path): a projection
-kept as float32 (:class:`~engine.arch.qwen35.cpu.FloatMatrix`: F16/BF16/F32 weights with
-``float_weights="f32"``), whose numpy BLAS product C cannot reproduce bit for bit. Calls it does not take
-(:meth:`NativeStep.takes`): more than one token, a stage callback, an expert observer, the "numpy"
-kernel level.
+Runs every layer, the final norm and the LM head in C with the GIL released; Python checks inputs,
+looks up the embedding row and the RoPE table. Bit-identical to the per-hook forward of
+``NativeQwen35Model`` (tests/test_native_step.py). Not taken: float32 projections
+(:func:`step_unsupported`), several tokens, a stage callback, an observer (:meth:`NativeStep.takes`).
+Design: docs/design/native-cpu.md.
 """
 
 from __future__ import annotations

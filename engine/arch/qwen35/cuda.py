@@ -1,25 +1,10 @@
-"""GPU prefill for Qwen3.5/3.6 hybrid models, with routed experts streamed from pinned host RAM under a
-VRAM budget (issue 4); decode then continues on the CPU from the state this fills.
+"""GPU prefill for Qwen3.5/3.6 hybrid models, routed experts streamed from pinned host RAM under a VRAM
+budget; decode then continues on the CPU from the state this fills.
 
-:class:`CudaPrefill` loads once per model: it plans placement (:func:`engine.arch.qwen35.cuda_plan.plan_placement`,
-``.plan.text()`` says it in words), uploads every non-expert weight in its stored type (types without a
-kernel are dequantized to F32 on the host), packs each layer's routed experts per expert
-(``[gate | up | down]``, :class:`~engine.arch.qwen35.cuda_plan.ExpertLayout`) either into VRAM (resident layers)
-or into page-locked host memory (streamed layers), and builds the kernels of ``native/cuda`` with pycuda.
-
-``prefill(tokens, state)`` runs the whole prompt in one pass when its activations fit (else in passes of
-a multiple of 64 tokens), layer by layer on a compute stream, with the math of ``docs/spec/qwen35.md``
-section 3 and the same numerics as :class:`engine.arch.qwen35.model.Qwen35Model` (float32 activations and
-state, float32 accumulation, the reference's float64 spots). Routed experts of streamed layers reach the
-GPU on a second stream: either whole layers, two buffers deep, so the copy of the next streamed layer
-overlaps the compute of the current one, or, for short prompts whose router picks few experts
-(:func:`~engine.arch.qwen35.cuda_plan.use_selective`), only the experts each layer's router selected.
-Each MoE layer sorts its token-expert pairs by expert on the host (one small download per layer) and
-runs the expert GEMMs grouped over experts. The state (conv, delta-rule, KV rows) is copied back into
-the given :class:`~engine.turn.state.SequenceState`, so CPU decode continues from it.
-
-Every failure of the device (no GPU or pycuda, driver or compile error, out of GPU or pinned memory)
-raises :class:`~engine.errors.DeviceError`, on which callers fall back to CPU prefill.
+:class:`CudaPrefill` plans placement once per model and uploads weights in their stored type;
+``prefill(tokens, state)`` runs layer by layer with the reference's numerics and copies the state back.
+Device failures raise :class:`~engine.errors.DeviceError` (callers fall back to CPU prefill).
+Design: docs/design/gpu-prefill.md.
 """
 
 from __future__ import annotations

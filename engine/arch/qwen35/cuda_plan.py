@@ -3,7 +3,7 @@ MoE routing tables and the telemetry records.
 
 Kept apart from :mod:`engine.arch.qwen35.cuda` so it can be tested on any machine. Sizes are bytes.
 
-Placement rule (issue 4): attention and delta-net weights, norms, routers, shared experts, the LM
+Placement rule: attention and delta-net weights, norms, routers, shared experts, the LM
 head and the delta-net state always live on the GPU; activations and the KV cache for a prompt of
 ``plan_tokens`` positions are reserved; routed experts fill what is left of the budget, whole layers
 at a time starting from layer 0 (resident layers run while the first streamed layer is still on its

@@ -1,60 +1,10 @@
 """The Qwen3.5/3.6 hybrid text model (GGUF arch ``qwen35moe`` and its dense sibling ``qwen35``).
 
-Reads top to bottom like llama.cpp ``src/models/qwen35moe.cpp``: embedding, then per layer
-``attn_norm -> (Gated DeltaNet | gated full attention) -> residual -> post_attention_norm ->
-(MoE | SwiGLU FFN) -> residual``, then ``output_norm`` and the LM head. The math is
-``docs/spec/qwen35.md`` section 3; every op is the numpy reference in
-:mod:`engine.ops.reference`.
-
-GGUF storage conventions, handled here and only here (the converter already applied them, so
-the model uses each tensor *as stored* and never redoes them):
-
-1. Zero-centred RMSNorm weights (``attn_norm``, ``post_attention_norm``, ``output_norm``,
-   ``attn_q_norm``, ``attn_k_norm``) are stored as ``1 + w``: used as plain RMSNorm weights.
-   ``ssm_norm`` is stored unshifted and is also used as stored.
-2. ``ssm_a`` is stored as ``-exp(A_log)``: the decay is ``g = ssm_a * softplus(alpha + ssm_dt.bias)``.
-3. GDN v-heads are stored *tiled*: v-head ``h`` uses q/k head ``h mod n_k`` (the reference ops do
-   the tiling; transformers' raw weights would need ``h // r`` instead).
-4. ``attn_q`` rows are per-head interleaved ``[q_0 | gate_0 | q_1 | gate_1 | ...]``, head_dim each.
-5. ``output.weight`` absent => the LM head is tied to ``token_embd.weight``.
-6. ``ssm_conv1d.weight`` is squeezed to ``(conv_dim, K)``, column 0 the oldest tap.
-
-Weights are fetched by GGUF tensor name from any object offering ``.f32(name)`` (math shape,
-float32), ``.has(name)``, ``.expert(name, e)`` and ``.row(name, i)`` (a ``GGUFFile`` does).
-
-Split invariance (issue 13). The same prompt gives bit-identical logits and state whatever pieces
-it is read in: one pass, the prefix cache's checkpoint pieces, a resume from any snapshot, any piece
-size, one token at a time (decode is a one-token piece). So a prompt resumed from a snapshot computes
-exactly what a cold prefill computes, and the cache never changes an answer. The mechanism: every
-position is computed by arithmetic that depends only on its own inputs and on the state the
-positions before it left, never on which other positions share its :meth:`Qwen35Model.forward` call.
-
-* Row-wise ops: norms, RoPE, gates, routing and the elementwise functions work on each row alone
-  (:mod:`engine.ops.reference`, row rule); projections are taken row by row
-  (:func:`~engine.ops.reference.linear_rows`: BLAS sums a batch's rows in other orders than a single
-  row's); the native GEMM computes every output element by the same instruction sequence for any
-  number of rows and any thread split (native/cpu/gemm_tiles.h), and the fused one-token MoE runs
-  once per row.
-* Token mixers run position by position: the Gated DeltaNet layers take the recurrent step per token
-  and round the state to float32 after every token, as decode does (the chunked form would round it
-  at chunk ends that move with the piece start, and its intra-chunk products depend on the chunk's
-  other tokens); attention computes each query over exactly the cache rows it sees, by arithmetic
-  that does not depend on the call's other queries (a batched softmax over masked rows sums other
-  rows' zeros in a blocking that changes with the batch).
-* Nothing is carried between pieces except the state itself (float32, restored exactly by the
-  cache), and the KV rows a piece writes are the same rows a one-pass prefill writes.
-
-The cost is the chunked form's parallelism in the delta rule and the batched attention products:
-prefill does the same work as decode in the mixers (they are a small part of a layer's time next to
-the projections, which stay batched on the native kernels). Other ways considered: cutting prefill
-only at canonical positions that depend on the prompt alone would still differ from decode (a
-regenerate or the snapshot after an answer) and from any resume that is not at such a position.
-
-Fast paths subclass this model and override the hooks the forward pass goes through, so this file
-stays the one reference pass: :meth:`Qwen35Model.linear` (every projection),
-:meth:`~Qwen35Model.delta_rule` (the GDN recurrence between its projections),
-:meth:`~Qwen35Model.attend` (attention over the KV cache) and :meth:`~Qwen35Model.moe`
-(see :mod:`engine.arch.qwen35.cpu`).
+Reads top to bottom like llama.cpp ``src/models/qwen35moe.cpp``; the math is ``docs/spec/qwen35.md``
+section 3, every op the numpy reference in :mod:`engine.ops.reference`. Tensors are used as stored
+(GGUF conventions: ``1 + w`` norms, ``ssm_a = -exp(A_log)``, tiled v-heads). Prefill is split-invariant:
+a position's bits do not depend on the piece it is read in. Fast paths override the hooks
+``linear``, ``delta_rule``, ``attend``, ``moe``. Design: docs/design/qwen35-model.md.
 """
 
 from __future__ import annotations

@@ -1,63 +1,10 @@
-"""Per-tensor storage types of the K-quant file presets users download, for Qwen3.5/3.6 (``qwen35``,
-``qwen35moe``) tensor names, so synthetic files carry the same mix: llama-quantize's ``Q4_K_M`` and
-unsloth's ``UD-Q4_K_XL``.
+"""Per-tensor storage types of the K-quant presets users download, for Qwen3.5/3.6 tensor names.
 
-**Q4_K_M.** Source: llama.cpp ``src/llama-quant.cpp`` as vendored in llama-cpp-python 0.3.36
-(``vendor/llama.cpp``, ggml 0.25.3), functions ``llama_tensor_get_type`` / ``llama_tensor_get_type_impl``,
-``tensor_get_category``, ``tensor_allows_quantization``, ``init_quantize_state_counters`` and
-``tensor_type_fallback``, without an importance matrix and without user overrides. Tensors are visited
-in ``llama_model_loader::weights_map`` order (``weight_name_comparer``: by the layer number of
-``blk.N.``, tensors without one first, then by name). With default type Q4_K, tensor by tensor:
-
-* not quantized (kept as stored): tensors of fewer than 2 dimensions, names not ending in ``weight``,
-  ``*_norm.weight``, ``ffn_gate_inp.weight``, ``ssm_conv1d``;
-* ``output.weight``: Q6_K (Q8_0 when ``ne0`` is not a multiple of 256); ``token_embd.weight``:
-  Q4_K, or the output's rule when the file has no ``output.weight`` (tied embeddings);
-* "attention-v-like" tensors (category ``ATTENTION_V``, ``ATTENTION_QKV`` or ``ATTENTION_KV_B``:
-  names containing ``attn_v.weight``, ``attn_qkv.weight`` or ``attn_kv_b.weight``; in Qwen3.5 one per
-  layer: ``attn_qkv`` of a delta-net layer, ``attn_v`` of a full-attention layer): the i-th of them in
-  visiting order, of ``n_attention_wv`` in the file, is Q6_K when ``use_more_bits(i, n_attention_wv)``,
-  else Q4_K; Q8_0 whatever i when ``n_expert == 8``. The counter is over these tensors, not the layer
-  number: it equals the layer only when every layer has exactly one (true of Qwen3.5 files, not of a
-  file whose ``block_count`` counts MTP blocks it does not store). The ``ATTENTION_QKV`` branch that
-  would give Q5_K is never reached for Q4_K_M: the attention-v-like branch comes first;
-* ``attn_k.weight``: Q8_0 when ``n_expert == 8``, else Q4_K;
-* names containing ``ffn_down`` (``ffn_down``, ``ffn_down_exps``, ``ffn_down_shexp``) of layer l
-  (parsed from ``blk.l.`` when ``n_expert > 1``; in a dense model the index among the ffn_down tensors
-  in visiting order, which is the layer) in a model of ``block_count``
-  layers (``n_layer_all``, MTP blocks included): Q6_K when ``use_more_bits(l, block_count)``, else Q4_K;
-* ``attn_output.weight``: Q5_K when ``n_expert == 8``, else Q4_K;
-* everything else quantized (``attn_q``, ``attn_gate``, ``ssm_alpha``, ``ssm_beta``, ``ssm_out``,
-  ``ffn_gate*``, ``ffn_up*``): Q4_K;
-* then the shape fallback: ``ne0`` not a multiple of 256 turns Q4_K into Q5_0, Q5_K into Q5_1,
-  Q6_K into Q8_0, and F16 if ``ne0`` is not a multiple of 32 either.
-
-``use_more_bits(i, n) = i < n/8 or i >= 7n/8 or (i - n/8) % 3 == 2`` (integer division; C's remainder
-equals Python's here, since ``i >= n/8`` when it is reached). For Qwen3.5-35B-A3B (40 layers, 256
-experts) that is layers 0-4, 7, 10, ..., 34 and 35-39: 20 of 40.
-
-Checked against the quantizer itself: ``tests/fixtures/quant_mix/make_fixture.py`` runs that llama.cpp's
-``llama-quantize ... Q4_K_M`` on F16 synth files (40 layers at the 35B-A3B's widths; 8 experts; 128-wide expert
-rows; the dense MiniCPM-V 4.6 text model) and records every tensor's type, and
-``tests/test_synth.py::test_q4_k_m_mix_equals_llama_quantize_output`` finds :func:`mix_types` equal to it on
-every tensor. Not covered there: a file whose ``block_count`` counts an MTP block it does not store.
-
-**UD-Q4_K_XL.** Unsloth chooses these per model with an importance matrix and KL-divergence runs and
-publishes files, not a rule; no per-tensor type list of their Qwen3.5/3.6 MoE files was found in a
-public, citable form. The mix here is defined from what is documented, and otherwise is Q4_K_M:
-
-* routed experts: ``ffn_gate_exps`` and ``ffn_up_exps`` Q4_K, ``ffn_down_exps`` Q5_K (gittensor-ai-lab/
-  sparkinfer pull request 224, on unsloth's Qwen3.6-35B-A3B UD files: "ffn_down_exps is Q5_K while
-  gate/up stay Q4_K"; unsloth's Qwen3.5-35B-A3B announcement, r/LocalLLaMA 2026-02-27: "ffn_down_exps is
-  slightly more sensitive", MXFP4 retired from Q4_K_XL);
-* attention and delta-net projections (``attn_q``, ``attn_k``, ``attn_v``, ``attn_output``, ``attn_qkv``,
-  ``attn_gate``, ``ssm_alpha``, ``ssm_beta``, ``ssm_out``): Q8_0 (the same announcement: "Quantizing any
-  attn_* is especially sensitive for hybrid architectures, and so leaving them in higher precision",
-  "ssm_out dramatically increases KLD and the disk space savings is minuscule");
-* everything else (shared experts, ``token_embd``, ``output``, unquantized tensors): the Q4_K_M rule,
-  then the same shape fallback.
-
-Both presets write ``general.file_type`` = ``MOSTLY_Q4_K_M`` (15), the preset the UD files start from.
+``Q4_K_M`` follows llama.cpp's ``llama_tensor_get_type`` (no imatrix, no overrides), checked tensor by
+tensor against ``llama-quantize`` output (tests/test_synth.py); ``UD-Q4_K_XL`` is Q4_K_M with Q5_K
+``ffn_down_exps`` and Q8_0 attention and delta-net projections, from unsloth's published notes.
+Both write ``general.file_type`` = ``MOSTLY_Q4_K_M``.
+Design: docs/design/quant-formats.md (the rules and their sources).
 """
 
 from __future__ import annotations

@@ -1,22 +1,10 @@
 """Random-weight GGUF files with the exact layout of Qwen3.5/3.6 models, for tests and benchmarks.
 
-Two entry points:
-
-* :func:`write_gguf` writes given float32 tensors (math shape, GGUF names) with the metadata of a
-  :class:`~engine.arch.qwen35.hparams.Qwen35HParams`, quantizing them like llama-quantize would.
-* :func:`synth` writes a whole random model from a preset (:data:`PRESETS`). Quantized Q4_0 / Q8_0
-  weights are drawn directly as blocks (random quants, f16 scales with random sign) rather than by
-  quantizing floats, and tensors are generated and written one at a time, so a full-size
-  ``35b-a3b`` (~20 GB in Q4_0) streams to disk in minutes holding one tensor at a time in RAM
-  (the largest, ``token_embd`` / ``output``, is 286 MB; peak ~0.5 GB with its scale arrays).
-
-Weight scales keep activations O(1) through many layers: projections have std 1/sqrt(fan_in),
-the projections that write into the residual stream (``ssm_out``, ``attn_output``, ``ffn_down*``)
-1/sqrt(2 * n_layer * fan_in) (GPT-2 style), embeddings std 1; stored norms are drawn around 1
-(GGUF stores ``1 + w``; ``ssm_norm`` is unshifted but also ~1); ``ssm_a = -exp(A_log)`` is negative
-with ``A_log`` ~ U(log 0.5, log 4); ``ssm_dt.bias`` ~ N(0, 0.1). Storage types follow llama-quantize
-(docs/spec/qwen35.md section 2): 1-D tensors, ``*_norm``, ``ffn_gate_inp``, ``ffn_gate_inp_shexp``, ``ssm_conv1d``,
-``ssm_a`` and ``ssm_dt.bias`` stay F32, everything else takes the file's type.
+:func:`write_gguf` writes given float32 tensors with a :class:`~engine.arch.qwen35.hparams.Qwen35HParams`'
+metadata, quantized like llama-quantize; :func:`synth` writes a whole random model from :data:`PRESETS`,
+one tensor at a time (a full-size file streams to disk holding one tensor in RAM). Weight scales keep
+activations O(1) (residual writers GPT-2 style); storage types follow llama-quantize.
+Design: docs/design/gguf-files.md (the scales and types).
 """
 
 from __future__ import annotations

@@ -1,24 +1,8 @@
-"""Random low-bit blocks for synthetic files (:mod:`engine.arch.qwen35.synth`): Q2_K, Q3_K and IQ1/IQ2/IQ3
-super-blocks, the IQ4_NL blocks llama-quantize falls back to, and MXFP4 blocks, drawn directly as valid blocks
-(gguf-py cannot quantize to most of these types, and its MXFP4 quantizer holds 16 floats per value; every grid
-index, sign pattern and scale field of random bytes is valid).
+"""Random low-bit blocks for synthetic files: Q2_K, Q3_K, IQ1/IQ2/IQ3, IQ4_NL and MXFP4.
 
-Every byte is drawn uniformly (so every code is uniform over its levels), then the scales are rewritten
-so the dequantized values have mean ~0 and standard deviation ~``std`` (layouts: native/cpu/lowbit.h,
-ggml-common.h; values as ggml-quants.c ``dequantize_row_*``):
-
-* Q2_K: x = d sc q - dmin m with q uniform in 0..3; sc = 8 + (byte & 7), m = sc, dmin = 1.5 d, so
-  x = d sc (q - 1.5); rms(sc) = sqrt(135.5), rms(q - 1.5) = sqrt(1.25);
-* Q3_K: x = d (s - 32) (u - 4) with u uniform in 0..7 and the 6-bit s uniform in 0..63: mean
-  -d (s - 32) / 2 per 16 values (small against the std), rms(s - 32) = sqrt(341.5), rms(u - 4) = sqrt(5.5);
-* IQ4_NL: x = d kvalues_iq4nl[nibble], rms of the 16 code values;
-* MXFP4: x = 2^(e - 128) kvalues_mxfp4[nibble]: e = 128 + round(log2(std / rms of the 16 codes)) + (0 or -1 from
-  a random bit), so the std is within a factor sqrt(2) of ``std``;
-* the IQ types: x = d_eff sc (u - off) (engine.kernels.iq_twins), rms measured on 1024 random super-blocks of
-  d = 1 (a fixed seed) decoded by the twin; their mean is ~0 by the codebooks' symmetric signs (IQ1: of the
-  grid's values).
-
-``|d|`` = std / (the rms above) * (0.8 + 0.4 r / 65535) from d's own random 16 bits r, sign from bit 0 of r.
+Drawn directly as valid blocks (gguf-py cannot quantize to most of these): every byte uniform, then the
+scales rewritten so dequantized values have mean ~0 and standard deviation ~``std``.
+Design: docs/design/quant-formats.md (the scale of each type).
 """
 
 from __future__ import annotations

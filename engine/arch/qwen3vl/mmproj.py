@@ -1,31 +1,9 @@
 """Qwen3.5/3.6 vision projector files ("mmproj" GGUF): validated loading and random-weight writing.
 
-The layout is the one llama.cpp's converter (``conversion/qwen3vl.py``, ``Qwen3VLVisionModel`` on top of
-``MmprojModel``) writes for ``Qwen3_5ForConditionalGeneration`` / ``Qwen3_5MoeForConditionalGeneration``;
-the facts are in ``docs/spec/qwen3vl.md`` sections 3 (keys) and 4 (tensors). Shapes below are math shapes
-(numpy order = PyTorch order = reversed GGUF ``ne``); ``D`` = ``n_embd``, ``F`` = ``n_ff``, ``P`` = patch
-size, ``G`` = position-grid side, ``M`` = merge, ``O`` = ``out_dim``:
-
-=============================================  ===============  =====================================
-tensor                                         shape            HF source (``model.visual.``)
-=============================================  ===============  =====================================
-``v.patch_embd.weight`` / ``.weight.1``        (D, 3, P, P)     ``patch_embed.proj.weight[:, :, t]``
-``v.patch_embd.bias``                          (D,)             ``patch_embed.proj.bias``
-``v.position_embd.weight``                     (G*G, D)         ``pos_embed.weight``
-``v.blk.N.ln1`` / ``ln2`` ``.{weight,bias}``   (D,)             ``blocks.N.norm1`` / ``norm2``
-``v.blk.N.attn_qkv.{weight,bias}``             (3D, D)          ``blocks.N.attn.qkv``
-``v.blk.N.attn_out.{weight,bias}``             (D, D)           ``blocks.N.attn.proj``
-``v.blk.N.ffn_up.{weight,bias}``               (F, D)           ``blocks.N.mlp.linear_fc1``
-``v.blk.N.ffn_down.{weight,bias}``             (D, F)           ``blocks.N.mlp.linear_fc2``
-``v.post_ln.{weight,bias}``                    (D,)             ``merger.norm``
-``mm.0.{weight,bias}``                         (M*M*D, M*M*D)   ``merger.linear_fc1``
-``mm.2.{weight,bias}``                         (O, M*M*D)       ``merger.linear_fc2``
-=============================================  ===============  =====================================
-
-Storage types follow the converter: 1-D tensors F32; the patch kernel (and here also the position
-table) F16 for an F16 file and F32 otherwise; other 2-D weights in the file type, falling back to F16
-when a row is not a whole number of Q8_0 blocks (``ffn_down`` at F = 4304). The reader accepts any
-type :mod:`engine.gguf.quant` can dequantize.
+The layout is llama.cpp's converter (``conversion/qwen3vl.py``); keys and tensors are in
+``docs/spec/qwen3vl.md`` sections 3 and 4; shapes are math shapes (reversed GGUF ``ne``). The reader
+accepts any type :mod:`engine.gguf.quant` can dequantize.
+Design: docs/design/vision-towers.md (tensor table, storage types).
 """
 
 from __future__ import annotations

@@ -1,20 +1,9 @@
-"""The Qwen3.5/3.6 vision tower and merger in numpy, and image-token counts. One image's patch rows in,
-``(n_tokens, out_dim)`` LLM-width embeddings out.
+"""The Qwen3.5/3.6 vision tower and merger in numpy, and image-token counts.
 
-Forward (``docs/spec/qwen3vl.md`` section 5; transformers ``Qwen3_5VisionModel``), S patches
-of one image in merge-window order, D = ``n_embd``::
-
-    h   = patches @ [W_t0 | W_t1]^T + b                       patch_embd   (S, D)
-    h  += bilinear_align_corners(pos_table)[rows, cols]       inp_embd     (S, D)
-    for each block:                                           (stage names carry the block index)
-        q, k, v = split(LN1(h) @ Wqkv^T + bqkv); rope_2d(q, k)
-        h += attention(q, k, v) @ Wo^T + bo                   attn_out
-        h += fc2(gelu_tanh(fc1(LN2(h))))                      layer_out
-    z   = LN_post(h).reshape(S/4, 4D)                         post_ln      (S/4, 4D)
-    out = mm.2(gelu_erf(mm.0(z)))                             merger_out   (S/4, out_dim)
-
-Output rows are the merged grid ``(gh/2) x (gw/2)`` in raster order, the order of the image-pad
-tokens in the prompt. Each image attends only to itself.
+One image's patch rows (merge-window order) in, ``(n_tokens, out_dim)`` LLM-width embeddings out,
+rows in raster order of the merged ``(gh/2) x (gw/2)`` grid (``docs/spec/qwen3vl.md`` section 5;
+transformers ``Qwen3_5VisionModel``). Each image attends only to itself.
+Design: docs/design/vision-towers.md (the forward pass with its stage names).
 """
 
 from __future__ import annotations
