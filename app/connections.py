@@ -10,14 +10,14 @@ or the :data:`KEY_VARIABLE` environment variable, which is used when no key is s
 from __future__ import annotations
 
 import os
-import threading
 from typing import Any
 
-from PySide6.QtCore import QObject, Signal, Slot
+from PySide6.QtCore import Signal, Slot
 from PySide6.QtWidgets import (QCheckBox, QComboBox, QFormLayout, QGroupBox, QHBoxLayout, QLabel, QLineEdit,
                                QPushButton, QSpinBox, QVBoxLayout, QWidget)
 
 from .settings import Settings
+from .thread_bridge import ThreadBridge
 
 KEYRING_SERVICE = "DeltaDesk remote engine"
 KEY_VARIABLE = "DELTADESK_REMOTE_API_KEY"
@@ -82,7 +82,7 @@ class KeyStore:
             self._session[url] = key
 
 
-class _Lister(QObject):
+class _Lister(ThreadBridge):
     """Lists a server's models on a thread of its own; the answer comes back as a signal."""
 
     listed = Signal(object, str)   # model ids, "" / [] and why not
@@ -96,7 +96,7 @@ class _Lister(QObject):
                 names, error = [], str(exc)
             self.listed.emit(names, error)
 
-        threading.Thread(target=run, name="list-models", daemon=True).start()
+        self.start(run, "list-models")
 
 
 class ConnectionsTab(QWidget):
@@ -150,7 +150,7 @@ class ConnectionsTab(QWidget):
         form.addRow(self.status)
         column.addWidget(remote)
         column.addStretch(1)
-        self._lister = _Lister()
+        self._lister = _Lister(self)
         self._lister.listed.connect(self._listed)
 
     def list_models(self) -> None:

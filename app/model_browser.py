@@ -5,7 +5,8 @@ Fit marks come from :mod:`engine.hub`: from a catalogue file's size and its mode
 repository is listed live (a typed ``owner/name``, or "Check fit"), then from each file's header, read with
 ranged requests before anything is downloaded. Hub calls, and the first measurement of this machine's
 memory bandwidth (about two seconds), run on threads of their own; their results come back as Qt signals
-of :class:`_Bridge`, so nothing network- or measurement-bound runs on the GUI thread.
+of :class:`_Bridge`, so nothing network- or measurement-bound runs on the GUI thread. Those threads hold
+the bridge and plain data, never the dialog (:mod:`app.thread_bridge`).
 """
 
 from __future__ import annotations
@@ -16,12 +17,14 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from PySide6.QtCore import QObject, Signal
+from PySide6.QtCore import Signal
 from PySide6.QtWidgets import (QAbstractItemView, QDialog, QHBoxLayout, QHeaderView, QLabel, QLineEdit,
                                QMessageBox, QProgressBar, QPushButton, QTableWidget, QTableWidgetItem, QVBoxLayout)
 
 from engine import hub
 from engine.errors import EngineError
+
+from .thread_bridge import ThreadBridge
 
 GIB = 1 << 30
 COLUMNS = ("Model / file", "Quant", "Size", "Fit", "RAM needed", "Decode (estimate)", "Publisher")
@@ -41,8 +44,8 @@ class Row:
     error: str = ""
 
 
-class _Bridge(QObject):
-    """Signals the hub thread emits; they arrive queued on the GUI thread."""
+class _Bridge(ThreadBridge):
+    """Signals the hub threads emit; they arrive queued on the GUI thread."""
 
     listed = Signal(str, object, object, object)      # repo, RepoListing, {name: Fit}, {name: error}
     progress = Signal(object)                          # hub.Progress
@@ -50,6 +53,25 @@ class _Bridge(QObject):
     failed = Signal(str, bool)                         # message, whether it was the download that failed
     measured = Signal(object)                          # hub.Machine
     deleted = Signal(str, int)                         # model name, paths removed
+
+
+class _MachineCell:
+    """This machine as the hub threads see it: ``get`` waits (at most ``timeout`` seconds) for the measurement
+    and returns it, or None when it failed or has not ended."""
+
+    def __init__(self, machine: hub.Machine | None) -> None:
+        self._machine = machine
+        self._ready = threading.Event()
+        if machine is not None:
+            self._ready.set()
+
+    def set(self, machine: hub.Machine | None) -> None:
+        self._machine = machine
+        self._ready.set()
+
+    def get(self, timeout: float) -> hub.Machine | None:
+        self._ready.wait(timeout)
+        return self._machine
 
 
 def _size_fit(model: hub.CatalogueModel | None, f: hub.HubFile, context: int, machine: hub.Machine) -> hub.Fit | None:
@@ -83,13 +105,13 @@ class ModelBrowser(QDialog):
         self.setWindowTitle("Models")
         self.resize(980, 620)
         self.machine = machine
-        self._have_machine = threading.Event()
+        self._machine_cell = _MachineCell(machine)
         self.context = context
         self.snapshot_dir = snapshot_dir
         self.store = store or hub.ModelStore()
         self.rows: list[Row] = []
         self.cancel: threading.Event | None = None
-        self.bridge = _Bridge()
+        self.bridge = _Bridge(self)
         self.bridge.listed.connect(self._listed)
         self.bridge.progress.connect(self._progress)
         self.bridge.done.connect(self._downloaded)
@@ -101,8 +123,6 @@ class ModelBrowser(QDialog):
         self.refresh_downloaded()
         if machine is None:
             self._measure()
-        else:
-            self._have_machine.set()
 
     # ---- layout ------------------------------------------------------------------------------------
     def _build(self) -> None:
@@ -171,19 +191,21 @@ class ModelBrowser(QDialog):
 
     def _measure(self) -> None:
         """Measure this machine on a thread (the bandwidth is cached after the first time)."""
+        cell, bridge = self._machine_cell, self.bridge
+
         def body() -> None:
             try:
                 machine = hub.this_machine()
             except Exception:  # noqa: BLE001 - no measurement: fits from RAM alone would mislead, so none
                 machine = None
-            self.machine = machine
-            self._have_machine.set()
+            cell.set(machine)
             if machine is not None:
-                self.bridge.measured.emit(machine)
-        threading.Thread(target=body, name="hub-measure", daemon=True).start()
+                bridge.measured.emit(machine)
+        bridge.start(body, "hub-measure")
 
     def _measured(self, machine: hub.Machine) -> None:
         """The machine is known: fill the size fits of the rows not yet read from a header."""
+        self.machine = machine
         self._machine_text()
         for r in self.rows:
             if r.basis == "size":
@@ -283,24 +305,27 @@ class ModelBrowser(QDialog):
 
     # ---- hub calls (on a thread) -------------------------------------------------------------------
     def _run(self, what: str, fn, download: bool = False) -> None:
+        """Call ``fn`` on a hub thread (it reaches the dialog only through the bridge); its failure is emitted
+        as ``failed``."""
+        bridge = self.bridge
+
         def body() -> None:
             try:
                 fn()
             except EngineError as exc:
-                self.bridge.failed.emit(str(exc), download)
+                bridge.failed.emit(str(exc), download)
             except Exception as exc:  # noqa: BLE001 - a failed hub call is reported, never a crash
-                self.bridge.failed.emit(f"{what}: {type(exc).__name__}: {exc}", download)
-        threading.Thread(target=body, name=f"hub-{what}", daemon=True).start()
+                bridge.failed.emit(f"{what}: {type(exc).__name__}: {exc}", download)
+        bridge.start(body, f"hub-{what}")
 
     def list_repo(self, repo: str) -> None:
         """List ``repo`` live and read each model file's header for its fit (on the hub thread)."""
         self.status.emit(f"Listing {repo} and reading the headers of its GGUF files\u2026")
-        context, ready = self.context, self._have_machine
+        context, cell, bridge = self.context, self._machine_cell, self.bridge
 
         def work() -> None:
             listing = hub.list_repo(repo)
-            ready.wait(120)
-            machine = self.machine
+            machine = cell.get(120)
             if machine is None:
                 raise EngineError("this machine's memory bandwidth could not be measured, so no fit is shown")
             mmproj = hub.pick_mmproj(listing)
@@ -310,7 +335,7 @@ class ModelBrowser(QDialog):
                     fits[f.name] = hub.fit_remote(listing, f, mmproj, context, machine)
                 except EngineError as exc:
                     errors[f.name] = str(exc)
-            self.bridge.listed.emit(repo, listing, fits, errors)
+            bridge.listed.emit(repo, listing, fits, errors)
         self._run(f"listing {repo}", work)
 
     def _listed(self, repo: str, listing: hub.RepoListing, fits: dict, errors: dict) -> None:
@@ -340,7 +365,7 @@ class ModelBrowser(QDialog):
         if row is None or row.error or self.cancel is not None:
             return
         self.cancel = cancel = threading.Event()
-        repo, name = row.file.repo, row.file.name
+        repo, name, store, bridge = row.file.repo, row.file.name, self.store, self.bridge
         self.progress.setValue(0)
         self.status.emit(f"Downloading {name}\u2026")
         self._update_buttons()
@@ -348,9 +373,8 @@ class ModelBrowser(QDialog):
         def work() -> None:
             listing = hub.list_repo(repo)
             f = hub.pick_file(listing, file=name)
-            entry = hub.download_model(listing, f, hub.pick_mmproj(listing), self.store, self.bridge.progress.emit,
-                                       cancel)
-            self.bridge.done.emit(entry)
+            entry = hub.download_model(listing, f, hub.pick_mmproj(listing), store, bridge.progress.emit, cancel)
+            bridge.done.emit(entry)
         self._run(f"downloading {name}", work, download=True)
 
     def cancel_download(self) -> None:
@@ -417,11 +441,11 @@ class ModelBrowser(QDialog):
                                       "its prefix snapshots from this disk?")
         if answer != QMessageBox.Yes:
             return
-        store, snapshots = self.store, self.snapshot_dir
+        store, snapshots, bridge = self.store, self.snapshot_dir, self.bridge
 
         def work() -> None:          # opening the file for its snapshot folder reads its ~11 MB header
             removed = hub.delete_model(entry, store, snapshots)
-            self.bridge.deleted.emit(entry.name, len(removed))
+            bridge.deleted.emit(entry.name, len(removed))
         self.status.emit(f"Deleting {entry.name}\u2026")
         self._run(f"deleting {entry.name}", work)
 

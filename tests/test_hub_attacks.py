@@ -80,9 +80,11 @@ def _wait(cond, limit=10.0):
         time.sleep(0.02)
 
 
-def test_cancel_ends_a_stalled_transfer_within_a_second(hub):
+def test_cancel_ends_a_stalled_transfer(hub, monkeypatch):
     """The server sends 1 MiB and then nothing: the bytes show as progress at once (not after a 10 MiB
-    buffer fills) and Cancel ends the blocked read in well under a second; the next pull resumes."""
+    buffer fills) and Cancel ends the blocked read (it takes tens of ms; the bound allows a loaded machine,
+    and the read timeout is made longer than the test, so only Cancel can end it); the next pull resumes."""
+    monkeypatch.setattr("huggingface_hub.constants.HF_HUB_DOWNLOAD_TIMEOUT", 600)
     hub.stall_after = 1 << 20
     listing = list_repo(REPO)
     f = pick_file(listing, quant="Q8_0")
@@ -90,13 +92,13 @@ def test_cancel_ends_a_stalled_transfer_within_a_second(hub):
     part = ModelStore().partial(REPO, f.name, f.sha256)
     t, out = _start(listing, f, cancel, seen)
     _wait(lambda: part.exists() and part.stat().st_size == 1 << 20 and seen)
-    time.sleep(0.3)
+    time.sleep(0.3)                                 # the read is blocked on the silent server by now, as a rule
     t0 = time.monotonic()
     cancel.set()
-    t.join(5)
+    t.join(30)
     took = time.monotonic() - t0
     hub.release.set()
-    assert isinstance(out[0], DownloadCancelled) and took < 1.0, (out, took)
+    assert not t.is_alive() and isinstance(out[0], DownloadCancelled) and took < 10, (out, took)
     assert part.stat().st_size == 1 << 20
     entry = download_model(listing, f, None)
     assert ModelStore().files(entry)[0].stat().st_size == f.size
@@ -122,7 +124,7 @@ def test_two_downloads_of_one_file_never_share_the_staging_file(hub, synth_files
     with pytest.raises(HubError, match="already being downloaded"):
         download_model(listing, f, None)
     cancel.set()
-    t.join(5)
+    t.join(30)
     assert isinstance(out[0], DownloadCancelled)
     hub.release.set()
     entry = download_model(listing, f, None)

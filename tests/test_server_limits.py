@@ -141,6 +141,17 @@ class _Gated:
                           ttft_ms=0.0, prefill_tok_s=0.0, decode_tok_s=0.0, text="")
 
 
+def _until_waiting(server, n: int) -> None:
+    """Return once ``n`` requests wait for the engine (the server's ``deltadesk_queue_length``)."""
+    deadline = time.monotonic() + 30
+    while True:
+        text = httpx.get(server.url.removesuffix("/v1") + "/metrics", timeout=60).text
+        if f"\ndeltadesk_queue_length {float(n)}\n" in text:
+            return
+        assert time.monotonic() < deadline, f"{n} requests never waited for the engine:\n{text}"
+        time.sleep(0.02)
+
+
 def _in_background(fn) -> tuple[threading.Thread, list]:
     out: list = []
     t = threading.Thread(target=lambda: out.append(fn()), daemon=True)
@@ -158,7 +169,7 @@ def test_beyond_the_waiting_queue_requests_get_429_with_retry_after() -> None:
         while engine.started < 1 and time.monotonic() < deadline:
             time.sleep(0.02)
         waiting = [_in_background(lambda: _post(server, body)) for _ in range(2)]
-        time.sleep(0.5)                            # both are queued behind the running turn
+        _until_waiting(server, 2)                  # both are queued behind the running turn
         r = _post(server, body)
         assert r.status_code == 429 and r.headers["Retry-After"].isdigit(), r.text
         assert r.json()["error"]["code"] == "rate_limit_exceeded"
@@ -276,7 +287,7 @@ def test_the_messages_route_counts_against_the_same_queue() -> None:
         while engine.started < 1 and time.monotonic() < deadline:
             time.sleep(0.02)
         waiting = _in_background(lambda: _post(server, body))
-        time.sleep(0.5)
+        _until_waiting(server, 1)
         r = httpx.post(server.url + "/messages", timeout=60, json={
             "model": "m", "max_tokens": 2, "messages": [{"role": "user", "content": "hi"}]})
         assert r.status_code == 429 and r.headers["Retry-After"].isdigit(), r.text

@@ -23,9 +23,9 @@ def test_jobs_run_in_order_off_the_ui_thread_and_answer_on_it(qtbot, history):
         got.append(result)
 
     first = history.call(create, "a", then=answered)
-    history.call(HistoryStore.rename_conversation, first.result(5), "renamed")
+    history.call(HistoryStore.rename_conversation, first.result(30), "renamed")
     titles = history.call(HistoryStore.conversations, "", then=answered)
-    assert [c.title for c in titles.result(5)] == ["renamed"]
+    assert [c.title for c in titles.result(30)] == ["renamed"]
     qtbot.waitUntil(lambda: len(got) == 2)
     assert ran_on[0] is not threading.main_thread()
     assert answered_on == [threading.main_thread()] * 2
@@ -44,7 +44,7 @@ def test_a_failing_job_is_reported_and_the_thread_goes_on(qtbot, history):
 def test_stop_runs_the_jobs_already_posted(tmp_path):
     thread = HistoryThread(tmp_path / "h.db")
     thread.start()
-    c = thread.call(HistoryStore.create_conversation, "kept").result(5)
+    c = thread.call(HistoryStore.create_conversation, "kept").result(30)
     for i in range(50):
         thread.call(HistoryStore.add_message, c, None, "user", f"m{i}")
     thread.stop()

@@ -9,6 +9,7 @@ import threading
 from pathlib import Path
 
 import pytest
+from PySide6.QtCore import Qt
 from PySide6.QtWidgets import QMessageBox
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
@@ -131,6 +132,31 @@ def test_download_progress_cancel_resume_open_and_delete(qtbot, fake, monkeypatc
     with qtbot.waitSignal(again.bridge.deleted):
         again.delete_button.click()
     assert again.downloaded.rowCount() == 0 and not Path(path).exists() and not Path(mmproj).exists()
+
+
+def test_a_browser_let_go_during_a_hub_call_is_deleted_on_the_gui_thread(qtbot, fake, monkeypatch):
+    """The hub thread holds the bridge, not the dialog: when the last reference to the dialog goes while a
+    listing runs, the dialog and (once the listing has ended) its bridge are deleted on the GUI thread,
+    never by the hub thread as it ends (a widget deleted off the GUI thread crashes the app)."""
+    started, gate, real_list = threading.Event(), threading.Event(), hub.list_repo
+
+    def slow_list(repo):
+        started.set()
+        gate.wait(30)
+        return real_list(repo)
+
+    monkeypatch.setattr(hub, "list_repo", slow_list)
+    deleted = []
+    b = _browser(qtbot)
+    for obj, what in ((b, "dialog"), (b.bridge, "bridge")):
+        obj.destroyed.connect(lambda *_, what=what: deleted.append((what, threading.current_thread().name)),
+                              Qt.DirectConnection)
+    b.list_repo(REPO)
+    assert started.wait(30)
+    del b
+    gate.set()
+    qtbot.waitUntil(lambda: len(deleted) == 2)
+    assert deleted == [("dialog", threading.main_thread().name), ("bridge", threading.main_thread().name)]
 
 
 def test_window_menu_and_first_run_button_open_the_browser(qtbot, make_window, fake, monkeypatch):

@@ -122,6 +122,17 @@ def _run(qtbot, wt, request, on_tokens=None):
     return got, blocker.args[0]
 
 
+def test_waits_for_worker_signals_leave_the_gui_threads_qt_objects_alone(qtbot, qtlog, worker_thread):
+    """The worker's signals reach a plain callable (a test's wait) on the worker's thread: the wait must not
+    stop the GUI thread's timer or quit its event loop from there (pytest-qt's own blocker did; Qt refuses
+    the stop and forgets the timer, so a quit lost just before the loop started was never made up for)."""
+    wt = worker_thread(loader_for(FakeEngine()))
+    for _ in range(3):
+        _load(qtbot, wt, wt.worker.loaded)
+    _run(qtbot, wt, ChatRequest([{"role": "user", "content": "hi"}]))
+    assert [r.message for r in qtlog.records if "thread" in r.message] == []
+
+
 def test_tokens_arrive_in_batches(qtbot, worker_thread):
     engine = FakeEngine(tokens=[f"t{i} " for i in range(200)], token_ms=2.0)
     wt = worker_thread(loader_for(engine))
