@@ -20,8 +20,8 @@ Block layouts are ggml's (ggml/src/ggml-common.h), i.e. the raw bytes of a GGUF 
   as the K-quants (twin: :func:`engine.kernels.cpu_twins.bquant_product_np`).
 * ``block_q2_K`` / ``block_q3_K`` (84 / 110 bytes per 256 values; layouts in native/cpu/lowbit.h) and the
   IQ1/IQ2/IQ3 super-blocks (native/cpu/iquants.h; their codebooks come from gguf-py and are registered
-  with the kernels at import): read as stored by :data:`~engine.kernels.lowbit_twins.LOW_BIT` kernels, with the same exactness and fixed
-  f64 order (twin: :func:`engine.kernels.lowbit_twins.lowbit_product_np`).
+  with the kernels at import): read as stored by :data:`~engine.kernels.lowbit_twins.LOW_BIT` kernels, with the same
+  exactness and fixed f64 order (twin: :func:`engine.kernels.lowbit_twins.lowbit_product_np`).
 
 A weight matrix is its tensor's raw data as ``(rows, k // 32 * block_bytes)`` uint8 (what
 ``GGUFFile.raw`` returns), row ``r`` holding the k weights of output ``r``. Products first quantize
@@ -335,6 +335,7 @@ class Matrix:
         return Matrix(self.raw[r0:r1], self.k, self.qtype)
 
     def __call__(self, x: np.ndarray) -> np.ndarray:
+        """x (m, k) float32 times the rows: (m, rows) float32, on the active ISA level."""
         level = _native_level()
         if level is None:
             return _matmul_np(self.raw, x, self.traits, self.qtype.name)

@@ -1,12 +1,12 @@
 """Cross-site request refusals in front of every route of :mod:`engine.openai.app`.
 
-A web page the user opens can send a "simple" request to ``http://127.0.0.1:PORT`` without the browser asking first (a CORS
-preflight), as long as its body is ``text/plain``, a form, or untyped; so a ``POST`` body must be sent
-as ``Content-Type: application/json`` (or another ``application/*+json`` type), which a page can only
-send after a preflight this server never grants, and anything else is refused with 415. A page can
-also point its own domain at 127.0.0.1 (DNS rebinding) and then read the answers as same-origin; such
-a request names that domain in its ``Host`` header, so a server listening on a loopback address
-refuses (403) a ``Host`` that is not a loopback name or address with the port it listens on. For
+A web page the user opens can send a "simple" request to ``http://127.0.0.1:PORT`` without the browser asking first (a
+CORS preflight), as long as its body is ``text/plain``, a form, or untyped; so a ``POST`` body must be sent as
+``Content-Type: application/json`` (or another ``application/*+json`` type), which a page can only send after a
+preflight this server never grants, and anything else is refused with 415. A page can also point its own domain at
+127.0.0.1 (DNS rebinding) and then read the answers as same-origin; such a request names that domain in its ``Host``
+header, so a server listening on a loopback address refuses (403) a ``Host`` that is not a loopback name or address with
+the port it listens on. For
 comparison: Ollama refuses, when bound to loopback, a ``Host`` that is not loopback, private, the
 machine's own name or under ``.localhost``/``.local``/``.internal`` (403, ``allowedHostsMiddleware``
 in its ``server/routes.go``); FastAPI, under vLLM's server, reads a JSON body only with a JSON
@@ -78,6 +78,7 @@ class RequestGuard:
         self.app = app
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        """ASGI entry: an HTTP request the guard refuses is answered here, any other passes on."""
         error = _refusal(scope) if scope["type"] == "http" else None
         if error is None:
             await self.app(scope, receive, send)

@@ -18,7 +18,8 @@ a prompt is cut into pieces (:mod:`engine.arch.qwen35.model`). :func:`linear` (B
 and :func:`gdn_chunked` do not follow it; the vision tower and the GPU's reference use them.
 
 Head layouts are those of the GGUF files (llama.cpp ``convert_hf_to_gguf.py``): in particular the
-Gated DeltaNet v-heads are *tiled*, so v-head ``h`` reads q/k head ``h mod n_k`` (docs/spec/qwen35.md section 2, item 3).
+Gated DeltaNet v-heads are *tiled*, so v-head ``h`` reads q/k head ``h mod n_k`` (docs/spec/qwen35.md section 2, item
+3).
 
 Sources, per op: S. Yang, J. Kautz, A. Hatamizadeh, "Gated Delta Networks: Improving Mamba2 with
 Delta Rule" (2024) for the delta rule and its chunked (WY/UT) form; llama.cpp ``src/models/qwen35moe.cpp``,

@@ -37,7 +37,8 @@ where llama.cpp would silently take layer 0).
 
 Storage types follow the converter (checked on a file it wrote, ``tests/fixtures/minicpmv``): 1-D tensors
 and the position table F32; the patch kernel F16 in an F16 file and F32 otherwise; other matrices in the
-file type, F16 where a row is not a whole number of Q8_0 blocks (``ffn_down`` at F = 4304). The reader accepts any type :mod:`engine.gguf.quant` can dequantize.
+file type, F16 where a row is not a whole number of Q8_0 blocks (``ffn_down`` at F = 4304). The reader accepts any type
+:mod:`engine.gguf.quant` can dequantize.
 """
 
 from __future__ import annotations

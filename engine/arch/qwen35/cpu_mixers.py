@@ -3,14 +3,13 @@ cache, with numpy twins (same signatures, built from :mod:`engine.ops.reference`
 
 Native code: native/cpu/gdn_kernel.h (``dd_gdn_decode``, ``dd_gdn_prefill``: compiled once per ISA
 level; the conv inputs split by head of channels, the delta rule by v-head, each head's state in
-column blocks that stay in L1 through all the tokens of a call) and native/cpu/attn_kernel.h (``dd_attn_decode``, ``dd_attn_prefill``: compiled once per ISA level,
-the cache in blocks of 256 positions at absolute positions, prefill in tiles of 16 to 64 queries; the
-arithmetic is spelled out there). Both give the same bits at every ISA level and thread count, and
-prefill gives every position the bits decode gives it (:func:`gdn_prefill` runs the recurrent step
-token by token; :func:`attention_prefill` computes each query over exactly the rows it sees, with
-block boundaries that do not move with the call), so a position's result does not depend on the
-piece it is read in (:mod:`engine.arch.qwen35.model`). With :func:`engine.kernels.cpu.isa` = "numpy"
-or without the extension the twins run.
+column blocks that stay in L1 through all the tokens of a call) and native/cpu/attn_kernel.h (``dd_attn_decode``,
+``dd_attn_prefill``: compiled once per ISA level, the cache in blocks of 256 positions at absolute positions, prefill in
+tiles of 16 to 64 queries; the arithmetic is spelled out there). Both give the same bits at every ISA level and thread
+count, and prefill gives every position the bits decode gives it (:func:`gdn_prefill` runs the recurrent step token by
+token; :func:`attention_prefill` computes each query over exactly the rows it sees, with block boundaries that do not
+move with the call), so a position's result does not depend on the piece it is read in
+(:mod:`engine.arch.qwen35.model`). With :func:`engine.kernels.cpu.isa` = "numpy" or without the extension the twins run.
 
 Precision: the GDN code keeps the delta-rule state and its products in float32 and the reductions
 (norms, the conv taps) in float64; attention keeps scores, probabilities and the per-block weighted
