@@ -24,6 +24,7 @@ class BuildExtWithIsaObjects(build_ext):
     """
 
     def build_extension(self, ext) -> None:
+        """Build one extension; the native kernels get their per-ISA objects linked in."""
         if ext.name == NATIVE["MODULE_NAME"]:
             objects = NATIVE["compile_isa_objects"](self.compiler, self.build_temp, self.debug)
             ext.extra_objects = [*(ext.extra_objects or []), *objects]

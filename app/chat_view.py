@@ -193,7 +193,8 @@ class MessageWidget(QFrame):
         self.copy_button = _tool_button("Copy", "Copy message", self.copy)
         row.addWidget(self.copy_button)
         if self.message.role == "user":
-            self.action_button = _tool_button("Edit", "Edit and resend", lambda: self.edit_requested.emit(self.message.id))
+            self.action_button = _tool_button("Edit", "Edit and resend",
+                                              lambda: self.edit_requested.emit(self.message.id))
         else:
             self.action_button = _tool_button("Regenerate", "Regenerate answer",
                                               lambda: self.regenerate_requested.emit(self.message.id))

@@ -265,7 +265,8 @@ class HistoryStore:
                 conn.close()
             if isinstance(exc, HistoryError):
                 raise
-            damaged = isinstance(exc, sqlite3.DatabaseError) and ("not a database" in str(exc) or "malformed" in str(exc))
+            damaged = isinstance(exc, sqlite3.DatabaseError) and ("not a database" in str(exc)
+                                                                  or "malformed" in str(exc))
             kind = HistoryDamaged if damaged else HistoryError
             raise kind(f"{path}: cannot open the history database: {exc}") from exc
         return store

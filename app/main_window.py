@@ -284,9 +284,9 @@ class MainWindow(FileActions, QMainWindow):
     def load_model(self, model_path: str | None, mmproj_path: str | None = None, remember: bool = False) -> None:
         """Load a model on the worker (None: the engine's default model) with the settings' options.
 
-        The live answer is stopped first and the waiting ones leave the queue. Without ``mmproj_path``, a vision tower lying next to the
-        model is loaded with it (:func:`paired_mmproj`). ``remember``: once loaded, the files
-        become the configured model (what the app starts on next time).
+        The live answer is stopped first and the waiting ones leave the queue. Without ``mmproj_path``, a vision tower
+        lying next to the model is loaded with it (:func:`paired_mmproj`). ``remember``: once loaded, the files become
+        the configured model (what the app starts on next time).
         """
         if model_path and not mmproj_path:
             mmproj_path = paired_mmproj(model_path)

@@ -114,6 +114,7 @@ def _timing(s: TurnSummary) -> str:
 
 
 def cmd_info(args: argparse.Namespace) -> int:
+    """``engine info``: print a model file's architecture, hyper-parameters and tensor types."""
     from .gguf.file import GGUFFile
     f = GGUFFile.open(_model_arg(args.model))
     hp = f.hparams
@@ -143,6 +144,7 @@ def cmd_info(args: argparse.Namespace) -> int:
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
+    """``engine generate``: one answer to a prompt (or raw continuation), streamed to stdout."""
     if args.raw and (args.image or args.system or args.think):
         print("error: --raw continues the prompt text as it is: --image, --system and --think need the chat "
               "template, leave them out or drop --raw", file=sys.stderr)
@@ -213,6 +215,7 @@ An empty line or Ctrl+D quits; Ctrl+C stops an answer."""
 
 
 def cmd_chat(args: argparse.Namespace) -> int:
+    """``engine chat``: an interactive chat on the terminal, one turn per input line."""
     engine = _load(args, *_model_paths(args))
     with Session() as session:
         return _chat_loop(args, engine, session)
@@ -276,6 +279,7 @@ def _chat_command(engine, session: Session, line: str, images: list[str]) -> Non
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
+    """``engine serve``: the OpenAI-compatible HTTP server until interrupted."""
     from .openai import ServerConfig, bind_address, check_bind, serve
     api_key = args.api_key or os.environ.get("DELTADESK_API_KEY") or None
     check_bind(args.host, api_key)
@@ -299,6 +303,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 
 def cmd_synth(args: argparse.Namespace) -> int:
+    """``engine synth``: write a synthetic model of a preset's shapes (random weights)."""
     from .arch.qwen35.synth import synth
     t0 = time.perf_counter()
     synth(args.output, args.preset, layers=args.layers, experts=args.experts, quant=args.quant,
@@ -314,6 +319,7 @@ def cmd_synth(args: argparse.Namespace) -> int:
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
+    """``engine bench``: CPU prompt and decode speed beside llama-bench (:mod:`engine.tools.cpu_bench`)."""
     from .kernels import cpu
     from .tools import cpu_bench, cpu_llama
     if not cpu.available():
@@ -450,7 +456,8 @@ def _calibrate(args: argparse.Namespace, src: GGUFFile) -> ExpertStats:
                           "pass the model's vision tower with --mmproj FILE")
     engine = Engine.load(args.model, mmproj if has_images else None,
                          EngineOptions(device="cpu", prefix_cache=False))
-    source = str(args.calib) if args.calib else "built-in chat set" + (f" + images of {args.images}" if args.images else "")
+    images = f" + images of {args.images}" if args.images else ""
+    source = str(args.calib) if args.calib else "built-in chat set" + images
     bar = _progress("calibrating")
     try:
         return prune.calibrate(engine, convs, args.max_tokens, lambda d, t, _: bar(d, t), {"source": source})
@@ -459,7 +466,8 @@ def _calibrate(args: argparse.Namespace, src: GGUFFile) -> ExpertStats:
 
 
 def _add_sampling(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", "-m", help="GGUF text model, or a downloaded REPO:QUANT (default: the bundled demo model)")
+    p.add_argument("--model", "-m",
+                   help="GGUF text model, or a downloaded REPO:QUANT (default: the bundled demo model)")
     p.add_argument("--mmproj", help="GGUF vision tower (mmproj) for image input "
                    "(the bundled demo model brings its own)")
     p.add_argument("--system", default="", help="system prompt")
@@ -483,7 +491,8 @@ def _add_generate(p: argparse.ArgumentParser) -> None:
 
 
 def _add_serve(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", "-m", help="GGUF text model, or a downloaded REPO:QUANT (default: the bundled demo model)")
+    p.add_argument("--model", "-m",
+                   help="GGUF text model, or a downloaded REPO:QUANT (default: the bundled demo model)")
     p.add_argument("--mmproj", help="GGUF vision tower (mmproj) for image input")
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default: loopback only; any "
                    "other needs --api-key)")
@@ -511,8 +520,9 @@ def _add_synth(p: argparse.ArgumentParser) -> None:
                    choices=["tiny", "small", "dense-tiny", "minicpmv46-tiny", "minicpmv46", "35b-a3b"])
     p.add_argument("--layers", type=int, default=None)
     p.add_argument("--experts", type=int, default=None)
-    p.add_argument("--quant", default="q4_0", choices=["q4_0", "q8_0", "f16", "f32", "q4_k_m", "ud_q4_k_xl", "q2_k", "q3_k",
-                                                         "iq2_xxs", "iq2_xs", "iq2_s", "iq3_xxs", "iq3_s", "iq1_s", "iq1_m", "mxfp4"])
+    p.add_argument("--quant", default="q4_0",
+                   choices=["q4_0", "q8_0", "f16", "f32", "q4_k_m", "ud_q4_k_xl", "q2_k", "q3_k", "iq2_xxs", "iq2_xs",
+                            "iq2_s", "iq3_xxs", "iq3_s", "iq1_s", "iq1_m", "mxfp4"])
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--output", "-o", required=True)
     p.add_argument("--no-mmproj", action="store_true", help="do not write the matching vision tower")
@@ -543,7 +553,8 @@ def _add_bench(p: argparse.ArgumentParser) -> None:
                    help="bandwidth measurements per thread count (default: %(default)s)")
     p.add_argument("--llama-cpp", action="store_true", help="also run llama.cpp's llama-bench, built on first use "
                    "from the llama-cpp-python 0.3.36 sources into the user cache dir (minutes to build)")
-    p.add_argument("--llama-bench", metavar="PATH", help="run this llama-bench binary as the peer (implies --llama-cpp)")
+    p.add_argument("--llama-bench", metavar="PATH",
+                   help="run this llama-bench binary as the peer (implies --llama-cpp)")
     p.add_argument("--ik-llama-bench", metavar="PATH", help="also run ik_llama.cpp's llama-bench at PATH (a native "
                    "build of its repository), twice: its default flags and -rtr 1")
 

@@ -38,8 +38,8 @@ from .vision.encoder import ImageEncoder
 
 log = logging.getLogger(__name__)
 
-__all__ = ["CHATML_NOTE", "ChatEngine", "Engine", "EngineOptions", "ModelInfo", "Prompt", "SamplingParams", "SnapshotInfo",
-           "bundled_mmproj_for", "bundled_model", "default_model"]
+__all__ = ["CHATML_NOTE", "ChatEngine", "Engine", "EngineOptions", "ModelInfo", "Prompt", "SamplingParams",
+           "SnapshotInfo", "bundled_mmproj_for", "bundled_model", "default_model"]
 
 CHATML_NOTE = "the file has no tokenizer.chat_template, so chat uses ChatML (the Qwen format)"
 """The one-line notice (:attr:`ModelInfo.template_note`) for a model whose chat falls back to ChatML."""
@@ -140,7 +140,8 @@ class Engine:
         hp = self.gguf.hparams
         n_attn = sum(not hp.is_recurrent(i) for i in range(hp.n_layer))
         return ModelInfo(path=self.gguf.path, arch=hp.arch, n_layer=hp.n_layer, n_attn_layers=n_attn,
-                         n_params=sum(math.prod(self.gguf.info(n).ne) for n in self.gguf.tensor_names), quant_mix=self.gguf.quant_mix(),
+                         n_params=sum(math.prod(self.gguf.info(n).ne) for n in self.gguf.tensor_names),
+                         quant_mix=self.gguf.quant_mix(),
                          bytes_per_token=self.gguf.bytes_per_token(), context=self.context,
                          has_vision=self.vision is not None, device="cuda" if self.gpu is not None else "cpu",
                          device_note=self.device_note,

@@ -44,7 +44,8 @@ class TextModel(Protocol):
     """
 
     hp: Any
-    """The architecture's hyper-parameters (``n_vocab``, ``n_embd``, ... as :class:`engine.turn.state.SequenceState` needs)."""
+    """The architecture's hyper-parameters (``n_vocab``, ``n_embd``, ... as :class:`engine.turn.state.SequenceState`
+    needs)."""
 
     def embed(self, tokens: np.ndarray) -> np.ndarray:
         """(n, n_embd) float32 token embeddings of (n,) int ids. Raises ValueError for an id outside the vocabulary."""

@@ -89,8 +89,8 @@ class RawServer(ScriptServer):
 
 
 def json_reply(body: bytes, status: str = "200 OK") -> bytes:
-    return (b"HTTP/1.1 %s\r\ncontent-type: application/json\r\ncontent-length: %d\r\n\r\n" % (status.encode(), len(body))
-            + body)
+    head = b"HTTP/1.1 %s\r\ncontent-type: application/json\r\ncontent-length: %d\r\n\r\n"
+    return head % (status.encode(), len(body)) + body
 
 
 def paced(pieces: list[bytes], pause: float = 0.2):

@@ -212,7 +212,8 @@ def one_step_bound(x, w, res) -> np.ndarray:
     projection quantizes each expert's hidden h = silu(gate x) * up x in blocks of 32 with scale max|h_block| / 127
     stored as float16 (ggml's quantize_row_q8_0), so a value that the two sides' SiLU roundings put on either side
     of a rounding boundary changes the output by that scale times its down-weight column, times the expert's
-    routing weight (the shared expert's: its sigmoid gate). The bound allows one such value in a call, in whichever expert: a value
+    routing weight (the shared expert's: its sigmoid gate). The bound allows one such value in a call, in whichever
+    expert: a value
     has to fall within the two SiLUs' last-bit difference of a boundary, and two at once is that chance squared."""
     d = x.shape[0]
     ff = w.gate.shape[0] // w.router.shape[0]

@@ -108,7 +108,8 @@ def test_moe_ffn_on_kquant_experts(level, rng):
     qtypes = {"gate": Q.Q4_K, "up": Q.Q4_K, "down": Q.Q6_K, "sh_gate": Q.Q5_K, "sh_up": Q.Q5_K, "sh_down": Q.Q8_0}
     sh_down = quants.quantize(rng.standard_normal((d, ff_sh)).astype(np.float32) * 0.05, Q.Q8_0)
     w = cpu_moe.MoEWeights(router=rng.standard_normal((n_expert, d)).astype(np.float32) * 0.2,
-                       gate=random_kquant(rng, n_expert * ff, d, Q.Q4_K), up=random_kquant(rng, n_expert * ff, d, Q.Q4_K),
+                       gate=random_kquant(rng, n_expert * ff, d, Q.Q4_K),
+                       up=random_kquant(rng, n_expert * ff, d, Q.Q4_K),
                        down=random_kquant(rng, n_expert * d, ff, Q.Q6_K), n_used=3, qtypes=qtypes,
                        sh_gate=random_kquant(rng, ff_sh, d, Q.Q5_K), sh_up=random_kquant(rng, ff_sh, d, Q.Q5_K),
                        sh_down=sh_down, sh_gate_inp=rng.standard_normal(d).astype(np.float32) * 0.1)

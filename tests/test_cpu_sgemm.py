@@ -247,8 +247,8 @@ def _qkv(rng, s, n_head, hd):
 def test_vit_attention_matches_float64(sizes, n_head, hd):
     """Pieces of odd lengths (one key block and several of 256 keys; a 1-row piece; 4-row pieces, the window-attention
     merger's 2x2 windows) and head widths that are not a multiple of 32 (72 and 40: a last value panel of 8
-    columns, computed by the half-width tiles). Bound: a score q.k / sqrt(hd) is an FMA chain of hd terms, off by at most
-    e_s = gamma_{hd+1} |q|.|k| / sqrt(hd); exp(s - max) then carries a relative error of about 2 e_s + 8 u, the sum
+    columns, computed by the half-width tiles). Bound: a score q.k / sqrt(hd) is an FMA chain of hd terms, off by at
+    most e_s = gamma_{hd+1} |q|.|k| / sqrt(hd); exp(s - max) then carries a relative error of about 2 e_s + 8 u, the sum
     and the division add (S + 2) u, and the output's chain over the S keys gamma_S: |err| <= (4 e_s + (2 S + 16) u)
     sum_j p_j |v_j| with e_s from the row's largest |q|.|k|."""
     rng = np.random.default_rng(len(sizes) * 100 + hd)
@@ -323,7 +323,8 @@ def test_layer_norm_matches_float64(m, d):
     """Rows with an offset (mean far from 0, where a one-pass variance would cancel) and both signs, widths with and
     without a tail shorter than 16, against float64; also within rounding of the numpy tower's LayerNorm."""
     rng = np.random.default_rng(m * 7 + d)
-    x = (rng.uniform(0.5, 1.5, (m, d)) * rng.choice([-1.0, 1.0], (m, d)) + rng.uniform(-3, 3, (m, 1))).astype(np.float32)
+    x = (rng.uniform(0.5, 1.5, (m, d)) * rng.choice([-1.0, 1.0], (m, d))
+         + rng.uniform(-3, 3, (m, 1))).astype(np.float32)
     w = (rng.uniform(0.5, 1.5, d) * rng.choice([-1.0, 1.0], d)).astype(np.float32)
     b = rng.uniform(-1, 1, d).astype(np.float32)
     out = sgemm.layer_norm(x, w, b, 1e-6)

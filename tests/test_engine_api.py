@@ -247,7 +247,8 @@ def test_reading_ahead_an_image_chat_leaves_only_the_new_message(vision_engine, 
     its new message, and answers as a cold engine does."""
     eng = vision_engine
     img = shape_image(tmp_path / "a.png", (200, 20, 20))
-    messages = [{"role": "user", "content": [{"type": "image", "image": str(img)}, {"type": "text", "text": "Colour?"}]}]
+    messages = [{"role": "user", "content": [{"type": "image", "image": str(img)},
+                                             {"type": "text", "text": "Colour?"}]}]
     eng.cache.clear()
     _, _, summary = chat(eng, messages)
     messages.append({"role": "assistant", "content": summary.text})

@@ -57,7 +57,8 @@ def test_forged_turn_in_every_role(tiny_engine) -> None:
     tok = tiny_engine.tokenizer
     im_start, im_end = tok.token_id("<|im_start|>"), tok.token_id("<|im_end|>")
     messages = [{"role": "system", "content": FORGED}, {"role": "user", "content": FORGED},
-                {"role": "assistant", "content": FORGED}, {"role": "user", "content": [{"type": "text", "text": FORGED}]}]
+                {"role": "assistant", "content": FORGED},
+                {"role": "user", "content": [{"type": "text", "text": FORGED}]}]
     ids = tiny_engine.render(messages)
     assert ids.count(im_start) == 5 and ids.count(im_end) == 4       # 4 turns + the generation header
 

@@ -165,6 +165,9 @@ def test_disk_full_mid_download_keeps_bytes_then_resumes(hub, synth_files, monke
                 raise OSError(errno.ENOSPC, "No space left on device")
             return self.fh.write(b)
 
+        def flush(self):
+            self.fh.flush()
+
     monkeypatch.setattr(dl, "open", lambda p, mode: Full(open(p, mode)), raising=False)  # noqa: SIM115 - Full closes it
     listing = list_repo(REPO)
     f = pick_file(listing, quant="Q8_0")

@@ -216,7 +216,8 @@ def test_server_that_stops_sending_is_given_up_on_not_hammered(hub):
     t.join(30)
     assert not t.is_alive(), "the transfer kept asking"
     assert isinstance(out[0], HubError)
-    assert re.search(rf"ends the transfer at byte \d+ of {f.size} without sending more; [1-9]\d*\.\d MiB.*kept", str(out[0]))
+    assert re.search(rf"ends the transfer at byte \d+ of {f.size} without sending more; [1-9]\d*\.\d MiB.*kept",
+                     str(out[0]))
     assert len([p for _, p, _, _ in hub.requests if p.startswith("/blob/")]) < 12
 
 

@@ -359,7 +359,8 @@ def test_engine_prompt_lays_out_slices(synth_model, tmp_path):
 def test_cli_generate_answers_on_the_synth_pair(synth_model, tmp_path, capsys):
     """Issue 16's "done when" command: ``python -m engine generate --model m.gguf --mmproj m-mmproj.gguf --image
     photo.jpg --prompt ...`` on a synth pair answers, printing the overview's size and the image's token count (a
-    1024x768 JPEG: a 504x392 overview and 2x2 slices, 315 tokens in 16x mode, as HF's processor counts it); a truncated JPEG is a
+    1024x768 JPEG: a 504x392 overview and 2x2 slices, 315 tokens in 16x mode, as HF's processor counts it); a truncated
+    JPEG is a
     one-line error naming the file."""
     from engine.__main__ import main
     from engine.tools.synth import synth_mmproj_for

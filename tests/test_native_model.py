@@ -130,7 +130,8 @@ def gdn_inputs(rng, nk=16, nv=32, dk=128, dv=128, taps=4):
     return layer, conv, ssm
 
 
-@pytest.mark.parametrize("shape", [dict(), dict(nk=2, nv=4, dk=16, dv=16, taps=4), dict(nk=3, nv=3, dk=32, dv=48, taps=2)])
+@pytest.mark.parametrize("shape", [dict(), dict(nk=2, nv=4, dk=16, dv=16, taps=4),
+                                   dict(nk=3, nv=3, dk=32, dv=48, taps=2)])
 def test_gdn_decode_matches_its_twin(shape):
     rng = np.random.default_rng(1)
     layer, conv, ssm = gdn_inputs(rng, **shape)

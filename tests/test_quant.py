@@ -78,7 +78,8 @@ def test_quantize_matches_gguf_and_bounds_error(rng, qtype):
         Q.F32: 0 * amax, Q.F16: np.abs(xb) * 2.0 ** -11, Q.BF16: np.abs(xb) * 2.0 ** -8,
         Q.Q8_0: amax * (1 / 254 + 1e-3), Q.Q4_0: amax * (1 / 8 + 1e-3), Q.Q5_0: amax * (1 / 16 + 1e-3),
         Q.Q4_1: span * (1 / 30 + 1e-3) + amax * 1e-3, Q.Q5_1: span * (1 / 62 + 1e-3) + amax * 1e-3,
-        # d = 2^(floor(log2 amax) - 3), codes d * (0, 1, 2, 3, 4, 6, 8, 12): amax < 16 d clips to 12 d, at most 4 d <= amax / 2
+        # d = 2^(floor(log2 amax) - 3), codes d * (0, 1, 2, 3, 4, 6, 8, 12): amax < 16 d clips to 12 d,
+        # at most 4 d <= amax / 2
         Q.MXFP4: amax * (1 / 2 + 1e-3),
     }[qtype]
     assert np.all(eb <= bound + 1e-7)
@@ -136,14 +137,14 @@ def hand_q6_k(raw):
         ql, qh = b[0:128].astype(np.int32), b[128:192].astype(np.int32)
         sc, d = b[192:208].view(np.int8).astype(np.float32), np.float32(b[208:210].view("<f2")[0])
         y = np.zeros(256, np.float32)
-        l = np.arange(32)
+        lane = np.arange(32)
         for n in range(2):
             lo, hi = ql[64 * n:64 * n + 32], ql[64 * n + 32:64 * n + 64]
             h, s = qh[32 * n:32 * n + 32], sc[8 * n:8 * n + 8]
             parts = [(lo & 15) | ((h & 3) << 4), (hi & 15) | (((h >> 2) & 3) << 4),
                      (lo >> 4) | (((h >> 4) & 3) << 4), (hi >> 4) | (((h >> 6) & 3) << 4)]
             for k, q in enumerate(parts):
-                y[128 * n + 32 * k + l] = d * s[l // 16 + 2 * k] * (q - 32).astype(np.float32)
+                y[128 * n + 32 * k + lane] = d * s[lane // 16 + 2 * k] * (q - 32).astype(np.float32)
         out.append(y)
     return np.concatenate(out).reshape(raw.shape[0], -1)
 

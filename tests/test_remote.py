@@ -36,7 +36,8 @@ def remote(served):
 def test_connect_reads_the_model_list(remote, served) -> None:
     assert [m["id"] for m in list_models(served[2].url)] == ["tiny"]
     info = remote.info
-    assert (info.remote, info.name, info.context, info.has_vision, info.path) == (served[2].url, "tiny", 512, False, None)
+    got = (info.remote, info.name, info.context, info.has_vision, info.path)
+    assert got == (served[2].url, "tiny", 512, False, None)
     with pytest.raises(RemoteError, match=r"does not serve a model named 'big' \(it lists: tiny\)"):
         RemoteEngine.connect(served[2].url, "big")
 
@@ -98,7 +99,8 @@ def test_images_reach_a_vision_server(served_vision, tmp_path) -> None:
     img.save(path)
     remote = RemoteEngine.connect(server.url, "tiny-vl")
     assert remote.info.has_vision
-    messages = [{"role": "user", "content": [{"type": "image", "image": str(path)}, {"type": "text", "text": "Colour?"}]}]
+    messages = [{"role": "user", "content": [{"type": "image", "image": str(path)},
+                                             {"type": "text", "text": "Colour?"}]}]
     _, got = _turn(remote.chat(messages, SamplingParams.greedy(4)))
     assert got.prompt_tokens == len(engine.prepare(messages).tokens) and got.generated_tokens == 4
     remote.close()

@@ -75,7 +75,8 @@ def test_keep_alive_comments_alone_end_at_the_deadline() -> None:
     with ScriptServer(script) as srv:
         got = _run(lambda: list(RemoteEngine(srv.url, "m", timeout=1.0).chat(HI)), 15)
     assert got, "a stream of keep-alive comments never ended"
-    assert isinstance(got.get("error"), RemoteError) and "no answer within 1 s (no data, or only keep-alive" in str(got["error"])
+    assert isinstance(got.get("error"), RemoteError)
+    assert "no answer within 1 s (no data, or only keep-alive" in str(got["error"])
     assert got["seconds"] < 5
 
 

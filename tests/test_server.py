@@ -14,7 +14,6 @@ import openai
 import pytest
 
 from engine.__main__ import main
-from engine.api import Engine, EngineOptions
 from engine.errors import EngineError
 from engine.events import TokenEvent, TurnSummary
 from engine.sampling import SamplingParams

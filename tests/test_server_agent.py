@@ -278,7 +278,8 @@ CALLED = [{"role": "user", "content": "hi"},
 @pytest.mark.parametrize("body, param, fragment", [
     (_body(response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "strnig"}}}),
      "response_format.json_schema.schema", "not a valid JSON Schema"),
-    (_body(response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": {"not": {"type": "string"}}}}),
+    (_body(response_format={"type": "json_schema",
+                            "json_schema": {"name": "x", "schema": {"not": {"type": "string"}}}}),
      "response_format", '"not"'),
     (_body(response_format={"type": "json_schema", "json_schema": {
         "name": "x", "schema": {"type": "string", "pattern": "(?=a)b"}}}), "response_format", "look-around"),

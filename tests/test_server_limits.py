@@ -80,7 +80,8 @@ def test_missing_unreadable_folder_pipe_and_huge_files_get_one_answer(served_vis
 
 @pytest.mark.parametrize("count", [100, 600])
 def test_too_many_images_are_refused_before_any_is_encoded(served_vision, monkeypatch, count) -> None:
-    """100 images of 64 x 64 px (4 tokens each) (more tokens than the 512-token window) are measured, not encoded; 600 do not
+    """100 images of 64 x 64 px (4 tokens each) (more tokens than the 512-token window) are measured, not encoded; 600
+    do not
     fit even at one token each and are refused from the text alone."""
     server, engine = served_vision
     encoded = []

@@ -172,8 +172,9 @@ def test_a_json_body_passes_the_guard(guarded, content_type) -> None:
     assert r.status_code == 400 and r.json()["error"]["param"] == "messages"      # checked as a request
 
 
-@pytest.mark.parametrize("host", ["evil.example:{port}", "127.0.0.1.evil.example:{port}", "localhost.evil.example:{port}",
-                                  "[::2]:{port}", "", "127.0.0.1:{other}", "localhost", "127.0.0.1:{port}x", "[::1"])
+@pytest.mark.parametrize("host", ["evil.example:{port}", "127.0.0.1.evil.example:{port}",
+                                  "localhost.evil.example:{port}", "[::2]:{port}", "", "127.0.0.1:{other}", "localhost",
+                                  "127.0.0.1:{port}x", "[::1"])
 def test_a_loopback_server_answers_only_its_own_host_names(guarded, host) -> None:
     """A page whose domain was re-pointed at 127.0.0.1 (DNS rebinding) sends its own domain as the Host;
     a name without the server's port, or with another, is not this server either."""

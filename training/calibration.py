@@ -47,6 +47,7 @@ def conversations(n: int, start: int = 0) -> list[list[dict]]:
 
 
 def main() -> None:
+    """Write the demo model's expert statistics for ``engine prune`` (see the module docstring)."""
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--samples", type=int, default=256)
     ap.add_argument("--model", type=Path, default=MODELS / "deltadesk-demo.gguf")

@@ -83,6 +83,7 @@ QUESTION_TYPES = ("colour", "shape", "count", "position", "describe")
 
 @dataclass(frozen=True)
 class Shape:
+    """One shape of a scene: kind, colour, grid cell, and its geometry as image fractions."""
     kind: str
     colour: str
     cell: int          # 0..8, row-major in the 3x3 grid
@@ -95,6 +96,7 @@ class Shape:
 
 @dataclass(frozen=True)
 class Scene:
+    """One rendered training scene: its shapes in reading order, background, noise, size and seed."""
     shapes: tuple[Shape, ...]   # in reading order (cell order)
     background: str
     noisy: bool
@@ -123,7 +125,8 @@ def scene(seed: int) -> Scene:
     return Scene(tuple(shapes), background, rng.random() < 0.3, rng.choice(SIZES), seed)
 
 
-def _polygon(kind: str, cx: float, cy: float, r: float, angle: float, stretch: float = 1.0) -> list[tuple[float, float]]:
+def _polygon(kind: str, cx: float, cy: float, r: float, angle: float,
+             stretch: float = 1.0) -> list[tuple[float, float]]:
     """Vertices of a star, square, triangle, diamond or hexagon of radius ``r`` turned by ``angle``
     (a diamond is not turned: 1.25 r x ``stretch`` high, 0.8 r / ``stretch`` wide)."""
     if kind == "diamond":
@@ -385,6 +388,7 @@ def load_vocab() -> dict:
 
 
 def chat_template() -> str:
+    """The demo model's chat template (the Jinja source)."""
     return TEMPLATE_PATH.read_text(encoding="utf-8")
 
 
@@ -401,6 +405,7 @@ def engine_tokenizer(vocab: dict) -> Tokenizer:
 
 @dataclass
 class Sample:
+    """One training sample: token ids, labels (-100 outside the answer) and the image's patches."""
     ids: np.ndarray                 # (n,) int64 prompt + answer + <|im_end|>
     labels: np.ndarray              # (n,) int64, -100 outside the answer
     pixel_values: np.ndarray | None  # (gh*gw, 1536) float32 in the engine's patch order
@@ -422,6 +427,8 @@ class Encoder:
         self.vision_start = self.tok.token_id("<|vision_start|>")
 
     def prompt(self, question: str, n_image_tokens: int = 0) -> list[int]:
+        """The token ids of a user turn asking ``question`` and the assistant header; the image pad is
+        widened to ``n_image_tokens`` when given."""
         content: list[dict] | str = question
         if n_image_tokens:
             content = [{"type": "image"}, {"type": "text", "text": question}]
@@ -434,6 +441,7 @@ class Encoder:
         return ids
 
     def sample(self, question: str, answer: str, image: Image.Image | None = None) -> Sample:
+        """The :class:`Sample` of one question, its answer and an optional image."""
         pixels, grid, n_img = None, None, 0
         if image is not None:
             prep = prepare_image(image, max_pixels=MAX_IMAGE_PIXELS)

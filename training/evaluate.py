@@ -7,8 +7,8 @@
 
 Held-out scenes of the first generator (``data.scene`` / ``data.render``, the plain scenes) use seeds
 from ``data.EVAL_SEED_BASE`` (training uses seeds below 10**10, the tokenizer corpus 2 * 10**10 on);
-the second generator (``second_scenes``, never used in training) numbers its own scenes from 0. Answers are greedy (temperature 0) and must equal the reference
-answer string exactly. Results are printed as JSON.
+the second generator (``second_scenes``, never used in training) numbers its own scenes from 0. Answers are greedy
+(temperature 0) and must equal the reference answer string exactly. Results are printed as JSON.
 """
 
 from __future__ import annotations
@@ -47,6 +47,7 @@ def load(models: Path = MODELS, text: Path | None = None) -> Engine:
 
 
 def ask(engine: Engine, question: str, image=None) -> str:
+    """The engine's greedy answer to ``question`` (about ``image`` when given), stripped."""
     content = question if image is None else [{"type": "image", "image": image}, {"type": "text", "text": question}]
     return "".join(ev.text for ev in engine.chat([{"role": "user", "content": content}], GREEDY)
                    if isinstance(ev, TokenEvent)).strip()
@@ -137,6 +138,7 @@ def conformance(engines: dict[str, Engine], run: Path, n: int = 20) -> dict:
 
 
 def main() -> None:
+    """Run the evaluation subcommand the arguments name (see the module docstring)."""
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = ap.add_subparsers(dest="cmd", required=True)
     a = sub.add_parser("accuracy")
@@ -155,8 +157,9 @@ def main() -> None:
     k.add_argument("question")
     args = ap.parse_args()
     if args.cmd == "accuracy":
-        print(json.dumps(accuracy(load(args.models, text=args.model), args.scenes, scale=args.scale, generator=args.generator,
-                                        progress=args.progress), indent=1))
+        result = accuracy(load(args.models, text=args.model), args.scenes, scale=args.scale,
+                          generator=args.generator, progress=args.progress)
+        print(json.dumps(result, indent=1))
     elif args.cmd == "conformance":
         engines = {"q8_0": load()}
         if args.f32:

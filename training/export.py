@@ -86,6 +86,7 @@ def export(model: Qwen3_5MoeForConditionalGeneration, out: Path, quant: str = "q
 
 
 def main() -> None:
+    """Export a training run's checkpoint to the text and projector GGUF files."""
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("run", type=Path, help="folder written by training/train.py")
     ap.add_argument("--out", type=Path, default=ROOT / "assets" / "models")

@@ -331,6 +331,7 @@ def load_gguf_run(text_gguf: str | Path, mmproj_gguf: str | Path) -> Qwen3_5MoeF
 
 
 def main(argv: list[str] | None = None) -> None:
+    """Import the exported GGUF pair back into a run folder (``train.py --init`` reads it)."""
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("models", type=Path, help=f"folder holding {export.TEXT_NAME} and {export.MMPROJ_NAME}")
     ap.add_argument("--out", type=Path, required=True, help="run folder to write (train.py --init accepts it)")

@@ -174,7 +174,8 @@ def traits(qtype: GGMLQuantizationType | int, what: str) -> QuantType:
         return TYPES[Q(int(qtype))]
     except (ValueError, KeyError):
         names = ", ".join(sorted(type_name(s) for s in SUPPORTED_TYPES))
-        raise UnsupportedModelError(f"{what}: quant type {type_name(qtype)} is not supported (supported: {names})") from None
+        raise UnsupportedModelError(f"{what}: quant type {type_name(qtype)} is not supported "
+                                    f"(supported: {names})") from None
 
 
 def check_supported(qtype: GGMLQuantizationType | int, what: str) -> GGMLQuantizationType:

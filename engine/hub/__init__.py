@@ -17,5 +17,5 @@ from .store import Downloaded, ModelStore, delete_model, model_files
 
 __all__ = ["KEYRING_SERVICE", "KEYRING_USER", "CatalogueModel", "DownloadCancelled", "Downloaded", "Fit", "HubError",
            "HubFile", "HubOffline", "Machine", "ModelStore", "Progress", "RepoListing", "catalogue", "delete_model",
-           "download_model", "estimate_from_size", "fit_remote", "list_repo", "model_files", "pick_file", "pick_mmproj", "quant_of", "recommend",
-           "this_machine"]
+           "download_model", "estimate_from_size", "fit_remote", "list_repo", "model_files", "pick_file", "pick_mmproj",
+           "quant_of", "recommend", "this_machine"]

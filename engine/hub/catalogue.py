@@ -14,7 +14,8 @@ from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
 
-_QUANT = re.compile(r"(?:UD-)?(?:I?Q\d_[0-9A-Z_]+?|BF16|F16|F32|MXFP4)(?=\.gguf$|-\d{5}-of-\d{5}\.gguf$)", re.IGNORECASE)
+_QUANT = re.compile(r"(?:UD-)?(?:I?Q\d_[0-9A-Z_]+?|BF16|F16|F32|MXFP4)(?=\.gguf$|-\d{5}-of-\d{5}\.gguf$)",
+                    re.IGNORECASE)
 _SPLIT = re.compile(r"-\d{5}-of-\d{5}\.gguf$", re.IGNORECASE)
 
 

@@ -320,7 +320,7 @@ def _fetch(store: ModelStore, commit: str, f: HubFile, report: Report | None, ca
     part = store.partial(f.repo, f.name, f.sha256)
     part.parent.mkdir(parents=True, exist_ok=True)
     with _only_one(part, f):
-        if part.is_symlink() or (part.exists() and not part.is_file()) or (part.exists() and part.stat().st_size > f.size):
+        if part.is_symlink() or (part.exists() and (not part.is_file() or part.stat().st_size > f.size)):
             part.unlink()
         _transfer(f, commit, part, report, cancel)
         _verify(part, f, report, cancel)

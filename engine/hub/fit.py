@@ -166,9 +166,9 @@ def estimate_from_size(arch: str, shape: str, file_size: int, context: int, mach
     real dimensions, named in the catalogue): for the catalogue before any header is read.
 
     Assumed where the header would tell: every weight has the file's mean bits (so the bytes read per token
-    are the file size less the header (:data:`HEADER_BYTES_PER_ENTRY`) x the share of weights a token reads: routed experts ``n_expert_used`` of ``n_expert``,
-    one row of ``token_embd`` when ``output`` exists), no weight is converted at load, and the vocabulary
-    has about as many merges as tokens (Qwen3.5/3.6: 248320 tokens, 247587 merges).
+    are the file size less the header (:data:`HEADER_BYTES_PER_ENTRY`) x the share of weights a token reads: routed
+    experts ``n_expert_used`` of ``n_expert``, one row of ``token_embd`` when ``output`` exists), no weight is converted
+    at load, and the vocabulary has about as many merges as tokens (Qwen3.5/3.6: 248320 tokens, 247587 merges).
 
     Raises:
         ValueError: an unknown ``shape``. UnsupportedModelError: an ``arch`` the engine does not run.

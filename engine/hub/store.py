@@ -174,7 +174,8 @@ def model_files(arg: str, store: ModelStore | None = None) -> tuple[Path, Path |
 def delete_model(entry: Downloaded, store: ModelStore | None = None,
                  snapshot_dir: str | os.PathLike[str] | None = None) -> list[Path]:
     """Delete a downloaded model (see :meth:`ModelStore.delete`) and its prefix snapshots in ``snapshot_dir``
-    (the engine's ``cache_disk_dir``: the subfolder of the file's identity, :func:`engine.turn.prefix_cache.snapshot_folder`);
+    (the engine's ``cache_disk_dir``: the subfolder of the file's identity,
+    :func:`engine.turn.prefix_cache.snapshot_folder`);
     returns the paths removed. A file that no longer opens has no snapshots to find; only the file goes."""
     import shutil
 

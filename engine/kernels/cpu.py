@@ -303,6 +303,7 @@ class Matrix:
         return Matrix(self.raw[r0:r1], self.k, self.qtype)
 
     def __call__(self, x: np.ndarray) -> np.ndarray:
+        """x (m, k) float32 times the rows: (m, rows) float32, on the active ISA level."""
         level = _native_level()
         if level is None:
             return _matmul_np(self.raw, x, self.traits, self.qtype.name)

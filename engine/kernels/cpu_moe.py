@@ -20,7 +20,8 @@ from engine.kernels.cpu_twins import QK
 from engine.ops import reference
 
 class MoEWeights(NamedTuple):
-    """One layer's MoE tensors (docs/spec/qwen35.md section 2: GGUF names in brackets), raw blocks as ``GGUFFile.raw`` gives them.
+    """One layer's MoE tensors (docs/spec/qwen35.md section 2: GGUF names in brackets), raw blocks as ``GGUFFile.raw``
+    gives them.
 
     Each weight is of a :data:`engine.kernels.cpu.KERNEL_TYPES` type named by ``qtypes``: one type for all of them, or a
     mapping from the field name (``"gate"``, ``"up"``, ``"down"``, ``"sh_gate"``, ...) to its type.
@@ -40,6 +41,7 @@ class MoEWeights(NamedTuple):
 
 
 class MoEResult(NamedTuple):
+    """One token's MoE block: its output and the experts the router chose, with their weights."""
     out: np.ndarray            # (d,) float32
     experts: np.ndarray        # (n_used,) int32, in descending router probability
     weights: np.ndarray        # (n_used,) float32, renormalised to sum 1

@@ -69,7 +69,8 @@ def interleave(regions: Iterable[np.ndarray], nodes: int | None = None, syscall:
     numbers = SYSCALLS.get(machine or platform.machine())
     call = syscall or _libc_syscall()
     if numbers is None or call is None:
-        log.info("NUMA: %d nodes, but no mbind on %s: expert pages are not interleaved", n, machine or platform.machine())
+        log.info("NUMA: %d nodes, but no mbind on %s: expert pages are not interleaved", n,
+                 machine or platform.machine())
         return 0
     words = (n + 63) // 64
     mask = (ctypes.c_ulong * words)(*[(((1 << n) - 1) >> (64 * w)) & (2 ** 64 - 1) for w in range(words)])

@@ -354,7 +354,8 @@ class _Routes:
         req = agent_request(body, chat_request(body, config.model_name, self.context,
                                                config.file_urls and loopback_host(request.headers.get("host", ""))),
                             self.vocab)
-        if not self.has_vision and any(isinstance(m["content"], list) and any(p["type"] == "image" for p in m["content"])
+        if not self.has_vision and any(isinstance(m["content"], list)
+                                       and any(p["type"] == "image" for p in m["content"])
                                        for m in req.messages or ()):
             raise APIError(400, f"{config.model_name} has no vision tower (serve it with --mmproj FILE), so it "
                            "cannot read images", param="messages", code="invalid_image")

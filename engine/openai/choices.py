@@ -88,6 +88,7 @@ class Choice:
 
     @property
     def finish_reason(self) -> str:
+        """The OpenAI finish reason: "stop", "length" or "tool_calls" (only after ``close()``)."""
         assert self.summary is not None, "finish_reason before close()"
         if self.splitter.stopped:
             return "stop"
@@ -138,7 +139,8 @@ class Choice:
             def entry(token_id: int, logprob: float) -> dict[str, Any]:
                 text, data = self._token(token_id)
                 return {"token": text, "logprob": logprob, "bytes": list(data)}
-            return {"content": [entry(e.token_id, e.logprob) | {"top_logprobs": [entry(t, lp) for t, lp in e.top_logprobs]}
+            return {"content": [entry(e.token_id, e.logprob)
+                                | {"top_logprobs": [entry(t, lp) for t, lp in e.top_logprobs]}
                                 for e, _ in tokens], "refusal": None}
         return {"tokens": [self._token(e.token_id)[0] for e, _ in tokens],
                 "token_logprobs": [e.logprob for e, _ in tokens],
@@ -181,6 +183,7 @@ class Answer:
         self.kind = "chat.completion.chunk" if self.chat else "text_completion"
 
     def head(self, kind: str) -> dict[str, Any]:
+        """The fields every chunk or completion object of this choice starts with."""
         return {"id": self.id, "object": kind, "created": self.created, "model": self.req.model}
 
     def chunk(self, choice: Choice, delta: dict[str, Any], finish: str | None = None) -> dict[str, Any]:

@@ -93,7 +93,7 @@ def _descriptions(schema: Any, param: str) -> None:
             _descriptions(value, f"{param}[{k}]")
 
 
-def tools_of(value: Any) -> tuple[dict, ...]:
+def tools_of(value: Any) -> tuple[dict, ...]:  # noqa: C901
     """The request's ``tools``, checked (function tools with unique valid names, bounded descriptions and a
     valid JSON Schema of ``type: object`` as ``parameters``, or none) and kept as sent."""
     if value is None:
@@ -272,7 +272,8 @@ def thinking_of(body: Mapping[str, Any], kwargs: Mapping[str, Any]) -> bool:
         if effort not in EFFORT:
             raise _bad(f"reasoning_effort must be one of {', '.join(EFFORT)}, got {effort!r}"[:200], "reasoning_effort")
         if thinking is not None and thinking != EFFORT[effort]:
-            raise _bad(f"reasoning_effort {effort!r} contradicts chat_template_kwargs.enable_thinking", "reasoning_effort")
+            raise _bad(f"reasoning_effort {effort!r} contradicts chat_template_kwargs.enable_thinking",
+                       "reasoning_effort")
         thinking = EFFORT[effort]
     return bool(thinking)
 
@@ -288,7 +289,8 @@ def agent_request(body: Mapping[str, Any], req: TurnRequest, vocab: int) -> Turn
     link_tool_messages(body["messages"], req.messages or [])
     return replace(req, tools=tools, tool_choice=choice, tool_name=name, parallel_tool_calls=parallel,
                    response_format=response_format_of(body.get("response_format")),
-                   enable_thinking=thinking_of(body, _kwargs(body)), sampling=_sampling(body, req.sampling, vocab, top_logprobs_of(body)))
+                   enable_thinking=thinking_of(body, _kwargs(body)),
+                   sampling=_sampling(body, req.sampling, vocab, top_logprobs_of(body)))
 
 
 def completion_fields(body: Mapping[str, Any], req: TurnRequest, vocab: int) -> TurnRequest:

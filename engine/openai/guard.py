@@ -69,6 +69,7 @@ class RequestGuard:
         self.app = app
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        """ASGI entry: an HTTP request the guard refuses is answered here, any other passes on."""
         error = _refusal(scope) if scope["type"] == "http" else None
         if error is None:
             await self.app(scope, receive, send)

@@ -228,7 +228,7 @@ def _output_config(value: Any, chat: dict[str, Any]) -> None:
         chat["reasoning_effort"] = EFFORT[effort]
 
 
-def chat_body(body: Any) -> dict[str, Any]:
+def chat_body(body: Any) -> dict[str, Any]:  # noqa: C901
     """A Messages request as a chat-completions body.
 
     ``max_tokens`` is required (as in Anthropic's API); ``thinking`` turns the template's thinking on
@@ -343,6 +343,7 @@ class MessageEvents:
         self.usage: dict | None = None
 
     def start(self) -> list[dict]:
+        """The stream's opening events: ``message_start`` with an empty assistant message."""
         message = {"id": "msg_" + uuid.uuid4().hex, "type": "message", "role": "assistant", "model": self.model,
                    "content": [], "stop_reason": None, "stop_sequence": None, "usage": usage_of(None)}
         return [{"type": "message_start", "message": message}, {"type": "ping"}]

@@ -59,6 +59,7 @@ class ServerMetrics:
                            "running turn)", registry=r)
 
     def route(self, path: str) -> str:
+        """The route label a request path is counted under ("other" for unknown paths)."""
         return path if path in self.routes else "other"
 
     def observe(self, event: Event) -> None:
@@ -102,6 +103,7 @@ class RequestCounter:
         self.app, self.metrics = app, metrics
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        """ASGI entry: count the request by route and response status (499: no response was started)."""
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
@@ -132,6 +134,7 @@ class Queued:
         gauge.inc()
 
     def release(self) -> None:
+        """Stop counting the request as waiting (once; later calls do nothing)."""
         with self._lock:
             if self._waiting:
                 self._waiting = False

@@ -196,7 +196,7 @@ def _text_format(text: Any) -> dict | None:
                                                    if k in fmt}}
 
 
-def chat_body(body: Any, store: ResponseStore) -> dict[str, Any]:
+def chat_body(body: Any, store: ResponseStore) -> dict[str, Any]:  # noqa: C901
     """A Responses request as a chat-completions body (``stream_options.include_usage`` on when streamed).
 
     Raises:
@@ -247,6 +247,7 @@ def chat_body(body: Any, store: ResponseStore) -> dict[str, Any]:
 
 
 def new_id(prefix: str) -> str:
+    """A fresh Responses API object id: ``prefix`` + ``_`` + 32 hex digits."""
     return f"{prefix}_{uuid.uuid4().hex}"
 
 
@@ -266,16 +267,19 @@ def usage_of(chat_usage: Mapping[str, Any] | None) -> dict[str, Any] | None:
 
 
 def reasoning_item(text: str, item_id: str | None = None, status: str = "completed") -> dict[str, Any]:
+    """A ``reasoning`` output item holding ``text``."""
     return {"id": item_id or new_id("rs"), "type": "reasoning", "summary": [], "status": status,
             "content": [{"type": "reasoning_text", "text": text}]}
 
 
 def message_item(text: str, item_id: str | None = None, status: str = "completed") -> dict[str, Any]:
+    """An assistant ``message`` output item holding ``text``."""
     return {"id": item_id or new_id("msg"), "type": "message", "role": "assistant", "status": status,
             "content": [{"type": "output_text", "text": text, "annotations": [], "logprobs": []}]}
 
 
 def call_item(call: Mapping[str, Any], item_id: str | None = None, status: str = "completed") -> dict[str, Any]:
+    """A ``function_call`` output item for one chat-completions tool call."""
     return {"id": item_id or new_id("fc"), "type": "function_call", "status": status, "call_id": call["id"],
             "name": call["function"]["name"], "arguments": call["function"]["arguments"]}
 
@@ -316,6 +320,7 @@ class Shell:
 
 
 def status_of(finish_reason: str | None) -> str:
+    """A response's status for a chat finish reason: a length stop is "incomplete"."""
     return "incomplete" if finish_reason == "length" else "completed"
 
 

@@ -36,6 +36,7 @@ class ResponseEvents:
         return {"type": kind, "sequence_number": self.seq - 1, **fields}
 
     def start(self) -> list[dict]:
+        """The stream's opening events: ``response.created`` and ``response.in_progress``."""
         head = self.shell.response("in_progress", [])
         return [self._event("response.created", response=head), self._event("response.in_progress", response=head)]
 

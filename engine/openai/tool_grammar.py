@@ -105,7 +105,8 @@ def call_grammar(tools: Sequence[Mapping[str, Any]], fmt: str, choice: str, name
     if choice == "function":
         functions = [f for f in functions if f["name"] == name]
     forced = choice in ("required", "function")
-    if choice == "none" or not functions or not (forced or answer is not None or any(f.get("strict") for f in functions)):
+    strict = any(f.get("strict") for f in functions)
+    if choice == "none" or not functions or not (forced or answer is not None or strict):
         return None
     lines: list[str] = []
     body = _xml_body if fmt == "xml" else _json_body

@@ -112,7 +112,8 @@ class PromptBuilder:
 
     def render(self, messages: Sequence[Message], enable_thinking: bool = False,
                tools: Sequence[Message] | None = None) -> list[int]:
-        """Render and tokenize ``messages`` (and the function ``tools`` offered); see :meth:`engine.api.Engine.render`."""
+        """Render and tokenize ``messages`` (and the function ``tools`` offered); see
+        :meth:`engine.api.Engine.render`."""
         template = self.tokenizer.chat_template or chatml()
         tools = list(tools or ())
         size = text_bytes(messages) + text_bytes(tools)

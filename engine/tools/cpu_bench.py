@@ -188,7 +188,7 @@ def _load(path: Path, threads: Sequence[int], stream_gib: float, stream_runs: in
     return gguf, model, bandwidth, layer_bytes
 
 
-def run(path: str | Path, threads: Sequence[int], isas: Sequence[str], n_prompt: int, n_gen: int,
+def run(path: str | Path, threads: Sequence[int], isas: Sequence[str], n_prompt: int, n_gen: int,  # noqa: PLR0913
         depths: Sequence[int], depth_gen: int, repeat: int, peers: Sequence[cpu_llama.Peer], stream_gib: float,
         stream_runs: int, out: Out = print) -> list[Sample]:
     """Measure and print (see the module doc); returns every sample. ``peers`` empty: DeltaDesk only.
@@ -218,7 +218,8 @@ def run(path: str | Path, threads: Sequence[int], isas: Sequence[str], n_prompt:
                 if peer_ran:
                     peer_ran = False
                     _, seconds = warm_page_cache(path)
-                    out(f"{r + 1:>5} re-read {path.name} into page cache in {seconds:.1f} s (the peer ran since the last read)")
+                    out(f"{r + 1:>5} re-read {path.name} into page cache in {seconds:.1f} s "
+                        "(the peer ran since the last read)")
                 for level in isas:
                     s = measure(model, n, level, n_prompt, n_gen, depths, depth_gen, r)
                     samples.append(s)

@@ -112,7 +112,7 @@ def _inputs(model: TextModel, tokens: Sequence[int], a: int, b: int, positions: 
     return kw
 
 
-def prefill_pieces(model: TextModel, tokens: Sequence[int], state: SequenceState, cancel: threading.Event,
+def prefill_pieces(model: TextModel, tokens: Sequence[int], state: SequenceState, cancel: threading.Event,  # noqa: PLR0913
             stops: Sequence[int] = (), on_stop=None, positions: np.ndarray | None = None,
             images: Sequence[tuple[int, np.ndarray, bytes]] = (), gpu: GpuPrefill | None = None,
             gpu_min_tokens: int = 32, devices: list[str] | None = None,
@@ -343,9 +343,10 @@ def run_turn(turn: Turn) -> Iterator[Event]:
     sampler, history = Sampler(turn.sampling, matcher, n_prompt), list(turn.prompt)
     t_tok = time.perf_counter()
     token = sampler.sample(logits, history)
-    stats = PrefillStats(prompt_tokens=n_prompt, reused_tokens=resumed.reused, prefilled_tokens=n_prompt - resumed.reused,
-                         prefill_ms=prefill_ms, restore_ms=resumed.restore_ms,
-                         device="cuda" if "cuda" in devices else "cpu", ttft_ms=_ms(t_start), note=note)
+    stats = PrefillStats(prompt_tokens=n_prompt, reused_tokens=resumed.reused,
+                         prefilled_tokens=n_prompt - resumed.reused, prefill_ms=prefill_ms,
+                         restore_ms=resumed.restore_ms, device="cuda" if "cuda" in devices else "cpu",
+                         ttft_ms=_ms(t_start), note=note)
     yield stats
     yield from _decode(turn, resumed, sampler, history, token, logits, t_tok, stats)
 

@@ -29,18 +29,16 @@ def fake_info(**fields) -> ModelInfo:
 class FakeEngine:
     """Streams ``tokens`` (strings) one every ``token_ms``, honouring the cancel flag like the real one.
 
-    ``info`` is a :class:`~engine.api.ModelInfo` (:func:`fake_info`) (its ``device`` goes into ``PrefillStats``), ``gpu_telemetry`` what
-    :meth:`telemetry` returns (None: prefill on the CPU), ``note`` the turns' ``PrefillStats.note``.
-    With ``prompt_pieces`` the 20 prefilled tokens of a 30-token prompt (10 reused) are read in that
-    many pieces of ``piece_ms`` each, a ``PrefillProgress`` after each and the cancel flag checked
-    between them, as the real engine does; ``pieces_read`` counts them.
-    ``prefill_ahead`` takes ``ahead_pieces`` pieces of ``piece_ms`` and records each call in ``aheads``.
-    After :meth:`hold` a turn waits after ``after`` tokens (still answering, however long the test
-    takes) until :meth:`release`, the cancel flag checked meanwhile; ``reading_ahead`` is set
-    once a read-ahead has begun. ``produced`` counts the tokens it has yielded; ``calls`` keeps each
-    turn's messages, ``samplings`` and ``conversations`` its other arguments, ``loads`` the
-    LoadRequests that returned it. Each turn leaves a prefix snapshot; images reach the "model" at
-    half their size.
+    ``info`` is a :class:`~engine.api.ModelInfo` (:func:`fake_info`) (its ``device`` goes into ``PrefillStats``),
+    ``gpu_telemetry`` what :meth:`telemetry` returns (None: prefill on the CPU), ``note`` the turns'
+    ``PrefillStats.note``. With ``prompt_pieces`` the 20 prefilled tokens of a 30-token prompt (10 reused) are read in
+    that many pieces of ``piece_ms`` each, a ``PrefillProgress`` after each and the cancel flag checked between them, as
+    the real engine does; ``pieces_read`` counts them. ``prefill_ahead`` takes ``ahead_pieces`` pieces of ``piece_ms``
+    and records each call in ``aheads``. After :meth:`hold` a turn waits after ``after`` tokens (still answering,
+    however long the test takes) until :meth:`release`, the cancel flag checked meanwhile; ``reading_ahead`` is set once
+    a read-ahead has begun. ``produced`` counts the tokens it has yielded; ``calls`` keeps each turn's messages,
+    ``samplings`` and ``conversations`` its other arguments, ``loads`` the LoadRequests that returned it. Each turn
+    leaves a prefix snapshot; images reach the "model" at half their size.
     """
 
     def __init__(self, tokens: Sequence[str] = ("Hello", ",", " world", "."), token_ms: float = 1.0,

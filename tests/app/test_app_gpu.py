@@ -179,7 +179,8 @@ def test_the_vision_tower_failing_mid_session_is_said_in_the_banner_and_sidebar(
     note = "GPU vision tower failed, encoding images on the CPU: out of memory"
     engine.info = replace(info, vision_device="cpu", vision_note=note)
     send(qtbot, window, "what is in this picture?")
-    qtbot.waitUntil(lambda: window.banner.text().endswith(" \u00b7 prefill on GPU (budget 6.0 GiB), decode on CPU, images on CPU"))
+    banner = " \u00b7 prefill on GPU (budget 6.0 GiB), decode on CPU, images on CPU"
+    qtbot.waitUntil(lambda: window.banner.text().endswith(banner))
     assert note in window.banner.toolTip() and PLACEMENT in window.banner.toolTip()
     assert window.sidebar.gpu_note.text() == note and window.sidebar.gpu_note.isVisibleTo(window.sidebar)
     assert window.sidebar.gpu_label.toolTip() == note

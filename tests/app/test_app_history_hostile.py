@@ -86,7 +86,8 @@ def test_the_window_shows_a_dialog_naming_where_the_damaged_file_went(qtbot, pat
     window = build_window(paths, loader_for(FakeEngine()))
     window.show()
     try:
-        qtbot.waitUntil(lambda: getattr(window, "history_dialog", None) is not None and window.history_dialog.isVisible())
+        qtbot.waitUntil(lambda: getattr(window, "history_dialog", None) is not None
+                        and window.history_dialog.isVisible())
         [moved] = _damaged_files(paths.data)
         assert str(moved) in window.history_dialog.text()
         qtbot.waitUntil(lambda: window.controller.conversation_id is not None)    # and the app goes on
@@ -158,7 +159,9 @@ def test_an_answer_the_locked_history_refuses_stays_shown_not_saved_with_a_retry
     answer_id = window.controller.live.message_id
     proc = locker(window.history.path)
     engine.release()
-    widget = lambda: window.chat_view.widget_for(answer_id)
+
+    def widget():
+        return window.chat_view.widget_for(answer_id)
     qtbot.waitUntil(lambda: widget().retry_button is not None and widget().retry_button.isVisible())
     assert widget().stats_label.text().startswith("Not saved:") and "locked by another program" in \
         widget().stats_label.text()
@@ -177,7 +180,9 @@ def test_a_message_the_locked_history_refuses_stays_shown_not_saved_with_a_retry
     proc = locker(window.history.path)
     window.composer.editor.setPlainText("Keep what I typed")
     qtbot.keyClick(window.composer.editor, Qt.Key_Return)
-    shown = lambda: [w for w in window.chat_view.widgets if w.message.id < 0]
+
+    def shown():
+        return [w for w in window.chat_view.widgets if w.message.id < 0]
     qtbot.waitUntil(lambda: len(shown()) == 1 and shown()[0].retry_button is not None
                     and shown()[0].retry_button.isVisible())       # Qt shows a widget added to a layout later
     [widget] = shown()

@@ -192,7 +192,8 @@ def test_app_command_line_takes_a_downloaded_repo_quant(tmp_path, monkeypatch):
     assert model_arg(f"{REPO}:q8_0", None) == (str(store.path(REPO, entry.file)), str(store.path(REPO, entry.mmproj)))
     assert model_arg(f"{REPO}:Q8_0", "/x/tower.gguf")[1] == "/x/tower.gguf"
     assert model_arg("/some/file.gguf", None) == ("/some/file.gguf", None)
-    with pytest.raises(EngineError, match="not downloaded.*fetch it with `python -m engine pull tester/Tiny-GGUF --quant Q4_0`"):
+    with pytest.raises(EngineError,
+                       match="not downloaded.*fetch it with `python -m engine pull tester/Tiny-GGUF --quant Q4_0`"):
         model_arg(f"{REPO}:Q4_0", None)
 
 

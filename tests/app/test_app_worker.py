@@ -9,7 +9,8 @@ import time
 import pytest
 from PySide6.QtCore import QObject, Signal
 
-from app.engine_worker import BATCH_SECONDS, ChatRequest, LoadRequest, WorkerThread, load_real_engine, plain_error, summarize
+from app.engine_worker import (BATCH_SECONDS, ChatRequest, LoadRequest, WorkerThread, load_real_engine, plain_error,
+                               summarize)
 from engine.errors import ModelFormatError
 from engine.events import PrefillProgress, PrefillStats
 from fake_engine import BlockingLoader, FakeEngine, StagedLoader, failing_loader, fake_info, loader_for

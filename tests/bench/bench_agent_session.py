@@ -132,7 +132,8 @@ def run(command: list[str], port: int, requests: int, system_tokens: int) -> lis
 
 def table(name: str, rows: list[dict]) -> None:
     first = rows[0]["ttft_ms"]
-    print(f"{name}\n| request | prompt tokens | resumed | prefilled | TTFT ms | % of first |\n|---|---|---|---|---|---|")
+    print(f"{name}\n| request | prompt tokens | resumed | prefilled | TTFT ms | % of first |\n"
+          "|---|---|---|---|---|---|")
     for r in rows:
         print(f"| {r['request']} | {r['prompt_tokens']} | {r['cached_tokens']} | {r['prefilled_tokens']} | "
               f"{r['ttft_ms']:.0f} | {100 * r['ttft_ms'] / first:.1f} |")

@@ -8,7 +8,8 @@ turn (old, new, old, new, ...) for --rounds rounds of --calls calls each; prints
 (median, min-max over rounds) of each, their ratio, and the GB/s each reads. One thread is timed in
 the thread's CPU time (the kernels then run on the calling thread), more in wall time. The 1-minute
 load average is printed before and after: figures taken on a busy machine are not final.
-Usage: python tests/bench/bench_bquants.py [--rows 16384] [--rounds 7] [--calls 10] [--threads 1] [--isa avx2 avx512vnni]
+Usage: python tests/bench/bench_bquants.py [--rows 16384] [--rounds 7] [--calls 10] [--threads 1]
+    [--isa avx2 avx512vnni]
 """
 
 from __future__ import annotations
@@ -62,7 +63,8 @@ def main() -> None:
     clock = time.thread_time if args.threads == 1 else time.perf_counter
     print(f"load {os.getloadavg()[0]:.2f}, rows {args.rows} x k {K}, {args.threads} thread(s), m = 1, "
           f"{'thread CPU' if args.threads == 1 else 'wall'} time")
-    print(f"{'isa':<11} {'type':<7} {'old Q8_0 ns/row':>22} {'new ns/row':>22} {'new/old':>8} {'GB/s old':>9} {'new':>6}")
+    print(f"{'isa':<11} {'type':<7} {'old Q8_0 ns/row':>22} {'new ns/row':>22} {'new/old':>8} "
+          f"{'GB/s old':>9} {'new':>6}")
     for level in args.isa:
         cpu.set_isa(level)
         for qtype in TYPES:
@@ -79,7 +81,8 @@ def main() -> None:
             def fmt(v):
                 return f"{np.median(v):.2f} ({v.min():.2f}-{v.max():.2f})"
             print(f"{level:<11} {qtype.name:<7} {fmt(o):>22} {fmt(n):>22} {np.median(n / o):>8.2f} "
-                  f"{old.raw.nbytes / np.median(o) / args.rows:>9.1f} {new.raw.nbytes / np.median(n) / args.rows:>6.1f}")
+                  f"{old.raw.nbytes / np.median(o) / args.rows:>9.1f} "
+                  f"{new.raw.nbytes / np.median(n) / args.rows:>6.1f}")
     print(f"load {os.getloadavg()[0]:.2f}")
     cpu.set_isa(None)
 

@@ -1,6 +1,7 @@
 """A/B of the native GEMV (one-token matrix product) between builds (a script, not a test).
 
-    python tests/bench/bench_gemv_ab.py OLD.so,NEW.so [--type q4_0] [--mib 1024] [--threads 1] [--rounds 7] [--isa 3] [--cols 1]
+    python tests/bench/bench_gemv_ab.py OLD.so,NEW.so [--type q4_0] [--mib 1024] [--threads 1] [--rounds 7]
+        [--isa 3] [--cols 1]
 
 Each argument is a copy of ``engine/_native_cpu.abi3.so`` (copy a build aside before rebuilding). The
 script loads every copy with ctypes and times ``dd_matmul`` with one activation row (decode's shape) on one

@@ -196,7 +196,8 @@ def main() -> None:
     p = probe.plan
     stream_budget = p.resident_weights + p.state + 2 * p.expert_layer_bytes + p.reserve + p.expert_layer_bytes // 2
     probe.close()
-    budgets = {"6 GiB": (6 << 30, args.tokens), "stream": (stream_budget, plan_tokens), "unlimited": (None, plan_tokens)}
+    budgets = {"6 GiB": (6 << 30, args.tokens), "stream": (stream_budget, plan_tokens),
+               "unlimited": (None, plan_tokens)}
 
     rows = []
     for label, (budget, ptok) in budgets.items():

@@ -136,8 +136,8 @@ def run_llguidance(answers: int, max_tokens: int) -> None:
             else:
                 state["m"].accept(token)
 
-        times, cpu, lengths = drive(tok.n_vocab, set(tok.eos_ids), lambda state=state: state["m"].allowed(), accept, answers,
-                               max_tokens)
+        times, cpu, lengths = drive(tok.n_vocab, set(tok.eos_ids), lambda state=state: state["m"].allowed(), accept,
+                                    answers, max_tokens)
         _report("llguidance", name, compile_ms, times, cpu, lengths)
         sampler_cost(tok, grammar, name)
 

@@ -52,7 +52,8 @@ def q4_0_weights(nbytes: int, rng: np.random.Generator) -> np.ndarray:
 
 HOT_TYPES = (GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q8_0, GGMLQuantizationType.Q4_K,
              GGMLQuantizationType.Q5_K, GGMLQuantizationType.Q6_K)
-SCALE_OFFSETS = {GGMLQuantizationType.Q4_K: (0, 2), GGMLQuantizationType.Q5_K: (0, 2), GGMLQuantizationType.Q6_K: (208,)}
+SCALE_OFFSETS = {GGMLQuantizationType.Q4_K: (0, 2), GGMLQuantizationType.Q5_K: (0, 2),
+                 GGMLQuantizationType.Q6_K: (208,)}
 """Byte offsets of a block's f16 scales (ggml-common.h); every other type has one at 0."""
 
 
@@ -131,7 +132,8 @@ def main() -> None:
     big_raw = raw if big_type == Q4_0 else random_blocks(big_type, raw.nbytes // quant.row_bytes(big_type, K), K, rng)
     x = rng.standard_normal(K).astype(np.float32)
     experts = [raw[i:i + EXPERT_ROWS] for i in range(0, raw.shape[0], EXPERT_ROWS)]
-    print(f"weights: {raw.nbytes / 2**20:.0f} MiB Q4_0 ('big': {big_raw.nbytes / 2**20:.0f} MiB {big_type.name}), k={K}; "
+    print(f"weights: {raw.nbytes / 2**20:.0f} MiB Q4_0 "
+          f"('big': {big_raw.nbytes / 2**20:.0f} MiB {big_type.name}), k={K}; "
           f"{len(experts)} expert-sized matrices; "
           f"ISAs: {', '.join(cpu.supported_isas())}; physical cores: {cpu.physical_cores()}")
     layers = moe_layers(args.moe_layers, rng)
@@ -140,7 +142,8 @@ def main() -> None:
     moe_bytes = N_EXPERT * K * 4 + (N_USED + 1) * 3 * EXPERT_ROWS * row
     if layers:
         total = sum(a.nbytes for w in layers for a in w if isinstance(a, np.ndarray))
-        print(f"moe: {args.moe_layers} layers, {total / 2**20:.0f} MiB; {moe_bytes / 2**20:.1f} MiB touched per layer-token")
+        print(f"moe: {args.moe_layers} layers, {total / 2**20:.0f} MiB; "
+              f"{moe_bytes / 2**20:.1f} MiB touched per layer-token")
     print(f"{'threads':>7} {'stream read':>12} {'isa':>11} {'big GB/s':>9} {'% stream':>8} "
           f"{'expert GB/s':>11} {'% stream':>8} {'moe us/layer':>12} {'GB/s':>6} {'% stream':>8}")
     for n in args.threads:

@@ -7,13 +7,12 @@ Writes a random ``real`` projector (27 x 1152, 16 heads, ffn 4304, 70x70 grid, o
 temporary folder unless ``--mmproj`` names one, loads it (weights dequantized to float32, ~2.2 GB RAM) and
 times ``MiniCPMVTower.encode`` on every piece of random images (448x448 = 1 piece, 64 tokens; 1024x768 =
 5 pieces, 315 tokens), preprocessing excluded and reported apart. Prints the best and median seconds of
-``--repeat`` runs after ``--warmup`` untimed ones (default 1), the 1-minute load average before and after, and the **sgemm floor**:
-the tower's GEMM FLOPs (projections, attention products, patch embedding, both mergers) divided by the
-float32 GEMM rate measured on this machine just before (a 1024 x 1152 x 4304 ``numpy.matmul`` at the same
-thread count), i.e. the time the tower would take if every GEMM ran at that rate and everything else were
-free; and the same FLOPs over the native packed-weight GEMM's rate on that product (``engine.kernels.sgemm``,
-what the tower's projections and attention run on when the CPU has AVX-512; the first line says which path
-the tower takes).
+``--repeat`` runs after ``--warmup`` untimed ones (default 1), the 1-minute load average before and after, and the
+**sgemm floor**: the tower's GEMM FLOPs (projections, attention products, patch embedding, both mergers) divided by the
+float32 GEMM rate measured on this machine just before (a 1024 x 1152 x 4304 ``numpy.matmul`` at the same thread count),
+i.e. the time the tower would take if every GEMM ran at that rate and everything else were free; and the same FLOPs over
+the native packed-weight GEMM's rate on that product (``engine.kernels.sgemm``, what the tower's projections and
+attention run on when the CPU has AVX-512; the first line says which path the tower takes).
 
 ``--baseline REV`` also loads ``engine/arch/minicpmv/tower.py`` as it is at git revision REV (e.g. ``main`` or a
 commit) and times it on the same weights, runs interleaved (baseline, current, baseline, ...) so that both see
@@ -162,7 +161,8 @@ def main() -> None:
             t = times[name]
             print(f"{w}x{h} {name}: {len(grids)} pieces, {sum(prep.plan.token_counts)} tokens | encode best "
                   f"{min(t):.2f} s, median {statistics.median(t):.2f} s, max {max(t):.2f} s (n={len(t)}), process "
-                  f"CPU median {statistics.median(cpu[name]):.2f} s | sgemm floor {floor:.2f} s{native_floor} | preprocess "
+                  f"CPU median {statistics.median(cpu[name]):.2f} s | sgemm floor {floor:.2f} s{native_floor} | "
+                  "preprocess "
                   f"{t_prep * 1000:.0f} ms | load {load0} -> {load_average()}")
         if len(outs) > 1:
             ref = outs["current"]

@@ -44,7 +44,8 @@ class MoeWeights(ctypes.Structure):
 
 def moe_layers(path: str) -> tuple[list[MoeWeights], np.ndarray, int]:
     """The MoE layers of the GGUF at ``path``: (one ``dd_moe_weights`` per layer, the file mapping that their
-    pointers point into (uint8, keep it alive while they are used), the model width d). Raises SystemExit when the file has no MoE layers or a type that
+    pointers point into (uint8, keep it alive while they are used), the model width d). Raises SystemExit when the file
+    has no MoE layers or a type that
     no native kernel reads as stored."""
     reader = GGUFReader(path)
     tensors = {t.name: t for t in reader.tensors}

@@ -54,7 +54,8 @@ def by_hook(model: NativeQwen35Model, n: int) -> str:
     model.forward(rng.integers(0, model.hp.n_vocab, n), SequenceState.new(model.hp, n + 8))
     total = time.thread_time() - t0
     parts = ", ".join(f"{k} {v:.2f}" for k, v in secs.items() if v)
-    return f"{n} tokens: {total:.2f} s CPU ({n / total:.1f} tok per CPU s); {parts}, rest {total - sum(secs.values()):.2f}"
+    rest = total - sum(secs.values())
+    return f"{n} tokens: {total:.2f} s CPU ({n / total:.1f} tok per CPU s); {parts}, rest {rest:.2f}"
 
 
 def by_depth(model: NativeQwen35Model, piece: int = 256, deep: int = 9984) -> str:

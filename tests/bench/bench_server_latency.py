@@ -88,7 +88,7 @@ def main() -> None:
         if k:  # the first pair warms up both paths
             local.append(pair[0])
             remote.append(pair[1])
-    diff = [r - l for l, r in zip(local, remote)]
+    diff = [r - loc for loc, r in zip(local, remote)]
     for name, xs in (("in process", local), ("engine serve", remote), ("difference", diff)):
         print(f"{name:13s} TTFT median {statistics.median(xs):7.1f} ms  (min {min(xs):.1f}, max {max(xs):.1f}, "
               f"n={len(xs)})")

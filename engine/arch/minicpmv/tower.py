@@ -398,8 +398,8 @@ _NUMPY_ACTS = {None: None, "gelu_tanh": _gelu_tanh_into, "gelu_erf": _gelu_erf_i
 
 
 class PiecesTower:
-    """The tower as :class:`engine.registry.VisionTower`, the interface :class:`engine.vision.encoder.ImageEncoder` uses:
-    one prepared image holds all of its pieces.
+    """The tower as :class:`engine.registry.VisionTower`, the interface :class:`engine.vision.encoder.ImageEncoder`
+    uses: one prepared image holds all of its pieces.
 
     :meth:`prepare` concatenates the pieces' patch rows and gives as ``grid`` the tuple of their patch grids;
     :meth:`encode` runs each piece as its own sequence and concatenates their token rows (overview first);

@@ -160,7 +160,8 @@ class NativeQwen35Model(Qwen35Model):
         fields = ["gate", "up", "down", "sh_gate", "sh_up", "sh_down"]
         return cpu_moe.PreparedMoE(cpu_moe.MoEWeights(
             router=self.w(p + "ffn_gate_inp.weight"), gate=raws[0], up=raws[1], down=raws[2],
-            n_used=self.hp.n_expert_used, qtypes={f: m.qtype for f, m in zip(fields, mats)}, sh_gate=raws[3], sh_up=raws[4], sh_down=raws[5],
+            n_used=self.hp.n_expert_used, qtypes={f: m.qtype for f, m in zip(fields, mats)},
+            sh_gate=raws[3], sh_up=raws[4], sh_down=raws[5],
             sh_gate_inp=self.w(p + "ffn_gate_inp_shexp.weight") if shared else None))
 
     def forward(self, tokens: np.ndarray, state: SequenceState, embeddings: np.ndarray | None = None,

@@ -330,7 +330,8 @@ class CudaPrefill(CudaBackend):
                       hp.conv_kernel)
         k.conv_state_update(cs, a["mixed"], self.conv_state[il], a["conv_new"], n, C, hp.conv_kernel)
         self._drv.memcpy_dtod_async(self.conv_state[il], a["conv_new"], (hp.conv_kernel - 1) * C * 4, cs)
-        k.l2norm_qk(cs, a["u"], n, C, hp.num_k_heads, hp.head_k_dim, hp.rms_eps, float(np.float32(hp.head_k_dim ** -0.5)))
+        k.l2norm_qk(cs, a["u"], n, C, hp.num_k_heads, hp.head_k_dim, hp.rms_eps,
+                    float(np.float32(hp.head_k_dim ** -0.5)))
         k.gdn_chunked(cs, a["u"], a["beta"], a["g"], a["cw"], a["cu"], a["cp"], a["cg"], self.ssm_state[il], a["o"],
                       n, C, hp.num_k_heads, nv, hp.head_k_dim, hp.head_v_dim)
         k.gated_rmsnorm(cs, a["o"], self.vec[p + "ssm_norm.weight"], a["z"], a["y"], n * nv, hp.head_v_dim, hp.rms_eps)

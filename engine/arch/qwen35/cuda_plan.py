@@ -44,7 +44,8 @@ def layer_matrices(hp: Qwen35HParams, il: int) -> list[str]:
     else:
         names = ["attn_q", "attn_k", "attn_v", "attn_output"]
     if hp.is_moe:
-        names += ["ffn_gate_inp", "ffn_gate_shexp", "ffn_up_shexp", "ffn_down_shexp"] if hp.n_ff_shexp else ["ffn_gate_inp"]
+        shared = ["ffn_gate_shexp", "ffn_up_shexp", "ffn_down_shexp"] if hp.n_ff_shexp else []
+        names += ["ffn_gate_inp", *shared]
     else:
         names += ["ffn_gate", "ffn_up", "ffn_down"]
     return [p + n + ".weight" for n in names]

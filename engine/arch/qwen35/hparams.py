@@ -197,7 +197,8 @@ def _head_widths(key: _Keys) -> tuple[int, int, int]:
     head_dim = key("attention.key_length")
     v_len = key("attention.value_length", default=head_dim)
     if v_len != head_dim:
-        raise ModelFormatError(f"{source}: {arch}.attention.value_length = {v_len} differs from key_length = {head_dim}")
+        raise ModelFormatError(f"{source}: {arch}.attention.value_length = {v_len} differs from "
+                               f"key_length = {head_dim}")
     num_v_heads = key("ssm.time_step_rank")
     inner = key("ssm.inner_size")
     if num_v_heads == 0 or inner % num_v_heads:

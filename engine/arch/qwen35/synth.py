@@ -178,10 +178,10 @@ def synth(path: str | os.PathLike[str], preset: str, layers: int | None = None, 
         preset: ``tiny``, ``small``, ``dense-tiny`` or ``35b-a3b`` (:data:`PRESETS`).
         layers, experts: shrink the preset (:func:`preset_hparams`).
         quant: file type: ``f32``, ``f16``, ``q8_0``, ``q4_0`` (also ``bf16``, ``q4_1``, ``q5_0``, ``q5_1``;
-            ``q2_k``, ``q3_k``, the IQ1/IQ2/IQ3 types and ``mxfp4``, drawn as blocks by :mod:`engine.arch.qwen35.synth_lowbit`),
-            or a K-quant mix of :data:`engine.arch.qwen35.quant_mix.MIXES` (``q4_k_m``: llama-quantize's per-tensor
-            types; ``ud_q4_k_xl``: unsloth's dynamic mix as documented; see :mod:`engine.arch.qwen35.quant_mix`;
-            its Q4_K / Q5_K / Q6_K / Q8_0 blocks are drawn directly).
+            ``q2_k``, ``q3_k``, the IQ1/IQ2/IQ3 types and ``mxfp4``, drawn as blocks by
+            :mod:`engine.arch.qwen35.synth_lowbit`), or a K-quant mix of :data:`engine.arch.qwen35.quant_mix.MIXES`
+            (``q4_k_m``: llama-quantize's per-tensor types; ``ud_q4_k_xl``: unsloth's dynamic mix as documented; see
+            :mod:`engine.arch.qwen35.quant_mix`; its Q4_K / Q5_K / Q6_K / Q8_0 blocks are drawn directly).
         seed: the weights are a deterministic function of (seed, tensor name, shape).
         vocab: ``"qwen35"`` for the real vocabulary and chat template (``engine.arch.qwen35.vocab``; the
             ``minicpmv46`` presets add MiniCPM-V's image markers, ``minicpmv46_vocab``), ``None`` for no tokenizer
@@ -263,9 +263,9 @@ def _random_blocks(shape: tuple[int, ...], qtype: GGMLQuantizationType, std: flo
     """Q4_0 / Q8_0 blocks drawn directly: uniform random quants, f16 scale ``d`` of random sign.
 
     Layout (ggml-common.h ``block_q4_0`` / ``block_q8_0``): f16 ``d`` in bytes 0..1, quants after it.
-    All bytes are drawn uniformly (raw PCG64 output, the fastest numpy source), then ``d`` is rewritten from its own random 16 bits r:
-    ``|d|`` = std / std(quant) * (0.8 + 0.4 r / 65535), sign (f16 bit 15) from bit 0 of r; the dequantized
-    values have std ~``std`` and mean 0.
+    All bytes are drawn uniformly (raw PCG64 output, the fastest numpy source), then ``d`` is rewritten from its own
+    random 16 bits r: ``|d|`` = std / std(quant) * (0.8 + 0.4 r / 65535), sign (f16 bit 15) from bit 0 of r; the
+    dequantized values have std ~``std`` and mean 0.
     """
     rb = row_bytes(qtype, shape[-1])
     nbytes = math.prod(shape[:-1]) * rb

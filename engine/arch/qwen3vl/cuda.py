@@ -81,7 +81,8 @@ class CudaVisionTower(CudaBackend):
             activation buffers grow; None = no limit.
 
     Attributes:
-        hp: the tower's hyper-parameters. identity: the projector's identity (as :class:`~engine.arch.qwen3vl.tower.VisionTower`).
+        hp: the tower's hyper-parameters. identity: the projector's identity (as
+            :class:`~engine.arch.qwen3vl.tower.VisionTower`).
         weight_bytes: device bytes of the weights (GEMM rows and float32 vectors).
         upload_seconds: wall time of reading, padding and copying the weights to the GPU (kernel build excluded).
 

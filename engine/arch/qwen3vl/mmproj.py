@@ -105,7 +105,8 @@ PRESETS: dict[str, VisionHParams] = {
     "real": VisionHParams(n_embd=1152, n_ff=4304, n_layer=27, n_head=16, patch_size=16, merge=2,
                           out_dim=2048, pos_side=48),
 }
-"""Tower shapes for :func:`synth_mmproj`: ``tiny`` for tests, ``real`` = Qwen3.5/3.6-35B-A3B (docs/spec/qwen3vl.md section 1)."""
+"""Tower shapes for :func:`synth_mmproj`: ``tiny`` for tests, ``real`` = Qwen3.5/3.6-35B-A3B (docs/spec/qwen3vl.md
+section 1)."""
 
 
 @dataclass(frozen=True)
@@ -165,7 +166,7 @@ def tensor_shapes(hp: VisionHParams) -> dict[str, tuple[int, ...]]:
 
 # ----------------------------------------------------------------------------------------------- reading
 
-def _read_hparams(meta: MetaReader, tensors: Mapping[str, StoredTensor], source: str) -> VisionHParams:
+def _read_hparams(meta: MetaReader, tensors: Mapping[str, StoredTensor], source: str) -> VisionHParams:  # noqa: C901
     arch = meta.string("general.architecture")
     if arch != "clip":
         raise UnsupportedModelError(

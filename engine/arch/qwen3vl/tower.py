@@ -31,8 +31,8 @@ def image_token_count(height: int, width: int, *, patch_size: int = 16, merge: i
                       min_pixels: int = MIN_PIXELS, max_pixels: int = MAX_PIXELS) -> int:
     """Number of image-pad tokens (merger rows) an image of ``height x width`` pixels becomes.
 
-    ``(h/32) * (w/32)`` for the :func:`~engine.vision.images.smart_resize` target (h, w) (docs/spec/qwen3vl.md 5.7), e.g.
-    448x448 -> 196, 1024x768 -> 768 with the HF bounds.
+    ``(h/32) * (w/32)`` for the :func:`~engine.vision.images.smart_resize` target (h, w) (docs/spec/qwen3vl.md 5.7),
+    e.g. 448x448 -> 196, 1024x768 -> 768 with the HF bounds.
 
     Raises:
         ImageError: empty or too elongated image. ValueError: inconsistent bounds.
@@ -66,12 +66,12 @@ class VisionTower:
     """The tower of one projector file, float32 numpy, one image per call.
 
     Every projection is float32 GEMMs on the file's dequantized weights (no copies). The work runs as
-    parallel tasks (:class:`engine.kernels.threads.Workers`): projections split by output columns (each task reads its own
-    slice of the weight matrix once, then adds its bias and applies its activation or residual add
-    while the slice is hot), norms by row chunks, attention by head (RoPE of that head's q and k,
-    then the head). Elementwise ops run in cache-sized row blocks into buffers reused across blocks.
-    The position and RoPE tables of the last ``GRID_CACHE`` grids are kept. The result is deterministic
-    for a given thread count; thread counts differ only by float32 GEMM rounding (about 1e-6 relative).
+    parallel tasks (:class:`engine.kernels.threads.Workers`): projections split by output columns (each task reads its
+    own slice of the weight matrix once, then adds its bias and applies its activation or residual add while the slice
+    is hot), norms by row chunks, attention by head (RoPE of that head's q and k, then the head). Elementwise ops run in
+    cache-sized row blocks into buffers reused across blocks. The position and RoPE tables of the last ``GRID_CACHE``
+    grids are kept. The result is deterministic for a given thread count; thread counts differ only by float32 GEMM
+    rounding (about 1e-6 relative).
 
     Args:
         mm: a loaded :class:`~engine.arch.qwen3vl.mmproj.Mmproj` (its float32 weights are used in place).
