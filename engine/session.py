@@ -155,6 +155,7 @@ class Events(Iterator[Any]):
         return item
 
     def close(self) -> None:
+        """Cancel the turn unless it has ended; further iteration ends."""
         if not self._done:
             self._done = True
             self.ticket.cancel()

@@ -58,6 +58,7 @@ class Tracer:
         stack.append((frame, chain))
 
     def run(self, body: Callable[[], object]) -> None:
+        """Run ``body`` with the hook on this and every new thread."""
         threading.setprofile(self.hook)
         sys.setprofile(self.hook)
         try:
@@ -79,6 +80,7 @@ def _first(*names: str):
 
 
 def main() -> None:
+    """Load the demo model, run the four walks and print one line each."""
     from PIL import Image
 
     from engine.api import Engine, EngineOptions, SamplingParams
@@ -100,8 +102,8 @@ def main() -> None:
 
     def http() -> None:
         from starlette.testclient import TestClient
-        app = _first("engine.openai:create_app", "engine.server.app:create_app")
-        config = _first("engine.openai:ServerConfig", "engine.server.app:ServerConfig")
+        app = _first("engine.openai.app:create_app", "engine.server.app:create_app")
+        config = _first("engine.openai.app:ServerConfig", "engine.server.app:ServerConfig")
         with TestClient(app(holder["e"], config(model_name="demo"))) as client:
             r = client.post("/v1/chat/completions", json={"model": "demo", "max_tokens": 4,
                                                          "messages": [{"role": "user", "content": "Hi"}]})

@@ -12,7 +12,8 @@ from pathlib import Path
 import engine
 
 ROOT = Path(__file__).parents[1]
-ALLOWED = {"engine.api", "engine.events", "engine.errors", "engine.sampling", "engine.hub", "engine.openai", "engine.session"}
+ALLOWED = {"engine.api", "engine.events", "engine.errors", "engine.sampling", "engine.hub", "engine.openai",
+           "engine.session"}
 
 
 def _top_level_engine_modules() -> set[str]:

@@ -197,10 +197,12 @@ def _sse(deltas: list[dict]) -> bytes:
 
 
 @pytest.mark.parametrize("thinking, deltas, want", [
-    (True, [{"reasoning_content": "hmm"}, {"content": "<think>Red."}], [("reasoning", "hmm"), ("content", "<think>Red.")]),
+    (True, [{"reasoning_content": "hmm"}, {"content": "<think>Red."}],
+     [("reasoning", "hmm"), ("content", "<think>Red.")]),
     (False, [{"reasoning": "a"}, {"reasoning": "b", "content": ""}, {"content": "C"}],
      [("reasoning", "ab"), ("content", "C")]),
-    (True, [{"content": "plan\n</th"}, {"content": "ink>\n\nRed."}], [("reasoning", "plan\n"), ("content", "\n\nRed.")]),
+    (True, [{"content": "plan\n</th"}, {"content": "ink>\n\nRed."}],
+     [("reasoning", "plan\n"), ("content", "\n\nRed.")]),
     (False, [{"content": " <th"}, {"content": "ink>x</think>Y"}], [("reasoning", "x"), ("content", "Y")]),
     (False, [{"content": "Just <think> text"}], [("content", "Just <think> text")]),
     (True, [{"content": "cut </thi"}], [("reasoning", "cut </thi")]),

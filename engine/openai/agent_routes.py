@@ -127,7 +127,9 @@ class AgentRoutes:
                    for m in req.messages):
             return len(self.chat.engine.render(req.messages, req.enable_thinking, tools=tools))
         prepare = self.chat.engine.prepare
-        return self.chat.session.call(lambda: len(prepare(req.messages, req.enable_thinking, tools=tools).tokens)).result()
+        def count() -> int:
+            return len(prepare(req.messages, req.enable_thinking, tools=tools).tokens)
+        return self.chat.session.call(count).result()
 
     async def metrics(self, request: Request) -> Response:
         """``GET /metrics``: the Prometheus text exposition of this server's metrics."""

@@ -8,7 +8,8 @@ from pathlib import Path
 
 
 def test_app_imports_only_the_engines_public_modules():
-    allowed = {"engine.api", "engine.events", "engine.sampling", "engine.errors", "engine.hub", "engine.openai", "engine.session"}
+    allowed = {"engine.api", "engine.events", "engine.sampling", "engine.errors", "engine.hub", "engine.openai",
+               "engine.session"}
     app_dir = Path(__file__).resolve().parents[2] / "app"
     for source in app_dir.glob("*.py"):
         for node in ast.walk(ast.parse(source.read_text())):

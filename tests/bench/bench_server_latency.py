@@ -3,8 +3,9 @@ measured the same way on both sides, from the call to the first piece of answer 
 
 In process: ``Engine.chat`` as a turn of the session the server shares, to its first ``TokenEvent``.
 Over HTTP: the official ``openai`` client's streamed ``chat.completions.create`` on loopback to its first
-chunk with content (request encoding, the server's parsing and queueing, the event-loop hop and SSE framing included). Both run on one engine
-with the prefix cache off, so every turn prefills the whole prompt; runs are interleaved.
+chunk with content (request encoding, the server's parsing and queueing, the event-loop hop and SSE framing
+included). Both run on one engine with the prefix cache off, so every turn prefills the whole prompt;
+runs are interleaved.
 
 Usage: ``.venv/bin/python tests/bench/bench_server_latency.py [--model M] [--runs 15] [--prompt-words 40] [--stub]``
 (default model: the bundled demo). Prints medians and the spread (min..max) of each and of the

@@ -4,7 +4,8 @@ layers with a gated full-attention layer every ``full_attention_interval``, M-Ro
 The folder holds the hyper-parameters (:mod:`.hparams`), the tensor table (:mod:`.tensors`), the numpy
 reference forward (:mod:`.model`), its native CPU twin (:mod:`.cpu`, :mod:`.cpu_mixers`), GPU prefill
 (:mod:`.cuda`, :mod:`.cuda_plan`), the answer's channels (:mod:`.channels`), the synthetic-model writer
-(:mod:`.synth`, :mod:`.quant_mix`) and the real vocabulary (:mod:`.vocab`). :data:`ARCH` is what :mod:`engine.registry` hands out.
+(:mod:`.synth`, :mod:`.quant_mix`) and the real vocabulary (:mod:`.vocab`). :data:`ARCH` is what
+:mod:`engine.registry` hands out.
 """
 
 from __future__ import annotations
