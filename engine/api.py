@@ -52,7 +52,9 @@ class Engine:
     """A loaded model: GGUF file, tokenizer, chat template and text model.
 
     Build it with :meth:`load`. Use it from one thread at a time: a shared engine is driven by the jobs of
-    its :class:`engine.session.Session` only. A turn runs as its events are read.
+    its :class:`engine.session.Session` only. A turn runs as its events are read. Misuse is refused, not
+    raced: :meth:`chat`, :meth:`generate`, :meth:`prefill_ahead` and :meth:`close` while a turn's events are
+    not all read raise :class:`~engine.errors.EngineError` at once.
     """
 
     def __init__(self, gguf: GGUFFile, tokenizer: Tokenizer, model: TextModel,
@@ -71,6 +73,7 @@ class Engine:
                                  options.cache_disk_bytes) if options.prefix_cache else None
         self.prompts = PromptBuilder(tokenizer, vision, gguf.source, gguf.path.name, self.context)
         self._closed = False
+        self._in_use = threading.Lock()    # refuses overlapping use (see the class docstring); never waited on
         self._grammar_tokens: Any = None                      # llguidance's token table, built on first use
         self._grammar_lock = threading.Lock()
 
@@ -242,16 +245,20 @@ class Engine:
             TemplateError, UnsupportedModelError: see :meth:`render` (before any event).
         """
         started = time.perf_counter()
-        self._check_open("chat")
-        prompt = self.prepare(messages, enable_thinking, cancel, tools)
+        self._enter("chat")
+        try:
+            prompt = self.prepare(messages, enable_thinking, cancel, tools)
+        except BaseException:
+            self._in_use.release()
+            raise
 
         def rerenders(answer: list[int]) -> bool:
             if prompt.images or (cancel is not None and cancel.is_set()):
                 return False  # re-rendering would re-encode every image; answers after images rarely re-render
             return self.answer_rerenders(messages, prompt.tokens, answer, enable_thinking, tools)
 
-        return self._turn(prompt.tokens, sampling, cancel, self.checkpoints(prompt.tokens), conversation,
-                          prompt, rerenders, started, grammar)
+        return self._released(self._turn(prompt.tokens, sampling, cancel, self.checkpoints(prompt.tokens),
+                                         conversation, prompt, rerenders, started, grammar))
 
     def generate(self, prompt_ids: Sequence[int], sampling: SamplingParams = SamplingParams(),
                  cancel: threading.Event | None = None, checkpoints: Sequence[int] = (),
@@ -267,14 +274,34 @@ class Engine:
             grammar: constrains the answer (:meth:`grammar`).
 
         Raises:
-            EngineError: the engine is closed.
+            EngineError: the engine is closed, or another turn's events are not all read.
         """
-        self._check_open("generate")
-        return self._turn(prompt_ids, sampling, cancel, checkpoints, conversation, prompt, rerenders, started, grammar)
+        self._enter("generate")
+        return self._released(self._turn(prompt_ids, sampling, cancel, checkpoints, conversation, prompt,
+                                         rerenders, started, grammar))
 
-    def _check_open(self, what: str) -> None:
+    def _enter(self, what: str) -> None:
+        """Mark the engine in use, or refuse at once: it is closed, or a turn is still running."""
+        if not self._in_use.acquire(blocking=False):
+            raise EngineError(f"{what}: another turn is still running on this engine; cancel it or read it "
+                              "to the end first (one turn at a time)")
         if self._closed:
+            self._in_use.release()
             raise EngineError(f"{what}: the engine is closed")
+
+    def _released(self, events: Iterator[Event]) -> Iterator[Event]:
+        """``events`` as an iterator that marks the engine free when it ends, is closed or is dropped (the
+        generator is started here, so one never read frees it when garbage-collected)."""
+        def run() -> Iterator[Any]:
+            try:
+                yield None
+                yield from events
+            finally:
+                self._in_use.release()
+
+        held = run()
+        next(held)
+        return held
 
     def _turn(self, prompt_ids: Sequence[int], sampling: SamplingParams, cancel: threading.Event | None,
               checkpoints: Sequence[int], conversation: str, prompt: Prompt | None, rerenders: Any,
@@ -336,10 +363,18 @@ class Engine:
             cache, or when the template renders earlier messages differently depending on the next one.
 
         Raises:
-            EngineError: the engine is closed. TemplateError, ImageError: as :meth:`prepare`.
+            EngineError: the engine is closed, or a turn is running. TemplateError, ImageError: as
+            :meth:`prepare`.
         """
-        self._check_open("prefill_ahead")
-        cancel = cancel or threading.Event()
+        self._enter("prefill_ahead")
+        try:
+            return self._read_ahead(messages, enable_thinking, cancel or threading.Event(), tools, conversation)
+        finally:
+            self._in_use.release()
+
+    def _read_ahead(self, messages: Sequence[Message], enable_thinking: bool, cancel: threading.Event,
+                    tools: Sequence[Message] | None, conversation: str) -> PrefillStats | None:
+        """The body of :meth:`prefill_ahead`, with the engine marked in use."""
         if self.cache is None:
             return None
         ahead = self.prompts.ahead(messages, enable_thinking, cancel, tools)
@@ -415,7 +450,12 @@ class Engine:
         not usable after. Each part is released even when an earlier one fails; the failure is then raised
         (a vision tower that fails to release is only logged, see :meth:`ImageEncoder.close`). A shared engine
         is closed by a job of its session (``session.call(engine.close)``), after which no turn runs.
+
+        Raises:
+            EngineError: a turn is still running (cancel it and let it end first); nothing is released.
         """
+        if not self._in_use.acquire(blocking=False):
+            raise EngineError("close: a turn is still running on this engine; cancel it and let it end first")
         self._closed = True
         try:
             if self.cache is not None:
@@ -425,9 +465,12 @@ class Engine:
                 if self.vision is not None:
                     self.vision.close()
             finally:
-                if self.gpu is not None:
-                    gpu, self.gpu = self.gpu, None
-                    gpu.close()
+                try:
+                    if self.gpu is not None:
+                        gpu, self.gpu = self.gpu, None
+                        gpu.close()
+                finally:
+                    self._in_use.release()
 
     def image_info(self, source: ImageSource) -> ImageInfo:
         """The size in pixels an image will have when it reaches the vision tower, and the image tokens
