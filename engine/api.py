@@ -155,7 +155,7 @@ class Engine:
                          pruning=pruning_summary(self.gguf))
 
     def telemetry(self) -> Any:
-        """The last GPU prefill's :class:`~engine.arch.qwen35.cuda_plan.PrefillTelemetry` (H2D bytes and
+        """The last GPU prefill's :class:`~engine.kernels.moe_stream.PrefillTelemetry` (H2D bytes and
         GB/s, VRAM used/free/budget, per-layer ms), or None when prefill runs on the CPU."""
         return None if self.gpu is None else self.gpu.last_telemetry
 

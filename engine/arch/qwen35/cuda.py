@@ -4,7 +4,7 @@ VRAM budget (issue 4); decode then continues on the CPU from the state this fill
 :class:`CudaPrefill` loads once per model: it plans placement (:func:`engine.arch.qwen35.cuda_plan.plan_placement`,
 ``.plan.text()`` says it in words), uploads every non-expert weight in its stored type (types without a
 kernel are dequantized to F32 on the host), packs each layer's routed experts per expert
-(``[gate | up | down]``, :class:`~engine.arch.qwen35.cuda_plan.ExpertLayout`) either into VRAM (resident layers)
+(``[gate | up | down]``, :class:`~engine.kernels.moe_stream.ExpertLayout`) either into VRAM (resident layers)
 or into page-locked host memory (streamed layers), and builds the kernels of ``native/cuda`` with pycuda.
 
 ``prefill(tokens, state)`` runs the whole prompt in one pass when its activations fit (else in passes of
@@ -13,7 +13,7 @@ section 3 and the same numerics as :class:`engine.arch.qwen35.model.Qwen35Model`
 state, float32 accumulation, the reference's float64 spots). Routed experts of streamed layers reach the
 GPU on a second stream: either whole layers, two buffers deep, so the copy of the next streamed layer
 overlaps the compute of the current one, or, for short prompts whose router picks few experts
-(:func:`~engine.arch.qwen35.cuda_plan.use_selective`), only the experts each layer's router selected.
+(:func:`~engine.kernels.moe_stream.use_selective`), only the experts each layer's router selected.
 Each MoE layer sorts its token-expert pairs by expert on the host (one small download per layer) and
 runs the expert GEMMs grouped over experts. The state (conv, delta-rule, KV rows) is copied back into
 the given :class:`~engine.turn.state.SequenceState`, so CPU decode continues from it.
@@ -34,10 +34,11 @@ from engine.kernels.cuda_context import CudaBackend
 from engine.kernels.cuda_kernels import PREFILL_SOURCES, Kernels
 from engine.kernels.cuda_layout import GPU_TYPES, TILE_ROWS, Matrix
 from engine.gguf.quant import dequantize
+from engine.kernels.moe_stream import (ExpertLayout, LayerTelemetry, Placement, PrefillTelemetry, copy_runs,
+                                       route_tables, use_selective)
 from engine.turn.state import SequenceState
 
-from .cuda_plan import (ExpertLayout, LayerTelemetry, Placement, PrefillTelemetry, activation_groups, copy_runs,
-                        expert_rows, pass_tokens, plan_file, route_tables, use_selective)
+from .cuda_plan import activation_groups, expert_rows, pass_tokens, plan_file
 from .hparams import Qwen35HParams
 
 DEFAULT_MARGIN = 512 << 20
@@ -57,8 +58,8 @@ class CudaPrefill(CudaBackend):
         plan_tokens: prompt length reserved for when deciding how many expert layers stay resident.
 
     Attributes:
-        plan: the :class:`~engine.arch.qwen35.cuda_plan.Placement` (``plan.text()`` for the log).
-        last_telemetry: :class:`~engine.arch.qwen35.cuda_plan.PrefillTelemetry` of the last prefill, or None.
+        plan: the :class:`~engine.kernels.moe_stream.Placement` (``plan.text()`` for the log).
+        last_telemetry: :class:`~engine.kernels.moe_stream.PrefillTelemetry` of the last prefill, or None.
 
     Raises:
         DeviceError: no usable GPU, pycuda or nvcc, a kernel fails to build, the budget is too small for
@@ -166,8 +167,9 @@ class CudaPrefill(CudaBackend):
         n_pass = pass_tokens(hp, n, p0 + n, self.plan.budget - self.plan.fixed_bytes)
         self._prepare(n_pass, p0 + n)
         self._upload_state(state)
-        streamed = bool(self.plan.streamed_experts)
-        mode = "resident" if not streamed else ("selective" if use_selective(hp, n_pass) else "streamed")
+        mode = "resident"
+        if self.plan.streamed_experts:
+            mode = "selective" if use_selective(hp.n_expert, hp.n_expert_used, n_pass) else "streamed"
         tel = PrefillTelemetry(n_tokens=n, passes=0, mode=mode, wall_ms=0.0, gpu_ms=0.0, h2d_bytes=0, h2d_ms=0.0,
                                vram_budget=self.plan.budget, vram_used=0, vram_free=0,
                                layers=[LayerTelemetry(il, "gdn" if hp.is_recurrent(il) else "attention",
