@@ -70,7 +70,8 @@ class Engine:
         self.context = min(options.context, hp.context_length)
         self.cache = PrefixCache(hp, gguf.identity, options.cache_ram_bytes, options.cache_disk_dir,
                                  options.cache_disk_bytes) if options.prefix_cache else None
-        self.prompts = PromptBuilder(tokenizer, vision, gguf.source, gguf.path.name, self.context)
+        self.prompts = PromptBuilder(tokenizer, vision, gguf.source, gguf.path.name, self.context,
+                                     markup=gguf.text_arch.markup)
         self._busy = threading.Lock()      # held while a turn runs (see the class docstring)
         self._closed = False
         self._ahead_cancel: threading.Event | None = None    # the running prefill_ahead's cancel flag
@@ -317,7 +318,7 @@ class Engine:
                     images=() if prompt is None else prompt.images, gpu=self.gpu,
                     gpu_min_tokens=self.options.gpu_min_tokens, on_device_error=self._gpu_failed,
                     rerenders=rerenders, started=started, grammar=grammar,
-                    channels=self.gguf.text_arch.channels)
+                    channels=self.gguf.text_arch.channels, decode_positions=self.gguf.text_arch.decode_positions)
         return run_turn(turn)
 
     def complete(self, text: str, sampling: SamplingParams = SamplingParams(),
