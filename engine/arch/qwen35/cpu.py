@@ -29,9 +29,8 @@ What runs where:
   :func:`engine.kernels.cpu.silu_mul` (C, as the step computes it).
 
 Prefill is therefore split-invariant (:mod:`engine.arch.qwen35.model`): a position's arithmetic is the
-same whatever piece it is read in, decode included. The fused paths report only the stages outside
-the fused calls to ``cb`` (no ``beta``, ``gate``, ``conv_output_silu``, ``attn_output`` of GDN
-layers; ``ffn_moe_logits`` neither).
+same whatever piece it is read in, decode included. The hooks report the reference's stage names to
+``cb`` except :data:`FUSED_STAGES`, which the fused calls keep inside C.
 
 Weight formats, decided once at load, tensor by tensor (:func:`prepare_weight`; at most one
 tensor's float32 rows of 16 MiB exist at a time, the file stays mapped, not copied):
@@ -81,6 +80,10 @@ from .tensors import tensor_shapes
 
 Q = GGMLQuantizationType
 FLOAT_WEIGHTS = ("f32", "q8_0")
+FUSED_STAGES = frozenset({"beta", "gate", "conv_output_silu", "attn_output", "ffn_moe_logits", "ffn_moe_out",
+                          "ffn_shexp"})
+"""Reference stages the fused GDN step and fused MoE never materialise (a float32-expert layer, or one
+watched by an expert observer, still reports its MoE stages)."""
 CONVERT_CHUNK_BYTES = 16 << 20
 """float32 bytes dequantized at a time while converting a tensor."""
 
