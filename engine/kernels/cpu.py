@@ -10,16 +10,16 @@ Block layouts are ggml's (ggml/src/ggml-common.h), i.e. the raw bytes of a GGUF 
   low nibble of ``qs[j]``, value ``j + 16`` its high nibble; value = (nibble - 8) * d.
 * ``block_q8_0``, 34 bytes per 32 values: f16 ``d``, then 32 int8 ``qs``; value = qs[j] * d.
 * ``block_q4_K`` / ``block_q5_K`` / ``block_q6_K``, 144 / 176 / 210 bytes per 256 values (layouts in
-  native/cpu/kquants.h): read as stored by :data:`~engine.kernels.cpu_twins.K_QUANTS` kernels, whose
+  native/cpu/quant/kquants.h): read as stored by :data:`~engine.kernels.cpu_twins.K_QUANTS` kernels, whose
   integer parts, scale products and f64 order are fixed, so their results are bit-identical across ISA
   levels, thread counts and the numpy twin (:func:`engine.kernels.cpu_twins.kquant_unpack` + the same
   order in numpy).
 * ``block_q4_1``, ``block_q5_0``, ``block_q5_1``, ``block_iq4_nl`` (20 / 22 / 24 / 18 bytes per 32
-  values) and ``block_iq4_xs`` (136 bytes per 256; layouts in native/cpu/bquants.h): read as stored
+  values) and ``block_iq4_xs`` (136 bytes per 256; layouts in native/cpu/quant/bquants.h): read as stored
   by :data:`~engine.kernels.cpu_twins.B_QUANTS` kernels, with the same exactness and fixed f64 order
   as the K-quants (twin: :func:`engine.kernels.cpu_twins.bquant_product_np`).
-* ``block_q2_K`` / ``block_q3_K`` (84 / 110 bytes per 256 values; layouts in native/cpu/lowbit.h) and the
-  IQ1/IQ2/IQ3 super-blocks (native/cpu/iquants.h; their codebooks come from gguf-py and are registered
+* ``block_q2_K`` / ``block_q3_K`` (84 / 110 bytes per 256 values; layouts in native/cpu/quant/lowbit.h) and the
+  IQ1/IQ2/IQ3 super-blocks (native/cpu/quant/iquants.h; their codebooks come from gguf-py and are registered
   with the kernels at import): read as stored by :data:`~engine.kernels.lowbit_twins.LOW_BIT` kernels, with the same exactness and fixed
   f64 order (twin: :func:`engine.kernels.lowbit_twins.lowbit_product_np`).
 

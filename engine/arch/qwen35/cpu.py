@@ -11,7 +11,7 @@ the fast path is tested against, and a subclass needs no object threaded through
 What runs where:
 
 * a one-token forward call (every decoded token): the whole model in one native call,
-  :class:`~engine.arch.qwen35.cpu_step.NativeStep` (native/cpu/step.c), bit-identical to the hook
+  :class:`~engine.arch.qwen35.cpu_step.NativeStep` (native/cpu/runtime/step.c), bit-identical to the hook
   path below, so Python only looks up the embedding row and samples; models with a float32
   projection and calls with a stage callback or an expert observer take the hooks
   (:mod:`engine.arch.qwen35.cpu_step`);

@@ -1,9 +1,9 @@
 """The token mixers in C: the Gated DeltaNet recurrent step and causal gated attention over the KV
 cache, with numpy twins (same signatures, built from :mod:`engine.ops.reference`).
 
-Native code: native/cpu/gdn_kernel.h (``dd_gdn_decode``, ``dd_gdn_prefill``: compiled once per ISA
+Native code: native/cpu/gdn/gdn_kernel.h (``dd_gdn_decode``, ``dd_gdn_prefill``: compiled once per ISA
 level; the conv inputs split by head of channels, the delta rule by v-head, each head's state in
-column blocks that stay in L1 through all the tokens of a call) and native/cpu/attn_kernel.h (``dd_attn_decode``, ``dd_attn_prefill``: compiled once per ISA level,
+column blocks that stay in L1 through all the tokens of a call) and native/cpu/attention/attn_kernel.h (``dd_attn_decode``, ``dd_attn_prefill``: compiled once per ISA level,
 the cache in blocks of 256 positions at absolute positions, prefill in tiles of 16 to 64 queries; the
 arithmetic is spelled out there). Both give the same bits at every ISA level and thread count, and
 prefill gives every position the bits decode gives it (:func:`gdn_prefill` runs the recurrent step

@@ -1,4 +1,4 @@
-"""The decode step in one native call per token: :class:`NativeStep` (native/cpu/step.c, ``dd_step``).
+"""The decode step in one native call per token: :class:`NativeStep` (native/cpu/runtime/step.c, ``dd_step``).
 
 A one-token :meth:`~engine.arch.qwen35.cpu.NativeQwen35Model.forward` runs every layer (norms,
 projections, the Gated DeltaNet step, attention over the KV cache, router, routed and shared experts or
@@ -10,7 +10,7 @@ computes the token's RoPE cos/sin table (:func:`engine.ops.reference.rope_tables
 Exactness: the step gives the same bits as the per-hook forward pass of ``NativeQwen35Model`` (the path
 every prefill piece of two or more tokens takes): its products, mixers and MoE are the same C calls, and
 what the hooks leave to numpy (RMSNorm, RoPE, the residual adds, the dense FFN's SiLU) is redone in
-numpy's own float64 arithmetic (native/cpu/step.c). So a decoded token equals the same token read in
+numpy's own float64 arithmetic (native/cpu/runtime/step.c). So a decoded token equals the same token read in
 any prefill piece, at every ISA level and thread count, and the prefix cache changes no answer
 (tests/test_native_step.py, tests/test_split_invariance.py).
 

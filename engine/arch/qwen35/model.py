@@ -33,7 +33,7 @@ positions before it left, never on which other positions share its :meth:`Qwen35
   (:mod:`engine.ops.reference`, row rule); projections are taken row by row
   (:func:`~engine.ops.reference.linear_rows`: BLAS sums a batch's rows in other orders than a single
   row's); the native GEMM computes every output element by the same instruction sequence for any
-  number of rows and any thread split (native/cpu/gemm_tiles.h), and the fused one-token MoE runs
+  number of rows and any thread split (native/cpu/quant/gemm_tiles.h), and the fused one-token MoE runs
   once per row.
 * Token mixers run position by position: the Gated DeltaNet layers take the recurrent step per token
   and round the state to float32 after every token, as decode does (the chunked form would round it

@@ -4,7 +4,7 @@ super-blocks, the IQ4_NL blocks llama-quantize falls back to, and MXFP4 blocks, 
 index, sign pattern and scale field of random bytes is valid).
 
 Every byte is drawn uniformly (so every code is uniform over its levels), then the scales are rewritten
-so the dequantized values have mean ~0 and standard deviation ~``std`` (layouts: native/cpu/lowbit.h,
+so the dequantized values have mean ~0 and standard deviation ~``std`` (layouts: native/cpu/quant/lowbit.h,
 ggml-common.h; values as ggml-quants.c ``dequantize_row_*``):
 
 * Q2_K: x = d sc q - dmin m with q uniform in 0..3; sc = 8 + (byte & 7), m = sc, dmin = 1.5 d, so
