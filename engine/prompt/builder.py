@@ -163,8 +163,8 @@ class PromptBuilder:
             raise UnsupportedModelError(
                 f"{self.name}: no vision tower (mmproj file) is loaded, so this model cannot read images")
         if self._image_pad is None or self._vision_start is None:
-            raise UnsupportedModelError(f"{self.source}: the vocabulary has no {self.markup.image_pad or 'image-pad'} / "
-                                        f"{self.markup.image_start or 'image-start'} token for images")
+            pad, start = self.markup.image_pad or "image-pad", self.markup.image_start or "image-start"
+            raise UnsupportedModelError(f"{self.source}: the vocabulary has no {pad} / {start} token for images")
         return self.vision
 
     def _expand(self, ids: Sequence[int], encoded: Sequence[EncodedImage]
