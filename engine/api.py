@@ -71,7 +71,8 @@ class Engine:
         self.context = min(options.context, hp.context_length)
         self.cache = PrefixCache(hp, gguf.identity, options.cache_ram_bytes, options.cache_disk_dir,
                                  options.cache_disk_bytes) if options.prefix_cache else None
-        self.prompts = PromptBuilder(tokenizer, vision, gguf.source, gguf.path.name, self.context)
+        self.prompts = PromptBuilder(tokenizer, vision, gguf.source, gguf.path.name, self.context,
+                                     markup=gguf.text_arch.markup)
         self._closed = False
         self._in_use = threading.Lock()    # refuses overlapping use (see the class docstring); never waited on
         self._grammar_tokens: Any = None                      # llguidance's token table, built on first use
@@ -156,7 +157,7 @@ class Engine:
                          pruning=pruning_summary(self.gguf))
 
     def telemetry(self) -> Any:
-        """The last GPU prefill's :class:`~engine.arch.qwen35.cuda_plan.PrefillTelemetry` (H2D bytes and
+        """The last GPU prefill's :class:`~engine.kernels.moe_stream.PrefillTelemetry` (H2D bytes and
         GB/s, VRAM used/free/budget, per-layer ms), or None when prefill runs on the CPU."""
         return None if self.gpu is None else self.gpu.last_telemetry
 
@@ -315,7 +316,7 @@ class Engine:
                     images=() if prompt is None else prompt.images, gpu=self.gpu,
                     gpu_min_tokens=self.options.gpu_min_tokens, on_device_error=self._gpu_failed,
                     rerenders=rerenders, started=started, grammar=grammar,
-                    channels=self.gguf.text_arch.channels)
+                    channels=self.gguf.text_arch.channels, decode_positions=self.gguf.text_arch.decode_positions)
         return run_turn(turn)
 
     def complete(self, text: str, sampling: SamplingParams = SamplingParams(),

@@ -73,6 +73,23 @@ class GpuPrefill(Protocol):
 
 
 @dataclass(frozen=True)
+class ChatMarkup:
+    """A text family's marker tokens, as the text its chat template writes them (the tokenizer finds the ids).
+
+    Attributes:
+        message_start: the token that opens every message (a snapshot point).
+        assistant_header: the text that opens the answer, from ``message_start`` on.
+        image_pad: the placeholder the template writes for an image, expanded to one per image token.
+        image_start: the token that opens each image (the image's positions count from it).
+    """
+
+    message_start: str
+    assistant_header: str
+    image_pad: str
+    image_start: str
+
+
+@dataclass(frozen=True)
 class TextArch:
     """What a text family provides; the engine's generic rooms ask only this.
 
@@ -93,6 +110,9 @@ class TextArch:
         channels: ``prompt_tail -> splitter``: the family's split of an answer into reasoning, content and
             tool-call text (:class:`engine.channels.ChannelSplitter`), given the text of the prompt's last
             tokens (None: all of it is content).
+        markup: the chat and image marker tokens (None: ChatML's, without image markers).
+        decode_positions: ``(prompt positions or None, prompt length, k) -> positions``: the rotary
+            positions ``forward`` takes for the k-th token decoded after the prompt (None: plain positions).
     """
 
     name: str
@@ -105,6 +125,8 @@ class TextArch:
     cuda_prefill: Callable[[Any, Any, int | None], GpuPrefill]
     prefill_plan: Callable[[Any, Any, int], Any] | None = None
     channels: Callable[[str], Any] | None = None
+    markup: ChatMarkup | None = None
+    decode_positions: Callable[[np.ndarray | None, int, int], np.ndarray] | None = None
 
 
 class VisionTower(Protocol):

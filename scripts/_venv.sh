@@ -32,7 +32,7 @@ import hashlib, os, pathlib, sys
 h = hashlib.sha256(f"{sys.version}\0{os.getcwd()}\0".encode())
 native = pathlib.Path("native/cpu")
 for path in sorted([pathlib.Path("pyproject.toml"), pathlib.Path("setup.py"),
-                    *native.glob("*.py"), *native.glob("*.c"), *native.glob("*.h")]):
+                    *native.rglob("*.py"), *native.rglob("*.c"), *native.rglob("*.h")]):
     h.update(f"{path}\0".encode() + path.read_bytes() + b"\0")
 print(h.hexdigest())
 PY

@@ -12,7 +12,7 @@ import bisect
 
 import numpy as np
 
-from engine.arch.qwen35.cuda_plan import route_tables
+from engine.kernels.moe_stream import route_tables
 from engine.kernels.cuda_layout import TILE_ROWS
 
 

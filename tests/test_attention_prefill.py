@@ -1,4 +1,4 @@
-"""Tiled causal prefill attention (native/cpu/attn_kernel.h, ``dd_attn_prefill``) vs the float64
+"""Tiled causal prefill attention (native/cpu/attention/attn_kernel.h, ``dd_attn_prefill``) vs the float64
 reference, and its split invariance: a query's bits must not depend on the call it comes in
 (chunking, the prefix cache's resume point), on the thread count or on the ISA level, and must equal
 what one-query decode (``dd_attn_decode``) gives at that position.
@@ -123,7 +123,7 @@ def test_prefill_attention_rejects_bad_shapes():
 
 
 DECODE_COPIES = {"scalar": "attn_decode_base", "avx2": "attn_decode_avx2", "avx512vnni": "attn_decode_avx512"}
-"""The per-level copies of the decode kernel in the extension (native/cpu/attention*.c)."""
+"""The per-level copies of the decode kernel in the extension (native/cpu/attention/attention*.c)."""
 
 
 @pytest.mark.parametrize("m, n_head, n_kv, hd", [

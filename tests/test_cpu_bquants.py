@@ -1,4 +1,4 @@
-"""Q4_1, Q5_0, Q5_1, IQ4_NL and IQ4_XS CPU kernels (read as stored: native/cpu/bquants.h) at every
+"""Q4_1, Q5_0, Q5_1, IQ4_NL and IQ4_XS CPU kernels (read as stored: native/cpu/quant/bquants.h) at every
 ISA level and in the numpy twin.
 
 Weights are random blocks drawn byte by byte (random quant codes, fifth bits and IQ4_XS 6-bit

@@ -1,4 +1,4 @@
-"""K-quant CPU kernels (Q4_K, Q5_K, Q6_K read as stored: native/cpu/kquants.h) at every ISA level.
+"""K-quant CPU kernels (Q4_K, Q5_K, Q6_K read as stored: native/cpu/quant/kquants.h) at every ISA level.
 
 Weights are random super-blocks drawn byte by byte (no zero scales, odd row and super-block
 counts); the reference dequantizes them with gguf.quants (ggml's reference decoder, independent

@@ -1,4 +1,4 @@
-"""Low-bit CPU kernels (Q2_K, Q3_K and the IQ1/IQ2/IQ3 types read as stored: native/cpu/lowbit.h,
+"""Low-bit CPU kernels (Q2_K, Q3_K and the IQ1/IQ2/IQ3 types read as stored: native/cpu/quant/lowbit.h,
 iquants.h) at every ISA level.
 
 Weights are random super-blocks drawn byte by byte (every code, grid index, sign pattern, high bit,

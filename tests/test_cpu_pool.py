@@ -1,4 +1,4 @@
-"""The kernels' thread pool (native/cpu/pool.c): every chunk of a job runs exactly once, whatever the
+"""The kernels' thread pool (native/cpu/runtime/pool.c): every chunk of a job runs exactly once, whatever the
 thread count, and a chunk's result does not depend on which thread ran it.
 
 The pool cuts a job into one contiguous home range of chunks per thread and lets a thread that has

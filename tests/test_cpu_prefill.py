@@ -1,4 +1,4 @@
-"""CPU prompt processing (native/cpu/gemm_tiles.h's GEMM walk, moe_prefill.c's dd_moe_prefill): results
+"""CPU prompt processing (native/cpu/quant/gemm_tiles.h's GEMM walk, moe_prefill.c's dd_moe_prefill): results
 bit-identical to the one-token paths, so prefill and decode agree and a prompt's split into pieces
 changes nothing.
 

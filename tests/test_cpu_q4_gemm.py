@@ -1,6 +1,6 @@
 """The Q4_0 prefill GEMM (m > 1 columns) against the float64 reference, the GEMV and the numpy twin.
 
-At the AVX-512 VNNI level the GEMM runs its own tiles (native/cpu/q4_gemm_avx512.h: one row, up to 8
+At the AVX-512 VNNI level the GEMM runs its own tiles (native/cpu/quant/q4_gemm_avx512.h: one row, up to 8
 columns, on the lane layout of the activations) while m == 1 keeps the GEMV's tiles, so every column
 count below exercises a different mix of 8-column tiles and the 1-7 columns left over, and every k a
 different mix of full 16-block groups and the short last group. The tolerance is the summation bound

@@ -1,4 +1,4 @@
-"""The native float32 GEMM with packed weights (engine.kernels.sgemm, native/cpu/sgemm_avx512.c) against a float64
+"""The native float32 GEMM with packed weights (engine.kernels.sgemm, native/cpu/vit/sgemm_avx512.c) against a float64
 numpy reference on fresh random inputs (no zeros) and odd shapes, its epilogue activations, and the invariances the
 vision towers rely on: the same bits at every thread count and for any subset of rows."""
 

@@ -22,12 +22,12 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from engine.arch.qwen35.cuda_plan import (activation_bytes, copy_runs, kv_bytes, pass_tokens, plan_placement,
-                                          route_tables, state_bytes, use_selective)
+from engine.arch.qwen35.cuda_plan import activation_bytes, kv_bytes, pass_tokens, plan_placement, state_bytes
 from engine.arch.qwen35.synth import preset_hparams
 from engine.errors import DeviceError
 from cuda_fakes import FakeDriver, FakeKernels
 from engine.kernels.cuda_layout import TILE_ROWS, Matrix, gemm_matrix
+from engine.kernels.moe_stream import copy_runs, route_tables, use_selective
 from gguf import GGMLQuantizationType as Q
 
 TOL = 2e-3
@@ -117,7 +117,8 @@ def test_route_tables_sort_by_expert_and_cut_tiles():
 def test_copy_runs_and_selective_rule():
     assert copy_runs(np.array([0, 1, 2, 5, 7, 8])) == [(0, 3), (5, 1), (7, 2)]
     hp = preset_hparams("35b-a3b", n_vocab=1024, layers=4)
-    assert use_selective(hp, 1) and use_selective(hp, 40) and not use_selective(hp, 947)
+    E, k = hp.n_expert, hp.n_expert_used
+    assert use_selective(E, k, 1) and use_selective(E, k, 40) and not use_selective(E, k, 947)
 
 
 def test_no_pycuda_is_a_device_error(tmp_path):

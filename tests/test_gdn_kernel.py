@@ -1,4 +1,4 @@
-"""The per-ISA Gated DeltaNet kernel (native/cpu/gdn_kernel.h): the same bits at every ISA level, thread
+"""The per-ISA Gated DeltaNet kernel (native/cpu/gdn/gdn_kernel.h): the same bits at every ISA level, thread
 count and split of the tokens over calls, decode included, and near the numpy twin.
 
 Shapes are chosen to reach every path: state widths that leave a remainder after the wide column blocks

@@ -19,7 +19,8 @@ import pytest
 from PIL import Image
 
 from engine.errors import ImageError
-from engine.vision.images import open_image, patchify, prepare_image, read_source, smart_resize, to_rgb
+from engine.arch.qwen3vl.preprocess import patchify, prepare_image, smart_resize
+from engine.vision.images import open_image, read_source, to_rgb
 
 FIX = Path(__file__).parent / "fixtures" / "vision"
 LEVEL = 2.0 / 255.0
@@ -244,7 +245,8 @@ def test_max_resized_pixels_bounds_smart_resize_and_is_reached(bounds):
     max_pixels), and some input reaches it."""
     import random
 
-    from engine.vision.images import MAX_ASPECT, max_resized_pixels
+    from engine.arch.qwen3vl.preprocess import max_resized_pixels
+    from engine.vision.images import MAX_ASPECT
 
     lo, hi = bounds
     bound = max_resized_pixels(32, lo, hi)

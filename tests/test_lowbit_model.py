@@ -1,7 +1,7 @@
 """Whole models in the low-bit types (synth ``--quant q2_k``, ``q3_k``, ``iq2_xxs``, ...) on the native CPU kernels.
 
 The file's weights stay in the file map (no converted copy: RSS grows by no weight bytes); every ISA
-level and thread count gives the same logits bits (the kernels' exactness, native/cpu/lowbit.h); and
+level and thread count gives the same logits bits (the kernels' exactness, native/cpu/quant/lowbit.h); and
 greedy decoding follows the numpy reference model (float32 weights dequantized by gguf-py, float
 activations). Exact greedy equality with it is impossible by construction (the kernels quantize
 activations to 8 bits; test_native_model's module doc), so the test holds the logit gap to ``NEAR`` of

@@ -29,8 +29,9 @@ from PIL import Image
 
 from engine.events import TokenEvent
 from engine.gguf.file import GGUFFile
-from engine.vision.images import prepare_image
+from engine.arch.qwen3vl.preprocess import prepare_image
 from engine.arch.qwen3vl.mmproj import load_mmproj
+from engine.arch.qwen35 import ARCH as QWEN35
 from engine.arch.qwen35.model import Qwen35Model
 from engine.arch.qwen3vl.positions import mrope_positions
 from engine.arch.qwen3vl.tower import VisionTower
@@ -158,7 +159,7 @@ def test_greedy_continuation_matches_hf(case):
     n_new = len(gold[f"{case}_greedy"])
     turn = Turn(model=model, tokenizer=IdsOnly(), prompt=list(ids), context=CONTEXT,  # type: ignore[arg-type]
                 sampling=SamplingParams(temperature=0.0, max_tokens=n_new), cancel=threading.Event(),
-                positions=positions, images=spans)
+                positions=positions, images=spans, decode_positions=QWEN35.decode_positions)
     got = [e.token_id for e in run_turn(turn) if isinstance(e, TokenEvent)]
     assert got == gold[f"{case}_greedy"].tolist()
 

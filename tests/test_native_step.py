@@ -1,4 +1,4 @@
-"""The one-call native decode step (engine.arch.qwen35.cpu_step, native/cpu/step.c).
+"""The one-call native decode step (engine.arch.qwen35.cpu_step, native/cpu/runtime/step.c).
 
 References, tightest first:
 

@@ -35,7 +35,7 @@ def repo(tmp_path):
     """A scratch checkout: the scripts, the install-defining files and one Python module."""
     root = tmp_path / "repo"
     for rel in ["scripts/run", "scripts/test", "scripts/_venv.sh", "pyproject.toml", "setup.py",
-                "engine/errors.py", *(str(p.relative_to(ROOT)) for p in (ROOT / "native/cpu").iterdir()
+                "engine/errors.py", *(str(p.relative_to(ROOT)) for p in (ROOT / "native/cpu").rglob("*")
                                       if p.suffix in {".py", ".c", ".h"})]:
         (root / rel).parent.mkdir(parents=True, exist_ok=True)
         shutil.copy2(ROOT / rel, root / rel)
@@ -68,7 +68,7 @@ def test_run_installs_on_first_use_then_only_when_the_install_changes(repo) -> N
     with open(root / "engine/errors.py", "a") as f:       # editable install: Python edits need nothing
         f.write("# edited\n")
     assert launch(repo, "run") == (0, ["-m app.platform_check", "-m app"])
-    for rel in ("native/cpu/pool.c", "native/cpu/kernels.h", "setup.py", "pyproject.toml"):
+    for rel in ("native/cpu/runtime/pool.c", "native/cpu/quant/kernels.h", "setup.py", "pyproject.toml"):
         with open(root / rel, "a") as f:
             f.write("\n")
         assert launch(repo, "run") == (0, ["-m pip install -q -e .", "-m app.platform_check", "-m app"]), rel

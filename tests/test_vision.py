@@ -18,7 +18,7 @@ import pytest
 from PIL import Image
 
 from engine.errors import GenerationCancelled
-from engine.vision.images import prepare_image
+from engine.arch.qwen3vl.preprocess import prepare_image
 from engine.arch.qwen3vl.mmproj import PRESETS, load_mmproj, synth_mmproj
 from engine.arch.qwen3vl.positions import mrope_positions
 from engine.arch.qwen3vl.tower import VisionTower, image_token_count

@@ -36,7 +36,7 @@ from PIL import Image, ImageDraw, ImageFilter
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from engine.vision.images import prepare_image  # noqa: E402
+from engine.arch.qwen3vl.preprocess import prepare_image  # noqa: E402
 from engine.arch.qwen3vl.positions import mrope_positions  # noqa: E402
 from engine.prompt.tokenizer import Tokenizer  # noqa: E402
 

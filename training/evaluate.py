@@ -102,7 +102,7 @@ def conformance(engines: dict[str, Engine], run: Path, n: int = 20) -> dict:
     scene questions with images and 4 text-only chat lines."""
     import torch
     from export import load_run
-    from engine.vision.images import prepare_image
+    from engine.arch.qwen3vl.preprocess import prepare_image
 
     torch.set_num_threads(2)
     model = load_run(run)

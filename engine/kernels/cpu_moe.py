@@ -139,7 +139,7 @@ def moe_prefill(x: np.ndarray, w: MoEWeights | PreparedMoE) -> MoEResult:
     are read once for all the tokens routed to it, the shared expert's once for all n.
 
     Token t's results are bit for bit those of ``moe_ffn(x[t], w)`` (same routing and tie rule, same
-    products, same summation order; native/cpu/moe_prefill.c), so prefill and decode agree and a prompt's
+    products, same summation order; native/cpu/moe/moe_prefill.c), so prefill and decode agree and a prompt's
     split into pieces changes nothing.
 
     Args: x (n, d) float32; w: the layer's MoEWeights, or a PreparedMoE of them.

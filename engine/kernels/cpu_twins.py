@@ -52,14 +52,14 @@ def dequantize(raw: np.ndarray, qtype: GGMLQuantizationType) -> np.ndarray:
 
 
 K_QUANTS = frozenset({Q.Q4_K, Q.Q5_K, Q.Q6_K})
-"""The K-quant types the kernels read (native/cpu/kquants.h); 256-value super-blocks."""
+"""The K-quant types the kernels read (native/cpu/quant/kquants.h); 256-value super-blocks."""
 KQ_ROWS = 1024
 """Weight rows the numpy twin takes at a time (bounds its int64 temporaries)."""
 
 
 def kquant_unpack(raw: np.ndarray, qtype: GGMLQuantizationType
                   ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-    """Integer parts of Q4_K / Q5_K / Q6_K super-blocks (layouts in native/cpu/kquants.h, after
+    """Integer parts of Q4_K / Q5_K / Q6_K super-blocks (layouts in native/cpu/quant/kquants.h, after
     ggml-quants.c ``dequantize_row_q4_K`` / ``_q5_K`` / ``_q6_K``).
 
     Args: raw (rows, nsb * block bytes) uint8; qtype one of :data:`K_QUANTS`.
@@ -94,7 +94,7 @@ def kquant_unpack(raw: np.ndarray, qtype: GGMLQuantizationType
 
 def kquant_product_np(raw: np.ndarray, x2: np.ndarray, qtype: GGMLQuantizationType) -> np.ndarray:
     """(m, rows) float32 = x2 (m, k) quantized to Q8_0 times the K-quant rows, in exactly the f64
-    operations and order of native/cpu/kquants.h (integer parts exact, f32 scale products exact,
+    operations and order of native/cpu/quant/kquants.h (integer parts exact, f32 scale products exact,
     lane b % 8 accumulated over super-blocks in order, lanes added in a fixed tree)."""
     q, sc, mn, d, dmin = kquant_unpack(raw, qtype)
     rows, nsb = d.shape
@@ -122,7 +122,7 @@ def kquant_product_np(raw: np.ndarray, x2: np.ndarray, qtype: GGMLQuantizationTy
 
 
 B_QUANTS = frozenset({Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.IQ4_NL, Q.IQ4_XS, Q.MXFP4})
-"""The other 4/5-bit types the kernels read as stored (native/cpu/bquants.h): 32-value blocks taken
+"""The other 4/5-bit types the kernels read as stored (native/cpu/quant/bquants.h): 32-value blocks taken
 eight at a time (IQ4_XS: its 256-value super-block)."""
 KVALUES_IQ4NL = np.array([-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113], np.int64)
 """ggml-common.h ``kvalues_iq4nl``: the int8 codebook IQ4_NL / IQ4_XS nibbles index."""
@@ -132,7 +132,7 @@ KVALUES_MXFP4 = np.array([0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -1
 
 def bquant_unpack(raw: np.ndarray, qtype: GGMLQuantizationType
                   ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray | None]:
-    """Integer parts of Q4_1 / Q5_0 / Q5_1 / IQ4_NL / IQ4_XS / MXFP4 rows (layouts in native/cpu/bquants.h,
+    """Integer parts of Q4_1 / Q5_0 / Q5_1 / IQ4_NL / IQ4_XS / MXFP4 rows (layouts in native/cpu/quant/bquants.h,
     after ggml-quants.c ``dequantize_row_q4_1`` / ``_q5_0`` / ``_q5_1`` / ``_iq4_nl`` / ``_iq4_xs`` / ``_mxfp4``).
 
     Args: raw (rows, row bytes) uint8; qtype one of :data:`B_QUANTS`.
@@ -177,7 +177,7 @@ def bquant_unpack(raw: np.ndarray, qtype: GGMLQuantizationType
 
 def bquant_product_np(raw: np.ndarray, x2: np.ndarray, qtype: GGMLQuantizationType) -> np.ndarray:
     """(m, rows) float32 = x2 (m, k) quantized to Q8_0 times rows of a :data:`B_QUANTS` type, in exactly
-    the f64 operations and order of native/cpu/bquants.h: per block the exact ``(d da) I`` (and
+    the f64 operations and order of native/cpu/quant/bquants.h: per block the exact ``(d da) I`` (and
     ``(m da) S`` for Q4_1 / Q5_1) into lane b % 8, groups of 8 blocks in order, lanes in a fixed tree."""
     v, mult, d, mn = bquant_unpack(raw, qtype)
     rows, nb = d.shape

@@ -265,7 +265,7 @@ class Kernels:
 
     def route(self, stream: Any, idx: int, w: int, n: int, k: int, e: int, stride: int, counts: int, cursor: int,
               tiles: int, n_tiles: int, a_rows: int, row_w: int, inv: int) -> int:
-        """Routing tables on the GPU (rows.cu route_*): the device form of cuda_plan.route_tables, expert e's
+        """Routing tables on the GPU (rows.cu route_*): the device form of moe_stream.route_tables, expert e's
         weights at byte offset e * stride. counts / cursor: (e,) int32 scratch; n_tiles: device int32.
 
         Returns:

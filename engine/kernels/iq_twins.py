@@ -1,4 +1,4 @@
-"""numpy twin of the IQ types' unpacking (native/cpu/iquants.h, whose comment gives the layouts): each
+"""numpy twin of the IQ types' unpacking (native/cpu/quant/iquants.h, whose comment gives the layouts): each
 super-block as unsigned values ``u = v + off``, an odd integer scale per 16 values and the f32 ``d_eff`` (the
 f16 d times a power of two), so value j is ``d_eff * sc[j // 16] * (u[j] - off)``. The codebooks are
 gguf-py's (``gguf.quants.IQ2_XXS.grid`` etc., the formats' tables); :func:`grids` hands them to the kernels.
@@ -13,7 +13,7 @@ from gguf import quants as gq
 Q = GGMLQuantizationType
 
 IQ_TYPES = frozenset({Q.IQ2_XXS, Q.IQ2_XS, Q.IQ2_S, Q.IQ3_XXS, Q.IQ3_S, Q.IQ1_S, Q.IQ1_M})
-"""The IQ super-block types the kernels read (native/cpu/iquants.h)."""
+"""The IQ super-block types the kernels read (native/cpu/quant/iquants.h)."""
 OFFSETS = {Q.IQ2_XXS: 43, Q.IQ2_XS: 43, Q.IQ2_S: 43, Q.IQ3_XXS: 62, Q.IQ3_S: 15, Q.IQ1_S: 9, Q.IQ1_M: 9}
 """What the kernels add to a type's integer values to make them unsigned (iquants.h ``DD_*_OFF``)."""
 _GRID_OF = {Q.IQ2_XXS: gq.IQ2_XXS, Q.IQ2_XS: gq.IQ2_XS, Q.IQ2_S: gq.IQ2_S, Q.IQ3_XXS: gq.IQ3_XXS,

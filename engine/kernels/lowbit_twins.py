@@ -1,4 +1,4 @@
-"""numpy twins of the low-bit CPU kernels (native/cpu/lowbit.h: Q2_K, Q3_K and the IQ1/IQ2/IQ3 types read
+"""numpy twins of the low-bit CPU kernels (native/cpu/quant/lowbit.h: Q2_K, Q3_K and the IQ1/IQ2/IQ3 types read
 as stored; the IQ types' unpacking is :mod:`engine.kernels.iq_twins`).
 
 A super-block of 256 values is decoded to unsigned integers ``u = value + off`` in value order, an
@@ -35,7 +35,7 @@ def _crumbs(qs: np.ndarray) -> np.ndarray:
 
 def lowbit_unpack(raw: np.ndarray, qtype: GGMLQuantizationType
                   ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-    """Integer parts of Q2_K / Q3_K super-blocks (layouts in native/cpu/lowbit.h; the IQ types:
+    """Integer parts of Q2_K / Q3_K super-blocks (layouts in native/cpu/quant/lowbit.h; the IQ types:
     :func:`engine.kernels.iq_twins.iq_unpack`).
 
     Args: raw (rows, nsb * block bytes) uint8; qtype one of :data:`LOW_BIT`.
@@ -62,7 +62,7 @@ def lowbit_unpack(raw: np.ndarray, qtype: GGMLQuantizationType
 
 def lowbit_product_np(raw: np.ndarray, x2: np.ndarray, qtype: GGMLQuantizationType) -> np.ndarray:
     """(m, rows) float32 = x2 (m, k) quantized to Q8_0 times rows of a :data:`LOW_BIT` type, in exactly
-    the f64 operations and order of native/cpu/lowbit.h (integer parts exact, f32 scale products exact,
+    the f64 operations and order of native/cpu/quant/lowbit.h (integer parts exact, f32 scale products exact,
     lane b % 8 accumulated over super-blocks in order, lanes added in a fixed tree)."""
     u, sc, mn, d, dmin = lowbit_unpack(raw, qtype)
     rows, nsb = d.shape

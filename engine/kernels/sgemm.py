@@ -1,4 +1,4 @@
-"""Native float32 GEMM with weights packed once (``dd_sgemm`` in native/cpu/sgemm_avx512.c) and a fused epilogue:
+"""Native float32 GEMM with weights packed once (``dd_sgemm`` in native/cpu/vit/sgemm_avx512.c) and a fused epilogue:
 ``out = act(x @ w.T + b) + add``, the vision towers' projections; and the ViT's full attention on the same
 micro-kernel (:func:`vit_attention`).
 

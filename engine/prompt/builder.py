@@ -4,7 +4,8 @@ prompt positions worth a prefix snapshot.
 The chat template (the model's own, or ChatML) renders the messages; each image part stays one
 image-pad placeholder there, which :meth:`PromptBuilder.prepare` expands to as many pads as the
 vision tower makes tokens for that image, and whose rows the tower's embeddings replace. The text
-architecture's chat markup (``<|im_start|>``, the assistant header) marks the snapshot points.
+family's chat markup (:class:`engine.registry.ChatMarkup`: message start, assistant header, image
+placeholder and opener) marks the snapshot points and the images.
 """
 
 from __future__ import annotations
@@ -20,16 +21,16 @@ from typing import Any
 import numpy as np
 
 from ..errors import ContextFullError, ImageError, TemplateError, UnsupportedModelError
+from ..registry import ChatMarkup
 from .template import ChatTemplate
 from .tokenizer import Tokenizer
 from ..vision.encoder import EncodedImage, ImageEncoder
 
 Message = Mapping[str, Any]
 
-IMAGE_PAD = "<|image_pad|>"
-"""The image placeholder token the Qwen3.5/3.6 chat template writes (one per image, expanded here)."""
-VISION_START = "<|vision_start|>"
-"""The token that opens every image in the prompt (the positions of the image tokens count from it)."""
+CHATML = ChatMarkup(message_start="<|im_start|>", assistant_header="<|im_start|>assistant\n", image_pad="",
+                    image_start="")
+"""The markup of the ChatML fallback template (:func:`chatml`), for a family that names none: no image markers."""
 
 
 @dataclass(frozen=True)
@@ -81,20 +82,22 @@ class PromptBuilder:
         vision: the image encoder, or None for a text-only model.
         source: the model file, for messages. name: its file name, for messages about what it lacks.
         context: the context window, tokens.
+        markup: the text family's marker tokens (:attr:`engine.registry.TextArch.markup`; None: :data:`CHATML`).
     """
 
     def __init__(self, tokenizer: Tokenizer, vision: ImageEncoder | None, source: str, name: str,
-                 context: int) -> None:
+                 context: int, markup: ChatMarkup | None = None) -> None:
         self.tokenizer = tokenizer
         self.vision = vision
         self.source = source
         self.name = name
         self.context = context
-        im_start = tokenizer.token_id("<|im_start|>")
+        self.markup = markup or CHATML
+        im_start = tokenizer.token_id(self.markup.message_start)
         self.im_start = -1 if im_start is None else im_start
-        self._header = tokenizer.encode("<|im_start|>assistant\n", special=True)
-        self._image_pad = tokenizer.token_id(IMAGE_PAD)
-        self._vision_start = tokenizer.token_id(VISION_START)
+        self._header = tokenizer.encode(self.markup.assistant_header, special=True)
+        self._image_pad = tokenizer.token_id(self.markup.image_pad) if self.markup.image_pad else None
+        self._vision_start = tokenizer.token_id(self.markup.image_start) if self.markup.image_start else None
 
     def check_text_fits(self, size: int, what: str, advice: str) -> None:
         """Refuse text of ``size`` UTF-8 bytes that is more tokens than the context holds whatever its
@@ -161,8 +164,8 @@ class PromptBuilder:
             raise UnsupportedModelError(
                 f"{self.name}: no vision tower (mmproj file) is loaded, so this model cannot read images")
         if self._image_pad is None or self._vision_start is None:
-            raise UnsupportedModelError(
-                f"{self.source}: the vocabulary has no {IMAGE_PAD} / {VISION_START} token for images")
+            pad, start = self.markup.image_pad or "image-pad", self.markup.image_start or "image-start"
+            raise UnsupportedModelError(f"{self.source}: the vocabulary has no {pad} / {start} token for images")
         return self.vision
 
     def _expand(self, ids: Sequence[int], encoded: Sequence[EncodedImage]
@@ -227,7 +230,7 @@ class PromptBuilder:
         return points
 
     def message_starts(self, prompt: Sequence[int]) -> list[int]:
-        """Indices of every ``<|im_start|>`` in ``prompt`` (the first token of each message)."""
+        """Indices of every message-start token in ``prompt`` (the first token of each message)."""
         return [i for i, t in enumerate(prompt) if t == self.im_start]
 
     def ahead(self, messages: Sequence[Message], enable_thinking: bool, cancel: threading.Event | None,

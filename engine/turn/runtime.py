@@ -50,7 +50,9 @@ class Turn:
         snapshot_interval: also snapshot every this many prompt tokens (0 = off).
         conversation: conversation id recorded with the snapshots.
         positions: (3, n) int64 M-RoPE positions of the prompt (None = plain positions 0..n-1, as
-            for text only); decoding continues from ``positions.max() + 1``.
+            for text only).
+        decode_positions: the family's rotary positions of decoded tokens
+            (:attr:`engine.registry.TextArch.decode_positions`); None = plain positions (the cache slot).
         images: the prompt's images as (first image-pad index, (k, n_embd) float32 embeddings,
             content digest bytes); their rows replace the token embeddings of the k pads.
         gpu: the GPU prefill backend (see :func:`prefill`), or None for CPU prefill.
@@ -84,6 +86,7 @@ class Turn:
     on_device_error: Callable[[str], None] | None = None
     rerenders: Callable[[Sequence[int]], bool] | None = None
     channels: Callable[[str], ChannelSplitter] | None = None
+    decode_positions: Callable[[np.ndarray | None, int, int], np.ndarray] | None = None
     started: float | None = None
     grammar: Grammar | None = None
 
@@ -352,17 +355,18 @@ def run_turn(turn: Turn) -> Iterator[Event]:
 
 
 class _Stepper:
-    """Decodes one token at a time at the next cache slot and M-RoPE position (text positions after the prompt:
-    one past its largest position, the same on all three rows)."""
+    """Decodes one token at a time at the next cache slot and the rotary positions the family gives the
+    k-th decoded token (``turn.decode_positions``; plain positions without one)."""
 
     def __init__(self, turn: Turn, state: SequenceState) -> None:
-        self.model, self.state = turn.model, state
-        self.rope = len(turn.prompt) if turn.positions is None else int(turn.positions.max()) + 1
+        self.model, self.state, self.turn = turn.model, state, turn
+        self.k = 0
 
     def __call__(self, token: int) -> np.ndarray:
         """(n_vocab,) float32 logits after ``token``."""
-        pos = np.full((3, 1), self.rope, dtype=np.int64)
-        self.rope += 1
+        rule, turn = self.turn.decode_positions, self.turn
+        pos = None if rule is None else rule(turn.positions, len(turn.prompt), self.k)
+        self.k += 1
         return self.model.forward(np.asarray([token], dtype=np.int64), self.state, positions=pos)[-1]
 
 

@@ -20,10 +20,16 @@ import numpy as np
 
 from ..errors import DeviceBudgetError, DeviceError, GenerationCancelled, ModelFormatError, UnsupportedModelError
 from ..gguf.header import read_metadata
-from .images import MAX_INPUT_PIXELS, MAX_PIXELS, MIN_PIXELS, ImageInfo, ImageSource, read_source
+from .images import MAX_INPUT_PIXELS, ImageInfo, ImageSource, read_source
 from ..registry import VisionArch, VisionTower, vision_arch
 
 log = logging.getLogger(__name__)
+
+DEFAULT_MIN_PIXELS = 256 * 256
+"""Smallest area an image is resized to unless the caller says otherwise, pixels (a tower narrows it)."""
+
+DEFAULT_MAX_PIXELS = 4096 * 4096
+"""Largest area an image is resized to unless the caller says otherwise, pixels (a tower narrows it)."""
 
 
 def load_projector(path: str | os.PathLike[str]) -> tuple[VisionArch, Any]:
@@ -160,7 +166,7 @@ class ImageEncoder:
         device_note: why images are encoded on the CPU although a GPU was looked for, or "".
     """
 
-    def __init__(self, mm: Any, min_pixels: int = MIN_PIXELS, max_pixels: int = MAX_PIXELS,
+    def __init__(self, mm: Any, min_pixels: int = DEFAULT_MIN_PIXELS, max_pixels: int = DEFAULT_MAX_PIXELS,
                  cache_bytes: int = 256 << 20, max_input_pixels: int = MAX_INPUT_PIXELS, gpu: Any = None,
                  device_note: str = ""):
         self.arch: VisionArch = vision_arch(mm.projector_type, str(mm.path))
@@ -222,7 +228,7 @@ class ImageEncoder:
             :class:`EncodedImage`.
 
         Raises:
-            ImageError: bad image (see :func:`engine.vision.images.prepare_image`).
+            ImageError: bad image (see :meth:`engine.registry.VisionTower.prepare`).
             GenerationCancelled: ``cancel`` was set.
             ValueError: ``max_pixels`` below ``factor**2`` (1024).
         """
@@ -249,7 +255,7 @@ class ImageEncoder:
         :meth:`~engine.registry.VisionTower.token_grid` of its patch grid, rows x cols. One preparation.
 
         Raises:
-            ImageError: unreadable image (see :func:`engine.vision.images.prepare_image`).
+            ImageError: unreadable image (see :meth:`engine.registry.VisionTower.prepare`).
         """
         prepared = self.tower.prepare(source, min(self.min_pixels, self.max_pixels), self.max_pixels,
                                       self.max_input_pixels)

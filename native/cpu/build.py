@@ -3,7 +3,13 @@
 ``setup.py`` names ``ffibuilder`` in ``cffi_modules``; its ``build_ext`` also calls
 :func:`compile_isa_objects`, which compiles each ISA variant from its own file with its own flags
 (the flags must not leak into the dispatcher, which has to run on any x86-64 CPU), and links the
-objects into the extension. Runtime dispatch by CPUID happens in ``dispatch.c``.
+objects into the extension. Runtime dispatch by CPUID happens in ``runtime/dispatch.c``.
+
+The sources sit in folders by kind (:data:`KINDS`): ``quant`` (weight formats and their products),
+``attention``, ``gdn`` (the Gated DeltaNet step), ``moe``, ``vit`` (the vision towers' float32 GEMM,
+attention and norms) and ``runtime`` (ISA dispatch, activations, the thread pool, the decode step); the
+public header ``deltadesk_cpu.h`` stays here. Every folder is on the include path, so a file includes
+another by its name alone.
 """
 
 from __future__ import annotations
@@ -21,26 +27,34 @@ HERE = os.path.relpath(os.path.dirname(os.path.abspath(__file__)))
 COMMON_FLAGS = ["-O3", "-std=c11", "-D_GNU_SOURCE", "-ffp-contract=off", "-fno-math-errno", "-pthread"]
 """Contraction off: a fused multiply-add changes rounding, so fusing must be an explicit intrinsic."""
 
-PORTABLE_SOURCES = ["dispatch.c", "matvec.c", "pool.c", "moe.c", "moe_prefill.c", "mixers.c", "attention.c", "step.c",
-                    "kernels_scalar.c", "sgemm.c", "iq_grids.c"]
+KINDS = ("quant", "attention", "gdn", "moe", "vit", "runtime")
+"""The source folders, each on the include path."""
 
-HEADERS = ["deltadesk_cpu.h", "kernels.h", "gemm_tiles.h", "kquants.h", "kq_tile_avx512.h", "kq_gemm_avx512.h",
-           "q4_gemm_avx512.h", "bquants.h", "lowbit.h", "lowbit_avx512.h", "iquants.h", "runtime.h", "attn_kernel.h",
-           "attn_prefill.h", "attn_prefill_avx2.h", "attn_avx2.h", "gdn_kernel.h", "vexp.h", "sgemm_kernel.h"]
+PORTABLE_SOURCES = ["runtime/dispatch.c", "quant/matvec.c", "runtime/pool.c", "moe/moe.c", "moe/moe_prefill.c",
+                    "gdn/mixers.c", "attention/attention.c", "runtime/step.c", "quant/kernels_scalar.c", "vit/sgemm.c",
+                    "quant/iq_grids.c"]
+
+HEADERS = ["deltadesk_cpu.h", "quant/kernels.h", "quant/gemm_tiles.h", "quant/kquants.h", "quant/kq_tile_avx512.h",
+           "quant/kq_gemm_avx512.h", "quant/q4_gemm_avx512.h", "quant/bquants.h", "quant/lowbit.h",
+           "quant/lowbit_avx512.h", "quant/iquants.h", "runtime/runtime.h", "attention/attn_kernel.h",
+           "attention/attn_prefill.h", "attention/attn_prefill_avx2.h", "attention/attn_avx2.h", "gdn/gdn_kernel.h",
+           "gdn/vexp.h", "vit/sgemm_kernel.h"]
 """Listed as the extension's dependencies, so that editing one (or an ISA file) rebuilds it."""
 
 X86_ISA_SOURCES = {
-    "kernels_ssse3.c": ["-mssse3"],
-    "kernels_avx2.c": ["-mavx2", "-mfma", "-mf16c"],
-    "kernels_avx512vnni.c": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni"],
-    "attention_avx2.c": ["-mavx2", "-mfma"],
-    "attention_avx512.c": ["-mavx512f"],
-    "mixers_avx2.c": ["-mavx2"],
-    "mixers_avx512.c": ["-mavx512f"],
-    "sgemm_avx512.c": ["-mavx512f"],
-    "vit_attention_avx512.c": ["-mavx512f"],
-    "vit_norm_avx512.c": ["-mavx512f"],
+    "quant/kernels_ssse3.c": ["-mssse3"],
+    "quant/kernels_avx2.c": ["-mavx2", "-mfma", "-mf16c"],
+    "quant/kernels_avx512vnni.c": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni"],
+    "attention/attention_avx2.c": ["-mavx2", "-mfma"],
+    "attention/attention_avx512.c": ["-mavx512f"],
+    "gdn/mixers_avx2.c": ["-mavx2"],
+    "gdn/mixers_avx512.c": ["-mavx512f"],
+    "vit/sgemm_avx512.c": ["-mavx512f"],
+    "vit/vit_attention_avx512.c": ["-mavx512f"],
+    "vit/vit_norm_avx512.c": ["-mavx512f"],
 }
+
+INCLUDE_DIRS = [HERE] + [os.path.join(HERE, kind) for kind in KINDS]
 
 IS_X86 = platform.machine().lower() in {"x86_64", "amd64", "i386", "i686", "x86"}
 
@@ -67,7 +81,7 @@ def compile_isa_objects(compiler, build_temp: str, debug: bool = False) -> list[
         return []
     objects = []
     for name, flags in X86_ISA_SOURCES.items():
-        objects += compiler.compile([os.path.join(HERE, name)], output_dir=build_temp, include_dirs=[HERE],
+        objects += compiler.compile([os.path.join(HERE, name)], output_dir=build_temp, include_dirs=INCLUDE_DIRS,
                                     extra_postargs=COMMON_FLAGS + flags, debug=debug)
     return objects
 
@@ -79,7 +93,7 @@ ffibuilder.set_source(
     '#include "deltadesk_cpu.h"',
     sources=[os.path.join(HERE, name) for name in PORTABLE_SOURCES],
     depends=[os.path.join(HERE, name) for name in HEADERS + list(X86_ISA_SOURCES)],
-    include_dirs=[HERE],
+    include_dirs=INCLUDE_DIRS,
     extra_compile_args=COMMON_FLAGS,
     extra_link_args=["-pthread"],
     libraries=["m"],

@@ -13,7 +13,7 @@ from app.history import HistoryStore
 from app.sidebar import GPU_LEFT, NO_GPU
 from app.gpu import GpuReport, GpuSample, NvmlGpu, PrefillReport, device_phrase, vision_phrase
 from app_helpers import stored
-from engine.arch.qwen35.cuda_plan import LayerTelemetry, PrefillTelemetry
+from engine.kernels.moe_stream import LayerTelemetry, PrefillTelemetry
 from fake_engine import FakeEngine, fake_info
 
 PLACEMENT = "GPU prefill placement, VRAM budget 6.00 GiB:\n  resident    0.010 GiB  attention + delta-net weights"

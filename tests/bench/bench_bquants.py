@@ -1,5 +1,5 @@
 """Micro-benchmark (a script, not a test): GEMV of Q4_1, Q5_0, Q5_1, IQ4_NL, IQ4_XS weights read as
-stored (native/cpu/bquants.h) against the old route, the same weights converted to Q8_0 at load
+stored (native/cpu/quant/bquants.h) against the old route, the same weights converted to Q8_0 at load
 (engine.arch.qwen35.cpu.to_q8_0) and multiplied by the Q8_0 kernel.
 
 For each ISA level and type: a (--rows, 2048) matrix of random blocks (every f16 scale a normal 0.01,

@@ -60,7 +60,7 @@ def main() -> None:
     import numpy as np
     from PIL import Image
 
-    from engine.vision.images import prepare_image
+    from engine.arch.qwen3vl.preprocess import prepare_image
     from engine.arch.qwen3vl.mmproj import load_mmproj, synth_mmproj
     from engine.arch.qwen3vl.tower import VisionTower
 

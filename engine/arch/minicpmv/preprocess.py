@@ -14,7 +14,7 @@ import numpy as np
 from PIL import Image
 
 from engine.errors import ImageError
-from engine.vision.images import MAX_ASPECT, MAX_INPUT_PIXELS, ImageSource, open_image, read_source
+from engine.vision.images import MAX_INPUT_PIXELS, ImageSource, check_shape, open_image, read_source
 
 MODES = ("16x", "4x")
 """Downsampling modes: ``"16x"`` (window-attention merger + final merger, the released default) or ``"4x"``
@@ -121,11 +121,7 @@ def plan_slices(height: int, width: int, *, scale: int = 448, max_slices: int = 
         ValueError: an unknown mode.
     """
     align = patch * merge_factor(mode)
-    if height < 1 or width < 1:
-        raise ImageError(f"image of {width}x{height} pixels is empty")
-    if max(height, width) / min(height, width) > MAX_ASPECT:
-        raise ImageError(f"image of {width}x{height} pixels is too elongated: aspect ratio "
-                         f"{max(height, width) / min(height, width):.0f}:1, at most {MAX_ASPECT}:1 is supported")
+    check_shape(height, width)
     grid = slice_grid(height, width, scale, max_slices)
     overview = best_resize(height, width, scale, align, allow_upscale=grid is None)
     if grid is None:

@@ -3,9 +3,9 @@ layers with a gated full-attention layer every ``full_attention_interval``, M-Ro
 
 The folder holds the hyper-parameters (:mod:`.hparams`), the tensor table (:mod:`.tensors`), the numpy
 reference forward (:mod:`.model`), its native CPU twin (:mod:`.cpu`, :mod:`.cpu_mixers`), GPU prefill
-(:mod:`.cuda`, :mod:`.cuda_plan`), the answer's channels (:mod:`.channels`), the synthetic-model writer
-(:mod:`.synth`, :mod:`.quant_mix`) and the real vocabulary (:mod:`.vocab`). :data:`ARCH` is what
-:mod:`engine.registry` hands out.
+(:mod:`.cuda`, :mod:`.cuda_plan`), the answer's channels (:mod:`.channels`), the chat markup and decode
+positions (:mod:`.markup`), the synthetic-model writer (:mod:`.synth`, :mod:`.quant_mix`) and the real
+vocabulary (:mod:`.vocab`). :data:`ARCH` is what :mod:`engine.registry` hands out.
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ from engine.registry import TextArch
 
 from .channels import splitter
 from .hparams import Qwen35HParams, from_metadata
+from .markup import MARKUP, decode_positions
 from .tensors import OPTIONAL_TENSORS, fused_tensors, tensor_shapes
 
 
@@ -42,4 +43,5 @@ def _prefill_plan(hp: Qwen35HParams, gguf: Any, budget_bytes: int) -> Any:
 
 ARCH = TextArch(name="qwen35", hparams=from_metadata, tensor_shapes=tensor_shapes, optional_tensors=OPTIONAL_TENSORS,
                 fused_tensors=fused_tensors, reference_model=_reference_model, native_model=_native_model,
-                cuda_prefill=_cuda_prefill, prefill_plan=_prefill_plan, channels=splitter)
+                cuda_prefill=_cuda_prefill, prefill_plan=_prefill_plan, channels=splitter,
+                markup=MARKUP, decode_positions=decode_positions)

@@ -30,6 +30,10 @@ from .tensors import tensor_shapes
 
 Q = GGMLQuantizationType
 FLOAT_WEIGHTS = ("f32", "q8_0")
+FUSED_STAGES = frozenset({"beta", "gate", "conv_output_silu", "attn_output", "ffn_moe_logits", "ffn_moe_out",
+                          "ffn_shexp"})
+"""Reference stages the fused GDN step and fused MoE never materialise (a float32-expert layer, or one
+watched by an expert observer, still reports its MoE stages)."""
 CONVERT_CHUNK_BYTES = 16 << 20
 """float32 bytes dequantized at a time while converting a tensor."""
 

@@ -1,7 +1,7 @@
 """The token mixers in C: the Gated DeltaNet recurrent step and causal gated attention over the KV
 cache, with numpy twins built from :mod:`engine.ops.reference`.
 
-Native code: native/cpu/gdn_kernel.h and attn_kernel.h, compiled per ISA level. Same bits at every
+Native code: native/cpu/gdn/gdn_kernel.h and attn_kernel.h, compiled per ISA level. Same bits at every
 level and thread count, and prefill gives each position decode's bits. Outputs agree with the twins
 to <= 1e-6 relative (test bound 1e-5). Design: docs/design/native-cpu.md.
 """

@@ -1,4 +1,4 @@
-"""The decode step in one native call per token: :class:`NativeStep` (native/cpu/step.c, ``dd_step``).
+"""The decode step in one native call per token: :class:`NativeStep` (native/cpu/runtime/step.c, ``dd_step``).
 
 Runs every layer, the final norm and the LM head in C with the GIL released; Python checks inputs,
 looks up the embedding row and the RoPE table. Bit-identical to the per-hook forward of
@@ -20,6 +20,10 @@ from engine.turn.state import SequenceState
 
 if TYPE_CHECKING:
     from .cpu import NativeQwen35Model
+
+STAGES = ("inp_embd", "result_output")
+"""The reference forward's stage names :meth:`NativeStep.forward` reports: its input row and its logits (the
+layers run inside one C call; the hooks path, bit-identical to it, names every stage in between)."""
 
 _GDN_MATS = (("qkv", "attn_qkv"), ("z", "attn_gate"), ("beta", "ssm_beta"), ("alpha", "ssm_alpha"),
              ("ssm_out", "ssm_out"))
@@ -142,11 +146,12 @@ class NativeStep:
         return c, tables
 
     def forward(self, tokens: np.ndarray, state: SequenceState, embeddings: np.ndarray | None = None,
-                positions: np.ndarray | None = None) -> np.ndarray:
+                positions: np.ndarray | None = None, cb: Any = None) -> np.ndarray:
         """One token through the model: :meth:`engine.arch.qwen35.model.Qwen35Model.forward` with n = 1.
 
         Args: tokens (1,) int; state (advanced by one position); embeddings (1, n_embd) float32 or None;
-        positions (3, 1) int M-RoPE positions or None for ``state.pos``.
+        positions (3, 1) int M-RoPE positions or None for ``state.pos``; cb: ``cb(stage, il, x)`` with the
+        reference's names of the values the step holds outside C (:data:`STAGES`).
         Returns: (1, n_vocab) float32 logits. Raises: as ``Qwen35Model.forward`` (ValueError, ContextFullError);
         EngineError if the native call fails.
         """
@@ -169,4 +174,7 @@ class NativeStep:
                                ffi.cast("double *", ffi.from_buffer(cos)), ffi.cast("double *", ffi.from_buffer(sin)),
                                ffi.cast("float *", ffi.from_buffer(logits))), "decode step")
         state.pos += 1
+        if cb is not None:
+            cb("inp_embd", -1, x[None])
+            cb("result_output", -1, logits)
         return logits

@@ -19,17 +19,23 @@ from engine.kernels.cuda_context import CudaBackend
 from engine.kernels.cuda_kernels import PREFILL_SOURCES, Kernels
 from engine.kernels.cuda_layout import GPU_TYPES, TILE_ROWS, Matrix
 from engine.gguf.quant import dequantize
+from engine.kernels.moe_stream import (ExpertLayout, LayerTelemetry, Placement, PrefillTelemetry, copy_runs,
+                                       route_tables, use_selective)
 from engine.turn.state import SequenceState
 
-from .cuda_plan import (ExpertLayout, LayerTelemetry, Placement, PrefillTelemetry, activation_groups, copy_runs,
-                        expert_rows, pass_tokens, plan_file, route_tables, use_selective)
+from .cuda_plan import activation_groups, expert_rows, pass_tokens, plan_file
 from .hparams import Qwen35HParams
+from .model import Callback
 
 DEFAULT_MARGIN = 512 << 20
 """Default budget = free VRAM at load minus max(this, 5% of the card)."""
 
 PLAN_TOKENS = 4096
 """Prompt length whose activations and KV cache the placement reserves before giving VRAM to experts."""
+
+STAGES = ("inp_embd", "attn_norm", "attn_residual", "attn_post_norm", "l_out", "result_norm", "result_output")
+"""The reference forward's stage names (:meth:`~engine.arch.qwen35.model.Qwen35Model.forward`) a pass reports to
+``cb``: the values held between kernels; the mixers' and experts' insides stay on the GPU."""
 
 
 class CudaPrefill(CudaBackend):
@@ -42,8 +48,8 @@ class CudaPrefill(CudaBackend):
         plan_tokens: prompt length reserved for when deciding how many expert layers stay resident.
 
     Attributes:
-        plan: the :class:`~engine.arch.qwen35.cuda_plan.Placement` (``plan.text()`` for the log).
-        last_telemetry: :class:`~engine.arch.qwen35.cuda_plan.PrefillTelemetry` of the last prefill, or None.
+        plan: the :class:`~engine.kernels.moe_stream.Placement` (``plan.text()`` for the log).
+        last_telemetry: :class:`~engine.kernels.moe_stream.PrefillTelemetry` of the last prefill, or None.
 
     Raises:
         DeviceError: no usable GPU, pycuda or nvcc, a kernel fails to build, the budget is too small for
@@ -60,6 +66,7 @@ class CudaPrefill(CudaBackend):
         self.hp = hp
         self.file = gguf_file
         self.last_telemetry: PrefillTelemetry | None = None
+        self._cb: Callback | None = None
         self._pinned: dict[int, np.ndarray] = {}
         self._open("loading the model onto the GPU", lambda: self._load(budget_bytes, plan_tokens))
 
@@ -122,7 +129,8 @@ class CudaPrefill(CudaBackend):
 
     # ---- prefill ---------------------------------------------------------------------------------
 
-    def prefill(self, tokens: np.ndarray, state: SequenceState, positions: np.ndarray | None = None) -> np.ndarray:
+    def prefill(self, tokens: np.ndarray, state: SequenceState, positions: np.ndarray | None = None,
+                cb: Callback | None = None) -> np.ndarray:
         """Run ``tokens`` through the model on the GPU, continuing ``state`` (in place, like ``Qwen35Model.forward``).
 
         Args:
@@ -130,6 +138,8 @@ class CudaPrefill(CudaBackend):
             state: the sequence state; ``state.pos`` is the cache row of ``tokens[0]`` and advances by n.
                 Its conv, delta-rule and KV rows ``[:pos]`` are uploaded first and the new values copied back.
             positions: (3, n) int t/h/w M-RoPE positions; default ``state.pos + arange(n)`` for all three.
+            cb: ``cb(stage, il, x)`` with the reference's names of the values a pass holds between kernels
+                (:data:`STAGES`; each pass reports its own rows). Every report waits for the GPU.
 
         Returns:
             (n_vocab,) float32 logits of the last token.
@@ -141,8 +151,12 @@ class CudaPrefill(CudaBackend):
         """
         tokens, positions = state.chunk_inputs(tokens, positions, self.hp.n_vocab)
         n = tokens.shape[0]
-        with self._guard(f"prefilling {n} tokens"):
-            return self._prefill(tokens, state, np.ascontiguousarray(positions, dtype=np.int32))
+        self._cb = cb
+        try:
+            with self._guard(f"prefilling {n} tokens"):
+                return self._prefill(tokens, state, np.ascontiguousarray(positions, dtype=np.int32))
+        finally:
+            self._cb = None
 
     def _prefill(self, tokens: np.ndarray, state: SequenceState, positions: np.ndarray) -> np.ndarray:
         hp = self.hp
@@ -151,8 +165,9 @@ class CudaPrefill(CudaBackend):
         n_pass = pass_tokens(hp, n, p0 + n, self.plan.budget - self.plan.fixed_bytes)
         self._prepare(n_pass, p0 + n)
         self._upload_state(state)
-        streamed = bool(self.plan.streamed_experts)
-        mode = "resident" if not streamed else ("selective" if use_selective(hp, n_pass) else "streamed")
+        mode = "resident"
+        if self.plan.streamed_experts:
+            mode = "selective" if use_selective(hp.n_expert, hp.n_expert_used, n_pass) else "streamed"
         tel = PrefillTelemetry(n_tokens=n, passes=0, mode=mode, wall_ms=0.0, gpu_ms=0.0, h2d_bytes=0, h2d_ms=0.0,
                                vram_budget=self.plan.budget, vram_used=0, vram_free=0,
                                layers=[LayerTelemetry(il, "gdn" if hp.is_recurrent(il) else "attention",
@@ -264,6 +279,15 @@ class CudaPrefill(CudaBackend):
         else:
             self._upload_async(a["h"], "emb", dequantize(rows, info.qtype, (n, d)))
 
+    def _report(self, stage: str, il: int, ptr: int, rows: int, cols: int) -> None:
+        """Hand the (rows, cols) float32 activation at ``ptr`` to the stage callback, when there is one."""
+        if self._cb is None:
+            return
+        self.compute.synchronize()
+        host = np.empty((rows, cols), dtype=np.float32)
+        self._drv.memcpy_dtoh(host, ptr)
+        self._cb(stage, il, host)
+
     def _record(self, stream: Any) -> Any:
         ev = self._drv.Event()
         ev.record(stream)
@@ -274,6 +298,7 @@ class CudaPrefill(CudaBackend):
         hp, k, cs = self.hp, self.kernels, self.compute
         a, n, d = self.act.ptr, tokens.shape[0], hp.n_embd
         self._embed(tokens)
+        self._report("inp_embd", -1, a["h"], n, d)
         self._upload_async(a["pos"], "pos", positions)
         start = self._record(cs)
 
@@ -290,21 +315,27 @@ class CudaPrefill(CudaBackend):
             p = f"blk.{il}."
             ev0 = self._record(cs)
             k.rmsnorm(cs, a["h"], d, self.vec[p + "attn_norm.weight"], a["x"], d, n, d, hp.rms_eps)
+            self._report("attn_norm", il, a["x"], n, d)
             if hp.is_recurrent(il):
                 self._gated_delta_net(il, n)
             else:
                 self._attention(il, n, p0)
+            self._report("attn_residual", il, a["h"], n, d)
             k.rmsnorm(cs, a["h"], d, self.vec[p + "post_attention_norm.weight"], a["x"], d, n, d, hp.rms_eps)
+            self._report("attn_post_norm", il, a["x"], n, d)
             if hp.is_moe:
                 self._moe(il, n, mode, order)
             else:
                 self._ffn(il, n)
+            self._report("l_out", il, a["h"], n, d)
             self._events.append((il, "compute", ev0, self._record(cs), 0))
 
         if last:
             k.rmsnorm(cs, a["h"] + (n - 1) * d * 4, d, self.vec["output_norm.weight"], a["last"], d, 1, d, hp.rms_eps)
+            self._report("result_norm", -1, a["last"], 1, d)
             m, ptr = self.mat[self.head.name]
             k.gemv(cs, m, ptr, a["last"], a["logits"])
+            self._report("result_output", -1, a["logits"], 1, hp.n_vocab)
             self._drv.memcpy_dtoh_async(self.staging["logits"][:hp.n_vocab], a["logits"], cs)
         end = self._record(cs)
         cs.synchronize()

@@ -2,7 +2,8 @@
 16-pixel patches with a learned, bilinearly interpolated position table and 2-D rotary attention, then a
 2x2 merger MLP to the text model's width; its image tokens get M-RoPE (t, h, w) positions.
 
-The folder holds the projector file format (:mod:`.mmproj`), the numpy tower (:mod:`.tower`), the GPU
+The folder holds the projector file format (:mod:`.mmproj`), the image resize and patch rows
+(:mod:`.preprocess`), the numpy tower (:mod:`.tower`), the GPU
 tower (:mod:`.cuda`) and the prompt positions (:mod:`.positions`). :data:`ARCH` is what
 :mod:`engine.registry` hands out.
 """
@@ -11,18 +12,18 @@ from __future__ import annotations
 
 from typing import Any
 
-from engine.vision.images import MIN_PIXELS, max_resized_pixels
 from engine.registry import VisionArch
 
 from .mmproj import Mmproj, load_mmproj
 from .positions import mrope_positions
+from .preprocess import MIN_PIXELS, max_resized_pixels
 from .tower import VisionTower
 
 
 def _cuda_tower(mm: Mmproj, max_pixels: int, budget_bytes: int | None) -> Any:
     """The GPU tower, with activation buffers for the most patches an image can have under ``max_pixels``
     narrowed by the projector's own bound (:meth:`.mmproj.VisionHParams.pixel_bounds`;
-    :func:`engine.vision.images.max_resized_pixels`: a very elongated image can exceed the area bound).
+    :func:`.preprocess.max_resized_pixels`: a very elongated image can exceed the area bound).
 
     Raises:
         DeviceError: no GPU, pycuda or nvcc, or the weights and buffers do not fit ``budget_bytes``.

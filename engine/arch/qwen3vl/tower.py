@@ -15,12 +15,13 @@ from collections.abc import Callable
 import numpy as np
 
 from engine.errors import GenerationCancelled
-from engine.vision.images import MAX_PIXELS, MIN_PIXELS, ImageSource, PreparedImage, prepare_image, smart_resize
+from engine.vision.images import ImageSource, PreparedImage
 from engine.kernels.cpu import threads as cpu_threads
 from engine.kernels.threads import Workers, blas_thread_setter
 from engine.ops import vision_reference as ops
 
 from .mmproj import Mmproj, VisionHParams
+from .preprocess import MAX_PIXELS, MIN_PIXELS, prepare_image, smart_resize
 
 StageCallback = Callable[[str, int, np.ndarray], None]
 """``cb(stage, il, x)``: sees each named intermediate; ``il`` is the block index or -1 outside blocks.
@@ -31,8 +32,8 @@ def image_token_count(height: int, width: int, *, patch_size: int = 16, merge: i
                       min_pixels: int = MIN_PIXELS, max_pixels: int = MAX_PIXELS) -> int:
     """Number of image-pad tokens (merger rows) an image of ``height x width`` pixels becomes.
 
-    ``(h/32) * (w/32)`` for the :func:`~engine.vision.images.smart_resize` target (h, w) (docs/spec/qwen3vl.md 5.7),
-    e.g. 448x448 -> 196, 1024x768 -> 768 with the HF bounds.
+    ``(h/32) * (w/32)`` for the :func:`~.preprocess.smart_resize` target (h, w) (docs/spec/qwen3vl.md 5.7), e.g.
+    448x448 -> 196, 1024x768 -> 768 with the HF bounds.
 
     Raises:
         ImageError: empty or too elongated image. ValueError: inconsistent bounds.
@@ -114,7 +115,7 @@ class VisionTower:
         return self.hp.pixel_bounds(min_pixels, max_pixels)
 
     def prepare(self, source: ImageSource, min_pixels: int, max_pixels: int, max_input_pixels: int) -> PreparedImage:
-        """Decode, resize and patchify one image for :meth:`encode` (:func:`engine.vision.images.prepare_image` with
+        """Decode, resize and patchify one image for :meth:`encode` (:func:`.preprocess.prepare_image` with
         this tower's patch, merge, temporal patch and normalization).
 
         Raises:

@@ -1,6 +1,6 @@
-/* The decode path's products (runtime.h): dd_matvec_set, several products of one input vector in one
- * pool job, and dd_scratch, the per-thread buffers that decode and the tower's GEMM and attention reuse call
- * after call.
+/* The products of prepared activations: dd_matmul (deltadesk_cpu.h), dd_matvec_set (runtime.h), several
+ * products of one input vector in one pool job, and dd_scratch, the per-thread buffers that decode and the
+ * tower's GEMM and attention reuse call after call. The activations come from dispatch.c.
  *
  * Why one job: a decode token's products are small (a GDN layer's beta and alpha are 32 rows, 2
  * chunks), and each separate product pays the activation preparation on the calling thread while the
@@ -106,5 +106,51 @@ int dd_matvec_set(int isa, const dd_matvec_out *p, size_t n, size_t k, const flo
     dd_acts_prepare(kt, x, 1, k, mem, &acts);
     job.acts = &acts;
     dd_pool_for(set_chunk, &job, job.first[n]);
+    return DD_OK;
+}
+
+typedef struct {
+    dd_gemm_fn gemm;
+    const uint8_t *w;
+    size_t row_bytes, rows, chunk_rows;
+    const dd_acts *acts;
+    float *y;
+} matmul_job;
+
+static void matmul_chunk(void *ctx, size_t chunk)
+{
+    const matmul_job *j = ctx;
+    const size_t r0 = chunk * j->chunk_rows;
+    const size_t n = j->rows - r0 < j->chunk_rows ? j->rows - r0 : j->chunk_rows;
+    j->gemm(j->w + r0 * j->row_bytes, j->row_bytes, n, j->rows - r0, j->acts, j->y + r0, j->rows);
+}
+
+int dd_matmul(int isa, int wtype, const uint8_t *w, size_t rows, size_t k, const float *x, size_t m, float *y)
+{
+    const dd_kernels *kt = dd_kernels_for(isa);
+    if (kt == NULL)
+        return DD_ERR_ISA;
+    if (k % DD_QK != 0 || !dd_wtype_fits(wtype, k))
+        return DD_ERR_ARG;
+    if (rows == 0 || m == 0 || k == 0) {
+        for (size_t i = 0; i < rows * m; i++)
+            y[i] = 0.0f;
+        return DD_OK;
+    }
+    if (m == 1) {
+        const dd_matvec_out one = { .wtype = wtype, .w = w, .rows = rows, .y = y };
+        return dd_matvec_set(isa, &one, 1, k, x);
+    }
+    dd_acts acts;
+    const int rc = dd_acts_new_pooled(kt, x, m, k, &acts);
+    if (rc != DD_OK)
+        return rc;
+    const size_t row_bytes = dd_row_bytes(wtype, k);
+    matmul_job job = {
+        .gemm = kt->gemm[wtype], .w = w, .row_bytes = row_bytes, .rows = rows,
+        .chunk_rows = dd_gemm_chunk_rows(row_bytes, m), .acts = &acts, .y = y,
+    };
+    dd_pool_for(matmul_chunk, &job, dd_div_up(rows, job.chunk_rows));
+    dd_acts_free(&acts);
     return DD_OK;
 }

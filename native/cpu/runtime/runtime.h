@@ -47,6 +47,8 @@ const dd_kernels *dd_kernels_for(int isa);
 
 /* Quantize m columns of k f32 (k % 32 == 0) into prepared activations; free with dd_acts_free. */
 int dd_acts_new(const dd_kernels *kt, const float *x, size_t m, size_t k, dd_acts *a);
+/* The same, its columns prepared on the pool (the same bytes); not from inside a pool job. */
+int dd_acts_new_pooled(const dd_kernels *kt, const float *x, size_t m, size_t k, dd_acts *a);
 void dd_acts_free(dd_acts *a);
 /* The same activations in memory the caller owns: mem 64-byte aligned, dd_acts_bytes(kt, m, k) long,
  * valid while *a is used (no dd_acts_free). */

@@ -1,4 +1,5 @@
-/* ISA detection and the public entry points: quantize, matmul (see deltadesk_cpu.h). */
+/* ISA detection, quantization and the activations' preparation (runtime.h), and the memory read; the
+ * products that read the activations are matvec.c's. */
 #include <stdatomic.h>
 #include <stdlib.h>
 
@@ -194,7 +195,7 @@ int dd_acts_new(const dd_kernels *kt, const float *x, size_t m, size_t k, dd_act
     return rc;
 }
 
-#define ACTS_COLS 8   /* columns per pool chunk when dd_matmul prepares many */
+#define ACTS_COLS 8   /* columns per pool chunk when dd_acts_new_pooled prepares many */
 
 typedef struct {
     const dd_kernels *kt;
@@ -210,58 +211,20 @@ static void acts_chunk(void *ctx, size_t chunk)
         acts_column(j->kt, j->x + c * j->k, c, j->a);
 }
 
+int dd_acts_new_pooled(const dd_kernels *kt, const float *x, size_t m, size_t k, dd_acts *a)
+{
+    const int rc = acts_alloc(kt, m, k, a);
+    if (rc != DD_OK)
+        return rc;
+    acts_job aj = { .kt = kt, .x = x, .k = k, .a = a };   /* the prompt's columns on the pool: same bytes */
+    dd_pool_for(acts_chunk, &aj, dd_div_up(m, ACTS_COLS));
+    return DD_OK;
+}
+
 void dd_acts_free(dd_acts *a)
 {
     free(a->mem);
     a->mem = NULL;
-}
-
-typedef struct {
-    dd_gemm_fn gemm;
-    const uint8_t *w;
-    size_t row_bytes, rows, chunk_rows;
-    const dd_acts *acts;
-    float *y;
-} matmul_job;
-
-static void matmul_chunk(void *ctx, size_t chunk)
-{
-    const matmul_job *j = ctx;
-    const size_t r0 = chunk * j->chunk_rows;
-    const size_t n = j->rows - r0 < j->chunk_rows ? j->rows - r0 : j->chunk_rows;
-    j->gemm(j->w + r0 * j->row_bytes, j->row_bytes, n, j->rows - r0, j->acts, j->y + r0, j->rows);
-}
-
-int dd_matmul(int isa, int wtype, const uint8_t *w, size_t rows, size_t k, const float *x, size_t m, float *y)
-{
-    const dd_kernels *kt = dd_kernels_for(isa);
-    if (kt == NULL)
-        return DD_ERR_ISA;
-    if (k % DD_QK != 0 || !dd_wtype_fits(wtype, k))
-        return DD_ERR_ARG;
-    if (rows == 0 || m == 0 || k == 0) {
-        for (size_t i = 0; i < rows * m; i++)
-            y[i] = 0.0f;
-        return DD_OK;
-    }
-    if (m == 1) {
-        const dd_matvec_out one = { .wtype = wtype, .w = w, .rows = rows, .y = y };
-        return dd_matvec_set(isa, &one, 1, k, x);
-    }
-    dd_acts acts;
-    int rc = acts_alloc(kt, m, k, &acts);
-    if (rc != DD_OK)
-        return rc;
-    acts_job aj = { .kt = kt, .x = x, .k = k, .a = &acts };   /* the prompt's columns on the pool: same bytes */
-    dd_pool_for(acts_chunk, &aj, dd_div_up(m, ACTS_COLS));
-    const size_t row_bytes = dd_row_bytes(wtype, k);
-    matmul_job job = {
-        .gemm = kt->gemm[wtype], .w = w, .row_bytes = row_bytes, .rows = rows,
-        .chunk_rows = dd_gemm_chunk_rows(row_bytes, m), .acts = &acts, .y = y,
-    };
-    dd_pool_for(matmul_chunk, &job, dd_div_up(rows, job.chunk_rows));
-    dd_acts_free(&acts);
-    return DD_OK;
 }
 
 #define READ_CHUNK_WORDS (1u << 17)
