@@ -29,6 +29,8 @@ from PIL import Image
 from engine.errors import DeviceError
 from engine.arch.qwen3vl.mmproj import RandomWeights, VisionHParams, load_mmproj, write_mmproj
 from engine.arch.qwen3vl.tower import VisionTower
+from engine.registry import LoadedVision
+from engine.arch.qwen3vl import ARCH as QWEN3VL
 from engine.vision.encoder import ImageEncoder
 from test_cuda_prefill import gpu, gpu_available
 
@@ -273,11 +275,11 @@ def test_emulated_budget_bounds_growth_and_keeps_the_tower(monkeypatch, tmp_path
     small = big[:24]
     cpu = VisionTower(mm, threads=1)
     assert rel_err(tower.encode(small, (4, 6)), cpu.encode(small, (4, 6))) <= TOL
-    enc = ImageEncoder(mm, min_pixels=1024, gpu=tower)
+    enc = ImageEncoder(LoadedVision(QWEN3VL, mm), min_pixels=1024, gpu=tower)
     img = _image(7, (160, 96))  # 10 x 6 patches: above the budget
     with caplog.at_level(logging.WARNING, logger="engine.vision.encoder"):
         got = enc.encode(img)
-    assert np.array_equal(got.embeddings, ImageEncoder(mm, min_pixels=1024).encode(img).embeddings)
+    assert np.array_equal(got.embeddings, ImageEncoder(LoadedVision(QWEN3VL, mm), min_pixels=1024).encode(img).embeddings)
     assert enc.gpu is tower and enc.device_note == "" and "on the CPU" in caplog.text
     enc.close()
     assert not drv.mem.blocks
@@ -313,9 +315,9 @@ def tiny_mm():
 
 
 def test_encoder_uses_the_gpu_tower_when_it_works(tiny_mm):
-    cpu = ImageEncoder(tiny_mm, min_pixels=1024)
+    cpu = ImageEncoder(LoadedVision(QWEN3VL, tiny_mm), min_pixels=1024)
     stand = StandInTower(cpu.tower, fail=False)
-    enc = ImageEncoder(tiny_mm, min_pixels=1024, gpu=stand)
+    enc = ImageEncoder(LoadedVision(QWEN3VL, tiny_mm), min_pixels=1024, gpu=stand)
     assert enc.device == "cuda"
     img = _image(3, (64, 96))
     assert np.array_equal(enc.encode(img).embeddings, cpu.encode(img).embeddings + np.float32(1.0))
@@ -326,9 +328,9 @@ def test_encoder_uses_the_gpu_tower_when_it_works(tiny_mm):
 
 @pytest.mark.parametrize("close_fails", [False, True])
 def test_gpu_tower_failure_falls_back_to_the_cpu_for_this_and_later_images(tiny_mm, caplog, close_fails):
-    cpu = ImageEncoder(tiny_mm, min_pixels=1024)
+    cpu = ImageEncoder(LoadedVision(QWEN3VL, tiny_mm), min_pixels=1024)
     stand = StandInTower(cpu.tower, fail=True, close_fails=close_fails)
-    enc = ImageEncoder(tiny_mm, min_pixels=1024, gpu=stand)
+    enc = ImageEncoder(LoadedVision(QWEN3VL, tiny_mm), min_pixels=1024, gpu=stand)
     first, second = _image(4, (64, 96)), _image(5, (128, 64))
     with caplog.at_level(logging.WARNING, logger="engine.vision.encoder"):
         got = enc.encode(first)
@@ -376,7 +378,7 @@ def test_engine_reports_where_images_are_encoded(synth_model, tmp_path):
 
 def test_encoder_close_logs_a_failing_gpu_close(tiny_mm, caplog):
     stand = StandInTower(VisionTower(tiny_mm), fail=False, close_fails=True)
-    enc = ImageEncoder(tiny_mm, gpu=stand)
+    enc = ImageEncoder(LoadedVision(QWEN3VL, tiny_mm), gpu=stand)
     with caplog.at_level(logging.WARNING, logger="engine.vision.encoder"):
         enc.close()
     assert stand.closed and enc.gpu is None and "context is gone" in caplog.text

@@ -209,7 +209,7 @@ def test_image_prompt_expands_pads_and_positions(vision_engine, tmp_path) -> Non
     [(start, emb, digest)] = prompt.images
     [enc] = prompt.encoded
     rows, cols = enc.grid
-    assert emb.shape == (rows * cols, eng.gguf.hparams.n_embd)
+    assert emb.shape == (rows * cols, eng.text.hparams.n_embd)
     assert prompt.tokens[start - 1] == eng.tokenizer.token_id("<|vision_start|>")
     assert prompt.tokens[start:start + rows * cols] == [pad] * (rows * cols)
     assert prompt.tokens[start + rows * cols] == eng.tokenizer.token_id("<|vision_end|>")
@@ -236,7 +236,7 @@ def test_image_turn_greedy_equal_cold_and_cache_keyed_by_image(vision_engine, tm
     stats, _, _ = chat(eng, ask(blue))
     start = eng.prepare(ask(blue)).images[0][0]
     assert stats.reused_tokens <= start          # same token ids, other image: no reuse past the image
-    cold = Engine(eng.gguf, eng.tokenizer, eng.model, EngineOptions(prefix_cache=False), eng.vision)
+    cold = Engine(eng.text, eng.tokenizer, eng.model, EngineOptions(prefix_cache=False), eng.vision)
     _, cold_tokens, _ = chat(cold, ask(red))
     assert [t.token_id for t in cold_tokens] == [t.token_id for t in first]
 
@@ -258,7 +258,7 @@ def test_reading_ahead_an_image_chat_leaves_only_the_new_message(vision_engine, 
     stats, tokens, _ = chat(eng, messages)
     full = eng.render(messages)                   # images unexpanded; they all come before the new message
     assert stats.prefilled_tokens == len(full) - eng.prompts.message_starts(full)[-2]
-    cold = Engine(eng.gguf, eng.tokenizer, eng.model, EngineOptions(prefix_cache=False), eng.vision)
+    cold = Engine(eng.text, eng.tokenizer, eng.model, EngineOptions(prefix_cache=False), eng.vision)
     _, cold_tokens, _ = chat(cold, messages)
     assert [t.token_id for t in tokens] == [t.token_id for t in cold_tokens]
 
@@ -380,16 +380,16 @@ def test_load_reports_stages_and_can_be_cancelled(tiny) -> None:
 
 def test_image_key_depends_on_resize_bounds(vision_engine, tmp_path) -> None:
     """The same image under another size limit gives other embeddings: no prefix reuse across it."""
-    from engine.arch.qwen3vl.mmproj import load_mmproj
+    from engine.registry import open_projector
     from engine.vision.encoder import ImageEncoder
     from engine.tools.synth import synth_mmproj_for
     img = shape_image(tmp_path / "k.png", (10, 160, 10), size=(320, 256))
     msgs = [{"role": "user", "content": [{"type": "image", "image": str(img)}, {"type": "text", "text": "Hi"}]}]
     key_a = vision_engine.prepare(msgs).images[0][2]
-    same_tower = load_mmproj(synth_mmproj_for(tmp_path / "same-mmproj.gguf", "tiny", seed=0))
-    assert same_tower.identity == vision_engine.vision.tower.identity
+    same_tower = open_projector(synth_mmproj_for(tmp_path / "same-mmproj.gguf", "tiny", seed=0))
+    assert same_tower.projector.identity == vision_engine.vision.tower.identity
     small = ImageEncoder(same_tower, min_pixels=1024, max_pixels=64 * 64)
-    other = Engine(vision_engine.gguf, vision_engine.tokenizer, vision_engine.model, EngineOptions(), small)
+    other = Engine(vision_engine.text, vision_engine.tokenizer, vision_engine.model, EngineOptions(), small)
     assert other.prepare(msgs).images[0][2] != key_a
     prepared = vision_engine.prepare(msgs)
     info = vision_engine.image_info(str(img))

@@ -23,7 +23,10 @@ from engine.errors import GenerationCancelled, ImageError
 from engine.kernels import cpu, sgemm
 from engine.events import TokenEvent
 from engine.sampling import SamplingParams
+from engine.registry import LoadedVision
+from engine.arch.minicpmv import ARCH as MINICPMV
 from engine.vision.encoder import ImageEncoder
+from engine.registry import open_text
 
 FIXTURES = Path(__file__).parent / "fixtures" / "minicpmv"
 sys.path.insert(0, str(FIXTURES))
@@ -300,7 +303,7 @@ def test_image_layout_of_a_sliced_image():
 
 def test_image_encoder_runs_all_pieces_and_caches(mm):
     """engine.vision.encoder.ImageEncoder drives the registry tower: one prepared image holds every piece."""
-    enc = ImageEncoder(mm)
+    enc = ImageEncoder(LoadedVision(MINICPMV, mm))
     img = Image.fromarray(sample_image(700, 700, 3))
     first = enc.encode(img)
     again = enc.encode(img)
@@ -310,7 +313,7 @@ def test_image_encoder_runs_all_pieces_and_caches(mm):
     assert first.size == plan.overview and first.original_size == (700, 700)
     ref = MiniCPMVTower(mm).encode(pre.prepare_pieces(img).pieces, plan.piece_grids)
     np.testing.assert_array_equal(first.embeddings, np.concatenate(ref))
-    four = ImageEncoder(mp.load_mmproj(mp.synth_mmproj(mm.path.with_name("m4.gguf"), **{**MMPROJ, "scale_factor": 2})))
+    four = ImageEncoder(LoadedVision(MINICPMV, mp.load_mmproj(mp.synth_mmproj(mm.path.with_name("m4.gguf"), **{**MMPROJ, "scale_factor": 2}))))
     assert four.tower.identity != enc.tower.identity and four.encode(img).n_tokens == 4 * 320
 
 
@@ -403,16 +406,15 @@ def test_image_prompt_logits_match_hf(tmp_path):
     import threading as th
 
     from engine.arch.qwen35.model import Qwen35Model
-    from engine.gguf.file import GGUFFile
     from engine.turn.runtime import prefill
     from engine.turn.state import SequenceState
 
     gold = np.load(FIXTURES / "golden.npz")
-    gguf = GGUFFile.open(FIXTURES / "tiny-qwen35-f16.gguf")
-    model = Qwen35Model(gguf.hparams, gguf)
+    gguf = open_text(FIXTURES / "tiny-qwen35-f16.gguf")
+    model = Qwen35Model(gguf.hparams, gguf.file)
     mm = mp.load_mmproj(mp.synth_mmproj(tmp_path / "m.gguf", **MMPROJ))
     name, (h, w), seed = E2E_IMAGE
-    encoder = ImageEncoder(mm)
+    encoder = ImageEncoder(LoadedVision(MINICPMV, mm))
     enc = encoder.encode(Image.fromarray(sample_image(h, w, seed)))
     plan = encoder.tower.plan(h, w)
     layout_tokens, starts = expand_layout(image_layout(plan, 0), layout_ids, IMAGE_PAD)

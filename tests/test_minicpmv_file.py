@@ -16,6 +16,7 @@ from engine.arch.minicpmv import mmproj as mp
 from engine.arch.minicpmv.tower import MiniCPMVTower
 from engine.errors import ModelFormatError, UnsupportedModelError
 from engine.gguf.header import read_header
+from engine.registry import open_text
 
 FIXTURES = Path(__file__).parent / "fixtures" / "minicpmv"
 sys.path.insert(0, str(FIXTURES))
@@ -44,13 +45,12 @@ def test_synth_file_layout(mm, tmp_path):
 
 
 def test_synth_pair_matches_text_width(tmp_path):
-    from engine.gguf.file import GGUFFile
     from engine.arch.qwen35.synth import synth
     from engine.tools.synth import synth_mmproj_for
     synth(tmp_path / "m.gguf", "minicpmv46-tiny", quant="f32", vocab=None)
     proj = mp.load_mmproj(synth_mmproj_for(tmp_path / "m-mmproj.gguf", "minicpmv46-tiny"))
-    text = GGUFFile.open(tmp_path / "m.gguf")
-    assert text.arch == "qwen35" and proj.hparams.out_dim == text.hparams.n_embd
+    text = open_text(tmp_path / "m.gguf")
+    assert text.hparams.arch == "qwen35" and proj.hparams.out_dim == text.hparams.n_embd
     assert proj.hparams.n_layer == 4 and proj.qtypes["mm.up.weight"] == "F16"
 
 

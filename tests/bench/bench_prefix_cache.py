@@ -86,7 +86,7 @@ def main() -> None:
             print(f"[2] thinking {'on ' if thinking else 'off'} cache {'on ' if cached else 'off'}: "
                   f"prefilled per turn {per_turn} (total {sum(per_turn)})")
 
-    hp = engine.gguf.hparams
+    hp = engine.text.hparams
     measured = max(s.nbytes for s in engine.cache.snapshots())
     print(f"[3] {args.preset}: largest snapshot {measured / 2**20:.2f} MiB measured; "
           f"computed {snapshot_bytes(hp, cold.prompt_tokens) / 2**20:.2f} MiB at {cold.prompt_tokens} tokens")

@@ -55,6 +55,7 @@ from gguf import GGMLQuantizationType, GGUFValueType
 from engine.gguf import quant, write as gguf_write
 from engine.errors import ModelFormatError, UnsupportedModelError
 from engine.gguf.header import Header, MetaReader, file_identity, read_header
+from engine.gguf.table import check_tensors
 
 Q = GGMLQuantizationType
 
@@ -276,44 +277,42 @@ def _read_hparams(t: Header) -> MiniCPMVHParams:
 
 
 def load_mmproj(path: str | os.PathLike[str]) -> MiniCPMVMmproj:
-    """Open and validate a MiniCPM-V 4.6 projector GGUF; its vectors and position table are dequantized to float32,
-    its matrices stay in the memory map (:class:`StoredWeights`).
+    """Open and validate a MiniCPM-V 4.6 projector GGUF (:func:`mmproj_from_header` of its parsed header).
 
-    The header is read by the bounds-checked :func:`engine.gguf.header.read_header`.
+    Raises:
+        ModelFormatError: unreadable/truncated file; see :func:`mmproj_from_header` for the rest.
+    """
+    return mmproj_from_header(read_header(path))
+
+
+def mmproj_from_header(t: Header) -> MiniCPMVMmproj:
+    """Validate a parsed MiniCPM-V 4.6 projector GGUF; its vectors and position table are dequantized to
+    float32, its matrices stay in the memory map (:class:`StoredWeights`).
 
     Args:
-        path: the ``mmproj-*.gguf`` file (llama.cpp layout, module doc).
+        t: the ``mmproj-*.gguf`` file's header (llama.cpp layout, module doc).
 
     Returns:
         :class:`MiniCPMVMmproj` (the matrices as float32 would be about 2.2 GB for the real tower).
 
     Raises:
-        ModelFormatError: unreadable/truncated file, a missing or ill-typed key, a missing tensor or one of
-            the wrong shape; the message names the file and the key or tensor.
+        ModelFormatError: a missing or ill-typed key, a missing tensor or one of the wrong shape; the
+            message names the file and the key or tensor.
         UnsupportedModelError: not a ``clip`` file, another projector type, an unknown scale factor, or a
             storage type :mod:`engine.gguf.quant` cannot dequantize.
     """
-    t = read_header(path)
     hp = _read_hparams(t)
     down = t.tensors.get("mm.down.weight")
     if down is not None and down.ne[-1] != hp.out_dim:
         raise ModelFormatError(f"{t.source}: clip.vision.projection_dim is {hp.out_dim} but tensor "
                                f"'mm.down.weight' has {down.ne[-1]} rows (the LLM width)")
-    qtypes: dict[str, GGMLQuantizationType] = {}
     shapes = tensor_shapes(hp)
-    for name, shape in shapes.items():
-        info = t.tensors.get(name)
-        if info is None:
-            raise ModelFormatError(f"{t.source}: missing tensor {name!r} (expected shape {shape})")
-        found = tuple(reversed(info.ne))
-        while len(found) > len(shape) and found[0] == 1:
-            found = found[1:]
-        if found != shape:
-            raise ModelFormatError(f"{t.source}: tensor {name!r} has shape {found}, expected {shape}")
-        qtypes[name] = quant.check_supported(info.type_id, f"{t.source}: tensor {name!r}")
+    check_tensors(t.source, t.tensors, {n: tuple(reversed(s)) for n, s in shapes.items()}, trailing_ones=True)
+    qtypes = {name: GGMLQuantizationType(t.tensors[name].type_id) for name in shapes}
     weights = StoredWeights(t, shapes, qtypes)
     names = {n: quant.type_name(q) for n, q in qtypes.items()}
-    return MiniCPMVMmproj(Path(path), hp, weights, names, file_identity(Path(path)))
+    path = Path(t.source)
+    return MiniCPMVMmproj(path, hp, weights, names, file_identity(path))
 
 
 # ----------------------------------------------------------------------------------------------- writing

@@ -41,7 +41,8 @@ from gguf import GGMLQuantizationType, GGUFType, GGUFWriter, Keys
 
 from engine.gguf import quant
 from engine.errors import ModelFormatError, UnsupportedModelError
-from engine.gguf.header import MetaReader, StoredTensor, file_identity, read_header
+from engine.gguf.header import Header, MetaReader, StoredTensor, file_identity, read_header
+from engine.gguf.table import check_tensors
 
 Q = GGMLQuantizationType
 
@@ -249,53 +250,56 @@ def _read_hparams(meta: MetaReader, tensors: Mapping[str, StoredTensor], source:
 
 
 def load_mmproj(path: str | os.PathLike[str]) -> Mmproj:
-    """Open and validate a Qwen3.5/3.6 projector GGUF and dequantize all of its tensors to float32.
-
-    Args:
-        path: the ``mmproj-*.gguf`` file (llama.cpp layout, docs/spec/qwen3vl.md sections 3 and 4).
-
-    Returns:
-        :class:`Mmproj` with ``hparams`` and float32 ``weights`` (about 1.8 GB for the real tower).
+    """Open and validate a Qwen3.5/3.6 projector GGUF and dequantize all of its tensors to float32
+    (:func:`mmproj_from_header` of its parsed header).
 
     Raises:
-        ModelFormatError: unreadable/truncated file, a missing or ill-typed key, a missing tensor or
-            one of the wrong shape; the message names the file and the key or tensor.
-        UnsupportedModelError: not a ``clip`` file, another projector type (Qwen2-VL, MiniCPM, ...),
-            a Qwen3-VL deepstack projector, or a storage type :mod:`engine.gguf.quant` cannot dequantize.
+        ModelFormatError: unreadable/truncated file; see :func:`mmproj_from_header` for the rest.
     """
-    path = Path(path)
     source = str(path)
-    if not path.is_file():
+    if not Path(path).is_file():
         raise ModelFormatError(f"{source}: no such file")
     try:
         header = read_header(path)
     except ModelFormatError as e:
         raise ModelFormatError(f"{source}: not a readable GGUF file: {str(e).removeprefix(source + ': ')}") from e
-    meta = MetaReader(header)
-    tensors = header.tensors
-    hp = _read_hparams(meta, tensors, source)
+    return mmproj_from_header(header)
+
+
+def mmproj_from_header(header: Header) -> Mmproj:
+    """Validate a parsed Qwen3.5/3.6 projector GGUF and dequantize all of its tensors to float32.
+
+    Args:
+        header: the ``mmproj-*.gguf`` file's header (llama.cpp layout, docs/spec/qwen3vl.md sections 3 and 4).
+
+    Returns:
+        :class:`Mmproj` with ``hparams`` and float32 ``weights`` (about 1.8 GB for the real tower).
+
+    Raises:
+        ModelFormatError: a missing or ill-typed key, a missing tensor or one of the wrong shape; the
+            message names the file and the key or tensor.
+        UnsupportedModelError: not a ``clip`` file, another projector type (Qwen2-VL, MiniCPM, ...),
+            a Qwen3-VL deepstack projector, or a storage type :mod:`engine.gguf.quant` cannot dequantize.
+    """
+    source, tensors = header.source, header.tensors
+    hp = _read_hparams(MetaReader(header), tensors, source)
     mm2 = tensors.get("mm.2.weight")
     if mm2 is not None and mm2.ne[-1] != hp.out_dim:
         raise ModelFormatError(
             f"{source}: clip.vision.projection_dim is {hp.out_dim} but tensor 'mm.2.weight' has "
             f"{mm2.ne[-1]} rows (the LLM width)")
+    shapes = tensor_shapes(hp)
+    check_tensors(source, tensors, {n: tuple(reversed(s)) for n, s in shapes.items()}, trailing_ones=True)
     weights: dict[str, np.ndarray] = {}
     qtypes: dict[str, str] = {}
-    for name, shape in tensor_shapes(hp).items():
-        t = tensors.get(name)
-        if t is None:
-            raise ModelFormatError(f"{source}: missing tensor {name!r} (expected shape {shape})")
-        found = tuple(reversed(t.ne))
-        while len(found) > len(shape) and found[0] == 1:
-            found = found[1:]
-        if found != shape:
-            raise ModelFormatError(f"{source}: tensor {name!r} has shape {found}, expected {shape}")
-        qtype = quant.check_supported(t.type_id, f"{source}: tensor {name!r}")
+    for name, shape in shapes.items():
+        qtype = GGMLQuantizationType(tensors[name].type_id)
         try:
-            weights[name] = quant.dequantize(header.tensor_bytes(t), qtype, shape)
+            weights[name] = quant.dequantize(header.tensor_bytes(tensors[name]), qtype, shape)
         except ValueError as e:
             raise ModelFormatError(f"{source}: tensor {name!r}: {e}") from e
         qtypes[name] = quant.type_name(qtype)
+    path = Path(source)
     return Mmproj(path=path, hparams=hp, weights=weights, qtypes=qtypes, identity=file_identity(path))
 
 
