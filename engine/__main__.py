@@ -62,7 +62,7 @@ def _model_paths(args: argparse.Namespace) -> tuple[Path, Path | None]:
     (:func:`engine.demo_model.bundled_mmproj_for`); any other model needs ``--mmproj``.
 
     Raises:
-        EngineError: ``default_model()`` could not write the synthetic default model.
+        EngineError: no model named and the bundled demo is missing (:func:`engine.demo_model.default_model`).
     """
     from .demo_model import bundled_mmproj_for, default_model
     if not args.model:
@@ -307,14 +307,14 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 
 def cmd_synth(args: argparse.Namespace) -> int:
-    from .arch.qwen35.synth import synth
+    from .testing.synth import synth
     t0 = time.perf_counter()
     synth(args.output, args.preset, layers=args.layers, experts=args.experts, quant=args.quant,
           seed=args.seed)
     size = Path(args.output).stat().st_size
     print(f"wrote {args.output}: {size / 2**20:.1f} MiB in {time.perf_counter() - t0:.1f} s", file=sys.stderr)
     if not args.no_mmproj:
-        from .tools.synth import synth_mmproj_for
+        from .testing.pairs import synth_mmproj_for
         out = Path(args.output)
         mmproj = synth_mmproj_for(out.with_name(out.stem + "-mmproj.gguf"), args.preset, seed=args.seed)
         print(f"wrote {mmproj}: {mmproj.stat().st_size / 2**20:.1f} MiB", file=sys.stderr)

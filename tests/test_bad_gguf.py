@@ -17,7 +17,7 @@ from engine.errors import EngineError, ModelFormatError, UnsupportedModelError
 from engine.gguf.file import GGUFFile
 from engine.registry import open_text
 from engine.arch.qwen35.tensors import tensor_shapes
-from engine.arch.qwen35.synth import preset_hparams, synth, write_gguf
+from engine.testing.synth import preset_hparams, synth, write_gguf
 
 VOCAB = [f"tok{i}" for i in range(64)]
 

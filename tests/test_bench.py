@@ -175,7 +175,7 @@ def test_run_llama_bench_parses_and_measures(tmp_path):
 
 @pytest.fixture(scope="module")
 def tiny_q4(tmp_path_factory):
-    from engine.arch.qwen35.synth import synth
+    from engine.testing.synth import synth
     path = tmp_path_factory.mktemp("bench") / "tiny.gguf"
     synth(path, "tiny", quant="q4_0", vocab=None)
     return path

@@ -24,7 +24,7 @@ import pytest
 
 from engine.arch.qwen35.cuda_plan import (activation_bytes, copy_runs, kv_bytes, pass_tokens, plan_placement,
                                           route_tables, state_bytes, use_selective)
-from engine.arch.qwen35.synth import preset_hparams
+from engine.testing.synth import preset_hparams
 from engine.errors import DeviceError
 from cuda_fakes import FakeDriver, FakeKernels
 from engine.kernels.cuda_layout import TILE_ROWS, Matrix, gemm_matrix
@@ -129,7 +129,7 @@ def test_no_pycuda_is_a_device_error(tmp_path):
     else:
         pytest.skip("pycuda is importable here")
     from engine.arch.qwen35.cuda import CudaPrefill
-    from engine.arch.qwen35.synth import synth
+    from engine.testing.synth import synth
 
     path = tmp_path / "tiny.gguf"
     synth(path, "tiny", quant="q8_0", vocab=None)
@@ -165,7 +165,7 @@ def emulated(monkeypatch):
 
 @pytest.fixture(scope="module")
 def tiny_files(tmp_path_factory):
-    from engine.arch.qwen35.synth import synth
+    from engine.testing.synth import synth
 
     folder = tmp_path_factory.mktemp("emulated")
     out = {}
@@ -184,7 +184,7 @@ def test_emulated_prefill_of_a_k_quant_mix(emulated, tmp_path):
     from engine.arch.qwen35.model import Qwen35Model
     from engine.gguf.quant import dequantize
     from engine.turn.state import SequenceState
-    from engine.arch.qwen35.synth import synth
+    from engine.testing.synth import synth
 
     synth(tmp_path / "m.gguf", "small", layers=4, quant="q4_k_m", seed=5, vocab=[f"t{i}" for i in range(256)])
     f = open_text(tmp_path / "m.gguf")
@@ -515,7 +515,7 @@ def models(tmp_path_factory):
     """(preset, quant) -> (GGUFFile, CPU model, {budget name: CudaPrefill}, {length: (logits, state)})."""
     from engine.arch.qwen35.cuda import CudaPrefill
     from engine.arch.qwen35.model import Qwen35Model
-    from engine.arch.qwen35.synth import synth
+    from engine.testing.synth import synth
 
     folder = tmp_path_factory.mktemp("cuda-synth")
     made = {}

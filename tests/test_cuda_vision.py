@@ -115,7 +115,7 @@ def test_gpu_tower_reserve_budget_and_close(tmp_path):
 @gpu
 def test_engine_on_cuda_encodes_images_like_the_cpu(synth_model, tmp_path):
     from engine.api import Engine, EngineOptions
-    from engine.tools.synth import synth_mmproj_for
+    from engine.testing.pairs import synth_mmproj_for
 
     model = synth_model("tiny", "q8_0")
     mmproj = synth_mmproj_for(tmp_path / "tiny-mmproj.gguf", "tiny", seed=0)
@@ -357,7 +357,7 @@ def test_no_pycuda_is_a_device_error(tiny_mm):
 
 def test_engine_reports_where_images_are_encoded(synth_model, tmp_path):
     from engine.api import Engine, EngineOptions
-    from engine.tools.synth import synth_mmproj_for
+    from engine.testing.pairs import synth_mmproj_for
 
     model = synth_model("tiny", "q8_0")
     mmproj = synth_mmproj_for(tmp_path / "tiny-mmproj.gguf", "tiny", seed=0)
@@ -406,7 +406,7 @@ def _load_with_stand_ins(monkeypatch, synth_model, tmp_path, error, **options):
     import engine.api as api
     import engine.arch.qwen35.cuda as cuda
     import engine.placement as placement
-    from engine.tools.synth import synth_mmproj_for
+    from engine.testing.pairs import synth_mmproj_for
 
     towers = []
 

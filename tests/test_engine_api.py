@@ -9,6 +9,7 @@ import pytest
 
 from engine.__main__ import main
 from engine.api import Engine, EngineOptions
+from engine.errors import EngineError
 from engine.events import PrefillProgress, PrefillStats, TokenEvent, TurnSummary
 from engine.sampling import SamplingParams
 
@@ -183,7 +184,7 @@ def test_cli_reports_bad_file_in_one_line(tmp_path, capsys) -> None:
 
 @pytest.fixture(scope="module")
 def tiny_mmproj(tmp_path_factory):
-    from engine.tools.synth import synth_mmproj_for
+    from engine.testing.pairs import synth_mmproj_for
     return synth_mmproj_for(tmp_path_factory.mktemp("mm") / "tiny-mmproj.gguf", "tiny", seed=0)
 
 
@@ -382,7 +383,7 @@ def test_image_key_depends_on_resize_bounds(vision_engine, tmp_path) -> None:
     """The same image under another size limit gives other embeddings: no prefix reuse across it."""
     from engine.registry import open_projector
     from engine.vision.encoder import ImageEncoder
-    from engine.tools.synth import synth_mmproj_for
+    from engine.testing.pairs import synth_mmproj_for
     img = shape_image(tmp_path / "k.png", (10, 160, 10), size=(320, 256))
     msgs = [{"role": "user", "content": [{"type": "image", "image": str(img)}, {"type": "text", "text": "Hi"}]}]
     key_a = vision_engine.prepare(msgs).images[0][2]
@@ -397,21 +398,23 @@ def test_image_key_depends_on_resize_bounds(vision_engine, tmp_path) -> None:
     assert info.tokens == len(prepared.images[0][1]) == prepared.encoded[0].n_tokens
 
 
-def test_default_model_without_the_bundled_demo_writes_the_synthetic_pair(tmp_path, monkeypatch) -> None:
-    """No bundled demo: default_model writes the tiny synthetic text model and its tower once, and they load."""
+def test_default_model_without_the_bundled_demo_is_a_clear_error(tmp_path, monkeypatch) -> None:
+    """No bundled demo: default_model names the missing file and how to get a model, and writes nothing."""
     import engine.api as api
     import engine.demo_model as demo_model
-    monkeypatch.setattr(demo_model, "bundled_model", lambda: None)
-    monkeypatch.setattr(demo_model.platformdirs, "user_cache_dir", lambda name: str(tmp_path / name))
-    model, mmproj = api.default_model()
-    assert model.parent == mmproj.parent == tmp_path / "deltadesk" / "models"
-    stamp = model.stat().st_mtime_ns
-    assert api.default_model() == (model, mmproj) and model.stat().st_mtime_ns == stamp
-    engine = Engine.load(model, mmproj, EngineOptions(device="cpu", prefix_cache=False, context=64))
-    try:
-        assert engine.info.has_vision and engine.info.arch == "qwen35moe"
-    finally:
-        engine.close()
+    monkeypatch.setattr(demo_model, "ASSETS", tmp_path / "models")
+    with pytest.raises(EngineError, match=r"models/deltadesk-demo\.gguf is missing.*--model.*engine pull.*engine synth"):
+        api.default_model()
+    assert not (tmp_path / "models").exists()
+
+
+def test_default_model_is_the_bundled_demo() -> None:
+    import engine.api as api
+    import engine.demo_model as demo_model
+    if not (demo_model.ASSETS / "deltadesk-demo.gguf").is_file():
+        pytest.skip("the bundled demo model is absent")
+    assert api.default_model() == (demo_model.ASSETS / "deltadesk-demo.gguf",
+                                   demo_model.ASSETS / "deltadesk-demo-mmproj.gguf")
 
 
 def test_cancel_read_ahead_stops_a_read_ahead_running_on_another_thread(warm, monkeypatch) -> None:

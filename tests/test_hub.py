@@ -36,8 +36,8 @@ MACHINE = Machine(ram_bytes=24 << 30, bandwidth_gbps=10.0)
 @pytest.fixture(scope="module")
 def synth_files(tmp_path_factory) -> dict[str, bytes]:
     """The tiny synth model (Q8_0, real vocabulary) and its projector, as bytes."""
-    from engine.arch.qwen35.synth import synth
-    from engine.tools.synth import synth_mmproj_for
+    from engine.testing.synth import synth
+    from engine.testing.pairs import synth_mmproj_for
     d = tmp_path_factory.mktemp("synth")
     synth(d / "tiny.gguf", "tiny", quant="q8_0", seed=1)
     synth_mmproj_for(d / "tiny-mmproj.gguf", "tiny", seed=1)

@@ -27,8 +27,8 @@ CASES = [("tiny", "q8_0"), ("small", "q4_0"), ("dense-tiny", "f16")]
 
 @pytest.fixture(scope="module", params=CASES, ids=["-".join(c) for c in CASES])
 def synth_pair(request, tmp_path_factory) -> tuple[Path, Path]:
-    from engine.arch.qwen35.synth import synth
-    from engine.tools.synth import synth_mmproj_for
+    from engine.testing.synth import synth
+    from engine.testing.pairs import synth_mmproj_for
     preset, quant = request.param
     d = tmp_path_factory.mktemp(preset)
     synth(d / "m.gguf", preset, quant=quant, seed=3)
@@ -62,7 +62,7 @@ def test_size_estimate_agrees_with_the_header_estimate_on_a_uniform_file(tmp_pat
     """A Q8_0 file has one mean bit width for its weights (norms aside), so the size-only estimate of its preset
     must give the header's bytes per token and state exactly, and its vocabulary term within the merges/tokens
     difference (247587 merges vs the assumed 248320: 0.15 %)."""
-    from engine.arch.qwen35.synth import synth
+    from engine.testing.synth import synth
     from engine.hub.fit import estimate_from_size
     synth(tmp_path / "t.gguf", "tiny", quant="q8_0", seed=5)
     f = open_text(tmp_path / "t.gguf")

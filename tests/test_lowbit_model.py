@@ -21,7 +21,7 @@ from test_native_model import PROMPT, isa_reset, run  # noqa: F401 (fixture)
 
 from engine.arch.qwen35.cpu import NativeQwen35Model
 from engine.arch.qwen35.model import Qwen35Model
-from engine.arch.qwen35.synth import storage_type
+from engine.testing.synth import storage_type
 from engine.gguf.file import GGUFFile
 from engine.registry import open_text
 from engine.kernels import cpu

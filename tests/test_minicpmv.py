@@ -321,7 +321,7 @@ def test_engine_prompt_lays_out_slices(synth_model, tmp_path):
     """Engine.load picks the minicpmv folder by clip.projector_type; the prompt holds HF's layout with one span
     per piece, sequential positions, and the image digest in every span's prefix-cache key."""
     from engine.api import Engine, EngineOptions
-    from engine.tools.synth import synth_mmproj_for
+    from engine.testing.pairs import synth_mmproj_for
 
     text = synth_model("minicpmv46-tiny", "q8_0")
     proj = synth_mmproj_for(tmp_path / "m-mmproj.gguf", "minicpmv46-tiny")
@@ -365,7 +365,7 @@ def test_cli_generate_answers_on_the_synth_pair(synth_model, tmp_path, capsys):
     1024x768 JPEG: a 504x392 overview and 2x2 slices, 315 tokens in 16x mode, as HF's processor counts it); a truncated JPEG is a
     one-line error naming the file."""
     from engine.__main__ import main
-    from engine.tools.synth import synth_mmproj_for
+    from engine.testing.pairs import synth_mmproj_for
 
     text = synth_model("minicpmv46-tiny", "q8_0")
     proj = synth_mmproj_for(tmp_path / "m-mmproj.gguf", "minicpmv46-tiny")

@@ -45,8 +45,8 @@ def test_synth_file_layout(mm, tmp_path):
 
 
 def test_synth_pair_matches_text_width(tmp_path):
-    from engine.arch.qwen35.synth import synth
-    from engine.tools.synth import synth_mmproj_for
+    from engine.testing.synth import synth
+    from engine.testing.pairs import synth_mmproj_for
     synth(tmp_path / "m.gguf", "minicpmv46-tiny", quant="f32", vocab=None)
     proj = mp.load_mmproj(synth_mmproj_for(tmp_path / "m-mmproj.gguf", "minicpmv46-tiny"))
     text = open_text(tmp_path / "m.gguf")

@@ -46,8 +46,8 @@ def counted(monkeypatch):
 @pytest.mark.parametrize("preset, projector", [("tiny", "qwen3vl_merger"), ("minicpmv46-tiny", "minicpmv4_6")])
 def test_a_load_parses_each_header_once_and_looks_each_family_up_once(tmp_path, counted, preset, projector):
     from engine.api import Engine, EngineOptions
-    from engine.arch.qwen35.synth import synth
-    from engine.tools.synth import synth_mmproj_for
+    from engine.testing.synth import synth
+    from engine.testing.pairs import synth_mmproj_for
 
     synth(tmp_path / "m.gguf", preset, quant="q8_0", seed=0)
     synth_mmproj_for(tmp_path / "m-mmproj.gguf", preset)

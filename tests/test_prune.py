@@ -26,8 +26,8 @@ from engine.registry import LoadedText, open_text
 from engine.arch.qwen35.model import Qwen35Model
 from engine.ops import reference as ops
 from engine.turn.state import SequenceState
-from engine.arch.qwen35.synth import preset_hparams, synth, write_gguf
-from engine.tools.synth import synth_mmproj_for
+from engine.testing.synth import preset_hparams, synth, write_gguf
+from engine.testing.pairs import synth_mmproj_for
 
 VOCAB = [f"tok{i}" for i in range(64)]
 

@@ -35,7 +35,7 @@ QUANTS = ("q8_0", "q4_k_m")
 def models(tmp_path_factory):
     """The tiny synth model (Q8_0, and the Q4_K_M mix for the native K-quant kernels) on the numpy
     path and, when built, on the native kernels: {(path, quant): model}."""
-    from engine.arch.qwen35.synth import synth
+    from engine.testing.synth import synth
     out = {}
     for quant in QUANTS:
         path = tmp_path_factory.mktemp("split") / f"tiny-{quant}.gguf"

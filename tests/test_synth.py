@@ -1,4 +1,4 @@
-"""engine.arch.qwen35.synth: presets, metadata, storage types, determinism and weight statistics.
+"""engine.testing.synth: presets, metadata, storage types, determinism and weight statistics.
 
 Statistical checks use generous bounds on thousands of samples (std within 15 % of the target,
 |mean| < 0.1 std); they hold for any seed.
@@ -15,7 +15,7 @@ from gguf import GGMLQuantizationType as Q
 
 from engine.registry import open_text
 from engine.arch.qwen35.tensors import tensor_shapes
-from engine.arch.qwen35.synth import QWEN35_N_VOCAB, preset_hparams, storage_type, synth, write_gguf
+from engine.testing.synth import QWEN35_N_VOCAB, preset_hparams, storage_type, synth, write_gguf
 
 VOCAB = [f"tok{i}" for i in range(256)]
 

@@ -186,7 +186,7 @@ def estimate_from_size(arch: str, shape: str, file_size: int, context: int, mach
     Raises:
         ValueError: an unknown ``shape``. UnsupportedModelError: an ``arch`` the engine does not run.
     """
-    from ..arch.qwen35.synth import preset_hparams
+    from ..arch.qwen35.presets import preset_hparams
     from ..registry import text_arch
     hp = preset_hparams(shape)
     shapes = text_arch(arch, shape).tensor_shapes(hp)

@@ -39,7 +39,7 @@ from engine.kernels.cuda_kernels import load_driver  # noqa: E402
 from engine.gguf.file import GGUFFile  # noqa: E402
 from engine.arch.qwen35.hparams import Qwen35HParams  # noqa: E402
 from engine.turn.state import SequenceState  # noqa: E402
-from engine.arch.qwen35.synth import synth  # noqa: E402
+from engine.testing.synth import synth  # noqa: E402
 
 DATASHEET_FP32 = 67e12
 """H200 SXM float32 (non-tensor) rate by NVIDIA's datasheet, FLOP/s; used when torch is not installed."""

@@ -27,7 +27,7 @@ from pathlib import Path
 import numpy as np
 
 from engine.arch.qwen35.cpu import NativeQwen35Model
-from engine.arch.qwen35.synth import synth
+from engine.testing.synth import synth
 from engine.registry import open_text
 from engine.kernels import cpu
 from engine.turn.runtime import PREFILL_PIECE, prefill

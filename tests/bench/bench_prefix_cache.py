@@ -18,7 +18,7 @@ from engine.api import Engine, EngineOptions
 from engine.events import PrefillStats
 from engine.arch.qwen35.hparams import Qwen35HParams
 from engine.sampling import SamplingParams
-from engine.arch.qwen35.synth import synth
+from engine.testing.synth import synth
 
 WORDS = ("delta net state snapshot prefix cache expert router token prefill decode gated "
          "attention window memory bandwidth kernel vector block scale quant").split()

@@ -1,4 +1,4 @@
-"""Random low-bit blocks for synthetic files (:mod:`engine.arch.qwen35.synth`): Q2_K, Q3_K and IQ1/IQ2/IQ3
+"""Random low-bit blocks for synthetic files (:mod:`engine.testing.synth`): Q2_K, Q3_K and IQ1/IQ2/IQ3
 super-blocks, the IQ4_NL blocks llama-quantize falls back to, and MXFP4 blocks, drawn directly as valid blocks
 (gguf-py cannot quantize to most of these types, and its MXFP4 quantizer holds 16 floats per value; every grid
 index, sign pattern and scale field of random bytes is valid).
@@ -46,8 +46,6 @@ _RMS = {Q.Q2_K: math.sqrt(135.5 * 1.25), Q.Q3_K: math.sqrt(341.5 * 5.5),
 DRAWN = frozenset(_RMS) | IQ_TYPES
 """Types :func:`random_lowbit_blocks` draws."""
 
-SHAPE_FALLBACK = {t: Q.IQ4_NL for t in DRAWN if t not in (Q.IQ4_NL, Q.MXFP4)}
-"""llama-quantize's type for a tensor whose ``ne0`` is not a multiple of 256 (``tensor_type_fallback``)."""
 
 
 def _scale(d_bits: np.ndarray, std: float, rms: float) -> np.ndarray:

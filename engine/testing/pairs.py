@@ -1,5 +1,4 @@
-"""Synthetic text + vision pairs: a random tower whose width matches a synthetic text model's, and the
-engine's default pair when no bundled demo exists."""
+"""Synthetic text + vision pairs: a random tower whose width matches a synthetic text model's."""
 
 from __future__ import annotations
 
@@ -7,7 +6,7 @@ import os
 from pathlib import Path
 
 from engine.arch.minicpmv.mmproj import synth_mmproj as synth_minicpmv
-from engine.arch.qwen35.synth import QWEN35_N_VOCAB, preset_hparams, synth
+from engine.arch.qwen35.presets import QWEN35_N_VOCAB, preset_hparams
 from engine.arch.qwen3vl.mmproj import synth_mmproj
 
 
@@ -28,24 +27,3 @@ def synth_mmproj_for(path: str | os.PathLike[str], preset: str, seed: int = 0) -
     if preset == "35b-a3b":
         return synth_mmproj(path, "real", out_dim=n_embd, seed=seed, ftype="Q8_0")
     return synth_mmproj(path, "tiny", out_dim=n_embd, seed=seed, ftype="F16")
-
-
-def write_default_pair(folder: Path) -> tuple[Path, Path]:
-    """The ``tiny`` synthetic text model (Q8_0, real vocabulary and template) and its tiny tower (F16) in
-    ``folder``, each written once (through a temporary file renamed into place) and reused after.
-
-    Returns:
-        (text GGUF, mmproj GGUF).
-
-    Raises:
-        OSError: the folder or a file cannot be written.
-    """
-    path, mmproj = folder / "synth-tiny-q8_0.gguf", folder / "synth-tiny-mmproj-f16.gguf"
-    folder.mkdir(parents=True, exist_ok=True)
-    for target, write in ((path, lambda p: synth(p, "tiny", quant="q8_0", seed=0)),
-                          (mmproj, lambda p: synth_mmproj_for(p, "tiny", seed=0))):
-        if not target.is_file():
-            tmp = target.with_suffix(".tmp")
-            write(tmp)
-            tmp.replace(target)
-    return path, mmproj
