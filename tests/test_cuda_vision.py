@@ -27,7 +27,8 @@ import pytest
 from PIL import Image
 
 from engine.errors import DeviceError
-from engine.arch.qwen3vl.mmproj import RandomWeights, VisionHParams, load_mmproj, write_mmproj
+from engine.arch.qwen3vl.mmproj import VisionHParams, load_mmproj, write_mmproj
+from engine.testing.qwen3vl import RandomWeights
 from engine.arch.qwen3vl.tower import VisionTower
 from engine.registry import LoadedVision
 from engine.arch.qwen3vl import ARCH as QWEN3VL
@@ -410,8 +411,8 @@ def _load_with_stand_ins(monkeypatch, synth_model, tmp_path, error, **options):
 
     towers = []
 
-    def open_tower(mm, opts):
-        towers.append(StandInTower(VisionTower(mm, threads=1), fail=False))
+    def open_tower(projector, opts):
+        towers.append(StandInTower(VisionTower(projector.projector, threads=1), fail=False))
         return towers[-1], ""
 
     StandInPrefill.made = []

@@ -305,7 +305,7 @@ def test_cli_prompt_larger_than_context_is_an_error(tiny, capsys) -> None:
 
 def test_mismatched_mmproj_is_refused(tiny, tmp_path) -> None:
     from engine.errors import ModelFormatError
-    from engine.arch.qwen3vl.mmproj import synth_mmproj
+    from engine.testing.qwen3vl import synth_mmproj
     wrong = synth_mmproj(tmp_path / "wrong.gguf", "tiny", out_dim=32)
     with pytest.raises(ModelFormatError, match="projection_dim"):
         Engine.load(tiny, wrong)

@@ -14,6 +14,7 @@ import pytest
 from PIL import Image
 
 from engine.arch.minicpmv import mmproj as mp
+from engine.testing import minicpmv as mp_test
 from engine.arch.minicpmv import preprocess as pre
 from engine.arch.minicpmv import tower as tower_mod
 from engine.arch.minicpmv.layout import expand_layout, image_layout, sequential_positions
@@ -45,7 +46,7 @@ def gold():
 
 @pytest.fixture(scope="module")
 def mm(tmp_path_factory):
-    return mp.load_mmproj(mp.synth_mmproj(tmp_path_factory.mktemp("mcv") / "m-mmproj.gguf", **MMPROJ))
+    return mp.load_mmproj(mp_test.synth_mmproj(tmp_path_factory.mktemp("mcv") / "m-mmproj.gguf", **MMPROJ))
 
 
 def rel_err(ours: np.ndarray, ref: np.ndarray) -> float:
@@ -313,7 +314,7 @@ def test_image_encoder_runs_all_pieces_and_caches(mm):
     assert first.size == plan.overview and first.original_size == (700, 700)
     ref = MiniCPMVTower(mm).encode(pre.prepare_pieces(img).pieces, plan.piece_grids)
     np.testing.assert_array_equal(first.embeddings, np.concatenate(ref))
-    four = ImageEncoder(LoadedVision(MINICPMV, mp.load_mmproj(mp.synth_mmproj(mm.path.with_name("m4.gguf"), **{**MMPROJ, "scale_factor": 2}))))
+    four = ImageEncoder(LoadedVision(MINICPMV, mp.load_mmproj(mp_test.synth_mmproj(mm.path.with_name("m4.gguf"), **{**MMPROJ, "scale_factor": 2}))))
     assert four.tower.identity != enc.tower.identity and four.encode(img).n_tokens == 4 * 320
 
 
@@ -412,7 +413,7 @@ def test_image_prompt_logits_match_hf(tmp_path):
     gold = np.load(FIXTURES / "golden.npz")
     gguf = open_text(FIXTURES / "tiny-qwen35-f16.gguf")
     model = Qwen35Model(gguf.hparams, gguf.file)
-    mm = mp.load_mmproj(mp.synth_mmproj(tmp_path / "m.gguf", **MMPROJ))
+    mm = mp.load_mmproj(mp_test.synth_mmproj(tmp_path / "m.gguf", **MMPROJ))
     name, (h, w), seed = E2E_IMAGE
     encoder = ImageEncoder(LoadedVision(MINICPMV, mm))
     enc = encoder.encode(Image.fromarray(sample_image(h, w, seed)))

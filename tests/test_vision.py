@@ -19,7 +19,8 @@ from PIL import Image
 
 from engine.errors import GenerationCancelled
 from engine.vision.images import prepare_image
-from engine.arch.qwen3vl.mmproj import PRESETS, load_mmproj, synth_mmproj
+from engine.arch.qwen3vl.mmproj import PRESETS, load_mmproj
+from engine.testing.qwen3vl import synth_mmproj
 from engine.arch.qwen3vl.positions import mrope_positions
 from engine.arch.qwen3vl.tower import VisionTower, image_token_count
 from engine.registry import LoadedVision, open_projector

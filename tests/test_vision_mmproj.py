@@ -10,8 +10,8 @@ import pytest
 from gguf import GGUFReader, GGUFValueType, GGUFWriter
 
 from engine.errors import ModelFormatError, UnsupportedModelError
-from engine.arch.qwen3vl.mmproj import (PRESETS, RandomWeights, VisionHParams, load_mmproj, synth_mmproj, tensor_shapes,
-                           write_mmproj)
+from engine.arch.qwen3vl.mmproj import PRESETS, VisionHParams, load_mmproj, tensor_shapes, write_mmproj
+from engine.testing.qwen3vl import RandomWeights, synth_mmproj
 from engine.registry import open_projector
 
 FIX = Path(__file__).parent / "fixtures" / "vision"

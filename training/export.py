@@ -1,5 +1,5 @@
 """Export a run of :mod:`training.train` to the engine's files: a ``qwen35moe`` text GGUF (written by
-``engine.testing.synth.write_gguf`` with the demo vocabulary and the Qwen3.5 chat template) and a Qwen3.5
+``engine.arch.qwen35.writer.write_gguf`` with the demo vocabulary and the Qwen3.5 chat template) and a Qwen3.5
 ``mmproj`` GGUF (``engine.arch.qwen3vl.mmproj.write_mmproj``), both Q8_0 by default.
 
     python training/export.py runs/demo --out assets/models

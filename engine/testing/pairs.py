@@ -5,9 +5,9 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from engine.arch.minicpmv.mmproj import synth_mmproj as synth_minicpmv
+from engine.testing.minicpmv import synth_mmproj as synth_minicpmv
 from engine.arch.qwen35.presets import QWEN35_N_VOCAB, preset_hparams
-from engine.arch.qwen3vl.mmproj import synth_mmproj
+from engine.testing.qwen3vl import synth_mmproj
 
 
 def synth_mmproj_for(path: str | os.PathLike[str], preset: str, seed: int = 0) -> Path:
