@@ -16,7 +16,6 @@ from pathlib import Path
 
 import pytest
 
-from engine.gguf.file import GGUFFile
 from engine.registry import open_text
 from engine.gguf.header import read_header
 from engine.hub.fit import Machine, estimate, state_bytes

@@ -24,10 +24,9 @@ from engine.errors import GenerationCancelled, ImageError
 from engine.kernels import cpu, sgemm
 from engine.events import TokenEvent
 from engine.sampling import SamplingParams
-from engine.registry import LoadedVision
+from engine.registry import LoadedVision, open_text
 from engine.arch.minicpmv import ARCH as MINICPMV
 from engine.vision.encoder import ImageEncoder
-from engine.registry import open_text
 
 FIXTURES = Path(__file__).parent / "fixtures" / "minicpmv"
 sys.path.insert(0, str(FIXTURES))
