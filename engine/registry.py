@@ -2,8 +2,8 @@
 ``clip.projector_type`` a vision tower.
 
 :func:`open_text` and :func:`open_projector` open a file once, pick its family once and hand the
-result on (:class:`LoadedText`, :class:`LoadedVision`). Each family lives in one package under ``engine/arch/`` that defines a module-level ``ARCH``: a
-:class:`TextArch` or a :class:`VisionArch`. The tables below map the GGUF key's value to that package,
+result on (:class:`LoadedText`, :class:`LoadedVision`). Each family lives in one package under
+``engine/arch/`` that defines a module-level ``ARCH``: a :class:`TextArch` or a :class:`VisionArch`. The tables below map the GGUF key's value to that package,
 and the package is imported only when a file asks for it. Adding a family is one folder plus one line
 here (see ``docs/adding-an-architecture.md``). A value that is not in a table is one clear
 :class:`~engine.errors.UnsupportedModelError` that lists the supported values.

@@ -58,18 +58,19 @@ def rng():
                                        ("35b-a3b", {"layers": 4, "experts": 2})])
 def test_open_every_preset(files, preset, kw):
     path = files(preset, **kw)
-    f = open_text(path)
+    text = open_text(path)
+    f = text.file
     want = preset_hparams(preset, len(VOCAB), kw.get("layers"), kw.get("experts"))
-    assert f.hparams == stored(want)
-    assert f.hparams.arch == want.arch and f.file.path == path and f.file.source == str(path)
-    assert set(f.file.tensor_names) == set(tensor_shapes(want))
+    assert text.hparams == stored(want)
+    assert text.hparams.arch == want.arch and f.path == path and f.source == str(path)
+    assert set(f.tensor_names) == set(tensor_shapes(want))
     for name, ne in tensor_shapes(want).items():
-        info = f.file.info(name)
+        info = f.info(name)
         assert info.ne == ne and info.shape == ne[::-1]
         assert info.nbytes == math.prod(ne[1:]) * quant.row_bytes(info.qtype, ne[0])
-    assert f.file.meta("general.architecture") == want.arch
-    assert f.file.meta("tokenizer.ggml.tokens") == VOCAB
-    assert f.file.meta("no.such.key", 7) == 7
+    assert f.meta("general.architecture") == want.arch
+    assert f.meta("tokenizer.ggml.tokens") == VOCAB
+    assert f.meta("no.such.key", 7) == 7
 
 
 def test_identity_is_stable_and_content_sensitive(files):
@@ -81,53 +82,55 @@ def test_identity_is_stable_and_content_sensitive(files):
 
 @pytest.mark.parametrize("q", ["q4_0", "q8_0", "f16", "f32"])
 def test_expert_row_raw_are_slices_of_f32(files, rng, q):
-    f = open_text(files("tiny", q))
-    hp = f.hparams
+    text = open_text(files("tiny", q))
+    f = text.file
+    hp = text.hparams
     for part in ("gate", "up", "down"):
         name = f"blk.{rng.integers(hp.n_layer)}.ffn_{part}_exps.weight"
-        full = f.file.f32(name)
-        assert full.shape == f.file.info(name).shape and full.dtype == np.float32
+        full = f.f32(name)
+        assert full.shape == f.info(name).shape and full.dtype == np.float32
         for e in rng.choice(hp.n_expert, 3, replace=False):
-            np.testing.assert_array_equal(f.file.expert(name, int(e)), full[e])
-    emb = f.file.f32("token_embd.weight")
+            np.testing.assert_array_equal(f.expert(name, int(e)), full[e])
+    emb = f.f32("token_embd.weight")
     for i in rng.choice(hp.n_vocab, 5, replace=False):
-        np.testing.assert_array_equal(f.file.row("token_embd.weight", int(i)), emb[i])
+        np.testing.assert_array_equal(f.row("token_embd.weight", int(i)), emb[i])
     name = "blk.0.attn_qkv.weight"
-    raw = f.file.raw(name)
-    info = f.file.info(name)
+    raw = f.raw(name)
+    info = f.info(name)
     assert raw.dtype == np.uint8 and raw.shape == (info.ne[1], quant.row_bytes(info.qtype, info.ne[0]))
     assert not raw.flags.writeable
-    np.testing.assert_array_equal(quant.dequantize(raw, info.qtype, info.shape), f.file.f32(name))
-    assert f.file.raw("blk.0.ffn_down_exps.weight").shape[0] == hp.n_expert * hp.n_embd
+    np.testing.assert_array_equal(quant.dequantize(raw, info.qtype, info.shape), f.f32(name))
+    assert f.raw("blk.0.ffn_down_exps.weight").shape[0] == hp.n_expert * hp.n_embd
     with pytest.raises(IndexError):
-        f.file.expert("blk.0.ffn_up_exps.weight", hp.n_expert)
+        f.expert("blk.0.ffn_up_exps.weight", hp.n_expert)
     with pytest.raises(IndexError):
-        f.file.row("token_embd.weight", hp.n_vocab)
+        f.row("token_embd.weight", hp.n_vocab)
     with pytest.raises(ValueError):
-        f.file.expert("token_embd.weight", 0)
+        f.expert("token_embd.weight", 0)
 
 
 def test_storage_types_and_summaries(files):
-    f = open_text(files("tiny", "q8_0"))
-    hp = f.hparams
-    assert f.file.info("blk.0.ssm_conv1d.weight").qtype == Q.F32
-    assert f.file.info("blk.0.ffn_gate_inp.weight").qtype == Q.F32
-    assert f.file.info("blk.3.attn_q.weight").qtype == Q.Q8_0
-    mix = f.file.quant_mix()
+    text = open_text(files("tiny", "q8_0"))
+    f = text.file
+    hp = text.hparams
+    assert f.info("blk.0.ssm_conv1d.weight").qtype == Q.F32
+    assert f.info("blk.0.ffn_gate_inp.weight").qtype == Q.F32
+    assert f.info("blk.3.attn_q.weight").qtype == Q.Q8_0
+    mix = f.quant_mix()
     assert set(mix) == {"Q8_0", "F32"}
-    assert sum(n for n, _ in mix.values()) == len(f.file.tensor_names)
-    assert sum(b for _, b in mix.values()) == sum(f.file.info(n).nbytes for n in f.file.tensor_names)
+    assert sum(n for n, _ in mix.values()) == len(f.tensor_names)
+    assert sum(b for _, b in mix.values()) == sum(f.info(n).nbytes for n in f.tensor_names)
     # bytes per token: everything but the unused experts and all but one embedding row
     want = 0
-    for name in f.file.tensor_names:
-        info = f.file.info(name)
+    for name in f.tensor_names:
+        info = f.info(name)
         if len(info.ne) == 3:
             want += info.nbytes * hp.n_expert_used // hp.n_expert
         elif name == "token_embd.weight":
             want += info.nbytes // hp.n_vocab
         else:
             want += info.nbytes
-    assert f.bytes_per_token() == want
+    assert text.bytes_per_token() == want
 
 
 def tiny_float_tensors(hp, rng):
@@ -140,11 +143,12 @@ def test_write_gguf_round_trip(tmp_path, rng):
     for q in ("f32", "q8_0"):
         path = tmp_path / f"rt-{q}.gguf"
         write_gguf(path, hp, tensors, q, vocab=None)
-        f = open_text(path)
-        assert f.hparams == stored(hp) and f.file.meta("qwen35moe.vocab_size") == 64
+        text = open_text(path)
+        f = text.file
+        assert text.hparams == stored(hp) and f.meta("qwen35moe.vocab_size") == 64
         for name, x in tensors.items():
-            qtype = f.file.info(name).qtype
-            np.testing.assert_array_equal(f.file.f32(name), quant.dequantize(quant.quantize(x, qtype), qtype, x.shape))
+            qtype = f.info(name).qtype
+            np.testing.assert_array_equal(f.f32(name), quant.dequantize(quant.quantize(x, qtype), qtype, x.shape))
 
 
 def test_fused_variants_exposed_under_split_names(tmp_path, rng):
@@ -158,23 +162,24 @@ def test_fused_variants_exposed_under_split_names(tmp_path, rng):
     del t["output.weight"]
     path = tmp_path / "fused.gguf"
     write_gguf(path, hp, t, "q8_0", vocab=None)
-    f = open_text(path)
-    assert not f.file.has("output.weight")
-    assert "blk.3.attn_q.weight" not in f.file.tensor_names and f.file.has("blk.3.attn_q.weight")
-    qkv = f.file.f32(p + "attn_qkv.weight")
+    text = open_text(path)
+    f = text.file
+    assert not f.has("output.weight")
+    assert "blk.3.attn_q.weight" not in f.tensor_names and f.has("blk.3.attn_q.weight")
+    qkv = f.f32(p + "attn_qkv.weight")
     nq, nkv = 2 * hp.n_head * hp.head_dim, hp.n_head_kv * hp.head_dim
-    np.testing.assert_array_equal(f.file.f32(p + "attn_q.weight"), qkv[:nq])
-    np.testing.assert_array_equal(f.file.f32(p + "attn_k.weight"), qkv[nq:nq + nkv])
-    np.testing.assert_array_equal(f.file.f32(p + "attn_v.weight"), qkv[nq + nkv:])
-    assert f.file.info(p + "attn_v.weight").ne == (hp.n_embd, nkv)
-    fused = f.file.f32("blk.1.ffn_gate_up_exps.weight")
+    np.testing.assert_array_equal(f.f32(p + "attn_q.weight"), qkv[:nq])
+    np.testing.assert_array_equal(f.f32(p + "attn_k.weight"), qkv[nq:nq + nkv])
+    np.testing.assert_array_equal(f.f32(p + "attn_v.weight"), qkv[nq + nkv:])
+    assert f.info(p + "attn_v.weight").ne == (hp.n_embd, nkv)
+    fused = f.f32("blk.1.ffn_gate_up_exps.weight")
     for name, part in (("blk.1.ffn_gate_exps.weight", fused[:, :hp.n_ff_exp]),
                        ("blk.1.ffn_up_exps.weight", fused[:, hp.n_ff_exp:])):
-        np.testing.assert_array_equal(f.file.f32(name), part)
-        np.testing.assert_array_equal(f.file.expert(name, 5), part[5])
-        assert f.file.raw(name).shape == (hp.n_expert * hp.n_ff_exp, quant.row_bytes(Q.Q8_0, hp.n_embd))
+        np.testing.assert_array_equal(f.f32(name), part)
+        np.testing.assert_array_equal(f.expert(name, 5), part[5])
+        assert f.raw(name).shape == (hp.n_expert * hp.n_ff_exp, quant.row_bytes(Q.Q8_0, hp.n_embd))
     # bytes per token counts the fused tensor once; the LM head is token_embd in full
-    assert f.bytes_per_token() > f.file.info("token_embd.weight").nbytes
+    assert text.bytes_per_token() > f.info("token_embd.weight").nbytes
 
 
 def test_mtp_blocks_are_ignored(tmp_path, rng):
@@ -191,12 +196,13 @@ def test_mtp_blocks_are_ignored(tmp_path, rng):
     assert data[type_at] == Q.Q4_0
     data[type_at] = Q.NVFP4
     path.write_bytes(bytes(data))
-    f = open_text(path)
-    assert f.hparams.n_layer == 4 and f.file.meta("qwen35moe.block_count") == 5
-    assert f.file.info("blk.4.nextn.eh_proj.weight").qtype == Q.NVFP4
-    assert f.file.raw("blk.4.nextn.eh_proj.weight").shape == (64, 72)
+    text = open_text(path)
+    f = text.file
+    assert text.hparams.n_layer == 4 and f.meta("qwen35moe.block_count") == 5
+    assert f.info("blk.4.nextn.eh_proj.weight").qtype == Q.NVFP4
+    assert f.raw("blk.4.nextn.eh_proj.weight").shape == (64, 72)
     with pytest.raises(UnsupportedModelError, match=r"mtp\.gguf: tensor blk\.4\.nextn\.eh_proj\.weight.*NVFP4"):
-        f.file.f32("blk.4.nextn.eh_proj.weight")
+        f.f32("blk.4.nextn.eh_proj.weight")
 
 
 @pytest.mark.slow
@@ -212,10 +218,11 @@ def test_memory_map_does_not_read_the_file(tmp_path):
         assert size > 800e6
         proc = psutil.Process()
         before = proc.memory_info().rss
-        f = open_text(path)
+        text = open_text(path)
+        f = text.file
         opened = proc.memory_info().rss - before
-        e = f.file.expert("blk.2.ffn_down_exps.weight", 17)
-        r = f.file.row("token_embd.weight", 123456)
+        e = f.expert("blk.2.ffn_down_exps.weight", 17)
+        r = f.row("token_embd.weight", 123456)
         read = proc.memory_info().rss - before
         print(f"file {size / 1e6:.0f} MB: RSS +{opened / 1e6:.1f} MB after open, +{read / 1e6:.1f} MB after reads")
         assert opened < 100e6 and read < 100e6

@@ -10,7 +10,7 @@ RAM at a context of C tokens (what :meth:`engine.api.Engine.load` and a turn hol
   attention layer for C positions, the conv window and delta-rule state of every recurrent layer;
 * the vocabulary: the parsed token and merge strings and the tokenizer built from them,
   :data:`VOCAB_BYTES_PER_ENTRY` per token plus merge (measured, docs/design/model-hub.md);
-* the vision tower: every projector tensor dequantized to float32 (:func:`engine.vision.encoder.load_projector`).
+* the vision tower: every projector tensor dequantized to float32 (:func:`engine.registry.open_projector`).
 
 Verdict against the machine's RAM less :data:`OS_RESERVE`: *fits* with room for the prefix snapshots'
 RAM budget too, *tight* without that room, else *does not fit* (decode would read weights from disk).
