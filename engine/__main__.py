@@ -40,7 +40,7 @@ def _model_paths(args: argparse.Namespace) -> tuple[Path, Path | None]:
     (:func:`engine.demo_model.bundled_mmproj_for`); any other model needs ``--mmproj``.
 
     Raises:
-        EngineError: ``default_model()`` could not write the synthetic default model.
+        EngineError: no model named and the bundled demo is missing (:func:`engine.demo_model.default_model`).
     """
     from .demo_model import bundled_mmproj_for, default_model
     if not args.model:
@@ -115,9 +115,9 @@ def _timing(s: TurnSummary) -> str:
 
 def cmd_info(args: argparse.Namespace) -> int:
     """``engine info``: print a model file's architecture, hyper-parameters and tensor types."""
-    from .gguf.file import GGUFFile
-    f = GGUFFile.open(_model_arg(args.model))
-    hp = f.hparams
+    from .registry import open_text
+    text = open_text(_model_arg(args.model))
+    f, hp = text.file, text.hparams
     kinds = "".join("D" if hp.is_recurrent(i) else "A" for i in range(hp.n_layer))
     print(f"file           {f.path}")
     print(f"architecture   {hp.arch}")
@@ -130,7 +130,7 @@ def cmd_info(args: argparse.Namespace) -> int:
           f" conv {hp.conv_kernel}")
     if hp.is_moe:
         from .reap.pruned import pruning_summary
-        pruned = pruning_summary(f)
+        pruned = pruning_summary(text)
         print(f"MoE            {hp.n_expert} experts, top-{hp.n_expert_used}, expert FFN {hp.n_ff_exp},"
               f" shared expert FFN {hp.n_ff_shexp}" + (f" ({pruned})" if pruned else ""))
     else:
@@ -139,7 +139,7 @@ def cmd_info(args: argparse.Namespace) -> int:
     print("quant mix      " + ", ".join(f"{name}: {n} tensors {b / 2**20:.1f} MiB"
                                         for name, (n, b) in sorted(f.quant_mix().items())))
     print(f"weights        {total / 2**30:.3f} GiB")
-    print(f"decode reads   {f.bytes_per_token() / 2**20:.1f} MiB of weights per token")
+    print(f"decode reads   {text.bytes_per_token() / 2**20:.1f} MiB of weights per token")
     return 0
 
 
@@ -304,14 +304,14 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 def cmd_synth(args: argparse.Namespace) -> int:
     """``engine synth``: write a synthetic model of a preset's shapes (random weights)."""
-    from .arch.qwen35.synth import synth
+    from .testing.synth import synth
     t0 = time.perf_counter()
     synth(args.output, args.preset, layers=args.layers, experts=args.experts, quant=args.quant,
           seed=args.seed)
     size = Path(args.output).stat().st_size
     print(f"wrote {args.output}: {size / 2**20:.1f} MiB in {time.perf_counter() - t0:.1f} s", file=sys.stderr)
     if not args.no_mmproj:
-        from .tools.synth import synth_mmproj_for
+        from .testing.pairs import synth_mmproj_for
         out = Path(args.output)
         mmproj = synth_mmproj_for(out.with_name(out.stem + "-mmproj.gguf"), args.preset, seed=args.seed)
         print(f"wrote {mmproj}: {mmproj.stat().st_size / 2**20:.1f} MiB", file=sys.stderr)
@@ -379,15 +379,15 @@ def cmd_prune(args: argparse.Namespace) -> int:
 
 def _prune(args: argparse.Namespace) -> int:
     from .reap import prune, pruned as pruned_file
-    from .gguf.file import GGUFFile
+    from .registry import open_text
     from .reap.inputs import check_output
     if args.max_tokens < 1:
         raise EngineError(f"--max-tokens must be at least 1, got {args.max_tokens}")
     args.model = _model_arg(args.model)
     inputs = (args.model, args.mmproj, args.calib, args.stats)
     check_output(args.output, inputs)
-    src = GGUFFile.open(args.model)
-    hp = src.hparams
+    src_text = open_text(args.model)
+    src, hp = src_text.file, src_text.hparams
     if not hp.is_moe:
         print(f"error: {src.path.name} is a dense {hp.arch} model: it has no experts to prune", file=sys.stderr)
         return 2
@@ -425,11 +425,11 @@ def _prune(args: argparse.Namespace) -> int:
     note = {"method": args.method, "calibration_samples": stats.calibration.get("samples"),
             "calibration_tokens": stats.calibration.get("tokens"),
             "calibration": stats.calibration.get("source")}
-    size = pruned_file.prune_file(src, args.output, kept, note, _progress("writing", "bytes"))
-    out = GGUFFile.open(args.output)
+    size = pruned_file.prune_file(src_text, args.output, kept, note, _progress("writing", "bytes"))
+    out = open_text(args.output)
     print(f"wrote {args.output}: {size / 2**20:.1f} MiB (was {src.path.stat().st_size / 2**20:.1f} MiB), "
           f"{hp.n_expert} -> {args.keep} experts per layer, top-{hp.n_expert_used}; decode reads "
-          f"{out.bytes_per_token() / 2**20:.2f} MiB per token (was {src.bytes_per_token() / 2**20:.2f})",
+          f"{out.bytes_per_token() / 2**20:.2f} MiB per token (was {src_text.bytes_per_token() / 2**20:.2f})",
           file=sys.stderr)
     return 0
 

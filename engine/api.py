@@ -24,13 +24,12 @@ from .api_types import ChatEngine, EngineOptions, ModelInfo
 from .demo_model import bundled_mmproj_for, bundled_model, default_model
 from .errors import EngineError, GenerationCancelled, TemplateError, UnsupportedModelError
 from .events import Event, PrefillStats
-from .gguf.file import GGUFFile
 from .turn.grammar import Grammar, compile_grammar, grammar_tokenizer
 from .vision.images import ImageInfo, ImageSource
 from .turn.prefix_cache import PrefixCache, SnapshotInfo
 from .prompt.builder import Message, Prompt, PromptBuilder, text_bytes
 from .reap.pruned import pruning_summary
-from .registry import GpuPrefill, TextModel
+from .registry import GpuPrefill, LoadedText, TextModel, open_projector, open_text
 from .turn.runtime import Turn, read_ahead, run_turn
 from .sampling import SamplingParams
 from .prompt.tokenizer import Tokenizer
@@ -57,17 +56,17 @@ class Engine:
     not all read raise :class:`~engine.errors.EngineError` at once.
     """
 
-    def __init__(self, gguf: GGUFFile, tokenizer: Tokenizer, model: TextModel,
+    def __init__(self, text: LoadedText, tokenizer: Tokenizer, model: TextModel,
                  options: EngineOptions, vision: ImageEncoder | None = None, gpu: GpuPrefill | None = None,
                  device_note: str = "") -> None:
-        self.gguf = gguf
+        self.text = text
         self.vision = vision
         self.gpu = gpu
         self.device_note = device_note
         self.tokenizer = tokenizer
         self.model = model
         self.options = options
-        hp = gguf.hparams
+        hp, gguf = text.hparams, text.file
         self.context = min(options.context, hp.context_length)
         self.cache = PrefixCache(hp, gguf.identity, options.cache_ram_bytes, options.cache_disk_dir,
                                  options.cache_disk_bytes) if options.prefix_cache else None
@@ -113,7 +112,8 @@ class Engine:
         if options.device not in ("auto", "cuda", "cpu"):
             raise EngineError(f"device must be 'auto', 'cuda' or 'cpu', got {options.device!r}")
         stage("mapping tensors")
-        gguf = GGUFFile.open(model_path)
+        text = open_text(model_path)
+        gguf = text.file
         stage("building the tokenizer")
         tokenizer = Tokenizer.from_gguf(gguf.meta, gguf.source)
         if tokenizer.chat_template is not None:
@@ -122,18 +122,18 @@ class Engine:
             except TemplateError as exc:
                 raise TemplateError(f"{exc} (the chat template was tried on a probe conversation at load)") from exc
         stage("preparing weights")
-        model = placement.text_model(gguf, options)
+        model = placement.text_model(text, options)
         vision = gpu = None
         try:
             if mmproj_path is not None:
                 stage("loading the vision tower")
-                vision = placement.open_vision(mmproj_path, gguf, options)
+                vision = placement.open_vision(open_projector(mmproj_path), text, options)
             if options.device != "cpu":
                 stage("placing weights on the GPU")
-            gpu, note = placement.open_gpu(gguf, options, vision)
+            gpu, note = placement.open_gpu(text, options, vision)
             if cancel is not None and cancel.is_set():
                 raise GenerationCancelled(f"loading {Path(model_path).name} was cancelled")
-            return cls(gguf, tokenizer, model, options, vision, gpu, note)
+            return cls(text, tokenizer, model, options, vision, gpu, note)
         except BaseException:
             placement.release(gpu, vision.gpu if vision is not None else None)
             raise
@@ -141,12 +141,12 @@ class Engine:
     @property
     def info(self) -> ModelInfo:
         """Summary of the loaded model (see :class:`ModelInfo`)."""
-        hp = self.gguf.hparams
+        hp, gguf = self.text.hparams, self.text.file
         n_attn = sum(not hp.is_recurrent(i) for i in range(hp.n_layer))
-        return ModelInfo(path=self.gguf.path, arch=hp.arch, n_layer=hp.n_layer, n_attn_layers=n_attn,
-                         n_params=sum(math.prod(self.gguf.info(n).ne) for n in self.gguf.tensor_names),
-                         quant_mix=self.gguf.quant_mix(),
-                         bytes_per_token=self.gguf.bytes_per_token(), context=self.context,
+        return ModelInfo(path=gguf.path, arch=hp.arch, n_layer=hp.n_layer, n_attn_layers=n_attn,
+                         n_params=sum(math.prod(gguf.info(n).ne) for n in gguf.tensor_names),
+                         quant_mix=gguf.quant_mix(),
+                         bytes_per_token=self.text.bytes_per_token(), context=self.context,
                          has_vision=self.vision is not None, device="cuda" if self.gpu is not None else "cpu",
                          device_note=self.device_note,
                          placement=self.gpu.plan.text() if self.gpu is not None else "",
@@ -154,7 +154,7 @@ class Engine:
                          vision_device=self.vision.device if self.vision is not None else "",
                          vision_note=self.vision.device_note if self.vision is not None else "",
                          template_note=CHATML_NOTE if self.tokenizer.chat_template is None else "",
-                         pruning=pruning_summary(self.gguf))
+                         pruning=pruning_summary(self.text))
 
     def telemetry(self) -> Any:
         """The last GPU prefill's :class:`~engine.kernels.moe_stream.PrefillTelemetry` (H2D bytes and
@@ -316,7 +316,7 @@ class Engine:
                     images=() if prompt is None else prompt.images, gpu=self.gpu,
                     gpu_min_tokens=self.options.gpu_min_tokens, on_device_error=self._gpu_failed,
                     rerenders=rerenders, started=started, grammar=grammar,
-                    channels=self.gguf.text_arch.channels, decode_positions=self.gguf.text_arch.decode_positions)
+                    channels=self.text.arch.channels, decode_positions=self.text.arch.decode_positions)
         return run_turn(turn)
 
     def complete(self, text: str, sampling: SamplingParams = SamplingParams(),
@@ -485,5 +485,5 @@ class Engine:
 
     def _vision_loaded(self) -> ImageEncoder:
         if self.vision is None:
-            raise UnsupportedModelError(f"{self.gguf.path.name}: no vision tower (mmproj file) is loaded")
+            raise UnsupportedModelError(f"{self.text.file.path.name}: no vision tower (mmproj file) is loaded")
         return self.vision

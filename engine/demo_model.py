@@ -1,21 +1,21 @@
-"""The model used when none is named: the bundled demo (``assets/models/``), else a tiny
-synthetic text model and vision tower written once to the user cache dir.
+"""The model used when none is named: the bundled demo (``assets/models/``). Nothing here writes a model;
+random test models come only from ``python -m engine synth`` and the tests (:mod:`engine.testing`).
 """
 
 from __future__ import annotations
 
 from pathlib import Path
 
-import platformdirs
-
 from .errors import EngineError
+
+ASSETS = Path(__file__).resolve().parent.parent / "assets" / "models"
+"""Where the bundled demo model lives: ``deltadesk-demo.gguf`` and its tower ``deltadesk-demo-mmproj.gguf``."""
 
 
 def bundled_model() -> tuple[Path, Path | None] | None:
-    """The bundled demo model under ``assets/models/``: (text GGUF, mmproj GGUF or None), or
-    None when its text GGUF is absent. Writes nothing."""
-    assets = Path(__file__).resolve().parent.parent / "assets" / "models"
-    text, mmproj = assets / "deltadesk-demo.gguf", assets / "deltadesk-demo-mmproj.gguf"
+    """The bundled demo model under :data:`ASSETS`: (text GGUF, mmproj GGUF or None), or None when its
+    text GGUF is absent. Writes nothing."""
+    text, mmproj = ASSETS / "deltadesk-demo.gguf", ASSETS / "deltadesk-demo-mmproj.gguf"
     if not text.is_file():
         return None
     return text, mmproj if mmproj.is_file() else None
@@ -33,22 +33,17 @@ def bundled_mmproj_for(model_path: str | Path) -> Path | None:
 
 
 def default_model() -> tuple[Path, Path | None]:
-    """The model (text GGUF, mmproj GGUF or None) the app and ``python -m engine`` use when none is given.
-
-    The bundled demo model (:func:`bundled_model`) when present; else the ``tiny`` synthetic model
-    and its tiny random vision tower (random weights, real vocabulary and template: it exercises the
-    whole pipeline but only babbles), written once to the user cache dir.
+    """The model (text GGUF, mmproj GGUF or None) the app and ``python -m engine`` use when none is given:
+    the bundled demo model (:func:`bundled_model`).
 
     Raises:
-        EngineError: the cache dir is not writable.
+        EngineError: the bundled demo is missing; the message names the file and the ways to get a model.
     """
     bundled = bundled_model()
-    if bundled is not None:
-        return bundled
-    from .tools.synth import write_default_pair
-    folder = Path(platformdirs.user_cache_dir("deltadesk")) / "models"
-    try:
-        path, mmproj = write_default_pair(folder)
-    except OSError as exc:
-        raise EngineError(f"cannot write the default model to {folder}: {exc}") from exc
-    return path, mmproj
+    if bundled is None:
+        raise EngineError(
+            f"the bundled demo model {ASSETS / 'deltadesk-demo.gguf'} is missing: restore it from the repository "
+            "(git checkout -- assets/models), name a model (--model FILE.gguf), download one "
+            "(python -m engine pull REPO:QUANT), or write a random test model "
+            "(python -m engine synth --preset tiny --quant q8_0 -o tiny.gguf)")
+    return bundled

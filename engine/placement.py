@@ -11,8 +11,8 @@ from typing import TYPE_CHECKING, Any
 
 from .errors import DeviceBudgetError, DeviceError, EngineError, ModelFormatError
 from .gguf.file import GGUFFile
-from .registry import GpuPrefill, TextModel, vision_arch
-from .vision.encoder import ImageEncoder, load_projector
+from .registry import GpuPrefill, LoadedText, LoadedVision, TextModel
+from .vision.encoder import ImageEncoder
 
 if TYPE_CHECKING:
     from .api_types import EngineOptions
@@ -20,7 +20,7 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 
-def text_model(gguf: GGUFFile, options: EngineOptions) -> TextModel:
+def text_model(text: LoadedText, options: EngineOptions) -> TextModel:
     """The CPU text model ``options.kernels`` asks for (the numpy reference when the native kernels are not built).
 
     Raises:
@@ -31,10 +31,10 @@ def text_model(gguf: GGUFFile, options: EngineOptions) -> TextModel:
     from .kernels import cpu
     cpu.set_threads(options.threads)
     if options.kernels == "native" and cpu.available():
-        model = gguf.text_arch.native_model(gguf.hparams, gguf)
-        interleave_experts(gguf)
+        model = text.arch.native_model(text.hparams, text.file)
+        interleave_experts(text.file)
         return model
-    return gguf.text_arch.reference_model(gguf.hparams, gguf)
+    return text.arch.reference_model(text.hparams, text.file)
 
 
 def interleave_experts(gguf: GGUFFile) -> int:
@@ -44,31 +44,30 @@ def interleave_experts(gguf: GGUFFile) -> int:
     return numa.interleave(gguf.raw(n) for n in gguf.tensor_names if "_exps." in n)
 
 
-def open_vision(mmproj_path: str | Path, gguf: GGUFFile, options: EngineOptions) -> ImageEncoder:
-    """Load the projector, check it fits the text model, and put its tower on the GPU when one works.
+def open_vision(projector: LoadedVision, text: LoadedText, options: EngineOptions) -> ImageEncoder:
+    """Check the opened projector fits the text model, and put its tower on the GPU when one works.
 
     Raises:
-        ModelFormatError: malformed projector, or its projection width is not the text model's hidden size.
-        UnsupportedModelError: a projector type no architecture folder runs.
+        ModelFormatError: its projection width is not the text model's hidden size.
     """
-    _, mm = load_projector(mmproj_path)
-    if mm.hparams.out_dim != gguf.hparams.n_embd:
+    mm = projector.projector
+    if mm.hparams.out_dim != text.hparams.n_embd:
         raise ModelFormatError(
-            f"{mmproj_path}: clip.vision.projection_dim = {mm.hparams.out_dim} does not match the text "
-            f"model's embedding_length = {gguf.hparams.n_embd} ({gguf.source}): not its vision tower")
-    tower, note = open_vision_gpu(mm, options)
+            f"{mm.path}: clip.vision.projection_dim = {mm.hparams.out_dim} does not match the text "
+            f"model's embedding_length = {text.hparams.n_embd} ({text.source}): not its vision tower")
+    tower, note = open_vision_gpu(projector, options)
     try:
-        vision = ImageEncoder(mm, max_pixels=options.image_max_pixels, gpu=tower, device_note=note)
+        vision = ImageEncoder(projector, max_pixels=options.image_max_pixels, gpu=tower, device_note=note)
     except BaseException:
         release(tower)
         raise
     if vision.max_pixels < options.image_max_pixels:
         log.info("images are resized to at most %d pixels (the bound %s stores)", vision.max_pixels,
-                 Path(mmproj_path).name)
+                 Path(mm.path).name)
     return vision
 
 
-def open_vision_gpu(mm: Any, options: EngineOptions) -> tuple[Any, str]:
+def open_vision_gpu(projector: LoadedVision, options: EngineOptions) -> tuple[Any, str]:
     """The GPU vision tower and "", or None and why not; a device failure is never raised.
 
     The tower (its architecture's ``cuda_tower``) reserves activation buffers for the largest image
@@ -76,9 +75,8 @@ def open_vision_gpu(mm: Any, options: EngineOptions) -> tuple[Any, str]:
     """
     if options.device == "cpu":
         return None, ""
-    arch = vision_arch(mm.projector_type, str(mm.path))
     try:
-        tower = arch.cuda_tower(mm, options.image_max_pixels, options.vram_budget)
+        tower = projector.arch.cuda_tower(projector.projector, options.image_max_pixels, options.vram_budget)
     except DeviceError as exc:
         note = f"No GPU vision tower ({exc}): images are encoded on the CPU"
         if options.device == "cuda":
@@ -89,7 +87,7 @@ def open_vision_gpu(mm: Any, options: EngineOptions) -> tuple[Any, str]:
     return tower, ""
 
 
-def open_gpu(gguf: GGUFFile, options: EngineOptions, vision: ImageEncoder | None) -> tuple[GpuPrefill | None, str]:
+def open_gpu(text: LoadedText, options: EngineOptions, vision: ImageEncoder | None) -> tuple[GpuPrefill | None, str]:
     """The GPU prefill backend and "", or None and why not; a device failure is never raised.
 
     The GPU vision tower of ``vision`` (when there is one) has taken its part of ``options.vram_budget``
@@ -104,7 +102,7 @@ def open_gpu(gguf: GGUFFile, options: EngineOptions, vision: ImageEncoder | None
     budget = None if options.vram_budget is None else options.vram_budget - reserved
     try:
         try:
-            gpu = gguf.text_arch.cuda_prefill(gguf.hparams, gguf, budget)
+            gpu = text.arch.cuda_prefill(text.hparams, text.file, budget)
         except DeviceBudgetError as exc:
             if tower is None:
                 raise
@@ -112,7 +110,7 @@ def open_gpu(gguf: GGUFFile, options: EngineOptions, vision: ImageEncoder | None
             vision.device_note = (f"The GPU vision tower was released so that GPU prefill fits the VRAM budget "
                                   f"({exc}): images are encoded on the CPU")
             log.warning(vision.device_note)
-            gpu = gguf.text_arch.cuda_prefill(gguf.hparams, gguf, options.vram_budget)
+            gpu = text.arch.cuda_prefill(text.hparams, text.file, options.vram_budget)
     except DeviceError as exc:
         note = f"No GPU prefill ({exc}): prefill runs on the CPU"
         if options.device == "cuda":

@@ -1,8 +1,10 @@
 """Which architecture folder runs a file: ``general.architecture`` picks a text architecture,
 ``clip.projector_type`` a vision tower.
 
-Each family lives in one package under ``engine/arch/`` that defines a module-level ``ARCH``: a
-:class:`TextArch` or a :class:`VisionArch`. The tables below map the GGUF key's value to that package,
+:func:`open_text` and :func:`open_projector` open a file once, pick its family once and hand the
+result on (:class:`LoadedText`, :class:`LoadedVision`). Each family lives in one package under
+``engine/arch/`` that defines a module-level ``ARCH``: a :class:`TextArch` or a :class:`VisionArch`.
+The tables below map the GGUF key's value to that package,
 and the package is imported only when a file asks for it. Adding a family is one folder plus one line
 here (see ``docs/adding-an-architecture.md``). A value that is not in a table is one clear
 :class:`~engine.errors.UnsupportedModelError` that lists the supported values.
@@ -11,6 +13,7 @@ here (see ``docs/adding-an-architecture.md``). A value that is not in a table is
 from __future__ import annotations
 
 import importlib
+import os
 import threading
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -18,7 +21,10 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from .errors import UnsupportedModelError
+from .errors import ModelFormatError, UnsupportedModelError
+from .gguf.file import GGUFFile
+from .gguf.header import Header, StoredTensor, read_header
+from .gguf.table import check_shape, check_tensors
 
 TEXT_ARCHES: dict[str, str] = {
     "qwen35moe": "engine.arch.qwen35",
@@ -101,7 +107,8 @@ class TextArch:
         tensor_shapes: ``hp -> {name: ne}``: every tensor the forward reads, GGUF ``ne`` (fastest first).
         optional_tensors: names of ``tensor_shapes`` a file may omit.
         fused_tensors: ``hp -> [Fused, ...]``: fused storage forms the reader splits into the names above.
-        reference_model: ``(hp, gguf) -> model``: the numpy reference forward.
+        reference_model: ``(hp, gguf) -> model``: the numpy reference forward (``gguf`` a
+            :class:`~engine.gguf.file.GGUFFile` whose fused tensors are split, see :func:`load_text`).
         native_model: ``(hp, gguf) -> model``: the same forward on the native CPU kernels.
         cuda_prefill: ``(hp, gguf, budget_bytes) -> prefill``: GPU prefill (imports pycuda), raising
             :class:`~engine.errors.DeviceError` when no GPU works.
@@ -156,7 +163,8 @@ class VisionArch:
 
     Attributes:
         name: the folder (``"qwen3vl"``).
-        load: ``path -> projector``: validated weights with ``projector_type``, ``path``, ``identity`` and
+        load: ``header -> projector``: validated weights of a parsed :class:`~engine.gguf.header.Header` with
+            ``projector_type``, ``path``, ``identity`` and
             ``hparams.out_dim`` (the LLM width). Raises ModelFormatError / UnsupportedModelError.
         cpu_tower: ``projector -> VisionTower``.
         cuda_tower: ``(projector, max_pixels, budget_bytes) -> tower`` with ``encode(pixel_values, grid)``,
@@ -199,3 +207,143 @@ def vision_arch(projector_type: Any, source: str, key: str = "clip.projector_typ
         UnsupportedModelError: naming ``source``, the key, the value and every supported one.
     """
     return _pick(VISION_ARCHES, projector_type, key, source)
+
+
+@dataclass(frozen=True)
+class LoadedText:
+    """A text model opened once: its mapped file, the family that runs it and its hyper-parameters.
+
+    Attributes:
+        file: the :class:`~engine.gguf.file.GGUFFile`, fused tensors split (every name of the table reads).
+        arch: the :class:`TextArch` of its ``general.architecture``.
+        hparams: ``arch.hparams`` of its metadata.
+    """
+
+    file: GGUFFile
+    arch: TextArch
+    hparams: Any
+
+    @property
+    def source(self) -> str:
+        """The file name used in error messages."""
+        return self.file.source
+
+    def bytes_per_token(self) -> int:
+        """Weight bytes read to decode one token, in bytes.
+
+        Every tensor of ``arch.tensor_shapes`` in full, except: routed expert tensors (3-D) count
+        ``n_expert_used`` experts, and ``token_embd`` counts one row when ``output.weight`` exists
+        (it is then only a lookup; without it, it is also the LM head and counts in full).
+        """
+        f, total = self.file, 0
+        for name in self.arch.tensor_shapes(self.hparams):
+            if not f.has(name):
+                continue
+            info = f.info(name)
+            rows = info.ne[1] if len(info.ne) > 1 else 1
+            if len(info.ne) == 3:
+                total += self.hparams.n_expert_used * (info.nbytes // info.ne[2])
+            elif name == "token_embd.weight" and f.has("output.weight"):
+                total += info.nbytes // rows
+            else:
+                total += info.nbytes
+        return total
+
+
+@dataclass(frozen=True)
+class LoadedVision:
+    """A projector opened once: the family that runs it and its validated weights.
+
+    Attributes:
+        arch: the :class:`VisionArch` of its projector type.
+        projector: what ``arch.load`` returned (``path``, ``identity``, ``projector_type``, ``hparams.out_dim``).
+    """
+
+    arch: VisionArch
+    projector: Any
+
+
+def open_text(path: str | os.PathLike[str]) -> LoadedText:
+    """Open, map and validate a text model GGUF (:func:`load_text`).
+
+    Raises:
+        ModelFormatError: malformed, truncated or inconsistent file; the message names the file and key/tensor.
+        UnsupportedModelError: another architecture, or a needed tensor in an unsupported type.
+    """
+    return load_text(GGUFFile.open(path))
+
+
+def load_text(gguf: GGUFFile) -> LoadedText:
+    """Pick the family of an opened file by ``general.architecture``, read its hyper-parameters and
+    check its tensor table (exact ``ne``, supported type); fused storage forms are split into the
+    table's names. Works on :meth:`GGUFFile.from_header` too.
+
+    Raises: see :func:`open_text`.
+    """
+    source, meta = gguf.source, gguf.header.meta
+    name = meta.get("general.architecture")
+    if not isinstance(name, str):
+        raise ModelFormatError(f"{source}: key general.architecture is missing or not a string")
+    arch = text_arch(name, source)
+    tokens = meta.get("tokenizer.ggml.tokens")
+    hp = arch.hparams(gguf.meta, len(tokens) if isinstance(tokens, list) else None, source)
+    context = f" for {name} with {hp.n_layer} layers"
+    stored = gguf.header.tensors
+    split: set[str] = set()
+    for fused, ne, parts in arch.fused_tensors(hp):
+        if parts[0][0] in stored:
+            continue
+        if fused not in stored:
+            raise ModelFormatError(f"{source}: missing tensor {parts[0][0]!r} (or fused {fused!r} with ne={ne})")
+        check_shape(source, stored[fused], ne, context, _expert_count_error(source, hp))
+        gguf.split(fused, parts)
+        split |= {part for part, _ in parts}
+    table = {n: ne for n, ne in arch.tensor_shapes(hp).items() if n not in split}
+    check_tensors(source, stored, table, arch.optional_tensors, context, _expert_count_error(source, hp))
+    return LoadedText(gguf, arch, hp)
+
+
+def _expert_count_error(source: str, hp: Any) -> Callable[[StoredTensor, tuple[int, ...]], Exception | None]:
+    """A routed-expert tensor whose only difference is its expert count: per-layer counts, unsupported."""
+    def explain(t: StoredTensor, ne: tuple[int, ...]) -> Exception | None:
+        moe = "_exps." in t.name or t.name.endswith(".ffn_gate_inp.weight")
+        if moe and len(t.ne) == len(ne) and t.ne[:-1] == ne[:-1]:
+            return UnsupportedModelError(
+                f"{source}: tensor {t.name} holds {t.ne[-1]} experts but {hp.arch}.expert_count = {ne[-1]}; "
+                "per-layer expert counts are not supported (every layer needs the same count)")
+        return None
+    return explain
+
+
+def open_projector(path: str | os.PathLike[str]) -> LoadedVision:
+    """Open a projector (mmproj) GGUF: its header is parsed once, its family picked once by
+    ``clip.projector_type``, and that family's loader validates it.
+
+    Raises:
+        ModelFormatError: unreadable or malformed file, ``general.architecture`` or the projector type
+            missing or not a string (names the file and the key or tensor).
+        UnsupportedModelError: not a ``clip`` file, a projector without a vision encoder
+            (``clip.has_vision_encoder`` false: audio only), or a projector type no architecture folder
+            runs (the message lists the supported ones).
+    """
+    header = read_header(path)
+    source = header.source
+    kind = _string_key(header, "general.architecture")
+    if kind != "clip":
+        raise UnsupportedModelError(f"{source}: general.architecture is {kind!r}; a projector (mmproj) file has "
+                                    "'clip' (was a language-model GGUF given as the mmproj?)")
+    if "clip.has_vision_encoder" in header.meta and not header.meta["clip.has_vision_encoder"]:
+        raise UnsupportedModelError(f"{source}: clip.has_vision_encoder is false (an audio-only projector)")
+    key = "clip.projector_type" if "clip.projector_type" in header.meta else "clip.vision.projector_type"
+    arch = vision_arch(_string_key(header, key), source, key)
+    return LoadedVision(arch, arch.load(header))
+
+
+def _string_key(header: Header, key: str) -> str:
+    """``header.meta[key]`` when it is a string. Raises ModelFormatError naming the file and ``key`` otherwise."""
+    if key not in header.meta:
+        raise ModelFormatError(f"{header.source}: missing metadata key {key!r}")
+    value = header.meta[key]
+    if not isinstance(value, str):
+        raise ModelFormatError(f"{header.source}: key {key!r} should be a string, found {value!r}")
+    return value

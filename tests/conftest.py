@@ -11,7 +11,7 @@ import pytest
 @pytest.fixture(scope="session")
 def synth_model(tmp_path_factory):
     """Return ``make(preset, quant) -> Path``: a synth GGUF (real vocabulary and template), cached per session."""
-    from engine.arch.qwen35.synth import synth
+    from engine.testing.synth import synth
 
     made: dict[tuple[str, str], Path] = {}
     folder = tmp_path_factory.mktemp("synth")
@@ -74,7 +74,7 @@ def served_vision(synth_model, tmp_path_factory):
     ``engine serve`` as ``tiny-vl``: ``(server, engine)``."""
     from engine.api import Engine, EngineOptions
     from engine.openai import ServerConfig, ServerThread
-    from engine.tools.synth import synth_mmproj_for
+    from engine.testing.pairs import synth_mmproj_for
 
     mmproj = synth_mmproj_for(tmp_path_factory.mktemp("mm") / "tiny-mmproj.gguf", "tiny", seed=0)
     engine = Engine.load(synth_model("tiny", "q8_0"), mmproj, options=EngineOptions(context=512,

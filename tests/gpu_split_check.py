@@ -30,7 +30,7 @@ USERS = ["How many red circles are there?", "Where is the blue square?", "What c
 
 
 def pieces(engine: Engine, rng: np.random.Generator, n: int = 300, trials: int = 6) -> None:
-    gpu, hp = engine.gpu, engine.gguf.hparams
+    gpu, hp = engine.gpu, engine.text.hparams
     tokens = rng.integers(0, hp.n_vocab, n)
     whole_state = SequenceState.new(hp, 512)
     whole = gpu.prefill(tokens, whole_state)[-1]

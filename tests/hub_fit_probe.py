@@ -21,8 +21,8 @@ def main() -> None:
     proc = psutil.Process()
     before = proc.memory_info().rss
     engine = Engine.load(model, mmproj, EngineOptions(context=context, device="cpu", prefix_cache=False))
-    for name in engine.gguf.tensor_names:
-        np.asarray(engine.gguf.raw(name)).reshape(-1)[::4096].sum()
+    for name in engine.text.file.tensor_names:
+        np.asarray(engine.text.file.raw(name)).reshape(-1)[::4096].sum()
     summary = None
     for ev in engine.generate(list(range(1000, 1016)), SamplingParams.greedy(32)):
         summary = ev

@@ -15,8 +15,9 @@ from hypothesis import strategies as st
 
 from engine.errors import EngineError, ModelFormatError, UnsupportedModelError
 from engine.gguf.file import GGUFFile
+from engine.registry import open_text
 from engine.arch.qwen35.tensors import tensor_shapes
-from engine.arch.qwen35.synth import preset_hparams, synth, write_gguf
+from engine.testing.synth import preset_hparams, synth, write_gguf
 
 VOCAB = [f"tok{i}" for i in range(64)]
 
@@ -56,7 +57,7 @@ def expect(path, data: bytes, error: type, *needles: str):
     t0 = time.perf_counter()
     try:
         with pytest.raises(error) as info:
-            GGUFFile.open(path)
+            open_text(path)
     finally:
         _, peak = tracemalloc.get_traced_memory()
         tracemalloc.stop()
@@ -95,7 +96,7 @@ def test_empty_missing_and_directory(tmp_path):
     with pytest.raises(ModelFormatError, match="nope.gguf"):
         GGUFFile.open(tmp_path / "nope.gguf")
     with pytest.raises(ModelFormatError, match="cannot open"):
-        GGUFFile.open(tmp_path)
+        open_text(tmp_path)
 
 
 def small_float_tensors(hp):
@@ -108,7 +109,7 @@ def test_unknown_architecture(tmp_path):
     path = tmp_path / "llama.gguf"
     write_gguf(path, hp, {"token_embd.weight": np.zeros((64, 64), np.float32)}, "f32")
     with pytest.raises(UnsupportedModelError, match=r"llama\.gguf.*'llama'"):
-        GGUFFile.open(path)
+        open_text(path)
 
 
 def test_missing_and_misshaped_tensors(tmp_path):
@@ -204,6 +205,6 @@ def test_random_header_corruption_never_escapes(tmp_path, good, edits):
     path = tmp_path / "fuzz.gguf"
     path.write_bytes(bytes(data))
     try:
-        GGUFFile.open(path)
+        open_text(path)
     except EngineError as e:
         assert str(path) in str(e)

@@ -17,6 +17,7 @@ import pytest
 
 from engine.kernels import numa
 from engine.tools import cpu_llama
+from engine.registry import open_text
 
 SAMPLE = Path(__file__).parent / "data" / "llama_bench_sample.json"
 
@@ -174,16 +175,15 @@ def test_run_llama_bench_parses_and_measures(tmp_path):
 
 @pytest.fixture(scope="module")
 def tiny_q4(tmp_path_factory):
-    from engine.arch.qwen35.synth import synth
+    from engine.testing.synth import synth
     path = tmp_path_factory.mktemp("bench") / "tiny.gguf"
     synth(path, "tiny", quant="q4_0", vocab=None)
     return path
 
 
 def test_fill_context(tiny_q4):
-    from engine.gguf.file import GGUFFile
     from engine.tools.cpu_bench import fill_context
-    hp = GGUFFile.open(tiny_q4).hparams
+    hp = open_text(tiny_q4).hparams
     state = fill_context(hp, 5, 9, np.random.default_rng(0))
     assert state.pos == 5 and state.k
     for a in (*state.k.values(), *state.v.values()):

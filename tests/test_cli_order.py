@@ -58,7 +58,7 @@ def test_serve_says_it_serves_once_it_listens_on_the_real_port(synth_model):
 
 
 def test_generate_checks_the_image_before_loading(synth_model, tmp_path, capsys):
-    from engine.tools.synth import synth_mmproj_for
+    from engine.testing.pairs import synth_mmproj_for
     mmproj = synth_mmproj_for(tmp_path / "tiny-mmproj.gguf", "tiny")
     assert main(["generate", "--model", str(synth_model("tiny", "q8_0")), "--mmproj", str(mmproj),
                  "--image", str(tmp_path / "missing.png"), "--prompt", "what is it?"]) == 2
@@ -75,7 +75,7 @@ def _chat(monkeypatch, capsys, argv: list[str], lines: list[str]) -> str:
 
 def test_chat_attaches_an_image_with_a_slash_command(synth_model, tmp_path, monkeypatch, capsys):
     from engine.api import Engine, EngineOptions
-    from engine.tools.synth import synth_mmproj_for
+    from engine.testing.pairs import synth_mmproj_for
     model, mmproj = synth_model("tiny", "q8_0"), synth_mmproj_for(tmp_path / "tiny-mmproj.gguf", "tiny")
     image = _png(tmp_path / "pic.png")
     err = _chat(monkeypatch, capsys, ["--model", str(model), "--mmproj", str(mmproj)],

@@ -370,8 +370,9 @@ def test_tower_packs_from_the_files_map(tmp_path, ftype):
     """MiniCPM-V's projections pack straight from the memory map (F32 / F16 views; Q8_0 dequantized first) to the
     same panels as their float32 values, and the map's matrices are never loaded as float32 at load."""
     from engine.arch.minicpmv import mmproj as mp
+    from engine.testing import minicpmv as mp_test
     from engine.arch.minicpmv.packing import pack_weights
-    mm = mp.load_mmproj(mp.synth_mmproj(tmp_path / "m.gguf", "tiny", seed=2, ftype=ftype))
+    mm = mp.load_mmproj(mp_test.synth_mmproj(tmp_path / "m.gguf", "tiny", seed=2, ftype=ftype))
     w = mm.weights
     assert "v.blk.0.attn_q.weight" not in w.loaded and "v.blk.0.ln1.weight" in w.loaded
     stored = w.stored("v.blk.0.attn_q.weight")
@@ -391,8 +392,10 @@ def test_tower_packs_from_the_files_map(tmp_path, ftype):
 def test_tower_packs_the_merger_only_in_16x_mode(tmp_path, mode):
     """4x mode never runs the window-attention merger, so its projections are not packed."""
     from engine.arch.minicpmv import mmproj as mp
+    from engine.testing import minicpmv as mp_test
     from engine.arch.minicpmv.tower import MiniCPMVTower
-    tower = MiniCPMVTower(mp.load_mmproj(mp.synth_mmproj(tmp_path / "m.gguf", "tiny", seed=3)), threads=1, mode=mode)
+    tower = MiniCPMVTower(mp.load_mmproj(mp_test.synth_mmproj(tmp_path / "m.gguf", "tiny", seed=3)), threads=1,
+                          mode=mode)
     merger = sorted(name for name in tower._packed if name.startswith("v.vit_merger."))
     assert merger == (["v.vit_merger.attn_out", "v.vit_merger.attn_qkv", "v.vit_merger.ds_ffn_down",
                        "v.vit_merger.ds_ffn_up"] if mode == "16x" else [])

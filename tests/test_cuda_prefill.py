@@ -23,11 +23,12 @@ import numpy as np
 import pytest
 
 from engine.arch.qwen35.cuda_plan import activation_bytes, kv_bytes, pass_tokens, plan_placement, state_bytes
-from engine.arch.qwen35.synth import preset_hparams
+from engine.testing.synth import preset_hparams
 from engine.errors import DeviceError
 from cuda_fakes import FakeDriver, FakeKernels
 from engine.kernels.cuda_layout import TILE_ROWS, Matrix, gemm_matrix
 from engine.kernels.moe_stream import copy_runs, route_tables, use_selective
+from engine.registry import open_text
 from gguf import GGMLQuantizationType as Q
 
 TOL = 2e-3
@@ -129,14 +130,13 @@ def test_no_pycuda_is_a_device_error(tmp_path):
     else:
         pytest.skip("pycuda is importable here")
     from engine.arch.qwen35.cuda import CudaPrefill
-    from engine.gguf.file import GGUFFile
-    from engine.arch.qwen35.synth import synth
+    from engine.testing.synth import synth
 
     path = tmp_path / "tiny.gguf"
     synth(path, "tiny", quant="q8_0", vocab=None)
-    f = GGUFFile.open(path)
+    f = open_text(path)
     with pytest.raises(DeviceError, match="pycuda"):
-        CudaPrefill(f.hparams, f)
+        CudaPrefill(f.hparams, f.file)
 
 
 # ---- the host side of CudaPrefill on an emulated device (runs everywhere: tests/cuda_fakes.py) ------
@@ -154,7 +154,7 @@ def emulated(monkeypatch):
     made = []
 
     def make(f, **kwargs):
-        eng = cuda.CudaPrefill(f.hparams, f, **kwargs)
+        eng = cuda.CudaPrefill(f.hparams, f.file, **kwargs)
         made.append(eng)
         return eng
 
@@ -166,14 +166,13 @@ def emulated(monkeypatch):
 
 @pytest.fixture(scope="module")
 def tiny_files(tmp_path_factory):
-    from engine.gguf.file import GGUFFile
-    from engine.arch.qwen35.synth import synth
+    from engine.testing.synth import synth
 
     folder = tmp_path_factory.mktemp("emulated")
     out = {}
     for preset, quant in (("tiny", "q4_0"), ("dense-tiny", "q8_0")):
         synth(folder / f"{preset}.gguf", preset, quant=quant, seed=3, vocab=[f"t{i}" for i in range(256)])
-        out[preset] = GGUFFile.open(folder / f"{preset}.gguf")
+        out[preset] = open_text(folder / f"{preset}.gguf")
     return out
 
 
@@ -183,26 +182,25 @@ def test_emulated_prefill_of_a_k_quant_mix(emulated, tmp_path):
     the float reference that reads the stored blocks, the only difference is that conversion's
     rounding (about max|w| / 254 per 32 weights, ~1/16 of a 4-bit step)."""
     from engine.arch.qwen35.cuda_plan import expert_rows
-    from engine.gguf.file import GGUFFile
     from engine.arch.qwen35.model import Qwen35Model
     from engine.gguf.quant import dequantize
     from engine.turn.state import SequenceState
-    from engine.arch.qwen35.synth import synth
+    from engine.testing.synth import synth
 
     synth(tmp_path / "m.gguf", "small", layers=4, quant="q4_k_m", seed=5, vocab=[f"t{i}" for i in range(256)])
-    f = GGUFFile.open(tmp_path / "m.gguf")
+    f = open_text(tmp_path / "m.gguf")
     hp = f.hparams
-    assert f.info("blk.0.ffn_gate_exps.weight").qtype == Q.Q4_K
+    assert f.file.info("blk.0.ffn_gate_exps.weight").qtype == Q.Q4_K
     eng = emulated(f, plan_tokens=64)
     assert all(lay.gu_qtype == lay.down_qtype == Q.Q8_0 for lay in eng.layouts.values())
     name = "blk.1.ffn_up_exps.weight"
-    w = dequantize(f.raw(name), Q.Q4_K, (f.raw(name).shape[0], hp.n_embd))
-    got = dequantize(expert_rows(f, name, Q.Q8_0), Q.Q8_0, w.shape)
+    w = dequantize(f.file.raw(name), Q.Q4_K, (f.file.raw(name).shape[0], hp.n_embd))
+    got = dequantize(expert_rows(f.file, name, Q.Q8_0), Q.Q8_0, w.shape)
     step = np.abs(w.reshape(w.shape[0], -1, 32)).max(axis=-1, keepdims=True) / 127
     # half a step, plus 127 steps times the f16 rounding of the step itself (2^-11 relative)
     assert np.all(np.abs(got - w).reshape(step.shape[0], -1, 32) <= (0.5 + 127 * 2.0**-11) * step * (1 + 1e-6))
     toks = np.random.default_rng(0).integers(0, hp.n_vocab, 40)
-    want = Qwen35Model(hp, f).forward(toks, SequenceState.new(hp, 64))[-1]
+    want = Qwen35Model(hp, f.file).forward(toks, SequenceState.new(hp, 64))[-1]
     assert rel_err(eng.prefill(toks, SequenceState.new(hp, 64)), want) < 1e-2
 
 
@@ -213,7 +211,7 @@ def test_emulated_prefill_resident_streamed_selective_and_passes(emulated, tiny_
 
     f = tiny_files[preset]
     hp = f.hparams
-    cpu = Qwen35Model(hp, f)
+    cpu = Qwen35Model(hp, f.file)
     toks = np.random.default_rng(0).integers(0, hp.n_vocab, 130)
     want_state = SequenceState.new(hp, 256)
     want = cpu.forward(toks, want_state)[-1]
@@ -517,9 +515,8 @@ LENGTHS = [1, 63, 64, 65, 1000]
 def models(tmp_path_factory):
     """(preset, quant) -> (GGUFFile, CPU model, {budget name: CudaPrefill}, {length: (logits, state)})."""
     from engine.arch.qwen35.cuda import CudaPrefill
-    from engine.gguf.file import GGUFFile
     from engine.arch.qwen35.model import Qwen35Model
-    from engine.arch.qwen35.synth import synth
+    from engine.testing.synth import synth
 
     folder = tmp_path_factory.mktemp("cuda-synth")
     made = {}
@@ -528,15 +525,15 @@ def models(tmp_path_factory):
         if (preset, quant) not in made:
             path = folder / f"{preset}-{quant}.gguf"
             synth(path, preset, quant=quant, seed=7, vocab=None)
-            f = GGUFFile.open(path)
-            full = CudaPrefill(f.hparams, f, plan_tokens=1024)
+            f = open_text(path)
+            full = CudaPrefill(f.hparams, f.file, plan_tokens=1024)
             stream = full
             if f.hparams.is_moe:
                 p = full.plan
                 tight = p.resident_weights + p.state + 2 * p.expert_layer_bytes + p.reserve + (1 << 10)
-                stream = CudaPrefill(f.hparams, f, budget_bytes=tight, plan_tokens=1024)
+                stream = CudaPrefill(f.hparams, f.file, budget_bytes=tight, plan_tokens=1024)
                 assert stream.plan.resident_experts == () and stream.plan.n_slots == 2
-            made[preset, quant] = (f, Qwen35Model(f.hparams, f), {"fits": full, "stream": stream}, {})
+            made[preset, quant] = (f, Qwen35Model(f.hparams, f.file), {"fits": full, "stream": stream}, {})
         return made[preset, quant]
 
     yield get
@@ -627,7 +624,7 @@ def test_gpu_prefill_continues_a_state_and_runs_in_passes(models, preset, quant)
     p = engines["fits"].plan
     tight = (p.resident_weights + p.state + hp.n_layer * p.expert_layer_bytes + activation_bytes(hp, 128)
              + kv_bytes(hp, 1000))
-    eng = CudaPrefill(hp, f, budget_bytes=tight, plan_tokens=128)
+    eng = CudaPrefill(hp, f.file, budget_bytes=tight, plan_tokens=128)
     try:
         st2 = SequenceState.new(hp, 2048)
         got2 = eng.prefill(toks, st2)

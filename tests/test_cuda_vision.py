@@ -27,8 +27,11 @@ import pytest
 from PIL import Image
 
 from engine.errors import DeviceError
-from engine.arch.qwen3vl.mmproj import RandomWeights, VisionHParams, load_mmproj, write_mmproj
+from engine.arch.qwen3vl.mmproj import VisionHParams, load_mmproj, write_mmproj
+from engine.testing.qwen3vl import RandomWeights
 from engine.arch.qwen3vl.tower import VisionTower
+from engine.registry import LoadedVision
+from engine.arch.qwen3vl import ARCH as QWEN3VL
 from engine.vision.encoder import ImageEncoder
 from test_cuda_prefill import gpu, gpu_available
 
@@ -113,7 +116,7 @@ def test_gpu_tower_reserve_budget_and_close(tmp_path):
 @gpu
 def test_engine_on_cuda_encodes_images_like_the_cpu(synth_model, tmp_path):
     from engine.api import Engine, EngineOptions
-    from engine.tools.synth import synth_mmproj_for
+    from engine.testing.pairs import synth_mmproj_for
 
     model = synth_model("tiny", "q8_0")
     mmproj = synth_mmproj_for(tmp_path / "tiny-mmproj.gguf", "tiny", seed=0)
@@ -273,11 +276,12 @@ def test_emulated_budget_bounds_growth_and_keeps_the_tower(monkeypatch, tmp_path
     small = big[:24]
     cpu = VisionTower(mm, threads=1)
     assert rel_err(tower.encode(small, (4, 6)), cpu.encode(small, (4, 6))) <= TOL
-    enc = ImageEncoder(mm, min_pixels=1024, gpu=tower)
+    enc = ImageEncoder(LoadedVision(QWEN3VL, mm), min_pixels=1024, gpu=tower)
     img = _image(7, (160, 96))  # 10 x 6 patches: above the budget
     with caplog.at_level(logging.WARNING, logger="engine.vision.encoder"):
         got = enc.encode(img)
-    assert np.array_equal(got.embeddings, ImageEncoder(mm, min_pixels=1024).encode(img).embeddings)
+    want = ImageEncoder(LoadedVision(QWEN3VL, mm), min_pixels=1024).encode(img).embeddings
+    assert np.array_equal(got.embeddings, want)
     assert enc.gpu is tower and enc.device_note == "" and "on the CPU" in caplog.text
     enc.close()
     assert not drv.mem.blocks
@@ -313,9 +317,9 @@ def tiny_mm():
 
 
 def test_encoder_uses_the_gpu_tower_when_it_works(tiny_mm):
-    cpu = ImageEncoder(tiny_mm, min_pixels=1024)
+    cpu = ImageEncoder(LoadedVision(QWEN3VL, tiny_mm), min_pixels=1024)
     stand = StandInTower(cpu.tower, fail=False)
-    enc = ImageEncoder(tiny_mm, min_pixels=1024, gpu=stand)
+    enc = ImageEncoder(LoadedVision(QWEN3VL, tiny_mm), min_pixels=1024, gpu=stand)
     assert enc.device == "cuda"
     img = _image(3, (64, 96))
     assert np.array_equal(enc.encode(img).embeddings, cpu.encode(img).embeddings + np.float32(1.0))
@@ -326,9 +330,9 @@ def test_encoder_uses_the_gpu_tower_when_it_works(tiny_mm):
 
 @pytest.mark.parametrize("close_fails", [False, True])
 def test_gpu_tower_failure_falls_back_to_the_cpu_for_this_and_later_images(tiny_mm, caplog, close_fails):
-    cpu = ImageEncoder(tiny_mm, min_pixels=1024)
+    cpu = ImageEncoder(LoadedVision(QWEN3VL, tiny_mm), min_pixels=1024)
     stand = StandInTower(cpu.tower, fail=True, close_fails=close_fails)
-    enc = ImageEncoder(tiny_mm, min_pixels=1024, gpu=stand)
+    enc = ImageEncoder(LoadedVision(QWEN3VL, tiny_mm), min_pixels=1024, gpu=stand)
     first, second = _image(4, (64, 96)), _image(5, (128, 64))
     with caplog.at_level(logging.WARNING, logger="engine.vision.encoder"):
         got = enc.encode(first)
@@ -355,7 +359,7 @@ def test_no_pycuda_is_a_device_error(tiny_mm):
 
 def test_engine_reports_where_images_are_encoded(synth_model, tmp_path):
     from engine.api import Engine, EngineOptions
-    from engine.tools.synth import synth_mmproj_for
+    from engine.testing.pairs import synth_mmproj_for
 
     model = synth_model("tiny", "q8_0")
     mmproj = synth_mmproj_for(tmp_path / "tiny-mmproj.gguf", "tiny", seed=0)
@@ -376,7 +380,7 @@ def test_engine_reports_where_images_are_encoded(synth_model, tmp_path):
 
 def test_encoder_close_logs_a_failing_gpu_close(tiny_mm, caplog):
     stand = StandInTower(VisionTower(tiny_mm), fail=False, close_fails=True)
-    enc = ImageEncoder(tiny_mm, gpu=stand)
+    enc = ImageEncoder(LoadedVision(QWEN3VL, tiny_mm), gpu=stand)
     with caplog.at_level(logging.WARNING, logger="engine.vision.encoder"):
         enc.close()
     assert stand.closed and enc.gpu is None and "context is gone" in caplog.text
@@ -404,12 +408,12 @@ def _load_with_stand_ins(monkeypatch, synth_model, tmp_path, error, **options):
     import engine.api as api
     import engine.arch.qwen35.cuda as cuda
     import engine.placement as placement
-    from engine.tools.synth import synth_mmproj_for
+    from engine.testing.pairs import synth_mmproj_for
 
     towers = []
 
-    def open_tower(mm, opts):
-        towers.append(StandInTower(VisionTower(mm, threads=1), fail=False))
+    def open_tower(projector, opts):
+        towers.append(StandInTower(VisionTower(projector.projector, threads=1), fail=False))
         return towers[-1], ""
 
     StandInPrefill.made = []

@@ -9,6 +9,7 @@ import pytest
 
 from engine.__main__ import main
 from engine.api import Engine, EngineOptions
+from engine.errors import EngineError
 from engine.events import PrefillProgress, PrefillStats, TokenEvent, TurnSummary
 from engine.sampling import SamplingParams
 
@@ -183,7 +184,7 @@ def test_cli_reports_bad_file_in_one_line(tmp_path, capsys) -> None:
 
 @pytest.fixture(scope="module")
 def tiny_mmproj(tmp_path_factory):
-    from engine.tools.synth import synth_mmproj_for
+    from engine.testing.pairs import synth_mmproj_for
     return synth_mmproj_for(tmp_path_factory.mktemp("mm") / "tiny-mmproj.gguf", "tiny", seed=0)
 
 
@@ -209,7 +210,7 @@ def test_image_prompt_expands_pads_and_positions(vision_engine, tmp_path) -> Non
     [(start, emb, digest)] = prompt.images
     [enc] = prompt.encoded
     rows, cols = enc.grid
-    assert emb.shape == (rows * cols, eng.gguf.hparams.n_embd)
+    assert emb.shape == (rows * cols, eng.text.hparams.n_embd)
     assert prompt.tokens[start - 1] == eng.tokenizer.token_id("<|vision_start|>")
     assert prompt.tokens[start:start + rows * cols] == [pad] * (rows * cols)
     assert prompt.tokens[start + rows * cols] == eng.tokenizer.token_id("<|vision_end|>")
@@ -236,7 +237,7 @@ def test_image_turn_greedy_equal_cold_and_cache_keyed_by_image(vision_engine, tm
     stats, _, _ = chat(eng, ask(blue))
     start = eng.prepare(ask(blue)).images[0][0]
     assert stats.reused_tokens <= start          # same token ids, other image: no reuse past the image
-    cold = Engine(eng.gguf, eng.tokenizer, eng.model, EngineOptions(prefix_cache=False), eng.vision)
+    cold = Engine(eng.text, eng.tokenizer, eng.model, EngineOptions(prefix_cache=False), eng.vision)
     _, cold_tokens, _ = chat(cold, ask(red))
     assert [t.token_id for t in cold_tokens] == [t.token_id for t in first]
 
@@ -259,7 +260,7 @@ def test_reading_ahead_an_image_chat_leaves_only_the_new_message(vision_engine, 
     stats, tokens, _ = chat(eng, messages)
     full = eng.render(messages)                   # images unexpanded; they all come before the new message
     assert stats.prefilled_tokens == len(full) - eng.prompts.message_starts(full)[-2]
-    cold = Engine(eng.gguf, eng.tokenizer, eng.model, EngineOptions(prefix_cache=False), eng.vision)
+    cold = Engine(eng.text, eng.tokenizer, eng.model, EngineOptions(prefix_cache=False), eng.vision)
     _, cold_tokens, _ = chat(cold, messages)
     assert [t.token_id for t in tokens] == [t.token_id for t in cold_tokens]
 
@@ -305,7 +306,7 @@ def test_cli_prompt_larger_than_context_is_an_error(tiny, capsys) -> None:
 
 def test_mismatched_mmproj_is_refused(tiny, tmp_path) -> None:
     from engine.errors import ModelFormatError
-    from engine.arch.qwen3vl.mmproj import synth_mmproj
+    from engine.testing.qwen3vl import synth_mmproj
     wrong = synth_mmproj(tmp_path / "wrong.gguf", "tiny", out_dim=32)
     with pytest.raises(ModelFormatError, match="projection_dim"):
         Engine.load(tiny, wrong)
@@ -381,16 +382,16 @@ def test_load_reports_stages_and_can_be_cancelled(tiny) -> None:
 
 def test_image_key_depends_on_resize_bounds(vision_engine, tmp_path) -> None:
     """The same image under another size limit gives other embeddings: no prefix reuse across it."""
-    from engine.arch.qwen3vl.mmproj import load_mmproj
+    from engine.registry import open_projector
     from engine.vision.encoder import ImageEncoder
-    from engine.tools.synth import synth_mmproj_for
+    from engine.testing.pairs import synth_mmproj_for
     img = shape_image(tmp_path / "k.png", (10, 160, 10), size=(320, 256))
     msgs = [{"role": "user", "content": [{"type": "image", "image": str(img)}, {"type": "text", "text": "Hi"}]}]
     key_a = vision_engine.prepare(msgs).images[0][2]
-    same_tower = load_mmproj(synth_mmproj_for(tmp_path / "same-mmproj.gguf", "tiny", seed=0))
-    assert same_tower.identity == vision_engine.vision.tower.identity
+    same_tower = open_projector(synth_mmproj_for(tmp_path / "same-mmproj.gguf", "tiny", seed=0))
+    assert same_tower.projector.identity == vision_engine.vision.tower.identity
     small = ImageEncoder(same_tower, min_pixels=1024, max_pixels=64 * 64)
-    other = Engine(vision_engine.gguf, vision_engine.tokenizer, vision_engine.model, EngineOptions(), small)
+    other = Engine(vision_engine.text, vision_engine.tokenizer, vision_engine.model, EngineOptions(), small)
     assert other.prepare(msgs).images[0][2] != key_a
     prepared = vision_engine.prepare(msgs)
     info = vision_engine.image_info(str(img))
@@ -398,18 +399,22 @@ def test_image_key_depends_on_resize_bounds(vision_engine, tmp_path) -> None:
     assert info.tokens == len(prepared.images[0][1]) == prepared.encoded[0].n_tokens
 
 
-def test_default_model_without_the_bundled_demo_writes_the_synthetic_pair(tmp_path, monkeypatch) -> None:
-    """No bundled demo: default_model writes the tiny synthetic text model and its tower once, and they load."""
+def test_default_model_without_the_bundled_demo_is_a_clear_error(tmp_path, monkeypatch) -> None:
+    """No bundled demo: default_model names the missing file and how to get a model, and writes nothing."""
     import engine.api as api
     import engine.demo_model as demo_model
-    monkeypatch.setattr(demo_model, "bundled_model", lambda: None)
-    monkeypatch.setattr(demo_model.platformdirs, "user_cache_dir", lambda name: str(tmp_path / name))
-    model, mmproj = api.default_model()
-    assert model.parent == mmproj.parent == tmp_path / "deltadesk" / "models"
-    stamp = model.stat().st_mtime_ns
-    assert api.default_model() == (model, mmproj) and model.stat().st_mtime_ns == stamp
-    engine = Engine.load(model, mmproj, EngineOptions(device="cpu", prefix_cache=False, context=64))
-    try:
-        assert engine.info.has_vision and engine.info.arch == "qwen35moe"
-    finally:
-        engine.close()
+    monkeypatch.setattr(demo_model, "ASSETS", tmp_path / "models")
+    missing = r"models/deltadesk-demo\.gguf is missing.*--model.*engine pull.*engine synth"
+    with pytest.raises(EngineError, match=missing):
+        api.default_model()
+    assert not (tmp_path / "models").exists()
+
+
+def test_default_model_is_the_bundled_demo() -> None:
+    import engine.api as api
+    import engine.demo_model as demo_model
+    if not (demo_model.ASSETS / "deltadesk-demo.gguf").is_file():
+        pytest.skip("the bundled demo model is absent")
+    assert api.default_model() == (demo_model.ASSETS / "deltadesk-demo.gguf",
+                                   demo_model.ASSETS / "deltadesk-demo-mmproj.gguf")
+

@@ -19,8 +19,9 @@ from gguf import GGMLQuantizationType as Q
 from engine.gguf import quant
 from engine.errors import UnsupportedModelError
 from engine.gguf.file import GGUFFile
+from engine.registry import open_text
 from engine.arch.qwen35.tensors import tensor_shapes
-from engine.arch.qwen35.synth import preset_hparams, synth, write_gguf
+from engine.testing.synth import preset_hparams, synth, write_gguf
 
 VOCAB = [f"tok{i}" for i in range(320)]
 
@@ -57,10 +58,11 @@ def rng():
                                        ("35b-a3b", {"layers": 4, "experts": 2})])
 def test_open_every_preset(files, preset, kw):
     path = files(preset, **kw)
-    f = GGUFFile.open(path)
+    text = open_text(path)
+    f = text.file
     want = preset_hparams(preset, len(VOCAB), kw.get("layers"), kw.get("experts"))
-    assert f.hparams == stored(want)
-    assert f.arch == want.arch and f.path == path and f.source == str(path)
+    assert text.hparams == stored(want)
+    assert text.hparams.arch == want.arch and f.path == path and f.source == str(path)
     assert set(f.tensor_names) == set(tensor_shapes(want))
     for name, ne in tensor_shapes(want).items():
         info = f.info(name)
@@ -80,8 +82,9 @@ def test_identity_is_stable_and_content_sensitive(files):
 
 @pytest.mark.parametrize("q", ["q4_0", "q8_0", "f16", "f32"])
 def test_expert_row_raw_are_slices_of_f32(files, rng, q):
-    f = GGUFFile.open(files("tiny", q))
-    hp = f.hparams
+    text = open_text(files("tiny", q))
+    f = text.file
+    hp = text.hparams
     for part in ("gate", "up", "down"):
         name = f"blk.{rng.integers(hp.n_layer)}.ffn_{part}_exps.weight"
         full = f.f32(name)
@@ -107,8 +110,9 @@ def test_expert_row_raw_are_slices_of_f32(files, rng, q):
 
 
 def test_storage_types_and_summaries(files):
-    f = GGUFFile.open(files("tiny", "q8_0"))
-    hp = f.hparams
+    text = open_text(files("tiny", "q8_0"))
+    f = text.file
+    hp = text.hparams
     assert f.info("blk.0.ssm_conv1d.weight").qtype == Q.F32
     assert f.info("blk.0.ffn_gate_inp.weight").qtype == Q.F32
     assert f.info("blk.3.attn_q.weight").qtype == Q.Q8_0
@@ -126,7 +130,7 @@ def test_storage_types_and_summaries(files):
             want += info.nbytes // hp.n_vocab
         else:
             want += info.nbytes
-    assert f.bytes_per_token() == want
+    assert text.bytes_per_token() == want
 
 
 def tiny_float_tensors(hp, rng):
@@ -139,8 +143,9 @@ def test_write_gguf_round_trip(tmp_path, rng):
     for q in ("f32", "q8_0"):
         path = tmp_path / f"rt-{q}.gguf"
         write_gguf(path, hp, tensors, q, vocab=None)
-        f = GGUFFile.open(path)
-        assert f.hparams == stored(hp) and f.meta("qwen35moe.vocab_size") == 64
+        text = open_text(path)
+        f = text.file
+        assert text.hparams == stored(hp) and f.meta("qwen35moe.vocab_size") == 64
         for name, x in tensors.items():
             qtype = f.info(name).qtype
             np.testing.assert_array_equal(f.f32(name), quant.dequantize(quant.quantize(x, qtype), qtype, x.shape))
@@ -157,7 +162,8 @@ def test_fused_variants_exposed_under_split_names(tmp_path, rng):
     del t["output.weight"]
     path = tmp_path / "fused.gguf"
     write_gguf(path, hp, t, "q8_0", vocab=None)
-    f = GGUFFile.open(path)
+    text = open_text(path)
+    f = text.file
     assert not f.has("output.weight")
     assert "blk.3.attn_q.weight" not in f.tensor_names and f.has("blk.3.attn_q.weight")
     qkv = f.f32(p + "attn_qkv.weight")
@@ -173,7 +179,7 @@ def test_fused_variants_exposed_under_split_names(tmp_path, rng):
         np.testing.assert_array_equal(f.expert(name, 5), part[5])
         assert f.raw(name).shape == (hp.n_expert * hp.n_ff_exp, quant.row_bytes(Q.Q8_0, hp.n_embd))
     # bytes per token counts the fused tensor once; the LM head is token_embd in full
-    assert f.bytes_per_token() > f.info("token_embd.weight").nbytes
+    assert text.bytes_per_token() > f.info("token_embd.weight").nbytes
 
 
 def test_mtp_blocks_are_ignored(tmp_path, rng):
@@ -190,8 +196,9 @@ def test_mtp_blocks_are_ignored(tmp_path, rng):
     assert data[type_at] == Q.Q4_0
     data[type_at] = Q.NVFP4
     path.write_bytes(bytes(data))
-    f = GGUFFile.open(path)
-    assert f.hparams.n_layer == 4 and f.meta("qwen35moe.block_count") == 5
+    text = open_text(path)
+    f = text.file
+    assert text.hparams.n_layer == 4 and f.meta("qwen35moe.block_count") == 5
     assert f.info("blk.4.nextn.eh_proj.weight").qtype == Q.NVFP4
     assert f.raw("blk.4.nextn.eh_proj.weight").shape == (64, 72)
     with pytest.raises(UnsupportedModelError, match=r"mtp\.gguf: tensor blk\.4\.nextn\.eh_proj\.weight.*NVFP4"):
@@ -211,7 +218,8 @@ def test_memory_map_does_not_read_the_file(tmp_path):
         assert size > 800e6
         proc = psutil.Process()
         before = proc.memory_info().rss
-        f = GGUFFile.open(path)
+        text = open_text(path)
+        f = text.file
         opened = proc.memory_info().rss - before
         e = f.expert("blk.2.ffn_down_exps.weight", 17)
         r = f.row("token_embd.weight", 123456)

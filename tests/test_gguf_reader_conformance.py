@@ -21,10 +21,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from engine.gguf.file import GGUFFile
+from engine.registry import open_text
 from engine.arch.qwen35.model import Qwen35Model
 from engine.turn.state import SequenceState
-from engine.arch.qwen35.synth import synth
+from engine.testing.synth import synth
 from engine.prompt.tokenizer import Tokenizer
 
 FIXTURES = Path(__file__).parent / "fixtures" / "gguf_reader"
@@ -37,12 +37,12 @@ def test_transformers_reading_our_file_agrees(quant, tmp_path) -> None:
     path = tmp_path / f"tiny-{quant}.gguf"
     synth(path, "tiny", quant=quant, seed=0)
     digest = hashlib.sha256(path.read_bytes()).hexdigest()
-    assert digest == str(gold["sha256"]), "engine.arch.qwen35.synth output changed: regenerate the gguf_reader goldens"
-    f = GGUFFile.open(path)
-    tok = Tokenizer.from_gguf(f.meta, f.source)
+    assert digest == str(gold["sha256"]), "engine.testing.synth output changed: regenerate the gguf_reader goldens"
+    f = open_text(path)
+    tok = Tokenizer.from_gguf(f.file.meta, f.file.source)
     prompt = tok.encode(str(gold["text"]), special=True)
     assert prompt == gold["prompt"].tolist() == gold["hf_prompt"].tolist()   # both tokenizers agree
-    model = Qwen35Model(f.hparams, f)
+    model = Qwen35Model(f.hparams, f.file)
     logits = model.forward(np.asarray(prompt), SequenceState.new(f.hparams, 128), all_logits=True)
     sub = logits[:, gold["vocab_ids"]]
     scale = float(np.abs(gold["logits_subset"]).max())

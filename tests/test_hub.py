@@ -14,6 +14,7 @@ import pytest
 
 from engine.errors import EngineError, ModelFormatError, UnsupportedModelError
 from engine.gguf.file import GGUFFile
+from engine.registry import open_text
 from engine.hub.download import (
     DownloadCancelled,
     download_model,
@@ -35,8 +36,8 @@ MACHINE = Machine(ram_bytes=24 << 30, bandwidth_gbps=10.0)
 @pytest.fixture(scope="module")
 def synth_files(tmp_path_factory) -> dict[str, bytes]:
     """The tiny synth model (Q8_0, real vocabulary) and its projector, as bytes."""
-    from engine.arch.qwen35.synth import synth
-    from engine.tools.synth import synth_mmproj_for
+    from engine.testing.synth import synth
+    from engine.testing.pairs import synth_mmproj_for
     d = tmp_path_factory.mktemp("synth")
     synth(d / "tiny.gguf", "tiny", quant="q8_0", seed=1)
     synth_mmproj_for(d / "tiny-mmproj.gguf", "tiny", seed=1)
@@ -81,7 +82,7 @@ def test_fit_from_ranged_header_equals_fit_of_local_file(hub, synth_files, tmp_p
     mm = tmp_path / "mm.gguf"
     mm.write_bytes(synth_files["mmproj-F16.gguf"])
     from engine.gguf.header import read_header
-    local = estimate(GGUFFile.open(local_path), local_path.stat().st_size, 4096, MACHINE, read_header(mm))
+    local = estimate(open_text(local_path), local_path.stat().st_size, 4096, MACHINE, read_header(mm))
     assert remote == local
     ranges = _blob_gets(hub)
     assert ranges and all(r.startswith("bytes=") for r in ranges)      # never the whole file
@@ -244,7 +245,7 @@ def test_hub_unreachable_and_offline_mode_keep_downloads_usable(hub, monkeypatch
     with pytest.raises(HubOffline, match="offline mode"):
         list_repo(REPO)
     path, mmproj = model_files(f"{REPO}:Q8_0")
-    assert GGUFFile.open(path).hparams.n_layer == 4 and mmproj is not None
+    assert open_text(path).hparams.n_layer == 4 and mmproj is not None
     with pytest.raises(EngineError, match="not downloaded.*engine pull tester/Other-GGUF --quant Q4_0"):
         model_files("tester/Other-GGUF:Q4_0")
 
@@ -320,7 +321,7 @@ def test_header_larger_than_the_bound_is_refused_unread(monkeypatch):
 def test_vram_plan_under_the_budget_or_why_not(synth_files, tmp_path):
     path = tmp_path / "m.gguf"
     path.write_bytes(synth_files["Tiny-Q8_0.gguf"])
-    f = GGUFFile.open(path)
+    f = open_text(path)
     roomy = estimate(f, path.stat().st_size, 1024, Machine(24 << 30, 10.0, vram_budget=1 << 30))
     assert "GiB placed at load" in roomy.vram and "of a 1.00 GiB budget" in roomy.vram
     tiny = estimate(f, path.stat().st_size, 1024, Machine(24 << 30, 10.0, vram_budget=1 << 20))

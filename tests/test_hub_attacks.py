@@ -178,7 +178,7 @@ def test_mmproj_of_another_model_is_refused_before_download(hub, synth_files, tm
     """The repo's tower projects to another hidden size (the "small" preset's 256, the model's is 64): the
     fit says so from the two headers, as the loader would after the download; nothing is downloaded."""
     from engine.errors import ModelFormatError
-    from engine.tools.synth import synth_mmproj_for
+    from engine.testing.pairs import synth_mmproj_for
     other = synth_mmproj_for(tmp_path / "other.gguf", "small", seed=3).read_bytes()
     hub.repos[REPO].files["mmproj-F16.gguf"] = other
     listing = list_repo(REPO)

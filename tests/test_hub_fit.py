@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from engine.gguf.file import GGUFFile
+from engine.registry import open_text
 from engine.gguf.header import read_header
 from engine.hub.fit import Machine, estimate, state_bytes
 
@@ -26,8 +26,8 @@ CASES = [("tiny", "q8_0"), ("small", "q4_0"), ("dense-tiny", "f16")]
 
 @pytest.fixture(scope="module", params=CASES, ids=["-".join(c) for c in CASES])
 def synth_pair(request, tmp_path_factory) -> tuple[Path, Path]:
-    from engine.arch.qwen35.synth import synth
-    from engine.tools.synth import synth_mmproj_for
+    from engine.testing.synth import synth
+    from engine.testing.pairs import synth_mmproj_for
     preset, quant = request.param
     d = tmp_path_factory.mktemp(preset)
     synth(d / "m.gguf", preset, quant=quant, seed=3)
@@ -38,7 +38,7 @@ def synth_pair(request, tmp_path_factory) -> tuple[Path, Path]:
 def test_ram_estimate_within_10_percent_of_rss_growth(synth_pair):
     model, mmproj = synth_pair
     context = 1024
-    fit = estimate(GGUFFile.open(model), model.stat().st_size, context, Machine(24 << 30, 10.0), read_header(mmproj))
+    fit = estimate(open_text(model), model.stat().st_size, context, Machine(24 << 30, 10.0), read_header(mmproj))
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     out = subprocess.run([sys.executable, str(ROOT / "tests" / "hub_fit_probe.py"), str(model), str(mmproj),
                           str(context)], capture_output=True, text=True, env=env, timeout=300, check=True)
@@ -51,7 +51,7 @@ def test_ram_estimate_within_10_percent_of_rss_growth(synth_pair):
 
 def test_state_term_is_the_engines_own_accounting(synth_pair):
     from engine.turn.state import SequenceState
-    f = GGUFFile.open(synth_pair[0])
+    f = open_text(synth_pair[0])
     for context in (1, 1000, 4096):
         assert state_bytes(f.hparams, context) == SequenceState.new(f.hparams, context).nbytes
 
@@ -61,10 +61,10 @@ def test_size_estimate_agrees_with_the_header_estimate_on_a_uniform_file(tmp_pat
     """A Q8_0 file has one mean bit width for its weights (norms aside), so the size-only estimate of its preset
     must give the header's bytes per token and state exactly, and its vocabulary term within the merges/tokens
     difference (247587 merges vs the assumed 248320: 0.15 %)."""
-    from engine.arch.qwen35.synth import synth
+    from engine.testing.synth import synth
     from engine.hub.fit import estimate_from_size
     synth(tmp_path / "t.gguf", "tiny", quant="q8_0", seed=5)
-    f = GGUFFile.open(tmp_path / "t.gguf")
+    f = open_text(tmp_path / "t.gguf")
     size = (tmp_path / "t.gguf").stat().st_size
     machine = Machine(24 << 30, 10.0)
     by_header = estimate(f, size, 2048, machine)

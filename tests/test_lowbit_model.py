@@ -21,8 +21,9 @@ from test_native_model import PROMPT, isa_reset, run  # noqa: F401 (fixture)
 
 from engine.arch.qwen35.cpu import NativeQwen35Model
 from engine.arch.qwen35.model import Qwen35Model
-from engine.arch.qwen35.synth import storage_type
+from engine.testing.synth import storage_type
 from engine.gguf.file import GGUFFile
+from engine.registry import open_text
 from engine.kernels import cpu
 from engine.gguf.quant import dequantize
 from engine.turn.state import SequenceState
@@ -55,8 +56,8 @@ def test_synth_writes_the_low_bit_types_and_llama_quantizes_fallback(synth_model
 
 @pytest.mark.parametrize("quant", QUANTS)
 def test_low_bit_model_is_mapped_and_the_same_bits_everywhere(synth_model, quant, isa_reset):
-    gguf = GGUFFile.open(synth_model("small", quant))
-    model = NativeQwen35Model(gguf.hparams, gguf)
+    gguf = open_text(synth_model("small", quant))
+    model = NativeQwen35Model(gguf.hparams, gguf.file)
     assert f"{quant.upper()} mapped" in model.weight_rules
     assert all(rule.endswith(" mapped") for rule in model.weight_rules), model.weight_rules
     levels = cpu.supported_isas()
@@ -86,9 +87,9 @@ def test_low_bit_greedy_decoding_follows_the_numpy_reference(synth_model, quant,
     """The native model reads the reference's greedy text (teacher forcing, so one near-tie does not end
     the comparison): at every step the logit gap is within NEAR of the largest logit, and the native
     greedy token is the reference's wherever that bound decides it (top-2 margin above twice the bound)."""
-    gguf = GGUFFile.open(synth_model("small", quant))
-    ref_tokens, ref_logits = decode(Qwen35Model(gguf.hparams, gguf), STEPS)
-    tokens, logits = decode(NativeQwen35Model(gguf.hparams, gguf), STEPS, forced=ref_tokens)
+    gguf = open_text(synth_model("small", quant))
+    ref_tokens, ref_logits = decode(Qwen35Model(gguf.hparams, gguf.file), STEPS)
+    tokens, logits = decode(NativeQwen35Model(gguf.hparams, gguf.file), STEPS, forced=ref_tokens)
     for step, (got, want) in enumerate(zip(logits, ref_logits)):
         scale = np.abs(want).max()
         assert np.abs(got - want).max() <= NEAR * scale, f"step {step}"

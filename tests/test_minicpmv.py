@@ -14,6 +14,7 @@ import pytest
 from PIL import Image
 
 from engine.arch.minicpmv import mmproj as mp
+from engine.testing import minicpmv as mp_test
 from engine.arch.minicpmv import preprocess as pre
 from engine.arch.minicpmv import tower as tower_mod
 from engine.arch.minicpmv.layout import expand_layout, image_layout, sequential_positions
@@ -23,6 +24,8 @@ from engine.errors import GenerationCancelled, ImageError
 from engine.kernels import cpu, sgemm
 from engine.events import TokenEvent
 from engine.sampling import SamplingParams
+from engine.registry import LoadedVision, open_text
+from engine.arch.minicpmv import ARCH as MINICPMV
 from engine.vision.encoder import ImageEncoder
 
 FIXTURES = Path(__file__).parent / "fixtures" / "minicpmv"
@@ -42,7 +45,7 @@ def gold():
 
 @pytest.fixture(scope="module")
 def mm(tmp_path_factory):
-    return mp.load_mmproj(mp.synth_mmproj(tmp_path_factory.mktemp("mcv") / "m-mmproj.gguf", **MMPROJ))
+    return mp.load_mmproj(mp_test.synth_mmproj(tmp_path_factory.mktemp("mcv") / "m-mmproj.gguf", **MMPROJ))
 
 
 def rel_err(ours: np.ndarray, ref: np.ndarray) -> float:
@@ -300,7 +303,7 @@ def test_image_layout_of_a_sliced_image():
 
 def test_image_encoder_runs_all_pieces_and_caches(mm):
     """engine.vision.encoder.ImageEncoder drives the registry tower: one prepared image holds every piece."""
-    enc = ImageEncoder(mm)
+    enc = ImageEncoder(LoadedVision(MINICPMV, mm))
     img = Image.fromarray(sample_image(700, 700, 3))
     first = enc.encode(img)
     again = enc.encode(img)
@@ -310,7 +313,8 @@ def test_image_encoder_runs_all_pieces_and_caches(mm):
     assert first.size == plan.overview and first.original_size == (700, 700)
     ref = MiniCPMVTower(mm).encode(pre.prepare_pieces(img).pieces, plan.piece_grids)
     np.testing.assert_array_equal(first.embeddings, np.concatenate(ref))
-    four = ImageEncoder(mp.load_mmproj(mp.synth_mmproj(mm.path.with_name("m4.gguf"), **{**MMPROJ, "scale_factor": 2})))
+    four_file = mp_test.synth_mmproj(mm.path.with_name("m4.gguf"), **{**MMPROJ, "scale_factor": 2})
+    four = ImageEncoder(LoadedVision(MINICPMV, mp.load_mmproj(four_file)))
     assert four.tower.identity != enc.tower.identity and four.encode(img).n_tokens == 4 * 320
 
 
@@ -318,7 +322,7 @@ def test_engine_prompt_lays_out_slices(synth_model, tmp_path):
     """Engine.load picks the minicpmv folder by clip.projector_type; the prompt holds HF's layout with one span
     per piece, sequential positions, and the image digest in every span's prefix-cache key."""
     from engine.api import Engine, EngineOptions
-    from engine.tools.synth import synth_mmproj_for
+    from engine.testing.pairs import synth_mmproj_for
 
     text = synth_model("minicpmv46-tiny", "q8_0")
     proj = synth_mmproj_for(tmp_path / "m-mmproj.gguf", "minicpmv46-tiny")
@@ -363,7 +367,7 @@ def test_cli_generate_answers_on_the_synth_pair(synth_model, tmp_path, capsys):
     JPEG is a
     one-line error naming the file."""
     from engine.__main__ import main
-    from engine.tools.synth import synth_mmproj_for
+    from engine.testing.pairs import synth_mmproj_for
 
     text = synth_model("minicpmv46-tiny", "q8_0")
     proj = synth_mmproj_for(tmp_path / "m-mmproj.gguf", "minicpmv46-tiny")
@@ -404,16 +408,15 @@ def test_image_prompt_logits_match_hf(tmp_path):
     import threading as th
 
     from engine.arch.qwen35.model import Qwen35Model
-    from engine.gguf.file import GGUFFile
     from engine.turn.runtime import prefill
     from engine.turn.state import SequenceState
 
     gold = np.load(FIXTURES / "golden.npz")
-    gguf = GGUFFile.open(FIXTURES / "tiny-qwen35-f16.gguf")
-    model = Qwen35Model(gguf.hparams, gguf)
-    mm = mp.load_mmproj(mp.synth_mmproj(tmp_path / "m.gguf", **MMPROJ))
+    gguf = open_text(FIXTURES / "tiny-qwen35-f16.gguf")
+    model = Qwen35Model(gguf.hparams, gguf.file)
+    mm = mp.load_mmproj(mp_test.synth_mmproj(tmp_path / "m.gguf", **MMPROJ))
     name, (h, w), seed = E2E_IMAGE
-    encoder = ImageEncoder(mm)
+    encoder = ImageEncoder(LoadedVision(MINICPMV, mm))
     enc = encoder.encode(Image.fromarray(sample_image(h, w, seed)))
     plan = encoder.tower.plan(h, w)
     layout_tokens, starts = expand_layout(image_layout(plan, 0), layout_ids, IMAGE_PAD)

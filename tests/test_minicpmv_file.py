@@ -13,9 +13,11 @@ from gguf import GGUFValueType
 
 from engine.gguf import write as gguf_write
 from engine.arch.minicpmv import mmproj as mp
+from engine.testing import minicpmv as mp_test
 from engine.arch.minicpmv.tower import MiniCPMVTower
 from engine.errors import ModelFormatError, UnsupportedModelError
 from engine.gguf.header import read_header
+from engine.registry import open_text
 
 FIXTURES = Path(__file__).parent / "fixtures" / "minicpmv"
 sys.path.insert(0, str(FIXTURES))
@@ -25,7 +27,7 @@ from cases import CONVERTER_HPARAMS, CONVERTER_SEED, MMPROJ  # noqa: E402
 
 @pytest.fixture(scope="module")
 def mm(tmp_path_factory):
-    return mp.load_mmproj(mp.synth_mmproj(tmp_path_factory.mktemp("mcv") / "m-mmproj.gguf", **MMPROJ))
+    return mp.load_mmproj(mp_test.synth_mmproj(tmp_path_factory.mktemp("mcv") / "m-mmproj.gguf", **MMPROJ))
 
 
 def test_synth_file_layout(mm, tmp_path):
@@ -37,20 +39,19 @@ def test_synth_file_layout(mm, tmp_path):
     assert set(t.tensors) == set(mp.tensor_shapes(mm.hparams))
     assert mm.qtypes["v.blk.0.attn_q.weight"] == "F16" and mm.qtypes["v.blk.0.ln1.weight"] == "F32"
     assert mm.hparams == replace(mp.PRESETS["tiny"])
-    q8 = mp.load_mmproj(mp.synth_mmproj(tmp_path / "q8.gguf", "tiny", seed=1, ftype="Q8_0", scale_factor=2))
+    q8 = mp.load_mmproj(mp_test.synth_mmproj(tmp_path / "q8.gguf", "tiny", seed=1, ftype="Q8_0", scale_factor=2))
     assert q8.hparams.mode == "4x" and q8.qtypes["mm.up.weight"] == "Q8_0"
     assert mp.storage_type("v.blk.0.ffn_down.weight", (1152, 4304), mp.Q.Q8_0) == mp.Q.F16   # 4304 % 32 != 0
     assert mp.storage_type("v.position_embd.weight", (4900, 1152), mp.Q.F16) == mp.Q.F32
 
 
 def test_synth_pair_matches_text_width(tmp_path):
-    from engine.gguf.file import GGUFFile
-    from engine.arch.qwen35.synth import synth
-    from engine.tools.synth import synth_mmproj_for
+    from engine.testing.synth import synth
+    from engine.testing.pairs import synth_mmproj_for
     synth(tmp_path / "m.gguf", "minicpmv46-tiny", quant="f32", vocab=None)
     proj = mp.load_mmproj(synth_mmproj_for(tmp_path / "m-mmproj.gguf", "minicpmv46-tiny"))
-    text = GGUFFile.open(tmp_path / "m.gguf")
-    assert text.arch == "qwen35" and proj.hparams.out_dim == text.hparams.n_embd
+    text = open_text(tmp_path / "m.gguf")
+    assert text.hparams.arch == "qwen35" and proj.hparams.out_dim == text.hparams.n_embd
     assert proj.hparams.n_layer == 4 and proj.qtypes["mm.up.weight"] == "F16"
 
 
@@ -60,7 +61,7 @@ def test_reads_what_llama_cpp_writes(tmp_path):
     weights, writes the same keys, tensors, storage types and values."""
     theirs = mp.load_mmproj(FIXTURES / "llamacpp-mmproj-f16.gguf")
     hp = replace(mp.PRESETS["tiny"], **CONVERTER_HPARAMS)
-    ours = mp.load_mmproj(mp.write_mmproj(tmp_path / "ours.gguf", hp, mp.RandomWeights(hp, CONVERTER_SEED)))
+    ours = mp.load_mmproj(mp.write_mmproj(tmp_path / "ours.gguf", hp, mp_test.RandomWeights(hp, CONVERTER_SEED)))
     assert theirs.hparams == ours.hparams == hp
     assert theirs.qtypes == ours.qtypes
     for name, x in ours.weights.items():

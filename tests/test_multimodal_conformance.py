@@ -28,13 +28,14 @@ import pytest
 from PIL import Image
 
 from engine.events import TokenEvent
-from engine.gguf.file import GGUFFile
+from engine.registry import open_text
 from engine.arch.qwen3vl.preprocess import prepare_image
 from engine.arch.qwen3vl.mmproj import load_mmproj
 from engine.arch.qwen35 import ARCH as QWEN35
 from engine.arch.qwen35.model import Qwen35Model
 from engine.arch.qwen3vl.positions import mrope_positions
 from engine.arch.qwen3vl.tower import VisionTower
+from engine.registry import open_projector
 from engine.vision.encoder import EncodedImage, ImageEncoder
 from engine.turn.runtime import Turn, prefill, run_turn
 from engine.sampling import SamplingParams
@@ -54,9 +55,9 @@ def rel_err(a: np.ndarray, b: np.ndarray) -> float:
 @functools.cache
 def loaded() -> tuple[Qwen35Model, ImageEncoder, dict[str, np.ndarray]]:
     """(text model from the GGUF, image encoder from the mmproj, goldens), shared by all tests."""
-    gguf = GGUFFile.open(FIX / "tiny-qwen35moe-f16.gguf")
-    encoder = ImageEncoder(load_mmproj(FIX / "tiny-mmproj-f16.gguf"), min_pixels=1024)
-    return Qwen35Model(gguf.hparams, gguf), encoder, dict(np.load(FIX / "golden.npz"))
+    gguf = open_text(FIX / "tiny-qwen35moe-f16.gguf")
+    encoder = ImageEncoder(open_projector(FIX / "tiny-mmproj-f16.gguf"), min_pixels=1024)
+    return Qwen35Model(gguf.hparams, gguf.file), encoder, dict(np.load(FIX / "golden.npz"))
 
 
 @functools.cache

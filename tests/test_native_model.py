@@ -27,6 +27,7 @@ from engine.arch.qwen35 import cpu_mixers
 from engine.kernels import cpu
 from engine.arch.qwen35.cpu import NativeQwen35Model, prepare_weight, to_q8_0
 from engine.gguf.file import GGUFFile
+from engine.registry import open_text
 from engine.arch.qwen35.model import Qwen35Model
 from engine.gguf.quant import dequantize, quantize
 from engine.turn.state import SequenceState
@@ -70,8 +71,8 @@ def test_logits_equal_the_emulation_at_every_isa_and_stay_near_numpy(synth_model
     ``near``: the largest logit gap to the float reference, relative to the largest logit, over
     18 x 248320 logits. The gap comes from the Q8_0 activations; its median is ~1.3 % of the median
     logit for both the Q4_0 and the Q4_K_M file, its maximum 4.8 % and 6.9 % (seed 0)."""
-    gguf = GGUFFile.open(synth_model("small", quant))
-    native = NativeQwen35Model(gguf.hparams, gguf)
+    gguf = open_text(synth_model("small", quant))
+    native = NativeQwen35Model(gguf.hparams, gguf.file)
     cpu.set_isa("numpy")
     emulated = run(native, 4)
     levels = cpu.supported_isas()
@@ -84,15 +85,15 @@ def test_logits_equal_the_emulation_at_every_isa_and_stay_near_numpy(synth_model
             assert np.array_equal(a, b), f"{level}: max gap {np.abs(a - b).max()} to {levels[0]}"
     for a, b in zip(first, emulated):
         assert np.abs(a - b).max() <= 0.02 * np.abs(b).max(), "native logits vs the numpy emulation"
-    ref = run(Qwen35Model(gguf.hparams, gguf), 4)
+    ref = run(Qwen35Model(gguf.hparams, gguf.file), 4)
     for a, b in zip(emulated, ref):
         assert np.abs(a - b).max() <= near * np.abs(b).max()
     assert int(emulated[0][-1].argmax()) == int(ref[0][-1].argmax())
 
 
 def test_greedy_128_tokens_identical_at_every_isa_level_and_thread_count(synth_model, isa_reset):
-    gguf = GGUFFile.open(synth_model("small", "q4_0"))
-    native = NativeQwen35Model(gguf.hparams, gguf)
+    gguf = open_text(synth_model("small", "q4_0"))
+    native = NativeQwen35Model(gguf.hparams, gguf.file)
     runs = {}
     for level in cpu.supported_isas():
         cpu.set_isa(level)
@@ -107,8 +108,8 @@ def test_greedy_128_tokens_identical_at_every_isa_level_and_thread_count(synth_m
 
 def test_numpy_kernels_option_and_native_model_share_the_state_contract(synth_model, isa_reset):
     """Prefill on one path, decode on the other: the state means the same to both."""
-    gguf = GGUFFile.open(synth_model("small", "q8_0"))
-    native, ref = NativeQwen35Model(gguf.hparams, gguf), Qwen35Model(gguf.hparams, gguf)
+    gguf = open_text(synth_model("small", "q8_0"))
+    native, ref = NativeQwen35Model(gguf.hparams, gguf.file), Qwen35Model(gguf.hparams, gguf.file)
     a, b = SequenceState.new(gguf.hparams, 32), SequenceState.new(gguf.hparams, 32)
     native.forward(PROMPT, a)
     ref.forward(PROMPT, b)
@@ -183,8 +184,8 @@ def test_other_types_convert_to_q8_0_within_its_rounding(qtype):
 
 
 def test_weight_rules_name_what_each_projection_became(synth_model):
-    gguf = GGUFFile.open(synth_model("small", "q4_0"))
-    model = NativeQwen35Model(gguf.hparams, gguf)
+    gguf = open_text(synth_model("small", "q4_0"))
+    model = NativeQwen35Model(gguf.hparams, gguf.file)
     assert set(model.weight_rules) == {"Q4_0 mapped"}
     f16 = GGUFFile.open(synth_model("tiny", "f16"))
     assert prepare_weight(f16, "blk.0.attn_qkv.weight")[1] == "F16 -> f32"
@@ -218,8 +219,8 @@ def test_other_block_types_are_read_in_place_at_every_isa_level(synth_model, qua
     if quant == "iq4_nl":
         as_iq4_nl(path, tmp_path / "iq4_nl.gguf")
         path = tmp_path / "iq4_nl.gguf"
-    gguf = GGUFFile.open(path)
-    model = NativeQwen35Model(gguf.hparams, gguf)
+    gguf = open_text(path)
+    model = NativeQwen35Model(gguf.hparams, gguf.file)
     assert f"{quant.upper()} mapped" in model.weight_rules
     assert all(rule.endswith(" mapped") for rule in model.weight_rules), model.weight_rules
     cpu.set_isa("numpy")

@@ -18,7 +18,7 @@ import pytest
 from engine.arch.qwen35.cpu import NativeQwen35Model
 from engine.arch.qwen35.model import Qwen35Model
 from engine.errors import ContextFullError
-from engine.gguf.file import GGUFFile
+from engine.registry import open_text
 from engine.kernels import cpu
 from engine.turn.state import SequenceState
 
@@ -67,8 +67,8 @@ def assert_same_state(a: SequenceState, b: SequenceState) -> None:
 
 @pytest.mark.parametrize("preset, quant", MODELS)
 def test_step_is_the_per_hook_pass_bit_for_bit_at_every_level_and_thread_count(synth_model, preset, quant, isa_reset):
-    gguf = GGUFFile.open(synth_model(preset, quant))
-    model = NativeQwen35Model(gguf.hparams, gguf)
+    gguf = open_text(synth_model(preset, quant))
+    model = NativeQwen35Model(gguf.hparams, gguf.file)
     assert model.step is not None, model.step_fallback
     tokens = tokens_for(model)
     runs = {}
@@ -88,10 +88,10 @@ def test_step_is_the_per_hook_pass_bit_for_bit_at_every_level_and_thread_count(s
 
 @pytest.mark.parametrize("preset, quant", MODELS)
 def test_step_logits_stay_near_the_numpy_reference(synth_model, preset, quant, isa_reset):
-    gguf = GGUFFile.open(synth_model(preset, quant))
-    model = NativeQwen35Model(gguf.hparams, gguf)
+    gguf = open_text(synth_model(preset, quant))
+    model = NativeQwen35Model(gguf.hparams, gguf.file)
     tokens = tokens_for(model)
-    ref, _ = decode_each(Qwen35Model(gguf.hparams, gguf), tokens)
+    ref, _ = decode_each(Qwen35Model(gguf.hparams, gguf.file), tokens)
     for level, threads in levels_and_threads():
         cpu.set_isa(level)
         cpu.set_threads(threads)
@@ -102,8 +102,8 @@ def test_step_logits_stay_near_the_numpy_reference(synth_model, preset, quant, i
 def test_mrope_positions_and_given_embeddings_match_the_hooks(synth_model, isa_reset):
     """Distinct t/h/w positions (an image row's) and an embeddings row: the step equals the hook path
     (a stage callback sends the call through the hooks)."""
-    gguf = GGUFFile.open(synth_model("tiny", "q8_0"))
-    model = NativeQwen35Model(gguf.hparams, gguf)
+    gguf = open_text(synth_model("tiny", "q8_0"))
+    model = NativeQwen35Model(gguf.hparams, gguf.file)
     rng = np.random.default_rng(3)
     prompt = rng.integers(0, model.hp.n_vocab, 5)
     rows = rng.standard_normal((3, 1, model.hp.n_embd)).astype(np.float32) * 0.05
@@ -123,8 +123,8 @@ def test_mrope_positions_and_given_embeddings_match_the_hooks(synth_model, isa_r
 
 
 def test_calls_the_step_does_not_take_run_the_hooks(synth_model, isa_reset):
-    gguf = GGUFFile.open(synth_model("tiny", "q8_0"))
-    model = NativeQwen35Model(gguf.hparams, gguf)
+    gguf = open_text(synth_model("tiny", "q8_0"))
+    model = NativeQwen35Model(gguf.hparams, gguf.file)
     assert model.step.takes(1, None)
     assert not model.step.takes(2, None) and not model.step.takes(1, print)
     cpu.set_isa("numpy")
@@ -137,20 +137,20 @@ def test_calls_the_step_does_not_take_run_the_hooks(synth_model, isa_reset):
 def test_float32_weights_fall_back_to_the_hooks(synth_model):
     """An F16 file keeps its projections as float32 (numpy BLAS): no step; its one-token calls take the
     hooks, which are split-invariant themselves; converted to Q8_0 the same file takes the step."""
-    gguf = GGUFFile.open(synth_model("tiny", "f16"))
-    model = NativeQwen35Model(gguf.hparams, gguf)
+    gguf = open_text(synth_model("tiny", "f16"))
+    model = NativeQwen35Model(gguf.hparams, gguf.file)
     assert model.step is None and "float32" in model.step_fallback
     tokens = tokens_for(model)[:4]
     got, state = decode_each(model, tokens)
     one_pass = SequenceState.new(model.hp, N + 4)
     assert np.array_equal(got, model.forward(tokens, one_pass, all_logits=True))
     assert_same_state(state, one_pass)
-    assert NativeQwen35Model(gguf.hparams, gguf, float_weights="q8_0").step is not None
+    assert NativeQwen35Model(gguf.hparams, gguf.file, float_weights="q8_0").step is not None
 
 
 def test_bad_inputs_raise_clear_errors(synth_model):
-    gguf = GGUFFile.open(synth_model("tiny", "q8_0"))
-    model = NativeQwen35Model(gguf.hparams, gguf)
+    gguf = open_text(synth_model("tiny", "q8_0"))
+    model = NativeQwen35Model(gguf.hparams, gguf.file)
     state = SequenceState.new(model.hp, 1)
     with pytest.raises(ValueError, match="outside the vocabulary"):
         model.forward(np.array([model.hp.n_vocab]), state)

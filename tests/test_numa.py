@@ -67,7 +67,7 @@ def test_interleave_calls_the_real_kernel_without_crashing():
 
 @pytest.fixture(scope="module")
 def tiny_q4(tmp_path_factory):
-    from engine.arch.qwen35.synth import synth
+    from engine.testing.synth import synth
     path = tmp_path_factory.mktemp("numa") / "tiny.gguf"
     synth(path, "tiny", quant="q4_0", vocab=None)
     return path

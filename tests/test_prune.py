@@ -22,11 +22,12 @@ from engine.reap import prune, pruned as pruned_file
 from engine.__main__ import main
 from engine.errors import ModelFormatError, UnsupportedModelError
 from engine.gguf.file import GGUFFile
+from engine.registry import LoadedText, open_text
 from engine.arch.qwen35.model import Qwen35Model
 from engine.ops import reference as ops
 from engine.turn.state import SequenceState
-from engine.arch.qwen35.synth import preset_hparams, synth, write_gguf
-from engine.tools.synth import synth_mmproj_for
+from engine.testing.synth import preset_hparams, synth, write_gguf
+from engine.testing.pairs import synth_mmproj_for
 
 VOCAB = [f"tok{i}" for i in range(64)]
 
@@ -45,21 +46,21 @@ def q4_model(tmp_path_factory):
     return path
 
 
-def _models(gguf_file):
-    yield Qwen35Model(gguf_file.hparams, gguf_file)
+def _models(text):
+    yield Qwen35Model(text.hparams, text.file)
     from engine.kernels import cpu
     if cpu.available():
         from engine.arch.qwen35.cpu import NativeQwen35Model
-        yield NativeQwen35Model(gguf_file.hparams, gguf_file)
+        yield NativeQwen35Model(text.hparams, text.file)
 
 
-def _reference_stats(g: GGUFFile, ys: dict[int, list[np.ndarray]]) -> dict[str, np.ndarray]:
+def _reference_stats(g: LoadedText, ys: dict[int, list[np.ndarray]]) -> dict[str, np.ndarray]:
     """REAP statistics the way update_pruning_state computes them, from each MoE layer's input rows."""
     hp = g.hparams
     out = {k: np.zeros((hp.n_layer, hp.n_expert)) for k in ("frequency", "reap_sum", "ean_sum", "gate_sum")}
     for il in range(hp.n_layer):
         y = np.concatenate(ys[il]).astype(np.float64)
-        logits = y @ g.f32(f"blk.{il}.ffn_gate_inp.weight").astype(np.float64).T
+        logits = y @ g.file.f32(f"blk.{il}.ffn_gate_inp.weight").astype(np.float64).T
         p = np.exp(logits - logits.max(-1, keepdims=True))
         p /= p.sum(-1, keepdims=True)
         sel = np.argsort(-p, axis=-1, kind="stable")[:, :hp.n_expert_used]
@@ -68,7 +69,7 @@ def _reference_stats(g: GGUFFile, ys: dict[int, list[np.ndarray]]) -> dict[str, 
             active = (sel == j).any(-1)
             if not active.any():
                 continue
-            gate, up, down = (g.expert(f"blk.{il}.ffn_{x}_exps.weight", j).astype(np.float64)
+            gate, up, down = (g.file.expert(f"blk.{il}.ffn_{x}_exps.weight", j).astype(np.float64)
                               for x in ("gate", "up", "down"))
             a = y[active] @ gate.T
             f = (a / (1 + np.exp(-a)) * (y[active] @ up.T)) @ down.T
@@ -81,7 +82,7 @@ def _reference_stats(g: GGUFFile, ys: dict[int, list[np.ndarray]]) -> dict[str, 
 
 
 def test_statistics_match_a_numpy_reference(f32_model):
-    g = GGUFFile.open(f32_model)
+    g = open_text(f32_model)
     hp = g.hparams
     rng = np.random.default_rng(7)
     for model in _models(g):
@@ -129,48 +130,48 @@ class MaskedRouter(Qwen35Model):
 
 @pytest.mark.parametrize("keep", [2, 5])
 def test_pruned_logits_equal_masked_router(f32_model, tmp_path, keep):
-    g = GGUFFile.open(f32_model)
+    g = open_text(f32_model)
     hp = g.hparams
     rng = np.random.default_rng(keep)
     kept = [sorted(rng.choice(hp.n_expert, keep, replace=False).tolist()) for _ in range(hp.n_layer)]
     out = tmp_path / "pruned.gguf"
     pruned_file.prune_file(g, out, kept, {"method": "test"})
-    p = GGUFFile.open(out)
+    p = open_text(out)
     assert p.hparams == dataclasses.replace(hp, n_expert=keep)
     tokens = rng.integers(0, hp.n_vocab, 23)
     dropped = [sorted(set(range(hp.n_expert)) - set(k)) for k in kept]
-    want = MaskedRouter(hp, g, dropped).forward(tokens, SequenceState.new(hp, 23), all_logits=True)
-    got = Qwen35Model(p.hparams, p).forward(tokens, SequenceState.new(p.hparams, 23), all_logits=True)
+    want = MaskedRouter(hp, g.file, dropped).forward(tokens, SequenceState.new(hp, 23), all_logits=True)
+    got = Qwen35Model(p.hparams, p.file).forward(tokens, SequenceState.new(p.hparams, 23), all_logits=True)
     assert np.abs(got - want).max() <= 1e-5 * np.abs(want).max()
-    unpruned = Qwen35Model(hp, g).forward(tokens, SequenceState.new(hp, 23), all_logits=True)
+    unpruned = Qwen35Model(hp, g.file).forward(tokens, SequenceState.new(hp, 23), all_logits=True)
     assert np.abs(unpruned - want).max() > 1e-3 * np.abs(want).max()  # the mask changes the model
 
 
 def test_pruned_file_keeps_other_bytes_types_and_metadata(q4_model, tmp_path):
-    g = GGUFFile.open(q4_model)
+    g = open_text(q4_model)
     hp = g.hparams
     kept = [[0, 2, 3, 7], [1, 2, 4, 5], [0, 1, 6, 7], [3, 4, 5, 6]]
     out = tmp_path / "p.gguf"
     size = pruned_file.prune_file(g, out, kept, {"method": "reap", "calibration_samples": 3})
     assert size == out.stat().st_size
-    p = GGUFFile.open(out)
-    assert p.tensor_names == g.tensor_names
-    for name in g.tensor_names:
-        a, b = g.info(name), p.info(name)
+    p = open_text(out)
+    assert p.file.tensor_names == g.file.tensor_names
+    for name in g.file.tensor_names:
+        a, b = g.file.info(name), p.file.info(name)
         assert a.qtype == b.qtype, name
         if pruned_file.is_expert_tensor(name):
             il = int(name.split(".")[1])
             assert b.ne == (*a.ne[:-1], 4)
-            want = g.raw(name).reshape(hp.n_expert, -1)[kept[il]]
-            np.testing.assert_array_equal(p.raw(name).reshape(4, -1), want)
+            want = g.file.raw(name).reshape(hp.n_expert, -1)[kept[il]]
+            np.testing.assert_array_equal(p.file.raw(name).reshape(4, -1), want)
         else:
-            assert a.ne == b.ne and np.array_equal(g.raw(name), p.raw(name)), name
+            assert a.ne == b.ne and np.array_equal(g.file.raw(name), p.file.raw(name)), name
     changed = {f"{hp.arch}.expert_count", pruned_file.PRUNING_KEY}
-    assert set(p.meta_keys) == set(g.meta_keys) | {pruned_file.PRUNING_KEY}
-    for key in g.meta_keys:
+    assert set(p.file.meta_keys) == set(g.file.meta_keys) | {pruned_file.PRUNING_KEY}
+    for key in g.file.meta_keys:
         if key not in changed:
-            assert p.kv_record(key) == g.kv_record(key), key
-    note = pruned_file.pruning_note(p)
+            assert p.file.kv_record(key) == g.file.kv_record(key), key
+    note = pruned_file.pruning_note(p.file)
     assert note["method"] == "reap" and note["experts_before"] == 8 and note["experts_kept"] == 4
     assert note["kept"] == kept
     assert pruned_file.pruning_summary(p) == "4 of 8 experts kept (REAP)" and pruned_file.pruning_summary(g) == ""
@@ -193,12 +194,12 @@ def test_mtp_blocks_are_dropped(tmp_path):
     tensors["blk.4.nextn.eh_proj.weight"] = rng.standard_normal((64, 128)).astype(np.float32)
     path = tmp_path / "mtp.gguf"
     write_gguf(path, hp, tensors, "f32", vocab=VOCAB)
-    g = GGUFFile.open(path)
+    g = open_text(path)
     out = tmp_path / "p.gguf"
     pruned_file.prune_file(g, out, [[0, 1, 2]] * 4, {})
-    p = GGUFFile.open(out)
-    assert p.hparams.nextn_predict_layers == 0 and p.hparams.n_layer == 4 and p.meta("qwen35moe.block_count") == 4
-    assert not any(n.startswith("blk.4.") for n in p.tensor_names)
+    p = open_text(out)
+    assert p.hparams.nextn_predict_layers == 0 and p.hparams.n_layer == 4 and p.file.meta("qwen35moe.block_count") == 4
+    assert not any(n.startswith("blk.4.") for n in p.file.tensor_names)
 
 
 def test_keep_and_model_checks(tmp_path):
@@ -208,11 +209,11 @@ def test_keep_and_model_checks(tmp_path):
     dense = tmp_path / "dense.gguf"
     synth(dense, "dense-tiny", quant="f32", vocab=VOCAB)
     with pytest.raises(UnsupportedModelError, match="dense"):
-        pruned_file.prune_file(GGUFFile.open(dense), tmp_path / "x.gguf", [], {})
+        pruned_file.prune_file(open_text(dense), tmp_path / "x.gguf", [], {})
 
 
 def test_stats_selection_and_json(tmp_path, f32_model):
-    g = GGUFFile.open(f32_model)
+    g = open_text(f32_model)
     st = prune.ExpertStats.for_model(g, {"source": "test"})
     rng = np.random.default_rng(1)
     for il in range(4):
@@ -230,7 +231,7 @@ def test_stats_selection_and_json(tmp_path, f32_model):
     back = prune.ExpertStats.load(path)
     for key in ("tokens", "frequency", "reap_sum", "ean_sum", "gate_sum"):
         np.testing.assert_array_equal(getattr(back, key), getattr(st, key))
-    back.check_model(g, "s.json")
+    back.check_model(g.file, "s.json")
     assert back.calibration == {"source": "test"}
     d = json.loads(path.read_text())
     assert d["format"] == "deltadesk.expert_stats" and len(d["layers"]) == 4 and len(d["layers"][0]["reap"]) == 8
@@ -243,7 +244,7 @@ def test_stats_selection_and_json(tmp_path, f32_model):
         prune.ExpertStats.load(path)
     other = prune.ExpertStats(4, 8, 2, {"file": "other.gguf", "identity": "gguf-1-00"})
     with pytest.raises(ModelFormatError, match="other.gguf"):
-        other.check_model(g, "s.json")
+        other.check_model(g.file, "s.json")
 
 
 def test_calibration_file(tmp_path):
@@ -265,22 +266,22 @@ def test_calibration_file(tmp_path):
 
 
 def test_per_layer_expert_counts_are_unsupported(tmp_path, q4_model):
-    g = GGUFFile.open(q4_model)
+    g = open_text(q4_model)
     hp = g.hparams
     counts = [8, 8, 6, 8]
     recs = [gguf_write.kv_record("qwen35moe.expert_count", counts, GGUFValueType.ARRAY, GGUFValueType.UINT32)
-            if k == "qwen35moe.expert_count" else g.kv_record(k) for k in g.meta_keys]
-    tensors = [gguf_write.TensorOut(n, g.info(n).ne, int(g.info(n).qtype), g.info(n).nbytes,
-                                    lambda n=n: (g.raw(n).reshape(-1),)) for n in g.tensor_names]
+            if k == "qwen35moe.expert_count" else g.file.kv_record(k) for k in g.file.meta_keys]
+    tensors = [gguf_write.TensorOut(n, g.file.info(n).ne, int(g.file.info(n).qtype), g.file.info(n).nbytes,
+                                    lambda n=n: (g.file.raw(n).reshape(-1),)) for n in g.file.tensor_names]
     path = tmp_path / "nonuniform.gguf"
-    gguf_write.write(path, recs, tensors, g.alignment)
+    gguf_write.write(path, recs, tensors, g.file.alignment)
     with pytest.raises(UnsupportedModelError, match=r"nonuniform\.gguf.*per-layer expert counts \[6, 8\]"):
-        GGUFFile.open(path)
+        open_text(path)
     # a uniform per-layer array is one count
-    recs[list(g.meta_keys).index("qwen35moe.expert_count")] = gguf_write.kv_record(
+    recs[list(g.file.meta_keys).index("qwen35moe.expert_count")] = gguf_write.kv_record(
         "qwen35moe.expert_count", [8] * 4, GGUFValueType.ARRAY, GGUFValueType.UINT32)
-    gguf_write.write(path, recs, tensors, g.alignment)
-    assert GGUFFile.open(path).hparams == hp
+    gguf_write.write(path, recs, tensors, g.file.alignment)
+    assert open_text(path).hparams == hp
     # one layer stores fewer experts than expert_count says
     small = pruned_file.prune_file(g, tmp_path / "six.gguf", [list(range(6))] * 4, {})
     assert small > 0
@@ -288,9 +289,9 @@ def test_per_layer_expert_counts_are_unsupported(tmp_path, q4_model):
     mixed = [t if not t.name.startswith("blk.1.") else gguf_write.TensorOut(
         t.name, six.info(t.name).ne, t.type_id, six.info(t.name).nbytes,
         lambda n=t.name: (six.raw(n).reshape(-1),)) for t in tensors]
-    gguf_write.write(path, [g.kv_record(k) for k in g.meta_keys], mixed, g.alignment)
+    gguf_write.write(path, [g.file.kv_record(k) for k in g.file.meta_keys], mixed, g.file.alignment)
     with pytest.raises(UnsupportedModelError, match=r"blk\.1\.ffn_gate_inp\.weight holds 6 experts"):
-        GGUFFile.open(path)
+        open_text(path)
 
 
 def test_cli_prune_calibrates_once_and_reuses_the_statistics(synth_model, tmp_path, capsys):
@@ -320,7 +321,7 @@ def test_cli_prune_calibrates_once_and_reuses_the_statistics(synth_model, tmp_pa
     assert main(["info", str(out4)]) == 0
     assert "4 experts, top-2, expert FFN 32, shared expert FFN 32 (4 of 8 experts kept (frequency))" in \
         capsys.readouterr().out
-    assert pruned_file.pruning_summary(GGUFFile.open(out4)) == "4 of 8 experts kept (frequency)"
+    assert pruned_file.pruning_summary(open_text(out4)) == "4 of 8 experts kept (frequency)"
 
     for keep, msg in (("8", "not below"), ("1", "top-2")):
         assert main(["prune", str(model), "--keep", keep, "-o", str(tmp_path / "x.gguf")]) == 2

@@ -19,6 +19,7 @@ import pytest
 from engine.reap import prune
 from engine.__main__ import main
 from engine.gguf.file import GGUFFile
+from engine.registry import open_text
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -31,7 +32,7 @@ def model(synth_model):
 @pytest.fixture
 def stats(model, tmp_path) -> Path:
     """Valid statistics for ``model`` (random counts), so a prune needs no calibration."""
-    st = prune.ExpertStats.for_model(GGUFFile.open(model))
+    st = prune.ExpertStats.for_model(open_text(model))
     rng = np.random.default_rng(0)
     st.frequency[...] = rng.integers(1, 100, st.frequency.shape)
     st.reap_sum[...] = rng.random(st.reap_sum.shape)
@@ -87,7 +88,7 @@ def test_an_input_named_like_the_temporary_file_survives(model, stats, tmp_path,
     want = _digest(src)
     assert main(["prune", str(src), "--keep", "6", "-o", str(tmp_path / "out.gguf"), "--stats", str(stats)]) == 0
     assert _digest(src) == want
-    assert GGUFFile.open(tmp_path / "out.gguf").hparams.n_expert == 6
+    assert open_text(tmp_path / "out.gguf").hparams.n_expert == 6
     assert sorted(p.name for p in tmp_path.iterdir()) == ["out.gguf", "out.gguf.part", "stats.json"]
 
 

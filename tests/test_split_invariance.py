@@ -20,7 +20,7 @@ from engine import sampling
 from engine.api import Engine, EngineOptions, bundled_model
 from engine.kernels import cpu
 from engine.events import TokenEvent, TurnSummary
-from engine.gguf.file import GGUFFile
+from engine.registry import open_text
 from engine.arch.qwen35.model import Qwen35Model
 from engine.sampling import SamplingParams
 from engine.turn.state import SequenceState
@@ -35,17 +35,17 @@ QUANTS = ("q8_0", "q4_k_m")
 def models(tmp_path_factory):
     """The tiny synth model (Q8_0, and the Q4_K_M mix for the native K-quant kernels) on the numpy
     path and, when built, on the native kernels: {(path, quant): model}."""
-    from engine.arch.qwen35.synth import synth
+    from engine.testing.synth import synth
     out = {}
     for quant in QUANTS:
         path = tmp_path_factory.mktemp("split") / f"tiny-{quant}.gguf"
         synth(path, "tiny", quant=quant, seed=3)
-        gguf = GGUFFile.open(path)
+        gguf = open_text(path)
         if quant == "q8_0":
-            out[("numpy", quant)] = Qwen35Model(gguf.hparams, gguf)
+            out[("numpy", quant)] = Qwen35Model(gguf.hparams, gguf.file)
         if cpu.available():
             from engine.arch.qwen35.cpu import NativeQwen35Model
-            out[("native", quant)] = NativeQwen35Model(gguf.hparams, gguf)
+            out[("native", quant)] = NativeQwen35Model(gguf.hparams, gguf.file)
     yield out
     cpu.set_isa(None)
     cpu.set_threads()

@@ -1,4 +1,4 @@
-"""engine.arch.qwen35.synth: presets, metadata, storage types, determinism and weight statistics.
+"""engine.testing.synth: presets, metadata, storage types, determinism and weight statistics.
 
 Statistical checks use generous bounds on thousands of samples (std within 15 % of the target,
 |mean| < 0.1 std); they hold for any seed.
@@ -13,9 +13,9 @@ import numpy as np
 import pytest
 from gguf import GGMLQuantizationType as Q
 
-from engine.gguf.file import GGUFFile
+from engine.registry import open_text
 from engine.arch.qwen35.tensors import tensor_shapes
-from engine.arch.qwen35.synth import QWEN35_N_VOCAB, preset_hparams, storage_type, synth, write_gguf
+from engine.testing.synth import QWEN35_N_VOCAB, preset_hparams, storage_type, synth, write_gguf
 
 VOCAB = [f"tok{i}" for i in range(256)]
 
@@ -52,7 +52,7 @@ def test_preset_errors():
 def test_metadata_keys(tmp_path):
     path = tmp_path / "t.gguf"
     synth(path, "tiny", quant="q8_0", vocab=None)
-    f = GGUFFile.open(path)
+    f = open_text(path)
     a = "qwen35moe"
     want = {
         "block_count": 4, "nextn_predict_layers": 0, "context_length": 262144, "embedding_length": 64,
@@ -64,20 +64,20 @@ def test_metadata_keys(tmp_path):
         "vocab_size": QWEN35_N_VOCAB,
     }
     for key, value in want.items():
-        assert f.meta(f"{a}.{key}") == value, key
-    assert f.meta(f"{a}.attention.layer_norm_rms_epsilon") == pytest.approx(1e-6, rel=1e-6)
-    assert f.meta(f"{a}.rope.freq_base") == 1e7
-    assert f.meta("general.architecture") == a and f.meta("general.type") == "model"
-    assert f.meta("general.file_type") == 7 and f.meta("general.quantization_version") == 2
-    assert f.meta("tokenizer.ggml.tokens") is None
-    assert f.meta(f"{a}.feed_forward_length") is None
+        assert f.file.meta(f"{a}.{key}") == value, key
+    assert f.file.meta(f"{a}.attention.layer_norm_rms_epsilon") == pytest.approx(1e-6, rel=1e-6)
+    assert f.file.meta(f"{a}.rope.freq_base") == 1e7
+    assert f.file.meta("general.architecture") == a and f.file.meta("general.type") == "model"
+    assert f.file.meta("general.file_type") == 7 and f.file.meta("general.quantization_version") == 2
+    assert f.file.meta("tokenizer.ggml.tokens") is None
+    assert f.file.meta(f"{a}.feed_forward_length") is None
 
     path = tmp_path / "d.gguf"
     synth(path, "dense-tiny", quant="f16", vocab=VOCAB)
-    f = GGUFFile.open(path)
-    assert f.meta("qwen35.feed_forward_length") == 128 and f.meta("qwen35.expert_count") is None
-    assert f.meta("general.file_type") == 1 and f.meta("tokenizer.ggml.model") == "gpt2"
-    assert f.meta("tokenizer.ggml.tokens") == VOCAB and f.meta("qwen35.vocab_size") is None
+    f = open_text(path)
+    assert f.file.meta("qwen35.feed_forward_length") == 128 and f.file.meta("qwen35.expert_count") is None
+    assert f.file.meta("general.file_type") == 1 and f.file.meta("tokenizer.ggml.model") == "gpt2"
+    assert f.file.meta("tokenizer.ggml.tokens") == VOCAB and f.file.meta("qwen35.vocab_size") is None
     assert f.hparams.n_vocab == len(VOCAB)
 
 
@@ -105,25 +105,25 @@ def test_deterministic_for_a_seed(tmp_path):
 def test_weight_statistics(tmp_path, preset, q):
     path = tmp_path / "s.gguf"
     hp = synth(path, preset, layers=4, experts=2, quant=q, vocab=VOCAB)
-    f = GGUFFile.open(path)
+    f = open_text(path)
     for name in ("blk.0.attn_qkv.weight", "blk.3.attn_q.weight", "blk.1.ffn_gate_exps.weight",
                  "blk.2.ffn_up_shexp.weight", "blk.0.ssm_alpha.weight"):
-        w = f.f32(name)
+        w = f.file.f32(name)
         std = 1 / math.sqrt(w.shape[-1])
         assert abs(w.std() / std - 1) < 0.15 and abs(w.mean()) < 0.1 * std, name
         x = np.random.default_rng(0).standard_normal(w.shape[-1]).astype(np.float32)
         y = w.reshape(-1, w.shape[-1]) @ x
         assert 0.7 < np.sqrt(np.mean(y * y)) < 1.4, name  # unit-RMS input -> unit-RMS output
     for name in ("blk.0.ssm_out.weight", "blk.3.attn_output.weight", "blk.1.ffn_down_exps.weight"):
-        w = f.f32(name)
+        w = f.file.f32(name)
         std = 1 / math.sqrt(2 * hp.n_layer * w.shape[-1])
         assert abs(w.std() / std - 1) < 0.15, name
-    assert abs(f.f32("token_embd.weight").std() - 1) < 0.15
+    assert abs(f.file.f32("token_embd.weight").std() - 1) < 0.15
     for name in ("blk.0.attn_norm.weight", "blk.3.attn_k_norm.weight", "output_norm.weight", "blk.1.ssm_norm.weight"):
-        assert abs(f.f32(name).mean() - 1) < 0.05, name
+        assert abs(f.file.f32(name).mean() - 1) < 0.05, name
     for il in range(3):
-        assert np.all(f.f32(f"blk.{il}.ssm_a") < 0)
-        assert np.all(np.abs(f.f32(f"blk.{il}.ssm_dt.bias")) < 1)
+        assert np.all(f.file.f32(f"blk.{il}.ssm_a") < 0)
+        assert np.all(np.abs(f.file.f32(f"blk.{il}.ssm_dt.bias")) < 1)
 
 
 def test_q4_k_m_mix_is_llama_quantizes(tmp_path):
@@ -133,19 +133,20 @@ def test_q4_k_m_mix_is_llama_quantizes(tmp_path):
     super-blocks: Q4_K falls back to Q5_0, Q6_K to Q8_0. The output is Q6_K, norms/routers stay F32."""
     path = tmp_path / "m.gguf"
     hp = synth(path, "small", quant="q4_k_m", vocab=VOCAB)
-    f = GGUFFile.open(path)
+    f = open_text(path)
     more = {0, 3, 6, 7}
     for il in range(hp.n_layer):
         v = f"blk.{il}.attn_qkv.weight" if hp.is_recurrent(il) else f"blk.{il}.attn_v.weight"
-        assert f.info(v).qtype == (Q.Q6_K if il in more else Q.Q4_K), v
-        assert f.info(f"blk.{il}.ffn_down_exps.weight").qtype == (Q.Q8_0 if il in more else Q.Q5_0)
-        assert f.info(f"blk.{il}.ffn_down_shexp.weight").qtype == (Q.Q8_0 if il in more else Q.Q5_0)
-        assert f.info(f"blk.{il}.ffn_gate_exps.weight").qtype == Q.Q4_K
-        assert f.info(f"blk.{il}.ffn_gate_inp.weight").qtype == Q.F32
-    assert f.info("blk.0.ssm_out.weight").qtype == Q.Q4_K and f.info("blk.3.attn_output.weight").qtype == Q.Q4_K
-    assert f.info("output.weight").qtype == Q.Q6_K and f.info("token_embd.weight").qtype == Q.Q4_K
-    assert f.info("blk.0.ssm_conv1d.weight").qtype == Q.F32 and f.info("output_norm.weight").qtype == Q.F32
-    assert f.meta("general.file_type") == 15                                   # LLAMA_FTYPE_MOSTLY_Q4_K_M
+        assert f.file.info(v).qtype == (Q.Q6_K if il in more else Q.Q4_K), v
+        assert f.file.info(f"blk.{il}.ffn_down_exps.weight").qtype == (Q.Q8_0 if il in more else Q.Q5_0)
+        assert f.file.info(f"blk.{il}.ffn_down_shexp.weight").qtype == (Q.Q8_0 if il in more else Q.Q5_0)
+        assert f.file.info(f"blk.{il}.ffn_gate_exps.weight").qtype == Q.Q4_K
+        assert f.file.info(f"blk.{il}.ffn_gate_inp.weight").qtype == Q.F32
+    assert f.file.info("blk.0.ssm_out.weight").qtype == Q.Q4_K
+    assert f.file.info("blk.3.attn_output.weight").qtype == Q.Q4_K
+    assert f.file.info("output.weight").qtype == Q.Q6_K and f.file.info("token_embd.weight").qtype == Q.Q4_K
+    assert f.file.info("blk.0.ssm_conv1d.weight").qtype == Q.F32 and f.file.info("output_norm.weight").qtype == Q.F32
+    assert f.file.meta("general.file_type") == 15                                   # LLAMA_FTYPE_MOSTLY_Q4_K_M
 
 
 def test_q4_k_m_mix_of_the_35b_layout():
@@ -258,8 +259,8 @@ def test_real_vocabulary(tmp_path):
     vocab = pytest.importorskip("engine.arch.qwen35.vocab")
     path = tmp_path / "v.gguf"
     synth(path, "tiny", quant="q8_0")
-    f = GGUFFile.open(path)
-    assert f.hparams.n_vocab == QWEN35_N_VOCAB == len(f.meta("tokenizer.ggml.tokens"))
-    assert f.meta("tokenizer.ggml.pre") == "qwen35"
-    assert f.meta("tokenizer.chat_template") == vocab.QWEN35_CHAT_TEMPLATE
-    assert f.meta("tokenizer.ggml.eos_token_id") == 248046
+    f = open_text(path)
+    assert f.hparams.n_vocab == QWEN35_N_VOCAB == len(f.file.meta("tokenizer.ggml.tokens"))
+    assert f.file.meta("tokenizer.ggml.pre") == "qwen35"
+    assert f.file.meta("tokenizer.chat_template") == vocab.QWEN35_CHAT_TEMPLATE
+    assert f.file.meta("tokenizer.ggml.eos_token_id") == 248046

@@ -59,7 +59,7 @@ from transformers import Qwen3_5MoeConfig, Qwen3_5MoeForConditionalGeneration  #
 
 from engine.gguf.file import GGUFFile  # noqa: E402
 from engine.arch.qwen3vl.mmproj import load_mmproj, write_mmproj  # noqa: E402
-from engine.arch.qwen35.synth import write_gguf  # noqa: E402
+from engine.testing.synth import write_gguf  # noqa: E402
 from engine.arch.qwen35.vocab import GGUFVocab  # noqa: E402
 
 NORMS = ("input_layernorm.weight", "post_attention_layernorm.weight", "q_norm.weight", "k_norm.weight",

@@ -19,9 +19,12 @@ from PIL import Image
 
 from engine.errors import GenerationCancelled
 from engine.arch.qwen3vl.preprocess import prepare_image
-from engine.arch.qwen3vl.mmproj import PRESETS, load_mmproj, synth_mmproj
+from engine.arch.qwen3vl.mmproj import PRESETS, load_mmproj
+from engine.testing.qwen3vl import synth_mmproj
 from engine.arch.qwen3vl.positions import mrope_positions
 from engine.arch.qwen3vl.tower import VisionTower, image_token_count
+from engine.registry import LoadedVision, open_projector
+from engine.arch.qwen3vl import ARCH as QWEN3VL
 from engine.vision.encoder import EmbeddingCache, EncodedImage, ImageEncoder
 from engine.ops import vision_reference as ops
 
@@ -100,7 +103,7 @@ def test_mrope_rejects_mismatch(ids, grids, msg):
 
 
 def test_encoder_counts_equal_tower_rows(tmp_path, gold):
-    enc = ImageEncoder(load_mmproj(FIX / "tiny-mmproj-f16.gguf"), min_pixels=1024)
+    enc = ImageEncoder(open_projector(FIX / "tiny-mmproj-f16.gguf"), min_pixels=1024)
     for case in TOWER_CASES:
         img = gold[f"tower_{case}_image"]
         e = enc.encode(Image.fromarray(img))
@@ -109,7 +112,7 @@ def test_encoder_counts_equal_tower_rows(tmp_path, gold):
 
 
 def test_encoder_cache_by_content(tmp_path, gold):
-    enc = ImageEncoder(load_mmproj(FIX / "tiny-mmproj-f16.gguf"), min_pixels=1024)
+    enc = ImageEncoder(open_projector(FIX / "tiny-mmproj-f16.gguf"), min_pixels=1024)
     a, b = tmp_path / "a.png", tmp_path / "b.png"
     Image.fromarray(gold["tower_96x160_image"]).save(a)
     b.write_bytes(a.read_bytes())
@@ -127,8 +130,9 @@ def test_encoder_keeps_the_projectors_max_pixels(gold):
     """An mmproj's clip.vision.image_max_pixels bounds every image, the per-image override included; the
     bounded encode equals an encode asked for that bound directly."""
     mm = load_mmproj(FIX / "tiny-mmproj-f16.gguf")
-    capped = ImageEncoder(replace(mm, hparams=replace(mm.hparams, image_max_pixels=64 * 96)), min_pixels=1024)
-    plain = ImageEncoder(mm, min_pixels=1024)
+    small = replace(mm, hparams=replace(mm.hparams, image_max_pixels=64 * 96))
+    capped = ImageEncoder(LoadedVision(QWEN3VL, small), min_pixels=1024)
+    plain = ImageEncoder(LoadedVision(QWEN3VL, mm), min_pixels=1024)
     img = Image.fromarray(gold["tower_96x160_image"]).resize((320, 192))
     assert plain.encode(img).size == (192, 320)
     got = capped.encode(img)
@@ -140,7 +144,7 @@ def test_encoder_keeps_the_projectors_max_pixels(gold):
 def test_encoder_override_keeps_the_asked_minimum(gold):
     """A per-image bound above a low default maximum gets the encoder's own minimum back (65,536 here),
     not the default maximum it had been lowered to."""
-    enc = ImageEncoder(load_mmproj(FIX / "tiny-mmproj-f16.gguf"), max_pixels=64 * 64)
+    enc = ImageEncoder(open_projector(FIX / "tiny-mmproj-f16.gguf"), max_pixels=64 * 64)
     img = Image.fromarray(gold["tower_96x160_image"])
     h, w = enc.encode(img).size
     assert h * w <= 64 * 64

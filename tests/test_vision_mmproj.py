@@ -10,9 +10,9 @@ import pytest
 from gguf import GGUFReader, GGUFValueType, GGUFWriter
 
 from engine.errors import ModelFormatError, UnsupportedModelError
-from engine.arch.qwen3vl.mmproj import (PRESETS, RandomWeights, VisionHParams, load_mmproj, synth_mmproj, tensor_shapes,
-                           write_mmproj)
-from engine.vision.encoder import load_projector
+from engine.arch.qwen3vl.mmproj import PRESETS, VisionHParams, load_mmproj, tensor_shapes, write_mmproj
+from engine.testing.qwen3vl import RandomWeights, synth_mmproj
+from engine.registry import open_projector
 
 FIX = Path(__file__).parent / "fixtures" / "vision"
 
@@ -156,7 +156,7 @@ MALFORMED = [
     (dict(drop_tensors=["v.position_embd.weight"]), ModelFormatError, "missing tensor 'v.position_embd.weight'"),
     (dict(tensors={"v.position_embd.weight": np.zeros((60, 64), np.float32)}), ModelFormatError, "square grid"),
     (dict(tensors={"v.blk.1.ffn_up.weight": np.zeros((64, 64), np.float32)}), ModelFormatError,
-     r"tensor 'v.blk.1.ffn_up.weight' has shape \(64, 64\), expected \(128, 64\)"),
+     r"tensor 'v.blk.1.ffn_up.weight' has ne=\(64, 64\), expected ne=\(64, 128\)"),
 ]
 """(rewrite() arguments, the error, what its message says) for malformed projector files."""
 
@@ -171,11 +171,11 @@ def test_malformed_files_named(base, tmp_path, kwargs, err, msg):
 
 @pytest.mark.parametrize("kwargs, err, msg", MALFORMED)
 def test_engine_projector_loading_raises_what_load_mmproj_raises(base, tmp_path, kwargs, err, msg):
-    """The engine opens a projector through the registry (engine.vision.encoder.load_projector), which reads the
+    """The engine opens a projector through the registry (engine.registry.open_projector), which reads the
     projector type before the architecture folder's loader runs: the same file gets the same error."""
     bad = rewrite(base, tmp_path / "bad.gguf", **kwargs)
     with pytest.raises(err, match=msg) as e:
-        load_projector(bad)
+        open_projector(bad)
     assert "bad.gguf" in str(e.value)
 
 

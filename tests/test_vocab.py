@@ -16,10 +16,12 @@ import numpy as np
 import pytest
 
 import engine.arch.qwen35.vocab
+from engine.gguf import write as gguf_write
+from engine.gguf.header import read_header
 from engine.errors import TokenizerError
 from engine.prompt.tokenizer import Tokenizer, bytes_to_unicode
 from engine.arch.qwen35.vocab import (
-    BOS_ID, EOS_ID, N_VOCAB, PAD_ID, QWEN35_CHAT_TEMPLATE, GGUFVocab, add_tokenizer_metadata, build_vocab,
+    BOS_ID, EOS_ID, N_VOCAB, PAD_ID, QWEN35_CHAT_TEMPLATE, GGUFVocab, build_vocab, tokenizer_records,
     derive_merges, qwen35_vocab,
 )
 
@@ -162,14 +164,15 @@ def test_build_vocab_rejects_colliding_added_ids():
         build_vocab(ranks, [(10, "<|x|>")], n_vocab=260)
 
 
-def test_add_tokenizer_metadata_writes_the_llama_cpp_keys(cold):
+def test_tokenizer_records_are_the_llama_cpp_keys(cold, tmp_path):
     vocab = cold[0]
-    writer = gguf.GGUFWriter(None, "qwen35moe")
-    add_tokenizer_metadata(writer, vocab, QWEN35_CHAT_TEMPLATE)
-    kv = {k: v.value for k, v in writer.kv_data[0].items()}
+    path = tmp_path / "keys.gguf"
+    gguf_write.write(path, tokenizer_records(vocab, QWEN35_CHAT_TEMPLATE), [])
+    header = read_header(path)
+    kv = {key: header.value(key) for key in header.meta}
     assert kv["tokenizer.ggml.model"] == "gpt2" and kv["tokenizer.ggml.pre"] == "qwen35"
-    assert kv["tokenizer.ggml.tokens"] is vocab.tokens and kv["tokenizer.ggml.merges"] is vocab.merges
-    assert kv["tokenizer.ggml.token_type"] is vocab.token_types
+    assert kv["tokenizer.ggml.tokens"] == vocab.tokens and kv["tokenizer.ggml.merges"] == vocab.merges
+    assert kv["tokenizer.ggml.token_type"] == vocab.token_types
     assert (kv["tokenizer.ggml.eos_token_id"], kv["tokenizer.ggml.padding_token_id"],
             kv["tokenizer.ggml.bos_token_id"]) == (248046, 248055, 248044)
     assert kv["tokenizer.ggml.add_bos_token"] is False
@@ -182,19 +185,14 @@ def _field_value(field: gguf.ReaderField):
 
 
 def test_gguf_file_round_trip(tmp_path):
-    """Write a small vocabulary with add_tokenizer_metadata, read the file back, tokenize with it."""
+    """Write a small vocabulary with tokenizer_records, read the file back, tokenize with it."""
     byte_char = bytes_to_unicode()
     tokens = [byte_char[b] for b in range(256)] + ["he", "ll", "hell", "hello", "<|im_end|>", "<think>", "[PAD262]"]
     types = [NORMAL] * 260 + [CONTROL, USER_DEFINED, UNUSED]
     vocab = GGUFVocab(tokens=tokens, merges=["h e", "l l", "he ll", "hell o"], token_types=types,
                       eos_id=260, bos_id=260, pad_id=260)
     path = tmp_path / "tok.gguf"
-    writer = gguf.GGUFWriter(path, "qwen35")
-    add_tokenizer_metadata(writer, vocab, "{{ messages[0].content }}")
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
+    gguf_write.write(path, tokenizer_records(vocab, "{{ messages[0].content }}"), [])
     reader = gguf.GGUFReader(path)
     meta = {name: _field_value(field) for name, field in reader.fields.items()}
     assert meta["tokenizer.ggml.token_type"] == types and meta["tokenizer.ggml.tokens"] == tokens

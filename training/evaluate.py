@@ -92,7 +92,7 @@ def engine_logits(engine: Engine, messages: list[dict]) -> tuple[list[int], np.n
     rows = engine.model.embed(tokens).copy()
     for start, emb, _ in prompt.images:
         rows[start:start + len(emb)] = emb
-    state = SequenceState.new(engine.gguf.hparams, len(tokens))
+    state = SequenceState.new(engine.text.hparams, len(tokens))
     return prompt.tokens, engine.model.forward(tokens, state, embeddings=rows, positions=prompt.positions,
                                                all_logits=True)
 

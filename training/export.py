@@ -1,5 +1,5 @@
 """Export a run of :mod:`training.train` to the engine's files: a ``qwen35moe`` text GGUF (written by
-``engine.arch.qwen35.synth.write_gguf`` with the demo vocabulary and the Qwen3.5 chat template) and a Qwen3.5
+``engine.arch.qwen35.writer.write_gguf`` with the demo vocabulary and the Qwen3.5 chat template) and a Qwen3.5
 ``mmproj`` GGUF (``engine.arch.qwen3vl.mmproj.write_mmproj``), both Q8_0 by default.
 
     python training/export.py runs/demo --out assets/models
@@ -31,7 +31,7 @@ from hf_to_gguf import text_to_gguf, vision_to_gguf  # noqa: E402
 
 from engine.arch.qwen35.hparams import Qwen35HParams  # noqa: E402
 from engine.arch.qwen3vl.mmproj import VisionHParams, write_mmproj  # noqa: E402
-from engine.arch.qwen35.synth import write_gguf  # noqa: E402
+from engine.arch.qwen35.writer import write_gguf  # noqa: E402
 from engine.arch.qwen35.vocab import GGUFVocab  # noqa: E402
 
 TEXT_NAME = "deltadesk-demo.gguf"

@@ -34,6 +34,7 @@ import train  # noqa: E402
 from hf_to_gguf import tiled  # noqa: E402
 
 from engine.gguf.file import GGUFFile  # noqa: E402
+from engine.registry import open_text  # noqa: E402
 from engine.arch.qwen35.hparams import Qwen35HParams  # noqa: E402
 from engine.arch.qwen3vl.mmproj import Mmproj, VisionHParams, load_mmproj  # noqa: E402
 
@@ -320,11 +321,12 @@ def load_gguf_run(text_gguf: str | Path, mmproj_gguf: str | Path) -> Qwen3_5MoeF
         ValueError: a vocabulary other than ``training/vocab.json``, a config that does not round-trip,
             a GGUF tensor missing or left unused, an HF parameter left unfilled (each names the culprit).
     """
-    f = GGUFFile.open(text_gguf)
+    text = open_text(text_gguf)
+    f = text.file
     m = load_mmproj(mmproj_gguf)
     if f.meta("tokenizer.ggml.tokens") != data.load_vocab()["tokens"]:
         raise ValueError(f"{f.source}: its tokens differ from training/vocab.json (train.model_config's token ids)")
-    cfg = hf_config(f.hparams, m.hparams, tied=not f.has("output.weight"))
+    cfg = hf_config(text.hparams, m.hparams, tied=not f.has("output.weight"))
     model = Qwen3_5MoeForConditionalGeneration(cfg).float().eval()
     fill(model, text_state(f, cfg.text_config) | vision_state(m))
     return model

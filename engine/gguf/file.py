@@ -1,11 +1,9 @@
-"""A validated, memory-mapped view of one GGUF text-model file.
+"""A memory-mapped view of one GGUF file: its metadata and its tensors, nothing about its family.
 
 The header is read by :mod:`engine.gguf.header` (bounds-checked: a hostile or truncated file is a
 :class:`~engine.errors.ModelFormatError` naming the file and the key or tensor; opening touches only
-the header pages). Tensor data stays in the read-only memory map.
-
-Which tensors and shapes a file must hold comes from its architecture (:func:`engine.registry.text_arch`
-of ``general.architecture``; for Qwen3.5/3.6 :func:`engine.arch.qwen35.tensors.tensor_shapes`).
+the header pages). Tensor data stays in the read-only memory map. Which tensors a file must hold is
+checked by whoever knows its family (:func:`engine.registry.open_text`, :mod:`engine.gguf.table`).
 """
 
 from __future__ import annotations
@@ -22,7 +20,6 @@ from gguf import GGMLQuantizationType
 from ..errors import ModelFormatError, UnsupportedModelError
 from .header import Header, StoredTensor, read_header
 from .quant import check_supported, dequantize, row_bytes, type_name
-from ..registry import TextArch, text_arch
 
 _SAMPLES = 16                # data samples hashed into GGUFFile.identity
 _SAMPLE_BYTES = 4096
@@ -69,7 +66,7 @@ class _View:
 
 
 class GGUFFile:
-    """One opened, validated GGUF model file (see ``docs/interfaces.md``, ``engine.gguf.file``).
+    """One opened GGUF file, parsed and mapped (see ``docs/interfaces.md``, ``engine.gguf.file``).
 
     Use :meth:`open`. Tensor data is read lazily from a read-only memory map; the accessors
     :meth:`raw`, :meth:`expert` and :meth:`row` touch only the bytes they return.
@@ -77,36 +74,25 @@ class GGUFFile:
     Attributes:
         path: the file path (``pathlib.Path``).
         source: ``str(path)``, the file name used in error messages.
-        arch: ``general.architecture`` (``"qwen35moe"`` or ``"qwen35"``).
-        text_arch: the :class:`engine.registry.TextArch` that runs it.
-        hparams: its validated hyper-parameters (:class:`engine.arch.qwen35.hparams.Qwen35HParams`).
+        header: the parsed :class:`engine.gguf.header.Header` (``meta``, ``tensors``, ``data``).
         identity: stable id of the file contents (see :meth:`open`).
         tensor_names: the tensors stored in the file, in file order (the split names of a fused
-            tensor are readable, see :meth:`has`, but not listed, so sums over this list count each
+            tensor, see :meth:`split`, are readable but not listed, so sums over this list count each
             stored byte once).
     """
 
     def __init__(self, path: str | os.PathLike[str], header: Header | None = None):
-        """Parse and validate; prefer :meth:`open` (or :meth:`from_header`)."""
+        """Parse and map; prefer :meth:`open` (or :meth:`from_header`)."""
         self.path = Path(path)
         self.source = str(path)
         remote = header is not None
         header = header if remote else read_header(self.source)
-        self._header = header
+        self.header = header
         self._data, self._meta, self._records = header.data, header.meta, header.records
         self._data_start = header.data_start
         self._header_digest = hashlib.sha256(header.header_bytes)
         self._stored = header.tensors
-        tokens = self._meta.get("tokenizer.ggml.tokens")
-        arch = self._meta.get("general.architecture")
-        if not isinstance(arch, str):
-            raise ModelFormatError(f"{self.source}: key general.architecture is missing or not a string")
-        self.text_arch: TextArch = text_arch(arch, self.source)
-        self.hparams = self.text_arch.hparams(self.meta, len(tokens) if isinstance(tokens, list) else None,
-                                              self.source)
-        self.arch = arch
         self._views: dict[str, _View] = {}
-        self._validate()
         self.tensor_names = tuple(self._stored)
         if remote:
             self.identity = ""
@@ -118,35 +104,41 @@ class GGUFFile:
 
     @classmethod
     def open(cls, path: str | os.PathLike[str]) -> "GGUFFile":
-        """Open, memory-map and validate a GGUF file.
-
-        Checks the magic, version, every count and length in the header against the file size,
-        the tensor data extents, the architecture, the hyper-parameters
-        (``text_arch.hparams``) and every tensor of ``text_arch.tensor_shapes`` (exact ``ne``,
-        supported type). Fused ``attn_qkv`` on full-attention layers and ``ffn_gate_up_exps`` are
-        accepted and exposed under the split names. Tensors of MTP blocks and unknown extras are kept
-        but not checked.
+        """Open and memory-map a GGUF file, checking the magic, version, every count and length in the
+        header against the file size, and the tensor data extents. The tensor table is not checked
+        against any family here (see :func:`engine.registry.open_text`).
 
         Raises:
             ModelFormatError: malformed, truncated or inconsistent file; message names file and key/tensor.
-            UnsupportedModelError: other architecture, or a needed tensor in an unsupported quant type.
         """
         return cls(path)
 
     @classmethod
     def from_header(cls, header: Header) -> "GGUFFile":
-        """Validate a header parsed from the first bytes of a file that is not here
-        (:func:`engine.gguf.header.parse_prefix`): hyper-parameters, tensor table, sizes and
-        :meth:`bytes_per_token` work; tensor data cannot be read and ``identity`` is "".
-
-        Raises: see :meth:`open`.
+        """Wrap a header parsed from the first bytes of a file that is not here
+        (:func:`engine.gguf.header.parse_prefix`): metadata, the tensor table and sizes work; tensor data
+        cannot be read and ``identity`` is "".
         """
         return cls(header.source, header)
+
+    def split(self, name: str, parts: list[tuple[str, int]]) -> None:
+        """Expose ``parts`` (split name, rows per slab) as consecutive row ranges of the stored tensor
+        ``name`` (a converter's fused storage, e.g. ``attn_qkv``): :meth:`raw`, :meth:`f32`, ... then
+        read them by their split names.
+
+        Raises:
+            ModelFormatError: no tensor ``name`` in the file.
+        """
+        base = self._view(name)
+        row0 = 0
+        for part, rows in parts:
+            self._views[part] = self._split_view(base, part, row0, rows)
+            row0 += rows
 
     # ---------------------------------------------------------------- metadata
     def meta(self, key: str, default: Any = None) -> Any:
         """Value of a metadata key as python data (str, int, float, bool, or list), ``default`` if absent."""
-        return self._header.value(key, default)
+        return self.header.value(key, default)
 
     @property
     def meta_keys(self) -> tuple[str, ...]:
@@ -246,26 +238,6 @@ class GGUFFile:
             entry[1] += max(t.nbytes, 0)
         return {k: (c, b) for k, (c, b) in sorted(mix.items(), key=lambda kv: -kv[1][1])}
 
-    def bytes_per_token(self) -> int:
-        """Weight bytes read to decode one token, in bytes.
-
-        Every trunk tensor of ``text_arch.tensor_shapes`` in full, except: routed expert tensors count
-        ``n_expert_used`` experts, and ``token_embd`` counts one row when ``output.weight`` exists
-        (it is then only a lookup; without it, it is also the LM head and counts in full).
-        """
-        total = 0
-        for name in self.text_arch.tensor_shapes(self.hparams):
-            if not self.has(name):
-                continue
-            v = self._view(name)
-            if len(v.info.ne) == 3:
-                total += self.hparams.n_expert_used * v.rows * v.row_bytes
-            elif name == "token_embd.weight" and self.has("output.weight"):
-                total += v.row_bytes
-            else:
-                total += v.info.nbytes
-        return total
-
     # ---------------------------------------------------------------- internals
     def _view(self, name: str) -> _View:
         view = self._views.get(name)
@@ -302,48 +274,6 @@ class GGUFFile:
         slab = v.slab_rows * v.row_bytes
         block = self._data[v.offset + s0 * slab:v.offset + s1 * slab].reshape(s1 - s0, v.slab_rows, v.row_bytes)
         return block[:, v.row0:v.row0 + v.rows, :]
-
-    def _validate(self) -> None:
-        """Check every tensor of the architecture's tensor table; register split views of fused tensors."""
-        hp, arch = self.hparams, self.text_arch
-        for fused, ne, parts in arch.fused_tensors(hp):
-            if parts[0][0] not in self._stored:
-                self._fused(fused, ne, parts)
-        for name, ne in arch.tensor_shapes(hp).items():
-            if name in self._views:
-                continue
-            t = self._stored.get(name)
-            if t is None:
-                if name in arch.optional_tensors:
-                    continue
-                raise ModelFormatError(f"{self.source}: required tensor {name} (ne={ne}) is missing "
-                                       f"for {self.arch} with {hp.n_layer} layers")
-            self._check_shape(t, ne)
-            self._views[name] = self._plain_view(t)
-
-    def _fused(self, name: str, ne: tuple[int, ...], parts: list[tuple[str, int]]) -> None:
-        """Register ``parts`` (split name, rows per slab) as consecutive row ranges of fused tensor ``name``."""
-        t = self._stored.get(name)
-        if t is None:
-            raise ModelFormatError(f"{self.source}: required tensor {parts[0][0]} (or fused {name} with ne={ne}) "
-                                   f"is missing")
-        self._check_shape(t, ne)
-        base = self._plain_view(t)
-        row0 = 0
-        for part, rows in parts:
-            self._views[part] = self._split_view(base, part, row0, rows)
-            row0 += rows
-
-    def _check_shape(self, t: StoredTensor, ne: tuple[int, ...]) -> None:
-        moe_tensor = "_exps." in t.name or t.name.endswith(".ffn_gate_inp.weight")
-        if moe_tensor and len(t.ne) == len(ne) and t.ne[:-1] == ne[:-1] and t.ne[-1] != ne[-1]:
-            raise UnsupportedModelError(
-                f"{self.source}: tensor {t.name} holds {t.ne[-1]} experts but {self.hparams.arch}.expert_count = "
-                f"{ne[-1]}; per-layer expert counts are not supported (every layer needs the same count)")
-        if t.ne != ne:
-            raise ModelFormatError(f"{self.source}: tensor {t.name} has ne={t.ne}, expected ne={ne} "
-                                   f"for {self.hparams.arch} with these hyper-parameters")
-        check_supported(t.type_id, f"{self.source}: tensor {t.name}")
 
     def _identity(self) -> str:
         """``gguf-<size>-<sha256 prefix>`` over the header, tensor table and 16 fixed 4 KiB data samples.

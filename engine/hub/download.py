@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING, Self
 from urllib.parse import urlsplit
 
 from ..gguf.file import GGUFFile
+from ..registry import load_text
 from ..gguf.header import Header, HeaderIncomplete, parse_prefix
 from .catalogue import HubFile, catalogue_repo
 from .fit import Fit, Machine, estimate
@@ -98,9 +99,9 @@ def fit_remote(listing: RepoListing, f: HubFile, mmproj: HubFile | None, context
         UnsupportedModelError: an architecture or projector type the engine does not run.
         ModelFormatError / HubError: see :func:`remote_header`.
     """
-    gguf = GGUFFile.from_header(remote_header(listing.repo, f, listing.commit))
+    text = load_text(GGUFFile.from_header(remote_header(listing.repo, f, listing.commit)))
     mm = _tower_header(listing.repo, mmproj, listing.commit) if mmproj is not None else None
-    return estimate(gguf, f.size or 0, context, machine, mm)
+    return estimate(text, f.size or 0, context, machine, mm)
 
 
 @functools.lru_cache(maxsize=4)

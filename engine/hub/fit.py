@@ -17,6 +17,7 @@ from gguf import GGMLQuantizationType
 from ..errors import DeviceError, EngineError, ModelFormatError
 from ..gguf.file import GGUFFile
 from ..gguf.header import Header
+from ..registry import LoadedText
 
 GIB = 1 << 30
 OS_RESERVE = 2 * GIB
@@ -93,11 +94,11 @@ class Fit:
                  f"(+ up to {SNAPSHOT_RAM / m:.0f} MiB of prefix snapshots)"), f"GPU             {self.vram}"]
 
 
-def converted_bytes(f: GGUFFile) -> int:
+def converted_bytes(text: LoadedText) -> int:
     """Bytes of the weights converted at load (float -> float32, other types without a kernel -> Q8_0)."""
     from ..kernels.cpu import KERNEL_TYPES
-    total = 0
-    for name in f.text_arch.tensor_shapes(f.hparams):
+    total, f = 0, text.file
+    for name in text.arch.tensor_shapes(text.hparams):
         if not f.has(name) or name == "token_embd.weight" or "conv1d" in name:
             continue
         info = f.info(name)
@@ -133,23 +134,24 @@ def vision_bytes(mmproj: Header | None) -> int:
     return 4 * sum(math.prod(t.ne) for t in mmproj.tensors.values())
 
 
-def check_tower(f: GGUFFile, mmproj: Header | None) -> None:
-    """Raise ModelFormatError when ``mmproj``'s ``clip.vision.projection_dim`` is not ``f``'s hidden size (the
-    check :func:`engine.placement.open_vision` makes at load, made here before downloading)."""
+def check_tower(text: LoadedText, mmproj: Header | None) -> None:
+    """Raise ModelFormatError when ``mmproj``'s ``clip.vision.projection_dim`` is not the text model's hidden size
+    (the check :func:`engine.placement.open_vision` makes at load, made here before downloading)."""
     width = mmproj.value("clip.vision.projection_dim") if mmproj is not None else None
-    if isinstance(width, int) and width != f.hparams.n_embd:
+    if isinstance(width, int) and width != text.hparams.n_embd:
         raise ModelFormatError(
             f"{mmproj.source}: clip.vision.projection_dim = {width} does not match the text model's "
-            f"embedding_length = {f.hparams.n_embd} ({f.source}): not its vision tower (leave it out: --no-mmproj)")
+            f"embedding_length = {text.hparams.n_embd} ({text.source}): not its vision tower "
+            "(leave it out: --no-mmproj)")
 
 
-def _vram(f: GGUFFile, budget: int | None) -> str:
+def _vram(text: LoadedText, budget: int | None) -> str:
     if budget is None:
         return "no GPU: prefill runs on the CPU"
-    if f.text_arch.prefill_plan is None:
-        return f"no GPU prefill for {f.arch}"
+    if text.arch.prefill_plan is None:
+        return f"no GPU prefill for {text.arch.name}"
     try:
-        plan = f.text_arch.prefill_plan(f.hparams, f, budget)
+        plan = text.arch.prefill_plan(text.hparams, text.file, budget)
     except DeviceError as exc:
         return f"prefill runs on the CPU: {exc}"
     return (f"{plan.fixed_bytes / GIB:.2f} GiB placed at load + {plan.reserve / GIB:.2f} GiB reserved, of a "
@@ -173,7 +175,7 @@ def estimate_from_size(arch: str, shape: str, file_size: int, context: int, mach
     Raises:
         ValueError: an unknown ``shape``. UnsupportedModelError: an ``arch`` the engine does not run.
     """
-    from ..arch.qwen35.synth import preset_hparams
+    from ..arch.qwen35.presets import preset_hparams
     from ..registry import text_arch
     hp = preset_hparams(shape)
     shapes = text_arch(arch, shape).tensor_shapes(hp)
@@ -199,8 +201,8 @@ def estimate_from_size(arch: str, shape: str, file_size: int, context: int, mach
                verdict=verdict, **parts)
 
 
-def estimate(f: GGUFFile, file_size: int, context: int, machine: Machine, mmproj: Header | None = None) -> Fit:
-    """The fit of model ``f`` (opened, or from a remote header) of ``file_size`` bytes at ``context`` tokens.
+def estimate(text: LoadedText, file_size: int, context: int, machine: Machine, mmproj: Header | None = None) -> Fit:
+    """The fit of model ``text`` (opened, or from a remote header) of ``file_size`` bytes at ``context`` tokens.
 
     Raises:
         EngineError: ``context`` < 1. UnsupportedModelError: the projector's type is not supported.
@@ -208,16 +210,16 @@ def estimate(f: GGUFFile, file_size: int, context: int, machine: Machine, mmproj
     """
     if context < 1:
         raise EngineError(f"context must be at least 1 token, got {context}")
-    check_tower(f, mmproj)
-    context = min(context, f.hparams.context_length)
-    parts = {"weights": file_size, "converted": converted_bytes(f), "state": state_bytes(f.hparams, context),
-             "vocab": vocab_bytes(f), "vision": vision_bytes(mmproj)}
+    check_tower(text, mmproj)
+    context = min(context, text.hparams.context_length)
+    parts = {"weights": file_size, "converted": converted_bytes(text), "state": state_bytes(text.hparams, context),
+             "vocab": vocab_bytes(text.file), "vision": vision_bytes(mmproj)}
     ram = sum(parts.values())
     budget, verdict = _verdict(ram, machine)
-    per_token = f.bytes_per_token()
+    per_token = text.bytes_per_token()
     rate = machine.bandwidth_gbps * 1e9 / per_token
     return Fit(context=context, ram=ram, budget=budget, bytes_per_token=per_token,
-               tok_s=tuple(rate * r for r in ROOFLINE), vram=_vram(f, machine.vram_budget), verdict=verdict,
+               tok_s=tuple(rate * r for r in ROOFLINE), vram=_vram(text, machine.vram_budget), verdict=verdict,
                **parts)
 
 

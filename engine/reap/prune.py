@@ -21,6 +21,7 @@ import numpy as np
 
 from ..errors import ModelFormatError, UnsupportedModelError
 from ..gguf.file import GGUFFile
+from ..registry import LoadedText
 from .inputs import check_image, read_text
 
 STATS_FORMAT = "deltadesk.expert_stats"
@@ -123,9 +124,9 @@ class ExpertStats:
         self.gate_sum = np.zeros((n_layer, n_expert))
 
     @classmethod
-    def for_model(cls, gguf: GGUFFile, calibration: Mapping[str, Any] | None = None) -> ExpertStats:
-        """Empty statistics shaped for ``gguf`` (a MoE file)."""
-        hp = gguf.hparams
+    def for_model(cls, text: LoadedText, calibration: Mapping[str, Any] | None = None) -> ExpertStats:
+        """Empty statistics shaped for the model ``text`` (a MoE file)."""
+        hp, gguf = text.hparams, text.file
         return cls(hp.n_layer, hp.n_expert, hp.n_expert_used, {"file": gguf.path.name, "identity": gguf.identity},
                    calibration)
 
@@ -394,12 +395,13 @@ def calibrate(engine: Any, conversations: Sequence[Sequence[Message]], max_token
         EngineError: from rendering or image encoding (names the file).
     """
     from ..turn.state import SequenceState
-    gguf = engine.gguf
-    if not gguf.hparams.is_moe:
-        raise UnsupportedModelError(f"{gguf.source}: {gguf.hparams.arch} is a dense model: it has no experts to prune")
+    text = engine.text
+    hp = text.hparams
+    if not hp.is_moe:
+        raise UnsupportedModelError(f"{text.source}: {hp.arch} is a dense model: it has no experts to prune")
     if max_tokens < 1:
         raise ValueError(f"--max-tokens must be >= 1, got {max_tokens}")
-    stats = ExpertStats.for_model(gguf)
+    stats = ExpertStats.for_model(text)
     model = engine.model
     total = 0
     t0 = time.perf_counter()
@@ -419,7 +421,7 @@ def calibrate(engine: Any, conversations: Sequence[Sequence[Message]], max_token
                 if start + len(emb) <= n:
                     rows[start:start + len(emb)] = emb
             positions = None if prompt.positions is None else np.asarray(prompt.positions)[:, :n]
-            model.forward(tokens, SequenceState.new(gguf.hparams, n), embeddings=rows, positions=positions)
+            model.forward(tokens, SequenceState.new(hp, n), embeddings=rows, positions=positions)
             total += n
             if progress is not None:
                 progress(i + 1, len(conversations), total)

@@ -20,6 +20,7 @@ from gguf import GGUFValueType
 from ..gguf import write as gguf_write
 from ..errors import ModelFormatError, UnsupportedModelError
 from ..gguf.file import GGUFFile
+from ..registry import LoadedText
 from .prune import check_keep
 
 PRUNING_KEY = "general.pruning"
@@ -57,21 +58,21 @@ def pruning_note(gguf: GGUFFile) -> dict[str, Any] | None:
     return note if isinstance(note, dict) else {"note": str(raw)}
 
 
-def pruning_summary(gguf: GGUFFile) -> str:
+def pruning_summary(text: LoadedText) -> str:
     """One line for a banner: ``"128 of 256 experts kept (REAP)"``, or "" for a file without the note."""
-    note = pruning_note(gguf)
+    note = pruning_note(text.file)
     if note is None:
         return ""
     before, method = note.get("experts_before"), note.get("method")
-    if isinstance(before, int) and gguf.hparams.is_moe:
+    if isinstance(before, int) and text.hparams.is_moe:
         how = f" ({str(method).upper() if method == 'reap' else method})" if method else ""
-        return f"{gguf.hparams.n_expert} of {before} experts kept{how}"
+        return f"{text.hparams.n_expert} of {before} experts kept{how}"
     return "experts pruned"
 
 
-def prune_file(gguf: GGUFFile, out: str | os.PathLike[str], kept: Sequence[Sequence[int]],
+def prune_file(text: LoadedText, out: str | os.PathLike[str], kept: Sequence[Sequence[int]],
                note: Mapping[str, Any], progress: Callable[[int, int], None] | None = None) -> int:
-    """Write ``gguf`` with only the experts ``kept`` of each layer, streaming tensor by tensor.
+    """Write the model ``text`` with only the experts ``kept`` of each layer, streaming tensor by tensor.
 
     Every tensor that is not indexed by routed expert (:func:`is_expert_tensor`) is copied byte for byte
     in its stored type; the router ``ffn_gate_inp`` keeps the rows and each routed expert tensor the
@@ -94,19 +95,20 @@ def prune_file(gguf: GGUFFile, out: str | os.PathLike[str], kept: Sequence[Seque
         UnsupportedModelError: a dense model, or a tensor of a type unknown to ggml (its size is unknown).
         OSError: the output cannot be written (see :func:`engine.gguf.write.write`).
     """
-    n_keep = _check_kept(gguf, kept)
+    n_keep = _check_kept(text, kept)
+    gguf = text.file
     out = Path(out)
     if out.exists() and out.resolve() == gguf.path.resolve():
         raise ModelFormatError(f"{out}: the output must not be the model being pruned")
-    return gguf_write.write(out, _pruned_records(gguf, kept, n_keep, note), _pruned_tensors(gguf, kept, n_keep),
+    return gguf_write.write(out, _pruned_records(text, kept, n_keep, note), _pruned_tensors(text, kept, n_keep),
                             gguf.alignment, progress)
 
 
-def _check_kept(gguf: GGUFFile, kept: Sequence[Sequence[int]]) -> int:
+def _check_kept(text: LoadedText, kept: Sequence[Sequence[int]]) -> int:
     """The expert count every layer keeps, after checking ``kept`` (see :func:`prune_file`'s Raises)."""
-    hp = gguf.hparams
+    hp = text.hparams
     if not hp.is_moe:
-        raise UnsupportedModelError(f"{gguf.source}: {hp.arch} is a dense model: it has no experts to prune")
+        raise UnsupportedModelError(f"{text.source}: {hp.arch} is a dense model: it has no experts to prune")
     if len(kept) != hp.n_layer:
         raise ValueError(f"kept lists {len(kept)} layers, the model has {hp.n_layer}")
     counts = {len(k) for k in kept}
@@ -120,11 +122,11 @@ def _check_kept(gguf: GGUFFile, kept: Sequence[Sequence[int]]) -> int:
     return n_keep
 
 
-def _pruned_records(gguf: GGUFFile, kept: Sequence[Sequence[int]], n_keep: int,
+def _pruned_records(text: LoadedText, kept: Sequence[Sequence[int]], n_keep: int,
                     note: Mapping[str, Any]) -> list[bytes]:
     """The source's metadata records, verbatim but for the expert count, the pruning note and (MTP dropped)
     the block count."""
-    hp = gguf.hparams
+    hp, gguf = text.hparams, text.file
     a = hp.arch
     replaced = {
         f"{a}.expert_count": gguf_write.kv_record(f"{a}.expert_count", n_keep, GGUFValueType.UINT32),
@@ -140,9 +142,9 @@ def _pruned_records(gguf: GGUFFile, kept: Sequence[Sequence[int]], n_keep: int,
     return records + list(replaced.values())
 
 
-def _pruned_tensors(gguf: GGUFFile, kept: Sequence[Sequence[int]], n_keep: int) -> list[gguf_write.TensorOut]:
+def _pruned_tensors(text: LoadedText, kept: Sequence[Sequence[int]], n_keep: int) -> list[gguf_write.TensorOut]:
     """Every trunk tensor in file order: expert tensors cut to the kept slabs, the rest copied as stored."""
-    hp = gguf.hparams
+    hp, gguf = text.hparams, text.file
     tensors = []
     for name in gguf.tensor_names:
         il = _layer_of(name)
@@ -155,15 +157,16 @@ def _pruned_tensors(gguf: GGUFFile, kept: Sequence[Sequence[int]], n_keep: int) 
                                        f"expert_count = {hp.n_expert}")
             ne = (*info.ne[:-1], n_keep)
             tensors.append(gguf_write.TensorOut(name, ne, int(info.qtype), info.nbytes // hp.n_expert * n_keep,
-                                                lambda n=name, k=kept[il]: _expert_slabs(gguf, n, k)))
+                                                lambda n=name, k=kept[il]: _expert_slabs(gguf, n, k, hp.n_expert)))
         else:
             tensors.append(gguf_write.TensorOut(name, info.ne, int(info.qtype), info.nbytes,
                                                 lambda n=name: (gguf.raw(n).reshape(-1),)))
     return tensors
 
 
-def _expert_slabs(gguf: GGUFFile, name: str, kept: Sequence[int]) -> Iterable[np.ndarray]:
-    """The stored bytes of experts ``kept`` of tensor ``name``, one expert (a view of the map) at a time."""
-    slabs = gguf.raw(name).reshape(gguf.hparams.n_expert, -1)
+def _expert_slabs(gguf: GGUFFile, name: str, kept: Sequence[int], n_expert: int) -> Iterable[np.ndarray]:
+    """The stored bytes of experts ``kept`` of tensor ``name`` (of ``n_expert``), one expert (a view of the
+    map) at a time."""
+    slabs = gguf.raw(name).reshape(n_expert, -1)
     for e in sorted(kept):
         yield slabs[e]

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import numpy as np
 
-from engine.gguf.file import GGUFFile
+from engine.registry import LoadedText, open_text
 from engine.kernels import cpu, numa
 from engine.ops import reference as ops
 from engine.placement import interleave_experts
@@ -157,12 +157,12 @@ def _mib(n: float) -> str:
 
 
 def _load(path: Path, threads: Sequence[int], stream_gib: float, stream_runs: int, out: Out
-          ) -> tuple[GGUFFile, Any, dict[int, list[float]], float]:
+          ) -> tuple[LoadedText, Any, dict[int, list[float]], float]:
     """The run's preamble, printed: host, stream bandwidth per thread count, page-cache warm-up, the native
-    model's load with RSS before/after, the model's description. Returns (gguf, model, bandwidth GB/s runs
+    model's load with RSS before/after, the model's description. Returns (text, model, bandwidth GB/s runs
     per thread count, weight bytes read per layer and token)."""
-    gguf = GGUFFile.open(path)
-    hp = gguf.hparams
+    text = open_text(path)
+    gguf, hp = text.file, text.hparams
     out(f"host: {cpu.physical_cores()} physical cores, NUMA nodes: {numa.node_count()}")
     bandwidth = {}
     for n in threads:
@@ -172,20 +172,20 @@ def _load(path: Path, threads: Sequence[int], stream_gib: float, stream_runs: in
     size, seconds = warm_page_cache(path)
     out(f"warm-up: read {path.name} ({size / 2**30:.2f} GiB) in {seconds:.1f} s")
     before = memory()
-    model = gguf.text_arch.native_model(hp, gguf)
+    model = text.arch.native_model(hp, gguf)
     placed = interleave_experts(gguf)
     after = memory()
     out(f"RSS after load: {_mib(after['rss'])} = anonymous {_mib(after['anon'])} + file-backed {_mib(after['file'])} "
         f"(load added {_mib(after['anon'] - before['anon'])} anonymous, {_mib(after['file'] - before['file'])} "
         f"file-backed; file {_mib(size)})" + (f"; {_mib(placed)} of expert pages interleaved" if placed else ""))
-    per_token = gguf.bytes_per_token()
+    per_token = text.bytes_per_token()
     head_bytes = gguf.info(model.output_name).nbytes
     layer_bytes = (per_token - head_bytes - (gguf.info("token_embd.weight").nbytes // hp.n_vocab
                                             if model.output_name == "output.weight" else 0)) / hp.n_layer
     out(f"model {path.name}: {hp.arch}, {hp.n_layer} layers, d={hp.n_embd}, vocab {hp.n_vocab}"
         + (f", {hp.n_expert} experts top-{hp.n_expert_used}, expert FFN {hp.n_ff_exp}" if hp.is_moe else ""))
     out(f"weights {', '.join(f'{k}: {n} tensors {b / 2**20:.0f} MiB' for k, (n, b) in model.weight_rules.items())}")
-    return gguf, model, bandwidth, layer_bytes
+    return text, model, bandwidth, layer_bytes
 
 
 def run(path: str | Path, threads: Sequence[int], isas: Sequence[str], n_prompt: int, n_gen: int,  # noqa: PLR0913
@@ -198,10 +198,10 @@ def run(path: str | Path, threads: Sequence[int], isas: Sequence[str], n_prompt:
         EngineError: the file cannot be opened or its architecture has no native model.
     """
     path = Path(path)
-    gguf, model, bandwidth, layer_bytes = _load(path, threads, stream_gib, stream_runs, out)
-    hp = gguf.hparams
-    per_token = gguf.bytes_per_token()
-    head_bytes = gguf.info(model.output_name).nbytes
+    text, model, bandwidth, layer_bytes = _load(path, threads, stream_gib, stream_runs, out)
+    hp = text.hparams
+    per_token = text.bytes_per_token()
+    head_bytes = text.file.info(model.output_name).nbytes
     out(f"bytes read per decoded token {per_token / 2**20:.1f} MiB = LM head {head_bytes / 2**20:.1f} MiB "
         f"+ {hp.n_layer} x {layer_bytes / 2**20:.2f} MiB per layer; pp{n_prompt}, tg{n_gen}, "
         f"tg{depth_gen} at depths {', '.join(map(str, depths)) or 'none'}; {repeat} round(s)")

@@ -9,7 +9,6 @@ grid of image tokens its output fills.
 from __future__ import annotations
 
 import logging
-import os
 import threading
 import time
 from collections import OrderedDict
@@ -18,10 +17,9 @@ from typing import Any
 
 import numpy as np
 
-from ..errors import DeviceBudgetError, DeviceError, GenerationCancelled, ModelFormatError, UnsupportedModelError
-from ..gguf.header import read_metadata
+from ..errors import DeviceBudgetError, DeviceError, GenerationCancelled
 from .images import MAX_INPUT_PIXELS, ImageInfo, ImageSource, read_source
-from ..registry import VisionArch, VisionTower, vision_arch
+from ..registry import LoadedVision, VisionArch, VisionTower
 
 log = logging.getLogger(__name__)
 
@@ -30,42 +28,6 @@ DEFAULT_MIN_PIXELS = 256 * 256
 
 DEFAULT_MAX_PIXELS = 4096 * 4096
 """Largest area an image is resized to unless the caller says otherwise, pixels (a tower narrows it)."""
-
-
-def load_projector(path: str | os.PathLike[str]) -> tuple[VisionArch, Any]:
-    """Open a projector (mmproj) GGUF with the vision architecture its ``clip.projector_type`` names.
-
-    Returns:
-        (the :class:`~engine.registry.VisionArch`, its loaded projector).
-
-    Raises:
-        ModelFormatError: unreadable or malformed file, ``general.architecture`` or the projector type
-            missing or not a string (names the file and the key or tensor).
-        UnsupportedModelError: not a ``clip`` file, a projector without a vision encoder
-            (``clip.has_vision_encoder`` false: audio only), or a projector type no architecture folder
-            runs (the message lists the supported ones).
-    """
-    source = str(path)
-    meta = read_metadata(path)
-    arch = _string_key(meta, "general.architecture", source)
-    if arch != "clip":
-        raise UnsupportedModelError(f"{source}: general.architecture is {arch!r}; a projector (mmproj) file has "
-                                    "'clip' (was a language-model GGUF given as the mmproj?)")
-    if "clip.has_vision_encoder" in meta and not meta["clip.has_vision_encoder"]:
-        raise UnsupportedModelError(f"{source}: clip.has_vision_encoder is false (an audio-only projector)")
-    key = "clip.projector_type" if "clip.projector_type" in meta else "clip.vision.projector_type"
-    vision = vision_arch(_string_key(meta, key, source), source, key)
-    return vision, vision.load(path)
-
-
-def _string_key(meta: dict[str, Any], key: str, source: str) -> str:
-    """``meta[key]`` when it is a string. Raises ModelFormatError naming ``source`` and ``key`` otherwise."""
-    if key not in meta:
-        raise ModelFormatError(f"{source}: missing metadata key {key!r}")
-    value = meta[key]
-    if not isinstance(value, str):
-        raise ModelFormatError(f"{source}: key {key!r} should be a string, found {value!r}")
-    return value
 
 
 class EmbeddingCache:
@@ -155,7 +117,7 @@ class ImageEncoder:
     that image to the CPU, with a logged warning; the GPU tower stays.
 
     Args:
-        mm: the loaded projector (its ``projector_type`` picks the CPU tower, :func:`engine.registry.vision_arch`).
+        vision: the opened projector and its family (:func:`engine.registry.open_projector`).
         min_pixels, max_pixels: default area bounds of the resized image (HF's by default; lower
             ``max_pixels`` to bound CPU time: for Qwen3.5/3.6 S = pixels / 256 patches, attention cost ~ S^2),
             narrowed by the projector's own (:meth:`engine.registry.VisionTower.pixel_bounds`).
@@ -166,11 +128,11 @@ class ImageEncoder:
         device_note: why images are encoded on the CPU although a GPU was looked for, or "".
     """
 
-    def __init__(self, mm: Any, min_pixels: int = DEFAULT_MIN_PIXELS, max_pixels: int = DEFAULT_MAX_PIXELS,
+    def __init__(self, vision: LoadedVision, min_pixels: int = DEFAULT_MIN_PIXELS, max_pixels: int = DEFAULT_MAX_PIXELS,
                  cache_bytes: int = 256 << 20, max_input_pixels: int = MAX_INPUT_PIXELS, gpu: Any = None,
                  device_note: str = ""):
-        self.arch: VisionArch = vision_arch(mm.projector_type, str(mm.path))
-        self.tower: VisionTower = self.arch.cpu_tower(mm)
+        self.arch: VisionArch = vision.arch
+        self.tower: VisionTower = self.arch.cpu_tower(vision.projector)
         self.gpu = gpu
         self.device_note = device_note
         self._asked_min_pixels = int(min_pixels)

@@ -23,8 +23,8 @@ REPO = "tester/Tiny-GGUF"
 
 @pytest.fixture(scope="module")
 def synth_pair(tmp_path_factory) -> dict[str, bytes]:
-    from engine.arch.qwen35.synth import synth
-    from engine.tools.synth import synth_mmproj_for
+    from engine.testing.synth import synth
+    from engine.testing.pairs import synth_mmproj_for
     d = tmp_path_factory.mktemp("synth")
     synth(d / "t.gguf", "tiny", quant="q8_0", seed=2)
     synth_mmproj_for(d / "t-mmproj.gguf", "tiny", seed=2)

@@ -19,7 +19,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 @pytest.fixture(scope="module")
 def tiny_model(tmp_path_factory):
-    synth = pytest.importorskip("engine.arch.qwen35.synth")
+    synth = pytest.importorskip("engine.testing.synth")
     path = tmp_path_factory.mktemp("model") / "tiny.gguf"
     synth.synth(path, "tiny", quant="q8_0", seed=0)
     return path
@@ -144,7 +144,7 @@ def test_a_minicpmv_pair_opens_counts_its_image_tokens_and_streams(qtbot, make_w
     from PIL import Image
 
     from engine import api
-    from engine.tools.synth import synth_mmproj_for
+    from engine.testing.pairs import synth_mmproj_for
 
     text = synth_model("minicpmv46-tiny", "q8_0")
     tower = synth_mmproj_for(tmp_path / "m-mmproj.gguf", "minicpmv46-tiny")

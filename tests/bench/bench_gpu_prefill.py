@@ -20,6 +20,7 @@ Usage: python tests/bench/bench_gpu_prefill.py [--layers 4] [--tokens 947] [--lo
 """
 
 from __future__ import annotations
+from engine.registry import open_text
 
 import argparse
 import json
@@ -38,7 +39,7 @@ from engine.kernels.cuda_kernels import load_driver  # noqa: E402
 from engine.gguf.file import GGUFFile  # noqa: E402
 from engine.arch.qwen35.hparams import Qwen35HParams  # noqa: E402
 from engine.turn.state import SequenceState  # noqa: E402
-from engine.arch.qwen35.synth import synth  # noqa: E402
+from engine.testing.synth import synth  # noqa: E402
 
 DATASHEET_FP32 = 67e12
 """H200 SXM float32 (non-tensor) rate by NVIDIA's datasheet, FLOP/s; used when torch is not installed."""
@@ -176,7 +177,7 @@ def main() -> None:
         synth(path, "35b-a3b", layers=args.layers, experts=args.experts, quant=args.quant, seed=0, vocab=None)
         print(f"synth {args.layers}-layer 35b-a3b slice ({path.stat().st_size / 2**30:.2f} GiB) in "
               f"{time.perf_counter() - t:.1f} s", flush=True)
-    f = GGUFFile.open(path)
+    f = open_text(path)
     hp = f.hparams
 
     drv = load_driver()
@@ -192,7 +193,7 @@ def main() -> None:
            "fp32_source": rate_src, "runs": []}
 
     plan_tokens = max([args.tokens] + long)
-    probe = CudaPrefill(hp, f, plan_tokens=plan_tokens)
+    probe = CudaPrefill(hp, f.file, plan_tokens=plan_tokens)
     p = probe.plan
     stream_budget = p.resident_weights + p.state + 2 * p.expert_layer_bytes + p.reserve + p.expert_layer_bytes // 2
     probe.close()
@@ -202,7 +203,7 @@ def main() -> None:
     rows = []
     for label, (budget, ptok) in budgets.items():
         t = time.perf_counter()
-        eng = CudaPrefill(hp, f, budget_bytes=budget, plan_tokens=ptok)
+        eng = CudaPrefill(hp, f.file, budget_bytes=budget, plan_tokens=ptok)
         load_s = time.perf_counter() - t
         print(f"\n[{label}] load {load_s:.1f} s\n{eng.plan.text()}", flush=True)
         run(eng, hp, 64, 1)
@@ -217,7 +218,7 @@ def main() -> None:
                 run(eng, hp, n, 1, seed=1)
             sec, tel = run(eng, hp, n, reps)
             pcie = tel.h2d_bytes / (pinned * 1e9)
-            comp = prefill_flops(hp, f, n) / rate
+            comp = prefill_flops(hp, f.file, n) / rate
             r = {"budget": label, "tokens": n, "seconds": sec, "tok_s": n / sec, "passes": tel.passes,
                  "mode": tel.mode, "h2d_bytes": tel.h2d_bytes, "h2d_gbs": tel.h2d_gbs, "gpu_ms": tel.gpu_ms,
                  "pcie_bound_s": pcie, "compute_bound_s": comp, "ratio": sec / max(pcie, comp),

@@ -27,8 +27,8 @@ from pathlib import Path
 import numpy as np
 
 from engine.arch.qwen35.cpu import NativeQwen35Model
-from engine.arch.qwen35.synth import synth
-from engine.gguf.file import GGUFFile
+from engine.testing.synth import synth
+from engine.registry import open_text
 from engine.kernels import cpu
 from engine.turn.runtime import PREFILL_PIECE, prefill
 from engine.turn.state import SequenceState
@@ -83,8 +83,8 @@ def main() -> None:
         path = Path(tempfile.mkdtemp()) / "minicpmv46.gguf"
         synth(path, "minicpmv46", quant="q4_0", seed=0)
     cpu.set_threads(args.threads)
-    gguf = GGUFFile.open(path)
-    model = NativeQwen35Model(gguf.hparams, gguf)
+    gguf = open_text(path)
+    model = NativeQwen35Model(gguf.hparams, gguf.file)
     clock = MixerClock(model)
     print(f"{path.name}: {gguf.hparams.n_layer} layers, isa {cpu.isa()}, {args.threads} threads, pieces of "
           f"{PREFILL_PIECE}; load average before {os.getloadavg()[0]:.2f}")

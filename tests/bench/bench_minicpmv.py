@@ -116,7 +116,8 @@ def main() -> None:
     from PIL import Image
     from threadpoolctl import threadpool_limits
 
-    from engine.arch.minicpmv.mmproj import load_mmproj, synth_mmproj
+    from engine.arch.minicpmv.mmproj import load_mmproj
+    from engine.testing.minicpmv import synth_mmproj
     from engine.arch.minicpmv.preprocess import prepare_pieces
     from engine.arch.minicpmv.tower import MiniCPMVTower
 

@@ -29,7 +29,8 @@ from bench_vision import load_average
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from engine.arch.minicpmv import tower as tower_mod  # noqa: E402
-from engine.arch.minicpmv.mmproj import load_mmproj, synth_mmproj  # noqa: E402
+from engine.arch.minicpmv.mmproj import load_mmproj  # noqa: E402
+from engine.testing.minicpmv import synth_mmproj  # noqa: E402
 from engine.arch.minicpmv.preprocess import prepare_pieces  # noqa: E402
 from engine.kernels import sgemm  # noqa: E402
 

@@ -21,7 +21,7 @@ import time
 import numpy as np
 
 from engine.arch.qwen35.cpu import NativeQwen35Model
-from engine.gguf.file import GGUFFile
+from engine.registry import open_text
 from engine.kernels import cpu
 from engine.turn.state import SequenceState
 
@@ -85,8 +85,8 @@ def main() -> None:
     ap.add_argument("--depths", action="store_true", help="pieces at depth 0 and 9984 and the projected ratio")
     args = ap.parse_args()
     cpu.set_threads(1)
-    gguf = GGUFFile.open(args.model)
-    model = NativeQwen35Model(gguf.hparams, gguf)
+    gguf = open_text(args.model)
+    model = NativeQwen35Model(gguf.hparams, gguf.file)
     line = by_depth(model) if args.depths else by_hook(model, args.tokens)
     print(f"{os.path.basename(args.model)}, isa {cpu.isa()}, 1 thread: {line}; load {os.getloadavg()[0]:.1f}")
 

@@ -18,7 +18,7 @@ from engine.api import Engine, EngineOptions
 from engine.events import PrefillStats
 from engine.arch.qwen35.hparams import Qwen35HParams
 from engine.sampling import SamplingParams
-from engine.arch.qwen35.synth import synth
+from engine.testing.synth import synth
 
 WORDS = ("delta net state snapshot prefix cache expert router token prefill decode gated "
          "attention window memory bandwidth kernel vector block scale quant").split()
@@ -86,7 +86,7 @@ def main() -> None:
             print(f"[2] thinking {'on ' if thinking else 'off'} cache {'on ' if cached else 'off'}: "
                   f"prefilled per turn {per_turn} (total {sum(per_turn)})")
 
-    hp = engine.gguf.hparams
+    hp = engine.text.hparams
     measured = max(s.nbytes for s in engine.cache.snapshots())
     print(f"[3] {args.preset}: largest snapshot {measured / 2**20:.2f} MiB measured; "
           f"computed {snapshot_bytes(hp, cold.prompt_tokens) / 2**20:.2f} MiB at {cold.prompt_tokens} tokens")

@@ -22,7 +22,7 @@ import time
 import numpy as np
 
 from engine.arch.qwen35.cpu import NativeQwen35Model
-from engine.gguf.file import GGUFFile
+from engine.registry import open_text
 from engine.kernels import cpu
 from engine.turn.state import SequenceState
 
@@ -43,8 +43,8 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=16, help="tokens per path per round")
     ap.add_argument("--rounds", type=int, default=6)
     args = ap.parse_args()
-    gguf = GGUFFile.open(args.gguf)
-    model = NativeQwen35Model(gguf.hparams, gguf)
+    gguf = open_text(args.gguf)
+    model = NativeQwen35Model(gguf.hparams, gguf.file)
     if model.step is None:
         raise SystemExit(f"the step does not take this model: {model.step_fallback}")
     step = model.step

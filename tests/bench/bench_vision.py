@@ -61,7 +61,8 @@ def main() -> None:
     from PIL import Image
 
     from engine.arch.qwen3vl.preprocess import prepare_image
-    from engine.arch.qwen3vl.mmproj import load_mmproj, synth_mmproj
+    from engine.arch.qwen3vl.mmproj import load_mmproj
+    from engine.testing.qwen3vl import synth_mmproj
     from engine.arch.qwen3vl.tower import VisionTower
 
     with tempfile.TemporaryDirectory() as tmp:

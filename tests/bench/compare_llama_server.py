@@ -168,7 +168,7 @@ def main() -> None:
     folder = Path(tempfile.mkdtemp(prefix="compare-llama-"))
     path = args.file
     if path is None:
-        from engine.arch.qwen35.synth import synth
+        from engine.testing.synth import synth
         path = folder / "tiny-f32.gguf"
         synth(path, "tiny", quant="f32", seed=0)
     python = _llama_python(args.llama_python)

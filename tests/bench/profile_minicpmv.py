@@ -97,7 +97,8 @@ def main() -> None:
     from bench_vision import load_average
     from engine.arch.minicpmv import tower as tower_mod
     print(f"engine from {Path(tower_mod.__file__).parents[2]}")
-    from engine.arch.minicpmv.mmproj import load_mmproj, synth_mmproj
+    from engine.arch.minicpmv.mmproj import load_mmproj
+    from engine.testing.minicpmv import synth_mmproj
     from engine.arch.minicpmv.preprocess import prepare_pieces
     from engine.kernels import sgemm
 

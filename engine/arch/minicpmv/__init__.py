@@ -14,7 +14,7 @@ from engine.errors import DeviceError
 from engine.registry import VisionArch
 
 from .layout import Segment, image_layout, sequential_positions
-from .mmproj import MiniCPMVMmproj, load_mmproj
+from .mmproj import MiniCPMVMmproj, mmproj_from_header
 from .tower import PiecesTower
 
 
@@ -30,5 +30,5 @@ def _layout(tower: PiecesTower, image: Any, index: int) -> list[Segment]:
     return image_layout(tower.plan(*image.original_size), index)
 
 
-ARCH = VisionArch(name="minicpmv", load=load_mmproj, cpu_tower=PiecesTower, cuda_tower=_cuda_tower,
+ARCH = VisionArch(name="minicpmv", load=mmproj_from_header, cpu_tower=PiecesTower, cuda_tower=_cuda_tower,
                   positions=sequential_positions, layout=_layout)

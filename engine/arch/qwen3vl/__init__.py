@@ -14,7 +14,7 @@ from typing import Any
 
 from engine.registry import VisionArch
 
-from .mmproj import Mmproj, load_mmproj
+from .mmproj import Mmproj, mmproj_from_header
 from .positions import mrope_positions
 from .preprocess import MIN_PIXELS, max_resized_pixels
 from .tower import VisionTower
@@ -36,5 +36,5 @@ def _cuda_tower(mm: Mmproj, max_pixels: int, budget_bytes: int | None) -> Any:
     return CudaVisionTower(mm, reserve_patches=reserve, budget_bytes=budget_bytes)
 
 
-ARCH = VisionArch(name="qwen3vl", load=load_mmproj, cpu_tower=VisionTower, cuda_tower=_cuda_tower,
+ARCH = VisionArch(name="qwen3vl", load=mmproj_from_header, cpu_tower=VisionTower, cuda_tower=_cuda_tower,
                   positions=mrope_positions)

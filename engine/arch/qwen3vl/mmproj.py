@@ -1,4 +1,4 @@
-"""Qwen3.5/3.6 vision projector files ("mmproj" GGUF): validated loading and random-weight writing.
+"""Qwen3.5/3.6 vision projector files ("mmproj" GGUF): validated loading and writing.
 
 The layout is llama.cpp's converter (``conversion/qwen3vl.py``); keys and tensors are in
 ``docs/spec/qwen3vl.md`` sections 3 and 4; shapes are math shapes (reversed GGUF ``ne``). The reader
@@ -15,11 +15,13 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
-from gguf import GGMLQuantizationType, GGUFType, GGUFWriter, Keys
+from gguf import GGMLQuantizationType, GGUFValueType, Keys
 
 from engine.gguf import quant
+from engine.gguf import write as gguf_write
 from engine.errors import ModelFormatError, UnsupportedModelError
-from engine.gguf.header import MetaReader, StoredTensor, file_identity, read_header
+from engine.gguf.header import Header, MetaReader, StoredTensor, file_identity, read_header
+from engine.gguf.table import check_tensors
 
 Q = GGMLQuantizationType
 
@@ -31,7 +33,7 @@ MAX_PIXELS_KEY = Keys.ClipVision.IMAGE_MAX_PIXELS
 """Optional keys (``clip.vision.image_min_pixels`` / ``image_max_pixels``): see :meth:`VisionHParams.pixel_bounds`."""
 
 WRITE_TYPES: dict[str, GGMLQuantizationType] = {"F32": Q.F32, "F16": Q.F16, "Q8_0": Q.Q8_0}
-"""File types :func:`write_mmproj` and :func:`synth_mmproj` accept, by name."""
+"""File types :func:`write_mmproj` accepts, by name."""
 
 
 @dataclass(frozen=True)
@@ -105,8 +107,8 @@ PRESETS: dict[str, VisionHParams] = {
     "real": VisionHParams(n_embd=1152, n_ff=4304, n_layer=27, n_head=16, patch_size=16, merge=2,
                           out_dim=2048, pos_side=48),
 }
-"""Tower shapes for :func:`synth_mmproj`: ``tiny`` for tests, ``real`` = Qwen3.5/3.6-35B-A3B (docs/spec/qwen3vl.md
-section 1)."""
+"""Tower shapes (for :func:`engine.testing.qwen3vl.synth_mmproj`): ``tiny`` for tests, ``real`` = Qwen3.5/3.6-35B-A3B
+(docs/spec/qwen3vl.md section 1)."""
 
 
 @dataclass(frozen=True)
@@ -228,53 +230,56 @@ def _read_hparams(meta: MetaReader, tensors: Mapping[str, StoredTensor], source:
 
 
 def load_mmproj(path: str | os.PathLike[str]) -> Mmproj:
-    """Open and validate a Qwen3.5/3.6 projector GGUF and dequantize all of its tensors to float32.
-
-    Args:
-        path: the ``mmproj-*.gguf`` file (llama.cpp layout, docs/spec/qwen3vl.md sections 3 and 4).
-
-    Returns:
-        :class:`Mmproj` with ``hparams`` and float32 ``weights`` (about 1.8 GB for the real tower).
+    """Open and validate a Qwen3.5/3.6 projector GGUF and dequantize all of its tensors to float32
+    (:func:`mmproj_from_header` of its parsed header).
 
     Raises:
-        ModelFormatError: unreadable/truncated file, a missing or ill-typed key, a missing tensor or
-            one of the wrong shape; the message names the file and the key or tensor.
-        UnsupportedModelError: not a ``clip`` file, another projector type (Qwen2-VL, MiniCPM, ...),
-            a Qwen3-VL deepstack projector, or a storage type :mod:`engine.gguf.quant` cannot dequantize.
+        ModelFormatError: unreadable/truncated file; see :func:`mmproj_from_header` for the rest.
     """
-    path = Path(path)
     source = str(path)
-    if not path.is_file():
+    if not Path(path).is_file():
         raise ModelFormatError(f"{source}: no such file")
     try:
         header = read_header(path)
     except ModelFormatError as e:
         raise ModelFormatError(f"{source}: not a readable GGUF file: {str(e).removeprefix(source + ': ')}") from e
-    meta = MetaReader(header)
-    tensors = header.tensors
-    hp = _read_hparams(meta, tensors, source)
+    return mmproj_from_header(header)
+
+
+def mmproj_from_header(header: Header) -> Mmproj:
+    """Validate a parsed Qwen3.5/3.6 projector GGUF and dequantize all of its tensors to float32.
+
+    Args:
+        header: the ``mmproj-*.gguf`` file's header (llama.cpp layout, docs/spec/qwen3vl.md sections 3 and 4).
+
+    Returns:
+        :class:`Mmproj` with ``hparams`` and float32 ``weights`` (about 1.8 GB for the real tower).
+
+    Raises:
+        ModelFormatError: a missing or ill-typed key, a missing tensor or one of the wrong shape; the
+            message names the file and the key or tensor.
+        UnsupportedModelError: not a ``clip`` file, another projector type (Qwen2-VL, MiniCPM, ...),
+            a Qwen3-VL deepstack projector, or a storage type :mod:`engine.gguf.quant` cannot dequantize.
+    """
+    source, tensors = header.source, header.tensors
+    hp = _read_hparams(MetaReader(header), tensors, source)
     mm2 = tensors.get("mm.2.weight")
     if mm2 is not None and mm2.ne[-1] != hp.out_dim:
         raise ModelFormatError(
             f"{source}: clip.vision.projection_dim is {hp.out_dim} but tensor 'mm.2.weight' has "
             f"{mm2.ne[-1]} rows (the LLM width)")
+    shapes = tensor_shapes(hp)
+    check_tensors(source, tensors, {n: tuple(reversed(s)) for n, s in shapes.items()}, trailing_ones=True)
     weights: dict[str, np.ndarray] = {}
     qtypes: dict[str, str] = {}
-    for name, shape in tensor_shapes(hp).items():
-        t = tensors.get(name)
-        if t is None:
-            raise ModelFormatError(f"{source}: missing tensor {name!r} (expected shape {shape})")
-        found = tuple(reversed(t.ne))
-        while len(found) > len(shape) and found[0] == 1:
-            found = found[1:]
-        if found != shape:
-            raise ModelFormatError(f"{source}: tensor {name!r} has shape {found}, expected {shape}")
-        qtype = quant.check_supported(t.type_id, f"{source}: tensor {name!r}")
+    for name, shape in shapes.items():
+        qtype = GGMLQuantizationType(tensors[name].type_id)
         try:
-            weights[name] = quant.dequantize(header.tensor_bytes(t), qtype, shape)
+            weights[name] = quant.dequantize(header.tensor_bytes(tensors[name]), qtype, shape)
         except ValueError as e:
             raise ModelFormatError(f"{source}: tensor {name!r}: {e}") from e
         qtypes[name] = quant.type_name(qtype)
+    path = Path(source)
     return Mmproj(path=path, hparams=hp, weights=weights, qtypes=qtypes, identity=file_identity(path))
 
 
@@ -290,21 +295,43 @@ def _storage_type(name: str, shape: tuple[int, ...], ftype: GGMLQuantizationType
     return ftype
 
 
-def _add(writer: GGUFWriter, name: str, x: np.ndarray, qtype: GGMLQuantizationType) -> None:
+def _encode(x: np.ndarray, qtype: GGMLQuantizationType) -> np.ndarray:
     if qtype == Q.F32:
-        writer.add_tensor(name, np.ascontiguousarray(x, dtype=np.float32))
-    elif qtype == Q.F16:
-        writer.add_tensor(name, np.ascontiguousarray(x, dtype=np.float16))
-    else:
-        writer.add_tensor(name, quant.quantize(x, qtype), raw_dtype=qtype)
+        return np.ascontiguousarray(x, dtype=np.float32)
+    if qtype == Q.F16:
+        return np.ascontiguousarray(x, dtype=np.float16)
+    return np.ascontiguousarray(quant.quantize(x, qtype))
+
+
+def _records(hp: VisionHParams, ftype: GGMLQuantizationType) -> list[bytes]:
+    """The metadata records of llama.cpp's converter, in its order."""
+    S, U32, F32, B, A = (GGUFValueType.STRING, GGUFValueType.UINT32, GGUFValueType.FLOAT32, GGUFValueType.BOOL,
+                         GGUFValueType.ARRAY)
+    v, rec = "clip.vision.", gguf_write.kv_record
+    pixels = [rec(key, value, U32) for key, value in ((MIN_PIXELS_KEY, hp.image_min_pixels),
+                                                      (MAX_PIXELS_KEY, hp.image_max_pixels)) if value is not None]
+    return [
+        rec("general.architecture", "clip", S), rec("general.type", "mmproj", S),
+        rec("general.file_type", {Q.F32: 0, Q.F16: 1, Q.Q8_0: 7}[ftype], U32),
+        rec("clip.has_vision_encoder", True, B), rec("clip.projector_type", PROJECTOR_TYPE, S),
+        rec(v + "projection_dim", hp.out_dim, U32), rec(v + "image_size", hp.pos_side * hp.patch_size, U32),
+        rec(v + "patch_size", hp.patch_size, U32), rec(v + "embedding_length", hp.n_embd, U32),
+        rec(v + "feed_forward_length", hp.n_ff, U32), rec(v + "block_count", hp.n_layer, U32),
+        rec(v + "attention.head_count", hp.n_head, U32),
+        rec(v + "image_mean", list(hp.image_mean), A, F32), rec(v + "image_std", list(hp.image_std), A, F32),
+        rec("clip.use_gelu", True, B), rec(v + "spatial_merge_size", hp.merge, U32),
+        rec(v + "attention.layer_norm_epsilon", hp.eps, F32),
+        rec(v + "is_deepstack_layers", [False] * hp.n_layer, A, B), *pixels,
+    ]
 
 
 def write_mmproj(path: str | os.PathLike[str], hp: VisionHParams, weights: Mapping[str, np.ndarray],
                  ftype: str = "F16") -> Path:
-    """Write a projector GGUF with llama.cpp's keys, tensor names and storage-type rules.
+    """Write a projector GGUF with llama.cpp's keys, tensor names and storage-type rules (streamed, one tensor
+    in memory at a time, through :func:`engine.gguf.write.write`).
 
     Args:
-        path: destination file (overwritten).
+        path: destination file (replaced only once complete).
         hp: hyper-parameters; ``hp.pos_side`` must match the rows of ``v.position_embd.weight``.
         weights: every name of :func:`tensor_shapes` ``(hp)`` -> float array of that math shape.
         ftype: ``"F32"``, ``"F16"`` or ``"Q8_0"`` (see the module doc for per-tensor types).
@@ -318,94 +345,20 @@ def write_mmproj(path: str | os.PathLike[str], hp: VisionHParams, weights: Mappi
     if ftype not in WRITE_TYPES:
         raise ValueError(f"ftype {ftype!r} is not one of {sorted(WRITE_TYPES)}")
     ft = WRITE_TYPES[ftype]
-    path = Path(path)
-    w = GGUFWriter(path, "clip")
-    w.add_type(GGUFType.MMPROJ)
-    w.add_file_type({Q.F32: 0, Q.F16: 1, Q.Q8_0: 7}[ft])
-    w.add_clip_has_vision_encoder(True)
-    w.add_clip_projector_type(PROJECTOR_TYPE)
-    w.add_vision_projection_dim(hp.out_dim)
-    w.add_vision_image_size(hp.pos_side * hp.patch_size)
-    w.add_vision_patch_size(hp.patch_size)
-    w.add_vision_embedding_length(hp.n_embd)
-    w.add_vision_feed_forward_length(hp.n_ff)
-    w.add_vision_block_count(hp.n_layer)
-    w.add_vision_head_count(hp.n_head)
-    w.add_vision_image_mean(list(hp.image_mean))
-    w.add_vision_image_std(list(hp.image_std))
-    w.add_vision_use_gelu(True)
-    w.add_vision_spatial_merge_size(hp.merge)
-    w.add_vision_attention_layernorm_eps(hp.eps)
-    w.add_array("clip.vision.is_deepstack_layers", [False] * hp.n_layer)
-    if hp.image_min_pixels is not None:
-        w.add_vision_min_pixels(hp.image_min_pixels)
-    if hp.image_max_pixels is not None:
-        w.add_vision_max_pixels(hp.image_max_pixels)
+    outs = []
     for name, shape in tensor_shapes(hp).items():
         if name not in weights:
             raise ValueError(f"write_mmproj: weight {name!r} missing")
-        x = np.asarray(weights[name], dtype=np.float32)
-        if x.shape != shape:
-            raise ValueError(f"write_mmproj: weight {name!r} has shape {x.shape}, expected {shape}")
-        _add(w, name, x, _storage_type(name, shape, ft))
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
-    return path
+        qtype = _storage_type(name, shape, ft)
+        ne = tuple(reversed(shape))
+        nbytes = quant.row_bytes(qtype, ne[0]) * int(np.prod(ne[1:], dtype=np.int64))
 
+        def chunks(name: str = name, shape: tuple[int, ...] = shape, qtype: GGMLQuantizationType = qtype):
+            x = np.asarray(weights[name], dtype=np.float32)
+            if x.shape != shape:
+                raise ValueError(f"write_mmproj: weight {name!r} has shape {x.shape}, expected {shape}")
+            yield _encode(x, qtype)
 
-class RandomWeights(Mapping[str, np.ndarray]):
-    """Random float32 weights for every tensor of ``hp``, made on access (so a writer converting one
-    tensor at a time never holds them all): matrices N(0, std), norm weights 1 + N(0, 0.1), biases
-    N(0, 0.02). Tensor ``i`` of :func:`tensor_shapes` is drawn from ``default_rng([seed, i])``, so the
-    values are deterministic and the same on every access."""
-
-    def __init__(self, hp: VisionHParams, seed: int = 0, std: float = 0.02):
-        self._shapes = tensor_shapes(hp)
-        self._index = {name: i for i, name in enumerate(self._shapes)}
-        self._seed, self._std = int(seed), float(std)
-
-    def __getitem__(self, name: str) -> np.ndarray:
-        shape = self._shapes[name]
-        rng = np.random.default_rng([self._seed, self._index[name]])
-        x = rng.standard_normal(shape, dtype=np.float32)
-        if name.endswith(".bias"):
-            return x * np.float32(0.02)
-        if len(shape) == 1:
-            return np.float32(1.0) + x * np.float32(0.1)
-        return x * np.float32(self._std)
-
-    def __iter__(self):
-        return iter(self._shapes)
-
-    def __len__(self) -> int:
-        return len(self._shapes)
-
-
-def synth_mmproj(path: str | os.PathLike[str], preset: str = "tiny", out_dim: int | None = None,
-                 seed: int = 0, ftype: str = "F16") -> Path:
-    """Write a random-weight projector file for a preset of :data:`PRESETS`.
-
-    Args:
-        path: destination file.
-        preset: ``"tiny"`` (2 x 64, 4 heads, ffn 128, 8x8 grid) or ``"real"`` (27 x 1152, 16 heads,
-            ffn 4304, 48x48 grid).
-        out_dim: LLM hidden size the merger projects to (default: the preset's, 128 / 2048).
-        seed: RNG seed.
-        ftype: ``"F32"``, ``"F16"`` or ``"Q8_0"``.
-
-    Returns:
-        ``Path(path)``. The real preset writes about 0.9 GB (F16) and needs about as much RAM.
-
-    Raises:
-        ValueError: unknown preset or ftype, or ``out_dim`` < 1.
-    """
-    if preset not in PRESETS:
-        raise ValueError(f"preset {preset!r} is not one of {sorted(PRESETS)}")
-    hp = PRESETS[preset]
-    if out_dim is not None:
-        if out_dim < 1:
-            raise ValueError(f"out_dim must be positive, got {out_dim}")
-        hp = VisionHParams(**{**hp.__dict__, "out_dim": int(out_dim)})
-    return write_mmproj(path, hp, RandomWeights(hp, seed), ftype)
+        outs.append(gguf_write.TensorOut(name, ne, int(qtype), nbytes, chunks))
+    gguf_write.write(path, _records(hp, ft), outs)
+    return Path(path)

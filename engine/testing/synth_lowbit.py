@@ -30,8 +30,6 @@ _RMS = {Q.Q2_K: math.sqrt(135.5 * 1.25), Q.Q3_K: math.sqrt(341.5 * 5.5),
 DRAWN = frozenset(_RMS) | IQ_TYPES
 """Types :func:`random_lowbit_blocks` draws."""
 
-SHAPE_FALLBACK = {t: Q.IQ4_NL for t in DRAWN if t not in (Q.IQ4_NL, Q.MXFP4)}
-"""llama-quantize's type for a tensor whose ``ne0`` is not a multiple of 256 (``tensor_type_fallback``)."""
 
 
 def _scale(d_bits: np.ndarray, std: float, rms: float) -> np.ndarray:
