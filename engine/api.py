@@ -71,7 +71,7 @@ class Engine:
         self.cache = PrefixCache(hp, gguf.identity, options.cache_ram_bytes, options.cache_disk_dir,
                                  options.cache_disk_bytes) if options.prefix_cache else None
         self.prompts = PromptBuilder(tokenizer, vision, gguf.source, gguf.path.name, self.context,
-                                     markup=gguf.text_arch.markup)
+                                     markup=text.arch.markup)
         self._closed = False
         self._in_use = threading.Lock()    # refuses overlapping use (see the class docstring); never waited on
         self._grammar_tokens: Any = None                      # llguidance's token table, built on first use
