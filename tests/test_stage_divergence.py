@@ -20,8 +20,8 @@ from engine.arch.qwen35.cpu import FUSED_STAGES, NativeQwen35Model
 from engine.arch.qwen35.cpu_step import STAGES as STEP_STAGES
 from engine.arch.qwen35.cuda import STAGES as GPU_STAGES
 from engine.arch.qwen35.model import Qwen35Model
-from engine.gguf.file import GGUFFile
 from engine.kernels import cpu
+from engine.registry import open_text
 from engine.ops.stages import Divergence, StageTrace, first_divergence, shared_stages
 from engine.turn.state import SequenceState
 from test_cuda_prefill import emulated, tiny_files  # noqa: F401  (fixtures)
@@ -52,19 +52,19 @@ def test_first_divergence_walks_the_reference_order():
 
 @native
 def test_cpu_hooks_name_every_stage_but_the_fused_ones(synth_model):
-    f = GGUFFile.open(synth_model("tiny", "q8_0"))
-    tokens = np.random.default_rng(0).integers(0, f.hparams.n_vocab, 12)
-    ref, fast = _trace(Qwen35Model(f.hparams, f), tokens), _trace(NativeQwen35Model(f.hparams, f), tokens)
+    t = open_text(synth_model("tiny", "q8_0"))
+    tokens = np.random.default_rng(0).integers(0, t.hparams.n_vocab, 12)
+    ref, fast = _trace(Qwen35Model(t.hparams, t.file), tokens), _trace(NativeQwen35Model(t.hparams, t.file), tokens)
     assert shared_stages(ref, fast) == [k for k in ref.stages() if k[0] not in FUSED_STAGES]
     assert {k[0] for k in ref.stages()} & FUSED_STAGES == FUSED_STAGES
 
 
 @native
 def test_cpu_hooks_follow_the_reference_and_a_fault_is_named(synth_model, monkeypatch):
-    f = GGUFFile.open(synth_model("dense-tiny", "q8_0"))
-    tokens = np.random.default_rng(1).integers(0, f.hparams.n_vocab, 12)
-    ref = _trace(Qwen35Model(f.hparams, f), tokens)
-    model = NativeQwen35Model(f.hparams, f)
+    t = open_text(synth_model("dense-tiny", "q8_0"))
+    tokens = np.random.default_rng(1).integers(0, t.hparams.n_vocab, 12)
+    ref = _trace(Qwen35Model(t.hparams, t.file), tokens)
+    model = NativeQwen35Model(t.hparams, t.file)
     assert first_divergence(ref, _trace(model, tokens), 0.05) is None
     ffn = model.ffn
     monkeypatch.setattr(model, "ffn", lambda il, y: ffn(il, y) * (2.0 if il == 2 else 1.0))
@@ -74,8 +74,8 @@ def test_cpu_hooks_follow_the_reference_and_a_fault_is_named(synth_model, monkey
 
 @native
 def test_c_step_reports_its_input_and_logits_as_the_hooks_do(synth_model):
-    f = GGUFFile.open(synth_model("tiny", "q8_0"))
-    model = NativeQwen35Model(f.hparams, f)
+    t = open_text(synth_model("tiny", "q8_0"))
+    model = NativeQwen35Model(t.hparams, t.file)
     assert model.step is not None
     token = np.array([7])
     hooks = _trace(model, token)
@@ -87,11 +87,11 @@ def test_c_step_reports_its_input_and_logits_as_the_hooks_do(synth_model):
 
 @pytest.mark.parametrize("preset", ["tiny", "dense-tiny"])
 def test_gpu_prefill_reports_the_reference_stages_and_a_fault_is_named(emulated, tiny_files, preset):  # noqa: F811
-    f = tiny_files[preset]
-    hp = f.hparams
+    t = tiny_files[preset]
+    hp, f = t.hparams, t.file
     tokens = np.random.default_rng(2).integers(0, hp.n_vocab, 40)
     ref = _trace(Qwen35Model(hp, f), tokens)
-    eng = emulated(f, plan_tokens=64)
+    eng = emulated(t, plan_tokens=64)
     gpu = StageTrace()
     eng.prefill(tokens, SequenceState.new(hp, 64), cb=gpu)
     assert shared_stages(ref, gpu) == [k for k in ref.stages() if k[0] in GPU_STAGES]
