@@ -33,6 +33,7 @@ from .pruned_file import pruning_summary
 from .registry import GpuPrefill, TextModel
 from .runtime import Turn, read_ahead, run_turn
 from .sampling import SamplingParams
+from .state import kv_dtype
 from .tokenizer import Tokenizer
 from .vision import ImageEncoder
 
@@ -68,9 +69,10 @@ class Engine:
         self.model = model
         self.options = options
         hp = gguf.hparams
+        kv_dtype(options.kv_type)
         self.context = min(options.context, hp.context_length)
         self.cache = PrefixCache(hp, gguf.identity, options.cache_ram_bytes, options.cache_disk_dir,
-                                 options.cache_disk_bytes) if options.prefix_cache else None
+                                 options.cache_disk_bytes, options.kv_type) if options.prefix_cache else None
         self.prompts = PromptBuilder(tokenizer, vision, gguf.source, gguf.path.name, self.context)
         self._busy = threading.Lock()      # held while a turn runs (see the class docstring)
         self._closed = False
@@ -317,7 +319,7 @@ class Engine:
                     positions=None if prompt is None else prompt.positions,
                     images=() if prompt is None else prompt.images, gpu=self.gpu,
                     gpu_min_tokens=self.options.gpu_min_tokens, on_device_error=self._gpu_failed,
-                    rerenders=rerenders, started=started, grammar=grammar)
+                    rerenders=rerenders, started=started, grammar=grammar, kv_type=self.options.kv_type)
         return run_turn(turn)
 
     def complete(self, text: str, sampling: SamplingParams = SamplingParams(),

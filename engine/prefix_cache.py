@@ -45,7 +45,7 @@ from pathlib import Path
 import numpy as np
 
 from .snapshot_file import FORMAT_VERSION, encode, read_file, write_atomic
-from .state import HasStateLayout, SequenceState
+from .state import HasStateLayout, SequenceState, kv_dtype
 
 log = logging.getLogger(__name__)
 
@@ -178,13 +178,16 @@ def state_arrays(state: SequenceState) -> dict[str, np.ndarray]:
     return out
 
 
-def restore_state(hp: HasStateLayout, arrays: Mapping[str, np.ndarray], pos: int, capacity: int) -> SequenceState:
-    """A new :class:`SequenceState` of ``capacity`` tokens holding a snapshot's arrays at ``pos``.
+def restore_state(hp: HasStateLayout, arrays: Mapping[str, np.ndarray], pos: int, capacity: int,
+                  kv_type: str = "f32") -> SequenceState:
+    """A new :class:`SequenceState` of ``capacity`` tokens and KV type ``kv_type`` holding a snapshot's
+    arrays at ``pos``.
 
     Raises:
-        ValueError: an array is missing or has the wrong shape (a snapshot of another model).
+        ValueError: an array is missing or has the wrong shape, or KV rows of another type (a snapshot of
+            another model or cache).
     """
-    state = SequenceState.new(hp, capacity)
+    state = SequenceState.new(hp, capacity, kv_type)
     for kind, table in (("conv", state.conv), ("ssm", state.ssm)):
         for il, dst in table.items():
             src = arrays[f"{kind}.{il}"]
@@ -194,8 +197,9 @@ def restore_state(hp: HasStateLayout, arrays: Mapping[str, np.ndarray], pos: int
     for kind, table in (("k", state.k), ("v", state.v)):
         for il, dst in table.items():
             src = arrays[f"{kind}.{il}"]
-            if src.shape != (pos,) + dst.shape[1:]:
-                raise ValueError(f"{kind}.{il} has shape {src.shape}, expected {(pos,) + dst.shape[1:]}")
+            if src.shape != (pos,) + dst.shape[1:] or src.dtype != dst.dtype:
+                raise ValueError(f"{kind}.{il} is {src.dtype} {src.shape}, expected {dst.dtype} "
+                                 f"{(pos,) + dst.shape[1:]}")
             dst[:pos] = src
     state.pos = pos
     return state
@@ -215,15 +219,19 @@ class PrefixCache:
         ram_budget: bytes of snapshots kept in RAM (LRU beyond it).
         disk_dir: folder of the disk tier (None = RAM only); a subfolder per model identity.
         disk_budget: bytes of snapshot files kept on disk (oldest used removed beyond it).
+        kv_type: the KV type of the states it takes and builds (:data:`engine.state.KV_TYPES`); a file of
+            another KV type is ignored like a foreign one.
 
     Thread-safe: every public method holds one lock, so the app may list or clear snapshots
     while a turn is running on another thread.
     """
 
     def __init__(self, hp: HasStateLayout, identity: str, ram_budget: int = 2 << 30,
-                 disk_dir: Path | None = None, disk_budget: int = 8 << 30) -> None:
+                 disk_dir: Path | None = None, disk_budget: int = 8 << 30, kv_type: str = "f32") -> None:
+        kv_dtype(kv_type)
         self.hp = hp
         self.identity = identity
+        self.kv_type = kv_type
         self.ram_budget = ram_budget
         self.disk_budget = disk_budget
         self._entries: OrderedDict[bytes, Snapshot] = OrderedDict()
@@ -265,7 +273,7 @@ class PrefixCache:
                 if arrays is None:
                     continue
                 try:
-                    state = restore_state(self.hp, arrays, pos, capacity)
+                    state = restore_state(self.hp, arrays, pos, capacity, self.kv_type)
                 except (KeyError, ValueError) as exc:   # cannot happen for a checked file: a miss all the same
                     log.warning("prefix cache: dropping snapshot %s: %s", snap.key.hex(), exc)
                     self._entries.pop(snap.key, None)
@@ -276,7 +284,7 @@ class PrefixCache:
                 logits = arrays.get("logits") if pos == n else None
                 return Lookup(state, pos, None if logits is None else logits.copy(),
                               (time.perf_counter() - t0) * 1e3, self._diverge(tokens, images, pos))
-            return Lookup(SequenceState.new(self.hp, capacity), 0, None, (time.perf_counter() - t0) * 1e3,
+            return Lookup(SequenceState.new(self.hp, capacity, self.kv_type), 0, None, (time.perf_counter() - t0) * 1e3,
                           self._diverge(tokens, images, 0))
 
     def contains(self, key: bytes) -> bool:
@@ -316,7 +324,12 @@ class PrefixCache:
 
         Returns:
             The new (or refreshed) snapshot.
+
+        Raises:
+            ValueError: ``state`` keeps KV rows of another type than the cache's.
         """
+        if state.kv_type != self.kv_type:
+            raise ValueError(f"a state of KV type {state.kv_type} put into a cache of {self.kv_type}")
         with self._lock:
             old = self._entries.get(key)
             if old is not None and old.tier == "ram" and (logits is None or old.has_logits):
@@ -417,7 +430,7 @@ class PrefixCache:
     def _read(self, path: Path, with_arrays: bool = True) -> tuple[dict, np.ndarray, dict | None] | None:
         """Stream, parse and verify one snapshot file (:func:`engine.snapshot_file.read_file`); None (with a
         log line) when it is not usable: vanished, not a regular file, damaged, foreign."""
-        parsed = read_file(path, self.hp, self.identity, with_arrays)
+        parsed = read_file(path, self.hp, self.identity, with_arrays, self.kv_type)
         if isinstance(parsed, str):
             log.warning("prefix cache: ignoring %s: %s", path, parsed)
             return None

@@ -55,6 +55,7 @@ class Turn:
         on_device_error: called with the message when the GPU fails (the turn goes on on the CPU).
         grammar: constrains the answer (:mod:`engine.grammar`; end-of-generation ids only where it may end,
             the only ids once it has ended), or None.
+        kv_type: the KV type of a fresh state (:data:`engine.state.KV_TYPES`; the cache's own when it has one).
         started: ``time.perf_counter()`` when the caller began the turn (before rendering the
             template and encoding images), the origin of TTFT; None = when :func:`run_turn` starts.
         rerenders: ``rerenders(answer_ids)`` tells whether the next turn's prompt will contain
@@ -80,6 +81,7 @@ class Turn:
     rerenders: Callable[[Sequence[int]], bool] | None = None
     started: float | None = None
     grammar: Grammar | None = None
+    kv_type: str = "f32"
 
     def image_digests(self) -> dict[int, bytes]:
         """Prompt index -> content digest of the image whose embedding sits there (cache keys)."""
@@ -280,7 +282,8 @@ def _resume(turn: Turn) -> _Resumed:
     """Look the prompt up in the prefix cache and pick the snapshot positions of its prefill."""
     cache, n = turn.cache, len(turn.prompt)
     if cache is None:
-        return _Resumed(SequenceState.new(turn.model.hp, turn.context), 0, 0.0, None, set(), {}, None, None)
+        return _Resumed(SequenceState.new(turn.model.hp, turn.context, turn.kv_type), 0, 0.0, None, set(), {}, None,
+                        None)
     digests = turn.image_digests()
     keys = chain_keys(cache.identity, turn.prompt, digests)
     hit = cache.lookup(turn.prompt, turn.context, images=digests, keys=keys)

@@ -8,11 +8,15 @@ One :class:`SequenceState` per sequence, shaped by the model's :class:`StateLayo
   ``(n_v, head_k_dim, head_v_dim)`` in the transformers layout (S^T is llama.cpp's);
 * every attention layer keeps ``k[il]`` / ``v[il]``: ``(capacity, *row)`` preallocated (Qwen3.5/3.6:
   ``(capacity, n_head_kv, head_dim)``, K after its RMSNorm and RoPE); only rows ``[:pos]`` are valid;
+  their element type is the state's ``kv_type`` (:data:`KV_TYPES`);
 * ``pos``: the number of positions already processed (the next token's cache index).
 
 A recurrent state cannot be rolled back: to resume at an earlier position, keep a :meth:`copy`
-taken exactly there. Everything is float32: a bf16/f16 recurrent state drifts from the reference
-over a long prompt, since every token's rounding error is carried into all later ones.
+taken exactly there. The recurrent state is float32: a bf16/f16 recurrent state drifts from the
+reference over a long prompt, since every token's rounding error is carried into all later ones. The
+KV rows may be F16 ("f16", half the bytes): each row is rounded once when written (to nearest even,
+numpy's ``astype`` and the native step alike) and never again, so the error does not accumulate, and
+every path reads the same stored values (docs/design/kv-cache.md has the measured logit gap).
 """
 
 from __future__ import annotations
@@ -24,6 +28,16 @@ from typing import Protocol
 import numpy as np
 
 from .errors import ContextFullError
+
+KV_TYPES: dict[str, type] = {"f32": np.float32, "f16": np.float16}
+"""KV cache element types by name: "f32" (exact; the reference and conformance tests) and "f16"."""
+
+
+def kv_dtype(kv_type: str) -> np.dtype:
+    """The numpy dtype of KV type ``kv_type``. Raises ValueError for a name not in :data:`KV_TYPES`."""
+    if kv_type not in KV_TYPES:
+        raise ValueError(f"KV type {kv_type!r} is not one of {sorted(KV_TYPES)}")
+    return np.dtype(KV_TYPES[kv_type])
 
 
 @dataclass(frozen=True)
@@ -74,30 +88,34 @@ class SequenceState:
 
     capacity: int
     pos: int = 0
+    kv_type: str = "f32"
     conv: dict[int, np.ndarray] = field(default_factory=dict)
     ssm: dict[int, np.ndarray] = field(default_factory=dict)
     k: dict[int, np.ndarray] = field(default_factory=dict)
     v: dict[int, np.ndarray] = field(default_factory=dict)
 
     @classmethod
-    def new(cls, hp: HasStateLayout, capacity: int) -> "SequenceState":
-        """A fresh (all-zero, pos 0) state of ``hp.state_layout()`` holding up to ``capacity`` positions.
+    def new(cls, hp: HasStateLayout, capacity: int, kv_type: str = "f32") -> "SequenceState":
+        """A fresh (all-zero, pos 0) state of ``hp.state_layout()`` holding up to ``capacity`` positions,
+        its KV rows of ``kv_type`` (:data:`KV_TYPES`).
 
         Raises:
             ContextFullError: ``capacity`` is < 1 or larger than the model's context_length.
+            ValueError: an unknown ``kv_type``.
         """
+        dtype = kv_dtype(kv_type)
         layout = hp.state_layout()
         if not 1 <= capacity <= layout.context_length:
             raise ContextFullError(
                 f"state capacity {capacity} is outside 1..{layout.context_length} (the model's context_length)")
-        state = cls(capacity=capacity)
+        state = cls(capacity=capacity, kv_type=kv_type)
         for il in sorted({*layout.conv, *layout.kv}):
             if il in layout.conv:
                 state.conv[il] = np.zeros(layout.conv[il], np.float32)
                 state.ssm[il] = np.zeros(layout.ssm[il], np.float32)
             else:
-                state.k[il] = np.zeros((capacity, *layout.kv[il]), np.float32)
-                state.v[il] = np.zeros((capacity, *layout.kv[il]), np.float32)
+                state.k[il] = np.zeros((capacity, *layout.kv[il]), dtype)
+                state.v[il] = np.zeros((capacity, *layout.kv[il]), dtype)
         return state
 
     def chunk_inputs(self, tokens: np.ndarray, positions: np.ndarray | None,
@@ -147,6 +165,7 @@ class SequenceState:
         return SequenceState(
             capacity=self.capacity,
             pos=self.pos,
+            kv_type=self.kv_type,
             conv={il: a.copy() for il, a in self.conv.items()},
             ssm={il: a.copy() for il, a in self.ssm.items()},
             k=kv(self.k),

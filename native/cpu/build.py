@@ -32,7 +32,7 @@ X86_ISA_SOURCES = {
     "kernels_ssse3.c": ["-mssse3"],
     "kernels_avx2.c": ["-mavx2", "-mfma", "-mf16c"],
     "kernels_avx512vnni.c": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni"],
-    "attention_avx2.c": ["-mavx2", "-mfma"],
+    "attention_avx2.c": ["-mavx2", "-mfma", "-mf16c"],
     "attention_avx512.c": ["-mavx512f"],
     "mixers_avx2.c": ["-mavx2"],
     "mixers_avx512.c": ["-mavx512f"],
