@@ -33,7 +33,7 @@ from .pruned_file import pruning_summary
 from .registry import GpuPrefill, TextModel
 from .runtime import Turn, read_ahead, run_turn
 from .sampling import SamplingParams
-from .state import kv_dtype
+from .state import check_memory
 from .tokenizer import Tokenizer
 from .vision import ImageEncoder
 
@@ -69,7 +69,6 @@ class Engine:
         self.model = model
         self.options = options
         hp = gguf.hparams
-        kv_dtype(options.kv_type)
         self.context = min(options.context, hp.context_length)
         self.cache = PrefixCache(hp, gguf.identity, options.cache_ram_bytes, options.cache_disk_dir,
                                  options.cache_disk_bytes, options.kv_type) if options.prefix_cache else None
@@ -102,6 +101,9 @@ class Engine:
             TemplateError: the chat template fails on :data:`PROBE_CONVERSATION` (the sandbox blocks
                 it, it raises, it runs too long); the message names the file.
             GenerationCancelled: ``cancel`` was set.
+            MemoryFitError: the context's state (KV cache of ``options.kv_type``) needs more memory than is
+                available (:func:`engine.state.check_memory`), checked before any weight is prepared.
+            ValueError: an unknown ``options.kv_type``.
 
         On any exception (KeyboardInterrupt included) the GPU vision tower and GPU prefill made so far
         are released first; the memory map is released with the objects.
@@ -116,6 +118,7 @@ class Engine:
             raise EngineError(f"device must be 'auto', 'cuda' or 'cpu', got {options.device!r}")
         stage("mapping tensors")
         gguf = GGUFFile.open(model_path)
+        check_memory(gguf.hparams.state_layout(), min(options.context, gguf.hparams.context_length), options.kv_type)
         stage("building the tokenizer")
         tokenizer = Tokenizer.from_gguf(gguf.meta, gguf.source)
         if tokenizer.chat_template is not None:

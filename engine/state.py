@@ -27,7 +27,7 @@ from typing import Protocol
 
 import numpy as np
 
-from .errors import ContextFullError
+from .errors import ContextFullError, MemoryFitError
 
 KV_TYPES: dict[str, type] = {"f32": np.float32, "f16": np.float16}
 """KV cache element types by name: "f32" (exact; the reference and conformance tests) and "f16"."""
@@ -70,6 +70,36 @@ class StateLayout:
             else:
                 out[f"k.{il}"] = out[f"v.{il}"] = (pos, *self.kv[il])
         return out
+
+
+def state_nbytes(layout: StateLayout, capacity: int, kv_type: str = "f32") -> int:
+    """Bytes of one sequence's state of ``capacity`` positions (= ``SequenceState.new(...).nbytes``): the
+    float32 recurrent arrays plus 2 x capacity KV rows per attention layer of ``kv_type``'s elements."""
+    rows = sum(2 * int(np.prod(s)) for s in layout.kv.values()) * capacity
+    fixed = sum(int(np.prod(s)) for s in (*layout.conv.values(), *layout.ssm.values()))
+    return rows * kv_dtype(kv_type).itemsize + 4 * fixed
+
+
+def check_memory(layout: StateLayout, capacity: int, kv_type: str, available: int | None = None) -> int:
+    """Refuse up front a context whose state cannot fit the memory available now (the KV rows are
+    allocated lazily, so without this a large context would fail with an out-of-memory error hours later).
+
+    Args: layout: the model's state. capacity: context, tokens. kv_type: a :data:`KV_TYPES` name.
+        available: bytes of memory available, or None for what the OS reports (``psutil``).
+    Returns: the state's bytes. Raises: MemoryFitError naming the bytes needed and available.
+    """
+    need = state_nbytes(layout, capacity, kv_type)
+    if available is None:
+        import psutil
+        available = int(psutil.virtual_memory().available)
+    if need > available:
+        per_token = state_nbytes(layout, 1, kv_type) - state_nbytes(layout, 0, kv_type)
+        raise MemoryFitError(
+            f"a context of {capacity:,} tokens needs {need / 2**30:.2f} GiB for its state ({per_token:,} bytes of "
+            f"{kv_type} KV cache per token) but {available / 2**30:.2f} GiB of memory is available: choose a "
+            f"context of at most {max(available - state_nbytes(layout, 0, kv_type), 0) // per_token:,} tokens"
+            + (" or the f16 KV type" if kv_type == "f32" else ""))
+    return need
 
 
 class HasStateLayout(Protocol):
