@@ -217,14 +217,15 @@ def read_ahead(turn: Turn) -> PrefillStats | None:
     state = hit.state
 
     def snapshot(pos: int, last: np.ndarray | None) -> None:
-        cache.put(keys[pos], state, turn.prompt[:pos], None, images=digests, conversation=turn.conversation)
+        cache.put(keys[pos], state, turn.prompt[:pos], None, images=digests, conversation=turn.conversation,
+                  keys=keys)
 
     t0 = time.perf_counter()
     devices: list[str] = []
     logits, _ = _drain(_prefill(turn, state, set(turn.checkpoints), snapshot, devices, AHEAD_PIECE))
     if logits is None:
         return None
-    cache.put(keys[n], state, turn.prompt, None, images=digests, conversation=turn.conversation)
+    cache.put(keys[n], state, turn.prompt, None, images=digests, conversation=turn.conversation, keys=keys)
     return PrefillStats(prompt_tokens=n, reused_tokens=hit.reused, prefilled_tokens=n - hit.reused,
                         prefill_ms=_ms(t0), restore_ms=hit.restore_ms,
                         device="cuda" if "cuda" in devices else "cpu", ttft_ms=0.0)
@@ -295,7 +296,8 @@ def _resume(turn: Turn) -> _Resumed:
         stops |= set(range(turn.snapshot_interval, n, turn.snapshot_interval))
 
     def snapshot(pos: int, last: np.ndarray | None) -> None:
-        cache.put(keys[pos], hit.state, turn.prompt[:pos], last, images=digests, conversation=turn.conversation)
+        cache.put(keys[pos], hit.state, turn.prompt[:pos], last, images=digests, conversation=turn.conversation,
+                  keys=keys)
 
     return _Resumed(hit.state, hit.reused, hit.restore_ms, hit.logits, stops, digests, keys, snapshot)
 
@@ -336,7 +338,7 @@ def run_turn(turn: Turn) -> Iterator[Event]:
             return
         if turn.cache is not None:
             turn.cache.put(resumed.keys[n_prompt], resumed.state, turn.prompt, logits, images=resumed.digests,
-                           conversation=turn.conversation)
+                           conversation=turn.conversation, keys=resumed.keys)
     prefill_ms = _ms(t0)
     matcher = None if turn.grammar is None else turn.grammar.matcher()
     sampler, history = Sampler(turn.sampling, matcher, n_prompt), list(turn.prompt)
@@ -373,8 +375,8 @@ def _keep_answer_end(turn: Turn, resumed: _Resumed, step: _Stepper, history: lis
         return
     step(token)
     history.append(token)
-    cache.put(chain_keys(cache.identity, history, resumed.digests)[-1], state, history, None,
-              images=resumed.digests, conversation=turn.conversation)
+    keys = chain_keys(cache.identity, history, resumed.digests)
+    cache.put(keys[-1], state, history, None, images=resumed.digests, conversation=turn.conversation, keys=keys)
 
 
 def _decode(turn: Turn, resumed: _Resumed, sampler: Sampler, history: list[int], token: int, logits: np.ndarray,

@@ -24,7 +24,7 @@ from typing import Any, BinaryIO
 
 import numpy as np
 
-from .state import HasStateLayout, kv_dtype
+from .state import KV_PAGE_ROWS, HasStateLayout, kv_dtype
 
 FORMAT_MAGIC = b"DDSNAP\x00\x01"
 FORMAT_VERSION = 1
@@ -51,7 +51,9 @@ def check_header(hp: HasStateLayout, identity: str, meta: object, payload_bytes:
         meta: the parsed header (anything JSON gives).
         payload_bytes: bytes between the header and the checksum (tokens and arrays).
         kv_type: the cache's KV type (:data:`engine.state.KV_TYPES`): the dtype of the ``k.*`` / ``v.*`` arrays.
-    Checks: version, identity, ``pos`` an int in 1..context_length, ``key`` a hex string, ``images``
+    Checks: version, identity, ``pos`` an int in 1..context_length, ``key`` a hex string, ``pages`` (when
+    present) the hex chain keys of the pos // KV_PAGE_ROWS whole KV pages the snapshot references
+    (:mod:`engine.kv_pages`; its own KV arrays then hold only the rows after them), ``images``
     position -> hex digest, ``arrays`` exactly :func:`expected_arrays` (plus an optional ``logits`` of
     (n_vocab,)), every one ``<f4`` (KV rows: ``kv_type``'s, e.g. ``<f2``), the payload's size = 4 * pos + the
     arrays' bytes, ``conversation`` a
@@ -76,7 +78,14 @@ def check_header(hp: HasStateLayout, identity: str, meta: object, payload_bytes:
     arrays = meta.get("arrays")
     if not isinstance(arrays, dict):
         return "no array table"
+    pages = meta.get("pages", [])
+    if not isinstance(pages, list) or (pages and len(pages) != pos // KV_PAGE_ROWS) or not all(
+            isinstance(k, str) and len(k) == 32 and all(c in "0123456789abcdef" for c in k) for k in pages):
+        return f"malformed page list (expected {pos // KV_PAGE_ROWS} hex keys, or none)"
     want = layout.arrays(pos)
+    for name in want:
+        if name[:2] in ("k.", "v."):
+            want[name] = (pos - KV_PAGE_ROWS * len(pages), *want[name][1:])
     extra = set(arrays) - set(want) - {"logits"}
     if extra or set(want) - set(arrays):
         return f"its arrays do not match the model's layers (unexpected {sorted(extra)[:3]}, " \

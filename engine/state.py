@@ -29,6 +29,9 @@ import numpy as np
 
 from .errors import ContextFullError, MemoryFitError
 
+KV_PAGE_ROWS = 256
+"""Positions per KV page of the prefix cache (:mod:`engine.kv_pages`)."""
+
 KV_TYPES: dict[str, type] = {"f32": np.float32, "f16": np.float16}
 """KV cache element types by name: "f32" (exact; the reference and conformance tests) and "f16"."""
 
