@@ -131,11 +131,13 @@ def test_spilled_snapshots_drop_the_ram_copies_of_their_pages(tmp_path):
     assert hit.reused == 900 and same(hit.state, prefill(toks))
 
 
+@pytest.mark.parametrize("restart", [True, False], ids=["reopened", "in use"])
 @pytest.mark.parametrize("damage", ["delete", "truncate", "flip", "swap", "foreign"])
-def test_a_damaged_page_is_a_miss_not_an_error(tmp_path, caplog, damage):
-    """Page 2 of the deep snapshot is damaged: the lookup falls back to the snapshot at 500 (pages 0, 1)."""
+def test_a_damaged_page_is_a_miss_not_an_error(tmp_path, caplog, damage, restart):
+    """Page 2 of the deep snapshot is damaged, after a restart or while the cache is open (its snapshots
+    spilled, so the page is read from its file): the lookup falls back to the snapshot at 500 (pages 0, 1)."""
     toks = chat(1, 800, seed=4)
-    cache = PrefixCache(HP, "m", disk_dir=tmp_path, kv_type="f16")
+    cache = PrefixCache(HP, "m", disk_dir=tmp_path, kv_type="f16", ram_budget=1 << 30 if restart else 1)
     for pos in (500, 800):
         cache.put(chain_keys("m", toks[:pos])[-1], prefill(toks[:pos]), toks[:pos], None)
     cache.persist()
@@ -152,7 +154,7 @@ def test_a_damaged_page_is_a_miss_not_an_error(tmp_path, caplog, damage):
         page2.write_bytes(page1.read_bytes())
     else:
         page2.write_bytes(data.replace(b'"identity": "m"', b'"identity": "x"'))
-    again = PrefixCache(HP, "m", disk_dir=tmp_path, kv_type="f16")
+    again = PrefixCache(HP, "m", disk_dir=tmp_path, kv_type="f16") if restart else cache
     with caplog.at_level(logging.WARNING):
         hit = again.lookup(toks + [1], CAP)
     assert hit.reused == 500 and same(hit.state, prefill(toks[:500]))
@@ -186,3 +188,50 @@ def test_page_and_snapshot_keys_must_agree(tmp_path, caplog):
     assert "does not match its contents" in caplog.text
     assert again.lookup(toks + [1], CAP).reused == 0
     assert again.lookup(other + [1], CAP).reused == 600
+
+
+def test_a_long_chat_is_the_same_with_paged_snapshots_and_without_a_cache(synth_model, tmp_path):
+    """A chat whose prompts span several pages (F16 KV, the engine's default), its snapshots spilled to
+    disk at once (a one-byte RAM budget: every restore reads page files), and the same chat without a
+    cache: the same tokens, drawn from the same logits bit for bit."""
+    from engine import sampling
+    from engine.api import Engine, EngineOptions
+    from engine.events import PrefillStats, TokenEvent
+    from engine.sampling import SamplingParams
+
+    system = " ".join(f"rule {i}: answer in plain words about item {i * 7 % 13}." for i in range(45))
+
+    def chat(engine):
+        seen, reused = [], []
+        original = sampling.Sampler.sample
+
+        def recording(self, logits, history):
+            seen.append(np.array(logits, copy=True))
+            return original(self, logits, history)
+
+        msgs = [{"role": "system", "content": system}]
+        sampling.Sampler.sample = recording
+        try:
+            for i in range(2):
+                msgs.append({"role": "user", "content": f"Question {i}: what about item {i}?"})
+                tokens = []
+                for ev in engine.chat(msgs, SamplingParams(temperature=0.8, seed=i, max_tokens=6)):
+                    if isinstance(ev, TokenEvent):
+                        tokens.append(ev.token_id)
+                    elif isinstance(ev, PrefillStats):
+                        reused.append(ev.reused_tokens)
+                msgs.append({"role": "assistant", "content": engine.tokenizer.decode(tokens)})
+        finally:
+            sampling.Sampler.sample = original
+        return seen, reused
+
+    path = synth_model("tiny")
+    on = Engine.load(path, options=EngineOptions(context=4096, cache_ram_bytes=1, cache_disk_dir=tmp_path,
+                                                 snapshot_interval=100, threads=2))
+    off = Engine.load(path, options=EngineOptions(context=4096, prefix_cache=False, threads=2))
+    seen_on, reused = chat(on)
+    seen_off, _ = chat(off)
+    assert len(seen_on) == len(seen_off) == 12
+    assert all(np.array_equal(a, b) for a, b in zip(seen_on, seen_off))
+    assert reused[1] > 2 * PAGE_ROWS, reused                  # later turns resumed across pages
+    assert len(list(on.cache._disk.glob("*.page"))) >= 2
