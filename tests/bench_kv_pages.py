@@ -21,8 +21,8 @@ from engine.api import Engine, EngineOptions
 from engine.events import PrefillStats
 from engine.sampling import SamplingParams
 
-WORDS = ("delta net state snapshot prefix cache expert router token prefill decode gated "
-         "attention window memory bandwidth kernel vector block scale quant").split()
+WORDS = ["delta", "net", "state", "snapshot", "prefix", "cache", "expert", "router", "token", "prefill", "decode",
+         "gated", "attention", "window", "memory", "bandwidth", "kernel", "vector", "block", "scale", "quant"]
 
 
 def folder_bytes(folder: Path) -> dict[str, int]:
@@ -43,7 +43,7 @@ def main() -> None:
     ap.add_argument("--context", type=int, default=16384)
     args = ap.parse_args()
     disk = Path(tempfile.mkdtemp()) / "snapshots"
-    opts = dict(context=args.context, cache_ram_bytes=1 << 40, cache_disk_dir=disk, cache_disk_bytes=1 << 40)
+    opts = {"context": args.context, "cache_ram_bytes": 1 << 40, "cache_disk_dir": disk, "cache_disk_bytes": 1 << 40}
     if "kv_type" in {f.name for f in dataclasses.fields(EngineOptions)}:
         opts["kv_type"] = args.kv_type
     engine = Engine.load(args.model, options=EngineOptions(**opts))
