@@ -27,6 +27,7 @@
  * the same operations in the same order, in register-sized pieces.
  */
 #include <math.h>
+#include <pthread.h>
 #include <stdlib.h>
 #include <string.h>
 #if defined(__AVX512F__) || defined(__FMA__)
@@ -317,20 +318,42 @@ typedef struct {
     int failed;         /* set by a block whose scratch could not be allocated */
 } decode_job;
 
-/* A pool thread's float copy of one block's k and v rows of one kv head (a half cache's rows widened),
- * grown to the largest block seen and kept for the thread's life; NULL if out of memory. */
+/* A thread's float copy of one block's k and v rows of one kv head (a half cache's rows widened): grown to
+ * the largest block seen, kept while the thread lives and freed when it exits (a thread-specific key with
+ * free as its destructor, so a short-lived caller thread leaks nothing); NULL if out of memory. */
+typedef struct {
+    size_t have;
+    float data[];
+} decode_buf;
+
+static pthread_key_t decode_key;
+static pthread_once_t decode_once = PTHREAD_ONCE_INIT;
+static int decode_key_ok;
+
+static void decode_key_init(void)
+{
+    decode_key_ok = pthread_key_create(&decode_key, free) == 0;
+}
+
 static float *decode_scratch(size_t floats)
 {
-    static __thread float *buf;
-    static __thread size_t have;
-    if (floats > have) {
-        float *grown = realloc(buf, floats * sizeof(float));
+    pthread_once(&decode_once, decode_key_init);
+    if (!decode_key_ok)
+        return NULL;
+    decode_buf *b = pthread_getspecific(decode_key);
+    if (b == NULL || b->have < floats) {
+        decode_buf *grown = realloc(b, sizeof(decode_buf) + floats * sizeof(float));
         if (grown == NULL)
+            return NULL;   /* b is untouched and still the thread's */
+        /* setspecific can fail only when the thread's slot is first made, i.e. with b == NULL */
+        if (pthread_setspecific(decode_key, grown) != 0) {
+            free(grown);
             return NULL;
-        buf = grown;
-        have = floats;
+        }
+        grown->have = floats;
+        b = grown;
     }
-    return buf;
+    return b->data;
 }
 
 static void decode_block(void *ctx, size_t chunk)
