@@ -82,7 +82,7 @@ def _load(args: argparse.Namespace, path: Path, mmproj: Path | None):
     """
     from .api import Engine, EngineOptions
     t0 = time.perf_counter()
-    engine = Engine.load(path, mmproj, options=EngineOptions(context=args.context))
+    engine = Engine.load(path, mmproj, options=EngineOptions(context=args.context, kv_type=args.kv_type))
     tower = f" + {mmproj.name}" if mmproj is not None else ""
     print(f"[loaded {path.name}{tower} in {time.perf_counter() - t0:.2f} s]", file=sys.stderr)
     note = engine.info.template_note
@@ -480,6 +480,7 @@ def _add_sampling(p: argparse.ArgumentParser) -> None:
     p.add_argument("--repeat-penalty", type=float, default=1.0)
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--context", type=int, default=8192, help="context window, tokens")
+    p.add_argument("--kv-type", choices=["f16", "f32"], default="f16", help="KV cache element type (default f16)")
     p.add_argument("--think", action="store_true", help="let the model think before answering")
 
 
@@ -502,6 +503,7 @@ def _add_serve(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model-name", help="the model id clients name (default: a downloaded model's REPO:QUANT as "
                    "given, else the file name without .gguf)")
     p.add_argument("--context", type=int, default=8192, help="context window, tokens")
+    p.add_argument("--kv-type", choices=["f16", "f32"], default="f16", help="KV cache element type (default f16)")
     p.add_argument("--queue", type=_positive, default=8, help="requests that may wait for the model at once; "
                    "more are answered 429 with Retry-After (default 8)")
     p.add_argument("--queue-mib", type=_positive, default=64, help="MiB of request bodies those may hold "

@@ -34,6 +34,7 @@ from .turn.runtime import Turn, read_ahead, run_turn
 from .sampling import SamplingParams
 from .prompt.tokenizer import Tokenizer
 from .vision.encoder import ImageEncoder
+from .turn.state import check_memory
 
 log = logging.getLogger(__name__)
 
@@ -69,7 +70,7 @@ class Engine:
         hp, gguf = text.hparams, text.file
         self.context = min(options.context, hp.context_length)
         self.cache = PrefixCache(hp, gguf.identity, options.cache_ram_bytes, options.cache_disk_dir,
-                                 options.cache_disk_bytes) if options.prefix_cache else None
+                                 options.cache_disk_bytes, options.kv_type) if options.prefix_cache else None
         self.prompts = PromptBuilder(tokenizer, vision, gguf.source, gguf.path.name, self.context,
                                      markup=text.arch.markup)
         self._closed = False
@@ -99,6 +100,9 @@ class Engine:
             TemplateError: the chat template fails on :data:`PROBE_CONVERSATION` (the sandbox blocks
                 it, it raises, it runs too long); the message names the file.
             GenerationCancelled: ``cancel`` was set.
+            MemoryFitError: the context's state (KV cache of ``options.kv_type``) needs more memory than is
+                available (:func:`engine.turn.state.check_memory`), checked before any weight is prepared.
+            ValueError: an unknown ``options.kv_type``.
 
         On any exception (KeyboardInterrupt included) the GPU vision tower and GPU prefill made so far
         are released first; the memory map is released with the objects.
@@ -114,6 +118,7 @@ class Engine:
         stage("mapping tensors")
         text = open_text(model_path)
         gguf = text.file
+        check_memory(text.hparams.state_layout(), min(options.context, text.hparams.context_length), options.kv_type)
         stage("building the tokenizer")
         tokenizer = Tokenizer.from_gguf(gguf.meta, gguf.source)
         if tokenizer.chat_template is not None:
@@ -315,7 +320,7 @@ class Engine:
                     positions=None if prompt is None else prompt.positions,
                     images=() if prompt is None else prompt.images, gpu=self.gpu,
                     gpu_min_tokens=self.options.gpu_min_tokens, on_device_error=self._gpu_failed,
-                    rerenders=rerenders, started=started, grammar=grammar,
+                    rerenders=rerenders, started=started, grammar=grammar, kv_type=self.options.kv_type,
                     channels=self.text.arch.channels, decode_positions=self.text.arch.decode_positions)
         return run_turn(turn)
 

@@ -32,6 +32,10 @@ class ContextFullError(EngineError):
     """A prompt (or prompt plus answer) does not fit the context window."""
 
 
+class MemoryFitError(EngineError):
+    """A requested size (the context's KV cache) needs more memory than the machine has available."""
+
+
 class GenerationCancelled(EngineError):
     """Raised inside the engine when a cancel flag was set; the API turns it into a final event."""
 

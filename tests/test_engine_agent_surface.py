@@ -35,8 +35,8 @@ def engine(synth_model):
 
 def model_logits(engine: Engine, prompt: list[int], answer: list[int]) -> list[np.ndarray]:
     """Logits before each answer token, from the text model's own forward (prompt in one piece, then one
-    token at a time at the next plain position)."""
-    state = SequenceState.new(engine.text.hparams, engine.context)
+    token at a time at the next plain position), on a state of the engine's KV type."""
+    state = SequenceState.new(engine.text.hparams, engine.context, engine.options.kv_type)
     out = [engine.model.forward(np.asarray(prompt, dtype=np.int64), state)[-1]]
     for i, token in enumerate(answer[:-1]):
         pos = np.full((3, 1), len(prompt) + i, dtype=np.int64)

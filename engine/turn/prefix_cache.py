@@ -1,10 +1,11 @@
 """Prefix snapshot cache for the recurrent state.
 
-A Gated DeltaNet state cannot be rolled back, so the whole sequence state is checkpointed at chosen
-positions and a prompt resumes from the deepest snapshot whose prefix it shares. Keys are a hash chain
-over model identity, token ids and image digests. Snapshots live in RAM (byte budget, LRU) and in a
-validated disk tier (:mod:`engine.turn.snapshot`); a bad file is a miss, never an error.
-Design: docs/design/prefix-cache.md; docs/design/hostile-inputs.md.
+A Gated DeltaNet state cannot be rolled back, so the sequence state is checkpointed at chosen positions
+and a prompt resumes from the deepest snapshot whose prefix it shares. Keys are a hash chain over model
+identity, token ids and image digests. A snapshot holds the recurrent state, the position, the logits and
+its KV rows after the last whole page; earlier rows are pages shared by prefix (:mod:`engine.turn.kv_pages`).
+RAM tier (byte budget, LRU) and a validated disk tier (:mod:`engine.turn.snapshot`); a bad file is a miss.
+Design: docs/design/prefix-cache.md; docs/design/kv-cache.md; docs/design/hostile-inputs.md.
 """
 
 from __future__ import annotations
@@ -24,8 +25,9 @@ from pathlib import Path
 
 import numpy as np
 
+from .kv_pages import PAGE_ROWS, PageStore
 from .snapshot import FORMAT_VERSION, encode, read_file, write_atomic
-from .state import HasStateLayout, SequenceState
+from .state import HasStateLayout, SequenceState, kv_dtype
 
 log = logging.getLogger(__name__)
 
@@ -76,14 +78,15 @@ class Snapshot:
         pos: tokens read (the prefix length).
         tokens: (pos,) int32 the prefix's token ids (to find where a new prompt diverges).
         images: position -> image digest inside the prefix (see :func:`chain_keys`).
-        arrays: state arrays by name: ``conv.{il}`` (K-1, conv_dim), ``ssm.{il}`` (n_v, dk, dv),
-            ``k.{il}`` / ``v.{il}`` (pos, n_kv, head_dim), all float32; ``logits`` (n_vocab,)
-            float32 of the last position when known.
+        arrays: state arrays by name: ``conv.{il}`` (K-1, conv_dim), ``ssm.{il}`` (n_v, dk, dv) float32,
+            ``k.{il}`` / ``v.{il}`` (pos - PAGE_ROWS * len(pages), n_kv, head_dim) of the KV type (the rows
+            after the pages); ``logits`` (n_vocab,) float32 of the last position when known.
+        pages: chain keys of the KV pages holding rows [0, PAGE_ROWS * len(pages)) (:mod:`engine.turn.kv_pages`).
         conversation: the conversation it was taken in (for the app's list), or "".
         created / last_used: ``time.time()`` seconds.
         hits: how many times it was restored.
         tier: "ram" or "disk".
-        nbytes: size of the arrays and tokens, bytes.
+        nbytes: size of its own arrays and tokens (not the shared pages), bytes.
         has_logits: whether ``arrays`` holds the last position's logits.
     """
 
@@ -99,6 +102,7 @@ class Snapshot:
     tier: str = "ram"
     nbytes: int = 0
     has_logits: bool = False
+    pages: list[bytes] = field(default_factory=list)
 
 
 @dataclass(frozen=True)
@@ -144,39 +148,46 @@ class Lookup:
     diverge: int
 
 
-def state_arrays(state: SequenceState) -> dict[str, np.ndarray]:
-    """Compact copies of a state's arrays: KV rows up to ``state.pos`` only (see :class:`Snapshot`)."""
+def state_arrays(state: SequenceState, start: int = 0) -> dict[str, np.ndarray]:
+    """Compact copies of a state's arrays: KV rows ``[start, state.pos)`` only (see :class:`Snapshot`)."""
     out: dict[str, np.ndarray] = {}
     for il, a in state.conv.items():
         out[f"conv.{il}"] = a.copy()
     for il, a in state.ssm.items():
         out[f"ssm.{il}"] = a.copy()
     for il, a in state.k.items():
-        out[f"k.{il}"] = a[: state.pos].copy()
+        out[f"k.{il}"] = a[start: state.pos].copy()
     for il, a in state.v.items():
-        out[f"v.{il}"] = a[: state.pos].copy()
+        out[f"v.{il}"] = a[start: state.pos].copy()
     return out
 
 
-def restore_state(hp: HasStateLayout, arrays: Mapping[str, np.ndarray], pos: int, capacity: int) -> SequenceState:
-    """A new :class:`SequenceState` of ``capacity`` tokens holding a snapshot's arrays at ``pos``.
+def restore_state(hp: HasStateLayout, arrays: Mapping[str, np.ndarray], pos: int, capacity: int,
+                  kv_type: str = "f32", pages: Sequence[Mapping[str, np.ndarray]] = ()) -> SequenceState:
+    """A new :class:`SequenceState` of ``capacity`` tokens and KV type ``kv_type`` holding a snapshot's
+    arrays at ``pos``: the KV rows of ``pages`` (PAGE_ROWS each, in order), then the snapshot's own rows.
 
     Raises:
-        ValueError: an array is missing or has the wrong shape (a snapshot of another model).
+        ValueError: an array is missing or has the wrong shape, or KV rows of another type (a snapshot of
+            another model or cache).
     """
-    state = SequenceState.new(hp, capacity)
+    state = SequenceState.new(hp, capacity, kv_type)
     for kind, table in (("conv", state.conv), ("ssm", state.ssm)):
         for il, dst in table.items():
             src = arrays[f"{kind}.{il}"]
             if src.shape != dst.shape:
                 raise ValueError(f"{kind}.{il} has shape {src.shape}, expected {dst.shape}")
             dst[...] = src
+    start = PAGE_ROWS * len(pages)
     for kind, table in (("k", state.k), ("v", state.v)):
         for il, dst in table.items():
             src = arrays[f"{kind}.{il}"]
-            if src.shape != (pos,) + dst.shape[1:]:
-                raise ValueError(f"{kind}.{il} has shape {src.shape}, expected {(pos,) + dst.shape[1:]}")
-            dst[:pos] = src
+            if src.shape != (pos - start,) + dst.shape[1:] or src.dtype != dst.dtype:
+                raise ValueError(f"{kind}.{il} is {src.dtype} {src.shape}, expected {dst.dtype} "
+                                 f"{(pos - start,) + dst.shape[1:]}")
+            for p, page in enumerate(pages):
+                dst[p * PAGE_ROWS:(p + 1) * PAGE_ROWS] = page[f"{kind}.{il}"]
+            dst[start:pos] = src
     state.pos = pos
     return state
 
@@ -195,15 +206,19 @@ class PrefixCache:
         ram_budget: bytes of snapshots kept in RAM (LRU beyond it).
         disk_dir: folder of the disk tier (None = RAM only); a subfolder per model identity.
         disk_budget: bytes of snapshot files kept on disk (oldest used removed beyond it).
+        kv_type: the KV type of the states it takes and builds (:data:`engine.turn.state.KV_TYPES`); a file of
+            another KV type is ignored like a foreign one.
 
     Thread-safe: every public method holds one lock, so the app may list or clear snapshots
     while a turn is running on another thread.
     """
 
     def __init__(self, hp: HasStateLayout, identity: str, ram_budget: int = 2 << 30,
-                 disk_dir: Path | None = None, disk_budget: int = 8 << 30) -> None:
+                 disk_dir: Path | None = None, disk_budget: int = 8 << 30, kv_type: str = "f32") -> None:
+        kv_dtype(kv_type)
         self.hp = hp
         self.identity = identity
+        self.kv_type = kv_type
         self.ram_budget = ram_budget
         self.disk_budget = disk_budget
         self._entries: OrderedDict[bytes, Snapshot] = OrderedDict()
@@ -211,6 +226,8 @@ class PrefixCache:
         self._disk: Path | None = None
         if disk_dir is not None:
             self._disk = snapshot_folder(disk_dir, identity)
+        self._pages = PageStore(hp.state_layout(), identity, kv_type, self._disk)
+        if self._disk is not None:
             self._scan_disk()
 
     # ---- lookup and restore -------------------------------------------------------------
@@ -241,22 +258,27 @@ class PrefixCache:
                     continue
                 if pos >= capacity:
                     continue       # taken with a larger context window than this state holds
+                from_disk = snap.arrays is None
                 arrays = self._load_arrays(snap)
-                if arrays is None:
+                pages = None if arrays is None else self._pages.load(snap.pages)
+                if arrays is None or pages is None:
+                    self._forget(snap)
                     continue
                 try:
-                    state = restore_state(self.hp, arrays, pos, capacity)
+                    state = restore_state(self.hp, arrays, pos, capacity, self.kv_type, pages)
                 except (KeyError, ValueError) as exc:   # cannot happen for a checked file: a miss all the same
                     log.warning("prefix cache: dropping snapshot %s: %s", snap.key.hex(), exc)
-                    self._entries.pop(snap.key, None)
+                    self._forget(snap)
                     continue
+                if from_disk:
+                    self._evict(keep=snap.key)
                 snap.hits += 1
                 snap.last_used = time.time()
                 self._entries.move_to_end(snap.key)
                 logits = arrays.get("logits") if pos == n else None
                 return Lookup(state, pos, None if logits is None else logits.copy(),
                               (time.perf_counter() - t0) * 1e3, self._diverge(tokens, images, pos))
-            return Lookup(SequenceState.new(self.hp, capacity), 0, None, (time.perf_counter() - t0) * 1e3,
+            return Lookup(SequenceState.new(self.hp, capacity, self.kv_type), 0, None, (time.perf_counter() - t0) * 1e3,
                           self._diverge(tokens, images, 0))
 
     def contains(self, key: bytes) -> bool:
@@ -283,7 +305,8 @@ class PrefixCache:
     # ---- taking snapshots ---------------------------------------------------------------
 
     def put(self, key: bytes, state: SequenceState, tokens: Sequence[int], logits: np.ndarray | None,
-            images: Mapping[int, bytes] | None = None, conversation: str = "") -> Snapshot:
+            images: Mapping[int, bytes] | None = None, conversation: str = "",
+            keys: Sequence[bytes] | None = None) -> Snapshot:
         """Checkpoint ``state`` (at ``state.pos`` = len(tokens)) under chain key ``key``.
 
         Args:
@@ -293,24 +316,36 @@ class PrefixCache:
             logits: (n_vocab,) float32 logits of the last position, or None.
             images: position -> image digest of the images inside the prefix.
             conversation: conversation id for the app's list.
+            keys: the chain keys of ``tokens`` (or of a sequence that starts with them) when known; they name
+                its KV pages (computed here otherwise).
 
         Returns:
             The new (or refreshed) snapshot.
+
+        Raises:
+            ValueError: ``state`` keeps KV rows of another type than the cache's.
         """
+        if state.kv_type != self.kv_type:
+            raise ValueError(f"a state of KV type {state.kv_type} put into a cache of {self.kv_type}")
         with self._lock:
             old = self._entries.get(key)
             if old is not None and old.tier == "ram" and (logits is None or old.has_logits):
                 old.last_used = time.time()
                 self._entries.move_to_end(key)
                 return old
-            arrays = state_arrays(state)
+            n_pages = state.pos // PAGE_ROWS
+            if n_pages and (keys is None or len(keys) <= n_pages * PAGE_ROWS):
+                keys = chain_keys(self.identity, tokens, images)
+            pages = [keys[(p + 1) * PAGE_ROWS] for p in range(n_pages)] if keys is not None else []
+            arrays = state_arrays(state, n_pages * PAGE_ROWS)
             if logits is not None:
                 arrays["logits"] = np.asarray(logits, dtype=np.float32).copy()
             snap = Snapshot(key=key, pos=state.pos, tokens=np.asarray(tokens, dtype=np.int32).copy(),
                             arrays=arrays, images={p: d for p, d in (images or {}).items() if p < state.pos},
                             conversation=conversation,
                             nbytes=sum(a.nbytes for a in arrays.values()) + 4 * len(tokens),
-                            has_logits=logits is not None)
+                            has_logits=logits is not None, pages=pages)
+            self._pages.attach(key, pages, state)
             if old is not None and old.tier == "disk":
                 self._remove_file(old)
             self._entries[key] = snap
@@ -322,17 +357,31 @@ class PrefixCache:
         """Move least recently used RAM snapshots to disk (or drop them) beyond the RAM budget, never ``keep``
         (the one a lookup is restoring), then trim the disk tier."""
         ram = [s for s in self._entries.values() if s.tier == "ram" and s.key != keep]
-        used = sum(s.nbytes for s in ram)
         for snap in ram:  # least recently used first
-            if used <= self.ram_budget:
+            if self._ram_used() <= self.ram_budget:
                 break
-            used -= snap.nbytes
             if self._disk is not None and self._write(snap):
                 snap.arrays = None
                 snap.tier = "disk"
             else:
-                del self._entries[snap.key]
+                self._drop(snap)
+            self._pages.release_ram({k for s in self._entries.values() if s.tier == "ram" for k in s.pages})
         self._trim_disk()
+
+    def _ram_used(self) -> int:
+        """Bytes of the RAM snapshots' own arrays and of the pages held in RAM."""
+        return sum(s.nbytes for s in self._entries.values() if s.tier == "ram") + self._pages.ram_bytes()
+
+    def _drop(self, snap: Snapshot) -> None:
+        """Remove ``snap`` from RAM and disk (see :meth:`_forget`)."""
+        self._remove_file(snap)
+        self._forget(snap)
+
+    def _forget(self, snap: Snapshot) -> list[bytes]:
+        """Drop ``snap``'s entry (its file, if any, stays: an unusable one is ignored at every scan) and its
+        references to pages; returns the keys of the page files removed with their last owner."""
+        self._entries.pop(snap.key, None)
+        return self._pages.detach(snap.key, snap.pages)
 
     def persist(self) -> None:
         """Write every RAM snapshot to the disk tier too (e.g. when the app closes)."""
@@ -363,14 +412,13 @@ class PrefixCache:
                 snap = self._entries.get(bytes.fromhex(key))
                 targets = [snap] if snap is not None else []
             for snap in targets:
-                self._remove_file(snap)
-                self._entries.pop(snap.key, None)
+                self._drop(snap)
 
     @property
     def ram_bytes(self) -> int:
-        """Bytes of snapshots held in RAM."""
+        """Bytes of snapshots held in RAM, their KV pages included (each page once)."""
         with self._lock:
-            return sum(s.nbytes for s in self._entries.values() if s.tier == "ram")
+            return self._ram_used()
 
     # ---- disk tier ----------------------------------------------------------------------
 
@@ -384,7 +432,10 @@ class PrefixCache:
         path = self._path(snap.key)
         if _is_regular(path):
             return True
+        if not self._pages.write(snap.pages):
+            return False
         meta = {"version": FORMAT_VERSION, "identity": self.identity, "key": snap.key.hex(), "pos": snap.pos,
+                **({"pages": [k.hex() for k in snap.pages]} if snap.pages else {}),
                 "images": {str(p): d.hex() for p, d in snap.images.items()},
                 "conversation": snap.conversation, "created": snap.created, "hits": snap.hits}
         try:
@@ -397,7 +448,7 @@ class PrefixCache:
     def _read(self, path: Path, with_arrays: bool = True) -> tuple[dict, np.ndarray, dict | None] | None:
         """Stream, parse and verify one snapshot file (:func:`engine.turn.snapshot.read_file`); None (with a
         log line) when it is not usable: vanished, not a regular file, damaged, foreign."""
-        parsed = read_file(path, self.hp, self.identity, with_arrays)
+        parsed = read_file(path, self.hp, self.identity, with_arrays, self.kv_type)
         if isinstance(parsed, str):
             log.warning("prefix cache: ignoring %s: %s", path, parsed)
             return None
@@ -458,30 +509,33 @@ class PrefixCache:
             except ValueError as exc:   # a digest that is not hex
                 log.warning("prefix cache: ignoring %s: %s", path, exc)
                 continue
-            key = chain_keys(self.identity, tokens.tolist(), images)[-1]
-            if path.stem != key.hex() or meta.get("key") != key.hex():
+            chain = chain_keys(self.identity, tokens.tolist(), images)
+            key = chain[-1]
+            pages = [bytes.fromhex(k) for k in meta.get("pages", [])]
+            if (path.stem != key.hex() or meta.get("key") != key.hex()
+                    or pages != [chain[(p + 1) * PAGE_ROWS] for p in range(len(pages))]):
                 log.warning("prefix cache: ignoring %s: its key does not match its contents", path)
                 continue
             self._entries[key] = Snapshot(
                 key=key, pos=meta["pos"], tokens=tokens, arrays=None, images=images,
                 conversation=meta.get("conversation", ""), created=float(meta.get("created", 0.0)),
                 hits=int(meta.get("hits", 0)), tier="disk", nbytes=size,
-                has_logits="logits" in meta["arrays"])
+                has_logits="logits" in meta["arrays"], pages=pages)
+            self._pages.attach(key, pages)
+        self._pages.sweep()
 
     def _load_arrays(self, snap: Snapshot) -> dict[str, np.ndarray] | None:
-        """The snapshot's arrays, read from its file when it is on disk; None (and the entry dropped) when
-        the file vanished or is not usable. Makes it the most recently used, so trimming spares it."""
+        """The snapshot's arrays, read from its file when it is on disk (it is then a RAM snapshot, the most
+        recently used, so trimming spares it); None when the file vanished or is not usable."""
         if snap.arrays is not None:
             return snap.arrays
         if self._disk is None:
             return None
         parsed = self._read(self._path(snap.key))
         if parsed is None or parsed[2] is None:
-            self._entries.pop(snap.key, None)
             return None
         snap.arrays, snap.tier = parsed[2], "ram"
         self._entries.move_to_end(snap.key)
-        self._evict(keep=snap.key)
         return parsed[2]
 
     def _remove_file(self, snap: Snapshot) -> None:
@@ -492,12 +546,13 @@ class PrefixCache:
                 log.warning("prefix cache: cannot remove %s: %s", self._path(snap.key), exc)
 
     def _trim_disk(self) -> None:
-        """Remove the folder's oldest snapshot files until they fit the disk budget; files removed by another
-        process meanwhile are simply gone (never an error)."""
+        """Remove the folder's oldest snapshot files until they and the page files fit the disk budget (a page
+        file goes with its last snapshot); files removed by another process meanwhile are simply gone."""
         if self._disk is None:
             return
         files = self._listing()
-        used = sum(size for _, size, _ in files)
+        page_sizes = {bytes.fromhex(p.stem): size for _, size, p in self._pages.disk_files()}
+        used = sum(size for _, size, _ in files) + sum(page_sizes.values())
         for _, size, p in files:
             if used <= self.disk_budget:
                 break
@@ -509,4 +564,4 @@ class PrefixCache:
                 continue
             snap = self._entries.get(bytes.fromhex(p.stem))
             if snap is not None and snap.tier == "disk":
-                del self._entries[snap.key]
+                used -= sum(page_sizes.get(k, 0) for k in self._forget(snap))

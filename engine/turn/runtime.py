@@ -60,6 +60,7 @@ class Turn:
         on_device_error: called with the message when the GPU fails (the turn goes on on the CPU).
         grammar: constrains the answer (:mod:`engine.turn.grammar`; end-of-generation ids only where it may end,
             the only ids once it has ended), or None.
+        kv_type: the KV type of a fresh state (:data:`engine.turn.state.KV_TYPES`; the cache's own when it has one).
         started: ``time.perf_counter()`` when the caller began the turn (before rendering the
             template and encoding images), the origin of TTFT; None = when :func:`run_turn` starts.
         rerenders: ``rerenders(answer_ids)`` tells whether the next turn's prompt will contain
@@ -89,6 +90,7 @@ class Turn:
     decode_positions: Callable[[np.ndarray | None, int, int], np.ndarray] | None = None
     started: float | None = None
     grammar: Grammar | None = None
+    kv_type: str = "f32"
 
     def image_digests(self) -> dict[int, bytes]:
         """Prompt index -> content digest of the image whose embedding sits there (cache keys)."""
@@ -224,14 +226,15 @@ def read_ahead(turn: Turn) -> PrefillStats | None:
     state = hit.state
 
     def snapshot(pos: int, last: np.ndarray | None) -> None:
-        cache.put(keys[pos], state, turn.prompt[:pos], None, images=digests, conversation=turn.conversation)
+        cache.put(keys[pos], state, turn.prompt[:pos], None, images=digests, conversation=turn.conversation,
+                  keys=keys)
 
     t0 = time.perf_counter()
     devices: list[str] = []
     logits, _ = _drain(_prefill(turn, state, set(turn.checkpoints), snapshot, devices, AHEAD_PIECE))
     if logits is None:
         return None
-    cache.put(keys[n], state, turn.prompt, None, images=digests, conversation=turn.conversation)
+    cache.put(keys[n], state, turn.prompt, None, images=digests, conversation=turn.conversation, keys=keys)
     return PrefillStats(prompt_tokens=n, reused_tokens=hit.reused, prefilled_tokens=n - hit.reused,
                         prefill_ms=_ms(t0), restore_ms=hit.restore_ms,
                         device="cuda" if "cuda" in devices else "cpu", ttft_ms=0.0)
@@ -289,7 +292,8 @@ def _resume(turn: Turn) -> _Resumed:
     """Look the prompt up in the prefix cache and pick the snapshot positions of its prefill."""
     cache, n = turn.cache, len(turn.prompt)
     if cache is None:
-        return _Resumed(SequenceState.new(turn.model.hp, turn.context), 0, 0.0, None, set(), {}, None, None)
+        return _Resumed(SequenceState.new(turn.model.hp, turn.context, turn.kv_type), 0, 0.0, None, set(), {}, None,
+                        None)
     digests = turn.image_digests()
     keys = chain_keys(cache.identity, turn.prompt, digests)
     hit = cache.lookup(turn.prompt, turn.context, images=digests, keys=keys)
@@ -301,7 +305,8 @@ def _resume(turn: Turn) -> _Resumed:
         stops |= set(range(turn.snapshot_interval, n, turn.snapshot_interval))
 
     def snapshot(pos: int, last: np.ndarray | None) -> None:
-        cache.put(keys[pos], hit.state, turn.prompt[:pos], last, images=digests, conversation=turn.conversation)
+        cache.put(keys[pos], hit.state, turn.prompt[:pos], last, images=digests, conversation=turn.conversation,
+                  keys=keys)
 
     return _Resumed(hit.state, hit.reused, hit.restore_ms, hit.logits, stops, digests, keys, snapshot)
 
@@ -340,7 +345,7 @@ def run_turn(turn: Turn) -> Iterator[Event]:
             return
         if turn.cache is not None:
             turn.cache.put(resumed.keys[n_prompt], resumed.state, turn.prompt, logits, images=resumed.digests,
-                           conversation=turn.conversation)
+                           conversation=turn.conversation, keys=resumed.keys)
     prefill_ms = _ms(t0)
     matcher = None if turn.grammar is None else turn.grammar.matcher()
     sampler, history = Sampler(turn.sampling, matcher, n_prompt), list(turn.prompt)
@@ -379,8 +384,8 @@ def _keep_answer_end(turn: Turn, resumed: _Resumed, step: _Stepper, history: lis
         return
     step(token)
     history.append(token)
-    cache.put(chain_keys(cache.identity, history, resumed.digests)[-1], state, history, None,
-              images=resumed.digests, conversation=turn.conversation)
+    keys = chain_keys(cache.identity, history, resumed.digests)
+    cache.put(keys[-1], state, history, None, images=resumed.digests, conversation=turn.conversation, keys=keys)
 
 
 def _decode(turn: Turn, resumed: _Resumed, sampler: Sampler, history: list[int], token: int, logits: np.ndarray,

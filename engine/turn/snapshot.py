@@ -1,7 +1,8 @@
 """The versioned disk format of one prefix snapshot, and its checks against the loaded model.
 
 A file is ``FORMAT_MAGIC``, a u64 (little-endian) header length, a JSON header, the payload (``pos``
-int32 token ids, then every array as little-endian float32 in the header's order) and the SHA-256 of
+int32 token ids, then every array in the header's order: little-endian float32, the KV rows in the
+cache's KV type, float32 or float16) and the SHA-256 of
 header + payload. The header names the format version, the model file's identity, the chain key,
 ``pos``, the image digests by position, the conversation, ``created`` / ``hits``, and every array's
 dtype and shape. A file is written to a temporary file, flushed, fsynced and renamed, so a crash
@@ -23,7 +24,7 @@ from typing import Any, BinaryIO
 
 import numpy as np
 
-from .state import HasStateLayout, StateLayout
+from .state import KV_PAGE_ROWS, HasStateLayout, StateLayout, kv_dtype
 
 FORMAT_MAGIC = b"DDSNAP\x00\x01"
 FORMAT_VERSION = 1
@@ -41,22 +42,27 @@ def expected_arrays(hp: HasStateLayout, pos: int) -> dict[str, tuple[int, ...]]:
     return hp.state_layout().arrays(pos)
 
 
-def check_header(hp: HasStateLayout, identity: str, meta: object, payload_bytes: int) -> str | None:
+def check_header(hp: HasStateLayout, identity: str, meta: object, payload_bytes: int,
+                 kv_type: str = "f32") -> str | None:
     """Why a snapshot file's parsed JSON header does not fit the loaded model, or None when it does.
 
     Args:
         hp: the loaded model's hyper-parameters. identity: its file identity.
         meta: the parsed header (anything JSON gives).
         payload_bytes: bytes between the header and the checksum (tokens and arrays).
-    Checks: version, identity, ``pos`` an int in 1..context_length, ``key`` a hex string, ``images``
+        kv_type: the cache's KV type (:data:`engine.turn.state.KV_TYPES`): the dtype of the ``k.*`` / ``v.*`` arrays.
+    Checks: version, identity, ``pos`` an int in 1..context_length, ``key`` a hex string, ``pages`` (when
+    present) the hex chain keys of the pos // KV_PAGE_ROWS whole KV pages the snapshot references
+    (:mod:`engine.turn.kv_pages`; its own KV arrays then hold only the rows after them), ``images``
     position -> hex digest, ``arrays`` exactly :func:`expected_arrays` (plus an optional ``logits`` of
-    (n_vocab,)), every one ``<f4``, the payload's size = 4 * pos + the arrays' bytes, ``conversation`` a
+    (n_vocab,)), every one ``<f4`` (KV rows: ``kv_type``'s, e.g. ``<f2``), the payload's size = 4 * pos + the
+    arrays' bytes, ``conversation`` a
     string, ``created`` and ``hits`` numbers within +-1e18 (not NaN or infinite).
     """
     if not isinstance(meta, dict):
         return "the header is not an object"
     layout = hp.state_layout()
-    return (_head_problem(meta, identity, layout) or _array_problem(meta, layout, payload_bytes)
+    return (_head_problem(meta, identity, layout) or _array_problem(meta, layout, payload_bytes, kv_type)
             or _field_problem(meta))
 
 
@@ -78,24 +84,34 @@ def _head_problem(meta: dict, identity: str, layout: StateLayout) -> str | None:
     return None
 
 
-def _array_problem(meta: dict, layout: StateLayout, payload_bytes: int) -> str | None:
-    """What is wrong with the array table and the payload's size (``pos`` already checked), or None."""
+def _array_problem(meta: dict, layout: StateLayout, payload_bytes: int, kv_type: str) -> str | None:
+    """What is wrong with the page list, the array table (KV rows of ``kv_type``) and the payload's size
+    (``pos`` already checked), or None."""
     pos = meta["pos"]
     arrays = meta.get("arrays")
     if not isinstance(arrays, dict):
         return "no array table"
+    pages = meta.get("pages", [])
+    if not isinstance(pages, list) or (pages and len(pages) != pos // KV_PAGE_ROWS) or not all(
+            isinstance(k, str) and len(k) == 32 and all(c in "0123456789abcdef" for c in k) for k in pages):
+        return f"malformed page list (expected {pos // KV_PAGE_ROWS} hex keys, or none)"
     want = layout.arrays(pos)
+    for name in want:
+        if name[:2] in ("k.", "v."):
+            want[name] = (pos - KV_PAGE_ROWS * len(pages), *want[name][1:])
     extra = set(arrays) - set(want) - {"logits"}
     if extra or set(want) - set(arrays):
         return f"its arrays do not match the model's layers (unexpected {sorted(extra)[:3]}, " \
                f"missing {sorted(set(want) - set(arrays))[:3]})"
     want["logits"] = (layout.n_vocab,)
+    kv = kv_dtype(kv_type)
     size = 4 * pos
     for name, entry in arrays.items():
-        if not (isinstance(entry, list) and len(entry) == 2 and entry[0] == "<f4" and isinstance(entry[1], list)
+        dtype = kv if name[:2] in ("k.", "v.") else np.dtype("<f4")
+        if not (isinstance(entry, list) and len(entry) == 2 and entry[0] == dtype.str and isinstance(entry[1], list)
                 and tuple(entry[1]) == want[name]):
-            return f"array {name} is {entry!r}, expected ['<f4', {list(want[name])}]"
-        size += 4 * int(np.prod(want[name]))
+            return f"array {name} is {entry!r}, expected [{dtype.str!r}, {list(want[name])}]"
+        size += dtype.itemsize * int(np.prod(want[name]))
     if size != payload_bytes:
         return f"{payload_bytes} bytes of data where the header describes {size}"
     return None
@@ -170,8 +186,8 @@ def open_regular(path: Path) -> tuple[BinaryIO, int] | str:
     return os.fdopen(fd, "rb"), after.st_size
 
 
-def read_file(path: Path, hp: HasStateLayout, identity: str,
-              with_arrays: bool = True) -> tuple[dict, np.ndarray, dict[str, np.ndarray] | None] | str:
+def read_file(path: Path, hp: HasStateLayout, identity: str, with_arrays: bool = True,
+              kv_type: str = "f32") -> tuple[dict, np.ndarray, dict[str, np.ndarray] | None] | str:
     """Read and verify one snapshot file by streaming it (only a regular file, see :func:`open_regular`).
 
     The header is read first and its sizes checked against the file's size before any array is allocated;
@@ -179,8 +195,8 @@ def read_file(path: Path, hp: HasStateLayout, identity: str,
     checked), so memory use is the arrays' size, never the file's twice.
 
     Returns:
-        (header, (pos,) int32 tokens, name -> float32 array or None), or a string saying why the file is not
-        usable (see :func:`read_stream`).
+        (header, (pos,) int32 tokens, name -> array or None), or a string saying why the file is not
+        usable (see :func:`read_stream`; ``kv_type`` as there).
     """
     opened = open_regular(path)
     if isinstance(opened, str):
@@ -188,22 +204,25 @@ def read_file(path: Path, hp: HasStateLayout, identity: str,
     f, size = opened
     try:
         with f:
-            return read_stream(f, size, hp, identity, with_arrays)
+            return read_stream(f, size, hp, identity, with_arrays, kv_type)
     except OSError as exc:
         return f"cannot read it ({exc.strerror or exc})"
 
 
-def decode(data: bytes, hp: HasStateLayout, identity: str) -> tuple[dict, np.ndarray, dict[str, np.ndarray]] | str:
+def decode(data: bytes, hp: HasStateLayout, identity: str,
+           kv_type: str = "f32") -> tuple[dict, np.ndarray, dict[str, np.ndarray]] | str:
     """:func:`read_stream` over bytes already in memory."""
-    return read_stream(io.BytesIO(data), len(data), hp, identity, True)  # type: ignore[return-value]
+    return read_stream(io.BytesIO(data), len(data), hp, identity, True, kv_type)  # type: ignore[return-value]
 
 
-def read_stream(f: BinaryIO, size: int, hp: HasStateLayout, identity: str,
-                with_arrays: bool) -> tuple[dict, np.ndarray, dict[str, np.ndarray] | None] | str:
-    """Parse and verify a snapshot of ``size`` bytes read from ``f`` against the loaded model.
+def read_stream(f: BinaryIO, size: int, hp: HasStateLayout, identity: str, with_arrays: bool,
+                kv_type: str = "f32") -> tuple[dict, np.ndarray, dict[str, np.ndarray] | None] | str:
+    """Parse and verify a snapshot of ``size`` bytes read from ``f`` against the loaded model, whose cache
+    keeps KV rows of ``kv_type`` (a file of another KV type is not usable).
 
     Returns:
-        (header, (pos,) int32 tokens, name -> float32 array, or None without ``with_arrays``), or a string
+        (header, (pos,) int32 tokens, name -> array (float32; KV rows of ``kv_type``), or None without
+        ``with_arrays``), or a string
         saying why the file is not usable: bad framing, a header larger than the file, unreadable header,
         :func:`check_header`'s reason, a token outside the vocabulary, a NaN or infinite value in the state
         (damaged), a checksum mismatch, or a file shorter than it said.
@@ -222,7 +241,7 @@ def read_stream(f: BinaryIO, size: int, hp: HasStateLayout, identity: str,
         meta = json.loads(raw)
     except (ValueError, RecursionError):    # not JSON, or nested too deep to parse
         return "unreadable header"
-    fail = check_header(hp, identity, meta, size - _HEAD - n_head - _SHA)
+    fail = check_header(hp, identity, meta, size - _HEAD - n_head - _SHA, kv_type)
     if fail is not None:
         return fail
     pos = meta["pos"]
@@ -232,8 +251,8 @@ def read_stream(f: BinaryIO, size: int, hp: HasStateLayout, identity: str,
     if tokens.size and (tokens.min() < 0 or tokens.max() >= hp.state_layout().n_vocab):
         return "a token id outside the vocabulary"
     arrays: dict[str, np.ndarray] | None = {} if with_arrays else None
-    for name, (_, shape) in meta["arrays"].items():
-        fail = _take_array(f, name, tuple(shape), digest, arrays)
+    for name, (dtype, shape) in meta["arrays"].items():
+        fail = _take_array(f, name, np.dtype(dtype), tuple(shape), digest, arrays)
         if fail is not None:
             return fail
     if f.read(_SHA) != digest.digest():
@@ -241,20 +260,21 @@ def read_stream(f: BinaryIO, size: int, hp: HasStateLayout, identity: str,
     return meta, tokens.astype(np.int32), arrays
 
 
-def _take_array(f: BinaryIO, name: str, shape: tuple[int, ...], digest: Any,
+def _take_array(f: BinaryIO, name: str, dtype: np.dtype, shape: tuple[int, ...], digest: Any,
                 arrays: dict[str, np.ndarray] | None) -> str | None:
-    """Read one array (into ``arrays``, or in pieces only to hash and check it); why it is unusable, or None."""
+    """Read one array of little-endian ``dtype`` (checked by :func:`check_header`) into ``arrays`` (native
+    byte order), or in pieces only to hash and check it; why it is unusable, or None."""
     if arrays is not None:
-        a = np.empty(shape, dtype="<f4")
+        a = np.empty(shape, dtype=dtype)
         if not _fill(f, a, digest):
             return "truncated data"
         if not np.isfinite(a).all():
             return f"damaged: {name} holds NaN or infinite values"
-        arrays[name] = a.astype(np.float32, copy=False)
+        arrays[name] = a.astype(dtype.newbyteorder("="), copy=False)
         return None
     left = int(np.prod(shape))
     while left:
-        piece = np.empty(min(left, _PIECE), dtype="<f4")
+        piece = np.empty(min(left, _PIECE), dtype=dtype)
         if not _fill(f, piece, digest):
             return "truncated data"
         if not np.isfinite(piece).all():

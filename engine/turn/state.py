@@ -1,9 +1,10 @@
 """Per-sequence state of a hybrid recurrent/attention model: what a prefix snapshot must hold to resume.
 
 A :class:`SequenceState`, shaped by a :class:`StateLayout`, holds per recurrent layer ``conv[il]`` and
-``ssm[il]`` (fixed size), per attention layer ``k[il]`` / ``v[il]`` of ``(capacity, *row)`` (rows
-``[:pos]`` valid), and ``pos``. All float32. A recurrent state cannot be rolled back: keep a
-:meth:`SequenceState.copy`. Design: docs/design/prefix-cache.md (shapes, why float32).
+``ssm[il]`` (fixed size, float32), per attention layer ``k[il]`` / ``v[il]`` of ``(capacity, *row)`` (rows
+``[:pos]`` valid) in the state's KV type (:data:`KV_TYPES`: F32, or F16 rounded once when written), and
+``pos``. A recurrent state cannot be rolled back: keep a :meth:`SequenceState.copy`.
+Design: docs/design/prefix-cache.md (shapes, why float32); docs/design/kv-cache.md (F16 rows).
 """
 
 from __future__ import annotations
@@ -14,7 +15,20 @@ from typing import Protocol
 
 import numpy as np
 
-from ..errors import ContextFullError
+from ..errors import ContextFullError, MemoryFitError
+
+KV_PAGE_ROWS = 256
+"""Positions per KV page of the prefix cache (:mod:`engine.turn.kv_pages`)."""
+
+KV_TYPES: dict[str, type] = {"f32": np.float32, "f16": np.float16}
+"""KV cache element types by name: "f32" (exact; the reference and conformance tests) and "f16"."""
+
+
+def kv_dtype(kv_type: str) -> np.dtype:
+    """The numpy dtype of KV type ``kv_type``. Raises ValueError for a name not in :data:`KV_TYPES`."""
+    if kv_type not in KV_TYPES:
+        raise ValueError(f"KV type {kv_type!r} is not one of {sorted(KV_TYPES)}")
+    return np.dtype(KV_TYPES[kv_type])
 
 
 @dataclass(frozen=True)
@@ -49,6 +63,36 @@ class StateLayout:
         return out
 
 
+def state_nbytes(layout: StateLayout, capacity: int, kv_type: str = "f32") -> int:
+    """Bytes of one sequence's state of ``capacity`` positions (= ``SequenceState.new(...).nbytes``): the
+    float32 recurrent arrays plus 2 x capacity KV rows per attention layer of ``kv_type``'s elements."""
+    rows = sum(2 * int(np.prod(s)) for s in layout.kv.values()) * capacity
+    fixed = sum(int(np.prod(s)) for s in (*layout.conv.values(), *layout.ssm.values()))
+    return rows * kv_dtype(kv_type).itemsize + 4 * fixed
+
+
+def check_memory(layout: StateLayout, capacity: int, kv_type: str, available: int | None = None) -> int:
+    """Refuse up front a context whose state cannot fit the memory available now (the KV rows are
+    allocated lazily, so without this a large context would fail with an out-of-memory error hours later).
+
+    Args: layout: the model's state. capacity: context, tokens. kv_type: a :data:`KV_TYPES` name.
+        available: bytes of memory available, or None for what the OS reports (``psutil``).
+    Returns: the state's bytes. Raises: MemoryFitError naming the bytes needed and available.
+    """
+    need = state_nbytes(layout, capacity, kv_type)
+    if available is None:
+        import psutil
+        available = int(psutil.virtual_memory().available)
+    if need > available:
+        per_token = state_nbytes(layout, 1, kv_type) - state_nbytes(layout, 0, kv_type)
+        raise MemoryFitError(
+            f"a context of {capacity:,} tokens needs {need / 2**30:.2f} GiB for its state ({per_token:,} bytes of "
+            f"{kv_type} KV cache per token) but {available / 2**30:.2f} GiB of memory is available: choose a "
+            f"context of at most {max(available - state_nbytes(layout, 0, kv_type), 0) // per_token:,} tokens"
+            + (" or the f16 KV type" if kv_type == "f32" else ""))
+    return need
+
+
 class HasStateLayout(Protocol):
     """Hyper-parameters that know their model's :class:`StateLayout` (e.g. ``Qwen35HParams``)."""
 
@@ -65,30 +109,34 @@ class SequenceState:
 
     capacity: int
     pos: int = 0
+    kv_type: str = "f32"
     conv: dict[int, np.ndarray] = field(default_factory=dict)
     ssm: dict[int, np.ndarray] = field(default_factory=dict)
     k: dict[int, np.ndarray] = field(default_factory=dict)
     v: dict[int, np.ndarray] = field(default_factory=dict)
 
     @classmethod
-    def new(cls, hp: HasStateLayout, capacity: int) -> "SequenceState":
-        """A fresh (all-zero, pos 0) state of ``hp.state_layout()`` holding up to ``capacity`` positions.
+    def new(cls, hp: HasStateLayout, capacity: int, kv_type: str = "f32") -> "SequenceState":
+        """A fresh (all-zero, pos 0) state of ``hp.state_layout()`` holding up to ``capacity`` positions,
+        its KV rows of ``kv_type`` (:data:`KV_TYPES`).
 
         Raises:
             ContextFullError: ``capacity`` is < 1 or larger than the model's context_length.
+            ValueError: an unknown ``kv_type``.
         """
+        dtype = kv_dtype(kv_type)
         layout = hp.state_layout()
         if not 1 <= capacity <= layout.context_length:
             raise ContextFullError(
                 f"state capacity {capacity} is outside 1..{layout.context_length} (the model's context_length)")
-        state = cls(capacity=capacity)
+        state = cls(capacity=capacity, kv_type=kv_type)
         for il in sorted({*layout.conv, *layout.kv}):
             if il in layout.conv:
                 state.conv[il] = np.zeros(layout.conv[il], np.float32)
                 state.ssm[il] = np.zeros(layout.ssm[il], np.float32)
             else:
-                state.k[il] = np.zeros((capacity, *layout.kv[il]), np.float32)
-                state.v[il] = np.zeros((capacity, *layout.kv[il]), np.float32)
+                state.k[il] = np.zeros((capacity, *layout.kv[il]), dtype)
+                state.v[il] = np.zeros((capacity, *layout.kv[il]), dtype)
         return state
 
     def chunk_inputs(self, tokens: np.ndarray, positions: np.ndarray | None,
@@ -138,6 +186,7 @@ class SequenceState:
         return SequenceState(
             capacity=self.capacity,
             pos=self.pos,
+            kv_type=self.kv_type,
             conv={il: a.copy() for il, a in self.conv.items()},
             ssm={il: a.copy() for il, a in self.ssm.items()},
             k=kv(self.k),

@@ -45,7 +45,7 @@ X86_ISA_SOURCES = {
     "quant/kernels_ssse3.c": ["-mssse3"],
     "quant/kernels_avx2.c": ["-mavx2", "-mfma", "-mf16c"],
     "quant/kernels_avx512vnni.c": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni"],
-    "attention/attention_avx2.c": ["-mavx2", "-mfma"],
+    "attention/attention_avx2.c": ["-mavx2", "-mfma", "-mf16c"],
     "attention/attention_avx512.c": ["-mavx512f"],
     "gdn/mixers_avx2.c": ["-mavx2"],
     "gdn/mixers_avx512.c": ["-mavx512f"],

@@ -138,6 +138,19 @@ int dd_attn_decode(size_t n_head, size_t n_kv, size_t hd, const float *q, const 
 int dd_attn_prefill(int isa, size_t n_head, size_t n_kv, size_t hd, size_t n, const float *q, const float *gate,
                     const float *k, const float *v, size_t m, float *out);
 
+/* KV cache element types: float32 rows, or IEEE half rows (each value rounded to nearest even when the
+ * row is written). A half is widened to float exactly before any arithmetic, so an F16 cache gives the
+ * bits an F32 cache holding the same (rounded) values gives, at every ISA level and split. */
+#define DD_KV_F32 0
+#define DD_KV_F16 1
+
+/* dd_attn_decode and dd_attn_prefill over a cache of kv_type (DD_KV_F32 or DD_KV_F16; else DD_ERR_ARG):
+ * k and v point at m rows of n_kv x hd elements of that type. */
+int dd_attn_decode_kv(size_t n_head, size_t n_kv, size_t hd, const float *q, const float *gate, int kv_type,
+                      const void *k, const void *v, size_t m, float *out);
+int dd_attn_prefill_kv(int isa, size_t n_head, size_t n_kv, size_t hd, size_t n, const float *q,
+                       const float *gate, int kv_type, const void *k, const void *v, size_t m, float *out);
+
 /* ---- The decode step (step.c): one token through the whole text model in one call ------------------
  * Qwen3.5/3.6 (`qwen35moe`, dense `qwen35`), engine/arch/qwen35/model.py's forward pass for one token:
  *   h = x; per layer: h += mixer(rmsnorm(h, attn_norm)); h += ffn(rmsnorm(h, post_norm));
@@ -178,10 +191,13 @@ typedef struct {
 
 /* One sequence's state, n_layer entries each (NULL where the layer is of the other kind): conv
  * ((conv_kernel - 1) x conv_dim) and ssm (n_v x dk x dv) of GDN layers, the K and V caches (capacity
- * rows of n_head_kv x head_dim) of attention layers; updated in place. */
+ * rows of n_head_kv x head_dim elements of kv_type, DD_KV_F32 or DD_KV_F16) of attention layers;
+ * updated in place. */
 typedef struct {
-    float **conv, **ssm, **k, **v;
+    float **conv, **ssm;
+    void **k, **v;
     size_t capacity;
+    int kv_type;
 } dd_step_state;
 
 /* x: n_embd f32 (the token's embedding row); rope_cos, rope_sin: rope_dims / 2 f64 each, the angles of the

@@ -148,8 +148,8 @@ def attention_prefill(q: np.ndarray, gate: np.ndarray, k: np.ndarray, v: np.ndar
     absolute positions, so a query's bits do not depend on the call it comes in); the twin runs
     :func:`attention_decode_np` query by query.
 
-    Args: q, gate (n, n_head, hd) float32; k, v (m, n_kv, hd) float32 C-contiguous cache rows, m >= n
-    (query i sits at row m - n + i). Returns: (n, n_head * hd) float32. Raises: as :func:`attention_decode`.
+    Args: q, gate (n, n_head, hd) float32; k, v (m, n_kv, hd) float32 or float16 C-contiguous cache rows,
+    m >= n (query i sits at row m - n + i). Returns: (n, n_head * hd) float32. Raises: as :func:`attention_decode`.
     """
     n, m = q.shape[0], k.shape[0]
     if cpu.isa() == "numpy":
@@ -162,8 +162,8 @@ def attention_prefill(q: np.ndarray, gate: np.ndarray, k: np.ndarray, v: np.ndar
     ffi, lib = cpu._native_cpu.ffi, cpu._native_cpu.lib
     out = np.empty((n, q.shape[1] * q.shape[2]), dtype=np.float32)
     ptr = [ffi.cast("float *", ffi.from_buffer(t)) for t in (q, gate, k, v, out)]
-    cpu._check(lib.dd_attn_prefill(cpu._native_level(), q.shape[1], k.shape[1], q.shape[2], n, ptr[0], ptr[1],
-                                   ptr[2], ptr[3], m, ptr[4]), "attention_prefill")
+    cpu._check(lib.dd_attn_prefill_kv(cpu._native_level(), q.shape[1], k.shape[1], q.shape[2], n, ptr[0], ptr[1],
+                                      _KV_CODES[k.dtype], ptr[2], ptr[3], m, ptr[4]), "attention_prefill")
     return out
 
 
@@ -177,9 +177,13 @@ def _attn_args(q, gate, k, v):
     return q, np.ascontiguousarray(gate, dtype=np.float32), k, v
 
 
+_KV_CODES = {np.dtype(np.float32): 0, np.dtype(np.float16): 1}
+"""Cache dtype -> the kernels' kv_type (DD_KV_F32, DD_KV_F16)."""
+
+
 def _check_cache(q, gate, k, v):
-    if k.dtype != np.float32 or v.dtype != np.float32 or not (k.flags.c_contiguous and v.flags.c_contiguous):
-        raise ValueError("attention: the cache rows must be C-contiguous float32")
+    if (k.dtype != v.dtype or k.dtype not in _KV_CODES or not (k.flags.c_contiguous and v.flags.c_contiguous)):
+        raise ValueError("attention: the cache rows must be C-contiguous float32 or float16 (both the same)")
     if q.shape[1] % cpu._native_cpu.lib.DD_ATTN_LANES:
         raise ValueError(f"attention: head_dim {q.shape[1]} is not a multiple of {cpu._native_cpu.lib.DD_ATTN_LANES}")
     if q.shape[0] // k.shape[1] > cpu._native_cpu.lib.DD_ATTN_MAX_GROUP:
@@ -193,8 +197,9 @@ def attention_decode(q: np.ndarray, gate: np.ndarray, k: np.ndarray, v: np.ndarr
 
     Args:
         q: (n_head, hd) float32 after norm and RoPE; gate: (n_head, hd) float32.
-        k, v: (m, n_kv, hd) float32 cache rows 0..m-1 (the query sits at m-1), C-contiguous
-            (a leading slice of ``SequenceState.k[il]`` is).
+        k, v: (m, n_kv, hd) float32 or float16 cache rows 0..m-1 (the query sits at m-1), C-contiguous
+            (a leading slice of ``SequenceState.k[il]`` is); a half is widened exactly, so an F16 cache
+            gives the bits of an F32 cache holding the same values.
     Returns: (n_head * hd,) float32 ``softmax(q k^T / sqrt(hd)) v * sigmoid(gate)``, q head n on kv head
         ``n // (n_head / n_kv)``.
     Raises: ValueError on mismatched shapes, hd not a multiple of 16 or more than 64 q heads per kv
@@ -206,8 +211,8 @@ def attention_decode(q: np.ndarray, gate: np.ndarray, k: np.ndarray, v: np.ndarr
     ffi, lib = cpu._native_cpu.ffi, cpu._native_cpu.lib
     out = np.empty(q.size, dtype=np.float32)
     ptr = [ffi.cast("float *", ffi.from_buffer(t)) for t in (q, gate, k, v, out)]
-    cpu._check(lib.dd_attn_decode(q.shape[0], k.shape[1], q.shape[1], ptr[0], ptr[1], ptr[2], ptr[3], k.shape[0],
-                              ptr[4]), "attention_decode")
+    cpu._check(lib.dd_attn_decode_kv(q.shape[0], k.shape[1], q.shape[1], ptr[0], ptr[1], _KV_CODES[k.dtype], ptr[2],
+                                     ptr[3], k.shape[0], ptr[4]), "attention_decode")
     return out
 
 

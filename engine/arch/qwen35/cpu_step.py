@@ -16,7 +16,7 @@ import numpy as np
 
 from engine.kernels import cpu
 from engine.ops import reference as ops
-from engine.turn.state import SequenceState
+from engine.turn.state import SequenceState, kv_dtype
 
 if TYPE_CHECKING:
     from .cpu import NativeQwen35Model
@@ -117,7 +117,8 @@ class NativeStep:
         """The ``dd_step_state`` of ``state``'s arrays, rebuilt when they are not the arrays of the last call
         (held by weak references: a cached entry keeps no state alive).
 
-        Raises ValueError if an array is not a writeable C-contiguous float32 array of the layout's shape.
+        Raises ValueError if an array is not a writeable C-contiguous array of the layout's shape (float32;
+        the KV rows of ``state.kv_type``).
         """
         hp = self.hp
         arrays = [a for il in range(hp.n_layer)
@@ -125,23 +126,26 @@ class NativeStep:
         refs, entry = self._cached
         if len(arrays) == len(refs) and all(r() is a for r, a in zip(refs, arrays)):
             return entry
-        layout = hp.state_layout()
-        shapes = [s for il in range(hp.n_layer)
-                  for s in ((layout.conv[il], layout.ssm[il]) if hp.is_recurrent(il)
-                            else ((state.capacity, *layout.kv[il]),) * 2)]
-        for a, shape in zip(arrays, shapes):
-            if (not isinstance(a, np.ndarray) or a.dtype != np.float32 or a.shape != tuple(shape)
+        layout, kv = hp.state_layout(), kv_dtype(state.kv_type)
+        specs = [s for il in range(hp.n_layer)
+                 for s in (((layout.conv[il], np.float32), (layout.ssm[il], np.float32)) if hp.is_recurrent(il)
+                           else (((state.capacity, *layout.kv[il]), kv),) * 2)]
+        for a, (shape, dtype) in zip(arrays, specs):
+            if (not isinstance(a, np.ndarray) or a.dtype != dtype or a.shape != tuple(shape)
                     or not a.flags.c_contiguous or not a.flags.writeable):
-                raise ValueError(f"sequence state: expected writeable C-contiguous float32 arrays of shape {shape}")
-        ffi = cpu._native_cpu.ffi
-        tables = {name: ffi.new("float *[]", hp.n_layer) for name in ("conv", "ssm", "k", "v")}
+                raise ValueError(f"sequence state: expected writeable C-contiguous {np.dtype(dtype).name} arrays "
+                                 f"of shape {shape}")
+        ffi, lib = cpu._native_cpu.ffi, cpu._native_cpu.lib
+        tables = {name: ffi.new(f"{'float' if name in ('conv', 'ssm') else 'void'} *[]", hp.n_layer)
+                  for name in ("conv", "ssm", "k", "v")}
         it = iter(arrays)
         for il in range(hp.n_layer):
             for name in (("conv", "ssm") if hp.is_recurrent(il) else ("k", "v")):
-                tables[name][il] = ffi.cast("float *", next(it).ctypes.data)
+                tables[name][il] = ffi.cast("float *" if name in ("conv", "ssm") else "void *", next(it).ctypes.data)
         c = ffi.new("dd_step_state *")
         c.conv, c.ssm, c.k, c.v = tables["conv"], tables["ssm"], tables["k"], tables["v"]
         c.capacity = state.capacity
+        c.kv_type = lib.DD_KV_F16 if state.kv_type == "f16" else lib.DD_KV_F32
         self._cached = (tuple(weakref.ref(a) for a in arrays), (c, tables))
         return c, tables
 

@@ -191,23 +191,27 @@ class CudaPrefill(CudaBackend):
         return logits
 
     def _upload_state(self, state: SequenceState) -> None:
-        """The state's KV rows ``[:pos]`` and every GDN layer's conv window and delta-rule state, to the GPU."""
+        """The state's KV rows ``[:pos]`` (widened to float32 from an F16 cache, exactly) and every GDN layer's
+        conv window and delta-rule state, to the GPU."""
         drv, p0 = self._drv, state.pos
         for il, (kp, vp) in self.kv.items():
             if p0:
-                drv.memcpy_htod(kp, np.ascontiguousarray(state.k[il][:p0]))
-                drv.memcpy_htod(vp, np.ascontiguousarray(state.v[il][:p0]))
+                drv.memcpy_htod(kp, np.ascontiguousarray(state.k[il][:p0], dtype=np.float32))
+                drv.memcpy_htod(vp, np.ascontiguousarray(state.v[il][:p0], dtype=np.float32))
         for il in self.conv_state:
             drv.memcpy_htod(self.conv_state[il], np.ascontiguousarray(state.conv[il], dtype=np.float32))
             drv.memcpy_htod(self.ssm_state[il], np.ascontiguousarray(state.ssm[il], dtype=np.float32))
 
     def _download_state(self, state: SequenceState, p0: int, end: int) -> None:
-        """The new KV rows ``[p0, end)`` and the recurrent state back into ``state``; ``state.pos`` = end."""
+        """The new KV rows ``[p0, end)`` (rounded into an F16 cache as the CPU path rounds them) and the
+        recurrent state back into ``state``; ``state.pos`` = end."""
         drv, hp = self._drv, self.hp
         for il, (kp, vp) in self.kv.items():
             row = hp.n_head_kv * hp.head_dim * 4
-            drv.memcpy_dtoh(state.k[il][p0:end], kp + p0 * row)
-            drv.memcpy_dtoh(state.v[il][p0:end], vp + p0 * row)
+            for cache, ptr in ((state.k[il], kp), (state.v[il], vp)):
+                rows = np.empty(cache[p0:end].shape, np.float32)
+                drv.memcpy_dtoh(rows, ptr + p0 * row)
+                cache[p0:end] = rows
         # recurrent state lands in temporaries first: a copy failing half way leaves ``state`` as it was
         conv = {il: np.empty_like(state.conv[il]) for il in self.conv_state}
         ssm = {il: np.empty_like(state.ssm[il]) for il in self.ssm_state}

@@ -27,6 +27,7 @@
  * the same operations in the same order, in register-sized pieces.
  */
 #include <math.h>
+#include <pthread.h>
 #include <stdlib.h>
 #include <string.h>
 #if defined(__AVX512F__) || defined(__FMA__)
@@ -242,6 +243,37 @@ static void finish_row(const double *A, double L, const float *gate, size_t hd, 
         out[i] = (float)(A[i] / L * attn_sigmoid(gate[i]));
 }
 
+/* len cache rows of hd elements of kv_type, src_row elements apart -> dst, hd floats per row, contiguous.
+ * Halves are widened exactly (vcvtph2ps with AVX-512 or F16C, else dd_f16_to_f32: the same values). */
+static void pack_rows_kv(float *dst, const void *src, int kv_type, size_t src_row, size_t len, size_t hd)
+{
+    if (kv_type == DD_KV_F32) {
+        for (size_t t = 0; t < len; t++)
+            memcpy(dst + t * hd, (const float *)src + t * src_row, hd * sizeof(float));
+        return;
+    }
+    for (size_t t = 0; t < len; t++) {
+        const uint16_t *h = (const uint16_t *)src + t * src_row;
+        float *d = dst + t * hd;
+#if defined(__AVX512F__)
+        for (size_t i = 0; i < hd; i += 16)
+            _mm512_storeu_ps(d + i, _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(h + i))));
+#elif defined(__F16C__)
+        for (size_t i = 0; i < hd; i += 8)
+            _mm256_storeu_ps(d + i, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(h + i))));
+#else
+        for (size_t i = 0; i < hd; i++)
+            d[i] = dd_f16_to_f32(h[i]);
+#endif
+    }
+}
+
+/* Bytes of one cache element of kv_type. */
+static size_t kv_size(int kv_type)
+{
+    return kv_type == DD_KV_F16 ? 2 : 4;
+}
+
 #if ATTN_AVX2
 #include "attn_avx2.h"
 #else
@@ -276,35 +308,92 @@ static void scores_row(const float *q, const float *k, size_t krow, size_t len, 
 
 typedef struct {
     size_t n_kv, hd, group, m, row, n_blocks;
-    const float *q, *k, *v;
+    const float *q;
+    const void *k, *v;  /* m rows of `row` elements of kv_type */
+    int kv_type;
     float *part_o;      /* [kv head][block][group][hd] */
     float *part_mx;     /* [kv head][block][group] */
     double *part_sum;   /* [kv head][block][group] */
     float scale;
+    int failed;         /* set by a block whose scratch could not be allocated */
 } decode_job;
+
+/* A thread's float copy of one block's k and v rows of one kv head (a half cache's rows widened): grown to
+ * the largest block seen, kept while the thread lives and freed when it exits (a thread-specific key with
+ * free as its destructor, so a short-lived caller thread leaks nothing); NULL if out of memory. */
+typedef struct {
+    size_t have;
+    float data[];
+} decode_buf;
+
+static pthread_key_t decode_key;
+static pthread_once_t decode_once = PTHREAD_ONCE_INIT;
+static int decode_key_ok;
+
+static void decode_key_init(void)
+{
+    decode_key_ok = pthread_key_create(&decode_key, free) == 0;
+}
+
+static float *decode_scratch(size_t floats)
+{
+    pthread_once(&decode_once, decode_key_init);
+    if (!decode_key_ok)
+        return NULL;
+    decode_buf *b = pthread_getspecific(decode_key);
+    if (b == NULL || b->have < floats) {
+        decode_buf *grown = realloc(b, sizeof(decode_buf) + floats * sizeof(float));
+        if (grown == NULL)
+            return NULL;   /* b is untouched and still the thread's */
+        /* setspecific can fail only when the thread's slot is first made, i.e. with b == NULL */
+        if (pthread_setspecific(decode_key, grown) != 0) {
+            free(grown);
+            return NULL;
+        }
+        grown->have = floats;
+        b = grown;
+    }
+    return b->data;
+}
 
 static void decode_block(void *ctx, size_t chunk)
 {
-    const decode_job *j = ctx;
-    const size_t kvh = chunk / j->n_blocks, blk = chunk % j->n_blocks, hd = j->hd;
+    decode_job *j = ctx;
+    const size_t kvh = chunk / j->n_blocks, blk = chunk % j->n_blocks, hd = j->hd, es = kv_size(j->kv_type);
     const size_t t0 = blk * BLOCK, len = (t0 + BLOCK < j->m ? t0 + BLOCK : j->m) - t0;
+    const char *kb = (const char *)j->k + (t0 * j->row + kvh * hd) * es;
+    const char *vb = (const char *)j->v + (t0 * j->row + kvh * hd) * es;
+    const float *k = (const float *)kb, *v = (const float *)vb;
+    size_t row = j->row;
+    if (j->kv_type != DD_KV_F32) {
+        float *w = decode_scratch(2 * BLOCK * hd);
+        if (w == NULL) {
+            __atomic_store_n(&j->failed, 1, __ATOMIC_RELAXED);
+            return;
+        }
+        pack_rows_kv(w, kb, j->kv_type, j->row, len, hd);
+        pack_rows_kv(w + BLOCK * hd, vb, j->kv_type, j->row, len, hd);
+        k = w;
+        v = w + BLOCK * hd;
+        row = hd;
+    }
     float s[BLOCK];
     for (size_t g = 0; g < j->group; g++) {
         const size_t part = (kvh * j->n_blocks + blk) * j->group + g;
         const float *qg = j->q + (kvh * j->group + g) * hd;
         float *o = j->part_o + part * hd;
-        scores_row(qg, j->k + t0 * j->row + kvh * hd, j->row, len, hd, j->scale, s);
+        scores_row(qg, k, row, len, hd, j->scale, s);
         j->part_mx[part] = softmax_block(s, len, &j->part_sum[part]);
-        pv_row(s, j->v + t0 * j->row + kvh * hd, j->row, len, hd, o);
+        pv_row(s, v, row, len, hd, o);
     }
 }
 
-int ATTN_FN(attn_decode)(size_t n_head, size_t n_kv, size_t hd, const float *q, const float *gate,
-                         const float *k, const float *v, size_t m, float *out)
+int ATTN_FN(attn_decode_kv)(size_t n_head, size_t n_kv, size_t hd, const float *q, const float *gate, int kv_type,
+                            const void *k, const void *v, size_t m, float *out)
 {
     decode_job j = { .n_kv = n_kv, .hd = hd, .group = n_head / n_kv, .m = m, .row = n_kv * hd,
-                     .n_blocks = dd_div_up(m, BLOCK), .q = q, .k = k, .v = v,
-                     .scale = (float)(1.0 / sqrt((double)hd)) };
+                     .n_blocks = dd_div_up(m, BLOCK), .q = q, .k = k, .v = v, .kv_type = kv_type,
+                     .scale = (float)(1.0 / sqrt((double)hd)), .failed = 0 };
     const size_t parts = n_kv * j.n_blocks * j.group;
     j.part_o = malloc(parts * hd * sizeof(float));
     j.part_mx = malloc(parts * sizeof(float));
@@ -313,7 +402,7 @@ int ATTN_FN(attn_decode)(size_t n_head, size_t n_kv, size_t hd, const float *q, 
     int rc = DD_ERR_NOMEM;
     if (j.part_o != NULL && j.part_mx != NULL && j.part_sum != NULL && A != NULL) {
         dd_pool_for(decode_block, &j, n_kv * j.n_blocks);
-        for (size_t head = 0; head < n_head; head++) {
+        for (size_t head = 0; head < n_head && !j.failed; head++) {
             const size_t kvh = head / j.group, g = head % j.group;
             double M = 0.0, L = 0.0;
             for (size_t b = 0; b < j.n_blocks; b++) {
@@ -322,13 +411,19 @@ int ATTN_FN(attn_decode)(size_t n_head, size_t n_kv, size_t hd, const float *q, 
             }
             finish_row(A, L, gate + head * hd, hd, out + head * hd);
         }
-        rc = DD_OK;
+        rc = j.failed ? DD_ERR_NOMEM : DD_OK;
     }
     free(j.part_o);
     free(j.part_mx);
     free(j.part_sum);
     free(A);
     return rc;
+}
+
+int ATTN_FN(attn_decode)(size_t n_head, size_t n_kv, size_t hd, const float *q, const float *gate,
+                         const float *k, const float *v, size_t m, float *out)
+{
+    return ATTN_FN(attn_decode_kv)(n_head, n_kv, hd, q, gate, DD_KV_F32, k, v, m, out);
 }
 
 #include "attn_prefill.h"

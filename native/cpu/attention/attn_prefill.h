@@ -136,10 +136,10 @@ static void softmax_set(float *S, const size_t *len, size_t keys, float *mx, dou
 #endif
 
 /* The next block's k and v rows of a job's kv head, prefetched into L2 a few lines at a time while
- * the job works on this block, so that pack_rows finds them there and not in L3 or memory. */
+ * the job works on this block, so that pack_rows_kv finds them there and not in L3 or memory. */
 typedef struct {
     const char *k, *v;          /* the next block's first row of each (its kv head's part) */
-    size_t row_bytes, bytes;    /* the cache's row stride; bytes of one row's part (hd floats) */
+    size_t row_bytes, bytes;    /* the cache's row stride; bytes of one row's part (hd elements) */
     size_t rows, t, off, step;  /* rows to fetch; the cursor (row t, line offset off); lines per call */
 } next_block;
 
@@ -176,7 +176,9 @@ static void pv_set(const float *S, const float *v, size_t vrow, size_t len, size
 
 typedef struct {
     size_t n_head, n_kv, hd, group, m, n, row, tile, n_tiles;
-    const float *q, *gate, *k, *v;
+    const float *q, *gate;
+    const void *k, *v;   /* m rows of `row` elements of kv_type */
+    int kv_type;
     float *out;
     float scale;
     int failed;
@@ -258,15 +260,15 @@ static void prefill_tile(void *ctx, size_t chunk)
     }
     pack_rows(w.Q, j->q + (i0 * j->n_head + kvh * G) * hd, j->n_head * hd, i1 - i0, G * hd);
     /* block t0 / BLOCK is seen by the rows at positions >= t0, the last one by end - t0 keys */
-    const size_t end = pos0 + (i1 - i0), rb = j->row * sizeof(float);
-    next_block nb = { .k = (const char *)(j->k + kvh * hd), .v = (const char *)(j->v + kvh * hd), .row_bytes = rb,
-                      .bytes = hd * sizeof(float), .rows = end < BLOCK ? end : BLOCK };
+    const size_t es = kv_size(j->kv_type), end = pos0 + (i1 - i0), rb = j->row * es;
+    next_block nb = { .k = (const char *)j->k + kvh * hd * es, .v = (const char *)j->v + kvh * hd * es,
+                      .row_bytes = rb, .bytes = hd * es, .rows = end < BLOCK ? end : BLOCK };
     for (size_t t0 = 0; t0 < end; t0 += BLOCK) {
         const size_t first = t0 > pos0 ? (t0 - pos0) * G : 0, keys = end - t0 < BLOCK ? end - t0 : BLOCK;
         nb.step = SIZE_MAX;
         prefetch_next(&nb);   /* what the last block's sets left out (all of block 0) */
-        pack_rows(w.K, j->k + t0 * j->row + kvh * hd, j->row, keys, hd);
-        pack_rows(w.V, j->v + t0 * j->row + kvh * hd, j->row, keys, hd);
+        pack_rows_kv(w.K, (const char *)j->k + (t0 * j->row + kvh * hd) * es, j->kv_type, j->row, keys, hd);
+        pack_rows_kv(w.V, (const char *)j->v + (t0 * j->row + kvh * hd) * es, j->kv_type, j->row, keys, hd);
         nb.k += BLOCK * rb;
         nb.v += BLOCK * rb;
         nb.rows = end > t0 + BLOCK ? (end - t0 - BLOCK < BLOCK ? end - t0 - BLOCK : BLOCK) : 0;
@@ -296,13 +298,20 @@ static size_t tile_positions(size_t n, size_t n_kv, size_t group)
     return tile;
 }
 
-int ATTN_FN(attn_prefill)(size_t n_head, size_t n_kv, size_t hd, size_t n, const float *q, const float *gate,
-                          const float *k, const float *v, size_t m, float *out)
+int ATTN_FN(attn_prefill_kv)(size_t n_head, size_t n_kv, size_t hd, size_t n, const float *q, const float *gate,
+                             int kv_type, const void *k, const void *v, size_t m, float *out)
 {
     const size_t tile = tile_positions(n, n_kv, n_head / n_kv);
     prefill_job j = { .n_head = n_head, .n_kv = n_kv, .hd = hd, .group = n_head / n_kv, .m = m, .n = n,
                       .row = n_kv * hd, .tile = tile, .n_tiles = dd_div_up(n, tile), .q = q, .gate = gate, .k = k,
-                      .v = v, .out = out, .scale = (float)(1.0 / sqrt((double)hd)), .failed = 0 };
+                      .v = v, .kv_type = kv_type, .out = out, .scale = (float)(1.0 / sqrt((double)hd)),
+                      .failed = 0 };
     dd_pool_for(prefill_tile, &j, n_kv * j.n_tiles);
     return j.failed ? DD_ERR_NOMEM : DD_OK;
+}
+
+int ATTN_FN(attn_prefill)(size_t n_head, size_t n_kv, size_t hd, size_t n, const float *q, const float *gate,
+                          const float *k, const float *v, size_t m, float *out)
+{
+    return ATTN_FN(attn_prefill_kv)(n_head, n_kv, hd, n, q, gate, DD_KV_F32, k, v, m, out);
 }

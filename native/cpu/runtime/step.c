@@ -124,7 +124,7 @@ static size_t layer_scratch(const dd_step_model *m, const dd_step_layer *L, cons
             return 0;
         if (!mat_ok(&L->q, 2 * nq, d) || !mat_ok(&L->k, nkv, d) || !mat_ok(&L->v, nkv, d) || !mat_ok(&L->o, d, nq))
             return 0;
-        need = 6 * nq + 2 * nkv;   /* qg, then q, gate, o, normed q; k, v */
+        need = 6 * nq + 3 * nkv;   /* qg, then q, gate, o, normed q; k, v, normed k */
     } else {
         return 0;
     }
@@ -155,12 +155,25 @@ static int gdn_mixer(int isa, const dd_step_layer *L, float *conv, float *ssm, c
     return matvec(isa, &L->ssm_out, y, out);
 }
 
-static int attn_mixer(int isa, const dd_step_model *m, const dd_step_layer *L, float *kc, float *vc, size_t pos,
-                      const double *rope_cos, const double *rope_sin, const float *xn, float *out, float *buf)
+/* Cache row `pos` of n floats (kv_type's elements; a half rounded to nearest even, as numpy's astype). */
+static void store_row(void *cache, int kv_type, size_t pos, const float *x, size_t n)
+{
+    if (kv_type == DD_KV_F32) {
+        memcpy((float *)cache + pos * n, x, n * sizeof(float));
+        return;
+    }
+    uint16_t *h = (uint16_t *)cache + pos * n;
+    for (size_t i = 0; i < n; i++)
+        h[i] = dd_f32_to_f16(x[i]);
+}
+
+static int attn_mixer(int isa, const dd_step_model *m, const dd_step_layer *L, const dd_step_state *s, size_t il,
+                      size_t pos, const double *rope_cos, const double *rope_sin, const float *xn, float *out,
+                      float *buf)
 {
     const size_t hd = m->head_dim, nh = m->n_head, nq = nh * hd, nkv = m->n_head_kv * hd, half = m->rope_dims / 2;
     float *qg = buf, *q = qg + 2 * nq, *gate = q + nq, *o = gate + nq, *qn = o + nq;
-    float *kk = qn + nq, *vv = kk + nkv;
+    float *kk = qn + nq, *vv = kk + nkv, *kn = vv + nkv;
     const dd_matvec_out in[3] = { out_of(&L->q, qg), out_of(&L->k, kk), out_of(&L->v, vv) };
     int rc;
     if ((rc = dd_matvec_set(isa, in, 3, L->q.k, xn)) != DD_OK)
@@ -171,13 +184,13 @@ static int attn_mixer(int isa, const dd_step_model *m, const dd_step_layer *L, f
         rmsnorm_row(q + h * hd, L->q_norm, hd, m->eps, qn + h * hd);
         rope_head(qn + h * hd, half, rope_cos, rope_sin);
     }
-    float *krow = kc + pos * nkv, *vrow = vc + pos * nkv;
     for (size_t h = 0; h < m->n_head_kv; h++) {
-        rmsnorm_row(kk + h * hd, L->k_norm, hd, m->eps, krow + h * hd);
-        rope_head(krow + h * hd, half, rope_cos, rope_sin);
+        rmsnorm_row(kk + h * hd, L->k_norm, hd, m->eps, kn + h * hd);
+        rope_head(kn + h * hd, half, rope_cos, rope_sin);
     }
-    memcpy(vrow, vv, nkv * sizeof(float));
-    if ((rc = dd_attn_decode(nh, m->n_head_kv, hd, qn, gate, kc, vc, pos + 1, o)) != DD_OK)
+    store_row(s->k[il], s->kv_type, pos, kn, nkv);
+    store_row(s->v[il], s->kv_type, pos, vv, nkv);
+    if ((rc = dd_attn_decode_kv(nh, m->n_head_kv, hd, qn, gate, s->kv_type, s->k[il], s->v[il], pos + 1, o)) != DD_OK)
         return rc;
     return matvec(isa, &L->o, o, out);
 }
@@ -203,7 +216,7 @@ int dd_step(int isa, const dd_step_model *m, const dd_step_state *s, size_t pos,
         return DD_ERR_ISA;
     const size_t d = m->n_embd;
     size_t need = 0;
-    if (d == 0 || pos >= s->capacity || m->output_norm == NULL || !mat_ok(&m->lm_head, m->lm_head.rows, d))
+    if (d == 0 || pos >= s->capacity || (s->kv_type != DD_KV_F32 && s->kv_type != DD_KV_F16) || m->output_norm == NULL || !mat_ok(&m->lm_head, m->lm_head.rows, d))
         return DD_ERR_ARG;
     for (size_t il = 0; il < m->n_layer; il++) {
         const size_t n = layer_scratch(m, &m->layers[il], s, il);
@@ -221,7 +234,7 @@ int dd_step(int isa, const dd_step_model *m, const dd_step_state *s, size_t pos,
         const dd_step_layer *L = &m->layers[il];
         rmsnorm_row(h, L->attn_norm, d, m->eps, xn);
         rc = L->kind == DD_LAYER_GDN ? gdn_mixer(isa, L, s->conv[il], s->ssm[il], xn, t, buf)
-                                     : attn_mixer(isa, m, L, s->k[il], s->v[il], pos, rope_cos, rope_sin, xn, t, buf);
+                                     : attn_mixer(isa, m, L, s, il, pos, rope_cos, rope_sin, xn, t, buf);
         if (rc != DD_OK)
             break;
         add_into(h, t, d);

@@ -1,0 +1,50 @@
+"""A context whose state the machine cannot hold is refused at load, with the numbers, before any
+weight is prepared (the KV rows are allocated lazily: without the check it fails much later)."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+
+from engine.api import Engine, EngineOptions
+from engine.errors import MemoryFitError
+from engine.gguf.file import GGUFFile
+from engine.turn.state import SequenceState, check_memory, state_nbytes
+
+
+@pytest.mark.parametrize("kv_type", ["f32", "f16"])
+def test_state_bytes_are_those_a_state_allocates(synth_model, kv_type):
+    hp = GGUFFile.open(synth_model("tiny")).hparams
+    for capacity in (1, 77, 300):
+        assert state_nbytes(hp.state_layout(), capacity, kv_type) == SequenceState.new(hp, capacity, kv_type).nbytes
+
+
+def test_check_memory_refuses_with_the_numbers(synth_model):
+    layout = GGUFFile.open(synth_model("tiny")).hparams.state_layout()
+    capacity = min(layout.context_length, 4096)
+    need = state_nbytes(layout, capacity, "f16")
+    assert check_memory(layout, capacity, "f16", available=need) == need
+    with pytest.raises(MemoryFitError) as err:
+        check_memory(layout, capacity, "f16", available=need - 1)
+    per_token = state_nbytes(layout, 1, "f16") - state_nbytes(layout, 0, "f16")
+    fixed = state_nbytes(layout, 0, "f16")
+    assert f"{capacity:,} tokens" in str(err.value) and f"{per_token:,} bytes" in str(err.value)
+    assert f"at most {(need - 1 - fixed) // per_token:,} tokens" in str(err.value)
+    with pytest.raises(MemoryFitError, match="or the f16 KV type"):
+        check_memory(layout, capacity, "f32", available=need)
+
+
+def test_engine_load_refuses_a_context_beyond_memory_before_preparing_weights(synth_model, monkeypatch):
+    import psutil
+    path = synth_model("tiny")
+    layout = GGUFFile.open(path).hparams.state_layout()
+    context = min(layout.context_length, 4096)
+    available = state_nbytes(layout, context, "f16") - 1
+    monkeypatch.setattr(psutil, "virtual_memory", lambda: SimpleNamespace(available=available))
+    stages: list[str] = []
+    with pytest.raises(MemoryFitError, match=f"{context:,} tokens"):
+        Engine.load(path, options=EngineOptions(context=context), progress=stages.append)
+    assert stages == ["mapping tensors"]
+    engine = Engine.load(path, options=EngineOptions(context=context - 1))
+    assert engine.context == context - 1
