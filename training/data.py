@@ -41,7 +41,7 @@ from engine.arch.qwen3vl.positions import mrope_positions  # noqa: E402
 from engine.prompt.tokenizer import Tokenizer  # noqa: E402
 
 VOCAB_PATH = Path(__file__).resolve().parent / "vocab.json"
-TEMPLATE_PATH = ROOT / "engine" / "templates" / "qwen35.jinja"
+TEMPLATE_PATH = ROOT / "engine" / "prompt" / "templates" / "qwen35.jinja"
 N_BPE = 1024
 TRAIN_SEED_BASE = 0
 EVAL_SEED_BASE = 10_000_000_000
