@@ -9,19 +9,19 @@ import pytest
 
 from engine.api import Engine, EngineOptions
 from engine.errors import MemoryFitError
-from engine.gguf.file import GGUFFile
+from engine.registry import open_text
 from engine.turn.state import SequenceState, check_memory, state_nbytes
 
 
 @pytest.mark.parametrize("kv_type", ["f32", "f16"])
 def test_state_bytes_are_those_a_state_allocates(synth_model, kv_type):
-    hp = GGUFFile.open(synth_model("tiny")).hparams
+    hp = open_text(synth_model("tiny")).hparams
     for capacity in (1, 77, 300):
         assert state_nbytes(hp.state_layout(), capacity, kv_type) == SequenceState.new(hp, capacity, kv_type).nbytes
 
 
 def test_check_memory_refuses_with_the_numbers(synth_model):
-    layout = GGUFFile.open(synth_model("tiny")).hparams.state_layout()
+    layout = open_text(synth_model("tiny")).hparams.state_layout()
     capacity = min(layout.context_length, 4096)
     need = state_nbytes(layout, capacity, "f16")
     assert check_memory(layout, capacity, "f16", available=need) == need
@@ -38,7 +38,7 @@ def test_check_memory_refuses_with_the_numbers(synth_model):
 def test_engine_load_refuses_a_context_beyond_memory_before_preparing_weights(synth_model, monkeypatch):
     import psutil
     path = synth_model("tiny")
-    layout = GGUFFile.open(path).hparams.state_layout()
+    layout = open_text(path).hparams.state_layout()
     context = min(layout.context_length, 4096)
     available = state_nbytes(layout, context, "f16") - 1
     monkeypatch.setattr(psutil, "virtual_memory", lambda: SimpleNamespace(available=available))

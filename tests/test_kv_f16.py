@@ -14,8 +14,8 @@ import numpy as np
 import pytest
 
 from engine.arch.qwen35 import cpu_mixers
-from engine.gguf.file import GGUFFile
 from engine.kernels import cpu
+from engine.registry import open_text
 from engine.turn.state import SequenceState
 
 pytestmark = pytest.mark.skipif(not cpu.available(), reason="native CPU kernels not built")
@@ -72,11 +72,11 @@ def test_mixed_or_unknown_cache_types_are_refused():
 @pytest.fixture(scope="module")
 def native(tmp_path_factory):
     from engine.arch.qwen35.cpu import NativeQwen35Model
-    from engine.arch.qwen35.synth import synth
+    from engine.testing.synth import synth
     path = tmp_path_factory.mktemp("kvf16") / "tiny.gguf"
     synth(path, "tiny", quant="q8_0", seed=5)
-    gguf = GGUFFile.open(path)
-    yield NativeQwen35Model(gguf.hparams, gguf)
+    text = open_text(path)
+    yield NativeQwen35Model(text.hparams, text.file)
     cpu.set_isa(None)
     cpu.set_threads()
 

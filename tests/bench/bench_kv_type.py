@@ -1,6 +1,6 @@
 """Benchmark: the logit difference of an F16 KV cache against F32, by context length (a script, not a test).
 
-    python tests/bench_kv_type.py --model slice.gguf [--tokens 16384] [--at 1024,4096,16384] [--threads 2]
+    python tests/bench/bench_kv_type.py --model slice.gguf [--tokens 16384] [--at 1024,4096,16384] [--threads 2]
 
 Prefills the same random token sequence twice on the native kernels, with F32 and with F16 KV rows, in
 pieces of 512 (split-invariant, so the piece size changes no bit), and at each position of ``--at`` compares
@@ -16,8 +16,8 @@ import time
 import numpy as np
 
 from engine.arch.qwen35.cpu import NativeQwen35Model
-from engine.gguf.file import GGUFFile
 from engine.kernels import cpu
+from engine.registry import open_text
 from engine.turn.state import SequenceState
 
 PIECE = 512
@@ -55,9 +55,9 @@ def main() -> None:
     args = ap.parse_args()
     at = [int(x) for x in args.at.split(",")]
     cpu.set_threads(args.threads)
-    gguf = GGUFFile.open(args.model)
-    model = NativeQwen35Model(gguf.hparams, gguf)
-    tokens = np.random.default_rng(0).integers(0, gguf.hparams.n_vocab, args.tokens)
+    text = open_text(args.model)
+    model = NativeQwen35Model(text.hparams, text.file)
+    tokens = np.random.default_rng(0).integers(0, text.hparams.n_vocab, args.tokens)
     ref = run(model, tokens, at, "f32")
     half = run(model, tokens, at, "f16")
     print("tokens | max |dlogit| | / max |logit| | KL(f32 || f16) nats | argmax agrees")

@@ -1,6 +1,6 @@
 """Benchmark: bytes the prefix cache stores over an N-turn chat (a script, not a test).
 
-    python tests/bench_kv_pages.py --model slice.gguf [--turns 30] [--words 110] [--kv-type f16]
+    python tests/bench/bench_kv_pages.py --model slice.gguf [--turns 30] [--words 110] [--kv-type f16]
 
 Runs a scripted chat through ``Engine.chat`` (greedy, 4-token answers, thinking off) with the prefix cache
 on and budgets large enough that nothing is evicted, and prints after every turn the prompt length, the
