@@ -22,6 +22,10 @@ Block layouts are ggml's (ggml/src/ggml-common.h), i.e. the raw bytes of a GGUF 
   IQ1/IQ2/IQ3 super-blocks (native/cpu/iquants.h; their codebooks come from gguf-py and are registered
   with the kernels at import): read as stored by :data:`~engine.kernels.lowbit_twins.LOW_BIT` kernels, with the same exactness and fixed
   f64 order (twin: :func:`engine.kernels.lowbit_twins.lowbit_product_np`).
+* BF16 (2 bytes a value, the top half of a float32; k a multiple of 32): read as stored and multiplied by
+  the float32 activations themselves, not their Q8_0 blocks (native/cpu/bf16.h): exact float64 products
+  summed in 8 lanes in a fixed order, so the same bits at every level (twin:
+  :func:`engine.kernels.cpu_twins.bf16_product_np`).
 
 A weight matrix is its tensor's raw data as ``(rows, k // 32 * block_bytes)`` uint8 (what
 ``GGUFFile.raw`` returns), row ``r`` holding the k weights of output ``r``. Products first quantize
@@ -53,8 +57,8 @@ from gguf import GGMLQuantizationType
 
 from engine import quant
 from engine.errors import EngineError
-from engine.kernels.cpu_twins import (B_QUANTS, K_QUANTS, KQ_ROWS, Q8_0_BYTES, QK, activations, bquant_product_np,
-                                      dequantize, kquant_product_np, quantize_q8_0_np)
+from engine.kernels.cpu_twins import (B_QUANTS, K_QUANTS, KQ_ROWS, Q8_0_BYTES, QK, activations, bf16_product_np,
+                                      bquant_product_np, dequantize, kquant_product_np, quantize_q8_0_np)
 from engine.kernels.iq_twins import grids as iq_grids
 from engine.kernels.lowbit_twins import LOW_BIT, lowbit_product_np
 from engine.ops import reference
@@ -200,7 +204,7 @@ def _kernel_type(qtype: GGMLQuantizationType | int, what: str) -> quant.QuantTyp
 def _weights(raw: np.ndarray, k: int, traits: quant.QuantType, what: str) -> np.ndarray:
     if not isinstance(raw, np.ndarray) or raw.dtype != np.uint8 or raw.ndim != 2:
         raise ValueError(f"{what}: expected raw block bytes as a 2-D uint8 array")
-    if k % traits.block_values or raw.shape[1] != k // traits.block_values * traits.block_bytes:
+    if k % max(traits.block_values, QK) or raw.shape[1] != k // traits.block_values * traits.block_bytes:
         raise ValueError(f"{what}: rows of {raw.shape[1]} bytes do not hold k={k} values "
                          f"as {traits.name} blocks ({traits.block_values} values in {traits.block_bytes} bytes)")
     if not raw.flags.c_contiguous:
@@ -268,7 +272,7 @@ def _matmul_np(raw: np.ndarray, x: np.ndarray, traits: quant.QuantType, name: st
     x2, vector = activations(x)
     raw = _weights(raw, x2.shape[1], traits, name)
     products = {**dict.fromkeys(K_QUANTS, kquant_product_np), **dict.fromkeys(B_QUANTS, bquant_product_np),
-                **dict.fromkeys(LOW_BIT, lowbit_product_np)}
+                **dict.fromkeys(LOW_BIT, lowbit_product_np), Q.BF16: bf16_product_np}
     product = products.get(traits.qtype)
     if product is not None:
         y = np.concatenate([product(raw[r0:r0 + KQ_ROWS], x2, traits.qtype)

@@ -24,7 +24,7 @@ COMMON_FLAGS = ["-O3", "-std=c11", "-D_GNU_SOURCE", "-ffp-contract=off", "-fno-m
 PORTABLE_SOURCES = ["dispatch.c", "matvec.c", "pool.c", "moe.c", "moe_prefill.c", "mixers.c", "attention.c", "step.c",
                     "kernels_scalar.c", "sgemm.c", "iq_grids.c"]
 
-HEADERS = ["deltadesk_cpu.h", "kernels.h", "gemm_tiles.h", "kquants.h", "kq_tile_avx512.h", "kq_gemm_avx512.h", "q4_gemm_avx512.h", "bquants.h", "lowbit.h", "lowbit_avx512.h", "iquants.h", "runtime.h",
+HEADERS = ["deltadesk_cpu.h", "kernels.h", "gemm_tiles.h", "kquants.h", "kq_tile_avx512.h", "kq_gemm_avx512.h", "q4_gemm_avx512.h", "bquants.h", "lowbit.h", "lowbit_avx512.h", "iquants.h", "bf16.h", "runtime.h",
            "attn_kernel.h", "attn_prefill.h", "attn_prefill_avx2.h", "attn_avx2.h", "gdn_kernel.h", "vexp.h", "sgemm_kernel.h"]
 """Listed as the extension's dependencies, so that editing one (or an ISA file) rebuilds it."""
 

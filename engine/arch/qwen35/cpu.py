@@ -42,8 +42,9 @@ stored type of a projection weight        used as                           byte
 Q4_0, Q8_0, Q2_K, Q3_K, Q4_K, Q5_K,       the file's blocks (memory map)    0 (page cache only)
 Q6_K, Q4_1, Q5_0, Q5_1, IQ1_S, IQ1_M,
 IQ2_XXS, IQ2_XS, IQ2_S, IQ3_XXS, IQ3_S,
-IQ4_NL, IQ4_XS, MXFP4
-F16, BF16, F32, ``float_weights="f32"``   float32, numpy BLAS GEMM          32 bits/weight
+IQ4_NL, IQ4_XS, MXFP4; BF16 (k % 32 == 0)
+F16, F32 (BF16 with k % 32 != 0),         float32, numpy BLAS GEMM          32 bits/weight
+``float_weights="f32"``
 F16, BF16, F32, ``float_weights="q8_0"``  converted to Q8_0 (user's choice) 8.5 bits/weight
 ========================================  ================================  =========================
 
@@ -53,7 +54,8 @@ with about the original's step, while Q8_0's added rounding (at most max|x|/254 
 quant-type table (:data:`engine.quant.TYPES`, ``cpu_kernel``): a Q4_K_M or UD-Q4_K_XL file (Q4_K,
 Q5_K, Q6_K, Q8_0 tensors) is read in place, so a 21.2 GB Q4_K_M 35B-A3B costs its file size in page
 cache instead of the ~37 GB its Q8_0 conversion took. Float weights stay exact by default because
-quantizing them changes the model; ``float_weights="q8_0"`` halves an F16 file's bytes read per
+quantizing them changes the model (BF16 weights are multiplied by the float32 activations themselves:
+native/cpu/bf16.h); ``float_weights="q8_0"`` halves an F16 file's bytes read per
 token. Split views of a fused ``ffn_gate_up_exps`` are not contiguous and are copied once (their
 Q4_0/Q8_0 bytes). Repacking of Q4_0/Q8_0 rows is not done: the kernels read the GGUF layout.
 """
@@ -132,7 +134,7 @@ def prepare_weight(gguf: GGUFFile, name: str, float_weights: str = "f32") -> tup
     raw = gguf.raw(name)
     qtype = info.qtype
     stored = type_name(qtype)
-    if qtype in cpu.KERNEL_TYPES:
+    if qtype in cpu.KERNEL_TYPES and k % cpu.QK == 0 and (qtype not in FLOAT_TYPES or float_weights == "f32"):
         mapped = raw.flags.c_contiguous and _in_file_map(raw)
         return cpu.Matrix(np.ascontiguousarray(raw), k, qtype), f"{stored} {'mapped' if mapped else 'copied'}"
     if qtype in FLOAT_TYPES and float_weights == "f32":
