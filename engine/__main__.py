@@ -523,8 +523,8 @@ def _add_synth(p: argparse.ArgumentParser) -> None:
     p.add_argument("--layers", type=int, default=None)
     p.add_argument("--experts", type=int, default=None)
     p.add_argument("--quant", default="q4_0",
-                   choices=["q4_0", "q8_0", "f16", "f32", "q4_k_m", "ud_q4_k_xl", "q2_k", "q3_k", "iq2_xxs", "iq2_xs",
-                            "iq2_s", "iq3_xxs", "iq3_s", "iq1_s", "iq1_m", "mxfp4"])
+                   choices=["q4_0", "q8_0", "f16", "bf16", "f32", "q4_k_m", "ud_q4_k_xl", "q2_k", "q3_k", "iq2_xxs",
+                            "iq2_xs", "iq2_s", "iq3_xxs", "iq3_s", "iq1_s", "iq1_m", "mxfp4"])
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--output", "-o", required=True)
     p.add_argument("--no-mmproj", action="store_true", help="do not write the matching vision tower")

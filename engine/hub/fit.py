@@ -102,7 +102,7 @@ def converted_bytes(text: LoadedText) -> int:
         if not f.has(name) or name == "token_embd.weight" or "conv1d" in name:
             continue
         info = f.info(name)
-        if len(info.ne) < 2 or info.qtype in KERNEL_TYPES:
+        if len(info.ne) < 2 or (info.qtype in KERNEL_TYPES and info.ne[0] % 32 == 0):
             continue
         n = math.prod(info.ne)
         total += 4 * n if info.qtype in _FLOAT else n // 32 * 34

@@ -2,7 +2,8 @@
 
 A weight matrix is its tensor's raw GGUF bytes, ``(rows, k // block * block_bytes)`` uint8. Activations
 are quantized to Q8_0, block dots taken exactly in integers, scaled into float64, summed in float64
-and rounded to float32 once, so results are bit-identical across ISA levels and thread counts.
+and rounded to float32 once, so results are bit-identical across ISA levels and thread counts. BF16
+weights are multiplied by the float32 activations themselves (native/cpu/quant/bf16.h), same f64 order.
 Levels ``scalar``/``ssse3``/``avx2``/``avx512vnni``/``numpy``: the best is used unless ``DELTADESK_ISA``
 or :func:`set_isa` says otherwise. Design: docs/design/native-cpu.md (block layouts, exactness).
 """
@@ -21,8 +22,8 @@ from gguf import GGMLQuantizationType
 
 from engine.gguf import quant
 from engine.errors import EngineError
-from engine.kernels.cpu_twins import (B_QUANTS, K_QUANTS, KQ_ROWS, Q8_0_BYTES, QK, activations, bquant_product_np,
-                                      dequantize, kquant_product_np, quantize_q8_0_np)
+from engine.kernels.cpu_twins import (B_QUANTS, K_QUANTS, KQ_ROWS, Q8_0_BYTES, QK, activations, bf16_product_np,
+                                      bquant_product_np, dequantize, kquant_product_np, quantize_q8_0_np)
 from engine.kernels.iq_twins import grids as iq_grids
 from engine.kernels.lowbit_twins import LOW_BIT, lowbit_product_np
 from engine.ops import reference
@@ -168,7 +169,7 @@ def _kernel_type(qtype: GGMLQuantizationType | int, what: str) -> quant.QuantTyp
 def _weights(raw: np.ndarray, k: int, traits: quant.QuantType, what: str) -> np.ndarray:
     if not isinstance(raw, np.ndarray) or raw.dtype != np.uint8 or raw.ndim != 2:
         raise ValueError(f"{what}: expected raw block bytes as a 2-D uint8 array")
-    if k % traits.block_values or raw.shape[1] != k // traits.block_values * traits.block_bytes:
+    if k % max(traits.block_values, QK) or raw.shape[1] != k // traits.block_values * traits.block_bytes:
         raise ValueError(f"{what}: rows of {raw.shape[1]} bytes do not hold k={k} values "
                          f"as {traits.name} blocks ({traits.block_values} values in {traits.block_bytes} bytes)")
     if not raw.flags.c_contiguous:
@@ -236,7 +237,7 @@ def _matmul_np(raw: np.ndarray, x: np.ndarray, traits: quant.QuantType, name: st
     x2, vector = activations(x)
     raw = _weights(raw, x2.shape[1], traits, name)
     products = {**dict.fromkeys(K_QUANTS, kquant_product_np), **dict.fromkeys(B_QUANTS, bquant_product_np),
-                **dict.fromkeys(LOW_BIT, lowbit_product_np)}
+                **dict.fromkeys(LOW_BIT, lowbit_product_np), Q.BF16: bf16_product_np}
     product = products.get(traits.qtype)
     if product is not None:
         y = np.concatenate([product(raw[r0:r0 + KQ_ROWS], x2, traits.qtype)

@@ -198,3 +198,26 @@ def bquant_product_np(raw: np.ndarray, x2: np.ndarray, qtype: GGMLQuantizationTy
     lanes = [acc[..., i] for i in range(8)]
     pairs = [lanes[i] + lanes[i + 1] for i in range(0, 8, 2)]
     return ((pairs[0] + pairs[1]) + (pairs[2] + pairs[3])).astype(np.float32)
+
+
+BF16_LANES = 8
+"""The f64 lanes of a BF16 dot (native/cpu/quant/bf16.h): lane l sums the products of values 8j + l in order of j."""
+
+
+def bf16_product_np(raw: np.ndarray, x2: np.ndarray, qtype: GGMLQuantizationType = Q.BF16) -> np.ndarray:
+    """numpy twin of the BF16 kernel (native/cpu/quant/bf16.h): ``x2 @ W.T`` with the f32 activations as they are.
+
+    Args: raw (rows, 2 k) uint8, each row k BF16 values (the top halves of f32s); x2 (m, k) float32.
+    Returns: (m, rows) float32. Every product w x is exact in f64 (8 x 24 significand bits); per dot the
+    8 lanes are summed in order (a cumulative sum, which adds term by term), then added as (l, l + 4),
+    (l, l + 2), (0, 1) and rounded to f32 once: the kernels' bits.
+    """
+    k = x2.shape[1]
+    w = (raw.view("<u2").astype(np.uint32) << 16).view(np.float32).astype(np.float64)
+    w = w.reshape(len(raw), k // BF16_LANES, BF16_LANES)
+    out = np.empty((len(x2), len(raw)), dtype=np.float32)
+    for c, xc in enumerate(x2.astype(np.float64)):
+        lanes = np.cumsum(w * xc.reshape(1, -1, BF16_LANES), axis=1)[:, -1, :]
+        half = lanes[:, :4] + lanes[:, 4:]
+        out[c] = ((half[:, 0] + half[:, 2]) + (half[:, 1] + half[:, 3])).astype(np.float32)
+    return out

@@ -85,7 +85,7 @@ def prepare_weight(gguf: GGUFFile, name: str, float_weights: str = "f32") -> tup
     raw = gguf.raw(name)
     qtype = info.qtype
     stored = type_name(qtype)
-    if qtype in cpu.KERNEL_TYPES:
+    if qtype in cpu.KERNEL_TYPES and k % cpu.QK == 0 and (qtype not in FLOAT_TYPES or float_weights == "f32"):
         mapped = raw.flags.c_contiguous and _in_file_map(raw)
         return cpu.Matrix(np.ascontiguousarray(raw), k, qtype), f"{stored} {'mapped' if mapped else 'copied'}"
     if qtype in FLOAT_TYPES and float_weights == "f32":

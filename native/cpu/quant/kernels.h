@@ -35,6 +35,7 @@
 #define DD_IQ1_S_BYTES 50
 #define DD_IQ1_M_BYTES 56
 #define DD_MXFP4_BYTES 17       /* e8m0 scale, 16 nibble bytes */
+#define DD_BF16_BYTES 64        /* 32 values of 2 bytes: a "block" only for the k % 32 rule */
 
 /* Q8_0 activations of m columns, each of nb blocks, 64-byte aligned, in two layouts.
  *
@@ -59,7 +60,9 @@
  * Compact (every level; the K-quant kernels read them), per block b of column c:
  *   bd[c*nbp + b]     the block's scale;
  *   bs[c*nbp + b]     the sum of its 32 values;
- *   s16[(c*nbp + b)*2 + h]  the sum of values 16h .. 16h + 15. */
+ *   s16[(c*nbp + b)*2 + h]  the sum of values 16h .. 16h + 15.
+ * Float (the BF16 kernels): x[c*k + i], the f32 activations themselves (the caller's, not copied;
+ * valid while the product runs). */
 typedef struct {
     size_t nb, nbp, m;
     const int8_t *q;
@@ -71,6 +74,7 @@ typedef struct {
     const float *gd;
     const float *bd;
     const int32_t *bs, *s16;
+    const float *x;
     void *mem;              /* the allocation holding all of the above */
     uint64_t id;            /* unique to this preparation (a process-wide count from 1): a kernel may keep
                              * per-thread values derived from these activations under it */

@@ -241,23 +241,42 @@ DD_INLINE void kqx_columns(const kqx_rows *e, const kqx_col *cols, size_t nc, si
     }
 }
 
+/* Prefetch stored row r (every line of its rb bytes) when it is one of the rows_avail rows at w. */
+DD_INLINE void kqx_prefetch_row(const uint8_t *w, size_t rb, size_t r, size_t rows_avail)
+{
+    if (r >= rows_avail)
+        return;
+    const uint8_t *row = w + r * rb;
+    for (size_t at = 0; at < rb; at += 64)
+        dd_prefetch_weight(row + at);
+    dd_prefetch_weight(row + rb - 1);
+}
+
 /* Rows [0, nrows) x all columns: row ranges of up to KQX_W_SB super-blocks of pairs expanded once,
- * then column blocks of up to KQX_A_SB super-blocks arranged once, met in tiles of P pairs. */
-DD_INLINE void kqx_gemm(const uint8_t *w, size_t rb, size_t nrows, const dd_acts *a, float *y, size_t ldy,
-                        int wtype, const int P)
+ * then column blocks of up to KQX_A_SB super-blocks arranged once, met in tiles of P pairs. While a
+ * pair is expanded the rows DD_PREFETCH_ROWS further on (of the rows_avail that follow w) are
+ * prefetched: the expansion is the only reader of the stored weights, and a demand miss per
+ * super-block stalled it (the loads of d and the scales were the hottest instructions of the call). */
+DD_INLINE void kqx_gemm(const uint8_t *w, size_t rb, size_t nrows, size_t rows_avail, const dd_acts *a, float *y,
+                        size_t ldy, int wtype, const int P)
 {
     kqx_rows e[KQX_W_SB];
     kqx_col cols[KQX_A_SB];
     const size_t nsb = a->nb / 8, range = KQX_W_SB / nsb * 2, cmax = KQX_A_SB / nsb / 4 * 4;
     const size_t bytes = wtype == DD_Q4_K ? DD_Q4_K_BYTES : wtype == DD_Q5_K ? DD_Q5_K_BYTES : DD_Q6_K_BYTES;
+    for (size_t r = 0; r < DD_PREFETCH_ROWS && r < nrows; r++)   /* the first rows, all in flight at once */
+        kqx_prefetch_row(w, rb, r, rows_avail);
     for (size_t r0 = 0; r0 < nrows; r0 += range) {
         const size_t nr = nrows - r0 < range ? nrows - r0 : range, np = (nr + 1) / 2;
-        for (size_t p = 0; p < np; p++)
+        for (size_t p = 0; p < np; p++) {
+            kqx_prefetch_row(w, rb, r0 + 2 * p + DD_PREFETCH_ROWS, rows_avail);
+            kqx_prefetch_row(w, rb, r0 + 2 * p + 1 + DD_PREFETCH_ROWS, rows_avail);
             for (size_t sb = 0; sb < nsb; sb++) {
                 const uint8_t *blk = w + (r0 + 2 * p) * rb + sb * bytes;
                 kqx_expand_row(blk, wtype, 0, &e[p * nsb + sb]);
                 kqx_expand_row(2 * p + 1 < nr ? blk + rb : kqx_zero_block, wtype, 1, &e[p * nsb + sb]);
             }
+        }
         for (size_t c0 = 0; c0 < a->m; c0 += cmax) {
             const size_t nc = a->m - c0 < cmax ? a->m - c0 : cmax;
             for (size_t c = 0; c < nc; c++)
@@ -275,8 +294,8 @@ DD_INLINE void kqx_gemm(const uint8_t *w, size_t rb, size_t nrows, const dd_acts
 /* kqx_gemm runs when 4 columns' super-blocks fit the scratch (k up to 256 * KQX_A_SB / 4 = 18688
  * values); a longer k keeps kernels_avx512vnni.c's K-quant walk (DD_DEFINE_GEMM_SPLIT). */
 #define KQX_FITS(a) ((a)->nb / 8 <= KQX_A_SB / 4)
-#define KQX_GEMM_Q4_K(w, rb, n, a, y, ldy) kqx_gemm(w, rb, n, a, y, ldy, DD_Q4_K, 2)
-#define KQX_GEMM_Q5_K(w, rb, n, a, y, ldy) kqx_gemm(w, rb, n, a, y, ldy, DD_Q5_K, 2)
-#define KQX_GEMM_Q6_K(w, rb, n, a, y, ldy) kqx_gemm(w, rb, n, a, y, ldy, DD_Q6_K, 2)
+#define KQX_GEMM_Q4_K(w, rb, n, avail, a, y, ldy) kqx_gemm(w, rb, n, avail, a, y, ldy, DD_Q4_K, 2)
+#define KQX_GEMM_Q5_K(w, rb, n, avail, a, y, ldy) kqx_gemm(w, rb, n, avail, a, y, ldy, DD_Q5_K, 2)
+#define KQX_GEMM_Q6_K(w, rb, n, avail, a, y, ldy) kqx_gemm(w, rb, n, avail, a, y, ldy, DD_Q6_K, 2)
 
 #endif

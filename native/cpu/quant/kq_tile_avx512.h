@@ -324,7 +324,7 @@ DD_INLINE void kq_gemv(const uint8_t *w, size_t rb, size_t nrows, size_t rows_av
             (st = dd_scratch(DD_SCRATCH_KQ_COL, sizeof(kq_gemv_state))) != NULL)                              \
             kq_gemv(w, row_bytes, nrows, rows_avail, a, y, TYPE, st);                                         \
         else if (a->m > 1 && KQX_FITS(a))                                                                     \
-            GEMM_M(w, row_bytes, nrows, a, y, ldy);                                                           \
+            GEMM_M(w, row_bytes, nrows, rows_avail, a, y, ldy);                                               \
         else                                                                                                  \
             TILES(w, row_bytes, nrows, rows_avail, a, y, ldy);                                                \
     }

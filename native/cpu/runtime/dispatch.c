@@ -126,13 +126,13 @@ static _Atomic uint64_t acts_ids;   /* preparations so far (dd_acts.id) */
 
 /* The layout in mem (64-byte aligned, dd_acts_bytes long): the Q8_0 blocks, then the pair layout,
  * then the groups (zeroed); the columns are filled by acts_column. */
-static void acts_place(const dd_kernels *kt, size_t m, size_t k, uint8_t *mem, dd_acts *a)
+static void acts_place(const dd_kernels *kt, const float *x, size_t m, size_t k, uint8_t *mem, dd_acts *a)
 {
     const size_t nb = k / DD_QK, nbp = (nb + 1) & ~(size_t)1, lanes = m * nbp * 8;
     const size_t ng = kt->q4_0_groups ? (nb + 15) / 16 : 0;
     uint8_t *next = mem;
     take(&next, m * nb * DD_Q8_0_BYTES);   /* the Q8_0 blocks, at mem */
-    *a = (dd_acts){ .nb = nb, .nbp = nbp, .m = m, .ng = ng, .mem = mem,
+    *a = (dd_acts){ .nb = nb, .nbp = nbp, .m = m, .ng = ng, .x = x, .mem = mem,
                     .id = atomic_fetch_add_explicit(&acts_ids, 1, memory_order_relaxed) + 1 };
     a->q = take(&next, m * nbp * DD_QK);
     a->d = take(&next, lanes * 4);
@@ -147,12 +147,12 @@ static void acts_place(const dd_kernels *kt, size_t m, size_t k, uint8_t *mem, d
     a->s16 = take(&next, m * nbp * 2 * 4);
 }
 
-static int acts_alloc(const dd_kernels *kt, size_t m, size_t k, dd_acts *a)
+static int acts_alloc(const dd_kernels *kt, const float *x, size_t m, size_t k, dd_acts *a)
 {
     uint8_t *mem = aligned_alloc(64, dd_acts_bytes(kt, m, k));
     if (mem == NULL)
         return DD_ERR_NOMEM;
-    acts_place(kt, m, k, mem, a);
+    acts_place(kt, x, m, k, mem, a);
     return DD_OK;
 }
 
@@ -182,14 +182,14 @@ static void acts_column(const dd_kernels *kt, const float *xc, size_t c, dd_acts
 
 void dd_acts_prepare(const dd_kernels *kt, const float *x, size_t m, size_t k, void *mem, dd_acts *a)
 {
-    acts_place(kt, m, k, mem, a);
+    acts_place(kt, x, m, k, mem, a);
     for (size_t c = 0; c < m; c++)
         acts_column(kt, x + c * k, c, a);
 }
 
 int dd_acts_new(const dd_kernels *kt, const float *x, size_t m, size_t k, dd_acts *a)
 {
-    const int rc = acts_alloc(kt, m, k, a);
+    const int rc = acts_alloc(kt, x, m, k, a);
     for (size_t c = 0; rc == DD_OK && c < m; c++)
         acts_column(kt, x + c * k, c, a);
     return rc;
@@ -213,7 +213,7 @@ static void acts_chunk(void *ctx, size_t chunk)
 
 int dd_acts_new_pooled(const dd_kernels *kt, const float *x, size_t m, size_t k, dd_acts *a)
 {
-    const int rc = acts_alloc(kt, m, k, a);
+    const int rc = acts_alloc(kt, x, m, k, a);
     if (rc != DD_OK)
         return rc;
     acts_job aj = { .kt = kt, .x = x, .k = k, .a = a };   /* the prompt's columns on the pool: same bytes */
