@@ -90,6 +90,19 @@ class _ClientGone(Exception):
     """The client disconnected; the turn has been told to stop."""
 
 
+class _TurnCancel(threading.Event):
+    """A turn's cancel flag (the session job's): setting it also sets the running choice's flag, so whoever
+    stops the job (the client leaving, :meth:`Session.close`) stops the engine's turn."""
+
+    def __init__(self, turn: _Turn) -> None:
+        super().__init__()
+        self._turn = turn
+
+    def set(self) -> None:
+        super().set()
+        self._turn._choice.set()
+
+
 class _Turn:
     """One turn on the engine's session (all ``n`` choices of a request), its events queued for the event loop.
 
@@ -101,8 +114,8 @@ class _Turn:
     def __init__(self, start: Callable[[Callable[[], threading.Event]], Iterator[Event]]) -> None:
         self.loop = asyncio.get_running_loop()
         self.queue: asyncio.Queue = asyncio.Queue()
-        self.cancel = threading.Event()
         self._choice = threading.Event()
+        self.cancel = _TurnCancel(self)
         self._start = start
         self._ticket: Ticket | None = None
 
@@ -117,7 +130,6 @@ class _Turn:
     def stop(self) -> None:
         """Stop the whole turn (the client left, or the request is over): dropped while queued."""
         self.cancel.set()
-        self._choice.set()
         if self._ticket is not None:
             self._ticket.cancel()
 
