@@ -633,3 +633,29 @@ def test_gpu_prefill_continues_a_state_and_runs_in_passes(models, preset, quant)
         _assert_state_close(st2, want_state, f"{preset} 8 passes")
     finally:
         eng.close()
+
+
+def test_emulated_prefill_of_an_f16_state_widens_and_rounds_its_rows(emulated, tiny_files):
+    """GPU prefill continuing an F16 state reads its rows widened exactly and writes the new rows rounded once:
+    the same logits and state as an F32 state holding those rounded rows, its new rows then rounded."""
+    from engine.turn.state import SequenceState
+
+    f = tiny_files["tiny"]
+    hp = f.hparams
+    eng = emulated(f, plan_tokens=256)
+    toks = np.random.default_rng(4).integers(0, hp.n_vocab, 130)
+    half = SequenceState.new(hp, 256, "f16")
+    eng.prefill(toks[:70], half)
+    full = SequenceState.new(hp, 256)
+    eng.prefill(toks[:70], full)
+    for table in (full.k, full.v):
+        for a in table.values():
+            a[:70] = a[:70].astype(np.float16)
+    got, want = eng.prefill(toks[70:], half), eng.prefill(toks[70:], full)
+    assert np.array_equal(got, want)
+    for il in half.k:
+        assert half.k[il].dtype == np.float16
+        assert np.array_equal(half.k[il][:130], full.k[il][:130].astype(np.float16))
+        assert np.array_equal(half.v[il][:130], full.v[il][:130].astype(np.float16))
+    for il in half.ssm:
+        assert np.array_equal(half.ssm[il], full.ssm[il]) and np.array_equal(half.conv[il], full.conv[il])

@@ -291,11 +291,14 @@ def test_delete_removes_file_shared_mmproj_last_and_snapshots(hub, tmp_path):
     snaps = snapshot_folder(tmp_path / "snapshots", GGUFFile.open(path).identity)
     snaps.mkdir(parents=True)
     (snaps / "x.snap").write_bytes(b"s")
+    snaps16 = snapshot_folder(tmp_path / "snapshots", GGUFFile.open(path).identity, "f16")
+    snaps16.mkdir()
     other = snapshot_folder(tmp_path / "snapshots", "another-model")
     other.mkdir()
     removed = delete_model(entry, store, tmp_path / "snapshots")
-    assert set(removed) == {snaps, path, mmproj}
-    assert not path.exists() and not mmproj.exists() and not snaps.exists() and other.is_dir()
+    assert set(removed) == {snaps, snaps16, path, mmproj}
+    assert not path.exists() and not mmproj.exists() and not snaps.exists() and not snaps16.exists()
+    assert other.is_dir()
     assert store.models() == []
 
 

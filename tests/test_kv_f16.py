@@ -112,7 +112,9 @@ def test_f16_state_is_split_invariant_and_decode_rounds_as_numpy(native):
 def test_f16_snapshots_round_trip_and_other_kv_types_are_a_miss(tmp_path, caplog):
     """An F16 cache writes its KV rows as ``<f2`` and restores them bit for bit; the same folder opened
     by an F32 cache ignores those files (a miss with a log line), and a state of the wrong type is refused."""
-    from engine.turn.prefix_cache import PrefixCache, chain_keys
+    import shutil
+
+    from engine.turn.prefix_cache import PrefixCache, chain_keys, snapshot_folder
     from tests.test_prefix_cache import HP, filled_state
     rng = np.random.default_rng(2)
     toks = rng.integers(0, 50, 20).tolist()
@@ -133,7 +135,50 @@ def test_f16_snapshots_round_trip_and_other_kv_types_are_a_miss(tmp_path, caplog
     for il in state.k:
         assert np.array_equal(hit.state.k[il][:20].view(np.uint16), state.k[il][:20].view(np.uint16))
         assert np.array_equal(hit.state.v[il][:20].view(np.uint16), state.v[il][:20].view(np.uint16))
+    f16_dir, f32_dir = snapshot_folder(tmp_path, "m", "f16"), snapshot_folder(tmp_path, "m")
+    shutil.copytree(f16_dir, f32_dir)       # each KV type has its folder: put F16 files where F32 ones go
     with caplog.at_level("WARNING"):
         f32 = PrefixCache(HP, "m", disk_dir=tmp_path)
     assert f32.lookup(toks + [1], 64).reused == 0
     assert "'<f2'" in caplog.text and "expected ['<f4'" in caplog.text
+
+
+def _as(state: SequenceState, hp, kv_type: str) -> SequenceState:
+    """``state``'s contents in a state of ``kv_type`` (KV rows rounded to it)."""
+    out = SequenceState.new(hp, state.k[next(iter(state.k))].shape[0], kv_type)
+    out.pos = state.pos
+    for table, other in ((out.conv, state.conv), (out.ssm, state.ssm), (out.k, state.k), (out.v, state.v)):
+        for il in table:
+            table[il][...] = other[il]
+    return out
+
+
+def test_f16_and_f32_caches_over_one_folder_keep_their_own_files(tmp_path):
+    """Caches of both KV types on one disk folder (the app switched ``kv_type`` and back) each keep and restore
+    their own snapshots and pages of the same prefix: neither takes the other's file for its own."""
+    import dataclasses
+
+    from engine.turn.prefix_cache import PrefixCache, chain_keys
+    from engine.turn.state import KV_PAGE_ROWS
+    from tests.test_prefix_cache import HP
+    hp = dataclasses.replace(HP, context_length=2 * KV_PAGE_ROWS)
+    rng = np.random.default_rng(5)
+    n, cap = KV_PAGE_ROWS + 20, KV_PAGE_ROWS + 28                  # one whole page and a tail
+    toks = rng.integers(0, 50, n).tolist()
+    keys = chain_keys("m", toks)
+    src = SequenceState.new(hp, cap)
+    for table in (src.conv, src.ssm, src.k, src.v):
+        for a in table.values():
+            a[...] = rng.normal(size=a.shape) + 0.5
+    src.pos = n
+    for kv_type in ("f32", "f16", "f32"):
+        cache = PrefixCache(hp, "m", disk_dir=tmp_path, kv_type=kv_type)
+        cache.put(keys[-1], _as(src, hp, kv_type), toks, None, keys=keys)
+        cache.persist()
+    for kv_type in ("f16", "f32"):
+        hit = PrefixCache(hp, "m", disk_dir=tmp_path, kv_type=kv_type).lookup(toks + [1], cap)
+        want = _as(src, hp, kv_type)
+        assert hit.reused == n and hit.state.kv_type == kv_type
+        for il in want.k:
+            assert np.array_equal(hit.state.k[il][:n], want.k[il][:n])
+            assert np.array_equal(hit.state.v[il][:n], want.v[il][:n])

@@ -14,10 +14,12 @@ from typing import Any
 
 from gguf import GGMLQuantizationType
 
+from ..api_types import EngineOptions
 from ..errors import DeviceError, EngineError, ModelFormatError
 from ..gguf.file import GGUFFile
 from ..gguf.header import Header
 from ..registry import LoadedText
+from ..turn.state import state_nbytes
 
 GIB = 1 << 30
 OS_RESERVE = 2 * GIB
@@ -109,13 +111,11 @@ def converted_bytes(text: LoadedText) -> int:
     return total
 
 
-def state_bytes(hp: Any, context: int) -> int:
-    """Bytes of one sequence's state at ``context`` positions (= ``SequenceState.new(hp, context).nbytes``) of a
-    model whose hyper-parameters ``hp`` give its :class:`~engine.turn.state.StateLayout`."""
-    layout = hp.state_layout()
-    rows = sum(2 * math.prod(s) for s in layout.kv.values()) * context
-    fixed = sum(math.prod(s) for s in layout.conv.values()) + sum(math.prod(s) for s in layout.ssm.values())
-    return 4 * (rows + fixed)
+def state_bytes(hp: Any, context: int, kv_type: str = EngineOptions.kv_type) -> int:
+    """Bytes of one sequence's state at ``context`` positions with KV rows of ``kv_type`` (the engine's default
+    unless named; = ``SequenceState.new(hp, context, kv_type).nbytes``) of a model whose hyper-parameters ``hp``
+    give its :class:`~engine.turn.state.StateLayout`."""
+    return state_nbytes(hp.state_layout(), context, kv_type)
 
 
 def vocab_bytes(f: GGUFFile) -> int:

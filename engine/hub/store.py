@@ -174,22 +174,24 @@ def model_files(arg: str, store: ModelStore | None = None) -> tuple[Path, Path |
 def delete_model(entry: Downloaded, store: ModelStore | None = None,
                  snapshot_dir: str | os.PathLike[str] | None = None) -> list[Path]:
     """Delete a downloaded model (see :meth:`ModelStore.delete`) and its prefix snapshots in ``snapshot_dir``
-    (the engine's ``cache_disk_dir``: the subfolder of the file's identity,
+    (the engine's ``cache_disk_dir``: the subfolders of the file's identity, one per KV type,
     :func:`engine.turn.prefix_cache.snapshot_folder`);
     returns the paths removed. A file that no longer opens has no snapshots to find; only the file goes."""
     import shutil
 
     from ..gguf.file import GGUFFile
     from ..turn.prefix_cache import snapshot_folder
+    from ..turn.state import KV_TYPES
     store = store or ModelStore()
     path = store.path(entry.repo, entry.file)
     removed: list[Path] = []
     if snapshot_dir is not None and path.is_file():
         try:
-            folder = snapshot_folder(snapshot_dir, GGUFFile.open(path).identity)
+            identity = GGUFFile.open(path).identity
         except EngineError:
-            folder = None
-        if folder is not None and folder.is_dir():
-            shutil.rmtree(folder)
-            removed.append(folder)
+            identity = None
+        for folder in [] if identity is None else [snapshot_folder(snapshot_dir, identity, t) for t in KV_TYPES]:
+            if folder.is_dir():
+                shutil.rmtree(folder)
+                removed.append(folder)
     return removed + store.delete(entry)

@@ -90,6 +90,20 @@ class _ClientGone(Exception):
     """The client disconnected; the turn has been told to stop."""
 
 
+class _TurnCancel(threading.Event):
+    """A turn's cancel flag (the session job's): setting it also sets its choices' flags, so whoever
+    stops the job (the client leaving, :meth:`Session.close`) stops the engine's turn."""
+
+    def __init__(self, turn: _Turn) -> None:
+        super().__init__()
+        self._turn = turn
+
+    def set(self) -> None:
+        super().set()
+        for flag in list(self._turn._choices):
+            flag.set()
+
+
 class _Turn:
     """One turn on the engine's session (all ``n`` choices of a request), its events queued for the event loop.
 
@@ -101,15 +115,15 @@ class _Turn:
     def __init__(self, start: Callable[[Callable[[], threading.Event]], Iterator[Event]]) -> None:
         self.loop = asyncio.get_running_loop()
         self.queue: asyncio.Queue = asyncio.Queue()
-        self.cancel = threading.Event()
-        self._choice = threading.Event()
+        self._choices: list[threading.Event] = []    # the cancel flag of each engine call (choice), in order
+        self.cancel = _TurnCancel(self)
         self._start = start
         self._ticket: Ticket | None = None
 
     def next_cancel(self) -> threading.Event:
         """A fresh cancel flag for the next engine call, already set when the whole turn is cancelled."""
         flag = threading.Event()
-        self._choice = flag          # published before the check below: stop() sets one or the other
+        self._choices.append(flag)   # published before the check below: stop() sets one or the other
         if self.cancel.is_set():
             flag.set()
         return flag
@@ -117,13 +131,14 @@ class _Turn:
     def stop(self) -> None:
         """Stop the whole turn (the client left, or the request is over): dropped while queued."""
         self.cancel.set()
-        self._choice.set()
         if self._ticket is not None:
             self._ticket.cancel()
 
-    def stop_choice(self) -> None:
-        """Stop the current choice only (a stop string ended it); the next choice still runs."""
-        self._choice.set()
+    def stop_choice(self, index: int) -> None:
+        """Stop choice ``index`` only (a stop string ended it; the engine may have moved on to the next one,
+        which still runs)."""
+        if index < len(self._choices):
+            self._choices[index].set()
 
     def submit(self, session: Session) -> None:
         """Queue the turn on ``session``.
@@ -483,7 +498,7 @@ async def _choices(ex: _Exchange, req: TurnRequest, first: list[Any],
         if isinstance(item, TokenEvent) and not choice.stopped:
             pieces = choice.push(item)
             if choice.stopped:
-                ex.turn.stop_choice()  # a stop string: the engine ends this choice at its next token
+                ex.turn.stop_choice(choice.index)  # a stop string: the engine ends it at its next token
             yield "pieces", choice, pieces
         elif isinstance(item, TurnSummary):
             yield "pieces", choice, choice.close(item)

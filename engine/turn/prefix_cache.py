@@ -192,9 +192,12 @@ def restore_state(hp: HasStateLayout, arrays: Mapping[str, np.ndarray], pos: int
     return state
 
 
-def snapshot_folder(disk_dir: str | Path, identity: str) -> Path:
-    """The disk tier's subfolder of the model file whose identity is ``identity`` (``GGUFFile.identity``)."""
-    return Path(disk_dir) / hashlib.blake2b(identity.encode(), digest_size=8).hexdigest()
+def snapshot_folder(disk_dir: str | Path, identity: str, kv_type: str = "f32") -> Path:
+    """The disk tier's subfolder of the model file whose identity is ``identity`` (``GGUFFile.identity``) and
+    of KV type ``kv_type``: files are named by prefix alone, so each KV type keeps its own (F32: the bare
+    digest, F16: the digest and ``-f16``)."""
+    folder = hashlib.blake2b(identity.encode(), digest_size=8).hexdigest()
+    return Path(disk_dir) / (folder if kv_type == "f32" else f"{folder}-{kv_type}")
 
 
 class PrefixCache:
@@ -206,8 +209,8 @@ class PrefixCache:
         ram_budget: bytes of snapshots kept in RAM (LRU beyond it).
         disk_dir: folder of the disk tier (None = RAM only); a subfolder per model identity.
         disk_budget: bytes of snapshot files kept on disk (oldest used removed beyond it).
-        kv_type: the KV type of the states it takes and builds (:data:`engine.turn.state.KV_TYPES`); a file of
-            another KV type is ignored like a foreign one.
+        kv_type: the KV type of the states it takes and builds (:data:`engine.turn.state.KV_TYPES`); each type has
+            its own subfolder (:func:`snapshot_folder`), and a file of another KV type is ignored like a foreign one.
 
     Thread-safe: every public method holds one lock, so the app may list or clear snapshots
     while a turn is running on another thread.
@@ -225,7 +228,7 @@ class PrefixCache:
         self._lock = threading.RLock()
         self._disk: Path | None = None
         if disk_dir is not None:
-            self._disk = snapshot_folder(disk_dir, identity)
+            self._disk = snapshot_folder(disk_dir, identity, kv_type)
         self._pages = PageStore(hp.state_layout(), identity, kv_type, self._disk)
         if self._disk is not None:
             self._scan_disk()
