@@ -10,7 +10,7 @@ Design: docs/design/native-cpu.md.
 from __future__ import annotations
 
 import weakref
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import numpy as np
 
@@ -18,8 +18,24 @@ from engine.kernels import cpu
 from engine.ops import reference as ops
 from engine.turn.state import SequenceState, kv_dtype
 
-if TYPE_CHECKING:
-    from .cpu import NativeQwen35Model
+
+
+class StepModel(Protocol):
+    """What the step reads of a :class:`~engine.arch.qwen35.cpu.NativeQwen35Model` (its weights, prepared
+    layers, hyper-parameters), named here so that the step does not import the model it serves."""
+
+    hp: Any
+    mats: dict[str, Any]
+    output_name: str
+    gdn: dict[int, Any]
+    fused_moe: dict[int, Any]
+    observer: Any
+
+    def w(self, name: str) -> np.ndarray:
+        """The float32 weight ``name``."""
+
+    def embed(self, tokens: np.ndarray) -> np.ndarray:
+        """The embedding rows of ``tokens``."""
 
 STAGES = ("inp_embd", "result_output")
 """The reference forward's stage names :meth:`NativeStep.forward` reports: its input row and its logits (the
@@ -31,7 +47,7 @@ _ATTN_MATS = (("q", "attn_q"), ("k", "attn_k"), ("v", "attn_v"), ("o", "attn_out
 _DENSE_MATS = (("ffn_gate", "ffn_gate"), ("ffn_up", "ffn_up"), ("ffn_down", "ffn_down"))
 
 
-def _layer_mats(model: "NativeQwen35Model", il: int) -> list[tuple[str, str]]:
+def _layer_mats(model: StepModel, il: int) -> list[tuple[str, str]]:
     """(struct field, GGUF weight name) of every product of layer ``il`` the step makes outside the MoE call."""
     p = f"blk.{il}."
     mats = _GDN_MATS if model.hp.is_recurrent(il) else _ATTN_MATS
@@ -40,7 +56,7 @@ def _layer_mats(model: "NativeQwen35Model", il: int) -> list[tuple[str, str]]:
     return [(field, f"{p}{name}.weight") for field, name in mats]
 
 
-def step_unsupported(model: "NativeQwen35Model") -> str | None:
+def step_unsupported(model: StepModel) -> str | None:
     """Why the one-call step cannot run ``model`` (then its per-hook path decodes), or None if it can."""
     if not cpu.available():
         return "the native CPU kernels are not built"
@@ -62,7 +78,7 @@ class NativeStep:
     Args: model: a model :func:`step_unsupported` accepts. Raises ValueError otherwise.
     """
 
-    def __init__(self, model: "NativeQwen35Model") -> None:
+    def __init__(self, model: StepModel) -> None:
         reason = step_unsupported(model)
         if reason is not None:
             raise ValueError(f"the native decode step cannot run this model: {reason}")
