@@ -21,7 +21,7 @@ from typing import Any
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from . import app as _app
+from .transport import ClientGone, authorize, error_of, event_stream, read_json
 from . import messages_api, responses_api, responses_stream
 from .requests import APIError
 
@@ -61,11 +61,11 @@ class AgentRoutes:
         self.store = responses_api.ResponseStore(RESPONSES_STORE)
 
     async def _body(self, request: Request) -> Any:
-        return await _app._read_json(request, self.chat.config.max_body_bytes)
+        return await read_json(request, self.chat.config.max_body_bytes)
 
     async def responses(self, request: Request) -> Response:
         """``POST /v1/responses``: a response object, or its stream of events (``stream: true``)."""
-        _app._authorize(request, self.chat.key)
+        authorize(request, self.chat.key)
         body = await self._body(request)
         chat = responses_api.chat_body(body, self.store)
         shell = responses_api.Shell(body, chat)
@@ -75,13 +75,13 @@ class AgentRoutes:
             return JSONResponse(response)
         events = responses_stream.ResponseEvents(shell)
         translated = _translated(self.chat.chat_chunks(request, chat), _Ending(events, self.store, chat))
-        return await _app.event_stream(translated, frame=_named, error=lambda exc: _frames(events.fail(exc)), end="")
+        return await event_stream(translated, frame=_named, error=lambda exc: _frames(events.fail(exc)), end="")
 
     def _authorize_anthropic(self, request: Request) -> None:
         """``x-api-key: KEY`` or ``Authorization: Bearer KEY`` when the server has a key (else 401)."""
         key, given = self.chat.key, request.headers.get("x-api-key")
         if key is None or given is None:
-            _app._authorize(request, key)
+            authorize(request, key)
         elif not hmac.compare_digest(given.strip().encode(), key):
             raise APIError(401, "a valid API key is required: the x-api-key header does not match the server's key",
                            type="authentication_error", code="invalid_api_key")
@@ -96,14 +96,14 @@ class AgentRoutes:
             if not chat.get("stream"):
                 return JSONResponse(messages_api.message_object(await self.chat.chat(request, chat), stops))
             events = messages_api.MessageEvents(str(chat.get("model")), stops)
-            return await _app.event_stream(_translated(self.chat.chat_chunks(request, chat), events), frame=_named,
+            return await event_stream(_translated(self.chat.chat_chunks(request, chat), events), frame=_named,
                                            error=lambda exc: _frames(events.fail(exc)), end="")
         except APIError as exc:
             return _anthropic_error(exc)
-        except _app._ClientGone:
+        except ClientGone:
             raise                 # nobody to answer (the app answers 499)
         except Exception as exc:  # noqa: BLE001 - any other failure in Anthropic's shape too
-            return _anthropic_error(_app._error_of(exc))
+            return _anthropic_error(error_of(exc))
 
     async def count_tokens(self, request: Request) -> Response:
         """``POST /v1/messages/count_tokens``: ``{"input_tokens": N}``, the rendered prompt's length (images
@@ -117,7 +117,7 @@ class AgentRoutes:
         except APIError as exc:
             return _anthropic_error(exc)
         except Exception as exc:  # noqa: BLE001 - an engine error (template, image) in Anthropic's shape
-            return _anthropic_error(_app._error_of(exc))
+            return _anthropic_error(error_of(exc))
 
     def _count(self, req: Any) -> int:
         """The prompt's tokens: rendered (text only), or prepared by a job of the engine's session (images are
@@ -133,7 +133,7 @@ class AgentRoutes:
 
     async def metrics(self, request: Request) -> Response:
         """``GET /metrics``: the Prometheus text exposition of this server's metrics."""
-        _app._authorize(request, self.chat.key)
+        authorize(request, self.chat.key)
         metrics = self.chat.metrics
         return Response(metrics.text(), media_type=metrics.content_type)
 

@@ -19,8 +19,6 @@ Cross-site requests are refused in front of every route (:class:`engine.openai.g
 from __future__ import annotations
 
 import asyncio
-import hmac
-import json
 import logging
 import threading
 import time
@@ -31,21 +29,20 @@ from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.middleware import Middleware
 from starlette.requests import Request
-from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from engine.errors import ContextFullError, EngineError, ImageError, TemplateError, UnsupportedModelError
 from engine.events import Event, PrefillStats, TokenEvent, TurnSummary
-from engine.turn.grammar import GrammarError
 from engine.session import END, QueueFullError, Session, Ticket
 from . import agent_routes
 from .choices import Answer, Choice
 from .constraints import Constraints
 from .fields import agent_request, completion_fields
 from .guard import RequestGuard, loopback_host
-from .limits import DEFAULT_MAX_WAITING, DEFAULT_MAX_WAITING_BYTES, QueueFull, WaitingQueue, check_fits, check_text
+from .limits import DEFAULT_MAX_WAITING, DEFAULT_MAX_WAITING_BYTES, QueueFull, WaitingQueue, check_fits
 from .metrics import RequestCounter, ServerMetrics
 from .requests import APIError, TurnRequest, chat_request, completion_request
+from .transport import ClientGone, authorize, error_of, event_stream, read_json
 
 log = logging.getLogger(__name__)
 
@@ -84,10 +81,6 @@ class ServerConfig:
     file_urls: bool = True
     max_waiting: int = DEFAULT_MAX_WAITING
     max_waiting_bytes: int = DEFAULT_MAX_WAITING_BYTES
-
-
-class _ClientGone(Exception):
-    """The client disconnected; the turn has been told to stop."""
 
 
 class _TurnCancel(threading.Event):
@@ -177,7 +170,7 @@ class _Exchange:
                   self.request.url.path)
 
     async def _until(self, awaitable: Any) -> Any:
-        """``await awaitable``, unless the client leaves first (then :class:`_ClientGone`)."""
+        """``await awaitable``, unless the client leaves first (then :class:`ClientGone`)."""
         task = asyncio.ensure_future(awaitable)
         gone = asyncio.ensure_future(self.gone.wait())
         try:
@@ -186,7 +179,7 @@ class _Exchange:
             gone.cancel()
         if self.gone.is_set():        # even when the turn's last item came too: it was dropped for the client
             task.cancel()
-            raise _ClientGone()
+            raise ClientGone()
         return task.result()
 
     def start(self, session: Session) -> None:
@@ -210,76 +203,10 @@ class _Exchange:
         self._watcher.cancel()
 
 
-def _error_of(exc: BaseException) -> APIError:
-    """The API error an exception from the engine becomes."""
-    if isinstance(exc, APIError):
-        return exc
-    if isinstance(exc, QueueFullError):
-        return QueueFull(str(exc))
-    if isinstance(exc, ImageError):
-        return APIError(400, str(exc), param="messages", code="invalid_image")
-    if isinstance(exc, ContextFullError):
-        return APIError(400, str(exc), param="messages", code="context_length_exceeded")
-    if isinstance(exc, (TemplateError, UnsupportedModelError)):
-        return APIError(400, str(exc), param="messages")
-    if isinstance(exc, GrammarError):
-        log.warning("constrained decoding stopped: %s", exc)
-        return APIError(400, "the response format or tools cannot be enforced: the grammar library gave up while "
-                        f"decoding ({str(exc).splitlines()[0][:300]}); simplify the schema (a value that must nest "
-                        "without end, a very ambiguous pattern)", code="unsupported_schema")
-    if isinstance(exc, EngineError):
-        return APIError(500, str(exc), type="server_error")
-    log.error("turn failed", exc_info=exc)
-    return APIError(500, f"internal error: {type(exc).__name__}: {exc}", type="server_error")
-
-
-
-def _sse(payload: Any) -> str:
-    return f"data: {json.dumps(payload, ensure_ascii=False)}\n\n"
-
-
 def _too_long(summary: TurnSummary, context: int) -> APIError:
     return APIError(400, f"the prompt is {summary.prompt_tokens} tokens but the context window holds {context}: "
                     "shorten the conversation (or serve the model with a larger --context)",
                     param="messages", code="context_length_exceeded")
-
-
-def _authorize(request: Request, key: bytes | None) -> None:
-    """Refuse (401) a request without ``Authorization: Bearer <key>`` when the server has an API key."""
-    if key is None:
-        return
-    given = request.headers.get("authorization", "")
-    scheme, _, token = given.partition(" ")
-    if not (scheme.lower() == "bearer" and hmac.compare_digest(token.strip().encode(), key)):
-        raise APIError(401, "a valid API key is required: send the header 'Authorization: Bearer <key>'",
-                       type="authentication_error", code="invalid_api_key")
-
-
-def _no_constants(name: str) -> Any:
-    raise ValueError(f"{name} is not JSON")
-
-
-async def _read_json(request: Request, limit: int) -> Any:
-    """The request's JSON body, at most ``limit`` bytes (else 413; its size is kept as ``request.state.body_bytes``
-    for the waiting queue); not JSON (or NaN/Infinity) -> 400; text that is not Unicode (a lone surrogate) ->
-    400 naming its field."""
-    length = request.headers.get("content-length", "")
-    if length.isdigit() and int(length) > limit:
-        raise APIError(413, f"the request body is {int(length)} bytes; at most {limit} are accepted",
-                       code="request_too_large")
-    chunks, size = [], 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > limit:
-            raise APIError(413, f"the request body exceeds {limit} bytes", code="request_too_large")
-        chunks.append(chunk)
-    request.state.body_bytes = size
-    try:
-        body = json.loads(b"".join(chunks), parse_constant=_no_constants)
-    except (ValueError, RecursionError) as exc:
-        raise APIError(400, f"the request body is not valid JSON: {exc}", code="invalid_json") from exc
-    check_text(body)
-    return body
 
 
 class _Routes:
@@ -305,7 +232,7 @@ class _Routes:
                 started()
                 continue
             if isinstance(item, BaseException):
-                raise _error_of(item)
+                raise error_of(item)
             if item is _END:
                 raise APIError(500, "the engine ended the turn without a summary", type="server_error")
             if isinstance(item, TurnSummary) and item.stop_reason == "context_full" and item.generated_tokens == 0:
@@ -388,7 +315,7 @@ class _Routes:
 
     async def chat(self, request: Request, body: Any) -> dict[str, Any]:
         """The whole ``chat.completion`` object answering a chat-completions ``body`` (its ``stream`` is not
-        looked at). ``request`` is watched for the client leaving (then :class:`_ClientGone`).
+        looked at). ``request`` is watched for the client leaving (then :class:`ClientGone`).
 
         Raises:
             APIError: a bad body (4xx) or an engine failure (500), before any answer.
@@ -407,15 +334,15 @@ class _Routes:
             yield chunk
 
     async def chat_completions(self, request: Request) -> Response:
-        _authorize(request, self.key)
-        req, start = self._chat_turn(request, await _read_json(request, self.config.max_body_bytes))
+        authorize(request, self.key)
+        req, start = self._chat_turn(request, await read_json(request, self.config.max_body_bytes))
         if req.stream:
             return await event_stream(self._chunks(request, req, start))
         return JSONResponse(await self._whole(request, req, start))
 
     async def completions(self, request: Request) -> Response:
-        _authorize(request, self.key)
-        body = await _read_json(request, self.config.max_body_bytes)
+        authorize(request, self.key)
+        body = await read_json(request, self.config.max_body_bytes)
         req = completion_fields(body, completion_request(body, self.config.model_name, self.context), self.vocab)
 
         def start(next_cancel: Callable[[], threading.Event]) -> Iterator[Event]:
@@ -426,7 +353,7 @@ class _Routes:
         return JSONResponse(await self._whole(request, req, start))
 
     async def models(self, request: Request) -> Response:
-        _authorize(request, self.key)
+        authorize(request, self.key)
         return JSONResponse({"object": "list", "data": [
             {"id": self.config.model_name, "object": "model", "created": self.created, "owned_by": "deltadesk",
              "max_model_len": self.context, "vision": self.has_vision}]})
@@ -441,7 +368,7 @@ async def _health(_request: Request) -> Response:
 
 
 async def _api_error(_request: Request, exc: Exception) -> Response:
-    error = exc if isinstance(exc, APIError) else _error_of(exc)
+    error = exc if isinstance(exc, APIError) else error_of(exc)
     return JSONResponse(error.body(), status_code=error.status, headers=getattr(error, "headers", None))
 
 
@@ -477,7 +404,7 @@ def create_app(engine: Any, config: ServerConfig, session: Session | None = None
                Route("/metrics", agents.metrics, methods=["GET"])]
     middleware = [Middleware(RequestCounter, metrics=handlers.metrics), Middleware(RequestGuard)]
     return Starlette(routes=routes, middleware=middleware,
-                     exception_handlers={APIError: _api_error, HTTPException: _http_error, _ClientGone: _gone,
+                     exception_handlers={APIError: _api_error, HTTPException: _http_error, ClientGone: _gone,
                                          Exception: _api_error})
 
 
@@ -492,7 +419,7 @@ async def _choices(ex: _Exchange, req: TurnRequest, first: list[Any],
     while True:
         item = pending.pop(0) if pending else await ex.next()
         if isinstance(item, BaseException):
-            raise _error_of(item)
+            raise error_of(item)
         if item is _END:
             raise APIError(500, "the engine ended the turn without a summary", type="server_error")
         if isinstance(item, TokenEvent) and not choice.stopped:
@@ -507,51 +434,3 @@ async def _choices(ex: _Exchange, req: TurnRequest, first: list[Any],
                 return
             choice = make(choice.index + 1)
             yield "start", choice, None
-
-
-async def event_stream(chunks: AsyncIterator[dict[str, Any]], frame: Callable[[dict[str, Any]], str] = _sse,
-                       error: Callable[[APIError], str] = lambda exc: _sse(exc.body()),
-                       end: str = "data: [DONE]\n\n") -> Response:
-    """A server-sent-event response of ``chunks``, each written by ``frame``; an :class:`APIError` raised
-    before the first chunk is raised here (the request gets its status code), one raised later is sent
-    as ``error(exc)`` and ends the stream; ``end`` follows the last chunk. A client that leaves before
-    the first chunk gets 499 (nobody reads it); ``chunks`` is closed when the stream ends."""
-    try:
-        first = await chunks.__anext__()
-    except _ClientGone:
-        return Response(status_code=499)
-
-    async def frames() -> AsyncIterator[str]:
-        yield frame(first)
-        try:
-            async for chunk in chunks:
-                yield frame(chunk)
-        except APIError as exc:
-            yield error(exc)
-            return
-        except _ClientGone:
-            return
-        yield end
-
-    return _EventStream(frames(), chunks, media_type="text/event-stream",
-                        headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-
-
-class _EventStream(StreamingResponse):
-    """Server-sent events whose client's disconnect the exchange watches (not Starlette's own listener:
-    one reader of the connection); the chunk iterator (and with it the turn) is closed when the stream ends."""
-
-    def __init__(self, content: AsyncIterator[str], chunks: AsyncIterator[Any], **kwargs: Any) -> None:
-        super().__init__(content, **kwargs)
-        self._content, self._chunks = content, chunks
-
-    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
-        try:
-            await self.stream_response(send)
-        except OSError:
-            pass  # the client went away mid-send
-        finally:
-            for it in (self._content, self._chunks):
-                close = getattr(it, "aclose", None)
-                if close is not None:
-                    await close()
