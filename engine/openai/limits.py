@@ -8,14 +8,10 @@ a ``file:`` image's contents are never quoted. Design: docs/design/http-server.m
 from __future__ import annotations
 
 import contextlib
-import io
 from collections.abc import Iterator, Mapping
-from pathlib import Path
 from typing import Any
 
-from PIL import Image, UnidentifiedImageError
 
-from engine.gguf.regular import MAX_IMAGE_FILE_BYTES, read_regular
 
 from .requests import APIError
 
@@ -119,32 +115,6 @@ def check_text(value: Any, where: str = "") -> None:
                 stack.append((f"{path}.{key}" if path else str(key), sub))
         elif isinstance(item, list):
             stack.extend((f"{path}[{i}]", sub) for i, sub in enumerate(item))
-
-
-def read_image_file(path: Path, param: str) -> bytes:
-    """The bytes of the image file a ``file:`` URL names, checked before and after reading.
-
-    Opened only if it is a regular file (a FIFO or device is never read; opening does not block), its size
-    checked on the open file against ``MAX_IMAGE_FILE_BYTES`` before reading, and its header parsed as an
-    image. The errors never say whether the file is missing, unreadable, a folder or too large, and never
-    quote its contents.
-
-    Raises:
-        APIError: 400 "does not name a readable regular file" or "not an image".
-    """
-    unreadable = APIError(400, f"{param}: the file: URL does not name a readable regular file of at most "
-                          f"{MAX_IMAGE_FILE_BYTES >> 20} MiB", param=param, code="invalid_image")
-    try:
-        data = read_regular(path, MAX_IMAGE_FILE_BYTES)
-    except (OSError, ValueError):
-        raise unreadable from None
-    try:
-        Image.open(io.BytesIO(data))
-    except Image.DecompressionBombError:
-        pass                     # an image: the engine refuses its size with its own message
-    except (UnidentifiedImageError, OSError, ValueError, SyntaxError, EOFError):
-        raise APIError(400, f"{param}: not an image", param=param, code="invalid_image") from None
-    return data
 
 
 def check_fits(engine: Any, messages: list[dict], enable_thinking: bool, context: int,

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import base64
 import binascii
+import io
 import math
 import urllib.parse
 import urllib.request
@@ -20,7 +21,10 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Mapping
 
+from PIL import Image, UnidentifiedImageError
+
 from engine.errors import EngineError
+from engine.gguf.regular import MAX_IMAGE_FILE_BYTES, read_regular
 from engine.sampling import SamplingParams
 
 MAX_STOP_STRINGS = 16
@@ -200,7 +204,7 @@ def sampling_of(body: Mapping[str, Any], context: int, default_max_tokens: int |
 
 def image_source(url: Any, param: str, file_urls: bool = True) -> bytes:
     """An ``image_url`` part's URL as what the engine reads: the bytes of a ``data:`` URL (base64) or of the
-    local image file a ``file:`` URL names (:func:`engine.openai.limits.read_image_file`: a regular file,
+    local image file a ``file:`` URL names (:func:`read_image_file`: a regular file,
     size-checked before reading, its contents never quoted). Web URLs are not fetched (the server makes no
     outgoing requests).
 
@@ -232,7 +236,6 @@ def image_source(url: Any, param: str, file_urls: bool = True) -> bytes:
             raise _bad(f"{param}: this server does not read its own files for this request (it listens beyond "
                        "this machine, or the request's Host is not this machine); send the image as a data: URL "
                        "(base64)", param, "invalid_image")
-        from .limits import read_image_file
         return read_image_file(Path(urllib.request.url2pathname(parts.path)), param)
     raise _bad(f"{param}: {scheme}: URLs are not fetched; send the image as a data: URL (base64) or a file: URL",
                param, "invalid_image")
@@ -334,3 +337,29 @@ def completion_request(body: Any, served: str, context: int) -> TurnRequest:
         raise _bad("prompt must be a non-empty string (token-id prompts and batches are not supported)", "prompt")
     return TurnRequest(model, None, prompt, sampling_of(body, context, default_max_tokens=16), False, _stop(body),
                        stream, usage, n=_choices(body))
+
+
+def read_image_file(path: Path, param: str) -> bytes:
+    """The bytes of the image file a ``file:`` URL names, checked before and after reading.
+
+    Opened only if it is a regular file (a FIFO or device is never read; opening does not block), its size
+    checked on the open file against ``MAX_IMAGE_FILE_BYTES`` before reading, and its header parsed as an
+    image. The errors never say whether the file is missing, unreadable, a folder or too large, and never
+    quote its contents.
+
+    Raises:
+        APIError: 400 "does not name a readable regular file" or "not an image".
+    """
+    unreadable = APIError(400, f"{param}: the file: URL does not name a readable regular file of at most "
+                          f"{MAX_IMAGE_FILE_BYTES >> 20} MiB", param=param, code="invalid_image")
+    try:
+        data = read_regular(path, MAX_IMAGE_FILE_BYTES)
+    except (OSError, ValueError):
+        raise unreadable from None
+    try:
+        Image.open(io.BytesIO(data))
+    except Image.DecompressionBombError:
+        pass                     # an image: the engine refuses its size with its own message
+    except (UnidentifiedImageError, OSError, ValueError, SyntaxError, EOFError):
+        raise APIError(400, f"{param}: not an image", param=param, code="invalid_image") from None
+    return data
