@@ -18,6 +18,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterable, Iterator
 
+from .history_recovery import database_problem
+
 MIGRATIONS: tuple[tuple[str, ...], ...] = (
     # 1: conversations and the message tree.
     (
@@ -242,17 +244,18 @@ class HistoryStore:
 
         Raises:
             HistoryDamaged: the file is not SQLite, its integrity check fails (damaged pages), or it holds
-                another program's tables (:func:`app.history_recovery.check_database`).
+                another program's tables (:func:`app.history_recovery.database_problem`).
             HistoryError: the file is from a newer DeltaDesk, or cannot be read or written.
         """
-        from .history_recovery import check_database
         path = Path(path)
         conn = None
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
             conn = sqlite3.connect(path, isolation_level=None)
             conn.execute("PRAGMA busy_timeout = 1000")
-            check_database(conn, path)
+            problem = database_problem(conn, path, SCHEMA_VERSION)
+            if problem is not None:
+                raise HistoryDamaged(problem)
             conn.execute("PRAGMA journal_mode = WAL")
             conn.execute("PRAGMA synchronous = NORMAL")
             conn.execute("PRAGMA foreign_keys = ON")

@@ -18,14 +18,13 @@ from pathlib import Path
 _OURS = {"conversations", "messages"}
 
 
-def check_database(conn: sqlite3.Connection, path: Path) -> None:
-    """Refuse a file that is not a usable history database (see the module doc), before anything is written.
+def database_problem(conn: sqlite3.Connection, path: Path, schema_version: int) -> str | None:
+    """Why the file is not a usable history database (see the module doc), or None; read before anything
+    is written. ``schema_version``: the newest schema this build writes.
 
     Raises:
-        HistoryDamaged: naming the file and what is wrong.
         sqlite3.OperationalError: the file is locked by another program.
     """
-    from .history import SCHEMA_VERSION, HistoryDamaged
     try:
         version = conn.execute("PRAGMA user_version").fetchone()[0]
         tables = {row[0] for row in conn.execute("SELECT name FROM sqlite_master WHERE type = 'table'")}
@@ -33,16 +32,16 @@ def check_database(conn: sqlite3.Connection, path: Path) -> None:
     except sqlite3.DatabaseError as exc:
         if "locked" in str(exc) or "busy" in str(exc):
             raise
-        raise HistoryDamaged(f"{path}: not a readable SQLite database ({exc})") from exc
+        return f"{path}: not a readable SQLite database ({exc})"
     if problems != ["ok"]:
-        raise HistoryDamaged(f"{path}: the database is damaged ({'; '.join(problems)[:300]})")
+        return f"{path}: the database is damaged ({'; '.join(problems)[:300]})"
     user_tables = {t for t in tables if not t.startswith("sqlite_") and not t.startswith("messages_fts")}
     if version == 0 and user_tables:
-        raise HistoryDamaged(f"{path}: it holds another program's tables ({', '.join(sorted(user_tables))[:200]}), "
-                             "not a DeltaDesk history")
-    if 0 < version <= SCHEMA_VERSION and not _OURS <= tables:
-        raise HistoryDamaged(f"{path}: its tables are not a DeltaDesk history (missing "
-                             f"{', '.join(sorted(_OURS - tables))})")
+        return (f"{path}: it holds another program's tables ({', '.join(sorted(user_tables))[:200]}), "
+                "not a DeltaDesk history")
+    if 0 < version <= schema_version and not _OURS <= tables:
+        return f"{path}: its tables are not a DeltaDesk history (missing {', '.join(sorted(_OURS - tables))})"
+    return None
 
 
 def set_aside(path: str | Path) -> Path:
