@@ -538,16 +538,18 @@ BENCH_DEFAULTS = dict(n_prompt=512, n_gen=64, depths=(4096, 16384), depth_gen=16
 def _add_bench(p: argparse.ArgumentParser) -> None:
     defaults = BENCH_DEFAULTS
     p.add_argument("model")
-    p.add_argument("--threads", "-t", type=int, nargs="+", help="thread counts (default: 1 and the physical cores)")
+    p.add_argument("--threads", "-t", type=_positive, nargs="+",
+                   help="thread counts (default: 1 and the physical cores)")
     p.add_argument("--isa", nargs="+", help="ISA levels (default: every level this CPU runs)")
-    p.add_argument("--prompt", "-p", type=int, default=defaults["n_prompt"], help="prompt tokens, one forward "
+    p.add_argument("--prompt", "-p", type=_positive, default=defaults["n_prompt"], help="prompt tokens, one forward "
                    "(default: %(default)s)")
-    p.add_argument("--gen", "-n", type=int, default=defaults["n_gen"], help="decoded tokens (default: %(default)s)")
+    p.add_argument("--gen", "-n", type=_positive, default=defaults["n_gen"],
+                   help="decoded tokens (default: %(default)s)")
     p.add_argument("--depth", "-d", type=int, nargs="*", default=list(defaults["depths"]),
                    help="context depths to decode at; none: --depth alone (default: %(default)s)")
-    p.add_argument("--depth-gen", type=int, default=defaults["depth_gen"],
+    p.add_argument("--depth-gen", type=_positive, default=defaults["depth_gen"],
                    help="tokens decoded at each depth (default: %(default)s)")
-    p.add_argument("--repeat", "-r", type=int, default=defaults["repeat"],
+    p.add_argument("--repeat", "-r", type=_positive, default=defaults["repeat"],
                    help="rounds, engines interleaved in each (default: %(default)s)")
     p.add_argument("--stream-gib", type=float, default=defaults["stream_gib"],
                    help="buffer of the bandwidth measurement, GiB (default: %(default)s)")

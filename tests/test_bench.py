@@ -295,3 +295,13 @@ def test_real_llama_bench_has_depth():
     import subprocess
     done = subprocess.run([binary, "--help"], capture_output=True, text=True, timeout=60)
     assert "--n-depth" in done.stdout + done.stderr
+
+
+@pytest.mark.parametrize("flag", ["--gen", "--prompt", "--threads", "--depth-gen", "--repeat"])
+def test_bench_refuses_counts_below_one_before_loading(flag, capsys) -> None:
+    """A count of 0 (a tg0 rate would divide by zero) is an argparse error naming the flag; no file is read."""
+    from engine.__main__ import main
+    with pytest.raises(SystemExit) as exit_info:
+        main(["bench", "no-such-file.gguf", flag, "0"])
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 2 and flag in err and "positive integer" in err and "Traceback" not in err
