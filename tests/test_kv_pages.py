@@ -94,7 +94,7 @@ def test_a_divergent_sequence_shares_the_pages_before_it_and_owns_the_rest():
 
 
 def test_disk_tier_writes_each_page_once_and_survives_a_restart(tmp_path, monkeypatch):
-    from engine import kv_pages
+    from engine.turn import kv_pages
     writes: list[str] = []
     real = kv_pages.write_atomic
     monkeypatch.setattr(kv_pages, "write_atomic", lambda path, data: (writes.append(path.name), real(path, data)))

@@ -23,7 +23,7 @@ from pathlib import Path
 
 import numpy as np
 
-from .snapshot_file import open_regular, write_atomic
+from .snapshot import open_regular, write_atomic
 from .state import KV_PAGE_ROWS, SequenceState, StateLayout, kv_dtype
 
 log = logging.getLogger(__name__)
