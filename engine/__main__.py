@@ -85,6 +85,9 @@ def _load(args: argparse.Namespace, path: Path, mmproj: Path | None):
     engine = Engine.load(path, mmproj, options=EngineOptions(context=args.context, kv_type=args.kv_type))
     tower = f" + {mmproj.name}" if mmproj is not None else ""
     print(f"[loaded {path.name}{tower} in {time.perf_counter() - t0:.2f} s]", file=sys.stderr)
+    if engine.info.context < args.context:
+        print(f"[note: --context {args.context} is above {path.name}'s own limit: the context window holds "
+              f"{engine.info.context} tokens]", file=sys.stderr)
     note = engine.info.template_note
     if note:
         print(f"[note: {path.name}: {note}]", file=sys.stderr)
