@@ -25,6 +25,8 @@ if TYPE_CHECKING:
     from .reap.prune import ExpertStats
 
 
+MODEL_HELP = "a GGUF file, or a downloaded model's REPO:QUANT (`engine models` lists them)"
+"""The help of a positional model argument."""
 DEFAULT_CONTEXT = 8192
 """The context window, tokens, of generate / chat / serve without ``--context``."""
 
@@ -549,7 +551,7 @@ BENCH_DEFAULTS = dict(n_prompt=512, n_gen=64, depths=(4096, 16384), depth_gen=16
 
 def _add_bench(p: argparse.ArgumentParser) -> None:
     defaults = BENCH_DEFAULTS
-    p.add_argument("model")
+    p.add_argument("model", help=MODEL_HELP)
     p.add_argument("--threads", "-t", type=int, nargs="+", help="thread counts (default: 1 and the physical cores)")
     p.add_argument("--isa", nargs="+", help="ISA levels (default: every level this CPU runs)")
     p.add_argument("--prompt", "-p", type=int, default=defaults["n_prompt"], help="prompt tokens, one forward "
@@ -574,7 +576,7 @@ def _add_bench(p: argparse.ArgumentParser) -> None:
 
 
 def _add_prune(p: argparse.ArgumentParser) -> None:
-    p.add_argument("model")
+    p.add_argument("model", help=MODEL_HELP)
     p.add_argument("--keep", type=int, required=True, help="experts kept per layer (top-k <= N < expert count)")
     p.add_argument("--output", "-o", required=True)
     p.add_argument("--method", choices=["reap", "frequency"], default="reap")
@@ -593,7 +595,7 @@ def build_parser() -> argparse.ArgumentParser:
     from .hub import cli as hub_cli
     ap = argparse.ArgumentParser(prog="python -m engine", description="DeltaDesk engine")
     sub = ap.add_subparsers(dest="command", required=True)
-    commands = [("info", "summarise a GGUF model", lambda p: p.add_argument("model"), cmd_info),
+    commands = [("info", "summarise a GGUF model", lambda p: p.add_argument("model", help=MODEL_HELP), cmd_info),
                 ("generate", "answer one prompt, streamed", _add_generate, cmd_generate),
                 ("chat", "interactive chat on the terminal", _add_sampling, cmd_chat),
                 ("serve", "an OpenAI-compatible HTTP server on the model", _add_serve, cmd_serve),
