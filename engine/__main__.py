@@ -25,6 +25,11 @@ if TYPE_CHECKING:
     from .reap.prune import ExpertStats
 
 
+MODEL_HELP = "a GGUF file, or a downloaded model's REPO:QUANT (`engine models` lists them)"
+"""The help of a positional model argument."""
+DEFAULT_CONTEXT = 8192
+"""The context window, tokens, of generate / chat / serve without ``--context``."""
+
 def _sampling(args: argparse.Namespace) -> SamplingParams:
     return SamplingParams(temperature=args.temp, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,
                           presence_penalty=args.presence_penalty,
@@ -74,6 +79,10 @@ def _model_arg(arg: str) -> str:
     return str(hub[0]) if hub is not None else arg
 
 
+def _context(args: argparse.Namespace) -> int:
+    """The context window ``--context`` asks for, tokens (:data:`DEFAULT_CONTEXT` when not given)."""
+    return DEFAULT_CONTEXT if args.context is None else args.context
+
 def _load(args: argparse.Namespace, path: Path, mmproj: Path | None):
     """Load ``path`` (and the vision tower ``mmproj``) with the CLI's options; one line on stderr.
 
@@ -82,9 +91,12 @@ def _load(args: argparse.Namespace, path: Path, mmproj: Path | None):
     """
     from .api import Engine, EngineOptions
     t0 = time.perf_counter()
-    engine = Engine.load(path, mmproj, options=EngineOptions(context=args.context, kv_type=args.kv_type))
+    engine = Engine.load(path, mmproj, options=EngineOptions(context=_context(args), kv_type=args.kv_type))
     tower = f" + {mmproj.name}" if mmproj is not None else ""
     print(f"[loaded {path.name}{tower} in {time.perf_counter() - t0:.2f} s]", file=sys.stderr)
+    if args.context is not None and engine.info.context < args.context:
+        print(f"[note: --context {args.context} is above {path.name}'s own limit: the context window holds "
+              f"{engine.info.context} tokens]", file=sys.stderr)
     note = engine.info.template_note
     if note:
         print(f"[note: {path.name}: {note}]", file=sys.stderr)
@@ -190,7 +202,7 @@ def _finish(events, engine, args: argparse.Namespace) -> int:
     """Stream a turn's answer to stdout, then its timing line (or why the prompt did not fit) to stderr."""
     summary = _stream(events)
     if summary.stop_reason == "context_full" and summary.generated_tokens == 0:
-        print(f"error: {_prompt_too_long(summary, engine.info.context, args.context)}", file=sys.stderr)
+        print(f"error: {_prompt_too_long(summary, engine.info.context, _context(args))}", file=sys.stderr)
         return 2
     print()
     print(_timing(summary), file=sys.stderr)
@@ -479,7 +491,8 @@ def _add_sampling(p: argparse.ArgumentParser) -> None:
     p.add_argument("--presence-penalty", type=float, default=0.0)
     p.add_argument("--repeat-penalty", type=float, default=1.0)
     p.add_argument("--seed", type=int, default=None)
-    p.add_argument("--context", type=int, default=8192, help="context window, tokens")
+    p.add_argument("--context", type=int, default=None,
+                   help=f"context window, tokens (default {DEFAULT_CONTEXT}, capped at the model's own)")
     p.add_argument("--kv-type", choices=["f16", "f32"], default="f16", help="KV cache element type (default f16)")
     p.add_argument("--think", action="store_true", help="let the model think before answering")
 
@@ -502,7 +515,8 @@ def _add_serve(p: argparse.ArgumentParser) -> None:
                    "DELTADESK_API_KEY)")
     p.add_argument("--model-name", help="the model id clients name (default: a downloaded model's REPO:QUANT as "
                    "given, else the file name without .gguf)")
-    p.add_argument("--context", type=int, default=8192, help="context window, tokens")
+    p.add_argument("--context", type=int, default=None,
+                   help=f"context window, tokens (default {DEFAULT_CONTEXT}, capped at the model's own)")
     p.add_argument("--kv-type", choices=["f16", "f32"], default="f16", help="KV cache element type (default f16)")
     p.add_argument("--queue", type=_positive, default=8, help="requests that may wait for the model at once; "
                    "more are answered 429 with Retry-After (default 8)")
@@ -537,7 +551,7 @@ BENCH_DEFAULTS = dict(n_prompt=512, n_gen=64, depths=(4096, 16384), depth_gen=16
 
 def _add_bench(p: argparse.ArgumentParser) -> None:
     defaults = BENCH_DEFAULTS
-    p.add_argument("model")
+    p.add_argument("model", help=MODEL_HELP)
     p.add_argument("--threads", "-t", type=_positive, nargs="+",
                    help="thread counts (default: 1 and the physical cores)")
     p.add_argument("--isa", nargs="+", help="ISA levels (default: every level this CPU runs)")
@@ -564,7 +578,7 @@ def _add_bench(p: argparse.ArgumentParser) -> None:
 
 
 def _add_prune(p: argparse.ArgumentParser) -> None:
-    p.add_argument("model")
+    p.add_argument("model", help=MODEL_HELP)
     p.add_argument("--keep", type=int, required=True, help="experts kept per layer (top-k <= N < expert count)")
     p.add_argument("--output", "-o", required=True)
     p.add_argument("--method", choices=["reap", "frequency"], default="reap")
@@ -583,7 +597,7 @@ def build_parser() -> argparse.ArgumentParser:
     from .hub import cli as hub_cli
     ap = argparse.ArgumentParser(prog="python -m engine", description="DeltaDesk engine")
     sub = ap.add_subparsers(dest="command", required=True)
-    commands = [("info", "summarise a GGUF model", lambda p: p.add_argument("model"), cmd_info),
+    commands = [("info", "summarise a GGUF model", lambda p: p.add_argument("model", help=MODEL_HELP), cmd_info),
                 ("generate", "answer one prompt, streamed", _add_generate, cmd_generate),
                 ("chat", "interactive chat on the terminal", _add_sampling, cmd_chat),
                 ("serve", "an OpenAI-compatible HTTP server on the model", _add_serve, cmd_serve),

@@ -66,6 +66,18 @@ def test_generate_checks_the_image_before_loading(synth_model, tmp_path, capsys)
     assert f"--image {tmp_path / 'missing.png'}: no such file" in err and "[loaded" not in err
 
 
+
+def test_generate_says_when_the_model_caps_the_context(synth_model, capsys):
+    """An explicit ``--context`` above the file's limit is named; the default (8192) is capped quietly."""
+    from engine.registry import open_text
+    path = synth_model("tiny", "q8_0")
+    limit = open_text(path).hparams.context_length
+    for asked, noted in ((limit, False), (limit * 64, True), (None, False)):
+        context = [] if asked is None else ["--context", str(asked)]
+        assert main(["generate", "--model", str(path), "--prompt", "hi", "--max-tokens", "1", *context]) == 0
+        err = capsys.readouterr().err
+        assert (f"is above {path.name}'s own limit: the context window holds {limit} tokens" in err) is noted
+
 def _chat(monkeypatch, capsys, argv: list[str], lines: list[str]) -> str:
     feed = iter(lines)
     monkeypatch.setattr(builtins, "input", lambda _prompt="": next(feed))

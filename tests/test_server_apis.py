@@ -114,6 +114,19 @@ def test_responses_errors_come_in_the_openai_shape(server) -> None:
     assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found"
 
 
+
+@pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.parametrize("fields, param", [
+    ({"tools": [{"type": "function", "name": "f", "parameters": {"type": "strnig"}}]}, "tools[0].parameters"),
+    ({"text": {"format": {"type": "json_schema", "name": "x", "schema": {"type": "strnig"}}}}, "text.format.schema"),
+])
+def test_responses_errors_name_the_responses_field(server, fields, param, stream) -> None:
+    """The chat turn's errors name the field the client sent, not its chat-completions translation."""
+    r = httpx.post(server.url + "/responses", json={"model": "tiny", "input": "x", "stream": stream} | fields)
+    error = r.json()["error"]
+    assert r.status_code == 400 and error["param"] == param and error["message"].startswith(f"{param} is not")
+
+
 def test_a_message_equals_the_chat_answer(claude, oai, engine) -> None:
     want = _chat(oai, [{"role": "system", "content": "Be terse.\nReally."}] + HI)
     got = claude.messages.create(model="tiny", max_tokens=8, system=[{"type": "text", "text": "Be terse."},
@@ -191,6 +204,11 @@ def _anthropic_error(response: httpx.Response, status: int, kind: str) -> str:
      400, "invalid_request_error", "base64"),
     ({"model": "tiny", "max_tokens": 4, "messages": [{"role": "user", "content": "word " * 600}]}, 400,
      "invalid_request_error", "context window holds 512"),
+    ({"model": "tiny", "max_tokens": 4, "messages": HI, "tools": [{"name": "f", "input_schema": {"type": "strnig"}}]},
+     400, "invalid_request_error", "tools[0].input_schema is not a valid JSON Schema"),
+    ({"model": "tiny", "max_tokens": 4, "messages": HI,
+      "output_config": {"format": {"type": "json_schema", "schema": {"type": "strnig"}}}},
+     400, "invalid_request_error", "output_config.format.schema is not a valid JSON Schema"),
 ])
 @pytest.mark.parametrize("stream", [False, True])
 def test_messages_errors_come_in_anthropic_shape(server, body, status, kind, fragment, stream) -> None:

@@ -15,7 +15,8 @@ import asyncio
 import contextlib
 import hmac
 import json
-from collections.abc import AsyncIterator, Mapping
+import re
+from collections.abc import AsyncIterator, Mapping, Sequence
 from typing import Any
 
 from starlette.requests import Request
@@ -53,6 +54,22 @@ async def _translated(chunks: AsyncIterator[dict], translator: Any) -> AsyncIter
         yield event
 
 
+def _in_client_terms(exc: APIError, renames: Sequence[tuple[re.Pattern[str], str]]) -> APIError:
+    """``exc`` with its ``param``, and that name in its message, as the field the client sent.
+
+    A translated request's errors from the chat turn name chat-completions fields
+    (``tools[0].function.parameters``); ``renames`` (``messages_api.CHAT_FIELDS``,
+    ``responses_api.CHAT_FIELDS``) maps such a prefix onto the client API's field (``tools[0].input_schema``).
+    """
+    for pattern, field in renames:
+        renamed, found = pattern.subn(field, exc.param or "", count=1)
+        if found:
+            exc.message, exc.param = exc.message.replace(exc.param, renamed), renamed
+            exc.args = (exc.message,)
+            break
+    return exc
+
+
 class AgentRoutes:
     """The handlers of the agent routes of one application, on its chat routes ``chat``."""
 
@@ -69,13 +86,16 @@ class AgentRoutes:
         body = await self._body(request)
         chat = responses_api.chat_body(body, self.store)
         shell = responses_api.Shell(body, chat)
-        if not chat.get("stream"):
-            response = responses_api.response_object(shell, await self.chat.chat(request, chat))
-            self.store.keep(chat, response)
-            return JSONResponse(response)
-        events = responses_stream.ResponseEvents(shell)
-        translated = _translated(self.chat.chat_chunks(request, chat), _Ending(events, self.store, chat))
-        return await event_stream(translated, frame=_named, error=lambda exc: _frames(events.fail(exc)), end="")
+        try:
+            if not chat.get("stream"):
+                response = responses_api.response_object(shell, await self.chat.chat(request, chat))
+                self.store.keep(chat, response)
+                return JSONResponse(response)
+            events = responses_stream.ResponseEvents(shell)
+            translated = _translated(self.chat.chat_chunks(request, chat), _Ending(events, self.store, chat))
+            return await event_stream(translated, frame=_named, error=lambda exc: _frames(events.fail(exc)), end="")
+        except APIError as exc:
+            raise _in_client_terms(exc, responses_api.CHAT_FIELDS) from None
 
     def _authorize_anthropic(self, request: Request) -> None:
         """``x-api-key: KEY`` or ``Authorization: Bearer KEY`` when the server has a key (else 401)."""
@@ -99,7 +119,7 @@ class AgentRoutes:
             return await event_stream(_translated(self.chat.chat_chunks(request, chat), events), frame=_named,
                                            error=lambda exc: _frames(events.fail(exc)), end="")
         except APIError as exc:
-            return _anthropic_error(exc)
+            return _anthropic_error(_in_client_terms(exc, messages_api.CHAT_FIELDS))
         except ClientGone:
             raise                 # nobody to answer (the app answers 499)
         except Exception as exc:  # noqa: BLE001 - any other failure in Anthropic's shape too
@@ -115,7 +135,7 @@ class AgentRoutes:
             req = self.chat._chat_turn(request, chat)[0]
             return JSONResponse({"input_tokens": await asyncio.to_thread(self._count, req)})
         except APIError as exc:
-            return _anthropic_error(exc)
+            return _anthropic_error(_in_client_terms(exc, messages_api.CHAT_FIELDS))
         except Exception as exc:  # noqa: BLE001 - an engine error (template, image) in Anthropic's shape
             return _anthropic_error(error_of(exc))
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 import uuid
 from collections.abc import Mapping
 from typing import Any
@@ -28,6 +29,11 @@ SAMPLING = ("temperature", "top_p", "top_k")
 THINKING = ("enabled", "adaptive", "between_tools", "disabled")
 REFUSED = ("mcp_servers", "container")
 EFFORT = {"low": "low", "medium": "medium", "high": "high", "xhigh": "high", "max": "high"}
+CHAT_FIELDS = ((re.compile(r"^response_format\.json_schema\.schema"), "output_config.format.schema"),
+               (re.compile(r"^tools\[(\d+)\]\.function\.parameters"), r"tools[\1].input_schema"),
+               (re.compile(r"^tools\[(\d+)\]\.function"), r"tools[\1]"),
+               (re.compile(r"^tool_choice\.function"), "tool_choice"))
+"""The chat-completions fields a translated request's errors name, as the Messages fields they came from."""
 
 
 def error_body(error: APIError) -> dict[str, Any]:

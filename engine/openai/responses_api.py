@@ -13,6 +13,7 @@ carried over, as in the OpenAI API.
 from __future__ import annotations
 
 import json
+import re
 import threading
 import time
 import uuid
@@ -28,6 +29,10 @@ SAMPLING = ("temperature", "top_p", "top_k", "min_p", "seed", "presence_penalty"
 REFUSED = {"background": False, "conversation": None, "prompt": None, "top_logprobs": 0}
 """Fields this server cannot honour, refused unless set to their harmless value (or null)."""
 ROLES = ("user", "system", "developer", "assistant")
+CHAT_FIELDS = ((re.compile(r"^response_format\.json_schema"), "text.format"),
+               (re.compile(r"^tools\[(\d+)\]\.function"), r"tools[\1]"),
+               (re.compile(r"^tool_choice\.function"), "tool_choice"))
+"""The chat-completions fields a translated request's errors name, as the Responses fields they came from."""
 
 
 def _bad(message: str, param: str | None = None, code: str | None = None) -> APIError:
