@@ -531,6 +531,13 @@ def _positive(text: str) -> int:
     return int(text)
 
 
+def _count(text: str) -> int:
+    """An argparse type: a whole number, 0 or more."""
+    if not text.isdigit():
+        raise argparse.ArgumentTypeError(f"expected a whole number (0 or more), got {text!r}")
+    return int(text)
+
+
 def _add_synth(p: argparse.ArgumentParser) -> None:
     p.add_argument("--preset", required=True,
                    choices=["tiny", "small", "dense-tiny", "minicpmv46-tiny", "minicpmv46", "35b-a3b"])
@@ -555,8 +562,8 @@ def _add_bench(p: argparse.ArgumentParser) -> None:
     p.add_argument("--threads", "-t", type=_positive, nargs="+",
                    help="thread counts (default: 1 and the physical cores)")
     p.add_argument("--isa", nargs="+", help="ISA levels (default: every level this CPU runs)")
-    p.add_argument("--prompt", "-p", type=_positive, default=defaults["n_prompt"], help="prompt tokens, one forward "
-                   "(default: %(default)s)")
+    p.add_argument("--prompt", "-p", type=_count, default=defaults["n_prompt"], help="prompt tokens, one forward; "
+                   "0 skips the prompt test (default: %(default)s)")
     p.add_argument("--gen", "-n", type=_positive, default=defaults["n_gen"],
                    help="decoded tokens (default: %(default)s)")
     p.add_argument("--depth", "-d", type=int, nargs="*", default=list(defaults["depths"]),

@@ -297,7 +297,7 @@ def test_real_llama_bench_has_depth():
     assert "--n-depth" in done.stdout + done.stderr
 
 
-@pytest.mark.parametrize("flag", ["--gen", "--prompt", "--threads", "--depth-gen", "--repeat"])
+@pytest.mark.parametrize("flag", ["--gen", "--threads", "--depth-gen", "--repeat"])
 def test_bench_refuses_counts_below_one_before_loading(flag, capsys) -> None:
     """A count of 0 (a tg0 rate would divide by zero) is an argparse error naming the flag; no file is read."""
     from engine.__main__ import main
@@ -305,3 +305,10 @@ def test_bench_refuses_counts_below_one_before_loading(flag, capsys) -> None:
         main(["bench", "no-such-file.gguf", flag, "0"])
     err = capsys.readouterr().err
     assert exit_info.value.code == 2 and flag in err and "positive integer" in err and "Traceback" not in err
+
+
+def test_bench_refuses_a_negative_prompt_length(capsys) -> None:
+    from engine.__main__ import main
+    with pytest.raises(SystemExit):
+        main(["bench", "no-such-file.gguf", "--prompt", "-5"])
+    assert "whole number" in capsys.readouterr().err
