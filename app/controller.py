@@ -28,7 +28,7 @@ from .chat_view import ChatView, MessageWidget
 from .engine_worker import ChatRequest, EngineWorker
 from .history import Branch, HistoryStore, Message, TurnStart
 from .history_thread import HistoryThread
-from .markdown_render import split_thinking
+from .markdown_render import THINK_CLOSE, THINK_OPEN, split_thinking
 from .settings import Settings
 
 SAVE_INTERVAL_MS = 3000
@@ -92,6 +92,14 @@ class LiveTurn:
     restore_ms: float = 0.0
     note: str = ""
     progress: PrefillProgress | None = None
+
+    def stored_text(self) -> str:
+        """What the history keeps: the text as the model wrote it, with ``<think>`` in front when the
+        channels saw reasoning that the text neither opens nor closes (the prompt opened it and the answer
+        ended inside it), so that a stored answer cut off mid-thought is read back as thinking."""
+        if self.reasoning and THINK_OPEN not in self.text and THINK_CLOSE not in self.text:
+            return f"{THINK_OPEN}\n{self.text}"
+        return self.text
 
 
 class ChatController(QObject):
@@ -408,7 +416,7 @@ class ChatController(QObject):
         """Write the live answer's text so far (the timer calls this every few seconds)."""
         live = self.live
         if live is not None and len(live.text) != live.saved_len:
-            self.history.call(HistoryStore.update_message, live.message_id, live.text)
+            self.history.call(HistoryStore.update_message, live.message_id, live.stored_text())
             live.saved_len = len(live.text)
 
     @Slot(object)
@@ -437,10 +445,11 @@ class ChatController(QObject):
             stats["note"] = live.note
         if live.thought_s is not None:
             stats["thinking_s"] = round(live.thought_s, 1)
-        self._store(live.conversation_id, live.message_id, live.text, state, stats)
+        text = live.stored_text()
+        self._store(live.conversation_id, live.message_id, text, state, stats)
         widget = self._shown_widget(live)
         if widget is not None:
-            widget.finish(live.text, state, stats)
+            widget.finish(text, state, stats)
         self.conversation_touched.emit(live.conversation_id)
         self._next()
 

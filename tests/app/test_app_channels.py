@@ -44,3 +44,18 @@ def test_tool_call_text_is_part_of_the_answer(qtbot, make_window):
     with qtbot.waitSignal(window.controller.busy_changed, check_params_cb=lambda busy: not busy):
         engine.release()
     assert live.answer == "Calling <tool_call>x</tool_call>" and live.reasoning == ""
+
+
+def test_an_answer_that_ends_inside_its_reasoning_is_kept_as_thinking(qtbot, make_window):
+    """The prompt opened ``<think>`` and the model never closed it: the stored row and the finished widget
+    read it back as thinking (folded), not as the answer."""
+    engine = FakeEngine(tokens=["Still ", "pondering"])
+    window = make_window(engine)
+    window.composer.think_box.setChecked(True)
+    window.composer.editor.setPlainText("q")
+    with qtbot.waitSignal(window.controller.busy_changed, check_params_cb=lambda busy: not busy):
+        qtbot.keyClick(window.composer.editor, Qt.Key_Return)
+    answer = stored(window.history, HistoryStore.active_path, window.controller.conversation_id)[-1]
+    assert answer.content == "<think>\nStill pondering"
+    widget = window.chat_view.widget_for(answer.id)
+    assert widget.thinking_label.toPlainText() == "Still pondering" and "pondering" not in widget.body.toPlainText()
