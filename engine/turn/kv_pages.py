@@ -23,7 +23,7 @@ from pathlib import Path
 
 import numpy as np
 
-from .snapshot import open_regular, write_atomic
+from .snapshot import open_regular, read_framed_header, take_array, write_atomic
 from .state import KV_PAGE_ROWS, SequenceState, StateLayout, kv_dtype
 
 log = logging.getLogger(__name__)
@@ -33,7 +33,6 @@ PAGE_ROWS = KV_PAGE_ROWS
 PAGE_MAGIC = b"DDKVPG\x00\x01"
 PAGE_VERSION = 1
 PAGE_NAME = re.compile(r"[0-9a-f]{32}\.page")
-_HEAD = len(PAGE_MAGIC) + 8
 _SHA = 32
 _MAX_HEADER = 1 << 20
 _STALE_S = 600.0   # an unowned page file this old is a crashed writer's, not one whose snapshot is being written
@@ -74,25 +73,17 @@ def read_page(path: Path, layout: StateLayout, identity: str, kv_type: str,
     f, size = opened
     try:
         with f:
-            head = f.read(_HEAD)
-            if size < _HEAD + _SHA or len(head) < _HEAD or not head.startswith(PAGE_MAGIC):
-                return "not a page file (bad magic or too short)"
-            (n_head,) = struct.unpack_from("<Q", head, len(PAGE_MAGIC))
-            if n_head > min(size - _HEAD - _SHA, _MAX_HEADER):
-                return "truncated header"
-            raw = f.read(n_head)
-            try:
-                meta = json.loads(raw)
-            except (ValueError, RecursionError):
-                return "unreadable header"
+            framed = read_framed_header(f, size, PAGE_MAGIC, _MAX_HEADER, "page")
+            if isinstance(framed, str):
+                return framed
+            meta, digest, payload_bytes = framed
             want = page_layout(layout, kv_type)
             fail = _check_page_header(meta, identity, kv_type, key, want)
-            if fail is None and size - _HEAD - n_head - _SHA != sum(
-                    np.dtype(d).itemsize * int(np.prod(s)) for d, s in want.values()):
+            if fail is None and payload_bytes != sum(np.dtype(d).itemsize * int(np.prod(s)) for d, s in want.values()):
                 fail = "its size does not match its header"
             if fail is not None:
                 return fail
-            return _read_arrays(f, want, hashlib.sha256(raw))
+            return _read_arrays(f, want, digest)
     except OSError as exc:
         return f"cannot read it ({exc.strerror or exc})"
 
@@ -100,19 +91,11 @@ def read_page(path: Path, layout: StateLayout, identity: str, kv_type: str,
 def _read_arrays(f: Any, want: dict[str, tuple[str, tuple[int, ...]]], digest: Any) -> dict[str, np.ndarray] | str:
     """The payload arrays ``want`` (name -> (dtype, shape)) read from ``f``, then the checksum over the header
     already in ``digest`` and the payload; or why they are not usable."""
-    arrays = {}
+    arrays: dict[str, np.ndarray] = {}
     for name, (dtype, shape) in want.items():
-        a = np.empty(shape, dtype=dtype)
-        view, done = memoryview(a).cast("B"), 0
-        while done < len(view):
-            n = f.readinto(view[done:])
-            if not n:
-                return "truncated data"
-            done += n
-        digest.update(view)
-        if not np.isfinite(a).all():
-            return f"damaged: {name} holds NaN or infinite values"
-        arrays[name] = a.astype(a.dtype.newbyteorder("="), copy=False)
+        fail = take_array(f, name, np.dtype(dtype), shape, digest, arrays)
+        if fail is not None:
+            return fail
     if f.read(_SHA) != digest.digest():
         return "checksum mismatch (corrupt or partial write)"
     return arrays

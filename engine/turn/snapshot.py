@@ -28,7 +28,6 @@ from .state import KV_PAGE_ROWS, HasStateLayout, StateLayout, kv_dtype
 
 FORMAT_MAGIC = b"DDSNAP\x00\x01"
 FORMAT_VERSION = 1
-_HEAD = len(FORMAT_MAGIC) + 8   # magic + header length
 _SHA = 32
 _MAX_HEADER = 16 << 20           # bytes of JSON header read at most
 _PIECE = 1 << 18                 # float32 values hashed per piece when only checking a file
@@ -229,19 +228,11 @@ def read_stream(f: BinaryIO, size: int, hp: HasStateLayout, identity: str, with_
     Raises:
         OSError: reading ``f`` failed.
     """
-    head = f.read(_HEAD)
-    if size < _HEAD + _SHA or len(head) < _HEAD or not head.startswith(FORMAT_MAGIC):
-        return "not a snapshot file (bad magic or too short)"
-    (n_head,) = struct.unpack_from("<Q", head, len(FORMAT_MAGIC))
-    if n_head > min(size - _HEAD - _SHA, _MAX_HEADER):
-        return "truncated header"
-    raw = f.read(n_head)
-    digest = hashlib.sha256(raw)
-    try:
-        meta = json.loads(raw)
-    except (ValueError, RecursionError):    # not JSON, or nested too deep to parse
-        return "unreadable header"
-    fail = check_header(hp, identity, meta, size - _HEAD - n_head - _SHA, kv_type)
+    framed = read_framed_header(f, size, FORMAT_MAGIC, _MAX_HEADER, "snapshot")
+    if isinstance(framed, str):
+        return framed
+    meta, digest, payload_bytes = framed
+    fail = check_header(hp, identity, meta, payload_bytes, kv_type)
     if fail is not None:
         return fail
     pos = meta["pos"]
@@ -252,7 +243,7 @@ def read_stream(f: BinaryIO, size: int, hp: HasStateLayout, identity: str, with_
         return "a token id outside the vocabulary"
     arrays: dict[str, np.ndarray] | None = {} if with_arrays else None
     for name, (dtype, shape) in meta["arrays"].items():
-        fail = _take_array(f, name, np.dtype(dtype), tuple(shape), digest, arrays)
+        fail = take_array(f, name, np.dtype(dtype), tuple(shape), digest, arrays)
         if fail is not None:
             return fail
     if f.read(_SHA) != digest.digest():
@@ -260,7 +251,30 @@ def read_stream(f: BinaryIO, size: int, hp: HasStateLayout, identity: str, with_
     return meta, tokens.astype(np.int32), arrays
 
 
-def _take_array(f: BinaryIO, name: str, dtype: np.dtype, shape: tuple[int, ...], digest: Any,
+def read_framed_header(f: BinaryIO, size: int, magic: bytes, max_header: int,
+                       kind: str) -> tuple[Any, Any, int] | str:
+    """Read the framing every cache file shares: ``magic``, a little-endian u64 header length, that many
+    bytes of JSON; then a payload and a SHA-256 of header + payload (``size`` bytes in all).
+
+    Returns: ``(meta, digest, payload_bytes)`` (``digest``: a SHA-256 fed the header so far), or why the
+    file is not usable (not a ``kind`` file, a header past ``max_header`` or the file, not JSON).
+    """
+    head_len = len(magic) + 8
+    head = f.read(head_len)
+    if size < head_len + _SHA or len(head) < head_len or not head.startswith(magic):
+        return f"not a {kind} file (bad magic or too short)"
+    (n_head,) = struct.unpack_from("<Q", head, len(magic))
+    if n_head > min(size - head_len - _SHA, max_header):
+        return "truncated header"
+    raw = f.read(n_head)
+    try:
+        meta = json.loads(raw)
+    except (ValueError, RecursionError):    # not JSON, or nested too deep to parse
+        return "unreadable header"
+    return meta, hashlib.sha256(raw), size - head_len - n_head - _SHA
+
+
+def take_array(f: BinaryIO, name: str, dtype: np.dtype, shape: tuple[int, ...], digest: Any,
                 arrays: dict[str, np.ndarray] | None) -> str | None:
     """Read one array of little-endian ``dtype`` (checked by :func:`check_header`) into ``arrays`` (native
     byte order), or in pieces only to hash and check it; why it is unusable, or None."""
