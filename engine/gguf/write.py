@@ -12,13 +12,15 @@ import os
 import shutil
 import struct
 import tempfile
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
-from gguf import GGUFValueType
+from gguf import GGMLQuantizationType, GGUFValueType
+
+from .quant import quantize, row_bytes
 
 GGUF_VERSION = 3
 
@@ -47,6 +49,34 @@ class TensorOut:
     type_id: int
     nbytes: int
     chunks: Callable[[], Iterable[Any]]
+
+
+def float_tensors(weights: Mapping[str, Any], types: Mapping[str, tuple[tuple[int, ...], GGMLQuantizationType]],
+                  writer: str) -> list[TensorOut]:
+    """One :class:`TensorOut` per name of ``types`` (name -> (math shape, storage type)), each float array of
+    ``weights`` checked and encoded (F32, F16 or quantized) only when it is written.
+
+    Raises:
+        ValueError: a weight missing (here) or of another shape (while writing), naming ``writer``.
+    """
+    outs = []
+    for name, (shape, qtype) in types.items():
+        if name not in weights:
+            raise ValueError(f"{writer}: weight {name!r} missing")
+        ne = tuple(reversed(shape))
+        nbytes = row_bytes(qtype, ne[0]) * int(np.prod(ne[1:], dtype=np.int64))
+
+        def chunks(name: str = name, shape: tuple[int, ...] = shape, qtype: GGMLQuantizationType = qtype):
+            x = np.asarray(weights[name], dtype=np.float32)
+            if x.shape != shape:
+                raise ValueError(f"{writer}: weight {name!r} has shape {x.shape}, expected {shape}")
+            if qtype in (GGMLQuantizationType.F32, GGMLQuantizationType.F16):
+                yield np.ascontiguousarray(x, dtype=np.float32 if qtype == GGMLQuantizationType.F32 else np.float16)
+            else:
+                yield np.ascontiguousarray(quantize(x, qtype))
+
+        outs.append(TensorOut(name, ne, int(qtype), nbytes, chunks))
+    return outs
 
 
 def _string(s: str) -> bytes:

@@ -296,14 +296,6 @@ def storage_type(name: str, shape: tuple[int, ...], ftype: GGMLQuantizationType)
     return ftype
 
 
-def _encode(x: np.ndarray, qtype: GGMLQuantizationType) -> np.ndarray:
-    if qtype == Q.F32:
-        return np.ascontiguousarray(x, dtype=np.float32)
-    if qtype == Q.F16:
-        return np.ascontiguousarray(x, dtype=np.float16)
-    return np.ascontiguousarray(quant.quantize(x, qtype))
-
-
 def _records(hp: MiniCPMVHParams, ftype: GGMLQuantizationType) -> list[bytes]:
     """The metadata records of the converter, in its order."""
     S, U32, F32, B = GGUFValueType.STRING, GGUFValueType.UINT32, GGUFValueType.FLOAT32, GGUFValueType.BOOL
@@ -346,20 +338,7 @@ def write_mmproj(path: str | os.PathLike[str], hp: MiniCPMVHParams, weights: Map
     if ftype not in WRITE_TYPES:
         raise ValueError(f"ftype {ftype!r} is not one of {sorted(WRITE_TYPES)}")
     ft = WRITE_TYPES[ftype]
-    outs = []
-    for name, shape in tensor_shapes(hp).items():
-        if name not in weights:
-            raise ValueError(f"write_mmproj: weight {name!r} missing")
-        qtype = storage_type(name, shape, ft)
-        ne = tuple(reversed(shape))
-        nbytes = quant.row_bytes(qtype, ne[0]) * int(np.prod(ne[1:], dtype=np.int64))
-
-        def chunks(name: str = name, shape: tuple[int, ...] = shape, qtype: GGMLQuantizationType = qtype):
-            x = np.asarray(weights[name], dtype=np.float32)
-            if x.shape != shape:
-                raise ValueError(f"write_mmproj: weight {name!r} has shape {x.shape}, expected {shape}")
-            yield _encode(x, qtype)
-
-        outs.append(gguf_write.TensorOut(name, ne, int(qtype), nbytes, chunks))
+    types = {name: (shape, storage_type(name, shape, ft)) for name, shape in tensor_shapes(hp).items()}
+    outs = gguf_write.float_tensors(weights, types, "write_mmproj")
     gguf_write.write(path, _records(hp, ft), outs)
     return Path(path)
