@@ -8,6 +8,15 @@ from typing import Self
 import pytest
 
 
+@pytest.fixture
+def isa_reset():
+    """Put the CPU kernels' ISA level and thread count back to their defaults after the test."""
+    yield
+    from engine.kernels import cpu
+    cpu.set_isa(None)
+    cpu.set_threads()
+
+
 @pytest.fixture(scope="session")
 def synth_model(tmp_path_factory):
     """Return ``make(preset, quant) -> Path``: a synth GGUF (real vocabulary and template), cached per session."""

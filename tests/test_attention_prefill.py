@@ -22,12 +22,6 @@ pytestmark = pytest.mark.skipif(not cpu.available(), reason="native CPU kernels 
 REL_TOL = 1e-5
 
 
-@pytest.fixture
-def isa_reset():
-    yield
-    cpu.set_isa(None)
-    cpu.set_threads()
-
 
 def inputs(rng, m: int, n: int, n_head: int, n_kv: int, hd: int):
     """Random q, gate (n, n_head, hd) and a cache k, v (m, n_kv, hd), float32, no zeros; scores up to

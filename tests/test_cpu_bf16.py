@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 from gguf import GGMLQuantizationType, quants
 from test_cpu_kernels import LEVELS, assert_same_bits_everywhere, rng  # noqa: F401 (fixture)
-from test_native_model import isa_reset, run  # noqa: F401 (fixture)
+from test_native_model import run
 
 from engine.arch.qwen35.cpu import NativeQwen35Model, prepare_weight
 from engine.arch.qwen35.model import Qwen35Model

@@ -27,12 +27,6 @@ SHAPES = [  # n_k, n_v, dk, dv, conv taps, tokens
 ]
 
 
-@pytest.fixture
-def isa_reset():
-    yield
-    cpu.set_isa(None)
-    cpu.set_threads(None)
-
 
 def nonzero(rng, shape, scale=1.0):
     """Standard normal values scaled, with no exact zero."""

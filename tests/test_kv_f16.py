@@ -23,12 +23,6 @@ pytestmark = pytest.mark.skipif(not cpu.available(), reason="native CPU kernels 
 REL_TOL = 1e-5
 
 
-@pytest.fixture
-def isa_reset():
-    yield
-    cpu.set_isa(None)
-    cpu.set_threads()
-
 
 def halves(rng, m, n_kv, hd):
     k = rng.standard_normal((m, n_kv, hd)).astype(np.float16)

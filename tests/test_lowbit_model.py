@@ -17,7 +17,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 from gguf import GGMLQuantizationType
-from test_native_model import PROMPT, isa_reset, run  # noqa: F401 (fixture)
+from test_native_model import PROMPT, run
 
 from engine.arch.qwen35.cpu import NativeQwen35Model
 from engine.arch.qwen35.model import Qwen35Model

@@ -37,12 +37,6 @@ pytestmark = pytest.mark.skipif(not cpu.available(), reason="native CPU kernels 
 PROMPT = np.array([248045, 846, 198, 9707, 11, 1246, 525, 498, 30, 248046, 198, 248045, 77091, 198])
 
 
-@pytest.fixture
-def isa_reset():
-    yield
-    cpu.set_isa(None)
-    cpu.set_threads()
-
 
 def run(model, n_decode: int, capacity: int = 64) -> tuple[np.ndarray, np.ndarray]:
     """Prefill PROMPT (all logits), then n_decode greedy one-token steps: (prefill logits, decode logits)."""

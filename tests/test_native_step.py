@@ -29,12 +29,6 @@ MODELS = [("tiny", "q8_0"), ("dense-tiny", "q8_0"), ("small", "q4_k_m"), ("tiny"
 N = 6
 
 
-@pytest.fixture
-def isa_reset():
-    yield
-    cpu.set_isa(None)
-    cpu.set_threads()
-
 
 def levels_and_threads():
     """Every level at 1 thread, the best one at 2, 3 and 7 too (the chunk split, hence the bits, never
