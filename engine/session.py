@@ -14,6 +14,7 @@ from __future__ import annotations
 import logging
 import queue
 import threading
+from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future
 from typing import Any, Self
@@ -38,7 +39,7 @@ class QueueFullError(EngineError):
     """The session's queue holds ``max_queued`` jobs already; the job was not taken."""
 
 
-class _Job:
+class _Job(ABC):
     """A unit of work with a state (queued, running, done), run by the scheduler one :meth:`step` at a time."""
 
     def __init__(self, priority: int, cancel: threading.Event | None) -> None:
@@ -46,13 +47,13 @@ class _Job:
         self.cancel = cancel or threading.Event()
         self.state = "queued"
 
+    @abstractmethod
     def step(self) -> bool:
         """Run one piece on the session thread; False once the job has nothing left to do."""
-        raise NotImplementedError
 
+    @abstractmethod
     def end(self, error: BaseException | None) -> None:
         """Deliver the outcome (``error`` None: success); called once, on the session thread or at close."""
-        raise NotImplementedError
 
 
 class _Stream(_Job):
