@@ -92,6 +92,23 @@ def kquant_unpack(raw: np.ndarray, qtype: GGMLQuantizationType
             b["dmin"].astype(np.float32))
 
 
+def superblock_acts(x2: np.ndarray, nsb: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """``x2`` (m, k) quantized to Q8_0 and laid out by 256-value super-block: the f32 scales (m, nsb, 8), the
+    int64 quants (m, nsb, 8, 2, 16) and their half-block sums (m, nsb, 8, 2)."""
+    m = x2.shape[0]
+    blocks = quantize_q8_0_np(x2).reshape(m, nsb, 8, Q8_0_BYTES)
+    da = blocks[..., :2].copy().view(np.float16)[..., 0].astype(np.float32)
+    aq = blocks[..., 2:].view(np.int8).astype(np.int64).reshape(m, nsb, 8, 2, 16)
+    return da, aq, aq.sum(axis=-1)
+
+
+def lane_tree(acc: np.ndarray) -> np.ndarray:
+    """The kernels' fixed sum of 8 f64 lanes (last axis of ``acc``): pairs, then pairs of pairs; float32."""
+    lanes = [acc[..., i] for i in range(8)]
+    pairs = [lanes[i] + lanes[i + 1] for i in range(0, 8, 2)]
+    return ((pairs[0] + pairs[1]) + (pairs[2] + pairs[3])).astype(np.float32)
+
+
 def kquant_product_np(raw: np.ndarray, x2: np.ndarray, qtype: GGMLQuantizationType) -> np.ndarray:
     """(m, rows) float32 = x2 (m, k) quantized to Q8_0 times the K-quant rows, in exactly the f64
     operations and order of native/cpu/quant/kquants.h (integer parts exact, f32 scale products exact,
@@ -99,10 +116,7 @@ def kquant_product_np(raw: np.ndarray, x2: np.ndarray, qtype: GGMLQuantizationTy
     q, sc, mn, d, dmin = kquant_unpack(raw, qtype)
     rows, nsb = d.shape
     m = x2.shape[0]
-    blocks = quantize_q8_0_np(x2).reshape(m, nsb, 8, Q8_0_BYTES)
-    da = blocks[..., :2].copy().view(np.float16)[..., 0].astype(np.float32)          # (m, nsb, 8)
-    aq = blocks[..., 2:].view(np.int8).astype(np.int64).reshape(m, nsb, 8, 2, 16)
-    s16 = aq.sum(axis=-1)                                                           # (m, nsb, 8, 2)
+    da, aq, s16 = superblock_acts(x2, nsb)
     sc2 = sc.reshape(rows, nsb, 8, 2)
     halves = np.einsum("rsihj,csihj->crsih", q.reshape(rows, nsb, 8, 2, 16), aq)   # (m, rows, nsb, 8, 2)
     dot = (halves * sc2).sum(axis=-1)
@@ -116,9 +130,7 @@ def kquant_product_np(raw: np.ndarray, x2: np.ndarray, qtype: GGMLQuantizationTy
         acc += terms[:, :, s]
         if qtype != Q.Q6_K:
             acc -= mins[:, :, s]
-    lanes = [acc[..., i] for i in range(8)]
-    pairs = [lanes[i] + lanes[i + 1] for i in range(0, 8, 2)]
-    return ((pairs[0] + pairs[1]) + (pairs[2] + pairs[3])).astype(np.float32)
+    return lane_tree(acc)
 
 
 B_QUANTS = frozenset({Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.IQ4_NL, Q.IQ4_XS, Q.MXFP4})
@@ -195,9 +207,7 @@ def bquant_product_np(raw: np.ndarray, x2: np.ndarray, qtype: GGMLQuantizationTy
         n = min(8, nb - 8 * g)
         for t in terms:
             acc[..., :n] += t[..., 8 * g:8 * g + n]
-    lanes = [acc[..., i] for i in range(8)]
-    pairs = [lanes[i] + lanes[i + 1] for i in range(0, 8, 2)]
-    return ((pairs[0] + pairs[1]) + (pairs[2] + pairs[3])).astype(np.float32)
+    return lane_tree(acc)
 
 
 BF16_LANES = 8

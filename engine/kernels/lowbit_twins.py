@@ -13,7 +13,7 @@ import numpy as np
 from gguf import GGMLQuantizationType
 
 from engine.gguf import quant
-from engine.kernels.cpu_twins import Q8_0_BYTES, quantize_q8_0_np
+from engine.kernels.cpu_twins import lane_tree, superblock_acts
 from engine.kernels.iq_twins import IQ_TYPES, iq_unpack
 from engine.kernels.iq_twins import OFFSETS as IQ_OFFSETS
 
@@ -67,10 +67,7 @@ def lowbit_product_np(raw: np.ndarray, x2: np.ndarray, qtype: GGMLQuantizationTy
     u, sc, mn, d, dmin = lowbit_unpack(raw, qtype)
     rows, nsb = d.shape
     m = x2.shape[0]
-    blocks = quantize_q8_0_np(x2).reshape(m, nsb, 8, Q8_0_BYTES)
-    da = blocks[..., :2].copy().view(np.float16)[..., 0].astype(np.float32)          # (m, nsb, 8)
-    aq = blocks[..., 2:].view(np.int8).astype(np.int64).reshape(m, nsb, 8, 2, 16)
-    s16 = aq.sum(axis=-1)                                                           # (m, nsb, 8, 2)
+    da, aq, s16 = superblock_acts(x2, nsb)
     sc2, mn2 = sc.reshape(rows, nsb, 8, 2), mn.reshape(rows, nsb, 8, 2)
     halves = np.einsum("rsihj,csihj->crsih", u.reshape(rows, nsb, 8, 2, 16), aq)   # (m, rows, nsb, 8, 2)
     dot = (sc2[None] * (halves - OFFSETS[qtype] * s16[:, None])).sum(axis=-1)
@@ -82,6 +79,4 @@ def lowbit_product_np(raw: np.ndarray, x2: np.ndarray, qtype: GGMLQuantizationTy
         acc += terms[:, :, s]
         if qtype == Q.Q2_K:
             acc -= min_terms[:, :, s]
-    lanes = [acc[..., i] for i in range(8)]
-    pairs = [lanes[i] + lanes[i + 1] for i in range(0, 8, 2)]
-    return ((pairs[0] + pairs[1]) + (pairs[2] + pairs[3])).astype(np.float32)
+    return lane_tree(acc)
