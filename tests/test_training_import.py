@@ -1,35 +1,9 @@
 """``training/import_gguf.py``: the engine's GGUF files back to the HF training model (inverse of export.py).
 
-Reference-venv tests (torch, transformers, safetensors: the ``reference`` extra, e.g.
-``/work/venv-ref``); skipped where they are absent, as in CI, which installs only ``.[dev]``.
-
-One small random model (``train.model_config`` shrunk to 4 layers, hidden 64, 4 experts, a 2-block
-tower; weights from ``hf_to_gguf.randomise``: float16-exact, norms, A_log and dt_bias randomised) is
-exported with ``export.export`` at f32 and at q8_0 into tmp_path and imported back.
-
-Tolerances (derived, not measured):
-
-- f32 files. Renames, reorders, splits and reshapes are bit-exact: 0. The two conventions with
-  float32 arithmetic lose information, so no importer can return the original bits there; the
-  importer returns a value that exports to the same stored value (checked: the re-export equals the
-  file, tolerance 0), and against the original:
-  * norms stored ``s = fl(1 + w)``: ``s - 1`` is exact (Sterbenz), so the error is the rounding of
-    ``1 + w``: at most half an ulp of ``s``, 2^-24 for ``s`` in [0.5, 2);
-  * ``ssm_a = -fl(exp(A_log))``: the imported ``x`` and the original ``a`` have the same float32 exp
-    ``s``, i.e. ``exp(x)(1 + e_x) = exp(a)(1 + e_a)`` with ``e`` the relative error of numpy's float32
-    exp at that point, so ``|x - a| = |ln(1 + e_a) - ln(1 + e_x)| <= |ln(1 + e_a)| + |ln(1 + e_x)|``
-    (``e`` measured against float64 exp, elementwise).
-- q8_0 files, compared per stored GGUF tensor (export of the imported model vs export of the
-  original; every Q8_0- or F16-stored tensor is a permutation or reshape of its HF parameter, so the
-  HF errors are the same numbers): F32-stored tensors (1-D, router, conv, ``ssm_a``, the patch
-  kernel) 0 again, the norms and A_log within the f32 bounds above in HF terms; F16-stored: 0 for these float16-exact
-  weights; Q8_0 (gguf-py's ``quantize_blocks``: ``d = amax/127`` in float32, ``q = round(x * (1/d))``, the file keeps
-  ``d16 = fp16(d)``, the reader returns ``q * d16``, exact in float32 as 8 x 11 bits fit in 24): ``|q*d16 - x| <= |q*d -
-  x| + |q| |d16 - d| <= d/2 + 127 |d16 - d|`` plus float32 rounding of ``x * (1/d)``, ``1/d`` and ``d`` (each <= 2^-24
-  relative on a value <= 127: <= 127 * 3 * 2^-24 d, taken as 127 * 2^-20 d). ``|d16 - d| <= 2^-11 d`` (f16 half ulp) or
-  2^-25 for a subnormal d16. So the bound per block is ``d (1/2 + 127 * 2^-20) + 127 max(2^-11 d, 2^-25)``, about 0.562
-  d: half a step ``d/2`` alone does not hold, because ``q`` is rounded with ``d`` but decoded with ``d16``.
-- logits of one image prompt, f32 import vs original: 1e-5 of the largest |logit|.
+Reference-venv tests (torch, transformers, safetensors), skipped where they are absent, as in CI. A small
+random model is exported at f32 and q8_0 and imported back; renames and reshapes must be bit-exact, the
+``1 + w`` norms and ``ssm_a`` within half an ulp / float32 exp's error, Q8_0 within about 0.562 of a step,
+logits within 1e-5 of the largest. Design: docs/design/training.md (each tolerance's derivation).
 """
 
 from __future__ import annotations
