@@ -52,9 +52,10 @@ class Engine:
     """A loaded model: GGUF file, tokenizer, chat template and text model.
 
     Build it with :meth:`load`. Use it from one thread at a time: a shared engine is driven by the jobs of
-    its :class:`engine.session.Session` only. A turn runs as its events are read. Misuse is refused, not
-    raced: :meth:`chat`, :meth:`generate`, :meth:`prefill_ahead` and :meth:`close` while a turn's events are
-    not all read raise :class:`~engine.errors.EngineError` at once.
+    its :class:`engine.session.Session` only. A turn runs as its events are read; turns of one thread may be
+    read interleaved (the session's batch). Misuse is refused, not raced: :meth:`chat` and :meth:`generate` on
+    another thread while a turn's events are not all read, and :meth:`prefill_ahead` and :meth:`close` while
+    any is not, raise :class:`~engine.errors.EngineError` at once.
     """
 
     def __init__(self, text: LoadedText, tokenizer: Tokenizer, model: TextModel,
@@ -74,7 +75,9 @@ class Engine:
         self.prompts = PromptBuilder(tokenizer, vision, gguf.source, gguf.path.name, self.context,
                                      markup=text.arch.markup)
         self._closed = False
-        self._in_use = threading.Lock()    # refuses overlapping use (see the class docstring); never waited on
+        self._use = threading.Lock()       # guards the two fields below; held only to read or change them
+        self._turns = 0                    # turns whose events are not all read (refuses overlapping use)
+        self._owner: int | None = None     # the thread those turns run on
         self._grammar_tokens: Any = None                      # llguidance's token table, built on first use
         self._grammar_lock = threading.Lock()
 
@@ -255,7 +258,7 @@ class Engine:
         try:
             prompt = self.prepare(messages, enable_thinking, cancel, tools)
         except BaseException:
-            self._in_use.release()
+            self._leave()
             raise
 
         def rerenders(answer: list[int]) -> bool:
@@ -286,14 +289,24 @@ class Engine:
         return self._released(self._turn(prompt_ids, sampling, cancel, checkpoints, conversation, prompt,
                                          rerenders, started, grammar))
 
-    def _enter(self, what: str) -> None:
-        """Mark the engine in use, or refuse at once: it is closed, or a turn is still running."""
-        if not self._in_use.acquire(blocking=False):
-            raise EngineError(f"{what}: another turn is still running on this engine; cancel it or read it "
-                              "to the end first (one turn at a time)")
-        if self._closed:
-            self._in_use.release()
-            raise EngineError(f"{what}: the engine is closed")
+    def _enter(self, what: str, alone: bool = False) -> None:
+        """Mark a turn running, or refuse at once: the engine is closed, or a turn runs on another thread (with
+        ``alone``: any turn runs)."""
+        me = threading.get_ident()
+        with self._use:
+            if self._turns and (alone or self._owner != me):
+                raise EngineError(f"{what}: another turn is still running on this engine; cancel it or read it "
+                                  "to the end first (one thread at a time)")
+            if self._closed:
+                raise EngineError(f"{what}: the engine is closed")
+            self._turns, self._owner = self._turns + 1, me
+
+    def _leave(self) -> None:
+        """A turn marked by :meth:`_enter` has ended."""
+        with self._use:
+            self._turns -= 1
+            if not self._turns:
+                self._owner = None
 
     def _released(self, events: Iterator[Event]) -> Iterator[Event]:
         """``events`` as an iterator that marks the engine free when it ends, is closed or is dropped (the
@@ -303,7 +316,7 @@ class Engine:
                 yield None
                 yield from events
             finally:
-                self._in_use.release()
+                self._leave()
 
         held = run()
         next(held)
@@ -372,11 +385,11 @@ class Engine:
             EngineError: the engine is closed, or a turn is running. TemplateError, ImageError: as
             :meth:`prepare`.
         """
-        self._enter("prefill_ahead")
+        self._enter("prefill_ahead", alone=True)
         try:
             return self._read_ahead(messages, enable_thinking, cancel or threading.Event(), tools, conversation)
         finally:
-            self._in_use.release()
+            self._leave()
 
     def _read_ahead(self, messages: Sequence[Message], enable_thinking: bool, cancel: threading.Event,
                     tools: Sequence[Message] | None, conversation: str) -> PrefillStats | None:
@@ -460,9 +473,10 @@ class Engine:
         Raises:
             EngineError: a turn is still running (cancel it and let it end first); nothing is released.
         """
-        if not self._in_use.acquire(blocking=False):
-            raise EngineError("close: a turn is still running on this engine; cancel it and let it end first")
-        self._closed = True
+        with self._use:
+            if self._turns:
+                raise EngineError("close: a turn is still running on this engine; cancel it and let it end first")
+            self._turns, self._closed = 1, True
         try:
             if self.cache is not None:
                 self.cache.persist()
@@ -476,7 +490,7 @@ class Engine:
                         gpu, self.gpu = self.gpu, None
                         gpu.close()
                 finally:
-                    self._in_use.release()
+                    self._leave()
 
     def image_info(self, source: ImageSource) -> ImageInfo:
         """The size in pixels an image will have when it reaches the vision tower, and the image tokens

@@ -2,8 +2,10 @@
 
 Contract: once shared, an engine is touched only by jobs of its :class:`Session` -- a turn (:meth:`~Session.stream`),
 a call (:meth:`~Session.call`: an image measurement, snapshot listing or clearing, closing) or a read-ahead
-(:meth:`~Session.read_ahead`, lowest priority). Jobs run one piece at a time (a turn's piece ends at each event it
-yields), equal priorities in submission order; any new job cancels every read-ahead, which stops at its next piece.
+(:meth:`~Session.read_ahead`, lowest priority). Up to ``parallel`` turns run together, one step at a time: each
+step decodes one token of every running turn in one batched forward (:mod:`engine.turn.batch`) plus at most one
+prefill piece of a joining turn; a call or read-ahead runs alone, between steps. Equal priorities are taken in
+submission order; any new job cancels every read-ahead, which stops at its next piece.
 Cancelling a queued job removes it (its caller gets :class:`~engine.errors.GenerationCancelled`); a running turn
 stops at its next token. A full queue raises :class:`QueueFullError`; a job's exception goes to its caller, never
 to the loop. Design: docs/design/engine-session.md.
@@ -20,13 +22,18 @@ from concurrent.futures import Future
 from typing import Any, Self
 
 from .errors import EngineError, GenerationCancelled
+from .events import PrefillStats, TokenEvent
+from .turn.batch import Step, answering_steps, forward_rows
 
 log = logging.getLogger(__name__)
 
-__all__ = ["DEFAULT_MAX_QUEUED", "END", "Events", "QueueFullError", "Session", "Ticket"]
+__all__ = ["DEFAULT_MAX_QUEUED", "DEFAULT_PARALLEL", "END", "Events", "QueueFullError", "Session", "Ticket"]
 
 DEFAULT_MAX_QUEUED = 32
 """Jobs that may wait at once (read-aheads not counted: any new job drops them)."""
+
+DEFAULT_PARALLEL = 4
+"""Turns decoded together in one batch."""
 
 END = object()
 """What a stream's sink receives last, after its events (and the exception that ended it, if any)."""
@@ -57,23 +64,48 @@ class _Job(ABC):
 
 
 class _Stream(_Job):
-    """A turn: ``start(cancel)`` gives an iterator of events, each one piece, each handed to ``sink``."""
+    """A turn: ``start(cancel)`` gives an iterator of events, each handed to ``sink``, and of the decode
+    :class:`~engine.turn.batch.Step` s its turn asks the scheduler to answer (never handed to ``sink``)."""
 
     def __init__(self, start: Callable[[threading.Event], Iterator[Any]], sink: Callable[[Any], None],
                  cancel: threading.Event | None) -> None:
         super().__init__(TURN, cancel)
         self.start, self.sink = start, sink
         self.events: Iterator[Any] | None = None
+        self.pending: Step | None = None   # the decode step the turn waits on
+        self.decoding = False              # past its prefill: its pieces are decode tokens
+        self.failure: BaseException | None = None
+
+    def fail(self, error: BaseException) -> None:
+        """The turn's pending decode step failed: it ends with ``error`` at its next step."""
+        self.failure, self.pending = error, None
 
     def step(self) -> bool:
+        """Advance the turn by one item, or to its next decode step; after its step was answered, by the token
+        that follows and up to its next step.
+
+        Raises:
+            BaseException: what failed its decode step (:meth:`fail`), or what its events raised.
+        """
+        if self.failure is not None:
+            raise self.failure
         if self.events is None:
             self.events = self.start(self.cancel)
-        try:
-            item = next(self.events)
-        except StopIteration:
-            return False
-        self.sink(item)
-        return True
+        answered, self.pending = self.pending is not None, None
+        with answering_steps():
+            while True:
+                try:
+                    item = next(self.events)
+                except StopIteration:
+                    return False
+                if isinstance(item, Step):
+                    self.pending, self.decoding = item, True
+                    return True
+                self.sink(item)
+                self.decoding = self.decoding or isinstance(item, (PrefillStats, TokenEvent))
+                if not (answered and isinstance(item, TokenEvent)):
+                    return True
+                answered = False
 
     def end(self, error: BaseException | None) -> None:
         close = getattr(self.events, "close", None)
@@ -171,13 +203,20 @@ class Session:
     Args:
         max_queued: jobs that may wait at once; one more raises :class:`QueueFullError`.
         name: the thread's name.
+        parallel: turns that run together (decoded in one batch); 1 runs one turn at a time.
+
+    Raises:
+        ValueError: ``parallel`` below 1.
     """
 
-    def __init__(self, max_queued: int = DEFAULT_MAX_QUEUED, name: str = "engine-session") -> None:
-        self.max_queued = max_queued
+    def __init__(self, max_queued: int = DEFAULT_MAX_QUEUED, name: str = "engine-session",
+                 parallel: int = DEFAULT_PARALLEL) -> None:
+        if parallel < 1:
+            raise ValueError(f"parallel must be at least 1 turn, got {parallel}")
+        self.max_queued, self.parallel = max_queued, parallel
         self._cond = threading.Condition()
         self._queued: list[_Job] = []
-        self._running: _Job | None = None
+        self._running: list[_Job] = []
         self._closed = False
         self._thread = threading.Thread(target=self._loop, name=name, daemon=True)
         self._thread.start()
@@ -218,8 +257,8 @@ class Session:
         with self._cond:
             self._closed = True
             dropped, self._queued = self._queued, []
-            if self._running is not None:
-                self._running.cancel.set()
+            for job in self._running:
+                job.cancel.set()
             self._cond.notify_all()
         for job in dropped:
             _deliver(job, GenerationCancelled("the engine session closed before this job started"))
@@ -236,8 +275,9 @@ class Session:
                                      f"{self.max_queued}); try again when one has ended")
             dropped = [j for j in self._queued if j.priority == AHEAD]
             self._queued = [*kept, job]
-            if self._running is not None and self._running.priority == AHEAD:
-                self._running.cancel.set()
+            for running in self._running:
+                if running.priority == AHEAD:
+                    running.cancel.set()
             self._cond.notify_all()
         for old in dropped:
             _deliver(old, GenerationCancelled("a newer job replaced this read-ahead before it started"))
@@ -253,28 +293,70 @@ class Session:
             _deliver(job, GenerationCancelled("cancelled before it started"))
 
     def _loop(self) -> None:
-        """The scheduler: take the next piece of work, run it, repeat until closed and idle."""
-        while (job := self._pick()) is not None:
-            if not self._piece(job):
+        """The scheduler: take the running jobs' next step, run it, repeat until closed and idle."""
+        while jobs := self._pick():
+            ended = self._round(jobs)
+            if ended:
                 with self._cond:
-                    self._running = None
+                    self._running = [j for j in self._running if j not in ended]
 
-    def _pick(self) -> _Job | None:
-        """The job whose piece runs next: the running one until it ends, else the first queued of the best
-        priority (one cancelled while it waited is ended here); None once closed and idle."""
+    def _pick(self) -> list[_Job]:
+        """The jobs whose step runs next: the running ones, after admitting queued jobs that may join them (a job
+        cancelled while it waited is ended here); [] once closed and idle."""
         with self._cond:
-            while self._running is None:
-                while not self._queued and not self._closed:
-                    self._cond.wait()
-                if not self._queued:
-                    return None
-                job = min(self._queued, key=lambda j: j.priority)
+            while True:
+                self._admit()
+                if self._running:
+                    return list(self._running)
+                if self._closed and not self._queued:
+                    return []
+                self._cond.wait()
+
+    def _admit(self) -> None:
+        """Move queued jobs to the running ones in priority and submission order, while the first may join: a turn
+        while fewer than ``parallel`` turns and no call run, a call or read-ahead when nothing runs."""
+        while self._queued:
+            job = min(self._queued, key=lambda j: j.priority)
+            if job.cancel.is_set():
                 self._queued.remove(job)
-                if job.cancel.is_set():
-                    _deliver(job, GenerationCancelled("cancelled before it started"))
+                _deliver(job, GenerationCancelled("cancelled before it started"))
+                continue
+            alone = any(not isinstance(j, _Stream) for j in self._running)
+            if alone or (len(self._running) >= self.parallel if isinstance(job, _Stream) else self._running):
+                return
+            self._queued.remove(job)
+            job.state = "running"
+            self._running.append(job)
+
+    def _round(self, jobs: list[_Job]) -> list[_Job]:
+        """One step of the running jobs: a call alone, or each decoding turn up to its next decode step and the
+        oldest joining turn by one piece, then every pending decode step in one batch. Returns the jobs that ended."""
+        if not isinstance(jobs[0], _Stream):
+            return [] if self._piece(jobs[0]) else [jobs[0]]
+        ended: list[_Job] = []
+        joining = True
+        for job in jobs:
+            assert isinstance(job, _Stream)
+            if not job.decoding:
+                if not joining:
                     continue
-                job.state, self._running = "running", job
-            return self._running
+                joining = False
+            if not self._piece(job):
+                ended.append(job)
+        self._answer([j for j in jobs if isinstance(j, _Stream) and j.pending is not None and j not in ended])
+        return ended
+
+    @staticmethod
+    def _answer(jobs: list[_Stream]) -> None:
+        """Answer the pending decode steps of ``jobs``: one batch per model; a step that failed fails its turn,
+        which then ends with that error at its next step."""
+        models: dict[int, list[_Stream]] = {}
+        for job in jobs:
+            models.setdefault(id(job.pending.model), []).append(job)
+        for group in models.values():
+            for job, error in zip(group, forward_rows([j.pending for j in group]), strict=True):
+                if error is not None:
+                    job.fail(error)
 
     def _piece(self, job: _Job) -> bool:
         """Run one piece of ``job``; False once it has ended (its outcome delivered, whatever it raised)."""

@@ -19,6 +19,7 @@ import numpy as np
 from ..channels import ChannelSplitter
 from ..errors import DeviceError
 from ..events import Event, PrefillProgress, PrefillStats, TokenEvent, TurnSummary
+from .batch import Step, steps_answered
 from .grammar import Grammar
 from .prefix_cache import PrefixCache, chain_keys
 from ..registry import GpuPrefill, TextModel
@@ -317,11 +318,13 @@ def _summary(turn: Turn, reused: int, stop_reason: str, message: str) -> TurnSum
                                reused_tokens=reused)
 
 
-def run_turn(turn: Turn) -> Iterator[Event]:
+def run_turn(turn: Turn) -> Iterator[Event | Step]:
     """Generate one answer for ``turn.prompt``.
 
     Yields a :class:`PrefillProgress` per prompt piece read, one :class:`PrefillStats`, a
-    :class:`TokenEvent` per token, then one :class:`TurnSummary`.
+    :class:`TokenEvent` per token, then one :class:`TurnSummary`; when advanced by a caller that answers
+    decode steps (:func:`engine.turn.batch.answering_steps`), also a :class:`~engine.turn.batch.Step` before
+    each decode forward, whose ``logits`` that caller sets before advancing the turn again.
     Generation stops at an end-of-generation token (with a grammar, the only tokens allowed once it has
     ended: stop reason "eos"), ``sampling.max_tokens``, a full context
     (stop_reason "context_full" with the context size in the message) or a cancel (checked before
@@ -367,29 +370,34 @@ class _Stepper:
         self.model, self.state, self.turn = turn.model, state, turn
         self.k = 0
 
-    def __call__(self, token: int) -> np.ndarray:
-        """(n_vocab,) float32 logits after ``token``."""
+    def __call__(self, token: int) -> Generator[Step, None, np.ndarray]:
+        """(n_vocab,) float32 logits after ``token`` (``yield from``): the :class:`Step` is yielded to a caller
+        that answers steps (:func:`engine.turn.batch.answering_steps`), else answered here."""
         rule, turn = self.turn.decode_positions, self.turn
         pos = None if rule is None else rule(turn.positions, len(turn.prompt), self.k)
         self.k += 1
-        return self.model.forward(np.asarray([token], dtype=np.int64), self.state, positions=pos)[-1]
+        step = Step(self.model, token, self.state, pos)
+        if steps_answered():
+            yield step
+        return step.logits if step.logits is not None else step.answer_alone()
 
 
-def _keep_answer_end(turn: Turn, resumed: _Resumed, step: _Stepper, history: list[int], token: int) -> None:
+def _keep_answer_end(turn: Turn, resumed: _Resumed, step: _Stepper, history: list[int],
+                     token: int) -> Generator[Step, None, None]:
     """Snapshot the state after an answer's stop token when the next turn's prompt re-renders the answer
     token for token (``turn.rerenders``), so that turn resumes after it."""
     cache, state = turn.cache, resumed.state
     answer = history[len(turn.prompt):] + [token]
     if cache is None or state.pos >= turn.context or turn.rerenders is None or not turn.rerenders(answer):
         return
-    step(token)
+    yield from step(token)
     history.append(token)
     keys = chain_keys(cache.identity, history, resumed.digests)
     cache.put(keys[-1], state, history, None, images=resumed.digests, conversation=turn.conversation, keys=keys)
 
 
 def _decode(turn: Turn, resumed: _Resumed, sampler: Sampler, history: list[int], token: int, logits: np.ndarray,
-            t_tok: float, stats: PrefillStats) -> Iterator[Event]:
+            t_tok: float, stats: PrefillStats) -> Iterator[Event | Step]:
     """Emit ``token`` (sampled from the prompt's ``logits`` at ``t_tok``), then decode and sample token by token
     until a stop (:func:`run_turn` lists them); ends with the :class:`TurnSummary`."""
     step = _Stepper(turn, resumed.state)
@@ -401,7 +409,7 @@ def _decode(turn: Turn, resumed: _Resumed, sampler: Sampler, history: list[int],
     for index in range(turn.sampling.max_tokens):
         if token in stop_ids:
             reason, message = "eos", ""
-            _keep_answer_end(turn, resumed, step, history, token)
+            yield from _keep_answer_end(turn, resumed, step, history, token)
             break
         if resumed.state.pos >= turn.context:
             reason, message = "context_full", (
@@ -423,7 +431,7 @@ def _decode(turn: Turn, resumed: _Resumed, sampler: Sampler, history: list[int],
         if index + 1 == turn.sampling.max_tokens:
             break
         t_tok = time.perf_counter()
-        logits = step(token)
+        logits = yield from step(token)
         token = sampler.sample(logits, history)
     pieces.append(stream.flush())
     tail = [("content", pieces[-1])] if split is None else split.push(pieces[-1]) + split.close()
