@@ -308,7 +308,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
           f"{'; API key required' if api_key else ''}; Ctrl+C stops]", file=sys.stderr, flush=True)
     try:
         serve(engine, ServerConfig(name, api_key, max_waiting=args.queue, max_waiting_bytes=args.queue_mib << 20),
-              args.host, args.port, sock)
+              args.host, args.port, sock, parallel=args.parallel)
     finally:
         engine.close()
     return 0
@@ -522,6 +522,8 @@ def _add_serve(p: argparse.ArgumentParser) -> None:
                    "more are answered 429 with Retry-After (default 8)")
     p.add_argument("--queue-mib", type=_positive, default=64, help="MiB of request bodies those may hold "
                    "together (default 64)")
+    p.add_argument("--parallel", type=_positive, default=4, help="requests answered at once, their tokens decoded "
+                   "together in one batch (default 4; 1 answers one at a time)")
 
 
 def _positive(text: str) -> int:

@@ -27,7 +27,8 @@ from .turn.batch import Step, answering_steps, forward_rows
 
 log = logging.getLogger(__name__)
 
-__all__ = ["DEFAULT_MAX_QUEUED", "DEFAULT_PARALLEL", "END", "Events", "QueueFullError", "Session", "Ticket"]
+__all__ = ["DEFAULT_MAX_QUEUED", "DEFAULT_PARALLEL", "END", "Events", "QueueFullError", "Session", "SessionClosedError",
+           "Ticket"]
 
 DEFAULT_MAX_QUEUED = 32
 """Jobs that may wait at once (read-aheads not counted: any new job drops them)."""
@@ -44,6 +45,10 @@ TURN, AHEAD = 0, 1
 
 class QueueFullError(EngineError):
     """The session's queue holds ``max_queued`` jobs already; the job was not taken."""
+
+
+class SessionClosedError(GenerationCancelled):
+    """The session closed (the model is being unloaded or the server stops): the job was not run, or not taken."""
 
 
 class _Job(ABC):
@@ -226,7 +231,7 @@ class Session:
         """Queue a turn: ``start(cancel)`` returns its events (e.g. ``lambda c: engine.chat(m, cancel=c)``).
 
         Raises:
-            QueueFullError: the queue is full. EngineError: the session is closed.
+            QueueFullError: the queue is full. SessionClosedError: the session is closed.
         """
         items: queue.SimpleQueue[Any] = queue.SimpleQueue()
         return Events(self.submit_stream(start, items.put, cancel), items)
@@ -261,14 +266,16 @@ class Session:
                 job.cancel.set()
             self._cond.notify_all()
         for job in dropped:
-            _deliver(job, GenerationCancelled("the engine session closed before this job started"))
+            _deliver(job, SessionClosedError("the engine session closed before this job started (the model is "
+                                             "being unloaded or the server is stopping)"))
         if threading.current_thread() is not self._thread:
             self._thread.join(timeout)
 
     def _submit(self, job: _Job) -> Ticket:
         with self._cond:
             if self._closed:
-                raise EngineError("the engine session is closed: it takes no more jobs")
+                raise SessionClosedError("the engine session is closed: it takes no more jobs (the model is being "
+                                         "unloaded or the server is stopping)")
             kept = [j for j in self._queued if j.priority != AHEAD]
             if len(kept) >= self.max_queued:
                 raise QueueFullError(f"the engine's queue holds {len(kept)} jobs already (at most "

@@ -279,25 +279,43 @@ class _Recording:
             yield event
 
 
-def test_requests_are_served_one_at_a_time(engine, hold) -> None:
-    rec = _Recording(engine)
-    srv = ServerThread(rec, ServerConfig("tiny"), port=0, session=hold.session).start()
+def _ask_three(srv, session) -> tuple[list[str], list[threading.Thread]]:
+    """Three streamed requests queued while ``session`` is held, then let go together; their answers."""
     client = openai.OpenAI(base_url=srv.url, api_key="unused", max_retries=0, timeout=60)
+    answers = [""] * 3
 
     def ask(k: int) -> None:
-        list(client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": f"Count {k}."}],
-                                            max_tokens=10, temperature=0, stream=True))
+        for chunk in client.chat.completions.create(model="tiny", max_tokens=10, temperature=0, stream=True,
+                                                    messages=[{"role": "user", "content": f"Count {k}."}]):
+            answers[k] += (chunk.choices[0].delta.content or "") if chunk.choices else ""
 
-    try:
-        threads = [threading.Thread(target=ask, args=(k,)) for k in range(3)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
-    finally:
-        srv.stop()
+    threads = [threading.Thread(target=ask, args=(k,)) for k in range(3)]
+    for t in threads:
+        t.start()
+    assert _until(lambda: len(session._queued) == 3)      # all three wait behind the holding call
+    return answers, threads
+
+
+@pytest.mark.parametrize("parallel", [1, 4])
+def test_requests_run_together_up_to_parallel_and_answer_as_alone(engine, hold, parallel) -> None:
+    """With ``parallel`` 1 no two turns overlap; with 4 the three queued requests run at once; either way each
+    answer equals its in-process one."""
+    want = [_direct(engine, hold, [{"role": "user", "content": f"Count {k}."}], n=10).text for k in range(3)]
+    rec = _Recording(engine)
+    with hold:
+        srv = ServerThread(rec, ServerConfig("tiny"), port=0, parallel=parallel).start()
+        try:
+            hold_own = type(hold)(srv.session)
+            with hold_own:
+                answers, threads = _ask_three(srv, srv.session)
+            for t in threads:
+                t.join()
+        finally:
+            srv.stop()
     spans = sorted(rec.spans)
-    assert len(spans) == 3 and all(a[1] <= b[0] for a, b in zip(spans, spans[1:]))    # no two turns overlap
+    apart = all(a[1] <= b[0] for a, b in zip(spans, spans[1:]))
+    assert len(spans) == 3 and apart == (parallel == 1)
+    assert answers == want
 
 
 class _Pausing(_Recording):

@@ -21,7 +21,7 @@ import time
 from typing import Any
 
 from engine.errors import EngineError
-from engine.session import Session
+from engine.session import DEFAULT_PARALLEL, Session
 from .app import DEFAULT_MAX_BODY, ServerConfig, create_app
 from .requests import APIError
 
@@ -115,16 +115,17 @@ def _uvicorn_server(engine: Any, config: ServerConfig, host: str, port: int, ses
 
 
 def serve(engine: Any, config: ServerConfig, host: str = LOOPBACK, port: int = 8080,
-          sock: socket.socket | None = None) -> None:
+          sock: socket.socket | None = None, parallel: int = DEFAULT_PARALLEL) -> None:
     """Serve ``engine`` until interrupted (Ctrl+C), in the calling thread; on ``sock`` when given (bound by
-    :func:`bind_address` to ``host:port``), else on a socket bound here.
+    :func:`bind_address` to ``host:port``), else on a socket bound here. Up to ``parallel`` requests' turns are
+    decoded together (:class:`engine.session.Session`); 1 answers one request at a time.
 
     Raises:
         EngineError: see :func:`check_bind` and :func:`bind_address`.
     """
     check_bind(host, config.api_key)
     sock = sock or bind_address(host, port)
-    session = Session()
+    session = Session(parallel=parallel)
     try:
         _uvicorn_server(engine, config, host, port, session).run(sockets=[sock])
     finally:
@@ -139,16 +140,16 @@ class ServerThread:
         config: model name, key, body limit.
         host, port: where to listen; port 0 picks a free one (read :attr:`port` after :meth:`start`).
         session: the :class:`engine.session.Session` the engine's other users share; None = one of the
-            server's own, closed by :meth:`stop`.
+            server's own, closed by :meth:`stop`, running up to ``parallel`` turns together.
     """
 
     def __init__(self, engine: Any, config: ServerConfig, host: str = LOOPBACK, port: int = 8080,
-                 session: Session | None = None) -> None:
+                 session: Session | None = None, parallel: int = DEFAULT_PARALLEL) -> None:
         check_bind(host, config.api_key)
         self.host = host
         self.port = port
         self._own = session is None
-        self.session = session or Session()
+        self.session = session or Session(parallel=parallel)
         self._server = _uvicorn_server(engine, config, host, port, self.session)
         self._thread: threading.Thread | None = None
 

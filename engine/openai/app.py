@@ -19,6 +19,7 @@ Cross-site requests are refused in front of every route (:class:`engine.openai.g
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import threading
 import time
@@ -83,74 +84,60 @@ class ServerConfig:
     max_waiting_bytes: int = DEFAULT_MAX_WAITING_BYTES
 
 
-class _TurnCancel(threading.Event):
-    """A turn's cancel flag (the session job's): setting it also sets its choices' flags, so whoever
-    stops the job (the client leaving, :meth:`Session.close`) stops the engine's turn."""
-
-    def __init__(self, turn: _Turn) -> None:
-        super().__init__()
-        self._turn = turn
-
-    def set(self) -> None:
-        super().set()
-        for flag in list(self._turn._choices):
-            flag.set()
-
-
 class _Turn:
-    """One turn on the engine's session (all ``n`` choices of a request), its events queued for the event loop.
+    """One request's turn on the engine's session: each of its ``n`` choices a job of its own (so that the choices
+    decode together in one batch), the events of each queued for the event loop in a queue of its own.
 
     Args:
-        start: ``start(next_cancel)`` -> the engine's events (``Engine.chat`` / ``Engine.complete``, once
-            per choice); ``next_cancel()`` gives the cancel flag of the next engine call.
+        start: ``start(i, cancel)`` -> the engine's events of choice ``i`` (``Engine.chat`` / ``Engine.complete``)
+            with ``cancel`` its flag.
+        n: the number of choices.
     """
 
-    def __init__(self, start: Callable[[Callable[[], threading.Event]], Iterator[Event]]) -> None:
+    def __init__(self, start: Callable[[int, threading.Event], Iterator[Event]], n: int) -> None:
         self.loop = asyncio.get_running_loop()
-        self.queue: asyncio.Queue = asyncio.Queue()
-        self._choices: list[threading.Event] = []    # the cancel flag of each engine call (choice), in order
-        self.cancel = _TurnCancel(self)
+        self.queues: list[asyncio.Queue] = [asyncio.Queue() for _ in range(n)]
+        self.flags = [threading.Event() for _ in range(n)]     # the cancel flag of each choice (its session job's)
         self._start = start
-        self._ticket: Ticket | None = None
-
-    def next_cancel(self) -> threading.Event:
-        """A fresh cancel flag for the next engine call, already set when the whole turn is cancelled."""
-        flag = threading.Event()
-        self._choices.append(flag)   # published before the check below: stop() sets one or the other
-        if self.cancel.is_set():
-            flag.set()
-        return flag
+        self._tickets: list[Ticket] = []
 
     def stop(self) -> None:
-        """Stop the whole turn (the client left, or the request is over): dropped while queued."""
-        self.cancel.set()
-        if self._ticket is not None:
-            self._ticket.cancel()
+        """Stop the whole turn (the client left, or the request is over): its choices dropped while queued."""
+        for flag in self.flags:
+            flag.set()
+        for ticket in self._tickets:
+            ticket.cancel()
 
     def stop_choice(self, index: int) -> None:
-        """Stop choice ``index`` only (a stop string ended it; the engine may have moved on to the next one,
-        which still runs)."""
-        if index < len(self._choices):
-            self._choices[index].set()
+        """Stop choice ``index`` only (a stop string ended it; the other choices go on)."""
+        self.flags[index].set()
 
     def submit(self, session: Session) -> None:
-        """Queue the turn on ``session``.
+        """Queue the turn's choices on ``session`` (none of them when one is refused).
 
         Raises:
-            QueueFullError: the session's queue is full.
+            QueueFullError: the session's queue is full. SessionClosedError: it is closed.
         """
-        self._ticket = session.submit_stream(self._run, self._put, self.cancel)
-
-    def _put(self, item: Any) -> None:
         try:
-            self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
+            for i, flag in enumerate(self.flags):
+                self._tickets.append(session.submit_stream(functools.partial(self._run, i),
+                                                           functools.partial(self._put, i), flag))
+        except BaseException:
+            self.stop()
+            raise
+
+    def _put(self, index: int, item: Any) -> None:
+        try:
+            self.loop.call_soon_threadsafe(self.queues[index].put_nowait, item)
         except RuntimeError:  # the event loop has closed: nobody is listening any more
             pass
 
-    def _run(self, _cancel: threading.Event) -> Iterator[Any]:
-        """The items of the turn, on the session thread: ``_STARTED``, then the engine's events."""
-        yield _STARTED
-        yield from self._start(self.next_cancel)
+    def _run(self, index: int, cancel: threading.Event) -> Iterator[Any]:
+        """The items of choice ``index``, on the session thread: ``_STARTED`` (the first choice), then the
+        engine's events."""
+        if index == 0:
+            yield _STARTED
+        yield from self._start(index, cancel)
 
 
 class _Exchange:
@@ -193,9 +180,9 @@ class _Exchange:
         except QueueFullError as exc:
             raise QueueFull(str(exc)) from exc
 
-    async def next(self) -> Any:
-        """The turn's next item: ``_STARTED``, an event, an exception it raised, or ``_END``."""
-        return await self._until(self.turn.queue.get())
+    async def next(self, index: int = 0) -> Any:
+        """Choice ``index``'s next item: ``_STARTED``, an event, an exception it raised, or ``_END``."""
+        return await self._until(self.turn.queues[index].get())
 
     def close(self) -> None:
         """Stop the turn if it still runs (or drop it from the queue)."""
@@ -240,12 +227,12 @@ class _Routes:
             if isinstance(item, (PrefillStats, TurnSummary)):
                 return [item]
 
-    async def _open(self, request: Request, start: Callable[[Callable[[], threading.Event]], Iterator[Event]]
+    async def _open(self, request: Request, start: Callable[[int, threading.Event], Iterator[Event]], n: int
                     ) -> tuple[_Exchange, list[Any]]:
-        """Queue the turn (429 beyond the waiting queue's bounds), start it, and wait for its prefill to succeed
-        (errors raise with their status)."""
+        """Queue the turn's ``n`` choices (429 beyond the waiting queue's bounds), start them, and wait for the first
+        one's prefill to succeed (errors raise with their status)."""
         queued = self.metrics.queued()
-        ex = _Exchange(request, _Turn(self.metrics.watch(start, queued)))
+        ex = _Exchange(request, _Turn(self.metrics.watch(start, queued), n))
         try:
             with self.waiting.enter() as ticket:      # given back once the turn starts
                 ticket.grow(getattr(request.state, "body_bytes", 0))
@@ -258,7 +245,7 @@ class _Routes:
             queued.release()
 
     async def _whole(self, request: Request, req: TurnRequest, start: Callable[..., Iterator[Event]]) -> dict:
-        ex, first = await self._open(request, start)
+        ex, first = await self._open(request, start, req.n)
         try:
             choices = [item[1] async for item in _choices(ex, req, first, self._choice_maker(req))
                        if item[0] == "end"]
@@ -268,7 +255,7 @@ class _Routes:
 
     async def _chunks(self, request: Request, req: TurnRequest,
                       start: Callable[..., Iterator[Event]]) -> AsyncIterator[dict[str, Any]]:
-        ex, first = await self._open(request, start)
+        ex, first = await self._open(request, start, req.n)
         try:
             ans, summaries = Answer(req), []
             async for what, choice, pieces in _choices(ex, req, first, self._choice_maker(req)):
@@ -303,14 +290,16 @@ class _Routes:
                            "cannot read images", param="messages", code="invalid_image")
         self.constraints.check(req)
 
-        def start(next_cancel: Callable[[], threading.Event]) -> Iterator[Event]:
-            check_fits(self.engine, req.messages, req.enable_thinking, self.context,   # before any image is encoded
-                       list(req.tools) or None)
-            grammar = self.constraints.grammar(req)
-            for i in range(req.n):
-                yield from self.engine.chat(req.messages, req.choice_sampling(i), next_cancel(),
-                                            enable_thinking=req.enable_thinking, tools=list(req.tools) or None,
-                                            grammar=grammar)
+        grammar: list[Any] = []          # the request's grammar, built by the first choice that starts
+
+        def start(i: int, cancel: threading.Event) -> Iterator[Event]:
+            if not grammar:
+                check_fits(self.engine, req.messages, req.enable_thinking, self.context,   # before images are encoded
+                           list(req.tools) or None)
+                grammar.append(self.constraints.grammar(req))
+            yield from self.engine.chat(req.messages, req.choice_sampling(i), cancel,
+                                        enable_thinking=req.enable_thinking, tools=list(req.tools) or None,
+                                        grammar=grammar[0])
         return req, start
 
     async def chat(self, request: Request, body: Any) -> dict[str, Any]:
@@ -345,9 +334,8 @@ class _Routes:
         body = await read_json(request, self.config.max_body_bytes)
         req = completion_fields(body, completion_request(body, self.config.model_name, self.context), self.vocab)
 
-        def start(next_cancel: Callable[[], threading.Event]) -> Iterator[Event]:
-            for i in range(req.n):
-                yield from self.engine.complete(req.prompt, req.choice_sampling(i), next_cancel())
+        def start(i: int, cancel: threading.Event) -> Iterator[Event]:
+            yield from self.engine.complete(req.prompt, req.choice_sampling(i), cancel)
         if req.stream:
             return await event_stream(self._chunks(request, req, start))
         return JSONResponse(await self._whole(request, req, start))
@@ -417,7 +405,7 @@ async def _choices(ex: _Exchange, req: TurnRequest, first: list[Any],
     choice = make(0)
     yield "start", choice, None
     while True:
-        item = pending.pop(0) if pending else await ex.next()
+        item = pending.pop(0) if pending else await ex.next(choice.index)
         if isinstance(item, BaseException):
             raise error_of(item)
         if item is _END:

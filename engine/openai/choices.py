@@ -62,9 +62,11 @@ class Choice:
         return self._keep(pieces if self.calls_stream is None else self.calls_stream.push(pieces))
 
     def close(self, summary: TurnSummary) -> list[Piece]:
-        """The pieces held back until the end of the answer."""
+        """The pieces held back until the end of the answer (a raw completion's: the summary's text past what its
+        tokens carried, the bytes of a character the token limit cut, as U+FFFD)."""
         self.summary = summary
-        pieces = self.splitter.push(self._parts("", summary.parts)) + self.splitter.close()
+        held = summary.text[self.offset:] if not self.chat else ""    # the tokenizer stream's final flush
+        pieces = self.splitter.push(self._parts(held, summary.parts)) + self.splitter.close()
         if self.calls_stream is None:
             return self._keep(pieces)
         return self._keep(self.calls_stream.push(pieces) + self.calls_stream.close())

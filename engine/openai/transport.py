@@ -12,7 +12,7 @@ from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 
 from engine.errors import ContextFullError, EngineError, ImageError, TemplateError, UnsupportedModelError
-from engine.session import QueueFullError
+from engine.session import QueueFullError, SessionClosedError
 from engine.turn.grammar import GrammarError
 from .limits import QueueFull, check_text
 from .requests import APIError
@@ -29,6 +29,8 @@ def error_of(exc: BaseException) -> APIError:
         return exc
     if isinstance(exc, QueueFullError):
         return QueueFull(str(exc))
+    if isinstance(exc, SessionClosedError):
+        return APIError(503, f"the model is not available: {exc}", type="server_error", code="model_unavailable")
     if isinstance(exc, ImageError):
         return APIError(400, str(exc), param="messages", code="invalid_image")
     if isinstance(exc, ContextFullError):
