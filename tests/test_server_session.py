@@ -15,12 +15,11 @@ from engine.session import Session
 
 
 def test_closing_the_session_stops_a_running_server_turn() -> None:
-    """Session.close tells the running job to stop (its cancel flag): a served turn must pass that on to the
-    engine's own cancel flag of the choice running, or the engine goes on to its token limit."""
+    """Session.close tells the running job to stop (its cancel flag): a served choice's job must be the one whose
+    flag the engine's turn checks, or the engine goes on to its token limit."""
     started, stopped = threading.Event(), threading.Event()
 
-    def start(next_cancel):
-        flag = next_cancel()
+    def start(index, flag):
         started.set()
         for i in range(300):                 # a turn of 300 tokens, 10 ms each, that checks its flag per token
             if flag.wait(0.01):
@@ -30,7 +29,7 @@ def test_closing_the_session_stops_a_running_server_turn() -> None:
 
     async def main() -> None:
         session = Session()
-        _Turn(start).submit(session)
+        _Turn(start, 1).submit(session)
         assert await asyncio.to_thread(started.wait, 10)
         await asyncio.to_thread(session.close, 10)
 
