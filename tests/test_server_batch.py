@@ -192,3 +192,15 @@ def test_a_hundred_streams_queue_or_get_429(server, hold) -> None:
     assert all(r.headers.get("retry-after") for r in responses if r.status_code == 429)
     assert all(r.text.rstrip().endswith("data: [DONE]") for r in responses if r.status_code == 200)
     assert peak - before < 8
+
+
+def test_serve_takes_parallel_and_refuses_zero(synth_model, monkeypatch, capsys) -> None:
+    """``engine serve --parallel N`` sizes the session's batch; 0 is refused by the argument parser, naming it."""
+    from engine.__main__ import main
+    seen: dict = {}
+    monkeypatch.setattr("engine.openai.serve", lambda *args, **kw: seen.update(kw))
+    assert main(["serve", "--model", str(synth_model("tiny", "q8_0")), "--port", "0", "--parallel", "2"]) == 0
+    assert seen["parallel"] == 2
+    with pytest.raises(SystemExit):
+        main(["serve", "--parallel", "0"])
+    assert "--parallel" in capsys.readouterr().err

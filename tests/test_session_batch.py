@@ -209,3 +209,8 @@ def test_a_queued_turn_cancelled_behind_a_full_batch_never_starts(engine) -> Non
         with pytest.raises(GenerationCancelled):
             next(waiting)
         assert _norm(list(running))[-1][0] in ("eos", "max_tokens")
+
+
+def test_parallel_below_one_is_refused() -> None:
+    with pytest.raises(ValueError, match="parallel must be at least 1"):
+        Session(parallel=0)
