@@ -328,12 +328,17 @@ class Session:
                 self._queued.remove(job)
                 _deliver(job, GenerationCancelled("cancelled before it started"))
                 continue
-            alone = any(not isinstance(j, _Stream) for j in self._running)
-            if alone or (len(self._running) >= self.parallel if isinstance(job, _Stream) else self._running):
+            if not self._may_join(job):
                 return
             self._queued.remove(job)
             job.state = "running"
             self._running.append(job)
+
+    def _may_join(self, job: _Job) -> bool:
+        """Whether ``job`` may run beside the running jobs now."""
+        if not isinstance(job, _Stream):
+            return not self._running
+        return len(self._running) < self.parallel and all(isinstance(j, _Stream) for j in self._running)
 
     def _round(self, jobs: list[_Job]) -> list[_Job]:
         """One step of the running jobs: a call alone, or each decoding turn up to its next decode step and the
