@@ -86,8 +86,8 @@ class _Stream(_Job):
         self.failure, self.pending = error, None
 
     def step(self) -> bool:
-        """Advance the turn by one item, or to its next decode step; after its step was answered, by the token
-        that follows and up to its next step.
+        """Advance the turn by one item, or to its next decode step; after its step was answered or its prompt
+        read (:class:`PrefillStats`), by the token that follows and up to its next step.
 
         Raises:
             BaseException: what failed its decode step (:meth:`fail`), or what its events raised.
@@ -108,6 +108,9 @@ class _Stream(_Job):
                     return True
                 self.sink(item)
                 self.decoding = self.decoding or isinstance(item, (PrefillStats, TokenEvent))
+                if isinstance(item, PrefillStats):
+                    answered = True     # the first token comes from the prompt's logits, with no forward
+                    continue
                 if not (answered and isinstance(item, TokenEvent)):
                     return True
                 answered = False
