@@ -158,8 +158,7 @@ def session(engine: Engine, seed: int | None) -> tuple[list[list[int]], list[np.
     return turns, seen
 
 
-@pytest.mark.parametrize("kv_type", ["f16", "q8_0"])
-@pytest.mark.parametrize("kernels", ["native", "numpy"])
+@pytest.mark.parametrize("kernels, kv_type", [("native", "f16"), ("numpy", "f16"), ("native", "q8_0")])
 @pytest.mark.parametrize("seed", [None, 7], ids=["greedy", "seeded"])
 def test_b18_session_is_the_same_with_the_cache_on_and_off(kernels, seed, kv_type) -> None:
     if kernels == "native" and not cpu.available():
