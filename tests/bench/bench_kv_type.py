@@ -2,13 +2,16 @@
 
     python tests/bench/bench_kv_type.py --model slice.gguf [--tokens 16384] [--at 1024,4096,16384] [--threads 2]
         [--types f16,q8_0]
+    python tests/bench/bench_kv_type.py --kernels [--tokens 16384]
 
 Prefills the same random token sequence once per KV type (F32 first, the reference) on the native kernels,
 in pieces of 512 (split-invariant, so the piece size changes no bit), and at each position of ``--at``
 compares the last position's logits with F32's: max |difference|, that over max |logit|, the KL divergence
 of the type's distribution from F32's (nats), whether the argmax agrees, and where it does not, F32's gap
 between its top two logits and between its argmax and the type's. Also prints the KV bytes per token of
-each type. docs/perf/kv-cache.md has the figures.
+each type. ``--kernels`` instead times the attention kernels alone over a cache of each type (random rows of
+the 35B-A3B's shape; one thread, thread CPU time, the best of 5 interleaved rounds). docs/perf/kv-cache.md
+has the figures.
 """
 
 from __future__ import annotations
@@ -18,9 +21,11 @@ import time
 
 import numpy as np
 
+from engine.arch.qwen35 import cpu_mixers
 from engine.arch.qwen35.cpu import NativeQwen35Model
 from engine.kernels import cpu
 from engine.registry import open_text
+from engine.turn.kv_types import quantize_q8_0
 from engine.turn.state import SequenceState, state_nbytes
 
 PIECE = 512
@@ -59,14 +64,42 @@ def compare(ref: np.ndarray, got: np.ndarray) -> str:
     return f"{d:.3g} | {d / np.abs(ref).max():.3g} | {kl(ref, got):.3g} | {a == b}{gaps}"
 
 
+def kernel_times(m: int, rounds: int = 5) -> None:
+    """Print the best thread CPU time of one decode query and of 64 prefill queries over an m-row cache of
+    each KV type (16 q heads on 2 KV heads of 256, one thread)."""
+    cpu.set_threads(1)
+    rng = np.random.default_rng(0)
+    k, v = (rng.standard_normal((m, 2, 256)).astype(np.float32) for _ in range(2))
+    caches = {"f32": (k, v), "f16": (k.astype(np.float16), v.astype(np.float16)),
+              "q8_0": (quantize_q8_0(k), quantize_q8_0(v))}
+    q, g = (rng.standard_normal((64, 16, 256)).astype(np.float32) for _ in range(2))
+    best = {(t, n): float("inf") for t in caches for n in ("decode", "prefill")}
+    for _ in range(rounds):
+        for t, (kc, vc) in caches.items():
+            for name, call in (("decode", lambda: cpu_mixers.attention_decode(q[-1], g[-1], kc, vc)),
+                               ("prefill", lambda: cpu_mixers.attention_prefill(q, g, kc, vc))):
+                c0 = time.thread_time()
+                call()
+                best[t, name] = min(best[t, name], time.thread_time() - c0)
+    print(f"ISA {cpu.isa()}, {m} cache rows")
+    for t in caches:
+        print(f"{t} | decode {1e3 * best[t, 'decode']:.1f} ms | prefill (64 queries) {1e3 * best[t, 'prefill']:.0f} ms")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
-    ap.add_argument("--model", required=True)
+    ap.add_argument("--model")
+    ap.add_argument("--kernels", action="store_true", help="time the attention kernels alone (no model)")
     ap.add_argument("--tokens", type=int, default=16384)
     ap.add_argument("--at", default="1024,4096,16384")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--types", default="f16,q8_0", help="KV types compared with f32, comma-separated")
     args = ap.parse_args()
+    if args.kernels:
+        kernel_times(args.tokens)
+        return
+    if args.model is None:
+        ap.error("--model is required without --kernels")
     at = [int(x) for x in args.at.split(",")]
     types = args.types.split(",")
     cpu.set_threads(args.threads)
