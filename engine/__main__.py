@@ -493,7 +493,8 @@ def _add_sampling(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--context", type=int, default=None,
                    help=f"context window, tokens (default {DEFAULT_CONTEXT}, capped at the model's own)")
-    p.add_argument("--kv-type", choices=["f16", "f32"], default="f16", help="KV cache element type (default f16)")
+    p.add_argument("--kv-type", choices=["f16", "f32", "q8_0"], default="f16",
+                   help="KV cache element type (default f16; q8_0 is about half of f16)")
     p.add_argument("--think", action="store_true", help="let the model think before answering")
 
 
@@ -517,7 +518,8 @@ def _add_serve(p: argparse.ArgumentParser) -> None:
                    "given, else the file name without .gguf)")
     p.add_argument("--context", type=int, default=None,
                    help=f"context window, tokens (default {DEFAULT_CONTEXT}, capped at the model's own)")
-    p.add_argument("--kv-type", choices=["f16", "f32"], default="f16", help="KV cache element type (default f16)")
+    p.add_argument("--kv-type", choices=["f16", "f32", "q8_0"], default="f16",
+                   help="KV cache element type (default f16; q8_0 is about half of f16)")
     p.add_argument("--queue", type=_positive, default=8, help="requests that may wait for the model at once; "
                    "more are answered 429 with Retry-After (default 8)")
     p.add_argument("--queue-mib", type=_positive, default=64, help="MiB of request bodies those may hold "

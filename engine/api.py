@@ -105,7 +105,7 @@ class Engine:
             GenerationCancelled: ``cancel`` was set.
             MemoryFitError: the context's state (KV cache of ``options.kv_type``) needs more memory than is
                 available (:func:`engine.turn.state.check_memory`), checked before any weight is prepared.
-            ValueError: an unknown ``options.kv_type``.
+            ValueError: an unknown ``options.kv_type``, or "q8_0" on a model whose head_dim is not a multiple of 32.
 
         On any exception (KeyboardInterrupt included) the GPU vision tower and GPU prefill made so far
         are released first; the memory map is released with the objects.

@@ -23,7 +23,7 @@ class EngineOptions:
 
     Attributes:
         context: context window in tokens (capped at the model's ``context_length``); the KV cache
-            is preallocated for it: 2 * n_attn_layers * n_head_kv * head_dim * (2 or 4, ``kv_type``) bytes
+            is preallocated for it: 2 * n_attn_layers * n_head_kv * head_dim * (2, 4 or 34/32, ``kv_type``) bytes
             per token.
         prefix_cache: keep prefix snapshots so a prompt sharing a prefix resumes instead of
             re-prefilling (see :mod:`engine.turn.prefix_cache`).
@@ -49,7 +49,8 @@ class EngineOptions:
             routed expert once; a few tokens are faster on the CPU).
         threads: CPU kernel threads (None = physical cores); process-wide.
         kv_type: the KV cache's element type, "f16" (half the bytes; each row rounded once when written,
-            docs/design/kv-cache.md) or "f32" (exact, what the conformance tests use).
+            docs/design/kv-cache.md), "q8_0" (GGML Q8_0 blocks: 34 bytes per 32 values, rounded once when
+            written) or "f32" (exact, what the conformance tests use).
         kernels: "native" runs the CPU model on the SIMD kernels when the extension is built
             (:class:`engine.arch.qwen35.cpu.NativeQwen35Model`, W4A8: activations quantized to
             8 bits inside Q4_0/Q8_0 products), else the numpy reference; "numpy" forces the reference.

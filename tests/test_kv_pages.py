@@ -9,6 +9,7 @@ up to t, so two sequences share exactly the rows of their common prefix.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import logging
 
@@ -17,29 +18,31 @@ import pytest
 
 from engine.arch.qwen35.hparams import Qwen35HParams
 from engine.turn.kv_pages import PAGE_ROWS
+from engine.turn.kv_types import kv_row_bytes, kv_store
 from engine.turn.prefix_cache import PrefixCache, chain_keys
 from engine.turn.state import SequenceState
 
 HP = Qwen35HParams(arch="qwen35moe", n_layer=4, nextn_predict_layers=0, n_embd=16, n_vocab=50,
-                   context_length=4096, rms_eps=1e-6, n_head=2, n_head_kv=1, head_dim=8, rope_theta=1e7,
+                   context_length=4096, rms_eps=1e-6, n_head=2, n_head_kv=1, head_dim=32, rope_theta=1e7,
                    rope_dims=4, rope_sections=(1, 1, 0, 0), full_attention_interval=4, conv_kernel=4,
                    head_k_dim=4, num_k_heads=1, num_v_heads=2, head_v_dim=4, n_expert=4,
                    n_expert_used=2, n_ff_exp=8, n_ff_shexp=8)
 CAP = 2048
-ROW = 2 * 1 * 8 * 2                    # bytes of one position's K and V rows: 1 attention layer, 1 x 8 halves each
+ROW = 2 * 1 * 32 * 2                   # bytes of one position's K and V rows: 1 attention layer, 1 x 32 halves each
 PAGE = PAGE_ROWS * ROW
 
 
 def prefill(tokens: list[int], kv_type: str = "f16") -> SequenceState:
     """A state after ``tokens`` whose KV row t is a function of tokens[:t + 1] only, recurrent state of all."""
     s = SequenceState.new(HP, CAP, kv_type)
+    rows = HP.state_layout().kv
     h = hashlib.blake2b(digest_size=8)
     for t, tok in enumerate(tokens):
         h.update(int(tok).to_bytes(4, "little"))
         rng = np.random.default_rng(int.from_bytes(h.digest(), "little"))
         for table in (s.k, s.v):
-            for a in table.values():
-                a[t] = rng.normal(size=a.shape[1:])
+            for il, a in table.items():
+                kv_store(a, t, rng.normal(size=(1, *rows[il])).astype(np.float32))
     rng = np.random.default_rng(len(tokens))
     for table in (s.conv, s.ssm):
         for a in table.values():
@@ -93,26 +96,29 @@ def test_a_divergent_sequence_shares_the_pages_before_it_and_owns_the_rest():
         assert hit.reused == 1000 and same(hit.state, prefill(toks))
 
 
-def test_disk_tier_writes_each_page_once_and_survives_a_restart(tmp_path, monkeypatch):
+@pytest.mark.parametrize("kv_type", ["f16", "q8_0"])
+def test_disk_tier_writes_each_page_once_and_survives_a_restart(tmp_path, monkeypatch, kv_type):
     from engine.turn import kv_pages
     writes: list[str] = []
     real = kv_pages.write_atomic
     monkeypatch.setattr(kv_pages, "write_atomic", lambda path, data: (writes.append(path.name), real(path, data)))
     toks = chat(5, 200, seed=2)
-    cache = PrefixCache(HP, "m", disk_dir=tmp_path, kv_type="f16")
+    cache = PrefixCache(HP, "m", disk_dir=tmp_path, kv_type=kv_type)
     for pos in (200, 400, 600, 800, 1000):
-        cache.put(chain_keys("m", toks[:pos])[-1], prefill(toks[:pos]), toks[:pos], None)
+        cache.put(chain_keys("m", toks[:pos])[-1], prefill(toks[:pos], kv_type), toks[:pos], None)
     cache.persist()
     cache.persist()
     assert sorted(writes) == sorted(set(writes)) and len(writes) == 1000 // PAGE_ROWS
-    again = PrefixCache(HP, "m", disk_dir=tmp_path, kv_type="f16")
+    again = PrefixCache(HP, "m", disk_dir=tmp_path, kv_type=kv_type)
     assert again.ram_bytes == 0
     for pos in (1000, 600, 200):
         hit = again.lookup(toks[:pos] + [3], CAP)
-        assert hit.reused == pos and same(hit.state, prefill(toks[:pos]))
+        assert hit.reused == pos and same(hit.state, prefill(toks[:pos], kv_type))
     folder = again._disk
     page_files = sorted(p.name for p in folder.glob("*.page"))
     assert len(page_files) == 3
+    page_kv = 2 * PAGE_ROWS * kv_row_bytes(HP.state_layout().kv[3], kv_type)   # K and V of the one attention layer
+    assert all(page_kv < (folder / name).stat().st_size < page_kv + 4096 for name in page_files)
     again.clear(chain_keys("m", toks)[-1].hex())        # page 2 is still the snapshot at 800's
     assert len(list(folder.glob("*.page"))) == 3
     again.clear(chain_keys("m", toks[:800])[-1].hex())  # its last owner
@@ -131,15 +137,16 @@ def test_spilled_snapshots_drop_the_ram_copies_of_their_pages(tmp_path):
     assert hit.reused == 900 and same(hit.state, prefill(toks))
 
 
+@pytest.mark.parametrize("kv_type", ["f16", "q8_0"])
 @pytest.mark.parametrize("restart", [True, False], ids=["reopened", "in use"])
 @pytest.mark.parametrize("damage", ["delete", "truncate", "flip", "swap", "foreign"])
-def test_a_damaged_page_is_a_miss_not_an_error(tmp_path, caplog, damage, restart):
+def test_a_damaged_page_is_a_miss_not_an_error(tmp_path, caplog, damage, restart, kv_type):
     """Page 2 of the deep snapshot is damaged, after a restart or while the cache is open (its snapshots
     spilled, so the page is read from its file): the lookup falls back to the snapshot at 500 (pages 0, 1)."""
     toks = chat(1, 800, seed=4)
-    cache = PrefixCache(HP, "m", disk_dir=tmp_path, kv_type="f16", ram_budget=1 << 30 if restart else 1)
+    cache = PrefixCache(HP, "m", disk_dir=tmp_path, kv_type=kv_type, ram_budget=1 << 30 if restart else 1)
     for pos in (500, 800):
-        cache.put(chain_keys("m", toks[:pos])[-1], prefill(toks[:pos]), toks[:pos], None)
+        cache.put(chain_keys("m", toks[:pos])[-1], prefill(toks[:pos], kv_type), toks[:pos], None)
     cache.persist()
     keys = chain_keys("m", toks)
     page2, page1 = (cache._disk / f"{keys[p * PAGE_ROWS].hex()}.page" for p in (3, 2))
@@ -154,10 +161,10 @@ def test_a_damaged_page_is_a_miss_not_an_error(tmp_path, caplog, damage, restart
         page2.write_bytes(page1.read_bytes())
     else:
         page2.write_bytes(data.replace(b'"identity": "m"', b'"identity": "x"'))
-    again = PrefixCache(HP, "m", disk_dir=tmp_path, kv_type="f16") if restart else cache
+    again = PrefixCache(HP, "m", disk_dir=tmp_path, kv_type=kv_type) if restart else cache
     with caplog.at_level(logging.WARNING):
         hit = again.lookup(toks + [1], CAP)
-    assert hit.reused == 500 and same(hit.state, prefill(toks[:500]))
+    assert hit.reused == 500 and same(hit.state, prefill(toks[:500], kv_type))
     assert "page" in caplog.text
     assert again.lookup(toks + [1], CAP).reused == 500               # and stays a miss
 
@@ -235,3 +242,72 @@ def test_a_long_chat_is_the_same_with_paged_snapshots_and_without_a_cache(synth_
     assert all(np.array_equal(a, b) for a, b in zip(seen_on, seen_off))
     assert reused[1] > 2 * PAGE_ROWS, reused                  # later turns resumed across pages
     assert len(list(on.cache._disk.glob("*.page"))) >= 2
+
+
+SYSTEM = " ".join(f"rule {i}: reply in short words about object {i * 3 % 17}." for i in range(45))
+OTHER_SYSTEM = " ".join(f"note {i}: speak briefly of thing {i * 5 % 11}." for i in range(45))
+
+
+def sampled_logits(engine, system: str, user: str) -> list[np.ndarray]:
+    """The logits every token of one seeded turn (a new conversation: ``system``, ``user``) was drawn from."""
+    from engine import sampling
+    from engine.sampling import SamplingParams
+    seen = []
+    original = sampling.Sampler.sample
+
+    def recording(self, logits, history):
+        seen.append(np.array(logits, copy=True))
+        return original(self, logits, history)
+
+    sampling.Sampler.sample = recording
+    try:
+        list(engine.chat([{"role": "system", "content": system}, {"role": "user", "content": user}],
+                         SamplingParams(temperature=0.8, seed=1, max_tokens=6)))
+    finally:
+        sampling.Sampler.sample = original
+    return seen
+
+
+@functools.cache
+def uncached_logits(path, kv_type: str, system: str, user: str) -> list[np.ndarray]:
+    """:func:`sampled_logits` on an engine without a prefix cache (once per model, KV type and prompt)."""
+    from engine.api import Engine, EngineOptions
+    off = Engine.load(path, options=EngineOptions(context=4096, prefix_cache=False, threads=2, kv_type=kv_type))
+    return sampled_logits(off, system, user)
+
+
+@pytest.mark.parametrize("kv_type", ["f16", "q8_0"])
+@pytest.mark.parametrize("how", ["delete", "truncate", "swap"])
+def test_page_files_damaged_while_the_engine_runs_are_a_miss_and_the_answer_is_right(synth_model, tmp_path, caplog,
+                                                                                     how, kv_type):
+    """A running engine (every snapshot spilled: a resume reads page files) has the page files of one system
+    prompt deleted, truncated, or one of them swapped with a page file of another prompt (contents exchanged:
+    each is a valid page of the wrong prefix); a new conversation on that prompt then misses those pages and
+    draws every token from the logits a run without a cache gives, bit for bit."""
+    from engine.api import Engine, EngineOptions
+
+    path = synth_model("tiny")
+    on = Engine.load(path, options=EngineOptions(context=4096, cache_ram_bytes=1, cache_disk_dir=tmp_path,
+                                                 snapshot_interval=100, threads=2, kv_type=kv_type))
+    sampled_logits(on, SYSTEM, "Question 0: what about item 0?")
+    mine = sorted(on.cache._disk.glob("*.page"))
+    sampled_logits(on, OTHER_SYSTEM, "Question 0: what about item 0?")
+    other = sorted(set(on.cache._disk.glob("*.page")) - set(mine))
+    assert len(mine) >= 2 and other
+    if how == "delete":
+        for p in mine:
+            p.unlink()
+    elif how == "truncate":
+        for p in mine:
+            p.write_bytes(p.read_bytes()[:-1000])
+    else:
+        a, b = mine[0].read_bytes(), other[0].read_bytes()
+        mine[0].write_bytes(b)
+        other[0].write_bytes(a)
+    user = "Question 1: and item 1?"
+    with caplog.at_level(logging.WARNING):
+        got = sampled_logits(on, SYSTEM, user)
+    want = uncached_logits(path, kv_type, SYSTEM, user)
+    assert len(got) == len(want) == 6
+    assert all(np.array_equal(a, b) for a, b in zip(got, want))
+    assert "is not usable" in caplog.text                    # the resume met a damaged page: a miss

@@ -3,8 +3,8 @@
 The mechanism is argued in :mod:`engine.arch.qwen35.model`; these tests check the property it promises:
 the same prompt gives bit-identical logits and state whatever pieces it is read in (one pass, random
 cuts, one token at a time = decode), on the numpy model and on the native kernels at every ISA level
-this CPU runs and at 1 and 2 threads, and a chat session gives the same logits at every sampled
-token with the prefix cache on and off.
+this CPU runs and at 1 and 2 threads, with every KV type (each row is rounded once, when written), and a
+chat session gives the same logits at every sampled token with the prefix cache on and off.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from engine.events import TokenEvent, TurnSummary
 from engine.registry import open_text
 from engine.arch.qwen35.model import Qwen35Model
 from engine.sampling import SamplingParams
-from engine.turn.state import SequenceState
+from engine.turn.state import KV_TYPES, SequenceState
 
 CAPACITY = 96
 
@@ -51,9 +51,9 @@ def models(tmp_path_factory):
     cpu.set_threads()
 
 
-def read(model, tokens: np.ndarray, cuts: list[int]) -> tuple[np.ndarray, SequenceState]:
-    """Prefill ``tokens`` in the pieces between ``cuts``: (last-token logits, state)."""
-    state = SequenceState.new(model.hp, CAPACITY)
+def read(model, tokens: np.ndarray, cuts: list[int], kv_type: str = "f32") -> tuple[np.ndarray, SequenceState]:
+    """Prefill ``tokens`` in the pieces between ``cuts`` into a state of ``kv_type``: (last-token logits, state)."""
+    state = SequenceState.new(model.hp, CAPACITY, kv_type)
     logits = None
     for a, b in zip([0] + cuts, cuts + [len(tokens)]):
         logits = model.forward(tokens[a:b], state)[-1]
@@ -82,33 +82,34 @@ def prompts_and_cuts(draw):
     n = draw(st.integers(2, 70))
     tokens = np.array(draw(st.lists(st.integers(0, 248319), min_size=n, max_size=n)))
     cuts = sorted(draw(st.sets(st.integers(1, n - 1), max_size=min(8, n - 1))))
-    return tokens, cuts, draw(st.sampled_from(paths()))
+    return tokens, cuts, draw(st.sampled_from(paths())), draw(st.sampled_from(sorted(KV_TYPES)))
 
 
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(case=prompts_and_cuts())
 def test_any_split_gives_the_same_bits(models, case) -> None:
-    tokens, cuts, (name, isa, threads) = case
+    tokens, cuts, (name, isa, threads), kv_type = case
     model = models[name]
     if isa is not None:
         cpu.set_isa(isa)
         cpu.set_threads(threads)
-    whole, whole_state = read(model, tokens, [])
-    logits, state = read(model, tokens, cuts)
+    whole, whole_state = read(model, tokens, [], kv_type)
+    logits, state = read(model, tokens, cuts, kv_type)
     gap = np.abs(logits - whole).max()
-    assert np.array_equal(logits, whole), f"{name} {isa} x{threads}, cuts {cuts}: max gap {gap}"
+    assert np.array_equal(logits, whole), f"{name} {isa} x{threads} {kv_type}, cuts {cuts}: max gap {gap}"
     assert_same_state(state, whole_state)
 
 
+@pytest.mark.parametrize("kv_type", sorted(KV_TYPES))
 @pytest.mark.parametrize("name", ["numpy", "native"])
-def test_one_token_at_a_time_equals_one_pass(models, name) -> None:
+def test_one_token_at_a_time_equals_one_pass(models, name, kv_type) -> None:
     """Decode is a one-token piece: reading a prompt token by token is the same computation."""
     if (name, "q8_0") not in models:
         pytest.skip("native CPU kernels not built")
     model = models[(name, "q8_0")]
     tokens = np.random.default_rng(5).integers(0, 248320, 40)
-    whole, whole_state = read(model, tokens, [])
-    logits, state = read(model, tokens, list(range(1, 40)))
+    whole, whole_state = read(model, tokens, [], kv_type)
+    logits, state = read(model, tokens, list(range(1, 40)), kv_type)
     assert np.array_equal(logits, whole)
     assert_same_state(state, whole_state)
 
@@ -157,17 +158,19 @@ def session(engine: Engine, seed: int | None) -> tuple[list[list[int]], list[np.
     return turns, seen
 
 
-@pytest.mark.parametrize("kernels", ["native", "numpy"])
+@pytest.mark.parametrize("kernels, kv_type", [("native", "f16"), ("numpy", "f16"), ("native", "q8_0")])
 @pytest.mark.parametrize("seed", [None, 7], ids=["greedy", "seeded"])
-def test_b18_session_is_the_same_with_the_cache_on_and_off(kernels, seed) -> None:
+def test_b18_session_is_the_same_with_the_cache_on_and_off(kernels, seed, kv_type) -> None:
     if kernels == "native" and not cpu.available():
         pytest.skip("native CPU kernels not built")
     bundled = bundled_model()
     if bundled is None:
         pytest.skip("the bundled demo model is absent")
     # snapshot_interval 5 cuts the prompts into many more pieces than the message checkpoints alone
-    on = Engine.load(bundled[0], options=EngineOptions(kernels=kernels, snapshot_interval=5, threads=2))
-    off = Engine.load(bundled[0], options=EngineOptions(kernels=kernels, prefix_cache=False, threads=2))
+    on = Engine.load(bundled[0], options=EngineOptions(kernels=kernels, snapshot_interval=5, threads=2,
+                                                       kv_type=kv_type))
+    off = Engine.load(bundled[0], options=EngineOptions(kernels=kernels, prefix_cache=False, threads=2,
+                                                        kv_type=kv_type))
     turns_on, logits_on = session(on, seed)
     turns_off, logits_off = session(off, seed)
     assert sum(len(t) for t in turns_on) > 40

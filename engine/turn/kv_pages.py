@@ -24,6 +24,7 @@ from pathlib import Path
 import numpy as np
 
 from .snapshot import open_regular, read_framed_header, take_array, write_atomic
+from .kv_types import kv_row_shape
 from .state import KV_PAGE_ROWS, SequenceState, StateLayout, kv_dtype
 
 log = logging.getLogger(__name__)
@@ -48,7 +49,8 @@ def page_arrays(state: SequenceState, p: int) -> dict[str, np.ndarray]:
 def page_layout(layout: StateLayout, kv_type: str) -> dict[str, tuple[str, tuple[int, ...]]]:
     """Name -> (dtype string, shape) of every array of a page of ``layout`` and ``kv_type``."""
     dtype = kv_dtype(kv_type).str
-    return {f"{kind}.{il}": (dtype, (PAGE_ROWS, *layout.kv[il])) for kind in ("k", "v") for il in sorted(layout.kv)}
+    return {f"{kind}.{il}": (dtype, (PAGE_ROWS, *kv_row_shape(layout.kv[il], kv_type))) for kind in ("k", "v")
+            for il in sorted(layout.kv)}
 
 
 def encode_page(identity: str, kv_type: str, key: bytes, arrays: Mapping[str, np.ndarray]) -> bytes:

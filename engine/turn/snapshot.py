@@ -2,7 +2,7 @@
 
 A file is ``FORMAT_MAGIC``, a u64 (little-endian) header length, a JSON header, the payload (``pos``
 int32 token ids, then every array in the header's order: little-endian float32, the KV rows in the
-cache's KV type, float32 or float16) and the SHA-256 of
+cache's KV type: float32, float16 or Q8_0 block bytes) and the SHA-256 of
 header + payload. The header names the format version, the model file's identity, the chain key,
 ``pos``, the image digests by position, the conversation, ``created`` / ``hits``, and every array's
 dtype and shape. A file is written to a temporary file, flushed, fsynced and renamed, so a crash
@@ -24,6 +24,7 @@ from typing import Any, BinaryIO
 
 import numpy as np
 
+from .kv_types import kv_row_shape
 from .state import KV_PAGE_ROWS, HasStateLayout, StateLayout, kv_dtype
 
 FORMAT_MAGIC = b"DDSNAP\x00\x01"
@@ -54,9 +55,9 @@ def check_header(hp: HasStateLayout, identity: str, meta: object, payload_bytes:
     present) the hex chain keys of the pos // KV_PAGE_ROWS whole KV pages the snapshot references
     (:mod:`engine.turn.kv_pages`; its own KV arrays then hold only the rows after them), ``images``
     position -> hex digest, ``arrays`` exactly :func:`expected_arrays` (plus an optional ``logits`` of
-    (n_vocab,)), every one ``<f4`` (KV rows: ``kv_type``'s, e.g. ``<f2``), the payload's size = 4 * pos + the
-    arrays' bytes, ``conversation`` a
-    string, ``created`` and ``hits`` numbers within +-1e18 (not NaN or infinite).
+    (n_vocab,)), every one ``<f4`` (KV rows: ``kv_type``'s, e.g. ``<f2``, Q8_0 ``|u1`` blocks), the payload's
+    size = 4 * pos + the arrays' bytes, ``conversation`` a string, ``created`` and ``hits`` numbers within
+    +-1e18 (not NaN or infinite).
     """
     if not isinstance(meta, dict):
         return "the header is not an object"
@@ -97,7 +98,7 @@ def _array_problem(meta: dict, layout: StateLayout, payload_bytes: int, kv_type:
     want = layout.arrays(pos)
     for name in want:
         if name[:2] in ("k.", "v."):
-            want[name] = (pos - KV_PAGE_ROWS * len(pages), *want[name][1:])
+            want[name] = (pos - KV_PAGE_ROWS * len(pages), *kv_row_shape(want[name][1:], kv_type))
     extra = set(arrays) - set(want) - {"logits"}
     if extra or set(want) - set(arrays):
         return f"its arrays do not match the model's layers (unexpected {sorted(extra)[:3]}, " \

@@ -2,9 +2,9 @@
 
 A :class:`SequenceState`, shaped by a :class:`StateLayout`, holds per recurrent layer ``conv[il]`` and
 ``ssm[il]`` (fixed size, float32), per attention layer ``k[il]`` / ``v[il]`` of ``(capacity, *row)`` (rows
-``[:pos]`` valid) in the state's KV type (:data:`KV_TYPES`: F32, or F16 rounded once when written), and
+``[:pos]`` valid) in the state's KV type (:data:`KV_TYPES`: F32, F16 or Q8_0 rounded once when written), and
 ``pos``. A recurrent state cannot be rolled back: keep a :meth:`SequenceState.copy`.
-Design: docs/design/prefix-cache.md (shapes, why float32); docs/design/kv-cache.md (F16 rows).
+Design: docs/design/prefix-cache.md (shapes, why float32); docs/design/kv-cache.md (F16 and Q8_0 rows).
 """
 
 from __future__ import annotations
@@ -16,20 +16,13 @@ from typing import Protocol
 import numpy as np
 
 from ..errors import ContextFullError, MemoryFitError
+from .kv_types import KV_TYPES, kv_dtype, kv_row_bytes, kv_row_shape
+
+__all__ = ["KV_PAGE_ROWS", "KV_TYPES", "HasStateLayout", "SequenceState", "StateLayout", "check_memory", "kv_dtype",
+           "state_nbytes"]
 
 KV_PAGE_ROWS = 256
 """Positions per KV page of the prefix cache (:mod:`engine.turn.kv_pages`)."""
-
-KV_TYPES: dict[str, type] = {"f32": np.float32, "f16": np.float16}
-"""KV cache element types by name: "f32" (exact; the reference and conformance tests) and "f16"."""
-
-
-def kv_dtype(kv_type: str) -> np.dtype:
-    """The numpy dtype of KV type ``kv_type``. Raises ValueError for a name not in :data:`KV_TYPES`."""
-    if kv_type not in KV_TYPES:
-        raise ValueError(f"KV type {kv_type!r} is not one of {sorted(KV_TYPES)}")
-    return np.dtype(KV_TYPES[kv_type])
-
 
 @dataclass(frozen=True)
 class StateLayout:
@@ -40,7 +33,7 @@ class StateLayout:
         conv: layer -> shape of its recurrent conv window (float32, fixed size).
         ssm: layer -> shape of its recurrent state matrix (float32, fixed size); the same layers as ``conv``.
         kv: layer -> shape of one position's K row (and V row) of an attention layer; the cache holds
-            ``capacity`` of them.
+            ``capacity`` of them (stored as :func:`engine.turn.kv_types.kv_row_shape` says).
         context_length: the most positions a state may hold. n_vocab: logits per position.
     """
 
@@ -66,9 +59,9 @@ class StateLayout:
 def state_nbytes(layout: StateLayout, capacity: int, kv_type: str = "f32") -> int:
     """Bytes of one sequence's state of ``capacity`` positions (= ``SequenceState.new(...).nbytes``): the
     float32 recurrent arrays plus 2 x capacity KV rows per attention layer of ``kv_type``'s elements."""
-    rows = sum(2 * int(np.prod(s)) for s in layout.kv.values()) * capacity
+    rows = sum(2 * kv_row_bytes(s, kv_type) for s in layout.kv.values()) * capacity
     fixed = sum(int(np.prod(s)) for s in (*layout.conv.values(), *layout.ssm.values()))
-    return rows * kv_dtype(kv_type).itemsize + 4 * fixed
+    return rows + 4 * fixed
 
 
 def check_memory(layout: StateLayout, capacity: int, kv_type: str, available: int | None = None) -> int:
@@ -89,7 +82,7 @@ def check_memory(layout: StateLayout, capacity: int, kv_type: str, available: in
             f"a context of {capacity:,} tokens needs {need / 2**30:.2f} GiB for its state ({per_token:,} bytes of "
             f"{kv_type} KV cache per token) but {available / 2**30:.2f} GiB of memory is available: choose a "
             f"context of at most {max(available - state_nbytes(layout, 0, kv_type), 0) // per_token:,} tokens"
-            + (" or the f16 KV type" if kv_type == "f32" else ""))
+            + {"f32": " or the f16 or q8_0 KV type", "f16": " or the q8_0 KV type"}.get(kv_type, ""))
     return need
 
 
@@ -122,10 +115,11 @@ class SequenceState:
 
         Raises:
             ContextFullError: ``capacity`` is < 1 or larger than the model's context_length.
-            ValueError: an unknown ``kv_type``.
+            ValueError: an unknown ``kv_type``, or q8_0 with a head_dim not a multiple of 32.
         """
         dtype = kv_dtype(kv_type)
         layout = hp.state_layout()
+        rows = {il: kv_row_shape(shape, kv_type) for il, shape in layout.kv.items()}
         if not 1 <= capacity <= layout.context_length:
             raise ContextFullError(
                 f"state capacity {capacity} is outside 1..{layout.context_length} (the model's context_length)")
@@ -135,8 +129,8 @@ class SequenceState:
                 state.conv[il] = np.zeros(layout.conv[il], np.float32)
                 state.ssm[il] = np.zeros(layout.ssm[il], np.float32)
             else:
-                state.k[il] = np.zeros((capacity, *layout.kv[il]), dtype)
-                state.v[il] = np.zeros((capacity, *layout.kv[il]), dtype)
+                state.k[il] = np.zeros((capacity, *rows[il]), dtype)
+                state.v[il] = np.zeros((capacity, *rows[il]), dtype)
         return state
 
     def chunk_inputs(self, tokens: np.ndarray, positions: np.ndarray | None,

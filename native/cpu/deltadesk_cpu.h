@@ -140,14 +140,19 @@ int dd_attn_decode(size_t n_head, size_t n_kv, size_t hd, const float *q, const 
 int dd_attn_prefill(int isa, size_t n_head, size_t n_kv, size_t hd, size_t n, const float *q, const float *gate,
                     const float *k, const float *v, size_t m, float *out);
 
-/* KV cache element types: float32 rows, or IEEE half rows (each value rounded to nearest even when the
- * row is written). A half is widened to float exactly before any arithmetic, so an F16 cache gives the
- * bits an F32 cache holding the same (rounded) values gives, at every ISA level and split. */
+/* KV cache element types: float32 rows, IEEE half rows (each value rounded to nearest even when the
+ * row is written), or Q8_0 rows (GGML's block_q8_0: per 32 values a little-endian half scale d and 32
+ * int8 q, 34 bytes; value d * q; written by step.c's quantizer, engine/turn/kv_types.py's rule). A half
+ * or a Q8_0 value is widened to float exactly before any arithmetic, so such a cache gives the bits an
+ * F32 cache holding the same (rounded) values gives, at every ISA level and split. */
 #define DD_KV_F32 0
 #define DD_KV_F16 1
+#define DD_KV_Q8_0 2
+#define DD_Q8_BLOCK 32
+#define DD_Q8_BYTES 34
 
-/* dd_attn_decode and dd_attn_prefill over a cache of kv_type (DD_KV_F32 or DD_KV_F16; else DD_ERR_ARG):
- * k and v point at m rows of n_kv x hd elements of that type. */
+/* dd_attn_decode and dd_attn_prefill over a cache of kv_type (DD_KV_F32, DD_KV_F16, or DD_KV_Q8_0 with hd
+ * a multiple of DD_Q8_BLOCK; else DD_ERR_ARG): k and v point at m rows of n_kv x hd elements of that type. */
 int dd_attn_decode_kv(size_t n_head, size_t n_kv, size_t hd, const float *q, const float *gate, int kv_type,
                       const void *k, const void *v, size_t m, float *out);
 int dd_attn_prefill_kv(int isa, size_t n_head, size_t n_kv, size_t hd, size_t n, const float *q,
@@ -193,7 +198,7 @@ typedef struct {
 
 /* One sequence's state, n_layer entries each (NULL where the layer is of the other kind): conv
  * ((conv_kernel - 1) x conv_dim) and ssm (n_v x dk x dv) of GDN layers, the K and V caches (capacity
- * rows of n_head_kv x head_dim elements of kv_type, DD_KV_F32 or DD_KV_F16) of attention layers;
+ * rows of n_head_kv x head_dim elements of kv_type, DD_KV_F32, DD_KV_F16 or DD_KV_Q8_0) of attention layers;
  * updated in place. */
 typedef struct {
     float **conv, **ssm;

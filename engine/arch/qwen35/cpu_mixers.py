@@ -12,6 +12,7 @@ import numpy as np
 
 from engine.kernels import cpu
 from engine.ops import reference as ops
+from engine.turn.kv_types import Q8_BLOCK, Q8_BYTES, kv_widen
 
 
 MAX_CONV = 16
@@ -148,11 +149,13 @@ def attention_prefill(q: np.ndarray, gate: np.ndarray, k: np.ndarray, v: np.ndar
     absolute positions, so a query's bits do not depend on the call it comes in); the twin runs
     :func:`attention_decode_np` query by query.
 
-    Args: q, gate (n, n_head, hd) float32; k, v (m, n_kv, hd) float32 or float16 C-contiguous cache rows,
-    m >= n (query i sits at row m - n + i). Returns: (n, n_head * hd) float32. Raises: as :func:`attention_decode`.
+    Args: q, gate (n, n_head, hd) float32; k, v (m, n_kv, hd) float32 or float16 C-contiguous cache rows, or
+    Q8_0 rows (m, n_kv, hd / 32 * 34) uint8; m >= n (query i sits at row m - n + i). Returns: (n, n_head * hd)
+    float32. Raises: as :func:`attention_decode`.
     """
     n, m = q.shape[0], k.shape[0]
     if cpu.isa() == "numpy":
+        k, v = kv_widen(k), kv_widen(v)
         return np.stack([attention_decode_np(q[i], gate[i], k[:m - n + i + 1], v[:m - n + i + 1]) for i in range(n)])
     if q.ndim != 3 or gate.shape != q.shape or n > m:
         raise ValueError(f"attention_prefill: q {q.shape}, gate {gate.shape}, k {k.shape}: expected q/gate "
@@ -171,19 +174,22 @@ def _attn_args(q, gate, k, v):
     q = np.ascontiguousarray(q, dtype=np.float32)
     n_head, hd = q.shape
     m, n_kv, hd_k = k.shape
-    if gate.shape != q.shape or v.shape != k.shape or hd_k != hd or n_head % n_kv or m == 0:
+    width = hd // Q8_BLOCK * Q8_BYTES if k.dtype == np.uint8 and hd % Q8_BLOCK == 0 else hd
+    if gate.shape != q.shape or v.shape != k.shape or hd_k != width or n_head % n_kv or m == 0:
         raise ValueError(f"attention_decode: q {q.shape}, gate {gate.shape}, k {k.shape}, v {v.shape}: "
-                         "expected q/gate (n_head, hd), k/v (m >= 1, n_kv, hd), n_head % n_kv == 0")
+                         "expected q/gate (n_head, hd), k/v (m >= 1, n_kv, hd) (Q8_0: hd / 32 * 34 bytes, hd a "
+                         "multiple of 32), n_head % n_kv == 0")
     return q, np.ascontiguousarray(gate, dtype=np.float32), k, v
 
 
-_KV_CODES = {np.dtype(np.float32): 0, np.dtype(np.float16): 1}
-"""Cache dtype -> the kernels' kv_type (DD_KV_F32, DD_KV_F16)."""
+_KV_CODES = {np.dtype(np.float32): 0, np.dtype(np.float16): 1, np.dtype(np.uint8): 2}
+"""Cache dtype -> the kernels' kv_type (DD_KV_F32, DD_KV_F16, DD_KV_Q8_0: uint8 rows of Q8_0 blocks)."""
 
 
 def _check_cache(q, gate, k, v):
     if (k.dtype != v.dtype or k.dtype not in _KV_CODES or not (k.flags.c_contiguous and v.flags.c_contiguous)):
-        raise ValueError("attention: the cache rows must be C-contiguous float32 or float16 (both the same)")
+        raise ValueError("attention: the cache rows must be C-contiguous float32, float16 or Q8_0 uint8 (both the "
+                         "same)")
     if q.shape[1] % cpu._native_cpu.lib.DD_ATTN_LANES:
         raise ValueError(f"attention: head_dim {q.shape[1]} is not a multiple of {cpu._native_cpu.lib.DD_ATTN_LANES}")
     if q.shape[0] // k.shape[1] > cpu._native_cpu.lib.DD_ATTN_MAX_GROUP:
@@ -197,9 +203,9 @@ def attention_decode(q: np.ndarray, gate: np.ndarray, k: np.ndarray, v: np.ndarr
 
     Args:
         q: (n_head, hd) float32 after norm and RoPE; gate: (n_head, hd) float32.
-        k, v: (m, n_kv, hd) float32 or float16 cache rows 0..m-1 (the query sits at m-1), C-contiguous
-            (a leading slice of ``SequenceState.k[il]`` is); a half is widened exactly, so an F16 cache
-            gives the bits of an F32 cache holding the same values.
+        k, v: (m, n_kv, hd) float32 or float16 cache rows 0..m-1 (the query sits at m-1), or Q8_0 rows
+            (m, n_kv, hd / 32 * 34) uint8, C-contiguous (a leading slice of ``SequenceState.k[il]`` is); a half
+            or Q8_0 value is widened exactly, so such a cache gives the bits of an F32 cache holding its values.
     Returns: (n_head * hd,) float32 ``softmax(q k^T / sqrt(hd)) v * sigmoid(gate)``, q head n on kv head
         ``n // (n_head / n_kv)``.
     Raises: ValueError on mismatched shapes, hd not a multiple of 16 or more than 64 q heads per kv
@@ -217,6 +223,7 @@ def attention_decode(q: np.ndarray, gate: np.ndarray, k: np.ndarray, v: np.ndarr
 
 
 def attention_decode_np(q: np.ndarray, gate: np.ndarray, k: np.ndarray, v: np.ndarray) -> np.ndarray:
-    """numpy twin of :func:`attention_decode` (:func:`engine.ops.reference.gated_attention` with n = 1)."""
+    """numpy twin of :func:`attention_decode` (:func:`engine.ops.reference.gated_attention` with n = 1 over
+    the cache rows widened to float32)."""
     q, gate, k, v = _attn_args(q, gate, k, v)
-    return ops.gated_attention(q[None], gate[None], k, v)[0]
+    return ops.gated_attention(q[None], gate[None], kv_widen(k), kv_widen(v))[0]

@@ -16,6 +16,7 @@ import numpy as np
 
 from engine.kernels import cpu
 from engine.ops import reference as ops
+from engine.turn.kv_types import kv_row_shape
 from engine.turn.state import SequenceState, kv_dtype
 
 
@@ -145,7 +146,7 @@ class NativeStep:
         layout, kv = hp.state_layout(), kv_dtype(state.kv_type)
         specs = [s for il in range(hp.n_layer)
                  for s in (((layout.conv[il], np.float32), (layout.ssm[il], np.float32)) if hp.is_recurrent(il)
-                           else (((state.capacity, *layout.kv[il]), kv),) * 2)]
+                           else (((state.capacity, *kv_row_shape(layout.kv[il], state.kv_type)), kv),) * 2)]
         for a, (shape, dtype) in zip(arrays, specs):
             if (not isinstance(a, np.ndarray) or a.dtype != dtype or a.shape != tuple(shape)
                     or not a.flags.c_contiguous or not a.flags.writeable):
@@ -161,7 +162,7 @@ class NativeStep:
         c = ffi.new("dd_step_state *")
         c.conv, c.ssm, c.k, c.v = tables["conv"], tables["ssm"], tables["k"], tables["v"]
         c.capacity = state.capacity
-        c.kv_type = lib.DD_KV_F16 if state.kv_type == "f16" else lib.DD_KV_F32
+        c.kv_type = {"f16": lib.DD_KV_F16, "q8_0": lib.DD_KV_Q8_0}.get(state.kv_type, lib.DD_KV_F32)
         self._cached = (tuple(weakref.ref(a) for a in arrays), (c, tables))
         return c, tables
 

@@ -21,6 +21,7 @@ from engine.kernels.cuda_layout import GPU_TYPES, TILE_ROWS, Matrix
 from engine.gguf.quant import dequantize
 from engine.kernels.moe_stream import (ExpertLayout, LayerTelemetry, Placement, PrefillTelemetry, copy_runs,
                                        route_tables, use_selective)
+from engine.turn.kv_types import kv_store, kv_widen
 from engine.turn.state import SequenceState
 
 from .cuda_plan import activation_groups, expert_rows, pass_tokens, plan_file
@@ -191,27 +192,27 @@ class CudaPrefill(CudaBackend):
         return logits
 
     def _upload_state(self, state: SequenceState) -> None:
-        """The state's KV rows ``[:pos]`` (widened to float32 from an F16 cache, exactly) and every GDN layer's
+        """The state's KV rows ``[:pos]`` (widened to float32 from an F16 or Q8_0 cache, exactly) and every GDN layer's
         conv window and delta-rule state, to the GPU."""
         drv, p0 = self._drv, state.pos
         for il, (kp, vp) in self.kv.items():
             if p0:
-                drv.memcpy_htod(kp, np.ascontiguousarray(state.k[il][:p0], dtype=np.float32))
-                drv.memcpy_htod(vp, np.ascontiguousarray(state.v[il][:p0], dtype=np.float32))
+                drv.memcpy_htod(kp, np.ascontiguousarray(kv_widen(state.k[il][:p0])))
+                drv.memcpy_htod(vp, np.ascontiguousarray(kv_widen(state.v[il][:p0])))
         for il in self.conv_state:
             drv.memcpy_htod(self.conv_state[il], np.ascontiguousarray(state.conv[il], dtype=np.float32))
             drv.memcpy_htod(self.ssm_state[il], np.ascontiguousarray(state.ssm[il], dtype=np.float32))
 
     def _download_state(self, state: SequenceState, p0: int, end: int) -> None:
-        """The new KV rows ``[p0, end)`` (rounded into an F16 cache as the CPU path rounds them) and the
+        """The new KV rows ``[p0, end)`` (rounded into an F16 or Q8_0 cache as the CPU path rounds them) and the
         recurrent state back into ``state``; ``state.pos`` = end."""
         drv, hp = self._drv, self.hp
         for il, (kp, vp) in self.kv.items():
             row = hp.n_head_kv * hp.head_dim * 4
             for cache, ptr in ((state.k[il], kp), (state.v[il], vp)):
-                rows = np.empty(cache[p0:end].shape, np.float32)
+                rows = np.empty((end - p0, hp.n_head_kv, hp.head_dim), np.float32)
                 drv.memcpy_dtoh(rows, ptr + p0 * row)
-                cache[p0:end] = rows
+                kv_store(cache, p0, rows)
         # recurrent state lands in temporaries first: a copy failing half way leaves ``state`` as it was
         conv = {il: np.empty_like(state.conv[il]) for il in self.conv_state}
         ssm = {il: np.empty_like(state.ssm[il]) for il in self.ssm_state}

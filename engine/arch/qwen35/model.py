@@ -14,6 +14,7 @@ from typing import Any, Callable, Protocol
 import numpy as np
 
 from engine.ops import reference as ops
+from engine.turn.kv_types import kv_store, kv_widen
 from engine.turn.state import SequenceState
 
 from .hparams import Qwen35HParams
@@ -230,15 +231,16 @@ class Qwen35Model:
         cb("Vcur", il, v)
 
         end = state.pos + n
-        state.k[il][state.pos:end] = k
-        state.v[il][state.pos:end] = v
+        kv_store(state.k[il], state.pos, k)
+        kv_store(state.v[il], state.pos, v)
         o = self.attend(q, gate, state.k[il][:end], state.v[il][:end])
         cb("attn_gated", il, o)
         return self.linear(o, p + "attn_output.weight")
 
     def attend(self, q: np.ndarray, gate: np.ndarray, k: np.ndarray, v: np.ndarray) -> np.ndarray:
-        """Causal gated GQA attention of n queries over m cache rows (:func:`engine.ops.reference.gated_attention`)."""
-        return ops.gated_attention(q, gate, k, v)
+        """Causal gated GQA attention of n queries over m cache rows of the state's KV type, widened to float32
+        (:func:`engine.ops.reference.gated_attention`)."""
+        return ops.gated_attention(q, gate, kv_widen(k), kv_widen(v))
 
     # ---- feed-forward --------------------------------------------------------------------------
 

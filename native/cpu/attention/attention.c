@@ -23,7 +23,8 @@ int attn_prefill_kv_avx512(size_t, size_t, size_t, size_t, const float *, const 
 static int attn_shape_ok(size_t n_head, size_t n_kv, size_t hd, size_t m, int kv_type)
 {
     return n_kv != 0 && n_head % n_kv == 0 && n_head / n_kv <= DD_ATTN_MAX_GROUP && hd != 0 &&
-           hd % DD_ATTN_LANES == 0 && m != 0 && (kv_type == DD_KV_F32 || kv_type == DD_KV_F16);
+           hd % DD_ATTN_LANES == 0 && m != 0 &&
+           (kv_type == DD_KV_F32 || kv_type == DD_KV_F16 || (kv_type == DD_KV_Q8_0 && hd % DD_Q8_BLOCK == 0));
 }
 
 int dd_attn_decode_kv(size_t n_head, size_t n_kv, size_t hd, const float *q, const float *gate, int kv_type,

@@ -243,13 +243,38 @@ static void finish_row(const double *A, double L, const float *gate, size_t hd, 
         out[i] = (float)(A[i] / L * attn_sigmoid(gate[i]));
 }
 
+/* Bytes of n cache elements of kv_type (Q8_0: n a multiple of DD_Q8_BLOCK, DD_Q8_BYTES per block). */
+static size_t kv_bytes(int kv_type, size_t n)
+{
+    return kv_type == DD_KV_Q8_0 ? n / DD_Q8_BLOCK * DD_Q8_BYTES : n * (kv_type == DD_KV_F16 ? 2 : 4);
+}
+
+/* One Q8_0 row of hd values -> d[hd] floats: d * q per block, exact (a half's 11 significant bits times
+ * an int8's 8 fit a float), so the vectorised and scalar forms of this loop give the same values. */
+static void widen_q8_0(float *d, const uint8_t *src, size_t hd)
+{
+    for (size_t b = 0; b < hd / DD_Q8_BLOCK; b++) {
+        const uint8_t *blk = src + b * DD_Q8_BYTES;
+        const float scale = dd_f16_to_f32((uint16_t)(blk[0] | blk[1] << 8));
+        const int8_t *q = (const int8_t *)(blk + 2);
+        for (size_t i = 0; i < DD_Q8_BLOCK; i++)
+            d[b * DD_Q8_BLOCK + i] = scale * (float)q[i];
+    }
+}
+
 /* len cache rows of hd elements of kv_type, src_row elements apart -> dst, hd floats per row, contiguous.
- * Halves are widened exactly (vcvtph2ps with AVX-512 or F16C, else dd_f16_to_f32: the same values). */
+ * Halves are widened exactly (vcvtph2ps with AVX-512 or F16C, else dd_f16_to_f32: the same values), Q8_0
+ * blocks by widen_q8_0. */
 static void pack_rows_kv(float *dst, const void *src, int kv_type, size_t src_row, size_t len, size_t hd)
 {
     if (kv_type == DD_KV_F32) {
         for (size_t t = 0; t < len; t++)
             memcpy(dst + t * hd, (const float *)src + t * src_row, hd * sizeof(float));
+        return;
+    }
+    if (kv_type == DD_KV_Q8_0) {
+        for (size_t t = 0; t < len; t++)
+            widen_q8_0(dst + t * hd, (const uint8_t *)src + kv_bytes(kv_type, t * src_row), hd);
         return;
     }
     for (size_t t = 0; t < len; t++) {
@@ -266,12 +291,6 @@ static void pack_rows_kv(float *dst, const void *src, int kv_type, size_t src_ro
             d[i] = dd_f16_to_f32(h[i]);
 #endif
     }
-}
-
-/* Bytes of one cache element of kv_type. */
-static size_t kv_size(int kv_type)
-{
-    return kv_type == DD_KV_F16 ? 2 : 4;
 }
 
 #if ATTN_AVX2
@@ -359,10 +378,10 @@ static float *decode_scratch(size_t floats)
 static void decode_block(void *ctx, size_t chunk)
 {
     decode_job *j = ctx;
-    const size_t kvh = chunk / j->n_blocks, blk = chunk % j->n_blocks, hd = j->hd, es = kv_size(j->kv_type);
+    const size_t kvh = chunk / j->n_blocks, blk = chunk % j->n_blocks, hd = j->hd;
     const size_t t0 = blk * BLOCK, len = (t0 + BLOCK < j->m ? t0 + BLOCK : j->m) - t0;
-    const char *kb = (const char *)j->k + (t0 * j->row + kvh * hd) * es;
-    const char *vb = (const char *)j->v + (t0 * j->row + kvh * hd) * es;
+    const size_t off = kv_bytes(j->kv_type, t0 * j->row + kvh * hd);
+    const char *kb = (const char *)j->k + off, *vb = (const char *)j->v + off;
     const float *k = (const float *)kb, *v = (const float *)vb;
     size_t row = j->row;
     if (j->kv_type != DD_KV_F32) {

@@ -260,15 +260,16 @@ static void prefill_tile(void *ctx, size_t chunk)
     }
     pack_rows(w.Q, j->q + (i0 * j->n_head + kvh * G) * hd, j->n_head * hd, i1 - i0, G * hd);
     /* block t0 / BLOCK is seen by the rows at positions >= t0, the last one by end - t0 keys */
-    const size_t es = kv_size(j->kv_type), end = pos0 + (i1 - i0), rb = j->row * es;
-    next_block nb = { .k = (const char *)j->k + kvh * hd * es, .v = (const char *)j->v + kvh * hd * es,
-                      .row_bytes = rb, .bytes = hd * es, .rows = end < BLOCK ? end : BLOCK };
+    const int kt = j->kv_type;
+    const size_t end = pos0 + (i1 - i0), rb = kv_bytes(kt, j->row), head_off = kv_bytes(kt, kvh * hd);
+    next_block nb = { .k = (const char *)j->k + head_off, .v = (const char *)j->v + head_off,
+                      .row_bytes = rb, .bytes = kv_bytes(kt, hd), .rows = end < BLOCK ? end : BLOCK };
     for (size_t t0 = 0; t0 < end; t0 += BLOCK) {
         const size_t first = t0 > pos0 ? (t0 - pos0) * G : 0, keys = end - t0 < BLOCK ? end - t0 : BLOCK;
         nb.step = SIZE_MAX;
         prefetch_next(&nb);   /* what the last block's sets left out (all of block 0) */
-        pack_rows_kv(w.K, (const char *)j->k + (t0 * j->row + kvh * hd) * es, j->kv_type, j->row, keys, hd);
-        pack_rows_kv(w.V, (const char *)j->v + (t0 * j->row + kvh * hd) * es, j->kv_type, j->row, keys, hd);
+        pack_rows_kv(w.K, (const char *)j->k + t0 * rb + head_off, kt, j->row, keys, hd);
+        pack_rows_kv(w.V, (const char *)j->v + t0 * rb + head_off, kt, j->row, keys, hd);
         nb.k += BLOCK * rb;
         nb.v += BLOCK * rb;
         nb.rows = end > t0 + BLOCK ? (end - t0 - BLOCK < BLOCK ? end - t0 - BLOCK : BLOCK) : 0;

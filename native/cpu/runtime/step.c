@@ -120,6 +120,7 @@ static size_t layer_scratch(const dd_step_model *m, const dd_step_layer *L, cons
         need = conv_dim + 2 * nvd + 2 * G->n_v;
     } else if (L->kind == DD_LAYER_ATTN) {
         if (m->n_head_kv == 0 || m->n_head % m->n_head_kv != 0 || hd % DD_ATTN_LANES != 0 || m->rope_dims > hd ||
+            (s->kv_type == DD_KV_Q8_0 && hd % DD_Q8_BLOCK != 0) ||
             m->rope_dims % 2 != 0 || L->q_norm == NULL || L->k_norm == NULL || s->k[il] == NULL || s->v[il] == NULL)
             return 0;
         if (!mat_ok(&L->q, 2 * nq, d) || !mat_ok(&L->k, nkv, d) || !mat_ok(&L->v, nkv, d) || !mat_ok(&L->o, d, nq))
@@ -155,11 +156,39 @@ static int gdn_mixer(int isa, const dd_step_layer *L, float *conv, float *ssm, c
     return matvec(isa, &L->ssm_out, y, out);
 }
 
-/* Cache row `pos` of n floats (kv_type's elements; a half rounded to nearest even, as numpy's astype). */
+/* n floats (n a multiple of DD_Q8_BLOCK) -> Q8_0 blocks at dst, by engine/turn/kv_types.py quantize_q8_0's
+ * rule: amax = max |x| (NaN ignored), d = half(amax / 127) to nearest even, q = clamp(roundf(x / d), -127,
+ * 127) with the float quotient by that half (roundf: half away from zero), 0 where d is 0 or x / d NaN.
+ * Each step is one IEEE operation, so numpy's writer stores the same bytes. */
+static void q8_0_row(uint8_t *dst, const float *x, size_t n)
+{
+    for (size_t b = 0; b < n; b += DD_Q8_BLOCK, dst += DD_Q8_BYTES) {
+        float amax = 0.0f;
+        for (size_t i = 0; i < DD_Q8_BLOCK; i++) {
+            const float a = fabsf(x[b + i]);
+            amax = a > amax ? a : amax;
+        }
+        const uint16_t h = dd_f32_to_f16(amax / 127.0f);
+        const float d = dd_f16_to_f32(h);
+        dst[0] = (uint8_t)(h & 0xff);
+        dst[1] = (uint8_t)(h >> 8);
+        for (size_t i = 0; i < DD_Q8_BLOCK; i++) {
+            const float y = d > 0.0f ? x[b + i] / d : 0.0f, r = y == y ? roundf(y) : 0.0f;
+            dst[2 + i] = (uint8_t)(int8_t)(r > 127.0f ? 127 : r < -127.0f ? -127 : (int)r);
+        }
+    }
+}
+
+/* Cache row `pos` of n floats (kv_type's elements; a half rounded to nearest even, as numpy's astype;
+ * Q8_0 blocks by q8_0_row). */
 static void store_row(void *cache, int kv_type, size_t pos, const float *x, size_t n)
 {
     if (kv_type == DD_KV_F32) {
         memcpy((float *)cache + pos * n, x, n * sizeof(float));
+        return;
+    }
+    if (kv_type == DD_KV_Q8_0) {
+        q8_0_row((uint8_t *)cache + pos * (n / DD_Q8_BLOCK * DD_Q8_BYTES), x, n);
         return;
     }
     uint16_t *h = (uint16_t *)cache + pos * n;
@@ -216,7 +245,7 @@ int dd_step(int isa, const dd_step_model *m, const dd_step_state *s, size_t pos,
         return DD_ERR_ISA;
     const size_t d = m->n_embd;
     size_t need = 0;
-    if (d == 0 || pos >= s->capacity || (s->kv_type != DD_KV_F32 && s->kv_type != DD_KV_F16) || m->output_norm == NULL || !mat_ok(&m->lm_head, m->lm_head.rows, d))
+    if (d == 0 || pos >= s->capacity || (s->kv_type != DD_KV_F32 && s->kv_type != DD_KV_F16 && s->kv_type != DD_KV_Q8_0) || m->output_norm == NULL || !mat_ok(&m->lm_head, m->lm_head.rows, d))
         return DD_ERR_ARG;
     for (size_t il = 0; il < m->n_layer; il++) {
         const size_t n = layer_scratch(m, &m->layers[il], s, il);
