@@ -47,6 +47,10 @@ class TextModel(Protocol):
     """The CPU text model a :class:`TextArch` builds; the runtime uses only this.
 
     ``state`` is an :class:`engine.turn.state.SequenceState`; it advances by the positions run.
+    Optional: ``forward_batch(tokens (N,), states, positions) -> (N, n_vocab)``, one token for each of N
+    sequences in one pass, row i and ``states[i]`` bit-identical to ``forward(tokens[i:i+1], states[i],
+    positions=positions[i])`` (:meth:`engine.arch.qwen35.model.Qwen35Model.forward_batch`); the batched
+    decode loops over ``forward`` for a model without it.
     """
 
     hp: Any

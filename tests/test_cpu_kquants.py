@@ -127,3 +127,15 @@ def test_kquant_rows_must_be_whole_super_blocks(rng):
         cpu.matmul(raw, np.ones(288, np.float32), Q.Q4_K)
     with pytest.raises(ValueError, match="Q6_K blocks"):
         cpu.Matrix(raw, 256, Q.Q6_K)
+
+
+@pytest.mark.parametrize("qtype", KQ, ids=lambda t: t.name)
+def test_kquant_few_columns_are_each_column_alone(qtype, rng):
+    """2 to 8 columns (a batched decode's rows: the GEMV walk, kq_tile_avx512.h KQ_GEMV_COLS) and 9 (the
+    unpack-once GEMM): every column has the bits of its own one-column product."""
+    raw = random_kquant(rng, 70, 2048, qtype)
+    mat = cpu.Matrix(raw, 2048, qtype)
+    x = rng.standard_normal((9, 2048)).astype(np.float32)
+    alone = np.concatenate([mat(x[i:i + 1]) for i in range(9)])
+    for m in (2, 3, 4, 5, 8, 9):
+        assert np.array_equal(mat(x[:m]), alone[:m]), m

@@ -184,6 +184,16 @@ class NativeQwen35Model(Qwen35Model):
         with threadpool_limits(1, user_api="blas"):
             return super().forward(tokens, state, embeddings, positions, all_logits, cb)
 
+    def forward_batch(self, tokens: np.ndarray, states: list[SequenceState],
+                      positions: list[np.ndarray | None]) -> np.ndarray:
+        """:meth:`Qwen35Model.forward_batch`: one row in the one-call native step, N rows through the hooks
+        (the native GEMM over all rows, experts grouped over the batch) with numpy's BLAS held to one thread."""
+        if len(states) == 1 and self.step is not None and self.step.takes(1, None):
+            self.batch_inputs(tokens, states, positions)
+            return self.step.forward(np.asarray(tokens), states[0], positions=positions[0])
+        with threadpool_limits(1, user_api="blas"):
+            return super().forward_batch(tokens, states, positions)
+
     # ---- hooks of the reference forward pass ---------------------------------------------------
 
     def linear(self, x: np.ndarray, name: str) -> np.ndarray:

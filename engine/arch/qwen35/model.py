@@ -162,6 +162,84 @@ class Qwen35Model:
         cb("result_output", -1, logits)
         return logits
 
+    def forward_batch(self, tokens: np.ndarray, states: list[SequenceState],
+                      positions: list[np.ndarray | None]) -> np.ndarray:
+        """One new token for each of N sequences in one pass (batched decode).
+
+        The dense products, the routed experts (grouped by expert over the rows) and the LM head run on
+        all N rows at once; each GDN layer's conv + delta rule and each attention layer's KV append and
+        attention run per sequence on its own state. Row i and ``states[i]`` come out bit for bit as
+        ``forward(tokens[i:i+1], states[i], positions=positions[i])`` leaves them (every op follows the
+        row rule, docs/design/batched-decode.md).
+
+        Args: tokens (N,) int ids; states: N distinct SequenceState objects (any positions, KV types);
+            positions: N entries, each None or that token's (3, 1) M-RoPE positions.
+        Returns: (N, n_vocab) float32 logits. Raises: ValueError (a bad id, named; mismatched lengths; a
+            state given twice), ContextFullError: checked for every row before any state changes.
+        """
+        tokens, pos = self.batch_inputs(tokens, states, positions)
+        hp = self.hp
+        h = self.embed(tokens)
+        for il in range(hp.n_layer):
+            x = ops.rmsnorm(h, self.w(f"blk.{il}.attn_norm.weight"), hp.rms_eps)
+            if hp.is_recurrent(il):
+                x = self._gdn_rows(il, x, states)
+            else:
+                x = self._attention_rows(il, x, states, pos)
+            h = h + x
+            y = ops.rmsnorm(h, self.w(f"blk.{il}.post_attention_norm.weight"), hp.rms_eps)
+            h = h + (self.moe(il, y, _no_cb) if hp.is_moe else self.ffn(il, y))
+        for state in states:
+            state.pos += 1
+        return self.linear(ops.rmsnorm(h, self.w("output_norm.weight"), hp.rms_eps), self.output_name)
+
+    def batch_inputs(self, tokens: np.ndarray, states: list[SequenceState],
+                     positions: list[np.ndarray | None]) -> tuple[np.ndarray, np.ndarray]:
+        """Check a :meth:`forward_batch` call before it touches any state.
+
+        Returns: (tokens (N,) int64, positions (3, N), column i the rotary positions of row i).
+        Raises: ValueError / ContextFullError as :meth:`forward_batch` documents.
+        """
+        tokens = np.asarray(tokens)
+        n = len(states)
+        if tokens.shape != (n,) or len(positions) != n or n == 0:
+            raise ValueError(f"forward_batch: {tokens.shape} tokens, {n} states and {len(positions)} positions: "
+                             "expected one token and one positions entry per state, at least one")
+        if len({id(s) for s in states}) != n:
+            raise ValueError("forward_batch: a sequence state appears twice in the batch")
+        checked = [state.chunk_inputs(tokens[i:i + 1], positions[i], self.hp.n_vocab)
+                   for i, state in enumerate(states)]
+        return np.concatenate([t for t, _ in checked]), np.concatenate([p for _, p in checked], axis=1)
+
+    def _gdn_rows(self, il: int, x: np.ndarray, states: list[SequenceState]) -> np.ndarray:
+        """:meth:`gated_delta_net` for N rows of N sequences: products over all rows, the recurrence per state."""
+        p = f"blk.{il}."
+        mixed, z = self.linear(x, p + "attn_qkv.weight"), self.linear(x, p + "attn_gate.weight")
+        b, a = self.linear(x, p + "ssm_beta.weight"), self.linear(x, p + "ssm_alpha.weight")
+        y = np.concatenate([self.delta_rule(il, mixed[i:i + 1], z[i:i + 1], b[i:i + 1], a[i:i + 1], state, _no_cb)
+                            for i, state in enumerate(states)])
+        return self.linear(y, p + "ssm_out.weight")
+
+    def _attention_rows(self, il: int, x: np.ndarray, states: list[SequenceState], positions: np.ndarray
+                        ) -> np.ndarray:
+        """:meth:`gated_attention` for N rows of N sequences: products, norms and RoPE over all rows (row i
+        at its own positions), the KV append and the attention per state over its own cache."""
+        hp, p, n, hd = self.hp, f"blk.{il}.", x.shape[0], self.hp.head_dim
+        qg = self.linear(x, p + "attn_q.weight").reshape(n, hp.n_head, 2 * hd)
+        k = self.linear(x, p + "attn_k.weight").reshape(n, hp.n_head_kv, hd)
+        v = self.linear(x, p + "attn_v.weight").reshape(n, hp.n_head_kv, hd)
+        q = ops.rmsnorm(qg[..., :hd], self.w(p + "attn_q_norm.weight"), hp.rms_eps)
+        k = ops.rmsnorm(k, self.w(p + "attn_k_norm.weight"), hp.rms_eps)
+        q = ops.rope_multi(q, positions, hp.rope_dims, hp.rope_theta, hp.rope_sections)
+        k = ops.rope_multi(k, positions, hp.rope_dims, hp.rope_theta, hp.rope_sections)
+        out = []
+        for i, state in enumerate(states):
+            end = state.pos + 1
+            state.k[il][state.pos:end] = k[i:i + 1]
+            state.v[il][state.pos:end] = v[i:i + 1]
+            out.append(self.attend(q[i:i + 1], qg[i:i + 1, :, hd:], state.k[il][:end], state.v[il][:end]))
+        return self.linear(np.concatenate(out), p + "attn_output.weight")
+
     # ---- mixers --------------------------------------------------------------------------------
 
     def gated_delta_net(self, il: int, x: np.ndarray, state: SequenceState, cb: Callback) -> np.ndarray:

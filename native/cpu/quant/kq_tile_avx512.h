@@ -216,8 +216,8 @@ DD_INLINE void kq_row_pair(const uint8_t *blk_a, const uint8_t *blk_b, int wtype
     }
 }
 
-/* Rows [0, R) x columns [c0, c0 + C) (gemm_tiles.h's TILE). pre: NULL, or (C = 1, c0 = 0) the
- * column's super-blocks already prepared by kq_col_prep, pre[sb]. */
+/* Rows [0, R) x columns [c0, c0 + C) (gemm_tiles.h's TILE). pre: NULL, or the columns' super-blocks
+ * already prepared by kq_col_prep, column c0 + c's super-block sb at pre[c * nsb + sb]. */
 DD_INLINE void kq_tile(const uint8_t *w, const uint8_t *pf, size_t rb, const dd_acts *a, int wtype, size_t c0,
                        float *y, size_t ldy, const int R, const int C, const kq_col *pre)
 {
@@ -245,7 +245,7 @@ DD_INLINE void kq_tile(const uint8_t *w, const uint8_t *pf, size_t rb, const dd_
         }
         for (int c = 0; c < C; c++) {
             kq_col own;
-            const kq_col *p = pre ? &pre[sb] : &own;
+            const kq_col *p = pre ? &pre[c * nsb + sb] : &own;
             if (!pre)
                 kq_col_prep(a, (c0 + c) * a->nbp + 8 * sb, wtype, &own);
             for (int r = 0; r < R; r += 2)
@@ -277,8 +277,12 @@ DD_DEFINE_GEMM(tiles_q6_K, KQ_TILE_Q6_K)
 /* Super-blocks of a GEMV column prepared at most once per thread and activations (k <= 8192; 20 KiB):
  * the tiles then read them from L1 instead of arranging them again for every 4 rows. */
 #define KQ_GEMV_SB 32
+/* Columns the GEMV walk takes (a batched decode's few rows): each 4-row tile meets them 4 at a time,
+ * its super-blocks in L1, so the weights are read from memory once for all of them; more columns go to
+ * kq_gemm_avx512.h, whose per-call unpacking pays off only over many columns. */
+#define KQ_GEMV_COLS 8
 
-/* A thread's last GEMV column (kq_col_prep of each super-block), with the activations (dd_acts.id)
+/* A thread's last GEMV columns (kq_col_prep of each super-block), with the activations (dd_acts.id)
  * and layout (q6: 1 for Q6_K, 0 for Q4_K / Q5_K) it was prepared for, in the thread's scratch
  * (DD_SCRATCH_KQ_COL; a new buffer is zeroed, and id 0 matches no activations). A product's chunks, and
  * the products that share one prepared x (a matvec set, the MoE's expert gates and ups), are calls of
@@ -286,19 +290,38 @@ DD_DEFINE_GEMM(tiles_q6_K, KQ_TILE_Q6_K)
 typedef struct {
     uint64_t id;
     int q6;
-    kq_col cols[KQ_GEMV_SB];
+    kq_col cols[KQ_GEMV_COLS * KQ_GEMV_SB];   /* column c's super-block sb at c * nsb + sb */
 } kq_gemv_state;
 
-/* A GEMV (m == 1) as DD_DEFINE_GEMM's m == 1 walk (4-row tiles, then single rows; the same
- * prefetches), the column prepared at most once per thread and activations, in st. Every row runs
- * kq_tile's instructions on the same prepared values, so the bits are those of the per-tile preparation. */
+/* Rows [0, R) of w against all a->m prepared columns, 4 at a time. */
+DD_INLINE void kq_gemv_tile(const uint8_t *w, const uint8_t *pf, size_t rb, const dd_acts *a, int wtype, float *y,
+                            size_t ldy, const int R, const kq_col *cols)
+{
+    const size_t nsb = a->nb / 8;
+    for (size_t c0 = 0; c0 < a->m; c0 += 4) {
+        const kq_col *pre = cols + c0 * nsb;
+        switch (a->m - c0 < 4 ? a->m - c0 : 4) {
+        case 4: kq_tile(w, pf, rb, a, wtype, c0, y, ldy, R, 4, pre); break;
+        case 3: kq_tile(w, pf, rb, a, wtype, c0, y, ldy, R, 3, pre); break;
+        case 2: kq_tile(w, pf, rb, a, wtype, c0, y, ldy, R, 2, pre); break;
+        default: kq_tile(w, pf, rb, a, wtype, c0, y, ldy, R, 1, pre); break;
+        }
+    }
+}
+
+/* A GEMV (m <= KQ_GEMV_COLS) as DD_DEFINE_GEMM's m == 1 walk (4-row tiles, then single rows; the same
+ * prefetches), the columns prepared at most once per thread and activations, in st. Every (row, column)
+ * runs kq_tile's instructions on the same prepared values, so the bits are those of the per-tile
+ * preparation, for any m. */
 DD_INLINE void kq_gemv(const uint8_t *w, size_t rb, size_t nrows, size_t rows_avail, const dd_acts *a, float *y,
-                       int wtype, kq_gemv_state *st)
+                       size_t ldy, int wtype, kq_gemv_state *st)
 {
     const int q6 = wtype == DD_Q6_K;
+    const size_t nsb = a->nb / 8;
     if (a->id == 0 || st->id != a->id || st->q6 != q6) {   /* id 0: activations not from acts_place */
-        for (size_t sb = 0; sb < a->nb / 8; sb++)
-            kq_col_prep(a, 8 * sb, wtype, &st->cols[sb]);
+        for (size_t c = 0; c < a->m; c++)
+            for (size_t sb = 0; sb < nsb; sb++)
+                kq_col_prep(a, c * a->nbp + 8 * sb, wtype, &st->cols[c * nsb + sb]);
         st->id = a->id;
         st->q6 = q6;
     }
@@ -306,23 +329,23 @@ DD_INLINE void kq_gemv(const uint8_t *w, size_t rb, size_t nrows, size_t rows_av
     dd_gemv_prefetch_start(w, rb, nrows, rows_avail);
     size_t r = 0;
     for (; r + 4 <= nrows; r += 4)
-        kq_tile(w + r * rb, DD_PREFETCH_BASE(w, rb, r, 4, rows_avail), rb, a, wtype, 0, y + r, 1, 4, 1, cols);
+        kq_gemv_tile(w + r * rb, DD_PREFETCH_BASE(w, rb, r, 4, rows_avail), rb, a, wtype, y + r, ldy, 4, cols);
     for (; r < nrows; r++)
-        kq_tile(w + r * rb, DD_PREFETCH_BASE(w, rb, r, 1, rows_avail), rb, a, wtype, 0, y + r, 1, 1, 1, cols);
+        kq_gemv_tile(w + r * rb, DD_PREFETCH_BASE(w, rb, r, 1, rows_avail), rb, a, wtype, y + r, ldy, 1, cols);
 }
 
 #include "kq_gemm_avx512.h"
 /* KQ_GEMM(NAME, TYPE, TILES, GEMM_M) defines the dd_gemm_fn NAME for weight type TYPE: kq_gemv for
- * one column (rows of up to KQ_GEMV_SB super-blocks; its scratch allocated), GEMM_M (kq_gemm_avx512.h)
+ * up to KQ_GEMV_COLS columns (rows of up to KQ_GEMV_SB super-blocks; its scratch allocated), GEMM_M (kq_gemm_avx512.h)
  * for m > 1 when its scratch holds the rows, else TILES (DD_DEFINE_GEMM of kq_tile: the same bits). */
 #define KQ_GEMM(NAME, TYPE, TILES, GEMM_M)                                                                     \
     static void NAME(const uint8_t *w, size_t row_bytes, size_t nrows, size_t rows_avail, const dd_acts *a,   \
                      float *y, size_t ldy)                                                                    \
     {                                                                                                         \
         kq_gemv_state *st = NULL;                                                                             \
-        if (a->m == 1 && a->nb / 8 <= KQ_GEMV_SB &&                                                          \
+        if (a->m <= KQ_GEMV_COLS && a->nb / 8 <= KQ_GEMV_SB &&                                              \
             (st = dd_scratch(DD_SCRATCH_KQ_COL, sizeof(kq_gemv_state))) != NULL)                              \
-            kq_gemv(w, row_bytes, nrows, rows_avail, a, y, TYPE, st);                                         \
+            kq_gemv(w, row_bytes, nrows, rows_avail, a, y, ldy, TYPE, st);                                    \
         else if (a->m > 1 && KQX_FITS(a))                                                                     \
             GEMM_M(w, row_bytes, nrows, rows_avail, a, y, ldy);                                               \
         else                                                                                                  \

@@ -1,0 +1,155 @@
+"""Concurrent decode streams: aggregate and per-stream tok/s of ``forward_batch`` at 1, 2, 4, 8 streams,
+against llama.cpp's ``llama-batched-bench`` on the same file and threads, interleaved (not a test).
+
+Usage::
+
+    .venv/bin/python tests/bench/bench_batch_decode.py /tmp/agent/slice.gguf --threads 2 --rounds 3 \\
+        --llama-batched-bench <llama.cpp build>/bin/llama-batched-bench
+
+Ours: one prompt of ``--npp`` tokens is prefilled once (not timed); each stream continues a copy of it
+with its own 4 random tokens (so the streams' states differ), then every round decodes ``--ntg`` steps
+of N rows at once (N = 1 is the one-call native step). The rows' tokens are random ids, so the batch
+routes to as many experts as real text would, not to one shared set. llama.cpp:
+``llama-batched-bench -c 8192 -b 2048 -ub 512 -npp NPP -ntg NTG -npl 1,2,4,8 -t THREADS``, its S_TG
+column (N x NTG tokens over the generation time, each sequence with its own NPP-token prompt). A round
+runs ours then llama.cpp (the order alternating by round). Prints per N the median of the rounds with
+their min-max, aggregate and per-stream, the ratio of the medians, and the 1-minute load before and after.
+``--profile N`` instead times ``--ntg`` steps of N streams by stage (the model's hooks wrapped): wall and
+process CPU ms per step of the dense products, the LM head, the GDN recurrence, attention, the MoE, the rest.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import os
+import re
+import statistics
+import subprocess
+import time
+
+import numpy as np
+
+from engine.arch.qwen35.cpu import NativeQwen35Model
+from engine.kernels import cpu
+from engine.registry import open_text
+from engine.turn.state import SequenceState
+
+STREAMS = (1, 2, 4, 8)
+
+
+def streams(model: NativeQwen35Model, npp: int, ntg: int) -> list[SequenceState]:
+    """max(STREAMS) states at depth npp + 4: one shared prefill, then 4 tokens of each stream's own."""
+    rng = np.random.default_rng(0)
+    base = SequenceState.new(model.hp, npp + 4 + ntg + 1, "f16")
+    model.forward(rng.integers(0, model.hp.n_vocab, npp), base)
+    out = []
+    for _ in range(max(STREAMS)):
+        s = base.copy()
+        model.forward(rng.integers(0, model.hp.n_vocab, 4), s)
+        out.append(s)
+    return out
+
+
+def ours(model: NativeQwen35Model, states: list[SequenceState], n: int, ntg: int, seed: int) -> float:
+    """Aggregate decode tok/s of ntg batched steps of n streams (copies of the first n states)."""
+    batch = [s.copy() for s in states[:n]]
+    tokens = np.random.default_rng(seed).integers(0, model.hp.n_vocab, (ntg, n))
+    t0 = time.perf_counter()
+    for step in range(ntg):
+        model.forward_batch(tokens[step], batch, [None] * n)
+    return n * ntg / (time.perf_counter() - t0)
+
+
+def llama(binary: str, gguf: str, npp: int, ntg: int, threads: int) -> dict[int, float]:
+    """llama-batched-bench's S_TG (aggregate generation tok/s) per parallel sequence count."""
+    cmd = [binary, "-m", gguf, "-c", "8192", "-b", "2048", "-ub", "512", "-npp", str(npp), "-ntg", str(ntg),
+           "-npl", ",".join(map(str, STREAMS)), "-t", str(threads)]
+    out = subprocess.run(cmd, capture_output=True, text=True, check=True).stdout
+    rows = {}
+    for line in out.splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if len(cells) >= 8 and re.fullmatch(r"\d+", cells[0]) and int(cells[0]) == npp:
+            rows[int(cells[2])] = float(cells[7])
+    if sorted(rows) != list(STREAMS):
+        raise SystemExit(f"could not read llama-batched-bench's table:\n{out}")
+    return rows
+
+
+def profile(model: NativeQwen35Model, states: list[SequenceState], n: int, ntg: int) -> None:
+    """Print wall / process CPU ms per batched step of n streams in each stage (see the module doc)."""
+    spent: dict[str, list[float]] = {}
+
+    def timed(stage, fn):
+        @functools.wraps(fn)
+        def run(*a, **k):
+            name = stage(*a) if callable(stage) else stage
+            t0, c0 = time.perf_counter(), time.process_time()
+            try:
+                return fn(*a, **k)
+            finally:
+                acc = spent.setdefault(name, [0.0, 0.0])
+                acc[0] += time.perf_counter() - t0
+                acc[1] += time.process_time() - c0
+        return run
+
+    model.linear = timed(lambda x, name: "LM head" if name == model.output_name else "dense products", model.linear)
+    model.delta_rule = timed("GDN recurrence", model.delta_rule)
+    model.attend = timed("attention", model.attend)
+    model.moe = timed("MoE (router, experts, shared expert)", model.moe)
+    t0, c0 = time.perf_counter(), time.process_time()
+    ours(model, states, n, ntg, seed=1)
+    spent["rest (norms, RoPE, KV append, Python)"] = [time.perf_counter() - t0 - sum(v[0] for v in spent.values()),
+                                                      time.process_time() - c0 - sum(v[1] for v in spent.values())]
+    print(f"N = {n}, {ntg} steps, load {os.getloadavg()[0]:.2f}: stage | wall ms/step | process CPU ms/step")
+    for name, (wall, cpu_s) in spent.items():
+        print(f"{name} | {wall * 1e3 / ntg:.1f} | {cpu_s * 1e3 / ntg:.1f}")
+
+
+def summary(values: list[float]) -> str:
+    return f"{statistics.median(values):7.2f} ({min(values):.2f}-{max(values):.2f})"
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("gguf")
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--npp", type=int, default=512, help="prompt tokens before decoding")
+    ap.add_argument("--ntg", type=int, default=32, help="decode steps per measurement")
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--llama-batched-bench", dest="llama", help="path of llama.cpp's llama-batched-bench")
+    ap.add_argument("--profile", type=int, metavar="N", help="time the stages of N streams instead")
+    args = ap.parse_args()
+    load0 = os.getloadavg()[0]
+    cpu.set_threads(args.threads)
+    gguf = open_text(args.gguf)
+    model = NativeQwen35Model(gguf.hparams, gguf.file)
+    states = streams(model, args.npp, args.ntg)
+    ours(model, states, 2, 2, seed=99)     # warm-up: pages and pool
+    if args.profile:
+        profile(model, states, args.profile, args.ntg)
+        return
+    mine: dict[int, list[float]] = {n: [] for n in STREAMS}
+    theirs: dict[int, list[float]] = {n: [] for n in STREAMS}
+    for r in range(args.rounds):
+        for side in (("ours", "llama") if r % 2 == 0 else ("llama", "ours")):
+            if side == "ours":
+                for n in (STREAMS if r % 2 == 0 else STREAMS[::-1]):
+                    mine[n].append(ours(model, states, n, args.ntg, seed=r))
+            elif args.llama:
+                for n, v in llama(args.llama, args.gguf, args.npp, args.ntg, args.threads).items():
+                    theirs[n].append(v)
+        print(f"round {r + 1}/{args.rounds} done, load {os.getloadavg()[0]:.2f}", flush=True)
+    print(f"{args.gguf}: {args.threads} threads, isa {cpu.isa()}, npp {args.npp}, ntg {args.ntg}, "
+          f"{args.rounds} rounds; load {load0:.2f} before, {os.getloadavg()[0]:.2f} after")
+    print("streams | ours aggregate tok/s | ours per stream | llama.cpp aggregate | llama.cpp per stream | ours/llama")
+    for n in STREAMS:
+        line = f"{n:7d} | {summary(mine[n])} | {summary([v / n for v in mine[n]])}"
+        if theirs[n]:
+            ratio = statistics.median(mine[n]) / statistics.median(theirs[n])
+            line += f" | {summary(theirs[n])} | {summary([v / n for v in theirs[n]])} | {ratio:.2f}x"
+        print(line)
+
+
+if __name__ == "__main__":
+    main()
