@@ -39,6 +39,9 @@ DEFAULT_PARALLEL = 4
 END = object()
 """What a stream's sink receives last, after its events (and the exception that ended it, if any)."""
 
+_CLOSED_BEFORE_START = ("the engine session closed before this job started (the model is being unloaded or the "
+                        "server is stopping)")
+
 TURN, AHEAD = 0, 1
 """Priorities: lower runs first."""
 
@@ -269,8 +272,7 @@ class Session:
                 job.cancel.set()
             self._cond.notify_all()
         for job in dropped:
-            _deliver(job, SessionClosedError("the engine session closed before this job started (the model is "
-                                             "being unloaded or the server is stopping)"))
+            _deliver(job, SessionClosedError(_CLOSED_BEFORE_START))
         if threading.current_thread() is not self._thread:
             self._thread.join(timeout)
 
@@ -352,6 +354,10 @@ class Session:
         joining = True
         for job in jobs:
             assert isinstance(job, _Stream)
+            if job.events is None and job.cancel.is_set():     # admitted, never started: dropped as if queued
+                _deliver(job, self._dropped())
+                ended.append(job)
+                continue
             if not job.decoding:
                 if not joining:
                     continue
@@ -360,6 +366,12 @@ class Session:
                 ended.append(job)
         self._answer([j for j in jobs if isinstance(j, _Stream) and j.pending is not None and j not in ended])
         return ended
+
+    def _dropped(self) -> GenerationCancelled:
+        """The outcome of a job cancelled before it started: the session closed, or its caller cancelled it."""
+        if self._closed:
+            return SessionClosedError(_CLOSED_BEFORE_START)
+        return GenerationCancelled("cancelled before it started")
 
     @staticmethod
     def _answer(jobs: list[_Stream]) -> None:
