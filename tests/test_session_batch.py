@@ -7,6 +7,7 @@ every test also shows that the turns did decode together.
 
 from __future__ import annotations
 
+import re
 import threading
 import time
 from typing import Any
@@ -301,3 +302,36 @@ def test_a_turn_not_yet_started_when_the_session_closes_gets_session_closed() ->
         prefill.end()
         closer.join(30)
     assert isinstance(items[0], SessionClosedError) and not started
+
+
+def test_a_batched_forward_giving_the_wrong_rows_fails_its_turns_not_the_session() -> None:
+    """A model whose ``forward_batch`` gives one row fewer than the steps it answers: each turn gets a ValueError
+    naming the counts, and the session goes on (its thread does not die with the error)."""
+    class Short:
+        def forward_batch(self, tokens, states, positions):
+            return np.zeros((len(tokens) - 1, 3), dtype=np.float32)
+
+    model = Short()
+
+    def start(cancel: threading.Event):
+        step = Step(model, 1, object(), None)
+        yield step
+        yield step.logits
+
+    items: list[list] = [[], []]
+    over = [threading.Event(), threading.Event()]
+
+    def sink(i: int, item: Any) -> None:
+        items[i].append(item)
+        if item is END:
+            over[i].set()
+
+    with Session(parallel=2) as session:
+        for i in range(2):
+            session.submit_stream(start, lambda item, i=i: sink(i, item))
+        assert all(o.wait(10) for o in over), "the session's thread died with the batched forward's error"
+        assert session.call(lambda: "alive").result(10) == "alive"
+    for got in items:
+        assert isinstance(got[0], ValueError)
+        assert re.fullmatch(r"the model's forward_batch gave \d+ rows for \d+ sequences", str(got[0]))
+
