@@ -4,11 +4,12 @@ Contract: once shared, an engine is touched only by jobs of its :class:`Session`
 a call (:meth:`~Session.call`: an image measurement, snapshot listing or clearing, closing) or a read-ahead
 (:meth:`~Session.read_ahead`, lowest priority). Up to ``parallel`` turns run together, one step at a time: each
 step decodes one token of every running turn in one batched forward (:mod:`engine.turn.batch`) plus at most one
-prefill piece of a joining turn; a call or read-ahead runs alone, between steps. Equal priorities are taken in
+prefill piece of a joining turn; a call or read-ahead runs alone, once no turn runs. Equal priorities are taken in
 submission order; any new job cancels every read-ahead, which stops at its next piece.
-Cancelling a queued job removes it (its caller gets :class:`~engine.errors.GenerationCancelled`); a running turn
-stops at its next token. A full queue raises :class:`QueueFullError`; a job's exception goes to its caller, never
-to the loop. Design: docs/design/engine-session.md.
+Cancelling a queued job, or a turn admitted but not yet started, removes it (its caller gets
+:class:`~engine.errors.GenerationCancelled`); a running turn stops at its next token. A full queue raises
+:class:`QueueFullError`; a job's exception goes to its caller, never to the loop. Design:
+docs/design/engine-session.md.
 """
 
 from __future__ import annotations
