@@ -3,7 +3,8 @@
 The UI talks to it through queued signals (``load``, ``chat``, ...) and cancels a running turn
 through the ``threading.Event`` inside the :class:`ChatRequest`, which the engine checks between
 prompt pieces and between tokens. Every use of a loaded engine is a job of its
-:class:`engine.session.Session` (shared with "Serve on localhost"), which runs them one at a time.
+:class:`engine.session.Session` (shared with "Serve on localhost"), which decodes up to four turns together
+(the app's and served ones) and runs every other job alone.
 Tokens and prefill progress are forwarded at most every :data:`BATCH_SECONDS`, so the UI thread
 handles a few dozen small updates a second whatever the prefill and decode speed.
 

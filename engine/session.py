@@ -4,11 +4,12 @@ Contract: once shared, an engine is touched only by jobs of its :class:`Session`
 a call (:meth:`~Session.call`: an image measurement, snapshot listing or clearing, closing) or a read-ahead
 (:meth:`~Session.read_ahead`, lowest priority). Up to ``parallel`` turns run together, one step at a time: each
 step decodes one token of every running turn in one batched forward (:mod:`engine.turn.batch`) plus at most one
-prefill piece of a joining turn; a call or read-ahead runs alone, between steps. Equal priorities are taken in
+prefill piece of a joining turn; a call or read-ahead runs alone, once no turn runs. Equal priorities are taken in
 submission order; any new job cancels every read-ahead, which stops at its next piece.
-Cancelling a queued job removes it (its caller gets :class:`~engine.errors.GenerationCancelled`); a running turn
-stops at its next token. A full queue raises :class:`QueueFullError`; a job's exception goes to its caller, never
-to the loop. Design: docs/design/engine-session.md.
+Cancelling a queued job, or a turn admitted but not yet started, removes it (its caller gets
+:class:`~engine.errors.GenerationCancelled`); a running turn stops at its next token. A full queue raises
+:class:`QueueFullError`; a job's exception goes to its caller, never to the loop. Design:
+docs/design/engine-session.md.
 """
 
 from __future__ import annotations
@@ -38,6 +39,9 @@ DEFAULT_PARALLEL = 4
 
 END = object()
 """What a stream's sink receives last, after its events (and the exception that ended it, if any)."""
+
+_CLOSED_BEFORE_START = ("the engine session closed before this job started (the model is being unloaded or the "
+                        "server is stopping)")
 
 TURN, AHEAD = 0, 1
 """Priorities: lower runs first."""
@@ -269,8 +273,7 @@ class Session:
                 job.cancel.set()
             self._cond.notify_all()
         for job in dropped:
-            _deliver(job, SessionClosedError("the engine session closed before this job started (the model is "
-                                             "being unloaded or the server is stopping)"))
+            _deliver(job, SessionClosedError(_CLOSED_BEFORE_START))
         if threading.current_thread() is not self._thread:
             self._thread.join(timeout)
 
@@ -352,6 +355,10 @@ class Session:
         joining = True
         for job in jobs:
             assert isinstance(job, _Stream)
+            if job.events is None and job.cancel.is_set():     # admitted, never started: dropped as if queued
+                _deliver(job, self._dropped())
+                ended.append(job)
+                continue
             if not job.decoding:
                 if not joining:
                     continue
@@ -360,6 +367,12 @@ class Session:
                 ended.append(job)
         self._answer([j for j in jobs if isinstance(j, _Stream) and j.pending is not None and j not in ended])
         return ended
+
+    def _dropped(self) -> GenerationCancelled:
+        """The outcome of a job cancelled before it started: the session closed, or its caller cancelled it."""
+        if self._closed:
+            return SessionClosedError(_CLOSED_BEFORE_START)
+        return GenerationCancelled("cancelled before it started")
 
     @staticmethod
     def _answer(jobs: list[_Stream]) -> None:

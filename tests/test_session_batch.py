@@ -7,7 +7,9 @@ every test also shows that the turns did decode together.
 
 from __future__ import annotations
 
+import re
 import threading
+import time
 from typing import Any
 
 import numpy as np
@@ -17,7 +19,7 @@ from engine.api import Engine, EngineOptions
 from engine.errors import GenerationCancelled
 from engine.events import TokenEvent, TurnSummary
 from engine.sampling import SamplingParams
-from engine.session import Session
+from engine.session import END, Session, SessionClosedError
 from engine.turn.batch import Step, forward_batch, forward_rows
 
 CHATS = [[{"role": "user", "content": text}] for text in
@@ -214,3 +216,122 @@ def test_a_queued_turn_cancelled_behind_a_full_batch_never_starts(engine) -> Non
 def test_parallel_below_one_is_refused() -> None:
     with pytest.raises(ValueError, match="parallel must be at least 1"):
         Session(parallel=0)
+
+
+def _wait(condition, seconds: float = 30.0) -> bool:
+    """Whether ``condition()`` holds within ``seconds`` (polled; only a broken session takes that long)."""
+    deadline = time.monotonic() + seconds
+    while not condition() and time.monotonic() < deadline:
+        time.sleep(0.005)
+    return condition()
+
+
+class Prefilling:
+    """A turn's ``start`` whose prefill goes on piece by piece, one piece per :meth:`piece`, until :meth:`end`; it
+    holds the batch's one joining place, so turns admitted after it wait unstarted."""
+
+    def __init__(self) -> None:
+        self._pieces, self._ended = threading.Semaphore(0), threading.Event()
+
+    def __call__(self, cancel: threading.Event):
+        while self._pieces.acquire(timeout=30) and not self._ended.is_set():
+            yield "piece"
+
+    def piece(self, events) -> None:
+        self._pieces.release()
+        assert next(events) == "piece"
+
+    def end(self) -> None:
+        self._ended.set()
+        self._pieces.release()
+
+
+def _unstarted(session: Session, started: list) -> tuple[Any, list, threading.Event]:
+    """A turn admitted beside a prefilling one (it waits unstarted): its ticket, the items its sink got, and an
+    event set once its outcome is in. ``started`` records a call of its start function."""
+    items: list = []
+    over = threading.Event()
+
+    def start(cancel: threading.Event):
+        started.append(cancel)
+        yield "token"
+
+    def sink(item: Any) -> None:
+        items.append(item)
+        if item is END:
+            over.set()
+
+    return session.submit_stream(start, sink), items, over
+
+
+def test_a_turn_cancelled_before_it_starts_ends_at_once_beside_a_long_prefill() -> None:
+    """A turn admitted to the batch but still waiting for the joining place (another turn prefills) is cancelled:
+    its caller gets GenerationCancelled within a piece of the other's prefill, and it never starts."""
+    prefill, started = Prefilling(), []
+    with Session(parallel=2) as session:
+        long = session.stream(prefill)
+        prefill.piece(long)
+        ticket, items, over = _unstarted(session, started)
+        prefill.piece(long)                             # admitted now: running, not queued
+        ticket.cancel()
+        prefill.piece(long)
+        prefill.piece(long)
+        try:
+            assert over.wait(10), "the cancelled turn waited for the other turn's whole prefill"
+        finally:
+            prefill.end()
+    assert isinstance(items[0], GenerationCancelled) and not started
+
+
+def test_a_turn_not_yet_started_when_the_session_closes_gets_session_closed() -> None:
+    """Closing the session while a turn waits unstarted in the batch answers it as a queued one:
+    SessionClosedError (the server's 503), without starting it."""
+    prefill, started = Prefilling(), []
+    session = Session(parallel=2)
+    long = session.stream(prefill)
+    prefill.piece(long)
+    _, items, over = _unstarted(session, started)
+    prefill.piece(long)
+    closer = threading.Thread(target=session.close)
+    closer.start()
+    try:
+        assert _wait(lambda: session._closed)
+        prefill.piece(long)
+        assert over.wait(10), "the unstarted turn was not ended when the session closed"
+    finally:
+        prefill.end()
+        closer.join(30)
+    assert isinstance(items[0], SessionClosedError) and not started
+
+
+def test_a_batched_forward_giving_the_wrong_rows_fails_its_turns_not_the_session() -> None:
+    """A model whose ``forward_batch`` gives one row fewer than the steps it answers: each turn gets a ValueError
+    naming the counts, and the session goes on (its thread does not die with the error)."""
+    class Short:
+        def forward_batch(self, tokens, states, positions):
+            return np.zeros((len(tokens) - 1, 3), dtype=np.float32)
+
+    model = Short()
+
+    def start(cancel: threading.Event):
+        step = Step(model, 1, object(), None)
+        yield step
+        yield step.logits
+
+    items: list[list] = [[], []]
+    over = [threading.Event(), threading.Event()]
+
+    def sink(i: int, item: Any) -> None:
+        items[i].append(item)
+        if item is END:
+            over[i].set()
+
+    with Session(parallel=2) as session:
+        for i in range(2):
+            session.submit_stream(start, lambda item, i=i: sink(i, item))
+        assert all(o.wait(10) for o in over), "the session's thread died with the batched forward's error"
+        assert session.call(lambda: "alive").result(10) == "alive"
+    for got in items:
+        assert isinstance(got[0], ValueError)
+        assert re.fullmatch(r"the model's forward_batch gave \d+ rows for \d+ sequences", str(got[0]))
+

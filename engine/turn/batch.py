@@ -64,7 +64,8 @@ def forward_batch(model: TextModel, tokens: np.ndarray, states: Sequence[Any],
 def forward_rows(steps: Sequence[Step]) -> list[BaseException | None]:
     """Answer ``steps`` (all of one model) with one :func:`forward_batch`; each step's outcome: None (its
     ``logits`` set) or the exception that failed it. Without ``model.forward_batch`` each step runs alone, so one
-    sequence's failure is its own; a failing batched call fails every step of the batch."""
+    sequence's failure is its own; a batched call that raises, or gives another number of rows than steps (a
+    ValueError), fails every step of the batch."""
     if getattr(steps[0].model, "forward_batch", None) is None:
         outcomes: list[BaseException | None] = []
         for step in steps:
@@ -79,6 +80,9 @@ def forward_rows(steps: Sequence[Step]) -> list[BaseException | None]:
                                [s.state for s in steps], [s.positions for s in steps])
     except Exception as exc:  # noqa: BLE001 - handed to every turn of the batch
         return [exc] * len(steps)
+    if len(logits) != len(steps):
+        error = ValueError(f"the model's forward_batch gave {len(logits)} rows for {len(steps)} sequences")
+        return [error] * len(steps)
     for step, row in zip(steps, logits, strict=True):
         step.logits = row
     return [None] * len(steps)
