@@ -98,7 +98,7 @@ def run_steps(model, seqs: dict[str, SequenceState], rng: np.random.Generator) -
 
 @native
 @pytest.mark.parametrize("threads", [1, 2])
-@pytest.mark.parametrize("kv_type", ["f16", "f32"])
+@pytest.mark.parametrize("kv_type", ["f16", "f32", "q8_0"])
 @pytest.mark.parametrize("preset, quant", MODELS)
 def test_each_row_is_the_sequence_alone(synth_model, isa_reset, preset, quant, kv_type, threads):
     model = load(synth_model(preset, quant))

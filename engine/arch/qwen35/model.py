@@ -235,8 +235,8 @@ class Qwen35Model:
         out = []
         for i, state in enumerate(states):
             end = state.pos + 1
-            state.k[il][state.pos:end] = k[i:i + 1]
-            state.v[il][state.pos:end] = v[i:i + 1]
+            kv_store(state.k[il], state.pos, k[i:i + 1])
+            kv_store(state.v[il], state.pos, v[i:i + 1])
             out.append(self.attend(q[i:i + 1], qg[i:i + 1, :, hd:], state.k[il][:end], state.v[il][:end]))
         return self.linear(np.concatenate(out), p + "attn_output.weight")
 
