@@ -195,12 +195,13 @@ def test_a_hundred_streams_queue_or_get_429(server, hold) -> None:
 
 
 def test_serve_takes_parallel_and_refuses_zero(synth_model, monkeypatch, capsys) -> None:
-    """``engine serve --parallel N`` sizes the session's batch; 0 is refused by the argument parser, naming it."""
+    """``engine serve --parallel N`` loads the engine for N turns (its memory checked for N states; the serving
+    session takes N from it); 0 is refused by the argument parser, naming it."""
     from engine.__main__ import main
     seen: dict = {}
-    monkeypatch.setattr("engine.openai.serve", lambda *args, **kw: seen.update(kw))
+    monkeypatch.setattr("engine.openai.serve", lambda engine, *args, **kw: seen.update(engine=engine))
     assert main(["serve", "--model", str(synth_model("tiny", "q8_0")), "--port", "0", "--parallel", "2"]) == 0
-    assert seen["parallel"] == 2
+    assert seen["engine"].options.parallel == 2         # the serving session takes it from the engine
     with pytest.raises(SystemExit):
         main(["serve", "--parallel", "0"])
     assert "--parallel" in capsys.readouterr().err
