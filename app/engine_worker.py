@@ -33,7 +33,7 @@ from PySide6.QtCore import QMetaObject, QObject, Qt, QThread, Signal, Slot
 
 from engine.errors import EngineError, GenerationCancelled
 from engine.events import Event, PrefillProgress, PrefillStats, TokenEvent, TurnSummary
-from engine.session import Session, Ticket
+from engine.session import Session, Ticket, engine_parallel
 
 from .gpu import gpu_report
 from .serving import LocalServer
@@ -321,7 +321,7 @@ class EngineWorker(QObject):
             self.load_failed.emit(outcome)
             return
         self._close_engine()
-        self._engine, self._session = engine, Session(name="engine-session")
+        self._engine, self._session = engine, Session(name="engine-session", parallel=engine_parallel(engine))
         self.loaded.emit(outcome)
         self.report_gpu()
         self.list_snapshots()

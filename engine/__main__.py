@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Callable, Sequence
 from .errors import EngineError
 from .events import PrefillStats, TokenEvent, TurnSummary
 from .sampling import SamplingParams
-from .session import Session
+from .session import Session, engine_parallel
 
 if TYPE_CHECKING:
     from .gguf.file import GGUFFile
@@ -84,14 +84,16 @@ def _context(args: argparse.Namespace) -> int:
     return DEFAULT_CONTEXT if args.context is None else args.context
 
 def _load(args: argparse.Namespace, path: Path, mmproj: Path | None):
-    """Load ``path`` (and the vision tower ``mmproj``) with the CLI's options; one line on stderr.
+    """Load ``path`` (and the vision tower ``mmproj``) with the CLI's options (``--parallel`` turns at once where the
+    command has it, else 1); one line on stderr.
 
     Raises:
         EngineError: the files could not be loaded (see :meth:`engine.api.Engine.load`).
     """
     from .api import Engine, EngineOptions
     t0 = time.perf_counter()
-    engine = Engine.load(path, mmproj, options=EngineOptions(context=_context(args), kv_type=args.kv_type))
+    options = EngineOptions(context=_context(args), kv_type=args.kv_type, parallel=getattr(args, "parallel", 1))
+    engine = Engine.load(path, mmproj, options=options)
     tower = f" + {mmproj.name}" if mmproj is not None else ""
     print(f"[loaded {path.name}{tower} in {time.perf_counter() - t0:.2f} s]", file=sys.stderr)
     if args.context is not None and engine.info.context < args.context:
@@ -173,7 +175,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
         print(f"error: --image {bad}: no such file", file=sys.stderr)
         return 2
     engine = _load(args, path, mmproj)
-    with Session() as session:
+    with Session(parallel=engine_parallel(engine)) as session:
         if args.raw:
             return _finish(session.stream(lambda c: engine.complete(args.prompt, _sampling(args), c)), engine, args)
         return _generate_chat(args, engine, session)
@@ -229,7 +231,7 @@ An empty line or Ctrl+D quits; Ctrl+C stops an answer."""
 def cmd_chat(args: argparse.Namespace) -> int:
     """``engine chat``: an interactive chat on the terminal, one turn per input line."""
     engine = _load(args, *_model_paths(args))
-    with Session() as session:
+    with Session(parallel=engine_parallel(engine)) as session:
         return _chat_loop(args, engine, session)
 
 
@@ -308,7 +310,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
           f"{'; API key required' if api_key else ''}; Ctrl+C stops]", file=sys.stderr, flush=True)
     try:
         serve(engine, ServerConfig(name, api_key, max_waiting=args.queue, max_waiting_bytes=args.queue_mib << 20),
-              args.host, args.port, sock, parallel=args.parallel)
+              args.host, args.port, sock)
     finally:
         engine.close()
     return 0
@@ -525,7 +527,8 @@ def _add_serve(p: argparse.ArgumentParser) -> None:
     p.add_argument("--queue-mib", type=_positive, default=64, help="MiB of request bodies those may hold "
                    "together (default 64)")
     p.add_argument("--parallel", type=_positive, default=4, help="requests answered at once, their tokens decoded "
-                   "together in one batch (default 4; 1 answers one at a time)")
+                   "together in one batch, each with its own KV cache: a --context whose N caches do not fit in "
+                   "memory is refused at load (default 4; 1 answers one at a time)")
 
 
 def _positive(text: str) -> int:

@@ -103,9 +103,11 @@ class Engine:
             TemplateError: the chat template fails on :data:`PROBE_CONVERSATION` (the sandbox blocks
                 it, it raises, it runs too long); the message names the file.
             GenerationCancelled: ``cancel`` was set.
-            MemoryFitError: the context's state (KV cache of ``options.kv_type``) needs more memory than is
-                available (:func:`engine.turn.state.check_memory`), checked before any weight is prepared.
-            ValueError: an unknown ``options.kv_type``, or "q8_0" on a model whose head_dim is not a multiple of 32.
+            MemoryFitError: ``options.parallel`` states of the context (KV cache of ``options.kv_type``) plus the
+                prefix cache's RAM budget need more memory than is available (:func:`engine.turn.state.check_memory`),
+                checked before any weight is prepared.
+            ValueError: ``options.parallel`` below 1, an unknown ``options.kv_type``, or "q8_0" on a model whose
+                head_dim is not a multiple of 32.
 
         On any exception (KeyboardInterrupt included) the GPU vision tower and GPU prefill made so far
         are released first; the memory map is released with the objects.
@@ -118,10 +120,13 @@ class Engine:
 
         if options.device not in ("auto", "cuda", "cpu"):
             raise EngineError(f"device must be 'auto', 'cuda' or 'cpu', got {options.device!r}")
+        if options.parallel < 1:
+            raise ValueError(f"EngineOptions.parallel must be at least 1 turn, got {options.parallel}")
         stage("mapping tensors")
         text = open_text(model_path)
         gguf = text.file
-        check_memory(text.hparams.state_layout(), min(options.context, text.hparams.context_length), options.kv_type)
+        check_memory(text.hparams.state_layout(), min(options.context, text.hparams.context_length), options.kv_type,
+                     sequences=options.parallel, reserved=options.cache_ram_bytes if options.prefix_cache else 0)
         stage("building the tokenizer")
         tokenizer = Tokenizer.from_gguf(gguf.meta, gguf.source)
         if tokenizer.chat_template is not None:

@@ -15,6 +15,7 @@ from .vision.images import ImageInfo, ImageSource
 from .turn.prefix_cache import SnapshotInfo
 from .prompt.builder import Message
 from .sampling import SamplingParams
+from .session import DEFAULT_PARALLEL
 
 
 @dataclass(frozen=True)
@@ -54,6 +55,10 @@ class EngineOptions:
         kernels: "native" runs the CPU model on the SIMD kernels when the extension is built
             (:class:`engine.arch.qwen35.cpu.NativeQwen35Model`, W4A8: activations quantized to
             8 bits inside Q4_0/Q8_0 products), else the numpy reference; "numpy" forces the reference.
+        parallel: turns that run at once, each with its own state of ``context`` positions: the load refuses
+            a context whose ``parallel`` states (plus ``cache_ram_bytes`` when ``prefix_cache``) do not fit the
+            memory available; the session that drives the engine runs this many
+            (:func:`engine.session.engine_parallel`).
     """
 
     context: int = 8192
@@ -69,6 +74,7 @@ class EngineOptions:
     threads: int | None = None
     kernels: str = "native"
     kv_type: str = "f16"
+    parallel: int = DEFAULT_PARALLEL
 
 
 @dataclass(frozen=True)

@@ -29,13 +29,20 @@ from .turn.batch import Step, answering_steps, forward_rows
 log = logging.getLogger(__name__)
 
 __all__ = ["DEFAULT_MAX_QUEUED", "DEFAULT_PARALLEL", "END", "Events", "QueueFullError", "Session", "SessionClosedError",
-           "Ticket"]
+           "Ticket", "engine_parallel"]
 
 DEFAULT_MAX_QUEUED = 32
 """Jobs that may wait at once (read-aheads not counted: any new job drops them)."""
 
 DEFAULT_PARALLEL = 4
 """Turns decoded together in one batch."""
+
+
+def engine_parallel(engine: Any) -> int:
+    """The turns ``engine`` was loaded to hold at once (``EngineOptions.parallel``, whose states the load
+    checked fit in memory), so a session built for it runs no more; :data:`DEFAULT_PARALLEL` for an engine
+    without load options (a remote one, the tests' fakes)."""
+    return getattr(getattr(engine, "options", None), "parallel", DEFAULT_PARALLEL)
 
 END = object()
 """What a stream's sink receives last, after its events (and the exception that ended it, if any)."""

@@ -3,6 +3,7 @@ weight is prepared (the KV rows are allocated lazily: without the check it fails
 
 from __future__ import annotations
 
+from dataclasses import replace
 from types import SimpleNamespace
 
 import pytest
@@ -62,8 +63,70 @@ def test_engine_load_refuses_a_context_beyond_memory_before_preparing_weights(sy
     available = state_nbytes(layout, context, kv_type) - 1
     monkeypatch.setattr(psutil, "virtual_memory", lambda: SimpleNamespace(available=available))
     stages: list[str] = []
+    one = {"kv_type": kv_type, "parallel": 1, "prefix_cache": False}
     with pytest.raises(MemoryFitError, match=f"{context:,} tokens"):
-        Engine.load(path, options=EngineOptions(context=context, kv_type=kv_type), progress=stages.append)
+        Engine.load(path, options=EngineOptions(context=context, **one), progress=stages.append)
     assert stages == ["mapping tensors"]
-    engine = Engine.load(path, options=EngineOptions(context=context - 1, kv_type=kv_type))
+    engine = Engine.load(path, options=EngineOptions(context=context - 1, **one))
     assert engine.context == context - 1
+
+
+@pytest.mark.parametrize("sequences", [1, 3, 4])
+def test_check_memory_counts_every_live_sequence_and_names_what_fits(synth_model, sequences):
+    """``sequences`` states of the context plus the reserved bytes must fit; the refusal names the bytes per
+    sequence, the count, the memory available, and a context and a sequence count that do fit (the largest:
+    one more of either is refused)."""
+    layout = open_text(synth_model("tiny")).hparams.state_layout()
+    capacity, reserved = min(layout.context_length, 4096), 3 << 20
+    per_seq = state_nbytes(layout, capacity, "f16")
+    need = sequences * per_seq + reserved
+    assert check_memory(layout, capacity, "f16", available=need, sequences=sequences, reserved=reserved) == need
+    available = need - 1
+    with pytest.raises(MemoryFitError) as err:
+        check_memory(layout, capacity, "f16", available=available, sequences=sequences, reserved=reserved)
+    text = str(err.value)
+    assert f"{per_seq:,} bytes of state per sequence" in text and f"x {sequences} + " in text
+    assert f"{available / 2**30:.2f} GiB of memory is available" in text
+    most_tokens = int(text.split("at most ")[1].split(" tokens")[0].replace(",", ""))
+    most_seqs = int(text.split("at most ")[2].split(" sequence")[0])
+    fits = {"available": available, "reserved": reserved}
+    check_memory(layout, most_tokens, "f16", sequences=sequences, **fits)
+    with pytest.raises(MemoryFitError):
+        check_memory(layout, most_tokens + 1, "f16", sequences=sequences, **fits)
+    assert most_seqs == sequences - 1
+    if most_seqs:
+        check_memory(layout, capacity, "f16", sequences=most_seqs, **fits)
+
+
+def test_engine_load_counts_its_parallel_states_and_the_prefix_cache_budget(synth_model, monkeypatch):
+    """``EngineOptions.parallel`` states of the context plus ``cache_ram_bytes`` must fit at load: one byte too
+    few is refused before any weight is prepared; one turn fewer, or no prefix cache, fits that memory."""
+    import psutil
+    path = synth_model("tiny")
+    layout = open_text(path).hparams.state_layout()
+    context, cache = min(layout.context_length, 4096), 5 << 20
+    available = 4 * state_nbytes(layout, context, "f16") + cache - 1
+    monkeypatch.setattr(psutil, "virtual_memory", lambda: SimpleNamespace(available=available))
+    opts = EngineOptions(context=context, kv_type="f16", parallel=4, cache_ram_bytes=cache)
+    stages: list[str] = []
+    with pytest.raises(MemoryFitError, match=f"x 4 \\+ {cache / 2**30:.2f} GiB of prefix cache"):
+        Engine.load(path, options=opts, progress=stages.append)
+    assert stages == ["mapping tensors"]
+    assert Engine.load(path, options=replace(opts, parallel=3)).options.parallel == 3
+    assert Engine.load(path, options=replace(opts, prefix_cache=False)).options.parallel == 4
+    with pytest.raises(ValueError, match="EngineOptions.parallel"):
+        Engine.load(path, options=replace(opts, parallel=0))
+
+
+def test_the_session_runs_the_turns_the_engine_was_loaded_for(synth_model):
+    """The server's own session and the CLI's take the engine's ``parallel`` (the count its memory was checked
+    for); an engine without load options (a remote one) gets the default."""
+    from engine.openai import ServerConfig, ServerThread
+    from engine.session import DEFAULT_PARALLEL, engine_parallel
+    engine = Engine.load(synth_model("tiny"), options=EngineOptions(context=256, parallel=3))
+    srv = ServerThread(engine, ServerConfig("tiny"), port=0)
+    try:
+        assert srv.session.parallel == engine_parallel(engine) == 3
+    finally:
+        srv.session.close()
+    assert engine_parallel(object()) == DEFAULT_PARALLEL

@@ -195,12 +195,38 @@ def test_a_hundred_streams_queue_or_get_429(server, hold) -> None:
 
 
 def test_serve_takes_parallel_and_refuses_zero(synth_model, monkeypatch, capsys) -> None:
-    """``engine serve --parallel N`` sizes the session's batch; 0 is refused by the argument parser, naming it."""
+    """``engine serve --parallel N`` loads the engine for N turns (its memory checked for N states; the serving
+    session takes N from it); 0 is refused by the argument parser, naming it."""
     from engine.__main__ import main
     seen: dict = {}
-    monkeypatch.setattr("engine.openai.serve", lambda *args, **kw: seen.update(kw))
+    monkeypatch.setattr("engine.openai.serve", lambda engine, *args, **kw: seen.update(engine=engine))
     assert main(["serve", "--model", str(synth_model("tiny", "q8_0")), "--port", "0", "--parallel", "2"]) == 0
-    assert seen["parallel"] == 2
+    assert seen["engine"].options.parallel == 2         # the serving session takes it from the engine
     with pytest.raises(SystemExit):
         main(["serve", "--parallel", "0"])
     assert "--parallel" in capsys.readouterr().err
+
+
+def test_n_choices_beyond_parallel_wait_for_a_free_sequence(synth_model) -> None:
+    """An engine loaded for 2 turns (its memory checked for 2 states) serves ``n=4`` with at most 2 sequences
+    decoding at once; the other choices wait their turn and every choice is answered."""
+    from engine.api import Engine, EngineOptions
+    engine = Engine.load(synth_model("tiny", "q8_0"), options=EngineOptions(context=256, parallel=2))
+    sizes: list[int] = []
+    real = type(engine.model).forward_batch
+
+    def spy(tokens, states, positions):
+        sizes.append(len(tokens))
+        return real(engine.model, tokens, states, positions)
+
+    engine.model.forward_batch = spy
+    server = ServerThread(engine, ServerConfig("tiny"), port=0).start()
+    try:
+        client = openai.OpenAI(base_url=server.url, api_key="unused", max_retries=0, timeout=60)
+        answer = client.chat.completions.create(model="tiny", messages=HI, max_tokens=6, n=4, seed=5, temperature=1.0)
+    finally:
+        server.stop()
+        engine.close()
+    assert server.session.parallel == 2
+    assert sorted(c.index for c in answer.choices) == [0, 1, 2, 3] and all(c.message.content for c in answer.choices)
+    assert max(sizes) == 2

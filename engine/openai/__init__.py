@@ -21,7 +21,7 @@ import time
 from typing import Any
 
 from engine.errors import EngineError
-from engine.session import DEFAULT_PARALLEL, Session
+from engine.session import Session, engine_parallel
 from .app import DEFAULT_MAX_BODY, ServerConfig, create_app
 from .requests import APIError
 
@@ -115,17 +115,18 @@ def _uvicorn_server(engine: Any, config: ServerConfig, host: str, port: int, ses
 
 
 def serve(engine: Any, config: ServerConfig, host: str = LOOPBACK, port: int = 8080,
-          sock: socket.socket | None = None, parallel: int = DEFAULT_PARALLEL) -> None:
+          sock: socket.socket | None = None, parallel: int | None = None) -> None:
     """Serve ``engine`` until interrupted (Ctrl+C), in the calling thread; on ``sock`` when given (bound by
     :func:`bind_address` to ``host:port``), else on a socket bound here. Up to ``parallel`` requests' turns are
-    decoded together (:class:`engine.session.Session`); 1 answers one request at a time.
+    decoded together (:class:`engine.session.Session`); 1 answers one request at a time; None: as many as the
+    engine was loaded for (:func:`engine.session.engine_parallel`).
 
     Raises:
         EngineError: see :func:`check_bind` and :func:`bind_address`.
     """
     check_bind(host, config.api_key)
     sock = sock or bind_address(host, port)
-    session = Session(parallel=parallel)
+    session = Session(parallel=parallel or engine_parallel(engine))
     try:
         _uvicorn_server(engine, config, host, port, session).run(sockets=[sock])
     finally:
@@ -140,16 +141,17 @@ class ServerThread:
         config: model name, key, body limit.
         host, port: where to listen; port 0 picks a free one (read :attr:`port` after :meth:`start`).
         session: the :class:`engine.session.Session` the engine's other users share; None = one of the
-            server's own, closed by :meth:`stop`, running up to ``parallel`` turns together.
+            server's own, closed by :meth:`stop`, running up to ``parallel`` turns together (None: as many as the
+            engine was loaded for, :func:`engine.session.engine_parallel`).
     """
 
     def __init__(self, engine: Any, config: ServerConfig, host: str = LOOPBACK, port: int = 8080,
-                 session: Session | None = None, parallel: int = DEFAULT_PARALLEL) -> None:
+                 session: Session | None = None, parallel: int | None = None) -> None:
         check_bind(host, config.api_key)
         self.host = host
         self.port = port
         self._own = session is None
-        self.session = session or Session(parallel=parallel)
+        self.session = session or Session(parallel=parallel or engine_parallel(engine))
         self._server = _uvicorn_server(engine, config, host, port, self.session)
         self._thread: threading.Thread | None = None
 

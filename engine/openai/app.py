@@ -34,7 +34,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from engine.events import Event, PrefillStats, TokenEvent, TurnSummary
-from engine.session import END, QueueFullError, Session, Ticket
+from engine.session import END, QueueFullError, Session, Ticket, engine_parallel
 from . import agent_routes
 from .choices import Answer, Choice
 from .constraints import Constraints
@@ -380,7 +380,7 @@ def create_app(engine: Any, config: ServerConfig, session: Session | None = None
     Returns:
         A Starlette application (run it with uvicorn, see :func:`engine.openai.serve`).
     """
-    handlers = _Routes(engine, config, session or Session())
+    handlers = _Routes(engine, config, session or Session(parallel=engine_parallel(engine)))
     routes = [Route("/v1/chat/completions", handlers.chat_completions, methods=["POST"]),
               Route("/v1/completions", handlers.completions, methods=["POST"]),
               Route("/v1/models", handlers.models, methods=["GET"]),

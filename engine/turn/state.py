@@ -64,26 +64,42 @@ def state_nbytes(layout: StateLayout, capacity: int, kv_type: str = "f32") -> in
     return rows + 4 * fixed
 
 
-def check_memory(layout: StateLayout, capacity: int, kv_type: str, available: int | None = None) -> int:
-    """Refuse up front a context whose state cannot fit the memory available now (the KV rows are
+def check_memory(layout: StateLayout, capacity: int, kv_type: str, available: int | None = None,
+                 sequences: int = 1, reserved: int = 0) -> int:
+    """Refuse up front a context whose states cannot fit the memory available now (the KV rows are
     allocated lazily, so without this a large context would fail with an out-of-memory error hours later).
 
     Args: layout: the model's state. capacity: context, tokens. kv_type: a :data:`KV_TYPES` name.
         available: bytes of memory available, or None for what the OS reports (``psutil``).
-    Returns: the state's bytes. Raises: MemoryFitError naming the bytes needed and available.
+        sequences: states live at once (turns decoded together), each of ``capacity`` positions.
+        reserved: other bytes that may be held meanwhile (the prefix cache's RAM budget).
+    Returns: the bytes counted. Raises: MemoryFitError naming the bytes per sequence, the sequences, the
+        bytes available, and the largest context (and number of sequences) that fits.
     """
-    need = state_nbytes(layout, capacity, kv_type)
+    per_seq = state_nbytes(layout, capacity, kv_type)
+    need = sequences * per_seq + reserved
     if available is None:
         import psutil
         available = int(psutil.virtual_memory().available)
     if need > available:
-        per_token = state_nbytes(layout, 1, kv_type) - state_nbytes(layout, 0, kv_type)
-        raise MemoryFitError(
-            f"a context of {capacity:,} tokens needs {need / 2**30:.2f} GiB for its state ({per_token:,} bytes of "
-            f"{kv_type} KV cache per token) but {available / 2**30:.2f} GiB of memory is available: choose a "
-            f"context of at most {max(available - state_nbytes(layout, 0, kv_type), 0) // per_token:,} tokens"
-            + {"f32": " or the f16 or q8_0 KV type", "f16": " or the q8_0 KV type"}.get(kv_type, ""))
+        raise MemoryFitError(_fit_message(layout, capacity, kv_type, available, sequences, reserved))
     return need
+
+
+def _fit_message(layout: StateLayout, capacity: int, kv_type: str, available: int, sequences: int,
+                 reserved: int) -> str:
+    """The refusal of :func:`check_memory`: what is needed, what is available, and what would fit."""
+    per_seq, fixed = state_nbytes(layout, capacity, kv_type), state_nbytes(layout, 0, kv_type)
+    per_token = state_nbytes(layout, 1, kv_type) - fixed
+    free = max(available - reserved, 0)
+    need = sequences * per_seq + reserved
+    cache = f" + {reserved / 2**30:.2f} GiB of prefix cache RAM budget" if reserved else ""
+    return (f"a context of {capacity:,} tokens with {sequences} sequence(s) at once needs {need / 2**30:.2f} GiB: "
+            f"{per_seq:,} bytes of state per sequence ({per_token:,} bytes of {kv_type} KV cache per token) "
+            f"x {sequences}{cache}, but {available / 2**30:.2f} GiB of memory is available: choose a context of "
+            f"at most {max(free // sequences - fixed, 0) // per_token:,} tokens at {sequences} sequence(s), or "
+            f"at most {free // per_seq} sequence(s) at once at this context"
+            + {"f32": ", or the f16 or q8_0 KV type", "f16": ", or the q8_0 KV type"}.get(kv_type, ""))
 
 
 class HasStateLayout(Protocol):
