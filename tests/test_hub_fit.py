@@ -50,15 +50,17 @@ def test_ram_estimate_within_10_percent_of_rss_growth(synth_pair):
 
 
 def test_state_term_is_the_engines_own_accounting(synth_pair):
-    """The state term is what the engine allocates: KV rows of the engine's default KV type (or the one named)."""
+    """The state term is what the engine allocates: one state per turn the engine runs at once (its default
+    ``parallel``, or the count named), KV rows of the engine's default KV type (or the one named)."""
     from engine.api_types import EngineOptions
     from engine.turn.state import SequenceState
     f = open_text(synth_pair[0])
     for context in (1, 1000, 4096):
         assert state_bytes(f.hparams, context) == SequenceState.new(f.hparams, context, EngineOptions().kv_type).nbytes
         assert state_bytes(f.hparams, context, "f32") == SequenceState.new(f.hparams, context).nbytes
-    fit = estimate(f, 1 << 20, 1000, Machine(24 << 30, 10.0))
-    assert fit.state == SequenceState.new(f.hparams, 1000, EngineOptions().kv_type).nbytes
+    one = SequenceState.new(f.hparams, 1000, EngineOptions().kv_type).nbytes
+    assert estimate(f, 1 << 20, 1000, Machine(24 << 30, 10.0)).state == EngineOptions().parallel * one
+    assert estimate(f, 1 << 20, 1000, Machine(24 << 30, 10.0), parallel=1).state == one
 
 
 

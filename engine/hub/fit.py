@@ -164,10 +164,10 @@ def _verdict(ram: int, machine: Machine) -> tuple[int, str]:
 
 
 def estimate_from_size(arch: str, shape: str, file_size: int, context: int, machine: Machine,
-                       kv_type: str = EngineOptions.kv_type) -> Fit:
+                       kv_type: str = EngineOptions.kv_type, parallel: int = EngineOptions.parallel) -> Fit:
     """The fit of a file known only by its size and its model's shapes (the synth preset ``shape`` with the
-    real dimensions, named in the catalogue): for the catalogue before any header is read; the state's KV
-    rows of ``kv_type`` (:func:`state_bytes`).
+    real dimensions, named in the catalogue): for the catalogue before any header is read; ``parallel``
+    states (the engine's default turns at once) with KV rows of ``kv_type`` (:func:`state_bytes`).
 
     Assumed where the header would tell: every weight has the file's mean bits (so the bytes read per token
     are the file size less the header (:data:`HEADER_BYTES_PER_ENTRY`) x the share of weights a token reads: routed
@@ -192,7 +192,7 @@ def estimate_from_size(arch: str, shape: str, file_size: int, context: int, mach
         else:
             read += n
     context = min(context, hp.context_length)
-    parts = {"weights": file_size, "converted": 0, "state": state_bytes(hp, context, kv_type),
+    parts = {"weights": file_size, "converted": 0, "state": parallel * state_bytes(hp, context, kv_type),
              "vocab": VOCAB_BYTES_PER_ENTRY * 2 * hp.n_vocab, "vision": 0}
     ram = sum(parts.values())
     budget, verdict = _verdict(ram, machine)
@@ -204,9 +204,9 @@ def estimate_from_size(arch: str, shape: str, file_size: int, context: int, mach
 
 
 def estimate(text: LoadedText, file_size: int, context: int, machine: Machine, mmproj: Header | None = None,
-             kv_type: str = EngineOptions.kv_type) -> Fit:
+             kv_type: str = EngineOptions.kv_type, parallel: int = EngineOptions.parallel) -> Fit:
     """The fit of model ``text`` (opened, or from a remote header) of ``file_size`` bytes at ``context`` tokens,
-    its state's KV rows of ``kv_type`` (:func:`state_bytes`).
+    ``parallel`` states (the engine's default turns at once) with KV rows of ``kv_type`` (:func:`state_bytes`).
 
     Raises:
         EngineError: ``context`` < 1. UnsupportedModelError: the projector's type is not supported.
@@ -217,7 +217,7 @@ def estimate(text: LoadedText, file_size: int, context: int, machine: Machine, m
     check_tower(text, mmproj)
     context = min(context, text.hparams.context_length)
     parts = {"weights": file_size, "converted": converted_bytes(text),
-             "state": state_bytes(text.hparams, context, kv_type), "vocab": vocab_bytes(text.file),
+             "state": parallel * state_bytes(text.hparams, context, kv_type), "vocab": vocab_bytes(text.file),
              "vision": vision_bytes(mmproj)}
     ram = sum(parts.values())
     budget, verdict = _verdict(ram, machine)
