@@ -51,15 +51,17 @@ DD_INLINE void q4_0_unpack(const uint8_t *p, __m512i lo[4], __m512i hi[4], __m51
     *dw = _mm512_cvtph_ps(_mm512_castsi512_si256(d));
 }
 
-/* Column c's exact block dots of group g (the activation bias included), from q4_0_unpack's nibbles. */
+/* Column c's exact block dots of group g (the activation bias included), from q4_0_unpack's nibbles: two
+ * chains of vpdpbusd (low and high nibbles) added at the end, an exact int32 sum in any order. */
 DD_INLINE __m512i q4_0_dot(const __m512i lo[4], const __m512i hi[4], const dd_acts *a, size_t c, size_t g)
 {
     const int8_t *q = a->gq + (c * a->ng + g) * 8 * 64;
-    __m512i dot = _mm512_load_si512(a->gbias + (c * a->ng + g) * 16);
-    for (int t = 0; t < 4; t++)
-        dot = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(dot, lo[t], _mm512_load_si512(q + 128 * t)), hi[t],
-                                  _mm512_load_si512(q + 128 * t + 64));
-    return dot;
+    __m512i dlo = _mm512_load_si512(a->gbias + (c * a->ng + g) * 16), dhi = _mm512_setzero_si512();
+    for (int t = 0; t < 4; t++) {
+        dlo = _mm512_dpbusd_epi32(dlo, lo[t], _mm512_load_si512(q + 128 * t));
+        dhi = _mm512_dpbusd_epi32(dhi, hi[t], _mm512_load_si512(q + 128 * t + 64));
+    }
+    return _mm512_add_epi32(dlo, dhi);
 }
 
 #define Q4_WIDE_COLS 8
@@ -74,6 +76,8 @@ DD_INLINE void q4_0_wide_step(const uint8_t *grp, const uint8_t *pf, const dd_ac
     __m512i lo[4], hi[4];
     __m512 dw;
     q4_0_unpack(grp, lo, hi, &dw);
+    /* unrolled: GCC keeps a rolled loop's accumulators on the stack (a load and store per column) */
+#pragma GCC unroll 8
     for (int c = 0; c < C; c++)
         acc_f64(acc[c], q4_0_dot(lo, hi, a, c0 + c, g),
                 _mm512_mul_ps(dw, _mm512_load_ps(a->gd + ((c0 + c) * a->ng + g) * 16)));
