@@ -1,12 +1,15 @@
 /* The AVX-512 Q4_0 GEMM (m > 1, prefill) in one-row, eight-column tiles (included by kernels_avx512vnni.c
  * after its Q4_0 group helpers).
  *
- * A tile unpacks one row's group once (8 nibble vectors and the scales, q4_0_unpack), then finishes
- * each of up to 8 columns in turn (q4_0_dot, the scale, acc_f64), its accumulators in registers. Each
- * block's integer dot is exact, so it equals the GEMV tile's (which sums the same products in another
- * order), and the scaling and f64 accumulation are the GEMV's instructions in the GEMV's lane order:
- * every output keeps the bits of the one-column call. The walk takes 8 columns at a time (their activations,
- * ~20 KiB at k = 2048, stay in L1) against every row of the range (the chunk's ~64 KiB of weights, in L2).
+ * A tile unpacks one row's group once (8 nibble vectors and the scales, q4_0_unpack; the scales widened
+ * to f64 once), then finishes each of up to 8 columns in turn (q4_0_dot, the scale, the f64 FMA), its
+ * accumulators in registers. Each block's integer dot is exact, so it equals the GEMV tile's (which sums
+ * the same products in another order). The GEMV's scale is the f32 product dw da of two f16 values
+ * (<= 11 significant bits each, so exact in f32); here it is the f64 product of the same values, widened
+ * (dd_acts.gd64): the same number, with no f32 multiply and no widening per column. The accumulation is
+ * the GEMV's FMA of an exact product in the GEMV's lane order, so every output keeps the bits of the
+ * one-column call. The walk takes 8 columns at a time (their activations, ~20 KiB at k = 2048, stay in
+ * L1) against every row of the range (the chunk's ~64 KiB of weights, in L2).
  */
 #ifndef DELTADESK_Q4_GEMM_AVX512_H
 #define DELTADESK_Q4_GEMM_AVX512_H
@@ -76,11 +79,18 @@ DD_INLINE void q4_0_wide_step(const uint8_t *grp, const uint8_t *pf, const dd_ac
     __m512i lo[4], hi[4];
     __m512 dw;
     q4_0_unpack(grp, lo, hi, &dw);
+    const __m512d dw0 = _mm512_cvtps_pd(_mm512_castps512_ps256(dw)),
+                  dw1 = _mm512_cvtps_pd(_mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(dw), 1)));
     /* unrolled: GCC keeps a rolled loop's accumulators on the stack (a load and store per column) */
 #pragma GCC unroll 8
-    for (int c = 0; c < C; c++)
-        acc_f64(acc[c], q4_0_dot(lo, hi, a, c0 + c, g),
-                _mm512_mul_ps(dw, _mm512_load_ps(a->gd + ((c0 + c) * a->ng + g) * 16)));
+    for (int c = 0; c < C; c++) {
+        const __m512i dot = q4_0_dot(lo, hi, a, c0 + c, g);
+        const double *da = a->gd64 + ((c0 + c) * a->ng + g) * 16;
+        acc[c][0] = _mm512_fmadd_pd(_mm512_cvtepi32_pd(_mm512_castsi512_si256(dot)),
+                                    _mm512_mul_pd(dw0, _mm512_load_pd(da)), acc[c][0]);
+        acc[c][1] = _mm512_fmadd_pd(_mm512_cvtepi32_pd(_mm512_extracti64x4_epi64(dot, 1)),
+                                    _mm512_mul_pd(dw1, _mm512_load_pd(da + 8)), acc[c][1]);
+    }
 }
 
 /* Row w (prefetching pf's row, if not NULL) against columns [c0, c0 + C): y[(c0 + c) * ldy]. */
