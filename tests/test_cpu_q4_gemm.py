@@ -54,3 +54,19 @@ def test_q4_0_gemm_same_bits_for_any_thread_count(level, rng):
         results.append(cpu.matmul_q4_0(raw, x))
     for got in results[1:]:
         assert np.array_equal(got.view(np.uint32), results[0].view(np.uint32))
+
+
+@pytest.mark.parametrize("level", LEVELS, indirect=True)
+@pytest.mark.parametrize("k", (32 * (16 * 102 + 5), 32 * 16 * 308))
+def test_q4_0_gemm_long_rows_keep_gemv_bits(level, k, rng):
+    """Long rows: at k = 52,384 (103 groups) the 192 KiB of unpacked groups (307) hold 2 rows, so each
+    4-row chunk of the call is unpacked in two ranges; at k = 157,696 (308 groups) one row does not fit
+    and the tiles unpack each group per 8 columns instead. Same checks as above."""
+    raw = random_weights(rng, 23, k, Q4_0)
+    x = rng.standard_normal((9, k)).astype(np.float32)
+    ref, abs_sum = reference_product(raw, x, Q4_0)
+    batch = cpu.matmul_q4_0(raw, x)
+    assert_close(batch, ref, abs_sum, k // 32)
+    single = np.stack([cpu.matmul_q4_0(raw, v) for v in x])
+    assert np.array_equal(batch.view(np.uint32), single.view(np.uint32))
+    assert np.array_equal(batch.view(np.uint32), cpu.matmul_q4_0_np(raw, x).view(np.uint32))

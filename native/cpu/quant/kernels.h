@@ -56,7 +56,8 @@
  *   m > 1 (the lane layout, the GEMM's):
  *   gq[((c*ng + g)*8 + 2t + h)*64 + 4L(i) + u]  value 16h + 4t + u of block 16g + i (t, u < 4);
  *   gbias[(c*ng + g)*16 + L(i)]  -8 * (sum of block 16g + i's 32 values);
- *   gd[(c*ng + g)*16 + L(i)]     its scale.
+ *   gd[(c*ng + g)*16 + L(i)]     its scale;
+ *   gd64[(c*ng + g)*16 + L(i)]   m > 1 only (else NULL): the same scale as f64.
  * Compact (every level; the K-quant kernels read them), per block b of column c:
  *   bd[c*nbp + b]     the block's scale;
  *   bs[c*nbp + b]     the sum of its 32 values;
@@ -72,6 +73,7 @@ typedef struct {
     const int8_t *gq;
     const int32_t *gbias;
     const float *gd;
+    const double *gd64;
     const float *bd;
     const int32_t *bs, *s16;
     const float *x;

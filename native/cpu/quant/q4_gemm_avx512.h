@@ -1,12 +1,16 @@
 /* The AVX-512 Q4_0 GEMM (m > 1, prefill) in one-row, eight-column tiles (included by kernels_avx512vnni.c
  * after its Q4_0 group helpers).
  *
- * A tile unpacks one row's group once (8 nibble vectors and the scales, q4_0_unpack), then finishes
- * each of up to 8 columns in turn (q4_0_dot, the scale, acc_f64), its accumulators in registers. Each
- * block's integer dot is exact, so it equals the GEMV tile's (which sums the same products in another
- * order), and the scaling and f64 accumulation are the GEMV's instructions in the GEMV's lane order:
- * every output keeps the bits of the one-column call. The walk takes 8 columns at a time (their activations,
- * ~20 KiB at k = 2048, stay in L1) against every row of the range (the chunk's ~64 KiB of weights, in L2).
+ * A call unpacks its rows range by range, once: each stored group becomes 8 nibble vectors and its 16
+ * scales widened to f64 (q4x_group, 640 bytes for 288 stored; a range's groups fill at most 192 KiB of
+ * the stack and stay in L2). A tile then meets one unpacked row with up to 8 columns (q4_0_dot, the
+ * scale, the f64 FMA), its accumulators in registers; the walk takes 8 columns at a time (their
+ * activations, ~20 KiB at k = 2048, stay in L1) against every row of the range. Each block's integer dot
+ * is exact, so it equals the GEMV tile's (which sums the same products in another order). The GEMV's
+ * scale is the f32 product dw da of two f16 values (<= 11 significant bits each, so exact in f32); here
+ * it is the f64 product of the same values, widened (dd_acts.gd64): the same number, with no f32
+ * multiply and no widening per column. The accumulation is the GEMV's FMA of an exact product in the
+ * GEMV's lane order, so every output keeps the bits of the one-column call.
  */
 #ifndef DELTADESK_Q4_GEMM_AVX512_H
 #define DELTADESK_Q4_GEMM_AVX512_H
@@ -51,65 +55,124 @@ DD_INLINE void q4_0_unpack(const uint8_t *p, __m512i lo[4], __m512i hi[4], __m51
     *dw = _mm512_cvtph_ps(_mm512_castsi512_si256(d));
 }
 
-/* Column c's exact block dots of group g (the activation bias included), from q4_0_unpack's nibbles. */
+/* Column c's exact block dots of group g (the activation bias included), from q4_0_unpack's nibbles: two
+ * chains of vpdpbusd (low and high nibbles) added at the end, an exact int32 sum in any order. */
 DD_INLINE __m512i q4_0_dot(const __m512i lo[4], const __m512i hi[4], const dd_acts *a, size_t c, size_t g)
 {
     const int8_t *q = a->gq + (c * a->ng + g) * 8 * 64;
-    __m512i dot = _mm512_load_si512(a->gbias + (c * a->ng + g) * 16);
-    for (int t = 0; t < 4; t++)
-        dot = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(dot, lo[t], _mm512_load_si512(q + 128 * t)), hi[t],
-                                  _mm512_load_si512(q + 128 * t + 64));
-    return dot;
+    __m512i dlo = _mm512_load_si512(a->gbias + (c * a->ng + g) * 16), dhi = _mm512_setzero_si512();
+    for (int t = 0; t < 4; t++) {
+        dlo = _mm512_dpbusd_epi32(dlo, lo[t], _mm512_load_si512(q + 128 * t));
+        dhi = _mm512_dpbusd_epi32(dhi, hi[t], _mm512_load_si512(q + 128 * t + 64));
+    }
+    return _mm512_add_epi32(dlo, dhi);
 }
 
 #define Q4_WIDE_COLS 8
 
-/* One group of one row (bytes at grp, prefetching pf's group g if pf is set) against C columns from c0. */
-DD_INLINE void q4_0_wide_step(const uint8_t *grp, const uint8_t *pf, const dd_acts *a, size_t c0, size_t g,
-                              __m512d acc[Q4_WIDE_COLS][2], const int C)
+/* acc[c] += the f64 terms of group g of columns [c0, c0 + C) against one row's group: its nibbles (lo, hi)
+ * and its 16 scales widened to f64 (dw[0]: lanes 0-7, dw[1]: 8-15). */
+DD_INLINE void q4_0_columns(const __m512i lo[4], const __m512i hi[4], const __m512d dw[2], const dd_acts *a,
+                            size_t c0, size_t g, __m512d acc[Q4_WIDE_COLS][2], const int C)
+{
+    /* unrolled: GCC keeps a rolled loop's accumulators on the stack (a load and store per column) */
+#pragma GCC unroll 8
+    for (int c = 0; c < C; c++) {
+        const __m512i dot = q4_0_dot(lo, hi, a, c0 + c, g);
+        const double *da = a->gd64 + ((c0 + c) * a->ng + g) * 16;
+        acc[c][0] = _mm512_fmadd_pd(_mm512_cvtepi32_pd(_mm512_castsi512_si256(dot)),
+                                    _mm512_mul_pd(dw[0], _mm512_load_pd(da)), acc[c][0]);
+        acc[c][1] = _mm512_fmadd_pd(_mm512_cvtepi32_pd(_mm512_extracti64x4_epi64(dot, 1)),
+                                    _mm512_mul_pd(dw[1], _mm512_load_pd(da + 8)), acc[c][1]);
+    }
+}
+
+/* One stored group (Q4_0_GROUP_BYTES at grp) unpacked: its nibble vectors and widened scales. */
+typedef struct {
+    __m512i lo[4], hi[4];
+    __m512d dw[2];
+} q4x_group;
+
+DD_INLINE void q4x_unpack(const uint8_t *grp, q4x_group *e)
+{
+    __m512 dw;
+    q4_0_unpack(grp, e->lo, e->hi, &dw);
+    e->dw[0] = _mm512_cvtps_pd(_mm512_castps512_ps256(dw));
+    e->dw[1] = _mm512_cvtps_pd(_mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(dw), 1)));
+}
+
+/* Group g of row w unpacked into *e (a short last group padded with zero nibbles, as tile_q4_0: zero
+ * nibbles meet zero padding values), prefetching pf's group g if pf is set. */
+DD_INLINE void q4x_unpack_group(const uint8_t *w, const uint8_t *pf, const dd_acts *a, size_t g, q4x_group *e)
 {
     if (pf != NULL)
         for (int l = 0; l < 6; l++)
             dd_prefetch_weight(pf + g * Q4_GROUP_BYTES + q4_group_lines[l]);
-    __m512i lo[4], hi[4];
-    __m512 dw;
-    q4_0_unpack(grp, lo, hi, &dw);
-    for (int c = 0; c < C; c++)
-        acc_f64(acc[c], q4_0_dot(lo, hi, a, c0 + c, g),
-                _mm512_mul_ps(dw, _mm512_load_ps(a->gd + ((c0 + c) * a->ng + g) * 16)));
+    if (g < a->nb / 16) {
+        q4x_unpack(w + g * Q4_GROUP_BYTES, e);
+        return;
+    }
+    uint8_t tail[Q4_GROUP_BYTES];
+    memset(tail, 0, Q4_GROUP_BYTES);
+    memcpy(tail, w + g * Q4_GROUP_BYTES, (a->nb % 16) * DD_Q4_0_BYTES);
+    q4x_unpack(tail, e);
 }
 
-/* Row w (prefetching pf's row, if not NULL) against columns [c0, c0 + C): y[(c0 + c) * ldy]. */
-DD_INLINE void q4_0_wide_tile(const uint8_t *w, const uint8_t *pf, const dd_acts *a, size_t c0, float *y, size_t ldy,
-                              const int C)
+/* One row against columns [c0, c0 + C) into y[(c0 + c) * ldy]: from its groups unpacked once per call (e,
+ * ng of them) or, if e is NULL, from the stored row w, unpacked here (prefetching pf's row if set). */
+DD_INLINE void q4_0_wide_tile(const q4x_group *e, const uint8_t *w, const uint8_t *pf, const dd_acts *a, size_t c0,
+                              float *y, size_t ldy, const int C)
 {
-    const size_t full = a->nb / 16, rest = a->nb % 16;
     __m512d acc[Q4_WIDE_COLS][2];
     for (int c = 0; c < C; c++)
         acc[c][0] = acc[c][1] = _mm512_setzero_pd();
-    for (size_t g = 0; g < full; g++)
-        q4_0_wide_step(w + g * Q4_GROUP_BYTES, pf, a, c0, g, acc, C);
-    if (rest) {
-        /* a short last group, as tile_q4_0: zero nibbles meet zero padding values */
-        uint8_t tail[Q4_GROUP_BYTES];
-        memset(tail, 0, Q4_GROUP_BYTES);
-        memcpy(tail, w + full * Q4_GROUP_BYTES, rest * DD_Q4_0_BYTES);
-        q4_0_wide_step(tail, NULL, a, c0, full, acc, C);
+    for (size_t g = 0; g < a->ng; g++) {
+        q4x_group own;
+        if (e == NULL)
+            q4x_unpack_group(w, pf, a, g, &own);
+        const q4x_group *x = e != NULL ? e + g : &own;
+        q4_0_columns(x->lo, x->hi, x->dw, a, c0, g, acc, C);
     }
     for (int c = 0; c < C; c++)
         y[(c0 + c) * ldy] = reduce_f64(acc[c]);
 }
 
-/* Every row of [0, nrows) against columns [c0, c0 + C), prefetching DD_PREFETCH_ROWS rows ahead within
- * the range (the chunk's rows are read once per 8 columns, from L2 after the first). */
-DD_INLINE void q4_0_wide_rows(const uint8_t *w, size_t rb, size_t nrows, size_t rows_avail, const dd_acts *a,
-                              size_t c0, float *y, size_t ldy, const int C)
+/* Rows [0, nrows) against columns [c0, c0 + C): from e (row r's groups at e + r * ng) or, e NULL, from
+ * the stored rows, prefetching DD_PREFETCH_ROWS rows ahead on the first column pass. */
+DD_INLINE void q4_0_wide_rows(const q4x_group *e, const uint8_t *w, size_t rb, size_t nrows, size_t rows_avail,
+                              const dd_acts *a, size_t c0, float *y, size_t ldy, const int C)
 {
     for (size_t r = 0; r < nrows; r++)
-        q4_0_wide_tile(w + r * rb, c0 == 0 ? DD_PREFETCH_BASE(w, rb, r, 1, rows_avail) : NULL, a, c0, y + r, ldy, C);
+        q4_0_wide_tile(e != NULL ? e + r * a->ng : NULL, w + r * rb,
+                       e == NULL && c0 == 0 ? DD_PREFETCH_BASE(w, rb, r, 1, rows_avail) : NULL, a, c0, y + r, ldy, C);
 }
 
-/* The dd_gemm_fn of kernels.h: gemm_q4_0_gemv (the 4-row tiles) for m == 1, else the wide tiles. */
+/* Rows [0, nrows) against every column, in 8-column blocks and then the 1-7 left over. */
+DD_INLINE void q4_0_wide_blocks(const q4x_group *e, const uint8_t *w, size_t rb, size_t nrows, size_t rows_avail,
+                                const dd_acts *a, float *y, size_t ldy)
+{
+    size_t c0 = 0;
+    for (; c0 + Q4_WIDE_COLS <= a->m; c0 += Q4_WIDE_COLS)
+        q4_0_wide_rows(e, w, rb, nrows, rows_avail, a, c0, y, ldy, Q4_WIDE_COLS);
+    switch (a->m - c0) {
+    case 7: q4_0_wide_rows(e, w, rb, nrows, rows_avail, a, c0, y, ldy, 7); break;
+    case 6: q4_0_wide_rows(e, w, rb, nrows, rows_avail, a, c0, y, ldy, 6); break;
+    case 5: q4_0_wide_rows(e, w, rb, nrows, rows_avail, a, c0, y, ldy, 5); break;
+    case 4: q4_0_wide_rows(e, w, rb, nrows, rows_avail, a, c0, y, ldy, 4); break;
+    case 3: q4_0_wide_rows(e, w, rb, nrows, rows_avail, a, c0, y, ldy, 3); break;
+    case 2: q4_0_wide_rows(e, w, rb, nrows, rows_avail, a, c0, y, ldy, 2); break;
+    case 1: q4_0_wide_rows(e, w, rb, nrows, rows_avail, a, c0, y, ldy, 1); break;
+    default: break;
+    }
+}
+
+/* The unpacked groups of one row range (stack): 192 KiB, ~88 KiB of stored weights, in L2. */
+#define Q4X_GROUPS (192 * 1024 / sizeof(q4x_group))
+
+/* The dd_gemm_fn of kernels.h: gemm_q4_0_gemv (the 4-row tiles) for m == 1; else row ranges whose groups
+ * are unpacked once per call (each stored group read and unpacked once, not once per 8 columns) and met
+ * by every column block; a row longer than Q4X_GROUPS groups (k > 150,000 values) is unpacked per
+ * 8 columns instead. Every path runs q4_0_columns on the same unpacked values: the same bits. */
 static void gemm_q4_0(const uint8_t *w, size_t row_bytes, size_t nrows, size_t rows_avail, const dd_acts *a,
                       float *y, size_t ldy)
 {
@@ -119,18 +182,21 @@ static void gemm_q4_0(const uint8_t *w, size_t row_bytes, size_t nrows, size_t r
     }
     dd_prefetch_rows(w, row_bytes, nrows < DD_PREFETCH_ROWS ? nrows : DD_PREFETCH_ROWS);
     dd_prefetched_next[0] = dd_prefetched_next[1] = NULL;
-    size_t c0 = 0;
-    for (; c0 + Q4_WIDE_COLS <= a->m; c0 += Q4_WIDE_COLS)
-        q4_0_wide_rows(w, row_bytes, nrows, rows_avail, a, c0, y, ldy, Q4_WIDE_COLS);
-    switch (a->m - c0) {
-    case 7: q4_0_wide_rows(w, row_bytes, nrows, rows_avail, a, c0, y, ldy, 7); break;
-    case 6: q4_0_wide_rows(w, row_bytes, nrows, rows_avail, a, c0, y, ldy, 6); break;
-    case 5: q4_0_wide_rows(w, row_bytes, nrows, rows_avail, a, c0, y, ldy, 5); break;
-    case 4: q4_0_wide_rows(w, row_bytes, nrows, rows_avail, a, c0, y, ldy, 4); break;
-    case 3: q4_0_wide_rows(w, row_bytes, nrows, rows_avail, a, c0, y, ldy, 3); break;
-    case 2: q4_0_wide_rows(w, row_bytes, nrows, rows_avail, a, c0, y, ldy, 2); break;
-    case 1: q4_0_wide_rows(w, row_bytes, nrows, rows_avail, a, c0, y, ldy, 1); break;
-    default: break;
+    if (a->ng > Q4X_GROUPS) {
+        q4_0_wide_blocks(NULL, w, row_bytes, nrows, rows_avail, a, y, ldy);
+        return;
+    }
+    q4x_group e[Q4X_GROUPS];
+    const size_t range = Q4X_GROUPS / a->ng;
+    for (size_t r0 = 0; r0 < nrows; r0 += range) {
+        const size_t nr = nrows - r0 < range ? nrows - r0 : range;
+        for (size_t r = 0; r < nr; r++) {
+            const size_t at = r0 + r, ahead = at + DD_PREFETCH_ROWS;
+            for (size_t g = 0; g < a->ng; g++)
+                q4x_unpack_group(w + at * row_bytes, ahead < rows_avail ? w + ahead * row_bytes : NULL, a, g,
+                                 e + r * a->ng + g);
+        }
+        q4_0_wide_blocks(e, w + r0 * row_bytes, row_bytes, nr, rows_avail - r0, a, y + r0, ldy);
     }
 }
 

@@ -88,6 +88,8 @@ static void put_group_block(dd_acts *a, size_t c, size_t b, const int8_t *v, int
     }
     ((int32_t *)a->gbias)[base * 16 + lane] = -8 * sum;
     ((float *)a->gd)[base * 16 + lane] = scale;
+    if (a->gd64 != NULL)
+        ((double *)a->gd64)[base * 16 + lane] = scale;
 }
 
 /* Block i (= c * nbp + b) of the pair and compact layouts (see dd_acts), from its int8 values already
@@ -119,7 +121,7 @@ size_t dd_acts_bytes(const dd_kernels *kt, size_t m, size_t k)
     for (int t = 0; t < DD_WTYPE_COUNT; t++)
         if (kt->bias_mult[t] != 0)
             total += (lanes * 4 + pad) & ~pad;
-    return total + m * ng * (8 * 64 + 2 * 16 * 4) + 3 * ((m * nbp * 2 * 4 + pad) & ~pad);
+    return total + m * ng * (8 * 64 + 2 * 16 * 4 + (m > 1 ? 16 * 8 : 0)) + 3 * ((m * nbp * 2 * 4 + pad) & ~pad);
 }
 
 static _Atomic uint64_t acts_ids;   /* preparations so far (dd_acts.id) */
@@ -141,6 +143,7 @@ static void acts_place(const dd_kernels *kt, const float *x, size_t m, size_t k,
     a->gq = take(&next, m * ng * 8 * 64);
     a->gbias = take(&next, m * ng * 16 * 4);
     a->gd = take(&next, m * ng * 16 * 4);
+    a->gd64 = m > 1 && ng > 0 ? take(&next, m * ng * 16 * 8) : NULL;
     memset((void *)a->gq, 0, (size_t)(next - (uint8_t *)a->gq));
     a->bd = take(&next, m * nbp * 4);
     a->bs = take(&next, m * nbp * 4);
