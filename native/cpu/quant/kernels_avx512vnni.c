@@ -51,6 +51,7 @@ DD_INLINE void lb_dot8(const uint8_t *w, const int8_t *a, const int16_t *sc, int
 }
 #define DD_LB_DOT8 lb_dot8
 #define DD_LB_K_IN_REGISTERS
+#include "iquants_avx512.h"
 #include "lowbit.h"
 
 static void quantize_q8_0(const float *x, size_t nb, uint8_t *out)
