@@ -6,8 +6,8 @@
  * with A and R per slot of 8 values (or piece of 4 values, for the 4-wide IQ3 grids) given by the layout:
  * iq_field extracts 16 of them at once with two dword permutes and a funnel shift. The grid rows are then
  * fetched with gathers (8 qwords or 16 dwords a gather, 64 values), the signs applied with mask registers
- * (sign byte j of a slot is bit j of the mask), and the scales narrowed to int16. Unpacking entry by entry
- * with scalar loads and stores stalled on store-to-load forwarding (8 byte stores read back as one vector).
+ * (sign byte j of a slot is bit j of the mask), and the scales narrowed to int16. Costs and what was
+ * measured against the scalar unpacker: docs/design/quant-formats.md, "IQ decode on AVX-512".
  */
 #ifndef DELTADESK_IQUANTS_AVX512_H
 #define DELTADESK_IQUANTS_AVX512_H
