@@ -52,8 +52,15 @@ DD_INLINE __m512i iqv_join(__m512i lo, __m512i hi)
 #define IQV_SHR(a, k) _mm512_srli_epi32(a, k)
 #define IQV_AND(a, k) _mm512_and_si512(a, IQV_C(k))
 
-/* The fields of one block of wtype (layouts: iquants.h; s the slot, p the piece, h the half). */
-DD_INLINE void iqv_fields_of(__m512i lo, __m512i hi, int wtype, iqv_fields *f)
+/* Bytes base + 16 v .. base + 16 v + 15 of the block, one to a dword (a field of whole bytes, in order). */
+DD_INLINE __m512i iqv_bytes(const uint8_t *blk, int base, int v)
+{
+    return _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(blk + base + 16 * v)));
+}
+
+/* The fields of one block of wtype (layouts: iquants.h; s the slot, p the piece, h the half). The sign bytes
+ * of IQ2_S and IQ3_S are stored as they are used, and not extracted. */
+DD_INLINE void iqv_fields_of(const uint8_t *blk, __m512i lo, __m512i hi, int wtype, iqv_fields *f)
 {
     const __m512i zero = _mm512_setzero_si512(), h = iqv_iota(0);
     const int pieces = wtype == DD_IQ3_XXS || wtype == DD_IQ3_S ? 4 : 2;
@@ -67,22 +74,20 @@ DD_INLINE void iqv_fields_of(__m512i lo, __m512i hi, int wtype, iqv_fields *f)
             f->idx[v] = iq_field(lo, hi, IQV_ADD(IQV_C(2), IQV_MUL(s, 2)), zero, 511);
             break;
         case DD_IQ2_S:     /* byte 2 + s, 2 bits of qh[s / 4] */
-            f->idx[v] = iqv_join(iq_field(lo, hi, IQV_ADD(IQV_C(2), s), zero, 255),
-                                 iq_field(lo, hi, IQV_ADD(IQV_C(66), q), IQV_MUL(l, 2), 3));
+            f->idx[v] = iqv_join(iqv_bytes(blk, 2, v), iq_field(lo, hi, IQV_ADD(IQV_C(66), q), IQV_MUL(l, 2), 3));
             break;
         case DD_IQ3_XXS:   /* piece p: byte 2 + p */
-            f->idx[v] = iq_field(lo, hi, IQV_ADD(IQV_C(2), s), zero, 255);
+            f->idx[v] = iqv_bytes(blk, 2, v);
             break;
         case DD_IQ3_S:     /* piece p: byte 2 + p, bit p % 8 of qh[p / 8] */
-            f->idx[v] = iqv_join(iq_field(lo, hi, IQV_ADD(IQV_C(2), s), zero, 255),
+            f->idx[v] = iqv_join(iqv_bytes(blk, 2, v),
                                  iq_field(lo, hi, IQV_ADD(IQV_C(66), IQV_SHR(s, 3)), IQV_AND(s, 7), 1));
             break;
         case DD_IQ1_S:     /* byte 2 + s, 3 bits of the u16 qh[s / 4] */
-            f->idx[v] = iqv_join(iq_field(lo, hi, IQV_ADD(IQV_C(2), s), zero, 255),
-                                 iq_field(lo, hi, IQV_ADD(IQV_C(34), IQV_MUL(q, 2)), IQV_MUL(l, 3), 7));
+            f->idx[v] = iqv_join(iqv_bytes(blk, 2, v), iq_field(lo, hi, IQV_ADD(IQV_C(34), IQV_MUL(q, 2)), IQV_MUL(l, 3), 7));
             break;
         default:           /* DD_IQ1_M: byte s, 3 bits of the nibble of qh[s / 2] */
-            f->idx[v] = iqv_join(iq_field(lo, hi, s, zero, 255),
+            f->idx[v] = iqv_join(iqv_bytes(blk, 0, v),
                                  iq_field(lo, hi, IQV_ADD(IQV_C(32), IQV_SHR(s, 1)), IQV_MUL(IQV_AND(s, 1), 4), 7));
             break;
         }
@@ -96,14 +101,12 @@ DD_INLINE void iqv_fields_of(__m512i lo, __m512i hi, int wtype, iqv_fields *f)
         case DD_IQ2_XS:
             f->sgn[v] = iq_field(lo, hi, IQV_ADD(IQV_C(2), IQV_MUL(s, 2)), IQV_C(9), 127);
             break;
-        case DD_IQ2_S:
-            f->sgn[v] = iq_field(lo, hi, IQV_ADD(IQV_C(34), s), zero, 255);
-            break;
         case DD_IQ3_XXS:   /* 7 bits 7 (s % 4) of the u32 at 66 + 4 (s / 4) */
             f->sgn[v] = iq_field(lo, hi, IQV_ADD(IQV_C(66), IQV_MUL(q, 4)), IQV_MUL(l, 7), 127);
             break;
+        case DD_IQ2_S:
         case DD_IQ3_S:
-            f->sgn[v] = iq_field(lo, hi, IQV_ADD(IQV_C(74), s), zero, 255);
+            f->sgn[v] = zero;
             break;
         case DD_IQ1_S:     /* bit 15 of qh[s / 4] */
             f->sgn[v] = iq_field(lo, hi, IQV_ADD(IQV_C(34), IQV_MUL(q, 2)), IQV_C(15), 1);
@@ -127,11 +130,9 @@ DD_INLINE void iqv_fields_of(__m512i lo, __m512i hi, int wtype, iqv_fields *f)
     }
 }
 
-/* The sign byte of a slot from its field (iq_field's dwords). */
+/* The sign byte of a slot from its field (iq_field's dwords), for the kinds that are not stored as is. */
 DD_INLINE __m512i iqv_sign(__m512i x, int kind)
 {
-    if (kind == IQV_SIGN_RAW)
-        return x;
     if (kind == IQV_SIGN_BIT)
         return IQV_MUL(x, 255);
     __m512i p = _mm512_xor_si512(x, IQV_SHR(x, 4));   /* ksigns_iq2xs: the 7 bits and their parity as bit 7 */
@@ -150,12 +151,19 @@ DD_INLINE void iq_unpack_avx512(const uint8_t *blk, int wtype, uint8_t *q, int16
     const __m512i hi = bytes > 64 ? _mm512_maskz_loadu_epi8(((__mmask64)1 << (bytes - 64)) - 1, blk + 64)
                                   : _mm512_setzero_si512();
     iqv_fields f;
-    iqv_fields_of(lo, hi, wtype, &f);
+    iqv_fields_of(blk, lo, hi, wtype, &f);
     const int ksign = wtype == DD_IQ2_XXS || wtype == DD_IQ2_XS || wtype == DD_IQ3_XXS;
     const int kind = ksign ? IQV_SIGN_KSIGN : wtype == DD_IQ1_S || wtype == DD_IQ1_M ? IQV_SIGN_BIT : IQV_SIGN_RAW;
-    const __m128i s0 = _mm512_cvtepi32_epi8(iqv_sign(f.sgn[0], kind)), s1 = _mm512_cvtepi32_epi8(iqv_sign(f.sgn[1], kind));
-    const uint64_t masks[4] = { (uint64_t)_mm_cvtsi128_si64(s0), (uint64_t)_mm_extract_epi64(s0, 1),
-                                (uint64_t)_mm_cvtsi128_si64(s1), (uint64_t)_mm_extract_epi64(s1, 1) };
+    uint64_t masks[4];
+    if (kind == IQV_SIGN_RAW) {
+        memcpy(masks, blk + (wtype == DD_IQ2_S ? 34 : 74), sizeof masks);
+    } else {
+        const __m128i s0 = _mm512_cvtepi32_epi8(iqv_sign(f.sgn[0], kind)), s1 = _mm512_cvtepi32_epi8(iqv_sign(f.sgn[1], kind));
+        masks[0] = (uint64_t)_mm_cvtsi128_si64(s0);
+        masks[1] = (uint64_t)_mm_extract_epi64(s0, 1);
+        masks[2] = (uint64_t)_mm_cvtsi128_si64(s1);
+        masks[3] = (uint64_t)_mm_extract_epi64(s1, 1);
+    }
     const int iq1 = wtype == DD_IQ1_S || wtype == DD_IQ1_M;
     const int two_off = iq1 ? 0 : 2 * (wtype == DD_IQ3_XXS ? DD_IQ3XXS_OFF : wtype == DD_IQ3_S ? DD_IQ3S_OFF : DD_IQ2_OFF);
     const size_t at = wtype == DD_IQ2_XXS ? DD_IQ2XXS_AT : wtype == DD_IQ2_XS ? DD_IQ2XS_AT : wtype == DD_IQ2_S ? DD_IQ2S_AT
