@@ -52,7 +52,9 @@ def rng():
 
 
 def random_weights(rng, rows: int, k: int, qtype) -> np.ndarray:
-    return quants.quantize((rng.standard_normal((rows, k)) * rng.uniform(0.01, 2)).astype(np.float32), qtype)
+    """(rows, row bytes) uint8 of ``qtype`` quantized from random normal rows (gguf gives F16 as float16)."""
+    w = quants.quantize((rng.standard_normal((rows, k)) * rng.uniform(0.01, 2)).astype(np.float32), qtype)
+    return np.ascontiguousarray(w).view(np.uint8)
 
 
 def reference_product(raw: np.ndarray, x: np.ndarray, qtype) -> tuple[np.ndarray, np.ndarray]:

@@ -182,7 +182,9 @@ def test_weight_rules_name_what_each_projection_became(synth_model):
     model = NativeQwen35Model(gguf.hparams, gguf.file)
     assert set(model.weight_rules) == {"Q4_0 mapped"}
     f16 = GGUFFile.open(synth_model("tiny", "f16"))
-    assert prepare_weight(f16, "blk.0.attn_qkv.weight")[1] == "F16 -> f32"
+    assert prepare_weight(f16, "blk.0.attn_qkv.weight")[1] == "F16 mapped"
+    f32 = GGUFFile.open(synth_model("tiny", "f32"))
+    assert prepare_weight(f32, "blk.0.attn_qkv.weight")[1] == "F32 -> f32"
     mat, rule = prepare_weight(f16, "blk.0.attn_qkv.weight", float_weights="q8_0")
     assert rule == "F16 -> Q8_0" and mat.qtype == GGMLQuantizationType.Q8_0
 

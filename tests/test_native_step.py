@@ -129,9 +129,9 @@ def test_calls_the_step_does_not_take_run_the_hooks(synth_model, isa_reset):
 
 
 def test_float32_weights_fall_back_to_the_hooks(synth_model):
-    """An F16 file keeps its projections as float32 (numpy BLAS): no step; its one-token calls take the
+    """An F32 file keeps its projections as float32 (numpy BLAS): no step; its one-token calls take the
     hooks, which are split-invariant themselves; converted to Q8_0 the same file takes the step."""
-    gguf = open_text(synth_model("tiny", "f16"))
+    gguf = open_text(synth_model("tiny", "f32"))
     model = NativeQwen35Model(gguf.hparams, gguf.file)
     assert model.step is None and "float32" in model.step_fallback
     tokens = tokens_for(model)[:4]

@@ -55,7 +55,8 @@ _BLOCK_DTYPES: dict[GGMLQuantizationType, np.dtype] = {
 # Kernel ids of native/cpu/deltadesk_cpu.h (enum DD_Q4_0, ...); tests/test_cpu_kernels.py checks they agree.
 _CPU_KERNELS = {Q.Q4_0: 0, Q.Q8_0: 1, Q.Q4_K: 2, Q.Q5_K: 3, Q.Q6_K: 4, Q.Q4_1: 5, Q.Q5_0: 6, Q.Q5_1: 7,
                 Q.IQ4_NL: 8, Q.IQ4_XS: 9, Q.Q2_K: 10, Q.Q3_K: 11, Q.IQ2_XXS: 12, Q.IQ2_XS: 13, Q.IQ2_S: 14,
-                Q.IQ3_XXS: 15, Q.IQ3_S: 16, Q.IQ1_S: 17, Q.IQ1_M: 18, Q.MXFP4: 19, Q.BF16: 20}
+                Q.IQ3_XXS: 15, Q.IQ3_S: 16, Q.IQ1_S: 17, Q.IQ1_M: 18, Q.MXFP4: 19, Q.BF16: 20,
+                Q.F16: 21}
 # Weight types native/cuda/gemm.cu has kernels for, by the suffix of their names (qgemm_<suffix>, ...).
 _CUDA_SUFFIXES = {Q.F32: "f32", Q.F16: "f16", Q.BF16: "bf16", Q.Q4_0: "q4_0", Q.Q4_1: "q4_1", Q.Q8_0: "q8_0"}
 # Types gguf.quants.quantize implements (it only dequantizes the K-quants).

@@ -3,7 +3,7 @@
 A weight matrix is its tensor's raw GGUF bytes, ``(rows, k // block * block_bytes)`` uint8. Activations
 are quantized to Q8_0, block dots taken exactly in integers, scaled into float64, summed in float64
 and rounded to float32 once, so results are bit-identical across ISA levels and thread counts. BF16
-weights are multiplied by the float32 activations themselves (native/cpu/quant/bf16.h), same f64 order.
+and F16 weights are multiplied by the float32 activations themselves (native/cpu/quant/bf16.h), same f64 order.
 Levels ``scalar``/``ssse3``/``avx2``/``avx512vnni``/``numpy``: the best is used unless ``DELTADESK_ISA``
 or :func:`set_isa` says otherwise. Design: docs/design/native-cpu.md (block layouts, exactness).
 """
@@ -237,7 +237,8 @@ def _matmul_np(raw: np.ndarray, x: np.ndarray, traits: quant.QuantType, name: st
     x2, vector = activations(x)
     raw = _weights(raw, x2.shape[1], traits, name)
     products = {**dict.fromkeys(K_QUANTS, kquant_product_np), **dict.fromkeys(B_QUANTS, bquant_product_np),
-                **dict.fromkeys(LOW_BIT, lowbit_product_np), Q.BF16: bf16_product_np}
+                **dict.fromkeys(LOW_BIT, lowbit_product_np), Q.BF16: bf16_product_np,
+                Q.F16: bf16_product_np}
     product = products.get(traits.qtype)
     if product is not None:
         y = np.concatenate([product(raw[r0:r0 + KQ_ROWS], x2, traits.qtype)

@@ -215,15 +215,19 @@ BF16_LANES = 8
 
 
 def bf16_product_np(raw: np.ndarray, x2: np.ndarray, qtype: GGMLQuantizationType = Q.BF16) -> np.ndarray:
-    """numpy twin of the BF16 kernel (native/cpu/quant/bf16.h): ``x2 @ W.T`` with the f32 activations as they are.
+    """numpy twin of the BF16 and F16 kernels (native/cpu/quant/bf16.h): ``x2 @ W.T`` with the f32 activations.
 
-    Args: raw (rows, 2 k) uint8, each row k BF16 values (the top halves of f32s); x2 (m, k) float32.
-    Returns: (m, rows) float32. Every product w x is exact in f64 (8 x 24 significand bits); per dot the
+    Args: raw (rows, 2 k) uint8, each row k BF16 values (the top halves of f32s) or, for ``qtype`` F16, k IEEE
+    halves; x2 (m, k) float32.
+    Returns: (m, rows) float32. Every product w x is exact in f64 (8 or 11 x 24 significand bits); per dot the
     8 lanes are summed in order (a cumulative sum, which adds term by term), then added as (l, l + 4),
     (l, l + 2), (0, 1) and rounded to f32 once: the kernels' bits.
     """
     k = x2.shape[1]
-    w = (raw.view("<u2").astype(np.uint32) << 16).view(np.float32).astype(np.float64)
+    if qtype == Q.F16:
+        w = raw.view("<f2").astype(np.float64)
+    else:
+        w = (raw.view("<u2").astype(np.uint32) << 16).view(np.float32).astype(np.float64)
     w = w.reshape(len(raw), k // BF16_LANES, BF16_LANES)
     out = np.empty((len(x2), len(raw)), dtype=np.float32)
     for c, xc in enumerate(x2.astype(np.float64)):

@@ -23,7 +23,7 @@ enum { DD_ISA_SCALAR = 0, DD_ISA_SSSE3 = 1, DD_ISA_AVX2 = 2, DD_ISA_AVX512VNNI =
 enum { DD_Q4_0 = 0, DD_Q8_0 = 1, DD_Q4_K = 2, DD_Q5_K = 3, DD_Q6_K = 4, DD_Q4_1 = 5, DD_Q5_0 = 6, DD_Q5_1 = 7,
        DD_IQ4_NL = 8, DD_IQ4_XS = 9, DD_Q2_K = 10, DD_Q3_K = 11, DD_IQ2_XXS = 12, DD_IQ2_XS = 13, DD_IQ2_S = 14,
        DD_IQ3_XXS = 15, DD_IQ3_S = 16, DD_IQ1_S = 17, DD_IQ1_M = 18, DD_MXFP4 = 19, DD_BF16 = 20,
-       DD_WTYPE_COUNT = 21 };
+       DD_F16 = 21, DD_WTYPE_COUNT = 22 };
 enum { DD_OK = 0, DD_ERR_ISA = -1, DD_ERR_NOMEM = -2, DD_ERR_ARG = -3 };
 
 /* Register the codebook of an IQ type (ggml-common.h iq2xxs_grid for DD_IQ2_XXS, iq2xs_grid, iq2s_grid,
@@ -54,7 +54,7 @@ int dd_quantize_q8_0(int isa, const float *x, size_t m, size_t k, uint8_t *out);
  * (DD_Q4_0, DD_Q8_0, DD_Q4_1, DD_Q5_0, DD_Q5_1, DD_IQ4_NL, DD_MXFP4: 32 values a block; the K-quants DD_Q2_K ..
  * DD_Q6_K, DD_IQ4_XS and the IQ1/IQ2/IQ3 types: 256, block_q4_K etc. of ggml-common.h; k must be a multiple of the
  * block; DD_BF16: rows of k 2-byte values, the top halves of f32s, k a multiple of 32, multiplied by x itself
- * with exact f64 products, native/cpu/quant/bf16.h), x: m rows of k f32, y: m rows of `rows` f32. */
+ * with exact f64 products, native/cpu/quant/bf16.h; DD_F16: the same with IEEE halves), x: m rows of k f32, y: m rows of `rows` f32. */
 int dd_matmul(int isa, int wtype, const uint8_t *w, size_t rows, size_t k,
               const float *x, size_t m, float *y);
 

@@ -30,6 +30,7 @@ from gguf import GGMLQuantizationType
 
 from bench_kernels import K, random_blocks
 from engine.gguf import quant
+from engine.kernels.iq_twins import grids as iq_grids
 
 
 def load(path: str, folder: str, index: int, threads: int) -> ctypes.CDLL:
@@ -38,6 +39,8 @@ def load(path: str, folder: str, index: int, threads: int) -> ctypes.CDLL:
     shutil.copy(path, copy)
     lib = ctypes.CDLL(copy)
     lib.dd_set_threads(threads)
+    for qtype, grid in iq_grids().items():   # the IQ kernels' codebooks, as engine.kernels.cpu registers them
+        lib.dd_set_iq_grid(quant.TYPES[qtype].cpu_kernel, ctypes.c_void_p(grid.ctypes.data), ctypes.c_size_t(grid.size))
     lib.dd_matmul.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_size_t,
                               ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
     return lib

@@ -3,8 +3,8 @@
 Subclasses the numpy reference :class:`~engine.arch.qwen35.model.Qwen35Model` and overrides only its
 hooks (``linear``, ``delta_rule``, ``attend``, ``moe``, ``ffn``); a one-token forward runs as one native
 call (:mod:`engine.arch.qwen35.cpu_step`). Weight formats are decided once at load, tensor by tensor
-(:func:`prepare_weight`): kernel types are read from the memory map, float weights stay float32 or
-become Q8_0 on request. Design: docs/design/native-cpu.md (what runs where, weight formats).
+(:func:`prepare_weight`): kernel types (BF16 and F16 included) are read from the memory map, other float
+weights stay float32 or become Q8_0 on request. Design: docs/design/native-cpu.md (what runs where, weight formats).
 """
 
 from __future__ import annotations
@@ -117,7 +117,7 @@ class NativeQwen35Model(Qwen35Model):
 
     Args:
         hp: hyper-parameters. gguf: the open file (its tensors are used in place where possible).
-        float_weights: "f32" (F16/BF16/F32 projections as float32, exact) or "q8_0" (converted).
+        float_weights: "f32" (F16/BF16 read as stored, F32 as float32: exact) or "q8_0" (converted).
     Attributes:
         weight_rules: rule -> (tensor count, bytes used by the kernels), e.g. {"Q4_0 mapped": (61, ...)}.
         step: the one-call decode step (:class:`~engine.arch.qwen35.cpu_step.NativeStep`), or None when

@@ -1,12 +1,13 @@
-/* BF16 weights read as stored, times the f32 activations themselves (not their Q8_0 blocks).
+/* BF16 and F16 weights read as stored, times the f32 activations themselves (not their Q8_0 blocks).
  *
- * A BF16 value is the top half of an f32, so widening it is exact; its 8-bit significand times an f32's
- * 24 bits is exact in f64. Each dot is 8 f64 lanes, lane l summing the products of values 8j + l for
+ * A BF16 value is the top half of an f32 and an IEEE half widens to f32 exactly (vcvtph2ps, subnormals
+ * included), so widening is exact; an 8-bit (BF16) or 11-bit (F16) significand times an f32's 24 bits is
+ * exact in f64. Each dot is 8 f64 lanes, lane l summing the products of values 8j + l for
  * j = 0, 1, ... in order, then the lanes added as ((l, l + 4), then (l, l + 2), then (0, 1)) and the
  * sum rounded to f32 once. Every level and tile shape runs that sequence per (row, column), so results
  * do not depend on the ISA level, the thread count or the other rows and columns of a call; the numpy
  * twin is engine.kernels.cpu_twins.bf16_product_np. The including file sets DD_BF16_ROWS and
- * DD_BF16_COLS (the register tile: 1 x 1 up to 4 x 4) and gets gemm_bf16 (a dd_gemm_fn).
+ * DD_BF16_COLS (the register tile: 1 x 1 up to 4 x 4) and gets gemm_bf16 and gemm_f16 (dd_gemm_fns).
  */
 #ifndef DD_BF16_ROWS
 #error "define DD_BF16_ROWS and DD_BF16_COLS before including bf16.h"
@@ -44,6 +45,25 @@ static inline __attribute__((always_inline)) dd_v8d bf16_load8(const uint8_t *p)
 #endif
 }
 
+/* 8 IEEE halves at p as f64 (F16C where the level has it, else dd_f16_to_f32: the same values). */
+static inline __attribute__((always_inline)) dd_v8d f16_load8(const uint8_t *p)
+{
+#ifdef __AVX512F__
+    const __m256i h = _mm256_zextsi128_si256(_mm_loadu_si128((const __m128i *)p));
+    return (dd_v8d)_mm512_cvtps_pd(_mm512_castps512_ps256(_mm512_cvtph_ps(h)));
+#else
+    dd_v8f f;
+#ifdef __F16C__
+    const __m256 v = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p));
+    memcpy(&f, &v, sizeof f);
+#else
+    for (int l = 0; l < 8; l++)
+        f[l] = dd_f16_to_f32(dd_load_u16(p + 2 * l));
+#endif
+    return __builtin_convertvector(f, dd_v8d);
+#endif
+}
+
 /* 8 f32 values at p as f64. */
 static inline __attribute__((always_inline)) dd_v8d bf16_acts8(const float *p)
 {
@@ -63,10 +83,10 @@ static inline float bf16_lanes(dd_v8d s)
     return (float)((a0 + a2) + (a1 + a3));
 }
 
-/* An R x C tile: rows w + r * rb, columns x + c * k, into y[c * ldy + r]. Rows up to prefetch_rows
- * further on exist and are prefetched a line at a time. */
+/* An R x C tile: rows w + r * rb, columns x + c * k, into y[c * ldy + r]; half: F16 rows, else BF16. Rows
+ * up to prefetch_rows further on exist and are prefetched a line at a time. */
 static inline __attribute__((always_inline)) void bf16_tile(const uint8_t *w, size_t rb, int R, const float *x, size_t k,
-                                                            int C, float *y, size_t ldy, size_t prefetch_rows)
+                                                            int C, float *y, size_t ldy, size_t prefetch_rows, int half)
 {
     dd_v8d acc[DD_BF16_ROWS][DD_BF16_COLS];
     for (int r = 0; r < R; r++)
@@ -78,7 +98,7 @@ static inline __attribute__((always_inline)) void bf16_tile(const uint8_t *w, si
                 __builtin_prefetch(w + (r + prefetch_rows) * rb + 2 * i);
         dd_v8d wv[DD_BF16_ROWS], xv[DD_BF16_COLS];
         for (int r = 0; r < R; r++)
-            wv[r] = bf16_load8(w + r * rb + 2 * i);
+            wv[r] = half ? f16_load8(w + r * rb + 2 * i) : bf16_load8(w + r * rb + 2 * i);
         for (int c = 0; c < C; c++)
             xv[c] = bf16_acts8(x + c * k + i);
         for (int r = 0; r < R; r++)
@@ -93,11 +113,12 @@ static inline __attribute__((always_inline)) void bf16_tile(const uint8_t *w, si
 /* The tile with R and C known at compile time (each shape its own unrolled loop). */
 #define DD_BF16_TILE_CASE(RR, CC)                                                                  \
     case (RR) * 8 + (CC):                                                                          \
-        bf16_tile(w, rb, RR, x, k, CC, y, ldy, prefetch_rows);                                     \
+        bf16_tile(w, rb, RR, x, k, CC, y, ldy, prefetch_rows, half);                               \
         break;
 
-static void bf16_tile_any(const uint8_t *w, size_t rb, int R, const float *x, size_t k, int C, float *y, size_t ldy,
-                          size_t prefetch_rows)
+static inline __attribute__((always_inline)) void bf16_tile_any(const uint8_t *w, size_t rb, int R, const float *x,
+                                                                size_t k, int C, float *y, size_t ldy,
+                                                                size_t prefetch_rows, int half)
 {
     switch (R * 8 + C) {
         DD_BF16_TILE_CASE(1, 1)
@@ -133,10 +154,11 @@ static void bf16_tile_any(const uint8_t *w, size_t rb, int R, const float *x, si
     }
 }
 
-/* dd_gemm_fn: y[c * ldy + r] = row r . column c (a->x), columns in blocks of DD_BF16_COLS against all the
- * rows in tiles of DD_BF16_ROWS (the rows of a chunk stay in L2, a column block in L1). */
-static void gemm_bf16(const uint8_t *w, size_t row_bytes, size_t nrows, size_t rows_avail, const dd_acts *a, float *y,
-                      size_t ldy)
+/* y[c * ldy + r] = row r . column c (a->x), columns in blocks of DD_BF16_COLS against all the rows in tiles
+ * of DD_BF16_ROWS (the rows of a chunk stay in L2, a column block in L1); half: F16 rows, else BF16. */
+static inline __attribute__((always_inline)) void bf16_gemm(const uint8_t *w, size_t row_bytes, size_t nrows,
+                                                            size_t rows_avail, const dd_acts *a, float *y, size_t ldy,
+                                                            int half)
 {
     const size_t k = row_bytes / 2;
     for (size_t c0 = 0; c0 < a->m; c0 += DD_BF16_COLS) {
@@ -144,7 +166,21 @@ static void gemm_bf16(const uint8_t *w, size_t row_bytes, size_t nrows, size_t r
         for (size_t r0 = 0; r0 < nrows; r0 += DD_BF16_ROWS) {
             const int R = (int)bf16_min(nrows - r0, DD_BF16_ROWS);
             const size_t ahead = rows_avail - r0 > (size_t)R + DD_PREFETCH_ROWS && a->m == 1 ? DD_PREFETCH_ROWS : 0;
-            bf16_tile_any(w + r0 * row_bytes, row_bytes, R, a->x + c0 * k, k, C, y + c0 * ldy + r0, ldy, ahead);
+            bf16_tile_any(w + r0 * row_bytes, row_bytes, R, a->x + c0 * k, k, C, y + c0 * ldy + r0, ldy, ahead, half);
         }
     }
+}
+
+/* dd_gemm_fn of BF16 rows. */
+static void gemm_bf16(const uint8_t *w, size_t row_bytes, size_t nrows, size_t rows_avail, const dd_acts *a, float *y,
+                      size_t ldy)
+{
+    bf16_gemm(w, row_bytes, nrows, rows_avail, a, y, ldy, 0);
+}
+
+/* dd_gemm_fn of F16 rows. */
+static void gemm_f16(const uint8_t *w, size_t row_bytes, size_t nrows, size_t rows_avail, const dd_acts *a, float *y,
+                     size_t ldy)
+{
+    bf16_gemm(w, row_bytes, nrows, rows_avail, a, y, ldy, 1);
 }

@@ -23,6 +23,17 @@
 
 #define DD_INLINE static inline __attribute__((always_inline))
 
+/* y[(c0 + c) * ldy + r] for R x C accumulators of 8 f64 lanes in block order (the K-quant and low-bit
+ * tiles): the lanes summed in a fixed tree, rounded to f32 once. */
+DD_INLINE void dd_store_lanes(dd_v8d acc[4][4], size_t c0, float *y, size_t ldy, const int R, const int C)
+{
+    for (int r = 0; r < R; r++)
+        for (int c = 0; c < C; c++) {
+            const dd_v8d s = acc[r][c];
+            y[(c0 + c) * ldy + r] = (float)(((s[0] + s[1]) + (s[2] + s[3])) + ((s[4] + s[5]) + (s[6] + s[7])));
+        }
+}
+
 /* Prefetch the weight line at p into L2 (prefetcht1), the hint every kernel uses for the weights it reads
  * ahead. Into L2 and not L1 (prefetcht0): it doubled a core's Q4_0 GEMV rate from DRAM on Zen 4
  * (docs/design/native-cpu.md, "Weight prefetching"); the rows arrive in L2 either way, and the L1 is

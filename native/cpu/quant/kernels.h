@@ -36,6 +36,7 @@
 #define DD_IQ1_M_BYTES 56
 #define DD_MXFP4_BYTES 17       /* e8m0 scale, 16 nibble bytes */
 #define DD_BF16_BYTES 64        /* 32 values of 2 bytes: a "block" only for the k % 32 rule */
+#define DD_F16_BYTES 64         /* the same for IEEE halves */
 
 /* Q8_0 activations of m columns, each of nb blocks, 64-byte aligned, in two layouts.
  *
@@ -62,7 +63,7 @@
  *   bd[c*nbp + b]     the block's scale;
  *   bs[c*nbp + b]     the sum of its 32 values;
  *   s16[(c*nbp + b)*2 + h]  the sum of values 16h .. 16h + 15.
- * Float (the BF16 kernels): x[c*k + i], the f32 activations themselves (the caller's, not copied;
+ * Float (the BF16 and F16 kernels): x[c*k + i], the f32 activations themselves (the caller's, not copied;
  * valid while the product runs). */
 typedef struct {
     size_t nb, nbp, m;

@@ -51,6 +51,7 @@ DD_INLINE void lb_dot8(const uint8_t *w, const int8_t *a, const int16_t *sc, int
 }
 #define DD_LB_DOT8 lb_dot8
 #define DD_LB_K_IN_REGISTERS
+#include "iquants_avx512.h"
 #include "lowbit.h"
 
 static void quantize_q8_0(const float *x, size_t nb, uint8_t *out)
@@ -302,7 +303,7 @@ static void dots_f32(const float *w, size_t nw, const float *x, size_t nx, size_
 
 const dd_kernels dd_kernels_avx512vnni = {
     .quantize_q8_0 = quantize_q8_0,
-    .gemm = { gemm_q4_0, gemm_q8_0, gemm_q4_K, gemm_q5_K, gemm_q6_K, DD_BQ_GEMMS, DD_LB_GEMMS, DD_IQ_GEMMS, gemm_mxfp4, gemm_bf16 },
+    .gemm = { gemm_q4_0, gemm_q8_0, gemm_q4_K, gemm_q5_K, gemm_q6_K, DD_BQ_GEMMS, DD_LB_GEMMS, DD_IQ_GEMMS, gemm_mxfp4, gemm_bf16, gemm_f16 },
     .bias_mult = { 0, -128 },
     .q4_0_groups = 1,
     .dots_f32 = dots_f32,

@@ -136,16 +136,6 @@ DD_INLINE void dd_kq_terms(const dd_kq_rows *u, int r, const dd_acts *a, size_t 
         *acc -= __builtin_convertvector(da * u->dmin[r], dd_v8d) * __builtin_convertvector(mb, dd_v8d);
 }
 
-/* y for R x C accumulators: the 8 lanes in block order, summed in a fixed tree, rounded once. */
-DD_INLINE void dd_kq_store(dd_v8d acc[4][4], size_t c0, float *y, size_t ldy, const int R, const int C)
-{
-    for (int r = 0; r < R; r++)
-        for (int c = 0; c < C; c++) {
-            const dd_v8d s = acc[r][c];
-            y[(c0 + c) * ldy + r] = (float)(((s[0] + s[1]) + (s[2] + s[3])) + ((s[4] + s[5]) + (s[6] + s[7])));
-        }
-}
-
 DD_INLINE void dd_kq_tile(const uint8_t *w, const uint8_t *pf, size_t rb, const dd_acts *a, int wtype, size_t c0,
                           float *y, size_t ldy, const int R, const int C)
 {
@@ -230,7 +220,7 @@ DD_INLINE void dd_kq_unpacked_tile(const dd_kq_rows *e, int s0, size_t nsb, cons
                 dd_kq_terms(u, s0 + r, a, b0, a->s16 + 2 * b0, da, bs, wtype, &acc[r][c]);
         }
     }
-    dd_kq_store(acc, c0, y, ldy, R, C);
+    dd_store_lanes(acc, c0, y, ldy, R, C);
 }
 
 /* Unpacked rows s0 .. s0 + R - 1 against columns [c0, c1): 4-column tiles, then the 1-3 left over. */

@@ -37,6 +37,11 @@
 #error "define DD_LB_DOT8 before including lowbit.h"
 #endif
 
+/* The IQ unpacker: iquants.h's, unless the level brings its own of the same bytes (iquants_avx512.h). */
+#ifndef DD_IQ_UNPACK
+#define DD_IQ_UNPACK dd_iq_unpack
+#endif
+
 /* Up to 4 rows of one super-block unpacked (see the exactness note). */
 typedef struct {
     uint8_t q[4][DD_QK_K];
@@ -112,10 +117,11 @@ DD_INLINE void dd_lb_unpack(const uint8_t *blk, int wtype, dd_lb_rows *u, int r)
     else if (wtype == DD_Q3_K)
         dd_lb_unpack_q3_K(blk, u, r);
     else
-        dd_iq_unpack(blk, wtype, u->q[r], u->sc[r], &u->d[r]);
+        DD_IQ_UNPACK(blk, wtype, u->q[r], u->sc[r], &u->d[r]);
 }
 
-/* acc += the f64 terms of row r of u against the column's activation blocks b0 .. b0 + 7. */
+/* acc += the f64 terms of row r of u against the column's activation blocks b0 .. b0 + 7 (a level may bring
+ * its own of the same operations for the IQ types: DD_LB_TERMS). */
 DD_INLINE void dd_lb_terms(const dd_lb_rows *u, int r, const dd_acts *a, size_t b0, dd_v8f da, int wtype,
                            dd_v8d *acc)
 {
@@ -136,14 +142,9 @@ DD_INLINE void dd_lb_terms(const dd_lb_rows *u, int r, const dd_acts *a, size_t 
     }
 }
 
-DD_INLINE void dd_lb_store(dd_v8d acc[4][4], size_t c0, float *y, size_t ldy, const int R, const int C)
-{
-    for (int r = 0; r < R; r++)
-        for (int c = 0; c < C; c++) {
-            const dd_v8d s = acc[r][c];
-            y[(c0 + c) * ldy + r] = (float)(((s[0] + s[1]) + (s[2] + s[3])) + ((s[4] + s[5]) + (s[6] + s[7])));
-        }
-}
+#ifndef DD_LB_TERMS
+#define DD_LB_TERMS dd_lb_terms
+#endif
 
 /* Rows [0, R) x columns [c0, c0 + C): each super-block of the R rows unpacked, then met by the C columns. */
 DD_INLINE void dd_lb_tile(const uint8_t *w, const uint8_t *pf, size_t rb, const dd_acts *a, int wtype, size_t c0,
@@ -168,10 +169,10 @@ DD_INLINE void dd_lb_tile(const uint8_t *w, const uint8_t *pf, size_t rb, const 
             dd_v8f da;
             memcpy(&da, a->bd + b0, sizeof da);
             for (int r = 0; r < R; r++)
-                dd_lb_terms(&u, r, a, b0, da, wtype, &acc[r][c]);
+                DD_LB_TERMS(&u, r, a, b0, da, wtype, &acc[r][c]);
         }
     }
-    dd_lb_store(acc, c0, y, ldy, R, C);
+    dd_store_lanes(acc, c0, y, ldy, R, C);
 }
 
 /* ---- m > 1: a row range unpacked once per call (kquants.h's dd_kq_gemm_unpacked, the same bits) ---- */
@@ -192,9 +193,9 @@ DD_INLINE void dd_lb_unpacked_tile(const dd_lb_rows *e, int s0, size_t nsb, cons
             dd_v8f da;
             memcpy(&da, a->bd + b0, sizeof da);
             for (int r = 0; r < R; r++)
-                dd_lb_terms(&e[sb], s0 + r, a, b0, da, wtype, &acc[r][c]);
+                DD_LB_TERMS(&e[sb], s0 + r, a, b0, da, wtype, &acc[r][c]);
         }
-    dd_lb_store(acc, c0, y, ldy, R, C);
+    dd_store_lanes(acc, c0, y, ldy, R, C);
 }
 
 DD_INLINE void dd_lb_unpacked_cols(const dd_lb_rows *e, int s0, size_t nsb, const dd_acts *a, int wtype, size_t c0,

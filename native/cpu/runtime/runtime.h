@@ -82,7 +82,7 @@ int dd_matvec_set(int isa, const dd_matvec_out *p, size_t n, size_t k, const flo
 static inline size_t dd_block_values(int wtype)
 {
     return wtype == DD_Q4_0 || wtype == DD_Q8_0 || wtype == DD_Q4_1 || wtype == DD_Q5_0 || wtype == DD_Q5_1 ||
-                   wtype == DD_IQ4_NL || wtype == DD_MXFP4 || wtype == DD_BF16
+                   wtype == DD_IQ4_NL || wtype == DD_MXFP4 || wtype == DD_BF16 || wtype == DD_F16
                ? DD_QK
                : DD_QK_K;
 }
@@ -94,7 +94,7 @@ static inline size_t dd_block_bytes(int wtype)
                                                   DD_IQ4_NL_BYTES, DD_IQ4_XS_BYTES, DD_Q2_K_BYTES, DD_Q3_K_BYTES,
                                                   DD_IQ2_XXS_BYTES, DD_IQ2_XS_BYTES, DD_IQ2_S_BYTES, DD_IQ3_XXS_BYTES,
                                                   DD_IQ3_S_BYTES, DD_IQ1_S_BYTES, DD_IQ1_M_BYTES, DD_MXFP4_BYTES,
-                                                  DD_BF16_BYTES };
+                                                  DD_BF16_BYTES, DD_F16_BYTES };
     return bytes[wtype];
 }
 
