@@ -305,7 +305,17 @@ def gpu_available() -> bool:
         return False
 
 
-gpu = pytest.mark.skipif(not gpu_available(), reason="needs pycuda and an NVIDIA GPU")
+_SKIP_WITHOUT_GPU = pytest.mark.skipif(not gpu_available(), reason="needs pycuda and an NVIDIA GPU")
+
+
+def gpu(test):
+    """Mark ``test`` ``gpu`` (``pytest -m gpu`` selects it) and skip it without pycuda and a CUDA device."""
+    return pytest.mark.gpu(_SKIP_WITHOUT_GPU(test))
+
+
+def test_gpu_tests_carry_the_gpu_mark():
+    marks = {m.name for m in test_gemm_kernel_matches_dequantized_matmul.pytestmark}
+    assert {"gpu", "skipif"} <= marks
 
 
 @pytest.fixture(scope="module")
