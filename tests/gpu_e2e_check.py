@@ -1,16 +1,27 @@
 """One-shot end-to-end check on a GPU machine (a script, not a test): Engine with device="auto"
 prefills on the GPU and its greedy answer equals the CPU engine's.
 
-    python tests/gpu_e2e_check.py MODEL.gguf
+    python tests/gpu_e2e_check.py MODEL.gguf [--stream]
+
+``--stream`` sets the VRAM budget so low that every layer's routed experts stream from pinned host RAM
+(tests/bench/bench_gpu_prefill.py's ``stream`` budget); without it the engine's default budget applies.
 """
 
 from __future__ import annotations
 
+import argparse
 import sys
+from pathlib import Path
 
 from engine.api import Engine, EngineOptions
+from engine.arch.qwen35.cuda import PLAN_TOKENS
 from engine.events import PrefillProgress, PrefillStats, TokenEvent
+from engine.registry import open_text
 from engine.sampling import SamplingParams
+
+sys.path.insert(0, str(Path(__file__).resolve().parent / "bench"))
+
+from bench_gpu_prefill import stream_budget  # noqa: E402
 
 
 def run(engine: Engine, messages) -> tuple[PrefillStats, list[int]]:
@@ -19,13 +30,20 @@ def run(engine: Engine, messages) -> tuple[PrefillStats, list[int]]:
 
 
 def main() -> None:
-    path = sys.argv[1]
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("model")
+    ap.add_argument("--stream", action="store_true", help="stream every layer's routed experts")
+    args = ap.parse_args()
+    budget = None
+    if args.stream:
+        text = open_text(args.model)
+        budget = stream_budget(text.hparams, text.file, PLAN_TOKENS)
     messages = [{"role": "system", "content": "You are a careful assistant. " * 40},
                 {"role": "user", "content": "Summarise the rules of chess in three sentences."}]
-    gpu = Engine.load(path, options=EngineOptions(device="auto", prefix_cache=False))
+    gpu = Engine.load(args.model, options=EngineOptions(device="auto", prefix_cache=False, vram_budget=budget))
     print("device:", gpu.info.device, gpu.info.device_note)
     print(gpu.info.placement)
-    cpu = Engine.load(path, options=EngineOptions(device="cpu", prefix_cache=False))
+    cpu = Engine.load(args.model, options=EngineOptions(device="cpu", prefix_cache=False))
     g_stats, g_ids = run(gpu, messages)
     c_stats, c_ids = run(cpu, messages)
     t = gpu.telemetry()

@@ -91,7 +91,7 @@ def test_pass_tokens_whole_prompt_or_multiples_of_64():
 def test_gemm_matrix_converts_types_without_kernel():
     assert not gemm_matrix("w", Q.Q4_0, (64, 96)).converted
     m = gemm_matrix("w", Q.Q6_K, (64, 256))
-    assert m.converted and m.qtype == Q.F32 and m.row_bytes == 1024
+    assert m.converted and m.qtype == Q.Q8_0 and m.row_bytes == 256 // 32 * 34
     with pytest.raises(DeviceError, match="multiple of 32"):
         gemm_matrix("w", Q.F32, (4, 40))
 
@@ -177,11 +177,11 @@ def tiny_files(tmp_path_factory):
 
 
 def test_emulated_prefill_of_a_k_quant_mix(emulated, tmp_path):
-    """A Q4_K_M file (Q4_K / Q6_K / Q8_0 / Q5_0 tensors): resident weights without a GPU kernel are
-    dequantized to F32, routed experts laid out and streamed as Q8_0 (converted on the host). Against
-    the float reference that reads the stored blocks, the only difference is that conversion's
+    """A Q4_K_M file (Q4_K / Q6_K / Q8_0 / Q5_0 tensors): resident matrices and routed experts without a
+    GPU kernel are laid out as Q8_0 (converted on the host: 34 bytes per 32 weights, not F32's 128).
+    Against the float reference that reads the stored blocks, the only difference is that conversion's
     rounding (about max|w| / 254 per 32 weights, ~1/16 of a 4-bit step)."""
-    from engine.arch.qwen35.cuda_plan import expert_rows
+    from engine.arch.qwen35.cuda_plan import stored_rows
     from engine.arch.qwen35.model import Qwen35Model
     from engine.gguf.quant import dequantize
     from engine.turn.state import SequenceState
@@ -193,9 +193,12 @@ def test_emulated_prefill_of_a_k_quant_mix(emulated, tmp_path):
     assert f.file.info("blk.0.ffn_gate_exps.weight").qtype == Q.Q4_K
     eng = emulated(f, plan_tokens=64)
     assert all(lay.gu_qtype == lay.down_qtype == Q.Q8_0 for lay in eng.layouts.values())
+    converted = [m for m, _ in eng.mat.values() if m.converted]
+    assert converted and all(m.qtype == Q.Q8_0 and m.nbytes == m.rows * m.cols // 32 * 34 for m in converted)
+    assert "converted to Q8_0 on the host" in eng.plan.text()
     name = "blk.1.ffn_up_exps.weight"
     w = dequantize(f.file.raw(name), Q.Q4_K, (f.file.raw(name).shape[0], hp.n_embd))
-    got = dequantize(expert_rows(f.file, name, Q.Q8_0), Q.Q8_0, w.shape)
+    got = dequantize(stored_rows(f.file, name, Q.Q8_0), Q.Q8_0, w.shape)
     step = np.abs(w.reshape(w.shape[0], -1, 32)).max(axis=-1, keepdims=True) / 127
     # half a step, plus 127 steps times the f16 rounding of the step itself (2^-11 relative)
     assert np.all(np.abs(got - w).reshape(step.shape[0], -1, 32) <= (0.5 + 127 * 2.0**-11) * step * (1 + 1e-6))
@@ -305,7 +308,17 @@ def gpu_available() -> bool:
         return False
 
 
-gpu = pytest.mark.skipif(not gpu_available(), reason="needs pycuda and an NVIDIA GPU")
+_SKIP_WITHOUT_GPU = pytest.mark.skipif(not gpu_available(), reason="needs pycuda and an NVIDIA GPU")
+
+
+def gpu(test):
+    """Mark ``test`` ``gpu`` (``pytest -m gpu`` selects it) and skip it without pycuda and a CUDA device."""
+    return pytest.mark.gpu(_SKIP_WITHOUT_GPU(test))
+
+
+def test_gpu_tests_carry_the_gpu_mark():
+    marks = {m.name for m in test_gemm_kernel_matches_dequantized_matmul.pytestmark}
+    assert {"gpu", "skipif"} <= marks
 
 
 @pytest.fixture(scope="module")
@@ -659,3 +672,4 @@ def test_emulated_prefill_of_an_f16_state_widens_and_rounds_its_rows(emulated, t
         assert np.array_equal(half.v[il][:130], full.v[il][:130].astype(np.float16))
     for il in half.ssm:
         assert np.array_equal(half.ssm[il], full.ssm[il]) and np.array_equal(half.conv[il], full.conv[il])
+

@@ -76,7 +76,7 @@ class QuantType:
         cpu_kernel: id of the native CPU kernel that reads these blocks as stored (the ``DD_*`` weight
             type of native/cpu/deltadesk_cpu.h), or None: the CPU backend converts the tensor at load.
         cuda_suffix: suffix of the GPU GEMM kernels that read these blocks (``qgemm_q4_0``, ...), or
-            None: GPU prefill dequantizes the tensor to F32 on the host.
+            None: GPU prefill converts the tensor to Q8_0 on the host (the vision tower to F32).
         writable: :func:`quantize` can produce the type (``gguf.quants.quantize`` implements it).
     """
 

@@ -17,9 +17,9 @@ Q = GGMLQuantizationType
 
 GPU_TYPES = frozenset(t for t, traits in TYPES.items() if traits.cuda_suffix is not None)
 """Storage types the GEMM kernels (native/cuda/gemm.cu) read directly (the quant-type table's
-``cuda_suffix``); other resident weights are dequantized to F32 on the host at load, and routed
-experts of other types (a Q4_K_M file's Q4_K / Q6_K) are converted to Q8_0 on the host at load
-(:func:`expert_layout`; F32 would quadruple what streams per layer)."""
+``cuda_suffix``); weights of other types (a Q4_K_M file's Q4_K / Q6_K) are converted to Q8_0 on the host
+at load, resident matrices (:func:`gemm_matrix`) and routed experts alike (F32 would take about four
+times the VRAM and, for streamed experts, the PCIe time)."""
 
 ALIGN = 256
 """Every device buffer starts on this many bytes."""
@@ -40,10 +40,10 @@ class Matrix:
 
     Attributes:
         name: GGUF tensor name.
-        qtype: storage type on the GPU (the file's type, or F32 when converted on the host).
+        qtype: storage type on the GPU (the file's type, or Q8_0 when converted on the host).
         rows, cols: math shape (OUT, IN).
         row_bytes: bytes of one stored row.
-        converted: True when the file's type has no kernel and the host dequantizes it to F32.
+        converted: True when the file's type has no kernel and the host converts it to Q8_0.
     """
 
     name: str
@@ -60,7 +60,9 @@ class Matrix:
 
 
 def gemm_matrix(name: str, qtype: GGMLQuantizationType, shape: tuple[int, ...]) -> Matrix:
-    """The :class:`Matrix` for a 2-D tensor of ``shape`` (OUT, IN) stored as ``qtype``.
+    """The :class:`Matrix` for a 2-D tensor of ``shape`` (OUT, IN) stored as ``qtype``: kept in that type
+    when a GEMM kernel reads it, else laid out as Q8_0 (rounding at most max|w| / 254 per 32 weights, ~1/16
+    of a 4-bit step; the native CPU kernels convert types they cannot read the same way).
 
     Raises:
         DeviceError: IN is not a multiple of 32 (the kernels read whole 32-value blocks).
@@ -70,5 +72,5 @@ def gemm_matrix(name: str, qtype: GGMLQuantizationType, shape: tuple[int, ...]) 
         raise DeviceError(f"tensor {name}: {cols} input columns are not a multiple of 32, which the GPU GEMM needs")
     if qtype in GPU_TYPES:
         return Matrix(name, qtype, rows, cols, row_bytes(qtype, cols), False)
-    return Matrix(name, Q.F32, rows, cols, 4 * cols, True)
+    return Matrix(name, Q.Q8_0, rows, cols, row_bytes(Q.Q8_0, cols), True)
 

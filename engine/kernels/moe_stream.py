@@ -87,7 +87,7 @@ class Placement:
     Attributes:
         budget: VRAM budget, bytes.
         resident_weights: bytes of resident non-expert weights; ``n_matrices`` / ``n_converted``
-            count the GEMM weights and those dequantized to F32 on the host.
+            count the GEMM weights and those converted to Q8_0 on the host.
         state: bytes of the recurrent state the device keeps (0 for none).
         plan_tokens: prompt length reserved for; ``reserve``: activation + KV bytes for it.
         resident_experts: layers whose routed experts stay on the GPU.
@@ -121,7 +121,7 @@ class Placement:
         lines = [f"GPU prefill placement, VRAM budget {self.budget / g:.2f} GiB:",
                  f"  resident {self.resident_weights / g:8.3f} GiB  weights other than routed experts: mixers, norms, "
                  f"routers, shared experts, LM head ({self.n_matrices} matrices"
-                 + (f", {self.n_converted} dequantized to F32 on the host" if self.n_converted else "") + ")",
+                 + (f", {self.n_converted} converted to Q8_0 on the host" if self.n_converted else "") + ")",
                  f"  resident {self.state / g:8.3f} GiB  recurrent state"]
         if self.resident_experts:
             lines.append(f"  resident {len(self.resident_experts) * self.expert_layer_bytes / g:8.3f} GiB  routed "

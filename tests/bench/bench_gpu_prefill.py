@@ -12,15 +12,17 @@ expert FFN 512, Q4_0; ``--layers`` layers, vocab 248320 without tokenizer), then
    streamed, achieved H2D GB/s, the PCIe bound (streamed bytes / pinned bandwidth), the compute bound
    (FLOPs / matrix rate) and time / max(bounds);
 3. prefill tok/s at ``--long`` lengths (2k, 8k, 16k) for the ``stream`` and ``unlimited`` budgets;
-4. with ``--profile``, GPU ms per kernel (and GEMM grid) of one ``--tokens`` prefill per budget, from
+4. with ``--check``, the last-position logits of each budget's ``--tokens`` prefill against the native CPU
+   model's (the engine's CPU prefill) on the same prompt: max |gpu - cpu|, that over max |cpu|, and whether
+   the greedy first token agrees;
+5. with ``--profile``, GPU ms per kernel (and GEMM grid) of one ``--tokens`` prefill per budget, from
    CUDA events around every launch.
 
 Usage: python tests/bench/bench_gpu_prefill.py [--layers 4] [--tokens 947] [--long 2048,8192,16384]
-       [--model FILE] [--json OUT.json] [--profile]
+       [--model FILE] [--json OUT.json] [--profile] [--check]
 """
 
 from __future__ import annotations
-from engine.registry import open_text
 
 import argparse
 import json
@@ -35,6 +37,8 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from engine.arch.qwen35.cuda import CudaPrefill  # noqa: E402
+from engine.arch.qwen35.cuda_plan import plan_file  # noqa: E402
+from engine.registry import open_text  # noqa: E402
 from engine.kernels.cuda_kernels import load_driver  # noqa: E402
 from engine.gguf.file import GGUFFile  # noqa: E402
 from engine.arch.qwen35.hparams import Qwen35HParams  # noqa: E402
@@ -114,16 +118,44 @@ def fp32_rate() -> tuple[float, str]:
     return rate, "torch fp32 matmul"
 
 
-def run(eng: CudaPrefill, hp: Qwen35HParams, n: int, reps: int, seed: int = 0) -> tuple[float, object]:
-    """Median wall seconds of ``reps`` prefills of n random tokens from a fresh state, and the last telemetry."""
-    toks = np.random.default_rng(seed).integers(0, hp.n_vocab, n)
+def prompt(hp: Qwen35HParams, n: int, seed: int = 0) -> np.ndarray:
+    """The n random token ids every run of length n (and seed) prefills."""
+    return np.random.default_rng(seed).integers(0, hp.n_vocab, n)
+
+
+def run(eng: CudaPrefill, hp: Qwen35HParams, n: int, reps: int, seed: int = 0) -> tuple[float, object, np.ndarray]:
+    """Median wall seconds of ``reps`` prefills of :func:`prompt` (n, seed) from a fresh state, the last
+    telemetry and the last prefill's (n_vocab,) float32 logits of the final position."""
+    toks = prompt(hp, n, seed)
     times = []
     for _ in range(reps):
         st = SequenceState.new(hp, n + 1)
         t = time.perf_counter()
-        eng.prefill(toks, st)
+        logits = eng.prefill(toks, st)
         times.append(time.perf_counter() - t)
-    return statistics.median(times), eng.last_telemetry
+    return statistics.median(times), eng.last_telemetry, logits
+
+
+def stream_budget(hp: Qwen35HParams, f, plan_tokens: int) -> int:
+    """The VRAM budget (bytes) under which every expert layer of a model with three or more streams: the
+    placement's resident weights, state, reserve for ``plan_tokens`` and two stream buffers, plus half a
+    layer (too little for one resident layer). Planned from the tensor table alone (no device)."""
+    p = plan_file(hp, f, 1 << 60, plan_tokens).plan
+    return p.resident_weights + p.state + 2 * p.expert_layer_bytes + p.reserve + p.expert_layer_bytes // 2
+
+
+def cpu_logits(text, n: int) -> np.ndarray:
+    """(n_vocab,) float32 last-position logits of :func:`prompt` (n) from the native CPU model."""
+    hp = text.hparams
+    model = text.arch.native_model(hp, text.file)
+    return model.forward(prompt(hp, n), SequenceState.new(hp, n + 1))[-1]
+
+
+def compare(gpu: np.ndarray, cpu: np.ndarray) -> dict[str, float]:
+    """Max |gpu - cpu|, that over max |cpu|, and whether the argmax (greedy first token) agrees."""
+    diff = float(np.max(np.abs(gpu.astype(np.float64) - cpu)))
+    return {"logits_max_abs": diff, "logits_max_rel": diff / float(np.max(np.abs(cpu))),
+            "argmax_equal": bool(np.argmax(gpu) == np.argmax(cpu))}
 
 
 def profile(eng: CudaPrefill, hp: Qwen35HParams, n: int, top: int = 16) -> dict[str, float]:
@@ -165,6 +197,7 @@ def main() -> None:
     ap.add_argument("--model", help="use this GGUF instead of writing a synth slice")
     ap.add_argument("--json", help="write all figures here")
     ap.add_argument("--profile", action="store_true", help="per-kernel GPU times of one --tokens prefill")
+    ap.add_argument("--check", action="store_true", help="compare each budget's logits with the CPU prefill's")
     args = ap.parse_args()
     long = [int(x) for x in args.long.split(",") if x]
 
@@ -193,12 +226,13 @@ def main() -> None:
            "fp32_source": rate_src, "runs": []}
 
     plan_tokens = max([args.tokens] + long)
-    probe = CudaPrefill(hp, f.file, plan_tokens=plan_tokens)
-    p = probe.plan
-    stream_budget = p.resident_weights + p.state + 2 * p.expert_layer_bytes + p.reserve + p.expert_layer_bytes // 2
-    probe.close()
-    budgets = {"6 GiB": (6 << 30, args.tokens), "stream": (stream_budget, plan_tokens),
+    budgets = {"6 GiB": (6 << 30, args.tokens), "stream": (stream_budget(hp, f.file, plan_tokens), plan_tokens),
                "unlimited": (None, plan_tokens)}
+    reference = None
+    if args.check:
+        t = time.perf_counter()
+        reference = cpu_logits(f, args.tokens)
+        print(f"CPU prefill of {args.tokens} tokens for --check: {time.perf_counter() - t:.1f} s", flush=True)
 
     rows = []
     for label, (budget, ptok) in budgets.items():
@@ -216,7 +250,7 @@ def main() -> None:
             reps = args.reps if n == args.tokens else 1
             if n != args.tokens:
                 run(eng, hp, n, 1, seed=1)
-            sec, tel = run(eng, hp, n, reps)
+            sec, tel, logits = run(eng, hp, n, reps)
             pcie = tel.h2d_bytes / (pinned * 1e9)
             comp = prefill_flops(hp, f.file, n) / rate
             r = {"budget": label, "tokens": n, "seconds": sec, "tok_s": n / sec, "passes": tel.passes,
@@ -224,6 +258,10 @@ def main() -> None:
                  "pcie_bound_s": pcie, "compute_bound_s": comp, "ratio": sec / max(pcie, comp),
                  "vram_used": tel.vram_used, "layer_ms": [round(lt.compute_ms, 3) for lt in tel.layers],
                  "layer_h2d_gbs": [round(lt.h2d_gbs, 1) for lt in tel.layers]}
+            if reference is not None and n == args.tokens:
+                r.update(compare(logits, reference))
+                print(f"  vs CPU: logits max abs diff {r['logits_max_abs']:.3e} (rel {r['logits_max_rel']:.2e}), "
+                      f"greedy first token equal: {r['argmax_equal']}", flush=True)
             rows.append(r)
             print(f"  {n:6d} tok: {n / sec:9.0f} tok/s  {sec * 1e3:8.1f} ms (gpu {tel.gpu_ms:7.1f})  "
                   f"passes {tel.passes} {tel.mode:9s} H2D {tel.h2d_bytes / 2**30:6.2f} GiB at {tel.h2d_gbs:5.1f} GB/s  "

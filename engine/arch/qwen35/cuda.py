@@ -24,7 +24,7 @@ from engine.kernels.moe_stream import (ExpertLayout, LayerTelemetry, Placement, 
 from engine.turn.kv_types import kv_store, kv_widen
 from engine.turn.state import SequenceState
 
-from .cuda_plan import activation_groups, expert_rows, pass_tokens, plan_file
+from .cuda_plan import activation_groups, stored_rows, pass_tokens, plan_file
 from .hparams import Qwen35HParams
 from .model import Callback
 
@@ -93,7 +93,7 @@ class CudaPrefill(CudaBackend):
         self.head = matrices[head]
         self.mat: dict[str, tuple[Matrix, int]] = {}
         for name, m in matrices.items():
-            data = f.f32(name) if m.converted else f.raw(name)
+            data = stored_rows(f, name, m.qtype)
             self.mat[name] = (m, self._dev.upload(data))
         self.vec = {n: self._dev.upload(np.asarray(f.f32(n), dtype=np.float32)) for n in vectors}
         self.conv_state: dict[int, int] = {}
@@ -118,14 +118,14 @@ class CudaPrefill(CudaBackend):
 
     def _pack_experts(self, il: int, out: np.ndarray) -> np.ndarray:
         """Fill ``out`` (nbytes,) uint8 with layer ``il``'s experts, each ``[gate rows | up rows | down rows]``
-        (rows of a type the layout maps to Q8_0 converted on the way: :func:`expert_rows`)."""
+        (rows of a type the layout maps to Q8_0 converted on the way: :func:`stored_rows`)."""
         lay, f = self.layouts[il], self.file
         view = out.reshape(lay.n_expert, lay.stride)
         half = lay.n_ff * lay.gu_row_bytes
         p = f"blk.{il}.ffn_"
-        view[:, :half] = expert_rows(f, p + "gate_exps.weight", lay.gu_qtype).reshape(lay.n_expert, half)
-        view[:, half:2 * half] = expert_rows(f, p + "up_exps.weight", lay.gu_qtype).reshape(lay.n_expert, half)
-        view[:, 2 * half:] = expert_rows(f, p + "down_exps.weight", lay.down_qtype).reshape(lay.n_expert, -1)
+        view[:, :half] = stored_rows(f, p + "gate_exps.weight", lay.gu_qtype).reshape(lay.n_expert, half)
+        view[:, half:2 * half] = stored_rows(f, p + "up_exps.weight", lay.gu_qtype).reshape(lay.n_expert, half)
+        view[:, 2 * half:] = stored_rows(f, p + "down_exps.weight", lay.down_qtype).reshape(lay.n_expert, -1)
         return out
 
     # ---- prefill ---------------------------------------------------------------------------------

@@ -64,10 +64,11 @@ def layer_expert_layout(hp: Qwen35HParams, f: GGUFFile, il: int) -> ExpertLayout
     return expert_layout(f"blk.{il}", hp.n_expert, hp.n_ff_exp, hp.n_embd, *types)
 
 
-def expert_rows(gguf: GGUFFile, name: str, qtype: GGMLQuantizationType) -> np.ndarray:
-    """The (rows, row bytes) uint8 rows of stacked expert tensor ``name`` as :func:`layer_expert_layout` lays
-    them out in ``qtype``: the file's bytes when stored so, else (stored without a GPU kernel) converted
-    to Q8_0 (:func:`engine.arch.qwen35.cpu.to_q8_0`, a bounded number of rows at a time).
+def stored_rows(gguf: GGUFFile, name: str, qtype: GGMLQuantizationType) -> np.ndarray:
+    """The (rows, row bytes) uint8 rows of tensor ``name`` (a matrix, or stacked experts as rows) as the GPU
+    keeps them in ``qtype`` (:func:`~engine.kernels.cuda_layout.gemm_matrix`, :func:`layer_expert_layout`):
+    the file's bytes when stored so, else (stored without a GPU kernel) converted to Q8_0
+    (:func:`engine.arch.qwen35.cpu.to_q8_0`, a bounded number of rows at a time).
 
     Raises:
         ValueError: ``qtype`` is neither the stored type nor Q8_0.
