@@ -1,7 +1,7 @@
 """One-shot end-to-end check on a GPU machine (a script, not a test): Engine with device="auto"
 prefills on the GPU and its greedy answer equals the CPU engine's.
 
-    python tests/gpu_e2e_check.py MODEL.gguf [--stream]
+    python tests/gpu_e2e_check.py MODEL.gguf [--stream] [--kv-type f16|f32|q8_0]
 
 ``--stream`` sets the VRAM budget so low that every layer's routed experts stream from pinned host RAM
 (tests/bench/bench_gpu_prefill.py's ``stream`` budget); without it the engine's default budget applies.
@@ -33,6 +33,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("model")
     ap.add_argument("--stream", action="store_true", help="stream every layer's routed experts")
+    ap.add_argument("--kv-type", default=EngineOptions.kv_type, help="KV cache type of both engines")
     args = ap.parse_args()
     budget = None
     if args.stream:
@@ -40,10 +41,11 @@ def main() -> None:
         budget = stream_budget(text.hparams, text.file, PLAN_TOKENS)
     messages = [{"role": "system", "content": "You are a careful assistant. " * 40},
                 {"role": "user", "content": "Summarise the rules of chess in three sentences."}]
-    gpu = Engine.load(args.model, options=EngineOptions(device="auto", prefix_cache=False, vram_budget=budget))
+    gpu = Engine.load(args.model, options=EngineOptions(device="auto", prefix_cache=False, vram_budget=budget,
+                                                                  kv_type=args.kv_type))
     print("device:", gpu.info.device, gpu.info.device_note)
     print(gpu.info.placement)
-    cpu = Engine.load(args.model, options=EngineOptions(device="cpu", prefix_cache=False))
+    cpu = Engine.load(args.model, options=EngineOptions(device="cpu", prefix_cache=False, kv_type=args.kv_type))
     g_stats, g_ids = run(gpu, messages)
     c_stats, c_ids = run(cpu, messages)
     t = gpu.telemetry()
