@@ -91,7 +91,8 @@ def _load(args: argparse.Namespace, path: Path, mmproj: Path | None):
     """
     from .api import Engine, EngineOptions
     t0 = time.perf_counter()
-    engine = Engine.load(path, mmproj, options=EngineOptions(context=_context(args), kv_type=args.kv_type))
+    engine = Engine.load(path, mmproj, options=EngineOptions(context=_context(args), kv_type=args.kv_type,
+                                                             cache_disk_dir=getattr(args, "cache_dir", None)))
     tower = f" + {mmproj.name}" if mmproj is not None else ""
     print(f"[loaded {path.name}{tower} in {time.perf_counter() - t0:.2f} s]", file=sys.stderr)
     if args.context is not None and engine.info.context < args.context:
@@ -522,6 +523,8 @@ def _add_serve(p: argparse.ArgumentParser) -> None:
                    "more are answered 429 with Retry-After (default 8)")
     p.add_argument("--queue-mib", type=_positive, default=64, help="MiB of request bodies those may hold "
                    "together (default 64)")
+    p.add_argument("--cache-dir", type=Path, help="folder of the prefix snapshots' disk tier: snapshots beyond "
+                   "the RAM budget move there, and all are written there on exit (default: none, RAM only)")
 
 
 def _positive(text: str) -> int:

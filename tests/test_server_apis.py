@@ -505,3 +505,15 @@ def test_a_stream_whose_client_leaves_stops_its_turn(engine, served, path, body)
         assert paused.summaries[0].stop_reason == "cancelled" and paused.summaries[0].generated_tokens < 400
     finally:
         srv.stop()
+
+
+def test_metrics_report_the_prefix_cache(served, oai) -> None:
+    engine, hold, server = served
+    _chat(oai, [{"role": "user", "content": "Keep a snapshot of this."}], 2)
+    with hold:                                               # no turn changes the cache while it is read here
+        scraped = _metrics(server.url.removesuffix("/v1"))
+        ram, snaps = engine.cache.ram_bytes, engine.snapshots()
+    assert ram > 0 and scraped[("deltadesk_prefix_cache_ram_bytes", ())] == ram
+    for tier in ("ram", "disk"):
+        assert scraped[("deltadesk_prefix_cache_snapshots", (("tier", tier),))] == sum(s.tier == tier for s in snaps)
+    assert sum(s.tier == "ram" for s in snaps) >= 1

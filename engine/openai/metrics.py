@@ -58,6 +58,20 @@ class ServerMetrics:
         self.queue = Gauge("deltadesk_queue_length", "Requests waiting for the engine (queued behind the "
                            "running turn)", registry=r)
 
+    def track_cache(self, cache: Any) -> None:
+        """Also expose ``cache`` (an :class:`engine.turn.prefix_cache.PrefixCache`, or None for none), read at
+        each scrape: ``deltadesk_prefix_cache_ram_bytes`` (its snapshots and KV pages held in RAM, bytes) and
+        ``deltadesk_prefix_cache_snapshots`` (its snapshots, RAM and disk tier, by tier)."""
+        if cache is None:
+            return
+        ram = Gauge("deltadesk_prefix_cache_ram_bytes", "Bytes of prefix snapshots and their KV pages held in RAM",
+                    registry=self.registry)
+        ram.set_function(lambda: cache.ram_bytes)
+        count = Gauge("deltadesk_prefix_cache_snapshots", "Prefix snapshots kept, by tier", ["tier"],
+                      registry=self.registry)
+        for tier in ("ram", "disk"):
+            count.labels(tier).set_function(lambda tier=tier: sum(s.tier == tier for s in cache.snapshots()))
+
     def route(self, path: str) -> str:
         """The route label a request path is counted under ("other" for unknown paths)."""
         return path if path in self.routes else "other"
