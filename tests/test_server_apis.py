@@ -307,6 +307,9 @@ def test_metrics_count_what_was_served(server, oai) -> None:
     assert grew("deltadesk_prompt_tokens_total", source="prefilled") == answer.usage.prompt_tokens - cached
     assert grew("deltadesk_generated_tokens_total") == 5
     assert grew("deltadesk_time_to_first_token_seconds_count") == 1
+    ttft = grew("deltadesk_time_to_first_token_seconds_sum")
+    parts = grew("deltadesk_prefill_seconds_total") + grew("deltadesk_snapshot_restore_seconds_total")
+    assert 0 < parts <= ttft                                 # both happen before the first token
     assert grew("deltadesk_decode_tokens_per_second_count") == 1
     assert after[("deltadesk_queue_length", ())] == 0
 

@@ -50,6 +50,10 @@ class ServerMetrics:
         self.prompt_tokens = Counter("deltadesk_prompt_tokens", "Prompt tokens of the turns run, by how they "
                                      "were read: 'prefilled' through the model or 'resumed' from a prefix snapshot",
                                      ["source"], registry=r)
+        self.prefill_time = Counter("deltadesk_prefill_seconds", "Wall time of the prompts' prefill (forward "
+                                    "passes and snapshot writes)", registry=r)
+        self.restore_time = Counter("deltadesk_snapshot_restore_seconds", "Wall time of restoring prefix "
+                                    "snapshots (RAM or disk tier) before prefill", registry=r)
         self.generated = Counter("deltadesk_generated_tokens", "Tokens generated", registry=r)
         self.ttft = Histogram("deltadesk_time_to_first_token_seconds", "Time to first token of each answer "
                               "(template, image encoding and prefill included)", buckets=TTFT_BUCKETS, registry=r)
@@ -82,6 +86,8 @@ class ServerMetrics:
             self.prompt_tokens.labels("prefilled").inc(event.prefilled_tokens)
             self.prompt_tokens.labels("resumed").inc(event.reused_tokens)
             self.ttft.observe(event.ttft_ms / 1e3)
+            self.prefill_time.inc(event.prefill_ms / 1e3)
+            self.restore_time.inc(event.restore_ms / 1e3)
         elif isinstance(event, TurnSummary):
             self.generated.inc(event.generated_tokens)
             if event.generated_tokens > 1 and event.decode_tok_s > 0:
