@@ -92,7 +92,8 @@ def _load(args: argparse.Namespace, path: Path, mmproj: Path | None):
     """
     from .api import Engine, EngineOptions
     t0 = time.perf_counter()
-    options = EngineOptions(context=_context(args), kv_type=args.kv_type, parallel=getattr(args, "parallel", 1))
+    options = EngineOptions(context=_context(args), kv_type=args.kv_type, parallel=getattr(args, "parallel", 1),
+                            cache_disk_dir=getattr(args, "cache_dir", None))
     engine = Engine.load(path, mmproj, options=options)
     tower = f" + {mmproj.name}" if mmproj is not None else ""
     print(f"[loaded {path.name}{tower} in {time.perf_counter() - t0:.2f} s]", file=sys.stderr)
@@ -529,6 +530,8 @@ def _add_serve(p: argparse.ArgumentParser) -> None:
     p.add_argument("--parallel", type=_positive, default=4, help="requests answered at once, their tokens decoded "
                    "together in one batch, each with its own KV cache: a --context whose N caches do not fit in "
                    "memory is refused at load (default 4; 1 answers one at a time)")
+    p.add_argument("--cache-dir", type=Path, help="folder of the prefix snapshots' disk tier: snapshots beyond "
+                   "the RAM budget move there, and all are written there on exit (default: none, RAM only)")
 
 
 def _positive(text: str) -> int:

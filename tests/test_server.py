@@ -260,6 +260,19 @@ def test_binding_beyond_loopback_needs_a_key(tiny, capsys) -> None:
     assert "--api-key" in capsys.readouterr().err
 
 
+def test_serve_keeps_snapshots_in_the_cache_dir(tiny, tmp_path) -> None:
+    from engine.__main__ import _load, build_parser
+    args = build_parser().parse_args(["serve", "--model", str(tiny), "--context", "256", "--cache-dir", str(tmp_path)])
+    engine = _load(args, tiny, None)
+    try:
+        assert engine.options.cache_disk_dir == tmp_path
+        for _ in engine.chat([{"role": "user", "content": "Remember this."}], SamplingParams(max_tokens=2)):
+            pass
+    finally:
+        engine.close()                                       # persists the RAM snapshots to the disk tier
+    assert list(tmp_path.rglob("*.snap"))
+
+
 class _Recording:
     """The served engine, recording each turn's summary and when each turn ran (on the engine's thread)."""
 

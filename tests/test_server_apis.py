@@ -307,6 +307,9 @@ def test_metrics_count_what_was_served(server, oai) -> None:
     assert grew("deltadesk_prompt_tokens_total", source="prefilled") == answer.usage.prompt_tokens - cached
     assert grew("deltadesk_generated_tokens_total") == 5
     assert grew("deltadesk_time_to_first_token_seconds_count") == 1
+    ttft = grew("deltadesk_time_to_first_token_seconds_sum")
+    parts = grew("deltadesk_prefill_seconds_total") + grew("deltadesk_snapshot_restore_seconds_total")
+    assert 0 < parts <= ttft                                 # both happen before the first token
     assert grew("deltadesk_decode_tokens_per_second_count") == 1
     assert after[("deltadesk_queue_length", ())] == 0
 
@@ -505,3 +508,15 @@ def test_a_stream_whose_client_leaves_stops_its_turn(engine, served, path, body)
         assert paused.summaries[0].stop_reason == "cancelled" and paused.summaries[0].generated_tokens < 400
     finally:
         srv.stop()
+
+
+def test_metrics_report_the_prefix_cache(served, oai) -> None:
+    engine, hold, server = served
+    _chat(oai, [{"role": "user", "content": "Keep a snapshot of this."}], 2)
+    with hold:                                               # no turn changes the cache while it is read here
+        scraped = _metrics(server.url.removesuffix("/v1"))
+        ram, snaps = engine.cache.ram_bytes, engine.snapshots()
+    assert ram > 0 and scraped[("deltadesk_prefix_cache_ram_bytes", ())] == ram
+    for tier in ("ram", "disk"):
+        assert scraped[("deltadesk_prefix_cache_snapshots", (("tier", tier),))] == sum(s.tier == tier for s in snaps)
+    assert sum(s.tier == "ram" for s in snaps) >= 1

@@ -206,6 +206,7 @@ class _Routes:
         self.session = session
         self.key = config.api_key.encode() if config.api_key else None
         self.metrics = ServerMetrics(PATHS)
+        self.metrics.track_cache(getattr(engine, "cache", None))
         self.constraints = Constraints(engine)
         self.vocab = getattr(getattr(engine, "tokenizer", None), "n_vocab", 0)
         self.waiting = WaitingQueue(config.max_waiting, config.max_waiting_bytes)

@@ -50,6 +50,10 @@ class ServerMetrics:
         self.prompt_tokens = Counter("deltadesk_prompt_tokens", "Prompt tokens of the turns run, by how they "
                                      "were read: 'prefilled' through the model or 'resumed' from a prefix snapshot",
                                      ["source"], registry=r)
+        self.prefill_time = Counter("deltadesk_prefill_seconds", "Wall time of the prompts' prefill (forward "
+                                    "passes and snapshot writes)", registry=r)
+        self.restore_time = Counter("deltadesk_snapshot_restore_seconds", "Wall time of restoring prefix "
+                                    "snapshots (RAM or disk tier) before prefill", registry=r)
         self.generated = Counter("deltadesk_generated_tokens", "Tokens generated", registry=r)
         self.ttft = Histogram("deltadesk_time_to_first_token_seconds", "Time to first token of each answer "
                               "(template, image encoding and prefill included)", buckets=TTFT_BUCKETS, registry=r)
@@ -57,6 +61,20 @@ class ServerMetrics:
                                 "more, first token excluded", buckets=DECODE_BUCKETS, registry=r)
         self.queue = Gauge("deltadesk_queue_length", "Requests waiting for the engine (queued behind the "
                            "running turn)", registry=r)
+
+    def track_cache(self, cache: Any) -> None:
+        """Also expose ``cache`` (an :class:`engine.turn.prefix_cache.PrefixCache`, or None for none), read at
+        each scrape: ``deltadesk_prefix_cache_ram_bytes`` (its snapshots and KV pages held in RAM, bytes) and
+        ``deltadesk_prefix_cache_snapshots`` (its snapshots, RAM and disk tier, by tier)."""
+        if cache is None:
+            return
+        ram = Gauge("deltadesk_prefix_cache_ram_bytes", "Bytes of prefix snapshots and their KV pages held in RAM",
+                    registry=self.registry)
+        ram.set_function(lambda: cache.ram_bytes)
+        count = Gauge("deltadesk_prefix_cache_snapshots", "Prefix snapshots kept, by tier", ["tier"],
+                      registry=self.registry)
+        for tier in ("ram", "disk"):
+            count.labels(tier).set_function(lambda tier=tier: sum(s.tier == tier for s in cache.snapshots()))
 
     def route(self, path: str) -> str:
         """The route label a request path is counted under ("other" for unknown paths)."""
@@ -68,6 +86,8 @@ class ServerMetrics:
             self.prompt_tokens.labels("prefilled").inc(event.prefilled_tokens)
             self.prompt_tokens.labels("resumed").inc(event.reused_tokens)
             self.ttft.observe(event.ttft_ms / 1e3)
+            self.prefill_time.inc(event.prefill_ms / 1e3)
+            self.restore_time.inc(event.restore_ms / 1e3)
         elif isinstance(event, TurnSummary):
             self.generated.inc(event.generated_tokens)
             if event.generated_tokens > 1 and event.decode_tok_s > 0:
