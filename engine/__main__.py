@@ -295,7 +295,7 @@ def _chat_command(engine, session: Session, line: str, images: list[str]) -> Non
 
 def cmd_serve(args: argparse.Namespace) -> int:
     """``engine serve``: the OpenAI-compatible HTTP server until interrupted."""
-    from .openai import ServerConfig, bind_address, check_bind, serve
+    from .openai import ServerConfig, StopSignals, bind_address, check_bind, serve
     api_key = args.api_key or os.environ.get("DELTADESK_API_KEY") or None
     check_bind(args.host, api_key)
     sock = bind_address(args.host, args.port)          # a port in use fails before the model loads
@@ -307,13 +307,16 @@ def cmd_serve(args: argparse.Namespace) -> int:
         raise
     name = _served_name(args, path)
     host = f"[{args.host}]" if ":" in args.host else args.host
-    print(f"[serving {name} on http://{host}:{sock.getsockname()[1]}/v1 (OpenAI API)"
-          f"{'; API key required' if api_key else ''}; Ctrl+C stops]", file=sys.stderr, flush=True)
-    try:
-        serve(engine, ServerConfig(name, api_key, max_waiting=args.queue, max_waiting_bytes=args.queue_mib << 20),
-              args.host, args.port, sock)
-    finally:
-        engine.close()
+    with StopSignals() as stop:                        # SIGINT, SIGTERM: stop serving, then close the engine
+        print(f"[serving {name} on http://{host}:{sock.getsockname()[1]}/v1 (OpenAI API)"
+              f"{'; API key required' if api_key else ''}; Ctrl+C stops]", file=sys.stderr, flush=True)
+        try:
+            serve(engine, ServerConfig(name, api_key, max_waiting=args.queue, max_waiting_bytes=args.queue_mib << 20),
+                  args.host, args.port, sock, stop=stop)
+        finally:
+            engine.close()                             # writes the prefix snapshots to --cache-dir
+    if stop.signal is not None:
+        print(f"[{stop.signal.name}: stopped serving; engine closed]", file=sys.stderr)
     return 0
 
 

@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import dataclasses
 import ipaddress
+import os
+import signal
 import socket
 import threading
 import time
@@ -25,8 +27,8 @@ from engine.session import Session, engine_parallel
 from .app import DEFAULT_MAX_BODY, ServerConfig, create_app
 from .requests import APIError
 
-__all__ = ["APIError", "DEFAULT_MAX_BODY", "ServerConfig", "ServerThread", "bind_address", "check_bind", "create_app",
-           "is_loopback", "serve"]
+__all__ = ["APIError", "DEFAULT_MAX_BODY", "ServerConfig", "ServerThread", "StopSignals", "bind_address", "check_bind",
+           "create_app", "is_loopback", "serve"]
 
 LOOPBACK = "127.0.0.1"
 
@@ -114,23 +116,77 @@ def _uvicorn_server(engine: Any, config: ServerConfig, host: str, port: int, ses
                                          **UVICORN_LIMITS))
 
 
+class StopSignals:
+    """SIGINT (Ctrl+C) and SIGTERM (``kill``, a service manager, ``docker stop``) as a graceful stop of
+    :func:`serve`, while the block runs in the main thread (elsewhere it changes nothing).
+
+    The first signal stops the server: uvicorn stops taking requests and shuts down (its own handlers, while it
+    runs, hand the signal back to these once it is done, instead of the default action that would end the process
+    before the caller closes its session and engine). After :meth:`closing` a further signal exits the process at
+    once with status 128 + its number, without finishing the shutdown. :attr:`signal`: the first signal, or None.
+    """
+
+    HANDLED = (signal.SIGINT, signal.SIGTERM)
+
+    def __init__(self) -> None:
+        self.signal: signal.Signals | None = None
+        self._server: Any = None
+        self._closing = False
+        self._previous: dict[int, Any] = {}
+
+    def __enter__(self) -> "StopSignals":
+        if threading.current_thread() is threading.main_thread():
+            self._previous = {sig: signal.signal(sig, self._handle) for sig in self.HANDLED}
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+
+    def watch(self, server: Any) -> None:
+        """Stop ``server`` (a ``uvicorn.Server`` about to run) on a signal, also on one that came before."""
+        self._server = server
+        server.should_exit = server.should_exit or self.signal is not None
+
+    def closing(self) -> None:
+        """The server has stopped: from now on a signal exits the process at once."""
+        self._closing = True
+
+    def _handle(self, sig: int, frame: Any) -> None:
+        if self._closing:
+            os.write(2, f"[{signal.Signals(sig).name} again: exiting before the shutdown finished]\n".encode())
+            os._exit(128 + sig)
+        self.signal = self.signal or signal.Signals(sig)
+        if self._server is not None:
+            self._server.should_exit = True
+
+
 def serve(engine: Any, config: ServerConfig, host: str = LOOPBACK, port: int = 8080,
-          sock: socket.socket | None = None, parallel: int | None = None) -> None:
-    """Serve ``engine`` until interrupted (Ctrl+C), in the calling thread; on ``sock`` when given (bound by
+          sock: socket.socket | None = None, parallel: int | None = None,
+          stop: StopSignals | None = None) -> signal.Signals | None:
+    """Serve ``engine`` until SIGINT (Ctrl+C) or SIGTERM, in the calling thread; on ``sock`` when given (bound by
     :func:`bind_address` to ``host:port``), else on a socket bound here. Up to ``parallel`` requests' turns are
     decoded together (:class:`engine.session.Session`); 1 answers one request at a time; None: as many as the
-    engine was loaded for (:func:`engine.session.engine_parallel`).
+    engine was loaded for (:func:`engine.session.engine_parallel`). ``stop``: the caller's handlers (to close
+    more after this returns), else ones of its own. Returns the signal that stopped it (None: none did).
 
     Raises:
         EngineError: see :func:`check_bind` and :func:`bind_address`.
     """
     check_bind(host, config.api_key)
+    if stop is None:
+        with StopSignals() as own:
+            return serve(engine, config, host, port, sock, parallel, own)
     sock = sock or bind_address(host, port)
     session = Session(parallel=parallel or engine_parallel(engine))
+    server = _uvicorn_server(engine, config, host, port, session)
+    stop.watch(server)
     try:
-        _uvicorn_server(engine, config, host, port, session).run(sockets=[sock])
+        server.run(sockets=[sock])
     finally:
+        stop.closing()
         session.close()
+    return stop.signal
 
 
 class ServerThread:
