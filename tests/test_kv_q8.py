@@ -18,6 +18,7 @@ from engine.gguf.quant import dequantize
 from engine.kernels import cpu
 from engine.turn.kv_types import Q8_BLOCK, dequantize_q8_0, kv_row_bytes, quantize_q8_0
 from engine.turn.state import SequenceState
+from tests.test_kv_f16 import native, run  # noqa: F401 (the tiny native model fixture; a split forward)
 
 native_only = pytest.mark.skipif(not cpu.available(), reason="native CPU kernels not built")
 
@@ -108,27 +109,6 @@ def test_a_q8_0_state_needs_a_head_dim_of_32s_and_counts_34_bytes_per_32():
     assert kv_row_bytes((2, 256), "q8_0") == 2 * 256 // 32 * 34 == 544
 
 
-@pytest.fixture(scope="module")
-def native(tmp_path_factory):
-    from engine.arch.qwen35.cpu import NativeQwen35Model
-    from engine.registry import open_text
-    from engine.testing.synth import synth
-    path = tmp_path_factory.mktemp("kvq8") / "tiny.gguf"
-    synth(path, "tiny", quant="q8_0", seed=5)
-    text = open_text(path)
-    yield NativeQwen35Model(text.hparams, text.file)
-    cpu.set_isa(None)
-    cpu.set_threads()
-
-
-def run(model, tokens, cuts, kv_type):
-    state = SequenceState.new(model.hp, 64, kv_type)
-    for a, b in zip([0] + cuts, cuts + [len(tokens)]):
-        logits = model.forward(tokens[a:b], state)[-1]
-    return logits, state
-
-
-@native_only
 def test_q8_0_decode_step_stores_the_bytes_numpy_stores(native):
     """Token-by-token decode (the native step, which quantizes the rows in C) and one-pass prefill (numpy's
     quantizer) store the same Q8_0 bytes and give the same logits; the F32 run differs by the rounding, and
