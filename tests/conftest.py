@@ -77,6 +77,24 @@ def served(synth_model):
     engine.close()
 
 
+@pytest.fixture(scope="module")
+def engine(served):
+    """The :func:`served` engine (a test file may define its own ``engine``)."""
+    return served[0]
+
+
+@pytest.fixture(scope="module")
+def hold(served):
+    """``with hold:`` keeps the :func:`served` engine to the test (:class:`Hold`); ``hold.session`` runs the turns."""
+    return served[1]
+
+
+@pytest.fixture(scope="module")
+def server(served):
+    """The :func:`served` ``ServerThread`` (its ``url`` ends in ``/v1``)."""
+    return served[2]
+
+
 @pytest.fixture(scope="session")
 def served_vision(synth_model, tmp_path_factory):
     """The tiny synth model with its random vision tower (images bounded to 64 x 64 px, context 512) behind

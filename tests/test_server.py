@@ -29,22 +29,6 @@ def tiny(synth_model):
 
 
 @pytest.fixture(scope="module")
-def engine(served):
-    return served[0]
-
-
-@pytest.fixture(scope="module")
-def hold(served):
-    """``with hold:`` keeps the shared engine to the test (conftest.Hold); ``hold.session`` runs the turns."""
-    return served[1]
-
-
-@pytest.fixture(scope="module")
-def server(served):
-    return served[2]
-
-
-@pytest.fixture(scope="module")
 def client(server):
     return openai.OpenAI(base_url=server.url, api_key="unused", max_retries=0, timeout=60)
 

@@ -21,21 +21,6 @@ HI = [{"role": "user", "content": "Say hello."}]
 
 
 @pytest.fixture(scope="module")
-def engine(served):
-    return served[0]
-
-
-@pytest.fixture(scope="module")
-def hold(served):
-    return served[1]
-
-
-@pytest.fixture(scope="module")
-def server(served):
-    return served[2]
-
-
-@pytest.fixture(scope="module")
 def client(server):
     return openai.OpenAI(base_url=server.url, api_key="unused", max_retries=0, timeout=60)
 

@@ -21,16 +21,6 @@ GREEDY = {"temperature": 0}
 
 
 @pytest.fixture(scope="module")
-def engine(served):
-    return served[0]
-
-
-@pytest.fixture(scope="module")
-def server(served):
-    return served[2]
-
-
-@pytest.fixture(scope="module")
 def oai(server):
     return openai.OpenAI(base_url=server.url, api_key="unused", max_retries=0, timeout=60)
 
