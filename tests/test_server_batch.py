@@ -118,8 +118,14 @@ def test_a_queued_request_gets_503_when_the_session_closes(engine) -> None:
     """The model is unloaded while a request waits for it: the request is answered 503 naming why, not 500."""
     session = Session(parallel=1)
     srv = ServerThread(engine, ServerConfig("tiny"), port=0, session=session).start()
-    release = threading.Event()
-    blocker = session.call(lambda: release.wait(60))
+    running, release = threading.Event(), threading.Event()
+
+    def block() -> bool:
+        running.set()
+        return release.wait(60)
+
+    blocker = session.call(block)
+    assert running.wait(60)
     box: dict = {}
 
     def ask() -> None:
@@ -140,6 +146,20 @@ def test_a_queued_request_gets_503_when_the_session_closes(engine) -> None:
         srv.stop()
     assert box["r"].status_code == 503
     assert "session closed" in box["r"].json()["error"]["message"]
+
+
+def test_a_request_after_the_session_closed_gets_503(engine) -> None:
+    """A request that arrives once the session has closed is refused at once with 503, not a 500."""
+    session = Session(parallel=1)
+    srv = ServerThread(engine, ServerConfig("tiny"), port=0, session=session).start()
+    try:
+        session.close()
+        r = httpx.post(srv.url + "/chat/completions", timeout=60,
+                       json={"model": "tiny", "messages": HI, "max_tokens": 4})
+    finally:
+        srv.stop()
+    assert r.status_code == 503
+    assert r.json()["error"]["code"] == "model_unavailable"
 
 
 async def _hundred(url: str, hold: Any) -> tuple[list[httpx.Response], int, int]:

@@ -34,13 +34,14 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from engine.events import Event, PrefillStats, TokenEvent, TurnSummary
-from engine.session import END, QueueFullError, Session, Ticket, engine_parallel
+from engine.errors import EngineError
+from engine.session import END, Session, Ticket, engine_parallel
 from . import agent_routes
 from .choices import Answer, Choice
 from .constraints import Constraints
 from .fields import agent_request, completion_fields
 from .guard import RequestGuard, loopback_host
-from .limits import DEFAULT_MAX_WAITING, DEFAULT_MAX_WAITING_BYTES, QueueFull, WaitingQueue, check_fits
+from .limits import DEFAULT_MAX_WAITING, DEFAULT_MAX_WAITING_BYTES, WaitingQueue, check_fits
 from .metrics import RequestCounter, ServerMetrics
 from .requests import APIError, TurnRequest, chat_request, completion_request
 from .transport import ClientGone, authorize, error_of, event_stream, read_json
@@ -173,12 +174,12 @@ class _Exchange:
         """Queue this turn on ``session``; ``_STARTED`` comes first from :meth:`next` once it runs.
 
         Raises:
-            QueueFull: the session's queue is full (429).
+            APIError: the session's queue is full (429) or the session is closed (503).
         """
         try:
             self.turn.submit(session)
-        except QueueFullError as exc:
-            raise QueueFull(str(exc)) from exc
+        except EngineError as exc:
+            raise error_of(exc) from exc
 
     async def next(self, index: int = 0) -> Any:
         """Choice ``index``'s next item: ``_STARTED``, an event, an exception it raised, or ``_END``."""
