@@ -5,12 +5,14 @@ and a prompt resumes from the deepest snapshot whose prefix it shares. Keys are 
 identity, token ids and image digests. A snapshot holds the recurrent state, the position, the logits and
 its KV rows after the last whole page; earlier rows are pages shared by prefix (:mod:`engine.turn.kv_pages`).
 RAM tier (byte budget, LRU) and a validated disk tier (:mod:`engine.turn.snapshot`); a bad file is a miss.
-Design: docs/design/prefix-cache.md; docs/design/kv-cache.md; docs/design/hostile-inputs.md.
+A periodic (``interval``) snapshot is thinned once a later turn extends its prefix (:meth:`PrefixCache.put`).
+Design: docs/design/prefix-cache.md (retention); docs/design/kv-cache.md; docs/design/hostile-inputs.md.
 """
 
 from __future__ import annotations
 
 import hashlib
+import itertools
 import logging
 import os
 import re
@@ -88,6 +90,9 @@ class Snapshot:
         tier: "ram" or "disk".
         nbytes: size of its own arrays and tokens (not the shared pages), bytes.
         has_logits: whether ``arrays`` holds the last position's logits.
+        interval: taken only because ``snapshot_interval`` tokens passed (not at a message start, a branch
+            point or a prompt's end): thinned once a later turn extends it (:meth:`PrefixCache.put`).
+        turn: the :attr:`Lookup.turn` that took it (-1: read from disk, another process's or an earlier one's).
     """
 
     key: bytes
@@ -103,6 +108,8 @@ class Snapshot:
     nbytes: int = 0
     has_logits: bool = False
     pages: list[bytes] = field(default_factory=list)
+    interval: bool = False
+    turn: int = -1
 
 
 @dataclass(frozen=True)
@@ -139,6 +146,7 @@ class Lookup:
         restore_ms: time spent restoring, ms.
         diverge: the first position where the prompt leaves every cached path (>= reused): the
             runtime snapshots there so the next branch from the same point is reused.
+        turn: a number new at every lookup, naming the turn that made it; pass it to :meth:`PrefixCache.put`.
     """
 
     state: SequenceState
@@ -146,6 +154,7 @@ class Lookup:
     logits: np.ndarray | None
     restore_ms: float
     diverge: int
+    turn: int = 0
 
 
 def state_arrays(state: SequenceState, start: int = 0) -> dict[str, np.ndarray]:
@@ -226,6 +235,7 @@ class PrefixCache:
         self.disk_budget = disk_budget
         self._entries: OrderedDict[bytes, Snapshot] = OrderedDict()
         self._lock = threading.RLock()
+        self._turns = itertools.count(1)
         self._disk: Path | None = None
         if disk_dir is not None:
             self._disk = snapshot_folder(disk_dir, identity, kv_type)
@@ -250,6 +260,7 @@ class PrefixCache:
         """
         with self._lock:
             t0 = time.perf_counter()
+            turn = next(self._turns)
             images = dict(images or {})
             keys = keys or chain_keys(self.identity, tokens, images)
             n = len(tokens)
@@ -280,9 +291,9 @@ class PrefixCache:
                 self._entries.move_to_end(snap.key)
                 logits = arrays.get("logits") if pos == n else None
                 return Lookup(state, pos, None if logits is None else logits.copy(),
-                              (time.perf_counter() - t0) * 1e3, self._diverge(tokens, images, pos))
+                              (time.perf_counter() - t0) * 1e3, self._diverge(tokens, images, pos), turn)
             return Lookup(SequenceState.new(self.hp, capacity, self.kv_type), 0, None, (time.perf_counter() - t0) * 1e3,
-                          self._diverge(tokens, images, 0))
+                          self._diverge(tokens, images, 0), turn)
 
     def contains(self, key: bytes) -> bool:
         """Whether a snapshot is held (RAM or disk) under chain key ``key``."""
@@ -309,8 +320,9 @@ class PrefixCache:
 
     def put(self, key: bytes, state: SequenceState, tokens: Sequence[int], logits: np.ndarray | None,
             images: Mapping[int, bytes] | None = None, conversation: str = "",
-            keys: Sequence[bytes] | None = None) -> Snapshot:
-        """Checkpoint ``state`` (at ``state.pos`` = len(tokens)) under chain key ``key``.
+            keys: Sequence[bytes] | None = None, *, turn: int | None = None, interval: bool = False) -> Snapshot:
+        """Checkpoint ``state`` (at ``state.pos`` = len(tokens)) under chain key ``key``, and thin: every
+        ``interval`` snapshot of another turn whose prefix ``tokens`` extends is dropped (RAM, file, pages).
 
         Args:
             key: chain key of ``tokens``.
@@ -321,6 +333,9 @@ class PrefixCache:
             conversation: conversation id for the app's list.
             keys: the chain keys of ``tokens`` (or of a sequence that starts with them) when known; they name
                 its KV pages (computed here otherwise).
+            turn: the taking turn's :attr:`Lookup.turn` (None: a turn of its own).
+            interval: taken only for ``snapshot_interval`` (see :class:`Snapshot`); an earlier non-interval
+                snapshot under ``key`` stays one.
 
         Returns:
             The new (or refreshed) snapshot.
@@ -331,10 +346,13 @@ class PrefixCache:
         if state.kv_type != self.kv_type:
             raise ValueError(f"a state of KV type {state.kv_type} put into a cache of {self.kv_type}")
         with self._lock:
+            turn = next(self._turns) if turn is None else turn
             old = self._entries.get(key)
             if old is not None and old.tier == "ram" and (logits is None or old.has_logits):
                 old.last_used = time.time()
+                old.interval = old.interval and interval
                 self._entries.move_to_end(key)
+                self._thin(old, turn)
                 return old
             n_pages = state.pos // PAGE_ROWS
             if n_pages and (keys is None or len(keys) <= n_pages * PAGE_ROWS):
@@ -347,14 +365,25 @@ class PrefixCache:
                             arrays=arrays, images={p: d for p, d in (images or {}).items() if p < state.pos},
                             conversation=conversation,
                             nbytes=sum(a.nbytes for a in arrays.values()) + 4 * len(tokens),
-                            has_logits=logits is not None, pages=pages)
+                            has_logits=logits is not None, pages=pages, turn=turn,
+                            interval=interval and (old is None or old.interval))
             self._pages.attach(key, pages, state)
             if old is not None and old.tier == "disk":
                 self._remove_file(old)
             self._entries[key] = snap
             self._entries.move_to_end(key)
+            self._thin(snap, turn)
             self._evict()
             return snap
+
+    def _thin(self, deeper: Snapshot, turn: int) -> None:
+        """Drop every interval snapshot not of ``turn`` whose prefix is a proper prefix of ``deeper``'s (same
+        tokens and images): a later turn went past it, and a resume from its path starts at a message start,
+        a branch point or a prompt's end, which are kept (docs/design/prefix-cache.md, retention)."""
+        for snap in [s for s in self._entries.values() if s.interval and s.turn != turn and s.pos < deeper.pos]:
+            if np.array_equal(snap.tokens, deeper.tokens[:snap.pos]) and snap.images == {
+                    p: d for p, d in deeper.images.items() if p < snap.pos}:
+                self._drop(snap)
 
     def _evict(self, keep: bytes | None = None) -> None:
         """Move least recently used RAM snapshots to disk (or drop them) beyond the RAM budget, never ``keep``
@@ -440,7 +469,8 @@ class PrefixCache:
         meta = {"version": FORMAT_VERSION, "identity": self.identity, "key": snap.key.hex(), "pos": snap.pos,
                 **({"pages": [k.hex() for k in snap.pages]} if snap.pages else {}),
                 "images": {str(p): d.hex() for p, d in snap.images.items()},
-                "conversation": snap.conversation, "created": snap.created, "hits": snap.hits}
+                "conversation": snap.conversation, "created": snap.created, "hits": snap.hits,
+                **({"interval": True} if snap.interval else {})}
         try:
             write_atomic(path, encode(meta, snap.tokens, snap.arrays))
         except OSError as exc:
@@ -523,7 +553,7 @@ class PrefixCache:
                 key=key, pos=meta["pos"], tokens=tokens, arrays=None, images=images,
                 conversation=meta.get("conversation", ""), created=float(meta.get("created", 0.0)),
                 hits=int(meta.get("hits", 0)), tier="disk", nbytes=size,
-                has_logits="logits" in meta["arrays"], pages=pages)
+                has_logits="logits" in meta["arrays"], pages=pages, interval=meta.get("interval") is True)
             self._pages.attach(key, pages)
         self._pages.sweep()
 

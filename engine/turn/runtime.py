@@ -2,8 +2,9 @@
 
 Prefill resumes from the deepest cached snapshot of the
 prompt's prefix and checkpoints the state at the positions the caller names (message boundaries,
-the assistant header), every ``snapshot_interval`` tokens, where the prompt leaves the cached
-paths, and at the end of the prompt (with its logits, so a regenerate prefills nothing).
+the assistant header), every ``snapshot_interval`` tokens (interval snapshots: the cache thins them once a
+later turn goes past them), where the prompt leaves the cached paths, and at the end of the prompt (with its
+logits, so a regenerate prefills nothing).
 GPU prefill plugs in at :func:`prefill`.
 """
 
@@ -228,14 +229,15 @@ def read_ahead(turn: Turn) -> PrefillStats | None:
 
     def snapshot(pos: int, last: np.ndarray | None) -> None:
         cache.put(keys[pos], state, turn.prompt[:pos], None, images=digests, conversation=turn.conversation,
-                  keys=keys)
+                  keys=keys, turn=hit.turn)
 
     t0 = time.perf_counter()
     devices: list[str] = []
     logits, _ = _drain(_prefill(turn, state, set(turn.checkpoints), snapshot, devices, AHEAD_PIECE))
     if logits is None:
         return None
-    cache.put(keys[n], state, turn.prompt, None, images=digests, conversation=turn.conversation, keys=keys)
+    cache.put(keys[n], state, turn.prompt, None, images=digests, conversation=turn.conversation, keys=keys,
+              turn=hit.turn)
     return PrefillStats(prompt_tokens=n, reused_tokens=hit.reused, prefilled_tokens=n - hit.reused,
                         prefill_ms=_ms(t0), restore_ms=hit.restore_ms,
                         device="cuda" if "cuda" in devices else "cpu", ttft_ms=0.0)
@@ -277,6 +279,7 @@ class _Resumed:
         stops: prompt positions to cut prefill at (and snapshot after).
         digests: image digests by prompt index (cache keys). keys: the prompt's chain keys, or None without a cache.
         snapshot: stores the state after a prompt position, or None without a cache.
+        turn: the cache's :attr:`~engine.turn.prefix_cache.Lookup.turn` of this turn (0 without a cache).
     """
 
     state: SequenceState
@@ -287,6 +290,7 @@ class _Resumed:
     digests: dict[int, bytes]
     keys: list[bytes] | None
     snapshot: Snapshot | None
+    turn: int = 0
 
 
 def _resume(turn: Turn) -> _Resumed:
@@ -299,17 +303,19 @@ def _resume(turn: Turn) -> _Resumed:
     keys = chain_keys(cache.identity, turn.prompt, digests)
     hit = cache.lookup(turn.prompt, turn.context, images=digests, keys=keys)
     stops = set(turn.checkpoints) | {hit.diverge}
+    intervals: set[int] = set()
     if turn.gpu is not None:
         # one GPU pass streams every routed expert: cut only where the next turns resume
         stops = {hit.diverge} | set(list(turn.checkpoints)[-1:])
     elif turn.snapshot_interval:
-        stops |= set(range(turn.snapshot_interval, n, turn.snapshot_interval))
+        intervals = set(range(turn.snapshot_interval, n, turn.snapshot_interval)) - stops
+        stops |= intervals
 
     def snapshot(pos: int, last: np.ndarray | None) -> None:
         cache.put(keys[pos], hit.state, turn.prompt[:pos], last, images=digests, conversation=turn.conversation,
-                  keys=keys)
+                  keys=keys, turn=hit.turn, interval=pos in intervals)
 
-    return _Resumed(hit.state, hit.reused, hit.restore_ms, hit.logits, stops, digests, keys, snapshot)
+    return _Resumed(hit.state, hit.reused, hit.restore_ms, hit.logits, stops, digests, keys, snapshot, hit.turn)
 
 
 def _summary(turn: Turn, reused: int, stop_reason: str, message: str) -> TurnSummary:
@@ -348,7 +354,7 @@ def run_turn(turn: Turn) -> Iterator[Event | Step]:
             return
         if turn.cache is not None:
             turn.cache.put(resumed.keys[n_prompt], resumed.state, turn.prompt, logits, images=resumed.digests,
-                           conversation=turn.conversation, keys=resumed.keys)
+                           conversation=turn.conversation, keys=resumed.keys, turn=resumed.turn)
     prefill_ms = _ms(t0)
     matcher = None if turn.grammar is None else turn.grammar.matcher()
     sampler, history = Sampler(turn.sampling, matcher, n_prompt), list(turn.prompt)
@@ -393,7 +399,8 @@ def _keep_answer_end(turn: Turn, resumed: _Resumed, step: _Stepper, history: lis
     yield from step(token)
     history.append(token)
     keys = chain_keys(cache.identity, history, resumed.digests)
-    cache.put(keys[-1], state, history, None, images=resumed.digests, conversation=turn.conversation, keys=keys)
+    cache.put(keys[-1], state, history, None, images=resumed.digests, conversation=turn.conversation, keys=keys,
+              turn=resumed.turn)
 
 
 def _decode(turn: Turn, resumed: _Resumed, sampler: Sampler, history: list[int], token: int, logits: np.ndarray,

@@ -4,9 +4,10 @@ A file is ``FORMAT_MAGIC``, a u64 (little-endian) header length, a JSON header, 
 int32 token ids, then every array in the header's order: little-endian float32, the KV rows in the
 cache's KV type: float32, float16 or Q8_0 block bytes) and the SHA-256 of
 header + payload. The header names the format version, the model file's identity, the chain key,
-``pos``, the image digests by position, the conversation, ``created`` / ``hits``, and every array's
-dtype and shape. A file is written to a temporary file, flushed, fsynced and renamed, so a crash
-never leaves a partial snapshot under its real name.
+``pos``, the image digests by position, the conversation, ``created`` / ``hits``, ``interval`` (true for a
+periodic snapshot the cache may thin; absent otherwise), and every array's dtype and shape. A file is
+written to a temporary file, flushed, fsynced and renamed, so a crash never leaves a partial snapshot
+under its real name.
 """
 
 from __future__ import annotations
@@ -56,8 +57,8 @@ def check_header(hp: HasStateLayout, identity: str, meta: object, payload_bytes:
     (:mod:`engine.turn.kv_pages`; its own KV arrays then hold only the rows after them), ``images``
     position -> hex digest, ``arrays`` exactly :func:`expected_arrays` (plus an optional ``logits`` of
     (n_vocab,)), every one ``<f4`` (KV rows: ``kv_type``'s, e.g. ``<f2``, Q8_0 ``|u1`` blocks), the payload's
-    size = 4 * pos + the arrays' bytes, ``conversation`` a string, ``created`` and ``hits`` numbers within
-    +-1e18 (not NaN or infinite).
+    size = 4 * pos + the arrays' bytes, ``conversation`` a string, ``interval`` (when present) a boolean,
+    ``created`` and ``hits`` numbers within +-1e18 (not NaN or infinite).
     """
     if not isinstance(meta, dict):
         return "the header is not an object"
@@ -118,10 +119,12 @@ def _array_problem(meta: dict, layout: StateLayout, payload_bytes: int, kv_type:
 
 
 def _field_problem(meta: dict) -> str | None:
-    """What is wrong with ``conversation``, ``created`` and ``hits``, or None."""
+    """What is wrong with ``conversation``, ``interval``, ``created`` and ``hits``, or None."""
     for name in ("conversation",):
         if not isinstance(meta.get(name, ""), str):
             return f"{name} is not a string"
+    if not isinstance(meta.get("interval", False), bool):
+        return "interval is not a boolean"
     for name in ("created", "hits"):
         value = meta.get(name, 0)
         if isinstance(value, bool) or not isinstance(value, (int, float)) or not -1e18 < value < 1e18:
