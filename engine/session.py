@@ -273,16 +273,28 @@ class Session:
 
     def close(self, timeout: float | None = None) -> None:
         """Take no more jobs, drop the queued ones, tell the running one to stop, and join the thread."""
+        self.stop()
+        if threading.current_thread() is not self._thread:
+            self._thread.join(timeout)
+
+    def stop(self) -> int:
+        """:meth:`close` without waiting: take no more jobs, drop the queued ones (they get
+        :class:`SessionClosedError`) and tell the running ones to stop. Returns how many were running."""
         with self._cond:
             self._closed = True
             dropped, self._queued = self._queued, []
+            running = len(self._running)
             for job in self._running:
                 job.cancel.set()
             self._cond.notify_all()
         for job in dropped:
             _deliver(job, SessionClosedError(_CLOSED_BEFORE_START))
-        if threading.current_thread() is not self._thread:
-            self._thread.join(timeout)
+        return running
+
+    @property
+    def closed(self) -> bool:
+        """Whether :meth:`stop` or :meth:`close` was called (the engine or the server is stopping)."""
+        return self._closed
 
     def _submit(self, job: _Job) -> Ticket:
         with self._cond:

@@ -17,11 +17,11 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def _serve(model: Path, cache_dir: Path) -> tuple[subprocess.Popen, str]:
+def _serve(model: Path, cache_dir: Path, context: int = 256) -> tuple[subprocess.Popen, str]:
     """The server as a process of its own on a free port, once it listens; and its ``/v1`` URL."""
     env = dict(os.environ, PYTHONPATH=str(ROOT))
     proc = subprocess.Popen([sys.executable, "-m", "engine", "serve", "--model", str(model), "--port", "0",
-                             "--context", "256", "--cache-dir", str(cache_dir)],
+                             "--context", str(context), "--cache-dir", str(cache_dir)],
                             cwd=ROOT, env=env, stderr=subprocess.PIPE, text=True)
     lines: list[str] = []
     while not lines or not lines[-1].startswith("[serving"):
@@ -78,3 +78,33 @@ def test_a_signal_while_closing_exits_at_once() -> None:
                           capture_output=True, text=True, timeout=60)
     assert done.returncode == 128 + signal.SIGINT, done.stderr
     assert "[SIGINT again: exiting before the shutdown finished]" in done.stderr and "not reached" not in done.stdout
+
+
+def test_an_answer_still_streaming_after_the_grace_period_ends_with_an_error_event(synth_model, tmp_path) -> None:
+    """SIGTERM while a long answer streams (12,000 tokens: far more than the 2 s grace period decodes): the
+    stream ends with a ``server_stopping`` error event (no broken chunk), stderr says it cut one answer off,
+    and no ``CancelledError`` traceback is logged; the server exits with 0."""
+    import json
+    from engine.openai import GRACE_S
+    proc, url = _serve(synth_model("tiny", "q8_0"), tmp_path, context=16384)
+    events = []
+    try:
+        with httpx.stream("POST", url + "/chat/completions", timeout=120, json={
+                "model": "tiny-q8_0", "max_tokens": 12000, "stream": True, "temperature": 1.0, "seed": 1,
+                "messages": [{"role": "user", "content": "Tell a long story."}]}) as response:
+            for line in response.iter_lines():
+                if line.startswith("data: "):
+                    events.append(line[6:])
+                if len(events) == 5:
+                    proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+    assert proc.returncode == 0, err
+    assert "Traceback" not in err and "CancelledError" not in err, err
+    assert f"[stopping: cut off 1 answer(s) still running {GRACE_S:g} s after the stop" in err
+    last = json.loads(events[-1])
+    assert last["error"]["code"] == "server_stopping" and "cut off after" in last["error"]["message"], last
+    assert len(events) > 5 and all("choices" in json.loads(e) for e in events[:-1])

@@ -13,11 +13,13 @@ API key (:func:`check_bind`), which every ``/v1`` request must then present; suc
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import ipaddress
 import os
 import signal
 import socket
+import sys
 import threading
 import time
 from typing import Any
@@ -106,14 +108,42 @@ def bind_address(host: str, port: int) -> socket.socket:
     return sock
 
 
-def _uvicorn_server(engine: Any, config: ServerConfig, host: str, port: int, session: Session):
+GRACE_S = 2.0
+"""Seconds a stopping server lets running answers finish before it cuts them off."""
+CUT_WAIT_S = 30.0
+"""Seconds it then waits for a cut answer's turn to see its cancel (one decode step or prefill piece) before
+uvicorn cancels the request's task."""
+
+
+def _uvicorn_server(engine: Any, config: ServerConfig, host: str, port: int, session: Session,
+                    cut_answers: bool = False):
+    """The uvicorn server of ``engine`` on ``session``. ``cut_answers`` (a session of the server's own): answers
+    still running :data:`GRACE_S` after the shutdown began are cut off, each stream ending with an error event
+    (:func:`engine.openai.app.create_app`) and the server's stderr with one line, instead of uvicorn cancelling
+    their tasks (a ``CancelledError`` traceback and a stream broken mid-chunk); without it the grace period is
+    uvicorn's own."""
     import uvicorn
     if not is_loopback(host):
         config = dataclasses.replace(config, file_urls=False)
     app = create_app(engine, config, session)
-    return uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="warning", access_log=False,
-                                         timeout_graceful_shutdown=2, http=_head_timeout_protocol(),
-                                         **UVICORN_LIMITS))
+
+    class _Server(uvicorn.Server):
+        async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
+            if cut_answers:
+                asyncio.get_running_loop().call_later(GRACE_S, _cut_answers, session)
+            await super().shutdown(sockets)
+
+    return _Server(uvicorn.Config(app, host=host, port=port, log_level="warning", access_log=False,
+                                  timeout_graceful_shutdown=GRACE_S + (CUT_WAIT_S if cut_answers else 0.0),
+                                  http=_head_timeout_protocol(), **UVICORN_LIMITS))
+
+
+def _cut_answers(session: Session) -> None:
+    """Stop ``session`` (no new turns, the running ones cancelled) and say how many answers that cut off."""
+    running = session.stop()
+    if running:
+        print(f"[stopping: cut off {running} answer(s) still running {GRACE_S:g} s after the stop; each stream "
+              "ends with a server_stopping error event]", file=sys.stderr, flush=True)
 
 
 class StopSignals:
@@ -179,7 +209,7 @@ def serve(engine: Any, config: ServerConfig, host: str = LOOPBACK, port: int = 8
             return serve(engine, config, host, port, sock, parallel, own)
     sock = sock or bind_address(host, port)
     session = Session(parallel=parallel or engine_parallel(engine))
-    server = _uvicorn_server(engine, config, host, port, session)
+    server = _uvicorn_server(engine, config, host, port, session, cut_answers=True)
     stop.watch(server)
     try:
         server.run(sockets=[sock])

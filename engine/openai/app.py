@@ -146,8 +146,14 @@ class _Exchange:
 
     def __init__(self, request: Request, turn: _Turn) -> None:
         self.request, self.turn = request, turn
+        self.session: Session | None = None
         self.gone = asyncio.Event()
         self._watcher = asyncio.create_task(self._watch())
+
+    @property
+    def stopping(self) -> bool:
+        """Whether the session running the turn is stopping (the server shuts down: a cancel is its doing)."""
+        return self.session is not None and self.session.closed
 
     async def _watch(self) -> None:
         while (await self.request.receive())["type"] != "http.disconnect":
@@ -176,6 +182,7 @@ class _Exchange:
         Raises:
             APIError: the session's queue is full (429) or the session is closed (503).
         """
+        self.session = session
         try:
             self.turn.submit(session)
         except EngineError as exc:
@@ -418,6 +425,10 @@ async def _choices(ex: _Exchange, req: TurnRequest, first: list[Any],
                 ex.turn.stop_choice(choice.index)  # a stop string: the engine ends it at its next token
             yield "pieces", choice, pieces
         elif isinstance(item, TurnSummary):
+            if item.stop_reason == "cancelled" and ex.stopping:
+                raise APIError(503, f"the server is stopping: this answer was cut off after {item.generated_tokens} "
+                               "tokens; send the request again once it is back", type="server_error",
+                               code="server_stopping")
             yield "pieces", choice, choice.close(item)
             yield "end", choice, None
             if choice.index + 1 == req.n:
