@@ -8,6 +8,7 @@ A server that exits or fails a request raises :class:`ServerFailed` naming it, i
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import os
 import re
@@ -99,8 +100,10 @@ def check_memory(model: str, context: int, threads: int) -> None:
 
 
 def _die_with_parent() -> None:
-    """In the child before exec: the kernel sends SIGTERM when the bench that started it dies."""
+    """In the child before exec: the kernel sends SIGTERM when the bench that started it dies, and SIGINT
+    stops it even when the bench was started with SIGINT ignored (``cmd &`` in a script)."""
     ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
 @dataclass
@@ -144,8 +147,10 @@ class Server:
         """ServerFailed naming the server, its exit code and its log's last lines if it has exited."""
         if self.proc is not None and self.proc.poll() is not None:
             tail = self.log.read_bytes()[-2000:].decode(errors="replace").strip().splitlines()[-8:]
-            raise ServerFailed(f"{self.name} (pid {self.proc.pid}) exited with code {self.proc.returncode} {when}; "
-                               f"its log {self.log} ends:\n    " + "\n    ".join(tail))
+            code = self.proc.returncode
+            how = f"was killed by signal {-code}" if code < 0 else f"exited with code {code}"
+            raise ServerFailed(f"{self.name} (pid {self.proc.pid}) {how} {when}; its log {self.log} ends:\n    "
+                               + "\n    ".join(tail))
 
     def complete(self, client: openai.OpenAI, when: str, **request):
         """``client.chat.completions.create(**request)``; ServerFailed naming the server if it fails."""
@@ -153,6 +158,8 @@ class Server:
         try:
             return client.chat.completions.create(**request)
         except openai.APIError as exc:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                self.proc.wait(timeout=2)
             self.check_alive(f"during {when}")
             raise ServerFailed(f"{self.name} failed {when}: {exc}; see {self.log}") from exc
 

@@ -260,7 +260,8 @@ def main() -> None:
     if not args.report:
         if not args.model:
             raise SystemExit("--model is required to run a session")
-        signal.signal(signal.SIGTERM, signal.default_int_handler)
+        for signum in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(signum, signal.default_int_handler)
         try:
             run(args)
         except ServerFailed as exc:
