@@ -86,12 +86,13 @@ def memory_need_mib(model: str, context: int, threads: int) -> dict[str, int]:
             "llama-server": kv + PEER_CHECKPOINTS * recurrent + PEER_WORK_MIB}
 
 
-def check_memory(model: str, context: int, threads: int) -> None:
+def check_memory(model: str, context: int, threads: int, available: int | None = None) -> None:
     """Refuse (SystemExit with the figures) to start both servers at once when :func:`memory_need_mib` exceeds
-    the memory available now (``MemAvailable`` of ``/proc/meminfo``)."""
+    ``available`` MiB (None: the memory available now, ``MemAvailable`` of ``/proc/meminfo``)."""
     need = memory_need_mib(model, context, threads)
-    meminfo = dict(line.split(":", 1) for line in Path("/proc/meminfo").read_text().splitlines())
-    available = int(meminfo["MemAvailable"].split()[0]) // 1024
+    if available is None:
+        meminfo = dict(line.split(":", 1) for line in Path("/proc/meminfo").read_text().splitlines())
+        available = int(meminfo["MemAvailable"].split()[0]) // 1024
     if sum(need.values()) > available:
         parts = ", ".join(f"{name} {mib:,}" for name, mib in need.items())
         raise SystemExit(f"both servers at once need about {sum(need.values()):,} MiB ({parts}) but "
