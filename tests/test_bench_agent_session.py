@@ -103,8 +103,8 @@ def test_the_comparison_gives_each_ratio_and_their_spread(capsys):
     peer = [{**r, "ttft_ms": 100.0, "load1": 3.0} for r in ours]
     comparison(ours, peer)
     text = capsys.readouterr().out
-    assert "| 1 | 10 / 10 | 10 / 10 | 300 | 100 | 3.00 | 1.0 / 3.0 | ours |" in text
-    assert "| 2 | 20 / 20 | 10 / 10 | 50 | 100 | 0.50 | 1.0 / 3.0 | llama-server |" in text
+    assert "| 1 | 10 / 10 | 10 / 10 | 300 | 100 | 3.00 | - / - | 1.0 / 3.0 | ours |" in text
+    assert "| 2 | 20 / 20 | 10 / 10 | 50 | 100 | 0.50 | - / - | 1.0 / 3.0 | llama-server |" in text
     assert "request 1 3.00 (3.00-3.00); requests 2-4: median 1.00 (0.50-2.00) over 3 requests" in text
     assert "median 2.00 (1.00-3.00)" in text and spread([]) == "-"
 
@@ -155,7 +155,7 @@ def test_a_server_that_dies_is_named_and_the_run_resumes(synth_model, tmp_path):
         rows = _rows(work / f"{name}.jsonl")
         assert [(r["request"], r["order"]) for r in rows] == [(1, 1 if name == "ours" else 2),
                                                               (2, 2 if name == "ours" else 1)]
-        assert all(r["load1"] >= 0 for r in rows)
+        assert all(r["load1"] >= 0 and r["cpu_s"] >= 0 and r["idle_cpu_s"] >= 0 for r in rows)
         assert [r["warmup"] for r in _rows(work / f"{name}.jsonl", "warmup")] == [1]
     assert "requests 2-2: median" in out
     assert all(map(_gone, _pids(work)))

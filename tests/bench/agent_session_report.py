@@ -58,20 +58,22 @@ def server_table(name: str, rows: list[dict], notes: list[dict], every: int) -> 
 
 
 def comparison(ours: list[dict], peer: list[dict]) -> None:
-    """Print TTFT per request of both servers, their ratio (ours / llama-server), the load as each was sent
-    and which went first; then the ratio's median (min-max) over requests 2.. and the first request's."""
+    """Print TTFT per request of both servers, their ratio (ours / llama-server), the CPU seconds each took,
+    the load as each was sent and which went first; then the ratio's median (min-max) over requests 2.. and
+    the first request's."""
     theirs = {r["request"]: r for r in peer}
     pairs = [(r, theirs[r["request"]]) for r in ours if r["request"] in theirs]
     if not pairs:
         return
     print("\n| request | prompt tokens ours / llama | prefilled ours / llama | TTFT ms ours | TTFT ms llama-server "
-          "| ratio | load 1 min ours / llama | first |")
-    print("|---" * 8 + "|")
+          "| ratio | CPU s ours / llama | load 1 min ours / llama | first |")
+    print("|---" * 9 + "|")
     for a, b in pairs:
         first = {1: "ours", 2: "llama-server"}.get(a.get("order"), "")
         print(f"| {a['request']} | {a['prompt_tokens']} / {b['prompt_tokens']} | {a['prefilled_tokens']} / "
               f"{b['prefilled_tokens']} | {a['ttft_ms']:.0f} | {b['ttft_ms']:.0f} | {a['ttft_ms'] / b['ttft_ms']:.2f} "
-              f"| {a.get('load1', '-')} / {b.get('load1', '-')} | {first} |")
+              f"| {a.get('cpu_s', '-')} / {b.get('cpu_s', '-')} | {a.get('load1', '-')} / {b.get('load1', '-')} "
+              f"| {first} |")
     ratios = {a["request"]: a["ttft_ms"] / b["ttft_ms"] for a, b in pairs}
     later = [v for k, v in ratios.items() if k > 1]
     loads = [r["load1"] for pair in pairs for r in pair if "load1" in r]

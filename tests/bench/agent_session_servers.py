@@ -59,6 +59,12 @@ def rss_mib(pid: int) -> tuple[float, float]:
     return round(fields["VmRSS"], 1), round(fields["VmHWM"], 1)
 
 
+def cpu_seconds(pid: int) -> float:
+    """User plus system CPU seconds of all threads of process ``pid`` so far (``/proc/PID/stat``, proc(5))."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def files_mib(folder: Path, suffix: str) -> float:
     """MiB of the files named ``*suffix`` under ``folder``."""
     return round(sum(p.stat().st_size for p in folder.rglob(f"*{suffix}") if p.is_file()) / MIB, 1)
@@ -121,6 +127,8 @@ class Server:
     _log_at: int = 0
     _checkpoints: dict = field(default_factory=dict)
     _prompt_cache: tuple[int, float] = (0, 0.0)
+    _cpu_at: float = 0.0
+    _idle_from: float = 0.0
 
     def launch(self) -> None:
         """Start the server (in a session of its own, its output appended to ``log``); see :meth:`wait_ready`."""
@@ -138,6 +146,7 @@ class Server:
                 if httpx.get(f"http://127.0.0.1:{self.port}/health", timeout=2).status_code == 200:
                     if self.cache_dir is not None:
                         self._scrape()
+                    self._idle_from = cpu_seconds(self.proc.pid)
                     return
             except httpx.HTTPError:
                 pass
@@ -157,6 +166,7 @@ class Server:
         """``client.chat.completions.create(**request)``; ServerFailed naming the server if it fails."""
         self.check_alive(f"before {when}")
         try:
+            self._cpu_at = cpu_seconds(self.proc.pid)
             return client.chat.completions.create(**request)
         except openai.APIError as exc:
             with contextlib.suppress(subprocess.TimeoutExpired):
@@ -181,10 +191,13 @@ class Server:
             raise
 
     def probe(self, reply) -> dict:
-        """What the server holds after a request, and the parts of that request's TTFT it reports."""
+        """What the server holds after a request, the parts of that request's TTFT it reports, the CPU seconds
+        it took (all threads) and those it took since its previous request (``idle_cpu_s``: ~0 when idle)."""
         rss, peak = rss_mib(self.proc.pid)
-        row = {"rss_mib": rss, "peak_rss_mib": peak}
+        row = {"cpu_s": round(cpu_seconds(self.proc.pid) - self._cpu_at, 2),
+               "idle_cpu_s": round(self._cpu_at - self._idle_from, 2), "rss_mib": rss, "peak_rss_mib": peak}
         row.update(self._ours() if self.cache_dir is not None else self._peer(reply))
+        self._idle_from = cpu_seconds(self.proc.pid)
         return row
 
     def _scrape(self) -> tuple[dict, dict]:
