@@ -230,7 +230,7 @@ def run(args: argparse.Namespace) -> None:
         outs = [args.work / f"{s.name}.jsonl" for s in group]
         done = min(done_requests(out) for out in outs) if args.resume else 0
         for out in outs:
-            if args.resume and out.exists():
+            if done and out.exists():
                 keep_until(out, done)
             else:
                 out.unlink(missing_ok=True)
