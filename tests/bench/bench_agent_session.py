@@ -119,8 +119,9 @@ def _client(server: Server) -> openai.OpenAI:
 
 def drive(group: list[Server], args: argparse.Namespace, start: int) -> None:
     """Requests ``start``..``--requests`` to each server of ``group`` in turn (the first one alternating by
-    request), each row appended to ``WORK/<server>.jsonl`` as it comes. A ``start`` past 1 first sends the
-    previous request once more, recorded as a warm-up note, so each server holds that prefix again."""
+    request, its place in ``order``), each row appended to ``WORK/<server>.jsonl`` as it comes. A ``start``
+    past 1 first sends the previous request once more, recorded as a warm-up note, so each server holds that
+    prefix again."""
     clients = {s.name: _client(s) for s in group}
     if start > 1:
         messages = messages_for(start - 1, args.system_tokens, args.result_lines)
@@ -131,7 +132,8 @@ def drive(group: list[Server], args: argparse.Namespace, start: int) -> None:
         messages = messages_for(request, args.system_tokens, args.result_lines)
         for order, server in enumerate(group if request % 2 else group[::-1], 1):
             row = ask(server, clients[server.name], messages, f"request {request}")
-            _append(args.work / f"{server.name}.jsonl", {"request": request, "order": order, **row})
+            sent = {"order": order} if len(group) > 1 else {}
+            _append(args.work / f"{server.name}.jsonl", {"request": request, **sent, **row})
 
 
 def _append(out: Path, row: dict) -> None:
