@@ -6,19 +6,21 @@ function tools, a user task, then each request adds the call the agent made (an 
 calls are scripted, not the model's (a random-weight synth model's own calls would be noise); what each
 request costs does not depend on who wrote them, because the template re-renders the previous answer either way.
 
-Per request: the prompt tokens, the tokens resumed from a prefix snapshot or checkpoint (``usage.
-prompt_tokens_details.cached_tokens``) and so prefilled, the TTFT (the latency of a non-streamed 1-token
-answer: prefill plus one sampled token plus the loopback HTTP round trip), the server's RSS, and what its
-prefix state takes. Ours: the prefix cache's RAM (snapshots and KV pages, from ``/metrics``), its snapshot
-and page files on disk (``--cache-dir``), and the restore / prefill seconds of the turn (``/metrics``).
-llama-server: its context checkpoints (count and MiB, from its trace log, ``-lv 4``) and its prompt cache
-(``--cache-ram``'s MiB, same log), and its own ``timings.prompt_ms``. Each server runs with its default
-cache flags; llama-server's are printed with its table (:data:`PEER_FLAGS`).
+With ``--server both`` the two servers run at once, interleaved: request k goes to one, then (once answered)
+to the other, the first one alternating, so both meet the same machine state and each is idle while the other
+answers (``--sequential``: one whole session after the other). Per request and server: the prompt tokens, the
+tokens resumed from a prefix snapshot or checkpoint (``usage.prompt_tokens_details.cached_tokens``) and so
+prefilled, the TTFT (the latency of a non-streamed 1-token answer: prefill, one sampled token, the loopback
+HTTP round trip), the 1-minute load average as it was sent, the server's RSS, and its prefix state. Ours: the
+prefix cache's RAM (``/metrics``), its snapshot and page files (``--cache-dir``), the restore / prefill seconds
+of the turn. llama-server: its context checkpoints and prompt cache (its trace log, ``-lv 4``) and its
+``timings.prompt_ms``. Each runs with its default cache flags; llama-server's are :data:`PEER_FLAGS`.
 
-Usage: ``python tests/bench/bench_agent_session.py --model slice.gguf --work /tmp/me/agent [--requests 30]
-[--result-lines 42] [--context 65536] [--server ours|llama-server|both] [--llama-server PATH] [--every 5]``;
-each server's rows go to ``WORK/<server>.jsonl`` as they come; ``--report`` prints the tables of the files
-already in ``WORK`` without running anything. Note the machine's load (``uptime``) beside the figures.
+Usage: ``python tests/bench/bench_agent_session.py --model slice.gguf --work /tmp/me/agent --llama-server PATH
+[--requests 30] [--result-lines 42] [--context 65536] [--server ours|llama-server|both] [--sequential]
+[--resume] [--every 5]``. Rows go to ``WORK/<server>.jsonl`` as they come; Ctrl+C stops both servers, and
+``--resume`` goes on after the last request both answered (both start afresh and first re-read that request's
+prompt, unrecorded, to rebuild their prefix state). ``--report`` prints the tables of the rows in ``WORK``.
 """
 
 from __future__ import annotations
@@ -26,19 +28,16 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import re
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 
-import httpx
 import openai
-from prometheus_client.parser import text_string_to_metric_families
+from agent_session_report import report
+from agent_session_servers import Server, ServerFailed, check_memory, files_mib, free_port
 
 TOOLS = [{"type": "function", "function": {"name": name, "description": desc, "parameters": {
     "type": "object", "properties": props, "required": list(props)[:1]}}} for name, desc, props in [
@@ -66,13 +65,6 @@ PEER_FLAGS = ["--ctx-checkpoints 32", "--checkpoint-min-step 8192", "--cache-ram
 """llama-server's defaults for a hybrid model's prefix state (its ``--help``), none passed: the bench
 passes only ``-m -c -t --port --alias`` and ``-lv 4`` (trace log lines, to read the checkpoints off)."""
 
-MIB = 1 << 20
-_CHECKPOINT = re.compile(r"id +(\d+) \| task -?\d+ \| (created|erasing old|erasing|erased invalidated|superseding) "
-                         r"context checkpoint.*?n_tokens = (\d+)(?:.*?size = ([\d.]+) MiB)?")
-_SUPERSEDE = re.compile(r"id +(\d+) \| task -?\d+ \| superseding context checkpoint at n_tokens = (\d+)")
-_PROMPT_CACHE = re.compile(r"cache state: (\d+) prompts, ([\d.]+) MiB")
-
-
 def system_prompt(tokens: int) -> str:
     """A coding agent's long system prompt: numbered rules and a made-up repository map, ~``tokens`` tokens
     (about 2.8 characters per token for this English-and-paths text)."""
@@ -91,147 +83,57 @@ def tool_result(step: int, lines: int) -> str:
                      for k in range(lines))
 
 
-def free_port() -> int:
-    """A free loopback TCP port."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def rss_mib(pid: int) -> tuple[float, float]:
-    """(resident, peak resident) MiB of process ``pid`` (``/proc/PID/status`` VmRSS, VmHWM)."""
-    fields = {}
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        name, _, value = line.partition(":")
-        if name in ("VmRSS", "VmHWM"):
-            fields[name] = int(value.split()[0]) / 1024
-    return round(fields["VmRSS"], 1), round(fields["VmHWM"], 1)
-
-
-def files_mib(folder: Path, suffix: str) -> float:
-    """MiB of the files named ``*suffix`` under ``folder``."""
-    return round(sum(p.stat().st_size for p in folder.rglob(f"*{suffix}") if p.is_file()) / MIB, 1)
-
-
-@dataclass
-class Server:
-    """One server under test: how to start it, and what it reports after each request."""
-
-    name: str
-    command: list[str]
-    port: int
-    log: Path
-    cache_dir: Path | None = None
-    proc: subprocess.Popen | None = None
-    _scraped: dict = field(default_factory=dict)
-    _log_at: int = 0
-    _checkpoints: dict = field(default_factory=dict)
-    _prompt_cache: tuple[int, float] = (0, 0.0)
-
-    def start(self) -> None:
-        """Start the server; returns once its ``/health`` answers 200 (10 minutes at most)."""
-        out = self.log.open("wb")
-        self.proc = subprocess.Popen(self.command, stdout=out, stderr=subprocess.STDOUT,
-                                     env={**os.environ, "PYTHONPATH": os.getcwd()})
-        deadline = time.monotonic() + 600
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"{self.command[0]} exited with {self.proc.returncode}; see {self.log}")
-            try:
-                if httpx.get(f"http://127.0.0.1:{self.port}/health", timeout=2).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(1)
-        self.stop()
-        raise RuntimeError(f"{self.command[0]} did not answer /health within 600 s; see {self.log}")
-
-    def stop(self) -> None:
-        """Stop the server as Ctrl+C does (SIGINT: ours then writes its RAM snapshots to the disk tier) and wait."""
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGINT)
-            self.proc.wait(timeout=300)
-
-    def probe(self, reply) -> dict:
-        """What the server holds after a request, and the parts of that request's TTFT it reports."""
-        rss, peak = rss_mib(self.proc.pid)
-        row = {"rss_mib": rss, "peak_rss_mib": peak}
-        if self.cache_dir is not None:
-            row.update(self._ours())
-        else:
-            row.update(self._peer(reply))
-        return row
-
-    def _ours(self) -> dict:
-        text = httpx.get(f"http://127.0.0.1:{self.port}/metrics", timeout=30).text
-        now = {(s.name, tuple(sorted(s.labels.items()))): s.value
-               for family in text_string_to_metric_families(text) for s in family.samples}
-        before, self._scraped = self._scraped, now
-
-        def grew(name: str) -> float:
-            return round((now.get((name, ()), 0.0) - before.get((name, ()), 0.0)) * 1e3, 1)
-
-        return {"cache_ram_mib": round(now[("deltadesk_prefix_cache_ram_bytes", ())] / MIB, 1),
-                "snapshots_ram": int(now[("deltadesk_prefix_cache_snapshots", (("tier", "ram"),))]),
-                "snapshots_disk": int(now[("deltadesk_prefix_cache_snapshots", (("tier", "disk"),))]),
-                "disk_snap_mib": files_mib(self.cache_dir, ".snap"),
-                "disk_page_mib": files_mib(self.cache_dir, ".page"),
-                "restore_ms": grew("deltadesk_snapshot_restore_seconds_total"),
-                "prefill_ms": grew("deltadesk_prefill_seconds_total")}
-
-    def _peer(self, reply) -> dict:
-        """llama-server's checkpoints and prompt cache, from the log lines written since the last request."""
-        with self.log.open("rb") as f:
-            f.seek(self._log_at)
-            new = f.read()
-            self._log_at += len(new)
-        for line in new.decode(errors="replace").splitlines():
-            self._read_line(line)
-        timings = (reply.model_extra or {}).get("timings") or {}
-        return {"checkpoints": len(self._checkpoints),
-                "checkpoint_mib": round(sum(self._checkpoints.values()), 1),
-                "prompt_cache_entries": self._prompt_cache[0], "prompt_cache_mib": self._prompt_cache[1],
-                "prompt_ms": round(timings.get("prompt_ms", 0.0), 1)}
-
-    def _read_line(self, line: str) -> None:
-        if m := _SUPERSEDE.search(line):
-            self._checkpoints.pop((m[1], int(m[2])), None)
-        elif m := _CHECKPOINT.search(line):
-            key = (m[1], int(m[3]))
-            if m[2] == "created":
-                self._checkpoints[key] = float(m[4])
-            else:
-                self._checkpoints.pop(key, None)
-        elif m := _PROMPT_CACHE.search(line):
-            self._prompt_cache = (int(m[1]), float(m[2]))
-
-
-def session(server: Server, requests: int, system_tokens: int, result_lines: int, out: Path) -> list[dict]:
-    """Run the scripted session against ``server``; one row per request, each also appended to ``out``."""
-    client = openai.OpenAI(base_url=f"http://127.0.0.1:{server.port}/v1", api_key="none", timeout=3600,
-                           max_retries=0)
+def messages_for(request: int, system_tokens: int, result_lines: int) -> list[dict]:
+    """The conversation sent as request ``request`` (from 1): the system prompt and the task, then for each
+    earlier request the call the agent made and its result."""
     messages: list[dict] = [{"role": "system", "content": system_prompt(system_tokens)},
                             {"role": "user", "content": "The tests in tests/test_io.py fail since yesterday. Find out "
                                                         "why and fix it."}]
-    rows = []
-    for step in range(requests):
-        t0 = time.perf_counter()
-        reply = client.chat.completions.create(model="agent-bench", messages=messages, tools=TOOLS, max_tokens=1,
-                                               temperature=0)
-        ms = (time.perf_counter() - t0) * 1e3
-        usage = reply.usage
-        cached = usage.prompt_tokens_details.cached_tokens if usage.prompt_tokens_details else 0
-        rows.append({"request": step + 1, "prompt_tokens": usage.prompt_tokens, "cached_tokens": cached,
-                     "prefilled_tokens": usage.prompt_tokens - cached, "ttft_ms": round(ms, 1),
-                     **server.probe(reply)})
-        _append(out, rows[-1])
+    for step in range(request - 1):
         call_id = f"call_{step}"
         name = TOOLS[step % len(TOOLS)]["function"]["name"]
         messages.append({"role": "assistant", "content": "", "tool_calls": [{
             "id": call_id, "type": "function",
             "function": {"name": name, "arguments": json.dumps({"path": f"src/module_{step}.py"})}}]})
         messages.append({"role": "tool", "tool_call_id": call_id, "content": tool_result(step, result_lines)})
-    return rows
+    return messages
+
+
+def ask(server: Server, client: openai.OpenAI, messages: list[dict], when: str) -> dict:
+    """Send ``messages`` for a 1-token answer; the row of what it cost and what ``server`` holds after."""
+    load = os.getloadavg()[0]
+    t0 = time.perf_counter()
+    reply = server.complete(client, when, model="agent-bench", messages=messages, tools=TOOLS, max_tokens=1,
+                            temperature=0)
+    ms = (time.perf_counter() - t0) * 1e3
+    usage = reply.usage
+    cached = usage.prompt_tokens_details.cached_tokens if usage.prompt_tokens_details else 0
+    return {"prompt_tokens": usage.prompt_tokens, "cached_tokens": cached,
+            "prefilled_tokens": usage.prompt_tokens - cached, "ttft_ms": round(ms, 1), "load1": round(load, 2),
+            **server.probe(reply)}
+
+
+def _client(server: Server) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"http://127.0.0.1:{server.port}/v1", api_key="none", timeout=3600, max_retries=0)
+
+
+def drive(group: list[Server], args: argparse.Namespace, start: int) -> None:
+    """Requests ``start``..``--requests`` to each server of ``group`` in turn (the first one alternating by
+    request, its place in ``order``), each row appended to ``WORK/<server>.jsonl`` as it comes. A ``start``
+    past 1 first sends the previous request once more, recorded as a warm-up note, so each server holds that
+    prefix again."""
+    clients = {s.name: _client(s) for s in group}
+    if start > 1:
+        messages = messages_for(start - 1, args.system_tokens, args.result_lines)
+        for server in group:
+            row = ask(server, clients[server.name], messages, f"the warm-up request {start - 1}")
+            _append(args.work / f"{server.name}.jsonl", {"warmup": start - 1, **row})
+    for request in range(start, args.requests + 1):
+        messages = messages_for(request, args.system_tokens, args.result_lines)
+        for order, server in enumerate(group if request % 2 else group[::-1], 1):
+            row = ask(server, clients[server.name], messages, f"request {request}")
+            sent = {"order": order} if len(group) > 1 else {}
+            _append(args.work / f"{server.name}.jsonl", {"request": request, **sent, **row})
 
 
 def _append(out: Path, row: dict) -> None:
@@ -240,25 +142,64 @@ def _append(out: Path, row: dict) -> None:
         f.write(json.dumps(row) + "\n")
 
 
-def run(server: Server, args: argparse.Namespace, out: Path) -> None:
-    """The session against ``server``, stopped after; ours' disk tier is measured once more after exit."""
-    out.unlink(missing_ok=True)
-    _append(out, {"uptime": subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip(),
-                  "command": " ".join(server.command)})
-    server.start()
+def _uptime() -> str:
+    return subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip()
+
+
+def done_requests(out: Path) -> int:
+    """The last request of the rows in ``out``; 0 when there are none."""
+    if not out.exists():
+        return 0
+    rows = [json.loads(line) for line in out.read_text().splitlines() if line.strip()]
+    return max((r["request"] for r in rows if "request" in r), default=0)
+
+
+def keep_until(out: Path, last: int) -> None:
+    """Drop the rows of requests after ``last`` from ``out`` (one server may have answered a request the
+    other had not when the run was cut short)."""
+    lines = [line for line in out.read_text().splitlines() if line.strip()]
+    out.write_text("".join(line + "\n" for line in lines if json.loads(line).get("request", 0) <= last))
+
+
+def run_group(group: list[Server], args: argparse.Namespace, start: int) -> None:
+    """Start the servers of ``group`` at once, run requests ``start``.. against them, and stop them all
+    (also on Ctrl+C or a failure); each one's notes (load, command, pid; after exit its disk tier) go to its
+    ``.jsonl``."""
     try:
-        session(server, args.requests, args.system_tokens, args.result_lines, out)
+        for server in group:
+            server.launch()
+            _append(args.work / f"{server.name}.jsonl", {
+                "uptime": _uptime(), "command": " ".join(server.command), "pid": server.proc.pid,
+                "mode": "interleaved" if len(group) > 1 else "alone", "from_request": start})
+        for server in group:
+            server.wait_ready()
+        drive(group, args, start)
     finally:
-        server.stop()
-    end = {"uptime": subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip()}
-    if server.cache_dir is not None:
-        end.update(exit_snap_mib=files_mib(server.cache_dir, ".snap"), exit_page_mib=files_mib(server.cache_dir,
-                                                                                                 ".page"))
-    _append(out, end)
+        stop_all(group)
+    for server in group:
+        end = {"uptime": _uptime()}
+        if server.cache_dir is not None:
+            end.update(exit_snap_mib=files_mib(server.cache_dir, ".snap"),
+                       exit_page_mib=files_mib(server.cache_dir, ".page"))
+        _append(args.work / f"{server.name}.jsonl", end)
+
+
+def stop_all(group: list[Server]) -> None:
+    """Stop every server of ``group``; after a Ctrl+C during a stop the rest are killed at once, and the
+    Ctrl+C is raised again once all are gone."""
+    interrupted: KeyboardInterrupt | None = None
+    for server in group:
+        try:
+            server.stop(timeout=0 if interrupted else 300)
+        except KeyboardInterrupt as exc:
+            interrupted = exc
+    if interrupted is not None:
+        raise interrupted
 
 
 def servers(args: argparse.Namespace) -> list[Server]:
-    """The servers ``--server`` names, each on a free port with its log under ``--work``."""
+    """The servers ``--server`` names, each on a free port with its log under ``--work``; ours' disk tier is
+    emptied (a resumed run starts both afresh: a snapshot of a request not recorded must not help ours)."""
     work = args.work
     chosen = []
     if args.server in ("ours", "both"):
@@ -271,6 +212,8 @@ def servers(args: argparse.Namespace) -> list[Server]:
     if args.server in ("llama-server", "both"):
         if not args.llama_server:
             raise SystemExit("--server llama-server needs --llama-server PATH")
+        if not os.access(args.llama_server, os.X_OK):
+            raise SystemExit(f"--llama-server {args.llama_server}: not an executable file")
         port = free_port()
         chosen.append(Server("llama-server", [args.llama_server, "-m", args.model, "--port", str(port), "-c",
                                               str(args.context), "-t", str(args.threads), "--alias", "agent-bench",
@@ -278,49 +221,23 @@ def servers(args: argparse.Namespace) -> list[Server]:
     return chosen
 
 
-def _load_rows(path: Path) -> tuple[list[dict], list[dict]]:
-    """(request rows, other lines: uptime, command, after exit) of one server's ``.jsonl``."""
-    lines = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-    return [r for r in lines if "request" in r], [r for r in lines if "request" not in r]
-
-
-def _shown(rows: list[dict], every: int) -> list[dict]:
-    return [r for r in rows if r["request"] == 1 or r["request"] % every == 0 or r is rows[-1]]
-
-
-_COLUMNS = {
-    "ours": [("cache RAM MiB", "cache_ram_mib"), ("snapshots RAM / disk", ("snapshots_ram", "snapshots_disk")),
-             ("disk MiB snap + page", ("disk_snap_mib", "disk_page_mib")), ("restore ms", "restore_ms"),
-             ("prefill ms", "prefill_ms")],
-    "llama-server": [("checkpoints", "checkpoints"), ("checkpoint MiB", "checkpoint_mib"),
-                     ("prompt cache MiB", "prompt_cache_mib"), ("prompt_ms", "prompt_ms")],
-}
-
-
-def _cell(row: dict, key) -> str:
-    return " / ".join(str(row.get(k, "")) for k in key) if isinstance(key, tuple) else str(row.get(key, ""))
-
-
-def report(work: Path, every: int) -> None:
-    """Print a markdown table per server whose rows are in ``work`` (the first, every ``every``-th and the last
-    request, then totals), with the load before and after and the command it ran."""
-    for name, columns in _COLUMNS.items():
-        path = work / f"{name}.jsonl"
-        if not path.exists():
-            continue
-        rows, notes = _load_rows(path)
-        if not rows:
-            continue
-        extra = [title for title, _ in columns]
-        print(f"\n{name}: " + " | ".join(json.dumps(n) for n in notes))
-        print("| request | prompt tokens | resumed | prefilled | TTFT ms | RSS MiB | " + " | ".join(extra) + " |")
-        print("|---" * (6 + len(extra)) + "|")
-        for r in _shown(rows, every):
-            print(f"| {r['request']} | {r['prompt_tokens']} | {r['cached_tokens']} | {r['prefilled_tokens']} | "
-                  f"{r['ttft_ms']:.0f} | {r['rss_mib']:.0f} | " + " | ".join(_cell(r, k) for _, k in columns) + " |")
-        print(f"| total {len(rows)} | | {sum(r['cached_tokens'] for r in rows)} | "
-              f"{sum(r['prefilled_tokens'] for r in rows)} | {sum(r['ttft_ms'] for r in rows):.0f} | "
-              f"peak {max(r['peak_rss_mib'] for r in rows):.0f} |" + " |" * len(extra))
+def run(args: argparse.Namespace) -> None:
+    """The session against the chosen servers: together (interleaved) or, with ``--sequential`` or one server,
+    one after the other; with ``--resume`` from after the last request all of a group answered."""
+    chosen = servers(args)
+    interleaved = len(chosen) > 1 and not args.sequential
+    if interleaved:
+        check_memory(args.model, args.context, args.threads)
+    for group in [chosen] if interleaved else [[s] for s in chosen]:
+        outs = [args.work / f"{s.name}.jsonl" for s in group]
+        done = min(done_requests(out) for out in outs) if args.resume else 0
+        for out in outs:
+            if done and out.exists():
+                keep_until(out, done)
+            else:
+                out.unlink(missing_ok=True)
+        if done < args.requests:
+            run_group(group, args, done + 1)
 
 
 def main() -> None:
@@ -332,9 +249,12 @@ def main() -> None:
     parser.add_argument("--system-tokens", type=int, default=12000)
     parser.add_argument("--result-lines", type=int, default=42, help="lines of each tool result (~29 tokens each)")
     parser.add_argument("--context", type=int, default=65536)
-    parser.add_argument("--threads", type=int, default=2, help="llama-server's -t (ours uses the physical cores)")
+    parser.add_argument("--threads", type=int, default=2,
+                        help="llama-server's -t; ours uses the physical cores, which must be as many with both")
     parser.add_argument("--server", choices=["ours", "llama-server", "both"], default="both")
     parser.add_argument("--llama-server", metavar="PATH", help="llama.cpp's llama-server binary")
+    parser.add_argument("--sequential", action="store_true", help="with both: one whole session after the other")
+    parser.add_argument("--resume", action="store_true", help="go on after the last request in --work's rows")
     parser.add_argument("--every", type=int, default=5, help="the tables show every Nth request (and the first)")
     parser.add_argument("--report", action="store_true", help="only print the tables of the rows in --work")
     args = parser.parse_args()
@@ -342,8 +262,17 @@ def main() -> None:
     if not args.report:
         if not args.model:
             raise SystemExit("--model is required to run a session")
-        for server in servers(args):
-            run(server, args, args.work / f"{server.name}.jsonl")
+        for signum in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(signum, signal.default_int_handler)
+        try:
+            run(args)
+        except ServerFailed as exc:
+            raise SystemExit(f"{exc}\nthe servers are stopped; the rows so far are in {args.work}; go on with "
+                             f"--resume") from None
+        except KeyboardInterrupt:
+            print(f"\ninterrupted: the servers are stopped; the rows so far are in {args.work}; go on with --resume",
+                  file=sys.stderr)
+            raise SystemExit(130) from None
     report(args.work, args.every)
 
 
