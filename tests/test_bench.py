@@ -312,3 +312,18 @@ def test_bench_refuses_a_negative_prompt_length(capsys) -> None:
     with pytest.raises(SystemExit):
         main(["bench", "no-such-file.gguf", "--prompt", "-5"])
     assert "whole number" in capsys.readouterr().err
+
+
+def test_warm_page_cache_reads_the_file_through_a_huge_page_map(tmp_path, monkeypatch):
+    """The whole length is reported (not a multiple of a page or a chunk; an empty file), and the pages are
+    read through a map given the engine's huge-page advice, not by read()."""
+    from engine.tools import cpu_bench
+
+    advised = []
+    monkeypatch.setattr(cpu_bench, "advise_huge_pages", lambda m: advised.append(m.size))
+    path = tmp_path / "f.bin"
+    path.write_bytes(bytes(range(256)) * 4099)
+    assert cpu_bench.warm_page_cache(path, chunk=8192)[0] == 256 * 4099
+    assert advised == [256 * 4099]
+    (tmp_path / "empty.bin").write_bytes(b"")
+    assert cpu_bench.warm_page_cache(tmp_path / "empty.bin")[0] == 0

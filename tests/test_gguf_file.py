@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 import struct
 
 import numpy as np
@@ -230,3 +231,19 @@ def test_memory_map_does_not_read_the_file(tmp_path):
         assert 0.5 < float(np.std(r)) < 2.0
     finally:
         path.unlink()
+
+
+@pytest.mark.skipif(not os.path.isdir("/sys/kernel/mm/transparent_hugepage"),
+                    reason="no transparent huge pages (not Linux, or a kernel without them)")
+def test_file_map_asks_for_huge_page_folios(files):
+    """The open file's map carries MADV_HUGEPAGE: /proc/self/smaps lists its VmFlags with "hg"."""
+    path = files("tiny")
+    f = GGUFFile.open(path)
+    lines = open("/proc/self/smaps", encoding="utf-8").read().splitlines()
+    flags = []
+    for i, line in enumerate(lines):
+        if line.endswith(str(path)):
+            flags += [ln for ln in lines[i + 1:] if ln.startswith("VmFlags:")][:1]
+    assert flags, f"no map of {path} in /proc/self/smaps"
+    assert all("hg" in ln.split() for ln in flags), flags
+    assert f.path == path

@@ -9,6 +9,7 @@ why not ``gguf.GGUFReader``).
 from __future__ import annotations
 
 import hashlib
+import mmap
 import os
 import struct
 from dataclasses import dataclass
@@ -321,6 +322,24 @@ class Header:
         return self.data[t.offset:t.offset + t.nbytes]
 
 
+def advise_huge_pages(mapped: np.memmap) -> None:
+    """Ask for 2 MiB page-cache folios for the pages this read-only map faults in (``MADV_HUGEPAGE``, Linux).
+
+    A hint with no effect on the bytes: the pages a fault reads from disk come in physically contiguous
+    2 MiB folios instead of scattered 4 KiB pages. A Q4_0 GEMV read such pages 1.44x faster a core (fewer TLB
+    misses; docs/perf/log/cpu-q4dec-2026-12-05.md). Pages already cached keep their folios. Ignored where
+    the platform or the kernel does not take it.
+    """
+    advice = getattr(mmap, "MADV_HUGEPAGE", None)
+    region = getattr(mapped, "_mmap", None)
+    if advice is None or region is None:
+        return
+    try:
+        region.madvise(advice)
+    except OSError:
+        pass
+
+
 def read_header(path: str | os.PathLike[str]) -> Header:
     """Memory-map a GGUF file read-only and parse its header with every count and length bounds-checked.
 
@@ -333,7 +352,9 @@ def read_header(path: str | os.PathLike[str]) -> Header:
         size = os.path.getsize(source)
         if size < 24:
             raise ModelFormatError(f"{source}: file is {size} bytes, too short for a GGUF header (24 bytes)")
-        data = np.asarray(np.memmap(source, dtype=np.uint8, mode="r"))
+        mapped = np.memmap(source, dtype=np.uint8, mode="r")
+        advise_huge_pages(mapped)
+        data = np.asarray(mapped)
     except OSError as e:
         raise ModelFormatError(f"{source}: cannot open: {e.strerror or e}") from e
     reader = _HeaderReader(data, source)

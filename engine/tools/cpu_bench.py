@@ -18,6 +18,7 @@ from pathlib import Path
 
 import numpy as np
 
+from engine.gguf.header import advise_huge_pages
 from engine.registry import LoadedText, open_text
 from engine.kernels import cpu, numa
 from engine.ops import reference as ops
@@ -62,13 +63,21 @@ def memory() -> dict[str, int]:
 
 
 def warm_page_cache(path: str | Path, chunk: int = 16 << 20) -> tuple[int, float]:
-    """Read the whole file once (into the page cache); returns (bytes, seconds)."""
+    """Read the whole file once into the page cache; returns (bytes, seconds).
+
+    It reads through a map that asks for 2 MiB folios, as the engine's own map does
+    (:func:`engine.gguf.header.advise_huge_pages`): one byte a page faults each page in. A ``read()`` would
+    fill the cache in whatever folios the kernel picks. The pages that the engine's map later reads
+    would then be scattered 4 KiB pages on a fragmented machine, which decode up to 1.7x slower.
+    """
     t0 = time.perf_counter()
-    n = 0
-    with open(path, "rb", buffering=0) as f:
-        buf = bytearray(chunk)
-        while (got := f.readinto(buf)):
-            n += got
+    n = Path(path).stat().st_size
+    if n:
+        mapped = np.memmap(path, dtype=np.uint8, mode="r")
+        advise_huge_pages(mapped)
+        for off in range(0, n, chunk):
+            int(mapped[off:off + chunk:4096].sum())
+        del mapped
     return n, time.perf_counter() - t0
 
 

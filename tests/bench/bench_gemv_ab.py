@@ -1,14 +1,15 @@
 """A/B of the native GEMV (one-token matrix product) between builds (a script, not a test).
 
     python tests/bench/bench_gemv_ab.py OLD.so,NEW.so [--type q4_0] [--mib 1024] [--threads 1] [--rounds 7]
-        [--isa 3] [--cols 1]
+        [--isa 3] [--cols 1] [--k 2048]
 
 Each argument is a copy of ``engine/_native_cpu.abi3.so`` (copy a build aside before rebuilding). The
 script loads every copy with ctypes and times ``dd_matmul`` with one activation row (decode's shape) on one
-random matrix of --mib MiB of the given weight type, k = 2048 (bench_kernels.random_blocks: random bytes,
+random matrix of --mib MiB of the given weight type, k = --k values a row (bench_kernels.random_blocks: random bytes,
 every f16 scale 0.01), far larger than the caches, so the weights come from DRAM as an LM head's do. The
 builds run interleaved round by round on the same inputs. It prints each build's median wall-clock read
-rate in GB/s with the spread, whether every build gave the same output bits, and the load average
+rate in GB/s with the spread, the same in the calling thread's CPU time (all the work at --threads 1, so
+a rate less disturbed by a busy machine), whether every build gave the same output bits, and the load average
 before and after (figures from a loaded machine are not final). ``--cols 32`` times prefill's shape instead
 (32 activation rows, an expert's share of a 512-token prompt) and reports GMAC/s; use a small --mib then,
 so the product is bound by the kernel, not by DRAM. docs/perf/log/cpu-notes.md, "Weight prefetches
@@ -55,6 +56,7 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=7)
     ap.add_argument("--isa", type=int, default=-1, help="DD_ISA_* level (default: the best this CPU runs)")
     ap.add_argument("--cols", type=int, default=1, help="activation rows (1: decode's GEMV; > 1: a prefill GEMM)")
+    ap.add_argument("--k", type=int, default=K, help="values a row, a multiple of the type's block (512: expert down)")
     args = ap.parse_args()
     try:
         qtype = GGMLQuantizationType[args.type.upper()]
@@ -63,31 +65,35 @@ def main() -> None:
     kernel = quant.traits(qtype, "bench_gemv_ab").cpu_kernel
     if kernel is None:
         raise SystemExit(f"{args.type}: no native kernel reads this type as stored")
-    rows = args.mib * 2**20 // quant.row_bytes(qtype, K)
+    k = args.k
+    rows = args.mib * 2**20 // quant.row_bytes(qtype, k)
     rng = np.random.default_rng(0)
-    w = random_blocks(qtype, rows, K, rng)
-    x = rng.standard_normal((args.cols, K)).astype(np.float32) + np.float32(0.1)
+    w = random_blocks(qtype, rows, k, rng)
+    x = rng.standard_normal((args.cols, k)).astype(np.float32) + np.float32(0.1)
     paths = args.builds.split(",")
     outs = [np.empty((args.cols, rows), np.float32) for _ in paths]
     times: list[list[float]] = [[] for _ in paths]
+    cpu_times: list[list[float]] = [[] for _ in paths]
     load_before = os.getloadavg()[0]
     with tempfile.TemporaryDirectory() as folder:
         libs = [load(p, folder, i, args.threads) for i, p in enumerate(paths)]
         isa = libs[0].dd_isa_best() if args.isa < 0 else args.isa
         for _ in range(args.rounds):
-            for lib, out, t in zip(libs, outs, times):
-                t0 = time.perf_counter()
-                rc = lib.dd_matmul(isa, kernel, w.ctypes.data, rows, K, x.ctypes.data, args.cols, out.ctypes.data)
+            for lib, out, t, c in zip(libs, outs, times, cpu_times):
+                t0, c0 = time.perf_counter(), time.thread_time()
+                rc = lib.dd_matmul(isa, kernel, w.ctypes.data, rows, k, x.ctypes.data, args.cols, out.ctypes.data)
                 t.append(time.perf_counter() - t0)
+                c.append(time.thread_time() - c0)
                 if rc != 0:
                     raise SystemExit(f"dd_matmul returned {rc}")
     same = all(np.array_equal(outs[0].view(np.uint32), o.view(np.uint32)) for o in outs[1:])
-    print(f"{args.type} {w.nbytes / 2**20:.0f} MiB (k={K}), isa {isa}, {args.threads} thread(s), {args.rounds} "
+    print(f"{args.type} {w.nbytes / 2**20:.0f} MiB (k={k}), isa {isa}, {args.threads} thread(s), {args.rounds} "
           f"rounds, {args.cols} column(s), load {load_before:.2f} -> {os.getloadavg()[0]:.2f}; same bits: {same}")
-    per_s, unit = (w.nbytes / 1e9, "GB/s") if args.cols == 1 else (rows * K * args.cols / 1e9, "GMAC/s")
-    for path, t in zip(paths, times):
-        rates = [per_s / s for s in t]
-        print(f"  {path}: median {statistics.median(rates):.1f} {unit} ({min(rates):.1f}-{max(rates):.1f})")
+    per_s, unit = (w.nbytes / 1e9, "GB/s") if args.cols == 1 else (rows * k * args.cols / 1e9, "GMAC/s")
+    for path, t, c in zip(paths, times, cpu_times):
+        rates, cpu_rates = [per_s / s for s in t], [per_s / s for s in c]
+        print(f"  {path}: median {statistics.median(rates):.1f} {unit} ({min(rates):.1f}-{max(rates):.1f}); "
+              f"calling thread CPU {statistics.median(cpu_rates):.1f} ({min(cpu_rates):.1f}-{max(cpu_rates):.1f})")
 
 
 if __name__ == "__main__":

@@ -93,6 +93,10 @@ typedef void (*dd_gemm_fn)(const uint8_t *w, size_t row_bytes, size_t nrows, siz
  * ahead about doubles the single-thread GEMV rate (docs/design/native-cpu.md, "Weight prefetching"). */
 #define DD_PREFETCH_ROWS 8
 
+/* The least a GEMV keeps prefetched ahead, in bytes: 8 rows of a k = 2048 Q4_0 matrix. Short rows
+ * (k = 512) at DD_PREFETCH_ROWS asked too late (docs/perf/log/cpu-q4dec-2026-12-05.md). */
+#define DD_PREFETCH_BYTES 9216
+
 typedef struct {
     /* nb blocks of 32 f32 -> nb block_q8_0, bit-identical to ggml's quantize_row_q8_0_ref. */
     void (*quantize_q8_0)(const float *x, size_t nb, uint8_t *out);

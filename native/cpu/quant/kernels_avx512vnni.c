@@ -126,6 +126,8 @@ DD_INLINE void q4_0_group_step(const uint8_t *grp, size_t rstride, const uint8_t
 {
     const __m512i low = _mm512_set1_epi8(0x0f), sidx = _mm512_loadu_si512(scale_words);
     const __m512i qidx = _mm512_loadu_si512(quad_words);
+    /* unrolled, so that each row's accumulators stay in registers (GCC left the loop rolled, acc[r] on the stack) */
+#pragma GCC unroll 4
     for (int r = 0; r < R; r++) {
         const uint8_t *p = grp + r * rstride;
         if (pf != NULL)

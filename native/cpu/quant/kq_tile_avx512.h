@@ -326,12 +326,13 @@ DD_INLINE void kq_gemv(const uint8_t *w, size_t rb, size_t nrows, size_t rows_av
         st->q6 = q6;
     }
     const kq_col *cols = st->cols;
-    dd_gemv_prefetch_start(w, rb, nrows, rows_avail);
+    const size_t ahead = dd_gemv_ahead(rb);
+    dd_gemv_prefetch_start(w, rb, nrows, rows_avail, ahead);
     size_t r = 0;
     for (; r + 4 <= nrows; r += 4)
-        kq_gemv_tile(w + r * rb, DD_PREFETCH_BASE(w, rb, r, 4, rows_avail), rb, a, wtype, y + r, ldy, 4, cols);
+        kq_gemv_tile(w + r * rb, DD_PREFETCH_AHEAD(w, rb, r, 4, rows_avail, ahead), rb, a, wtype, y + r, ldy, 4, cols);
     for (; r < nrows; r++)
-        kq_gemv_tile(w + r * rb, DD_PREFETCH_BASE(w, rb, r, 1, rows_avail), rb, a, wtype, y + r, ldy, 1, cols);
+        kq_gemv_tile(w + r * rb, DD_PREFETCH_AHEAD(w, rb, r, 1, rows_avail, ahead), rb, a, wtype, y + r, ldy, 1, cols);
 }
 
 #include "kq_gemm_avx512.h"
