@@ -335,24 +335,29 @@ DD_INLINE void kq_gemv(const uint8_t *w, size_t rb, size_t nrows, size_t rows_av
 }
 
 #include "kq_gemm_avx512.h"
-/* KQ_GEMM(NAME, TYPE, TILES, GEMM_M) defines the dd_gemm_fn NAME for weight type TYPE: kq_gemv for
- * up to KQ_GEMV_COLS columns (rows of up to KQ_GEMV_SB super-blocks; its scratch allocated), GEMM_M (kq_gemm_avx512.h)
- * for m > 1 when its scratch holds the rows, else TILES (DD_DEFINE_GEMM of kq_tile: the same bits). */
-#define KQ_GEMM(NAME, TYPE, TILES, GEMM_M)                                                                     \
+/* KQ_GEMM(NAME, TYPE, TILES, GEMM_M, FEW) defines the dd_gemm_fn NAME for weight type TYPE, for rows of up
+ * to KQ_GEMV_SB super-blocks (their scratch allocated): kq_gemv for m < FEW columns, kqx_few for FEW ..
+ * KQ_GEMV_COLS (FEW: where the expansion of each row pair, dearer than kq_tile's per-column work for one
+ * column, pays off: docs/design/batched-decode.md); beyond, GEMM_M (kq_gemm_avx512.h) for m > 1 when its
+ * scratch holds the rows, else TILES (DD_DEFINE_GEMM of kq_tile). All give the same bits. */
+#define KQ_GEMM(NAME, TYPE, TILES, GEMM_M, FEW)                                                                \
     static void NAME(const uint8_t *w, size_t row_bytes, size_t nrows, size_t rows_avail, const dd_acts *a,   \
                      float *y, size_t ldy)                                                                    \
     {                                                                                                         \
         kq_gemv_state *st = NULL;                                                                             \
-        if (a->m <= KQ_GEMV_COLS && a->nb / 8 <= KQ_GEMV_SB &&                                              \
-            (st = dd_scratch(DD_SCRATCH_KQ_COL, sizeof(kq_gemv_state))) != NULL)                              \
+        kqx_few_state *fs = NULL;                                                                             \
+        const int few = a->m <= KQ_GEMV_COLS && a->nb / 8 <= KQ_GEMV_SB;                                      \
+        if (few && a->m >= FEW && (fs = dd_scratch(DD_SCRATCH_KQX_COL, sizeof(kqx_few_state))) != NULL)       \
+            kqx_few(w, row_bytes, nrows, rows_avail, a, y, ldy, TYPE, fs);                                    \
+        else if (few && (st = dd_scratch(DD_SCRATCH_KQ_COL, sizeof(kq_gemv_state))) != NULL)                  \
             kq_gemv(w, row_bytes, nrows, rows_avail, a, y, ldy, TYPE, st);                                    \
         else if (a->m > 1 && KQX_FITS(a))                                                                     \
             GEMM_M(w, row_bytes, nrows, rows_avail, a, y, ldy);                                               \
         else                                                                                                  \
             TILES(w, row_bytes, nrows, rows_avail, a, y, ldy);                                                \
     }
-KQ_GEMM(gemm_q4_K, DD_Q4_K, tiles_q4_K, KQX_GEMM_Q4_K)
-KQ_GEMM(gemm_q5_K, DD_Q5_K, tiles_q5_K, KQX_GEMM_Q5_K)
-KQ_GEMM(gemm_q6_K, DD_Q6_K, tiles_q6_K, KQX_GEMM_Q6_K)
+KQ_GEMM(gemm_q4_K, DD_Q4_K, tiles_q4_K, KQX_GEMM_Q4_K, 3)
+KQ_GEMM(gemm_q5_K, DD_Q5_K, tiles_q5_K, KQX_GEMM_Q5_K, 3)
+KQ_GEMM(gemm_q6_K, DD_Q6_K, tiles_q6_K, KQX_GEMM_Q6_K, 5)
 
 #endif
