@@ -1,5 +1,6 @@
-/* K-quant products with m > 1 columns (prompt processing) at the AVX-512 VNNI level: each
- * super-block of a row range is unpacked once per call instead of once per 4-column tile.
+/* K-quant products with m > 1 columns (prompt processing, and through kqx_few a batched decode's few
+ * rows) at the AVX-512 VNNI level: each super-block of a row range is unpacked once per call instead of
+ * once per 4-column tile.
  *
  * Included by kernels_avx512vnni.c after its K-quant tile (kq_unpack, kq_row_scales). Layouts as
  * kquants.h gives them (ggml-common.h block_q4_K / block_q5_K / block_q6_K; values, scales and

@@ -277,9 +277,10 @@ DD_DEFINE_GEMM(tiles_q6_K, KQ_TILE_Q6_K)
 /* Super-blocks of a GEMV column prepared at most once per thread and activations (k <= 8192; 20 KiB):
  * the tiles then read them from L1 instead of arranging them again for every 4 rows. */
 #define KQ_GEMV_SB 32
-/* Columns the GEMV walk takes (a batched decode's few rows): each 4-row tile meets them 4 at a time,
- * its super-blocks in L1, so the weights are read from memory once for all of them; more columns go to
- * kq_gemm_avx512.h, whose per-call unpacking pays off only over many columns. */
+/* Columns the few-column products take (a batched decode's rows): kq_gemv below the type's switch
+ * (KQ_GEMM's FEW), each 4-row tile meeting them 4 at a time, its super-blocks in L1, so the weights are
+ * read from memory once for all of them; kqx_few from the switch on; more columns go to
+ * kq_gemm_avx512.h's prompt GEMM, whose per-call column arrangement pays off only over many columns. */
 #define KQ_GEMV_COLS 8
 
 /* A thread's last GEMV columns (kq_col_prep of each super-block), with the activations (dd_acts.id)
