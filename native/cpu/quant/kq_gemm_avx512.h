@@ -316,7 +316,7 @@ typedef struct {
     kqx_col cols[KQ_GEMV_COLS * KQ_GEMV_SB];
 } kqx_few_state;
 
-/* A product of 2 .. KQ_GEMV_COLS columns (a batched decode's rows; nb / 8 <= KQ_GEMV_SB): the columns
+/* A product of FEW .. KQ_GEMV_COLS columns (KQ_GEMM; a batched decode's rows; nb / 8 <= KQ_GEMV_SB): the columns
  * arranged at most once per thread and activations, then kqx_gemm's walk, each pair of rows expanded
  * once for all the columns. The bits are kqx_gemm's, hence the GEMV's. */
 DD_INLINE void kqx_few(const uint8_t *w, size_t rb, size_t nrows, size_t rows_avail, const dd_acts *a, float *y,
