@@ -89,8 +89,8 @@ DD_INLINE void kqx_expand_row(const uint8_t *blk, int wtype, int r, kqx_rows *e)
     kqx_transpose(x, wtype != DD_Q6_K, (uint8_t *)e->q + 32 * r, sizeof(__m512i));
     kq_row_scales(blk, wtype, &d, &dmin);
     if (wtype == DD_Q6_K) {   /* scale byte 2i + h -> lane 8r + i of sc[h] */
-        const __m512i sc = _mm512_permutexvar_epi32(_mm512_loadu_si512(kqx_halves_idx),
-                                                    _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(blk + 192))));
+        const __m512i bytes = _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(blk + 192)));
+        const __m512i sc = _mm512_permutexvar_epi32(_mm512_loadu_si512(kqx_halves_idx), bytes);
         int32_t *lanes = (int32_t *)e->sc + 8 * r;
         _mm256_storeu_si256((__m256i *)lanes, _mm512_castsi512_si256(sc));
         _mm256_storeu_si256((__m256i *)(lanes + 16), _mm512_extracti64x4_epi64(sc, 1));
