@@ -129,13 +129,21 @@ def test_kquant_rows_must_be_whole_super_blocks(rng):
         cpu.Matrix(raw, 256, Q.Q6_K)
 
 
+@pytest.mark.parametrize("level", LEVELS, indirect=True)
 @pytest.mark.parametrize("qtype", KQ, ids=lambda t: t.name)
-def test_kquant_few_columns_are_each_column_alone(qtype, rng):
-    """2 to 8 columns (a batched decode's rows: the GEMV walk, kq_tile_avx512.h KQ_GEMV_COLS) and 9 (the
-    unpack-once GEMM): every column has the bits of its own one-column product."""
-    raw = random_kquant(rng, 70, 2048, qtype)
-    mat = cpu.Matrix(raw, 2048, qtype)
-    x = rng.standard_normal((9, 2048)).astype(np.float32)
+@pytest.mark.parametrize("rows, k", [(70, 2048), (69, 2304)])
+def test_kquant_few_columns_are_each_column_alone(level, qtype, rows, k, rng):
+    """2 to 8 columns (a batched decode's rows: kq_gemm_avx512.h's kqx_few at AVX-512, columns arranged
+    once per thread, row pairs expanded once for all of them) and 9 (the unpack-once GEMM), at 1 and 2
+    threads, an odd row count (a zero partner row) and an odd super-block count: every column has the
+    bits of its own one-column product, and of the one-column product at 1 thread."""
+    raw = random_kquant(rng, rows, k, qtype)
+    mat = cpu.Matrix(raw, k, qtype)
+    x = rng.standard_normal((9, k)).astype(np.float32)
+    cpu.set_threads(1)
     alone = np.concatenate([mat(x[i:i + 1]) for i in range(9)])
-    for m in (2, 3, 4, 5, 8, 9):
-        assert np.array_equal(mat(x[:m]), alone[:m]), m
+    for n in (1, 2):
+        cpu.set_threads(n)
+        for m in range(2, 10):
+            assert np.array_equal(mat(x[:m]), alone[:m]), (n, m)
+            assert np.array_equal(mat(x[9 - m:]), alone[9 - m:]), (n, m)

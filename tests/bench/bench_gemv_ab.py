@@ -1,7 +1,7 @@
 """A/B of the native GEMV (one-token matrix product) between builds (a script, not a test).
 
     python tests/bench/bench_gemv_ab.py OLD.so,NEW.so [--type q4_0] [--mib 1024] [--threads 1] [--rounds 7]
-        [--isa 3] [--cols 1] [--k 2048]
+        [--isa 3] [--cols 1] [--k 2048] [--cpu]
 
 Each argument is a copy of ``engine/_native_cpu.abi3.so`` (copy a build aside before rebuilding). The
 script loads every copy with ctypes and times ``dd_matmul`` with one activation row (decode's shape) on one
@@ -12,8 +12,10 @@ rate in GB/s with the spread, the same in the calling thread's CPU time (all the
 a rate less disturbed by a busy machine), whether every build gave the same output bits, and the load average
 before and after (figures from a loaded machine are not final). ``--cols 32`` times prefill's shape instead
 (32 activation rows, an expert's share of a 512-token prompt) and reports GMAC/s; use a small --mib then,
-so the product is bound by the kernel, not by DRAM. docs/perf/log/cpu-notes.md, "Weight prefetches
-into L2", used it.
+so the product is bound by the kernel, not by DRAM. ``--cpu`` times process CPU time instead of wall
+time (less disturbed by a loaded machine; with --threads 1 it is the kernel's own time). Each build's
+median milliseconds per call are printed beside its rate. docs/perf/log/cpu-notes.md, "Weight
+prefetches into L2", used it.
 """
 
 from __future__ import annotations
@@ -57,6 +59,7 @@ def main() -> None:
     ap.add_argument("--isa", type=int, default=-1, help="DD_ISA_* level (default: the best this CPU runs)")
     ap.add_argument("--cols", type=int, default=1, help="activation rows (1: decode's GEMV; > 1: a prefill GEMM)")
     ap.add_argument("--k", type=int, default=K, help="values a row, a multiple of the type's block (512: expert down)")
+    ap.add_argument("--cpu", action="store_true", help="time process CPU time instead of wall time")
     args = ap.parse_args()
     try:
         qtype = GGMLQuantizationType[args.type.upper()]
@@ -75,25 +78,28 @@ def main() -> None:
     times: list[list[float]] = [[] for _ in paths]
     cpu_times: list[list[float]] = [[] for _ in paths]
     load_before = os.getloadavg()[0]
+    clock = time.process_time if args.cpu else time.perf_counter
     with tempfile.TemporaryDirectory() as folder:
         libs = [load(p, folder, i, args.threads) for i, p in enumerate(paths)]
         isa = libs[0].dd_isa_best() if args.isa < 0 else args.isa
         for _ in range(args.rounds):
             for lib, out, t, c in zip(libs, outs, times, cpu_times):
-                t0, c0 = time.perf_counter(), time.thread_time()
+                t0, c0 = clock(), time.thread_time()
                 rc = lib.dd_matmul(isa, kernel, w.ctypes.data, rows, k, x.ctypes.data, args.cols, out.ctypes.data)
-                t.append(time.perf_counter() - t0)
+                t.append(clock() - t0)
                 c.append(time.thread_time() - c0)
                 if rc != 0:
                     raise SystemExit(f"dd_matmul returned {rc}")
     same = all(np.array_equal(outs[0].view(np.uint32), o.view(np.uint32)) for o in outs[1:])
     print(f"{args.type} {w.nbytes / 2**20:.0f} MiB (k={k}), isa {isa}, {args.threads} thread(s), {args.rounds} "
-          f"rounds, {args.cols} column(s), load {load_before:.2f} -> {os.getloadavg()[0]:.2f}; same bits: {same}")
+          f"rounds, {args.cols} column(s), {'CPU' if args.cpu else 'wall'} time, load {load_before:.2f} -> "
+          f"{os.getloadavg()[0]:.2f}; same bits: {same}")
     per_s, unit = (w.nbytes / 1e9, "GB/s") if args.cols == 1 else (rows * k * args.cols / 1e9, "GMAC/s")
     for path, t, c in zip(paths, times, cpu_times):
         rates, cpu_rates = [per_s / s for s in t], [per_s / s for s in c]
-        print(f"  {path}: median {statistics.median(rates):.1f} {unit} ({min(rates):.1f}-{max(rates):.1f}); "
-              f"calling thread CPU {statistics.median(cpu_rates):.1f} ({min(cpu_rates):.1f}-{max(cpu_rates):.1f})")
+        print(f"  {path}: median {statistics.median(rates):.1f} {unit} ({min(rates):.1f}-{max(rates):.1f}), "
+              f"{statistics.median(t) * 1e3:.1f} ms; calling thread CPU {statistics.median(cpu_rates):.1f} "
+              f"({min(cpu_rates):.1f}-{max(cpu_rates):.1f})")
 
 
 if __name__ == "__main__":
