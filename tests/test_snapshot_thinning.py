@@ -187,3 +187,39 @@ def test_a_non_boolean_interval_field_makes_the_file_unusable(tmp_path, caplog):
     with caplog.at_level(logging.WARNING):
         assert PrefixCache(HP, "m", disk_dir=tmp_path).snapshots() == []
     assert "interval is not a boolean" in caplog.text
+
+
+def test_only_a_prompts_own_snapshots_thin(tmp_path):
+    """A put without a turn (a read-ahead, an answer's end) and a re-put of a held snapshot by another turn (a
+    second choice resuming at the same prompt end) leave the interval snapshots; another turn's new prompt
+    snapshot deeper on the same path drops them."""
+    toks = np.random.default_rng(5).integers(0, 50, 1000).tolist()
+    keys = chain_keys("m", toks)
+    cache = PrefixCache(HP, "m")
+    t1 = cache.lookup(toks, CAP, keys=keys).turn
+    for p in (300, 600):
+        cache.put(keys[p], prefill(toks[:p], "f32"), toks[:p], None, keys=keys, turn=t1, interval=True)
+    cache.put(keys[650], prefill(toks[:650], "f32"), toks[:650], None, keys=keys, turn=t1)
+    cache.put(keys[700], prefill(toks[:700], "f32"), toks[:700], None, keys=keys)
+    t2 = cache.lookup(toks, CAP, keys=keys).turn
+    cache.put(keys[650], prefill(toks[:650], "f32"), toks[:650], None, keys=keys, turn=t2)
+    assert {s.pos for s in cache._entries.values()} == {300, 600, 650, 700}
+    cache.put(keys[900], prefill(toks[:900], "f32"), toks[:900], None, keys=keys, turn=t2)
+    assert {s.pos for s in cache._entries.values()} == {650, 700, 900}
+
+
+def test_an_interval_snapshot_put_again_as_an_anchor_is_written_as_one(tmp_path):
+    """An interval snapshot read from disk and then taken again as an anchor (a message start at the same
+    position) loses the flag in its file too, so a later process does not thin it."""
+    toks = np.random.default_rng(6).integers(0, 50, 400).tolist()
+    keys = chain_keys("m", toks)
+    first = PrefixCache(HP, "m", disk_dir=tmp_path)
+    first.put(keys[300], prefill(toks[:300], "f32"), toks[:300], None, keys=keys, interval=True)
+    first.persist()
+    second = PrefixCache(HP, "m", disk_dir=tmp_path)
+    hit = second.lookup(toks[:310], CAP)
+    assert hit.reused == 300
+    second.put(keys[300], prefill(toks[:300], "f32"), toks[:300], None, keys=keys, turn=hit.turn)
+    second.persist()
+    third = PrefixCache(HP, "m", disk_dir=tmp_path)
+    assert {s.pos: s.interval for s in third._entries.values()} == {300: False}

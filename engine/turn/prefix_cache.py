@@ -321,8 +321,8 @@ class PrefixCache:
     def put(self, key: bytes, state: SequenceState, tokens: Sequence[int], logits: np.ndarray | None,
             images: Mapping[int, bytes] | None = None, conversation: str = "",
             keys: Sequence[bytes] | None = None, *, turn: int | None = None, interval: bool = False) -> Snapshot:
-        """Checkpoint ``state`` (at ``state.pos`` = len(tokens)) under chain key ``key``, and thin: every
-        ``interval`` snapshot of another turn whose prefix ``tokens`` extends is dropped (RAM, file, pages).
+        """Checkpoint ``state`` (at ``state.pos`` = len(tokens)) under chain key ``key``; given a ``turn``, thin:
+        every ``interval`` snapshot of another turn whose prefix ``tokens`` extends is dropped (RAM, file, pages).
 
         Args:
             key: chain key of ``tokens``.
@@ -333,7 +333,8 @@ class PrefixCache:
             conversation: conversation id for the app's list.
             keys: the chain keys of ``tokens`` (or of a sequence that starts with them) when known; they name
                 its KV pages (computed here otherwise).
-            turn: the taking turn's :attr:`Lookup.turn` (None: a turn of its own).
+            turn: the :attr:`Lookup.turn` of the turn whose prompt this is; it thins the interval snapshots of
+                other turns on this path. None (a read-ahead, an answer's end): nothing is thinned.
             interval: taken only for ``snapshot_interval`` (see :class:`Snapshot`); an earlier non-interval
                 snapshot under ``key`` stays one.
 
@@ -346,13 +347,13 @@ class PrefixCache:
         if state.kv_type != self.kv_type:
             raise ValueError(f"a state of KV type {state.kv_type} put into a cache of {self.kv_type}")
         with self._lock:
-            turn = next(self._turns) if turn is None else turn
             old = self._entries.get(key)
             if old is not None and old.tier == "ram" and (logits is None or old.has_logits):
                 old.last_used = time.time()
-                old.interval = old.interval and interval
+                if old.interval and not interval:
+                    old.interval = False
+                    self._remove_file(old)      # its file says "interval"; the next spill writes it anew
                 self._entries.move_to_end(key)
-                self._thin(old, turn)
                 return old
             n_pages = state.pos // PAGE_ROWS
             if n_pages and (keys is None or len(keys) <= n_pages * PAGE_ROWS):
@@ -365,24 +366,25 @@ class PrefixCache:
                             arrays=arrays, images={p: d for p, d in (images or {}).items() if p < state.pos},
                             conversation=conversation,
                             nbytes=sum(a.nbytes for a in arrays.values()) + 4 * len(tokens),
-                            has_logits=logits is not None, pages=pages, turn=turn,
+                            has_logits=logits is not None, pages=pages, turn=-1 if turn is None else turn,
                             interval=interval and (old is None or old.interval))
             self._pages.attach(key, pages, state)
             if old is not None and old.tier == "disk":
                 self._remove_file(old)
             self._entries[key] = snap
             self._entries.move_to_end(key)
-            self._thin(snap, turn)
+            if turn is not None:
+                self._thin(snap.pos, turn, keys if keys is not None else chain_keys(self.identity, tokens, images))
             self._evict()
             return snap
 
-    def _thin(self, deeper: Snapshot, turn: int) -> None:
-        """Drop every interval snapshot not of ``turn`` whose prefix is a proper prefix of ``deeper``'s (same
-        tokens and images): a later turn went past it, and a resume from its path starts at a message start,
-        a branch point or a prompt's end, which are kept (docs/design/prefix-cache.md, retention)."""
-        for snap in [s for s in self._entries.values() if s.interval and s.turn != turn and s.pos < deeper.pos]:
-            if np.array_equal(snap.tokens, deeper.tokens[:snap.pos]) and snap.images == {
-                    p: d for p, d in deeper.images.items() if p < snap.pos}:
+    def _thin(self, pos: int, turn: int, keys: Sequence[bytes]) -> None:
+        """Drop every interval snapshot not of ``turn`` on the path ``keys`` (chain keys: same tokens and
+        images) before ``pos``: a later turn's prompt went past it, and a resume from that path starts at a
+        message start, a branch point or a prompt's end, which are kept (docs/design/prefix-cache.md,
+        retention)."""
+        for snap in [s for s in self._entries.values() if s.interval and s.turn != turn and s.pos < pos]:
+            if snap.pos < len(keys) and keys[snap.pos] == snap.key:
                 self._drop(snap)
 
     def _evict(self, keep: bytes | None = None) -> None:

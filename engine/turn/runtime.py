@@ -229,15 +229,14 @@ def read_ahead(turn: Turn) -> PrefillStats | None:
 
     def snapshot(pos: int, last: np.ndarray | None) -> None:
         cache.put(keys[pos], state, turn.prompt[:pos], None, images=digests, conversation=turn.conversation,
-                  keys=keys, turn=hit.turn)
+                  keys=keys)
 
     t0 = time.perf_counter()
     devices: list[str] = []
     logits, _ = _drain(_prefill(turn, state, set(turn.checkpoints), snapshot, devices, AHEAD_PIECE))
     if logits is None:
         return None
-    cache.put(keys[n], state, turn.prompt, None, images=digests, conversation=turn.conversation, keys=keys,
-              turn=hit.turn)
+    cache.put(keys[n], state, turn.prompt, None, images=digests, conversation=turn.conversation, keys=keys)
     return PrefillStats(prompt_tokens=n, reused_tokens=hit.reused, prefilled_tokens=n - hit.reused,
                         prefill_ms=_ms(t0), restore_ms=hit.restore_ms,
                         device="cuda" if "cuda" in devices else "cpu", ttft_ms=0.0)
@@ -399,8 +398,7 @@ def _keep_answer_end(turn: Turn, resumed: _Resumed, step: _Stepper, history: lis
     yield from step(token)
     history.append(token)
     keys = chain_keys(cache.identity, history, resumed.digests)
-    cache.put(keys[-1], state, history, None, images=resumed.digests, conversation=turn.conversation, keys=keys,
-              turn=resumed.turn)
+    cache.put(keys[-1], state, history, None, images=resumed.digests, conversation=turn.conversation, keys=keys)
 
 
 def _decode(turn: Turn, resumed: _Resumed, sampler: Sampler, history: list[int], token: int, logits: np.ndarray,
