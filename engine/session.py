@@ -279,11 +279,12 @@ class Session:
 
     def stop(self) -> int:
         """:meth:`close` without waiting: take no more jobs, drop the queued ones (they get
-        :class:`SessionClosedError`) and tell the running ones to stop. Returns how many were running."""
+        :class:`SessionClosedError`) and tell the running ones to stop. Returns how many turns (streams, not
+        calls) were running."""
         with self._cond:
             self._closed = True
             dropped, self._queued = self._queued, []
-            running = len(self._running)
+            running = sum(isinstance(job, _Stream) for job in self._running)
             for job in self._running:
                 job.cancel.set()
             self._cond.notify_all()

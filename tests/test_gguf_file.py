@@ -242,7 +242,7 @@ def test_file_map_asks_for_huge_page_folios(files):
     lines = open("/proc/self/smaps", encoding="utf-8").read().splitlines()
     flags = []
     for i, line in enumerate(lines):
-        if line.endswith(str(path)):
+        if line.endswith(os.path.realpath(path)):
             flags += [ln for ln in lines[i + 1:] if ln.startswith("VmFlags:")][:1]
     assert flags, f"no map of {path} in /proc/self/smaps"
     assert all("hg" in ln.split() for ln in flags), flags

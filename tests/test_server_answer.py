@@ -3,6 +3,7 @@ the channels Qwen's rule gives, for every way the text can be cut into tokens.""
 
 from __future__ import annotations
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -95,3 +96,53 @@ def test_a_choice_maps_the_channels_and_a_raw_completion_takes_the_text() -> Non
                                "content": "Red <tool_call>x</tool_call> end"}      # no tools offered: text
     raw = _choice_text("p", events, [("content", " end")])
     assert raw["text"] == "hmm</think>\n\nRed <tool_call>x</tool_call>"       # held parts are in the text already
+
+
+class _StoppingExchange:
+    """A turn of a server that is stopping: ``items`` come one by one, as from the session."""
+
+    def __init__(self, items: list) -> None:
+        from types import SimpleNamespace
+        self.items, self.stopping = list(items), True
+        self.turn = SimpleNamespace(stop_choice=lambda index: None)
+
+    async def next(self, index: int = 0):
+        return self.items.pop(0)
+
+    def error_of(self, exc: BaseException):
+        raise AssertionError(f"no error expected, got {exc!r}")
+
+
+def _run_choices(items: list, stop: tuple[str, ...]) -> list:
+    import asyncio
+    from engine.openai.app import _choices
+    req = TurnRequest("m", None, "x", SamplingParams(), stop=stop)
+
+    async def drain() -> list:
+        return [what async for what, _, _ in _choices(_StoppingExchange(items), req, [], lambda i: Choice(i, req))]
+    return asyncio.run(drain())
+
+
+def test_an_answer_a_stop_string_ended_is_whole_while_the_server_stops() -> None:
+    """A stop string ends a choice through its cancel flag, so its summary says "cancelled"; arriving after the
+    server began to stop, it is still the whole answer, not a 503 "cut off"."""
+    from engine.openai.requests import APIError
+    events = [TokenEvent(0, "a ", 0.0, 0), TokenEvent(1, "END", 0.0, 1)]
+    summary = TurnSummary("cancelled", "", 1, 0, 2, 0.0, 0.0, 0.0, "a END")
+    assert _run_choices([*events, summary], ("END",))[-1] == "end"
+    with pytest.raises(APIError, match="cut off after 2 tokens"):
+        _run_choices([*events, summary], ())
+
+
+def test_a_cancel_the_stopping_server_caused_is_its_503() -> None:
+    """A turn cancelled before its first token (e.g. while an image is encoded) answers 503 ``server_stopping``
+    when the server is stopping; a job the closed session never started keeps its own 503; else a cancel is
+    the engine's error."""
+    from types import SimpleNamespace
+    from engine.errors import GenerationCancelled
+    from engine.openai.app import _Exchange
+    from engine.session import SessionClosedError
+    stopping, running = SimpleNamespace(stopping=True), SimpleNamespace(stopping=False)
+    assert _Exchange.error_of(stopping, GenerationCancelled("image encoding cancelled")).code == "server_stopping"
+    assert _Exchange.error_of(stopping, SessionClosedError("closed")).code == "model_unavailable"
+    assert _Exchange.error_of(running, GenerationCancelled("image encoding cancelled")).code != "server_stopping"

@@ -34,8 +34,8 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from engine.events import Event, PrefillStats, TokenEvent, TurnSummary
-from engine.errors import EngineError
-from engine.session import END, Session, Ticket, engine_parallel
+from engine.errors import EngineError, GenerationCancelled
+from engine.session import END, Session, SessionClosedError, Ticket, engine_parallel
 from . import agent_routes
 from .choices import Answer, Choice
 from .constraints import Constraints
@@ -141,6 +141,12 @@ class _Turn:
         yield from self._start(index, cancel)
 
 
+def _cut_off(when: str) -> APIError:
+    """The 503 of an answer the stopping server cut off (``when``: where it was)."""
+    return APIError(503, f"the server is stopping: this answer was cut off {when}; send the request again once "
+                    "it is back", type="server_error", code="server_stopping")
+
+
 class _Exchange:
     """A request's turn from queueing to its last event, watching for the client to disconnect."""
 
@@ -154,6 +160,13 @@ class _Exchange:
     def stopping(self) -> bool:
         """Whether the session running the turn is stopping (the server shuts down: a cancel is its doing)."""
         return self.session is not None and self.session.closed
+
+    def error_of(self, exc: BaseException) -> APIError:
+        """:func:`~engine.openai.transport.error_of`, except that a cancel the stopping server caused (e.g. while
+        an image is encoded) is its 503, not an engine failure."""
+        if isinstance(exc, GenerationCancelled) and not isinstance(exc, SessionClosedError) and self.stopping:
+            return _cut_off("before its first token")
+        return error_of(exc)
 
     async def _watch(self) -> None:
         while (await self.request.receive())["type"] != "http.disconnect":
@@ -228,7 +241,7 @@ class _Routes:
                 started()
                 continue
             if isinstance(item, BaseException):
-                raise error_of(item)
+                raise ex.error_of(item)
             if item is _END:
                 raise APIError(500, "the engine ended the turn without a summary", type="server_error")
             if isinstance(item, TurnSummary) and item.stop_reason == "context_full" and item.generated_tokens == 0:
@@ -416,7 +429,7 @@ async def _choices(ex: _Exchange, req: TurnRequest, first: list[Any],
     while True:
         item = pending.pop(0) if pending else await ex.next(choice.index)
         if isinstance(item, BaseException):
-            raise error_of(item)
+            raise ex.error_of(item)
         if item is _END:
             raise APIError(500, "the engine ended the turn without a summary", type="server_error")
         if isinstance(item, TokenEvent) and not choice.stopped:
@@ -425,10 +438,8 @@ async def _choices(ex: _Exchange, req: TurnRequest, first: list[Any],
                 ex.turn.stop_choice(choice.index)  # a stop string: the engine ends it at its next token
             yield "pieces", choice, pieces
         elif isinstance(item, TurnSummary):
-            if item.stop_reason == "cancelled" and ex.stopping:
-                raise APIError(503, f"the server is stopping: this answer was cut off after {item.generated_tokens} "
-                               "tokens; send the request again once it is back", type="server_error",
-                               code="server_stopping")
+            if item.stop_reason == "cancelled" and not choice.stopped and ex.stopping:
+                raise _cut_off(f"after {item.generated_tokens} tokens")
             yield "pieces", choice, choice.close(item)
             yield "end", choice, None
             if choice.index + 1 == req.n:
