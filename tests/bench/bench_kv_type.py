@@ -1,7 +1,7 @@
 """Benchmark: the logit difference of F16 and Q8_0 KV caches against F32, by context length (a script, not a test).
 
     python tests/bench/bench_kv_type.py --model slice.gguf [--tokens 16384] [--at 1024,4096,16384] [--threads 2]
-        [--types f16,q8_0]
+        [--types f16,q8_0] [--save DIR [--only TYPE]]
     python tests/bench/bench_kv_type.py --kernels [--tokens 16384]
 
 Prefills the same random token sequence once per KV type (F32 first, the reference) on the native kernels,
@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import time
+from pathlib import Path
 
 import numpy as np
 
@@ -42,6 +43,27 @@ def run(model: NativeQwen35Model, tokens: np.ndarray, at: list[int], kv_type: st
             out[end] = logits.astype(np.float64)
             print(f"  {kv_type} {end} tokens, {time.perf_counter() - t0:.0f} s wall", flush=True)
         start = end
+    return out
+
+
+def kept(folder: str | None, model: NativeQwen35Model, tokens: np.ndarray, at: list[int],
+         kv_type: str, identity: str) -> dict[int, np.ndarray]:
+    """:func:`run`, its logits kept in ``folder`` (``TYPE-TOKENS.npz``, with the model file's identity and the
+    token sequence) so a cut-short run resumes without redoing a finished type; a file of another model,
+    sequence or set of positions (``identity``: the model file's, ``GGUFFile.identity``) is recomputed."""
+    if folder is None:
+        return run(model, tokens, at, kv_type)
+    path = Path(folder) / f"{kv_type}-{len(tokens)}.npz"
+    ident = np.frombuffer(identity.encode(), np.uint8)
+    if path.is_file():
+        with np.load(path) as saved:
+            if (np.array_equal(saved["identity"], ident) and np.array_equal(saved["tokens"], tokens)
+                    and set(at) <= {int(k) for k in saved.files if k.isdigit()}):
+                print(f"  {kv_type}: logits from {path}", flush=True)
+                return {pos: saved[str(pos)] for pos in at}
+    out = run(model, tokens, at, kv_type)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    np.savez(path, identity=ident, tokens=tokens, **{str(pos): v for pos, v in out.items()})
     return out
 
 
@@ -94,6 +116,9 @@ def main() -> None:
     ap.add_argument("--at", default="1024,4096,16384")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--types", default="f16,q8_0", help="KV types compared with f32, comma-separated")
+    ap.add_argument("--save", help="folder keeping each type's logits (TYPE-TOKENS.npz), reused by a later run")
+    ap.add_argument("--only", help="with --save: compute and keep one type's logits (f32 is one), compare nothing "
+                    "(several such runs at once, then one run to compare)")
     args = ap.parse_args()
     if args.kernels:
         kernel_times(args.tokens)
@@ -110,8 +135,13 @@ def main() -> None:
         per_token = state_nbytes(layout, 1, kv_type) - state_nbytes(layout, 0, kv_type)
         print(f"{kv_type}: {per_token} bytes of KV per token")
     tokens = np.random.default_rng(0).integers(0, text.hparams.n_vocab, args.tokens)
-    ref = run(model, tokens, at, "f32")
-    got = {kv_type: run(model, tokens, at, kv_type) for kv_type in types}
+    if args.only:
+        if args.save is None:
+            ap.error("--only needs --save")
+        kept(args.save, model, tokens, at, args.only, text.file.identity)
+        return
+    ref = kept(args.save, model, tokens, at, "f32", text.file.identity)
+    got = {kv_type: kept(args.save, model, tokens, at, kv_type, text.file.identity) for kv_type in types}
     print("type | tokens | max |dlogit| | / max |logit| | KL(f32 || type) nats | argmax agrees "
           "[| f32 top-two gap | f32 gap to the type's argmax]")
     for kv_type in types:
