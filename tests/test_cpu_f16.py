@@ -15,7 +15,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 from gguf import GGMLQuantizationType
-from test_cpu_kernels import LEVELS, assert_same_bits_everywhere, rng  # noqa: F401 (fixture)
+from test_cpu_kernels import assert_same_bits_everywhere, assert_within_summation_bound, rng  # noqa: F401 (fixture)
 from test_native_model import run
 
 from engine.arch.qwen35.cpu import NativeQwen35Model, prepare_weight, projection_names
@@ -46,16 +46,7 @@ def anon_kib() -> int:
 def test_f16_product_within_the_summation_bound_at_every_level(rows, k, m, rng, isa_reset):
     """Every level (and the twin) against the float64 product of the stored halves and the float32 inputs."""
     raw = random_f16(rng, rows, k)
-    x = (rng.standard_normal((m, k)) * rng.uniform(0.1, 10)).astype(np.float32)
-    w, a = raw.view("<f2").astype(np.float64), x.astype(np.float64)
-    ref, abs_sum = a @ w.T, np.abs(a) @ np.abs(w).T
-    bound = 2.0**-24 * np.abs(ref) + (k / 8 + 4) * 2.0**-53 * abs_sum
-    mat = cpu.Matrix(raw, k, F16)
-    for level in (*LEVELS, "numpy"):
-        cpu.set_isa(level)
-        y = mat(x)
-        assert y.dtype == np.float32 and y.shape == (m, rows)
-        assert (np.abs(y - ref) <= bound).all(), (level, np.max(np.abs(y - ref) - bound))
+    assert_within_summation_bound(raw, raw.view("<f2").astype(np.float64), k, m, F16, rng)
 
 
 @pytest.mark.parametrize("rows, k", [(5, 32), (37, 320), (130, 1024)])

@@ -72,6 +72,22 @@ def assert_close(y: np.ndarray, ref: np.ndarray, abs_sum: np.ndarray, n_terms: i
     assert np.linalg.norm(y - ref) <= 1e-5 * np.linalg.norm(ref) + 1e-30
 
 
+def assert_within_summation_bound(raw: np.ndarray, weights: np.ndarray, k: int, m: int, wtype, rng) -> None:
+    """``raw`` (rows of the float type ``wtype``, k values each; ``weights`` their float64 values) times m random
+    float32 columns, at every level and in the numpy twin, within ``2^-24 |ref| + (k / 8 + 4) 2^-53 sum|w x|`` of
+    the float64 product (exact f64 products summed k / 8 to a lane, 8 lanes in a tree; test_cpu_bf16 derives it)."""
+    x = (rng.standard_normal((m, k)) * rng.uniform(0.1, 10)).astype(np.float32)
+    a = x.astype(np.float64)
+    ref, abs_sum = a @ weights.T, np.abs(a) @ np.abs(weights).T
+    bound = 2.0**-24 * np.abs(ref) + (k / 8 + 4) * 2.0**-53 * abs_sum
+    mat = cpu.Matrix(raw, k, wtype)
+    for level in (*LEVELS, "numpy"):
+        cpu.set_isa(level)
+        y = mat(x)
+        assert y.dtype == np.float32 and y.shape == (m, raw.shape[0])
+        assert (np.abs(y - ref) <= bound).all(), (level, np.max(np.abs(y - ref) - bound))
+
+
 def assert_same_bits_everywhere(raw: np.ndarray, k: int, qtype, rng) -> None:
     """``raw`` (rows of ``qtype``, k values each) times 5 random columns: every ISA level at 1-3 threads,
     one column alone or in a batch, gives the numpy twin's bits."""
