@@ -36,7 +36,15 @@ def test_f16_cache_gives_the_bits_of_f32_rows_holding_its_values(isa_reset, m, n
     q = rng.standard_normal((n, n_head, hd)).astype(np.float32) * 2.5
     gate = rng.standard_normal((n, n_head, hd)).astype(np.float32)
     k, v = halves(rng, m, n_kv, hd)
-    k32, v32 = k.astype(np.float32), v.astype(np.float32)
+    assert_cache_gives_f32_bits(q, gate, k, v, k.astype(np.float32), v.astype(np.float32))
+
+
+def assert_cache_gives_f32_bits(q: np.ndarray, gate: np.ndarray, k: np.ndarray, v: np.ndarray, k32: np.ndarray,
+                                v32: np.ndarray) -> None:
+    """Attention over the stored rows ``k``, ``v`` (F16 or Q8_0) gives, at every native level and 1-2 threads,
+    the bits of the same attention over F32 rows ``k32``, ``v32`` holding their values (prefill, and decode
+    of the last query); within REL_TOL of the numpy reference over ``k32``, ``v32``."""
+    n, m = len(q), len(k)
     ref = np.stack([cpu_mixers.attention_decode_np(q[i], gate[i], k32[:m - n + i + 1], v32[:m - n + i + 1])
                     for i in range(n)])
     for level in cpu.supported_isas():

@@ -18,11 +18,9 @@ from engine.gguf.quant import dequantize
 from engine.kernels import cpu
 from engine.turn.kv_types import Q8_BLOCK, dequantize_q8_0, kv_row_bytes, quantize_q8_0
 from engine.turn.state import SequenceState
-from tests.test_kv_f16 import native, run  # noqa: F401 (the tiny native model fixture; a split forward)
+from tests.test_kv_f16 import assert_cache_gives_f32_bits, native, run  # noqa: F401 (the native model fixture)
 
 native_only = pytest.mark.skipif(not cpu.available(), reason="native CPU kernels not built")
-
-REL_TOL = 1e-5
 
 
 def test_q8_0_rows_are_ggml_blocks_within_half_a_step():
@@ -73,20 +71,7 @@ def test_q8_0_cache_gives_the_bits_of_f32_rows_holding_its_values(isa_reset, m, 
     q = rng.standard_normal((n, n_head, hd)).astype(np.float32) * 2.5
     gate = rng.standard_normal((n, n_head, hd)).astype(np.float32)
     k, v = q8_cache(rng, m, n_kv, hd)
-    k32, v32 = dequantize_q8_0(k), dequantize_q8_0(v)
-    ref = np.stack([cpu_mixers.attention_decode_np(q[i], gate[i], k[:m - n + i + 1], v[:m - n + i + 1])
-                    for i in range(n)])
-    for level in cpu.supported_isas():
-        if level == "numpy":
-            continue
-        cpu.set_isa(level)
-        for threads in (1, 2):
-            cpu.set_threads(threads)
-            got = cpu_mixers.attention_prefill(q, gate, k, v)
-            assert np.array_equal(got, cpu_mixers.attention_prefill(q, gate, k32, v32)), (level, threads)
-            last = cpu_mixers.attention_decode(q[-1], gate[-1], k, v)
-            assert np.array_equal(last, got[-1]), (level, threads)
-    assert np.abs(got - ref).max() <= REL_TOL * np.abs(ref).max()
+    assert_cache_gives_f32_bits(q, gate, k, v, dequantize_q8_0(k), dequantize_q8_0(v))
 
 
 @native_only
