@@ -4,6 +4,8 @@ read, and the "auto" choice."""
 
 from __future__ import annotations
 
+import ctypes
+import mmap
 import os
 import shutil
 
@@ -147,14 +149,35 @@ def test_engine_load_ram_generates_what_map_generates(synth_model):
     assert tokens["map"] == tokens["ram"] and len(tokens["ram"]) == 6
 
 
-def test_ram_adds_the_file_to_anonymous_memory_once(synth_model):
-    psutil = pytest.importorskip("psutil")
-    path = synth_model("small", "q4_0")
+def _cached_bytes(path) -> int:
+    """Bytes of ``path`` in the page cache (``mincore`` over a fresh map, which faults nothing in)."""
+    libc = ctypes.CDLL(None, use_errno=True)
     size = os.path.getsize(path)
+    with open(path, "rb") as fh:
+        region = mmap.mmap(fh.fileno(), size, prot=mmap.PROT_READ)
+    view = np.frombuffer(region, dtype=np.uint8)
+    vec = (ctypes.c_ubyte * ((size + mmap.PAGESIZE - 1) // mmap.PAGESIZE))()
+    assert libc.mincore(ctypes.c_void_p(view.ctypes.data), ctypes.c_size_t(size), vec) == 0, ctypes.get_errno()
+    del view
+    region.close()
+    return sum(b & 1 for b in vec) * mmap.PAGESIZE
+
+
+@pytest.mark.skipif(not hasattr(os, "posix_fadvise"), reason="the page cache is dropped with posix_fadvise")
+def test_ram_holds_the_file_once_in_anonymous_memory_not_in_the_page_cache(synth_model, tmp_path):
+    psutil = pytest.importorskip("psutil")
+    path = tmp_path / "small.gguf"
+    shutil.copyfile(synth_model("small", "q4_0"), path)
+    with open(path, "rb+") as fh:
+        os.fsync(fh.fileno())                        # dirty pages are not dropped: write them back first
+        size = os.path.getsize(path)
+        fh.read()                                    # the whole file in the page cache
+    assert _cached_bytes(path) >= 0.9 * size
     proc = psutil.Process()
     before = proc.memory_info()
     f = GGUFFile.open(path, "ram")
     after = proc.memory_info()
     anon = (after.rss - after.shared) - (before.rss - before.shared)
     assert 0.95 * size <= anon <= size + (32 << 20), (anon, size)
-    del f
+    assert _cached_bytes(path) <= 0.02 * size
+    assert f.identity == GGUFFile.open(path).identity

@@ -313,13 +313,19 @@ class GGUFFile:
         """``gguf-<size>-<sha256 prefix>`` over the header, tensor table and 16 fixed 4 KiB data samples.
 
         The samples make files with equal headers but different weights (e.g. two synth seeds)
-        differ. They are read with file reads, not through the map, so they add nothing to RSS.
+        differ. They are read with file reads, not through the map, so they add nothing to RSS (from memory when
+        the file was read into it, so its page cache stays dropped).
         """
         digest = self._header_digest.copy()
         size = self._data.size
         span = size - self._data_start
+        starts = [self._data_start + span * k // _SAMPLES for k in range(_SAMPLES)]
+        if self.resident:
+            for start in starts:
+                digest.update(self._data[start:start + _SAMPLE_BYTES].tobytes())
+            return f"gguf-{size}-{digest.hexdigest()[:32]}"
         with open(self.source, "rb") as fh:
-            for k in range(_SAMPLES):
-                fh.seek(self._data_start + span * k // _SAMPLES)
+            for start in starts:
+                fh.seek(start)
                 digest.update(fh.read(_SAMPLE_BYTES))
         return f"gguf-{size}-{digest.hexdigest()[:32]}"

@@ -359,7 +359,19 @@ def read_header(path: str | os.PathLike[str], weights: str = "map") -> Header:
     """
     if weights not in ("map", "ram"):
         raise ValueError(f"weights must be 'map' or 'ram' here, got {weights!r}")
-    source = str(path)
+    header = _map_and_parse(str(path))
+    if weights == "map":
+        return header
+    size = header.data.size
+    header = replace(header, data=np.empty(0, np.uint8))   # unmaps: the read below drops every page it caches
+    writable = read_resident(header.source, size)
+    readonly = writable.view()
+    readonly.flags.writeable = False
+    return replace(header, data=readonly, writable=writable)
+
+
+def _map_and_parse(source: str) -> Header:
+    """:func:`read_header` over the read-only map of ``source``. Raises: see there."""
     try:
         size = os.path.getsize(source)
         if size < 24:
@@ -374,13 +386,7 @@ def read_header(path: str | os.PathLike[str], weights: str = "map") -> Header:
         meta, records, tensors, data_start = _parse_header(reader)
     except (ValueError, OverflowError, struct.error, MemoryError) as e:
         raise ModelFormatError(f"{source}: malformed GGUF header near offset {reader.off}: {e}") from e
-    header = Header(source, data, meta, records, {t.name: t for t in tensors}, data_start, reader.buf[:reader.off])
-    if weights == "map":
-        return header
-    writable = read_resident(source, size)
-    readonly = writable.view()
-    readonly.flags.writeable = False
-    return replace(header, data=readonly, writable=writable)
+    return Header(source, data, meta, records, {t.name: t for t in tensors}, data_start, reader.buf[:reader.off])
 
 
 def parse_prefix(prefix: bytes, file_size: int, source: str) -> Header:
