@@ -96,7 +96,8 @@ def _load(args: argparse.Namespace, path: Path, mmproj: Path | None):
                             cache_disk_dir=getattr(args, "cache_dir", None), weights=getattr(args, "weights", "auto"))
     engine = Engine.load(path, mmproj, options=options)
     tower = f" + {mmproj.name}" if mmproj is not None else ""
-    print(f"[loaded {path.name}{tower} in {time.perf_counter() - t0:.2f} s]", file=sys.stderr)
+    where = "read into memory" if engine.text.file.resident else "mapped"
+    print(f"[loaded {path.name}{tower} in {time.perf_counter() - t0:.2f} s, weights {where}]", file=sys.stderr)
     if args.context is not None and engine.info.context < args.context:
         print(f"[note: --context {args.context} is above {path.name}'s own limit: the context window holds "
               f"{engine.info.context} tokens]", file=sys.stderr)

@@ -181,3 +181,16 @@ def test_ram_holds_the_file_once_in_anonymous_memory_not_in_the_page_cache(synth
     assert 0.95 * size <= anon <= size + (32 << 20), (anon, size)
     assert _cached_bytes(path) <= 0.02 * size
     assert f.identity == GGUFFile.open(path).identity
+
+
+def test_cli_says_where_the_weights_are_and_takes_weights(synth_model, monkeypatch, capsys):
+    from engine.__main__ import build_parser, main
+    path = synth_model("tiny", "q4_0")
+    monkeypatch.setattr(resident, "available_memory", lambda: 1 << 50)
+    monkeypatch.setattr("engine.placement._gpu_present", lambda: False)
+    assert main(["generate", "--model", str(path), "-p", "Hi", "-n", "1", "--temp", "0", "--context", "64"]) == 0
+    assert f"[loaded {path.name} in" in (err := capsys.readouterr().err) and "weights read into memory]" in err
+    parser = build_parser()
+    assert parser.parse_args(["serve", "--weights", "map"]).weights == "map"
+    assert parser.parse_args(["bench", str(path), "--weights", "ram"]).weights == "ram"
+    assert parser.parse_args(["bench", str(path)]).weights == "auto"
