@@ -147,3 +147,19 @@ def test_kquant_few_columns_are_each_column_alone(level, qtype, rows, k, rng):
         for m in range(2, 10):
             assert np.array_equal(mat(x[:m]), alone[:m]), (n, m)
             assert np.array_equal(mat(x[9 - m:]), alone[9 - m:]), (n, m)
+
+
+@pytest.mark.parametrize("level", LEVELS, indirect=True)
+@pytest.mark.parametrize("rows, k", [(1, 256), (7, 2304), (70, 2048), (9, 8192)])
+def test_q6_k_few_columns_match_numpy_twin(level, rows, k, rng):
+    """Q6_K with 1 to 8 columns (at AVX-512 from 2 columns kq6_few_avx512.h's lane layout, the columns
+    arranged once per thread and activations): every column has the numpy twin's bits, for one row, odd
+    and even row counts, 1 to 32 super-blocks a row (the scratch's limit), and for a second set of
+    activations of the same shape (arranged again, not read from the thread's scratch)."""
+    raw = random_kquant(rng, rows, k, Q.Q6_K)
+    mat = cpu.Matrix(raw, k, Q.Q6_K)
+    for x in (rng.standard_normal((8, k)).astype(np.float32), (rng.standard_normal((8, k)) * 50).astype(np.float32)):
+        want = cpu.matmul_np(raw, x, Q.Q6_K)
+        for m in range(1, 9):
+            assert np.array_equal(mat(x[:m]), want[:m]), m
+            assert np.array_equal(mat(x[8 - m:]), want[8 - m:]), m

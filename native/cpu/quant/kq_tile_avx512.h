@@ -337,6 +337,7 @@ DD_INLINE void kq_gemv(const uint8_t *w, size_t rb, size_t nrows, size_t rows_av
 }
 
 #include "kq_gemm_avx512.h"
+#include "kq6_few_avx512.h"
 /* KQ_GEMM(NAME, TYPE, TILES, GEMM_M, FEW) defines the dd_gemm_fn NAME for weight type TYPE, for rows of up
  * to KQ_GEMV_SB super-blocks (their scratch allocated): kq_gemv for m < FEW columns, kqx_few for FEW ..
  * KQ_GEMV_COLS (FEW: where the expansion of each row pair, dearer than kq_tile's per-column work for one
@@ -348,8 +349,12 @@ DD_INLINE void kq_gemv(const uint8_t *w, size_t rb, size_t nrows, size_t rows_av
     {                                                                                                         \
         kq_gemv_state *st = NULL;                                                                             \
         kqx_few_state *fs = NULL;                                                                             \
+        kq6_few_state *s6 = NULL;                                                                             \
         const int few = a->m <= KQ_GEMV_COLS && a->nb / 8 <= KQ_GEMV_SB;                                      \
-        if (few && a->m >= FEW && (fs = dd_scratch(DD_SCRATCH_KQX_COL, sizeof(kqx_few_state))) != NULL)       \
+        if (TYPE == DD_Q6_K && few && a->m >= KQ6_FEW                                                         \
+            && (s6 = dd_scratch(DD_SCRATCH_KQ6_COL, sizeof(kq6_few_state))) != NULL)                          \
+            kq6_few(w, row_bytes, nrows, rows_avail, a, y, ldy, s6);                                          \
+        else if (few && a->m >= FEW && (fs = dd_scratch(DD_SCRATCH_KQX_COL, sizeof(kqx_few_state))) != NULL)       \
             kqx_few(w, row_bytes, nrows, rows_avail, a, y, ldy, TYPE, fs);                                    \
         else if (few && (st = dd_scratch(DD_SCRATCH_KQ_COL, sizeof(kq_gemv_state))) != NULL)                  \
             kq_gemv(w, row_bytes, nrows, rows_avail, a, y, ldy, TYPE, st);                                    \
@@ -360,6 +365,6 @@ DD_INLINE void kq_gemv(const uint8_t *w, size_t rb, size_t nrows, size_t rows_av
     }
 KQ_GEMM(gemm_q4_K, DD_Q4_K, tiles_q4_K, KQX_GEMM_Q4_K, 3)
 KQ_GEMM(gemm_q5_K, DD_Q5_K, tiles_q5_K, KQX_GEMM_Q5_K, 3)
-KQ_GEMM(gemm_q6_K, DD_Q6_K, tiles_q6_K, KQX_GEMM_Q6_K, 5)
+KQ_GEMM(gemm_q6_K, DD_Q6_K, tiles_q6_K, KQX_GEMM_Q6_K, KQ_GEMV_COLS + 1)
 
 #endif
