@@ -1,57 +1,46 @@
-/* The Q6_K product of a few columns (a batched decode's rows, 1 .. KQ_GEMV_COLS) at the AVX-512 VNNI
- * level: "lanes = halves". Included by kq_tile_avx512.h after kq_gemm_avx512.h (kq_unpack, kq_row_scales,
- * kqx_reduce8).
+/* The Q6_K product of a few columns (a batched decode's rows, KQ6_FEW .. KQ_GEMV_COLS) at the AVX-512
+ * VNNI level: "lanes = halves". Included by kq_tile_avx512.h after kq_gemm_avx512.h (kq_unpack,
+ * kq_row_scales, kq_half_lane, kq_order, kqx_reduce8).
  *
- * A super-block's 16 halves (16 values each, one int8 scale sc_L each) are the 16 dword lanes: half L in
- * lane P(L) = L / 2 + 8 (L % 2), so block i's two halves are lanes i and 8 + i. Vector t (t < 4) holds
- * dword t (values 4t .. 4t + 3) of every half. kq_unpack's four value-order vectors become these by two
- * stages of vpermt2d per row and super-block, shared by all the columns; a column's activations are
- * arranged alike once per thread and activations. Per (row, column, super-block) four vpdpbusd then
- * leave S_L - 32 s_L in lane P(L) (started from -32 s_L), one vpmulld by the scales, one add of the
- * two 256-bit halves gives the block integers I_i in lane i, and one f64 multiply and FMA add the
+ * A super-block's 16 halves (16 values each, one int8 scale sc_L each) are the 16 dword lanes: half
+ * L = 4j + h in lane 4h + j, and vector t (t < 4) holds dword t (values 4t .. 4t + 3) of every half.
+ * kq_unpack's four value-order vectors (dword 4h + t of vector j: dword t of half 4j + h) become these
+ * by a 4 x 4 dword transpose within each 128-bit lane (eight unpack instructions), once per row and
+ * super-block for all the columns; a column's activations are arranged alike once per thread and
+ * activations. Per (row, column, super-block) four vpdpbusd then leave S_L - 32 s_L in lane 4h + j
+ * (started from -32 s_L) and one vpmulld scales them; two columns' block integers I_i (block i = halves
+ * 2i, 2i + 1: 128-bit lanes 0 + 1 hold blocks 0, 2, 4, 6 and lanes 2 + 3 blocks 1, 3, 5, 7, KQ_ORDER[1])
+ * come from one pair of 128-bit shuffles and an add, and one f64 multiply and FMA per column add the
  * terms: no unpack and no transpose-add per column.
  *
  * Exactness: I_i = sum over halves h of sc_h (S_h - 32 s_h) is the exact int32 of kquants.h (|I_i| <
- * 2^25); acc_i += (d da_i) I_i with d da_i the f64 product of two f16 values (exact) and the FMA of an
- * exact product rounding once, as kq_row_pair does, into acc lane i = block i, in super-block order; the
- * lanes are reduced by kqx_reduce8, dd_kq_tile's tree. So every output has the bits of the GEMV.
+ * 2^25); acc_l += (d da_i) I_i, block i = KQ_ORDER[1][l], with d da_i the f64 product of two f16
+ * values (exact) and the FMA of an exact product rounding once, as kq_row_pair does, in super-block
+ * order; the lanes, put back in block order, are reduced by kqx_reduce8 (dd_kq_tile's tree). So every
+ * output has the bits of the GEMV.
  */
 #ifndef DELTADESK_KQ6_FEW_AVX512_H
 #define DELTADESK_KQ6_FEW_AVX512_H
-
-/* Stage 1, pair s of vectors (2s, 2s + 1) into vector g: lane 8u + 4j + h = dword 2g + u of lane 4h of
- * source j (half 4(2s + j) + h). Stage 2, vector t = 2g + u from stage 1's pair (s = 0, 1) of vector g:
- * lane P(L) = lane 8u + L % 8 of source L / 8. */
-static const int32_t kq6_stage1[2][16] = {
-    { 0, 4, 8, 12, 16, 20, 24, 28, 1, 5, 9, 13, 17, 21, 25, 29 },
-    { 2, 6, 10, 14, 18, 22, 26, 30, 3, 7, 11, 15, 19, 23, 27, 31 },
-};
-static const int32_t kq6_stage2[2][16] = {
-    { 0, 2, 4, 6, 16, 18, 20, 22, 1, 3, 5, 7, 17, 19, 21, 23 },
-    { 8, 10, 12, 14, 24, 26, 28, 30, 9, 11, 13, 15, 25, 27, 29, 31 },
-};
-/* lane P(L) <- lane L, for dwords (the activation half sums) and bytes (the scales) */
-static const int32_t kq6_halves[16] = { 0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15 };
 
 /* The fewest columns kq6_few takes (KQ_GEMM; below, kq_gemv) */
 #define KQ6_FEW 2
 
 typedef struct {
-    __m512i v[4];     /* vector t: dword t of each half, half L in lane P(L) */
-    __m512i seed;     /* lane P(L): -32 times the sum of half L */
-    __m512d da;       /* lane i: block i's scale */
+    __m512i v[4];     /* vector t: dword t of each half, half 4j + h in lane 4h + j */
+    __m512i seed;     /* lane 4h + j: -32 times the sum of half 4j + h */
+    __m512d da;       /* lane l: the scale of block KQ_ORDER[1][l] */
 } kq6_col;            /* one super-block of a column */
 
-/* Four value-order vectors (dword 4h + t of x[j]: dword t of half 4j + h) into the lane layout, in place. */
+/* Four value-order vectors (dword 4h + t of x[j]: dword t of half 4j + h) into the lane layout, in place:
+ * a 4 x 4 dword transpose within each 128-bit lane. */
 DD_INLINE void kq6_transpose(__m512i x[4])
 {
-    __m512i s[2][2];
-    for (int p = 0; p < 2; p++)
-        for (int g = 0; g < 2; g++)
-            s[p][g] = _mm512_permutex2var_epi32(x[2 * p], _mm512_loadu_si512(kq6_stage1[g]), x[2 * p + 1]);
-    for (int g = 0; g < 2; g++)
-        for (int u = 0; u < 2; u++)
-            x[2 * g + u] = _mm512_permutex2var_epi32(s[0][g], _mm512_loadu_si512(kq6_stage2[u]), s[1][g]);
+    const __m512i lo01 = _mm512_unpacklo_epi32(x[0], x[1]), hi01 = _mm512_unpackhi_epi32(x[0], x[1]);
+    const __m512i lo23 = _mm512_unpacklo_epi32(x[2], x[3]), hi23 = _mm512_unpackhi_epi32(x[2], x[3]);
+    x[0] = _mm512_unpacklo_epi64(lo01, lo23);
+    x[1] = _mm512_unpackhi_epi64(lo01, lo23);
+    x[2] = _mm512_unpacklo_epi64(hi01, hi23);
+    x[3] = _mm512_unpackhi_epi64(hi01, hi23);
 }
 
 /* Column super-block b0 (its first 32-value block in the acts' numbering) arranged into *p. */
@@ -60,21 +49,31 @@ DD_INLINE void kq6_col_prep(const dd_acts *a, size_t b0, kq6_col *p)
     for (int j = 0; j < 4; j++)
         p->v[j] = _mm512_loadu_si512(a->q + b0 * DD_QK + 64 * j);
     kq6_transpose(p->v);
-    const __m512i s = _mm512_permutexvar_epi32(_mm512_loadu_si512(kq6_halves), _mm512_loadu_si512(a->s16 + 2 * b0));
+    const __m512i s = _mm512_permutexvar_epi32(_mm512_loadu_si512(kq_half_lane), _mm512_loadu_si512(a->s16 + 2 * b0));
     p->seed = _mm512_sub_epi32(_mm512_setzero_si512(), _mm512_slli_epi32(s, 5));
-    p->da = _mm512_cvtps_pd(_mm256_loadu_ps(a->bd + b0));
+    const __m256i order = _mm256_loadu_si256((const __m256i *)kq_order[1]);
+    p->da = _mm512_cvtps_pd(_mm256_permutexvar_ps(order, _mm256_loadu_ps(a->bd + b0)));
 }
 
-/* A stored super-block as four vectors of unsigned quants in the lane layout, its 16 scales (lane P(L)
- * = sc_L) and its d broadcast to 8 f64 lanes. */
+/* A stored super-block as four vectors of unsigned quants in the lane layout, its 16 scales (lane 4h + j
+ * = sc of half 4j + h) and its d broadcast to 8 f64 lanes. */
 DD_INLINE void kq6_expand(const uint8_t *blk, __m512i w[4], __m512i *sc, __m512d *d)
 {
     __m512d unused;
     kq_unpack(blk, DD_Q6_K, w);
     kq6_transpose(w);
-    const __m128i order = _mm_setr_epi8(0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15);   /* kq6_halves */
+    const __m128i order = _mm_setr_epi8(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);   /* kq_half_lane */
     *sc = _mm512_cvtepi8_epi32(_mm_shuffle_epi8(_mm_loadu_si128((const __m128i *)(blk + 192)), order));
     kq_row_scales(blk, DD_Q6_K, d, &unused);
+}
+
+/* Lane 4h + j = sc_L (S_L - 32 s_L), L = 4j + h, of a row's super-block (wv, sc) against column p. */
+DD_INLINE __m512i kq6_scaled(const __m512i wv[4], __m512i sc, const kq6_col *p)
+{
+    __m512i x = p->seed;
+    for (int t = 0; t < 4; t++)
+        x = _mm512_dpbusd_epi32(x, wv[t], p->v[t]);
+    return _mm512_mullo_epi32(x, sc);
 }
 
 /* One row (w) x columns [0, C) (C <= 8, column c's super-block sb at cols[c * nsb + sb]) into y[c * ldy];
@@ -93,16 +92,21 @@ DD_INLINE void kq6_tile(const uint8_t *w, const uint8_t *pf, const kq6_col *cols
         __m512i wv[4], sc;
         __m512d d;
         kq6_expand(w + sb * DD_Q6_K_BYTES, wv, &sc, &d);
-        for (int c = 0; c < C; c++) {
-            const kq6_col *p = cols + c * nsb + sb;
-            __m512i x = p->seed;
-            for (int t = 0; t < 4; t++)
-                x = _mm512_dpbusd_epi32(x, wv[t], p->v[t]);
-            x = _mm512_mullo_epi32(x, sc);
-            const __m256i ints = _mm256_add_epi32(_mm512_castsi512_si256(x), _mm512_extracti64x4_epi64(x, 1));
-            acc[c] = _mm512_fmadd_pd(_mm512_mul_pd(p->da, d), _mm512_cvtepi32_pd(ints), acc[c]);
+        for (int c = 0; c < C; c += 2) {   /* two columns' halves added in one pair of shuffles */
+            const kq6_col *p0 = cols + c * nsb + sb, *p1 = c + 1 < C ? p0 + nsb : p0;
+            const __m512i x0 = kq6_scaled(wv, sc, p0), x1 = c + 1 < C ? kq6_scaled(wv, sc, p1) : x0;
+            const __m512i ints = _mm512_add_epi32(_mm512_shuffle_i32x4(x0, x1, _MM_SHUFFLE(2, 0, 2, 0)),
+                                                  _mm512_shuffle_i32x4(x0, x1, _MM_SHUFFLE(3, 1, 3, 1)));
+            acc[c] = _mm512_fmadd_pd(_mm512_mul_pd(p0->da, d), _mm512_cvtepi32_pd(_mm512_castsi512_si256(ints)),
+                                     acc[c]);
+            if (c + 1 < C)
+                acc[c + 1] = _mm512_fmadd_pd(_mm512_mul_pd(p1->da, d),
+                                             _mm512_cvtepi32_pd(_mm512_extracti64x4_epi64(ints, 1)), acc[c + 1]);
         }
     }
+    const __m512i blocks = _mm512_setr_epi64(0, 4, 1, 5, 2, 6, 3, 7);   /* lane b <- the lane of block b */
+    for (int c = 0; c < C; c++)
+        acc[c] = _mm512_permutexvar_pd(blocks, acc[c]);
     float out[8];
     _mm256_storeu_ps(out, kqx_reduce8(acc));
     for (int c = 0; c < C; c++)

@@ -341,8 +341,9 @@ DD_INLINE void kq_gemv(const uint8_t *w, size_t rb, size_t nrows, size_t rows_av
 /* KQ_GEMM(NAME, TYPE, TILES, GEMM_M, FEW) defines the dd_gemm_fn NAME for weight type TYPE, for rows of up
  * to KQ_GEMV_SB super-blocks (their scratch allocated): kq_gemv for m < FEW columns, kqx_few for FEW ..
  * KQ_GEMV_COLS (FEW: where the expansion of each row pair, dearer than kq_tile's per-column work for one
- * column, pays off: docs/design/batched-decode.md); beyond, GEMM_M (kq_gemm_avx512.h) for m > 1 when its
- * scratch holds the rows, else TILES (DD_DEFINE_GEMM of kq_tile). All give the same bits. */
+ * column, pays off: docs/design/batched-decode.md; Q6_K passes KQ_GEMV_COLS + 1: it takes kq6_few from
+ * KQ6_FEW columns instead); beyond, GEMM_M (kq_gemm_avx512.h) for m > 1 when its scratch holds the rows,
+ * else TILES (DD_DEFINE_GEMM of kq_tile). All give the same bits. */
 #define KQ_GEMM(NAME, TYPE, TILES, GEMM_M, FEW)                                                                \
     static void NAME(const uint8_t *w, size_t row_bytes, size_t nrows, size_t rows_avail, const dd_acts *a,   \
                      float *y, size_t ldy)                                                                    \
@@ -354,7 +355,7 @@ DD_INLINE void kq_gemv(const uint8_t *w, size_t rb, size_t nrows, size_t rows_av
         if (TYPE == DD_Q6_K && few && a->m >= KQ6_FEW                                                         \
             && (s6 = dd_scratch(DD_SCRATCH_KQ6_COL, sizeof(kq6_few_state))) != NULL)                          \
             kq6_few(w, row_bytes, nrows, rows_avail, a, y, ldy, s6);                                          \
-        else if (few && a->m >= FEW && (fs = dd_scratch(DD_SCRATCH_KQX_COL, sizeof(kqx_few_state))) != NULL)       \
+        else if (few && a->m >= FEW && (fs = dd_scratch(DD_SCRATCH_KQX_COL, sizeof(kqx_few_state))) != NULL)  \
             kqx_few(w, row_bytes, nrows, rows_avail, a, y, ldy, TYPE, fs);                                    \
         else if (few && (st = dd_scratch(DD_SCRATCH_KQ_COL, sizeof(kq_gemv_state))) != NULL)                  \
             kq_gemv(w, row_bytes, nrows, rows_avail, a, y, ldy, TYPE, st);                                    \
