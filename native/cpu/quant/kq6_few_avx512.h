@@ -67,50 +67,74 @@ DD_INLINE void kq6_expand(const uint8_t *blk, __m512i w[4], __m512i *sc, __m512d
     kq_row_scales(blk, DD_Q6_K, d, &unused);
 }
 
-/* Lane 4h + j = sc_L (S_L - 32 s_L), L = 4j + h, of a row's super-block (wv, sc) against column p. */
-DD_INLINE __m512i kq6_scaled(const __m512i wv[4], __m512i sc, const kq6_col *p)
+/* Lane 4h + j = sc_L (S_L - 32 s_L), L = 4j + h, of a row's super-block (wv, sc) against column p's
+ * arranged vectors v and seed. */
+DD_INLINE __m512i kq6_scaled(const __m512i wv[4], __m512i sc, const __m512i v[4], __m512i seed)
 {
-    __m512i x = p->seed;
+    __m512i x = seed;
     for (int t = 0; t < 4; t++)
-        x = _mm512_dpbusd_epi32(x, wv[t], p->v[t]);
+        x = _mm512_dpbusd_epi32(x, wv[t], v[t]);
     return _mm512_mullo_epi32(x, sc);
 }
 
-/* One row (w) x columns [0, C) (C <= 8, column c's super-block sb at cols[c * nsb + sb]) into y[c * ldy];
- * pf: the row to prefetch while this one is read (kq_tile's prefetches). */
-DD_INLINE void kq6_tile(const uint8_t *w, const uint8_t *pf, const kq6_col *cols, size_t nsb, float *y, size_t ldy,
-                        const int C)
+/* acc[c], acc[c + 1] (when two) += the f64 terms of two columns' scaled halves x0, x1 (one row; row
+ * scale d, the columns' block scales da0, da1): their block integers from one pair of 128-bit shuffles. */
+DD_INLINE void kq6_terms(__m512i x0, __m512i x1, __m512d d, __m512d da0, __m512d da1, __m512d *acc, const int two)
 {
-    __m512d acc[8];
-    for (int c = 0; c < 8; c++)
-        acc[c] = _mm512_setzero_pd();
+    const __m512i ints = _mm512_add_epi32(_mm512_shuffle_i32x4(x0, x1, _MM_SHUFFLE(2, 0, 2, 0)),
+                                          _mm512_shuffle_i32x4(x0, x1, _MM_SHUFFLE(3, 1, 3, 1)));
+    acc[0] = _mm512_fmadd_pd(_mm512_mul_pd(da0, d), _mm512_cvtepi32_pd(_mm512_castsi512_si256(ints)), acc[0]);
+    if (two)
+        acc[1] = _mm512_fmadd_pd(_mm512_mul_pd(da1, d), _mm512_cvtepi32_pd(_mm512_extracti64x4_epi64(ints, 1)),
+                                 acc[1]);
+}
+
+/* Rows [0, R) (R <= 2, row r at w + r * rb) x columns [0, C) (C <= 8; R * C <= 8: the accumulators stay
+ * in registers; column c's super-block sb at cols[c * nsb + sb]) into y[c * ldy + r]; pf: the rows to
+ * prefetch while these are read (kq_tile's prefetches). Each column's vectors are loaded once for the R
+ * rows. */
+DD_INLINE void kq6_tile(const uint8_t *w, const uint8_t *pf, size_t rb, const kq6_col *cols, size_t nsb, float *y,
+                        size_t ldy, const int R, const int C)
+{
+    __m512d acc[2][8];
+    for (int r = 0; r < 2; r++)
+        for (int c = 0; c < 8; c++)
+            acc[r][c] = _mm512_setzero_pd();
     for (size_t sb = 0; sb < nsb; sb++) {
-        const uint8_t *q = pf + sb * DD_Q6_K_BYTES;
-        for (size_t at = 0; at < DD_Q6_K_BYTES; at += 64)
-            dd_prefetch_weight(q + at);
-        dd_prefetch_weight(q + DD_Q6_K_BYTES - 1);
-        __m512i wv[4], sc;
-        __m512d d;
-        kq6_expand(w + sb * DD_Q6_K_BYTES, wv, &sc, &d);
-        for (int c = 0; c < C; c += 2) {   /* two columns' halves added in one pair of shuffles */
-            const kq6_col *p0 = cols + c * nsb + sb, *p1 = c + 1 < C ? p0 + nsb : p0;
-            const __m512i x0 = kq6_scaled(wv, sc, p0), x1 = c + 1 < C ? kq6_scaled(wv, sc, p1) : x0;
-            const __m512i ints = _mm512_add_epi32(_mm512_shuffle_i32x4(x0, x1, _MM_SHUFFLE(2, 0, 2, 0)),
-                                                  _mm512_shuffle_i32x4(x0, x1, _MM_SHUFFLE(3, 1, 3, 1)));
-            acc[c] = _mm512_fmadd_pd(_mm512_mul_pd(p0->da, d), _mm512_cvtepi32_pd(_mm512_castsi512_si256(ints)),
-                                     acc[c]);
-            if (c + 1 < C)
-                acc[c + 1] = _mm512_fmadd_pd(_mm512_mul_pd(p1->da, d),
-                                             _mm512_cvtepi32_pd(_mm512_extracti64x4_epi64(ints, 1)), acc[c + 1]);
+        __m512i wv[2][4], sc[2];
+        __m512d d[2];
+        for (int r = 0; r < R; r++) {
+            const uint8_t *q = pf + r * rb + sb * DD_Q6_K_BYTES;
+            for (size_t at = 0; at < DD_Q6_K_BYTES; at += 64)
+                dd_prefetch_weight(q + at);
+            dd_prefetch_weight(q + DD_Q6_K_BYTES - 1);
+            kq6_expand(w + r * rb + sb * DD_Q6_K_BYTES, wv[r], &sc[r], &d[r]);
+        }
+        for (int c = 0; c < C; c += 2) {
+            const int two = c + 1 < C;
+            const kq6_col *p0 = cols + c * nsb + sb, *p1 = two ? p0 + nsb : p0;
+            __m512i v0[4], v1[4];
+            for (int t = 0; t < 4; t++) {
+                v0[t] = _mm512_load_si512(&p0->v[t]);
+                v1[t] = _mm512_load_si512(&p1->v[t]);
+            }
+            const __m512i seed0 = _mm512_load_si512(&p0->seed), seed1 = _mm512_load_si512(&p1->seed);
+            for (int r = 0; r < R; r++) {
+                const __m512i x0 = kq6_scaled(wv[r], sc[r], v0, seed0);
+                const __m512i x1 = two ? kq6_scaled(wv[r], sc[r], v1, seed1) : x0;
+                kq6_terms(x0, x1, d[r], p0->da, p1->da, &acc[r][c], two);
+            }
         }
     }
     const __m512i blocks = _mm512_setr_epi64(0, 4, 1, 5, 2, 6, 3, 7);   /* lane b <- the lane of block b */
-    for (int c = 0; c < C; c++)
-        acc[c] = _mm512_permutexvar_pd(blocks, acc[c]);
-    float out[8];
-    _mm256_storeu_ps(out, kqx_reduce8(acc));
-    for (int c = 0; c < C; c++)
-        y[c * ldy] = out[c];
+    for (int r = 0; r < R; r++) {
+        for (int c = 0; c < C; c++)
+            acc[r][c] = _mm512_permutexvar_pd(blocks, acc[r][c]);
+        float out[8];
+        _mm256_storeu_ps(out, kqx_reduce8(acc[r]));
+        for (int c = 0; c < C; c++)
+            y[c * ldy + r] = out[c];
+    }
 }
 
 /* A thread's last columns (kq6_col_prep of each super-block, column c's super-block sb at c * nsb + sb)
@@ -122,8 +146,8 @@ typedef struct {
 } kq6_few_state;
 
 /* A Q6_K product of a->m <= KQ_GEMV_COLS columns with rows of nb / 8 <= KQ_GEMV_SB super-blocks, as
- * DD_DEFINE_GEMM's GEMV walk (row by row here; the same prefetches), the columns arranged
- * at most once per thread and activations, in st. The bits are the GEMV's (see above). */
+ * DD_DEFINE_GEMM's GEMV walk (the same prefetches; row pairs up to 4 columns, then single rows), the
+ * columns arranged at most once per thread and activations, in st. The bits are the GEMV's (see above). */
 DD_INLINE void kq6_few(const uint8_t *w, size_t rb, size_t nrows, size_t rows_avail, const dd_acts *a, float *y,
                        size_t ldy, kq6_few_state *st)
 {
@@ -136,17 +160,26 @@ DD_INLINE void kq6_few(const uint8_t *w, size_t rb, size_t nrows, size_t rows_av
     }
     const size_t ahead = dd_gemv_ahead(rb);
     dd_gemv_prefetch_start(w, rb, nrows, rows_avail, ahead);
-    for (size_t r = 0; r < nrows; r++) {
+    const int pair = a->m <= 4;
+    size_t r = 0;
+    for (; pair && r + 2 <= nrows; r += 2) {
+        const uint8_t *pf = DD_PREFETCH_AHEAD(w, rb, r, 2, rows_avail, ahead);
+        switch (a->m) {
+        case 4: kq6_tile(w + r * rb, pf, rb, st->cols, nsb, y + r, ldy, 2, 4); break;
+        case 3: kq6_tile(w + r * rb, pf, rb, st->cols, nsb, y + r, ldy, 2, 3); break;
+        default: kq6_tile(w + r * rb, pf, rb, st->cols, nsb, y + r, ldy, 2, 2); break;
+        }
+    }
+    for (; r < nrows; r++) {
         const uint8_t *pf = DD_PREFETCH_AHEAD(w, rb, r, 1, rows_avail, ahead);
         switch (a->m) {
-        case 8: kq6_tile(w + r * rb, pf, st->cols, nsb, y + r, ldy, 8); break;
-        case 7: kq6_tile(w + r * rb, pf, st->cols, nsb, y + r, ldy, 7); break;
-        case 6: kq6_tile(w + r * rb, pf, st->cols, nsb, y + r, ldy, 6); break;
-        case 5: kq6_tile(w + r * rb, pf, st->cols, nsb, y + r, ldy, 5); break;
-        case 4: kq6_tile(w + r * rb, pf, st->cols, nsb, y + r, ldy, 4); break;
-        case 3: kq6_tile(w + r * rb, pf, st->cols, nsb, y + r, ldy, 3); break;
-        case 2: kq6_tile(w + r * rb, pf, st->cols, nsb, y + r, ldy, 2); break;
-        default: kq6_tile(w + r * rb, pf, st->cols, nsb, y + r, ldy, 1); break;
+        case 8: kq6_tile(w + r * rb, pf, rb, st->cols, nsb, y + r, ldy, 1, 8); break;
+        case 7: kq6_tile(w + r * rb, pf, rb, st->cols, nsb, y + r, ldy, 1, 7); break;
+        case 6: kq6_tile(w + r * rb, pf, rb, st->cols, nsb, y + r, ldy, 1, 6); break;
+        case 5: kq6_tile(w + r * rb, pf, rb, st->cols, nsb, y + r, ldy, 1, 5); break;
+        case 4: kq6_tile(w + r * rb, pf, rb, st->cols, nsb, y + r, ldy, 1, 4); break;
+        case 3: kq6_tile(w + r * rb, pf, rb, st->cols, nsb, y + r, ldy, 1, 3); break;
+        default: kq6_tile(w + r * rb, pf, rb, st->cols, nsb, y + r, ldy, 1, 2); break;
         }
     }
 }
