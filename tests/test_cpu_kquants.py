@@ -133,10 +133,10 @@ def test_kquant_rows_must_be_whole_super_blocks(rng):
 @pytest.mark.parametrize("qtype", KQ, ids=lambda t: t.name)
 @pytest.mark.parametrize("rows, k", [(70, 2048), (69, 2304)])
 def test_kquant_few_columns_are_each_column_alone(level, qtype, rows, k, rng):
-    """2 to 8 columns (a batched decode's rows: kq_gemm_avx512.h's kqx_few at AVX-512, columns arranged
-    once per thread, row pairs expanded once for all of them) and 9 (the unpack-once GEMM), at 1 and 2
-    threads, an odd row count (a zero partner row) and an odd super-block count: every column has the
-    bits of its own one-column product, and of the one-column product at 1 thread."""
+    """2 to 8 columns (a batched decode's rows: kqh_few_avx512.h at AVX-512, columns arranged once per
+    thread, each row's super-blocks expanded once for all of them) and 9 (the unpack-once GEMM), at 1 and
+    2 threads, an odd row count (a row without a partner) and an odd super-block count: every column has
+    the bits of its own one-column product, and of the one-column product at 1 thread."""
     raw = random_kquant(rng, rows, k, qtype)
     mat = cpu.Matrix(raw, k, qtype)
     x = rng.standard_normal((9, k)).astype(np.float32)
@@ -147,3 +147,20 @@ def test_kquant_few_columns_are_each_column_alone(level, qtype, rows, k, rng):
         for m in range(2, 10):
             assert np.array_equal(mat(x[:m]), alone[:m]), (n, m)
             assert np.array_equal(mat(x[9 - m:]), alone[9 - m:]), (n, m)
+
+
+@pytest.mark.parametrize("level", LEVELS, indirect=True)
+@pytest.mark.parametrize("qtype", KQ, ids=lambda t: t.name)
+@pytest.mark.parametrize("rows, k", [(1, 256), (7, 2304), (70, 2048), (9, 8192)])
+def test_kquant_few_columns_match_numpy_twin(level, qtype, rows, k, rng):
+    """1 to 8 columns (at AVX-512 from 2 columns kqh_few_avx512.h's lane layout, the columns arranged
+    once per thread and activations): every column has the numpy twin's bits, for one row, odd and even
+    row counts, 1 to 32 super-blocks a row (the scratch's limit), and for a second set of activations of
+    the same shape (arranged again, not read from the thread's scratch)."""
+    raw = random_kquant(rng, rows, k, qtype)
+    mat = cpu.Matrix(raw, k, qtype)
+    for x in (rng.standard_normal((8, k)).astype(np.float32), (rng.standard_normal((8, k)) * 50).astype(np.float32)):
+        want = cpu.matmul_np(raw, x, qtype)
+        for m in range(1, 9):
+            assert np.array_equal(mat(x[:m]), want[:m]), m
+            assert np.array_equal(mat(x[8 - m:]), want[8 - m:]), m

@@ -35,9 +35,9 @@ PORTABLE_SOURCES = ["runtime/dispatch.c", "quant/matvec.c", "runtime/pool.c", "m
                     "quant/iq_grids.c"]
 
 HEADERS = ["deltadesk_cpu.h", "quant/kernels.h", "quant/gemm_tiles.h", "quant/kquants.h", "quant/kq_tile_avx512.h",
-           "quant/kq_gemm_avx512.h", "quant/q4_gemm_avx512.h", "quant/bquants.h", "quant/lowbit.h",
-           "quant/lowbit_avx512.h", "quant/iquants.h", "quant/iquants_avx512.h", "quant/bf16.h", "runtime/runtime.h",
-           "attention/attn_kernel.h", "attention/attn_prefill.h", "attention/attn_prefill_avx2.h",
+           "quant/kq_gemm_avx512.h", "quant/kqh_few_avx512.h", "quant/q4_gemm_avx512.h", "quant/bquants.h",
+           "quant/lowbit.h", "quant/lowbit_avx512.h", "quant/iquants.h", "quant/iquants_avx512.h", "quant/bf16.h",
+           "runtime/runtime.h", "attention/attn_kernel.h", "attention/attn_prefill.h", "attention/attn_prefill_avx2.h",
            "attention/attn_avx2.h", "gdn/gdn_kernel.h", "gdn/vexp.h", "vit/sgemm_kernel.h"]
 """Listed as the extension's dependencies, so that editing one (or an ISA file) rebuilds it."""
 

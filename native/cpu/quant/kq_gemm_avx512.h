@@ -1,6 +1,5 @@
-/* K-quant products with m > 1 columns (prompt processing, and through kqx_few a batched decode's few
- * rows) at the AVX-512 VNNI level: each super-block of a row range is unpacked once per call instead of
- * once per 4-column tile.
+/* K-quant products with m > 1 columns (prompt processing) at the AVX-512 VNNI level: each super-block
+ * of a row range is unpacked once per call instead of once per 4-column tile.
  *
  * Included by kernels_avx512vnni.c after its K-quant tile (kq_unpack, kq_row_scales). Layouts as
  * kquants.h gives them (ggml-common.h block_q4_K / block_q5_K / block_q6_K; values, scales and
@@ -254,22 +253,17 @@ DD_INLINE void kqx_prefetch_row(const uint8_t *w, size_t rb, size_t r, size_t ro
     dd_prefetch_weight(row + rb - 1);
 }
 
-/* Rows a few-column product (pre != NULL) expands at a time: their pairs stay in L1 for its columns */
-#define KQX_FEW_ROWS 4
-
 /* Rows [0, nrows) x all columns: row ranges of up to KQX_W_SB super-blocks of pairs expanded once,
- * then column blocks of up to KQX_A_SB super-blocks arranged once, met in tiles of P pairs; pre: NULL,
- * or all a->m columns already arranged (column c's super-block sb at pre[c * nsb + sb]), then ranges of
- * KQX_FEW_ROWS rows. While a pair is expanded the rows DD_PREFETCH_ROWS further on (of the rows_avail
- * that follow w) are prefetched: the expansion is the only reader of the stored weights, and a demand
- * miss per super-block stalled it (the loads of d and the scales were the hottest instructions of the call). */
+ * then column blocks of up to KQX_A_SB super-blocks arranged once, met in tiles of P pairs. While a
+ * pair is expanded the rows DD_PREFETCH_ROWS further on (of the rows_avail that follow w) are
+ * prefetched: the expansion is the only reader of the stored weights, and a demand miss per super-block
+ * stalled it (the loads of d and the scales were the hottest instructions of the call). */
 DD_INLINE void kqx_gemm(const uint8_t *w, size_t rb, size_t nrows, size_t rows_avail, const dd_acts *a, float *y,
-                        size_t ldy, int wtype, const int P, const kqx_col *pre)
+                        size_t ldy, int wtype, const int P)
 {
     kqx_rows e[KQX_W_SB];
-    kqx_col own[KQX_A_SB];
-    const size_t nsb = a->nb / 8, range = pre ? KQX_FEW_ROWS : KQX_W_SB / nsb * 2;
-    const size_t cmax = pre ? a->m : KQX_A_SB / nsb / 4 * 4;
+    kqx_col cols[KQX_A_SB];
+    const size_t nsb = a->nb / 8, range = KQX_W_SB / nsb * 2, cmax = KQX_A_SB / nsb / 4 * 4;
     const size_t bytes = wtype == DD_Q4_K ? DD_Q4_K_BYTES : wtype == DD_Q5_K ? DD_Q5_K_BYTES : DD_Q6_K_BYTES;
     for (size_t r = 0; r < DD_PREFETCH_ROWS && r < nrows; r++)   /* the first rows, all in flight at once */
         kqx_prefetch_row(w, rb, r, rows_avail);
@@ -286,10 +280,9 @@ DD_INLINE void kqx_gemm(const uint8_t *w, size_t rb, size_t nrows, size_t rows_a
         }
         for (size_t c0 = 0; c0 < a->m; c0 += cmax) {
             const size_t nc = a->m - c0 < cmax ? a->m - c0 : cmax;
-            const kqx_col *cols = pre ? pre : own;
-            for (size_t c = 0; !pre && c < nc; c++)
+            for (size_t c = 0; c < nc; c++)
                 for (size_t sb = 0; sb < nsb; sb++)
-                    kqx_col_prep(a, (c0 + c) * a->nbp + 8 * sb, wtype, &own[c * nsb + sb]);
+                    kqx_col_prep(a, (c0 + c) * a->nbp + 8 * sb, wtype, &cols[c * nsb + sb]);
             size_t p = 0;
             for (; p + P <= np; p += P)
                 kqx_columns(e + p * nsb, cols, nc, nsb, wtype, y + c0 * ldy + r0 + 2 * p, ldy, nr - 2 * p, P);
@@ -302,36 +295,8 @@ DD_INLINE void kqx_gemm(const uint8_t *w, size_t rb, size_t nrows, size_t rows_a
 /* kqx_gemm runs when 4 columns' super-blocks fit the scratch (k up to 256 * KQX_A_SB / 4 = 18688
  * values); a longer k keeps kernels_avx512vnni.c's K-quant walk (DD_DEFINE_GEMM_SPLIT). */
 #define KQX_FITS(a) ((a)->nb / 8 <= KQX_A_SB / 4)
-#define KQX_GEMM_Q4_K(w, rb, n, avail, a, y, ldy) kqx_gemm(w, rb, n, avail, a, y, ldy, DD_Q4_K, 2, NULL)
-#define KQX_GEMM_Q5_K(w, rb, n, avail, a, y, ldy) kqx_gemm(w, rb, n, avail, a, y, ldy, DD_Q5_K, 2, NULL)
-#define KQX_GEMM_Q6_K(w, rb, n, avail, a, y, ldy) kqx_gemm(w, rb, n, avail, a, y, ldy, DD_Q6_K, 2, NULL)
-
-/* A thread's last few-column product's columns (kqx_col_prep of each super-block, column c's
- * super-block sb at c * nsb + sb), with the activations (dd_acts.id) and layout (q6) they were
- * arranged for, in the thread's scratch (DD_SCRATCH_KQX_COL; as kq_gemv_state: a new buffer is zeroed,
- * id 0 matches no activations). */
-typedef struct {
-    uint64_t id;
-    int q6;
-    kqx_col cols[KQ_GEMV_COLS * KQ_GEMV_SB];
-} kqx_few_state;
-
-/* A product of FEW .. KQ_GEMV_COLS columns (KQ_GEMM; a batched decode's rows; nb / 8 <= KQ_GEMV_SB): the columns
- * arranged at most once per thread and activations, then kqx_gemm's walk, each pair of rows expanded
- * once for all the columns. The bits are kqx_gemm's, hence the GEMV's. */
-DD_INLINE void kqx_few(const uint8_t *w, size_t rb, size_t nrows, size_t rows_avail, const dd_acts *a, float *y,
-                       size_t ldy, int wtype, kqx_few_state *st)
-{
-    const int q6 = wtype == DD_Q6_K;
-    const size_t nsb = a->nb / 8;
-    if (a->id == 0 || st->id != a->id || st->q6 != q6) {
-        for (size_t c = 0; c < a->m; c++)
-            for (size_t sb = 0; sb < nsb; sb++)
-                kqx_col_prep(a, c * a->nbp + 8 * sb, wtype, &st->cols[c * nsb + sb]);
-        st->id = a->id;
-        st->q6 = q6;
-    }
-    kqx_gemm(w, rb, nrows, rows_avail, a, y, ldy, wtype, 2, st->cols);
-}
+#define KQX_GEMM_Q4_K(w, rb, n, avail, a, y, ldy) kqx_gemm(w, rb, n, avail, a, y, ldy, DD_Q4_K, 2)
+#define KQX_GEMM_Q5_K(w, rb, n, avail, a, y, ldy) kqx_gemm(w, rb, n, avail, a, y, ldy, DD_Q5_K, 2)
+#define KQX_GEMM_Q6_K(w, rb, n, avail, a, y, ldy) kqx_gemm(w, rb, n, avail, a, y, ldy, DD_Q6_K, 2)
 
 #endif

@@ -277,9 +277,9 @@ DD_DEFINE_GEMM(tiles_q6_K, KQ_TILE_Q6_K)
 /* Super-blocks of a GEMV column prepared at most once per thread and activations (k <= 8192; 20 KiB):
  * the tiles then read them from L1 instead of arranging them again for every 4 rows. */
 #define KQ_GEMV_SB 32
-/* Columns the few-column products take (a batched decode's rows): kq_gemv below the type's switch
- * (KQ_GEMM's FEW), each 4-row tile meeting them 4 at a time, its super-blocks in L1, so the weights are
- * read from memory once for all of them; kqx_few from the switch on; more columns go to
+/* Columns the few-column products take (a batched decode's rows): kqh_few_avx512.h's from KQH_FEW
+ * (kq_gemv below, and if that scratch cannot be had: each 4-row tile meeting the columns 4 at a time,
+ * its super-blocks in L1, so the weights are read from memory once for all of them); more columns go to
  * kq_gemm_avx512.h's prompt GEMM, whose per-call column arrangement pays off only over many columns. */
 #define KQ_GEMV_COLS 8
 
@@ -337,20 +337,20 @@ DD_INLINE void kq_gemv(const uint8_t *w, size_t rb, size_t nrows, size_t rows_av
 }
 
 #include "kq_gemm_avx512.h"
-/* KQ_GEMM(NAME, TYPE, TILES, GEMM_M, FEW) defines the dd_gemm_fn NAME for weight type TYPE, for rows of up
- * to KQ_GEMV_SB super-blocks (their scratch allocated): kq_gemv for m < FEW columns, kqx_few for FEW ..
- * KQ_GEMV_COLS (FEW: where the expansion of each row pair, dearer than kq_tile's per-column work for one
- * column, pays off: docs/design/batched-decode.md); beyond, GEMM_M (kq_gemm_avx512.h) for m > 1 when its
+#include "kqh_few_avx512.h"
+/* KQ_GEMM(NAME, TYPE, TILES, GEMM_M) defines the dd_gemm_fn NAME for weight type TYPE, for rows of up to
+ * KQ_GEMV_SB super-blocks (their scratch allocated): kq_gemv for one column, kqh_few for KQH_FEW ..
+ * KQ_GEMV_COLS (docs/design/batched-decode.md); beyond, GEMM_M (kq_gemm_avx512.h) for m > 1 when its
  * scratch holds the rows, else TILES (DD_DEFINE_GEMM of kq_tile). All give the same bits. */
-#define KQ_GEMM(NAME, TYPE, TILES, GEMM_M, FEW)                                                                \
+#define KQ_GEMM(NAME, TYPE, TILES, GEMM_M)                                                                     \
     static void NAME(const uint8_t *w, size_t row_bytes, size_t nrows, size_t rows_avail, const dd_acts *a,   \
                      float *y, size_t ldy)                                                                    \
     {                                                                                                         \
         kq_gemv_state *st = NULL;                                                                             \
-        kqx_few_state *fs = NULL;                                                                             \
+        kqh_few_state *fs = NULL;                                                                             \
         const int few = a->m <= KQ_GEMV_COLS && a->nb / 8 <= KQ_GEMV_SB;                                      \
-        if (few && a->m >= FEW && (fs = dd_scratch(DD_SCRATCH_KQX_COL, sizeof(kqx_few_state))) != NULL)       \
-            kqx_few(w, row_bytes, nrows, rows_avail, a, y, ldy, TYPE, fs);                                    \
+        if (few && a->m >= KQH_FEW && (fs = dd_scratch(DD_SCRATCH_KQH_COL, sizeof(kqh_few_state))) != NULL)   \
+            kqh_few(w, row_bytes, nrows, rows_avail, a, y, ldy, TYPE, fs);                                    \
         else if (few && (st = dd_scratch(DD_SCRATCH_KQ_COL, sizeof(kq_gemv_state))) != NULL)                  \
             kq_gemv(w, row_bytes, nrows, rows_avail, a, y, ldy, TYPE, st);                                    \
         else if (a->m > 1 && KQX_FITS(a))                                                                     \
@@ -358,8 +358,8 @@ DD_INLINE void kq_gemv(const uint8_t *w, size_t rb, size_t nrows, size_t rows_av
         else                                                                                                  \
             TILES(w, row_bytes, nrows, rows_avail, a, y, ldy);                                                \
     }
-KQ_GEMM(gemm_q4_K, DD_Q4_K, tiles_q4_K, KQX_GEMM_Q4_K, 3)
-KQ_GEMM(gemm_q5_K, DD_Q5_K, tiles_q5_K, KQX_GEMM_Q5_K, 3)
-KQ_GEMM(gemm_q6_K, DD_Q6_K, tiles_q6_K, KQX_GEMM_Q6_K, 5)
+KQ_GEMM(gemm_q4_K, DD_Q4_K, tiles_q4_K, KQX_GEMM_Q4_K)
+KQ_GEMM(gemm_q5_K, DD_Q5_K, tiles_q5_K, KQX_GEMM_Q5_K)
+KQ_GEMM(gemm_q6_K, DD_Q6_K, tiles_q6_K, KQX_GEMM_Q6_K)
 
 #endif

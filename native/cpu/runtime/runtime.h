@@ -60,10 +60,10 @@ void dd_acts_prepare(const dd_kernels *kt, const float *x, size_t m, size_t k, v
  * (then a new, zeroed buffer), so per-call and per-task buffers cost no allocation and no page faults;
  * each slot serves one user at a time (one per caller that can be active in the same thread). Freed when
  * the thread exits. NULL if out of memory. (matvec.c) DD_SCRATCH_KQ_COL: the AVX-512 K-quant GEMV's
- * prepared column, kept between calls (kq_tile_avx512.h); DD_SCRATCH_KQX_COL: its few-column product's
- * arranged columns (kq_gemm_avx512.h). */
+ * prepared column, kept between calls (kq_tile_avx512.h); DD_SCRATCH_KQH_COL: its few-column product's
+ * arranged columns (kqh_few_avx512.h). */
 enum { DD_SCRATCH_ACTS = 0, DD_SCRATCH_MOE = 1, DD_SCRATCH_SGEMM = 2, DD_SCRATCH_VIT = 3, DD_SCRATCH_KQ_COL = 4,
-       DD_SCRATCH_KQX_COL = 5, DD_SCRATCH_COUNT = 6 };
+       DD_SCRATCH_KQH_COL = 5, DD_SCRATCH_COUNT = 6 };
 void *dd_scratch(int slot, size_t bytes);
 
 /* y = W x for several weight matrices of k columns (wtype as dd_matmul) that read the same x (k f32,
