@@ -58,6 +58,20 @@ int dd_quantize_q8_0(int isa, const float *x, size_t m, size_t k, uint8_t *out);
 int dd_matmul(int isa, int wtype, const uint8_t *w, size_t rows, size_t k,
               const float *x, size_t m, float *y);
 
+/* The 8-row interleaved layout of a Q4_0 matrix (rows of k / 32 blocks, row_bytes = k / 32 * 18 apart),
+ * the form the AVX-512 VNNI GEMV reads with rows as lanes: each stripe of 8 rows [8s, 8s + 8) keeps its
+ * 8 * row_bytes bytes, block b of the 8 rows at bytes 144 b of the stripe: the 8 rows' f16 scales (row r at
+ * 2 r), then at 16 + 32 q + 4 r row r's nibble bytes 4 q .. 4 q + 3 (q < 4). Rows past the last multiple of 8
+ * stay row-major. dd_q4_0_interleave rewrites w in place into that layout, dd_q4_0_deinterleave back
+ * (exactly); both DD_ERR_ARG if row_bytes is not a multiple of 18, DD_ERR_NOMEM without a stripe's scratch. */
+int dd_q4_0_interleave(uint8_t *w, size_t nrows, size_t row_bytes);
+int dd_q4_0_deinterleave(uint8_t *w, size_t nrows, size_t row_bytes);
+
+/* y = W x for a Q4_0 matrix W of `rows` rows of k values (k % 32 == 0) in dd_q4_0_interleave's layout, x: k
+ * f32, y: rows f32: the bits of dd_matmul(isa, DD_Q4_0, ...) on the row-major matrix. DD_ERR_ISA where the
+ * level has no interleaved kernel (only DD_ISA_AVX512VNNI has), DD_ERR_ARG for a bad k. */
+int dd_matvec_q4_0_il(int isa, const uint8_t *w, size_t rows, size_t k, const float *x, float *y);
+
 /* One token's MoE feed-forward (Qwen3.5/3.6 `qwen35moe`), everything in one call:
  *   p = softmax(router x); the n_used largest (ties: lower index first), weights renormalised;
  *   out = sum_e w_e * down_e(silu(gate_e x') * up_e x') + sigmoid(shgate . x) * down_sh(silu(gate_sh x') * up_sh x')

@@ -103,6 +103,11 @@ typedef struct {
     dd_gemm_fn gemm[DD_WTYPE_COUNT];
     int bias_mult[DD_WTYPE_COUNT];   /* 0: the kernel does not read acts.bias */
     int q4_0_groups;                 /* 1: the Q4_0 kernel reads the group layout of dd_acts */
+    /* The GEMV of a Q4_0 matrix in dd_q4_0_interleave's layout: `stripes` 8-row stripes from w (stripes_avail
+     * of them readable from w on), m == 1 activations -> y[0 .. 8 * stripes), the bits of gemm[DD_Q4_0] on the
+     * row-major rows; NULL at the levels without one. */
+    void (*gemv_q4_0_il)(const uint8_t *w, size_t row_bytes, size_t stripes, size_t stripes_avail,
+                         const dd_acts *a, float *y);
     /* out[t * ldo + e] = the f32 rounding of the f64 sum of w_e[i] x_t[i] (every product exact), w_e = w + e * n
      * for e < nw (the streamed f32 rows: the router), x_t = x + t * n for t < nx (the reused tokens); each
      * dot by the same instruction sequence wherever it falls, so a token's logits do not depend on nw, nx

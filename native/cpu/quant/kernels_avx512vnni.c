@@ -234,6 +234,7 @@ DD_INLINE void tile_q8_0(const uint8_t *w, const uint8_t *pf, size_t rb, const d
 }
 
 DD_DEFINE_GEMV(gemm_q4_0_gemv, tile_q4_0)
+#include "q4_il_avx512.h"
 #include "q4_gemm_avx512.h"
 DD_DEFINE_GEMM(gemm_q8_0, tile_q8_0)
 
@@ -308,5 +309,6 @@ const dd_kernels dd_kernels_avx512vnni = {
     .gemm = { gemm_q4_0, gemm_q8_0, gemm_q4_K, gemm_q5_K, gemm_q6_K, DD_BQ_GEMMS, DD_LB_GEMMS, DD_IQ_GEMMS, gemm_mxfp4, gemm_bf16, gemm_f16 },
     .bias_mult = { 0, -128 },
     .q4_0_groups = 1,
+    .gemv_q4_0_il = gemv_q4_0_il,
     .dots_f32 = dots_f32,
 };
