@@ -7,8 +7,8 @@
  * are the row-major tile's (tile_q4_0): that tile adds block b's exact int dot (bias included) times the
  * exact f32 d_w * d_a into f64 lane L(b % 16) = 4 (b % 4) + (b % 16) / 4, in order of b, then sums lanes l
  * and l + 8 and reduces the 8 by _mm512_reduce_add_pd. Here accumulator b % 16 holds that lane for the 8
- * rows, each block's product goes into it by the same fused add, and a stripe's end transposes the 16 x 8
- * sums into each row's two vectors in lane order and reduces them the same way (reduce_f64).
+ * rows, each block's product goes into it by the same fused add, and a stripe's end adds the accumulators
+ * in the pairs and the tree of that reduction, lane-wise for the 8 rows (no transpose), and rounds once.
  */
 #ifndef DELTADESK_Q4_IL_AVX512_H
 #define DELTADESK_Q4_IL_AVX512_H
@@ -23,32 +23,40 @@ DD_INLINE __m256i il_bcast4(const int8_t *p)
     return _mm256_set1_epi32(v);
 }
 
-/* Block b = 16 g + i of a stripe (blk: its 144 bytes) into acc (f64, the 8 rows' lane L(i)). */
+/* Block b = 16 g + i of a stripe (blk: its 144 bytes) into acc (f64, the 8 rows' lane L(i)). The high nibbles
+ * enter vpdpbusd as 16 x nibble (the byte masked, not shifted), so their sum is 16 times theirs, exact, and one
+ * arithmetic shift per block takes it back; the 8 products run as 4 independent chains of 2. */
 DD_INLINE void il_block(const uint8_t *blk, const dd_acts *a, size_t g, int i, __m512d *acc)
 {
-    const __m256i low = _mm256_set1_epi8(0x0f);
+    const __m256i low = _mm256_set1_epi8(0x0f), high = _mm256_set1_epi8((char)0xf0);
     const int j = i / 4, k = i % 4, lane = 4 * k + j;
     const int8_t *q = a->gq + ((g * 8 + 2 * (size_t)j) * 64 + 16 * (size_t)k);   /* values 0-15; 16-31 at +64 */
-    __m256i s[2];
+    __m256i lo[2], hi[2];
     for (int h = 0; h < 2; h++) {
-        s[h] = h == 0 ? _mm256_set1_epi32(a->gbias[g * 16 + lane]) : _mm256_setzero_si256();
+        lo[h] = h == 0 ? _mm256_set1_epi32(a->gbias[g * 16 + lane]) : _mm256_setzero_si256();
+        hi[h] = _mm256_setzero_si256();
         for (int u = 2 * h; u < 2 * h + 2; u++) {
             const __m256i v = _mm256_loadu_si256((const __m256i *)(blk + 16 + 32 * u));
-            s[h] = _mm256_dpbusd_epi32(s[h], _mm256_and_si256(v, low), il_bcast4(q + 4 * u));
-            s[h] = _mm256_dpbusd_epi32(s[h], _mm256_and_si256(_mm256_srli_epi16(v, 4), low), il_bcast4(q + 64 + 4 * u));
+            lo[h] = _mm256_dpbusd_epi32(lo[h], _mm256_and_si256(v, low), il_bcast4(q + 4 * u));
+            hi[h] = _mm256_dpbusd_epi32(hi[h], _mm256_and_si256(v, high), il_bcast4(q + 64 + 4 * u));
         }
     }
-    const __m256i dot = _mm256_add_epi32(s[0], s[1]);
-    const __m256 dw = _mm512_castps512_ps256(
-        _mm512_cvtph_ps(_mm256_zextsi128_si256(_mm_loadu_si128((const __m128i *)blk))));
+    const __m256i dot = _mm256_add_epi32(_mm256_add_epi32(lo[0], lo[1]),
+                                         _mm256_srai_epi32(_mm256_add_epi32(hi[0], hi[1]), 4));
+    const __m256 dw = _mm256_maskz_cvtph_ps(0xff, _mm_loadu_si128((const __m128i *)blk));
     const __m256 scale = _mm256_mul_ps(dw, _mm256_set1_ps(a->gd[g * 16 + lane]));
     *acc = _mm512_fmadd_pd(_mm512_cvtepi32_pd(dot), _mm512_cvtps_pd(scale), *acc);
 }
 
-/* Prefetch the lines DD_PREFETCH_BYTES past a block (every line of the stream, 144-byte steps), not past end. */
+/* How far ahead of the block it reads the GEMV prefetches: one stream, not the row-major tile's 4, asks for
+ * every line (2 of 3 a block lost 60 % of the rate) and gained a few % at twice DD_PREFETCH_BYTES
+ * (docs/perf/log/cpu-q4il-2026-12-05.md). */
+#define Q4_IL_PREFETCH_BYTES (2 * DD_PREFETCH_BYTES)
+
+/* Prefetch the lines Q4_IL_PREFETCH_BYTES past a block (every line of the stream, 144-byte steps), not past end. */
 DD_INLINE void il_prefetch(const uint8_t *blk, const uint8_t *end)
 {
-    const uint8_t *p = blk + DD_PREFETCH_BYTES;
+    const uint8_t *p = blk + Q4_IL_PREFETCH_BYTES;
     if (p + 128 < end)
         for (int l = 0; l < 3; l++)
             dd_prefetch_weight(p + 64 * l);
@@ -76,16 +84,16 @@ DD_INLINE void il_stripe(const uint8_t *w, const uint8_t *end, const dd_acts *a,
     for (int i = 0; i < 16; i++)
         if ((size_t)i < rest)
             il_block(grp + i * Q4_IL_BLOCK_BYTES, a, full, i, &acc[i]);
-    double sums[16][8] __attribute__((aligned(64)));
-    for (int i = 0; i < 16; i++)
-        _mm512_store_pd(sums[i], acc[i]);
-    for (int r = 0; r < 8; r++) {
-        double lanes[16] __attribute__((aligned(64)));
-        for (int i = 0; i < 16; i++)
-            lanes[4 * (i % 4) + i / 4] = sums[i][r];
-        const __m512d row[2] = { _mm512_load_pd(lanes), _mm512_load_pd(lanes + 8) };
-        y[r] = reduce_f64(row);
-    }
+    /* reduce_f64 per row, on the 8 rows at once: lanes L and L + 8 (accumulators i = 4 (L % 4) + L / 4),
+     * then _mm512_reduce_add_pd's tree (lanes l + 4 and l, then l + 2 and l, then 1 and 0), then to f32 */
+    __m512d p[8];
+    for (int l = 0; l < 8; l++)
+        p[l] = _mm512_add_pd(acc[4 * (l % 4) + l / 4], acc[4 * ((l + 8) % 4) + (l + 8) / 4]);
+    for (int l = 0; l < 4; l++)
+        p[l] = _mm512_add_pd(p[l + 4], p[l]);
+    for (int l = 0; l < 2; l++)
+        p[l] = _mm512_add_pd(p[l + 2], p[l]);
+    _mm256_storeu_ps(y, _mm512_cvtpd_ps(_mm512_add_pd(p[0], p[1])));
 }
 
 /* The dd_kernels gemv_q4_0_il entry: `stripes` 8-row stripes at w (8 * row_bytes each), stripes_avail of
