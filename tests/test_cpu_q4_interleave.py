@@ -78,7 +78,7 @@ def test_repack_refuses_read_only_and_partial_blocks():
 
 
 @needs_vnni
-@pytest.mark.parametrize("rows,k", [(8, 32), (13, 96), (69, 512), (200, 544), (41, 1056), (136, 2048)])
+@pytest.mark.parametrize("rows,k", [(5, 64), (8, 32), (13, 96), (69, 512), (200, 544), (41, 1056), (136, 2048)])
 def test_interleaved_gemv_has_the_row_major_bits(vnni, rows, k, rng):
     raw = random_q4_0(rng, rows, k)
     x = (rng.standard_normal(k) * rng.uniform(0.1, 10)).astype(np.float32)
