@@ -108,6 +108,8 @@ class Engine:
                 checked before any weight is prepared.
             ValueError: ``options.parallel`` below 1, an unknown ``options.kv_type``, or "q8_0" on a model whose
                 head_dim is not a multiple of 32.
+            EngineError: ``options.weights`` unknown. MemoryFitError: also ``options.weights`` "ram" and the file
+                does not fit the available memory (before it is read).
 
         On any exception (KeyboardInterrupt included) the GPU vision tower and GPU prefill made so far
         are released first; the memory map is released with the objects.
@@ -123,7 +125,7 @@ class Engine:
         if options.parallel < 1:
             raise ValueError(f"EngineOptions.parallel must be at least 1 turn, got {options.parallel}")
         stage("mapping tensors")
-        text = open_text(model_path)
+        text = open_text(model_path, placement.weights_mode(options, model_path))
         gguf = text.file
         check_memory(text.hparams.state_layout(), min(options.context, text.hparams.context_length), options.kv_type,
                      sequences=options.parallel, reserved=options.cache_ram_bytes if options.prefix_cache else 0)

@@ -59,6 +59,11 @@ class EngineOptions:
             a context whose ``parallel`` states (plus ``cache_ram_bytes`` when ``prefix_cache``) do not fit the
             memory available; the session that drives the engine runs this many
             (:func:`engine.session.engine_parallel`).
+        weights: where the tensor data is read from: "map" (the read-only file map: pages come from disk on first
+            use and stay in the shared page cache), "ram" (the file read into this process's memory at load, in
+            2 MiB pages: decode reads it faster; refused when it does not fit) or "auto" ("ram" when the file
+            takes at most 0.7 of the available memory and no GPU prefill runs, else "map";
+            :func:`engine.placement.weights_mode`). Design: docs/design/weights-in-ram.md.
     """
 
     context: int = 8192
@@ -75,6 +80,7 @@ class EngineOptions:
     kernels: str = "native"
     kv_type: str = "f16"
     parallel: int = DEFAULT_PARALLEL
+    weights: str = "auto"
 
 
 @dataclass(frozen=True)

@@ -6,10 +6,12 @@ the CPU and a note says why.
 from __future__ import annotations
 
 import logging
+import os
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from .errors import DeviceBudgetError, DeviceError, EngineError, ModelFormatError
+from .gguf import resident
 from .gguf.file import GGUFFile
 from .registry import GpuPrefill, LoadedText, LoadedVision, TextModel
 from .vision.encoder import ImageEncoder
@@ -35,6 +37,38 @@ def text_model(text: LoadedText, options: EngineOptions) -> TextModel:
         interleave_experts(text.file)
         return model
     return text.arch.reference_model(text.hparams, text.file)
+
+
+def weights_mode(options: EngineOptions, path: str | Path) -> str:
+    """The weights mode ``options.weights`` gives for the file ``path``: "map" or "ram" as asked; "auto" is "ram"
+    when the file fits beside the rest (:func:`engine.gguf.resident.fits`), POSIX ``readv`` exists and no GPU
+    prefill will copy the weights to pinned host memory of its own (``device`` "cpu", or CUDA does not start),
+    else "map" (a path that cannot be read too: its open then says why).
+
+    Raises:
+        EngineError: ``options.weights`` is not "auto", "map" or "ram".
+    """
+    if options.weights not in resident.WEIGHTS_MODES:
+        raise EngineError(f"weights must be one of {', '.join(resident.WEIGHTS_MODES)}, got {options.weights!r}")
+    if options.weights != "auto":
+        return options.weights
+    try:
+        size = os.path.getsize(path)
+    except OSError:
+        return "map"
+    if not (resident.supported() and resident.fits(size)):
+        return "map"
+    return "ram" if options.device == "cpu" or not _gpu_present() else "map"
+
+
+def _gpu_present() -> bool:
+    """True when CUDA starts and sees a GPU (:func:`engine.kernels.cuda_kernels.load_driver`)."""
+    from .kernels.cuda_kernels import load_driver
+    try:
+        load_driver()
+    except DeviceError:
+        return False
+    return True
 
 
 def interleave_experts(gguf: GGUFFile) -> int:

@@ -267,14 +267,16 @@ class LoadedVision:
     projector: Any
 
 
-def open_text(path: str | os.PathLike[str]) -> LoadedText:
-    """Open, map and validate a text model GGUF (:func:`load_text`).
+def open_text(path: str | os.PathLike[str], weights: str = "map") -> LoadedText:
+    """Open, map and validate a text model GGUF (:func:`load_text`); ``weights`` "ram" reads its tensor data into
+    memory (:meth:`GGUFFile.open`).
 
     Raises:
         ModelFormatError: malformed, truncated or inconsistent file; the message names the file and key/tensor.
         UnsupportedModelError: another architecture, or a needed tensor in an unsupported type.
+        MemoryFitError: "ram" and the file does not fit the available memory.
     """
-    return load_text(GGUFFile.open(path))
+    return load_text(GGUFFile.open(path, weights))
 
 
 def load_text(gguf: GGUFFile) -> LoadedText:

@@ -191,7 +191,8 @@ def test_fill_context(tiny_q4):
     assert all(np.all(a != 0) for a in state.ssm.values())
 
 
-def test_bench_interleaves_with_the_peer(tiny_q4, tmp_path):
+@pytest.mark.parametrize("weights", ["map", "ram"])
+def test_bench_interleaves_with_the_peer(tiny_q4, tmp_path, weights):
     from engine.kernels import cpu
     from engine.tools import cpu_bench
     if not cpu.available():
@@ -201,7 +202,7 @@ def test_bench_interleaves_with_the_peer(tiny_q4, tmp_path):
     level = cpu.supported_isas()[-1]
     samples = cpu_bench.run(tiny_q4, [1], [level], n_prompt=4, n_gen=2, depths=[8], depth_gen=2, repeat=2,
                             peers=[cpu_llama.Peer("llama.cpp", fake)], stream_gib=1 / 64, stream_runs=2,
-                            out=lines.append)
+                            out=lines.append, weights=weights)
     assert [(s.engine, s.round) for s in samples] == [("deltadesk", 0), ("llama.cpp", 0), ("deltadesk", 1),
                                                        ("llama.cpp", 1)]
     ours, peer = samples[0], samples[1]
@@ -212,7 +213,10 @@ def test_bench_interleaves_with_the_peer(tiny_q4, tmp_path):
     assert "RSS after load:" in text and "anonymous" in text and "file-backed" in text
     assert "llama.cpp peak RSS" in text
     rereads = [line for line in lines if "into page cache" in line]
-    assert [line.split()[0] for line in rereads] == ["2"]    # only after the peer's round-1 run
+    # map: only after the peer's round-1 run; ram: our weights do not live in the page cache
+    assert [line.split()[0] for line in rereads] == (["2"] if weights == "map" else [])
+    assert (f"weights ram: read {tiny_q4.name}" in text) == (weights == "ram")
+    assert f"Q4_0 {'resident' if weights == 'ram' else 'mapped'}:" in text
     summary = [line for line in lines if line.startswith("deltadesk") and "vs llama.cpp" in line]
     ratios = [a.tg_tok_s / b.tg_tok_s for a, b in zip(samples[0::2], samples[1::2])]
     assert len(summary) == 1 and f"tg {cpu_bench.spread(ratios)}x" in summary[0]

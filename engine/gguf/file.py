@@ -2,7 +2,8 @@
 
 The header is read by :mod:`engine.gguf.header` (bounds-checked: a hostile or truncated file is a
 :class:`~engine.errors.ModelFormatError` naming the file and the key or tensor; opening touches only
-the header pages). Tensor data stays in the read-only memory map. Which tensors a file must hold is
+the header pages). Tensor data stays in the read-only memory map, or in memory it was read into
+(``weights="ram"``, :mod:`engine.gguf.resident`). Which tensors a file must hold is
 checked by whoever knows its family (:func:`engine.registry.open_text`, :mod:`engine.gguf.table`).
 """
 
@@ -79,15 +80,19 @@ class GGUFFile:
         tensor_names: the tensors stored in the file, in file order (the split names of a fused
             tensor, see :meth:`split`, are readable but not listed, so sums over this list count each
             stored byte once).
+        writable: ``(file size,)`` uint8, the file's bytes in private memory, writable, when it was opened with
+            ``weights="ram"``; None when mapped. Every array the accessors hand out is read-only; this is the
+            one handle for rewriting weights in place at load (a repacked layout): see :meth:`writable_raw`.
     """
 
-    def __init__(self, path: str | os.PathLike[str], header: Header | None = None):
-        """Parse and map; prefer :meth:`open` (or :meth:`from_header`)."""
+    def __init__(self, path: str | os.PathLike[str], header: Header | None = None, weights: str = "map"):
+        """Parse and map (or read, ``weights="ram"``); prefer :meth:`open` (or :meth:`from_header`)."""
         self.path = Path(path)
         self.source = str(path)
         remote = header is not None
-        header = header if remote else read_header(self.source)
+        header = header if remote else read_header(self.source, weights)
         self.header = header
+        self.writable = header.writable
         self._data, self._meta, self._records = header.data, header.meta, header.records
         self._data_start = header.data_start
         self._header_digest = hashlib.sha256(header.header_bytes)
@@ -103,15 +108,30 @@ class GGUFFile:
             raise ModelFormatError(f"{self.source}: cannot read: {e.strerror or e}") from e
 
     @classmethod
-    def open(cls, path: str | os.PathLike[str]) -> "GGUFFile":
+    def open(cls, path: str | os.PathLike[str], weights: str = "map") -> "GGUFFile":
         """Open and memory-map a GGUF file, checking the magic, version, every count and length in the
         header against the file size, and the tensor data extents. The tensor table is not checked
-        against any family here (see :func:`engine.registry.open_text`).
+        against any family here (see :func:`engine.registry.open_text`). ``weights``: "map" (tensor data
+        read from the file map on demand) or "ram" (the file read into memory now, see
+        :func:`engine.gguf.header.read_header`).
 
         Raises:
             ModelFormatError: malformed, truncated or inconsistent file; message names file and key/tensor.
+            MemoryFitError: "ram" and the file does not fit the available memory.
         """
-        return cls(path)
+        return cls(path, weights=weights)
+
+    @property
+    def resident(self) -> bool:
+        """True when the tensor data was read into memory (``weights="ram"``), False when it is the file map."""
+        return self.writable is not None
+
+    def residence(self, a: np.ndarray) -> str:
+        """Where the bytes of ``a`` live: "resident" or "mapped" for a view of this file's data, "" otherwise
+        (a copy)."""
+        if not np.may_share_memory(a, self._data):
+            return ""
+        return "resident" if self.resident else "mapped"
 
     @classmethod
     def from_header(cls, header: Header) -> "GGUFFile":
@@ -185,6 +205,20 @@ class GGUFFile:
         """
         v = self._view(name)
         return self._slab_rows(v, 0, v.n_slabs).reshape(-1, v.row_bytes)
+
+    def writable_raw(self, name: str) -> np.ndarray | None:
+        """The bytes of :meth:`raw` as a writable view of :attr:`writable`, for rewriting them in place (a
+        repacked layout; the read-only views of the same tensor then read the new bytes).
+
+        Returns:
+            ``(rows, row_bytes)`` uint8, or None when the file is mapped or the tensor's rows are not one
+            contiguous range (the split names of a fused ``ffn_gate_up_exps``).
+        """
+        v = self._view(name)
+        if self.writable is None or (v.n_slabs > 1 and v.rows != v.slab_rows):
+            return None
+        start = v.offset + v.row0 * v.row_bytes
+        return self.writable[start:start + v.rows * v.n_slabs * v.row_bytes].reshape(-1, v.row_bytes)
 
     def f32(self, name: str) -> np.ndarray:
         """Dequantized copy of a tensor in math shape (reversed ne), float32.
@@ -279,13 +313,19 @@ class GGUFFile:
         """``gguf-<size>-<sha256 prefix>`` over the header, tensor table and 16 fixed 4 KiB data samples.
 
         The samples make files with equal headers but different weights (e.g. two synth seeds)
-        differ. They are read with file reads, not through the map, so they add nothing to RSS.
+        differ. They are read with file reads, not through the map, so they add nothing to RSS (from memory when
+        the file was read into it, so its page cache stays dropped).
         """
         digest = self._header_digest.copy()
         size = self._data.size
         span = size - self._data_start
+        starts = [self._data_start + span * k // _SAMPLES for k in range(_SAMPLES)]
+        if self.resident:
+            for start in starts:
+                digest.update(self._data[start:start + _SAMPLE_BYTES].tobytes())
+            return f"gguf-{size}-{digest.hexdigest()[:32]}"
         with open(self.source, "rb") as fh:
-            for k in range(_SAMPLES):
-                fh.seek(self._data_start + span * k // _SAMPLES)
+            for start in starts:
+                fh.seek(start)
                 digest.update(fh.read(_SAMPLE_BYTES))
         return f"gguf-{size}-{digest.hexdigest()[:32]}"

@@ -2,8 +2,8 @@
 
 Every count and length is checked against the bytes left in the file before anything is allocated;
 every failure is a :class:`~engine.errors.ModelFormatError` naming the file and the key or tensor.
-Tensor data stays in a read-only ``numpy.memmap``. Design: docs/design/gguf-files.md (the layout, and
-why not ``gguf.GGUFReader``).
+Tensor data stays in a read-only ``numpy.memmap``, or is read into memory (:mod:`.resident`). Design:
+docs/design/gguf-files.md (the layout, and why not ``gguf.GGUFReader``).
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import hashlib
 import mmap
 import os
 import struct
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -21,6 +21,7 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFValueType
 
 from ..errors import ModelFormatError
 from .quant import type_name
+from .resident import read_resident
 
 _MAX_HEADER = 1 << 30        # metadata + tensor table; real files have ~10 MB
 _MAX_STRING = 64 << 20       # one metadata string (chat templates are ~20 KB)
@@ -286,16 +287,18 @@ def _parse_header(r: _HeaderReader) -> tuple[dict[str, Any], dict[str, tuple[int
 
 @dataclass(frozen=True)
 class Header:
-    """The parsed header of one GGUF file, over a read-only memory map of the whole file.
+    """The parsed header of one GGUF file, over the read-only bytes of the whole file.
 
     Attributes:
         source: the file name used in error messages.
-        data: (file size,) uint8 memory map; tensor bytes are read from it on demand.
+        data: (file size,) uint8, read-only: the file map (tensor bytes are read from it on demand), or a
+            view of ``writable`` when the file was read into memory.
         meta: key -> value (numeric arrays as numpy arrays, string arrays as lists), in file order.
         records: key -> byte range ``[start, end)`` of its whole record (key, type, value).
         tensors: name -> :class:`StoredTensor`, in file order.
         data_start: absolute offset of the tensor data section.
         header_bytes: bytes of magic, metadata and tensor table (before the alignment padding).
+        writable: the file's bytes in private memory, writable (``read_header(..., weights="ram")``), else None.
     """
 
     source: str
@@ -305,6 +308,7 @@ class Header:
     tensors: dict[str, StoredTensor]
     data_start: int
     header_bytes: bytes
+    writable: np.ndarray | None = None
 
     def value(self, key: str, default: Any = None) -> Any:
         """Value of a metadata key as python data (str, int, float, bool, or list), ``default`` if absent."""
@@ -340,14 +344,34 @@ def advise_huge_pages(mapped: np.memmap) -> None:
         pass
 
 
-def read_header(path: str | os.PathLike[str]) -> Header:
+def read_header(path: str | os.PathLike[str], weights: str = "map") -> Header:
     """Memory-map a GGUF file read-only and parse its header with every count and length bounds-checked.
+
+    ``weights`` "ram" then reads the whole file into memory (:func:`.resident.read_resident`) and the
+    header's ``data`` is that memory, read-only (``writable`` the same bytes, writable); "map" keeps the map.
 
     Raises:
         ModelFormatError: the file cannot be opened, is shorter than a header, or its header is
-            malformed or truncated; the message names the file (and the key or tensor).
+            malformed or truncated, or ("ram") it shrank while being read; the message names the file
+            (and the key or tensor).
+        MemoryFitError: "ram" and the file is larger than the available memory (before reading it).
+        ValueError: ``weights`` is neither "map" nor "ram".
     """
-    source = str(path)
+    if weights not in ("map", "ram"):
+        raise ValueError(f"weights must be 'map' or 'ram' here, got {weights!r}")
+    header = _map_and_parse(str(path))
+    if weights == "map":
+        return header
+    size = header.data.size
+    header = replace(header, data=np.empty(0, np.uint8))   # unmaps: the read below drops every page it caches
+    writable = read_resident(header.source, size)
+    readonly = writable.view()
+    readonly.flags.writeable = False
+    return replace(header, data=readonly, writable=writable)
+
+
+def _map_and_parse(source: str) -> Header:
+    """:func:`read_header` over the read-only map of ``source``. Raises: see there."""
     try:
         size = os.path.getsize(source)
         if size < 24:

@@ -22,7 +22,8 @@ from engine.gguf.header import advise_huge_pages
 from engine.registry import LoadedText, open_text
 from engine.kernels import cpu, numa
 from engine.ops import reference as ops
-from engine.placement import interleave_experts
+from engine.api_types import EngineOptions
+from engine.placement import interleave_experts, weights_mode
 from engine.turn.state import SequenceState
 
 from . import cpu_llama
@@ -60,6 +61,19 @@ def memory() -> dict[str, int]:
     info = psutil.Process().memory_info()
     shared = getattr(info, "shared", 0)
     return {"rss": info.rss, "file": shared, "anon": info.rss - shared}
+
+
+def huge_pages() -> int | None:
+    """Bytes of this process's anonymous memory in 2 MiB pages (``AnonHugePages`` of /proc/self/smaps_rollup),
+    None where that file does not exist."""
+    try:
+        with open("/proc/self/smaps_rollup") as fh:
+            for line in fh:
+                if line.startswith("AnonHugePages:"):
+                    return int(line.split()[1]) << 10
+    except OSError:
+        return None
+    return None
 
 
 def warm_page_cache(path: str | Path, chunk: int = 16 << 20) -> tuple[int, float]:
@@ -165,28 +179,43 @@ def _mib(n: float) -> str:
     return f"{n / 2**20:.0f} MiB"
 
 
-def _load(path: Path, threads: Sequence[int], stream_gib: float, stream_runs: int, out: Out
+def _open(path: Path, weights: str, out: Out) -> LoadedText:
+    """Open ``path`` with the weights mode ``weights`` ("auto" as a CPU-only load picks it); "map" first reads the
+    file into the page cache (:func:`warm_page_cache`), "ram" reads it into memory. Prints the time taken."""
+    mode = weights_mode(EngineOptions(device="cpu", weights=weights), path)
+    t0 = time.perf_counter()
+    if mode == "map":
+        size, seconds = warm_page_cache(path)
+        out(f"warm-up: read {path.name} ({size / 2**30:.2f} GiB) into the page cache in {seconds:.1f} s")
+    text = open_text(path, mode)
+    if mode == "ram":
+        hp = huge_pages()
+        out(f"weights ram: read {path.name} ({path.stat().st_size / 2**30:.2f} GiB) into memory in "
+            f"{time.perf_counter() - t0:.1f} s" + ("" if hp is None else f"; {_mib(hp)} in 2 MiB pages"))
+    return text
+
+
+def _load(path: Path, threads: Sequence[int], stream_gib: float, stream_runs: int, out: Out, weights: str = "auto"
           ) -> tuple[LoadedText, Any, dict[int, list[float]], float]:
-    """The run's preamble, printed: host, stream bandwidth per thread count, page-cache warm-up, the native
-    model's load with RSS before/after, the model's description. Returns (text, model, bandwidth GB/s runs
-    per thread count, weight bytes read per layer and token)."""
-    text = open_text(path)
-    gguf, hp = text.file, text.hparams
+    """The run's preamble, printed: host, stream bandwidth per thread count, the file read (page-cache warm-up
+    or into memory, :func:`_open`), the native model's load with RSS before/after, the model's description.
+    Returns (text, model, bandwidth GB/s runs per thread count, weight bytes read per layer and token)."""
     out(f"host: {cpu.physical_cores()} physical cores, NUMA nodes: {numa.node_count()}")
     bandwidth = {}
     for n in threads:
         bandwidth[n] = stream_bandwidth(n, int(stream_gib * 2**30), stream_runs)
         out(f"stream read, {n} thread(s), {stream_gib:g} GiB buffer, {stream_runs} runs: "
             f"{spread(bandwidth[n], '.1f')} GB/s")
-    size, seconds = warm_page_cache(path)
-    out(f"warm-up: read {path.name} ({size / 2**30:.2f} GiB) in {seconds:.1f} s")
     before = memory()
+    text = _open(path, weights, out)
+    gguf, hp = text.file, text.hparams
     model = text.arch.native_model(hp, gguf)
     placed = interleave_experts(gguf)
     after = memory()
     out(f"RSS after load: {_mib(after['rss'])} = anonymous {_mib(after['anon'])} + file-backed {_mib(after['file'])} "
         f"(load added {_mib(after['anon'] - before['anon'])} anonymous, {_mib(after['file'] - before['file'])} "
-        f"file-backed; file {_mib(size)})" + (f"; {_mib(placed)} of expert pages interleaved" if placed else ""))
+        f"file-backed; file {_mib(path.stat().st_size)})"
+        + (f"; {_mib(placed)} of expert pages interleaved" if placed else ""))
     per_token = text.bytes_per_token()
     head_bytes = gguf.info(model.output_name).nbytes
     layer_bytes = (per_token - head_bytes - (gguf.info("token_embd.weight").nbytes // hp.n_vocab
@@ -199,15 +228,16 @@ def _load(path: Path, threads: Sequence[int], stream_gib: float, stream_runs: in
 
 def run(path: str | Path, threads: Sequence[int], isas: Sequence[str], n_prompt: int, n_gen: int,  # noqa: PLR0913
         depths: Sequence[int], depth_gen: int, repeat: int, peers: Sequence[cpu_llama.Peer], stream_gib: float,
-        stream_runs: int, out: Out = print) -> list[Sample]:
+        stream_runs: int, out: Out = print, weights: str = "auto") -> list[Sample]:
     """Measure and print (see the module doc); returns every sample. ``peers`` empty: DeltaDesk only.
+    ``weights``: the load's weights mode (:attr:`engine.api.EngineOptions.weights`, as on a CPU-only load).
     The CLI's defaults: ``engine.__main__.BENCH_DEFAULTS``.
 
     Raises:
         EngineError: the file cannot be opened or its architecture has no native model.
     """
     path = Path(path)
-    text, model, bandwidth, layer_bytes = _load(path, threads, stream_gib, stream_runs, out)
+    text, model, bandwidth, layer_bytes = _load(path, threads, stream_gib, stream_runs, out, weights)
     hp = text.hparams
     per_token = text.bytes_per_token()
     head_bytes = text.file.info(model.output_name).nbytes
@@ -224,7 +254,7 @@ def run(path: str | Path, threads: Sequence[int], isas: Sequence[str], n_prompt:
     try:
         for r in range(repeat):
             for n in threads:
-                if peer_ran:
+                if peer_ran and not text.file.resident:
                     peer_ran = False
                     _, seconds = warm_page_cache(path)
                     out(f"{r + 1:>5} re-read {path.name} into page cache in {seconds:.1f} s "

@@ -3,13 +3,13 @@
 Subclasses the numpy reference :class:`~engine.arch.qwen35.model.Qwen35Model` and overrides only its
 hooks (``linear``, ``delta_rule``, ``attend``, ``moe``, ``ffn``); a one-token forward runs as one native
 call (:mod:`engine.arch.qwen35.cpu_step`). Weight formats are decided once at load, tensor by tensor
-(:func:`prepare_weight`): kernel types (BF16 and F16 included) are read from the memory map, other float
-weights stay float32 or become Q8_0 on request. Design: docs/design/native-cpu.md (what runs where, weight formats).
+(:func:`prepare_weight`): kernel types (BF16 and F16 included) are read in place (the file map, or the memory
+the file was read into), other float weights stay float32 or become Q8_0 on request. Design:
+docs/design/native-cpu.md (what runs where, weight formats).
 """
 
 from __future__ import annotations
 
-import mmap
 from typing import Callable
 
 import numpy as np
@@ -77,7 +77,8 @@ def to_q8_0(raw: np.ndarray, qtype: GGMLQuantizationType, k: int) -> np.ndarray:
 def prepare_weight(gguf: GGUFFile, name: str, float_weights: str = "f32") -> tuple[Weight, str]:
     """A projection weight (2-D, or 3-D stacked experts as rows) in the form the kernels read.
 
-    Returns: (the weight, the rule applied, e.g. "Q4_0 mapped", "Q6_K -> Q8_0", "F16 -> f32");
+    Returns: (the weight, the rule applied, e.g. "Q4_0 mapped", "Q4_0 resident" (file read into memory),
+    "Q6_K -> Q8_0", "F16 -> f32");
     see the module docstring for the rules and their bytes.
     """
     info = gguf.info(name)
@@ -86,19 +87,11 @@ def prepare_weight(gguf: GGUFFile, name: str, float_weights: str = "f32") -> tup
     qtype = info.qtype
     stored = type_name(qtype)
     if qtype in cpu.KERNEL_TYPES and k % cpu.QK == 0 and (qtype not in FLOAT_TYPES or float_weights == "f32"):
-        mapped = raw.flags.c_contiguous and _in_file_map(raw)
-        return cpu.Matrix(np.ascontiguousarray(raw), k, qtype), f"{stored} {'mapped' if mapped else 'copied'}"
+        where = gguf.residence(raw) if raw.flags.c_contiguous else ""
+        return cpu.Matrix(np.ascontiguousarray(raw), k, qtype), f"{stored} {where or 'copied'}"
     if qtype in FLOAT_TYPES and float_weights == "f32":
         return FloatMatrix(dequantize(raw, qtype, (raw.shape[0], k))), f"{stored} -> f32"
     return cpu.Matrix(to_q8_0(raw, qtype, k), k, Q.Q8_0), f"{stored} -> Q8_0"
-
-
-def _in_file_map(a: np.ndarray) -> bool:
-    """True if ``a`` is a view into a memory-mapped file (not a copy)."""
-    base = a
-    while isinstance(base, np.ndarray) and not isinstance(base, np.memmap):
-        base = base.base
-    return isinstance(base, (np.memmap, mmap.mmap))
 
 
 def projection_names(hp: Qwen35HParams, gguf: GGUFFile) -> list[str]:
