@@ -1,9 +1,10 @@
 """The 8-row interleaved Q4_0 layout (engine.kernels.cpu_q4il, native/cpu/quant/q4_interleave.c, q4_il_avx512.h).
 
 The layout is checked against a numpy construction of its definition (deltadesk_cpu.h), the repack's inverse
-against the original bytes, and the interleaved GEMV against the row-major AVX-512 VNNI kernel bit for bit
-(its own contract: the same fused adds in the same order) and against the float64 product within the
-kernels' summation bound, (k // 32 + 16) * 2^-24 * sum_i |w_i a_i| (tests/test_cpu_kernels.py derives it).
+against the original bytes, and the interleaved products (the DD_Q4_0_IL kernel type through cpu.Matrix) against
+the row-major kernel of each level bit for bit (the AVX-512 VNNI GEMV's own contract: the same fused adds in the
+same order) and against the float64 product within the kernels' summation bound,
+(k // 32 + 16) * 2^-24 * sum_i |w_i a_i| (tests/test_cpu_kernels.py derives it).
 """
 
 from __future__ import annotations
@@ -12,12 +13,14 @@ import numpy as np
 import pytest
 from gguf import GGMLQuantizationType, quants
 
-from engine.errors import EngineError
 from engine.kernels import cpu, cpu_q4il
+from engine.kernels.cpu_twins import q4_0_deinterleave_np
 
 Q4_0, Q8_0 = GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q8_0
 VNNI = "avx512vnni" in cpu.supported_isas()
 needs_vnni = pytest.mark.skipif(not VNNI, reason="the interleaved GEMV is AVX-512 VNNI only")
+# Each level's interleaved product (the VNNI GEMV, or the stripes de-interleaved for the row-major kernel) is
+# compared with that level's row-major product; the numpy level with the twin, which de-interleaves in numpy.
 
 
 @pytest.fixture
@@ -77,22 +80,41 @@ def test_repack_refuses_read_only_and_partial_blocks():
         cpu_q4il.interleave_q4_0(np.zeros((8, 40), dtype=np.uint8))
 
 
-@needs_vnni
-@pytest.mark.parametrize("rows,k", [(5, 64), (8, 32), (13, 96), (69, 512), (200, 544), (41, 1056), (136, 2048)])
-def test_interleaved_gemv_has_the_row_major_bits(vnni, rows, k, rng):
-    raw = random_q4_0(rng, rows, k)
-    x = (rng.standard_normal(k) * rng.uniform(0.1, 10)).astype(np.float32)
-    want = cpu.matmul(raw, x, Q4_0)
+def test_numpy_twin_deinterleaves_the_layout(rng):
+    raw = rng.integers(0, 256, (29, 96 // 32 * 18), dtype=np.uint8)
+    np.testing.assert_array_equal(q4_0_deinterleave_np(layout_np(raw)), raw)
+
+
+def il_matrix(raw: np.ndarray, k: int) -> cpu.Matrix:
+    """An interleaved Matrix of a copy of raw (row-major Q4_0 rows of k values)."""
     packed = raw.copy()
-    cpu_q4il.interleave_q4_0(packed)
-    for threads in (1, 2, 3):
-        cpu.set_threads(threads)
-        got = cpu_q4il.matvec_q4_0_il(packed, x)
-        np.testing.assert_array_equal(got.view(np.uint32), want.view(np.uint32))
+    if cpu_q4il._native_cpu is not None:
+        cpu_q4il.interleave_q4_0(packed)
+    else:
+        packed = layout_np(raw)
+    return cpu.Matrix(packed, k, Q4_0, interleaved=True)
+
+
+@pytest.mark.parametrize("rows,k", [(5, 64), (8, 32), (13, 96), (69, 512), (200, 544), (41, 1056), (136, 2048)])
+@pytest.mark.parametrize("m", [1, 3])
+def test_interleaved_matrix_has_the_row_major_bits(rows, k, m, rng):
+    raw = random_q4_0(rng, rows, k)
+    x = (rng.standard_normal((m, k)) * rng.uniform(0.1, 10)).astype(np.float32)
+    mat, rm = il_matrix(raw, k), cpu.Matrix(raw, k, Q4_0)
+    try:
+        for level in ("numpy", *cpu.supported_isas()):
+            cpu.set_isa(level)
+            want = rm(x)
+            for threads in (1, 2, 3):
+                cpu.set_threads(threads)
+                np.testing.assert_array_equal(mat(x).view(np.uint32), want.view(np.uint32), err_msg=level)
+    finally:
+        cpu.set_isa(None)
+        cpu.set_threads()
     w = quants.dequantize(raw, Q4_0).astype(np.float64)
     a = quants.dequantize(quants.quantize(x, Q8_0), Q8_0).astype(np.float64)
-    bound = (k // 32 + 16) * 2.0**-24 * (np.abs(w) @ np.abs(a))
-    assert np.all(np.abs(got - w @ a) <= bound)
+    bound = (k // 32 + 16) * 2.0**-24 * (np.abs(a) @ np.abs(w).T)
+    assert np.all(np.abs(mat(x) - a @ w.T) <= bound)
 
 
 @needs_vnni
@@ -102,22 +124,24 @@ def test_interleaved_gemv_zero_and_extreme_scales(vnni, rng):
     scales = raw.reshape(16, 3, 18)[:, :, :2].view(np.float16)
     scales[5, 1] = np.float16(65504.0)
     scales[9, 2] = np.float16(6e-8)
-    x = rng.standard_normal(96).astype(np.float32)
+    x = rng.standard_normal((1, 96)).astype(np.float32)
     want = cpu.matmul(raw, x, Q4_0)
-    cpu_q4il.interleave_q4_0(raw)
-    np.testing.assert_array_equal(cpu_q4il.matvec_q4_0_il(raw, x).view(np.uint32), want.view(np.uint32))
+    np.testing.assert_array_equal(il_matrix(raw, 96)(x).view(np.uint32), want.view(np.uint32))
 
 
-@pytest.mark.skipif("avx2" not in cpu.supported_isas(), reason="needs a level without the interleaved kernel")
-def test_levels_without_the_kernel_refuse():
-    cpu.set_isa("avx2")
-    try:
-        with pytest.raises(EngineError, match="ISA level not supported"):
-            cpu_q4il.matvec_q4_0_il(np.zeros((8, 18), dtype=np.uint8), np.zeros(32, dtype=np.float32))
-    finally:
-        cpu.set_isa(None)
+def test_rows_slice_keeps_the_stripes(rng):
+    raw = random_q4_0(rng, 27, 64)
+    mat = il_matrix(raw, 64)
+    x = rng.standard_normal((1, 64)).astype(np.float32)
+    for r0, r1 in ((8, 16), (16, 27), (24, 27)):
+        part = mat.rows_slice(r0, r1)
+        assert part.interleaved
+        np.testing.assert_array_equal(part(x).view(np.uint32), mat(x)[:, r0:r1].view(np.uint32))
+    for r0, r1 in ((4, 16), (8, 12)):
+        with pytest.raises(ValueError, match="stripes"):
+            mat.rows_slice(r0, r1)
 
 
-def test_gemv_rejects_a_mismatched_x():
-    with pytest.raises(ValueError, match="does not fit"):
-        cpu_q4il.matvec_q4_0_il(np.zeros((8, 36), dtype=np.uint8), np.zeros(32, dtype=np.float32))
+def test_only_q4_0_interleaves():
+    with pytest.raises(ValueError, match="only Q4_0"):
+        cpu.Matrix(np.zeros((8, 34), dtype=np.uint8), 32, Q8_0, interleaved=True)

@@ -15,7 +15,7 @@ before and after (figures from a loaded machine are not final). ``--cols 32`` ti
 so the product is bound by the kernel, not by DRAM. ``--cpu`` times process CPU time instead of wall
 time (less disturbed by a loaded machine; with --threads 1 it is the kernel's own time). Each build's
 median milliseconds per call are printed beside its rate. ``--interleaved`` (Q4_0, one column) adds, for
-each build, a second row: ``dd_matvec_q4_0_il`` on a copy of the matrix repacked by ``dd_q4_0_interleave``
+each build, a second row: ``dd_matmul`` of ``DD_Q4_0_IL`` on a copy of the matrix repacked by ``dd_q4_0_interleave``
 (docs/design/q4-0-row-interleave.md), timed in the same rounds. docs/perf/log/cpu-notes.md, "Weight
 prefetches into L2", used it.
 """
@@ -35,6 +35,7 @@ from gguf import GGMLQuantizationType
 
 from bench_kernels import K, random_blocks
 from engine.gguf import quant
+from engine.kernels.cpu_twins import Q4_0_IL
 from engine.kernels.iq_twins import grids as iq_grids
 
 
@@ -53,7 +54,7 @@ def load(path: str, folder: str, index: int, threads: int) -> ctypes.CDLL:
 
 def variants(libs: list[ctypes.CDLL], paths: list[str], args, isa: int, kernel: int, w: np.ndarray, x: np.ndarray,
              rows: int, k: int) -> tuple[list[str], list]:
-    """(labels, calls): each build's dd_matmul, and with --interleaved its dd_matvec_q4_0_il on a repacked copy."""
+    """(labels, calls): each build's dd_matmul, and with --interleaved its DD_Q4_0_IL dd_matmul on a repacked copy."""
     labels, calls = [], []
     packed = None
     if args.interleaved:
@@ -66,11 +67,9 @@ def variants(libs: list[ctypes.CDLL], paths: list[str], args, isa: int, kernel: 
         calls.append(lambda out, lib=lib: lib.dd_matmul(isa, kernel, w.ctypes.data, rows, k, x.ctypes.data,
                                                         args.cols, out.ctypes.data))
         if packed is not None:
-            lib.dd_matvec_q4_0_il.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_size_t,
-                                              ctypes.c_void_p, ctypes.c_void_p]
             labels.append(f"{path} interleaved")
-            calls.append(lambda out, lib=lib: lib.dd_matvec_q4_0_il(isa, packed.ctypes.data, rows, k,
-                                                                    x.ctypes.data, out.ctypes.data))
+            calls.append(lambda out, lib=lib: lib.dd_matmul(isa, Q4_0_IL.cpu_kernel, packed.ctypes.data, rows, k,
+                                                            x.ctypes.data, args.cols, out.ctypes.data))
     return labels, calls
 
 

@@ -96,8 +96,8 @@ DD_INLINE void il_stripe(const uint8_t *w, const uint8_t *end, const dd_acts *a,
     _mm256_storeu_ps(y, _mm512_cvtpd_ps(_mm512_add_pd(p[0], p[1])));
 }
 
-/* The dd_kernels gemv_q4_0_il entry: `stripes` 8-row stripes at w (8 * row_bytes each), stripes_avail of
- * them from w on (prefetch bound), activations a (m == 1) -> y[0 .. 8 * stripes). */
+/* The level's interleaved GEMV (dd_gemm_q4_0_il's `il`): `stripes` 8-row stripes at w (8 * row_bytes each),
+ * stripes_avail of them from w on (prefetch bound), activations a (m == 1) -> y[0 .. 8 * stripes). */
 static void gemv_q4_0_il(const uint8_t *w, size_t row_bytes, size_t stripes, size_t stripes_avail,
                          const dd_acts *a, float *y)
 {
