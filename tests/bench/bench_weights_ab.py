@@ -1,7 +1,7 @@
 """Decode with the weights mapped vs read into memory, one mode per process (a script, not a test).
 
     python tests/bench/bench_weights_ab.py MODEL.gguf --weights map|ram [--threads 2] [--isa avx512vnni]
-        [--prompt 16] [--gen 16] [--rounds 2] [--fill map|read|small]
+        [--prompt 16] [--gen 16] [--rounds 2] [--fill map|read|small] [--no-repack]
 
 Evicts MODEL.gguf from the page cache first (``POSIX_FADV_DONTNEED``: pages another process maps stay), then
 loads it. "map" fills the page cache (``--fill map``: through a map advised ``MADV_HUGEPAGE``, ``engine bench``'s
@@ -11,7 +11,8 @@ reads under ``POSIX_FADV_RANDOM``, which cache 4 KiB pages, as a fragmented mach
 page-cache (``Cached``) and RSS growth of the load, this process's ``AnonHugePages`` and ``FilePmdMapped``
 (bytes in 2 MiB pages), and per round the decode tok/s and the process CPU seconds per token (all threads;
 steadier than wall time on a shared machine), after an untimed warm-up round. Run the modes alternately and
-compare CPU time per token where other load makes wall time noisy.
+compare CPU time per token where other load makes wall time noisy. ``--no-repack`` keeps "ram"'s Q4_0 weights
+row-major (docs/design/q4-0-row-interleave.md: the layout's A/B on the same memory).
 """
 
 from __future__ import annotations
@@ -80,6 +81,7 @@ def main() -> None:
     ap.add_argument("--gen", type=int, default=16)
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--fill", choices=["map", "read", "small"], default="map")
+    ap.add_argument("--no-repack", action="store_true", help="ram: keep Q4_0 row-major (no interleaved layout)")
     args = ap.parse_args()
     cpu.set_threads(args.threads)
     cpu.set_isa(args.isa)
@@ -91,7 +93,7 @@ def main() -> None:
     elif args.weights == "map":
         read_through(args.model, small=args.fill == "small")
     text = open_text(args.model, args.weights)
-    model = text.arch.native_model(text.hparams, text.file)
+    model = text.arch.native_model(text.hparams, text.file, repack=not args.no_repack)
     load_s = time.perf_counter() - t0
     cached1, rss1 = meminfo("Cached"), memory()["rss"]
     decode_round(model, text.hparams, args.prompt, 4, seed=99)
