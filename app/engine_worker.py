@@ -59,6 +59,7 @@ class LoadRequest:
         threads: CPU kernel threads, or None for the engine's default (the physical cores).
         device: where prefill runs: "auto", "cuda" or "cpu".
         vram_budget: GPU memory prefill may use, bytes, or None to let the engine decide.
+        weights: "auto", "ram" or "map" (:attr:`engine.api.EngineOptions.weights`).
         remote_url: base URL of an OpenAI-compatible server to use instead of a local model ("" = none);
             remote_model: the model it serves; api_key: its key (from the keyring, never saved), or None.
     """
@@ -74,6 +75,7 @@ class LoadRequest:
     remote_url: str = ""
     remote_model: str = ""
     api_key: str | None = field(default=None, repr=False)
+    weights: str = "auto"
 
     @property
     def name(self) -> str:
@@ -112,7 +114,7 @@ def load_real_engine(request: LoadRequest, progress: LoadProgress, cancel: threa
         mmproj_path = api.bundled_mmproj_for(model_path)
     options = api.EngineOptions(context=request.context, image_max_pixels=request.image_max_pixels,
                                 cache_disk_dir=request.cache_dir, threads=request.threads, device=request.device,
-                                vram_budget=request.vram_budget)
+                                vram_budget=request.vram_budget, weights=request.weights)
     return api.Engine.load(model_path, mmproj_path, options, progress=progress, cancel=cancel)
 
 

@@ -293,7 +293,7 @@ class MainWindow(FileActions, QMainWindow):
         prefs = self.prefs
         self._start_load(LoadRequest(model_path, mmproj_path, prefs.context, prefs.image_max_pixels, self.snapshot_dir,
                                      threads=prefs.threads or None, device=prefs.device,
-                                     vram_budget=prefs.vram_budget), remember)
+                                     vram_budget=prefs.vram_budget, weights=prefs.weights), remember)
 
     def _start_load(self, request: LoadRequest, remember: bool = False) -> None:
         """Stop the live answer (and empty the queue), show the load as under way and send ``request``

@@ -20,8 +20,9 @@ GROUP = "preferences"
 MIN_CONTEXT = 512
 MIN_IMAGE_PIXELS = 32 * 32
 DEVICES = ("auto", "cuda", "cpu")
+WEIGHTS = ("auto", "ram", "map")
 LOAD_FIELDS = ("model_path", "mmproj_path", "context", "image_max_pixels", "threads", "device", "vram_budget_gib",
-               "remote_url", "remote_model")
+               "remote_url", "remote_model", "weights")
 SAMPLING_FIELDS = ("temperature", "top_k", "top_p", "min_p", "presence_penalty", "repetition_penalty", "seed",
                    "max_tokens")
 _DEFAULT_SAMPLING = SamplingParams()
@@ -42,6 +43,8 @@ class Settings:
         threads: CPU threads of the engine's kernels; 0 = the physical cores.
         device: where prefill runs: "auto" (the GPU when one works), "cuda" (the GPU) or "cpu".
         vram_budget_gib: GPU memory prefill may use, GiB; 0 = automatic (free memory less a margin).
+        weights: where the model's weights are read from: "auto", "ram" (read into memory at load) or "map" (from
+            the file as needed); see :attr:`engine.api.EngineOptions.weights`.
         temperature, top_k, top_p, min_p, presence_penalty, repetition_penalty, max_tokens: sampling
             (see :class:`engine.sampling.SamplingParams`).
         seed: fixed random seed, or -1 for fresh randomness each answer.
@@ -74,6 +77,7 @@ class Settings:
     serve_port: int = 8080
     remote_url: str = ""
     remote_model: str = ""
+    weights: str = "auto"
 
     def sampling(self) -> SamplingParams:
         """These settings as the engine's sampling parameters."""
@@ -117,6 +121,8 @@ class Settings:
             settings = replace(settings, threads=default.threads)
         if settings.device not in DEVICES:
             settings = replace(settings, device=default.device)
+        if settings.weights not in WEIGHTS:
+            settings = replace(settings, weights=default.weights)
         if not settings.vram_budget_gib >= 0:
             settings = replace(settings, vram_budget_gib=default.vram_budget_gib)
         if not 1 <= settings.serve_port <= 65535:

@@ -15,6 +15,7 @@ from .settings import MIN_CONTEXT, Settings
 
 IMAGE_SIDES = (256, 384, 512, 768, 1024, 1280, 1536, 2048)
 DEVICE_CHOICES = (("Auto (the GPU when one works)", "auto"), ("GPU", "cuda"), ("CPU", "cpu"))
+WEIGHTS_CHOICES = (("Auto (in memory when it fits)", "auto"), ("In memory", "ram"), ("Read from the file", "map"))
 
 
 def image_size_label(pixels: int) -> str:
@@ -87,8 +88,8 @@ def loaded_context_text(info: Any, asked: int) -> str:
 class SettingsDialog(QDialog):
     """Edits a copy of the settings; :meth:`settings` returns what the user set.
 
-    Changing the model files, the context, the image size, the CPU threads, the device or the VRAM
-    budget reloads the model when accepted (the window does that); the other settings apply from
+    Changing the model files, the context, the image size, the CPU threads, the device, the VRAM
+    budget or the weights mode reloads the model when accepted (the window does that); the other settings apply from
     the next answer. ``loaded``: the loaded model's :class:`engine.api.ModelInfo` (its context is shown
     under the asked one), or None; without ``has_gpu`` (no NVIDIA GPU found) the GPU-only fields are
     disabled and say why.
@@ -158,7 +159,17 @@ class SettingsDialog(QDialog):
             for field in (self.device, self.vram_budget):
                 field.setToolTip(NO_GPU_TIP)
         self._set_device(s.device)
+        self.weights = QComboBox()
+        self.weights.setAccessibleName("Model weights")
+        for label, value in WEIGHTS_CHOICES:
+            self.weights.addItem(label, value)
+        self.weights.setCurrentIndex(self.weights.findData(s.weights))
+        self.weights.setToolTip("In memory: the model file is read into RAM when it loads (answers come faster "
+                                "and steadier). Read from the file: its pages are read as needed and shared with "
+                                "other programs. Auto: in memory when the file takes at most 70 % of the available "
+                                "memory and the GPU does not read the prompt.")
         form.addRow("CPU threads:", self.threads)
+        form.addRow("Model weights:", self.weights)
         form.addRow("Prefill and images on:", self.device)
         form.addRow("VRAM budget:", self.vram_budget)
         note = QLabel("Changing these reloads the model. Images larger than the largest size are scaled "
@@ -229,6 +240,7 @@ class SettingsDialog(QDialog):
             self._base, model_path=self.model.path(), mmproj_path=self.mmproj.path(), context=self.context.value(),
             image_max_pixels=int(self.image_size.currentData()), threads=self.threads.value(),
             device=self.device.currentData(), vram_budget_gib=round(self.vram_budget.value(), 1),
+            weights=self.weights.currentData(),
             temperature=round(self.temperature.value(), 4),
             top_k=self.top_k.value(), top_p=round(self.top_p.value(), 4), min_p=round(self.min_p.value(), 4),
             presence_penalty=round(self.presence.value(), 4), repetition_penalty=round(self.repetition.value(), 4),
@@ -248,6 +260,7 @@ class SettingsDialog(QDialog):
         self._set_image_pixels(d.image_max_pixels)
         self.threads.setValue(d.threads)
         self._set_device(d.device)
+        self.weights.setCurrentIndex(self.weights.findData(d.weights))
         self.vram_budget.setValue(d.vram_budget_gib)
         for box, value in ((self.temperature, d.temperature), (self.top_k, d.top_k), (self.top_p, d.top_p),
                            (self.min_p, d.min_p), (self.presence, d.presence_penalty),

@@ -119,6 +119,21 @@ def test_explicit_ram_without_the_memory_is_refused_before_reading(synth_model, 
         Engine.load(path, options=EngineOptions(device="cpu", weights="ram", prefix_cache=False, context=64))
 
 
+def test_a_failed_allocation_is_a_memory_fit_error(synth_model, monkeypatch):
+    import errno
+
+    real = mmap.mmap
+
+    def refuse_anonymous(fileno, *args, **kwargs):
+        if fileno == -1:
+            raise OSError(errno.ENOMEM, "Cannot allocate memory")
+        return real(fileno, *args, **kwargs)
+
+    monkeypatch.setattr(mmap, "mmap", refuse_anonymous)
+    with pytest.raises(MemoryFitError, match=r"tiny-q4_0\.gguf: cannot allocate \d+ bytes .*Cannot allocate memory"):
+        GGUFFile.open(synth_model("tiny", "q4_0"), "ram")
+
+
 def test_auto_picks_ram_only_when_the_file_fits_and_no_gpu_prefill_runs(synth_model, monkeypatch, tmp_path):
     path = synth_model("tiny", "q4_0")
     size = os.path.getsize(path)

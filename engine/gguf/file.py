@@ -69,8 +69,8 @@ class _View:
 class GGUFFile:
     """One opened GGUF file, parsed and mapped (see ``docs/interfaces.md``, ``engine.gguf.file``).
 
-    Use :meth:`open`. Tensor data is read lazily from a read-only memory map; the accessors
-    :meth:`raw`, :meth:`expert` and :meth:`row` touch only the bytes they return.
+    Use :meth:`open`. Tensor data is read lazily from a read-only memory map (or from the memory the file
+    was read into); the accessors :meth:`raw`, :meth:`expert` and :meth:`row` touch only the bytes they return.
 
     Attributes:
         path: the file path (``pathlib.Path``).

@@ -61,7 +61,8 @@ def read_resident(source: str, size: int, available: int | None = None) -> np.nd
         ``(size,)`` uint8, writable, owning its region (freed with the last view of it).
 
     Raises:
-        MemoryFitError: ``size`` exceeds the available memory (checked before anything is read).
+        MemoryFitError: ``size`` exceeds the available memory (checked before anything is read), or the
+            allocation fails.
         ModelFormatError: the file is not a regular file, cannot be read, or ends before ``size`` bytes (it
             shrank after its header was read, e.g. truncated by another process); the message names the file.
         UnsupportedModelError: no POSIX ``readv`` here (see :func:`supported`).
@@ -69,7 +70,11 @@ def read_resident(source: str, size: int, available: int | None = None) -> np.nd
     check_fits(source, size, available)
     if not supported():
         raise UnsupportedModelError(f"{source}: weights 'ram' needs POSIX readv; use weights 'map'")
-    region = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    try:
+        region = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    except OSError as e:
+        raise MemoryFitError(f"{source}: cannot allocate {size} bytes to read it into memory ({e.strerror or e}); "
+                             "load it with weights 'map' instead") from e
     advice = getattr(mmap, "MADV_HUGEPAGE", None)
     if advice is not None:
         try:

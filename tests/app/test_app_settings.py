@@ -17,7 +17,8 @@ def test_settings_round_trip_and_bad_values_fall_back(tmp_path):
     ini = QSettings(str(tmp_path / "s.ini"), QSettings.IniFormat)
     assert Settings.read(ini) == Settings()
     custom = Settings(model_path="/m/a.gguf", context=4096, threads=3, device="cuda", vram_budget_gib=6.5,
-                      temperature=0.0, top_k=0, seed=42, system_prompt="Be brief.\nUse metric units.", thinking=True)
+                      weights="map", temperature=0.0, top_k=0, seed=42, system_prompt="Be brief.\nUse metric units.",
+                      thinking=True)
     custom.write(ini)
     assert Settings.read(QSettings(str(tmp_path / "s.ini"), QSettings.IniFormat)) == custom
     assert custom.sampling() == SamplingParams(temperature=0.0, top_k=0, top_p=0.8, seed=42, max_tokens=2048)
@@ -28,8 +29,9 @@ def test_settings_round_trip_and_bad_values_fall_back(tmp_path):
     ini.setValue("preferences/threads", "-2")
     ini.setValue("preferences/device", "tpu")
     ini.setValue("preferences/vram_budget_gib", "nan")
+    ini.setValue("preferences/weights", "disk")
     broken = Settings.read(ini)
-    assert (broken.threads, broken.device, broken.vram_budget_gib) == (0, "auto", 0.0)
+    assert (broken.threads, broken.device, broken.vram_budget_gib, broken.weights) == (0, "auto", 0.0, "auto")
     assert broken.top_p == Settings().top_p and broken.seed == -1 and broken.context == Settings().context
     assert broken.image_max_pixels == Settings().image_max_pixels
     assert broken.model_path == "/m/a.gguf" and broken.system_prompt == custom.system_prompt
@@ -49,6 +51,8 @@ def test_the_dialog_edits_every_setting(qtbot):
     assert dialog.vram_budget.isEnabled()
     assert "image" in dialog.device.toolTip() and "prefill and image encoding" in dialog.vram_budget.toolTip()
     dialog.vram_budget.setValue(6.0)
+    assert dialog.weights.currentData() == "auto" and "70 %" in dialog.weights.toolTip()
+    dialog.weights.setCurrentIndex(dialog.weights.findData("ram"))
     dialog.image_size.setCurrentIndex(dialog.image_size.findData(512 * 512))
     dialog.temperature.setValue(0.0)
     assert dialog.temperature.text() == "0 (greedy)"
@@ -63,15 +67,16 @@ def test_the_dialog_edits_every_setting(qtbot):
     dialog.thinking.setChecked(True)
     assert dialog.settings() == Settings(
         model_path="/models/q.gguf", context=16384, image_max_pixels=512 * 512, threads=2, device="cuda",
-        vram_budget_gib=6.0, temperature=0.0, top_k=40,
+        vram_budget_gib=6.0, weights="ram", temperature=0.0, top_k=40,
         top_p=0.95, min_p=0.05, presence_penalty=1.5, repetition_penalty=1.1, seed=7, max_tokens=4096,
         system_prompt="You are terse.", thinking=True)
     dialog.restore_defaults()
     assert dialog.settings() == Settings(model_path="/models/q.gguf")
     assert dialog.seed.text() == "random" and dialog.top_k.value() == 20
     assert dialog.device.currentText().startswith("Auto") and dialog.threads.value() == 0
-    reopened = SettingsDialog(Settings(device="cpu", threads=1, vram_budget_gib=2.5))
+    reopened = SettingsDialog(Settings(device="cpu", threads=1, vram_budget_gib=2.5, weights="map"))
     qtbot.addWidget(reopened)
+    assert reopened.weights.currentData() == "map"
     assert (reopened.device.currentData(), reopened.threads.value(), reopened.vram_budget.value()) == ("cpu", 1, 2.5)
     assert not reopened.vram_budget.isEnabled()
 
@@ -107,6 +112,10 @@ def test_changing_load_options_reloads_the_model(qtbot, make_window, paths):
     window.apply_settings(replace(window.prefs, threads=3, device="cuda", vram_budget_gib=1.5))
     qtbot.waitUntil(lambda: len(engine.loads) == 3 and window.model is not None)
     assert (engine.loads[-1].threads, engine.loads[-1].device, engine.loads[-1].vram_budget) == (3, "cuda", 3 << 29)
+    assert engine.loads[-1].weights == "auto"
+    window.apply_settings(replace(window.prefs, weights="map"))
+    qtbot.waitUntil(lambda: len(engine.loads) == 4 and window.model is not None)
+    assert engine.loads[-1].weights == "map"
 
 
 def test_the_settings_menu_opens_the_dialog(qtbot, make_window, monkeypatch):

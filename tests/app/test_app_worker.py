@@ -76,9 +76,9 @@ def test_the_real_loader_passes_options_progress_and_cancel(monkeypatch, tmp_pat
     monkeypatch.setattr(api.Engine, "load", classmethod(load))
     stages, cancel = [], threading.Event()
     load_real_engine(LoadRequest("m.gguf", context=2048, cache_dir=tmp_path, threads=3, device="cuda",
-                                 vram_budget=6 << 30), stages.append, cancel)
+                                 vram_budget=6 << 30, weights="ram"), stages.append, cancel)
     assert seen["model"] == "m.gguf" and seen["options"] == api.EngineOptions(
-        context=2048, cache_disk_dir=tmp_path, threads=3, device="cuda", vram_budget=6 << 30)
+        context=2048, cache_disk_dir=tmp_path, threads=3, device="cuda", vram_budget=6 << 30, weights="ram")
     assert seen["progress"] == stages.append and seen["cancel"] is cancel
 
 
