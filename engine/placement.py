@@ -33,7 +33,9 @@ def text_model(text: LoadedText, options: EngineOptions) -> TextModel:
     from .kernels import cpu
     cpu.set_threads(options.threads)
     if options.kernels == "native" and cpu.available():
-        model = text.arch.native_model(text.hparams, text.file)
+        # "auto" reads the file into memory only where no GPU prefill will copy the weights (weights_mode)
+        model = text.arch.native_model(text.hparams, text.file,
+                                       repack=options.device == "cpu" or options.weights == "auto")
         interleave_experts(text.file)
         return model
     return text.arch.reference_model(text.hparams, text.file)

@@ -113,7 +113,8 @@ class TextArch:
         fused_tensors: ``hp -> [Fused, ...]``: fused storage forms the reader splits into the names above.
         reference_model: ``(hp, gguf) -> model``: the numpy reference forward (``gguf`` a
             :class:`~engine.gguf.file.GGUFFile` whose fused tensors are split, see :func:`load_text`).
-        native_model: ``(hp, gguf) -> model``: the same forward on the native CPU kernels.
+        native_model: ``(hp, gguf, repack=True) -> model``: the same forward on the native CPU kernels (``repack``:
+            it may rewrite weights read into memory into a kernel's layout; False when GPU prefill may read them).
         cuda_prefill: ``(hp, gguf, budget_bytes) -> prefill``: GPU prefill (imports pycuda), raising
             :class:`~engine.errors.DeviceError` when no GPU works.
         prefill_plan: ``(hp, gguf, budget_bytes) -> placement`` with ``text()`` and ``fixed_bytes``: what
@@ -132,7 +133,7 @@ class TextArch:
     optional_tensors: frozenset[str]
     fused_tensors: Callable[[Any], list[Fused]]
     reference_model: Callable[[Any, Any], TextModel]
-    native_model: Callable[[Any, Any], TextModel]
+    native_model: Callable[..., TextModel]
     cuda_prefill: Callable[[Any, Any, int | None], GpuPrefill]
     prefill_plan: Callable[[Any, Any, int], Any] | None = None
     channels: Callable[[str], Any] | None = None

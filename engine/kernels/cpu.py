@@ -22,8 +22,9 @@ from gguf import GGMLQuantizationType
 
 from engine.gguf import quant
 from engine.errors import EngineError
-from engine.kernels.cpu_twins import (B_QUANTS, K_QUANTS, KQ_ROWS, Q8_0_BYTES, QK, activations, bf16_product_np,
-                                      bquant_product_np, dequantize, kquant_product_np, quantize_q8_0_np)
+from engine.kernels.cpu_twins import (B_QUANTS, IL_ROWS, K_QUANTS, KQ_ROWS, Q4_0_IL, Q8_0_BYTES, QK, activations,
+                                      bf16_product_np, bquant_product_np, dequantize, kquant_product_np,
+                                      quantize_q8_0_np, row_major)
 from engine.kernels.iq_twins import grids as iq_grids
 from engine.kernels.lowbit_twins import LOW_BIT, lowbit_product_np
 from engine.ops import reference
@@ -235,7 +236,7 @@ def matmul_np(raw: np.ndarray, x: np.ndarray, qtype: GGMLQuantizationType, name:
 
 def _matmul_np(raw: np.ndarray, x: np.ndarray, traits: quant.QuantType, name: str) -> np.ndarray:
     x2, vector = activations(x)
-    raw = _weights(raw, x2.shape[1], traits, name)
+    raw, traits = row_major(_weights(raw, x2.shape[1], traits, name), traits)
     products = {**dict.fromkeys(K_QUANTS, kquant_product_np), **dict.fromkeys(B_QUANTS, bquant_product_np),
                 **dict.fromkeys(LOW_BIT, lowbit_product_np), Q.BF16: bf16_product_np,
                 Q.F16: bf16_product_np}
@@ -287,22 +288,32 @@ class Matrix:
         k: input width (a multiple of the type's block size).
         qtype: the storage type, as the file's tensor table gives it (rows of Q4_0 and Q4_K, say,
             can have the same length, so it is never inferred from the bytes).
+        interleaved: raw is Q4_0 rewritten by :func:`engine.kernels.cpu_q4il.interleave_q4_0` (the kernel
+            type :data:`~engine.kernels.cpu_twins.Q4_0_IL`; the results are the row-major bytes' bits).
     Calling it is :func:`matmul` (or its twin when the active level is "numpy") without the per-call
     checks of the weights: x (m, k) float32 -> (m, rows) float32.
     Raises ValueError at construction when raw is not rows of k values of ``qtype``, not contiguous,
-    or ``qtype`` has no kernel.
+    ``qtype`` has no kernel, or ``interleaved`` is asked of another type than Q4_0.
     """
 
-    def __init__(self, raw: np.ndarray, k: int, qtype: GGMLQuantizationType) -> None:
+    def __init__(self, raw: np.ndarray, k: int, qtype: GGMLQuantizationType, interleaved: bool = False) -> None:
         self.traits = _kernel_type(qtype, "Matrix")
         self.qtype = self.traits.qtype
+        if interleaved and self.qtype != Q.Q4_0:
+            raise ValueError(f"Matrix: only Q4_0 rows have an interleaved layout, not {self.qtype.name}")
+        self.interleaved = interleaved
+        self.traits = Q4_0_IL if interleaved else self.traits
         self.raw = _weights(raw, k, self.traits, f"Matrix ({self.qtype.name})")
         self.rows, self.k = raw.shape[0], k
         self._ptr = _ptr(_native_cpu.ffi, "uint8_t *", self.raw) if _native_cpu is not None else None
 
     def rows_slice(self, r0: int, r1: int) -> "Matrix":
-        """Rows [r0, r1) as a Matrix (a view: e.g. one expert of a stacked expert tensor)."""
-        return Matrix(self.raw[r0:r1], self.k, self.qtype)
+        """Rows [r0, r1) as a Matrix (a view: e.g. one expert of a stacked expert tensor). Raises ValueError
+        for an interleaved matrix's range that does not start and end on its 8-row stripes (or its end)."""
+        if self.interleaved and (r0 % IL_ROWS or (r1 % IL_ROWS and r1 != self.rows)):
+            raise ValueError(f"Matrix: rows [{r0}, {r1}) of an interleaved matrix of {self.rows} rows do not "
+                             f"start and end on its {IL_ROWS}-row stripes")
+        return Matrix(self.raw[r0:r1], self.k, self.qtype, self.interleaved)
 
     def __call__(self, x: np.ndarray) -> np.ndarray:
         """x (m, k) float32 times the rows: (m, rows) float32, on the active ISA level."""

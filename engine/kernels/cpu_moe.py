@@ -16,7 +16,7 @@ from gguf import GGMLQuantizationType
 
 from engine.gguf import quant
 from engine.kernels.cpu import _check, _kernel_type, _matmul_np, _native_cpu, _native_level, _ptr, _weights
-from engine.kernels.cpu_twins import QK
+from engine.kernels.cpu_twins import IL_ROWS, Q4_0_IL, QK
 from engine.ops import reference
 
 class MoEWeights(NamedTuple):
@@ -24,7 +24,8 @@ class MoEWeights(NamedTuple):
     gives them.
 
     Each weight is of a :data:`engine.kernels.cpu.KERNEL_TYPES` type named by ``qtypes``: one type for all of them, or a
-    mapping from the field name (``"gate"``, ``"up"``, ``"down"``, ``"sh_gate"``, ...) to its type.
+    mapping from the field name (``"gate"``, ``"up"``, ``"down"``, ``"sh_gate"``, ...) to its type, or to the kernel
+    traits of a layout (:data:`engine.kernels.cpu_twins.Q4_0_IL`: stacked experts whose row counts are multiples of 8).
     d = model width, ff / ff_sh = expert hidden widths, multiples of their types' block sizes.
     """
 
@@ -33,7 +34,7 @@ class MoEWeights(NamedTuple):
     up: np.ndarray             # (n_expert * ff, row bytes of d values) uint8 [ffn_up_exps]
     down: np.ndarray           # (n_expert * d, row bytes of ff values) uint8 [ffn_down_exps]
     n_used: int                # expert_used_count
-    qtypes: GGMLQuantizationType | Mapping[str, GGMLQuantizationType]   # storage types, see above
+    qtypes: GGMLQuantizationType | Mapping[str, GGMLQuantizationType | quant.QuantType]   # storage types, see above
     sh_gate: np.ndarray | None = None      # (ff_sh, ...) uint8 [ffn_gate_shexp]; None: no shared expert
     sh_up: np.ndarray | None = None        # (ff_sh, ...) uint8 [ffn_up_shexp]
     sh_down: np.ndarray | None = None      # (d, ff_sh/32 * block bytes) uint8 [ffn_down_shexp]
@@ -51,7 +52,7 @@ def _moe_type(w: MoEWeights, name: str) -> quant.QuantType:
     qtype = w.qtypes.get(name) if isinstance(w.qtypes, Mapping) else w.qtypes
     if qtype is None:
         raise ValueError(f"moe_ffn: qtypes names no storage type for {name}")
-    return _kernel_type(qtype, f"moe_ffn {name}")
+    return qtype if isinstance(qtype, quant.QuantType) else _kernel_type(qtype, f"moe_ffn {name}")
 
 
 def _moe_layout(x: np.ndarray, w: MoEWeights
@@ -77,6 +78,10 @@ def _moe_layout(x: np.ndarray, w: MoEWeights
     layout = {}
     for name, (raw, k) in mats.items():
         traits = _moe_type(w, name)
+        expert_rows = {"gate": ff, "up": ff, "down": d}.get(name, IL_ROWS)
+        if traits == Q4_0_IL and expert_rows % IL_ROWS:
+            raise ValueError(f"moe_ffn {name}: interleaved experts of {expert_rows} rows would share {IL_ROWS}-row "
+                             f"stripes")
         layout[name] = (_weights(raw, k, traits, f"moe_ffn {name}"), traits)
     return x, layout, ff, ff_sh
 

@@ -5,6 +5,8 @@ activation checks both sides share. Pure numpy: they run with or without the nat
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 from gguf import GGMLQuantizationType
 
@@ -13,6 +15,36 @@ from engine.gguf import quant
 Q = GGMLQuantizationType
 QK = 32
 Q8_0_BYTES = 34
+
+
+Q4_0_IL = dataclasses.replace(quant.TYPES[Q.Q4_0], cpu_kernel=22)
+"""Q4_0 rows in the native 8-row interleaved layout (``DD_Q4_0_IL``, :mod:`engine.kernels.cpu_q4il`): the Q4_0
+blocks and sizes, read by the kernel of that layout. Only a :class:`engine.kernels.cpu.Matrix` built with
+``interleaved=True`` carries it; everything that reads raw row-major bytes sees :data:`quant.TYPES` rows."""
+IL_ROWS = 8
+
+
+def q4_0_deinterleave_np(raw: np.ndarray) -> np.ndarray:
+    """The row-major Q4_0 rows of interleaved ones (a new array; the numpy twin of ``dd_q4_0_deinterleave``).
+
+    Args: raw (rows, k // 32 * 18) uint8: stripes of 8 rows, block b of a stripe 144 bytes (the 8 f16 scales,
+        then at 16 + 32 q + 4 r row r's nibble bytes 4 q .. 4 q + 3); rows past the last multiple of 8 row-major.
+    Returns: (rows, k // 32 * 18) uint8, each row's blocks as stored in the file.
+    """
+    rows, row_bytes = raw.shape
+    nb, stripes = row_bytes // quant.TYPES[Q.Q4_0].block_bytes, rows // IL_ROWS
+    out = np.array(raw, dtype=np.uint8, copy=True)
+    blocks = raw[:IL_ROWS * stripes].reshape(stripes, nb, 144)
+    scales = blocks[:, :, :16].reshape(stripes, nb, IL_ROWS, 2)
+    runs = blocks[:, :, 16:].reshape(stripes, nb, 4, IL_ROWS, 4).transpose(0, 1, 3, 2, 4)
+    per_row = np.concatenate([scales, runs.reshape(stripes, nb, IL_ROWS, 16)], axis=3)   # (s, b, r, 18)
+    out[:IL_ROWS * stripes] = per_row.transpose(0, 2, 1, 3).reshape(IL_ROWS * stripes, row_bytes)
+    return out
+
+
+def row_major(raw: np.ndarray, traits: quant.QuantType) -> tuple[np.ndarray, quant.QuantType]:
+    """(raw, traits) as the stored type's row-major rows: interleaved Q4_0 de-interleaved (a copy), others as given."""
+    return (q4_0_deinterleave_np(raw), quant.TYPES[Q.Q4_0]) if traits == Q4_0_IL else (raw, traits)
 
 
 def activations(x: np.ndarray) -> tuple[np.ndarray, bool]:

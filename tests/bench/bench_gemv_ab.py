@@ -1,7 +1,7 @@
 """A/B of the native GEMV (one-token matrix product) between builds (a script, not a test).
 
     python tests/bench/bench_gemv_ab.py OLD.so,NEW.so [--type q4_0] [--mib 1024] [--threads 1] [--rounds 7]
-        [--isa 3] [--cols 1] [--k 2048] [--cpu]
+        [--isa 3] [--cols 1] [--k 2048] [--cpu] [--interleaved]
 
 Each argument is a copy of ``engine/_native_cpu.abi3.so`` (copy a build aside before rebuilding). The
 script loads every copy with ctypes and times ``dd_matmul`` with one activation row (decode's shape) on one
@@ -14,7 +14,9 @@ before and after (figures from a loaded machine are not final). ``--cols 32`` ti
 (32 activation rows, an expert's share of a 512-token prompt) and reports GMAC/s; use a small --mib then,
 so the product is bound by the kernel, not by DRAM. ``--cpu`` times process CPU time instead of wall
 time (less disturbed by a loaded machine; with --threads 1 it is the kernel's own time). Each build's
-median milliseconds per call are printed beside its rate. docs/perf/log/cpu-notes.md, "Weight
+median milliseconds per call are printed beside its rate. ``--interleaved`` (Q4_0, one column) adds, for
+each build, a second row: ``dd_matmul`` of ``DD_Q4_0_IL`` on a copy of the matrix repacked by ``dd_q4_0_interleave``
+(docs/design/q4-0-row-interleave.md), timed in the same rounds. docs/perf/log/cpu-notes.md, "Weight
 prefetches into L2", used it.
 """
 
@@ -33,6 +35,7 @@ from gguf import GGMLQuantizationType
 
 from bench_kernels import K, random_blocks
 from engine.gguf import quant
+from engine.kernels.cpu_twins import Q4_0_IL
 from engine.kernels.iq_twins import grids as iq_grids
 
 
@@ -49,6 +52,27 @@ def load(path: str, folder: str, index: int, threads: int) -> ctypes.CDLL:
     return lib
 
 
+def variants(libs: list[ctypes.CDLL], paths: list[str], args, isa: int, kernel: int, w: np.ndarray, x: np.ndarray,
+             rows: int, k: int) -> tuple[list[str], list]:
+    """(labels, calls): each build's dd_matmul, and with --interleaved its DD_Q4_0_IL dd_matmul on a repacked copy."""
+    labels, calls = [], []
+    packed = None
+    if args.interleaved:
+        packed = w.copy()
+        if libs[0].dd_q4_0_interleave(ctypes.c_void_p(packed.ctypes.data), ctypes.c_size_t(rows),
+                                      ctypes.c_size_t(w.shape[1])) != 0:
+            raise SystemExit("dd_q4_0_interleave failed")
+    for lib, path in zip(libs, paths):
+        labels.append(path)
+        calls.append(lambda out, lib=lib: lib.dd_matmul(isa, kernel, w.ctypes.data, rows, k, x.ctypes.data,
+                                                        args.cols, out.ctypes.data))
+        if packed is not None:
+            labels.append(f"{path} interleaved")
+            calls.append(lambda out, lib=lib: lib.dd_matmul(isa, Q4_0_IL.cpu_kernel, packed.ctypes.data, rows, k,
+                                                            x.ctypes.data, args.cols, out.ctypes.data))
+    return labels, calls
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("builds", help="comma-separated paths of _native_cpu.abi3.so copies; the first is the base")
@@ -60,7 +84,10 @@ def main() -> None:
     ap.add_argument("--cols", type=int, default=1, help="activation rows (1: decode's GEMV; > 1: a prefill GEMM)")
     ap.add_argument("--k", type=int, default=K, help="values a row, a multiple of the type's block (512: expert down)")
     ap.add_argument("--cpu", action="store_true", help="time process CPU time instead of wall time")
+    ap.add_argument("--interleaved", action="store_true", help="also time the 8-row interleaved Q4_0 GEMV")
     args = ap.parse_args()
+    if args.interleaved and (args.type.lower() != "q4_0" or args.cols != 1):
+        raise SystemExit("--interleaved: only for --type q4_0 with one column")
     try:
         qtype = GGMLQuantizationType[args.type.upper()]
     except KeyError:
@@ -74,28 +101,29 @@ def main() -> None:
     w = random_blocks(qtype, rows, k, rng)
     x = rng.standard_normal((args.cols, k)).astype(np.float32) + np.float32(0.1)
     paths = args.builds.split(",")
-    outs = [np.empty((args.cols, rows), np.float32) for _ in paths]
-    times: list[list[float]] = [[] for _ in paths]
-    cpu_times: list[list[float]] = [[] for _ in paths]
     load_before = os.getloadavg()[0]
     clock = time.process_time if args.cpu else time.perf_counter
     with tempfile.TemporaryDirectory() as folder:
         libs = [load(p, folder, i, args.threads) for i, p in enumerate(paths)]
         isa = libs[0].dd_isa_best() if args.isa < 0 else args.isa
+        labels, calls = variants(libs, paths, args, isa, kernel, w, x, rows, k)
+        outs = [np.empty((args.cols, rows), np.float32) for _ in calls]
+        times: list[list[float]] = [[] for _ in calls]
+        cpu_times: list[list[float]] = [[] for _ in calls]
         for _ in range(args.rounds):
-            for lib, out, t, c in zip(libs, outs, times, cpu_times):
+            for call, out, t, c in zip(calls, outs, times, cpu_times):
                 t0, c0 = clock(), time.thread_time()
-                rc = lib.dd_matmul(isa, kernel, w.ctypes.data, rows, k, x.ctypes.data, args.cols, out.ctypes.data)
+                rc = call(out)
                 t.append(clock() - t0)
                 c.append(time.thread_time() - c0)
                 if rc != 0:
-                    raise SystemExit(f"dd_matmul returned {rc}")
+                    raise SystemExit(f"the product returned {rc}")
     same = all(np.array_equal(outs[0].view(np.uint32), o.view(np.uint32)) for o in outs[1:])
     print(f"{args.type} {w.nbytes / 2**20:.0f} MiB (k={k}), isa {isa}, {args.threads} thread(s), {args.rounds} "
           f"rounds, {args.cols} column(s), {'CPU' if args.cpu else 'wall'} time, load {load_before:.2f} -> "
           f"{os.getloadavg()[0]:.2f}; same bits: {same}")
     per_s, unit = (w.nbytes / 1e9, "GB/s") if args.cols == 1 else (rows * k * args.cols / 1e9, "GMAC/s")
-    for path, t, c in zip(paths, times, cpu_times):
+    for path, t, c in zip(labels, times, cpu_times):
         rates, cpu_rates = [per_s / s for s in t], [per_s / s for s in c]
         print(f"  {path}: median {statistics.median(rates):.1f} {unit} ({min(rates):.1f}-{max(rates):.1f}), "
               f"{statistics.median(t) * 1e3:.1f} ms; calling thread CPU {statistics.median(cpu_rates):.1f} "

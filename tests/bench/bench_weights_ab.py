@@ -1,7 +1,7 @@
 """Decode with the weights mapped vs read into memory, one mode per process (a script, not a test).
 
     python tests/bench/bench_weights_ab.py MODEL.gguf --weights map|ram|both [--threads 2] [--isa avx512vnni]
-        [--prompt 16] [--gen 16] [--rounds 2] [--fill map|read|small|scattered]
+        [--prompt 16] [--gen 16] [--rounds 2] [--fill map|read|small|scattered] [--no-repack]
 
 Evicts MODEL.gguf from the page cache first (``POSIX_FADV_DONTNEED``: pages another process maps stay), then
 loads it. "map" fills the page cache (``--fill map``: through a map advised ``MADV_HUGEPAGE``, ``engine bench``'s
@@ -15,7 +15,8 @@ page-cache (``Cached``) and RSS growth of the load, this process's ``AnonHugePag
 steadier than wall time on a shared machine), after an untimed warm-up round. Run the modes alternately and
 compare CPU time per token where other load makes wall time noisy. "both" holds the file twice (read into
 memory first, then the page cache filled and mapped) and alternates the two models round by round in one
-process, printing each round's CPU time per token of both and their ratio (map / ram).
+process, printing each round's CPU time per token of both and their ratio (map / ram). ``--no-repack`` keeps
+"ram"'s Q4_0 weights row-major (docs/design/q4-0-row-interleave.md: the layout's A/B on the same memory).
 """
 
 from __future__ import annotations
@@ -106,7 +107,7 @@ def paired(args: argparse.Namespace) -> None:
         if weights == "map":
             fill(args.model, args.fill)
         text = open_text(args.model, weights)
-        models[weights] = (text.arch.native_model(text.hparams, text.file), text.hparams)
+        models[weights] = (text.arch.native_model(text.hparams, text.file, repack=not args.no_repack), text.hparams)
         decode_round(*models[weights], args.prompt, 4, seed=99)
     cpu_ms: dict[str, list[float]] = {"ram": [], "map": []}
     for r in range(args.rounds):
@@ -131,6 +132,7 @@ def main() -> None:
     ap.add_argument("--gen", type=int, default=16)
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--fill", choices=["map", "read", "small", "scattered"], default="map")
+    ap.add_argument("--no-repack", action="store_true", help="ram: keep Q4_0 row-major (no interleaved layout)")
     args = ap.parse_args()
     cpu.set_threads(args.threads)
     cpu.set_isa(args.isa)
@@ -143,7 +145,7 @@ def main() -> None:
     if args.weights == "map":
         fill(args.model, args.fill)
     text = open_text(args.model, args.weights)
-    model = text.arch.native_model(text.hparams, text.file)
+    model = text.arch.native_model(text.hparams, text.file, repack=not args.no_repack)
     load_s = time.perf_counter() - t0
     cached1, rss1 = meminfo("Cached"), memory()["rss"]
     decode_round(model, text.hparams, args.prompt, 4, seed=99)

@@ -25,9 +25,9 @@ def _reference_model(hp: Qwen35HParams, gguf: Any) -> Any:
     return Qwen35Model(hp, gguf)
 
 
-def _native_model(hp: Qwen35HParams, gguf: Any) -> Any:
+def _native_model(hp: Qwen35HParams, gguf: Any, repack: bool = True) -> Any:
     from .cpu import NativeQwen35Model
-    return NativeQwen35Model(hp, gguf)
+    return NativeQwen35Model(hp, gguf, repack=repack)
 
 
 def _cuda_prefill(hp: Qwen35HParams, gguf: Any, budget_bytes: int | None) -> Any:

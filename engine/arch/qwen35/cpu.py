@@ -17,7 +17,7 @@ from gguf import GGMLQuantizationType
 from threadpoolctl import threadpool_limits
 
 from engine.gguf.file import GGUFFile
-from engine.kernels import cpu, cpu_moe
+from engine.kernels import cpu, cpu_moe, cpu_q4il
 from engine.ops import reference as ops
 from engine.gguf.quant import FLOAT_TYPES, dequantize, type_name
 from engine.turn.state import SequenceState
@@ -74,10 +74,24 @@ def to_q8_0(raw: np.ndarray, qtype: GGMLQuantizationType, k: int) -> np.ndarray:
     return out
 
 
-def prepare_weight(gguf: GGUFFile, name: str, float_weights: str = "f32") -> tuple[Weight, str]:
-    """A projection weight (2-D, or 3-D stacked experts as rows) in the form the kernels read.
+def interleaves(gguf: GGUFFile, name: str) -> bool:
+    """True when ``name`` is rewritten at load into the 8-row interleaved Q4_0 layout (:mod:`engine.kernels.cpu_q4il`):
+    a Q4_0 projection whose bytes are the private copy of ``weights="ram"`` (:meth:`GGUFFile.writable_raw`), on the
+    avx512vnni level (whose decode GEMV reads the layout; the others would de-interleave it on every product), not
+    the token embedding (its rows are read as stored), rows of at most ``cpu_q4il.MAX_ROW_BYTES``, and for stacked
+    experts, experts of whole 8-row stripes."""
+    info = gguf.info(name)
+    return (info.qtype == Q.Q4_0 and cpu.isa() == "avx512vnni" and name != "token_embd.weight"
+            and (len(info.ne) < 3 or info.ne[1] % cpu.IL_ROWS == 0) and gguf.writable_raw(name) is not None
+            and gguf.raw(name).flags.c_contiguous and gguf.raw(name).shape[1] <= cpu_q4il.MAX_ROW_BYTES)
+
+
+def prepare_weight(gguf: GGUFFile, name: str, float_weights: str = "f32", repack: bool = True) -> tuple[Weight, str]:
+    """A projection weight (2-D, or 3-D stacked experts as rows) in the form the kernels read; ``repack``: rewrite
+    it in place into the interleaved layout where :func:`interleaves` allows.
 
     Returns: (the weight, the rule applied, e.g. "Q4_0 mapped", "Q4_0 resident" (file read into memory),
+    "Q4_0 resident interleaved" (rewritten in place, :func:`interleaves`),
     "Q6_K -> Q8_0", "F16 -> f32");
     see the module docstring for the rules and their bytes.
     """
@@ -88,6 +102,9 @@ def prepare_weight(gguf: GGUFFile, name: str, float_weights: str = "f32") -> tup
     stored = type_name(qtype)
     if qtype in cpu.KERNEL_TYPES and k % cpu.QK == 0 and (qtype not in FLOAT_TYPES or float_weights == "f32"):
         where = gguf.residence(raw) if raw.flags.c_contiguous else ""
+        if repack and interleaves(gguf, name):
+            cpu_q4il.interleave_q4_0(gguf.writable_raw(name))
+            return cpu.Matrix(raw, k, qtype, interleaved=True), f"{stored} {where} interleaved"
         return cpu.Matrix(np.ascontiguousarray(raw), k, qtype), f"{stored} {where or 'copied'}"
     if qtype in FLOAT_TYPES and float_weights == "f32":
         return FloatMatrix(dequantize(raw, qtype, (raw.shape[0], k))), f"{stored} -> f32"
@@ -111,6 +128,8 @@ class NativeQwen35Model(Qwen35Model):
     Args:
         hp: hyper-parameters. gguf: the open file (its tensors are used in place where possible).
         float_weights: "f32" (F16/BF16 read as stored, F32 as float32: exact) or "q8_0" (converted).
+        repack: rewrite Q4_0 weights read into memory into the interleaved layout (:func:`interleaves`); False
+            when another reader of the file's bytes (GPU prefill's upload) may come after the model.
     Attributes:
         weight_rules: rule -> (tensor count, bytes used by the kernels), e.g. {"Q4_0 mapped": (61, ...)}.
         step: the one-call decode step (:class:`~engine.arch.qwen35.cpu_step.NativeStep`), or None when
@@ -121,14 +140,14 @@ class NativeQwen35Model(Qwen35Model):
     :func:`~engine.kernels.cpu.set_threads`); level "numpy" runs every kernel's numpy twin.
     """
 
-    def __init__(self, hp: Qwen35HParams, gguf: GGUFFile, float_weights: str = "f32") -> None:
+    def __init__(self, hp: Qwen35HParams, gguf: GGUFFile, float_weights: str = "f32", repack: bool = True) -> None:
         if float_weights not in FLOAT_WEIGHTS:
             raise ValueError(f"float_weights must be one of {FLOAT_WEIGHTS}, got {float_weights!r}")
         super().__init__(hp, gguf)
         self.mats: dict[str, Weight] = {}
         self.weight_rules: dict[str, tuple[int, int]] = {}
         for name in projection_names(hp, gguf):
-            mat, rule = prepare_weight(gguf, name, float_weights)
+            mat, rule = prepare_weight(gguf, name, float_weights, repack)
             self.mats[name] = mat
             count, nbytes = self.weight_rules.get(rule, (0, 0))
             self.weight_rules[rule] = (count + 1, nbytes + (mat.raw.nbytes if isinstance(mat, cpu.Matrix)
@@ -157,7 +176,7 @@ class NativeQwen35Model(Qwen35Model):
         fields = ["gate", "up", "down", "sh_gate", "sh_up", "sh_down"]
         return cpu_moe.PreparedMoE(cpu_moe.MoEWeights(
             router=self.w(p + "ffn_gate_inp.weight"), gate=raws[0], up=raws[1], down=raws[2],
-            n_used=self.hp.n_expert_used, qtypes={f: m.qtype for f, m in zip(fields, mats)},
+            n_used=self.hp.n_expert_used, qtypes={f: m.traits for f, m in zip(fields, mats)},
             sh_gate=raws[3], sh_up=raws[4], sh_down=raws[5],
             sh_gate_inp=self.w(p + "ffn_gate_inp_shexp.weight") if shared else None))
 

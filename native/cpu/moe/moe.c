@@ -128,10 +128,17 @@ void dd_moe_route(const float *logits, size_t n_expert, size_t n_used, int32_t *
         weights[i] /= top;
 }
 
+/* 1 unless wtype is DD_Q4_0_IL and a stacked expert's `rows` would not start its stripes on its first row. */
+static int experts_whole_stripes(int wtype, size_t rows)
+{
+    return wtype != DD_Q4_0_IL || rows % 8 == 0;
+}
+
 int dd_moe_valid(const dd_moe_weights *w)
 {
     const int types_ok = dd_wtype_fits(w->gate_type, w->d) && dd_wtype_fits(w->up_type, w->d) &&
-                         dd_wtype_fits(w->down_type, w->ff);
+                         dd_wtype_fits(w->down_type, w->ff) && experts_whole_stripes(w->gate_type, w->ff) &&
+                         experts_whole_stripes(w->up_type, w->ff) && experts_whole_stripes(w->down_type, w->d);
     const int shared_ok = w->sh_gate == NULL ||
                           (w->sh_up != NULL && w->sh_down != NULL && w->sh_gate_inp != NULL &&
                            dd_wtype_fits(w->sh_gate_type, w->d) && dd_wtype_fits(w->sh_up_type, w->d) &&

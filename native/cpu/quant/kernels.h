@@ -88,6 +88,25 @@ typedef struct {
 typedef void (*dd_gemm_fn)(const uint8_t *w, size_t row_bytes, size_t nrows, size_t rows_avail,
                            const dd_acts *a, float *y, size_t ldy);
 
+/* The level's GEMV of interleaved Q4_0 stripes (dd_kernels.gemv_q4_0_il). */
+typedef void (*dd_gemv_il_fn)(const uint8_t *w, size_t row_bytes, size_t stripes, size_t stripes_avail,
+                              const dd_acts *a, float *y);
+
+/* gemm[DD_Q4_0_IL] of every level (q4_interleave.c): w starts on a stripe; its nrows / 8 stripes go to `il` when
+ * a->m == 1 and il is not NULL, else are de-interleaved into the thread's scratch for `row_major` (the level's
+ * gemm[DD_Q4_0]); the last nrows % 8 rows (the matrix's row-major tail: chunks are whole stripes) go to
+ * row_major as they are. The bits of row_major on the row-major matrix. */
+void dd_gemm_q4_0_il(dd_gemm_fn row_major, dd_gemv_il_fn il, const uint8_t *w, size_t row_bytes, size_t nrows,
+                     size_t rows_avail, const dd_acts *a, float *y, size_t ldy);
+
+/* Defines NAME, a dd_gemm_fn: dd_gemm_q4_0_il with the level's ROW_MAJOR and IL (NULL where it has none). */
+#define DD_DEFINE_GEMM_Q4_0_IL(NAME, ROW_MAJOR, IL)                                                        \
+    static void NAME(const uint8_t *w, size_t row_bytes, size_t nrows, size_t rows_avail, const dd_acts *a, \
+                     float *y, size_t ldy)                                                                 \
+    {                                                                                                      \
+        dd_gemm_q4_0_il(ROW_MAJOR, IL, w, row_bytes, nrows, rows_avail, a, y, ldy);                        \
+    }
+
 /* How far ahead the SIMD kernels prefetch weights, in rows. A single core keeps too few cache
  * misses in flight while it computes to stream from DRAM; asking for the row this many rows
  * ahead about doubles the single-thread GEMV rate (docs/design/native-cpu.md, "Weight prefetching"). */

@@ -234,6 +234,7 @@ DD_INLINE void tile_q8_0(const uint8_t *w, const uint8_t *pf, size_t rb, const d
 }
 
 DD_DEFINE_GEMV(gemm_q4_0_gemv, tile_q4_0)
+#include "q4_il_avx512.h"
 #include "q4_gemm_avx512.h"
 DD_DEFINE_GEMM(gemm_q8_0, tile_q8_0)
 
@@ -303,9 +304,12 @@ static void dots_f32(const float *w, size_t nw, const float *x, size_t nx, size_
 #define DD_BF16_COLS 4
 #include "bf16.h"
 
+DD_DEFINE_GEMM_Q4_0_IL(gemm_q4_0_il, gemm_q4_0, gemv_q4_0_il)
+
 const dd_kernels dd_kernels_avx512vnni = {
     .quantize_q8_0 = quantize_q8_0,
-    .gemm = { gemm_q4_0, gemm_q8_0, gemm_q4_K, gemm_q5_K, gemm_q6_K, DD_BQ_GEMMS, DD_LB_GEMMS, DD_IQ_GEMMS, gemm_mxfp4, gemm_bf16, gemm_f16 },
+    .gemm = { gemm_q4_0, gemm_q8_0, gemm_q4_K, gemm_q5_K, gemm_q6_K, DD_BQ_GEMMS, DD_LB_GEMMS, DD_IQ_GEMMS, gemm_mxfp4, gemm_bf16, gemm_f16,
+              gemm_q4_0_il },
     .bias_mult = { 0, -128 },
     .q4_0_groups = 1,
     .dots_f32 = dots_f32,

@@ -13,23 +13,27 @@ void dd_pool_for(dd_chunk_fn fn, void *ctx, size_t nchunks);
 /* dd_pool_for with at most max_threads threads (the caller's included) claiming chunks. */
 void dd_pool_for_limit(dd_chunk_fn fn, void *ctx, size_t nchunks, int max_threads);
 
-/* Rows per chunk: a multiple of 4 (the GEMV tile) holding about 32 KiB of weights, so a decode-
- * sized product splits into enough chunks to balance and a tiny one stays on the caller. */
-static inline size_t dd_chunk_rows(size_t row_bytes)
+/* The multiple of 8 nearest to `bytes` of rows of row_bytes (at least 8): whole GEMV tiles (4 rows) and whole
+ * stripes of the interleaved Q4_0 layout (8 rows), so a chunk of a DD_Q4_0_IL matrix starts on a stripe. */
+static inline size_t dd_rows_in(size_t bytes, size_t row_bytes)
 {
-    size_t r = 32768 / (row_bytes ? row_bytes : 1) / 4 * 4;
-    return r < 4 ? 4 : r;
+    size_t r = (bytes / (row_bytes ? row_bytes : 1) + 4) / 8 * 8;
+    return r < 8 ? 8 : r;
 }
 
-/* Rows per chunk of a product with m columns: dd_chunk_rows for m == 1; for m > 1 (prefill) a
- * multiple of 4 holding about 64 KiB of weights, which stay in L2 while the GEMM walks the column
- * blocks (gemm_tiles.h), so a large m no longer shrinks a chunk to 4 rows that meet all m columns. */
+/* Rows per chunk: about 32 KiB of weights (dd_rows_in), so a decode-sized product splits into enough chunks
+ * to balance and a tiny one stays on the caller. */
+static inline size_t dd_chunk_rows(size_t row_bytes)
+{
+    return dd_rows_in(32768, row_bytes);
+}
+
+/* Rows per chunk of a product with m columns: dd_chunk_rows for m == 1; for m > 1 (prefill) about 64 KiB of
+ * weights, which stay in L2 while the GEMM walks the column blocks (gemm_tiles.h), so a large m no longer
+ * shrinks a chunk to a few rows that meet all m columns. */
 static inline size_t dd_gemm_chunk_rows(size_t row_bytes, size_t m)
 {
-    if (m <= 1)
-        return dd_chunk_rows(row_bytes);
-    size_t r = 65536 / (row_bytes ? row_bytes : 1) / 4 * 4;
-    return r < 4 ? 4 : r;
+    return m <= 1 ? dd_chunk_rows(row_bytes) : dd_rows_in(65536, row_bytes);
 }
 
 static inline size_t dd_div_up(size_t a, size_t b)
@@ -83,7 +87,8 @@ int dd_matvec_set(int isa, const dd_matvec_out *p, size_t n, size_t k, const flo
 static inline size_t dd_block_values(int wtype)
 {
     return wtype == DD_Q4_0 || wtype == DD_Q8_0 || wtype == DD_Q4_1 || wtype == DD_Q5_0 || wtype == DD_Q5_1 ||
-                   wtype == DD_IQ4_NL || wtype == DD_MXFP4 || wtype == DD_BF16 || wtype == DD_F16
+                   wtype == DD_IQ4_NL || wtype == DD_MXFP4 || wtype == DD_BF16 || wtype == DD_F16 ||
+                   wtype == DD_Q4_0_IL
                ? DD_QK
                : DD_QK_K;
 }
@@ -95,7 +100,7 @@ static inline size_t dd_block_bytes(int wtype)
                                                   DD_IQ4_NL_BYTES, DD_IQ4_XS_BYTES, DD_Q2_K_BYTES, DD_Q3_K_BYTES,
                                                   DD_IQ2_XXS_BYTES, DD_IQ2_XS_BYTES, DD_IQ2_S_BYTES, DD_IQ3_XXS_BYTES,
                                                   DD_IQ3_S_BYTES, DD_IQ1_S_BYTES, DD_IQ1_M_BYTES, DD_MXFP4_BYTES,
-                                                  DD_BF16_BYTES, DD_F16_BYTES };
+                                                  DD_BF16_BYTES, DD_F16_BYTES, DD_Q4_0_BYTES };
     return bytes[wtype];
 }
 

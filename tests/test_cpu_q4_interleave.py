@@ -1,0 +1,150 @@
+"""The 8-row interleaved Q4_0 layout (engine.kernels.cpu_q4il, native/cpu/quant/q4_interleave.c, q4_il_avx512.h).
+
+The layout is checked against a numpy construction of its definition (deltadesk_cpu.h), the repack's inverse
+against the original bytes, and the interleaved products (the DD_Q4_0_IL kernel type through cpu.Matrix) against
+the row-major kernel of each level bit for bit (the AVX-512 VNNI GEMV's own contract: the same fused adds in the
+same order) and against the float64 product within the kernels' summation bound,
+(k // 32 + 16) * 2^-24 * sum_i |w_i a_i| (tests/test_cpu_kernels.py derives it).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from gguf import GGMLQuantizationType, quants
+
+from engine.kernels import cpu, cpu_q4il
+from engine.kernels.cpu_twins import q4_0_deinterleave_np
+
+Q4_0, Q8_0 = GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q8_0
+VNNI = "avx512vnni" in cpu.supported_isas()
+needs_vnni = pytest.mark.skipif(not VNNI, reason="the interleaved GEMV is AVX-512 VNNI only")
+# Each level's interleaved product (the VNNI GEMV, or the stripes de-interleaved for the row-major kernel) is
+# compared with that level's row-major product; the numpy level with the twin, which de-interleaves in numpy.
+
+
+@pytest.fixture
+def rng():
+    """Fresh random inputs each run; the seed is printed on failure."""
+    seed = np.random.SeedSequence().entropy
+    print(f"seed {seed}")
+    return np.random.default_rng(seed)
+
+
+@pytest.fixture
+def vnni():
+    """The avx512vnni level for one test; the defaults restored afterwards."""
+    cpu.set_isa("avx512vnni")
+    yield
+    cpu.set_isa(None)
+    cpu.set_threads()
+
+
+def layout_np(raw: np.ndarray) -> np.ndarray:
+    """The interleaved bytes by the layout's definition: per stripe and block, 8 scales, then 4 runs x 8 rows."""
+    rows, rb = raw.shape
+    out = raw.copy()
+    nb, full = rb // 18, rows // 8 * 8
+    blocks = raw[:full].reshape(rows // 8, 8, nb, 18)
+    scales = blocks[..., :2].transpose(0, 2, 1, 3).reshape(rows // 8, nb, 16)
+    runs = blocks[..., 2:].reshape(rows // 8, 8, nb, 4, 4).transpose(0, 2, 3, 1, 4).reshape(rows // 8, nb, 128)
+    out[:full] = np.concatenate([scales, runs], axis=2).reshape(full, rb)
+    return out
+
+
+def random_q4_0(rng, rows: int, k: int) -> np.ndarray:
+    w = (rng.standard_normal((rows, k)) * rng.uniform(0.01, 2)).astype(np.float32)
+    return np.ascontiguousarray(quants.quantize(w, Q4_0)).view(np.uint8)
+
+
+@pytest.mark.skipif(cpu_q4il._native_cpu is None, reason="native kernels not built")
+@pytest.mark.parametrize("rows", [1, 7, 8, 9, 23, 64])
+@pytest.mark.parametrize("k", [32, 96, 544])
+def test_repack_is_the_layout_and_its_inverse_restores_the_bytes(rows, k, rng):
+    raw = rng.integers(0, 256, (rows, k // 32 * 18), dtype=np.uint8)
+    packed = raw.copy()
+    cpu_q4il.interleave_q4_0(packed)
+    np.testing.assert_array_equal(packed, layout_np(raw))
+    assert rows < 8 or not np.array_equal(packed, raw)
+    cpu_q4il.deinterleave_q4_0(packed)
+    np.testing.assert_array_equal(packed, raw)
+
+
+@pytest.mark.skipif(cpu_q4il._native_cpu is None, reason="native kernels not built")
+def test_repack_refuses_read_only_and_partial_blocks():
+    ro = np.zeros((8, 36), dtype=np.uint8)
+    ro.flags.writeable = False
+    with pytest.raises(ValueError, match="writable"):
+        cpu_q4il.interleave_q4_0(ro)
+    with pytest.raises(ValueError, match="whole Q4_0 blocks"):
+        cpu_q4il.interleave_q4_0(np.zeros((8, 40), dtype=np.uint8))
+    with pytest.raises(ValueError, match="longer than the layout takes"):
+        cpu_q4il.interleave_q4_0(np.zeros((8, cpu_q4il.MAX_ROW_BYTES + 18), dtype=np.uint8))
+
+
+def test_numpy_twin_deinterleaves_the_layout(rng):
+    raw = rng.integers(0, 256, (29, 96 // 32 * 18), dtype=np.uint8)
+    np.testing.assert_array_equal(q4_0_deinterleave_np(layout_np(raw)), raw)
+
+
+def il_matrix(raw: np.ndarray, k: int) -> cpu.Matrix:
+    """An interleaved Matrix of a copy of raw (row-major Q4_0 rows of k values)."""
+    packed = raw.copy()
+    if cpu_q4il._native_cpu is not None:
+        cpu_q4il.interleave_q4_0(packed)
+    else:
+        packed = layout_np(raw)
+    return cpu.Matrix(packed, k, Q4_0, interleaved=True)
+
+
+@pytest.mark.parametrize("rows,k", [(5, 64), (8, 32), (13, 96), (69, 512), (200, 544), (41, 1056), (136, 2048),
+                                    (29, 29120)])   # the longest rows: one stripe per de-interleaved piece
+@pytest.mark.parametrize("m", [1, 3])
+def test_interleaved_matrix_has_the_row_major_bits(rows, k, m, rng):
+    raw = random_q4_0(rng, rows, k)
+    x = (rng.standard_normal((m, k)) * rng.uniform(0.1, 10)).astype(np.float32)
+    mat, rm = il_matrix(raw, k), cpu.Matrix(raw, k, Q4_0)
+    try:
+        for level in ("numpy", *cpu.supported_isas()):
+            cpu.set_isa(level)
+            want = rm(x)
+            for threads in (1, 2, 3):
+                cpu.set_threads(threads)
+                np.testing.assert_array_equal(mat(x).view(np.uint32), want.view(np.uint32), err_msg=level)
+    finally:
+        cpu.set_isa(None)
+        cpu.set_threads()
+    w = quants.dequantize(raw, Q4_0).astype(np.float64)
+    a = quants.dequantize(quants.quantize(x, Q8_0), Q8_0).astype(np.float64)
+    bound = (k // 32 + 16) * 2.0**-24 * (np.abs(a) @ np.abs(w).T)
+    assert np.all(np.abs(mat(x) - a @ w.T) <= bound)
+
+
+@needs_vnni
+def test_interleaved_gemv_zero_and_extreme_scales(vnni, rng):
+    raw = random_q4_0(rng, 16, 96)
+    raw[3, :] = 0
+    scales = raw.reshape(16, 3, 18)[:, :, :2].view(np.float16)
+    scales[5, 1] = np.float16(65504.0)
+    scales[9, 2] = np.float16(6e-8)
+    x = rng.standard_normal((1, 96)).astype(np.float32)
+    want = cpu.matmul(raw, x, Q4_0)
+    np.testing.assert_array_equal(il_matrix(raw, 96)(x).view(np.uint32), want.view(np.uint32))
+
+
+def test_rows_slice_keeps_the_stripes(rng):
+    raw = random_q4_0(rng, 27, 64)
+    mat = il_matrix(raw, 64)
+    x = rng.standard_normal((1, 64)).astype(np.float32)
+    for r0, r1 in ((8, 16), (16, 27), (24, 27)):
+        part = mat.rows_slice(r0, r1)
+        assert part.interleaved
+        np.testing.assert_array_equal(part(x).view(np.uint32), mat(x)[:, r0:r1].view(np.uint32))
+    for r0, r1 in ((4, 16), (8, 12)):
+        with pytest.raises(ValueError, match="stripes"):
+            mat.rows_slice(r0, r1)
+
+
+def test_only_q4_0_interleaves():
+    with pytest.raises(ValueError, match="only Q4_0"):
+        cpu.Matrix(np.zeros((8, 34), dtype=np.uint8), 32, Q8_0, interleaved=True)
