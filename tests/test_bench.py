@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import stat
 import sys
 from pathlib import Path
@@ -216,7 +217,8 @@ def test_bench_interleaves_with_the_peer(tiny_q4, tmp_path, weights):
     # map: only after the peer's round-1 run; ram: our weights do not live in the page cache
     assert [line.split()[0] for line in rereads] == (["2"] if weights == "map" else [])
     assert (f"weights ram: read {tiny_q4.name}" in text) == (weights == "ram")
-    assert f"Q4_0 {'resident' if weights == 'ram' else 'mapped'}:" in text
+    # on AVX-512 VNNI the bench's level, the Q4_0 rows read into memory are also interleaved at load
+    assert re.search(r"Q4_0 resident( interleaved)?:" if weights == "ram" else "Q4_0 mapped:", text)
     summary = [line for line in lines if line.startswith("deltadesk") and "vs llama.cpp" in line]
     ratios = [a.tg_tok_s / b.tg_tok_s for a, b in zip(samples[0::2], samples[1::2])]
     assert len(summary) == 1 and f"tg {cpu_bench.spread(ratios)}x" in summary[0]

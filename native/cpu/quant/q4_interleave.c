@@ -9,7 +9,7 @@
  */
 #include <stdlib.h>
 
-#include "runtime.h"
+#include "kernels.h"
 
 #define IL_BLOCK (8 * DD_Q4_0_BYTES)
 /* Bytes of row-major rows a product de-interleaves at a time: whole stripes of rows up to
@@ -81,7 +81,7 @@ void dd_gemm_q4_0_il(dd_gemm_fn row_major, dd_gemv_il_fn il, const uint8_t *w, s
         uint8_t rows[IL_PIECE];   /* on the stack, as kq_gemm_avx512.h's scratch: nothing to allocate or fail */
         const size_t per = IL_PIECE / stripe;
         for (size_t s = 0; s < stripes; s += per) {
-            const size_t n = dd_min_size(per, stripes - s);
+            const size_t n = per < stripes - s ? per : stripes - s;
             il_copy(rows, w + s * stripe, n, row_bytes, 0);
             row_major(rows, row_bytes, 8 * n, 8 * n, a, y + 8 * s, ldy);
         }
