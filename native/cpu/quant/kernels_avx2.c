@@ -156,7 +156,7 @@ DD_DEFINE_DOTS_F32(dots_f32, dot_f32)
 #define DD_BF16_COLS 2
 #include "bf16.h"
 
-DD_DEFINE_GEMM_Q4_0_IL(gemm_q4_0_il, gemm_q4_0, NULL)
+DD_DEFINE_GEMM_Q4_0_IL(gemm_q4_0_il, gemm_q4_0, NULL, NULL)
 
 const dd_kernels dd_kernels_avx2 = {
     .quantize_q8_0 = quantize_q8_0,

@@ -304,7 +304,7 @@ static void dots_f32(const float *w, size_t nw, const float *x, size_t nx, size_
 #define DD_BF16_COLS 4
 #include "bf16.h"
 
-DD_DEFINE_GEMM_Q4_0_IL(gemm_q4_0_il, gemm_q4_0, gemv_q4_0_il)
+DD_DEFINE_GEMM_Q4_0_IL(gemm_q4_0_il, gemm_q4_0, gemv_q4_0_il, deil_q4_0)
 
 const dd_kernels dd_kernels_avx512vnni = {
     .quantize_q8_0 = quantize_q8_0,

@@ -106,4 +106,28 @@ static void gemv_q4_0_il(const uint8_t *w, size_t row_bytes, size_t stripes, siz
         il_stripe(w + s * 8 * row_bytes, end, a, y + 8 * s);
 }
 
+/* The level's de-interleave (dd_gemm_q4_0_il's `deil`): `stripes` stripes at src to their row-major rows at
+ * dst. Per block, the 8 rows' 4-byte runs (run q of row r at dword 8 q + r of the block's 128 run bytes) are
+ * regrouped by row with two 2-source dword permutes: row r's 16 bytes at dword 4 (r % 4) of the first
+ * (rows 0-3) or second (rows 4-7) result. */
+static void deil_q4_0(uint8_t *dst, const uint8_t *src, size_t stripes, size_t row_bytes)
+{
+    const size_t nb = row_bytes / DD_Q4_0_BYTES;
+    const __m512i lo = _mm512_setr_epi32(0, 8, 16, 24, 1, 9, 17, 25, 2, 10, 18, 26, 3, 11, 19, 27);
+    const __m512i hi = _mm512_add_epi32(lo, _mm512_set1_epi32(4));
+    uint8_t rows[128];
+    for (size_t s = 0; s < stripes; s++)
+        for (size_t b = 0; b < nb; b++) {
+            const uint8_t *blk = src + s * 8 * row_bytes + b * 8 * DD_Q4_0_BYTES;
+            const __m512i z0 = _mm512_loadu_si512(blk + 16), z1 = _mm512_loadu_si512(blk + 80);
+            _mm512_storeu_si512(rows, _mm512_permutex2var_epi32(z0, lo, z1));
+            _mm512_storeu_si512(rows + 64, _mm512_permutex2var_epi32(z0, hi, z1));
+            uint8_t *out = dst + s * 8 * row_bytes + b * DD_Q4_0_BYTES;
+            for (size_t r = 0; r < 8; r++) {
+                memcpy(out + r * row_bytes, blk + 2 * r, 2);
+                memcpy(out + r * row_bytes + 2, rows + 16 * r, 16);
+            }
+        }
+}
+
 #endif

@@ -4,7 +4,8 @@
  * The repack moves the bytes of one stripe (8 rows) at a time through a scratch of the stripe's size, so it
  * needs no second copy of the matrix; rows past the last multiple of 8 are left as they are. A product runs
  * the level's interleaved GEMV on the stripes where it has one (m == 1), else the row-major Q4_0 kernel on
- * the stripes de-interleaved into the thread's scratch, and that kernel on the row-major tail: a row's result
+ * the stripes de-interleaved a few at a time into a stack buffer (by the level's SIMD de-interleave where it
+ * has one), and that kernel on the row-major tail: a row's result
  * depends only on its bytes and the activations, never on the chunk it falls in.
  */
 #include <stdlib.h>
@@ -71,8 +72,8 @@ int dd_q4_0_deinterleave(uint8_t *w, size_t nrows, size_t row_bytes)
     return il_permute(w, nrows, row_bytes, 0);
 }
 
-void dd_gemm_q4_0_il(dd_gemm_fn row_major, dd_gemv_il_fn il, const uint8_t *w, size_t row_bytes, size_t nrows,
-                     size_t rows_avail, const dd_acts *a, float *y, size_t ldy)
+void dd_gemm_q4_0_il(dd_gemm_fn row_major, dd_gemv_il_fn il, dd_deil_fn deil, const uint8_t *w, size_t row_bytes,
+                     size_t nrows, size_t rows_avail, const dd_acts *a, float *y, size_t ldy)
 {
     const size_t stripes = nrows / 8, r0 = 8 * stripes, stripe = 8 * row_bytes;
     if (stripes > 0 && a->m == 1 && il != NULL) {
@@ -82,7 +83,10 @@ void dd_gemm_q4_0_il(dd_gemm_fn row_major, dd_gemv_il_fn il, const uint8_t *w, s
         const size_t per = IL_PIECE / stripe;
         for (size_t s = 0; s < stripes; s += per) {
             const size_t n = per < stripes - s ? per : stripes - s;
-            il_copy(rows, w + s * stripe, n, row_bytes, 0);
+            if (deil != NULL)
+                deil(rows, w + s * stripe, n, row_bytes);
+            else
+                il_copy(rows, w + s * stripe, n, row_bytes, 0);
             row_major(rows, row_bytes, 8 * n, 8 * n, a, y + 8 * s, ldy);
         }
     }
