@@ -17,6 +17,15 @@ def isa_reset():
     cpu.set_threads()
 
 
+@pytest.fixture
+def vnni(isa_reset):
+    """The CPU kernels on the avx512vnni level for one test (skip where absent); the defaults restored after."""
+    from engine.kernels import cpu
+    if "avx512vnni" not in cpu.supported_isas():
+        pytest.skip("needs the avx512vnni level")
+    cpu.set_isa("avx512vnni")
+
+
 @pytest.fixture(scope="session")
 def synth_model(tmp_path_factory):
     """Return ``make(preset, quant) -> Path``: a synth GGUF (real vocabulary and template), cached per session."""

@@ -31,14 +31,6 @@ def rng():
     return np.random.default_rng(seed)
 
 
-@pytest.fixture
-def vnni():
-    """The avx512vnni level for one test; the defaults restored afterwards."""
-    cpu.set_isa("avx512vnni")
-    yield
-    cpu.set_isa(None)
-    cpu.set_threads()
-
 
 def layout_np(raw: np.ndarray) -> np.ndarray:
     """The interleaved bytes by the layout's definition: per stripe and block, 8 scales, then 4 runs x 8 rows."""

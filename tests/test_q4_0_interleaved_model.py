@@ -36,14 +36,6 @@ def _logits(model, hp) -> np.ndarray:
     return np.concatenate(out)
 
 
-@pytest.fixture
-def vnni():
-    """Load on the avx512vnni level (the one that interleaves); the defaults restored afterwards."""
-    cpu.set_isa("avx512vnni")
-    yield
-    cpu.set_isa(None)
-    cpu.set_threads()
-
 
 def test_interleaved_model_has_the_mapped_logits(synth_model, vnni):
     path = synth_model("tiny", "q4_0")

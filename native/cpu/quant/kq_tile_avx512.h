@@ -48,29 +48,38 @@ DD_INLINE __m512i kq_pair(const int8_t *a, int lo, int hi)
                               _mm256_loadu_si256((const __m256i *)(a + hi)), 1);
 }
 
-/* Column c0 + c's activations of super-block sb, arranged once for the rows of a tile. */
-DD_INLINE void kq_col_prep(const dd_acts *a, size_t b0, int wtype, kq_col *p)
+/* Super-block b0's activations (b0: its first 32-value block in the acts' numbering) as kq_col's v, da and
+ * dab (Q6_K: dab 0); the few-column layout (kqh_few_avx512.h) starts from the same vectors. */
+DD_INLINE void kq_col_vectors(const dd_acts *a, size_t b0, int wtype, __m512i v[4], __m512d *da, __m512d *dab)
 {
     const int8_t *q = a->q + b0 * DD_QK;
     const __m256i order = _mm256_loadu_si256((const __m256i *)kq_order[wtype == DD_Q6_K]);
-    p->da = _mm512_cvtps_pd(_mm256_permutexvar_ps(order, _mm256_loadu_ps(a->bd + b0)));
+    *da = _mm512_cvtps_pd(_mm256_permutexvar_ps(order, _mm256_loadu_ps(a->bd + b0)));
     if (wtype == DD_Q6_K) {
         for (int j = 0; j < 4; j++)
-            p->v[j] = _mm512_loadu_si512(q + 64 * j);
+            v[j] = _mm512_loadu_si512(q + 64 * j);
+        *dab = _mm512_setzero_pd();
+        return;
+    }
+    v[0] = kq_pair(q, 0, 64);
+    v[1] = kq_pair(q, 32, 96);
+    v[2] = kq_pair(q, 128, 192);
+    v[3] = kq_pair(q, 160, 224);
+    const __m256i bs = _mm256_permutexvar_epi32(order, _mm256_loadu_si256((const __m256i *)(a->bs + b0)));
+    *dab = _mm512_mul_pd(*da, _mm512_cvtepi32_pd(bs));
+}
+
+/* Column c0 + c's activations of super-block sb, arranged once for the rows of a tile. */
+DD_INLINE void kq_col_prep(const dd_acts *a, size_t b0, int wtype, kq_col *p)
+{
+    kq_col_vectors(a, b0, wtype, p->v, &p->da, &p->dab);
+    if (wtype == DD_Q6_K) {
         const __m512i s32 = _mm512_slli_epi32(   /* lane 4k + j: 32 times the sum of quarter k of vector j's half */
             _mm512_permutexvar_epi32(_mm512_loadu_si512(kq_half_lane), _mm512_loadu_si512(a->s16 + 2 * b0)), 5);
         const __m512i neg = _mm512_sub_epi32(_mm512_setzero_si512(), s32);
         const __m512i quad = _mm512_setr_epi32(0, 0, 0, 0, 4, 4, 4, 4, 8, 8, 8, 8, 12, 12, 12, 12);
         for (int j = 0; j < 4; j++)   /* dword 4k of seed j = lane 4k + j of -s32, the other dwords 0 */
             p->seed[j] = _mm512_maskz_permutexvar_epi32(0x1111, _mm512_add_epi32(quad, _mm512_set1_epi32(j)), neg);
-        p->dab = _mm512_setzero_pd();
-    } else {
-        p->v[0] = kq_pair(q, 0, 64);
-        p->v[1] = kq_pair(q, 32, 96);
-        p->v[2] = kq_pair(q, 128, 192);
-        p->v[3] = kq_pair(q, 160, 224);
-        const __m256i bs = _mm256_permutexvar_epi32(order, _mm256_loadu_si256((const __m256i *)(a->bs + b0)));
-        p->dab = _mm512_mul_pd(p->da, _mm512_cvtepi32_pd(bs));
     }
 }
 

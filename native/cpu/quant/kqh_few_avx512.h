@@ -49,24 +49,12 @@ DD_INLINE void kqh_transpose(__m512i x[4])
 /* Column super-block b0 (its first 32-value block in the acts' numbering) arranged into *p. */
 DD_INLINE void kqh_col_prep(const dd_acts *a, size_t b0, int wtype, kqh_col *p)
 {
-    const int8_t *q = a->q + b0 * DD_QK;
-    const __m256i order = _mm256_loadu_si256((const __m256i *)kq_order[wtype == DD_Q6_K]);
-    p->da = _mm512_cvtps_pd(_mm256_permutexvar_ps(order, _mm256_loadu_ps(a->bd + b0)));
+    kq_col_vectors(a, b0, wtype, p->v, &p->da, &p->dab);
+    p->seed = _mm512_setzero_si512();
     if (wtype == DD_Q6_K) {
-        for (int j = 0; j < 4; j++)
-            p->v[j] = _mm512_loadu_si512(q + 64 * j);
         const __m512i s = _mm512_permutexvar_epi32(_mm512_loadu_si512(kq_half_lane),
                                                    _mm512_loadu_si512(a->s16 + 2 * b0));
         p->seed = _mm512_sub_epi32(_mm512_setzero_si512(), _mm512_slli_epi32(s, 5));
-        p->dab = _mm512_setzero_pd();
-    } else {
-        p->v[0] = kq_pair(q, 0, 64);
-        p->v[1] = kq_pair(q, 32, 96);
-        p->v[2] = kq_pair(q, 128, 192);
-        p->v[3] = kq_pair(q, 160, 224);
-        p->seed = _mm512_setzero_si512();
-        const __m256i bs = _mm256_permutexvar_epi32(order, _mm256_loadu_si256((const __m256i *)(a->bs + b0)));
-        p->dab = _mm512_mul_pd(p->da, _mm512_cvtepi32_pd(bs));
     }
     kqh_transpose(p->v);
 }
