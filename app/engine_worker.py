@@ -137,6 +137,13 @@ def holds_gpu(info: Any) -> bool:
     return info.device == "cuda" or getattr(info, "vision_device", "") == "cuda"
 
 
+def closed_first(info: Any, request: "LoadRequest | None") -> bool:
+    """Whether the loaded model of ``info`` is closed before ``request`` loads: it holds the GPU (:func:`holds_gpu`),
+    or its weights were read into memory and ``request`` opens a local file (a second copy beside them could
+    exhaust the memory, and "auto" would measure it without them and map the new file)."""
+    return holds_gpu(info) or (getattr(info, "weights", "") == "ram" and not getattr(request, "remote_url", ""))
+
+
 def human_size(n: float) -> str:
     """A byte count as "512 B", "3.4 MB", ..."""
     if n < 1024:
@@ -261,13 +268,13 @@ class EngineWorker(QObject):
         ``loaded`` (the previous model was closed, its snapshots saved) or ``load_failed`` (the
         previous model, if any, is still loaded and answers), unless :meth:`cancel_load` was called
         meanwhile. Both models are open while the new one loads (their weights are used where the
-        file is mapped: page cache, not a copy), except when the loaded one holds the GPU
-        (:func:`holds_gpu`): it is closed first, so the new model's VRAM budget is measured on a free
-        device; the window then loads it again if the new one fails.
+        file is mapped: page cache, not a copy), except when the loaded one holds the GPU or its weights
+        are read into memory (:func:`closed_first`): it is closed first, so the new model's VRAM budget and
+        memory are measured free of it; the window then loads it again if the new one fails.
         """
         if self._ahead is not None:
             self._ahead.cancel()
-        if self._engine is not None and holds_gpu(self._engine.info):
+        if self._engine is not None and closed_first(self._engine.info, request):
             self._close_engine()
         cancel = threading.Event()
         with self._lock:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import socket
 from dataclasses import replace
 
+import pytest
 from PySide6.QtCore import Qt
 
 from app.engine_worker import load_real_engine
@@ -38,7 +39,8 @@ def test_a_truncated_gguf_leaves_the_local_model_answering(qtbot, make_window, s
     truncated = tmp_path / "cut.gguf"
     truncated.write_bytes(good.read_bytes()[: good.stat().st_size // 2])
     window = make_window(loader=load_real_engine, load=False)
-    window.apply_settings(replace(window.prefs, model_path=str(good), context=512, max_tokens=3, temperature=0.0))
+    window.apply_settings(replace(window.prefs, model_path=str(good), context=512, max_tokens=3, temperature=0.0,
+                                  weights="map"))   # mapped: open beside the new one (read into memory: closed first)
     qtbot.waitUntil(lambda: window.model is not None)
     assert window.statusBar().currentMessage() == f"Now using {good.name}."
     banner, first = window.banner.text(), _send(qtbot, window, "Say hello.")
@@ -77,10 +79,13 @@ def test_a_truncated_gguf_leaves_the_remote_engine_answering(qtbot, make_window,
     assert _send(qtbot, window, "Say hello.").stats["generated_tokens"] == 3
 
 
-def test_a_model_holding_the_gpu_is_closed_first_and_loaded_again_after_a_failed_switch(qtbot, make_window):
+@pytest.mark.parametrize("held", [dict(device="cuda", vram_budget=6 * 2**30), dict(weights="ram")])
+def test_a_model_holding_the_gpu_is_closed_first_and_loaded_again_after_a_failed_switch(qtbot, make_window, held):
+    """Also a model read into memory (weights "ram"): a second copy beside it could exhaust the memory, and "auto"
+    would measure the memory without it (and map the new one)."""
     from engine.errors import EngineError
     from fake_engine import FakeEngine, fake_info
-    engine = FakeEngine(info=fake_info(device="cuda", vram_budget=6 * 2**30))
+    engine = FakeEngine(info=fake_info(**held))
     asked = []
 
     def loader(request, progress, cancel):
