@@ -4,6 +4,7 @@ loaded before (local or remote) answering, with the error in the status bar and 
 from __future__ import annotations
 
 import socket
+import weakref
 from dataclasses import replace
 
 import pytest
@@ -50,6 +51,27 @@ def test_a_truncated_gguf_leaves_the_local_model_answering(qtbot, make_window, s
     assert window.banner.text() == banner and window.prefs.model_path == str(good)
     again = _send(qtbot, window, "Say hello.")
     assert again.state == "complete" and again.stats["generated_tokens"] == first.stats["generated_tokens"] == 3
+
+
+def test_the_copy_read_into_memory_is_freed_before_the_next_load(qtbot, make_window, synth_model):
+    from engine.errors import EngineError
+    copies, freed = [], []
+
+    def loader(request, progress, cancel):
+        if request.model_path == "m.gguf":
+            freed.append(all(ref() is None for ref in copies))
+            raise EngineError("m.gguf: wrong magic b'GGUX', expected b'GGUF'")
+        engine = load_real_engine(request, progress, cancel)
+        copies.append(weakref.ref(engine.text.file.writable))
+        return engine
+
+    window = make_window(loader=loader, load=False)
+    window.apply_settings(replace(window.prefs, model_path=str(synth_model("tiny", "q8_0")), context=512,
+                                  weights="ram", device="cpu"))
+    qtbot.waitUntil(lambda: window.model is not None)
+    window.load_model("m.gguf")
+    qtbot.waitUntil(lambda: window.loading is None and "loaded again" in window.statusBar().currentMessage())
+    assert freed == [True]           # not held by a reference cycle until some later collection
 
 
 def test_an_unreachable_server_leaves_the_local_model_and_the_settings(qtbot, make_window, synth_model):
