@@ -123,3 +123,17 @@ def test_a_model_holding_the_gpu_is_closed_first_and_loaded_again_after_a_failed
     assert window.statusBar().currentMessage().startswith("Still using fake-model.gguf (loaded again). "
                                                           "Could not open m.gguf: m.gguf: wrong magic")
     assert window.model is not None and window.composer.send_button.isEnabled()
+
+
+def test_a_reload_while_an_answer_streams_closes_the_model_read_into_memory_after_the_turn(qtbot, make_window):
+    from fake_engine import FakeEngine, fake_info
+    engine = FakeEngine(tokens=["a", "b", "c", "d"], info=fake_info(weights="ram"))
+    engine.hold(after=2)
+    window = make_window(engine)
+    window.composer.editor.setPlainText("q")
+    qtbot.keyClick(window.composer.editor, Qt.Key_Return)
+    qtbot.waitUntil(lambda: engine.produced >= 2 and window.controller.live is not None)
+    window.apply_settings(replace(window.prefs, context=2048))        # stops the answer, closes, loads again
+    qtbot.waitUntil(lambda: window.model is not None and window.loading is None and engine.closed == 1)
+    assert engine.loads[-1].context == 2048 and not window.controller.busy
+    assert "Now using" in window.statusBar().currentMessage()
