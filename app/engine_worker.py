@@ -22,6 +22,7 @@ whatever the loader thread still returns is dropped when it arrives.
 
 from __future__ import annotations
 
+import gc
 import logging
 import threading
 import time
@@ -135,6 +136,13 @@ class ModelSummary:
 def holds_gpu(info: Any) -> bool:
     """Whether a loaded model keeps buffers on the GPU (prefill or its vision tower runs there)."""
     return info.device == "cuda" or getattr(info, "vision_device", "") == "cuda"
+
+
+def closed_first(info: Any, request: "LoadRequest | None") -> bool:
+    """Whether the loaded model of ``info`` is closed before ``request`` loads: it holds the GPU (:func:`holds_gpu`),
+    or its weights were read into memory and ``request`` opens a local file (a second copy beside them could
+    exhaust the memory, and "auto" would measure it without them and map the new file)."""
+    return holds_gpu(info) or (getattr(info, "weights", "") == "ram" and not getattr(request, "remote_url", ""))
 
 
 def human_size(n: float) -> str:
@@ -261,13 +269,13 @@ class EngineWorker(QObject):
         ``loaded`` (the previous model was closed, its snapshots saved) or ``load_failed`` (the
         previous model, if any, is still loaded and answers), unless :meth:`cancel_load` was called
         meanwhile. Both models are open while the new one loads (their weights are used where the
-        file is mapped: page cache, not a copy), except when the loaded one holds the GPU
-        (:func:`holds_gpu`): it is closed first, so the new model's VRAM budget is measured on a free
-        device; the window then loads it again if the new one fails.
+        file is mapped: page cache, not a copy), except when the loaded one holds the GPU or its weights
+        are read into memory (:func:`closed_first`): it is closed first, so the new model's VRAM budget and
+        memory are measured free of it; the window then loads it again if the new one fails.
         """
         if self._ahead is not None:
             self._ahead.cancel()
-        if self._engine is not None and holds_gpu(self._engine.info):
+        if self._engine is not None and closed_first(self._engine.info, request):
             self._close_engine()
         cancel = threading.Event()
         with self._lock:
@@ -387,6 +395,8 @@ class EngineWorker(QObject):
             self.notice.emit(plain_error(exc, "saving the prefix snapshots"))
         finally:
             session.close()
+            del engine, session
+            gc.collect()   # the model's reference cycles hold its weights (read into memory: the file's size)
 
     @Slot()
     def shutdown(self) -> None:

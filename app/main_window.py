@@ -21,7 +21,7 @@ from .composer import Composer
 from .controller import ChatController
 from .connections import KeyStore
 from .conversations import ConversationIdRole, ConversationListModel, ConversationPanel
-from .engine_worker import LoadRequest, ModelSummary, WorkerThread, holds_gpu
+from .engine_worker import LoadRequest, ModelSummary, WorkerThread, closed_first
 from .gpu import GpuReport, device_phrase, vision_phrase
 from .history import ImageStore
 from .history_thread import HistoryThread
@@ -325,9 +325,10 @@ class MainWindow(FileActions, QMainWindow):
         if self.loading is None:
             return
         self.engine.worker.cancel_load()
-        name, self.loading = self.loading.name, None
+        request, self.loading = self.loading, None
+        name = request.name
         self._show_loading(False)
-        if not self._keep_previous(f"Loading {name} was cancelled."):
+        if not self._keep_previous(f"Loading {name} was cancelled.", request):
             self._set_ready(NO_MODEL)
             self._set_banner("Loading was cancelled; no model is loaded. Open one with Ctrl+O or in Settings.", False)
 
@@ -368,10 +369,10 @@ class MainWindow(FileActions, QMainWindow):
         self.composer.set_vision(info.has_vision, info.vision_note if info.remote and not info.has_vision else "")
         self.sidebar.set_context(info.context, bool(info.remote))
 
-    def _keep_previous(self, what: str) -> bool:
-        """After a failed or cancelled switch: the model loaded before answers again (the settings name it
-        again), and the status bar says which model is still used and ``what`` happened; False when there
-        was none."""
+    def _keep_previous(self, what: str, request: LoadRequest | None) -> bool:
+        """After a failed or cancelled switch (to ``request``): the model loaded before answers again (the settings
+        name it again; loaded again when the worker closed it first), and the status bar says which model is still
+        used and ``what`` happened; False when there was none."""
         previous, self._previous = self._previous, None
         prefs, self._previous_prefs = self._previous_prefs, None
         if previous is None:
@@ -380,7 +381,7 @@ class MainWindow(FileActions, QMainWindow):
         if prefs is not None:
             self.apply_settings(self.prefs.with_load_of(prefs), reload=False)
         name = previous.info.name or Path(previous.info.path).name
-        if holds_gpu(previous.info) and self._loaded_request is not None:   # the worker closed it first
+        if closed_first(previous.info, request) and self._loaded_request is not None:   # the worker closed it first
             self._after_load = f"Still using {name} (loaded again). {what}"
             self._start_load(self._loaded_request)
             return True
@@ -435,7 +436,7 @@ class MainWindow(FileActions, QMainWindow):
         self._after_load = ""
         self._show_loading(False)
         name = request.name if request is not None else "the model"
-        if not self._keep_previous(f"Could not open {name}: {message}"):
+        if not self._keep_previous(f"Could not open {name}: {message}", request):
             self._set_ready(NO_MODEL)
             self._set_banner(f"The model could not be loaded. {message}", True)
 

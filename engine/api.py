@@ -169,7 +169,7 @@ class Engine:
                          vision_device=self.vision.device if self.vision is not None else "",
                          vision_note=self.vision.device_note if self.vision is not None else "",
                          template_note=CHATML_NOTE if self.tokenizer.chat_template is None else "",
-                         pruning=pruning_summary(self.text))
+                         pruning=pruning_summary(self.text), weights="ram" if gguf.resident else "map")
 
     def telemetry(self) -> Any:
         """The last GPU prefill's :class:`~engine.kernels.moe_stream.PrefillTelemetry` (H2D bytes and

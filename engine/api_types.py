@@ -113,6 +113,8 @@ class ModelInfo:
         remote: the base URL of the server that runs the model, or "" for an in-process engine.
         pruning: "128 of 256 experts kept (REAP)" for a file written by ``python -m engine prune``
             (its ``general.pruning`` note, :func:`engine.reap.pruned.pruning_summary`), else "".
+        weights: "ram" when the file was read into this process's memory (:attr:`EngineOptions.weights`), else
+            "map" (the file map; a remote engine too).
     """
 
     arch: str
@@ -134,6 +136,7 @@ class ModelInfo:
     name: str = ""
     remote: str = ""
     pruning: str = ""
+    weights: str = "map"
 
 
 class ChatEngine(Protocol):

@@ -34,8 +34,8 @@ def text_model(text: LoadedText, options: EngineOptions) -> TextModel:
     cpu.set_threads(options.threads)
     if options.kernels == "native" and cpu.available():
         # "auto" reads the file into memory only where no GPU prefill will copy the weights (weights_mode)
-        model = text.arch.native_model(text.hparams, text.file,
-                                       repack=options.device == "cpu" or options.weights == "auto")
+        repack = options.device == "cpu" or options.weights == "auto" or not _gpu_present()
+        model = text.arch.native_model(text.hparams, text.file, repack=repack)
         interleave_experts(text.file)
         return model
     return text.arch.reference_model(text.hparams, text.file)

@@ -73,9 +73,12 @@ def test_not_interleaved_on_other_levels(synth_model):
     assert not any(r.endswith(" interleaved") for r in held.weight_rules), held.weight_rules
 
 
-@pytest.mark.parametrize("device,weights,repacked", [("cpu", "ram", True), ("auto", "ram", False),
-                                                     ("cuda", "ram", False)])
-def test_no_repack_where_gpu_prefill_may_read_the_bytes(synth_model, vnni, device, weights, repacked):
+@pytest.mark.parametrize("device,weights,gpu,repacked", [("cpu", "ram", True, True), ("auto", "ram", True, False),
+                                                         ("cuda", "ram", True, False), ("auto", "ram", False, True),
+                                                         ("cuda", "ram", False, True)])
+def test_no_repack_where_gpu_prefill_may_read_the_bytes(synth_model, vnni, monkeypatch, device, weights, gpu,
+                                                        repacked):
+    monkeypatch.setattr(placement, "_gpu_present", lambda: gpu)   # without a GPU no prefill can upload the bytes
     text = open_text(synth_model("tiny", "q4_0"), weights)
     model = placement.text_model(text, EngineOptions(device=device, weights=weights))
     assert any(r.endswith(" interleaved") for r in model.weight_rules) == repacked, model.weight_rules

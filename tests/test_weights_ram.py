@@ -108,6 +108,23 @@ def test_a_file_truncated_while_being_read_is_a_format_error(synth_model, tmp_pa
         read_header(path, "ram")
 
 
+def test_a_file_replaced_while_being_read_is_a_format_error(synth_model, tmp_path, monkeypatch):
+    path = tmp_path / "replaced.gguf"
+    shutil.copyfile(synth_model("tiny", "q4_0"), path)
+    other = synth_model("tiny", "q8_0")
+    assert other.stat().st_size >= path.stat().st_size   # the read then fills every byte: no short-read error
+    read = resident.read_resident
+
+    def replace_then_read(source, n, available=None):
+        shutil.copyfile(other, tmp_path / "new.gguf")
+        os.replace(tmp_path / "new.gguf", source)       # a download or a re-quantization lands on the same name
+        return read(source, n, available)
+
+    monkeypatch.setattr(header_mod, "read_resident", replace_then_read)
+    with pytest.raises(ModelFormatError, match=r"replaced\.gguf: the file changed while being read into memory"):
+        read_header(path, "ram")
+
+
 def test_explicit_ram_without_the_memory_is_refused_before_reading(synth_model, monkeypatch):
     path = synth_model("tiny", "q4_0")
     size = os.path.getsize(path)

@@ -352,7 +352,7 @@ def read_header(path: str | os.PathLike[str], weights: str = "map") -> Header:
 
     Raises:
         ModelFormatError: the file cannot be opened, is shorter than a header, or its header is
-            malformed or truncated, or ("ram") it shrank while being read; the message names the file
+            malformed or truncated, or ("ram") it shrank or was replaced while being read; the message names the file
             (and the key or tensor).
         MemoryFitError: "ram" and the file is larger than the available memory (before reading it).
         ValueError: ``weights`` is neither "map" nor "ram".
@@ -365,6 +365,9 @@ def read_header(path: str | os.PathLike[str], weights: str = "map") -> Header:
     size = header.data.size
     header = replace(header, data=np.empty(0, np.uint8))   # unmaps: the read below drops every page it caches
     writable = read_resident(header.source, size)
+    if not np.array_equal(writable[:len(header.header_bytes)], np.frombuffer(header.header_bytes, np.uint8)):
+        raise ModelFormatError(f"{header.source}: the file changed while being read into memory (its header is not "
+                               "the one parsed a moment before: replaced while loading?); load it again")
     readonly = writable.view()
     readonly.flags.writeable = False
     return replace(header, data=readonly, writable=writable)

@@ -4,8 +4,10 @@ loaded before (local or remote) answering, with the error in the status bar and 
 from __future__ import annotations
 
 import socket
+import weakref
 from dataclasses import replace
 
+import pytest
 from PySide6.QtCore import Qt
 
 from app.engine_worker import load_real_engine
@@ -38,7 +40,8 @@ def test_a_truncated_gguf_leaves_the_local_model_answering(qtbot, make_window, s
     truncated = tmp_path / "cut.gguf"
     truncated.write_bytes(good.read_bytes()[: good.stat().st_size // 2])
     window = make_window(loader=load_real_engine, load=False)
-    window.apply_settings(replace(window.prefs, model_path=str(good), context=512, max_tokens=3, temperature=0.0))
+    window.apply_settings(replace(window.prefs, model_path=str(good), context=512, max_tokens=3, temperature=0.0,
+                                  weights="map"))   # mapped: open beside the new one (read into memory: closed first)
     qtbot.waitUntil(lambda: window.model is not None)
     assert window.statusBar().currentMessage() == f"Now using {good.name}."
     banner, first = window.banner.text(), _send(qtbot, window, "Say hello.")
@@ -48,6 +51,27 @@ def test_a_truncated_gguf_leaves_the_local_model_answering(qtbot, make_window, s
     assert window.banner.text() == banner and window.prefs.model_path == str(good)
     again = _send(qtbot, window, "Say hello.")
     assert again.state == "complete" and again.stats["generated_tokens"] == first.stats["generated_tokens"] == 3
+
+
+def test_the_copy_read_into_memory_is_freed_before_the_next_load(qtbot, make_window, synth_model):
+    from engine.errors import EngineError
+    copies, freed = [], []
+
+    def loader(request, progress, cancel):
+        if request.model_path == "m.gguf":
+            freed.append(all(ref() is None for ref in copies))
+            raise EngineError("m.gguf: wrong magic b'GGUX', expected b'GGUF'")
+        engine = load_real_engine(request, progress, cancel)
+        copies.append(weakref.ref(engine.text.file.writable))
+        return engine
+
+    window = make_window(loader=loader, load=False)
+    window.apply_settings(replace(window.prefs, model_path=str(synth_model("tiny", "q8_0")), context=512,
+                                  weights="ram", device="cpu"))
+    qtbot.waitUntil(lambda: window.model is not None)
+    window.load_model("m.gguf")
+    qtbot.waitUntil(lambda: window.loading is None and "loaded again" in window.statusBar().currentMessage())
+    assert freed == [True]           # not held by a reference cycle until some later collection
 
 
 def test_an_unreachable_server_leaves_the_local_model_and_the_settings(qtbot, make_window, synth_model):
@@ -77,10 +101,13 @@ def test_a_truncated_gguf_leaves_the_remote_engine_answering(qtbot, make_window,
     assert _send(qtbot, window, "Say hello.").stats["generated_tokens"] == 3
 
 
-def test_a_model_holding_the_gpu_is_closed_first_and_loaded_again_after_a_failed_switch(qtbot, make_window):
+@pytest.mark.parametrize("held", [dict(device="cuda", vram_budget=6 * 2**30), dict(weights="ram")])
+def test_a_model_holding_the_gpu_is_closed_first_and_loaded_again_after_a_failed_switch(qtbot, make_window, held):
+    """Also a model read into memory (weights "ram"): a second copy beside it could exhaust the memory, and "auto"
+    would measure the memory without it (and map the new one)."""
     from engine.errors import EngineError
     from fake_engine import FakeEngine, fake_info
-    engine = FakeEngine(info=fake_info(device="cuda", vram_budget=6 * 2**30))
+    engine = FakeEngine(info=fake_info(**held))
     asked = []
 
     def loader(request, progress, cancel):
@@ -96,3 +123,17 @@ def test_a_model_holding_the_gpu_is_closed_first_and_loaded_again_after_a_failed
     assert window.statusBar().currentMessage().startswith("Still using fake-model.gguf (loaded again). "
                                                           "Could not open m.gguf: m.gguf: wrong magic")
     assert window.model is not None and window.composer.send_button.isEnabled()
+
+
+def test_a_reload_while_an_answer_streams_closes_the_model_read_into_memory_after_the_turn(qtbot, make_window):
+    from fake_engine import FakeEngine, fake_info
+    engine = FakeEngine(tokens=["a", "b", "c", "d"], info=fake_info(weights="ram"))
+    engine.hold(after=2)
+    window = make_window(engine)
+    window.composer.editor.setPlainText("q")
+    qtbot.keyClick(window.composer.editor, Qt.Key_Return)
+    qtbot.waitUntil(lambda: engine.produced >= 2 and window.controller.live is not None)
+    window.apply_settings(replace(window.prefs, context=2048))        # stops the answer, closes, loads again
+    qtbot.waitUntil(lambda: window.model is not None and window.loading is None and engine.closed == 1)
+    assert engine.loads[-1].context == 2048 and not window.controller.busy
+    assert "Now using" in window.statusBar().currentMessage()
