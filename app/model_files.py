@@ -44,6 +44,7 @@ def headline(info, prefill: str, images: str = "") -> str:
     model; the main quant type is the one holding the most bytes); ``prefill`` and ``images`` are
     :func:`~app.gpu.device_phrase` and :func:`~app.gpu.vision_phrase`. A remote engine is named
     with its server: "tiny on http://host:8000/v1 (remote engine) · text only · runs on the server".
+    Weights read into memory say so after the decode ("decode on CPU, weights in memory"; ``info.weights``).
     A file that chats in ChatML for want of a template ends with that notice (``info.template_note``).
     A pruned file says how many experts it kept after its size ("128 of 256 experts kept (REAP)",
     ``info.pruning``).
@@ -54,6 +55,7 @@ def headline(info, prefill: str, images: str = "") -> str:
     n = info.n_params
     size = f"{n / 1e9:.1f} B" if n >= 1e9 else f"{n / 1e6:.1f} M"
     quant = max(info.quant_mix.items(), key=lambda kv: kv[1][1])[0] if info.quant_mix else "?"
-    where = ", ".join(p for p in (prefill, "decode on CPU", images) if p)
+    held = "weights in memory" if info.weights == "ram" else ""
+    where = ", ".join(p for p in (prefill, "decode on CPU", held, images) if p)
     parts = (Path(info.path).stem, f"{size} params", info.pruning, quant, takes, where, info.template_note)
     return " \u00b7 ".join(p for p in parts if p)
