@@ -38,6 +38,7 @@ print(h.hexdigest())
 PY
 )"
     if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ] || ! deltadesk_native_built; then
+        echo "DeltaDesk: installing into $venv and building the native CPU kernels (a few minutes; once)" >&2
         "$venv/bin/python" -m pip install -q -e "$spec"
         if deltadesk_native_built; then
             printf '%s\n' "$want" > "$stamp"
