@@ -22,7 +22,6 @@ whatever the loader thread still returns is dropped when it arrives.
 
 from __future__ import annotations
 
-import gc
 import logging
 import threading
 import time
@@ -395,8 +394,6 @@ class EngineWorker(QObject):
             self.notice.emit(plain_error(exc, "saving the prefix snapshots"))
         finally:
             session.close()
-            del engine, session
-            gc.collect()   # the model's reference cycles hold its weights (read into memory: the file's size)
 
     @Slot()
     def shutdown(self) -> None:

@@ -84,7 +84,7 @@ class NativeStep:
         if reason is not None:
             raise ValueError(f"the native decode step cannot run this model: {reason}")
         hp = model.hp
-        self.model, self.hp = model, hp
+        self._model, self.hp = weakref.ref(model), hp   # the model holds its step: no reference cycle
         ffi, lib = cpu._native_cpu.ffi, cpu._native_cpu.lib
         self._keep: list[Any] = []
         layers = ffi.new("dd_step_layer[]", hp.n_layer)
@@ -128,7 +128,7 @@ class NativeStep:
 
     def takes(self, n_tokens: int, cb: Any) -> bool:
         """True if a forward call of ``n_tokens`` with stage callback ``cb`` runs here (see the module doc)."""
-        return n_tokens == 1 and cb is None and self.model.observer is None and cpu.isa() != "numpy"
+        return n_tokens == 1 and cb is None and self._model().observer is None and cpu.isa() != "numpy"
 
     def _state(self, state: SequenceState) -> Any:
         """The ``dd_step_state`` of ``state``'s arrays, rebuilt when they are not the arrays of the last call
@@ -179,7 +179,7 @@ class NativeStep:
         hp = self.hp
         tokens, positions = state.chunk_inputs(tokens, positions, hp.n_vocab)
         if embeddings is None:
-            x = self.model.embed(tokens)
+            x = self._model().embed(tokens)
         else:
             x = np.asarray(embeddings, dtype=np.float32)
             if x.shape != (1, hp.n_embd):
