@@ -91,7 +91,7 @@ def il_matrix(raw: np.ndarray, k: int) -> cpu.Matrix:
 
 @pytest.mark.parametrize("rows,k", [(5, 64), (8, 32), (13, 96), (69, 512), (200, 544), (41, 1056), (136, 2048),
                                     (29, 29120)])   # the longest rows: one stripe per de-interleaved piece
-@pytest.mark.parametrize("m", [1, 3])
+@pytest.mark.parametrize("m", [1, 3, 17, 64])   # m > 1: the prefill GEMM (on VNNI straight from the stripes)
 def test_interleaved_matrix_has_the_row_major_bits(rows, k, m, rng):
     raw = random_q4_0(rng, rows, k)
     x = (rng.standard_normal((m, k)) * rng.uniform(0.1, 10)).astype(np.float32)
@@ -113,15 +113,18 @@ def test_interleaved_matrix_has_the_row_major_bits(rows, k, m, rng):
 
 
 @needs_vnni
-def test_interleaved_gemv_zero_and_extreme_scales(vnni, rng):
-    raw = random_q4_0(rng, 16, 96)
+@pytest.mark.parametrize("k", [96, 1056])   # a short group only; two full groups and a short one
+@pytest.mark.parametrize("m", [1, 5])
+def test_interleaved_gemv_zero_and_extreme_scales(vnni, k, m, rng):
+    raw = random_q4_0(rng, 16, k)
     raw[3, :] = 0
-    scales = raw.reshape(16, 3, 18)[:, :, :2].view(np.float16)
+    scales = raw.reshape(16, k // 32, 18)[:, :, :2].view(np.float16)
     scales[5, 1] = np.float16(65504.0)
     scales[9, 2] = np.float16(6e-8)
-    x = rng.standard_normal((1, 96)).astype(np.float32)
+    scales[14, -1] = np.float16(-65504.0)
+    x = rng.standard_normal((m, k)).astype(np.float32)
     want = cpu.matmul(raw, x, Q4_0)
-    np.testing.assert_array_equal(il_matrix(raw, 96)(x).view(np.uint32), want.view(np.uint32))
+    np.testing.assert_array_equal(il_matrix(raw, k)(x).view(np.uint32), want.view(np.uint32))
 
 
 def test_rows_slice_keeps_the_stripes(rng):

@@ -95,6 +95,9 @@ def test_expert_row_raw_are_slices_of_f32(files, rng, q):
     emb = f.f32("token_embd.weight")
     for i in rng.choice(hp.n_vocab, 5, replace=False):
         np.testing.assert_array_equal(f.row("token_embd.weight", int(i)), emb[i])
+    ids = rng.integers(0, hp.n_vocab, 40)   # with repeats
+    np.testing.assert_array_equal(f.rows("token_embd.weight", ids), emb[ids])
+    assert f.rows("token_embd.weight", ids[:0]).shape == (0, hp.n_embd)
     name = "blk.0.attn_qkv.weight"
     raw = f.raw(name)
     info = f.info(name)
@@ -106,6 +109,10 @@ def test_expert_row_raw_are_slices_of_f32(files, rng, q):
         f.expert("blk.0.ffn_up_exps.weight", hp.n_expert)
     with pytest.raises(IndexError):
         f.row("token_embd.weight", hp.n_vocab)
+    with pytest.raises(IndexError, match="row -1"):
+        f.rows("token_embd.weight", np.array([3, -1]))
+    with pytest.raises(ValueError, match="not a matrix"):
+        f.rows("blk.0.ffn_down_exps.weight", np.array([0]))
     with pytest.raises(ValueError):
         f.expert("token_embd.weight", 0)
 

@@ -262,6 +262,28 @@ class GGUFFile:
         start = v.offset + (v.row0 + i) * v.row_bytes
         return dequantize(self._data[start:start + v.row_bytes], v.info.qtype, (v.info.ne[0],))
 
+    def rows(self, name: str, ids: np.ndarray) -> np.ndarray:
+        """Rows ``ids`` of a 2-D tensor (a prompt's embedding lookup): their bytes gathered, one dequantize.
+
+        Returns:
+            ``(len(ids), ne0)`` float32, row j equal to ``row(name, ids[j])``.
+
+        Raises:
+            ValueError: the tensor is not 2-D. IndexError: an id outside ``0..ne1-1``.
+        """
+        v = self._decodable_view(name)
+        if len(v.info.ne) != 2:
+            raise ValueError(f"{self.source}: tensor {name} has ne={v.info.ne}, not a matrix")
+        ids = np.asarray(ids, dtype=np.int64).reshape(-1)
+        bad = ids[(ids < 0) | (ids >= v.rows)]
+        if bad.size:
+            raise IndexError(f"{self.source}: row {int(bad[0])} out of range 0..{v.rows - 1} for {name}")
+        if ids.size == 0:
+            return np.empty((0, v.info.ne[0]), dtype=np.float32)
+        start = v.offset + v.row0 * v.row_bytes
+        table = self._data[start:start + v.rows * v.row_bytes].reshape(v.rows, v.row_bytes)
+        return dequantize(table[ids], v.info.qtype, (ids.size, v.info.ne[0]))
+
     # ---------------------------------------------------------------- summaries
     def quant_mix(self) -> dict[str, tuple[int, int]]:
         """Storage types of all tensors in the file: type name -> (tensor count, bytes), largest first."""

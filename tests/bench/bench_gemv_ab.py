@@ -14,10 +14,10 @@ before and after (figures from a loaded machine are not final). ``--cols 32`` ti
 (32 activation rows, an expert's share of a 512-token prompt) and reports GMAC/s; use a small --mib then,
 so the product is bound by the kernel, not by DRAM. ``--cpu`` times process CPU time instead of wall
 time (less disturbed by a loaded machine; with --threads 1 it is the kernel's own time). Each build's
-median milliseconds per call are printed beside its rate. ``--interleaved`` (Q4_0, one column) adds, for
-each build, a second row: ``dd_matmul`` of ``DD_Q4_0_IL`` on a copy of the matrix repacked by ``dd_q4_0_interleave``
-(docs/design/q4-0-row-interleave.md), timed in the same rounds. docs/perf/log/cpu-notes.md, "Weight
-prefetches into L2", used it.
+median milliseconds per call are printed beside its rate. ``--interleaved`` (Q4_0) adds, for each build, a
+second row: ``dd_matmul`` of ``DD_Q4_0_IL`` on a copy of the matrix repacked by ``dd_q4_0_interleave``
+(docs/design/q4-0-row-interleave.md), timed in the same rounds (with --cols > 1: the interleaved prefill GEMM).
+docs/perf/log/cpu-notes.md, "Weight prefetches into L2", used it.
 """
 
 from __future__ import annotations
@@ -84,10 +84,10 @@ def main() -> None:
     ap.add_argument("--cols", type=int, default=1, help="activation rows (1: decode's GEMV; > 1: a prefill GEMM)")
     ap.add_argument("--k", type=int, default=K, help="values a row, a multiple of the type's block (512: expert down)")
     ap.add_argument("--cpu", action="store_true", help="time process CPU time instead of wall time")
-    ap.add_argument("--interleaved", action="store_true", help="also time the 8-row interleaved Q4_0 GEMV")
+    ap.add_argument("--interleaved", action="store_true", help="also time the 8-row interleaved Q4_0 product")
     args = ap.parse_args()
-    if args.interleaved and (args.type.lower() != "q4_0" or args.cols != 1):
-        raise SystemExit("--interleaved: only for --type q4_0 with one column")
+    if args.interleaved and args.type.lower() != "q4_0":
+        raise SystemExit("--interleaved: only for --type q4_0")
     try:
         qtype = GGMLQuantizationType[args.type.upper()]
     except KeyError:

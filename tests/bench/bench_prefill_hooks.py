@@ -1,6 +1,6 @@
 """Benchmark: where one CPU prefill's time goes, by hook, in the calling thread's CPU time (a script, not a test).
 
-    python tests/bench/bench_prefill_hooks.py MODEL.gguf [--tokens 512] [--depths]
+    python tests/bench/bench_prefill_hooks.py MODEL.gguf [--tokens 512] [--depths] [--threads N]
 
 Runs with one kernel thread (the pool then runs on the caller), so ``time.thread_time`` counts all of the
 kernels' work and a busy machine distorts it much less than wall time: use it for before/after comparisons
@@ -9,7 +9,10 @@ tokens after a 4-token warm-up (what ``engine bench``'s prompt row runs), split 
 (projections), ``delta_rule`` (Gated DeltaNet), ``attend``, ``moe``, ``ffn`` and the rest (numpy norms,
 RoPE, residuals, Python). ``--depths``: one 256-token piece at cache depths 0 and 9984 instead (random
 KV rows and recurrent states), each twice, and the 10240 / 2048 tok/s ratio (long-context prefill) projected
-from them (attention's cost grows linearly with depth; the app prefills pieces of 256).
+from them (attention's cost grows linearly with depth; the app prefills pieces of 256). ``--threads N``
+(N > 1): each hook's wall time and process CPU time (all threads, spinning workers included) instead,
+and the process CPU time over wall time, i.e. how many of the N threads were busy on average; the
+forward's wall time against 1-thread CPU time / N shows what the split loses.
 """
 
 from __future__ import annotations
@@ -28,17 +31,17 @@ from engine.turn.state import SequenceState
 HOOKS = ("linear", "delta_rule", "attend", "moe", "ffn")
 
 
-def hook_seconds(model: NativeQwen35Model) -> dict[str, float]:
-    """Wrap the instance's hooks with thread-CPU timers; returns the live totals."""
+def hook_seconds(model: NativeQwen35Model, clock=time.thread_time) -> dict[str, float]:
+    """Wrap the instance's hooks with timers of ``clock`` (seconds); returns the live totals."""
     secs = dict.fromkeys(HOOKS, 0.0)
 
     def timed(name, fn):
         def call(*args, **kwargs):
-            t0 = time.thread_time()
+            t0 = clock()
             try:
                 return fn(*args, **kwargs)
             finally:
-                secs[name] += time.thread_time() - t0
+                secs[name] += clock() - t0
         return call
     for name in HOOKS:
         setattr(model, name, timed(name, getattr(model, name)))
@@ -56,6 +59,23 @@ def by_hook(model: NativeQwen35Model, n: int) -> str:
     parts = ", ".join(f"{k} {v:.2f}" for k, v in secs.items() if v)
     rest = total - sum(secs.values())
     return f"{n} tokens: {total:.2f} s CPU ({n / total:.1f} tok per CPU s); {parts}, rest {rest:.2f}"
+
+
+def by_hook_threads(model: NativeQwen35Model, n: int, threads: int) -> str:
+    """One n-token forward at ``threads`` kernel threads: per hook, wall seconds and process CPU seconds."""
+    rng = np.random.default_rng(0)
+    wall = hook_seconds(model, time.perf_counter)
+    proc = hook_seconds(model, time.process_time)
+    model.forward(rng.integers(0, model.hp.n_vocab, 4), SequenceState.new(model.hp, n + 8))
+    for secs in (wall, proc):
+        secs.update(dict.fromkeys(HOOKS, 0.0))
+    w0, p0 = time.perf_counter(), time.process_time()
+    model.forward(rng.integers(0, model.hp.n_vocab, n), SequenceState.new(model.hp, n + 8))
+    w, p = time.perf_counter() - w0, time.process_time() - p0
+    wall["rest"], proc["rest"] = w - sum(wall.values()), p - sum(proc.values())
+    parts = ", ".join(f"{k} {wall[k]:.2f} / {proc[k]:.2f} ({proc[k] / wall[k]:.2f})" for k in wall if wall[k] > 0)
+    return (f"{n} tokens: {w:.2f} s wall, {p:.2f} s CPU ({n / w:.1f} tok/s, {p / w:.2f} threads busy); "
+            f"wall / CPU (busy) by hook: {parts}")
 
 
 def by_depth(model: NativeQwen35Model, piece: int = 256, deep: int = 9984) -> str:
@@ -83,12 +103,19 @@ def main() -> None:
     ap.add_argument("model")
     ap.add_argument("--tokens", type=int, default=512)
     ap.add_argument("--depths", action="store_true", help="pieces at depth 0 and 9984 and the projected ratio")
+    ap.add_argument("--weights", choices=("map", "ram"), default="map",
+                    help="ram: read into memory, Q4_0 projections interleaved in place as the app does")
+    ap.add_argument("--threads", type=int, default=1, help="kernel threads; > 1: wall and process CPU by hook")
     args = ap.parse_args()
-    cpu.set_threads(1)
-    gguf = open_text(args.model)
-    model = NativeQwen35Model(gguf.hparams, gguf.file)
-    line = by_depth(model) if args.depths else by_hook(model, args.tokens)
-    print(f"{os.path.basename(args.model)}, isa {cpu.isa()}, 1 thread: {line}; load {os.getloadavg()[0]:.1f}")
+    cpu.set_threads(args.threads)
+    gguf = open_text(args.model, args.weights)
+    model = NativeQwen35Model(gguf.hparams, gguf.file, repack=args.weights == "ram")
+    if args.threads > 1:
+        line = by_hook_threads(model, args.tokens, args.threads)
+    else:
+        line = by_depth(model) if args.depths else by_hook(model, args.tokens)
+    print(f"{os.path.basename(args.model)}, isa {cpu.isa()}, {args.threads} thread(s), {args.weights}: {line}; "
+          f"load {os.getloadavg()[0]:.1f}")
 
 
 if __name__ == "__main__":

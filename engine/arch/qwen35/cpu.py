@@ -208,6 +208,13 @@ class NativeQwen35Model(Qwen35Model):
 
     # ---- hooks of the reference forward pass ---------------------------------------------------
 
+    def embed(self, tokens: np.ndarray) -> np.ndarray:
+        """:meth:`Qwen35Model.embed` with a prompt's rows gathered and dequantized in one call
+        (:meth:`GGUFFile.rows`), not one numpy call a token: the same values. Raises: as the base method."""
+        if "token_embd.weight" in self._w:
+            return super().embed(tokens)
+        return self.weights.rows("token_embd.weight", self.token_ids(tokens))
+
     def linear(self, x: np.ndarray, name: str) -> np.ndarray:
         """``x W^T`` on the kernels: x (n, in) float32 -> (n, out) float32."""
         return self.mats[name](x)

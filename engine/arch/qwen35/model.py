@@ -84,15 +84,20 @@ class Qwen35Model:
         at a time (:func:`engine.ops.reference.linear_rows`)."""
         return ops.linear_rows(x, self.w(name))
 
+    def token_ids(self, tokens: np.ndarray) -> np.ndarray:
+        """``tokens`` as a flat int64 array. Raises ValueError for an id outside 0..n_vocab-1."""
+        tokens = np.asarray(tokens, dtype=np.int64).reshape(-1)
+        bad = tokens[(tokens < 0) | (tokens >= self.hp.n_vocab)]
+        if bad.size:
+            raise ValueError(f"token id {int(bad[0])} is outside the vocabulary 0..{self.hp.n_vocab - 1}")
+        return tokens
+
     def embed(self, tokens: np.ndarray) -> np.ndarray:
         """Token embeddings ``E[tokens]``: (n, n_embd) float32, unscaled.
 
         Raises ValueError for an id outside 0..n_vocab-1.
         """
-        tokens = np.asarray(tokens, dtype=np.int64).reshape(-1)
-        bad = tokens[(tokens < 0) | (tokens >= self.hp.n_vocab)]
-        if bad.size:
-            raise ValueError(f"token id {int(bad[0])} is outside the vocabulary 0..{self.hp.n_vocab - 1}")
+        tokens = self.token_ids(tokens)
         table = self._w.get("token_embd.weight")
         if table is not None:
             return table[tokens]

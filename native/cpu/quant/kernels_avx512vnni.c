@@ -304,8 +304,6 @@ static void dots_f32(const float *w, size_t nw, const float *x, size_t nx, size_
 #define DD_BF16_COLS 4
 #include "bf16.h"
 
-DD_DEFINE_GEMM_Q4_0_IL(gemm_q4_0_il, gemm_q4_0, gemv_q4_0_il, deil_q4_0)
-
 const dd_kernels dd_kernels_avx512vnni = {
     .quantize_q8_0 = quantize_q8_0,
     .gemm = { gemm_q4_0, gemm_q8_0, gemm_q4_K, gemm_q5_K, gemm_q6_K, DD_BQ_GEMMS, DD_LB_GEMMS, DD_IQ_GEMMS, gemm_mxfp4, gemm_bf16, gemm_f16,

@@ -200,4 +200,112 @@ static void gemm_q4_0(const uint8_t *w, size_t row_bytes, size_t nrows, size_t r
     }
 }
 
+/* Interleaved stripes (DD_Q4_0_IL) read directly: a stripe's group g (16 blocks of 8 rows, 144 bytes each)
+ * becomes its 8 rows' q4x_groups with no row-major copy between. A block holds its 8 rows' f16 scales in
+ * bytes 0..15, then dword 8 q + r of its runs = bytes 4 q .. 4 q + 3 of row r. q4_0_unpack wants, for row r,
+ * lane L = block 4 (L % 4) + L / 4's dword. So 16 bytes from each of the 16 blocks are gathered four blocks
+ * to a vector (vector k, 128-bit lane j: block 4 k + j), and a 4 x 4 dword transpose within the 128-bit
+ * lanes leaves dword m of every block in lane order in output m. The values are those q4_0_unpack takes
+ * from the same row's row-major bytes, so every product keeps its bits. */
+
+/* Output m (m = 0..3), lane 4 j + k: dword m of the 16 bytes at byte `at` of block 4 k + j (blocks of
+ * 8 * DD_Q4_0_BYTES at p). */
+DD_INLINE void q4il_quads(const uint8_t *p, size_t at, __m512i out[4])
+{
+    __m512i z[4];
+    for (int k = 0; k < 4; k++) {
+        const uint8_t *q = p + (size_t)(4 * k) * 8 * DD_Q4_0_BYTES + at;
+        z[k] = _mm512_castsi128_si512(_mm_loadu_si128((const __m128i *)q));
+        z[k] = _mm512_inserti32x4(z[k], _mm_loadu_si128((const __m128i *)(q + 8 * DD_Q4_0_BYTES)), 1);
+        z[k] = _mm512_inserti32x4(z[k], _mm_loadu_si128((const __m128i *)(q + 16 * DD_Q4_0_BYTES)), 2);
+        z[k] = _mm512_inserti32x4(z[k], _mm_loadu_si128((const __m128i *)(q + 24 * DD_Q4_0_BYTES)), 3);
+    }
+    const __m512i t0 = _mm512_unpacklo_epi32(z[0], z[1]), t1 = _mm512_unpackhi_epi32(z[0], z[1]);
+    const __m512i t2 = _mm512_unpacklo_epi32(z[2], z[3]), t3 = _mm512_unpackhi_epi32(z[2], z[3]);
+    out[0] = _mm512_unpacklo_epi64(t0, t2);
+    out[1] = _mm512_unpackhi_epi64(t0, t2);
+    out[2] = _mm512_unpacklo_epi64(t1, t3);
+    out[3] = _mm512_unpackhi_epi64(t1, t3);
+}
+
+/* One full stripe group (16 blocks at p) -> rows 0..7's q4x_group at e[r * ng]. */
+DD_INLINE void q4il_unpack_group(const uint8_t *p, q4x_group *e, size_t ng)
+{
+    const __m512i low = _mm512_set1_epi8(0x0f);
+    __m512i v[4];
+    q4il_quads(p, 0, v);   /* v[i]: rows 2 i (low half) and 2 i + 1 (high half) */
+    for (int r = 0; r < 8; r++) {
+        const __m512i d = r % 2 ? _mm512_srli_epi32(v[r / 2], 16) : v[r / 2];
+        const __m512 dw = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(d));
+        e[r * ng].dw[0] = _mm512_cvtps_pd(_mm512_castps512_ps256(dw));
+        e[r * ng].dw[1] = _mm512_cvtps_pd(_mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(dw), 1)));
+    }
+    for (int t = 0; t < 4; t++)
+        for (int h = 0; h < 2; h++) {
+            q4il_quads(p, 16 + 32 * t + 16 * h, v);   /* v[m]: run t of row 4 h + m */
+            for (int m = 0; m < 4; m++) {
+                q4x_group *x = e + (size_t)(4 * h + m) * ng;
+                x->lo[t] = _mm512_and_si512(v[m], low);
+                x->hi[t] = _mm512_and_si512(_mm512_srli_epi16(v[m], 4), low);
+            }
+        }
+}
+
+#define Q4IL_GROUP_BYTES (16 * 8 * DD_Q4_0_BYTES)
+
+/* Stripe st's groups (its row r's at e[r * ng + g]); a short last group is padded with zero blocks (zero
+ * nibbles and scales, as q4x_unpack_group pads a row); pf, if set, is prefetched group by group. */
+DD_INLINE void q4il_unpack_stripe(const uint8_t *st, const uint8_t *pf, const dd_acts *a, q4x_group *e)
+{
+    for (size_t g = 0; g < a->ng; g++) {
+        if (pf != NULL)
+            for (int l = 0; l < Q4IL_GROUP_BYTES / 64; l++)
+                dd_prefetch_weight(pf + g * Q4IL_GROUP_BYTES + 64 * l);
+        if (g < a->nb / 16) {
+            q4il_unpack_group(st + g * Q4IL_GROUP_BYTES, e + g, a->ng);
+            continue;
+        }
+        uint8_t tail[Q4IL_GROUP_BYTES];
+        memset(tail, 0, sizeof tail);
+        memcpy(tail, st + g * Q4IL_GROUP_BYTES, (a->nb % 16) * 8 * DD_Q4_0_BYTES);
+        q4il_unpack_group(tail, e + g, a->ng);
+    }
+}
+
+/* Stripes [0, stripes) at w against every column: ranges of whole stripes unpacked straight from the layout
+ * into gemm_q4_0's row groups (on this frame's stack, kept apart from gemm_q4_0's), met by its column blocks. */
+__attribute__((noinline)) static void q4il_stripes(const uint8_t *w, size_t row_bytes, size_t stripes,
+                                                   size_t rows_avail, const dd_acts *a, float *y, size_t ldy)
+{
+    const size_t stripe = 8 * row_bytes, per = Q4X_GROUPS / (8 * a->ng);
+    dd_prefetch_rows(w, row_bytes, 8);
+    q4x_group e[Q4X_GROUPS];
+    for (size_t s0 = 0; s0 < stripes; s0 += per) {
+        const size_t n = stripes - s0 < per ? stripes - s0 : per;
+        for (size_t s = 0; s < n; s++) {
+            const size_t at = s0 + s;
+            const uint8_t *pf = 8 * (at + 2) <= rows_avail ? w + (at + 1) * stripe : NULL;
+            q4il_unpack_stripe(w + at * stripe, pf, a, e + 8 * s * a->ng);
+        }
+        q4_0_wide_blocks(e, w + s0 * stripe, row_bytes, 8 * n, rows_avail - 8 * s0, a, y + 8 * s0, ldy);
+    }
+}
+
+/* gemm[DD_Q4_0_IL] of this level: for m > 1 the stripes by q4il_stripes and the row-major tail by gemm_q4_0;
+ * m == 1 (the interleaved GEMV) and rows too long for a stripe's groups in the range buffer (k > 19,456)
+ * go to dd_gemm_q4_0_il. */
+static void gemm_q4_0_il(const uint8_t *w, size_t row_bytes, size_t nrows, size_t rows_avail, const dd_acts *a,
+                         float *y, size_t ldy)
+{
+    const size_t stripes = nrows / 8;
+    if (a->m == 1 || stripes == 0 || 8 * a->ng > Q4X_GROUPS) {
+        dd_gemm_q4_0_il(gemm_q4_0, gemv_q4_0_il, deil_q4_0, w, row_bytes, nrows, rows_avail, a, y, ldy);
+        return;
+    }
+    q4il_stripes(w, row_bytes, stripes, rows_avail, a, y, ldy);
+    if (nrows > 8 * stripes)
+        gemm_q4_0(w + 8 * stripes * row_bytes, row_bytes, nrows - 8 * stripes, rows_avail - 8 * stripes, a,
+                  y + 8 * stripes, ldy);
+}
+
 #endif
