@@ -6,8 +6,11 @@
  * shifts of a dword (IQ2_S, IQ1_S, IQ1_M) or merged under a mask register (IQ3_S). The sign bytes of all 32
  * slots are one 256-bit vector: stored (IQ2_S, IQ3_S), the 7-bit ksigns_iq2xs indices moved into bytes with
  * their parity computed by three shift-xors (IQ2_XXS, IQ2_XS, IQ3_XXS), or a delta's sign widened (IQ1).
- * Grid rows come by gathers (8 qwords or 16 dwords, 64 values); signs are applied by vpsubb under a mask
- * register whose bit 8j + b is sign bit b of slot j. Costs: docs/design/quant-formats.md, "IQ decode on
+ * The grids of IQ2_XXS, IQ2_XS, IQ3_XXS and IQ3_S have 3 or 8 distinct values and 256 or 512 entries: their
+ * entries are looked up as 16-bit codes (2 or 3 bits a value, iq_grids.c) by word permutes of the code table
+ * held in 8 or 16 registers, then expanded to bytes by shifts and a vpshufb of the levels. IQ2_S (1024
+ * entries) and the IQ1 grid (2048) keep 256-bit gathers of 8-byte rows. Signs are applied by vpsubb under a
+ * mask register whose bit 8j + b is sign bit b of slot j. Costs: docs/design/quant-formats.md, "IQ decode on
  * AVX-512".
  */
 #ifndef DELTADESK_IQUANTS_AVX512_H
@@ -26,9 +29,10 @@ typedef struct {
 DD_INLINE __m256i iqv_spread7(__m256i a)
 {
     const __m256i m = _mm256_set1_epi32(0x7f);
-    return _mm256_or_si256(_mm256_or_si256(_mm256_and_si256(a, m), _mm256_and_si256(_mm256_slli_epi32(a, 1), _mm256_slli_epi32(m, 8))),
-                           _mm256_or_si256(_mm256_and_si256(_mm256_slli_epi32(a, 2), _mm256_slli_epi32(m, 16)),
-                                           _mm256_and_si256(_mm256_slli_epi32(a, 3), _mm256_slli_epi32(m, 24))));
+    const __m256i f0 = _mm256_and_si256(a, m), f1 = _mm256_and_si256(_mm256_slli_epi32(a, 1), _mm256_slli_epi32(m, 8));
+    const __m256i f2 = _mm256_and_si256(_mm256_slli_epi32(a, 2), _mm256_slli_epi32(m, 16));
+    const __m256i f3 = _mm256_and_si256(_mm256_slli_epi32(a, 3), _mm256_slli_epi32(m, 24));
+    return _mm256_or_si256(_mm256_or_si256(f0, f1), _mm256_or_si256(f2, f3));
 }
 
 /* 7-bit bytes -> ksigns_iq2xs: the parity of each byte's bits in its bit 7 (bits shifted in from the next
@@ -57,6 +61,14 @@ DD_INLINE __m256i iqv_scales_nib(const uint8_t *p)
     return _mm256_add_epi16(_mm256_slli_epi16(s, 1), _mm256_set1_epi16(1));
 }
 
+/* The little-endian u32 at p. */
+DD_INLINE uint32_t iqv_u32(const uint8_t *p)
+{
+    uint32_t v;
+    memcpy(&v, p, 4);
+    return v;
+}
+
 /* Word indices of 32 slots from low bytes lo[32] and high bits hb (a byte per slot, in order). */
 DD_INLINE __m512i iqv_words(const uint8_t *lo, __m256i hb)
 {
@@ -68,9 +80,10 @@ DD_INLINE __m512i iqv_words(const uint8_t *lo, __m256i hb)
 DD_INLINE __m256i iqv_spread_bits(__m256i x, int k, int m)
 {
     const __m256i f = _mm256_set1_epi32(m);
-    return _mm256_or_si256(_mm256_or_si256(_mm256_and_si256(x, f), _mm256_and_si256(_mm256_slli_epi32(x, 8 - k), _mm256_slli_epi32(f, 8))),
-                           _mm256_or_si256(_mm256_and_si256(_mm256_slli_epi32(x, 16 - 2 * k), _mm256_slli_epi32(f, 16)),
-                                           _mm256_and_si256(_mm256_slli_epi32(x, 24 - 3 * k), _mm256_slli_epi32(f, 24))));
+    const __m256i f0 = _mm256_and_si256(x, f), f1 = _mm256_and_si256(_mm256_slli_epi32(x, 8 - k), _mm256_slli_epi32(f, 8));
+    const __m256i f2 = _mm256_and_si256(_mm256_slli_epi32(x, 16 - 2 * k), _mm256_slli_epi32(f, 16));
+    const __m256i f3 = _mm256_and_si256(_mm256_slli_epi32(x, 24 - 3 * k), _mm256_slli_epi32(f, 24));
+    return _mm256_or_si256(_mm256_or_si256(f0, f1), _mm256_or_si256(f2, f3));
 }
 
 DD_INLINE void iqv_fields(const uint8_t *blk, int wtype, iqv_block *f)
@@ -109,11 +122,10 @@ DD_INLINE void iqv_fields(const uint8_t *blk, int wtype, iqv_block *f)
     case DD_IQ3_S: {     /* qs[64], bit p % 8 of qh[p / 8], stored signs, nibble ls per 32 values */
         for (int h = 0; h < 2; h++) {
             const __m512i lo = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *)(blk + 2 + 32 * h)));
-            const __mmask32 hi = _cvtu32_mask32(dd_load_u16(blk + 66 + 4 * h) | (uint32_t)dd_load_u16(blk + 68 + 4 * h) << 16);
-            f->w16[h] = _mm512_mask_add_epi16(lo, hi, lo, _mm512_set1_epi16(256));
+            f->w16[h] = _mm512_mask_add_epi16(lo, _cvtu32_mask32(iqv_u32(blk + 66 + 4 * h)), lo, _mm512_set1_epi16(256));
         }
         f->sgn = _mm256_loadu_si256((const __m256i *)(blk + 74));
-        const __m256i ls = _mm256_srlv_epi32(_mm256_set1_epi32((int)(dd_load_u16(blk + 106) | (uint32_t)dd_load_u16(blk + 108) << 16)),
+        const __m256i ls = _mm256_srlv_epi32(_mm256_set1_epi32((int)iqv_u32(blk + 106)),
                                              _mm256_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28));
         f->sc = iqv_scales32(_mm256_and_si256(ls, _mm256_set1_epi32(15)));
         break;
@@ -129,13 +141,14 @@ DD_INLINE void iqv_fields(const uint8_t *blk, int wtype, iqv_block *f)
     default: {           /* DD_IQ1_M: qs[32], a nibble per slot in qh[16], 3-bit ls in u16 scales[4] */
         const __m128i qh = _mm_loadu_si128((const __m128i *)(blk + 32)), m = _mm_set1_epi8(15);
         const __m128i lo = _mm_and_si128(qh, m), hi = _mm_and_si128(_mm_srli_epi16(qh, 4), m);
-        const __m256i n = _mm256_inserti128_si256(_mm256_castsi128_si256(_mm_unpacklo_epi8(lo, hi)), _mm_unpackhi_epi8(lo, hi), 1);
+        const __m256i n = _mm256_inserti128_si256(_mm256_castsi128_si256(_mm_unpacklo_epi8(lo, hi)),
+                                                  _mm_unpackhi_epi8(lo, hi), 1);
         f->w16[0] = iqv_words(blk, _mm256_and_si256(n, _mm256_set1_epi8(7)));
         f->sgn = _mm256_movm_epi8(_mm256_test_epi8_mask(n, _mm256_set1_epi8(8)));
         const __m256i s = _mm256_permutexvar_epi16(_mm256_setr_epi16(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3),
                                                    _mm256_castsi128_si256(_mm_loadl_epi64((const __m128i *)(blk + 48))));
-        const __m256i ls = _mm256_and_si256(_mm256_srlv_epi16(s, _mm256_setr_epi16(0, 3, 6, 9, 0, 3, 6, 9, 0, 3, 6, 9, 0, 3, 6, 9)),
-                                            _mm256_set1_epi16(7));
+        const __m256i sh = _mm256_setr_epi16(0, 3, 6, 9, 0, 3, 6, 9, 0, 3, 6, 9, 0, 3, 6, 9);
+        const __m256i ls = _mm256_and_si256(_mm256_srlv_epi16(s, sh), _mm256_set1_epi16(7));
         f->sc = _mm256_add_epi16(_mm256_slli_epi16(ls, 1), _mm256_set1_epi16(1));
         break;
     }
@@ -221,7 +234,8 @@ DD_INLINE void iq_unpack_avx512(const uint8_t *blk, int wtype, uint8_t *q, int16
         } else {
             const __m256i x = g % 2 ? _mm512_extracti64x4_epi64(ix[g / 2], 1) : _mm512_castsi512_si256(ix[g / 2]);
             const __m256i lo = _mm256_i32gather_epi64((const long long *)grid, _mm256_castsi256_si128(x), 8);
-            u = _mm512_inserti64x4(_mm512_castsi256_si512(lo), _mm256_i32gather_epi64((const long long *)grid, _mm256_extracti128_si256(x, 1), 8), 1);
+            const __m256i hi = _mm256_i32gather_epi64((const long long *)grid, _mm256_extracti128_si256(x, 1), 8);
+            u = _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1);
         }
         const __mmask64 m = _cvtu64_mask64(masks[g]);
         _mm512_storeu_si512(q + 64 * g, two_off ? _mm512_mask_sub_epi8(u, m, _mm512_set1_epi8((char)two_off), u)
@@ -240,26 +254,34 @@ DD_INLINE void iq_unpack_avx512(const uint8_t *blk, int wtype, uint8_t *q, int16
 
 /* acc += the f64 terms of unpacked values q, scales sc and d against a column's activation blocks b0 .. b0 + 7:
  * lowbit.h's dd_lb_terms for the IQ types in its operations and order (the integers I_b exact in int32, then
- * (d da_b) I_b in f64 added to lane b), spelled in 512-bit registers (the vector-extension form is split into
- * 256-bit halves with the accumulators in memory). */
+ * (d da_b) I_b in f64 added to lane b), spelled in 512-bit registers. I_b is summed per 16-value half h:
+ * one vpdpbusd per 64 values, the transpose-add of kernels_avx512vnni.c puts half 4p + k in lane 4k + p,
+ * then sc_h (sum(u a) - off s16_h) for all 16 halves at once (exact: |sum| < 2^19, |sc| < 32) and the halves
+ * of each block added. */
 DD_INLINE void iqv_terms(const uint8_t *q, const int16_t *sc, float d, const dd_acts *a, size_t b0, dd_v8f da, int wtype,
                          dd_v8d *acc)
 {
     const int off = wtype == DD_IQ3_XXS ? DD_IQ3XXS_OFF : wtype == DD_IQ3_S ? DD_IQ3S_OFF
                   : wtype == DD_IQ1_S || wtype == DD_IQ1_M ? DD_IQ1_OFF : DD_IQ2_OFF;
-    const __m256i sc16 = _mm256_loadu_si256((const __m256i *)sc);
-    int32_t d8[8];
-    lb_dot8(q, a->q + b0 * DD_QK, sc, d8);
-    const __m256i s16 = _mm512_cvtepi32_epi16(_mm512_loadu_si512(a->s16 + 2 * b0));
-    const __m256i dot = _mm256_sub_epi32(_mm256_loadu_si256((const __m256i *)d8),
-                                         _mm256_mullo_epi32(_mm256_madd_epi16(s16, sc16), _mm256_set1_epi32(off)));
+    const int8_t *x = a->q + b0 * DD_QK;
+    __m512i s[4];
+    for (int p = 0; p < 4; p++)
+        s[p] = _mm512_dpbusd_epi32(_mm512_setzero_si512(), _mm512_loadu_si512(q + 64 * p), _mm512_loadu_si512(x + 64 * p));
+    const __m512i order = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
+    const __m512i sc32 = _mm512_permutexvar_epi32(order, _mm512_cvtepi16_epi32(_mm256_loadu_si256((const __m256i *)sc)));
+    const __m512i s16 = _mm512_permutexvar_epi32(order, _mm512_loadu_si512(a->s16 + 2 * b0));
+    __m512i h = _mm512_sub_epi32(kq_transpose_add(s), _mm512_mullo_epi32(s16, _mm512_set1_epi32(off)));
+    h = _mm512_mullo_epi32(h, sc32);
+    h = _mm512_add_epi32(h, _mm512_alignr_epi32(h, h, 4));   /* lane p: block 2p, lane 8 + p: block 2p + 1 */
+    const __m256i dot = _mm512_castsi512_si256(
+        _mm512_permutexvar_epi32(_mm512_setr_epi32(0, 8, 1, 9, 2, 10, 3, 11, 0, 0, 0, 0, 0, 0, 0, 0), h));
     __m256 daf;
     memcpy(&daf, &da, sizeof daf);
     const __m512d prod = _mm512_mul_pd(_mm512_cvtps_pd(_mm256_mul_ps(daf, _mm256_set1_ps(d))), _mm512_cvtepi32_pd(dot));
-    __m512d s;
-    memcpy(&s, acc, sizeof s);
-    s = _mm512_add_pd(s, prod);
-    memcpy(acc, &s, sizeof s);
+    __m512d acc8;
+    memcpy(&acc8, acc, sizeof acc8);
+    acc8 = _mm512_add_pd(acc8, prod);
+    memcpy(acc, &acc8, sizeof acc8);
 }
 
 #define DD_IQ_UNPACK iq_unpack_avx512
