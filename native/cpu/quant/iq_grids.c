@@ -28,23 +28,28 @@ static const struct {
     { DD_IQ1_S, 2048, 8, DD_IQ1S_AT, 0, -1 },
 };
 
-/* Grid t of dd_iq_codes (iquants.h) from its bytes u: each value as the index of its level among the distinct u,
- * ascending; an error if the grid has more distinct values than the codes hold (not the format's grid). */
-static int set_codes(int t, const uint8_t *pos, size_t entries, size_t width)
+/* The distinct bytes off + grid[i] of a grid, ascending, into lev[16]; their count, or -1 if over max (then
+ * not the format's grid: the codes of iquants.h cannot hold it). */
+static int grid_levels(const int8_t *grid, size_t n, int off, int max, uint8_t *lev)
 {
-    const int bits = width == 8 ? 2 : 3;
     int nlev = 0;
-    uint8_t *lev = dd_iq_levels[t];
-    memset(lev, 0, 16);
     for (int u = 0; u < 256; u++) {
         int seen = 0;
-        for (size_t i = 0; i < entries * width && !seen; i++)
-            seen = pos[i] == u;
-        if (seen && nlev == 1 << bits)
-            return DD_ERR_ARG;
+        for (size_t i = 0; i < n && !seen; i++)
+            seen = (uint8_t)(off + grid[i]) == u;
+        if (seen && nlev == max)
+            return -1;
         if (seen)
             lev[nlev++] = (uint8_t)u;
     }
+    return nlev;
+}
+
+/* Code table t (iquants.h) of a grid's bytes pos: each value as the index of its level in lev. */
+static void set_codes(int t, const uint8_t *pos, size_t entries, size_t width, const uint8_t *lev)
+{
+    const int bits = width == 8 ? 2 : 3;
+    memcpy(dd_iq_levels[t], lev, 16);
     for (size_t e = 0; e < entries; e++) {
         uint16_t c = 0;
         for (size_t j = 0; j < width; j++) {
@@ -55,7 +60,6 @@ static int set_codes(int t, const uint8_t *pos, size_t entries, size_t width)
         }
         dd_iq_codes[dd_iq_code_at[t] + e] = c;
     }
-    return DD_OK;
 }
 
 int dd_set_iq_grid(int wtype, const int8_t *grid, size_t n)
@@ -70,13 +74,15 @@ int dd_set_iq_grid(int wtype, const int8_t *grid, size_t n)
     for (size_t g = 0; g < sizeof grids / sizeof grids[0]; g++) {
         if (grids[g].wtype != wtype)
             continue;
-        if (n != grids[g].entries * grids[g].width)
+        uint8_t lev[16] = { 0 };
+        if (n != grids[g].entries * grids[g].width
+            || (grids[g].table >= 0 && grid_levels(grid, n, grids[g].off, grids[g].width == 8 ? 4 : 8, lev) < 0))
             return DD_ERR_ARG;
         uint8_t *pos = (uint8_t *)dd_iq_pos8 + grids[g].at;
         for (size_t i = 0; i < n; i++)   /* IQ1: 8g + 1 + 9, the code of a positive delta; others off + g */
             pos[i] = (uint8_t)(wtype == DD_IQ1_S ? 8 * grid[i] + 1 + DD_IQ1_OFF : grids[g].off + grid[i]);
-        if (grids[g].table >= 0 && set_codes(grids[g].table, pos, grids[g].entries, grids[g].width) != DD_OK)
-            return DD_ERR_ARG;
+        if (grids[g].table >= 0)
+            set_codes(grids[g].table, pos, grids[g].entries, grids[g].width, lev);
         atomic_store(&ready[wtype], 1);
         if (wtype == DD_IQ1_S)
             atomic_store(&ready[DD_IQ1_M], 1);
