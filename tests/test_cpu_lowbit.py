@@ -115,3 +115,24 @@ def test_iq_codebooks_are_checked_when_registered():
     grid = np.zeros(100, np.int8)
     assert lib.dd_set_iq_grid(lib.DD_IQ2_XXS, ffi.cast("int8_t *", ffi.from_buffer(grid)), grid.size) == lib.DD_ERR_ARG
     assert lib.dd_set_iq_grid(lib.DD_Q4_K, ffi.cast("int8_t *", ffi.from_buffer(grid)), grid.size) == lib.DD_ERR_ARG
+
+
+@pytest.mark.skipif(not cpu.available(), reason="native CPU kernels not built")
+@pytest.mark.parametrize("qtype, n_values", [(Q.IQ2_XXS, 4), (Q.IQ2_XS, 4), (Q.IQ3_XXS, 8), (Q.IQ3_S, 8)],
+                         ids=lambda v: getattr(v, "name", str(v)))
+def test_iq_codebook_with_more_values_than_its_codes_is_refused(qtype, n_values, rng):
+    """The AVX-512 level looks these grids up as 2-bit (IQ2) or 3-bit (IQ3) codes of their distinct values: a
+    grid of the right size with n_values + 1 distinct values is refused, and leaves the registered one as it was."""
+    from engine import _native_cpu
+    from engine.kernels.iq_twins import grids
+    lib, ffi = _native_cpu.lib, _native_cpu.ffi
+    bad = grids()[qtype].copy()
+    extra = np.setdiff1d(np.arange(-8, 9), bad)[: n_values + 1 - len(np.unique(bad))]
+    bad[: len(extra)] = extra
+    assert len(np.unique(bad)) == n_values + 1
+    kernel = quant.TYPES[qtype].cpu_kernel
+    assert lib.dd_set_iq_grid(kernel, ffi.cast("int8_t *", ffi.from_buffer(bad)), bad.size) == lib.DD_ERR_ARG
+    raw = random_lowbit(rng, 5, 512, qtype)
+    x = rng.standard_normal((1, 512)).astype(np.float32)
+    ref, abs_sum = reference_product(raw, x, qtype)
+    assert_close(cpu.matmul(raw, x, qtype), ref, abs_sum, 512 // 32)

@@ -3,26 +3,64 @@
  * iq2s_grid, iq3xxs_grid, iq3s_grid, iq1s_grid); the engine takes them from gguf-py (engine.kernels.cpu)
  * instead of keeping a copy here. */
 #include <stdatomic.h>
+#include <string.h>
 
 #include "iquants.h"
 
 uint64_t dd_iq_pos8[DD_IQ_GRID_BYTES / 8];
 uint64_t dd_iq_sign_mask[256];
+uint16_t dd_iq_codes[DD_IQ_CODES];
+uint8_t dd_iq_levels[4][16];
 static _Atomic int ready[DD_WTYPE_COUNT];
 
-/* Where grid g's entries start in the tables, its entry width and value offset (iquants.h). */
+/* Where grid g's entries start in the tables, its entry width, value offset and code table (iquants.h; -1:
+ * none). */
 static const struct {
     int wtype;
     size_t entries, width, at;
-    int off;
+    int off, table;
 } grids[] = {
-    { DD_IQ2_XXS, 256, 8, DD_IQ2XXS_AT, DD_IQ2_OFF },
-    { DD_IQ2_XS, 512, 8, DD_IQ2XS_AT, DD_IQ2_OFF },
-    { DD_IQ2_S, 1024, 8, DD_IQ2S_AT, DD_IQ2_OFF },
-    { DD_IQ3_XXS, 256, 4, DD_IQ3XXS_AT, DD_IQ3XXS_OFF },
-    { DD_IQ3_S, 512, 4, DD_IQ3S_AT, DD_IQ3S_OFF },
-    { DD_IQ1_S, 2048, 8, DD_IQ1S_AT, 0 },
+    { DD_IQ2_XXS, 256, 8, DD_IQ2XXS_AT, DD_IQ2_OFF, 0 },
+    { DD_IQ2_XS, 512, 8, DD_IQ2XS_AT, DD_IQ2_OFF, 1 },
+    { DD_IQ2_S, 1024, 8, DD_IQ2S_AT, DD_IQ2_OFF, -1 },
+    { DD_IQ3_XXS, 256, 4, DD_IQ3XXS_AT, DD_IQ3XXS_OFF, 2 },
+    { DD_IQ3_S, 512, 4, DD_IQ3S_AT, DD_IQ3S_OFF, 3 },
+    { DD_IQ1_S, 2048, 8, DD_IQ1S_AT, 0, -1 },
 };
+
+/* The distinct bytes off + grid[i] of a grid, ascending, into lev[16]; their count, or -1 if over max (then
+ * not the format's grid: the codes of iquants.h cannot hold it). */
+static int grid_levels(const int8_t *grid, size_t n, int off, int max, uint8_t *lev)
+{
+    int nlev = 0;
+    for (int u = 0; u < 256; u++) {
+        int seen = 0;
+        for (size_t i = 0; i < n && !seen; i++)
+            seen = (uint8_t)(off + grid[i]) == u;
+        if (seen && nlev == max)
+            return -1;
+        if (seen)
+            lev[nlev++] = (uint8_t)u;
+    }
+    return nlev;
+}
+
+/* Code table t (iquants.h) of a grid's bytes pos: each value as the index of its level in lev. */
+static void set_codes(int t, const uint8_t *pos, size_t entries, size_t width, const uint8_t *lev)
+{
+    const int bits = width == 8 ? 2 : 3;
+    memcpy(dd_iq_levels[t], lev, 16);
+    for (size_t e = 0; e < entries; e++) {
+        uint16_t c = 0;
+        for (size_t j = 0; j < width; j++) {
+            int l = 0;
+            while (lev[l] != pos[width * e + j])
+                l++;
+            c |= (uint16_t)(l << (bits * j));
+        }
+        dd_iq_codes[dd_iq_code_at[t] + e] = c;
+    }
+}
 
 int dd_set_iq_grid(int wtype, const int8_t *grid, size_t n)
 {
@@ -36,11 +74,15 @@ int dd_set_iq_grid(int wtype, const int8_t *grid, size_t n)
     for (size_t g = 0; g < sizeof grids / sizeof grids[0]; g++) {
         if (grids[g].wtype != wtype)
             continue;
-        if (n != grids[g].entries * grids[g].width)
+        uint8_t lev[16] = { 0 };
+        if (n != grids[g].entries * grids[g].width
+            || (grids[g].table >= 0 && grid_levels(grid, n, grids[g].off, grids[g].width == 8 ? 4 : 8, lev) < 0))
             return DD_ERR_ARG;
         uint8_t *pos = (uint8_t *)dd_iq_pos8 + grids[g].at;
         for (size_t i = 0; i < n; i++)   /* IQ1: 8g + 1 + 9, the code of a positive delta; others off + g */
             pos[i] = (uint8_t)(wtype == DD_IQ1_S ? 8 * grid[i] + 1 + DD_IQ1_OFF : grids[g].off + grid[i]);
+        if (grids[g].table >= 0)
+            set_codes(grids[g].table, pos, grids[g].entries, grids[g].width, lev);
         atomic_store(&ready[wtype], 1);
         if (wtype == DD_IQ1_S)
             atomic_store(&ready[DD_IQ1_M], 1);

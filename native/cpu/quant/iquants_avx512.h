@@ -1,221 +1,287 @@
-/* The IQ super-blocks unpacked in AVX-512 registers (F, BW): the same bytes q[256], scales sc[16] and d as
- * iquants.h's dd_iq_unpack (which gives the layouts), so every level keeps the same bits.
+/* The IQ super-blocks unpacked in AVX-512 registers (F, BW, VL): the same bytes q[256], scales sc[16] and d
+ * as iquants.h's dd_iq_unpack (which gives the layouts), so every level keeps the same bits.
  *
- * The block is loaded into two vectors (masked: no byte past it is read). Every bit field the layouts define
- * (grid index bits, sign index or sign bits, scale) is "the dword at byte A, shifted right by R, masked",
- * with A and R per slot of 8 values (or piece of 4 values, for the 4-wide IQ3 grids) given by the layout:
- * iq_field extracts 16 of them at once with two dword permutes and a funnel shift. The grid rows are then
- * fetched with gathers (8 qwords or 16 dwords a gather, 64 values), the signs applied with mask registers
- * (sign byte j of a slot is bit j of the mask), and the scales narrowed to int16. Costs and what was
- * measured against the scalar unpacker: docs/design/quant-formats.md, "IQ decode on AVX-512".
+ * Each layout is read with a handful of whole-vector operations: index bytes and words by widening loads
+ * (IQ2_XXS's are the low dwords of its 8 qwords: one vpmovqd), the extra index bits spread into bytes by
+ * shifts of a dword (IQ2_S, IQ1_S, IQ1_M) or merged under a mask register (IQ3_S). The sign bytes of all 32
+ * slots are one 256-bit vector: stored (IQ2_S, IQ3_S), the 7-bit ksigns_iq2xs indices moved into bytes with
+ * their parity computed by three shift-xors (IQ2_XXS, IQ2_XS, IQ3_XXS), or a delta's sign widened (IQ1).
+ * The grids of IQ2_XXS, IQ2_XS, IQ3_XXS and IQ3_S have 3 or 8 distinct values and 256 or 512 entries: their
+ * entries are looked up as 16-bit codes (2 or 3 bits a value, iq_grids.c) by word permutes of the code table
+ * held in 8 or 16 registers, then expanded to bytes by shifts and a vpshufb of the levels. IQ2_S (1024
+ * entries) and the IQ1 grid (2048) keep 256-bit gathers of 8-byte rows. Signs are applied by vpsubb under a
+ * mask register whose bit 8j + b is sign bit b of slot j. Costs: docs/design/quant-formats.md, "IQ decode on
+ * AVX-512".
  */
 #ifndef DELTADESK_IQUANTS_AVX512_H
 #define DELTADESK_IQUANTS_AVX512_H
 
 #include "iquants.h"
 
-/* How a slot's sign byte comes from its field: as is (IQ2_S, IQ3_S), a ksigns_iq2xs pattern from a 7-bit
- * index (IQ2_XXS, IQ2_XS, IQ3_XXS), all ones where a 1-bit field is set (IQ1: the sign of delta). */
-enum { IQV_SIGN_RAW, IQV_SIGN_KSIGN, IQV_SIGN_BIT };
-
-/* A block's fields as vectors: idx[v] the grid entries of slots (pieces) 16v .. 16v + 15, sgn[v] the sign
- * bytes of slots 16v .. 16v + 15 (in dwords), scale the 4-bit (3-bit) ls of the 16 halves. */
+/* A super-block's values before the grid lookups: the grid indices as words (w16[0] the 32 slots; for the
+ * 4-wide IQ3 grids w16[h] the pieces 32 h .. 32 h + 31), the 32 sign bytes, the scales as 16 int16. */
 typedef struct {
-    __m512i idx[4], sgn[2], scale;
-} iqv_fields;
+    __m512i w16[2];
+    __m256i sgn, sc;
+} iqv_block;
 
-DD_INLINE __m512i iqv_iota(int v)
+/* Dwords of 4 7-bit fields (bits 0-27) -> the 4 fields in bytes, bit 7 clear. */
+DD_INLINE __m256i iqv_spread7(__m256i a)
 {
-    return _mm512_add_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
-                            _mm512_set1_epi32(16 * v));
+    const __m256i m = _mm256_set1_epi32(0x7f);
+    const __m256i f0 = _mm256_and_si256(a, m), f1 = _mm256_and_si256(_mm256_slli_epi32(a, 1), _mm256_slli_epi32(m, 8));
+    const __m256i f2 = _mm256_and_si256(_mm256_slli_epi32(a, 2), _mm256_slli_epi32(m, 16));
+    const __m256i f3 = _mm256_and_si256(_mm256_slli_epi32(a, 3), _mm256_slli_epi32(m, 24));
+    return _mm256_or_si256(_mm256_or_si256(f0, f1), _mm256_or_si256(f2, f3));
 }
 
-/* (the little-endian dword at byte at[i] of the block [lo | hi]) >> shift[i] & mask, per lane (at < 124). */
-DD_INLINE __m512i iq_field(__m512i lo, __m512i hi, __m512i at, __m512i shift, int mask)
+/* 7-bit bytes -> ksigns_iq2xs: the parity of each byte's bits in its bit 7 (bits shifted in from the next
+ * byte reach only bits 4-7 and 2-3 of the partial sums, never the bit 0 that is kept). */
+DD_INLINE __m256i iqv_ksign(__m256i g)
 {
-    const __m512i w = _mm512_srli_epi32(at, 2), sh = _mm512_slli_epi32(_mm512_and_si512(at, _mm512_set1_epi32(3)), 3);
-    const __m512i d0 = _mm512_permutex2var_epi32(lo, w, hi);
-    const __m512i d1 = _mm512_permutex2var_epi32(lo, _mm512_add_epi32(w, _mm512_set1_epi32(1)), hi);
-    const __m512i v = _mm512_or_si512(_mm512_srlv_epi32(d0, sh), _mm512_sllv_epi32(d1, _mm512_sub_epi32(_mm512_set1_epi32(32), sh)));
-    return _mm512_and_si512(_mm512_srlv_epi32(v, shift), _mm512_set1_epi32(mask));
+    __m256i p = _mm256_xor_si256(g, _mm256_srli_epi32(g, 4));
+    p = _mm256_xor_si256(p, _mm256_srli_epi32(p, 2));
+    p = _mm256_xor_si256(p, _mm256_srli_epi32(p, 1));
+    return _mm256_or_si256(g, _mm256_slli_epi32(_mm256_and_si256(p, _mm256_set1_epi8(1)), 7));
 }
 
-/* lo | hi << 8: a grid index from its low byte and high bits. */
-DD_INLINE __m512i iqv_join(__m512i lo, __m512i hi)
+/* Dword scales v (one per 32 values) -> 2v + 1 for both halves, as 16 int16. */
+DD_INLINE __m256i iqv_scales32(__m256i v)
 {
-    return _mm512_or_si512(lo, _mm512_slli_epi32(hi, 8));
+    const __m256i odd = _mm256_add_epi32(_mm256_slli_epi32(v, 1), _mm256_set1_epi32(1));
+    return _mm256_or_si256(odd, _mm256_slli_epi32(odd, 16));
 }
 
-#define IQV_C(x) _mm512_set1_epi32(x)
-#define IQV_ADD(a, b) _mm512_add_epi32(a, b)
-#define IQV_MUL(a, k) _mm512_mullo_epi32(a, IQV_C(k))
-#define IQV_SHR(a, k) _mm512_srli_epi32(a, k)
-#define IQV_AND(a, k) _mm512_and_si512(a, IQV_C(k))
-
-/* Bytes base + 16 v .. base + 16 v + 15 of the block, one to a dword (a field of whole bytes, in order). */
-DD_INLINE __m512i iqv_bytes(const uint8_t *blk, int base, int v)
+/* 8 bytes of nibble scales (low nibble first, one per 16 values) -> 2 ls + 1 as 16 int16. */
+DD_INLINE __m256i iqv_scales_nib(const uint8_t *p)
 {
-    return _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(blk + base + 16 * v)));
+    const __m128i b = _mm_loadl_epi64((const __m128i *)p), m = _mm_set1_epi8(15);
+    const __m128i n = _mm_unpacklo_epi8(_mm_and_si128(b, m), _mm_and_si128(_mm_srli_epi16(b, 4), m));
+    const __m256i s = _mm256_cvtepu8_epi16(n);
+    return _mm256_add_epi16(_mm256_slli_epi16(s, 1), _mm256_set1_epi16(1));
 }
 
-/* The fields of one block of wtype (layouts: iquants.h; s the slot, p the piece, h the half). The sign bytes
- * of IQ2_S and IQ3_S are stored as they are used, and not extracted. */
-DD_INLINE void iqv_fields_of(const uint8_t *blk, __m512i lo, __m512i hi, int wtype, iqv_fields *f)
+/* The little-endian u32 at p. */
+DD_INLINE uint32_t iqv_u32(const uint8_t *p)
 {
-    const __m512i zero = _mm512_setzero_si512(), h = iqv_iota(0);
-    const int pieces = wtype == DD_IQ3_XXS || wtype == DD_IQ3_S ? 4 : 2;
-    for (int v = 0; v < pieces; v++) {
-        const __m512i s = iqv_iota(v), q = IQV_SHR(s, 2), l = IQV_AND(s, 3);
-        switch (wtype) {
-        case DD_IQ2_XXS:   /* slot s: byte 2 + 8 (s / 4) + s % 4 */
-            f->idx[v] = iq_field(lo, hi, IQV_ADD(IQV_C(2), IQV_ADD(IQV_MUL(q, 8), l)), zero, 255);
-            break;
-        case DD_IQ2_XS:    /* slot s: the u16 at 2 + 2 s, bits 0-8 */
-            f->idx[v] = iq_field(lo, hi, IQV_ADD(IQV_C(2), IQV_MUL(s, 2)), zero, 511);
-            break;
-        case DD_IQ2_S:     /* byte 2 + s, 2 bits of qh[s / 4] */
-            f->idx[v] = iqv_join(iqv_bytes(blk, 2, v), iq_field(lo, hi, IQV_ADD(IQV_C(66), q), IQV_MUL(l, 2), 3));
-            break;
-        case DD_IQ3_XXS:   /* piece p: byte 2 + p */
-            f->idx[v] = iqv_bytes(blk, 2, v);
-            break;
-        case DD_IQ3_S:     /* piece p: byte 2 + p, bit p % 8 of qh[p / 8] */
-            f->idx[v] = iqv_join(iqv_bytes(blk, 2, v),
-                                 iq_field(lo, hi, IQV_ADD(IQV_C(66), IQV_SHR(s, 3)), IQV_AND(s, 7), 1));
-            break;
-        case DD_IQ1_S:     /* byte 2 + s, 3 bits of the u16 qh[s / 4] */
-            f->idx[v] = iqv_join(iqv_bytes(blk, 2, v), iq_field(lo, hi, IQV_ADD(IQV_C(34), IQV_MUL(q, 2)), IQV_MUL(l, 3), 7));
-            break;
-        default:           /* DD_IQ1_M: byte s, 3 bits of the nibble of qh[s / 2] */
-            f->idx[v] = iqv_join(iqv_bytes(blk, 0, v),
-                                 iq_field(lo, hi, IQV_ADD(IQV_C(32), IQV_SHR(s, 1)), IQV_MUL(IQV_AND(s, 1), 4), 7));
-            break;
-        }
-    }
-    for (int v = 0; v < 2; v++) {
-        const __m512i s = iqv_iota(v), q = IQV_SHR(s, 2), l = IQV_AND(s, 3);
-        switch (wtype) {
-        case DD_IQ2_XXS:   /* 7 bits 7 (s % 4) of the u32 at 2 + 8 (s / 4) + 4 */
-            f->sgn[v] = iq_field(lo, hi, IQV_ADD(IQV_C(6), IQV_MUL(q, 8)), IQV_MUL(l, 7), 127);
-            break;
-        case DD_IQ2_XS:
-            f->sgn[v] = iq_field(lo, hi, IQV_ADD(IQV_C(2), IQV_MUL(s, 2)), IQV_C(9), 127);
-            break;
-        case DD_IQ3_XXS:   /* 7 bits 7 (s % 4) of the u32 at 66 + 4 (s / 4) */
-            f->sgn[v] = iq_field(lo, hi, IQV_ADD(IQV_C(66), IQV_MUL(q, 4)), IQV_MUL(l, 7), 127);
-            break;
-        case DD_IQ2_S:
-        case DD_IQ3_S:
-            f->sgn[v] = zero;
-            break;
-        case DD_IQ1_S:     /* bit 15 of qh[s / 4] */
-            f->sgn[v] = iq_field(lo, hi, IQV_ADD(IQV_C(34), IQV_MUL(q, 2)), IQV_C(15), 1);
-            break;
-        default:           /* DD_IQ1_M: bit 3 of the nibble */
-            f->sgn[v] = iq_field(lo, hi, IQV_ADD(IQV_C(32), IQV_SHR(s, 1)), IQV_ADD(IQV_MUL(IQV_AND(s, 1), 4), IQV_C(3)), 1);
-            break;
-        }
-    }
-    const __m512i b = IQV_SHR(h, 1), odd = IQV_AND(h, 1);
+    uint32_t v;
+    memcpy(&v, p, 4);
+    return v;
+}
+
+/* Word indices of 32 slots from low bytes lo[32] and high bits hb (a byte per slot, in order). */
+DD_INLINE __m512i iqv_words(const uint8_t *lo, __m256i hb)
+{
+    return _mm512_or_si512(_mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *)lo)),
+                           _mm512_slli_epi16(_mm512_cvtepu8_epi16(hb), 8));
+}
+
+/* Bytes l = 0..3 of each dword: (x >> (k l)) & m, for 8 dwords x (an index's high bits per slot). */
+DD_INLINE __m256i iqv_spread_bits(__m256i x, int k, int m)
+{
+    const __m256i f = _mm256_set1_epi32(m);
+    const __m256i f0 = _mm256_and_si256(x, f), f1 = _mm256_and_si256(_mm256_slli_epi32(x, 8 - k), _mm256_slli_epi32(f, 8));
+    const __m256i f2 = _mm256_and_si256(_mm256_slli_epi32(x, 16 - 2 * k), _mm256_slli_epi32(f, 16));
+    const __m256i f3 = _mm256_and_si256(_mm256_slli_epi32(x, 24 - 3 * k), _mm256_slli_epi32(f, 24));
+    return _mm256_or_si256(_mm256_or_si256(f0, f1), _mm256_or_si256(f2, f3));
+}
+
+DD_INLINE void iqv_fields(const uint8_t *blk, int wtype, iqv_block *f)
+{
     switch (wtype) {
-    case DD_IQ2_XXS: f->scale = iq_field(lo, hi, IQV_ADD(IQV_C(6), IQV_MUL(b, 8)), IQV_C(28), 15); break;
-    case DD_IQ2_XS: f->scale = iq_field(lo, hi, IQV_ADD(IQV_C(66), b), IQV_MUL(odd, 4), 15); break;
-    case DD_IQ2_S: f->scale = iq_field(lo, hi, IQV_ADD(IQV_C(74), b), IQV_MUL(odd, 4), 15); break;
-    case DD_IQ3_XXS: f->scale = iq_field(lo, hi, IQV_ADD(IQV_C(66), IQV_MUL(b, 4)), IQV_C(28), 15); break;
-    case DD_IQ3_S:
-        f->scale = iq_field(lo, hi, IQV_ADD(IQV_C(106), IQV_SHR(h, 2)), IQV_MUL(IQV_AND(b, 1), 4), 15);
+    case DD_IQ2_XXS: {   /* qword ib at 2 + 8 ib: 4 index bytes, then the u32 of signs and ls */
+        const __m512i x = _mm512_loadu_si512(blk + 2);
+        const __m256i a = _mm512_cvtepi64_epi32(_mm512_srli_epi64(x, 32));
+        f->w16[0] = _mm512_cvtepu8_epi16(_mm512_cvtepi64_epi32(x));
+        f->sgn = iqv_ksign(iqv_spread7(a));
+        f->sc = iqv_scales32(_mm256_srli_epi32(a, 28));
         break;
-    case DD_IQ1_S: f->scale = iq_field(lo, hi, IQV_ADD(IQV_C(34), IQV_MUL(b, 2)), IQV_C(12), 7); break;
-    default: f->scale = iq_field(lo, hi, IQV_ADD(IQV_C(48), IQV_MUL(IQV_SHR(h, 2), 2)), IQV_MUL(IQV_AND(h, 3), 3), 7); break;
+    }
+    case DD_IQ2_XS: {    /* u16 qs[32]: 9 index bits, 7 sign-index bits */
+        const __m512i w = _mm512_loadu_si512(blk + 2);
+        f->w16[0] = _mm512_and_si512(w, _mm512_set1_epi16(511));
+        f->sgn = iqv_ksign(_mm512_cvtepi16_epi8(_mm512_srli_epi16(w, 9)));
+        f->sc = iqv_scales_nib(blk + 66);
+        break;
+    }
+    case DD_IQ2_S: {     /* qs[32], then 2 bits per slot of qh[s / 4] */
+        const __m256i qh = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(blk + 66)));
+        f->w16[0] = iqv_words(blk + 2, iqv_spread_bits(qh, 2, 3));
+        f->sgn = _mm256_loadu_si256((const __m256i *)(blk + 34));
+        f->sc = iqv_scales_nib(blk + 74);
+        break;
+    }
+    case DD_IQ3_XXS: {   /* qs[64] a byte per 4-value piece, then the u32s of signs and ls */
+        const __m256i a = _mm256_loadu_si256((const __m256i *)(blk + 66));
+        for (int h = 0; h < 2; h++)
+            f->w16[h] = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *)(blk + 2 + 32 * h)));
+        f->sgn = iqv_ksign(iqv_spread7(a));
+        f->sc = iqv_scales32(_mm256_srli_epi32(a, 28));
+        break;
+    }
+    case DD_IQ3_S: {     /* qs[64], bit p % 8 of qh[p / 8], stored signs, nibble ls per 32 values */
+        for (int h = 0; h < 2; h++) {
+            const __m512i lo = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *)(blk + 2 + 32 * h)));
+            f->w16[h] = _mm512_mask_add_epi16(lo, _cvtu32_mask32(iqv_u32(blk + 66 + 4 * h)), lo, _mm512_set1_epi16(256));
+        }
+        f->sgn = _mm256_loadu_si256((const __m256i *)(blk + 74));
+        const __m256i ls = _mm256_srlv_epi32(_mm256_set1_epi32((int)iqv_u32(blk + 106)),
+                                             _mm256_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28));
+        f->sc = iqv_scales32(_mm256_and_si256(ls, _mm256_set1_epi32(15)));
+        break;
+    }
+    case DD_IQ1_S: {     /* qs[32], u16 qh[8]: 3 index bits per slot, ls in bits 12-14, delta's sign bit 15 */
+        const __m128i qh = _mm_loadu_si128((const __m128i *)(blk + 34));
+        const __m256i x = _mm256_cvtepu16_epi32(qh);
+        f->w16[0] = iqv_words(blk + 2, iqv_spread_bits(x, 3, 7));
+        f->sgn = _mm256_cvtepi16_epi32(_mm_srai_epi16(qh, 15));
+        f->sc = iqv_scales32(_mm256_and_si256(_mm256_srli_epi32(x, 12), _mm256_set1_epi32(7)));
+        break;
+    }
+    default: {           /* DD_IQ1_M: qs[32], a nibble per slot in qh[16], 3-bit ls in u16 scales[4] */
+        const __m128i qh = _mm_loadu_si128((const __m128i *)(blk + 32)), m = _mm_set1_epi8(15);
+        const __m128i lo = _mm_and_si128(qh, m), hi = _mm_and_si128(_mm_srli_epi16(qh, 4), m);
+        const __m256i n = _mm256_inserti128_si256(_mm256_castsi128_si256(_mm_unpacklo_epi8(lo, hi)),
+                                                  _mm_unpackhi_epi8(lo, hi), 1);
+        f->w16[0] = iqv_words(blk, _mm256_and_si256(n, _mm256_set1_epi8(7)));
+        f->sgn = _mm256_movm_epi8(_mm256_test_epi8_mask(n, _mm256_set1_epi8(8)));
+        const __m256i s = _mm256_permutexvar_epi16(_mm256_setr_epi16(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3),
+                                                   _mm256_castsi128_si256(_mm_loadl_epi64((const __m128i *)(blk + 48))));
+        const __m256i sh = _mm256_setr_epi16(0, 3, 6, 9, 0, 3, 6, 9, 0, 3, 6, 9, 0, 3, 6, 9);
+        const __m256i ls = _mm256_and_si256(_mm256_srlv_epi16(s, sh), _mm256_set1_epi16(7));
+        f->sc = _mm256_add_epi16(_mm256_slli_epi16(ls, 1), _mm256_set1_epi16(1));
+        break;
+    }
     }
 }
 
-/* The sign byte of a slot from its field (iq_field's dwords), for the kinds that are not stored as is. */
-DD_INLINE __m512i iqv_sign(__m512i x, int kind)
+/* Where a grid's codes and levels are (dd_iq_codes, dd_iq_levels), for the types looked up in registers. */
+DD_INLINE int iqv_code_table(int wtype)
 {
-    if (kind == IQV_SIGN_BIT)
-        return IQV_MUL(x, 255);
-    __m512i p = _mm512_xor_si512(x, IQV_SHR(x, 4));   /* ksigns_iq2xs: the 7 bits and their parity as bit 7 */
-    p = _mm512_xor_si512(p, IQV_SHR(p, 2));
-    p = _mm512_xor_si512(p, IQV_SHR(p, 1));
-    return _mm512_or_si512(x, _mm512_slli_epi32(IQV_AND(p, 1), 7));
+    switch (wtype) {
+    case DD_IQ2_XXS: return 0;
+    case DD_IQ2_XS: return 1;
+    case DD_IQ3_XXS: return 2;
+    case DD_IQ3_S: return 3;
+    default: return -1;
+    }
+}
+
+DD_INLINE __m512i iqv_iota16(void)
+{
+    return _mm512_set_epi16(31, 30, 29, 28, 27, 26, 25, 24, 23, 22, 21, 20, 19, 18, 17, 16,
+                            15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
+}
+
+/* The codes of 32 entries with word indices w (below 256 or 512 = 32 words times 2 n registers) by word
+ * permutes of the table held in registers, each pair covering 64 entries, picked by index bits 6 .. 8. */
+DD_INLINE __m512i iqv_codes(const uint16_t *codes, int n, __m512i w)
+{
+    const __m512i *tab = (const __m512i *)codes;
+    __m512i r[8];
+    for (int i = 0; i < n; i++)
+        r[i] = _mm512_permutex2var_epi16(_mm512_loadu_si512(tab + 2 * i), w, _mm512_loadu_si512(tab + 2 * i + 1));
+    for (int bit = 6, k = n; k > 1; bit++, k /= 2) {
+        const __mmask32 b = _mm512_test_epi16_mask(w, _mm512_set1_epi16((short)(1 << bit)));
+        for (int i = 0; i < k / 2; i++)
+            r[i] = _mm512_mask_mov_epi16(r[2 * i], b, r[2 * i + 1]);
+    }
+    return r[0];
+}
+
+/* Group g's 64 bytes from the codes c of its entries (8-wide: 8 entries of 2-bit fields, words 8 g of c;
+ * 4-wide: 16 entries of 3-bit fields, words 16 (g % 2)): each code in the words of its 8 (4) bytes, shifted
+ * so that every byte's field is at its bits 0 .. 2, masked, then the levels by vpshufb. */
+DD_INLINE __m512i iqv_expand(__m512i c, int g, int wide4, const uint8_t *levels)
+{
+    const __m512i i = iqv_iota16();
+    const __m512i sel = wide4 ? _mm512_add_epi16(_mm512_srli_epi16(i, 1), _mm512_set1_epi16((short)(16 * (g % 2))))
+                              : _mm512_add_epi16(_mm512_srli_epi16(i, 2), _mm512_set1_epi16((short)(8 * g)));
+    const __m512i sh = wide4 ? _mm512_mullo_epi16(_mm512_and_si512(i, _mm512_set1_epi16(1)), _mm512_set1_epi16(6))
+                             : _mm512_slli_epi16(_mm512_and_si512(i, _mm512_set1_epi16(3)), 2);
+    const int bits = wide4 ? 3 : 2, m = (1 << bits) - 1;
+    const __m512i y = _mm512_srlv_epi16(_mm512_permutexvar_epi16(sel, c), sh);
+    const __m512i z = _mm512_or_si512(_mm512_and_si512(y, _mm512_set1_epi16((short)m)),
+                                      _mm512_and_si512(_mm512_slli_epi16(y, 8 - bits), _mm512_set1_epi16((short)(m << 8))));
+    return _mm512_shuffle_epi8(_mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i *)levels)), z);
 }
 
 /* q[256], sc[16], *d of one block: dd_iq_unpack's bytes. */
 DD_INLINE void iq_unpack_avx512(const uint8_t *blk, int wtype, uint8_t *q, int16_t *sc, float *d)
 {
-    const size_t bytes = wtype == DD_IQ2_XXS ? DD_IQ2_XXS_BYTES : wtype == DD_IQ2_XS ? DD_IQ2_XS_BYTES
-                       : wtype == DD_IQ2_S ? DD_IQ2_S_BYTES : wtype == DD_IQ3_XXS ? DD_IQ3_XXS_BYTES
-                       : wtype == DD_IQ3_S ? DD_IQ3_S_BYTES : wtype == DD_IQ1_S ? DD_IQ1_S_BYTES : DD_IQ1_M_BYTES;
-    const __m512i lo = _mm512_maskz_loadu_epi8(bytes >= 64 ? ~(__mmask64)0 : ((__mmask64)1 << bytes) - 1, blk);
-    const __m512i hi = bytes > 64 ? _mm512_maskz_loadu_epi8(((__mmask64)1 << (bytes - 64)) - 1, blk + 64)
-                                  : _mm512_setzero_si512();
-    iqv_fields f;
-    iqv_fields_of(blk, lo, hi, wtype, &f);
-    const int ksign = wtype == DD_IQ2_XXS || wtype == DD_IQ2_XS || wtype == DD_IQ3_XXS;
-    const int kind = ksign ? IQV_SIGN_KSIGN : wtype == DD_IQ1_S || wtype == DD_IQ1_M ? IQV_SIGN_BIT : IQV_SIGN_RAW;
+    iqv_block f;
+    iqv_fields(blk, wtype, &f);
     uint64_t masks[4];
-    if (kind == IQV_SIGN_RAW) {
-        memcpy(masks, blk + (wtype == DD_IQ2_S ? 34 : 74), sizeof masks);
-    } else {
-        const __m128i s0 = _mm512_cvtepi32_epi8(iqv_sign(f.sgn[0], kind)), s1 = _mm512_cvtepi32_epi8(iqv_sign(f.sgn[1], kind));
-        masks[0] = (uint64_t)_mm_cvtsi128_si64(s0);
-        masks[1] = (uint64_t)_mm_extract_epi64(s0, 1);
-        masks[2] = (uint64_t)_mm_cvtsi128_si64(s1);
-        masks[3] = (uint64_t)_mm_extract_epi64(s1, 1);
-    }
-    const int iq1 = wtype == DD_IQ1_S || wtype == DD_IQ1_M;
+    _mm256_storeu_si256((__m256i *)masks, f.sgn);
+    _mm256_storeu_si256((__m256i *)sc, f.sc);
+    const int wide4 = wtype == DD_IQ3_XXS || wtype == DD_IQ3_S, iq1 = wtype == DD_IQ1_S || wtype == DD_IQ1_M;
     const int two_off = iq1 ? 0 : 2 * (wtype == DD_IQ3_XXS ? DD_IQ3XXS_OFF : wtype == DD_IQ3_S ? DD_IQ3S_OFF : DD_IQ2_OFF);
-    const size_t at = wtype == DD_IQ2_XXS ? DD_IQ2XXS_AT : wtype == DD_IQ2_XS ? DD_IQ2XS_AT : wtype == DD_IQ2_S ? DD_IQ2S_AT
-                    : wtype == DD_IQ3_XXS ? DD_IQ3XXS_AT : wtype == DD_IQ3_S ? DD_IQ3S_AT : DD_IQ1S_AT;
-    const uint8_t *grid = (const uint8_t *)dd_iq_pos8 + at;
+    const int t = iqv_code_table(wtype), n = wtype == DD_IQ2_XS || wtype == DD_IQ3_S ? 8 : 4;
+    __m512i c[2];
+    if (t >= 0)
+        for (int h = 0; h < 1 + wide4; h++)
+            c[h] = iqv_codes(dd_iq_codes + dd_iq_code_at[t], n, f.w16[h]);
+    const uint8_t *grid = (const uint8_t *)dd_iq_pos8 + (wtype == DD_IQ2_S ? DD_IQ2S_AT : DD_IQ1S_AT);
+    __m512i ix[2];
+    if (t < 0) {
+        ix[0] = _mm512_cvtepu16_epi32(_mm512_castsi512_si256(f.w16[0]));
+        ix[1] = _mm512_cvtepu16_epi32(_mm512_extracti64x4_epi64(f.w16[0], 1));
+    }
     for (int g = 0; g < 4; g++) {
         __m512i u;
-        if (wtype == DD_IQ3_XXS || wtype == DD_IQ3_S)
-            u = _mm512_i32gather_epi32(f.idx[g], (const void *)grid, 4);
-        else
-            u = _mm512_i32gather_epi64(g % 2 ? _mm512_extracti64x4_epi64(f.idx[g / 2], 1) : _mm512_castsi512_si256(f.idx[g / 2]),
-                                       (const void *)grid, 8);
+        if (t >= 0) {
+            u = iqv_expand(c[wide4 ? g / 2 : 0], g, wide4, dd_iq_levels[t]);
+        } else {
+            const __m256i x = g % 2 ? _mm512_extracti64x4_epi64(ix[g / 2], 1) : _mm512_castsi512_si256(ix[g / 2]);
+            const __m256i lo = _mm256_i32gather_epi64((const long long *)grid, _mm256_castsi256_si128(x), 8);
+            const __m256i hi = _mm256_i32gather_epi64((const long long *)grid, _mm256_extracti128_si256(x, 1), 8);
+            u = _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1);
+        }
         const __mmask64 m = _cvtu64_mask64(masks[g]);
-        u = two_off ? _mm512_mask_sub_epi8(u, m, _mm512_set1_epi8((char)two_off), u)
-                    : _mm512_mask_sub_epi8(u, m, u, _mm512_set1_epi8(2));
-        _mm512_storeu_si512(q + 64 * g, u);
+        _mm512_storeu_si512(q + 64 * g, two_off ? _mm512_mask_sub_epi8(u, m, _mm512_set1_epi8((char)two_off), u)
+                                                : _mm512_mask_sub_epi8(u, m, u, _mm512_set1_epi8(2)));
     }
-    const __m512i odd = _mm512_add_epi32(_mm512_slli_epi32(f.scale, 1), _mm512_set1_epi32(1));
-    _mm256_storeu_si256((__m256i *)sc, _mm512_cvtepi32_epi16(odd));
     if (wtype == DD_IQ1_M) {
         uint16_t s[4];
         memcpy(s, blk + 48, 8);
         const uint16_t dbits = (uint16_t)((s[0] >> 12) | ((s[1] >> 8) & 0x00f0) | ((s[2] >> 4) & 0x0f00) | (s[3] & 0xf000));
         *d = dd_f16_to_f32(dbits) * 0.125f;
     } else {
-        const float scale = wtype == DD_IQ3_XXS ? 0.25f : wtype == DD_IQ3_S ? 1.0f : 0.125f;
-        *d = dd_f16_to_f32(dd_load_u16(blk)) * scale;
+        const float d16 = dd_f16_to_f32(dd_load_u16(blk));
+        *d = wtype == DD_IQ3_S ? d16 : d16 * (wtype == DD_IQ3_XXS ? 0.25f : 0.125f);
     }
 }
 
 /* acc += the f64 terms of unpacked values q, scales sc and d against a column's activation blocks b0 .. b0 + 7:
  * lowbit.h's dd_lb_terms for the IQ types in its operations and order (the integers I_b exact in int32, then
- * (d da_b) I_b in f64 added to lane b), spelled in 512-bit registers (the vector-extension form is split into
- * 256-bit halves with the accumulators in memory). */
+ * (d da_b) I_b in f64 added to lane b), spelled in 512-bit registers. I_b is summed per 16-value half h:
+ * one vpdpbusd per 64 values, the transpose-add of kernels_avx512vnni.c puts half 4p + k in lane 4k + p,
+ * then sc_h (sum(u a) - off s16_h) for all 16 halves at once (exact: |sum| < 2^19, |sc| < 32) and the halves
+ * of each block added. */
 DD_INLINE void iqv_terms(const uint8_t *q, const int16_t *sc, float d, const dd_acts *a, size_t b0, dd_v8f da, int wtype,
                          dd_v8d *acc)
 {
     const int off = wtype == DD_IQ3_XXS ? DD_IQ3XXS_OFF : wtype == DD_IQ3_S ? DD_IQ3S_OFF
                   : wtype == DD_IQ1_S || wtype == DD_IQ1_M ? DD_IQ1_OFF : DD_IQ2_OFF;
-    const __m256i sc16 = _mm256_loadu_si256((const __m256i *)sc);
-    int32_t d8[8];
-    lb_dot8(q, a->q + b0 * DD_QK, sc, d8);
-    const __m256i s16 = _mm512_cvtepi32_epi16(_mm512_loadu_si512(a->s16 + 2 * b0));
-    const __m256i dot = _mm256_sub_epi32(_mm256_loadu_si256((const __m256i *)d8),
-                                         _mm256_mullo_epi32(_mm256_madd_epi16(s16, sc16), _mm256_set1_epi32(off)));
+    const int8_t *x = a->q + b0 * DD_QK;
+    __m512i s[4];
+    for (int p = 0; p < 4; p++)
+        s[p] = _mm512_dpbusd_epi32(_mm512_setzero_si512(), _mm512_loadu_si512(q + 64 * p), _mm512_loadu_si512(x + 64 * p));
+    const __m512i order = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
+    const __m512i sc32 = _mm512_permutexvar_epi32(order, _mm512_cvtepi16_epi32(_mm256_loadu_si256((const __m256i *)sc)));
+    const __m512i s16 = _mm512_permutexvar_epi32(order, _mm512_loadu_si512(a->s16 + 2 * b0));
+    __m512i h = _mm512_sub_epi32(kq_transpose_add(s), _mm512_mullo_epi32(s16, _mm512_set1_epi32(off)));
+    h = _mm512_mullo_epi32(h, sc32);
+    h = _mm512_add_epi32(h, _mm512_alignr_epi32(h, h, 4));   /* lane p: block 2p, lane 8 + p: block 2p + 1 */
+    const __m256i dot = _mm512_castsi512_si256(
+        _mm512_permutexvar_epi32(_mm512_setr_epi32(0, 8, 1, 9, 2, 10, 3, 11, 0, 0, 0, 0, 0, 0, 0, 0), h));
     __m256 daf;
     memcpy(&daf, &da, sizeof daf);
     const __m512d prod = _mm512_mul_pd(_mm512_cvtps_pd(_mm256_mul_ps(daf, _mm256_set1_ps(d))), _mm512_cvtepi32_pd(dot));
-    __m512d s;
-    memcpy(&s, acc, sizeof s);
-    s = _mm512_add_pd(s, prod);
-    memcpy(acc, &s, sizeof s);
+    __m512d acc8;
+    memcpy(&acc8, acc, sizeof acc8);
+    acc8 = _mm512_add_pd(acc8, prod);
+    memcpy(acc, &acc8, sizeof acc8);
 }
 
 #define DD_IQ_UNPACK iq_unpack_avx512
