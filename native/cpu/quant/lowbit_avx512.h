@@ -21,6 +21,13 @@
 static const int16_t lb_word_of_half[32] = { 0, 8, 2, 10, 4, 12, 6, 14, 16, 24, 18, 26, 20, 28, 22, 30 };
 /* Q2_K: log2 of the factor of half h's sums (4 for blocks 1, 3, 5, 7: vectors 1 and 3) */
 static const int16_t lb_q2_shift[16] = { 0, 0, 2, 2, 0, 0, 2, 2, 0, 0, 2, 2, 0, 0, 2, 2 };
+/* Q3_K's high-bit masks of vector j: bit j of hmask[l] (low half), bit 4 + j (high half) */
+#define LB_X8(x) x, x, x, x, x, x, x, x
+#define LB_X32(x) LB_X8(x), LB_X8(x), LB_X8(x), LB_X8(x)
+static const uint8_t lb_q3_hbit[4][64] = { { LB_X32(1), LB_X32(16) }, { LB_X32(2), LB_X32(32) },
+                                           { LB_X32(4), LB_X32(64) }, { LB_X32(8), LB_X32(128) } };
+#undef LB_X32
+#undef LB_X8
 /* Q3_K's 6-bit scale of half i: low nibble from byte i % 8 shifted by 4 (i / 8), high two bits from byte
  * 8 + i % 4 shifted by 2 (i / 4) */
 static const int16_t lb_q3_lo_byte[16] = { 0, 1, 2, 3, 4, 5, 6, 7, 0, 1, 2, 3, 4, 5, 6, 7 };
@@ -71,7 +78,7 @@ DD_INLINE void lb_load_q3(const uint8_t *blk, lb_row *u)
     const __m512i qs = _mm512_loadu_si512(blk + 32);
     const __m512i hm = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)blk));
     for (int j = 0; j < 4; j++) {
-        const __m512i bit = _mm512_inserti64x4(_mm512_set1_epi8((char)(1 << j)), _mm256_set1_epi8((char)(16 << j)), 1);
+        const __m512i bit = _mm512_loadu_si512(lb_q3_hbit[j]);
         const __m512i low = _mm512_and_si512(_mm512_srli_epi16(qs, 2 * j), three);
         u->w[j] = _mm512_mask_add_epi8(low, _mm512_test_epi8_mask(hm, bit), low, four);
     }
