@@ -11,8 +11,7 @@
  * is set (vptestmb of [hmask | hmask]). vpdpbusd gives 4-value sums; the transpose-add puts 128-bit lane k
  * of vector j (the 16-value half k & 1 of block j, or of block 4 + j for k >= 2) in lane 4k + j; one vpermw
  * takes the low 16 bits of each lane (the half sums fit int16) into half order, and one vpmaddwd by the
- * halves' int16 scales gives the 8 block integers in order, taken to f64. The f64 products are exact
- * (lowbit.h), so a fused multiply-add gives the bits of lowbit.h's multiply, then add.
+ * halves' int16 scales gives the 8 block integers in order, taken to f64.
  */
 #ifndef DELTADESK_LOWBIT_AVX512_H
 #define DELTADESK_LOWBIT_AVX512_H
@@ -103,8 +102,7 @@ DD_INLINE void lb_load_col(const dd_acts *a, size_t b0, lb_col *p)
     p->da = _mm256_loadu_ps(a->bd + b0);
 }
 
-/* acc += row u against column p, in lowbit.h's f64 order (each product exact, so the fused multiply-add
- * rounds once, as its add does). The half sums fit int16 (|sum (u - off) a| <= 16 * 4 * 127; Q2_K's
+/* acc += row u against column p, in lowbit.h's f64 order (each product exact, then one add). The half sums fit int16 (|sum (u - off) a| <= 16 * 4 * 127; Q2_K's
  * 4-fold ones <= 16 * 12 * 127), so one vpmaddwd by the int16 scales (mins) gives the 8 block integers. */
 DD_INLINE void lb_terms(const lb_row *u, const lb_col *p, int wtype, __m512d *acc)
 {
@@ -118,10 +116,10 @@ DD_INLINE void lb_terms(const lb_row *u, const lb_col *p, int wtype, __m512d *ac
     else
         h = _mm256_sub_epi16(h, _mm256_slli_epi16(p->s16, 2));
     const __m512d ints = _mm512_cvtepi32_pd(_mm256_madd_epi16(h, u->sc));
-    *acc = _mm512_fmadd_pd(_mm512_cvtps_pd(_mm256_mul_ps(p->da, u->d)), ints, *acc);
+    *acc = _mm512_add_pd(*acc, _mm512_mul_pd(_mm512_cvtps_pd(_mm256_mul_ps(p->da, u->d)), ints));
     if (wtype == DD_Q2_K) {
         const __m512d mins = _mm512_cvtepi32_pd(_mm256_madd_epi16(p->s16, u->mn));
-        *acc = _mm512_fnmadd_pd(_mm512_cvtps_pd(_mm256_mul_ps(p->da, u->dmin)), mins, *acc);
+        *acc = _mm512_sub_pd(*acc, _mm512_mul_pd(_mm512_cvtps_pd(_mm256_mul_ps(p->da, u->dmin)), mins));
     }
 }
 
