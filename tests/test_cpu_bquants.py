@@ -106,6 +106,28 @@ def test_results_bit_identical_across_levels_threads_and_tiles(qtype, rng):
     assert_same_bits_everywhere(raw, k, qtype, rng)
 
 
+def test_mxfp4_every_exponent_bit_identical_everywhere(rng):
+    """Row r is one MXFP4 group (8 blocks; the AVX-512 level converts a full group's 8 e8m0 bytes at once) whose
+    block r % 8 has e = r and random codes, the other 7 random e and zero codes: row r's result is block r's
+    alone, for every e in 0 .. 255 (2^-129 .. 2^127, the two subnormal ones included). Every level, 1-3 threads
+    and the twin give the same bits; for e <= 200 (products within f32) within the summation bound of gguf's
+    reference."""
+    k = 256
+    raw = random_bquant(rng, 256, k, Q.MXFP4)
+    b = raw.view(quant.BLOCK_DTYPES[Q.MXFP4])
+    b["e"] = rng.integers(0, 256, b.shape)
+    rows = np.arange(256)
+    b["e"][rows, rows % 8] = rows
+    keep = np.zeros(b.shape, bool)
+    keep[rows, rows % 8] = True
+    b["qs"][~keep] = 0                                   # code 0 is the value 0 in both nibbles
+    with np.errstate(over="ignore", invalid="ignore"):   # the twin's f32 products of e > 200 overflow, as the kernels'
+        assert_same_bits_everywhere(raw, k, Q.MXFP4, rng)
+    x = rng.standard_normal((2, k)).astype(np.float32)
+    ref, abs_sum = reference_product(raw[:201], x, Q.MXFP4)
+    assert_close(cpu.matmul(raw[:201], x, Q.MXFP4), ref, abs_sum, k // 32)
+
+
 @pytest.mark.parametrize("level", LEVELS, indirect=True)
 def test_moe_ffn_on_mixed_block_types(level, rng):
     """The fused MoE with IQ4_XS gate/up, Q5_1 down and a Q4_1 / IQ4_NL / Q5_0 shared expert against its

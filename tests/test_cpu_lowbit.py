@@ -76,6 +76,42 @@ def test_lowbit_results_bit_identical_across_levels_threads_and_tiles(qtype, row
     assert_same_bits_everywhere(random_lowbit(rng, rows, k, qtype), k, qtype, rng)
 
 
+EXTREMES = {Q.Q2_K: ({"qs": 0xFF, "scales": 0xFF}, {"qs": 0xFF, "scales": 0x0F}),
+            Q.Q3_K: ({"qs": 0xFF, "hmask": 0xFF, "scales": 0x00}, {"qs": 0x00, "hmask": 0x00, "scales": 0xFF},
+                     {"qs": 0xFF, "hmask": 0xFF, "scales": 0xFF})}
+"""Fields set to the bytes that give a Q2_K / Q3_K row its largest codes and scales (Q2_K: code 3, scale 15,
+min 15 or 0; Q3_K: value 3 or -4, scale -32 or 31)."""
+
+
+@pytest.mark.parametrize("qtype", list(EXTREMES), ids=lambda t: t.name)
+def test_lowbit_extreme_codes_and_full_scale_activations(qtype, rng):
+    """The largest codes and scales against activations of +-127 in every value (each 32-value block of one
+    sign): the integer sums at their bounds (lowbit.h; the AVX-512 level narrows 16-value sums to int16)
+    match gguf's reference within the summation bound and the twin's bits, at every level and 1-3 threads."""
+    k = 512
+    raw = random_lowbit(rng, 2 * len(EXTREMES[qtype]), k, qtype)
+    b = raw.view(quant.BLOCK_DTYPES[qtype])
+    for i, fields in enumerate(EXTREMES[qtype]):
+        for name, byte in fields.items():
+            b[2 * i:2 * i + 2][name] = byte
+    signs = rng.choice([-1.0, 1.0], (3, k // 32))
+    x = (np.repeat(signs, 32, axis=1) * rng.uniform(0.5, 2, (3, 1))).astype(np.float32)
+    x[2] = -x[1]
+    ref, abs_sum = reference_product(raw, x, qtype)
+    want = cpu.matmul_np(raw, x, qtype)
+    assert_close(want, ref, abs_sum, k // 32)
+    try:
+        for name in LEVELS:
+            cpu.set_isa(name)
+            for n in (1, 2, 3):
+                cpu.set_threads(n)
+                assert np.array_equal(cpu.matmul(raw, x, qtype), want), (name, n)
+                assert np.array_equal(cpu.matmul(raw, x[1], qtype), want[1]), (name, n)
+    finally:
+        cpu.set_isa(None)
+        cpu.set_threads()
+
+
 MIXES = [("Q2_K", "Q2_K", "Q3_K", "Q3_K", "Q2_K", "Q3_K"), ("IQ2_XXS", "IQ2_XS", "IQ3_XXS", "IQ1_S", "IQ2_S", "IQ3_S"),
          ("IQ1_M", "IQ1_M", "IQ2_S", "IQ3_S", "IQ1_S", "IQ2_XXS")]
 

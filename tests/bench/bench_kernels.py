@@ -53,7 +53,8 @@ def q4_0_weights(nbytes: int, rng: np.random.Generator) -> np.ndarray:
 HOT_TYPES = (GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q8_0, GGMLQuantizationType.Q4_K,
              GGMLQuantizationType.Q5_K, GGMLQuantizationType.Q6_K)
 SCALE_OFFSETS = {GGMLQuantizationType.Q4_K: (0, 2), GGMLQuantizationType.Q5_K: (0, 2),
-                 GGMLQuantizationType.Q6_K: (208,)}
+                 GGMLQuantizationType.Q6_K: (208,), GGMLQuantizationType.Q2_K: (80, 82),
+                 GGMLQuantizationType.Q3_K: (108,)}
 """Byte offsets of a block's f16 scales (ggml-common.h); every other type has one at 0."""
 
 

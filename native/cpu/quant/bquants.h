@@ -306,6 +306,30 @@ DD_INLINE float dd_bq_e8m0(uint8_t e)
     return f;
 }
 
+#if DD_BQ_LEVEL >= 3
+/* dd_bq_e8m0 of the 8 blocks of a full MXFP4 group at g (their e bytes DD_MXFP4_BYTES apart), as vector code. */
+DD_INLINE dd_v8f dd_bq_e8m0x8(const uint8_t *g)
+{
+    const __m256i e = _mm256_cvtepu8_epi32(_mm_setr_epi8((char)g[0], (char)g[17], (char)g[34], (char)g[51], (char)g[68],
+                                                         (char)g[85], (char)g[102], (char)g[119], 0, 0, 0, 0, 0, 0, 0, 0));
+    const __m256i normal = _mm256_slli_epi32(_mm256_sub_epi32(e, _mm256_set1_epi32(1)), 23);
+    const __m256i sub = _mm256_sllv_epi32(_mm256_set1_epi32(0x00200000), e);
+    return (dd_v8f)_mm256_castsi256_ps(_mm256_mask_blend_epi32(_mm256_cmplt_epu32_mask(e, _mm256_set1_epi32(2)), normal, sub));
+}
+
+/* acc + (f64) s * (f64) i, the operations of the other levels in 512-bit registers (GCC splits the
+ * vector-extension form into 128- and 256-bit pieces). */
+DD_INLINE dd_v8d dd_bq_term(dd_v8d acc, dd_v8f s, dd_v8i i)
+{
+    return (dd_v8d)_mm512_add_pd((__m512d)acc, _mm512_mul_pd(_mm512_cvtps_pd((__m256)s), _mm512_cvtepi32_pd((__m256i)i)));
+}
+#else
+DD_INLINE dd_v8d dd_bq_term(dd_v8d acc, dd_v8f s, dd_v8i i)
+{
+    return acc + __builtin_convertvector(s, dd_v8d) * __builtin_convertvector(i, dd_v8d);
+}
+#endif
+
 /* A group's f32 scales d_i and mins m_i (zero past n or without mins) and, for IQ4_XS, the
  * integer multipliers ls_i - 32 (else 1). */
 DD_INLINE void dd_bq_scales(const uint8_t *g, int wtype, int n, dd_v8f *dw, dd_v8f *mw, dd_v8i *mult)
@@ -331,6 +355,11 @@ DD_INLINE void dd_bq_scales(const uint8_t *g, int wtype, int n, dd_v8f *dw, dd_v
             k[i] = (int32_t)(((sl >> (4 * i)) & 15) | (((sh >> (2 * i)) & 3) << 4)) - 32;
 #endif
     } else if (wtype == DD_MXFP4) {
+#if DD_BQ_LEVEL >= 3
+        if (n == 8) {
+            d = dd_bq_e8m0x8(g);
+        } else
+#endif
         for (int i = 0; i < n; i++)
             d[i] = dd_bq_e8m0(g[(size_t)i * L.bytes]);
     } else {
@@ -399,11 +428,12 @@ DD_INLINE void dd_bq_group(const uint8_t *w, const uint8_t *pf, size_t rb, const
             memcpy(&dot, d8, sizeof dot);
             if (wtype == DD_Q5_0)
                 dot -= 16 * bs;
-            dot *= mult[r];
+            if (wtype == DD_IQ4_XS)
+                dot *= mult[r];
             /* lane i: (d_i da_i) I_i, exact in f64; then (Q4_1, Q5_1) plus (m_i da_i) S_i */
-            acc[r][c] += __builtin_convertvector(da * dw[r], dd_v8d) * __builtin_convertvector(dot, dd_v8d);
+            acc[r][c] = dd_bq_term(acc[r][c], da * dw[r], dot);
             if (L.min)
-                acc[r][c] += __builtin_convertvector(da * mw[r], dd_v8d) * __builtin_convertvector(bs, dd_v8d);
+                acc[r][c] = dd_bq_term(acc[r][c], da * mw[r], bs);
         }
     }
 }
