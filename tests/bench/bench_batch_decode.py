@@ -14,8 +14,9 @@ routes to as many experts as real text would, not to one shared set. llama.cpp:
 column (N x NTG tokens over the generation time, each sequence with its own NPP-token prompt). A round
 runs ours then llama.cpp (the order alternating by round). Prints per N the median of the rounds with
 their min-max, aggregate and per-stream, the ratio of the medians, and the 1-minute load before and after.
-``--profile N`` instead times ``--ntg`` steps of N streams by stage (the model's hooks wrapped): wall and
-process CPU ms per step of the dense products, the LM head, the GDN recurrence, attention, the MoE, the rest.
+``--profile N`` instead times ``--ntg`` steps of N streams: the native step (one C call per step) as a whole,
+then the per-hook path by stage (the model's hooks wrapped): wall and process CPU ms per step of the dense
+products, the LM head, the GDN recurrence, attention, the MoE, the rest.
 """
 
 from __future__ import annotations
@@ -77,7 +78,12 @@ def llama(binary: str, gguf: str, npp: int, ntg: int, threads: int) -> dict[int,
 
 
 def profile(model: NativeQwen35Model, states: list[SequenceState], n: int, ntg: int) -> None:
-    """Print wall / process CPU ms per batched step of n streams in each stage (see the module doc)."""
+    """Print wall / process CPU ms per batched step of n streams: the native step whole, the hooks' stages."""
+    t0, c0 = time.perf_counter(), time.process_time()
+    ours(model, states, n, ntg, seed=1)
+    print(f"N = {n}, {ntg} steps, load {os.getloadavg()[0]:.2f}: native step | "
+          f"{(time.perf_counter() - t0) * 1e3 / ntg:.1f} | {(time.process_time() - c0) * 1e3 / ntg:.1f}")
+    model.step = None
     spent: dict[str, list[float]] = {}
 
     def timed(stage, fn):
