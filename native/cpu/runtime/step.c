@@ -14,10 +14,11 @@
  *     FFN's SiLU through dd_silu_mul, which the hook uses too.
  * Every piece is bit-identical across ISA levels and thread counts (the kernels' rule), so the step is.
  *
- * dd_step_batch runs n tokens of n sequences through the same pieces: the products over all n rows (dd_matmul
- * of n columns, each column with the one-column bits; the routed experts by dd_moe_prefill, each expert's
- * weights read once for the rows routed to it), the norms, RoPE, the recurrence, the KV append and attention
- * row by row on each row's own state, position and cache. So row i gets the bits dd_step gives that token of
+ * dd_step_batch runs n tokens of n sequences through the same pieces: the products over all n rows
+ * (dd_matmul_set of n columns, dd_matmul's bits, each column with the one-column bits; the routed experts by
+ * dd_moe_prefill, each expert's weights read once for the rows routed to it), the norms, RoPE, the
+ * recurrence (dd_gdn_decode_rows: each row's one-token arithmetic), the KV append and attention row by row on
+ * each row's own state, position and cache. So row i gets the bits dd_step gives that token of
  * that sequence alone, whatever the other rows (docs/design/batched-decode.md).
  */
 #include <math.h>
@@ -311,7 +312,8 @@ int dd_step(int isa, const dd_step_model *m, const dd_step_state *s, size_t pos,
 
 static int matmul_rows(int isa, const dd_mat *M, const float *x, size_t n, float *y)
 {
-    return dd_matmul(isa, M->wtype, M->w, M->rows, M->k, x, n, y);
+    const dd_matvec_out one = out_of(M, y);
+    return dd_matmul_set(isa, &one, 1, M->k, x, n);
 }
 
 static void norm_rows(const dd_step_model *m, const float *h, const float *w, size_t n, float *y)
@@ -320,21 +322,28 @@ static void norm_rows(const dd_step_model *m, const float *h, const float *w, si
         rmsnorm_row(h + i * m->n_embd, w, m->n_embd, m->eps, y + i * m->n_embd);
 }
 
-/* The GDN mixer of n rows: the four input products and ssm_out over all rows, the recurrence per row on its
- * sequence's state. buf: n * (conv_dim + 2 nvd + 2 n_v) floats. */
+/* The GDN mixer of n rows: the four input products (one dd_matmul_set) and ssm_out over all rows, the
+ * recurrence of each row on its sequence's state (dd_gdn_decode_rows). buf: n * (conv_dim + 2 nvd + 2 n_v)
+ * floats. */
 static int gdn_rows(int isa, const dd_step_layer *L, const dd_step_state *const *s, size_t il, size_t n,
                     const float *xn, float *out, float *buf)
 {
     const dd_gdn_layer *G = L->gdn;
     const size_t C = L->qkv.rows, nvd = G->n_v * G->dv, nv = G->n_v;
     float *mixed = buf, *z = mixed + n * C, *b = z + n * nvd, *a = b + n * nv, *y = a + n * nv;
-    int rc;
-    if ((rc = matmul_rows(isa, &L->qkv, xn, n, mixed)) != DD_OK || (rc = matmul_rows(isa, &L->z, xn, n, z)) != DD_OK ||
-        (rc = matmul_rows(isa, &L->beta, xn, n, b)) != DD_OK || (rc = matmul_rows(isa, &L->alpha, xn, n, a)) != DD_OK)
-        return rc;
-    for (size_t i = 0; i < n && rc == DD_OK; i++)
-        rc = dd_gdn_prefill(isa, G, 1, mixed + i * C, z + i * nvd, b + i * nv, a + i * nv, s[i]->conv[il],
-                            s[i]->ssm[il], y + i * nvd);
+    const dd_matvec_out in[4] = { out_of(&L->qkv, mixed), out_of(&L->z, z), out_of(&L->beta, b),
+                                  out_of(&L->alpha, a) };
+    float **states = malloc(2 * n * sizeof *states);
+    if (states == NULL)
+        return DD_ERR_NOMEM;
+    for (size_t i = 0; i < n; i++) {
+        states[i] = s[i]->conv[il];
+        states[n + i] = s[i]->ssm[il];
+    }
+    int rc = dd_matmul_set(isa, in, 4, L->qkv.k, xn, n);
+    if (rc == DD_OK)
+        rc = dd_gdn_decode_rows(isa, G, n, mixed, z, b, a, states, states + n, y);
+    free(states);
     return rc != DD_OK ? rc : matmul_rows(isa, &L->ssm_out, y, n, out);
 }
 
@@ -346,10 +355,8 @@ static int attn_rows(int isa, const dd_step_model *m, const dd_step_layer *L, co
 {
     const size_t nq = m->n_head * m->head_dim, nkv = m->n_head_kv * m->head_dim, half = m->rope_dims / 2;
     float *qg = buf, *kk = qg + n * 2 * nq, *vv = kk + n * nkv, *o = vv + n * nkv, *tmp = o + n * nq;
-    int rc;
-    if ((rc = matmul_rows(isa, &L->q, xn, n, qg)) != DD_OK || (rc = matmul_rows(isa, &L->k, xn, n, kk)) != DD_OK ||
-        (rc = matmul_rows(isa, &L->v, xn, n, vv)) != DD_OK)
-        return rc;
+    const dd_matvec_out in[3] = { out_of(&L->q, qg), out_of(&L->k, kk), out_of(&L->v, vv) };
+    int rc = dd_matmul_set(isa, in, 3, L->q.k, xn, n);
     for (size_t i = 0; i < n && rc == DD_OK; i++)
         rc = attn_row(m, L, s[i], il, pos[i], rope_cos + i * half, rope_sin + i * half, qg + i * 2 * nq,
                       kk + i * nkv, vv + i * nkv, o + i * nq, tmp);
@@ -364,9 +371,9 @@ static int ffn_rows(int isa, const dd_step_layer *L, size_t n, const float *xn, 
         return dd_moe_prefill(isa, L->moe, n, xn, out, NULL, NULL);
     const size_t ff = L->ffn_gate.rows;
     float *g = buf, *u = g + n * ff, *hh = u + n * ff;
+    const dd_matvec_out in[2] = { out_of(&L->ffn_gate, g), out_of(&L->ffn_up, u) };
     int rc;
-    if ((rc = matmul_rows(isa, &L->ffn_gate, xn, n, g)) != DD_OK ||
-        (rc = matmul_rows(isa, &L->ffn_up, xn, n, u)) != DD_OK)
+    if ((rc = dd_matmul_set(isa, in, 2, L->ffn_gate.k, xn, n)) != DD_OK)
         return rc;
     dd_silu_mul(g, u, n * ff, hh);
     return matmul_rows(isa, &L->ffn_down, hh, n, out);
