@@ -161,6 +161,20 @@ def test_rows_of_different_kv_types_share_a_step(synth_model, isa_reset):
 
 
 @native
+def test_a_batch_larger_than_the_state_cache(synth_model):
+    """More sequences than the step keeps state tables for: building the batch's tables drops the first
+    ones from the cache, which the call must still hold (each row as the sequence alone)."""
+    from engine.arch.qwen35.cpu_step import STATE_CACHE
+    model = load(synth_model("tiny", "q8_0"))
+    states = fresh(model, STATE_CACHE + 4, capacity=32)
+    for step in range(2):
+        tokens = np.arange(len(states)) + 3 * step
+        alone = [s.copy() for s in states]
+        want = np.concatenate([model.forward(tokens[i:i + 1], alone[i]) for i in range(len(states))])
+        assert np.array_equal(model.forward_batch(tokens, states, [None] * len(states)), want)
+
+
+@native
 def test_several_rows_take_one_batched_native_call(synth_model, monkeypatch):
     model = load(synth_model("tiny", "q8_0"))
     states = fresh(model, 3)
