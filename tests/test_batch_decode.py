@@ -11,6 +11,8 @@ references differ). Design: docs/design/batched-decode.md.
 
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 import pytest
 
@@ -77,8 +79,11 @@ STEPS = (("a", "c", "d"), ("e", "a", "b", "c", "d"), ("b", "e"), ("d", "b", "e",
 """The batch of each step: sequences join and leave, in varying order; the last is one row."""
 
 
-def run_steps(model, seqs: dict[str, SequenceState], rng: np.random.Generator) -> None:
-    """Decode STEPS with ``forward_batch``; each row and state against the sequence alone."""
+def run_steps(model, seqs: dict[str, SequenceState], rng: np.random.Generator, hooks: bool = False) -> list:
+    """Decode STEPS with ``forward_batch`` (``hooks``: the reference class's per-hook batch pass instead of the
+    native batched step); each row and state against the sequence alone. Returns every step's logits."""
+    batch = functools.partial(Qwen35Model.forward_batch, model) if hooks else model.forward_batch
+    steps = []
     for step, names in enumerate(STEPS):
         states = [seqs[n] for n in names]
         positions = [mrope(s) if n == "d" else None for n, s in zip(names, states)]
@@ -87,13 +92,15 @@ def run_steps(model, seqs: dict[str, SequenceState], rng: np.random.Generator) -
         alone = [s.copy() for s in states]
         want = np.concatenate([model.forward(tokens[i:i + 1], alone[i], positions=positions[i])
                                for i in range(len(names))])
-        got = model.forward_batch(tokens, states, positions)
+        got = batch(tokens, states, positions)
+        steps.append(got)
         assert got.dtype == np.float32 and got.shape == want.shape
         for i, name in enumerate(names):
             assert np.array_equal(got[i], want[i]), (step, name, np.abs(got[i] - want[i]).max())
             assert_same_state(states[i], alone[i], f"step {step} sequence {name}")
         if same_token:     # the test's power: every row's answer depends on its own state
             assert all(not np.array_equal(want[i], want[j]) for i in range(len(names)) for j in range(i))
+    return steps
 
 
 @native
@@ -102,9 +109,93 @@ def run_steps(model, seqs: dict[str, SequenceState], rng: np.random.Generator) -
 @pytest.mark.parametrize("preset, quant", MODELS)
 def test_each_row_is_the_sequence_alone(synth_model, isa_reset, preset, quant, kv_type, threads):
     model = load(synth_model(preset, quant))
+    assert model.step is not None      # N >= 2 rows: the native batched step
     cpu.set_threads(threads)
     rng = np.random.default_rng(threads * 10 + len(preset))
     run_steps(model, sequences(model, kv_type, rng), rng)
+
+
+@native
+@pytest.mark.parametrize("kv_type", ["f16", "q8_0"])
+@pytest.mark.parametrize("preset, quant", MODELS)
+def test_the_hooks_batch_pass_rows_are_the_sequence_alone(synth_model, isa_reset, preset, quant, kv_type):
+    model = load(synth_model(preset, quant))
+    cpu.set_threads(2)
+    rng = np.random.default_rng(len(preset))
+    run_steps(model, sequences(model, kv_type, rng), rng, hooks=True)
+
+
+@native
+@pytest.mark.parametrize("preset, quant, lowest", [("tiny", "q8_0", "scalar"), ("small", "q4_k_m", "ssse3")])
+def test_rows_do_not_depend_on_the_isa_level(synth_model, isa_reset, preset, quant, lowest):
+    """The same batched steps on every native level from ``lowest`` (the K-quant mix skips the scalar level's
+    ~8 s): the same logits, each row the sequence alone there."""
+    model = load(synth_model(preset, quant))
+    cpu.set_threads(2)
+    seqs = sequences(model, "f16", np.random.default_rng(3))
+    runs = {}
+    for level in (lv for lv in cpu.ISA_LEVELS[cpu.ISA_LEVELS.index(lowest):] if lv in cpu.supported_isas()):
+        cpu.set_isa(level)
+        runs[level] = run_steps(model, {k: s.copy() for k, s in seqs.items()}, np.random.default_rng(4))
+    first = next(iter(runs.values()))
+    assert len(runs) >= 2 and all(np.array_equal(a, b) for r in runs.values() for a, b in zip(r, first, strict=True))
+
+
+@native
+def test_rows_of_different_kv_types_share_a_step(synth_model, isa_reset):
+    """One batch of F32, F16 and Q8_0 sequences at different positions: each row as the sequence alone."""
+    model = load(synth_model("tiny", "q8_0"))
+    rng = np.random.default_rng(11)
+    states = []
+    for kv_type, length in (("f32", 5), ("f16", 30), ("q8_0", 12), ("f16", 1)):
+        states.append(SequenceState.new(model.hp, 64, kv_type))
+        model.forward(rng.integers(0, model.hp.n_vocab, length), states[-1])
+    for _ in range(3):
+        tokens = rng.integers(0, model.hp.n_vocab, len(states))
+        alone = [s.copy() for s in states]
+        want = np.concatenate([model.forward(tokens[i:i + 1], alone[i]) for i in range(len(states))])
+        got = model.forward_batch(tokens, states, [None] * len(states))
+        assert np.array_equal(got, want)
+        for i, (s, a) in enumerate(zip(states, alone)):
+            assert_same_state(s, a, f"row {i}")
+
+
+@native
+def test_a_batch_larger_than_the_state_cache(synth_model):
+    """More sequences than the step keeps state tables for: building the batch's tables drops the first
+    ones from the cache, which the call must still hold (each row as the sequence alone)."""
+    from engine.arch.qwen35.cpu_step import STATE_CACHE
+    model = load(synth_model("tiny", "q8_0"))
+    states = fresh(model, STATE_CACHE + 4, capacity=32)
+    for step in range(2):
+        tokens = np.arange(len(states)) + 3 * step
+        alone = [s.copy() for s in states]
+        want = np.concatenate([model.forward(tokens[i:i + 1], alone[i]) for i in range(len(states))])
+        assert np.array_equal(model.forward_batch(tokens, states, [None] * len(states)), want)
+
+
+@native
+def test_several_rows_take_one_batched_native_call(synth_model, monkeypatch):
+    model = load(synth_model("tiny", "q8_0"))
+    states = fresh(model, 3)
+    calls: list[str] = []
+    monkeypatch.setattr(cpu._native_cpu, "lib", _Spy(cpu._native_cpu.lib, calls))
+    model.forward_batch(np.array([4, 5, 6]), states, [None] * 3)
+    assert calls.count("dd_step_batch") == 1
+    assert not {"dd_step", "dd_matmul", "dd_moe_prefill", "dd_gdn_prefill", "dd_attn_prefill_kv"} & set(calls)
+
+
+class _Spy:
+    """The native library with the name of every function called through it appended to ``calls``."""
+
+    def __init__(self, lib, calls: list[str]) -> None:
+        self._lib, self._calls = lib, calls
+
+    def __getattr__(self, attr: str):
+        value = getattr(self._lib, attr)
+        if not callable(value):
+            return value
+        return lambda *a: self._calls.append(attr) or value(*a)
 
 
 @pytest.mark.parametrize("preset", ["tiny", "dense-tiny"])

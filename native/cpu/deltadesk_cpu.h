@@ -228,6 +228,13 @@ typedef struct {
 int dd_step(int isa, const dd_step_model *m, const dd_step_state *s, size_t pos, const float *x,
             const double *rope_cos, const double *rope_sin, float *logits);
 
+/* Batched decode: one token of each of n sequences (n >= 1) in one call, row i the bits dd_step gives
+ * that token with state s[i] at row pos[i] alone (the products over all rows, the rest per row; step.c).
+ * x: n x n_embd f32; rope_cos, rope_sin: n x rope_dims / 2 f64, row i's angles; logits: n x lm_head.rows
+ * f32. The states must be distinct (no two rows may share an array). DD_ERR_ARG as dd_step, for any row. */
+int dd_step_batch(int isa, const dd_step_model *m, size_t n, const dd_step_state *const *s, const size_t *pos,
+                  const float *x, const double *rope_cos, const double *rope_sin, float *logits);
+
 /* y[i] = f32(silu(g[i])) * u[i], silu(x) = x sigmoid(x) in f64 (engine.ops.reference.silu's arithmetic,
  * libm's exp): the dense FFN's gate of the decode step and of the per-hook path alike. */
 void dd_silu_mul(const float *g, const float *u, size_t n, float *y);

@@ -14,8 +14,12 @@ routes to as many experts as real text would, not to one shared set. llama.cpp:
 column (N x NTG tokens over the generation time, each sequence with its own NPP-token prompt). A round
 runs ours then llama.cpp (the order alternating by round). Prints per N the median of the rounds with
 their min-max, aggregate and per-stream, the ratio of the medians, and the 1-minute load before and after.
-``--profile N`` instead times ``--ntg`` steps of N streams by stage (the model's hooks wrapped): wall and
-process CPU ms per step of the dense products, the LM head, the GDN recurrence, attention, the MoE, the rest.
+``--pairs R`` instead runs R interleaved rounds of ``--ntg`` steps each of 1 stream, 4 streams on the native
+batched step, 4 on the per-hook path, 2 and 8 streams (order reversed every other round), and prints the
+median (min) wall and process CPU ms per step of each and its aggregate against the single stream.
+``--profile N`` instead times ``--ntg`` steps of N streams: the native step (one C call per step) as a whole,
+then the per-hook path by stage (the model's hooks wrapped): wall and process CPU ms per step of the dense
+products, the LM head, the GDN recurrence, attention, the MoE, the rest.
 """
 
 from __future__ import annotations
@@ -77,7 +81,12 @@ def llama(binary: str, gguf: str, npp: int, ntg: int, threads: int) -> dict[int,
 
 
 def profile(model: NativeQwen35Model, states: list[SequenceState], n: int, ntg: int) -> None:
-    """Print wall / process CPU ms per batched step of n streams in each stage (see the module doc)."""
+    """Print wall / process CPU ms per batched step of n streams: the native step whole, the hooks' stages."""
+    t0, c0 = time.perf_counter(), time.process_time()
+    ours(model, states, n, ntg, seed=1)
+    print(f"N = {n}, {ntg} steps, load {os.getloadavg()[0]:.2f}: native step | "
+          f"{(time.perf_counter() - t0) * 1e3 / ntg:.1f} | {(time.process_time() - c0) * 1e3 / ntg:.1f}")
+    model.step = None
     spent: dict[str, list[float]] = {}
 
     def timed(stage, fn):
@@ -106,6 +115,28 @@ def profile(model: NativeQwen35Model, states: list[SequenceState], n: int, ntg: 
         print(f"{name} | {wall * 1e3 / ntg:.1f} | {cpu_s * 1e3 / ntg:.1f}")
 
 
+def pairs(model: NativeQwen35Model, states: list[SequenceState], rounds: int, ntg: int) -> None:
+    """Print per-step wall / CPU ms of interleaved runs (see the module doc): paired figures on a busy machine."""
+    step, spent = model.step, {}
+    runs = [("1 native", 1, step), ("4 native", 4, step), ("4 per-hook", 4, None), ("2 native", 2, step),
+            ("8 native", 8, step)]
+    for r in range(rounds):
+        for label, n, path in (runs if r % 2 == 0 else runs[::-1]):
+            model.step = path
+            t0, c0 = time.perf_counter(), time.process_time()
+            ours(model, states, n, ntg, seed=r)
+            spent.setdefault(label, []).append(((time.perf_counter() - t0) * 1e3 / ntg,
+                                                (time.process_time() - c0) * 1e3 / ntg))
+    model.step = step
+    one = [statistics.median(v[i] for v in spent["1 native"]) for i in (0, 1)]
+    print(f"{rounds} rounds x {ntg} steps, load {os.getloadavg()[0]:.2f}: run | wall ms/step | CPU ms/step | "
+          "aggregate / single stream by wall, by CPU")
+    for label, v in spent.items():
+        n, med = int(label.split()[0]), [statistics.median(x[i] for x in v) for i in (0, 1)]
+        print(f"{label} | {med[0]:.1f} ({min(x[0] for x in v):.1f}) | {med[1]:.1f} ({min(x[1] for x in v):.1f}) | "
+              f"{n * one[0] / med[0]:.2f}x, {n * one[1] / med[1]:.2f}x")
+
+
 def summary(values: list[float]) -> str:
     return f"{statistics.median(values):7.2f} ({min(values):.2f}-{max(values):.2f})"
 
@@ -119,6 +150,7 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--llama-batched-bench", dest="llama", help="path of llama.cpp's llama-batched-bench")
     ap.add_argument("--profile", type=int, metavar="N", help="time the stages of N streams instead")
+    ap.add_argument("--pairs", type=int, metavar="R", help="R interleaved rounds of paired per-step timings instead")
     args = ap.parse_args()
     load0 = os.getloadavg()[0]
     cpu.set_threads(args.threads)
@@ -128,6 +160,9 @@ def main() -> None:
     ours(model, states, 2, 2, seed=99)     # warm-up: pages and pool
     if args.profile:
         profile(model, states, args.profile, args.ntg)
+        return
+    if args.pairs:
+        pairs(model, states, args.pairs, args.ntg)
         return
     mine: dict[int, list[float]] = {n: [] for n in STREAMS}
     theirs: dict[int, list[float]] = {n: [] for n in STREAMS}

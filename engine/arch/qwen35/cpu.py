@@ -198,11 +198,15 @@ class NativeQwen35Model(Qwen35Model):
 
     def forward_batch(self, tokens: np.ndarray, states: list[SequenceState],
                       positions: list[np.ndarray | None]) -> np.ndarray:
-        """:meth:`Qwen35Model.forward_batch`: one row in the one-call native step, N rows through the hooks
-        (the native GEMM over all rows, experts grouped over the batch) with numpy's BLAS held to one thread."""
-        if len(states) == 1 and self.step is not None and self.step.takes(1, None):
-            self.batch_inputs(tokens, states, positions)
-            return self.step.forward(np.asarray(tokens), states[0], positions=positions[0])
+        """:meth:`Qwen35Model.forward_batch`: one row in the one-call native step, N rows in one batched native
+        call (:meth:`~engine.arch.qwen35.cpu_step.NativeStep.forward_batch`) where the step takes the model, else
+        through the hooks (the native GEMM over all rows, experts grouped over the batch) with numpy's BLAS held
+        to one thread. All give the same bits."""
+        if self.step is not None and self.step.takes(1, None):
+            tokens, pos = self.batch_inputs(tokens, states, positions)
+            if len(states) == 1:
+                return self.step.forward(tokens, states[0], positions=positions[0])
+            return self.step.forward_batch(tokens, states, pos)
         with threadpool_limits(1, user_api="blas"):
             return super().forward_batch(tokens, states, positions)
 

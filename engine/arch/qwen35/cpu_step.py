@@ -1,10 +1,11 @@
-"""The decode step in one native call per token: :class:`NativeStep` (native/cpu/runtime/step.c, ``dd_step``).
+"""The decode step in one native call per token: :class:`NativeStep` (native/cpu/runtime/step.c, ``dd_step``),
+and per batched step of N sequences (``dd_step_batch``, :meth:`NativeStep.forward_batch`).
 
 Runs every layer, the final norm and the LM head in C with the GIL released; Python checks inputs,
-looks up the embedding row and the RoPE table. Bit-identical to the per-hook forward of
-``NativeQwen35Model`` (tests/test_native_step.py). Not taken: float32 projections
-(:func:`step_unsupported`), several tokens, a stage callback, an observer (:meth:`NativeStep.takes`).
-Design: docs/design/native-cpu.md.
+looks up the embedding rows and the RoPE tables. Bit-identical to the per-hook forward of
+``NativeQwen35Model`` (tests/test_native_step.py, tests/test_batch_decode.py). Not taken: float32 projections
+(:func:`step_unsupported`), several tokens of one sequence, a stage callback, an observer
+(:meth:`NativeStep.takes`). Design: docs/design/native-cpu.md, docs/design/batched-decode.md.
 """
 
 from __future__ import annotations
@@ -41,6 +42,9 @@ class StepModel(Protocol):
 STAGES = ("inp_embd", "result_output")
 """The reference forward's stage names :meth:`NativeStep.forward` reports: its input row and its logits (the
 layers run inside one C call; the hooks path, bit-identical to it, names every stage in between)."""
+STATE_CACHE = 16
+"""Sequences whose ``dd_step_state`` tables :class:`NativeStep` keeps between calls (a batch of up to this
+many reuses them step after step)."""
 
 _GDN_MATS = (("qkv", "attn_qkv"), ("z", "attn_gate"), ("beta", "ssm_beta"), ("alpha", "ssm_alpha"),
              ("ssm_out", "ssm_out"))
@@ -110,7 +114,7 @@ class NativeStep:
         self._mat(m.lm_head, model.mats[model.output_name])
         self.n_vocab = model.mats[model.output_name].rows
         self._c = m
-        self._cached: tuple[tuple[weakref.ref, ...], Any] = ((), None)   # one store: safe across threads
+        self._cached: tuple[tuple[tuple[weakref.ref, ...], Any], ...] = ()   # one store: safe across threads
 
     def _hold(self, obj: Any) -> Any:
         self._keep.append(obj)
@@ -131,8 +135,8 @@ class NativeStep:
         return n_tokens == 1 and cb is None and self._model().observer is None and cpu.isa() != "numpy"
 
     def _state(self, state: SequenceState) -> Any:
-        """The ``dd_step_state`` of ``state``'s arrays, rebuilt when they are not the arrays of the last call
-        (held by weak references: a cached entry keeps no state alive).
+        """The ``dd_step_state`` of ``state``'s arrays, rebuilt when they are not the arrays of one of the last
+        :data:`STATE_CACHE` states (held by weak references: a cached entry keeps no state alive).
 
         Raises ValueError if an array is not a writeable C-contiguous array of the layout's shape (float32;
         the KV rows of ``state.kv_type``).
@@ -140,9 +144,12 @@ class NativeStep:
         hp = self.hp
         arrays = [a for il in range(hp.n_layer)
                   for a in ((state.conv[il], state.ssm[il]) if hp.is_recurrent(il) else (state.k[il], state.v[il]))]
-        refs, entry = self._cached
-        if len(arrays) == len(refs) and all(r() is a for r, a in zip(refs, arrays)):
-            return entry
+        cached = self._cached
+        for j, (refs, entry) in enumerate(cached):
+            if len(arrays) == len(refs) and all(r() is a for r, a in zip(refs, arrays)):
+                if j:   # most recently used first
+                    self._cached = (cached[j], *cached[:j], *cached[j + 1:])
+                return entry
         layout, kv = hp.state_layout(), kv_dtype(state.kv_type)
         specs = [s for il in range(hp.n_layer)
                  for s in (((layout.conv[il], np.float32), (layout.ssm[il], np.float32)) if hp.is_recurrent(il)
@@ -163,7 +170,7 @@ class NativeStep:
         c.conv, c.ssm, c.k, c.v = tables["conv"], tables["ssm"], tables["k"], tables["v"]
         c.capacity = state.capacity
         c.kv_type = {"f16": lib.DD_KV_F16, "q8_0": lib.DD_KV_Q8_0}.get(state.kv_type, lib.DD_KV_F32)
-        self._cached = (tuple(weakref.ref(a) for a in arrays), (c, tables))
+        self._cached = ((tuple(weakref.ref(a) for a in arrays), (c, tables)), *cached[:STATE_CACHE - 1])
         return c, tables
 
     def forward(self, tokens: np.ndarray, state: SequenceState, embeddings: np.ndarray | None = None,
@@ -187,7 +194,7 @@ class NativeStep:
         x = np.ascontiguousarray(x[0], dtype=np.float32)
         cos, sin = ops.rope_tables(positions, hp.rope_dims, hp.rope_theta, hp.rope_sections)
         cos, sin = np.ascontiguousarray(cos[0]), np.ascontiguousarray(sin[0])
-        st = self._state(state)[0]
+        st, _tables = self._state(state)   # both held through the call
         logits = np.empty((1, self.n_vocab), dtype=np.float32)
         ffi, lib = cpu._native_cpu.ffi, cpu._native_cpu.lib
         level = cpu.ISA_LEVELS.index(cpu.isa())
@@ -198,4 +205,34 @@ class NativeStep:
         if cb is not None:
             cb("inp_embd", -1, x[None])
             cb("result_output", -1, logits)
+        return logits
+
+    def forward_batch(self, tokens: np.ndarray, states: list[SequenceState], positions: np.ndarray) -> np.ndarray:
+        """One token of each of N sequences in one native call (``dd_step_batch``): row i and ``states[i]`` get
+        the bits :meth:`forward` gives that token of that sequence alone.
+
+        Args: tokens (N,) int and positions (3, N) int, column i row i's M-RoPE positions, as
+        :meth:`~engine.arch.qwen35.model.Qwen35Model.batch_inputs` checked them against ``states`` (N distinct
+        states, each advanced by one position).
+        Returns: (N, n_vocab) float32 logits. Raises: ValueError (a state's arrays, :meth:`_state`); EngineError
+        if the native call fails.
+        """
+        hp, n = self.hp, len(states)
+        x = np.ascontiguousarray(self._model().embed(np.asarray(tokens)), dtype=np.float32)
+        tables = [ops.rope_tables(positions[:, i:i + 1], hp.rope_dims, hp.rope_theta, hp.rope_sections)
+                  for i in range(n)]   # row by row: the very table a one-row step computes
+        cos = np.ascontiguousarray(np.concatenate([c for c, _ in tables]))
+        sin = np.ascontiguousarray(np.concatenate([s for _, s in tables]))
+        ffi, lib = cpu._native_cpu.ffi, cpu._native_cpu.lib
+        entries = [self._state(state) for state in states]   # held here: the cache may drop one meanwhile
+        ptrs = ffi.new("dd_step_state *[]", [c for c, _ in entries])
+        pos = ffi.new("size_t[]", [state.pos for state in states])
+        logits = np.empty((n, self.n_vocab), dtype=np.float32)
+        level = cpu.ISA_LEVELS.index(cpu.isa())
+        cpu._check(lib.dd_step_batch(level, self._c, n, ptrs, pos, ffi.cast("float *", ffi.from_buffer(x)),
+                                     ffi.cast("double *", ffi.from_buffer(cos)),
+                                     ffi.cast("double *", ffi.from_buffer(sin)),
+                                     ffi.cast("float *", ffi.from_buffer(logits))), "batched decode step")
+        for state in states:
+            state.pos += 1
         return logits

@@ -298,3 +298,49 @@ int GDN_FN(gdn_prefill)(const dd_gdn_layer *L, size_t n, const float *mixed, con
     free(x.u);
     return DD_OK;
 }
+
+/* n rows of n sequences, one token each (runtime.h dd_gdn_decode_rows): row i's jobs are those of its one-token
+ * GDN_FN(gdn_prefill) call on its own context, in one pass-1 job and one pass-2 job for all rows. */
+typedef struct {
+    gdn_ctx *x;     /* the rows' contexts */
+    size_t per;     /* jobs of the pass per row */
+} gdn_rows_job;
+
+static void gdn_inputs_rows(void *ctx, size_t c)
+{
+    const gdn_rows_job *j = ctx;
+    gdn_inputs(&j->x[c / j->per], c % j->per);
+}
+
+static void gdn_head_rows(void *ctx, size_t c)
+{
+    const gdn_rows_job *j = ctx;
+    gdn_head(&j->x[c / j->per], c % j->per);
+}
+
+int GDN_FN(gdn_decode_rows)(const dd_gdn_layer *L, size_t n, const float *mixed, const float *z, const float *b,
+                            const float *a, float *const *conv_state, float *const *ssm, float *y)
+{
+    const size_t nk = L->n_k, nv = L->n_v, C = 2 * nk * L->dk + nv * L->dv, nvd = nv * L->dv, per = C + 3 * nv;
+    gdn_ctx *x = malloc(n * sizeof *x);
+    float *u = malloc(n * per * sizeof(float));
+    if (x == NULL || u == NULL) {
+        free(x);
+        free(u);
+        return DD_ERR_NOMEM;
+    }
+    for (size_t i = 0; i < n; i++) {
+        x[i] = (gdn_ctx){ .L = L, .n = 1, .C = C, .nvd = nvd, .mixed = mixed + i * C, .z = z + i * nvd,
+                          .b = b + i * nv, .a = a + i * nv, .conv_state = conv_state[i], .ssm = ssm[i],
+                          .y = y + i * nvd, .u = u + i * per };
+        x[i].beta = x[i].u + C;
+        x[i].decay = x[i].beta + nv;
+        x[i].kq = x[i].decay + nv;
+    }
+    gdn_rows_job in = { .x = x, .per = 2 * nk + nv }, heads = { .x = x, .per = nv };
+    dd_pool_for(gdn_inputs_rows, &in, n * in.per);
+    dd_pool_for(gdn_head_rows, &heads, n * heads.per);
+    free(u);
+    free(x);
+    return DD_OK;
+}

@@ -7,12 +7,18 @@
 
 typedef int (*gdn_prefill_fn)(const dd_gdn_layer *, size_t, const float *, const float *, const float *,
                               const float *, float *, float *, float *);
+typedef int (*gdn_rows_fn)(const dd_gdn_layer *, size_t, const float *, const float *, const float *,
+                           const float *, float *const *, float *const *, float *);
 
 #ifdef DD_X86_ISAS
 int gdn_prefill_avx2(const dd_gdn_layer *, size_t, const float *, const float *, const float *, const float *,
                      float *, float *, float *);
 int gdn_prefill_avx512(const dd_gdn_layer *, size_t, const float *, const float *, const float *, const float *,
                        float *, float *, float *);
+int gdn_decode_rows_avx2(const dd_gdn_layer *, size_t, const float *, const float *, const float *, const float *,
+                         float *const *, float *const *, float *);
+int gdn_decode_rows_avx512(const dd_gdn_layer *, size_t, const float *, const float *, const float *,
+                           const float *, float *const *, float *const *, float *);
 #endif
 
 static int gdn_layer_ok(const dd_gdn_layer *L)
@@ -37,6 +43,20 @@ int dd_gdn_prefill(int isa, const dd_gdn_layer *L, size_t n, const float *mixed,
     gdn_prefill_fn fn = gdn_prefill_base;
 #ifdef DD_X86_ISAS
     fn = isa >= DD_ISA_AVX512VNNI ? gdn_prefill_avx512 : isa >= DD_ISA_AVX2 ? gdn_prefill_avx2 : fn;
+#endif
+    return fn(L, n, mixed, z, b, a, conv_state, ssm, y);
+}
+
+int dd_gdn_decode_rows(int isa, const dd_gdn_layer *L, size_t n, const float *mixed, const float *z, const float *b,
+                       const float *a, float *const *conv_state, float *const *ssm, float *y)
+{
+    if (!gdn_layer_ok(L) || n == 0)
+        return DD_ERR_ARG;
+    if (!dd_isa_supported(isa))
+        return DD_ERR_ISA;
+    gdn_rows_fn fn = gdn_decode_rows_base;
+#ifdef DD_X86_ISAS
+    fn = isa >= DD_ISA_AVX512VNNI ? gdn_decode_rows_avx512 : isa >= DD_ISA_AVX2 ? gdn_decode_rows_avx2 : fn;
 #endif
     return fn(L, n, mixed, z, b, a, conv_state, ssm, y);
 }

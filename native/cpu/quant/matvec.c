@@ -11,7 +11,9 @@
  * Why the bits do not change: the activations are the bytes dd_matmul prepares for that vector, and
  * product i is cut into the chunks dd_matmul cuts it into (dd_chunk_rows of its row size, from its row
  * 0), each run by the same kernel call with the same rows and the same rows_avail; a chunk's result
- * depends only on its rows, never on the thread or the order.
+ * depends only on its rows, never on the thread or the order. dd_matmul_set does the same for a few
+ * columns (batched decode's N rows): the columns prepared once on the caller, each product cut as
+ * dd_matmul cuts an m-column product (dd_gemm_chunk_rows), each chunk the same kernel call.
  */
 #include <pthread.h>
 #include <stdlib.h>
@@ -85,28 +87,33 @@ static void set_chunk(void *ctx, size_t chunk)
     j->kt->gemm[p->wtype](p->w + r0 * rb, rb, n, p->rows - r0, j->acts, p->y + r0, p->rows);
 }
 
-int dd_matvec_set(int isa, const dd_matvec_out *p, size_t n, size_t k, const float *x)
+int dd_matmul_set(int isa, const dd_matvec_out *p, size_t n, size_t k, const float *x, size_t m)
 {
     const dd_kernels *kt = dd_kernels_for(isa);
     if (kt == NULL)
         return DD_ERR_ISA;
-    if (n > DD_MATVEC_SET_MAX || k == 0 || k % DD_QK != 0)
+    if (n > DD_MATVEC_SET_MAX || k == 0 || k % DD_QK != 0 || m == 0)
         return DD_ERR_ARG;
     set_job job = { .kt = kt, .p = p, .k = k };
     for (size_t i = 0; i < n; i++) {
         if (!dd_wtype_fits(p[i].wtype, k))
             return DD_ERR_ARG;
-        job.chunk_rows[i] = dd_chunk_rows(dd_row_bytes(p[i].wtype, k));
+        job.chunk_rows[i] = dd_gemm_chunk_rows(dd_row_bytes(p[i].wtype, k), m);
         job.first[i + 1] = job.first[i] + dd_div_up(p[i].rows, job.chunk_rows[i]);
     }
-    void *mem = dd_scratch(DD_SCRATCH_ACTS, dd_acts_bytes(kt, 1, k));
+    void *mem = dd_scratch(DD_SCRATCH_ACTS, dd_acts_bytes(kt, m, k));
     if (mem == NULL)
         return DD_ERR_NOMEM;
     dd_acts acts;
-    dd_acts_prepare(kt, x, 1, k, mem, &acts);
+    dd_acts_prepare(kt, x, m, k, mem, &acts);
     job.acts = &acts;
     dd_pool_for(set_chunk, &job, job.first[n]);
     return DD_OK;
+}
+
+int dd_matvec_set(int isa, const dd_matvec_out *p, size_t n, size_t k, const float *x)
+{
+    return dd_matmul_set(isa, p, n, k, x, 1);
 }
 
 typedef struct {

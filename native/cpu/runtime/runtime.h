@@ -82,6 +82,16 @@ typedef struct {
 } dd_matvec_out;
 #define DD_MATVEC_SET_MAX 8
 int dd_matvec_set(int isa, const dd_matvec_out *p, size_t n, size_t k, const float *x);
+/* The same for m columns (x: m x k f32; each y: m rows of `rows` f32), every y the bits of dd_matmul(isa,
+ * wtype, w, rows, k, x, m, y); the columns prepared once on the caller (for the few columns of a batched
+ * decode step, not a prompt's hundreds). DD_ERR_ARG also for m == 0. */
+int dd_matmul_set(int isa, const dd_matvec_out *p, size_t n, size_t k, const float *x, size_t m);
+
+/* dd_gdn_prefill of one token for each of n sequences (row i: mixed + i conv_dim, z + i nvd, b and a + i n_v,
+ * y + i nvd; its own conv_state[i] and ssm[i]), each row with the bits of its one-token call, in one pair of
+ * pool jobs for all rows (gdn_kernel.h). DD_ERR_ARG, DD_ERR_ISA, DD_ERR_NOMEM as dd_gdn_prefill. */
+int dd_gdn_decode_rows(int isa, const dd_gdn_layer *L, size_t n, const float *mixed, const float *z, const float *b,
+                       const float *a, float *const *conv_state, float *const *ssm, float *y);
 
 /* Values and bytes of one block of each weight type (ggml-common.h), indexed by DD_Q4_0... */
 static inline size_t dd_block_values(int wtype)

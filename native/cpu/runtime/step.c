@@ -13,6 +13,13 @@
  *     code (engine.ops.reference.rope_tables: numpy's SIMD cos/sin are not libm's), and the dense
  *     FFN's SiLU through dd_silu_mul, which the hook uses too.
  * Every piece is bit-identical across ISA levels and thread counts (the kernels' rule), so the step is.
+ *
+ * dd_step_batch runs n tokens of n sequences through the same pieces: the products over all n rows
+ * (dd_matmul_set of n columns, dd_matmul's bits, each column with the one-column bits; the routed experts by
+ * dd_moe_prefill, each expert's weights read once for the rows routed to it), the norms, RoPE, the
+ * recurrence (dd_gdn_decode_rows: each row's one-token arithmetic), the KV append and attention row by row on
+ * each row's own state, position and cache. So row i gets the bits dd_step gives that token of
+ * that sequence alone, whatever the other rows (docs/design/batched-decode.md).
  */
 #include <math.h>
 #include <stdlib.h>
@@ -196,17 +203,15 @@ static void store_row(void *cache, int kv_type, size_t pos, const float *x, size
         h[i] = dd_f32_to_f16(x[i]);
 }
 
-static int attn_mixer(int isa, const dd_step_model *m, const dd_step_layer *L, const dd_step_state *s, size_t il,
-                      size_t pos, const double *rope_cos, const double *rope_sin, const float *xn, float *out,
-                      float *buf)
+/* Attention of one row after its q / k / v products: qg (2 nq floats, per head [q_h | gate_h]), kk and vv
+ * (nkv each) -> o (nq): q and k normed and rotated, the K/V row written at cache row pos, the query over rows
+ * 0..pos. tmp: 3 nq + nkv floats. */
+static int attn_row(const dd_step_model *m, const dd_step_layer *L, const dd_step_state *s, size_t il, size_t pos,
+                    const double *rope_cos, const double *rope_sin, const float *qg, const float *kk,
+                    const float *vv, float *o, float *tmp)
 {
     const size_t hd = m->head_dim, nh = m->n_head, nq = nh * hd, nkv = m->n_head_kv * hd, half = m->rope_dims / 2;
-    float *qg = buf, *q = qg + 2 * nq, *gate = q + nq, *o = gate + nq, *qn = o + nq;
-    float *kk = qn + nq, *vv = kk + nkv, *kn = vv + nkv;
-    const dd_matvec_out in[3] = { out_of(&L->q, qg), out_of(&L->k, kk), out_of(&L->v, vv) };
-    int rc;
-    if ((rc = dd_matvec_set(isa, in, 3, L->q.k, xn)) != DD_OK)
-        return rc;
+    float *q = tmp, *gate = q + nq, *qn = gate + nq, *kn = qn + nq;
     for (size_t h = 0; h < nh; h++) {   /* attn_q rows are per head [q_h | gate_h] */
         memcpy(q + h * hd, qg + 2 * h * hd, hd * sizeof(float));
         memcpy(gate + h * hd, qg + 2 * h * hd + hd, hd * sizeof(float));
@@ -219,7 +224,19 @@ static int attn_mixer(int isa, const dd_step_model *m, const dd_step_layer *L, c
     }
     store_row(s->k[il], s->kv_type, pos, kn, nkv);
     store_row(s->v[il], s->kv_type, pos, vv, nkv);
-    if ((rc = dd_attn_decode_kv(nh, m->n_head_kv, hd, qn, gate, s->kv_type, s->k[il], s->v[il], pos + 1, o)) != DD_OK)
+    return dd_attn_decode_kv(nh, m->n_head_kv, hd, qn, gate, s->kv_type, s->k[il], s->v[il], pos + 1, o);
+}
+
+static int attn_mixer(int isa, const dd_step_model *m, const dd_step_layer *L, const dd_step_state *s, size_t il,
+                      size_t pos, const double *rope_cos, const double *rope_sin, const float *xn, float *out,
+                      float *buf)
+{
+    const size_t nq = m->n_head * m->head_dim, nkv = m->n_head_kv * m->head_dim;
+    float *qg = buf, *kk = qg + 2 * nq, *vv = kk + nkv, *o = vv + nkv, *tmp = o + nq;
+    const dd_matvec_out in[3] = { out_of(&L->q, qg), out_of(&L->k, kk), out_of(&L->v, vv) };
+    int rc;
+    if ((rc = dd_matvec_set(isa, in, 3, L->q.k, xn)) != DD_OK ||
+        (rc = attn_row(m, L, s, il, pos, rope_cos, rope_sin, qg, kk, vv, o, tmp)) != DD_OK)
         return rc;
     return matvec(isa, &L->o, o, out);
 }
@@ -238,21 +255,32 @@ static int ffn(int isa, const dd_step_layer *L, const float *xn, float *out, flo
     return matvec(isa, &L->ffn_down, hh, out);
 }
 
+/* The floats of per-row scratch a step of state s at row pos needs (the largest layer's), 0 if the model,
+ * the state or pos does not fit. */
+static size_t step_scratch(const dd_step_model *m, const dd_step_state *s, size_t pos)
+{
+    size_t need = 0;
+    if (s == NULL || m->n_embd == 0 || pos >= s->capacity || m->output_norm == NULL ||
+        (s->kv_type != DD_KV_F32 && s->kv_type != DD_KV_F16 && s->kv_type != DD_KV_Q8_0) ||
+        !mat_ok(&m->lm_head, m->lm_head.rows, m->n_embd))
+        return 0;
+    for (size_t il = 0; il < m->n_layer; il++) {
+        const size_t n = layer_scratch(m, &m->layers[il], s, il);
+        if (n == 0)
+            return 0;
+        need = n > need ? n : need;
+    }
+    return need;
+}
+
 int dd_step(int isa, const dd_step_model *m, const dd_step_state *s, size_t pos, const float *x,
             const double *rope_cos, const double *rope_sin, float *logits)
 {
     if (dd_kernels_for(isa) == NULL)
         return DD_ERR_ISA;
-    const size_t d = m->n_embd;
-    size_t need = 0;
-    if (d == 0 || pos >= s->capacity || (s->kv_type != DD_KV_F32 && s->kv_type != DD_KV_F16 && s->kv_type != DD_KV_Q8_0) || m->output_norm == NULL || !mat_ok(&m->lm_head, m->lm_head.rows, d))
+    const size_t d = m->n_embd, need = step_scratch(m, s, pos);
+    if (need == 0)
         return DD_ERR_ARG;
-    for (size_t il = 0; il < m->n_layer; il++) {
-        const size_t n = layer_scratch(m, &m->layers[il], s, il);
-        if (n == 0)
-            return DD_ERR_ARG;
-        need = n > need ? n : need;
-    }
     float *h = malloc((3 * d + need) * sizeof(float));
     if (h == NULL)
         return DD_ERR_NOMEM;
@@ -275,6 +303,128 @@ int dd_step(int isa, const dd_step_model *m, const dd_step_state *s, size_t pos,
     if (rc == DD_OK) {
         rmsnorm_row(h, m->output_norm, d, m->eps, xn);
         rc = matvec(isa, &m->lm_head, xn, logits);
+    }
+    free(h);
+    return rc;
+}
+
+/* ---- n rows of n sequences (dd_step_batch) ---------------------------------------------------------- */
+
+static int matmul_rows(int isa, const dd_mat *M, const float *x, size_t n, float *y)
+{
+    const dd_matvec_out one = out_of(M, y);
+    return dd_matmul_set(isa, &one, 1, M->k, x, n);
+}
+
+static void norm_rows(const dd_step_model *m, const float *h, const float *w, size_t n, float *y)
+{
+    for (size_t i = 0; i < n; i++)
+        rmsnorm_row(h + i * m->n_embd, w, m->n_embd, m->eps, y + i * m->n_embd);
+}
+
+/* The GDN mixer of n rows: the four input products (one dd_matmul_set) and ssm_out over all rows, the
+ * recurrence of each row on its sequence's state (dd_gdn_decode_rows). buf: n * (conv_dim + 2 nvd + 2 n_v)
+ * floats. */
+static int gdn_rows(int isa, const dd_step_layer *L, const dd_step_state *const *s, size_t il, size_t n,
+                    const float *xn, float *out, float *buf)
+{
+    const dd_gdn_layer *G = L->gdn;
+    const size_t C = L->qkv.rows, nvd = G->n_v * G->dv, nv = G->n_v;
+    float *mixed = buf, *z = mixed + n * C, *b = z + n * nvd, *a = b + n * nv, *y = a + n * nv;
+    const dd_matvec_out in[4] = { out_of(&L->qkv, mixed), out_of(&L->z, z), out_of(&L->beta, b),
+                                  out_of(&L->alpha, a) };
+    float **states = malloc(2 * n * sizeof *states);
+    if (states == NULL)
+        return DD_ERR_NOMEM;
+    for (size_t i = 0; i < n; i++) {
+        states[i] = s[i]->conv[il];
+        states[n + i] = s[i]->ssm[il];
+    }
+    int rc = dd_matmul_set(isa, in, 4, L->qkv.k, xn, n);
+    if (rc == DD_OK)
+        rc = dd_gdn_decode_rows(isa, G, n, mixed, z, b, a, states, states + n, y);
+    free(states);
+    return rc != DD_OK ? rc : matmul_rows(isa, &L->ssm_out, y, n, out);
+}
+
+/* The attention mixer of n rows: q / k / v and attn_output over all rows, attn_row per row on its own KV at
+ * its own position. buf: n * (3 nq + 2 nkv) + 3 nq + nkv floats (within n times layer_scratch's). */
+static int attn_rows(int isa, const dd_step_model *m, const dd_step_layer *L, const dd_step_state *const *s,
+                     size_t il, size_t n, const size_t *pos, const double *rope_cos, const double *rope_sin,
+                     const float *xn, float *out, float *buf)
+{
+    const size_t nq = m->n_head * m->head_dim, nkv = m->n_head_kv * m->head_dim, half = m->rope_dims / 2;
+    float *qg = buf, *kk = qg + n * 2 * nq, *vv = kk + n * nkv, *o = vv + n * nkv, *tmp = o + n * nq;
+    const dd_matvec_out in[3] = { out_of(&L->q, qg), out_of(&L->k, kk), out_of(&L->v, vv) };
+    int rc = dd_matmul_set(isa, in, 3, L->q.k, xn, n);
+    for (size_t i = 0; i < n && rc == DD_OK; i++)
+        rc = attn_row(m, L, s[i], il, pos[i], rope_cos + i * half, rope_sin + i * half, qg + i * 2 * nq,
+                      kk + i * nkv, vv + i * nkv, o + i * nq, tmp);
+    return rc != DD_OK ? rc : matmul_rows(isa, &L->o, o, n, out);
+}
+
+/* The FFN of n rows: dd_moe_prefill (each expert's weights once for the rows routed to it), or the dense SwiGLU
+ * over all rows. buf: n * 3 ff floats. */
+static int ffn_rows(int isa, const dd_step_layer *L, size_t n, const float *xn, float *out, float *buf)
+{
+    if (L->moe != NULL)
+        return dd_moe_prefill(isa, L->moe, n, xn, out, NULL, NULL);
+    const size_t ff = L->ffn_gate.rows;
+    float *g = buf, *u = g + n * ff, *hh = u + n * ff;
+    const dd_matvec_out in[2] = { out_of(&L->ffn_gate, g), out_of(&L->ffn_up, u) };
+    int rc;
+    if ((rc = dd_matmul_set(isa, in, 2, L->ffn_gate.k, xn, n)) != DD_OK)
+        return rc;
+    dd_silu_mul(g, u, n * ff, hh);
+    return matmul_rows(isa, &L->ffn_down, hh, n, out);
+}
+
+/* Every layer of n rows: h (n x n_embd, then xn, t and the layers' scratch after it) updated in place. */
+static int batch_layers(int isa, const dd_step_model *m, size_t n, const dd_step_state *const *s, const size_t *pos,
+                        const double *rope_cos, const double *rope_sin, float *h)
+{
+    const size_t d = m->n_embd;
+    float *xn = h + n * d, *t = xn + n * d, *lb = t + n * d;
+    int rc = DD_OK;
+    for (size_t il = 0; il < m->n_layer && rc == DD_OK; il++) {
+        const dd_step_layer *L = &m->layers[il];
+        norm_rows(m, h, L->attn_norm, n, xn);
+        rc = L->kind == DD_LAYER_GDN ? gdn_rows(isa, L, s, il, n, xn, t, lb)
+                                     : attn_rows(isa, m, L, s, il, n, pos, rope_cos, rope_sin, xn, t, lb);
+        if (rc != DD_OK)
+            break;
+        add_into(h, t, n * d);
+        norm_rows(m, h, L->post_norm, n, xn);
+        if ((rc = ffn_rows(isa, L, n, xn, t, lb)) != DD_OK)
+            break;
+        add_into(h, t, n * d);
+    }
+    return rc;
+}
+
+int dd_step_batch(int isa, const dd_step_model *m, size_t n, const dd_step_state *const *s, const size_t *pos,
+                  const float *x, const double *rope_cos, const double *rope_sin, float *logits)
+{
+    if (dd_kernels_for(isa) == NULL)
+        return DD_ERR_ISA;
+    const size_t d = m->n_embd;
+    size_t need = 0;
+    if (n == 0)
+        return DD_ERR_ARG;
+    for (size_t i = 0; i < n; i++) {
+        const size_t r = step_scratch(m, s[i], pos[i]);
+        if (r == 0)
+            return DD_ERR_ARG;
+        need = r > need ? r : need;
+    }
+    float *h = malloc(n * (3 * d + need) * sizeof(float));
+    if (h == NULL)
+        return DD_ERR_NOMEM;
+    memcpy(h, x, n * d * sizeof(float));
+    int rc = batch_layers(isa, m, n, s, pos, rope_cos, rope_sin, h);
+    if (rc == DD_OK) {
+        norm_rows(m, h, m->output_norm, n, h + n * d);
+        rc = matmul_rows(isa, &m->lm_head, h + n * d, n, logits);
     }
     free(h);
     return rc;
