@@ -158,7 +158,9 @@ def test_iq_codebooks_are_checked_when_registered():
                          ids=lambda v: getattr(v, "name", str(v)))
 def test_iq_codebook_with_more_values_than_its_codes_is_refused(qtype, n_values, rng):
     """The AVX-512 level looks these grids up as 2-bit (IQ2) or 3-bit (IQ3) codes of their distinct values: a
-    grid of the right size with n_values + 1 distinct values is refused, and leaves the registered one as it was."""
+    grid of the right size with n_values + 1 distinct values is refused, and leaves the registered one as it was:
+    row 0 reads only grid entry 0 (the one the bad grid rewrites; index bytes and bits zero), and every level
+    gives the twin's bits (the twin decodes with gguf-py's grids, not the registered ones)."""
     from engine import _native_cpu
     from engine.kernels.iq_twins import grids
     lib, ffi = _native_cpu.lib, _native_cpu.ffi
@@ -169,6 +171,18 @@ def test_iq_codebook_with_more_values_than_its_codes_is_refused(qtype, n_values,
     kernel = quant.TYPES[qtype].cpu_kernel
     assert lib.dd_set_iq_grid(kernel, ffi.cast("int8_t *", ffi.from_buffer(bad)), bad.size) == lib.DD_ERR_ARG
     raw = random_lowbit(rng, 5, 512, qtype)
-    x = rng.standard_normal((1, 512)).astype(np.float32)
+    b = raw.view(quant.BLOCK_DTYPES[qtype])
+    b["qs"][0] = 0
+    if qtype == Q.IQ3_S:
+        b["qh"][0] = 0
+    x = rng.standard_normal((2, 512)).astype(np.float32)
     ref, abs_sum = reference_product(raw, x, qtype)
-    assert_close(cpu.matmul(raw, x, qtype), ref, abs_sum, 512 // 32)
+    want = cpu.matmul_np(raw, x, qtype)
+    assert_close(want, ref, abs_sum, 512 // 32)
+    try:
+        for name in LEVELS:
+            cpu.set_isa(name)
+            assert np.array_equal(cpu.matmul(raw, x, qtype), want), name
+            assert np.array_equal(cpu.matmul(raw, x[1], qtype), want[1]), name
+    finally:
+        cpu.set_isa(None)
