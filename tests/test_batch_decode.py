@@ -287,3 +287,20 @@ def test_states_sharing_an_array_are_refused_before_any_state_moves(synth_model,
         model.forward_batch(np.array([3, 4, 5]), states, [None] * 3)
     for s, b in zip(states, before):
         assert_same_state(s, b, "after a refused batch")
+
+
+@native
+def test_a_state_missing_a_layer_is_named_and_no_state_moves(synth_model):
+    """A state without one layer's arrays (a state of a shallower model) in a batch and alone: a ValueError
+    naming the layer from the native step's state check, not a bare KeyError, and no state moves."""
+    model = load(synth_model("tiny", "q8_0"))
+    states = fresh(model, 3)
+    il = max(states[1].ssm)
+    del states[1].conv[il], states[1].ssm[il]
+    before = [s.copy() for s in states]
+    with pytest.raises(ValueError, match=f"no array of layer {il}"):
+        model.forward_batch(np.array([3, 4, 5]), states, [None] * 3)
+    with pytest.raises(ValueError, match=f"no array of layer {il}"):
+        model.forward(np.array([3]), states[1])
+    for s, b in zip(states, before):
+        assert_same_state(s, b, "after a refused batch")
