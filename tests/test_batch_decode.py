@@ -11,6 +11,7 @@ references differ). Design: docs/design/batched-decode.md.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import numpy as np
@@ -263,4 +264,43 @@ def test_malformed_batches_are_refused_before_any_state_moves(synth_model):
         with pytest.raises(exc, match=msg):
             model.forward_batch(*args)
     for s, b in zip((*states, full), before):
+        assert_same_state(s, b, "after a refused batch")
+
+
+@pytest.mark.parametrize("numpy_model", [False, True], ids=["native", "numpy"])
+@pytest.mark.parametrize("share", ["all", "one"])
+def test_states_sharing_an_array_are_refused_before_any_state_moves(synth_model, numpy_model, share):
+    """Two state objects over the same arrays (a shallow copy: ``dataclasses.replace``), or one layer's array
+    in two states: a row would read and write another row's state (in the native step, at the same time)."""
+    if not numpy_model and not cpu.available():
+        pytest.skip("native CPU kernels not built")
+    model = load(synth_model("tiny", "q8_0"), numpy_model)
+    states = fresh(model, 2)
+    if share == "all":
+        states.append(dataclasses.replace(states[0]))
+    else:
+        states.append(states[1].copy())
+        il = next(iter(states[2].ssm))
+        states[2].ssm[il] = states[0].ssm[il]
+    before = [s.copy() for s in states]
+    with pytest.raises(ValueError, match="share an array"):
+        model.forward_batch(np.array([3, 4, 5]), states, [None] * 3)
+    for s, b in zip(states, before):
+        assert_same_state(s, b, "after a refused batch")
+
+
+@native
+def test_a_state_missing_a_layer_is_named_and_no_state_moves(synth_model):
+    """A state without one layer's arrays (a state of a shallower model) in a batch and alone: a ValueError
+    naming the layer from the native step's state check, not a bare KeyError, and no state moves."""
+    model = load(synth_model("tiny", "q8_0"))
+    states = fresh(model, 3)
+    il = max(states[1].ssm)
+    del states[1].conv[il], states[1].ssm[il]
+    before = [s.copy() for s in states]
+    with pytest.raises(ValueError, match=f"no array of layer {il}"):
+        model.forward_batch(np.array([3, 4, 5]), states, [None] * 3)
+    with pytest.raises(ValueError, match=f"no array of layer {il}"):
+        model.forward(np.array([3]), states[1])
+    for s, b in zip(states, before):
         assert_same_state(s, b, "after a refused batch")

@@ -138,12 +138,15 @@ class NativeStep:
         """The ``dd_step_state`` of ``state``'s arrays, rebuilt when they are not the arrays of one of the last
         :data:`STATE_CACHE` states (held by weak references: a cached entry keeps no state alive).
 
-        Raises ValueError if an array is not a writeable C-contiguous array of the layout's shape (float32;
-        the KV rows of ``state.kv_type``).
+        Raises ValueError if a layer's array is missing or not a writeable C-contiguous array of the layout's
+        shape (float32; the KV rows of ``state.kv_type``).
         """
         hp = self.hp
-        arrays = [a for il in range(hp.n_layer)
-                  for a in ((state.conv[il], state.ssm[il]) if hp.is_recurrent(il) else (state.k[il], state.v[il]))]
+        try:
+            arrays = [a for il in range(hp.n_layer) for a in
+                      ((state.conv[il], state.ssm[il]) if hp.is_recurrent(il) else (state.k[il], state.v[il]))]
+        except KeyError as exc:
+            raise ValueError(f"sequence state: no array of layer {exc.args[0]} (a state of another model?)") from None
         cached = self._cached
         for j, (refs, entry) in enumerate(cached):
             if len(arrays) == len(refs) and all(r() is a for r, a in zip(refs, arrays)):

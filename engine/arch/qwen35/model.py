@@ -180,7 +180,8 @@ class Qwen35Model:
         Args: tokens (N,) int ids; states: N distinct SequenceState objects (any positions, KV types);
             positions: N entries, each None or that token's (3, 1) M-RoPE positions.
         Returns: (N, n_vocab) float32 logits. Raises: ValueError (a bad id, named; mismatched lengths; a
-            state given twice), ContextFullError: checked for every row before any state changes.
+            state given twice, or two sharing an array: their rows would read and write one state),
+            ContextFullError: checked for every row before any state changes.
         """
         tokens, pos = self.batch_inputs(tokens, states, positions)
         hp = self.hp
@@ -212,6 +213,10 @@ class Qwen35Model:
                              "expected one token and one positions entry per state, at least one")
         if len({id(s) for s in states}) != n:
             raise ValueError("forward_batch: a sequence state appears twice in the batch")
+        arrays = [id(a) for s in states for table in (s.conv, s.ssm, s.k, s.v) for a in table.values()]
+        if len(set(arrays)) != len(arrays):
+            raise ValueError("forward_batch: two sequence states share an array (a shallow copy?); each row needs "
+                             "a state of its own (SequenceState.copy)")
         checked = [state.chunk_inputs(tokens[i:i + 1], positions[i], self.hp.n_vocab)
                    for i, state in enumerate(states)]
         return np.concatenate([t for t, _ in checked]), np.concatenate([p for _, p in checked], axis=1)
