@@ -176,6 +176,23 @@ def test_a_batch_larger_than_the_state_cache(synth_model):
 
 
 @native
+def test_a_batch_larger_than_the_state_cache_builds_its_tables_once(synth_model, monkeypatch):
+    """A batch of more sequences than :data:`STATE_CACHE` builds its state tables on its first step only;
+    later steps reuse them (an LRU of the default size would rebuild every one, every step)."""
+    from engine.arch.qwen35.cpu_step import STATE_CACHE
+    model = load(synth_model("tiny", "q8_0"))
+    states = fresh(model, STATE_CACHE + 4, capacity=32)
+    builds: list[str] = []
+    monkeypatch.setattr(cpu._native_cpu, "ffi", _NewSpy(cpu._native_cpu.ffi, builds))
+    model.forward_batch(np.arange(len(states)), states, [None] * len(states))
+    assert 0 < builds.count("dd_step_state *") <= len(states)
+    builds.clear()
+    for step in range(1, 3):
+        model.forward_batch(np.arange(len(states)) + step, states, [None] * len(states))
+    assert builds.count("dd_step_state *") == 0
+
+
+@native
 def test_several_rows_take_one_batched_native_call(synth_model, monkeypatch):
     model = load(synth_model("tiny", "q8_0"))
     states = fresh(model, 3)
@@ -184,6 +201,20 @@ def test_several_rows_take_one_batched_native_call(synth_model, monkeypatch):
     model.forward_batch(np.array([4, 5, 6]), states, [None] * 3)
     assert calls.count("dd_step_batch") == 1
     assert not {"dd_step", "dd_matmul", "dd_moe_prefill", "dd_gdn_prefill", "dd_attn_prefill_kv"} & set(calls)
+
+
+class _NewSpy:
+    """The native library's ffi with the C type of every ``new`` appended to ``made``."""
+
+    def __init__(self, ffi, made: list[str]) -> None:
+        self._ffi, self._made = ffi, made
+
+    def new(self, ctype: str, *args):
+        self._made.append(ctype)
+        return self._ffi.new(ctype, *args)
+
+    def __getattr__(self, attr: str):
+        return getattr(self._ffi, attr)
 
 
 class _Spy:

@@ -43,8 +43,8 @@ STAGES = ("inp_embd", "result_output")
 """The reference forward's stage names :meth:`NativeStep.forward` reports: its input row and its logits (the
 layers run inside one C call; the hooks path, bit-identical to it, names every stage in between)."""
 STATE_CACHE = 16
-"""Sequences whose ``dd_step_state`` tables :class:`NativeStep` keeps between calls (a batch of up to this
-many reuses them step after step)."""
+"""Sequences whose ``dd_step_state`` tables :class:`NativeStep` keeps between calls at least (a batched step
+keeps its whole batch's, so a batch of any size reuses them step after step)."""
 
 _GDN_MATS = (("qkv", "attn_qkv"), ("z", "attn_gate"), ("beta", "ssm_beta"), ("alpha", "ssm_alpha"),
              ("ssm_out", "ssm_out"))
@@ -134,9 +134,9 @@ class NativeStep:
         """True if a forward call of ``n_tokens`` with stage callback ``cb`` runs here (see the module doc)."""
         return n_tokens == 1 and cb is None and self._model().observer is None and cpu.isa() != "numpy"
 
-    def _state(self, state: SequenceState) -> Any:
+    def _state(self, state: SequenceState, keep: int = STATE_CACHE) -> Any:
         """The ``dd_step_state`` of ``state``'s arrays, rebuilt when they are not the arrays of one of the last
-        :data:`STATE_CACHE` states (held by weak references: a cached entry keeps no state alive).
+        ``keep`` states (held by weak references: a cached entry keeps no state alive).
 
         Raises ValueError if a layer's array is missing or not a writeable C-contiguous array of the layout's
         shape (float32; the KV rows of ``state.kv_type``).
@@ -173,7 +173,7 @@ class NativeStep:
         c.conv, c.ssm, c.k, c.v = tables["conv"], tables["ssm"], tables["k"], tables["v"]
         c.capacity = state.capacity
         c.kv_type = {"f16": lib.DD_KV_F16, "q8_0": lib.DD_KV_Q8_0}.get(state.kv_type, lib.DD_KV_F32)
-        self._cached = ((tuple(weakref.ref(a) for a in arrays), (c, tables)), *cached[:STATE_CACHE - 1])
+        self._cached = ((tuple(weakref.ref(a) for a in arrays), (c, tables)), *cached[:keep - 1])
         return c, tables
 
     def forward(self, tokens: np.ndarray, state: SequenceState, embeddings: np.ndarray | None = None,
@@ -227,7 +227,8 @@ class NativeStep:
         cos = np.ascontiguousarray(np.concatenate([c for c, _ in tables]))
         sin = np.ascontiguousarray(np.concatenate([s for _, s in tables]))
         ffi, lib = cpu._native_cpu.ffi, cpu._native_cpu.lib
-        entries = [self._state(state) for state in states]   # held here: the cache may drop one meanwhile
+        keep = max(STATE_CACHE, n)
+        entries = [self._state(state, keep) for state in states]   # held here as well
         ptrs = ffi.new("dd_step_state *[]", [c for c, _ in entries])
         pos = ffi.new("size_t[]", [state.pos for state in states])
         logits = np.empty((n, self.n_vocab), dtype=np.float32)
