@@ -5,7 +5,9 @@
 For --tokens random activation rows (N(0, 1) + 0.1, float32) it runs every MoE layer's ``dd_moe_ffn`` token by
 token, as decode does, and records each call's routing; then it runs the same experts' gate, up and down
 products (the routed ones, then the shared one) as separate ``dd_matmul`` calls on the same rows, the down
-products on a random hidden vector. Rounds alternate the two forms. It prints for each the median process CPU
+products on a random hidden vector; and, as a reference, one ``dd_matmul`` over the first layer's gate experts
+stacked as one matrix (the same kernel on one long stream), its time scaled to a token's expert bytes. Rounds
+alternate the three forms. It prints for each the median process CPU
 time and wall time per token (milliseconds) and the weight bytes read per CPU second: the routed and shared
 experts' bytes for both, plus the f32 router's for ``dd_moe_ffn`` (which also routes, prepares the
 activations and sums). Process CPU time counts every pool thread, idle spinning included. An untimed round
@@ -79,6 +81,20 @@ def forms(lib: ctypes.CDLL, isa: int, layers: list[MoeWeights], xs: np.ndarray, 
     return fused, alone, sum(rows * row_bytes(kern, k) for kern, _p, rows, k, _x in calls) / len(xs)
 
 
+def stacked(lib: ctypes.CDLL, isa: int, w: MoeWeights, x: np.ndarray):
+    """(one ``dd_matmul`` over all of ``w``'s stacked gate experts as one matrix, its weight bytes): the same
+    kernel on one long stream instead of expert-sized matrices scattered over the file."""
+    rows = w.n_expert * w.ff
+    y = np.empty(rows, np.float32)
+
+    def run() -> None:
+        if lib.dd_matmul(isa, w.gate_type, w.gate, rows, w.d, x.ctypes.data, 1, y.ctypes.data) != 0:
+            raise SystemExit("dd_matmul failed")
+
+    run()
+    return run, rows * row_bytes(w.gate_type, w.d)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("model", help="a qwen35moe GGUF")
@@ -87,25 +103,27 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--tokens", type=int, default=16)
     ap.add_argument("--isa", type=int, default=-1, help="DD_ISA_* level (default: the best this CPU runs)")
-    ap.add_argument("--only", choices=("dd_moe_ffn", "alone"), help="time one form only (e.g. under perf record)")
+    ap.add_argument("--only", choices=("dd_moe_ffn", "alone", "stacked"), help="time one form only (for perf record)")
     args = ap.parse_args()
     layers, _mapping, d = moe_layers(args.model)
     rng = np.random.default_rng(0)
     xs = rng.standard_normal((args.tokens, d)).astype(np.float32) + np.float32(0.1)
     hid = rng.standard_normal(max(max(w.ff, w.ff_sh) for w in layers)).astype(np.float32)
     load_before = os.getloadavg()[0]
-    res = {"dd_moe_ffn": ([], []), "alone": ([], [])}
+    res = {"dd_moe_ffn": ([], []), "alone": ([], []), "stacked": ([], [])}
     with tempfile.TemporaryDirectory() as folder:
         lib = load(args.build, folder, 0, args.threads)
         isa = lib.dd_isa_best() if args.isa < 0 else args.isa
         fused, alone, expert_bytes = forms(lib, isa, layers, xs, hid)
+        big, big_bytes = stacked(lib, isa, layers[0], xs[0])
+        scale = {"dd_moe_ffn": args.tokens, "alone": args.tokens, "stacked": big_bytes / expert_bytes}
         for _ in range(args.rounds):
-            for name, fn in (("dd_moe_ffn", fused), ("alone", alone)):
+            for name, fn in (("dd_moe_ffn", fused), ("alone", alone), ("stacked", big)):
                 if args.only in (None, name):
                     c0, w0 = time.process_time(), time.perf_counter()
                     fn()
-                    res[name][0].append((time.process_time() - c0) / args.tokens * 1e3)
-                    res[name][1].append((time.perf_counter() - w0) / args.tokens * 1e3)
+                    res[name][0].append((time.process_time() - c0) / scale[name] * 1e3)
+                    res[name][1].append((time.perf_counter() - w0) / scale[name] * 1e3)
     router_bytes = sum(w.n_expert * w.d * 4 for w in layers)
     print(f"{os.path.basename(args.model)}: {len(layers)} MoE layers, {args.tokens} tokens, isa {isa}, "
           f"{args.threads} thread(s), {args.rounds} rounds, load {load_before:.2f} -> {os.getloadavg()[0]:.2f}; "
