@@ -5,8 +5,9 @@
 For --tokens random activation rows (N(0, 1) + 0.1, float32) it runs every MoE layer's ``dd_moe_ffn`` token by
 token, as decode does, and records each call's routing; then it runs the same experts' gate, up and down
 products (the routed ones, then the shared one) as separate ``dd_matmul`` calls on the same rows, the down
-products on a random hidden vector; and, as a reference, one ``dd_matmul`` over the first layer's gate experts
-stacked as one matrix (the same kernel on one long stream), its time scaled to a token's expert bytes. Rounds
+products on a random hidden vector; and, as a reference, ``dd_matmul`` over each layer's gate experts stacked as
+one matrix in turn (the same kernel on long streams), to about the tokens' expert bytes (process
+CPU time of a short interval is only tick-accurate for the other threads), its time scaled to a token's. Rounds
 alternate the three forms. It prints for each the median process CPU
 time and wall time per token (milliseconds) and the weight bytes read per CPU second: the routed and shared
 experts' bytes for both, plus the f32 router's for ``dd_moe_ffn`` (which also routes, prepares the
@@ -81,18 +82,19 @@ def forms(lib: ctypes.CDLL, isa: int, layers: list[MoeWeights], xs: np.ndarray, 
     return fused, alone, sum(rows * row_bytes(kern, k) for kern, _p, rows, k, _x in calls) / len(xs)
 
 
-def stacked(lib: ctypes.CDLL, isa: int, w: MoeWeights, x: np.ndarray):
-    """(one ``dd_matmul`` over all of ``w``'s stacked gate experts as one matrix, its weight bytes): the same
-    kernel on one long stream instead of expert-sized matrices scattered over the file."""
-    rows = w.n_expert * w.ff
-    y = np.empty(rows, np.float32)
+def stacked(lib: ctypes.CDLL, isa: int, layers: list[MoeWeights], x: np.ndarray, reps: int):
+    """(``reps`` ``dd_matmul`` calls, each over all of one layer's stacked gate experts as one matrix, the layers
+    in turn, and their weight bytes): the same kernel on long streams instead of expert-sized matrices."""
+    y = np.empty(max(w.n_expert * w.ff for w in layers), np.float32)
+    calls = [layers[i % len(layers)] for i in range(reps)]
 
     def run() -> None:
-        if lib.dd_matmul(isa, w.gate_type, w.gate, rows, w.d, x.ctypes.data, 1, y.ctypes.data) != 0:
-            raise SystemExit("dd_matmul failed")
+        for w in calls:
+            if lib.dd_matmul(isa, w.gate_type, w.gate, w.n_expert * w.ff, w.d, x.ctypes.data, 1, y.ctypes.data) != 0:
+                raise SystemExit("dd_matmul failed")
 
     run()
-    return run, rows * row_bytes(w.gate_type, w.d)
+    return run, sum(w.n_expert * w.ff * row_bytes(w.gate_type, w.d) for w in calls)
 
 
 def main() -> None:
@@ -115,7 +117,8 @@ def main() -> None:
         lib = load(args.build, folder, 0, args.threads)
         isa = lib.dd_isa_best() if args.isa < 0 else args.isa
         fused, alone, expert_bytes = forms(lib, isa, layers, xs, hid)
-        big, big_bytes = stacked(lib, isa, layers[0], xs[0])
+        one = layers[0].n_expert * layers[0].ff * row_bytes(layers[0].gate_type, d)
+        big, big_bytes = stacked(lib, isa, layers, xs[0], max(1, round(args.tokens * expert_bytes / one)))
         scale = {"dd_moe_ffn": args.tokens, "alone": args.tokens, "stacked": big_bytes / expert_bytes}
         for _ in range(args.rounds):
             for name, fn in (("dd_moe_ffn", fused), ("alone", alone), ("stacked", big)):
