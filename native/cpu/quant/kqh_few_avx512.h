@@ -34,9 +34,10 @@ typedef struct {
     __m512d dab;      /* Q4_K / Q5_K: da times the block's activation sum, same lanes */
 } kqh_col;            /* one super-block of a column */
 
-/* Four value-order vectors (dword 4h + t of x[j]: dword t of half 4j + h) into the lane layout, in place:
- * a 4 x 4 dword transpose within each 128-bit lane. */
-DD_INLINE void kqh_transpose(__m512i x[4])
+/* A 4 x 4 dword transpose within each 128-bit lane, in place: dword t of lane j of x[k] goes to dword k of
+ * lane j of x[t]. Here it takes four value-order vectors (dword 4h + t of x[j]: dword t of half 4j + h) into
+ * the lane layout; the interleaved Q4_0 prefill (q4_gemm_avx512.h) uses it too. */
+DD_INLINE void dd_lane_transpose4(__m512i x[4])
 {
     const __m512i lo01 = _mm512_unpacklo_epi32(x[0], x[1]), hi01 = _mm512_unpackhi_epi32(x[0], x[1]);
     const __m512i lo23 = _mm512_unpacklo_epi32(x[2], x[3]), hi23 = _mm512_unpackhi_epi32(x[2], x[3]);
@@ -56,7 +57,7 @@ DD_INLINE void kqh_col_prep(const dd_acts *a, size_t b0, int wtype, kqh_col *p)
                                                    _mm512_loadu_si512(a->s16 + 2 * b0));
         p->seed = _mm512_sub_epi32(_mm512_setzero_si512(), _mm512_slli_epi32(s, 5));
     }
-    kqh_transpose(p->v);
+    dd_lane_transpose4(p->v);
 }
 
 /* A stored super-block as four vectors of unsigned quants in the lane layout and its scales: Q6_K, sc lane
@@ -66,7 +67,7 @@ DD_INLINE void kqh_expand(const uint8_t *blk, int wtype, __m512i w[4], __m512i *
                           __m512d *dmin)
 {
     kq_unpack(blk, wtype, w);
-    kqh_transpose(w);
+    dd_lane_transpose4(w);
     kq_row_scales(blk, wtype, d, dmin);
     if (wtype == DD_Q6_K) {
         const __m128i order = _mm_setr_epi8(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);   /* kq_half_lane */

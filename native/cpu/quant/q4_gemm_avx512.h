@@ -212,20 +212,14 @@ static void gemm_q4_0(const uint8_t *w, size_t row_bytes, size_t nrows, size_t r
  * 8 * DD_Q4_0_BYTES at p). */
 DD_INLINE void q4il_quads(const uint8_t *p, size_t at, __m512i out[4])
 {
-    __m512i z[4];
     for (int k = 0; k < 4; k++) {
         const uint8_t *q = p + (size_t)(4 * k) * 8 * DD_Q4_0_BYTES + at;
-        z[k] = _mm512_castsi128_si512(_mm_loadu_si128((const __m128i *)q));
-        z[k] = _mm512_inserti32x4(z[k], _mm_loadu_si128((const __m128i *)(q + 8 * DD_Q4_0_BYTES)), 1);
-        z[k] = _mm512_inserti32x4(z[k], _mm_loadu_si128((const __m128i *)(q + 16 * DD_Q4_0_BYTES)), 2);
-        z[k] = _mm512_inserti32x4(z[k], _mm_loadu_si128((const __m128i *)(q + 24 * DD_Q4_0_BYTES)), 3);
+        out[k] = _mm512_castsi128_si512(_mm_loadu_si128((const __m128i *)q));
+        out[k] = _mm512_inserti32x4(out[k], _mm_loadu_si128((const __m128i *)(q + 8 * DD_Q4_0_BYTES)), 1);
+        out[k] = _mm512_inserti32x4(out[k], _mm_loadu_si128((const __m128i *)(q + 16 * DD_Q4_0_BYTES)), 2);
+        out[k] = _mm512_inserti32x4(out[k], _mm_loadu_si128((const __m128i *)(q + 24 * DD_Q4_0_BYTES)), 3);
     }
-    const __m512i t0 = _mm512_unpacklo_epi32(z[0], z[1]), t1 = _mm512_unpackhi_epi32(z[0], z[1]);
-    const __m512i t2 = _mm512_unpacklo_epi32(z[2], z[3]), t3 = _mm512_unpackhi_epi32(z[2], z[3]);
-    out[0] = _mm512_unpacklo_epi64(t0, t2);
-    out[1] = _mm512_unpackhi_epi64(t0, t2);
-    out[2] = _mm512_unpacklo_epi64(t1, t3);
-    out[3] = _mm512_unpackhi_epi64(t1, t3);
+    dd_lane_transpose4(out);
 }
 
 /* One full stripe group (16 blocks at p) -> rows 0..7's q4x_group at e[r * ng]. */
