@@ -17,7 +17,7 @@ from gguf import GGMLQuantizationType
 from threadpoolctl import threadpool_limits
 
 from engine.gguf.file import GGUFFile
-from engine.kernels import cpu, cpu_moe, cpu_q4il
+from engine.kernels import cpu, cpu_moe, cpu_q4il, heap
 from engine.ops import reference as ops
 from engine.gguf.quant import FLOAT_TYPES, dequantize, type_name
 from engine.turn.state import SequenceState
@@ -144,6 +144,7 @@ class NativeQwen35Model(Qwen35Model):
         if float_weights not in FLOAT_WEIGHTS:
             raise ValueError(f"float_weights must be one of {FLOAT_WEIGHTS}, got {float_weights!r}")
         super().__init__(hp, gguf)
+        heap.keep_large_buffers()
         self.mats: dict[str, Weight] = {}
         self.weight_rules: dict[str, tuple[int, int]] = {}
         for name in projection_names(hp, gguf):
