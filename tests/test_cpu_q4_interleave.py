@@ -14,7 +14,7 @@ import pytest
 from gguf import GGMLQuantizationType, quants
 
 from engine.kernels import cpu, cpu_q4il
-from engine.kernels.cpu_twins import q4_0_deinterleave_np
+from engine.kernels.cpu_twins import deinterleave_np
 
 Q4_0, Q8_0 = GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q8_0
 VNNI = "avx512vnni" in cpu.supported_isas()
@@ -32,14 +32,16 @@ def rng():
 
 
 
-def layout_np(raw: np.ndarray) -> np.ndarray:
-    """The interleaved bytes by the layout's definition: per stripe and block, 8 scales, then 4 runs x 8 rows."""
+def layout_np(raw: np.ndarray, qtype=Q4_0) -> np.ndarray:
+    """The interleaved bytes by the layout's definition: per stripe and block, 8 scales (sc bytes each: 2 for
+    Q4_0, 1 for MXFP4), then 4 runs x 8 rows."""
     rows, rb = raw.shape
     out = raw.copy()
-    nb, full = rb // 18, rows // 8 * 8
-    blocks = raw[:full].reshape(rows // 8, 8, nb, 18)
-    scales = blocks[..., :2].transpose(0, 2, 1, 3).reshape(rows // 8, nb, 16)
-    runs = blocks[..., 2:].reshape(rows // 8, 8, nb, 4, 4).transpose(0, 2, 3, 1, 4).reshape(rows // 8, nb, 128)
+    block = 18 if qtype == Q4_0 else 17
+    sc, nb, full = block - 16, rb // block, rows // 8 * 8
+    blocks = raw[:full].reshape(rows // 8, 8, nb, block)
+    scales = blocks[..., :sc].transpose(0, 2, 1, 3).reshape(rows // 8, nb, 8 * sc)
+    runs = blocks[..., sc:].reshape(rows // 8, 8, nb, 4, 4).transpose(0, 2, 3, 1, 4).reshape(rows // 8, nb, 128)
     out[:full] = np.concatenate([scales, runs], axis=2).reshape(full, rb)
     return out
 
@@ -55,10 +57,10 @@ def random_q4_0(rng, rows: int, k: int) -> np.ndarray:
 def test_repack_is_the_layout_and_its_inverse_restores_the_bytes(rows, k, rng):
     raw = rng.integers(0, 256, (rows, k // 32 * 18), dtype=np.uint8)
     packed = raw.copy()
-    cpu_q4il.interleave_q4_0(packed)
+    cpu_q4il.interleave(packed, Q4_0)
     np.testing.assert_array_equal(packed, layout_np(raw))
     assert rows < 8 or not np.array_equal(packed, raw)
-    cpu_q4il.deinterleave_q4_0(packed)
+    cpu_q4il.deinterleave(packed, Q4_0)
     np.testing.assert_array_equal(packed, raw)
 
 
@@ -67,23 +69,23 @@ def test_repack_refuses_read_only_and_partial_blocks():
     ro = np.zeros((8, 36), dtype=np.uint8)
     ro.flags.writeable = False
     with pytest.raises(ValueError, match="writable"):
-        cpu_q4il.interleave_q4_0(ro)
+        cpu_q4il.interleave(ro, Q4_0)
     with pytest.raises(ValueError, match="whole Q4_0 blocks"):
-        cpu_q4il.interleave_q4_0(np.zeros((8, 40), dtype=np.uint8))
+        cpu_q4il.interleave(np.zeros((8, 40), dtype=np.uint8), Q4_0)
     with pytest.raises(ValueError, match="longer than the layout takes"):
-        cpu_q4il.interleave_q4_0(np.zeros((8, cpu_q4il.MAX_ROW_BYTES + 18), dtype=np.uint8))
+        cpu_q4il.interleave(np.zeros((8, cpu_q4il.MAX_ROW_BYTES[Q4_0] + 18), dtype=np.uint8), Q4_0)
 
 
 def test_numpy_twin_deinterleaves_the_layout(rng):
     raw = rng.integers(0, 256, (29, 96 // 32 * 18), dtype=np.uint8)
-    np.testing.assert_array_equal(q4_0_deinterleave_np(layout_np(raw)), raw)
+    np.testing.assert_array_equal(deinterleave_np(layout_np(raw)), raw)
 
 
 def il_matrix(raw: np.ndarray, k: int) -> cpu.Matrix:
     """An interleaved Matrix of a copy of raw (row-major Q4_0 rows of k values)."""
     packed = raw.copy()
     if cpu_q4il._native_cpu is not None:
-        cpu_q4il.interleave_q4_0(packed)
+        cpu_q4il.interleave(packed, Q4_0)
     else:
         packed = layout_np(raw)
     return cpu.Matrix(packed, k, Q4_0, interleaved=True)
@@ -140,6 +142,8 @@ def test_rows_slice_keeps_the_stripes(rng):
             mat.rows_slice(r0, r1)
 
 
-def test_only_q4_0_interleaves():
-    with pytest.raises(ValueError, match="only Q4_0"):
+def test_only_q4_0_and_mxfp4_interleave():
+    with pytest.raises(ValueError, match="only Q4_0 and MXFP4"):
         cpu.Matrix(np.zeros((8, 34), dtype=np.uint8), 32, Q8_0, interleaved=True)
+    with pytest.raises(ValueError, match="Q8_0 has no interleaved layout"):
+        cpu_q4il.interleave(np.zeros((8, 34), dtype=np.uint8), Q8_0)

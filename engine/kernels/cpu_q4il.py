@@ -1,32 +1,44 @@
-"""Q4_0 matrices in the 8-row interleaved layout: the repack in place and its inverse.
+"""Q4_0 and MXFP4 matrices in the 8-row interleaved layout: the repack in place and its inverse.
 
-The layout (native/cpu/deltadesk_cpu.h, ``dd_q4_0_interleave``): each stripe of 8 rows keeps its bytes; block b
-of the stripe's rows is 144 bytes, the 8 f16 scales, then for each 4-byte run q of the 16 nibble bytes the 8
-rows' runs side by side. Rows past the last multiple of 8 stay row-major. A :class:`engine.kernels.cpu.Matrix`
-built with ``interleaved=True`` multiplies by such rows (the native type ``DD_Q4_0_IL``: the AVX-512 VNNI
-level's GEMV reads the stripes directly, every other product de-interleaves them into a scratch) with the bits
-of the row-major matrix.
-Design: docs/design/q4-0-row-interleave.md.
+The layout (native/cpu/deltadesk_cpu.h, ``dd_q4_0_interleave``, ``dd_mxfp4_interleave``): each stripe of 8 rows
+keeps its bytes; block b of the stripe's rows is 8 block's bytes, the 8 scales (f16 d, or e8m0 e), then for each
+4-byte run q of the 16 nibble bytes the 8 rows' runs side by side. Rows past the last multiple of 8 stay
+row-major. A :class:`engine.kernels.cpu.Matrix` built with ``interleaved=True`` multiplies by such rows (the
+native types ``DD_Q4_0_IL``, ``DD_MXFP4_IL``: the AVX-512 VNNI level's GEMV reads the stripes directly, every
+other product de-interleaves them into a scratch) with the bits of the row-major matrix.
+Design: docs/design/q4-0-row-interleave.md, docs/design/mxfp4-interleave.md.
 """
 
 from __future__ import annotations
 
 import numpy as np
+from gguf import GGMLQuantizationType
 
+from engine.gguf import quant
 from engine.kernels.cpu import _check, _native_cpu, _ptr
 
-Q4_0_BYTES = 18
-MAX_ROW_BYTES = _native_cpu.lib.DD_Q4_0_IL_MAX_ROW_BYTES if _native_cpu is not None else 0
-"""The longest rows the layout takes (deltadesk_cpu.h's DD_Q4_0_IL_MAX_ROW_BYTES); 0 without the native kernels."""
+Q = GGMLQuantizationType
+_NATIVE = {Q.Q4_0: ("dd_q4_0_interleave", "dd_q4_0_deinterleave", "DD_Q4_0_IL_MAX_ROW_BYTES"),
+           Q.MXFP4: ("dd_mxfp4_interleave", "dd_mxfp4_deinterleave", "DD_MXFP4_IL_MAX_ROW_BYTES")}
+MAX_ROW_BYTES = {t: getattr(_native_cpu.lib, names[2]) if _native_cpu is not None else 0
+                 for t, names in _NATIVE.items()}
+"""The longest rows the layout takes per type (deltadesk_cpu.h's DD_*_IL_MAX_ROW_BYTES, k of 29,120); 0 without
+the native kernels."""
+TYPES = tuple(_NATIVE)
+"""The stored types that have the layout."""
 
 
-def _q4_0_rows(raw: np.ndarray, what: str) -> np.ndarray:
+def _rows(raw: np.ndarray, qtype: GGMLQuantizationType, what: str) -> np.ndarray:
+    if qtype not in _NATIVE:
+        raise ValueError(f"{what}: {qtype.name} has no interleaved layout (only {', '.join(t.name for t in TYPES)})")
+    name, block = qtype.name, quant.TYPES[qtype].block_bytes
     if not isinstance(raw, np.ndarray) or raw.dtype != np.uint8 or raw.ndim != 2:
-        raise ValueError(f"{what}: expected Q4_0 rows as a 2-D uint8 array")
-    if raw.shape[1] == 0 or raw.shape[1] % Q4_0_BYTES:
-        raise ValueError(f"{what}: rows of {raw.shape[1]} bytes are not whole Q4_0 blocks of {Q4_0_BYTES} bytes")
-    if _native_cpu is not None and raw.shape[1] > MAX_ROW_BYTES:
-        raise ValueError(f"{what}: rows of {raw.shape[1]} bytes are longer than the layout takes ({MAX_ROW_BYTES})")
+        raise ValueError(f"{what}: expected {name} rows as a 2-D uint8 array")
+    if raw.shape[1] == 0 or raw.shape[1] % block:
+        raise ValueError(f"{what}: rows of {raw.shape[1]} bytes are not whole {name} blocks of {block} bytes")
+    if _native_cpu is not None and raw.shape[1] > MAX_ROW_BYTES[qtype]:
+        raise ValueError(f"{what}: rows of {raw.shape[1]} bytes are longer than the layout takes "
+                         f"({MAX_ROW_BYTES[qtype]})")
     if not raw.flags.c_contiguous or not raw.flags.writeable:
         raise ValueError(f"{what}: the rows must be C-contiguous and writable to be repacked in place")
     if _native_cpu is None:
@@ -34,21 +46,22 @@ def _q4_0_rows(raw: np.ndarray, what: str) -> np.ndarray:
     return raw
 
 
-def _permute(raw: np.ndarray, fn_name: str) -> None:
-    raw = _q4_0_rows(raw, fn_name)
+def _permute(raw: np.ndarray, qtype: GGMLQuantizationType, inverse: bool) -> None:
+    fn_name = _NATIVE[qtype][int(inverse)] if qtype in _NATIVE else "interleave"
+    raw = _rows(raw, qtype, fn_name)
     fn = getattr(_native_cpu.lib, fn_name)
     _check(fn(_ptr(_native_cpu.ffi, "uint8_t *", raw), raw.shape[0], raw.shape[1]), fn_name)
 
 
-def interleave_q4_0(raw: np.ndarray) -> None:
-    """Rewrite Q4_0 rows in place into the interleaved layout (no second copy: one stripe of scratch).
+def interleave(raw: np.ndarray, qtype: GGMLQuantizationType) -> None:
+    """Rewrite rows of ``qtype`` (Q4_0 or MXFP4) in place into the interleaved layout (one stripe of scratch).
 
-    Args: raw (rows, k // 32 * 18) uint8, C-contiguous and writable.
-    Raises ValueError for another shape, dtype or a read-only array; EngineError if the native call fails.
+    Args: raw (rows, k // 32 * block bytes) uint8, C-contiguous and writable; qtype: its stored type.
+    Raises ValueError for another type, shape, dtype or a read-only array; EngineError if the native call fails.
     """
-    _permute(raw, "dd_q4_0_interleave")
+    _permute(raw, qtype, inverse=False)
 
 
-def deinterleave_q4_0(raw: np.ndarray) -> None:
-    """The inverse of :func:`interleave_q4_0`, in place (the row-major bytes exactly). Same arguments."""
-    _permute(raw, "dd_q4_0_deinterleave")
+def deinterleave(raw: np.ndarray, qtype: GGMLQuantizationType) -> None:
+    """The inverse of :func:`interleave`, in place (the row-major bytes exactly). Same arguments."""
+    _permute(raw, qtype, inverse=True)

@@ -21,30 +21,40 @@ Q4_0_IL = dataclasses.replace(quant.TYPES[Q.Q4_0], cpu_kernel=22)
 """Q4_0 rows in the native 8-row interleaved layout (``DD_Q4_0_IL``, :mod:`engine.kernels.cpu_q4il`): the Q4_0
 blocks and sizes, read by the kernel of that layout. Only a :class:`engine.kernels.cpu.Matrix` built with
 ``interleaved=True`` carries it; everything that reads raw row-major bytes sees :data:`quant.TYPES` rows."""
+MXFP4_IL = dataclasses.replace(quant.TYPES[Q.MXFP4], cpu_kernel=23)
+"""MXFP4 rows in the same layout (``DD_MXFP4_IL``), as :data:`Q4_0_IL`."""
+IL_TRAITS = {Q.Q4_0: Q4_0_IL, Q.MXFP4: MXFP4_IL}
+"""The interleaved layout's kernel traits of each stored type that has one."""
 IL_ROWS = 8
 
 
-def q4_0_deinterleave_np(raw: np.ndarray) -> np.ndarray:
-    """The row-major Q4_0 rows of interleaved ones (a new array; the numpy twin of ``dd_q4_0_deinterleave``).
+def deinterleave_np(raw: np.ndarray, qtype: GGMLQuantizationType = Q.Q4_0) -> np.ndarray:
+    """The row-major rows of interleaved ones (a new array; the numpy twin of ``dd_q4_0_deinterleave`` and
+    ``dd_mxfp4_deinterleave``).
 
-    Args: raw (rows, k // 32 * 18) uint8: stripes of 8 rows, block b of a stripe 144 bytes (the 8 f16 scales,
-        then at 16 + 32 q + 4 r row r's nibble bytes 4 q .. 4 q + 3); rows past the last multiple of 8 row-major.
-    Returns: (rows, k // 32 * 18) uint8, each row's blocks as stored in the file.
+    Args: raw (rows, k // 32 * block bytes) uint8 of ``qtype`` (a key of :data:`IL_TRAITS`; blocks of sc = 2
+        (Q4_0's f16 d) or 1 (MXFP4's e8m0) scale bytes and 16 nibble bytes): stripes of 8 rows, block b of a
+        stripe 8 (sc + 16) bytes (the 8 rows' scales, then at 8 sc + 32 q + 4 r row r's nibble bytes
+        4 q .. 4 q + 3); rows past the last multiple of 8 row-major.
+    Returns: raw's shape, uint8, each row's blocks as stored in the file.
     """
     rows, row_bytes = raw.shape
-    nb, stripes = row_bytes // quant.TYPES[Q.Q4_0].block_bytes, rows // IL_ROWS
+    block = quant.TYPES[qtype].block_bytes
+    sc, nb, stripes = block - 16, row_bytes // block, rows // IL_ROWS
     out = np.array(raw, dtype=np.uint8, copy=True)
-    blocks = raw[:IL_ROWS * stripes].reshape(stripes, nb, 144)
-    scales = blocks[:, :, :16].reshape(stripes, nb, IL_ROWS, 2)
-    runs = blocks[:, :, 16:].reshape(stripes, nb, 4, IL_ROWS, 4).transpose(0, 1, 3, 2, 4)
-    per_row = np.concatenate([scales, runs.reshape(stripes, nb, IL_ROWS, 16)], axis=3)   # (s, b, r, 18)
+    blocks = raw[:IL_ROWS * stripes].reshape(stripes, nb, IL_ROWS * block)
+    scales = blocks[:, :, :IL_ROWS * sc].reshape(stripes, nb, IL_ROWS, sc)
+    runs = blocks[:, :, IL_ROWS * sc:].reshape(stripes, nb, 4, IL_ROWS, 4).transpose(0, 1, 3, 2, 4)
+    per_row = np.concatenate([scales, runs.reshape(stripes, nb, IL_ROWS, 16)], axis=3)   # (s, b, r, block)
     out[:IL_ROWS * stripes] = per_row.transpose(0, 2, 1, 3).reshape(IL_ROWS * stripes, row_bytes)
     return out
 
 
 def row_major(raw: np.ndarray, traits: quant.QuantType) -> tuple[np.ndarray, quant.QuantType]:
-    """(raw, traits) as the stored type's row-major rows: interleaved Q4_0 de-interleaved (a copy), others as given."""
-    return (q4_0_deinterleave_np(raw), quant.TYPES[Q.Q4_0]) if traits == Q4_0_IL else (raw, traits)
+    """(raw, traits) as the stored type's row-major rows: interleaved rows de-interleaved (a copy), others as given."""
+    if traits in IL_TRAITS.values():
+        return deinterleave_np(raw, traits.qtype), quant.TYPES[traits.qtype]
+    return raw, traits
 
 
 def activations(x: np.ndarray) -> tuple[np.ndarray, bool]:

@@ -78,12 +78,12 @@ def interleaves(gguf: GGUFFile, name: str) -> bool:
     """True when ``name`` is rewritten at load into the 8-row interleaved Q4_0 layout (:mod:`engine.kernels.cpu_q4il`):
     a Q4_0 projection whose bytes are the private copy of ``weights="ram"`` (:meth:`GGUFFile.writable_raw`), on the
     avx512vnni level (whose decode GEMV reads the layout; the others would de-interleave it on every product), not
-    the token embedding (its rows are read as stored), rows of at most ``cpu_q4il.MAX_ROW_BYTES``, and for stacked
+    the token embedding (its rows are read as stored), rows of at most ``cpu_q4il.MAX_ROW_BYTES[Q4_0]``, and for stacked
     experts, experts of whole 8-row stripes."""
     info = gguf.info(name)
     return (info.qtype == Q.Q4_0 and cpu.isa() == "avx512vnni" and name != "token_embd.weight"
             and (len(info.ne) < 3 or info.ne[1] % cpu.IL_ROWS == 0) and gguf.writable_raw(name) is not None
-            and gguf.raw(name).flags.c_contiguous and gguf.raw(name).shape[1] <= cpu_q4il.MAX_ROW_BYTES)
+            and gguf.raw(name).flags.c_contiguous and gguf.raw(name).shape[1] <= cpu_q4il.MAX_ROW_BYTES[Q.Q4_0])
 
 
 def prepare_weight(gguf: GGUFFile, name: str, float_weights: str = "f32", repack: bool = True) -> tuple[Weight, str]:
@@ -103,7 +103,7 @@ def prepare_weight(gguf: GGUFFile, name: str, float_weights: str = "f32", repack
     if qtype in cpu.KERNEL_TYPES and k % cpu.QK == 0 and (qtype not in FLOAT_TYPES or float_weights == "f32"):
         where = gguf.residence(raw) if raw.flags.c_contiguous else ""
         if repack and interleaves(gguf, name):
-            cpu_q4il.interleave_q4_0(gguf.writable_raw(name))
+            cpu_q4il.interleave(gguf.writable_raw(name), qtype)
             return cpu.Matrix(raw, k, qtype, interleaved=True), f"{stored} {where} interleaved"
         return cpu.Matrix(np.ascontiguousarray(raw), k, qtype), f"{stored} {where or 'copied'}"
     if qtype in FLOAT_TYPES and float_weights == "f32":

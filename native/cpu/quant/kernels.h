@@ -88,28 +88,28 @@ typedef struct {
 typedef void (*dd_gemm_fn)(const uint8_t *w, size_t row_bytes, size_t nrows, size_t rows_avail,
                            const dd_acts *a, float *y, size_t ldy);
 
-/* The level's GEMV of interleaved Q4_0 stripes (dd_kernels.gemv_q4_0_il). */
+/* The level's GEMV of interleaved stripes (dd_q4_0_interleave's or dd_mxfp4_interleave's layout). */
 typedef void (*dd_gemv_il_fn)(const uint8_t *w, size_t row_bytes, size_t stripes, size_t stripes_avail,
                               const dd_acts *a, float *y);
 
-/* A level's de-interleave of `stripes` stripes at src (dd_q4_0_interleave's layout) into their row-major rows at
+/* A level's de-interleave of `stripes` stripes at src (one of the interleaved layouts) into their row-major rows at
  * dst (8 * stripes rows of row_bytes; src and dst do not overlap). */
 typedef void (*dd_deil_fn)(uint8_t *dst, const uint8_t *src, size_t stripes, size_t row_bytes);
 
-/* gemm[DD_Q4_0_IL] of every level (q4_interleave.c): w starts on a stripe; its nrows / 8 stripes go to `il` when
- * a->m == 1 and il is not NULL, else are de-interleaved (by `deil`, or the portable copy where it is NULL) a few
- * at a time into a stack buffer for `row_major` (the level's gemm[DD_Q4_0]); the last nrows % 8 rows (the
- * matrix's row-major tail: chunks are whole stripes) go to row_major as they are. The bits of row_major on the
- * row-major matrix. */
-void dd_gemm_q4_0_il(dd_gemm_fn row_major, dd_gemv_il_fn il, dd_deil_fn deil, const uint8_t *w, size_t row_bytes,
-                     size_t nrows, size_t rows_avail, const dd_acts *a, float *y, size_t ldy);
+/* gemm[DD_Q4_0_IL] and gemm[DD_MXFP4_IL] of every level (q4_interleave.c), wtype the row-major type (DD_Q4_0,
+ * DD_MXFP4): w starts on a stripe; its nrows / 8 stripes go to `il` when a->m == 1 and il is not NULL, else are
+ * de-interleaved (by `deil`, or the portable copy where it is NULL) a few at a time into a stack buffer for
+ * `row_major` (the level's gemm[wtype]); the last nrows % 8 rows (the matrix's row-major tail: chunks are whole
+ * stripes) go to row_major as they are. The bits of row_major on the row-major matrix. */
+void dd_gemm_il(int wtype, dd_gemm_fn row_major, dd_gemv_il_fn il, dd_deil_fn deil, const uint8_t *w,
+                size_t row_bytes, size_t nrows, size_t rows_avail, const dd_acts *a, float *y, size_t ldy);
 
-/* Defines NAME, a dd_gemm_fn: dd_gemm_q4_0_il with the level's ROW_MAJOR, IL and DEIL (NULL where it has none). */
-#define DD_DEFINE_GEMM_Q4_0_IL(NAME, ROW_MAJOR, IL, DEIL)                                                  \
+/* Defines NAME, a dd_gemm_fn: dd_gemm_il of WTYPE with the level's ROW_MAJOR, IL and DEIL (NULL where it has none). */
+#define DD_DEFINE_GEMM_IL(NAME, WTYPE, ROW_MAJOR, IL, DEIL)                                                \
     static void NAME(const uint8_t *w, size_t row_bytes, size_t nrows, size_t rows_avail, const dd_acts *a, \
                      float *y, size_t ldy)                                                                 \
     {                                                                                                      \
-        dd_gemm_q4_0_il(ROW_MAJOR, IL, DEIL, w, row_bytes, nrows, rows_avail, a, y, ldy);                  \
+        dd_gemm_il(WTYPE, ROW_MAJOR, IL, DEIL, w, row_bytes, nrows, rows_avail, a, y, ldy);                \
     }
 
 /* How far ahead the SIMD kernels prefetch weights, in rows. A single core keeps too few cache

@@ -287,13 +287,13 @@ __attribute__((noinline)) static void q4il_stripes(const uint8_t *w, size_t row_
 
 /* gemm[DD_Q4_0_IL] of this level: for m > 1 the stripes by q4il_stripes and the row-major tail by gemm_q4_0;
  * m == 1 (the interleaved GEMV) and rows too long for a stripe's groups in the range buffer (k > 19,456)
- * go to dd_gemm_q4_0_il. */
+ * go to dd_gemm_il. */
 static void gemm_q4_0_il(const uint8_t *w, size_t row_bytes, size_t nrows, size_t rows_avail, const dd_acts *a,
                          float *y, size_t ldy)
 {
     const size_t stripes = nrows / 8;
     if (a->m == 1 || stripes == 0 || 8 * a->ng > Q4X_GROUPS) {
-        dd_gemm_q4_0_il(gemm_q4_0, gemv_q4_0_il, deil_q4_0, w, row_bytes, nrows, rows_avail, a, y, ldy);
+        dd_gemm_il(DD_Q4_0, gemm_q4_0, gemv_q4_0_il, deil_q4_0, w, row_bytes, nrows, rows_avail, a, y, ldy);
         return;
     }
     q4il_stripes(w, row_bytes, stripes, rows_avail, a, y, ldy);

@@ -1,19 +1,26 @@
-/* The AVX-512 VNNI GEMV (m == 1) of a Q4_0 matrix in the 8-row interleaved layout (dd_q4_0_interleave in
- * deltadesk_cpu.h), included by kernels_avx512vnni.c after its row-major Q4_0 tile.
+/* The AVX-512 VNNI GEMVs (m == 1) of Q4_0 and MXFP4 matrices in the 8-row interleaved layout
+ * (dd_q4_0_interleave, dd_mxfp4_interleave in deltadesk_cpu.h), included by kernels_avx512vnni.c after its
+ * row-major Q4_0 tile and bquants.h. The two types share the stripe loop, the prefetch and the de-interleave;
+ * they differ in the block step (il_block_q4_0, il_block_mxfp4) and the final reduction, each its row-major
+ * tile's (docs/design/q4-0-row-interleave.md, docs/design/mxfp4-interleave.md).
  *
- * Rows are the lanes: block b of an 8-row stripe is 144 bytes, its 8 f16 scales and then, for each 4-byte
- * run q of the 16 nibble bytes, the 8 rows' runs side by side, so one 32-byte load holds 8 rows' bytes
- * 4q .. 4q + 3 and meets a broadcast 4-value group of the activations in a vpdpbusd (no permutes). The bits
- * are the row-major tile's (tile_q4_0): that tile adds block b's exact int dot (bias included) times the
- * exact f32 d_w * d_a into f64 lane L(b % 16) = 4 (b % 4) + (b % 16) / 4, in order of b, then sums lanes l
- * and l + 8 and reduces the 8 by _mm512_reduce_add_pd. Here accumulator b % 16 holds that lane for the 8
- * rows, each block's product goes into it by the same fused add, and a stripe's end adds the accumulators
- * in the pairs and the tree of that reduction, lane-wise for the 8 rows (no transpose), and rounds once.
+ * Rows are the lanes: block b of an 8-row stripe is the 8 rows' scales (f16 d, or e8m0 e) and then, for each
+ * 4-byte run q of the 16 nibble bytes, the 8 rows' runs side by side, so one 32-byte load holds 8 rows' bytes
+ * 4q .. 4q + 3 and meets a broadcast 4-value group of the activations in a vpdpbusd (no permutes).
+ * Q4_0: the bits are tile_q4_0's: block b's exact int dot (bias included) times the exact f32 d_w * d_a goes
+ * by a fused add into f64 lane L(b % 16) = 4 (b % 4) + (b % 16) / 4, in order of b; lanes l and l + 8 are
+ * summed, then reduced by _mm512_reduce_add_pd. Here accumulator b % 16 holds that lane for the 8 rows, each
+ * block's product goes into it by the same fused add, and a stripe's end adds the accumulators in the pairs
+ * and the tree of that reduction, lane-wise for the 8 rows (no transpose), and rounds once.
+ * MXFP4: the bits are bquants.h's dd_bq_tile: block b's exact int dot times the f32 d_a * 2^(e - 128) is added
+ * (dd_bq_term) into f64 lane b % 8, in order of b; then ((l0 + l1) + (l2 + l3)) + ((l4 + l5) + (l6 + l7)),
+ * rounded once. Here accumulator b % 8 holds lane b % 8 of the 8 rows, and the tree runs lane-wise.
  */
 #ifndef DELTADESK_Q4_IL_AVX512_H
 #define DELTADESK_Q4_IL_AVX512_H
 
 #define Q4_IL_BLOCK_BYTES (8 * DD_Q4_0_BYTES)
+#define MX_IL_BLOCK_BYTES (8 * DD_MXFP4_BYTES)
 
 /* The activation's 4 values at p (int8) in every int32 lane. */
 DD_INLINE __m256i il_bcast4(const int8_t *p)
@@ -23,10 +30,10 @@ DD_INLINE __m256i il_bcast4(const int8_t *p)
     return _mm256_set1_epi32(v);
 }
 
-/* Block b = 16 g + i of a stripe (blk: its 144 bytes) into acc (f64, the 8 rows' lane L(i)). The high nibbles
- * enter vpdpbusd as 16 x nibble (the byte masked, not shifted), so their sum is 16 times theirs, exact, and one
- * arithmetic shift per block takes it back; the 8 products run as 4 independent chains of 2. */
-DD_INLINE void il_block(const uint8_t *blk, const dd_acts *a, size_t g, int i, __m512d *acc)
+/* Q4_0 block b = 16 g + i of a stripe (blk: its 144 bytes) into acc (f64, the 8 rows' lane L(i)). The high
+ * nibbles enter vpdpbusd as 16 x nibble (the byte masked, not shifted), so their sum is 16 times theirs, exact,
+ * and one arithmetic shift per block takes it back; the 8 products run as 4 independent chains of 2. */
+DD_INLINE void il_block_q4_0(const uint8_t *blk, const dd_acts *a, size_t g, int i, __m512d *acc)
 {
     const __m256i low = _mm256_set1_epi8(0x0f), high = _mm256_set1_epi8((char)0xf0);
     const int j = i / 4, k = i % 4, lane = 4 * k + j;
@@ -48,12 +55,44 @@ DD_INLINE void il_block(const uint8_t *blk, const dd_acts *a, size_t g, int i, _
     *acc = _mm512_fmadd_pd(_mm512_cvtepi32_pd(dot), _mm512_cvtps_pd(scale), *acc);
 }
 
+/* MXFP4 block b = 8 g + i of a stripe (blk: its 136 bytes) into acc (f64, the 8 rows' lane i). The nibbles
+ * index kvalues_mxfp4 + 128 by vpshufb (unsigned for vpdpbusd), so the chains start at -128 times the block's
+ * activation sum, as dd_bq_dot8 subtracts it. The term is dd_bq_group's in fewer operations, the same values
+ * (docs/design/mxfp4-interleave.md): vscalefps gives d_a 2^(e - 128) rounded once, as d_a times the exact
+ * dd_bq_e8m0 (2^-128 and 2^-127 are f32 subnormals) is; the fused add equals dd_bq_term's product and add,
+ * as the f64 product of the f32 scale and the int dot (|dot| < 2^16) is exact. */
+DD_INLINE void il_block_mxfp4(const uint8_t *blk, const dd_acts *a, size_t g, int i, __m512d *acc)
+{
+    const __m256i low = _mm256_set1_epi8(0x0f);
+    const __m256i code = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)dd_kvalues_mxfp4_u8));
+    const size_t b = 8 * g + (size_t)i;
+    const int8_t *q = a->q + b * DD_QK;   /* values 0-15 meet the low nibbles, 16-31 the high ones */
+    __m256i lo[2], hi[2];
+    for (int h = 0; h < 2; h++) {
+        lo[h] = h == 0 ? _mm256_set1_epi32(-128 * a->bs[b]) : _mm256_setzero_si256();
+        hi[h] = _mm256_setzero_si256();
+        for (int u = 2 * h; u < 2 * h + 2; u++) {
+            const __m256i v = _mm256_loadu_si256((const __m256i *)(blk + 8 + 32 * u));
+            const __m256i vl = _mm256_shuffle_epi8(code, _mm256_and_si256(v, low));
+            const __m256i vh = _mm256_shuffle_epi8(code, _mm256_and_si256(_mm256_srli_epi16(v, 4), low));
+            lo[h] = _mm256_dpbusd_epi32(lo[h], vl, il_bcast4(q + 4 * u));
+            hi[h] = _mm256_dpbusd_epi32(hi[h], vh, il_bcast4(q + 16 + 4 * u));
+        }
+    }
+    const __m256i dot = _mm256_add_epi32(_mm256_add_epi32(lo[0], lo[1]), _mm256_add_epi32(hi[0], hi[1]));
+    const __m256i e = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)blk));
+    const __m256 pow2 = _mm256_cvtepi32_ps(_mm256_sub_epi32(e, _mm256_set1_epi32(128)));
+    const __m256 scale = _mm256_scalef_ps(_mm256_set1_ps(a->bd[b]), pow2);
+    *acc = _mm512_fmadd_pd(_mm512_cvtepi32_pd(dot), _mm512_cvtps_pd(scale), *acc);
+}
+
 /* How far ahead of the block it reads the GEMV prefetches: one stream, not the row-major tile's 4, asks for
  * every line (2 of 3 a block lost 60 % of the rate) and gained a few % at twice DD_PREFETCH_BYTES
  * (docs/perf/log/cpu-q4il-2026-12-05.md). */
 #define Q4_IL_PREFETCH_BYTES (2 * DD_PREFETCH_BYTES)
 
-/* Prefetch the lines Q4_IL_PREFETCH_BYTES past a block (every line of the stream, 144-byte steps), not past end. */
+/* Prefetch the lines Q4_IL_PREFETCH_BYTES past a block (every line of the stream: blocks of 144 or 136
+ * bytes span at most 3), not past end. */
 DD_INLINE void il_prefetch(const uint8_t *blk, const uint8_t *end)
 {
     const uint8_t *p = blk + Q4_IL_PREFETCH_BYTES;
@@ -62,28 +101,43 @@ DD_INLINE void il_prefetch(const uint8_t *blk, const uint8_t *end)
             dd_prefetch_weight(p + 64 * l);
 }
 
-/* One stripe (8 rows, nb blocks, at w) -> y[0..7]; end: where the matrix's bytes end (prefetch bound). */
-DD_INLINE void il_stripe(const uint8_t *w, const uint8_t *end, const dd_acts *a, float *y)
+/* The blocks of one stripe of wtype (DD_Q4_0: groups of 16 blocks of 144 bytes; DD_MXFP4: of 8 of 136) at w
+ * into acc[0 .. group): block i of each group into acc[i]; end: where the matrix's bytes end (prefetch bound).
+ * The short last group's missing blocks are skipped: the row-major tiles add +0 there (zero codes, scales or
+ * padding), which leaves a sum that started at +0 unchanged. */
+DD_INLINE void il_blocks(int wtype, const uint8_t *w, const uint8_t *end, const dd_acts *a, __m512d *acc)
 {
-    __m512d acc[16];
-    for (int i = 0; i < 16; i++)
+    const int mx = wtype == DD_MXFP4, group = mx ? 8 : 16;
+    const size_t bytes = mx ? MX_IL_BLOCK_BYTES : Q4_IL_BLOCK_BYTES, full = a->nb / group, rest = a->nb % group;
+    for (int i = 0; i < group; i++)
         acc[i] = _mm512_setzero_pd();
-    const size_t full = a->nb / 16, rest = a->nb % 16;
     for (size_t g = 0; g < full; g++) {
-        const uint8_t *grp = w + g * 16 * Q4_IL_BLOCK_BYTES;
+        const uint8_t *grp = w + g * group * bytes;
 #pragma GCC unroll 16
-        for (int i = 0; i < 16; i++) {
-            il_prefetch(grp + i * Q4_IL_BLOCK_BYTES, end);
-            il_block(grp + i * Q4_IL_BLOCK_BYTES, a, g, i, &acc[i]);
+        for (int i = 0; i < group; i++) {
+            il_prefetch(grp + i * bytes, end);
+            if (mx)
+                il_block_mxfp4(grp + i * bytes, a, g, i, &acc[i]);
+            else
+                il_block_q4_0(grp + i * bytes, a, g, i, &acc[i]);
         }
     }
-    /* the short last group: the row-major tile adds zero there (zero nibbles and padding), which leaves a
-     * sum that started at +0 unchanged, so those blocks are skipped */
-    const uint8_t *grp = w + full * 16 * Q4_IL_BLOCK_BYTES;
+    const uint8_t *grp = w + full * group * bytes;
 #pragma GCC unroll 16
-    for (int i = 0; i < 16; i++)
-        if ((size_t)i < rest)
-            il_block(grp + i * Q4_IL_BLOCK_BYTES, a, full, i, &acc[i]);
+    for (int i = 0; i < group; i++)
+        if ((size_t)i < rest) {
+            if (mx)
+                il_block_mxfp4(grp + i * bytes, a, full, i, &acc[i]);
+            else
+                il_block_q4_0(grp + i * bytes, a, full, i, &acc[i]);
+        }
+}
+
+/* One Q4_0 stripe (8 rows, nb blocks, at w) -> y[0..7]. */
+DD_INLINE void il_stripe_q4_0(const uint8_t *w, const uint8_t *end, const dd_acts *a, float *y)
+{
+    __m512d acc[16];
+    il_blocks(DD_Q4_0, w, end, a, acc);
     /* reduce_f64 per row, on the 8 rows at once: lanes L and L + 8 (accumulators i = 4 (L % 4) + L / 4),
      * then _mm512_reduce_add_pd's tree (lanes l + 4 and l, then l + 2 and l, then 1 and 0), then to f32 */
     __m512d p[8];
@@ -96,38 +150,70 @@ DD_INLINE void il_stripe(const uint8_t *w, const uint8_t *end, const dd_acts *a,
     _mm256_storeu_ps(y, _mm512_cvtpd_ps(_mm512_add_pd(p[0], p[1])));
 }
 
-/* The level's interleaved GEMV (dd_gemm_q4_0_il's `il`): `stripes` 8-row stripes at w (8 * row_bytes each),
+/* One MXFP4 stripe -> y[0..7]: dd_bq_tile's ((s0 + s1) + (s2 + s3)) + ((s4 + s5) + (s6 + s7)) per row, lane-wise. */
+DD_INLINE void il_stripe_mxfp4(const uint8_t *w, const uint8_t *end, const dd_acts *a, float *y)
+{
+    __m512d s[8];
+    il_blocks(DD_MXFP4, w, end, a, s);
+    const __m512d lo = _mm512_add_pd(_mm512_add_pd(s[0], s[1]), _mm512_add_pd(s[2], s[3]));
+    const __m512d hi = _mm512_add_pd(_mm512_add_pd(s[4], s[5]), _mm512_add_pd(s[6], s[7]));
+    _mm256_storeu_ps(y, _mm512_cvtpd_ps(_mm512_add_pd(lo, hi)));
+}
+
+/* The level's interleaved GEMVs (dd_gemm_il's `il`): `stripes` 8-row stripes at w (8 * row_bytes each),
  * stripes_avail of them from w on (prefetch bound), activations a (m == 1) -> y[0 .. 8 * stripes). */
 static void gemv_q4_0_il(const uint8_t *w, size_t row_bytes, size_t stripes, size_t stripes_avail,
                          const dd_acts *a, float *y)
 {
     const uint8_t *end = w + stripes_avail * 8 * row_bytes;
     for (size_t s = 0; s < stripes; s++)
-        il_stripe(w + s * 8 * row_bytes, end, a, y + 8 * s);
+        il_stripe_q4_0(w + s * 8 * row_bytes, end, a, y + 8 * s);
 }
 
-/* The level's de-interleave (dd_gemm_q4_0_il's `deil`): `stripes` stripes at src to their row-major rows at
- * dst. Per block, the 8 rows' 4-byte runs (run q of row r at dword 8 q + r of the block's 128 run bytes) are
- * regrouped by row with two 2-source dword permutes: row r's 16 bytes at dword 4 (r % 4) of the first
- * (rows 0-3) or second (rows 4-7) result. */
-static void deil_q4_0(uint8_t *dst, const uint8_t *src, size_t stripes, size_t row_bytes)
+static void gemv_mxfp4_il(const uint8_t *w, size_t row_bytes, size_t stripes, size_t stripes_avail,
+                          const dd_acts *a, float *y)
 {
-    const size_t nb = row_bytes / DD_Q4_0_BYTES;
+    const uint8_t *end = w + stripes_avail * 8 * row_bytes;
+    for (size_t s = 0; s < stripes; s++)
+        il_stripe_mxfp4(w + s * 8 * row_bytes, end, a, y + 8 * s);
+}
+
+/* The de-interleave of `stripes` stripes at src to their row-major rows at dst, blocks of sc scale bytes (2:
+ * Q4_0, 1: MXFP4). Per block, the 8 rows' 4-byte runs (run q of row r at dword 8 q + r of the block's 128 run
+ * bytes) are regrouped by row with two 2-source dword permutes: row r's 16 bytes at dword 4 (r % 4) of the
+ * first (rows 0-3) or second (rows 4-7) result. */
+DD_INLINE void il_deil(uint8_t *dst, const uint8_t *src, size_t stripes, size_t row_bytes, const size_t sc)
+{
+    const size_t nb = row_bytes / (sc + 16);
     const __m512i lo = _mm512_setr_epi32(0, 8, 16, 24, 1, 9, 17, 25, 2, 10, 18, 26, 3, 11, 19, 27);
     const __m512i hi = _mm512_add_epi32(lo, _mm512_set1_epi32(4));
     uint8_t rows[128];
     for (size_t s = 0; s < stripes; s++)
         for (size_t b = 0; b < nb; b++) {
-            const uint8_t *blk = src + s * 8 * row_bytes + b * 8 * DD_Q4_0_BYTES;
-            const __m512i z0 = _mm512_loadu_si512(blk + 16), z1 = _mm512_loadu_si512(blk + 80);
+            const uint8_t *blk = src + s * 8 * row_bytes + b * 8 * (sc + 16);
+            const __m512i z0 = _mm512_loadu_si512(blk + 8 * sc), z1 = _mm512_loadu_si512(blk + 8 * sc + 64);
             _mm512_storeu_si512(rows, _mm512_permutex2var_epi32(z0, lo, z1));
             _mm512_storeu_si512(rows + 64, _mm512_permutex2var_epi32(z0, hi, z1));
-            uint8_t *out = dst + s * 8 * row_bytes + b * DD_Q4_0_BYTES;
+            uint8_t *out = dst + s * 8 * row_bytes + b * (sc + 16);
             for (size_t r = 0; r < 8; r++) {
-                memcpy(out + r * row_bytes, blk + 2 * r, 2);
-                memcpy(out + r * row_bytes + 2, rows + 16 * r, 16);
+                memcpy(out + r * row_bytes, blk + sc * r, sc);
+                memcpy(out + r * row_bytes + sc, rows + 16 * r, 16);
             }
         }
 }
+
+/* The level's de-interleaves (dd_gemm_il's `deil`). */
+static void deil_q4_0(uint8_t *dst, const uint8_t *src, size_t stripes, size_t row_bytes)
+{
+    il_deil(dst, src, stripes, row_bytes, 2);
+}
+
+static void deil_mxfp4(uint8_t *dst, const uint8_t *src, size_t stripes, size_t row_bytes)
+{
+    il_deil(dst, src, stripes, row_bytes, 1);
+}
+
+/* gemm[DD_MXFP4_IL] of this level: the GEMV above at m == 1, else the de-interleaved stripes for gemm_mxfp4. */
+DD_DEFINE_GEMM_IL(gemm_mxfp4_il, DD_MXFP4, gemm_mxfp4, gemv_mxfp4_il, deil_mxfp4)
 
 #endif

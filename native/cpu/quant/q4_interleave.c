@@ -1,9 +1,11 @@
-/* The 8-row interleaved Q4_0 layout (deltadesk_cpu.h, dd_q4_0_interleave): the repack in place, its inverse,
- * and the products of the weight type DD_Q4_0_IL (dd_gemm_q4_0_il, kernels.h).
+/* The 8-row interleaved layouts of Q4_0 and MXFP4 (deltadesk_cpu.h, dd_q4_0_interleave, dd_mxfp4_interleave):
+ * the repack in place, its inverse, and the products of the weight types DD_Q4_0_IL and DD_MXFP4_IL
+ * (dd_gemm_il, kernels.h). The two types' blocks differ only in their scale's bytes (2 or 1) before the same 16
+ * nibble bytes, so one layout with that width as a parameter serves both.
  *
  * The repack moves the bytes of one stripe (8 rows) at a time through a scratch of the stripe's size, so it
  * needs no second copy of the matrix; rows past the last multiple of 8 are left as they are. A product runs
- * the level's interleaved GEMV on the stripes where it has one (m == 1), else the row-major Q4_0 kernel on
+ * the level's interleaved GEMV on the stripes where it has one (m == 1), else the row-major kernel on
  * the stripes de-interleaved a few at a time into a stack buffer (by the level's SIMD de-interleave where it
  * has one), and that kernel on the row-major tail: a row's result
  * depends only on its bytes and the activations, never on the chunk it falls in.
@@ -12,41 +14,49 @@
 
 #include "kernels.h"
 
-#define IL_BLOCK (8 * DD_Q4_0_BYTES)
 /* Bytes of row-major rows a product de-interleaves at a time: whole stripes of rows up to
- * DD_Q4_0_IL_MAX_ROW_BYTES (the repack refuses longer rows) */
+ * DD_Q4_0_IL_MAX_ROW_BYTES (the repack refuses longer rows; MXFP4's limit is shorter) */
 #define IL_PIECE (8 * DD_Q4_0_IL_MAX_ROW_BYTES)
 
-/* Row r's block b (18 bytes at rm, row-major) <-> its 2 + 4 x 4 bytes in the interleaved stripe p. */
-static void il_move(uint8_t *p, uint8_t *rm, size_t b, size_t r, int to_il)
+_Static_assert(DD_MXFP4_IL_MAX_ROW_BYTES <= DD_Q4_0_IL_MAX_ROW_BYTES, "an MXFP4 stripe must fit IL_PIECE");
+
+/* Bytes of a block's scale in the row-major type: Q4_0's f16 d, MXFP4's e8m0 e. */
+static size_t il_scale_bytes(int wtype)
 {
-    uint8_t *blk = p + b * IL_BLOCK;
-    uint8_t *dst = to_il ? blk + 2 * r : rm, *src = to_il ? rm : blk + 2 * r;
-    memcpy(dst, src, 2);
+    return wtype == DD_MXFP4 ? 1 : 2;
+}
+
+/* Row r's block b (sc + 16 bytes at rm, row-major) <-> its sc + 4 x 4 bytes in the interleaved stripe p. */
+static void il_move(uint8_t *p, uint8_t *rm, size_t b, size_t r, size_t sc, int to_il)
+{
+    uint8_t *blk = p + b * 8 * (sc + 16);
+    uint8_t *dst = to_il ? blk + sc * r : rm, *src = to_il ? rm : blk + sc * r;
+    memcpy(dst, src, sc);
     for (size_t q = 0; q < 4; q++) {
-        uint8_t *at = blk + 16 + 32 * q + 4 * r, *run = rm + 2 + 4 * q;
+        uint8_t *at = blk + 8 * sc + 32 * q + 4 * r, *run = rm + sc + 4 * q;
         memcpy(to_il ? at : run, to_il ? run : at, 4);
     }
 }
 
-/* `stripes` stripes from src into dst (row-major to interleaved when to_il is 1, else the reverse); src and
- * dst do not overlap. */
-static void il_copy(uint8_t *dst, const uint8_t *src, size_t stripes, size_t row_bytes, int to_il)
+/* `stripes` stripes from src into dst (row-major to interleaved when to_il is 1, else the reverse), blocks of
+ * sc scale bytes; src and dst do not overlap. */
+static void il_copy(uint8_t *dst, const uint8_t *src, size_t stripes, size_t row_bytes, size_t sc, int to_il)
 {
-    const size_t stripe = 8 * row_bytes, nb = row_bytes / DD_Q4_0_BYTES;
+    const size_t stripe = 8 * row_bytes, nb = row_bytes / (sc + 16);
     for (size_t s = 0; s < stripes; s++) {
         uint8_t *il = to_il ? dst + s * stripe : (uint8_t *)src + s * stripe;
         uint8_t *rows = to_il ? (uint8_t *)src + s * stripe : dst + s * stripe;
         for (size_t r = 0; r < 8; r++)
             for (size_t b = 0; b < nb; b++)
-                il_move(il, rows + r * row_bytes + b * DD_Q4_0_BYTES, b, r, to_il);
+                il_move(il, rows + r * row_bytes + b * (sc + 16), b, r, sc, to_il);
     }
 }
 
-/* Every stripe of w through a scratch: to_il 1 rewrites row-major as interleaved, 0 the reverse. */
-static int il_permute(uint8_t *w, size_t nrows, size_t row_bytes, int to_il)
+/* Every stripe of w (rows of blocks of sc scale bytes, at most max_row_bytes) through a scratch: to_il 1
+ * rewrites row-major as interleaved, 0 the reverse. */
+static int il_permute(uint8_t *w, size_t nrows, size_t row_bytes, size_t sc, size_t max_row_bytes, int to_il)
 {
-    if (row_bytes == 0 || row_bytes % DD_Q4_0_BYTES != 0 || row_bytes > DD_Q4_0_IL_MAX_ROW_BYTES)
+    if (row_bytes == 0 || row_bytes % (sc + 16) != 0 || row_bytes > max_row_bytes)
         return DD_ERR_ARG;
     const size_t stripe = 8 * row_bytes;
     if (nrows < 8)
@@ -56,7 +66,7 @@ static int il_permute(uint8_t *w, size_t nrows, size_t row_bytes, int to_il)
         return DD_ERR_NOMEM;
     for (size_t s = 0; s < nrows / 8; s++) {
         memcpy(tmp, w + s * stripe, stripe);
-        il_copy(w + s * stripe, tmp, 1, row_bytes, to_il);
+        il_copy(w + s * stripe, tmp, 1, row_bytes, sc, to_il);
     }
     free(tmp);
     return DD_OK;
@@ -64,16 +74,26 @@ static int il_permute(uint8_t *w, size_t nrows, size_t row_bytes, int to_il)
 
 int dd_q4_0_interleave(uint8_t *w, size_t nrows, size_t row_bytes)
 {
-    return il_permute(w, nrows, row_bytes, 1);
+    return il_permute(w, nrows, row_bytes, 2, DD_Q4_0_IL_MAX_ROW_BYTES, 1);
 }
 
 int dd_q4_0_deinterleave(uint8_t *w, size_t nrows, size_t row_bytes)
 {
-    return il_permute(w, nrows, row_bytes, 0);
+    return il_permute(w, nrows, row_bytes, 2, DD_Q4_0_IL_MAX_ROW_BYTES, 0);
 }
 
-void dd_gemm_q4_0_il(dd_gemm_fn row_major, dd_gemv_il_fn il, dd_deil_fn deil, const uint8_t *w, size_t row_bytes,
-                     size_t nrows, size_t rows_avail, const dd_acts *a, float *y, size_t ldy)
+int dd_mxfp4_interleave(uint8_t *w, size_t nrows, size_t row_bytes)
+{
+    return il_permute(w, nrows, row_bytes, 1, DD_MXFP4_IL_MAX_ROW_BYTES, 1);
+}
+
+int dd_mxfp4_deinterleave(uint8_t *w, size_t nrows, size_t row_bytes)
+{
+    return il_permute(w, nrows, row_bytes, 1, DD_MXFP4_IL_MAX_ROW_BYTES, 0);
+}
+
+void dd_gemm_il(int wtype, dd_gemm_fn row_major, dd_gemv_il_fn il, dd_deil_fn deil, const uint8_t *w,
+                size_t row_bytes, size_t nrows, size_t rows_avail, const dd_acts *a, float *y, size_t ldy)
 {
     const size_t stripes = nrows / 8, r0 = 8 * stripes, stripe = 8 * row_bytes;
     if (stripes > 0 && a->m == 1 && il != NULL) {
@@ -86,7 +106,7 @@ void dd_gemm_q4_0_il(dd_gemm_fn row_major, dd_gemv_il_fn il, dd_deil_fn deil, co
             if (deil != NULL)
                 deil(rows, w + s * stripe, n, row_bytes);
             else
-                il_copy(rows, w + s * stripe, n, row_bytes, 0);
+                il_copy(rows, w + s * stripe, n, row_bytes, il_scale_bytes(wtype), 0);
             row_major(rows, row_bytes, 8 * n, 8 * n, a, y + 8 * s, ldy);
         }
     }
