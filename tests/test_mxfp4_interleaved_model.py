@@ -43,3 +43,13 @@ def test_interleaved_mxfp4_model_has_the_mapped_logits(synth_model, vnni):
                 want = run(mapped, hp)
                 np.testing.assert_array_equal(run(held, hp).view(np.uint32), want.view(np.uint32),
                                               err_msg=f"{run.__name__}, {level}, {threads} threads")
+
+
+def test_numpy_twins_read_the_interleaved_mxfp4_weights(synth_model, vnni):
+    path = synth_model("tiny", "mxfp4")
+    mapped, hp = _model(path, "map")
+    held, _ = _model(path, "ram")
+    cpu.set_isa("numpy")
+    state_m, state_h = SequenceState.new(hp, 8), SequenceState.new(hp, 8)
+    want = mapped.forward(PROMPT[:3], state_m)
+    np.testing.assert_array_equal(held.forward(PROMPT[:3], state_h).view(np.uint32), want.view(np.uint32))

@@ -14,9 +14,10 @@ before and after (figures from a loaded machine are not final). ``--cols 32`` ti
 (32 activation rows, an expert's share of a 512-token prompt) and reports GMAC/s; use a small --mib then,
 so the product is bound by the kernel, not by DRAM. ``--cpu`` times process CPU time instead of wall
 time (less disturbed by a loaded machine; with --threads 1 it is the kernel's own time). Each build's
-median milliseconds per call are printed beside its rate. ``--interleaved`` (Q4_0) adds, for each build, a
-second row: ``dd_matmul`` of ``DD_Q4_0_IL`` on a copy of the matrix repacked by ``dd_q4_0_interleave``
-(docs/design/q4-0-row-interleave.md), timed in the same rounds (with --cols > 1: the interleaved prefill GEMM).
+median milliseconds per call are printed beside its rate. ``--interleaved`` (Q4_0, MXFP4) adds, for each build,
+a second row: ``dd_matmul`` of ``DD_Q4_0_IL`` (``DD_MXFP4_IL``) on a copy of the matrix repacked by
+``dd_q4_0_interleave`` (``dd_mxfp4_interleave``; docs/design/q4-0-row-interleave.md, mxfp4-interleave.md), timed
+in the same rounds (with --cols > 1: the interleaved prefill GEMM).
 docs/perf/log/cpu-notes.md, "Weight prefetches into L2", used it.
 """
 
@@ -35,7 +36,7 @@ from gguf import GGMLQuantizationType
 
 from bench_kernels import K, random_blocks
 from engine.gguf import quant
-from engine.kernels.cpu_twins import Q4_0_IL
+from engine.kernels.cpu_twins import IL_TRAITS
 from engine.kernels.iq_twins import grids as iq_grids
 
 
@@ -52,24 +53,25 @@ def load(path: str, folder: str, index: int, threads: int) -> ctypes.CDLL:
     return lib
 
 
-def variants(libs: list[ctypes.CDLL], paths: list[str], args, isa: int, kernel: int, w: np.ndarray, x: np.ndarray,
-             rows: int, k: int) -> tuple[list[str], list]:
-    """(labels, calls): each build's dd_matmul, and with --interleaved its DD_Q4_0_IL dd_matmul on a repacked copy."""
+def variants(libs: list[ctypes.CDLL], paths: list[str], args, isa: int, qtype: GGMLQuantizationType, w: np.ndarray,
+             x: np.ndarray, rows: int, k: int) -> tuple[list[str], list]:
+    """(labels, calls): each build's dd_matmul, and with --interleaved its dd_matmul of the interleaved kernel type
+    (DD_Q4_0_IL, DD_MXFP4_IL) on a repacked copy."""
     labels, calls = [], []
-    packed = None
+    packed, kernel = None, quant.TYPES[qtype].cpu_kernel
     if args.interleaved:
-        packed = w.copy()
-        if libs[0].dd_q4_0_interleave(ctypes.c_void_p(packed.ctypes.data), ctypes.c_size_t(rows),
-                                      ctypes.c_size_t(w.shape[1])) != 0:
-            raise SystemExit("dd_q4_0_interleave failed")
+        packed, repack = w.copy(), f"dd_{qtype.name.lower()}_interleave"
+        if getattr(libs[0], repack)(ctypes.c_void_p(packed.ctypes.data), ctypes.c_size_t(rows),
+                                    ctypes.c_size_t(w.shape[1])) != 0:
+            raise SystemExit(f"{repack} failed")
     for lib, path in zip(libs, paths):
         labels.append(path)
         calls.append(lambda out, lib=lib: lib.dd_matmul(isa, kernel, w.ctypes.data, rows, k, x.ctypes.data,
                                                         args.cols, out.ctypes.data))
         if packed is not None:
             labels.append(f"{path} interleaved")
-            calls.append(lambda out, lib=lib: lib.dd_matmul(isa, Q4_0_IL.cpu_kernel, packed.ctypes.data, rows, k,
-                                                            x.ctypes.data, args.cols, out.ctypes.data))
+            calls.append(lambda out, lib=lib: lib.dd_matmul(isa, IL_TRAITS[qtype].cpu_kernel, packed.ctypes.data, rows,
+                                                            k, x.ctypes.data, args.cols, out.ctypes.data))
     return labels, calls
 
 
@@ -84,10 +86,10 @@ def main() -> None:
     ap.add_argument("--cols", type=int, default=1, help="activation rows (1: decode's GEMV; > 1: a prefill GEMM)")
     ap.add_argument("--k", type=int, default=K, help="values a row, a multiple of the type's block (512: expert down)")
     ap.add_argument("--cpu", action="store_true", help="time process CPU time instead of wall time")
-    ap.add_argument("--interleaved", action="store_true", help="also time the 8-row interleaved Q4_0 product")
+    ap.add_argument("--interleaved", action="store_true", help="also time the 8-row interleaved product (Q4_0, MXFP4)")
     args = ap.parse_args()
-    if args.interleaved and args.type.lower() != "q4_0":
-        raise SystemExit("--interleaved: only for --type q4_0")
+    if args.interleaved and args.type.upper() not in {t.name for t in IL_TRAITS}:
+        raise SystemExit("--interleaved: only for --type q4_0 or mxfp4")
     try:
         qtype = GGMLQuantizationType[args.type.upper()]
     except KeyError:
@@ -106,7 +108,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as folder:
         libs = [load(p, folder, i, args.threads) for i, p in enumerate(paths)]
         isa = libs[0].dd_isa_best() if args.isa < 0 else args.isa
-        labels, calls = variants(libs, paths, args, isa, kernel, w, x, rows, k)
+        labels, calls = variants(libs, paths, args, isa, qtype, w, x, rows, k)
         outs = [np.empty((args.cols, rows), np.float32) for _ in calls]
         times: list[list[float]] = [[] for _ in calls]
         cpu_times: list[list[float]] = [[] for _ in calls]
