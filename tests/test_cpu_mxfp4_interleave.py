@@ -77,7 +77,7 @@ def assert_row_major_bits(raw: np.ndarray, k: int, x: np.ndarray, levels=None) -
 
 
 @pytest.mark.parametrize("rows,k", [(5, 64), (8, 32), (13, 96), (69, 544), (41, 1056), (136, 2048), (29, 29120)])
-@pytest.mark.parametrize("m", [1, 2, 3, 8, 17])   # m > 1: the stripes de-interleaved for the row-major GEMM
+@pytest.mark.parametrize("m", [1, 2, 3, 8, 17])   # m > 1: the VNNI GEMV per column; elsewhere de-interleaved
 def test_interleaved_matrix_has_the_row_major_bits(rows, k, m, rng):
     raw = random_bquant(rng, rows, k, MXFP4)
     x = (rng.standard_normal((m, k)) * rng.uniform(0.1, 10)).astype(np.float32)

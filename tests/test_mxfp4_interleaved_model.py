@@ -1,8 +1,8 @@
 """MXFP4 weights rewritten at load into the 8-row interleaved layout (weights "ram", engine.arch.qwen35.cpu
 interleaves): a synthetic MXFP4 model's logits bit for bit those of the same file mapped (row-major), in prefill
-(the GEMMs and the grouped MoE, stripes de-interleaved for the row-major kernel), decode (the one-call step and its
-fused MoE, the VNNI interleaved GEMV) and the batched step of three sequences, at 1 and 2 threads and at every
-supported level after the load."""
+(the GEMMs and the grouped MoE: on VNNI the interleaved GEMV a column at a time, elsewhere the stripes
+de-interleaved for the row-major kernel), decode (the one-call step and its fused MoE) and the batched step of
+three sequences, at 1 and 2 threads and at every supported level after the load."""
 
 from __future__ import annotations
 

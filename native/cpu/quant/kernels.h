@@ -96,7 +96,8 @@ typedef void (*dd_gemv_il_fn)(const uint8_t *w, size_t row_bytes, size_t stripes
  * dst (8 * stripes rows of row_bytes; src and dst do not overlap). */
 typedef void (*dd_deil_fn)(uint8_t *dst, const uint8_t *src, size_t stripes, size_t row_bytes);
 
-/* gemm[DD_Q4_0_IL] and gemm[DD_MXFP4_IL] of every level (q4_interleave.c), wtype the row-major type (DD_Q4_0,
+/* gemm[DD_Q4_0_IL] and gemm[DD_MXFP4_IL] of the levels without their own (the AVX-512 VNNI ones are in
+ * q4_gemm_avx512.h and q4_il_avx512.h; Q4_0's calls this one at m == 1), wtype the row-major type (DD_Q4_0,
  * DD_MXFP4): w starts on a stripe; its nrows / 8 stripes go to `il` when a->m == 1 and il is not NULL, else are
  * de-interleaved (by `deil`, or the portable copy where it is NULL) a few at a time into a stack buffer for
  * `row_major` (the level's gemm[wtype]); the last nrows % 8 rows (the matrix's row-major tail: chunks are whole

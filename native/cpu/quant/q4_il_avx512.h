@@ -1,8 +1,9 @@
 /* The AVX-512 VNNI GEMVs (m == 1) of Q4_0 and MXFP4 matrices in the 8-row interleaved layout
  * (dd_q4_0_interleave, dd_mxfp4_interleave in deltadesk_cpu.h), included by kernels_avx512vnni.c after its
- * row-major Q4_0 tile and bquants.h. The two types share the stripe loop, the prefetch and the de-interleave;
- * they differ in the block step (il_block_q4_0, il_block_mxfp4) and the final reduction, each its row-major
- * tile's (docs/design/q4-0-row-interleave.md, docs/design/mxfp4-interleave.md).
+ * row-major Q4_0 tile and bquants.h. The two types share the stripe loop and the prefetch; they differ in the
+ * block step (il_block_q4_0, il_block_mxfp4) and the final reduction, each its row-major tile's
+ * (docs/design/q4-0-row-interleave.md, docs/design/mxfp4-interleave.md). MXFP4's GEMV also serves m > 1, one
+ * column at a time (gemm_mxfp4_il).
  *
  * Rows are the lanes: block b of an 8-row stripe is the 8 rows' scales (f16 d, or e8m0 e) and then, for each
  * 4-byte run q of the 16 nibble bytes, the 8 rows' runs side by side, so one 32-byte load holds 8 rows' bytes
@@ -178,42 +179,48 @@ static void gemv_mxfp4_il(const uint8_t *w, size_t row_bytes, size_t stripes, si
         il_stripe_mxfp4(w + s * 8 * row_bytes, end, a, y + 8 * s);
 }
 
-/* The de-interleave of `stripes` stripes at src to their row-major rows at dst, blocks of sc scale bytes (2:
- * Q4_0, 1: MXFP4). Per block, the 8 rows' 4-byte runs (run q of row r at dword 8 q + r of the block's 128 run
- * bytes) are regrouped by row with two 2-source dword permutes: row r's 16 bytes at dword 4 (r % 4) of the
- * first (rows 0-3) or second (rows 4-7) result. */
-DD_INLINE void il_deil(uint8_t *dst, const uint8_t *src, size_t stripes, size_t row_bytes, const size_t sc)
+/* The level's de-interleave (dd_gemm_il's `deil`) of Q4_0: `stripes` stripes at src to their row-major rows at
+ * dst. Per block, the 8 rows' 4-byte runs (run q of row r at dword 8 q + r of the block's 128 run bytes) are
+ * regrouped by row with two 2-source dword permutes: row r's 16 bytes at dword 4 (r % 4) of the first
+ * (rows 0-3) or second (rows 4-7) result. */
+static void deil_q4_0(uint8_t *dst, const uint8_t *src, size_t stripes, size_t row_bytes)
 {
-    const size_t nb = row_bytes / (sc + 16);
+    const size_t nb = row_bytes / DD_Q4_0_BYTES;
     const __m512i lo = _mm512_setr_epi32(0, 8, 16, 24, 1, 9, 17, 25, 2, 10, 18, 26, 3, 11, 19, 27);
     const __m512i hi = _mm512_add_epi32(lo, _mm512_set1_epi32(4));
     uint8_t rows[128];
     for (size_t s = 0; s < stripes; s++)
         for (size_t b = 0; b < nb; b++) {
-            const uint8_t *blk = src + s * 8 * row_bytes + b * 8 * (sc + 16);
-            const __m512i z0 = _mm512_loadu_si512(blk + 8 * sc), z1 = _mm512_loadu_si512(blk + 8 * sc + 64);
+            const uint8_t *blk = src + s * 8 * row_bytes + b * Q4_IL_BLOCK_BYTES;
+            const __m512i z0 = _mm512_loadu_si512(blk + 16), z1 = _mm512_loadu_si512(blk + 80);
             _mm512_storeu_si512(rows, _mm512_permutex2var_epi32(z0, lo, z1));
             _mm512_storeu_si512(rows + 64, _mm512_permutex2var_epi32(z0, hi, z1));
-            uint8_t *out = dst + s * 8 * row_bytes + b * (sc + 16);
+            uint8_t *out = dst + s * 8 * row_bytes + b * DD_Q4_0_BYTES;
             for (size_t r = 0; r < 8; r++) {
-                memcpy(out + r * row_bytes, blk + sc * r, sc);
-                memcpy(out + r * row_bytes + sc, rows + 16 * r, 16);
+                memcpy(out + r * row_bytes, blk + 2 * r, 2);
+                memcpy(out + r * row_bytes + 2, rows + 16 * r, 16);
             }
         }
 }
 
-/* The level's de-interleaves (dd_gemm_il's `deil`). */
-static void deil_q4_0(uint8_t *dst, const uint8_t *src, size_t stripes, size_t row_bytes)
+/* gemm[DD_MXFP4_IL] of this level: the stripes by the GEMV above one column at a time, for any m, and the
+ * row-major tail by gemm_mxfp4. The GEMV reads only a column's pair-layout values and compact sums and scales
+ * (dd_acts), the same in a one-column preparation, so column c's results are its one-column product's bits,
+ * which are the row-major kernel's; a chunk's stripes stay in L2 from one column to the next. */
+static void gemm_mxfp4_il(const uint8_t *w, size_t row_bytes, size_t nrows, size_t rows_avail, const dd_acts *a,
+                          float *y, size_t ldy)
 {
-    il_deil(dst, src, stripes, row_bytes, 2);
+    const size_t stripes = nrows / 8, r0 = 8 * stripes;
+    for (size_t c = 0; c < a->m && stripes > 0; c++) {
+        dd_acts col = *a;
+        col.m = 1;
+        col.q = a->q + c * a->nbp * DD_QK;
+        col.bs = a->bs + c * a->nbp;
+        col.bd = a->bd + c * a->nbp;
+        gemv_mxfp4_il(w, row_bytes, stripes, rows_avail / 8, &col, y + c * ldy);
+    }
+    if (nrows > r0)
+        gemm_mxfp4(w + r0 * row_bytes, row_bytes, nrows - r0, rows_avail - r0, a, y + r0, ldy);
 }
-
-static void deil_mxfp4(uint8_t *dst, const uint8_t *src, size_t stripes, size_t row_bytes)
-{
-    il_deil(dst, src, stripes, row_bytes, 1);
-}
-
-/* gemm[DD_MXFP4_IL] of this level: the GEMV above at m == 1, else the de-interleaved stripes for gemm_mxfp4. */
-DD_DEFINE_GEMM_IL(gemm_mxfp4_il, DD_MXFP4, gemm_mxfp4, gemv_mxfp4_il, deil_mxfp4)
 
 #endif
