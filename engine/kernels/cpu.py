@@ -22,7 +22,9 @@ from gguf import GGMLQuantizationType
 
 from engine.gguf import quant
 from engine.errors import EngineError
-from engine.kernels.cpu_twins import (B_QUANTS, IL_ROWS, K_QUANTS, KQ_ROWS, Q4_0_IL, Q8_0_BYTES, QK, activations,
+from engine.kernels.cpu_twins import Q4_0_IL as Q4_0_IL  # re-exported: the kernel traits of the layouts
+from engine.kernels.cpu_twins import Q4_K_IL as Q4_K_IL
+from engine.kernels.cpu_twins import (B_QUANTS, IL_ROWS, IL_TRAITS, K_QUANTS, KQ_ROWS, Q8_0_BYTES, QK, activations,
                                       bf16_product_np, bquant_product_np, dequantize, kquant_product_np,
                                       quantize_q8_0_np, row_major)
 from engine.kernels.iq_twins import grids as iq_grids
@@ -288,21 +290,22 @@ class Matrix:
         k: input width (a multiple of the type's block size).
         qtype: the storage type, as the file's tensor table gives it (rows of Q4_0 and Q4_K, say,
             can have the same length, so it is never inferred from the bytes).
-        interleaved: raw is Q4_0 rewritten by :func:`engine.kernels.cpu_q4il.interleave_q4_0` (the kernel
-            type :data:`~engine.kernels.cpu_twins.Q4_0_IL`; the results are the row-major bytes' bits).
+        interleaved: raw is Q4_0 or Q4_K rewritten by :func:`engine.kernels.cpu_q4il.interleave_q4_0` or
+            ``interleave_q4_k`` (the kernel types :data:`~engine.kernels.cpu_twins.Q4_0_IL`, ``Q4_K_IL``; the
+            results are the row-major bytes' bits).
     Calling it is :func:`matmul` (or its twin when the active level is "numpy") without the per-call
     checks of the weights: x (m, k) float32 -> (m, rows) float32.
     Raises ValueError at construction when raw is not rows of k values of ``qtype``, not contiguous,
-    ``qtype`` has no kernel, or ``interleaved`` is asked of another type than Q4_0.
+    ``qtype`` has no kernel, or ``interleaved`` is asked of another type than Q4_0 or Q4_K.
     """
 
     def __init__(self, raw: np.ndarray, k: int, qtype: GGMLQuantizationType, interleaved: bool = False) -> None:
         self.traits = _kernel_type(qtype, "Matrix")
         self.qtype = self.traits.qtype
-        if interleaved and self.qtype != Q.Q4_0:
-            raise ValueError(f"Matrix: only Q4_0 rows have an interleaved layout, not {self.qtype.name}")
+        if interleaved and self.qtype not in IL_TRAITS:
+            raise ValueError(f"Matrix: only Q4_0 and Q4_K rows have an interleaved layout, not {self.qtype.name}")
         self.interleaved = interleaved
-        self.traits = Q4_0_IL if interleaved else self.traits
+        self.traits = IL_TRAITS[self.qtype] if interleaved else self.traits
         self.raw = _weights(raw, k, self.traits, f"Matrix ({self.qtype.name})")
         self.rows, self.k = raw.shape[0], k
         self._ptr = _ptr(_native_cpu.ffi, "uint8_t *", self.raw) if _native_cpu is not None else None

@@ -88,7 +88,7 @@ typedef struct {
 typedef void (*dd_gemm_fn)(const uint8_t *w, size_t row_bytes, size_t nrows, size_t rows_avail,
                            const dd_acts *a, float *y, size_t ldy);
 
-/* The level's GEMV of interleaved Q4_0 stripes (dd_kernels.gemv_q4_0_il). */
+/* A level's GEMV of interleaved stripes (Q4_0: q4_il_avx512.h, Q4_K: q4k_il_avx512.h). */
 typedef void (*dd_gemv_il_fn)(const uint8_t *w, size_t row_bytes, size_t stripes, size_t stripes_avail,
                               const dd_acts *a, float *y);
 
@@ -110,6 +110,20 @@ void dd_gemm_q4_0_il(dd_gemm_fn row_major, dd_gemv_il_fn il, dd_deil_fn deil, co
                      float *y, size_t ldy)                                                                 \
     {                                                                                                      \
         dd_gemm_q4_0_il(ROW_MAJOR, IL, DEIL, w, row_bytes, nrows, rows_avail, a, y, ldy);                  \
+    }
+
+/* gemm[DD_Q4_K_IL] of every level (q4k_interleave.c): as dd_gemm_q4_0_il for the interleaved Q4_K layout, the
+ * stripes de-interleaved by the portable copy; row_major is the level's gemm[DD_Q4_K]. The bits of row_major on
+ * the row-major matrix. */
+void dd_gemm_q4_k_il(dd_gemm_fn row_major, dd_gemv_il_fn il, const uint8_t *w, size_t row_bytes, size_t nrows,
+                     size_t rows_avail, const dd_acts *a, float *y, size_t ldy);
+
+/* Defines NAME, a dd_gemm_fn: dd_gemm_q4_k_il with the level's ROW_MAJOR and IL (NULL where it has none). */
+#define DD_DEFINE_GEMM_Q4_K_IL(NAME, ROW_MAJOR, IL)                                                        \
+    static void NAME(const uint8_t *w, size_t row_bytes, size_t nrows, size_t rows_avail, const dd_acts *a, \
+                     float *y, size_t ldy)                                                                 \
+    {                                                                                                      \
+        dd_gemm_q4_k_il(ROW_MAJOR, IL, w, row_bytes, nrows, rows_avail, a, y, ldy);                        \
     }
 
 /* How far ahead the SIMD kernels prefetch weights, in rows. A single core keeps too few cache

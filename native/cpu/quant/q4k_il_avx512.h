@@ -1,0 +1,130 @@
+/* The AVX-512 VNNI GEMV (m == 1) of a Q4_K matrix in the 8-row interleaved layout (dd_q4_k_interleave in
+ * deltadesk_cpu.h), included by kernels_avx512vnni.c after kq_tile_avx512.h (gemm_q4_K); it defines the
+ * table's gemm_q4_k_il.
+ *
+ * Rows are the lanes. In super-block b of a stripe (1152 bytes) one 32-byte load holds the 8 rows' qs bytes
+ * 32 j + 4 u .. + 3 (chunk j, run u) and meets a broadcast 4-value group of the activations in a vpdpbusd: the
+ * low nibbles give sub-block 2 j's sums, the high ones (masked, not shifted) 16 times sub-block 2 j + 1's.
+ * The bits are kq_tile's (kq_tile_avx512.h, kquants.h's exactness note): per row and sub-block i, in order of
+ * the super-blocks, acc_i = fma(I_i, d da_i, acc_i) with I_i = sc_i S_i, then acc_i = acc_i - dmin da_i bs_i m_i
+ * by one fused operation on an exact product, then ((s0 + s1) + (s2 + s3)) + ((s4 + s5) + (s6 + s7)) rounded to
+ * f32 once. Here accumulator i holds sub-block i for the 8 rows; a high-nibble I_i is 16 sc S exactly (below
+ * 2^26) and meets d (da_i / 16), so the product, and each fused add's rounding, is the row-major one; the other
+ * factors are the same values formed in another order, every partial product exact (at most 40 bits). The
+ * final tree runs lane-wise on the 8 accumulators: no transpose.
+ */
+#ifndef DELTADESK_Q4K_IL_AVX512_H
+#define DELTADESK_Q4K_IL_AVX512_H
+
+#define Q4K_IL_BLOCK_BYTES (8 * DD_Q4_K_BYTES)
+/* Super-blocks a row of the layout has at most (deltadesk_cpu.h): the per-call activation terms' arrays. */
+#define Q4K_IL_MAX_SB (DD_Q4_K_IL_MAX_ROW_BYTES / DD_Q4_K_BYTES)
+/* As Q4_IL_PREFETCH_BYTES: one stream, every line of it, twice DD_PREFETCH_BYTES ahead. */
+#define Q4K_IL_PREFETCH_BYTES (2 * DD_PREFETCH_BYTES)
+
+/* The 8 rows' 6-bit scales and mins of an interleaved super-block, byte 8 i + r row r's of sub-block i: the low
+ * 4 bits from the nibble bytes at 32 (scales, i >= 4 the high nibbles) and 64 (mins), the top 2 from the byte at
+ * 96 (deltadesk_cpu.h); each vector holds sub-blocks 0-3 in its low half, 4-7 in its high half. */
+DD_INLINE void kil_scales(const uint8_t *blk, uint8_t sc[64], uint8_t mn[64])
+{
+    const __m512i lo4 = _mm512_set1_epi8(0x0f), top = _mm512_set1_epi8(0x30);
+    const __m512i by4 = _mm512_inserti64x4(_mm512_setzero_si512(), _mm256_set1_epi16(4), 1);
+    const __m512i s = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)(blk + 32)));
+    const __m512i m = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)(blk + 64)));
+    const __m512i h = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)(blk + 96)));
+    const __m512i sc_top = _mm512_sllv_epi16(h, _mm512_inserti64x4(_mm512_set1_epi16(4), _mm256_set1_epi16(2), 1));
+    const __m512i mn_top = _mm512_srlv_epi16(h, _mm512_inserti64x4(_mm512_setzero_si512(), _mm256_set1_epi16(2), 1));
+    /* (x & lo4) | (t & top), bit by bit */
+    _mm512_storeu_si512(sc, _mm512_ternarylogic_epi32(_mm512_and_si512(_mm512_srlv_epi16(s, by4), lo4), sc_top, top,
+                                                      0xf8));
+    _mm512_storeu_si512(mn, _mm512_ternarylogic_epi32(_mm512_and_si512(_mm512_srlv_epi16(m, by4), lo4), mn_top, top,
+                                                      0xf8));
+}
+
+/* The activation's 4 values at p (int8) in every int32 lane. */
+DD_INLINE __m256i kil_bcast4(const int8_t *p)
+{
+    int32_t v;
+    memcpy(&v, p, 4);
+    return _mm256_set1_epi32(v);
+}
+
+/* acc += sub-block s's terms for the 8 rows: sums (int32, 16 times the true ones for a high-nibble sub-block,
+ * whose da then carries the 1/16), the rows' scales sc and mins mn (8 bytes), d and dmin (f64 lanes). */
+DD_INLINE void kil_terms(__m256i sums, const uint8_t *sc, const uint8_t *mn, __m512d d, __m512d dmin, double da,
+                         double dab, __m512d *acc)
+{
+    const __m256i i = _mm256_mullo_epi32(sums, _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)sc)));
+    *acc = _mm512_fmadd_pd(_mm512_cvtepi32_pd(i), _mm512_mul_pd(d, _mm512_set1_pd(da)), *acc);
+    const __m256i m = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)mn));
+    *acc = _mm512_fnmadd_pd(_mm512_cvtepi32_pd(m), _mm512_mul_pd(dmin, _mm512_set1_pd(dab)), *acc);
+}
+
+/* One interleaved super-block (blk) of 8 rows against the activations q (its 256 values), da[i] (block i's
+ * scale, over 16 for odd i) and dab[i] (scale times sum): acc[i] += sub-block i's terms. */
+DD_INLINE void kil_superblock(const uint8_t *blk, const int8_t *q, const double *da, const double *dab,
+                              __m512d acc[8])
+{
+    const __m256i low = _mm256_set1_epi8(0x0f), high = _mm256_set1_epi8((char)0xf0);
+    uint8_t sc[64], mn[64];
+    kil_scales(blk, sc, mn);
+    const __m512d d = _mm512_cvtps_pd(_mm256_maskz_cvtph_ps(0xff, _mm_loadu_si128((const __m128i *)blk)));
+    const __m512d dmin = _mm512_cvtps_pd(_mm256_maskz_cvtph_ps(0xff, _mm_loadu_si128((const __m128i *)(blk + 16))));
+#pragma GCC unroll 4
+    for (int j = 0; j < 4; j++) {
+        __m256i lo[2] = { _mm256_setzero_si256(), _mm256_setzero_si256() };
+        __m256i hi[2] = { _mm256_setzero_si256(), _mm256_setzero_si256() };
+#pragma GCC unroll 8
+        for (int u = 0; u < 8; u++) {   /* two chains each, as the row-major tiles' independent sums */
+            const __m256i v = _mm256_loadu_si256((const __m256i *)(blk + 128 + 256 * j + 32 * u));
+            lo[u & 1] = _mm256_dpbusd_epi32(lo[u & 1], _mm256_and_si256(v, low), kil_bcast4(q + 64 * j + 4 * u));
+            hi[u & 1] = _mm256_dpbusd_epi32(hi[u & 1], _mm256_and_si256(v, high), kil_bcast4(q + 64 * j + 32 + 4 * u));
+        }
+        kil_terms(_mm256_add_epi32(lo[0], lo[1]), sc + 16 * j, mn + 16 * j, d, dmin, da[2 * j], dab[2 * j], &acc[2 * j]);
+        kil_terms(_mm256_add_epi32(hi[0], hi[1]), sc + 16 * j + 8, mn + 16 * j + 8, d, dmin, da[2 * j + 1],
+                  dab[2 * j + 1], &acc[2 * j + 1]);
+    }
+}
+
+/* One stripe (8 rows of nsb super-blocks at w) -> y[0..7]; end: where the matrix's bytes end (prefetch bound). */
+DD_INLINE void kil_stripe(const uint8_t *w, const uint8_t *end, size_t nsb, const dd_acts *a, const double *da,
+                          const double *dab, float *y)
+{
+    __m512d acc[8];
+    for (int i = 0; i < 8; i++)
+        acc[i] = _mm512_setzero_pd();
+    for (size_t sb = 0; sb < nsb; sb++) {
+        const uint8_t *blk = w + sb * Q4K_IL_BLOCK_BYTES, *pf = blk + Q4K_IL_PREFETCH_BYTES;
+        if (pf + Q4K_IL_BLOCK_BYTES <= end)
+            for (int l = 0; l < Q4K_IL_BLOCK_BYTES / 64; l++)
+                dd_prefetch_weight(pf + 64 * l);
+        kil_superblock(blk, a->q + sb * DD_QK_K, da + 8 * sb, dab + 8 * sb, acc);
+    }
+    const __m512d s = _mm512_add_pd(_mm512_add_pd(_mm512_add_pd(acc[0], acc[1]), _mm512_add_pd(acc[2], acc[3])),
+                                    _mm512_add_pd(_mm512_add_pd(acc[4], acc[5]), _mm512_add_pd(acc[6], acc[7])));
+    _mm256_storeu_ps(y, _mm512_cvtpd_ps(s));
+}
+
+/* The level's interleaved Q4_K GEMV (dd_gemm_q4_k_il's `il`): `stripes` 8-row stripes at w (8 * row_bytes
+ * each), stripes_avail of them from w on (prefetch bound), activations a (m == 1) -> y[0 .. 8 * stripes). The
+ * activation terms (da over 16 for the high-nibble sub-blocks, da bs) are formed once per call, exactly. */
+static void gemv_q4_k_il(const uint8_t *w, size_t row_bytes, size_t stripes, size_t stripes_avail,
+                         const dd_acts *a, float *y)
+{
+    const size_t nsb = row_bytes / DD_Q4_K_BYTES;
+    const __m512d sixteenth = _mm512_setr_pd(1.0, 0.0625, 1.0, 0.0625, 1.0, 0.0625, 1.0, 0.0625);
+    double da[8 * Q4K_IL_MAX_SB], dab[8 * Q4K_IL_MAX_SB];
+    for (size_t sb = 0; sb < nsb; sb++) {
+        const __m512d s = _mm512_cvtps_pd(_mm256_loadu_ps(a->bd + 8 * sb));
+        _mm512_storeu_pd(da + 8 * sb, _mm512_mul_pd(s, sixteenth));
+        _mm512_storeu_pd(dab + 8 * sb,
+                         _mm512_mul_pd(s, _mm512_cvtepi32_pd(_mm256_loadu_si256((const __m256i *)(a->bs + 8 * sb)))));
+    }
+    const uint8_t *end = w + stripes_avail * 8 * row_bytes;
+    for (size_t s = 0; s < stripes; s++)
+        kil_stripe(w + s * 8 * row_bytes, end, nsb, a, da, dab, y + 8 * s);
+}
+
+DD_DEFINE_GEMM_Q4_K_IL(gemm_q4_k_il, gemm_q4_K, gemv_q4_k_il)
+
+#endif
