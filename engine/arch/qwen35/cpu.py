@@ -75,15 +75,16 @@ def to_q8_0(raw: np.ndarray, qtype: GGMLQuantizationType, k: int) -> np.ndarray:
 
 
 def interleaves(gguf: GGUFFile, name: str) -> bool:
-    """True when ``name`` is rewritten at load into the 8-row interleaved Q4_0 layout (:mod:`engine.kernels.cpu_q4il`):
-    a Q4_0 projection whose bytes are the private copy of ``weights="ram"`` (:meth:`GGUFFile.writable_raw`), on the
-    avx512vnni level (whose decode GEMV reads the layout; the others would de-interleave it on every product), not
-    the token embedding (its rows are read as stored), rows of at most ``cpu_q4il.MAX_ROW_BYTES``, and for stacked
-    experts, experts of whole 8-row stripes."""
+    """True when ``name`` is rewritten at load into an 8-row interleaved layout (:mod:`engine.kernels.cpu_q4il`):
+    a Q4_0 or Q4_K projection whose bytes are the private copy of ``weights="ram"`` (:meth:`GGUFFile.writable_raw`),
+    on the avx512vnni level (whose decode GEMV reads the layout; the others would de-interleave it on every
+    product), not the token embedding (its rows are read as stored), rows of at most the layout's
+    ``cpu_q4il.MAX_ROW_BYTES_BY_TYPE``, and for stacked experts, experts of whole 8-row stripes."""
     info = gguf.info(name)
-    return (info.qtype == Q.Q4_0 and cpu.isa() == "avx512vnni" and name != "token_embd.weight"
+    return (info.qtype in cpu_q4il.INTERLEAVE and cpu.isa() == "avx512vnni" and name != "token_embd.weight"
             and (len(info.ne) < 3 or info.ne[1] % cpu.IL_ROWS == 0) and gguf.writable_raw(name) is not None
-            and gguf.raw(name).flags.c_contiguous and gguf.raw(name).shape[1] <= cpu_q4il.MAX_ROW_BYTES)
+            and gguf.raw(name).flags.c_contiguous
+            and gguf.raw(name).shape[1] <= cpu_q4il.MAX_ROW_BYTES_BY_TYPE[info.qtype])
 
 
 def prepare_weight(gguf: GGUFFile, name: str, float_weights: str = "f32", repack: bool = True) -> tuple[Weight, str]:
@@ -91,7 +92,7 @@ def prepare_weight(gguf: GGUFFile, name: str, float_weights: str = "f32", repack
     it in place into the interleaved layout where :func:`interleaves` allows.
 
     Returns: (the weight, the rule applied, e.g. "Q4_0 mapped", "Q4_0 resident" (file read into memory),
-    "Q4_0 resident interleaved" (rewritten in place, :func:`interleaves`),
+    "Q4_0 resident interleaved" or "Q4_K resident interleaved" (rewritten in place, :func:`interleaves`),
     "Q6_K -> Q8_0", "F16 -> f32");
     see the module docstring for the rules and their bytes.
     """
@@ -103,7 +104,7 @@ def prepare_weight(gguf: GGUFFile, name: str, float_weights: str = "f32", repack
     if qtype in cpu.KERNEL_TYPES and k % cpu.QK == 0 and (qtype not in FLOAT_TYPES or float_weights == "f32"):
         where = gguf.residence(raw) if raw.flags.c_contiguous else ""
         if repack and interleaves(gguf, name):
-            cpu_q4il.interleave_q4_0(gguf.writable_raw(name))
+            cpu_q4il.INTERLEAVE[qtype](gguf.writable_raw(name))
             return cpu.Matrix(raw, k, qtype, interleaved=True), f"{stored} {where} interleaved"
         return cpu.Matrix(np.ascontiguousarray(raw), k, qtype), f"{stored} {where or 'copied'}"
     if qtype in FLOAT_TYPES and float_weights == "f32":
@@ -128,7 +129,7 @@ class NativeQwen35Model(Qwen35Model):
     Args:
         hp: hyper-parameters. gguf: the open file (its tensors are used in place where possible).
         float_weights: "f32" (F16/BF16 read as stored, F32 as float32: exact) or "q8_0" (converted).
-        repack: rewrite Q4_0 weights read into memory into the interleaved layout (:func:`interleaves`); False
+        repack: rewrite Q4_0 and Q4_K weights read into memory into the interleaved layouts (:func:`interleaves`); False
             when another reader of the file's bytes (GPU prefill's upload) may come after the model.
     Attributes:
         weight_rules: rule -> (tensor count, bytes used by the kernels), e.g. {"Q4_0 mapped": (61, ...)}.
