@@ -14,9 +14,11 @@ before and after (figures from a loaded machine are not final). ``--cols 32`` ti
 (32 activation rows, an expert's share of a 512-token prompt) and reports GMAC/s; use a small --mib then,
 so the product is bound by the kernel, not by DRAM. ``--cpu`` times process CPU time instead of wall
 time (less disturbed by a loaded machine; with --threads 1 it is the kernel's own time). Each build's
-median milliseconds per call are printed beside its rate. ``--interleaved`` (Q4_0) adds, for each build, a
-second row: ``dd_matmul`` of ``DD_Q4_0_IL`` on a copy of the matrix repacked by ``dd_q4_0_interleave``
-(docs/design/q4-0-row-interleave.md), timed in the same rounds (with --cols > 1: the interleaved prefill GEMM).
+median milliseconds per call are printed beside its rate. ``--interleaved`` (Q4_0, Q4_K) adds, for each build,
+a second row: ``dd_matmul`` of ``DD_Q4_0_IL`` / ``DD_Q4_K_IL`` on a copy of the matrix repacked by
+``dd_q4_0_interleave`` / ``dd_q4_k_interleave`` (docs/design/q4-0-row-interleave.md, q4-k-row-interleave.md),
+timed in the same rounds (with --cols > 1: the interleaved prefill GEMM, or the row-major one on de-interleaved
+stripes).
 docs/perf/log/cpu-notes.md, "Weight prefetches into L2", used it.
 """
 
@@ -35,7 +37,7 @@ from gguf import GGMLQuantizationType
 
 from bench_kernels import K, random_blocks
 from engine.gguf import quant
-from engine.kernels.cpu_twins import Q4_0_IL
+from engine.kernels.cpu_twins import IL_TRAITS
 from engine.kernels.iq_twins import grids as iq_grids
 
 
@@ -54,21 +56,23 @@ def load(path: str, folder: str, index: int, threads: int) -> ctypes.CDLL:
 
 def variants(libs: list[ctypes.CDLL], paths: list[str], args, isa: int, kernel: int, w: np.ndarray, x: np.ndarray,
              rows: int, k: int) -> tuple[list[str], list]:
-    """(labels, calls): each build's dd_matmul, and with --interleaved its DD_Q4_0_IL dd_matmul on a repacked copy."""
+    """(labels, calls): each build's dd_matmul, and with --interleaved its interleaved type's dd_matmul on a repacked
+    copy."""
     labels, calls = [], []
     packed = None
+    il = IL_TRAITS.get(GGMLQuantizationType[args.type.upper()])
     if args.interleaved:
         packed = w.copy()
-        if libs[0].dd_q4_0_interleave(ctypes.c_void_p(packed.ctypes.data), ctypes.c_size_t(rows),
-                                      ctypes.c_size_t(w.shape[1])) != 0:
-            raise SystemExit("dd_q4_0_interleave failed")
+        repack = getattr(libs[0], f"dd_{il.qtype.name.lower()}_interleave")
+        if repack(ctypes.c_void_p(packed.ctypes.data), ctypes.c_size_t(rows), ctypes.c_size_t(w.shape[1])) != 0:
+            raise SystemExit(f"dd_{il.qtype.name.lower()}_interleave failed")
     for lib, path in zip(libs, paths):
         labels.append(path)
         calls.append(lambda out, lib=lib: lib.dd_matmul(isa, kernel, w.ctypes.data, rows, k, x.ctypes.data,
                                                         args.cols, out.ctypes.data))
         if packed is not None:
             labels.append(f"{path} interleaved")
-            calls.append(lambda out, lib=lib: lib.dd_matmul(isa, Q4_0_IL.cpu_kernel, packed.ctypes.data, rows, k,
+            calls.append(lambda out, lib=lib: lib.dd_matmul(isa, il.cpu_kernel, packed.ctypes.data, rows, k,
                                                             x.ctypes.data, args.cols, out.ctypes.data))
     return labels, calls
 
@@ -84,10 +88,10 @@ def main() -> None:
     ap.add_argument("--cols", type=int, default=1, help="activation rows (1: decode's GEMV; > 1: a prefill GEMM)")
     ap.add_argument("--k", type=int, default=K, help="values a row, a multiple of the type's block (512: expert down)")
     ap.add_argument("--cpu", action="store_true", help="time process CPU time instead of wall time")
-    ap.add_argument("--interleaved", action="store_true", help="also time the 8-row interleaved Q4_0 product")
+    ap.add_argument("--interleaved", action="store_true", help="also time the 8-row interleaved Q4_0 / Q4_K product")
     args = ap.parse_args()
-    if args.interleaved and args.type.lower() != "q4_0":
-        raise SystemExit("--interleaved: only for --type q4_0")
+    if args.interleaved and args.type.lower() not in ("q4_0", "q4_k"):
+        raise SystemExit("--interleaved: only for --type q4_0 or q4_k")
     try:
         qtype = GGMLQuantizationType[args.type.upper()]
     except KeyError:

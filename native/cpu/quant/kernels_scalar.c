@@ -111,7 +111,7 @@ DD_DEFINE_DOTS_F32(dots_f32, dot_f32)
 #include "bf16.h"
 
 DD_DEFINE_GEMM_Q4_0_IL(gemm_q4_0_il, gemm_q4_0, NULL, NULL)
-DD_DEFINE_GEMM_Q4_K_IL(gemm_q4_k_il, gemm_q4_K, NULL)
+DD_DEFINE_GEMM_Q4_K_IL(gemm_q4_k_il, gemm_q4_K, NULL, NULL)
 
 const dd_kernels dd_kernels_scalar = {
     .quantize_q8_0 = quantize_q8_0,
