@@ -17,8 +17,6 @@
 #define DELTADESK_Q4K_IL_AVX512_H
 
 #define Q4K_IL_BLOCK_BYTES (8 * DD_Q4_K_BYTES)
-/* Super-blocks a row of the layout has at most (deltadesk_cpu.h): the per-call activation terms' arrays. */
-#define Q4K_IL_MAX_SB (DD_Q4_K_IL_MAX_ROW_BYTES / DD_Q4_K_BYTES)
 /* As Q4_IL_PREFETCH_BYTES: one stream, every line of it, twice DD_PREFETCH_BYTES ahead. */
 #define Q4K_IL_PREFETCH_BYTES (2 * DD_PREFETCH_BYTES)
 
@@ -61,10 +59,11 @@ DD_INLINE void kil_terms(__m256i sums, const uint8_t *sc, const uint8_t *mn, __m
     *acc = _mm512_fnmadd_pd(_mm512_cvtepi32_pd(m), _mm512_mul_pd(dmin, _mm512_set1_pd(dab)), *acc);
 }
 
-/* One interleaved super-block (blk) of 8 rows against the activations q (its 256 values), da[i] (block i's
- * scale, over 16 for odd i) and dab[i] (scale times sum): acc[i] += sub-block i's terms. */
-DD_INLINE void kil_superblock(const uint8_t *blk, const int8_t *q, const double *da, const double *dab,
-                              __m512d acc[8])
+/* One interleaved super-block (blk) of 8 rows against C (1 or 2) columns: column c's 256 activations at q[c],
+ * da[c][i] (block i's scale, over 16 for odd i) and dab[c][i] (scale times sum); acc[c][i] += sub-block i's terms.
+ * The masked weight runs serve both columns. */
+DD_INLINE void kil_superblock(const uint8_t *blk, const int8_t *const q[2], const double *const da[2],
+                              const double *const dab[2], __m512d acc[2][8], const int C)
 {
     const __m256i low = _mm256_set1_epi8(0x0f), high = _mm256_set1_epi8((char)0xf0);
     uint8_t sc[64], mn[64];
@@ -73,57 +72,99 @@ DD_INLINE void kil_superblock(const uint8_t *blk, const int8_t *q, const double 
     const __m512d dmin = _mm512_cvtps_pd(_mm256_maskz_cvtph_ps(0xff, _mm_loadu_si128((const __m128i *)(blk + 16))));
 #pragma GCC unroll 4
     for (int j = 0; j < 4; j++) {
-        __m256i lo[2] = { _mm256_setzero_si256(), _mm256_setzero_si256() };
-        __m256i hi[2] = { _mm256_setzero_si256(), _mm256_setzero_si256() };
+        __m256i lo[2][2], hi[2][2];   /* two chains each, as the row-major tiles' independent sums */
+        for (int c = 0; c < C; c++)
+            lo[c][0] = lo[c][1] = hi[c][0] = hi[c][1] = _mm256_setzero_si256();
 #pragma GCC unroll 8
-        for (int u = 0; u < 8; u++) {   /* two chains each, as the row-major tiles' independent sums */
+        for (int u = 0; u < 8; u++) {
             const __m256i v = _mm256_loadu_si256((const __m256i *)(blk + 128 + 256 * j + 32 * u));
-            lo[u & 1] = kil_dpbusd_bcast4(lo[u & 1], _mm256_and_si256(v, low), q + 64 * j + 4 * u);
-            hi[u & 1] = kil_dpbusd_bcast4(hi[u & 1], _mm256_and_si256(v, high), q + 64 * j + 32 + 4 * u);
+            const __m256i vl = _mm256_and_si256(v, low), vh = _mm256_and_si256(v, high);
+            for (int c = 0; c < C; c++) {
+                lo[c][u & 1] = kil_dpbusd_bcast4(lo[c][u & 1], vl, q[c] + 64 * j + 4 * u);
+                hi[c][u & 1] = kil_dpbusd_bcast4(hi[c][u & 1], vh, q[c] + 64 * j + 32 + 4 * u);
+            }
         }
-        kil_terms(_mm256_add_epi32(lo[0], lo[1]), sc + 16 * j, mn + 16 * j, d, dmin, da[2 * j], dab[2 * j], &acc[2 * j]);
-        kil_terms(_mm256_add_epi32(hi[0], hi[1]), sc + 16 * j + 8, mn + 16 * j + 8, d, dmin, da[2 * j + 1],
-                  dab[2 * j + 1], &acc[2 * j + 1]);
+        for (int c = 0; c < C; c++) {
+            kil_terms(_mm256_add_epi32(lo[c][0], lo[c][1]), sc + 16 * j, mn + 16 * j, d, dmin, da[c][2 * j],
+                      dab[c][2 * j], &acc[c][2 * j]);
+            kil_terms(_mm256_add_epi32(hi[c][0], hi[c][1]), sc + 16 * j + 8, mn + 16 * j + 8, d, dmin,
+                      da[c][2 * j + 1], dab[c][2 * j + 1], &acc[c][2 * j + 1]);
+        }
     }
 }
 
-/* One stripe (8 rows of nsb super-blocks at w) -> y[0..7]; end: where the matrix's bytes end (prefetch bound). */
-DD_INLINE void kil_stripe(const uint8_t *w, const uint8_t *end, size_t nsb, const dd_acts *a, const double *da,
-                          const double *dab, float *y)
+/* One stripe (8 rows of nsb super-blocks at w) against C columns (their activations q, da, dab as for
+ * kil_superblock, from super-block 0) -> y[c * ldy + 0..7]; end: where the matrix's bytes end (prefetch bound). */
+DD_INLINE void kil_stripe(const uint8_t *w, const uint8_t *end, size_t nsb, const int8_t *const q[2],
+                          const double *const da[2], const double *const dab[2], float *y, size_t ldy, const int C)
 {
-    __m512d acc[8];
-    for (int i = 0; i < 8; i++)
-        acc[i] = _mm512_setzero_pd();
+    __m512d acc[2][8];
+    for (int c = 0; c < C; c++)
+        for (int i = 0; i < 8; i++)
+            acc[c][i] = _mm512_setzero_pd();
     for (size_t sb = 0; sb < nsb; sb++) {
         const uint8_t *blk = w + sb * Q4K_IL_BLOCK_BYTES, *pf = blk + Q4K_IL_PREFETCH_BYTES;
         if (pf + Q4K_IL_BLOCK_BYTES <= end)
             for (int l = 0; l < Q4K_IL_BLOCK_BYTES / 64; l++)
                 dd_prefetch_weight(pf + 64 * l);
-        kil_superblock(blk, a->q + sb * DD_QK_K, da + 8 * sb, dab + 8 * sb, acc);
+        const int8_t *qs[2] = { q[0] + sb * DD_QK_K, q[C - 1] + sb * DD_QK_K };
+        const double *das[2] = { da[0] + 8 * sb, da[C - 1] + 8 * sb };
+        const double *dabs[2] = { dab[0] + 8 * sb, dab[C - 1] + 8 * sb };
+        kil_superblock(blk, qs, das, dabs, acc, C);
     }
-    const __m512d s = _mm512_add_pd(_mm512_add_pd(_mm512_add_pd(acc[0], acc[1]), _mm512_add_pd(acc[2], acc[3])),
-                                    _mm512_add_pd(_mm512_add_pd(acc[4], acc[5]), _mm512_add_pd(acc[6], acc[7])));
-    _mm256_storeu_ps(y, _mm512_cvtpd_ps(s));
+    for (int c = 0; c < C; c++) {
+        const __m512d *a = acc[c];
+        const __m512d s = _mm512_add_pd(_mm512_add_pd(_mm512_add_pd(a[0], a[1]), _mm512_add_pd(a[2], a[3])),
+                                        _mm512_add_pd(_mm512_add_pd(a[4], a[5]), _mm512_add_pd(a[6], a[7])));
+        _mm256_storeu_ps(y + c * ldy, _mm512_cvtpd_ps(s));
+    }
 }
 
-/* The level's interleaved Q4_K GEMV (dd_gemm_q4_k_il's `il`): `stripes` 8-row stripes at w (8 * row_bytes
- * each), stripes_avail of them from w on (prefetch bound), activations a (m == 1) -> y[0 .. 8 * stripes). The
- * activation terms (da over 16 for the high-nibble sub-blocks, da bs) are formed once per call, exactly. */
-static void gemv_q4_k_il(const uint8_t *w, size_t row_bytes, size_t stripes, size_t stripes_avail,
-                         const dd_acts *a, float *y)
+/* Column c's activation terms of nsb super-blocks, exactly: da[8 sb + i] = block i's scale (over 16 for odd i,
+ * the high-nibble sub-blocks), dab[8 sb + i] = the scale times the block's sum. */
+DD_INLINE void kil_col_terms(const dd_acts *a, size_t c, size_t nsb, double *da, double *dab)
 {
-    const size_t nsb = row_bytes / DD_Q4_K_BYTES;
     const __m512d sixteenth = _mm512_setr_pd(1.0, 0.0625, 1.0, 0.0625, 1.0, 0.0625, 1.0, 0.0625);
-    double da[8 * Q4K_IL_MAX_SB], dab[8 * Q4K_IL_MAX_SB];
     for (size_t sb = 0; sb < nsb; sb++) {
-        const __m512d s = _mm512_cvtps_pd(_mm256_loadu_ps(a->bd + 8 * sb));
+        const size_t b = c * a->nbp + 8 * sb;
+        const __m512d s = _mm512_cvtps_pd(_mm256_loadu_ps(a->bd + b));
         _mm512_storeu_pd(da + 8 * sb, _mm512_mul_pd(s, sixteenth));
-        _mm512_storeu_pd(dab + 8 * sb,
-                         _mm512_mul_pd(s, _mm512_cvtepi32_pd(_mm256_loadu_si256((const __m256i *)(a->bs + 8 * sb)))));
+        _mm512_storeu_pd(dab + 8 * sb, _mm512_mul_pd(s, _mm512_cvtepi32_pd(_mm256_loadu_si256((const __m256i *)(a->bs + b)))));
     }
+}
+
+/* Super-block columns whose activation terms a GEMV call holds (32 KiB of f64): all DD_IL_GEMV_COLS columns of
+ * rows up to 32 super-blocks (k = 8192), two of the longest (DD_Q4_K_IL_MAX_ROW_BYTES: 112). */
+#define KIL_TERM_SB 256
+
+/* The level's interleaved Q4_K GEMV (dd_gemm_q4_k_il's `il`): `stripes` 8-row stripes at w (8 * row_bytes
+ * each), stripes_avail of them from w on (prefetch bound), a->m <= DD_IL_GEMV_COLS columns of activations ->
+ * y[c * ldy + 0 .. 8 * stripes). The columns' activation terms are formed once per call, as many columns at a
+ * time as KIL_TERM_SB holds; each stripe meets them two at a time while it is in L1 (the pair sharing the
+ * masked weights), each column by the same operations whatever its partner: the one-column bits. */
+static void gemv_q4_k_il(const uint8_t *w, size_t row_bytes, size_t stripes, size_t stripes_avail,
+                         const dd_acts *a, float *y, size_t ldy)
+{
+    const size_t nsb = row_bytes / DD_Q4_K_BYTES, group = KIL_TERM_SB / nsb;
     const uint8_t *end = w + stripes_avail * 8 * row_bytes;
-    for (size_t s = 0; s < stripes; s++)
-        kil_stripe(w + s * 8 * row_bytes, end, nsb, a, da, dab, y + 8 * s);
+    double da[8 * KIL_TERM_SB], dab[8 * KIL_TERM_SB];
+    for (size_t g0 = 0; g0 < a->m; g0 += group) {
+        const size_t n = a->m - g0 < group ? a->m - g0 : group;
+        for (size_t t = 0; t < n; t++)
+            kil_col_terms(a, g0 + t, nsb, da + 8 * nsb * t, dab + 8 * nsb * t);
+        for (size_t s = 0; s < stripes; s++)
+            for (size_t t = 0; t < n; t += 2) {
+                const size_t u = t + 1 < n ? t + 1 : t;
+                const int8_t *q[2] = { a->q + (g0 + t) * a->nbp * DD_QK, a->q + (g0 + u) * a->nbp * DD_QK };
+                const double *das[2] = { da + 8 * nsb * t, da + 8 * nsb * u };
+                const double *dabs[2] = { dab + 8 * nsb * t, dab + 8 * nsb * u };
+                float *out = y + (g0 + t) * ldy + 8 * s;
+                if (u > t)
+                    kil_stripe(w + s * 8 * row_bytes, end, nsb, q, das, dabs, out, ldy, 2);
+                else
+                    kil_stripe(w + s * 8 * row_bytes, end, nsb, q, das, dabs, out, ldy, 1);
+            }
+    }
 }
 
 /* Row r's 12 scale bytes of an interleaved super-block (blk) to rows0 + r * row_bytes + 4, r < 8. The stored

@@ -3,8 +3,7 @@
  *
  * As for Q4_0 (q4_interleave.c): the repack moves one stripe (8 rows) at a time through a scratch of the
  * stripe's size, rows past the last multiple of 8 stay as they are; a product runs the level's interleaved
- * GEMV on the stripes where it has one (one column at a time, for up to DD_IL_GEMV_COLS: a batched decode step),
- * else the row-major Q4_K kernel on the stripes de-interleaved
+ * GEMV on the stripes where it has one (up to DD_IL_GEMV_COLS columns: a batched decode step), else the row-major Q4_K kernel on the stripes de-interleaved
  * a few at a time into a stack buffer (by the level's SIMD de-interleave where it has one), and that kernel on
  * the row-major tail. The scales and mins are moved as
  * their 6-bit values (ggml's get_scale_min_k4), which the 12 stored bytes hold with no bit to spare, so both
@@ -113,38 +112,12 @@ int dd_q4_k_deinterleave(uint8_t *w, size_t nrows, size_t row_bytes)
     return kil_permute(w, nrows, row_bytes, 0);
 }
 
-/* Column c of a as one-column activations for the interleaved GEMV: its pair and compact layouts (dd_acts; the
- * group layouts differ between one column and several, so they are left out), no cached-state id. */
-static dd_acts kil_column(const dd_acts *a, size_t c)
-{
-    dd_acts col = *a;
-    const size_t at = c * a->nbp;
-    col.m = 1;
-    col.q += at * DD_QK;
-    col.d += at * 8;
-    for (int t = 0; t < DD_WTYPE_COUNT; t++)
-        col.bias[t] = a->bias[t] != NULL ? a->bias[t] + at * 8 : NULL;
-    col.gq = NULL;
-    col.gbias = NULL;
-    col.gd = NULL;
-    col.gd64 = NULL;
-    col.bd += at;
-    col.bs += at;
-    col.s16 += 2 * at;
-    col.x = a->x != NULL ? a->x + c * a->nb * DD_QK : NULL;
-    col.id = 0;
-    return col;
-}
-
-void dd_gemm_q4_k_il(dd_gemm_fn row_major, dd_gemv_il_fn il, dd_deil_fn deil, const uint8_t *w, size_t row_bytes,
+void dd_gemm_q4_k_il(dd_gemm_fn row_major, dd_gemv_cols_fn il, dd_deil_fn deil, const uint8_t *w, size_t row_bytes,
                      size_t nrows, size_t rows_avail, const dd_acts *a, float *y, size_t ldy)
 {
     const size_t stripes = nrows / 8, r0 = 8 * stripes, stripe = 8 * row_bytes;
     if (stripes > 0 && a->m <= DD_IL_GEMV_COLS && il != NULL) {
-        for (size_t c = 0; c < a->m; c++) {   /* the chunk (dd_gemm_chunk_rows) stays in L2 for the next column */
-            const dd_acts col = kil_column(a, c);
-            il(w, row_bytes, stripes, rows_avail / 8, &col, y + c * ldy);
-        }
+        il(w, row_bytes, stripes, rows_avail / 8, a, y, ldy);
     } else if (stripes > 0) {
         uint8_t rows[KIL_PIECE];   /* on the stack, as q4_interleave.c's: nothing to allocate or fail */
         const size_t per = KIL_PIECE / stripe;
