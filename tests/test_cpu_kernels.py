@@ -206,7 +206,8 @@ def test_kernel_ids_of_the_quant_table_match_the_c_enum():
         assert engine.gguf.quant.TYPES[qtype].cpu_kernel == getattr(_native_cpu.lib, f"DD_{qtype.name.upper()}")
     assert cpu.Q4_0_IL.cpu_kernel == _native_cpu.lib.DD_Q4_0_IL
     assert cpu.MXFP4_IL.cpu_kernel == _native_cpu.lib.DD_MXFP4_IL
-    assert len(cpu.KERNEL_TYPES) + 2 == _native_cpu.lib.DD_WTYPE_COUNT   # the interleaved Q4_0 and MXFP4 layouts
+    assert cpu.Q4_K_IL.cpu_kernel == _native_cpu.lib.DD_Q4_K_IL
+    assert len(cpu.KERNEL_TYPES) + 3 == _native_cpu.lib.DD_WTYPE_COUNT   # the interleaved Q4_0, MXFP4, Q4_K layouts
 
 
 # --- the MoE feed-forward ------------------------------------------------------------------------

@@ -25,7 +25,7 @@ from engine.errors import EngineError
 from engine.kernels.cpu_twins import (B_QUANTS, IL_ROWS, IL_TRAITS, K_QUANTS, KQ_ROWS, Q8_0_BYTES, QK, activations,
                                       bf16_product_np, bquant_product_np, dequantize, kquant_product_np,
                                       quantize_q8_0_np, row_major)
-from engine.kernels.cpu_twins import MXFP4_IL, Q4_0_IL  # noqa: F401 (re-exported: the interleaved layouts' kernel types)
+from engine.kernels.cpu_twins import MXFP4_IL, Q4_0_IL, Q4_K_IL  # noqa: F401 (re-exported: the layouts' kernel types)
 from engine.kernels.iq_twins import grids as iq_grids
 from engine.kernels.lowbit_twins import LOW_BIT, lowbit_product_np
 from engine.ops import reference
@@ -289,8 +289,8 @@ class Matrix:
         k: input width (a multiple of the type's block size).
         qtype: the storage type, as the file's tensor table gives it (rows of Q4_0 and Q4_K, say,
             can have the same length, so it is never inferred from the bytes).
-        interleaved: raw is Q4_0 or MXFP4 rewritten by :func:`engine.kernels.cpu_q4il.interleave` (the kernel
-            types of :data:`~engine.kernels.cpu_twins.IL_TRAITS`; the results are the row-major bytes' bits).
+        interleaved: raw is Q4_0, MXFP4 or Q4_K rewritten by :func:`engine.kernels.cpu_q4il.interleave` (the
+            kernel types of :data:`~engine.kernels.cpu_twins.IL_TRAITS`; the results are the row-major bytes' bits).
     Calling it is :func:`matmul` (or its twin when the active level is "numpy") without the per-call
     checks of the weights: x (m, k) float32 -> (m, rows) float32.
     Raises ValueError at construction when raw is not rows of k values of ``qtype``, not contiguous,
@@ -301,7 +301,8 @@ class Matrix:
         self.traits = _kernel_type(qtype, "Matrix")
         self.qtype = self.traits.qtype
         if interleaved and self.qtype not in IL_TRAITS:
-            raise ValueError(f"Matrix: only Q4_0 and MXFP4 rows have an interleaved layout, not {self.qtype.name}")
+            raise ValueError(f"Matrix: only Q4_0, MXFP4 and Q4_K rows have an interleaved layout, "
+                             f"not {self.qtype.name}")
         self.interleaved = interleaved
         self.traits = IL_TRAITS[self.qtype] if interleaved else self.traits
         self.raw = _weights(raw, k, self.traits, f"Matrix ({self.qtype.name})")

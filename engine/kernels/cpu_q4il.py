@@ -1,12 +1,13 @@
-"""Q4_0 and MXFP4 matrices in the 8-row interleaved layout: the repack in place and its inverse.
+"""Q4_0, MXFP4 and Q4_K matrices in the 8-row interleaved layouts: the repack in place and its inverse.
 
-The layout (native/cpu/deltadesk_cpu.h, ``dd_q4_0_interleave``, ``dd_mxfp4_interleave``): each stripe of 8 rows
-keeps its bytes; block b of the stripe's rows is 8 block's bytes, the 8 scales (f16 d, or e8m0 e), then for each
-4-byte run q of the 16 nibble bytes the 8 rows' runs side by side. Rows past the last multiple of 8 stay
-row-major. A :class:`engine.kernels.cpu.Matrix` built with ``interleaved=True`` multiplies by such rows (the
-native types ``DD_Q4_0_IL``, ``DD_MXFP4_IL``: the AVX-512 VNNI level's GEMV reads the stripes directly, every
-other product de-interleaves them into a scratch) with the bits of the row-major matrix.
-Design: docs/design/q4-0-row-interleave.md, docs/design/mxfp4-interleave.md.
+The layouts (native/cpu/deltadesk_cpu.h, ``dd_q4_0_interleave``, ``dd_mxfp4_interleave``, ``dd_q4_k_interleave``):
+each stripe of 8 rows keeps its bytes; a block (Q4_0, MXFP4) or super-block (Q4_K) of the stripe's rows holds the
+8 rows' scales together (f16 d, e8m0 e, or Q4_K's d, dmin and 6-bit scales and mins), then their quant bytes 4 at a
+time, the 8 rows' runs side by side. Rows past the last multiple of 8 stay row-major. A
+:class:`engine.kernels.cpu.Matrix` built with ``interleaved=True`` multiplies by such rows (the native types
+``DD_Q4_0_IL``, ``DD_MXFP4_IL``, ``DD_Q4_K_IL``: the AVX-512 VNNI level's GEMV reads the stripes directly, other
+products de-interleave them into a scratch) with the bits of the row-major matrix.
+Design: docs/design/q4-0-row-interleave.md, docs/design/mxfp4-interleave.md, docs/design/q4-k-row-interleave.md.
 """
 
 from __future__ import annotations
@@ -19,11 +20,12 @@ from engine.kernels.cpu import _check, _native_cpu, _ptr
 
 Q = GGMLQuantizationType
 _NATIVE = {Q.Q4_0: ("dd_q4_0_interleave", "dd_q4_0_deinterleave", "DD_Q4_0_IL_MAX_ROW_BYTES"),
-           Q.MXFP4: ("dd_mxfp4_interleave", "dd_mxfp4_deinterleave", "DD_MXFP4_IL_MAX_ROW_BYTES")}
+           Q.MXFP4: ("dd_mxfp4_interleave", "dd_mxfp4_deinterleave", "DD_MXFP4_IL_MAX_ROW_BYTES"),
+           Q.Q4_K: ("dd_q4_k_interleave", "dd_q4_k_deinterleave", "DD_Q4_K_IL_MAX_ROW_BYTES")}
 MAX_ROW_BYTES = {t: getattr(_native_cpu.lib, names[2]) if _native_cpu is not None else 0
                  for t, names in _NATIVE.items()}
-"""The longest rows the layout takes per type (deltadesk_cpu.h's DD_*_IL_MAX_ROW_BYTES, k of 29,120); 0 without
-the native kernels."""
+"""The longest rows the layout takes per type (deltadesk_cpu.h's DD_*_IL_MAX_ROW_BYTES: k of 29,120 for Q4_0 and
+MXFP4, 28,672 for Q4_K); 0 without the native kernels."""
 TYPES = tuple(_NATIVE)
 """The stored types that have the layout."""
 
@@ -54,9 +56,9 @@ def _permute(raw: np.ndarray, qtype: GGMLQuantizationType, inverse: bool) -> Non
 
 
 def interleave(raw: np.ndarray, qtype: GGMLQuantizationType) -> None:
-    """Rewrite rows of ``qtype`` (Q4_0 or MXFP4) in place into the interleaved layout (one stripe of scratch).
+    """Rewrite rows of ``qtype`` (Q4_0, MXFP4 or Q4_K) in place into the interleaved layout (one stripe of scratch).
 
-    Args: raw (rows, k // 32 * block bytes) uint8, C-contiguous and writable; qtype: its stored type.
+    Args: raw (rows, k // block values * block bytes) uint8, C-contiguous and writable; qtype: its stored type.
     Raises ValueError for another type, shape, dtype or a read-only array; EngineError if the native call fails.
     """
     _permute(raw, qtype, inverse=False)

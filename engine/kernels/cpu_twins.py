@@ -23,7 +23,10 @@ blocks and sizes, read by the kernel of that layout. Only a :class:`engine.kerne
 ``interleaved=True`` carries it; everything that reads raw row-major bytes sees :data:`quant.TYPES` rows."""
 MXFP4_IL = dataclasses.replace(quant.TYPES[Q.MXFP4], cpu_kernel=23)
 """MXFP4 rows in the same layout (``DD_MXFP4_IL``), as :data:`Q4_0_IL`."""
-IL_TRAITS = {Q.Q4_0: Q4_0_IL, Q.MXFP4: MXFP4_IL}
+Q4_K_IL = dataclasses.replace(quant.TYPES[Q.Q4_K], cpu_kernel=24)
+"""Q4_K rows in the native 8-row interleaved layout (``DD_Q4_K_IL``, :mod:`engine.kernels.cpu_q4il`), as
+:data:`Q4_0_IL` for Q4_0."""
+IL_TRAITS = {Q.Q4_0: Q4_0_IL, Q.MXFP4: MXFP4_IL, Q.Q4_K: Q4_K_IL}
 """The interleaved layout's kernel traits of each stored type that has one."""
 IL_ROWS = 8
 
@@ -50,8 +53,35 @@ def deinterleave_np(raw: np.ndarray, qtype: GGMLQuantizationType = Q.Q4_0) -> np
     return out
 
 
+def q4_k_deinterleave_np(raw: np.ndarray) -> np.ndarray:
+    """The row-major Q4_K rows of interleaved ones (a new array; the numpy twin of ``dd_q4_k_deinterleave``).
+
+    Args: raw (rows, k // 256 * 144) uint8: stripes of 8 rows, super-block b of a stripe 1152 bytes (the 8 rows'
+        d, their dmin, the scales' and mins' low nibbles, their top bits, then at 128 + 256 j + 32 u + 4 r row r's
+        qs bytes 32 j + 4 u .. + 3; native/cpu/deltadesk_cpu.h); rows past the last multiple of 8 row-major.
+    Returns: (rows, k // 256 * 144) uint8, each row's super-blocks as stored in the file.
+    """
+    rows, row_bytes = raw.shape
+    nsb, stripes = row_bytes // quant.TYPES[Q.Q4_K].block_bytes, rows // IL_ROWS
+    out = np.array(raw, dtype=np.uint8, copy=True)
+    blk = raw[:IL_ROWS * stripes].reshape(stripes, nsb, 1152)
+    d = blk[..., :16].reshape(stripes, nsb, 8, 2)
+    dmin = blk[..., 16:32].reshape(stripes, nsb, 8, 2)
+    s, m, h = (blk[..., o:o + 32].reshape(stripes, nsb, 4, 8).astype(np.uint32) for o in (32, 64, 96))
+    sc = np.concatenate([(s & 15) | (h & 3) << 4, s >> 4 | (h >> 2 & 3) << 4], axis=2)      # (s, b, i, r)
+    mn = np.concatenate([(m & 15) | (h >> 4 & 3) << 4, m >> 4 | (h >> 6) << 4], axis=2)
+    packed = np.concatenate([sc[:, :, :4] | (sc[:, :, 4:] >> 4) << 6, mn[:, :, :4] | (mn[:, :, 4:] >> 4) << 6,
+                             (sc[:, :, 4:] & 15) | (mn[:, :, 4:] & 15) << 4], axis=2)        # (s, b, 12, r)
+    qs = blk[..., 128:].reshape(stripes, nsb, 4, 8, 8, 4).transpose(0, 1, 4, 2, 3, 5).reshape(stripes, nsb, 8, 128)
+    per_row = np.concatenate([d, dmin, packed.transpose(0, 1, 3, 2).astype(np.uint8), qs], axis=3)   # (s, b, r, 144)
+    out[:IL_ROWS * stripes] = per_row.transpose(0, 2, 1, 3).reshape(IL_ROWS * stripes, row_bytes)
+    return out
+
+
 def row_major(raw: np.ndarray, traits: quant.QuantType) -> tuple[np.ndarray, quant.QuantType]:
     """(raw, traits) as the stored type's row-major rows: interleaved rows de-interleaved (a copy), others as given."""
+    if traits == Q4_K_IL:
+        return q4_k_deinterleave_np(raw), quant.TYPES[Q.Q4_K]
     if traits in IL_TRAITS.values():
         return deinterleave_np(raw, traits.qtype), quant.TYPES[traits.qtype]
     return raw, traits

@@ -23,7 +23,7 @@ enum { DD_ISA_SCALAR = 0, DD_ISA_SSSE3 = 1, DD_ISA_AVX2 = 2, DD_ISA_AVX512VNNI =
 enum { DD_Q4_0 = 0, DD_Q8_0 = 1, DD_Q4_K = 2, DD_Q5_K = 3, DD_Q6_K = 4, DD_Q4_1 = 5, DD_Q5_0 = 6, DD_Q5_1 = 7,
        DD_IQ4_NL = 8, DD_IQ4_XS = 9, DD_Q2_K = 10, DD_Q3_K = 11, DD_IQ2_XXS = 12, DD_IQ2_XS = 13, DD_IQ2_S = 14,
        DD_IQ3_XXS = 15, DD_IQ3_S = 16, DD_IQ1_S = 17, DD_IQ1_M = 18, DD_MXFP4 = 19, DD_BF16 = 20,
-       DD_F16 = 21, DD_Q4_0_IL = 22, DD_MXFP4_IL = 23, DD_WTYPE_COUNT = 24 };
+       DD_F16 = 21, DD_Q4_0_IL = 22, DD_MXFP4_IL = 23, DD_Q4_K_IL = 24, DD_WTYPE_COUNT = 25 };
 enum { DD_OK = 0, DD_ERR_ISA = -1, DD_ERR_NOMEM = -2, DD_ERR_ARG = -3 };
 
 /* Register the codebook of an IQ type (ggml-common.h iq2xxs_grid for DD_IQ2_XXS, iq2xs_grid, iq2s_grid,
@@ -56,7 +56,8 @@ int dd_quantize_q8_0(int isa, const float *x, size_t m, size_t k, uint8_t *out);
  * block; DD_BF16: rows of k 2-byte values, the top halves of f32s, k a multiple of 32, multiplied by x itself
  * with exact f64 products, native/cpu/quant/bf16.h; DD_F16: the same with IEEE halves; DD_Q4_0_IL: Q4_0 rows in
  * dd_q4_0_interleave's layout, the bits of DD_Q4_0 on the row-major rows; DD_MXFP4_IL: MXFP4 rows in
- * dd_mxfp4_interleave's, the bits of DD_MXFP4), x: m rows of k f32, y: m rows of `rows` f32. */
+ * dd_mxfp4_interleave's, the bits of DD_MXFP4; DD_Q4_K_IL: Q4_K rows in dd_q4_k_interleave's layout, the bits of
+ * DD_Q4_K), x: m rows of k f32, y: m rows of `rows` f32. */
 int dd_matmul(int isa, int wtype, const uint8_t *w, size_t rows, size_t k,
               const float *x, size_t m, float *y);
 
@@ -81,6 +82,24 @@ int dd_q4_0_deinterleave(uint8_t *w, size_t nrows, size_t row_bytes);
 #define DD_MXFP4_IL_MAX_ROW_BYTES 15470
 int dd_mxfp4_interleave(uint8_t *w, size_t nrows, size_t row_bytes);
 int dd_mxfp4_deinterleave(uint8_t *w, size_t nrows, size_t row_bytes);
+
+/* The 8-row interleaved layout of a Q4_K matrix (rows of k / 256 super-blocks of 144 bytes), read by the AVX-512
+ * VNNI GEMV with rows as lanes: each stripe of 8 rows [8s, 8s + 8) keeps its 8 * row_bytes bytes, super-block b of
+ * the 8 rows at bytes 1152 b of the stripe:
+ *   0 + 2 r: row r's f16 d;  16 + 2 r: its f16 dmin;
+ *   32 + 8 i + r (i < 4): low nibble = the low 4 bits of row r's scale of sub-block i, high nibble = those of
+ *     sub-block i + 4's scale;  64 + 8 i + r: the same for the mins;
+ *   96 + 8 i + r: bits 0-1 = the top 2 bits of scale i, 2-3 of scale i + 4, 4-5 of min i, 6-7 of min i + 4
+ *     (scales and mins are the 6-bit values of ggml's get_scale_min_k4);
+ *   128 + 256 j + 32 u + 4 r + t (j < 4, u < 8, t < 4): row r's qs byte 32 j + 4 u + t.
+ * Rows past the last multiple of 8 stay row-major. dd_q4_k_interleave rewrites w in place into that layout,
+ * dd_q4_k_deinterleave back (exactly); both DD_ERR_ARG if row_bytes is not a multiple of 144 or exceeds
+ * DD_Q4_K_IL_MAX_ROW_BYTES (k of 28,672: a product de-interleaves whole stripes into a stack buffer of 8 such
+ * rows), DD_ERR_NOMEM without a stripe's scratch. Products read such a matrix as the weight type DD_Q4_K_IL
+ * (stacked experts as for DD_Q4_0_IL). */
+#define DD_Q4_K_IL_MAX_ROW_BYTES 16128
+int dd_q4_k_interleave(uint8_t *w, size_t nrows, size_t row_bytes);
+int dd_q4_k_deinterleave(uint8_t *w, size_t nrows, size_t row_bytes);
 
 
 /* One token's MoE feed-forward (Qwen3.5/3.6 `qwen35moe`), everything in one call:

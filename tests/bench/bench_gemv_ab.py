@@ -14,10 +14,11 @@ before and after (figures from a loaded machine are not final). ``--cols 32`` ti
 (32 activation rows, an expert's share of a 512-token prompt) and reports GMAC/s; use a small --mib then,
 so the product is bound by the kernel, not by DRAM. ``--cpu`` times process CPU time instead of wall
 time (less disturbed by a loaded machine; with --threads 1 it is the kernel's own time). Each build's
-median milliseconds per call are printed beside its rate. ``--interleaved`` (Q4_0, MXFP4) adds, for each build,
-a second row: ``dd_matmul`` of ``DD_Q4_0_IL`` (``DD_MXFP4_IL``) on a copy of the matrix repacked by
-``dd_q4_0_interleave`` (``dd_mxfp4_interleave``; docs/design/q4-0-row-interleave.md, mxfp4-interleave.md), timed
-in the same rounds (with --cols > 1: the interleaved prefill GEMM).
+median milliseconds per call are printed beside its rate. ``--interleaved`` (Q4_0, MXFP4, Q4_K) adds, for each
+build, a second row: ``dd_matmul`` of ``DD_Q4_0_IL`` (``DD_MXFP4_IL``, ``DD_Q4_K_IL``) on a copy of the matrix
+repacked by ``dd_q4_0_interleave`` (``dd_mxfp4_interleave``, ``dd_q4_k_interleave``; docs/design/
+q4-0-row-interleave.md, mxfp4-interleave.md, q4-k-row-interleave.md), timed in the same rounds (with --cols > 1:
+the interleaved prefill GEMM, or the row-major one on de-interleaved stripes).
 docs/perf/log/cpu-notes.md, "Weight prefetches into L2", used it.
 """
 
@@ -86,10 +87,11 @@ def main() -> None:
     ap.add_argument("--cols", type=int, default=1, help="activation rows (1: decode's GEMV; > 1: a prefill GEMM)")
     ap.add_argument("--k", type=int, default=K, help="values a row, a multiple of the type's block (512: expert down)")
     ap.add_argument("--cpu", action="store_true", help="time process CPU time instead of wall time")
-    ap.add_argument("--interleaved", action="store_true", help="also time the 8-row interleaved product (Q4_0, MXFP4)")
+    ap.add_argument("--interleaved", action="store_true",
+                    help="also time the 8-row interleaved product (Q4_0, MXFP4, Q4_K)")
     args = ap.parse_args()
     if args.interleaved and args.type.upper() not in {t.name for t in IL_TRAITS}:
-        raise SystemExit("--interleaved: only for --type q4_0 or mxfp4")
+        raise SystemExit("--interleaved: only for --type q4_0, mxfp4 or q4_k")
     try:
         qtype = GGMLQuantizationType[args.type.upper()]
     except KeyError:

@@ -76,8 +76,8 @@ def to_q8_0(raw: np.ndarray, qtype: GGMLQuantizationType, k: int) -> np.ndarray:
 
 def interleaves(gguf: GGUFFile, name: str) -> bool:
     """True when ``name`` is rewritten at load into the 8-row interleaved layout (:mod:`engine.kernels.cpu_q4il`):
-    a Q4_0 or MXFP4 projection whose bytes are the private copy of ``weights="ram"`` (:meth:`GGUFFile.writable_raw`),
-    on the avx512vnni level (whose decode GEMV reads the layout; the others would de-interleave it on every
+    a Q4_0, MXFP4 or Q4_K projection whose bytes are the private copy of ``weights="ram"``
+    (:meth:`GGUFFile.writable_raw`), on the avx512vnni level (whose decode GEMV reads the layout; the others would de-interleave it on every
     product), not the token embedding (its rows are read as stored), rows of at most the type's
     ``cpu_q4il.MAX_ROW_BYTES``, and for stacked experts, experts of whole 8-row stripes."""
     info = gguf.info(name)
@@ -91,7 +91,7 @@ def prepare_weight(gguf: GGUFFile, name: str, float_weights: str = "f32", repack
     it in place into the interleaved layout where :func:`interleaves` allows.
 
     Returns: (the weight, the rule applied, e.g. "Q4_0 mapped", "Q4_0 resident" (file read into memory),
-    "Q4_0 resident interleaved" (rewritten in place, :func:`interleaves`; MXFP4 likewise),
+    "Q4_0 resident interleaved" (rewritten in place, :func:`interleaves`; MXFP4 and Q4_K likewise),
     "Q6_K -> Q8_0", "F16 -> f32");
     see the module docstring for the rules and their bytes.
     """
@@ -128,7 +128,7 @@ class NativeQwen35Model(Qwen35Model):
     Args:
         hp: hyper-parameters. gguf: the open file (its tensors are used in place where possible).
         float_weights: "f32" (F16/BF16 read as stored, F32 as float32: exact) or "q8_0" (converted).
-        repack: rewrite Q4_0 and MXFP4 weights read into memory into the interleaved layout (:func:`interleaves`); False
+        repack: rewrite Q4_0, MXFP4 and Q4_K weights read into memory into the interleaved layouts (:func:`interleaves`);
             when another reader of the file's bytes (GPU prefill's upload) may come after the model.
     Attributes:
         weight_rules: rule -> (tensor count, bytes used by the kernels), e.g. {"Q4_0 mapped": (61, ...)}.

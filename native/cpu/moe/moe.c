@@ -128,11 +128,11 @@ void dd_moe_route(const float *logits, size_t n_expert, size_t n_used, int32_t *
         weights[i] /= top;
 }
 
-/* 1 unless wtype is interleaved (DD_Q4_0_IL, DD_MXFP4_IL) and a stacked expert's `rows` would not start its
- * stripes on its first row. */
+/* 1 unless wtype is interleaved (DD_Q4_0_IL, DD_MXFP4_IL, DD_Q4_K_IL) and a stacked expert's `rows` would not
+ * start its stripes on its first row. */
 static int experts_whole_stripes(int wtype, size_t rows)
 {
-    return (wtype != DD_Q4_0_IL && wtype != DD_MXFP4_IL) || rows % 8 == 0;
+    return (wtype != DD_Q4_0_IL && wtype != DD_MXFP4_IL && wtype != DD_Q4_K_IL) || rows % 8 == 0;
 }
 
 int dd_moe_valid(const dd_moe_weights *w)

@@ -22,6 +22,7 @@ DD_INLINE __m512i kq_transpose_add(const __m512i d[4])
 }
 
 #include "kq_tile_avx512.h"
+#include "q4k_il_avx512.h"
 
 #define DD_BQ_LEVEL 3
 #include "bquants.h"
@@ -307,7 +308,7 @@ static void dots_f32(const float *w, size_t nw, const float *x, size_t nx, size_
 const dd_kernels dd_kernels_avx512vnni = {
     .quantize_q8_0 = quantize_q8_0,
     .gemm = { gemm_q4_0, gemm_q8_0, gemm_q4_K, gemm_q5_K, gemm_q6_K, DD_BQ_GEMMS, DD_LB_GEMMS, DD_IQ_GEMMS, gemm_mxfp4, gemm_bf16, gemm_f16,
-              gemm_q4_0_il, gemm_mxfp4_il },
+              gemm_q4_0_il, gemm_mxfp4_il, gemm_q4_k_il },
     .bias_mult = { 0, -128 },
     .q4_0_groups = 1,
     .dots_f32 = dots_f32,

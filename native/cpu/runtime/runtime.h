@@ -14,7 +14,8 @@ void dd_pool_for(dd_chunk_fn fn, void *ctx, size_t nchunks);
 void dd_pool_for_limit(dd_chunk_fn fn, void *ctx, size_t nchunks, int max_threads);
 
 /* The multiple of 8 nearest to `bytes` of rows of row_bytes (at least 8): whole GEMV tiles (4 rows) and whole
- * stripes of the interleaved layouts (8 rows), so a chunk of a DD_Q4_0_IL or DD_MXFP4_IL matrix starts on a stripe. */
+ * stripes of the interleaved layouts (8 rows), so a chunk of a DD_Q4_0_IL, DD_MXFP4_IL or DD_Q4_K_IL matrix starts
+ * on a stripe. */
 static inline size_t dd_rows_in(size_t bytes, size_t row_bytes)
 {
     size_t r = (bytes / (row_bytes ? row_bytes : 1) + 4) / 8 * 8;
@@ -110,7 +111,8 @@ static inline size_t dd_block_bytes(int wtype)
                                                   DD_IQ4_NL_BYTES, DD_IQ4_XS_BYTES, DD_Q2_K_BYTES, DD_Q3_K_BYTES,
                                                   DD_IQ2_XXS_BYTES, DD_IQ2_XS_BYTES, DD_IQ2_S_BYTES, DD_IQ3_XXS_BYTES,
                                                   DD_IQ3_S_BYTES, DD_IQ1_S_BYTES, DD_IQ1_M_BYTES, DD_MXFP4_BYTES,
-                                                  DD_BF16_BYTES, DD_F16_BYTES, DD_Q4_0_BYTES, DD_MXFP4_BYTES };
+                                                  DD_BF16_BYTES, DD_F16_BYTES, DD_Q4_0_BYTES, DD_MXFP4_BYTES,
+                                                  DD_Q4_K_BYTES };
     return bytes[wtype];
 }
 

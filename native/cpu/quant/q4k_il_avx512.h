@@ -1,0 +1,237 @@
+/* The AVX-512 VNNI GEMV (m == 1) of a Q4_K matrix in the 8-row interleaved layout (dd_q4_k_interleave in
+ * deltadesk_cpu.h), included by kernels_avx512vnni.c after kq_tile_avx512.h (gemm_q4_K); it defines the
+ * table's gemm_q4_k_il.
+ *
+ * Rows are the lanes. In super-block b of a stripe (1152 bytes) one 32-byte load holds the 8 rows' qs bytes
+ * 32 j + 4 u .. + 3 (chunk j, run u) and meets a broadcast 4-value group of the activations in a vpdpbusd: the
+ * low nibbles give sub-block 2 j's sums, the high ones (masked, not shifted) 16 times sub-block 2 j + 1's.
+ * The bits are kq_tile's (kq_tile_avx512.h, kquants.h's exactness note): per row and sub-block i, in order of
+ * the super-blocks, acc_i = fma(I_i, d da_i, acc_i) with I_i = sc_i S_i, then acc_i = acc_i - dmin da_i bs_i m_i
+ * by one fused operation on an exact product, then ((s0 + s1) + (s2 + s3)) + ((s4 + s5) + (s6 + s7)) rounded to
+ * f32 once. Here accumulator i holds sub-block i for the 8 rows; a high-nibble I_i is 16 sc S exactly (below
+ * 2^26) and meets d (da_i / 16), so the product, and each fused add's rounding, is the row-major one; the other
+ * factors are the same values formed in another order, every partial product exact (at most 40 bits). The
+ * final tree runs lane-wise on the 8 accumulators: no transpose.
+ */
+#ifndef DELTADESK_Q4K_IL_AVX512_H
+#define DELTADESK_Q4K_IL_AVX512_H
+
+#define Q4K_IL_BLOCK_BYTES (8 * DD_Q4_K_BYTES)
+/* As Q4_IL_PREFETCH_BYTES: one stream, every line of it, twice DD_PREFETCH_BYTES ahead. */
+#define Q4K_IL_PREFETCH_BYTES (2 * DD_PREFETCH_BYTES)
+
+/* The 8 rows' 6-bit scales and mins of an interleaved super-block, byte 8 i + r row r's of sub-block i: the low
+ * 4 bits from the nibble bytes at 32 (scales, i >= 4 the high nibbles) and 64 (mins), the top 2 from the byte at
+ * 96 (deltadesk_cpu.h); each vector holds sub-blocks 0-3 in its low half, 4-7 in its high half. */
+DD_INLINE void kil_scales(const uint8_t *blk, uint8_t sc[64], uint8_t mn[64])
+{
+    const __m512i lo4 = _mm512_set1_epi8(0x0f), top = _mm512_set1_epi8(0x30);
+    const __m512i by4 = _mm512_inserti64x4(_mm512_setzero_si512(), _mm256_set1_epi16(4), 1);
+    const __m512i s = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)(blk + 32)));
+    const __m512i m = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)(blk + 64)));
+    const __m512i h = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)(blk + 96)));
+    const __m512i sc_top = _mm512_sllv_epi16(h, _mm512_inserti64x4(_mm512_set1_epi16(4), _mm256_set1_epi16(2), 1));
+    const __m512i mn_top = _mm512_srlv_epi16(h, _mm512_inserti64x4(_mm512_setzero_si512(), _mm256_set1_epi16(2), 1));
+    /* (x & lo4) | (t & top), bit by bit */
+    _mm512_storeu_si512(sc, _mm512_ternarylogic_epi32(_mm512_and_si512(_mm512_srlv_epi16(s, by4), lo4), sc_top, top,
+                                                      0xf8));
+    _mm512_storeu_si512(mn, _mm512_ternarylogic_epi32(_mm512_and_si512(_mm512_srlv_epi16(m, by4), lo4), mn_top, top,
+                                                      0xf8));
+}
+
+/* acc + vpdpbusd of the unsigned bytes w with the activation's 4 values at p (int8) in every int32 lane, read by
+ * the instruction's own broadcast: GCC loads set1's dword into a register first, one more instruction for each
+ * of a stripe's super-block's 64 products (one thread, 4 MiB in L3: 35.5 -> 38.3 GB/s). */
+DD_INLINE __m256i kil_dpbusd_bcast4(__m256i acc, __m256i w, const int8_t *p)
+{
+    __asm__("vpdpbusd %2%{1to8%}, %1, %0" : "+v"(acc) : "v"(w), "m"(*(const int32_t *)p));
+    return acc;
+}
+
+/* acc += sub-block s's terms for the 8 rows: sums (int32, 16 times the true ones for a high-nibble sub-block,
+ * whose da then carries the 1/16), the rows' scales sc and mins mn (8 bytes), d and dmin (f64 lanes). */
+DD_INLINE void kil_terms(__m256i sums, const uint8_t *sc, const uint8_t *mn, __m512d d, __m512d dmin, double da,
+                         double dab, __m512d *acc)
+{
+    const __m256i i = _mm256_mullo_epi32(sums, _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)sc)));
+    *acc = _mm512_fmadd_pd(_mm512_cvtepi32_pd(i), _mm512_mul_pd(d, _mm512_set1_pd(da)), *acc);
+    const __m256i m = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)mn));
+    *acc = _mm512_fnmadd_pd(_mm512_cvtepi32_pd(m), _mm512_mul_pd(dmin, _mm512_set1_pd(dab)), *acc);
+}
+
+/* One interleaved super-block (blk) of 8 rows against C (1 or 2) columns: column c's 256 activations at q[c],
+ * da[c][i] (block i's scale, over 16 for odd i) and dab[c][i] (scale times sum); acc[c][i] += sub-block i's terms.
+ * The masked weight runs serve both columns. */
+DD_INLINE void kil_superblock(const uint8_t *blk, const int8_t *const q[2], const double *const da[2],
+                              const double *const dab[2], __m512d acc[2][8], const int C)
+{
+    const __m256i low = _mm256_set1_epi8(0x0f), high = _mm256_set1_epi8((char)0xf0);
+    uint8_t sc[64], mn[64];
+    kil_scales(blk, sc, mn);
+    const __m512d d = _mm512_cvtps_pd(_mm256_maskz_cvtph_ps(0xff, _mm_loadu_si128((const __m128i *)blk)));
+    const __m512d dmin = _mm512_cvtps_pd(_mm256_maskz_cvtph_ps(0xff, _mm_loadu_si128((const __m128i *)(blk + 16))));
+#pragma GCC unroll 4
+    for (int j = 0; j < 4; j++) {
+        __m256i lo[2][2], hi[2][2];   /* two chains each, as the row-major tiles' independent sums */
+        for (int c = 0; c < C; c++)
+            lo[c][0] = lo[c][1] = hi[c][0] = hi[c][1] = _mm256_setzero_si256();
+#pragma GCC unroll 8
+        for (int u = 0; u < 8; u++) {
+            const __m256i v = _mm256_loadu_si256((const __m256i *)(blk + 128 + 256 * j + 32 * u));
+            const __m256i vl = _mm256_and_si256(v, low), vh = _mm256_and_si256(v, high);
+            for (int c = 0; c < C; c++) {
+                lo[c][u & 1] = kil_dpbusd_bcast4(lo[c][u & 1], vl, q[c] + 64 * j + 4 * u);
+                hi[c][u & 1] = kil_dpbusd_bcast4(hi[c][u & 1], vh, q[c] + 64 * j + 32 + 4 * u);
+            }
+        }
+        for (int c = 0; c < C; c++) {
+            kil_terms(_mm256_add_epi32(lo[c][0], lo[c][1]), sc + 16 * j, mn + 16 * j, d, dmin, da[c][2 * j],
+                      dab[c][2 * j], &acc[c][2 * j]);
+            kil_terms(_mm256_add_epi32(hi[c][0], hi[c][1]), sc + 16 * j + 8, mn + 16 * j + 8, d, dmin,
+                      da[c][2 * j + 1], dab[c][2 * j + 1], &acc[c][2 * j + 1]);
+        }
+    }
+}
+
+/* One stripe (8 rows of nsb super-blocks at w) against C columns (their activations q, da, dab as for
+ * kil_superblock, from super-block 0) -> y[c * ldy + 0..7]; end: where the matrix's bytes end (prefetch bound). */
+DD_INLINE void kil_stripe(const uint8_t *w, const uint8_t *end, size_t nsb, const int8_t *const q[2],
+                          const double *const da[2], const double *const dab[2], float *y, size_t ldy, const int C)
+{
+    __m512d acc[2][8];
+    for (int c = 0; c < C; c++)
+        for (int i = 0; i < 8; i++)
+            acc[c][i] = _mm512_setzero_pd();
+    for (size_t sb = 0; sb < nsb; sb++) {
+        const uint8_t *blk = w + sb * Q4K_IL_BLOCK_BYTES, *pf = blk + Q4K_IL_PREFETCH_BYTES;
+        if (pf + Q4K_IL_BLOCK_BYTES <= end)
+            for (int l = 0; l < Q4K_IL_BLOCK_BYTES / 64; l++)
+                dd_prefetch_weight(pf + 64 * l);
+        const int8_t *qs[2] = { q[0] + sb * DD_QK_K, q[C - 1] + sb * DD_QK_K };
+        const double *das[2] = { da[0] + 8 * sb, da[C - 1] + 8 * sb };
+        const double *dabs[2] = { dab[0] + 8 * sb, dab[C - 1] + 8 * sb };
+        kil_superblock(blk, qs, das, dabs, acc, C);
+    }
+    for (int c = 0; c < C; c++) {
+        const __m512d *a = acc[c];
+        const __m512d s = _mm512_add_pd(_mm512_add_pd(_mm512_add_pd(a[0], a[1]), _mm512_add_pd(a[2], a[3])),
+                                        _mm512_add_pd(_mm512_add_pd(a[4], a[5]), _mm512_add_pd(a[6], a[7])));
+        _mm256_storeu_ps(y + c * ldy, _mm512_cvtpd_ps(s));
+    }
+}
+
+/* Column c's activation terms of nsb super-blocks, exactly: da[8 sb + i] = block i's scale (over 16 for odd i,
+ * the high-nibble sub-blocks), dab[8 sb + i] = the scale times the block's sum. */
+DD_INLINE void kil_col_terms(const dd_acts *a, size_t c, size_t nsb, double *da, double *dab)
+{
+    const __m512d sixteenth = _mm512_setr_pd(1.0, 0.0625, 1.0, 0.0625, 1.0, 0.0625, 1.0, 0.0625);
+    for (size_t sb = 0; sb < nsb; sb++) {
+        const size_t b = c * a->nbp + 8 * sb;
+        const __m512d s = _mm512_cvtps_pd(_mm256_loadu_ps(a->bd + b));
+        _mm512_storeu_pd(da + 8 * sb, _mm512_mul_pd(s, sixteenth));
+        _mm512_storeu_pd(dab + 8 * sb, _mm512_mul_pd(s, _mm512_cvtepi32_pd(_mm256_loadu_si256((const __m256i *)(a->bs + b)))));
+    }
+}
+
+/* Super-block columns whose activation terms a GEMV call holds (32 KiB of f64): all DD_IL_GEMV_COLS columns of
+ * rows up to 32 super-blocks (k = 8192), two of the longest (DD_Q4_K_IL_MAX_ROW_BYTES: 112). */
+#define KIL_TERM_SB 256
+
+/* The level's interleaved Q4_K GEMV (dd_gemm_q4_k_il's `il`): `stripes` 8-row stripes at w (8 * row_bytes
+ * each), stripes_avail of them from w on (prefetch bound), a->m <= DD_IL_GEMV_COLS columns of activations ->
+ * y[c * ldy + 0 .. 8 * stripes). The columns' activation terms are formed once per call, as many columns at a
+ * time as KIL_TERM_SB holds; each stripe meets them two at a time while it is in L1 (the pair sharing the
+ * masked weights), each column by the same operations whatever its partner: the one-column bits. */
+static void gemv_q4_k_il(const uint8_t *w, size_t row_bytes, size_t stripes, size_t stripes_avail,
+                         const dd_acts *a, float *y, size_t ldy)
+{
+    const size_t nsb = row_bytes / DD_Q4_K_BYTES, group = KIL_TERM_SB / nsb;
+    const uint8_t *end = w + stripes_avail * 8 * row_bytes;
+    double da[8 * KIL_TERM_SB], dab[8 * KIL_TERM_SB];
+    for (size_t g0 = 0; g0 < a->m; g0 += group) {
+        const size_t n = a->m - g0 < group ? a->m - g0 : group;
+        for (size_t t = 0; t < n; t++)
+            kil_col_terms(a, g0 + t, nsb, da + 8 * nsb * t, dab + 8 * nsb * t);
+        for (size_t s = 0; s < stripes; s++)
+            for (size_t t = 0; t < n; t += 2) {
+                const size_t u = t + 1 < n ? t + 1 : t;
+                const int8_t *q[2] = { a->q + (g0 + t) * a->nbp * DD_QK, a->q + (g0 + u) * a->nbp * DD_QK };
+                const double *das[2] = { da + 8 * nsb * t, da + 8 * nsb * u };
+                const double *dabs[2] = { dab + 8 * nsb * t, dab + 8 * nsb * u };
+                float *out = y + (g0 + t) * ldy + 8 * s;
+                if (u > t)
+                    kil_stripe(w + s * 8 * row_bytes, end, nsb, q, das, dabs, out, ldy, 2);
+                else
+                    kil_stripe(w + s * 8 * row_bytes, end, nsb, q, das, dabs, out, ldy, 1);
+            }
+    }
+}
+
+/* Row r's 12 scale bytes of an interleaved super-block (blk) to rows0 + r * row_bytes + 4, r < 8. The stored
+ * bytes are, per sub-block pair i, i + 4 (i < 4) and row: S (scale low bits i | i + 4 << 4), M (the mins'), H (top
+ * bits); ggml's bytes i, 4 + i and 8 + i are (S & 15) | (H & 15) << 4, (M & 15) | (H & 0xf0) and S >> 4 | (M & 0xf0)
+ * (get_scale_min_k4 read backwards), each computed for the 8 rows at once (byte 8 i + r) and regrouped by row. */
+DD_INLINE void deil_q4_k_scales(const uint8_t *blk, uint8_t *rows0, size_t row_bytes)
+{
+    const __m256i m0f = _mm256_set1_epi8(0x0f), mf0 = _mm256_set1_epi8((char)0xf0);
+    const __m256i s = _mm256_loadu_si256((const __m256i *)(blk + 32)), m = _mm256_loadu_si256((const __m256i *)(blk + 64));
+    const __m256i h = _mm256_loadu_si256((const __m256i *)(blk + 96));
+    const __m256i bytes[3] = {
+        _mm256_or_si256(_mm256_and_si256(s, m0f), _mm256_and_si256(_mm256_slli_epi16(h, 4), mf0)),
+        _mm256_or_si256(_mm256_and_si256(m, m0f), _mm256_and_si256(h, mf0)),
+        _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(s, 4), m0f), _mm256_and_si256(m, mf0)),
+    };
+    /* in each 128-bit lane (i = 2 l, 2 l + 1): byte 8 (i % 2) + r -> 2 r + i % 2; then the lanes' pairs by row */
+    const __m256i pairs = _mm256_broadcastsi128_si256(_mm_setr_epi8(0, 8, 1, 9, 2, 10, 3, 11, 4, 12, 5, 13, 6, 14, 7, 15));
+    uint32_t out[3][8];   /* out[t][r]: ggml's scale bytes 4 t .. 4 t + 3 of row r */
+    for (int t = 0; t < 3; t++) {
+        const __m256i v = _mm256_shuffle_epi8(bytes[t], pairs);
+        const __m128i lo = _mm256_castsi256_si128(v), hi = _mm256_extracti128_si256(v, 1);
+        _mm_storeu_si128((__m128i *)out[t], _mm_unpacklo_epi16(lo, hi));
+        _mm_storeu_si128((__m128i *)(out[t] + 4), _mm_unpackhi_epi16(lo, hi));
+    }
+    for (size_t r = 0; r < 8; r++) {
+        uint8_t *row = rows0 + r * row_bytes;
+        memcpy(row, blk + 2 * r, 2);
+        memcpy(row + 2, blk + 16 + 2 * r, 2);
+        for (int t = 0; t < 3; t++)
+            memcpy(row + 4 + 4 * t, &out[t][r], 4);
+    }
+}
+
+/* The level's de-interleave (dd_gemm_q4_k_il's `deil`): `stripes` stripes at src to their row-major rows at dst.
+ * Chunk j of a super-block is an 8 x 8 matrix of dwords (run u of row r at dword 8 u + r); two rounds of
+ * 2-source dword permutes transpose it: runs 0-3 and 4-7 of rows 0-3 and 4-7 (as deil_q4_0), then each row's
+ * 8 runs side by side, two rows to a vector. */
+static void deil_q4_k(uint8_t *dst, const uint8_t *src, size_t stripes, size_t row_bytes)
+{
+    const size_t nsb = row_bytes / DD_Q4_K_BYTES;
+    const __m512i lo = _mm512_setr_epi32(0, 8, 16, 24, 1, 9, 17, 25, 2, 10, 18, 26, 3, 11, 19, 27);
+    const __m512i hi = _mm512_add_epi32(lo, _mm512_set1_epi32(4));
+    const __m512i r01 = _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23);
+    const __m512i r23 = _mm512_add_epi32(r01, _mm512_set1_epi32(8));
+    for (size_t s = 0; s < stripes; s++)
+        for (size_t b = 0; b < nsb; b++) {
+            const uint8_t *blk = src + s * 8 * row_bytes + b * Q4K_IL_BLOCK_BYTES;
+            uint8_t *out = dst + s * 8 * row_bytes + b * DD_Q4_K_BYTES;
+            deil_q4_k_scales(blk, out, row_bytes);
+            for (size_t j = 0; j < 4; j++) {
+                const uint8_t *c = blk + 128 + 256 * j;
+                const __m512i z0 = _mm512_loadu_si512(c), z1 = _mm512_loadu_si512(c + 64);
+                const __m512i z2 = _mm512_loadu_si512(c + 128), z3 = _mm512_loadu_si512(c + 192);
+                const __m512i t[4] = { _mm512_permutex2var_epi32(z0, lo, z1), _mm512_permutex2var_epi32(z2, lo, z3),
+                                       _mm512_permutex2var_epi32(z0, hi, z1), _mm512_permutex2var_epi32(z2, hi, z3) };
+                for (size_t g = 0; g < 2; g++)   /* rows 4 g .. 4 g + 3 */
+                    for (size_t p = 0; p < 2; p++) {   /* rows 4 g + 2 p, + 1 */
+                        const __m512i two = _mm512_permutex2var_epi32(t[2 * g], p ? r23 : r01, t[2 * g + 1]);
+                        uint8_t *row = out + (4 * g + 2 * p) * row_bytes + 16 + 32 * j;
+                        _mm256_storeu_si256((__m256i *)row, _mm512_castsi512_si256(two));
+                        _mm256_storeu_si256((__m256i *)(row + row_bytes), _mm512_extracti64x4_epi64(two, 1));
+                    }
+            }
+        }
+}
+
+DD_DEFINE_GEMM_Q4_K_IL(gemm_q4_k_il, gemm_q4_K, gemv_q4_k_il, deil_q4_k)
+
+#endif

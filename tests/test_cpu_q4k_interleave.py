@@ -1,0 +1,180 @@
+"""The 8-row interleaved Q4_K layout (engine.kernels.cpu_q4il, native/cpu/quant/q4k_interleave.c, q4k_il_avx512.h).
+
+The layout is checked against a numpy construction of its definition (deltadesk_cpu.h) from the scales and mins
+that gguf's own unpacking gives (engine.gguf.quant's layout, ggml's get_scale_min_k4), the repack's inverse
+against the original bytes, and the interleaved products (DD_Q4_K_IL through cpu.Matrix) against the row-major
+Q4_K kernel of each level bit for bit (the AVX-512 VNNI GEMV's own contract: the same fused adds on the same
+exact products, in the same order; docs/design/q4-k-row-interleave.md) and against the float64 product within
+the summation bound of test_cpu_kquants, (k // 32 + 16) * 2^-24 * sum_i |w_i a_i|.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from gguf import GGMLQuantizationType
+from test_cpu_kernels import assert_close, reference_product, rng  # noqa: F401 (fixture)
+from test_cpu_kquants import random_kquant
+
+from engine.gguf import quant
+from engine.kernels import cpu, cpu_moe, cpu_q4il
+from engine.kernels.cpu_twins import kquant_unpack, q4_k_deinterleave_np
+
+Q = GGMLQuantizationType
+native = pytest.mark.skipif(cpu_q4il._native_cpu is None, reason="native kernels not built")
+
+
+def layout_np(raw: np.ndarray) -> np.ndarray:
+    """The interleaved bytes by the layout's definition (deltadesk_cpu.h), from gguf's decoding of each row."""
+    rows, rb = raw.shape
+    nsb, full = rb // 144, rows // 8 * 8
+    out = raw.copy()
+    if full == 0:
+        return out
+    b = raw[:full].view(quant.BLOCK_DTYPES[Q.Q4_K]).reshape(full // 8, 8, nsb)       # (stripe, row, sb)
+    _, sc16, mn, _, _ = kquant_unpack(raw[:full], Q.Q4_K)
+    sc = sc16[..., ::2].reshape(full // 8, 8, nsb, 8).transpose(0, 2, 3, 1)         # (stripe, sb, i, row)
+    mn = mn.reshape(full // 8, 8, nsb, 8).transpose(0, 2, 3, 1)
+    blk = np.zeros((full // 8, nsb, 1152), np.uint8)
+    blk[..., 0:16] = b["d"].transpose(0, 2, 1).copy().view(np.uint8)
+    blk[..., 16:32] = b["dmin"].transpose(0, 2, 1).copy().view(np.uint8)
+    blk[..., 32:64] = ((sc[:, :, :4] & 15) | (sc[:, :, 4:] & 15) << 4).reshape(full // 8, nsb, 32)
+    blk[..., 64:96] = ((mn[:, :, :4] & 15) | (mn[:, :, 4:] & 15) << 4).reshape(full // 8, nsb, 32)
+    blk[..., 96:128] = (sc[:, :, :4] >> 4 | (sc[:, :, 4:] >> 4) << 2 | (mn[:, :, :4] >> 4) << 4
+                        | (mn[:, :, 4:] >> 4) << 6).reshape(full // 8, nsb, 32)
+    qs = b["qs"].reshape(full // 8, 8, nsb, 4, 8, 4)                                  # (stripe, row, sb, j, u, t)
+    blk[..., 128:] = qs.transpose(0, 2, 3, 4, 1, 5).reshape(full // 8, nsb, 1024)
+    out[:full] = blk.reshape(full, rb)
+    return out
+
+
+@native
+@pytest.mark.parametrize("rows", [1, 7, 8, 9, 23, 64])
+@pytest.mark.parametrize("k", [256, 768, 2304])
+def test_repack_is_the_layout_and_its_inverse_restores_the_bytes(rows, k, rng):
+    raw = rng.integers(0, 256, (rows, k // 256 * 144), dtype=np.uint8)   # every bit pattern of the scale bytes
+    packed = raw.copy()
+    cpu_q4il.interleave(packed, Q.Q4_K)
+    np.testing.assert_array_equal(packed, layout_np(raw))
+    assert rows < 8 or not np.array_equal(packed, raw)
+    cpu_q4il.deinterleave(packed, Q.Q4_K)
+    np.testing.assert_array_equal(packed, raw)
+
+
+@native
+def test_repack_refuses_read_only_and_partial_blocks():
+    ro = np.zeros((8, 144), dtype=np.uint8)
+    ro.flags.writeable = False
+    with pytest.raises(ValueError, match="writable"):
+        cpu_q4il.interleave(ro, Q.Q4_K)
+    with pytest.raises(ValueError, match="whole Q4_K blocks"):
+        cpu_q4il.interleave(np.zeros((8, 160), dtype=np.uint8), Q.Q4_K)
+    limit = cpu_q4il.MAX_ROW_BYTES[Q.Q4_K]
+    with pytest.raises(ValueError, match="longer than the layout takes"):
+        cpu_q4il.interleave(np.zeros((8, limit + 144), dtype=np.uint8), Q.Q4_K)
+
+
+def test_numpy_twin_deinterleaves_the_layout(rng):
+    raw = rng.integers(0, 256, (29, 512 // 256 * 144), dtype=np.uint8)
+    np.testing.assert_array_equal(q4_k_deinterleave_np(layout_np(raw)), raw)
+
+
+def il_matrix(raw: np.ndarray, k: int) -> cpu.Matrix:
+    """An interleaved Matrix of a copy of raw (row-major Q4_K rows of k values)."""
+    packed = raw.copy()
+    if cpu_q4il._native_cpu is not None:
+        cpu_q4il.interleave(packed, Q.Q4_K)
+    else:
+        packed = layout_np(raw)
+    return cpu.Matrix(packed, k, Q.Q4_K, interleaved=True)
+
+
+def assert_row_major_bits(raw: np.ndarray, k: int, x: np.ndarray, threads=(1, 2, 3)) -> None:
+    """The interleaved Matrix's product has the row-major Matrix's bits on every level and thread count."""
+    mat, rm = il_matrix(raw, k), cpu.Matrix(raw, k, Q.Q4_K)
+    try:
+        for level in ("numpy", *cpu.supported_isas()):
+            cpu.set_isa(level)
+            want = rm(x)
+            for n in threads if level != "numpy" else (1,):
+                cpu.set_threads(n)
+                np.testing.assert_array_equal(mat(x).view(np.uint32), want.view(np.uint32), err_msg=f"{level} {n}")
+    finally:
+        cpu.set_isa(None)
+        cpu.set_threads()
+
+
+@pytest.mark.parametrize("rows,k", [(5, 256), (8, 256), (13, 768), (69, 512), (41, 2304), (136, 2048),
+                                    (17, 28672)])   # the longest rows: one stripe per de-interleaved piece
+@pytest.mark.parametrize("m", [1, 2, 3, 5, 8, 17, 64])   # 2-8: the few-column product; more: the prompt GEMM
+def test_interleaved_matrix_has_the_row_major_bits(rows, k, m, rng):
+    if k > 4096 and m > 8:
+        pytest.skip("the long rows once per path: GEMV, few columns")
+    raw = random_kquant(rng, rows, k, Q.Q4_K)
+    x = (rng.standard_normal((m, k)) * rng.uniform(0.1, 10)).astype(np.float32)
+    assert_row_major_bits(raw, k, x)
+    ref, abs_sum = reference_product(raw, x, Q.Q4_K)
+    assert_close(il_matrix(raw, k)(x), ref, abs_sum, k // 32)
+
+
+@pytest.mark.parametrize("m", [1, 3])
+def test_interleaved_gemv_zero_and_extreme_scales(m, rng):
+    """Zero rows, the largest and smallest f16 d and dmin, and scales and mins of 0 and 63."""
+    k = 768
+    raw = random_kquant(rng, 16, k, Q.Q4_K)
+    b = raw.view(quant.BLOCK_DTYPES[Q.Q4_K]).reshape(16, 3)
+    raw[3, :] = 0
+    b["d"][5, 1], b["dmin"][6, 0] = np.float16(65504.0), np.float16(-65504.0)
+    b["d"][9, 2], b["dmin"][10, 2] = np.float16(6e-8), np.float16(-6e-8)
+    b["scales"][12, 0] = quant.pack_k_scales(np.full(8, 63), np.zeros(8, int))
+    b["scales"][13, 1] = quant.pack_k_scales(np.zeros(8, int), np.full(8, 63))
+    x = rng.standard_normal((m, k)).astype(np.float32)
+    assert_row_major_bits(raw, k, x, threads=(1, 2))
+
+
+def test_rows_slice_keeps_the_stripes(rng):
+    raw = random_kquant(rng, 27, 256, Q.Q4_K)
+    mat = il_matrix(raw, 256)
+    x = rng.standard_normal((1, 256)).astype(np.float32)
+    for r0, r1 in ((8, 16), (16, 27), (24, 27)):
+        part = mat.rows_slice(r0, r1)
+        assert part.interleaved and part.traits == cpu.Q4_K_IL
+        np.testing.assert_array_equal(part(x).view(np.uint32), mat(x)[:, r0:r1].view(np.uint32))
+    with pytest.raises(ValueError, match="stripes"):
+        mat.rows_slice(4, 16)
+
+
+def test_only_q4_0_and_q4_k_interleave():
+    with pytest.raises(ValueError, match="only Q4_0 and Q4_K"):
+        cpu.Matrix(np.zeros((8, 176), dtype=np.uint8), 256, Q.Q5_K, interleaved=True)
+
+
+def test_moe_on_interleaved_experts_has_the_row_major_bits(rng):
+    """The fused MoE (one token, and the grouped prompt call) on interleaved Q4_K experts and shared expert:
+    the bits of the same experts row-major, on every level (the per-expert products pick DD_Q4_K_IL by type)."""
+    d, n_expert, ff = 512, 8, 256
+    raws = {"gate": random_kquant(rng, n_expert * ff, d, Q.Q4_K), "up": random_kquant(rng, n_expert * ff, d, Q.Q4_K),
+            "down": random_kquant(rng, n_expert * d, ff, Q.Q4_K), "sh_gate": random_kquant(rng, ff, d, Q.Q4_K),
+            "sh_up": random_kquant(rng, ff, d, Q.Q4_K), "sh_down": random_kquant(rng, d, ff, Q.Q4_K)}
+    packed = {}
+    for name, raw in raws.items():
+        packed[name] = raw.copy()
+        if cpu_q4il._native_cpu is not None:
+            cpu_q4il.interleave(packed[name], Q.Q4_K)
+        else:
+            packed[name] = layout_np(raw)
+    common = dict(router=rng.standard_normal((n_expert, d)).astype(np.float32) * 0.2, n_used=3,
+                  sh_gate_inp=rng.standard_normal(d).astype(np.float32) * 0.1)
+    rm = cpu_moe.MoEWeights(**raws, qtypes=Q.Q4_K, **common)
+    il = cpu_moe.MoEWeights(**packed, qtypes={n: cpu.Q4_K_IL for n in packed}, **common)
+    x = rng.standard_normal((5, d)).astype(np.float32)
+    try:
+        for level in ("numpy", *cpu.supported_isas()):
+            cpu.set_isa(level)
+            for call, xs in ((cpu_moe.moe_ffn, x[0]), (cpu_moe.moe_prefill, x)):
+                want, got = call(xs, rm), call(xs, il)
+                np.testing.assert_array_equal(got.out.view(np.uint32), want.out.view(np.uint32), err_msg=level)
+                np.testing.assert_array_equal(got.experts, want.experts)
+    finally:
+        cpu.set_isa(None)
+
