@@ -77,9 +77,9 @@ def to_q8_0(raw: np.ndarray, qtype: GGMLQuantizationType, k: int) -> np.ndarray:
 def interleaves(gguf: GGUFFile, name: str) -> bool:
     """True when ``name`` is rewritten at load into the 8-row interleaved layout (:mod:`engine.kernels.cpu_q4il`):
     a Q4_0, MXFP4 or Q4_K projection whose bytes are the private copy of ``weights="ram"``
-    (:meth:`GGUFFile.writable_raw`), on the avx512vnni level (whose decode GEMV reads the layout; the others would de-interleave it on every
-    product), not the token embedding (its rows are read as stored), rows of at most the type's
-    ``cpu_q4il.MAX_ROW_BYTES``, and for stacked experts, experts of whole 8-row stripes."""
+    (:meth:`GGUFFile.writable_raw`), on the avx512vnni level (whose decode GEMV reads the layout; the others would
+    de-interleave it on every product), not the token embedding (its rows are read as stored), rows of at most
+    the type's ``cpu_q4il.MAX_ROW_BYTES``, and for stacked experts, experts of whole 8-row stripes."""
     info = gguf.info(name)
     return (info.qtype in cpu_q4il.TYPES and cpu.isa() == "avx512vnni" and name != "token_embd.weight"
             and (len(info.ne) < 3 or info.ne[1] % cpu.IL_ROWS == 0) and gguf.writable_raw(name) is not None
@@ -128,8 +128,9 @@ class NativeQwen35Model(Qwen35Model):
     Args:
         hp: hyper-parameters. gguf: the open file (its tensors are used in place where possible).
         float_weights: "f32" (F16/BF16 read as stored, F32 as float32: exact) or "q8_0" (converted).
-        repack: rewrite Q4_0, MXFP4 and Q4_K weights read into memory into the interleaved layouts (:func:`interleaves`);
-            when another reader of the file's bytes (GPU prefill's upload) may come after the model.
+        repack: rewrite Q4_0, MXFP4 and Q4_K weights read into memory into the interleaved layouts
+            (:func:`interleaves`); False when another reader of the file's bytes (GPU prefill's upload) may come after
+            the model.
     Attributes:
         weight_rules: rule -> (tensor count, bytes used by the kernels), e.g. {"Q4_0 mapped": (61, ...)}.
         step: the one-call decode step (:class:`~engine.arch.qwen35.cpu_step.NativeStep`), or None when
