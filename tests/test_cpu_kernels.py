@@ -205,7 +205,8 @@ def test_kernel_ids_of_the_quant_table_match_the_c_enum():
     for qtype in cpu.KERNEL_TYPES:
         assert engine.gguf.quant.TYPES[qtype].cpu_kernel == getattr(_native_cpu.lib, f"DD_{qtype.name.upper()}")
     assert cpu.Q4_0_IL.cpu_kernel == _native_cpu.lib.DD_Q4_0_IL
-    assert len(cpu.KERNEL_TYPES) + 1 == _native_cpu.lib.DD_WTYPE_COUNT   # the interleaved Q4_0 layout
+    assert cpu.Q2_K_RL.cpu_kernel == _native_cpu.lib.DD_Q2_K_RL
+    assert len(cpu.KERNEL_TYPES) + len(cpu.LAYOUTS) == _native_cpu.lib.DD_WTYPE_COUNT   # + the row-grouped layouts
 
 
 # --- the MoE feed-forward ------------------------------------------------------------------------

@@ -128,10 +128,11 @@ void dd_moe_route(const float *logits, size_t n_expert, size_t n_used, int32_t *
         weights[i] /= top;
 }
 
-/* 1 unless wtype is DD_Q4_0_IL and a stacked expert's `rows` would not start its stripes on its first row. */
+/* 1 unless wtype is a row-grouped layout (DD_Q4_0_IL: stripes of 8 rows, DD_Q2_K_RL: groups of 4) and a stacked
+ * expert's `rows` would not start its groups on its first row. */
 static int experts_whole_stripes(int wtype, size_t rows)
 {
-    return wtype != DD_Q4_0_IL || rows % 8 == 0;
+    return (wtype != DD_Q4_0_IL || rows % 8 == 0) && (wtype != DD_Q2_K_RL || rows % 4 == 0);
 }
 
 int dd_moe_valid(const dd_moe_weights *w)

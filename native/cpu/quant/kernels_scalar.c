@@ -111,11 +111,12 @@ DD_DEFINE_DOTS_F32(dots_f32, dot_f32)
 #include "bf16.h"
 
 DD_DEFINE_GEMM_Q4_0_IL(gemm_q4_0_il, gemm_q4_0, NULL, NULL)
+DD_DEFINE_GEMM_Q2_K_RL(gemm_q2_k_rl, gemm_q2_K)
 
 const dd_kernels dd_kernels_scalar = {
     .quantize_q8_0 = quantize_q8_0,
     .gemm = { gemm_q4_0, gemm_q8_0, gemm_q4_K, gemm_q5_K, gemm_q6_K, DD_BQ_GEMMS, DD_LB_GEMMS, DD_IQ_GEMMS, gemm_mxfp4, gemm_bf16, gemm_f16,
-              gemm_q4_0_il },
+              gemm_q4_0_il, gemm_q2_k_rl },
     .bias_mult = { 0, 0 },
     .dots_f32 = dots_f32,
 };
