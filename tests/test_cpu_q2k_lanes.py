@@ -142,6 +142,28 @@ def test_extreme_codes_and_full_scale_activations(rng):
     assert_row_major_bits(raw, k, x)
 
 
+def cancelling_blocks(rng, rows: int, j0: int, j1: int) -> tuple[np.ndarray, np.ndarray]:
+    """Q2_K rows of one super-block whose 8 blocks hold the same codes and scales, and a column whose block j1 is
+    block j0 negated (values up to 6e4) and whose other blocks are ~1e-5: the terms of lanes j0 and j1 cancel
+    exactly and are ~2^32 times the others, so any other order of the f64 sums than the row-major tree's
+    (((s0 + s1) + (s2 + s3)) + ((s4 + s5) + (s6 + s7))) leaves rounding errors of ~2^-20 of the result in f32."""
+    raw = np.zeros((rows, 84), dtype=np.uint8)
+    codes = rng.integers(0, 4, (rows, 32)).astype(np.uint8)
+    raw[:, 16:48] = raw[:, 48:80] = codes * 0x55   # every field of a byte the same code: blocks repeat
+    raw[:, 0:16] = np.tile(rng.integers(0x11, 0x100, (rows, 2)).astype(np.uint8), 8)
+    raw[:, 80:84] = np.array([0.01, 0.002], dtype=np.float16).view(np.uint8)
+    x = rng.uniform(-1e-5, 1e-5, (1, 256)).astype(np.float32)
+    big = rng.uniform(-6e4, 6e4, 32).astype(np.float32)
+    x[0, 32 * j0:32 * j0 + 32], x[0, 32 * j1:32 * j1 + 32] = big, -big
+    return raw, x
+
+
+@pytest.mark.parametrize("j0,j1", [(0, 1), (0, 2), (1, 3), (2, 3), (0, 4), (1, 5), (3, 7), (4, 6), (5, 6)])
+def test_lane_sums_follow_the_row_major_tree(j0, j1, rng):
+    raw, x = cancelling_blocks(rng, 8, j0, j1)
+    assert_row_major_bits(raw, 256, x)
+
+
 @needs_native
 def test_rows_slice_keeps_the_groups(rng):
     raw = random_lowbit(rng, 14, 512, Q2_K)

@@ -14,9 +14,11 @@ before and after (figures from a loaded machine are not final). ``--cols 32`` ti
 (32 activation rows, an expert's share of a 512-token prompt) and reports GMAC/s; use a small --mib then,
 so the product is bound by the kernel, not by DRAM. ``--cpu`` times process CPU time instead of wall
 time (less disturbed by a loaded machine; with --threads 1 it is the kernel's own time). Each build's
-median milliseconds per call are printed beside its rate. ``--interleaved`` (Q4_0) adds, for each build, a
-second row: ``dd_matmul`` of ``DD_Q4_0_IL`` on a copy of the matrix repacked by ``dd_q4_0_interleave``
-(docs/design/q4-0-row-interleave.md), timed in the same rounds (with --cols > 1: the interleaved prefill GEMM).
+median milliseconds per call are printed beside its rate, and the calling thread's CPU time per block of the type
+(a K-quant's super-block). ``--interleaved`` (Q4_0, Q2_K) adds, for each build, a second row: ``dd_matmul`` of
+``DD_Q4_0_IL`` on a copy of the matrix repacked by ``dd_q4_0_interleave`` (docs/design/q4-0-row-interleave.md), or
+of ``DD_Q2_K_RL`` on one repacked by ``dd_q2_k_rl_pack`` (docs/design/quant-formats.md), timed in the same rounds
+(with --cols > 1: the interleaved prefill GEMM, or the groups unpacked for the row-major one).
 docs/perf/log/cpu-notes.md, "Weight prefetches into L2", used it.
 """
 
@@ -35,7 +37,7 @@ from gguf import GGMLQuantizationType
 
 from bench_kernels import K, random_blocks
 from engine.gguf import quant
-from engine.kernels.cpu_twins import Q4_0_IL
+from engine.kernels.cpu_twins import Q2_K_RL, Q4_0_IL
 from engine.kernels.iq_twins import grids as iq_grids
 
 
@@ -52,23 +54,30 @@ def load(path: str, folder: str, index: int, threads: int) -> ctypes.CDLL:
     return lib
 
 
+# stored type -> (the in-place repack's symbol, the kernel type of the repacked rows)
+REPACKS = {GGMLQuantizationType.Q4_0: ("dd_q4_0_interleave", Q4_0_IL.cpu_kernel),
+           GGMLQuantizationType.Q2_K: ("dd_q2_k_rl_pack", Q2_K_RL.cpu_kernel)}
+
+
 def variants(libs: list[ctypes.CDLL], paths: list[str], args, isa: int, kernel: int, w: np.ndarray, x: np.ndarray,
              rows: int, k: int) -> tuple[list[str], list]:
-    """(labels, calls): each build's dd_matmul, and with --interleaved its DD_Q4_0_IL dd_matmul on a repacked copy."""
+    """(labels, calls): each build's dd_matmul, and with --interleaved its dd_matmul of the repacked type (REPACKS)
+    on a repacked copy."""
     labels, calls = [], []
     packed = None
     if args.interleaved:
+        symbol, il_kernel = REPACKS[GGMLQuantizationType[args.type.upper()]]
         packed = w.copy()
-        if libs[0].dd_q4_0_interleave(ctypes.c_void_p(packed.ctypes.data), ctypes.c_size_t(rows),
-                                      ctypes.c_size_t(w.shape[1])) != 0:
-            raise SystemExit("dd_q4_0_interleave failed")
+        if getattr(libs[0], symbol)(ctypes.c_void_p(packed.ctypes.data), ctypes.c_size_t(rows),
+                                    ctypes.c_size_t(w.shape[1])) != 0:
+            raise SystemExit(f"{symbol} failed")
     for lib, path in zip(libs, paths):
         labels.append(path)
         calls.append(lambda out, lib=lib: lib.dd_matmul(isa, kernel, w.ctypes.data, rows, k, x.ctypes.data,
                                                         args.cols, out.ctypes.data))
         if packed is not None:
             labels.append(f"{path} interleaved")
-            calls.append(lambda out, lib=lib: lib.dd_matmul(isa, Q4_0_IL.cpu_kernel, packed.ctypes.data, rows, k,
+            calls.append(lambda out, lib=lib: lib.dd_matmul(isa, il_kernel, packed.ctypes.data, rows, k,
                                                             x.ctypes.data, args.cols, out.ctypes.data))
     return labels, calls
 
@@ -84,10 +93,10 @@ def main() -> None:
     ap.add_argument("--cols", type=int, default=1, help="activation rows (1: decode's GEMV; > 1: a prefill GEMM)")
     ap.add_argument("--k", type=int, default=K, help="values a row, a multiple of the type's block (512: expert down)")
     ap.add_argument("--cpu", action="store_true", help="time process CPU time instead of wall time")
-    ap.add_argument("--interleaved", action="store_true", help="also time the 8-row interleaved Q4_0 product")
+    ap.add_argument("--interleaved", action="store_true", help="also time the repacked Q4_0 or Q2_K product")
     args = ap.parse_args()
-    if args.interleaved and args.type.lower() != "q4_0":
-        raise SystemExit("--interleaved: only for --type q4_0")
+    if args.interleaved and args.type.upper() not in ("Q4_0", "Q2_K"):
+        raise SystemExit("--interleaved: only for --type q4_0 or q2_k")
     try:
         qtype = GGMLQuantizationType[args.type.upper()]
     except KeyError:
@@ -122,12 +131,13 @@ def main() -> None:
     print(f"{args.type} {w.nbytes / 2**20:.0f} MiB (k={k}), isa {isa}, {args.threads} thread(s), {args.rounds} "
           f"rounds, {args.cols} column(s), {'CPU' if args.cpu else 'wall'} time, load {load_before:.2f} -> "
           f"{os.getloadavg()[0]:.2f}; same bits: {same}")
+    blocks = rows * k / quant.TYPES[qtype].block_values
     per_s, unit = (w.nbytes / 1e9, "GB/s") if args.cols == 1 else (rows * k * args.cols / 1e9, "GMAC/s")
     for path, t, c in zip(labels, times, cpu_times):
         rates, cpu_rates = [per_s / s for s in t], [per_s / s for s in c]
         print(f"  {path}: median {statistics.median(rates):.1f} {unit} ({min(rates):.1f}-{max(rates):.1f}), "
               f"{statistics.median(t) * 1e3:.1f} ms; calling thread CPU {statistics.median(cpu_rates):.1f} "
-              f"({min(cpu_rates):.1f}-{max(cpu_rates):.1f})")
+              f"({min(cpu_rates):.1f}-{max(cpu_rates):.1f}), {statistics.median(c) * 1e9 / blocks:.2f} ns a block")
 
 
 if __name__ == "__main__":

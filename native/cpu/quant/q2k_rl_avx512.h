@@ -10,18 +10,22 @@
  * halves in a dword and one vpmaddwd by the pairs' scales (the layout's scale bytes, widened) gives the
  * lowbit.h block integers I_b, another by the mins against the activations' half sums M_b, with (block, row)
  * as the lanes: f64 accumulator j holds block j (lanes 0-3, rows 0-3) and block j + 4 (lanes 4-7). Each lane
- * gets lowbit_avx512.h's operations on the same values in the same order (the f32 product da d, then the f64
- * product by I_b added, the one by M_b subtracted), super-block after super-block, and a group's end sums
+ * gets lowbit_avx512.h's operations on the same values in the same order (the product da d, then the f64 product
+ * by I_b added, the one by M_b subtracted), super-block after super-block, and a group's end sums
  * accumulators 0 + 1, 2 + 3, those two, then lanes l and l + 4: its tree ((s0 + s1) + (s2 + s3)) + ((s4 + s5) +
- * (s6 + s7)) for the 4 rows at once, rounded once. Hence the row-major kernel's bits.
+ * (s6 + s7)) for the 4 rows at once, rounded once. Hence the row-major kernel's bits. The product da d is taken in
+ * f64 of the widened halves (da a Q8_0 scale, d an f16): two 11-bit significands, so the f32 product the
+ * row-major kernel widens is exact and the same value (0 times infinity the same default NaN, a NaN operand
+ * the same payload, da's first); it saves the f32 multiply and a conversion per term.
  */
 #ifndef DELTADESK_Q2K_RL_AVX512_H
 #define DELTADESK_Q2K_RL_AVX512_H
 
 #define RL_SB_BYTES (4 * DD_Q2_K_BYTES)
 
-/* How far ahead of the super-block it reads the GEMV prefetches (one forward stream, every line). */
-#define RL_PREFETCH_BYTES (2 * DD_PREFETCH_BYTES)
+/* How far ahead of the super-block it reads the GEMV prefetches (one forward stream, every line): DD_PREFETCH_BYTES
+ * ran ~2 % faster than twice or four times that, and as fast as half, at k = 512 and 2048 from DRAM. */
+#define RL_PREFETCH_BYTES DD_PREFETCH_BYTES
 
 /* Word 2 D + t of a pair (D = 4 q + r): the low word of lane 4 (g0 + t) + r of the first source (q < 2) or the
  * second (q >= 2), g0 = 0 for q even, 2 for q odd: the two halves of block f or 4 + f of accumulator f. */
@@ -34,7 +38,7 @@ static const uint8_t rl_pair_block[2][4] = { { 0, 4, 1, 5 }, { 2, 6, 3, 7 } };
 typedef struct {
     __m512i a[4][4];   /* a[f][c], lane 4 g + r: activation dword 32 (g / 2) + 8 f + 4 (g % 2) + c of the super-block */
     __m512i s16[2];    /* s16[p], words 2 (4 q + r) + t: the half sum of half 2 rl_pair_block[p][q] + t */
-    __m256 da[4];      /* da[j]: the scale of block j in lanes 0-3, of block j + 4 in lanes 4-7 */
+    __m512d da[4];     /* da[j]: the scale of block j in lanes 0-3, of block j + 4 in lanes 4-7, as f64 */
 } rl_col;
 
 /* A thread's last GEMV column (DD_SCRATCH_Q2RL_COL; a new buffer is zeroed, and id 0 matches no
@@ -63,7 +67,7 @@ DD_INLINE void rl_col_prep(const dd_acts *a, size_t sb, rl_col *p)
                                                  _mm512_permutex2var_epi32(z2, idx, z3));
         }
     int16_t s16[2][32];
-    float da[4][8];
+    double da[4][8];
     for (int pp = 0; pp < 2; pp++)
         for (int qq = 0; qq < 4; qq++)
             for (int r = 0; r < 4; r++)
@@ -71,26 +75,24 @@ DD_INLINE void rl_col_prep(const dd_acts *a, size_t sb, rl_col *p)
                     s16[pp][2 * (4 * qq + r) + t] = (int16_t)a->s16[2 * (b0 + rl_pair_block[pp][qq]) + t];
     for (int j = 0; j < 4; j++)
         for (int l = 0; l < 8; l++)
-            da[j][l] = a->bd[b0 + j + 4 * (l / 4)];
+            da[j][l] = (double)a->bd[b0 + j + 4 * (l / 4)];
     for (int pp = 0; pp < 2; pp++)
         p->s16[pp] = _mm512_loadu_si512(s16[pp]);
     for (int j = 0; j < 4; j++)
-        p->da[j] = _mm256_loadu_ps(da[j]);
+        p->da[j] = _mm512_loadu_pd(da[j]);
 }
 
 /* acc[j] += the f64 terms of one super-block's I (blocks j, j + 4 in the int32 lanes of half h of pair p, j =
  * 2 p + h) and M, in lowbit_avx512.h's lb_terms order. */
-DD_INLINE void rl_terms(__m512i i_pair[2], __m512i m_pair[2], const rl_col *p, __m256 d8, __m256 dmin8,
+DD_INLINE void rl_terms(__m512i i_pair[2], __m512i m_pair[2], const rl_col *p, __m512d d8, __m512d dmin8,
                         __m512d acc[4])
 {
     for (int j = 0; j < 4; j++) {
         const __m512i iv = i_pair[j / 2], mv = m_pair[j / 2];
         const __m256i ih = j % 2 ? _mm512_extracti64x4_epi64(iv, 1) : _mm512_castsi512_si256(iv);
         const __m256i mh = j % 2 ? _mm512_extracti64x4_epi64(mv, 1) : _mm512_castsi512_si256(mv);
-        acc[j] = _mm512_add_pd(acc[j], _mm512_mul_pd(_mm512_cvtps_pd(_mm256_mul_ps(p->da[j], d8)),
-                                                     _mm512_cvtepi32_pd(ih)));
-        acc[j] = _mm512_sub_pd(acc[j], _mm512_mul_pd(_mm512_cvtps_pd(_mm256_mul_ps(p->da[j], dmin8)),
-                                                     _mm512_cvtepi32_pd(mh)));
+        acc[j] = _mm512_add_pd(acc[j], _mm512_mul_pd(_mm512_mul_pd(p->da[j], d8), _mm512_cvtepi32_pd(ih)));
+        acc[j] = _mm512_sub_pd(acc[j], _mm512_mul_pd(_mm512_mul_pd(p->da[j], dmin8), _mm512_cvtepi32_pd(mh)));
     }
 }
 
@@ -114,9 +116,8 @@ DD_INLINE void rl_super_block(const uint8_t *g, const rl_col *p, __m512d acc[4])
                           _mm512_madd_epi16(pb, _mm512_and_si512(bytes_b, low)) };
     __m512i m_pair[2] = { _mm512_madd_epi16(p->s16[0], _mm512_srli_epi16(bytes_a, 4)),
                           _mm512_madd_epi16(p->s16[1], _mm512_srli_epi16(bytes_b, 4)) };
-    const __m256 dm = _mm256_maskz_cvtph_ps(0xff, _mm_loadu_si128((const __m128i *)(g + 320)));
-    const __m256 d8 = _mm256_permutexvar_ps(_mm256_setr_epi32(0, 1, 2, 3, 0, 1, 2, 3), dm);
-    const __m256 dmin8 = _mm256_permutexvar_ps(_mm256_setr_epi32(4, 5, 6, 7, 4, 5, 6, 7), dm);
+    const __m512d dm = _mm512_cvtps_pd(_mm256_maskz_cvtph_ps(0xff, _mm_loadu_si128((const __m128i *)(g + 320))));
+    const __m512d d8 = _mm512_shuffle_f64x2(dm, dm, 0x44), dmin8 = _mm512_shuffle_f64x2(dm, dm, 0xee);
     rl_terms(i_pair, m_pair, p, d8, dmin8, acc);
 }
 
