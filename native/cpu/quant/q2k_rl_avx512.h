@@ -143,15 +143,50 @@ static void rl_gemv(const uint8_t *w, size_t row_bytes, size_t groups, const uin
     }
 }
 
+/* Word 8 r + 2 p + B[q] of a super-block's unpacked scales (row r's scale bytes in order, B = {0, 4, 1, 5}) <- word
+ * 16 p + 4 q + r of the layout's. */
+static const int16_t rl_scale_words[32] = { 0, 8,  16, 24, 4, 12, 20, 28, 1, 9,  17, 25, 5, 13, 21, 29,
+                                            2, 10, 18, 26, 6, 14, 22, 30, 3, 11, 19, 27, 7, 15, 23, 31 };
+
+/* The level's unpacking (dd_gemm_q2_k_rl's `unpack`): `groups` groups at src to their row-major rows at dst. Per
+ * super-block, a 4 x 4 dword transpose within each 128-bit lane of the 4 chunks gives row r's 64 qs bytes (chunk c
+ * lane 4 q + r -> dword 4 q + c of row r), one word permute its scale bytes. */
+static void unpack_q2_k_rl(uint8_t *dst, const uint8_t *src, size_t groups, size_t row_bytes)
+{
+    const size_t nsb = row_bytes / DD_Q2_K_BYTES;
+    const __m512i words = _mm512_loadu_si512(rl_scale_words);
+    for (size_t s = 0; s < groups; s++)
+        for (size_t j = 0; j < nsb; j++) {
+            const uint8_t *g = src + s * 4 * row_bytes + j * RL_SB_BYTES;
+            uint8_t *out = dst + s * 4 * row_bytes + j * DD_Q2_K_BYTES;
+            const __m512i c0 = _mm512_loadu_si512(g), c1 = _mm512_loadu_si512(g + 64);
+            const __m512i c2 = _mm512_loadu_si512(g + 128), c3 = _mm512_loadu_si512(g + 192);
+            const __m512i t0 = _mm512_unpacklo_epi32(c0, c1), t1 = _mm512_unpackhi_epi32(c0, c1);
+            const __m512i t2 = _mm512_unpacklo_epi32(c2, c3), t3 = _mm512_unpackhi_epi32(c2, c3);
+            const __m512i qs[4] = { _mm512_unpacklo_epi64(t0, t2), _mm512_unpackhi_epi64(t0, t2),
+                                    _mm512_unpacklo_epi64(t1, t3), _mm512_unpackhi_epi64(t1, t3) };
+            const __m512i sc = _mm512_permutexvar_epi16(words, _mm512_loadu_si512(g + 256));
+            uint8_t scales[64];
+            _mm512_storeu_si512(scales, sc);
+            for (size_t r = 0; r < 4; r++) {
+                uint8_t *row = out + r * row_bytes;
+                memcpy(row, scales + 16 * r, 16);
+                _mm512_storeu_si512(row + 16, qs[r]);
+                memcpy(row + 80, g + 320 + 2 * r, 2);
+                memcpy(row + 82, g + 328 + 2 * r, 2);
+            }
+        }
+}
+
 /* gemm[DD_Q2_K_RL] of this level: m == 1 (with the column's scratch) by rl_gemv on the groups and gemm_q2_K on
- * the row-major tail, else dd_gemm_q2_k_rl (the groups unpacked for gemm_q2_K). */
+ * the row-major tail, else dd_gemm_q2_k_rl (the groups unpacked by unpack_q2_k_rl for gemm_q2_K). */
 static void gemm_q2_k_rl(const uint8_t *w, size_t row_bytes, size_t nrows, size_t rows_avail, const dd_acts *a,
                          float *y, size_t ldy)
 {
     const size_t groups = nrows / 4, r0 = 4 * groups, nsb = a->nb / 8;
     rl_state *st = a->m == 1 && groups > 0 ? dd_scratch(DD_SCRATCH_Q2RL_COL, 64 + nsb * sizeof(rl_col)) : NULL;
     if (st == NULL) {
-        dd_gemm_q2_k_rl(gemm_q2_K, w, row_bytes, nrows, rows_avail, a, y, ldy);
+        dd_gemm_q2_k_rl(gemm_q2_K, unpack_q2_k_rl, w, row_bytes, nrows, rows_avail, a, y, ldy);
         return;
     }
     if (a->id == 0 || st->id != a->id) {   /* id 0: activations not from acts_place */
