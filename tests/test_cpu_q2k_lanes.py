@@ -3,8 +3,8 @@
 The layout is checked against a construction of its definition (deltadesk_cpu.h, byte by byte), the repack's
 inverse against the original bytes, the numpy twin's unpacking against the definition, and the products of the
 DD_Q2_K_RL kernel type (through cpu.Matrix) against the row-major Q2_K kernel of each level bit for bit: the
-AVX-512 VNNI GEMV by its own contract (the same integers and f64 operations per (row, block) lane), every other
-product by construction (the groups unpacked for the row-major kernel).
+AVX-512 VNNI kernel (a GEMV, column by column) by its own contract (the same integers and f64 operations per (row,
+block) lane), the other levels by construction (the groups unpacked for the row-major kernel).
 """
 
 from __future__ import annotations

@@ -1,8 +1,8 @@
 """Q2_K weights rewritten at load into the 4-row rows-as-lanes layout (weights "ram", engine.arch.qwen35.cpu
 interleaves): the model's logits bit for bit those of the same file mapped (row-major), in prefill (the GEMMs and
-the grouped MoE: groups unpacked for the row-major kernel), decode (the one-call step and its fused MoE: the VNNI
-rows-as-lanes GEMV) and the batched decode step (a few columns: groups unpacked), at 1 and 2 threads and at every
-supported level after the load."""
+the grouped MoE), decode (the one-call step and its fused MoE) and the batched decode step (a few columns), at 1 and
+2 threads and at every supported level after the load (avx512vnni: the rows-as-lanes kernel column by column; the
+other levels: the groups unpacked for the row-major kernel)."""
 
 from __future__ import annotations
 

@@ -4,8 +4,8 @@ The layout (native/cpu/deltadesk_cpu.h, ``dd_q2_k_rl_pack``): each group of 4 ro
 of the group's rows is 336 bytes, four 64-byte chunks (chunk c, dword 4 g + r: row r's qs dword 4 g + c), the 64
 scale bytes in the order the kernel pairs them, the 4 d and the 4 dmin. Rows past the last multiple of 4 stay
 row-major. A :class:`engine.kernels.cpu.Matrix` built with ``interleaved=True`` multiplies by such rows (the native
-type ``DD_Q2_K_RL``: the AVX-512 VNNI level's GEMV reads the groups directly, every other product unpacks them into
-a scratch) with the bits of the row-major matrix.
+type ``DD_Q2_K_RL``: the AVX-512 VNNI level's kernel reads the groups directly, one column at a time, the other
+levels unpack them into a scratch) with the bits of the row-major matrix.
 Design: docs/design/quant-formats.md, "Q2_K and Q3_K decode on AVX-512".
 """
 

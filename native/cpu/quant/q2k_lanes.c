@@ -3,8 +3,8 @@
  *
  * The layout is a byte permutation within each super-block of a group of 4 rows, so the repack moves one
  * group at a time through a scratch of the group's size and needs no second copy of the matrix; rows past the
- * last multiple of 4 are left as they are. A product unpacks the groups a few at a time into a stack buffer (by the
- * level's SIMD unpacking where it has one) and runs the row-major Q2_K kernel on them, and that kernel on the row-major tail: a row's result depends only
+ * last multiple of 4 are left as they are. A product of a level without the layout's kernel unpacks the groups a few
+ * at a time into a stack buffer and runs the row-major Q2_K kernel on them, and that kernel on the row-major tail: a row's result depends only
  * on its bytes and the activations, never on the chunk it falls in.
  */
 #include <stdlib.h>
@@ -84,8 +84,8 @@ int dd_q2_k_rl_unpack(uint8_t *w, size_t nrows, size_t row_bytes)
     return rl_permute(w, nrows, row_bytes, 0);
 }
 
-void dd_gemm_q2_k_rl(dd_gemm_fn row_major, dd_deil_fn unpack, const uint8_t *w, size_t row_bytes, size_t nrows,
-                     size_t rows_avail, const dd_acts *a, float *y, size_t ldy)
+void dd_gemm_q2_k_rl(dd_gemm_fn row_major, const uint8_t *w, size_t row_bytes, size_t nrows, size_t rows_avail,
+                     const dd_acts *a, float *y, size_t ldy)
 {
     const size_t groups = nrows / 4, r0 = 4 * groups, group = 4 * row_bytes;
     if (groups > 0) {
@@ -93,10 +93,7 @@ void dd_gemm_q2_k_rl(dd_gemm_fn row_major, dd_deil_fn unpack, const uint8_t *w, 
         const size_t per = RL_PIECE / group;
         for (size_t s = 0; s < groups; s += per) {
             const size_t n = per < groups - s ? per : groups - s;
-            if (unpack != NULL)
-                unpack(rows, w + s * group, n, row_bytes);
-            else
-                rl_copy(rows, w + s * group, n, row_bytes, 0);
+            rl_copy(rows, w + s * group, n, row_bytes, 0);
             row_major(rows, row_bytes, 4 * n, 4 * n, a, y + 4 * s, ldy);
         }
     }

@@ -1,5 +1,5 @@
-/* The AVX-512 VNNI GEMV (m == 1) of a Q2_K matrix in the 4-row rows-as-lanes layout (dd_q2_k_rl_pack in
- * deltadesk_cpu.h), included by kernels_avx512vnni.c after lowbit_avx512.h (its row-major gemm_q2_K).
+/* The AVX-512 VNNI product of a Q2_K matrix in the 4-row rows-as-lanes layout (dd_q2_k_rl_pack in deltadesk_cpu.h),
+ * a GEMV run column by column, included by kernels_avx512vnni.c after lowbit_avx512.h (its row-major gemm_q2_K).
  *
  * Chunk c (64 bytes) of a group's super-block holds in lane 4 g + r row r's qs dword 4 g + c: bytes 16 g + 4 c
  * .. + 3, whose field f (bits 2 f, 2 f + 1) are values 128 n + 32 f + 16 t + 4 c + i (g = 2 n + t, i < 4). So
@@ -23,8 +23,9 @@
 
 #define RL_SB_BYTES (4 * DD_Q2_K_BYTES)
 
-/* How far ahead of the super-block it reads the GEMV prefetches (one forward stream, every line): DD_PREFETCH_BYTES
- * ran ~2 % faster than twice or four times that, and as fast as half, at k = 512 and 2048 from DRAM. */
+/* How far ahead of the super-block it reads the GEMV prefetches (one forward stream, the 6 lines a super-block's
+ * 336 bytes can touch): DD_PREFETCH_BYTES ran ~2 % faster than twice or four times that, and as fast as half, at
+ * k = 512 and 2048 from DRAM. */
 #define RL_PREFETCH_BYTES DD_PREFETCH_BYTES
 
 /* Word 2 D + t of a pair (D = 4 q + r): the low word of lane 4 (g0 + t) + r of the first source (q < 2) or the
@@ -41,8 +42,14 @@ typedef struct {
     __m512d da[4];     /* da[j]: the scale of block j in lanes 0-3, of block j + 4 in lanes 4-7, as f64 */
 } rl_col;
 
-/* A thread's last GEMV column (DD_SCRATCH_Q2RL_COL; a new buffer is zeroed, and id 0 matches no
- * activations): the activations' id, then from byte 64 its rl_col of each super-block. */
+/* Columns whose prepared activations a thread keeps (a batched decode step, an expert's share of a prompt: kept
+ * between a product's chunks under the activations' id); a product of more columns prepares them RL_COLS at a
+ * time for each chunk. */
+#define RL_COLS 8
+
+/* A thread's last columns (DD_SCRATCH_Q2RL_COL; a new buffer is zeroed, and id 0 matches no activations): the
+ * activations' id (0 while it holds a block of a larger product's columns), then from byte 64 the rl_col of each
+ * super-block of each column (column c's at c * nsb). */
 typedef struct {
     uint64_t id;
 } rl_state;
@@ -52,10 +59,9 @@ DD_INLINE rl_col *rl_cols(rl_state *st)
     return (rl_col *)((uint8_t *)st + 64);
 }
 
-/* Super-block sb of the (single) column of a into p. */
-DD_INLINE void rl_col_prep(const dd_acts *a, size_t sb, rl_col *p)
+/* The super-block of a's activations whose first block is b0 (c * nbp + 8 sb for column c's super-block sb) into p. */
+DD_INLINE void rl_col_prep(const dd_acts *a, size_t b0, rl_col *p)
 {
-    const size_t b0 = 8 * sb;
     const int8_t *q = a->q + b0 * DD_QK;
     const __m512i z0 = _mm512_loadu_si512(q), z1 = _mm512_loadu_si512(q + 64);
     const __m512i z2 = _mm512_loadu_si512(q + 128), z3 = _mm512_loadu_si512(q + 192);
@@ -125,7 +131,6 @@ DD_INLINE void rl_super_block(const uint8_t *g, const rl_col *p, __m512d acc[4])
 static void rl_gemv(const uint8_t *w, size_t row_bytes, size_t groups, const uint8_t *end, const rl_col *cols,
                     size_t nsb, float *y)
 {
-    const uint8_t *pf = w;
     for (size_t s = 0; s < groups; s++) {
         const uint8_t *g = w + s * 4 * row_bytes;
         __m512d acc[4];
@@ -133,8 +138,10 @@ static void rl_gemv(const uint8_t *w, size_t row_bytes, size_t groups, const uin
             acc[j] = _mm512_setzero_pd();
         for (size_t sb = 0; sb < nsb; sb++) {
             const uint8_t *blk = g + sb * RL_SB_BYTES;
-            for (; pf < blk + RL_PREFETCH_BYTES + RL_SB_BYTES && pf < end; pf += 64)
-                dd_prefetch_weight(pf);
+            const uint8_t *pf = blk + RL_PREFETCH_BYTES;
+            if (pf + RL_SB_BYTES + 48 <= end)
+                for (int l = 0; l < 6; l++)
+                    dd_prefetch_weight(pf + 64 * l);
             rl_super_block(blk, cols + sb, acc);
         }
         const __m512d z = _mm512_add_pd(_mm512_add_pd(acc[0], acc[1]), _mm512_add_pd(acc[2], acc[3]));
@@ -143,58 +150,52 @@ static void rl_gemv(const uint8_t *w, size_t row_bytes, size_t groups, const uin
     }
 }
 
-/* Word 8 r + 2 p + B[q] of a super-block's unpacked scales (row r's scale bytes in order, B = {0, 4, 1, 5}) <- word
- * 16 p + 4 q + r of the layout's. */
-static const int16_t rl_scale_words[32] = { 0, 8,  16, 24, 4, 12, 20, 28, 1, 9,  17, 25, 5, 13, 21, 29,
-                                            2, 10, 18, 26, 6, 14, 22, 30, 3, 11, 19, 27, 7, 15, 23, 31 };
-
-/* The level's unpacking (dd_gemm_q2_k_rl's `unpack`): `groups` groups at src to their row-major rows at dst. Per
- * super-block, a 4 x 4 dword transpose within each 128-bit lane of the 4 chunks gives row r's 64 qs bytes (chunk c
- * lane 4 q + r -> dword 4 q + c of row r), one word permute its scale bytes. */
-static void unpack_q2_k_rl(uint8_t *dst, const uint8_t *src, size_t groups, size_t row_bytes)
+/* Columns [c0, c0 + n) of a through rl_gemv on the groups (the columns prepared in st, column c - c0 at
+ * (c - c0) * nsb), column by column: a chunk's rows stay in L2 for the next column. */
+DD_INLINE void rl_columns(const uint8_t *w, size_t row_bytes, size_t groups, const uint8_t *end, const dd_acts *a,
+                          rl_state *st, size_t c0, size_t n, float *y, size_t ldy)
 {
-    const size_t nsb = row_bytes / DD_Q2_K_BYTES;
-    const __m512i words = _mm512_loadu_si512(rl_scale_words);
-    for (size_t s = 0; s < groups; s++)
-        for (size_t j = 0; j < nsb; j++) {
-            const uint8_t *g = src + s * 4 * row_bytes + j * RL_SB_BYTES;
-            uint8_t *out = dst + s * 4 * row_bytes + j * DD_Q2_K_BYTES;
-            const __m512i c0 = _mm512_loadu_si512(g), c1 = _mm512_loadu_si512(g + 64);
-            const __m512i c2 = _mm512_loadu_si512(g + 128), c3 = _mm512_loadu_si512(g + 192);
-            const __m512i t0 = _mm512_unpacklo_epi32(c0, c1), t1 = _mm512_unpackhi_epi32(c0, c1);
-            const __m512i t2 = _mm512_unpacklo_epi32(c2, c3), t3 = _mm512_unpackhi_epi32(c2, c3);
-            const __m512i qs[4] = { _mm512_unpacklo_epi64(t0, t2), _mm512_unpackhi_epi64(t0, t2),
-                                    _mm512_unpacklo_epi64(t1, t3), _mm512_unpackhi_epi64(t1, t3) };
-            const __m512i sc = _mm512_permutexvar_epi16(words, _mm512_loadu_si512(g + 256));
-            uint8_t scales[64];
-            _mm512_storeu_si512(scales, sc);
-            for (size_t r = 0; r < 4; r++) {
-                uint8_t *row = out + r * row_bytes;
-                memcpy(row, scales + 16 * r, 16);
-                _mm512_storeu_si512(row + 16, qs[r]);
-                memcpy(row + 80, g + 320 + 2 * r, 2);
-                memcpy(row + 82, g + 328 + 2 * r, 2);
-            }
-        }
+    const size_t nsb = a->nb / 8;
+    for (size_t c = 0; c < n; c++)
+        rl_gemv(w, row_bytes, groups, end, rl_cols(st) + c * nsb, nsb, y + (c0 + c) * ldy);
 }
 
-/* gemm[DD_Q2_K_RL] of this level: m == 1 (with the column's scratch) by rl_gemv on the groups and gemm_q2_K on
- * the row-major tail, else dd_gemm_q2_k_rl (the groups unpacked by unpack_q2_k_rl for gemm_q2_K). */
+/* Columns [c0, c0 + n) of a prepared into st. */
+DD_INLINE void rl_prepare(const dd_acts *a, rl_state *st, size_t c0, size_t n)
+{
+    const size_t nsb = a->nb / 8;
+    for (size_t c = 0; c < n; c++)
+        for (size_t sb = 0; sb < nsb; sb++)
+            rl_col_prep(a, (c0 + c) * a->nbp + 8 * sb, rl_cols(st) + c * nsb + sb);
+}
+
+/* gemm[DD_Q2_K_RL] of this level: the groups by rl_gemv, column by column (each column the bits of its one-column
+ * product), and gemm_q2_K on the row-major tail; without the columns' scratch, dd_gemm_q2_k_rl (the groups unpacked
+ * for gemm_q2_K). */
 static void gemm_q2_k_rl(const uint8_t *w, size_t row_bytes, size_t nrows, size_t rows_avail, const dd_acts *a,
                          float *y, size_t ldy)
 {
-    const size_t groups = nrows / 4, r0 = 4 * groups, nsb = a->nb / 8;
-    rl_state *st = a->m == 1 && groups > 0 ? dd_scratch(DD_SCRATCH_Q2RL_COL, 64 + nsb * sizeof(rl_col)) : NULL;
+    const size_t groups = nrows / 4, r0 = 4 * groups, nsb = a->nb / 8, kept = a->m < RL_COLS ? a->m : RL_COLS;
+    rl_state *st = groups > 0 ? dd_scratch(DD_SCRATCH_Q2RL_COL, 64 + kept * nsb * sizeof(rl_col)) : NULL;
     if (st == NULL) {
-        dd_gemm_q2_k_rl(gemm_q2_K, unpack_q2_k_rl, w, row_bytes, nrows, rows_avail, a, y, ldy);
+        dd_gemm_q2_k_rl(gemm_q2_K, w, row_bytes, nrows, rows_avail, a, y, ldy);
         return;
     }
-    if (a->id == 0 || st->id != a->id) {   /* id 0: activations not from acts_place */
-        for (size_t sb = 0; sb < nsb; sb++)
-            rl_col_prep(a, sb, rl_cols(st) + sb);
-        st->id = a->id;
+    const uint8_t *end = w + rows_avail / 4 * 4 * row_bytes;
+    if (a->m <= RL_COLS) {
+        if (a->id == 0 || st->id != a->id) {   /* id 0: activations not from acts_place */
+            rl_prepare(a, st, 0, a->m);
+            st->id = a->id;
+        }
+        rl_columns(w, row_bytes, groups, end, a, st, 0, a->m, y, ldy);
+    } else {
+        st->id = 0;
+        for (size_t c0 = 0; c0 < a->m; c0 += RL_COLS) {
+            const size_t n = a->m - c0 < RL_COLS ? a->m - c0 : RL_COLS;
+            rl_prepare(a, st, c0, n);
+            rl_columns(w, row_bytes, groups, end, a, st, c0, n, y, ldy);
+        }
     }
-    rl_gemv(w, row_bytes, groups, w + rows_avail / 4 * 4 * row_bytes, rl_cols(st), nsb, y);
     if (nrows > r0)
         gemm_q2_K(w + r0 * row_bytes, row_bytes, nrows - r0, rows_avail - r0, a, y + r0, ldy);
 }
