@@ -112,21 +112,6 @@ void dd_gemm_q4_0_il(dd_gemm_fn row_major, dd_gemv_il_fn il, dd_deil_fn deil, co
         dd_gemm_q4_0_il(ROW_MAJOR, IL, DEIL, w, row_bytes, nrows, rows_avail, a, y, ldy);                  \
     }
 
-/* gemm[DD_Q2_K_RL] of the levels without a rows-as-lanes kernel, and the avx512vnni level's without its columns'
- * scratch (q2k_lanes.c): w starts on a 4-row group; its nrows / 4 groups are unpacked a few at a time into a stack
- * buffer for `row_major` (the level's gemm[DD_Q2_K]); the last nrows % 4 rows (the matrix's row-major tail: chunks
- * are whole groups) go to row_major as they are. The bits of row_major on the row-major matrix. */
-void dd_gemm_q2_k_rl(dd_gemm_fn row_major, const uint8_t *w, size_t row_bytes, size_t nrows, size_t rows_avail,
-                     const dd_acts *a, float *y, size_t ldy);
-
-/* Defines NAME, a dd_gemm_fn: dd_gemm_q2_k_rl with the level's ROW_MAJOR. */
-#define DD_DEFINE_GEMM_Q2_K_RL(NAME, ROW_MAJOR)                                                            \
-    static void NAME(const uint8_t *w, size_t row_bytes, size_t nrows, size_t rows_avail, const dd_acts *a, \
-                     float *y, size_t ldy)                                                                 \
-    {                                                                                                      \
-        dd_gemm_q2_k_rl(ROW_MAJOR, w, row_bytes, nrows, rows_avail, a, y, ldy);                            \
-    }
-
 /* How far ahead the SIMD kernels prefetch weights, in rows. A single core keeps too few cache
  * misses in flight while it computes to stream from DRAM; asking for the row this many rows
  * ahead about doubles the single-thread GEMV rate (docs/design/native-cpu.md, "Weight prefetching"). */

@@ -11,6 +11,7 @@
 
 #include "gemm_tiles.h"
 #include "kernels.h"
+#include "q2k_lanes.h"
 
 /* The K-quant dot product of kquants.h: one ymm per 32-value block, vpmaddubsw (unsigned weights x
  * signed activations) then vpmaddwd by the two halves' scales; the 8 int32 lanes of each of the 8

@@ -9,7 +9,7 @@
  */
 #include <stdlib.h>
 
-#include "kernels.h"
+#include "q2k_lanes.h"
 
 #define RL_SB (4 * DD_Q2_K_BYTES)   /* one super-block of a group's 4 rows */
 /* Bytes of row-major rows a product unpacks at a time: whole groups of rows up to DD_Q2_K_RL_MAX_ROW_BYTES */
