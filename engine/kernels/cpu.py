@@ -22,8 +22,8 @@ from gguf import GGMLQuantizationType
 
 from engine.gguf import quant
 from engine.errors import EngineError
-from engine.kernels.cpu_twins import (B_QUANTS, IL_ROWS, IL_TRAITS, K_QUANTS, KQ_ROWS, Q8_0_BYTES, QK, activations,
-                                      bf16_product_np, bquant_product_np, dequantize, kquant_product_np,
+from engine.kernels.cpu_twins import (B_QUANTS, IL_TRAITS, K_QUANTS, KQ_ROWS, Q2_K_RL, Q8_0_BYTES, QK, activations,
+                                      bf16_product_np, bquant_product_np, dequantize, kquant_product_np, layout_rows,
                                       quantize_q8_0_np, row_major)
 from engine.kernels.cpu_twins import MXFP4_IL, Q4_0_IL, Q4_K_IL  # noqa: F401 (re-exported: the layouts' kernel types)
 from engine.kernels.iq_twins import grids as iq_grids
@@ -50,6 +50,8 @@ Q = GGMLQuantizationType
 KERNEL_TYPES: frozenset[GGMLQuantizationType] = frozenset(
     t for t, traits in quant.TYPES.items() if traits.cpu_kernel is not None)
 """Weight types the kernels read as stored (the quant-type table's ``cpu_kernel``)."""
+LAYOUTS = {**IL_TRAITS, Q.Q2_K: Q2_K_RL}
+"""Stored type -> the kernel traits of its row-grouped layout (what ``Matrix(..., interleaved=True)`` carries)."""
 _C_ERRORS = {-1: "ISA level not supported by this CPU", -2: "out of memory", -3: "invalid argument"}
 
 MAX_THREADS = 256
@@ -289,32 +291,35 @@ class Matrix:
         k: input width (a multiple of the type's block size).
         qtype: the storage type, as the file's tensor table gives it (rows of Q4_0 and Q4_K, say,
             can have the same length, so it is never inferred from the bytes).
-        interleaved: raw is Q4_0, MXFP4 or Q4_K rewritten by :func:`engine.kernels.cpu_q4il.interleave` (the
-            kernel types of :data:`~engine.kernels.cpu_twins.IL_TRAITS`; the results are the row-major bytes' bits).
+        interleaved: raw is rewritten in its type's row-grouped layout (:data:`LAYOUTS`): Q4_0, MXFP4 and Q4_K
+            by :func:`engine.kernels.cpu_q4il.interleave` (8-row stripes, :data:`~engine.kernels.cpu_twins.IL_TRAITS`),
+            Q2_K by :func:`engine.kernels.cpu_q2rl.pack_q2_k` (``Q2_K_RL``); the results are the row-major bytes' bits.
     Calling it is :func:`matmul` (or its twin when the active level is "numpy") without the per-call
     checks of the weights: x (m, k) float32 -> (m, rows) float32.
     Raises ValueError at construction when raw is not rows of k values of ``qtype``, not contiguous,
-    ``qtype`` has no kernel, or ``interleaved`` is asked of a type without the layout.
+    ``qtype`` has no kernel, or ``interleaved`` is asked of a type without a row-grouped layout.
     """
 
     def __init__(self, raw: np.ndarray, k: int, qtype: GGMLQuantizationType, interleaved: bool = False) -> None:
         self.traits = _kernel_type(qtype, "Matrix")
         self.qtype = self.traits.qtype
-        if interleaved and self.qtype not in IL_TRAITS:
-            raise ValueError(f"Matrix: only Q4_0, MXFP4 and Q4_K rows have an interleaved layout, "
+        if interleaved and self.qtype not in LAYOUTS:
+            raise ValueError(f"Matrix: only {', '.join(t.name for t in LAYOUTS)} rows have an interleaved layout, "
                              f"not {self.qtype.name}")
         self.interleaved = interleaved
-        self.traits = IL_TRAITS[self.qtype] if interleaved else self.traits
+        self.traits = LAYOUTS[self.qtype] if interleaved else self.traits
         self.raw = _weights(raw, k, self.traits, f"Matrix ({self.qtype.name})")
         self.rows, self.k = raw.shape[0], k
         self._ptr = _ptr(_native_cpu.ffi, "uint8_t *", self.raw) if _native_cpu is not None else None
 
     def rows_slice(self, r0: int, r1: int) -> "Matrix":
         """Rows [r0, r1) as a Matrix (a view: e.g. one expert of a stacked expert tensor). Raises ValueError
-        for an interleaved matrix's range that does not start and end on its 8-row stripes (or its end)."""
-        if self.interleaved and (r0 % IL_ROWS or (r1 % IL_ROWS and r1 != self.rows)):
+        for an interleaved matrix's range that does not start and end on its row groups (8-row stripes of Q4_0,
+        MXFP4 and Q4_K, 4-row groups of Q2_K) or its end."""
+        group = layout_rows(self.traits)
+        if r0 % group or (r1 % group and r1 != self.rows):
             raise ValueError(f"Matrix: rows [{r0}, {r1}) of an interleaved matrix of {self.rows} rows do not "
-                             f"start and end on its {IL_ROWS}-row stripes")
+                             f"start and end on its {group}-row stripes")
         return Matrix(self.raw[r0:r1], self.k, self.qtype, self.interleaved)
 
     def __call__(self, x: np.ndarray) -> np.ndarray:

@@ -16,7 +16,7 @@ from gguf import GGMLQuantizationType
 
 from engine.gguf import quant
 from engine.kernels.cpu import _check, _kernel_type, _matmul_np, _native_cpu, _native_level, _ptr, _weights
-from engine.kernels.cpu_twins import IL_ROWS, IL_TRAITS, QK
+from engine.kernels.cpu_twins import QK, layout_rows
 from engine.ops import reference
 
 class MoEWeights(NamedTuple):
@@ -25,8 +25,8 @@ class MoEWeights(NamedTuple):
 
     Each weight is of a :data:`engine.kernels.cpu.KERNEL_TYPES` type named by ``qtypes``: one type for all of them, or a
     mapping from the field name (``"gate"``, ``"up"``, ``"down"``, ``"sh_gate"``, ...) to its type, or to the kernel
-    traits of a layout (:data:`engine.kernels.cpu_twins.IL_TRAITS`: stacked experts whose row counts are multiples of
-    8).
+    traits of a row-grouped layout (:data:`engine.kernels.cpu.LAYOUTS`: stacked experts whose row counts are
+    multiples of the layout's 8 or 4 rows).
     d = model width, ff / ff_sh = expert hidden widths, multiples of their types' block sizes.
     """
 
@@ -79,9 +79,9 @@ def _moe_layout(x: np.ndarray, w: MoEWeights
     layout = {}
     for name, (raw, k) in mats.items():
         traits = _moe_type(w, name)
-        expert_rows = {"gate": ff, "up": ff, "down": d}.get(name, IL_ROWS)
-        if traits in IL_TRAITS.values() and expert_rows % IL_ROWS:
-            raise ValueError(f"moe_ffn {name}: interleaved experts of {expert_rows} rows would share {IL_ROWS}-row "
+        expert_rows, group = {"gate": ff, "up": ff, "down": d}.get(name, 0), layout_rows(traits)
+        if expert_rows % group:
+            raise ValueError(f"moe_ffn {name}: interleaved experts of {expert_rows} rows would share {group}-row "
                              f"stripes")
         layout[name] = (_weights(raw, k, traits, f"moe_ffn {name}"), traits)
     return x, layout, ff, ff_sh

@@ -78,10 +78,49 @@ def q4_k_deinterleave_np(raw: np.ndarray) -> np.ndarray:
     return out
 
 
+Q2_K_RL = dataclasses.replace(quant.TYPES[Q.Q2_K], cpu_kernel=25)
+"""Q2_K rows in the native 4-row rows-as-lanes layout (``DD_Q2_K_RL``, :mod:`engine.kernels.cpu_q2rl`), carried
+as :data:`Q4_0_IL` is."""
+RL_ROWS = 4
+# the super-block whose two scale bytes sit at 32 p + 8 q of a group's scale bytes (deltadesk_cpu.h)
+_RL_PAIR_BLOCK = np.array([[0, 4, 1, 5], [2, 6, 3, 7]])
+_RL_SCALE_AT = (2 * _RL_PAIR_BLOCK[:, :, None] + np.arange(2)).reshape(-1)   # layout position -> scale byte
+
+def layout_rows(traits: quant.QuantType) -> int:
+    """Rows per group of a row-grouped layout's traits (8 for the stripes of :data:`IL_TRAITS`, 4 for
+    :data:`Q2_K_RL`), else 1."""
+    return IL_ROWS if traits in IL_TRAITS.values() else RL_ROWS if traits == Q2_K_RL else 1
+
+
+def q2_k_rl_unpack_np(raw: np.ndarray) -> np.ndarray:
+    """The row-major Q2_K rows of rows-as-lanes ones (a new array; the numpy twin of ``dd_q2_k_rl_unpack``).
+
+    Args: raw (rows, k // 256 * 84) uint8: groups of 4 rows, super-block j of a group 336 bytes (deltadesk_cpu.h:
+        at 64 c + 4 (4 g + r) + i row r's qs byte 16 g + 4 c + i, then the permuted scale bytes, the 4 d, the 4
+        dmin); rows past the last multiple of 4 row-major.
+    Returns: (rows, k // 256 * 84) uint8, each row's super-blocks as stored in the file.
+    """
+    rows, row_bytes = raw.shape
+    nsb, groups = row_bytes // quant.TYPES[Q.Q2_K].block_bytes, rows // RL_ROWS
+    out = np.array(raw, dtype=np.uint8, copy=True)
+    sbs = raw[:RL_ROWS * groups].reshape(groups, nsb, 336)
+    qs = sbs[..., :256].reshape(groups, nsb, 4, 4, 4, 4).transpose(0, 1, 4, 3, 2, 5).reshape(groups, nsb, 4, 64)
+    placed = sbs[..., 256:320].reshape(groups, nsb, 2, 4, 4, 2).transpose(0, 1, 4, 2, 3, 5).reshape(groups, nsb, 4, 16)
+    scales = np.empty_like(placed)
+    scales[..., _RL_SCALE_AT] = placed
+    d, dmin = sbs[..., 320:328].reshape(groups, nsb, 4, 2), sbs[..., 328:336].reshape(groups, nsb, 4, 2)
+    per_row = np.concatenate([scales, qs, d, dmin], axis=3)   # (groups, nsb, r, 84)
+    out[:RL_ROWS * groups] = per_row.transpose(0, 2, 1, 3).reshape(RL_ROWS * groups, row_bytes)
+    return out
+
+
 def row_major(raw: np.ndarray, traits: quant.QuantType) -> tuple[np.ndarray, quant.QuantType]:
-    """(raw, traits) as the stored type's row-major rows: interleaved rows de-interleaved (a copy), others as given."""
+    """(raw, traits) as the stored type's row-major rows: a row-grouped layout's rows unpacked (a copy), others as
+    given."""
     if traits == Q4_K_IL:
         return q4_k_deinterleave_np(raw), quant.TYPES[Q.Q4_K]
+    if traits == Q2_K_RL:
+        return q2_k_rl_unpack_np(raw), quant.TYPES[Q.Q2_K]
     if traits in IL_TRAITS.values():
         return deinterleave_np(raw, traits.qtype), quant.TYPES[traits.qtype]
     return raw, traits

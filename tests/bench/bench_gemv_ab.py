@@ -14,11 +14,13 @@ before and after (figures from a loaded machine are not final). ``--cols 32`` ti
 (32 activation rows, an expert's share of a 512-token prompt) and reports GMAC/s; use a small --mib then,
 so the product is bound by the kernel, not by DRAM. ``--cpu`` times process CPU time instead of wall
 time (less disturbed by a loaded machine; with --threads 1 it is the kernel's own time). Each build's
-median milliseconds per call are printed beside its rate. ``--interleaved`` (Q4_0, MXFP4, Q4_K) adds, for each
-build, a second row: ``dd_matmul`` of ``DD_Q4_0_IL`` (``DD_MXFP4_IL``, ``DD_Q4_K_IL``) on a copy of the matrix
-repacked by ``dd_q4_0_interleave`` (``dd_mxfp4_interleave``, ``dd_q4_k_interleave``; docs/design/
-q4-0-row-interleave.md, mxfp4-interleave.md, q4-k-row-interleave.md), timed in the same rounds (with --cols > 1:
-the interleaved prefill GEMM, or the row-major one on de-interleaved stripes).
+median milliseconds per call are printed beside its rate, and the calling thread's CPU time per block of the type
+(a K-quant's super-block). ``--interleaved`` (Q4_0, MXFP4, Q4_K, Q2_K) adds, for each build, a second row:
+``dd_matmul`` of the row-grouped layout's kernel type (``DD_Q4_0_IL``, ``DD_MXFP4_IL``, ``DD_Q4_K_IL``,
+``DD_Q2_K_RL``) on a copy of the matrix repacked by ``dd_q4_0_interleave`` (``dd_mxfp4_interleave``,
+``dd_q4_k_interleave``, ``dd_q2_k_rl_pack``; docs/design/q4-0-row-interleave.md, mxfp4-interleave.md,
+q4-k-row-interleave.md, quant-formats.md), timed in the same rounds (with --cols > 1: the layout's prefill
+product, or the row-major one on unpacked rows).
 docs/perf/log/cpu-notes.md, "Weight prefetches into L2", used it.
 """
 
@@ -37,7 +39,7 @@ from gguf import GGMLQuantizationType
 
 from bench_kernels import K, random_blocks
 from engine.gguf import quant
-from engine.kernels.cpu_twins import IL_TRAITS
+from engine.kernels.cpu_twins import IL_TRAITS, Q2_K_RL
 from engine.kernels.iq_twins import grids as iq_grids
 
 
@@ -54,25 +56,31 @@ def load(path: str, folder: str, index: int, threads: int) -> ctypes.CDLL:
     return lib
 
 
+# stored type -> (the in-place repack's symbol, the kernel type of the repacked rows)
+REPACKS = {**{t: (f"dd_{t.name.lower()}_interleave", traits.cpu_kernel) for t, traits in IL_TRAITS.items()},
+           GGMLQuantizationType.Q2_K: ("dd_q2_k_rl_pack", Q2_K_RL.cpu_kernel)}
+
+
 def variants(libs: list[ctypes.CDLL], paths: list[str], args, isa: int, qtype: GGMLQuantizationType, w: np.ndarray,
              x: np.ndarray, rows: int, k: int) -> tuple[list[str], list]:
-    """(labels, calls): each build's dd_matmul, and with --interleaved its dd_matmul of the interleaved kernel type
-    (DD_Q4_0_IL, DD_MXFP4_IL) on a repacked copy."""
+    """(labels, calls): each build's dd_matmul, and with --interleaved its dd_matmul of the repacked type (REPACKS)
+    on a repacked copy."""
     labels, calls = [], []
     packed, kernel = None, quant.TYPES[qtype].cpu_kernel
     if args.interleaved:
-        packed, repack = w.copy(), f"dd_{qtype.name.lower()}_interleave"
-        if getattr(libs[0], repack)(ctypes.c_void_p(packed.ctypes.data), ctypes.c_size_t(rows),
+        symbol, il_kernel = REPACKS[qtype]
+        packed = w.copy()
+        if getattr(libs[0], symbol)(ctypes.c_void_p(packed.ctypes.data), ctypes.c_size_t(rows),
                                     ctypes.c_size_t(w.shape[1])) != 0:
-            raise SystemExit(f"{repack} failed")
+            raise SystemExit(f"{symbol} failed")
     for lib, path in zip(libs, paths):
         labels.append(path)
         calls.append(lambda out, lib=lib: lib.dd_matmul(isa, kernel, w.ctypes.data, rows, k, x.ctypes.data,
                                                         args.cols, out.ctypes.data))
         if packed is not None:
             labels.append(f"{path} interleaved")
-            calls.append(lambda out, lib=lib: lib.dd_matmul(isa, IL_TRAITS[qtype].cpu_kernel, packed.ctypes.data, rows,
-                                                            k, x.ctypes.data, args.cols, out.ctypes.data))
+            calls.append(lambda out, lib=lib: lib.dd_matmul(isa, il_kernel, packed.ctypes.data, rows, k,
+                                                            x.ctypes.data, args.cols, out.ctypes.data))
     return labels, calls
 
 
@@ -88,10 +96,10 @@ def main() -> None:
     ap.add_argument("--k", type=int, default=K, help="values a row, a multiple of the type's block (512: expert down)")
     ap.add_argument("--cpu", action="store_true", help="time process CPU time instead of wall time")
     ap.add_argument("--interleaved", action="store_true",
-                    help="also time the 8-row interleaved product (Q4_0, MXFP4, Q4_K)")
+                    help="also time the repacked product (Q4_0, MXFP4, Q4_K, Q2_K)")
     args = ap.parse_args()
-    if args.interleaved and args.type.upper() not in {t.name for t in IL_TRAITS}:
-        raise SystemExit("--interleaved: only for --type q4_0, mxfp4 or q4_k")
+    if args.interleaved and args.type.upper() not in {t.name for t in REPACKS}:
+        raise SystemExit("--interleaved: only for --type q4_0, mxfp4, q4_k or q2_k")
     try:
         qtype = GGMLQuantizationType[args.type.upper()]
     except KeyError:
@@ -126,12 +134,13 @@ def main() -> None:
     print(f"{args.type} {w.nbytes / 2**20:.0f} MiB (k={k}), isa {isa}, {args.threads} thread(s), {args.rounds} "
           f"rounds, {args.cols} column(s), {'CPU' if args.cpu else 'wall'} time, load {load_before:.2f} -> "
           f"{os.getloadavg()[0]:.2f}; same bits: {same}")
+    blocks = rows * k / quant.TYPES[qtype].block_values
     per_s, unit = (w.nbytes / 1e9, "GB/s") if args.cols == 1 else (rows * k * args.cols / 1e9, "GMAC/s")
     for path, t, c in zip(labels, times, cpu_times):
         rates, cpu_rates = [per_s / s for s in t], [per_s / s for s in c]
         print(f"  {path}: median {statistics.median(rates):.1f} {unit} ({min(rates):.1f}-{max(rates):.1f}), "
               f"{statistics.median(t) * 1e3:.1f} ms; calling thread CPU {statistics.median(cpu_rates):.1f} "
-              f"({min(cpu_rates):.1f}-{max(cpu_rates):.1f})")
+              f"({min(cpu_rates):.1f}-{max(cpu_rates):.1f}), {statistics.median(c) * 1e9 / blocks:.2f} ns a block")
 
 
 if __name__ == "__main__":

@@ -10,6 +10,7 @@ docs/design/native-cpu.md (what runs where, weight formats).
 
 from __future__ import annotations
 
+import functools
 from typing import Callable
 
 import numpy as np
@@ -17,7 +18,7 @@ from gguf import GGMLQuantizationType
 from threadpoolctl import threadpool_limits
 
 from engine.gguf.file import GGUFFile
-from engine.kernels import cpu, cpu_moe, cpu_q4il, heap
+from engine.kernels import cpu, cpu_moe, cpu_q2rl, cpu_q4il, heap
 from engine.ops import reference as ops
 from engine.gguf.quant import FLOAT_TYPES, dequantize, type_name
 from engine.turn.state import SequenceState
@@ -74,21 +75,31 @@ def to_q8_0(raw: np.ndarray, qtype: GGMLQuantizationType, k: int) -> np.ndarray:
     return out
 
 
+# stored type -> (the in-place repack into its row-grouped layout, the longest rows it takes)
+_REPACKS = {**{t: (functools.partial(cpu_q4il.interleave, qtype=t), cpu_q4il.MAX_ROW_BYTES[t])
+               for t in cpu_q4il.TYPES},
+            Q.Q2_K: (cpu_q2rl.pack_q2_k, cpu_q2rl.MAX_ROW_BYTES)}
+
+
 def interleaves(gguf: GGUFFile, name: str) -> bool:
-    """True when ``name`` is rewritten at load into the 8-row interleaved layout (:mod:`engine.kernels.cpu_q4il`):
-    a Q4_0, MXFP4 or Q4_K projection whose bytes are the private copy of ``weights="ram"``
-    (:meth:`GGUFFile.writable_raw`), on the avx512vnni level (whose decode GEMV reads the layout; the others would
-    de-interleave it on every product), not the token embedding (its rows are read as stored), rows of at most
-    the type's ``cpu_q4il.MAX_ROW_BYTES``, and for stacked experts, experts of whole 8-row stripes."""
+    """True when ``name`` is rewritten at load into its type's row-grouped layout (:data:`engine.kernels.cpu.LAYOUTS`:
+    the 8-row interleave of Q4_0, MXFP4 and Q4_K, :mod:`engine.kernels.cpu_q4il`; Q2_K's 4 rows as lanes,
+    :mod:`engine.kernels.cpu_q2rl`):
+    a projection whose bytes are the private copy of ``weights="ram"`` (:meth:`GGUFFile.writable_raw`), on the
+    avx512vnni level (whose decode GEMV reads the layout; the others would unpack it on every product), not the
+    token embedding (its rows are read as stored), rows no longer than the layout takes, and for stacked experts,
+    experts of whole row groups."""
     info = gguf.info(name)
-    return (info.qtype in cpu_q4il.TYPES and cpu.isa() == "avx512vnni" and name != "token_embd.weight"
-            and (len(info.ne) < 3 or info.ne[1] % cpu.IL_ROWS == 0) and gguf.writable_raw(name) is not None
-            and gguf.raw(name).flags.c_contiguous and gguf.raw(name).shape[1] <= cpu_q4il.MAX_ROW_BYTES[info.qtype])
+    if info.qtype not in _REPACKS or cpu.isa() != "avx512vnni" or name == "token_embd.weight":
+        return False
+    group = cpu.layout_rows(cpu.LAYOUTS[info.qtype])
+    return ((len(info.ne) < 3 or info.ne[1] % group == 0) and gguf.writable_raw(name) is not None
+            and gguf.raw(name).flags.c_contiguous and gguf.raw(name).shape[1] <= _REPACKS[info.qtype][1])
 
 
 def prepare_weight(gguf: GGUFFile, name: str, float_weights: str = "f32", repack: bool = True) -> tuple[Weight, str]:
     """A projection weight (2-D, or 3-D stacked experts as rows) in the form the kernels read; ``repack``: rewrite
-    it in place into the interleaved layout where :func:`interleaves` allows.
+    it in place into its row-grouped layout where :func:`interleaves` allows.
 
     Returns: (the weight, the rule applied, e.g. "Q4_0 mapped", "Q4_0 resident" (file read into memory),
     "Q4_0 resident interleaved" (rewritten in place, :func:`interleaves`; MXFP4 and Q4_K likewise),
@@ -103,7 +114,7 @@ def prepare_weight(gguf: GGUFFile, name: str, float_weights: str = "f32", repack
     if qtype in cpu.KERNEL_TYPES and k % cpu.QK == 0 and (qtype not in FLOAT_TYPES or float_weights == "f32"):
         where = gguf.residence(raw) if raw.flags.c_contiguous else ""
         if repack and interleaves(gguf, name):
-            cpu_q4il.interleave(gguf.writable_raw(name), qtype)
+            _REPACKS[qtype][0](gguf.writable_raw(name))
             return cpu.Matrix(raw, k, qtype, interleaved=True), f"{stored} {where} interleaved"
         return cpu.Matrix(np.ascontiguousarray(raw), k, qtype), f"{stored} {where or 'copied'}"
     if qtype in FLOAT_TYPES and float_weights == "f32":
@@ -128,9 +139,8 @@ class NativeQwen35Model(Qwen35Model):
     Args:
         hp: hyper-parameters. gguf: the open file (its tensors are used in place where possible).
         float_weights: "f32" (F16/BF16 read as stored, F32 as float32: exact) or "q8_0" (converted).
-        repack: rewrite Q4_0, MXFP4 and Q4_K weights read into memory into the interleaved layouts
-            (:func:`interleaves`); False when another reader of the file's bytes (GPU prefill's upload) may come after
-            the model.
+        repack: rewrite Q4_0, MXFP4, Q4_K and Q2_K weights read into memory into their layouts (:func:`interleaves`);
+            False when another reader of the file's bytes (GPU prefill's upload) may come after the model.
     Attributes:
         weight_rules: rule -> (tensor count, bytes used by the kernels), e.g. {"Q4_0 mapped": (61, ...)}.
         step: the one-call decode step (:class:`~engine.arch.qwen35.cpu_step.NativeStep`), or None when

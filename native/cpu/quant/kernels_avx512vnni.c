@@ -10,6 +10,7 @@
 
 #include "gemm_tiles.h"
 #include "kernels.h"
+#include "q2k_lanes.h"
 #include "runtime.h"
 
 /* 4 vectors of 16 int32 lanes -> lane 4k + j = the sum of 128-bit lane k of vector j (exact, in-lane
@@ -28,6 +29,7 @@ DD_INLINE __m512i kq_transpose_add(const __m512i d[4])
 #include "bquants.h"
 
 #include "lowbit_avx512.h"
+#include "q2k_rl_avx512.h"
 
 /* The integer dot product of lowbit.h for the IQ types (kquants.h's DD_KQ_DOT8 contract, unsigned weights
  * of up to 127): one vpdpbusd per 64 values (blocks 2p, 2p + 1) gives 4-value sums, 128-bit lane h the
@@ -308,7 +310,7 @@ static void dots_f32(const float *w, size_t nw, const float *x, size_t nx, size_
 const dd_kernels dd_kernels_avx512vnni = {
     .quantize_q8_0 = quantize_q8_0,
     .gemm = { gemm_q4_0, gemm_q8_0, gemm_q4_K, gemm_q5_K, gemm_q6_K, DD_BQ_GEMMS, DD_LB_GEMMS, DD_IQ_GEMMS, gemm_mxfp4, gemm_bf16, gemm_f16,
-              gemm_q4_0_il, gemm_mxfp4_il, gemm_q4_k_il },
+              gemm_q4_0_il, gemm_mxfp4_il, gemm_q4_k_il, gemm_q2_k_rl },
     .bias_mult = { 0, -128 },
     .q4_0_groups = 1,
     .dots_f32 = dots_f32,

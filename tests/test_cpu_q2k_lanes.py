@@ -1,0 +1,220 @@
+"""The 4-row rows-as-lanes Q2_K layout (engine.kernels.cpu_q2rl, native/cpu/quant/q2k_lanes.c, q2k_rl_avx512.h).
+
+The layout is checked against a construction of its definition (deltadesk_cpu.h, byte by byte), the repack's
+inverse against the original bytes, the numpy twin's unpacking against the definition, and the products of the
+DD_Q2_K_RL kernel type (through cpu.Matrix) against the row-major Q2_K kernel of each level bit for bit: the
+AVX-512 VNNI kernel (a GEMV, column by column) by its own contract (the same integers and f64 operations per (row,
+block) lane), the other levels by construction (the groups unpacked for the row-major kernel).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from gguf import GGMLQuantizationType
+from test_cpu_lowbit import random_lowbit
+
+from engine.gguf import quant
+from engine.kernels import cpu, cpu_moe, cpu_q2rl
+from engine.kernels.cpu_twins import Q2_K_RL, q2_k_rl_unpack_np
+
+Q2_K, Q4_K = GGMLQuantizationType.Q2_K, GGMLQuantizationType.Q4_K
+NATIVE = cpu_q2rl._native_cpu is not None
+needs_native = pytest.mark.skipif(not NATIVE, reason="native kernels not built")
+PAIR_BLOCK = ((0, 4, 1, 5), (2, 6, 3, 7))
+
+
+@pytest.fixture
+def rng():
+    """Fresh random inputs each run; the seed is printed on failure."""
+    seed = np.random.SeedSequence().entropy
+    print(f"seed {seed}")
+    return np.random.default_rng(seed)
+
+
+def layout_np(raw: np.ndarray) -> np.ndarray:
+    """The packed bytes by the layout's definition, one byte at a time (deltadesk_cpu.h, dd_q2_k_rl_pack)."""
+    rows, rb = raw.shape
+    out = raw.copy()
+    for s in range(rows // 4):
+        for j in range(rb // 84):
+            blk = [raw[4 * s + r, 84 * j:84 * j + 84] for r in range(4)]
+            sb = out[4 * s:4 * s + 4].reshape(-1)[336 * j:336 * j + 336]
+            for r in range(4):
+                for c in range(4):
+                    for g in range(4):
+                        sb[64 * c + 4 * (4 * g + r):][:4] = blk[r][16 + 16 * g + 4 * c:][:4]
+                for p in range(2):
+                    for q in range(4):
+                        sb[256 + 32 * p + 2 * (4 * q + r):][:2] = blk[r][2 * (2 * p + PAIR_BLOCK[0][q]):][:2]
+                sb[320 + 2 * r:][:2], sb[328 + 2 * r:][:2] = blk[r][80:82], blk[r][82:84]
+    return out
+
+
+@needs_native
+@pytest.mark.parametrize("rows", [1, 3, 4, 5, 11, 16])
+@pytest.mark.parametrize("k", [256, 768])
+def test_repack_is_the_layout_and_its_inverse_restores_the_bytes(rows, k, rng):
+    raw = rng.integers(0, 256, (rows, k // 256 * 84), dtype=np.uint8)
+    packed = raw.copy()
+    cpu_q2rl.pack_q2_k(packed)
+    np.testing.assert_array_equal(packed, layout_np(raw))
+    assert rows < 4 or not np.array_equal(packed, raw)
+    cpu_q2rl.unpack_q2_k(packed)
+    np.testing.assert_array_equal(packed, raw)
+
+
+@needs_native
+def test_repack_refuses_read_only_partial_blocks_and_long_rows():
+    ro = np.zeros((4, 84), dtype=np.uint8)
+    ro.flags.writeable = False
+    with pytest.raises(ValueError, match="writable"):
+        cpu_q2rl.pack_q2_k(ro)
+    with pytest.raises(ValueError, match="whole Q2_K super-blocks"):
+        cpu_q2rl.pack_q2_k(np.zeros((4, 100), dtype=np.uint8))
+    with pytest.raises(ValueError, match="longer than the layout takes"):
+        cpu_q2rl.pack_q2_k(np.zeros((4, cpu_q2rl.MAX_ROW_BYTES + 84), dtype=np.uint8))
+
+
+def test_numpy_twin_unpacks_the_layout(rng):
+    raw = rng.integers(0, 256, (13, 3 * 84), dtype=np.uint8)
+    np.testing.assert_array_equal(q2_k_rl_unpack_np(layout_np(raw)), raw)
+
+
+def rl_matrix(raw: np.ndarray, k: int) -> cpu.Matrix:
+    """A rows-as-lanes Matrix of a copy of raw (row-major Q2_K rows of k values)."""
+    packed = raw.copy()
+    if NATIVE:
+        cpu_q2rl.pack_q2_k(packed)
+    else:
+        packed = layout_np(raw)
+    return cpu.Matrix(packed, k, Q2_K, interleaved=True)
+
+
+def assert_row_major_bits(raw: np.ndarray, k: int, x: np.ndarray, levels=None) -> None:
+    """The packed matrix's product equals the row-major one's, bit for bit, at every level and 1-3 threads."""
+    mat, rm = rl_matrix(raw, k), cpu.Matrix(raw, k, Q2_K)
+    assert mat.traits == Q2_K_RL
+    try:
+        for level in levels or ("numpy", *cpu.supported_isas()):
+            cpu.set_isa(level)
+            want = rm(x)
+            for threads in (1, 2, 3):
+                cpu.set_threads(threads)
+                np.testing.assert_array_equal(mat(x).view(np.uint32), want.view(np.uint32),
+                                              err_msg=f"{level}, {threads} threads")
+    finally:
+        cpu.set_isa(None)
+        cpu.set_threads()
+
+
+@pytest.mark.parametrize("rows,k", [(4, 256), (5, 512), (13, 768), (70, 2048), (129, 2304), (9, 49920)])
+@pytest.mark.parametrize("m", [1, 2, 3, 8, 17])
+def test_packed_matrix_has_the_row_major_bits(rows, k, m, rng):
+    raw = random_lowbit(rng, rows, k, Q2_K)
+    x = (rng.standard_normal((m, k)) * rng.uniform(0.1, 10)).astype(np.float32)
+    assert_row_major_bits(raw, k, x, None if rows * k < 10**5 or m < 8 else cpu.supported_isas())
+
+
+@needs_native
+@pytest.mark.parametrize("k", [256, 1024])
+def test_random_bytes_nan_and_inf_scales_included(k, rng):
+    """Every byte random: d and dmin include infinities and NaNs (one f16 in 32), whose propagation must match."""
+    raw = rng.integers(0, 256, (24, k // 256 * 84), dtype=np.uint8)
+    x = rng.standard_normal((2, k)).astype(np.float32)
+    assert_row_major_bits(raw, k, x[:1], cpu.supported_isas())
+    assert_row_major_bits(raw, k, x, cpu.supported_isas())
+
+
+@needs_native
+def test_extreme_codes_and_full_scale_activations(rng):
+    """Code 3 everywhere, scale and min 15 (or min 0), activations +-127 in every value: the 64-fold field 3
+    and its int16 half sums at their bounds."""
+    k = 1024
+    raw = random_lowbit(rng, 12, k, Q2_K)
+    b = raw.view(quant.BLOCK_DTYPES[Q2_K])
+    b["qs"] = 0xFF
+    b[:6]["scales"], b[6:]["scales"] = 0xFF, 0x0F
+    signs = rng.choice([-1.0, 1.0], (3, k // 32))
+    x = (np.repeat(signs, 32, axis=1) * rng.uniform(0.5, 2, (3, 1))).astype(np.float32)
+    x[2] = -x[1]
+    assert_row_major_bits(raw, k, x[:1])
+    assert_row_major_bits(raw, k, x)
+
+
+def cancelling_blocks(rng, rows: int, j0: int, j1: int) -> tuple[np.ndarray, np.ndarray]:
+    """Q2_K rows of one super-block whose 8 blocks hold the same codes and scales, and a column whose block j1 is
+    block j0 negated (values up to 6e4) and whose other blocks are ~1e-5: the terms of lanes j0 and j1 cancel
+    exactly and are ~2^32 times the others, so any other order of the f64 sums than the row-major tree's
+    (((s0 + s1) + (s2 + s3)) + ((s4 + s5) + (s6 + s7))) leaves rounding errors of ~2^-20 of the result in f32."""
+    raw = np.zeros((rows, 84), dtype=np.uint8)
+    codes = rng.integers(0, 4, (rows, 32)).astype(np.uint8)
+    raw[:, 16:48] = raw[:, 48:80] = codes * 0x55   # every field of a byte the same code: blocks repeat
+    raw[:, 0:16] = np.tile(rng.integers(0x11, 0x100, (rows, 2)).astype(np.uint8), 8)
+    raw[:, 80:84] = np.array([0.01, 0.002], dtype=np.float16).view(np.uint8)
+    x = rng.uniform(-1e-5, 1e-5, (1, 256)).astype(np.float32)
+    big = rng.uniform(-6e4, 6e4, 32).astype(np.float32)
+    x[0, 32 * j0:32 * j0 + 32], x[0, 32 * j1:32 * j1 + 32] = big, -big
+    return raw, x
+
+
+@pytest.mark.parametrize("j0,j1", [(0, 1), (0, 2), (1, 3), (2, 3), (0, 4), (1, 5), (3, 7), (4, 6), (5, 6)])
+def test_lane_sums_follow_the_row_major_tree(j0, j1, rng):
+    raw, x = cancelling_blocks(rng, 8, j0, j1)
+    assert_row_major_bits(raw, 256, x)
+
+
+@needs_native
+def test_rows_slice_keeps_the_groups(rng):
+    raw = random_lowbit(rng, 14, 512, Q2_K)
+    mat = rl_matrix(raw, 512)
+    x = rng.standard_normal((1, 512)).astype(np.float32)
+    for r0, r1 in ((4, 8), (8, 14), (12, 14)):
+        part = mat.rows_slice(r0, r1)
+        assert part.interleaved
+        np.testing.assert_array_equal(part(x).view(np.uint32), mat(x)[:, r0:r1].view(np.uint32))
+    for r0, r1 in ((2, 8), (4, 6)):
+        with pytest.raises(ValueError, match="4-row"):
+            mat.rows_slice(r0, r1)
+
+
+def test_only_q4_0_and_q2_k_interleave():
+    with pytest.raises(ValueError, match="only Q4_0 and Q2_K"):
+        cpu.Matrix(np.zeros((4, 144), dtype=np.uint8), 256, Q4_K, interleaved=True)
+
+
+@needs_native
+@pytest.mark.parametrize("level", ["avx512vnni", "avx2", "scalar"])
+def test_moe_on_packed_experts_has_the_row_major_bits(level, rng):
+    """The fused MoE (gate, up and down experts packed) against the same experts row-major, one token."""
+    if level not in cpu.supported_isas():
+        pytest.skip(f"needs {level}")
+    d, ff, n_expert = 512, 256, 6
+    raw = {n: random_lowbit(rng, rows, k, Q2_K) for n, rows, k in
+           (("gate", n_expert * ff, d), ("up", n_expert * ff, d), ("down", n_expert * d, ff))}
+    packed = {n: r.copy() for n, r in raw.items()}
+    for r in packed.values():
+        cpu_q2rl.pack_q2_k(r)
+    router = rng.standard_normal((n_expert, d)).astype(np.float32)
+    x = rng.standard_normal(d).astype(np.float32)
+    row_major = cpu_moe.MoEWeights(router, **raw, n_used=2, qtypes=Q2_K)
+    lanes = cpu_moe.MoEWeights(router, **packed, n_used=2, qtypes=Q2_K_RL)
+    try:
+        cpu.set_isa(level)
+        for threads in (1, 2):
+            cpu.set_threads(threads)
+            want = cpu_moe.moe_ffn(x, row_major).out
+            np.testing.assert_array_equal(cpu_moe.moe_ffn(x, lanes).out.view(np.uint32), want.view(np.uint32))
+    finally:
+        cpu.set_isa(None)
+        cpu.set_threads()
+
+
+def test_moe_refuses_experts_that_split_groups(rng):
+    d, ff, n_expert = 256, 2, 2
+    gate = random_lowbit(rng, n_expert * ff, d, Q2_K)
+    down = np.zeros((n_expert * d, 84), dtype=np.uint8)
+    w = cpu_moe.MoEWeights(np.zeros((n_expert, d), np.float32), gate, gate.copy(), down, 1, {"gate": Q2_K_RL,
+                           "up": Q2_K_RL, "down": Q2_K})
+    with pytest.raises(ValueError, match="share 4-row"):
+        cpu_moe.moe_ffn(np.zeros(d, np.float32), w)
