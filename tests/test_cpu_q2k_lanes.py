@@ -178,11 +178,6 @@ def test_rows_slice_keeps_the_groups(rng):
             mat.rows_slice(r0, r1)
 
 
-def test_only_q4_0_and_q2_k_interleave():
-    with pytest.raises(ValueError, match="only Q4_0 and Q2_K"):
-        cpu.Matrix(np.zeros((4, 144), dtype=np.uint8), 256, Q4_K, interleaved=True)
-
-
 @needs_native
 @pytest.mark.parametrize("level", ["avx512vnni", "avx2", "scalar"])
 def test_moe_on_packed_experts_has_the_row_major_bits(level, rng):

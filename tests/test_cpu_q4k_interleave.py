@@ -144,11 +144,6 @@ def test_rows_slice_keeps_the_stripes(rng):
         mat.rows_slice(4, 16)
 
 
-def test_only_q4_0_and_q4_k_interleave():
-    with pytest.raises(ValueError, match="only Q4_0 and Q4_K"):
-        cpu.Matrix(np.zeros((8, 176), dtype=np.uint8), 256, Q.Q5_K, interleaved=True)
-
-
 def test_moe_on_interleaved_experts_has_the_row_major_bits(rng):
     """The fused MoE (one token, and the grouped prompt call) on interleaved Q4_K experts and shared expert:
     the bits of the same experts row-major, on every level (the per-expert products pick DD_Q4_K_IL by type)."""
