@@ -26,14 +26,17 @@ class Layout:
     unpack: Callable[[np.ndarray], None] | None
     layout_np: Callable[[np.ndarray], np.ndarray]
 
-    def matrix(self, raw: np.ndarray, k: int) -> cpu.Matrix:
-        """A repacked Matrix of a copy of raw (row-major rows of k values): by the native repack, else numpy."""
+    def repacked(self, raw: np.ndarray) -> np.ndarray:
+        """A repacked copy of raw (row-major rows): by the native repack where built, else by layout_np."""
+        if self.pack is None:
+            return self.layout_np(raw)
         packed = raw.copy()
-        if self.pack is not None:
-            self.pack(packed)
-        else:
-            packed = self.layout_np(raw)
-        return cpu.Matrix(packed, k, self.qtype, interleaved=True)
+        self.pack(packed)
+        return packed
+
+    def matrix(self, raw: np.ndarray, k: int) -> cpu.Matrix:
+        """A repacked Matrix of a copy of raw (row-major rows of k values)."""
+        return cpu.Matrix(self.repacked(raw), k, self.qtype, interleaved=True)
 
 
 def check_round_trip(layout: Layout, raw: np.ndarray) -> None:
