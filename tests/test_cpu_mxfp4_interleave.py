@@ -14,14 +14,16 @@ import numpy as np
 import pytest
 from gguf import GGMLQuantizationType
 from test_cpu_bquants import random_bquant
+from layout_cases import assert_row_major_bits, check_refusals, check_round_trip, check_rows_slice
 from test_cpu_kernels import assert_close, reference_product, rng  # noqa: F401 (fixture)
-from test_cpu_q4_interleave import layout_np
+from test_cpu_q4_interleave import layout_np, q4_layout
 
 from engine.gguf import quant
 from engine.kernels import cpu, cpu_q4il
 from engine.kernels.cpu_twins import deinterleave_np
 
 MXFP4 = GGMLQuantizationType.MXFP4
+LAYOUT = q4_layout(MXFP4)
 native = pytest.mark.skipif(cpu_q4il._native_cpu is None, reason="native kernels not built")
 
 
@@ -29,21 +31,12 @@ native = pytest.mark.skipif(cpu_q4il._native_cpu is None, reason="native kernels
 @pytest.mark.parametrize("rows", [1, 7, 8, 9, 23, 64])
 @pytest.mark.parametrize("k", [32, 96, 544])
 def test_repack_is_the_layout_and_its_inverse_restores_the_bytes(rows, k, rng):
-    raw = rng.integers(0, 256, (rows, k // 32 * 17), dtype=np.uint8)
-    packed = raw.copy()
-    cpu_q4il.interleave(packed, MXFP4)
-    np.testing.assert_array_equal(packed, layout_np(raw, MXFP4))
-    assert rows < 8 or not np.array_equal(packed, raw)
-    cpu_q4il.deinterleave(packed, MXFP4)
-    np.testing.assert_array_equal(packed, raw)
+    check_round_trip(LAYOUT, rng.integers(0, 256, (rows, k // 32 * 17), dtype=np.uint8))
 
 
 @native
 def test_repack_refuses_partial_blocks_and_long_rows():
-    with pytest.raises(ValueError, match="whole MXFP4 blocks of 17 bytes"):
-        cpu_q4il.interleave(np.zeros((8, 36), dtype=np.uint8), MXFP4)
-    with pytest.raises(ValueError, match="longer than the layout takes"):
-        cpu_q4il.interleave(np.zeros((8, cpu_q4il.MAX_ROW_BYTES[MXFP4] + 17), dtype=np.uint8), MXFP4)
+    check_refusals(LAYOUT, 36, "whole MXFP4 blocks of 17 bytes", cpu_q4il.MAX_ROW_BYTES[MXFP4])
 
 
 def test_numpy_twin_deinterleaves_the_layout(rng):
@@ -51,39 +44,14 @@ def test_numpy_twin_deinterleaves_the_layout(rng):
     np.testing.assert_array_equal(deinterleave_np(layout_np(raw, MXFP4), MXFP4), raw)
 
 
-def il_matrix(raw: np.ndarray, k: int) -> cpu.Matrix:
-    """An interleaved Matrix of a copy of raw (row-major MXFP4 rows of k values)."""
-    packed = raw.copy()
-    if cpu_q4il._native_cpu is not None:
-        cpu_q4il.interleave(packed, MXFP4)
-    else:
-        packed = layout_np(raw, MXFP4)
-    return cpu.Matrix(packed, k, MXFP4, interleaved=True)
-
-
-def assert_row_major_bits(raw: np.ndarray, k: int, x: np.ndarray, levels=None) -> None:
-    """The interleaved matrix of raw gives the row-major matrix's bits on every level (and 1-3 threads)."""
-    mat, rm = il_matrix(raw, k), cpu.Matrix(raw, k, MXFP4)
-    try:
-        for level in levels or ("numpy", *cpu.supported_isas()):
-            cpu.set_isa(level)
-            want = rm(x)
-            for threads in (1, 2, 3):
-                cpu.set_threads(threads)
-                np.testing.assert_array_equal(mat(x).view(np.uint32), want.view(np.uint32), err_msg=level)
-    finally:
-        cpu.set_isa(None)
-        cpu.set_threads()
-
-
 @pytest.mark.parametrize("rows,k", [(5, 64), (8, 32), (13, 96), (69, 544), (41, 1056), (136, 2048), (29, 29120)])
 @pytest.mark.parametrize("m", [1, 2, 3, 8, 17])   # m > 1: the VNNI GEMV per column; elsewhere de-interleaved
 def test_interleaved_matrix_has_the_row_major_bits(rows, k, m, rng):
     raw = random_bquant(rng, rows, k, MXFP4)
     x = (rng.standard_normal((m, k)) * rng.uniform(0.1, 10)).astype(np.float32)
-    assert_row_major_bits(raw, k, x, None if rows * k * m <= 2**20 else cpu.supported_isas())
+    assert_row_major_bits(LAYOUT, raw, k, x, None if rows * k * m <= 2**20 else cpu.supported_isas())
     ref, abs_sum = reference_product(raw, x, MXFP4)
-    assert_close(il_matrix(raw, k)(x), ref, abs_sum, k // 32)
+    assert_close(LAYOUT.matrix(raw, k)(x), ref, abs_sum, k // 32)
 
 
 @pytest.mark.parametrize("k", [256, 288])   # one full group; and a short second group of one block
@@ -105,19 +73,13 @@ def test_every_exponent_and_overflowing_scales(k, rng):
     for scale in (1.0, 1e4):
         x = (rng.standard_normal((5, k)) * scale).astype(np.float32)
         with np.errstate(over="ignore", invalid="ignore"):   # the twin's f32 products overflow, as the kernels'
-            assert_row_major_bits(raw, k, x)
-            assert_row_major_bits(raw, k, x[:1])
-    y = il_matrix(raw, k)(x)
+            assert_row_major_bits(LAYOUT, raw, k, x)
+            assert_row_major_bits(LAYOUT, raw, k, x[:1])
+    y = LAYOUT.matrix(raw, k)(x)
     assert np.isnan(y).any() and np.isinf(y).any()
 
 
 def test_rows_slice_keeps_the_stripes(rng):
     raw = random_bquant(rng, 27, 64, MXFP4)
-    mat = il_matrix(raw, 64)
     x = rng.standard_normal((1, 64)).astype(np.float32)
-    for r0, r1 in ((8, 16), (16, 27), (24, 27)):
-        part = mat.rows_slice(r0, r1)
-        assert part.interleaved and part.traits == cpu.MXFP4_IL
-        np.testing.assert_array_equal(part(x).view(np.uint32), mat(x)[:, r0:r1].view(np.uint32))
-    with pytest.raises(ValueError, match="stripes"):
-        mat.rows_slice(4, 16)
+    check_rows_slice(LAYOUT.matrix(raw, 64), x, ((8, 16), (16, 27), (24, 27)), ((4, 16),), "stripes", cpu.MXFP4_IL)

@@ -12,6 +12,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 from gguf import GGMLQuantizationType
+from layout_cases import Layout, assert_row_major_bits, check_refusals, check_round_trip, check_rows_slice
+from test_cpu_kernels import rng  # noqa: F401 (fixture)
 from test_cpu_lowbit import random_lowbit
 
 from engine.gguf import quant
@@ -22,14 +24,6 @@ Q2_K, Q4_K = GGMLQuantizationType.Q2_K, GGMLQuantizationType.Q4_K
 NATIVE = cpu_q2rl._native_cpu is not None
 needs_native = pytest.mark.skipif(not NATIVE, reason="native kernels not built")
 PAIR_BLOCK = ((0, 4, 1, 5), (2, 6, 3, 7))
-
-
-@pytest.fixture
-def rng():
-    """Fresh random inputs each run; the seed is printed on failure."""
-    seed = np.random.SeedSequence().entropy
-    print(f"seed {seed}")
-    return np.random.default_rng(seed)
 
 
 def layout_np(raw: np.ndarray) -> np.ndarray:
@@ -51,29 +45,20 @@ def layout_np(raw: np.ndarray) -> np.ndarray:
     return out
 
 
+LAYOUT = Layout(Q2_K, 4, 84, cpu_q2rl.pack_q2_k if NATIVE else None, cpu_q2rl.unpack_q2_k if NATIVE else None,
+                layout_np)
+
+
 @needs_native
 @pytest.mark.parametrize("rows", [1, 3, 4, 5, 11, 16])
 @pytest.mark.parametrize("k", [256, 768])
 def test_repack_is_the_layout_and_its_inverse_restores_the_bytes(rows, k, rng):
-    raw = rng.integers(0, 256, (rows, k // 256 * 84), dtype=np.uint8)
-    packed = raw.copy()
-    cpu_q2rl.pack_q2_k(packed)
-    np.testing.assert_array_equal(packed, layout_np(raw))
-    assert rows < 4 or not np.array_equal(packed, raw)
-    cpu_q2rl.unpack_q2_k(packed)
-    np.testing.assert_array_equal(packed, raw)
+    check_round_trip(LAYOUT, rng.integers(0, 256, (rows, k // 256 * 84), dtype=np.uint8))
 
 
 @needs_native
 def test_repack_refuses_read_only_partial_blocks_and_long_rows():
-    ro = np.zeros((4, 84), dtype=np.uint8)
-    ro.flags.writeable = False
-    with pytest.raises(ValueError, match="writable"):
-        cpu_q2rl.pack_q2_k(ro)
-    with pytest.raises(ValueError, match="whole Q2_K super-blocks"):
-        cpu_q2rl.pack_q2_k(np.zeros((4, 100), dtype=np.uint8))
-    with pytest.raises(ValueError, match="longer than the layout takes"):
-        cpu_q2rl.pack_q2_k(np.zeros((4, cpu_q2rl.MAX_ROW_BYTES + 84), dtype=np.uint8))
+    check_refusals(LAYOUT, 100, "whole Q2_K super-blocks", cpu_q2rl.MAX_ROW_BYTES)
 
 
 def test_numpy_twin_unpacks_the_layout(rng):
@@ -81,31 +66,10 @@ def test_numpy_twin_unpacks_the_layout(rng):
     np.testing.assert_array_equal(q2_k_rl_unpack_np(layout_np(raw)), raw)
 
 
-def rl_matrix(raw: np.ndarray, k: int) -> cpu.Matrix:
-    """A rows-as-lanes Matrix of a copy of raw (row-major Q2_K rows of k values)."""
-    packed = raw.copy()
-    if NATIVE:
-        cpu_q2rl.pack_q2_k(packed)
-    else:
-        packed = layout_np(raw)
-    return cpu.Matrix(packed, k, Q2_K, interleaved=True)
-
-
-def assert_row_major_bits(raw: np.ndarray, k: int, x: np.ndarray, levels=None) -> None:
-    """The packed matrix's product equals the row-major one's, bit for bit, at every level and 1-3 threads."""
-    mat, rm = rl_matrix(raw, k), cpu.Matrix(raw, k, Q2_K)
-    assert mat.traits == Q2_K_RL
-    try:
-        for level in levels or ("numpy", *cpu.supported_isas()):
-            cpu.set_isa(level)
-            want = rm(x)
-            for threads in (1, 2, 3):
-                cpu.set_threads(threads)
-                np.testing.assert_array_equal(mat(x).view(np.uint32), want.view(np.uint32),
-                                              err_msg=f"{level}, {threads} threads")
-    finally:
-        cpu.set_isa(None)
-        cpu.set_threads()
+def assert_packed_row_major_bits(raw: np.ndarray, k: int, x: np.ndarray, levels=None) -> None:
+    """The packed Matrix has the Q2_K_RL traits and the row-major Matrix's bits at every level and 1-3 threads."""
+    assert LAYOUT.matrix(raw, k).traits == Q2_K_RL
+    assert_row_major_bits(LAYOUT, raw, k, x, levels)
 
 
 @pytest.mark.parametrize("rows,k", [(4, 256), (5, 512), (13, 768), (70, 2048), (129, 2304), (9, 49920)])
@@ -113,7 +77,7 @@ def assert_row_major_bits(raw: np.ndarray, k: int, x: np.ndarray, levels=None) -
 def test_packed_matrix_has_the_row_major_bits(rows, k, m, rng):
     raw = random_lowbit(rng, rows, k, Q2_K)
     x = (rng.standard_normal((m, k)) * rng.uniform(0.1, 10)).astype(np.float32)
-    assert_row_major_bits(raw, k, x, None if rows * k < 10**5 or m < 8 else cpu.supported_isas())
+    assert_packed_row_major_bits(raw, k, x, None if rows * k < 10**5 or m < 8 else cpu.supported_isas())
 
 
 @needs_native
@@ -122,8 +86,8 @@ def test_random_bytes_nan_and_inf_scales_included(k, rng):
     """Every byte random: d and dmin include infinities and NaNs (one f16 in 32), whose propagation must match."""
     raw = rng.integers(0, 256, (24, k // 256 * 84), dtype=np.uint8)
     x = rng.standard_normal((2, k)).astype(np.float32)
-    assert_row_major_bits(raw, k, x[:1], cpu.supported_isas())
-    assert_row_major_bits(raw, k, x, cpu.supported_isas())
+    assert_packed_row_major_bits(raw, k, x[:1], cpu.supported_isas())
+    assert_packed_row_major_bits(raw, k, x, cpu.supported_isas())
 
 
 @needs_native
@@ -138,8 +102,8 @@ def test_extreme_codes_and_full_scale_activations(rng):
     signs = rng.choice([-1.0, 1.0], (3, k // 32))
     x = (np.repeat(signs, 32, axis=1) * rng.uniform(0.5, 2, (3, 1))).astype(np.float32)
     x[2] = -x[1]
-    assert_row_major_bits(raw, k, x[:1])
-    assert_row_major_bits(raw, k, x)
+    assert_packed_row_major_bits(raw, k, x[:1])
+    assert_packed_row_major_bits(raw, k, x)
 
 
 def cancelling_blocks(rng, rows: int, j0: int, j1: int) -> tuple[np.ndarray, np.ndarray]:
@@ -161,21 +125,14 @@ def cancelling_blocks(rng, rows: int, j0: int, j1: int) -> tuple[np.ndarray, np.
 @pytest.mark.parametrize("j0,j1", [(0, 1), (0, 2), (1, 3), (2, 3), (0, 4), (1, 5), (3, 7), (4, 6), (5, 6)])
 def test_lane_sums_follow_the_row_major_tree(j0, j1, rng):
     raw, x = cancelling_blocks(rng, 8, j0, j1)
-    assert_row_major_bits(raw, 256, x)
+    assert_packed_row_major_bits(raw, 256, x)
 
 
 @needs_native
 def test_rows_slice_keeps_the_groups(rng):
     raw = random_lowbit(rng, 14, 512, Q2_K)
-    mat = rl_matrix(raw, 512)
     x = rng.standard_normal((1, 512)).astype(np.float32)
-    for r0, r1 in ((4, 8), (8, 14), (12, 14)):
-        part = mat.rows_slice(r0, r1)
-        assert part.interleaved
-        np.testing.assert_array_equal(part(x).view(np.uint32), mat(x)[:, r0:r1].view(np.uint32))
-    for r0, r1 in ((2, 8), (4, 6)):
-        with pytest.raises(ValueError, match="4-row"):
-            mat.rows_slice(r0, r1)
+    check_rows_slice(LAYOUT.matrix(raw, 512), x, ((4, 8), (8, 14), (12, 14)), ((2, 8), (4, 6)), "4-row")
 
 
 @needs_native
@@ -187,9 +144,7 @@ def test_moe_on_packed_experts_has_the_row_major_bits(level, rng):
     d, ff, n_expert = 512, 256, 6
     raw = {n: random_lowbit(rng, rows, k, Q2_K) for n, rows, k in
            (("gate", n_expert * ff, d), ("up", n_expert * ff, d), ("down", n_expert * d, ff))}
-    packed = {n: r.copy() for n, r in raw.items()}
-    for r in packed.values():
-        cpu_q2rl.pack_q2_k(r)
+    packed = {n: LAYOUT.repacked(r) for n, r in raw.items()}
     router = rng.standard_normal((n_expert, d)).astype(np.float32)
     x = rng.standard_normal(d).astype(np.float32)
     row_major = cpu_moe.MoEWeights(router, **raw, n_used=2, qtypes=Q2_K)

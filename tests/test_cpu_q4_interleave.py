@@ -9,9 +9,13 @@ same order) and against the float64 product within the kernels' summation bound,
 
 from __future__ import annotations
 
+from functools import partial
+
 import numpy as np
 import pytest
 from gguf import GGMLQuantizationType, quants
+from layout_cases import Layout, assert_row_major_bits, check_refusals, check_round_trip, check_rows_slice
+from test_cpu_kernels import rng  # noqa: F401 (fixture)
 
 from engine.kernels import cpu, cpu_q4il
 from engine.kernels.cpu_twins import deinterleave_np
@@ -21,15 +25,6 @@ VNNI = "avx512vnni" in cpu.supported_isas()
 needs_vnni = pytest.mark.skipif(not VNNI, reason="the interleaved GEMV is AVX-512 VNNI only")
 # Each level's interleaved product (the VNNI GEMV, or the stripes de-interleaved for the row-major kernel) is
 # compared with that level's row-major product; the numpy level with the twin, which de-interleaves in numpy.
-
-
-@pytest.fixture
-def rng():
-    """Fresh random inputs each run; the seed is printed on failure."""
-    seed = np.random.SeedSequence().entropy
-    print(f"seed {seed}")
-    return np.random.default_rng(seed)
-
 
 
 def layout_np(raw: np.ndarray, qtype=Q4_0) -> np.ndarray:
@@ -46,6 +41,16 @@ def layout_np(raw: np.ndarray, qtype=Q4_0) -> np.ndarray:
     return out
 
 
+def q4_layout(qtype) -> Layout:
+    """The interleaved layout of Q4_0 or MXFP4 (native repack where built, else its numpy definition)."""
+    native = cpu_q4il._native_cpu is not None
+    return Layout(qtype, 8, 18 if qtype == Q4_0 else 17, partial(cpu_q4il.interleave, qtype=qtype) if native else None,
+                  partial(cpu_q4il.deinterleave, qtype=qtype) if native else None, partial(layout_np, qtype=qtype))
+
+
+LAYOUT = q4_layout(Q4_0)
+
+
 def random_q4_0(rng, rows: int, k: int) -> np.ndarray:
     w = (rng.standard_normal((rows, k)) * rng.uniform(0.01, 2)).astype(np.float32)
     return np.ascontiguousarray(quants.quantize(w, Q4_0)).view(np.uint8)
@@ -55,40 +60,17 @@ def random_q4_0(rng, rows: int, k: int) -> np.ndarray:
 @pytest.mark.parametrize("rows", [1, 7, 8, 9, 23, 64])
 @pytest.mark.parametrize("k", [32, 96, 544])
 def test_repack_is_the_layout_and_its_inverse_restores_the_bytes(rows, k, rng):
-    raw = rng.integers(0, 256, (rows, k // 32 * 18), dtype=np.uint8)
-    packed = raw.copy()
-    cpu_q4il.interleave(packed, Q4_0)
-    np.testing.assert_array_equal(packed, layout_np(raw))
-    assert rows < 8 or not np.array_equal(packed, raw)
-    cpu_q4il.deinterleave(packed, Q4_0)
-    np.testing.assert_array_equal(packed, raw)
+    check_round_trip(LAYOUT, rng.integers(0, 256, (rows, k // 32 * 18), dtype=np.uint8))
 
 
 @pytest.mark.skipif(cpu_q4il._native_cpu is None, reason="native kernels not built")
 def test_repack_refuses_read_only_and_partial_blocks():
-    ro = np.zeros((8, 36), dtype=np.uint8)
-    ro.flags.writeable = False
-    with pytest.raises(ValueError, match="writable"):
-        cpu_q4il.interleave(ro, Q4_0)
-    with pytest.raises(ValueError, match="whole Q4_0 blocks"):
-        cpu_q4il.interleave(np.zeros((8, 40), dtype=np.uint8), Q4_0)
-    with pytest.raises(ValueError, match="longer than the layout takes"):
-        cpu_q4il.interleave(np.zeros((8, cpu_q4il.MAX_ROW_BYTES[Q4_0] + 18), dtype=np.uint8), Q4_0)
+    check_refusals(LAYOUT, 40, "whole Q4_0 blocks", cpu_q4il.MAX_ROW_BYTES[Q4_0])
 
 
 def test_numpy_twin_deinterleaves_the_layout(rng):
     raw = rng.integers(0, 256, (29, 96 // 32 * 18), dtype=np.uint8)
     np.testing.assert_array_equal(deinterleave_np(layout_np(raw)), raw)
-
-
-def il_matrix(raw: np.ndarray, k: int) -> cpu.Matrix:
-    """An interleaved Matrix of a copy of raw (row-major Q4_0 rows of k values)."""
-    packed = raw.copy()
-    if cpu_q4il._native_cpu is not None:
-        cpu_q4il.interleave(packed, Q4_0)
-    else:
-        packed = layout_np(raw)
-    return cpu.Matrix(packed, k, Q4_0, interleaved=True)
 
 
 @pytest.mark.parametrize("rows,k", [(5, 64), (8, 32), (13, 96), (69, 512), (200, 544), (41, 1056), (136, 2048),
@@ -97,17 +79,8 @@ def il_matrix(raw: np.ndarray, k: int) -> cpu.Matrix:
 def test_interleaved_matrix_has_the_row_major_bits(rows, k, m, rng):
     raw = random_q4_0(rng, rows, k)
     x = (rng.standard_normal((m, k)) * rng.uniform(0.1, 10)).astype(np.float32)
-    mat, rm = il_matrix(raw, k), cpu.Matrix(raw, k, Q4_0)
-    try:
-        for level in ("numpy", *cpu.supported_isas()):
-            cpu.set_isa(level)
-            want = rm(x)
-            for threads in (1, 2, 3):
-                cpu.set_threads(threads)
-                np.testing.assert_array_equal(mat(x).view(np.uint32), want.view(np.uint32), err_msg=level)
-    finally:
-        cpu.set_isa(None)
-        cpu.set_threads()
+    assert_row_major_bits(LAYOUT, raw, k, x)
+    mat = LAYOUT.matrix(raw, k)
     w = quants.dequantize(raw, Q4_0).astype(np.float64)
     a = quants.dequantize(quants.quantize(x, Q8_0), Q8_0).astype(np.float64)
     bound = (k // 32 + 16) * 2.0**-24 * (np.abs(a) @ np.abs(w).T)
@@ -126,20 +99,13 @@ def test_interleaved_gemv_zero_and_extreme_scales(vnni, k, m, rng):
     scales[14, -1] = np.float16(-65504.0)
     x = rng.standard_normal((m, k)).astype(np.float32)
     want = cpu.matmul(raw, x, Q4_0)
-    np.testing.assert_array_equal(il_matrix(raw, k)(x).view(np.uint32), want.view(np.uint32))
+    np.testing.assert_array_equal(LAYOUT.matrix(raw, k)(x).view(np.uint32), want.view(np.uint32))
 
 
 def test_rows_slice_keeps_the_stripes(rng):
     raw = random_q4_0(rng, 27, 64)
-    mat = il_matrix(raw, 64)
     x = rng.standard_normal((1, 64)).astype(np.float32)
-    for r0, r1 in ((8, 16), (16, 27), (24, 27)):
-        part = mat.rows_slice(r0, r1)
-        assert part.interleaved
-        np.testing.assert_array_equal(part(x).view(np.uint32), mat(x)[:, r0:r1].view(np.uint32))
-    for r0, r1 in ((4, 16), (8, 12)):
-        with pytest.raises(ValueError, match="stripes"):
-            mat.rows_slice(r0, r1)
+    check_rows_slice(LAYOUT.matrix(raw, 64), x, ((8, 16), (16, 27), (24, 27)), ((4, 16), (8, 12)), "stripes")
 
 
 def test_only_the_types_with_a_layout_interleave():

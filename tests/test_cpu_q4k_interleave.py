@@ -10,9 +10,12 @@ the summation bound of test_cpu_kquants, (k // 32 + 16) * 2^-24 * sum_i |w_i a_i
 
 from __future__ import annotations
 
+from functools import partial
+
 import numpy as np
 import pytest
 from gguf import GGMLQuantizationType
+from layout_cases import Layout, assert_row_major_bits, check_refusals, check_round_trip, check_rows_slice
 from test_cpu_kernels import assert_close, reference_product, rng  # noqa: F401 (fixture)
 from test_cpu_kquants import random_kquant
 
@@ -48,60 +51,26 @@ def layout_np(raw: np.ndarray) -> np.ndarray:
     return out
 
 
+NATIVE = cpu_q4il._native_cpu is not None
+LAYOUT = Layout(Q.Q4_K, 8, 144, partial(cpu_q4il.interleave, qtype=Q.Q4_K) if NATIVE else None,
+                partial(cpu_q4il.deinterleave, qtype=Q.Q4_K) if NATIVE else None, layout_np)
+
+
 @native
 @pytest.mark.parametrize("rows", [1, 7, 8, 9, 23, 64])
 @pytest.mark.parametrize("k", [256, 768, 2304])
 def test_repack_is_the_layout_and_its_inverse_restores_the_bytes(rows, k, rng):
-    raw = rng.integers(0, 256, (rows, k // 256 * 144), dtype=np.uint8)   # every bit pattern of the scale bytes
-    packed = raw.copy()
-    cpu_q4il.interleave(packed, Q.Q4_K)
-    np.testing.assert_array_equal(packed, layout_np(raw))
-    assert rows < 8 or not np.array_equal(packed, raw)
-    cpu_q4il.deinterleave(packed, Q.Q4_K)
-    np.testing.assert_array_equal(packed, raw)
+    check_round_trip(LAYOUT, rng.integers(0, 256, (rows, k // 256 * 144), dtype=np.uint8))   # every scale bit
 
 
 @native
 def test_repack_refuses_read_only_and_partial_blocks():
-    ro = np.zeros((8, 144), dtype=np.uint8)
-    ro.flags.writeable = False
-    with pytest.raises(ValueError, match="writable"):
-        cpu_q4il.interleave(ro, Q.Q4_K)
-    with pytest.raises(ValueError, match="whole Q4_K blocks"):
-        cpu_q4il.interleave(np.zeros((8, 160), dtype=np.uint8), Q.Q4_K)
-    limit = cpu_q4il.MAX_ROW_BYTES[Q.Q4_K]
-    with pytest.raises(ValueError, match="longer than the layout takes"):
-        cpu_q4il.interleave(np.zeros((8, limit + 144), dtype=np.uint8), Q.Q4_K)
+    check_refusals(LAYOUT, 160, "whole Q4_K blocks", cpu_q4il.MAX_ROW_BYTES[Q.Q4_K])
 
 
 def test_numpy_twin_deinterleaves_the_layout(rng):
     raw = rng.integers(0, 256, (29, 512 // 256 * 144), dtype=np.uint8)
     np.testing.assert_array_equal(q4_k_deinterleave_np(layout_np(raw)), raw)
-
-
-def il_matrix(raw: np.ndarray, k: int) -> cpu.Matrix:
-    """An interleaved Matrix of a copy of raw (row-major Q4_K rows of k values)."""
-    packed = raw.copy()
-    if cpu_q4il._native_cpu is not None:
-        cpu_q4il.interleave(packed, Q.Q4_K)
-    else:
-        packed = layout_np(raw)
-    return cpu.Matrix(packed, k, Q.Q4_K, interleaved=True)
-
-
-def assert_row_major_bits(raw: np.ndarray, k: int, x: np.ndarray, threads=(1, 2, 3)) -> None:
-    """The interleaved Matrix's product has the row-major Matrix's bits on every level and thread count."""
-    mat, rm = il_matrix(raw, k), cpu.Matrix(raw, k, Q.Q4_K)
-    try:
-        for level in ("numpy", *cpu.supported_isas()):
-            cpu.set_isa(level)
-            want = rm(x)
-            for n in threads if level != "numpy" else (1,):
-                cpu.set_threads(n)
-                np.testing.assert_array_equal(mat(x).view(np.uint32), want.view(np.uint32), err_msg=f"{level} {n}")
-    finally:
-        cpu.set_isa(None)
-        cpu.set_threads()
 
 
 @pytest.mark.parametrize("rows,k", [(5, 256), (8, 256), (13, 768), (69, 512), (41, 2304), (136, 2048),
@@ -112,9 +81,9 @@ def test_interleaved_matrix_has_the_row_major_bits(rows, k, m, rng):
         pytest.skip("the long rows once per path: GEMV, few columns")
     raw = random_kquant(rng, rows, k, Q.Q4_K)
     x = (rng.standard_normal((m, k)) * rng.uniform(0.1, 10)).astype(np.float32)
-    assert_row_major_bits(raw, k, x)
+    assert_row_major_bits(LAYOUT, raw, k, x, numpy_threads=(1,))
     ref, abs_sum = reference_product(raw, x, Q.Q4_K)
-    assert_close(il_matrix(raw, k)(x), ref, abs_sum, k // 32)
+    assert_close(LAYOUT.matrix(raw, k)(x), ref, abs_sum, k // 32)
 
 
 @pytest.mark.parametrize("m", [1, 3])
@@ -129,19 +98,13 @@ def test_interleaved_gemv_zero_and_extreme_scales(m, rng):
     b["scales"][12, 0] = quant.pack_k_scales(np.full(8, 63), np.zeros(8, int))
     b["scales"][13, 1] = quant.pack_k_scales(np.zeros(8, int), np.full(8, 63))
     x = rng.standard_normal((m, k)).astype(np.float32)
-    assert_row_major_bits(raw, k, x, threads=(1, 2))
+    assert_row_major_bits(LAYOUT, raw, k, x, threads=(1, 2), numpy_threads=(1,))
 
 
 def test_rows_slice_keeps_the_stripes(rng):
     raw = random_kquant(rng, 27, 256, Q.Q4_K)
-    mat = il_matrix(raw, 256)
     x = rng.standard_normal((1, 256)).astype(np.float32)
-    for r0, r1 in ((8, 16), (16, 27), (24, 27)):
-        part = mat.rows_slice(r0, r1)
-        assert part.interleaved and part.traits == cpu.Q4_K_IL
-        np.testing.assert_array_equal(part(x).view(np.uint32), mat(x)[:, r0:r1].view(np.uint32))
-    with pytest.raises(ValueError, match="stripes"):
-        mat.rows_slice(4, 16)
+    check_rows_slice(LAYOUT.matrix(raw, 256), x, ((8, 16), (16, 27), (24, 27)), ((4, 16),), "stripes", cpu.Q4_K_IL)
 
 
 def test_moe_on_interleaved_experts_has_the_row_major_bits(rng):
@@ -151,13 +114,7 @@ def test_moe_on_interleaved_experts_has_the_row_major_bits(rng):
     raws = {"gate": random_kquant(rng, n_expert * ff, d, Q.Q4_K), "up": random_kquant(rng, n_expert * ff, d, Q.Q4_K),
             "down": random_kquant(rng, n_expert * d, ff, Q.Q4_K), "sh_gate": random_kquant(rng, ff, d, Q.Q4_K),
             "sh_up": random_kquant(rng, ff, d, Q.Q4_K), "sh_down": random_kquant(rng, d, ff, Q.Q4_K)}
-    packed = {}
-    for name, raw in raws.items():
-        packed[name] = raw.copy()
-        if cpu_q4il._native_cpu is not None:
-            cpu_q4il.interleave(packed[name], Q.Q4_K)
-        else:
-            packed[name] = layout_np(raw)
+    packed = {name: LAYOUT.repacked(raw) for name, raw in raws.items()}
     common = dict(router=rng.standard_normal((n_expert, d)).astype(np.float32) * 0.2, n_used=3,
                   sh_gate_inp=rng.standard_normal(d).astype(np.float32) * 0.1)
     rm = cpu_moe.MoEWeights(**raws, qtypes=Q.Q4_K, **common)

@@ -96,6 +96,15 @@ typedef void (*dd_gemv_il_fn)(const uint8_t *w, size_t row_bytes, size_t stripes
  * dst (8 * stripes rows of row_bytes; src and dst do not overlap). */
 typedef void (*dd_deil_fn)(uint8_t *dst, const uint8_t *src, size_t stripes, size_t row_bytes);
 
+/* A row-grouped layout's copy of `groups` groups of rows from src into dst (row-major to the layout when to_layout
+ * is 1, else the reverse; a group is g rows of row_bytes); src and dst do not overlap. */
+typedef void (*dd_group_copy_fn)(uint8_t *dst, const uint8_t *src, size_t groups, size_t row_bytes, int to_layout);
+
+/* Rewrites every whole group of g rows of w (nrows rows of row_bytes) in place through a scratch of one group
+ * by `copy` (q4_interleave.c); the last nrows % g rows are left as they are. The caller checks row_bytes.
+ * DD_OK, or DD_ERR_NOMEM where the scratch cannot be allocated (w then unchanged). */
+int dd_permute_groups(uint8_t *w, size_t nrows, size_t row_bytes, size_t g, dd_group_copy_fn copy, int to_layout);
+
 /* gemm[DD_Q4_0_IL] and gemm[DD_MXFP4_IL] of the levels without their own (the AVX-512 VNNI ones are in
  * q4_gemm_avx512.h and q4_il_avx512.h; Q4_0's calls this one at m == 1), wtype the row-major type (DD_Q4_0,
  * DD_MXFP4): w starts on a stripe; its nrows / 8 stripes go to `il` when a->m == 1 and il is not NULL, else are

@@ -7,7 +7,6 @@
  * at a time into a stack buffer and runs the row-major Q2_K kernel on them, and that kernel on the row-major tail: a row's result depends only
  * on its bytes and the activations, never on the chunk it falls in.
  */
-#include <stdlib.h>
 
 #include "q2k_lanes.h"
 
@@ -55,23 +54,12 @@ static void rl_copy(uint8_t *dst, const uint8_t *src, size_t groups, size_t row_
     }
 }
 
-/* Every group of w through a scratch: to_rl 1 rewrites row-major as the layout, 0 the reverse. */
+/* Every group of w rewritten in place: to_rl 1 rewrites row-major as the layout, 0 the reverse. */
 static int rl_permute(uint8_t *w, size_t nrows, size_t row_bytes, int to_rl)
 {
     if (row_bytes == 0 || row_bytes % DD_Q2_K_BYTES != 0 || row_bytes > DD_Q2_K_RL_MAX_ROW_BYTES)
         return DD_ERR_ARG;
-    const size_t group = 4 * row_bytes;
-    if (nrows < 4)
-        return DD_OK;
-    uint8_t *tmp = malloc(group);
-    if (tmp == NULL)
-        return DD_ERR_NOMEM;
-    for (size_t s = 0; s < nrows / 4; s++) {
-        memcpy(tmp, w + s * group, group);
-        rl_copy(w + s * group, tmp, 1, row_bytes, to_rl);
-    }
-    free(tmp);
-    return DD_OK;
+    return dd_permute_groups(w, nrows, row_bytes, 4, rl_copy, to_rl);
 }
 
 int dd_q2_k_rl_pack(uint8_t *w, size_t nrows, size_t row_bytes)

@@ -52,24 +52,40 @@ static void il_copy(uint8_t *dst, const uint8_t *src, size_t stripes, size_t row
     }
 }
 
-/* Every stripe of w (rows of blocks of sc scale bytes, at most max_row_bytes) through a scratch: to_il 1
- * rewrites row-major as interleaved, 0 the reverse. */
+int dd_permute_groups(uint8_t *w, size_t nrows, size_t row_bytes, size_t g, dd_group_copy_fn copy, int to_layout)
+{
+    const size_t group = g * row_bytes;
+    if (nrows < g)
+        return DD_OK;
+    uint8_t *tmp = malloc(group);
+    if (tmp == NULL)
+        return DD_ERR_NOMEM;
+    for (size_t s = 0; s < nrows / g; s++) {
+        memcpy(tmp, w + s * group, group);
+        copy(w + s * group, tmp, 1, row_bytes, to_layout);
+    }
+    free(tmp);
+    return DD_OK;
+}
+
+/* il_copy of Q4_0's blocks (2 scale bytes) and of MXFP4's (1), as dd_group_copy_fn. */
+static void il_copy_q4_0(uint8_t *dst, const uint8_t *src, size_t stripes, size_t row_bytes, int to_il)
+{
+    il_copy(dst, src, stripes, row_bytes, 2, to_il);
+}
+
+static void il_copy_mxfp4(uint8_t *dst, const uint8_t *src, size_t stripes, size_t row_bytes, int to_il)
+{
+    il_copy(dst, src, stripes, row_bytes, 1, to_il);
+}
+
+/* Every stripe of w (rows of blocks of sc scale bytes, at most max_row_bytes) rewritten in place: to_il 1
+ * row-major as interleaved, 0 the reverse. */
 static int il_permute(uint8_t *w, size_t nrows, size_t row_bytes, size_t sc, size_t max_row_bytes, int to_il)
 {
     if (row_bytes == 0 || row_bytes % (sc + 16) != 0 || row_bytes > max_row_bytes)
         return DD_ERR_ARG;
-    const size_t stripe = 8 * row_bytes;
-    if (nrows < 8)
-        return DD_OK;
-    uint8_t *tmp = malloc(stripe);
-    if (tmp == NULL)
-        return DD_ERR_NOMEM;
-    for (size_t s = 0; s < nrows / 8; s++) {
-        memcpy(tmp, w + s * stripe, stripe);
-        il_copy(w + s * stripe, tmp, 1, row_bytes, sc, to_il);
-    }
-    free(tmp);
-    return DD_OK;
+    return dd_permute_groups(w, nrows, row_bytes, 8, sc == 2 ? il_copy_q4_0 : il_copy_mxfp4, to_il);
 }
 
 int dd_q4_0_interleave(uint8_t *w, size_t nrows, size_t row_bytes)

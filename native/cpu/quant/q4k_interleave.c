@@ -9,7 +9,6 @@
  * their 6-bit values (ggml's get_scale_min_k4), which the 12 stored bytes hold with no bit to spare, so both
  * directions are exact.
  */
-#include <stdlib.h>
 
 #include "kernels.h"
 
@@ -83,23 +82,12 @@ static void kil_copy(uint8_t *dst, const uint8_t *src, size_t stripes, size_t ro
     }
 }
 
-/* Every stripe of w through a scratch: to_il 1 rewrites row-major as interleaved, 0 the reverse. */
+/* Every stripe of w rewritten in place: to_il 1 rewrites row-major as interleaved, 0 the reverse. */
 static int kil_permute(uint8_t *w, size_t nrows, size_t row_bytes, int to_il)
 {
     if (row_bytes == 0 || row_bytes % DD_Q4_K_BYTES != 0 || row_bytes > DD_Q4_K_IL_MAX_ROW_BYTES)
         return DD_ERR_ARG;
-    const size_t stripe = 8 * row_bytes;
-    if (nrows < 8)
-        return DD_OK;
-    uint8_t *tmp = malloc(stripe);
-    if (tmp == NULL)
-        return DD_ERR_NOMEM;
-    for (size_t s = 0; s < nrows / 8; s++) {
-        memcpy(tmp, w + s * stripe, stripe);
-        kil_copy(w + s * stripe, tmp, 1, row_bytes, to_il);
-    }
-    free(tmp);
-    return DD_OK;
+    return dd_permute_groups(w, nrows, row_bytes, 8, kil_copy, to_il);
 }
 
 int dd_q4_k_interleave(uint8_t *w, size_t nrows, size_t row_bytes)
