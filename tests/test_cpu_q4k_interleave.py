@@ -145,7 +145,7 @@ def test_rows_slice_keeps_the_stripes(rng):
 
 
 def test_only_q4_0_and_q4_k_interleave():
-    with pytest.raises(ValueError, match="only Q4_0 and Q4_K"):
+    with pytest.raises(ValueError, match="only Q4_0, MXFP4, Q4_K, Q2_K rows"):
         cpu.Matrix(np.zeros((8, 176), dtype=np.uint8), 256, Q.Q5_K, interleaved=True)
 
 
