@@ -117,6 +117,18 @@ def test_interleaved_matrix_has_the_row_major_bits(rows, k, m, rng):
     assert_close(il_matrix(raw, k)(x), ref, abs_sum, k // 32)
 
 
+# The prompt GEMM on the stripes (m > 8): m just above 8 and 1-3 columns past a 4-column tile; 1, 3, 5 and 17
+# stripes with and without a rows % 8 tail; more stripes than one expanded range holds (k = 256: 73, k = 2048: 9);
+# the longest rows it reads directly (73 super-blocks: one stripe a range, 4 columns a block), one super-block
+# more (the de-interleave) and the longest rows the layout takes.
+@pytest.mark.parametrize("rows,k,m", [(8, 256, 9), (24, 512, 9), (27, 768, 11), (45, 2048, 13), (136, 2048, 33),
+                                      (600, 256, 10), (19, 18688, 9), (17, 18944, 10), (9, 28672, 9)])
+def test_prompt_gemm_on_the_stripes_has_the_row_major_bits(rows, k, m, rng):
+    raw = random_kquant(rng, rows, k, Q.Q4_K)
+    x = (rng.standard_normal((m, k)) * rng.uniform(0.1, 10)).astype(np.float32)
+    assert_row_major_bits(raw, k, x)
+
+
 @pytest.mark.parametrize("m", [1, 3])
 def test_interleaved_gemv_zero_and_extreme_scales(m, rng):
     """Zero rows, the largest and smallest f16 d and dmin, and scales and mins of 0 and 63."""
@@ -144,8 +156,8 @@ def test_rows_slice_keeps_the_stripes(rng):
         mat.rows_slice(4, 16)
 
 
-def test_only_q4_0_and_q4_k_interleave():
-    with pytest.raises(ValueError, match="only Q4_0 and Q4_K"):
+def test_only_q4_0_mxfp4_and_q4_k_interleave():
+    with pytest.raises(ValueError, match="only Q4_0, MXFP4 and Q4_K"):
         cpu.Matrix(np.zeros((8, 176), dtype=np.uint8), 256, Q.Q5_K, interleaved=True)
 
 
