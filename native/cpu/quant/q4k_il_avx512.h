@@ -232,11 +232,11 @@ static void deil_q4_k(uint8_t *dst, const uint8_t *src, size_t stripes, size_t r
         }
 }
 
-/* Interleaved Q4_K stripes (DD_Q4_K_IL, dd_q4_k_interleave's layout: 8 rows, super-block b at 1152 b) expanded
- * straight into the pairs kqx_expand_row gives their row-major rows, so kqx_range (kq_gemm_avx512.h) gives the same bits. Vector t
- * of pair p, lane 8 rr + 2 j + h, is nibble h of row 2 p + rr's dword in run (j, t) (its qs bytes 32 j + 4 t ..
- * + 3): one 2-source dword permute of runs (0, t) .. (3, t), a variable shift and a mask. The scales come from
- * kil_scales' bytes (8 i + r) regrouped by row (8 r + i) with a byte shuffle and a word permute. */
+/* Interleaved Q4_K stripes (DD_Q4_K_IL) expanded straight into the kqx_rows of their row pairs for kqx_range
+ * (kq_gemm_avx512.h): vector t of pair p, lane 8 rr + 2 j + h, holds row 2 p + rr's qs bytes 32 j + 4 t .. + 3
+ * (run (j, t)) masked to nibble h, one 2-source dword permute of runs (0, t) .. (3, t) and a mask; the scales
+ * come from kil_scales' bytes (8 i + r) regrouped by row (8 r + i) with a byte shuffle and a word permute. The
+ * rows kqx_expand_row gives, but for the high nibbles' factor 16 (kqx_expand_il): the same bits. */
 static const int32_t kqx_il_idx[16] = { 0, 0, 8, 8, 16, 16, 24, 24, 1, 1, 9, 9, 17, 17, 25, 25 };
 static const int16_t kqx_il_words[32] = { 0, 8, 16, 24, 1, 9, 17, 25, 2, 10, 18, 26, 3, 11, 19, 27,
                                           4, 12, 20, 28, 5, 13, 21, 29, 6, 14, 22, 30, 7, 15, 23, 31 };
@@ -250,11 +250,14 @@ DD_INLINE void kqx_il_by_row(const uint8_t v[64], uint8_t out[64])
     _mm512_storeu_si512(out, _mm512_permutexvar_epi16(_mm512_loadu_si512(kqx_il_words), x));
 }
 
-/* One interleaved super-block (blk) of a stripe into its 4 pairs' super-block at e[0], e[nsb], e[2 nsb], e[3 nsb]. */
+/* One interleaved super-block (blk) of a stripe into its 4 pairs' super-block at e[0], e[nsb], e[2 nsb], e[3 nsb].
+ * A high-nibble lane (odd: sub-blocks 2 j + 1) is masked, not shifted, so it holds 16 times the quant and its
+ * d sc_i is stored over 16: the tile's product (da (d sc_i / 16))(16 S_i) is then the same real number as
+ * (da (d sc_i)) S_i, every factor exact (41 bits), 16 S_i < 2^21: the same fused adds, the same bits. */
 DD_INLINE void kqx_expand_il(const uint8_t *blk, kqx_rows *e, size_t nsb)
 {
-    const __m512i nib = _mm512_set1_epi8(0x0f), base = _mm512_loadu_si512(kqx_il_idx);
-    const __m512i shift = _mm512_set1_epi64((long long)4 << 32);   /* 4 in the odd (high-nibble) lanes */
+    const __m512i nib = _mm512_set1_epi64((long long)0xf0f0f0f00f0f0f0fULL), base = _mm512_loadu_si512(kqx_il_idx);
+    const __m512d sixteenth = _mm512_setr_pd(1.0, 0.0625, 1.0, 0.0625, 1.0, 0.0625, 1.0, 0.0625);
     for (int t = 0; t < 8; t++) {
         const uint8_t *run = blk + 128 + 32 * t;
         const __m512i x = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)run)),
@@ -263,21 +266,21 @@ DD_INLINE void kqx_expand_il(const uint8_t *blk, kqx_rows *e, size_t nsb)
                                              _mm256_loadu_si256((const __m256i *)(run + 768)), 1);
         for (int p = 0; p < 4; p++) {
             const __m512i v = _mm512_permutex2var_epi32(x, _mm512_add_epi32(base, _mm512_set1_epi32(2 * p)), y);
-            _mm512_store_si512(&e[p * nsb].q[t], _mm512_and_si512(_mm512_srlv_epi32(v, shift), nib));
+            _mm512_store_si512(&e[p * nsb].q[t], _mm512_and_si512(v, nib));
         }
     }
     uint8_t sc[64], mn[64], scr[64], mnr[64];
     kil_scales(blk, sc, mn);
     kqx_il_by_row(sc, scr);
     kqx_il_by_row(mn, mnr);
-    const __m512d d = _mm512_cvtps_pd(_mm256_maskz_cvtph_ps(0xff, _mm_loadu_si128((const __m128i *)blk)));
-    const __m512d dmin = _mm512_cvtps_pd(_mm256_maskz_cvtph_ps(0xff, _mm_loadu_si128((const __m128i *)(blk + 16))));
+    double d[8], dmin[8];
+    _mm512_storeu_pd(d, _mm512_cvtps_pd(_mm256_maskz_cvtph_ps(0xff, _mm_loadu_si128((const __m128i *)blk))));
+    _mm512_storeu_pd(dmin, _mm512_cvtps_pd(_mm256_maskz_cvtph_ps(0xff, _mm_loadu_si128((const __m128i *)(blk + 16)))));
     for (int r = 0; r < 8; r++) {
-        const __m512i lane = _mm512_set1_epi64(r);
         const __m512d sc8 = _mm512_cvtepi32_pd(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(scr + 8 * r))));
         const __m512d mn8 = _mm512_cvtepi32_pd(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(mnr + 8 * r))));
-        e[r / 2 * nsb].s[r % 2][0] = _mm512_mul_pd(_mm512_permutexvar_pd(lane, d), sc8);
-        e[r / 2 * nsb].s[r % 2][1] = _mm512_mul_pd(_mm512_permutexvar_pd(lane, dmin), mn8);
+        e[r / 2 * nsb].s[r % 2][0] = _mm512_mul_pd(_mm512_mul_pd(_mm512_set1_pd(d[r]), sixteenth), sc8);
+        e[r / 2 * nsb].s[r % 2][1] = _mm512_mul_pd(_mm512_set1_pd(dmin[r]), mn8);
     }
 }
 
