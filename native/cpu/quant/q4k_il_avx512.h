@@ -285,31 +285,30 @@ DD_INLINE void kqx_expand_il(const uint8_t *blk, kqx_rows *e, size_t nsb)
 }
 
 /* The stripes of an interleaved Q4_K matrix (`stripes` at w, stripes_avail from w on: the prefetch bound) x all
- * columns, as kqx_gemm on their row-major rows (ranges of whole stripes; each stripe expanded while the next
- * one's lines are prefetched). Not inlined: its stack buffers stay apart from the row-major tail's. */
+ * columns, as kqx_gemm on their row-major rows (ranges of whole stripes). The expansion reads the stripes as one
+ * stream and prefetches it Q4K_IL_PREFETCH_BYTES ahead, as the GEMV does (one stripe ahead was too late for
+ * short rows). Not inlined: its stack buffers stay apart from the row-major tail's. */
 __attribute__((noinline)) static void kqx_gemm_il(const uint8_t *w, size_t rb, size_t stripes, size_t stripes_avail,
                                                    const dd_acts *a, float *y, size_t ldy)
 {
     kqx_rows e[KQX_W_SB];
     kqx_col cols[KQX_A_SB];
-    const size_t nsb = a->nb / 8, per = KQX_W_SB / nsb / 4, sbb = 8 * DD_Q4_K_BYTES;
-    dd_prefetch_rows(w, rb, 8);
+    const size_t nsb = a->nb / 8, per = KQX_W_SB / nsb / 4;
+    const uint8_t *end = w + stripes_avail * 8 * rb;
+    dd_prefetch_rows(w, 1, stripes * 8 * rb < Q4K_IL_PREFETCH_BYTES ? stripes * 8 * rb : Q4K_IL_PREFETCH_BYTES);
     for (size_t s0 = 0; s0 < stripes; s0 += per) {
         const size_t n = stripes - s0 < per ? stripes - s0 : per;
-        for (size_t s = 0; s < n; s++) {
-            const uint8_t *st = w + (s0 + s) * 8 * rb;
-            const int ahead = s0 + s + 1 < stripes_avail;
+        for (size_t s = 0; s < n; s++)
             for (size_t sb = 0; sb < nsb; sb++) {
-                if (ahead)
-                    for (size_t l = 0; l < sbb; l += 64)
-                        dd_prefetch_weight(st + 8 * rb + sb * sbb + l);
-                kqx_expand_il(st + sb * sbb, e + 4 * s * nsb + sb, nsb);
+                const uint8_t *blk = w + (s0 + s) * 8 * rb + sb * Q4K_IL_BLOCK_BYTES, *pf = blk + Q4K_IL_PREFETCH_BYTES;
+                if (pf + Q4K_IL_BLOCK_BYTES <= end)
+                    for (int l = 0; l < Q4K_IL_BLOCK_BYTES / 64; l++)
+                        dd_prefetch_weight(pf + 64 * l);
+                kqx_expand_il(blk, e + 4 * s * nsb + sb, nsb);
             }
-        }
         kqx_range(e, 4 * n, 8 * n, a, cols, y + 8 * s0, ldy, DD_Q4_K, 2);
     }
 }
-
 
 /* gemm[DD_Q4_K_IL] of this level: more than DD_IL_GEMV_COLS columns, with rows kqx_gemm takes (KQX_FITS), read
  * the stripes directly (kqx_gemm_il) and the rows % 8 tail by gemm_q4_K; everything else goes to dd_gemm_q4_k_il
