@@ -86,6 +86,18 @@ def test_interleaved_matrix_has_the_row_major_bits(rows, k, m, rng):
     assert_close(LAYOUT.matrix(raw, k)(x), ref, abs_sum, k // 32)
 
 
+# The prompt GEMM on the stripes (m > 8): m just above 8 and 1-3 columns past a 4-column tile; 1, 3, 5 and 17
+# stripes with and without a rows % 8 tail; more stripes than one expanded range holds (k = 256: 73, k = 2048: 9);
+# the longest rows it reads directly (73 super-blocks: one stripe a range, 4 columns a block), one super-block
+# more (the de-interleave) and the longest rows the layout takes.
+@pytest.mark.parametrize("rows,k,m", [(8, 256, 9), (24, 512, 9), (27, 768, 11), (45, 2048, 13), (136, 2048, 33),
+                                      (600, 256, 10), (19, 18688, 9), (17, 18944, 10), (9, 28672, 9)])
+def test_prompt_gemm_on_the_stripes_has_the_row_major_bits(rows, k, m, rng):
+    raw = random_kquant(rng, rows, k, Q.Q4_K)
+    x = (rng.standard_normal((m, k)) * rng.uniform(0.1, 10)).astype(np.float32)
+    assert_row_major_bits(LAYOUT, raw, k, x, numpy_threads=(1,))
+
+
 @pytest.mark.parametrize("m", [1, 3])
 def test_interleaved_gemv_zero_and_extreme_scales(m, rng):
     """Zero rows, the largest and smallest f16 d and dmin, and scales and mins of 0 and 63."""

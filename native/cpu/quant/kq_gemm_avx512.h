@@ -253,17 +253,36 @@ DD_INLINE void kqx_prefetch_row(const uint8_t *w, size_t rb, size_t r, size_t ro
     dd_prefetch_weight(row + rb - 1);
 }
 
-/* Rows [0, nrows) x all columns: row ranges of up to KQX_W_SB super-blocks of pairs expanded once,
- * then column blocks of up to KQX_A_SB super-blocks arranged once, met in tiles of P pairs. While a
- * pair is expanded the rows DD_PREFETCH_ROWS further on (of the rows_avail that follow w) are
- * prefetched: the expansion is the only reader of the stored weights, and a demand miss per super-block
+/* The expanded pairs of one row range (np pairs, nr rows; pair p's super-block sb at e[p * nsb + sb]) against
+ * all columns -> y (rows from 0): column blocks of up to KQX_A_SB super-blocks arranged once into cols, met in
+ * tiles of P pairs. */
+DD_INLINE void kqx_range(const kqx_rows *e, size_t np, size_t nr, const dd_acts *a, kqx_col *cols, float *y,
+                         size_t ldy, int wtype, const int P)
+{
+    const size_t nsb = a->nb / 8, cmax = KQX_A_SB / nsb / 4 * 4;
+    for (size_t c0 = 0; c0 < a->m; c0 += cmax) {
+        const size_t nc = a->m - c0 < cmax ? a->m - c0 : cmax;
+        for (size_t c = 0; c < nc; c++)
+            for (size_t sb = 0; sb < nsb; sb++)
+                kqx_col_prep(a, (c0 + c) * a->nbp + 8 * sb, wtype, &cols[c * nsb + sb]);
+        size_t p = 0;
+        for (; p + P <= np; p += P)
+            kqx_columns(e + p * nsb, cols, nc, nsb, wtype, y + c0 * ldy + 2 * p, ldy, nr - 2 * p, P);
+        if (p < np)
+            kqx_columns(e + p * nsb, cols, nc, nsb, wtype, y + c0 * ldy + 2 * p, ldy, nr - 2 * p, 1);
+    }
+}
+
+/* Rows [0, nrows) x all columns: row ranges of up to KQX_W_SB super-blocks of pairs expanded once, then
+ * kqx_range. While a pair is expanded the rows DD_PREFETCH_ROWS further on (of the rows_avail that follow w)
+ * are prefetched: the expansion is the only reader of the stored weights, and a demand miss per super-block
  * stalled it (the loads of d and the scales were the hottest instructions of the call). */
 DD_INLINE void kqx_gemm(const uint8_t *w, size_t rb, size_t nrows, size_t rows_avail, const dd_acts *a, float *y,
                         size_t ldy, int wtype, const int P)
 {
     kqx_rows e[KQX_W_SB];
     kqx_col cols[KQX_A_SB];
-    const size_t nsb = a->nb / 8, range = KQX_W_SB / nsb * 2, cmax = KQX_A_SB / nsb / 4 * 4;
+    const size_t nsb = a->nb / 8, range = KQX_W_SB / nsb * 2;
     const size_t bytes = wtype == DD_Q4_K ? DD_Q4_K_BYTES : wtype == DD_Q5_K ? DD_Q5_K_BYTES : DD_Q6_K_BYTES;
     for (size_t r = 0; r < DD_PREFETCH_ROWS && r < nrows; r++)   /* the first rows, all in flight at once */
         kqx_prefetch_row(w, rb, r, rows_avail);
@@ -278,17 +297,7 @@ DD_INLINE void kqx_gemm(const uint8_t *w, size_t rb, size_t nrows, size_t rows_a
                 kqx_expand_row(2 * p + 1 < nr ? blk + rb : kqx_zero_block, wtype, 1, &e[p * nsb + sb]);
             }
         }
-        for (size_t c0 = 0; c0 < a->m; c0 += cmax) {
-            const size_t nc = a->m - c0 < cmax ? a->m - c0 : cmax;
-            for (size_t c = 0; c < nc; c++)
-                for (size_t sb = 0; sb < nsb; sb++)
-                    kqx_col_prep(a, (c0 + c) * a->nbp + 8 * sb, wtype, &cols[c * nsb + sb]);
-            size_t p = 0;
-            for (; p + P <= np; p += P)
-                kqx_columns(e + p * nsb, cols, nc, nsb, wtype, y + c0 * ldy + r0 + 2 * p, ldy, nr - 2 * p, P);
-            if (p < np)
-                kqx_columns(e + p * nsb, cols, nc, nsb, wtype, y + c0 * ldy + r0 + 2 * p, ldy, nr - 2 * p, 1);
-        }
+        kqx_range(e, np, nr, a, cols, y + r0, ldy, wtype, P);
     }
 }
 
@@ -298,5 +307,6 @@ DD_INLINE void kqx_gemm(const uint8_t *w, size_t rb, size_t nrows, size_t rows_a
 #define KQX_GEMM_Q4_K(w, rb, n, avail, a, y, ldy) kqx_gemm(w, rb, n, avail, a, y, ldy, DD_Q4_K, 2)
 #define KQX_GEMM_Q5_K(w, rb, n, avail, a, y, ldy) kqx_gemm(w, rb, n, avail, a, y, ldy, DD_Q5_K, 2)
 #define KQX_GEMM_Q6_K(w, rb, n, avail, a, y, ldy) kqx_gemm(w, rb, n, avail, a, y, ldy, DD_Q6_K, 2)
+
 
 #endif

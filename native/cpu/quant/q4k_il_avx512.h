@@ -232,6 +232,99 @@ static void deil_q4_k(uint8_t *dst, const uint8_t *src, size_t stripes, size_t r
         }
 }
 
-DD_DEFINE_GEMM_Q4_K_IL(gemm_q4_k_il, gemm_q4_K, gemv_q4_k_il, deil_q4_k)
+/* Interleaved Q4_K stripes (DD_Q4_K_IL) expanded straight into the kqx_rows of their row pairs for kqx_range
+ * (kq_gemm_avx512.h): vector t of pair p, lane 8 rr + 2 j + h, holds row 2 p + rr's qs bytes 32 j + 4 t .. + 3
+ * (run (j, t)) masked to nibble h, one 2-source dword permute of runs (0, t) .. (3, t) and a mask; the scales
+ * come from kil_scales' bytes (8 i + r) regrouped by row (8 r + i) with a byte shuffle and a word permute. The
+ * rows kqx_expand_row gives, but for the high nibbles' factor 16 (kqx_expand_il): the same bits. */
+static const int32_t kqx_il_idx[16] = { 0, 0, 8, 8, 16, 16, 24, 24, 1, 1, 9, 9, 17, 17, 25, 25 };
+static const int16_t kqx_il_words[32] = { 0, 8, 16, 24, 1, 9, 17, 25, 2, 10, 18, 26, 3, 11, 19, 27,
+                                          4, 12, 20, 28, 5, 13, 21, 29, 6, 14, 22, 30, 7, 15, 23, 31 };
+
+/* Bytes 8 i + r of v (64) to 8 r + i in out: in each 128-bit lane byte 8 h + r to word r's byte h, then the
+ * words (lane L, word r) to word 4 r + L. */
+DD_INLINE void kqx_il_by_row(const uint8_t v[64], uint8_t out[64])
+{
+    const __m512i pairs = _mm512_broadcast_i32x4(_mm_setr_epi8(0, 8, 1, 9, 2, 10, 3, 11, 4, 12, 5, 13, 6, 14, 7, 15));
+    const __m512i x = _mm512_shuffle_epi8(_mm512_loadu_si512(v), pairs);
+    _mm512_storeu_si512(out, _mm512_permutexvar_epi16(_mm512_loadu_si512(kqx_il_words), x));
+}
+
+/* One interleaved super-block (blk) of a stripe into its 4 pairs' super-block at e[0], e[nsb], e[2 nsb], e[3 nsb].
+ * A high-nibble lane (odd: sub-blocks 2 j + 1) is masked, not shifted, so it holds 16 times the quant and its
+ * d sc_i is stored over 16: the tile's product (da (d sc_i / 16))(16 S_i) is then the same real number as
+ * (da (d sc_i)) S_i, every factor exact (41 bits), 16 S_i < 2^21: the same fused adds, the same bits. */
+DD_INLINE void kqx_expand_il(const uint8_t *blk, kqx_rows *e, size_t nsb)
+{
+    const __m512i nib = _mm512_set1_epi64((long long)0xf0f0f0f00f0f0f0fULL), base = _mm512_loadu_si512(kqx_il_idx);
+    const __m512d sixteenth = _mm512_setr_pd(1.0, 0.0625, 1.0, 0.0625, 1.0, 0.0625, 1.0, 0.0625);
+    for (int t = 0; t < 8; t++) {
+        const uint8_t *run = blk + 128 + 32 * t;
+        const __m512i x = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)run)),
+                                             _mm256_loadu_si256((const __m256i *)(run + 256)), 1);
+        const __m512i y = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)(run + 512))),
+                                             _mm256_loadu_si256((const __m256i *)(run + 768)), 1);
+        for (int p = 0; p < 4; p++) {
+            const __m512i v = _mm512_permutex2var_epi32(x, _mm512_add_epi32(base, _mm512_set1_epi32(2 * p)), y);
+            _mm512_store_si512(&e[p * nsb].q[t], _mm512_and_si512(v, nib));
+        }
+    }
+    uint8_t sc[64], mn[64], scr[64], mnr[64];
+    kil_scales(blk, sc, mn);
+    kqx_il_by_row(sc, scr);
+    kqx_il_by_row(mn, mnr);
+    double d[8], dmin[8];
+    _mm512_storeu_pd(d, _mm512_cvtps_pd(_mm256_maskz_cvtph_ps(0xff, _mm_loadu_si128((const __m128i *)blk))));
+    _mm512_storeu_pd(dmin, _mm512_cvtps_pd(_mm256_maskz_cvtph_ps(0xff, _mm_loadu_si128((const __m128i *)(blk + 16)))));
+    for (int r = 0; r < 8; r++) {
+        const __m512d sc8 = _mm512_cvtepi32_pd(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(scr + 8 * r))));
+        const __m512d mn8 = _mm512_cvtepi32_pd(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(mnr + 8 * r))));
+        e[r / 2 * nsb].s[r % 2][0] = _mm512_mul_pd(_mm512_mul_pd(_mm512_set1_pd(d[r]), sixteenth), sc8);
+        e[r / 2 * nsb].s[r % 2][1] = _mm512_mul_pd(_mm512_set1_pd(dmin[r]), mn8);
+    }
+}
+
+/* The stripes of an interleaved Q4_K matrix (`stripes` at w, stripes_avail from w on: the prefetch bound) x all
+ * columns, as kqx_gemm on their row-major rows (ranges of whole stripes). The expansion reads the stripes as one
+ * stream and prefetches it Q4K_IL_PREFETCH_BYTES ahead, as the GEMV does (one stripe ahead was too late for
+ * short rows). Not inlined: its stack buffers stay apart from the row-major tail's. */
+__attribute__((noinline)) static void kqx_gemm_il(const uint8_t *w, size_t rb, size_t stripes, size_t stripes_avail,
+                                                   const dd_acts *a, float *y, size_t ldy)
+{
+    kqx_rows e[KQX_W_SB];
+    kqx_col cols[KQX_A_SB];
+    const size_t nsb = a->nb / 8, per = KQX_W_SB / nsb / 4;
+    const uint8_t *end = w + stripes_avail * 8 * rb;
+    dd_prefetch_rows(w, 1, stripes * 8 * rb < Q4K_IL_PREFETCH_BYTES ? stripes * 8 * rb : Q4K_IL_PREFETCH_BYTES);
+    for (size_t s0 = 0; s0 < stripes; s0 += per) {
+        const size_t n = stripes - s0 < per ? stripes - s0 : per;
+        for (size_t s = 0; s < n; s++)
+            for (size_t sb = 0; sb < nsb; sb++) {
+                const uint8_t *blk = w + (s0 + s) * 8 * rb + sb * Q4K_IL_BLOCK_BYTES, *pf = blk + Q4K_IL_PREFETCH_BYTES;
+                if (pf + Q4K_IL_BLOCK_BYTES <= end)
+                    for (int l = 0; l < Q4K_IL_BLOCK_BYTES / 64; l++)
+                        dd_prefetch_weight(pf + 64 * l);
+                kqx_expand_il(blk, e + 4 * s * nsb + sb, nsb);
+            }
+        kqx_range(e, 4 * n, 8 * n, a, cols, y + 8 * s0, ldy, DD_Q4_K, 2);
+    }
+}
+
+/* gemm[DD_Q4_K_IL] of this level: more than DD_IL_GEMV_COLS columns, with rows kqx_gemm takes (KQX_FITS), read
+ * the stripes directly (kqx_gemm_il) and the rows % 8 tail by gemm_q4_K; everything else goes to dd_gemm_q4_k_il
+ * (the GEMV, or the stripes de-interleaved for gemm_q4_K). */
+static void gemm_q4_k_il(const uint8_t *w, size_t row_bytes, size_t nrows, size_t rows_avail, const dd_acts *a,
+                         float *y, size_t ldy)
+{
+    const size_t stripes = nrows / 8;
+    if (a->m <= DD_IL_GEMV_COLS || stripes == 0 || !KQX_FITS(a)) {
+        dd_gemm_q4_k_il(gemm_q4_K, gemv_q4_k_il, deil_q4_k, w, row_bytes, nrows, rows_avail, a, y, ldy);
+        return;
+    }
+    kqx_gemm_il(w, row_bytes, stripes, rows_avail / 8, a, y, ldy);
+    if (nrows > 8 * stripes)
+        gemm_q4_K(w + 8 * stripes * row_bytes, row_bytes, nrows - 8 * stripes, rows_avail - 8 * stripes, a,
+                  y + 8 * stripes, ldy);
+}
 
 #endif
