@@ -40,7 +40,8 @@ HEADERS = ["deltadesk_cpu.h", "quant/kernels.h", "quant/gemm_tiles.h", "quant/kq
            "quant/lowbit.h", "quant/lowbit_avx512.h", "quant/iquants.h", "quant/iquants_avx512.h", "quant/bf16.h",
            "runtime/runtime.h", "attention/attn_kernel.h", "attention/attn_prefill.h", "attention/attn_prefill_avx2.h",
            "attention/attn_avx2.h", "gdn/gdn_kernel.h", "gdn/vexp.h", "vit/sgemm_kernel.h",
-           "quant/q4_il_avx512.h", "quant/q4k_il_avx512.h", "quant/q2k_rl_avx512.h", "quant/q2k_lanes.h"]
+           "quant/q4_il_avx512.h", "quant/q4k_il_avx512.h", "quant/q2k_rl_avx512.h", "quant/q2k_lanes.h",
+           "quant/q4k_interleave.h"]
 """Listed as the extension's dependencies, so that editing one (or an ISA file) rebuilds it."""
 
 X86_ISA_SOURCES = {

@@ -122,29 +122,6 @@ void dd_gemm_il(int wtype, dd_gemm_fn row_major, dd_gemv_il_fn il, dd_deil_fn de
         dd_gemm_il(WTYPE, ROW_MAJOR, IL, DEIL, w, row_bytes, nrows, rows_avail, a, y, ldy);                \
     }
 
-/* Columns up to which gemm[DD_Q4_K_IL] runs the interleaved GEMV (a batched decode step's rows; a chunk's stripes
- * stay in L2 from one column pair to the next); more columns (a prompt) de-interleave for the row-major GEMM,
- * whose per-column work is smaller. */
-#define DD_IL_GEMV_COLS 8
-
-/* A level's GEMV of interleaved stripes for up to DD_IL_GEMV_COLS columns: y[c * ldy + r] for r < 8 * stripes. */
-typedef void (*dd_gemv_cols_fn)(const uint8_t *w, size_t row_bytes, size_t stripes, size_t stripes_avail,
-                                const dd_acts *a, float *y, size_t ldy);
-
-/* gemm[DD_Q4_K_IL] of every level (q4k_interleave.c): dd_gemm_il for the interleaved Q4_K layout, except
- * that `il` serves up to DD_IL_GEMV_COLS columns (deil: the level's de-interleave of that layout, or NULL for
- * the portable copy); row_major is the level's gemm[DD_Q4_K]. The bits of row_major on the row-major matrix. */
-void dd_gemm_q4_k_il(dd_gemm_fn row_major, dd_gemv_cols_fn il, dd_deil_fn deil, const uint8_t *w, size_t row_bytes,
-                     size_t nrows, size_t rows_avail, const dd_acts *a, float *y, size_t ldy);
-
-/* Defines NAME, a dd_gemm_fn: dd_gemm_q4_k_il with the level's ROW_MAJOR, IL and DEIL (NULL where it has none). */
-#define DD_DEFINE_GEMM_Q4_K_IL(NAME, ROW_MAJOR, IL, DEIL)                                                  \
-    static void NAME(const uint8_t *w, size_t row_bytes, size_t nrows, size_t rows_avail, const dd_acts *a, \
-                     float *y, size_t ldy)                                                                 \
-    {                                                                                                      \
-        dd_gemm_q4_k_il(ROW_MAJOR, IL, DEIL, w, row_bytes, nrows, rows_avail, a, y, ldy);                  \
-    }
-
 /* How far ahead the SIMD kernels prefetch weights, in rows. A single core keeps too few cache
  * misses in flight while it computes to stream from DRAM; asking for the row this many rows
  * ahead about doubles the single-thread GEMV rate (docs/design/native-cpu.md, "Weight prefetching"). */

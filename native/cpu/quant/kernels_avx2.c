@@ -12,6 +12,7 @@
 #include "gemm_tiles.h"
 #include "kernels.h"
 #include "q2k_lanes.h"
+#include "q4k_interleave.h"
 
 /* The K-quant dot product of kquants.h: one ymm per 32-value block, vpmaddubsw (unsigned weights x
  * signed activations) then vpmaddwd by the two halves' scales; the 8 int32 lanes of each of the 8

@@ -11,6 +11,7 @@
 #include "gemm_tiles.h"
 #include "kernels.h"
 #include "q2k_lanes.h"
+#include "q4k_interleave.h"
 #include "runtime.h"
 
 /* 4 vectors of 16 int32 lanes -> lane 4k + j = the sum of 128-bit lane k of vector j (exact, in-lane

@@ -3,6 +3,7 @@
 
 #include "kernels.h"
 #include "q2k_lanes.h"
+#include "q4k_interleave.h"
 
 /* The K-quant dot product of kquants.h, element by element. */
 static inline void kq_dot8(const uint8_t *w, const int8_t *a, const int16_t *sc, int32_t *out)

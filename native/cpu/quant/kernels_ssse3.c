@@ -12,6 +12,7 @@
 #include "gemm_tiles.h"
 #include "kernels.h"
 #include "q2k_lanes.h"
+#include "q4k_interleave.h"
 
 /* The K-quant dot product of kquants.h: per 16-value half, pmaddubsw (unsigned weights x signed
  * activations, pairs in int16) then pmaddwd by the half's scale; the 4 int32 lanes of each of the

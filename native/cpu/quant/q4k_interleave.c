@@ -10,7 +10,7 @@
  * directions are exact.
  */
 
-#include "kernels.h"
+#include "q4k_interleave.h"
 
 #define KIL_BLOCK (8 * DD_Q4_K_BYTES)
 /* Bytes of row-major rows a product de-interleaves at a time: whole stripes of rows up to
