@@ -16,8 +16,8 @@ steadier than wall time on a shared machine), after an untimed warm-up round. Ru
 compare CPU time per token where other load makes wall time noisy. "both" holds the file twice (read into
 memory first, then the page cache filled and mapped) and alternates the two models round by round in one
 process, printing each round's CPU time per token of both and their ratio (map / ram). ``--no-repack`` keeps
-"ram"'s Q4_0 and Q4_K weights row-major (docs/design/q4-0-row-interleave.md, q4-k-row-interleave.md: the
-layouts' A/B on the same memory).
+"ram"'s weights in their stored row-major layouts (no Q4_0, MXFP4, Q4_K or Q2_K repack: cpu.LAYOUTS;
+docs/design/q4-0-row-interleave.md, q4-k-row-interleave.md: the layouts' A/B on the same memory).
 """
 
 from __future__ import annotations
@@ -133,7 +133,7 @@ def main() -> None:
     ap.add_argument("--gen", type=int, default=16)
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--fill", choices=["map", "read", "small", "scattered"], default="map")
-    ap.add_argument("--no-repack", action="store_true", help="ram: keep Q4_0 and Q4_K row-major (no repack)")
+    ap.add_argument("--no-repack", action="store_true", help="ram: keep the stored row-major layouts (no repack)")
     args = ap.parse_args()
     cpu.set_threads(args.threads)
     cpu.set_isa(args.isa)
