@@ -73,12 +73,15 @@ def test_numpy_twin_deinterleaves_the_layout(rng):
     np.testing.assert_array_equal(q4_k_deinterleave_np(layout_np(raw)), raw)
 
 
-@pytest.mark.parametrize("rows,k", [(5, 256), (8, 256), (13, 768), (69, 512), (41, 2304), (136, 2048),
-                                    (17, 28672)])   # the longest rows: one stripe per de-interleaved piece
-@pytest.mark.parametrize("m", [1, 2, 3, 5, 8, 17, 64])   # 2-8: the few-column product; more: the prompt GEMM
+SHAPES = [(5, 256), (8, 256), (13, 768), (69, 512), (41, 2304), (136, 2048)]
+COLUMNS = [1, 2, 3, 5, 8, 17, 64]   # 2-8: the few-column product; more: the prompt GEMM
+
+
+# The longest rows (one stripe per de-interleaved piece) once per path: GEMV and few columns; the prompt GEMM's
+# long rows are test_prompt_gemm_on_the_stripes_has_the_row_major_bits's.
+@pytest.mark.parametrize("rows,k,m", [(r, k, m) for r, k in SHAPES for m in COLUMNS]
+                         + [(17, 28672, m) for m in COLUMNS if m <= 8])
 def test_interleaved_matrix_has_the_row_major_bits(rows, k, m, rng):
-    if k > 4096 and m > 8:
-        pytest.skip("the long rows once per path: GEMV, few columns")
     raw = random_kquant(rng, rows, k, Q.Q4_K)
     x = (rng.standard_normal((m, k)) * rng.uniform(0.1, 10)).astype(np.float32)
     assert_row_major_bits(LAYOUT, raw, k, x, numpy_threads=(1,))
