@@ -134,15 +134,16 @@ def test_kquant_rows_must_be_whole_super_blocks(rng):
 @pytest.mark.parametrize("rows, k", [(70, 2048), (69, 2304)])
 def test_kquant_few_columns_are_each_column_alone(level, qtype, rows, k, rng):
     """2 to 8 columns (a batched decode's rows: kqh_few_avx512.h at AVX-512, columns arranged once per
-    thread, each row's super-blocks expanded once for all of them) and 9 (the unpack-once GEMM), at 1 and
-    2 threads, an odd row count (a row without a partner) and an odd super-block count: every column has
-    the bits of its own one-column product, and of the one-column product at 1 thread."""
+    thread, each row pair's super-blocks expanded once for all of them) and 9 (the unpack-once GEMM), at 1
+    to 3 threads (chunks of odd and even row counts), an odd row count (a row without a partner) and an odd
+    super-block count: every column has the bits of its own one-column product, and of the one-column
+    product at 1 thread."""
     raw = random_kquant(rng, rows, k, qtype)
     mat = cpu.Matrix(raw, k, qtype)
     x = rng.standard_normal((9, k)).astype(np.float32)
     cpu.set_threads(1)
     alone = np.concatenate([mat(x[i:i + 1]) for i in range(9)])
-    for n in (1, 2):
+    for n in (1, 2, 3):
         cpu.set_threads(n)
         for m in range(2, 10):
             assert np.array_equal(mat(x[:m]), alone[:m]), (n, m)

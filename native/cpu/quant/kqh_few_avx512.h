@@ -116,10 +116,10 @@ DD_INLINE void kqh_term(__m256i ints, const kqh_col *p, __m512d d, __m512d dmin,
         *acc = _mm512_fnmadd_pd(_mm512_mul_pd(p->dab, dmin), m, *acc);
 }
 
-/* Rows [0, R) (R <= 2, row r at w + r * rb) x columns [0, C) (C <= 8; R * C <= 8: the accumulators stay
- * in registers; column c's super-block sb at cols[c * nsb + sb]) into y[c * ldy + r]; pf: the rows to
- * prefetch while these are read (kq_tile's prefetches). Each column's vectors are loaded once for the R
- * rows. */
+/* Rows [0, R) (R <= 2, row r at w + r * rb) x columns [0, C) (C <= 8; column c's super-block sb at
+ * cols[c * nsb + sb]) into y[c * ldy + r]; pf: the rows to prefetch while these are read (kq_tile's
+ * prefetches). Each column's vectors are loaded once for the R rows; at R * C > 8 the compiler keeps a few
+ * accumulators on the stack, which costs less than loading every column's vectors once per row. */
 DD_INLINE void kqh_tile(const uint8_t *w, const uint8_t *pf, size_t rb, const kqh_col *cols, size_t nsb, int wtype,
                         float *y, size_t ldy, const int R, const int C)
 {
@@ -174,6 +174,21 @@ DD_INLINE void kqh_tile(const uint8_t *w, const uint8_t *pf, size_t rb, const kq
     }
 }
 
+/* kqh_tile with the column count m (KQH_FEW .. KQ_GEMV_COLS) as a constant. */
+DD_INLINE void kqh_rows(const uint8_t *w, const uint8_t *pf, size_t rb, const kqh_col *cols, size_t nsb, int wtype,
+                        float *y, size_t ldy, const int R, size_t m)
+{
+    switch (m) {
+    case 8: kqh_tile(w, pf, rb, cols, nsb, wtype, y, ldy, R, 8); break;
+    case 7: kqh_tile(w, pf, rb, cols, nsb, wtype, y, ldy, R, 7); break;
+    case 6: kqh_tile(w, pf, rb, cols, nsb, wtype, y, ldy, R, 6); break;
+    case 5: kqh_tile(w, pf, rb, cols, nsb, wtype, y, ldy, R, 5); break;
+    case 4: kqh_tile(w, pf, rb, cols, nsb, wtype, y, ldy, R, 4); break;
+    case 3: kqh_tile(w, pf, rb, cols, nsb, wtype, y, ldy, R, 3); break;
+    default: kqh_tile(w, pf, rb, cols, nsb, wtype, y, ldy, R, 2); break;
+    }
+}
+
 /* A thread's last columns (kqh_col_prep of each super-block, column c's super-block sb at c * nsb + sb)
  * and the activations (dd_acts.id) and layout (q6: 1 for Q6_K, 0 for Q4_K / Q5_K) they were arranged
  * for, in its scratch (DD_SCRATCH_KQH_COL; a new buffer is zeroed, and id 0 matches no activations). */
@@ -184,8 +199,8 @@ typedef struct {
 } kqh_few_state;
 
 /* A K-quant product (wtype) of a->m <= KQ_GEMV_COLS columns with rows of nb / 8 <= KQ_GEMV_SB super-blocks, as
- * DD_DEFINE_GEMM's GEMV walk (the same prefetches; row pairs up to 4 columns, then single rows), the
- * columns arranged at most once per thread and activations, in st. The bits are the GEMV's (see above). */
+ * DD_DEFINE_GEMM's GEMV walk (the same prefetches; row pairs, then a last single row), the columns arranged
+ * at most once per thread and activations, in st. The bits are the GEMV's (see above). */
 DD_INLINE void kqh_few(const uint8_t *w, size_t rb, size_t nrows, size_t rows_avail, const dd_acts *a, float *y,
                        size_t ldy, int wtype, kqh_few_state *st)
 {
@@ -200,28 +215,13 @@ DD_INLINE void kqh_few(const uint8_t *w, size_t rb, size_t nrows, size_t rows_av
     }
     const size_t ahead = dd_gemv_ahead(rb);
     dd_gemv_prefetch_start(w, rb, nrows, rows_avail, ahead);
-    const int pair = a->m <= 4;
     size_t r = 0;
-    for (; pair && r + 2 <= nrows; r += 2) {
-        const uint8_t *pf = DD_PREFETCH_AHEAD(w, rb, r, 2, rows_avail, ahead);
-        switch (a->m) {
-        case 4: kqh_tile(w + r * rb, pf, rb, st->cols, nsb, wtype, y + r, ldy, 2, 4); break;
-        case 3: kqh_tile(w + r * rb, pf, rb, st->cols, nsb, wtype, y + r, ldy, 2, 3); break;
-        default: kqh_tile(w + r * rb, pf, rb, st->cols, nsb, wtype, y + r, ldy, 2, 2); break;
-        }
-    }
-    for (; r < nrows; r++) {
-        const uint8_t *pf = DD_PREFETCH_AHEAD(w, rb, r, 1, rows_avail, ahead);
-        switch (a->m) {
-        case 8: kqh_tile(w + r * rb, pf, rb, st->cols, nsb, wtype, y + r, ldy, 1, 8); break;
-        case 7: kqh_tile(w + r * rb, pf, rb, st->cols, nsb, wtype, y + r, ldy, 1, 7); break;
-        case 6: kqh_tile(w + r * rb, pf, rb, st->cols, nsb, wtype, y + r, ldy, 1, 6); break;
-        case 5: kqh_tile(w + r * rb, pf, rb, st->cols, nsb, wtype, y + r, ldy, 1, 5); break;
-        case 4: kqh_tile(w + r * rb, pf, rb, st->cols, nsb, wtype, y + r, ldy, 1, 4); break;
-        case 3: kqh_tile(w + r * rb, pf, rb, st->cols, nsb, wtype, y + r, ldy, 1, 3); break;
-        default: kqh_tile(w + r * rb, pf, rb, st->cols, nsb, wtype, y + r, ldy, 1, 2); break;
-        }
-    }
+    for (; r + 2 <= nrows; r += 2)
+        kqh_rows(w + r * rb, DD_PREFETCH_AHEAD(w, rb, r, 2, rows_avail, ahead), rb, st->cols, nsb, wtype, y + r, ldy,
+                 2, a->m);
+    if (r < nrows)
+        kqh_rows(w + r * rb, DD_PREFETCH_AHEAD(w, rb, r, 1, rows_avail, ahead), rb, st->cols, nsb, wtype, y + r, ldy,
+                 1, a->m);
 }
 
 #endif
