@@ -7,7 +7,8 @@ changes nothing.
   column counts across the GEMM's 32-column blocks with a ragged last tile.
 * The MoE of n tokens grouped by expert gives each token exactly what dd_moe_ffn gives it alone:
   routing (ties included: two experts with the same router row tie on every token, the lower
-  index wins), weights and output.
+  index wins), weights and output, for prompt pieces and for a batched decode step's 1-9 tokens
+  (whose router logits are cut by router rows instead of by tokens).
 
 Weights are random blocks with nonzero scales; activations are standard normal (no zeros).
 """
@@ -142,6 +143,31 @@ def test_moe_prefill_bit_identical_to_per_token(kquants, shared, rng, restore):
         if 5 in r.experts:
             assert list(r.experts).index(5) == list(r.experts).index(2) + 1
     print(f"{ties} of 37 tokens chose both tied experts")
+
+
+@pytest.mark.skipif(not cpu.available(), reason="native CPU kernels not built")
+@pytest.mark.parametrize("shared", [True, False], ids=["shared", "no-shared"])
+def test_moe_prefill_decode_batches(shared, rng, restore):
+    """1-9 tokens, a batched decode step's sizes (up to 8 the router is cut by router rows, each chunk meeting
+    every token; 9 by tokens): each token gets the bits of dd_moe_ffn alone. 45 experts at d = 256 make two
+    chunks of router rows (32 and an odd 13); expert 40 copies expert 2's router row across the two chunks."""
+    w = random_moe(rng, n_expert=45, n_used=4, shared=shared)
+    router = w.router.copy()
+    router[40] = router[2]
+    w = cpu_moe.PreparedMoE(w._replace(router=router))
+    x = rng.standard_normal((9, 256)).astype(np.float32)
+    x[5] = x[1]   # two rows of one batch alike: both route and sum as that row alone
+    for name in LEVELS:
+        cpu.set_isa(name)
+        cpu.set_threads(1)
+        alone = [cpu_moe.moe_ffn(row, w) for row in x]
+        for threads in (1, 2):
+            cpu.set_threads(threads)
+            for n in range(1, 10):
+                got, want = cpu_moe.moe_prefill(x[:n], w), alone[:n]
+                assert np.array_equal(got.experts, np.stack([r.experts for r in want])), (name, threads, n)
+                assert np.array_equal(got.weights, np.stack([r.weights for r in want])), (name, threads, n)
+                assert np.array_equal(got.out, np.stack([r.out for r in want])), (name, threads, n)
 
 
 @pytest.mark.skipif(not cpu.available(), reason="native CPU kernels not built")

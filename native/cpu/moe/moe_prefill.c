@@ -7,12 +7,14 @@
  * same SwiGLU expression, each hidden vector quantized on its own (Q8_0 quantization is per column);
  * then per token the same f32 sum over its experts in slot order, the shared expert last. Stages,
  * each on the pool in chunks whose results depend only on their index:
- *   1. route chunks of tokens (router logits, top-k, the shared expert's sigmoid gate);
+ *   1. route chunks of tokens (router logits, top-k, the shared expert's sigmoid gate); up to
+ *      ROUTE_BY_ROWS tokens (a batched decode step), chunks of router rows for all the tokens instead,
+ *      then top-k and the gate on the calling thread;
  *   2. per used expert: gather its tokens' rows of x, quantize them;
  *   3. chunks of (expert, gate/up rows): the GEMMs over that expert's tokens, then SwiGLU;
  *   4. per used expert: quantize its hidden vectors;
  *   5. chunks of (expert, down rows): the GEMM over its tokens (one output row per token and slot);
- *   6. chunks of tokens: the weighted sums. */
+ *   6. chunks of tokens (one token each up to ROUTE_BY_ROWS tokens): the weighted sums. */
 #include <math.h>
 #include <stdatomic.h>
 #include <stdlib.h>
@@ -21,6 +23,10 @@
 
 #define PREFILL_TOKENS_PER_CHUNK 8
 #define ROUTE_TOKENS_MAX 64
+/* Up to this many tokens the router logits are cut by router rows, not by tokens: a chunk of tokens would
+ * leave every thread but one idle while one reads the whole router (2 MiB a layer at 256 x 2048), and the
+ * tokens' rows (64 KiB at 8 x 2048) stay in L2 while each chunk of router rows meets them all. */
+#define ROUTE_BY_ROWS 8
 
 /* Tokens per chunk of the routing stage: n over 4 chunks a thread, 8 to 64. Each chunk reads the whole router
  * (n_expert f32 rows: 2 MiB at 256 x 2048, more than a core's L2) once for all its tokens, so larger chunks
@@ -54,10 +60,23 @@ typedef struct {
     group *groups;          /* the used experts in index order, then the shared one */
     size_t n_groups;
     const float **rows;     /* n x n_slots: where each (token, slot)'s down output lies */
-    size_t route_tokens, gate_up_rows, down_rows, gate_up_chunks, down_chunks;
+    size_t route_tokens, router_rows, sum_tokens, gate_up_rows, down_rows, gate_up_chunks, down_chunks;
+    float *sh_logits;       /* n: the shared expert's gate logits (routing by router rows) */
     _Atomic int failed;
     float *out;
 } prefill_job;
+
+/* Top-k of tokens [t0, t1) from their logits, and the shared expert's gate from its logits sh (sh[0]: t0's). */
+static void prefill_route_tokens(prefill_job *j, size_t t0, size_t t1, const float *sh)
+{
+    const dd_moe_weights *mw = j->mw;
+    for (size_t t = t0; t < t1; t++) {
+        dd_moe_route(j->logits + t * mw->n_expert, mw->n_expert, mw->n_used, j->sel + t * mw->n_used,
+                     j->weights + t * j->n_slots, j->p + t * mw->n_expert);
+        if (mw->sh_gate != NULL)
+            j->weights[t * j->n_slots + mw->n_used] = 1.0f / (1.0f + expf(-sh[t - t0]));
+    }
+}
 
 static void prefill_route_chunk(void *ctx, size_t chunk)
 {
@@ -69,12 +88,37 @@ static void prefill_route_chunk(void *ctx, size_t chunk)
     float sh[ROUTE_TOKENS_MAX];
     if (mw->sh_gate != NULL)
         j->kt->dots_f32(mw->sh_gate_inp, 1, j->x + t0 * mw->d, t1 - t0, mw->d, sh, 1);
-    for (size_t t = t0; t < t1; t++) {
-        dd_moe_route(j->logits + t * mw->n_expert, mw->n_expert, mw->n_used, j->sel + t * mw->n_used,
-                     j->weights + t * j->n_slots, j->p + t * mw->n_expert);
-        if (mw->sh_gate != NULL)
-            j->weights[t * j->n_slots + mw->n_used] = 1.0f / (1.0f + expf(-sh[t - t0]));
+    prefill_route_tokens(j, t0, t1, sh);
+}
+
+/* A chunk of router rows for all n tokens; the chunk after the last one: the shared expert's gate logits. */
+static void prefill_router_rows_chunk(void *ctx, size_t chunk)
+{
+    prefill_job *j = ctx;
+    const dd_moe_weights *mw = j->mw;
+    const size_t r0 = chunk * j->router_rows;
+    if (r0 >= mw->n_expert) {
+        j->kt->dots_f32(mw->sh_gate_inp, 1, j->x, j->n, mw->d, j->sh_logits, 1);
+        return;
     }
+    const size_t r1 = dd_min_size(r0 + j->router_rows, mw->n_expert);
+    j->kt->dots_f32(mw->router + r0 * mw->d, r1 - r0, j->x, j->n, mw->d, j->logits + r0, mw->n_expert);
+}
+
+/* Stage 1: every token's logits, experts, weights and shared gate. */
+static void prefill_route(prefill_job *j)
+{
+    const dd_moe_weights *mw = j->mw;
+    if (j->n > ROUTE_BY_ROWS) {
+        j->route_tokens = route_tokens(j->n);
+        dd_pool_for(prefill_route_chunk, j, dd_div_up(j->n, j->route_tokens));
+        return;
+    }
+    float sh[ROUTE_BY_ROWS];
+    j->sh_logits = sh;
+    j->router_rows = dd_chunk_rows(mw->d * sizeof(float));
+    dd_pool_for(prefill_router_rows_chunk, j, dd_div_up(mw->n_expert, j->router_rows) + (mw->sh_gate != NULL));
+    prefill_route_tokens(j, 0, j->n, sh);
 }
 
 /* The group whose chunks of a stage start at or before `chunk` (the last such). */
@@ -147,8 +191,8 @@ static void prefill_down_chunk(void *ctx, size_t chunk)
 static void prefill_sum_chunk(void *ctx, size_t chunk)
 {
     prefill_job *j = ctx;
-    const size_t d = j->mw->d, t1 = dd_min_size((chunk + 1) * PREFILL_TOKENS_PER_CHUNK, j->n);
-    for (size_t t = chunk * PREFILL_TOKENS_PER_CHUNK; t < t1; t++) {
+    const size_t d = j->mw->d, t1 = dd_min_size((chunk + 1) * j->sum_tokens, j->n);
+    for (size_t t = chunk * j->sum_tokens; t < t1; t++) {
         const float *const *rows = j->rows + t * j->n_slots;
         const float *w = j->weights + t * j->n_slots;
         for (size_t r = 0; r < d; r++) {
@@ -275,8 +319,7 @@ int dd_moe_prefill(int isa, const dd_moe_weights *mw, size_t n, const float *x, 
         j.logits = small;
         j.p = small + n * mw->n_expert;
         j.weights = j.p + n * mw->n_expert;
-        j.route_tokens = route_tokens(n);
-        dd_pool_for(prefill_route_chunk, &j, dd_div_up(n, j.route_tokens));
+        prefill_route(&j);
         rc = prefill_groups(&j, index, fbuf);
     }
     if (rc == DD_OK) {
@@ -288,7 +331,8 @@ int dd_moe_prefill(int isa, const dd_moe_weights *mw, size_t n, const float *x, 
             rc = DD_ERR_NOMEM;
     }
     if (rc == DD_OK) {
-        dd_pool_for(prefill_sum_chunk, &j, dd_div_up(n, PREFILL_TOKENS_PER_CHUNK));
+        j.sum_tokens = n > ROUTE_BY_ROWS ? PREFILL_TOKENS_PER_CHUNK : 1;
+        dd_pool_for(prefill_sum_chunk, &j, dd_div_up(n, j.sum_tokens));
         for (size_t t = 0; t < n; t++)
             for (size_t i = 0; i < n_used; i++) {
                 if (sel_out != NULL)
