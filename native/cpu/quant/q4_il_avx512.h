@@ -23,8 +23,9 @@
 #define Q4_IL_BLOCK_BYTES (8 * DD_Q4_0_BYTES)
 #define MX_IL_BLOCK_BYTES (8 * DD_MXFP4_BYTES)
 
-/* The activation's 4 values at p (int8) in every int32 lane: a register operand for Q4_0's products, which
- * from DRAM ran 3-5 % slower with dd_dpbusd_bcast4's embedded broadcast (faster in L2; MXFP4 gained at both). */
+/* The activation's 4 values at p (int8) in every int32 lane, a register operand of Q4_0's products: with
+ * dd_dpbusd_bcast4's embedded broadcast they ran 6 % faster in L2, but no gain from DRAM showed on a loaded
+ * machine (docs/perf/log/mx-2026-12-06.md), unlike MXFP4's. */
 DD_INLINE __m256i il_bcast4(const int8_t *p)
 {
     int32_t v;
