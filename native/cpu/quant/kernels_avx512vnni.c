@@ -23,6 +23,16 @@ DD_INLINE __m512i kq_transpose_add(const __m512i d[4])
     return _mm512_add_epi32(_mm512_unpacklo_epi64(s01, s23), _mm512_unpackhi_epi64(s01, s23));
 }
 
+/* acc + vpdpbusd of the unsigned bytes w with the activation's 4 values at p (int8) in every int32 lane, read by
+ * the instruction's own broadcast: GCC loads set1's dword into a register first, one more instruction for each
+ * product of the Q4_K and MXFP4 stripe GEMVs (q4k_il_avx512.h, q4_il_avx512.h), a vector pipe slot on Zen 4
+ * (one thread, 4 MiB in L3: Q4_K 35.5 -> 38.3 GB/s; MXFP4 from DRAM: docs/perf/log/mx-2026-12-06.md). */
+DD_INLINE __m256i dd_dpbusd_bcast4(__m256i acc, __m256i w, const int8_t *p)
+{
+    __asm__("vpdpbusd %2%{1to8%}, %1, %0" : "+v"(acc) : "v"(w), "m"(*(const int32_t *)p));
+    return acc;
+}
+
 #include "kq_tile_avx512.h"
 #include "q4k_il_avx512.h"
 

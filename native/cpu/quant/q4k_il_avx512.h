@@ -39,15 +39,6 @@ DD_INLINE void kil_scales(const uint8_t *blk, uint8_t sc[64], uint8_t mn[64])
                                                       0xf8));
 }
 
-/* acc + vpdpbusd of the unsigned bytes w with the activation's 4 values at p (int8) in every int32 lane, read by
- * the instruction's own broadcast: GCC loads set1's dword into a register first, one more instruction for each
- * of a stripe's super-block's 64 products (one thread, 4 MiB in L3: 35.5 -> 38.3 GB/s). */
-DD_INLINE __m256i kil_dpbusd_bcast4(__m256i acc, __m256i w, const int8_t *p)
-{
-    __asm__("vpdpbusd %2%{1to8%}, %1, %0" : "+v"(acc) : "v"(w), "m"(*(const int32_t *)p));
-    return acc;
-}
-
 /* acc += sub-block s's terms for the 8 rows: sums (int32, 16 times the true ones for a high-nibble sub-block,
  * whose da then carries the 1/16), the rows' scales sc and mins mn (8 bytes), d and dmin (f64 lanes). */
 DD_INLINE void kil_terms(__m256i sums, const uint8_t *sc, const uint8_t *mn, __m512d d, __m512d dmin, double da,
@@ -80,8 +71,8 @@ DD_INLINE void kil_superblock(const uint8_t *blk, const int8_t *const q[2], cons
             const __m256i v = _mm256_loadu_si256((const __m256i *)(blk + 128 + 256 * j + 32 * u));
             const __m256i vl = _mm256_and_si256(v, low), vh = _mm256_and_si256(v, high);
             for (int c = 0; c < C; c++) {
-                lo[c][u & 1] = kil_dpbusd_bcast4(lo[c][u & 1], vl, q[c] + 64 * j + 4 * u);
-                hi[c][u & 1] = kil_dpbusd_bcast4(hi[c][u & 1], vh, q[c] + 64 * j + 32 + 4 * u);
+                lo[c][u & 1] = dd_dpbusd_bcast4(lo[c][u & 1], vl, q[c] + 64 * j + 4 * u);
+                hi[c][u & 1] = dd_dpbusd_bcast4(hi[c][u & 1], vh, q[c] + 64 * j + 32 + 4 * u);
             }
         }
         for (int c = 0; c < C; c++) {
