@@ -208,6 +208,7 @@ def test_kernel_ids_of_the_quant_table_match_the_c_enum():
     assert cpu.MXFP4_IL.cpu_kernel == _native_cpu.lib.DD_MXFP4_IL
     assert cpu.Q4_K_IL.cpu_kernel == _native_cpu.lib.DD_Q4_K_IL
     assert cpu.Q2_K_RL.cpu_kernel == _native_cpu.lib.DD_Q2_K_RL
+    assert cpu.Q3_K_RL.cpu_kernel == _native_cpu.lib.DD_Q3_K_RL
     assert len(cpu.KERNEL_TYPES) + len(cpu.LAYOUTS) == _native_cpu.lib.DD_WTYPE_COUNT   # + the row-grouped layouts
 
 

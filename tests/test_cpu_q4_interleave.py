@@ -109,7 +109,7 @@ def test_rows_slice_keeps_the_stripes(rng):
 
 
 def test_only_the_types_with_a_layout_interleave():
-    with pytest.raises(ValueError, match="only Q4_0, MXFP4, Q4_K, Q2_K rows"):
+    with pytest.raises(ValueError, match="only Q4_0, MXFP4, Q4_K, Q2_K, Q3_K rows"):
         cpu.Matrix(np.zeros((8, 34), dtype=np.uint8), 32, Q8_0, interleaved=True)
     with pytest.raises(ValueError, match="Q8_0 has no interleaved layout"):
         cpu_q4il.interleave(np.zeros((8, 34), dtype=np.uint8), Q8_0)

@@ -22,10 +22,11 @@ from gguf import GGMLQuantizationType
 
 from engine.gguf import quant
 from engine.errors import EngineError
-from engine.kernels.cpu_twins import (B_QUANTS, IL_TRAITS, K_QUANTS, KQ_ROWS, Q2_K_RL, Q8_0_BYTES, QK, activations,
+from engine.kernels.cpu_twins import (B_QUANTS, IL_TRAITS, K_QUANTS, KQ_ROWS, Q8_0_BYTES, QK, RL_TRAITS, activations,
                                       bf16_product_np, bquant_product_np, dequantize, kquant_product_np, layout_rows,
                                       quantize_q8_0_np, row_major)
-from engine.kernels.cpu_twins import MXFP4_IL, Q4_0_IL, Q4_K_IL  # noqa: F401 (re-exported: the layouts' kernel types)
+from engine.kernels.cpu_twins import (MXFP4_IL, Q2_K_RL, Q3_K_RL, Q4_0_IL,  # noqa: F401 (re-exported: the layouts'
+                                      Q4_K_IL)                                # kernel types)
 from engine.kernels.iq_twins import grids as iq_grids
 from engine.kernels.lowbit_twins import LOW_BIT, lowbit_product_np
 from engine.ops import reference
@@ -50,7 +51,7 @@ Q = GGMLQuantizationType
 KERNEL_TYPES: frozenset[GGMLQuantizationType] = frozenset(
     t for t, traits in quant.TYPES.items() if traits.cpu_kernel is not None)
 """Weight types the kernels read as stored (the quant-type table's ``cpu_kernel``)."""
-LAYOUTS = {**IL_TRAITS, Q.Q2_K: Q2_K_RL}
+LAYOUTS = {**IL_TRAITS, **RL_TRAITS}
 """Stored type -> the kernel traits of its row-grouped layout (what ``Matrix(..., interleaved=True)`` carries)."""
 _C_ERRORS = {-1: "ISA level not supported by this CPU", -2: "out of memory", -3: "invalid argument"}
 
@@ -293,7 +294,8 @@ class Matrix:
             can have the same length, so it is never inferred from the bytes).
         interleaved: raw is rewritten in its type's row-grouped layout (:data:`LAYOUTS`): Q4_0, MXFP4 and Q4_K
             by :func:`engine.kernels.cpu_q4il.interleave` (8-row stripes, :data:`~engine.kernels.cpu_twins.IL_TRAITS`),
-            Q2_K by :func:`engine.kernels.cpu_q2rl.pack_q2_k` (``Q2_K_RL``); the results are the row-major bytes' bits.
+            Q2_K and Q3_K by :func:`engine.kernels.cpu_rl.pack` (4-row groups, ``Q2_K_RL``, ``Q3_K_RL``); the
+            results are the row-major bytes' bits.
     Calling it is :func:`matmul` (or its twin when the active level is "numpy") without the per-call
     checks of the weights: x (m, k) float32 -> (m, rows) float32.
     Raises ValueError at construction when raw is not rows of k values of ``qtype``, not contiguous,
@@ -315,7 +317,7 @@ class Matrix:
     def rows_slice(self, r0: int, r1: int) -> "Matrix":
         """Rows [r0, r1) as a Matrix (a view: e.g. one expert of a stacked expert tensor). Raises ValueError
         for an interleaved matrix's range that does not start and end on its row groups (8-row stripes of Q4_0,
-        MXFP4 and Q4_K, 4-row groups of Q2_K) or its end."""
+        MXFP4 and Q4_K, 4-row groups of Q2_K and Q3_K) or its end."""
         group = layout_rows(self.traits)
         if r0 % group or (r1 % group and r1 != self.rows):
             raise ValueError(f"Matrix: rows [{r0}, {r1}) of an interleaved matrix of {self.rows} rows do not "

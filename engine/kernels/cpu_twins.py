@@ -79,8 +79,13 @@ def q4_k_deinterleave_np(raw: np.ndarray) -> np.ndarray:
 
 
 Q2_K_RL = dataclasses.replace(quant.TYPES[Q.Q2_K], cpu_kernel=25)
-"""Q2_K rows in the native 4-row rows-as-lanes layout (``DD_Q2_K_RL``, :mod:`engine.kernels.cpu_q2rl`), carried
+"""Q2_K rows in the native 4-row rows-as-lanes layout (``DD_Q2_K_RL``, :mod:`engine.kernels.cpu_rl`), carried
 as :data:`Q4_0_IL` is."""
+Q3_K_RL = dataclasses.replace(quant.TYPES[Q.Q3_K], cpu_kernel=26)
+"""Q3_K rows in the native 4-row rows-as-lanes layout (``DD_Q3_K_RL``, :mod:`engine.kernels.cpu_rl`), as
+:data:`Q2_K_RL` for Q2_K."""
+RL_TRAITS = {Q.Q2_K: Q2_K_RL, Q.Q3_K: Q3_K_RL}
+"""The rows-as-lanes layout's kernel traits of each stored type that has one."""
 RL_ROWS = 4
 # the super-block whose two scale bytes sit at 32 p + 8 q of a group's scale bytes (deltadesk_cpu.h)
 _RL_PAIR_BLOCK = np.array([[0, 4, 1, 5], [2, 6, 3, 7]])
@@ -88,8 +93,8 @@ _RL_SCALE_AT = (2 * _RL_PAIR_BLOCK[:, :, None] + np.arange(2)).reshape(-1)   # l
 
 def layout_rows(traits: quant.QuantType) -> int:
     """Rows per group of a row-grouped layout's traits (8 for the stripes of :data:`IL_TRAITS`, 4 for
-    :data:`Q2_K_RL`), else 1."""
-    return IL_ROWS if traits in IL_TRAITS.values() else RL_ROWS if traits == Q2_K_RL else 1
+    :data:`RL_TRAITS`), else 1."""
+    return IL_ROWS if traits in IL_TRAITS.values() else RL_ROWS if traits in RL_TRAITS.values() else 1
 
 
 def q2_k_rl_unpack_np(raw: np.ndarray) -> np.ndarray:
@@ -114,6 +119,40 @@ def q2_k_rl_unpack_np(raw: np.ndarray) -> np.ndarray:
     return out
 
 
+# the scale whose low nibble a Q3_K group's scale byte 8 q + 2 r + t holds as its own: 2 B[q] + t (deltadesk_cpu.h)
+_RL3_NIBBLE_OF = (2 * np.array([0, 4, 1, 5])[:, None] + np.arange(2)).reshape(-1)   # (q, t) -> scale
+
+
+def q3_k_rl_unpack_np(raw: np.ndarray) -> np.ndarray:
+    """The row-major Q3_K rows of rows-as-lanes ones (a new array; the numpy twin of ``dd_q3_k_rl_unpack``).
+
+    Args: raw (rows, k // 256 * 110) uint8: groups of 4 rows, super-block j of a group 440 bytes (deltadesk_cpu.h:
+        at 64 c + 4 (4 g + r) + i row r's qs byte 16 g + 4 c + i, at 256 + 32 c + 4 (4 t + r) + i its hmask byte
+        16 t + 4 c + i, then the scales' low nibbles and top bits in the kernel's order, the 4 d); rows past the last
+        multiple of 4 row-major.
+    Returns: (rows, k // 256 * 110) uint8, each row's super-blocks as stored in the file.
+    """
+    rows, row_bytes = raw.shape
+    nsb, groups = row_bytes // quant.TYPES[Q.Q3_K].block_bytes, rows // RL_ROWS
+    out = np.array(raw, dtype=np.uint8, copy=True)
+    sbs = raw[:RL_ROWS * groups].reshape(groups, nsb, 440)
+    qs = sbs[..., :256].reshape(groups, nsb, 4, 4, 4, 4).transpose(0, 1, 4, 3, 2, 5).reshape(groups, nsb, 4, 64)
+    hm = sbs[..., 256:384].reshape(groups, nsb, 4, 2, 4, 4).transpose(0, 1, 4, 3, 2, 5).reshape(groups, nsb, 4, 32)
+    nib = sbs[..., 384:416].reshape(groups, nsb, 4, 4, 2).transpose(0, 1, 3, 2, 4).reshape(groups, nsb, 4, 8)
+    low = np.empty((groups, nsb, 4, 16), dtype=np.uint8)   # (group, super-block, row, scale)
+    low[..., _RL3_NIBBLE_OF], low[..., _RL3_NIBBLE_OF + 4] = nib & 15, nib >> 4
+    top_bytes = sbs[..., 416:432].reshape(groups, nsb, 2, 4, 2).transpose(0, 1, 3, 2, 4)   # (g, j, r, u, t)
+    top = (top_bytes[..., None, :] >> (2 * np.arange(4, dtype=np.uint8))[:, None] & 3).reshape(groups, nsb, 4, 16)
+    scales = np.zeros((groups, nsb, 4, 12), dtype=np.uint8)   # top: scale 8 u + 2 f + t at its index
+    scales[..., :8] = low[..., :8] | low[..., 8:] << 4
+    for k in range(4):
+        scales[..., 8:] |= top[..., 4 * k:4 * k + 4] << (2 * k)
+    d = sbs[..., 432:440].reshape(groups, nsb, 4, 2)
+    per_row = np.concatenate([hm, qs, scales, d], axis=3)   # (groups, nsb, r, 110)
+    out[:RL_ROWS * groups] = per_row.transpose(0, 2, 1, 3).reshape(RL_ROWS * groups, row_bytes)
+    return out
+
+
 def row_major(raw: np.ndarray, traits: quant.QuantType) -> tuple[np.ndarray, quant.QuantType]:
     """(raw, traits) as the stored type's row-major rows: a row-grouped layout's rows unpacked (a copy), others as
     given."""
@@ -121,6 +160,8 @@ def row_major(raw: np.ndarray, traits: quant.QuantType) -> tuple[np.ndarray, qua
         return q4_k_deinterleave_np(raw), quant.TYPES[Q.Q4_K]
     if traits == Q2_K_RL:
         return q2_k_rl_unpack_np(raw), quant.TYPES[Q.Q2_K]
+    if traits == Q3_K_RL:
+        return q3_k_rl_unpack_np(raw), quant.TYPES[Q.Q3_K]
     if traits in IL_TRAITS.values():
         return deinterleave_np(raw, traits.qtype), quant.TYPES[traits.qtype]
     return raw, traits

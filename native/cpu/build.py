@@ -33,14 +33,14 @@ KINDS = ("quant", "attention", "gdn", "moe", "vit", "runtime")
 PORTABLE_SOURCES = ["runtime/dispatch.c", "quant/matvec.c", "runtime/pool.c", "moe/moe.c", "moe/moe_prefill.c",
                     "gdn/mixers.c", "attention/attention.c", "runtime/step.c", "quant/kernels_scalar.c", "vit/sgemm.c",
                     "quant/iq_grids.c", "quant/q4_interleave.c", "quant/q4k_interleave.c",
-                    "quant/q2k_lanes.c"]
+                    "quant/q2k_lanes.c", "quant/q3k_lanes.c"]
 
 HEADERS = ["deltadesk_cpu.h", "quant/kernels.h", "quant/gemm_tiles.h", "quant/kquants.h", "quant/kq_tile_avx512.h",
            "quant/kq_gemm_avx512.h", "quant/kqh_few_avx512.h", "quant/q4_gemm_avx512.h", "quant/bquants.h",
            "quant/lowbit.h", "quant/lowbit_avx512.h", "quant/iquants.h", "quant/iquants_avx512.h", "quant/bf16.h",
            "runtime/runtime.h", "attention/attn_kernel.h", "attention/attn_prefill.h", "attention/attn_prefill_avx2.h",
            "attention/attn_avx2.h", "gdn/gdn_kernel.h", "gdn/vexp.h", "vit/sgemm_kernel.h",
-           "quant/q4_il_avx512.h", "quant/q4k_il_avx512.h", "quant/q2k_rl_avx512.h", "quant/q2k_lanes.h",
+           "quant/q4_il_avx512.h", "quant/q4k_il_avx512.h", "quant/q2k_rl_avx512.h", "quant/k_lanes.h",
            "quant/q4k_interleave.h"]
 """Listed as the extension's dependencies, so that editing one (or an ISA file) rebuilds it."""
 

@@ -23,7 +23,8 @@ enum { DD_ISA_SCALAR = 0, DD_ISA_SSSE3 = 1, DD_ISA_AVX2 = 2, DD_ISA_AVX512VNNI =
 enum { DD_Q4_0 = 0, DD_Q8_0 = 1, DD_Q4_K = 2, DD_Q5_K = 3, DD_Q6_K = 4, DD_Q4_1 = 5, DD_Q5_0 = 6, DD_Q5_1 = 7,
        DD_IQ4_NL = 8, DD_IQ4_XS = 9, DD_Q2_K = 10, DD_Q3_K = 11, DD_IQ2_XXS = 12, DD_IQ2_XS = 13, DD_IQ2_S = 14,
        DD_IQ3_XXS = 15, DD_IQ3_S = 16, DD_IQ1_S = 17, DD_IQ1_M = 18, DD_MXFP4 = 19, DD_BF16 = 20,
-       DD_F16 = 21, DD_Q4_0_IL = 22, DD_MXFP4_IL = 23, DD_Q4_K_IL = 24, DD_Q2_K_RL = 25, DD_WTYPE_COUNT = 26 };
+       DD_F16 = 21, DD_Q4_0_IL = 22, DD_MXFP4_IL = 23, DD_Q4_K_IL = 24, DD_Q2_K_RL = 25,
+       DD_Q3_K_RL = 26, DD_WTYPE_COUNT = 27 };
 enum { DD_OK = 0, DD_ERR_ISA = -1, DD_ERR_NOMEM = -2, DD_ERR_ARG = -3 };
 
 /* Register the codebook of an IQ type (ggml-common.h iq2xxs_grid for DD_IQ2_XXS, iq2xs_grid, iq2s_grid,
@@ -57,7 +58,8 @@ int dd_quantize_q8_0(int isa, const float *x, size_t m, size_t k, uint8_t *out);
  * with exact f64 products, native/cpu/quant/bf16.h; DD_F16: the same with IEEE halves; DD_Q4_0_IL: Q4_0 rows in
  * dd_q4_0_interleave's layout, the bits of DD_Q4_0 on the row-major rows; DD_MXFP4_IL: MXFP4 rows in
  * dd_mxfp4_interleave's, the bits of DD_MXFP4; DD_Q4_K_IL: Q4_K rows in dd_q4_k_interleave's layout, the bits of
- * DD_Q4_K; DD_Q2_K_RL: Q2_K rows in dd_q2_k_rl_pack's layout, the bits of DD_Q2_K), x: m rows of k f32, y: m rows
+ * DD_Q4_K; DD_Q2_K_RL: Q2_K rows in dd_q2_k_rl_pack's layout, the bits of DD_Q2_K; DD_Q3_K_RL: Q3_K rows in
+ * dd_q3_k_rl_pack's, the bits of DD_Q3_K), x: m rows of k f32, y: m rows
  * of `rows` f32. */
 int dd_matmul(int isa, int wtype, const uint8_t *w, size_t rows, size_t k,
               const float *x, size_t m, float *y);
@@ -116,6 +118,23 @@ int dd_q4_k_deinterleave(uint8_t *w, size_t nrows, size_t row_bytes);
 #define DD_Q2_K_RL_MAX_ROW_BYTES 16380
 int dd_q2_k_rl_pack(uint8_t *w, size_t nrows, size_t row_bytes);
 int dd_q2_k_rl_unpack(uint8_t *w, size_t nrows, size_t row_bytes);
+
+/* The same 4-row "rows as lanes" layout of a Q3_K matrix (row_bytes = k / 256 * 110): each group of 4 rows keeps its
+ * 4 * row_bytes bytes, super-block j of the 4 rows at bytes 440 j of the group (B = {0, 4, 1, 5}, s_i the 6-bit
+ * scale i < 16 of ggml's 12 scale bytes, lowbit.h):
+ *   at 64 c + 4 (4 g + r) + i (c, g, r, i < 4): row r's qs byte 16 g + 4 c + i;
+ *   at 256 + 32 c + 4 (4 t + r) + i (t < 2): row r's hmask byte 16 t + 4 c + i;
+ *   at 384 + 8 q + 2 r + t (q < 4): the low 4 bits of row r's s_i, i = 2 B[q] + t, then (high nibble) of s_(i + 4);
+ *   at 416 + 8 u + 2 r + t (u < 2), bits 2 f and 2 f + 1 (f < 4): the top 2 bits of row r's s_(8 u + 2 f + t);
+ *   at 432 + 2 r: row r's f16 d.
+ * Rows past the last multiple of 4 stay row-major. dd_q3_k_rl_pack rewrites w in place into that layout,
+ * dd_q3_k_rl_unpack back (exactly); both DD_ERR_ARG if row_bytes is not a multiple of 110 or exceeds
+ * DD_Q3_K_RL_MAX_ROW_BYTES (k of 37,888: a product of a level without the layout's kernel unpacks whole groups into
+ * a stack buffer), DD_ERR_NOMEM without a group's scratch. Products read such a matrix as the weight type
+ * DD_Q3_K_RL (a stacked expert tensor only when its experts' row counts are multiples of 4). */
+#define DD_Q3_K_RL_MAX_ROW_BYTES 16280
+int dd_q3_k_rl_pack(uint8_t *w, size_t nrows, size_t row_bytes);
+int dd_q3_k_rl_unpack(uint8_t *w, size_t nrows, size_t row_bytes);
 
 
 /* One token's MoE feed-forward (Qwen3.5/3.6 `qwen35moe`), everything in one call:

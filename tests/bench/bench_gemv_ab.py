@@ -15,12 +15,12 @@ before and after (figures from a loaded machine are not final). ``--cols 32`` ti
 so the product is bound by the kernel, not by DRAM. ``--cpu`` times process CPU time instead of wall
 time (less disturbed by a loaded machine; with --threads 1 it is the kernel's own time). Each build's
 median milliseconds per call are printed beside its rate, and the calling thread's CPU time per block of the type
-(a K-quant's super-block). ``--interleaved`` (Q4_0, MXFP4, Q4_K, Q2_K) adds, for each build, a second row:
+(a K-quant's super-block). ``--interleaved`` (Q4_0, MXFP4, Q4_K, Q2_K, Q3_K) adds, for each build, a second row:
 ``dd_matmul`` of the row-grouped layout's kernel type (``DD_Q4_0_IL``, ``DD_MXFP4_IL``, ``DD_Q4_K_IL``,
-``DD_Q2_K_RL``) on a copy of the matrix repacked by ``dd_q4_0_interleave`` (``dd_mxfp4_interleave``,
-``dd_q4_k_interleave``, ``dd_q2_k_rl_pack``; docs/design/q4-0-row-interleave.md, mxfp4-interleave.md,
-q4-k-row-interleave.md, quant-formats.md), timed in the same rounds (with --cols > 1: the layout's prefill
-product, or the row-major one on unpacked rows).
+``DD_Q2_K_RL``, ``DD_Q3_K_RL``) on a copy of the matrix repacked by ``dd_q4_0_interleave``
+(``dd_mxfp4_interleave``, ``dd_q4_k_interleave``, ``dd_q2_k_rl_pack``, ``dd_q3_k_rl_pack``;
+docs/design/q4-0-row-interleave.md, mxfp4-interleave.md, q4-k-row-interleave.md, quant-formats.md), timed in the
+same rounds (with --cols > 1: the layout's prefill product, or the row-major one on unpacked rows).
 docs/perf/log/cpu-notes.md, "Weight prefetches into L2", used it.
 """
 
@@ -39,7 +39,7 @@ from gguf import GGMLQuantizationType
 
 from bench_kernels import K, random_blocks
 from engine.gguf import quant
-from engine.kernels.cpu_twins import IL_TRAITS, Q2_K_RL
+from engine.kernels.cpu_twins import IL_TRAITS, RL_TRAITS
 from engine.kernels.iq_twins import grids as iq_grids
 
 
@@ -58,7 +58,7 @@ def load(path: str, folder: str, index: int, threads: int) -> ctypes.CDLL:
 
 # stored type -> (the in-place repack's symbol, the kernel type of the repacked rows)
 REPACKS = {**{t: (f"dd_{t.name.lower()}_interleave", traits.cpu_kernel) for t, traits in IL_TRAITS.items()},
-           GGMLQuantizationType.Q2_K: ("dd_q2_k_rl_pack", Q2_K_RL.cpu_kernel)}
+           **{t: (f"dd_{t.name.lower()}_rl_pack", traits.cpu_kernel) for t, traits in RL_TRAITS.items()}}
 
 
 def variants(libs: list[ctypes.CDLL], paths: list[str], args, isa: int, qtype: GGMLQuantizationType, w: np.ndarray,
@@ -96,10 +96,10 @@ def main() -> None:
     ap.add_argument("--k", type=int, default=K, help="values a row, a multiple of the type's block (512: expert down)")
     ap.add_argument("--cpu", action="store_true", help="time process CPU time instead of wall time")
     ap.add_argument("--interleaved", action="store_true",
-                    help="also time the repacked product (Q4_0, MXFP4, Q4_K, Q2_K)")
+                    help="also time the repacked product (Q4_0, MXFP4, Q4_K, Q2_K, Q3_K)")
     args = ap.parse_args()
     if args.interleaved and args.type.upper() not in {t.name for t in REPACKS}:
-        raise SystemExit("--interleaved: only for --type q4_0, mxfp4, q4_k or q2_k")
+        raise SystemExit("--interleaved: only for --type q4_0, mxfp4, q4_k, q2_k or q3_k")
     try:
         qtype = GGMLQuantizationType[args.type.upper()]
     except KeyError:

@@ -18,7 +18,7 @@ from gguf import GGMLQuantizationType
 from threadpoolctl import threadpool_limits
 
 from engine.gguf.file import GGUFFile
-from engine.kernels import cpu, cpu_moe, cpu_q2rl, cpu_q4il, heap
+from engine.kernels import cpu, cpu_moe, cpu_q4il, cpu_rl, heap
 from engine.ops import reference as ops
 from engine.gguf.quant import FLOAT_TYPES, dequantize, type_name
 from engine.turn.state import SequenceState
@@ -78,13 +78,13 @@ def to_q8_0(raw: np.ndarray, qtype: GGMLQuantizationType, k: int) -> np.ndarray:
 # stored type -> (the in-place repack into its row-grouped layout, the longest rows it takes)
 _REPACKS = {**{t: (functools.partial(cpu_q4il.interleave, qtype=t), cpu_q4il.MAX_ROW_BYTES[t])
                for t in cpu_q4il.TYPES},
-            Q.Q2_K: (cpu_q2rl.pack_q2_k, cpu_q2rl.MAX_ROW_BYTES)}
+            **{t: (functools.partial(cpu_rl.pack, qtype=t), cpu_rl.MAX_ROW_BYTES[t]) for t in cpu_rl.TYPES}}
 
 
 def interleaves(gguf: GGUFFile, name: str) -> bool:
     """True when ``name`` is rewritten at load into its type's row-grouped layout (:data:`engine.kernels.cpu.LAYOUTS`:
-    the 8-row interleave of Q4_0, MXFP4 and Q4_K, :mod:`engine.kernels.cpu_q4il`; Q2_K's 4 rows as lanes,
-    :mod:`engine.kernels.cpu_q2rl`):
+    the 8-row interleave of Q4_0, MXFP4 and Q4_K, :mod:`engine.kernels.cpu_q4il`; Q2_K's and Q3_K's 4 rows as lanes,
+    :mod:`engine.kernels.cpu_rl`):
     a projection whose bytes are the private copy of ``weights="ram"`` (:meth:`GGUFFile.writable_raw`), on the
     avx512vnni level (whose decode GEMV reads the layout; the others would unpack it on every product), not the
     token embedding (its rows are read as stored), rows no longer than the layout takes, and for stacked experts,
@@ -102,7 +102,7 @@ def prepare_weight(gguf: GGUFFile, name: str, float_weights: str = "f32", repack
     it in place into its row-grouped layout where :func:`interleaves` allows.
 
     Returns: (the weight, the rule applied, e.g. "Q4_0 mapped", "Q4_0 resident" (file read into memory),
-    "Q4_0 resident interleaved" (rewritten in place, :func:`interleaves`; MXFP4 and Q4_K likewise),
+    "Q4_0 resident interleaved" (rewritten in place, :func:`interleaves`; MXFP4, Q4_K, Q2_K and Q3_K likewise),
     "Q6_K -> Q8_0", "F16 -> f32");
     see the module docstring for the rules and their bytes.
     """
@@ -139,7 +139,8 @@ class NativeQwen35Model(Qwen35Model):
     Args:
         hp: hyper-parameters. gguf: the open file (its tensors are used in place where possible).
         float_weights: "f32" (F16/BF16 read as stored, F32 as float32: exact) or "q8_0" (converted).
-        repack: rewrite Q4_0, MXFP4, Q4_K and Q2_K weights read into memory into their layouts (:func:`interleaves`);
+        repack: rewrite Q4_0, MXFP4, Q4_K, Q2_K and Q3_K weights read into memory into their layouts
+            (:func:`interleaves`);
             False when another reader of the file's bytes (GPU prefill's upload) may come after the model.
     Attributes:
         weight_rules: rule -> (tensor count, bytes used by the kernels), e.g. {"Q4_0 mapped": (61, ...)}.

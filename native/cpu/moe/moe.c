@@ -128,12 +128,12 @@ void dd_moe_route(const float *logits, size_t n_expert, size_t n_used, int32_t *
         weights[i] /= top;
 }
 
-/* 1 unless wtype is a row-grouped layout (DD_Q4_0_IL, DD_MXFP4_IL, DD_Q4_K_IL: stripes of 8 rows, DD_Q2_K_RL:
- * groups of 4) and a stacked expert's `rows` would not start its groups on its first row. */
+/* 1 unless wtype is a row-grouped layout (DD_Q4_0_IL, DD_MXFP4_IL, DD_Q4_K_IL: stripes of 8 rows, DD_Q2_K_RL,
+ * DD_Q3_K_RL: groups of 4) and a stacked expert's `rows` would not start its groups on its first row. */
 static int experts_whole_stripes(int wtype, size_t rows)
 {
     const int striped = wtype == DD_Q4_0_IL || wtype == DD_MXFP4_IL || wtype == DD_Q4_K_IL;
-    return (!striped || rows % 8 == 0) && (wtype != DD_Q2_K_RL || rows % 4 == 0);
+    return (!striped || rows % 8 == 0) && ((wtype != DD_Q2_K_RL && wtype != DD_Q3_K_RL) || rows % 4 == 0);
 }
 
 int dd_moe_valid(const dd_moe_weights *w)

@@ -93,8 +93,21 @@ typedef void (*dd_gemv_il_fn)(const uint8_t *w, size_t row_bytes, size_t stripes
                               const dd_acts *a, float *y);
 
 /* A level's de-interleave of `stripes` stripes at src (one of the interleaved layouts) into their row-major rows at
- * dst (8 * stripes rows of row_bytes; src and dst do not overlap). */
+ * dst (8 * stripes rows of row_bytes; src and dst do not overlap); also the unpacking of `stripes` groups of
+ * another row-grouped layout (dd_gemm_unpacked). */
 typedef void (*dd_deil_fn)(uint8_t *dst, const uint8_t *src, size_t stripes, size_t row_bytes);
+
+/* Bytes of row-major rows dd_gemm_unpacked unpacks at a time, on the stack: a group of every layout (8 rows of up to
+ * DD_Q4_0_IL_MAX_ROW_BYTES, 4 of up to DD_Q2_K_RL_MAX_ROW_BYTES or DD_Q3_K_RL_MAX_ROW_BYTES) fits. */
+#define DD_UNPACK_PIECE (8 * DD_Q4_0_IL_MAX_ROW_BYTES)
+
+/* The product of a row-grouped layout read as its row-major type (q4_interleave.c): w starts on a group of g rows;
+ * its nrows / g groups are unpacked by `unpack` a few at a time (whole groups up to DD_UNPACK_PIECE bytes) into a
+ * stack buffer for `row_major` (the level's gemm of the row-major type); the last nrows % g rows (the matrix's
+ * row-major tail: chunks are whole groups) go to row_major as they are. The bits of row_major on the row-major
+ * matrix: a row's result depends only on its bytes and the activations, never on the piece it falls in. */
+void dd_gemm_unpacked(dd_gemm_fn row_major, dd_deil_fn unpack, size_t g, const uint8_t *w, size_t row_bytes,
+                      size_t nrows, size_t rows_avail, const dd_acts *a, float *y, size_t ldy);
 
 /* A row-grouped layout's copy of `groups` groups of rows from src into dst (row-major to the layout when to_layout
  * is 1, else the reverse; a group is g rows of row_bytes); src and dst do not overlap. */
@@ -107,10 +120,10 @@ int dd_permute_groups(uint8_t *w, size_t nrows, size_t row_bytes, size_t g, dd_g
 
 /* gemm[DD_Q4_0_IL] and gemm[DD_MXFP4_IL] of the levels without their own (the AVX-512 VNNI ones are in
  * q4_gemm_avx512.h and q4_il_avx512.h; Q4_0's calls this one at m == 1), wtype the row-major type (DD_Q4_0,
- * DD_MXFP4): w starts on a stripe; its nrows / 8 stripes go to `il` when a->m == 1 and il is not NULL, else are
- * de-interleaved (by `deil`, or the portable copy where it is NULL) a few at a time into a stack buffer for
- * `row_major` (the level's gemm[wtype]); the last nrows % 8 rows (the matrix's row-major tail: chunks are whole
- * stripes) go to row_major as they are. The bits of row_major on the row-major matrix. */
+ * DD_MXFP4): w starts on a stripe; its nrows / 8 stripes go to `il` when a->m == 1 and il is not NULL, else to
+ * dd_gemm_unpacked (de-interleaved by `deil`, or the portable copy where it is NULL, for `row_major`, the level's
+ * gemm[wtype]); the last nrows % 8 rows (the matrix's row-major tail: chunks are whole stripes) go to row_major as
+ * they are. The bits of row_major on the row-major matrix. */
 void dd_gemm_il(int wtype, dd_gemm_fn row_major, dd_gemv_il_fn il, dd_deil_fn deil, const uint8_t *w,
                 size_t row_bytes, size_t nrows, size_t rows_avail, const dd_acts *a, float *y, size_t ldy);
 

@@ -10,7 +10,7 @@
 
 #include "gemm_tiles.h"
 #include "kernels.h"
-#include "q2k_lanes.h"
+#include "k_lanes.h"
 #include "q4k_interleave.h"
 #include "runtime.h"
 
@@ -321,7 +321,7 @@ static void dots_f32(const float *w, size_t nw, const float *x, size_t nx, size_
 const dd_kernels dd_kernels_avx512vnni = {
     .quantize_q8_0 = quantize_q8_0,
     .gemm = { gemm_q4_0, gemm_q8_0, gemm_q4_K, gemm_q5_K, gemm_q6_K, DD_BQ_GEMMS, DD_LB_GEMMS, DD_IQ_GEMMS, gemm_mxfp4, gemm_bf16, gemm_f16,
-              gemm_q4_0_il, gemm_mxfp4_il, gemm_q4_k_il, gemm_q2_k_rl },
+              gemm_q4_0_il, gemm_mxfp4_il, gemm_q4_k_il, gemm_q2_k_rl, gemm_q3_k_rl },
     .bias_mult = { 0, -128 },
     .q4_0_groups = 1,
     .dots_f32 = dots_f32,

@@ -8,7 +8,7 @@
  * on its bytes and the activations, never on the chunk it falls in.
  */
 
-#include "q2k_lanes.h"
+#include "k_lanes.h"
 
 #define RL_SB (4 * DD_Q2_K_BYTES)   /* one super-block of a group's 4 rows */
 /* Bytes of row-major rows a product unpacks at a time: whole groups of rows up to DD_Q2_K_RL_MAX_ROW_BYTES */
@@ -72,19 +72,7 @@ int dd_q2_k_rl_unpack(uint8_t *w, size_t nrows, size_t row_bytes)
     return rl_permute(w, nrows, row_bytes, 0);
 }
 
-void dd_gemm_q2_k_rl(dd_gemm_fn row_major, const uint8_t *w, size_t row_bytes, size_t nrows, size_t rows_avail,
-                     const dd_acts *a, float *y, size_t ldy)
+void dd_q2_k_rl_unpack_groups(uint8_t *dst, const uint8_t *src, size_t groups, size_t row_bytes)
 {
-    const size_t groups = nrows / 4, r0 = 4 * groups, group = 4 * row_bytes;
-    if (groups > 0) {
-        uint8_t rows[RL_PIECE];   /* on the stack, as dd_gemm_q4_0_il's: nothing to allocate or fail */
-        const size_t per = RL_PIECE / group;
-        for (size_t s = 0; s < groups; s += per) {
-            const size_t n = per < groups - s ? per : groups - s;
-            rl_copy(rows, w + s * group, n, row_bytes, 0);
-            row_major(rows, row_bytes, 4 * n, 4 * n, a, y + 4 * s, ldy);
-        }
-    }
-    if (nrows > r0)
-        row_major(w + r0 * row_bytes, row_bytes, nrows - r0, rows_avail - r0, a, y + r0, ldy);
+    rl_copy(dst, src, groups, row_bytes, 0);
 }

@@ -1,5 +1,6 @@
-/* The AVX-512 VNNI product of a Q2_K matrix in the 4-row rows-as-lanes layout (dd_q2_k_rl_pack in deltadesk_cpu.h),
- * a GEMV run column by column, included by kernels_avx512vnni.c after lowbit_avx512.h (its row-major gemm_q2_K).
+/* The AVX-512 VNNI products of Q2_K and Q3_K matrices in the 4-row rows-as-lanes layouts (dd_q2_k_rl_pack and
+ * dd_q3_k_rl_pack in deltadesk_cpu.h), a GEMV run column by column, included by kernels_avx512vnni.c after
+ * lowbit_avx512.h (its row-major gemm_q2_K and gemm_q3_K).
  *
  * Chunk c (64 bytes) of a group's super-block holds in lane 4 g + r row r's qs dword 4 g + c: bytes 16 g + 4 c
  * .. + 3, whose field f (bits 2 f, 2 f + 1) are values 128 n + 32 f + 16 t + 4 c + i (g = 2 n + t, i < 4). So
@@ -17,6 +18,16 @@
  * f64 of the widened halves (da a Q8_0 scale, d an f16): two 11-bit significands, so the f32 product the
  * row-major kernel widens is exact and the same value (0 times infinity the same default NaN, a NaN operand
  * the same payload, da's first); it saves the f32 multiply and a conversion per term.
+ *
+ * Q3_K in its layout (dd_q3_k_rl_pack) runs the same steps on the same activations (rl_col): its qs chunks are Q2_K's,
+ * and hmask chunk c (32 bytes, broadcast to both 256-bit halves) holds in lane 4 g + r row r's hmask dword 4 t + c,
+ * whose bit 4 n + f is the third bit of the value field f of qs lane 4 g + r holds (lowbit.h). Step c of accumulator
+ * f meets u = low + 4 high in 0..7 at the factor 4^f (f < 3: qs & (3 << 2 f), plus 4^(f + 1) where vptestmb finds the
+ * bit: at most 7 * 16 = 112 < 256) or 16 (f = 3: (qs >> 2) & (3 << 4), plus 64); the exact arithmetic shifts by 0, 2,
+ * 4, 4 give the half sums of u (|.| <= 16 * 7 * 127, int16), minus 4 s16 (lowbit.h's offset, int16: the sum of
+ * (u - 4) a), then one vpmaddwd by the 6-bit scales minus 32 (taken from the layout's nibble and two-bit bytes in the
+ * pairs' order) gives the block integers I_b, and each lane adds (da d) I_b as lowbit_avx512.h does: the row-major
+ * Q3_K kernel's integers, f64 operations and tree, so its bits.
  */
 #ifndef DELTADESK_Q2K_RL_AVX512_H
 #define DELTADESK_Q2K_RL_AVX512_H
@@ -127,22 +138,80 @@ DD_INLINE void rl_super_block(const uint8_t *g, const rl_col *p, __m512d acc[4])
     rl_terms(i_pair, m_pair, p, d8, dmin8, acc);
 }
 
-/* `groups` groups at w (4 * row_bytes each) -> y[0 .. 4 * groups), prefetching up to end. */
-static void rl_gemv(const uint8_t *w, size_t row_bytes, size_t groups, const uint8_t *end, const rl_col *cols,
-                    size_t nsb, float *y)
+/* Q3_K's word shifts that bring the top 2 bits of a pair's scales (the layout's byte 8 u + 2 r + t widened, field
+ * 2 p + w / 16 for word w) to bits 4 and 5: pair 0 left by 4 or 2, pair 1 right by 0 or 2. */
+static const int16_t rl3_hi_shift[2][32] = { { 4, 4, 4, 4, 4, 4, 4, 4, 4, 4, 4, 4, 4, 4, 4, 4,
+                                               2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2 },
+                                             { 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0,
+                                               2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2 } };
+/* log2 of the factor at which Q3_K's accumulator f sums its values */
+static const int rl3_factor[4] = { 0, 2, 4, 4 };
+
+/* One Q3_K super-block of a group (440 bytes at g) against its column p into acc. */
+DD_INLINE void rl3_super_block(const uint8_t *g, const rl_col *p, __m512d acc[4])
 {
+    __m512i s[4];
+    for (int f = 0; f < 4; f++)
+        s[f] = _mm512_setzero_si512();
+    for (int c = 0; c < 4; c++) {
+        const __m512i qs = _mm512_loadu_si512(g + 64 * c);
+        const __m512i hm = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)(g + 256 + 32 * c)));
+        const __m512i low[4] = { _mm512_and_si512(qs, _mm512_set1_epi8(3)), _mm512_and_si512(qs, _mm512_set1_epi8(12)),
+                                 _mm512_and_si512(qs, _mm512_set1_epi8(48)),
+                                 _mm512_and_si512(_mm512_srli_epi16(qs, 2), _mm512_set1_epi8(48)) };
+        for (int f = 0; f < 4; f++) {
+            const __m512i bit = _mm512_inserti64x4(_mm512_set1_epi8((char)(1 << f)), _mm256_set1_epi8((char)(16 << f)), 1);
+            const __m512i u = _mm512_mask_add_epi8(low[f], _mm512_test_epi8_mask(hm, bit), low[f],
+                                                   _mm512_set1_epi8((char)(4 << rl3_factor[f])));
+            s[f] = _mm512_dpbusd_epi32(s[f], u, p->a[f][c]);
+        }
+    }
+    const __m512i idx = _mm512_loadu_si512(rl_pair_words);
+    const __m512i pa = _mm512_permutex2var_epi16(s[0], idx, _mm512_srai_epi32(s[1], rl3_factor[1]));
+    const __m512i pb = _mm512_permutex2var_epi16(_mm512_srai_epi32(s[2], rl3_factor[2]), idx,
+                                                 _mm512_srai_epi32(s[3], rl3_factor[3]));
+    const __m512i lo = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *)(g + 384)));
+    const __m512i hi = _mm512_cvtepu8_epi16(_mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)(g + 416))));
+    const __m512i top = _mm512_set1_epi16(48), k32 = _mm512_set1_epi16(32);
+    const __m512i sc_a = _mm512_sub_epi16(
+        _mm512_or_si512(_mm512_and_si512(lo, _mm512_set1_epi16(15)),
+                        _mm512_and_si512(_mm512_sllv_epi16(hi, _mm512_loadu_si512(rl3_hi_shift[0])), top)), k32);
+    const __m512i sc_b = _mm512_sub_epi16(
+        _mm512_or_si512(_mm512_srli_epi16(lo, 4),
+                        _mm512_and_si512(_mm512_srlv_epi16(hi, _mm512_loadu_si512(rl3_hi_shift[1])), top)), k32);
+    const __m512i i_pair[2] = { _mm512_madd_epi16(_mm512_sub_epi16(pa, _mm512_slli_epi16(p->s16[0], 2)), sc_a),
+                                _mm512_madd_epi16(_mm512_sub_epi16(pb, _mm512_slli_epi16(p->s16[1], 2)), sc_b) };
+    const __m512d dm = _mm512_cvtps_pd(_mm256_maskz_cvtph_ps(0xff, _mm_loadl_epi64((const __m128i *)(g + 432))));
+    const __m512d d8 = _mm512_shuffle_f64x2(dm, dm, 0x44);
+    for (int j = 0; j < 4; j++) {
+        const __m512i iv = i_pair[j / 2];
+        const __m256i ih = j % 2 ? _mm512_extracti64x4_epi64(iv, 1) : _mm512_castsi512_si256(iv);
+        acc[j] = _mm512_add_pd(acc[j], _mm512_mul_pd(_mm512_mul_pd(p->da[j], d8), _mm512_cvtepi32_pd(ih)));
+    }
+}
+
+/* `groups` groups of wtype (DD_Q2_K or DD_Q3_K) at w (4 * row_bytes each) -> y[0 .. 4 * groups), prefetching up to
+ * end (the lines a super-block can touch: 6 of 336 bytes, 7 of 440). */
+DD_INLINE void rl_gemv(const int wtype, const uint8_t *w, size_t row_bytes, size_t groups, const uint8_t *end,
+                       const rl_col *cols, size_t nsb, float *y)
+{
+    const size_t sb_bytes = wtype == DD_Q2_K ? RL_SB_BYTES : 4 * DD_Q3_K_BYTES;
+    const int lines = wtype == DD_Q2_K ? 6 : 7;
     for (size_t s = 0; s < groups; s++) {
         const uint8_t *g = w + s * 4 * row_bytes;
         __m512d acc[4];
         for (int j = 0; j < 4; j++)
             acc[j] = _mm512_setzero_pd();
         for (size_t sb = 0; sb < nsb; sb++) {
-            const uint8_t *blk = g + sb * RL_SB_BYTES;
+            const uint8_t *blk = g + sb * sb_bytes;
             const uint8_t *pf = blk + RL_PREFETCH_BYTES;
-            if (pf + RL_SB_BYTES + 48 <= end)
-                for (int l = 0; l < 6; l++)
+            if (pf + 64 * lines <= end)
+                for (int l = 0; l < lines; l++)
                     dd_prefetch_weight(pf + 64 * l);
-            rl_super_block(blk, cols + sb, acc);
+            if (wtype == DD_Q2_K)
+                rl_super_block(blk, cols + sb, acc);
+            else
+                rl3_super_block(blk, cols + sb, acc);
         }
         const __m512d z = _mm512_add_pd(_mm512_add_pd(acc[0], acc[1]), _mm512_add_pd(acc[2], acc[3]));
         const __m256d rows = _mm256_add_pd(_mm512_castpd512_pd256(z), _mm512_extractf64x4_pd(z, 1));
@@ -150,14 +219,27 @@ static void rl_gemv(const uint8_t *w, size_t row_bytes, size_t groups, const uin
     }
 }
 
-/* Columns [c0, c0 + n) of a through rl_gemv on the groups (the columns prepared in st, column c - c0 at
+static void rl_gemv_q2(const uint8_t *w, size_t row_bytes, size_t groups, const uint8_t *end, const rl_col *cols,
+                       size_t nsb, float *y)
+{
+    rl_gemv(DD_Q2_K, w, row_bytes, groups, end, cols, nsb, y);
+}
+
+static void rl_gemv_q3(const uint8_t *w, size_t row_bytes, size_t groups, const uint8_t *end, const rl_col *cols,
+                       size_t nsb, float *y)
+{
+    rl_gemv(DD_Q3_K, w, row_bytes, groups, end, cols, nsb, y);
+}
+
+/* Columns [c0, c0 + n) of a through the wtype's GEMV on the groups (the columns prepared in st, column c - c0 at
  * (c - c0) * nsb), column by column: a chunk's rows stay in L2 for the next column. */
-DD_INLINE void rl_columns(const uint8_t *w, size_t row_bytes, size_t groups, const uint8_t *end, const dd_acts *a,
-                          rl_state *st, size_t c0, size_t n, float *y, size_t ldy)
+DD_INLINE void rl_columns(const int wtype, const uint8_t *w, size_t row_bytes, size_t groups, const uint8_t *end,
+                          const dd_acts *a, rl_state *st, size_t c0, size_t n, float *y, size_t ldy)
 {
     const size_t nsb = a->nb / 8;
     for (size_t c = 0; c < n; c++)
-        rl_gemv(w, row_bytes, groups, end, rl_cols(st) + c * nsb, nsb, y + (c0 + c) * ldy);
+        (wtype == DD_Q2_K ? rl_gemv_q2 : rl_gemv_q3)(w, row_bytes, groups, end, rl_cols(st) + c * nsb, nsb,
+                                                     y + (c0 + c) * ldy);
 }
 
 /* Columns [c0, c0 + n) of a prepared into st. */
@@ -169,16 +251,18 @@ DD_INLINE void rl_prepare(const dd_acts *a, rl_state *st, size_t c0, size_t n)
             rl_col_prep(a, (c0 + c) * a->nbp + 8 * sb, rl_cols(st) + c * nsb + sb);
 }
 
-/* gemm[DD_Q2_K_RL] of this level: the groups by rl_gemv, column by column (each column the bits of its one-column
- * product), and gemm_q2_K on the row-major tail; without the columns' scratch, dd_gemm_q2_k_rl (the groups unpacked
- * for gemm_q2_K). */
-static void gemm_q2_k_rl(const uint8_t *w, size_t row_bytes, size_t nrows, size_t rows_avail, const dd_acts *a,
-                         float *y, size_t ldy)
+/* gemm[DD_Q2_K_RL] (wtype DD_Q2_K) or gemm[DD_Q3_K_RL] (DD_Q3_K) of this level: the groups by the rows-as-lanes
+ * GEMV, column by column (each column the bits of its one-column product), and the row-major kernel (gemm_q2_K,
+ * gemm_q3_K) on the row-major tail; without the columns' scratch, dd_gemm_unpacked (the groups unpacked for it). */
+DD_INLINE void rl_gemm(const int wtype, const uint8_t *w, size_t row_bytes, size_t nrows, size_t rows_avail,
+                       const dd_acts *a, float *y, size_t ldy)
 {
     const size_t groups = nrows / 4, r0 = 4 * groups, nsb = a->nb / 8, kept = a->m < RL_COLS ? a->m : RL_COLS;
+    const dd_gemm_fn row_major = wtype == DD_Q2_K ? gemm_q2_K : gemm_q3_K;
     rl_state *st = groups > 0 ? dd_scratch(DD_SCRATCH_Q2RL_COL, 64 + kept * nsb * sizeof(rl_col)) : NULL;
     if (st == NULL) {
-        dd_gemm_q2_k_rl(gemm_q2_K, w, row_bytes, nrows, rows_avail, a, y, ldy);
+        dd_gemm_unpacked(row_major, wtype == DD_Q2_K ? dd_q2_k_rl_unpack_groups : dd_q3_k_rl_unpack_groups, 4, w,
+                         row_bytes, nrows, rows_avail, a, y, ldy);
         return;
     }
     const uint8_t *end = w + rows_avail / 4 * 4 * row_bytes;
@@ -187,17 +271,29 @@ static void gemm_q2_k_rl(const uint8_t *w, size_t row_bytes, size_t nrows, size_
             rl_prepare(a, st, 0, a->m);
             st->id = a->id;
         }
-        rl_columns(w, row_bytes, groups, end, a, st, 0, a->m, y, ldy);
+        rl_columns(wtype, w, row_bytes, groups, end, a, st, 0, a->m, y, ldy);
     } else {
         st->id = 0;
         for (size_t c0 = 0; c0 < a->m; c0 += RL_COLS) {
             const size_t n = a->m - c0 < RL_COLS ? a->m - c0 : RL_COLS;
             rl_prepare(a, st, c0, n);
-            rl_columns(w, row_bytes, groups, end, a, st, c0, n, y, ldy);
+            rl_columns(wtype, w, row_bytes, groups, end, a, st, c0, n, y, ldy);
         }
     }
     if (nrows > r0)
-        gemm_q2_K(w + r0 * row_bytes, row_bytes, nrows - r0, rows_avail - r0, a, y + r0, ldy);
+        row_major(w + r0 * row_bytes, row_bytes, nrows - r0, rows_avail - r0, a, y + r0, ldy);
+}
+
+static void gemm_q2_k_rl(const uint8_t *w, size_t row_bytes, size_t nrows, size_t rows_avail, const dd_acts *a,
+                         float *y, size_t ldy)
+{
+    rl_gemm(DD_Q2_K, w, row_bytes, nrows, rows_avail, a, y, ldy);
+}
+
+static void gemm_q3_k_rl(const uint8_t *w, size_t row_bytes, size_t nrows, size_t rows_avail, const dd_acts *a,
+                         float *y, size_t ldy)
+{
+    rl_gemm(DD_Q3_K, w, row_bytes, nrows, rows_avail, a, y, ldy);
 }
 
 #endif

@@ -1,30 +1,21 @@
 /* The 8-row interleaved layouts of Q4_0 and MXFP4 (deltadesk_cpu.h, dd_q4_0_interleave, dd_mxfp4_interleave):
  * the repack in place, its inverse, and the products of the weight types DD_Q4_0_IL and DD_MXFP4_IL
- * (dd_gemm_il, kernels.h). The two types' blocks differ only in their scale's bytes (2 or 1) before the same 16
+ * (dd_gemm_il, kernels.h); also what every row-grouped layout shares (kernels.h): the in-place permutation of
+ * groups (dd_permute_groups) and the product on unpacked groups (dd_gemm_unpacked). The two types' blocks differ only in their scale's bytes (2 or 1) before the same 16
  * nibble bytes, so one layout with that width as a parameter serves both.
  *
  * The repack moves the bytes of one stripe (8 rows) at a time through a scratch of the stripe's size, so it
  * needs no second copy of the matrix; rows past the last multiple of 8 are left as they are. A product runs
  * the level's interleaved GEMV on the stripes where it has one (m == 1), else the row-major kernel on
- * the stripes de-interleaved a few at a time into a stack buffer (by the level's SIMD de-interleave where it
- * has one), and that kernel on the row-major tail: a row's result
+ * the stripes de-interleaved a few at a time into a stack buffer (dd_gemm_unpacked, by the level's SIMD
+ * de-interleave where it has one), and that kernel on the row-major tail: a row's result
  * depends only on its bytes and the activations, never on the chunk it falls in.
  */
 #include <stdlib.h>
 
 #include "kernels.h"
 
-/* Bytes of row-major rows a product de-interleaves at a time: whole stripes of rows up to
- * DD_Q4_0_IL_MAX_ROW_BYTES (the repack refuses longer rows; MXFP4's limit is shorter) */
-#define IL_PIECE (8 * DD_Q4_0_IL_MAX_ROW_BYTES)
-
-_Static_assert(DD_MXFP4_IL_MAX_ROW_BYTES <= DD_Q4_0_IL_MAX_ROW_BYTES, "an MXFP4 stripe must fit IL_PIECE");
-
-/* Bytes of a block's scale in the row-major type: Q4_0's f16 d, MXFP4's e8m0 e. */
-static size_t il_scale_bytes(int wtype)
-{
-    return wtype == DD_MXFP4 ? 1 : 2;
-}
+_Static_assert(8 * DD_MXFP4_IL_MAX_ROW_BYTES <= DD_UNPACK_PIECE, "an MXFP4 stripe must fit DD_UNPACK_PIECE");
 
 /* Row r's block b (sc + 16 bytes at rm, row-major) <-> its sc + 4 x 4 bytes in the interleaved stripe p. */
 static void il_move(uint8_t *p, uint8_t *rm, size_t b, size_t r, size_t sc, int to_il)
@@ -108,24 +99,45 @@ int dd_mxfp4_deinterleave(uint8_t *w, size_t nrows, size_t row_bytes)
     return il_permute(w, nrows, row_bytes, 1, DD_MXFP4_IL_MAX_ROW_BYTES, 0);
 }
 
-void dd_gemm_il(int wtype, dd_gemm_fn row_major, dd_gemv_il_fn il, dd_deil_fn deil, const uint8_t *w,
-                size_t row_bytes, size_t nrows, size_t rows_avail, const dd_acts *a, float *y, size_t ldy)
+/* il_copy's unpacking of Q4_0's and MXFP4's stripes, as dd_deil_fn. */
+static void il_unpack_q4_0(uint8_t *dst, const uint8_t *src, size_t stripes, size_t row_bytes)
 {
-    const size_t stripes = nrows / 8, r0 = 8 * stripes, stripe = 8 * row_bytes;
-    if (stripes > 0 && a->m == 1 && il != NULL) {
-        il(w, row_bytes, stripes, rows_avail / 8, a, y);
-    } else if (stripes > 0) {
-        uint8_t rows[IL_PIECE];   /* on the stack, as kq_gemm_avx512.h's scratch: nothing to allocate or fail */
-        const size_t per = IL_PIECE / stripe;
-        for (size_t s = 0; s < stripes; s += per) {
-            const size_t n = per < stripes - s ? per : stripes - s;
-            if (deil != NULL)
-                deil(rows, w + s * stripe, n, row_bytes);
-            else
-                il_copy(rows, w + s * stripe, n, row_bytes, il_scale_bytes(wtype), 0);
-            row_major(rows, row_bytes, 8 * n, 8 * n, a, y + 8 * s, ldy);
+    il_copy(dst, src, stripes, row_bytes, 2, 0);
+}
+
+static void il_unpack_mxfp4(uint8_t *dst, const uint8_t *src, size_t stripes, size_t row_bytes)
+{
+    il_copy(dst, src, stripes, row_bytes, 1, 0);
+}
+
+void dd_gemm_unpacked(dd_gemm_fn row_major, dd_deil_fn unpack, size_t g, const uint8_t *w, size_t row_bytes,
+                      size_t nrows, size_t rows_avail, const dd_acts *a, float *y, size_t ldy)
+{
+    const size_t groups = nrows / g, r0 = g * groups, group = g * row_bytes;
+    if (groups > 0) {
+        uint8_t rows[DD_UNPACK_PIECE];   /* on the stack, as kq_gemm_avx512.h's scratch: nothing to allocate or fail */
+        const size_t per = DD_UNPACK_PIECE / group;
+        for (size_t s = 0; s < groups; s += per) {
+            const size_t n = per < groups - s ? per : groups - s;
+            unpack(rows, w + s * group, n, row_bytes);
+            row_major(rows, row_bytes, g * n, g * n, a, y + g * s, ldy);
         }
     }
     if (nrows > r0)
         row_major(w + r0 * row_bytes, row_bytes, nrows - r0, rows_avail - r0, a, y + r0, ldy);
+}
+
+void dd_gemm_il(int wtype, dd_gemm_fn row_major, dd_gemv_il_fn il, dd_deil_fn deil, const uint8_t *w,
+                size_t row_bytes, size_t nrows, size_t rows_avail, const dd_acts *a, float *y, size_t ldy)
+{
+    const size_t stripes = nrows / 8, r0 = 8 * stripes;
+    if (stripes > 0 && a->m == 1 && il != NULL) {
+        il(w, row_bytes, stripes, rows_avail / 8, a, y);
+        if (nrows > r0)
+            row_major(w + r0 * row_bytes, row_bytes, nrows - r0, rows_avail - r0, a, y + r0, ldy);
+        return;
+    }
+    if (deil == NULL)
+        deil = wtype == DD_MXFP4 ? il_unpack_mxfp4 : il_unpack_q4_0;
+    dd_gemm_unpacked(row_major, deil, 8, w, row_bytes, nrows, rows_avail, a, y, ldy);
 }

@@ -13,9 +13,7 @@
 #include "q4k_interleave.h"
 
 #define KIL_BLOCK (8 * DD_Q4_K_BYTES)
-/* Bytes of row-major rows a product de-interleaves at a time: whole stripes of rows up to
- * DD_Q4_K_IL_MAX_ROW_BYTES (the repack refuses longer rows) */
-#define KIL_PIECE (8 * DD_Q4_K_IL_MAX_ROW_BYTES)
+_Static_assert(8 * DD_Q4_K_IL_MAX_ROW_BYTES <= DD_UNPACK_PIECE, "a Q4_K stripe must fit DD_UNPACK_PIECE");
 
 /* The 6-bit scales and mins of a super-block's 12 scale bytes s (ggml-quants.c get_scale_min_k4). */
 static void kil_scales_get(const uint8_t *s, uint8_t sc[8], uint8_t mn[8])
@@ -100,24 +98,21 @@ int dd_q4_k_deinterleave(uint8_t *w, size_t nrows, size_t row_bytes)
     return kil_permute(w, nrows, row_bytes, 0);
 }
 
+/* kil_copy's unpacking, as dd_deil_fn. */
+static void kil_unpack(uint8_t *dst, const uint8_t *src, size_t stripes, size_t row_bytes)
+{
+    kil_copy(dst, src, stripes, row_bytes, 0);
+}
+
 void dd_gemm_q4_k_il(dd_gemm_fn row_major, dd_gemv_cols_fn il, dd_deil_fn deil, const uint8_t *w, size_t row_bytes,
                      size_t nrows, size_t rows_avail, const dd_acts *a, float *y, size_t ldy)
 {
-    const size_t stripes = nrows / 8, r0 = 8 * stripes, stripe = 8 * row_bytes;
+    const size_t stripes = nrows / 8, r0 = 8 * stripes;
     if (stripes > 0 && a->m <= DD_IL_GEMV_COLS && il != NULL) {
         il(w, row_bytes, stripes, rows_avail / 8, a, y, ldy);
-    } else if (stripes > 0) {
-        uint8_t rows[KIL_PIECE];   /* on the stack, as q4_interleave.c's: nothing to allocate or fail */
-        const size_t per = KIL_PIECE / stripe;
-        for (size_t s = 0; s < stripes; s += per) {
-            const size_t n = per < stripes - s ? per : stripes - s;
-            if (deil != NULL)
-                deil(rows, w + s * stripe, n, row_bytes);
-            else
-                kil_copy(rows, w + s * stripe, n, row_bytes, 0);
-            row_major(rows, row_bytes, 8 * n, 8 * n, a, y + 8 * s, ldy);
-        }
+        if (nrows > r0)
+            row_major(w + r0 * row_bytes, row_bytes, nrows - r0, rows_avail - r0, a, y + r0, ldy);
+        return;
     }
-    if (nrows > r0)
-        row_major(w + r0 * row_bytes, row_bytes, nrows - r0, rows_avail - r0, a, y + r0, ldy);
+    dd_gemm_unpacked(row_major, deil != NULL ? deil : kil_unpack, 8, w, row_bytes, nrows, rows_avail, a, y, ldy);
 }

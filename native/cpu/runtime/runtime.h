@@ -66,7 +66,7 @@ void dd_acts_prepare(const dd_kernels *kt, const float *x, size_t m, size_t k, v
  * each slot serves one user at a time (one per caller that can be active in the same thread). Freed when
  * the thread exits. NULL if out of memory. (matvec.c) DD_SCRATCH_KQ_COL: the AVX-512 K-quant GEMV's
  * prepared column, kept between calls (kq_tile_avx512.h); DD_SCRATCH_KQH_COL: its few-column product's
- * arranged columns (kqh_few_avx512.h); DD_SCRATCH_Q2RL_COL: the rows-as-lanes Q2_K GEMV's permuted column
+ * arranged columns (kqh_few_avx512.h); DD_SCRATCH_Q2RL_COL: the rows-as-lanes Q2_K and Q3_K GEMVs' permuted column
  * (q2k_rl_avx512.h). */
 enum { DD_SCRATCH_ACTS = 0, DD_SCRATCH_MOE = 1, DD_SCRATCH_SGEMM = 2, DD_SCRATCH_VIT = 3, DD_SCRATCH_KQ_COL = 4,
        DD_SCRATCH_KQH_COL = 5, DD_SCRATCH_Q2RL_COL = 6, DD_SCRATCH_COUNT = 7 };
@@ -113,7 +113,7 @@ static inline size_t dd_block_bytes(int wtype)
                                                   DD_IQ2_XXS_BYTES, DD_IQ2_XS_BYTES, DD_IQ2_S_BYTES, DD_IQ3_XXS_BYTES,
                                                   DD_IQ3_S_BYTES, DD_IQ1_S_BYTES, DD_IQ1_M_BYTES, DD_MXFP4_BYTES,
                                                   DD_BF16_BYTES, DD_F16_BYTES, DD_Q4_0_BYTES, DD_MXFP4_BYTES,
-                                                  DD_Q4_K_BYTES, DD_Q2_K_BYTES };
+                                                  DD_Q4_K_BYTES, DD_Q2_K_BYTES, DD_Q3_K_BYTES };
     return bytes[wtype];
 }
 
