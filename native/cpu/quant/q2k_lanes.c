@@ -1,5 +1,6 @@
 /* The 4-row rows-as-lanes Q2_K layout (deltadesk_cpu.h, dd_q2_k_rl_pack): the repack in place, its inverse,
- * and the products of the weight type DD_Q2_K_RL that do not read the layout directly (dd_gemm_q2_k_rl).
+ * and the products of the weight type DD_Q2_K_RL that do not read the layout directly (dd_gemm_unpacked
+ * through k_lanes.h's DD_DEFINE_GEMM_RL).
  *
  * The layout is a byte permutation within each super-block of a group of 4 rows, so the repack moves one
  * group at a time through a scratch of the group's size and needs no second copy of the matrix; rows past the
