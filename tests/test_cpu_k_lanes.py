@@ -30,23 +30,31 @@ LONGEST_K = {Q2_K: 49920, Q3_K: 37888}   # the longest rows the layouts take (k 
 TYPES = pytest.mark.parametrize("qtype", [Q2_K, Q3_K], ids=lambda t: t.name)
 
 
-def q2_layout_np(raw: np.ndarray) -> np.ndarray:
-    """Q2_K's packed bytes by the layout's definition, one byte at a time (deltadesk_cpu.h, dd_q2_k_rl_pack)."""
+def by_definition(raw: np.ndarray, nbytes: int, fill) -> np.ndarray:
+    """A rows-as-lanes matrix by its definition: fill(sb, blk) writes one 4-row super-block sb (4 * nbytes bytes, a
+    view) from the rows' stored super-blocks blk[r]; rows past the last multiple of 4 stay as they are."""
     rows, rb = raw.shape
     out = raw.copy()
     for s in range(rows // 4):
-        for j in range(rb // 84):
-            blk = [raw[4 * s + r, 84 * j:84 * j + 84] for r in range(4)]
-            sb = out[4 * s:4 * s + 4].reshape(-1)[336 * j:336 * j + 336]
-            for r in range(4):
-                for c in range(4):
-                    for g in range(4):
-                        sb[64 * c + 4 * (4 * g + r):][:4] = blk[r][16 + 16 * g + 4 * c:][:4]
-                for p in range(2):
-                    for q in range(4):
-                        sb[256 + 32 * p + 2 * (4 * q + r):][:2] = blk[r][2 * (2 * p + PAIR_BLOCK[0][q]):][:2]
-                sb[320 + 2 * r:][:2], sb[328 + 2 * r:][:2] = blk[r][80:82], blk[r][82:84]
+        for j in range(rb // nbytes):
+            fill(out[4 * s:4 * s + 4].reshape(-1)[4 * nbytes * j:4 * nbytes * (j + 1)],
+                 [raw[4 * s + r, nbytes * j:nbytes * (j + 1)] for r in range(4)])
     return out
+
+
+def q2_layout_np(raw: np.ndarray) -> np.ndarray:
+    """Q2_K's packed bytes by the layout's definition, one byte at a time (deltadesk_cpu.h, dd_q2_k_rl_pack)."""
+    def fill(sb, blk):
+        for r in range(4):
+            for c in range(4):
+                for g in range(4):
+                    sb[64 * c + 4 * (4 * g + r):][:4] = blk[r][16 + 16 * g + 4 * c:][:4]
+            for p in range(2):
+                for q in range(4):
+                    sb[256 + 32 * p + 2 * (4 * q + r):][:2] = blk[r][2 * (2 * p + PAIR_BLOCK[0][q]):][:2]
+            sb[320 + 2 * r:][:2], sb[328 + 2 * r:][:2] = blk[r][80:82], blk[r][82:84]
+
+    return by_definition(raw, 84, fill)
 
 
 def q3_scale(blk: np.ndarray, i: int) -> int:
@@ -56,28 +64,24 @@ def q3_scale(blk: np.ndarray, i: int) -> int:
 
 def q3_layout_np(raw: np.ndarray) -> np.ndarray:
     """Q3_K's packed bytes by the layout's definition, one byte at a time (deltadesk_cpu.h, dd_q3_k_rl_pack)."""
-    rows, rb = raw.shape
-    out = raw.copy()
-    for s in range(rows // 4):
-        for j in range(rb // 110):
-            blk = [raw[4 * s + r, 110 * j:110 * j + 110] for r in range(4)]
-            sb = out[4 * s:4 * s + 4].reshape(-1)[440 * j:440 * j + 440]
-            for r in range(4):
-                sc = [q3_scale(blk[r], i) for i in range(16)]
-                for c in range(4):
-                    for g in range(4):
-                        sb[64 * c + 4 * (4 * g + r):][:4] = blk[r][32 + 16 * g + 4 * c:][:4]
-                    for t in range(2):
-                        sb[256 + 32 * c + 4 * (4 * t + r):][:4] = blk[r][16 * t + 4 * c:][:4]
-                for q in range(4):
-                    for t in range(2):
-                        i = 2 * PAIR_BLOCK[0][q] + t
-                        sb[384 + 8 * q + 2 * r + t] = sc[i] & 15 | (sc[i + 4] & 15) << 4
-                for u in range(2):
-                    for t in range(2):
-                        sb[416 + 8 * u + 2 * r + t] = sum((sc[8 * u + 2 * f + t] >> 4) << (2 * f) for f in range(4))
-                sb[432 + 2 * r:][:2] = blk[r][108:110]
-    return out
+    def fill(sb, blk):
+        for r in range(4):
+            sc = [q3_scale(blk[r], i) for i in range(16)]
+            for c in range(4):
+                for g in range(4):
+                    sb[64 * c + 4 * (4 * g + r):][:4] = blk[r][32 + 16 * g + 4 * c:][:4]
+                for t in range(2):
+                    sb[256 + 32 * c + 4 * (4 * t + r):][:4] = blk[r][16 * t + 4 * c:][:4]
+            for q in range(4):
+                for t in range(2):
+                    i = 2 * PAIR_BLOCK[0][q] + t
+                    sb[384 + 8 * q + 2 * r + t] = sc[i] & 15 | (sc[i + 4] & 15) << 4
+            for u in range(2):
+                for t in range(2):
+                    sb[416 + 8 * u + 2 * r + t] = sum((sc[8 * u + 2 * f + t] >> 4) << (2 * f) for f in range(4))
+            sb[432 + 2 * r:][:2] = blk[r][108:110]
+
+    return by_definition(raw, 110, fill)
 
 
 LAYOUTS = {t: Layout(t, 4, BYTES[t], (lambda raw, t=t: cpu_rl.pack(raw, t)) if NATIVE else None,
@@ -97,7 +101,7 @@ def test_repack_is_the_layout_and_its_inverse_restores_the_bytes(qtype, rows, k,
 @needs_native
 @TYPES
 def test_repack_refuses_read_only_partial_blocks_and_long_rows(qtype):
-    check_refusals(LAYOUTS[qtype], 100, f"whole {qtype.name} super-blocks", cpu_rl.MAX_ROW_BYTES[qtype])
+    check_refusals(LAYOUTS[qtype], 100, f"whole {qtype.name} blocks", cpu_rl.MAX_ROW_BYTES[qtype])
 
 
 @needs_native

@@ -30,17 +30,18 @@ TYPES = tuple(_NATIVE)
 """The stored types that have the layout."""
 
 
-def _rows(raw: np.ndarray, qtype: GGMLQuantizationType, what: str) -> np.ndarray:
-    if qtype not in _NATIVE:
-        raise ValueError(f"{what}: {qtype.name} has no interleaved layout (only {', '.join(t.name for t in TYPES)})")
+def _rows(raw: np.ndarray, qtype: GGMLQuantizationType, what: str, native: dict, max_bytes: dict,
+          layout: str) -> np.ndarray:
+    if qtype not in native:
+        raise ValueError(f"{what}: {qtype.name} has no {layout} layout (only {', '.join(t.name for t in native)})")
     name, block = qtype.name, quant.TYPES[qtype].block_bytes
     if not isinstance(raw, np.ndarray) or raw.dtype != np.uint8 or raw.ndim != 2:
         raise ValueError(f"{what}: expected {name} rows as a 2-D uint8 array")
     if raw.shape[1] == 0 or raw.shape[1] % block:
         raise ValueError(f"{what}: rows of {raw.shape[1]} bytes are not whole {name} blocks of {block} bytes")
-    if _native_cpu is not None and raw.shape[1] > MAX_ROW_BYTES[qtype]:
+    if _native_cpu is not None and raw.shape[1] > max_bytes[qtype]:
         raise ValueError(f"{what}: rows of {raw.shape[1]} bytes are longer than the layout takes "
-                         f"({MAX_ROW_BYTES[qtype]})")
+                         f"({max_bytes[qtype]})")
     if not raw.flags.c_contiguous or not raw.flags.writeable:
         raise ValueError(f"{what}: the rows must be C-contiguous and writable to be repacked in place")
     if _native_cpu is None:
@@ -48,11 +49,20 @@ def _rows(raw: np.ndarray, qtype: GGMLQuantizationType, what: str) -> np.ndarray
     return raw
 
 
-def _permute(raw: np.ndarray, qtype: GGMLQuantizationType, inverse: bool) -> None:
-    fn_name = _NATIVE[qtype][int(inverse)] if qtype in _NATIVE else "interleave"
-    raw = _rows(raw, qtype, fn_name)
+def permute_rows(raw: np.ndarray, qtype: GGMLQuantizationType, inverse: bool, native: dict, max_bytes: dict,
+                 layout: str) -> None:
+    """Repack ``raw`` in place by the native pair ``native[qtype]`` (repack, inverse): this module's and
+    :mod:`engine.kernels.cpu_rl`'s layouts. ``max_bytes``: the longest rows per type; ``layout``: its name in
+    errors. Raises ValueError for another type, shape, dtype or a read-only array; EngineError if the call fails.
+    """
+    fn_name = native[qtype][int(inverse)] if qtype in native else f"{layout} repack"
+    raw = _rows(raw, qtype, fn_name, native, max_bytes, layout)
     fn = getattr(_native_cpu.lib, fn_name)
     _check(fn(_ptr(_native_cpu.ffi, "uint8_t *", raw), raw.shape[0], raw.shape[1]), fn_name)
+
+
+def _permute(raw: np.ndarray, qtype: GGMLQuantizationType, inverse: bool) -> None:
+    permute_rows(raw, qtype, inverse, _NATIVE, MAX_ROW_BYTES, "interleaved")
 
 
 def interleave(raw: np.ndarray, qtype: GGMLQuantizationType) -> None:

@@ -15,8 +15,8 @@ from __future__ import annotations
 import numpy as np
 from gguf import GGMLQuantizationType
 
-from engine.gguf import quant
-from engine.kernels.cpu import _check, _native_cpu, _ptr
+from engine.kernels import cpu_q4il
+from engine.kernels.cpu import _native_cpu
 
 Q = GGMLQuantizationType
 _NATIVE = {Q.Q2_K: ("dd_q2_k_rl_pack", "dd_q2_k_rl_unpack", "DD_Q2_K_RL_MAX_ROW_BYTES"),
@@ -29,29 +29,8 @@ TYPES = tuple(_NATIVE)
 """The stored types that have the layout."""
 
 
-def _rows(raw: np.ndarray, qtype: GGMLQuantizationType, what: str) -> np.ndarray:
-    if qtype not in _NATIVE:
-        raise ValueError(f"{what}: {qtype.name} has no rows-as-lanes layout (only {', '.join(t.name for t in TYPES)})")
-    name, block = qtype.name, quant.TYPES[qtype].block_bytes
-    if not isinstance(raw, np.ndarray) or raw.dtype != np.uint8 or raw.ndim != 2:
-        raise ValueError(f"{what}: expected {name} rows as a 2-D uint8 array")
-    if raw.shape[1] == 0 or raw.shape[1] % block:
-        raise ValueError(f"{what}: rows of {raw.shape[1]} bytes are not whole {name} super-blocks of {block} bytes")
-    if _native_cpu is None:
-        raise ValueError(f"{what}: the native CPU kernels are not built")
-    if raw.shape[1] > MAX_ROW_BYTES[qtype]:
-        raise ValueError(f"{what}: rows of {raw.shape[1]} bytes are longer than the layout takes "
-                         f"({MAX_ROW_BYTES[qtype]})")
-    if not raw.flags.c_contiguous or not raw.flags.writeable:
-        raise ValueError(f"{what}: the rows must be C-contiguous and writable to be repacked in place")
-    return raw
-
-
 def _permute(raw: np.ndarray, qtype: GGMLQuantizationType, inverse: bool) -> None:
-    fn_name = _NATIVE[qtype][int(inverse)] if qtype in _NATIVE else "rows-as-lanes repack"
-    raw = _rows(raw, qtype, fn_name)
-    fn = getattr(_native_cpu.lib, fn_name)
-    _check(fn(_ptr(_native_cpu.ffi, "uint8_t *", raw), raw.shape[0], raw.shape[1]), fn_name)
+    cpu_q4il.permute_rows(raw, qtype, inverse, _NATIVE, MAX_ROW_BYTES, "rows-as-lanes")
 
 
 def pack(raw: np.ndarray, qtype: GGMLQuantizationType) -> None:

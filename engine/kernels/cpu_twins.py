@@ -97,6 +97,20 @@ def layout_rows(traits: quant.QuantType) -> int:
     return IL_ROWS if traits in IL_TRAITS.values() else RL_ROWS if traits in RL_TRAITS.values() else 1
 
 
+def _rl_unpack(raw: np.ndarray, qtype: Q, rows_of) -> np.ndarray:
+    """Row-major rows of a rows-as-lanes matrix of qtype (a new array): rows_of(sbs, qs) gives the 4 rows' stored
+    super-blocks (groups, nsb, 4, block bytes) from the groups' super-blocks sbs (groups, nsb, 4 * block bytes) and
+    their qs bytes qs (groups, nsb, 4, 64) in row order (chunk c, dword 4 g + r: row r's qs dword 4 g + c)."""
+    rows, row_bytes = raw.shape
+    block = quant.TYPES[qtype].block_bytes
+    nsb, groups = row_bytes // block, rows // RL_ROWS
+    out = np.array(raw, dtype=np.uint8, copy=True)
+    sbs = raw[:RL_ROWS * groups].reshape(groups, nsb, RL_ROWS * block)
+    qs = sbs[..., :256].reshape(groups, nsb, 4, 4, 4, 4).transpose(0, 1, 4, 3, 2, 5).reshape(groups, nsb, 4, 64)
+    out[:RL_ROWS * groups] = rows_of(sbs, qs).transpose(0, 2, 1, 3).reshape(RL_ROWS * groups, row_bytes)
+    return out
+
+
 def q2_k_rl_unpack_np(raw: np.ndarray) -> np.ndarray:
     """The row-major Q2_K rows of rows-as-lanes ones (a new array; the numpy twin of ``dd_q2_k_rl_unpack``).
 
@@ -105,18 +119,16 @@ def q2_k_rl_unpack_np(raw: np.ndarray) -> np.ndarray:
         dmin); rows past the last multiple of 4 row-major.
     Returns: (rows, k // 256 * 84) uint8, each row's super-blocks as stored in the file.
     """
-    rows, row_bytes = raw.shape
-    nsb, groups = row_bytes // quant.TYPES[Q.Q2_K].block_bytes, rows // RL_ROWS
-    out = np.array(raw, dtype=np.uint8, copy=True)
-    sbs = raw[:RL_ROWS * groups].reshape(groups, nsb, 336)
-    qs = sbs[..., :256].reshape(groups, nsb, 4, 4, 4, 4).transpose(0, 1, 4, 3, 2, 5).reshape(groups, nsb, 4, 64)
-    placed = sbs[..., 256:320].reshape(groups, nsb, 2, 4, 4, 2).transpose(0, 1, 4, 2, 3, 5).reshape(groups, nsb, 4, 16)
-    scales = np.empty_like(placed)
-    scales[..., _RL_SCALE_AT] = placed
-    d, dmin = sbs[..., 320:328].reshape(groups, nsb, 4, 2), sbs[..., 328:336].reshape(groups, nsb, 4, 2)
-    per_row = np.concatenate([scales, qs, d, dmin], axis=3)   # (groups, nsb, r, 84)
-    out[:RL_ROWS * groups] = per_row.transpose(0, 2, 1, 3).reshape(RL_ROWS * groups, row_bytes)
-    return out
+    def rows_of(sbs: np.ndarray, qs: np.ndarray) -> np.ndarray:
+        groups, nsb = sbs.shape[:2]
+        placed = sbs[..., 256:320].reshape(groups, nsb, 2, 4, 4, 2).transpose(0, 1, 4, 2, 3, 5)
+        placed = placed.reshape(groups, nsb, 4, 16)
+        scales = np.empty_like(placed)
+        scales[..., _RL_SCALE_AT] = placed
+        d, dmin = sbs[..., 320:328].reshape(groups, nsb, 4, 2), sbs[..., 328:336].reshape(groups, nsb, 4, 2)
+        return np.concatenate([scales, qs, d, dmin], axis=3)   # (groups, nsb, r, 84)
+
+    return _rl_unpack(raw, Q.Q2_K, rows_of)
 
 
 # the scale whose low nibble a Q3_K group's scale byte 8 q + 2 r + t holds as its own: 2 B[q] + t (deltadesk_cpu.h)
@@ -132,25 +144,22 @@ def q3_k_rl_unpack_np(raw: np.ndarray) -> np.ndarray:
         multiple of 4 row-major.
     Returns: (rows, k // 256 * 110) uint8, each row's super-blocks as stored in the file.
     """
-    rows, row_bytes = raw.shape
-    nsb, groups = row_bytes // quant.TYPES[Q.Q3_K].block_bytes, rows // RL_ROWS
-    out = np.array(raw, dtype=np.uint8, copy=True)
-    sbs = raw[:RL_ROWS * groups].reshape(groups, nsb, 440)
-    qs = sbs[..., :256].reshape(groups, nsb, 4, 4, 4, 4).transpose(0, 1, 4, 3, 2, 5).reshape(groups, nsb, 4, 64)
-    hm = sbs[..., 256:384].reshape(groups, nsb, 4, 2, 4, 4).transpose(0, 1, 4, 3, 2, 5).reshape(groups, nsb, 4, 32)
-    nib = sbs[..., 384:416].reshape(groups, nsb, 4, 4, 2).transpose(0, 1, 3, 2, 4).reshape(groups, nsb, 4, 8)
-    low = np.empty((groups, nsb, 4, 16), dtype=np.uint8)   # (group, super-block, row, scale)
-    low[..., _RL3_NIBBLE_OF], low[..., _RL3_NIBBLE_OF + 4] = nib & 15, nib >> 4
-    top_bytes = sbs[..., 416:432].reshape(groups, nsb, 2, 4, 2).transpose(0, 1, 3, 2, 4)   # (g, j, r, u, t)
-    top = (top_bytes[..., None, :] >> (2 * np.arange(4, dtype=np.uint8))[:, None] & 3).reshape(groups, nsb, 4, 16)
-    scales = np.zeros((groups, nsb, 4, 12), dtype=np.uint8)   # top: scale 8 u + 2 f + t at its index
-    scales[..., :8] = low[..., :8] | low[..., 8:] << 4
-    for k in range(4):
-        scales[..., 8:] |= top[..., 4 * k:4 * k + 4] << (2 * k)
-    d = sbs[..., 432:440].reshape(groups, nsb, 4, 2)
-    per_row = np.concatenate([hm, qs, scales, d], axis=3)   # (groups, nsb, r, 110)
-    out[:RL_ROWS * groups] = per_row.transpose(0, 2, 1, 3).reshape(RL_ROWS * groups, row_bytes)
-    return out
+    def rows_of(sbs: np.ndarray, qs: np.ndarray) -> np.ndarray:
+        groups, nsb = sbs.shape[:2]
+        hm = sbs[..., 256:384].reshape(groups, nsb, 4, 2, 4, 4).transpose(0, 1, 4, 3, 2, 5).reshape(groups, nsb, 4, 32)
+        nib = sbs[..., 384:416].reshape(groups, nsb, 4, 4, 2).transpose(0, 1, 3, 2, 4).reshape(groups, nsb, 4, 8)
+        low = np.empty((groups, nsb, 4, 16), dtype=np.uint8)   # (group, super-block, row, scale)
+        low[..., _RL3_NIBBLE_OF], low[..., _RL3_NIBBLE_OF + 4] = nib & 15, nib >> 4
+        top_bytes = sbs[..., 416:432].reshape(groups, nsb, 2, 4, 2).transpose(0, 1, 3, 2, 4)   # (g, j, r, u, t)
+        top = (top_bytes[..., None, :] >> (2 * np.arange(4, dtype=np.uint8))[:, None] & 3).reshape(groups, nsb, 4, 16)
+        scales = np.zeros((groups, nsb, 4, 12), dtype=np.uint8)   # top: scale 8 u + 2 f + t at its index
+        scales[..., :8] = low[..., :8] | low[..., 8:] << 4
+        for k in range(4):
+            scales[..., 8:] |= top[..., 4 * k:4 * k + 4] << (2 * k)
+        d = sbs[..., 432:440].reshape(groups, nsb, 4, 2)
+        return np.concatenate([hm, qs, scales, d], axis=3)   # (groups, nsb, r, 110)
+
+    return _rl_unpack(raw, Q.Q3_K, rows_of)
 
 
 def row_major(raw: np.ndarray, traits: quant.QuantType) -> tuple[np.ndarray, quant.QuantType]:

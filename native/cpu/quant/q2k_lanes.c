@@ -11,10 +11,6 @@
 
 #include "k_lanes.h"
 
-#define RL_SB (4 * DD_Q2_K_BYTES)   /* one super-block of a group's 4 rows */
-/* Bytes of row-major rows a product unpacks at a time: whole groups of rows up to DD_Q2_K_RL_MAX_ROW_BYTES */
-#define RL_PIECE (4 * DD_Q2_K_RL_MAX_ROW_BYTES)
-
 /* The super-block whose scale bytes 2 b .. 2 b + 1 land at 32 p + 8 q of a group's scale bytes (q < 4). */
 static const uint8_t rl_block_of[2][4] = { { 0, 4, 1, 5 }, { 2, 6, 3, 7 } };
 
@@ -38,42 +34,4 @@ static void rl_move(uint8_t *g, uint8_t *const rows[4], int to_rl)
     }
 }
 
-/* `groups` groups from src into dst (row-major to the layout when to_rl is 1, else the reverse); src and dst
- * do not overlap. */
-static void rl_copy(uint8_t *dst, const uint8_t *src, size_t groups, size_t row_bytes, int to_rl)
-{
-    const size_t group = 4 * row_bytes, nsb = row_bytes / DD_Q2_K_BYTES;
-    for (size_t s = 0; s < groups; s++) {
-        uint8_t *lanes = to_rl ? dst + s * group : (uint8_t *)src + s * group;
-        uint8_t *rm = to_rl ? (uint8_t *)src + s * group : dst + s * group;
-        for (size_t j = 0; j < nsb; j++) {
-            uint8_t *rows[4];
-            for (int r = 0; r < 4; r++)
-                rows[r] = rm + r * row_bytes + j * DD_Q2_K_BYTES;
-            rl_move(lanes + j * RL_SB, rows, to_rl);
-        }
-    }
-}
-
-/* Every group of w rewritten in place: to_rl 1 rewrites row-major as the layout, 0 the reverse. */
-static int rl_permute(uint8_t *w, size_t nrows, size_t row_bytes, int to_rl)
-{
-    if (row_bytes == 0 || row_bytes % DD_Q2_K_BYTES != 0 || row_bytes > DD_Q2_K_RL_MAX_ROW_BYTES)
-        return DD_ERR_ARG;
-    return dd_permute_groups(w, nrows, row_bytes, 4, rl_copy, to_rl);
-}
-
-int dd_q2_k_rl_pack(uint8_t *w, size_t nrows, size_t row_bytes)
-{
-    return rl_permute(w, nrows, row_bytes, 1);
-}
-
-int dd_q2_k_rl_unpack(uint8_t *w, size_t nrows, size_t row_bytes)
-{
-    return rl_permute(w, nrows, row_bytes, 0);
-}
-
-void dd_q2_k_rl_unpack_groups(uint8_t *dst, const uint8_t *src, size_t groups, size_t row_bytes)
-{
-    rl_copy(dst, src, groups, row_bytes, 0);
-}
+DD_DEFINE_RL_REPACK(q2_k_rl, DD_Q2_K_BYTES, DD_Q2_K_RL_MAX_ROW_BYTES, rl_move)

@@ -10,8 +10,6 @@
 
 #include "k_lanes.h"
 
-#define RL3_SB (4 * DD_Q3_K_BYTES)   /* one super-block of a group's 4 rows */
-
 _Static_assert(4 * DD_Q3_K_RL_MAX_ROW_BYTES <= DD_UNPACK_PIECE, "a Q3_K group must fit DD_UNPACK_PIECE");
 
 /* The scale whose low nibble the layout's scale byte 8 q + 2 r + t holds in its low nibble: 2 B[q] + t (its high
@@ -77,42 +75,4 @@ static void rl3_move(uint8_t *g, uint8_t *const rows[4], int to_rl)
     }
 }
 
-/* `groups` groups from src into dst (row-major to the layout when to_rl is 1, else the reverse); src and dst
- * do not overlap. */
-static void rl3_copy(uint8_t *dst, const uint8_t *src, size_t groups, size_t row_bytes, int to_rl)
-{
-    const size_t group = 4 * row_bytes, nsb = row_bytes / DD_Q3_K_BYTES;
-    for (size_t s = 0; s < groups; s++) {
-        uint8_t *lanes = to_rl ? dst + s * group : (uint8_t *)src + s * group;
-        uint8_t *rm = to_rl ? (uint8_t *)src + s * group : dst + s * group;
-        for (size_t j = 0; j < nsb; j++) {
-            uint8_t *rows[4];
-            for (int r = 0; r < 4; r++)
-                rows[r] = rm + r * row_bytes + j * DD_Q3_K_BYTES;
-            rl3_move(lanes + j * RL3_SB, rows, to_rl);
-        }
-    }
-}
-
-/* Every group of w rewritten in place: to_rl 1 rewrites row-major as the layout, 0 the reverse. */
-static int rl3_permute(uint8_t *w, size_t nrows, size_t row_bytes, int to_rl)
-{
-    if (row_bytes == 0 || row_bytes % DD_Q3_K_BYTES != 0 || row_bytes > DD_Q3_K_RL_MAX_ROW_BYTES)
-        return DD_ERR_ARG;
-    return dd_permute_groups(w, nrows, row_bytes, 4, rl3_copy, to_rl);
-}
-
-int dd_q3_k_rl_pack(uint8_t *w, size_t nrows, size_t row_bytes)
-{
-    return rl3_permute(w, nrows, row_bytes, 1);
-}
-
-int dd_q3_k_rl_unpack(uint8_t *w, size_t nrows, size_t row_bytes)
-{
-    return rl3_permute(w, nrows, row_bytes, 0);
-}
-
-void dd_q3_k_rl_unpack_groups(uint8_t *dst, const uint8_t *src, size_t groups, size_t row_bytes)
-{
-    rl3_copy(dst, src, groups, row_bytes, 0);
-}
+DD_DEFINE_RL_REPACK(q3_k_rl, DD_Q3_K_BYTES, DD_Q3_K_RL_MAX_ROW_BYTES, rl3_move)
