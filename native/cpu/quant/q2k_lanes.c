@@ -4,12 +4,14 @@
  *
  * The layout is a byte permutation within each super-block of a group of 4 rows, so the repack moves one
  * group at a time through a scratch of the group's size and needs no second copy of the matrix; rows past the
- * last multiple of 4 are left as they are. A product of a level without the layout's kernel unpacks the groups a few
- * at a time into a stack buffer and runs the row-major Q2_K kernel on them, and that kernel on the row-major tail: a row's result depends only
- * on its bytes and the activations, never on the chunk it falls in.
+ * last multiple of 4 are left as they are. A product of a level without the layout's kernel unpacks the groups a
+ * few at a time into a stack buffer and runs the row-major Q2_K kernel on them, and that kernel on the row-major
+ * tail: a row's result depends only on its bytes and the activations, never on the chunk it falls in.
  */
 
 #include "k_lanes.h"
+
+_Static_assert(4 * DD_Q2_K_RL_MAX_ROW_BYTES <= DD_UNPACK_PIECE, "a Q2_K group must fit DD_UNPACK_PIECE");
 
 /* The super-block whose scale bytes 2 b .. 2 b + 1 land at 32 p + 8 q of a group's scale bytes (q < 4). */
 static const uint8_t rl_block_of[2][4] = { { 0, 4, 1, 5 }, { 2, 6, 3, 7 } };

@@ -160,7 +160,8 @@ DD_INLINE void rl3_super_block(const uint8_t *g, const rl_col *p, __m512d acc[4]
                                  _mm512_and_si512(qs, _mm512_set1_epi8(48)),
                                  _mm512_and_si512(_mm512_srli_epi16(qs, 2), _mm512_set1_epi8(48)) };
         for (int f = 0; f < 4; f++) {
-            const __m512i bit = _mm512_inserti64x4(_mm512_set1_epi8((char)(1 << f)), _mm256_set1_epi8((char)(16 << f)), 1);
+            const __m512i bit = _mm512_inserti64x4(_mm512_set1_epi8((char)(1 << f)), _mm256_set1_epi8((char)(16 << f)),
+                                                   1);
             const __m512i u = _mm512_mask_add_epi8(low[f], _mm512_test_epi8_mask(hm, bit), low[f],
                                                    _mm512_set1_epi8((char)(4 << rl3_factor[f])));
             s[f] = _mm512_dpbusd_epi32(s[f], u, p->a[f][c]);

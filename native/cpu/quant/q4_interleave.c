@@ -1,8 +1,9 @@
 /* The 8-row interleaved layouts of Q4_0 and MXFP4 (deltadesk_cpu.h, dd_q4_0_interleave, dd_mxfp4_interleave):
  * the repack in place, its inverse, and the products of the weight types DD_Q4_0_IL and DD_MXFP4_IL
  * (dd_gemm_il, kernels.h); also what every row-grouped layout shares (kernels.h): the in-place permutation of
- * groups (dd_permute_groups) and the product on unpacked groups (dd_gemm_unpacked). The two types' blocks differ only in their scale's bytes (2 or 1) before the same 16
- * nibble bytes, so one layout with that width as a parameter serves both.
+ * groups (dd_permute_groups) and the product on unpacked groups (dd_gemm_unpacked). The two types' blocks differ
+ * only in their scale's bytes (2 or 1) before the same 16 nibble bytes, so one layout with that width as a
+ * parameter serves both.
  *
  * The repack moves the bytes of one stripe (8 rows) at a time through a scratch of the stripe's size, so it
  * needs no second copy of the matrix; rows past the last multiple of 8 are left as they are. A product runs
