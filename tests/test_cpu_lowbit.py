@@ -112,6 +112,40 @@ def test_lowbit_extreme_codes_and_full_scale_activations(qtype, rng):
         cpu.set_threads()
 
 
+IQ = [t for t in LB if t.name.startswith("IQ")]
+
+
+@pytest.mark.skipif("avx512vnni" not in LEVELS, reason="no AVX-512 VNNI level on this CPU")
+@pytest.mark.parametrize("qtype", IQ, ids=lambda t: t.name)
+def test_iq_gemv_same_bits_on_and_off_the_vbmi_path(qtype, rng):
+    """The AVX-512 level's IQ GEMV on its VBMI + BITALG path (dd_set_iq_vbmi, where the CPU has them) and on
+    its base code: the twin's bits for every row count (4-row tiles and the rows left over) and 1-3 threads,
+    random columns and ones of +-127 in every value."""
+    from engine import _native_cpu
+    lib = _native_cpu.lib
+    if lib.dd_set_iq_vbmi(1) != 0:
+        pytest.skip("no AVX-512 VBMI + BITALG on this CPU")
+    k = 2304
+    raw = random_lowbit(rng, 43, k, qtype)
+    x = rng.standard_normal((3, k)).astype(np.float32)
+    x[1] = np.repeat(rng.choice([-1.0, 1.0], k // 32), 32)
+    x[2] = -x[1]
+    want = cpu.matmul_np(raw, x, qtype)
+    try:
+        cpu.set_isa("avx512vnni")
+        for on in (1, 0):
+            assert lib.dd_set_iq_vbmi(on) == 0
+            for n in (1, 2, 3):
+                cpu.set_threads(n)
+                for c in range(3):
+                    for rows in (43, 42, 41, 40):
+                        assert np.array_equal(cpu.matmul(raw[:rows], x[c], qtype), want[c, :rows]), (on, n, c, rows)
+    finally:
+        lib.dd_set_iq_vbmi(1)
+        cpu.set_isa(None)
+        cpu.set_threads()
+
+
 MIXES = [("Q2_K", "Q2_K", "Q3_K", "Q3_K", "Q2_K", "Q3_K"), ("IQ2_XXS", "IQ2_XS", "IQ3_XXS", "IQ1_S", "IQ2_S", "IQ3_S"),
          ("IQ1_M", "IQ1_M", "IQ2_S", "IQ3_S", "IQ1_S", "IQ2_XXS")]
 

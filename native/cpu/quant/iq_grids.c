@@ -9,6 +9,7 @@
 
 uint64_t dd_iq_pos8[DD_IQ_GRID_BYTES / 8];
 uint64_t dd_iq_sign_mask[256];
+uint8_t dd_iq_ksigns[128];
 uint16_t dd_iq_codes[DD_IQ_CODES];
 uint8_t dd_iq_levels[4][16];
 static _Atomic int ready[DD_WTYPE_COUNT];
@@ -70,6 +71,8 @@ int dd_set_iq_grid(int wtype, const int8_t *grid, size_t n)
             if (b >> j & 1)
                 m |= (uint64_t)0xff << (8 * j);
         dd_iq_sign_mask[b] = m;
+        if (b < 128)
+            dd_iq_ksigns[b] = dd_iq_ksign((uint32_t)b);
     }
     for (size_t g = 0; g < sizeof grids / sizeof grids[0]; g++) {
         if (grids[g].wtype != wtype)

@@ -49,6 +49,8 @@
  * delta); sign_mask[b] has byte j all ones where bit j of b is set. */
 extern uint64_t dd_iq_pos8[DD_IQ_GRID_BYTES / 8];
 extern uint64_t dd_iq_sign_mask[256];
+/* ksigns_iq2xs: dd_iq_ksign of 0 .. 127. */
+extern uint8_t dd_iq_ksigns[128];
 /* The grids of IQ2_XXS, IQ2_XS, IQ3_XXS, IQ3_S (t = 0 .. 3) as codes, for lookups in registers: entry e's value
  * j is levels[t][(code >> (b j)) & (2^b - 1)], code = dd_iq_codes[dd_iq_code_at[t] + e], b = 2 for the 8-wide
  * grids (3 distinct values), 3 for the 4-wide ones (8 distinct values). */

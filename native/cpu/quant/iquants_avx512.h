@@ -206,6 +206,19 @@ DD_INLINE __m512i iqv_expand(__m512i c, int g, int wide4, const uint8_t *levels)
     return _mm512_shuffle_epi8(_mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i *)levels)), z);
 }
 
+/* A block's d (dd_iq_unpack's). */
+DD_INLINE float iqv_d(const uint8_t *blk, int wtype)
+{
+    if (wtype == DD_IQ1_M) {
+        uint16_t s[4];
+        memcpy(s, blk + 48, 8);
+        const uint16_t dbits = (uint16_t)((s[0] >> 12) | ((s[1] >> 8) & 0x00f0) | ((s[2] >> 4) & 0x0f00) | (s[3] & 0xf000));
+        return dd_f16_to_f32(dbits) * 0.125f;
+    }
+    const float d16 = dd_f16_to_f32(dd_load_u16(blk));
+    return wtype == DD_IQ3_S ? d16 : d16 * (wtype == DD_IQ3_XXS ? 0.25f : 0.125f);
+}
+
 /* q[256], sc[16], *d of one block: dd_iq_unpack's bytes. */
 DD_INLINE void iq_unpack_avx512(const uint8_t *blk, int wtype, uint8_t *q, int16_t *sc, float *d)
 {
@@ -241,15 +254,7 @@ DD_INLINE void iq_unpack_avx512(const uint8_t *blk, int wtype, uint8_t *q, int16
         _mm512_storeu_si512(q + 64 * g, two_off ? _mm512_mask_sub_epi8(u, m, _mm512_set1_epi8((char)two_off), u)
                                                 : _mm512_mask_sub_epi8(u, m, u, _mm512_set1_epi8(2)));
     }
-    if (wtype == DD_IQ1_M) {
-        uint16_t s[4];
-        memcpy(s, blk + 48, 8);
-        const uint16_t dbits = (uint16_t)((s[0] >> 12) | ((s[1] >> 8) & 0x00f0) | ((s[2] >> 4) & 0x0f00) | (s[3] & 0xf000));
-        *d = dd_f16_to_f32(dbits) * 0.125f;
-    } else {
-        const float d16 = dd_f16_to_f32(dd_load_u16(blk));
-        *d = wtype == DD_IQ3_S ? d16 : d16 * (wtype == DD_IQ3_XXS ? 0.25f : 0.125f);
-    }
+    *d = iqv_d(blk, wtype);
 }
 
 /* acc += the f64 terms of unpacked values q, scales sc and d against a column's activation blocks b0 .. b0 + 7:
@@ -284,6 +289,178 @@ DD_INLINE void iqv_terms(const uint8_t *q, const int16_t *sc, float d, const dd_
     memcpy(acc, &acc8, sizeof acc8);
 }
 
+/* ---- The GEMV (one column) of the register-lookup types on AVX-512 VBMI + BITALG, nothing through memory ----
+ * Lane L of the dword accumulator sums half L (values 16 L .. 16 L + 15) whole: step g (0 .. 3) of the vpdpbusd
+ * chain meets its values 16 L + 4 g + j (j < 4) in bytes 4 L + j of the unpacked vector and of the activation
+ * vector xs[g], a dword transpose of the column's 256 values made once per super-block for all rows. So no
+ * transpose-add: the half sums come out in order, then sc_h (sum - off s16_h) and the halves of a block added
+ * give lowbit.h's integers I_b (exact in int32 whatever the order), and the f64 terms are iqv_terms's.
+ * Unpacking in that order: vpmultishiftqb moves each value's field of its code to the low bits of its byte,
+ * vpermb looks the level up by the byte's low 6 bits (a 64-byte table, levels[e & 3] or [e & 7]); an 8-wide
+ * code table's qword Q (entries 4Q .. 4Q + 3) holds halves 2Q and 2Q + 1, the 4-wide grids' codes are looked
+ * up in the order the steps use them (each qword: entries 4h + g of halves h = 2Q, 2Q + 1, steps g = 2k, 2k + 1).
+ * The signs: bit 16 h + 4 g + j of the block's sign qword h / 4 picked for each byte by vpshufbitqmb; the
+ * ksigns_iq2xs bytes by a 128-byte vpermt2b of their 7-bit indices. */
+#define IQF_TARGET __attribute__((target("avx512vbmi,avx512bitalg")))
+
+/* The column's 256 activations at x as xs[g]: dword L = dword 4 L + g of x (two rounds of vpermt2d). */
+IQF_TARGET DD_INLINE void iqf_acts(const int8_t *x, __m512i xs[4])
+{
+    __m512i v[4], u[4];
+    for (int p = 0; p < 4; p++)
+        v[p] = _mm512_loadu_si512(x + 64 * p);
+    /* u[2 s + k] dword 8 t + 4 gg + i = v[2 s + t] dword 4 i + 2 k + gg */
+    for (int s = 0; s < 2; s++)
+        for (int k = 0; k < 2; k++)
+            u[2 * s + k] = _mm512_permutex2var_epi32(
+                v[2 * s], _mm512_setr_epi32(2 * k, 4 + 2 * k, 8 + 2 * k, 12 + 2 * k, 2 * k + 1, 5 + 2 * k, 9 + 2 * k,
+                                            13 + 2 * k, 16 + 2 * k, 20 + 2 * k, 24 + 2 * k, 28 + 2 * k, 17 + 2 * k,
+                                            21 + 2 * k, 25 + 2 * k, 29 + 2 * k),
+                v[2 * s + 1]);
+    for (int g = 0; g < 4; g++) {
+        const int o = 4 * (g % 2);
+        xs[g] = _mm512_permutex2var_epi32(u[g / 2], _mm512_setr_epi32(o, o + 1, o + 2, o + 3, 8 + o, 9 + o, 10 + o,
+                                                                      11 + o, 16 + o, 17 + o, 18 + o, 19 + o, 24 + o,
+                                                                      25 + o, 26 + o, 27 + o),
+                                          u[2 + g / 2]);
+    }
+}
+
+/* Sign qwords s (256 bits: bit v = sign of value v) -> the vpshufbitqmb source: qword Q = qword Q / 2 of s. */
+IQF_TARGET DD_INLINE __m512i iqf_sign_src(__m256i s)
+{
+    return _mm512_permutexvar_epi64(_mm512_setr_epi64(0, 0, 1, 1, 2, 2, 3, 3), _mm512_castsi256_si512(s));
+}
+
+/* 8 dwords of 4 7-bit sign indices (bits 0, 7, 14, 21) -> iqf_sign_src of their ksigns_iq2xs bytes. */
+IQF_TARGET DD_INLINE __m512i iqf_ksigns7(__m256i a)
+{
+    const __m512i idx = _mm512_multishift_epi64_epi8(_mm512_set1_epi64(0x352e2720150e0700LL), iqf_sign_src(a));
+    return _mm512_permutex2var_epi8(_mm512_loadu_si512(dd_iq_ksigns), idx, _mm512_loadu_si512(dd_iq_ksigns + 64));
+}
+
+/* dd_lb_terms of one row of the type's super-block blk against the column (xs, offs = off s16, da), added to acc. */
+IQF_TARGET DD_INLINE void iqf_row(const uint8_t *blk, int wtype, const __m512i xs[4], __m512i offs, __m512i lev,
+                                  __m256 da, __m512d *acc)
+{
+    const int wide4 = wtype == DD_IQ3_XXS || wtype == DD_IQ3_S;
+    const int t = iqv_code_table(wtype), n = wtype == DD_IQ2_XS || wtype == DD_IQ3_S ? 8 : 4;
+    const char two_off = (char)(2 * (wtype == DD_IQ3_XXS ? DD_IQ3XXS_OFF : wtype == DD_IQ3_S ? DD_IQ3S_OFF : DD_IQ2_OFF));
+    iqv_block f;
+    iqv_fields(blk, wtype, &f);
+    __m512i sg;
+    if (wtype == DD_IQ2_XXS)
+        sg = iqf_ksigns7(_mm512_cvtepi64_epi32(_mm512_srli_epi64(_mm512_loadu_si512(blk + 2), 32)));
+    else if (wtype == DD_IQ3_XXS)
+        sg = iqf_ksigns7(_mm256_loadu_si256((const __m256i *)(blk + 66)));
+    else if (wtype == DD_IQ2_XS)
+        sg = _mm512_permutex2var_epi8(_mm512_loadu_si512(dd_iq_ksigns),
+                                      iqf_sign_src(_mm512_cvtepi16_epi8(_mm512_srli_epi16(_mm512_loadu_si512(blk + 2), 9))),
+                                      _mm512_loadu_si512(dd_iq_ksigns + 64));
+    else
+        sg = iqf_sign_src(f.sgn);
+    const uint16_t *codes = dd_iq_codes + dd_iq_code_at[t];
+    __m512i c[2];
+    if (wide4)
+        for (int k = 0; k < 2; k++) {   /* word 4 Q + m: entry 8 Q + 4 (m % 2) + 2 k + m / 2 */
+            const __m512i i = iqv_iota16(), m = _mm512_and_si512(i, _mm512_set1_epi16(3));
+            const __m512i e = _mm512_add_epi16(
+                _mm512_add_epi16(_mm512_slli_epi16(_mm512_srli_epi16(i, 2), 3), _mm512_slli_epi16(_mm512_and_si512(m, _mm512_set1_epi16(1)), 2)),
+                _mm512_add_epi16(_mm512_srli_epi16(m, 1), _mm512_set1_epi16((short)(2 * k))));
+            c[k] = iqv_codes(codes, n, _mm512_permutex2var_epi16(f.w16[0], e, f.w16[1]));
+        }
+    else
+        c[0] = iqv_codes(codes, n, f.w16[0]);
+    __m512i s = _mm512_setzero_si512();
+    for (int g = 0; g < 4; g++) {
+        /* byte j' of qword Q: lane 2 Q + j' / 4, value j = j' % 4 */
+        const __m512i sh = wide4 ? _mm512_set1_epi64((long long)(0x1916131009060300ULL + 0x2020202020202020ULL * (g % 2)))
+                                 : _mm512_set1_epi64((long long)(0x2624222006040200ULL + 0x0808080808080808ULL * g));
+        const __m512i u = _mm512_permutexvar_epi8(_mm512_multishift_epi64_epi8(sh, c[wide4 ? g / 2 : 0]), lev);
+        /* bit 32 (Q % 2) + 16 (j' / 4) + 4 g + j' % 4 of sign qword Q / 2 */
+        const __m512i sb = _mm512_add_epi8(_mm512_setr_epi64(0x1312111003020100LL, 0x3332313023222120LL,
+                                                             0x1312111003020100LL, 0x3332313023222120LL,
+                                                             0x1312111003020100LL, 0x3332313023222120LL,
+                                                             0x1312111003020100LL, 0x3332313023222120LL),
+                                           _mm512_set1_epi8((char)(4 * g)));
+        const __mmask64 neg = _mm512_bitshuffle_epi64_mask(sg, sb);
+        s = _mm512_dpbusd_epi32(s, _mm512_mask_sub_epi8(u, neg, _mm512_set1_epi8(two_off), u), xs[g]);
+    }
+    __m512i h = _mm512_mullo_epi32(_mm512_sub_epi32(s, offs), _mm512_cvtepi16_epi32(f.sc));
+    h = _mm512_add_epi32(h, _mm512_srli_epi64(h, 32));
+    const __m512d prod = _mm512_mul_pd(_mm512_cvtps_pd(_mm256_mul_ps(da, _mm256_set1_ps(iqv_d(blk, wtype)))),
+                                       _mm512_cvtepi32_pd(_mm512_cvtepi64_epi32(h)));
+    *acc = _mm512_add_pd(*acc, prod);
+}
+
+/* dd_lb_tile's rows [0, R) x the one column, for the register-lookup types. */
+IQF_TARGET DD_INLINE void iqf_tile(const uint8_t *w, const uint8_t *pf, size_t rb, const dd_acts *a, int wtype,
+                                   float *y, const int R)
+{
+    const size_t nsb = a->nb / 8, bytes = wtype == DD_IQ2_XXS ? DD_IQ2_XXS_BYTES : wtype == DD_IQ2_XS ? DD_IQ2_XS_BYTES
+                                         : wtype == DD_IQ3_XXS ? DD_IQ3_XXS_BYTES : DD_IQ3_S_BYTES;
+    const int t = iqv_code_table(wtype);
+    const int off = wtype == DD_IQ3_XXS ? DD_IQ3XXS_OFF : wtype == DD_IQ3_S ? DD_IQ3S_OFF : DD_IQ2_OFF;
+    const __m512i lev = _mm512_permutexvar_epi8(
+        _mm512_and_si512(_mm512_set_epi8(63, 62, 61, 60, 59, 58, 57, 56, 55, 54, 53, 52, 51, 50, 49, 48, 47, 46, 45, 44,
+                                         43, 42, 41, 40, 39, 38, 37, 36, 35, 34, 33, 32, 31, 30, 29, 28, 27, 26, 25, 24,
+                                         23, 22, 21, 20, 19, 18, 17, 16, 15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2,
+                                         1, 0),
+                         _mm512_set1_epi8(t == 2 || t == 3 ? 7 : 3)),
+        _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i *)dd_iq_levels[t])));
+    __m512d acc[4];
+    for (int r = 0; r < R; r++)
+        acc[r] = _mm512_setzero_pd();
+    for (size_t sb = 0; sb < nsb; sb++) {
+        const size_t b0 = 8 * sb;
+        __m512i xs[4];
+        iqf_acts(a->q + b0 * DD_QK, xs);
+        const __m512i offs = _mm512_mullo_epi32(_mm512_loadu_si512(a->s16 + 2 * b0), _mm512_set1_epi32(off));
+        const __m256 da = _mm256_loadu_ps(a->bd + b0);
+        for (int r = 0; r < R; r++) {
+            const uint8_t *p = pf + r * rb + sb * bytes;
+            for (size_t at = 0; at < bytes; at += 64)
+                dd_prefetch_weight(p + at);
+            dd_prefetch_weight(p + bytes - 1);
+            iqf_row(w + r * rb + sb * bytes, wtype, xs, offs, lev, da, &acc[r]);
+        }
+    }
+    dd_v8d lanes[4][4];
+    for (int r = 0; r < R; r++)
+        memcpy(&lanes[r][0], &acc[r], sizeof acc[r]);
+    dd_store_lanes(lanes, 0, y, 1, R, 1);
+}
+
+IQF_TARGET __attribute__((noinline)) static void iqf_gemv_tile(const uint8_t *w, const uint8_t *pf, size_t rb,
+                                                               const dd_acts *a, int wtype, float *y, int R)
+{
+#define IQF_TYPE(T)                                   \
+    case T:                                           \
+        if (R == 4)                                   \
+            iqf_tile(w, pf, rb, a, T, y, 4);          \
+        else                                          \
+            iqf_tile(w, pf, rb, a, T, y, 1);          \
+        break;
+    switch (wtype) {
+        IQF_TYPE(DD_IQ2_XXS)
+        IQF_TYPE(DD_IQ2_XS)
+        IQF_TYPE(DD_IQ3_XXS)
+        IQF_TYPE(DD_IQ3_S)
+    default: break;
+    }
+#undef IQF_TYPE
+}
+
+/* lowbit.h's GEMV tile hook: 1 where the VBMI path took the tile (R = 4 or 1 rows, one column, ldy unused). */
+DD_INLINE int iqf_gemv(const uint8_t *w, const uint8_t *pf, size_t rb, const dd_acts *a, int wtype, float *y, int R)
+{
+    if (iqv_code_table(wtype) < 0 || (R != 4 && R != 1) || !dd_iq_vbmi())
+        return 0;
+    iqf_gemv_tile(w, pf, rb, a, wtype, y, R);
+    return 1;
+}
+
+#define DD_LB_GEMV iqf_gemv
 #define DD_IQ_UNPACK iq_unpack_avx512
 #define DD_LB_TERMS(u, r, a, b0, da, wtype, acc) iqv_terms((u)->q[r], (u)->sc[r], (u)->d[r], a, b0, da, wtype, acc)
 

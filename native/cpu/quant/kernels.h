@@ -167,6 +167,10 @@ typedef struct {
                 out[t * ldo + e] = DOT(w + e * n, x + t * n, n);                                         \
     }
 
+/* 1 if the AVX-512 level's IQ GEMV takes its VBMI path (dd_set_iq_vbmi; by default where the CPU has AVX-512
+ * VBMI and BITALG), else 0. */
+int dd_iq_vbmi(void);
+
 extern const dd_kernels dd_kernels_scalar;
 #ifdef DD_X86_ISAS
 extern const dd_kernels dd_kernels_ssse3;

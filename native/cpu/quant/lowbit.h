@@ -146,10 +146,15 @@ DD_INLINE void dd_lb_terms(const dd_lb_rows *u, int r, const dd_acts *a, size_t 
 #define DD_LB_TERMS dd_lb_terms
 #endif
 
-/* Rows [0, R) x columns [c0, c0 + C): each super-block of the R rows unpacked, then met by the C columns. */
+/* Rows [0, R) x columns [c0, c0 + C): each super-block of the R rows unpacked, then met by the C columns (a GEMV
+ * tile goes to the level's DD_LB_GEMV where it has one and takes the type: the same bits). */
 DD_INLINE void dd_lb_tile(const uint8_t *w, const uint8_t *pf, size_t rb, const dd_acts *a, int wtype, size_t c0,
                           float *y, size_t ldy, const int R, const int C)
 {
+#ifdef DD_LB_GEMV
+    if (C == 1 && a->m == 1 && DD_LB_GEMV(w, pf, rb, a, wtype, y, R))
+        return;
+#endif
     const size_t bytes = dd_lb_bytes(wtype), nsb = a->nb / 8;
     dd_lb_rows u;
     dd_v8d acc[4][4];

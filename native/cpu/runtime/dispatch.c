@@ -27,6 +27,38 @@ int dd_isa_supported(int isa)
     }
 }
 
+/* The AVX-512 IQ GEMV's VBMI path (iquants_avx512.h): -1 until set, then 0 or 1. */
+static _Atomic int iq_vbmi = -1;
+
+static int iq_vbmi_supported(void)
+{
+#ifdef DD_X86_ISAS
+    __builtin_cpu_init();
+    return dd_isa_supported(DD_ISA_AVX512VNNI) && __builtin_cpu_supports("avx512vbmi") &&
+           __builtin_cpu_supports("avx512bitalg");
+#else
+    return 0;
+#endif
+}
+
+int dd_set_iq_vbmi(int on)
+{
+    if (on && !iq_vbmi_supported())
+        return DD_ERR_ISA;
+    atomic_store(&iq_vbmi, on != 0);
+    return DD_OK;
+}
+
+int dd_iq_vbmi(void)
+{
+    int on = atomic_load_explicit(&iq_vbmi, memory_order_relaxed);
+    if (on < 0) {
+        on = iq_vbmi_supported();
+        atomic_store(&iq_vbmi, on);
+    }
+    return on;
+}
+
 int dd_isa_best(void)
 {
     int best = DD_ISA_SCALAR;
