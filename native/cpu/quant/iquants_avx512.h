@@ -289,7 +289,7 @@ DD_INLINE void iqv_terms(const uint8_t *q, const int16_t *sc, float d, const dd_
     memcpy(acc, &acc8, sizeof acc8);
 }
 
-/* ---- The GEMV (one column) of the register-lookup types on AVX-512 VBMI + BITALG, nothing through memory ----
+/* ---- The GEMV (one column) on AVX-512 VBMI + BITALG, nothing through memory (not IQ2_S) ----
  * Lane L of the dword accumulator sums half L (values 16 L .. 16 L + 15) whole: step g (0 .. 3) of the vpdpbusd
  * chain meets its values 16 L + 4 g + j (j < 4) in bytes 4 L + j of the unpacked vector and of the activation
  * vector xs[g], a dword transpose of the column's 256 values made once per super-block for all rows. So no
@@ -300,7 +300,8 @@ DD_INLINE void iqv_terms(const uint8_t *q, const int16_t *sc, float d, const dd_
  * code table's qword Q (entries 4Q .. 4Q + 3) holds halves 2Q and 2Q + 1, the 4-wide grids' codes are looked
  * up in the order the steps use them (each qword: entries 4h + g of halves h = 2Q, 2Q + 1, steps g = 2k, 2k + 1).
  * The signs: bit 16 h + 4 g + j of the block's sign qword h / 4 picked for each byte by vpshufbitqmb; the
- * ksigns_iq2xs bytes by a 128-byte vpermt2b of their 7-bit indices. */
+ * ksigns_iq2xs bytes by a 128-byte vpermt2b of their 7-bit indices. IQ1_S and IQ1_M keep their gathers of
+ * 8-byte grid rows, each row's two halves meeting two lanes (iqf_halves_iq1). */
 #define IQF_TARGET __attribute__((target("avx512vbmi,avx512bitalg")))
 
 /* The column's 256 activations at x as xs[g]: dword L = dword 4 L + g of x (two rounds of vpermt2d). */
@@ -326,6 +327,20 @@ IQF_TARGET DD_INLINE void iqf_acts(const int8_t *x, __m512i xs[4])
     }
 }
 
+/* IQ1_S's and IQ1_M's activation vectors: xg[q] dword L = dword 32 (q / 2) + 4 (L / 2) + 2 (q % 2) + L % 2 of x,
+ * the values met by grid entry 16 (q / 2) + 2 (L / 2) + q % 2 in qword L / 2 of the q-th gathered vector. */
+IQF_TARGET DD_INLINE void iqf_acts_gather(const int8_t *x, __m512i xg[4])
+{
+    for (int q = 0; q < 4; q++) {
+        const int o = 2 * (q % 2);
+        xg[q] = _mm512_permutex2var_epi32(
+            _mm512_loadu_si512(x + 128 * (q / 2)),
+            _mm512_setr_epi32(o, o + 1, o + 4, o + 5, o + 8, o + 9, o + 12, o + 13, o + 16, o + 17, o + 20, o + 21,
+                              o + 24, o + 25, o + 28, o + 29),
+            _mm512_loadu_si512(x + 128 * (q / 2) + 64));
+    }
+}
+
 /* Sign qwords s (256 bits: bit v = sign of value v) -> the vpshufbitqmb source: qword Q = qword Q / 2 of s. */
 IQF_TARGET DD_INLINE __m512i iqf_sign_src(__m256i s)
 {
@@ -339,10 +354,55 @@ IQF_TARGET DD_INLINE __m512i iqf_ksigns7(__m256i a)
     return _mm512_permutex2var_epi8(_mm512_loadu_si512(dd_iq_ksigns), idx, _mm512_loadu_si512(dd_iq_ksigns + 64));
 }
 
+/* acc += (d da_b) I_b from the 16 half sums s (lane h: sum of u a over half h), I_b = sum over the block's halves of
+ * sc_h (s_h - off s16_h). */
+IQF_TARGET DD_INLINE void iqf_tail(__m512i s, __m512i offs, __m256i sc, __m256 da, float d, __m512d *acc)
+{
+    __m512i h = _mm512_mullo_epi32(_mm512_sub_epi32(s, offs), _mm512_cvtepi16_epi32(sc));
+    h = _mm512_add_epi32(h, _mm512_srli_epi64(h, 32));
+    const __m512d prod = _mm512_mul_pd(_mm512_cvtps_pd(_mm256_mul_ps(da, _mm256_set1_ps(d))),
+                                       _mm512_cvtepi32_pd(_mm512_cvtepi64_epi32(h)));
+    *acc = _mm512_add_pd(*acc, prod);
+}
+
+/* The half sums of IQ1_S and IQ1_M (their grid by gathers): the q-th gathered vector holds entries 16 (q / 2) +
+ * 2 i + q % 2 (i < 8) in qword i, so lanes 2 i and 2 i + 1 of accumulator q / 2 sum half 8 (q / 2) + i in two
+ * parts, added by one even and one odd dword pick. Signs: the entries' sign bytes in that order, as masks. */
+IQF_TARGET DD_INLINE __m512i iqf_halves_iq1(const iqv_block *f, const __m512i xg[4])
+{
+    const uint8_t *grid = (const uint8_t *)dd_iq_pos8 + DD_IQ1S_AT;
+    const __m512i order = _mm512_set_epi16(31, 29, 27, 25, 23, 21, 19, 17, 30, 28, 26, 24, 22, 20, 18, 16,
+                                           15, 13, 11, 9, 7, 5, 3, 1, 14, 12, 10, 8, 6, 4, 2, 0);
+    const __m512i w = _mm512_permutexvar_epi16(order, f->w16[0]);
+    const __m512i ix[2] = { _mm512_cvtepu16_epi32(_mm512_castsi512_si256(w)),
+                            _mm512_cvtepu16_epi32(_mm512_extracti64x4_epi64(w, 1)) };
+    uint64_t masks[4];
+    _mm256_storeu_si256((__m256i *)masks, _mm512_castsi512_si256(_mm512_permutexvar_epi8(
+        _mm512_castsi256_si512(_mm512_cvtepi16_epi8(order)), _mm512_castsi256_si512(f->sgn))));
+    __m512i acc[2] = { _mm512_setzero_si512(), _mm512_setzero_si512() };
+    for (int q = 0; q < 4; q++) {
+        const __m512i x = ix[q / 2];
+        const __m256i lo = _mm256_i32gather_epi64((const long long *)grid, _mm512_extracti32x4_epi32(x, 2 * (q % 2)), 8);
+        const __m256i hi = _mm256_i32gather_epi64((const long long *)grid, _mm512_extracti32x4_epi32(x, 2 * (q % 2) + 1), 8);
+        const __m512i u = _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1);
+        const __mmask64 m = _cvtu64_mask64(masks[q]);
+        acc[q / 2] = _mm512_dpbusd_epi32(acc[q / 2], _mm512_mask_sub_epi8(u, m, u, _mm512_set1_epi8(2)), xg[q]);
+    }
+    const __m512i even = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
+    return _mm512_add_epi32(_mm512_permutex2var_epi32(acc[0], even, acc[1]),
+                            _mm512_permutex2var_epi32(acc[0], _mm512_add_epi32(even, _mm512_set1_epi32(1)), acc[1]));
+}
+
 /* dd_lb_terms of one row of the type's super-block blk against the column (xs, offs = off s16, da), added to acc. */
 IQF_TARGET DD_INLINE void iqf_row(const uint8_t *blk, int wtype, const __m512i xs[4], __m512i offs, __m512i lev,
                                   __m256 da, __m512d *acc)
 {
+    if (iqv_code_table(wtype) < 0) {
+        iqv_block f;
+        iqv_fields(blk, wtype, &f);
+        iqf_tail(iqf_halves_iq1(&f, xs), offs, f.sc, da, iqv_d(blk, wtype), acc);
+        return;
+    }
     const int wide4 = wtype == DD_IQ3_XXS || wtype == DD_IQ3_S;
     const int t = iqv_code_table(wtype), n = wtype == DD_IQ2_XS || wtype == DD_IQ3_S ? 8 : 4;
     const char two_off = (char)(2 * (wtype == DD_IQ3_XXS ? DD_IQ3XXS_OFF : wtype == DD_IQ3_S ? DD_IQ3S_OFF : DD_IQ2_OFF));
@@ -386,21 +446,20 @@ IQF_TARGET DD_INLINE void iqf_row(const uint8_t *blk, int wtype, const __m512i x
         const __mmask64 neg = _mm512_bitshuffle_epi64_mask(sg, sb);
         s = _mm512_dpbusd_epi32(s, _mm512_mask_sub_epi8(u, neg, _mm512_set1_epi8(two_off), u), xs[g]);
     }
-    __m512i h = _mm512_mullo_epi32(_mm512_sub_epi32(s, offs), _mm512_cvtepi16_epi32(f.sc));
-    h = _mm512_add_epi32(h, _mm512_srli_epi64(h, 32));
-    const __m512d prod = _mm512_mul_pd(_mm512_cvtps_pd(_mm256_mul_ps(da, _mm256_set1_ps(iqv_d(blk, wtype)))),
-                                       _mm512_cvtepi32_pd(_mm512_cvtepi64_epi32(h)));
-    *acc = _mm512_add_pd(*acc, prod);
+    iqf_tail(s, offs, f.sc, da, iqv_d(blk, wtype), acc);
 }
 
-/* dd_lb_tile's rows [0, R) x the one column, for the register-lookup types. */
+/* dd_lb_tile's rows [0, R) x the one column. */
 IQF_TARGET DD_INLINE void iqf_tile(const uint8_t *w, const uint8_t *pf, size_t rb, const dd_acts *a, int wtype,
                                    float *y, const int R)
 {
-    const size_t nsb = a->nb / 8, bytes = wtype == DD_IQ2_XXS ? DD_IQ2_XXS_BYTES : wtype == DD_IQ2_XS ? DD_IQ2_XS_BYTES
-                                         : wtype == DD_IQ3_XXS ? DD_IQ3_XXS_BYTES : DD_IQ3_S_BYTES;
-    const int t = iqv_code_table(wtype);
-    const int off = wtype == DD_IQ3_XXS ? DD_IQ3XXS_OFF : wtype == DD_IQ3_S ? DD_IQ3S_OFF : DD_IQ2_OFF;
+    const size_t nsb = a->nb / 8;
+    const size_t bytes = wtype == DD_IQ2_XXS ? DD_IQ2_XXS_BYTES : wtype == DD_IQ2_XS ? DD_IQ2_XS_BYTES
+                       : wtype == DD_IQ3_XXS ? DD_IQ3_XXS_BYTES
+                       : wtype == DD_IQ3_S ? DD_IQ3_S_BYTES : wtype == DD_IQ1_S ? DD_IQ1_S_BYTES : DD_IQ1_M_BYTES;
+    const int t = iqv_code_table(wtype) < 0 ? 0 : iqv_code_table(wtype);
+    const int off = wtype == DD_IQ3_XXS ? DD_IQ3XXS_OFF : wtype == DD_IQ3_S ? DD_IQ3S_OFF
+                  : wtype == DD_IQ1_S || wtype == DD_IQ1_M ? DD_IQ1_OFF : DD_IQ2_OFF;
     const __m512i lev = _mm512_permutexvar_epi8(
         _mm512_and_si512(_mm512_set_epi8(63, 62, 61, 60, 59, 58, 57, 56, 55, 54, 53, 52, 51, 50, 49, 48, 47, 46, 45, 44,
                                          43, 42, 41, 40, 39, 38, 37, 36, 35, 34, 33, 32, 31, 30, 29, 28, 27, 26, 25, 24,
@@ -414,7 +473,10 @@ IQF_TARGET DD_INLINE void iqf_tile(const uint8_t *w, const uint8_t *pf, size_t r
     for (size_t sb = 0; sb < nsb; sb++) {
         const size_t b0 = 8 * sb;
         __m512i xs[4];
-        iqf_acts(a->q + b0 * DD_QK, xs);
+        if (iqv_code_table(wtype) < 0)
+            iqf_acts_gather(a->q + b0 * DD_QK, xs);
+        else
+            iqf_acts(a->q + b0 * DD_QK, xs);
         const __m512i offs = _mm512_mullo_epi32(_mm512_loadu_si512(a->s16 + 2 * b0), _mm512_set1_epi32(off));
         const __m256 da = _mm256_loadu_ps(a->bd + b0);
         for (int r = 0; r < R; r++) {
@@ -446,15 +508,18 @@ IQF_TARGET __attribute__((noinline)) static void iqf_gemv_tile(const uint8_t *w,
         IQF_TYPE(DD_IQ2_XS)
         IQF_TYPE(DD_IQ3_XXS)
         IQF_TYPE(DD_IQ3_S)
+        IQF_TYPE(DD_IQ1_S)
+        IQF_TYPE(DD_IQ1_M)
     default: break;
     }
 #undef IQF_TYPE
 }
 
-/* lowbit.h's GEMV tile hook: 1 where the VBMI path took the tile (R = 4 or 1 rows, one column, ldy unused). */
+/* lowbit.h's GEMV tile hook: 1 where the VBMI path took the tile (R = 4 or 1 rows, one column, ldy unused; not
+ * IQ2_S, whose gathers bound it either way: docs/design/quant-formats.md). */
 DD_INLINE int iqf_gemv(const uint8_t *w, const uint8_t *pf, size_t rb, const dd_acts *a, int wtype, float *y, int R)
 {
-    if (iqv_code_table(wtype) < 0 || (R != 4 && R != 1) || !dd_iq_vbmi())
+    if (wtype == DD_IQ2_S || (R != 4 && R != 1) || !dd_iq_vbmi())
         return 0;
     iqf_gemv_tile(w, pf, rb, a, wtype, y, R);
     return 1;
