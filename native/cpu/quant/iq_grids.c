@@ -11,7 +11,7 @@ uint64_t dd_iq_pos8[DD_IQ_GRID_BYTES / 8];
 uint64_t dd_iq_sign_mask[256];
 uint8_t dd_iq_ksigns[128];
 uint16_t dd_iq_codes[DD_IQ_CODES];
-uint8_t dd_iq_levels[4][16];
+uint8_t dd_iq_levels[5][16];
 static _Atomic int ready[DD_WTYPE_COUNT];
 
 /* Where grid g's entries start in the tables, its entry width, value offset and code table (iquants.h; -1:
@@ -26,18 +26,24 @@ static const struct {
     { DD_IQ2_S, 1024, 8, DD_IQ2S_AT, DD_IQ2_OFF, -1 },
     { DD_IQ3_XXS, 256, 4, DD_IQ3XXS_AT, DD_IQ3XXS_OFF, 2 },
     { DD_IQ3_S, 512, 4, DD_IQ3S_AT, DD_IQ3S_OFF, 3 },
-    { DD_IQ1_S, 2048, 8, DD_IQ1S_AT, 0, -1 },
+    { DD_IQ1_S, 2048, 8, DD_IQ1S_AT, 0, 4 },
 };
 
-/* The distinct bytes off + grid[i] of a grid, ascending, into lev[16]; their count, or -1 if over max (then
- * not the format's grid: the codes of iquants.h cannot hold it). */
-static int grid_levels(const int8_t *grid, size_t n, int off, int max, uint8_t *lev)
+/* A grid value g as its byte in dd_iq_pos8: 8g + 1 + 9 for IQ1 (the code of a positive delta), off + g others. */
+static uint8_t pos_byte(int wtype, int off, int8_t g)
+{
+    return (uint8_t)(wtype == DD_IQ1_S ? 8 * g + 1 + DD_IQ1_OFF : off + g);
+}
+
+/* The distinct bytes pos_byte of a grid, ascending, into lev[16]; their count, or -1 if over max (then not the
+ * format's grid: the codes of iquants.h cannot hold it). */
+static int grid_levels(int wtype, const int8_t *grid, size_t n, int off, int max, uint8_t *lev)
 {
     int nlev = 0;
     for (int u = 0; u < 256; u++) {
         int seen = 0;
         for (size_t i = 0; i < n && !seen; i++)
-            seen = (uint8_t)(off + grid[i]) == u;
+            seen = pos_byte(wtype, off, grid[i]) == u;
         if (seen && nlev == max)
             return -1;
         if (seen)
@@ -79,11 +85,11 @@ int dd_set_iq_grid(int wtype, const int8_t *grid, size_t n)
             continue;
         uint8_t lev[16] = { 0 };
         if (n != grids[g].entries * grids[g].width
-            || (grids[g].table >= 0 && grid_levels(grid, n, grids[g].off, grids[g].width == 8 ? 4 : 8, lev) < 0))
+            || (grids[g].table >= 0 && grid_levels(wtype, grid, n, grids[g].off, grids[g].width == 8 ? 4 : 8, lev) < 0))
             return DD_ERR_ARG;
         uint8_t *pos = (uint8_t *)dd_iq_pos8 + grids[g].at;
-        for (size_t i = 0; i < n; i++)   /* IQ1: 8g + 1 + 9, the code of a positive delta; others off + g */
-            pos[i] = (uint8_t)(wtype == DD_IQ1_S ? 8 * grid[i] + 1 + DD_IQ1_OFF : grids[g].off + grid[i]);
+        for (size_t i = 0; i < n; i++)
+            pos[i] = pos_byte(wtype, grids[g].off, grid[i]);
         if (grids[g].table >= 0)
             set_codes(grids[g].table, pos, grids[g].entries, grids[g].width, lev);
         atomic_store(&ready[wtype], 1);
