@@ -33,7 +33,7 @@ enum { DD_OK = 0, DD_ERR_ISA = -1, DD_ERR_NOMEM = -2, DD_ERR_ARG = -3 };
  * (DD_ERR_ARG); once, before any kernel call on it. DD_ERR_ARG for another type or count. */
 int dd_set_iq_grid(int wtype, const int8_t *grid, size_t n);
 
-/* The AVX-512 VNNI level's IQ GEMV (one activation column; every IQ type but IQ2_S) on its AVX-512 VBMI +
+/* The AVX-512 VNNI level's IQ GEMV (one activation column; every IQ type) on its AVX-512 VBMI +
  * BITALG path (on = 1, the default where the CPU has both) or the level's base code (0); the same bits either
  * way. DD_ERR_ISA (setting unchanged) for 1 on a CPU without them. For tests and timings. */
 int dd_set_iq_vbmi(int on);

@@ -11,7 +11,7 @@ uint64_t dd_iq_pos8[DD_IQ_GRID_BYTES / 8];
 uint64_t dd_iq_sign_mask[256];
 uint8_t dd_iq_ksigns[128];
 uint16_t dd_iq_codes[DD_IQ_CODES];
-uint8_t dd_iq_levels[5][16];
+uint8_t dd_iq_levels[6][16];
 static _Atomic int ready[DD_WTYPE_COUNT];
 
 /* Where grid g's entries start in the tables, its entry width, value offset and code table (iquants.h; -1:
@@ -23,10 +23,10 @@ static const struct {
 } grids[] = {
     { DD_IQ2_XXS, 256, 8, DD_IQ2XXS_AT, DD_IQ2_OFF, 0 },
     { DD_IQ2_XS, 512, 8, DD_IQ2XS_AT, DD_IQ2_OFF, 1 },
-    { DD_IQ2_S, 1024, 8, DD_IQ2S_AT, DD_IQ2_OFF, -1 },
+    { DD_IQ2_S, 1024, 8, DD_IQ2S_AT, DD_IQ2_OFF, 4 },
     { DD_IQ3_XXS, 256, 4, DD_IQ3XXS_AT, DD_IQ3XXS_OFF, 2 },
     { DD_IQ3_S, 512, 4, DD_IQ3S_AT, DD_IQ3S_OFF, 3 },
-    { DD_IQ1_S, 2048, 8, DD_IQ1S_AT, 0, 4 },
+    { DD_IQ1_S, 2048, 8, DD_IQ1S_AT, 0, 5 },
 };
 
 /* A grid value g as its byte in dd_iq_pos8: 8g + 1 + 9 for IQ1 (the code of a positive delta), off + g others. */

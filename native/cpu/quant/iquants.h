@@ -51,14 +51,14 @@ extern uint64_t dd_iq_pos8[DD_IQ_GRID_BYTES / 8];
 extern uint64_t dd_iq_sign_mask[256];
 /* ksigns_iq2xs: dd_iq_ksign of 0 .. 127. */
 extern uint8_t dd_iq_ksigns[128];
-/* The grids of IQ2_XXS, IQ2_XS, IQ3_XXS, IQ3_S (t = 0 .. 3, looked up in registers) and IQ1_S (t = 4, by dword
- * gathers: 2 codes of padding after it) as codes: entry e's value j is levels[t][(code >> (b j)) & (2^b - 1)],
- * code = dd_iq_codes[dd_iq_code_at[t] + e], b = 2 for the 8-wide grids (3 distinct values), 3 for the 4-wide
- * ones (8 distinct values). */
-#define DD_IQ_CODES (256 + 512 + 256 + 512 + 2048 + 2)
+/* The grids of IQ2_XXS, IQ2_XS, IQ3_XXS, IQ3_S (t = 0 .. 3, looked up in registers), IQ2_S and IQ1_S (t = 4, 5,
+ * by dword gathers: 2 codes of padding after them) as codes: entry e's value j is
+ * levels[t][(code >> (b j)) & (2^b - 1)], code = dd_iq_codes[dd_iq_code_at[t] + e], b = 2 for the 8-wide grids
+ * (3 distinct values), 3 for the 4-wide ones (8 distinct values). */
+#define DD_IQ_CODES (256 + 512 + 256 + 512 + 1024 + 2048 + 2)
 extern uint16_t dd_iq_codes[DD_IQ_CODES];
-extern uint8_t dd_iq_levels[5][16];
-static const int dd_iq_code_at[5] = { 0, 256, 768, 1024, 1536 };
+extern uint8_t dd_iq_levels[6][16];
+static const int dd_iq_code_at[6] = { 0, 256, 768, 1024, 1536, 2560 };
 
 static inline uint8_t dd_iq_ksign(uint32_t i)
 {

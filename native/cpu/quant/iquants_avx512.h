@@ -289,7 +289,7 @@ DD_INLINE void iqv_terms(const uint8_t *q, const int16_t *sc, float d, const dd_
     memcpy(acc, &acc8, sizeof acc8);
 }
 
-/* ---- The GEMV (one column) on AVX-512 VBMI + BITALG, nothing through memory (not IQ2_S) ----
+/* ---- The GEMV (one column) on AVX-512 VBMI + BITALG, nothing through memory ----
  * Lane L of the dword accumulator sums half L (values 16 L .. 16 L + 15) whole: step g (0 .. 3) of the vpdpbusd
  * chain meets its values 16 L + 4 g + j (j < 4) in bytes 4 L + j of the unpacked vector and of the activation
  * vector xs[g], a dword transpose of the column's 256 values made once per super-block for all rows. So no
@@ -300,8 +300,8 @@ DD_INLINE void iqv_terms(const uint8_t *q, const int16_t *sc, float d, const dd_
  * code table's qword Q (entries 4Q .. 4Q + 3) holds halves 2Q and 2Q + 1, the 4-wide grids' codes are looked
  * up in the order the steps use them (each qword: entries 4h + g of halves h = 2Q, 2Q + 1, steps g = 2k, 2k + 1).
  * The signs: bit 16 h + 4 g + j of the block's sign qword h / 4 picked for each byte by vpshufbitqmb; the
- * ksigns_iq2xs bytes by a 128-byte vpermt2b of their 7-bit indices. IQ1_S and IQ1_M gather their 2048-entry
- * grid's codes, each entry's two halves meeting two lanes (iqf_halves_iq1). */
+ * ksigns_iq2xs bytes by a 128-byte vpermt2b of their 7-bit indices. IQ2_S, IQ1_S and IQ1_M gather their grid's
+ * codes (1024 or 2048 entries), each entry's two halves meeting two lanes (iqf_halves_gather). */
 #define IQF_TARGET __attribute__((target("avx512vbmi,avx512bitalg")))
 
 /* The column's 256 activations at x as xs[g]: dword L = dword 4 L + g of x (two rounds of vpermt2d). */
@@ -327,7 +327,7 @@ IQF_TARGET DD_INLINE void iqf_acts(const int8_t *x, __m512i xs[4])
     }
 }
 
-/* The IQ1 types' activation vectors: xg[q] dword L = dword 32 (q / 2) + 4 (L / 2) + 2 (q % 2) + L % 2 of x,
+/* The gathering types' activation vectors: xg[q] dword L = dword 32 (q / 2) + 4 (L / 2) + 2 (q % 2) + L % 2 of x,
  * the values met by grid entry 16 (q / 2) + 2 (L / 2) + q % 2 in qword L / 2 of the q-th gathered vector. */
 IQF_TARGET DD_INLINE void iqf_acts_gather(const int8_t *x, __m512i xg[4])
 {
@@ -365,13 +365,13 @@ IQF_TARGET DD_INLINE void iqf_tail(__m512i s, __m512i offs, __m256i sc, __m256 d
     *acc = _mm512_add_pd(*acc, prod);
 }
 
-/* The half sums of IQ1_S and IQ1_M: the grid's 16-bit codes by two 16-dword gathers (the low word of each
+/* The half sums of IQ2_S, IQ1_S and IQ1_M: the grid's 16-bit codes by two 16-dword gathers (the low word of each
  * dword), then the q-th unpacked vector holds entries 16 (q / 2) + 2 i + q % 2 (i < 8) in qword i (vpmultishiftqb,
  * vpermb of the levels lev), so lanes 2 i and 2 i + 1 of accumulator q / 2 sum half 8 (q / 2) + i in two parts,
  * added by one even and one odd dword pick. Signs: the entries' sign bytes in that order, as masks. */
-IQF_TARGET DD_INLINE __m512i iqf_halves_iq1(const iqv_block *f, const __m512i xg[4], __m512i lev)
+IQF_TARGET DD_INLINE __m512i iqf_halves_gather(const iqv_block *f, const __m512i xg[4], __m512i lev, int wtype)
 {
-    const uint16_t *codes = dd_iq_codes + dd_iq_code_at[4];
+    const uint16_t *codes = dd_iq_codes + dd_iq_code_at[wtype == DD_IQ2_S ? 4 : 5];
     const __m512i order = _mm512_set_epi16(31, 29, 27, 25, 23, 21, 19, 17, 30, 28, 26, 24, 22, 20, 18, 16,
                                            15, 13, 11, 9, 7, 5, 3, 1, 14, 12, 10, 8, 6, 4, 2, 0);
     const __m512i w = _mm512_permutexvar_epi16(order, f->w16[0]);
@@ -391,7 +391,9 @@ IQF_TARGET DD_INLINE __m512i iqf_halves_iq1(const iqv_block *f, const __m512i xg
         const __m512i u = _mm512_permutexvar_epi8(
             _mm512_multishift_epi64_epi8(_mm512_set1_epi64(0x0e0c0a0806040200LL), cq), lev);
         const __mmask64 m = _cvtu64_mask64(masks[q]);
-        acc[q / 2] = _mm512_dpbusd_epi32(acc[q / 2], _mm512_mask_sub_epi8(u, m, u, _mm512_set1_epi8(2)), xg[q]);
+        const __m512i v = wtype == DD_IQ2_S ? _mm512_mask_sub_epi8(u, m, _mm512_set1_epi8(2 * DD_IQ2_OFF), u)
+                                            : _mm512_mask_sub_epi8(u, m, u, _mm512_set1_epi8(2));
+        acc[q / 2] = _mm512_dpbusd_epi32(acc[q / 2], v, xg[q]);
     }
     const __m512i even = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
     return _mm512_add_epi32(_mm512_permutex2var_epi32(acc[0], even, acc[1]),
@@ -405,7 +407,7 @@ IQF_TARGET DD_INLINE void iqf_row(const uint8_t *blk, int wtype, const __m512i x
     if (iqv_code_table(wtype) < 0) {
         iqv_block f;
         iqv_fields(blk, wtype, &f);
-        iqf_tail(iqf_halves_iq1(&f, xs, lev), offs, f.sc, da, iqv_d(blk, wtype), acc);
+        iqf_tail(iqf_halves_gather(&f, xs, lev, wtype), offs, f.sc, da, iqv_d(blk, wtype), acc);
         return;
     }
     const int wide4 = wtype == DD_IQ3_XXS || wtype == DD_IQ3_S;
@@ -461,8 +463,9 @@ IQF_TARGET DD_INLINE void iqf_tile(const uint8_t *w, const uint8_t *pf, size_t r
     const size_t nsb = a->nb / 8;
     const size_t bytes = wtype == DD_IQ2_XXS ? DD_IQ2_XXS_BYTES : wtype == DD_IQ2_XS ? DD_IQ2_XS_BYTES
                        : wtype == DD_IQ3_XXS ? DD_IQ3_XXS_BYTES
-                       : wtype == DD_IQ3_S ? DD_IQ3_S_BYTES : wtype == DD_IQ1_S ? DD_IQ1_S_BYTES : DD_IQ1_M_BYTES;
-    const int t = wtype == DD_IQ1_S || wtype == DD_IQ1_M ? 4 : iqv_code_table(wtype);
+                       : wtype == DD_IQ3_S ? DD_IQ3_S_BYTES : wtype == DD_IQ2_S ? DD_IQ2_S_BYTES
+                       : wtype == DD_IQ1_S ? DD_IQ1_S_BYTES : DD_IQ1_M_BYTES;
+    const int t = wtype == DD_IQ2_S ? 4 : wtype == DD_IQ1_S || wtype == DD_IQ1_M ? 5 : iqv_code_table(wtype);
     const int off = wtype == DD_IQ3_XXS ? DD_IQ3XXS_OFF : wtype == DD_IQ3_S ? DD_IQ3S_OFF
                   : wtype == DD_IQ1_S || wtype == DD_IQ1_M ? DD_IQ1_OFF : DD_IQ2_OFF;
     const __m512i lev = _mm512_permutexvar_epi8(
@@ -513,6 +516,7 @@ IQF_TARGET __attribute__((noinline)) static void iqf_gemv_tile(const uint8_t *w,
         IQF_TYPE(DD_IQ2_XS)
         IQF_TYPE(DD_IQ3_XXS)
         IQF_TYPE(DD_IQ3_S)
+        IQF_TYPE(DD_IQ2_S)
         IQF_TYPE(DD_IQ1_S)
         IQF_TYPE(DD_IQ1_M)
     default: break;
@@ -520,11 +524,11 @@ IQF_TARGET __attribute__((noinline)) static void iqf_gemv_tile(const uint8_t *w,
 #undef IQF_TYPE
 }
 
-/* lowbit.h's GEMV tile hook: 1 where the VBMI path took the tile (R = 4 or 1 rows, one column, ldy unused; not
- * IQ2_S, which measured no faster on it: docs/design/quant-formats.md). */
+/* lowbit.h's GEMV tile hook: 1 where the VBMI path took the tile (R = 4 or 1 rows, one column, ldy unused; every
+ * IQ type). */
 DD_INLINE int iqf_gemv(const uint8_t *w, const uint8_t *pf, size_t rb, const dd_acts *a, int wtype, float *y, int R)
 {
-    if (wtype == DD_IQ2_S || (R != 4 && R != 1) || !dd_iq_vbmi())
+    if ((R != 4 && R != 1) || !dd_iq_vbmi())
         return 0;
     iqf_gemv_tile(w, pf, rb, a, wtype, y, R);
     return 1;
