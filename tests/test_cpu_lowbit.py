@@ -119,14 +119,14 @@ IQ = [t for t in LB if t.name.startswith("IQ")]
 @pytest.mark.parametrize("qtype", IQ, ids=lambda t: t.name)
 def test_iq_gemv_same_bits_on_and_off_the_vbmi_path(qtype, rng):
     """The AVX-512 level's IQ GEMV on its VBMI + BITALG path (dd_set_iq_vbmi, where the CPU has them) and on
-    its base code: the twin's bits for every row count (4-row tiles and the rows left over) and 1-3 threads,
-    random columns and ones of +-127 in every value."""
+    its base code: the twin's bits for every row count (4-row tiles and the rows left over) and 1-3 threads (131
+    rows: several chunks of rows at every type's row size), random columns and ones of +-127 in every value."""
     from engine import _native_cpu
     lib = _native_cpu.lib
     if lib.dd_set_iq_vbmi(1) != 0:
         pytest.skip("no AVX-512 VBMI + BITALG on this CPU")
     k = 2304
-    raw = random_lowbit(rng, 43, k, qtype)
+    raw = random_lowbit(rng, 131, k, qtype)
     x = rng.standard_normal((3, k)).astype(np.float32)
     x[1] = np.repeat(rng.choice([-1.0, 1.0], k // 32), 32)
     x[2] = -x[1]
@@ -138,7 +138,7 @@ def test_iq_gemv_same_bits_on_and_off_the_vbmi_path(qtype, rng):
             for n in (1, 2, 3):
                 cpu.set_threads(n)
                 for c in range(3):
-                    for rows in (43, 42, 41, 40):
+                    for rows in (131, 130, 129, 128):
                         assert np.array_equal(cpu.matmul(raw[:rows], x[c], qtype), want[c, :rows]), (on, n, c, rows)
     finally:
         lib.dd_set_iq_vbmi(1)
@@ -188,7 +188,8 @@ def test_iq_codebooks_are_checked_when_registered():
 
 
 @pytest.mark.skipif(not cpu.available(), reason="native CPU kernels not built")
-@pytest.mark.parametrize("qtype, n_values", [(Q.IQ2_XXS, 4), (Q.IQ2_XS, 4), (Q.IQ3_XXS, 8), (Q.IQ3_S, 8)],
+@pytest.mark.parametrize("qtype, n_values", [(Q.IQ2_XXS, 4), (Q.IQ2_XS, 4), (Q.IQ2_S, 4), (Q.IQ3_XXS, 8), (Q.IQ3_S, 8),
+                                              (Q.IQ1_S, 4)],
                          ids=lambda v: getattr(v, "name", str(v)))
 def test_iq_codebook_with_more_values_than_its_codes_is_refused(qtype, n_values, rng):
     """The AVX-512 level looks these grids up as 2-bit (IQ2) or 3-bit (IQ3) codes of their distinct values: a
@@ -207,7 +208,7 @@ def test_iq_codebook_with_more_values_than_its_codes_is_refused(qtype, n_values,
     raw = random_lowbit(rng, 5, 512, qtype)
     b = raw.view(quant.BLOCK_DTYPES[qtype])
     b["qs"][0] = 0
-    if qtype == Q.IQ3_S:
+    if qtype in (Q.IQ3_S, Q.IQ2_S, Q.IQ1_S):
         b["qh"][0] = 0
     x = rng.standard_normal((2, 512)).astype(np.float32)
     ref, abs_sum = reference_product(raw, x, qtype)

@@ -30,12 +30,13 @@ enum { DD_OK = 0, DD_ERR_ISA = -1, DD_ERR_NOMEM = -2, DD_ERR_ARG = -3 };
 /* Register the codebook of an IQ type (ggml-common.h iq2xxs_grid for DD_IQ2_XXS, iq2xs_grid, iq2s_grid,
  * iq3xxs_grid, iq3s_grid, iq1s_grid for DD_IQ1_S, which IQ1_M shares): n int8 values, entry by entry (256 x 8,
  * 512 x 8, 1024 x 8, 256 x 4, 512 x 4, 2048 x 8). Until it is registered the kernels refuse the type
- * (DD_ERR_ARG); once, before any kernel call on it. DD_ERR_ARG for another type or count. */
+ * (DD_ERR_ARG); once, before any kernel call on it. DD_ERR_ARG for another type or count, or for a grid with more
+ * distinct values than its codes hold (4 for the 8-wide grids, 8 for the 4-wide ones). */
 int dd_set_iq_grid(int wtype, const int8_t *grid, size_t n);
 
 /* The AVX-512 VNNI level's IQ GEMV (one activation column; every IQ type) on its AVX-512 VBMI +
  * BITALG path (on = 1, the default where the CPU has both) or the level's base code (0); the same bits either
- * way. DD_ERR_ISA (setting unchanged) for 1 on a CPU without them. For tests and timings. */
+ * way for finite results (the base code's NaN payloads may differ). DD_ERR_ISA (setting unchanged) for 1 on a CPU without them. For tests and timings. */
 int dd_set_iq_vbmi(int on);
 
 /* 1 if this CPU (and OS) supports the level, else 0. */

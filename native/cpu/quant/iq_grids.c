@@ -2,6 +2,7 @@
  * unpackers read. The grids are data of the formats' definitions (ggml-common.h iq2xxs_grid, iq2xs_grid,
  * iq2s_grid, iq3xxs_grid, iq3s_grid, iq1s_grid); the engine takes them from gguf-py (engine.kernels.cpu)
  * instead of keeping a copy here. */
+#include <pthread.h>
 #include <stdatomic.h>
 #include <string.h>
 
@@ -69,7 +70,9 @@ static void set_codes(int t, const uint8_t *pos, size_t entries, size_t width, c
     }
 }
 
-int dd_set_iq_grid(int wtype, const int8_t *grid, size_t n)
+/* The grid-independent tables: dd_iq_sign_mask and dd_iq_ksigns, written once (kernels of a type registered
+ * earlier may be reading them while another type is registered). */
+static void set_sign_tables(void)
 {
     for (int b = 0; b < 256; b++) {
         uint64_t m = 0;
@@ -80,6 +83,12 @@ int dd_set_iq_grid(int wtype, const int8_t *grid, size_t n)
         if (b < 128)
             dd_iq_ksigns[b] = dd_iq_ksign((uint32_t)b);
     }
+}
+
+int dd_set_iq_grid(int wtype, const int8_t *grid, size_t n)
+{
+    static pthread_once_t signs_once = PTHREAD_ONCE_INIT;
+    pthread_once(&signs_once, set_sign_tables);
     for (size_t g = 0; g < sizeof grids / sizeof grids[0]; g++) {
         if (grids[g].wtype != wtype)
             continue;

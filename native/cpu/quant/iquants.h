@@ -52,7 +52,8 @@ extern uint64_t dd_iq_sign_mask[256];
 /* ksigns_iq2xs: dd_iq_ksign of 0 .. 127. */
 extern uint8_t dd_iq_ksigns[128];
 /* The grids of IQ2_XXS, IQ2_XS, IQ3_XXS, IQ3_S (t = 0 .. 3, looked up in registers), IQ2_S and IQ1_S (t = 4, 5,
- * by dword gathers: 2 codes of padding after them) as codes: entry e's value j is
+ * by dword gathers: the last entry's gather reads one code past it, and 2 codes of padding keep the table whole
+ * dwords) as codes: entry e's value j is
  * levels[t][(code >> (b j)) & (2^b - 1)], code = dd_iq_codes[dd_iq_code_at[t] + e], b = 2 for the 8-wide grids
  * (3 distinct values), 3 for the 4-wide ones (8 distinct values). */
 #define DD_IQ_CODES (256 + 512 + 256 + 512 + 1024 + 2048 + 2)

@@ -289,7 +289,7 @@ DD_INLINE void iqv_terms(const uint8_t *q, const int16_t *sc, float d, const dd_
     memcpy(acc, &acc8, sizeof acc8);
 }
 
-/* ---- The GEMV (one column) on AVX-512 VBMI + BITALG, nothing through memory ----
+/* ---- The GEMV (one column) on AVX-512 VBMI + BITALG, the unpacked bytes kept in registers ----
  * Lane L of the dword accumulator sums half L (values 16 L .. 16 L + 15) whole: step g (0 .. 3) of the vpdpbusd
  * chain meets its values 16 L + 4 g + j (j < 4) in bytes 4 L + j of the unpacked vector and of the activation
  * vector xs[g], a dword transpose of the column's 256 values made once per super-block for all rows. So no
@@ -528,7 +528,7 @@ IQF_TARGET __attribute__((noinline)) static void iqf_gemv_tile(const uint8_t *w,
  * IQ type). */
 DD_INLINE int iqf_gemv(const uint8_t *w, const uint8_t *pf, size_t rb, const dd_acts *a, int wtype, float *y, int R)
 {
-    if ((R != 4 && R != 1) || !dd_iq_vbmi())
+    if (wtype < DD_IQ2_XXS || wtype > DD_IQ1_M || (R != 4 && R != 1) || !dd_iq_vbmi())
         return 0;
     iqf_gemv_tile(w, pf, rb, a, wtype, y, R);
     return 1;

@@ -53,8 +53,9 @@ int dd_iq_vbmi(void)
 {
     int on = atomic_load_explicit(&iq_vbmi, memory_order_relaxed);
     if (on < 0) {
-        on = iq_vbmi_supported();
-        atomic_store(&iq_vbmi, on);
+        int unset = -1;
+        atomic_compare_exchange_strong(&iq_vbmi, &unset, iq_vbmi_supported());
+        on = atomic_load(&iq_vbmi);
     }
     return on;
 }
