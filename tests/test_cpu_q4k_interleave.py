@@ -74,13 +74,17 @@ def test_numpy_twin_deinterleaves_the_layout(rng):
 
 
 SHAPES = [(5, 256), (8, 256), (13, 768), (69, 512), (41, 2304), (136, 2048)]
-COLUMNS = [1, 2, 3, 5, 8, 17, 64]   # 2-8: the few-column product; more: the prompt GEMM
+COLUMNS = [1, 2, 3, 4, 5, 6, 7, 8, 17, 64]   # 2-8: the few-column product (3-4 columns a stripe visit by one
+# walk, 1-2 by another: 7 = 4 + 3, 6 = 4 + 2); more: the prompt GEMM
 
 
 # The longest rows (one stripe per de-interleaved piece) once per path: GEMV and few columns; the prompt GEMM's
 # long rows are test_prompt_gemm_on_the_stripes_has_the_row_major_bits's.
+# k = 4352: the four-column walk's passes of 8 super-blocks (8 + 8 + 1); k = 18688: 73 super-blocks, so the call
+# holds the activation terms of 3 columns at a time (8 = 3 + 3 + 2).
 @pytest.mark.parametrize("rows,k,m", [(r, k, m) for r, k in SHAPES for m in COLUMNS]
-                         + [(17, 28672, m) for m in COLUMNS if m <= 8])
+                         + [(17, 28672, m) for m in COLUMNS if m <= 8]
+                         + [(r, k, m) for r, k in [(16, 4352), (9, 18688)] for m in (3, 4, 7, 8)])
 def test_interleaved_matrix_has_the_row_major_bits(rows, k, m, rng):
     raw = random_kquant(rng, rows, k, Q.Q4_K)
     x = (rng.standard_normal((m, k)) * rng.uniform(0.1, 10)).astype(np.float32)
@@ -101,7 +105,7 @@ def test_prompt_gemm_on_the_stripes_has_the_row_major_bits(rows, k, m, rng):
     assert_row_major_bits(LAYOUT, raw, k, x, numpy_threads=(1,))
 
 
-@pytest.mark.parametrize("m", [1, 3])
+@pytest.mark.parametrize("m", [1, 3, 4, 6])
 def test_interleaved_gemv_zero_and_extreme_scales(m, rng):
     """Zero rows, the largest and smallest f16 d and dmin, and scales and mins of 0 and 63."""
     k = 768

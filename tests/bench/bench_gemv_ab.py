@@ -1,7 +1,7 @@
 """A/B of the native GEMV (one-token matrix product) between builds (a script, not a test).
 
     python tests/bench/bench_gemv_ab.py OLD.so,NEW.so [--type q4_0] [--mib 1024] [--threads 1] [--rounds 7]
-        [--isa 3] [--cols 1] [--k 2048] [--cpu] [--interleaved]
+        [--isa 3] [--cols 1] [--k 2048] [--cpu] [--interleaved] [--repeat 1]
 
 Each argument is a copy of ``engine/_native_cpu.abi3.so`` (copy a build aside before rebuilding). The
 script loads every copy with ctypes and times ``dd_matmul`` with one activation row (decode's shape) on one
@@ -12,10 +12,11 @@ rate in GB/s with the spread, the same in the calling thread's CPU time (all the
 a rate less disturbed by a busy machine), whether every build gave the same output bits, and the load average
 before and after (figures from a loaded machine are not final). ``--cols 32`` times prefill's shape instead
 (32 activation rows, an expert's share of a 512-token prompt) and reports GMAC/s; use a small --mib then,
-so the product is bound by the kernel, not by DRAM. ``--cpu`` times process CPU time instead of wall
-time (less disturbed by a loaded machine; with --threads 1 it is the kernel's own time). Each build's
-median milliseconds per call are printed beside its rate, and the calling thread's CPU time per block of the type
-(a K-quant's super-block). ``--interleaved`` (Q4_0, MXFP4, Q4_K, Q2_K, Q3_K) adds, for each build, a second row:
+so the product is bound by the kernel, not by DRAM, and ``--repeat`` calls per timed sample. ``--cpu`` times
+process CPU time instead of wall time (less disturbed by a loaded machine; with --threads 1 it is the kernel's
+own time). Each build's median milliseconds per call are printed beside its rate, and the calling thread's CPU
+time per block of the type (a K-quant's super-block). ``--interleaved`` (Q4_0, MXFP4, Q4_K, Q2_K, Q3_K) adds,
+for each build, a second row:
 ``dd_matmul`` of the row-grouped layout's kernel type (``DD_Q4_0_IL``, ``DD_MXFP4_IL``, ``DD_Q4_K_IL``,
 ``DD_Q2_K_RL``, ``DD_Q3_K_RL``) on a copy of the matrix repacked by ``dd_q4_0_interleave``
 (``dd_mxfp4_interleave``, ``dd_q4_k_interleave``, ``dd_q2_k_rl_pack``, ``dd_q3_k_rl_pack``;
@@ -95,9 +96,13 @@ def main() -> None:
     ap.add_argument("--cols", type=int, default=1, help="activation rows (1: decode's GEMV; > 1: a prefill GEMM)")
     ap.add_argument("--k", type=int, default=K, help="values a row, a multiple of the type's block (512: expert down)")
     ap.add_argument("--cpu", action="store_true", help="time process CPU time instead of wall time")
+    ap.add_argument("--repeat", type=int, default=1,
+                    help="calls per timed sample (an in-cache --mib 1 call is ~0.1 ms: repeat it to time ~10 ms)")
     ap.add_argument("--interleaved", action="store_true",
                     help="also time the repacked product (Q4_0, MXFP4, Q4_K, Q2_K, Q3_K)")
     args = ap.parse_args()
+    if args.repeat < 1:
+        raise SystemExit("--repeat: at least 1 call per sample")
     if args.interleaved and args.type.upper() not in {t.name for t in REPACKS}:
         raise SystemExit("--interleaved: only for --type q4_0, mxfp4, q4_k, q2_k or q3_k")
     try:
@@ -125,11 +130,11 @@ def main() -> None:
         for _ in range(args.rounds):
             for call, out, t, c in zip(calls, outs, times, cpu_times):
                 t0, c0 = clock(), time.thread_time()
-                rc = call(out)
-                t.append(clock() - t0)
-                c.append(time.thread_time() - c0)
-                if rc != 0:
-                    raise SystemExit(f"the product returned {rc}")
+                rcs = [call(out) for _ in range(args.repeat)]
+                t.append((clock() - t0) / args.repeat)
+                c.append((time.thread_time() - c0) / args.repeat)
+                if any(rcs):
+                    raise SystemExit(f"the product returned {max(rcs, key=abs)}")
     same = all(np.array_equal(outs[0].view(np.uint32), o.view(np.uint32)) for o in outs[1:])
     print(f"{args.type} {w.nbytes / 2**20:.0f} MiB (k={k}), isa {isa}, {args.threads} thread(s), {args.rounds} "
           f"rounds, {args.cols} column(s), {'CPU' if args.cpu else 'wall'} time, load {load_before:.2f} -> "

@@ -1,4 +1,4 @@
-/* The AVX-512 VNNI GEMV (m == 1) of a Q4_K matrix in the 8-row interleaved layout (dd_q4_k_interleave in
+/* The AVX-512 VNNI GEMV (m <= DD_IL_GEMV_COLS) of a Q4_K matrix in the 8-row interleaved layout (dd_q4_k_interleave in
  * deltadesk_cpu.h), included by kernels_avx512vnni.c after kq_tile_avx512.h (gemm_q4_K); it defines the
  * table's gemm_q4_k_il.
  *
@@ -8,10 +8,13 @@
  * The bits are kq_tile's (kq_tile_avx512.h, kquants.h's exactness note): per row and sub-block i, in order of
  * the super-blocks, acc_i = fma(I_i, d da_i, acc_i) with I_i = sc_i S_i, then acc_i = acc_i - dmin da_i bs_i m_i
  * by one fused operation on an exact product, then ((s0 + s1) + (s2 + s3)) + ((s4 + s5) + (s6 + s7)) rounded to
- * f32 once. Here accumulator i holds sub-block i for the 8 rows; a high-nibble I_i is 16 sc S exactly (below
- * 2^26) and meets d (da_i / 16), so the product, and each fused add's rounding, is the row-major one; the other
- * factors are the same values formed in another order, every partial product exact (at most 40 bits). The
- * final tree runs lane-wise on the 8 accumulators: no transpose.
+ * f32 once. Here accumulator i holds sub-block i for the 8 rows, and a fused add rounds only its sum, so any
+ * exact factoring of the same product gives the same bits. A high-nibble sum is 16 S exactly (below 2^20) and
+ * meets da_i / 16. One or two columns (kil_stripe_pair, kil_terms) take the row-major grouping: I_i = sc_i S_i
+ * (vpmulld, below 2^26) times d da_i (22 bits), and m_i times dmin dab_i (dab_i = da_i bs_i: 23 bits; 34 bits).
+ * Three or four columns (kil_stripe_wide) share a row's d sc_i and dmin m_i (17 bits each, kil_factors, formed
+ * once per super-block and stripe visit): S_i times (d sc_i) da_i (28 bits), and dab_i times dmin m_i (40 bits).
+ * The final tree runs lane-wise on the 8 accumulators: no transpose.
  */
 #ifndef DELTADESK_Q4K_IL_AVX512_H
 #define DELTADESK_Q4K_IL_AVX512_H
@@ -39,6 +42,34 @@ DD_INLINE void kil_scales(const uint8_t *blk, uint8_t sc[64], uint8_t mn[64])
                                                       0xf8));
 }
 
+/* Column c's 8 outputs y[c * ldy + 0..7] from its accumulators acc[c][0..7] (sub-blocks, f64 lane r: row r):
+ * ((s0 + s1) + (s2 + s3)) + ((s4 + s5) + (s6 + s7)), rounded to f32 once. */
+DD_INLINE void kil_store(const __m512d acc[][8], float *y, size_t ldy, const int C)
+{
+    for (int c = 0; c < C; c++) {
+        const __m512d *a = acc[c];
+        const __m512d s = _mm512_add_pd(_mm512_add_pd(_mm512_add_pd(a[0], a[1]), _mm512_add_pd(a[2], a[3])),
+                                        _mm512_add_pd(_mm512_add_pd(a[4], a[5]), _mm512_add_pd(a[6], a[7])));
+        _mm256_storeu_ps(y + c * ldy, _mm512_cvtpd_ps(s));
+    }
+}
+
+/* Run u of chunk j of an interleaved super-block (blk) against C columns: its low nibbles meet column c's 4
+ * activations at q[c] + at + 4 u in lo[c * stride], its high ones (masked in place) those 32 further in
+ * hi[c * stride]. The 32-byte load stays in a register (GCC would fold it into each mask: two loads a run). */
+DD_INLINE void kil_run(const uint8_t *blk, int j, int u, const int8_t *const *q, size_t at, __m256i *lo,
+                       __m256i *hi, size_t stride, const int C)
+{
+    __m256i v = _mm256_loadu_si256((const __m256i *)(blk + 128 + 256 * j + 32 * u));
+    __asm__("" : "+v"(v));
+    const __m256i vl = _mm256_and_si256(v, _mm256_set1_epi8(0x0f));
+    const __m256i vh = _mm256_and_si256(v, _mm256_set1_epi8((char)0xf0));
+    for (int c = 0; c < C; c++) {
+        lo[c * stride] = dd_dpbusd_bcast4(lo[c * stride], vl, q[c] + at + 4 * u);
+        hi[c * stride] = dd_dpbusd_bcast4(hi[c * stride], vh, q[c] + at + 32 + 4 * u);
+    }
+}
+
 /* acc += sub-block s's terms for the 8 rows: sums (int32, 16 times the true ones for a high-nibble sub-block,
  * whose da then carries the 1/16), the rows' scales sc and mins mn (8 bytes), d and dmin (f64 lanes). */
 DD_INLINE void kil_terms(__m256i sums, const uint8_t *sc, const uint8_t *mn, __m512d d, __m512d dmin, double da,
@@ -56,38 +87,32 @@ DD_INLINE void kil_terms(__m256i sums, const uint8_t *sc, const uint8_t *mn, __m
 DD_INLINE void kil_superblock(const uint8_t *blk, const int8_t *const q[2], const double *const da[2],
                               const double *const dab[2], __m512d acc[2][8], const int C)
 {
-    const __m256i low = _mm256_set1_epi8(0x0f), high = _mm256_set1_epi8((char)0xf0);
     uint8_t sc[64], mn[64];
     kil_scales(blk, sc, mn);
     const __m512d d = _mm512_cvtps_pd(_mm256_maskz_cvtph_ps(0xff, _mm_loadu_si128((const __m128i *)blk)));
     const __m512d dmin = _mm512_cvtps_pd(_mm256_maskz_cvtph_ps(0xff, _mm_loadu_si128((const __m128i *)(blk + 16))));
 #pragma GCC unroll 4
     for (int j = 0; j < 4; j++) {
-        __m256i lo[2][2], hi[2][2];   /* two chains each, as the row-major tiles' independent sums */
-        for (int c = 0; c < C; c++)
-            lo[c][0] = lo[c][1] = hi[c][0] = hi[c][1] = _mm256_setzero_si256();
+        __m256i lo[4], hi[4];   /* chains 2 c, 2 c + 1 of column c: as the row-major tiles' independent sums */
+        for (int k = 0; k < 2 * C; k++)
+            lo[k] = hi[k] = _mm256_setzero_si256();
 #pragma GCC unroll 8
-        for (int u = 0; u < 8; u++) {
-            const __m256i v = _mm256_loadu_si256((const __m256i *)(blk + 128 + 256 * j + 32 * u));
-            const __m256i vl = _mm256_and_si256(v, low), vh = _mm256_and_si256(v, high);
-            for (int c = 0; c < C; c++) {
-                lo[c][u & 1] = dd_dpbusd_bcast4(lo[c][u & 1], vl, q[c] + 64 * j + 4 * u);
-                hi[c][u & 1] = dd_dpbusd_bcast4(hi[c][u & 1], vh, q[c] + 64 * j + 32 + 4 * u);
-            }
-        }
+        for (int u = 0; u < 8; u++)
+            kil_run(blk, j, u, q, 64 * j, lo + (u & 1), hi + (u & 1), 2, C);
         for (int c = 0; c < C; c++) {
-            kil_terms(_mm256_add_epi32(lo[c][0], lo[c][1]), sc + 16 * j, mn + 16 * j, d, dmin, da[c][2 * j],
+            kil_terms(_mm256_add_epi32(lo[2 * c], lo[2 * c + 1]), sc + 16 * j, mn + 16 * j, d, dmin, da[c][2 * j],
                       dab[c][2 * j], &acc[c][2 * j]);
-            kil_terms(_mm256_add_epi32(hi[c][0], hi[c][1]), sc + 16 * j + 8, mn + 16 * j + 8, d, dmin,
+            kil_terms(_mm256_add_epi32(hi[2 * c], hi[2 * c + 1]), sc + 16 * j + 8, mn + 16 * j + 8, d, dmin,
                       da[c][2 * j + 1], dab[c][2 * j + 1], &acc[c][2 * j + 1]);
         }
     }
 }
 
-/* One stripe (8 rows of nsb super-blocks at w) against C columns (their activations q, da, dab as for
+/* One stripe (8 rows of nsb super-blocks at w) against C (1, 2) columns (their activations q, da, dab as for
  * kil_superblock, from super-block 0) -> y[c * ldy + 0..7]; end: where the matrix's bytes end (prefetch bound). */
-DD_INLINE void kil_stripe(const uint8_t *w, const uint8_t *end, size_t nsb, const int8_t *const q[2],
-                          const double *const da[2], const double *const dab[2], float *y, size_t ldy, const int C)
+DD_INLINE void kil_stripe_pair(const uint8_t *w, const uint8_t *end, size_t nsb, const int8_t *const q[4],
+                               const double *const da[4], const double *const dab[4], float *y, size_t ldy,
+                               const int C)
 {
     __m512d acc[2][8];
     for (int c = 0; c < C; c++)
@@ -103,12 +128,92 @@ DD_INLINE void kil_stripe(const uint8_t *w, const uint8_t *end, size_t nsb, cons
         const double *dabs[2] = { dab[0] + 8 * sb, dab[C - 1] + 8 * sb };
         kil_superblock(blk, qs, das, dabs, acc, C);
     }
-    for (int c = 0; c < C; c++) {
-        const __m512d *a = acc[c];
-        const __m512d s = _mm512_add_pd(_mm512_add_pd(_mm512_add_pd(a[0], a[1]), _mm512_add_pd(a[2], a[3])),
-                                        _mm512_add_pd(_mm512_add_pd(a[4], a[5]), _mm512_add_pd(a[6], a[7])));
-        _mm256_storeu_ps(y + c * ldy, _mm512_cvtpd_ps(s));
+    kil_store((const __m512d (*)[8])acc, y, ldy, C);
+}
+
+/* The 8 rows' factors of one interleaved super-block, sub-block i: dsc[i] = d sc_i and dmm[i] = dmin m_i (f64
+ * lane r: row r), each exact (an f16 value times a 6-bit integer: at most 17 bits). */
+typedef struct {
+    __m512d dsc[8], dmm[8];
+} kil_factors;
+
+DD_INLINE void kil_factors_of(const uint8_t *blk, kil_factors *f)
+{
+    uint8_t sc[64], mn[64];
+    kil_scales(blk, sc, mn);
+    const __m512d d = _mm512_cvtps_pd(_mm256_maskz_cvtph_ps(0xff, _mm_loadu_si128((const __m128i *)blk)));
+    const __m512d dmin = _mm512_cvtps_pd(_mm256_maskz_cvtph_ps(0xff, _mm_loadu_si128((const __m128i *)(blk + 16))));
+    for (int i = 0; i < 8; i++) {
+        const __m256i s = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(sc + 8 * i)));
+        const __m256i m = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(mn + 8 * i)));
+        f->dsc[i] = _mm512_mul_pd(d, _mm512_cvtepi32_pd(s));
+        f->dmm[i] = _mm512_mul_pd(dmin, _mm512_cvtepi32_pd(m));
     }
+}
+
+/* acc += one column's terms of sub-block i for the 8 rows: its sums S (int32, 16 times the true ones for a
+ * high-nibble sub-block, whose da then carries the 1/16), the rows' factors f and the column's da and dab. */
+DD_INLINE __m512d kil_term(__m256i sums, const kil_factors *f, int i, double da, double dab, __m512d acc)
+{
+    acc = _mm512_fmadd_pd(_mm512_cvtepi32_pd(sums), _mm512_mul_pd(f->dsc[i], _mm512_set1_pd(da)), acc);
+    return _mm512_fnmadd_pd(_mm512_set1_pd(dab), f->dmm[i], acc);
+}
+
+/* Super-blocks of a stripe whose factors one pass holds (8 KiB: a whole k = 2048 stripe). */
+#define KIL_PASS_SB 8
+
+/* One stripe (8 rows of nsb super-blocks at w) against C (3, 4) columns: column c's activations q[c], da[c][i]
+ * (block i's scale, over 16 for odd i) and dab[c][i] (the scale times the block's sum), from super-block 0
+ * -> y[c * ldy + 0..7]; end: where the matrix's bytes end (prefetch bound). Accumulator (c, i) holds sub-block
+ * i of the 8 rows, so the sub-block pairs (2 j, 2 j + 1: chunk j's low and high nibbles, 4 of a super-block's
+ * 18 lines) run one after the other over a pass's super-blocks, each with its 2 C accumulators in registers and
+ * the pass's factors (f) in L1; every accumulator still takes its terms super-block by super-block. The rows'
+ * factors are formed once per super-block for the C columns: that pays from 3 columns on (at 1 and 2,
+ * kil_stripe_pair: each column's terms from the scale bytes). */
+DD_INLINE void kil_stripe_wide(const uint8_t *w, const uint8_t *end, size_t nsb, const int8_t *const q[4],
+                               const double *const da[4], const double *const dab[4], float *y, size_t ldy,
+                               const int C)
+{
+    __m512d acc[4][8];
+    kil_factors f[KIL_PASS_SB];
+    for (int c = 0; c < C; c++)
+        for (int i = 0; i < 8; i++)
+            acc[c][i] = _mm512_setzero_pd();
+    for (size_t s0 = 0; s0 < nsb; s0 += KIL_PASS_SB) {
+        const size_t n = nsb - s0 < KIL_PASS_SB ? nsb - s0 : KIL_PASS_SB;
+        const uint8_t *base = w + s0 * Q4K_IL_BLOCK_BYTES;
+        for (size_t s = 0; s < n; s++)
+            kil_factors_of(base + s * Q4K_IL_BLOCK_BYTES, &f[s]);
+        for (int j = 0; j < 4; j++) {
+            __m512d alo[4], ahi[4];
+            for (int c = 0; c < C; c++) {
+                alo[c] = acc[c][2 * j];
+                ahi[c] = acc[c][2 * j + 1];
+            }
+            for (size_t s = 0; s < n; s++) {
+                const uint8_t *blk = base + s * Q4K_IL_BLOCK_BYTES, *pf = blk + Q4K_IL_PREFETCH_BYTES;
+                if (pf + Q4K_IL_BLOCK_BYTES <= end)   /* a quarter of the lines each pass */
+                    for (int l = j; l < Q4K_IL_BLOCK_BYTES / 64; l += 4)
+                        dd_prefetch_weight(pf + 64 * l);
+                const size_t at = (s0 + s) * DD_QK_K + 64 * j, b = 8 * (s0 + s) + 2 * j;
+                __m256i lo[4], hi[4];
+                for (int c = 0; c < C; c++)
+                    lo[c] = hi[c] = _mm256_setzero_si256();
+#pragma GCC unroll 8
+                for (int u = 0; u < 8; u++)
+                    kil_run(blk, j, u, q, at, lo, hi, 1, C);
+                for (int c = 0; c < C; c++) {
+                    alo[c] = kil_term(lo[c], &f[s], 2 * j, da[c][b], dab[c][b], alo[c]);
+                    ahi[c] = kil_term(hi[c], &f[s], 2 * j + 1, da[c][b + 1], dab[c][b + 1], ahi[c]);
+                }
+            }
+            for (int c = 0; c < C; c++) {
+                acc[c][2 * j] = alo[c];
+                acc[c][2 * j + 1] = ahi[c];
+            }
+        }
+    }
+    kil_store((const __m512d (*)[8])acc, y, ldy, C);
 }
 
 /* Column c's activation terms of nsb super-blocks, exactly: da[8 sb + i] = block i's scale (over 16 for odd i,
@@ -131,8 +236,9 @@ DD_INLINE void kil_col_terms(const dd_acts *a, size_t c, size_t nsb, double *da,
 /* The level's interleaved Q4_K GEMV (dd_gemm_q4_k_il's `il`): `stripes` 8-row stripes at w (8 * row_bytes
  * each), stripes_avail of them from w on (prefetch bound), a->m <= DD_IL_GEMV_COLS columns of activations ->
  * y[c * ldy + 0 .. 8 * stripes). The columns' activation terms are formed once per call, as many columns at a
- * time as KIL_TERM_SB holds; each stripe meets them two at a time while it is in L1 (the pair sharing the
- * masked weights), each column by the same operations whatever its partner: the one-column bits. */
+ * time as KIL_TERM_SB holds; each stripe meets them four at a time and the 1-3 left over together, 3 or 4 by
+ * kil_stripe_wide, 1 or 2 by kil_stripe_pair: each column's terms are the same exact products whichever walk
+ * and partners it has, so it gets the one-column bits. */
 static void gemv_q4_k_il(const uint8_t *w, size_t row_bytes, size_t stripes, size_t stripes_avail,
                          const dd_acts *a, float *y, size_t ldy)
 {
@@ -144,16 +250,24 @@ static void gemv_q4_k_il(const uint8_t *w, size_t row_bytes, size_t stripes, siz
         for (size_t t = 0; t < n; t++)
             kil_col_terms(a, g0 + t, nsb, da + 8 * nsb * t, dab + 8 * nsb * t);
         for (size_t s = 0; s < stripes; s++)
-            for (size_t t = 0; t < n; t += 2) {
-                const size_t u = t + 1 < n ? t + 1 : t;
-                const int8_t *q[2] = { a->q + (g0 + t) * a->nbp * DD_QK, a->q + (g0 + u) * a->nbp * DD_QK };
-                const double *das[2] = { da + 8 * nsb * t, da + 8 * nsb * u };
-                const double *dabs[2] = { dab + 8 * nsb * t, dab + 8 * nsb * u };
+            for (size_t t = 0, c; t < n; t += c) {
+                c = n - t >= 4 ? 4 : n - t;
+                const int8_t *q[4];
+                const double *das[4], *dabs[4];
+                for (size_t i = 0; i < 4; i++) {   /* past the last column: repeats of it, never read */
+                    const size_t u = t + (i < c ? i : c - 1);
+                    q[i] = a->q + (g0 + u) * a->nbp * DD_QK;
+                    das[i] = da + 8 * nsb * u;
+                    dabs[i] = dab + 8 * nsb * u;
+                }
+                const uint8_t *st = w + s * 8 * row_bytes;
                 float *out = y + (g0 + t) * ldy + 8 * s;
-                if (u > t)
-                    kil_stripe(w + s * 8 * row_bytes, end, nsb, q, das, dabs, out, ldy, 2);
-                else
-                    kil_stripe(w + s * 8 * row_bytes, end, nsb, q, das, dabs, out, ldy, 1);
+                switch (c) {
+                case 1: kil_stripe_pair(st, end, nsb, q, das, dabs, out, ldy, 1); break;
+                case 2: kil_stripe_pair(st, end, nsb, q, das, dabs, out, ldy, 2); break;
+                case 3: kil_stripe_wide(st, end, nsb, q, das, dabs, out, ldy, 3); break;
+                default: kil_stripe_wide(st, end, nsb, q, das, dabs, out, ldy, 4); break;
+                }
             }
     }
 }
