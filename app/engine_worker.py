@@ -23,6 +23,7 @@ whatever the loader thread still returns is dropped when it arrives.
 from __future__ import annotations
 
 import logging
+import math
 import threading
 import time
 from dataclasses import dataclass, field
@@ -191,20 +192,35 @@ def plain_error(exc: BaseException, doing: str) -> str:
     return f"Unexpected error while {doing}: {type(exc).__name__}: {exc}"
 
 
+class StopFlag(threading.Event):
+    """A turn's cancel event that keeps when it was first set (``at``, ``time.monotonic()``; inf until then),
+    so the tokens the engine made before the stop are told from the one it may make after."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.at = math.inf
+
+    def set(self) -> None:
+        """Set the flag, noting the time if it was not set yet."""
+        if not self.is_set():
+            self.at = time.monotonic()
+        super().set()
+
+
 @dataclass(frozen=True)
 class ChatRequest:
     """One turn to run.
 
     Attributes:
         messages: the conversation in the engine's format (role, content, image parts).
-        cancel: set it from any thread to stop the turn before its next token.
+        cancel: set it from any thread to stop the turn before its next token; the tokens made before are kept.
         sampling: an :class:`engine.sampling.SamplingParams`, or None for the engine's default.
         enable_thinking: let the model think before answering.
         conversation: the conversation's id, recorded with the prefix snapshots the turn takes.
     """
 
     messages: list[dict]
-    cancel: threading.Event = field(default_factory=threading.Event)
+    cancel: StopFlag = field(default_factory=StopFlag)
     sampling: Any = None
     enable_thinking: bool = False
     conversation: str = ""
@@ -421,8 +437,10 @@ class EngineWorker(QObject):
                                     request.cancel)
             for event in events:
                 if request.cancel.is_set() and not isinstance(event, TurnSummary):
+                    stop = request.cancel.at
+                    made = [event] * (events.made_at < stop) + events.ready(stop)
                     events.close()
-                    stream.finish(stream.summary("cancelled", "Stopped."))
+                    stream.stopped(made)
                     break
                 stream.handle(event)
                 if isinstance(event, TurnSummary) and event.stop_reason in ("eos", "max_tokens"):
@@ -554,6 +572,14 @@ class _TurnStream:
 
     def fail(self, message: str) -> None:
         self.finish(self.summary("error", message))
+
+    def stopped(self, made: list[Event]) -> None:
+        """End the turn as stopped, keeping the tokens in ``made``: made before the stop (the engine runs on
+        the session thread, so some may still wait in the turn's queue when the worker sees it)."""
+        for event in made:
+            if isinstance(event, TokenEvent):
+                self.handle(event)
+        self.finish(self.summary("cancelled", "Stopped."))
 
 
 class WorkerThread:

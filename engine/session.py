@@ -15,8 +15,10 @@ docs/design/engine-session.md.
 from __future__ import annotations
 
 import logging
+import math
 import queue
 import threading
+import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future
@@ -189,15 +191,17 @@ class Ticket:
 
 class Events(Iterator[Any]):
     """A turn's events as a blocking iterator; the exception that ended the turn is raised from ``next``.
-    :meth:`close` (also when the iterator is dropped) cancels the turn."""
+    :meth:`close` (also when the iterator is dropped) cancels the turn. ``made_at``: when the session thread
+    handed over the event ``next`` returned last (``time.monotonic()``, s)."""
 
-    def __init__(self, ticket: Ticket, items: queue.SimpleQueue[Any]) -> None:
+    def __init__(self, ticket: Ticket, items: queue.SimpleQueue[tuple[float, Any]]) -> None:
         self.ticket, self._items, self._done = ticket, items, False
+        self.made_at = -math.inf
 
     def __next__(self) -> Any:
         if self._done:
             raise StopIteration
-        item = self._items.get()
+        self.made_at, item = self._items.get()
         if item is END:
             self._done = True
             raise StopIteration
@@ -205,6 +209,22 @@ class Events(Iterator[Any]):
             self._done = True
             raise item
         return item
+
+    def ready(self, before: float = math.inf) -> list[Any]:
+        """The events already queued that were handed over before ``before`` (``time.monotonic()``), taken
+        without waiting; later ones are dropped, and the turn's end ends the iteration (the exception that
+        ended it is dropped). A caller that stops reading at a stop keeps what was made before it."""
+        out: list[Any] = []
+        while not self._done:
+            try:
+                at, item = self._items.get_nowait()
+            except queue.Empty:
+                break
+            if item is END or isinstance(item, BaseException):
+                self._done = True
+            elif at < before:
+                out.append(item)
+        return out
 
     def close(self) -> None:
         """Cancel the turn unless it has ended; further iteration ends."""
@@ -247,8 +267,8 @@ class Session:
         Raises:
             QueueFullError: the queue is full. SessionClosedError: the session is closed.
         """
-        items: queue.SimpleQueue[Any] = queue.SimpleQueue()
-        return Events(self.submit_stream(start, items.put, cancel), items)
+        items: queue.SimpleQueue[tuple[float, Any]] = queue.SimpleQueue()
+        return Events(self.submit_stream(start, lambda item: items.put((time.monotonic(), item)), cancel), items)
 
     def submit_stream(self, start: Callable[[threading.Event], Iterator[Any]], sink: Callable[[Any], None],
                       cancel: threading.Event | None = None) -> Ticket:

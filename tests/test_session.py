@@ -4,6 +4,7 @@ lines jobs up), never on the clock; a bounded ``timeout`` only keeps a broken se
 from __future__ import annotations
 
 import threading
+import time
 
 import pytest
 
@@ -209,3 +210,27 @@ def test_close_stops_the_running_job_drops_the_queued_and_joins() -> None:
         queued.result(WAIT)
     with pytest.raises(EngineError, match="closed"):
         session.call(lambda: None)
+
+
+def test_ready_takes_the_queued_events_without_waiting(session) -> None:
+    """What a turn made before its reader stopped (the app's Stop) is there to keep, what it made after is not;
+    the turn's end ends the iteration."""
+    made, hold = threading.Event(), threading.Event()
+
+    def start(cancel):
+        yield "t0"
+        yield "t1"
+        made.set()
+        assert hold.wait(WAIT)
+        yield "t2"
+
+    events = session.stream(start)
+    assert next(events) == "t0" and events.made_at <= time.monotonic()
+    assert made.wait(WAIT)
+    assert events.ready() == ["t1"] and events.ready() == []    # t2 is not made yet: no wait for it
+    stop = time.monotonic()
+    hold.set()
+    ended = session.stream(_tokens([], "e", 3))
+    assert session.call(lambda: "after").result(WAIT) == "after"   # both turns have ended
+    assert events.ready(stop) == [] and list(events) == []          # t2 came after the stop
+    assert ended.ready() == ["e0", "e1", "e2"] and list(ended) == []
