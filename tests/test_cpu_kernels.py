@@ -148,15 +148,20 @@ def test_matmul_matches_float64_reference(level, qtype, rows, k, m, rng):
 
 @pytest.mark.parametrize("level", ALL, indirect=True)
 @pytest.mark.parametrize("qtype", QTYPES)
-def test_matmul_vector_and_batched_columns_agree(level, qtype, rng):
+@pytest.mark.parametrize("rows, k", [(37, 320), (19, 32 * 47), (3, 512 * 308 + 96)])
+def test_matmul_vector_and_batched_columns_agree(level, qtype, rows, k, rng):
     """A (k,) input gives (rows,); for the native kernels each column of a batch is bit-identical to
-    the same vector alone (the GEMM tiles run the GEMV's per-element instruction sequence)."""
+    the same vector alone (the GEMM tiles run the GEMV's per-element instruction sequence). k: one short
+    group of 16 blocks, full groups and a short one, and rows longer than AVX-512's unpacked-group buffer
+    (307 groups of 512 values: such rows are unpacked per column block instead)."""
     ggml_type, name = QTYPES[qtype]
-    raw = random_weights(rng, 37, 320, ggml_type)
-    x = rng.standard_normal((6, 320)).astype(np.float32)
+    raw = random_weights(rng, rows, k, ggml_type)
+    x = rng.standard_normal((6, k)).astype(np.float32)
     batch = getattr(cpu, name)(raw, x)
     single = np.stack([getattr(cpu, name)(raw, v) for v in x])
-    assert single.shape == batch.shape == (6, 37)
+    assert single.shape == batch.shape == (6, rows)
+    ref, abs_sum = reference_product(raw, x, ggml_type)
+    assert_close(batch, ref, abs_sum, k if level == "numpy" else k // 32)
     if level == "numpy":
         np.testing.assert_allclose(single, batch, rtol=1e-5, atol=1e-5 * np.abs(batch).max())
     else:

@@ -40,7 +40,7 @@
 
 /* Q8_0 activations of m columns, each of nb blocks, 64-byte aligned, in two layouts.
  *
- * Pairs (every kernel but AVX-512's Q4_0): blocks padded to nbp = nb rounded up to even (the
+ * Pairs (every kernel but AVX-512's Q4_0 and Q8_0): blocks padded to nbp = nb rounded up to even (the
  * padding block is all zero):
  *   q[c*nbp*32 + b*32 + j]   int8 value j of block b (natural order);
  *   d[c*nbp*8 + b*8 + l]     the block's scale (f16 widened to f32), repeated for lanes l = 0..7;
@@ -56,7 +56,7 @@
  *                     values of the Q4_0 low nibbles, h = 1: of the high ones);
  *   m > 1 (the lane layout, the GEMM's):
  *   gq[((c*ng + g)*8 + 2t + h)*64 + 4L(i) + u]  value 16h + 4t + u of block 16g + i (t, u < 4);
- *   gbias[(c*ng + g)*16 + L(i)]  -8 * (sum of block 16g + i's 32 values);
+ *   gbias[(c*ng + g)*16 + L(i)]  -8 * (sum of block 16g + i's 32 values) (Q8_0 weights: 16 times it);
  *   gd[(c*ng + g)*16 + L(i)]     its scale;
  *   gd64[(c*ng + g)*16 + L(i)]   m > 1 only (else NULL): the same scale as f64.
  * Compact (every level; the K-quant kernels read them), per block b of column c:

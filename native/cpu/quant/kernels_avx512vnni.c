@@ -3,8 +3,8 @@
  * Weights enter `vpdpbusd` as unsigned bytes (a Q4_0 nibble 0..15, or a Q8_0 int8 + 128) against
  * the signed Q8_0 activations; the activation-side bias (-8 or -128 times the activation sums, see
  * dd_acts) seeds the integer accumulator, so each int32 lane ends exact. Lanes are scaled by
- * d_w * d_a into exact f64 products, summed in f64 lanes, reduced and rounded to f32 once per row. Q4_0 puts one block in each lane
- * (16-block groups), Q8_0 two consecutive blocks in each register (lanes 0-7, 8-15).
+ * d_w * d_a into exact f64 products, summed in f64 lanes, reduced and rounded to f32 once per row.
+ * Q4_0 and Q8_0 put one block in each lane (16-block groups).
  */
 #include <immintrin.h>
 
@@ -92,32 +92,43 @@ static void quantize_q8_0(const float *x, size_t nb, uint8_t *out)
     }
 }
 
-/* Q4_0 runs on 16-block groups with one int32 lane per block ("lanes = blocks"), so the int to
- * float conversion and the scaling happen once per 16 blocks instead of once per 2. What follows is the
- * GEMV's (m == 1) tile; the GEMM's (m > 1) is q4_gemm_avx512.h, on the other group layout of dd_acts. A group is
- * 288 bytes, block i at bytes 18i (f16 scale) and 18i + 2 .. 18i + 17 (16 nibble bytes). Quad j
- * (blocks 4j .. 4j + 3) is read into one vector, block 4j + k's nibble bytes in 128-bit lane k:
- * one load at 72j + 2 (lane 0 right) and three masked loads, 2, 4 and 6 bytes further, that
- * replace lanes 1, 2, 3 (no shuffles). Low and high nibbles meet the activations' values 0-15 and
- * 16-31 of the same blocks (dd_acts groups), giving 4 int32 partial sums per block; a 4 x 4
- * transpose-add within 128-bit lanes (kq_transpose_add) turns the 4 quads' vectors into one with block 4j + k in
- * lane 4k + j. The scales are gathered into the same lane order by two word permutes. */
+/* Q4_0 and Q8_0 run on 16-block groups with one int32 lane per block ("lanes = blocks"), so the int to
+ * float conversion and the scaling happen once per 16 blocks. What follows is the GEMV's (m == 1) tile; the
+ * GEMM's (m > 1) is q4_gemm_avx512.h, on the other group layout of dd_acts. Quad j of a group (blocks 4j ..
+ * 4j + 3) is read into two vectors, block 4j + k in 128-bit lane k, which meet the activations' values 0-15
+ * and 16-31 of the same blocks (dd_acts groups), giving 4 int32 partial sums per block; a 4 x 4
+ * transpose-add within 128-bit lanes (kq_transpose_add) turns the 4 quads' vectors into one with block
+ * 4j + k in lane 4k + j. The scales are gathered into the same lane order by word permutes.
+ * Q4_0: a group is 288 bytes, block i at bytes 18i (f16 scale) and 18i + 2 .. 18i + 17 (16 nibble bytes);
+ * quad j is one word permute of the 72 bytes at 72j (two loads), its low nibbles values 0-15, high 16-31.
+ * Q8_0: a group is 544 bytes, block i at 34i (scale) and 34i + 2 .. 34i + 33 (32 int8 values, read as
+ * unsigned bytes int8 + 128: the activation bias is -128 times the block's sum, 16 times dd_acts' gbias);
+ * quad j's values 0-15 are one word permute of the 128 bytes at 136j, its values 16-31 of those at
+ * 136j + 8 (within the quad's 136 bytes: no read past a group). */
 #define Q4_GROUP_BYTES (16 * DD_Q4_0_BYTES)
+#define Q8_GROUP_BYTES (16 * DD_Q8_0_BYTES)
 
-/* word 8k + w of a quad vector = word 9k + 1 + w of the quad's 72 bytes: from the 64 bytes at the
+/* word 8k + w of a Q4_0 quad vector = word 9k + 1 + w of the quad's 72 bytes: from the 64 bytes at the
  * quad (words 0..31) or the 64 at 8 bytes further (index 32 + word - 4) */
 static const uint16_t quad_words[32] = {
     1, 2, 3, 4, 5, 6, 7, 8, 10, 11, 12, 13, 14, 15, 16, 17,
     19, 20, 21, 22, 23, 24, 25, 26, 28, 29, 30, 31, 60, 61, 62, 63,
 };
 
-/* word L of the scale vector = the scale of block b = 4 (L % 4) + L / 4, word 9b of the group:
+/* word 8k + w of a Q8_0 quad vector of values 0-15 = word 17k + 1 + w of the 128 bytes at the quad; of values
+ * 16-31, word 17k + 5 + w of the 128 bytes 8 further (adding 4) */
+static const uint16_t q8_quad_words[32] = {
+    1, 2, 3, 4, 5, 6, 7, 8, 18, 19, 20, 21, 22, 23, 24, 25,
+    35, 36, 37, 38, 39, 40, 41, 42, 52, 53, 54, 55, 56, 57, 58, 59,
+};
+
+/* word L of the scale vector = the scale of block b = 4 (L % 4) + L / 4, word 9b of a Q4_0 group:
  * blocks 0-7 (L % 4 < 2) from words 0..63, blocks 8-15 from words 72..135 (index 9b - 72) */
 static const uint16_t scale_words[32] = { 0, 36, 0, 36, 9, 45, 9, 45, 18, 54, 18, 54, 27, 63, 27, 63 };
 #define SCALE_LANES_LOW 0x3333u
 
-/* offsets that touch each cache line of a group, wherever it starts: 288 bytes span 5 or 6 lines */
-static const short q4_group_lines[6] = { 0, 64, 128, 192, 256, Q4_GROUP_BYTES - 1 };
+/* Q8_0: block 4j + k's scale is word 17k of quad j's 128 bytes; lane L = 4k + j */
+static const uint16_t q8_scale_words[32] = { 0, 0, 0, 0, 17, 17, 17, 17, 34, 34, 34, 34, 51, 51, 51, 51 };
 
 /* acc[0..1] += dot * scale over 16 lanes in f64: int32 lanes times the f32 scales dw * da (exact,
  * 11 x 11 bits), each product exact in f64, so the fused add rounds as a plain one would. */
@@ -134,123 +145,138 @@ DD_INLINE float reduce_f64(const __m512d acc[2])
     return (float)_mm512_reduce_add_pd(_mm512_add_pd(acc[0], acc[1]));
 }
 
-/* One group of R rows (rows `rstride` bytes apart from grp) against C columns of group g. */
-DD_INLINE void q4_0_group_step(const uint8_t *grp, size_t rstride, const uint8_t *pf, size_t rb,
-                               const dd_acts *a, size_t c0, size_t g, __m512d acc[4][4][2], const int R, const int C)
+DD_INLINE size_t group_bytes(int wtype)
 {
-    const __m512i low = _mm512_set1_epi8(0x0f), sidx = _mm512_loadu_si512(scale_words);
-    const __m512i qidx = _mm512_loadu_si512(quad_words);
+    return wtype == DD_Q4_0 ? Q4_GROUP_BYTES : Q8_GROUP_BYTES;
+}
+
+/* Quad j of the group at p as unsigned bytes: lo's 128-bit lane k = values 0-15 of block 4j + k, hi's = values
+ * 16-31 (Q4_0: nibbles; Q8_0: int8 + 128). */
+DD_INLINE void group_quad(const uint8_t *p, int j, int wtype, __m512i *lo, __m512i *hi)
+{
+    if (wtype == DD_Q4_0) {
+        const __m512i low = _mm512_set1_epi8(0x0f);
+        const __m512i v = _mm512_permutex2var_epi16(_mm512_loadu_si512(p + 72 * j), _mm512_loadu_si512(quad_words),
+                                                    _mm512_loadu_si512(p + 72 * j + 8));
+        *lo = _mm512_and_si512(v, low);
+        *hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
+        return;
+    }
+    const __m512i flip = _mm512_set1_epi8((char)0x80), idx = _mm512_loadu_si512(q8_quad_words);
+    const uint8_t *q = p + 4 * j * DD_Q8_0_BYTES;
+    *lo = _mm512_xor_si512(_mm512_permutex2var_epi16(_mm512_loadu_si512(q), idx, _mm512_loadu_si512(q + 64)), flip);
+    *hi = _mm512_xor_si512(_mm512_permutex2var_epi16(_mm512_loadu_si512(q + 8),
+                                                     _mm512_add_epi16(idx, _mm512_set1_epi16(4)),
+                                                     _mm512_loadu_si512(q + 72)), flip);
+}
+
+/* The group's 16 scales in lane order (lane L: block 4 (L % 4) + L / 4), widened to f32. */
+DD_INLINE __m512 group_scales(const uint8_t *p, int wtype)
+{
+    if (wtype == DD_Q4_0) {
+        const __m512i sidx = _mm512_loadu_si512(scale_words);
+        const __m512i d = _mm512_or_si512(
+            _mm512_maskz_permutex2var_epi16(SCALE_LANES_LOW, _mm512_loadu_si512(p), sidx, _mm512_loadu_si512(p + 64)),
+            _mm512_maskz_permutex2var_epi16(~SCALE_LANES_LOW & 0xffffu, _mm512_loadu_si512(p + 144), sidx,
+                                            _mm512_loadu_si512(p + 208)));
+        return _mm512_cvtph_ps(_mm512_castsi512_si256(d));
+    }
+    const __m512i sidx = _mm512_loadu_si512(q8_scale_words);
+    __m512i d = _mm512_setzero_si512();
+    for (int j = 0; j < 4; j++) {
+        const uint8_t *q = p + 4 * j * DD_Q8_0_BYTES;
+        d = _mm512_or_si512(d, _mm512_maskz_permutex2var_epi16(0x1111u << j, _mm512_loadu_si512(q), sidx,
+                                                               _mm512_loadu_si512(q + 64)));
+    }
+    return _mm512_cvtph_ps(_mm512_castsi512_si256(d));
+}
+
+/* Column bias of a group's lanes for the weight type: dd_acts' gbias (-8 times each block's sum) for Q4_0's
+ * nibbles, 16 times that (-128 times the sum) for Q8_0's int8 + 128. */
+DD_INLINE __m512i group_bias(const int32_t *gbias, int wtype)
+{
+    const __m512i b = _mm512_load_si512(gbias);
+    return wtype == DD_Q4_0 ? b : _mm512_slli_epi32(b, 4);
+}
+
+/* Prefetch every line of the group of type wtype at p. */
+DD_INLINE void prefetch_group(const uint8_t *p, int wtype)
+{
+    const size_t bytes = group_bytes(wtype);
+    for (size_t at = 0; at < bytes; at += 64)
+        dd_prefetch_weight(p + at);
+    dd_prefetch_weight(p + bytes - 1);
+}
+
+/* One group of R rows (rows `rstride` bytes apart from grp) against C columns of group g. */
+DD_INLINE void group_step(const uint8_t *grp, size_t rstride, const uint8_t *pf, size_t rb, const dd_acts *a,
+                          size_t c0, size_t g, int wtype, __m512d acc[4][4][2], const int R, const int C)
+{
     /* unrolled, so that each row's accumulators stay in registers (GCC left the loop rolled, acc[r] on the stack) */
 #pragma GCC unroll 4
     for (int r = 0; r < R; r++) {
         const uint8_t *p = grp + r * rstride;
         if (pf != NULL)
-            for (int l = 0; l < 6; l++)
-                dd_prefetch_weight(pf + r * rb + g * Q4_GROUP_BYTES + q4_group_lines[l]);
+            prefetch_group(pf + r * rb + g * group_bytes(wtype), wtype);
         __m512i part[4][4];
         for (int j = 0; j < 4; j++) {
-            const __m512i v = _mm512_permutex2var_epi16(_mm512_loadu_si512(p + 72 * j), qidx,
-                                                        _mm512_loadu_si512(p + 72 * j + 8));
-            const __m512i lo = _mm512_and_si512(v, low), hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
+            __m512i lo, hi;
+            group_quad(p, j, wtype, &lo, &hi);
             for (int c = 0; c < C; c++) {
                 const int8_t *q = a->gq + (((c0 + c) * a->ng + g) * 8 + 2 * j) * 64;
                 part[c][j] = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), lo, _mm512_load_si512(q)),
                                                  hi, _mm512_load_si512(q + 64));
             }
         }
-        const __m512i d = _mm512_or_si512(
-            _mm512_maskz_permutex2var_epi16(SCALE_LANES_LOW, _mm512_loadu_si512(p), sidx, _mm512_loadu_si512(p + 64)),
-            _mm512_maskz_permutex2var_epi16(~SCALE_LANES_LOW & 0xffffu, _mm512_loadu_si512(p + 144), sidx,
-                                            _mm512_loadu_si512(p + 208)));
-        const __m512 dw = _mm512_cvtph_ps(_mm512_castsi512_si256(d));
+        const __m512 dw = group_scales(p, wtype);
         for (int c = 0; c < C; c++) {
             const size_t at = ((c0 + c) * a->ng + g) * 16;
-            const __m512i dot = _mm512_add_epi32(kq_transpose_add(part[c]), _mm512_load_si512(a->gbias + at));
+            const __m512i dot = _mm512_add_epi32(kq_transpose_add(part[c]), group_bias(a->gbias + at, wtype));
             acc_f64(acc[r][c], dot, _mm512_mul_ps(dw, _mm512_load_ps(a->gd + at)));
         }
     }
 }
 
-DD_INLINE void tile_q4_0(const uint8_t *w, const uint8_t *pf, size_t rb, const dd_acts *a, size_t c0, float *y,
-                         size_t ldy, const int R, const int C)
+DD_INLINE void tile_groups(const uint8_t *w, const uint8_t *pf, size_t rb, const dd_acts *a, size_t c0, float *y,
+                           size_t ldy, int wtype, const int R, const int C)
 {
-    const size_t full = a->nb / 16, rest = a->nb % 16;
+    const size_t full = a->nb / 16, rest = a->nb % 16, gb = group_bytes(wtype);
     __m512d acc[4][4][2];
     for (int r = 0; r < R; r++)
         for (int c = 0; c < C; c++)
             acc[r][c][0] = acc[r][c][1] = _mm512_setzero_pd();
     for (size_t g = 0; g < full; g++)
-        q4_0_group_step(w + g * Q4_GROUP_BYTES, rb, pf, rb, a, c0, g, acc, R, C);
+        group_step(w + g * gb, rb, pf, rb, a, c0, g, wtype, acc, R, C);
     if (rest) {
-        /* a short last group: copied into zeroed buffers (zero nibbles meet zero padding values) */
-        uint8_t tail[4][Q4_GROUP_BYTES];
+        /* a short last group: copied into zeroed buffers (zero weights and scales meet zero padding values) */
+        uint8_t tail[4][Q8_GROUP_BYTES];
         for (int r = 0; r < R; r++) {
-            memset(tail[r], 0, Q4_GROUP_BYTES);
-            memcpy(tail[r], w + r * rb + full * Q4_GROUP_BYTES, rest * DD_Q4_0_BYTES);
+            memset(tail[r], 0, gb);
+            memcpy(tail[r], w + r * rb + full * gb, rest * (gb / 16));
         }
-        q4_0_group_step(tail[0], Q4_GROUP_BYTES, NULL, rb, a, c0, full, acc, R, C);
+        group_step(tail[0], Q8_GROUP_BYTES, NULL, rb, a, c0, full, wtype, acc, R, C);
     }
     for (int r = 0; r < R; r++)
         for (int c = 0; c < C; c++)
             y[(c0 + c) * ldy + r] = reduce_f64(acc[r][c]);
 }
 
-/* A Q8_0 block pair (68 bytes, or 34 for a lone last block) -> 64 bytes int8 + 128, two scales. */
-DD_INLINE void q8_0_pair(const uint8_t *p, int full, __m512i *qu, __m512 *dw)
+DD_INLINE void tile_q4_0(const uint8_t *w, const uint8_t *pf, size_t rb, const dd_acts *a, size_t c0, float *y,
+                         size_t ldy, const int R, const int C)
 {
-    __m256i lo = _mm256_loadu_si256((const __m256i *)(p + 2));
-    __m256i hi = full ? _mm256_loadu_si256((const __m256i *)(p + DD_Q8_0_BYTES + 2)) : _mm256_setzero_si256();
-    __m128i d0 = _mm_set1_epi16((short)dd_load_u16(p));
-    __m128i d1 = full ? _mm_set1_epi16((short)dd_load_u16(p + DD_Q8_0_BYTES)) : _mm_setzero_si128();
-    *qu = _mm512_xor_si512(_mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1), _mm512_set1_epi8((char)0x80));
-    *dw = _mm512_cvtph_ps(_mm256_inserti128_si256(_mm256_castsi128_si256(d0), d1, 1));
-}
-
-/* Q8_0 runs on block pairs: one Q8_0 block pair p of R rows x C columns,
- * acc[r][c] += (bias + wq . aq) * (dw * da), per lane. */
-DD_INLINE void q8_0_pair_step(const uint8_t *w, const uint8_t *pf, size_t rb, const dd_acts *a,
-                              size_t c0, size_t p, int full, __m512d acc[4][4][2], const int R, const int C)
-{
-    const size_t pair_bytes = 2 * DD_Q8_0_BYTES;
-    __m512i wq[4];
-    __m512 dw[4];
-    for (int r = 0; r < R; r++) {
-        dd_prefetch_weight(pf + r * rb + p * pair_bytes);
-        q8_0_pair(w + r * rb + p * pair_bytes, full, &wq[r], &dw[r]);
-    }
-    for (int c = 0; c < C; c++) {
-        const size_t col = (c0 + c) * a->nbp;
-        const __m512i aq = _mm512_load_si512(a->q + col * DD_QK + p * 64);
-        const __m512i bias = _mm512_load_si512(a->bias[DD_Q8_0] + col * 8 + p * 16);
-        const __m512 da = _mm512_load_ps(a->d + col * 8 + p * 16);
-        for (int r = 0; r < R; r++) {
-            __m512i dot = _mm512_dpbusd_epi32(bias, wq[r], aq);
-            acc_f64(acc[r][c], dot, _mm512_mul_ps(dw[r], da));
-        }
-    }
+    tile_groups(w, pf, rb, a, c0, y, ldy, DD_Q4_0, R, C);
 }
 
 DD_INLINE void tile_q8_0(const uint8_t *w, const uint8_t *pf, size_t rb, const dd_acts *a, size_t c0, float *y,
                          size_t ldy, const int R, const int C)
 {
-    __m512d acc[4][4][2];
-    for (int r = 0; r < R; r++)
-        for (int c = 0; c < C; c++)
-            acc[r][c][0] = acc[r][c][1] = _mm512_setzero_pd();
-    const size_t full_pairs = a->nb / 2;
-    for (size_t p = 0; p < full_pairs; p++)
-        q8_0_pair_step(w, pf, rb, a, c0, p, 1, acc, R, C);
-    if (a->nb & 1)
-        q8_0_pair_step(w, pf, rb, a, c0, full_pairs, 0, acc, R, C);
-    for (int r = 0; r < R; r++)
-        for (int c = 0; c < C; c++)
-            y[(c0 + c) * ldy + r] = reduce_f64(acc[r][c]);
+    tile_groups(w, pf, rb, a, c0, y, ldy, DD_Q8_0, R, C);
 }
 
 DD_DEFINE_GEMV(gemm_q4_0_gemv, tile_q4_0)
+DD_DEFINE_GEMV(gemm_q8_0_gemv, tile_q8_0)
 #include "q4_il_avx512.h"
 #include "q4_gemm_avx512.h"
-DD_DEFINE_GEMM(gemm_q8_0, tile_q8_0)
 
 /* R router rows x C tokens of dots_f32 (kernels.h) at once, so each loaded and widened row or token vector
  * serves several dots. Each dot keeps 4 f64 accumulators (values 8u .. 8u + 7 of every 32 in acc u, the
@@ -322,7 +348,7 @@ const dd_kernels dd_kernels_avx512vnni = {
     .quantize_q8_0 = quantize_q8_0,
     .gemm = { gemm_q4_0, gemm_q8_0, gemm_q4_K, gemm_q5_K, gemm_q6_K, DD_BQ_GEMMS, DD_LB_GEMMS, DD_IQ_GEMMS, gemm_mxfp4, gemm_bf16, gemm_f16,
               gemm_q4_0_il, gemm_mxfp4_il, gemm_q4_k_il, gemm_q2_k_rl, gemm_q3_k_rl },
-    .bias_mult = { 0, -128 },
+    .bias_mult = { 0, 0 },
     .q4_0_groups = 1,
     .dots_f32 = dots_f32,
 };

@@ -1,10 +1,10 @@
-/* The AVX-512 Q4_0 GEMM (m > 1, prefill) in one-row, eight-column tiles (included by kernels_avx512vnni.c
- * after its Q4_0 group helpers).
+/* The AVX-512 Q4_0 and Q8_0 GEMM (m > 1, prefill) in one-row, eight-column tiles (included by
+ * kernels_avx512vnni.c after its group helpers).
  *
- * A call unpacks its rows range by range, once: each stored group becomes 8 nibble vectors and its 16
- * scales widened to f64 (q4x_group, 640 bytes for 288 stored; a range's groups fill at most 192 KiB of
- * the stack and stay in L2). A tile then meets one unpacked row with up to 8 columns (q4_0_dot, the
- * scale, the f64 FMA), its accumulators in registers; the walk takes 8 columns at a time (their
+ * A call unpacks its rows range by range, once: each stored group becomes 8 vectors of unsigned weight bytes
+ * and its 16 scales widened to f64 (q4x_group, 640 bytes for 288 stored Q4_0 or 544 Q8_0 bytes; a range's
+ * groups fill at most 192 KiB of the stack and stay in L2). A tile then meets one unpacked row with up to 8
+ * columns (group_dot, the scale, the f64 FMA), its accumulators in registers; the walk takes 8 columns at a time (their
  * activations, ~20 KiB at k = 2048, stay in L1) against every row of the range. Each block's integer dot
  * is exact, so it equals the GEMV tile's (which sums the same products in another order). The GEMV's
  * scale is the f32 product dw da of two f16 values (<= 11 significant bits each, so exact in f32); here
@@ -31,9 +31,20 @@ static const uint16_t q4_dword_words[32] = {
 #define Q4_WIN_A 0x030f0f0fu   /* words of the lanes of blocks 0-6 */
 #define Q4_WIN_C 0xc0c00000u   /* of blocks 14, 15 */
 
-/* A group's nibbles (lo[t], hi[t]: vector t's low and high nibbles as bytes) and scales, in lane order. */
-DD_INLINE void q4_0_unpack(const uint8_t *p, __m512i lo[4], __m512i hi[4], __m512 *dw)
+/* A group's weight bytes in lane order (lo[t], hi[t]: values 4t .. 4t + 3 and 16 + 4t .. 19 + 4t of each
+ * block, as unsigned bytes: Q4_0 nibbles, Q8_0 int8 + 128) and its scales. Q4_0 gathers them by word permutes;
+ * Q8_0 transposes the GEMV's quad vectors (group_quad: block 4j + k in 128-bit lane k of quad j's vectors; the
+ * transpose leaves dword t of it in lane 4k + j of vector t). */
+DD_INLINE void group_unpack(const uint8_t *p, int wtype, __m512i lo[4], __m512i hi[4], __m512 *dw)
 {
+    *dw = group_scales(p, wtype);
+    if (wtype == DD_Q8_0) {
+        for (int j = 0; j < 4; j++)
+            group_quad(p, j, wtype, &lo[j], &hi[j]);
+        dd_lane_transpose4(lo);
+        dd_lane_transpose4(hi);
+        return;
+    }
     const __m512i low = _mm512_set1_epi8(0x0f), idx0 = _mm512_loadu_si512(q4_dword_words);
     const __m512i a0 = _mm512_loadu_si512(p), a1 = _mm512_loadu_si512(p + 64);
     const __m512i b0 = _mm512_loadu_si512(p + 128), b1 = _mm512_loadu_si512(p + 192);
@@ -47,20 +58,14 @@ DD_INLINE void q4_0_unpack(const uint8_t *p, __m512i lo[4], __m512i hi[4], __m51
         lo[t] = _mm512_and_si512(v, low);
         hi[t] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
     }
-    const __m512i sidx = _mm512_loadu_si512(scale_words);
-    const __m512i d = _mm512_or_si512(
-        _mm512_maskz_permutex2var_epi16(SCALE_LANES_LOW, a0, sidx, a1),
-        _mm512_maskz_permutex2var_epi16(~SCALE_LANES_LOW & 0xffffu, _mm512_loadu_si512(p + 144), sidx,
-                                        _mm512_loadu_si512(p + 208)));
-    *dw = _mm512_cvtph_ps(_mm512_castsi512_si256(d));
 }
 
-/* Column c's exact block dots of group g (the activation bias included), from q4_0_unpack's nibbles: two
- * chains of vpdpbusd (low and high nibbles) added at the end, an exact int32 sum in any order. */
-DD_INLINE __m512i q4_0_dot(const __m512i lo[4], const __m512i hi[4], const dd_acts *a, size_t c, size_t g)
+/* Column c's exact block dots of group g (the activation bias included), from group_unpack's bytes: two
+ * chains of vpdpbusd (values 0-15 and 16-31) added at the end, an exact int32 sum in any order. */
+DD_INLINE __m512i group_dot(const __m512i lo[4], const __m512i hi[4], const dd_acts *a, size_t c, size_t g, int wtype)
 {
     const int8_t *q = a->gq + (c * a->ng + g) * 8 * 64;
-    __m512i dlo = _mm512_load_si512(a->gbias + (c * a->ng + g) * 16), dhi = _mm512_setzero_si512();
+    __m512i dlo = group_bias(a->gbias + (c * a->ng + g) * 16, wtype), dhi = _mm512_setzero_si512();
     for (int t = 0; t < 4; t++) {
         dlo = _mm512_dpbusd_epi32(dlo, lo[t], _mm512_load_si512(q + 128 * t));
         dhi = _mm512_dpbusd_epi32(dhi, hi[t], _mm512_load_si512(q + 128 * t + 64));
@@ -70,15 +75,15 @@ DD_INLINE __m512i q4_0_dot(const __m512i lo[4], const __m512i hi[4], const dd_ac
 
 #define Q4_WIDE_COLS 8
 
-/* acc[c] += the f64 terms of group g of columns [c0, c0 + C) against one row's group: its nibbles (lo, hi)
+/* acc[c] += the f64 terms of group g of columns [c0, c0 + C) against one row's group: its bytes (lo, hi)
  * and its 16 scales widened to f64 (dw[0]: lanes 0-7, dw[1]: 8-15). */
-DD_INLINE void q4_0_columns(const __m512i lo[4], const __m512i hi[4], const __m512d dw[2], const dd_acts *a,
-                            size_t c0, size_t g, __m512d acc[Q4_WIDE_COLS][2], const int C)
+DD_INLINE void group_columns(const __m512i lo[4], const __m512i hi[4], const __m512d dw[2], const dd_acts *a,
+                             size_t c0, size_t g, int wtype, __m512d acc[Q4_WIDE_COLS][2], const int C)
 {
     /* unrolled: GCC keeps a rolled loop's accumulators on the stack (a load and store per column) */
 #pragma GCC unroll 8
     for (int c = 0; c < C; c++) {
-        const __m512i dot = q4_0_dot(lo, hi, a, c0 + c, g);
+        const __m512i dot = group_dot(lo, hi, a, c0 + c, g, wtype);
         const double *da = a->gd64 + ((c0 + c) * a->ng + g) * 16;
         acc[c][0] = _mm512_fmadd_pd(_mm512_cvtepi32_pd(_mm512_castsi512_si256(dot)),
                                     _mm512_mul_pd(dw[0], _mm512_load_pd(da)), acc[c][0]);
@@ -87,41 +92,42 @@ DD_INLINE void q4_0_columns(const __m512i lo[4], const __m512i hi[4], const __m5
     }
 }
 
-/* One stored group (Q4_0_GROUP_BYTES at grp) unpacked: its nibble vectors and widened scales. */
+/* One stored group (group_bytes at grp) unpacked: its weight vectors and widened scales. */
 typedef struct {
     __m512i lo[4], hi[4];
     __m512d dw[2];
 } q4x_group;
 
-DD_INLINE void q4x_unpack(const uint8_t *grp, q4x_group *e)
+DD_INLINE void q4x_unpack(const uint8_t *grp, int wtype, q4x_group *e)
 {
     __m512 dw;
-    q4_0_unpack(grp, e->lo, e->hi, &dw);
+    group_unpack(grp, wtype, e->lo, e->hi, &dw);
     e->dw[0] = _mm512_cvtps_pd(_mm512_castps512_ps256(dw));
     e->dw[1] = _mm512_cvtps_pd(_mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(dw), 1)));
 }
 
-/* Group g of row w unpacked into *e (a short last group padded with zero nibbles, as tile_q4_0: zero
- * nibbles meet zero padding values), prefetching pf's group g if pf is set. */
-DD_INLINE void q4x_unpack_group(const uint8_t *w, const uint8_t *pf, const dd_acts *a, size_t g, q4x_group *e)
+/* Group g of row w unpacked into *e (a short last group padded with zero blocks, as tile_groups: zero
+ * weights and scales meet zero padding values), prefetching pf's group g if pf is set. */
+DD_INLINE void q4x_unpack_group(const uint8_t *w, const uint8_t *pf, const dd_acts *a, size_t g, int wtype,
+                                q4x_group *e)
 {
+    const size_t gb = group_bytes(wtype);
     if (pf != NULL)
-        for (int l = 0; l < 6; l++)
-            dd_prefetch_weight(pf + g * Q4_GROUP_BYTES + q4_group_lines[l]);
+        prefetch_group(pf + g * gb, wtype);
     if (g < a->nb / 16) {
-        q4x_unpack(w + g * Q4_GROUP_BYTES, e);
+        q4x_unpack(w + g * gb, wtype, e);
         return;
     }
-    uint8_t tail[Q4_GROUP_BYTES];
-    memset(tail, 0, Q4_GROUP_BYTES);
-    memcpy(tail, w + g * Q4_GROUP_BYTES, (a->nb % 16) * DD_Q4_0_BYTES);
-    q4x_unpack(tail, e);
+    uint8_t tail[Q8_GROUP_BYTES];
+    memset(tail, 0, gb);
+    memcpy(tail, w + g * gb, (a->nb % 16) * (gb / 16));
+    q4x_unpack(tail, wtype, e);
 }
 
 /* One row against columns [c0, c0 + C) into y[(c0 + c) * ldy]: from its groups unpacked once per call (e,
  * ng of them) or, if e is NULL, from the stored row w, unpacked here (prefetching pf's row if set). */
 DD_INLINE void q4_0_wide_tile(const q4x_group *e, const uint8_t *w, const uint8_t *pf, const dd_acts *a, size_t c0,
-                              float *y, size_t ldy, const int C)
+                              float *y, size_t ldy, int wtype, const int C)
 {
     __m512d acc[Q4_WIDE_COLS][2];
     for (int c = 0; c < C; c++)
@@ -129,9 +135,9 @@ DD_INLINE void q4_0_wide_tile(const q4x_group *e, const uint8_t *w, const uint8_
     for (size_t g = 0; g < a->ng; g++) {
         q4x_group own;
         if (e == NULL)
-            q4x_unpack_group(w, pf, a, g, &own);
+            q4x_unpack_group(w, pf, a, g, wtype, &own);
         const q4x_group *x = e != NULL ? e + g : &own;
-        q4_0_columns(x->lo, x->hi, x->dw, a, c0, g, acc, C);
+        group_columns(x->lo, x->hi, x->dw, a, c0, g, wtype, acc, C);
     }
     for (int c = 0; c < C; c++)
         y[(c0 + c) * ldy] = reduce_f64(acc[c]);
@@ -140,28 +146,29 @@ DD_INLINE void q4_0_wide_tile(const q4x_group *e, const uint8_t *w, const uint8_
 /* Rows [0, nrows) against columns [c0, c0 + C): from e (row r's groups at e + r * ng) or, e NULL, from
  * the stored rows, prefetching DD_PREFETCH_ROWS rows ahead on the first column pass. */
 DD_INLINE void q4_0_wide_rows(const q4x_group *e, const uint8_t *w, size_t rb, size_t nrows, size_t rows_avail,
-                              const dd_acts *a, size_t c0, float *y, size_t ldy, const int C)
+                              const dd_acts *a, size_t c0, float *y, size_t ldy, int wtype, const int C)
 {
     for (size_t r = 0; r < nrows; r++)
         q4_0_wide_tile(e != NULL ? e + r * a->ng : NULL, w + r * rb,
-                       e == NULL && c0 == 0 ? DD_PREFETCH_BASE(w, rb, r, 1, rows_avail) : NULL, a, c0, y + r, ldy, C);
+                       e == NULL && c0 == 0 ? DD_PREFETCH_BASE(w, rb, r, 1, rows_avail) : NULL, a, c0, y + r, ldy,
+                       wtype, C);
 }
 
 /* Rows [0, nrows) against every column, in 8-column blocks and then the 1-7 left over. */
 DD_INLINE void q4_0_wide_blocks(const q4x_group *e, const uint8_t *w, size_t rb, size_t nrows, size_t rows_avail,
-                                const dd_acts *a, float *y, size_t ldy)
+                                const dd_acts *a, float *y, size_t ldy, int wtype)
 {
     size_t c0 = 0;
     for (; c0 + Q4_WIDE_COLS <= a->m; c0 += Q4_WIDE_COLS)
-        q4_0_wide_rows(e, w, rb, nrows, rows_avail, a, c0, y, ldy, Q4_WIDE_COLS);
+        q4_0_wide_rows(e, w, rb, nrows, rows_avail, a, c0, y, ldy, wtype, Q4_WIDE_COLS);
     switch (a->m - c0) {
-    case 7: q4_0_wide_rows(e, w, rb, nrows, rows_avail, a, c0, y, ldy, 7); break;
-    case 6: q4_0_wide_rows(e, w, rb, nrows, rows_avail, a, c0, y, ldy, 6); break;
-    case 5: q4_0_wide_rows(e, w, rb, nrows, rows_avail, a, c0, y, ldy, 5); break;
-    case 4: q4_0_wide_rows(e, w, rb, nrows, rows_avail, a, c0, y, ldy, 4); break;
-    case 3: q4_0_wide_rows(e, w, rb, nrows, rows_avail, a, c0, y, ldy, 3); break;
-    case 2: q4_0_wide_rows(e, w, rb, nrows, rows_avail, a, c0, y, ldy, 2); break;
-    case 1: q4_0_wide_rows(e, w, rb, nrows, rows_avail, a, c0, y, ldy, 1); break;
+    case 7: q4_0_wide_rows(e, w, rb, nrows, rows_avail, a, c0, y, ldy, wtype, 7); break;
+    case 6: q4_0_wide_rows(e, w, rb, nrows, rows_avail, a, c0, y, ldy, wtype, 6); break;
+    case 5: q4_0_wide_rows(e, w, rb, nrows, rows_avail, a, c0, y, ldy, wtype, 5); break;
+    case 4: q4_0_wide_rows(e, w, rb, nrows, rows_avail, a, c0, y, ldy, wtype, 4); break;
+    case 3: q4_0_wide_rows(e, w, rb, nrows, rows_avail, a, c0, y, ldy, wtype, 3); break;
+    case 2: q4_0_wide_rows(e, w, rb, nrows, rows_avail, a, c0, y, ldy, wtype, 2); break;
+    case 1: q4_0_wide_rows(e, w, rb, nrows, rows_avail, a, c0, y, ldy, wtype, 1); break;
     default: break;
     }
 }
@@ -169,21 +176,17 @@ DD_INLINE void q4_0_wide_blocks(const q4x_group *e, const uint8_t *w, size_t rb,
 /* The unpacked groups of one row range (stack): 192 KiB, ~88 KiB of stored weights, in L2. */
 #define Q4X_GROUPS (192 * 1024 / sizeof(q4x_group))
 
-/* The dd_gemm_fn of kernels.h: gemm_q4_0_gemv (the 4-row tiles) for m == 1; else row ranges whose groups
- * are unpacked once per call (each stored group read and unpacked once, not once per 8 columns) and met
- * by every column block; a row longer than Q4X_GROUPS groups (k > 150,000 values) is unpacked per
- * 8 columns instead. Every path runs q4_0_columns on the same unpacked values: the same bits. */
-static void gemm_q4_0(const uint8_t *w, size_t row_bytes, size_t nrows, size_t rows_avail, const dd_acts *a,
-                      float *y, size_t ldy)
+/* The GEMM (m > 1) of a Q4_0 or Q8_0 matrix: row ranges whose groups are unpacked once per call (each stored
+ * group read and unpacked once, not once per 8 columns) and met by every column block; a row longer than
+ * Q4X_GROUPS groups (k > 150,000 values) is unpacked per 8 columns instead. Every path runs group_columns on
+ * the same unpacked values: the same bits. */
+DD_INLINE void groups_gemm(const uint8_t *w, size_t row_bytes, size_t nrows, size_t rows_avail, const dd_acts *a,
+                           float *y, size_t ldy, int wtype)
 {
-    if (a->m == 1) {
-        gemm_q4_0_gemv(w, row_bytes, nrows, rows_avail, a, y, ldy);
-        return;
-    }
     dd_prefetch_rows(w, row_bytes, nrows < DD_PREFETCH_ROWS ? nrows : DD_PREFETCH_ROWS);
     dd_prefetched_next[0] = dd_prefetched_next[1] = NULL;
     if (a->ng > Q4X_GROUPS) {
-        q4_0_wide_blocks(NULL, w, row_bytes, nrows, rows_avail, a, y, ldy);
+        q4_0_wide_blocks(NULL, w, row_bytes, nrows, rows_avail, a, y, ldy, wtype);
         return;
     }
     q4x_group e[Q4X_GROUPS];
@@ -194,18 +197,38 @@ static void gemm_q4_0(const uint8_t *w, size_t row_bytes, size_t nrows, size_t r
             const size_t at = r0 + r, ahead = at + DD_PREFETCH_ROWS;
             for (size_t g = 0; g < a->ng; g++)
                 q4x_unpack_group(w + at * row_bytes, ahead < rows_avail ? w + ahead * row_bytes : NULL, a, g,
-                                 e + r * a->ng + g);
+                                 wtype, e + r * a->ng + g);
         }
-        q4_0_wide_blocks(e, w + r0 * row_bytes, row_bytes, nr, rows_avail - r0, a, y + r0, ldy);
+        q4_0_wide_blocks(e, w + r0 * row_bytes, row_bytes, nr, rows_avail - r0, a, y + r0, ldy, wtype);
     }
+}
+
+/* The dd_gemm_fns of kernels.h for Q4_0 and Q8_0: the GEMV's 4-row tiles (tile_groups) for m == 1, else
+ * groups_gemm, the same lane order and FMA sequence: the bits of the one-column call. */
+static void gemm_q4_0(const uint8_t *w, size_t row_bytes, size_t nrows, size_t rows_avail, const dd_acts *a,
+                      float *y, size_t ldy)
+{
+    if (a->m == 1)
+        gemm_q4_0_gemv(w, row_bytes, nrows, rows_avail, a, y, ldy);
+    else
+        groups_gemm(w, row_bytes, nrows, rows_avail, a, y, ldy, DD_Q4_0);
+}
+
+static void gemm_q8_0(const uint8_t *w, size_t row_bytes, size_t nrows, size_t rows_avail, const dd_acts *a,
+                      float *y, size_t ldy)
+{
+    if (a->m == 1)
+        gemm_q8_0_gemv(w, row_bytes, nrows, rows_avail, a, y, ldy);
+    else
+        groups_gemm(w, row_bytes, nrows, rows_avail, a, y, ldy, DD_Q8_0);
 }
 
 /* Interleaved stripes (DD_Q4_0_IL) read directly: a stripe's group g (16 blocks of 8 rows, 144 bytes each)
  * becomes its 8 rows' q4x_groups with no row-major copy between. A block holds its 8 rows' f16 scales in
- * bytes 0..15, then dword 8 q + r of its runs = bytes 4 q .. 4 q + 3 of row r. q4_0_unpack wants, for row r,
+ * bytes 0..15, then dword 8 q + r of its runs = bytes 4 q .. 4 q + 3 of row r. group_unpack wants, for row r,
  * lane L = block 4 (L % 4) + L / 4's dword. So 16 bytes from each of the 16 blocks are gathered four blocks
  * to a vector (vector k, 128-bit lane j: block 4 k + j), and a 4 x 4 dword transpose within the 128-bit
- * lanes leaves dword m of every block in lane order in output m. The values are those q4_0_unpack takes
+ * lanes leaves dword m of every block in lane order in output m. The values are those group_unpack takes
  * from the same row's row-major bytes, so every product keeps its bits. */
 
 /* Output m (m = 0..3), lane 4 j + k: dword m of the 16 bytes at byte `at` of block 4 k + j (blocks of
@@ -281,7 +304,7 @@ __attribute__((noinline)) static void q4il_stripes(const uint8_t *w, size_t row_
             const uint8_t *pf = 8 * (at + 2) <= rows_avail ? w + (at + 1) * stripe : NULL;
             q4il_unpack_stripe(w + at * stripe, pf, a, e + 8 * s * a->ng);
         }
-        q4_0_wide_blocks(e, w + s0 * stripe, row_bytes, 8 * n, rows_avail - 8 * s0, a, y + 8 * s0, ldy);
+        q4_0_wide_blocks(e, w + s0 * stripe, row_bytes, 8 * n, rows_avail - 8 * s0, a, y + 8 * s0, ldy, DD_Q4_0);
     }
 }
 
