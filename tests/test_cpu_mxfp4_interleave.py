@@ -45,7 +45,7 @@ def test_numpy_twin_deinterleaves_the_layout(rng):
 
 
 @pytest.mark.parametrize("rows,k", [(5, 64), (8, 32), (13, 96), (69, 544), (41, 1056), (136, 2048), (29, 29120)])
-@pytest.mark.parametrize("m", [1, 2, 3, 8, 17])   # m > 1: the VNNI GEMV per column; elsewhere de-interleaved
+@pytest.mark.parametrize("m", [1, 2, 3, 8, 17])   # VNNI: up to 8 the GEMV per column; the rest de-interleaved
 def test_interleaved_matrix_has_the_row_major_bits(rows, k, m, rng):
     raw = random_bquant(rng, rows, k, MXFP4)
     x = (rng.standard_normal((m, k)) * rng.uniform(0.1, 10)).astype(np.float32)

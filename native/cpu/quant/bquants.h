@@ -464,12 +464,75 @@ DD_INLINE void dd_bq_tile(const uint8_t *w, const uint8_t *pf, size_t rb, const 
 #define DD_BQ_TILE_IQ4_XS(w, pf, rb, a, c0, y, ldy, R, C) dd_bq_tile(w, pf, rb, a, DD_IQ4_XS, c0, y, ldy, R, C)
 #define DD_BQ_TILE_MXFP4(w, pf, rb, a, c0, y, ldy, R, C) dd_bq_tile(w, pf, rb, a, DD_MXFP4, c0, y, ldy, R, C)
 
+#if DD_BQ_LEVEL >= 3
+/* The 8 blocks of a group as four vectors in value order for kqx_transpose (x[v]: blocks 2v | 2v + 1, each
+ * block's 32 values in order as unsigned bytes: q (Q4_1), q + 16 qh bit (Q5_0, Q5_1), kv + 128 (IQ4_NL,
+ * IQ4_XS, MXFP4)); the values dd_bq_dot8 meets the activations with. */
+DD_INLINE void dd_bq_values(const uint8_t *g, int wtype, __m512i x[4])
+{
+    const dd_bq_layout L = dd_bq_layout_of(wtype);
+    const __m512i low = _mm512_set1_epi8(0x0f), sixteen = _mm512_set1_epi8(0x10);
+    const __m512i code = _mm512_broadcast_i32x4(
+        _mm_loadu_si128((const __m128i *)(L.code == 2 ? dd_kvalues_mxfp4_u8 : dd_kvalues_iq4nl_u8)));
+    const __m512i order = _mm512_setr_epi64(0, 1, 4, 5, 2, 3, 6, 7);   /* [lo 2v | lo 2v+1 | hi 2v | hi 2v+1] */
+    for (int v = 0; v < 4; v++) {
+        const __m256i t = _mm256_inserti128_si256(
+            _mm256_castsi128_si256(_mm_loadu_si128((const __m128i *)dd_bq_qs(g, wtype, L, 2 * v))),
+            _mm_loadu_si128((const __m128i *)dd_bq_qs(g, wtype, L, 2 * v + 1)), 1);
+        __m512i w = _mm512_permutexvar_epi64(
+            order, _mm512_and_si512(_mm512_inserti64x4(_mm512_castsi256_si512(t), _mm256_srli_epi16(t, 4), 1), low));
+        if (L.qh >= 0)   /* byte j of block b's 32: bit j of its qh */
+            w = _mm512_mask_add_epi8(w, (__mmask64)dd_bq_qh(g, L, 2 * v) | (__mmask64)dd_bq_qh(g, L, 2 * v + 1) << 32,
+                                     w, sixteen);
+        x[v] = L.code ? _mm512_shuffle_epi8(code, w) : w;
+    }
+}
+
+/* Row r (0, 1) of a kqx_rows (kq_gemm_avx512.h) from a full group g: the values, d_i and m_i (f64; zero
+ * without mins), and for IQ4_XS ls_i - 32 in lanes 8r + i of sc[0]. kqx_tile then seeds the dots with the
+ * column's -16 S_i (Q5_0) or -128 S_i (the codebooks' + 128), multiplies IQ4_XS's by ls_i - 32, and takes the
+ * f64 terms of dd_bq_group, (d_i da_i) I_i and (Q4_1, Q5_1) (da_i S_i) m_i: each the same product (MXFP4's
+ * scale the same f32 product), in the same order, so the bits of the tiles above. */
+DD_INLINE void dd_bq_expand_row(const uint8_t *g, int wtype, int r, kqx_rows *e)
+{
+    __m512i x[4];
+    dd_bq_values(g, wtype, x);
+    kqx_transpose(x, 0, (uint8_t *)e->q + 32 * r, sizeof(__m512i));
+    dd_v8f dw, mw;
+    dd_v8i mult;
+    dd_bq_scales(g, wtype, 8, &dw, &mw, &mult);
+    e->s[r][0] = _mm512_cvtps_pd((__m256)dw);
+    e->s[r][1] = _mm512_cvtps_pd((__m256)mw);
+    if (wtype == DD_IQ4_XS)
+        _mm256_storeu_si256((__m256i *)((int32_t *)e->sc + 8 * r), (__m256i)mult);
+}
+
+/* The product of a type above: m > 1 columns of whole groups (k a multiple of 256) that kqx_gemm's buffers hold
+ * go to kqx_gemm (each row expanded once per call), the rest to the tiles. */
+#define DD_BQ_GEMM(NAME, TYPE, TILES)                                                                           \
+    DD_DEFINE_GEMM(TILES, DD_BQ_TILE_##TYPE)                                                                    \
+    static void NAME(const uint8_t *w, size_t row_bytes, size_t nrows, size_t rows_avail, const dd_acts *a,    \
+                     float *y, size_t ldy)                                                                      \
+    {                                                                                                           \
+        if (a->m > 1 && a->nb % 8 == 0 && KQX_FITS(a))                                                         \
+            kqx_gemm(w, row_bytes, nrows, rows_avail, a, y, ldy, DD_##TYPE, 2);                                 \
+        else                                                                                                    \
+            TILES(w, row_bytes, nrows, rows_avail, a, y, ldy);                                                  \
+    }
+DD_BQ_GEMM(gemm_q4_1, Q4_1, tiles_q4_1)
+DD_BQ_GEMM(gemm_q5_0, Q5_0, tiles_q5_0)
+DD_BQ_GEMM(gemm_q5_1, Q5_1, tiles_q5_1)
+DD_BQ_GEMM(gemm_iq4_nl, IQ4_NL, tiles_iq4_nl)
+DD_BQ_GEMM(gemm_iq4_xs, IQ4_XS, tiles_iq4_xs)
+DD_BQ_GEMM(gemm_mxfp4, MXFP4, tiles_mxfp4)
+#else
 DD_DEFINE_GEMM(gemm_q4_1, DD_BQ_TILE_Q4_1)
 DD_DEFINE_GEMM(gemm_q5_0, DD_BQ_TILE_Q5_0)
 DD_DEFINE_GEMM(gemm_q5_1, DD_BQ_TILE_Q5_1)
 DD_DEFINE_GEMM(gemm_iq4_nl, DD_BQ_TILE_IQ4_NL)
 DD_DEFINE_GEMM(gemm_iq4_xs, DD_BQ_TILE_IQ4_XS)
 DD_DEFINE_GEMM(gemm_mxfp4, DD_BQ_TILE_MXFP4)
+#endif
 
 /* The kernel table's entries for these types, in enum order (DD_Q4_1 .. DD_IQ4_XS). */
 #define DD_BQ_GEMMS gemm_q4_1, gemm_q5_0, gemm_q5_1, gemm_iq4_nl, gemm_iq4_xs

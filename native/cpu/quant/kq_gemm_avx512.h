@@ -22,6 +22,8 @@
  * |bs_i| < 2^12: at most 46 bits), so each term is the same f64 value, and an FMA of an exact
  * product rounds as the separate add does. The lanes are in block order and reduced by the same
  * tree, so every output keeps the bits of the GEMV (m == 1), of every ISA level and thread count.
+ * bquants.h's 32-value block types (Q4_1, Q5_0, Q5_1, IQ4_NL, IQ4_XS, MXFP4) take the same walk with a
+ * group of 8 blocks as the super-block and that file's terms (dd_bq_expand_row).
  */
 #ifndef DELTADESK_KQ_GEMM_AVX512_H
 #define DELTADESK_KQ_GEMM_AVX512_H
@@ -31,16 +33,37 @@
 
 typedef struct {
     __m512i q[8];      /* vector t, int32 lane 8r + i: row r's quants 4t .. 4t + 3 of block i */
-    __m512i sc[2];     /* Q6_K: lane 8r + i of sc[h] = row r's scale of half h of block i */
-    __m512d s[2][2];   /* row r: Q4_K / Q5_K {d sc_i, dmin m_i}; Q6_K {d, unused} */
+    __m512i sc[2];     /* Q6_K: lane 8r + i of sc[h] = row r's scale of half h of block i; IQ4_XS: of sc[0],
+                        * row r's ls_i - 32 */
+    __m512d s[2][2];   /* row r: Q4_K / Q5_K {d sc_i, dmin m_i}; Q6_K {d, unused}; bquants.h's {d_i, m_i} */
 } kqx_rows;            /* one super-block of a row pair */
 
 typedef struct {
     uint8_t q[8][32];  /* row t, dword i: the column's values 4t .. 4t + 3 of block i */
     __m512d da;        /* lane i: block i's scale */
-    __m512d dab;       /* Q4_K / Q5_K: da_i times the sum of block i's values */
-    __m512i s32;       /* Q6_K: lane 8h + i = 32 times the sum of half h of block i */
+    __m512d dab;       /* all but Q6_K: da_i times the sum of block i's values */
+    __m512i s32;       /* Q6_K: lane 8h + i = 32 times the sum of half h of block i; Q5_0 and the codebook
+                        * types: lanes i and 8 + i = the seed of block i's dots, -16 (Q5_0) or -128 (codes + 128)
+                        * times its sum */
 } kqx_col;             /* one super-block of a column */
+
+/* The 32-value block types of bquants.h that take these products too: a group of 8 blocks (IQ4_XS: its
+ * super-block) is a super-block here, block i in lane i. bquants.h (included after this file) expands their
+ * rows and gives a group's bytes. */
+DD_INLINE int kqx_bq(int wtype)
+{
+    return wtype == DD_Q4_1 || wtype == DD_Q5_0 || wtype == DD_Q5_1 || wtype == DD_IQ4_NL || wtype == DD_IQ4_XS
+           || wtype == DD_MXFP4;
+}
+
+/* The bquants.h types whose dots start from a seed (kqx_col.s32). */
+DD_INLINE int kqx_seeded(int wtype)
+{
+    return wtype == DD_Q5_0 || wtype == DD_IQ4_NL || wtype == DD_IQ4_XS || wtype == DD_MXFP4;
+}
+
+DD_INLINE void dd_bq_expand_row(const uint8_t *g, int wtype, int r, kqx_rows *e);
+DD_INLINE size_t dd_bq_group_bytes(int wtype);
 
 #define KQX_W_SB (KQX_W_BYTES / sizeof(kqx_rows))
 #define KQX_A_SB (KQX_A_BYTES / sizeof(kqx_col))
@@ -112,22 +135,32 @@ DD_INLINE void kqx_col_prep(const dd_acts *a, size_t b0, int wtype, kqx_col *p)
         x[v] = _mm512_loadu_si512(a->q + (b0 + 2 * v) * DD_QK);
     kqx_transpose(x, 0, p->q[0], 32);
     p->da = _mm512_cvtps_pd(_mm256_loadu_ps(a->bd + b0));
+    const __m256i bs = _mm256_loadu_si256((const __m256i *)(a->bs + b0));
     if (wtype == DD_Q6_K)
         p->s32 = _mm512_slli_epi32(
             _mm512_permutexvar_epi32(_mm512_loadu_si512(kqx_halves_idx), _mm512_loadu_si512(a->s16 + 2 * b0)), 5);
     else
-        p->dab = _mm512_mul_pd(p->da, _mm512_cvtepi32_pd(_mm256_loadu_si256((const __m256i *)(a->bs + b0))));
+        p->dab = _mm512_mul_pd(p->da, _mm512_cvtepi32_pd(bs));
+    if (kqx_seeded(wtype))
+        p->s32 = _mm512_broadcast_i64x4(_mm256_mullo_epi32(bs, _mm256_set1_epi32(wtype == DD_Q5_0 ? -16 : -128)));
 }
 
 /* acc[r] += the f64 terms of row r (0, 1) of pair e's super-block against column p, from the
- * pair's integers (Q4_K / Q5_K: S_i, Q6_K: I_i; row r in lanes 8r .. 8r + 7). */
+ * pair's integers (Q4_K / Q5_K: S_i, Q6_K and bquants.h's types: I_i; row r in lanes 8r .. 8r + 7): then
+ * Q4_K / Q5_K take off (da_i bs_i)(dmin m_i), Q4_1 / Q5_1 add (da_i bs_i) m_i, bquants.h's (m_i da_i) S_i.
+ * MXFP4's scale is bquants.h's f32 product da_i d_i (exact unless beyond the f32 range; then its rounding). */
 DD_INLINE void kqx_terms(const kqx_rows *e, const kqx_col *p, __m512i ints, int wtype, __m512d acc[2])
 {
     for (int r = 0; r < 2; r++) {
         const __m512d s = _mm512_cvtepi32_pd(r ? _mm512_extracti64x4_epi64(ints, 1) : _mm512_castsi512_si256(ints));
-        acc[r] = _mm512_fmadd_pd(_mm512_mul_pd(p->da, e->s[r][0]), s, acc[r]);
-        if (wtype != DD_Q6_K)
+        const __m512d scale = wtype == DD_MXFP4 ? _mm512_cvtps_pd(_mm256_mul_ps(_mm512_cvtpd_ps(p->da),
+                                                                                _mm512_cvtpd_ps(e->s[r][0])))
+                                                : _mm512_mul_pd(p->da, e->s[r][0]);
+        acc[r] = _mm512_fmadd_pd(scale, s, acc[r]);
+        if (wtype == DD_Q4_K || wtype == DD_Q5_K)
             acc[r] = _mm512_fnmadd_pd(p->dab, e->s[r][1], acc[r]);
+        else if (wtype == DD_Q4_1 || wtype == DD_Q5_1)
+            acc[r] = _mm512_fmadd_pd(p->dab, e->s[r][1], acc[r]);
     }
 }
 
@@ -193,6 +226,10 @@ DD_INLINE void kqx_tile(const kqx_rows *e, const kqx_col *cols, size_t nsb, int 
             cp[c] = cols + (c < C ? c : 0) * nsb + sb;
         __m512i s[2][4], s1[2][4];
         kqx_zero(s, P, C);
+        if (kqx_seeded(wtype))
+            for (int pp = 0; pp < P; pp++)
+                for (int c = 0; c < C; c++)
+                    s[pp][c] = _mm512_load_si512(&cp[c]->s32);
         kqx_dots(ep, cp, 0, s, P, C);
         if (wtype == DD_Q6_K) {
             kqx_q6_half(ep, cp, 0, s, P, C);
@@ -205,6 +242,10 @@ DD_INLINE void kqx_tile(const kqx_rows *e, const kqx_col *cols, size_t nsb, int 
         } else {
             kqx_dots(ep, cp, 4, s, P, C);
         }
+        if (wtype == DD_IQ4_XS)
+            for (int pp = 0; pp < P; pp++)
+                for (int c = 0; c < C; c++)
+                    s[pp][c] = _mm512_mullo_epi32(s[pp][c], ep[pp]->sc[0]);
         for (int pp = 0; pp < P; pp++)
             for (int c = 0; c < C; c++)
                 kqx_terms(ep[pp], cp[c], s[pp][c], wtype, acc[pp][c]);
@@ -283,7 +324,8 @@ DD_INLINE void kqx_gemm(const uint8_t *w, size_t rb, size_t nrows, size_t rows_a
     kqx_rows e[KQX_W_SB];
     kqx_col cols[KQX_A_SB];
     const size_t nsb = a->nb / 8, range = KQX_W_SB / nsb * 2;
-    const size_t bytes = wtype == DD_Q4_K ? DD_Q4_K_BYTES : wtype == DD_Q5_K ? DD_Q5_K_BYTES : DD_Q6_K_BYTES;
+    const size_t bytes = kqx_bq(wtype) ? dd_bq_group_bytes(wtype) : wtype == DD_Q4_K ? DD_Q4_K_BYTES
+                         : wtype == DD_Q5_K ? DD_Q5_K_BYTES : DD_Q6_K_BYTES;
     for (size_t r = 0; r < DD_PREFETCH_ROWS && r < nrows; r++)   /* the first rows, all in flight at once */
         kqx_prefetch_row(w, rb, r, rows_avail);
     for (size_t r0 = 0; r0 < nrows; r0 += range) {
@@ -293,8 +335,14 @@ DD_INLINE void kqx_gemm(const uint8_t *w, size_t rb, size_t nrows, size_t rows_a
             kqx_prefetch_row(w, rb, r0 + 2 * p + 1 + DD_PREFETCH_ROWS, rows_avail);
             for (size_t sb = 0; sb < nsb; sb++) {
                 const uint8_t *blk = w + (r0 + 2 * p) * rb + sb * bytes;
-                kqx_expand_row(blk, wtype, 0, &e[p * nsb + sb]);
-                kqx_expand_row(2 * p + 1 < nr ? blk + rb : kqx_zero_block, wtype, 1, &e[p * nsb + sb]);
+                const uint8_t *next = 2 * p + 1 < nr ? blk + rb : kqx_zero_block;
+                if (kqx_bq(wtype)) {
+                    dd_bq_expand_row(blk, wtype, 0, &e[p * nsb + sb]);
+                    dd_bq_expand_row(next, wtype, 1, &e[p * nsb + sb]);
+                } else {
+                    kqx_expand_row(blk, wtype, 0, &e[p * nsb + sb]);
+                    kqx_expand_row(next, wtype, 1, &e[p * nsb + sb]);
+                }
             }
         }
         kqx_range(e, np, nr, a, cols, y + r0, ldy, wtype, P);
