@@ -103,7 +103,7 @@ def test_matmul_is_within_the_q8_0_activation_rounding_of_the_float_product(leve
 def test_results_bit_identical_across_levels_threads_and_tiles(qtype, blocks, rng):
     """Every level, 1-3 threads, one column alone or in a batch, and the numpy twin: the same bits. 21 blocks
     leave a short 8-block group; 24 are whole groups, which AVX-512 multiplies by kq_gemm_avx512.h's expanded
-    rows when there are several columns (IQ4_XS: 3 and 4 super-blocks, whole either way)."""
+    rows from 3 columns on (IQ4_XS: 3 and 4 super-blocks, whole either way)."""
     k = 32 * blocks if quant.block_size(qtype) == 32 else 256 * (blocks // 6)
     raw = random_bquant(rng, 301, k, qtype)                    # several thread chunks, a ragged last one
     assert_same_bits_everywhere(raw, k, qtype, rng)

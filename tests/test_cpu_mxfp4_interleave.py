@@ -44,7 +44,8 @@ def test_numpy_twin_deinterleaves_the_layout(rng):
     np.testing.assert_array_equal(deinterleave_np(layout_np(raw, MXFP4), MXFP4), raw)
 
 
-@pytest.mark.parametrize("rows,k", [(5, 64), (8, 32), (13, 96), (69, 544), (41, 1056), (136, 2048), (29, 29120)])
+@pytest.mark.parametrize("rows,k", [(5, 64), (8, 32), (13, 96), (69, 544), (41, 1056), (136, 2048), (13, 2048),
+                                    (29, 29120)])
 @pytest.mark.parametrize("m", [1, 2, 3, 8, 17])   # VNNI: up to 8 the GEMV per column; the rest de-interleaved
 def test_interleaved_matrix_has_the_row_major_bits(rows, k, m, rng):
     raw = random_bquant(rng, rows, k, MXFP4)

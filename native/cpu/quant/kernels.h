@@ -149,7 +149,7 @@ typedef struct {
     void (*quantize_q8_0)(const float *x, size_t nb, uint8_t *out);
     dd_gemm_fn gemm[DD_WTYPE_COUNT];
     int bias_mult[DD_WTYPE_COUNT];   /* 0: the kernel does not read acts.bias */
-    int q4_0_groups;                 /* 1: the Q4_0 kernel reads the group layout of dd_acts */
+    int q4_0_groups;                 /* 1: the Q4_0 and Q8_0 kernels read the group layout of dd_acts */
     /* out[t * ldo + e] = the f32 rounding of the f64 sum of w_e[i] x_t[i] (every product exact), w_e = w + e * n
      * for e < nw (the streamed f32 rows: the router), x_t = x + t * n for t < nx (the reused tokens); each
      * dot by the same instruction sequence wherever it falls, so a token's logits do not depend on nw, nx

@@ -248,7 +248,8 @@ DD_INLINE void tile_groups(const uint8_t *w, const uint8_t *pf, size_t rb, const
     for (size_t g = 0; g < full; g++)
         group_step(w + g * gb, rb, pf, rb, a, c0, g, wtype, acc, R, C);
     if (rest) {
-        /* a short last group: copied into zeroed buffers (zero weights and scales meet zero padding values) */
+        /* a short last group: copied into zeroed buffers (the padding weights, Q8_0's 128 after the flip, meet
+         * zero activations, bias and scales) */
         uint8_t tail[4][Q8_GROUP_BYTES];
         for (int r = 0; r < R; r++) {
             memset(tail[r], 0, gb);

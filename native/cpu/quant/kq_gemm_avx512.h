@@ -23,7 +23,8 @@
  * product rounds as the separate add does. The lanes are in block order and reduced by the same
  * tree, so every output keeps the bits of the GEMV (m == 1), of every ISA level and thread count.
  * bquants.h's 32-value block types (Q4_1, Q5_0, Q5_1, IQ4_NL, IQ4_XS, MXFP4) take the same walk with a
- * group of 8 blocks as the super-block and that file's terms (dd_bq_expand_row).
+ * group of 8 blocks as the super-block and that file's terms (dd_bq_expand_row); lowbit.h's IQ types
+ * (IQ1_S .. IQ3_S) Q6_K's, with their offset for 32 and their d (dd_lb_expand_row).
  */
 #ifndef DELTADESK_KQ_GEMM_AVX512_H
 #define DELTADESK_KQ_GEMM_AVX512_H
@@ -33,18 +34,18 @@
 
 typedef struct {
     __m512i q[8];      /* vector t, int32 lane 8r + i: row r's quants 4t .. 4t + 3 of block i */
-    __m512i sc[2];     /* Q6_K: lane 8r + i of sc[h] = row r's scale of half h of block i; IQ4_XS: of sc[0],
-                        * row r's ls_i - 32 */
-    __m512d s[2][2];   /* row r: Q4_K / Q5_K {d sc_i, dmin m_i}; Q6_K {d, unused}; bquants.h's {d_i, m_i} */
+    __m512i sc[2];     /* Q6_K and the IQ types: lane 8r + i of sc[h] = row r's scale of half h of block i;
+                        * IQ4_XS: of sc[0], row r's ls_i - 32 */
+    __m512d s[2][2];   /* row r: Q4_K / Q5_K {d sc_i, dmin m_i}; Q6_K, IQ types {d, unused}; bquants.h's {d_i, m_i} */
 } kqx_rows;            /* one super-block of a row pair */
 
 typedef struct {
     uint8_t q[8][32];  /* row t, dword i: the column's values 4t .. 4t + 3 of block i */
     __m512d da;        /* lane i: block i's scale */
     __m512d dab;       /* all but Q6_K: da_i times the sum of block i's values */
-    __m512i s32;       /* Q6_K: lane 8h + i = 32 times the sum of half h of block i; Q5_0 and the codebook
-                        * types: lanes i and 8 + i = the seed of block i's dots, -16 (Q5_0) or -128 (codes + 128)
-                        * times its sum */
+    __m512i s32;       /* Q6_K (IQ types): lane 8h + i = 32 (the type's offset) times the sum of half h of
+                        * block i; Q5_0 and the codebook types: lanes i and 8 + i = the seed of block i's dots,
+                        * -16 (Q5_0) or -128 (codes + 128) times its sum */
 } kqx_col;             /* one super-block of a column */
 
 /* The 32-value block types of bquants.h that take these products too: a group of 8 blocks (IQ4_XS: its
@@ -64,6 +65,18 @@ DD_INLINE int kqx_seeded(int wtype)
 
 DD_INLINE void dd_bq_expand_row(const uint8_t *g, int wtype, int r, kqx_rows *e);
 DD_INLINE size_t dd_bq_group_bytes(int wtype);
+
+/* The IQ types of lowbit.h (included after this file, which expands their rows and gives their sizes and
+ * offsets) take the Q6_K walk: half sums less the offset times the activations' half sums, times the half
+ * scales. */
+DD_INLINE int kqx_lb(int wtype)
+{
+    return wtype >= DD_IQ2_XXS && wtype <= DD_IQ1_M;
+}
+
+DD_INLINE void dd_lb_expand_row(const uint8_t *blk, int wtype, int r, kqx_rows *e);
+DD_INLINE size_t dd_lb_bytes(int wtype);
+DD_INLINE int dd_lb_offset(int wtype);
 
 #define KQX_W_SB (KQX_W_BYTES / sizeof(kqx_rows))
 #define KQX_A_SB (KQX_A_BYTES / sizeof(kqx_col))
@@ -136,11 +149,14 @@ DD_INLINE void kqx_col_prep(const dd_acts *a, size_t b0, int wtype, kqx_col *p)
     kqx_transpose(x, 0, p->q[0], 32);
     p->da = _mm512_cvtps_pd(_mm256_loadu_ps(a->bd + b0));
     const __m256i bs = _mm256_loadu_si256((const __m256i *)(a->bs + b0));
-    if (wtype == DD_Q6_K)
-        p->s32 = _mm512_slli_epi32(
-            _mm512_permutexvar_epi32(_mm512_loadu_si512(kqx_halves_idx), _mm512_loadu_si512(a->s16 + 2 * b0)), 5);
-    else
+    if (wtype == DD_Q6_K || kqx_lb(wtype)) {
+        const __m512i s = _mm512_permutexvar_epi32(_mm512_loadu_si512(kqx_halves_idx),
+                                                   _mm512_loadu_si512(a->s16 + 2 * b0));
+        p->s32 = wtype == DD_Q6_K ? _mm512_slli_epi32(s, 5)
+                                  : _mm512_mullo_epi32(s, _mm512_set1_epi32(dd_lb_offset(wtype)));
+    } else {
         p->dab = _mm512_mul_pd(p->da, _mm512_cvtepi32_pd(bs));
+    }
     if (kqx_seeded(wtype))
         p->s32 = _mm512_broadcast_i64x4(_mm256_mullo_epi32(bs, _mm256_set1_epi32(wtype == DD_Q5_0 ? -16 : -128)));
 }
@@ -231,7 +247,7 @@ DD_INLINE void kqx_tile(const kqx_rows *e, const kqx_col *cols, size_t nsb, int 
                 for (int c = 0; c < C; c++)
                     s[pp][c] = _mm512_load_si512(&cp[c]->s32);
         kqx_dots(ep, cp, 0, s, P, C);
-        if (wtype == DD_Q6_K) {
+        if (wtype == DD_Q6_K || kqx_lb(wtype)) {
             kqx_q6_half(ep, cp, 0, s, P, C);
             kqx_zero(s1, P, C);
             kqx_dots(ep, cp, 4, s1, P, C);
@@ -324,8 +340,8 @@ DD_INLINE void kqx_gemm(const uint8_t *w, size_t rb, size_t nrows, size_t rows_a
     kqx_rows e[KQX_W_SB];
     kqx_col cols[KQX_A_SB];
     const size_t nsb = a->nb / 8, range = KQX_W_SB / nsb * 2;
-    const size_t bytes = kqx_bq(wtype) ? dd_bq_group_bytes(wtype) : wtype == DD_Q4_K ? DD_Q4_K_BYTES
-                         : wtype == DD_Q5_K ? DD_Q5_K_BYTES : DD_Q6_K_BYTES;
+    const size_t bytes = kqx_bq(wtype) ? dd_bq_group_bytes(wtype) : kqx_lb(wtype) ? dd_lb_bytes(wtype)
+                         : wtype == DD_Q4_K ? DD_Q4_K_BYTES : wtype == DD_Q5_K ? DD_Q5_K_BYTES : DD_Q6_K_BYTES;
     for (size_t r = 0; r < DD_PREFETCH_ROWS && r < nrows; r++)   /* the first rows, all in flight at once */
         kqx_prefetch_row(w, rb, r, rows_avail);
     for (size_t r0 = 0; r0 < nrows; r0 += range) {
@@ -339,6 +355,9 @@ DD_INLINE void kqx_gemm(const uint8_t *w, size_t rb, size_t nrows, size_t rows_a
                 if (kqx_bq(wtype)) {
                     dd_bq_expand_row(blk, wtype, 0, &e[p * nsb + sb]);
                     dd_bq_expand_row(next, wtype, 1, &e[p * nsb + sb]);
+                } else if (kqx_lb(wtype)) {
+                    dd_lb_expand_row(blk, wtype, 0, &e[p * nsb + sb]);
+                    dd_lb_expand_row(next, wtype, 1, &e[p * nsb + sb]);
                 } else {
                     kqx_expand_row(blk, wtype, 0, &e[p * nsb + sb]);
                     kqx_expand_row(next, wtype, 1, &e[p * nsb + sb]);

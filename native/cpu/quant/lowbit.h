@@ -240,6 +240,50 @@ DD_INLINE void dd_lb_gemm_unpacked(const uint8_t *w, size_t rb, size_t nrows, co
     }
 }
 
+#ifdef DD_LB_K_IN_REGISTERS
+/* Row r (0, 1) of a kqx_rows (kq_gemm_avx512.h) from an IQ super-block: DD_IQ_UNPACK's unsigned values, the
+ * half scales in lanes 8r + i of sc[h], d in f64 lanes. kqx_tile then forms dd_lb_terms' I_b = sum_h sc_h
+ * (S_h - off s16_h) (the column's off s16 in its s32) and the term (d da_i) I_b (an exact product either way:
+ * 11 significant bits of d, the f16 da), in the same order: the bits of the tiles. */
+DD_INLINE void dd_lb_expand_row(const uint8_t *blk, int wtype, int r, kqx_rows *e)
+{
+    uint8_t q[DD_QK_K] __attribute__((aligned(64)));
+    int16_t sc[16];
+    float d;
+    DD_IQ_UNPACK(blk, wtype, q, sc, &d);
+    __m512i x[4];
+    for (int v = 0; v < 4; v++)
+        x[v] = _mm512_load_si512(q + 64 * v);
+    kqx_transpose(x, 0, (uint8_t *)e->q + 32 * r, sizeof(__m512i));
+    const __m512i s = _mm512_permutexvar_epi32(_mm512_loadu_si512(kqx_halves_idx),
+                                               _mm512_cvtepi16_epi32(_mm256_loadu_si256((const __m256i *)sc)));
+    int32_t *lanes = (int32_t *)e->sc + 8 * r;
+    _mm256_storeu_si256((__m256i *)lanes, _mm512_castsi512_si256(s));
+    _mm256_storeu_si256((__m256i *)(lanes + 16), _mm512_extracti64x4_epi64(s, 1));
+    e->s[r][0] = _mm512_set1_pd(d);
+    e->s[r][1] = _mm512_setzero_pd();
+}
+
+/* m > 1 columns of rows kqx_gemm's buffers hold: every row expanded once per call for the K-quant walk; longer
+ * rows unpacked once per call (dd_lb_gemm_unpacked); one column by the tiles. */
+#define DD_LB_GEMM_OF(NAME, WTYPE)                                                                \
+    DD_INLINE void NAME##_tile(const uint8_t *w, const uint8_t *pf, size_t rb, const dd_acts *a, size_t c0, \
+                               float *y, size_t ldy, const int R, const int C)                        \
+    {                                                                                             \
+        dd_lb_tile(w, pf, rb, a, WTYPE, c0, y, ldy, R, C);                                        \
+    }                                                                                             \
+    DD_DEFINE_GEMM(NAME##_tiles, NAME##_tile)                                                     \
+    static void NAME(const uint8_t *w, size_t rb, size_t nrows, size_t rows_avail, const dd_acts *a, float *y, \
+                     size_t ldy)                                                                  \
+    {                                                                                             \
+        if (a->m > 1 && KQX_FITS(a))                                                              \
+            kqx_gemm(w, rb, nrows, rows_avail, a, y, ldy, WTYPE, 2);                              \
+        else if (a->m > 1 && DD_LB_FITS(a))                                                       \
+            dd_lb_gemm_unpacked(w, rb, nrows, a, y, ldy, WTYPE);                                  \
+        else                                                                                      \
+            NAME##_tiles(w, rb, nrows, rows_avail, a, y, ldy);                                    \
+    }
+#else
 #define DD_LB_GEMM_OF(NAME, WTYPE)                                                                \
     DD_INLINE void NAME##_tile(const uint8_t *w, const uint8_t *pf, size_t rb, const dd_acts *a, size_t c0, \
                                float *y, size_t ldy, const int R, const int C)                        \
@@ -252,6 +296,7 @@ DD_INLINE void dd_lb_gemm_unpacked(const uint8_t *w, size_t rb, size_t nrows, co
     }                                                                                             \
     DD_DEFINE_GEMM(NAME##_tiles, NAME##_tile)                                                     \
     DD_DEFINE_GEMM_SPLIT(NAME, NAME##_tiles, DD_LB_FITS, NAME##_unpacked)
+#endif
 
 #ifndef DD_LB_K_IN_REGISTERS
 DD_LB_GEMM_OF(gemm_q2_K, DD_Q2_K)

@@ -106,8 +106,9 @@ DD_INLINE void q4x_unpack(const uint8_t *grp, int wtype, q4x_group *e)
     e->dw[1] = _mm512_cvtps_pd(_mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(dw), 1)));
 }
 
-/* Group g of row w unpacked into *e (a short last group padded with zero blocks, as tile_groups: zero
- * weights and scales meet zero padding values), prefetching pf's group g if pf is set. */
+/* Group g of row w unpacked into *e (a short last group padded with zero blocks, as tile_groups: their
+ * weights (Q8_0: 128 after the flip) meet zero padding values, bias and scales), prefetching pf's group g if
+ * pf is set. */
 DD_INLINE void q4x_unpack_group(const uint8_t *w, const uint8_t *pf, const dd_acts *a, size_t g, int wtype,
                                 q4x_group *e)
 {
@@ -173,12 +174,13 @@ DD_INLINE void q4_0_wide_blocks(const q4x_group *e, const uint8_t *w, size_t rb,
     }
 }
 
-/* The unpacked groups of one row range (stack): 192 KiB, ~88 KiB of stored weights, in L2. */
+/* The unpacked groups of one row range (stack): 192 KiB (307 groups: ~88 KiB of stored Q4_0, ~163 KiB of Q8_0),
+ * in L2. */
 #define Q4X_GROUPS (192 * 1024 / sizeof(q4x_group))
 
 /* The GEMM (m > 1) of a Q4_0 or Q8_0 matrix: row ranges whose groups are unpacked once per call (each stored
  * group read and unpacked once, not once per 8 columns) and met by every column block; a row longer than
- * Q4X_GROUPS groups (k > 150,000 values) is unpacked per 8 columns instead. Every path runs group_columns on
+ * Q4X_GROUPS groups (k > 157,184 values) is unpacked per 8 columns instead. Every path runs group_columns on
  * the same unpacked values: the same bits. */
 DD_INLINE void groups_gemm(const uint8_t *w, size_t row_bytes, size_t nrows, size_t rows_avail, const dd_acts *a,
                            float *y, size_t ldy, int wtype)

@@ -206,8 +206,8 @@ static void deil_q4_0(uint8_t *dst, const uint8_t *src, size_t stripes, size_t r
  * time and the row-major tail by gemm_mxfp4. The GEMV reads only a column's pair-layout values and compact sums
  * and scales (dd_acts), the same in a one-column preparation, so column c's results are its one-column
  * product's bits, which are the row-major kernel's; a chunk's stripes stay in L2 from one column to the next.
- * More columns: the stripes de-interleaved a few at a time for gemm_mxfp4 (its expanded-row GEMM, bquants.h),
- * the same bits again. */
+ * More columns: the stripes de-interleaved a few at a time for gemm_mxfp4 (on rows of whole groups that fit,
+ * its expanded-row GEMM, bquants.h), the same bits again. */
 static void gemm_mxfp4_il(const uint8_t *w, size_t row_bytes, size_t nrows, size_t rows_avail, const dd_acts *a,
                           float *y, size_t ldy)
 {
