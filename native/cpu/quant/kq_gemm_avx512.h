@@ -29,23 +29,26 @@
 #ifndef DELTADESK_KQ_GEMM_AVX512_H
 #define DELTADESK_KQ_GEMM_AVX512_H
 
-#define KQX_W_BYTES (256 * 1024)   /* expanded row pairs of one row range (stack) */
+#define KQX_W_BYTES (292 * 1024)   /* expanded row pairs of one row range (stack): 292, a stripe of rows (kqx_gemm_il)
+                                     * as long as KQX_FITS lets in (73 super-blocks) */
 #define KQX_A_BYTES (128 * 1024)   /* arranged columns of one column block (stack) */
 
 typedef struct {
     __m512i q[8];      /* vector t, int32 lane 8r + i: row r's quants 4t .. 4t + 3 of block i */
-    __m512i sc[2];     /* Q6_K and the IQ types: lane 8r + i of sc[h] = row r's scale of half h of block i;
+    __m512i sc[2];     /* Q6_K and lowbit.h's types: lane 8r + i of sc[h] = row r's scale of half h of block i;
                         * IQ4_XS: of sc[0], row r's ls_i - 32 */
-    __m512d s[2][2];   /* row r: Q4_K / Q5_K {d sc_i, dmin m_i}; Q6_K, IQ types {d, unused}; bquants.h's {d_i, m_i} */
+    __m512i mn[2];     /* Q2_K: lane 8r + i of mn[h] = row r's min of half h of block i */
+    __m512d s[2][2];   /* row r: Q4_K / Q5_K {d sc_i, dmin m_i}; Q6_K, lowbit.h's {d, dmin or unused};
+                        * bquants.h's {d_i, m_i} */
 } kqx_rows;            /* one super-block of a row pair */
 
 typedef struct {
     uint8_t q[8][32];  /* row t, dword i: the column's values 4t .. 4t + 3 of block i */
     __m512d da;        /* lane i: block i's scale */
     __m512d dab;       /* all but Q6_K: da_i times the sum of block i's values */
-    __m512i s32;       /* Q6_K (IQ types): lane 8h + i = 32 (the type's offset) times the sum of half h of
-                        * block i; Q5_0 and the codebook types: lanes i and 8 + i = the seed of block i's dots,
-                        * -16 (Q5_0) or -128 (codes + 128) times its sum */
+    __m512i s32;       /* Q6_K (Q3_K, IQ types): lane 8h + i = 32 (the type's offset) times the sum of half h of
+                        * block i; Q2_K: the sum itself; Q5_0 and the codebook types: lanes i and 8 + i = the
+                        * seed of block i's dots, -16 (Q5_0) or -128 (codes + 128) times its sum */
 } kqx_col;             /* one super-block of a column */
 
 /* The 32-value block types of bquants.h that take these products too: a group of 8 blocks (IQ4_XS: its
@@ -66,12 +69,12 @@ DD_INLINE int kqx_seeded(int wtype)
 DD_INLINE void dd_bq_expand_row(const uint8_t *g, int wtype, int r, kqx_rows *e);
 DD_INLINE size_t dd_bq_group_bytes(int wtype);
 
-/* The IQ types of lowbit.h (included after this file, which expands their rows and gives their sizes and
- * offsets) take the Q6_K walk: half sums less the offset times the activations' half sums, times the half
- * scales. */
+/* The types of lowbit.h (Q2_K, Q3_K and the IQ types; it is included after this file, expands their rows and
+ * gives their sizes and offsets) take the Q6_K walk: half sums less the offset times the activations' half
+ * sums, times the half scales; Q2_K (offset 0) then takes off its mins' term. */
 DD_INLINE int kqx_lb(int wtype)
 {
-    return wtype >= DD_IQ2_XXS && wtype <= DD_IQ1_M;
+    return wtype == DD_Q2_K || wtype == DD_Q3_K || (wtype >= DD_IQ2_XXS && wtype <= DD_IQ1_M);
 }
 
 DD_INLINE void dd_lb_expand_row(const uint8_t *blk, int wtype, int r, kqx_rows *e);
@@ -80,6 +83,7 @@ DD_INLINE int dd_lb_offset(int wtype);
 
 #define KQX_W_SB (KQX_W_BYTES / sizeof(kqx_rows))
 #define KQX_A_SB (KQX_A_BYTES / sizeof(kqx_col))
+_Static_assert(KQX_W_SB >= 4 * (KQX_A_SB / 4), "a stripe of the longest rows kqx_gemm takes must fit its buffer");
 
 /* Stage 1 of the transpose, lane 4u + i of output s = dword 4s + u of block i of a quad of blocks
  * held in two vectors (x, y): order 0 = value order (x: blocks 0 | 1, y: 2 | 3), index
@@ -153,7 +157,7 @@ DD_INLINE void kqx_col_prep(const dd_acts *a, size_t b0, int wtype, kqx_col *p)
         const __m512i s = _mm512_permutexvar_epi32(_mm512_loadu_si512(kqx_halves_idx),
                                                    _mm512_loadu_si512(a->s16 + 2 * b0));
         p->s32 = wtype == DD_Q6_K ? _mm512_slli_epi32(s, 5)
-                                  : _mm512_mullo_epi32(s, _mm512_set1_epi32(dd_lb_offset(wtype)));
+                 : wtype == DD_Q2_K ? s : _mm512_mullo_epi32(s, _mm512_set1_epi32(dd_lb_offset(wtype)));
     } else {
         p->dab = _mm512_mul_pd(p->da, _mm512_cvtepi32_pd(bs));
     }
@@ -162,10 +166,11 @@ DD_INLINE void kqx_col_prep(const dd_acts *a, size_t b0, int wtype, kqx_col *p)
 }
 
 /* acc[r] += the f64 terms of row r (0, 1) of pair e's super-block against column p, from the
- * pair's integers (Q4_K / Q5_K: S_i, Q6_K and bquants.h's types: I_i; row r in lanes 8r .. 8r + 7): then
- * Q4_K / Q5_K take off (da_i bs_i)(dmin m_i), Q4_1 / Q5_1 add (da_i bs_i) m_i, bquants.h's (m_i da_i) S_i.
- * MXFP4's scale is bquants.h's f32 product da_i d_i (exact unless beyond the f32 range; then its rounding). */
-DD_INLINE void kqx_terms(const kqx_rows *e, const kqx_col *p, __m512i ints, int wtype, __m512d acc[2])
+ * pair's integers (Q4_K / Q5_K: S_i, the others: I_i; row r in lanes 8r .. 8r + 7): then Q4_K / Q5_K take
+ * off (da_i bs_i)(dmin m_i), Q4_1 / Q5_1 add (da_i bs_i) m_i, bquants.h's (m_i da_i) S_i, and Q2_K takes off
+ * (dmin da_i) M_i (its mins' integers, mins). MXFP4's scale is bquants.h's f32 product da_i d_i (exact unless
+ * beyond the f32 range; then its rounding). */
+DD_INLINE void kqx_terms(const kqx_rows *e, const kqx_col *p, __m512i ints, __m512i mins, int wtype, __m512d acc[2])
 {
     for (int r = 0; r < 2; r++) {
         const __m512d s = _mm512_cvtepi32_pd(r ? _mm512_extracti64x4_epi64(ints, 1) : _mm512_castsi512_si256(ints));
@@ -177,6 +182,10 @@ DD_INLINE void kqx_terms(const kqx_rows *e, const kqx_col *p, __m512i ints, int 
             acc[r] = _mm512_fnmadd_pd(p->dab, e->s[r][1], acc[r]);
         else if (wtype == DD_Q4_1 || wtype == DD_Q5_1)
             acc[r] = _mm512_fmadd_pd(p->dab, e->s[r][1], acc[r]);
+        else if (wtype == DD_Q2_K)
+            acc[r] = _mm512_fnmadd_pd(_mm512_mul_pd(p->da, e->s[r][1]),
+                                      _mm512_cvtepi32_pd(r ? _mm512_extracti64x4_epi64(mins, 1)
+                                                           : _mm512_castsi512_si256(mins)), acc[r]);
     }
 }
 
@@ -199,14 +208,16 @@ DD_INLINE void kqx_zero(__m512i s[2][4], const int P, const int C)
             s[pp][c] = _mm512_setzero_si512();
 }
 
-/* Q6_K: the pairs' integer sums of half h, minus 32 s_h, times sc_h. */
-DD_INLINE void kqx_q6_half(const kqx_rows *const e[2], const kqx_col *const p[4], int h, __m512i s[2][4],
+/* Q6_K and lowbit.h's types: the pairs' integer sums of half h, minus the offset times s_h (none for Q2_K),
+ * times sc_h. */
+DD_INLINE void kqx_q6_half(const kqx_rows *const e[2], const kqx_col *const p[4], int h, int wtype, __m512i s[2][4],
                            const int P, const int C)
 {
     for (int c = 0; c < C; c++) {
         const __m512i s32 = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)&p[c]->s32 + h));
         for (int pp = 0; pp < P; pp++)
-            s[pp][c] = _mm512_mullo_epi32(_mm512_sub_epi32(s[pp][c], s32), e[pp]->sc[h]);
+            s[pp][c] = _mm512_mullo_epi32(wtype == DD_Q2_K ? s[pp][c] : _mm512_sub_epi32(s[pp][c], s32),
+                                          e[pp]->sc[h]);
     }
 }
 
@@ -248,10 +259,10 @@ DD_INLINE void kqx_tile(const kqx_rows *e, const kqx_col *cols, size_t nsb, int 
                     s[pp][c] = _mm512_load_si512(&cp[c]->s32);
         kqx_dots(ep, cp, 0, s, P, C);
         if (wtype == DD_Q6_K || kqx_lb(wtype)) {
-            kqx_q6_half(ep, cp, 0, s, P, C);
+            kqx_q6_half(ep, cp, 0, wtype, s, P, C);
             kqx_zero(s1, P, C);
             kqx_dots(ep, cp, 4, s1, P, C);
-            kqx_q6_half(ep, cp, 1, s1, P, C);
+            kqx_q6_half(ep, cp, 1, wtype, s1, P, C);
             for (int pp = 0; pp < P; pp++)
                 for (int c = 0; c < C; c++)
                     s[pp][c] = _mm512_add_epi32(s[pp][c], s1[pp][c]);
@@ -263,8 +274,14 @@ DD_INLINE void kqx_tile(const kqx_rows *e, const kqx_col *cols, size_t nsb, int 
                 for (int c = 0; c < C; c++)
                     s[pp][c] = _mm512_mullo_epi32(s[pp][c], ep[pp]->sc[0]);
         for (int pp = 0; pp < P; pp++)
-            for (int c = 0; c < C; c++)
-                kqx_terms(ep[pp], cp[c], s[pp][c], wtype, acc[pp][c]);
+            for (int c = 0; c < C; c++) {
+                __m512i mins = _mm512_setzero_si512();
+                if (wtype == DD_Q2_K)   /* M_i = sum over halves h of mn_h s_h */
+                    for (int h = 0; h < 2; h++)
+                        mins = _mm512_add_epi32(mins, _mm512_mullo_epi32(ep[pp]->mn[h], _mm512_broadcast_i64x4(
+                                                    _mm256_loadu_si256((const __m256i *)&cp[c]->s32 + h))));
+                kqx_terms(ep[pp], cp[c], s[pp][c], mins, wtype, acc[pp][c]);
+            }
     }
     __m512d v[16];
     float out[16];

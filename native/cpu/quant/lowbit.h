@@ -241,27 +241,53 @@ DD_INLINE void dd_lb_gemm_unpacked(const uint8_t *w, size_t rb, size_t nrows, co
 }
 
 #ifdef DD_LB_K_IN_REGISTERS
-/* Row r (0, 1) of a kqx_rows (kq_gemm_avx512.h) from an IQ super-block: DD_IQ_UNPACK's unsigned values, the
- * half scales in lanes 8r + i of sc[h], d in f64 lanes. kqx_tile then forms dd_lb_terms' I_b = sum_h sc_h
- * (S_h - off s16_h) (the column's off s16 in its s32) and the term (d da_i) I_b (an exact product either way:
- * 11 significant bits of d, the f16 da), in the same order: the bits of the tiles. */
-DD_INLINE void dd_lb_expand_row(const uint8_t *blk, int wtype, int r, kqx_rows *e)
+/* The 16 int16 half values v (half 2i + h: block i's half h) to lanes 8r + i of out[h]. */
+DD_INLINE void dd_lb_halves(__m256i v, int r, __m512i out[2])
 {
-    uint8_t q[DD_QK_K] __attribute__((aligned(64)));
-    int16_t sc[16];
-    float d;
-    DD_IQ_UNPACK(blk, wtype, q, sc, &d);
-    __m512i x[4];
-    for (int v = 0; v < 4; v++)
-        x[v] = _mm512_load_si512(q + 64 * v);
-    kqx_transpose(x, 0, (uint8_t *)e->q + 32 * r, sizeof(__m512i));
-    const __m512i s = _mm512_permutexvar_epi32(_mm512_loadu_si512(kqx_halves_idx),
-                                               _mm512_cvtepi16_epi32(_mm256_loadu_si256((const __m256i *)sc)));
-    int32_t *lanes = (int32_t *)e->sc + 8 * r;
+    const __m512i s = _mm512_permutexvar_epi32(_mm512_loadu_si512(kqx_halves_idx), _mm512_cvtepi16_epi32(v));
+    int32_t *lanes = (int32_t *)out + 8 * r;
     _mm256_storeu_si256((__m256i *)lanes, _mm512_castsi512_si256(s));
     _mm256_storeu_si256((__m256i *)(lanes + 16), _mm512_extracti64x4_epi64(s, 1));
-    e->s[r][0] = _mm512_set1_pd(d);
-    e->s[r][1] = _mm512_setzero_pd();
+}
+
+/* Row r (0, 1) of a kqx_rows (kq_gemm_avx512.h) from a super-block: the unsigned values (Q2_K, Q3_K: lb_load_q2 /
+ * lb_load_q3's vectors in value order, Q2_K's fourfold ones divided by 4; the IQ types: DD_IQ_UNPACK's), the half
+ * scales (Q2_K: and mins) in lanes 8r + i of sc[h] (mn[h]), d and dmin in f64 lanes. kqx_tile then forms
+ * dd_lb_terms' I_b = sum_h sc_h (S_h - off s16_h) and M_b = sum_h mn_h s16_h, and the terms (d da_i) I_b and
+ * (Q2_K) -(dmin da_i) M_b (exact products either way: 11 significant bits of d and dmin, the f16 da), in the
+ * same order: the bits of the tiles. */
+DD_INLINE void dd_lb_expand_row(const uint8_t *blk, int wtype, int r, kqx_rows *e)
+{
+    __m512i x[4];
+    if (wtype == DD_Q2_K || wtype == DD_Q3_K) {
+        lb_row u;
+        if (wtype == DD_Q2_K) {
+            lb_load_q2(blk, &u);
+            u.w[1] = _mm512_srli_epi16(u.w[1], 2);   /* 4 q, bits 2-3 of each byte: exact */
+            u.w[3] = _mm512_srli_epi16(u.w[3], 2);
+            dd_lb_halves(u.mn, r, e->mn);
+        } else {
+            lb_load_q3(blk, &u);
+        }
+        for (int v = 0; v < 2; v++) {   /* values 64v .., 128 + 64v ..: the low, high halves of w[2v], w[2v + 1] */
+            x[v] = _mm512_shuffle_i64x2(u.w[2 * v], u.w[2 * v + 1], _MM_SHUFFLE(1, 0, 1, 0));
+            x[2 + v] = _mm512_shuffle_i64x2(u.w[2 * v], u.w[2 * v + 1], _MM_SHUFFLE(3, 2, 3, 2));
+        }
+        dd_lb_halves(u.sc, r, e->sc);
+        e->s[r][0] = _mm512_set1_pd(_mm256_cvtss_f32(u.d));
+        e->s[r][1] = _mm512_set1_pd(wtype == DD_Q2_K ? _mm256_cvtss_f32(u.dmin) : 0.0);
+    } else {
+        uint8_t q[DD_QK_K] __attribute__((aligned(64)));
+        int16_t sc[16];
+        float d;
+        DD_IQ_UNPACK(blk, wtype, q, sc, &d);
+        for (int v = 0; v < 4; v++)
+            x[v] = _mm512_load_si512(q + 64 * v);
+        dd_lb_halves(_mm256_loadu_si256((const __m256i *)sc), r, e->sc);
+        e->s[r][0] = _mm512_set1_pd(d);
+        e->s[r][1] = _mm512_setzero_pd();
+    }
+    kqx_transpose(x, 0, (uint8_t *)e->q + 32 * r, sizeof(__m512i));
 }
 
 /* m > 1 columns of rows kqx_gemm's buffers hold: every row expanded once per call for the K-quant walk; longer
