@@ -37,7 +37,7 @@ typedef struct {
     __m512i q[8];      /* vector t, int32 lane 8r + i: row r's quants 4t .. 4t + 3 of block i */
     __m512i sc[2];     /* Q6_K and lowbit.h's types: lane 8r + i of sc[h] = row r's scale of half h of block i;
                         * IQ4_XS: of sc[0], row r's ls_i - 32 */
-    __m512i mn[2];     /* Q2_K: lane 8r + i of mn[h] = row r's min of half h of block i */
+    __m512i mn;        /* Q2_K: lane 8r + i = row r's mins of halves 0 and 1 of block i (int16 pairs) */
     __m512d s[2][2];   /* row r: Q4_K / Q5_K {d sc_i, dmin m_i}; Q6_K, lowbit.h's {d, dmin or unused};
                         * bquants.h's {d_i, m_i} */
 } kqx_rows;            /* one super-block of a row pair */
@@ -47,8 +47,9 @@ typedef struct {
     __m512d da;        /* lane i: block i's scale */
     __m512d dab;       /* all but Q6_K: da_i times the sum of block i's values */
     __m512i s32;       /* Q6_K (Q3_K, IQ types): lane 8h + i = 32 (the type's offset) times the sum of half h of
-                        * block i; Q2_K: the sum itself; Q5_0 and the codebook types: lanes i and 8 + i = the
-                        * seed of block i's dots, -16 (Q5_0) or -128 (codes + 128) times its sum */
+                        * block i; Q2_K: lanes i and 8 + i = the sums of block i's halves 0 and 1 (int16 pairs);
+                        * Q5_0 and the codebook types: lanes i and 8 + i = the seed of block i's dots, -16 (Q5_0)
+                        * or -128 (codes + 128) times its sum */
 } kqx_col;             /* one super-block of a column */
 
 /* The 32-value block types of bquants.h that take these products too: a group of 8 blocks (IQ4_XS: its
@@ -157,7 +158,8 @@ DD_INLINE void kqx_col_prep(const dd_acts *a, size_t b0, int wtype, kqx_col *p)
         const __m512i s = _mm512_permutexvar_epi32(_mm512_loadu_si512(kqx_halves_idx),
                                                    _mm512_loadu_si512(a->s16 + 2 * b0));
         p->s32 = wtype == DD_Q6_K ? _mm512_slli_epi32(s, 5)
-                 : wtype == DD_Q2_K ? s : _mm512_mullo_epi32(s, _mm512_set1_epi32(dd_lb_offset(wtype)));
+                 : wtype == DD_Q2_K ? _mm512_broadcast_i64x4(_mm512_cvtepi32_epi16(_mm512_loadu_si512(a->s16 + 2 * b0)))
+                                    : _mm512_mullo_epi32(s, _mm512_set1_epi32(dd_lb_offset(wtype)));
     } else {
         p->dab = _mm512_mul_pd(p->da, _mm512_cvtepi32_pd(bs));
     }
@@ -274,12 +276,9 @@ DD_INLINE void kqx_tile(const kqx_rows *e, const kqx_col *cols, size_t nsb, int 
                 for (int c = 0; c < C; c++)
                     s[pp][c] = _mm512_mullo_epi32(s[pp][c], ep[pp]->sc[0]);
         for (int pp = 0; pp < P; pp++)
-            for (int c = 0; c < C; c++) {
-                __m512i mins = _mm512_setzero_si512();
-                if (wtype == DD_Q2_K)   /* M_i = sum over halves h of mn_h s_h */
-                    for (int h = 0; h < 2; h++)
-                        mins = _mm512_add_epi32(mins, _mm512_mullo_epi32(ep[pp]->mn[h], _mm512_broadcast_i64x4(
-                                                    _mm256_loadu_si256((const __m256i *)&cp[c]->s32 + h))));
+            for (int c = 0; c < C; c++) {   /* Q2_K: M_i = mn_0 s_0 + mn_1 s_1, one vpmaddwd (|s_h| < 2^11) */
+                const __m512i mins = wtype == DD_Q2_K ? _mm512_madd_epi16(ep[pp]->mn, cp[c]->s32)
+                                                      : _mm512_setzero_si512();
                 kqx_terms(ep[pp], cp[c], s[pp][c], mins, wtype, acc[pp][c]);
             }
     }

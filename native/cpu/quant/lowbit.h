@@ -252,10 +252,10 @@ DD_INLINE void dd_lb_halves(__m256i v, int r, __m512i out[2])
 
 /* Row r (0, 1) of a kqx_rows (kq_gemm_avx512.h) from a super-block: the unsigned values (Q2_K, Q3_K: lb_load_q2 /
  * lb_load_q3's vectors in value order, Q2_K's fourfold ones divided by 4; the IQ types: DD_IQ_UNPACK's), the half
- * scales (Q2_K: and mins) in lanes 8r + i of sc[h] (mn[h]), d and dmin in f64 lanes. kqx_tile then forms
- * dd_lb_terms' I_b = sum_h sc_h (S_h - off s16_h) and M_b = sum_h mn_h s16_h, and the terms (d da_i) I_b and
- * (Q2_K) -(dmin da_i) M_b (exact products either way: 11 significant bits of d and dmin, the f16 da), in the
- * same order: the bits of the tiles. */
+ * scales in lanes 8r + i of sc[h] (Q2_K: the half mins' pairs in lane 8r + i of mn), d and dmin in f64 lanes.
+ * kqx_tile then forms dd_lb_terms' I_b = sum_h sc_h (S_h - off s16_h) and M_b = sum_h mn_h s16_h, and the terms
+ * (d da_i) I_b and (Q2_K) -(dmin da_i) M_b (exact products either way: 11 significant bits of d and dmin, the
+ * f16 da), in the same order: the bits of the tiles. */
 DD_INLINE void dd_lb_expand_row(const uint8_t *blk, int wtype, int r, kqx_rows *e)
 {
     __m512i x[4];
@@ -265,7 +265,7 @@ DD_INLINE void dd_lb_expand_row(const uint8_t *blk, int wtype, int r, kqx_rows *
             lb_load_q2(blk, &u);
             u.w[1] = _mm512_srli_epi16(u.w[1], 2);   /* 4 q, bits 2-3 of each byte: exact */
             u.w[3] = _mm512_srli_epi16(u.w[3], 2);
-            dd_lb_halves(u.mn, r, e->mn);
+            _mm256_storeu_si256((__m256i *)((int32_t *)&e->mn + 8 * r), u.mn);   /* int16 lanes 2i, 2i + 1 */
         } else {
             lb_load_q3(blk, &u);
         }
