@@ -23,14 +23,14 @@
  * product rounds as the separate add does. The lanes are in block order and reduced by the same
  * tree, so every output keeps the bits of the GEMV (m == 1), of every ISA level and thread count.
  * bquants.h's 32-value block types (Q4_1, Q5_0, Q5_1, IQ4_NL, IQ4_XS, MXFP4) take the same walk with a
- * group of 8 blocks as the super-block and that file's terms (dd_bq_expand_row); lowbit.h's IQ types
- * (IQ1_S .. IQ3_S) Q6_K's, with their offset for 32 and their d (dd_lb_expand_row).
+ * group of 8 blocks as the super-block and that file's terms (dd_bq_expand_row); lowbit.h's types (Q2_K,
+ * Q3_K, IQ1_S .. IQ3_S) Q6_K's, with their offset for 32, their d and Q2_K's mins (dd_lb_expand_row).
  */
 #ifndef DELTADESK_KQ_GEMM_AVX512_H
 #define DELTADESK_KQ_GEMM_AVX512_H
 
-#define KQX_W_BYTES (292 * 1024)   /* expanded row pairs of one row range (stack): 292, a stripe of rows (kqx_gemm_il)
-                                     * as long as KQX_FITS lets in (73 super-blocks) */
+#define KQX_W_BYTES (274 * 1024)   /* expanded row pairs of one row range (stack): 292 of 960 bytes, a stripe of rows
+                                     * (kqx_gemm_il) as long as KQX_FITS lets in (73 super-blocks) */
 #define KQX_A_BYTES (128 * 1024)   /* arranged columns of one column block (stack) */
 
 typedef struct {
@@ -45,7 +45,7 @@ typedef struct {
 typedef struct {
     uint8_t q[8][32];  /* row t, dword i: the column's values 4t .. 4t + 3 of block i */
     __m512d da;        /* lane i: block i's scale */
-    __m512d dab;       /* all but Q6_K: da_i times the sum of block i's values */
+    __m512d dab;       /* all but Q6_K and lowbit.h's: da_i times the sum of block i's values */
     __m512i s32;       /* Q6_K (Q3_K, IQ types): lane 8h + i = 32 (the type's offset) times the sum of half h of
                         * block i; Q2_K: lanes i and 8 + i = the sums of block i's halves 0 and 1 (int16 pairs);
                         * Q5_0 and the codebook types: lanes i and 8 + i = the seed of block i's dots, -16 (Q5_0)
@@ -154,12 +154,13 @@ DD_INLINE void kqx_col_prep(const dd_acts *a, size_t b0, int wtype, kqx_col *p)
     kqx_transpose(x, 0, p->q[0], 32);
     p->da = _mm512_cvtps_pd(_mm256_loadu_ps(a->bd + b0));
     const __m256i bs = _mm256_loadu_si256((const __m256i *)(a->bs + b0));
-    if (wtype == DD_Q6_K || kqx_lb(wtype)) {
+    if (wtype == DD_Q2_K) {
+        p->s32 = _mm512_broadcast_i64x4(_mm512_cvtepi32_epi16(_mm512_loadu_si512(a->s16 + 2 * b0)));
+    } else if (wtype == DD_Q6_K || kqx_lb(wtype)) {
         const __m512i s = _mm512_permutexvar_epi32(_mm512_loadu_si512(kqx_halves_idx),
                                                    _mm512_loadu_si512(a->s16 + 2 * b0));
         p->s32 = wtype == DD_Q6_K ? _mm512_slli_epi32(s, 5)
-                 : wtype == DD_Q2_K ? _mm512_broadcast_i64x4(_mm512_cvtepi32_epi16(_mm512_loadu_si512(a->s16 + 2 * b0)))
-                                    : _mm512_mullo_epi32(s, _mm512_set1_epi32(dd_lb_offset(wtype)));
+                                  : _mm512_mullo_epi32(s, _mm512_set1_epi32(dd_lb_offset(wtype)));
     } else {
         p->dab = _mm512_mul_pd(p->da, _mm512_cvtepi32_pd(bs));
     }
@@ -215,12 +216,13 @@ DD_INLINE void kqx_zero(__m512i s[2][4], const int P, const int C)
 DD_INLINE void kqx_q6_half(const kqx_rows *const e[2], const kqx_col *const p[4], int h, int wtype, __m512i s[2][4],
                            const int P, const int C)
 {
-    for (int c = 0; c < C; c++) {
-        const __m512i s32 = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)&p[c]->s32 + h));
-        for (int pp = 0; pp < P; pp++)
-            s[pp][c] = _mm512_mullo_epi32(wtype == DD_Q2_K ? s[pp][c] : _mm512_sub_epi32(s[pp][c], s32),
-                                          e[pp]->sc[h]);
-    }
+    for (int c = 0; c < C; c++)
+        for (int pp = 0; pp < P; pp++) {
+            __m512i x = s[pp][c];
+            if (wtype != DD_Q2_K)
+                x = _mm512_sub_epi32(x, _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)&p[c]->s32 + h)));
+            s[pp][c] = _mm512_mullo_epi32(x, e[pp]->sc[h]);
+        }
 }
 
 /* Eight (row, column) accumulators, each summed in block order as dd_kq_tile does,

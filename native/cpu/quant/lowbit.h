@@ -3,7 +3,8 @@
  * integer dot product DD_LB_DOT8 (the contract of kquants.h's DD_KQ_DOT8, with weights of up to
  * 127: no pmaddubsw pair exceeds 2 * 127 * 127); the levels differ only in that instruction choice.
  * (The AVX-512 level reads Q2_K and Q3_K in registers instead, lowbit_avx512.h, the same bits: it defines
- * DD_LB_K_IN_REGISTERS.)
+ * DD_LB_K_IN_REGISTERS; from 6 columns, and for the IQ types from 2, its rows expand once per call for
+ * kq_gemm_avx512.h's walk where they fit KQX_FITS.)
  *
  * Super-block layouts (ggml-common.h block_q2_K, block_q3_K; values as ggml-quants.c
  * dequantize_row_q2_K / _q3_K; the engine's numpy twin is checked against gguf-py's decoder):
@@ -290,15 +291,22 @@ DD_INLINE void dd_lb_expand_row(const uint8_t *blk, int wtype, int r, kqx_rows *
     kqx_transpose(x, 0, (uint8_t *)e->q + 32 * r, sizeof(__m512i));
 }
 
-/* m > 1 columns of rows kqx_gemm's buffers hold: every row expanded once per call for the K-quant walk; longer
- * rows unpacked once per call (dd_lb_gemm_unpacked); one column by the tiles. */
-#define DD_LB_GEMM_OF(NAME, WTYPE)                                                                \
+#endif
+
+/* A type's tiles: NAME_tile and the GEMM of tiles NAME_tiles. */
+#define DD_LB_TILES_OF(NAME, WTYPE)                                                               \
     DD_INLINE void NAME##_tile(const uint8_t *w, const uint8_t *pf, size_t rb, const dd_acts *a, size_t c0, \
                                float *y, size_t ldy, const int R, const int C)                        \
     {                                                                                             \
         dd_lb_tile(w, pf, rb, a, WTYPE, c0, y, ldy, R, C);                                        \
     }                                                                                             \
-    DD_DEFINE_GEMM(NAME##_tiles, NAME##_tile)                                                     \
+    DD_DEFINE_GEMM(NAME##_tiles, NAME##_tile)
+
+#ifdef DD_LB_K_IN_REGISTERS
+/* m > 1 columns of rows kqx_gemm's buffers hold: every row expanded once per call for the K-quant walk; longer
+ * rows unpacked once per call (dd_lb_gemm_unpacked); one column by the tiles. */
+#define DD_LB_GEMM_OF(NAME, WTYPE)                                                                \
+    DD_LB_TILES_OF(NAME, WTYPE)                                                                   \
     static void NAME(const uint8_t *w, size_t rb, size_t nrows, size_t rows_avail, const dd_acts *a, float *y, \
                      size_t ldy)                                                                  \
     {                                                                                             \
@@ -311,16 +319,11 @@ DD_INLINE void dd_lb_expand_row(const uint8_t *blk, int wtype, int r, kqx_rows *
     }
 #else
 #define DD_LB_GEMM_OF(NAME, WTYPE)                                                                \
-    DD_INLINE void NAME##_tile(const uint8_t *w, const uint8_t *pf, size_t rb, const dd_acts *a, size_t c0, \
-                               float *y, size_t ldy, const int R, const int C)                        \
-    {                                                                                             \
-        dd_lb_tile(w, pf, rb, a, WTYPE, c0, y, ldy, R, C);                                        \
-    }                                                                                             \
+    DD_LB_TILES_OF(NAME, WTYPE)                                                                   \
     DD_INLINE void NAME##_unpacked(const uint8_t *w, size_t rb, size_t n, const dd_acts *a, float *y, size_t ldy) \
     {                                                                                             \
         dd_lb_gemm_unpacked(w, rb, n, a, y, ldy, WTYPE);                                          \
     }                                                                                             \
-    DD_DEFINE_GEMM(NAME##_tiles, NAME##_tile)                                                     \
     DD_DEFINE_GEMM_SPLIT(NAME, NAME##_tiles, DD_LB_FITS, NAME##_unpacked)
 #endif
 

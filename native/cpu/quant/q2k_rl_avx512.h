@@ -252,28 +252,39 @@ DD_INLINE void rl_prepare(const dd_acts *a, rl_state *st, size_t c0, size_t n)
             rl_col_prep(a, (c0 + c) * a->nbp + 8 * sb, rl_cols(st) + c * nsb + sb);
 }
 
-/* gemm[DD_Q2_K_RL] (wtype DD_Q2_K) or gemm[DD_Q3_K_RL] (DD_Q3_K) of this level: up to RL_COLS columns the groups
- * by the rows-as-lanes GEMV, column by column (each column the bits of its one-column product), and the
- * row-major kernel (gemm_q2_K, gemm_q3_K) on the row-major tail; more columns, or without the columns' scratch,
- * dd_gemm_unpacked (the groups de-interleaved for the row-major kernel, whose expanded-row GEMM outran the
- * column-by-column GEMV there). */
+/* gemm[DD_Q2_K_RL] (wtype DD_Q2_K) or gemm[DD_Q3_K_RL] (DD_Q3_K) of this level: the groups by the rows-as-lanes
+ * GEMV, column by column (each column the bits of its one-column product), and the row-major kernel (gemm_q2_K,
+ * gemm_q3_K) on the row-major tail; more than RL_COLS columns of rows the row-major kernel's expanded-row GEMM
+ * takes (KQX_FITS), or without the columns' scratch, dd_gemm_unpacked (the groups de-interleaved for that kernel,
+ * which outran the column-by-column GEMV there). */
 DD_INLINE void rl_gemm(const int wtype, const uint8_t *w, size_t row_bytes, size_t nrows, size_t rows_avail,
                        const dd_acts *a, float *y, size_t ldy)
 {
-    const size_t groups = nrows / 4, r0 = 4 * groups, nsb = a->nb / 8;
+    const size_t groups = nrows / 4, r0 = 4 * groups, nsb = a->nb / 8, kept = a->m < RL_COLS ? a->m : RL_COLS;
     const dd_gemm_fn row_major = wtype == DD_Q2_K ? gemm_q2_K : gemm_q3_K;
-    rl_state *st = groups > 0 && a->m <= RL_COLS ? dd_scratch(DD_SCRATCH_Q2RL_COL, 64 + a->m * nsb * sizeof(rl_col))
-                                                : NULL;
+    const int deinterleave = a->m > RL_COLS && KQX_FITS(a);
+    rl_state *st = groups > 0 && !deinterleave ? dd_scratch(DD_SCRATCH_Q2RL_COL, 64 + kept * nsb * sizeof(rl_col))
+                                               : NULL;
     if (st == NULL) {
         dd_gemm_unpacked(row_major, wtype == DD_Q2_K ? dd_q2_k_rl_unpack_groups : dd_q3_k_rl_unpack_groups, 4, w,
                          row_bytes, nrows, rows_avail, a, y, ldy);
         return;
     }
-    if (a->id == 0 || st->id != a->id) {   /* id 0: activations not from acts_place */
-        rl_prepare(a, st, 0, a->m);
-        st->id = a->id;
+    const uint8_t *end = w + rows_avail / 4 * 4 * row_bytes;
+    if (a->m <= RL_COLS) {
+        if (a->id == 0 || st->id != a->id) {   /* id 0: activations not from acts_place */
+            rl_prepare(a, st, 0, a->m);
+            st->id = a->id;
+        }
+        rl_columns(wtype, w, row_bytes, groups, end, a, st, 0, a->m, y, ldy);
+    } else {
+        st->id = 0;
+        for (size_t c0 = 0; c0 < a->m; c0 += RL_COLS) {
+            const size_t n = a->m - c0 < RL_COLS ? a->m - c0 : RL_COLS;
+            rl_prepare(a, st, c0, n);
+            rl_columns(wtype, w, row_bytes, groups, end, a, st, c0, n, y, ldy);
+        }
     }
-    rl_columns(wtype, w, row_bytes, groups, w + rows_avail / 4 * 4 * row_bytes, a, st, 0, a->m, y, ldy);
     if (nrows > r0)
         row_major(w + r0 * row_bytes, row_bytes, nrows - r0, rows_avail - r0, a, y + r0, ldy);
 }

@@ -207,23 +207,17 @@ DD_INLINE void groups_gemm(const uint8_t *w, size_t row_bytes, size_t nrows, siz
 
 /* The dd_gemm_fns of kernels.h for Q4_0 and Q8_0: the GEMV's 4-row tiles (tile_groups) for m == 1, else
  * groups_gemm, the same lane order and FMA sequence: the bits of the one-column call. */
-static void gemm_q4_0(const uint8_t *w, size_t row_bytes, size_t nrows, size_t rows_avail, const dd_acts *a,
-                      float *y, size_t ldy)
-{
-    if (a->m == 1)
-        gemm_q4_0_gemv(w, row_bytes, nrows, rows_avail, a, y, ldy);
-    else
-        groups_gemm(w, row_bytes, nrows, rows_avail, a, y, ldy, DD_Q4_0);
-}
-
-static void gemm_q8_0(const uint8_t *w, size_t row_bytes, size_t nrows, size_t rows_avail, const dd_acts *a,
-                      float *y, size_t ldy)
-{
-    if (a->m == 1)
-        gemm_q8_0_gemv(w, row_bytes, nrows, rows_avail, a, y, ldy);
-    else
-        groups_gemm(w, row_bytes, nrows, rows_avail, a, y, ldy, DD_Q8_0);
-}
+#define GROUPS_GEMM(NAME, GEMV, WTYPE)                                                                       \
+    static void NAME(const uint8_t *w, size_t row_bytes, size_t nrows, size_t rows_avail, const dd_acts *a, \
+                     float *y, size_t ldy)                                                                   \
+    {                                                                                                        \
+        if (a->m == 1)                                                                                       \
+            GEMV(w, row_bytes, nrows, rows_avail, a, y, ldy);                                                \
+        else                                                                                                 \
+            groups_gemm(w, row_bytes, nrows, rows_avail, a, y, ldy, WTYPE);                                  \
+    }
+GROUPS_GEMM(gemm_q4_0, gemm_q4_0_gemv, DD_Q4_0)
+GROUPS_GEMM(gemm_q8_0, gemm_q8_0_gemv, DD_Q8_0)
 
 /* Interleaved stripes (DD_Q4_0_IL) read directly: a stripe's group g (16 blocks of 8 rows, 144 bytes each)
  * becomes its 8 rows' q4x_groups with no row-major copy between. A block holds its 8 rows' f16 scales in
