@@ -508,33 +508,19 @@ DD_INLINE void dd_bq_expand_row(const uint8_t *g, int wtype, int r, kqx_rows *e)
         _mm256_storeu_si256((__m256i *)((int32_t *)e->sc + 8 * r), (__m256i)mult);
 }
 
-/* The product of a type above: 3 or more columns of whole groups (k a multiple of 256) that kqx_gemm's buffers
- * hold go to kqx_gemm (each row expanded once per call), the rest to the tiles (at two columns they were
- * 8-18 % faster than the expansion, one thread in cache). */
-#define DD_BQ_GEMM(NAME, TYPE, TILES)                                                                           \
-    DD_DEFINE_GEMM(TILES, DD_BQ_TILE_##TYPE)                                                                    \
-    static void NAME(const uint8_t *w, size_t row_bytes, size_t nrows, size_t rows_avail, const dd_acts *a,    \
-                     float *y, size_t ldy)                                                                      \
-    {                                                                                                           \
-        if (a->m > 2 && a->nb % 8 == 0 && KQX_FITS(a))                                                         \
-            kqx_gemm(w, row_bytes, nrows, rows_avail, a, y, ldy, DD_##TYPE, 2);                                 \
-        else                                                                                                    \
-            TILES(w, row_bytes, nrows, rows_avail, a, y, ldy);                                                  \
-    }
-DD_BQ_GEMM(gemm_q4_1, Q4_1, tiles_q4_1)
-DD_BQ_GEMM(gemm_q5_0, Q5_0, tiles_q5_0)
-DD_BQ_GEMM(gemm_q5_1, Q5_1, tiles_q5_1)
-DD_BQ_GEMM(gemm_iq4_nl, IQ4_NL, tiles_iq4_nl)
-DD_BQ_GEMM(gemm_iq4_xs, IQ4_XS, tiles_iq4_xs)
-DD_BQ_GEMM(gemm_mxfp4, MXFP4, tiles_mxfp4)
+/* At this level a type's product takes kqx_gemm from 3 columns (at two the tiles were 8-18 % faster). */
+#define DD_BQ_GEMM(NAME, TYPE)                            \
+    DD_DEFINE_GEMM(NAME##_tiles, DD_BQ_TILE_##TYPE)       \
+    KQX_GEMM_FROM(NAME, DD_##TYPE, 3, NAME##_tiles)
 #else
-DD_DEFINE_GEMM(gemm_q4_1, DD_BQ_TILE_Q4_1)
-DD_DEFINE_GEMM(gemm_q5_0, DD_BQ_TILE_Q5_0)
-DD_DEFINE_GEMM(gemm_q5_1, DD_BQ_TILE_Q5_1)
-DD_DEFINE_GEMM(gemm_iq4_nl, DD_BQ_TILE_IQ4_NL)
-DD_DEFINE_GEMM(gemm_iq4_xs, DD_BQ_TILE_IQ4_XS)
-DD_DEFINE_GEMM(gemm_mxfp4, DD_BQ_TILE_MXFP4)
+#define DD_BQ_GEMM(NAME, TYPE) DD_DEFINE_GEMM(NAME, DD_BQ_TILE_##TYPE)
 #endif
+DD_BQ_GEMM(gemm_q4_1, Q4_1)
+DD_BQ_GEMM(gemm_q5_0, Q5_0)
+DD_BQ_GEMM(gemm_q5_1, Q5_1)
+DD_BQ_GEMM(gemm_iq4_nl, IQ4_NL)
+DD_BQ_GEMM(gemm_iq4_xs, IQ4_XS)
+DD_BQ_GEMM(gemm_mxfp4, MXFP4)
 
 /* The kernel table's entries for these types, in enum order (DD_Q4_1 .. DD_IQ4_XS). */
 #define DD_BQ_GEMMS gemm_q4_1, gemm_q5_0, gemm_q5_1, gemm_iq4_nl, gemm_iq4_xs

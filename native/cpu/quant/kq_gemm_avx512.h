@@ -393,5 +393,19 @@ DD_INLINE void kqx_gemm(const uint8_t *w, size_t rb, size_t nrows, size_t rows_a
 #define KQX_GEMM_Q5_K(w, rb, n, avail, a, y, ldy) kqx_gemm(w, rb, n, avail, a, y, ldy, DD_Q5_K, 2)
 #define KQX_GEMM_Q6_K(w, rb, n, avail, a, y, ldy) kqx_gemm(w, rb, n, avail, a, y, ldy, DD_Q6_K, 2)
 
+/* NAME, the product of a bquants.h or lowbit.h type whose other route is OTHER (a dd_gemm_fn): MIN_COLS or more
+ * columns of whole super-blocks (k a multiple of 256) that the buffers hold go to kqx_gemm, the rest to OTHER;
+ * the same bits either way. MIN_COLS is where the expansion stops losing to OTHER (one thread, in cache;
+ * docs/perf/log/q8-bq-2026-12-06.md). */
+#define KQX_GEMM_FROM(NAME, WTYPE, MIN_COLS, OTHER)                                                            \
+    static void NAME(const uint8_t *w, size_t rb, size_t nrows, size_t rows_avail, const dd_acts *a, float *y, \
+                     size_t ldy)                                                                               \
+    {                                                                                                          \
+        if (a->m >= (MIN_COLS) && a->nb % 8 == 0 && KQX_FITS(a))                                              \
+            kqx_gemm(w, rb, nrows, rows_avail, a, y, ldy, WTYPE, 2);                                           \
+        else                                                                                                   \
+            OTHER(w, rb, nrows, rows_avail, a, y, ldy);                                                        \
+    }
+
 
 #endif

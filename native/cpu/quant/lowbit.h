@@ -293,38 +293,27 @@ DD_INLINE void dd_lb_expand_row(const uint8_t *blk, int wtype, int r, kqx_rows *
 
 #endif
 
-/* A type's tiles: NAME_tile and the GEMM of tiles NAME_tiles. */
-#define DD_LB_TILES_OF(NAME, WTYPE)                                                               \
+/* A type's product by its tiles (one column) or its rows unpacked once per call (dd_lb_gemm_unpacked). */
+#define DD_LB_UNPACKED_GEMM(NAME, WTYPE)                                                          \
     DD_INLINE void NAME##_tile(const uint8_t *w, const uint8_t *pf, size_t rb, const dd_acts *a, size_t c0, \
                                float *y, size_t ldy, const int R, const int C)                        \
     {                                                                                             \
         dd_lb_tile(w, pf, rb, a, WTYPE, c0, y, ldy, R, C);                                        \
     }                                                                                             \
-    DD_DEFINE_GEMM(NAME##_tiles, NAME##_tile)
-
-#ifdef DD_LB_K_IN_REGISTERS
-/* m > 1 columns of rows kqx_gemm's buffers hold: every row expanded once per call for the K-quant walk; longer
- * rows unpacked once per call (dd_lb_gemm_unpacked); one column by the tiles. */
-#define DD_LB_GEMM_OF(NAME, WTYPE)                                                                \
-    DD_LB_TILES_OF(NAME, WTYPE)                                                                   \
-    static void NAME(const uint8_t *w, size_t rb, size_t nrows, size_t rows_avail, const dd_acts *a, float *y, \
-                     size_t ldy)                                                                  \
-    {                                                                                             \
-        if (a->m > 1 && KQX_FITS(a))                                                              \
-            kqx_gemm(w, rb, nrows, rows_avail, a, y, ldy, WTYPE, 2);                              \
-        else if (a->m > 1 && DD_LB_FITS(a))                                                       \
-            dd_lb_gemm_unpacked(w, rb, nrows, a, y, ldy, WTYPE);                                  \
-        else                                                                                      \
-            NAME##_tiles(w, rb, nrows, rows_avail, a, y, ldy);                                    \
-    }
-#else
-#define DD_LB_GEMM_OF(NAME, WTYPE)                                                                \
-    DD_LB_TILES_OF(NAME, WTYPE)                                                                   \
     DD_INLINE void NAME##_unpacked(const uint8_t *w, size_t rb, size_t n, const dd_acts *a, float *y, size_t ldy) \
     {                                                                                             \
         dd_lb_gemm_unpacked(w, rb, n, a, y, ldy, WTYPE);                                          \
     }                                                                                             \
+    DD_DEFINE_GEMM(NAME##_tiles, NAME##_tile)                                                     \
     DD_DEFINE_GEMM_SPLIT(NAME, NAME##_tiles, DD_LB_FITS, NAME##_unpacked)
+
+#ifdef DD_LB_K_IN_REGISTERS
+/* From 2 columns, rows the expanded-row GEMM holds expand once per call for the K-quant walk instead. */
+#define DD_LB_GEMM_OF(NAME, WTYPE)              \
+    DD_LB_UNPACKED_GEMM(NAME##_rest, WTYPE)     \
+    KQX_GEMM_FROM(NAME, WTYPE, 2, NAME##_rest)
+#else
+#define DD_LB_GEMM_OF(NAME, WTYPE) DD_LB_UNPACKED_GEMM(NAME, WTYPE)
 #endif
 
 #ifndef DD_LB_K_IN_REGISTERS

@@ -163,21 +163,10 @@ DD_INLINE void lb_tile(const uint8_t *w, const uint8_t *pf, size_t rb, const dd_
 DD_DEFINE_GEMM(tiles_q2_K, LB_TILE_Q2_K)
 DD_DEFINE_GEMM(tiles_q3_K, LB_TILE_Q3_K)
 
-/* LB_KQX_COLS or more columns of rows that kqx_gemm's buffers hold: each row expanded once per call for the
- * K-quant walk (kq_gemm_avx512.h; lowbit.h's dd_lb_expand_row), the same bits; else the tiles (as fast up to 6
- * columns, faster at 2-4: one thread, in cache, docs/perf/log/q8-bq-2026-12-06.md). */
-#define LB_KQX_COLS 6
-#define LB_GEMM(NAME, WTYPE, TILES)                                                                             \
-    static void NAME(const uint8_t *w, size_t rb, size_t nrows, size_t rows_avail, const dd_acts *a, float *y, \
-                     size_t ldy)                                                                                \
-    {                                                                                                           \
-        if (a->m >= LB_KQX_COLS && KQX_FITS(a))                                                                 \
-            kqx_gemm(w, rb, nrows, rows_avail, a, y, ldy, WTYPE, 2);                                            \
-        else                                                                                                    \
-            TILES(w, rb, nrows, rows_avail, a, y, ldy);                                                         \
-    }
-LB_GEMM(gemm_q2_K, DD_Q2_K, tiles_q2_K)
-LB_GEMM(gemm_q3_K, DD_Q3_K, tiles_q3_K)
+/* From 6 columns the rows expand once per call for the K-quant walk (kq_gemm_avx512.h; lowbit.h's
+ * dd_lb_expand_row), the same bits; below, these tiles were as fast (6) or faster (2-4). */
+KQX_GEMM_FROM(gemm_q2_K, DD_Q2_K, 6, tiles_q2_K)
+KQX_GEMM_FROM(gemm_q3_K, DD_Q3_K, 6, tiles_q3_K)
 
 /* The kernel table's entries for these types, in enum order (DD_Q2_K, DD_Q3_K). */
 #define DD_LB_GEMMS gemm_q2_K, gemm_q3_K
