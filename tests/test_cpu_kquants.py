@@ -19,7 +19,7 @@ from gguf import GGMLQuantizationType, quants
 from test_cpu_kernels import assert_close, assert_same_bits_everywhere, level, reference_product, rng, route_margin  # noqa: F401 (fixtures)
 
 from engine.gguf import quant
-from engine.kernels import cpu, cpu_moe, cpu_twins
+from engine.kernels import cpu, cpu_moe, cpu_q4il, cpu_twins
 
 Q = GGMLQuantizationType
 LEVELS = cpu.supported_isas()
@@ -165,3 +165,34 @@ def test_kquant_few_columns_match_numpy_twin(level, qtype, rows, k, rng):
         for m in range(1, 9):
             assert np.array_equal(mat(x[:m]), want[:m]), m
             assert np.array_equal(mat(x[8 - m:]), want[8 - m:]), m
+
+
+@pytest.mark.parametrize("level", LEVELS, indirect=True)
+@pytest.mark.parametrize("m", [1, 3, 37])
+def test_matmul_many_gives_each_product_its_own_bits(level, m, rng):
+    """cpu.matmul_many (dd_matmul_many: x prepared once, one pool job) against each Matrix called alone, bit for
+    bit: a layer's mix of projections (interleaved Q4_K and Q4_0, row-major Q4_K, Q6_K, Q8_0; a 16-row matrix
+    of one chunk, ragged row counts) at m = 1 (decode's call), a few and many columns, 1-3 threads."""
+    k = 512
+    mats = []
+    for qtype, rows, layout in ((Q.Q4_K, 72, True), (Q.Q4_0, 40, True), (Q.Q4_K, 33, False), (Q.Q6_K, 16, False),
+                                (Q.Q8_0, 45, False)):
+        raw = (random_kquant(rng, rows, k, qtype) if qtype in KQ
+               else np.ascontiguousarray(quants.quantize(rng.standard_normal((rows, k)).astype(np.float32), qtype))
+               .view(np.uint8))
+        if layout:
+            cpu_q4il.interleave(raw, qtype)
+        mats.append(cpu.Matrix(raw, k, qtype, interleaved=layout))
+    x = rng.standard_normal((m, k)).astype(np.float32)
+    want = [mat(x) for mat in mats]
+    for threads in (1, 2, 3):
+        cpu.set_threads(threads)
+        got = cpu.matmul_many(mats, x)
+        assert len(got) == len(mats)
+        for g, w in zip(got, want):
+            assert g.shape == w.shape and np.array_equal(g, w), threads
+    other = cpu.Matrix(random_kquant(rng, 4, 256, Q.Q4_K), 256, Q.Q4_K)
+    with pytest.raises(ValueError, match="one k"):
+        cpu.matmul_many([mats[0], other], x)
+    with pytest.raises(ValueError, match="expected x"):
+        cpu.matmul_many(mats, x[:, :256])

@@ -20,6 +20,7 @@ from engine.arch.qwen35.model import Qwen35Model
 from engine.errors import ContextFullError
 from engine.registry import open_text
 from engine.kernels import cpu
+from engine.ops import reference as ops
 from engine.turn.state import SequenceState
 
 pytestmark = pytest.mark.skipif(not cpu.available(), reason="native CPU kernels not built")
@@ -158,6 +159,28 @@ def test_bad_inputs_raise_clear_errors(synth_model):
     bad.ssm[il] = bad.ssm[il].astype(np.float64)
     with pytest.raises(ValueError, match="sequence state"):
         model.forward(np.array([1]), bad)
+
+
+@pytest.mark.parametrize("shape", [(1, 2048), (512, 2048), (7, 16, 256), (3, 5), (4, 100), (2, 1000), (33, 129)])
+def test_rmsnorm_rows_has_the_reference_bits(isa_reset, shape):
+    """The C RMSNorm of the prefill path against engine.ops.reference.rmsnorm, bit for bit: row lengths below 8,
+    up to 128 and past it (each branch of numpy's pairwise sum), rows of 1e-20 .. 1e20, a zero row, with and
+    without a weight, at 1-3 threads (the rows' chunks fall differently on the pool)."""
+    rng = np.random.default_rng(list(shape))
+    d = shape[-1]
+    x = rng.standard_normal(shape).astype(np.float32)
+    x *= (10.0 ** rng.integers(-20, 21, shape[:-1] + (1,))).astype(np.float32)
+    x.reshape(-1, d)[0] = 0.0
+    w = (rng.standard_normal(d) + 1.0).astype(np.float32)
+    for threads in (1, 2, 3):
+        cpu.set_threads(threads)
+        for weight in (w, None):
+            want = ops.rmsnorm(x, weight, 1e-6)
+            got = cpu.rmsnorm_rows(x, weight, 1e-6)
+            assert got.dtype == np.float32 and got.shape == shape
+            assert np.array_equal(got.view(np.uint32), want.view(np.uint32)), (threads, weight is None)
+    with pytest.raises(ValueError, match="weight"):
+        cpu.rmsnorm_rows(x, w[:-1], 1e-6)
 
 
 def test_silu_mul_matches_its_twin(isa_reset):

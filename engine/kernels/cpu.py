@@ -14,7 +14,7 @@ import functools
 import os
 import time
 import warnings
-from typing import Callable
+from typing import Callable, Sequence
 
 import numpy as np
 
@@ -339,6 +339,37 @@ class Matrix:
         return y
 
 
+MATMUL_MANY_MAX = 8
+"""The most matrices :func:`matmul_many` takes in one native call (deltadesk_cpu.h dd_matmul_many)."""
+
+
+def matmul_many(mats: Sequence[Matrix], x: np.ndarray) -> list[np.ndarray]:
+    """The products of several matrices with one input (a layer's projections of the same rows).
+
+    x (m, k) float32 -> [(m, mats[i].rows) float32], each the bits of ``mats[i](x)``: one native call
+    (dd_matmul_many) prepares x's activations once and runs the products in one pool job. Past
+    :data:`MATMUL_MANY_MAX` matrices, for no rows, or on the "numpy" level, each matrix is called in turn.
+    Raises ValueError when the matrices' k differ or x is not (m, k).
+    """
+    k = mats[0].k if mats else 0
+    if any(mat.k != k for mat in mats):
+        raise ValueError(f"matmul_many: the matrices read {sorted({mat.k for mat in mats})} values, not one k")
+    x = np.ascontiguousarray(x, dtype=np.float32)
+    if x.ndim != 2 or x.shape[1] != k:
+        raise ValueError(f"matmul_many: expected x of shape (m, {k}), got {x.shape}")
+    level = _native_level()
+    if level is None or not 0 < len(mats) <= MATMUL_MANY_MAX or x.shape[0] == 0:
+        return [mat(x) for mat in mats]
+    ys = [np.empty((x.shape[0], mat.rows), dtype=np.float32) for mat in mats]
+    ffi, lib = _native_cpu.ffi, _native_cpu.lib
+    _check(lib.dd_matmul_many(level, len(mats), ffi.new("int[]", [mat.traits.cpu_kernel for mat in mats]),
+                              ffi.new("uint8_t *[]", [mat._ptr for mat in mats]),
+                              ffi.new("size_t[]", [mat.rows for mat in mats]), k, _ptr(ffi, "float *", x),
+                              x.shape[0], ffi.new("float *[]", [_ptr(ffi, "float *", y) for y in ys])),
+           "matmul_many")
+    return ys
+
+
 # --- memory bandwidth ----------------------------------------------------------------------------
 
 def best_seconds(fn: Callable[[], object], repeats: int = 3) -> float:
@@ -386,6 +417,31 @@ def silu_mul(g: np.ndarray, u: np.ndarray) -> np.ndarray:
     y = np.empty_like(g)
     ffi = _native_cpu.ffi
     _native_cpu.lib.dd_silu_mul(_ptr(ffi, "float *", g), _ptr(ffi, "float *", u), g.size, _ptr(ffi, "float *", y))
+    return y
+
+
+def rmsnorm_rows(x: np.ndarray, w: np.ndarray | None, eps: float) -> np.ndarray:
+    """:func:`engine.ops.reference.rmsnorm` of each row (last axis) in C, rows spread over the pool.
+
+    The reference's float64 arithmetic (numpy's pairwise sum of the squares, the divide, the weight, one
+    rounding to float32), so each row has the reference's bits whatever the rows around it or the threads.
+    Args: x (..., d) float32, d >= 1; w (d,) float32 or None (no weight); eps the model's rms eps.
+    Returns: (..., d) float32. Raises: ValueError when w is not (d,). With the "numpy" level (or no
+    extension) the reference itself runs.
+    """
+    x = np.ascontiguousarray(x, dtype=np.float32)
+    d = x.shape[-1] if x.ndim else 0
+    if w is not None:
+        w = np.ascontiguousarray(w, dtype=np.float32)
+        if w.shape != (d,):
+            raise ValueError(f"rmsnorm_rows: weight {w.shape} does not match rows of {d} values")
+    if _native_level() is None or x.size == 0:
+        return reference.rmsnorm(x, w, eps)
+    y = np.empty_like(x)
+    ffi = _native_cpu.ffi
+    wp = ffi.NULL if w is None else _ptr(ffi, "float *", w)
+    _check(_native_cpu.lib.dd_rmsnorm_rows(_ptr(ffi, "float *", x), wp, x.size // d, d, float(eps),
+                                           _ptr(ffi, "float *", y)), "dd_rmsnorm_rows")
     return y
 
 

@@ -70,6 +70,13 @@ int dd_quantize_q8_0(int isa, const float *x, size_t m, size_t k, uint8_t *out);
 int dd_matmul(int isa, int wtype, const uint8_t *w, size_t rows, size_t k,
               const float *x, size_t m, float *y);
 
+/* dd_matmul of n <= 8 matrices that read the same x (the projections of one input): x prepared once, the
+ * products in one pool job; y[i] (m rows of rows[i] f32) gets the bits dd_matmul(isa, wtypes[i], w[i], rows[i],
+ * k, x, m, y[i]) gives it. DD_ERR_ARG for n == 0 or > 8, m == 0, k == 0 or what dd_matmul refuses; DD_ERR_ISA,
+ * DD_ERR_NOMEM. */
+int dd_matmul_many(int isa, size_t n, const int *wtypes, const uint8_t *const *w, const size_t *rows, size_t k,
+                   const float *x, size_t m, float *const *y);
+
 /* The 8-row interleaved layout of a Q4_0 matrix (rows of k / 32 blocks, row_bytes = k / 32 * 18 apart),
  * the form the AVX-512 VNNI GEMV reads with rows as lanes: each stripe of 8 rows [8s, 8s + 8) keeps its
  * 8 * row_bytes bytes, block b of the 8 rows at bytes 144 b of the stripe: the 8 rows' f16 scales (row r at
@@ -303,6 +310,19 @@ int dd_step(int isa, const dd_step_model *m, const dd_step_state *s, size_t pos,
  * f32. The states must be distinct (no two rows may share an array). DD_ERR_ARG as dd_step, for any row. */
 int dd_step_batch(int isa, const dd_step_model *m, size_t n, const dd_step_state *const *s, const size_t *pos,
                   const float *x, const double *rope_cos, const double *rope_sin, float *logits);
+
+/* y = engine.ops.reference.rmsnorm of each of n rows of d values at x (w: d weights, or NULL for none): float64
+ * x / sqrt(mean(x^2) + eps) * w with numpy's pairwise sum of the squares, rounded to f32; rows on the pool,
+ * each with the bits it has alone. y may be x. DD_ERR_ARG when d is 0 or x or y is NULL. */
+int dd_rmsnorm_rows(const float *x, const float *w, size_t n, size_t d, double eps, float *y);
+
+/* The MoE experts' SwiGLU (dd_moe_ffn and dd_moe_prefill), float32: h[i] = g sigmoid(g) u[i] with e = e^-|g|,
+ * g / (1 + e) for g >= 0 and (g e) / (1 + e) below (no overflow); e^x = 2^n p(r) for x = n ln2 + r (n rounded to
+ * nearest, ln2 in two parts, |r| <= ln2 / 2), p the Taylor polynomial of degree 7 (truncation < 2^-27
+ * relative), 2^n from two exponent fields, x clamped at -104 (e^x below the smallest subnormal); silu(-inf) is
+ * NaN (-inf times 0), NaN stays NaN. Every element by the same IEEE float operations, so the bits do not
+ * depend on n, the position or the vector width. */
+void dd_moe_swiglu(const float *g, const float *u, size_t n, float *h);
 
 /* y[i] = f32(silu(g[i])) * u[i], silu(x) = x sigmoid(x) in f64 (engine.ops.reference.silu's arithmetic,
  * libm's exp): the dense FFN's gate of the decode step and of the per-hook path alike. */

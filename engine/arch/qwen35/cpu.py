@@ -236,6 +236,19 @@ class NativeQwen35Model(Qwen35Model):
         """``x W^T`` on the kernels: x (n, in) float32 -> (n, out) float32."""
         return self.mats[name](x)
 
+    def linears(self, x: np.ndarray, names: list[str]) -> list[np.ndarray]:
+        """:meth:`Qwen35Model.linears` with quantized weights of one k in one native call
+        (:func:`engine.kernels.cpu.matmul_many`: x prepared once, one pool job): the bits of :meth:`linear`."""
+        mats = [self.mats[name] for name in names]
+        if all(isinstance(mat, cpu.Matrix) for mat in mats):
+            return cpu.matmul_many(mats, x)
+        return [mat(x) for mat in mats]
+
+    def norm(self, x: np.ndarray, name: str) -> np.ndarray:
+        """:meth:`Qwen35Model.norm` in C over the rows on the pool (:func:`engine.kernels.cpu.rmsnorm_rows`):
+        the same bits."""
+        return cpu.rmsnorm_rows(x, self.w(name), self.hp.rms_eps)
+
     def delta_rule(self, il: int, mixed: np.ndarray, z: np.ndarray, b: np.ndarray, a: np.ndarray,
                    state: SequenceState, cb: Callback) -> np.ndarray:
         """The fused C step (:func:`~engine.arch.qwen35.cpu_mixers.gdn_decode`), token by token."""

@@ -84,6 +84,15 @@ class Qwen35Model:
         at a time (:func:`engine.ops.reference.linear_rows`)."""
         return ops.linear_rows(x, self.w(name))
 
+    def linears(self, x: np.ndarray, names: list[str]) -> list[np.ndarray]:
+        """:meth:`linear` of several weights that read the same x: [(n, out_i) float32], in the order of names."""
+        return [self.linear(x, name) for name in names]
+
+    def norm(self, x: np.ndarray, name: str) -> np.ndarray:
+        """RMSNorm of x's last axis with weight ``name`` (:func:`engine.ops.reference.rmsnorm`): (..., d)
+        float32 -> (..., d) float32."""
+        return ops.rmsnorm(x, self.w(name), self.hp.rms_eps)
+
     def token_ids(self, tokens: np.ndarray) -> np.ndarray:
         """``tokens`` as a flat int64 array. Raises ValueError for an id outside 0..n_vocab-1."""
         tokens = np.asarray(tokens, dtype=np.int64).reshape(-1)
@@ -141,7 +150,7 @@ class Qwen35Model:
         cb("inp_embd", -1, h)
 
         for il in range(hp.n_layer):
-            x = ops.rmsnorm(h, self.w(f"blk.{il}.attn_norm.weight"), hp.rms_eps)
+            x = self.norm(h, f"blk.{il}.attn_norm.weight")
             cb("attn_norm", il, x)
             if hp.is_recurrent(il):
                 x = self.gated_delta_net(il, x, state, cb)
@@ -151,7 +160,7 @@ class Qwen35Model:
                 cb("attn_out", il, x)
             h = h + x
             cb("attn_residual", il, h)
-            y = ops.rmsnorm(h, self.w(f"blk.{il}.post_attention_norm.weight"), hp.rms_eps)
+            y = self.norm(h, f"blk.{il}.post_attention_norm.weight")
             cb("attn_post_norm", il, y)
             y = self.moe(il, y, cb) if hp.is_moe else self.ffn(il, y)
             cb("ffn_out", il, y)
@@ -161,7 +170,7 @@ class Qwen35Model:
         state.pos += n
         if not all_logits:
             h = h[-1:]
-        h = ops.rmsnorm(h, self.w("output_norm.weight"), hp.rms_eps)
+        h = self.norm(h, "output_norm.weight")
         cb("result_norm", -1, h)
         logits = self.linear(h, self.output_name)
         cb("result_output", -1, logits)
@@ -187,17 +196,17 @@ class Qwen35Model:
         hp = self.hp
         h = self.embed(tokens)
         for il in range(hp.n_layer):
-            x = ops.rmsnorm(h, self.w(f"blk.{il}.attn_norm.weight"), hp.rms_eps)
+            x = self.norm(h, f"blk.{il}.attn_norm.weight")
             if hp.is_recurrent(il):
                 x = self._gdn_rows(il, x, states)
             else:
                 x = self._attention_rows(il, x, states, pos)
             h = h + x
-            y = ops.rmsnorm(h, self.w(f"blk.{il}.post_attention_norm.weight"), hp.rms_eps)
+            y = self.norm(h, f"blk.{il}.post_attention_norm.weight")
             h = h + (self.moe(il, y, _no_cb) if hp.is_moe else self.ffn(il, y))
         for state in states:
             state.pos += 1
-        return self.linear(ops.rmsnorm(h, self.w("output_norm.weight"), hp.rms_eps), self.output_name)
+        return self.linear(self.norm(h, "output_norm.weight"), self.output_name)
 
     def batch_inputs(self, tokens: np.ndarray, states: list[SequenceState],
                      positions: list[np.ndarray | None]) -> tuple[np.ndarray, np.ndarray]:
@@ -238,8 +247,8 @@ class Qwen35Model:
         qg = self.linear(x, p + "attn_q.weight").reshape(n, hp.n_head, 2 * hd)
         k = self.linear(x, p + "attn_k.weight").reshape(n, hp.n_head_kv, hd)
         v = self.linear(x, p + "attn_v.weight").reshape(n, hp.n_head_kv, hd)
-        q = ops.rmsnorm(qg[..., :hd], self.w(p + "attn_q_norm.weight"), hp.rms_eps)
-        k = ops.rmsnorm(k, self.w(p + "attn_k_norm.weight"), hp.rms_eps)
+        q = self.norm(qg[..., :hd], p + "attn_q_norm.weight")
+        k = self.norm(k, p + "attn_k_norm.weight")
         q = ops.rope_multi(q, positions, hp.rope_dims, hp.rope_theta, hp.rope_sections)
         k = ops.rope_multi(k, positions, hp.rope_dims, hp.rope_theta, hp.rope_sections)
         out = []
@@ -255,11 +264,10 @@ class Qwen35Model:
     def gated_delta_net(self, il: int, x: np.ndarray, state: SequenceState, cb: Callback) -> np.ndarray:
         """Gated DeltaNet layer (docs/spec/qwen35.md 3.2): x (n, n_embd) -> (n, n_embd); updates conv/ssm state."""
         p = f"blk.{il}."
-        mixed = self.linear(x, p + "attn_qkv.weight")                   # (n, conv_dim), raw, pre-conv
+        # mixed (n, conv_dim) raw, pre-conv; z (n, n_v * dv); b and a (n, n_v)
+        mixed, z, b, a = self.linears(x, [p + "attn_qkv.weight", p + "attn_gate.weight", p + "ssm_beta.weight",
+                                          p + "ssm_alpha.weight"])
         cb("linear_attn_qkv_mixed", il, mixed)
-        z = self.linear(x, p + "attn_gate.weight")                      # (n, n_v * dv)
-        b = self.linear(x, p + "ssm_beta.weight")                       # (n, n_v)
-        a = self.linear(x, p + "ssm_alpha.weight")                      # (n, n_v)
         y = self.delta_rule(il, mixed, z, b, a, state, cb)
         cb("final_output", il, y)
         return self.linear(y, p + "ssm_out.weight")
@@ -306,12 +314,13 @@ class Qwen35Model:
         n = x.shape[0]
         hd = hp.head_dim
 
-        qg = self.linear(x, p + "attn_q.weight").reshape(n, hp.n_head, 2 * hd)     # per head [q | gate]
+        qg, k, v = self.linears(x, [p + "attn_q.weight", p + "attn_k.weight", p + "attn_v.weight"])
+        qg = qg.reshape(n, hp.n_head, 2 * hd)                                       # per head [q | gate]
         q, gate = qg[..., :hd], qg[..., hd:]
-        k = self.linear(x, p + "attn_k.weight").reshape(n, hp.n_head_kv, hd)
-        v = self.linear(x, p + "attn_v.weight").reshape(n, hp.n_head_kv, hd)
-        q = ops.rmsnorm(q, self.w(p + "attn_q_norm.weight"), hp.rms_eps)
-        k = ops.rmsnorm(k, self.w(p + "attn_k_norm.weight"), hp.rms_eps)
+        k = k.reshape(n, hp.n_head_kv, hd)
+        v = v.reshape(n, hp.n_head_kv, hd)
+        q = self.norm(q, p + "attn_q_norm.weight")
+        k = self.norm(k, p + "attn_k_norm.weight")
         q = ops.rope_multi(q, positions, hp.rope_dims, hp.rope_theta, hp.rope_sections)
         k = ops.rope_multi(k, positions, hp.rope_dims, hp.rope_theta, hp.rope_sections)
         cb("Qcur", il, q)

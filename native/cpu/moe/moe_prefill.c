@@ -161,10 +161,7 @@ static void prefill_gate_up_chunk(void *ctx, size_t chunk)
     j->kt->gemm[gr->gate_type](gr->gate + r0 * rbg, rbg, r1 - r0, ff - r0, &gr->xacts, gr->g + r0, ff);
     j->kt->gemm[gr->up_type](gr->up + r0 * rbu, rbu, r1 - r0, ff - r0, &gr->xacts, gr->u + r0, ff);
     for (size_t c = 0; c < gr->count; c++)
-        for (size_t r = r0; r < r1; r++) {
-            const float g = gr->g[c * ff + r];
-            gr->h[c * ff + r] = g / (1.0f + expf(-g)) * gr->u[c * ff + r];
-        }
+        dd_moe_swiglu(gr->g + c * ff + r0, gr->u + c * ff + r0, r1 - r0, gr->h + c * ff + r0);
 }
 
 static void prefill_quantize_h(void *ctx, size_t chunk)
@@ -187,7 +184,8 @@ static void prefill_down_chunk(void *ctx, size_t chunk)
     j->kt->gemm[gr->down_type](gr->down + r0 * rb, rb, r1 - r0, d - r0, &gr->hacts, gr->xg + r0, d);
 }
 
-/* A chunk of tokens: out = sum over slots of weight * that slot's down output, in slot order. */
+/* A chunk of tokens: out = sum over slots of weight * that slot's down output, in slot order (each element
+ * 0 + w_0 x_0 + w_1 x_1 + ..., as dd_moe_ffn sums it; the slots outer so the loop over elements vectorizes). */
 static void prefill_sum_chunk(void *ctx, size_t chunk)
 {
     prefill_job *j = ctx;
@@ -195,11 +193,13 @@ static void prefill_sum_chunk(void *ctx, size_t chunk)
     for (size_t t = chunk * j->sum_tokens; t < t1; t++) {
         const float *const *rows = j->rows + t * j->n_slots;
         const float *w = j->weights + t * j->n_slots;
-        for (size_t r = 0; r < d; r++) {
-            float s = 0.0f;
-            for (size_t i = 0; i < j->n_slots; i++)
-                s += w[i] * rows[i][r];
-            j->out[t * d + r] = s;
+        float *restrict out = j->out + t * d;
+        for (size_t r = 0; r < d; r++)
+            out[r] = 0.0f;
+        for (size_t i = 0; i < j->n_slots; i++) {
+            const float wi = w[i], *restrict x = rows[i];
+            for (size_t r = 0; r < d; r++)
+                out[r] += wi * x[r];
         }
     }
 }

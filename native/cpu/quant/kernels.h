@@ -43,7 +43,8 @@
  * Pairs (every kernel but AVX-512's Q4_0 and Q8_0): blocks padded to nbp = nb rounded up to even (the
  * padding block is all zero):
  *   q[c*nbp*32 + b*32 + j]   int8 value j of block b (natural order);
- *   d[c*nbp*8 + b*8 + l]     the block's scale (f16 widened to f32), repeated for lanes l = 0..7;
+ *   d[c*nbp*8 + b*8 + l]     the block's scale (f16 widened to f32), repeated for lanes l = 0..7 (NULL where
+ *                     the table's q4_0_groups is set: only the pair layout's Q4_0 and Q8_0 kernels read it);
  *   bias[t][c*nbp*8 + b*8 + l]  bias_mult[t] * (q[4l] + q[4l+1] + q[4l+2] + q[4l+3]) of block b:
  *                     the correction a kernel for weight type t adds when it multiplies unsigned
  *                     weight bytes (nibble, or int8 + 128) by the signed activations; NULL when

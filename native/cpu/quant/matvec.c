@@ -11,9 +11,9 @@
  * Why the bits do not change: the activations are the bytes dd_matmul prepares for that vector, and
  * product i is cut into the chunks dd_matmul cuts it into (dd_chunk_rows of its row size, from its row
  * 0), each run by the same kernel call with the same rows and the same rows_avail; a chunk's result
- * depends only on its rows, never on the thread or the order. dd_matmul_set does the same for a few
- * columns (batched decode's N rows): the columns prepared once on the caller, each product cut as
- * dd_matmul cuts an m-column product (dd_gemm_chunk_rows), each chunk the same kernel call.
+ * depends only on its rows, never on the thread or the order. dd_matmul_set does the same for m columns
+ * (batched decode's N rows, a prompt's projections of one input: dd_matmul_many): the columns prepared once,
+ * each product cut as dd_matmul cuts an m-column product (dd_gemm_chunk_rows), each chunk the same kernel call.
  */
 #include <pthread.h>
 #include <stdlib.h>
@@ -105,7 +105,7 @@ int dd_matmul_set(int isa, const dd_matvec_out *p, size_t n, size_t k, const flo
     if (mem == NULL)
         return DD_ERR_NOMEM;
     dd_acts acts;
-    dd_acts_prepare(kt, x, m, k, mem, &acts);
+    dd_acts_prepare_pooled(kt, x, m, k, mem, &acts);
     job.acts = &acts;
     dd_pool_for(set_chunk, &job, job.first[n]);
     return DD_OK;
@@ -114,6 +114,17 @@ int dd_matmul_set(int isa, const dd_matvec_out *p, size_t n, size_t k, const flo
 int dd_matvec_set(int isa, const dd_matvec_out *p, size_t n, size_t k, const float *x)
 {
     return dd_matmul_set(isa, p, n, k, x, 1);
+}
+
+int dd_matmul_many(int isa, size_t n, const int *wtypes, const uint8_t *const *w, const size_t *rows, size_t k,
+                   const float *x, size_t m, float *const *y)
+{
+    if (n == 0 || n > DD_MATVEC_SET_MAX || m == 0)
+        return DD_ERR_ARG;
+    dd_matvec_out p[DD_MATVEC_SET_MAX];
+    for (size_t i = 0; i < n; i++)
+        p[i] = (dd_matvec_out){ .wtype = wtypes[i], .w = w[i], .rows = rows[i], .y = y[i] };
+    return dd_matmul_set(isa, p, n, k, x, m);
 }
 
 typedef struct {

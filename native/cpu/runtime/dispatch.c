@@ -132,10 +132,10 @@ static void put_pair_block(const dd_kernels *kt, dd_acts *a, size_t i, float sca
 {
     const int8_t *q = a->q + i * DD_QK;
     int32_t s[8], *s16 = (int32_t *)a->s16 + 2 * i;
-    for (int l = 0; l < 8; l++) {
+    for (int l = 0; l < 8; l++)
         s[l] = q[4 * l] + q[4 * l + 1] + q[4 * l + 2] + q[4 * l + 3];
+    for (int l = 0; a->d != NULL && l < 8; l++)
         ((float *)a->d)[i * 8 + l] = scale;
-    }
     s16[0] = (s[0] + s[1]) + (s[2] + s[3]);
     s16[1] = (s[4] + s[5]) + (s[6] + s[7]);
     for (int n = 0; n < ntypes; n++)
@@ -150,7 +150,8 @@ size_t dd_acts_bytes(const dd_kernels *kt, size_t m, size_t k)
     const size_t nb = k / DD_QK, nbp = (nb + 1) & ~(size_t)1, lanes = m * nbp * 8;
     const size_t ng = kt->q4_0_groups ? (nb + 15) / 16 : 0;
     const size_t pad = 63;
-    size_t total = ((m * nb * DD_Q8_0_BYTES + pad) & ~pad) + ((m * nbp * DD_QK + pad) & ~pad) + ((lanes * 4 + pad) & ~pad);
+    size_t total = ((m * nb * DD_Q8_0_BYTES + pad) & ~pad) + ((m * nbp * DD_QK + pad) & ~pad)
+                   + (kt->q4_0_groups ? 0 : (lanes * 4 + pad) & ~pad);
     for (int t = 0; t < DD_WTYPE_COUNT; t++)
         if (kt->bias_mult[t] != 0)
             total += (lanes * 4 + pad) & ~pad;
@@ -170,7 +171,7 @@ static void acts_place(const dd_kernels *kt, const float *x, size_t m, size_t k,
     *a = (dd_acts){ .nb = nb, .nbp = nbp, .m = m, .ng = ng, .x = x, .mem = mem,
                     .id = atomic_fetch_add_explicit(&acts_ids, 1, memory_order_relaxed) + 1 };
     a->q = take(&next, m * nbp * DD_QK);
-    a->d = take(&next, lanes * 4);
+    a->d = kt->q4_0_groups ? NULL : take(&next, lanes * 4);   /* only the pair layout's Q4_0 / Q8_0 read it */
     for (int t = 0; t < DD_WTYPE_COUNT; t++)
         a->bias[t] = kt->bias_mult[t] != 0 ? take(&next, lanes * 4) : NULL;
     a->gq = take(&next, m * ng * 8 * 64);
@@ -247,13 +248,19 @@ static void acts_chunk(void *ctx, size_t chunk)
         acts_column(j->kt, j->x + c * j->k, c, j->a);
 }
 
-int dd_acts_new_pooled(const dd_kernels *kt, const float *x, size_t m, size_t k, dd_acts *a)
+void dd_acts_prepare_pooled(const dd_kernels *kt, const float *x, size_t m, size_t k, void *mem, dd_acts *a)
 {
-    const int rc = acts_alloc(kt, x, m, k, a);
-    if (rc != DD_OK)
-        return rc;
+    acts_place(kt, x, m, k, mem, a);
     acts_job aj = { .kt = kt, .x = x, .k = k, .a = a };   /* the prompt's columns on the pool: same bytes */
     dd_pool_for(acts_chunk, &aj, dd_div_up(m, ACTS_COLS));
+}
+
+int dd_acts_new_pooled(const dd_kernels *kt, const float *x, size_t m, size_t k, dd_acts *a)
+{
+    uint8_t *mem = aligned_alloc(64, dd_acts_bytes(kt, m, k));
+    if (mem == NULL)
+        return DD_ERR_NOMEM;
+    dd_acts_prepare_pooled(kt, x, m, k, mem, a);
     return DD_OK;
 }
 

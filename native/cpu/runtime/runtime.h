@@ -54,6 +54,8 @@ const dd_kernels *dd_kernels_for(int isa);
 int dd_acts_new(const dd_kernels *kt, const float *x, size_t m, size_t k, dd_acts *a);
 /* The same, its columns prepared on the pool (the same bytes); not from inside a pool job. */
 int dd_acts_new_pooled(const dd_kernels *kt, const float *x, size_t m, size_t k, dd_acts *a);
+/* The same in memory the caller owns (as dd_acts_prepare below). */
+void dd_acts_prepare_pooled(const dd_kernels *kt, const float *x, size_t m, size_t k, void *mem, dd_acts *a);
 void dd_acts_free(dd_acts *a);
 /* The same activations in memory the caller owns: mem 64-byte aligned, dd_acts_bytes(kt, m, k) long,
  * valid while *a is used (no dd_acts_free). */
@@ -85,8 +87,8 @@ typedef struct {
 #define DD_MATVEC_SET_MAX 8
 int dd_matvec_set(int isa, const dd_matvec_out *p, size_t n, size_t k, const float *x);
 /* The same for m columns (x: m x k f32; each y: m rows of `rows` f32), every y the bits of dd_matmul(isa,
- * wtype, w, rows, k, x, m, y); the columns prepared once on the caller (for the few columns of a batched
- * decode step, not a prompt's hundreds). DD_ERR_ARG also for m == 0. */
+ * wtype, w, rows, k, x, m, y); the columns prepared once, on the pool (a batched decode step's few columns
+ * stay on the caller: one chunk). Not from inside a pool job. DD_ERR_ARG also for m == 0. */
 int dd_matmul_set(int isa, const dd_matvec_out *p, size_t n, size_t k, const float *x, size_t m);
 
 /* dd_gdn_prefill of one token for each of n sequences (row i: mixed + i conv_dim, z + i nvd, b and a + i n_v,
@@ -138,5 +140,7 @@ static inline size_t dd_row_bytes(int wtype, size_t k)
 #define DD_MOE_MAX_USED 64
 int dd_moe_valid(const dd_moe_weights *w);
 void dd_moe_route(const float *logits, size_t n_expert, size_t n_used, int32_t *sel, float *weights, float *p);
+/* The experts' SwiGLU (moe.c), shared by both calls so a token gets the same bits in either. */
+void dd_moe_swiglu(const float *g, const float *u, size_t n, float *h);
 
 #endif

@@ -56,12 +56,38 @@ static double np_sum_squares(const float *x, size_t n)
     return np_sum_squares(x, n2) + np_sum_squares(x + n2, n - n2);
 }
 
-/* engine.ops.reference.rmsnorm of one row: float64 x / sqrt(mean(x^2) + eps) * w, rounded to float32. */
+/* engine.ops.reference.rmsnorm of one row: float64 x / sqrt(mean(x^2) + eps) * w (w NULL: no weight),
+ * rounded to float32. */
 static void rmsnorm_row(const float *x, const float *w, size_t n, double eps, float *y)
 {
     const double r = sqrt((0.0 + np_sum_squares(x, n)) / (double)n + eps);
     for (size_t i = 0; i < n; i++)
-        y[i] = (float)((double)x[i] / r * (double)w[i]);
+        y[i] = w != NULL ? (float)((double)x[i] / r * (double)w[i]) : (float)((double)x[i] / r);
+}
+
+typedef struct {
+    const float *x, *w;
+    size_t n, d, rows;   /* rows: a chunk's */
+    double eps;
+    float *y;
+} norm_job;
+
+static void norm_chunk(void *ctx, size_t chunk)
+{
+    const norm_job *j = ctx;
+    const size_t r1 = dd_min_size((chunk + 1) * j->rows, j->n);
+    for (size_t r = chunk * j->rows; r < r1; r++)
+        rmsnorm_row(j->x + r * j->d, j->w, j->d, j->eps, j->y + r * j->d);
+}
+
+int dd_rmsnorm_rows(const float *x, const float *w, size_t n, size_t d, double eps, float *y)
+{
+    if (d == 0 || x == NULL || y == NULL)
+        return DD_ERR_ARG;
+    const size_t rows = d >= 8192 ? 1 : 8192 / d;   /* ~32 KiB of a chunk's values */
+    norm_job j = { .x = x, .w = w, .n = n, .d = d, .rows = rows, .eps = eps, .y = y };
+    dd_pool_for(norm_chunk, &j, dd_div_up(n, rows));
+    return DD_OK;
 }
 
 /* engine.ops.reference.rope_multi on one head: pairs (i, i + half) of the first 2 * half values. */
