@@ -351,7 +351,9 @@ def matmul_many(mats: Sequence[Matrix], x: np.ndarray) -> list[np.ndarray]:
     :data:`MATMUL_MANY_MAX` matrices, for no rows, or on the "numpy" level, each matrix is called in turn.
     Raises ValueError when the matrices' k differ or x is not (m, k).
     """
-    k = mats[0].k if mats else 0
+    if not mats:
+        return []
+    k = mats[0].k
     if any(mat.k != k for mat in mats):
         raise ValueError(f"matmul_many: the matrices read {sorted({mat.k for mat in mats})} values, not one k")
     x = np.ascontiguousarray(x, dtype=np.float32)

@@ -6,10 +6,11 @@ Runs with one kernel thread (the pool then runs on the caller), so ``time.thread
 kernels' work and a busy machine distorts it much less than wall time: use it for before/after comparisons
 run in turn on a loaded machine, never as a speed claim. Default: one ``forward`` of ``--tokens`` random
 tokens after a 4-token warm-up (what ``engine bench``'s prompt row runs), split into the hooks ``linear``
-(projections), ``delta_rule`` (Gated DeltaNet), ``attend``, ``moe``, ``ffn`` and the rest (numpy norms,
-RoPE, residuals, Python). ``--depths``: one 256-token piece at cache depths 0 and 9984 instead (random
-KV rows and recurrent states), each twice, and the 10240 / 2048 tok/s ratio (long-context prefill) projected
-from them (attention's cost grows linearly with depth; the app prefills pieces of 256). ``--threads N``
+and ``linears`` (projections; ``linears``: those of one input in one call), ``norm`` (RMSNorm),
+``delta_rule`` (Gated DeltaNet), ``attend``, ``moe``, ``ffn`` and the rest (RoPE, residuals, Python).
+``--depths``: one 256-token piece at cache depths 0 and 9984 instead (random KV rows and recurrent states),
+each twice, and the 10240 / 2048 tok/s ratio (long-context prefill) projected from them (attention's cost
+grows linearly with depth; the app prefills pieces of 256). ``--threads N``
 (N > 1): each hook's wall time and process CPU time (all threads, spinning workers included) instead,
 and the process CPU time over wall time, i.e. how many of the N threads were busy on average; the
 forward's wall time against 1-thread CPU time / N shows what the split loses.
@@ -28,7 +29,7 @@ from engine.registry import open_text
 from engine.kernels import cpu
 from engine.turn.state import SequenceState
 
-HOOKS = ("linear", "delta_rule", "attend", "moe", "ffn")
+HOOKS = ("linear", "linears", "norm", "delta_rule", "attend", "moe", "ffn")
 
 
 def hook_seconds(model: NativeQwen35Model, clock=time.thread_time) -> dict[str, float]:

@@ -61,6 +61,7 @@ static expert *expert_of(moe_job *j, size_t chunk, int down)
 
 typedef float swiglu_vf __attribute__((vector_size(16)));
 typedef int32_t swiglu_vi __attribute__((vector_size(16)));
+typedef uint32_t swiglu_vu __attribute__((vector_size(16)));
 
 /* dd_moe_swiglu (deltadesk_cpu.h) of 4 values: vector extensions of SSE2's width (wider ones lose their
  * compares to scalar code there), lane-wise IEEE float and int32 operations only (contraction off, build.py). */
@@ -79,7 +80,8 @@ static inline __attribute__((always_inline)) swiglu_vf swiglu4(swiglu_vf g, swig
     for (int i = 0; i < 7; i++)
         p = p * r + c[i];
     const swiglu_vi ni = (swiglu_vi)t - (swiglu_vi)magic, n1 = ni >> 1;   /* n in [-150, 0]: two normal halves */
-    const swiglu_vf e = p * (swiglu_vf)((n1 + 127) << 23) * (swiglu_vf)((ni - n1 + 127) << 23);
+    /* unsigned shifts: a NaN lane's n is garbage, and its result NaN whatever the scale */
+    const swiglu_vf e = p * (swiglu_vf)((swiglu_vu)(n1 + 127) << 23) * (swiglu_vf)((swiglu_vu)(ni - n1 + 127) << 23);
     const swiglu_vf num = (swiglu_vf)(((swiglu_vi)(g * e) & neg) | ((swiglu_vi)g & ~neg));
     return num / (1.0f + e) * u;   /* g sigmoid(g) u: g / (1 + e^-g) for g >= 0, g e^g / (1 + e^g) below */
 }

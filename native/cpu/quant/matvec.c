@@ -87,6 +87,8 @@ static void set_chunk(void *ctx, size_t chunk)
     j->kt->gemm[p->wtype](p->w + r0 * rb, rb, n, p->rows - r0, j->acts, p->y + r0, p->rows);
 }
 
+#define DD_SCRATCH_ACTS_COLS 8   /* columns up to which dd_matmul_set prepares in the thread's scratch */
+
 int dd_matmul_set(int isa, const dd_matvec_out *p, size_t n, size_t k, const float *x, size_t m)
 {
     const dd_kernels *kt = dd_kernels_for(isa);
@@ -101,13 +103,18 @@ int dd_matmul_set(int isa, const dd_matvec_out *p, size_t n, size_t k, const flo
         job.chunk_rows[i] = dd_gemm_chunk_rows(dd_row_bytes(p[i].wtype, k), m);
         job.first[i + 1] = job.first[i] + dd_div_up(p[i].rows, job.chunk_rows[i]);
     }
-    void *mem = dd_scratch(DD_SCRATCH_ACTS, dd_acts_bytes(kt, m, k));
+    /* a batched decode step's few columns in the thread's reused scratch; a prompt's in memory of its own, so
+     * the scratch does not keep a prompt-sized buffer for the thread's lifetime */
+    const size_t bytes = dd_acts_bytes(kt, m, k);
+    void *mem = m <= DD_SCRATCH_ACTS_COLS ? dd_scratch(DD_SCRATCH_ACTS, bytes) : aligned_alloc(64, bytes);
     if (mem == NULL)
         return DD_ERR_NOMEM;
     dd_acts acts;
     dd_acts_prepare_pooled(kt, x, m, k, mem, &acts);
     job.acts = &acts;
     dd_pool_for(set_chunk, &job, job.first[n]);
+    if (m > DD_SCRATCH_ACTS_COLS)
+        free(mem);
     return DD_OK;
 }
 

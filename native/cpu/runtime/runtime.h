@@ -88,7 +88,8 @@ typedef struct {
 int dd_matvec_set(int isa, const dd_matvec_out *p, size_t n, size_t k, const float *x);
 /* The same for m columns (x: m x k f32; each y: m rows of `rows` f32), every y the bits of dd_matmul(isa,
  * wtype, w, rows, k, x, m, y); the columns prepared once, on the pool (a batched decode step's few columns
- * stay on the caller: one chunk). Not from inside a pool job. DD_ERR_ARG also for m == 0. */
+ * stay on the caller: one chunk), in the thread's scratch up to 8 columns, else in memory of their own. Not from
+ * inside a pool job. DD_ERR_ARG also for m == 0. */
 int dd_matmul_set(int isa, const dd_matvec_out *p, size_t n, size_t k, const float *x, size_t m);
 
 /* dd_gdn_prefill of one token for each of n sequences (row i: mixed + i conv_dim, z + i nvd, b and a + i n_v,
