@@ -57,10 +57,10 @@ def test_q4_0_gemm_same_bits_for_any_thread_count(level, rng):
 
 
 @pytest.mark.parametrize("level", LEVELS, indirect=True)
-@pytest.mark.parametrize("k", (32 * (16 * 102 + 5), 32 * 16 * 308))
+@pytest.mark.parametrize("k", (32 * (16 * 102 + 5), 32 * 16 * 342))
 def test_q4_0_gemm_long_rows_keep_gemv_bits(level, k, rng):
-    """Long rows: at k = 52,384 (103 groups) the 192 KiB of unpacked groups (307) hold 2 rows, so each
-    4-row chunk of the call is unpacked in two ranges; at k = 157,696 (308 groups) one row does not fit
+    """Long rows: at k = 52,384 (103 groups) the 192 KiB of unpacked groups (341) hold 3 rows, so each
+    4-row chunk of the call is unpacked in two ranges; at k = 175,104 (342 groups) one row does not fit
     and the tiles unpack each group per 8 columns instead. Same checks as above."""
     raw = random_weights(rng, 23, k, Q4_0)
     x = rng.standard_normal((9, k)).astype(np.float32)

@@ -2,8 +2,8 @@
 
 The layout is checked against a numpy construction of its definition (deltadesk_cpu.h), the repack's inverse
 against the original bytes, and the interleaved products (the DD_Q4_0_IL kernel type through cpu.Matrix) against
-the row-major kernel of each level bit for bit (the AVX-512 VNNI GEMV's own contract: the same fused adds in the
-same order) and against the float64 product within the kernels' summation bound,
+the row-major kernel of each level bit for bit (the AVX-512 VNNI GEMV's own contract: the same f32 terms added in
+the same order) and against the float64 product within the kernels' summation bound,
 (k // 32 + 16) * 2^-24 * sum_i |w_i a_i| (tests/test_cpu_kernels.py derives it).
 """
 

@@ -2,10 +2,10 @@
 
 Three references, from tightest to loosest:
 
-* the same model with every kernel's numpy twin (``set_isa("numpy")``): an emulation of W4A8 in
-  float64 (dequantized weights times Q8_0-quantized activations). The kernels take exact products
-  and sum them in float64 as well, so whole-model logits must be **bit-identical** to it, and at
-  every ISA level, prefill and decode alike; so are greedy tokens (128 on the ``small`` model).
+* the same model with every kernel's numpy twin (``set_isa("numpy")``): an emulation of W4A8 (the
+  weights times Q8_0-quantized activations) in the kernels' own operations and order, so whole-model
+  logits must be **bit-identical** to it, and at every ISA level, prefill and decode alike; so are
+  greedy tokens (128 on the ``small`` model).
 * the numpy reference model (float32 weights, float activations). Exact greedy equality with it is
   impossible by construction: quantizing activations to 8 bits moves logits by ~1e-2 on these
   random models, whose top-2 logit gaps over 248k tokens get as small as ~1e-3. The test bounds
@@ -51,7 +51,7 @@ def run(model, n_decode: int, capacity: int = 64) -> tuple[np.ndarray, np.ndarra
 
 @pytest.mark.parametrize("quant, near", [("q4_0", 0.05), ("q8_0", 0.05), ("q4_k_m", 0.1)])
 def test_logits_equal_the_emulation_at_every_isa_and_stay_near_numpy(synth_model, quant, near, isa_reset):
-    """Every ISA level gives the same bits (the kernels' exact integer dots and f64 sums, the same C
+    """Every ISA level gives the same bits (the kernels' exact integer dots and fixed-order sums, the same C
     mixers). The numpy emulation uses the kernels' twins (bit-identical product by product:
     test_cpu_kernels, test_cpu_bquants) but the mixers' numpy twins, which round differently from C
     in the last f32 bits (test_gdn_decode_matches_its_twin and the attention twin tests below: ~3e-7
@@ -101,14 +101,19 @@ def test_greedy_128_tokens_identical_at_every_isa_level_and_thread_count(synth_m
 
 
 def test_numpy_kernels_option_and_native_model_share_the_state_contract(synth_model, isa_reset):
-    """Prefill on one path, decode on the other: the state means the same to both."""
+    """Prefill on one path, decode on the other: the state means the same to both. The native path rounds
+    every projection's input to Q8_0 (relative error up to 1/254 a block) and the float path does not, so
+    their delta-net states differ by that noise carried through the layers (~4.4 % in relative norm on this
+    file, with f32 or f64 sums in the products; the largest element's difference, 4.9 % or 5.4 % of the largest
+    value, moves with the last bits of a product, which cross Q8_0 rounding boundaries); a state read in another
+    layout (heads or key/value axes swapped) differs by ~sqrt(2)."""
     gguf = open_text(synth_model("small", "q8_0"))
     native, ref = NativeQwen35Model(gguf.hparams, gguf.file), Qwen35Model(gguf.hparams, gguf.file)
     a, b = SequenceState.new(gguf.hparams, 32), SequenceState.new(gguf.hparams, 32)
     native.forward(PROMPT, a)
     ref.forward(PROMPT, b)
     for il in a.ssm:
-        assert np.abs(a.ssm[il] - b.ssm[il]).max() <= 0.05 * np.abs(b.ssm[il]).max() + 1e-6
+        assert np.linalg.norm(a.ssm[il] - b.ssm[il]) <= 0.1 * np.linalg.norm(b.ssm[il])
     la, lb = native.forward(np.array([7]), b.copy()), ref.forward(np.array([7]), b)
     assert np.abs(la - lb).max() <= 0.05 * np.abs(lb).max()
 

@@ -1,9 +1,10 @@
 """CPU matrix kernels for decode: native SIMD W4A8 / W8A8 products, with numpy twins (``<name>_np``).
 
 A weight matrix is its tensor's raw GGUF bytes, ``(rows, k // block * block_bytes)`` uint8. Activations
-are quantized to Q8_0, block dots taken exactly in integers, scaled into float64, summed in float64
-and rounded to float32 once, so results are bit-identical across ISA levels and thread counts. BF16
-and F16 weights are multiplied by the float32 activations themselves (native/cpu/quant/bf16.h), same f64 order.
+are quantized to Q8_0 and block dots taken exactly in integers; Q4_0 and Q8_0 scale them into float32 terms
+summed in 16 float32 lanes in a fixed order, the other types into float64 terms summed in a fixed order and
+rounded to float32 once, so results are bit-identical across ISA levels and thread counts. BF16 and F16
+weights are multiplied by the float32 activations themselves (native/cpu/quant/bf16.h), same f64 order.
 Levels ``scalar``/``ssse3``/``avx2``/``avx512vnni``/``numpy``: the best is used unless ``DELTADESK_ISA``
 or :func:`set_isa` says otherwise. Design: docs/design/native-cpu.md (block layouts, exactness).
 """
@@ -22,9 +23,9 @@ from gguf import GGMLQuantizationType
 
 from engine.gguf import quant
 from engine.errors import EngineError
-from engine.kernels.cpu_twins import (B_QUANTS, IL_TRAITS, K_QUANTS, KQ_ROWS, Q8_0_BYTES, QK, RL_TRAITS, activations,
-                                      bf16_product_np, bquant_product_np, dequantize, kquant_product_np, layout_rows,
-                                      quantize_q8_0_np, row_major)
+from engine.kernels.cpu_twins import (B_QUANTS, IL_TRAITS, K_QUANTS, KQ_ROWS, Q4Q8, Q8_0_BYTES, QK, RL_TRAITS,
+                                      activations, bf16_product_np, bquant_product_np, kquant_product_np,
+                                      layout_rows, q4q8_product_np, quantize_q8_0_np, row_major)
 from engine.kernels.cpu_twins import (MXFP4_IL, Q2_K_RL, Q3_K_RL, Q4_0_IL,  # noqa: F401 (re-exported: the layouts'
                                       Q4_K_IL)                                # kernel types)
 from engine.kernels.iq_twins import grids as iq_grids
@@ -241,17 +242,12 @@ def matmul_np(raw: np.ndarray, x: np.ndarray, qtype: GGMLQuantizationType, name:
 def _matmul_np(raw: np.ndarray, x: np.ndarray, traits: quant.QuantType, name: str) -> np.ndarray:
     x2, vector = activations(x)
     raw, traits = row_major(_weights(raw, x2.shape[1], traits, name), traits)
-    products = {**dict.fromkeys(K_QUANTS, kquant_product_np), **dict.fromkeys(B_QUANTS, bquant_product_np),
-                **dict.fromkeys(LOW_BIT, lowbit_product_np), Q.BF16: bf16_product_np,
-                Q.F16: bf16_product_np}
-    product = products.get(traits.qtype)
-    if product is not None:
-        y = np.concatenate([product(raw[r0:r0 + KQ_ROWS], x2, traits.qtype)
-                            for r0 in range(0, raw.shape[0], KQ_ROWS)], axis=1)
-        return y[0] if vector else y
-    xq = dequantize(quantize_q8_0_np(x2), Q.Q8_0).astype(np.float64)
-    wt = dequantize(raw, traits.qtype).T.astype(np.float64)
-    y = np.stack([(row @ wt).astype(np.float32) for row in xq])   # row by row, as the kernels: no batch effect
+    products = {**dict.fromkeys(Q4Q8, q4q8_product_np), **dict.fromkeys(K_QUANTS, kquant_product_np),
+                **dict.fromkeys(B_QUANTS, bquant_product_np), **dict.fromkeys(LOW_BIT, lowbit_product_np),
+                Q.BF16: bf16_product_np, Q.F16: bf16_product_np}
+    product = products[traits.qtype]
+    y = np.concatenate([product(raw[r0:r0 + KQ_ROWS], x2, traits.qtype) for r0 in range(0, raw.shape[0], KQ_ROWS)],
+                       axis=1)
     return y[0] if vector else y
 
 
@@ -268,7 +264,7 @@ def matmul_q4_0(raw: np.ndarray, x: np.ndarray) -> np.ndarray:
 
 
 def matmul_q4_0_np(raw: np.ndarray, x: np.ndarray) -> np.ndarray:
-    """numpy twin of :func:`matmul_q4_0` (dequantized Q4_0 weights times dequantized Q8_0 activations)."""
+    """numpy twin of :func:`matmul_q4_0` (:func:`~engine.kernels.cpu_twins.q4q8_product_np`: the kernels' bits)."""
     return matmul_np(raw, x, Q.Q4_0, "matmul_q4_0")
 
 

@@ -1,4 +1,4 @@
-"""The numpy twins of the CPU kernels' Q8_0 activation quantization and K-quant products
+"""The numpy twins of the CPU kernels' Q8_0 activation quantization and Q4_0 / Q8_0 / K-quant products
 (:mod:`engine.kernels.cpu`; block layouts and rounding: docs/design/native-cpu.md), and the
 activation checks both sides share. Pure numpy: they run with or without the native extension.
 """
@@ -200,16 +200,35 @@ def quantize_q8_0_np(x: np.ndarray) -> np.ndarray:
     return out[0] if vector else out
 
 
-def dequantize(raw: np.ndarray, qtype: GGMLQuantizationType) -> np.ndarray:
-    """(rows, nb * block bytes) uint8 Q4_0/Q8_0 -> (rows, nb * 32) float32."""
-    blocks = raw.reshape(raw.shape[0], -1, quant.type_size(qtype))
-    d = blocks[..., :2].copy().view(np.float16).astype(np.float32)
+Q4Q8 = frozenset({Q.Q4_0, Q.Q8_0})
+"""The 32-value types whose products sum f32 terms in 16 lanes (native/cpu/quant/kernels.h, dd_tree16_f32)."""
+Q4Q8_LANES = 16
+
+
+def q4q8_product_np(raw: np.ndarray, x2: np.ndarray, qtype: GGMLQuantizationType) -> np.ndarray:
+    """(m, rows) float32 = x2 (m, k) quantized to Q8_0 times rows of Q4_0 or Q8_0, in the f32 operations and
+    order of the kernels (native/cpu/quant/kernels.h): block b's exact int dot to f32 times the exact f32
+    d_w d_a, rounded once; added to lane b % 16 in order of b from +0; lanes (i, i + 8), (i, i + 4), (i, i + 2),
+    (0, 1). numpy's float32 multiply and add round as the kernels' (no fused multiply-add on either side)."""
+    rows, nb = raw.shape[0], x2.shape[1] // QK
+    blocks = raw.reshape(rows, nb, quant.type_size(qtype))
+    dw = blocks[..., :2].copy().view(np.float16)[..., 0].astype(np.float32)          # (rows, nb)
     qs = blocks[..., 2:]
     if qtype == Q.Q4_0:
-        vals = np.concatenate([qs & 0x0F, qs >> 4], axis=-1).astype(np.int8) - np.int8(8)
+        v = np.concatenate([qs & 0x0F, qs >> 4], axis=-1).astype(np.int64) - 8
     else:
-        vals = qs.view(np.int8)
-    return (vals.astype(np.float32) * d).reshape(raw.shape[0], -1)
+        v = qs.view(np.int8).astype(np.int64)
+    acts = quantize_q8_0_np(x2).reshape(len(x2), nb, Q8_0_BYTES)
+    da = acts[..., :2].copy().view(np.float16)[..., 0].astype(np.float32)            # (m, nb)
+    dot = np.einsum("rbj,cbj->crb", v, acts[..., 2:].view(np.int8).astype(np.int64))  # (m, rows, nb), |.| < 2^24
+    terms = dot.astype(np.float32) * (dw[None] * da[:, None])
+    acc = np.zeros((len(x2), rows, Q4Q8_LANES), dtype=np.float32)
+    for g in range(0, nb, Q4Q8_LANES):
+        n = min(Q4Q8_LANES, nb - g)
+        acc[..., :n] += terms[..., g:g + n]
+    half = acc[..., :8] + acc[..., 8:]
+    quarter = half[..., :4] + half[..., 4:]
+    return (quarter[..., 0] + quarter[..., 2]) + (quarter[..., 1] + quarter[..., 3])
 
 
 K_QUANTS = frozenset({Q.Q4_K, Q.Q5_K, Q.Q6_K})

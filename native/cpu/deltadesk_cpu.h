@@ -6,9 +6,9 @@
  *   block_q8_0 (34 bytes, 32 values): f16 d, then 32 int8 qs; value = qs[j] * d.
  * A weight matrix is `rows` rows of k/32 blocks each, rows contiguous (a GGUF tensor's raw data).
  * Matrix products quantize the f32 activations to Q8_0 first (ggml's reference rounding), then
- * take exact integer dot products per block, scale them by d_w * d_a (exact in f32) into exact f64
- * products, sum those in f64 and round once to f32: only the f64 summation order differs between
- * ISA levels, so their f32 results agree bit for bit except in vanishingly rare roundings.
+ * take exact integer dot products per block and scale them by d_w * d_a (exact in f32): Q4_0 and Q8_0
+ * into f32 terms summed in 16 f32 lanes in a fixed order (quant/kernels.h), the other types into exact
+ * f64 products summed in a fixed f64 order and rounded once to f32. Every ISA level gives the same bits.
  *
  * ISA levels: 0 scalar C, 1 SSSE3, 2 AVX2 (+FMA, F16C), 3 AVX-512 VNNI (F, BW, VL, VNNI).
  * Functions that take an `isa` argument return DD_ERR_ISA if this CPU lacks that level.

@@ -43,8 +43,6 @@
  * Pairs (every kernel but AVX-512's Q4_0 and Q8_0): blocks padded to nbp = nb rounded up to even (the
  * padding block is all zero):
  *   q[c*nbp*32 + b*32 + j]   int8 value j of block b (natural order);
- *   d[c*nbp*8 + b*8 + l]     the block's scale (f16 widened to f32), repeated for lanes l = 0..7 (NULL where
- *                     the table's q4_0_groups is set: only the pair layout's Q4_0 and Q8_0 kernels read it);
  *   bias[t][c*nbp*8 + b*8 + l]  bias_mult[t] * (q[4l] + q[4l+1] + q[4l+2] + q[4l+3]) of block b:
  *                     the correction a kernel for weight type t adds when it multiplies unsigned
  *                     weight bytes (nibble, or int8 + 128) by the signed activations; NULL when
@@ -58,10 +56,9 @@
  *   m > 1 (the lane layout, the GEMM's):
  *   gq[((c*ng + g)*8 + 2t + h)*64 + 4L(i) + u]  value 16h + 4t + u of block 16g + i (t, u < 4);
  *   gbias[(c*ng + g)*16 + L(i)]  -8 * (sum of block 16g + i's 32 values) (Q8_0 weights: 16 times it);
- *   gd[(c*ng + g)*16 + L(i)]     its scale;
- *   gd64[(c*ng + g)*16 + L(i)]   m > 1 only (else NULL): the same scale as f64.
- * Compact (every level; the K-quant kernels read them), per block b of column c:
- *   bd[c*nbp + b]     the block's scale;
+ *   gd[(c*ng + g)*16 + L(i)]     its scale.
+ * Compact (every level; the K-quant kernels and the pair layout's Q4_0 and Q8_0 read them), per block b of column c:
+ *   bd[c*nbp + b]     the block's scale (f16 widened to f32);
  *   bs[c*nbp + b]     the sum of its 32 values;
  *   s16[(c*nbp + b)*2 + h]  the sum of values 16h .. 16h + 15.
  * Float (the BF16 and F16 kernels): x[c*k + i], the f32 activations themselves (the caller's, not copied;
@@ -69,13 +66,11 @@
 typedef struct {
     size_t nb, nbp, m;
     const int8_t *q;
-    const float *d;
     const int32_t *bias[DD_WTYPE_COUNT];
     size_t ng;
     const int8_t *gq;
     const int32_t *gbias;
     const float *gd;
-    const double *gd64;
     const float *bd;
     const int32_t *bs, *s16;
     const float *x;
@@ -83,6 +78,25 @@ typedef struct {
     uint64_t id;            /* unique to this preparation (a process-wide count from 1): a kernel may keep
                              * per-thread values derived from these activations under it */
 } dd_acts;
+
+/* The Q4_0 and Q8_0 products' sum, at every level and in the numpy twin (engine.kernels.cpu_twins.q4q8_product_np):
+ * block b's exact int dot I_b (|I_b| < 2^24, so exact in f32) times s_b = d_w d_a (two f16 scales: exact in f32)
+ * rounded to f32 once, added in f32 to lane b % 16 in order of b from +0 (no fused multiply-add, so every level
+ * and numpy round alike); then the lanes by dd_tree16_f32. A missing block of a short last group is an added +0,
+ * which leaves a lane unchanged (a lane is never -0). Error: within (nb / 16 + 6) 2^-24 sum |t_b| of the exact sum
+ * (one rounding per product, nb / 16 adds a lane, 4 in the tree; docs/design/native-cpu.md). */
+#define DD_Q4Q8_LANES 16
+
+/* The 16 lanes s[i] of a Q4_0 / Q8_0 sum added as (i, i + 8), then (i, i + 4), (i, i + 2), (0, 1), in f32. */
+static inline float dd_tree16_f32(const float s[DD_Q4Q8_LANES])
+{
+    float h[8];
+    for (int i = 0; i < 8; i++)
+        h[i] = s[i] + s[i + 8];
+    for (int i = 0; i < 4; i++)
+        h[i] = h[i] + h[i + 4];
+    return (h[0] + h[2]) + (h[1] + h[3]);
+}
 
 /* y[c*ldy + r] = row r of w (nrows rows, row_bytes apart) . column c of a, for r < nrows, c < a->m.
  * Rows [nrows, rows_avail) follow in memory (the rest of the matrix): the kernel may prefetch them. */

@@ -4,8 +4,8 @@
  * in order (low nibbles, then high) as unsigned bytes; `pmaddubsw` with the signed activations
  * and `pmaddwd` with ones give 8 exact int32 lanes, to which the activation bias (-8 times the
  * activation sums) is added. Q8_0: the sign trick (|w| times a with w's sign) keeps `pmaddubsw`
- * from saturating. Lanes are folded to 4 per block, scaled by d_w * d_a into exact f64 products and
- * summed in f64, reduced and rounded to f32 once per row.
+ * from saturating. Four blocks' 8 lanes each become their 4 block dots (a vphaddd tree), which are scaled by
+ * d_w * d_a into kernels.h's f32 terms and summed in its 16 f32 lanes.
  */
 #include <immintrin.h>
 
@@ -82,53 +82,83 @@ DD_INLINE __m256i q4_0_block(const uint8_t *blk)
     return _mm256_and_si256(both, _mm256_set1_epi8(0x0f));
 }
 
-DD_INLINE void tile(const uint8_t *w, const uint8_t *pf, size_t rb, const dd_acts *a, int wtype, size_t c0,
-                    float *y, size_t ldy, const int R, const int C)
+/* Blocks b .. b + n - 1 (n <= 4, b a multiple of 4) of R rows against C columns into acc[r][c] (kernels.h's f32
+ * lanes b % 16 .. b % 16 + 3; n is a constant but in a short last group). A row's n blocks are expanded once for
+ * its C columns; each block's dot (8 int32 lanes) meets the others in a vphaddd tree, giving the n exact block
+ * dots in order; missing blocks add +0. */
+DD_INLINE void quad(const uint8_t *w, const uint8_t *pf, size_t rb, const dd_acts *a, int wtype, size_t c0,
+                    size_t b, __m128 acc[4][4], const int R, const int C, const int n)
 {
     const size_t bytes = wtype == DD_Q4_0 ? DD_Q4_0_BYTES : DD_Q8_0_BYTES;
     const __m256i ones = _mm256_set1_epi16(1);
-    __m256d acc[4][4];
-    for (int r = 0; r < R; r++)
-        for (int c = 0; c < C; c++)
-            acc[r][c] = _mm256_setzero_pd();
-    for (size_t b = 0; b < a->nb; b++) {
+    for (int r = 0; r < R; r++) {
         __m256i wq[4], wabs[4];
-        __m256 dw[4];
-        for (int r = 0; r < R; r++) {
-            const uint8_t *blk = w + r * rb + b * bytes;
-            dd_prefetch_weight(pf + r * rb + b * bytes);
-            dw[r] = _mm256_set1_ps(_cvtsh_ss(dd_load_u16(blk)));
+        uint16_t dh[4] = { 0, 0, 0, 0 };
+        for (int k = 0; k < n; k++) {
+            const uint8_t *blk = w + r * rb + (b + k) * bytes;
+            dd_prefetch_weight(pf + r * rb + (b + k) * bytes);
+            dh[k] = dd_load_u16(blk);
             if (wtype == DD_Q4_0) {
-                wq[r] = q4_0_block(blk);
+                wq[k] = q4_0_block(blk);
             } else {
-                wq[r] = _mm256_loadu_si256((const __m256i *)(blk + 2));
-                wabs[r] = _mm256_sign_epi8(wq[r], wq[r]);
+                wq[k] = _mm256_loadu_si256((const __m256i *)(blk + 2));
+                wabs[k] = _mm256_sign_epi8(wq[k], wq[k]);
             }
         }
+        const __m128 dw = _mm_cvtph_ps(_mm_setr_epi16((short)dh[0], (short)dh[1], (short)dh[2], (short)dh[3], 0, 0, 0, 0));
         for (int c = 0; c < C; c++) {
-            const size_t col = (c0 + c) * a->nbp;
-            const __m256i aq = _mm256_load_si256((const __m256i *)(a->q + (col + b) * DD_QK));
-            const __m256 da = _mm256_load_ps(a->d + (col + b) * 8);
-            for (int r = 0; r < R; r++) {
-                __m256i dot;
-                if (wtype == DD_Q4_0) {
-                    dot = _mm256_madd_epi16(_mm256_maddubs_epi16(wq[r], aq), ones);
-                    dot = _mm256_add_epi32(dot, _mm256_load_si256((const __m256i *)(a->bias[DD_Q4_0] + (col + b) * 8)));
-                } else {
-                    dot = _mm256_madd_epi16(_mm256_maddubs_epi16(wabs[r], _mm256_sign_epi8(aq, wq[r])), ones);
+            const size_t col = (c0 + c) * a->nbp + b;
+            __m256i d[4];
+            for (int k = 0; k < 4; k++) {
+                if (k >= n) {
+                    d[k] = _mm256_setzero_si256();
+                    continue;
                 }
-                /* 8 lanes -> 4 (quarters of the block), exact in int32; scale exact in f32, products in f64 */
-                const __m128i dot4 = _mm_add_epi32(_mm256_castsi256_si128(dot), _mm256_extracti128_si256(dot, 1));
-                const __m256d scale = _mm256_cvtps_pd(_mm256_castps256_ps128(_mm256_mul_ps(dw[r], da)));
-                acc[r][c] = _mm256_fmadd_pd(_mm256_cvtepi32_pd(dot4), scale, acc[r][c]);
+                const __m256i aq = _mm256_load_si256((const __m256i *)(a->q + (col + k) * DD_QK));
+                if (wtype == DD_Q4_0)
+                    d[k] = _mm256_add_epi32(_mm256_madd_epi16(_mm256_maddubs_epi16(wq[k], aq), ones),
+                                            _mm256_load_si256((const __m256i *)(a->bias[DD_Q4_0] + (col + k) * 8)));
+                else
+                    d[k] = _mm256_madd_epi16(_mm256_maddubs_epi16(wabs[k], _mm256_sign_epi8(aq, wq[k])), ones);
             }
+            const __m256i h = _mm256_hadd_epi32(_mm256_hadd_epi32(d[0], d[1]), _mm256_hadd_epi32(d[2], d[3]));
+            const __m128i dot = _mm_add_epi32(_mm256_castsi256_si128(h), _mm256_extracti128_si256(h, 1));
+            const __m128 da = n == 4 ? _mm_loadu_ps(a->bd + col)
+                                     : _mm_setr_ps(a->bd[col], n > 1 ? a->bd[col + 1] : 0.0f,
+                                                   n > 2 ? a->bd[col + 2] : 0.0f, 0.0f);
+            const __m128 scale = _mm_mul_ps(dw, da);   /* exact: 11 x 11 bits */
+            acc[r][c] = _mm_add_ps(acc[r][c], _mm_mul_ps(_mm_cvtepi32_ps(dot), scale));
         }
     }
+}
+
+DD_INLINE void tile(const uint8_t *w, const uint8_t *pf, size_t rb, const dd_acts *a, int wtype, size_t c0,
+                    float *y, size_t ldy, const int R, const int C)
+{
+    __m128 acc[4][4][4];   /* [j][r][c]: lanes 4j .. 4j + 3 */
+    for (int j = 0; j < 4; j++)
+        for (int r = 0; r < R; r++)
+            for (int c = 0; c < C; c++)
+                acc[j][r][c] = _mm_setzero_ps();
+    size_t b = 0;
+    /* unrolled, so that acc[j] is a register, not an indexed array on the stack */
+    for (; b + 16 <= a->nb; b += 16) {
+#pragma GCC unroll 4
+        for (int j = 0; j < 4; j++)
+            quad(w, pf, rb, a, wtype, c0, b + 4 * j, acc[j], R, C, 4);
+    }
+#pragma GCC unroll 4
+    for (int j = 0; j < 4; j++)   /* the short last group */
+        if (b + 4 * j < a->nb) {
+            const size_t left = a->nb - b - 4 * j;
+            quad(w, pf, rb, a, wtype, c0, b + 4 * j, acc[j], R, C, left < 4 ? (int)left : 4);
+        }
     for (int r = 0; r < R; r++)
         for (int c = 0; c < C; c++) {
-            __m128d s = _mm_add_pd(_mm256_castpd256_pd128(acc[r][c]), _mm256_extractf128_pd(acc[r][c], 1));
-            s = _mm_add_sd(s, _mm_unpackhi_pd(s, s));
-            y[(c0 + c) * ldy + r] = (float)_mm_cvtsd_f64(s);
+            float s[DD_Q4Q8_LANES];
+            for (int j = 0; j < 4; j++)
+                _mm_storeu_ps(s + 4 * j, acc[j][r][c]);
+            y[(c0 + c) * ldy + r] = dd_tree16_f32(s);
         }
 }
 

@@ -2,9 +2,9 @@
  *
  * Weights enter `vpdpbusd` as unsigned bytes (a Q4_0 nibble 0..15, or a Q8_0 int8 + 128) against
  * the signed Q8_0 activations; the activation-side bias (-8 or -128 times the activation sums, see
- * dd_acts) seeds the integer accumulator, so each int32 lane ends exact. Lanes are scaled by
- * d_w * d_a into exact f64 products, summed in f64 lanes, reduced and rounded to f32 once per row.
- * Q4_0 and Q8_0 put one block in each lane (16-block groups).
+ * dd_acts) seeds the integer accumulator, so each int32 lane ends exact. Q4_0 and Q8_0 put one block in
+ * each lane (16-block groups) and sum kernels.h's f32 terms in those lanes (dd_tree16_f32's order); the
+ * other types' terms are exact f64 products summed in f64 lanes and rounded to f32 once per row.
  */
 #include <immintrin.h>
 
@@ -130,19 +130,22 @@ static const uint16_t scale_words[32] = { 0, 36, 0, 36, 9, 45, 9, 45, 18, 54, 18
 /* Q8_0: block 4j + k's scale is word 17k of quad j's 128 bytes; lane L = 4k + j */
 static const uint16_t q8_scale_words[32] = { 0, 0, 0, 0, 17, 17, 17, 17, 34, 34, 34, 34, 51, 51, 51, 51 };
 
-/* acc[0..1] += dot * scale over 16 lanes in f64: int32 lanes times the f32 scales dw * da (exact,
- * 11 x 11 bits), each product exact in f64, so the fused add rounds as a plain one would. */
-DD_INLINE void acc_f64(__m512d acc[2], __m512i dot, __m512 scale)
+/* acc += kernels.h's Q4_0 / Q8_0 terms of 16 blocks: the exact int32 dots (in f32) times the f32 scales
+ * dw * da (exact, 11 x 11 bits), rounded once, then added: a multiply and an add, no fused one. */
+DD_INLINE __m512 acc_f32(__m512 acc, __m512i dot, __m512 scale)
 {
-    const __m256 hi = _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(scale), 1));
-    acc[0] = _mm512_fmadd_pd(_mm512_cvtepi32_pd(_mm512_castsi512_si256(dot)),
-                             _mm512_cvtps_pd(_mm512_castps512_ps256(scale)), acc[0]);
-    acc[1] = _mm512_fmadd_pd(_mm512_cvtepi32_pd(_mm512_extracti64x4_epi64(dot, 1)), _mm512_cvtps_pd(hi), acc[1]);
+    return _mm512_add_ps(acc, _mm512_mul_ps(_mm512_cvtepi32_ps(dot), scale));
 }
 
-DD_INLINE float reduce_f64(const __m512d acc[2])
+/* dd_tree16_f32 of 16 lanes in the group order (lane L = 4 (i % 4) + i / 4 holds block lane i): i + 8 is
+ * L + 2 and i + 4 is L + 1 (within a 128-bit lane), i + 2 is L + 8 and i + 1 is L + 4. */
+DD_INLINE float reduce_lanes(__m512 acc)
 {
-    return (float)_mm512_reduce_add_pd(_mm512_add_pd(acc[0], acc[1]));
+    acc = _mm512_add_ps(acc, _mm512_permute_ps(acc, _MM_SHUFFLE(1, 0, 3, 2)));
+    acc = _mm512_add_ps(acc, _mm512_permute_ps(acc, _MM_SHUFFLE(2, 3, 0, 1)));
+    const __m256 h = _mm256_add_ps(_mm512_castps512_ps256(acc),
+                                   _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(acc), 1)));
+    return _mm_cvtss_f32(_mm_add_ss(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1)));
 }
 
 DD_INLINE size_t group_bytes(int wtype)
@@ -210,7 +213,7 @@ DD_INLINE void prefetch_group(const uint8_t *p, int wtype)
 
 /* One group of R rows (rows `rstride` bytes apart from grp) against C columns of group g. */
 DD_INLINE void group_step(const uint8_t *grp, size_t rstride, const uint8_t *pf, size_t rb, const dd_acts *a,
-                          size_t c0, size_t g, int wtype, __m512d acc[4][4][2], const int R, const int C)
+                          size_t c0, size_t g, int wtype, __m512 acc[4][4], const int R, const int C)
 {
     /* unrolled, so that each row's accumulators stay in registers (GCC left the loop rolled, acc[r] on the stack) */
 #pragma GCC unroll 4
@@ -232,7 +235,7 @@ DD_INLINE void group_step(const uint8_t *grp, size_t rstride, const uint8_t *pf,
         for (int c = 0; c < C; c++) {
             const size_t at = ((c0 + c) * a->ng + g) * 16;
             const __m512i dot = _mm512_add_epi32(kq_transpose_add(part[c]), group_bias(a->gbias + at, wtype));
-            acc_f64(acc[r][c], dot, _mm512_mul_ps(dw, _mm512_load_ps(a->gd + at)));
+            acc[r][c] = acc_f32(acc[r][c], dot, _mm512_mul_ps(dw, _mm512_load_ps(a->gd + at)));
         }
     }
 }
@@ -241,10 +244,10 @@ DD_INLINE void tile_groups(const uint8_t *w, const uint8_t *pf, size_t rb, const
                            size_t ldy, int wtype, const int R, const int C)
 {
     const size_t full = a->nb / 16, rest = a->nb % 16, gb = group_bytes(wtype);
-    __m512d acc[4][4][2];
+    __m512 acc[4][4];
     for (int r = 0; r < R; r++)
         for (int c = 0; c < C; c++)
-            acc[r][c][0] = acc[r][c][1] = _mm512_setzero_pd();
+            acc[r][c] = _mm512_setzero_ps();
     for (size_t g = 0; g < full; g++)
         group_step(w + g * gb, rb, pf, rb, a, c0, g, wtype, acc, R, C);
     if (rest) {
@@ -259,7 +262,7 @@ DD_INLINE void tile_groups(const uint8_t *w, const uint8_t *pf, size_t rb, const
     }
     for (int r = 0; r < R; r++)
         for (int c = 0; c < C; c++)
-            y[(c0 + c) * ldy + r] = reduce_f64(acc[r][c]);
+            y[(c0 + c) * ldy + r] = reduce_lanes(acc[r][c]);
 }
 
 DD_INLINE void tile_q4_0(const uint8_t *w, const uint8_t *pf, size_t rb, const dd_acts *a, size_t c0, float *y,

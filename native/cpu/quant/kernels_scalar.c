@@ -72,14 +72,14 @@ static inline __attribute__((always_inline)) void gemm(const uint8_t *w, size_t 
         const uint8_t *row = w + r * row_bytes;
         for (size_t c = 0; c < a->m; c++) {
             const int8_t *q = a->q + c * a->nbp * DD_QK;
-            const float *d = a->d + c * a->nbp * 8;
-            double acc = 0.0;
+            const float *d = a->bd + c * a->nbp;
+            float acc[DD_Q4Q8_LANES] = { 0 };
             for (size_t b = 0; b < a->nb; b++) {
                 const uint8_t *blk = row + b * block_bytes;
-                const float scale = dd_f16_to_f32(dd_load_u16(blk)) * d[b * 8];   /* exact: 11 x 11 bits */
-                acc += (double)dot(blk, q + b * DD_QK) * scale;                    /* exact product */
+                const float scale = dd_f16_to_f32(dd_load_u16(blk)) * d[b];   /* exact: 11 x 11 bits */
+                acc[b % DD_Q4Q8_LANES] += (float)dot(blk, q + b * DD_QK) * scale;
             }
-            y[c * ldy + r] = (float)acc;
+            y[c * ldy + r] = dd_tree16_f32(acc);
         }
     }
 }

@@ -3,8 +3,9 @@
  * A 32-value block is two xmm halves. Q4_0: low nibbles (values 0-15) and high nibbles (16-31)
  * as unsigned bytes times the signed activations through `pmaddubsw` + `pmaddwd`, plus the
  * activation bias (-8 times the activation sums). Q8_0: the sign trick (|w| times a with w's
- * sign). Block scales are widened from f16 in C (no F16C here). The 4 int32 lanes fold to 2, are
- * scaled by d_w * d_a into exact f64 products and summed in f64, rounded to f32 once per row.
+ * sign). Block scales are widened from f16 in C (no F16C here). Four blocks' 4 lanes each become their 4
+ * block dots (a phaddd tree), which are scaled by d_w * d_a into kernels.h's f32 terms and summed in its 16 f32
+ * lanes.
  */
 #include <tmmintrin.h>
 #include <xmmintrin.h>
@@ -74,62 +75,94 @@ static void quantize_q8_0(const float *x, size_t nb, uint8_t *out)
     }
 }
 
-DD_INLINE void tile(const uint8_t *w, const uint8_t *pf, size_t rb, const dd_acts *a, int wtype, size_t c0,
-                    float *y, size_t ldy, const int R, const int C)
+/* Blocks b .. b + n - 1 (n <= 4, b a multiple of 4) of R rows against C columns into acc[r][c] (kernels.h's f32
+ * lanes b % 16 .. b % 16 + 3; n is a constant but in a short last group). A row's n blocks are expanded once for
+ * its C columns; each block's dot (4 int32 lanes) meets the others in a phaddd tree, giving the n exact block
+ * dots in order; missing blocks add +0. */
+DD_INLINE void quad(const uint8_t *w, const uint8_t *pf, size_t rb, const dd_acts *a, int wtype, size_t c0,
+                    size_t b, __m128 acc[4][4], const int R, const int C, const int n)
 {
     const size_t bytes = wtype == DD_Q4_0 ? DD_Q4_0_BYTES : DD_Q8_0_BYTES;
     const __m128i ones = _mm_set1_epi16(1), low = _mm_set1_epi8(0x0f);
-    __m128d acc[4][4];
-    for (int r = 0; r < R; r++)
-        for (int c = 0; c < C; c++)
-            acc[r][c] = _mm_setzero_pd();
-    for (size_t b = 0; b < a->nb; b++) {
+    for (int r = 0; r < R; r++) {
         __m128i wq[4][2], wabs[4][2];
-        float dw[4];
-        for (int r = 0; r < R; r++) {
-            const uint8_t *blk = w + r * rb + b * bytes;
-            dd_prefetch_weight(pf + r * rb + b * bytes);
-            dw[r] = dd_f16_to_f32(dd_load_u16(blk));
+        float f[4] = { 0.0f, 0.0f, 0.0f, 0.0f };
+        for (int k = 0; k < n; k++) {
+            const uint8_t *blk = w + r * rb + (b + k) * bytes;
+            dd_prefetch_weight(pf + r * rb + (b + k) * bytes);
+            f[k] = dd_f16_to_f32(dd_load_u16(blk));
             if (wtype == DD_Q4_0) {
                 const __m128i qs = _mm_loadu_si128((const __m128i *)(blk + 2));
-                wq[r][0] = _mm_and_si128(qs, low);
-                wq[r][1] = _mm_and_si128(_mm_srli_epi16(qs, 4), low);
+                wq[k][0] = _mm_and_si128(qs, low);
+                wq[k][1] = _mm_and_si128(_mm_srli_epi16(qs, 4), low);
             } else {
                 for (int h = 0; h < 2; h++) {
-                    wq[r][h] = _mm_loadu_si128((const __m128i *)(blk + 2 + 16 * h));
-                    wabs[r][h] = _mm_sign_epi8(wq[r][h], wq[r][h]);
+                    wq[k][h] = _mm_loadu_si128((const __m128i *)(blk + 2 + 16 * h));
+                    wabs[k][h] = _mm_sign_epi8(wq[k][h], wq[k][h]);
                 }
             }
         }
+        const __m128 dw = _mm_setr_ps(f[0], f[1], f[2], f[3]);
         for (int c = 0; c < C; c++) {
-            const size_t col = (c0 + c) * a->nbp;
-            const __m128i *aq = (const __m128i *)(a->q + (col + b) * DD_QK);
-            const float da = a->d[(col + b) * 8];
-            __m128i bias = _mm_setzero_si128();
-            if (wtype == DD_Q4_0) {
-                const __m128i *bp = (const __m128i *)(a->bias[DD_Q4_0] + (col + b) * 8);
-                bias = _mm_add_epi32(_mm_load_si128(bp), _mm_load_si128(bp + 1));
-            }
-            for (int r = 0; r < R; r++) {
+            const size_t col = (c0 + c) * a->nbp + b;
+            __m128i d[4];
+            for (int k = 0; k < 4; k++) {
+                if (k >= n) {
+                    d[k] = _mm_setzero_si128();
+                    continue;
+                }
+                const __m128i *aq = (const __m128i *)(a->q + (col + k) * DD_QK);
                 __m128i p0, p1;
                 if (wtype == DD_Q4_0) {
-                    p0 = _mm_maddubs_epi16(wq[r][0], _mm_load_si128(aq));
-                    p1 = _mm_maddubs_epi16(wq[r][1], _mm_load_si128(aq + 1));
+                    p0 = _mm_maddubs_epi16(wq[k][0], _mm_load_si128(aq));
+                    p1 = _mm_maddubs_epi16(wq[k][1], _mm_load_si128(aq + 1));
                 } else {
-                    p0 = _mm_maddubs_epi16(wabs[r][0], _mm_sign_epi8(_mm_load_si128(aq), wq[r][0]));
-                    p1 = _mm_maddubs_epi16(wabs[r][1], _mm_sign_epi8(_mm_load_si128(aq + 1), wq[r][1]));
+                    p0 = _mm_maddubs_epi16(wabs[k][0], _mm_sign_epi8(_mm_load_si128(aq), wq[k][0]));
+                    p1 = _mm_maddubs_epi16(wabs[k][1], _mm_sign_epi8(_mm_load_si128(aq + 1), wq[k][1]));
                 }
-                __m128i dot = _mm_add_epi32(_mm_madd_epi16(p0, ones), _mm_madd_epi16(p1, ones));
-                dot = _mm_add_epi32(dot, bias);
-                dot = _mm_add_epi32(dot, _mm_shuffle_epi32(dot, 0x4e));   /* lanes 0, 1: halves of the block */
-                acc[r][c] = _mm_add_pd(acc[r][c], _mm_mul_pd(_mm_cvtepi32_pd(dot), _mm_set1_pd(dw[r] * da)));
+                d[k] = _mm_add_epi32(_mm_madd_epi16(p0, ones), _mm_madd_epi16(p1, ones));
+                if (wtype == DD_Q4_0) {
+                    const __m128i *bp = (const __m128i *)(a->bias[DD_Q4_0] + (col + k) * 8);
+                    d[k] = _mm_add_epi32(d[k], _mm_add_epi32(_mm_load_si128(bp), _mm_load_si128(bp + 1)));
+                }
             }
+            const __m128i dot = _mm_hadd_epi32(_mm_hadd_epi32(d[0], d[1]), _mm_hadd_epi32(d[2], d[3]));
+            const __m128 da = n == 4 ? _mm_loadu_ps(a->bd + col)
+                                     : _mm_setr_ps(a->bd[col], n > 1 ? a->bd[col + 1] : 0.0f,
+                                                   n > 2 ? a->bd[col + 2] : 0.0f, 0.0f);
+            const __m128 scale = _mm_mul_ps(dw, da);   /* exact: 11 x 11 bits */
+            acc[r][c] = _mm_add_ps(acc[r][c], _mm_mul_ps(_mm_cvtepi32_ps(dot), scale));
         }
     }
+}
+
+DD_INLINE void tile(const uint8_t *w, const uint8_t *pf, size_t rb, const dd_acts *a, int wtype, size_t c0,
+                    float *y, size_t ldy, const int R, const int C)
+{
+    __m128 acc[4][4][4];   /* [j][r][c]: lanes 4j .. 4j + 3 */
+    for (int j = 0; j < 4; j++)
+        for (int r = 0; r < R; r++)
+            for (int c = 0; c < C; c++)
+                acc[j][r][c] = _mm_setzero_ps();
+    size_t b = 0;
+    /* unrolled, so that acc[j] is a register, not an indexed array on the stack */
+    for (; b + 16 <= a->nb; b += 16) {
+#pragma GCC unroll 4
+        for (int j = 0; j < 4; j++)
+            quad(w, pf, rb, a, wtype, c0, b + 4 * j, acc[j], R, C, 4);
+    }
+#pragma GCC unroll 4
+    for (int j = 0; j < 4; j++)   /* the short last group */
+        if (b + 4 * j < a->nb) {
+            const size_t left = a->nb - b - 4 * j;
+            quad(w, pf, rb, a, wtype, c0, b + 4 * j, acc[j], R, C, left < 4 ? (int)left : 4);
+        }
     for (int r = 0; r < R; r++)
         for (int c = 0; c < C; c++) {
-            const __m128d s = _mm_add_sd(acc[r][c], _mm_unpackhi_pd(acc[r][c], acc[r][c]));
-            y[(c0 + c) * ldy + r] = (float)_mm_cvtsd_f64(s);
+            float s[DD_Q4Q8_LANES];
+            for (int j = 0; j < 4; j++)
+                _mm_storeu_ps(s + 4 * j, acc[j][r][c]);
+            y[(c0 + c) * ldy + r] = dd_tree16_f32(s);
         }
 }
 

@@ -2,15 +2,13 @@
  * kernels_avx512vnni.c after its group helpers).
  *
  * A call unpacks its rows range by range, once: each stored group becomes 8 vectors of unsigned weight bytes
- * and its 16 scales widened to f64 (q4x_group, 640 bytes for 288 stored Q4_0 or 544 Q8_0 bytes; a range's
+ * and its 16 scales widened to f32 (q4x_group, 576 bytes for 288 stored Q4_0 or 544 Q8_0 bytes; a range's
  * groups fill at most 192 KiB of the stack and stay in L2). A tile then meets one unpacked row with up to 8
- * columns (group_dot, the scale, the f64 FMA), its accumulators in registers; the walk takes 8 columns at a time (their
- * activations, ~20 KiB at k = 2048, stay in L1) against every row of the range. Each block's integer dot
- * is exact, so it equals the GEMV tile's (which sums the same products in another order). The GEMV's
- * scale is the f32 product dw da of two f16 values (<= 11 significant bits each, so exact in f32); here
- * it is the f64 product of the same values, widened (dd_acts.gd64): the same number, with no f32
- * multiply and no widening per column. The accumulation is the GEMV's FMA of an exact product in the
- * GEMV's lane order, so every output keeps the bits of the one-column call.
+ * columns (group_dot, the scale, the f32 term), its accumulators in registers; the walk takes 8 columns at a time
+ * (their activations, ~20 KiB at k = 2048, stay in L1) against every row of the range. Each block's integer dot
+ * is exact, so it equals the GEMV tile's (which sums the same products in another order); the scale dw da, the
+ * rounded term, its lane and the lanes' tree are the GEMV's (kernels.h's order), so every output keeps the bits
+ * of the one-column call.
  */
 #ifndef DELTADESK_Q4_GEMM_AVX512_H
 #define DELTADESK_Q4_GEMM_AVX512_H
@@ -75,35 +73,28 @@ DD_INLINE __m512i group_dot(const __m512i lo[4], const __m512i hi[4], const dd_a
 
 #define Q4_WIDE_COLS 8
 
-/* acc[c] += the f64 terms of group g of columns [c0, c0 + C) against one row's group: its bytes (lo, hi)
- * and its 16 scales widened to f64 (dw[0]: lanes 0-7, dw[1]: 8-15). */
-DD_INLINE void group_columns(const __m512i lo[4], const __m512i hi[4], const __m512d dw[2], const dd_acts *a,
-                             size_t c0, size_t g, int wtype, __m512d acc[Q4_WIDE_COLS][2], const int C)
+/* acc[c] += the f32 terms of group g of columns [c0, c0 + C) against one row's group: its bytes (lo, hi)
+ * and its 16 scales widened to f32, in lane order. */
+DD_INLINE void group_columns(const __m512i lo[4], const __m512i hi[4], __m512 dw, const dd_acts *a,
+                             size_t c0, size_t g, int wtype, __m512 acc[Q4_WIDE_COLS], const int C)
 {
     /* unrolled: GCC keeps a rolled loop's accumulators on the stack (a load and store per column) */
 #pragma GCC unroll 8
     for (int c = 0; c < C; c++) {
         const __m512i dot = group_dot(lo, hi, a, c0 + c, g, wtype);
-        const double *da = a->gd64 + ((c0 + c) * a->ng + g) * 16;
-        acc[c][0] = _mm512_fmadd_pd(_mm512_cvtepi32_pd(_mm512_castsi512_si256(dot)),
-                                    _mm512_mul_pd(dw[0], _mm512_load_pd(da)), acc[c][0]);
-        acc[c][1] = _mm512_fmadd_pd(_mm512_cvtepi32_pd(_mm512_extracti64x4_epi64(dot, 1)),
-                                    _mm512_mul_pd(dw[1], _mm512_load_pd(da + 8)), acc[c][1]);
+        acc[c] = acc_f32(acc[c], dot, _mm512_mul_ps(dw, _mm512_load_ps(a->gd + ((c0 + c) * a->ng + g) * 16)));
     }
 }
 
 /* One stored group (group_bytes at grp) unpacked: its weight vectors and widened scales. */
 typedef struct {
     __m512i lo[4], hi[4];
-    __m512d dw[2];
+    __m512 dw;
 } q4x_group;
 
 DD_INLINE void q4x_unpack(const uint8_t *grp, int wtype, q4x_group *e)
 {
-    __m512 dw;
-    group_unpack(grp, wtype, e->lo, e->hi, &dw);
-    e->dw[0] = _mm512_cvtps_pd(_mm512_castps512_ps256(dw));
-    e->dw[1] = _mm512_cvtps_pd(_mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(dw), 1)));
+    group_unpack(grp, wtype, e->lo, e->hi, &e->dw);
 }
 
 /* Group g of row w unpacked into *e (a short last group padded with zero blocks, as tile_groups: their
@@ -130,9 +121,9 @@ DD_INLINE void q4x_unpack_group(const uint8_t *w, const uint8_t *pf, const dd_ac
 DD_INLINE void q4_0_wide_tile(const q4x_group *e, const uint8_t *w, const uint8_t *pf, const dd_acts *a, size_t c0,
                               float *y, size_t ldy, int wtype, const int C)
 {
-    __m512d acc[Q4_WIDE_COLS][2];
+    __m512 acc[Q4_WIDE_COLS];
     for (int c = 0; c < C; c++)
-        acc[c][0] = acc[c][1] = _mm512_setzero_pd();
+        acc[c] = _mm512_setzero_ps();
     for (size_t g = 0; g < a->ng; g++) {
         q4x_group own;
         if (e == NULL)
@@ -141,7 +132,7 @@ DD_INLINE void q4_0_wide_tile(const q4x_group *e, const uint8_t *w, const uint8_
         group_columns(x->lo, x->hi, x->dw, a, c0, g, wtype, acc, C);
     }
     for (int c = 0; c < C; c++)
-        y[(c0 + c) * ldy] = reduce_f64(acc[c]);
+        y[(c0 + c) * ldy] = reduce_lanes(acc[c]);
 }
 
 /* Rows [0, nrows) against columns [c0, c0 + C): from e (row r's groups at e + r * ng) or, e NULL, from
@@ -174,13 +165,13 @@ DD_INLINE void q4_0_wide_blocks(const q4x_group *e, const uint8_t *w, size_t rb,
     }
 }
 
-/* The unpacked groups of one row range (stack): 192 KiB (307 groups: ~88 KiB of stored Q4_0, ~163 KiB of Q8_0),
+/* The unpacked groups of one row range (stack): 192 KiB (341 groups: ~96 KiB of stored Q4_0, ~181 KiB of Q8_0),
  * in L2. */
 #define Q4X_GROUPS (192 * 1024 / sizeof(q4x_group))
 
 /* The GEMM (m > 1) of a Q4_0 or Q8_0 matrix: row ranges whose groups are unpacked once per call (each stored
  * group read and unpacked once, not once per 8 columns) and met by every column block; a row longer than
- * Q4X_GROUPS groups (k > 157,184 values) is unpacked per 8 columns instead. Every path runs group_columns on
+ * Q4X_GROUPS groups (k > 174,592 values) is unpacked per 8 columns instead. Every path runs group_columns on
  * the same unpacked values: the same bits. */
 DD_INLINE void groups_gemm(const uint8_t *w, size_t row_bytes, size_t nrows, size_t rows_avail, const dd_acts *a,
                            float *y, size_t ldy, int wtype)
@@ -206,7 +197,7 @@ DD_INLINE void groups_gemm(const uint8_t *w, size_t row_bytes, size_t nrows, siz
 }
 
 /* The dd_gemm_fns of kernels.h for Q4_0 and Q8_0: the GEMV's 4-row tiles (tile_groups) for m == 1, else
- * groups_gemm, the same lane order and FMA sequence: the bits of the one-column call. */
+ * groups_gemm, the same lanes, terms and tree: the bits of the one-column call. */
 #define GROUPS_GEMM(NAME, GEMV, WTYPE)                                                                       \
     static void NAME(const uint8_t *w, size_t row_bytes, size_t nrows, size_t rows_avail, const dd_acts *a, \
                      float *y, size_t ldy)                                                                   \
@@ -249,9 +240,7 @@ DD_INLINE void q4il_unpack_group(const uint8_t *p, q4x_group *e, size_t ng)
     q4il_quads(p, 0, v);   /* v[i]: rows 2 i (low half) and 2 i + 1 (high half) */
     for (int r = 0; r < 8; r++) {
         const __m512i d = r % 2 ? _mm512_srli_epi32(v[r / 2], 16) : v[r / 2];
-        const __m512 dw = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(d));
-        e[r * ng].dw[0] = _mm512_cvtps_pd(_mm512_castps512_ps256(dw));
-        e[r * ng].dw[1] = _mm512_cvtps_pd(_mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(dw), 1)));
+        e[r * ng].dw = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(d));
     }
     for (int t = 0; t < 4; t++)
         for (int h = 0; h < 2; h++) {
@@ -305,7 +294,7 @@ __attribute__((noinline)) static void q4il_stripes(const uint8_t *w, size_t row_
 }
 
 /* gemm[DD_Q4_0_IL] of this level: for m > 1 the stripes by q4il_stripes and the row-major tail by gemm_q4_0;
- * m == 1 (the interleaved GEMV) and rows too long for a stripe's groups in the range buffer (k > 19,456)
+ * m == 1 (the interleaved GEMV) and rows too long for a stripe's groups in the range buffer (k > 21,504)
  * go to dd_gemm_il. */
 static void gemm_q4_0_il(const uint8_t *w, size_t row_bytes, size_t nrows, size_t rows_avail, const dd_acts *a,
                          float *y, size_t ldy)

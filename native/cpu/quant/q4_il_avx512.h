@@ -8,11 +8,10 @@
  * Rows are the lanes: block b of an 8-row stripe is the 8 rows' scales (f16 d, or e8m0 e) and then, for each
  * 4-byte run q of the 16 nibble bytes, the 8 rows' runs side by side, so one 32-byte load holds 8 rows' bytes
  * 4q .. 4q + 3 and meets a broadcast 4-value group of the activations in a vpdpbusd (no permutes).
- * Q4_0: the bits are tile_q4_0's: block b's exact int dot (bias included) times the exact f32 d_w * d_a goes
- * by a fused add into f64 lane L(b % 16) = 4 (b % 4) + (b % 16) / 4, in order of b; lanes l and l + 8 are
- * summed, then reduced by _mm512_reduce_add_pd. Here accumulator b % 16 holds that lane for the 8 rows, each
- * block's product goes into it by the same fused add, and a stripe's end adds the accumulators in the pairs
- * and the tree of that reduction, lane-wise for the 8 rows (no transpose), and rounds once.
+ * Q4_0: the bits are tile_q4_0's (kernels.h's order): block b's exact int dot (bias included) in f32 times the
+ * exact f32 d_w * d_a, rounded once, is added in f32 to lane b % 16, in order of b; then dd_tree16_f32. Here
+ * accumulator b % 16 holds that lane for the 8 rows, and a stripe's end runs the tree lane-wise for the 8 rows
+ * (no transpose).
  * MXFP4: the bits are bquants.h's dd_bq_tile: block b's exact int dot times the f32 d_a * 2^(e - 128) is added
  * (dd_bq_term) into f64 lane b % 8, in order of b; then ((l0 + l1) + (l2 + l3)) + ((l4 + l5) + (l6 + l7)),
  * rounded once. Here accumulator b % 8 holds lane b % 8 of the 8 rows, and the tree runs lane-wise.
@@ -33,10 +32,10 @@ DD_INLINE __m256i il_bcast4(const int8_t *p)
     return _mm256_set1_epi32(v);
 }
 
-/* Q4_0 block b = 16 g + i of a stripe (blk: its 144 bytes) into acc (f64, the 8 rows' lane L(i)). The high
+/* Q4_0 block b = 16 g + i of a stripe (blk: its 144 bytes) into acc (f32, the 8 rows' lane i). The high
  * nibbles enter vpdpbusd as 16 x nibble (the byte masked, not shifted), so their sum is 16 times theirs, exact,
  * and one arithmetic shift per block takes it back; the 8 products run as 4 independent chains of 2. */
-DD_INLINE void il_block_q4_0(const uint8_t *blk, const dd_acts *a, size_t g, int i, __m512d *acc)
+DD_INLINE void il_block_q4_0(const uint8_t *blk, const dd_acts *a, size_t g, int i, __m256 *acc)
 {
     const __m256i low = _mm256_set1_epi8(0x0f), high = _mm256_set1_epi8((char)0xf0);
     const int j = i / 4, k = i % 4, lane = 4 * k + j;
@@ -55,7 +54,7 @@ DD_INLINE void il_block_q4_0(const uint8_t *blk, const dd_acts *a, size_t g, int
                                          _mm256_srai_epi32(_mm256_add_epi32(hi[0], hi[1]), 4));
     const __m256 dw = _mm256_maskz_cvtph_ps(0xff, _mm_loadu_si128((const __m128i *)blk));
     const __m256 scale = _mm256_mul_ps(dw, _mm256_set1_ps(a->gd[g * 16 + lane]));
-    *acc = _mm512_fmadd_pd(_mm512_cvtepi32_pd(dot), _mm512_cvtps_pd(scale), *acc);
+    *acc = _mm256_add_ps(*acc, _mm256_mul_ps(_mm256_cvtepi32_ps(dot), scale));
 }
 
 /* MXFP4 block b = 8 g + i of a stripe (blk: its 136 bytes) into acc (f64, the 8 rows' lane i). The nibbles
@@ -101,60 +100,47 @@ DD_INLINE void il_prefetch(const uint8_t *blk, const uint8_t *end)
             dd_prefetch_weight(p + 64 * l);
 }
 
-/* The blocks of one stripe of wtype (DD_Q4_0: groups of 16 blocks of 144 bytes; DD_MXFP4: of 8 of 136) at w
- * into acc[0 .. group): block i of each group into acc[i]; end: where the matrix's bytes end (prefetch bound).
- * The short last group's missing blocks are skipped: the row-major tiles add +0 there (zero codes, scales or
- * padding), which leaves a sum that started at +0 unchanged. */
-DD_INLINE void il_blocks(int wtype, const uint8_t *w, const uint8_t *end, const dd_acts *a, __m512d *acc)
-{
-    const int mx = wtype == DD_MXFP4, group = mx ? 8 : 16;
-    const size_t bytes = mx ? MX_IL_BLOCK_BYTES : Q4_IL_BLOCK_BYTES, full = a->nb / group, rest = a->nb % group;
-    for (int i = 0; i < group; i++)
-        acc[i] = _mm512_setzero_pd();
-    for (size_t g = 0; g < full; g++) {
-        const uint8_t *grp = w + g * group * bytes;
-#pragma GCC unroll 16
-        for (int i = 0; i < group; i++) {
-            il_prefetch(grp + i * bytes, end);
-            if (mx)
-                il_block_mxfp4(grp + i * bytes, a, g, i, &acc[i]);
-            else
-                il_block_q4_0(grp + i * bytes, a, g, i, &acc[i]);
-        }
+/* NAME(w, end, a, acc): the blocks of one stripe at w into acc[0 .. GROUP) (ACC_T, zeroed by ZERO): groups of
+ * GROUP blocks of BYTES, block i of each group by BLOCK into acc[i]; end: where the matrix's bytes end (prefetch
+ * bound). The short last group's missing blocks are skipped: the row-major tiles add +0 there (zero codes,
+ * scales or padding), which leaves a sum that started at +0 unchanged. */
+#define IL_BLOCKS(NAME, ACC_T, ZERO, GROUP, BYTES, BLOCK)                                       \
+    DD_INLINE void NAME(const uint8_t *w, const uint8_t *end, const dd_acts *a, ACC_T *acc)      \
+    {                                                                                            \
+        const size_t full = a->nb / (GROUP), rest = a->nb % (GROUP);                             \
+        for (int i = 0; i < (GROUP); i++)                                                        \
+            acc[i] = ZERO;                                                                       \
+        for (size_t g = 0; g < full; g++) {                                                      \
+            const uint8_t *grp = w + g * (GROUP) * (BYTES);                                      \
+            _Pragma("GCC unroll 16") for (int i = 0; i < (GROUP); i++) {                         \
+                il_prefetch(grp + i * (BYTES), end);                                             \
+                BLOCK(grp + i * (BYTES), a, g, i, &acc[i]);                                      \
+            }                                                                                    \
+        }                                                                                        \
+        const uint8_t *grp = w + full * (GROUP) * (BYTES);                                       \
+        _Pragma("GCC unroll 16") for (int i = 0; i < (GROUP); i++) if ((size_t)i < rest)        \
+            BLOCK(grp + i * (BYTES), a, full, i, &acc[i]);                                       \
     }
-    const uint8_t *grp = w + full * group * bytes;
-#pragma GCC unroll 16
-    for (int i = 0; i < group; i++)
-        if ((size_t)i < rest) {
-            if (mx)
-                il_block_mxfp4(grp + i * bytes, a, full, i, &acc[i]);
-            else
-                il_block_q4_0(grp + i * bytes, a, full, i, &acc[i]);
-        }
-}
+IL_BLOCKS(il_blocks_q4_0, __m256, _mm256_setzero_ps(), 16, Q4_IL_BLOCK_BYTES, il_block_q4_0)
+IL_BLOCKS(il_blocks_mxfp4, __m512d, _mm512_setzero_pd(), 8, MX_IL_BLOCK_BYTES, il_block_mxfp4)
 
-/* One Q4_0 stripe (8 rows, nb blocks, at w) -> y[0..7]. */
+/* One Q4_0 stripe (8 rows, nb blocks, at w) -> y[0..7]: dd_tree16_f32 lane-wise for the 8 rows. */
 DD_INLINE void il_stripe_q4_0(const uint8_t *w, const uint8_t *end, const dd_acts *a, float *y)
 {
-    __m512d acc[16];
-    il_blocks(DD_Q4_0, w, end, a, acc);
-    /* reduce_f64 per row, on the 8 rows at once: lanes L and L + 8 (accumulators i = 4 (L % 4) + L / 4),
-     * then _mm512_reduce_add_pd's tree (lanes l + 4 and l, then l + 2 and l, then 1 and 0), then to f32 */
-    __m512d p[8];
-    for (int l = 0; l < 8; l++)
-        p[l] = _mm512_add_pd(acc[4 * (l % 4) + l / 4], acc[4 * ((l + 8) % 4) + (l + 8) / 4]);
-    for (int l = 0; l < 4; l++)
-        p[l] = _mm512_add_pd(p[l + 4], p[l]);
-    for (int l = 0; l < 2; l++)
-        p[l] = _mm512_add_pd(p[l + 2], p[l]);
-    _mm256_storeu_ps(y, _mm512_cvtpd_ps(_mm512_add_pd(p[0], p[1])));
+    __m256 acc[16];
+    il_blocks_q4_0(w, end, a, acc);
+    for (int i = 0; i < 8; i++)
+        acc[i] = _mm256_add_ps(acc[i], acc[i + 8]);
+    for (int i = 0; i < 4; i++)
+        acc[i] = _mm256_add_ps(acc[i], acc[i + 4]);
+    _mm256_storeu_ps(y, _mm256_add_ps(_mm256_add_ps(acc[0], acc[2]), _mm256_add_ps(acc[1], acc[3])));
 }
 
 /* One MXFP4 stripe -> y[0..7]: dd_bq_tile's ((s0 + s1) + (s2 + s3)) + ((s4 + s5) + (s6 + s7)) per row, lane-wise. */
 DD_INLINE void il_stripe_mxfp4(const uint8_t *w, const uint8_t *end, const dd_acts *a, float *y)
 {
     __m512d s[8];
-    il_blocks(DD_MXFP4, w, end, a, s);
+    il_blocks_mxfp4(w, end, a, s);
     const __m512d lo = _mm512_add_pd(_mm512_add_pd(s[0], s[1]), _mm512_add_pd(s[2], s[3]));
     const __m512d hi = _mm512_add_pd(_mm512_add_pd(s[4], s[5]), _mm512_add_pd(s[6], s[7]));
     _mm256_storeu_ps(y, _mm512_cvtpd_ps(_mm512_add_pd(lo, hi)));

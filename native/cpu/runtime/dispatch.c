@@ -121,8 +121,6 @@ static void put_group_block(dd_acts *a, size_t c, size_t b, const int8_t *v, int
     }
     ((int32_t *)a->gbias)[base * 16 + lane] = -8 * sum;
     ((float *)a->gd)[base * 16 + lane] = scale;
-    if (a->gd64 != NULL)
-        ((double *)a->gd64)[base * 16 + lane] = scale;
 }
 
 /* Block i (= c * nbp + b) of the pair and compact layouts (see dd_acts), from its int8 values already
@@ -134,8 +132,6 @@ static void put_pair_block(const dd_kernels *kt, dd_acts *a, size_t i, float sca
     int32_t s[8], *s16 = (int32_t *)a->s16 + 2 * i;
     for (int l = 0; l < 8; l++)
         s[l] = q[4 * l] + q[4 * l + 1] + q[4 * l + 2] + q[4 * l + 3];
-    for (int l = 0; a->d != NULL && l < 8; l++)
-        ((float *)a->d)[i * 8 + l] = scale;
     s16[0] = (s[0] + s[1]) + (s[2] + s[3]);
     s16[1] = (s[4] + s[5]) + (s[6] + s[7]);
     for (int n = 0; n < ntypes; n++)
@@ -150,12 +146,11 @@ size_t dd_acts_bytes(const dd_kernels *kt, size_t m, size_t k)
     const size_t nb = k / DD_QK, nbp = (nb + 1) & ~(size_t)1, lanes = m * nbp * 8;
     const size_t ng = kt->q4_0_groups ? (nb + 15) / 16 : 0;
     const size_t pad = 63;
-    size_t total = ((m * nb * DD_Q8_0_BYTES + pad) & ~pad) + ((m * nbp * DD_QK + pad) & ~pad)
-                   + (kt->q4_0_groups ? 0 : (lanes * 4 + pad) & ~pad);
+    size_t total = ((m * nb * DD_Q8_0_BYTES + pad) & ~pad) + ((m * nbp * DD_QK + pad) & ~pad);
     for (int t = 0; t < DD_WTYPE_COUNT; t++)
         if (kt->bias_mult[t] != 0)
             total += (lanes * 4 + pad) & ~pad;
-    return total + m * ng * (8 * 64 + 2 * 16 * 4 + (m > 1 ? 16 * 8 : 0)) + 3 * ((m * nbp * 2 * 4 + pad) & ~pad);
+    return total + m * ng * (8 * 64 + 2 * 16 * 4) + 3 * ((m * nbp * 2 * 4 + pad) & ~pad);
 }
 
 static _Atomic uint64_t acts_ids;   /* preparations so far (dd_acts.id) */
@@ -171,13 +166,11 @@ static void acts_place(const dd_kernels *kt, const float *x, size_t m, size_t k,
     *a = (dd_acts){ .nb = nb, .nbp = nbp, .m = m, .ng = ng, .x = x, .mem = mem,
                     .id = atomic_fetch_add_explicit(&acts_ids, 1, memory_order_relaxed) + 1 };
     a->q = take(&next, m * nbp * DD_QK);
-    a->d = kt->q4_0_groups ? NULL : take(&next, lanes * 4);   /* only the pair layout's Q4_0 / Q8_0 read it */
     for (int t = 0; t < DD_WTYPE_COUNT; t++)
         a->bias[t] = kt->bias_mult[t] != 0 ? take(&next, lanes * 4) : NULL;
     a->gq = take(&next, m * ng * 8 * 64);
     a->gbias = take(&next, m * ng * 16 * 4);
     a->gd = take(&next, m * ng * 16 * 4);
-    a->gd64 = m > 1 && ng > 0 ? take(&next, m * ng * 16 * 8) : NULL;
     memset((void *)a->gq, 0, (size_t)(next - (uint8_t *)a->gq));
     a->bd = take(&next, m * nbp * 4);
     a->bs = take(&next, m * nbp * 4);
