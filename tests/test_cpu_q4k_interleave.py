@@ -3,9 +3,9 @@
 The layout is checked against a numpy construction of its definition (deltadesk_cpu.h) from the scales and mins
 that gguf's own unpacking gives (engine.gguf.quant's layout, ggml's get_scale_min_k4), the repack's inverse
 against the original bytes, and the interleaved products (DD_Q4_K_IL through cpu.Matrix) against the row-major
-Q4_K kernel of each level bit for bit (the AVX-512 VNNI GEMV's own contract: the same fused adds on the same
-exact products, in the same order; docs/design/q4-k-row-interleave.md) and against the float64 product within
-the summation bound of test_cpu_kquants, (k // 32 + 16) * 2^-24 * sum_i |w_i a_i|.
+Q4_K kernel of each level bit for bit (the AVX-512 VNNI GEMV's terms are the same f32 products, scaled by
+powers of two that cancel, added in the same order; docs/design/q4-k-row-interleave.md) and against the
+float64 product within the summation bound of test_cpu_kquants, (k // 32 + 16) * 2^-24 * sum_i |w_i a_i|.
 """
 
 from __future__ import annotations

@@ -290,27 +290,38 @@ def lane_tree(acc: np.ndarray) -> np.ndarray:
 
 
 def kquant_product_np(raw: np.ndarray, x2: np.ndarray, qtype: GGMLQuantizationType) -> np.ndarray:
-    """(m, rows) float32 = x2 (m, k) quantized to Q8_0 times the K-quant rows, in exactly the f64
-    operations and order of native/cpu/quant/kquants.h (integer parts exact, f32 scale products exact,
-    lane b % 8 accumulated over super-blocks in order, lanes added in a fixed tree)."""
+    """(m, rows) float32 = x2 (m, k) quantized to Q8_0 times the K-quant rows, in exactly the f32 operations
+    and order of native/cpu/quant/kquants.h: per block i of a super-block, Q4_K / Q5_K take
+    ``(d sc_i) da_i`` (one rounding) times the int sum S_i, less ``(dmin m_i)(da_i bs_i)``; Q6_K takes
+    ``(d da_i) I_i``; lane i adds them super-block by super-block from +0; then the lanes' fixed tree.
+    numpy's float32 multiply, add and subtract round as the kernels' (no fused multiply-add on either side)."""
     q, sc, mn, d, dmin = kquant_unpack(raw, qtype)
     rows, nsb = d.shape
     m = x2.shape[0]
     da, aq, s16 = superblock_acts(x2, nsb)
     sc2 = sc.reshape(rows, nsb, 8, 2)
     halves = np.einsum("rsihj,csihj->crsih", q.reshape(rows, nsb, 8, 2, 16), aq)   # (m, rows, nsb, 8, 2)
-    dot = (halves * sc2).sum(axis=-1)
     if qtype == Q.Q6_K:
-        dot = dot - 32 * (sc2[None] * s16[:, None]).sum(axis=-1)
-    scale = (d[None, :, :, None] * da[:, None]).astype(np.float64)                # exact f32 products
-    terms = scale * dot.astype(np.float64)
-    mins = (dmin[None, :, :, None] * da[:, None]).astype(np.float64) * (mn[None] * s16.sum(-1)[:, None])
-    acc = np.zeros((m, rows, 8))
+        ints = ((halves - 32 * s16[:, None]) * sc2[None]).sum(axis=-1)           # I_i, |.| < 2^24
+        terms = (d[None, :, :, None] * da[:, None]) * ints.astype(np.float32)      # d da_i exact
+        mins = None
+    else:
+        w = (d[:, :, None] * sc2[..., 0].astype(np.float32))[None] * da[:, None]   # d sc_i exact, one rounding
+        terms = w * halves.sum(axis=-1).astype(np.float32)                        # S_i, |.| < 2^17
+        mins = (dmin[:, :, None] * mn.astype(np.float32))[None] * (da * s16.sum(-1).astype(np.float32))[:, None]
+    acc = np.zeros((m, rows, 8), dtype=np.float32)
     for s in range(nsb):
         acc += terms[:, :, s]
-        if qtype != Q.Q6_K:
+        if mins is not None:
             acc -= mins[:, :, s]
-    return lane_tree(acc)
+    return lane_tree_f32(acc)
+
+
+def lane_tree_f32(acc: np.ndarray) -> np.ndarray:
+    """The K-quant kernels' fixed sum of 8 f32 lanes (last axis of ``acc``): ((l0 + l1) + (l2 + l3)) +
+    ((l4 + l5) + (l6 + l7)), each add rounded in float32."""
+    pairs = acc[..., 0::2] + acc[..., 1::2]
+    return (pairs[..., 0] + pairs[..., 1]) + (pairs[..., 2] + pairs[..., 3])
 
 
 B_QUANTS = frozenset({Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.IQ4_NL, Q.IQ4_XS, Q.MXFP4})

@@ -21,7 +21,7 @@
  *                doubled); d = ggml_e8m0_to_fp32_half(e) = 2^(e - 128) (e < 2: the f32 subnormals 2^-129,
  *                2^-128); x = d * kvalues_mxfp4[nibble].
  *
- * Exactness (the design of kquants.h). Eight consecutive 32-value blocks form a group (for IQ4_XS
+ * Exactness. Eight consecutive 32-value blocks form a group (for IQ4_XS
  * a super-block); block i meets activation block b (32 int8 a_j, f32 scale da, sum S). Its integer
  * part is exact in int32: I = sum q a (Q4_1, Q5_1), sum q a - 16 S (Q5_0), sum kv a (IQ4_NL),
  * (ls_i - 32) sum kv a (IQ4_XS). It is scaled by an exact f32 product of two f16 scales (d * da; MXFP4:

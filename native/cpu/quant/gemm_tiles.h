@@ -23,8 +23,8 @@
 
 #define DD_INLINE static inline __attribute__((always_inline))
 
-/* y[(c0 + c) * ldy + r] for R x C accumulators of 8 f64 lanes in block order (the K-quant and low-bit
- * tiles): the lanes summed in a fixed tree, rounded to f32 once. */
+/* y[(c0 + c) * ldy + r] for R x C accumulators of 8 f64 lanes in block order (the low-bit tiles): the
+ * lanes summed in a fixed tree, rounded to f32 once. */
 DD_INLINE void dd_store_lanes(dd_v8d acc[4][4], size_t c0, float *y, size_t ldy, const int R, const int C)
 {
     for (int r = 0; r < R; r++)

@@ -10,21 +10,20 @@
  * 32-value block i of row r. A column's super-block is arranged alike once per row range and
  * column (kqx_col: dword i of row t = values 4t .. 4t + 3 of block i), and broadcast to both
  * halves. Eight vpdpbusd then leave each (row, block)'s whole integer sum S_i = sum(q a) in its own
- * lane, so a column costs no unpacking and no transpose-add, only the dot products and the f64
+ * lane, so a column costs no unpacking and no transpose-add, only the dot products and the f32
  * terms. The expanded range (KQX_W_BYTES) and the arranged columns (KQX_A_BYTES) stay in L2: the
  * callers' row ranges hold ~64 KiB of stored weights (dd_gemm_chunk_rows).
  *
- * Exactness: the f64 operations are kquants.h's, lane by lane and super-block by super-block:
- *   Q4_K / Q5_K  acc_i += (d da_i)(sc_i S_i), then acc_i -= (dmin da_i)(m_i bs_i);
+ * Exactness: the K-quants' f32 terms are kquants.h's contract, lane by lane and super-block by super-block:
+ *   Q4_K / Q5_K  acc_i += ((d sc_i) da_i) S_i, then acc_i -= (dmin m_i)(da_i bs_i);
  *   Q6_K         acc_i += (d da_i) I_i, I_i = sum over halves h of sc_h (S_h - 32 s_h) in int32;
- * formed here as (da_i (d sc_i)) S_i and (da_i bs_i)(dmin m_i). Every factor and partial product
- * is exact in f64 (d, dmin, da: f16 values, <= 11 significant bits; sc_i, m_i < 2^6; |S_i| < 2^17;
- * |bs_i| < 2^12: at most 46 bits), so each term is the same f64 value, and an FMA of an exact
- * product rounds as the separate add does. The lanes are in block order and reduced by the same
- * tree, so every output keeps the bits of the GEMV (m == 1), of every ISA level and thread count.
+ * with the row pair's factors (kqx_rows.f) and the column's da, dab in 16 f32 lanes (lane 8r + i), each
+ * multiply and add rounded on its own. The lanes are in block order and reduced by kquants.h's tree
+ * (kq_tree4), so every output keeps the bits of the GEMV (m == 1), of every ISA level and thread count.
  * bquants.h's 32-value block types (Q4_1, Q5_0, Q5_1, IQ4_NL, IQ4_XS, MXFP4) take the same walk with a
- * group of 8 blocks as the super-block and that file's terms (dd_bq_expand_row); lowbit.h's types (Q2_K,
- * Q3_K, IQ1_S .. IQ3_S) Q6_K's, with their offset for 32, their d and Q2_K's mins (dd_lb_expand_row).
+ * group of 8 blocks as the super-block and that file's exact f64 terms (dd_bq_expand_row); lowbit.h's types
+ * (Q2_K, Q3_K, IQ1_S .. IQ3_S) Q6_K's integers, with their offset for 32, their d and Q2_K's mins
+ * (dd_lb_expand_row), in f64 terms: each product there is exact in f64, so an FMA rounds as an add would.
  */
 #ifndef DELTADESK_KQ_GEMM_AVX512_H
 #define DELTADESK_KQ_GEMM_AVX512_H
@@ -38,14 +37,23 @@ typedef struct {
     __m512i sc[2];     /* Q6_K and lowbit.h's types: lane 8r + i of sc[h] = row r's scale of half h of block i;
                         * IQ4_XS: of sc[0], row r's ls_i - 32 */
     __m512i mn;        /* Q2_K: lane 8r + i = row r's mins of halves 0 and 1 of block i (int16 pairs) */
-    __m512d s[2][2];   /* row r: Q4_K / Q5_K {d sc_i, dmin m_i}; Q6_K, lowbit.h's {d, dmin or unused};
-                        * bquants.h's {d_i, m_i} */
+    union {
+        __m512d s[2][2];   /* row r: lowbit.h's {d, dmin or unused}; bquants.h's {d_i, m_i} */
+        __m512 f[2];       /* K-quants, lane 8r + i: Q4_K / Q5_K f[0] = d sc_i, f[1] = dmin m_i; Q6_K f[0] = d */
+    };
 } kqx_rows;            /* one super-block of a row pair */
 
 typedef struct {
     uint8_t q[8][32];  /* row t, dword i: the column's values 4t .. 4t + 3 of block i */
-    __m512d da;        /* lane i: block i's scale */
-    __m512d dab;       /* all but Q6_K and lowbit.h's: da_i times the sum of block i's values */
+    union {
+        struct {
+            __m512d da;    /* lane i: block i's scale */
+            __m512d dab;   /* all but lowbit.h's: da_i times the sum of block i's values */
+        };
+        struct {
+            __m512 fda, fdab;   /* K-quants: the same in f32, lanes i and 8 + i (dab exact: 11 + 12 bits) */
+        };
+    };
     __m512i s32;       /* Q6_K (Q3_K, IQ types): lane 8h + i = 32 (the type's offset) times the sum of half h of
                         * block i; Q2_K: lanes i and 8 + i = the sums of block i's halves 0 and 1 (int16 pairs);
                         * Q5_0 and the codebook types: lanes i and 8 + i = the seed of block i's dots, -16 (Q5_0)
@@ -59,6 +67,13 @@ DD_INLINE int kqx_bq(int wtype)
 {
     return wtype == DD_Q4_1 || wtype == DD_Q5_0 || wtype == DD_Q5_1 || wtype == DD_IQ4_NL || wtype == DD_IQ4_XS
            || wtype == DD_MXFP4;
+}
+
+/* The K-quants, whose terms are kquants.h's f32 contract (kqx_rows.f, kqx_col.fda / fdab); the other types here
+ * keep exact f64 terms. */
+DD_INLINE int kqx_kq(int wtype)
+{
+    return wtype == DD_Q4_K || wtype == DD_Q5_K || wtype == DD_Q6_K;
 }
 
 /* The bquants.h types whose dots start from a seed (kqx_col.s32). */
@@ -124,25 +139,26 @@ DD_INLINE void kqx_transpose(const __m512i x[4], int order, uint8_t *out, size_t
 DD_INLINE void kqx_expand_row(const uint8_t *blk, int wtype, int r, kqx_rows *e)
 {
     __m512i x[4];
-    __m512d d, dmin;
+    __m256 d, dmin;
     kq_unpack(blk, wtype, x);
     kqx_transpose(x, wtype != DD_Q6_K, (uint8_t *)e->q + 32 * r, sizeof(__m512i));
     kq_row_scales(blk, wtype, &d, &dmin);
+    float *f = (float *)e->f;
     if (wtype == DD_Q6_K) {   /* scale byte 2i + h -> lane 8r + i of sc[h] */
         const __m512i bytes = _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(blk + 192)));
         const __m512i sc = _mm512_permutexvar_epi32(_mm512_loadu_si512(kqx_halves_idx), bytes);
         int32_t *lanes = (int32_t *)e->sc + 8 * r;
         _mm256_storeu_si256((__m256i *)lanes, _mm512_castsi512_si256(sc));
         _mm256_storeu_si256((__m256i *)(lanes + 16), _mm512_extracti64x4_epi64(sc, 1));
-        e->s[r][0] = d;
-        e->s[r][1] = _mm512_setzero_pd();
+        _mm256_storeu_ps(f + 8 * r, d);
         return;
     }
     uint32_t words[4];   /* bytes 0-7: the blocks' scales, 8-15: their mins */
     dd_kq_scale_words(blk, words);
     const __m128i sm = _mm_loadu_si128((const __m128i *)words);
-    e->s[r][0] = _mm512_mul_pd(d, _mm512_cvtepi32_pd(_mm256_cvtepu8_epi32(sm)));
-    e->s[r][1] = _mm512_mul_pd(dmin, _mm512_cvtepi32_pd(_mm256_cvtepu8_epi32(_mm_srli_si128(sm, 8))));
+    _mm256_storeu_ps(f + 8 * r, _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(sm))));
+    const __m256 mn = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(sm, 8)));
+    _mm256_storeu_ps(f + 16 + 8 * r, _mm256_mul_ps(dmin, mn));
 }
 
 /* Column super-block b0 (its first 32-value block in the acts' numbering) arranged into *p. */
@@ -152,15 +168,23 @@ DD_INLINE void kqx_col_prep(const dd_acts *a, size_t b0, int wtype, kqx_col *p)
     for (int v = 0; v < 4; v++)
         x[v] = _mm512_loadu_si512(a->q + (b0 + 2 * v) * DD_QK);
     kqx_transpose(x, 0, p->q[0], 32);
-    p->da = _mm512_cvtps_pd(_mm256_loadu_ps(a->bd + b0));
     const __m256i bs = _mm256_loadu_si256((const __m256i *)(a->bs + b0));
+    if (kqx_kq(wtype)) {
+        const __m256 da = _mm256_loadu_ps(a->bd + b0);
+        p->fda = kq_twice(da);
+        p->fdab = kq_twice(_mm256_mul_ps(da, _mm256_cvtepi32_ps(bs)));
+        if (wtype == DD_Q6_K)
+            p->s32 = _mm512_slli_epi32(_mm512_permutexvar_epi32(_mm512_loadu_si512(kqx_halves_idx),
+                                                                _mm512_loadu_si512(a->s16 + 2 * b0)), 5);
+        return;
+    }
+    p->da = _mm512_cvtps_pd(_mm256_loadu_ps(a->bd + b0));
     if (wtype == DD_Q2_K) {
         p->s32 = _mm512_broadcast_i64x4(_mm512_cvtepi32_epi16(_mm512_loadu_si512(a->s16 + 2 * b0)));
-    } else if (wtype == DD_Q6_K || kqx_lb(wtype)) {
+    } else if (kqx_lb(wtype)) {
         const __m512i s = _mm512_permutexvar_epi32(_mm512_loadu_si512(kqx_halves_idx),
                                                    _mm512_loadu_si512(a->s16 + 2 * b0));
-        p->s32 = wtype == DD_Q6_K ? _mm512_slli_epi32(s, 5)
-                                  : _mm512_mullo_epi32(s, _mm512_set1_epi32(dd_lb_offset(wtype)));
+        p->s32 = _mm512_mullo_epi32(s, _mm512_set1_epi32(dd_lb_offset(wtype)));
     } else {
         p->dab = _mm512_mul_pd(p->da, _mm512_cvtepi32_pd(bs));
     }
@@ -168,11 +192,18 @@ DD_INLINE void kqx_col_prep(const dd_acts *a, size_t b0, int wtype, kqx_col *p)
         p->s32 = _mm512_broadcast_i64x4(_mm256_mullo_epi32(bs, _mm256_set1_epi32(wtype == DD_Q5_0 ? -16 : -128)));
 }
 
-/* acc[r] += the f64 terms of row r (0, 1) of pair e's super-block against column p, from the
- * pair's integers (Q4_K / Q5_K: S_i, the others: I_i; row r in lanes 8r .. 8r + 7): then Q4_K / Q5_K take
- * off (da_i bs_i)(dmin m_i), Q4_1 / Q5_1 add (da_i bs_i) m_i, bquants.h's (m_i da_i) S_i, and Q2_K takes off
- * (dmin da_i) M_i (its mins' integers, mins). MXFP4's scale is bquants.h's f32 product da_i d_i (exact unless
- * beyond the f32 range; then its rounding). */
+/* acc (lane 8r + i) += the K-quant f32 terms of pair e's super-block against column p, from the pair's
+ * integers (Q4_K / Q5_K: S_i, Q6_K: I_i), in kquants.h's order. */
+DD_INLINE __m512 kqx_kq_terms(const kqx_rows *e, const kqx_col *p, __m512i ints, int wtype, __m512 acc)
+{
+    acc = _mm512_add_ps(acc, _mm512_mul_ps(_mm512_mul_ps(e->f[0], p->fda), _mm512_cvtepi32_ps(ints)));
+    return wtype == DD_Q6_K ? acc : _mm512_sub_ps(acc, _mm512_mul_ps(e->f[1], p->fdab));
+}
+
+/* acc[r] += the f64 terms of row r (0, 1) of pair e's super-block against column p (bquants.h's and
+ * lowbit.h's types), from the pair's integers (I_i; row r in lanes 8r .. 8r + 7): then Q4_1 / Q5_1 add
+ * (da_i bs_i) m_i, bquants.h's (m_i da_i) S_i, and Q2_K takes off (dmin da_i) M_i (its mins' integers, mins).
+ * MXFP4's scale is bquants.h's f32 product da_i d_i (exact unless beyond the f32 range; then its rounding). */
 DD_INLINE void kqx_terms(const kqx_rows *e, const kqx_col *p, __m512i ints, __m512i mins, int wtype, __m512d acc[2])
 {
     for (int r = 0; r < 2; r++) {
@@ -181,9 +212,7 @@ DD_INLINE void kqx_terms(const kqx_rows *e, const kqx_col *p, __m512i ints, __m5
                                                                                 _mm512_cvtpd_ps(e->s[r][0])))
                                                 : _mm512_mul_pd(p->da, e->s[r][0]);
         acc[r] = _mm512_fmadd_pd(scale, s, acc[r]);
-        if (wtype == DD_Q4_K || wtype == DD_Q5_K)
-            acc[r] = _mm512_fnmadd_pd(p->dab, e->s[r][1], acc[r]);
-        else if (wtype == DD_Q4_1 || wtype == DD_Q5_1)
+        if (wtype == DD_Q4_1 || wtype == DD_Q5_1)
             acc[r] = _mm512_fmadd_pd(p->dab, e->s[r][1], acc[r]);
         else if (wtype == DD_Q2_K)
             acc[r] = _mm512_fnmadd_pd(_mm512_mul_pd(p->da, e->s[r][1]),
@@ -225,7 +254,7 @@ DD_INLINE void kqx_q6_half(const kqx_rows *const e[2], const kqx_col *const p[4]
         }
 }
 
-/* Eight (row, column) accumulators, each summed in block order as dd_kq_tile does,
+/* Eight (row, column) f64 accumulators of bquants.h's and lowbit.h's types, each summed in block order,
  * ((l0 + l1) + (l2 + l3)) + ((l4 + l5) + (l6 + l7)), eight at a time, and rounded to f32: lane j
  * of the result is v[j]'s sum. */
 DD_INLINE __m256 kqx_reduce8(const __m512d v[8])
@@ -247,9 +276,12 @@ DD_INLINE void kqx_tile(const kqx_rows *e, const kqx_col *cols, size_t nsb, int 
                         size_t nr, const int P, const int C)
 {
     __m512d acc[2][4][2];
+    __m512 facc[2][4];   /* the K-quants' */
     for (int pp = 0; pp < P; pp++)
-        for (int c = 0; c < C; c++)
+        for (int c = 0; c < C; c++) {
             acc[pp][c][0] = acc[pp][c][1] = _mm512_setzero_pd();
+            facc[pp][c] = _mm512_setzero_ps();
+        }
     for (size_t sb = 0; sb < nsb; sb++) {
         const kqx_rows *const ep[2] = { e + sb, e + (P > 1 ? nsb : 0) + sb };
         const kqx_col *cp[4];
@@ -279,22 +311,43 @@ DD_INLINE void kqx_tile(const kqx_rows *e, const kqx_col *cols, size_t nsb, int 
                     s[pp][c] = _mm512_mullo_epi32(s[pp][c], ep[pp]->sc[0]);
         for (int pp = 0; pp < P; pp++)
             for (int c = 0; c < C; c++) {   /* Q2_K: M_i = mn_0 s_0 + mn_1 s_1, one vpmaddwd (|s_h| < 2^11) */
+                if (kqx_kq(wtype)) {
+                    facc[pp][c] = kqx_kq_terms(ep[pp], cp[c], s[pp][c], wtype, facc[pp][c]);
+                    continue;
+                }
                 const __m512i mins = wtype == DD_Q2_K ? _mm512_madd_epi16(ep[pp]->mn, cp[c]->s32)
                                                       : _mm512_setzero_si512();
                 kqx_terms(ep[pp], cp[c], s[pp][c], mins, wtype, acc[pp][c]);
             }
     }
-    __m512d v[16];
     float out[16];
     int n = 0;
-    for (int c = 0; c < C; c++)
-        for (int pp = 0; pp < P; pp++)
-            for (int r = 0; r < 2; r++)
-                v[n++] = acc[pp][c][r];
-    for (; n % 8; n++)
-        v[n] = _mm512_setzero_pd();
-    for (int g = 0; g < n; g += 8)
-        _mm256_storeu_ps(out + g, kqx_reduce8(v + g));
+    if (kqx_kq(wtype)) {   /* lane j of group g / 4: pair (c, pp) = g + j's first row, lane 4 + j its second */
+        __m512 v[8];
+        for (int c = 0; c < C; c++)
+            for (int pp = 0; pp < P; pp++)
+                v[n++] = facc[pp][c];
+        for (; n % 4; n++)
+            v[n] = _mm512_setzero_ps();
+        for (int g = 0; g < n; g += 4) {
+            float t[8];
+            _mm256_storeu_ps(t, kq_tree4(v + g));
+            for (int j = 0; j < 4; j++) {
+                out[2 * (g + j)] = t[j];
+                out[2 * (g + j) + 1] = t[4 + j];
+            }
+        }
+    } else {
+        __m512d v[16];
+        for (int c = 0; c < C; c++)
+            for (int pp = 0; pp < P; pp++)
+                for (int r = 0; r < 2; r++)
+                    v[n++] = acc[pp][c][r];
+        for (; n % 8; n++)
+            v[n] = _mm512_setzero_pd();
+        for (int g = 0; g < n; g += 8)
+            _mm256_storeu_ps(out + g, kqx_reduce8(v + g));
+    }
     n = 0;
     for (int c = 0; c < C; c++)
         for (int r = 0; r < 2 * P; r++, n++)

@@ -21,25 +21,28 @@
  * quarter k of vector j in lane 4k + j (Q6_K: times its half scale, minus 32 times the activation
  * half sum). The two quarters of each 32-value block are 128-bit lanes (0, 1) and (2, 3); one pair
  * of 128-bit shuffles adds them for two rows at once, leaving row A's 8 block integers in lanes
- * 0-7 and row B's in lanes 8-15, in the block order KQ_ORDER (not value order: the f64 lanes keep
- * that order to the end, where they are summed in value order).
+ * 0-7 and row B's in lanes 8-15, in the block order KQ_ORDER (not value order: the f32 lanes keep
+ * that order to the end, where they are put back in block order and summed).
  *
- * The f64 terms are those of kquants.h's dd_kq_tile, the same values in every lane: d * da_i
- * (exact in f32, so equal to the f64 product of the two widened scales) times I_i, and for Q4_K /
- * Q5_K dmin * da_i * (m_i * bs_i), a product of exact factors of 11 + 11 + 6 + 12 bits, formed here
- * as (da_i bs_i) dmin, then m_i (every partial product exact, so the value is the same). Both
- * products are exact in f64 (at most 48 and 40 significant bits), so adding them with an FMA
- * (fmadd, fnmadd) rounds once, as kquants.h's separate multiply and add do: the same bits. */
+ * The f32 terms are kquants.h's contract, lane by lane: a row pair's 16 block integers meet the
+ * column's da (and dab = da bs, exact) duplicated in both 256-bit halves; Q4_K / Q5_K take
+ * ((d sc_i) da_i) S_i, the row's exact d sc_i formed once per super-block for all columns (no
+ * multiply of the integers by the scales), then less (dmin m_i)(da_i bs_i); Q6_K (d da_i) I_i. Each
+ * multiply and add rounds on its own (no FMA), in kquants.h's order; kq_tree4 sums the lanes in block
+ * order by kquants.h's tree. */
 typedef struct {
     __m512i v[4];
     __m512i seed[4];  /* Q6_K: vpdpbusd's start for vector j: -32 s_h in dword 4k of the lanes whose
                        * quarter k of vector j is half h (the transpose-add carries it into lane 4k + j) */
-    __m512d da;       /* the 8 activation block scales, block KQ_ORDER[l] in lane l */
-    __m512d dab;      /* Q4_K / Q5_K: da times the block's activation sum, same lanes */
+    __m512 da;        /* the 8 activation block scales, block KQ_ORDER[l] in lanes l and 8 + l */
+    __m512 dab;       /* Q4_K / Q5_K: da times the block's activation sum, same lanes */
 } kq_col;
 
-/* lane l of a row's 8 f64 lanes holds block KQ_ORDER[t][l] (t = 0: Q4_K / Q5_K, 1: Q6_K) */
+/* lane l of a row's 8 f32 lanes holds block KQ_ORDER[t][l] (t = 0: Q4_K / Q5_K, 1: Q6_K) */
 static const int32_t kq_order[2][8] = { { 0, 1, 4, 5, 2, 3, 6, 7 }, { 0, 2, 4, 6, 1, 3, 5, 7 } };
+/* lane l of a row pair's accumulator <- its lane holding block l (kq_order inverted, both rows) */
+static const int32_t kq_block_lanes[2][16] = { { 0, 1, 4, 5, 2, 3, 6, 7, 8, 9, 12, 13, 10, 11, 14, 15 },
+                                               { 0, 4, 1, 5, 2, 6, 3, 7, 8, 12, 9, 13, 10, 14, 11, 15 } };
 static const int32_t kq_half_lane[16] = { 0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15 };
 
 DD_INLINE __m512i kq_pair(const int8_t *a, int lo, int hi)
@@ -48,17 +51,47 @@ DD_INLINE __m512i kq_pair(const int8_t *a, int lo, int hi)
                               _mm256_loadu_si256((const __m256i *)(a + hi)), 1);
 }
 
-/* Super-block b0's activations (b0: its first 32-value block in the acts' numbering) as kq_col's v, da and
- * dab (Q6_K: dab 0); the few-column layout (kqh_few_avx512.h) starts from the same vectors. */
-DD_INLINE void kq_col_vectors(const dd_acts *a, size_t b0, int wtype, __m512i v[4], __m512d *da, __m512d *dab)
+/* v in both 256-bit halves. */
+DD_INLINE __m512 kq_twice(__m256 v)
+{
+    return _mm512_castpd_ps(_mm512_broadcast_f64x4(_mm256_castps_pd(v)));
+}
+
+/* Rows a (lanes 0-7) and b (8-15) of a pair: x broadcast to the first half, y to the second. */
+DD_INLINE __m512 kq_halves(float x, float y)
+{
+    return _mm512_mask_mov_ps(_mm512_set1_ps(x), 0xff00, _mm512_set1_ps(y));
+}
+
+/* Four row-pair accumulators v[j] (16 f32 lanes in block order: row 2 p's 8 lanes, then row 2 p + 1's) summed by
+ * kquants.h's tree ((l0 + l1) + (l2 + l3)) + ((l4 + l5) + (l6 + l7)) (an add rounds alike with its operands
+ * swapped): lane j of the result is v[j]'s first row, lane 4 + j its second. */
+DD_INLINE __m256 kq_tree4(const __m512 v[4])
+{
+    const __m512 ab = _mm512_add_ps(_mm512_shuffle_ps(v[0], v[1], _MM_SHUFFLE(2, 0, 2, 0)),
+                                    _mm512_shuffle_ps(v[0], v[1], _MM_SHUFFLE(3, 1, 3, 1)));
+    const __m512 cd = _mm512_add_ps(_mm512_shuffle_ps(v[2], v[3], _MM_SHUFFLE(2, 0, 2, 0)),
+                                    _mm512_shuffle_ps(v[2], v[3], _MM_SHUFFLE(3, 1, 3, 1)));
+    /* 128-bit lane L: the quads (l4h .. l4h+3, h = L % 2) of row L / 2 of v[0], v[1], v[2], v[3] */
+    const __m512 q = _mm512_add_ps(_mm512_shuffle_ps(ab, cd, _MM_SHUFFLE(2, 0, 2, 0)),
+                                   _mm512_shuffle_ps(ab, cd, _MM_SHUFFLE(3, 1, 3, 1)));
+    const __m512 t = _mm512_add_ps(_mm512_shuffle_f32x4(q, q, _MM_SHUFFLE(2, 0, 2, 0)),
+                                   _mm512_shuffle_f32x4(q, q, _MM_SHUFFLE(3, 1, 3, 1)));
+    return _mm512_castps512_ps256(t);
+}
+
+/* Super-block b0's activations (b0: its first 32-value block in the acts' numbering) as kq_col's v, and the f32
+ * block scales da and (Q4_K / Q5_K; Q6_K: 0) dab = da times the block's sum (exact: 11 + 12 bits), block
+ * KQ_ORDER[l] in lane l; the few-column layout (kqh_few_avx512.h) starts from the same values. */
+DD_INLINE void kq_col_vectors(const dd_acts *a, size_t b0, int wtype, __m512i v[4], __m256 *da, __m256 *dab)
 {
     const int8_t *q = a->q + b0 * DD_QK;
     const __m256i order = _mm256_loadu_si256((const __m256i *)kq_order[wtype == DD_Q6_K]);
-    *da = _mm512_cvtps_pd(_mm256_permutexvar_ps(order, _mm256_loadu_ps(a->bd + b0)));
+    *da = _mm256_permutexvar_ps(order, _mm256_loadu_ps(a->bd + b0));
     if (wtype == DD_Q6_K) {
         for (int j = 0; j < 4; j++)
             v[j] = _mm512_loadu_si512(q + 64 * j);
-        *dab = _mm512_setzero_pd();
+        *dab = _mm256_setzero_ps();
         return;
     }
     v[0] = kq_pair(q, 0, 64);
@@ -66,13 +99,16 @@ DD_INLINE void kq_col_vectors(const dd_acts *a, size_t b0, int wtype, __m512i v[
     v[2] = kq_pair(q, 128, 192);
     v[3] = kq_pair(q, 160, 224);
     const __m256i bs = _mm256_permutexvar_epi32(order, _mm256_loadu_si256((const __m256i *)(a->bs + b0)));
-    *dab = _mm512_mul_pd(*da, _mm512_cvtepi32_pd(bs));
+    *dab = _mm256_mul_ps(*da, _mm256_cvtepi32_ps(bs));
 }
 
 /* Column c0 + c's activations of super-block sb, arranged once for the rows of a tile. */
 DD_INLINE void kq_col_prep(const dd_acts *a, size_t b0, int wtype, kq_col *p)
 {
-    kq_col_vectors(a, b0, wtype, p->v, &p->da, &p->dab);
+    __m256 da, dab;
+    kq_col_vectors(a, b0, wtype, p->v, &da, &dab);
+    p->da = kq_twice(da);
+    p->dab = kq_twice(dab);
     if (wtype == DD_Q6_K) {
         const __m512i s32 = _mm512_slli_epi32(   /* lane 4k + j: 32 times the sum of quarter k of vector j's half */
             _mm512_permutexvar_epi32(_mm512_loadu_si512(kq_half_lane), _mm512_loadu_si512(a->s16 + 2 * b0)), 5);
@@ -167,20 +203,19 @@ DD_INLINE __m512i kq_quarters(const uint8_t *blk, int wtype, const kq_col *p)
     return t;
 }
 
-/* The f16 scale at blk (and, Q4_K / Q5_K, dmin at blk + 2) widened, broadcast to 8 f64 lanes. */
-DD_INLINE void kq_row_scales(const uint8_t *blk, int wtype, __m512d *d, __m512d *dmin)
+/* The f16 scale at blk (and, Q4_K / Q5_K, dmin at blk + 2) widened, broadcast to 8 f32 lanes. */
+DD_INLINE void kq_row_scales(const uint8_t *blk, int wtype, __m256 *d, __m256 *dmin)
 {
     uint32_t bits;
     memcpy(&bits, blk + (wtype == DD_Q6_K ? 208 : 0), 4);
-    const __m128d f = _mm_cvtps_pd(_mm_maskz_cvtph_ps(0x3, _mm_cvtsi32_si128((int)bits)));   /* the EVEX form: no F16C flag here */
-    *d = _mm512_broadcastsd_pd(f);
-    *dmin = _mm512_broadcastsd_pd(_mm_unpackhi_pd(f, f));
+    const __m128 f = _mm_maskz_cvtph_ps(0x3, _mm_cvtsi32_si128((int)bits));   /* the EVEX form: no F16C flag here */
+    *d = _mm256_broadcastss_ps(f);
+    *dmin = _mm256_broadcastss_ps(_mm_movehdup_ps(f));
 }
 
-/* The f16 scales of a tile's R rows at one super-block (row r at w + r * rb), widened to f64 in one
- * conversion: ds[2r] = d, ds[2r + 1] = dmin (Q6_K: 0). The tile's terms then read them as
- * broadcast memory operands instead of converting and broadcasting per row and column. */
-DD_INLINE void kq_tile_scales(const uint8_t *w, size_t rb, int wtype, const int R, double ds[8])
+/* The f16 scales of a tile's R rows at one super-block (row r at w + r * rb), widened in one conversion:
+ * ds[2r] = d, ds[2r + 1] = dmin (Q6_K: 0). */
+DD_INLINE void kq_tile_scales(const uint8_t *w, size_t rb, int wtype, const int R, float ds[8])
 {
     uint32_t h[4] = { 0, 0, 0, 0 };
     for (int r = 0; r < R; r++) {
@@ -191,38 +226,34 @@ DD_INLINE void kq_tile_scales(const uint8_t *w, size_t rb, int wtype, const int 
         h[r] = d | (uint32_t)dmin << 16;
     }
     const __m128i v = _mm_set_epi64x((int64_t)((uint64_t)h[3] << 32 | h[2]), (int64_t)((uint64_t)h[1] << 32 | h[0]));
-    _mm512_storeu_pd(ds, _mm512_cvtps_pd(_mm256_maskz_cvtph_ps(0xff, v)));   /* the EVEX form: no F16C flag here */
-    /* an empty asm that "may change" ds: GCC reads each scale back as a broadcast memory operand
-     * (no extra instruction) instead of permuting the register it stored (one shuffle per use) */
-    __asm__("" : "+m"(*(double(*)[8])ds));
+    _mm256_storeu_ps(ds, _mm256_maskz_cvtph_ps(0xff, v));   /* the EVEX form: no F16C flag here */
 }
 
-/* Two rows (blk_a, blk_b) of a super-block against column p: acc_a, acc_b += their f64 terms, the
- * rows' d and dmin at ds[0, 1] and ds[2, 3], their scales and mins (Q4_K / Q5_K) the bytes of sc and mn
- * (kq_scale_bytes4's lanes of the pair). Each product is exact (see above), so an FMA rounds as the
- * separate multiply and add of kquants.h do. */
-DD_INLINE void kq_row_pair(const uint8_t *blk_a, const uint8_t *blk_b, int wtype, const kq_col *p,
-                           const double *ds, __m128i sc, __m128i mn, __m512d *acc_a, __m512d *acc_b, const int both)
+/* A row pair's factors of one super-block (rows a, b in lanes 0-7, 8-15, block KQ_ORDER[t][l] in lane l):
+ * Q4_K / Q5_K f[0] = d sc_i and f[1] = dmin m_i, each exact (an f16 value times a 6-bit integer); Q6_K
+ * f[0] = d. ds: the pair's d, dmin, d, dmin (kq_tile_scales); sc, mn: kq_scale_bytes4's bytes of the pair. */
+DD_INLINE void kq_pair_factors(const float *ds, __m128i sc, __m128i mn, int wtype, __m512 f[2])
+{
+    f[0] = kq_halves(ds[0], ds[2]);
+    if (wtype == DD_Q6_K)
+        return;
+    f[1] = _mm512_mul_ps(kq_halves(ds[1], ds[3]), _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(mn)));
+    f[0] = _mm512_mul_ps(f[0], _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(sc)));
+}
+
+/* Two rows (blk_a, blk_b; blk_b unread unless both) of a super-block against column p: acc (row a in lanes
+ * 0-7, row b in 8-15) += their f32 terms, the pair's factors f (kq_pair_factors), in kquants.h's order. */
+DD_INLINE void kq_row_pair(const uint8_t *blk_a, const uint8_t *blk_b, int wtype, const kq_col *p, const __m512 f[2],
+                           __m512 *acc, const int both)
 {
     const __m512i ta = kq_quarters(blk_a, wtype, p), tb = both ? kq_quarters(blk_b, wtype, p) : ta;
     __m512i s = _mm512_add_epi32(_mm512_shuffle_i32x4(ta, tb, _MM_SHUFFLE(2, 0, 2, 0)),
                                  _mm512_shuffle_i32x4(ta, tb, _MM_SHUFFLE(3, 1, 3, 1)));
-    __m512i mins = _mm512_setzero_si512();
-    if (wtype != DD_Q6_K) {
-        if (wtype == DD_Q4_K)   /* lanes 1, 3, 5, 7 of each row (the high nibbles' blocks): 16 S, an exact shift back */
-            s = _mm512_srav_epi32(s, _mm512_set4_epi32(4, 0, 4, 0));
-        s = _mm512_mullo_epi32(s, _mm512_cvtepu8_epi32(sc));
-        mins = _mm512_cvtepu8_epi32(mn);
-    }
-    for (int r = 0; r < 1 + both; r++) {
-        __m512d *acc = r ? acc_b : acc_a;
-        const __m256i ir = r ? _mm512_extracti64x4_epi64(s, 1) : _mm512_castsi512_si256(s);
-        *acc = _mm512_fmadd_pd(_mm512_mul_pd(p->da, _mm512_set1_pd(ds[2 * r])), _mm512_cvtepi32_pd(ir), *acc);
-        if (wtype != DD_Q6_K) {
-            const __m256i mr = r ? _mm512_extracti64x4_epi64(mins, 1) : _mm512_castsi512_si256(mins);
-            *acc = _mm512_fnmadd_pd(_mm512_mul_pd(p->dab, _mm512_set1_pd(ds[2 * r + 1])), _mm512_cvtepi32_pd(mr), *acc);
-        }
-    }
+    if (wtype == DD_Q4_K)   /* lanes 1, 3, 5, 7 of each row (the high nibbles' blocks): 16 S, an exact shift back */
+        s = _mm512_srav_epi32(s, _mm512_set4_epi32(4, 0, 4, 0));
+    *acc = _mm512_add_ps(*acc, _mm512_mul_ps(_mm512_mul_ps(f[0], p->da), _mm512_cvtepi32_ps(s)));
+    if (wtype != DD_Q6_K)
+        *acc = _mm512_sub_ps(*acc, _mm512_mul_ps(f[1], p->dab));
 }
 
 /* Rows [0, R) x columns [c0, c0 + C) (gemm_tiles.h's TILE). pre: NULL, or the columns' super-blocks
@@ -232,10 +263,11 @@ DD_INLINE void kq_tile(const uint8_t *w, const uint8_t *pf, size_t rb, const dd_
 {
     const size_t bytes = wtype == DD_Q4_K ? DD_Q4_K_BYTES : wtype == DD_Q5_K ? DD_Q5_K_BYTES : DD_Q6_K_BYTES;
     const size_t nsb = a->nb / 8;
-    __m512d acc[4][4];
-    for (int r = 0; r < R; r++)
+    const int P = (R + 1) / 2;
+    __m512 acc[2][4];   /* row pair, column */
+    for (int p = 0; p < P; p++)
         for (int c = 0; c < C; c++)
-            acc[r][c] = _mm512_setzero_pd();
+            acc[p][c] = _mm512_setzero_ps();
     for (size_t sb = 0; sb < nsb; sb++) {
         for (int r = 0; r < R; r++) {
             const uint8_t *q = pf + r * rb + sb * bytes;
@@ -243,7 +275,7 @@ DD_INLINE void kq_tile(const uint8_t *w, const uint8_t *pf, size_t rb, const dd_
                 dd_prefetch_weight(q + at);
             dd_prefetch_weight(q + bytes - 1);
         }
-        double ds[8];
+        float ds[8];
         kq_tile_scales(w + sb * bytes, rb, wtype, R, ds);
         __m512i sm = _mm512_setzero_si512();   /* Q4_K / Q5_K: the rows' scales and mins (rows past R repeat the last) */
         if (wtype != DD_Q6_K) {
@@ -252,30 +284,40 @@ DD_INLINE void kq_tile(const uint8_t *w, const uint8_t *pf, size_t rb, const dd_
                 blk[r] = w + (r < R ? r : R - 1) * rb + sb * bytes;
             sm = kq_scale_bytes4(blk);
         }
+        __m512 f[2][2];
+        for (int p = 0; p < P; p++)
+            kq_pair_factors(ds + 4 * p, p ? _mm512_extracti32x4_epi32(sm, 2) : _mm512_castsi512_si128(sm),
+                            p ? _mm512_extracti32x4_epi32(sm, 3) : _mm512_extracti32x4_epi32(sm, 1), wtype, f[p]);
         for (int c = 0; c < C; c++) {
             kq_col own;
-            const kq_col *p = pre ? &pre[c * nsb + sb] : &own;
+            const kq_col *col = pre ? &pre[c * nsb + sb] : &own;
             if (!pre)
                 kq_col_prep(a, (c0 + c) * a->nbp + 8 * sb, wtype, &own);
-            for (int r = 0; r < R; r += 2)
-                kq_row_pair(w + r * rb + sb * bytes, w + (r + 1) * rb + sb * bytes, wtype, p, ds + 2 * r,
-                            r ? _mm512_extracti32x4_epi32(sm, 2) : _mm512_castsi512_si128(sm),
-                            r ? _mm512_extracti32x4_epi32(sm, 3) : _mm512_extracti32x4_epi32(sm, 1), &acc[r][c],
-                            &acc[r + (r + 1 < R)][c], r + 1 < R);
+            for (int p = 0; p < P; p++)
+                kq_row_pair(w + 2 * p * rb + sb * bytes, w + (2 * p + 1) * rb + sb * bytes, wtype, col, f[p],
+                            &acc[p][c], 2 * p + 1 < R);
         }
     }
-    /* lanes back in block order, then summed as dd_kq_tile does: ((s0 + s1) + (s2 + s3)) + ((s4 + s5) + (s6 + s7)) */
-    const int32_t *order = kq_order[wtype == DD_Q6_K];
-    for (int r = 0; r < R; r++)
-        for (int c = 0; c < C; c++) {
-            double l[8], s[8];
-            _mm512_storeu_pd(l, acc[r][c]);
-            for (int i = 0; i < 8; i++)
-                s[order[i]] = l[i];
-            y[(c0 + c) * ldy + r] = (float)(((s[0] + s[1]) + (s[2] + s[3])) + ((s[4] + s[5]) + (s[6] + s[7])));
+    /* lanes back in block order, then kquants.h's tree */
+    const __m512i order = _mm512_loadu_si512(kq_block_lanes[wtype == DD_Q6_K]);
+    __m512 v[8];
+    int n = 0;
+    for (int c = 0; c < C; c++)
+        for (int p = 0; p < P; p++)
+            v[n++] = _mm512_permutexvar_ps(order, acc[p][c]);
+    for (; n % 4; n++)
+        v[n] = _mm512_setzero_ps();
+    for (int g = 0; g < n; g += 4) {
+        float out[8];
+        _mm256_storeu_ps(out, kq_tree4(v + g));
+        for (int j = 0; j < 4 && g + j < C * P; j++) {
+            const int c = (g + j) / P, r = 2 * ((g + j) % P);
+            y[(c0 + c) * ldy + r] = out[j];
+            if (r + 1 < R)
+                y[(c0 + c) * ldy + r + 1] = out[4 + j];
         }
+    }
 }
-
 #define KQ_TILE_Q4_K(w, pf, rb, a, c0, y, ldy, R, C) kq_tile(w, pf, rb, a, DD_Q4_K, c0, y, ldy, R, C, NULL)
 #define KQ_TILE_Q5_K(w, pf, rb, a, c0, y, ldy, R, C) kq_tile(w, pf, rb, a, DD_Q5_K, c0, y, ldy, R, C, NULL)
 #define KQ_TILE_Q6_K(w, pf, rb, a, c0, y, ldy, R, C) kq_tile(w, pf, rb, a, DD_Q6_K, c0, y, ldy, R, C, NULL)

@@ -1,6 +1,6 @@
 /* K-quant products (Q4_K, Q5_K, Q6_K) of a few columns (a batched decode's rows, KQH_FEW ..
- * KQ_GEMV_COLS) at the AVX-512 VNNI level: "lanes = halves". Included by kq_tile_avx512.h after
- * kq_gemm_avx512.h (kq_unpack, kq_pair, kq_row_scales, kq_half_lane, kq_order, kqx_reduce8).
+ * KQ_GEMV_COLS) at the AVX-512 VNNI level: "lanes = halves". Included by kq_tile_avx512.h (kq_unpack,
+ * kq_col_vectors, kq_half_lane, kq_order).
  *
  * A super-block's 16 halves (16 values each) are the 16 dword lanes and vector t (t < 4) holds dword t
  * (values 4t .. 4t + 3) of every half, so four vpdpbusd accumulate a half's whole sum in one lane. The
@@ -9,17 +9,21 @@
  * Q5_K kq_col's order (vector j's lanes 0, 1: the halves of block (0, 1, 4, 5)[j], lanes 2, 3: of block
  * (2, 3, 6, 7)[j]); the 16 bytes of lane h of vector j end in dword lanes 4h + j. This is done once per
  * row and super-block for all the columns, in registers; a column's activations are arranged alike once
- * per thread and activations. Per (row, column, super-block): four vpdpbusd (Q6_K: from -32 s_L, then one
- * vpmulld by the half scales); one pair of 128-bit shuffles and an add for two columns, adding each
- * block's two halves (128-bit lanes 0 + 1 and 2 + 3), which leaves the blocks in KQ_ORDER (Q4_K / Q5_K:
- * then one vpmulld by the block scales for the two columns); one f64 multiply and FMA (Q4_K / Q5_K: and
- * the min term's multiply and FNMA). No unpack and no transpose-add per column.
+ * per thread and activations. Per (row, column pair, super-block): four vpdpbusd a column (Q6_K: from
+ * -32 s_h, then a conversion to f32 and a multiply by the half scales); one pair of 128-bit shuffles and an
+ * add, adding each block's two halves (128-bit lanes 0 + 1 and 2 + 3), which leaves the two columns' blocks
+ * in KQ_ORDER in lanes 0-7 and 8-15 of one vector; then the f32 terms of both columns at once: (Q4_K /
+ * Q5_K: a conversion,) two multiplies and an add (Q4_K / Q5_K: and the min term's multiply and subtract).
+ * The Q4_K / Q5_K block scale sc_i is not multiplied into the integer: it is in the row's f32 d sc_i. No
+ * unpack and no transpose-add per column.
  *
- * Exactness: the block integer (Q6_K: I_i = sum over halves h of sc_h (S_h - 32 s_h); Q4_K / Q5_K:
- * sc_i S_i) is kquants.h's exact int32, and the f64 terms are kq_row_pair's, the same products of exact
- * factors into lane l = block KQ_ORDER[t][l], super-block by super-block, each FMA of an exact product
- * rounding once; the lanes, put back in block order, are reduced by kqx_reduce8 (dd_kq_tile's tree). So
- * every output has the bits of the GEMV.
+ * Exactness: the block integers (Q4_K / Q5_K: S_i, int32; Q6_K: I_i = sum over halves h of
+ * sc_h (S_h - 32 s_h), formed in f32, where every product and sum is an integer below 2^24) are kquants.h's,
+ * and the terms are the contract's (kquants.h), each f32 operation rounded on its own (no FMA): Q4_K / Q5_K
+ * ((d sc_i) da_i) S_i, d sc_i exact, less (dmin m_i)(da_i bs_i), both factors exact; Q6_K (d da_i) I_i,
+ * d da_i exact. Lane l of a column's eight holds block KQ_ORDER[t][l] and adds its terms super-block by
+ * super-block from +0; the lanes, put back in block order, are added in the contract's tree (kqh_reduce).
+ * So every output has the bits of dd_kq_tile and of the numpy twin.
  */
 #ifndef DELTADESK_KQH_FEW_AVX512_H
 #define DELTADESK_KQH_FEW_AVX512_H
@@ -30,8 +34,8 @@
 typedef struct {
     __m512i v[4];     /* vector t: dword t of each half, half 4j + h in lane 4h + j */
     __m512i seed;     /* lane 4h + j: -32 times the sum of half 4j + h */
-    __m512d da;       /* lane l: the scale of block KQ_ORDER[t][l] (t = 1: Q6_K, 0: Q4_K / Q5_K) */
-    __m512d dab;      /* Q4_K / Q5_K: da times the block's activation sum, same lanes */
+    __m256 da;        /* lane l: the scale of block KQ_ORDER[t][l] (t = 1: Q6_K, 0: Q4_K / Q5_K) */
+    __m256 dab;       /* Q4_K / Q5_K: da times the block's activation sum (exact), same lanes */
 } kqh_col;            /* one super-block of a column */
 
 /* A 4 x 4 dword transpose within each 128-bit lane, in place: dword t of lane j of x[k] goes to dword k of
@@ -60,27 +64,45 @@ DD_INLINE void kqh_col_prep(const dd_acts *a, size_t b0, int wtype, kqh_col *p)
     dd_lane_transpose4(p->v);
 }
 
-/* A stored super-block as four vectors of unsigned quants in the lane layout and its scales: Q6_K, sc lane
- * 4h + j = the scale of half 4j + h; Q4_K / Q5_K, sc lanes l and 8 + l = the scale of block KQ_ORDER[0][l],
- * m lane l its min (f64); d and dmin broadcast to 8 f64 lanes. */
-DD_INLINE void kqh_expand(const uint8_t *blk, int wtype, __m512i w[4], __m512i *sc, __m512d *m, __m512d *d,
-                          __m512d *dmin)
+/* lo in lanes 0-7, hi in lanes 8-15 (two columns' 8 block lanes in one vector). */
+DD_INLINE __m512 kqh_join(__m256 lo, __m256 hi)
 {
-    kq_unpack(blk, wtype, w);
-    dd_lane_transpose4(w);
-    kq_row_scales(blk, wtype, d, dmin);
+    return _mm512_castpd_ps(_mm512_insertf64x4(_mm512_castps_pd(_mm512_castps256_ps512(lo)), _mm256_castps_pd(hi), 1));
+}
+
+/* A row's stored super-block: four vectors of unsigned quants in the lane layout and its f32 scales, the
+ * same in lanes l and 8 + l (a column pair's). */
+typedef struct {
+    __m512i w[4];
+    __m512 sc;        /* Q6_K: lane 4h + j = the scale of half 4j + h */
+    __m512 dsc;       /* Q6_K: d; Q4_K / Q5_K: lane l = d sc_i of block i = KQ_ORDER[0][l] (exact: 11 + 6 bits) */
+    __m512 dmm;       /* Q4_K / Q5_K: lane l = dmin m_i (exact) */
+} kqh_row;
+
+DD_INLINE void kqh_expand(const uint8_t *blk, int wtype, kqh_row *u)
+{
+    kq_unpack(blk, wtype, u->w);
+    dd_lane_transpose4(u->w);
+    uint32_t bits;
+    memcpy(&bits, blk + (wtype == DD_Q6_K ? 208 : 0), 4);
+    const __m128 f = _mm_maskz_cvtph_ps(0x3, _mm_cvtsi32_si128((int)bits));   /* d, dmin; the EVEX form: no F16C */
+    const __m512 d = _mm512_broadcastss_ps(f);
     if (wtype == DD_Q6_K) {
         const __m128i order = _mm_setr_epi8(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);   /* kq_half_lane */
-        *sc = _mm512_cvtepi8_epi32(_mm_shuffle_epi8(_mm_loadu_si128((const __m128i *)(blk + 192)), order));
-        *m = _mm512_setzero_pd();
+        u->sc = _mm512_cvtepi32_ps(
+            _mm512_cvtepi8_epi32(_mm_shuffle_epi8(_mm_loadu_si128((const __m128i *)(blk + 192)), order)));
+        u->dsc = d;
+        u->dmm = _mm512_setzero_ps();
         return;
     }
     uint32_t words[4];   /* bytes 0-7: the blocks' scales, 8-15: their mins */
     dd_kq_scale_words(blk, words);
     const __m128i sm = _mm_shuffle_epi8(_mm_loadu_si128((const __m128i *)words),
                                         _mm_setr_epi8(0, 1, 4, 5, 2, 3, 6, 7, 8, 9, 12, 13, 10, 11, 14, 15));
-    *sc = _mm512_broadcast_i64x4(_mm256_cvtepu8_epi32(sm));
-    *m = _mm512_cvtepi32_pd(_mm256_cvtepu8_epi32(_mm_srli_si128(sm, 8)));
+    u->sc = _mm512_setzero_ps();
+    u->dsc = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_broadcast_i64x4(_mm256_cvtepu8_epi32(sm))));
+    u->dmm = _mm512_mul_ps(_mm512_broadcastss_ps(_mm_movehdup_ps(f)),
+                           _mm512_cvtepi32_ps(_mm512_broadcast_i64x4(_mm256_cvtepu8_epi32(_mm_srli_si128(sm, 8)))));
 }
 
 /* seed plus the four vpdpbusd of a row's super-block wv against a column's vectors v. */
@@ -92,51 +114,57 @@ DD_INLINE __m512i kqh_dots(const __m512i wv[4], const __m512i v[4], __m512i seed
     return x;
 }
 
-/* Lane 4h + j = sc_L (S_L - 32 s_L), L = 4j + h, of a row's super-block (wv, sc) against column p's
- * arranged vectors v and seed. */
-DD_INLINE __m512i kqh_scaled(const __m512i wv[4], __m512i sc, const __m512i v[4], __m512i seed)
-{
-    return _mm512_mullo_epi32(kqh_dots(wv, v, seed), sc);
-}
-
-/* The block integers of two columns' lanes x0, x1 (one row): block KQ_ORDER[t][l] of x0 in lane l, of
- * x1 in lane 8 + l (the two 128-bit lanes of a block added by one pair of shuffles). */
+/* The blocks of two columns' lanes x0, x1 (one row): block KQ_ORDER[t][l] of x0 in lane l, of x1 in lane
+ * 8 + l, each the sum of its two halves (128-bit lanes 0 + 1 and 2 + 3: one pair of shuffles and an add). */
 DD_INLINE __m512i kqh_blocks(__m512i x0, __m512i x1)
 {
     return _mm512_add_epi32(_mm512_shuffle_i32x4(x0, x1, _MM_SHUFFLE(2, 0, 2, 0)),
                             _mm512_shuffle_i32x4(x0, x1, _MM_SHUFFLE(3, 1, 3, 1)));
 }
 
-/* *acc += the f64 terms of one column's block integers ints (Q4_K / Q5_K: sc_i S_i, then the min term
- * of kq_row_pair) with the row's d, dmin and mins m and the column's p. */
-DD_INLINE void kqh_term(__m256i ints, const kqh_col *p, __m512d d, __m512d dmin, __m512d m, int wtype, __m512d *acc)
+/* kqh_blocks in f32 (Q6_K's sums of two exact halves: exact). */
+DD_INLINE __m512 kqh_blocks_ps(__m512 x0, __m512 x1)
 {
-    *acc = _mm512_fmadd_pd(_mm512_mul_pd(p->da, d), _mm512_cvtepi32_pd(ints), *acc);
-    if (wtype != DD_Q6_K)
-        *acc = _mm512_fnmadd_pd(_mm512_mul_pd(p->dab, dmin), m, *acc);
+    return _mm512_add_ps(_mm512_shuffle_f32x4(x0, x1, _MM_SHUFFLE(2, 0, 2, 0)),
+                         _mm512_shuffle_f32x4(x0, x1, _MM_SHUFFLE(3, 1, 3, 1)));
+}
+
+/* Q6_K: lane 4h + j = sc_L (S_L - 32 s_L), L = 4j + h, of row u against column vectors v and seed, in f32:
+ * exact, as is the block sum I_i of two (|S_L - 32 s_L| <= 16 * 32 * 127 < 2^16, |sc_L| <= 128: |I_i| < 2^24).
+ * The conversion and multiply cost less than a vpmulld and the block integers' conversion. */
+DD_INLINE __m512 kqh_scaled(const kqh_row *u, const __m512i v[4], __m512i seed)
+{
+    return _mm512_mul_ps(_mm512_cvtepi32_ps(kqh_dots(u->w, v, seed)), u->sc);
+}
+
+/* One row's outputs from its column pairs' accumulators acc[p] (columns 2p and 2p + 1, lanes in block order):
+ * out[c] = ((l0 + l1) + (l2 + l3)) + ((l4 + l5) + (l6 + l7)) of column c (kq_tree4). */
+DD_INLINE void kqh_reduce(const __m512 acc[4], float out[8])
+{
+    /* kq_tree4's lanes are columns 0, 2, 4, 6, 1, 3, 5, 7 */
+    _mm256_storeu_ps(out, _mm256_permutexvar_ps(_mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7), kq_tree4(acc)));
 }
 
 /* Rows [0, R) (R <= 2, row r at w + r * rb) x columns [0, C) (C <= 8; column c's super-block sb at
  * cols[c * nsb + sb]) into y[c * ldy + r]; pf: the rows to prefetch while these are read (kq_tile's
- * prefetches). Each column's vectors are loaded once for the R rows; at R * C > 8 the compiler keeps a few
- * accumulators on the stack, which costs less than loading every column's vectors once per row. */
+ * prefetches). Columns 2p and 2p + 1 share the f32 accumulator acc[r][p] (lanes 0-7 and 8-15; an odd C's
+ * last pair: the last column twice), and their vectors are loaded once for the R rows. */
 DD_INLINE void kqh_tile(const uint8_t *w, const uint8_t *pf, size_t rb, const kqh_col *cols, size_t nsb, int wtype,
                         float *y, size_t ldy, const int R, const int C)
 {
     const size_t bytes = wtype == DD_Q4_K ? DD_Q4_K_BYTES : wtype == DD_Q5_K ? DD_Q5_K_BYTES : DD_Q6_K_BYTES;
-    __m512d acc[2][8];
+    __m512 acc[2][4];
     for (int r = 0; r < 2; r++)
-        for (int c = 0; c < 8; c++)
-            acc[r][c] = _mm512_setzero_pd();
+        for (int p = 0; p < 4; p++)
+            acc[r][p] = _mm512_setzero_ps();
     for (size_t sb = 0; sb < nsb; sb++) {
-        __m512i wv[2][4], sc[2];
-        __m512d m[2], d[2], dmin[2];
+        kqh_row u[2];
         for (int r = 0; r < R; r++) {
             const uint8_t *q = pf + r * rb + sb * bytes;
             for (size_t at = 0; at < bytes; at += 64)
                 dd_prefetch_weight(q + at);
             dd_prefetch_weight(q + bytes - 1);
-            kqh_expand(w + r * rb + sb * bytes, wtype, wv[r], &sc[r], &m[r], &d[r], &dmin[r]);
+            kqh_expand(w + r * rb + sb * bytes, wtype, &u[r]);
         }
         for (int c = 0; c < C; c += 2) {
             const int two = c + 1 < C;
@@ -147,28 +175,28 @@ DD_INLINE void kqh_tile(const uint8_t *w, const uint8_t *pf, size_t rb, const kq
                 v1[t] = _mm512_load_si512(&p1->v[t]);
             }
             const __m512i seed0 = _mm512_load_si512(&p0->seed), seed1 = _mm512_load_si512(&p1->seed);
+            const __m512 da = kqh_join(p0->da, p1->da), dab = kqh_join(p0->dab, p1->dab);
             for (int r = 0; r < R; r++) {
-                __m512i ints;
-                if (wtype == DD_Q6_K) {   /* each half times its own scale, then the halves added */
-                    const __m512i x0 = kqh_scaled(wv[r], sc[r], v0, seed0);
-                    ints = kqh_blocks(x0, two ? kqh_scaled(wv[r], sc[r], v1, seed1) : x0);
-                } else {                  /* the halves added, then the block times its scale */
-                    const __m512i x0 = kqh_dots(wv[r], v0, seed0);
-                    ints = _mm512_mullo_epi32(kqh_blocks(x0, two ? kqh_dots(wv[r], v1, seed1) : x0), sc[r]);
+                __m512 *a = &acc[r][c / 2];
+                if (wtype == DD_Q6_K) {   /* (d da_i) I_i */
+                    const __m512 x0 = kqh_scaled(&u[r], v0, seed0);
+                    const __m512 ints = kqh_blocks_ps(x0, two ? kqh_scaled(&u[r], v1, seed1) : x0);
+                    *a = _mm512_add_ps(*a, _mm512_mul_ps(_mm512_mul_ps(u[r].dsc, da), ints));
+                } else {                  /* ((d sc_i) da_i) S_i, less (dmin m_i)(da_i bs_i) */
+                    const __m512i x0 = kqh_dots(u[r].w, v0, seed0);
+                    const __m512i ints = kqh_blocks(x0, two ? kqh_dots(u[r].w, v1, seed1) : x0);
+                    *a = _mm512_add_ps(*a, _mm512_mul_ps(_mm512_mul_ps(u[r].dsc, da), _mm512_cvtepi32_ps(ints)));
+                    *a = _mm512_sub_ps(*a, _mm512_mul_ps(u[r].dmm, dab));
                 }
-                kqh_term(_mm512_castsi512_si256(ints), p0, d[r], dmin[r], m[r], wtype, &acc[r][c]);
-                if (two)
-                    kqh_term(_mm512_extracti64x4_epi64(ints, 1), p1, d[r], dmin[r], m[r], wtype, &acc[r][c + 1]);
             }
         }
     }
-    const __m512i blocks = wtype == DD_Q6_K ? _mm512_setr_epi64(0, 4, 1, 5, 2, 6, 3, 7)   /* lane b <- block b's */
-                                            : _mm512_setr_epi64(0, 1, 4, 5, 2, 3, 6, 7);
+    const __m512i blocks = _mm512_loadu_si512(kq_block_lanes[wtype == DD_Q6_K]);   /* lane b (8 + b) <- block b's */
     for (int r = 0; r < R; r++) {
-        for (int c = 0; c < C; c++)
-            acc[r][c] = _mm512_permutexvar_pd(blocks, acc[r][c]);
+        for (int p = 0; p < (C + 1) / 2; p++)
+            acc[r][p] = _mm512_permutexvar_ps(blocks, acc[r][p]);
         float out[8];
-        _mm256_storeu_ps(out, kqx_reduce8(acc[r]));
+        kqh_reduce(acc[r], out);
         for (int c = 0; c < C; c++)
             y[c * ldy + r] = out[c];
     }
@@ -200,7 +228,7 @@ typedef struct {
 
 /* A K-quant product (wtype) of a->m <= KQ_GEMV_COLS columns with rows of nb / 8 <= KQ_GEMV_SB super-blocks, as
  * DD_DEFINE_GEMM's GEMV walk (the same prefetches; row pairs, then a last single row), the columns arranged
- * at most once per thread and activations, in st. The bits are the GEMV's (see above). */
+ * at most once per thread and activations, in st. The bits are the contract's (see above). */
 DD_INLINE void kqh_few(const uint8_t *w, size_t rb, size_t nrows, size_t rows_avail, const dd_acts *a, float *y,
                        size_t ldy, int wtype, kqh_few_state *st)
 {

@@ -1,7 +1,7 @@
 /* K-quant weight kernels (Q4_K, Q5_K, Q6_K) that read the stored super-blocks directly, against
  * Q8_0 activations: one definition, included by the scalar, SSSE3 and AVX2 kernel files after each
  * defines its integer dot product DD_KQ_DOT8 (the only ISA-specific part), so these levels differ in
- * that instruction choice only (AVX-512 has its own register tile, with the same f64 operations).
+ * that instruction choice only (AVX-512 has its own register tile, with the same f32 operations).
  *
  * Super-block layouts (ggml-common.h; values and scales as ggml-quants.c dequantize_row_q*_K):
  *   block_q4_K (144 bytes, 256 values): f16 d, f16 dmin, scales[12], qs[128]. Sub-block i (32 values)
@@ -15,14 +15,20 @@
  *     q(64 + l) = ql[l] high | bits 4-5, q(96 + l) = ql[32 + l] high | bits 6-7 (ql += 64, qh += 32
  *     per half); x = d * scales[v / 16] * (q - 32).
  *
- * Exactness. An activation block b (32 values a_j, scale da) meets sub-block b of the weights. Its
- * integer part is exact in int32: Q4_K/Q5_K  I = sc * sum(q a) and M = m * sum(a); Q6_K
- * I = sum over its two 16-value halves h of sc_h * (sum(q a) - 32 sum(a)). Each is scaled by an
- * exact f32 product of two f16 scales (d * da, dmin * da: 11 x 11 bits) into an exact f64 product
- * (at most 22 + 26 bits), which lane b % 8 of the (row, column) accumulator adds (then subtracts
- * dmin da M). The 8 lanes are added in a fixed tree and rounded to f32 once. Every level runs these
- * f64 operations in this order, so K-quant results are bit-identical across levels, thread counts
- * and tiles (and equal engine.kernels.cpu_twins' numpy twin, which replays the same order).
+ * The f32 contract. An activation block b (32 values a_j, f32 scale da, sum bs) meets sub-block b of the
+ * weights; its integer parts are exact in int32: Q4_K/Q5_K S = sum(q a) (|S| < 2^17); Q6_K
+ * I = sum over its two 16-value halves h of sc_h (sum(q a) - 32 sum(a)) (|I| <= 2 * 128 * 16 * 32 * 127 < 2^24).
+ * Its terms, each f32 operation rounded on its own (a multiply then an add, never fused):
+ *   Q4_K/Q5_K  t = ((d sc) da) S, the product d sc exact (17 bits), then rounded once with da, then once
+ *              with S; u = (dmin m)(da bs), both factors exact (17 and 23 bits), rounded once;
+ *   Q6_K       t = (d da) I, d da exact (22 bits), rounded once.
+ * Lane b % 8 of the (row, column) accumulator, from +0, adds t (then subtracts u) super-block by
+ * super-block; the 8 lanes are added as ((l0 + l1) + (l2 + l3)) + ((l4 + l5) + (l6 + l7)). This order shows
+ * in the bits, so every level, tile and thread count follows it exactly (AVX-512's kq_tile_avx512.h,
+ * kq_gemm_avx512.h, kqh_few_avx512.h, q4k_il_avx512.h; and engine.kernels.cpu_twins' numpy twin). A high
+ * nibble's 16 S (a kernel that masks and does not shift) meets ((d sc) da) / 16: the same product. Error:
+ * at most 2 + 2 nsb + 3 roundings a term, |y - exact| <= gamma(2 nsb + 5) sum(|t| + |u|), gamma(n) =
+ * n 2^-24 / (1 - n 2^-24) (docs/design/native-cpu.md).
  */
 #ifndef DELTADESK_KQUANTS_H
 #define DELTADESK_KQUANTS_H
@@ -41,34 +47,33 @@
 #endif
 
 
-/* One super-block of up to 4 rows unpacked: unsigned quants in value order and integer scales
- * and f16 scales. */
+/* One super-block of up to 4 rows unpacked: unsigned quants in value order; Q6_K its integer scales
+ * (per 16 values) and d; Q4_K / Q5_K scales of 1 for DD_KQ_DOT8 (which then gives S) and the exact
+ * f32 products d sc and dmin m (per 32 values). */
 typedef struct {
     uint8_t q[4][DD_QK_K];
-    int16_t sc[4][16];    /* per 16 values */
-    int32_t mn[4][8];     /* per 32 values (Q4_K, Q5_K) */
-    float d[4], dmin[4];
+    int16_t sc[4][16];
+    dd_v8f dsc[4], dmm[4];
+    float d[4];
 } dd_kq_rows;
 
-/* The f16 scales of a super-block's row r, and its integer scales (per 16
- * values) and mins (per 32). */
+/* The scales of a super-block's row r. */
 DD_INLINE void dd_kq_scales(const uint8_t *blk, int wtype, dd_kq_rows *u, int r)
 {
     if (wtype == DD_Q6_K) {
         for (int i = 0; i < 16; i++)
             u->sc[r][i] = (int8_t)blk[192 + i];
         u->d[r] = dd_f16_to_f32(dd_load_u16(blk + 208));
-        u->dmin[r] = 0.0f;
         return;
     }
     uint32_t w[4];
     dd_kq_scale_words(blk, w);
+    const float d = dd_f16_to_f32(dd_load_u16(blk)), dmin = dd_f16_to_f32(dd_load_u16(blk + 2));
     for (int i = 0; i < 8; i++) {
-        u->sc[r][2 * i] = u->sc[r][2 * i + 1] = (int16_t)((w[i / 4] >> (8 * (i % 4))) & 0xff);
-        u->mn[r][i] = (int32_t)((w[2 + i / 4] >> (8 * (i % 4))) & 0xff);
+        u->sc[r][2 * i] = u->sc[r][2 * i + 1] = 1;
+        u->dsc[r][i] = d * (float)((w[i / 4] >> (8 * (i % 4))) & 0xff);
+        u->dmm[r][i] = dmin * (float)((w[2 + i / 4] >> (8 * (i % 4))) & 0xff);
     }
-    u->d[r] = dd_f16_to_f32(dd_load_u16(blk));
-    u->dmin[r] = dd_f16_to_f32(dd_load_u16(blk + 2));
 }
 
 /* The unsigned quants of a super-block in value order, into u->q[r]. */
@@ -113,27 +118,37 @@ DD_INLINE void dd_kq_prefetch(const uint8_t *p, size_t bytes)
     dd_prefetch_weight(p + bytes - 1);
 }
 
-/* acc += the f64 terms of row r of u's super-block against the column's activation blocks b0 .. b0 + 7
- * (scales da, sums bs, half sums s16), in the order of the exactness note above. */
+/* y[(c0 + c) * ldy + r] for R x C accumulators of 8 f32 lanes in block order: the contract's tree. */
+DD_INLINE void dd_kq_store(dd_v8f acc[4][4], size_t c0, float *y, size_t ldy, const int R, const int C)
+{
+    for (int r = 0; r < R; r++)
+        for (int c = 0; c < C; c++) {
+            const dd_v8f s = acc[r][c];
+            y[(c0 + c) * ldy + r] = ((s[0] + s[1]) + (s[2] + s[3])) + ((s[4] + s[5]) + (s[6] + s[7]));
+        }
+}
+
+/* acc += the f32 terms of row r of u's super-block against the column's activation blocks b0 .. b0 + 7
+ * (scales da, sums bs, half sums s16), in the order of the contract above. */
 DD_INLINE void dd_kq_terms(const dd_kq_rows *u, int r, const dd_acts *a, size_t b0, const int32_t *s16, dd_v8f da,
-                           dd_v8i bs, int wtype, dd_v8d *acc)
+                           dd_v8i bs, int wtype, dd_v8f *acc)
 {
     int32_t d8[8];
-    dd_v8i mb;   /* Q4_K, Q5_K: M_i = m_i * (sum of activation block i) */
     DD_KQ_DOT8(u->q[r], a->q + b0 * DD_QK, u->sc[r], d8);
     if (wtype == DD_Q6_K) {
         const int16_t *sc = u->sc[r];
         for (int i = 0; i < 8; i++)
             d8[i] -= 32 * (sc[2 * i] * s16[2 * i] + sc[2 * i + 1] * s16[2 * i + 1]);
     }
-    memcpy(&mb, u->mn[r], sizeof mb);
-    mb *= bs;
     dd_v8i dot;
     memcpy(&dot, d8, sizeof dot);
-    /* lane i: (d da_i) I_i, exact in f64; then (Q4_K, Q5_K) minus (dmin da_i) M_i */
-    *acc += __builtin_convertvector(da * u->d[r], dd_v8d) * __builtin_convertvector(dot, dd_v8d);
-    if (wtype != DD_Q6_K)
-        *acc -= __builtin_convertvector(da * u->dmin[r], dd_v8d) * __builtin_convertvector(mb, dd_v8d);
+    const dd_v8f t = __builtin_convertvector(dot, dd_v8f);
+    if (wtype == DD_Q6_K) {
+        *acc += (da * u->d[r]) * t;
+        return;
+    }
+    *acc += (u->dsc[r] * da) * t;
+    *acc -= u->dmm[r] * (da * __builtin_convertvector(bs, dd_v8f));
 }
 
 DD_INLINE void dd_kq_tile(const uint8_t *w, const uint8_t *pf, size_t rb, const dd_acts *a, int wtype, size_t c0,
@@ -141,10 +156,10 @@ DD_INLINE void dd_kq_tile(const uint8_t *w, const uint8_t *pf, size_t rb, const 
 {
     const size_t bytes = dd_kq_bytes(wtype), nsb = a->nb / 8;
     dd_kq_rows u;
-    dd_v8d acc[4][4];
+    dd_v8f acc[4][4];
     for (int r = 0; r < R; r++)
         for (int c = 0; c < C; c++)
-            acc[r][c] = (dd_v8d){ 0 };
+            acc[r][c] = (dd_v8f){ 0 };
     for (size_t sb = 0; sb < nsb; sb++) {
         for (int r = 0; r < R; r++) {
             dd_kq_prefetch(pf + r * rb + sb * bytes, bytes);
@@ -153,43 +168,22 @@ DD_INLINE void dd_kq_tile(const uint8_t *w, const uint8_t *pf, size_t rb, const 
         }
         for (int c = 0; c < C; c++) {
             const size_t b0 = (c0 + c) * a->nbp + 8 * sb;
-            const int32_t *s16 = a->s16 + 2 * b0;
             dd_v8f da;
             memcpy(&da, a->bd + b0, sizeof da);
             dd_v8i bs;
             memcpy(&bs, a->bs + b0, sizeof bs);
-            for (int r = 0; r < R; r++) {
-                int32_t d8[8];
-                dd_v8i mb;   /* Q4_K, Q5_K: M_i = m_i * (sum of activation block i) */
-                DD_KQ_DOT8(u.q[r], a->q + b0 * DD_QK, u.sc[r], d8);
-                if (wtype == DD_Q6_K) {
-                    const int16_t *sc = u.sc[r];
-                    for (int i = 0; i < 8; i++)
-                        d8[i] -= 32 * (sc[2 * i] * s16[2 * i] + sc[2 * i + 1] * s16[2 * i + 1]);
-                }
-                memcpy(&mb, u.mn[r], sizeof mb);
-                mb *= bs;
-                dd_v8i dot;
-                memcpy(&dot, d8, sizeof dot);
-                /* lane i: (d da_i) I_i, exact in f64; then (Q4_K, Q5_K) minus (dmin da_i) M_i */
-                acc[r][c] += __builtin_convertvector(da * u.d[r], dd_v8d) * __builtin_convertvector(dot, dd_v8d);
-                if (wtype != DD_Q6_K)
-                    acc[r][c] -= __builtin_convertvector(da * u.dmin[r], dd_v8d) * __builtin_convertvector(mb, dd_v8d);
-            }
+            for (int r = 0; r < R; r++)
+                dd_kq_terms(&u, r, a, b0, a->s16 + 2 * b0, da, bs, wtype, &acc[r][c]);
         }
     }
-    for (int r = 0; r < R; r++)
-        for (int c = 0; c < C; c++) {
-            const dd_v8d s = acc[r][c];
-            y[(c0 + c) * ldy + r] = (float)(((s[0] + s[1]) + (s[2] + s[3])) + ((s[4] + s[5]) + (s[6] + s[7])));
-        }
+    dd_kq_store(acc, c0, y, ldy, R, C);
 }
 
 /* ---- m > 1: each row's super-blocks unpacked once per call --------------------------------
  * dd_kq_tile unpacks a super-block again for every 4-column tile (128 times in a 512-column
  * product). For m > 1 a row range is unpacked once, four rows to a dd_kq_rows per super-block, into
  * DD_KQ_SCRATCH bytes on the stack (a caller's range, ~64 KiB of stored weights by
- * dd_gemm_chunk_rows, unpacks to ~150 KiB: it stays in L2) and meets every column block from there
+ * dd_gemm_chunk_rows, unpacks to ~164 KiB: it stays in L2) and meets every column block from there
  * through dd_kq_terms, in dd_kq_tile's order: the same bits. A row longer than the scratch holds
  * for four rows keeps dd_kq_tile's walk. */
 #define DD_KQ_SCRATCH (192 * 1024)
@@ -204,10 +198,10 @@ DD_INLINE void dd_kq_tile(const uint8_t *w, const uint8_t *pf, size_t rb, const 
 DD_INLINE void dd_kq_unpacked_tile(const dd_kq_rows *e, int s0, size_t nsb, const dd_acts *a, int wtype,
                                    size_t c0, float *y, size_t ldy, const int R, const int C)
 {
-    dd_v8d acc[4][4];
+    dd_v8f acc[4][4];
     for (int r = 0; r < R; r++)
         for (int c = 0; c < C; c++)
-            acc[r][c] = (dd_v8d){ 0 };
+            acc[r][c] = (dd_v8f){ 0 };
     for (size_t sb = 0; sb < nsb; sb++) {
         const dd_kq_rows *u = &e[sb];
         for (int c = 0; c < C; c++) {
@@ -220,7 +214,7 @@ DD_INLINE void dd_kq_unpacked_tile(const dd_kq_rows *e, int s0, size_t nsb, cons
                 dd_kq_terms(u, s0 + r, a, b0, a->s16 + 2 * b0, da, bs, wtype, &acc[r][c]);
         }
     }
-    dd_store_lanes(acc, c0, y, ldy, R, C);
+    dd_kq_store(acc, c0, y, ldy, R, C);
 }
 
 /* Unpacked rows s0 .. s0 + R - 1 against columns [c0, c1): 4-column tiles, then the 1-3 left over. */

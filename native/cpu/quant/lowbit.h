@@ -16,7 +16,7 @@
  *     in 0..7; 6-bit scale s_i (i = v / 16) = (scales[i % 8] >> 4 (i / 8)) & 15 | ((scales[8 + i % 4]
  *     >> 2 (i / 4)) & 3) << 4; x = d * (s_i - 32) * (u - 4).
  *
- * Exactness (the design of kquants.h). A super-block is unpacked to unsigned bytes u (value + off,
+ * Exactness. A super-block is unpacked to unsigned bytes u (value + off,
  * off = 0 for Q2_K, 4 for Q3_K, iquants.h's for the IQ types), integer scales sc and (Q2_K) mins mn per 16
  * values; the IQ types' d is their f16 d times a power of two (exact). Activation
  * block b (32 values, scale da, half sums s16) meets values 32b .. 32b + 31: the integer part

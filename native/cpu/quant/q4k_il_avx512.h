@@ -3,18 +3,20 @@
  * table's gemm_q4_k_il.
  *
  * Rows are the lanes. In super-block b of a stripe (1152 bytes) one 32-byte load holds the 8 rows' qs bytes
- * 32 j + 4 u .. + 3 (chunk j, run u) and meets a broadcast 4-value group of the activations in a vpdpbusd: the
- * low nibbles give sub-block 2 j's sums, the high ones (masked, not shifted) 16 times sub-block 2 j + 1's.
- * The bits are kq_tile's (kq_tile_avx512.h, kquants.h's exactness note): per row and sub-block i, in order of
- * the super-blocks, acc_i = fma(I_i, d da_i, acc_i) with I_i = sc_i S_i, then acc_i = acc_i - dmin da_i bs_i m_i
- * by one fused operation on an exact product, then ((s0 + s1) + (s2 + s3)) + ((s4 + s5) + (s6 + s7)) rounded to
- * f32 once. Here accumulator i holds sub-block i for the 8 rows, and a fused add rounds only its sum, so any
- * exact factoring of the same product gives the same bits. A high-nibble sum is 16 S exactly (below 2^20) and
- * meets da_i / 16. One or two columns (kil_stripe_pair, kil_terms) take the row-major grouping: I_i = sc_i S_i
- * (vpmulld, below 2^26) times d da_i (22 bits), and m_i times dmin dab_i (dab_i = da_i bs_i: 23 bits; 34 bits).
- * Three or four columns (kil_stripe_wide) share a row's d sc_i and dmin m_i (17 bits each, kil_factors, formed
- * once per super-block and stripe visit): S_i times (d sc_i) da_i (28 bits), and dab_i times dmin m_i (40 bits).
- * The final tree runs lane-wise on the 8 accumulators: no transpose.
+ * 32 j + 4 u .. + 3 (chunk j, run u); broadcast to both halves of a vector and masked to the low nibbles in the
+ * low half, the high ones (in place, not shifted) in the high half, it meets two 4-value groups of a column's
+ * activations (values 64 j + 4 u and 32 further, one dword permute) in one vpdpbusd: lane 8 h + r sums row r's
+ * sub-block 2 j + h, the high half 16 times the true sums.
+ * The bits are kquants.h's f32 contract: per row and sub-block i, in order of the super-blocks,
+ * L_i = L_i + ((d sc_i) da_i) S_i, then L_i = L_i - (dmin m_i)(da_i bs_i), every multiply, add and subtract
+ * rounded on its own (no fused operation), then ((L0 + L1) + (L2 + L3)) + ((L4 + L5) + (L6 + L7)). Here one f32
+ * vector holds the lanes of chunk j's two sub-blocks for the 8 rows in the sums' order (lane 8 h + r), so a
+ * column has 4 accumulators and its chunk one term vector. The rows' factors d sc_i and dmin m_i (an f16 value
+ * times a 6-bit integer: 17 bits, exact; kil_factors) are formed once per super-block and stripe visit for all
+ * its columns; a column's da_i and da_i bs_i (11 + 12 bits, exact) once per call (kil_col_terms). A high-nibble
+ * sum is 16 S_i exactly (below 2^21, so its conversion too) and meets (d sc_i)(da_i / 16): an exact power-of-two
+ * scaling of the same rounded product, the same bits. The final tree runs lane-wise: the two halves of a
+ * chunk's vector, then the chunks' sums; no transpose.
  */
 #ifndef DELTADESK_Q4K_IL_AVX512_H
 #define DELTADESK_Q4K_IL_AVX512_H
@@ -42,231 +44,213 @@ DD_INLINE void kil_scales(const uint8_t *blk, uint8_t sc[64], uint8_t mn[64])
                                                       0xf8));
 }
 
-/* Column c's 8 outputs y[c * ldy + 0..7] from its accumulators acc[c][0..7] (sub-blocks, f64 lane r: row r):
- * ((s0 + s1) + (s2 + s3)) + ((s4 + s5) + (s6 + s7)), rounded to f32 once. */
-DD_INLINE void kil_store(const __m512d acc[][8], float *y, size_t ldy, const int C)
+/* Column c's 8 outputs y[c * ldy + 0..7] from its accumulators acc[c][0..3] (chunk j: lane 8 h + r holds L_{2 j + h}
+ * of row r): ((L0 + L1) + (L2 + L3)) + ((L4 + L5) + (L6 + L7)), each add in f32. */
+DD_INLINE void kil_store(const __m512 acc[][4], float *y, size_t ldy, const int C)
 {
     for (int c = 0; c < C; c++) {
-        const __m512d *a = acc[c];
-        const __m512d s = _mm512_add_pd(_mm512_add_pd(_mm512_add_pd(a[0], a[1]), _mm512_add_pd(a[2], a[3])),
-                                        _mm512_add_pd(_mm512_add_pd(a[4], a[5]), _mm512_add_pd(a[6], a[7])));
-        _mm256_storeu_ps(y + c * ldy, _mm512_cvtpd_ps(s));
+        __m256 s[4];
+        for (int j = 0; j < 4; j++)
+            s[j] = _mm256_add_ps(_mm512_castps512_ps256(acc[c][j]),
+                                 _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(acc[c][j]), 1)));
+        _mm256_storeu_ps(y + c * ldy, _mm256_add_ps(_mm256_add_ps(s[0], s[1]), _mm256_add_ps(s[2], s[3])));
     }
 }
 
-/* Run u of chunk j of an interleaved super-block (blk) against C columns: its low nibbles meet column c's 4
- * activations at q[c] + at + 4 u in lo[c * stride], its high ones (masked in place) those 32 further in
- * hi[c * stride]. The 32-byte load stays in a register (GCC would fold it into each mask: two loads a run). */
-DD_INLINE void kil_run(const uint8_t *blk, int j, int u, const int8_t *const *q, size_t at, __m256i *lo,
-                       __m256i *hi, size_t stride, const int C)
+/* Run u of chunk j of an interleaved super-block (blk) against C columns: the 8 rows' 32 bytes, twice, masked to
+ * their low nibbles in the low half and to their high ones (in place) in the high half, meet column c's 4
+ * activations at q[c] + at + 4 u in the low half and those 32 further in the high half (one dword permute of the
+ * column's 64 chunk bytes), summed into acc[c * stride]: lane 8 h + r, row r's sub-block 2 j + h (h = 1: 16 times
+ * the true sum). */
+DD_INLINE void kil_run(const uint8_t *blk, int j, int u, const int8_t *const *q, size_t at, __m512i *acc,
+                       size_t stride, const int C)
 {
-    __m256i v = _mm256_loadu_si256((const __m256i *)(blk + 128 + 256 * j + 32 * u));
-    __asm__("" : "+v"(v));
-    const __m256i vl = _mm256_and_si256(v, _mm256_set1_epi8(0x0f));
-    const __m256i vh = _mm256_and_si256(v, _mm256_set1_epi8((char)0xf0));
-    for (int c = 0; c < C; c++) {
-        lo[c * stride] = dd_dpbusd_bcast4(lo[c * stride], vl, q[c] + at + 4 * u);
-        hi[c * stride] = dd_dpbusd_bcast4(hi[c * stride], vh, q[c] + at + 32 + 4 * u);
-    }
-}
-
-/* acc += sub-block s's terms for the 8 rows: sums (int32, 16 times the true ones for a high-nibble sub-block,
- * whose da then carries the 1/16), the rows' scales sc and mins mn (8 bytes), d and dmin (f64 lanes). */
-DD_INLINE void kil_terms(__m256i sums, const uint8_t *sc, const uint8_t *mn, __m512d d, __m512d dmin, double da,
-                         double dab, __m512d *acc)
-{
-    const __m256i i = _mm256_mullo_epi32(sums, _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)sc)));
-    *acc = _mm512_fmadd_pd(_mm512_cvtepi32_pd(i), _mm512_mul_pd(d, _mm512_set1_pd(da)), *acc);
-    const __m256i m = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)mn));
-    *acc = _mm512_fnmadd_pd(_mm512_cvtepi32_pd(m), _mm512_mul_pd(dmin, _mm512_set1_pd(dab)), *acc);
-}
-
-/* One interleaved super-block (blk) of 8 rows against C (1 or 2) columns: column c's 256 activations at q[c],
- * da[c][i] (block i's scale, over 16 for odd i) and dab[c][i] (scale times sum); acc[c][i] += sub-block i's terms.
- * The masked weight runs serve both columns. */
-DD_INLINE void kil_superblock(const uint8_t *blk, const int8_t *const q[2], const double *const da[2],
-                              const double *const dab[2], __m512d acc[2][8], const int C)
-{
-    uint8_t sc[64], mn[64];
-    kil_scales(blk, sc, mn);
-    const __m512d d = _mm512_cvtps_pd(_mm256_maskz_cvtph_ps(0xff, _mm_loadu_si128((const __m128i *)blk)));
-    const __m512d dmin = _mm512_cvtps_pd(_mm256_maskz_cvtph_ps(0xff, _mm_loadu_si128((const __m128i *)(blk + 16))));
-#pragma GCC unroll 4
-    for (int j = 0; j < 4; j++) {
-        __m256i lo[4], hi[4];   /* chains 2 c, 2 c + 1 of column c: as the row-major tiles' independent sums */
-        for (int k = 0; k < 2 * C; k++)
-            lo[k] = hi[k] = _mm256_setzero_si256();
-#pragma GCC unroll 8
-        for (int u = 0; u < 8; u++)
-            kil_run(blk, j, u, q, 64 * j, lo + (u & 1), hi + (u & 1), 2, C);
-        for (int c = 0; c < C; c++) {
-            kil_terms(_mm256_add_epi32(lo[2 * c], lo[2 * c + 1]), sc + 16 * j, mn + 16 * j, d, dmin, da[c][2 * j],
-                      dab[c][2 * j], &acc[c][2 * j]);
-            kil_terms(_mm256_add_epi32(hi[2 * c], hi[2 * c + 1]), sc + 16 * j + 8, mn + 16 * j + 8, d, dmin,
-                      da[c][2 * j + 1], dab[c][2 * j + 1], &acc[c][2 * j + 1]);
-        }
-    }
-}
-
-/* One stripe (8 rows of nsb super-blocks at w) against C (1, 2) columns (their activations q, da, dab as for
- * kil_superblock, from super-block 0) -> y[c * ldy + 0..7]; end: where the matrix's bytes end (prefetch bound). */
-DD_INLINE void kil_stripe_pair(const uint8_t *w, const uint8_t *end, size_t nsb, const int8_t *const q[4],
-                               const double *const da[4], const double *const dab[4], float *y, size_t ldy,
-                               const int C)
-{
-    __m512d acc[2][8];
+    const __m512i nib = _mm512_inserti64x4(_mm512_set1_epi8(0x0f), _mm256_set1_epi8((char)0xf0), 1);
+    const __m512i pick = _mm512_setr_epi32(u, u, u, u, u, u, u, u, u + 8, u + 8, u + 8, u + 8, u + 8, u + 8, u + 8,
+                                           u + 8);
+    const __m512i v = _mm512_and_si512(
+        _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)(blk + 128 + 256 * j + 32 * u))), nib);
     for (int c = 0; c < C; c++)
-        for (int i = 0; i < 8; i++)
-            acc[c][i] = _mm512_setzero_pd();
-    for (size_t sb = 0; sb < nsb; sb++) {
-        const uint8_t *blk = w + sb * Q4K_IL_BLOCK_BYTES, *pf = blk + Q4K_IL_PREFETCH_BYTES;
-        if (pf + Q4K_IL_BLOCK_BYTES <= end)
-            for (int l = 0; l < Q4K_IL_BLOCK_BYTES / 64; l++)
-                dd_prefetch_weight(pf + 64 * l);
-        const int8_t *qs[2] = { q[0] + sb * DD_QK_K, q[C - 1] + sb * DD_QK_K };
-        const double *das[2] = { da[0] + 8 * sb, da[C - 1] + 8 * sb };
-        const double *dabs[2] = { dab[0] + 8 * sb, dab[C - 1] + 8 * sb };
-        kil_superblock(blk, qs, das, dabs, acc, C);
-    }
-    kil_store((const __m512d (*)[8])acc, y, ldy, C);
+        acc[c * stride] = _mm512_dpbusd_epi32(acc[c * stride], v,
+                                              _mm512_permutexvar_epi32(pick, _mm512_loadu_si512(q[c] + at)));
 }
 
-/* The 8 rows' factors of one interleaved super-block, sub-block i: dsc[i] = d sc_i and dmm[i] = dmin m_i (f64
- * lane r: row r), each exact (an f16 value times a 6-bit integer: at most 17 bits). */
+/* The 8 rows' factors of one interleaved super-block, chunk j: dsc[j] = d sc_i and dmm[j] = dmin m_i in lane
+ * 8 h + r (row r, sub-block i = 2 j + h), each exact (an f16 value times a 6-bit integer: at most 17 bits). */
 typedef struct {
-    __m512d dsc[8], dmm[8];
+    __m512 dsc[4], dmm[4];
 } kil_factors;
 
 DD_INLINE void kil_factors_of(const uint8_t *blk, kil_factors *f)
 {
     uint8_t sc[64], mn[64];
     kil_scales(blk, sc, mn);
-    const __m512d d = _mm512_cvtps_pd(_mm256_maskz_cvtph_ps(0xff, _mm_loadu_si128((const __m128i *)blk)));
-    const __m512d dmin = _mm512_cvtps_pd(_mm256_maskz_cvtph_ps(0xff, _mm_loadu_si128((const __m128i *)(blk + 16))));
-    for (int i = 0; i < 8; i++) {
-        const __m256i s = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(sc + 8 * i)));
-        const __m256i m = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(mn + 8 * i)));
-        f->dsc[i] = _mm512_mul_pd(d, _mm512_cvtepi32_pd(s));
-        f->dmm[i] = _mm512_mul_pd(dmin, _mm512_cvtepi32_pd(m));
+    const __m512 d = _mm512_cvtph_ps(_mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)blk)));
+    const __m512 dmin = _mm512_cvtph_ps(_mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)(blk + 16))));
+    for (int j = 0; j < 4; j++) {
+        const __m512i s = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(sc + 16 * j)));
+        const __m512i m = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(mn + 16 * j)));
+        f->dsc[j] = _mm512_mul_ps(d, _mm512_cvtepi32_ps(s));
+        f->dmm[j] = _mm512_mul_ps(dmin, _mm512_cvtepi32_ps(m));
     }
 }
 
-/* acc += one column's terms of sub-block i for the 8 rows: its sums S (int32, 16 times the true ones for a
- * high-nibble sub-block, whose da then carries the 1/16), the rows' factors f and the column's da and dab. */
-DD_INLINE __m512d kil_term(__m256i sums, const kil_factors *f, int i, double da, double dab, __m512d acc)
+/* acc += one column's terms of chunk j for the 8 rows (lane 8 h + r: sub-block 2 j + h of row r): its sums (int32,
+ * the high half 16 times the true ones), the rows' factors f and the column's super-block terms t (kil_col_terms).
+ * w = (d sc_i) da_i is rounded once, then w S_i; the add, then the min term's subtract, each rounded on its own. */
+DD_INLINE __m512 kil_term(__m512i sums, const kil_factors *f, int j, const float *t, __m512 acc)
 {
-    acc = _mm512_fmadd_pd(_mm512_cvtepi32_pd(sums), _mm512_mul_pd(f->dsc[i], _mm512_set1_pd(da)), acc);
-    return _mm512_fnmadd_pd(_mm512_set1_pd(dab), f->dmm[i], acc);
+    const __m512i half = _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1);
+    const __m512i ida = _mm512_add_epi32(half, _mm512_set1_epi32(2 * j));
+    const __m512 tv = _mm512_loadu_ps(t);
+    const __m512 s = _mm512_cvtepi32_ps(sums);
+    const __m512 w = _mm512_mul_ps(f->dsc[j], _mm512_permutexvar_ps(ida, tv));
+    acc = _mm512_add_ps(acc, _mm512_mul_ps(w, s));
+    const __m512 dab = _mm512_permutexvar_ps(_mm512_add_epi32(ida, _mm512_set1_epi32(8)), tv);
+    return _mm512_sub_ps(acc, _mm512_mul_ps(f->dmm[j], dab));
 }
 
-/* Super-blocks of a stripe whose factors one pass holds (8 KiB: a whole k = 2048 stripe). */
+/* One interleaved super-block (blk) of 8 rows against C (1 or 2) columns: column c's 256 activations at q[c] and
+ * its super-block terms t[c] (kil_col_terms); acc[c][j] += chunk j's terms. The masked weight runs serve both
+ * columns. */
+DD_INLINE void kil_superblock(const uint8_t *blk, const int8_t *const q[2], const float *const t[2],
+                              __m512 acc[2][4], const int C)
+{
+    kil_factors f;
+    kil_factors_of(blk, &f);
+#pragma GCC unroll 4
+    for (int j = 0; j < 4; j++) {
+        __m512i sums[4];   /* chains 2 c, 2 c + 1 of column c: as the row-major tiles' independent sums */
+        for (int k = 0; k < 2 * C; k++)
+            sums[k] = _mm512_setzero_si512();
+#pragma GCC unroll 8
+        for (int u = 0; u < 8; u++)
+            kil_run(blk, j, u, q, 64 * j, sums + (u & 1), 2, C);
+        for (int c = 0; c < C; c++)
+            acc[c][j] = kil_term(_mm512_add_epi32(sums[2 * c], sums[2 * c + 1]), &f, j, t[c], acc[c][j]);
+    }
+}
+
+/* One stripe (8 rows of nsb super-blocks at w) against C (1, 2) columns (their activations q and terms t as for
+ * kil_superblock, from super-block 0) -> y[c * ldy + 0..7]; end: where the matrix's bytes end (prefetch bound). */
+DD_INLINE void kil_stripe_pair(const uint8_t *w, const uint8_t *end, size_t nsb, const int8_t *const q[4],
+                               const float *const t[4], float *y, size_t ldy, const int C)
+{
+    __m512 acc[2][4];
+    for (int c = 0; c < C; c++)
+        for (int j = 0; j < 4; j++)
+            acc[c][j] = _mm512_setzero_ps();
+    for (size_t sb = 0; sb < nsb; sb++) {
+        const uint8_t *blk = w + sb * Q4K_IL_BLOCK_BYTES, *pf = blk + Q4K_IL_PREFETCH_BYTES;
+        if (pf + Q4K_IL_BLOCK_BYTES <= end)
+            for (int l = 0; l < Q4K_IL_BLOCK_BYTES / 64; l++)
+                dd_prefetch_weight(pf + 64 * l);
+        const int8_t *qs[2] = { q[0] + sb * DD_QK_K, q[C - 1] + sb * DD_QK_K };
+        const float *ts[2] = { t[0] + 16 * sb, t[C - 1] + 16 * sb };
+        kil_superblock(blk, qs, ts, acc, C);
+    }
+    kil_store((const __m512 (*)[4])acc, y, ldy, C);
+}
+
+/* Super-blocks of a stripe whose factors one pass holds (4 KiB: a whole k = 2048 stripe). */
 #define KIL_PASS_SB 8
 
-/* One stripe (8 rows of nsb super-blocks at w) against C (3, 4) columns: column c's activations q[c], da[c][i]
- * (block i's scale, over 16 for odd i) and dab[c][i] (the scale times the block's sum), from super-block 0
- * -> y[c * ldy + 0..7]; end: where the matrix's bytes end (prefetch bound). Accumulator (c, i) holds sub-block
- * i of the 8 rows, so the sub-block pairs (2 j, 2 j + 1: chunk j's low and high nibbles, 4 of a super-block's
- * 18 lines) run one after the other over a pass's super-blocks, each with its 2 C accumulators in registers and
- * the pass's factors (f) in L1; every accumulator still takes its terms super-block by super-block. The rows'
- * factors are formed once per super-block for the C columns: that pays from 3 columns on (at 1 and 2,
- * kil_stripe_pair: each column's terms from the scale bytes). */
+/* One stripe (8 rows of nsb super-blocks at w) against C (3, 4) columns: column c's activations q[c] and
+ * super-block terms t[c] (kil_col_terms), from super-block 0 -> y[c * ldy + 0..7]; end: where the matrix's
+ * bytes end (prefetch bound). Accumulator (c, j) holds chunk j's two sub-blocks of the 8 rows, so the chunks
+ * (4 of a super-block's 18 lines) run one after the other over a pass's super-blocks, each with its C
+ * accumulators in registers and the pass's factors (f) in L1; every accumulator still takes its terms
+ * super-block by super-block. */
 DD_INLINE void kil_stripe_wide(const uint8_t *w, const uint8_t *end, size_t nsb, const int8_t *const q[4],
-                               const double *const da[4], const double *const dab[4], float *y, size_t ldy,
-                               const int C)
+                               const float *const t[4], float *y, size_t ldy, const int C)
 {
-    __m512d acc[4][8];
+    __m512 acc[4][4];
     kil_factors f[KIL_PASS_SB];
     for (int c = 0; c < C; c++)
-        for (int i = 0; i < 8; i++)
-            acc[c][i] = _mm512_setzero_pd();
+        for (int j = 0; j < 4; j++)
+            acc[c][j] = _mm512_setzero_ps();
     for (size_t s0 = 0; s0 < nsb; s0 += KIL_PASS_SB) {
         const size_t n = nsb - s0 < KIL_PASS_SB ? nsb - s0 : KIL_PASS_SB;
         const uint8_t *base = w + s0 * Q4K_IL_BLOCK_BYTES;
         for (size_t s = 0; s < n; s++)
             kil_factors_of(base + s * Q4K_IL_BLOCK_BYTES, &f[s]);
         for (int j = 0; j < 4; j++) {
-            __m512d alo[4], ahi[4];
-            for (int c = 0; c < C; c++) {
-                alo[c] = acc[c][2 * j];
-                ahi[c] = acc[c][2 * j + 1];
-            }
+            __m512 a[4];
+            for (int c = 0; c < C; c++)
+                a[c] = acc[c][j];
             for (size_t s = 0; s < n; s++) {
                 const uint8_t *blk = base + s * Q4K_IL_BLOCK_BYTES, *pf = blk + Q4K_IL_PREFETCH_BYTES;
                 if (pf + Q4K_IL_BLOCK_BYTES <= end)   /* a quarter of the lines each pass */
                     for (int l = j; l < Q4K_IL_BLOCK_BYTES / 64; l += 4)
                         dd_prefetch_weight(pf + 64 * l);
-                const size_t at = (s0 + s) * DD_QK_K + 64 * j, b = 8 * (s0 + s) + 2 * j;
-                __m256i lo[4], hi[4];
+                const size_t at = (s0 + s) * DD_QK_K + 64 * j;
+                __m512i sums[4];
                 for (int c = 0; c < C; c++)
-                    lo[c] = hi[c] = _mm256_setzero_si256();
+                    sums[c] = _mm512_setzero_si512();
 #pragma GCC unroll 8
                 for (int u = 0; u < 8; u++)
-                    kil_run(blk, j, u, q, at, lo, hi, 1, C);
-                for (int c = 0; c < C; c++) {
-                    alo[c] = kil_term(lo[c], &f[s], 2 * j, da[c][b], dab[c][b], alo[c]);
-                    ahi[c] = kil_term(hi[c], &f[s], 2 * j + 1, da[c][b + 1], dab[c][b + 1], ahi[c]);
-                }
+                    kil_run(blk, j, u, q, at, sums, 1, C);
+                for (int c = 0; c < C; c++)
+                    a[c] = kil_term(sums[c], &f[s], j, t[c] + 16 * (s0 + s), a[c]);
             }
-            for (int c = 0; c < C; c++) {
-                acc[c][2 * j] = alo[c];
-                acc[c][2 * j + 1] = ahi[c];
-            }
+            for (int c = 0; c < C; c++)
+                acc[c][j] = a[c];
         }
     }
-    kil_store((const __m512d (*)[8])acc, y, ldy, C);
+    kil_store((const __m512 (*)[4])acc, y, ldy, C);
 }
 
-/* Column c's activation terms of nsb super-blocks, exactly: da[8 sb + i] = block i's scale (over 16 for odd i,
- * the high-nibble sub-blocks), dab[8 sb + i] = the scale times the block's sum. */
-DD_INLINE void kil_col_terms(const dd_acts *a, size_t c, size_t nsb, double *da, double *dab)
+/* Column c's terms of nsb super-blocks, exactly: t[16 sb + i] = block i's scale da_i (over 16 for odd i, the
+ * high-nibble sub-blocks), t[16 sb + 8 + i] = da_i bs_i (the scale times the block's sum: 11 + 12 bits). */
+DD_INLINE void kil_col_terms(const dd_acts *a, size_t c, size_t nsb, float *t)
 {
-    const __m512d sixteenth = _mm512_setr_pd(1.0, 0.0625, 1.0, 0.0625, 1.0, 0.0625, 1.0, 0.0625);
+    const __m256 sixteenth = _mm256_setr_ps(1.0f, 0.0625f, 1.0f, 0.0625f, 1.0f, 0.0625f, 1.0f, 0.0625f);
     for (size_t sb = 0; sb < nsb; sb++) {
         const size_t b = c * a->nbp + 8 * sb;
-        const __m512d s = _mm512_cvtps_pd(_mm256_loadu_ps(a->bd + b));
-        _mm512_storeu_pd(da + 8 * sb, _mm512_mul_pd(s, sixteenth));
-        _mm512_storeu_pd(dab + 8 * sb, _mm512_mul_pd(s, _mm512_cvtepi32_pd(_mm256_loadu_si256((const __m256i *)(a->bs + b)))));
+        const __m256 da = _mm256_loadu_ps(a->bd + b);
+        _mm256_storeu_ps(t + 16 * sb, _mm256_mul_ps(da, sixteenth));
+        _mm256_storeu_ps(t + 16 * sb + 8,
+                         _mm256_mul_ps(da, _mm256_cvtepi32_ps(_mm256_loadu_si256((const __m256i *)(a->bs + b)))));
     }
 }
 
-/* Super-block columns whose activation terms a GEMV call holds (32 KiB of f64): all DD_IL_GEMV_COLS columns of
- * rows up to 32 super-blocks (k = 8192), two of the longest (DD_Q4_K_IL_MAX_ROW_BYTES: 112). */
+/* Super-block columns whose terms a GEMV call holds (16 KiB of f32): all DD_IL_GEMV_COLS columns of rows up to 32
+ * super-blocks (k = 8192), two of the longest (DD_Q4_K_IL_MAX_ROW_BYTES: 112). */
 #define KIL_TERM_SB 256
 
 /* The level's interleaved Q4_K GEMV (dd_gemm_q4_k_il's `il`): `stripes` 8-row stripes at w (8 * row_bytes
  * each), stripes_avail of them from w on (prefetch bound), a->m <= DD_IL_GEMV_COLS columns of activations ->
- * y[c * ldy + 0 .. 8 * stripes). The columns' activation terms are formed once per call, as many columns at a
- * time as KIL_TERM_SB holds; each stripe meets them four at a time and the 1-3 left over together, 3 or 4 by
- * kil_stripe_wide, 1 or 2 by kil_stripe_pair: each column's terms are the same exact products whichever walk
- * and partners it has, so it gets the one-column bits. */
+ * y[c * ldy + 0 .. 8 * stripes). The columns' terms are formed once per call, as many columns at a time as
+ * KIL_TERM_SB holds; each stripe meets them four at a time and the 1-3 left over together, 3 or 4 by
+ * kil_stripe_wide, 1 or 2 by kil_stripe_pair: each column's terms are the same f32 operations on the same values
+ * whichever walk and partners it has, so it gets the one-column bits. */
 static void gemv_q4_k_il(const uint8_t *w, size_t row_bytes, size_t stripes, size_t stripes_avail,
                          const dd_acts *a, float *y, size_t ldy)
 {
     const size_t nsb = row_bytes / DD_Q4_K_BYTES, group = KIL_TERM_SB / nsb;
     const uint8_t *end = w + stripes_avail * 8 * row_bytes;
-    double da[8 * KIL_TERM_SB], dab[8 * KIL_TERM_SB];
+    float terms[16 * KIL_TERM_SB];
     for (size_t g0 = 0; g0 < a->m; g0 += group) {
         const size_t n = a->m - g0 < group ? a->m - g0 : group;
         for (size_t t = 0; t < n; t++)
-            kil_col_terms(a, g0 + t, nsb, da + 8 * nsb * t, dab + 8 * nsb * t);
+            kil_col_terms(a, g0 + t, nsb, terms + 16 * nsb * t);
         for (size_t s = 0; s < stripes; s++)
             for (size_t t = 0, c; t < n; t += c) {
                 c = n - t >= 4 ? 4 : n - t;
                 const int8_t *q[4];
-                const double *das[4], *dabs[4];
+                const float *ts[4];
                 for (size_t i = 0; i < 4; i++) {   /* past the last column: repeats of it, never read */
                     const size_t u = t + (i < c ? i : c - 1);
                     q[i] = a->q + (g0 + u) * a->nbp * DD_QK;
-                    das[i] = da + 8 * nsb * u;
-                    dabs[i] = dab + 8 * nsb * u;
+                    ts[i] = terms + 16 * nsb * u;
                 }
                 const uint8_t *st = w + s * 8 * row_bytes;
                 float *out = y + (g0 + t) * ldy + 8 * s;
                 switch (c) {
-                case 1: kil_stripe_pair(st, end, nsb, q, das, dabs, out, ldy, 1); break;
-                case 2: kil_stripe_pair(st, end, nsb, q, das, dabs, out, ldy, 2); break;
-                case 3: kil_stripe_wide(st, end, nsb, q, das, dabs, out, ldy, 3); break;
-                default: kil_stripe_wide(st, end, nsb, q, das, dabs, out, ldy, 4); break;
+                case 1: kil_stripe_pair(st, end, nsb, q, ts, out, ldy, 1); break;
+                case 2: kil_stripe_pair(st, end, nsb, q, ts, out, ldy, 2); break;
+                case 3: kil_stripe_wide(st, end, nsb, q, ts, out, ldy, 3); break;
+                default: kil_stripe_wide(st, end, nsb, q, ts, out, ldy, 4); break;
                 }
             }
     }
@@ -357,12 +341,12 @@ DD_INLINE void kqx_il_by_row(const uint8_t v[64], uint8_t out[64])
 
 /* One interleaved super-block (blk) of a stripe into its 4 pairs' super-block at e[0], e[nsb], e[2 nsb], e[3 nsb].
  * A high-nibble lane (odd: sub-blocks 2 j + 1) is masked, not shifted, so it holds 16 times the quant and its
- * d sc_i is stored over 16: the tile's product (da (d sc_i / 16))(16 S_i) is then the same real number as
- * (da (d sc_i)) S_i, every factor exact (41 bits), 16 S_i < 2^21: the same fused adds, the same bits. */
+ * d sc_i is stored over 16 (exact): the tile's ((d sc_i / 16) da_i)(16 S_i) is then ((d sc_i) da_i) S_i scaled
+ * by powers of two, 16 S_i < 2^21: the same f32 roundings, the same bits. */
 DD_INLINE void kqx_expand_il(const uint8_t *blk, kqx_rows *e, size_t nsb)
 {
     const __m512i nib = _mm512_set1_epi64((long long)0xf0f0f0f00f0f0f0fULL), base = _mm512_loadu_si512(kqx_il_idx);
-    const __m512d sixteenth = _mm512_setr_pd(1.0, 0.0625, 1.0, 0.0625, 1.0, 0.0625, 1.0, 0.0625);
+    const __m256 sixteenth = _mm256_setr_ps(1.0f, 0.0625f, 1.0f, 0.0625f, 1.0f, 0.0625f, 1.0f, 0.0625f);
     for (int t = 0; t < 8; t++) {
         const uint8_t *run = blk + 128 + 32 * t;
         const __m512i x = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)run)),
@@ -378,14 +362,15 @@ DD_INLINE void kqx_expand_il(const uint8_t *blk, kqx_rows *e, size_t nsb)
     kil_scales(blk, sc, mn);
     kqx_il_by_row(sc, scr);
     kqx_il_by_row(mn, mnr);
-    double d[8], dmin[8];
-    _mm512_storeu_pd(d, _mm512_cvtps_pd(_mm256_maskz_cvtph_ps(0xff, _mm_loadu_si128((const __m128i *)blk))));
-    _mm512_storeu_pd(dmin, _mm512_cvtps_pd(_mm256_maskz_cvtph_ps(0xff, _mm_loadu_si128((const __m128i *)(blk + 16)))));
+    float d[8], dmin[8];
+    _mm256_storeu_ps(d, _mm256_maskz_cvtph_ps(0xff, _mm_loadu_si128((const __m128i *)blk)));
+    _mm256_storeu_ps(dmin, _mm256_maskz_cvtph_ps(0xff, _mm_loadu_si128((const __m128i *)(blk + 16))));
     for (int r = 0; r < 8; r++) {
-        const __m512d sc8 = _mm512_cvtepi32_pd(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(scr + 8 * r))));
-        const __m512d mn8 = _mm512_cvtepi32_pd(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(mnr + 8 * r))));
-        e[r / 2 * nsb].s[r % 2][0] = _mm512_mul_pd(_mm512_mul_pd(_mm512_set1_pd(d[r]), sixteenth), sc8);
-        e[r / 2 * nsb].s[r % 2][1] = _mm512_mul_pd(_mm512_set1_pd(dmin[r]), mn8);
+        const __m256 sc8 = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(scr + 8 * r))));
+        const __m256 mn8 = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(mnr + 8 * r))));
+        float *f = (float *)e[r / 2 * nsb].f;
+        _mm256_storeu_ps(f + 8 * (r % 2), _mm256_mul_ps(_mm256_mul_ps(_mm256_set1_ps(d[r]), sixteenth), sc8));
+        _mm256_storeu_ps(f + 16 + 8 * (r % 2), _mm256_mul_ps(_mm256_set1_ps(dmin[r]), mn8));
     }
 }
 
