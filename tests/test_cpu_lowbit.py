@@ -17,7 +17,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 from gguf import GGMLQuantizationType, quants
-from test_cpu_kernels import assert_close, assert_same_bits_everywhere, level, reference_product, rng, route_margin  # noqa: F401 (fixtures)
+from test_cpu_kernels import (assert_close, assert_same_bits_everywhere, level, one_step_bound,  # noqa: F401 (fixtures)
+                              reference_product, rng, route_margin)
 
 from engine.gguf import quant
 from engine.kernels import cpu, cpu_moe, lowbit_twins
@@ -154,7 +155,9 @@ MIXES = [("Q2_K", "Q2_K", "Q3_K", "Q3_K", "Q2_K", "Q3_K"), ("IQ2_XXS", "IQ2_XS",
 @pytest.mark.parametrize("mix", MIXES, ids="-".join)
 def test_moe_ffn_on_lowbit_experts(level, mix, rng):
     """The fused MoE with low-bit gate, up, down and shared expert (mix: their types in that order)
-    against its twin: the same routing, outputs within 1e-4 of the max (test_cpu_kquants' argument)."""
+    against its twin: the same routing, outputs within 1e-4 of the max plus one hidden value's Q8_0 step
+    (test_cpu_kernels.one_step_bound; CI seed 214455685120582250327648607447992228155 put one there: 1.4e-3 of
+    the max, the bound to 6 digits)."""
     d, n_expert, ff, ff_sh = 512, 8, 256, 256
     qtypes = dict(zip(("gate", "up", "down", "sh_gate", "sh_up", "sh_down"), (Q[t] for t in mix)))
     shapes = {"gate": (n_expert * ff, d), "up": (n_expert * ff, d), "down": (n_expert * d, ff), "sh_gate": (ff_sh, d),
@@ -167,7 +170,7 @@ def test_moe_ffn_on_lowbit_experts(level, mix, rng):
         x = rng.standard_normal(d).astype(np.float32)
     got, ref = cpu_moe.moe_ffn(x, w), cpu_moe.moe_ffn_np(x, w)
     assert np.array_equal(got.experts, ref.experts)
-    assert np.abs(got.out - ref.out).max() <= 1e-4 * np.abs(ref.out).max()
+    assert (np.abs(got.out - ref.out) <= 1e-4 * np.abs(ref.out).max() + one_step_bound(x, w, ref)).all()
 
 
 def test_lowbit_rows_must_be_whole_super_blocks(rng):
