@@ -13,7 +13,7 @@ from __future__ import annotations
 import time
 from typing import Any, Callable, Sequence
 
-from PySide6.QtCore import QAbstractListModel, QModelIndex, QPersistentModelIndex, Qt, QTimer, Signal
+from PySide6.QtCore import QAbstractListModel, QModelIndex, QPersistentModelIndex, QSize, Qt, QTimer, Signal
 from PySide6.QtWidgets import QAbstractItemView, QHBoxLayout, QLabel, QListView, QPushButton, QVBoxLayout, QWidget
 
 from .engine_worker import human_size
@@ -106,6 +106,18 @@ class SnapshotListModel(QAbstractListModel):
         return {**super().roleNames(), SnapshotKeyRole: b"key"}
 
 
+class SnapshotView(QListView):
+    """The snapshot list: it asks for its minimum height and grows into the room the sidebar has left.
+
+    QListView's default hint (192 px) would be a floor: the sidebar's word-wrapped labels give it a height for
+    its width, and its widget-resizable QScrollArea never makes it shorter than that.
+    """
+
+    def sizeHint(self) -> QSize:
+        """Its usual width, its minimum height."""
+        return QSize(super().sizeHint().width(), self.minimumHeight())
+
+
 class SnapshotPanel(QWidget):
     """The snapshot list with a summary line, Remove (the selected one) and Clear all.
 
@@ -126,7 +138,7 @@ class SnapshotPanel(QWidget):
         self.summary.setWordWrap(True)
         self.summary.setEnabled(False)
         layout.addWidget(self.summary)
-        self.view = QListView()
+        self.view = SnapshotView()
         self.view.setModel(model)
         self.view.setAccessibleName("Prefix snapshots")
         self.view.setSelectionMode(QAbstractItemView.SingleSelection)
