@@ -191,7 +191,7 @@ int dd_moe_prefill(int isa, const dd_moe_weights *w, size_t n, const float *x, f
 #define DD_GDN_MAX_CONV 16
 typedef struct {
     size_t n_k, n_v, dk, dv, conv_kernel;
-    const float *conv_w;   /* conv_dim x conv_kernel, column 0 the oldest tap */
+    const float *conv_w;   /* conv_kernel x conv_dim (tap-major: a tap's weights contiguous), row 0 the oldest tap */
     const float *dt_bias;  /* n_v */
     const float *ssm_a;    /* n_v, stored -exp(A_log) */
     const float *norm_w;   /* dv */

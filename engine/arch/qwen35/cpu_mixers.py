@@ -30,6 +30,8 @@ class GDNLayer:
             conv_dim = 2 * n_k * dk + n_v * dv.
         dt_bias: (n_v,) float32 [ssm_dt.bias]. ssm_a: (n_v,) float32 [ssm_a], stored -exp(A_log).
         norm_w: (dv,) float32 [ssm_norm.weight]. eps: attention.layer_norm_rms_epsilon.
+    The conv weights are held once, tap-major (``conv_taps``, (K, conv_dim), what the native kernel loads a
+    vector at a time); ``conv_w`` is its transposed view.
     Raises: ValueError on inconsistent shapes.
     """
 
@@ -43,7 +45,8 @@ class GDNLayer:
         if conv_w.ndim != 2 or conv_w.shape[0] != self.conv_dim or not 1 <= conv_w.shape[1] <= MAX_CONV:
             raise ValueError(f"GDNLayer: conv_w has shape {conv_w.shape}, expected ({self.conv_dim}, K), "
                              f"1 <= K <= {MAX_CONV}")
-        self.conv_w = _f32(conv_w, conv_w.shape, "conv_w")
+        self.conv_taps = np.ascontiguousarray(_f32(conv_w, conv_w.shape, "conv_w").T)
+        self.conv_w = self.conv_taps.T
         self.dt_bias, self.ssm_a = _f32(dt_bias, (n_v,), "dt_bias"), _f32(ssm_a, (n_v,), "ssm_a")
         self.norm_w = _f32(norm_w, (dv,), "norm_w")
         self._c = None
@@ -52,7 +55,7 @@ class GDNLayer:
             c = ffi.new("dd_gdn_layer *")
             c.n_k, c.n_v, c.dk, c.dv, c.conv_kernel, c.eps = n_k, n_v, dk, dv, self.conv_w.shape[1], self.eps
             c.conv_w, c.dt_bias, c.ssm_a, c.norm_w = (ffi.cast("float *", ffi.from_buffer(t)) for t in
-                                                      (self.conv_w, self.dt_bias, self.ssm_a, self.norm_w))
+                                                      (self.conv_taps, self.dt_bias, self.ssm_a, self.norm_w))
             self._c = c
 
 

@@ -108,12 +108,10 @@ AI void conv_chunk(const gdn_ctx *x, size_t c0, size_t w, size_t K)
     size_t slot[DD_GDN_MAX_CONV];
     for (size_t b = 0; b < nb; b++)
         for (size_t t = 0; t < K; t++) {
-            float f[8] = { 0 };
-            for (size_t l = 0; l < 8 && 8 * b + l < w; l++)
-                f[l] = x->L->conv_w[(c0 + 8 * b + l) * K + t];
-            wt[t][b] = load8(f, 8);
+            const size_t wb = w - 8 * b < 8 ? w - 8 * b : 8;
+            wt[t][b] = load8(x->L->conv_w + t * C + c0 + 8 * b, wb);
             if (t + 1 < K)
-                ring[t][b] = load8(x->conv_state + t * C + c0 + 8 * b, w - 8 * b < 8 ? w - 8 * b : 8);
+                ring[t][b] = load8(x->conv_state + t * C + c0 + 8 * b, wb);
         }
     for (size_t tok = 0; tok < x->n; tok++) {
         for (size_t t = 0; t + 1 < K; t++)
