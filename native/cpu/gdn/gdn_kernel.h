@@ -46,6 +46,10 @@
 #define GDN_U 4
 #endif
 #define GDN_TOK 4   /* tokens whose sequential double sums run side by side (independent chains) */
+/* State rows the delta rule's first read of a block prefetches ahead (16 KiB at dv = 128): rows dv floats apart,
+ * a part of each read, are a pattern the hardware prefetchers follow late: with it a decode layer whose state
+ * comes from DRAM took ~0.81x the time at 2 threads, 0.89x at 1 (docs/perf/log/gdn-2026-12-06.md). */
+#define GDN_AHEAD 32
 
 typedef float gdn_vn __attribute__((vector_size(4 * GDN_LANES)));
 typedef float gdn_v8 __attribute__((vector_size(32)));
@@ -201,12 +205,15 @@ static void gdn_inputs(void *ctx, size_t c)
         T r[U], sq[U], d[U], row;                                                                            \
         for (size_t e = 0; e < U; e++)                                                                       \
             r[e] = sq[e] = (T){ 0 };                                                                         \
-        for (size_t i = 0; i < dk; i++)                                                                      \
+        for (size_t i = 0; i < dk; i++) {                                                                    \
+            for (size_t e = 0; i + GDN_AHEAD < dk && e < U * w; e += 16)                                     \
+                __builtin_prefetch(S + (i + GDN_AHEAD) * dv + e);                                            \
             for (size_t e = 0; e < U; e++) {                                                                 \
                 memcpy(&row, S + i * dv + e * w, sizeof row);                                                \
                 r[e] = r[e] + row * x->u[ko + i];                                                            \
                 sq[e] = sq[e] + row * x->u[qo + i];                                                          \
             }                                                                                                \
+        }                                                                                                    \
         for (size_t t = 0; t < x->n; t++) {                                                                  \
             const float *ut = x->u + t * C, decay = x->decay[t * nv + h], beta = x->beta[t * nv + h];        \
             const int more = t + 1 < x->n;                                                                   \
