@@ -9,7 +9,9 @@ token's 30 GDN layers of four streams do), --calls times over, for every build i
 round). Each build keeps its own states, updated in place, from the same start and inputs. Prints each build's
 median milliseconds per layer call with the spread, the state bytes read and written per second, the median of
 the per-round ratio to the first build, whether every build ended with the same state bits, and the load average
-before and after. docs/perf/log/gdn-2026-12-06.md used it.
+before and after. The conv weights are passed tap-major (``GDNLayer.conv_taps``): a build older than that layout
+reads them as (conv_dim, K), times the same work and ends with other state bits. docs/perf/log/gdn-2026-12-06.md
+used it.
 """
 
 from __future__ import annotations
