@@ -47,8 +47,8 @@
 #endif
 #define GDN_TOK 4   /* tokens whose sequential double sums run side by side (independent chains) */
 /* State rows the delta rule's first read of a block prefetches ahead (16 KiB at dv = 128): rows dv floats apart,
- * a part of each read, are a pattern the hardware prefetchers follow late: with it a decode layer whose state
- * comes from DRAM took ~0.86x the time at 2 threads, 0.84x at 1 (docs/perf/log/gdn-2026-12-06.md). */
+ * a part of each read, are a pattern the hardware prefetchers follow late when a decode step streams the state
+ * from DRAM (measured in docs/perf/log/gdn-2026-12-06.md). */
 #define GDN_AHEAD 32
 
 typedef float gdn_vn __attribute__((vector_size(4 * GDN_LANES)));
