@@ -266,6 +266,31 @@ def test_bench_compares_with_each_peer_and_the_best_per_figure(tiny_q4, tmp_path
     assert "ik_llama peak RSS" in "\n".join(lines) and "ik_llama+rtr peak RSS" in "\n".join(lines)
 
 
+def test_roofline_sets_each_round_against_its_own_stream_read(tiny_q4, tmp_path, monkeypatch):
+    """A round's decode is divided by the bandwidth measured in that round at that thread count (the median of
+    its runs), and the peer of the round carries the same figure; the bandwidths here are distinct per round."""
+    from engine.kernels import cpu
+    from engine.tools import cpu_bench
+    if not cpu.available():
+        pytest.skip("native CPU kernels not built")
+    reads = iter([[4.0, 6.0, 5.0], [10.0, 30.0, 20.0]])
+    calls = []
+    monkeypatch.setattr(cpu_bench, "stream_bandwidth", lambda n, nbytes, runs: calls.append((n, runs)) or next(reads))
+    fake = _script(tmp_path / "llama-bench", FAKE_LLAMA_BENCH)
+    lines: list[str] = []
+    samples = cpu_bench.run(tiny_q4, [1], [cpu.supported_isas()[-1]], n_prompt=4, n_gen=2, depths=[], depth_gen=2,
+                            repeat=2, peers=[cpu_llama.Peer("llama.cpp", fake)], stream_gib=1 / 64, stream_runs=3,
+                            out=lines.append)
+    assert calls == [(1, 3), (1, 3)]
+    assert [s.stream_gb_s for s in samples] == [5.0, 5.0, 20.0, 20.0]
+    per_token = open_text(tiny_q4).bytes_per_token()
+    ours = [s for s in samples if s.engine == "deltadesk"]
+    roof = cpu_bench.spread([100 * per_token * s.tg_tok_s / 1e9 / s.stream_gb_s for s in ours], ".0f")
+    summary = [line for line in lines if line.startswith("deltadesk")]
+    assert len(summary) == 1 and f"roofline {roof} % of 12.5 (5.0-20.0) GB/s" in summary[0]
+    assert sum("stream read, 1 thread(s)" in line and "5.0 (4.0-6.0) GB/s" in line for line in lines) == 1
+
+
 def test_bench_command_puts_the_peer_flags_last():
     cmd = cpu_llama.bench_command("ik", "m.gguf", 2, 512, 64, flags=("-rtr", "1"))
     assert cmd[-2:] == ["-rtr", "1"] and cmd[cmd.index("-p") + 1] == "512"

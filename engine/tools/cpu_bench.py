@@ -1,8 +1,9 @@
 """``python -m engine bench``: DeltaDesk's CPU prompt and decode speed beside the peers' ``llama-bench``.
 
-Measures the host (NUMA nodes, stream bandwidth in GB/s), warms the page cache, loads, then runs
-rounds that interleave DeltaDesk (per ISA level and thread count) with each peer on the same file,
-and summarises medians (min-max), the roofline fraction and the per-round ratio to each peer.
+Measures the host (NUMA nodes), warms the page cache, loads, then runs rounds that measure the stream
+bandwidth (GB/s) and interleave DeltaDesk (per ISA level and thread count) with each peer on the same file,
+and summarises medians (min-max), the roofline fraction (against each round's bandwidth) and the
+per-round ratio to each peer.
 Design: docs/design/engine-bench.md (the method, step by step).
 """
 
@@ -12,7 +13,7 @@ import math
 import statistics
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 from pathlib import Path
 
@@ -43,6 +44,7 @@ class Sample:
     depth_tg: dict[int, float] = field(default_factory=dict)
     head_ms: float = 0.0   # LM head (output norm + product) of one token
     layer_ms: float = 0.0  # mean time of one layer of one decoded token
+    stream_gb_s: float = math.nan  # median stream read of this round at these threads, measured before its samples
 
 
 def spread(values: Sequence[float], fmt: str = ".2f") -> str:
@@ -195,17 +197,11 @@ def _open(path: Path, weights: str, out: Out) -> LoadedText:
     return text
 
 
-def _load(path: Path, threads: Sequence[int], stream_gib: float, stream_runs: int, out: Out, weights: str = "auto"
-          ) -> tuple[LoadedText, Any, dict[int, list[float]], float]:
-    """The run's preamble, printed: host, stream bandwidth per thread count, the file read (page-cache warm-up
-    or into memory, :func:`_open`), the native model's load with RSS before/after, the model's description.
-    Returns (text, model, bandwidth GB/s runs per thread count, weight bytes read per layer and token)."""
+def _load(path: Path, out: Out, weights: str = "auto") -> tuple[LoadedText, Any, float]:
+    """The run's preamble, printed: host, the file read (page-cache warm-up or into memory, :func:`_open`), the
+    native model's load with RSS before/after, the model's description.
+    Returns (text, model, weight bytes read per layer and token)."""
     out(f"host: {cpu.physical_cores()} physical cores, NUMA nodes: {numa.node_count()}")
-    bandwidth = {}
-    for n in threads:
-        bandwidth[n] = stream_bandwidth(n, int(stream_gib * 2**30), stream_runs)
-        out(f"stream read, {n} thread(s), {stream_gib:g} GiB buffer, {stream_runs} runs: "
-            f"{spread(bandwidth[n], '.1f')} GB/s")
     before = memory()
     text = _open(path, weights, out)
     gguf, hp = text.file, text.hparams
@@ -223,7 +219,7 @@ def _load(path: Path, threads: Sequence[int], stream_gib: float, stream_runs: in
     out(f"model {path.name}: {hp.arch}, {hp.n_layer} layers, d={hp.n_embd}, vocab {hp.n_vocab}"
         + (f", {hp.n_expert} experts top-{hp.n_expert_used}, expert FFN {hp.n_ff_exp}" if hp.is_moe else ""))
     out(f"weights {', '.join(f'{k}: {n} tensors {b / 2**20:.0f} MiB' for k, (n, b) in model.weight_rules.items())}")
-    return text, model, bandwidth, layer_bytes
+    return text, model, layer_bytes
 
 
 def run(path: str | Path, threads: Sequence[int], isas: Sequence[str], n_prompt: int, n_gen: int,  # noqa: PLR0913
@@ -237,7 +233,7 @@ def run(path: str | Path, threads: Sequence[int], isas: Sequence[str], n_prompt:
         EngineError: the file cannot be opened or its architecture has no native model.
     """
     path = Path(path)
-    text, model, bandwidth, layer_bytes = _load(path, threads, stream_gib, stream_runs, out, weights)
+    text, model, layer_bytes = _load(path, out, weights)
     hp = text.hparams
     per_token = text.bytes_per_token()
     head_bytes = text.file.info(model.output_name).nbytes
@@ -259,8 +255,12 @@ def run(path: str | Path, threads: Sequence[int], isas: Sequence[str], n_prompt:
                     _, seconds = warm_page_cache(path)
                     out(f"{r + 1:>5} re-read {path.name} into page cache in {seconds:.1f} s "
                         "(the peer ran since the last read)")
+                bandwidth = stream_bandwidth(n, int(stream_gib * 2**30), stream_runs)
+                stream = statistics.median(bandwidth)
+                out(f"{r + 1:>5} stream read, {n} thread(s), {stream_gib:g} GiB buffer, {stream_runs} runs: "
+                    f"{spread(bandwidth, '.1f')} GB/s")
                 for level in isas:
-                    s = measure(model, n, level, n_prompt, n_gen, depths, depth_gen, r)
+                    s = replace(measure(model, n, level, n_prompt, n_gen, depths, depth_gen, r), stream_gb_s=stream)
                     samples.append(s)
                     pp = spread([s.pp_tok_s], '.1f')
                     out(f"{r + 1:>5} {s.engine:<12} {level:>10} {n:>3} {pp:>9} {s.tg_tok_s:>9.2f}"
@@ -275,6 +275,7 @@ def run(path: str | Path, threads: Sequence[int], isas: Sequence[str], n_prompt:
                         continue
                     peer_rss[peer.name] = max(peer_rss.get(peer.name, 0), rss)
                     peer_build[peer.name] = build
+                    s = replace(s, stream_gb_s=stream)
                     samples.append(s)
                     out(f"{r + 1:>5} {s.engine:<12} {'':>10} {n:>3} {spread([s.pp_tok_s], '.1f'):>9} "
                         f"{s.tg_tok_s:>9.2f}" + "".join(f" {s.depth_tg[d]:>8.2f}" for d in depths))
@@ -284,26 +285,25 @@ def run(path: str | Path, threads: Sequence[int], isas: Sequence[str], n_prompt:
     end = memory()
     out(f"RSS after the runs: {_mib(end['rss'])} = anonymous {_mib(end['anon'])} + file-backed {_mib(end['file'])}"
         + "".join(f"; {name} peak RSS {_mib(rss)} (build {peer_build[name]})" for name, rss in peer_rss.items()))
-    summarize(samples, bandwidth, per_token, depths, out)
+    summarize(samples, per_token, depths, out)
     return samples
 
 
-def summarize(samples: Sequence[Sample], bandwidth: dict[int, list[float]], per_token: int,
-              depths: Sequence[int], out: Out = print) -> None:
+def summarize(samples: Sequence[Sample], per_token: int, depths: Sequence[int], out: Out = print) -> None:
     """Print the summary table (see the module doc, step 5): per engine, then DeltaDesk's ratio to each peer and
     to the best peer of each round (the fastest peer per figure, taken round by round)."""
-    out("summary: median (min-max) over rounds; roofline = bytes/token x tg / median stream bandwidth; "
+    out("summary: median (min-max) over rounds; roofline = bytes/token x tg / the round's stream read; "
         "ratio = DeltaDesk / peer, round by round")
     keys = list(dict.fromkeys((s.engine, s.isa, s.threads) for s in samples))
     names = list(dict.fromkeys(s.engine for s in samples if s.engine != "deltadesk"))
     for engine, isa, n in keys:
         group = [s for s in samples if (s.engine, s.isa, s.threads) == (engine, isa, n)]
-        bw = statistics.median(bandwidth[n])
-        roof = [per_token * s.tg_tok_s / 1e9 / bw for s in group]
+        roof = [per_token * s.tg_tok_s / 1e9 / s.stream_gb_s for s in group]
         line = (f"{engine:<12} {isa or 'its own':>10} {n:>2} thr: pp {spread([s.pp_tok_s for s in group], '.1f')}, "
                 f"tg {spread([s.tg_tok_s for s in group])}"
                 + "".join(f", tg@{d} {spread([s.depth_tg[d] for s in group])}" for d in depths)
-                + f" tok/s; roofline {spread([100 * x for x in roof], '.0f')} %")
+                + f" tok/s; roofline {spread([100 * x for x in roof], '.0f')} % of "
+                f"{spread([s.stream_gb_s for s in group], '.1f')} GB/s")
         if engine == "deltadesk":
             for name in names:
                 line += _ratios(group, [s for s in samples if s.engine == name and s.threads == n], name, depths)
