@@ -595,7 +595,7 @@ def _add_bench(p: argparse.ArgumentParser) -> None:
                    help="rounds, engines interleaved in each (default: %(default)s)")
     p.add_argument("--stream-gib", type=float, default=defaults["stream_gib"],
                    help="buffer of the bandwidth measurement, GiB (default: %(default)s)")
-    p.add_argument("--stream-runs", type=int, default=defaults["stream_runs"],
+    p.add_argument("--stream-runs", type=_positive, default=defaults["stream_runs"],
                    help="bandwidth measurements per round and thread count (default: %(default)s)")
     p.add_argument("--llama-cpp", action="store_true", help="also run llama.cpp's llama-bench, built on first use "
                    "from the llama-cpp-python 0.3.36 sources into the user cache dir (minutes to build)")

@@ -120,6 +120,14 @@ def test_bench_with_no_prompt_test(synth_model, capsys):
     assert "pp0" in out and "Traceback" not in out
 
 
+@pytest.mark.parametrize("runs", ["0", "-1", "two"])
+def test_bench_refuses_a_stream_run_count_that_is_not_positive(runs, capsys):
+    """Each round's roofline divides by the median of its stream runs: none is an argument error, not a crash."""
+    with pytest.raises(SystemExit) as exc:
+        main(["bench", "model.gguf", "--stream-runs", runs])
+    assert exc.value.code == 2 and f"expected a positive integer, got {runs!r}" in capsys.readouterr().err
+
+
 def test_prune_keeps_its_statistics_beside_the_output(synth_model, tmp_path, monkeypatch, capsys):
     model = synth_model("tiny", "q8_0")
     work, out_dir = tmp_path / "cwd", tmp_path / "out"
