@@ -10,7 +10,9 @@
  *   1. route chunks of tokens (router logits, top-k, the shared expert's sigmoid gate); up to
  *      ROUTE_BY_ROWS tokens (a batched decode step), chunks of router rows for all the tokens instead,
  *      then top-k and the gate on the calling thread;
- *   2. per used expert: gather its tokens' rows of x, quantize them;
+ *   2. every token's x quantized once (more than one token); per used expert: its tokens' columns of those
+ *      (dd_acts_gather: the bytes of quantizing them again), or one token's row quantized on its own (the GEMV's
+ *      layout); the rows of x themselves where a weight type reads them (BF16, F16);
  *   3. chunks of (expert, gate/up rows): the GEMMs over that expert's tokens, then SwiGLU;
  *   4. per used expert: quantize its hidden vectors;
  *   5. chunks of (expert, down rows): the GEMM over its tokens (one output row per token and slot);
@@ -62,6 +64,8 @@ typedef struct {
     const float **rows;     /* n x n_slots: where each (token, slot)'s down output lies */
     size_t route_tokens, router_rows, sum_tokens, gate_up_rows, down_rows, gate_up_chunks, down_chunks;
     float *sh_logits;       /* n: the shared expert's gate logits (routing by router rows) */
+    dd_acts all;            /* every token's x quantized (has_all), gathered by the experts of several tokens */
+    int has_all;
     _Atomic int failed;
     float *out;
 } prefill_job;
@@ -139,14 +143,26 @@ static void prefill_acts(prefill_job *j, const float *v, size_t m, size_t k, dd_
         atomic_store(&j->failed, 1);
 }
 
+/* A weight type whose kernel reads the f32 activations themselves (dd_acts.x). */
+static int reads_floats(int wtype)
+{
+    return wtype == DD_BF16 || wtype == DD_F16;
+}
+
 static void prefill_quantize_x(void *ctx, size_t chunk)
 {
     prefill_job *j = ctx;
     group *gr = &j->groups[chunk];
     const size_t d = j->mw->d;
-    for (size_t c = 0; c < gr->count; c++)
+    const int floats = reads_floats(gr->gate_type) || reads_floats(gr->up_type), gather = j->has_all && gr->count > 1;
+    for (size_t c = 0; (floats || !gather) && c < gr->count; c++)
         memcpy(gr->xg + c * d, j->x + gr->tokens[c] * d, d * sizeof(float));
-    prefill_acts(j, gr->xg, gr->count, d, &gr->xacts, &gr->has_x);
+    if (!gather)
+        prefill_acts(j, gr->xg, gr->count, d, &gr->xacts, &gr->has_x);
+    else if (dd_acts_gather(j->kt, &j->all, gr->tokens, gr->count, floats ? gr->xg : NULL, &gr->xacts) == DD_OK)
+        gr->has_x = 1;
+    else
+        atomic_store(&j->failed, 1);
 }
 
 static void prefill_gate_up_chunk(void *ctx, size_t chunk)
@@ -323,6 +339,7 @@ int dd_moe_prefill(int isa, const dd_moe_weights *mw, size_t n, const float *x, 
         rc = prefill_groups(&j, index, fbuf);
     }
     if (rc == DD_OK) {
+        j.has_all = n > 1 && dd_acts_new_pooled(kt, x, n, d, &j.all) == DD_OK;
         dd_pool_for(prefill_quantize_x, &j, j.n_groups);
         dd_pool_for(prefill_gate_up_chunk, &j, j.gate_up_chunks);
         dd_pool_for(prefill_quantize_h, &j, j.n_groups);
@@ -341,6 +358,8 @@ int dd_moe_prefill(int isa, const dd_moe_weights *mw, size_t n, const float *x, 
                     weights_out[t * n_used + i] = j.weights[t * n_slots + i];
             }
     }
+    if (j.has_all)
+        dd_acts_free(&j.all);
     for (size_t g = 0; j.groups != NULL && g < j.n_groups; g++) {
         if (j.groups[g].has_x)
             dd_acts_free(&j.groups[g].xacts);

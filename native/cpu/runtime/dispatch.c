@@ -257,6 +257,37 @@ int dd_acts_new_pooled(const dd_kernels *kt, const float *x, size_t m, size_t k,
     return DD_OK;
 }
 
+/* Column s of one of a preparation's regions (`from`) to column c of the same region of another (`to`), `size`
+ * bytes a column. */
+static void gather_part(const void *from, const void *to, size_t s, size_t c, size_t size)
+{
+    if (size > 0)
+        memcpy((uint8_t *)to + c * size, (const uint8_t *)from + s * size, size);
+}
+
+int dd_acts_gather(const dd_kernels *kt, const dd_acts *src, const size_t *cols, size_t m, const float *x, dd_acts *a)
+{
+    if (m < 2 || src->m < 2)
+        return DD_ERR_ARG;
+    const size_t nb = src->nb, nbp = src->nbp, ng = src->ng;
+    const int rc = acts_alloc(kt, x, m, nb * DD_QK, a);
+    for (size_t c = 0; rc == DD_OK && c < m; c++) {
+        const size_t s = cols[c];
+        gather_part(src->mem, a->mem, s, c, nb * DD_Q8_0_BYTES);
+        gather_part(src->q, a->q, s, c, nbp * DD_QK);
+        for (int t = 0; t < DD_WTYPE_COUNT; t++)
+            if (a->bias[t] != NULL)
+                gather_part(src->bias[t], a->bias[t], s, c, nbp * 8 * sizeof(int32_t));
+        gather_part(src->gq, a->gq, s, c, ng * 8 * 64);
+        gather_part(src->gbias, a->gbias, s, c, ng * 16 * sizeof(int32_t));
+        gather_part(src->gd, a->gd, s, c, ng * 16 * sizeof(float));
+        gather_part(src->bd, a->bd, s, c, nbp * sizeof(float));
+        gather_part(src->bs, a->bs, s, c, nbp * sizeof(int32_t));
+        gather_part(src->s16, a->s16, s, c, 2 * nbp * sizeof(int32_t));
+    }
+    return rc;
+}
+
 void dd_acts_free(dd_acts *a)
 {
     free(a->mem);

@@ -56,6 +56,11 @@ int dd_acts_new(const dd_kernels *kt, const float *x, size_t m, size_t k, dd_act
 int dd_acts_new_pooled(const dd_kernels *kt, const float *x, size_t m, size_t k, dd_acts *a);
 /* The same in memory the caller owns (as dd_acts_prepare below). */
 void dd_acts_prepare_pooled(const dd_kernels *kt, const float *x, size_t m, size_t k, void *mem, dd_acts *a);
+/* Columns cols[0 .. m) of src as activations of their own: the bytes dd_acts_new gives those columns' values
+ * (every layout holds a column's values on their own), without quantizing them again. x: their m x k f32
+ * values, for the kernels that read them (dd_acts.x), or NULL where none will. Both src and the result need
+ * m > 1 columns (one column has the GEMV's group layout): DD_ERR_ARG otherwise; DD_ERR_NOMEM. */
+int dd_acts_gather(const dd_kernels *kt, const dd_acts *src, const size_t *cols, size_t m, const float *x, dd_acts *a);
 void dd_acts_free(dd_acts *a);
 /* The same activations in memory the caller owns: mem 64-byte aligned, dd_acts_bytes(kt, m, k) long,
  * valid while *a is used (no dd_acts_free). */
