@@ -27,11 +27,13 @@ def default_threads():
     cpu.set_threads()
 
 
-def test_stream_read_sums_every_word_once(rng):
-    """dd_stream_read adds every 64-bit word of the buffer once (chunks of 2^17 words read as 8 interleaved
-    runs of a multiple of 8 words, then the words after the runs), so its wrapping sum equals numpy's for
-    any thread count and length: a chunk, run or tail word read twice or skipped would show. The lengths
-    give a ragged last chunk whose runs have a tail (4099), one too short for any run (63) and whole
+@pytest.mark.parametrize("runs", [*cpu.READ_RUNS, 3, 0, 99])
+def test_stream_read_sums_every_word_once(runs, rng):
+    """dd_stream_read adds every 64-bit word of the buffer once (chunks of 2^17 words read as `runs`
+    interleaved runs of a multiple of 8 words, then the words after the runs), so its wrapping sum equals
+    numpy's for any thread count, run count (the patterns read_bandwidth tries, an odd one, and counts
+    outside 1..8, clamped) and length: a chunk, run or tail word read twice or skipped would show. The
+    lengths give a ragged last chunk whose runs have a tail (4099), one too short for any run (63) and whole
     chunks only."""
     ffi, lib = cpu._native_cpu.ffi, cpu._native_cpu.lib
     for size in ((5 << 17) + 4099, 63, 3 << 17):
@@ -40,7 +42,7 @@ def test_stream_read_sums_every_word_once(rng):
         ptr = ffi.cast("uint8_t *", words.ctypes.data)
         for n in THREADS:
             cpu.set_threads(n)
-            assert lib.dd_stream_read(ptr, words.nbytes) == want, (size, n)
+            assert lib.dd_stream_read(ptr, words.nbytes, runs) == want, (size, n)
 
 
 @pytest.mark.parametrize("rows", [3, 61, 1001])

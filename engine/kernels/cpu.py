@@ -381,21 +381,27 @@ def best_seconds(fn: Callable[[], object], repeats: int = 3) -> float:
     return best
 
 
+READ_RUNS = (1, 2, 4, 8)
+"""The memory streams a thread keeps in flight in :func:`read_bandwidth`'s patterns; the fastest differs by CPU."""
+
+
 def read_bandwidth(nbytes: int = 1 << 30, repeats: int = 3) -> float:
     """Measured streaming-read bandwidth in GB/s (1e9 bytes/s): the best of `repeats` sequential
-    reads of an `nbytes` buffer (make it larger than the last-level cache) by set_threads' threads.
+    reads of an `nbytes` buffer (make it larger than the last-level cache) by set_threads' threads, in each
+    pattern of :data:`READ_RUNS`.
 
-    This is the roofline decode is compared with. Native: each thread reads its 1 MiB chunks as 8
-    interleaved runs of 64-bit loads (eight memory streams in flight: one forward stream reached only
-    ~60 % of a core's read rate on the project's Xeon VMs, docs/perf/log/cpu-notes.md "The stream read");
-    numpy fallback: a numpy sum over the buffer (one thread).
+    This is the roofline decode is compared with. Native: each thread reads its 1 MiB chunks as 1, 2, 4 and
+    8 interleaved runs of 64-bit loads and the fastest pattern counts (one stream reached ~60 % of a core's
+    read on the project's Xeon VMs, eight streams half of it on a Zen 5 VM; docs/perf/log/cpu-notes.md "The
+    stream read"); numpy fallback: a numpy sum over the buffer (one thread).
     """
     buf = np.ones(max(64, nbytes) // 8, dtype=np.uint64)
-    if _native_cpu is not None:
-        read = functools.partial(_native_cpu.lib.dd_stream_read, _ptr(_native_cpu.ffi, "uint8_t *", buf), buf.nbytes)
-    else:
-        read = buf.sum
-    return buf.nbytes / best_seconds(read, repeats) / 1e9
+    if _native_cpu is None:
+        return buf.nbytes / best_seconds(buf.sum, repeats) / 1e9
+    ptr = _ptr(_native_cpu.ffi, "uint8_t *", buf)
+    seconds = min(best_seconds(functools.partial(_native_cpu.lib.dd_stream_read, ptr, buf.nbytes, runs), repeats)
+                  for runs in READ_RUNS)
+    return buf.nbytes / seconds / 1e9
 
 
 # --- elementwise ----------------------------------------------------------------------------------
