@@ -345,26 +345,28 @@ typedef struct {
     kq_col cols[KQ_GEMV_COLS * KQ_GEMV_SB];   /* column c's super-block sb at c * nsb + sb */
 } kq_gemv_state;
 
-/* Rows [0, R) of w against all a->m prepared columns, 4 at a time. */
-DD_INLINE void kq_gemv_tile(const uint8_t *w, const uint8_t *pf, size_t rb, const dd_acts *a, int wtype, float *y,
-                            size_t ldy, const int R, const kq_col *cols)
+/* One row of w against all a->m prepared columns, 4 at a time. */
+DD_INLINE void kq_gemv_row(const uint8_t *w, const uint8_t *pf, size_t rb, const dd_acts *a, int wtype, float *y,
+                           size_t ldy, const kq_col *cols)
 {
     const size_t nsb = a->nb / 8;
     for (size_t c0 = 0; c0 < a->m; c0 += 4) {
         const kq_col *pre = cols + c0 * nsb;
         switch (a->m - c0 < 4 ? a->m - c0 : 4) {
-        case 4: kq_tile(w, pf, rb, a, wtype, c0, y, ldy, R, 4, pre); break;
-        case 3: kq_tile(w, pf, rb, a, wtype, c0, y, ldy, R, 3, pre); break;
-        case 2: kq_tile(w, pf, rb, a, wtype, c0, y, ldy, R, 2, pre); break;
-        default: kq_tile(w, pf, rb, a, wtype, c0, y, ldy, R, 1, pre); break;
+        case 4: kq_tile(w, pf, rb, a, wtype, c0, y, ldy, 1, 4, pre); break;
+        case 3: kq_tile(w, pf, rb, a, wtype, c0, y, ldy, 1, 3, pre); break;
+        case 2: kq_tile(w, pf, rb, a, wtype, c0, y, ldy, 1, 2, pre); break;
+        default: kq_tile(w, pf, rb, a, wtype, c0, y, ldy, 1, 1, pre); break;
         }
     }
 }
 
-/* A GEMV (m <= KQ_GEMV_COLS) as DD_DEFINE_GEMM's m == 1 walk (4-row tiles, then single rows; the same
- * prefetches), the columns prepared at most once per thread and activations, in st. Every (row, column)
- * runs kq_tile's instructions on the same prepared values, so the bits are those of the per-tile
- * preparation, for any m. */
+/* A GEMV (m <= KQ_GEMV_COLS) as DD_DEFINE_GEMM's m == 1 walk with one-row tiles (its prefetches), the columns
+ * prepared at most once per thread and activations, in st. One row at a time reads the matrix as one forward
+ * stream: from DRAM, 4-row tiles (four streams a row apart) read Q6_K at 36 and one-row tiles at 49 GB/s on 2
+ * Zen 5 cores, though 4 rows ran 6 % faster in L2 (docs/perf/log/zen5-2026-12-07.md). Every (row, column) runs
+ * kq_tile's instructions on the same prepared values, so the bits are those of the per-tile preparation,
+ * for any m and any row grouping. */
 DD_INLINE void kq_gemv(const uint8_t *w, size_t rb, size_t nrows, size_t rows_avail, const dd_acts *a, float *y,
                        size_t ldy, int wtype, kq_gemv_state *st)
 {
@@ -380,11 +382,8 @@ DD_INLINE void kq_gemv(const uint8_t *w, size_t rb, size_t nrows, size_t rows_av
     const kq_col *cols = st->cols;
     const size_t ahead = dd_gemv_ahead(rb);
     dd_gemv_prefetch_start(w, rb, nrows, rows_avail, ahead);
-    size_t r = 0;
-    for (; r + 4 <= nrows; r += 4)
-        kq_gemv_tile(w + r * rb, DD_PREFETCH_AHEAD(w, rb, r, 4, rows_avail, ahead), rb, a, wtype, y + r, ldy, 4, cols);
-    for (; r < nrows; r++)
-        kq_gemv_tile(w + r * rb, DD_PREFETCH_AHEAD(w, rb, r, 1, rows_avail, ahead), rb, a, wtype, y + r, ldy, 1, cols);
+    for (size_t r = 0; r < nrows; r++)
+        kq_gemv_row(w + r * rb, DD_PREFETCH_AHEAD(w, rb, r, 1, rows_avail, ahead), rb, a, wtype, y + r, ldy, cols);
 }
 
 #include "kq_gemm_avx512.h"
