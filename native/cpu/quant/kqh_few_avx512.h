@@ -145,27 +145,23 @@ DD_INLINE void kqh_reduce(const __m512 acc[4], float out[8])
     _mm256_storeu_ps(out, _mm256_permutexvar_ps(_mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7), kq_tree4(acc)));
 }
 
-/* Rows [0, R) (R <= 2, row r at w + r * rb) x columns [0, C) (C <= 8; column c's super-block sb at
- * cols[c * nsb + sb]) into y[c * ldy + r]; pf: the rows to prefetch while these are read (kq_tile's
- * prefetches). Columns 2p and 2p + 1 share the f32 accumulator acc[r][p] (lanes 0-7 and 8-15; an odd C's
- * last pair: the last column twice), and their vectors are loaded once for the R rows. */
-DD_INLINE void kqh_tile(const uint8_t *w, const uint8_t *pf, size_t rb, const kqh_col *cols, size_t nsb, int wtype,
-                        float *y, size_t ldy, const int R, const int C)
+/* One row (at w) x columns [0, C) (C <= 8; column c's super-block sb at cols[c * nsb + sb]) into y[c * ldy];
+ * pf: the row to prefetch while this one is read (kq_tile's prefetches). Columns 2p and 2p + 1 share the f32
+ * accumulator acc[p] (lanes 0-7 and 8-15; an odd C's last pair: the last column twice). */
+DD_INLINE void kqh_tile(const uint8_t *w, const uint8_t *pf, const kqh_col *cols, size_t nsb, int wtype, float *y,
+                        size_t ldy, const int C)
 {
     const size_t bytes = wtype == DD_Q4_K ? DD_Q4_K_BYTES : wtype == DD_Q5_K ? DD_Q5_K_BYTES : DD_Q6_K_BYTES;
-    __m512 acc[2][4];
-    for (int r = 0; r < 2; r++)
-        for (int p = 0; p < 4; p++)
-            acc[r][p] = _mm512_setzero_ps();
+    __m512 acc[4];
+    for (int p = 0; p < 4; p++)
+        acc[p] = _mm512_setzero_ps();
     for (size_t sb = 0; sb < nsb; sb++) {
-        kqh_row u[2];
-        for (int r = 0; r < R; r++) {
-            const uint8_t *q = pf + r * rb + sb * bytes;
-            for (size_t at = 0; at < bytes; at += 64)
-                dd_prefetch_weight(q + at);
-            dd_prefetch_weight(q + bytes - 1);
-            kqh_expand(w + r * rb + sb * bytes, wtype, &u[r]);
-        }
+        const uint8_t *q = pf + sb * bytes;
+        for (size_t at = 0; at < bytes; at += 64)
+            dd_prefetch_weight(q + at);
+        dd_prefetch_weight(q + bytes - 1);
+        kqh_row u;
+        kqh_expand(w + sb * bytes, wtype, &u);
         for (int c = 0; c < C; c += 2) {
             const int two = c + 1 < C;
             const kqh_col *p0 = cols + c * nsb + sb, *p1 = two ? p0 + nsb : p0;
@@ -176,44 +172,40 @@ DD_INLINE void kqh_tile(const uint8_t *w, const uint8_t *pf, size_t rb, const kq
             }
             const __m512i seed0 = _mm512_load_si512(&p0->seed), seed1 = _mm512_load_si512(&p1->seed);
             const __m512 da = kqh_join(p0->da, p1->da), dab = kqh_join(p0->dab, p1->dab);
-            for (int r = 0; r < R; r++) {
-                __m512 *a = &acc[r][c / 2];
-                if (wtype == DD_Q6_K) {   /* (d da_i) I_i */
-                    const __m512 x0 = kqh_scaled(&u[r], v0, seed0);
-                    const __m512 ints = kqh_blocks_ps(x0, two ? kqh_scaled(&u[r], v1, seed1) : x0);
-                    *a = _mm512_add_ps(*a, _mm512_mul_ps(_mm512_mul_ps(u[r].dsc, da), ints));
-                } else {                  /* ((d sc_i) da_i) S_i, less (dmin m_i)(da_i bs_i) */
-                    const __m512i x0 = kqh_dots(u[r].w, v0, seed0);
-                    const __m512i ints = kqh_blocks(x0, two ? kqh_dots(u[r].w, v1, seed1) : x0);
-                    *a = _mm512_add_ps(*a, _mm512_mul_ps(_mm512_mul_ps(u[r].dsc, da), _mm512_cvtepi32_ps(ints)));
-                    *a = _mm512_sub_ps(*a, _mm512_mul_ps(u[r].dmm, dab));
-                }
+            __m512 *a = &acc[c / 2];
+            if (wtype == DD_Q6_K) {   /* (d da_i) I_i */
+                const __m512 x0 = kqh_scaled(&u, v0, seed0);
+                const __m512 ints = kqh_blocks_ps(x0, two ? kqh_scaled(&u, v1, seed1) : x0);
+                *a = _mm512_add_ps(*a, _mm512_mul_ps(_mm512_mul_ps(u.dsc, da), ints));
+            } else {                  /* ((d sc_i) da_i) S_i, less (dmin m_i)(da_i bs_i) */
+                const __m512i x0 = kqh_dots(u.w, v0, seed0);
+                const __m512i ints = kqh_blocks(x0, two ? kqh_dots(u.w, v1, seed1) : x0);
+                *a = _mm512_add_ps(*a, _mm512_mul_ps(_mm512_mul_ps(u.dsc, da), _mm512_cvtepi32_ps(ints)));
+                *a = _mm512_sub_ps(*a, _mm512_mul_ps(u.dmm, dab));
             }
         }
     }
     const __m512i blocks = _mm512_loadu_si512(kq_block_lanes[wtype == DD_Q6_K]);   /* lane b (8 + b) <- block b's */
-    for (int r = 0; r < R; r++) {
-        for (int p = 0; p < (C + 1) / 2; p++)
-            acc[r][p] = _mm512_permutexvar_ps(blocks, acc[r][p]);
-        float out[8];
-        kqh_reduce(acc[r], out);
-        for (int c = 0; c < C; c++)
-            y[c * ldy + r] = out[c];
-    }
+    for (int p = 0; p < (C + 1) / 2; p++)
+        acc[p] = _mm512_permutexvar_ps(blocks, acc[p]);
+    float out[8];
+    kqh_reduce(acc, out);
+    for (int c = 0; c < C; c++)
+        y[c * ldy] = out[c];
 }
 
 /* kqh_tile with the column count m (KQH_FEW .. KQ_GEMV_COLS) as a constant. */
-DD_INLINE void kqh_rows(const uint8_t *w, const uint8_t *pf, size_t rb, const kqh_col *cols, size_t nsb, int wtype,
-                        float *y, size_t ldy, const int R, size_t m)
+DD_INLINE void kqh_row_cols(const uint8_t *w, const uint8_t *pf, const kqh_col *cols, size_t nsb, int wtype,
+                            float *y, size_t ldy, size_t m)
 {
     switch (m) {
-    case 8: kqh_tile(w, pf, rb, cols, nsb, wtype, y, ldy, R, 8); break;
-    case 7: kqh_tile(w, pf, rb, cols, nsb, wtype, y, ldy, R, 7); break;
-    case 6: kqh_tile(w, pf, rb, cols, nsb, wtype, y, ldy, R, 6); break;
-    case 5: kqh_tile(w, pf, rb, cols, nsb, wtype, y, ldy, R, 5); break;
-    case 4: kqh_tile(w, pf, rb, cols, nsb, wtype, y, ldy, R, 4); break;
-    case 3: kqh_tile(w, pf, rb, cols, nsb, wtype, y, ldy, R, 3); break;
-    default: kqh_tile(w, pf, rb, cols, nsb, wtype, y, ldy, R, 2); break;
+    case 8: kqh_tile(w, pf, cols, nsb, wtype, y, ldy, 8); break;
+    case 7: kqh_tile(w, pf, cols, nsb, wtype, y, ldy, 7); break;
+    case 6: kqh_tile(w, pf, cols, nsb, wtype, y, ldy, 6); break;
+    case 5: kqh_tile(w, pf, cols, nsb, wtype, y, ldy, 5); break;
+    case 4: kqh_tile(w, pf, cols, nsb, wtype, y, ldy, 4); break;
+    case 3: kqh_tile(w, pf, cols, nsb, wtype, y, ldy, 3); break;
+    default: kqh_tile(w, pf, cols, nsb, wtype, y, ldy, 2); break;
     }
 }
 
@@ -226,9 +218,11 @@ typedef struct {
     kqh_col cols[KQ_GEMV_COLS * KQ_GEMV_SB];
 } kqh_few_state;
 
-/* A K-quant product (wtype) of a->m <= KQ_GEMV_COLS columns with rows of nb / 8 <= KQ_GEMV_SB super-blocks, as
- * DD_DEFINE_GEMM's GEMV walk (the same prefetches; row pairs, then a last single row), the columns arranged
- * at most once per thread and activations, in st. The bits are the contract's (see above). */
+/* A K-quant product (wtype) of a->m <= KQ_GEMV_COLS columns with rows of nb / 8 <= KQ_GEMV_SB super-blocks, one row
+ * at a time with DD_DEFINE_GEMM's GEMV prefetches, the columns arranged at most once per thread and activations,
+ * in st. One row at a time reads the matrix as one forward stream, as kq_gemv does: from DRAM on 2 Zen 5 cores
+ * Q6_K read 15 % (4 columns) and 29 % (2) faster than in row pairs, 3 % slower in L2
+ * (docs/perf/log/zen5-2026-12-07.md). The bits are the contract's (see above). */
 DD_INLINE void kqh_few(const uint8_t *w, size_t rb, size_t nrows, size_t rows_avail, const dd_acts *a, float *y,
                        size_t ldy, int wtype, kqh_few_state *st)
 {
@@ -243,13 +237,9 @@ DD_INLINE void kqh_few(const uint8_t *w, size_t rb, size_t nrows, size_t rows_av
     }
     const size_t ahead = dd_gemv_ahead(rb);
     dd_gemv_prefetch_start(w, rb, nrows, rows_avail, ahead);
-    size_t r = 0;
-    for (; r + 2 <= nrows; r += 2)
-        kqh_rows(w + r * rb, DD_PREFETCH_AHEAD(w, rb, r, 2, rows_avail, ahead), rb, st->cols, nsb, wtype, y + r, ldy,
-                 2, a->m);
-    if (r < nrows)
-        kqh_rows(w + r * rb, DD_PREFETCH_AHEAD(w, rb, r, 1, rows_avail, ahead), rb, st->cols, nsb, wtype, y + r, ldy,
-                 1, a->m);
+    for (size_t r = 0; r < nrows; r++)
+        kqh_row_cols(w + r * rb, DD_PREFETCH_AHEAD(w, rb, r, 1, rows_avail, ahead), st->cols, nsb, wtype, y + r, ldy,
+                     a->m);
 }
 
 #endif
