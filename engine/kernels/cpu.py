@@ -391,9 +391,8 @@ def read_bandwidth(nbytes: int = 1 << 30, repeats: int = 3) -> float:
     pattern of :data:`READ_RUNS`.
 
     This is the roofline decode is compared with. Native: each thread reads its 1 MiB chunks as 1, 2, 4 and
-    8 interleaved runs of 64-bit loads and the fastest pattern counts (one stream reached ~60 % of a core's
-    read on the project's Xeon VMs, eight streams half of it on a Zen 5 VM; docs/perf/log/cpu-notes.md "The
-    stream read"); numpy fallback: a numpy sum over the buffer (one thread).
+    8 interleaved runs of 64-bit loads and the fastest pattern counts (which is fastest differs by CPU;
+    docs/perf/log/cpu-notes.md "The stream read"); numpy fallback: a numpy sum over the buffer (one thread).
     """
     buf = np.ones(max(64, nbytes) // 8, dtype=np.uint64)
     if _native_cpu is None:

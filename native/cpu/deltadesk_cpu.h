@@ -50,8 +50,7 @@ int dd_get_threads(void);
 
 /* Read n bytes (n % 8 == 0, 8-byte aligned p) with all threads, as a memory-bandwidth probe: each thread
  * reads 1 MiB chunks as `runs` interleaved runs (that many memory streams in flight, clamped to 1..8). The
- * best count differs by CPU (one stream reached ~60 % of a core's read on the project's Xeon VMs, eight half
- * of it on a Zen 5 VM: docs/perf/log/cpu-notes.md "The stream read"), so callers try several. Returns the
+ * best count differs by CPU (docs/perf/log/cpu-notes.md, "The stream read"), so callers try several. Returns the
  * wrapping sum of the 64-bit words, so reads are not optimised away. */
 uint64_t dd_stream_read(const uint8_t *p, size_t n, int runs);
 

@@ -363,8 +363,8 @@ DD_INLINE void kq_gemv_row(const uint8_t *w, const uint8_t *pf, size_t rb, const
 
 /* A GEMV (m <= KQ_GEMV_COLS) as DD_DEFINE_GEMM's m == 1 walk with one-row tiles (its prefetches), the columns
  * prepared at most once per thread and activations, in st. One row at a time reads the matrix as one forward
- * stream: from DRAM, 4-row tiles (four streams a row apart) read Q6_K at 36 and one-row tiles at 49 GB/s on 2
- * Zen 5 cores, though 4 rows ran 6 % faster in L2 (docs/perf/log/zen5-2026-12-07.md). Every (row, column) runs
+ * stream, which a core reads from DRAM faster than 4-row tiles' four streams a row apart, though those compute a
+ * little faster in L2 (docs/perf/log/zen5-2026-12-07.md). Every (row, column) runs
  * kq_tile's instructions on the same prepared values, so the bits are those of the per-tile preparation,
  * for any m and any row grouping. */
 DD_INLINE void kq_gemv(const uint8_t *w, size_t rb, size_t nrows, size_t rows_avail, const dd_acts *a, float *y,

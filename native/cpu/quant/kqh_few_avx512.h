@@ -220,9 +220,8 @@ typedef struct {
 
 /* A K-quant product (wtype) of a->m <= KQ_GEMV_COLS columns with rows of nb / 8 <= KQ_GEMV_SB super-blocks, one row
  * at a time with DD_DEFINE_GEMM's GEMV prefetches, the columns arranged at most once per thread and activations,
- * in st. One row at a time reads the matrix as one forward stream, as kq_gemv does: from DRAM on 2 Zen 5 cores
- * Q6_K read 15 % (4 columns) and 29 % (2) faster than in row pairs, 3 % slower in L2
- * (docs/perf/log/zen5-2026-12-07.md). The bits are the contract's (see above). */
+ * in st. One row at a time reads the matrix as one forward stream, as kq_gemv does (faster from DRAM than row
+ * pairs, a little slower in L2: docs/perf/log/zen5-2026-12-07.md). The bits are the contract's (see above). */
 DD_INLINE void kqh_few(const uint8_t *w, size_t rb, size_t nrows, size_t rows_avail, const dd_acts *a, float *y,
                        size_t ldy, int wtype, kqh_few_state *st)
 {

@@ -306,8 +306,7 @@ typedef struct {
 /* A chunk's words as `runs` runs of q words (q a multiple of 8), one cache line of each run in turn, then
  * the words after the last run one by one: every word is added once. Word u of a line goes to its own sum
  * s[u], so the adds are not one chain; `runs` is a constant in each copy (read_chunk), as a loop over a
- * variable count costs enough instructions a line that fewer lines are in flight (about half the read rate on
- * a Zen 5 VM). */
+ * variable count costs enough instructions a line that fewer lines are in flight. */
 static inline __attribute__((always_inline)) void read_runs(read_job *j, size_t chunk, const size_t runs)
 {
     const size_t i0 = chunk * READ_CHUNK_WORDS;
