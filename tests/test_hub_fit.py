@@ -93,3 +93,5 @@ def test_stream_bandwidth_is_measured_once_and_cached(tmp_path, monkeypatch):
     assert calls == [512 << 20]
     cache.write_text("{not json", encoding="utf-8")
     assert machine.stream_bandwidth(cache) == 12.5 and len(calls) == 2     # a broken cache is measured again
+    monkeypatch.setattr(cpu, "READ_RUNS", (8,))
+    assert machine.stream_bandwidth(cache) == 12.5 and len(calls) == 3 - (not cpu.available())   # another probe

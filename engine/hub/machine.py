@@ -23,12 +23,14 @@ def _cache_file() -> Path:
 
 
 def stream_bandwidth(cache: Path | None = None) -> float:
-    """The stream-read bandwidth in GB/s: from the cache when it was measured on this CPU and thread count,
-    else measured now (about a second) and cached (an unwritable cache is skipped)."""
+    """The stream-read bandwidth in GB/s: from the cache when it was measured on this CPU and thread count with
+    today's read patterns (``cpu.READ_RUNS``: a figure of another probe is measured again), else measured now
+    (about a second) and cached (an unwritable cache is skipped)."""
     from ..kernels import cpu
     cache = cache or _cache_file()
     threads = cpu.physical_cores()
-    key = f"{platform.processor() or platform.machine()}|{threads}|{'native' if cpu.available() else 'numpy'}"
+    probe = "native runs " + ",".join(map(str, cpu.READ_RUNS)) if cpu.available() else "numpy"
+    key = f"{platform.processor() or platform.machine()}|{threads}|{probe}"
     try:
         stored = json.loads(cache.read_text(encoding="utf-8"))
         if stored.get("key") == key and float(stored["gbps"]) > 0:
