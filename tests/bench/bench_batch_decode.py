@@ -14,6 +14,11 @@ routes to as many experts as real text would, not to one shared set. llama.cpp:
 column (N x NTG tokens over the generation time, each sequence with its own NPP-token prompt). A round
 runs ours then llama.cpp (the order alternating by round). Prints per N the median of the rounds with
 their min-max, aggregate and per-stream, the ratio of the medians, and the 1-minute load before and after.
+The weights stay in the file map by default (``--weights map``, the row-major kernels), so that llama.cpp, run
+between our rounds, finds the file in the page cache; ``--weights ram`` (or ``auto``) opens them as ``engine
+serve`` does when the file fits: read into memory, the Q4_0 / Q4_K / ... projections rewritten into their
+row-grouped layouts. On a machine without room for both that copy and the file's pages, llama.cpp then reads
+from disk and its figures are not a comparison.
 ``--pairs R`` instead runs R interleaved rounds of ``--ntg`` steps each of 1 stream, 4 streams on the native
 batched step, 4 on the per-hook path, 2 and 8 streams (order reversed every other round), and prints the
 median (min) wall and process CPU ms per step of each and its aggregate against the single stream.
@@ -34,8 +39,10 @@ import time
 
 import numpy as np
 
+from engine.api_types import EngineOptions
 from engine.arch.qwen35.cpu import NativeQwen35Model
 from engine.kernels import cpu
+from engine.placement import weights_mode
 from engine.registry import open_text
 from engine.turn.state import SequenceState
 
@@ -151,10 +158,14 @@ def main() -> None:
     ap.add_argument("--llama-batched-bench", dest="llama", help="path of llama.cpp's llama-batched-bench")
     ap.add_argument("--profile", type=int, metavar="N", help="time the stages of N streams instead")
     ap.add_argument("--pairs", type=int, metavar="R", help="R interleaved rounds of paired per-step timings instead")
+    ap.add_argument("--weights", choices=("auto", "map", "ram"), default="map",
+                    help="as engine serve's --weights (default map; ram: in memory, row-grouped layouts)")
     args = ap.parse_args()
     load0 = os.getloadavg()[0]
     cpu.set_threads(args.threads)
-    gguf = open_text(args.gguf)
+    mode = weights_mode(EngineOptions(device="cpu", weights=args.weights), args.gguf)
+    print(f"weights {mode}", flush=True)
+    gguf = open_text(args.gguf, mode)
     model = NativeQwen35Model(gguf.hparams, gguf.file)
     states = streams(model, args.npp, args.ntg)
     ours(model, states, 2, 2, seed=99)     # warm-up: pages and pool
