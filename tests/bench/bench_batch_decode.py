@@ -14,11 +14,8 @@ routes to as many experts as real text would, not to one shared set. llama.cpp:
 column (N x NTG tokens over the generation time, each sequence with its own NPP-token prompt). A round
 runs ours then llama.cpp (the order alternating by round). Prints per N the median of the rounds with
 their min-max, aggregate and per-stream, the ratio of the medians, and the 1-minute load before and after.
-The weights stay in the file map by default (``--weights map``, the row-major kernels), so that llama.cpp, run
-between our rounds, finds the file in the page cache; ``--weights ram`` (or ``auto``) opens them as ``engine
-serve`` does when the file fits: read into memory, the Q4_0 / Q4_K / ... projections rewritten into their
-row-grouped layouts. On a machine without room for both that copy and the file's pages, llama.cpp then reads
-from disk and its figures are not a comparison.
+``--weights`` (default ``map``; ``ram``: the layouts ``engine serve`` reads) as docs/design/batched-decode.md,
+"Measuring it", says.
 ``--pairs R`` instead runs R interleaved rounds of ``--ntg`` steps each of 1 stream, 4 streams on the native
 batched step, 4 on the per-hook path, 2 and 8 streams (order reversed every other round), and prints the
 median (min) wall and process CPU ms per step of each and its aggregate against the single stream.
