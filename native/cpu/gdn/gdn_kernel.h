@@ -45,6 +45,14 @@
 #define GDN_LANES 4
 #define GDN_U 4
 #endif
+/* A decode step's blocks (one token: each state line read and written once): at AVX-512 whole rows of dv = 128,
+ * so a head's 64 KiB state is one forward stream (docs/perf/log/gdn-2026-12-07.md); a prompt's tokens re-read
+ * the block, which GDN_U keeps in L1. */
+#if defined(__AVX512F__)
+#define GDN_ROW_U 8
+#else
+#define GDN_ROW_U GDN_U
+#endif
 #define GDN_TOK 4   /* tokens whose sequential double sums run side by side (independent chains) */
 /* State rows the delta rule's first read of a block prefetches ahead (16 KiB at dv = 128): rows dv floats apart,
  * a part of each read, are a pattern the hardware prefetchers follow late when a decode step streams the state
@@ -194,7 +202,8 @@ static void gdn_inputs(void *ctx, size_t c)
 /* The delta rule on state columns [c0, c0 + U lanes of T) of v-head h through the n tokens; T is a
  * native vector of floats or float. Per token (S read as stored, dk rows of dv): r = S^T k, sq = S^T q
  * (float, rows in order from +0), d = beta (v - decay r), o = decay sq + d (k.q), which is S_new^T q
- * for S_new = decay S + k d^T; S_new is written in the pass that reads it for the next token's r, sq. */
+ * for S_new = decay S + k d^T; S_new is written in the pass that reads it for the next token's r, sq (the last
+ * token's pass only writes it). */
 #define GDN_DEFINE_COLS(NAME, T, U)                                                                          \
     static void NAME(const gdn_ctx *x, size_t h, size_t c0)                                                  \
     {                                                                                                        \
@@ -231,13 +240,16 @@ static void gdn_inputs(void *ctx, size_t c)
                     memcpy(&row, S + i * dv + e * w, sizeof row);                                            \
                     row = decay * row + k[i] * d[e];                                                         \
                     memcpy(S + i * dv + e * w, &row, sizeof row);                                            \
-                    r[e] = r[e] + row * kn[i];                                                               \
-                    sq[e] = sq[e] + row * qn[i];                                                             \
+                    if (more) {                                                                              \
+                        r[e] = r[e] + row * kn[i];                                                           \
+                        sq[e] = sq[e] + row * qn[i];                                                         \
+                    }                                                                                        \
                 }                                                                                            \
         }                                                                                                    \
     }
 
 GDN_DEFINE_COLS(gdn_cols_wide, gdn_vn, GDN_U)
+GDN_DEFINE_COLS(gdn_cols_row, gdn_vn, GDN_ROW_U)
 GDN_DEFINE_COLS(gdn_cols_vec, gdn_vn, 1)
 GDN_DEFINE_COLS(gdn_cols_1, float, 1)
 
@@ -277,6 +289,8 @@ static void gdn_head(void *ctx, size_t h)
             x->kq[(t0 + t) * nv + h] = (float)kq[t];
     }
     size_t c = 0;
+    for (; x->n == 1 && c + GDN_ROW_U * GDN_LANES <= dv; c += GDN_ROW_U * GDN_LANES)
+        gdn_cols_row(x, h, c);
     for (; c + GDN_U * GDN_LANES <= dv; c += GDN_U * GDN_LANES)
         gdn_cols_wide(x, h, c);
     for (; c + GDN_LANES <= dv; c += GDN_LANES)
