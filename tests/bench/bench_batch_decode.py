@@ -21,7 +21,9 @@ batched step, 4 on the per-hook path, 2 and 8 streams (order reversed every othe
 median (min) wall and process CPU ms per step of each and its aggregate against the single stream.
 ``--profile N`` instead times ``--ntg`` steps of N streams: the native step (one C call per step) as a whole,
 then the per-hook path by stage (the model's hooks wrapped): wall and process CPU ms per step of the dense
-products, the LM head, the GDN recurrence, attention, the MoE, the rest.
+products, the LM head, the GDN recurrence, attention, the MoE, the rest; then the bytes a step moves (``moved``):
+the weights (the routed experts as many as the step's rows chose, counted per layer) and each row's delta-rule
+state read and written, against one stream's token, and the ratio those bytes bound N streams' aggregate to.
 """
 
 from __future__ import annotations
@@ -40,7 +42,7 @@ from engine.api_types import EngineOptions
 from engine.arch.qwen35.cpu import NativeQwen35Model
 from engine.kernels import cpu
 from engine.placement import weights_mode
-from engine.registry import open_text
+from engine.registry import LoadedText, open_text
 from engine.turn.state import SequenceState
 
 STREAMS = (1, 2, 4, 8)
@@ -84,7 +86,24 @@ def llama(binary: str, gguf: str, npp: int, ntg: int, threads: int) -> dict[int,
     return rows
 
 
-def profile(model: NativeQwen35Model, states: list[SequenceState], n: int, ntg: int) -> None:
+def moved(text: LoadedText, state: SequenceState, distinct: list[int], n: int) -> tuple[float, float]:
+    """(bytes a step of n rows moves, bytes one row alone moves): the weights as
+    :meth:`~engine.registry.LoadedText.bytes_per_token` counts them but the routed experts, those ``distinct`` (per
+    MoE layer and step, in the order run) gave, n_expert_used each alone; plus each row's recurrent state read
+    and written (state.ssm, 2 x its bytes)."""
+    f, hp = text.file, text.hparams
+    per_expert = [sum(f.info(name).nbytes // f.info(name).ne[2] for name in text.arch.tensor_shapes(hp)
+                      if f.has(name) and name.startswith(f"blk.{il}.") and len(f.info(name).ne) == 3)
+                  for il in range(hp.n_layer)]
+    moe_layers = [b for b in per_expert if b]
+    routed = sum(b * hp.n_expert_used for b in moe_layers)
+    state_rw = 2 * sum(a.nbytes for a in state.ssm.values())
+    steps = len(distinct) // len(moe_layers)
+    chosen = sum(c * moe_layers[i % len(moe_layers)] for i, c in enumerate(distinct)) / steps
+    return text.bytes_per_token() - routed + chosen + n * state_rw, text.bytes_per_token() + state_rw
+
+
+def profile(model: NativeQwen35Model, text: LoadedText, states: list[SequenceState], n: int, ntg: int) -> None:
     """Print wall / process CPU ms per batched step of n streams: the native step whole, the hooks' stages."""
     t0, c0 = time.perf_counter(), time.process_time()
     ours(model, states, n, ntg, seed=1)
@@ -109,7 +128,17 @@ def profile(model: NativeQwen35Model, states: list[SequenceState], n: int, ntg: 
     model.linear = timed(lambda x, name: "LM head" if name == model.output_name else "dense products", model.linear)
     model.delta_rule = timed("GDN recurrence", model.delta_rule)
     model.attend = timed("attention", model.attend)
-    model.moe = timed("MoE (router, experts, shared expert)", model.moe)
+    distinct: list[int] = []
+    moe = model.moe
+
+    def routed(il, y, cb):
+        def seen(name, layer, value):
+            if name == "ffn_moe_topk":
+                distinct.append(len(np.unique(value)))
+            cb(name, layer, value)
+        return moe(il, y, seen)
+
+    model.moe = timed("MoE (router, experts, shared expert)", routed)
     t0, c0 = time.perf_counter(), time.process_time()
     ours(model, states, n, ntg, seed=1)
     spent["rest (norms, RoPE, KV append, Python)"] = [time.perf_counter() - t0 - sum(v[0] for v in spent.values()),
@@ -117,6 +146,10 @@ def profile(model: NativeQwen35Model, states: list[SequenceState], n: int, ntg: 
     print(f"N = {n}, {ntg} steps, load {os.getloadavg()[0]:.2f}: stage | wall ms/step | process CPU ms/step")
     for name, (wall, cpu_s) in spent.items():
         print(f"{name} | {wall * 1e3 / ntg:.1f} | {cpu_s * 1e3 / ntg:.1f}")
+    step, one = moved(text, states[0], distinct, n)
+    print(f"moved a step: {step / 2**20:.0f} MiB ({statistics.mean(distinct):.1f} routed experts a layer); one "
+          f"stream's token: {one / 2**20:.0f} MiB; bound on the aggregate of {n} streams / one stream: "
+          f"{n * one / step:.2f}x")
 
 
 def pairs(model: NativeQwen35Model, states: list[SequenceState], rounds: int, ntg: int) -> None:
@@ -167,7 +200,7 @@ def main() -> None:
     states = streams(model, args.npp, args.ntg)
     ours(model, states, 2, 2, seed=99)     # warm-up: pages and pool
     if args.profile:
-        profile(model, states, args.profile, args.ntg)
+        profile(model, gguf, states, args.profile, args.ntg)
         return
     if args.pairs:
         pairs(model, states, args.pairs, args.ntg)

@@ -89,7 +89,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("builds", help="comma-separated paths of _native_cpu.abi3.so copies; the first is the base")
     ap.add_argument("--type", default="q4_0", help="weight type, a GGML name (q4_0, q8_0, q4_k, q5_k, q6_k, ...)")
-    ap.add_argument("--mib", type=int, default=1024, help="matrix size in MiB")
+    ap.add_argument("--mib", type=float, default=1024, help="matrix size in MiB (0.25: in a 1 MiB L2)")
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--rounds", type=int, default=7)
     ap.add_argument("--isa", type=int, default=-1, help="DD_ISA_* level (default: the best this CPU runs)")
@@ -113,7 +113,7 @@ def main() -> None:
     if kernel is None:
         raise SystemExit(f"{args.type}: no native kernel reads this type as stored")
     k = args.k
-    rows = args.mib * 2**20 // quant.row_bytes(qtype, k)
+    rows = int(args.mib * 2**20) // quant.row_bytes(qtype, k)
     rng = np.random.default_rng(0)
     w = random_blocks(qtype, rows, k, rng)
     x = rng.standard_normal((args.cols, k)).astype(np.float32) + np.float32(0.1)
@@ -136,7 +136,7 @@ def main() -> None:
                 if any(rcs):
                     raise SystemExit(f"the product returned {max(rcs, key=abs)}")
     same = all(np.array_equal(outs[0].view(np.uint32), o.view(np.uint32)) for o in outs[1:])
-    print(f"{args.type} {w.nbytes / 2**20:.0f} MiB (k={k}), isa {isa}, {args.threads} thread(s), {args.rounds} "
+    print(f"{args.type} {w.nbytes / 2**20:.3g} MiB (k={k}), isa {isa}, {args.threads} thread(s), {args.rounds} "
           f"rounds, {args.cols} column(s), {'CPU' if args.cpu else 'wall'} time, load {load_before:.2f} -> "
           f"{os.getloadavg()[0]:.2f}; same bits: {same}")
     blocks = rows * k / quant.TYPES[qtype].block_values
