@@ -19,11 +19,9 @@ their min-max, aggregate and per-stream, the ratio of the medians, and the 1-min
 ``--pairs R`` instead runs R interleaved rounds of ``--ntg`` steps each of 1 stream, 4 streams on the native
 batched step, 4 on the per-hook path, 2 and 8 streams (order reversed every other round), and prints the
 median (min) wall and process CPU ms per step of each and its aggregate against the single stream.
-``--profile N`` instead times ``--ntg`` steps of N streams: the native step (one C call per step) as a whole,
-then the per-hook path by stage (the model's hooks wrapped): wall and process CPU ms per step of the dense
-products, the LM head, the GDN recurrence, attention, the MoE, the rest; then the bytes a step moves (``moved``):
-the weights (the routed experts as many as the step's rows chose, counted per layer) and each row's delta-rule
-state read and written, against one stream's token, and the ratio those bytes bound N streams' aggregate to.
+``--profile N`` instead times ``--ntg`` steps of N streams: the native step as a whole, then the per-hook path
+by stage (wall and process CPU ms per step of the dense products, LM head, GDN, attention, MoE, the rest), then
+the bytes a step moves against one stream's token and the aggregate ratio they allow (:func:`moved`).
 """
 
 from __future__ import annotations
@@ -88,9 +86,11 @@ def llama(binary: str, gguf: str, npp: int, ntg: int, threads: int) -> dict[int,
 
 def moved(text: LoadedText, state: SequenceState, distinct: list[int], n: int) -> tuple[float, float]:
     """(bytes a step of n rows moves, bytes one row alone moves): the weights as
-    :meth:`~engine.registry.LoadedText.bytes_per_token` counts them but the routed experts, those ``distinct`` (per
-    MoE layer and step, in the order run) gave, n_expert_used each alone; plus each row's recurrent state read
-    and written (state.ssm, 2 x its bytes)."""
+    :meth:`~engine.registry.LoadedText.bytes_per_token` counts them but the routed experts, as many as
+    ``distinct`` gives (the experts a step's rows chose, per MoE layer and step in the order run; one row alone:
+    n_expert_used), plus each row's recurrent state read and written (2 x state.ssm's bytes); the KV cache read
+    (small at a short context) is left out. At one read rate n streams give at most n x one / step one stream's
+    aggregate (docs/design/batched-decode.md, "What the bytes allow")."""
     f, hp = text.file, text.hparams
     per_expert = [sum(f.info(name).nbytes // f.info(name).ne[2] for name in text.arch.tensor_shapes(hp)
                       if f.has(name) and name.startswith(f"blk.{il}.") and len(f.info(name).ne) == 3)
