@@ -136,7 +136,7 @@ def main() -> None:
                 if any(rcs):
                     raise SystemExit(f"the product returned {max(rcs, key=abs)}")
     same = all(np.array_equal(outs[0].view(np.uint32), o.view(np.uint32)) for o in outs[1:])
-    print(f"{args.type} {w.nbytes / 2**20:.3g} MiB (k={k}), isa {isa}, {args.threads} thread(s), {args.rounds} "
+    print(f"{args.type} {w.nbytes / 2**20:.4g} MiB (k={k}), isa {isa}, {args.threads} thread(s), {args.rounds} "
           f"rounds, {args.cols} column(s), {'CPU' if args.cpu else 'wall'} time, load {load_before:.2f} -> "
           f"{os.getloadavg()[0]:.2f}; same bits: {same}")
     blocks = rows * k / quant.TYPES[qtype].block_values
