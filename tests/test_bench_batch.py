@@ -36,3 +36,11 @@ def test_a_step_counts_the_chosen_experts_and_each_rows_state(synth_model):
     step, one = moved(text, state, every, 3)
     extra = (hp.n_expert - hp.n_expert_used) * sum(layers) / 2
     assert step == one + extra + 2 * state_rw
+
+
+def test_a_dense_model_moves_its_weights_once_and_each_rows_state(synth_model):
+    text = open_text(synth_model("dense-tiny", "q8_0"))
+    state = SequenceState.new(text.hparams, 8)
+    state_rw = 2 * sum(a.nbytes for a in state.ssm.values())
+    step, one = moved(text, state, [], 4)
+    assert one == text.bytes_per_token() + state_rw and step == one + 3 * state_rw

@@ -98,7 +98,7 @@ def moved(text: LoadedText, state: SequenceState, distinct: list[int], n: int) -
     moe_layers = [b for b in per_expert if b]
     routed = sum(b * hp.n_expert_used for b in moe_layers)
     state_rw = 2 * sum(a.nbytes for a in state.ssm.values())
-    steps = len(distinct) // len(moe_layers)
+    steps = len(distinct) // len(moe_layers) if moe_layers else 1
     chosen = sum(c * moe_layers[i % len(moe_layers)] for i, c in enumerate(distinct)) / steps
     return text.bytes_per_token() - routed + chosen + n * state_rw, text.bytes_per_token() + state_rw
 
@@ -147,7 +147,8 @@ def profile(model: NativeQwen35Model, text: LoadedText, states: list[SequenceSta
     for name, (wall, cpu_s) in spent.items():
         print(f"{name} | {wall * 1e3 / ntg:.1f} | {cpu_s * 1e3 / ntg:.1f}")
     step, one = moved(text, states[0], distinct, n)
-    print(f"moved a step: {step / 2**20:.0f} MiB ({statistics.mean(distinct):.1f} routed experts a layer); one "
+    experts = f" ({statistics.mean(distinct):.1f} routed experts a layer)" if distinct else ""
+    print(f"moved a step: {step / 2**20:.0f} MiB{experts}; one "
           f"stream's token: {one / 2**20:.0f} MiB; bound on the aggregate of {n} streams / one stream: "
           f"{n * one / step:.2f}x")
 
