@@ -433,6 +433,25 @@ def test_read_bandwidth_is_measured():
     cpu.set_threads()
 
 
+def test_read_bandwidth_buffer_in_small_pages(monkeypatch):
+    """The probe's buffer takes no 2 MiB pages while it is read (where the OS would give them to a madvised
+    buffer, numpy's default) and is unmapped after the call."""
+    from engine.tools.cpu_bench import huge_pages, memory
+    try:
+        thp = open("/sys/kernel/mm/transparent_hugepage/enabled").read()
+    except OSError:
+        thp = "[never]"
+    if "[never]" in thp or huge_pages() is None:
+        pytest.skip("no transparent huge pages here: every buffer is in small pages")
+    seen = []
+    timed = cpu.best_seconds
+    monkeypatch.setattr(cpu, "best_seconds", lambda fn, repeats: seen.append(huge_pages()) or timed(fn, repeats))
+    before, rss = huge_pages(), memory()["rss"]
+    assert cpu.read_bandwidth(64 << 20, repeats=1) > 0
+    assert seen and max(seen) - before < 2 << 20
+    assert memory()["rss"] - rss < 32 << 20
+
+
 def test_physical_cores_and_threads():
     assert 1 <= cpu.physical_cores() <= len(__import__("os").sched_getaffinity(0))
     assert cpu.set_threads(3) == cpu.threads() == 3

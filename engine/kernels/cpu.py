@@ -12,6 +12,7 @@ or :func:`set_isa` says otherwise. Design: docs/design/native-cpu.md (block layo
 from __future__ import annotations
 
 import functools
+import mmap
 import os
 import time
 import warnings
@@ -393,8 +394,15 @@ def read_bandwidth(nbytes: int = 1 << 30, repeats: int = 3) -> float:
     This is the roofline decode is compared with. Native: each thread reads its 1 MiB chunks as 1, 2, 4 and
     8 interleaved runs of 64-bit loads and the fastest pattern counts (which is fastest differs by CPU;
     docs/perf/log/cpu-notes.md "The stream read"); numpy fallback: a numpy sum over the buffer (one thread).
+    The buffer is a private map in 4 KiB pages (``MADV_NOHUGEPAGE`` where the OS has it): a GiB of fresh 2 MiB
+    pages, numpy's default, left the next prompt slower (docs/perf/log/probe-2026-12-07.md).
     """
-    buf = np.ones(max(64, nbytes) // 8, dtype=np.uint64)
+    region = mmap.mmap(-1, max(64, nbytes) // 8 * 8)   # unmapped when the last view of it goes
+    advice = getattr(mmap, "MADV_NOHUGEPAGE", None)
+    if advice is not None:
+        region.madvise(advice)
+    buf = np.frombuffer(region, dtype=np.uint64)
+    buf[:] = 1
     if _native_cpu is None:
         return buf.nbytes / best_seconds(buf.sum, repeats) / 1e9
     ptr = _ptr(_native_cpu.ffi, "uint8_t *", buf)
