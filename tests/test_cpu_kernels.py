@@ -306,21 +306,22 @@ def one_step_bound(x, w, res) -> np.ndarray:
     return np.max(terms, axis=0)
 
 
-@pytest.mark.skipif(not cpu.available(), reason="native CPU kernels not built")
-def test_moe_swiglu_against_float64_and_alone(rng):
-    """dd_moe_swiglu, the experts' SwiGLU: within 16 ulp of g sigmoid(g) u in float64 (e = e^-|g| by its
-    polynomial and scaling <= 6 ulp, entering twice below 0 (g e and 1 + e), then the multiply, the add, the
-    divide and the multiply one rounding each; results in the subnormal range within 2^-126), the same bits for
-    a value alone as in a long row's body or tail, and the float limits: silu(+inf) = +inf, silu(-inf) = NaN
-    (-inf times e^-inf = 0), NaN in NaN out, e^-|g| past the float range to zero."""
+@pytest.mark.parametrize("level", LEVELS, indirect=True)
+def test_moe_swiglu_against_float64_and_alone(rng, level):
+    """dd_moe_swiglu, the experts' SwiGLU, at each ISA level (its own vector width): within 16 ulp of g sigmoid(g)
+    u in float64 (e = e^-|g| by its polynomial and scaling <= 6 ulp, entering twice below 0 (g e and 1 + e), then
+    the multiply, the add, the divide and the multiply one rounding each; results in the subnormal range within
+    2^-126), the same bits for a value alone as in a long row's body or tail and as the scalar level's, and the
+    float limits: silu(+inf) = +inf, silu(-inf) = NaN (-inf times e^-inf = 0), NaN in NaN out, e^-|g| past the
+    float range to zero."""
     from engine import _native_cpu
     ffi, lib = _native_cpu.ffi, _native_cpu.lib
 
-    def swiglu(g, u):
+    def swiglu(g, u, isa=cpu.ISA_LEVELS.index(level)):
         g, u = np.ascontiguousarray(g, np.float32), np.ascontiguousarray(u, np.float32)
         h = np.empty_like(g)
-        lib.dd_moe_swiglu(ffi.from_buffer("float[]", g), ffi.from_buffer("float[]", u), g.size,
-                          ffi.from_buffer("float[]", h))
+        assert lib.dd_moe_swiglu(isa, ffi.from_buffer("float[]", g), ffi.from_buffer("float[]", u), g.size,
+                                 ffi.from_buffer("float[]", h)) == 0
         return h
 
     n = 8 * 257 + 5
@@ -334,6 +335,7 @@ def test_moe_swiglu_against_float64_and_alone(rng):
     at = [*range(0, n, 97), n - 1]   # body lanes and the last value (the padded tail's)
     alone = np.array([swiglu(g[i:i + 1], u[i:i + 1])[0] for i in at], np.float32)
     assert np.array_equal(alone.view(np.uint32), got[at].view(np.uint32))
+    assert np.array_equal(swiglu(g, u, isa=0).view(np.uint32), got.view(np.uint32))
     special = np.array([np.inf, -np.inf, np.nan, 0.0, -0.0, 150.0, -150.0, 1e30, -1e30], np.float32)
     h = swiglu(special, np.ones_like(special))
     assert h[0] == np.inf and np.isnan(h[1]) and np.isnan(h[2]) and h[3] == 0 and h[4] == 0

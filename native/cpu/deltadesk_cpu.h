@@ -321,8 +321,9 @@ int dd_rmsnorm_rows(const float *x, const float *w, size_t n, size_t d, double e
  * nearest, ln2 in two parts, |r| <= ln2 / 2), p the Taylor polynomial of degree 7 (truncation < 2^-27
  * relative), 2^n from two exponent fields, x clamped at -104 (e^x below the smallest subnormal); silu(-inf) is
  * NaN (-inf times 0), NaN stays NaN. Every element by the same IEEE float operations, so the bits do not
- * depend on n, the position or the vector width. */
-void dd_moe_swiglu(const float *g, const float *u, size_t n, float *h);
+ * depend on n, the position, the vector width or the ISA level (isa: DD_ISA_*; DD_ERR_ISA if it is not built or
+ * this CPU lacks it). */
+int dd_moe_swiglu(int isa, const float *g, const float *u, size_t n, float *h);
 
 /* y[i] = f32(silu(g[i])) * u[i], silu(x) = x sigmoid(x) in f64 (engine.ops.reference.silu's arithmetic,
  * libm's exp): the dense FFN's gate of the decode step and of the per-hook path alike. */

@@ -59,50 +59,13 @@ static expert *expert_of(moe_job *j, size_t chunk, int down)
     return &j->ex[i];
 }
 
-typedef float swiglu_vf __attribute__((vector_size(16)));
-typedef int32_t swiglu_vi __attribute__((vector_size(16)));
-typedef uint32_t swiglu_vu __attribute__((vector_size(16)));
-
-/* dd_moe_swiglu (deltadesk_cpu.h) of 4 values: vector extensions of SSE2's width (wider ones lose their
- * compares to scalar code there), lane-wise IEEE float and int32 operations only (contraction off, build.py). */
-static inline __attribute__((always_inline)) swiglu_vf swiglu4(swiglu_vf g, swiglu_vf u)
+int dd_moe_swiglu(int isa, const float *g, const float *u, size_t n, float *h)
 {
-    const swiglu_vf magic = (swiglu_vf){ 0 } + 12582912.0f;   /* 1.5 * 2^23: adding it rounds to an integer */
-    const swiglu_vf lo = (swiglu_vf){ 0 } - 104.0f;
-    const swiglu_vi neg = g < 0.0f;
-    swiglu_vf x = (swiglu_vf)((swiglu_vi)g | ((swiglu_vi){ 0 } + INT32_MIN));   /* -|g|: e^x <= 1 */
-    const swiglu_vi under = x < lo;                                              /* NaN: false */
-    x = (swiglu_vf)(((swiglu_vi)x & ~under) | ((swiglu_vi)lo & under));
-    const swiglu_vf t = x * 1.44269504f + magic, n = t - magic;
-    const swiglu_vf r = (x - n * 0.693359375f) - n * -2.12194440e-4f;   /* ln2 = 0.693359375 - 2.12194440e-4 */
-    swiglu_vf p = (swiglu_vf){ 0 } + 1.0f / 5040.0f;
-    static const float c[7] = { 1.0f / 720.0f, 1.0f / 120.0f, 1.0f / 24.0f, 1.0f / 6.0f, 0.5f, 1.0f, 1.0f };
-    for (int i = 0; i < 7; i++)
-        p = p * r + c[i];
-    const swiglu_vi ni = (swiglu_vi)t - (swiglu_vi)magic, n1 = ni >> 1;   /* n in [-150, 0]: two normal halves */
-    /* unsigned shifts: a NaN lane's n is garbage, and its result NaN whatever the scale */
-    const swiglu_vf e = p * (swiglu_vf)((swiglu_vu)(n1 + 127) << 23) * (swiglu_vf)((swiglu_vu)(ni - n1 + 127) << 23);
-    const swiglu_vf num = (swiglu_vf)(((swiglu_vi)(g * e) & neg) | ((swiglu_vi)g & ~neg));
-    return num / (1.0f + e) * u;   /* g sigmoid(g) u: g / (1 + e^-g) for g >= 0, g e^g / (1 + e^g) below */
-}
-
-void dd_moe_swiglu(const float *g, const float *u, size_t n, float *h)
-{
-    size_t i = 0;
-    for (; i + 4 <= n; i += 4) {
-        swiglu_vf gv, uv;
-        memcpy(&gv, g + i, sizeof gv);
-        memcpy(&uv, u + i, sizeof uv);
-        const swiglu_vf hv = swiglu4(gv, uv);
-        memcpy(h + i, &hv, sizeof hv);
-    }
-    if (i < n) {   /* the last 1-3 values, padded with zeros */
-        swiglu_vf gv = { 0 }, uv = { 0 };
-        memcpy(&gv, g + i, (n - i) * sizeof(float));
-        memcpy(&uv, u + i, (n - i) * sizeof(float));
-        const swiglu_vf hv = swiglu4(gv, uv);
-        memcpy(h + i, &hv, (n - i) * sizeof(float));
-    }
+    const dd_kernels *kt = dd_kernels_for(isa);
+    if (kt == NULL)
+        return DD_ERR_ISA;
+    kt->swiglu(g, u, n, h);
+    return DD_OK;
 }
 
 /* A chunk of one expert's gate and up rows, then SwiGLU on them. */
@@ -115,7 +78,7 @@ static void gate_up_chunk(void *ctx, size_t chunk)
     const size_t rbg = row_bytes(d, e->gate_type), rbu = row_bytes(d, e->up_type);
     j->kt->gemm[e->gate_type](e->gate + r0 * rbg, rbg, r1 - r0, e->ff - r0, j->xacts, e->g + r0, e->ff);
     j->kt->gemm[e->up_type](e->up + r0 * rbu, rbu, r1 - r0, e->ff - r0, j->xacts, e->u + r0, e->ff);
-    dd_moe_swiglu(e->g + r0, e->u + r0, r1 - r0, e->h + r0);
+    j->kt->swiglu(e->g + r0, e->u + r0, r1 - r0, e->h + r0);
 }
 
 /* A chunk of one expert's down rows. */

@@ -177,7 +177,7 @@ static void prefill_gate_up_chunk(void *ctx, size_t chunk)
     j->kt->gemm[gr->gate_type](gr->gate + r0 * rbg, rbg, r1 - r0, ff - r0, &gr->xacts, gr->g + r0, ff);
     j->kt->gemm[gr->up_type](gr->up + r0 * rbu, rbu, r1 - r0, ff - r0, &gr->xacts, gr->u + r0, ff);
     for (size_t c = 0; c < gr->count; c++)
-        dd_moe_swiglu(gr->g + c * ff + r0, gr->u + c * ff + r0, r1 - r0, gr->h + c * ff + r0);
+        j->kt->swiglu(gr->g + c * ff + r0, gr->u + c * ff + r0, r1 - r0, gr->h + c * ff + r0);
 }
 
 static void prefill_quantize_h(void *ctx, size_t chunk)

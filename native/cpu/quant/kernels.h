@@ -170,6 +170,8 @@ typedef struct {
      * dot by the same instruction sequence wherever it falls, so a token's logits do not depend on nw, nx
      * or the other tokens: a prefill chunk gets the bits of the one-token call. */
     void (*dots_f32)(const float *w, size_t nw, const float *x, size_t nx, size_t n, float *out, size_t ldo);
+    /* dd_moe_swiglu (deltadesk_cpu.h) at the level's vector width (swiglu.h): the same bits on every level. */
+    void (*swiglu)(const float *g, const float *u, size_t n, float *h);
 } dd_kernels;
 
 /* A dots_f32 of one dot at a time: NAME runs DOT (float DOT(const float *w_row, const float *x_row, size_t n))

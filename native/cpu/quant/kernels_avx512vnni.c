@@ -10,6 +10,7 @@
 
 #include "gemm_tiles.h"
 #include "kernels.h"
+#include "swiglu.h"
 #include "k_lanes.h"
 #include "q4k_interleave.h"
 #include "runtime.h"
@@ -348,6 +349,8 @@ static void dots_f32(const float *w, size_t nw, const float *x, size_t nx, size_
 #define DD_BF16_COLS 4
 #include "bf16.h"
 
+DD_SWIGLU_DEFINE(swiglu, 16)
+
 const dd_kernels dd_kernels_avx512vnni = {
     .quantize_q8_0 = quantize_q8_0,
     .gemm = { gemm_q4_0, gemm_q8_0, gemm_q4_K, gemm_q5_K, gemm_q6_K, DD_BQ_GEMMS, DD_LB_GEMMS, DD_IQ_GEMMS, gemm_mxfp4, gemm_bf16, gemm_f16,
@@ -355,4 +358,5 @@ const dd_kernels dd_kernels_avx512vnni = {
     .bias_mult = { 0, 0 },
     .q4_0_groups = 1,
     .dots_f32 = dots_f32,
+    .swiglu = swiglu,
 };

@@ -2,6 +2,7 @@
 #include <math.h>
 
 #include "kernels.h"
+#include "swiglu.h"
 #include "k_lanes.h"
 #include "q4k_interleave.h"
 
@@ -118,10 +119,13 @@ DD_DEFINE_GEMM_Q4_K_IL(gemm_q4_k_il, gemm_q4_K, NULL, NULL)
 DD_DEFINE_GEMM_RL(gemm_q2_k_rl, gemm_q2_K, dd_q2_k_rl_unpack_groups)
 DD_DEFINE_GEMM_RL(gemm_q3_k_rl, gemm_q3_K, dd_q3_k_rl_unpack_groups)
 
+DD_SWIGLU_DEFINE(swiglu, 4)
+
 const dd_kernels dd_kernels_scalar = {
     .quantize_q8_0 = quantize_q8_0,
     .gemm = { gemm_q4_0, gemm_q8_0, gemm_q4_K, gemm_q5_K, gemm_q6_K, DD_BQ_GEMMS, DD_LB_GEMMS, DD_IQ_GEMMS, gemm_mxfp4, gemm_bf16, gemm_f16,
               gemm_q4_0_il, gemm_mxfp4_il, gemm_q4_k_il, gemm_q2_k_rl, gemm_q3_k_rl },
     .bias_mult = { 0, 0 },
     .dots_f32 = dots_f32,
+    .swiglu = swiglu,
 };

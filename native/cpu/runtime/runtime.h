@@ -146,7 +146,5 @@ static inline size_t dd_row_bytes(int wtype, size_t k)
 #define DD_MOE_MAX_USED 64
 int dd_moe_valid(const dd_moe_weights *w);
 void dd_moe_route(const float *logits, size_t n_expert, size_t n_used, int32_t *sel, float *weights, float *p);
-/* The experts' SwiGLU (moe.c), shared by both calls so a token gets the same bits in either. */
-void dd_moe_swiglu(const float *g, const float *u, size_t n, float *h);
 
 #endif
