@@ -3,21 +3,21 @@
     python tests/bench/bench_gemv_ab.py OLD.so,NEW.so [--type q4_0] [--mib 1024] [--threads 1] [--rounds 7]
         [--isa 3] [--cols 1] [--k 2048] [--cpu] [--interleaved] [--repeat 1]
 
-Each argument is a copy of ``engine/_native_cpu.abi3.so`` (copy a build aside before rebuilding). The
-script loads every copy with ctypes and times ``dd_matmul`` with one activation row (decode's shape) on one
-random matrix of --mib MiB of the given weight type, k = --k values a row (bench_kernels.random_blocks: random bytes,
-every f16 scale 0.01), far larger than the caches, so the weights come from DRAM as an LM head's do. The
-builds run interleaved round by round on the same inputs. It prints each build's median wall-clock read
-rate in GB/s with the spread, the same in the calling thread's CPU time (all the work at --threads 1, so
-a rate less disturbed by a busy machine), whether every build gave the same output bits, and the load average
-before and after (figures from a loaded machine are not final). ``--cols 32`` times prefill's shape instead
-(32 activation rows, an expert's share of a 512-token prompt) and reports GMAC/s; use a small --mib then,
-so the product is bound by the kernel, not by DRAM, and ``--repeat`` calls per timed sample. ``--cpu`` times
-process CPU time instead of wall time (less disturbed by a loaded machine; with --threads 1 it is the kernel's
-own time). Each build's median milliseconds per call are printed beside its rate, and the calling thread's CPU
-time per block of the type (a K-quant's super-block). ``--interleaved`` (Q4_0, MXFP4, Q4_K, Q2_K, Q3_K) adds,
-for each build, a second row:
-``dd_matmul`` of the row-grouped layout's kernel type (``DD_Q4_0_IL``, ``DD_MXFP4_IL``, ``DD_Q4_K_IL``,
+Each argument is a copy of ``engine/_native_cpu.abi3.so`` (copy a build aside before rebuilding). The script loads
+every copy with ctypes and times ``dd_matmul`` with one activation row (decode's shape) on one random matrix of
+--mib MiB of the given weight type, k = --k values a row (bench_kernels.random_blocks: random bytes, every f16
+scale 0.01), far larger than the caches, so the weights come from DRAM as an LM head's do. The builds run
+interleaved round by round on the same inputs. It prints each build's median wall-clock read rate in GB/s with the
+spread, the same in the calling thread's CPU time (all the work at --threads 1, so a rate less disturbed by a busy
+machine), each later build's speed against the first's round by round (the median and quartiles of the rounds'
+ratios: a drift of the machine between rounds cancels), whether every build gave the same output bits, and the load
+average before and after (figures from a loaded machine are not final). ``--cols 32`` times prefill's shape instead
+(32 activation rows, an expert's share of a 512-token prompt) and reports GMAC/s; use a small --mib then, so the
+product is bound by the kernel, not by DRAM, and ``--repeat`` calls per timed sample. ``--cpu`` times process CPU
+time instead of wall time (less disturbed by a loaded machine; with --threads 1 it is the kernel's own time). Each
+build's median milliseconds per call are printed beside its rate, and the calling thread's CPU time per block of
+the type (a K-quant's super-block). ``--interleaved`` (Q4_0, MXFP4, Q4_K, Q2_K, Q3_K) adds, for each build, a
+second row: ``dd_matmul`` of the row-grouped layout's kernel type (``DD_Q4_0_IL``, ``DD_MXFP4_IL``, ``DD_Q4_K_IL``,
 ``DD_Q2_K_RL``, ``DD_Q3_K_RL``) on a copy of the matrix repacked by ``dd_q4_0_interleave``
 (``dd_mxfp4_interleave``, ``dd_q4_k_interleave``, ``dd_q2_k_rl_pack``, ``dd_q3_k_rl_pack``;
 docs/design/q4-0-row-interleave.md, mxfp4-interleave.md, q4-k-row-interleave.md, quant-formats.md), timed in the
@@ -141,11 +141,22 @@ def main() -> None:
           f"{os.getloadavg()[0]:.2f}; same bits: {same}")
     blocks = rows * k / quant.TYPES[qtype].block_values
     per_s, unit = (w.nbytes / 1e9, "GB/s") if args.cols == 1 else (rows * k * args.cols / 1e9, "GMAC/s")
-    for path, t, c in zip(labels, times, cpu_times):
+    per_build = len(calls) // len(paths)   # 2 with --interleaved: each build's row-major and repacked product
+    for i, (path, t, c) in enumerate(zip(labels, times, cpu_times)):
         rates, cpu_rates = [per_s / s for s in t], [per_s / s for s in c]
         print(f"  {path}: median {statistics.median(rates):.1f} {unit} ({min(rates):.1f}-{max(rates):.1f}), "
               f"{statistics.median(t) * 1e3:.1f} ms; calling thread CPU {statistics.median(cpu_rates):.1f} "
-              f"({min(cpu_rates):.1f}-{max(cpu_rates):.1f}), {statistics.median(c) * 1e9 / blocks:.2f} ns a block")
+              f"({min(cpu_rates):.1f}-{max(cpu_rates):.1f}), {statistics.median(c) * 1e9 / blocks:.2f} ns a block"
+              + ("" if i < per_build else f"; speed / {labels[i % per_build]}, round by round "
+                 f"{paired(times[i % per_build], t)}"))
+
+
+def paired(base: list[float], other: list[float]) -> str:
+    """Median (quartiles) of base[r] / other[r]: round r's speed ratio, both timed within the round, so a drift of
+    the machine between rounds (a shared VM's memory read moves by tens of percent) cancels."""
+    ratios = [b / o for b, o in zip(base, other)]
+    q = statistics.quantiles(ratios, n=4) if len(ratios) > 1 else ratios * 3
+    return f"{q[1]:.3f} ({q[0]:.3f}-{q[2]:.3f})"
 
 
 if __name__ == "__main__":
