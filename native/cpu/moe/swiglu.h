@@ -1,8 +1,8 @@
 /* The MoE experts' SwiGLU (dd_moe_swiglu in deltadesk_cpu.h) at a vector width of the including file's choice:
  * DD_SWIGLU_DEFINE(NAME, W) defines `static void NAME(const float *g, const float *u, size_t n, float *h)` on
  * GCC vectors of W floats. Every step is a lane-wise IEEE float or int32 operation (contraction off, build.py), so
- * each element's bits do not depend on W, n or its position: the portable levels take W = 4 (SSE2's width; wider
- * vectors lose their compares to scalar code there), the AVX-512 level W = 16. The tail is padded with zeros.
+ * each element's bits do not depend on W, n or its position: the scalar and SSSE3 levels take W = 4 (SSE2's width;
+ * wider vectors lose their compares to scalar code there), AVX2 8, AVX-512 16. The tail is padded with zeros.
  */
 #ifndef DELTADESK_SWIGLU_H
 #define DELTADESK_SWIGLU_H

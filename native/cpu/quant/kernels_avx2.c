@@ -168,7 +168,7 @@ DD_DEFINE_GEMM_Q4_K_IL(gemm_q4_k_il, gemm_q4_K, NULL, NULL)
 DD_DEFINE_GEMM_RL(gemm_q2_k_rl, gemm_q2_K, dd_q2_k_rl_unpack_groups)
 DD_DEFINE_GEMM_RL(gemm_q3_k_rl, gemm_q3_K, dd_q3_k_rl_unpack_groups)
 
-DD_SWIGLU_DEFINE(swiglu, 4)
+DD_SWIGLU_DEFINE(swiglu, 8)
 
 const dd_kernels dd_kernels_avx2 = {
     .quantize_q8_0 = quantize_q8_0,
