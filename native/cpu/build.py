@@ -43,7 +43,7 @@ HEADERS = ["deltadesk_cpu.h", "quant/kernels.h", "quant/gemm_tiles.h", "quant/kq
            "runtime/runtime.h", "attention/attn_kernel.h", "attention/attn_prefill.h", "attention/attn_prefill_avx2.h",
            "attention/attn_avx2.h", "gdn/gdn_kernel.h", "gdn/vexp.h", "vit/sgemm_kernel.h",
            "quant/q4_il_avx512.h", "quant/q4k_il_avx512.h", "quant/q2k_rl_avx512.h", "quant/k_lanes.h",
-           "quant/q4k_interleave.h", "quant/q4q8_tile.h"]
+           "quant/q4k_interleave.h", "quant/q4q8_tile.h", "quant/swiglu.h"]
 """Listed as the extension's dependencies, so that editing one (or an ISA file) rebuilds it."""
 
 X86_ISA_SOURCES = {
