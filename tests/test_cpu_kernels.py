@@ -14,7 +14,6 @@ the norm of those sums, the growth of roundings of random sign (assert_close).
 from __future__ import annotations
 
 import importlib.util
-import os
 import sys
 
 import numpy as np
@@ -434,45 +433,6 @@ def test_read_bandwidth_is_measured():
         cpu.set_threads(n)
         assert 0.1 < cpu.read_bandwidth(8 << 20, repeats=1) < 10_000
     cpu.set_threads()
-
-
-def _huge_bytes_in(address: int, size: int) -> int:
-    """AnonHugePages (bytes) of the mappings of /proc/self/smaps that overlap [address, address + size)."""
-    total, inside = 0, False
-    with open("/proc/self/smaps") as fh:
-        for line in fh:
-            head = line.split()[0]
-            if "-" in head and not head.endswith(":"):
-                lo, hi = (int(v, 16) for v in head.split("-"))
-                inside = lo < address + size and address < hi
-            elif inside and head == "AnonHugePages:":
-                total += int(line.split()[1]) << 10
-    return total
-
-
-@pytest.mark.skipif(not cpu.available(), reason="native CPU kernels not built")
-def test_read_bandwidth_buffer_in_small_pages(monkeypatch):
-    """The probe's buffer takes no 2 MiB pages while it is read (where the OS would give them to a madvised
-    buffer, numpy's default) and is unmapped after the call."""
-    from engine.tools.cpu_bench import memory
-    try:
-        thp = open("/sys/kernel/mm/transparent_hugepage/enabled").read()
-    except OSError:
-        thp = "[never]"
-    if "[never]" in thp or not os.path.exists("/proc/self/smaps"):
-        pytest.skip("no transparent huge pages here: every buffer is in small pages")
-    ffi, seen = cpu._native_cpu.ffi, []
-    timed = cpu.best_seconds
-
-    def watch(fn, repeats):
-        seen.append(_huge_bytes_in(int(ffi.cast("uintptr_t", fn.args[0])), fn.args[1]))
-        return timed(fn, repeats)
-
-    monkeypatch.setattr(cpu, "best_seconds", watch)
-    rss = memory()["rss"]
-    assert cpu.read_bandwidth(64 << 20, repeats=1) > 0
-    assert seen and seen == [0] * len(seen)
-    assert memory()["rss"] - rss < 32 << 20
 
 
 def test_physical_cores_and_threads():

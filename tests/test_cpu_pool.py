@@ -4,10 +4,13 @@ thread count, and a chunk's result does not depend on which thread ran it.
 The pool cuts a job into one contiguous home range of chunks per thread and lets a thread that has
 finished its own range claim chunks from the others' ranges; these tests use more threads than this
 machine has cores (so threads are preempted mid-job and ranges are taken over by others), thread counts
-that do not divide the chunk count, and jobs with fewer chunks than threads (empty home ranges).
+that do not divide the chunk count, and jobs with fewer chunks than threads (empty home ranges). The stream
+read that runs on the pool (dd_stream_read, read_bandwidth's probe) is checked here too.
 """
 
 from __future__ import annotations
+
+import os
 
 import numpy as np
 import pytest
@@ -63,3 +66,42 @@ def test_gemv_same_bits_for_any_thread_count(rows, qtype, rng):
         for _ in range(3):
             assert np.array_equal(mat(x[1:2]), want_vec), n
             assert np.array_equal(mat(x), want_mat), n
+
+
+def _huge_bytes_in(address: int, size: int) -> int:
+    """AnonHugePages (bytes) of the mappings of /proc/self/smaps that overlap [address, address + size)."""
+    total, inside = 0, False
+    with open("/proc/self/smaps") as fh:
+        for line in fh:
+            head = line.split()[0]
+            if "-" in head and not head.endswith(":"):
+                lo, hi = (int(v, 16) for v in head.split("-"))
+                inside = lo < address + size and address < hi
+            elif inside and head == "AnonHugePages:":
+                total += int(line.split()[1]) << 10
+    return total
+
+
+@pytest.mark.skipif(not cpu.available(), reason="native CPU kernels not built")
+def test_read_bandwidth_buffer_in_small_pages(monkeypatch):
+    """The probe's buffer takes no 2 MiB pages while it is read (where the OS would give them to a madvised
+    buffer, numpy's default) and is unmapped after the call."""
+    from engine.tools.cpu_bench import memory
+    try:
+        thp = open("/sys/kernel/mm/transparent_hugepage/enabled").read()
+    except OSError:
+        thp = "[never]"
+    if "[never]" in thp or not os.path.exists("/proc/self/smaps"):
+        pytest.skip("no transparent huge pages here: every buffer is in small pages")
+    ffi, seen = cpu._native_cpu.ffi, []
+    timed = cpu.best_seconds
+
+    def watch(fn, repeats):
+        seen.append(_huge_bytes_in(int(ffi.cast("uintptr_t", fn.args[0])), fn.args[1]))
+        return timed(fn, repeats)
+
+    monkeypatch.setattr(cpu, "best_seconds", watch)
+    rss = memory()["rss"]
+    assert cpu.read_bandwidth(64 << 20, repeats=1) > 0
+    assert seen and seen == [0] * len(seen)
+    assert memory()["rss"] - rss < 32 << 20
