@@ -11,6 +11,7 @@ read that runs on the pool (dd_stream_read, read_bandwidth's probe) is checked h
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -88,11 +89,11 @@ def test_read_bandwidth_buffer_in_small_pages(monkeypatch):
     buffer, numpy's default) and is unmapped after the call."""
     from engine.tools.cpu_bench import memory
     try:
-        thp = open("/sys/kernel/mm/transparent_hugepage/enabled").read()
+        thp = Path("/sys/kernel/mm/transparent_hugepage/enabled").read_text()
     except OSError:
         thp = "[never]"
     if "[never]" in thp or not os.path.exists("/proc/self/smaps"):
-        pytest.skip("no transparent huge pages here: every buffer is in small pages")
+        pytest.skip("no transparent huge pages (or no /proc/self/smaps) here: nothing to tell the pages apart")
     ffi, seen = cpu._native_cpu.ffi, []
     timed = cpu.best_seconds
 
