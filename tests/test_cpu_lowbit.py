@@ -195,8 +195,9 @@ def test_iq_codebooks_are_checked_when_registered():
                                               (Q.IQ1_S, 4)],
                          ids=lambda v: getattr(v, "name", str(v)))
 def test_iq_codebook_with_more_values_than_its_codes_is_refused(qtype, n_values, rng):
-    """The AVX-512 level looks these grids up as 2-bit (IQ2) or 3-bit (IQ3) codes of their distinct values: a
-    grid of the right size with n_values + 1 distinct values is refused, and leaves the registered one as it was:
+    """The AVX-512 level looks IQ2_XXS .. IQ3_S grids up as 2-bit (IQ2) or 3-bit (IQ3) codes of their distinct
+    values, and every grid is held to the same bound: a grid of the right size with n_values + 1 distinct values is
+    refused, and leaves the registered one as it was:
     row 0 reads only grid entry 0 (the one the bad grid rewrites; index bytes and bits zero), and every level
     gives the twin's bits (the twin decodes with gguf-py's grids, not the registered ones)."""
     from engine import _native_cpu

@@ -12,11 +12,12 @@ uint64_t dd_iq_pos8[DD_IQ_GRID_BYTES / 8];
 uint64_t dd_iq_sign_mask[256];
 uint8_t dd_iq_ksigns[128];
 uint16_t dd_iq_codes[DD_IQ_CODES];
-uint8_t dd_iq_levels[6][16];
+uint8_t dd_iq_levels[4][16];
 static _Atomic int ready[DD_WTYPE_COUNT];
 
 /* Where grid g's entries start in the tables, its entry width, value offset and code table (iquants.h; -1:
- * none). */
+ * none, the AVX-512 level loads its rows). Every grid is checked to hold at most 4 (8-wide) or 8 (4-wide)
+ * distinct values, as the codes need (the formats' grids have 3 and 8). */
 static const struct {
     int wtype;
     size_t entries, width, at;
@@ -24,10 +25,10 @@ static const struct {
 } grids[] = {
     { DD_IQ2_XXS, 256, 8, DD_IQ2XXS_AT, DD_IQ2_OFF, 0 },
     { DD_IQ2_XS, 512, 8, DD_IQ2XS_AT, DD_IQ2_OFF, 1 },
-    { DD_IQ2_S, 1024, 8, DD_IQ2S_AT, DD_IQ2_OFF, 4 },
+    { DD_IQ2_S, 1024, 8, DD_IQ2S_AT, DD_IQ2_OFF, -1 },
     { DD_IQ3_XXS, 256, 4, DD_IQ3XXS_AT, DD_IQ3XXS_OFF, 2 },
     { DD_IQ3_S, 512, 4, DD_IQ3S_AT, DD_IQ3S_OFF, 3 },
-    { DD_IQ1_S, 2048, 8, DD_IQ1S_AT, 0, 5 },
+    { DD_IQ1_S, 2048, 8, DD_IQ1S_AT, 0, -1 },
 };
 
 /* A grid value g as its byte in dd_iq_pos8: 8g + 1 + 9 for IQ1 (the code of a positive delta), off + g others. */
@@ -94,11 +95,14 @@ int dd_set_iq_grid(int wtype, const int8_t *grid, size_t n)
             continue;
         uint8_t lev[16] = { 0 };
         if (n != grids[g].entries * grids[g].width
-            || (grids[g].table >= 0 && grid_levels(wtype, grid, n, grids[g].off, grids[g].width == 8 ? 4 : 8, lev) < 0))
+            || grid_levels(wtype, grid, n, grids[g].off, grids[g].width == 8 ? 4 : 8, lev) < 0)
             return DD_ERR_ARG;
         uint8_t *pos = (uint8_t *)dd_iq_pos8 + grids[g].at;
         for (size_t i = 0; i < n; i++)
             pos[i] = pos_byte(wtype, grids[g].off, grid[i]);
+        if (wtype == DD_IQ1_S)   /* the entries with a negative delta after them: 8g - 1 + 9 */
+            for (size_t i = 0; i < n; i++)
+                pos[n + i] = (uint8_t)(pos[i] - 2);
         if (grids[g].table >= 0)
             set_codes(grids[g].table, pos, grids[g].entries, grids[g].width, lev);
         atomic_store(&ready[wtype], 1);

@@ -43,23 +43,23 @@
 #define DD_IQ3XXS_AT (DD_IQ2S_AT + 1024 * 8)
 #define DD_IQ3S_AT (DD_IQ3XXS_AT + 256 * 4)
 #define DD_IQ1S_AT (DD_IQ3S_AT + 512 * 4)
-#define DD_IQ_GRID_BYTES (DD_IQ1S_AT + 2048 * 8)
+#define DD_IQ1S_NEG_AT (DD_IQ1S_AT + 2048 * 8)
+#define DD_IQ_GRID_BYTES (DD_IQ1S_NEG_AT + 2048 * 8)
 
 /* The registered grids (iq_grids.c) as unsigned bytes off + g (IQ1_S: 8g + 1 + 9, the code of a positive
- * delta); sign_mask[b] has byte j all ones where bit j of b is set. */
+ * delta; the same entries with a negative delta, 8g - 1 + 9, at DD_IQ1S_NEG_AT); sign_mask[b] has byte j all
+ * ones where bit j of b is set. */
 extern uint64_t dd_iq_pos8[DD_IQ_GRID_BYTES / 8];
 extern uint64_t dd_iq_sign_mask[256];
 /* ksigns_iq2xs: dd_iq_ksign of 0 .. 127. */
 extern uint8_t dd_iq_ksigns[128];
-/* The grids of IQ2_XXS, IQ2_XS, IQ3_XXS, IQ3_S (t = 0 .. 3, looked up in registers), IQ2_S and IQ1_S (t = 4, 5,
- * by dword gathers: the last entry's gather reads one code past it, and 2 codes of padding keep the table whole
- * dwords) as codes: entry e's value j is
- * levels[t][(code >> (b j)) & (2^b - 1)], code = dd_iq_codes[dd_iq_code_at[t] + e], b = 2 for the 8-wide grids
- * (3 distinct values), 3 for the 4-wide ones (8 distinct values). */
-#define DD_IQ_CODES (256 + 512 + 256 + 512 + 1024 + 2048 + 2)
+/* The grids of IQ2_XXS, IQ2_XS, IQ3_XXS, IQ3_S (t = 0 .. 3, looked up in registers) as codes: entry e's value j
+ * is levels[t][(code >> (b j)) & (2^b - 1)], code = dd_iq_codes[dd_iq_code_at[t] + e], b = 2 for the 8-wide
+ * grids (3 distinct values), 3 for the 4-wide ones (8 distinct values). */
+#define DD_IQ_CODES (256 + 512 + 256 + 512)
 extern uint16_t dd_iq_codes[DD_IQ_CODES];
-extern uint8_t dd_iq_levels[6][16];
-static const int dd_iq_code_at[6] = { 0, 256, 768, 1024, 1536, 2560 };
+extern uint8_t dd_iq_levels[4][16];
+static const int dd_iq_code_at[4] = { 0, 256, 768, 1024 };
 
 static inline uint8_t dd_iq_ksign(uint32_t i)
 {

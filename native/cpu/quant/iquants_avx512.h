@@ -69,6 +69,14 @@ DD_INLINE uint32_t iqv_u32(const uint8_t *p)
     return v;
 }
 
+/* The little-endian u64 at p. */
+DD_INLINE uint64_t iqv_u64(const uint8_t *p)
+{
+    uint64_t v;
+    memcpy(&v, p, 8);
+    return v;
+}
+
 /* Word indices of 32 slots from low bytes lo[32] and high bits hb (a byte per slot, in order). */
 DD_INLINE __m512i iqv_words(const uint8_t *lo, __m256i hb)
 {
@@ -300,9 +308,20 @@ DD_INLINE void iqv_terms(const uint8_t *q, const int16_t *sc, float d, const dd_
  * code table's qword Q (entries 4Q .. 4Q + 3) holds halves 2Q and 2Q + 1, the 4-wide grids' codes are looked
  * up in the order the steps use them (each qword: entries 4h + g of halves h = 2Q, 2Q + 1, steps g = 2k, 2k + 1).
  * The signs: bit 16 h + 4 g + j of the block's sign qword h / 4 picked for each byte by vpshufbitqmb; the
- * ksigns_iq2xs bytes by a 128-byte vpermt2b of their 7-bit indices. IQ2_S, IQ1_S and IQ1_M gather their grid's
- * codes (1024 or 2048 entries), each entry's two halves meeting two lanes (iqf_halves_gather). */
-#define IQF_TARGET __attribute__((target("avx512vbmi,avx512bitalg")))
+ * ksigns_iq2xs bytes by a 128-byte vpermt2b of their 7-bit indices. IQ2_S, IQ1_S and IQ1_M load their grid's rows
+ * (1024 or 2048 entries) by scalar loads, each entry's two halves meeting two lanes (iqf_halves_lookup). */
+#define IQF_TARGET __attribute__((target("avx512vbmi,avx512bitalg,bmi2,f16c")))
+
+/* iqv_d by the F16C conversion (exact, as dd_f16_to_f32). */
+IQF_TARGET DD_INLINE float iqf_d(const uint8_t *blk, int wtype)
+{
+    if (wtype == DD_IQ1_M) {
+        const uint64_t s = iqv_u64(blk + 48);
+        return _cvtsh_ss((unsigned short)(_pext_u64(s, 0xf000f000f000f000ULL))) * 0.125f;
+    }
+    const float d16 = _cvtsh_ss(dd_load_u16(blk));
+    return wtype == DD_IQ3_S ? d16 : d16 * (wtype == DD_IQ3_XXS ? 0.25f : 0.125f);
+}
 
 /* The column's 256 activations at x as xs[g]: dword L = dword 4 L + g of x (two rounds of vpermt2d). */
 IQF_TARGET DD_INLINE void iqf_acts(const int8_t *x, __m512i xs[4])
@@ -365,34 +384,57 @@ IQF_TARGET DD_INLINE void iqf_tail(__m512i s, __m512i offs, __m256i sc, __m256 d
     *acc = _mm512_add_pd(*acc, prod);
 }
 
-/* The half sums of IQ2_S, IQ1_S and IQ1_M: the grid's 16-bit codes by two 16-dword gathers (the low word of each
- * dword), then the q-th unpacked vector holds entries 16 (q / 2) + 2 i + q % 2 (i < 8) in qword i (vpmultishiftqb,
- * vpermb of the levels lev), so lanes 2 i and 2 i + 1 of accumulator q / 2 sum half 8 (q / 2) + i in two parts,
- * added by one even and one odd dword pick. Signs: the entries' sign bytes in that order, as masks. */
-IQF_TARGET DD_INLINE __m512i iqf_halves_gather(const iqv_block *f, const __m512i xg[4], __m512i lev, int wtype)
+/* The grid-row indices of slots 4 ib .. 4 ib + 3 of an IQ2_S, IQ1_S or IQ1_M block as the words of a u64, built in
+ * general registers (BMI2 pdep; the rows are then scalar loads, design/quant-formats.md says why): the index bytes,
+ * and above them the high bits: 2 a slot from IQ2_S's qh[ib], 3 from IQ1_S's u16 qh[ib], and for IQ1_M a whole
+ * nibble of qh bytes 2 ib, 2 ib + 1 (3 index bits, then the delta's sign, which picks the rows at DD_IQ1S_NEG_AT). */
+IQF_TARGET DD_INLINE uint64_t iqf_index4(const uint8_t *blk, int wtype, int ib)
 {
-    const uint16_t *codes = dd_iq_codes + dd_iq_code_at[wtype == DD_IQ2_S ? 4 : 5];
-    const __m512i order = _mm512_set_epi16(31, 29, 27, 25, 23, 21, 19, 17, 30, 28, 26, 24, 22, 20, 18, 16,
-                                           15, 13, 11, 9, 7, 5, 3, 1, 14, 12, 10, 8, 6, 4, 2, 0);
-    const __m512i w = _mm512_permutexvar_epi16(order, f->w16[0]);
-    const __m512i ix[2] = { _mm512_cvtepu16_epi32(_mm512_castsi512_si256(w)),
-                            _mm512_cvtepu16_epi32(_mm512_extracti64x4_epi64(w, 1)) };
-    uint64_t masks[4];
-    _mm256_storeu_si256((__m256i *)masks, _mm512_castsi512_si256(_mm512_permutexvar_epi8(
-        _mm512_castsi256_si512(_mm512_cvtepi16_epi8(order)), _mm512_castsi256_si512(f->sgn))));
-    const __m512i c[2] = { _mm512_i32gather_epi32(ix[0], codes, 2), _mm512_i32gather_epi32(ix[1], codes, 2) };
+    const uint64_t bytes = 0x00ff00ff00ff00ffULL;
+    if (wtype == DD_IQ2_S)
+        return _pdep_u64(iqv_u32(blk + 2 + 4 * ib), bytes) | _pdep_u64(blk[66 + ib], 0x0300030003000300ULL);
+    if (wtype == DD_IQ1_S)
+        return _pdep_u64(iqv_u32(blk + 2 + 4 * ib), bytes)
+             | _pdep_u64(dd_load_u16(blk + 34 + 2 * ib), 0x0700070007000700ULL);
+    return _pdep_u64(iqv_u32(blk + 4 * ib), bytes)
+         | _pdep_u64(dd_load_u16(blk + 32 + 2 * ib), 0x0f000f000f000f00ULL);
+}
+
+/* The row of slot e, given the u64s x of iqf_index4. */
+DD_INLINE long long iqf_row_of(const long long *grid, const uint64_t x[8], int e)
+{
+    return grid[(uint16_t)(x[e / 4] >> (16 * (e % 4)))];
+}
+
+/* The half sums of IQ2_S, IQ1_S and IQ1_M: the q-th vector of grid rows holds the rows of slots 16 (q / 2) + 2 i +
+ * q % 2 (i < 8) in qword i, so lanes 2 i and 2 i + 1 of accumulator q / 2 sum half 8 (q / 2) + i in two parts, added
+ * by one even and one odd dword pick. IQ2_S's signs: the slots' sign bytes picked by vpshufbitqmb as masks; the IQ1
+ * deltas' signs are in the rows (IQ1_M) or in the offsets (IQ1_S, iqf_row). */
+IQF_TARGET DD_INLINE __m512i iqf_halves_lookup(const uint8_t *blk, const iqv_block *f, const __m512i xg[4], int wtype)
+{
+    const long long *grid = (const long long *)dd_iq_pos8 + (wtype == DD_IQ2_S ? DD_IQ2S_AT : DD_IQ1S_AT) / 8;
+    uint64_t x[8];
+#pragma GCC unroll 8
+    for (int ib = 0; ib < 8; ib++)
+        x[ib] = iqf_index4(blk, wtype, ib);
+    __m512i sg[2] = { _mm512_setzero_si512(), _mm512_setzero_si512() };
+    if (wtype == DD_IQ2_S)   /* qword i of sg[h]: the sign bytes of slots 16 h + 2 i, 16 h + 2 i + 1 */
+        for (int h = 0; h < 2; h++)
+            sg[h] = _mm512_cvtepu16_epi64(h ? _mm256_extracti128_si256(f->sgn, 1) : _mm256_castsi256_si128(f->sgn));
     __m512i acc[2] = { _mm512_setzero_si512(), _mm512_setzero_si512() };
+#pragma GCC unroll 4
     for (int q = 0; q < 4; q++) {
-        const int o = 8 * (q % 2);   /* qword i: dword o + i of c[q / 2] */
-        const __m512i cq = _mm512_permutexvar_epi32(
-            _mm512_setr_epi32(o, o, o + 1, o + 1, o + 2, o + 2, o + 3, o + 3, o + 4, o + 4, o + 5, o + 5, o + 6, o + 6,
-                              o + 7, o + 7),
-            c[q / 2]);
-        const __m512i u = _mm512_permutexvar_epi8(
-            _mm512_multishift_epi64_epi8(_mm512_set1_epi64(0x0e0c0a0806040200LL), cq), lev);
-        const __mmask64 m = _cvtu64_mask64(masks[q]);
-        const __m512i v = wtype == DD_IQ2_S ? _mm512_mask_sub_epi8(u, m, _mm512_set1_epi8(2 * DD_IQ2_OFF), u)
-                                            : _mm512_mask_sub_epi8(u, m, u, _mm512_set1_epi8(2));
+        const int e = 16 * (q / 2) + q % 2;
+        const __m512i u = _mm512_set_epi64(iqf_row_of(grid, x, e + 14), iqf_row_of(grid, x, e + 12),
+                                           iqf_row_of(grid, x, e + 10), iqf_row_of(grid, x, e + 8),
+                                           iqf_row_of(grid, x, e + 6), iqf_row_of(grid, x, e + 4),
+                                           iqf_row_of(grid, x, e + 2), iqf_row_of(grid, x, e));
+        __m512i v = u;
+        if (wtype == DD_IQ2_S) {   /* byte j of qword i: bit 8 (q % 2) + j of qword i of sg[q / 2] */
+            const __mmask64 neg = _mm512_bitshuffle_epi64_mask(sg[q / 2], _mm512_add_epi8(
+                _mm512_set1_epi64(0x0706050403020100LL), _mm512_set1_epi8((char)(8 * (q % 2)))));
+            v = _mm512_mask_sub_epi8(u, neg, _mm512_set1_epi8(2 * DD_IQ2_OFF), u);
+        }
         acc[q / 2] = _mm512_dpbusd_epi32(acc[q / 2], v, xg[q]);
     }
     const __m512i even = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
@@ -400,14 +442,19 @@ IQF_TARGET DD_INLINE __m512i iqf_halves_gather(const iqv_block *f, const __m512i
                             _mm512_permutex2var_epi32(acc[0], _mm512_add_epi32(even, _mm512_set1_epi32(1)), acc[1]));
 }
 
-/* dd_lb_terms of one row of the type's super-block blk against the column (xs, offs = off s16, da), added to acc. */
-IQF_TARGET DD_INLINE void iqf_row(const uint8_t *blk, int wtype, const __m512i xs[4], __m512i offs, __m512i lev,
-                                  __m256 da, __m512d *acc)
+/* dd_lb_terms of one row of the type's super-block blk against the column (xs, offs = off s16, offs_neg = (off + 2)
+ * s16, da), added to acc. */
+IQF_TARGET DD_INLINE void iqf_row(const uint8_t *blk, int wtype, const __m512i xs[4], __m512i offs, __m512i offs_neg,
+                                  __m512i lev, __m256 da, __m512d *acc)
 {
     if (iqv_code_table(wtype) < 0) {
         iqv_block f;
         iqv_fields(blk, wtype, &f);
-        iqf_tail(iqf_halves_gather(&f, xs, lev, wtype), offs, f.sc, da, iqv_d(blk, wtype), acc);
+        if (wtype == DD_IQ1_S) {   /* a negative delta: u - 2 for its 32 values, so off + 2 times their sums */
+            const unsigned neg = _mm_movepi16_mask(_mm_loadu_si128((const __m128i *)(blk + 34)));
+            offs = _mm512_mask_blend_epi32((__mmask16)(_pdep_u32(neg, 0x5555) * 3), offs, offs_neg);
+        }
+        iqf_tail(iqf_halves_lookup(blk, &f, xs, wtype), offs, f.sc, da, iqf_d(blk, wtype), acc);
         return;
     }
     const int wide4 = wtype == DD_IQ3_XXS || wtype == DD_IQ3_S;
@@ -453,7 +500,7 @@ IQF_TARGET DD_INLINE void iqf_row(const uint8_t *blk, int wtype, const __m512i x
         const __mmask64 neg = _mm512_bitshuffle_epi64_mask(sg, sb);
         s = _mm512_dpbusd_epi32(s, _mm512_mask_sub_epi8(u, neg, _mm512_set1_epi8(two_off), u), xs[g]);
     }
-    iqf_tail(s, offs, f.sc, da, iqv_d(blk, wtype), acc);
+    iqf_tail(s, offs, f.sc, da, iqf_d(blk, wtype), acc);
 }
 
 /* dd_lb_tile's rows [0, R) x the one column. */
@@ -465,10 +512,10 @@ IQF_TARGET DD_INLINE void iqf_tile(const uint8_t *w, const uint8_t *pf, size_t r
                        : wtype == DD_IQ3_XXS ? DD_IQ3_XXS_BYTES
                        : wtype == DD_IQ3_S ? DD_IQ3_S_BYTES : wtype == DD_IQ2_S ? DD_IQ2_S_BYTES
                        : wtype == DD_IQ1_S ? DD_IQ1_S_BYTES : DD_IQ1_M_BYTES;
-    const int t = wtype == DD_IQ2_S ? 4 : wtype == DD_IQ1_S || wtype == DD_IQ1_M ? 5 : iqv_code_table(wtype);
+    const int t = iqv_code_table(wtype);
     const int off = wtype == DD_IQ3_XXS ? DD_IQ3XXS_OFF : wtype == DD_IQ3_S ? DD_IQ3S_OFF
                   : wtype == DD_IQ1_S || wtype == DD_IQ1_M ? DD_IQ1_OFF : DD_IQ2_OFF;
-    const __m512i lev = _mm512_permutexvar_epi8(
+    const __m512i lev = t < 0 ? _mm512_setzero_si512() : _mm512_permutexvar_epi8(
         _mm512_and_si512(_mm512_set_epi8(63, 62, 61, 60, 59, 58, 57, 56, 55, 54, 53, 52, 51, 50, 49, 48, 47, 46, 45, 44,
                                          43, 42, 41, 40, 39, 38, 37, 36, 35, 34, 33, 32, 31, 30, 29, 28, 27, 26, 25, 24,
                                          23, 22, 21, 20, 19, 18, 17, 16, 15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2,
@@ -481,18 +528,20 @@ IQF_TARGET DD_INLINE void iqf_tile(const uint8_t *w, const uint8_t *pf, size_t r
     for (size_t sb = 0; sb < nsb; sb++) {
         const size_t b0 = 8 * sb;
         __m512i xs[4];
-        if (iqv_code_table(wtype) < 0)
+        if (t < 0)
             iqf_acts_gather(a->q + b0 * DD_QK, xs);
         else
             iqf_acts(a->q + b0 * DD_QK, xs);
-        const __m512i offs = _mm512_mullo_epi32(_mm512_loadu_si512(a->s16 + 2 * b0), _mm512_set1_epi32(off));
+        const __m512i s16 = _mm512_loadu_si512(a->s16 + 2 * b0);
+        const __m512i offs = _mm512_mullo_epi32(s16, _mm512_set1_epi32(off));
+        const __m512i offs_neg = _mm512_mullo_epi32(s16, _mm512_set1_epi32(off + 2));
         const __m256 da = _mm256_loadu_ps(a->bd + b0);
         for (int r = 0; r < R; r++) {
             const uint8_t *p = pf + r * rb + sb * bytes;
             for (size_t at = 0; at < bytes; at += 64)
                 dd_prefetch_weight(p + at);
             dd_prefetch_weight(p + bytes - 1);
-            iqf_row(w + r * rb + sb * bytes, wtype, xs, offs, lev, da, &acc[r]);
+            iqf_row(w + r * rb + sb * bytes, wtype, xs, offs, offs_neg, lev, da, &acc[r]);
         }
     }
     dd_v8d lanes[4][4];

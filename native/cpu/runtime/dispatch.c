@@ -35,7 +35,7 @@ static int iq_vbmi_supported(void)
 #ifdef DD_X86_ISAS
     __builtin_cpu_init();
     return dd_isa_supported(DD_ISA_AVX512VNNI) && __builtin_cpu_supports("avx512vbmi") &&
-           __builtin_cpu_supports("avx512bitalg");
+           __builtin_cpu_supports("avx512bitalg") && __builtin_cpu_supports("bmi2") && __builtin_cpu_supports("f16c");
 #else
     return 0;
 #endif
